@@ -1,0 +1,213 @@
+"""Model configuration: one dataclass for the whole family, validated on construction.
+
+No torch here: a config can be read, checked and written without building a model.
+Every validation error says which field is wrong, what it holds and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = ("encoder-decoder", "decoder-only", "encoder-only")
+POSITIONAL_SCHEMES = ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("post", "pre")
+ATTENTION_IMPLS = ("fused", "reference")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the field and the fix."""
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not known; choose one of {', '.join(allowed)}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _probability(name: str, value: Any) -> None:
+    if not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name} must be a probability in [0, 1), got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Everything that defines a model of the family.
+
+    Shape letters used in docstrings throughout the package: b batch, t/s target/source length,
+    d ``d_model``, h ``n_heads``, h_kv ``n_kv_heads``, d_h ``head_dim``, v vocabulary.
+    """
+
+    arch: str = "encoder-decoder"
+    vocab_size: int = 1000
+    # Target vocabulary of an encoder-decoder; None = same as vocab_size (one shared vocabulary).
+    tgt_vocab_size: int | None = None
+    d_model: int = 512
+    n_heads: int = 8
+    # Key/value heads: n_heads = multi-head, 1 = multi-query, in between = grouped-query attention.
+    n_kv_heads: int | None = None
+    # Per-head width; None = d_model // n_heads (the paper's d_k = d_v = d_model / h).
+    head_dim: int | None = None
+    # Encoder layers (encoder-decoder, encoder-only) or decoder layers (decoder-only).
+    n_layers: int = 6
+    # Decoder layers of an encoder-decoder; None = n_layers.
+    n_decoder_layers: int | None = None
+    d_ff: int = 2048
+    activation: str = "relu"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    # "post": x = norm(x + sublayer(x)) as in the paper; "pre": x = x + sublayer(norm(x)) as in GPT.
+    norm_position: str = "post"
+    # A norm after the last block of each stack; None = yes for pre-norm, no for post-norm.
+    final_norm: bool | None = None
+    positional: str = "sinusoidal"
+    max_seq_len: int = 512
+    rope_base: float = 10000.0
+    # T5-style relative bias: number of buckets and the distance beyond which all share one bucket.
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    # Dropout on sublayer outputs and on embeddings + positions (the paper's P_drop).
+    dropout: float = 0.0
+    # Dropout on the attention weights and after the feed-forward activation.
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    # Bias terms on the attention and feed-forward projections.
+    bias: bool = True
+    # Multiply token embeddings by sqrt(d_model) (paper, section 3.4).
+    scale_embeddings: bool = True
+    # Encoder-decoder: one embedding matrix for source and target (needs one vocabulary).
+    share_embeddings: bool = True
+    # Output projection tied to the (target) embedding matrix.
+    tie_output: bool = True
+    pad_id: int | None = 0
+    # Encoder-only (BERT): number of segment types; 0 disables segment embeddings.
+    type_vocab_size: int = 2
+    # Encoder-only (BERT): a norm right after the embeddings.
+    embedding_norm: bool = False
+    attn_impl: str = "fused"
+    # Free-form name (the preset it came from), kept in saved configs.
+    name: str = field(default="custom")
+
+    def __post_init__(self) -> None:
+        _choice("arch", self.arch, ARCHITECTURES)
+        _choice("positional", self.positional, POSITIONAL_SCHEMES)
+        _choice("activation", self.activation, ACTIVATIONS)
+        _choice("norm", self.norm, NORMS)
+        _choice("norm_position", self.norm_position, NORM_POSITIONS)
+        _choice("attn_impl", self.attn_impl, ATTENTION_IMPLS)
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len",
+                     "relative_buckets", "relative_max_distance"):
+            _positive(name, getattr(self, name))
+        for name in ("tgt_vocab_size", "n_kv_heads", "head_dim", "n_decoder_layers"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            _probability(name, getattr(self, name))
+        if self.head_dim is None and self.d_model % self.n_heads != 0:
+            raise ConfigError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; choose "
+                f"n_heads among the divisors of d_model or set head_dim explicitly"
+            )
+        if self.n_heads % self.kv_heads != 0:
+            raise ConfigError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
+                f"n_kv_heads must divide n_heads (1 = multi-query, n_heads = multi-head)"
+            )
+        if self.positional == "rope" and self.head_size % 2 != 0:
+            raise ConfigError(
+                f"positional='rope' needs an even head_dim, got {self.head_size}; "
+                f"change d_model/n_heads or head_dim"
+            )
+        if self.positional == "sinusoidal" and self.d_model % 2 != 0:
+            raise ConfigError(
+                f"positional='sinusoidal' needs an even d_model (sin/cos pairs), got {self.d_model}"
+            )
+        if self.norm_eps <= 0:
+            raise ConfigError(f"norm_eps must be positive, got {self.norm_eps!r}")
+        if self.rope_base <= 1:
+            raise ConfigError(f"rope_base must be greater than 1, got {self.rope_base!r}")
+        if self.pad_id is not None and not 0 <= self.pad_id < self.vocab_size:
+            raise ConfigError(
+                f"pad_id={self.pad_id} is outside the vocabulary [0, {self.vocab_size}); "
+                f"use an id below vocab_size or pad_id=None"
+            )
+        if (
+            self.arch == "encoder-decoder"
+            and self.share_embeddings
+            and self.tgt_vocab_size not in (None, self.vocab_size)
+        ):
+            raise ConfigError(
+                f"share_embeddings=True needs one vocabulary, but vocab_size={self.vocab_size} and "
+                f"tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False or equal sizes"
+            )
+        if self.type_vocab_size < 0:
+            raise ConfigError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
+
+    # ---- derived values -------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.vocab_size if self.tgt_vocab_size is None else self.tgt_vocab_size
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.n_layers if self.n_decoder_layers is None else self.n_decoder_layers
+
+    @property
+    def use_final_norm(self) -> bool:
+        return self.norm_position == "pre" if self.final_norm is None else self.final_norm
+
+    # ---- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown ModelConfig field(s): {', '.join(unknown)}; known fields are "
+                f"{', '.join(sorted(known))}"
+            )
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            Path(path).write_text(text + "\n", encoding="utf-8")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> ModelConfig:
+        path = Path(text_or_path)
+        is_file = not str(text_or_path).lstrip().startswith("{") and path.is_file()
+        text = path.read_text(encoding="utf-8") if is_file else str(text_or_path)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            where = str(path) if is_file else "the given text"
+            raise ConfigError(f"{where} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"a ModelConfig JSON must be an object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,40 @@
+"""Thin model compositions of ``aiayn.models.blocks``."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from aiayn.config import ModelConfig
+from aiayn.models.base import ModelOutput, count_parameters
+from aiayn.models.blocks import TransformerBlock, TransformerStack
+from aiayn.models.decoder_only import DecoderOnly
+from aiayn.models.encoder_decoder import Encoded, EncoderDecoder
+from aiayn.models.encoder_only import EncoderOnly, EncoderOnlyOutput
+from aiayn.models.presets import get_preset, preset_names
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "encoder-decoder": EncoderDecoder,
+    "decoder-only": DecoderOnly,
+    "encoder-only": EncoderOnly,
+}
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    """The model class for ``config.arch``, freshly initialised."""
+    return MODEL_CLASSES[config.arch](config)
+
+
+__all__ = [
+    "DecoderOnly",
+    "Encoded",
+    "EncoderDecoder",
+    "EncoderOnly",
+    "EncoderOnlyOutput",
+    "ModelOutput",
+    "TransformerBlock",
+    "TransformerStack",
+    "build_model",
+    "count_parameters",
+    "get_preset",
+    "preset_names",
+]

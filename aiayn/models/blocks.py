@@ -1,0 +1,274 @@
+"""The one residual block and the one stack every model of the family is built from.
+
+A block is self-attention, optionally cross-attention (decoder of an encoder-decoder), and a
+feed-forward network, each wrapped in a residual sublayer:
+
+* post-norm (paper, section 3.1):  x = Norm(x + Dropout(Sublayer(x)))
+* pre-norm (GPT-2, LLaMA, Annotated Transformer): x = x + Dropout(Sublayer(Norm(x)))
+
+A stack is embeddings (token, positions, segments) -> N blocks -> optional final norm; it owns the
+positional scheme and turns token validity and the KV cache into masks, positions and biases.
+Shape letters: b batch, t new tokens, t_k keys (cached + new), s source length, d d_model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.nn.attention import MultiHeadAttention
+from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
+from aiayn.nn.masks import key_mask
+from aiayn.nn.mlp import FeedForward
+from aiayn.nn.norm import make_norm
+from aiayn.nn.positional import (
+    ALiBi,
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    T5RelativeBias,
+)
+
+
+class TransformerBlock(nn.Module):
+    """Self-attention [+ cross-attention] + feed-forward, each a residual sublayer."""
+
+    def __init__(self, config: ModelConfig, *, cross_attention: bool) -> None:
+        super().__init__()
+        c = config
+        attn_kwargs = dict(n_kv_heads=c.kv_heads, head_dim=c.head_size, bias=c.bias,
+                           dropout=c.attention_dropout, impl=c.attn_impl)
+        self.pre_norm = c.norm_position == "pre"
+        self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, **attn_kwargs)
+        self.self_attn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
+        self.cross_attn: MultiHeadAttention | None = None
+        self.cross_attn_norm: nn.Module | None = None
+        if cross_attention:
+            self.cross_attn = MultiHeadAttention(c.d_model, c.n_heads, cross=True, **attn_kwargs)
+            self.cross_attn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
+        self.ffn = FeedForward(c.d_model, c.d_ff, activation=c.activation, bias=c.bias,
+                               dropout=c.activation_dropout)
+        self.ffn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
+        self.dropout = nn.Dropout(c.dropout)  # residual dropout, P_drop in the paper
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        mask: Tensor | None = None,
+        bias: Tensor | None = None,
+        causal: bool = False,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        memory: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        kv_cache: LayerKVCache | None = None,
+        cross_cache: StaticKV | None = None,
+        cache_pos: int = 0,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights)."""
+        h = self.self_attn_norm(x) if self.pre_norm else x
+        h, self_weights = self.self_attn(h, mask=mask, bias=bias, causal=causal, rotary=rotary,
+                                         kv_cache=kv_cache, cache_pos=cache_pos,
+                                         need_weights=need_weights)
+        x = x + self.dropout(h) if self.pre_norm else self.self_attn_norm(x + self.dropout(h))
+
+        cross_weights = None
+        if self.cross_attn is not None:
+            assert self.cross_attn_norm is not None
+            h = self.cross_attn_norm(x) if self.pre_norm else x
+            h, cross_weights = self.cross_attn(h, memory, mask=memory_mask, kv_cache=cross_cache,
+                                               need_weights=need_weights)
+            x = x + self.dropout(h) if self.pre_norm else self.cross_attn_norm(x + self.dropout(h))
+
+        h = self.ffn_norm(x) if self.pre_norm else x
+        h = self.ffn(h)
+        x = x + self.dropout(h) if self.pre_norm else self.ffn_norm(x + self.dropout(h))
+        return x, self_weights, cross_weights
+
+
+@dataclass
+class StackOutput:
+    hidden: Tensor  # (b, t, d), after the final norm if the config has one
+    valid: Tensor  # (b, t) bool, True at real tokens
+    attentions: list[Tensor] = field(default_factory=list)  # per layer (b, h, t, t_k), on request
+    cross_attentions: list[Tensor] = field(default_factory=list)  # per layer (b, h, t, s)
+
+
+def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
+    """Token ids must be a (batch, seq) integer tensor with ids in [0, vocab_size)."""
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    if tokens.dim() != 2:
+        raise ValueError(f"{name} must have shape (batch, seq), got shape {tuple(tokens.shape)}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    if tokens.shape[1] == 0:
+        raise ValueError(f"{name} is empty (seq length 0); give at least one token")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size}); "
+            f"check the tokenizer matches the model's vocab_size"
+        )
+
+
+def check_valid(name: str, valid: Tensor, tokens: Tensor) -> None:
+    if valid.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor (True = real token), got dtype {valid.dtype}")
+    if valid.shape != tokens.shape:
+        raise ValueError(
+            f"{name} must have the tokens' shape {tuple(tokens.shape)}, got {tuple(valid.shape)}"
+        )
+
+
+class TransformerStack(nn.Module):
+    """Embeddings -> N ``TransformerBlock`` -> optional final norm.
+
+    Used as the encoder (``causal=False``), the decoder of an encoder-decoder
+    (``causal=True, cross_attention=True``), a GPT/LLaMA decoder (``causal=True``) and a BERT
+    encoder (``segments=True``). ``embedding`` may be shared with another stack.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        n_layers: int,
+        embedding: nn.Embedding,
+        causal: bool,
+        cross_attention: bool = False,
+        segments: bool = False,
+    ) -> None:
+        super().__init__()
+        c = self.config = config
+        self.causal, self.has_cross = causal, cross_attention
+        self.embedding = embedding
+        self.embed_scale = math.sqrt(c.d_model) if c.scale_embeddings else 1.0
+        self.absolute: nn.Module | None = None
+        self.rotary: RotaryEmbedding | None = None
+        self.relative: nn.Module | None = None
+        if c.positional == "sinusoidal":
+            self.absolute = SinusoidalPositionalEncoding(c.d_model, c.max_seq_len)
+        elif c.positional == "learned":
+            self.absolute = LearnedPositionalEmbedding(c.max_seq_len, c.d_model)
+        elif c.positional == "rope":
+            self.rotary = RotaryEmbedding(c.head_size, c.max_seq_len, base=c.rope_base)
+        elif c.positional == "alibi":
+            self.relative = ALiBi(c.n_heads)
+        elif c.positional == "t5":
+            self.relative = T5RelativeBias(c.n_heads, num_buckets=c.relative_buckets,
+                                           max_distance=c.relative_max_distance,
+                                           bidirectional=not causal)
+        self.segment_embedding = (
+            nn.Embedding(c.type_vocab_size, c.d_model) if segments and c.type_vocab_size > 0 else None
+        )
+        self.embedding_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.embedding_norm else None
+        self.dropout = nn.Dropout(c.dropout)  # on embeddings + positions (paper section 5.4)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(c, cross_attention=cross_attention) for _ in range(n_layers)
+        )
+        self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.use_final_norm else None
+
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        valid: Tensor | None = None,
+        positions: Tensor | None = None,
+        segments: Tensor | None = None,
+        memory: Tensor | None = None,
+        memory_valid: Tensor | None = None,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> StackOutput:
+        """tokens (b, t) -> hidden (b, t, d).
+
+        Args:
+            valid: (b, t) bool, True at real tokens; default ``tokens != pad_id`` (or all True when
+                the config has no pad_id). Padded keys are never attended to.
+            positions: (b, t) position ids; default counts real tokens only (left padding and the
+                cache do not shift positions).
+            segments: (b, t) segment ids (BERT token types).
+            memory, memory_valid: encoder output (b, s, d) and its validity (b, s), for
+                cross-attention.
+            cache: decoding state; the new tokens are appended after ``cache.length`` slots.
+        """
+        c = self.config
+        vocab = self.embedding.num_embeddings
+        check_tokens("tokens", tokens, vocab)
+        _b, _t = tokens.shape
+        if valid is None:
+            valid = tokens != c.pad_id if c.pad_id is not None else torch.ones_like(tokens, dtype=torch.bool)
+        else:
+            check_valid("valid", valid, tokens)
+        if positions is None:
+            # Count real tokens: left padding and earlier cached tokens do not shift positions.
+            start = cache.next_positions()[:, None] if cache is not None else 0
+            positions = (start + valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        elif positions.shape != tokens.shape:
+            raise ValueError(f"positions must have the tokens' shape {tuple(tokens.shape)}, got {tuple(positions.shape)}")
+        if int(positions.max()) >= c.max_seq_len:
+            raise ValueError(
+                f"sequence too long: position {int(positions.max())} needs max_seq_len > "
+                f"{int(positions.max())}, but the model has max_seq_len={c.max_seq_len}; shorten "
+                f"the input (or truncate it) or use a model with a larger max_seq_len"
+            )
+
+        x = self.embedding(tokens) * self.embed_scale  # (b, t, d)
+        if self.absolute is not None:
+            x = x + self.absolute(positions).to(x.dtype)
+        if self.segment_embedding is not None:
+            if segments is None:
+                segments = torch.zeros_like(tokens)
+            elif segments.shape != tokens.shape:
+                raise ValueError(f"segments must have the tokens' shape {tuple(tokens.shape)}, got {tuple(segments.shape)}")
+            x = x + self.segment_embedding(segments)
+        if self.embedding_norm is not None:
+            x = self.embedding_norm(x)
+        x = self.dropout(x)
+
+        # Keys: the cached slots plus the new tokens.
+        cache_pos = 0
+        if cache is not None:
+            cache_pos = cache.reserve(valid, positions)
+            keys_valid, key_positions = cache.valid[:, : cache.length], cache.positions[:, : cache.length]
+        else:
+            keys_valid, key_positions = valid, positions
+        mask = None if bool(keys_valid.all()) else key_mask(keys_valid)  # (b, 1, 1, t_k)
+        bias = self.relative(positions, key_positions).to(x.dtype) if self.relative is not None else None
+        rotary = self.rotary(positions) if self.rotary is not None else None
+
+        memory_mask = None
+        if self.has_cross:
+            if memory is None and (cache is None or cache.cross[0].k is None):
+                raise ValueError("the decoder needs memory= (the encoder output) for cross-attention")
+            if memory_valid is not None and not bool(memory_valid.all()):
+                memory_mask = key_mask(memory_valid)  # (b, 1, 1, s)
+
+        out = StackOutput(hidden=x, valid=valid)
+        for i, block in enumerate(self.blocks):
+            x, self_w, cross_w = block(
+                x,
+                mask=mask,
+                bias=bias,
+                causal=self.causal,
+                rotary=rotary,
+                memory=memory,
+                memory_mask=memory_mask,
+                kv_cache=cache.layers[i] if cache is not None else None,
+                cross_cache=cache.cross[i] if cache is not None and self.has_cross else None,
+                cache_pos=cache_pos,
+                need_weights=need_weights,
+            )
+            if need_weights:
+                out.attentions.append(self_w)
+                if cross_w is not None:
+                    out.cross_attentions.append(cross_w)
+        out.hidden = self.final_norm(x) if self.final_norm is not None else x
+        return out

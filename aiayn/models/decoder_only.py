@@ -1,0 +1,51 @@
+"""Decoder-only language model (GPT, LLaMA): a causal stack and an output projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache
+from aiayn.models.blocks import TransformerStack
+from aiayn.nn.kv_cache import KVCache
+
+
+class DecoderOnly(nn.Module):
+    """tokens (b, t) -> next-token logits (b, t, v), each position seeing only itself and the past."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        check_arch(config, "decoder-only", "DecoderOnly")
+        self.config = config
+        embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.decoder = TransformerStack(config, n_layers=config.n_layers, embedding=embedding, causal=True)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        init_weights(self, config)
+        if config.tie_output:
+            self.lm_head.weight = embedding.weight
+
+    @property
+    def embedding(self) -> nn.Embedding:
+        return self.decoder.embedding
+
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        valid: Tensor | None = None,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> ModelOutput:
+        """tokens (b, t) -> logits (b, t, v). With ``cache``, tokens continue the cached ones."""
+        out = self.decoder(tokens, valid=valid, positions=positions, cache=cache, need_weights=need_weights)
+        return ModelOutput(logits=self.lm_head(out.hidden), hidden=out.hidden, attentions=out.attentions)
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, *,
+                  dtype: torch.dtype | None = None) -> KVCache:
+        """A preallocated KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens."""
+        weight = self.lm_head.weight
+        return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size,
+                          max_len=max_len, dtype=dtype or weight.dtype, device=weight.device,
+                          cross_attention=False)

@@ -1,0 +1,93 @@
+"""The paper's model: encoder stack, decoder stack with cross-attention, output projection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache
+from aiayn.models.blocks import TransformerStack
+from aiayn.nn.kv_cache import KVCache
+
+
+@dataclass
+class Encoded:
+    memory: Tensor  # (b, s, d) encoder output
+    valid: Tensor  # (b, s) bool, True at real source tokens
+    attentions: list[Tensor] = field(default_factory=list)
+
+
+class EncoderDecoder(nn.Module):
+    """source (b, s), target (b, t) -> logits (b, t, v_tgt) for the next target token.
+
+    With ``share_embeddings`` source and target use one embedding matrix (one vocabulary); with
+    ``tie_output`` the output projection reuses the target embedding (paper section 3.4).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        check_arch(config, "encoder-decoder", "EncoderDecoder")
+        self.config = config
+        src_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        tgt_embedding = (src_embedding if config.share_embeddings
+                         else nn.Embedding(config.target_vocab_size, config.d_model))
+        self.encoder = TransformerStack(config, n_layers=config.n_layers, embedding=src_embedding,
+                                        causal=False)
+        self.decoder = TransformerStack(config, n_layers=config.decoder_layers,
+                                        embedding=tgt_embedding, causal=True, cross_attention=True)
+        self.lm_head = nn.Linear(config.d_model, config.target_vocab_size, bias=False)
+        init_weights(self, config)
+        if config.tie_output:
+            self.lm_head.weight = tgt_embedding.weight
+
+    def encode(self, src: Tensor, *, src_valid: Tensor | None = None,
+               need_weights: bool = False) -> Encoded:
+        """src (b, s) -> memory (b, s, d)."""
+        out = self.encoder(src, valid=src_valid, need_weights=need_weights)
+        return Encoded(memory=out.hidden, valid=out.valid, attentions=out.attentions)
+
+    def decode(
+        self,
+        tgt: Tensor,
+        encoded: Encoded,
+        *,
+        tgt_valid: Tensor | None = None,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+    ) -> ModelOutput:
+        """tgt (b, t) -> logits (b, t, v_tgt), attending to the encoded source.
+
+        With ``cache`` the target tokens continue the cached ones and the cross-attention keys and
+        values of ``encoded`` are computed on the first call only.
+        """
+        out = self.decoder(tgt, valid=tgt_valid, memory=encoded.memory, memory_valid=encoded.valid,
+                           cache=cache, need_weights=need_weights)
+        return ModelOutput(logits=self.lm_head(out.hidden), hidden=out.hidden,
+                           attentions=out.attentions, cross_attentions=out.cross_attentions,
+                           encoder_attentions=encoded.attentions)
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        *,
+        src_valid: Tensor | None = None,
+        tgt_valid: Tensor | None = None,
+        need_weights: bool = False,
+    ) -> ModelOutput:
+        """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt)."""
+        if src.dim() == 2 and tgt.dim() == 2 and src.shape[0] != tgt.shape[0]:
+            raise ValueError(f"src and tgt batch sizes differ: src {tuple(src.shape)}, tgt {tuple(tgt.shape)}")
+        encoded = self.encode(src, src_valid=src_valid, need_weights=need_weights)
+        return self.decode(tgt, encoded, tgt_valid=tgt_valid, need_weights=need_weights)
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, *,
+                  dtype: torch.dtype | None = None) -> KVCache:
+        """A preallocated decoder KV cache (self-attention buffers + cross-attention slots)."""
+        weight = self.lm_head.weight
+        return make_cache(self.config, n_layers=self.config.decoder_layers, batch_size=batch_size,
+                          max_len=max_len, dtype=dtype or weight.dtype, device=weight.device,
+                          cross_attention=True)

@@ -1,0 +1,38 @@
+"""Leaf building blocks; they depend only on torch (and aiayn.config)."""
+
+from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
+from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV, kv_cache_bytes
+from aiayn.nn.masks import causal_mask, combine_masks, key_mask, padding_mask
+from aiayn.nn.mlp import FeedForward
+from aiayn.nn.norm import make_norm
+from aiayn.nn.positional import (
+    ALiBi,
+    LearnedPositionalEmbedding,
+    RotaryEmbedding,
+    SinusoidalPositionalEncoding,
+    T5RelativeBias,
+    apply_rotary,
+    sinusoidal_encoding,
+)
+
+__all__ = [
+    "ALiBi",
+    "FeedForward",
+    "KVCache",
+    "LayerKVCache",
+    "LearnedPositionalEmbedding",
+    "MultiHeadAttention",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+    "StaticKV",
+    "T5RelativeBias",
+    "apply_rotary",
+    "causal_mask",
+    "combine_masks",
+    "key_mask",
+    "kv_cache_bytes",
+    "make_norm",
+    "padding_mask",
+    "scaled_dot_product_attention",
+    "sinusoidal_encoding",
+]

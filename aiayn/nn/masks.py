@@ -1,0 +1,57 @@
+"""The one mask convention of aiayn.
+
+**A mask is a boolean tensor in which True means "this query may attend to this key".**
+It broadcasts against attention scores of shape (b, h, t_q, t_k). This is the convention of
+``torch.nn.functional.scaled_dot_product_attention``; note it is the *opposite* of
+``torch.nn.MultiheadAttention``'s ``key_padding_mask`` (True = ignore).
+
+Additive biases (ALiBi, T5 relative bias, or a user's float mask) are float tensors of the same
+broadcast shape, added to the scores before the softmax. A query whose keys are all masked
+attends to nothing: its output is zero (never NaN).
+
+Helpers here build the usual masks and combine them by logical AND.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
+    """(b, t) token ids -> (b, t) bool, True at real tokens."""
+    return tokens != pad_id
+
+
+def key_mask(valid: Tensor) -> Tensor:
+    """(b, t_k) bool validity of keys -> (b, 1, 1, t_k), broadcastable over heads and queries."""
+    return valid[:, None, None, :]
+
+
+def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | None = None) -> Tensor:
+    """Right-aligned causal mask, (1, 1, t_q, t_k).
+
+    The t_q queries are the *last* t_q positions of the t_k keys: query i sits at key position
+    ``t_k - t_q + i`` and may see keys 0..that position. With t_q == t_k this is the usual lower
+    triangle; with t_q < t_k it is what a cached decode step with several new tokens needs
+    (a top-left aligned triangle would hide keys the new tokens are allowed to see).
+    """
+    k_len = q_len if k_len is None else k_len
+    if k_len < q_len:
+        raise ValueError(
+            f"causal_mask: k_len ({k_len}) must be >= q_len ({q_len}); the queries are the last "
+            f"q_len of the keys"
+        )
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]  # (t_q, 1)
+    k_pos = torch.arange(k_len, device=device)[None, :]  # (1, t_k)
+    return (k_pos <= q_pos)[None, None]
+
+
+def combine_masks(*masks: Tensor | None) -> Tensor | None:
+    """Logical AND of the given masks (None entries are skipped); None if all are None."""
+    out: Tensor | None = None
+    for mask in masks:
+        if mask is None:
+            continue
+        out = mask if out is None else out & mask
+    return out
