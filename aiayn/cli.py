@@ -81,6 +81,16 @@ def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_lay
         click.echo(f"  multi-head attention with {n_heads} kv heads would need {format_bytes(full)}")
 
 
+@cli.command("demo")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed for the weights.")
+def demo_cmd(seed: int) -> None:
+    """Build each model family and show cached decoding equals recomputation."""
+    from aiayn.demo import run_demo
+
+    if not run_demo(click.echo, seed=seed):
+        raise SystemExit(1)
+
+
 @cli.command("presets")
 def presets_cmd() -> None:
     """List the named model configurations and their parameter counts."""

@@ -1,0 +1,68 @@
+"""The KV-cache memory estimator, in Python and as `aiayn kv-cache`; `aiayn --version`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import aiayn
+from aiayn.nn.kv_cache import format_bytes, kv_cache_bytes
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aiayn", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_seeds_example_is_64_gib():
+    n = kv_cache_bytes(n_layers=32, n_kv_heads=32, head_dim=4096 // 32, seq_len=2048,
+                       batch_size=32, dtype="float32")
+    assert n == 64 * 2**30
+    assert format_bytes(n) == "64 GiB"
+
+
+def test_gqa_and_dtype_scale_the_estimate():
+    base = dict(n_layers=2, head_dim=8, seq_len=10, batch_size=3)
+    assert kv_cache_bytes(n_kv_heads=8, **base) == 4 * kv_cache_bytes(n_kv_heads=2, **base)
+    assert kv_cache_bytes(n_kv_heads=2, dtype="bfloat16", **base) * 2 == kv_cache_bytes(n_kv_heads=2, **base)
+    with pytest.raises(ValueError, match="seq_len must be positive, got 0"):
+        kv_cache_bytes(n_layers=1, n_kv_heads=1, head_dim=1, seq_len=0, batch_size=1)
+
+
+def test_cli_prints_64_gib_for_the_seeds_example():
+    result = run_cli("kv-cache", "--batch-size", "32", "--n-heads", "32", "--n-layers", "32",
+                     "--d-model", "4096", "--seq-len", "2048", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert "KV cache: 64 GiB (68,719,476,736 bytes)" in result.stdout
+
+
+def test_cli_gqa_shows_the_saving():
+    result = run_cli("kv-cache", "--n-heads", "32", "--n-kv-heads", "8", "--n-layers", "32",
+                     "--d-model", "4096", "--seq-len", "2048", "--batch-size", "32")
+    assert result.returncode == 0, result.stderr
+    assert "KV cache: 16 GiB" in result.stdout and "would need 64 GiB" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["kv-cache", "--n-heads", "3"], "missing --n-layers"),
+        (["kv-cache", "--n-heads", "32", "--n-kv-heads", "5", "--n-layers", "1", "--d-model", "64",
+          "--seq-len", "8"], "5 does not divide --n-heads 32"),
+        (["kv-cache", "--preset", "nope"], "unknown preset 'nope'"),
+        (["kv-cache", "--batch-size", "0", "--preset", "tiny"], "0 is not in the range x>=1"),
+        (["kv-cache", "--preset", "tiny", "--dtype", "float8"], "'float8' is not one of"),
+    ],
+)
+def test_cli_bad_arguments_exit_2_without_traceback(args, needle):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and aiayn.__version__ in result.stdout
