@@ -145,7 +145,7 @@ def scaled_dot_product_attention(
 
     if row_valid is not None:
         out = out.masked_fill(~row_valid, 0.0)
-    return out, weights
+    return out, weights if need_weights else None
 
 
 class MultiHeadAttention(nn.Module):
