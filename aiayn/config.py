@@ -39,6 +39,16 @@ def _probability(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a probability in [0, 1), got {value!r}")
 
 
+def _check_known_fields(cls: type, data: dict[str, Any]) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown {cls.__name__} field(s): {', '.join(unknown)}; known fields are "
+            f"{', '.join(sorted(known))}"
+        )
+
+
 @dataclass
 class ModelConfig:
     """Everything that defines a model of the family.
@@ -179,13 +189,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown ModelConfig field(s): {', '.join(unknown)}; known fields are "
-                f"{', '.join(sorted(known))}"
-            )
+        _check_known_fields(cls, data)
         return cls(**data)
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -210,4 +214,78 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+OPTIMIZERS = ("adam", "adamw")
+SCHEDULES = ("noam", "cosine", "constant", "linear")
+
+
+@dataclass
+class TrainConfig:
+    """How to train: optimiser, schedule, loss, batching, checkpoints. Task-independent."""
+
+    task: str = "reverse"
+    seed: int = 0
+    # Length of training: epochs over the task's training split, or a fixed number of steps.
+    epochs: int = 10
+    max_steps: int | None = None
+    batch_size: int = 128
+    grad_accum: int = 1
+    optimizer: str = "adam"
+    # Peak learning rate (cosine/constant/linear); for "noam" the factor in front of the formula.
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.98)  # the paper's Adam betas
+    eps: float = 1e-9  # the paper's Adam epsilon
+    weight_decay: float = 0.0
+    # AdamW: also decay norms, biases and embeddings (off: the usual practice).
+    decay_all: bool = False
+    schedule: str = "cosine"
+    warmup_steps: int = 100
+    label_smoothing: float = 0.0
+    clip_grad_norm: float | None = 1.0
+    bf16: bool = False
+    compile: bool = False
+    eval_every: int = 0  # steps between validation runs; 0 = once per epoch
+    save_every: int = 0  # steps between checkpoints; 0 = once per epoch
+    keep_checkpoints: int = 3
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("schedule", self.schedule, SCHEDULES)
+        if isinstance(self.betas, list):
+            self.betas = tuple(self.betas)  # JSON gives lists
+        for name in ("epochs", "batch_size", "grad_accum", "keep_checkpoints", "log_every"):
+            _positive(name, getattr(self, name))
+        if self.max_steps is not None:
+            _positive("max_steps", self.max_steps)
+        for name in ("eval_every", "save_every", "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.lr, int | float) or self.lr <= 0:
+            raise ConfigError(f"lr must be a positive number, got {self.lr!r}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.schedule == "noam" and self.warmup_steps == 0:
+            raise ConfigError("schedule='noam' needs warmup_steps > 0 (the formula divides by it)")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["betas"] = list(self.betas)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        _check_known_fields(cls, data)
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

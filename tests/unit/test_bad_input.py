@@ -29,14 +29,14 @@ def test_token_ids_out_of_range(gpt):
 def test_tokens_wrong_rank_dtype_or_empty(gpt):
     with pytest.raises(ValueError, match=r"tokens must have shape \(batch, seq\), got shape \(5,\)"):
         gpt(torch.arange(5))
-    with pytest.raises(TypeError, match="integer token ids, got dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"integer token ids, got dtype torch.float32"):
         gpt(torch.ones(1, 3))
     with pytest.raises(ValueError, match="empty"):
         gpt(torch.zeros(1, 0, dtype=torch.long))
 
 
 def test_sequence_longer_than_max_position(gpt, encdec):
-    with pytest.raises(ValueError, match="sequence too long: position 64 .* max_seq_len=64"):
+    with pytest.raises(ValueError, match=r"sequence too long: position 64 .* max_seq_len=64"):
         gpt(torch.ones(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="sequence too long"):
         encdec(torch.ones(1, 65, dtype=torch.long), torch.ones(1, 3, dtype=torch.long))
@@ -44,7 +44,7 @@ def test_sequence_longer_than_max_position(gpt, encdec):
 
 def test_valid_mask_wrong_shape_or_dtype(gpt):
     tokens = torch.ones(2, 4, dtype=torch.long)
-    with pytest.raises(TypeError, match="valid must be a bool tensor .* got dtype torch.int64"):
+    with pytest.raises(TypeError, match=r"valid must be a bool tensor .* got dtype torch.int64"):
         gpt(tokens, valid=torch.ones(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match=r"valid must have the tokens' shape \(2, 4\), got \(2, 3\)"):
         gpt(tokens, valid=torch.ones(2, 3, dtype=torch.bool))
@@ -63,7 +63,7 @@ def test_attention_kernel_shapes_and_masks():
         scaled_dot_product_attention(q, k[..., :4], k[..., :4])
     with pytest.raises(ValueError, match=r"q heads \(6\) must be a multiple of k/v heads \(4\)"):
         scaled_dot_product_attention(q, torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8))
-    with pytest.raises(TypeError, match="mask must be a bool tensor .* got dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"mask must be a bool tensor .* got dtype torch.float32"):
         scaled_dot_product_attention(q, k, k, mask=torch.ones(2, 1, 1, 5))
     with pytest.raises(ValueError, match=r"mask of shape \(2, 1, 1, 4\) does not broadcast .* \(2, 6, 3, 5\)"):
         scaled_dot_product_attention(q, k, k, mask=torch.ones(2, 1, 1, 4, dtype=torch.bool))
@@ -83,5 +83,5 @@ def test_attention_module_input_width():
 def test_model_class_arch_mismatch():
     from aiayn.models import DecoderOnly
 
-    with pytest.raises(ValueError, match="DecoderOnly needs config.arch='decoder-only'"):
+    with pytest.raises(ValueError, match=r"DecoderOnly needs config.arch='decoder-only'"):
         DecoderOnly(get_preset("tiny"))

@@ -1,0 +1,124 @@
+"""What a task is: data splits, a default model and recipe, a forward that yields logits/targets,
+and an evaluation. Adding a task = one module with a ``Task`` subclass and ``@register``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.models import build_model
+from aiayn.train.losses import sequence_loss
+
+Batch = dict[str, Tensor]
+
+
+@dataclass
+class AttentionExample:
+    """Attention maps of one input: per layer (h, t_q, t_k), with axis labels."""
+
+    weights: list[Tensor]
+    query_labels: list[str]
+    key_labels: list[str]
+    title: str
+
+
+class Task:
+    """Base class. Subclasses fill ``splits`` in ``prepare`` and implement ``forward``."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    # The split reported at the end of training.
+    test_split: ClassVar[str] = "test"
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+        self.splits: dict[str, Batch] = {}
+
+    # ---- what to train ----------------------------------------------------------------------
+    def model_config(self) -> ModelConfig:
+        raise NotImplementedError
+
+    def train_overrides(self) -> dict[str, Any]:
+        """TrainConfig fields this task's default recipe sets."""
+        return {}
+
+    def build_model(self, config: ModelConfig) -> nn.Module:
+        return build_model(config)
+
+    # ---- data -------------------------------------------------------------------------------
+    def prepare(self, seed: int) -> None:
+        """Build ``self.splits`` deterministically from ``seed``."""
+        raise NotImplementedError
+
+    def split_size(self, split: str) -> int:
+        return next(iter(self.splits[split].values())).shape[0]
+
+    def train_batches(self, epoch: int, batch_size: int, seed: int) -> list[Tensor]:
+        """Index batches of one epoch: a permutation fixed by (seed, epoch), so a resumed run
+        sees exactly the batches an uninterrupted one would."""
+        generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        order = torch.randperm(self.split_size("train"), generator=generator)
+        return list(order.split(batch_size))
+
+    def collate(self, split: str, indices: Tensor) -> Batch:
+        return {key: value[indices] for key, value in self.splits[split].items()}
+
+    def eval_batches(self, split: str, batch_size: int) -> list[Batch]:
+        n = self.split_size(split)
+        return [self.collate(split, torch.arange(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
+
+    # ---- model I/O --------------------------------------------------------------------------
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
+        """(logits (b, t, c), targets (b, t) with IGNORE at positions that do not count)."""
+        raise NotImplementedError
+
+    def count_tokens(self, batch: Batch) -> int:
+        """Input tokens in a batch, for the tokens/s figure."""
+        return sum(v.numel() for k, v in batch.items() if k in ("src", "tgt", "tokens", "inputs"))
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:
+        """Teacher-forced loss, perplexity, token and sequence accuracy on a split."""
+        model.eval()
+        nll = 0.0
+        tokens = correct = seqs = seq_correct = 0
+        for batch in self.eval_batches(split, batch_size):
+            logits, targets = self.forward(model, batch)
+            out = sequence_loss(logits, targets)
+            nll += float(out.nll_sum)
+            tokens, correct = tokens + out.n_tokens, correct + out.n_correct
+            seqs, seq_correct = seqs + out.n_seqs, seq_correct + out.n_seq_correct
+        return {"nll": nll / max(tokens, 1), "acc": correct / max(tokens, 1),
+                "seq_acc": seq_correct / max(seqs, 1)}
+
+    def examples(self, model: nn.Module, n: int = 3) -> list[str]:
+        """A few test inputs with the model's predictions, for the end-of-run summary."""
+        return []
+
+    def attention_example(self, model: nn.Module) -> AttentionExample | None:
+        return None
+
+
+TASKS: dict[str, type[Task]] = {}
+
+
+def register(cls: type[Task]) -> type[Task]:
+    TASKS[cls.name] = cls
+    return cls
+
+
+class UnknownTaskError(ValueError):
+    pass
+
+
+def get_task(name: str, **options: Any) -> Task:
+    from aiayn import tasks as _  # noqa: F401  (registers the built-in tasks)
+
+    if name not in TASKS:
+        raise UnknownTaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name](**options)

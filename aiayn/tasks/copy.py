@@ -1,0 +1,84 @@
+"""Copy a sequence (The Annotated Transformer's first example).
+
+Vocabulary of 11: 0 = padding, 1 = start symbol, 2..10 = the symbols copied. An encoder-decoder
+learns to reproduce a random source of 10 symbols; it is evaluated by greedy decoding through
+the KV cache, counting exact copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.generate import greedy_encoder_decoder
+from aiayn.tasks.base import AttentionExample, Batch, Task, register
+from aiayn.train.losses import IGNORE
+
+PAD, BOS = 0, 1
+
+
+@register
+class CopyTask(Task):
+    name = "copy"
+    description = "copy 10 symbols (Annotated Transformer); encoder-decoder, greedy decoding"
+
+    def __init__(self, *, vocab_size: int = 11, seq_len: int = 10, n_train: int = 50_000,
+                 n_val: int = 1_000, n_test: int = 10_000, **options: Any) -> None:
+        super().__init__(**options)
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.sizes = {"train": n_train, "val": n_val, "test": n_test}
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(arch="encoder-decoder", vocab_size=self.vocab_size, d_model=64, n_heads=4,
+                           n_layers=2, d_ff=128, positional="sinusoidal", max_seq_len=self.seq_len + 2,
+                           pad_id=PAD, name="copy")
+
+    def train_overrides(self) -> dict[str, Any]:
+        return dict(epochs=4, batch_size=128, lr=1.0, schedule="noam", warmup_steps=400,
+                    optimizer="adam", label_smoothing=0.0, clip_grad_norm=1.0)
+
+    def prepare(self, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for split, n in self.sizes.items():
+            src = torch.randint(2, self.vocab_size, (n, self.seq_len), generator=generator)
+            self.splits[split] = {"src": src}
+
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
+        src = batch["src"]
+        bos = torch.full((src.shape[0], 1), BOS, dtype=src.dtype)
+        tgt_in = torch.cat([bos, src[:, :-1]], dim=1)  # teacher forcing: shift right
+        targets = src.masked_fill(src == PAD, IGNORE)
+        return model(src, tgt_in).logits, targets
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:
+        metrics = super().evaluate(model, split, batch_size)
+        exact = total = 0
+        for batch in self.eval_batches(split, batch_size):
+            out = greedy_encoder_decoder(model, batch["src"], bos_id=BOS, max_new_tokens=self.seq_len)
+            exact += int((out.tokens == batch["src"]).all(dim=1).sum())
+            total += batch["src"].shape[0]
+        metrics["greedy_exact"] = exact / total
+        return metrics
+
+    @torch.no_grad()
+    def examples(self, model: nn.Module, n: int = 3) -> list[str]:
+        model.eval()
+        src = self.collate("test", torch.arange(n))["src"]
+        out = greedy_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=self.seq_len)
+        return [f"{' '.join(map(str, s))}  ->  {' '.join(map(str, o))}"
+                for s, o in zip(src.tolist(), out.tokens.tolist(), strict=True)]
+
+    @torch.no_grad()
+    def attention_example(self, model: nn.Module) -> AttentionExample:
+        model.eval()
+        src = self.collate("test", torch.arange(1))["src"]
+        tgt_in = torch.cat([torch.full((1, 1), BOS), src[:, :-1]], dim=1)
+        out = model(src, tgt_in, need_weights=True)
+        return AttentionExample(weights=[w[0] for w in out.cross_attentions],
+                                query_labels=["<s>", *map(str, src[0, :-1].tolist())],
+                                key_labels=[str(v) for v in src[0].tolist()],
+                                title="copy: decoder cross-attention of each head")

@@ -1,0 +1,204 @@
+"""Checkpoints that resume exactly and survive a kill mid-save.
+
+Layout of ``<run>/checkpoints/``::
+
+    step-00000100/model.safetensors      weights (tied tensors stored once)
+    step-00000100/optimizer.safetensors  optimiser moments + RNG state, as tensors
+    step-00000100/state.json             step, data position, optimiser hyper-parameters, RNG
+    latest                               name of the newest complete checkpoint
+
+Each checkpoint is written into a temporary directory, flushed, and renamed into place; ``latest``
+is replaced atomically afterwards. A kill at any moment leaves the previous checkpoint whole.
+Everything is loaded without unpickling (safetensors + JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+FORMAT_VERSION = 1
+MODEL_FILE, OPTIM_FILE, STATE_FILE, LATEST = "model.safetensors", "optimizer.safetensors", "state.json", "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, truncated or from another model."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small text file so that readers see either the old or the new content."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _flatten_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, entries in state_dict["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{index}.{name}"] = value.detach().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("state."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    for index, entries in meta["scalars"].items():
+        state.setdefault(int(index), {}).update(entries)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def save_checkpoint(
+    directory: Path,
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    keep: int = 3,
+) -> Path:
+    """Write ``directory/step-XXXXXXXX`` atomically and point ``latest`` at it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:08d}"
+    final, tmp = directory / name, directory / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_model(model, str(tmp / MODEL_FILE))
+    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    meta: dict[str, Any] = {}
+    if optimizer is not None:
+        opt_tensors, meta = _flatten_optimizer(optimizer.state_dict())
+        tensors.update(opt_tensors)
+    save_file(tensors, str(tmp / OPTIM_FILE))
+    py_state = random.getstate()
+    payload = {"format_version": FORMAT_VERSION, "step": step, "optimizer": meta,
+               "python_rng": [py_state[0], list(py_state[1]), py_state[2]], **state}
+    (tmp / STATE_FILE).write_text(json.dumps(payload, indent=1), encoding="utf-8")
+    for file in tmp.iterdir():  # flush the data before the rename makes it visible
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    if final.exists():  # a checkpoint of this step from an earlier, abandoned attempt
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(directory)
+    atomic_write_text(directory / LATEST, name + "\n")
+    _prune(directory, keep)
+    return final
+
+
+def _prune(directory: Path, keep: int) -> None:
+    for old in list_checkpoints(directory)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.glob(".tmp-step-*"):  # leftovers of a kill mid-save
+        if not stale.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.glob("step-*") if p.is_dir() and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    pointer = directory / LATEST
+    if pointer.is_file():
+        candidate = directory / pointer.read_text(encoding="utf-8").strip()
+        if (candidate / STATE_FILE).is_file():
+            return candidate
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    state: dict[str, Any]  # everything the trainer stored, plus format_version and step
+    optimizer_state: dict[str, Any] | None
+    rng_state: torch.Tensor
+
+
+def _corrupt(path: Path, what: str, exc: Exception) -> CheckpointError:
+    others = [p.name for p in list_checkpoints(path.parent) if p != path]
+    hint = (f"earlier checkpoints in {path.parent}: {', '.join(others)}; delete {path.name} to resume "
+            f"from the newest of them" if others else "no other checkpoint is available")
+    return CheckpointError(f"checkpoint {path} is corrupt or truncated ({what}: {exc}); {hint}")
+
+
+def load_checkpoint(path: Path, model: nn.Module) -> LoadedCheckpoint:
+    """Load weights into ``model`` (strictly) and return the rest of the saved state."""
+    for file in (MODEL_FILE, OPTIM_FILE, STATE_FILE):
+        if not (path / file).is_file():
+            raise CheckpointError(f"checkpoint {path} has no {file}; it is incomplete or not an aiayn checkpoint")
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _corrupt(path, STATE_FILE, exc) from None
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {state.get('format_version')!r}, "
+                              f"this aiayn reads version {FORMAT_VERSION}")
+    try:
+        missing, unexpected = load_model(model, str(path / MODEL_FILE), strict=False)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise _corrupt(path, MODEL_FILE, exc) from None
+    except RuntimeError as exc:  # shape mismatch
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {exc}") from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, unexpected "
+            f"{sorted(unexpected)[:5]}; was it saved from another model configuration?"
+        )
+    try:
+        tensors = load_file(str(path / OPTIM_FILE))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise _corrupt(path, OPTIM_FILE, exc) from None
+    meta = state.pop("optimizer", {})
+    optimizer_state = _unflatten_optimizer(tensors, meta) if meta else None
+    return LoadedCheckpoint(path=path, step=int(state["step"]), state=state,
+                            optimizer_state=optimizer_state, rng_state=tensors["rng.torch"])
+
+
+def restore_rng(loaded: LoadedCheckpoint) -> None:
+    torch.set_rng_state(loaded.rng_state)
+    version, internal, gauss = loaded.state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def load_weights(path: Path, model: nn.Module) -> None:
+    """Load only the weights of a checkpoint directory (or a run's latest checkpoint)."""
+    load_checkpoint(path, model)

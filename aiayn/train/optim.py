@@ -1,0 +1,79 @@
+"""Optimisers and learning-rate schedules.
+
+Schedules are pure functions of the step (1-based), so the learning rate after a resume is exactly
+the one an uninterrupted run would use, with no scheduler state to save.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from aiayn.config import TrainConfig
+
+
+def noam_lr(step: int, *, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """The paper's schedule (section 5.3): factor * d^-0.5 * min(step^-0.5, step * warmup^-1.5)."""
+    step = max(step, 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def cosine_lr(step: int, *, peak: float, warmup: int, total: int) -> float:
+    """Linear warmup to ``peak`` then half a cosine to 0 at ``total`` (UvA tutorial formula)."""
+    factor = 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+    if warmup > 0 and step <= warmup:
+        factor *= step / warmup
+    return peak * factor
+
+
+def linear_lr(step: int, *, peak: float, warmup: int, total: int) -> float:
+    """Linear warmup to ``peak`` then linear decay to 0 at ``total``."""
+    if warmup > 0 and step <= warmup:
+        return peak * step / warmup
+    return peak * max(0.0, (total - step) / max(1, total - warmup))
+
+
+def constant_lr(step: int, *, peak: float, warmup: int) -> float:
+    """Linear warmup to ``peak``, then constant."""
+    return peak * (step / warmup if warmup > 0 and step <= warmup else 1.0)
+
+
+def make_schedule(cfg: TrainConfig, *, total_steps: int, d_model: int) -> Callable[[int], float]:
+    """The learning rate of each (1-based) optimiser step."""
+    if cfg.schedule == "noam":
+        return lambda s: noam_lr(s, d_model=d_model, warmup=cfg.warmup_steps, factor=cfg.lr)
+    if cfg.schedule == "cosine":
+        return lambda s: cosine_lr(s, peak=cfg.lr, warmup=cfg.warmup_steps, total=total_steps)
+    if cfg.schedule == "linear":
+        return lambda s: linear_lr(s, peak=cfg.lr, warmup=cfg.warmup_steps, total=total_steps)
+    return lambda s: constant_lr(s, peak=cfg.lr, warmup=cfg.warmup_steps)
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, *, decay_all: bool = False) -> list[dict]:
+    """Decay matrices of linear layers; not norms, biases or embeddings (unless ``decay_all``)."""
+    no_decay: set[int] = set()
+    if not decay_all:
+        for module in model.modules():
+            if isinstance(module, nn.Embedding | nn.LayerNorm | nn.RMSNorm):
+                no_decay.update(id(p) for p in module.parameters(recurse=False))
+        no_decay.update(id(p) for p in model.parameters() if p.dim() < 2)  # biases, gains
+    decay, keep = [], []
+    for p in model.parameters():  # each parameter once, tied weights included
+        if p.requires_grad:
+            (keep if id(p) in no_decay else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if keep:
+        groups.append({"params": keep, "weight_decay": 0.0})
+    return groups
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Adam with the paper's betas/eps, or AdamW with decoupled weight decay."""
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                weight_decay=cfg.weight_decay)
+    groups = parameter_groups(model, cfg.weight_decay, decay_all=cfg.decay_all)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)

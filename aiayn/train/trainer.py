@@ -1,0 +1,295 @@
+"""The training loop: run directory, progress bar, metrics, checkpoints, exact resume, Ctrl-C.
+
+A run directory holds ``config.json`` (task, model and training configs), ``checkpoints/``,
+``metrics.csv``, ``summary.json`` and the plots. ``train(..., resume=True)`` continues from the
+latest checkpoint and ends with the same weights and losses as an uninterrupted run: the data order
+is a function of (seed, epoch), the learning rate a function of the step, and the RNG, optimiser and
+data position are restored from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from aiayn.config import ModelConfig, TrainConfig
+from aiayn.tasks.base import Task
+from aiayn.train.checkpoint import (
+    CheckpointError,
+    atomic_write_text,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from aiayn.train.losses import sequence_loss
+from aiayn.train.optim import make_optimizer, make_schedule
+
+METRIC_FIELDS = ["step", "epoch", "lr", "train_loss", "train_nll", "train_acc", "tokens_per_s",
+                 "val_nll", "val_ppl", "val_acc", "val_seq_acc", "elapsed_s"]
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked (exists, differs, missing)."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    final_loss: float  # training loss of the last step (smoothed if label smoothing is on)
+    test_metrics: dict[str, float] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)
+    interrupted: bool = False
+    plots: list[Path] = field(default_factory=list)
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """Fields that differ between two nested config dicts, as 'a.b: old -> new'."""
+    diffs = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += config_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return diffs
+
+
+def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, overwrite: bool) -> None:
+    config_path = run_dir / "config.json"
+    if resume:
+        if not config_path.is_file():
+            raise RunDirError(f"cannot resume: {run_dir} has no config.json (is it a run directory?)")
+        saved = json.loads(config_path.read_text(encoding="utf-8"))
+        # Lengths of training may be extended on resume; everything else must match.
+        ignore = {"epochs", "max_steps"}
+        for key in ignore:
+            saved.get("train", {}).pop(key, None)
+        current = json.loads(json.dumps(configs))
+        for key in ignore:
+            current.get("train", {}).pop(key, None)
+        diffs = config_diff(saved, current)
+        if diffs:
+            raise RunDirError(
+                f"cannot resume {run_dir}: its config differs from the one given in "
+                f"{len(diffs)} field(s): {'; '.join(diffs)}. Resume with the same options, or start a "
+                f"new run (another --run-dir, or --overwrite)"
+            )
+        return
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not overwrite:
+            raise RunDirError(f"run directory {run_dir} already exists; pass --resume to continue it "
+                              f"or --overwrite to start it again")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(config_path, json.dumps(configs, indent=2) + "\n")
+
+
+class MetricsLog:
+    """metrics.csv, one row per log or evaluation; on resume rows after the checkpoint are dropped."""
+
+    def __init__(self, path: Path, *, resume_step: int | None) -> None:
+        self.path = path
+        rows: list[dict[str, str]] = []
+        if resume_step is not None and path.is_file():
+            with open(path, newline="", encoding="utf-8") as handle:
+                rows = [r for r in csv.DictReader(handle) if int(r["step"]) <= resume_step]
+        with open(path, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=METRIC_FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def write(self, **row: Any) -> None:
+        with open(self.path, "a", newline="", encoding="utf-8") as handle:
+            csv.DictWriter(handle, fieldnames=METRIC_FIELDS).writerow(
+                {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
+            )
+
+
+class StopRequest:
+    """First Ctrl-C (or SIGTERM): finish the step, save, exit. Second Ctrl-C: exit at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            os._exit(130)
+        self.requested = True
+        tqdm.write("stopping: saving a checkpoint after this step (Ctrl-C again to quit at once)")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: no handlers, plain behaviour
+            pass
+        try:
+            yield self
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+
+
+def train(
+    task: Task,
+    model_config: ModelConfig,
+    train_config: TrainConfig,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    echo: Callable[[str], None] = print,
+    make_plots: bool = True,
+) -> TrainResult:
+    """Train ``task`` into ``run_dir``; see the module docstring."""
+    cfg = train_config
+    run_dir = Path(run_dir)
+    configs = {"task": task.name, "task_options": task.options, "model": model_config.to_dict(),
+               "train": cfg.to_dict()}
+    prepare_run_dir(run_dir, configs, resume=resume, overwrite=overwrite)
+    if resume:  # the training length may have been extended: record it
+        atomic_write_text(run_dir / "config.json", json.dumps(configs, indent=2) + "\n")
+
+    torch.manual_seed(cfg.seed)
+    task.prepare(cfg.seed)
+    model = task.build_model(model_config)
+    optimizer = make_optimizer(model, cfg)
+    batches_per_epoch = math.ceil(task.split_size("train") / cfg.batch_size)
+    steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
+    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    lr_at = make_schedule(cfg, total_steps=total_steps, d_model=model_config.d_model)
+    eval_every = cfg.eval_every or steps_per_epoch
+    save_every = cfg.save_every or steps_per_epoch
+    ckpt_dir = run_dir / "checkpoints"
+
+    step, epoch, batch_in_epoch = 0, 0, 0
+    if resume:
+        latest = latest_checkpoint(ckpt_dir)
+        if latest is None:
+            raise CheckpointError(f"cannot resume: {ckpt_dir} holds no checkpoint yet; start the run "
+                                  f"again with --overwrite")
+        loaded = load_checkpoint(latest, model)
+        if loaded.optimizer_state is not None:
+            optimizer.load_state_dict(loaded.optimizer_state)
+        restore_rng(loaded)
+        step, epoch, batch_in_epoch = loaded.step, loaded.state["epoch"], loaded.state["batch_in_epoch"]
+        echo(f"resuming {run_dir} from {latest.name} (step {step}, epoch {epoch})")
+    metrics = MetricsLog(run_dir / "metrics.csv", resume_step=step if resume else None)
+    forward_model: nn.Module = torch.compile(model) if cfg.compile else model
+
+    def checkpoint() -> None:
+        save_checkpoint(ckpt_dir, step=step, model=model, optimizer=optimizer, keep=cfg.keep_checkpoints,
+                        state={"epoch": epoch, "batch_in_epoch": batch_in_epoch})
+
+    start_time = time.perf_counter()
+    window_loss = window_nll = 0.0
+    window_tokens = window_correct = window_in_tokens = window_steps = 0
+    window_start = time.perf_counter()
+    last_loss = float("nan")
+    interrupted = False
+    bar = tqdm(total=total_steps, initial=step, disable=not progress, desc=f"train {task.name}",
+               unit="step", dynamic_ncols=True)
+    stop = StopRequest()
+    with stop.installed():
+        while step < total_steps and not stop.requested:
+            batches = task.train_batches(epoch, cfg.batch_size, cfg.seed)
+            while batch_in_epoch + cfg.grad_accum <= len(batches) and step < total_steps:
+                model.train()
+                group = batches[batch_in_epoch : batch_in_epoch + cfg.grad_accum]
+                lr = lr_at(step + 1)
+                for param_group in optimizer.param_groups:
+                    param_group["lr"] = lr
+                step_loss = 0.0
+                for indices in group:
+                    batch = task.collate("train", indices)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                        logits, targets = task.forward(forward_model, batch)
+                    out = sequence_loss(logits, targets, label_smoothing=cfg.label_smoothing)
+                    (out.loss / len(group)).backward()
+                    step_loss += out.loss.item() / len(group)
+                    window_nll += float(out.nll_sum)
+                    window_tokens += out.n_tokens
+                    window_correct += out.n_correct
+                    window_in_tokens += task.count_tokens(batch)
+                if cfg.clip_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                batch_in_epoch += len(group)
+                last_loss = step_loss
+                window_loss += step_loss
+                window_steps += 1
+                bar.update(1)
+
+                if step % cfg.log_every == 0 or step == total_steps:
+                    elapsed = time.perf_counter() - window_start
+                    mean_loss = window_loss / window_steps
+                    tokens_per_s = window_in_tokens / max(elapsed, 1e-9)
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
+                                    epoch=epoch)
+                    metrics.write(step=step, epoch=epoch, lr=lr, train_loss=mean_loss,
+                                  train_nll=window_nll / max(window_tokens, 1),
+                                  train_acc=window_correct / max(window_tokens, 1),
+                                  tokens_per_s=tokens_per_s, elapsed_s=time.perf_counter() - start_time)
+                    window_loss = window_nll = 0.0
+                    window_tokens = window_correct = window_in_tokens = window_steps = 0
+                    window_start = time.perf_counter()
+                if step % eval_every == 0 or step == total_steps:
+                    val = task.evaluate(model, "val")
+                    metrics.write(step=step, epoch=epoch, val_nll=val["nll"], val_ppl=math.exp(min(val["nll"], 50)),
+                                  val_acc=val["acc"], val_seq_acc=val["seq_acc"],
+                                  elapsed_s=time.perf_counter() - start_time)
+                    bar.write(f"step {step}: val " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+                if step % save_every == 0 or step == total_steps or stop.requested:
+                    checkpoint()
+                if stop.requested:
+                    interrupted = True
+                    break
+            else:
+                epoch, batch_in_epoch = epoch + 1, 0
+                continue
+            if stop.requested:
+                break
+    bar.close()
+
+    result = TrainResult(run_dir=run_dir, step=step, final_loss=last_loss, interrupted=interrupted)
+    if interrupted:
+        echo(f"interrupted at step {step}; checkpoint saved. Continue with: aiayn train --resume "
+             f"--run-dir {run_dir}")
+        return result
+
+    result.test_metrics = task.evaluate(model, task.test_split)
+    result.examples = task.examples(model)
+    summary = {"step": step, "final_train_loss": last_loss, "test": result.test_metrics,
+               "seconds": time.perf_counter() - start_time}
+    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    if make_plots:
+        from aiayn import viz
+
+        result.plots.append(viz.plot_metrics(run_dir / "metrics.csv", run_dir / "curves.png"))
+        example = task.attention_example(model)
+        if example is not None:
+            result.plots.append(viz.plot_attention(example.weights, example.query_labels,
+                                                   example.key_labels, run_dir / "attention.png",
+                                                   title=example.title))
+    return result

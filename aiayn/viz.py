@@ -1,0 +1,131 @@
+"""Seeing inside: attention maps, positional encodings, learning-rate schedules, loss curves.
+
+Every function writes a PNG (matplotlib, no display needed) and returns its path.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+from torch import Tensor
+
+from aiayn.nn.positional import sinusoidal_encoding
+
+
+def _save(fig: plt.Figure, path: Path | str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_attention(
+    weights: Sequence[Tensor],
+    query_labels: Sequence[str],
+    key_labels: Sequence[str],
+    path: Path | str,
+    *,
+    title: str = "attention",
+) -> Path:
+    """A grid of heatmaps, one row per layer and one column per head.
+
+    weights: per layer, (h, t_q, t_k) attention weights of one example.
+    """
+    n_layers, n_heads = len(weights), weights[0].shape[0]
+    fig, axes = plt.subplots(n_layers, n_heads, figsize=(2.8 * n_heads + 1, 2.8 * n_layers + 0.8),
+                             squeeze=False)
+    for layer, layer_weights in enumerate(weights):
+        for head in range(n_heads):
+            ax = axes[layer][head]
+            ax.imshow(layer_weights[head].detach().float().cpu().numpy(), vmin=0, vmax=1, cmap="viridis")
+            ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=9)
+            ax.set_xticks(range(len(key_labels)), key_labels, fontsize=6, rotation=90)
+            ax.set_yticks(range(len(query_labels)), query_labels, fontsize=6)
+            ax.set_xlabel("key", fontsize=8)
+            ax.set_ylabel("query", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_positional_encoding(path: Path | str, *, d_model: int = 48, max_len: int = 96) -> Path:
+    """The sinusoidal encoding as a heatmap (positions x dimensions), as in the UvA tutorial."""
+    pe = sinusoidal_encoding(torch.arange(max_len), d_model)  # (max_len, d)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    image = ax.imshow(pe.T.numpy(), aspect="auto", cmap="RdGy", vmin=-1, vmax=1, origin="lower")
+    ax.set_xlabel("position")
+    ax.set_ylabel("dimension")
+    ax.set_title(f"sinusoidal positional encoding (d_model={d_model})")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_pe_dot_products(path: Path | str, *, d_model: int = 128, max_offset: int = 100,
+                         starts: Sequence[int] = (0, 50, 200)) -> Path:
+    """PE(t)·PE(t+k) against k for several t: the curves coincide (it depends only on k)."""
+    positions = torch.arange(max(starts) + max_offset + 1)
+    pe = sinusoidal_encoding(positions, d_model)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    offsets = torch.arange(max_offset + 1)
+    for t in starts:
+        dots = (pe[t] * pe[t + offsets]).sum(-1)
+        ax.plot(offsets.numpy(), dots.numpy(), label=f"t = {t}", linestyle="-" if t == starts[0] else "--")
+    ax.set_xlabel("offset k")
+    ax.set_ylabel("PE(t) · PE(t + k)")
+    ax.set_title("the dot product of sinusoidal encodings depends only on the offset")
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_lr_schedules(schedules: dict[str, Callable[[int], float]], total_steps: int,
+                      path: Path | str, *, title: str = "learning-rate schedules") -> Path:
+    """Each named schedule (step -> lr) over steps 1..total_steps."""
+    steps = list(range(1, total_steps + 1))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, fn in schedules.items():
+        ax.plot(steps, [fn(s) for s in steps], label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("learning rate")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def read_metrics(csv_path: Path | str) -> list[dict[str, float]]:
+    with open(csv_path, newline="", encoding="utf-8") as handle:
+        return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]
+
+
+def plot_metrics(csv_path: Path | str, path: Path | str) -> Path:
+    """Training loss, validation NLL and the learning rate of a run, from its metrics.csv."""
+    rows = read_metrics(csv_path)
+    train = [r for r in rows if "train_loss" in r]
+    val = [r for r in rows if "val_nll" in r]
+    fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        ax_loss.plot([r["step"] for r in train], [r["train_loss"] for r in train], label="train loss")
+    if val:
+        ax_loss.plot([r["step"] for r in val], [r["val_nll"] for r in val], "o-", label="val NLL")
+    ax_loss.set_yscale("log")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.set_title("loss")
+    ax_loss.legend()
+    if train:
+        ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:green")
+    ax_lr.set_xlabel("step")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_title("learning rate")
+    fig.tight_layout()
+    return _save(fig, path)
