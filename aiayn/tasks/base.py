@@ -100,8 +100,22 @@ class Task:
         """A few test inputs with the model's predictions, for the end-of-run summary."""
         return []
 
-    def attention_example(self, model: nn.Module) -> AttentionExample | None:
+    def attention_example(self, model: nn.Module, text: str | None = None) -> AttentionExample | None:
+        """Attention maps of the model on ``text`` (task-specific input syntax) or a test example."""
         return None
+
+    @staticmethod
+    def parse_ids(text: str, *, low: int, high: int, length: int | None = None) -> Tensor:
+        """'3 1 4 1 5' -> tensor([[3, 1, 4, 1, 5]]), checking every id is in [low, high)."""
+        try:
+            ids = [int(tok) for tok in text.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"input {text!r} must be space-separated integers") from None
+        if not ids or any(not low <= i < high for i in ids):
+            raise ValueError(f"input {text!r} must hold integers in [{low}, {high})")
+        if length is not None and len(ids) != length:
+            raise ValueError(f"input {text!r} must hold exactly {length} integers, got {len(ids)}")
+        return torch.tensor([ids])
 
 
 TASKS: dict[str, type[Task]] = {}

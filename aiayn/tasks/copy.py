@@ -73,9 +73,10 @@ class CopyTask(Task):
                 for s, o in zip(src.tolist(), out.tokens.tolist(), strict=True)]
 
     @torch.no_grad()
-    def attention_example(self, model: nn.Module) -> AttentionExample:
+    def attention_example(self, model: nn.Module, text: str | None = None) -> AttentionExample:
         model.eval()
-        src = self.collate("test", torch.arange(1))["src"]
+        src = (self.collate("test", torch.arange(1))["src"] if text is None
+               else self.parse_ids(text, low=2, high=self.vocab_size, length=self.seq_len))
         tgt_in = torch.cat([torch.full((1, 1), BOS), src[:, :-1]], dim=1)
         out = model(src, tgt_in, need_weights=True)
         return AttentionExample(weights=[w[0] for w in out.cross_attentions],

@@ -58,9 +58,10 @@ class ReverseTask(Task):
         return lines
 
     @torch.no_grad()
-    def attention_example(self, model: nn.Module) -> AttentionExample:
+    def attention_example(self, model: nn.Module, text: str | None = None) -> AttentionExample:
         model.eval()
-        inputs = self.collate("test", torch.arange(1))["inputs"]
+        inputs = (self.collate("test", torch.arange(1))["inputs"] if text is None
+                  else self.parse_ids(text, low=0, high=self.num_categories, length=self.seq_len))
         out = model(inputs, with_mlm_logits=False, need_weights=True)
         labels = [str(v) for v in inputs[0].tolist()]
         return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels,

@@ -293,3 +293,34 @@ def train(
                                                    example.key_labels, run_dir / "attention.png",
                                                    title=example.title))
     return result
+
+
+@dataclass
+class LoadedRun:
+    task: Task
+    model: nn.Module
+    model_config: ModelConfig
+    train_config: TrainConfig
+    checkpoint: Path
+
+
+def load_run(run_dir: Path, *, checkpoint: Path | None = None) -> LoadedRun:
+    """The task and trained model of a run directory (its latest checkpoint by default), in eval mode."""
+    from aiayn.tasks import get_task
+
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise RunDirError(f"{run_dir} is not a run directory (no config.json); train one with aiayn train")
+    configs = json.loads(config_path.read_text(encoding="utf-8"))
+    task = get_task(configs["task"], **configs.get("task_options", {}))
+    model_config = ModelConfig.from_dict(configs["model"])
+    train_config = TrainConfig.from_dict(configs["train"])
+    path = checkpoint or latest_checkpoint(run_dir / "checkpoints")
+    if path is None:
+        raise CheckpointError(f"{run_dir} holds no checkpoint yet")
+    model = task.build_model(model_config)
+    load_checkpoint(path, model)
+    task.prepare(train_config.seed)
+    return LoadedRun(task=task, model=model.eval(), model_config=model_config,
+                     train_config=train_config, checkpoint=path)
