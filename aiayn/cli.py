@@ -88,7 +88,7 @@ def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_lay
 # ---- training ---------------------------------------------------------------------------------
 _MODEL_OPTIONS = {  # CLI option -> ModelConfig field
     "d_model": "d_model", "n_layers": "n_layers", "n_heads": "n_heads", "d_ff": "d_ff",
-    "dropout": "dropout", "positional": "positional",
+    "dropout": "dropout", "attention_dropout": "attention_dropout", "positional": "positional",
 }
 _TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_steps", "optimizer",
                   "weight_decay", "label_smoothing", "clip_grad_norm", "grad_accum", "seed", "bf16",
@@ -126,6 +126,8 @@ _TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup
 @click.option("--n-heads", type=click.IntRange(min=1), help="Attention heads.")
 @click.option("--d-ff", type=click.IntRange(min=1), help="Feed-forward width.")
 @click.option("--dropout", type=click.FloatRange(min=0, max=1, max_open=True), help="Residual/embedding dropout.")
+@click.option("--attention-dropout", type=click.FloatRange(min=0, max=1, max_open=True),
+              help="Dropout on the attention weights.")
 @click.option("--positional", type=click.Choice(["sinusoidal", "learned", "rope", "alibi", "t5", "none"]),
               help="Positional scheme.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
@@ -314,17 +316,28 @@ def presets_cmd() -> None:
                    f"heads={cfg.n_heads:<3d} d_ff={cfg.d_ff:<5d} vocab={cfg.vocab_size:<6d} params={n:,}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: every error a user can fix is one line on stderr and exit code 2."""
     from aiayn.tasks.base import UnknownTaskError
     from aiayn.train.checkpoint import CheckpointError
     from aiayn.train.trainer import RunDirError
 
     try:
-        cli.main(prog_name="aiayn", standalone_mode=True)
+        code = cli.main(args=argv, prog_name="aiayn", standalone_mode=False)
+    except click.ClickException as exc:  # bad arguments: click's message, without the usage block
+        hint = ""
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            hint = f" (see '{exc.ctx.command_path} --help')"
+        click.echo(f"Error: {exc.format_message()}{hint}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
     except (ConfigError, UnknownTaskError, RunDirError, CheckpointError) as exc:
         # Problems a user can fix: one line, exit code 2, nothing saved is touched.
         click.echo(f"Error: {exc}", err=True)
         sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

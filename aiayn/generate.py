@@ -39,9 +39,18 @@ def greedy_decoder_only(
     eos_id: int | None = None,
     use_cache: bool = True,
 ) -> GreedyResult:
-    """Continue each row of ``prompt`` (b, t), left-padded where ``prompt_valid`` is False."""
+    """Continue each row of ``prompt`` (b, t), left-padded where ``prompt_valid`` is False.
+
+    Without ``prompt_valid`` the model's default applies: ``prompt != pad_id`` when the config has
+    a pad_id, else every prompt token is real. Generated tokens always count as real.
+    """
     b, t = prompt.shape
-    valid = torch.ones_like(prompt, dtype=torch.bool) if prompt_valid is None else prompt_valid
+    if prompt_valid is not None:
+        valid = prompt_valid
+    elif model.config.pad_id is not None:  # the model's own default: pad ids are padding
+        valid = prompt != model.config.pad_id
+    else:
+        valid = torch.ones_like(prompt, dtype=torch.bool)
     cache = model.new_cache(b, t + max_new_tokens) if use_cache else None
     tokens, step_valid = prompt, valid
     all_tokens, all_valid = prompt, valid
@@ -85,9 +94,10 @@ def greedy_encoder_decoder(
     out_tokens, out_logits = [], []
     for _ in range(max_new_tokens):
         if cache is not None:
-            logits = model.decode(step, encoded, cache=cache).logits[:, -1]
-        else:
-            logits = model.decode(tgt, encoded).logits[:, -1]
+            logits = model.decode(step, encoded, tgt_valid=torch.ones_like(step, dtype=torch.bool),
+                                  cache=cache).logits[:, -1]
+        else:  # generated tokens are real even if one equals pad_id
+            logits = model.decode(tgt, encoded, tgt_valid=torch.ones_like(tgt, dtype=torch.bool)).logits[:, -1]
         next_token, done_now = _finish(logits.argmax(-1), done, eos_id, model.config.pad_id)
         out_tokens.append(next_token)
         out_logits.append(logits)

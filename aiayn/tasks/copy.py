@@ -37,7 +37,7 @@ class CopyTask(Task):
                            pad_id=PAD, name="copy")
 
     def train_overrides(self) -> dict[str, Any]:
-        return dict(epochs=4, batch_size=128, lr=1.0, schedule="noam", warmup_steps=400,
+        return dict(epochs=2, batch_size=64, lr=2e-3, schedule="cosine", warmup_steps=100,
                     optimizer="adam", label_smoothing=0.0, clip_grad_norm=1.0)
 
     def prepare(self, seed: int) -> None:

@@ -25,6 +25,16 @@ VOCAB = 99
 PAD = 0
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """These models are tiny: one intra-op thread is fastest, and it keeps the run time steady on
+    a busy machine (spinning worker threads slow tiny ops many times over). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---- helpers ----------------------------------------------------------------------------------
 def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
     """Seeded weights large enough that positions, masks and cache slots all matter."""
@@ -216,6 +226,25 @@ def test_left_padding_from_pad_id_default_valid() -> None:
                 assert_close(step[i : i + 1], model(seq).logits[:, -1])
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "uncached"])
+def test_greedy_left_padding_from_pad_id(use_cache: bool) -> None:
+    """greedy_decoder_only without prompt_valid follows the model's default: with config.pad_id
+    set, pad ids in the prompt are padding (as in ``model(prompt)``), not real tokens."""
+    model = decoder_only("rope", 2, pad_id=PAD)
+    rows = [random_tokens(1, n, seed=45 + n)[0] for n in (6, 3, 1)]
+    prompt, valid = left_pad(rows)
+    prompt[~valid] = PAD
+    out = greedy_decoder_only(model, prompt, max_new_tokens=6, use_cache=use_cache)
+    explicit = greedy_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=6,
+                                   use_cache=use_cache)
+    assert torch.equal(out.tokens, explicit.tokens)
+    assert_close(out.logits, explicit.logits)
+    for i, row in enumerate(rows):
+        alone = greedy_decoder_only(model, row[None], max_new_tokens=6, use_cache=use_cache)
+        assert torch.equal(out.tokens[i : i + 1], alone.tokens), f"row {i}"
+        assert_close(out.logits[i : i + 1], alone.logits)
+
+
 # ---- encoder-decoder --------------------------------------------------------------------------
 def padded_sources(lengths: tuple[int, ...] = (9, 5, 2), seed: int = 50) -> torch.Tensor:
     return right_pad([random_tokens(1, n, seed=seed + n)[0] for n in lengths])
@@ -237,14 +266,17 @@ def test_encoder_decoder_greedy_with_eos() -> None:
     model = encoder_decoder()
     src = padded_sources()
     free = greedy_encoder_decoder(model, src, bos_id=1, max_new_tokens=8)
-    eos = int(free.tokens[0, 2])  # row 0 stops after its third token
+    # eos = a token that row 0 emits for the first time at step j > 0 (or at step 0).
+    row = free.tokens[0].tolist()
+    j = next((k for k in range(1, len(row)) if row[k] not in row[:k] and row[k] != PAD), 0)
+    eos = row[j]
     cached = greedy_encoder_decoder(model, src, bos_id=1, max_new_tokens=8, eos_id=eos)
     uncached = greedy_encoder_decoder(model, src, bos_id=1, max_new_tokens=8, eos_id=eos,
                                       use_cache=False)
     assert torch.equal(cached.tokens, uncached.tokens)
     assert_close(cached.logits, uncached.logits)
-    assert torch.equal(cached.tokens[0, :3], free.tokens[0, :3])
-    assert bool((cached.tokens[0, 3:] == PAD).all())
+    assert torch.equal(cached.tokens[0, : j + 1], free.tokens[0, : j + 1])
+    assert bool((cached.tokens[0, j + 1 :] == PAD).all())  # filled with pad after eos
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
@@ -369,7 +401,7 @@ def test_cache_overflow_raises() -> None:
             model(seq[:, 4:5], cache=cache)
 
 
-def test_greedy_overflow_message_names_size() -> None:
+def test_encoder_decoder_cache_overflow_raises() -> None:
     model = encoder_decoder()
     cache = model.new_cache(1, 2)
     encoded = model.encode(padded_sources((3,)))

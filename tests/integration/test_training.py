@@ -37,7 +37,7 @@ def test_reverse_is_learned(tmp_path):
 @pytest.mark.slow
 def test_copy_is_learned_with_cached_greedy_decoding(tmp_path):
     task = get_task("copy", n_train=20_000, n_val=500, n_test=2_000)
-    cfg = TrainConfig(**{**task.train_overrides(), "epochs": 4})
+    cfg = TrainConfig(**{**task.train_overrides(), "epochs": 3})
     result = train(task, task.model_config(), cfg, tmp_path / "run", progress=False, make_plots=False)
     assert result.test_metrics["greedy_exact"] >= 0.99
 
@@ -195,3 +195,27 @@ def test_train_cli_run_dir_rules(tmp_path):
     assert "Traceback" not in corrupt.stderr
     # nothing already saved was lost
     assert (latest / ckpt.MODEL_FILE).read_bytes() == weights_before
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "train", "--run-dir", str(run), "--task", "reverse",
+                             "--max-steps", "100000", "--save-every", "50", "--eval-every", "100000",
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "step-00000050").is_dir():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "interrupted at step" in stdout and "aiayn train --resume" in stdout
+    latest = ckpt.latest_checkpoint(run / "checkpoints")
+    step = int(latest.name.split("-")[1])
+    assert step >= 50  # saved at the step it was interrupted
+    assert json.loads((latest / ckpt.STATE_FILE).read_text())["step"] == step
+    resumed = run_cli("train", "--run-dir", str(run), "--resume", "--max-steps", str(step + 5), "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"(step {step}," in resumed.stdout
