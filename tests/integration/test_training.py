@@ -143,7 +143,8 @@ def test_optimizer_state_round_trips(tmp_path):
     loaded = ckpt.load_checkpoint(tmp_path / "step-00000001", model)
     fresh = torch.optim.Adam(model.parameters(), lr=1e-3)
     fresh.load_state_dict(loaded.optimizer_state)
-    for p in model.parameters():
+    assert len(opt.state) > 0 and fresh.state.keys() == opt.state.keys()
+    for p in opt.state:
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(fresh.state[p][name], opt.state[p][name])
 
@@ -186,7 +187,7 @@ def test_train_cli_run_dir_rules(tmp_path):
     differs = run_cli("train", "--run-dir", str(run), "--resume", "--lr", "0.5", "--d-model", "64", *FAST)
     assert differs.returncode == 2
     assert "differs from the one given in 2 field(s)" in differs.stderr
-    assert "train.lr: 0.001 -> 0.5" in differs.stderr and "model.d_model: 32 -> 64" in differs.stderr
+    assert "train.lr: 0.003 -> 0.5" in differs.stderr and "model.d_model: 32 -> 64" in differs.stderr
 
     latest = ckpt.latest_checkpoint(run / "checkpoints")
     (latest / ckpt.STATE_FILE).write_text("{truncated", encoding="utf-8")
