@@ -224,29 +224,33 @@ def plot_attention_cmd(run_dir: Path, text: str | None, out: Path | None) -> Non
                                   out or run_dir / "attention.png", title=example.title))
 
 
+def _even_width(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    if value % 2:
+        raise click.BadParameter(f"{value} is odd; sin/cos pairs need an even width")
+    return value
+
+
 @plot_group.command("pe")
-@click.option("--d-model", type=click.IntRange(min=2), default=48, show_default=True, help="Even width.")
+@click.option("--d-model", type=click.IntRange(min=2), default=48, show_default=True, help="Even width.",
+              callback=_even_width)
 @click.option("--max-len", type=click.IntRange(min=1), default=96, show_default=True, help="Positions.")
 @_out_option("positional_encoding.png")
 def plot_pe_cmd(d_model: int, max_len: int, out: Path) -> None:
     """The sinusoidal positional encoding as a heatmap."""
     from aiayn import viz
 
-    if d_model % 2:
-        raise click.BadParameter(f"{d_model} is odd; sin/cos pairs need an even width", param_hint="--d-model")
     click.echo(viz.plot_positional_encoding(out, d_model=d_model, max_len=max_len))
 
 
 @plot_group.command("pe-dot")
-@click.option("--d-model", type=click.IntRange(min=2), default=128, show_default=True, help="Even width.")
+@click.option("--d-model", type=click.IntRange(min=2), default=128, show_default=True, help="Even width.",
+              callback=_even_width)
 @click.option("--max-offset", type=click.IntRange(min=1), default=100, show_default=True, help="Largest k.")
 @_out_option("pe_dot_products.png")
 def plot_pe_dot_cmd(d_model: int, max_offset: int, out: Path) -> None:
     """PE(t)·PE(t+k) against k for several t: it depends only on k."""
     from aiayn import viz
 
-    if d_model % 2:
-        raise click.BadParameter(f"{d_model} is odd; sin/cos pairs need an even width", param_hint="--d-model")
     click.echo(viz.plot_pe_dot_products(out, d_model=d_model, max_offset=max_offset))
 
 

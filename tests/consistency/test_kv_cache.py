@@ -8,11 +8,9 @@ shows up), and compares the cached path with a forward over the whole sequence a
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from torch import nn
+from random_weights import randomize_
 from torch.testing import assert_close
 
 from aiayn.generate import greedy_decoder_only, greedy_encoder_decoder
@@ -25,39 +23,7 @@ VOCAB = 99
 PAD = 0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """These models are tiny: one intra-op thread is fastest, and it keeps the run time steady on
-    a busy machine (spinning worker threads slow tiny ops many times over). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- helpers ----------------------------------------------------------------------------------
-def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Seeded weights large enough that positions, masks and cache slots all matter."""
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(p: torch.Tensor) -> torch.Tensor:
-        return torch.randn(p.shape, generator=g)
-
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.copy_(randn(module.weight) / math.sqrt(module.in_features))
-                if module.bias is not None:
-                    module.bias.copy_(0.1 * randn(module.bias))
-            elif isinstance(module, nn.Embedding):
-                module.weight.copy_(0.5 * randn(module.weight))
-            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
-                module.weight.copy_(1.0 + 0.1 * randn(module.weight))
-                if getattr(module, "bias", None) is not None:
-                    module.bias.copy_(0.1 * randn(module.bias))
-    return model
-
-
 def decoder_only(positional: str = "learned", n_kv_heads: int | None = None, *,
                  preset: str = "gpt-tiny", seed: int = 0, **overrides) -> DecoderOnly:
     torch.manual_seed(seed)
