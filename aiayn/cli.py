@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import torch
 
 from aiayn import __version__
 from aiayn.config import ConfigError
@@ -188,6 +189,64 @@ def tasks_cmd() -> None:
 
     for name in sorted(TASKS):
         click.echo(f"{name:14s} {TASKS[name].description}")
+
+
+# ---- generation -------------------------------------------------------------------------------
+@cli.command("generate")
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory of a decoder-only task (e.g. shakespeare-char).")
+@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Tokens to generate at most.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True,
+              help="Softmax temperature; 0 = greedy.")
+@click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens only.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True),
+              help="Nucleus sampling: the smallest set of tokens whose probability reaches p.")
+@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True, help="Divide the logits of tokens already present (CTRL); 1 = off.")
+@click.option("--seed", type=int, help="Random seed for sampling.")
+@click.option("--stop", "stops", multiple=True, help="Stop once this string is produced (repeatable).")
+def generate_cmd(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None,
+                 top_p: float | None, repetition_penalty: float, seed: int | None,
+                 stops: tuple[str, ...]) -> None:
+    """Sample from a trained language model, streaming tokens as they are produced."""
+    from aiayn.generate import SamplingConfig, generate_decoder_only
+    from aiayn.train.trainer import load_run
+
+    if not prompt:
+        raise click.BadParameter("the prompt is empty; give some text to continue", param_hint="--prompt")
+    run = load_run(run_dir, prepare=False)
+    tokenizer = getattr(run.task, "tokenizer", None)
+    if run.model_config.arch != "decoder-only" or tokenizer is None:
+        raise click.UsageError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
+                               f"generation needs a decoder-only language model such as shakespeare-char")
+    try:
+        ids = tokenizer.encode(prompt)[None]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--prompt") from None
+    context = run.model_config.max_seq_len
+    if ids.shape[1] >= context:
+        raise click.BadParameter(f"the prompt is {ids.shape[1]} tokens, the model's context is {context}; "
+                                 f"shorten it", param_hint="--prompt")
+    max_new_tokens = min(max_new_tokens, context - ids.shape[1])
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
+                              repetition_penalty=repetition_penalty, seed=seed)
+    produced: list[str] = []
+
+    def stream(token: torch.Tensor) -> bool:
+        piece = tokenizer.decode(token)
+        produced.append(piece)
+        click.echo(piece, nl=False)
+        text = "".join(produced)
+        return any(stop in text for stop in stops)
+
+    click.echo(prompt, nl=False)
+    start = time.perf_counter()
+    new = generate_decoder_only(run.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                                on_token=stream)
+    seconds = time.perf_counter() - start
+    click.echo(f"\n[{new.shape[1]} tokens in {seconds:.2f} s, {new.shape[1] / seconds:.1f} tokens/s]", err=True)
 
 
 # ---- plots ------------------------------------------------------------------------------------

@@ -304,8 +304,11 @@ class LoadedRun:
     checkpoint: Path
 
 
-def load_run(run_dir: Path, *, checkpoint: Path | None = None) -> LoadedRun:
-    """The task and trained model of a run directory (its latest checkpoint by default), in eval mode."""
+def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = True) -> LoadedRun:
+    """The task and trained model of a run directory (its latest checkpoint by default), in eval mode.
+
+    ``prepare=False`` skips building the task's data splits (enough for generation).
+    """
     from aiayn.tasks import get_task
 
     run_dir = Path(run_dir)
@@ -321,6 +324,7 @@ def load_run(run_dir: Path, *, checkpoint: Path | None = None) -> LoadedRun:
         raise CheckpointError(f"{run_dir} holds no checkpoint yet")
     model = task.build_model(model_config)
     load_checkpoint(path, model)
-    task.prepare(train_config.seed)
+    if prepare:
+        task.prepare(train_config.seed)
     return LoadedRun(task=task, model=model.eval(), model_config=model_config,
                      train_config=train_config, checkpoint=path)

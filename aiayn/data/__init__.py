@@ -1,0 +1,30 @@
+"""Where datasets live: ``$AIAYN_DATA_DIR`` or, by default, ``../shared/data``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_VAR = "AIAYN_DATA_DIR"
+
+
+def data_dir() -> Path:
+    """The data root: $AIAYN_DATA_DIR, else ../shared/data from the working directory or the repo."""
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR])
+    repo = Path(__file__).resolve().parents[2]
+    for candidate in (Path.cwd() / ".." / "shared" / "data", repo / ".." / "shared" / "data"):
+        if candidate.is_dir():
+            return candidate.resolve()
+    return Path("../shared/data")
+
+
+def dataset_file(*parts: str) -> Path:
+    """A file under the data root, with an error that says where it was looked for and how to point elsewhere."""
+    path = data_dir().joinpath(*parts)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"dataset file {path} not found; set {ENV_VAR} to the folder that holds "
+            f"{'/'.join(parts)} (default: ../shared/data)"
+        )
+    return path

@@ -1,0 +1,157 @@
+"""Language modelling on Tiny Shakespeare: next-character prediction (GPT) and masked-character
+prediction (BERT's 80/10/10 masking).
+
+The corpus is ``$AIAYN_DATA_DIR/tinyshakespeare/input.txt`` (default ``../shared/data``); the first
+90% of characters train, the last 10% validate (nanoGPT's convention). Training draws random
+windows; validation covers the validation text once in non-overlapping windows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.data import dataset_file
+from aiayn.generate import SamplingConfig, generate_decoder_only
+from aiayn.tasks.base import Batch, Task, register
+from aiayn.tokenizers import CharTokenizer
+from aiayn.train.losses import IGNORE
+
+CORPUS = ("tinyshakespeare", "input.txt")
+
+
+class TextWindowsTask(Task):
+    """Shared by the character-level tasks: a tokenizer, train/val token streams, windows."""
+
+    specials: tuple[str, ...] = ()
+
+    def __init__(self, *, block_size: int = 64, **options: Any) -> None:
+        super().__init__(block_size=block_size, **options)
+        self.block_size = block_size
+        self.tokens: dict[str, Tensor] = {}
+        # The vocabulary is part of the run's config, so a trained model can generate without the corpus.
+        vocab = options.get("vocab")
+        if vocab is None:
+            vocab = CharTokenizer.from_text(dataset_file(*CORPUS).read_text(encoding="utf-8")).vocab
+            self.options["vocab"] = vocab
+        self.tokenizer = CharTokenizer(vocab, specials=self.specials)
+        self.test_split = "val"  # Tiny Shakespeare has no test split; val is reported
+
+    def prepare(self, seed: int) -> None:
+        ids = self.tokenizer.encode(dataset_file(*CORPUS).read_text(encoding="utf-8"))
+        cut = int(0.9 * len(ids))
+        self.tokens = {"train": ids[:cut], "val": ids[cut:]}
+
+    def split_size(self, split: str) -> int:
+        return (len(self.tokens[split]) - 1) // self.block_size  # windows per pass
+
+    def train_batches(self, epoch: int, batch_size: int, seed: int) -> list[Tensor]:
+        """Random window starts; one epoch draws as many windows as fit the training text."""
+        generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        high = len(self.tokens["train"]) - self.block_size - 1
+        starts = torch.randint(0, high, (self.split_size("train"),), generator=generator)
+        return list(starts.split(batch_size))
+
+    def windows(self, split: str, starts: Tensor) -> tuple[Tensor, Tensor]:
+        """starts (b,) -> inputs (b, block), next-token targets (b, block)"""
+        offsets = starts[:, None] + torch.arange(self.block_size + 1)  # (b, block + 1)
+        chunk = self.tokens[split][offsets]
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def eval_batches(self, split: str, batch_size: int) -> list[Batch]:
+        starts = torch.arange(self.split_size(split)) * self.block_size  # non-overlapping windows
+        return [self.collate(split, chunk) for chunk in starts.split(batch_size)]
+
+    def count_tokens(self, batch: Batch) -> int:
+        return batch["tokens"].numel()
+
+
+@register
+class ShakespeareCharTask(TextWindowsTask):
+    name = "shakespeare-char"
+    description = "character-level GPT on Tiny Shakespeare (nanoGPT's shakespeare-char)"
+
+    def model_config(self) -> ModelConfig:
+        # nanoGPT's CPU recipe for shakespeare-char: 4 layers, 4 heads, 128 wide, 64 characters of context.
+        return ModelConfig(arch="decoder-only", vocab_size=self.tokenizer.vocab_size, d_model=128,
+                           n_heads=4, n_layers=4, d_ff=512, activation="gelu", norm_position="pre",
+                           positional="learned", scale_embeddings=False, max_seq_len=self.block_size,
+                           pad_id=None, dropout=0.0, name="shakespeare-char")
+
+    def train_overrides(self) -> dict[str, Any]:
+        return dict(max_steps=2000, batch_size=12, lr=1e-3, schedule="cosine", warmup_steps=100,
+                    optimizer="adamw", weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8,
+                    clip_grad_norm=1.0, eval_every=500, save_every=500)
+
+    def collate(self, split: str, indices: Tensor) -> Batch:
+        tokens, targets = self.windows(split, indices)
+        return {"tokens": tokens, "targets": targets}
+
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
+        return model(batch["tokens"]).logits, batch["targets"]
+
+    def sample(self, model: nn.Module, prompt: str, *, max_new_tokens: int,
+               sampling: SamplingConfig) -> str:
+        model.eval()
+        ids = self.tokenizer.encode(prompt)[None]
+        new = generate_decoder_only(model, ids, max_new_tokens=max_new_tokens, sampling=sampling)
+        return self.tokenizer.decode(new[0])
+
+    def examples(self, model: nn.Module, n: int = 1) -> list[str]:
+        text = self.sample(model, "\n", max_new_tokens=min(200, self.block_size - 1),
+                           sampling=SamplingConfig(temperature=0.8, top_k=40, seed=0))
+        return [f"sample: {text!r}"]
+
+
+@register
+class MaskedCharTask(TextWindowsTask):
+    """BERT's masked-language-model objective on characters: 15% of positions are chosen; of those
+    80% become [MASK], 10% a random character, 10% stay; the model predicts the originals."""
+
+    name = "mlm"
+    description = "masked-character BERT pretraining on Tiny Shakespeare (80/10/10 masking)"
+    specials = ("[MASK]",)
+    mask_rate = 0.15
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(arch="encoder-only", vocab_size=self.tokenizer.vocab_size, d_model=128,
+                           n_heads=4, n_layers=4, d_ff=512, activation="gelu", norm_position="post",
+                           positional="learned", scale_embeddings=False, embedding_norm=True,
+                           max_seq_len=self.block_size, pad_id=None, type_vocab_size=0, dropout=0.0,
+                           name="mlm")
+
+    def train_overrides(self) -> dict[str, Any]:
+        return dict(max_steps=2000, batch_size=16, lr=1e-3, schedule="cosine", warmup_steps=200,
+                    optimizer="adamw", weight_decay=0.01, betas=(0.9, 0.999), eps=1e-6,
+                    clip_grad_norm=1.0, eval_every=500, save_every=500)
+
+    def collate(self, split: str, indices: Tensor) -> Batch:
+        tokens, _ = self.windows(split, indices)  # (b, block)
+        # The masking of a batch is a function of its windows, so a resumed run masks the same way.
+        seed = (int(indices[0]) * 1_000_003 + int(indices.sum()) + (0 if split == "train" else 7)) % 2**62
+        generator = torch.Generator().manual_seed(seed)
+        chosen = torch.rand(tokens.shape, generator=generator) < self.mask_rate
+        action = torch.rand(tokens.shape, generator=generator)
+        random_chars = torch.randint(len(self.tokenizer.vocab), tokens.shape, generator=generator)
+        inputs = torch.where(chosen & (action < 0.8), self.tokenizer.special_id("[MASK]"), tokens)
+        inputs = torch.where(chosen & (action >= 0.8) & (action < 0.9), random_chars, inputs)
+        targets = tokens.masked_fill(~chosen, IGNORE)
+        return {"tokens": inputs, "targets": targets}
+
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
+        return model(batch["tokens"]).mlm_logits, batch["targets"]
+
+    def examples(self, model: nn.Module, n: int = 2) -> list[str]:
+        model.eval()
+        batch = self.eval_batches("val", n)[0]
+        with torch.no_grad():
+            predicted = model(batch["tokens"][:n]).mlm_logits.argmax(-1)
+        lines = []
+        for inputs, targets, guess in zip(batch["tokens"][:n], batch["targets"][:n], predicted, strict=True):
+            shown = self.tokenizer.decode(inputs[:60]).replace("[MASK]", "_")
+            filled = torch.where(targets[:60] != IGNORE, guess[:60], inputs[:60])
+            lines.append(f"{shown!r} -> {self.tokenizer.decode(filled)!r}")
+        return lines
