@@ -117,9 +117,13 @@ class MaskedCharTask(TextWindowsTask):
     mask_rate = 0.15
 
     def model_config(self) -> ModelConfig:
+        # RoPE rather than BERT's learned positions: a masked character carries no information of
+        # its own, so everything must come from attending to its neighbours; with learned absolute
+        # positions that stays stuck at the unigram loss (~3.1) for over 900 steps here, with RoPE
+        # it passes 40% accuracy within 200.
         return ModelConfig(arch="encoder-only", vocab_size=self.tokenizer.vocab_size, d_model=128,
                            n_heads=4, n_layers=4, d_ff=512, activation="gelu", norm_position="post",
-                           positional="learned", scale_embeddings=False, embedding_norm=True,
+                           positional="rope", scale_embeddings=False, embedding_norm=True,
                            max_seq_len=self.block_size, pad_id=None, type_vocab_size=0, dropout=0.0,
                            name="mlm")
 
