@@ -17,6 +17,7 @@ POSITIONAL_SCHEMES = ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
+SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 ATTENTION_IMPLS = ("fused", "reference")
 
 
@@ -82,6 +83,12 @@ class ModelConfig:
     positional: str = "sinusoidal"
     max_seq_len: int = 512
     rope_base: float = 10000.0
+    # Learned positions: position p reads row p + position_offset of the table, which has
+    # max_seq_len + position_offset rows (BART keeps 2 unused rows in front).
+    position_offset: int = 0
+    # Sinusoidal positions: "interleaved" (paper: sin at even, cos at odd dimensions) or "split"
+    # (Marian: the sines in the first half, the cosines in the second, same frequencies).
+    sinusoidal_layout: str = "interleaved"
     # T5-style relative bias: number of buckets and the distance beyond which all share one bucket.
     relative_buckets: int = 32
     relative_max_distance: int = 128
@@ -92,6 +99,14 @@ class ModelConfig:
     activation_dropout: float = 0.0
     # Bias terms on the attention and feed-forward projections.
     bias: bool = True
+    # Finer bias switches, None = follow ``bias``: the q/k/v projections, the attention output
+    # projection (None = follow ``attn_bias``) and the feed-forward projections. LLaMA: none;
+    # Qwen2: q/k/v only (attn_bias=True, attn_out_bias=False, mlp_bias=False); GPT-2, BERT: all.
+    attn_bias: bool | None = None
+    attn_out_bias: bool | None = None
+    mlp_bias: bool | None = None
+    # A bias on the output projection to the vocabulary (BART/Marian ``final_logits_bias``).
+    lm_head_bias: bool = False
     # Multiply token embeddings by sqrt(d_model) (paper, section 3.4).
     scale_embeddings: bool = True
     # Encoder-decoder: one embedding matrix for source and target (needs one vocabulary).
@@ -114,6 +129,21 @@ class ModelConfig:
         _choice("norm", self.norm, NORMS)
         _choice("norm_position", self.norm_position, NORM_POSITIONS)
         _choice("attn_impl", self.attn_impl, ATTENTION_IMPLS)
+        _choice("sinusoidal_layout", self.sinusoidal_layout, SINUSOIDAL_LAYOUTS)
+        for name in ("attn_bias", "attn_out_bias", "mlp_bias"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True, False or None (= follow bias), got {value!r}")
+        if not isinstance(self.lm_head_bias, bool):
+            raise ConfigError(f"lm_head_bias must be True or False, got {self.lm_head_bias!r}")
+        if (not isinstance(self.position_offset, int) or isinstance(self.position_offset, bool)
+                or self.position_offset < 0):
+            raise ConfigError(f"position_offset must be an integer >= 0, got {self.position_offset!r}")
+        if self.position_offset and self.positional != "learned":
+            raise ConfigError(
+                f"position_offset={self.position_offset} only applies to positional='learned' "
+                f"(got positional={self.positional!r}); set position_offset=0"
+            )
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len",
                      "relative_buckets", "relative_max_distance"):
             _positive(name, getattr(self, name))
@@ -170,6 +200,21 @@ class ModelConfig:
     @property
     def head_size(self) -> int:
         return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q, k, v (self) and q, kv (cross) projections have biases."""
+        return self.bias if self.attn_bias is None else self.attn_bias
+
+    @property
+    def out_proj_bias(self) -> bool:
+        """Whether the attention output projection has a bias."""
+        return self.qkv_bias if self.attn_out_bias is None else self.attn_out_bias
+
+    @property
+    def ffn_bias(self) -> bool:
+        """Whether the feed-forward projections have biases."""
+        return self.bias if self.mlp_bias is None else self.mlp_bias
 
     @property
     def target_vocab_size(self) -> int:

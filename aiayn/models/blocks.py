@@ -40,8 +40,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, *, cross_attention: bool) -> None:
         super().__init__()
         c = config
-        attn_kwargs = dict(n_kv_heads=c.kv_heads, head_dim=c.head_size, bias=c.bias,
-                           dropout=c.attention_dropout, impl=c.attn_impl)
+        attn_kwargs = dict(n_kv_heads=c.kv_heads, head_dim=c.head_size, bias=c.qkv_bias,
+                           out_bias=c.out_proj_bias, dropout=c.attention_dropout, impl=c.attn_impl)
         self.pre_norm = c.norm_position == "pre"
         self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, **attn_kwargs)
         self.self_attn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
@@ -50,7 +50,7 @@ class TransformerBlock(nn.Module):
         if cross_attention:
             self.cross_attn = MultiHeadAttention(c.d_model, c.n_heads, cross=True, **attn_kwargs)
             self.cross_attn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
-        self.ffn = FeedForward(c.d_model, c.d_ff, activation=c.activation, bias=c.bias,
+        self.ffn = FeedForward(c.d_model, c.d_ff, activation=c.activation, bias=c.ffn_bias,
                                dropout=c.activation_dropout)
         self.ffn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
         self.dropout = nn.Dropout(c.dropout)  # residual dropout, P_drop in the paper
@@ -154,9 +154,11 @@ class TransformerStack(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.relative: nn.Module | None = None
         if c.positional == "sinusoidal":
-            self.absolute = SinusoidalPositionalEncoding(c.d_model, c.max_seq_len)
+            self.absolute = SinusoidalPositionalEncoding(c.d_model, c.max_seq_len,
+                                                         layout=c.sinusoidal_layout)
         elif c.positional == "learned":
-            self.absolute = LearnedPositionalEmbedding(c.max_seq_len, c.d_model)
+            self.absolute = LearnedPositionalEmbedding(c.max_seq_len, c.d_model,
+                                                       offset=c.position_offset)
         elif c.positional == "rope":
             self.rotary = RotaryEmbedding(c.head_size, c.max_seq_len, base=c.rope_base)
         elif c.positional == "alibi":

@@ -20,7 +20,7 @@ class DecoderOnly(nn.Module):
         self.config = config
         embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.decoder = TransformerStack(config, n_layers=config.n_layers, embedding=embedding, causal=True)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         init_weights(self, config)
         if config.tie_output:
             self.lm_head.weight = embedding.weight

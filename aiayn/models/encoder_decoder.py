@@ -38,7 +38,7 @@ class EncoderDecoder(nn.Module):
                                         causal=False)
         self.decoder = TransformerStack(config, n_layers=config.decoder_layers,
                                         embedding=tgt_embedding, causal=True, cross_attention=True)
-        self.lm_head = nn.Linear(config.d_model, config.target_vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.target_vocab_size, bias=config.lm_head_bias)
         init_weights(self, config)
         if config.tie_output:
             self.lm_head.weight = tgt_embedding.weight

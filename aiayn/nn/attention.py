@@ -165,10 +165,14 @@ class MultiHeadAttention(nn.Module):
         head_dim: int | None = None,
         cross: bool = False,
         bias: bool = True,
+        out_bias: bool | None = None,
         dropout: float = 0.0,
         impl: str = "fused",
     ) -> None:
+        """``bias`` switches the biases of the q/k/v projections, ``out_bias`` that of the output
+        projection (None = same as ``bias``; Qwen2 has q/k/v biases but none on the output)."""
         super().__init__()
+        out_bias = bias if out_bias is None else out_bias
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         head_dim = d_model // n_heads if head_dim is None else head_dim
         if n_heads % n_kv_heads != 0:
@@ -181,7 +185,7 @@ class MultiHeadAttention(nn.Module):
             self.kv_proj = nn.Linear(d_model, 2 * kv_width, bias=bias)
         else:
             self.qkv_proj = nn.Linear(d_model, q_width + 2 * kv_width, bias=bias)
-        self.out_proj = nn.Linear(q_width, d_model, bias=bias)
+        self.out_proj = nn.Linear(q_width, d_model, bias=out_bias)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         """(b, t, n * d_h) -> (b, n, t, d_h)"""

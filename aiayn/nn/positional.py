@@ -17,21 +17,30 @@ import math
 import torch
 from torch import Tensor, nn
 
+SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 
-def sinusoidal_encoding(positions: Tensor, d_model: int) -> Tensor:
+
+def sinusoidal_encoding(positions: Tensor, d_model: int, *, layout: str = "interleaved") -> Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)).
 
-    positions: any shape (...) of integer or float positions -> (..., d_model), float32.
+    ``layout="split"`` puts the same sines in the first half and the cosines in the second
+    (Marian / fairseq): PE(pos, i) = sin(.. i ..), PE(pos, d/2 + i) = cos(.. i ..), i < d/2.
+    positions: any shape (...) of integer or float positions -> (..., d_model), float32. The
+    angles are computed in float64 (as Marian's table is) and rounded once.
     """
     if d_model % 2 != 0:
         raise ValueError(f"sinusoidal_encoding needs an even d_model, got {d_model}")
-    i = torch.arange(0, d_model, 2, dtype=torch.float32, device=positions.device)  # 2i
-    inv_freq = torch.exp(-math.log(10000.0) * i / d_model)  # 1 / 10000^(2i/d), (d/2,)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., d/2)
-    pe = torch.empty(*angles.shape[:-1], d_model, dtype=torch.float32, device=positions.device)
+    if layout not in SINUSOIDAL_LAYOUTS:
+        raise ValueError(f"unknown sinusoidal layout {layout!r}; choose one of {', '.join(SINUSOIDAL_LAYOUTS)}")
+    i = torch.arange(0, d_model, 2, dtype=torch.float64, device=positions.device)  # 2i
+    inv_freq = 1.0 / torch.pow(10000.0, i / d_model)  # 1 / 10000^(2i/d), (d/2,)
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # (..., d/2)
+    if layout == "split":
+        return torch.cat((torch.sin(angles), torch.cos(angles)), dim=-1).to(torch.float32)
+    pe = torch.empty(*angles.shape[:-1], d_model, dtype=torch.float64, device=positions.device)
     pe[..., 0::2] = torch.sin(angles)
     pe[..., 1::2] = torch.cos(angles)
-    return pe
+    return pe.to(torch.float32)
 
 
 def _check_positions(positions: Tensor, max_len: int, what: str) -> None:
@@ -45,10 +54,10 @@ def _check_positions(positions: Tensor, max_len: int, what: str) -> None:
 class SinusoidalPositionalEncoding(nn.Module):
     """Fixed sinusoids, precomputed for ``max_len`` positions (a buffer, not a parameter)."""
 
-    def __init__(self, d_model: int, max_len: int) -> None:
+    def __init__(self, d_model: int, max_len: int, *, layout: str = "interleaved") -> None:
         super().__init__()
         self.max_len = max_len
-        pe = sinusoidal_encoding(torch.arange(max_len), d_model)  # (max_len, d)
+        pe = sinusoidal_encoding(torch.arange(max_len), d_model, layout=layout)  # (max_len, d)
         self.register_buffer("pe", pe, persistent=False)
 
     def forward(self, positions: Tensor) -> Tensor:
@@ -58,16 +67,20 @@ class SinusoidalPositionalEncoding(nn.Module):
 
 
 class LearnedPositionalEmbedding(nn.Embedding):
-    """A trained vector per position (BERT, GPT-2)."""
+    """A trained vector per position (BERT, GPT-2).
 
-    def __init__(self, max_len: int, d_model: int) -> None:
-        super().__init__(max_len, d_model)
-        self.max_len = max_len
+    With ``offset`` the table has ``max_len + offset`` rows and position p reads row p + offset
+    (BART's learned positions keep 2 rows in front, a fairseq legacy).
+    """
+
+    def __init__(self, max_len: int, d_model: int, *, offset: int = 0) -> None:
+        super().__init__(max_len + offset, d_model)
+        self.max_len, self.offset = max_len, offset
 
     def forward(self, positions: Tensor) -> Tensor:
         """positions (b, t) -> (b, t, d)"""
         _check_positions(positions, self.max_len, "LearnedPositionalEmbedding")
-        return super().forward(positions)
+        return super().forward(positions + self.offset if self.offset else positions)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -94,7 +107,8 @@ class RotaryEmbedding(nn.Module):
         if head_dim % 2 != 0:
             raise ValueError(f"RotaryEmbedding needs an even head_dim, got {head_dim}")
         self.max_len = max_len
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (d_h/2,)
+        # 1 / base^(2i/d_h), (d_h/2,); written as Hugging Face LLaMA does, so the float32 tables match
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq  # (max_len, d_h/2)
         angles = torch.cat((angles, angles), dim=-1)  # (max_len, d_h), halves share frequencies
         self.register_buffer("cos", angles.cos(), persistent=False)

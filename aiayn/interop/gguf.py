@@ -1,0 +1,544 @@
+"""GGUF (llama.cpp) checkpoints in: ``load_gguf(path) -> (model, config, tokenizer, chat_template)``.
+
+A GGUF file holds the weights (often block-quantised), the hyper-parameters and the tokenizer as
+metadata under llama.cpp's key names, and usually a Jinja chat template. ``load_gguf`` reads it
+with the ``gguf`` package (``GGUFReader``; ``gguf.quants.dequantize`` for the blocks) and:
+
+* dequantises every tensor to float32 (``SUPPORTED_TYPES``: float F32/F16/BF16, the legacy block
+  quants Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quants Q2_K..Q6_K); the model then runs in float32
+  (or ``dtype``), it does not compute on the quantised blocks;
+* renames the tensors to Hugging Face's LLaMA names, undoing llama.cpp's per-head row permutation
+  of the q/k projections (see ``unpermute_rope_rows``), builds the equivalent LLaMA config.json
+  dict from the metadata, and converts both with ``aiayn.interop.hf.from_hf_state``: the same code
+  path, checks and LLaMA mapping as ``load_hf``;
+* rebuilds the tokenizer (``tokenizer.ggml.model == "gpt2"``: byte-level BPE from the vocabulary and
+  merges, with llama.cpp's pre-tokenizer for ``tokenizer.ggml.pre``) as a ``tokenizers.Tokenizer``;
+* wraps ``tokenizer.chat_template`` in a ``ChatTemplate`` that renders like transformers'
+  ``apply_chat_template``.
+
+Supported architectures: ``general.architecture == "llama"`` (LLaMA 1/2, Mistral, SmolLM, TinyLlama
+and the other models llama.cpp stores as "llama"; the default RoPE only, no mixture of experts).
+Anything else fails early with ``GGUFError``, a one-line message naming what is unsupported.
+
+Needs the optional packages ``gguf`` and ``tokenizers`` (and ``jinja2`` to render chat templates).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.interop.hf import from_hf_state
+from aiayn.interop.mapping import InteropError
+
+if TYPE_CHECKING:  # optional dependencies, imported where used
+    from gguf import GGUFReader, ReaderTensor
+    from tokenizers import Tokenizer
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHITECTURES = ("llama",)
+# ggml tensor types aiayn dequantises (names of gguf.GGMLQuantizationType members).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TOKENIZERS = ("gpt2",)
+
+# llama.cpp's tensor names -> Hugging Face LlamaForCausalLM's (gguf's tensor_mapping, LLaMA part).
+_TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_PER_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Stored by some old converters, derived from the config (aiayn computes its own RoPE tables).
+_IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd")
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# llama.cpp's token types (tokenizer.ggml.token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class GGUFError(InteropError):
+    """A GGUF file aiayn cannot load; the one-line message names the file and what is wrong."""
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def _import_gguf() -> Any:
+    try:
+        import gguf
+    except ImportError as exc:
+        raise GGUFError("loading GGUF files needs the 'gguf' package: pip install gguf") from exc
+    return gguf
+
+
+def _reader_class(base: type) -> type:
+    """``GGUFReader``, or a subclass that parses 3x faster (reads slices of a plain ndarray view of
+    the memory map instead of ``np.memmap`` slices, whose per-slice bookkeeping dominates parsing
+    the ~100k vocabulary strings); the same arrays and fields. Used only where the private
+    ``_get`` it overrides has the signature it was written for (gguf 0.10 - 0.19 at least)."""
+    try:
+        params = list(inspect.signature(base._get).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return base
+    if params != ["self", "offset", "dtype", "count", "override_order"]:
+        return base
+
+    class FastReader(base):  # type: ignore[misc, valid-type]
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: str | None = None) -> Any:
+            plain = self.__dict__.get("_plain")
+            if plain is None:  # self.data is the np.memmap GGUFReader.__init__ opened
+                plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+            count = int(count)
+            arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return FastReader
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    """A ``GGUFReader`` over ``path`` (memory-mapped), after checking it is a GGUF file at all."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r})")
+    gguf = _import_gguf()
+    try:
+        return _reader_class(gguf.GGUFReader)(path)
+    except Exception as exc:  # truncated or corrupt: ValueError, IndexError, struct errors, ...
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise GGUFError(f"{path}: a damaged GGUF file that cannot be read ({type(exc).__name__}: {first})") from exc
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key/value of the file (not the GGUF.* header fields): str, int, float, bool or lists."""
+    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def _type_name(tensor: ReaderTensor) -> str:
+    return tensor.tensor_type.name
+
+
+def _check_types(tensors: Sequence[ReaderTensor], source: str) -> None:
+    bad: dict[str, list[str]] = {}
+    for t in tensors:
+        if _type_name(t) not in SUPPORTED_TYPES:
+            bad.setdefault(_type_name(t), []).append(t.name)
+    if bad:
+        kind, names = next(iter(bad.items()))
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        others = f"; also {', '.join(sorted(set(bad) - {kind}))}" if len(bad) > 1 else ""
+        raise GGUFError(
+            f"{source}: tensor {names[0]}{more} is stored as {kind}, which aiayn cannot dequantise"
+            f"{others}; supported types: {', '.join(SUPPORTED_TYPES)}"
+        )
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> Tensor:
+    """One GGUF tensor as a float32 torch tensor in PyTorch's (row-major) shape.
+
+    GGUF lists dimensions fastest-first (ggml's ``ne``: a (out, in) weight is stored as [in, out]),
+    so the torch shape is the reverse. Quantised data comes as (rows, bytes per row) uint8 blocks;
+    ``gguf.quants.dequantize`` unpacks it to (rows, in) values.
+    """
+    from gguf.quants import dequantize
+
+    shape = _torch_shape(tensor)
+    values = dequantize(tensor.data, tensor.tensor_type)  # float32 (or a memory-mapped F32 view)
+    array = np.array(values, dtype=np.float32, copy=True).reshape(shape)  # own memory, not the mmap
+    return torch.from_numpy(array)
+
+
+def unpermute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
+    """Undo llama.cpp's per-head row permutation of a q or k projection (weight or bias).
+
+    Hugging Face's RoPE (and aiayn's) rotates the two *halves* of each head (rotate_half); ggml's
+    original LLaMA RoPE rotates *adjacent pairs*. llama.cpp's converter therefore reorders each
+    head's rows from [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] to [x_0, y_0, x_1, y_1, ...]
+    (``permute`` in convert_hf_to_gguf.py, with n_heads = the kv heads for k). This is its inverse.
+
+    weight (n_heads * d_h, ...) -> same shape, each head's rows back in half-split order.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_heads):
+        raise GGUFError(f"a q/k projection with {rows} rows cannot be split into {n_heads} heads of even width")
+    half = rows // n_heads // 2
+    # (h, d_h/2, 2, ...) pairs -> (h, 2, d_h/2, ...) halves
+    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+# ---- LLaMA: metadata -> config.json, tensors -> Hugging Face names ------------------------------
+def _need(meta: dict[str, Any], key: str, source: str) -> Any:
+    if meta.get(key) is None:
+        raise GGUFError(f"{source}: metadata has no {key!r}, which a {meta.get('general.architecture')} model needs")
+    return meta[key]
+
+
+def llama_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int,
+                    source: str) -> dict[str, Any]:
+    """The Hugging Face LLaMA config.json dict equivalent to a "llama" GGUF's metadata."""
+    a = "llama"
+    d = int(_need(meta, f"{a}.embedding_length", source))
+    n_heads = int(_need(meta, f"{a}.attention.head_count", source))
+    n_kv = int(meta.get(f"{a}.attention.head_count_kv") or n_heads)
+    head_dim = int(meta.get(f"{a}.attention.key_length") or d // n_heads)
+    value_dim = int(meta.get(f"{a}.attention.value_length") or head_dim)
+    if value_dim != head_dim:
+        raise GGUFError(f"{source}: key_length {head_dim} != value_length {value_dim}; aiayn heads have one width")
+    rope_dim = int(meta.get(f"{a}.rope.dimension_count") or head_dim)
+    if rope_dim != head_dim:
+        raise GGUFError(f"{source}: RoPE on {rope_dim} of {head_dim} head dimensions (partial rotary) "
+                        f"is not supported; aiayn rotates whole heads")
+    scaling = meta.get(f"{a}.rope.scaling.type")
+    if scaling not in (None, "none") or "rope_freqs.weight" in tensor_names:
+        kind = scaling if scaling not in (None, "none") else "llama3 (rope_freqs.weight)"
+        raise GGUFError(f"{source}: RoPE scaling {kind!r} is not supported; aiayn implements the default RoPE only")
+    if meta.get(f"{a}.expert_count"):
+        raise GGUFError(f"{source}: a mixture-of-experts model ({meta[f'{a}.expert_count']} experts) is "
+                        f"not supported; aiayn's LLaMA has one dense MLP per block")
+    vocab = int(meta.get(f"{a}.vocab_size") or vocab_rows)
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": d,
+        "intermediate_size": int(_need(meta, f"{a}.feed_forward_length", source)),
+        "num_hidden_layers": int(_need(meta, f"{a}.block_count", source)),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta.get(f"{a}.context_length") or 2048),
+        "rms_norm_eps": float(meta.get(f"{a}.attention.layer_norm_rms_epsilon") or 1e-5),
+        "rope_theta": float(meta.get(f"{a}.rope.freq_base") or 10000.0),
+        # Biases are optional in llama.cpp's LLaMA graph; o_proj's goes with q/k/v's as in HF.
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """Hugging Face's LLaMA name for a llama.cpp tensor name (None: not a LLaMA tensor)."""
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _TOP_LEVEL and kind in ("weight", "bias"):
+        return f"{_TOP_LEVEL[base]}.{kind}"
+    m = _BLOCK_NAME.fullmatch(gguf_name)
+    if m and m[2] in _PER_BLOCK:
+        return f"model.layers.{m[1]}.{_PER_BLOCK[m[2]]}.{m[3]}"
+    return None
+
+
+def llama_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> its PyTorch shape, for every tensor a "llama" model of this config has."""
+    d, f, v = hf_config["hidden_size"], hf_config["intermediate_size"], hf_config["vocab_size"]
+    q = hf_config["num_attention_heads"] * hf_config["head_dim"]
+    kv = hf_config["num_key_value_heads"] * hf_config["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (v, d), "output_norm.weight": (d,)}
+    if not hf_config["tie_word_embeddings"]:
+        shapes["output.weight"] = (v, d)
+    per_block = {"attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
+                 "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,),
+                 "ffn_gate.weight": (f, d), "ffn_up.weight": (f, d), "ffn_down.weight": (d, f)}
+    if hf_config["attention_bias"]:
+        per_block.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_output.bias": (d,)})
+    if hf_config["mlp_bias"]:
+        per_block.update({"ffn_gate.bias": (f,), "ffn_up.bias": (f,), "ffn_down.bias": (d,)})
+    for i in range(hf_config["num_hidden_layers"]):
+        shapes.update({f"blk.{i}.{name}": shape for name, shape in per_block.items()})
+    return shapes
+
+
+def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))
+
+
+def check_llama_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], source: str) -> None:
+    """Every tensor the metadata implies is present with its shape, and there are no others."""
+    expected = llama_shapes(hf_config)
+    present = {t.name: _torch_shape(t) for t in tensors if not _IGNORED.fullmatch(t.name)}
+    unknown = sorted(n for n in present if n not in expected)
+    if unknown:
+        more = f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else ""
+        raise GGUFError(
+            f"{source}: tensor(s) {', '.join(unknown[:3])}{more} have no counterpart in a "
+            f"{hf_config['num_hidden_layers']}-block LLaMA; aiayn reads token_embd, output_norm, output and "
+            f"blk.N.{{{','.join(_PER_BLOCK)}}}"
+        )
+    missing = [n for n in expected if n not in present]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise GGUFError(f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}; the file is "
+                        f"incomplete or its metadata does not describe it")
+    for name, shape in present.items():
+        if shape != expected[name]:
+            a = "llama"
+            raise GGUFError(
+                f"{source}: tensor {name} has shape {shape}, but the metadata ({a}.embedding_length="
+                f"{hf_config['hidden_size']}, {a}.feed_forward_length={hf_config['intermediate_size']}, "
+                f"heads {hf_config['num_attention_heads']}/{hf_config['num_key_value_heads']} of width "
+                f"{hf_config['head_dim']}, vocab {hf_config['vocab_size']}) implies {expected[name]}"
+            )
+
+
+def llama_hf_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any]) -> dict[str, Tensor]:
+    """Hugging Face name -> float32 tensor, q/k rows back in Hugging Face's RoPE order."""
+    heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
+    out: dict[str, Tensor] = {}
+    for t in tensors:
+        name = hf_name(t.name)
+        if name is None:  # an ignored tensor (check_llama_tensors rejected the unknown ones)
+            continue
+        value = dequantize_tensor(t)
+        m = _BLOCK_NAME.fullmatch(t.name)
+        if m and m[2] in heads:
+            value = unpermute_rope_rows(value, heads[m[2]])
+        out[name] = value
+    return out
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------
+# llama.cpp's pre-tokenizers (llama-vocab.cpp, by tokenizer.ggml.pre), as `tokenizers` pieces.
+_GPT2_REGEX_PRE = ("gpt2", "default", "mpt", "olmo", "jais", "trillion", "granite-docling")
+_DIGITS_THEN_GPT2_PRE = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_PRE = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+}
+# llama.cpp matches a whole pre-token against the vocabulary before merging for these.
+_IGNORE_MERGES_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3")
+
+
+def _pre_tokenizer(pre: str | None, source: str) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
+    if pre in _DIGITS_THEN_GPT2_PRE:  # every digit its own pre-token, then GPT-2's regex
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _SPLIT_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    if pre not in (*_GPT2_REGEX_PRE, None):
+        warnings.warn(f"{source}: tokenizer.ggml.pre={pre!r} is not known to aiayn; splitting text with "
+                      f"GPT-2's regex, which may tokenize some text differently from llama.cpp", stacklevel=4)
+    return byte_level
+
+
+def gguf_tokenizer(meta: dict[str, Any], source: str) -> Tokenizer:
+    """A ``tokenizers.Tokenizer`` equal to the one the metadata describes (byte-level BPE).
+
+    Control tokens (type 3, e.g. ``<|im_start|>``) are special added tokens, user-defined ones (4)
+    plain added tokens: both are matched whole in the text, as llama.cpp does. BOS/EOS are added by
+    ``encode`` when ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say so.
+    """
+    model_kind = meta.get("tokenizer.ggml.model")
+    if model_kind is None:
+        raise GGUFError(f"{source}: the metadata holds no tokenizer (tokenizer.ggml.model); pass "
+                        f"tokenizer=False to load the model alone")
+    if model_kind not in SUPPORTED_TOKENIZERS:
+        raise GGUFError(
+            f"{source}: tokenizer.ggml.model={model_kind!r} is not supported; aiayn rebuilds "
+            f"{', '.join(SUPPORTED_TOKENIZERS)} (byte-level BPE) tokenizers — pass tokenizer=False "
+            f"to load the model alone"
+        )
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    tokens: list[str] = list(_need(meta, "tokenizer.ggml.tokens", source))
+    merges = [tuple(m.split(" ", 1)) for m in _need(meta, "tokenizer.ggml.merges", source)]
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # a duplicated spelling keeps its first id
+    pre = meta.get("tokenizer.ggml.pre")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                     ignore_merges=pre in _IGNORE_MERGES_PRE))
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre, source)
+    tokenizer.decoder = decoders.ByteLevel()
+
+    types = meta.get("tokenizer.ggml.token_type") or []
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in zip(tokens, types, strict=False) if kind == _CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED])
+
+    added = []  # what encode() puts around the text: [bos] text [eos], as the file asks
+    for which in ("bos", "eos"):
+        token_id = meta.get(f"tokenizer.ggml.{which}_token_id")
+        if meta.get(f"tokenizer.ggml.add_{which}_token") and token_id is not None:
+            added.append((which, tokens[token_id], token_id))
+    if added:
+        before = [t for which, t, _ in added if which == "bos"]
+        after = [t for which, t, _ in added if which == "eos"]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=[*before, "$A", *after],
+            pair=[*before, "$A", *after, *(f"{t}:1" for t in before), "$B:1", *(f"{t}:1" for t in after)],
+            special_tokens=[(t, i) for _, t, i in added],
+        )
+    return tokenizer
+
+
+# ---- chat template ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A Jinja chat template and the special tokens it may refer to (``bos_token``, ...)."""
+
+    source: str
+    special_tokens: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.source
+
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+               **kwargs: Any) -> str:
+        """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]).
+
+        Rendered as transformers' ``apply_chat_template(tokenize=False)`` does: a sandboxed Jinja
+        environment with trim_blocks / lstrip_blocks and loop controls, a ``tojson`` that does not
+        escape HTML, ``raise_exception`` and ``strftime_now``; the special tokens and ``kwargs``
+        are template variables. Encode the result without adding special tokens (the template
+        writes them).
+        """
+        variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
+        return _compiled(self.source).render(messages=[dict(m) for m in messages],
+                                             add_generation_prompt=add_generation_prompt, **variables)
+
+
+def _compiled(source: str) -> Any:
+    try:
+        import jinja2
+        from jinja2 import nodes
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:
+        raise GGUFError("rendering a chat template needs the 'jinja2' package: pip install jinja2") from exc
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` (assistant-mask markers): renders its body."""
+
+        tags = {"generation"}  # noqa: RUF012 (jinja's class attribute)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _chat_template(meta: dict[str, Any]) -> ChatTemplate | None:
+    source = meta.get("tokenizer.chat_template")
+    if not source:
+        return None
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    specials = {}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
+                      ("pad_token", "padding")):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            specials[name] = tokens[token_id]
+    return ChatTemplate(source, specials)
+
+
+# ---- the loader ---------------------------------------------------------------------------------
+@dataclass
+class GGUFModel:
+    """What ``load_gguf`` returns; unpacks as ``model, config, tokenizer, chat_template``."""
+
+    model: nn.Module  # DecoderOnly, eval mode
+    config: ModelConfig
+    tokenizer: Tokenizer | None  # None when loaded with tokenizer=False
+    chat_template: ChatTemplate | None  # None when the file has none
+    bos_id: int | None = None
+    eos_id: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict, repr=False)  # every key but token arrays
+    tensor_types: dict[str, int] = field(default_factory=dict)  # ggml type name -> tensors stored so
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.model, self.config, self.tokenizer, self.chat_template))
+
+
+def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: bool = True) -> GGUFModel:
+    """Load a llama.cpp GGUF file as an aiayn ``DecoderOnly`` (float32 unless ``dtype``).
+
+    Returns a ``GGUFModel`` that unpacks as ``(model, config, tokenizer, chat_template)``; it also
+    carries ``bos_id``, ``eos_id`` (stop generating there) and the file's scalar ``metadata``.
+    ``tokenizer=False`` skips rebuilding the tokenizer (e.g. for an unsupported tokenizer type).
+
+    Raises ``GGUFError`` (an ``InteropError``) for a file that is not GGUF, an unsupported
+    architecture, tensor type or tokenizer, or metadata that does not match the tensors.
+    """
+    source = str(path)
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{source}: architecture {arch!r} is not supported; aiayn loads GGUF "
+                        f"architectures {', '.join(SUPPORTED_ARCHITECTURES)}")
+    _check_types(reader.tensors, source)
+    names = {t.name for t in reader.tensors}
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise GGUFError(f"{source}: no token_embd.weight tensor; not a complete {arch} model")
+    hf_config = llama_hf_config(meta, names, int(embedding.shape[-1]), source)
+    check_llama_tensors(reader.tensors, hf_config, source)
+    tok = gguf_tokenizer(meta, source) if tokenizer else None  # before the slow part: fail early
+    tensors = llama_hf_tensors(reader.tensors, hf_config)
+    try:
+        model, config = from_hf_state(hf_config, tensors, source=source)
+    except InteropError as exc:  # the shared LLaMA checks, in Hugging Face's names
+        raise GGUFError(str(exc)) from exc
+    if dtype is not None:
+        model = model.to(dtype)
+    scalars = {k: v for k, v in meta.items() if not isinstance(v, list) or len(v) <= 64}
+    types = Counter(_type_name(t) for t in reader.tensors)
+    return GGUFModel(model, config, tok, _chat_template(meta), bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+                     eos_id=meta.get("tokenizer.ggml.eos_token_id"), metadata=scalars,
+                     tensor_types=dict(types.most_common()))

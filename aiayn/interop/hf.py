@@ -1,0 +1,217 @@
+"""Hugging Face checkpoints in and out: ``load_hf``, ``from_hf_model``, ``export_hf``.
+
+Supported families (see each class in ``aiayn.interop.hf_families`` for its quirks):
+
+* LLaMA-style decoders: ``llama``, ``mistral``, ``qwen2`` (GQA, RoPE, RMSNorm, SwiGLU) -> ``DecoderOnly``
+* ``gpt2`` (GPT2LMHeadModel) -> ``DecoderOnly``
+* ``bert`` (BertModel / BertForMaskedLM / BertForPreTraining) -> ``EncoderOnly``
+* ``bart`` and ``marian`` (BartForConditionalGeneration, MarianMTModel) -> ``EncoderDecoder``
+
+A model directory holds ``config.json`` and the weights: ``model.safetensors``, sharded
+``model.safetensors.index.json`` + shards, or (read only through ``torch.load(weights_only=True)``,
+which refuses arbitrary pickled objects) ``pytorch_model.bin`` / its sharded index. Nothing is
+downloaded and transformers is not needed to load or export; the tests use it as the reference.
+
+Conversion is checked: every source tensor is used exactly once (the few non-weights a family
+names are ignored, e.g. GPT-2's mask buffers), every aiayn parameter is written, every shape
+matches; otherwise ``InteropError`` names the tensors. Converted models are returned in eval mode.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.interop.hf_families import FAMILIES, Family, HFConfig
+from aiayn.interop.mapping import InteropError, export_tensors, load_tensors
+from aiayn.models import build_model
+
+CONFIG_FILE = "config.json"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def supported() -> str:
+    """One line per family: its model types and architectures."""
+    return "; ".join(f"{'/'.join(f.model_types)} ({', '.join(f.architectures)})" for f in FAMILIES)
+
+
+def family_for(hf_config: dict[str, Any], *, source: str = "checkpoint") -> Family:
+    """The family that converts this config.json, from ``model_type`` and ``architectures``."""
+    model_type = hf_config.get("model_type")
+    family = next((f for f in FAMILIES if model_type in f.model_types), None)
+    if family is None:
+        raise InteropError(
+            f"{source}: model_type {model_type!r} (architectures {hf_config.get('architectures')}) "
+            f"is not supported; aiayn.interop converts {supported()}"
+        )
+    bad = [a for a in hf_config.get("architectures") or [] if a not in family.architectures]
+    if bad:
+        raise InteropError(
+            f"{source}: architecture {', '.join(bad)} is not supported for model_type "
+            f"{model_type!r}; supported: {', '.join(family.architectures)}"
+        )
+    return family
+
+
+# ---- reading files ------------------------------------------------------------------------------
+def _read_bin(path: Path) -> dict[str, Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError, RuntimeError, ...: all mean "not a plain state dict"
+        raise InteropError(
+            f"{path}: cannot be read as a plain tensor state dict with torch.load(weights_only=True) "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); aiayn never "
+            f"unpickles arbitrary objects — convert the checkpoint to safetensors"
+        ) from exc
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise InteropError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+    return state
+
+
+def _read_weight_file(path: Path) -> dict[str, Tensor]:
+    if path.name.endswith(".index.json"):
+        try:
+            weight_map: dict[str, str] = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise InteropError(f"{path}: not a shard index (a JSON object with 'weight_map')") from exc
+        tensors: dict[str, Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = path.parent / shard
+            if not shard_path.is_file():
+                raise InteropError(f"{path}: lists shard {shard}, which is not in {path.parent}")
+            tensors.update(_read_weight_file(shard_path))
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise InteropError(f"{path}: tensor(s) {', '.join(missing[:8])} listed in the index are "
+                               f"in none of the shards")
+        return tensors
+    if path.suffix == ".safetensors":
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError) as exc:
+            raise InteropError(f"{path}: not a readable safetensors file ({exc})") from exc
+    return _read_bin(path)
+
+
+def read_hf_checkpoint(path_or_dir: str | Path) -> tuple[dict[str, Any], dict[str, Tensor], str]:
+    """(config.json as a dict, name -> tensor, a name for messages) of a model directory.
+
+    ``path_or_dir`` is the directory, or one weights file in it (config.json next to it).
+    Safetensors files are preferred over ``pytorch_model.bin`` when both are present.
+    """
+    path = Path(path_or_dir)
+    weights = path if path.is_file() else None
+    directory = path.parent if path.is_file() else path
+    if not directory.is_dir():
+        raise InteropError(f"{path}: no such model directory (expected config.json + model.safetensors)")
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise InteropError(f"{directory}: no {CONFIG_FILE}; a Hugging Face model directory needs one")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise InteropError(f"{config_path}: not valid JSON ({exc})") from exc
+    if weights is None:
+        weights = next((directory / f for f in WEIGHT_FILES if (directory / f).is_file()), None)
+        if weights is None:
+            raise InteropError(f"{directory}: no weights; looked for {', '.join(WEIGHT_FILES)}")
+    return config, _read_weight_file(weights), str(directory)
+
+
+# ---- converting ---------------------------------------------------------------------------------
+def _canonical_tensors(family: Family, tensors: dict[str, Tensor], hf: HFConfig,
+                       config: ModelConfig) -> dict[str, Tensor]:
+    """Normalise names, fold tied copies onto one name (checking they are equal), prepare."""
+    out: dict[str, Tensor] = {}
+    origin: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        canon = family.normalize(name)
+        if canon in out:
+            raise InteropError(f"{hf.source}: tensors {origin[canon]} and {name} both mean {canon}")
+        out[canon], origin[canon] = tensor, name
+    for alias, canon in family.aliases(config).items():
+        if alias not in out:
+            continue
+        tensor = out.pop(alias)
+        if canon not in out:
+            out[canon] = tensor
+        elif out[canon].shape != tensor.shape or not torch.equal(out[canon], tensor):
+            raise InteropError(
+                f"{hf.source}: {alias} differs from {canon}, but the config ties them "
+                f"(tie_word_embeddings); set it to false in config.json if they are separate"
+            )
+    family.prepare(out, config, hf.source)
+    return out
+
+
+def from_hf_state(hf_config: dict[str, Any], tensors: dict[str, Tensor], *,
+                  source: str = "checkpoint") -> tuple[nn.Module, ModelConfig]:
+    """An aiayn model (eval mode, float32) from a config.json dict and its tensors.
+
+    The building block of ``load_hf`` and ``from_hf_model``; other converters (e.g. from GGUF)
+    can map their names to Hugging Face's and call it.
+    """
+    family = family_for(hf_config, source=source)
+    hf = HFConfig(hf_config, source)
+    config = family.to_config(hf)
+    model = build_model(config)
+    load_tensors(model, _canonical_tensors(family, tensors, hf, config), family.rules(config),
+                 source=source, ignore=family.ignore)
+    return model.eval(), config
+
+
+def load_hf(path_or_dir: str | Path, *, dtype: torch.dtype | None = None) -> tuple[nn.Module, ModelConfig]:
+    """Load a Hugging Face model directory (config.json + weights) as an aiayn model.
+
+    Returns ``(model, config)``: a ``DecoderOnly`` / ``EncoderOnly`` / ``EncoderDecoder`` in eval
+    mode, in float32 unless ``dtype`` is given, and its ``ModelConfig``.
+    """
+    hf_config, tensors, source = read_hf_checkpoint(path_or_dir)
+    model, config = from_hf_state(hf_config, tensors, source=source)
+    return (model if dtype is None else model.to(dtype)), config
+
+
+def from_hf_model(hf_model: nn.Module) -> tuple[nn.Module, ModelConfig]:
+    """Convert an in-memory transformers model (``PreTrainedModel``) without touching disk."""
+    hf_config = hf_model.config.to_dict()  # type: ignore[union-attr]
+    architecture = type(hf_model).__name__
+    hf_config["architectures"] = [architecture]
+    return from_hf_state(hf_config, dict(hf_model.state_dict()), source=f"{architecture} (in memory)")
+
+
+def export_hf(model: nn.Module, config: ModelConfig, out_dir: str | Path, *,
+              family: str | None = None) -> Path:
+    """Write ``model`` as a Hugging Face directory (config.json + model.safetensors).
+
+    The family is the first of LLaMA/Qwen2, GPT-2, BERT, BART, Marian that can represent
+    ``config`` (or the one named by ``family``); transformers' ``AutoModel*.from_pretrained``
+    loads the result. Raises ``InteropError`` listing what no family can hold.
+    """
+    candidates = [f for f in FAMILIES if family in (None, f.name)]
+    if not candidates:
+        raise InteropError(f"unknown family {family!r}; choose one of {', '.join(f.name for f in FAMILIES)}")
+    reasons = []
+    for fam in candidates:
+        try:
+            hf_config = fam.export_config(config)
+        except InteropError as exc:
+            reasons.append(str(exc))
+            continue
+        tensors = {fam.export_name(k): v for k, v in export_tensors(model, fam.rules(config)).items()}
+        fam.finish_export(tensors, config)
+        dtype = next(iter(tensors.values())).dtype
+        hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype).removeprefix("torch.")
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        return out
+    raise InteropError("no Hugging Face family can hold this model: " + "; ".join(reasons))

@@ -1,0 +1,205 @@
+"""The generic part of checkpoint conversion: name rules, and copying tensors through them.
+
+A converter for one family of checkpoints is a list of ``Rule``\\ s, each saying which source
+tensors make one aiayn parameter: copied as is, transposed (GPT-2's ``Conv1D`` stores (in, out)),
+or several stacked along dim 0 (separate q, k, v projections -> our fused ``qkv_proj`` rows
+[q; k; v]; gate and up projections -> ``fc_in`` rows [gate; value]). The same rules run in reverse
+to export.
+
+``load_tensors`` checks what nanoGPT's import asserts and more: every source tensor is used exactly
+once (or named as deliberately ignored), every aiayn parameter is written exactly once, and every
+shape matches; each failure raises ``InteropError`` naming the tensors.
+
+Shape letters: d d_model, h/h_kv query/key-value heads, d_h head width, f d_ff, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+class InteropError(ValueError):
+    """A checkpoint that cannot be converted; the message names the tensor or field and the fix."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """aiayn parameter ``ours`` = cat([t(s) for s in ``theirs``], dim 0), t = transpose or identity.
+
+    ``split`` holds the dim-0 sizes of the parts when there are several (needed to export).
+    ``group`` names an optional block of parameters (e.g. BERT's pooler) that a checkpoint may
+    lack as a whole; rules without a group are required.
+    """
+
+    ours: str
+    theirs: tuple[str, ...]
+    transpose: bool = False
+    split: tuple[int, ...] | None = None
+    group: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.theirs) > 1 and (self.split is None or len(self.split) != len(self.theirs)):
+            raise ValueError(f"Rule for {self.ours}: {len(self.theirs)} parts need {len(self.theirs)} split sizes")
+
+
+def copy_rule(ours: str, theirs: str, *, transpose: bool = False, group: str | None = None) -> Rule:
+    return Rule(ours, (theirs,), transpose=transpose, group=group)
+
+
+def cat_rule(ours: str, theirs: Iterable[str], sizes: Iterable[int], *, group: str | None = None) -> Rule:
+    return Rule(ours, tuple(theirs), split=tuple(sizes), group=group)
+
+
+def linear_rules(ours: str, theirs: str, *, bias: bool, transpose: bool = False,
+                 group: str | None = None) -> list[Rule]:
+    """``{ours}.weight`` <- ``{theirs}.weight`` [and the biases]."""
+    rules = [copy_rule(f"{ours}.weight", f"{theirs}.weight", transpose=transpose, group=group)]
+    if bias:
+        rules.append(copy_rule(f"{ours}.bias", f"{theirs}.bias", group=group))
+    return rules
+
+
+def fused_linear_rules(ours: str, parts: list[str], sizes: list[int], *, bias: bool,
+                       group: str | None = None) -> list[Rule]:
+    """``{ours}`` = rows of the ``parts`` projections stacked in order (weights and biases)."""
+    rules = [cat_rule(f"{ours}.weight", [f"{p}.weight" for p in parts], sizes, group=group)]
+    if bias:
+        rules.append(cat_rule(f"{ours}.bias", [f"{p}.bias" for p in parts], sizes, group=group))
+    return rules
+
+
+def norm_rules(ours: str, theirs: str, *, bias: bool, group: str | None = None) -> list[Rule]:
+    """LayerNorm has weight and bias; RMSNorm only a weight."""
+    return linear_rules(ours, theirs, bias=bias, group=group)
+
+
+def model_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """Name -> tensor of every distinct parameter and persistent buffer (tied weights once,
+    under the name registered first)."""
+    out: dict[str, Tensor] = dict(model.named_parameters())
+    seen = {id(t) for t in out.values()}
+    for name, buf in model.named_buffers():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        if leaf not in module._non_persistent_buffers_set and id(buf) not in seen:
+            out[name] = buf
+    return out
+
+
+def _check_rules(rules: list[Rule], params: dict[str, Tensor]) -> None:
+    """A converter bug, not a checkpoint problem: rules must cover each parameter exactly once."""
+    targets = [r.ours for r in rules]
+    sources = [s for r in rules for s in r.theirs]
+    dup_t = sorted({t for t in targets if targets.count(t) > 1})
+    dup_s = sorted({s for s in sources if sources.count(s) > 1})
+    unknown = sorted(set(targets) - set(params))
+    uncovered = sorted(set(params) - set(targets))
+    problems = [f"{what}: {', '.join(names)}" for what, names in (
+        ("aiayn parameters written twice", dup_t), ("source tensors used twice", dup_s),
+        ("rules name parameters the model lacks", unknown),
+        ("aiayn parameters no rule writes", uncovered)) if names]
+    if problems:
+        raise AssertionError("converter rules are inconsistent (a bug in aiayn.interop): " + "; ".join(problems))
+
+
+def _short_list(names: Iterable[str], limit: int = 8) -> str:
+    names = sorted(names)
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_tensors(
+    model: nn.Module,
+    tensors: dict[str, Tensor],
+    rules: list[Rule],
+    *,
+    source: str,
+    ignore: Iterable[str] = (),
+) -> list[str]:
+    """Copy ``tensors`` into ``model`` through ``rules``; return the optional groups left out.
+
+    Args:
+        tensors: source name -> tensor (names already normalised by the family).
+        ignore: regular expressions of source names that are deliberately not loaded (buffers
+            such as GPT-2's causal-mask ``attn.bias``, heads aiayn has no module for).
+        source: what to call the checkpoint in error messages.
+
+    Raises:
+        InteropError: a required tensor is missing, a shape differs, or a source tensor is left
+            over (the converter does not know where it goes).
+    """
+    params = model_parameters(model)
+    _check_rules(rules, params)
+    patterns = [re.compile(p) for p in ignore]
+    available = {name for name in tensors if not any(p.fullmatch(name) for p in patterns)}
+
+    groups: dict[str | None, list[Rule]] = {}
+    for rule in rules:
+        groups.setdefault(rule.group, []).append(rule)
+    skipped: list[str] = []
+    missing: list[str] = []
+    for group, group_rules in groups.items():
+        needed = {s for r in group_rules for s in r.theirs}
+        absent = needed - available
+        if group is not None and absent == needed:
+            skipped.append(group)  # the checkpoint has none of this optional block
+        elif absent:
+            missing.extend(absent)
+    if missing:
+        raise InteropError(
+            f"{source}: missing tensor(s) {_short_list(missing)}; the checkpoint does not match "
+            f"its config.json (wrong architecture, or a truncated / partial download?)"
+        )
+
+    used: set[str] = set()
+    with torch.no_grad():
+        for rule in rules:
+            if rule.group in skipped:
+                continue
+            parts = [tensors[s].t() if rule.transpose else tensors[s] for s in rule.theirs]
+            shapes = [tuple(p.shape) for p in parts]
+            try:
+                value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            except RuntimeError:
+                value = None
+            target = params[rule.ours]
+            if value is None or value.shape != target.shape:
+                got = shapes[0] if len(shapes) == 1 else " + ".join(map(str, shapes))
+                raise InteropError(
+                    f"{source}: tensor {' + '.join(rule.theirs)} has shape {got}"
+                    f"{' (transposed)' if rule.transpose else ''}, but aiayn's {rule.ours} needs "
+                    f"{tuple(target.shape)}; config.json and the weights disagree"
+                )
+            target.copy_(value)
+            used.update(rule.theirs)
+    left = available - used
+    if left:
+        raise InteropError(
+            f"{source}: unexpected tensor(s) {_short_list(left)}; the converter does not know "
+            f"where they go (an unsupported variant of the architecture, or a task head aiayn "
+            f"has no module for)"
+        )
+    if skipped:
+        warnings.warn(
+            f"{source}: no tensors for {', '.join(skipped)}; those aiayn modules keep their "
+            f"initial weights", stacklevel=3)
+    return skipped
+
+
+def export_tensors(model: nn.Module, rules: list[Rule]) -> dict[str, Tensor]:
+    """The inverse of ``load_tensors``: source name -> contiguous tensor, for every rule."""
+    params = model_parameters(model)
+    _check_rules(rules, params)
+    out: dict[str, Tensor] = {}
+    for rule in rules:
+        value = params[rule.ours].detach()
+        parts = [value] if len(rule.theirs) == 1 else list(value.split(list(rule.split or ()), dim=0))
+        for name, part in zip(rule.theirs, parts, strict=True):
+            out[name] = (part.t() if rule.transpose else part).contiguous().clone()
+    return out
