@@ -220,3 +220,10 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     resumed = run_cli("train", "--run-dir", str(run), "--resume", "--max-steps", str(step + 5), "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
     assert f"(step {step}," in resumed.stdout
+
+
+def test_bf16_autocast_trains(tmp_path):
+    task = get_task("reverse", n_train=640, n_val=64, n_test=64)
+    cfg = TrainConfig(**{**task.train_overrides(), "max_steps": 10, "bf16": True})
+    result = train(task, task.model_config(), cfg, tmp_path / "run", progress=False, make_plots=False)
+    assert result.step == 10 and 0 < result.final_loss < 10
