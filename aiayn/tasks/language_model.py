@@ -82,7 +82,7 @@ class ShakespeareCharTask(TextWindowsTask):
                            pad_id=None, dropout=0.0, name="shakespeare-char")
 
     def train_overrides(self) -> dict[str, Any]:
-        return dict(max_steps=2000, batch_size=12, lr=1e-3, schedule="cosine", warmup_steps=100,
+        return dict(max_steps=3600, batch_size=12, lr=1e-3, schedule="cosine", warmup_steps=100,
                     optimizer="adamw", weight_decay=0.1, betas=(0.9, 0.99), eps=1e-8,
                     clip_grad_norm=1.0, eval_every=500, save_every=500)
 
