@@ -1,4 +1,4 @@
-"""Seeded weights for consistency tests (imported by the test modules of this folder)."""
+"""Seeded weights and padded batches for the consistency tests (imported by this folder's modules)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,15 @@ def randomize_(model: nn.Module, seed: int = 0) -> nn.Module:
                 if getattr(module, "bias", None) is not None:
                     module.bias.copy_(0.1 * randn(module.bias))
     return model
+
+
+PAD = 0
+
+
+def right_pad(rows: list[torch.Tensor], t: int | None = None) -> torch.Tensor:
+    """Rows of token ids -> (len(rows), t), right-padded with PAD (default t: the longest row)."""
+    t = max(len(r) for r in rows) if t is None else t
+    out = torch.full((len(rows), t), PAD, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from random_weights import randomize_
+from random_weights import randomize_, right_pad
 from torch import nn
 from torch.testing import assert_close
 
@@ -55,14 +55,6 @@ def changed(tokens: torch.Tensor, start: int, seed: int = 99) -> torch.Tensor:
     shift = random_tokens(*tokens[:, start:].shape, seed=seed) % (VOCAB - 2) + 1  # in [1, VOCAB-2]
     out[:, start:] = (tokens[:, start:] - 1 + shift) % (VOCAB - 1) + 1
     assert bool((out[:, start:] != tokens[:, start:]).all()) and bool((out > 0).all())
-    return out
-
-
-def right_pad(rows: list[torch.Tensor], t: int | None = None) -> torch.Tensor:
-    t = max(len(r) for r in rows) if t is None else t
-    out = torch.full((len(rows), t), PAD, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
     return out
 
 

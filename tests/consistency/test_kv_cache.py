@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from random_weights import randomize_
+from random_weights import randomize_, right_pad
 from torch.testing import assert_close
 
 from aiayn.generate import greedy_decoder_only, greedy_encoder_decoder
@@ -54,14 +54,6 @@ def left_pad(rows: list[torch.Tensor], seed: int = 7) -> tuple[torch.Tensor, tor
         tokens[i, t - len(r):] = r
         valid[i, t - len(r):] = True
     return tokens, valid
-
-
-def right_pad(rows: list[torch.Tensor], t: int | None = None) -> torch.Tensor:
-    t = max(len(r) for r in rows) if t is None else t
-    out = torch.full((len(rows), t), PAD, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
 
 
 # ---- decoder-only: step by step ---------------------------------------------------------------
