@@ -87,6 +87,16 @@ def save(hf_model: nn.Module, path) -> str:
     return str(path)
 
 
+def converted_case(name: str, model_cls: type[nn.Module], hf_config, tmp_path_factory) -> tuple:
+    """A tiny random HF model saved to disk and loaded back by ``load_hf`` (the users' path):
+    (name, HF model, its directory, aiayn model, aiayn config)."""
+    torch.manual_seed(0)
+    hf = randomize_hf_(model_cls(hf_config), seed=1)
+    path = save(hf, tmp_path_factory.mktemp(name))
+    model, config = load_hf(path)
+    return name, hf, path, model, config
+
+
 # ---- checks shared by the decoder-only families (LLaMA-style, GPT-2) ----------------------------
 @torch.no_grad()
 def check_decoder_logits(hf: nn.Module, model: nn.Module) -> None:

@@ -18,9 +18,8 @@ from hf_helpers import (
     check_decoder_generation,
     check_decoder_left_padding,
     check_decoder_logits,
+    converted_case,
     random_tokens,
-    randomize_hf_,
-    save,
 )
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
@@ -40,12 +39,8 @@ CASES = {
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     """(name, HF model, its directory, aiayn model, aiayn config)."""
-    torch.manual_seed(0)
     hf_config = transformers.GPT2Config(**BASE, **CASES[request.param])
-    hf = randomize_hf_(transformers.GPT2LMHeadModel(hf_config), seed=1)
-    path = save(hf, tmp_path_factory.mktemp(request.param))
-    model, config = load_hf(path)
-    return request.param, hf, path, model, config
+    return converted_case(request.param, transformers.GPT2LMHeadModel, hf_config, tmp_path_factory)
 
 
 def test_config_is_converted(case):

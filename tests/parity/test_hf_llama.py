@@ -17,13 +17,12 @@ from hf_helpers import (
     check_decoder_generation,
     check_decoder_left_padding,
     check_decoder_logits,
+    converted_case,
     random_tokens,
-    randomize_hf_,
-    save,
 )
 from torch.testing import assert_close
 
-from aiayn.interop import from_hf_model, load_hf
+from aiayn.interop import from_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,12 +44,8 @@ EXPORTED_TYPE = {"llama": "llama", "llama-bias": "llama", "mistral": "llama", "q
 def case(request, tmp_path_factory):
     """(name, HF model, its directory, aiayn model, aiayn config)."""
     config_cls, model_cls, extra = CASES[request.param]
-    torch.manual_seed(0)
     hf_config = getattr(transformers, config_cls)(**BASE, **extra)
-    hf = randomize_hf_(getattr(transformers, model_cls)(hf_config), seed=1)
-    path = save(hf, tmp_path_factory.mktemp(request.param))
-    model, config = load_hf(path)
-    return request.param, hf, path, model, config
+    return converted_case(request.param, getattr(transformers, model_cls), hf_config, tmp_path_factory)
 
 
 def test_config_is_converted(case):

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from hf_helpers import VOCAB, lengths_mask, random_tokens, randomize_hf_, save
+from hf_helpers import VOCAB, converted_case, lengths_mask, random_tokens, save
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
@@ -47,12 +47,8 @@ CASES = {  # name -> (config class, model class, extra config)
 def case(request, tmp_path_factory):
     """(name, HF model, its directory, aiayn model, aiayn config)."""
     config_cls, model_cls, extra = CASES[request.param]
-    torch.manual_seed(0)
     hf_config = getattr(transformers, config_cls)(**BASE, **extra)
-    hf = randomize_hf_(getattr(transformers, model_cls)(hf_config), seed=1)
-    path = save(hf, tmp_path_factory.mktemp(request.param))
-    model, config = load_hf(path)
-    return request.param, hf, path, model, config
+    return converted_case(request.param, getattr(transformers, model_cls), hf_config, tmp_path_factory)
 
 
 def batch(hf, *, pad_target: bool) -> tuple[torch.Tensor, ...]:
