@@ -316,6 +316,34 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     click.echo(f"\n[{len(produced)} tokens in {seconds:.2f} s, {len(produced) / seconds:.1f} tokens/s]", err=True)
 
 
+# ---- sentence embeddings ----------------------------------------------------------------------
+@cli.command("embed")
+@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
+              help="A BERT-family model directory (sentence-transformers layout or plain Hugging Face).")
+@click.option("--pooling", type=click.Choice(["mean", "cls", "max"]),
+              help="Override the directory's pooling (default: 1_Pooling/config.json, else mean).")
+@click.option("--normalize/--no-normalize", default=None,
+              help="Override L2 normalisation (default: the Normalize module, else normalised).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Texts encoded at once.")
+@click.argument("texts", nargs=-1, required=True)
+def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batch_size: int,
+              texts: tuple[str, ...]) -> None:
+    """Print one JSON line {"text", "embedding"} per TEXT (use '-' to read lines from stdin)."""
+    from aiayn.embed import load_sentence_encoder
+
+    if texts == ("-",):
+        texts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
+    empty = [i for i, text in enumerate(texts) if not text.strip()]
+    if not texts or empty:
+        where = f"text {empty[0] + 1} of {len(texts)} is empty" if empty else "no texts were given"
+        raise click.BadParameter(f"{where}; every text needs some words", param_hint="TEXTS")
+    encoder = load_sentence_encoder(model_dir, pooling=pooling, normalize=normalize)
+    vectors = encoder.encode(list(texts), batch_size=batch_size)
+    for text, vector in zip(texts, vectors.tolist(), strict=True):
+        click.echo(json.dumps({"text": text, "embedding": vector}, ensure_ascii=False))
+
+
 # ---- plots ------------------------------------------------------------------------------------
 @cli.group("plot")
 def plot_group() -> None:
