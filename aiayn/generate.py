@@ -14,6 +14,7 @@ from torch import Tensor
 
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
+from aiayn.nn.kv_cache import KVCache
 
 
 @dataclass
@@ -169,6 +170,20 @@ def sample_next(logits: Tensor, previous: Tensor, cfg: SamplingConfig,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _prompt_valid(model: DecoderOnly, prompt: Tensor, prompt_valid: Tensor | None) -> Tensor:
+    """(b, t) bool: ``prompt_valid``, else the model's default (``prompt != pad_id`` or all True)."""
+    if prompt_valid is not None:
+        if prompt_valid.shape != prompt.shape or prompt_valid.dtype != torch.bool:
+            raise ValueError(f"prompt_valid must be a bool tensor of the prompt's shape {tuple(prompt.shape)}, "
+                             f"got {prompt_valid.dtype} {tuple(prompt_valid.shape)}")
+        if not bool(prompt_valid.any(dim=1).all()):
+            raise ValueError("a prompt row has no real token (prompt_valid all False); drop it or give a token")
+        return prompt_valid
+    if model.config.pad_id is not None:
+        return prompt != model.config.pad_id
+    return torch.ones_like(prompt, dtype=torch.bool)
+
+
 @torch.inference_mode()
 def generate_decoder_only(
     model: DecoderOnly,
@@ -176,13 +191,21 @@ def generate_decoder_only(
     *,
     max_new_tokens: int,
     sampling: SamplingConfig | None = None,
+    prompt_valid: Tensor | None = None,
     eos_id: int | None = None,
     on_token: Callable[[Tensor], bool | None] | None = None,
 ) -> Tensor:
     """Sample a continuation of ``prompt`` (b, t) through the KV cache -> new ids (b, n <= max_new_tokens).
 
-    ``on_token`` receives each step's (b,) ids as they are produced (for streaming); returning True
-    stops early (e.g. a stop string was produced).
+    Rows may be left-padded: ``prompt_valid`` (b, t) bool marks the real tokens (default: the
+    model's, ``prompt != pad_id`` when the config has a pad_id). Padding changes nothing: each row
+    gets the tokens it would get alone (greedy), since padded keys are masked and positions count
+    real tokens only. Generated tokens always count as real. ``on_token`` receives each step's
+    (b,) ids as they are produced (for streaming); returning True stops early (e.g. a stop string).
+
+    The loop allocates once: the KV cache and a (b, t + max_new_tokens) id buffer for the
+    repetition penalty; each step runs the model on one token per row and the output projection
+    on that position only.
     """
     cfg = sampling or SamplingConfig()
     generator = torch.Generator(device=prompt.device).manual_seed(cfg.seed) if cfg.seed is not None else None
@@ -191,21 +214,33 @@ def generate_decoder_only(
     if t + max_new_tokens > max_len:
         raise ValueError(f"prompt of {t} tokens + {max_new_tokens} new tokens exceeds the model's context "
                          f"of {max_len}; shorten the prompt or ask for fewer tokens")
+    valid = _prompt_valid(model, prompt, prompt_valid)
     cache = model.new_cache(b, t + max_new_tokens)
-    history = prompt
-    logits = model(prompt, cache=cache).logits[:, -1]
+    # Ids seen so far, for the repetition penalty; a pad slot repeats its row's last prompt token,
+    # so padding penalises nothing extra.
+    history = torch.empty(b, t + max_new_tokens, dtype=prompt.dtype, device=prompt.device)
+    history[:, :t] = torch.where(valid, prompt, prompt[:, -1:])
+    step_valid = torch.ones(b, 1, dtype=torch.bool, device=prompt.device)
+    logits = _last_logits(model, prompt, valid, cache)
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
     generated = []
     for i in range(max_new_tokens):
-        next_token = sample_next(logits, history, cfg, generator)
+        next_token = sample_next(logits, history[:, : t + i], cfg, generator)
         if eos_id is not None:
             next_token = torch.where(done, torch.full_like(next_token, eos_id), next_token)
             done = done | (next_token == eos_id)
         generated.append(next_token)
-        history = torch.cat([history, next_token[:, None]], dim=1)
+        history[:, t + i] = next_token
         if on_token is not None and on_token(next_token):
             break
-        if bool(done.all()) or i == max_new_tokens - 1:
+        if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
             break
-        logits = model(next_token[:, None], cache=cache).logits[:, -1]
+        logits = _last_logits(model, next_token[:, None], step_valid, cache)
     return torch.stack(generated, dim=1)
+
+
+def _last_logits(model: DecoderOnly, tokens: Tensor, valid: Tensor, cache: KVCache) -> Tensor:
+    """Run ``tokens`` (b, t) through the model into ``cache``; logits (b, v) of the last position
+    only (the output projection is the largest matmul of a small model's decode step)."""
+    hidden = model.decoder(tokens, valid=valid, cache=cache).hidden  # (b, t, d)
+    return model.lm_head(hidden[:, -1])

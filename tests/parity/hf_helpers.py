@@ -144,3 +144,25 @@ def check_decoder_export(hf: nn.Module, model: nn.Module, config, out_dir) -> st
     assert config_again.replace(name=config.name) == config
     assert_close(again(tokens).logits, model(tokens).logits, rtol=0, atol=0)
     return json.loads((out / "config.json").read_text())["model_type"]
+
+
+def check_batched_generation(model: nn.Module) -> None:
+    """Left-padded batched generation through the users' API (generate_decoder_only, greedy,
+    and greedy_decoder_only) gives each row the tokens it gets alone, unpadded."""
+    from aiayn.generate import SamplingConfig, generate_decoder_only
+
+    lengths = [9, 2, 6, 4]
+    mask = lengths_mask(lengths, 9, left=True)
+    prompt = random_tokens((4, 9), seed=7).masked_fill(mask == 0, 0)
+    greedy = SamplingConfig(temperature=0)
+    batched = generate_decoder_only(model, prompt, max_new_tokens=15, sampling=greedy, prompt_valid=mask.bool())
+    batched_greedy = greedy_decoder_only(model, prompt, max_new_tokens=15, prompt_valid=mask.bool())
+    assert torch.equal(batched, batched_greedy.tokens)
+    for row, n in enumerate(lengths):
+        alone = prompt[row:row + 1, 9 - n:]
+        one = generate_decoder_only(model, alone, max_new_tokens=15, sampling=greedy,
+                                    prompt_valid=torch.ones_like(alone, dtype=torch.bool))
+        assert torch.equal(batched[row], one[0]), (row, batched[row], one[0])
+        one_greedy = greedy_decoder_only(model, alone, max_new_tokens=15,
+                                         prompt_valid=torch.ones_like(alone, dtype=torch.bool))
+        assert_close(batched_greedy.logits[row], one_greedy.logits[0])

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hf_helpers import (
     VOCAB,
+    check_batched_generation,
     check_decoder_export,
     check_decoder_generation,
     check_decoder_left_padding,
@@ -92,3 +93,9 @@ def test_old_checkpoint_names_and_mask_buffers(case, tmp_path):
     loaded, _ = load_hf(tmp_path)
     tokens = random_tokens((2, 7), seed=7)
     assert_close(loaded(tokens).logits, model(tokens).logits, rtol=0, atol=0)
+
+
+def test_batched_generation_equals_one_by_one(case):
+    """Left-padded batches through generate_decoder_only / greedy_decoder_only: each row's tokens
+    are those it gets alone."""
+    check_batched_generation(case[3])

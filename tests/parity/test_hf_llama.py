@@ -13,6 +13,7 @@ import pytest
 import torch
 from hf_helpers import (
     VOCAB,
+    check_batched_generation,
     check_decoder_export,
     check_decoder_generation,
     check_decoder_left_padding,
@@ -84,3 +85,9 @@ def test_from_hf_model_equals_load_hf(case):
 def test_export_round_trip(case, tmp_path):
     name, hf, _, model, config = case
     assert check_decoder_export(hf, model, config, tmp_path / "exported") == EXPORTED_TYPE[name]
+
+
+def test_batched_generation_equals_one_by_one(case):
+    """Left-padded batches through generate_decoder_only / greedy_decoder_only: each row's tokens
+    are those it gets alone."""
+    check_batched_generation(case[3])

@@ -69,3 +69,14 @@ def test_generation_streams_stops_and_is_seeded():
     assert out.shape == (2, 3) and torch.equal(torch.stack(seen, 1), out)
     with pytest.raises(ValueError, match="exceeds the model's context of 64"):
         generate_decoder_only(model, prompt, max_new_tokens=60)
+
+
+def test_generation_checks_prompt_valid():
+    model = build_model(get_preset("llama-tiny")).eval()
+    prompt = torch.randint(0, 99, (2, 5))
+    with pytest.raises(ValueError, match="prompt_valid must be a bool tensor of the prompt's shape"):
+        generate_decoder_only(model, prompt, max_new_tokens=2, prompt_valid=torch.ones(2, 4, dtype=torch.bool))
+    no_real = torch.ones(2, 5, dtype=torch.bool)
+    no_real[1] = False
+    with pytest.raises(ValueError, match="has no real token"):
+        generate_decoder_only(model, prompt, max_new_tokens=2, prompt_valid=no_real)
