@@ -270,9 +270,14 @@ def _load_text_model(run_dir: Path | None, model_path: Path | None) -> _TextMode
               show_default=True, help="Divide the logits of tokens already present (CTRL); 1 = off.")
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option("--stop", "stops", multiple=True, help="Stop once this string is produced (repeatable).")
+@click.option("--quantize", type=click.Choice(["none", "bf16", "int8"]), default="none", show_default=True,
+              help="Lower-precision weights for speed: bf16 (all weights bfloat16) or int8 (Linear "
+                   "weights int8 per row, weight-only; the rest float32).")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's choice).")
 def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
                  max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...]) -> None:
+                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...],
+                 quantize: str = "none", threads: int | None = None) -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     from aiayn.generate import SamplingConfig, generate_decoder_only
 
@@ -280,7 +285,13 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
         raise click.UsageError("--run and --model name two models; give one")
     if not prompt:
         raise click.BadParameter("the prompt is empty; give some text to continue", param_hint="--prompt")
+    if threads is not None:
+        torch.set_num_threads(threads)
     lm = _load_text_model(run_dir, model_path)
+    if quantize != "none":
+        from aiayn.quantize import lower_precision
+
+        lm.model = lower_precision(lm.model, quantize)
     if chat and lm.chat is None:
         raise click.UsageError("this model has no chat template; drop --chat")
     text_in = lm.chat(prompt) if chat and lm.chat else prompt

