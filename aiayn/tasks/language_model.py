@@ -8,6 +8,7 @@ windows; validation covers the validation text once in non-overlapping windows.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -159,3 +160,82 @@ class MaskedCharTask(TextWindowsTask):
             filled = torch.where(targets[:60] != IGNORE, guess[:60], inputs[:60])
             lines.append(f"{shown!r} -> {self.tokenizer.decode(filled)!r}")
         return lines
+
+
+class BPETokenizer:
+    """Byte-level BPE over the ``tokenizers`` library, with the interface of ``CharTokenizer``."""
+
+    def __init__(self, tokenizer_json: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.json = tokenizer_json
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        self.vocab_size = self.tokenizer.get_vocab_size()
+        # characters each id stands for (Tiny Shakespeare is ASCII: one byte, one character)
+        self.chars_per_id = torch.tensor([len(self.tokenizer.decode([i])) for i in range(self.vocab_size)])
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator([text], trainer=trainer)
+        return cls(tok.to_str())
+
+    def encode(self, text: str) -> Tensor:
+        return torch.tensor(self.tokenizer.encode(text).ids, dtype=torch.long)
+
+    def decode(self, ids: Tensor | list[int]) -> str:
+        return self.tokenizer.decode(ids.tolist() if isinstance(ids, Tensor) else list(ids))
+
+
+@register
+class ShakespeareBPETask(ShakespeareCharTask):
+    """GPT on Tiny Shakespeare with a byte-level BPE vocabulary trained on the training split (the
+    first 90% of the characters). The tokenizer is part of the task's options, so it is saved in the
+    run's config.json and ``aiayn generate --run DIR`` uses it. Validation reports the loss per token
+    and per character (``nll_per_char``, ``bits_per_char``), comparable with shakespeare-char's."""
+
+    name = "shakespeare-bpe"
+    description = "GPT on Tiny Shakespeare with a byte-level BPE vocabulary (loss per token and per character)"
+
+    def __init__(self, *, block_size: int = 64, vocab_size: int = 1024, **options: Any) -> None:
+        Task.__init__(self, block_size=block_size, vocab_size=vocab_size, **options)
+        self.block_size = block_size
+        self.tokens = {}
+        self.test_split = "val"
+        tokenizer_json = options.get("tokenizer")
+        if tokenizer_json is None:
+            text = dataset_file(*CORPUS).read_text(encoding="utf-8")
+            tokenizer_json = BPETokenizer.train(text[: int(0.9 * len(text))], vocab_size).json
+            self.options["tokenizer"] = tokenizer_json
+        self.tokenizer = BPETokenizer(tokenizer_json)  # type: ignore[assignment]
+
+    def prepare(self, seed: int) -> None:
+        text = dataset_file(*CORPUS).read_text(encoding="utf-8")
+        cut = int(0.9 * len(text))  # the same character split as shakespeare-char
+        self.tokens = {"train": self.tokenizer.encode(text[:cut]), "val": self.tokenizer.encode(text[cut:])}
+
+    def model_config(self) -> ModelConfig:
+        return super().model_config().replace(name="shakespeare-bpe")
+
+    def unigram_nll(self, split: str = "val") -> float:
+        """Loss per token of the training split's token frequencies (add-one smoothed) on ``split``:
+        the baseline a model that ignores context reaches."""
+        counts = torch.bincount(self.tokens["train"], minlength=self.tokenizer.vocab_size).double() + 1
+        logp = (counts / counts.sum()).log()
+        return float(-logp[self.tokens[split]].mean())
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:
+        metrics = super().evaluate(model, split, batch_size)
+        n_tokens = self.split_size(split) * self.block_size  # the targets evaluate() scored
+        targets = self.tokens[split][1 : n_tokens + 1]
+        chars = int(self.tokenizer.chars_per_id[targets].sum())  # type: ignore[attr-defined]
+        metrics["nll_per_char"] = metrics["nll"] * n_tokens / chars
+        metrics["bits_per_char"] = metrics["nll_per_char"] / math.log(2)
+        return metrics
