@@ -111,3 +111,10 @@ def test_bpe_lm_beats_unigram_and_generates(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("ROMEO:") and len(gen.stdout.strip()) > len("ROMEO:") + 20
+
+
+def test_long_char_recipe_is_defined():
+    task = get_task("shakespeare-char-long")
+    cfg = task.model_config()
+    assert (cfg.max_seq_len, cfg.d_model, cfg.n_layers) == (128, 192, 4)
+    assert task.train_overrides()["max_steps"] == 4500
