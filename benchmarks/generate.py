@@ -135,6 +135,7 @@ def main() -> None:
             import transformers
 
             transformers.logging.set_verbosity_error()
+            transformers.logging.disable_progress_bar()
             hf_model_cls = transformers.AutoModelForCausalLM
         except ImportError:
             print("  Hugging Face transformers is not installed; skipping it")
