@@ -202,3 +202,21 @@ def restore_rng(loaded: LoadedCheckpoint) -> None:
 def load_weights(path: Path, model: nn.Module) -> None:
     """Load only the weights of a checkpoint directory (or a run's latest checkpoint)."""
     load_checkpoint(path, model)
+
+
+def average_checkpoints(paths: list[Path], model: nn.Module) -> nn.Module:
+    """Load the mean of several checkpoints' weights into ``model`` (Vaswani et al. 2017, sec. 6.1).
+
+    Every checkpoint must fit ``model`` exactly; the mean is taken in float64 and cast back.
+    """
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    total: dict[str, torch.Tensor] = {}
+    for path in paths:
+        load_checkpoint(path, model)  # checks completeness and shapes, with clear errors
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point():
+                total[name] = total.get(name, 0) + tensor.double()
+    averaged = {name: (value / len(paths)).to(model.state_dict()[name].dtype) for name, value in total.items()}
+    model.load_state_dict(averaged, strict=False)
+    return model

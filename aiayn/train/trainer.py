@@ -40,7 +40,7 @@ from aiayn.train.losses import sequence_loss
 from aiayn.train.optim import make_optimizer, make_schedule
 
 METRIC_FIELDS = ["step", "epoch", "lr", "train_loss", "train_nll", "train_acc", "tokens_per_s",
-                 "val_nll", "val_ppl", "val_acc", "val_seq_acc", "elapsed_s"]
+                 "val_nll", "val_ppl", "val_acc", "val_seq_acc", "val_bleu", "elapsed_s"]
 
 
 class RunDirError(ValueError):
@@ -170,10 +170,12 @@ def train(
         atomic_write_text(run_dir / "config.json", json.dumps(configs, indent=2) + "\n")
 
     torch.manual_seed(cfg.seed)
+    task.run_dir = run_dir
     task.prepare(cfg.seed)
     model = task.build_model(model_config)
     optimizer = make_optimizer(model, cfg)
-    batches_per_epoch = math.ceil(task.split_size("train") / cfg.batch_size)
+    # Tasks may batch by token count, so ask for an epoch's batches rather than divide.
+    batches_per_epoch = len(task.train_batches(0, cfg.batch_size, cfg.seed))
     steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     lr_at = make_schedule(cfg, total_steps=total_steps, d_model=model_config.d_model)
@@ -257,7 +259,7 @@ def train(
                 if step % eval_every == 0 or step == total_steps:
                     val = task.evaluate(model, "val")
                     metrics.write(step=step, epoch=epoch, val_nll=val["nll"], val_ppl=math.exp(min(val["nll"], 50)),
-                                  val_acc=val["acc"], val_seq_acc=val["seq_acc"],
+                                  val_acc=val["acc"], val_seq_acc=val["seq_acc"], val_bleu=val.get("bleu"),
                                   elapsed_s=time.perf_counter() - start_time)
                     bar.write(f"step {step}: val " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
                 if step % save_every == 0 or step == total_steps or stop.requested:
@@ -324,6 +326,7 @@ def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = T
         raise CheckpointError(f"{run_dir} holds no checkpoint yet")
     model = task.build_model(model_config)
     load_checkpoint(path, model)
+    task.run_dir = run_dir
     if prepare:
         task.prepare(train_config.seed)
     return LoadedRun(task=task, model=model.eval(), model_config=model_config,
