@@ -3,8 +3,10 @@
 The proofs: beam 1 is greedy decoding; a batch decodes like each source alone (its padding and
 neighbours do not matter); with a beam wide enough to hold every prefix, beam search returns
 exactly the best hypotheses of an exhaustive search (alpha 0 and alpha != 0, so the stopping rule's
-bound is tested too); every returned score equals the teacher-forced, cache-free log-probability
-of its tokens; a reordered cache decodes like a fresh one.
+bound is tested too); it equals a plain Python search without KV cache that follows the same
+rules (its stopping bound found by trying every future length); every returned score equals the
+teacher-forced, cache-free log-probability of its tokens; a reordered cache decodes like a fresh
+one.
 
 Models: the "tiny" encoder-decoder (vocab 99, d_model 48, 6 heads, d_ff 37) with seeded weights,
 an untied output projection scaled up so that distributions are peaked (random tied models
