@@ -95,6 +95,15 @@ class LayerKVCache:
         self.v[:, :, pos : pos + t] = v
         return self.k[:, :, : pos + t], self.v[:, :, : pos + t]
 
+    def reorder(self, indices: Tensor, length: int) -> None:
+        """Row i becomes old row ``indices[i]`` (b_new,); only the first ``length`` slots are copied."""
+        b_new = indices.shape[0]
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((b_new, *old.shape[1:]))  # (b_new, h_kv, s_max, d_h)
+            new[:, :, :length] = old[:, :, :length].index_select(0, indices)
+            setattr(self, name, new)
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -171,6 +180,37 @@ class KVCache:
     def next_positions(self) -> Tensor:
         """(b,) the position id the next real token of each row gets (real tokens so far)."""
         return self.valid[:, : self.length].sum(dim=1)
+
+    def reorder(self, indices: Tensor, *, cross: bool = True) -> None:
+        """Select, reorder or repeat batch rows: new row i is old row ``indices[i]``.
+
+        ``indices`` (b_new,) long, any b_new >= 1, repeats allowed. Applies to every layer's
+        self-attention keys/values, ``valid``, ``positions`` and (with ``cross``) the
+        cross-attention keys/values. Beam search uses it to expand each source to its beams
+        (``repeat_interleave``), to follow the beams it keeps at every step and to drop finished
+        sources. ``cross=False`` leaves the cross-attention keys/values as they are: correct only
+        when every row is replaced by a row with the same source (beams of one source share them),
+        and it saves copying them.
+        """
+        if indices.dim() != 1 or indices.dtype != torch.long or indices.numel() == 0:
+            raise ValueError(f"reorder needs a non-empty 1-D long tensor of row indices, got "
+                             f"{indices.dtype} of shape {tuple(indices.shape)}")
+        if int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
+            raise ValueError(f"reorder: row index out of range for a cache of batch_size={self.batch_size}")
+        indices = indices.to(self.valid.device)
+        for layer in self.layers:
+            layer.reorder(indices, self.length)
+        self.valid = self.valid.index_select(0, indices)
+        self.positions = self.positions.index_select(0, indices)
+        if cross:
+            for kv in self.cross:
+                if kv.k is not None and kv.v is not None:
+                    kv.k, kv.v = kv.k.index_select(0, indices), kv.v.index_select(0, indices)
+        self.batch_size = indices.shape[0]
+
+    def repeat_interleave(self, n: int) -> None:
+        """Each row repeated n times in place (b -> b * n rows, copies of one row adjacent)."""
+        self.reorder(torch.arange(self.batch_size, device=self.valid.device).repeat_interleave(n))
 
     def reset(self) -> None:
         """Forget all tokens (buffers stay allocated)."""
