@@ -17,7 +17,13 @@ import torch
 from torch import Tensor
 
 from aiayn.data.parallel import pad_batch
-from aiayn.generate import SamplingConfig, greedy_encoder_decoder
+from aiayn.generate import (
+    SamplingConfig,
+    beam_search_encoder_decoder,
+    greedy_encoder_decoder,
+    max_target_lengths,
+    sample_encoder_decoder,
+)
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.tokenizers import BPETokenizer
 
@@ -83,7 +89,7 @@ class Translator:
         order = sorted(sources, key=lambda i: len(sources[i]))
         batch: list[int] = []
         for i in order:
-            longest = max(len(sources[i]), *(len(sources[j]) for j in batch[-1:]))
+            longest = len(sources[i])  # sorted by length: the newest is the longest
             if batch and (longest * (len(batch) + 1) > self.max_tokens or len(batch) >= self.max_sentences):
                 yield batch
                 batch = []
@@ -96,30 +102,25 @@ class Translator:
         """Source id lists (each ending in </s>) -> target id lists (without <s> and </s>)."""
         tok = self.tokenizer
         src = pad_batch(sources, tok.pad_id).to(self.model.lm_head.weight.device)  # (b, s)
-        src_lengths = torch.tensor([len(s) for s in sources])
-        max_new = self.max_new_tokens(src_lengths, options)  # (b,)
+        src_valid = src != tok.pad_id
+        # a * source length + b target tokens (</s> included), within the model's maximum
+        # (one position holds <s>).
+        limits = max_target_lengths(src_valid, max_len_a=options.max_len_a, max_len_b=options.max_len_b,
+                                    cap=self.max_len - 1)
         if options.sampling is not None:
-            from aiayn.generate import sample_encoder_decoder
-
             tokens = sample_encoder_decoder(self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                                            max_new_tokens=max_new, sampling=options.sampling)
+                                            max_new_tokens=limits, sampling=options.sampling,
+                                            src_valid=src_valid)
             return [self._cut(row) for row in tokens]
         if options.beam_size == 1:
             result = greedy_encoder_decoder(self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                                            max_new_tokens=int(max_new.max()))
-            return [self._cut(row)[: int(n)] for row, n in zip(result.tokens, max_new, strict=True)]
-        from aiayn.generate import beam_search_encoder_decoder
-
+                                            max_new_tokens=limits, src_valid=src_valid)
+            return [self._cut(row) for row in result.tokens]
         beams = beam_search_encoder_decoder(
             self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=options.beam_size,
             length_penalty=options.length_penalty, max_len_a=options.max_len_a,
-            max_len_b=options.max_len_b, max_len=self.max_len - 1)
-        return [self._cut(torch.as_tensor(hyp)) for hyp in beams.tokens]
-
-    def max_new_tokens(self, src_lengths: Tensor, options: DecodeOptions) -> Tensor:
-        """(b,) target budget: a * source length + b, within the model's maximum (one slot is <s>)."""
-        budget = (options.max_len_a * src_lengths.float()).long() + options.max_len_b
-        return budget.clamp(max=self.max_len - 1)
+            max_len_b=options.max_len_b, src_valid=src_valid)
+        return [self._cut(torch.tensor(ids, dtype=torch.long)) for ids in beams.token_lists(eos_id=tok.eos_id)]
 
     def _cut(self, row: Tensor) -> list[int]:
         """Ids up to (not including) the first </s>, with any padding dropped."""

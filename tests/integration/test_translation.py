@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from aiayn.config import TrainConfig
 from aiayn.data import data_dir
@@ -44,12 +43,11 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_run(corpus, tmp_path_factory) -> Path:
     """A small en->de model trained for about a minute (2 cores) on the 200 pairs."""
-    torch.set_num_threads(2)
     task = get_task("translation", corpus_dir=str(corpus), test_split="test", vocab_size=1000,
                     max_tokens=1024, beam_size=4, val_bleu=False)
     model_config = task.model_config().replace(d_model=128, n_heads=4, n_layers=2, n_decoder_layers=2,
                                                d_ff=256, dropout=0.0, attention_dropout=0.0)
-    train_config = TrainConfig(**{**task.train_overrides(), "epochs": 60, "schedule": "cosine",
+    train_config = TrainConfig(**{**task.train_overrides(), "epochs": 40, "schedule": "cosine",
                                   "lr": 2e-3, "warmup_steps": 50, "label_smoothing": 0.0,
                                   "keep_checkpoints": 3, "save_every": 0})
     run_dir = tmp_path_factory.mktemp("runs") / "tiny"
