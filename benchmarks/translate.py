@@ -104,8 +104,9 @@ def main() -> None:
             times: dict[str, list[float]] = {"aiayn": [], "hf": []}
             mean_len: dict[str, float] = {}
             runners: dict[str, Callable[[int, int], tuple[float, float]]] = {"aiayn": run_aiayn, "hf": run_hf}
-            for name, fn in runners.items():  # warm-up
-                fn(beam, batch) if not args.quick else None
+            if not args.quick:  # warm-up
+                for fn in runners.values():
+                    fn(beam, batch)
             for _ in range(args.repeats):  # interleaved: A, B, A, B ...
                 for name, fn in runners.items():
                     seconds, mean_len[name] = fn(beam, batch)
