@@ -478,6 +478,17 @@ def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int, length_penal
                f"beam {options.beam_size}" + (f"; hypotheses written to {out_path}" if out_path else ""))
 
 
+@cli.command("fetch-multi30k")
+@click.option("--to", "cache_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for train/val/test2016 .en/.de files (then set AIAYN_DATA_DIR to its parent, "
+                   "or give the task option corpus_dir).")
+def fetch_multi30k_cmd(cache_dir: Path) -> None:
+    """Download Multi30k task 1 (en-de: train, val, test2016) from its public source (needs a network)."""
+    from aiayn.data.parallel import fetch_multi30k
+
+    click.echo(f"Multi30k in {fetch_multi30k(cache_dir)}")
+
+
 @cli.command("average")
 @click.option("--run", "run_dir", required=True, type=click.Path(path_type=Path), help="A run directory.")
 @click.option("--last", type=click.IntRange(min=1), default=5, show_default=True,

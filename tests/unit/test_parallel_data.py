@@ -108,3 +108,25 @@ def test_parallel_file_errors_name_file_and_line(tmp_path):
         read_lines(tmp_path / "c.de")
     with pytest.raises(DataError, match="not found"):
         read_lines(tmp_path / "missing.en")
+
+
+def test_fetch_multi30k_from_a_mirror_without_network(tmp_path):
+    """The downloader reads gzipped {remote}.{lang}.gz files; a file:// mirror stands in for the
+    public source (tests never use the network)."""
+    import gzip
+
+    from aiayn.data.parallel import MULTI30K_FILES, fetch_multi30k
+
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for remote in MULTI30K_FILES.values():
+        for lang in ("en", "de"):
+            with gzip.open(mirror / f"{remote}.{lang}.gz", "wt", encoding="utf-8") as handle:
+                handle.write(f"{remote} {lang} Straße\nzwei\n")
+    cache = fetch_multi30k(tmp_path / "cache", base_url=mirror.as_uri())
+    assert read_lines(cache / "test2016.de") == ["test_2016_flickr de Straße", "zwei"]
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        f"{split}.{lang}" for split in MULTI30K_FILES for lang in ("en", "de"))
+    with pytest.raises(DataError, match="cannot download"):
+        fetch_multi30k(tmp_path / "other", base_url=(tmp_path / "nowhere").as_uri())
+    assert not any((tmp_path / "other").iterdir())  # nothing half-written
