@@ -133,12 +133,14 @@ _TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup
               help="Dropout on the attention weights.")
 @click.option("--positional", type=click.Choice(["sinusoidal", "learned", "rope", "alibi", "t5", "none"]),
               help="Positional scheme.")
+@click.option("--max-tokens", type=click.IntRange(min=1),
+              help="Token-count batching (translation): padded tokens per batch, e.g. 4096.")
 @click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path),
               help="A YAML recipe (task, task_options, model, train); options given here override it.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 @click.pass_context
 def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool, overwrite: bool,
-              recipe: Path | None, progress: bool, **options: Any) -> None:
+              recipe: Path | None, max_tokens: int | None, progress: bool, **options: Any) -> None:
     """Train a task and write a run directory (checkpoint, metrics.csv, plots).
 
     With no arguments: the reverse task, in under 3 minutes on a 2-core CPU.
@@ -168,6 +170,17 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
         if ctx.get_parameter_source("task") is click.core.ParameterSource.DEFAULT:
             task = recipe_fields.get("task", task)
         task_options = recipe_fields.get("task_options", {})
+    if max_tokens is not None:
+        if resume:
+            raise click.UsageError("--max-tokens cannot change when resuming (the batches would differ)")
+        import inspect
+
+        from aiayn.tasks import TASKS
+
+        if task in TASKS and "max_tokens" not in inspect.signature(TASKS[task].__init__).parameters:
+            raise click.UsageError(f"task {task!r} batches by examples (--batch-size); --max-tokens is "
+                                   f"for token-count batching (translation)")
+        task_options = {**task_options, "max_tokens": max_tokens}
     try:
         task_obj = get_task(task, **task_options)
     except TypeError as exc:  # an option the task does not take

@@ -127,6 +127,7 @@ def test_cli_bad_input(tmp_path, corpus):
         (["average", "--run", str(tmp_path)], "holds no checkpoints"),
         (["train", "--recipe", str(tmp_path / "missing.yaml")], "missing.yaml not found"),
         (["train", "--recipe", str(tmp_path / "a.en")], "a recipe is a mapping"),
+        (["train", "--task", "reverse", "--max-tokens", "100"], "--max-tokens is for token-count batching"),
     ]
     for args, needle in cases:
         result = run_cli(*args)
