@@ -149,3 +149,20 @@ def test_training_data_errors_are_one_line(tmp_path, corpus):
     result = run_cli("train", "--recipe", str(recipe), "--run-dir", str(tmp_path / "run"), "--no-progress")
     assert result.returncode == 2, result.stdout + result.stderr
     assert "val.en has 200 lines but" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name", ["multi30k-en-de", "multi30k-de-en"])
+def test_committed_recipes_build_valid_configs(name):
+    """The recipes the README runs parse into a task, a model config and a training config."""
+    import yaml
+
+    from aiayn.config import ModelConfig
+
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / f"{name}.yaml").read_text())
+    task = get_task(recipe["task"], **recipe["task_options"])
+    model = ModelConfig.from_dict({**task.model_config().to_dict(), **recipe["model"]})
+    trainer = TrainConfig.from_dict({**TrainConfig().to_dict(), **task.train_overrides(), **recipe["train"]})
+    src, tgt = name.removeprefix("multi30k-").split("-")
+    assert (task.src_lang, task.tgt_lang) == (src, tgt)
+    assert model.share_embeddings and model.tie_output and model.arch == "encoder-decoder"
+    assert trainer.label_smoothing == 0.1
