@@ -37,11 +37,14 @@ def cli() -> None:
 @click.option("--n-kv-heads", type=click.IntRange(min=1), help="Key/value heads (GQA/MQA); default n-heads.")
 @click.option("--d-model", type=click.IntRange(min=1), help="Model width; head_dim = d_model / n_heads.")
 @click.option("--head-dim", type=click.IntRange(min=1), help="Per-head width, if not d_model / n_heads.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8"]),
-              default="float32", show_default=True, help="Element type of the cache.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int4"]),
+              default="float32", show_default=True,
+              help="Element type of the cache; int8/int4 include their float16 scales.")
+@click.option("--group-size", type=click.IntRange(min=1),
+              help="int8/int4: channels per scale (default: one scale per token and head).")
 def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_layers: int | None,
                  n_heads: int | None, n_kv_heads: int | None, d_model: int | None,
-                 head_dim: int | None, dtype: str) -> None:
+                 head_dim: int | None, dtype: str, group_size: int | None) -> None:
     """Estimate KV-cache memory: 2 x layers x kv_heads x head_dim x seq_len x batch x bytes.
 
     Example (the seeds'): aiayn kv-cache --batch-size 32 --n-layers 32 --n-heads 32
@@ -79,11 +82,23 @@ def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_lay
             raise click.BadParameter(f"{d_model} is not divisible by --n-heads {n_heads}; "
                                      f"give --head-dim instead", param_hint="--d-model")
         head_dim = d_model // n_heads
-    total = kv_cache_bytes(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                           seq_len=seq_len, batch_size=batch_size, dtype=dtype)
+    try:
+        total = kv_cache_bytes(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                               seq_len=seq_len, batch_size=batch_size, dtype=dtype, group_size=group_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--group-size") from None
     click.echo(f"KV cache: {format_bytes(total)} ({total:,} bytes)")
-    click.echo(f"  = 2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {head_dim} head_dim "
-               f"x {seq_len} tokens x {batch_size} batch x {total // (2 * n_layers * n_kv_heads * head_dim * seq_len * batch_size)} bytes ({dtype})")
+    vectors = f"2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {seq_len} tokens x {batch_size} batch"
+    if dtype in ("int8", "int4"):
+        groups = head_dim // (group_size or head_dim)
+        data = f"{head_dim}" if dtype == "int8" else f"{head_dim} / 2"
+        click.echo(f"  = {vectors} x ({data} bytes of {dtype} + {groups} x 2 bytes of float16 scales)")
+        full = kv_cache_bytes(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                              seq_len=seq_len, batch_size=batch_size, dtype="float32")
+        click.echo(f"  float32 would need {format_bytes(full)} ({full / total:.2f}x)")
+    else:
+        click.echo(f"  = 2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {head_dim} head_dim "
+                   f"x {seq_len} tokens x {batch_size} batch x {total // (2 * n_layers * n_kv_heads * head_dim * seq_len * batch_size)} bytes ({dtype})")
     if n_kv_heads != n_heads:
         full = total * n_heads // n_kv_heads
         click.echo(f"  multi-head attention with {n_heads} kv heads would need {format_bytes(full)}")
@@ -270,9 +285,13 @@ def _load_text_model(run_dir: Path | None, model_path: Path | None) -> _TextMode
               show_default=True, help="Divide the logits of tokens already present (CTRL); 1 = off.")
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option("--stop", "stops", multiple=True, help="Stop once this string is produced (repeatable).")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["float", "int8", "int4"]), default="float",
+              show_default=True, help="Key/value cache storage: the model's float type, or quantised "
+              "int8/int4 with per-token-per-head scales (less memory, slightly different output).")
 def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
                  max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...]) -> None:
+                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...],
+                 kv_cache: str) -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     from aiayn.generate import SamplingConfig, generate_decoder_only
 
@@ -281,6 +300,9 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     if not prompt:
         raise click.BadParameter("the prompt is empty; give some text to continue", param_hint="--prompt")
     lm = _load_text_model(run_dir, model_path)
+    if kv_cache == "int4" and lm.model.config.head_size % 2:
+        raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
+                                 f"{lm.model.config.head_size} is odd; use int8", param_hint="--kv-cache")
     if chat and lm.chat is None:
         raise click.UsageError("this model has no chat template; drop --chat")
     text_in = lm.chat(prompt) if chat and lm.chat else prompt
@@ -311,7 +333,8 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     if not chat:
         click.echo(prompt, nl=False)
     start = time.perf_counter()
-    generate_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_token=stream)
+    generate_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                          on_token=stream, kv_cache=None if kv_cache == "float" else kv_cache)
     seconds = time.perf_counter() - start
     click.echo(f"\n[{len(produced)} tokens in {seconds:.2f} s, {len(produced) / seconds:.1f} tokens/s]", err=True)
 
