@@ -92,3 +92,15 @@ def test_fsdp_trains_like_one_process_and_saves_a_full_checkpoint(tmp_path, refe
     for index, entries in single.optimizer_state["state"].items():
         torch.testing.assert_close(loaded.optimizer_state["state"][index]["exp_avg"], entries["exp_avg"],
                                    atol=1e-6, rtol=0)
+
+
+def test_tensor_parallel_two_processes_equal_one_process(tmp_path):
+    dw.spawn_tp(2, tmp_path)
+    results = json.loads((tmp_path / "tp.json").read_text())
+    for name in ("llama", "paper"):
+        r = results[name]
+        assert r["out_err"] <= 1e-5 * max(1.0, r["scale"]), (name, r)
+        assert r["grad_err"] <= 1e-6, (name, r)
+    assert results["llama"]["local_heads"] == [2, 1]  # 4 heads, 2 kv heads over 2 ranks
+    assert results["paper"]["local_heads"] == [2, 2]
+    assert "does not split the per-head alibi bias" in results["alibi"]
