@@ -104,3 +104,52 @@ def test_tensor_parallel_two_processes_equal_one_process(tmp_path):
     assert results["llama"]["local_heads"] == [2, 1]  # 4 heads, 2 kv heads over 2 ranks
     assert results["paper"]["local_heads"] == [2, 2]
     assert "does not split the per-head alibi bias" in results["alibi"]
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 300):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "aiayn", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+CLI_ARGS = ["train", "--task", "reverse", "--max-steps", "6", "--save-every", "3", "--eval-every", "1000",
+            "--batch-size", "32", "--no-progress"]
+
+
+def test_torchrun_cli_trains_saves_on_rank_0_and_resumes_under_another_world_size(tmp_path):
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    result = torchrun(*CLI_ARGS, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("finished 6 steps") == 1  # rank 0 reports, rank 1 is quiet
+    assert [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")] == ["step-00000003", "step-00000006"]
+    # A checkpoint saved by 2 processes resumes in 1: checkpoints hold full state dicts, and the
+    # data position counts batches of the task's list, whatever the world size.
+    single = subprocess.run([sys.executable, "-m", "aiayn", "train", "--resume", "--run-dir", str(run_dir),
+                             "--max-steps", "8", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-2000:]
+    assert "resuming" in single.stdout and "(step 6, epoch 0)" in single.stdout
+    assert "finished 8 steps" in single.stdout
+
+
+def test_torchrun_world_larger_than_the_epoch_is_one_clear_error(tmp_path):
+    # 50,000 training sequences in batches of 40,000: 2 batches per epoch, 3 processes need 3.
+    result = torchrun(*CLI_ARGS, "--batch-size", "40000", "--run-dir", str(tmp_path / "run"), nproc=3)
+    assert result.returncode != 0
+    assert result.stderr.count("Error: 3 processes x grad_accum 1 need 3 batches per step, but an epoch "
+                               "has only 2 batches") == 1
+    assert "Traceback" not in result.stderr.split("Error: 3 processes")[0][-500:]
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--fsdp"], "--fsdp shards over several processes; launch with torchrun"),
+])
+def test_single_process_bad_parallel_options_exit_2(tmp_path, args, needle):
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "aiayn", *CLI_ARGS, "--run-dir", str(tmp_path / "r"), *args],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
