@@ -187,6 +187,20 @@ def freeze_unused(model: nn.Module, loss_of_one_batch: Callable[[], torch.Tensor
 
 
 @contextlib.contextmanager
+def thawed(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Parameters frozen by ``freeze_unused`` count as trainable inside the block: the optimiser
+    built there has the single-process parameter groups (so checkpoints match one process's)."""
+    params = [p for n, p in model.named_parameters() if n in set(names)]
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(False)
+
+
+@contextlib.contextmanager
 def no_sync(model: nn.Module, last: bool) -> Iterator[None]:
     """Skip DDP's gradient all-reduce on all but the last micro-batch of an accumulation group."""
     if last or not hasattr(model, "no_sync"):

@@ -234,6 +234,7 @@ def _train(
         # batch_in_epoch counts batches of the task's list, whatever the world size that saved it.
         step, epoch, batch_in_epoch = loaded.step, loaded.state["epoch"], loaded.state["batch_in_epoch"]
         echo(f"resuming {run_dir} from {latest.name} (step {step}, epoch {epoch})")
+    frozen: list[str] = []  # parameters the loss never reaches, frozen for DDP/FSDP
     if ctx.enabled:
         def first_batch_loss() -> torch.Tensor:
             model.train()
@@ -242,9 +243,10 @@ def _train(
                 logits, targets = task.forward(model, batch)
             return sequence_loss(logits, targets, label_smoothing=cfg.label_smoothing).loss
 
-        distributed.freeze_unused(model, first_batch_loss)
+        frozen = distributed.freeze_unused(model, first_batch_loss)
     forward_model: nn.Module = torch.compile(model) if cfg.compile else distributed.wrap(model, ctx)
-    optimizer = make_optimizer(model, cfg)
+    with distributed.thawed(model, frozen):
+        optimizer = make_optimizer(model, cfg)
     if loaded is not None:
         if loaded.optimizer_state is not None:
             if ctx.fsdp:
