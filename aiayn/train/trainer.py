@@ -340,9 +340,9 @@ def _train(
                     bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
                                     epoch=epoch)
                     log_row(step=step, epoch=epoch, lr=lr, train_loss=mean_loss,
-                                  train_nll=window_nll / max(window_tokens, 1),
-                                  train_acc=window_correct / max(window_tokens, 1),
-                                  tokens_per_s=tokens_per_s, elapsed_s=time.perf_counter() - start_time)
+                            train_nll=window_nll / max(window_tokens, 1),
+                            train_acc=window_correct / max(window_tokens, 1),
+                            tokens_per_s=tokens_per_s, elapsed_s=time.perf_counter() - start_time)
                     window_loss = window_nll = 0.0
                     window_tokens = window_correct = window_in_tokens = window_steps = 0
                     window_start = time.perf_counter()
