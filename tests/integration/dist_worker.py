@@ -60,9 +60,11 @@ def worker(rank: int, world: int, port: int, run_dir: str, fsdp: bool, train_kw:
     from aiayn.train.distributed import ParallelOptions
     from aiayn.train.trainer import train
 
+    train_kw = dict(train_kw)
+    resume = train_kw.pop("resume", False)
     task = small_task()
     result = train(task, small_model(task), small_train(**train_kw), Path(run_dir), progress=False,
-                   make_plots=False, parallel=ParallelOptions(fsdp=fsdp))
+                   make_plots=False, parallel=ParallelOptions(fsdp=fsdp), resume=resume)
     if rank == 0:
         (Path(run_dir) / "rank0.json").write_text(json.dumps({"final_loss": result.final_loss}))
 

@@ -136,6 +136,17 @@ def test_tensor_parallel_two_processes_equal_one_process(tmp_path):
     assert "does not split the per-head alibi bias" in results["alibi"]
 
 
+def test_fsdp_resume_from_its_full_checkpoint(tmp_path, tmp_path_factory):
+    """4 sharded steps, then 4 more resumed from the step-4 checkpoint (weights, Adam moments
+    re-sharded): the same run as 8 steps of one process. A constant schedule, so the two halves'
+    learning rates do not depend on the run's length."""
+    kw = dict(schedule="constant")
+    run_dir = tmp_path / "fsdp"
+    dw.spawn(2, run_dir, fsdp=True, max_steps=4, **kw)
+    dw.spawn(2, run_dir, fsdp=True, resume=True, **kw)
+    assert_same_run(run_dir, single_process(tmp_path_factory, **kw), atol=1e-5)
+
+
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300):
     import subprocess
 
