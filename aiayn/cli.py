@@ -37,11 +37,14 @@ def cli() -> None:
 @click.option("--n-kv-heads", type=click.IntRange(min=1), help="Key/value heads (GQA/MQA); default n-heads.")
 @click.option("--d-model", type=click.IntRange(min=1), help="Model width; head_dim = d_model / n_heads.")
 @click.option("--head-dim", type=click.IntRange(min=1), help="Per-head width, if not d_model / n_heads.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8"]),
-              default="float32", show_default=True, help="Element type of the cache.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int4"]),
+              default="float32", show_default=True,
+              help="Element type of the cache; int8/int4 include their float16 scales.")
+@click.option("--group-size", type=click.IntRange(min=1),
+              help="int8/int4: channels per scale (default: one scale per token and head).")
 def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_layers: int | None,
                  n_heads: int | None, n_kv_heads: int | None, d_model: int | None,
-                 head_dim: int | None, dtype: str) -> None:
+                 head_dim: int | None, dtype: str, group_size: int | None) -> None:
     """Estimate KV-cache memory: 2 x layers x kv_heads x head_dim x seq_len x batch x bytes.
 
     Example (the seeds'): aiayn kv-cache --batch-size 32 --n-layers 32 --n-heads 32
@@ -79,11 +82,23 @@ def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_lay
             raise click.BadParameter(f"{d_model} is not divisible by --n-heads {n_heads}; "
                                      f"give --head-dim instead", param_hint="--d-model")
         head_dim = d_model // n_heads
-    total = kv_cache_bytes(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                           seq_len=seq_len, batch_size=batch_size, dtype=dtype)
+    try:
+        total = kv_cache_bytes(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                               seq_len=seq_len, batch_size=batch_size, dtype=dtype, group_size=group_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--group-size") from None
     click.echo(f"KV cache: {format_bytes(total)} ({total:,} bytes)")
-    click.echo(f"  = 2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {head_dim} head_dim "
-               f"x {seq_len} tokens x {batch_size} batch x {total // (2 * n_layers * n_kv_heads * head_dim * seq_len * batch_size)} bytes ({dtype})")
+    vectors = f"2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {seq_len} tokens x {batch_size} batch"
+    if dtype in ("int8", "int4"):
+        groups = head_dim // (group_size or head_dim)
+        data = f"{head_dim}" if dtype == "int8" else f"{head_dim} / 2"
+        click.echo(f"  = {vectors} x ({data} bytes of {dtype} + {groups} x 2 bytes of float16 scales)")
+        full = kv_cache_bytes(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                              seq_len=seq_len, batch_size=batch_size, dtype="float32")
+        click.echo(f"  float32 would need {format_bytes(full)} ({full / total:.2f}x)")
+    else:
+        click.echo(f"  = 2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {head_dim} head_dim "
+                   f"x {seq_len} tokens x {batch_size} batch x {total // (2 * n_layers * n_kv_heads * head_dim * seq_len * batch_size)} bytes ({dtype})")
     if n_kv_heads != n_heads:
         full = total * n_heads // n_kv_heads
         click.echo(f"  multi-head attention with {n_heads} kv heads would need {format_bytes(full)}")
@@ -138,15 +153,19 @@ _TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup
 @click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path),
               help="A YAML recipe (task, task_options, model, train); options given here override it.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+@click.option("--fsdp", is_flag=True, help="Under torchrun: shard parameters, gradients and optimiser "
+              "state over the processes (FSDP2) instead of replicating them (DDP, the default).")
 @click.pass_context
 def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool, overwrite: bool,
-              recipe: Path | None, max_tokens: int | None, progress: bool, **options: Any) -> None:
+              recipe: Path | None, max_tokens: int | None, progress: bool, fsdp: bool,
+              **options: Any) -> None:
     """Train a task and write a run directory (checkpoint, metrics.csv, plots).
 
     With no arguments: the reverse task, in under 3 minutes on a 2-core CPU.
     """
     from aiayn.config import ModelConfig, TrainConfig
     from aiayn.tasks import get_task
+    from aiayn.train.distributed import ParallelOptions
     from aiayn.train.trainer import train
 
     if resume and overwrite:
@@ -195,12 +214,15 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
     train_config = TrainConfig.from_dict(train_fields)
     if run_dir is None:
         run_dir = Path("runs") / f"{task}-{time.strftime('%Y%m%d-%H%M%S')}"
-    click.echo(f"task {task}: {task_obj.description}")
-    click.echo(f"run directory: {run_dir}")
+    if _is_main_process():
+        click.echo(f"task {task}: {task_obj.description}")
+        click.echo(f"run directory: {run_dir}")
     result = train(task_obj, model_config, train_config, run_dir, resume=resume, overwrite=overwrite,
-                   progress=progress, echo=click.echo)
+                   progress=progress, echo=click.echo, parallel=ParallelOptions(fsdp=fsdp))
     if result.interrupted:
         raise SystemExit(130)
+    if not _is_main_process():  # under torchrun, rank 0 reports
+        return
     click.echo(f"\nfinished {result.step} steps. Test split: "
                + ", ".join(f"{k} {v:.4%}" if "acc" in k or "exact" in k else f"{k} {v:.4g}"
                            for k, v in result.test_metrics.items()))
@@ -320,9 +342,13 @@ def _load_text_model(run_dir: Path | None, model_path: Path | None) -> _TextMode
               show_default=True, help="Divide the logits of tokens already present (CTRL); 1 = off.")
 @click.option("--seed", type=int, help="Random seed for sampling.")
 @click.option("--stop", "stops", multiple=True, help="Stop once this string is produced (repeatable).")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["float", "int8", "int4"]), default="float",
+              show_default=True, help="Key/value cache storage: the model's float type, or quantised "
+              "int8/int4 with per-token-per-head scales (less memory, slightly different output).")
 def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
                  max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...]) -> None:
+                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...],
+                 kv_cache: str) -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     from aiayn.generate import SamplingConfig, generate_decoder_only
 
@@ -331,6 +357,9 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     if not prompt:
         raise click.BadParameter("the prompt is empty; give some text to continue", param_hint="--prompt")
     lm = _load_text_model(run_dir, model_path)
+    if kv_cache == "int4" and lm.model.config.head_size % 2:
+        raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
+                                 f"{lm.model.config.head_size} is odd; use int8", param_hint="--kv-cache")
     if chat and lm.chat is None:
         raise click.UsageError("this model has no chat template; drop --chat")
     text_in = lm.chat(prompt) if chat and lm.chat else prompt
@@ -361,7 +390,8 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     if not chat:
         click.echo(prompt, nl=False)
     start = time.perf_counter()
-    generate_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_token=stream)
+    generate_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                          on_token=stream, kv_cache=None if kv_cache == "float" else kv_cache)
     seconds = time.perf_counter() - start
     click.echo(f"\n[{len(produced)} tokens in {seconds:.2f} s, {len(produced) / seconds:.1f} tokens/s]", err=True)
 
@@ -659,12 +689,20 @@ def presets_cmd() -> None:
                    f"heads={cfg.n_heads:<3d} d_ff={cfg.d_ff:<5d} vocab={cfg.vocab_size:<6d} params={n:,}")
 
 
+def _is_main_process() -> bool:
+    """False on the ranks > 0 of a torchrun job (they train but print nothing)."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every error a user can fix is one line on stderr and exit code 2."""
     from aiayn.data.parallel import DataError
     from aiayn.interop.mapping import InteropError
     from aiayn.tasks.base import UnknownTaskError
     from aiayn.train.checkpoint import CheckpointError
+    from aiayn.train.distributed import DistributedError
     from aiayn.train.trainer import RunDirError
 
     try:
@@ -678,9 +716,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
-    except (ConfigError, UnknownTaskError, RunDirError, CheckpointError, InteropError, DataError) as exc:
+    except (ConfigError, UnknownTaskError, RunDirError, CheckpointError, InteropError,
+            DistributedError, DataError) as exc:
         # Problems a user can fix: one line, exit code 2, nothing saved is touched.
-        click.echo(f"Error: {exc}", err=True)
+        if _is_main_process():  # under torchrun every rank fails alike; rank 0 says it once
+            click.echo(f"Error: {exc}", err=True)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -41,8 +41,11 @@ def greedy_decoder_only(
     prompt_valid: Tensor | None = None,
     eos_id: int | None = None,
     use_cache: bool = True,
+    kv_cache: str | None = None,
 ) -> GreedyResult:
     """Continue each row of ``prompt`` (b, t), left-padded where ``prompt_valid`` is False.
+
+    ``kv_cache="int8"``/``"int4"`` decodes over a quantised KV cache (float by default).
 
     Without ``prompt_valid`` the model's default applies: ``prompt != pad_id`` when the config has
     a pad_id, else every prompt token is real. Generated tokens always count as real.
@@ -54,7 +57,7 @@ def greedy_decoder_only(
         valid = prompt != model.config.pad_id
     else:
         valid = torch.ones_like(prompt, dtype=torch.bool)
-    cache = model.new_cache(b, t + max_new_tokens) if use_cache else None
+    cache = model.new_cache(b, t + max_new_tokens, quantize=kv_cache) if use_cache else None
     tokens, step_valid = prompt, valid
     all_tokens, all_valid = prompt, valid
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
@@ -193,11 +196,12 @@ def generate_decoder_only(
     sampling: SamplingConfig | None = None,
     eos_id: int | None = None,
     on_token: Callable[[Tensor], bool | None] | None = None,
+    kv_cache: str | None = None,
 ) -> Tensor:
     """Sample a continuation of ``prompt`` (b, t) through the KV cache -> new ids (b, n <= max_new_tokens).
 
     ``on_token`` receives each step's (b,) ids as they are produced (for streaming); returning True
-    stops early (e.g. a stop string was produced).
+    stops early (e.g. a stop string was produced). ``kv_cache="int8"``/``"int4"``: a quantised cache.
     """
     cfg = sampling or SamplingConfig()
     generator = torch.Generator(device=prompt.device).manual_seed(cfg.seed) if cfg.seed is not None else None
@@ -206,7 +210,7 @@ def generate_decoder_only(
     if t + max_new_tokens > max_len:
         raise ValueError(f"prompt of {t} tokens + {max_new_tokens} new tokens exceeds the model's context "
                          f"of {max_len}; shorten the prompt or ask for fewer tokens")
-    cache = model.new_cache(b, t + max_new_tokens)
+    cache = model.new_cache(b, t + max_new_tokens, quantize=kv_cache)
     history = prompt
     logits = model(prompt, cache=cache).logits[:, -1]
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)

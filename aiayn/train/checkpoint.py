@@ -87,19 +87,30 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any],
     keep: int = 3,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``directory/step-XXXXXXXX`` atomically and point ``latest`` at it."""
+    """Write ``directory/step-XXXXXXXX`` atomically and point ``latest`` at it.
+
+    ``model_state``/``optimizer_state``: full state dicts to save instead of ``model.state_dict()``
+    and ``optimizer.state_dict()`` (sharded training gathers them first; tied weights stored once).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
     final, tmp = directory / name, directory / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, str(tmp / MODEL_FILE))
+    if model_state is None:
+        save_model(model, str(tmp / MODEL_FILE))
+    else:
+        save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     meta: dict[str, Any] = {}
-    if optimizer is not None:
-        opt_tensors, meta = _flatten_optimizer(optimizer.state_dict())
+    if optimizer_state is None and optimizer is not None:
+        optimizer_state = optimizer.state_dict()
+    if optimizer_state is not None:
+        opt_tensors, meta = _flatten_optimizer(optimizer_state)
         tensors.update(opt_tensors)
     save_file(tensors, str(tmp / OPTIM_FILE))
     py_state = random.getstate()
