@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-recompute", action="store_true", help="skip the cache-off rows (slow)")
     parser.add_argument("--peers", nargs="*", help="subset of peers (aiayn first)")
     parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
+    parser.add_argument("--no-overhead", action="store_true",
+                        help="skip the per-token framework overhead rows (a tiny model, batch 1)")
     add_common_args(parser, repeats=5, warmup=1)
     args = parser.parse_args(argv)
     setup(args)
@@ -113,7 +115,25 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for line in ratios:
         print("* " + line)
+    if not args.no_overhead:
+        overhead(args, new)
     footer()
+
+
+def overhead(args: argparse.Namespace, new: int) -> None:
+    """Per-token cost of each library's decoding loop itself: a model so small (d 32, 1 layer,
+    vocab 64) that its arithmetic is negligible, batch 1, cache on."""
+    tiny = LMSize(vocab=64, d_model=32, n_heads=2, n_layers=1, d_ff=64)
+    prompt = torch.randint(1, tiny.vocab, (1, args.prompt_len))
+    peers = []
+    for name in args.peers or LM_PEERS:
+        torch.manual_seed(args.seed)
+        model = LM_PEERS[name](tiny, Dropouts()).eval()
+        peers.append(Timed(name, decoder(name, model, prompt, new, True)))
+    run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
+    print(f"\nFramework overhead per generated token (tiny model: d 32, 1 layer, vocab 64; batch 1, "
+          f"cache on, {new} new tokens):\n")
+    print(table(["peer", "ms / token step"], [[p.name, f"{p.median / new * 1e3:.3f}"] for p in peers]))
 
 
 if __name__ == "__main__":
