@@ -42,19 +42,25 @@ def setup(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
 
 
+def mark_start(args: argparse.Namespace) -> None:
+    """Remember the load average as the measurements start (``header`` prints it)."""
+    args.load_before = os.getloadavg()[0]
+
+
 def header(title: str, args: argparse.Namespace) -> None:
-    load = os.getloadavg()
+    load = getattr(args, "load_before", None) or os.getloadavg()[0]
     print(f"## {title}\n")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"load average {load[0]:.2f} before; {args.repeats} interleaved rounds after "
+          f"load average {load:.2f} before; {args.repeats} interleaved rounds after "
           f"{args.warmup} warm-up call(s){' (--quick)' if args.quick else ''}\n")
 
 
 def footer() -> None:
     load = os.getloadavg()
-    note = (" (above the thread count: other jobs shared the cores, treat figures as rough)"
-            if load[0] > torch.get_num_threads() * 0.75 else "")
+    note = (" (other jobs shared the cores: treat these figures as rough; with more than one "
+            "thread each, contention can slow a run many times over)"
+            if load[0] > 1.0 else "")
     print(f"\nload average {load[0]:.2f} after{note}\n")
 
 

@@ -8,9 +8,10 @@ Benchmark 2 (``--suite decoder``): decoder-only, d 256, 4 layers, 4 heads, vocab
 16 x 256, against Hugging Face GPT-2 and x-transformers' ``TransformerWrapper(Decoder)``.
 
 Same loss (token cross-entropy, padding ignored), same optimiser (torch Adam, lr 1e-4,
-betas (0.9, 0.98), eps 1e-9), same dropout (``--dropout``, default 0: every dropout of every peer
-off), same batch, same process. tokens/s counts every position fed to the model, padding
-included (batch x (source + target) for encoder-decoder, batch x length for decoder-only).
+betas (0.9, 0.98), eps 1e-9, its fused kernel unless ``--adam for-loop``), same dropout
+(``--dropout``, default 0: every dropout of every peer off), same batch, same process.
+tokens/s counts every position fed to the model, padding included (batch x (source + target)
+for encoder-decoder, batch x length for decoder-only).
 Model FLOPs are counted once, on aiayn's step, with ``torch.utils.flop_counter`` (matmuls and
 attention, forward + backward; the causal half is counted as done) and divided by each peer's
 step time: MFU = FLOPs per step / step time / measured matmul peak.
@@ -33,6 +34,7 @@ from benchmarks.common import (
     fmt_int,
     footer,
     header,
+    mark_start,
     matmul_peak,
     ratio_line,
     run_interleaved,
@@ -54,8 +56,13 @@ TRAINING_TARGET = 1.2
 MFU_TARGET = 0.6
 
 
+FUSED_ADAM = True  # set from --adam
+
+
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    """The same Adam for every peer: torch's fused kernel (``--adam fused``) or its for-loop one."""
+    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                            fused=FUSED_ADAM or None)
 
 
 def padded_batch(batch: int, length: int, vocab: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -113,6 +120,7 @@ def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
         model = SEQ2SEQ_PEERS[name](size, drop).train()
         models[name], params[name] = model, count_params(model)
         peers.append(Timed(name, seq2seq_step(model, make_optimizer(model), batch)))
+    mark_start(args)
     flops = step_flops(peers[0].fn)  # aiayn's (the first peer); the model FLOPs of every peer
     peak = matmul_peak(repeats=args.repeats + 2)
     run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
@@ -140,6 +148,7 @@ def run_decoder(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
         model = LM_PEERS[name](size, drop).train()
         params[name] = count_params(model)
         peers.append(Timed(name, lm_step(name, model, make_optimizer(model), tokens_in)))
+    mark_start(args)
     flops = step_flops(peers[0].fn)
     peak = matmul_peak(repeats=args.repeats + 2)
     run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
@@ -182,9 +191,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="residual/embedding, attention and activation dropout of every peer (default 0)")
     parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
+    parser.add_argument("--adam", choices=["fused", "for-loop"], default="fused",
+                        help="torch Adam implementation, the same for every peer (default fused, as "
+                             "aiayn's trainer uses)")
     add_common_args(parser, repeats=7, warmup=3)
     args = parser.parse_args(argv)
     setup(args)
+    global FUSED_ADAM
+    FUSED_ADAM = args.adam == "fused"
     quiet()
     drop = Dropouts(args.dropout, args.dropout, args.dropout)
     suites = ["small", "paper-base", "decoder"] if args.suite == "all" else [args.suite]
