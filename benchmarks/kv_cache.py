@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     for label, _build, estimate in QUANTISED_ROWS:  # hook: filled in when the int8 cache lands
         rows.append([label, "", fmt_int(estimate), "", "", ""])
     print(table(["cache", "KVCache.nbytes (measured)", "kv_cache_bytes (estimate)",
-                 "MiB allocated building it", "saving vs MHA", "ms / decode step (prefill 32 + 32 steps)"],
+                 "MiB allocated building it", "saving vs MHA", "ms per new token (prompt 32 + 32 tokens, 64-slot cache)"],
                 rows))
     print("\nMeasured buffer bytes equal the estimator exactly (asserted). The allocated column adds "
           "the cache's valid/positions bookkeeping (batch x max_len bool + int64). "

@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="residual/embedding, attention and activation dropout of every peer (default 0)")
     parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
     parser.add_argument("--adam", choices=["fused", "for-loop"], default="fused",
-                        help="torch Adam implementation, the same for every peer (default fused, as "
-                             "aiayn's trainer uses)")
+                        help="torch Adam implementation, the same for every peer (default fused: "
+                             "torch's fastest on CPU)")
     add_common_args(parser, repeats=7, warmup=3)
     args = parser.parse_args(argv)
     setup(args)
