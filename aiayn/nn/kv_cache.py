@@ -123,10 +123,13 @@ class LayerKVCache:
         self.v[:, :, pos : pos + t] = v
         return self.k[:, :, : pos + t], self.v[:, :, : pos + t]
 
+    # Per-row buffers a reorder must carry along (a quantised cache adds its scales).
+    _row_buffers: tuple[str, ...] = ("k", "v")
+
     def reorder(self, indices: Tensor, length: int) -> None:
         """Row i becomes old row ``indices[i]`` (b_new,); only the first ``length`` slots are copied."""
         b_new = indices.shape[0]
-        for name in ("k", "v"):
+        for name in self._row_buffers:
             old = getattr(self, name)
             new = old.new_zeros((b_new, *old.shape[1:]))  # (b_new, h_kv, s_max, d_h)
             new[:, :, :length] = old[:, :, :length].index_select(0, indices)
@@ -206,6 +209,8 @@ class QuantizedLayerKVCache(LayerKVCache):
         self.k_scale = torch.zeros(scales, dtype=SCALE_DTYPE, device=device)
         self.v_scale = torch.zeros_like(self.k_scale)
         self.max_len, self.head_dim = max_len, head_dim
+
+    _row_buffers = ("k", "v", "k_scale", "v_scale")
 
     def _store(self, x: Tensor) -> tuple[Tensor, Tensor]:
         q, scale = quantize_absmax(x, self.bits, self.group_size)

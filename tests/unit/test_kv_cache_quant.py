@@ -130,3 +130,21 @@ def test_cli_generate_with_an_int8_cache_still_answers_paris() -> None:
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_cache_reorder_moves_the_scales_with_the_codes(quantize):
+    """Beam search reorders cache rows: codes and scales must move together."""
+    from aiayn.nn.kv_cache import QuantizedLayerKVCache
+
+    g = torch.Generator().manual_seed(0)
+    cache = QuantizedLayerKVCache(3, 2, 8, 6, quantize=quantize)
+    k = torch.randn(3, 2, 4, 8, generator=g) * torch.tensor([1.0, 10.0, 100.0])[:, None, None, None]
+    v = torch.randn(3, 2, 4, 8, generator=g)
+    before_k, before_v = cache.write(k, v, 0)
+    order = torch.tensor([2, 0, 0, 1])
+    cache.reorder(order, 4)
+    after_k, after_v = cache._load(cache.k[:, :, :4], cache.k_scale[:, :, :4]), \
+        cache._load(cache.v[:, :, :4], cache.v_scale[:, :, :4])
+    torch.testing.assert_close(after_k, before_k[order])
+    torch.testing.assert_close(after_v, before_v[order])
