@@ -37,11 +37,14 @@ def cli() -> None:
 @click.option("--n-kv-heads", type=click.IntRange(min=1), help="Key/value heads (GQA/MQA); default n-heads.")
 @click.option("--d-model", type=click.IntRange(min=1), help="Model width; head_dim = d_model / n_heads.")
 @click.option("--head-dim", type=click.IntRange(min=1), help="Per-head width, if not d_model / n_heads.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8"]),
-              default="float32", show_default=True, help="Element type of the cache.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int4"]),
+              default="float32", show_default=True,
+              help="Element type of the cache; int8/int4 include their float16 scales.")
+@click.option("--group-size", type=click.IntRange(min=1),
+              help="int8/int4: channels per scale (default: one scale per token and head).")
 def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_layers: int | None,
                  n_heads: int | None, n_kv_heads: int | None, d_model: int | None,
-                 head_dim: int | None, dtype: str) -> None:
+                 head_dim: int | None, dtype: str, group_size: int | None) -> None:
     """Estimate KV-cache memory: 2 x layers x kv_heads x head_dim x seq_len x batch x bytes.
 
     Example (the seeds'): aiayn kv-cache --batch-size 32 --n-layers 32 --n-heads 32
@@ -79,11 +82,23 @@ def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_lay
             raise click.BadParameter(f"{d_model} is not divisible by --n-heads {n_heads}; "
                                      f"give --head-dim instead", param_hint="--d-model")
         head_dim = d_model // n_heads
-    total = kv_cache_bytes(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                           seq_len=seq_len, batch_size=batch_size, dtype=dtype)
+    try:
+        total = kv_cache_bytes(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                               seq_len=seq_len, batch_size=batch_size, dtype=dtype, group_size=group_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--group-size") from None
     click.echo(f"KV cache: {format_bytes(total)} ({total:,} bytes)")
-    click.echo(f"  = 2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {head_dim} head_dim "
-               f"x {seq_len} tokens x {batch_size} batch x {total // (2 * n_layers * n_kv_heads * head_dim * seq_len * batch_size)} bytes ({dtype})")
+    vectors = f"2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {seq_len} tokens x {batch_size} batch"
+    if dtype in ("int8", "int4"):
+        groups = head_dim // (group_size or head_dim)
+        data = f"{head_dim}" if dtype == "int8" else f"{head_dim} / 2"
+        click.echo(f"  = {vectors} x ({data} bytes of {dtype} + {groups} x 2 bytes of float16 scales)")
+        full = kv_cache_bytes(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                              seq_len=seq_len, batch_size=batch_size, dtype="float32")
+        click.echo(f"  float32 would need {format_bytes(full)} ({full / total:.2f}x)")
+    else:
+        click.echo(f"  = 2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {head_dim} head_dim "
+                   f"x {seq_len} tokens x {batch_size} batch x {total // (2 * n_layers * n_kv_heads * head_dim * seq_len * batch_size)} bytes ({dtype})")
     if n_kv_heads != n_heads:
         full = total * n_heads // n_kv_heads
         click.echo(f"  multi-head attention with {n_heads} kv heads would need {format_bytes(full)}")
@@ -133,16 +148,24 @@ _TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup
               help="Dropout on the attention weights.")
 @click.option("--positional", type=click.Choice(["sinusoidal", "learned", "rope", "alibi", "t5", "none"]),
               help="Positional scheme.")
+@click.option("--max-tokens", type=click.IntRange(min=1),
+              help="Token-count batching (translation): padded tokens per batch, e.g. 4096.")
+@click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path),
+              help="A YAML recipe (task, task_options, model, train); options given here override it.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+@click.option("--fsdp", is_flag=True, help="Under torchrun: shard parameters, gradients and optimiser "
+              "state over the processes (FSDP2) instead of replicating them (DDP, the default).")
 @click.pass_context
 def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool, overwrite: bool,
-              progress: bool, **options: Any) -> None:
+              recipe: Path | None, max_tokens: int | None, progress: bool, fsdp: bool,
+              **options: Any) -> None:
     """Train a task and write a run directory (checkpoint, metrics.csv, plots).
 
     With no arguments: the reverse task, in under 3 minutes on a 2-core CPU.
     """
     from aiayn.config import ModelConfig, TrainConfig
     from aiayn.tasks import get_task
+    from aiayn.train.distributed import ParallelOptions
     from aiayn.train.trainer import train
 
     if resume and overwrite:
@@ -156,23 +179,50 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
         if ctx.get_parameter_source("task") is click.core.ParameterSource.DEFAULT:
             task = saved["task"]
         model_base, train_base = saved["model"], saved["train"]
+        task_options = saved.get("task_options", {})
     else:
         model_base = train_base = None
-    task_obj = get_task(task)
-    model_fields = model_base or task_obj.model_config().to_dict()
-    train_fields = train_base or {**TrainConfig(task=task).to_dict(), **task_obj.train_overrides()}
+        task_options = {}
+    recipe_fields: dict[str, Any] = {}
+    if recipe is not None and model_base is None:
+        recipe_fields = _read_recipe(recipe)
+        if ctx.get_parameter_source("task") is click.core.ParameterSource.DEFAULT:
+            task = recipe_fields.get("task", task)
+        task_options = recipe_fields.get("task_options", {})
+    if max_tokens is not None:
+        if resume:
+            raise click.UsageError("--max-tokens cannot change when resuming (the batches would differ)")
+        import inspect
+
+        from aiayn.tasks import TASKS
+
+        if task in TASKS and "max_tokens" not in inspect.signature(TASKS[task].__init__).parameters:
+            raise click.UsageError(f"task {task!r} batches by examples (--batch-size); --max-tokens is "
+                                   f"for token-count batching (translation)")
+        task_options = {**task_options, "max_tokens": max_tokens}
+    try:
+        task_obj = get_task(task, **task_options)
+    except TypeError as exc:  # an option the task does not take
+        raise click.BadParameter(f"task {task!r} does not take that option: {exc}",
+                                 param_hint="--recipe (task_options)") from None
+    model_fields = model_base or {**task_obj.model_config().to_dict(), **recipe_fields.get("model", {})}
+    train_fields = train_base or {**TrainConfig(task=task).to_dict(), **task_obj.train_overrides(),
+                                  **recipe_fields.get("train", {}), "task": task}
     model_fields.update({_MODEL_OPTIONS[k]: v for k, v in given.items() if k in _MODEL_OPTIONS})
     train_fields.update({k: v for k, v in given.items() if k in _TRAIN_OPTIONS})
     model_config = ModelConfig.from_dict(model_fields)
     train_config = TrainConfig.from_dict(train_fields)
     if run_dir is None:
         run_dir = Path("runs") / f"{task}-{time.strftime('%Y%m%d-%H%M%S')}"
-    click.echo(f"task {task}: {task_obj.description}")
-    click.echo(f"run directory: {run_dir}")
+    if _is_main_process():
+        click.echo(f"task {task}: {task_obj.description}")
+        click.echo(f"run directory: {run_dir}")
     result = train(task_obj, model_config, train_config, run_dir, resume=resume, overwrite=overwrite,
-                   progress=progress, echo=click.echo)
+                   progress=progress, echo=click.echo, parallel=ParallelOptions(fsdp=fsdp))
     if result.interrupted:
         raise SystemExit(130)
+    if not _is_main_process():  # under torchrun, rank 0 reports
+        return
     click.echo(f"\nfinished {result.step} steps. Test split: "
                + ", ".join(f"{k} {v:.4%}" if "acc" in k or "exact" in k else f"{k} {v:.4g}"
                            for k, v in result.test_metrics.items()))
@@ -182,6 +232,28 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
             click.echo(f"  {line}")
     click.echo(f"run directory {run_dir}: config.json, checkpoints/, metrics.csv, summary.json"
                + "".join(f", {p.name}" for p in result.plots))
+
+
+def _read_recipe(path: Path) -> dict[str, Any]:
+    """A recipe file: YAML with ``task``, ``task_options``, ``model`` and ``train`` mappings."""
+    import yaml
+
+    if not path.is_file():
+        raise click.BadParameter(f"{path} not found", param_hint="--recipe")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"{path} is not valid YAML: {str(exc).splitlines()[0]}",
+                                 param_hint="--recipe") from None
+    known = {"task", "task_options", "model", "train", "description"}
+    if not isinstance(data, dict) or not set(data) <= known:
+        extra = sorted(set(data) - known) if isinstance(data, dict) else "not a mapping"
+        raise click.BadParameter(f"{path}: a recipe is a mapping with keys {', '.join(sorted(known))}; "
+                                 f"got {extra}", param_hint="--recipe")
+    for key in ("task_options", "model", "train"):
+        if not isinstance(data.get(key, {}), dict):
+            raise click.BadParameter(f"{path}: {key} must be a mapping", param_hint="--recipe")
+    return data
 
 
 @cli.command("tasks")
@@ -274,10 +346,13 @@ def _load_text_model(run_dir: Path | None, model_path: Path | None) -> _TextMode
               help="Lower-precision weights for speed: bf16 (all weights bfloat16) or int8 (Linear "
                    "weights int8 per row, weight-only; the rest float32).")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's choice).")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["float", "int8", "int4"]), default="float",
+              show_default=True, help="Key/value cache storage: the model's float type, or quantised "
+              "int8/int4 with per-token-per-head scales (less memory, slightly different output).")
 def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
                  max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
                  repetition_penalty: float, seed: int | None, stops: tuple[str, ...],
-                 quantize: str = "none", threads: int | None = None) -> None:
+                 quantize: str = "none", threads: int | None = None, kv_cache: str = "float") -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     from aiayn.generate import SamplingConfig, generate_decoder_only
 
@@ -288,6 +363,9 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     if threads is not None:
         torch.set_num_threads(threads)
     lm = _load_text_model(run_dir, model_path)
+    if kv_cache == "int4" and lm.model.config.head_size % 2:
+        raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
+                                 f"{lm.model.config.head_size} is odd; use int8", param_hint="--kv-cache")
     if quantize != "none":
         from aiayn.quantize import lower_precision
 
@@ -322,7 +400,8 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     if not chat:
         click.echo(prompt, nl=False)
     start = time.perf_counter()
-    generate_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, on_token=stream)
+    generate_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                          on_token=stream, kv_cache=None if kv_cache == "float" else kv_cache)
     seconds = time.perf_counter() - start
     click.echo(f"\n[{len(produced)} tokens in {seconds:.2f} s, {len(produced) / seconds:.1f} tokens/s]", err=True)
 
@@ -353,6 +432,169 @@ def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batc
     vectors = encoder.encode(list(texts), batch_size=batch_size)
     for text, vector in zip(texts, vectors.tolist(), strict=True):
         click.echo(json.dumps({"text": text, "embedding": vector}, ensure_ascii=False))
+
+
+# ---- translation -------------------------------------------------------------------------------
+def _resolve_checkpoint(run_dir: Path, checkpoint: Path | None) -> Path | None:
+    """--checkpoint: a checkpoint directory, or a folder of them (its newest is taken)."""
+    if checkpoint is None:
+        return None
+    from aiayn.train.checkpoint import STATE_FILE, latest_checkpoint
+
+    if (checkpoint / STATE_FILE).is_file():
+        return checkpoint
+    found = latest_checkpoint(checkpoint) if checkpoint.is_dir() else None
+    if found is None:
+        raise click.BadParameter(f"{checkpoint} is not a checkpoint (no {STATE_FILE}) nor a folder of "
+                                 f"checkpoints", param_hint="--checkpoint")
+    return found
+
+
+def _load_translator(run_dir: Path, checkpoint: Path | None) -> tuple[Any, Any]:
+    from aiayn.tasks.translation import TranslationTask
+    from aiayn.train.trainer import load_run
+
+    if not run_dir.is_dir():
+        raise click.BadParameter(f"{run_dir} does not exist; train one with "
+                                 f"aiayn train --recipe recipes/multi30k-en-de.yaml", param_hint="--run")
+    run = load_run(run_dir, checkpoint=_resolve_checkpoint(run_dir, checkpoint), prepare=False)
+    if not isinstance(run.task, TranslationTask):
+        raise click.BadParameter(f"{run_dir} holds a {run.task.name} run; translation needs a run of "
+                                 f"the translation task", param_hint="--run")
+    return run.task, run.task.translator(run.model)
+
+
+def _decode_options(beam: int, length_penalty: float, temperature: float | None, top_k: int | None,
+                    top_p: float | None, seed: int | None) -> Any:
+    from aiayn.generate import SamplingConfig
+    from aiayn.translate import DecodeOptions
+
+    sampling = None
+    if temperature is not None or top_k is not None or top_p is not None:
+        sampling = SamplingConfig(temperature=1.0 if temperature is None else temperature,
+                                  top_k=top_k, top_p=top_p, seed=seed)
+    return DecodeOptions(beam_size=beam, length_penalty=length_penalty, sampling=sampling)
+
+
+def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--run", "run_dir", required=True, type=click.Path(path_type=Path),
+                     help="A run directory of the translation task."),
+        click.option("--checkpoint", type=click.Path(path_type=Path),
+                     help="A checkpoint directory (e.g. RUN/averaged-last5) instead of the run's latest."),
+        click.option("--beam", type=click.IntRange(min=1), default=5, show_default=True,
+                     help="Beam size; 1 = greedy."),
+        click.option("--length-penalty", type=click.FloatRange(min=0), default=0.6, show_default=True,
+                     help="GNMT length penalty alpha: score / ((5 + length) / 6) ** alpha."),
+        click.option("--temperature", type=click.FloatRange(min=0),
+                     help="Sample instead of searching, at this temperature."),
+        click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens."),
+        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True),
+                     help="Nucleus sampling threshold."),
+        click.option("--seed", type=int, help="Random seed for sampling."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+@cli.command("translate")
+@_decoding_options
+@click.argument("texts", nargs=-1)
+def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int, length_penalty: float,
+                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
+                  texts: tuple[str, ...]) -> None:
+    """Translate TEXTS, or each line of standard input as it arrives (one output line per input line).
+
+    A sentence longer than the model's maximum is cut to fit, with a warning on stderr.
+    """
+    import warnings
+
+    from aiayn.translate import InputTooLongWarning
+
+    _, translator = _load_translator(run_dir, checkpoint)
+    options = _decode_options(beam, length_penalty, temperature, top_k, top_p, seed)
+
+    def show(warning: Any, category: Any, *_: Any, **__: Any) -> None:
+        click.echo(f"warning: {warning}", err=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", InputTooLongWarning)
+        warnings.showwarning = show
+        if texts:
+            for line in translator.translate(list(texts), options):
+                click.echo(line)
+            return
+        for raw in sys.stdin:  # streamed: each line is translated as soon as it is read
+            click.echo(translator.translate([raw.strip()], options)[0])
+            sys.stdout.flush()
+
+
+@cli.command("evaluate")
+@_decoding_options
+@click.option("--src", "src_path", required=True, type=click.Path(path_type=Path), help="Source sentences, one per line.")
+@click.option("--ref", "ref_path", required=True, type=click.Path(path_type=Path), help="Reference translations, aligned.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the hypotheses (detokenised, one per line) here.")
+def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int, length_penalty: float,
+                 temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
+                 src_path: Path, ref_path: Path, out_path: Path | None) -> None:
+    """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF."""
+    from aiayn.data.parallel import read_parallel
+    from aiayn.tasks.translation import corpus_score
+
+    sources, references = read_parallel(src_path, ref_path)
+    _, translator = _load_translator(run_dir, checkpoint)
+    options = _decode_options(beam, length_penalty, temperature, top_k, top_p, seed)
+    start = time.perf_counter()
+    hypotheses = translator.translate(sources, options)
+    seconds = time.perf_counter() - start
+    scores = corpus_score(hypotheses, references)
+    if out_path is not None:
+        out_path.write_text("\n".join(hypotheses) + "\n", encoding="utf-8")
+    click.echo(f"{scores['bleu_text']}")
+    click.echo(f"BLEU signature: {scores['bleu_signature']}")
+    click.echo(f"chrF2 = {scores['chrf']:.2f}  (signature: {scores['chrf_signature']})")
+    click.echo(f"{len(sources)} sentences in {seconds:.1f} s ({len(sources) / seconds:.1f} sentences/s), "
+               f"beam {options.beam_size}" + (f"; hypotheses written to {out_path}" if out_path else ""))
+
+
+@cli.command("fetch-multi30k")
+@click.option("--to", "cache_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for train/val/test2016 .en/.de files (then set AIAYN_DATA_DIR to its parent, "
+                   "or give the task option corpus_dir).")
+def fetch_multi30k_cmd(cache_dir: Path) -> None:
+    """Download Multi30k task 1 (en-de: train, val, test2016) from its public source (needs a network)."""
+    from aiayn.data.parallel import fetch_multi30k
+
+    click.echo(f"Multi30k in {fetch_multi30k(cache_dir)}")
+
+
+@cli.command("average")
+@click.option("--run", "run_dir", required=True, type=click.Path(path_type=Path), help="A run directory.")
+@click.option("--last", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Average this many of the newest checkpoints.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the averaged checkpoint goes. Default: RUN/averaged-lastN.")
+def average_cmd(run_dir: Path, last: int, out_dir: Path | None) -> None:
+    """Average the weights of the last N checkpoints (the paper's trick, section 6.1)."""
+    from aiayn.train.checkpoint import average_checkpoints, list_checkpoints, save_checkpoint
+    from aiayn.train.trainer import load_run
+
+    found = list_checkpoints(run_dir / "checkpoints")
+    if not found:
+        raise click.BadParameter(f"{run_dir} holds no checkpoints", param_hint="--run")
+    if len(found) < last:
+        raise click.BadParameter(f"{run_dir} keeps {len(found)} checkpoint(s), fewer than --last {last}; "
+                                 f"lower --last or train with a larger keep_checkpoints", param_hint="--last")
+    chosen = found[-last:]
+    run = load_run(run_dir, checkpoint=chosen[-1], prepare=False)
+    average_checkpoints(chosen, run.model)
+    out_dir = out_dir or run_dir / f"averaged-last{last}"
+    step = int(chosen[-1].name.removeprefix("step-"))
+    path = save_checkpoint(out_dir, step=step, model=run.model, optimizer=None, keep=1,
+                           state={"averaged": [p.name for p in chosen]})
+    click.echo(f"averaged {', '.join(p.name for p in chosen)} -> {path}")
 
 
 # ---- plots ------------------------------------------------------------------------------------
@@ -485,11 +727,20 @@ def presets_cmd() -> None:
                    f"heads={cfg.n_heads:<3d} d_ff={cfg.d_ff:<5d} vocab={cfg.vocab_size:<6d} params={n:,}")
 
 
+def _is_main_process() -> bool:
+    """False on the ranks > 0 of a torchrun job (they train but print nothing)."""
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every error a user can fix is one line on stderr and exit code 2."""
+    from aiayn.data.parallel import DataError
     from aiayn.interop.mapping import InteropError
     from aiayn.tasks.base import UnknownTaskError
     from aiayn.train.checkpoint import CheckpointError
+    from aiayn.train.distributed import DistributedError
     from aiayn.train.trainer import RunDirError
 
     try:
@@ -503,9 +754,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
-    except (ConfigError, UnknownTaskError, RunDirError, CheckpointError, InteropError) as exc:
+    except (ConfigError, UnknownTaskError, RunDirError, CheckpointError, InteropError,
+            DistributedError, DataError) as exc:
         # Problems a user can fix: one line, exit code 2, nothing saved is touched.
-        click.echo(f"Error: {exc}", err=True)
+        if _is_main_process():  # under torchrun every rank fails alike; rank 0 says it once
+            click.echo(f"Error: {exc}", err=True)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -43,9 +43,12 @@ class DecoderOnly(nn.Module):
         return ModelOutput(logits=self.lm_head(out.hidden), hidden=out.hidden, attentions=out.attentions)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
-                  dtype: torch.dtype | None = None) -> KVCache:
-        """A preallocated KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens."""
+                  dtype: torch.dtype | None = None, quantize: str | None = None,
+                  group_size: int | None = None) -> KVCache:
+        """A preallocated KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens.
+
+        ``quantize="int8"``/``"int4"``: keys and values stored quantised (see ``aiayn.nn.kv_cache``)."""
         weight = self.embedding.weight  # (the output projection may be quantised; the table is not)
         return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size,
                           max_len=max_len, dtype=dtype or weight.dtype, device=weight.device,
-                          cross_attention=False)
+                          cross_attention=False, quantize=quantize, group_size=group_size)

@@ -85,9 +85,10 @@ class EncoderDecoder(nn.Module):
         return self.decode(tgt, encoded, tgt_valid=tgt_valid, need_weights=need_weights)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
-                  dtype: torch.dtype | None = None) -> KVCache:
+                  dtype: torch.dtype | None = None, quantize: str | None = None,
+                  group_size: int | None = None) -> KVCache:
         """A preallocated decoder KV cache (self-attention buffers + cross-attention slots)."""
         weight = self.lm_head.weight
         return make_cache(self.config, n_layers=self.config.decoder_layers, batch_size=batch_size,
                           max_len=max_len, dtype=dtype or weight.dtype, device=weight.device,
-                          cross_attention=True)
+                          cross_attention=True, quantize=quantize, group_size=group_size)

@@ -100,8 +100,11 @@ def scaled_dot_product_attention(
     h_kv, t_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d_h) if scale is None else scale
 
+    # Only a caller's mask can leave a query with no visible key: a right-aligned causal mask
+    # always shows each query at least its own position.
+    may_empty_rows = mask is not None
     if causal and t_q == 1:
-        causal = False  # one query is the last key (right-aligned): it may see every key
+        causal = False  # one query is the last key: right-aligned, it sees every key (decode step)
     if (t_q == 1 and h != h_kv and impl == "fused" and not need_weights and bias is None
             and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1))):
         # A single-query decode step under GQA: the h / h_kv query heads that share a key/value
@@ -110,19 +113,19 @@ def scaled_dot_product_attention(
                                               dropout_p=dropout_p, scale=scale, impl=impl)
         return out.reshape(_b, h, 1, d_h), None
     if causal:
-        mask_c = causal_mask(t_q, t_k, device=q.device)
         # Fast path: plain square causal attention needs no materialised mask.
         if impl == "fused" and not need_weights and mask is None and bias is None and t_q == t_k:
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=h != h_kv
             )
             return out, None
+        mask_c = causal_mask(t_q, t_k, device=q.device)
         mask = mask_c if mask is None else mask & mask_c
 
     # Rows with no visible key: remember them, let them attend everywhere (finite softmax, finite
     # gradients), and zero their output afterwards.
     row_valid = None
-    if mask is not None:
+    if mask is not None and may_empty_rows:
         row_valid = mask.any(dim=-1, keepdim=True)  # (.., t_q, 1)
         mask = mask | ~row_valid
 

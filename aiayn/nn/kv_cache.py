@@ -6,6 +6,10 @@ written at a position: a decode step costs O(t_new) projections, with no ``torch
 
 Shape letters: b batch, h_kv key/value heads (GQA/MQA cache only these), s_max capacity, d_h
 head width.
+
+Quantised caches (``quantize="int8"`` or ``"int4"``) store keys and values as integers with one
+absmax scale per token, head and group of ``group_size`` channels (default: the whole head):
+quantised on write, dequantised when the attention reads them back.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_BYTES))}") from None
 
 
+QUANTIZED = ("int8", "int4")  # cache element types stored with per-group scales
+SCALE_DTYPE = torch.float16  # the scales' type: 2 bytes per token, head and group
+
+
 def kv_cache_bytes(
     *,
     n_layers: int,
@@ -37,17 +45,37 @@ def kv_cache_bytes(
     seq_len: int,
     batch_size: int,
     dtype: torch.dtype | str = torch.float32,
+    group_size: int | None = None,
 ) -> int:
     """Memory of a KV cache: 2 (k and v) x layers x kv_heads x head_dim x seq_len x batch x bytes.
 
     Example (the seeds'): batch 32, 32 layers, 32 heads of 128 (d_model 4096), 2048 tokens,
     float32 -> 68,719,476,736 bytes = 64 GiB.
+
+    ``dtype="int8"``/``"int4"`` is the quantised cache: 1 byte (int8) or half a byte (int4, two per
+    byte) per element, plus a float16 scale per token, head and ``group_size`` channels (default:
+    one per head) -- exactly what ``KVCache(quantize=...).nbytes`` holds.
     """
     for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                         ("seq_len", seq_len), ("batch_size", batch_size)):
         if value <= 0:
             raise ValueError(f"kv_cache_bytes: {name} must be positive, got {value}")
-    return 2 * n_layers * n_kv_heads * head_dim * seq_len * batch_size * dtype_bytes(dtype)
+    vectors = 2 * n_layers * n_kv_heads * seq_len * batch_size  # (k or v) x token x head
+    if isinstance(dtype, str) and dtype in QUANTIZED:
+        group = _check_group(head_dim, group_size, dtype)
+        data = head_dim if dtype == "int8" else head_dim // 2
+        return vectors * (data + (head_dim // group) * dtype_bytes(SCALE_DTYPE))
+    return vectors * head_dim * dtype_bytes(dtype)
+
+
+def _check_group(head_dim: int, group_size: int | None, quantize: str) -> int:
+    group = head_dim if group_size is None else group_size
+    if group <= 0 or head_dim % group != 0:
+        raise ValueError(f"group_size={group_size} must divide head_dim={head_dim}")
+    if quantize == "int4" and head_dim % 2 != 0:
+        raise ValueError(f"an int4 KV cache packs two values per byte and needs an even head_dim, "
+                         f"got {head_dim}; use quantize='int8'")
+    return group
 
 
 def format_bytes(n: int) -> str:
@@ -95,9 +123,126 @@ class LayerKVCache:
         self.v[:, :, pos : pos + t] = v
         return self.k[:, :, : pos + t], self.v[:, :, : pos + t]
 
+    # Per-row buffers a reorder must carry along (a quantised cache adds its scales).
+    _row_buffers: tuple[str, ...] = ("k", "v")
+
+    def reorder(self, indices: Tensor, length: int) -> None:
+        """Row i becomes old row ``indices[i]`` (b_new,); only the first ``length`` slots are copied."""
+        b_new = indices.shape[0]
+        for name in self._row_buffers:
+            old = getattr(self, name)
+            new = old.new_zeros((b_new, *old.shape[1:]))  # (b_new, h_kv, s_max, d_h)
+            new[:, :, :length] = old[:, :, :length].index_select(0, indices)
+            setattr(self, name, new)
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+def quantize_absmax(x: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor]:
+    """Symmetric absmax quantisation of (..., d) in groups of ``group_size`` channels.
+
+    Returns (q int8 (..., d) in [-qmax, qmax], scale float16 (..., d / group_size)) with
+    qmax = 2^(bits-1) - 1, so that x ~ q * scale; the error per element is at most scale / 2
+    (plus the float16 rounding of the scale, relative 2^-11 while the scale is a normal float16,
+    i.e. for groups whose absmax exceeds about 0.008 (int8); smaller ones are still bounded by
+    half a step of the rounded scale plus 6e-8 * qmax).
+    """
+    qmax = 2 ** (bits - 1) - 1
+    groups = x.float().unflatten(-1, (-1, group_size))  # (..., n_groups, group)
+    scale = (groups.abs().amax(dim=-1) / qmax).to(SCALE_DTYPE)  # (..., n_groups)
+    safe = torch.where(scale == 0, 1.0, scale.float())[..., None]  # all-zero groups: q = 0
+    q = torch.round(groups / safe).clamp_(-qmax, qmax).to(torch.int8).flatten(-2)
+    return q, scale
+
+
+def dequantize_absmax(q: Tensor, scale: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
+    """Inverse of ``quantize_absmax``: (..., d) int8, (..., d / group_size) -> (..., d) ``dtype``."""
+    groups = q.unflatten(-1, (-1, group_size)).float() * scale.float()[..., None]
+    return groups.flatten(-2).to(dtype)
+
+
+def _pack_int4(q: Tensor) -> Tensor:
+    """(..., d) int8 in [-7, 7] -> (..., d / 2) uint8, two offset-by-8 nibbles per byte."""
+    u = (q + 8).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def _unpack_int4(p: Tensor) -> Tensor:
+    """(..., d / 2) uint8 -> (..., d) int8"""
+    low, high = (p & 0x0F).to(torch.int8) - 8, (p >> 4).to(torch.int8) - 8
+    return torch.stack([low, high], dim=-1).flatten(-2)
+
+
+class QuantizedLayerKVCache(LayerKVCache):
+    """A ``LayerKVCache`` holding int8 (or packed int4) keys and values with float16 absmax scales.
+
+    Keys and values are quantised as they are written (one scale per token, head and group of
+    ``group_size`` channels) and the prefix read back is dequantised to ``dtype``, so attention runs
+    in float on values that carry the quantisation error. Storage per token and head:
+    d_h (int8) or d_h / 2 (int4) bytes, plus 2 bytes per group.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        quantize: str = "int8",
+        group_size: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if quantize not in QUANTIZED:
+            raise ValueError(f"unknown KV-cache quantisation {quantize!r}; use one of {', '.join(QUANTIZED)}")
+        self.group_size = _check_group(head_dim, group_size, quantize)
+        self.quantize, self.bits, self.dtype = quantize, 8 if quantize == "int8" else 4, dtype
+        width = head_dim if quantize == "int8" else head_dim // 2
+        data_dtype = torch.int8 if quantize == "int8" else torch.uint8
+        # k/v hold the integer codes; the shape checks of ``write`` read only dims 0, 1 (and 3 for int8).
+        self.k = torch.zeros((batch_size, n_kv_heads, max_len, width), dtype=data_dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        scales = (batch_size, n_kv_heads, max_len, head_dim // self.group_size)
+        self.k_scale = torch.zeros(scales, dtype=SCALE_DTYPE, device=device)
+        self.v_scale = torch.zeros_like(self.k_scale)
+        self.max_len, self.head_dim = max_len, head_dim
+
+    _row_buffers = ("k", "v", "k_scale", "v_scale")
+
+    def _store(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        q, scale = quantize_absmax(x, self.bits, self.group_size)
+        return (q if self.bits == 8 else _pack_int4(q)), scale
+
+    def _load(self, data: Tensor, scale: Tensor) -> Tensor:
+        q = data if self.bits == 8 else _unpack_int4(data)
+        return dequantize_absmax(q, scale, self.group_size, self.dtype)
+
+    def write(self, k: Tensor, v: Tensor, pos: int) -> tuple[Tensor, Tensor]:
+        """Quantise new k, v (b, h_kv, t, d_h) into [pos, pos + t); return [0, pos + t) dequantised."""
+        t = k.shape[2]
+        if pos + t > self.max_len:
+            raise ValueError(
+                f"KV cache is full: writing {t} token(s) at position {pos} needs {pos + t} slots, "
+                f"but the cache holds {self.max_len}; create the cache with a larger max_len"
+            )
+        if k.shape[0] != self.k.shape[0] or k.shape[1] != self.k.shape[1] or k.shape[3] != self.head_dim:
+            raise ValueError(
+                f"KV cache was built for (batch, kv_heads, *, head_dim) = "
+                f"{(self.k.shape[0], self.k.shape[1], '*', self.head_dim)}, got k of shape {tuple(k.shape)}"
+            )
+        self.dtype = k.dtype  # read back in the compute dtype
+        end = pos + t
+        self.k[:, :, pos:end], self.k_scale[:, :, pos:end] = self._store(k)
+        self.v[:, :, pos:end], self.v_scale[:, :, pos:end] = self._store(v)
+        return (self._load(self.k[:, :, :end], self.k_scale[:, :, :end]),
+                self._load(self.v[:, :, :end], self.v_scale[:, :, :end]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + self.k_scale.nbytes + self.v_scale.nbytes
 
 
 @dataclass
@@ -120,6 +265,10 @@ class KVCache:
     (b, s_max) the position id of each slot, so later steps can mask padded keys and compute
     relative-position biases without the earlier tokens. ``cross`` holds one ``StaticKV`` per
     decoder layer of an encoder-decoder.
+
+    ``quantize="int8"`` or ``"int4"`` stores the self-attention keys and values quantised
+    (``QuantizedLayerKVCache``; scales per token, head and ``group_size`` channels); the
+    cross-attention keys and values, computed once, stay in float.
     """
 
     def __init__(
@@ -133,15 +282,26 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         cross_attention: bool = False,
+        quantize: str | None = None,
+        group_size: int | None = None,
     ) -> None:
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(
                 f"KVCache needs positive batch_size and max_len, got {batch_size} and {max_len}"
             )
-        self.layers = [
-            LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
-            for _ in range(n_layers)
-        ]
+        self.layers: list[LayerKVCache]
+        if quantize is None:
+            self.layers = [
+                LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
+                for _ in range(n_layers)
+            ]
+        else:
+            self.layers = [
+                QuantizedLayerKVCache(batch_size, n_kv_heads, head_dim, max_len, quantize=quantize,
+                                      group_size=group_size, dtype=dtype, device=device)
+                for _ in range(n_layers)
+            ]
+        self.quantize = quantize
         self.cross = [StaticKV() for _ in range(n_layers)] if cross_attention else []
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
@@ -171,6 +331,37 @@ class KVCache:
     def next_positions(self) -> Tensor:
         """(b,) the position id the next real token of each row gets (real tokens so far)."""
         return self.valid[:, : self.length].sum(dim=1)
+
+    def reorder(self, indices: Tensor, *, cross: bool = True) -> None:
+        """Select, reorder or repeat batch rows: new row i is old row ``indices[i]``.
+
+        ``indices`` (b_new,) long, any b_new >= 1, repeats allowed. Applies to every layer's
+        self-attention keys/values, ``valid``, ``positions`` and (with ``cross``) the
+        cross-attention keys/values. Beam search uses it to expand each source to its beams
+        (``repeat_interleave``), to follow the beams it keeps at every step and to drop finished
+        sources. ``cross=False`` leaves the cross-attention keys/values as they are: correct only
+        when every row is replaced by a row with the same source (beams of one source share them),
+        and it saves copying them.
+        """
+        if indices.dim() != 1 or indices.dtype != torch.long or indices.numel() == 0:
+            raise ValueError(f"reorder needs a non-empty 1-D long tensor of row indices, got "
+                             f"{indices.dtype} of shape {tuple(indices.shape)}")
+        if int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
+            raise ValueError(f"reorder: row index out of range for a cache of batch_size={self.batch_size}")
+        indices = indices.to(self.valid.device)
+        for layer in self.layers:
+            layer.reorder(indices, self.length)
+        self.valid = self.valid.index_select(0, indices)
+        self.positions = self.positions.index_select(0, indices)
+        if cross:
+            for kv in self.cross:
+                if kv.k is not None and kv.v is not None:
+                    kv.k, kv.v = kv.k.index_select(0, indices), kv.v.index_select(0, indices)
+        self.batch_size = indices.shape[0]
+
+    def repeat_interleave(self, n: int) -> None:
+        """Each row repeated n times in place (b -> b * n rows, copies of one row adjacent)."""
+        self.reorder(torch.arange(self.batch_size, device=self.valid.device).repeat_interleave(n))
 
     def reset(self) -> None:
         """Forget all tokens (buffers stay allocated)."""

@@ -5,6 +5,7 @@ and an evaluation. Adding a task = one module with a ``Task`` subclass and ``@re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -38,6 +39,9 @@ class Task:
     def __init__(self, **options: Any) -> None:
         self.options = options
         self.splits: dict[str, Batch] = {}
+        # The run directory, set by the trainer before ``prepare`` (tasks that keep files there,
+        # like a learned tokenizer, read and write them through it); None outside a run.
+        self.run_dir: Path | None = None
 
     # ---- what to train ----------------------------------------------------------------------
     def model_config(self) -> ModelConfig:

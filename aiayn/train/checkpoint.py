@@ -87,19 +87,30 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any],
     keep: int = 3,
+    model_state: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``directory/step-XXXXXXXX`` atomically and point ``latest`` at it."""
+    """Write ``directory/step-XXXXXXXX`` atomically and point ``latest`` at it.
+
+    ``model_state``/``optimizer_state``: full state dicts to save instead of ``model.state_dict()``
+    and ``optimizer.state_dict()`` (sharded training gathers them first; tied weights stored once).
+    """
     directory.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
     final, tmp = directory / name, directory / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, str(tmp / MODEL_FILE))
+    if model_state is None:
+        save_model(model, str(tmp / MODEL_FILE))
+    else:
+        save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     meta: dict[str, Any] = {}
-    if optimizer is not None:
-        opt_tensors, meta = _flatten_optimizer(optimizer.state_dict())
+    if optimizer_state is None and optimizer is not None:
+        optimizer_state = optimizer.state_dict()
+    if optimizer_state is not None:
+        opt_tensors, meta = _flatten_optimizer(optimizer_state)
         tensors.update(opt_tensors)
     save_file(tensors, str(tmp / OPTIM_FILE))
     py_state = random.getstate()
@@ -202,3 +213,21 @@ def restore_rng(loaded: LoadedCheckpoint) -> None:
 def load_weights(path: Path, model: nn.Module) -> None:
     """Load only the weights of a checkpoint directory (or a run's latest checkpoint)."""
     load_checkpoint(path, model)
+
+
+def average_checkpoints(paths: list[Path], model: nn.Module) -> nn.Module:
+    """Load the mean of several checkpoints' weights into ``model`` (Vaswani et al. 2017, sec. 6.1).
+
+    Every checkpoint must fit ``model`` exactly; the mean is taken in float64 and cast back.
+    """
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    total: dict[str, torch.Tensor] = {}
+    for path in paths:
+        load_checkpoint(path, model)  # checks completeness and shapes, with clear errors
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point():
+                total[name] = total.get(name, 0) + tensor.double()
+    averaged = {name: (value / len(paths)).to(model.state_dict()[name].dtype) for name, value in total.items()}
+    model.load_state_dict(averaged, strict=False)
+    return model

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.tasks.base import Task
+from aiayn.train import distributed
 from aiayn.train.checkpoint import (
     CheckpointError,
     atomic_write_text,
@@ -40,7 +41,7 @@ from aiayn.train.losses import sequence_loss
 from aiayn.train.optim import make_optimizer, make_schedule
 
 METRIC_FIELDS = ["step", "epoch", "lr", "train_loss", "train_nll", "train_acc", "tokens_per_s",
-                 "val_nll", "val_ppl", "val_acc", "val_seq_acc", "elapsed_s"]
+                 "val_nll", "val_ppl", "val_acc", "val_seq_acc", "val_bleu", "elapsed_s"]
 
 
 class RunDirError(ValueError):
@@ -159,22 +160,69 @@ def train(
     progress: bool = True,
     echo: Callable[[str], None] = print,
     make_plots: bool = True,
+    parallel: distributed.ParallelOptions | None = None,
 ) -> TrainResult:
-    """Train ``task`` into ``run_dir``; see the module docstring."""
+    """Train ``task`` into ``run_dir``; see the module docstring.
+
+    Under torchrun (``WORLD_SIZE`` > 1) it trains data-parallel (DDP) or sharded
+    (``parallel.fsdp``); see ``aiayn.train.distributed`` for how batches and the loss are split.
+    """
+    distributed.check_options(parallel, world_size=distributed.env_world_size(), compile=train_config.compile)
+    ctx = distributed.setup(parallel)
+    try:
+        return _train(task, model_config, train_config, run_dir, ctx, resume=resume, overwrite=overwrite,
+                      progress=progress and ctx.is_main, echo=echo if ctx.is_main else _quiet,
+                      make_plots=make_plots)
+    finally:
+        if ctx.owns_group:
+            distributed.shutdown(ctx)
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _train(
+    task: Task,
+    model_config: ModelConfig,
+    train_config: TrainConfig,
+    run_dir: Path,
+    ctx: distributed.DistContext,
+    *,
+    resume: bool,
+    overwrite: bool,
+    progress: bool,
+    echo: Callable[[str], None],
+    make_plots: bool,
+) -> TrainResult:
     cfg = train_config
     run_dir = Path(run_dir)
     configs = {"task": task.name, "task_options": task.options, "model": model_config.to_dict(),
                "train": cfg.to_dict()}
-    prepare_run_dir(run_dir, configs, resume=resume, overwrite=overwrite)
-    if resume:  # the training length may have been extended: record it
-        atomic_write_text(run_dir / "config.json", json.dumps(configs, indent=2) + "\n")
+
+    def prepare() -> None:
+        prepare_run_dir(run_dir, configs, resume=resume, overwrite=overwrite)
+        if resume:  # the training length may have been extended: record it
+            atomic_write_text(run_dir / "config.json", json.dumps(configs, indent=2) + "\n")
+
+    distributed.run_on_main(ctx, prepare)  # rank 0 writes; the others wait for it
 
     torch.manual_seed(cfg.seed)
-    task.prepare(cfg.seed)
+    task.run_dir = run_dir
+    # Rank 0 prepares first: a task may write files into the run (a learned tokenizer) that the
+    # other ranks then read instead of learning their own.
+    distributed.run_on_main(ctx, lambda: task.prepare(cfg.seed))
+    if ctx.enabled and not ctx.is_main:
+        task.prepare(cfg.seed)
     model = task.build_model(model_config)
-    optimizer = make_optimizer(model, cfg)
-    batches_per_epoch = math.ceil(task.split_size("train") / cfg.batch_size)
+    # Tasks may batch by token count, so ask for an epoch's batches rather than divide.
+    batches_per_epoch = len(task.train_batches(0, cfg.batch_size, cfg.seed))
     steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
+    per_step = cfg.grad_accum * ctx.world_size  # batches of the task's list consumed per step
+    if ctx.enabled:
+        n_batches = len(task.train_batches(0, cfg.batch_size, cfg.seed))
+        distributed.check_world_size(ctx, batches_per_epoch=n_batches, grad_accum=cfg.grad_accum)
+        steps_per_epoch = max(1, n_batches // per_step)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     lr_at = make_schedule(cfg, total_steps=total_steps, d_model=model_config.d_model)
     eval_every = cfg.eval_every or steps_per_epoch
@@ -182,23 +230,51 @@ def train(
     ckpt_dir = run_dir / "checkpoints"
 
     step, epoch, batch_in_epoch = 0, 0, 0
-    if resume:
+    loaded = None
+    if resume:  # weights go in before the model is wrapped or sharded (checkpoints hold full states)
         latest = latest_checkpoint(ckpt_dir)
         if latest is None:
             raise CheckpointError(f"cannot resume: {ckpt_dir} holds no checkpoint yet; start the run "
                                   f"again with --overwrite")
         loaded = load_checkpoint(latest, model)
-        if loaded.optimizer_state is not None:
-            optimizer.load_state_dict(loaded.optimizer_state)
-        restore_rng(loaded)
+        # batch_in_epoch counts batches of the task's list, whatever the world size that saved it.
         step, epoch, batch_in_epoch = loaded.step, loaded.state["epoch"], loaded.state["batch_in_epoch"]
         echo(f"resuming {run_dir} from {latest.name} (step {step}, epoch {epoch})")
-    metrics = MetricsLog(run_dir / "metrics.csv", resume_step=step if resume else None)
-    forward_model: nn.Module = torch.compile(model) if cfg.compile else model
+    frozen: list[str] = []  # parameters the loss never reaches, frozen for DDP/FSDP
+    if ctx.enabled:
+        def first_batch_loss() -> torch.Tensor:
+            model.train()
+            batch = task.collate("train", task.train_batches(0, cfg.batch_size, cfg.seed)[0])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                logits, targets = task.forward(model, batch)
+            return sequence_loss(logits, targets, label_smoothing=cfg.label_smoothing).loss
+
+        frozen = distributed.freeze_unused(model, first_batch_loss)
+    forward_model: nn.Module = torch.compile(model) if cfg.compile else distributed.wrap(model, ctx)
+    with distributed.thawed(model, frozen):
+        optimizer = make_optimizer(model, cfg)
+    if loaded is not None:
+        if loaded.optimizer_state is not None:
+            if ctx.fsdp:
+                distributed.load_full_optimizer_state(model, optimizer, loaded.optimizer_state)
+            else:
+                optimizer.load_state_dict(loaded.optimizer_state)
+        restore_rng(loaded)
+    metrics = distributed.run_on_main(
+        ctx, lambda: MetricsLog(run_dir / "metrics.csv", resume_step=step if resume else None))
+
+    def log_row(**row: Any) -> None:
+        if metrics is not None:
+            metrics.write(**row)
 
     def checkpoint() -> None:
-        save_checkpoint(ckpt_dir, step=step, model=model, optimizer=optimizer, keep=cfg.keep_checkpoints,
-                        state={"epoch": epoch, "batch_in_epoch": batch_in_epoch})
+        model_state = optimizer_state = None
+        if ctx.fsdp:  # gather the full state on every rank (a collective); rank 0 writes it
+            model_state, optimizer_state = distributed.full_state(model, optimizer, ctx)
+        distributed.run_on_main(ctx, lambda: save_checkpoint(
+            ckpt_dir, step=step, model=model, optimizer=optimizer, keep=cfg.keep_checkpoints,
+            state={"epoch": epoch, "batch_in_epoch": batch_in_epoch}, model_state=model_state,
+            optimizer_state=optimizer_state))
 
     start_time = time.perf_counter()
     window_loss = window_nll = 0.0
@@ -212,20 +288,36 @@ def train(
     with stop.installed():
         while step < total_steps and not stop.requested:
             batches = task.train_batches(epoch, cfg.batch_size, cfg.seed)
-            while batch_in_epoch + cfg.grad_accum <= len(batches) and step < total_steps:
+            while batch_in_epoch + per_step <= len(batches) and step < total_steps:
                 model.train()
-                group = batches[batch_in_epoch : batch_in_epoch + cfg.grad_accum]
+                group = batches[batch_in_epoch : batch_in_epoch + per_step]
+                if ctx.enabled:  # this rank's share of the step's window: window[rank::world]
+                    group = distributed.shard(group, ctx)
                 lr = lr_at(step + 1)
                 for param_group in optimizer.param_groups:
                     param_group["lr"] = lr
                 step_loss = 0.0
-                for indices in group:
+                for i, indices in enumerate(group):
                     batch = task.collate("train", indices)
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                        logits, targets = task.forward(forward_model, batch)
-                    out = sequence_loss(logits, targets, label_smoothing=cfg.label_smoothing)
-                    (out.loss / len(group)).backward()
-                    step_loss += out.loss.item() / len(group)
+                    if not ctx.enabled:
+                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                            logits, targets = task.forward(forward_model, batch)
+                        out = sequence_loss(logits, targets, label_smoothing=cfg.label_smoothing)
+                        (out.loss / len(group)).backward()
+                        step_loss += out.loss.item() / len(group)
+                    else:
+                        with distributed.no_sync(forward_model, last=i == len(group) - 1):
+                            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                                logits, targets = task.forward(forward_model, batch)
+                            out = sequence_loss(logits, targets, label_smoothing=cfg.label_smoothing)
+                            # Weight by this rank's share of the micro-batch's tokens over all ranks:
+                            # the gradient average is then that of the union's token-mean loss.
+                            (global_tokens,) = distributed.all_reduce_sum([out.n_tokens], ctx)
+                            weight = out.n_tokens * ctx.world_size / max(global_tokens, 1.0)
+                            loss = out.loss * weight if out.n_tokens else logits.sum() * 0.0
+                            (loss / len(group)).backward()
+                        if out.n_tokens:
+                            step_loss += out.loss.item() * weight / ctx.world_size / len(group)
                     window_nll += float(out.nll_sum)
                     window_tokens += out.n_tokens
                     window_correct += out.n_correct
@@ -235,31 +327,38 @@ def train(
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
-                batch_in_epoch += len(group)
+                batch_in_epoch += per_step
+                if ctx.enabled:  # the union's loss; stop when any rank was asked to
+                    step_loss, stop_votes = distributed.all_reduce_sum([step_loss, float(stop.requested)], ctx)
+                    stop.requested = stop_votes > 0
                 last_loss = step_loss
                 window_loss += step_loss
                 window_steps += 1
                 bar.update(1)
 
                 if step % cfg.log_every == 0 or step == total_steps:
+                    if ctx.enabled:
+                        window_nll, window_tokens, window_correct, window_in_tokens = distributed.all_reduce_sum(
+                            [window_nll, window_tokens, window_correct, window_in_tokens], ctx)
                     elapsed = time.perf_counter() - window_start
                     mean_loss = window_loss / window_steps
                     tokens_per_s = window_in_tokens / max(elapsed, 1e-9)
                     bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
                                     epoch=epoch)
-                    metrics.write(step=step, epoch=epoch, lr=lr, train_loss=mean_loss,
-                                  train_nll=window_nll / max(window_tokens, 1),
-                                  train_acc=window_correct / max(window_tokens, 1),
-                                  tokens_per_s=tokens_per_s, elapsed_s=time.perf_counter() - start_time)
+                    log_row(step=step, epoch=epoch, lr=lr, train_loss=mean_loss,
+                            train_nll=window_nll / max(window_tokens, 1),
+                            train_acc=window_correct / max(window_tokens, 1),
+                            tokens_per_s=tokens_per_s, elapsed_s=time.perf_counter() - start_time)
                     window_loss = window_nll = 0.0
                     window_tokens = window_correct = window_in_tokens = window_steps = 0
                     window_start = time.perf_counter()
                 if step % eval_every == 0 or step == total_steps:
                     val = task.evaluate(model, "val")
-                    metrics.write(step=step, epoch=epoch, val_nll=val["nll"], val_ppl=math.exp(min(val["nll"], 50)),
-                                  val_acc=val["acc"], val_seq_acc=val["seq_acc"],
-                                  elapsed_s=time.perf_counter() - start_time)
-                    bar.write(f"step {step}: val " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+                    log_row(step=step, epoch=epoch, val_nll=val["nll"], val_ppl=math.exp(min(val["nll"], 50)),
+                            val_acc=val["acc"], val_seq_acc=val["seq_acc"], val_bleu=val.get("bleu"),
+                            elapsed_s=time.perf_counter() - start_time)
+                    if ctx.is_main:
+                        bar.write(f"step {step}: val " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
                 if step % save_every == 0 or step == total_steps or stop.requested:
                     checkpoint()
                 if stop.requested:
@@ -278,16 +377,20 @@ def train(
              f"--run-dir {run_dir}")
         return result
 
+    # Every rank evaluates (a sharded model's forward is a collective); rank 0 writes.
     result.test_metrics = task.evaluate(model, task.test_split)
     result.examples = task.examples(model)
     summary = {"step": step, "final_train_loss": last_loss, "test": result.test_metrics,
                "seconds": time.perf_counter() - start_time}
-    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    if ctx.is_main:
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if make_plots:
         from aiayn import viz
 
-        result.plots.append(viz.plot_metrics(run_dir / "metrics.csv", run_dir / "curves.png"))
         example = task.attention_example(model)
+        if not ctx.is_main:
+            return result
+        result.plots.append(viz.plot_metrics(run_dir / "metrics.csv", run_dir / "curves.png"))
         if example is not None:
             result.plots.append(viz.plot_attention(example.weights, example.query_labels,
                                                    example.key_labels, run_dir / "attention.png",
@@ -324,6 +427,7 @@ def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = T
         raise CheckpointError(f"{run_dir} holds no checkpoint yet")
     model = task.build_model(model_config)
     load_checkpoint(path, model)
+    task.run_dir = run_dir
     if prepare:
         task.prepare(train_config.seed)
     return LoadedRun(task=task, model=model.eval(), model_config=model_config,

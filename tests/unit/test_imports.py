@@ -36,3 +36,12 @@ def test_config_does_not_import_torch():
 
 def test_the_walk_sees_real_imports():
     assert "aiayn.nn.attention" in imported_modules(PACKAGE / "models" / "blocks.py")
+
+
+def test_nn_and_models_never_import_torch_distributed():
+    """Parallelism (aiayn.train.distributed, aiayn.train.parallel) wraps the models from outside."""
+    offenders = [f"{path.relative_to(PACKAGE)} imports {name}"
+                 for sub in ("nn", "models") for path in sorted((PACKAGE / sub).rglob("*.py"))
+                 for name in imported_modules(path) if name.startswith("torch.distributed")]
+    assert not offenders, offenders
+    assert "torch.distributed.tensor.parallel" in imported_modules(PACKAGE / "train" / "parallel.py")

@@ -1,0 +1,151 @@
+"""Parallel text: aligned sentence files, their checks, and length-bucketed token-count batches.
+
+A corpus directory holds ``{split}.{lang}`` files (``train.en``, ``train.de``, ``val.en`` ...), one
+sentence per line, line *i* of the source file translating line *i* of the target file. Every
+problem a user can fix (a missing file, different line counts, an empty line, bytes that are not
+UTF-8) raises ``DataError`` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+class DataError(ValueError):
+    """Input text a user must fix: missing, misaligned, empty lines or not UTF-8."""
+
+
+def read_lines(path: str | Path, *, allow_empty: bool = False) -> list[str]:
+    """The stripped lines of a UTF-8 text file; an error names the file and line of any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path} not found" + ("" if path.parent.is_dir() else
+                                               f" (no folder {path.parent})"))
+    raw = path.read_bytes()
+    lines: list[str] = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        try:
+            text = line.decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path}, line {number}: not UTF-8 (byte 0x{line[exc.start]:02x} at column "
+                            f"{exc.start + 1}); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+        if not text and not allow_empty:
+            raise DataError(f"{path}, line {number}: empty line; every line must hold a sentence "
+                            f"(remove the line from both sides of the pair)")
+        lines.append(text.removeprefix("\ufeff") if number == 1 else text)
+    return lines
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
+    """Aligned source and target sentences; their line counts must agree."""
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise DataError(f"misaligned parallel files: {src_path} has {len(src)} lines but {tgt_path} "
+                        f"has {len(tgt)}; line i of one must translate line i of the other")
+    return src, tgt
+
+
+def split_paths(corpus_dir: str | Path, split: str, src_lang: str, tgt_lang: str) -> tuple[Path, Path]:
+    corpus_dir = Path(corpus_dir)
+    return corpus_dir / f"{split}.{src_lang}", corpus_dir / f"{split}.{tgt_lang}"
+
+
+# ---- Multi30k from its public source (for users with a network; tests never fetch) -----------------
+
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
+MULTI30K_FILES = {"train": "train", "val": "val", "test2016": "test_2016_flickr"}
+
+
+def fetch_multi30k(cache_dir: str | Path, *, base_url: str = MULTI30K_URL,
+                   langs: tuple[str, ...] = ("en", "de")) -> Path:
+    """Download Multi30k task 1 (train, val, test2016) into ``cache_dir`` as ``{split}.{lang}``.
+
+    Files already there are kept. Each file is written to a temporary name and renamed, so an
+    interrupted download never leaves a truncated corpus behind.
+    """
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    for split, remote in MULTI30K_FILES.items():
+        for lang in langs:
+            target = cache_dir / f"{split}.{lang}"
+            if target.is_file():
+                continue
+            url = f"{base_url}/{remote}.{lang}.gz"
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            try:
+                with urllib.request.urlopen(url, timeout=60) as response, gzip.open(response) as unzipped, \
+                        open(tmp, "wb") as out:
+                    shutil.copyfileobj(unzipped, out)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise DataError(f"cannot download {url}: {exc}; check the network, or put the files "
+                                f"in {cache_dir} by hand") from None
+            os.replace(tmp, target)
+    return cache_dir
+
+
+# ---- batches by token count ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BucketSpec:
+    max_tokens: int  # padded tokens per batch: n_sentences x longest side (fairseq's --max-tokens)
+    max_sentences: int | None = None
+
+
+def token_batches(src_lengths: Tensor, tgt_lengths: Tensor, spec: BucketSpec, *, seed: int | None,
+                  epoch: int = 0) -> list[Tensor]:
+    """Index batches of similar-length pairs, each within ``spec.max_tokens`` padded tokens.
+
+    Pairs are sorted by (longer side, target length) with ties broken by a permutation fixed by
+    (seed, epoch); consecutive pairs fill a batch while n x max(longest source, longest target)
+    stays within the budget; the batch order is then shuffled. Every pair lands in exactly one
+    batch per epoch. ``seed=None`` keeps sorted order (evaluation).
+    """
+    n = src_lengths.shape[0]
+    if seed is None:
+        order = torch.arange(n)
+    else:
+        generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        order = torch.randperm(n, generator=generator)
+    # Stable sorts, the last one the primary key: by target length, then by the longer side
+    # (what a batch's padded size depends on).
+    longest_side = torch.maximum(src_lengths, tgt_lengths)
+    order = order[torch.sort(tgt_lengths[order], stable=True).indices]
+    order = order[torch.sort(longest_side[order], stable=True).indices]
+    longest = longest_side[order].tolist()
+    batches: list[Tensor] = []
+    start, batch_max = 0, 0
+    for i, length in enumerate(longest):
+        if length > spec.max_tokens:
+            raise DataError(f"a pair of {length} tokens does not fit in max_tokens={spec.max_tokens}; "
+                            f"raise max_tokens or lower the maximum sentence length")
+        new_max = max(batch_max, length)
+        count = i - start + 1
+        full = new_max * count > spec.max_tokens or (spec.max_sentences is not None and count > spec.max_sentences)
+        if full:
+            batches.append(order[start:i])
+            start, new_max = i, length
+        batch_max = new_max
+    if start < n:
+        batches.append(order[start:])
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed * 100_003 + epoch + 1)
+        batches = [batches[j] for j in torch.randperm(len(batches), generator=generator).tolist()]
+    return batches
+
+
+def pad_batch(sequences: list[list[int]], pad_id: int) -> Tensor:
+    """Right-pad id lists into (b, longest)."""
+    longest = max(len(s) for s in sequences)
+    out = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out

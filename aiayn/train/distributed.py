@@ -1,0 +1,271 @@
+"""Data-parallel (DDP) and sharded (FSDP2) training: process group, batch sharding, wrapping,
+full-state checkpoints.
+
+Launch with ``torchrun --nproc_per_node=N -m aiayn train ...``; torchrun sets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous, ``setup()`` reads them. The trainer runs on the
+CPU, so the backend is gloo (``AIAYN_DIST_BACKEND`` overrides it).
+
+How a step is split: the task's list of batches for the epoch is cut into windows of
+``world_size x grad_accum`` consecutive batches; rank r takes ``window[r::world_size]``. Every rank
+gets the same number of batches, no batch is seen twice, and the global batch of a step is the
+union of the ranks' batches. A last window shorter than ``world_size x grad_accum`` is dropped
+(as a single process drops an incomplete accumulation group). ``batch_size`` is per rank: the
+global batch is ``world_size x batch_size``.
+
+Loss normalisation: each rank's loss is weighted by its share of the step's counted target tokens
+(one all-reduce of the token count per micro-batch), so DDP's gradient average equals the gradient
+of the token-mean loss over the union of the ranks' batches, even when the ranks' batches hold
+different numbers of tokens (length-bucketed batches, a short last batch).
+
+Checkpoints hold full (unsharded) state dicts in the single-process format, written by rank 0
+only, so a checkpoint saved under one world size (or with FSDP) loads under any other, and into a
+plain single-process model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+T = TypeVar("T")
+
+
+class DistributedError(ValueError):
+    """Options that cannot work together, or a world size the data cannot feed."""
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How to spread training over processes (never stored in the run's config: a run may resume
+    under another world size or strategy)."""
+
+    fsdp: bool = False  # shard parameters, gradients and optimiser state (FSDP2) instead of DDP
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    fsdp: bool = False
+    owns_group: bool = False  # setup() created the process group (and the trainer destroys it)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup(options: ParallelOptions | None = None) -> DistContext:
+    """The process's place in the job: from torchrun's environment; one process without it.
+
+    Initialises the default process group (gloo) when ``WORLD_SIZE`` > 1 and none exists yet.
+    """
+    options = options or ParallelOptions()
+    world = env_world_size()
+    if world <= 1:
+        return DistContext(fsdp=False)
+    owns = not dist.is_initialized()
+    if owns:
+        backend = os.environ.get("AIAYN_DIST_BACKEND", "gloo")
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                       local_rank=int(os.environ.get("LOCAL_RANK", "0")), fsdp=options.fsdp, owns_group=owns)
+
+
+def check_options(options: ParallelOptions | None, *, world_size: int, compile: bool) -> None:
+    """Combinations that are not supported, as one-line errors (before anything is built)."""
+    options = options or ParallelOptions()
+    if options.fsdp and world_size <= 1:
+        raise DistributedError("--fsdp shards over several processes; launch with torchrun "
+                               "--nproc_per_node=N (N >= 2) -m aiayn train --fsdp ...")
+    if compile and world_size > 1:
+        raise DistributedError("--compile is not supported with multi-process training yet; "
+                               "drop --compile or train in one process")
+
+
+def check_world_size(ctx: DistContext, *, batches_per_epoch: int, grad_accum: int) -> None:
+    need = ctx.world_size * grad_accum
+    if need > batches_per_epoch:
+        raise DistributedError(
+            f"{ctx.world_size} processes x grad_accum {grad_accum} need {need} batches per step, but "
+            f"an epoch has only {batches_per_epoch} batches; use fewer processes, a smaller "
+            f"--batch-size or --grad-accum")
+
+
+def shard(window: Sequence[T], ctx: DistContext) -> list[T]:
+    """This rank's batches of one step's window: window[rank::world_size]."""
+    return list(window[ctx.rank :: ctx.world_size])
+
+
+def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
+    """Sum a few numbers over all ranks (float64; one collective)."""
+    if not ctx.enabled:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def run_on_main(ctx: DistContext, fn: Callable[[], T]) -> T | None:
+    """Run ``fn`` on rank 0 only; an exception there is raised on every rank (no rank hangs)."""
+    if not ctx.enabled:
+        return fn()
+    error: list[Any] = [None]
+    result = None
+    if ctx.is_main:
+        try:
+            result = fn()
+        except Exception as exc:
+            error[0] = exc
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise error[0]
+    return result
+
+
+def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """DDP around the model, or FSDP2 applied in place (each block, then the root).
+
+    Call ``freeze_unused`` first: DDP needs every trainable parameter to get a gradient.
+    """
+    if not ctx.enabled:
+        return model
+    if ctx.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (ctx.world_size,))
+        from aiayn.models.blocks import TransformerBlock
+
+        for module in model.modules():
+            if isinstance(module, TransformerBlock):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def freeze_unused(model: nn.Module, loss_of_one_batch: Callable[[], torch.Tensor]) -> list[str]:
+    """Set ``requires_grad=False`` on parameters the task's loss never reaches; return their names.
+
+    Some tasks leave parameters out of the loss: EncoderOnly computes its pooled vector on every
+    forward and the token-level tasks ignore it. One process never updates them (their gradient
+    stays None and Adam skips them); DDP would wait for their gradients forever, and
+    ``find_unused_parameters`` does not help, since it walks back from the outputs and the pooled
+    vector *is* an output. One forward/backward on a batch finds them (the RNG state is restored,
+    so the training run's random stream is the one a single process sees). Every rank must pass
+    the same batch, so all freeze the same set.
+    """
+    rng = torch.get_rng_state()
+    model.zero_grad(set_to_none=True)
+    loss_of_one_batch().backward()
+    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    model.zero_grad(set_to_none=True)
+    torch.set_rng_state(rng)
+    for name, param in model.named_parameters():
+        if name in unused:
+            param.requires_grad_(False)
+    return unused
+
+
+@contextlib.contextmanager
+def thawed(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Parameters frozen by ``freeze_unused`` count as trainable inside the block: the optimiser
+    built there has the single-process parameter groups (so checkpoints match one process's)."""
+    params = [p for n, p in model.named_parameters() if n in set(names)]
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, last: bool) -> Iterator[None]:
+    """Skip DDP's gradient all-reduce on all but the last micro-batch of an accumulation group."""
+    if last or not hasattr(model, "no_sync"):
+        yield
+        return
+    with model.no_sync():
+        yield
+
+
+def _param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    """FQN of each optimiser parameter, in the optimiser's own (param_groups) order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+               ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Full model and optimiser state dicts of an FSDP model (a collective: call on every rank;
+    rank 0 gets them, the others empty dicts).
+
+    The optimiser state comes back in ``optimizer.state_dict()``'s single-process format (integer
+    parameter ids in param_groups order), so the checkpoint equals a one-process one.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=opts)
+    # Tied weights once, under the name safetensors' save_model keeps (the first in sorted order).
+    tied: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+    for names in tied.values():
+        for name in sorted(names)[1:]:
+            model_sd.pop(name, None)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=opts)
+    if not ctx.is_main:  # with cpu_offload the full state lands on rank 0 only
+        return {}, {}
+    names = _param_names(optimizer, model)
+    index = {name: i for i, name in enumerate(names)}
+    state = {index[name]: value for name, value in optim_sd["state"].items()}
+    groups = [{**group, "params": [index[n] for n in group["params"]]} for group in optim_sd["param_groups"]]
+    return model_sd, {"state": state, "param_groups": groups}
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                              state_dict: dict[str, Any]) -> None:
+    """Load a single-process optimiser state dict into an FSDP model's optimiser (every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = _param_names(optimizer, model)
+    by_name = {"state": {names[i]: v for i, v in state_dict["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                for g in state_dict["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.enabled:
+        dist.barrier()
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,72 @@
+"""Attention cost as the sequence grows: aiayn's fused (SDPA) and reference (math) paths.
+
+Benchmark 4. ``aiayn.nn.attention.scaled_dot_product_attention`` on q, k, v of shape
+(batch 1, 8 heads, n, 64) (one paper-base layer), causal, float32, at n = 256 ... 4096: median
+time of a forward (and of forward + backward with ``--backward``) and the peak memory the call
+allocates (torch.profiler allocator events, see ``benchmarks/memory.py``). The reference path
+materialises the (b, h, n, n) score and weight matrices, so its memory grows as n^2; the fused
+kernel works in blocks and keeps O(n) memory. Both do O(n^2) work.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from aiayn.nn.attention import scaled_dot_product_attention
+from benchmarks.common import Timed, add_common_args, footer, header, run_interleaved, setup, table
+from benchmarks.memory import mib, peak_bytes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--backward", action="store_true", help="time forward + backward instead of forward")
+    add_common_args(parser, repeats=5, warmup=1)
+    args = parser.parse_args(argv)
+    setup(args)
+    lengths = [n for n in args.lengths if n <= 1024] if args.quick else args.lengths
+    mode = "forward + backward" if args.backward else "forward"
+    header(f"Attention, {mode}, batch 1 x {args.heads} heads x n x {args.head_dim}, causal", args)
+    rows, previous = [], {}
+    for n in lengths:
+        shape = (1, args.heads, n, args.head_dim)
+        q, k, v = (torch.randn(shape, requires_grad=args.backward) for _ in range(3))
+        grad = torch.randn(shape)
+
+        def call(impl: str, q=q, k=k, v=v, grad=grad):
+            def run():
+                if args.backward:
+                    out = scaled_dot_product_attention(q, k, v, causal=True, impl=impl)[0]
+                    out.backward(grad)
+                    q.grad = k.grad = v.grad = None
+                    return None
+                with torch.no_grad():
+                    return scaled_dot_product_attention(q, k, v, causal=True, impl=impl)[0]
+            return run
+
+        peers = [Timed("fused", call("fused")), Timed("reference", call("reference"))]
+        run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
+        scores = args.heads * n * n * 4  # one (1, h, n, n) float32 matrix
+        memory = {p.name: peak_bytes(p.fn) for p in peers}
+        for p in peers:
+            growth = f"{p.median / previous[p.name]:.1f}x" if p.name in previous else ""
+            rows.append([n, p.name, f"{p.median * 1e3:.2f}", growth, mib(memory[p.name]),
+                         f"{memory[p.name] / scores:.2f}"])
+            previous[p.name] = p.median
+        fused, ref = peers
+        rows.append([n, "**fused saves**", f"{ref.median / fused.median:.1f}x time", "",
+                     f"{mib(memory['reference'] - memory['fused'])} MiB", ""])
+    print(table(["n", "path", "ms (median)", "time vs n/2", "peak MiB allocated",
+                 "peak / one n x n score matrix"], rows))
+    print("\nPeak = bytes allocated by the call beyond its inputs (outputs included), from "
+          "torch.profiler allocator events. O(n^2) work: time grows ~4x per doubling of n once "
+          "the matrices dominate.")
+    footer()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""What every benchmark shares: thread setup, interleaved timing with medians, the measured
+matmul peak, parameter counts and markdown tables.
+
+Methodology (the same for every benchmark):
+
+* ``torch.set_num_threads(threads)`` (default 2), float32, everything in one process;
+* each peer is warmed up, then the peers are timed in turn, A, B, C, A, B, C, ... for
+  ``repeats`` rounds, each round running ``iters`` calls; a peer's figure is the median over its
+  rounds, so slow drift of the machine (other jobs, thermal) hits every peer alike;
+* the machine's load average is printed before and after, so a contended run shows itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+def add_common_args(parser: argparse.ArgumentParser, *, repeats: int = 7, warmup: int = 2) -> None:
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help=f"interleaved rounds per peer; the figure is their median (default {repeats})")
+    parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed calls per peer first (default {warmup})")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke-test settings: 2 rounds, 1 warm-up, smaller workloads (figures are rough)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def setup(args: argparse.Namespace) -> None:
+    if args.quick:
+        args.repeats, args.warmup = min(args.repeats, 2), min(args.warmup, 1)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+
+def mark_start(args: argparse.Namespace) -> None:
+    """Remember the load average as the measurements start (``header`` prints it)."""
+    args.load_before = os.getloadavg()[0]
+
+
+def header(title: str, args: argparse.Namespace) -> None:
+    load = getattr(args, "load_before", None) or os.getloadavg()[0]
+    print(f"## {title}\n")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+          f"load average {load:.2f} before; {args.repeats} interleaved rounds after "
+          f"{args.warmup} warm-up call(s){' (--quick)' if args.quick else ''}\n")
+
+
+def footer() -> None:
+    load = os.getloadavg()
+    note = (" (other jobs shared the cores: treat these figures as rough; with more than one "
+            "thread each, contention can slow a run many times over)"
+            if load[0] > 1.0 else "")
+    print(f"\nload average {load[0]:.2f} after{note}\n")
+
+
+@dataclass
+class Timed:
+    name: str
+    fn: Callable[[], object]
+    iters: int = 1  # calls per round
+    times: list[float] = field(default_factory=list)  # seconds per call, one per round
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median over the rounds."""
+        return (max(self.times) - min(self.times)) / self.median if self.times else float("nan")
+
+
+def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int) -> None:
+    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds."""
+    for p in peers:
+        for _ in range(warmup):
+            p.fn()
+    for _ in range(repeats):
+        for p in peers:
+            gc.collect()
+            start = time.perf_counter()
+            for _ in range(p.iters):
+                p.fn()
+            p.times.append((time.perf_counter() - start) / p.iters)
+
+
+def matmul_peak(*, n: int = 2048, repeats: int = 7) -> float:
+    """Measured float32 ``torch.mm`` throughput of an n x n by n x n product, FLOP/s (median)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+def count_params(model: nn.Module) -> int:
+    """Distinct parameters (tied weights once), buffers excluded."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def fmt_int(n: float) -> str:
+    return f"{n:,.0f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def ratio_line(label: str, ours: float, peers: dict[str, float], *, higher_is_better: bool = True,
+               target: float | None = None) -> str:
+    """'label: aiayn / best peer (name) = 1.23x (target >= 1.2x: met)'."""
+    if not peers:
+        return f"{label}: no peer measured"
+    best_name = max(peers, key=peers.get) if higher_is_better else min(peers, key=peers.get)
+    best = peers[best_name]
+    r = ours / best if higher_is_better else best / ours
+    line = f"{label}: aiayn / best peer ({best_name}) = **{r:.2f}x**"
+    if target is not None:
+        verdict = "met" if r >= target else f"MISSED by {target / r:.2f}x ({r:.2f}x < {target:.2f}x)"
+        line += f" (target >= {target:.1f}x: {verdict})"
+    return line
+
+
+def top_ops(fn: Callable[[], object], *, steps: int = 3, rows: int = 15) -> str:
+    """torch.profiler key_averages of ``steps`` calls, sorted by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)

@@ -1,0 +1,140 @@
+"""Greedy decoding tokens/s: aiayn against Hugging Face ``generate`` and x-transformers ``generate``.
+
+Benchmark 3. Equal decoder-only models (d 256, 4 layers, 4 heads, d_ff 1024, vocab 8,000, GPT-2
+layout, random weights, eval mode, no dropout), a random prompt of 16 tokens, exactly 256 new
+tokens (no eos), batch 1 and 16, KV cache on and off. Every call runs under
+``torch.inference_mode()``. tokens/s = batch x new tokens / wall time of the whole call (prefill
+included).
+
+aiayn is timed through ``aiayn.generate.greedy_decoder_only`` (the library's greedy decoder, cache
+on/off).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.generate import greedy_decoder_only
+from benchmarks.common import (
+    Timed,
+    add_common_args,
+    count_params,
+    fmt_int,
+    footer,
+    header,
+    ratio_line,
+    run_interleaved,
+    setup,
+    table,
+    top_ops,
+)
+from benchmarks.peers import LM_PEERS, Dropouts, LMSize, quiet
+
+TARGETS = {1: 3.0, 16: 1.5}  # batch -> aiayn / best peer, with the cache
+
+
+def decoder(name: str, model: nn.Module, prompt: Tensor, new: int, use_cache: bool):
+    if name == "aiayn":
+        def run() -> Tensor:
+            return greedy_decoder_only(model, prompt, max_new_tokens=new, use_cache=use_cache).tokens
+    elif name == "HF GPT-2":
+        mask = torch.ones_like(prompt)
+
+        def run() -> Tensor:
+            out = model.generate(prompt, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                 use_cache=use_cache, pad_token_id=0, eos_token_id=None)
+            return out[:, prompt.shape[1]:]
+    else:
+        from x_transformers import AutoregressiveWrapper
+
+        wrapper = AutoregressiveWrapper(model, pad_value=0)
+
+        def run() -> Tensor:
+            return wrapper.generate(prompt, new, temperature=0.0, cache_kv=use_cache)
+
+    def call() -> Tensor:
+        with torch.inference_mode():
+            out = run()
+        if out.shape != (prompt.shape[0], new):
+            raise AssertionError(f"{name} produced {tuple(out.shape)} tokens, expected {(prompt.shape[0], new)}")
+        return out
+
+    return call
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 16])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--no-recompute", action="store_true", help="skip the cache-off rows (slow)")
+    parser.add_argument("--peers", nargs="*", help="subset of peers (aiayn first)")
+    parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
+    parser.add_argument("--no-overhead", action="store_true",
+                        help="skip the per-token framework overhead rows (a tiny model, batch 1)")
+    add_common_args(parser, repeats=5, warmup=1)
+    args = parser.parse_args(argv)
+    setup(args)
+    quiet()
+    new = args.new_tokens if not args.quick else min(args.new_tokens, 64)
+    size = LMSize()
+    models, params = {}, {}
+    for name in args.peers or LM_PEERS:
+        torch.manual_seed(args.seed)
+        models[name] = LM_PEERS[name](size, Dropouts()).eval()
+        params[name] = count_params(models[name])
+    header(f"Greedy decoding, decoder-only (d {size.d_model}, {size.n_layers} layers, {size.n_heads} heads, "
+           f"vocab {size.vocab:,}), prompt {args.prompt_len}, {new} new tokens", args)
+    print(table(["peer", "parameters"], [[n, fmt_int(p)] for n, p in params.items()]) + "\n")
+    gen = torch.Generator().manual_seed(args.seed)
+    rows, ratios = [], []
+    for batch in args.batch:
+        prompt = torch.randint(1, size.vocab, (batch, args.prompt_len), generator=gen)
+        for use_cache in (True, False) if not args.no_recompute else (True,):
+            peers = [Timed(n, decoder(n, m, prompt, new, use_cache)) for n, m in models.items()]
+            # Recomputing is slow: fewer rounds (still interleaved and a median).
+            repeats = args.repeats if use_cache else max(1, min(args.repeats, 3))
+            run_interleaved(peers, repeats=repeats, warmup=args.warmup if use_cache else 0)
+            tps = {p.name: batch * new / p.median for p in peers}
+            for p in peers:
+                rows.append([batch, "on" if use_cache else "off", p.name, f"{p.median * 1e3:.0f}",
+                             f"±{p.spread * 50:.0f}%", fmt_int(tps[p.name]),
+                             f"{p.median / new * 1e3:.2f}"])
+            target = TARGETS.get(batch) if use_cache else None
+            ratios.append(ratio_line(f"batch {batch}, cache {'on' if use_cache else 'off'}",
+                                     tps[peers[0].name], {n: v for n, v in tps.items() if n != peers[0].name},
+                                     target=target))
+            if args.profile and use_cache:
+                print(f"torch.profiler, aiayn, batch {batch}, cache on, top ops by self CPU time:\n")
+                print("```\n" + top_ops(peers[0].fn, steps=1) + "\n```\n")
+    print(table(["batch", "KV cache", "peer", "ms / call (median)", "spread", "new tokens/s",
+                 "ms / token step"], rows))
+    print()
+    for line in ratios:
+        print("* " + line)
+    if not args.no_overhead:
+        overhead(args, new)
+    footer()
+
+
+def overhead(args: argparse.Namespace, new: int) -> None:
+    """Per-token cost of each library's decoding loop itself: a model so small (d 32, 1 layer,
+    vocab 64) that its arithmetic is negligible, batch 1, cache on."""
+    tiny = LMSize(vocab=64, d_model=32, n_heads=2, n_layers=1, d_ff=64)
+    prompt = torch.randint(1, tiny.vocab, (1, args.prompt_len))
+    peers = []
+    for name in args.peers or LM_PEERS:
+        torch.manual_seed(args.seed)
+        model = LM_PEERS[name](tiny, Dropouts()).eval()
+        peers.append(Timed(name, decoder(name, model, prompt, new, True)))
+    run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
+    print(f"\nFramework overhead per generated token (tiny model: d 32, 1 layer, vocab 64; batch 1, "
+          f"cache on, {new} new tokens):\n")
+    print(table(["peer", "ms / token step"], [[p.name, f"{p.median / new * 1e3:.3f}"] for p in peers]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""The models compared, built at equal size with random weights.
+
+Encoder-decoder peers take ``(src, tgt_in, src_valid, tgt_valid)`` and return logits
+(b, t, v); decoder-only peers take ``tokens`` (b, t) and return logits (b, t, v). Every peer is
+plain float32 and uses its fastest attention it offers on CPU (SDPA where it has it).
+
+Known differences at "equal size" (the parameter counts printed by each benchmark show them):
+
+* torch.nn.Transformer always adds a final LayerNorm to its encoder and decoder (aiayn's
+  post-norm stacks have none): 2 x 2 x d extra parameters.
+* BART has learned positions ((max_len + 2) x d per stack) and a LayerNorm on the embeddings of
+  each stack; aiayn uses the paper's sinusoids (no parameters).
+* x-transformers is pre-norm with a final norm, learned positions and GELU by default; here it
+  is set to post-norm (``pre_norm=False``) to match the paper, keeps its learned absolute
+  positions and GELU, and its output projection is tied to the shared embedding by hand (its
+  ``XTransformer`` ties only the two embeddings).
+* GPT-2 and x-transformers' decoder use learned positions, as the aiayn GPT config does.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn import ModelConfig, build_model
+from aiayn.nn.positional import sinusoidal_encoding
+
+
+@dataclass(frozen=True)
+class Seq2SeqSize:
+    name: str
+    vocab: int
+    d_model: int
+    n_heads: int
+    n_layers: int  # encoder layers = decoder layers
+    d_ff: int
+    batch: int = 32
+    src_len: int = 32
+    tgt_len: int = 32
+
+
+SEQ2SEQ_SIZES = {
+    "small": Seq2SeqSize("small", vocab=8000, d_model=256, n_heads=4, n_layers=3, d_ff=1024),
+    "paper-base": Seq2SeqSize("paper-base", vocab=37000, d_model=512, n_heads=8, n_layers=6, d_ff=2048),
+}
+
+
+@dataclass(frozen=True)
+class LMSize:
+    vocab: int = 8000
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 4
+    d_ff: int = 1024
+    max_len: int = 512
+
+
+@dataclass(frozen=True)
+class Dropouts:
+    """Dropout of each kind; each peer gets the kinds it has (see ``note``)."""
+
+    residual: float = 0.0  # sublayer outputs and embeddings
+    attention: float = 0.0  # attention weights
+    activation: float = 0.0  # after the feed-forward activation
+
+
+# ---------------------------------------------------------------- encoder-decoder peers
+
+
+def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused") -> nn.Module:
+    cfg = ModelConfig(arch="encoder-decoder", vocab_size=s.vocab, d_model=s.d_model, n_heads=s.n_heads,
+                      n_layers=s.n_layers, d_ff=s.d_ff, dropout=drop.residual,
+                      attention_dropout=drop.attention, activation_dropout=drop.activation,
+                      positional="sinusoidal", norm_position="post", share_embeddings=True,
+                      tie_output=True, max_seq_len=max(s.src_len, s.tgt_len) + 8, pad_id=0,
+                      attn_impl=attn_impl)
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build_model(cfg)
+
+        def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
+            return self.model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid).logits
+
+    return Wrapped()
+
+
+class TorchTransformerLM(nn.Module):
+    """torch.nn.Transformer with the paper's embeddings (x sqrt(d) + sinusoids), tied output."""
+
+    def __init__(self, s: Seq2SeqSize, drop: Dropouts) -> None:
+        super().__init__()
+        # nn.Transformer has one dropout for residuals, attention weights and the FFN activation.
+        self.embedding = nn.Embedding(s.vocab, s.d_model)
+        nn.init.normal_(self.embedding.weight, std=s.d_model**-0.5)
+        self.register_buffer("pe", sinusoidal_encoding(torch.arange(max(s.src_len, s.tgt_len) + 8), s.d_model),
+                             persistent=False)
+        self.scale = math.sqrt(s.d_model)
+        self.dropout = nn.Dropout(drop.residual)
+        self.transformer = nn.Transformer(s.d_model, s.n_heads, s.n_layers, s.n_layers, s.d_ff,
+                                          dropout=drop.residual, batch_first=True)
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        return self.dropout(self.embedding(tokens) * self.scale + self.pe[: tokens.shape[1]])
+
+    def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        out = self.transformer(self._embed(src), self._embed(tgt), tgt_mask=causal,
+                               src_key_padding_mask=~src_valid, tgt_key_padding_mask=~tgt_valid,
+                               memory_key_padding_mask=~src_valid, tgt_is_causal=True)
+        return F.linear(out, self.embedding.weight)
+
+
+def torch_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
+    return TorchTransformerLM(s, drop)
+
+
+def bart_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = BartConfig(vocab_size=s.vocab, d_model=s.d_model, encoder_layers=s.n_layers,
+                     decoder_layers=s.n_layers, encoder_attention_heads=s.n_heads,
+                     decoder_attention_heads=s.n_heads, encoder_ffn_dim=s.d_ff, decoder_ffn_dim=s.d_ff,
+                     activation_function="relu", dropout=drop.residual,
+                     attention_dropout=drop.attention, activation_dropout=drop.activation,
+                     max_position_embeddings=max(s.src_len, s.tgt_len) + 8, scale_embedding=True,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+                     forced_eos_token_id=None, tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    model = BartForConditionalGeneration(cfg)
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
+            return self.model(input_ids=src, attention_mask=src_valid.long(), decoder_input_ids=tgt,
+                              decoder_attention_mask=tgt_valid.long(), use_cache=False).logits
+
+    return Wrapped()
+
+
+def xtransformers_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
+    from x_transformers import XTransformer
+
+    max_len = max(s.src_len, s.tgt_len) + 8
+    common = dict(depth=s.n_layers, heads=s.n_heads, ff_mult=s.d_ff // s.d_model, attn_flash=True,
+                  pre_norm=False, attn_dropout=drop.attention, ff_dropout=drop.activation,
+                  emb_dropout=drop.residual, max_seq_len=max_len, num_tokens=s.vocab)
+    xt = XTransformer(dim=s.d_model, tie_token_emb=True, pad_value=0,
+                      **{f"enc_{k}": v for k, v in common.items()},
+                      **{f"dec_{k}": v for k, v in common.items()})
+    # Tie the output projection to the shared embedding too (XTransformer ties only the embeddings).
+    xt.decoder.net.to_logits.weight = xt.encoder.token_emb.emb.weight
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = xt
+
+        def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
+            enc = self.model.encoder(src, mask=src_valid, return_embeddings=True)
+            return self.model.decoder.net(tgt, mask=tgt_valid, context=enc, context_mask=src_valid)
+
+    return Wrapped()
+
+
+SEQ2SEQ_PEERS = {
+    "aiayn": aiayn_seq2seq,
+    "torch.nn.Transformer": torch_seq2seq,
+    "HF BART": bart_seq2seq,
+    "x-transformers": xtransformers_seq2seq,
+}
+
+
+# ---------------------------------------------------------------- decoder-only peers
+
+
+def aiayn_lm_config(s: LMSize, drop: Dropouts, *, attn_impl: str = "fused") -> ModelConfig:
+    """GPT-2's layout: pre-norm, learned positions, GELU, tied output, no padding id."""
+    return ModelConfig(arch="decoder-only", vocab_size=s.vocab, d_model=s.d_model, n_heads=s.n_heads,
+                       n_layers=s.n_layers, d_ff=s.d_ff, activation="gelu", norm_position="pre",
+                       positional="learned", scale_embeddings=False, tie_output=True, pad_id=None,
+                       max_seq_len=s.max_len, dropout=drop.residual, attention_dropout=drop.attention,
+                       activation_dropout=drop.activation, attn_impl=attn_impl)
+
+
+def aiayn_lm(s: LMSize, drop: Dropouts) -> nn.Module:
+    return build_model(aiayn_lm_config(s, drop))
+
+
+def gpt2_lm(s: LMSize, drop: Dropouts) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # GPT-2 has no dropout after the FFN activation (its resid_pdrop covers the sublayer outputs).
+    cfg = GPT2Config(vocab_size=s.vocab, n_positions=s.max_len, n_embd=s.d_model, n_layer=s.n_layers,
+                     n_head=s.n_heads, n_inner=s.d_ff, activation_function="gelu",
+                     resid_pdrop=drop.residual, embd_pdrop=drop.residual, attn_pdrop=drop.attention,
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(cfg)
+
+
+def xtransformers_lm(s: LMSize, drop: Dropouts) -> nn.Module:
+    from x_transformers import Decoder, TransformerWrapper
+
+    # x-transformers has no residual dropout; its ff_dropout sits after the activation.
+    return TransformerWrapper(num_tokens=s.vocab, max_seq_len=s.max_len, tie_embedding=True,
+                              emb_dropout=drop.residual,
+                              attn_layers=Decoder(dim=s.d_model, depth=s.n_layers, heads=s.n_heads,
+                                                  ff_mult=s.d_ff // s.d_model, attn_flash=True,
+                                                  attn_dropout=drop.attention,
+                                                  ff_dropout=drop.activation))
+
+
+def lm_logits(name: str, model: nn.Module, tokens: Tensor) -> Tensor:
+    """One forward of a decoder-only peer -> logits (b, t, v)."""
+    if name == "HF GPT-2":
+        return model(input_ids=tokens, use_cache=False).logits
+    if name == "x-transformers":
+        return model(tokens)
+    return model(tokens).logits
+
+
+LM_PEERS = {"aiayn": aiayn_lm, "HF GPT-2": gpt2_lm, "x-transformers": xtransformers_lm}
+
+
+def quiet() -> None:
+    """Silence peers' advisory warnings (they would interleave with the tables)."""
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass

@@ -1,0 +1,212 @@
+"""Training throughput: forward + backward + Adam step, tokens/s, aiayn against its peers.
+
+Benchmark 1 (encoder-decoder, ``--suite small`` / ``paper-base``): aiayn, torch.nn.Transformer
+(same embeddings and tied head), Hugging Face BART and x-transformers' XTransformer, batch
+32 x (32 source + 32 target) tokens with random right padding (lengths 16..32), plus model FLOPs
+utilisation against the fp32 2048 x 2048 ``torch.mm`` peak measured in the same run.
+Benchmark 2 (``--suite decoder``): decoder-only, d 256, 4 layers, 4 heads, vocab 8,000, batch
+16 x 256, against Hugging Face GPT-2 and x-transformers' ``TransformerWrapper(Decoder)``.
+
+Same loss (token cross-entropy, padding ignored), same optimiser (torch Adam, lr 1e-4,
+betas (0.9, 0.98), eps 1e-9, its fused kernel unless ``--adam for-loop``), same dropout
+(``--dropout``, default 0: every dropout of every peer off), same batch, same process.
+tokens/s counts every position fed to the model, padding included (batch x (source + target)
+for encoder-decoder, batch x length for decoder-only).
+Model FLOPs are counted once, on aiayn's step, with ``torch.utils.flop_counter`` (matmuls and
+attention, forward + backward; the causal half is counted as done) and divided by each peer's
+step time: MFU = FLOPs per step / step time / measured matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks.common import (
+    Timed,
+    add_common_args,
+    count_params,
+    fmt_int,
+    footer,
+    header,
+    mark_start,
+    matmul_peak,
+    ratio_line,
+    run_interleaved,
+    setup,
+    table,
+    top_ops,
+)
+from benchmarks.peers import (
+    LM_PEERS,
+    SEQ2SEQ_PEERS,
+    SEQ2SEQ_SIZES,
+    Dropouts,
+    LMSize,
+    lm_logits,
+    quiet,
+)
+
+TRAINING_TARGET = 1.2
+MFU_TARGET = 0.6
+
+
+FUSED_ADAM = True  # set from --adam
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The same Adam for every peer: torch's fused kernel (``--adam fused``) or its for-loop one."""
+    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                            fused=FUSED_ADAM or None)
+
+
+def padded_batch(batch: int, length: int, vocab: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random ids in [3, vocab) right-padded with 0 to ``length``; lengths in [length/2, length]."""
+    tokens = torch.randint(3, vocab, (batch, length), generator=gen)
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=gen)
+    lengths[0] = length  # the longest row fills the batch
+    valid = torch.arange(length)[None, :] < lengths[:, None]
+    return tokens.masked_fill(~valid, 0), valid
+
+
+def seq2seq_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Tensor]):
+    def step() -> None:
+        logits = model(batch["src"], batch["tgt_in"], batch["src_valid"], batch["tgt_valid"])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["tgt_out"].reshape(-1),
+                               ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def lm_step(name: str, model: nn.Module, opt: torch.optim.Optimizer, tokens: Tensor):
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> None:
+        logits = lm_logits(name, model, inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def step_flops(step) -> int:
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops()
+
+
+def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
+    size = SEQ2SEQ_SIZES[args.suite]
+    gen = torch.Generator().manual_seed(args.seed)
+    src, src_valid = padded_batch(size.batch, size.src_len, size.vocab, gen)
+    tgt, tgt_valid = padded_batch(size.batch, size.tgt_len + 1, size.vocab, gen)
+    tgt_valid[:, 0] = True  # BOS
+    batch = {"src": src, "src_valid": src_valid, "tgt_in": tgt[:, :-1], "tgt_valid": tgt_valid[:, :-1],
+             "tgt_out": tgt[:, 1:].masked_fill(~tgt_valid[:, 1:], -100)}
+    tokens = size.batch * (size.src_len + size.tgt_len)
+    peers, params, models = [], {}, {}
+    for name in args.peers or SEQ2SEQ_PEERS:
+        torch.manual_seed(args.seed)
+        model = SEQ2SEQ_PEERS[name](size, drop).train()
+        models[name], params[name] = model, count_params(model)
+        peers.append(Timed(name, seq2seq_step(model, make_optimizer(model), batch)))
+    mark_start(args)
+    flops = step_flops(peers[0].fn)  # aiayn's (the first peer); the model FLOPs of every peer
+    peak = matmul_peak(repeats=args.repeats + 2)
+    run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
+    peak = max(peak, matmul_peak(repeats=args.repeats + 2))  # before and after; the better one
+
+    title = (f"Training step, encoder-decoder `{size.name}` (d {size.d_model}, {size.n_heads} heads, "
+             f"{size.n_layers}+{size.n_layers} layers, d_ff {size.d_ff}, vocab {size.vocab:,}), "
+             f"batch {size.batch} x ({size.src_len} + {size.tgt_len}) tokens, padded")
+    report(title, peers, params, tokens, flops, peak, args)
+    if args.profile:
+        print(f"\ntorch.profiler, aiayn, {args.suite}, top ops by self CPU time (3 steps):\n")
+        print("```\n" + top_ops(peers[0].fn) + "\n```")
+    return {p.name: tokens / p.median for p in peers}
+
+
+def run_decoder(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
+    size = LMSize()
+    batch, length = (16, 256) if not args.quick else (8, 128)
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens_in = torch.randint(0, size.vocab, (batch, length + 1), generator=gen)
+    tokens = batch * length
+    peers, params = [], {}
+    for name in args.peers or LM_PEERS:
+        torch.manual_seed(args.seed)
+        model = LM_PEERS[name](size, drop).train()
+        params[name] = count_params(model)
+        peers.append(Timed(name, lm_step(name, model, make_optimizer(model), tokens_in)))
+    mark_start(args)
+    flops = step_flops(peers[0].fn)
+    peak = matmul_peak(repeats=args.repeats + 2)
+    run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
+    peak = max(peak, matmul_peak(repeats=args.repeats + 2))
+    title = (f"Training step, decoder-only (d {size.d_model}, {size.n_layers} layers, {size.n_heads} heads, "
+             f"d_ff {size.d_ff}, vocab {size.vocab:,}), batch {batch} x {length}")
+    report(title, peers, params, tokens, flops, peak, args)
+    if args.profile:
+        print("\ntorch.profiler, aiayn, decoder-only, top ops by self CPU time (3 steps):\n")
+        print("```\n" + top_ops(peers[0].fn) + "\n```")
+    return {p.name: tokens / p.median for p in peers}
+
+
+def report(title: str, peers: list[Timed], params: dict[str, int], tokens: int, flops: int,
+           peak: float, args: argparse.Namespace) -> None:
+    header(title, args)
+    rows = []
+    for p in peers:
+        achieved = flops / p.median
+        rows.append([p.name, fmt_int(params[p.name]), f"{p.median * 1e3:.1f}", f"±{p.spread * 50:.0f}%",
+                     fmt_int(tokens / p.median), f"{achieved / 1e9:.1f}", f"{achieved / peak:.2f}"])
+    print(table(["peer", "parameters", "ms / step (median)", "spread", "tokens/s", "model GFLOP/s",
+                 "MFU"], rows))
+    print(f"\nmodel FLOPs per step (aiayn, fwd + bwd, counted by torch.utils.flop_counter): "
+          f"{flops / 1e9:.2f} GFLOP; matmul peak (fp32 2048^3 torch.mm, measured): {peak / 1e9:.1f} GFLOP/s\n")
+    ours = tokens / peers[0].median
+    others = {p.name: tokens / p.median for p in peers[1:]}
+    print("* " + ratio_line("training tokens/s", ours, others, target=TRAINING_TARGET))
+    if args.suite == "paper-base":
+        mfu = flops / peers[0].median / peak
+        verdict = "met" if mfu >= MFU_TARGET else f"MISSED by {MFU_TARGET / mfu:.2f}x"
+        print(f"* aiayn MFU {mfu:.2f} of the measured matmul peak (target >= {MFU_TARGET}: {verdict})")
+    footer()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", choices=["small", "paper-base", "decoder", "all"], default="all")
+    parser.add_argument("--peers", nargs="*", help="subset of peers (aiayn first)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="residual/embedding, attention and activation dropout of every peer (default 0)")
+    parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
+    parser.add_argument("--adam", choices=["fused", "for-loop"], default="fused",
+                        help="torch Adam implementation, the same for every peer (default fused: "
+                             "torch's fastest on CPU)")
+    add_common_args(parser, repeats=7, warmup=3)
+    args = parser.parse_args(argv)
+    setup(args)
+    global FUSED_ADAM
+    FUSED_ADAM = args.adam == "fused"
+    quiet()
+    drop = Dropouts(args.dropout, args.dropout, args.dropout)
+    suites = ["small", "paper-base", "decoder"] if args.suite == "all" else [args.suite]
+    for suite in suites:
+        args.suite = suite
+        (run_decoder if suite == "decoder" else run_seq2seq)(args, drop)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""The benchmark scripts still run (tiny settings, aiayn only; their figures are not checked)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import attention, decode, kv_cache, train
+
+
+def test_attention_benchmark(capsys):
+    attention.main(["--lengths", "32", "64", "--repeats", "1", "--warmup", "0", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| 64 | reference |" in out and "fused saves" in out
+
+
+def test_kv_cache_benchmark(capsys):
+    kv_cache.main(["--batch", "2", "--seq-len", "64", "--repeats", "1", "--warmup", "0", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "GQA (2 kv heads)" in out and "| 4x |" in out
+
+
+@pytest.mark.slow
+def test_train_and_decode_benchmarks(capsys):
+    pytest.importorskip("transformers")
+    train.main(["--suite", "small", "--peers", "aiayn", "--repeats", "1", "--warmup", "0", "--threads", "1"])
+    decode.main(["--peers", "aiayn", "--batch", "1", "--new-tokens", "4", "--no-recompute", "--no-overhead",
+                 "--repeats", "1", "--warmup", "0", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| aiayn | 7,577,600 |" in out and "| 1 | on | aiayn |" in out
