@@ -10,6 +10,7 @@ greedy BLEU; the test split is scored with beam search, sacreBLEU BLEU (with its
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from aiayn.config import ModelConfig
+from aiayn.config import ConfigError, ModelConfig
 from aiayn.data import data_dir
 from aiayn.data.parallel import (
     BucketSpec,
@@ -61,6 +62,10 @@ class TranslationTask(Task):
                          train_split=train_split, val_split=val_split, test_split=test_split,
                          val_bleu=val_bleu, beam_size=beam_size, length_penalty=length_penalty,
                          **options)
+        if options:
+            known = sorted(inspect.signature(TranslationTask.__init__).parameters)
+            raise ConfigError(f"unknown translation task option(s) {', '.join(sorted(options))}; known: "
+                              f"{', '.join(k for k in known if k not in ('self', 'options'))}")
         if src_lang == tgt_lang:
             raise DataError(f"source and target language are both {src_lang!r}")
         self.src_lang, self.tgt_lang = src_lang, tgt_lang

@@ -129,6 +129,9 @@ def test_cli_bad_input(tmp_path, corpus):
         (["train", "--recipe", str(tmp_path / "a.en")], "a recipe is a mapping"),
         (["train", "--task", "reverse", "--max-tokens", "100"], "--max-tokens is for token-count batching"),
     ]
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("task: translation\ntask_options:\n  vocab_sise: 100\n", encoding="utf-8")
+    cases.append((["train", "--recipe", str(typo)], "unknown translation task option(s) vocab_sise"))
     for args, needle in cases:
         result = run_cli(*args)
         assert result.returncode == 2, (args, result.stdout, result.stderr)
