@@ -110,7 +110,7 @@ _MODEL_OPTIONS = {  # CLI option -> ModelConfig field
 }
 _TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_steps", "optimizer",
                   "weight_decay", "label_smoothing", "clip_grad_norm", "grad_accum", "seed", "bf16",
-                  "compile", "eval_every", "save_every")
+                  "compile", "eval_every", "save_every", "keep_checkpoints", "average_last")
 
 
 @cli.command("train")
@@ -139,6 +139,10 @@ _TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup
 @click.option("--compile/--no-compile", default=None, help="torch.compile the model.")
 @click.option("--eval-every", type=click.IntRange(min=0), help="Steps between validations (0: each epoch).")
 @click.option("--save-every", type=click.IntRange(min=0), help="Steps between checkpoints (0: each epoch).")
+@click.option("--keep-checkpoints", type=click.IntRange(min=1), help="How many of the newest checkpoints to keep.")
+@click.option("--average-last", type=click.IntRange(min=0),
+              help="At the end, average the last N checkpoints (paper, section 6.1) into RUN/averaged-lastN "
+                   "and score the test split with them (0: off).")
 @click.option("--d-model", type=click.IntRange(min=1), help="Model width.")
 @click.option("--n-layers", type=click.IntRange(min=1), help="Layers per stack.")
 @click.option("--n-heads", type=click.IntRange(min=1), help="Attention heads.")
@@ -578,7 +582,7 @@ def fetch_multi30k_cmd(cache_dir: Path) -> None:
               help="Where the averaged checkpoint goes. Default: RUN/averaged-lastN.")
 def average_cmd(run_dir: Path, last: int, out_dir: Path | None) -> None:
     """Average the weights of the last N checkpoints (the paper's trick, section 6.1)."""
-    from aiayn.train.checkpoint import average_checkpoints, list_checkpoints, save_checkpoint
+    from aiayn.train.checkpoint import average_last_checkpoints, list_checkpoints
     from aiayn.train.trainer import load_run
 
     found = list_checkpoints(run_dir / "checkpoints")
@@ -587,14 +591,11 @@ def average_cmd(run_dir: Path, last: int, out_dir: Path | None) -> None:
     if len(found) < last:
         raise click.BadParameter(f"{run_dir} keeps {len(found)} checkpoint(s), fewer than --last {last}; "
                                  f"lower --last or train with a larger keep_checkpoints", param_hint="--last")
-    chosen = found[-last:]
-    run = load_run(run_dir, checkpoint=chosen[-1], prepare=False)
-    average_checkpoints(chosen, run.model)
-    out_dir = out_dir or run_dir / f"averaged-last{last}"
-    step = int(chosen[-1].name.removeprefix("step-"))
-    path = save_checkpoint(out_dir, step=step, model=run.model, optimizer=None, keep=1,
-                           state={"averaged": [p.name for p in chosen]})
-    click.echo(f"averaged {', '.join(p.name for p in chosen)} -> {path}")
+    run = load_run(run_dir, checkpoint=found[-1], prepare=False)
+    path = average_last_checkpoints(run_dir / "checkpoints", last, run.model,
+                                    out_dir or run_dir / f"averaged-last{last}")
+    averaged = json.loads((path / "state.json").read_text(encoding="utf-8"))["averaged"]
+    click.echo(f"averaged {', '.join(averaged)} -> {path}")
 
 
 # ---- plots ------------------------------------------------------------------------------------

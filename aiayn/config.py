@@ -294,6 +294,10 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation runs; 0 = once per epoch
     save_every: int = 0  # steps between checkpoints; 0 = once per epoch
     keep_checkpoints: int = 3
+    # At the end, average the weights of the last N checkpoints (the paper's trick, section 6.1;
+    # 0 = off) into RUN/averaged-lastN and score the test split with them. Needs
+    # keep_checkpoints >= N.
+    average_last: int = 0
     log_every: int = 10
 
     def __post_init__(self) -> None:
@@ -319,6 +323,11 @@ class TrainConfig:
             raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not isinstance(self.average_last, int) or self.average_last < 0:
+            raise ConfigError(f"average_last must be an integer >= 0, got {self.average_last!r}")
+        if self.average_last > self.keep_checkpoints:
+            raise ConfigError(f"average_last={self.average_last} needs at least that many checkpoints "
+                              f"kept, but keep_checkpoints={self.keep_checkpoints}; raise keep_checkpoints")
         if self.schedule == "noam" and self.warmup_steps == 0:
             raise ConfigError("schedule='noam' needs warmup_steps > 0 (the formula divides by it)")
 

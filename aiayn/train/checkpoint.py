@@ -210,6 +210,22 @@ def restore_rng(loaded: LoadedCheckpoint) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
+def average_last_checkpoints(checkpoint_dir: Path, last: int, model: nn.Module, out_dir: Path) -> Path:
+    """Average the newest ``last`` checkpoints of ``checkpoint_dir`` into ``model`` and save the result
+    as a weights-only checkpoint in ``out_dir`` (what ``aiayn average`` and ``average_last`` do)."""
+    found = list_checkpoints(checkpoint_dir)
+    if not found:
+        raise CheckpointError(f"{checkpoint_dir} holds no checkpoints to average")
+    if len(found) < last:
+        raise CheckpointError(f"{checkpoint_dir} keeps {len(found)} checkpoint(s), fewer than the {last} "
+                              f"to average; average fewer or train with a larger keep_checkpoints")
+    chosen = found[-last:]
+    average_checkpoints(chosen, model)
+    step = int(chosen[-1].name.removeprefix("step-"))
+    return save_checkpoint(out_dir, step=step, model=model, optimizer=None, keep=1,
+                           state={"averaged": [p.name for p in chosen]})
+
+
 def load_weights(path: Path, model: nn.Module) -> None:
     """Load only the weights of a checkpoint directory (or a run's latest checkpoint)."""
     load_checkpoint(path, model)

@@ -88,12 +88,16 @@ def setup(options: ParallelOptions | None = None) -> DistContext:
                        local_rank=int(os.environ.get("LOCAL_RANK", "0")), fsdp=options.fsdp, owns_group=owns)
 
 
-def check_options(options: ParallelOptions | None, *, world_size: int, compile: bool) -> None:
+def check_options(options: ParallelOptions | None, *, world_size: int, compile: bool,
+                  average_last: int = 0) -> None:
     """Combinations that are not supported, as one-line errors (before anything is built)."""
     options = options or ParallelOptions()
     if options.fsdp and world_size <= 1:
         raise DistributedError("--fsdp shards over several processes; launch with torchrun "
                                "--nproc_per_node=N (N >= 2) -m aiayn train --fsdp ...")
+    if options.fsdp and average_last:
+        raise DistributedError("average_last is not supported with --fsdp (the model is sharded); "
+                               "train without it and run aiayn average --run RUN afterwards")
     if compile and world_size > 1:
         raise DistributedError("--compile is not supported with multi-process training yet; "
                                "drop --compile or train in one process")

@@ -32,7 +32,9 @@ from aiayn.train import distributed
 from aiayn.train.checkpoint import (
     CheckpointError,
     atomic_write_text,
+    average_last_checkpoints,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     restore_rng,
     save_checkpoint,
@@ -77,8 +79,12 @@ def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, ove
         if not config_path.is_file():
             raise RunDirError(f"cannot resume: {run_dir} has no config.json (is it a run directory?)")
         saved = json.loads(config_path.read_text(encoding="utf-8"))
-        # Lengths of training may be extended on resume; everything else must match.
-        ignore = {"epochs", "max_steps"}
+        with contextlib.suppress(Exception):  # fields added since the run was saved take their defaults
+            saved["model"] = ModelConfig.from_dict(saved["model"]).to_dict()
+            saved["train"] = TrainConfig.from_dict(saved["train"]).to_dict()
+        # Lengths of training may be extended on resume, and what happens after the last step
+        # (checkpoint averaging) changed; everything else must match.
+        ignore = {"epochs", "max_steps", "average_last"}
         for key in ignore:
             saved.get("train", {}).pop(key, None)
         current = json.loads(json.dumps(configs))
@@ -167,7 +173,8 @@ def train(
     Under torchrun (``WORLD_SIZE`` > 1) it trains data-parallel (DDP) or sharded
     (``parallel.fsdp``); see ``aiayn.train.distributed`` for how batches and the loss are split.
     """
-    distributed.check_options(parallel, world_size=distributed.env_world_size(), compile=train_config.compile)
+    distributed.check_options(parallel, world_size=distributed.env_world_size(), compile=train_config.compile,
+                              average_last=train_config.average_last)
     ctx = distributed.setup(parallel)
     try:
         return _train(task, model_config, train_config, run_dir, ctx, resume=resume, overwrite=overwrite,
@@ -377,11 +384,27 @@ def _train(
              f"--run-dir {run_dir}")
         return result
 
+    averaged: dict[str, Any] = {}
+    if cfg.average_last:
+        # The paper's checkpoint averaging (section 6.1): the test split is scored with the mean of
+        # the last N checkpoints' weights; val is scored again so the choice can be made on val.
+        last = min(cfg.average_last, len(list_checkpoints(ckpt_dir)))
+        out_dir = run_dir / f"averaged-last{cfg.average_last}"
+        saved = distributed.run_on_main(ctx, lambda: average_last_checkpoints(ckpt_dir, last, model, out_dir))
+        if ctx.enabled and not ctx.is_main:  # rank 0 has written the averaged checkpoint: load it
+            load_checkpoint(latest_checkpoint(out_dir), model)
+        val = task.evaluate(model, "val")
+        averaged = {"checkpoint": str(saved or out_dir), "checkpoints_averaged": last, "val": val}
+        echo(f"averaged the last {last} checkpoints -> {out_dir}; val " +
+             ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+
     # Every rank evaluates (a sharded model's forward is a collective); rank 0 writes.
     result.test_metrics = task.evaluate(model, task.test_split)
     result.examples = task.examples(model)
     summary = {"step": step, "final_train_loss": last_loss, "test": result.test_metrics,
                "seconds": time.perf_counter() - start_time}
+    if averaged:
+        summary["averaged"] = averaged
     if ctx.is_main:
         atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if make_plots:

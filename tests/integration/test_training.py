@@ -227,3 +227,54 @@ def test_bf16_autocast_trains(tmp_path):
     cfg = TrainConfig(**{**task.train_overrides(), "max_steps": 10, "bf16": True})
     result = train(task, task.model_config(), cfg, tmp_path / "run", progress=False, make_plots=False)
     assert result.step == 10 and 0 < result.final_loss < 10
+
+
+def test_average_last_scores_the_mean_of_the_last_checkpoints(tmp_path):
+    """average_last=N: the test split is scored with the mean weights of the last N checkpoints,
+    saved as RUN/averaged-lastN, and val is scored again for them in summary.json."""
+    task = get_task("reverse", n_train=2_000, n_val=200, n_test=200)
+    cfg = TrainConfig(**{**task.train_overrides(), "max_steps": 30, "save_every": 10, "eval_every": 1000,
+                         "batch_size": 64, "keep_checkpoints": 3, "average_last": 3})
+    run_dir = tmp_path / "run"
+    result = train(task, task.model_config(), cfg, run_dir, progress=False, make_plots=False)
+    kept = ckpt.list_checkpoints(run_dir / "checkpoints")
+    assert [p.name for p in kept] == ["step-00000010", "step-00000020", "step-00000030"]
+    weights = [load_file(str(p / ckpt.MODEL_FILE)) for p in kept]
+    averaged_dir = ckpt.latest_checkpoint(run_dir / "averaged-last3")
+    assert averaged_dir is not None
+    averaged = load_file(str(averaged_dir / ckpt.MODEL_FILE))
+    assert averaged.keys() == weights[0].keys()
+    for key, value in averaged.items():
+        expected = (sum(w[key].double() for w in weights) / 3).float()
+        torch.testing.assert_close(value, expected, rtol=0, atol=1e-7)
+        assert not torch.equal(value, weights[-1][key]) or torch.equal(weights[0][key], weights[-1][key])
+
+    # The summary's test metrics are those of the averaged weights, not of the last checkpoint.
+    model = task.build_model(task.model_config())
+    ckpt.load_checkpoint(averaged_dir, model)
+    assert task.evaluate(model.eval(), "test") == pytest.approx(result.test_metrics)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["averaged"]["checkpoints_averaged"] == 3
+    assert set(summary["averaged"]["val"]) >= {"nll", "acc"}
+
+
+def test_average_last_needs_enough_kept_checkpoints():
+    with pytest.raises(ValueError, match="keep_checkpoints"):
+        TrainConfig(average_last=5, keep_checkpoints=3)
+
+
+def test_resume_a_run_saved_before_newer_config_fields(tmp_path):
+    """A run whose config.json predates a field (here average_last) resumes: the field takes its
+    default, and average_last may be changed on resume (it only acts after the last step)."""
+    task = get_task("reverse", n_train=1_000, n_val=100, n_test=100)
+    cfg = TrainConfig(**{**task.train_overrides(), "max_steps": 10, "batch_size": 64, "eval_every": 1000})
+    run_dir = tmp_path / "run"
+    train(task, task.model_config(), cfg, run_dir, progress=False, make_plots=False)
+    config_path = run_dir / "config.json"
+    saved = json.loads(config_path.read_text())
+    del saved["train"]["average_last"]
+    config_path.write_text(json.dumps(saved))
+    longer = cfg.replace(max_steps=20, average_last=2)
+    result = train(task, task.model_config(), longer, run_dir, resume=True, progress=False, make_plots=False)
+    assert result.step == 20
+    assert (run_dir / "averaged-last2").is_dir()
