@@ -389,6 +389,7 @@ def beam_search_encoder_decoder(
     n_best: int = 1,
     early_stopping: bool = False,
     mask_pad: bool = True,
+    keep_greedy: bool = False,
 ) -> BeamSearchResult:
     """Beam search over the KV cache: every source's ``beam_size`` beams in one (b * beam) batch.
 
@@ -417,6 +418,13 @@ def beam_search_encoder_decoder(
 
     The encoder and the cross-attention keys/values run once per source (first step at batch b),
     then the cache is expanded to b * beam rows.
+
+    ``keep_greedy``: beam search may prune the greedy path and end with a lower normalized score
+    than greedy decoding (a search error; the tests record one at beam 2). With ``keep_greedy`` the
+    greedy hypothesis (one greedy pass, about 1/beam of the search's work) joins each source's
+    finished hypotheses before they are ranked, so the best returned normalized score is never
+    below greedy's. A greedy hypothesis the search could not have produced (pad, or eos before
+    ``min_len``) is not added.
 
     Returns the best hypothesis per source and up to ``n_best`` (<= beam_size) per source.
     """
@@ -525,6 +533,11 @@ def beam_search_encoder_decoder(
         step_logits = _decode_cached_step(model, next_tok[stay].reshape(-1, 1), memory_valid, cache)
         lprobs = torch.log_softmax(step_logits.float(), dim=-1).view(stay.shape[0], k, v)
 
+    if keep_greedy:
+        _merge_greedy(model, src, src_valid, limits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                      fill_id=fill_id, min_len=min_len, alpha=alpha, fin=(fin_norm, fin_score, fin_len, fin_tokens,
+                                                         fin_token_scores))
+
     # Collect: finished hypotheses are sorted best first.
     lengths, scores, norms = fin_len[:, 0].clone(), fin_score[:, 0].clone(), fin_norm[:, 0].clone()
     width = int(lengths.max())
@@ -538,3 +551,35 @@ def beam_search_encoder_decoder(
     ]
     return BeamSearchResult(tokens=tokens, lengths=lengths, scores=scores, normalized_scores=norms,
                             nbest=nbest)
+
+
+def _merge_greedy(model: EncoderDecoder, src: Tensor, src_valid: Tensor | None, limits: Tensor, *,
+                  bos_id: int, eos_id: int, pad_id: int | None, fill_id: int, min_len: int, alpha: float,
+                  fin: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]) -> None:
+    """Insert each source's greedy hypothesis into its sorted finished lists (in place), unless it
+    is already there or ranks below all of them. ``fin``: normalized scores (b, k), scores (b, k),
+    lengths (b, k), tokens (b, k, L), token log-probs (b, k, L)."""
+    fin_norm, fin_score, fin_len, fin_tokens, fin_token_scores = fin
+    greedy = greedy_encoder_decoder(model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=limits,
+                                    src_valid=src_valid)
+    assert greedy.lengths is not None
+    token_lp = torch.log_softmax(greedy.logits.float(), dim=-1).gather(2, greedy.tokens[:, :, None])[:, :, 0]
+    k = fin_norm.shape[1]
+    for i in range(src.shape[0]):
+        n = int(greedy.lengths[i])
+        tokens = greedy.tokens[i, :n]
+        ids = tokens.tolist()
+        if (pad_id is not None and pad_id in ids) or (eos_id in ids and ids.index(eos_id) < min_len):
+            continue  # a hypothesis the search never proposes
+        score = float(token_lp[i, :n].sum())
+        norm = score / float(gnmt_length_penalty(torch.tensor(n), alpha))
+        if norm <= float(fin_norm[i, k - 1]):
+            continue  # ranks below every kept hypothesis (ties keep the search's)
+        if any(int(fin_len[i, j]) == n and torch.equal(fin_tokens[i, j, :n], tokens) for j in range(k)):
+            continue  # the search found it too
+        slot = int((fin_norm[i] >= norm).sum())  # after the hypotheses that rank at least as high
+        for buf in (fin_norm, fin_score, fin_len, fin_tokens, fin_token_scores):
+            buf[i, slot + 1:] = buf[i, slot:-1].clone()
+        fin_norm[i, slot], fin_score[i, slot], fin_len[i, slot] = norm, score, n
+        fin_tokens[i, slot], fin_token_scores[i, slot] = fill_id, 0.0
+        fin_tokens[i, slot, :n], fin_token_scores[i, slot, :n] = tokens, token_lp[i, :n]

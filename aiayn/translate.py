@@ -41,6 +41,9 @@ class DecodeOptions:
     max_len_a: float = 1.2
     max_len_b: int = 10
     sampling: SamplingConfig | None = None
+    # Beam search also keeps the greedy hypothesis, so it never returns a lower score than greedy
+    # (see beam_search_encoder_decoder); costs one greedy pass.
+    keep_greedy: bool = True
 
     def __post_init__(self) -> None:
         if self.beam_size < 1:
@@ -119,7 +122,7 @@ class Translator:
         beams = beam_search_encoder_decoder(
             self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=options.beam_size,
             length_penalty=options.length_penalty, max_len_a=options.max_len_a,
-            max_len_b=options.max_len_b, src_valid=src_valid)
+            max_len_b=options.max_len_b, src_valid=src_valid, keep_greedy=options.keep_greedy)
         return [self._cut(torch.tensor(ids, dtype=torch.long)) for ids in beams.token_lists(eos_id=tok.eos_id)]
 
     def _cut(self, row: Tensor) -> list[int]:

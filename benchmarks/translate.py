@@ -79,7 +79,8 @@ def main() -> None:
         for i in range(0, len(sources), batch):
             chunk = sources[i : i + batch]
             budget = int(a * max(len(s) for s in chunk)) + b
-            out = translator.translate_ids(chunk, DecodeOptions(beam_size=beam, max_len_a=0, max_len_b=budget))
+            out = translator.translate_ids(chunk, DecodeOptions(beam_size=beam, max_len_a=0, max_len_b=budget,
+                                                                      keep_greedy=False))
             lengths += [len(o) for o in out]
         return time.perf_counter() - start, statistics.mean(lengths)
 

@@ -263,22 +263,50 @@ def test_equals_plain_reference_search(seed: int, eos: int, k: int, alpha: float
         assert_close(torch.tensor([h.score for h in out.nbest[i]]), torch.tensor([s for _, s, _ in ref]))
 
 
+def greedy_normalized(model: EncoderDecoder, src: torch.Tensor, eos: int, alpha: float,
+                      max_len_b: int = 3) -> list[float]:
+    """Each source's greedy hypothesis, scored cache-free: sum log-prob / GNMT penalty."""
+    limits = max_target_lengths(src != PAD, max_len_a=1.0, max_len_b=max_len_b)
+    greedy = greedy_encoder_decoder(model, src, bos_id=BOS, eos_id=eos, max_new_tokens=limits)
+    out = []
+    for i in range(src.shape[0]):
+        n = int(greedy.lengths[i])
+        score = teacher_forced(model, src[i], greedy.tokens[i, :n]).sum()
+        out.append(float(score / gnmt_length_penalty(torch.tensor(n), alpha)))
+    return out
+
+
+def test_plain_beam_search_can_score_below_greedy() -> None:
+    """Why keep_greedy exists: with beam 2 (seed 1, eos 40, alpha 0) the beam prunes the greedy
+    path of source 3 and ends with -17.68 against greedy's -17.03."""
+    model, src = model_(seed=1), sources(seed=2)
+    greedy = greedy_normalized(model, src, 40, 0.0)
+    plain = beam_search_encoder_decoder(model, src, bos_id=BOS, eos_id=40, beam_size=2, max_len_a=1.0,
+                                        max_len_b=3, length_penalty=0.0)
+    assert float(plain.normalized_scores[3]) < greedy[3] - 0.5
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
 @pytest.mark.parametrize("eos", EOS_IDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_beam_never_scores_below_greedy(eos: int, seed: int) -> None:
-    """With alpha 0 (rank by sum log-prob) a beam of 4 or 6 finds a score at least greedy's here.
-    Not a theorem: a beam can prune the greedy path, and with beam 2, seed 1, eos 40 it does
-    (source 3: -17.68 vs greedy's -17.03; test_equals_plain_reference_search reproduces it)."""
+def test_beam_never_scores_below_greedy(eos: int, seed: int, alpha: float) -> None:
+    """With keep_greedy (what the Translator uses) the best hypothesis's normalized score is never
+    below greedy's, for every beam size; the n-best stay sorted, unique and correctly scored."""
     model, src = model_(seed=seed), sources(seed=seed + 1)
-    limits = max_target_lengths(src != PAD, max_len_a=1.0, max_len_b=3)
-    greedy = greedy_encoder_decoder(model, src, bos_id=BOS, eos_id=eos, max_new_tokens=limits)
-    for beam_size in (4, 6):
+    greedy = greedy_normalized(model, src, eos, alpha)
+    for beam_size in (2, 3, 4, 6):
         beam = beam_search_encoder_decoder(model, src, bos_id=BOS, eos_id=eos, beam_size=beam_size,
-                                           max_len_a=1.0, max_len_b=3, length_penalty=0.0)
+                                           max_len_a=1.0, max_len_b=3, length_penalty=alpha,
+                                           n_best=beam_size, keep_greedy=True)
         for i in range(src.shape[0]):
-            g = greedy.tokens[i, : greedy.lengths[i]]
-            g_score = teacher_forced(model, src[i], g).sum()
-            assert float(beam.scores[i]) >= float(g_score) - 1e-5, (i, beam_size)
+            assert float(beam.normalized_scores[i]) >= greedy[i] - 1e-5, (i, beam_size)
+            nbest = beam.nbest[i]
+            norms = [h.normalized_score for h in nbest]
+            assert norms == sorted(norms, reverse=True)
+            assert len({tuple(h.tokens.tolist()) for h in nbest}) == len(nbest)
+            for h in nbest:
+                assert_close(torch.tensor(h.score), teacher_forced(model, src[i], h.tokens).sum())
+            assert torch.equal(beam.tokens[i, : beam.lengths[i]], nbest[0].tokens)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, -0.5])
