@@ -108,20 +108,25 @@ class LayerKVCache:
 
     def write(self, k: Tensor, v: Tensor, pos: int) -> tuple[Tensor, Tensor]:
         """Store new k, v (b, h_kv, t, d_h) at [pos, pos + t); return views of [0, pos + t)."""
+        t = self._check_write(k, pos, head_dim=self.k.shape[3])
+        self.k[:, :, pos : pos + t] = k
+        self.v[:, :, pos : pos + t] = v
+        return self.k[:, :, : pos + t], self.v[:, :, : pos + t]
+
+    def _check_write(self, k: Tensor, pos: int, *, head_dim: int) -> int:
+        """Raise a clear error unless k (b, h_kv, t, d_h) fits at ``pos``; return t."""
         t = k.shape[2]
         if pos + t > self.max_len:
             raise ValueError(
                 f"KV cache is full: writing {t} token(s) at position {pos} needs {pos + t} slots, "
                 f"but the cache holds {self.max_len}; create the cache with a larger max_len"
             )
-        if k.shape[0] != self.k.shape[0] or k.shape[1] != self.k.shape[1] or k.shape[3] != self.k.shape[3]:
+        if k.shape[0] != self.k.shape[0] or k.shape[1] != self.k.shape[1] or k.shape[3] != head_dim:
             raise ValueError(
                 f"KV cache was built for (batch, kv_heads, *, head_dim) = "
-                f"{(self.k.shape[0], self.k.shape[1], '*', self.k.shape[3])}, got k of shape {tuple(k.shape)}"
+                f"{(self.k.shape[0], self.k.shape[1], '*', head_dim)}, got k of shape {tuple(k.shape)}"
             )
-        self.k[:, :, pos : pos + t] = k
-        self.v[:, :, pos : pos + t] = v
-        return self.k[:, :, : pos + t], self.v[:, :, : pos + t]
+        return t
 
     # Per-row buffers a reorder must carry along (a quantised cache adds its scales).
     _row_buffers: tuple[str, ...] = ("k", "v")
@@ -222,17 +227,7 @@ class QuantizedLayerKVCache(LayerKVCache):
 
     def write(self, k: Tensor, v: Tensor, pos: int) -> tuple[Tensor, Tensor]:
         """Quantise new k, v (b, h_kv, t, d_h) into [pos, pos + t); return [0, pos + t) dequantised."""
-        t = k.shape[2]
-        if pos + t > self.max_len:
-            raise ValueError(
-                f"KV cache is full: writing {t} token(s) at position {pos} needs {pos + t} slots, "
-                f"but the cache holds {self.max_len}; create the cache with a larger max_len"
-            )
-        if k.shape[0] != self.k.shape[0] or k.shape[1] != self.k.shape[1] or k.shape[3] != self.head_dim:
-            raise ValueError(
-                f"KV cache was built for (batch, kv_heads, *, head_dim) = "
-                f"{(self.k.shape[0], self.k.shape[1], '*', self.head_dim)}, got k of shape {tuple(k.shape)}"
-            )
+        t = self._check_write(k, pos, head_dim=self.head_dim)
         self.dtype = k.dtype  # read back in the compute dtype
         end = pos + t
         self.k[:, :, pos:end], self.k_scale[:, :, pos:end] = self._store(k)
