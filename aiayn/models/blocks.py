@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.nn.attention import MultiHeadAttention
+from aiayn.nn.dropout import Dropout
 from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
 from aiayn.nn.masks import key_mask
 from aiayn.nn.mlp import FeedForward
@@ -53,7 +54,7 @@ class TransformerBlock(nn.Module):
         self.ffn = FeedForward(c.d_model, c.d_ff, activation=c.activation, bias=c.ffn_bias,
                                dropout=c.activation_dropout)
         self.ffn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
-        self.dropout = nn.Dropout(c.dropout)  # residual dropout, P_drop in the paper
+        self.dropout = Dropout(c.dropout)  # residual dropout, P_drop in the paper
 
     def forward(
         self,
@@ -171,7 +172,7 @@ class TransformerStack(nn.Module):
             nn.Embedding(c.type_vocab_size, c.d_model) if segments and c.type_vocab_size > 0 else None
         )
         self.embedding_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.embedding_norm else None
-        self.dropout = nn.Dropout(c.dropout)  # on embeddings + positions (paper section 5.4)
+        self.dropout = Dropout(c.dropout)  # on embeddings + positions (paper section 5.4)
         self.blocks = nn.ModuleList(
             TransformerBlock(c, cross_attention=cross_attention) for _ in range(n_layers)
         )

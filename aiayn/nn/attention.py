@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.nn.dropout import dropout
 from aiayn.nn.kv_cache import LayerKVCache, StaticKV
 from aiayn.nn.masks import causal_mask
 from aiayn.nn.positional import apply_rotary
@@ -114,7 +115,8 @@ def scaled_dot_product_attention(
         return out.reshape(_b, h, 1, d_h), None
     if causal:
         # Fast path: plain square causal attention needs no materialised mask.
-        if impl == "fused" and not need_weights and mask is None and bias is None and t_q == t_k:
+        if (impl == "fused" and not need_weights and mask is None and bias is None and t_q == t_k
+                and not (dropout_p > 0 and q.device.type == "cpu")):
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=h != h_kv
             )
@@ -129,7 +131,10 @@ def scaled_dot_product_attention(
         row_valid = mask.any(dim=-1, keepdim=True)  # (.., t_q, 1)
         mask = mask | ~row_valid
 
-    if impl == "fused" and not need_weights:
+    # With dropout on the weights, SDPA on the CPU runs its unfused math path with a slow
+    # Bernoulli mask; the reference path is the same computation with the faster mask.
+    fused = impl == "fused" and not need_weights and not (dropout_p > 0 and q.device.type == "cpu")
+    if fused:
         attn_mask: Tensor | None = mask
         if bias is not None:
             attn_mask = bias.to(q.dtype)
@@ -152,7 +157,7 @@ def scaled_dot_product_attention(
         weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         if row_valid is not None:
             weights = weights.masked_fill(~row_valid, 0.0)
-        dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
+        dropped = dropout(weights, dropout_p) if dropout_p > 0 else weights
         out = torch.matmul(dropped, v)  # (b, h, t_q, d_h)
 
     if row_valid is not None:

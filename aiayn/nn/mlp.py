@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.nn.dropout import Dropout
+
 ACTIVATIONS = {
     "relu": F.relu,
     "gelu": F.gelu,
@@ -37,7 +39,7 @@ class FeedForward(nn.Module):
         self.act = ACTIVATIONS[activation]
         self.fc_in = nn.Linear(d_model, 2 * d_ff if self.gated else d_ff, bias=bias)
         self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         """(b, t, d) -> (b, t, d)"""
