@@ -1,7 +1,8 @@
 """Translation speed: aiayn's Translator against Hugging Face ``MarianMTModel.generate``.
 
-Both models have the Multi30k recipe's size (d_model 256, 4 heads, 3+3 layers, d_ff 1024, ReLU,
-post-norm, shared + tied 8k vocabulary) and random weights; both get the same source ids (the first
+Both models have the size of the committed Multi30k recipe (``recipes/multi30k-en-de.yaml``:
+Transformer-tiny, d_model 128, 4 heads, 4+4 layers, d_ff 256, ReLU, post-norm, shared + tied 8k
+vocabulary; ``--d-model/--heads/--layers/--d-ff`` set another) and random weights; both get the same source ids (the first
 N sentences of test2016, BPE-encoded with a tokenizer learned on the training split) and may emit up
 to the same number of target tokens. Random weights almost never pick </s>, so both decode to the
 limit: the work is equal, and the printed mean output lengths show it.
@@ -23,19 +24,21 @@ from collections.abc import Callable
 import torch
 
 
-def build_models(vocab: int, max_len: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build_models(vocab: int, max_len: int, *, d_model: int, heads: int, layers: int,
+                 d_ff: int) -> tuple[torch.nn.Module, torch.nn.Module]:
     from transformers import MarianConfig, MarianMTModel
 
     from aiayn.config import ModelConfig
     from aiayn.models import build_model
 
     ours = build_model(ModelConfig(
-        arch="encoder-decoder", vocab_size=vocab, d_model=256, n_heads=4, n_layers=3, n_decoder_layers=3,
-        d_ff=1024, activation="relu", norm_position="post", positional="sinusoidal", max_seq_len=max_len,
-        share_embeddings=True, tie_output=True, pad_id=0)).eval()
+        arch="encoder-decoder", vocab_size=vocab, d_model=d_model, n_heads=heads, n_layers=layers,
+        n_decoder_layers=layers, d_ff=d_ff, activation="relu", norm_position="post", positional="sinusoidal",
+        max_seq_len=max_len, share_embeddings=True, tie_output=True, pad_id=0)).eval()
     theirs = MarianMTModel(MarianConfig(
-        vocab_size=vocab, d_model=256, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024, activation_function="relu",
+        vocab_size=vocab, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=d_ff,
+        decoder_ffn_dim=d_ff, activation_function="relu",
         max_position_embeddings=max_len, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         decoder_start_token_id=1, forced_eos_token_id=None, scale_embedding=True,
         share_encoder_decoder_embeddings=True, tie_word_embeddings=True)).eval()
@@ -48,6 +51,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="8 sentences, 1 repeat")
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4, help="encoder and decoder layers each")
+    parser.add_argument("--d-ff", type=int, default=256)
     args = parser.parse_args()
     if args.quick:
         args.sentences, args.repeats = 8, 1
@@ -63,7 +70,8 @@ def main() -> None:
     tokenizer = BPETokenizer.train([*read_lines(root / "train.en"), *read_lines(root / "train.de")],
                                    vocab_size=8000)
     sentences = read_lines(root / "test2016.en")[: args.sentences]
-    ours, theirs = build_models(8000, 128)
+    ours, theirs = build_models(8000, 128, d_model=args.d_model, heads=args.heads, layers=args.layers,
+                                d_ff=args.d_ff)
     translator = Translator(ours, tokenizer, max_tokens=100_000, max_sentences=64)
     sources = [translator.source_ids(s) for s in sentences]
     n_aiayn = sum(p.numel() for p in ours.parameters())
