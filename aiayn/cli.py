@@ -468,11 +468,15 @@ def _load_translator(run_dir: Path, checkpoint: Path | None) -> tuple[Any, Any]:
     return run.task, run.task.translator(run.model)
 
 
-def _decode_options(beam: int, length_penalty: float, temperature: float | None, top_k: int | None,
-                    top_p: float | None, seed: int | None) -> Any:
+def _decode_options(task: Any, beam: int | None, length_penalty: float | None, temperature: float | None,
+                    top_k: int | None, top_p: float | None, seed: int | None) -> Any:
+    """Decoding options from the command line; beam size and length penalty default to the run's
+    recipe (the values its test score was computed with, e.g. an alpha tuned on val)."""
     from aiayn.generate import SamplingConfig
     from aiayn.translate import DecodeOptions
 
+    beam = task.decode.beam_size if beam is None else beam
+    length_penalty = task.decode.length_penalty if length_penalty is None else length_penalty
     sampling = None
     if temperature is not None or top_k is not None or top_p is not None:
         sampling = SamplingConfig(temperature=1.0 if temperature is None else temperature,
@@ -486,10 +490,11 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="A run directory of the translation task."),
         click.option("--checkpoint", type=click.Path(path_type=Path),
                      help="A checkpoint directory (e.g. RUN/averaged-last5) instead of the run's latest."),
-        click.option("--beam", type=click.IntRange(min=1), default=5, show_default=True,
-                     help="Beam size; 1 = greedy."),
-        click.option("--length-penalty", type=click.FloatRange(min=0), default=0.6, show_default=True,
-                     help="GNMT length penalty alpha: score / ((5 + length) / 6) ** alpha."),
+        click.option("--beam", type=click.IntRange(min=1),
+                     help="Beam size; 1 = greedy.  [default: the run's recipe, beam_size (5 if unset)]"),
+        click.option("--length-penalty", type=click.FloatRange(min=0),
+                     help="GNMT length penalty alpha: score / ((5 + length) / 6) ** alpha.  "
+                          "[default: the run's recipe, length_penalty (0.6 if unset)]"),
         click.option("--temperature", type=click.FloatRange(min=0),
                      help="Sample instead of searching, at this temperature."),
         click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens."),
@@ -505,7 +510,7 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
 @cli.command("translate")
 @_decoding_options
 @click.argument("texts", nargs=-1)
-def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int, length_penalty: float,
+def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
                   temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
                   texts: tuple[str, ...]) -> None:
     """Translate TEXTS, or each line of standard input as it arrives (one output line per input line).
@@ -516,8 +521,8 @@ def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int, length_pena
 
     from aiayn.translate import InputTooLongWarning
 
-    _, translator = _load_translator(run_dir, checkpoint)
-    options = _decode_options(beam, length_penalty, temperature, top_k, top_p, seed)
+    task, translator = _load_translator(run_dir, checkpoint)
+    options = _decode_options(task, beam, length_penalty, temperature, top_k, top_p, seed)
 
     def show(warning: Any, category: Any, *_: Any, **__: Any) -> None:
         click.echo(f"warning: {warning}", err=True)
@@ -540,7 +545,7 @@ def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int, length_pena
 @click.option("--ref", "ref_path", required=True, type=click.Path(path_type=Path), help="Reference translations, aligned.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the hypotheses (detokenised, one per line) here.")
-def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int, length_penalty: float,
+def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
                  src_path: Path, ref_path: Path, out_path: Path | None) -> None:
     """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF."""
@@ -548,8 +553,8 @@ def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int, length_penal
     from aiayn.tasks.translation import corpus_score
 
     sources, references = read_parallel(src_path, ref_path)
-    _, translator = _load_translator(run_dir, checkpoint)
-    options = _decode_options(beam, length_penalty, temperature, top_k, top_p, seed)
+    task, translator = _load_translator(run_dir, checkpoint)
+    options = _decode_options(task, beam, length_penalty, temperature, top_k, top_p, seed)
     start = time.perf_counter()
     hypotheses = translator.translate(sources, options)
     seconds = time.perf_counter() - start
@@ -560,7 +565,7 @@ def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int, length_penal
     click.echo(f"BLEU signature: {scores['bleu_signature']}")
     click.echo(f"chrF2 = {scores['chrf']:.2f}  (signature: {scores['chrf_signature']})")
     click.echo(f"{len(sources)} sentences in {seconds:.1f} s ({len(sources) / seconds:.1f} sentences/s), "
-               f"beam {options.beam_size}" + (f"; hypotheses written to {out_path}" if out_path else ""))
+               f"beam {options.beam_size}, length penalty {options.length_penalty}" + (f"; hypotheses written to {out_path}" if out_path else ""))
 
 
 @cli.command("fetch-multi30k")

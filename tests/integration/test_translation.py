@@ -102,6 +102,13 @@ def test_cli_translate_evaluate_average(tiny_run, corpus, tmp_path):
     bleu = float(scored.stdout.split("BLEU = ")[1].split()[0])
     assert bleu >= 90
     assert len(out.read_text(encoding="utf-8").splitlines()) == N_PAIRS
+    assert "beam 2, length penalty 0.6" in scored.stdout
+
+    # without --beam / --length-penalty the run's recipe values are used (tiny_run: beam_size=4)
+    defaults = run_cli("evaluate", "--run", str(tiny_run), "--src", str(corpus / "test.en"),
+                       "--ref", str(corpus / "test.de"))
+    assert defaults.returncode == 0, defaults.stderr
+    assert "beam 4, length penalty 0.6" in defaults.stdout
 
 
 @pytest.mark.slow
