@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from aiayn.models.blocks import check_tokens
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn.kv_cache import KVCache
@@ -32,6 +33,65 @@ def _finish(next_token: Tensor, done: Tensor, eos_id: int | None, fill_id: int |
     return next_token, done | (next_token == eos_id)
 
 
+def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Tensor, cache: KVCache) -> Tensor:
+    """tokens, positions (b, 1), slot (1,) -> next-token logits (b, v); the graph torch.compile traces."""
+    hidden = model.decoder.static_decode_step(tokens, positions, slot, cache)  # (b, 1, d)
+    return model.lm_head(hidden[:, -1])
+
+
+_compiled_static_step: Callable[..., Tensor] | None = None
+COMPILED_CACHE_MULTIPLE = 64  # compiled decoding rounds its cache up to this, so lengths share graphs
+
+
+def _cache_len(n: int, compile: bool) -> int:
+    """Slots a decoder allocates for n tokens: n, or (compiled) n rounded up to a multiple of 64,
+    so that requests of similar length reuse one compiled graph instead of compiling again
+    (the unfilled slots are masked; attending over them costs little next to the weights' reads)."""
+    return -(-n // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE if compile else n
+
+
+def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> Tensor:
+    """One decode step, tokens (b, 1) -> logits (b, v), through a ``torch.compile``d graph.
+
+    The eager step spends most of a small model's time dispatching a few hundred small ops from
+    Python; this one runs ``TransformerStack.static_decode_step`` (the same blocks, every shape
+    fixed by the cache) compiled per model and shape (Inductor: C++ kernels
+    for the element-wise work, the same matmul library for the projections). The first call
+    compiles (seconds to a minute; another batch size or cache size compiles again: decoders round
+    the cache up to a multiple of 64 slots to share graphs); the result equals the eager step up to float rounding
+    (tests/consistency/test_compiled_decode.py). What ``forward`` checks is checked here, in Python.
+    """
+    global _compiled_static_step
+    if cache.quantize is not None:
+        raise ValueError("compiled decoding needs a float KV cache; drop compile or the cache quantisation")
+    if model.training:
+        raise ValueError("compiled decoding runs the eval-mode model; call model.eval() first")
+    check_tokens("tokens", tokens, model.config.vocab_size)
+    if tokens.shape != (cache.batch_size, 1):
+        raise ValueError(f"a compiled decode step takes one token per row, shape ({cache.batch_size}, 1), "
+                         f"got {tuple(tokens.shape)}")
+    if cache.length >= cache.max_len:
+        raise ValueError(f"KV cache is full: {cache.length} slot(s) used of max_len={cache.max_len}; "
+                         f"create the cache with a larger max_len")
+    positions = cache.next_positions()[:, None]  # (b, 1): real tokens so far
+    top = int(positions.max())
+    if top >= model.config.max_seq_len:
+        raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "
+                         f"max_seq_len={model.config.max_seq_len}; ask for fewer tokens")
+    if _compiled_static_step is None:
+        # Static shapes: symbolic sizes would make slower kernels (and SDPA's enable_gqa a SymBool).
+        # Each model, batch size and cache size is one entry of the compile cache: raise torch's
+        # default limit of 8 entries per function, past which it would refuse to compile again.
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        _compiled_static_step = torch.compile(_static_step, fullgraph=True, dynamic=False)
+    slot = torch.tensor([cache.length], device=tokens.device)
+    logits = _compiled_static_step(model, tokens, positions, slot, cache)
+    cache.length += 1
+    return logits
+
+
 @torch.inference_mode()
 def greedy_decoder_only(
     model: DecoderOnly,
@@ -42,10 +102,12 @@ def greedy_decoder_only(
     eos_id: int | None = None,
     use_cache: bool = True,
     kv_cache: str | None = None,
+    compile: bool = False,
 ) -> GreedyResult:
     """Continue each row of ``prompt`` (b, t), left-padded where ``prompt_valid`` is False.
 
     ``kv_cache="int8"``/``"int4"`` decodes over a quantised KV cache (float by default).
+    ``compile=True`` runs the steps after the prompt through ``compiled_decode_step``.
 
     Without ``prompt_valid`` the model's default applies: ``prompt != pad_id`` when the config has
     a pad_id, else every prompt token is real. Generated tokens always count as real.
@@ -57,13 +119,17 @@ def greedy_decoder_only(
         valid = prompt != model.config.pad_id
     else:
         valid = torch.ones_like(prompt, dtype=torch.bool)
-    cache = model.new_cache(b, t + max_new_tokens, quantize=kv_cache) if use_cache else None
+    cache = model.new_cache(b, _cache_len(t + max_new_tokens, compile), quantize=kv_cache) if use_cache else None
     tokens, step_valid = prompt, valid
     all_tokens, all_valid = prompt, valid
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
     out_tokens, out_logits = [], []
-    for _ in range(max_new_tokens):
-        if cache is not None:
+    if compile and cache is None:
+        raise ValueError("compile=True decodes through the KV cache; it needs use_cache=True")
+    for i in range(max_new_tokens):
+        if cache is not None and compile and i > 0:
+            logits = compiled_decode_step(model, tokens, cache)
+        elif cache is not None:
             logits = model(tokens, valid=step_valid, cache=cache).logits[:, -1]
         else:
             logits = model(all_tokens, valid=all_valid).logits[:, -1]
@@ -212,6 +278,7 @@ def generate_decoder_only(
     eos_id: int | None = None,
     on_token: Callable[[Tensor], bool | None] | None = None,
     kv_cache: str | None = None,
+    compile: bool = False,
 ) -> Tensor:
     """Sample a continuation of ``prompt`` (b, t) through the KV cache -> new ids (b, n <= max_new_tokens).
 
@@ -224,7 +291,8 @@ def generate_decoder_only(
     The loop allocates once: the KV cache and a (b, t + max_new_tokens) id buffer for the
     repetition penalty; each step runs the model on one token per row and the output projection
     on that position only. ``kv_cache="int8"``/``"int4"``:
-    a quantised cache.
+    a quantised cache. ``compile=True``: the steps after the prompt run through
+    ``compiled_decode_step`` (float cache only).
     """
     cfg = sampling or SamplingConfig()
     generator = torch.Generator(device=prompt.device).manual_seed(cfg.seed) if cfg.seed is not None else None
@@ -234,7 +302,9 @@ def generate_decoder_only(
         raise ValueError(f"prompt of {t} tokens + {max_new_tokens} new tokens exceeds the model's context "
                          f"of {max_len}; shorten the prompt or ask for fewer tokens")
     valid = _prompt_valid(model, prompt, prompt_valid)
-    cache = model.new_cache(b, t + max_new_tokens, quantize=kv_cache)
+    if compile and kv_cache is not None:
+        raise ValueError("compiled decoding needs a float KV cache; drop compile or the cache quantisation")
+    cache = model.new_cache(b, _cache_len(t + max_new_tokens, compile), quantize=kv_cache)
     # Ids seen so far, for the repetition penalty; a pad slot repeats its row's last prompt token,
     # so padding penalises nothing extra.
     history = torch.empty(b, t + max_new_tokens, dtype=prompt.dtype, device=prompt.device)
@@ -254,7 +324,10 @@ def generate_decoder_only(
             break
         if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
             break
-        logits = _last_logits(model, next_token[:, None], step_valid, cache)
+        if compile:
+            logits = compiled_decode_step(model, next_token[:, None], cache)
+        else:
+            logits = _last_logits(model, next_token[:, None], step_valid, cache)
     return torch.stack(generated, dim=1)
 
 

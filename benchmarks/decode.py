@@ -7,7 +7,10 @@ tokens (no eos), batch 1 and 16, KV cache on and off. Every call runs under
 included).
 
 aiayn is timed through ``aiayn.generate.greedy_decoder_only`` (the library's greedy decoder, cache
-on/off).
+on/off), eager and, with the cache on, with ``compile=True`` (the decode steps after the prompt as
+one ``torch.compile``d static-shape graph; the compile happens in the warm-up call, untimed). The
+peers run eager, as their ``generate`` does by default. Ratios are given for each aiayn row
+against the best peer.
 """
 
 from __future__ import annotations
@@ -36,10 +39,16 @@ from benchmarks.peers import LM_PEERS, Dropouts, LMSize, quiet
 TARGETS = {1: 3.0, 16: 1.5}  # batch -> aiayn / best peer, with the cache
 
 
+COMPILED = "aiayn compiled"  # the same aiayn model, decoded with compile=True
+
+
 def decoder(name: str, model: nn.Module, prompt: Tensor, new: int, use_cache: bool):
-    if name == "aiayn":
+    if name in ("aiayn", COMPILED):
+        compile = name == COMPILED
+
         def run() -> Tensor:
-            return greedy_decoder_only(model, prompt, max_new_tokens=new, use_cache=use_cache).tokens
+            return greedy_decoder_only(model, prompt, max_new_tokens=new, use_cache=use_cache,
+                                       compile=compile).tokens
     elif name == "HF GPT-2":
         mask = torch.ones_like(prompt)
 
@@ -75,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
     parser.add_argument("--no-overhead", action="store_true",
                         help="skip the per-token framework overhead rows (a tiny model, batch 1)")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="skip the 'aiayn compiled' rows (compile=True; needs a C++ compiler)")
     add_common_args(parser, repeats=5, warmup=1)
     args = parser.parse_args(argv)
     setup(args)
@@ -94,7 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     for batch in args.batch:
         prompt = torch.randint(1, size.vocab, (batch, args.prompt_len), generator=gen)
         for use_cache in (True, False) if not args.no_recompute else (True,):
-            peers = [Timed(n, decoder(n, m, prompt, new, use_cache)) for n, m in models.items()]
+            runs = dict(models)
+            if use_cache and "aiayn" in models and not args.no_compiled:
+                runs[COMPILED] = models["aiayn"]
+            peers = [Timed(n, decoder(n, m, prompt, new, use_cache)) for n, m in runs.items()]
             # Recomputing is slow: fewer rounds (still interleaved and a median).
             repeats = args.repeats if use_cache else max(1, min(args.repeats, 3))
             run_interleaved(peers, repeats=repeats, warmup=args.warmup if use_cache else 0)
@@ -104,9 +118,10 @@ def main(argv: list[str] | None = None) -> None:
                              f"±{p.spread * 50:.0f}%", fmt_int(tps[p.name]),
                              f"{p.median / new * 1e3:.2f}"])
             target = TARGETS.get(batch) if use_cache else None
-            ratios.append(ratio_line(f"batch {batch}, cache {'on' if use_cache else 'off'}",
-                                     tps[peers[0].name], {n: v for n, v in tps.items() if n != peers[0].name},
-                                     target=target))
+            others = {n: v for n, v in tps.items() if not n.startswith("aiayn")}
+            for ours in (n for n in tps if n.startswith("aiayn")):
+                ratios.append(ratio_line(f"batch {batch}, cache {'on' if use_cache else 'off'}, {ours}",
+                                         tps[ours], others, target=target))
             if args.profile and use_cache:
                 print(f"torch.profiler, aiayn, batch {batch}, cache on, top ops by self CPU time:\n")
                 print("```\n" + top_ops(peers[0].fn, steps=1) + "\n```\n")
@@ -130,6 +145,8 @@ def overhead(args: argparse.Namespace, new: int) -> None:
         torch.manual_seed(args.seed)
         model = LM_PEERS[name](tiny, Dropouts()).eval()
         peers.append(Timed(name, decoder(name, model, prompt, new, True)))
+        if name == "aiayn" and not args.no_compiled:
+            peers.append(Timed(COMPILED, decoder(COMPILED, model, prompt, new, True)))
     run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
     print(f"\nFramework overhead per generated token (tiny model: d 32, 1 layer, vocab 64; batch 1, "
           f"cache on, {new} new tokens):\n")

@@ -6,6 +6,8 @@ For each dtype: decode tokens/s at batch 1 (``--new-tokens`` greedy tokens after
 prompt; the rate excludes the prompt: (N - 1) / (time for N tokens - time for 1 token)), the
 prefill time of a ``--prompt-tokens`` prompt (time to the first token), and whether aiayn's and
 Hugging Face's greedy tokens agree. Then aiayn's int8 weight-only path (``--quantize int8``).
+Each aiayn row is repeated with ``compile=True`` (the decode step as one ``torch.compile``d
+static-shape graph; the warm-up call compiles, untimed); Hugging Face runs eager, its default.
 Each timing is the best of ``--repeats`` runs (the least disturbed by other jobs on the machine).
 
     python benchmarks/generate.py                 # float32 and bfloat16, int8, llama.cpp if present
@@ -57,9 +59,9 @@ def decode_rate(run: Callable[[int], object], n: int, repeats: int) -> float:
     return (n - 1) / (tn - t1)
 
 
-def aiayn_runner(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[int], torch.Tensor]:
+def aiayn_runner(model: torch.nn.Module, ids: torch.Tensor, *, compile: bool = False) -> Callable[[int], torch.Tensor]:
     greedy = SamplingConfig(temperature=0)
-    return lambda n: generate_decoder_only(model, ids, max_new_tokens=n, sampling=greedy)
+    return lambda n: generate_decoder_only(model, ids, max_new_tokens=n, sampling=greedy, compile=compile)
 
 
 def hf_runner(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[int], torch.Tensor]:
@@ -99,6 +101,8 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="Skip Hugging Face transformers.")
     parser.add_argument("--no-int8", action="store_true", help="Skip aiayn's int8 path.")
     parser.add_argument("--no-llama-cpp", action="store_true", help="Skip llama.cpp.")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="Skip aiayn's compiled decode step (compile=True; its warm-up compiles, untimed).")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: measure this process's CPU time instead of wall time, for a machine "
                              "shared with other jobs (meaningful with --threads 1 only).")
@@ -148,6 +152,12 @@ def main() -> None:
         rates[f"aiayn {dtype_name}"] = rows[-1][1]
         if dtype_name == "float32":
             reference_tokens = ours  # type: ignore[assignment]
+        if not args.no_compiled:
+            compiled = measure(f"aiayn {dtype_name} compiled", aiayn_runner(model, ids, compile=True),
+                               aiayn_runner(model, long_ids, compile=True))
+            rates[f"aiayn {dtype_name} compiled"] = rows[-1][1]
+            same_c = int((compiled == ours).all(0).cumprod(0).sum())  # type: ignore[union-attr]
+            print(f"  compiled vs eager greedy tokens: identical for the first {same_c} of {args.new_tokens}")
         del model
         if hf_model_cls is not None:
             hf = hf_model_cls.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
@@ -156,12 +166,19 @@ def main() -> None:
             same = int((ours == theirs).all(0).cumprod(0).sum())  # type: ignore[union-attr]
             print(f"  greedy tokens identical for the first {same} of {args.new_tokens}; "
                   f"aiayn / transformers = {rates[f'aiayn {dtype_name}'] / rates[f'hf {dtype_name}']:.2f}x")
+            if f"aiayn {dtype_name} compiled" in rates:
+                print(f"  aiayn compiled / transformers = "
+                      f"{rates[f'aiayn {dtype_name} compiled'] / rates[f'hf {dtype_name}']:.2f}x")
             del hf
     if not args.no_int8:
         print("int8 weight-only (aiayn --quantize int8):")
         model = lower_precision(load_gguf(path, tokenizer=False).model, "int8")
         ours = measure("aiayn int8", aiayn_runner(model, ids), aiayn_runner(model, long_ids))
         rates["aiayn int8"] = rows[-1][1]
+        if not args.no_compiled:
+            measure("aiayn int8 compiled", aiayn_runner(model, ids, compile=True),
+                    aiayn_runner(model, long_ids, compile=True))
+            rates["aiayn int8 compiled"] = rows[-1][1]
         if reference_tokens is not None:
             agree = float((ours == reference_tokens).float().mean())  # type: ignore[union-attr]
             same = int((ours == reference_tokens).all(0).cumprod(0).sum())  # type: ignore[union-attr]
@@ -180,7 +197,8 @@ def main() -> None:
                     llama_cpp_runner(llm, long_ids[0].tolist()))
             rates["llama.cpp"] = rows[-1][1]
     if "llama.cpp" in rates:
-        for key in ("aiayn int8", "aiayn bfloat16", "aiayn float32"):
+        for key in ("aiayn int8 compiled", "aiayn int8", "aiayn bfloat16 compiled", "aiayn bfloat16",
+                    "aiayn float32 compiled", "aiayn float32"):
             if key in rates:
                 print(f"{key} / llama.cpp = {rates[key] / rates['llama.cpp']:.0%}")
 

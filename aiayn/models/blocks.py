@@ -68,7 +68,7 @@ class TransformerBlock(nn.Module):
         memory_mask: Tensor | None = None,
         kv_cache: LayerKVCache | None = None,
         cross_cache: StaticKV | None = None,
-        cache_pos: int = 0,
+        cache_pos: int | Tensor = 0,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights)."""
@@ -275,3 +275,34 @@ class TransformerStack(nn.Module):
                     out.cross_attentions.append(cross_w)
         out.hidden = self.final_norm(x) if self.final_norm is not None else x
         return out
+
+    def static_decode_step(self, tokens: Tensor, positions: Tensor, slot: Tensor, cache: KVCache) -> Tensor:
+        """One new token per row against the whole preallocated cache: tokens, positions (b, 1)
+        long, ``slot`` (1,) long (the cache slot it fills) -> hidden (b, 1, d).
+
+        Every shape is fixed for a given cache, and nothing reads a tensor's value into Python, so
+        ``torch.compile`` traces it once as one graph (``aiayn.generate.StaticDecoder``). The
+        blocks are the same ones ``forward`` runs; what differs is the bookkeeping: the slot is a
+        tensor, attention covers all ``max_len`` slots and the key mask (``cache.valid``, False
+        until a slot is written) hides the unfilled ones. The caller checks what ``forward``
+        checks (token ids, positions < max_seq_len, room in the cache) and advances
+        ``cache.length``. Decoder-only stacks; the eval-mode (dropout-free) computation.
+        """
+        if self.has_cross:
+            raise ValueError("static_decode_step is for decoder-only stacks (no cross-attention)")
+        x = self.embedding(tokens) * self.embed_scale  # (b, 1, d)
+        if self.absolute is not None:
+            x = x + self.absolute(positions).to(x.dtype)
+        if self.segment_embedding is not None:
+            x = x + self.segment_embedding(torch.zeros_like(tokens))
+        if self.embedding_norm is not None:
+            x = self.embedding_norm(x)
+        cache.valid.index_fill_(1, slot, True)  # (b, s_max): the new slot holds a real token
+        cache.positions.index_copy_(1, slot, positions)
+        mask = key_mask(cache.valid)  # (b, 1, 1, s_max)
+        bias = self.relative(positions, cache.positions).to(x.dtype) if self.relative is not None else None
+        rotary = self.rotary(positions) if self.rotary is not None else None
+        for i, block in enumerate(self.blocks):
+            x, _, _ = block(x, mask=mask, bias=bias, causal=self.causal, rotary=rotary,
+                            kv_cache=cache.layers[i], cache_pos=slot)
+        return self.final_norm(x) if self.final_norm is not None else x

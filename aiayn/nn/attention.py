@@ -232,7 +232,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         rotary: tuple[Tensor, Tensor] | None = None,
         kv_cache: LayerKVCache | StaticKV | None = None,
-        cache_pos: int = 0,
+        cache_pos: int | Tensor = 0,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from x (b, t, d) to itself (self) or to ``memory`` (b, s, d) (cross).
@@ -242,7 +242,9 @@ class MultiHeadAttention(nn.Module):
             causal: right-aligned causal masking (decoder self-attention).
             rotary: (cos, sin) of shape (b or 1, t, d_h) for RoPE, applied to q and new k.
             kv_cache: self-attention: a ``LayerKVCache``; the new k, v are written at
-                ``cache_pos`` and attention runs over positions [0, cache_pos + t).
+                ``cache_pos`` and attention runs over positions [0, cache_pos + t). A (t,) tensor
+                ``cache_pos`` is the static-shape step: attention runs over the whole buffer, and
+                ``mask`` must hide its unfilled slots.
                 Cross-attention: a ``StaticKV``; memory's k, v are computed on first use and reused.
             need_weights: also return the (b, h, t, t_k) attention weights.
 

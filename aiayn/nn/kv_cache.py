@@ -106,8 +106,17 @@ class LayerKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
-    def write(self, k: Tensor, v: Tensor, pos: int) -> tuple[Tensor, Tensor]:
-        """Store new k, v (b, h_kv, t, d_h) at [pos, pos + t); return views of [0, pos + t)."""
+    def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
+        """Store new k, v (b, h_kv, t, d_h) at [pos, pos + t); return views of [0, pos + t).
+
+        ``pos`` may be a (t,) long tensor of slots instead (the static-shape decode step that
+        ``torch.compile`` runs, see ``aiayn.generate``): k, v go there and the whole buffers come
+        back, (b, h_kv, s_max, d_h); the caller's key mask hides the slots not filled yet.
+        """
+        if isinstance(pos, Tensor):
+            self.k.index_copy_(2, pos, k.to(self.k.dtype))
+            self.v.index_copy_(2, pos, v.to(self.v.dtype))
+            return self.k, self.v
         t = self._check_write(k, pos, head_dim=self.k.shape[3])
         self.k[:, :, pos : pos + t] = k
         self.v[:, :, pos : pos + t] = v
@@ -225,8 +234,11 @@ class QuantizedLayerKVCache(LayerKVCache):
         q = data if self.bits == 8 else _unpack_int4(data)
         return dequantize_absmax(q, scale, self.group_size, self.dtype)
 
-    def write(self, k: Tensor, v: Tensor, pos: int) -> tuple[Tensor, Tensor]:
+    def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
         """Quantise new k, v (b, h_kv, t, d_h) into [pos, pos + t); return [0, pos + t) dequantised."""
+        if isinstance(pos, Tensor):
+            raise ValueError("the static-shape (compiled) decode step needs a float KV cache; "
+                             "decode a quantised cache without compile")
         t = self._check_write(k, pos, head_dim=self.head_dim)
         self.dtype = k.dtype  # read back in the compute dtype
         end = pos + t

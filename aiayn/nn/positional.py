@@ -44,6 +44,10 @@ def sinusoidal_encoding(positions: Tensor, d_model: int, *, layout: str = "inter
 
 
 def _check_positions(positions: Tensor, max_len: int, what: str) -> None:
+    # Under torch.compile (the static decode step) the caller checks positions in Python instead:
+    # reading a tensor's value here would break the graph.
+    if torch.compiler.is_compiling():
+        return
     if positions.numel() and int(positions.max()) >= max_len:
         raise ValueError(
             f"{what}: position {int(positions.max())} is beyond the model's maximum "

@@ -110,22 +110,25 @@ class ShakespeareCharTask(TextWindowsTask):
 @register
 class ShakespeareCharLongTask(ShakespeareCharTask):
     """A longer shakespeare-char recipe for an hour of 2 CPU cores, aiming at val loss <= 1.50
-    (nanoGPT's GPU baby-GPT reaches 1.47): twice the context, a wider and deeper model, more
-    tokens per step. Not yet measured here; see the README's training table."""
+    (nanoGPT's GPU baby-GPT, 10.7M parameters and 256-character context, reaches 1.47): nanoGPT's
+    context and dropout on a 3.2M-parameter model (4 layers, d_model 256), 8,000 steps of 24 x 256
+    characters (~49M characters, ~55 passes over the training split), bfloat16 autocast (1.3x the
+    float32 speed on this AVX-512-BF16 CPU; master weights, optimiser and validation stay float32).
+    An earlier 1.8M-parameter, 128-character, 4,500-step version reached 1.544 in 19 minutes."""
 
     name = "shakespeare-char-long"
-    description = "character-level GPT on Tiny Shakespeare, the ~60-minute recipe (128-character context)"
+    description = "character-level GPT on Tiny Shakespeare, the ~60-minute recipe (256-character context)"
 
-    def __init__(self, *, block_size: int = 128, **options: Any) -> None:
+    def __init__(self, *, block_size: int = 256, **options: Any) -> None:
         super().__init__(block_size=block_size, **options)
 
     def model_config(self) -> ModelConfig:
-        return super().model_config().replace(d_model=192, n_heads=6, n_layers=4, d_ff=768, dropout=0.1,
+        return super().model_config().replace(d_model=256, n_heads=4, n_layers=4, d_ff=1024, dropout=0.2,
                                               name="shakespeare-char-long")
 
     def train_overrides(self) -> dict[str, Any]:
-        return {**super().train_overrides(), "max_steps": 4500, "batch_size": 24, "warmup_steps": 200,
-                "eval_every": 500, "save_every": 500}
+        return {**super().train_overrides(), "max_steps": 8000, "batch_size": 24, "warmup_steps": 200,
+                "eval_every": 1000, "save_every": 1000, "bf16": True}
 
 
 @register

@@ -33,6 +33,8 @@ def test_smollm2_answers_the_capital_of_france():
     (["--model", "README.md", "--prompt", ""], "the prompt is empty"),
     (["--model", "README.md", "--run", "x", "--prompt", "hi"], "--run and --model name two models"),
     (["--model", "README.md", "--prompt", "hi", "--top-p", "0"], "Invalid value for '--top-p'"),
+    (["--model", "README.md", "--prompt", "hi", "--compile", "--kv-cache", "int8"],
+     "--compile needs the float KV cache"),
 ])
 def test_generate_bad_input(args, needle):
     result = run_cli(*args)

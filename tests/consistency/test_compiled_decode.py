@@ -1,0 +1,95 @@
+"""The compiled static-shape decode step equals the eager cached step.
+
+``compiled_decode_step`` runs ``TransformerStack.static_decode_step`` through ``torch.compile``:
+the same blocks, but attention over the whole preallocated cache with a key mask instead of a
+slice, tensor slots instead of Python ints, and Inductor's fused kernels. Each test compares it
+with the eager cached decoder (itself tested against full recomputation in test_kv_cache.py) on
+left-padded batches with random, far-from-uniform weights, at ``assert_close``'s default float32
+tolerances. Compiling takes a few seconds per model, hence the ``slow`` mark.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from random_weights import randomize_
+from test_kv_cache import left_pad, random_tokens
+from torch.testing import assert_close
+
+from aiayn.generate import (
+    SamplingConfig,
+    compiled_decode_step,
+    generate_decoder_only,
+    greedy_decoder_only,
+)
+from aiayn.models import DecoderOnly, get_preset
+
+pytestmark = pytest.mark.slow
+
+CASES = [  # (preset, positional, n_kv_heads): GPT-2-like MHA, LLaMA-like GQA/MQA, relative biases
+    ("gpt-tiny", "learned", None),
+    ("llama-tiny", "rope", 2),
+    ("gpt-tiny", "alibi", 1),
+    ("gpt-tiny", "t5", None),
+]
+
+
+def model_for(preset: str, positional: str, n_kv_heads: int | None) -> DecoderOnly:
+    torch.manual_seed(0)
+    config = get_preset(preset, positional=positional, n_kv_heads=n_kv_heads)
+    return randomize_(DecoderOnly(config), 0).eval()
+
+
+@pytest.mark.parametrize(("preset", "positional", "n_kv_heads"), CASES)
+def test_compiled_greedy_equals_eager_on_a_left_padded_batch(preset: str, positional: str,
+                                                             n_kv_heads: int | None) -> None:
+    model = model_for(preset, positional, n_kv_heads)
+    rows = [random_tokens(1, n, seed=40 + n)[0] for n in (6, 3, 1)]
+    prompt, valid = left_pad(rows)
+    eager = greedy_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12)
+    compiled = greedy_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12, compile=True)
+    assert torch.equal(compiled.tokens, eager.tokens)
+    assert_close(compiled.logits, eager.logits)
+
+
+def test_compiled_sampling_equals_eager_and_cache_stays_usable() -> None:
+    model = model_for("llama-tiny", "rope", 2)
+    prompt = random_tokens(2, 5, seed=3)
+    sampling = SamplingConfig(temperature=0.8, top_k=20, seed=11)
+    eager = generate_decoder_only(model, prompt, max_new_tokens=10, sampling=sampling)
+    compiled = generate_decoder_only(model, prompt, max_new_tokens=10, sampling=sampling, compile=True)
+    assert torch.equal(compiled, eager)
+
+    # After compiled steps the cache's bookkeeping (length, valid, positions) is what the eager
+    # path expects: an eager step continues it exactly as an all-eager run would.
+    with torch.inference_mode():
+        cache_a, cache_b = model.new_cache(2, 12), model.new_cache(2, 12)
+        model(prompt, cache=cache_a)
+        model(prompt, cache=cache_b)
+        step = prompt[:, -1:]
+        for _ in range(3):
+            compiled_decode_step(model, step, cache_a)
+            model(step, cache=cache_b)
+        assert cache_a.length == cache_b.length == 8
+        assert torch.equal(cache_a.valid, cache_b.valid)
+        assert torch.equal(cache_a.positions, cache_b.positions)
+        assert_close(model(step, cache=cache_a).logits, model(step, cache=cache_b).logits)
+
+
+def test_compiled_decoding_refuses_what_it_cannot_do() -> None:
+    model = model_for("gpt-tiny", "learned", None)
+    prompt = random_tokens(1, 4)
+    with pytest.raises(ValueError, match="float KV cache"):
+        generate_decoder_only(model, prompt, max_new_tokens=3, kv_cache="int8", compile=True)
+    with pytest.raises(ValueError, match="use_cache=True"):
+        greedy_decoder_only(model, prompt, max_new_tokens=3, use_cache=False, compile=True)
+    with torch.inference_mode():
+        cache = model.new_cache(1, 5)
+        model(prompt, cache=cache)
+        with pytest.raises(ValueError, match="one token per row"):
+            compiled_decode_step(model, prompt[:, :2], cache)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            compiled_decode_step(model, torch.tensor([[500]]), cache)
+        compiled_decode_step(model, prompt[:, :1], cache)
+        with pytest.raises(ValueError, match="KV cache is full"):
+            compiled_decode_step(model, prompt[:, :1], cache)
