@@ -9,7 +9,9 @@ Benchmark 2 (``--suite decoder``): decoder-only, d 256, 4 layers, 4 heads, vocab
 
 Same loss (token cross-entropy, padding ignored), same optimiser (torch Adam, lr 1e-4,
 betas (0.9, 0.98), eps 1e-9, its fused kernel unless ``--adam for-loop``), same dropout
-(``--dropout``, default 0: every dropout of every peer off), same batch, same process.
+(``--dropout``, default 0: every dropout of every peer off), same batch, same process. aiayn runs
+eager and, as "aiayn compiled", under ``torch.compile`` (what ``aiayn train --compile`` does; the
+warm-up steps compile, untimed); the peers run eager, their default.
 tokens/s counts every position fed to the model, padding included (batch x (source + target)
 for encoder-decoder, batch x length for decoder-only).
 Model FLOPs are counted once, on aiayn's step, with ``torch.utils.flop_counter`` (matmuls and
@@ -53,6 +55,7 @@ from benchmarks.peers import (
 )
 
 TRAINING_TARGET = 1.2
+COMPILED = "aiayn compiled"  # the aiayn model under torch.compile (aiayn train --compile)
 MFU_TARGET = 0.6
 
 
@@ -120,6 +123,11 @@ def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
         model = SEQ2SEQ_PEERS[name](size, drop).train()
         models[name], params[name] = model, count_params(model)
         peers.append(Timed(name, seq2seq_step(model, make_optimizer(model), batch)))
+        if name == "aiayn" and not args.no_compiled:  # a second, identical model, torch.compile'd
+            torch.manual_seed(args.seed)
+            twin = SEQ2SEQ_PEERS[name](size, drop).train()
+            params[COMPILED] = count_params(twin)
+            peers.append(Timed(COMPILED, seq2seq_step(torch.compile(twin), make_optimizer(twin), batch)))
     mark_start(args)
     flops = step_flops(peers[0].fn)  # aiayn's (the first peer); the model FLOPs of every peer
     peak = matmul_peak(repeats=args.repeats + 2)
@@ -148,6 +156,11 @@ def run_decoder(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
         model = LM_PEERS[name](size, drop).train()
         params[name] = count_params(model)
         peers.append(Timed(name, lm_step(name, model, make_optimizer(model), tokens_in)))
+        if name == "aiayn" and not args.no_compiled:
+            torch.manual_seed(args.seed)
+            twin = LM_PEERS[name](size, drop).train()
+            params[COMPILED] = count_params(twin)
+            peers.append(Timed(COMPILED, lm_step(name, torch.compile(twin), make_optimizer(twin), tokens_in)))
     mark_start(args)
     flops = step_flops(peers[0].fn)
     peak = matmul_peak(repeats=args.repeats + 2)
@@ -174,13 +187,17 @@ def report(title: str, peers: list[Timed], params: dict[str, int], tokens: int, 
                  "MFU"], rows))
     print(f"\nmodel FLOPs per step (aiayn, fwd + bwd, counted by torch.utils.flop_counter): "
           f"{flops / 1e9:.2f} GFLOP; matmul peak (fp32 2048^3 torch.mm, measured): {peak / 1e9:.1f} GFLOP/s\n")
-    ours = tokens / peers[0].median
-    others = {p.name: tokens / p.median for p in peers[1:]}
-    print("* " + ratio_line("training tokens/s", ours, others, target=TRAINING_TARGET))
+    others = {p.name: tokens / p.median for p in peers if not p.name.startswith("aiayn")}
+    for p in peers:
+        if p.name.startswith("aiayn"):
+            print("* " + ratio_line(f"training tokens/s, {p.name}", tokens / p.median, others,
+                                    target=TRAINING_TARGET))
     if args.suite == "paper-base":
-        mfu = flops / peers[0].median / peak
-        verdict = "met" if mfu >= MFU_TARGET else f"MISSED by {MFU_TARGET / mfu:.2f}x"
-        print(f"* aiayn MFU {mfu:.2f} of the measured matmul peak (target >= {MFU_TARGET}: {verdict})")
+        for p in peers:
+            if p.name.startswith("aiayn"):
+                mfu = flops / p.median / peak
+                verdict = "met" if mfu >= MFU_TARGET else f"MISSED by {MFU_TARGET / mfu:.2f}x"
+                print(f"* {p.name} MFU {mfu:.2f} of the measured matmul peak (target >= {MFU_TARGET}: {verdict})")
     footer()
 
 
@@ -194,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adam", choices=["fused", "for-loop"], default="fused",
                         help="torch Adam implementation, the same for every peer (default fused: "
                              "torch's fastest on CPU)")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="skip the 'aiayn compiled' row (torch.compile of the same model, as "
+                             "`aiayn train --compile` does; compiling takes a minute or more)")
     add_common_args(parser, repeats=7, warmup=3)
     args = parser.parse_args(argv)
     setup(args)

@@ -22,8 +22,10 @@ def test_kv_cache_benchmark(capsys):
 @pytest.mark.slow
 def test_train_and_decode_benchmarks(capsys):
     pytest.importorskip("transformers")
-    train.main(["--suite", "small", "--peers", "aiayn", "--repeats", "1", "--warmup", "0", "--threads", "1"])
+    train.main(["--suite", "small", "--peers", "aiayn", "--repeats", "1", "--warmup", "0", "--threads", "1",
+                "--no-compiled"])
     decode.main(["--peers", "aiayn", "--batch", "1", "--new-tokens", "4", "--no-recompute", "--no-overhead",
                  "--repeats", "1", "--warmup", "0", "--threads", "1"])
     out = capsys.readouterr().out
     assert "| aiayn | 7,577,600 |" in out and "| 1 | on | aiayn |" in out
+    assert "| 1 | on | aiayn compiled |" in out
