@@ -93,10 +93,14 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
         # them for oneDNN's matmuls: the batch-1 matrix-vector products of a decode step then run
         # near the memory bandwidth, which torch's eager float32 kernel does not reach here (1.4x
         # float32 and 1.5x bfloat16 decode speed on SmolLM2, see README *Generation*).
-        _compiled_static_step = torch.compile(_static_step, fullgraph=True, dynamic=False,
-                                              options={"freezing": True})
+        # (Set around the call, where the compile happens: torch.compile's options= does not
+        # reach the freezing pass.)
+        _compiled_static_step = torch.compile(_static_step, fullgraph=True, dynamic=False)
     slot = torch.tensor([cache.length], device=tokens.device)
-    logits = _compiled_static_step(model, tokens, positions, slot, cache)
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(freezing=True):
+        logits = _compiled_static_step(model, tokens, positions, slot, cache)
     cache.length += 1
     return logits
 
