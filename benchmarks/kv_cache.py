@@ -1,7 +1,8 @@
 """KV-cache memory: aiayn's measured cache bytes against the estimator, and what GQA/MQA save.
 
 Benchmark 5. For a LLaMA-style decoder (d 512, 8 query heads of 64, 6 layers) with 8 (MHA),
-2 (GQA) and 1 (MQA) key/value heads, batch 16, 1,024 tokens: the bytes of the cache's buffers
+2 (GQA) and 1 (MQA) key/value heads, and the MHA cache quantised to int8 and int4, batch 16,
+1,024 tokens: the bytes of the cache's buffers
 (``KVCache.nbytes``), the bytes the allocator handed out while building it (torch.profiler
 allocator events, ``benchmarks/memory.py``; includes the small valid/positions bookkeeping), and
 ``kv_cache_bytes`` (the estimator behind ``aiayn kv-cache``). Then a real prefill + 32 decode
@@ -29,10 +30,6 @@ from benchmarks.common import (
 )
 from benchmarks.memory import mib, peak_bytes
 
-# Rows for quantised caches go here once aiayn has one (an int8 KV cache is being added on another
-# branch): ("int8 (per-head scales)", <builder returning the cache>, <estimator bytes>).
-QUANTISED_ROWS: list = []
-
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache", description=__doc__.split("\n\n")[0])
@@ -47,24 +44,27 @@ def main(argv: list[str] | None = None) -> None:
     rows, timed = [], []
     prompt_len, steps = 32, 32
     prompt = torch.randint(0, 1000, (batch, prompt_len))
-    for kv_heads, label in ((8, "MHA (8 kv heads)"), (2, "GQA (2 kv heads)"), (1, "MQA (1 kv head)")):
+    variants = ((8, None, "MHA (8 kv heads)"), (2, None, "GQA (2 kv heads)"), (1, None, "MQA (1 kv head)"),
+                (8, "int8", "MHA, int8 quantised (fp16 scale per token and head)"),
+                (8, "int4", "MHA, int4 quantised (fp16 scale per token and head)"))
+    for kv_heads, quantize, label in variants:
         torch.manual_seed(args.seed)
         cfg = ModelConfig(arch="decoder-only", vocab_size=1000, d_model=512, n_heads=8, n_kv_heads=kv_heads,
                           n_layers=6, d_ff=1376, activation="swiglu", norm="rmsnorm", norm_position="pre",
                           positional="rope", bias=False, scale_embeddings=False, pad_id=None,
                           max_seq_len=seq, tie_output=False)
         model = build_model(cfg).eval()
-        cache = model.new_cache(batch, seq)
-        allocated = peak_bytes(lambda m=model: m.new_cache(batch, seq))
+        cache = model.new_cache(batch, seq, quantize=quantize)
+        allocated = peak_bytes(lambda m=model, q=quantize: m.new_cache(batch, seq, quantize=q))
         estimate = kv_cache_bytes(n_layers=6, n_kv_heads=kv_heads, head_dim=64, seq_len=seq,
-                                  batch_size=batch, dtype=torch.float32)
+                                  batch_size=batch, dtype=quantize or torch.float32)
         if cache.nbytes != estimate:
             raise AssertionError(f"{label}: cache holds {cache.nbytes} bytes, estimator says {estimate}")
         rows.append([label, fmt_int(cache.nbytes), fmt_int(estimate), mib(allocated), "", ""])
 
-        def decode(m=model):
+        def decode(m=model, q=quantize):
             with torch.inference_mode():
-                c = m.new_cache(batch, prompt_len + steps)
+                c = m.new_cache(batch, prompt_len + steps, quantize=q)
                 logits = m(prompt, cache=c).logits[:, -1]
                 for _ in range(steps):
                     logits = m(logits.argmax(-1)[:, None], cache=c).logits[:, -1]
@@ -75,16 +75,14 @@ def main(argv: list[str] | None = None) -> None:
     base = rows[0]
     mha = int(base[1].replace(",", ""))
     for row, t in zip(rows, timed, strict=True):
-        row[4] = f"{mha / int(row[1].replace(',', '')):.0f}x"
+        row[4] = f"{mha / int(row[1].replace(',', '')):.2f}x"
         row[5] = f"{t.median / steps * 1e3:.2f}"
-    for label, _build, estimate in QUANTISED_ROWS:  # hook: filled in when the int8 cache lands
-        rows.append([label, "", fmt_int(estimate), "", "", ""])
     print(table(["cache", "KVCache.nbytes (measured)", "kv_cache_bytes (estimate)",
                  "MiB allocated building it", "saving vs MHA", "ms per new token (prompt 32 + 32 tokens, 64-slot cache)"],
                 rows))
     print("\nMeasured buffer bytes equal the estimator exactly (asserted). The allocated column adds "
-          "the cache's valid/positions bookkeeping (batch x max_len bool + int64). "
-          "int8 quantised cache: row pending (another branch adds it; see QUANTISED_ROWS).")
+          "the cache's valid/positions bookkeeping (batch x max_len bool + int64). The quantised "
+          "caches dequantise what attention reads, so their steps cost more time for less memory.")
     footer()
 
 

@@ -16,7 +16,7 @@ def test_attention_benchmark(capsys):
 def test_kv_cache_benchmark(capsys):
     kv_cache.main(["--batch", "2", "--seq-len", "64", "--repeats", "1", "--warmup", "0", "--threads", "1"])
     out = capsys.readouterr().out
-    assert "GQA (2 kv heads)" in out and "| 4x |" in out
+    assert "GQA (2 kv heads)" in out and "| 4.00x |" in out
 
 
 @pytest.mark.slow
