@@ -281,7 +281,7 @@ class TransformerStack(nn.Module):
         long, ``slot`` (1,) long (the cache slot it fills) -> hidden (b, 1, d).
 
         Every shape is fixed for a given cache, and nothing reads a tensor's value into Python, so
-        ``torch.compile`` traces it once as one graph (``aiayn.generate.StaticDecoder``). The
+        ``torch.compile`` traces it once as one graph (``aiayn.generate.compiled_decode_step``). The
         blocks are the same ones ``forward`` runs; what differs is the bookkeeping: the slot is a
         tensor, attention covers all ``max_len`` slots and the key mask (``cache.valid``, False
         until a slot is written) hides the unfilled ones. The caller checks what ``forward``
