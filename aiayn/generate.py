@@ -83,26 +83,35 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
         raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "
                          f"max_seq_len={model.config.max_seq_len}; ask for fewer tokens")
     if _compiled_static_step is None:
-        # Static shapes: symbolic sizes would make slower kernels (and SDPA's enable_gqa a SymBool).
-        # Each model, batch size and cache size is one entry of the compile cache: raise torch's
-        # default limit of 8 entries per function, past which it would refuse to compile again.
-        import torch._dynamo.config as dynamo_config
+        _compiled_static_step = _compile_static_step()
+    slot = torch.tensor([cache.length], device=tokens.device)
+    logits = _compiled_static_step(model, tokens, positions, slot, cache)
+    cache.length += 1
+    return logits
 
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+
+def _compile_static_step() -> Callable[..., Tensor]:
+    """``_static_step`` under torch.compile, called with Inductor's freezing on."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    # Static shapes: symbolic sizes would make slower kernels (and SDPA's enable_gqa a SymBool).
+    # Each model, batch size and cache size is one entry of the compile cache: raise torch's
+    # default limit of 8 entries per function, past which it would refuse to compile again.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+    compiled = torch.compile(_static_step, fullgraph=True, dynamic=False)
+
+    def step(*args: object) -> Tensor:
         # Freezing folds the weights into the graph as constants, which lets Inductor pre-pack
         # them for oneDNN's matmuls: the batch-1 matrix-vector products of a decode step then read
         # the weights faster than torch's eager kernels do here (SmolLM2 decodes 1.3x faster in
-        # float32 and 1.6x in bfloat16 than eager; see README *Generation*).
-        # (Set around the call, where the compile happens: torch.compile's options= does not
-        # reach the freezing pass.)
-        _compiled_static_step = torch.compile(_static_step, fullgraph=True, dynamic=False)
-    slot = torch.tensor([cache.length], device=tokens.device)
-    import torch._inductor.config as inductor_config
+        # float32 and 1.6x in bfloat16 than eager; see README *Generation*). Set around every
+        # call, since any call may compile (a new shape); torch.compile's options= does not reach
+        # the freezing pass.
+        with inductor_config.patch(freezing=True):
+            return compiled(*args)
 
-    with inductor_config.patch(freezing=True):
-        logits = _compiled_static_step(model, tokens, positions, slot, cache)
-    cache.length += 1
-    return logits
+    return step
 
 
 @torch.inference_mode()
@@ -132,13 +141,13 @@ def greedy_decoder_only(
         valid = prompt != model.config.pad_id
     else:
         valid = torch.ones_like(prompt, dtype=torch.bool)
+    if compile and not use_cache:
+        raise ValueError("compile=True decodes through the KV cache; it needs use_cache=True")
     cache = model.new_cache(b, _cache_len(t + max_new_tokens, compile), quantize=kv_cache) if use_cache else None
     tokens, step_valid = prompt, valid
     all_tokens, all_valid = prompt, valid
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
     out_tokens, out_logits = [], []
-    if compile and cache is None:
-        raise ValueError("compile=True decodes through the KV cache; it needs use_cache=True")
     for i in range(max_new_tokens):
         if cache is not None and compile and i > 0:
             logits = compiled_decode_step(model, tokens, cache)

@@ -139,9 +139,10 @@ def _silent_log(ffi):
     return _silent_log_callbacks[0]
 
 
-def llama_cpp_cffi_runner(lib, ffi, path, threads: int, ids: list[int]) -> Callable[[int], list[int]]:
-    """Greedy decoding of the GGUF file by llama.cpp's C API: prefill ``ids``, then one token per
-    ``llama_decode`` call, each chosen by llama.cpp's greedy sampler."""
+def llama_cpp_cffi_runners(lib, ffi, path, threads: int) -> Callable[[list[int]], Callable[[int], list[int]]]:
+    """Load the GGUF file once into llama.cpp's C API; return ``runner(ids)``, whose ``run(n)``
+    decodes greedily: prefill ``ids``, then one token per ``llama_decode`` call, each chosen by
+    llama.cpp's greedy sampler (the KV cache is cleared first, so runners share the context)."""
     lib.llama_backend_init()
     lib.llama_log_set(_silent_log(ffi), ffi.NULL)  # llama.cpp logs every tensor it loads otherwise
     model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
@@ -150,21 +151,24 @@ def llama_cpp_cffi_runner(lib, ffi, path, threads: int, ids: list[int]) -> Calla
     ctx = lib.llama_init_from_model(model, params)
     sampler = lib.llama_sampler_init_greedy()
     clear = getattr(lib, "llama_kv_self_clear", None) or lib.llama_kv_cache_clear
-    prompt = ffi.new("llama_token[]", ids)
+    one = ffi.new("llama_token[1]")
 
-    def run(n: int) -> list[int]:
-        clear(ctx)
-        if lib.llama_decode(ctx, lib.llama_batch_get_one(prompt, len(ids))) != 0:
-            raise RuntimeError("llama_decode failed on the prompt")
-        out = [lib.llama_sampler_sample(sampler, ctx, -1)]
-        one = ffi.new("llama_token[1]")
-        while len(out) < n:
-            one[0] = out[-1]
-            if lib.llama_decode(ctx, lib.llama_batch_get_one(one, 1)) != 0:
-                raise RuntimeError("llama_decode failed")
-            out.append(lib.llama_sampler_sample(sampler, ctx, -1))
-        return out
-    return run
+    def runner(ids: list[int]) -> Callable[[int], list[int]]:
+        prompt = ffi.new("llama_token[]", ids)
+
+        def run(n: int) -> list[int]:
+            clear(ctx)
+            if lib.llama_decode(ctx, lib.llama_batch_get_one(prompt, len(ids))) != 0:
+                raise RuntimeError("llama_decode failed on the prompt")
+            out = [lib.llama_sampler_sample(sampler, ctx, -1)]
+            while len(out) < n:
+                one[0] = out[-1]
+                if lib.llama_decode(ctx, lib.llama_batch_get_one(one, 1)) != 0:
+                    raise RuntimeError("llama_decode failed")
+                out.append(lib.llama_sampler_sample(sampler, ctx, -1))
+            return out
+        return run
+    return runner
 
 
 def long_prompt(tokenizer, n: int) -> torch.Tensor:
@@ -278,8 +282,8 @@ def main() -> None:
             else:
                 print("llama.cpp (llama-cpp-cffi's prebuilt CPU library, the Q4_1 file as is):")
                 lib, ffi = cffi_lib
-                measure("llama.cpp Q4_1", llama_cpp_cffi_runner(lib, ffi, path, args.threads, ids[0].tolist()),
-                        llama_cpp_cffi_runner(lib, ffi, path, args.threads, long_ids[0].tolist()))
+                runner = llama_cpp_cffi_runners(lib, ffi, path, args.threads)
+                measure("llama.cpp Q4_1", runner(ids[0].tolist()), runner(long_ids[0].tolist()))
                 rates["llama.cpp"] = rows[-1][1]
         else:
             print("llama.cpp (llama-cpp-python, the Q4_1 file as is):")

@@ -178,6 +178,18 @@ class TransformerStack(nn.Module):
         )
         self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.use_final_norm else None
 
+    def embed(self, tokens: Tensor, positions: Tensor, segments: Tensor | None = None) -> Tensor:
+        """tokens, positions (b, t) [, segments (b, t)] -> the stack's input (b, t, d), before
+        dropout: token embedding x embed_scale [+ absolute positions] [+ segments] [-> norm]."""
+        x = self.embedding(tokens) * self.embed_scale
+        if self.absolute is not None:
+            x = x + self.absolute(positions).to(x.dtype)
+        if self.segment_embedding is not None:
+            x = x + self.segment_embedding(torch.zeros_like(tokens) if segments is None else segments)
+        if self.embedding_norm is not None:
+            x = self.embedding_norm(x)
+        return x
+
     def forward(
         self,
         tokens: Tensor,
@@ -223,18 +235,9 @@ class TransformerStack(nn.Module):
                 f"the input (or truncate it) or use a model with a larger max_seq_len"
             )
 
-        x = self.embedding(tokens) * self.embed_scale  # (b, t, d)
-        if self.absolute is not None:
-            x = x + self.absolute(positions).to(x.dtype)
-        if self.segment_embedding is not None:
-            if segments is None:
-                segments = torch.zeros_like(tokens)
-            elif segments.shape != tokens.shape:
-                raise ValueError(f"segments must have the tokens' shape {tuple(tokens.shape)}, got {tuple(segments.shape)}")
-            x = x + self.segment_embedding(segments)
-        if self.embedding_norm is not None:
-            x = self.embedding_norm(x)
-        x = self.dropout(x)
+        if segments is not None and segments.shape != tokens.shape:
+            raise ValueError(f"segments must have the tokens' shape {tuple(tokens.shape)}, got {tuple(segments.shape)}")
+        x = self.dropout(self.embed(tokens, positions, segments))  # (b, t, d)
 
         # Keys: the cached slots plus the new tokens.
         cache_pos = 0
@@ -290,13 +293,7 @@ class TransformerStack(nn.Module):
         """
         if self.has_cross:
             raise ValueError("static_decode_step is for decoder-only stacks (no cross-attention)")
-        x = self.embedding(tokens) * self.embed_scale  # (b, 1, d)
-        if self.absolute is not None:
-            x = x + self.absolute(positions).to(x.dtype)
-        if self.segment_embedding is not None:
-            x = x + self.segment_embedding(torch.zeros_like(tokens))
-        if self.embedding_norm is not None:
-            x = self.embedding_norm(x)
+        x = self.embed(tokens, positions)  # (b, 1, d)
         cache.valid.index_fill_(1, slot, True)  # (b, s_max): the new slot holds a real token
         cache.positions.index_copy_(1, slot, positions)
         mask = key_mask(cache.valid)  # (b, 1, 1, s_max)
