@@ -16,6 +16,7 @@ from aiayn.models.blocks import check_tokens
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.matvec import MatvecLinears
 
 
 @dataclass
@@ -34,9 +35,13 @@ def _finish(next_token: Tensor, done: Tensor, eos_id: int | None, fill_id: int |
 
 
 def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Tensor, cache: KVCache) -> Tensor:
-    """tokens, positions (b, 1), slot (1,) -> next-token logits (b, v); the graph torch.compile traces."""
-    hidden = model.decoder.static_decode_step(tokens, positions, slot, cache)  # (b, 1, d)
-    return model.lm_head(hidden[:, -1])
+    """tokens, positions (b, 1), slot (1,) -> next-token logits (b, v); the graph torch.compile traces.
+
+    Linear layers on a few rows run as multiply + sum reductions (``MatvecLinears``): compiled,
+    they read the weights about twice as fast as the matmul library does at batch 1."""
+    with MatvecLinears():
+        hidden = model.decoder.static_decode_step(tokens, positions, slot, cache)  # (b, 1, d)
+        return model.lm_head(hidden[:, -1])
 
 
 _compiled_static_step: Callable[..., Tensor] | None = None
@@ -55,8 +60,9 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
 
     The eager step spends most of a small model's time dispatching a few hundred small ops from
     Python; this one runs ``TransformerStack.static_decode_step`` (the same blocks, every shape
-    fixed by the cache) compiled per model and shape (Inductor: C++ kernels
-    for the element-wise work, the same matmul library for the projections). The first call
+    fixed by the cache) compiled per model and shape (Inductor: C++ kernels for the element-wise
+    work; projections on a few rows as fused multiply + sum loops, ``aiayn.nn.matvec``; larger
+    batches through the matmul library with pre-packed weights). The first call
     compiles (seconds to a minute; another batch size or cache size compiles again: decoders round
     the cache up to a multiple of 64 slots to share graphs); the result equals the eager step up to float rounding
     (tests/consistency/test_compiled_decode.py). What ``forward`` checks is checked here, in Python.
@@ -103,11 +109,10 @@ def _compile_static_step() -> Callable[..., Tensor]:
 
     def step(*args: object) -> Tensor:
         # Freezing folds the weights into the graph as constants, which lets Inductor pre-pack
-        # them for oneDNN's matmuls: the batch-1 matrix-vector products of a decode step then read
-        # the weights faster than torch's eager kernels do here (SmolLM2 decodes 1.3x faster in
-        # float32 and 1.6x in bfloat16 than eager; see README *Generation*). Set around every
-        # call, since any call may compile (a new shape); torch.compile's options= does not reach
-        # the freezing pass.
+        # them for oneDNN's matmuls: the projections that stay matmuls (batches past
+        # MATVEC_MAX_ROWS) read the weights faster than torch's eager kernels do here. Set around
+        # every call, since any call may compile (a new shape); torch.compile's options= does not
+        # reach the freezing pass.
         with inductor_config.patch(freezing=True):
             return compiled(*args)
 

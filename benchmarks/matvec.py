@@ -1,0 +1,120 @@
+"""Linear layers on a few rows, the decode step's matrix-vector products: how fast each way reads
+the weights, in one process.
+
+For SmolLM2-135M's projections as aiayn lays them out (30 layers of fused q/k/v 960x576, output
+576x576, fused gate/up 3072x576, down 576x1536, and the 49,152x576 output layer: 134M weights),
+``rows`` input rows (batch size of a decode step) through every projection, per weight dtype:
+
+* ``eager F.linear``: torch's matmul library, one call per projection;
+* ``compiled F.linear``: the same calls in one ``torch.compile``d graph with Inductor's freezing
+  (the weights pre-packed for oneDNN), as aiayn's compiled decode step ran them before
+  ``aiayn.nn.matvec``;
+* ``compiled multiply + sum``: ``matvec_linear`` (``MatvecLinears``), the same graph with each
+  product written as an element-wise multiply and a float32 sum that Inductor fuses into one loop;
+
+GB/s is weight bytes read per second. The "matvec / linear" ratio picks ``MATVEC_MAX_ROWS``.
+
+    python -m benchmarks.matvec                 # float32 and bfloat16, rows 1, 2, 4, 16
+    python -m benchmarks.matvec --quick         # rows 1 only, 6 layers
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.nn.matvec import MATVEC_MAX_ROWS, MatvecLinears
+from benchmarks.common import (
+    Timed,
+    add_common_args,
+    footer,
+    header,
+    mark_start,
+    run_interleaved,
+    setup,
+    table,
+)
+
+
+class Projections(nn.Module):
+    """Every projection of a LLaMA-style decoder as aiayn stores it: (out, in) weights."""
+
+    def __init__(self, *, d_model: int, d_ff: int, kv_width: int, n_layers: int, vocab: int,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        layer = [(d_model + 2 * kv_width, d_model), (d_model, d_model), (2 * d_ff, d_model), (d_model, d_ff)]
+        shapes = layer * n_layers + [(vocab, d_model)]
+        self.linears = nn.ModuleList(nn.Linear(i, o, bias=False, dtype=dtype) for o, i in shapes)
+        self.requires_grad_(False)
+
+    def forward(self, xs: list[Tensor]) -> list[Tensor]:
+        return [F.linear(x, lin.weight) for x, lin in zip(xs, self.linears, strict=True)]  # each (rows, o)
+
+    def nbytes(self) -> int:
+        return sum(lin.weight.numel() * lin.weight.element_size() for lin in self.linears)
+
+
+def with_matvec(model: Projections) -> Callable[[list[Tensor]], list[Tensor]]:
+    def run(xs: list[Tensor]) -> list[Tensor]:
+        with MatvecLinears():
+            return model(xs)
+    return run
+
+
+def compiled(fn: Callable[[list[Tensor]], object]) -> Callable[[list[Tensor]], object]:
+    """``fn`` compiled (static shapes), called with Inductor's freezing on, as aiayn's decode step is."""
+    compiled_fn = torch.compile(fn, fullgraph=True, dynamic=False)
+
+    def run(xs: list[Tensor]) -> object:
+        with inductor_config.patch(freezing=True), torch.inference_mode():
+            return compiled_fn(xs)
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.matvec", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--layers", type=int, default=30)
+    add_common_args(parser, repeats=5, warmup=2)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.layers = [1], min(args.layers, 6)
+    setup(args)
+    mark_start(args)
+    header(f"Linear layers on few rows: SmolLM2-135M's projections ({args.layers} layers + output layer)", args)
+    rows_out = []
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        model = Projections(d_model=576, d_ff=1536, kv_width=192, n_layers=args.layers, vocab=49152,
+                            dtype=dtype).eval()
+        nbytes = model.nbytes()
+        for rows in args.rows:
+            torch._dynamo.reset()  # a fresh compile per shape; earlier graphs' frozen copies freed
+            xs = [torch.randn(rows, lin.in_features, dtype=dtype) for lin in model.linears]
+            ways = {
+                "eager F.linear": torch.inference_mode()(model),
+                "compiled F.linear": compiled(model),
+                "compiled multiply + sum": compiled(with_matvec(model)),
+            }
+            timed = [Timed(name, partial(fn, xs)) for name, fn in ways.items()]
+            run_interleaved(timed, repeats=args.repeats, warmup=args.warmup)
+            by_name = {t.name: t.median for t in timed}
+            ratio = by_name["compiled F.linear"] / by_name["compiled multiply + sum"]
+            chosen = "multiply + sum" if rows <= MATVEC_MAX_ROWS.get(dtype, 0) else "F.linear"
+            for t in timed:
+                rows_out.append([dtype_name, rows, t.name, f"{t.median * 1e3:.2f}", f"{nbytes / t.median / 1e9:.1f}",
+                                 f"{ratio:.2f}x" if t.name == "compiled multiply + sum" else "",
+                                 chosen if t.name == "compiled multiply + sum" else ""])
+    print(table(["dtype", "rows", "way", "ms per pass", "weight GB/s", "matvec / linear", "aiayn uses"], rows_out))
+    footer()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""``matvec_linear`` / ``MatvecLinears``: the multiply + sum form of a linear layer on few rows.
+
+It must equal ``F.linear`` (eager and compiled, with and without bias, float32 and bfloat16), and
+the mode must replace exactly the calls it claims to: few rows of a supported dtype, inside the
+traced graph; larger inputs keep the matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.testing import assert_close
+
+from aiayn.nn.matvec import MATVEC_MAX_ROWS, MatvecLinears, matvec_linear, use_matvec
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_matvec_linear_equals_f_linear_eager(bias: bool) -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 40), torch.randn(24, 40)  # leading dims kept: (2, 3, 40) -> (2, 3, 24)
+    b = torch.randn(24) if bias else None
+    assert_close(matvec_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_rows_decide_and_dtypes_must_match() -> None:
+    w = torch.randn(8, 16)
+    assert use_matvec(torch.randn(1, 1, 16), w)
+    assert use_matvec(torch.randn(MATVEC_MAX_ROWS[torch.float32], 1, 16), w)
+    assert not use_matvec(torch.randn(MATVEC_MAX_ROWS[torch.float32] + 1, 16), w)
+    assert not use_matvec(torch.randn(1, 16, dtype=torch.bfloat16), w)  # mixed dtypes: leave to F.linear
+    assert not use_matvec(torch.randn(1, 16, dtype=torch.float16), w.half())  # not measured: matmul
+
+
+def traced_ops(fn: Callable[..., Tensor], *args: Tensor) -> list[str]:
+    """Compile ``fn`` with a backend that records the traced graph's functions and methods, run it once."""
+    seen: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., object]:
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op in ("call_function", "call_method"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+    return seen
+
+
+def test_mode_replaces_linear_on_few_rows_only() -> None:
+    layer = nn.Linear(16, 8).eval()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with MatvecLinears():
+            return layer(x)
+
+    one_row = traced_ops(step, torch.randn(1, 1, 16))
+    assert not any("linear" in op for op in one_row) and any("sum" in op for op in one_row)
+    many_rows = traced_ops(step, torch.randn(16, 1, 16))
+    assert any("linear" in op for op in many_rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_compiled_mode_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
+    """Inductor's fused loop (the path decoding runs) against the matmul, at the dtype's default
+    tolerances. Both form exact products and sum them in float32, so they differ by the summation
+    order only. Layers side by side, not chained: chained bfloat16 layers round in between, and
+    a one-ulp difference there is amplified by cancellation in the next layer."""
+    torch.manual_seed(0)
+    with_bias, without_bias = nn.Linear(64, 96).to(dtype).eval(), nn.Linear(64, 40, bias=False).to(dtype).eval()
+    x = torch.randn(rows, 1, 64, dtype=dtype)
+
+    def step(x: Tensor) -> tuple[Tensor, Tensor]:
+        with MatvecLinears():
+            return with_bias(x), without_bias(x)
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        compiled = torch.compile(step, fullgraph=True, dynamic=False)(x)
+        assert_close(compiled, (with_bias(x), without_bias(x)))
