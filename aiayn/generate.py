@@ -164,8 +164,9 @@ def greedy_decoder_only(
         out_tokens.append(next_token)
         out_logits.append(logits)
         tokens, step_valid = next_token[:, None], torch.ones(b, 1, dtype=torch.bool, device=prompt.device)
-        all_tokens = torch.cat([all_tokens, tokens], dim=1)
-        all_valid = torch.cat([all_valid, step_valid], dim=1)
+        if cache is None:  # recomputing: the whole sequence so far is the next input
+            all_tokens = torch.cat([all_tokens, tokens], dim=1)
+            all_valid = torch.cat([all_valid, step_valid], dim=1)
         done = done_now
         if bool(done.all()):
             break

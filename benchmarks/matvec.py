@@ -11,10 +11,13 @@ For SmolLM2-135M's projections as aiayn lays them out (30 layers of fused q/k/v 
   ``aiayn.nn.matvec``;
 * ``compiled multiply + sum``: ``matvec_linear`` (``MatvecLinears``), the same graph with each
   product written as an element-wise multiply and a float32 sum that Inductor fuses into one loop;
+* ``compiled (W x^T)^T``: ``transposed_linear``, the same matmul with the few rows as the narrow
+  right-hand side.
 
-GB/s is weight bytes read per second. The "matvec / linear" ratio picks ``MATVEC_MAX_ROWS``.
+GB/s is weight bytes read per second. These ratios set ``MATVEC_MAX_ROWS`` and
+``TRANSPOSED_MAX_ROWS``, by which ``MatvecLinears`` picks a way ("aiayn's choice").
 
-    python -m benchmarks.matvec                 # float32 and bfloat16, rows 1, 2, 4, 16
+    python -m benchmarks.matvec                 # float32 and bfloat16, rows 1, 2, 4, 8, 16, 64
     python -m benchmarks.matvec --quick         # rows 1 only, 6 layers
 """
 
@@ -29,7 +32,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.nn.matvec import MATVEC_MAX_ROWS, MatvecLinears
+from aiayn.nn.matvec import matvec_linear, transposed_linear, use_matvec, use_transposed
 from benchmarks.common import (
     Timed,
     add_common_args,
@@ -60,10 +63,9 @@ class Projections(nn.Module):
         return sum(lin.weight.numel() * lin.weight.element_size() for lin in self.linears)
 
 
-def with_matvec(model: Projections) -> Callable[[list[Tensor]], list[Tensor]]:
+def each_by(way: Callable[[Tensor, Tensor], Tensor], model: Projections) -> Callable[[list[Tensor]], list[Tensor]]:
     def run(xs: list[Tensor]) -> list[Tensor]:
-        with MatvecLinears():
-            return model(xs)
+        return [way(x, lin.weight) for x, lin in zip(xs, model.linears, strict=True)]
     return run
 
 
@@ -79,7 +81,7 @@ def compiled(fn: Callable[[list[Tensor]], object]) -> Callable[[list[Tensor]], o
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.matvec", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--layers", type=int, default=30)
     add_common_args(parser, repeats=5, warmup=2)
@@ -101,18 +103,19 @@ def main(argv: list[str] | None = None) -> None:
             ways = {
                 "eager F.linear": torch.inference_mode()(model),
                 "compiled F.linear": compiled(model),
-                "compiled multiply + sum": compiled(with_matvec(model)),
+                "compiled multiply + sum": compiled(each_by(matvec_linear, model)),
+                "compiled (W x^T)^T": compiled(each_by(transposed_linear, model)),
             }
             timed = [Timed(name, partial(fn, xs)) for name, fn in ways.items()]
             run_interleaved(timed, repeats=args.repeats, warmup=args.warmup)
-            by_name = {t.name: t.median for t in timed}
-            ratio = by_name["compiled F.linear"] / by_name["compiled multiply + sum"]
-            chosen = "multiply + sum" if rows <= MATVEC_MAX_ROWS.get(dtype, 0) else "F.linear"
+            base = next(t.median for t in timed if t.name == "compiled F.linear")
+            x, w = xs[0], model.linears[0].weight
+            chosen = ("compiled multiply + sum" if use_matvec(x, w) else
+                      "compiled (W x^T)^T" if use_transposed(x, w) else "compiled F.linear")
             for t in timed:
                 rows_out.append([dtype_name, rows, t.name, f"{t.median * 1e3:.2f}", f"{nbytes / t.median / 1e9:.1f}",
-                                 f"{ratio:.2f}x" if t.name == "compiled multiply + sum" else "",
-                                 chosen if t.name == "compiled multiply + sum" else ""])
-    print(table(["dtype", "rows", "way", "ms per pass", "weight GB/s", "matvec / linear", "aiayn uses"], rows_out))
+                                 f"{base / t.median:.2f}x", "**yes**" if t.name == chosen else ""])
+    print(table(["dtype", "rows", "way", "ms per pass", "weight GB/s", "speed vs compiled F.linear", "aiayn's choice"], rows_out))
     footer()
 
 

@@ -1,4 +1,4 @@
-"""Linear layers on a handful of rows (a decode step) as a multiply + sum, for ``torch.compile``.
+"""Linear layers on a handful of rows (a decode step), the ways that run fastest compiled.
 
 A batch-1 decode step multiplies one row by every weight matrix: y = x W^T is a matrix-vector
 product whose cost is reading W. On this CPU (2 threads) the matmul libraries read W slowly at
@@ -8,7 +8,10 @@ into one vectorised C++ loop over the output rows, split across the threads, tha
 materialises the product: it reads W at ~35-40 GB/s in float32 (bfloat16 ~30 vs ~25 GB/s).
 Measured on SmolLM2-135M's projections in one compiled graph: ``python -m benchmarks.matvec``.
 
-Eager, the same expression would build the (rows, o, i) product in memory: use it only inside a
+From 5 to 64 float32 rows the matmul itself is faster turned around, (W x^T)^T: the few rows
+become the narrow right-hand side (``transposed_linear``).
+
+Eager, the multiply + sum would build the (rows, o, i) product in memory: use these only inside a
 compiled graph (``aiayn.generate.compiled_decode_step`` does, through ``MatvecLinears``).
 
 Shape letters: o out_features, i in_features.
@@ -23,10 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-# Up to how many rows (batch x tokens) the multiply + sum beats the compiled matmul, per weight
-# dtype (python -m benchmarks.matvec, 2 threads, SmolLM2's projections): float32 1.9-2.4x faster
-# up to 4 rows, even at 8; bfloat16 1.2x at 1 row, even from 2. Other dtypes keep the matmul.
+# Which way each linear layer of a compiled decode step runs, by rows (batch x tokens) and weight
+# dtype, from ``python -m benchmarks.matvec`` (2 threads, SmolLM2's projections, speed against the
+# compiled F.linear): float32 multiply + sum 1.9x at 1 row, 2.5x at 2, 2.0x at 4; float32
+# (W x^T)^T 1.5x at 8, 1.3x at 16, 1.1x at 64; bfloat16 multiply + sum 1.3x at 1 row, even at 2,
+# and slower past that, where (W x^T)^T is slower too (0.5-0.9x). Other cases keep F.linear.
 MATVEC_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 2}
+TRANSPOSED_MAX_ROWS = {torch.float32: 64}
 
 
 def matvec_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -46,6 +52,22 @@ def matvec_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     return y.to(x.dtype)
 
 
+def transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., i), weight (o, i), bias (o,) or None -> (..., o) as (W x^T)^T: the same matmul with
+    the few rows of x as the narrow right-hand side, the orientation the matmul library runs faster."""
+    rows = x.numel() // x.shape[-1]
+    y = (weight @ x.reshape(rows, x.shape[-1]).t()).t()  # (o, i) @ (i, rows) -> (rows, o)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def use_transposed(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``transposed_linear`` is the faster way to compute F.linear(x, weight) compiled."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return weight.dtype == x.dtype and rows <= TRANSPOSED_MAX_ROWS.get(weight.dtype, 0)
+
+
 def use_matvec(x: Tensor, weight: Tensor) -> bool:
     """Whether ``matvec_linear`` is the faster way to compute F.linear(x, weight) compiled."""
     rows = x.numel() // max(x.shape[-1], 1)
@@ -54,7 +76,8 @@ def use_matvec(x: Tensor, weight: Tensor) -> bool:
 
 class MatvecLinears(TorchFunctionMode):
     """Inside this mode, ``F.linear`` (so every ``nn.Linear``) on few enough rows runs as
-    ``matvec_linear``; every other call, and larger inputs, pass through unchanged.
+    ``matvec_linear`` or ``transposed_linear``, whichever was measured faster for its rows and
+    dtype; every other call, and larger inputs, pass through unchanged.
 
     Meant for a ``torch.compile``d function: dynamo traces the mode, so the choice is made once,
     at trace time, from static shapes, and costs nothing per call.
@@ -68,4 +91,6 @@ class MatvecLinears(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if use_matvec(x, weight):
                 return matvec_linear(x, weight, bias)
+            if use_transposed(x, weight):
+                return transposed_linear(x, weight, bias)
         return func(*args, **kwargs)

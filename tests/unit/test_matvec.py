@@ -1,8 +1,8 @@
-"""``matvec_linear`` / ``MatvecLinears``: the multiply + sum form of a linear layer on few rows.
+"""``aiayn.nn.matvec``: linear layers on few rows as a multiply + sum or as (W x^T)^T.
 
-It must equal ``F.linear`` (eager and compiled, with and without bias, float32 and bfloat16), and
+Each must equal ``F.linear`` (eager and compiled, with and without bias, float32 and bfloat16), and
 the mode must replace exactly the calls it claims to: few rows of a supported dtype, inside the
-traced graph; larger inputs keep the matmul.
+traced graph, by the way measured faster for them; larger inputs keep F.linear.
 """
 
 from __future__ import annotations
@@ -15,15 +15,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from aiayn.nn.matvec import MATVEC_MAX_ROWS, MatvecLinears, matvec_linear, use_matvec
+from aiayn.nn.matvec import (
+    MATVEC_MAX_ROWS,
+    TRANSPOSED_MAX_ROWS,
+    MatvecLinears,
+    matvec_linear,
+    transposed_linear,
+    use_matvec,
+    use_transposed,
+)
 
 
+@pytest.mark.parametrize("way", [matvec_linear, transposed_linear])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matvec_linear_equals_f_linear_eager(bias: bool) -> None:
+def test_ways_equal_f_linear_eager(way: Callable[..., Tensor], bias: bool) -> None:
     torch.manual_seed(0)
     x, w = torch.randn(2, 3, 40), torch.randn(24, 40)  # leading dims kept: (2, 3, 40) -> (2, 3, 24)
     b = torch.randn(24) if bias else None
-    assert_close(matvec_linear(x, w, b), F.linear(x, w, b))
+    assert_close(way(x, w, b), F.linear(x, w, b))
 
 
 def test_rows_decide_and_dtypes_must_match() -> None:
@@ -33,6 +42,10 @@ def test_rows_decide_and_dtypes_must_match() -> None:
     assert not use_matvec(torch.randn(MATVEC_MAX_ROWS[torch.float32] + 1, 16), w)
     assert not use_matvec(torch.randn(1, 16, dtype=torch.bfloat16), w)  # mixed dtypes: leave to F.linear
     assert not use_matvec(torch.randn(1, 16, dtype=torch.float16), w.half())  # not measured: matmul
+    rows = MATVEC_MAX_ROWS[torch.float32] + 1
+    assert use_transposed(torch.randn(rows, 16), w)
+    assert not use_transposed(torch.randn(TRANSPOSED_MAX_ROWS[torch.float32] + 1, 16), w)
+    assert not use_transposed(torch.randn(rows, 16, dtype=torch.bfloat16), w.bfloat16())  # measured slower
 
 
 def traced_ops(fn: Callable[..., Tensor], *args: Tensor) -> list[str]:
@@ -57,13 +70,15 @@ def test_mode_replaces_linear_on_few_rows_only() -> None:
 
     one_row = traced_ops(step, torch.randn(1, 1, 16))
     assert not any("linear" in op for op in one_row) and any("sum" in op for op in one_row)
-    many_rows = traced_ops(step, torch.randn(16, 1, 16))
+    some_rows = traced_ops(step, torch.randn(16, 1, 16))
+    assert not any("linear" in op for op in some_rows) and any("matmul" in op for op in some_rows)
+    many_rows = traced_ops(step, torch.randn(128, 1, 16))
     assert any("linear" in op for op in many_rows)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 16])
+@pytest.mark.parametrize("rows", [1, 2, 16, 128])  # multiply + sum, (W x^T)^T in float32, F.linear
 def test_compiled_mode_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
     """Inductor's fused loop (the path decoding runs) against the matmul, at the dtype's default
     tolerances. Both form exact products and sum them in float32, so they differ by the summation
