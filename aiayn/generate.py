@@ -37,8 +37,8 @@ def _finish(next_token: Tensor, done: Tensor, eos_id: int | None, fill_id: int |
 def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Tensor, cache: KVCache) -> Tensor:
     """tokens, positions (b, 1), slot (1,) -> next-token logits (b, v); the graph torch.compile traces.
 
-    Linear layers on a few rows run as multiply + sum reductions (``MatvecLinears``): compiled,
-    they read the weights about twice as fast as the matmul library does at batch 1."""
+    Linear layers on a few rows run the ways measured fastest compiled (``MatvecLinears``): at
+    batch 1 a fused multiply + sum that reads the weights about twice as fast as the matmul."""
     with MatvecLinears():
         hidden = model.decoder.static_decode_step(tokens, positions, slot, cache)  # (b, 1, d)
         return model.lm_head(hidden[:, -1])
@@ -109,8 +109,8 @@ def _compile_static_step() -> Callable[..., Tensor]:
 
     def step(*args: object) -> Tensor:
         # Freezing folds the weights into the graph as constants, which lets Inductor pre-pack
-        # them for oneDNN's matmuls: the projections that stay matmuls (batches past
-        # MATVEC_MAX_ROWS) read the weights faster than torch's eager kernels do here. Set around
+        # them for oneDNN's matmuls: the projections that stay F.linear (more rows than
+        # aiayn.nn.matvec rewrites) read the weights faster than torch's eager kernels do. Set around
         # every call, since any call may compile (a new shape); torch.compile's options= does not
         # reach the freezing pass.
         with inductor_config.patch(freezing=True):

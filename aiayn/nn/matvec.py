@@ -55,23 +55,25 @@ def matvec_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 def transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., i), weight (o, i), bias (o,) or None -> (..., o) as (W x^T)^T: the same matmul with
     the few rows of x as the narrow right-hand side, the orientation the matmul library runs faster."""
-    rows = x.numel() // x.shape[-1]
-    y = (weight @ x.reshape(rows, x.shape[-1]).t()).t()  # (o, i) @ (i, rows) -> (rows, o)
+    y = (weight @ x.reshape(_rows(x), x.shape[-1]).t()).t()  # (o, i) @ (i, rows) -> (rows, o)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def use_transposed(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``transposed_linear`` is the faster way to compute F.linear(x, weight) compiled."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return weight.dtype == x.dtype and rows <= TRANSPOSED_MAX_ROWS.get(weight.dtype, 0)
+def _rows(x: Tensor) -> int:
+    """Rows of x (..., i): the product of its leading dimensions."""
+    return x.numel() // max(x.shape[-1], 1)
 
 
 def use_matvec(x: Tensor, weight: Tensor) -> bool:
     """Whether ``matvec_linear`` is the faster way to compute F.linear(x, weight) compiled."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return weight.dtype == x.dtype and rows <= MATVEC_MAX_ROWS.get(weight.dtype, 0)
+    return weight.dtype == x.dtype and _rows(x) <= MATVEC_MAX_ROWS.get(weight.dtype, 0)
+
+
+def use_transposed(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``transposed_linear`` is the faster way to compute F.linear(x, weight) compiled."""
+    return weight.dtype == x.dtype and _rows(x) <= TRANSPOSED_MAX_ROWS.get(weight.dtype, 0)
 
 
 class MatvecLinears(TorchFunctionMode):
