@@ -30,7 +30,8 @@ from torch.overrides import TorchFunctionMode
 # dtype, from ``python -m benchmarks.matvec`` (2 threads, SmolLM2's projections, speed against the
 # compiled F.linear): float32 multiply + sum 1.9x at 1 row, 2.5x at 2, 2.0x at 4; float32
 # (W x^T)^T 1.5x at 8, 1.3x at 16, 1.1x at 64; bfloat16 multiply + sum 1.3x at 1 row, even at 2,
-# and slower past that, where (W x^T)^T is slower too (0.5-0.9x). Other cases keep F.linear.
+# and slower past that, where (W x^T)^T is slower too (0.5-0.9x). Other cases (other dtypes, GPU
+# tensors: not measured) keep F.linear.
 MATVEC_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 2}
 TRANSPOSED_MAX_ROWS = {torch.float32: 64}
 
@@ -66,14 +67,19 @@ def _rows(x: Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
+def _measured(x: Tensor, weight: Tensor) -> bool:
+    """The thresholds were measured on the CPU, for matching dtypes: elsewhere keep F.linear."""
+    return x.device.type == "cpu" and weight.device.type == "cpu" and weight.dtype == x.dtype
+
+
 def use_matvec(x: Tensor, weight: Tensor) -> bool:
     """Whether ``matvec_linear`` is the faster way to compute F.linear(x, weight) compiled."""
-    return weight.dtype == x.dtype and _rows(x) <= MATVEC_MAX_ROWS.get(weight.dtype, 0)
+    return _measured(x, weight) and _rows(x) <= MATVEC_MAX_ROWS.get(weight.dtype, 0)
 
 
 def use_transposed(x: Tensor, weight: Tensor) -> bool:
     """Whether ``transposed_linear`` is the faster way to compute F.linear(x, weight) compiled."""
-    return weight.dtype == x.dtype and _rows(x) <= TRANSPOSED_MAX_ROWS.get(weight.dtype, 0)
+    return _measured(x, weight) and _rows(x) <= TRANSPOSED_MAX_ROWS.get(weight.dtype, 0)
 
 
 class MatvecLinears(TorchFunctionMode):

@@ -42,6 +42,7 @@ def test_rows_decide_and_dtypes_must_match() -> None:
     assert not use_matvec(torch.randn(MATVEC_MAX_ROWS[torch.float32] + 1, 16), w)
     assert not use_matvec(torch.randn(1, 16, dtype=torch.bfloat16), w)  # mixed dtypes: leave to F.linear
     assert not use_matvec(torch.randn(1, 16, dtype=torch.float16), w.half())  # not measured: matmul
+    assert not use_matvec(torch.randn(1, 16, device="meta"), w.to("meta"))  # not the CPU: not measured
     rows = MATVEC_MAX_ROWS[torch.float32] + 1
     assert use_transposed(torch.randn(rows, 16), w)
     assert not use_transposed(torch.randn(TRANSPOSED_MAX_ROWS[torch.float32] + 1, 16), w)
