@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import attention, decode, kv_cache, train
+from benchmarks import attention, decode, kv_cache, matvec, train
 
 
 def test_attention_benchmark(capsys):
@@ -29,3 +29,10 @@ def test_train_and_decode_benchmarks(capsys):
     out = capsys.readouterr().out
     assert "| aiayn | 7,577,600 |" in out and "| 1 | on | aiayn |" in out
     assert "| 1 | on | aiayn compiled |" in out
+
+
+@pytest.mark.slow
+def test_matvec_benchmark(capsys):
+    matvec.main(["--quick", "--dtypes", "float32", "--layers", "1", "--repeats", "1", "--warmup", "0", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| float32 | 1 | compiled multiply + sum |" in out and "**yes**" in out
