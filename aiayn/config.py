@@ -119,6 +119,10 @@ class ModelConfig:
     # Encoder-only (BERT): a norm right after the embeddings.
     embedding_norm: bool = False
     attn_impl: str = "fused"
+    # Padding-free forward passes (aiayn.nn.packing): without a cache, the token-wise layers
+    # (projections, feed-forward, norms, output layer) run on the real tokens only, and logits and
+    # hidden states are zeros at padding. Same results at real tokens; less work with padding.
+    padding_free: bool = False
     # Free-form name (the preset it came from), kept in saved configs.
     name: str = field(default="custom")
 

@@ -1,7 +1,8 @@
 """The models compared, built at equal size with random weights.
 
 Encoder-decoder peers take ``(src, tgt_in, src_valid, tgt_valid)`` and return logits
-(b, t, v); decoder-only peers take ``tokens`` (b, t) and return logits (b, t, v). Every peer is
+(b, t, v), or (n, v) for the n real target positions (``tgt_valid``, row-major) when they skip
+padding (aiayn with ``ModelConfig.padding_free``); decoder-only peers take ``tokens`` (b, t) and return logits (b, t, v). Every peer is
 plain float32 and uses its fastest attention it offers on CPU (SDPA where it has it).
 
 Known differences at "equal size" (the parameter counts printed by each benchmark show them):
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn import ModelConfig, build_model
+from aiayn.models.base import PackedModelOutput
 from aiayn.nn.positional import sinusoidal_encoding
 
 
@@ -72,13 +74,15 @@ class Dropouts:
 # ---------------------------------------------------------------- encoder-decoder peers
 
 
-def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused") -> nn.Module:
+def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused",
+                  padding_free: bool = True) -> nn.Module:
+    """aiayn as its training runs it: padding-free (``ModelConfig.padding_free``)."""
     cfg = ModelConfig(arch="encoder-decoder", vocab_size=s.vocab, d_model=s.d_model, n_heads=s.n_heads,
                       n_layers=s.n_layers, d_ff=s.d_ff, dropout=drop.residual,
                       attention_dropout=drop.attention, activation_dropout=drop.activation,
                       positional="sinusoidal", norm_position="post", share_embeddings=True,
                       tie_output=True, max_seq_len=max(s.src_len, s.tgt_len) + 8, pad_id=0,
-                      attn_impl=attn_impl)
+                      attn_impl=attn_impl, padding_free=padding_free)
 
     class Wrapped(nn.Module):
         def __init__(self) -> None:
@@ -86,7 +90,9 @@ def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused") -
             self.model = build_model(cfg)
 
         def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
-            return self.model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid).logits
+            out = self.model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)
+            # Padding-free: the logits of the real target positions only, (n, v) (see the module doc).
+            return out.packed_logits if isinstance(out, PackedModelOutput) else out.logits
 
     return Wrapped()
 
@@ -172,8 +178,14 @@ def xtransformers_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
     return Wrapped()
 
 
+def aiayn_padded_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
+    """The same aiayn model computing its padding too, as the other peers do."""
+    return aiayn_seq2seq(s, drop, padding_free=False)
+
+
 SEQ2SEQ_PEERS = {
     "aiayn": aiayn_seq2seq,
+    "aiayn padded": aiayn_padded_seq2seq,
     "torch.nn.Transformer": torch_seq2seq,
     "HF BART": bart_seq2seq,
     "x-transformers": xtransformers_seq2seq,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.models.blocks import StackOutput
 from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.packing import Packing
 
 
 @dataclass
@@ -18,6 +21,34 @@ class ModelOutput:
     attentions: list[Tensor] = field(default_factory=list)  # decoder/encoder self-attn, per layer
     cross_attentions: list[Tensor] = field(default_factory=list)  # decoder cross-attn, per layer
     encoder_attentions: list[Tensor] = field(default_factory=list)  # encoder self-attn (enc-dec)
+
+
+class PackedModelOutput(ModelOutput):
+    """A padding-free forward's output (``ModelConfig.padding_free``): computed for the real tokens
+    only. ``packed_logits`` (n, v) and ``packed_hidden`` (n, d) are those rows, in row-major order
+    of the (b, t) batch (``packing.index``); ``logits`` and ``hidden`` unpack them to (b, t, ...),
+    zeros at padding, on first access. A loss over real tokens can take ``packed_logits`` with
+    ``targets.reshape(-1)[packing.index]`` and skip the padded rows altogether.
+    """
+
+    def __init__(self, packing: Packing, packed_logits: Tensor, packed_hidden: Tensor) -> None:
+        self.packing, self.packed_logits, self.packed_hidden = packing, packed_logits, packed_hidden
+        self.attentions, self.cross_attentions, self.encoder_attentions = [], [], []
+
+    @functools.cached_property
+    def logits(self) -> Tensor:  # type: ignore[override]
+        return self.packing.unpack(self.packed_logits)
+
+    @functools.cached_property
+    def hidden(self) -> Tensor:  # type: ignore[override]
+        return self.packing.unpack(self.packed_hidden)
+
+
+def model_output(out: StackOutput, head: nn.Module) -> ModelOutput:
+    """A stack's output and the output head applied to it, packed if the stack ran padding-free."""
+    if out.packing is not None:
+        return PackedModelOutput(out.packing, head(out.hidden), out.hidden)
+    return ModelOutput(logits=head(out.hidden), hidden=out.hidden, attentions=out.attentions)
 
 
 def init_weights(model: nn.Module, config: ModelConfig) -> None:

@@ -26,6 +26,7 @@ from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
 from aiayn.nn.masks import key_mask
 from aiayn.nn.mlp import FeedForward
 from aiayn.nn.norm import make_norm
+from aiayn.nn.packing import Packing
 from aiayn.nn.positional import (
     ALiBi,
     LearnedPositionalEmbedding,
@@ -70,12 +71,18 @@ class TransformerBlock(nn.Module):
         cross_cache: StaticKV | None = None,
         cache_pos: int | Tensor = 0,
         need_weights: bool = False,
+        packing: Packing | None = None,
+        memory_packing: Packing | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights)."""
+        """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights).
+
+        With ``packing`` x is packed, (n, d) real tokens only, and so is the result: every
+        sublayer but the attention core is token-wise (``aiayn.nn.packing``).
+        """
         h = self.self_attn_norm(x) if self.pre_norm else x
         h, self_weights = self.self_attn(h, mask=mask, bias=bias, causal=causal, rotary=rotary,
                                          kv_cache=kv_cache, cache_pos=cache_pos,
-                                         need_weights=need_weights)
+                                         need_weights=need_weights, packing=packing)
         x = x + self.dropout(h) if self.pre_norm else self.self_attn_norm(x + self.dropout(h))
 
         cross_weights = None
@@ -83,7 +90,8 @@ class TransformerBlock(nn.Module):
             assert self.cross_attn_norm is not None
             h = self.cross_attn_norm(x) if self.pre_norm else x
             h, cross_weights = self.cross_attn(h, memory, mask=memory_mask, kv_cache=cross_cache,
-                                               need_weights=need_weights)
+                                               need_weights=need_weights, packing=packing,
+                                               memory_packing=memory_packing)
             x = x + self.dropout(h) if self.pre_norm else self.cross_attn_norm(x + self.dropout(h))
 
         h = self.ffn_norm(x) if self.pre_norm else x
@@ -94,8 +102,9 @@ class TransformerBlock(nn.Module):
 
 @dataclass
 class StackOutput:
-    hidden: Tensor  # (b, t, d), after the final norm if the config has one
+    hidden: Tensor  # (b, t, d), after the final norm if the config has one; (n, d) if packed
     valid: Tensor  # (b, t) bool, True at real tokens
+    packing: Packing | None = None  # set when hidden is packed: the real tokens only
     attentions: list[Tensor] = field(default_factory=list)  # per layer (b, h, t, t_k), on request
     cross_attentions: list[Tensor] = field(default_factory=list)  # per layer (b, h, t, s)
 
@@ -199,8 +208,10 @@ class TransformerStack(nn.Module):
         segments: Tensor | None = None,
         memory: Tensor | None = None,
         memory_valid: Tensor | None = None,
+        memory_packing: Packing | None = None,
         cache: KVCache | None = None,
         need_weights: bool = False,
+        pack: bool = False,
     ) -> StackOutput:
         """tokens (b, t) -> hidden (b, t, d).
 
@@ -212,7 +223,12 @@ class TransformerStack(nn.Module):
             segments: (b, t) segment ids (BERT token types).
             memory, memory_valid: encoder output (b, s, d) and its validity (b, s), for
                 cross-attention.
+            memory_packing: ``memory`` is packed, (n_s, d) real source tokens (``StackOutput.packing``
+                of a packed encoder).
             cache: decoding state; the new tokens are appended after ``cache.length`` slots.
+            pack: padding-free: when some tokens are padding, run the blocks on the real tokens
+                only and return hidden packed, (n, d), with ``packing`` (``aiayn.nn.packing``).
+                Not with a cache or attention weights.
         """
         c = self.config
         vocab = self.embedding.num_embeddings
@@ -257,7 +273,15 @@ class TransformerStack(nn.Module):
             if memory_valid is not None and not bool(memory_valid.all()):
                 memory_mask = key_mask(memory_valid)  # (b, 1, 1, s)
 
-        out = StackOutput(hidden=x, valid=valid)
+        if pack and (cache is not None or need_weights):
+            raise ValueError("pack=True (padding-free) does not go with a cache or need_weights")
+        packing = Packing.of(valid) if pack and mask is not None else None  # only with padding to skip
+        if packing is not None:
+            x = packing.pack(x)  # (n, d)
+        if memory_packing is not None and memory is None:
+            raise ValueError("memory_packing= needs the packed memory=")
+
+        out = StackOutput(hidden=x, valid=valid, packing=packing)
         for i, block in enumerate(self.blocks):
             x, self_w, cross_w = block(
                 x,
@@ -271,6 +295,8 @@ class TransformerStack(nn.Module):
                 cross_cache=cache.cross[i] if cache is not None and self.has_cross else None,
                 cache_pos=cache_pos,
                 need_weights=need_weights,
+                packing=packing,
+                memory_packing=memory_packing,
             )
             if need_weights:
                 out.attentions.append(self_w)

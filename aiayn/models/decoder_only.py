@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache
+from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache, model_output
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.kv_cache import KVCache
 
@@ -38,9 +38,14 @@ class DecoderOnly(nn.Module):
         cache: KVCache | None = None,
         need_weights: bool = False,
     ) -> ModelOutput:
-        """tokens (b, t) -> logits (b, t, v). With ``cache``, tokens continue the cached ones."""
-        out = self.decoder(tokens, valid=valid, positions=positions, cache=cache, need_weights=need_weights)
-        return ModelOutput(logits=self.lm_head(out.hidden), hidden=out.hidden, attentions=out.attentions)
+        """tokens (b, t) -> logits (b, t, v). With ``cache``, tokens continue the cached ones.
+
+        With ``config.padding_free`` (no cache, no ``need_weights``) the stack skips padding;
+        logits and hidden are zeros at padded positions."""
+        pack = self.config.padding_free and cache is None and not need_weights
+        out = self.decoder(tokens, valid=valid, positions=positions, cache=cache, need_weights=need_weights,
+                           pack=pack)
+        return model_output(out, self.lm_head)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
                   dtype: torch.dtype | None = None, quantize: str | None = None,

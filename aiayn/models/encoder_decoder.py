@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache
+from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache, model_output
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.kv_cache import KVCache
 
@@ -78,9 +78,19 @@ class EncoderDecoder(nn.Module):
         tgt_valid: Tensor | None = None,
         need_weights: bool = False,
     ) -> ModelOutput:
-        """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt)."""
+        """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt).
+
+        With ``config.padding_free`` (and no ``need_weights``) both stacks skip padding; logits and
+        hidden are zeros at padded target positions."""
         if src.dim() == 2 and tgt.dim() == 2 and src.shape[0] != tgt.shape[0]:
             raise ValueError(f"src and tgt batch sizes differ: src {tuple(src.shape)}, tgt {tuple(tgt.shape)}")
+        if self.config.padding_free and not need_weights:
+            # Both stacks packed: the source's real tokens feed the cross-attention projections,
+            # the target's the output layer (aiayn.nn.packing).
+            enc = self.encoder(src, valid=src_valid, pack=True)
+            out = self.decoder(tgt, valid=tgt_valid, memory=enc.hidden, memory_valid=enc.valid,
+                               memory_packing=enc.packing, pack=True)
+            return model_output(out, self.lm_head)
         encoded = self.encode(src, src_valid=src_valid, need_weights=need_weights)
         return self.decode(tgt, encoded, tgt_valid=tgt_valid, need_weights=need_weights)
 

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from aiayn.nn.dropout import dropout
 from aiayn.nn.kv_cache import LayerKVCache, StaticKV
 from aiayn.nn.masks import causal_mask
+from aiayn.nn.packing import Packing
 from aiayn.nn.positional import apply_rotary
 
 
@@ -209,17 +210,25 @@ class MultiHeadAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, n, self.head_dim).transpose(1, 2)
 
-    def _check_input(self, name: str, x: Tensor) -> None:
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
+    def _check_input(self, name: str, x: Tensor, packing: Packing | None = None) -> None:
+        if packing is not None:
+            if x.dim() != 2 or x.shape != (packing.n_tokens, self.d_model):
+                raise ValueError(
+                    f"MultiHeadAttention: packed {name} must be (real tokens={packing.n_tokens}, "
+                    f"d_model={self.d_model}), got shape {tuple(x.shape)}"
+                )
+        elif x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(
                 f"MultiHeadAttention: {name} must be (batch, seq, d_model={self.d_model}), "
                 f"got shape {tuple(x.shape)}"
             )
 
-    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """Cross-attention keys and values of the encoder memory (b, s, d) -> 2 x (b, h_kv, s, d_h)."""
-        self._check_input("memory", memory)
-        k, v = self.kv_proj(memory).chunk(2, dim=-1)
+    def project_kv(self, memory: Tensor, packing: Packing | None = None) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys and values of the encoder memory (b, s, d), or of its real tokens
+        (n_s, d) packed by ``packing``, -> 2 x (b, h_kv, s, d_h) (zeros at padding if packed)."""
+        self._check_input("memory", memory, packing)
+        kv = self.kv_proj(memory)  # (b, s, 2 kv) or (n_s, 2 kv)
+        k, v = (packing.unpack(kv) if packing is not None else kv).chunk(2, dim=-1)
         return self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
 
     def forward(
@@ -234,6 +243,8 @@ class MultiHeadAttention(nn.Module):
         kv_cache: LayerKVCache | StaticKV | None = None,
         cache_pos: int | Tensor = 0,
         need_weights: bool = False,
+        packing: Packing | None = None,
+        memory_packing: Packing | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from x (b, t, d) to itself (self) or to ``memory`` (b, s, d) (cross).
 
@@ -247,27 +258,34 @@ class MultiHeadAttention(nn.Module):
                 ``mask`` must hide its unfilled slots.
                 Cross-attention: a ``StaticKV``; memory's k, v are computed on first use and reused.
             need_weights: also return the (b, h, t, t_k) attention weights.
+            packing, memory_packing: x (or memory) is packed, (n, d) real tokens only
+                (``aiayn.nn.packing``): the projections run on the real tokens, attention on the
+                padded layout, and the output is packed (n, d) too. No cache then.
 
         Returns:
-            (output (b, t, d), weights or None)
+            (output (b, t, d) or packed (n, d), weights or None)
         """
-        self._check_input("x", x)
-        b, t, _ = x.shape
+        self._check_input("x", x, packing)
+        if packing is not None and kv_cache is not None:
+            raise ValueError("MultiHeadAttention: packed inputs (packing=) do not go with a KV cache")
+        b, t = (packing.batch, packing.length) if packing is not None else x.shape[:2]
         if self.cross:
-            q = self._heads(self.q_proj(x), self.n_heads)
+            q = self.q_proj(x)  # (b, t, h * d_h) or packed (n, h * d_h)
+            q = self._heads(packing.unpack(q) if packing is not None else q, self.n_heads)
             if isinstance(kv_cache, StaticKV) and kv_cache.k is not None:
                 k, v = kv_cache.k, kv_cache.v
             else:
                 if memory is None:
                     raise ValueError("MultiHeadAttention(cross=True) needs memory= (the encoder output)")
-                k, v = self.project_kv(memory)
+                k, v = self.project_kv(memory, memory_packing)
                 if isinstance(kv_cache, StaticKV):
                     kv_cache.k, kv_cache.v = k, v
         else:
             if memory is not None:
                 raise ValueError("self-attention got memory=; build MultiHeadAttention(cross=True)")
             q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([q_width, kv_width, kv_width], dim=-1)
+            qkv = self.qkv_proj(x)  # (b, t, q + 2 kv) or packed (n, q + 2 kv)
+            q, k, v = (packing.unpack(qkv) if packing is not None else qkv).split([q_width, kv_width, kv_width], dim=-1)
             q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
             if rotary is not None:
                 cos, sin = rotary
@@ -286,4 +304,6 @@ class MultiHeadAttention(nn.Module):
             impl=self.impl,
         )
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h * d_h)
+        if packing is not None:
+            out = packing.pack(out)  # (n, h * d_h): the output projection on real tokens only
         return self.out_proj(out), weights

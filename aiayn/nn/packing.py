@@ -1,0 +1,51 @@
+"""Padding-free ("packed") token-wise layers: compute only the real tokens of a padded batch.
+
+A padded batch (b, t) spends every token-wise layer (the q/k/v and output projections, the
+feed-forward network, norms, the output layer) on its padding too, a quarter of the work when
+lengths are spread evenly between half and full length. None of that work reaches a real token:
+only attention mixes positions, and it never attends to a padded key. So the residual stream can
+live *packed*, (n, d) with n the number of real tokens, and only the attention core sees the
+padded (b, t) layout: q/k/v are unpacked after their projection (zeros at padding, which the key
+mask hides) and the attention output is packed again before the output projection.
+
+The real tokens' results are the padded computation's (tests/unit/test_packing.py: outputs and
+gradients); only the values at padded positions differ (zeros here, ignored in either case).
+
+Shape letters: b batch, t padded length, n real tokens, f any trailing feature dimensions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where the real tokens of a padded (b, t) batch sit: their row-major flat indices."""
+
+    index: Tensor  # (n,) long, b_i * t + t_i of each real token, in order
+    batch: int  # b
+    length: int  # t
+
+    @classmethod
+    def of(cls, valid: Tensor) -> Packing:
+        """valid (b, t) bool, True at real tokens."""
+        b, t = valid.shape
+        return cls(valid.reshape(-1).nonzero().squeeze(1), b, t)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.index.shape[0]
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(b, t, *f) -> (n, *f): the real tokens' rows."""
+        return x.reshape(self.batch * self.length, *x.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(n, *f) -> (b, t, *f), zeros at padding."""
+        # In place into fresh zeros: out-of-place index_copy would copy the zeros once more.
+        rows = x.new_zeros(self.batch * self.length, *x.shape[1:])
+        rows.index_copy_(0, self.index, x)  # autograd: the gradient of x is grad.index_select(index)
+        return rows.view(self.batch, self.length, *x.shape[1:])

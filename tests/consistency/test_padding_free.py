@@ -1,0 +1,169 @@
+"""Padding-free forward passes (``ModelConfig.padding_free``, ``aiayn.nn.packing``) compute what the
+padded ones do at every real token: logits, and the gradients of a loss over real tokens, equal
+(``assert_close`` at its default tolerances) for every positional scheme, both attention paths,
+grouped-query attention, pre- and post-norm, right and left padding, fully padded rows.
+
+The same seeded weights in both models; train mode with dropout 0 (the path training takes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from random_weights import randomize_
+from torch import nn
+from torch.testing import assert_close
+
+from aiayn.models import DecoderOnly, EncoderDecoder, build_model, get_preset
+from aiayn.models.base import PackedModelOutput
+from aiayn.nn.packing import Packing
+
+SCHEMES = ["sinusoidal", "learned", "rope", "alibi", "t5", "none"]
+IMPLS = ["fused", "reference"]
+VOCAB = 99
+
+
+def twins(preset: str, **overrides) -> tuple[nn.Module, nn.Module]:
+    """(padded model, padding-free model) with the same seeded weights, train mode, no dropout."""
+    config = get_preset(preset, dropout=0.0, **overrides)
+    padded = randomize_(build_model(config), seed=0).train()
+    free = build_model(config.replace(padding_free=True)).train()
+    free.load_state_dict(padded.state_dict())
+    return padded, free
+
+
+def tokens_and_valid(lengths: list[int], t: int, *, left: bool = False, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids (b, t) with row i holding lengths[i] real tokens (right- or left-aligned)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, VOCAB, (len(lengths), t), generator=g)
+    pos = torch.arange(t)[None, :]
+    n = torch.tensor(lengths)[:, None]
+    valid = pos >= t - n if left else pos < n
+    return tokens.masked_fill(~valid, 0), valid
+
+
+def assert_same_at_real_tokens(padded: nn.Module, free: nn.Module, run, valid: torch.Tensor) -> None:
+    """Logits at real positions and the gradients of a loss over them match; padding gives zeros."""
+    out_p, out_f = run(padded), run(free)
+    assert isinstance(out_f, PackedModelOutput)
+    assert out_f.packed_logits.shape == (int(valid.sum()), out_p.logits.shape[-1])
+    assert_close(out_f.logits[valid], out_p.logits[valid])
+    assert_close(out_f.hidden[valid], out_p.hidden[valid])
+    assert torch.all(out_f.logits[~valid] == 0)
+    weights = torch.randn(out_p.logits[valid].shape, generator=torch.Generator().manual_seed(5))
+    (out_p.logits[valid] * weights).sum().backward()
+    (out_f.packed_logits * weights).sum().backward()
+    grads_p = dict(padded.named_parameters())
+    for name, p in free.named_parameters():
+        q = grads_p[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("positional", SCHEMES)
+def test_encoder_decoder(positional: str, impl: str) -> None:
+    padded, free = twins("tiny", positional=positional, n_kv_heads=2, attn_impl=impl)
+    src, src_valid = tokens_and_valid([9, 4, 7, 1], 9, seed=1)
+    tgt, tgt_valid = tokens_and_valid([3, 8, 8, 5], 8, seed=2)
+    assert_same_at_real_tokens(padded, free, lambda m: m(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid),
+                               tgt_valid)
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("positional", SCHEMES)
+def test_decoder_only_left_padded(preset: str, positional: str) -> None:
+    padded, free = twins(preset, positional=positional)
+    tokens, valid = tokens_and_valid([10, 3, 7], 10, left=True)
+    assert_same_at_real_tokens(padded, free, lambda m: m(tokens, valid=valid), valid)
+
+
+def test_encoder_decoder_fully_padded_rows() -> None:
+    """A source row with no real token (its target attends to nothing) and an empty target row."""
+    padded, free = twins("tiny")
+    src, src_valid = tokens_and_valid([6, 0, 3], 6, seed=3)
+    tgt, tgt_valid = tokens_and_valid([4, 5, 0], 5, seed=4)
+    assert_same_at_real_tokens(padded, free, lambda m: m(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid),
+                               tgt_valid)
+
+
+def test_pad_id_default_validity() -> None:
+    """Without valid=, pad ids mark padding (config.pad_id), packed the same way."""
+    padded, free = twins("tiny")
+    src, _ = tokens_and_valid([5, 2], 5, seed=6)
+    tgt, tgt_valid = tokens_and_valid([2, 4], 4, seed=7)
+    assert_same_at_real_tokens(padded, free, lambda m: m(src, tgt), tgt_valid)
+
+
+def test_no_padding_runs_the_plain_path() -> None:
+    """Nothing to skip: the ordinary output, bit for bit the padded model's."""
+    padded, free = twins("gpt-tiny")
+    tokens = torch.randint(1, VOCAB, (2, 6))
+    out_p, out_f = padded(tokens), free(tokens)
+    assert not isinstance(out_f, PackedModelOutput)
+    assert torch.equal(out_p.logits, out_f.logits)
+
+
+def test_cache_and_attention_weights_take_the_padded_path() -> None:
+    """Decoding with a cache and need_weights=True are not packed (and still work)."""
+    padded, free = twins("tiny")
+    padded.eval(), free.eval()
+    src, src_valid = tokens_and_valid([5, 3], 5, seed=8)
+    tgt, tgt_valid = tokens_and_valid([4, 2], 4, seed=9)
+    out = free(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid, need_weights=True)
+    assert not isinstance(out, PackedModelOutput) and len(out.attentions) == 2
+    lm_p, lm_f = twins("gpt-tiny")
+    lm_p.eval(), lm_f.eval()
+    tokens, valid = tokens_and_valid([6, 4], 6, left=True)
+    cache_p, cache_f = lm_p.new_cache(2, 8), lm_f.new_cache(2, 8)
+    assert_close(lm_f(tokens, valid=valid, cache=cache_f).logits[valid],
+                 lm_p(tokens, valid=valid, cache=cache_p).logits[valid])
+
+
+def test_padding_free_training_step_matches() -> None:
+    """One SGD step on the packed loss (only the real targets' logits) leaves the same weights.
+    (SGD, not Adam: Adam's first step is lr * sign(grad), which turns float noise in gradients
+    that are zero in exact arithmetic, such as the key bias's, into full-size differences.)"""
+    padded, free = twins("tiny")
+    src, src_valid = tokens_and_valid([7, 4, 6], 7, seed=10)
+    tgt, tgt_valid = tokens_and_valid([6, 6, 2], 6, seed=11)
+    targets = torch.randint(1, VOCAB, tgt.shape).masked_fill(~tgt_valid, -100)
+    for model in (padded, free):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        out = model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)
+        if isinstance(out, PackedModelOutput):
+            loss = nn.functional.cross_entropy(out.packed_logits, targets.reshape(-1)[out.packing.index])
+        else:
+            loss = nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+    for (name, p), q in zip(free.named_parameters(), padded.parameters(), strict=True):
+        assert_close(p, q, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_packing_round_trip() -> None:
+    valid = torch.tensor([[True, True, False], [False, True, True]])
+    packing = Packing.of(valid)
+    x = torch.arange(2 * 3 * 2, dtype=torch.float32).reshape(2, 3, 2).requires_grad_()
+    packed = packing.pack(x)
+    assert packing.n_tokens == 4 and torch.equal(packed, x.detach()[valid])
+    back = packing.unpack(packed)
+    assert torch.equal(back[valid], x.detach()[valid]) and torch.all(back[~valid] == 0)
+    back.sum().backward()
+    assert torch.equal(x.grad, valid[..., None].float().expand(2, 3, 2))
+
+
+def test_packed_input_of_the_wrong_shape_is_explained() -> None:
+    model = EncoderDecoder(get_preset("tiny"))
+    attn = model.encoder.blocks[0].self_attn
+    packing = Packing.of(torch.tensor([[True, False], [True, True]]))
+    with pytest.raises(ValueError, match=r"packed x must be \(real tokens=3, d_model=48\)"):
+        attn(torch.zeros(2, 2, 48), packing=packing)
+    with pytest.raises(ValueError, match="does not go with a cache"):
+        lm = DecoderOnly(get_preset("gpt-tiny"))
+        lm.decoder(torch.ones(2, 2, dtype=torch.long), valid=packing_valid(), cache=lm.new_cache(2, 4), pack=True)
+
+
+def packing_valid() -> torch.Tensor:
+    return torch.tensor([[True, False], [True, True]])
