@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.models import build_model
-from aiayn.train.losses import sequence_loss
+from aiayn.train.losses import PackedLogits, sequence_loss
 
 Batch = dict[str, Tensor]
 
@@ -77,8 +77,9 @@ class Task:
         return [self.collate(split, torch.arange(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
 
     # ---- model I/O --------------------------------------------------------------------------
-    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
-        """(logits (b, t, c), targets (b, t) with IGNORE at positions that do not count)."""
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor | PackedLogits, Tensor]:
+        """(logits (b, t, c), or ``PackedLogits`` from a padding-free model (``loss_logits``),
+        targets (b, t) with IGNORE at positions that do not count)."""
         raise NotImplementedError
 
     def count_tokens(self, batch: Batch) -> int:

@@ -30,7 +30,7 @@ from aiayn.data.parallel import (
 )
 from aiayn.tasks.base import AttentionExample, Batch, Task, register
 from aiayn.tokenizers import BPETokenizer
-from aiayn.train.losses import IGNORE
+from aiayn.train.losses import IGNORE, PackedLogits, loss_logits
 from aiayn.translate import DecodeOptions, Translator
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -159,9 +159,10 @@ class TranslationTask(Task):
         return int((batch["src"] != pad).sum() + (batch["tgt_out"] != pad).sum())
 
     # ---- model I/O ------------------------------------------------------------------------------
-    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor | PackedLogits, Tensor]:
         targets = batch["tgt_out"].masked_fill(batch["tgt_out"] == self.tokenizer.pad_id, IGNORE)
-        return model(batch["src"], batch["tgt_in"]).logits, targets
+        # Packed logits when the model skips padding (ModelConfig.padding_free): the loss skips it too.
+        return loss_logits(model(batch["src"], batch["tgt_in"])), targets
 
     def translator(self, model: nn.Module) -> Translator:
         return Translator(model, self.load_tokenizer(), max_tokens=self.max_tokens)

@@ -9,7 +9,33 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aiayn.models.base import ModelOutput, PackedModelOutput
+from aiayn.nn.packing import Packing
+
 IGNORE = -100  # target value of positions that do not count (padding)
+
+
+@dataclass(frozen=True)
+class PackedLogits:
+    """The logits of a padding-free forward (``ModelConfig.padding_free``), for ``sequence_loss``:
+    ``logits`` (n, c) are the rows of the targets' (b, t) positions ``packing.index``; every other
+    position is padding, never computed, and must not count."""
+
+    logits: Tensor
+    packing: Packing
+
+
+def loss_logits(out: ModelOutput) -> Tensor | PackedLogits:
+    """What a task hands ``sequence_loss``: a padding-free forward's packed logits (the loss then
+    skips the padded rows too), else the (b, t, c) logits."""
+    if isinstance(out, PackedModelOutput):
+        return PackedLogits(out.packed_logits, out.packing)
+    return out.logits
+
+
+def logits_tensor(logits: Tensor | PackedLogits) -> Tensor:
+    """The tensor behind either form (to keep a loss connected to the graph, say)."""
+    return logits.logits if isinstance(logits, PackedLogits) else logits
 
 
 @dataclass
@@ -55,8 +81,9 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-def sequence_loss(logits: Tensor, targets: Tensor, *, label_smoothing: float = 0.0) -> LossOutput:
-    """logits (b, t, c), targets (b, t) with ``IGNORE`` at padding.
+def sequence_loss(logits: Tensor | PackedLogits, targets: Tensor, *, label_smoothing: float = 0.0) -> LossOutput:
+    """logits (b, t, c), or ``PackedLogits`` (n, c) of a padding-free forward; targets (b, t) with
+    ``IGNORE`` at padding.
 
     Label smoothing (paper section 5.4) puts ``eps / c`` of the target mass on every class; the
     reported NLL is the plain cross-entropy, so perplexity = exp(nll_sum / n_tokens).
@@ -64,21 +91,33 @@ def sequence_loss(logits: Tensor, targets: Tensor, *, label_smoothing: float = 0
     (``tests/parity/test_losses_vs_torch.py``): (1 - eps) * -log p(target) + eps * mean over
     classes of -log p(class), averaged over the counted positions.
     """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree "
-                         f"in their leading (batch, seq) dimensions")
-    flat_targets = targets.reshape(-1)  # (n,)
+    packing = logits.packing if isinstance(logits, PackedLogits) else None
+    if packing is not None:
+        rows = logits_tensor(logits)  # (n, c)
+        if (packing.batch, packing.length) != tuple(targets.shape):
+            raise ValueError(f"packed logits of a ({packing.batch}, {packing.length}) batch and targets "
+                             f"{tuple(targets.shape)} disagree in their (batch, seq) dimensions")
+        flat_targets = targets.reshape(-1).index_select(0, packing.index)  # (n,)
+        if int((targets != IGNORE).sum()) != int((flat_targets != IGNORE).sum()):
+            raise ValueError("targets count positions the padding-free forward skipped (padded inputs); "
+                             f"set those targets to IGNORE ({IGNORE}) or mark the inputs valid")
+    else:
+        assert isinstance(logits, Tensor)
+        if logits.shape[:-1] != targets.shape:
+            raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree "
+                             f"in their leading (batch, seq) dimensions")
+        rows, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (n, c), (n,)
     counted_flat = flat_targets != IGNORE
     n_counted = counted_flat.sum()
     safe_targets = flat_targets.masked_fill(~counted_flat, 0)
     # NaN with nothing counted, as F.cross_entropy.
     weights = counted_flat.float() / n_counted
-    loss, token_nll = _SmoothedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), safe_targets,
-                                                  weights, label_smoothing)
+    loss, token_nll = _SmoothedCrossEntropy.apply(rows, safe_targets, weights, label_smoothing)
     with torch.no_grad():
         nll_sum = (token_nll * counted_flat).sum()
+        correct_flat = (rows.argmax(-1) == flat_targets) & counted_flat  # (n,)
+        correct = packing.unpack(correct_flat) if packing is not None else correct_flat.view(targets.shape)
         counted = targets != IGNORE
-        correct = (logits.argmax(-1) == targets) & counted
         seq_correct = (correct | ~counted).all(dim=1)
     return LossOutput(loss=loss, nll_sum=nll_sum.detach(), n_tokens=int(counted.sum()),
                       n_correct=int(correct.sum()), n_seq_correct=int(seq_correct.sum()),

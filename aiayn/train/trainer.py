@@ -39,7 +39,7 @@ from aiayn.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from aiayn.train.losses import sequence_loss
+from aiayn.train.losses import logits_tensor, sequence_loss
 from aiayn.train.optim import make_optimizer, make_schedule
 
 METRIC_FIELDS = ["step", "epoch", "lr", "train_loss", "train_nll", "train_acc", "tokens_per_s",
@@ -321,7 +321,7 @@ def _train(
                             # the gradient average is then that of the union's token-mean loss.
                             (global_tokens,) = distributed.all_reduce_sum([out.n_tokens], ctx)
                             weight = out.n_tokens * ctx.world_size / max(global_tokens, 1.0)
-                            loss = out.loss * weight if out.n_tokens else logits.sum() * 0.0
+                            loss = out.loss * weight if out.n_tokens else logits_tensor(logits).sum() * 0.0
                             (loss / len(group)).backward()
                         if out.n_tokens:
                             step_loss += out.loss.item() * weight / ctx.world_size / len(group)

@@ -17,6 +17,7 @@ from torch.testing import assert_close
 from aiayn.models import DecoderOnly, EncoderDecoder, build_model, get_preset
 from aiayn.models.base import PackedModelOutput
 from aiayn.nn.packing import Packing
+from aiayn.train.losses import IGNORE, PackedLogits, loss_logits, sequence_loss
 
 SCHEMES = ["sinusoidal", "learned", "rope", "alibi", "t5", "none"]
 IMPLS = ["fused", "reference"]
@@ -167,3 +168,39 @@ def test_packed_input_of_the_wrong_shape_is_explained() -> None:
 
 def packing_valid() -> torch.Tensor:
     return torch.tensor([[True, False], [True, True]])
+
+
+def test_sequence_loss_on_packed_logits() -> None:
+    """The trainer's loss over packed logits (loss_logits) equals it over the padded logits:
+    loss, NLL, token and sequence accuracy, gradients."""
+    padded, free = twins("tiny")
+    src, src_valid = tokens_and_valid([7, 4, 6], 7, seed=12)
+    tgt, tgt_valid = tokens_and_valid([6, 6, 2], 6, seed=13)
+    targets = torch.randint(1, VOCAB, tgt.shape, generator=torch.Generator().manual_seed(3))
+    targets = targets.masked_fill(~tgt_valid, IGNORE)
+    targets[1, :3] = IGNORE  # counted positions need not be all the valid ones
+    out_p = sequence_loss(loss_logits(padded(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)), targets,
+                          label_smoothing=0.1)
+    logits_f = loss_logits(free(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid))
+    assert isinstance(logits_f, PackedLogits) and logits_f.logits.shape == (14, VOCAB)
+    out_f = sequence_loss(logits_f, targets, label_smoothing=0.1)
+    assert_close(out_f.loss, out_p.loss)
+    assert_close(out_f.nll_sum, out_p.nll_sum)
+    assert (out_f.n_tokens, out_f.n_correct, out_f.n_seq_correct, out_f.n_seqs) == (
+        out_p.n_tokens, out_p.n_correct, out_p.n_seq_correct, out_p.n_seqs)
+    out_p.loss.backward()
+    out_f.loss.backward()
+    for (name, p), q in zip(free.named_parameters(), padded.parameters(), strict=True):
+        assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_sequence_loss_rejects_targets_at_skipped_positions() -> None:
+    _, free = twins("tiny")
+    src, src_valid = tokens_and_valid([5, 3], 5, seed=14)
+    tgt, tgt_valid = tokens_and_valid([4, 2], 4, seed=15)
+    logits = loss_logits(free(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid))
+    targets = torch.ones_like(tgt)  # counts the padded positions of row 1 too
+    with pytest.raises(ValueError, match="skipped"):
+        sequence_loss(logits, targets)
+    with pytest.raises(ValueError, match="disagree"):
+        sequence_loss(logits, targets[:, :3])

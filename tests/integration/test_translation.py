@@ -42,11 +42,13 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_run(corpus, tmp_path_factory) -> Path:
-    """A small en->de model trained for about a minute (2 cores) on the 200 pairs."""
+    """A small en->de model trained for about a minute (2 cores) on the 200 pairs, padding-free
+    (ModelConfig.padding_free: packed token-wise layers and loss), which must learn as well."""
     task = get_task("translation", corpus_dir=str(corpus), test_split="test", vocab_size=1000,
                     max_tokens=1024, beam_size=4, val_bleu=False)
     model_config = task.model_config().replace(d_model=128, n_heads=4, n_layers=2, n_decoder_layers=2,
-                                               d_ff=256, dropout=0.0, attention_dropout=0.0)
+                                               d_ff=256, dropout=0.0, attention_dropout=0.0,
+                                               padding_free=True)
     train_config = TrainConfig(**{**task.train_overrides(), "epochs": 40, "schedule": "cosine",
                                   "lr": 2e-3, "warmup_steps": 50, "label_smoothing": 0.0,
                                   "keep_checkpoints": 3, "save_every": 0})
