@@ -107,6 +107,7 @@ def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_lay
 _MODEL_OPTIONS = {  # CLI option -> ModelConfig field
     "d_model": "d_model", "n_layers": "n_layers", "n_heads": "n_heads", "d_ff": "d_ff",
     "dropout": "dropout", "attention_dropout": "attention_dropout", "positional": "positional",
+    "padding_free": "padding_free",
 }
 _TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_steps", "optimizer",
                   "weight_decay", "label_smoothing", "clip_grad_norm", "grad_accum", "seed", "bf16",
@@ -152,6 +153,9 @@ _TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup
               help="Dropout on the attention weights.")
 @click.option("--positional", type=click.Choice(["sinusoidal", "learned", "rope", "alibi", "t5", "none"]),
               help="Positional scheme.")
+@click.option("--padding-free/--no-padding-free", default=None,
+              help="Skip padding: the token-wise layers and the loss run on the real tokens only "
+                   "(same results; faster on padded batches).")
 @click.option("--max-tokens", type=click.IntRange(min=1),
               help="Token-count batching (translation): padded tokens per batch, e.g. 4096.")
 @click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path),

@@ -59,8 +59,13 @@ class EncoderOnly(nn.Module):
         with_mlm_logits: bool = True,
         need_weights: bool = False,
     ) -> EncoderOnlyOutput:
-        out = self.encoder(tokens, valid=valid, segments=segments, need_weights=need_weights)
-        pooled = torch.tanh(self.pooler(out.hidden[:, 0]))  # (b, d) from the first ([CLS]) token
-        logits = self.mlm_logits(out.hidden) if with_mlm_logits else None
-        return EncoderOnlyOutput(hidden=out.hidden, pooled=pooled, mlm_logits=logits,
+        # Padding-free (config.padding_free): the stack and the MLM head run on the real tokens
+        # only, (n, d); hidden and logits come back padded, zeros at padding.
+        pack = self.config.padding_free and not need_weights
+        out = self.encoder(tokens, valid=valid, segments=segments, need_weights=need_weights, pack=pack)
+        unpack = out.packing.unpack if out.packing is not None else (lambda x: x)
+        hidden = unpack(out.hidden)  # (b, t, d)
+        pooled = torch.tanh(self.pooler(hidden[:, 0]))  # (b, d) from the first ([CLS]) token
+        logits = unpack(self.mlm_logits(out.hidden)) if with_mlm_logits else None
+        return EncoderOnlyOutput(hidden=hidden, pooled=pooled, mlm_logits=logits,
                                  attentions=out.attentions)

@@ -80,6 +80,25 @@ def test_decoder_only_left_padded(preset: str, positional: str) -> None:
     assert_same_at_real_tokens(padded, free, lambda m: m(tokens, valid=valid), valid)
 
 
+@pytest.mark.parametrize("positional", SCHEMES)
+def test_encoder_only(positional: str) -> None:
+    """BERT-style: hidden, pooled and MLM logits at real tokens, and their gradients."""
+    padded, free = twins("bert-tiny", positional=positional)
+    tokens, valid = tokens_and_valid([8, 5, 1], 8, seed=16)
+    out_p, out_f = padded(tokens, valid=valid), free(tokens, valid=valid)
+    assert_close(out_f.mlm_logits[valid], out_p.mlm_logits[valid])
+    assert_close(out_f.hidden[valid], out_p.hidden[valid])
+    assert_close(out_f.pooled, out_p.pooled)
+    assert torch.all(out_f.mlm_logits[~valid] == 0)
+    weights = torch.randn(out_p.mlm_logits[valid].shape, generator=torch.Generator().manual_seed(5))
+    ((out_p.mlm_logits[valid] * weights).sum() + out_p.pooled.sum()).backward()
+    ((out_f.mlm_logits[valid] * weights).sum() + out_f.pooled.sum()).backward()
+    for (name, p), q in zip(free.named_parameters(), padded.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_encoder_decoder_fully_padded_rows() -> None:
     """A source row with no real token (its target attends to nothing) and an empty target row."""
     padded, free = twins("tiny")

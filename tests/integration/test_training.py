@@ -174,8 +174,9 @@ def test_train_cli_bad_arguments(args, needle):
 @pytest.mark.slow
 def test_train_cli_run_dir_rules(tmp_path):
     run = tmp_path / "run"
-    first = run_cli("train", "--run-dir", str(run), *FAST)
+    first = run_cli("train", "--run-dir", str(run), "--padding-free", *FAST)
     assert first.returncode == 0, first.stderr
+    assert json.loads((run / "config.json").read_text())["model"]["padding_free"] is True
     assert "Test split" in first.stdout and "examples" in first.stdout
     for name in ("config.json", "metrics.csv", "summary.json", "curves.png", "attention.png"):
         assert (run / name).is_file(), name
