@@ -12,10 +12,13 @@ For SmolLM2-135M's projections as aiayn lays them out (30 layers of fused q/k/v 
 * ``compiled multiply + sum``: ``matvec_linear`` (``MatvecLinears``), the same graph with each
   product written as an element-wise multiply and a float32 sum that Inductor fuses into one loop;
 * ``compiled (W x^T)^T``: ``transposed_linear``, the same matmul with the few rows as the narrow
-  right-hand side.
+  right-hand side;
+* ``eager (W x^T)^T``: ``transposed_linear`` called eagerly, as ``aiayn.nn.matvec.Linear`` does
+  with no autograd graph to build.
 
 GB/s is weight bytes read per second. These ratios set ``MATVEC_MAX_ROWS`` and
-``TRANSPOSED_MAX_ROWS``, by which ``MatvecLinears`` picks a way ("aiayn's choice").
+``TRANSPOSED_MAX_ROWS``, by which ``MatvecLinears`` picks a way compiled, and
+``EAGER_TRANSPOSED_ROWS``, by which ``Linear`` picks one eager ("aiayn's choice").
 
     python -m benchmarks.matvec                 # float32 and bfloat16, rows 1, 2, 4, 8, 16, 64
     python -m benchmarks.matvec --quick         # rows 1 only, 6 layers
@@ -32,7 +35,13 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.nn.matvec import matvec_linear, transposed_linear, use_matvec, use_transposed
+from aiayn.nn.matvec import (
+    matvec_linear,
+    transposed_linear,
+    use_eager_transposed,
+    use_matvec,
+    use_transposed,
+)
 from benchmarks.common import (
     Timed,
     add_common_args,
@@ -105,16 +114,18 @@ def main(argv: list[str] | None = None) -> None:
                 "compiled F.linear": compiled(model),
                 "compiled multiply + sum": compiled(each_by(matvec_linear, model)),
                 "compiled (W x^T)^T": compiled(each_by(transposed_linear, model)),
+                "eager (W x^T)^T": torch.inference_mode()(each_by(transposed_linear, model)),
             }
             timed = [Timed(name, partial(fn, xs)) for name, fn in ways.items()]
             run_interleaved(timed, repeats=args.repeats, warmup=args.warmup)
             base = next(t.median for t in timed if t.name == "compiled F.linear")
             x, w = xs[0], model.linears[0].weight
-            chosen = ("compiled multiply + sum" if use_matvec(x, w) else
-                      "compiled (W x^T)^T" if use_transposed(x, w) else "compiled F.linear")
+            chosen = {"compiled multiply + sum" if use_matvec(x, w) else
+                      "compiled (W x^T)^T" if use_transposed(x, w) else "compiled F.linear",
+                      "eager (W x^T)^T" if use_eager_transposed(x, w) else "eager F.linear"}
             for t in timed:
                 rows_out.append([dtype_name, rows, t.name, f"{t.median * 1e3:.2f}", f"{nbytes / t.median / 1e9:.1f}",
-                                 f"{base / t.median:.2f}x", "**yes**" if t.name == chosen else ""])
+                                 f"{base / t.median:.2f}x", "**yes**" if t.name in chosen else ""])
     print(table(["dtype", "rows", "way", "ms per pass", "weight GB/s", "speed vs compiled F.linear", "aiayn's choice"], rows_out))
     footer()
 

@@ -9,6 +9,7 @@ from aiayn.config import ModelConfig
 from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache, model_output
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.matvec import Linear
 
 
 class DecoderOnly(nn.Module):
@@ -20,7 +21,7 @@ class DecoderOnly(nn.Module):
         self.config = config
         embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.decoder = TransformerStack(config, n_layers=config.n_layers, embedding=embedding, causal=True)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         init_weights(self, config)
         if config.tie_output:
             self.lm_head.weight = embedding.weight

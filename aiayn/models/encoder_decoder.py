@@ -11,6 +11,7 @@ from aiayn.config import ModelConfig
 from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache, model_output
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.matvec import Linear
 
 
 @dataclass
@@ -38,7 +39,7 @@ class EncoderDecoder(nn.Module):
                                         causal=False)
         self.decoder = TransformerStack(config, n_layers=config.decoder_layers,
                                         embedding=tgt_embedding, causal=True, cross_attention=True)
-        self.lm_head = nn.Linear(config.d_model, config.target_vocab_size, bias=config.lm_head_bias)
+        self.lm_head = Linear(config.d_model, config.target_vocab_size, bias=config.lm_head_bias)
         init_weights(self, config)
         if config.tie_output:
             self.lm_head.weight = tgt_embedding.weight

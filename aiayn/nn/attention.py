@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from aiayn.nn.dropout import dropout
 from aiayn.nn.kv_cache import LayerKVCache, StaticKV
 from aiayn.nn.masks import causal_mask
+from aiayn.nn.matvec import Linear
 from aiayn.nn.packing import Packing
 from aiayn.nn.positional import apply_rotary
 
@@ -199,11 +200,11 @@ class MultiHeadAttention(nn.Module):
         self.cross, self.dropout, self.impl = cross, dropout, impl
         q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
         if cross:
-            self.q_proj = nn.Linear(d_model, q_width, bias=bias)
-            self.kv_proj = nn.Linear(d_model, 2 * kv_width, bias=bias)
+            self.q_proj = Linear(d_model, q_width, bias=bias)
+            self.kv_proj = Linear(d_model, 2 * kv_width, bias=bias)
         else:
-            self.qkv_proj = nn.Linear(d_model, q_width + 2 * kv_width, bias=bias)
-        self.out_proj = nn.Linear(q_width, d_model, bias=out_bias)
+            self.qkv_proj = Linear(d_model, q_width + 2 * kv_width, bias=bias)
+        self.out_proj = Linear(q_width, d_model, bias=out_bias)
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         """(b, t, n * d_h) -> (b, n, t, d_h)"""

@@ -8,11 +8,14 @@ into one vectorised C++ loop over the output rows, split across the threads, tha
 materialises the product: it reads W at ~35-40 GB/s in float32 (bfloat16 ~30 vs ~25 GB/s).
 Measured on SmolLM2-135M's projections in one compiled graph: ``python -m benchmarks.matvec``.
 
-From 5 to 64 float32 rows the matmul itself is faster turned around, (W x^T)^T: the few rows
+From 3 to 64 float32 rows the matmul itself is faster turned around, (W x^T)^T: the few rows
 become the narrow right-hand side (``transposed_linear``).
 
-Eager, the multiply + sum would build the (rows, o, i) product in memory: use these only inside a
-compiled graph (``aiayn.generate.compiled_decode_step`` does, through ``MatvecLinears``).
+Eager, the multiply + sum would build the (rows, o, i) product in memory: use it only inside a
+compiled graph (``aiayn.generate.compiled_decode_step`` does, through ``MatvecLinears``). The
+(W x^T)^T turn pays off eager too, from 2 to 64 float32 rows (a batched decode or beam-search
+step): ``Linear``, the ``nn.Linear`` every projection of the model family is built from, takes it
+when no autograd graph is being built.
 
 Shape letters: o out_features, i in_features.
 """
@@ -23,17 +26,22 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 # Which way each linear layer of a compiled decode step runs, by rows (batch x tokens) and weight
 # dtype, from ``python -m benchmarks.matvec`` (2 threads, SmolLM2's projections, speed against the
-# compiled F.linear): float32 multiply + sum 1.9x at 1 row, 2.5x at 2, 2.0x at 4; float32
-# (W x^T)^T 1.5x at 8, 1.3x at 16, 1.1x at 64; bfloat16 multiply + sum 1.3x at 1 row, even at 2,
-# and slower past that, where (W x^T)^T is slower too (0.5-0.9x). Other cases (other dtypes, GPU
-# tensors: not measured) keep F.linear.
-MATVEC_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 2}
+# compiled F.linear; two runs a day apart): float32 multiply + sum 1.9x at 1 row, 2.5x at 2,
+# 2.0x / 1.5x at 4, where (W x^T)^T was 2.1x / 2.5x; float32 (W x^T)^T 1.5x at 8, 1.3x at 16,
+# 1.1x at 64; bfloat16 multiply + sum 1.3x at 1 row, even at 2, and slower past that, where
+# (W x^T)^T is slower too (0.5-0.9x). Other cases (other dtypes, GPU tensors: not measured) keep
+# F.linear.
+MATVEC_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 2}
 TRANSPOSED_MAX_ROWS = {torch.float32: 64}
+# Eager (``Linear``), same benchmark, "eager (W x^T)^T" against "eager F.linear": float32 0.98x at
+# 1 row (F.linear's matrix-vector kernel is as fast), 3.3x at 2, 2.9x at 4, 1.3x at 8, 1.2x at 16,
+# 1.1x at 64.
+EAGER_TRANSPOSED_ROWS = {torch.float32: (2, 64)}
 
 
 def matvec_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -80,6 +88,26 @@ def use_matvec(x: Tensor, weight: Tensor) -> bool:
 def use_transposed(x: Tensor, weight: Tensor) -> bool:
     """Whether ``transposed_linear`` is the faster way to compute F.linear(x, weight) compiled."""
     return _measured(x, weight) and _rows(x) <= TRANSPOSED_MAX_ROWS.get(weight.dtype, 0)
+
+
+def use_eager_transposed(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``transposed_linear`` is the faster way to compute F.linear(x, weight) eager."""
+    low, high = EAGER_TRANSPOSED_ROWS.get(weight.dtype, (1, 0))
+    return _measured(x, weight) and low <= _rows(x) <= high
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (the same parameters, state dict and initialisation) whose forward runs a few
+    float32 CPU rows as (W x^T)^T (``transposed_linear``) when no autograd graph is being built
+    (generation runs under ``torch.inference_mode``); every other call is ``nn.Linear``'s. Plain
+    tensors only: sharded (DTensor) weights keep ``nn.Linear``'s forward.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (not torch.is_grad_enabled() and type(x) is Tensor and type(self.weight) in (Tensor, nn.Parameter)
+                and use_eager_transposed(x, self.weight)):
+            return transposed_linear(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class MatvecLinears(TorchFunctionMode):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.nn.dropout import Dropout
+from aiayn.nn.matvec import Linear
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -37,8 +38,8 @@ class FeedForward(nn.Module):
             raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
         self.activation, self.gated = activation, activation in GATED
         self.act = ACTIVATIONS[activation]
-        self.fc_in = nn.Linear(d_model, 2 * d_ff if self.gated else d_ff, bias=bias)
-        self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
+        self.fc_in = Linear(d_model, 2 * d_ff if self.gated else d_ff, bias=bias)
+        self.fc_out = Linear(d_ff, d_model, bias=bias)
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -16,11 +16,14 @@ from torch import Tensor, nn
 from torch.testing import assert_close
 
 from aiayn.nn.matvec import (
+    EAGER_TRANSPOSED_ROWS,
     MATVEC_MAX_ROWS,
     TRANSPOSED_MAX_ROWS,
+    Linear,
     MatvecLinears,
     matvec_linear,
     transposed_linear,
+    use_eager_transposed,
     use_matvec,
     use_transposed,
 )
@@ -97,3 +100,37 @@ def test_compiled_mode_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
     with torch.inference_mode():
         compiled = torch.compile(step, fullgraph=True, dynamic=False)(x)
         assert_close(compiled, (with_bias(x), without_bias(x)))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 64, 65])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_nn_linear(rows: int, bias: bool) -> None:
+    """aiayn's Linear: nn.Linear's parameters and state dict; the same outputs with and without an
+    autograd graph; (W x^T)^T taken exactly where EAGER_TRANSPOSED_ROWS says, under inference mode."""
+    torch.manual_seed(0)
+    reference = nn.Linear(40, 24, bias=bias)
+    linear = Linear(40, 24, bias=bias)
+    linear.load_state_dict(reference.state_dict())
+    assert isinstance(linear, nn.Linear) and linear.state_dict().keys() == reference.state_dict().keys()
+    x = torch.randn(rows, 1, 40)  # rows x 1 token, as a decode step
+    with torch.inference_mode():
+        out, expected = linear(x), reference(x)
+        low, high = EAGER_TRANSPOSED_ROWS[torch.float32]
+        taken = low <= rows <= high
+        assert use_eager_transposed(x, linear.weight) == taken
+        way = transposed_linear if taken else F.linear
+        assert torch.equal(out, way(x, linear.weight, linear.bias))  # the very computation chosen
+        assert out.shape == (rows, 1, 24)
+    assert_close(out, expected)
+    # With autograd: nn.Linear's forward, gradients included.
+    x_grad = x.clone().requires_grad_()
+    linear(x_grad).sum().backward()
+    assert x_grad.grad is not None and linear.weight.grad is not None
+
+
+def test_linear_keeps_nn_linear_for_other_dtypes_and_subclasses() -> None:
+    linear = Linear(16, 8).to(torch.bfloat16)
+    x = torch.randn(16, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert not use_eager_transposed(x, linear.weight)
+        assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
