@@ -97,15 +97,17 @@ def use_eager_transposed(x: Tensor, weight: Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (the same parameters, state dict and initialisation) whose forward runs a few
-    float32 CPU rows as (W x^T)^T (``transposed_linear``) when no autograd graph is being built
-    (generation runs under ``torch.inference_mode``); every other call is ``nn.Linear``'s. Plain
-    tensors only: sharded (DTensor) weights keep ``nn.Linear``'s forward.
+    """``nn.Linear`` (the same parameters, state dict and initialisation) whose forward runs a
+    decode step, x (b, 1, i) with b a few float32 CPU rows, as (W x^T)^T (``transposed_linear``)
+    when no autograd graph is being built (generation runs under ``torch.inference_mode``); every
+    other call is ``nn.Linear``'s, so full forward passes round exactly as ``nn.Linear`` does (the
+    parity tests against Hugging Face compare them at default tolerances). Plain tensors only:
+    sharded (DTensor) weights keep ``nn.Linear``'s forward.
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        if (not torch.is_grad_enabled() and type(x) is Tensor and type(self.weight) in (Tensor, nn.Parameter)
-                and use_eager_transposed(x, self.weight)):
+        if (not torch.is_grad_enabled() and x.dim() == 3 and x.shape[1] == 1 and type(x) is Tensor
+                and type(self.weight) in (Tensor, nn.Parameter) and use_eager_transposed(x, self.weight)):
             return transposed_linear(x, self.weight, self.bias)
         return super().forward(x)
 

@@ -122,7 +122,9 @@ def test_linear_equals_nn_linear(rows: int, bias: bool) -> None:
         assert torch.equal(out, way(x, linear.weight, linear.bias))  # the very computation chosen
         assert out.shape == (rows, 1, 24)
     assert_close(out, expected)
-    # With autograd: nn.Linear's forward, gradients included.
+    # Several tokens per row (a full forward) and autograd: nn.Linear's forward, bit for bit.
+    with torch.inference_mode():
+        assert torch.equal(linear(x.reshape(1, rows, 40)), F.linear(x.reshape(1, rows, 40), linear.weight, linear.bias))
     x_grad = x.clone().requires_grad_()
     linear(x_grad).sum().backward()
     assert x_grad.grad is not None and linear.weight.grad is not None
