@@ -106,10 +106,13 @@ class Linear(nn.Linear):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        if (not torch.is_grad_enabled() and x.dim() == 3 and x.shape[1] == 1 and type(x) is Tensor
-                and type(self.weight) in (Tensor, nn.Parameter) and use_eager_transposed(x, self.weight)):
-            return transposed_linear(x, self.weight, self.bias)
-        return super().forward(x)
+        weight = self.weight
+        # Cheapest tests first: this runs for every projection of every forward.
+        low, high = EAGER_TRANSPOSED_ROWS.get(weight.dtype, (1, 0))
+        if (x.dim() == 3 and x.shape[1] == 1 and low <= x.shape[0] <= high and not torch.is_grad_enabled()
+                and type(x) is Tensor and type(weight) in (Tensor, nn.Parameter) and _measured(x, weight)):
+            return transposed_linear(x, weight, self.bias)
+        return F.linear(x, weight, self.bias)
 
 
 class MatvecLinears(TorchFunctionMode):
