@@ -305,25 +305,26 @@ class TransformerStack(nn.Module):
         out.hidden = self.final_norm(x) if self.final_norm is not None else x
         return out
 
-    def static_decode_step(self, tokens: Tensor, positions: Tensor, slot: Tensor, cache: KVCache) -> Tensor:
-        """One new token per row against the whole preallocated cache: tokens, positions (b, 1)
-        long, ``slot`` (1,) long (the cache slot it fills) -> hidden (b, 1, d).
+    def static_decode_step(self, tokens: Tensor, positions: Tensor, slot: Tensor, key_valid: Tensor,
+                           key_positions: Tensor, cache: KVCache) -> Tensor:
+        """One new token per row against the cache's filled prefix: tokens, positions (b, 1)
+        long, ``slot`` (1,) long (the cache slot it fills), ``key_valid`` (b, n) bool and
+        ``key_positions`` (b, n) long, the cache's first n = slot + 1 slots' validity and
+        positions with the new slot's already set -> hidden (b, 1, d).
 
-        Every shape is fixed for a given cache, and nothing reads a tensor's value into Python, so
-        ``torch.compile`` traces it once as one graph (``aiayn.generate.compiled_decode_step``). The
-        blocks are the same ones ``forward`` runs; what differs is the bookkeeping: the slot is a
-        tensor, attention covers all ``max_len`` slots and the key mask (``cache.valid``, False
-        until a slot is written) hides the unfilled ones. The caller checks what ``forward``
-        checks (token ids, positions < max_seq_len, room in the cache) and advances
-        ``cache.length``. Decoder-only stacks; the eval-mode (dropout-free) computation.
+        Nothing reads a tensor's value into Python and every shape is fixed by the cache but n,
+        so ``torch.compile`` traces it as one graph with n symbolic
+        (``aiayn.generate.compiled_decode_step``): attention reads the n filled slots, not the
+        whole buffer. The blocks are the same ones ``forward`` runs; what differs is the
+        bookkeeping: the slot is a tensor and the caller keeps ``cache.valid``/``positions``/
+        ``length`` (it also checks what ``forward`` checks: token ids, positions < max_seq_len,
+        room in the cache). Decoder-only stacks; the eval-mode (dropout-free) computation.
         """
         if self.has_cross:
             raise ValueError("static_decode_step is for decoder-only stacks (no cross-attention)")
         x = self.embed(tokens, positions)  # (b, 1, d)
-        cache.valid.index_fill_(1, slot, True)  # (b, s_max): the new slot holds a real token
-        cache.positions.index_copy_(1, slot, positions)
-        mask = key_mask(cache.valid)  # (b, 1, 1, s_max)
-        bias = self.relative(positions, cache.positions).to(x.dtype) if self.relative is not None else None
+        mask = key_mask(key_valid)  # (b, 1, 1, n): attention covers the first n slots
+        bias = self.relative(positions, key_positions).to(x.dtype) if self.relative is not None else None
         rotary = self.rotary(positions) if self.rotary is not None else None
         for i, block in enumerate(self.blocks):
             x, _, _ = block(x, mask=mask, bias=bias, causal=self.causal, rotary=rotary,

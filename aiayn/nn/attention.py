@@ -109,8 +109,7 @@ def scaled_dot_product_attention(
     if causal and t_q == 1:
         causal = False  # one query is the last key: right-aligned, it sees every key (decode step)
     if (t_q == 1 and impl == "fused" and q.device.type == "cpu" and not need_weights and bias is None
-            and dropout_p == 0.0 and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1)))
-            and not torch.compiler.is_compiling()):
+            and dropout_p == 0.0 and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1)))):
         return _single_query_attention(q, k, v, mask, scale), None
     if (t_q == 1 and h != h_kv and impl == "fused" and not need_weights and bias is None
             and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1))):
@@ -179,9 +178,10 @@ def _single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
     keys and values are read once each (SDPA's CPU math path, which the decode step's layouts
     select, scales a copy of the keys first). Profiled in the decode loop of
     ``python -m benchmarks.decode`` at batch 16 (4 heads, ~150 cached keys): ~195 us per layer
-    against ~250 us for SDPA's flash kernel and ~290 us for its math path. Under GQA each
-    key/value head's g = h / h_kv queries are its rows. Compiled graphs keep SDPA (Inductor
-    lowers it itself).
+    against ~250 us for SDPA's flash kernel and ~290 us for its math path. Compiled (the decode
+    step of ``aiayn.generate``), the same products with Inductor's fused softmax ran 256 batch-16
+    steps in 0.75 s against 0.89 s through SDPA. Under GQA each key/value head's g = h / h_kv
+    queries are its rows.
     """
     b, h, _, d_h = q.shape
     h_kv = k.shape[1]
@@ -286,8 +286,9 @@ class MultiHeadAttention(nn.Module):
             rotary: (cos, sin) of shape (b or 1, t, d_h) for RoPE, applied to q and new k.
             kv_cache: self-attention: a ``LayerKVCache``; the new k, v are written at
                 ``cache_pos`` and attention runs over positions [0, cache_pos + t). A (t,) tensor
-                ``cache_pos`` is the static-shape step: attention runs over the whole buffer, and
-                ``mask`` must hide its unfilled slots.
+                ``cache_pos`` is the compiled decode step: attention runs over the buffer's first
+                t_k slots, t_k = ``mask``'s last dimension (the filled prefix), which ``mask``
+                describes.
                 Cross-attention: a ``StaticKV``; memory's k, v are computed on first use and reused.
             need_weights: also return the (b, h, t, t_k) attention weights.
             packing, memory_packing: x (or memory) is packed, (n, d) real tokens only
@@ -324,6 +325,11 @@ class MultiHeadAttention(nn.Module):
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if isinstance(kv_cache, LayerKVCache):
                 k, v = kv_cache.write(k, v, cache_pos)  # (b, h_kv, cache_pos + t, d_h)
+                if isinstance(cache_pos, Tensor):  # the compiled step: the prefix the mask covers
+                    if mask is None:
+                        raise ValueError("a tensor cache_pos (the compiled decode step) needs mask= over the "
+                                         "filled cache slots")
+                    k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
         out, weights = scaled_dot_product_attention(
             q,
             k,

@@ -109,9 +109,9 @@ class LayerKVCache:
     def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
         """Store new k, v (b, h_kv, t, d_h) at [pos, pos + t); return views of [0, pos + t).
 
-        ``pos`` may be a (t,) long tensor of slots instead (the static-shape decode step that
-        ``torch.compile`` runs, see ``aiayn.generate``): k, v go there and the whole buffers come
-        back, (b, h_kv, s_max, d_h); the caller's key mask hides the slots not filled yet.
+        ``pos`` may be a (t,) long tensor of slots instead (the decode step that ``torch.compile``
+        runs, see ``aiayn.generate``): k, v go there and the whole buffers come back,
+        (b, h_kv, s_max, d_h); the caller attends over the filled prefix its key mask covers.
         """
         if isinstance(pos, Tensor):
             self.k.index_copy_(2, pos, k.to(self.k.dtype))
