@@ -66,8 +66,8 @@ COMPILED_CACHE_MULTIPLE = 64  # compiled decoding rounds its cache up to this, s
 
 def _cache_len(n: int, compile: bool) -> int:
     """Slots a decoder allocates for n tokens: n, or (compiled) n rounded up to a multiple of 64,
-    so that requests of similar length reuse one compiled graph instead of compiling again
-    (the unfilled slots are masked; attending over them costs little next to the weights' reads)."""
+    so that requests of similar length reuse one compiled graph instead of compiling again (the
+    graph attends over the filled slots only; the buffer size is part of its shapes)."""
     return -(-n // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE if compile else n
 
 
@@ -75,8 +75,8 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
     """One decode step, tokens (b, 1) -> logits (b, v), through a ``torch.compile``d graph.
 
     The eager step spends most of a small model's time dispatching a few hundred small ops from
-    Python; this one runs ``TransformerStack.static_decode_step`` (the same blocks, every shape
-    fixed by the cache) compiled per model and shape (Inductor: C++ kernels for the element-wise
+    Python; this one runs ``TransformerStack.static_decode_step`` (the same blocks; every shape
+    fixed by the cache but the filled prefix's length, marked dynamic) compiled per model and shape (Inductor: C++ kernels for the element-wise
     work; projections on a few rows as fused multiply + sum loops, ``aiayn.nn.matvec``; larger
     batches through the matmul library with pre-packed weights). The first call
     compiles (seconds to a minute; another batch size or cache size compiles again: decoders round
