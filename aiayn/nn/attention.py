@@ -171,8 +171,8 @@ def scaled_dot_product_attention(
 
 
 def _single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """A decode step's attention on the CPU, eager: q (b, h, 1, d_h), k, v (b, h_kv, t_k, d_h),
-    mask (b or 1, 1, 1, t_k) or None -> (b, h, 1, d_h).
+    """A single query's attention on the CPU (a decode step, eager or compiled): q (b, h, 1, d_h),
+    k, v (b, h_kv, t_k, d_h), mask (b or 1, 1, 1, t_k) or None -> (b, h, 1, d_h).
 
     Two batched matrix-vector products over the cache, the scale applied to the query: the cached
     keys and values are read once each (SDPA's CPU math path, which the decode step's layouts

@@ -1,8 +1,8 @@
-"""The compiled static-shape decode step equals the eager cached step.
+"""The compiled decode step equals the eager cached step, and compiles once.
 
 ``compiled_decode_step`` runs ``TransformerStack.static_decode_step`` through ``torch.compile``:
-the same blocks, but attention over the whole preallocated cache with a key mask instead of a
-slice, tensor slots instead of Python ints, and Inductor's fused kernels. Each test compares it
+the same blocks, but attention over the cache's filled prefix with its length symbolic (one
+graph for every step), tensor slots instead of Python ints, and Inductor's fused kernels. Each test compares it
 with the eager cached decoder (itself tested against full recomputation in test_kv_cache.py) on
 left-padded batches with random, far-from-uniform weights, at ``assert_close``'s default float32
 tolerances. Compiling takes a few seconds per model, hence the ``slow`` mark.
@@ -93,3 +93,18 @@ def test_compiled_decoding_refuses_what_it_cannot_do() -> None:
         compiled_decode_step(model, prompt[:, :1], cache)
         with pytest.raises(ValueError, match="KV cache is full"):
             compiled_decode_step(model, prompt[:, :1], cache)
+
+
+def test_one_graph_serves_every_step_and_prompt_length() -> None:
+    """The filled prefix's length is dynamic: decoding many steps, then another prompt length into
+    the same cache size, adds at most one graph (none if an earlier test built it)."""
+    from torch._dynamo.utils import counters
+
+    model = model_for("gpt-tiny", "learned", None)
+    before = counters["stats"]["unique_graphs"]
+    first = greedy_decoder_only(model, random_tokens(3, 5, seed=21), max_new_tokens=20, compile=True)
+    after_first = counters["stats"]["unique_graphs"]
+    second = greedy_decoder_only(model, random_tokens(3, 9, seed=22), max_new_tokens=16, compile=True)
+    assert after_first - before <= 1
+    assert counters["stats"]["unique_graphs"] == after_first  # 5 + 20 and 9 + 16 share the 64-slot cache
+    assert first.tokens.shape == (3, 20) and second.tokens.shape == (3, 16)
