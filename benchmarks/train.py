@@ -3,7 +3,10 @@
 Benchmark 1 (encoder-decoder, ``--suite small`` / ``paper-base``): aiayn, torch.nn.Transformer
 (same embeddings and tied head), Hugging Face BART and x-transformers' XTransformer, batch
 32 x (32 source + 32 target) tokens with random right padding (lengths 16..32), plus model FLOPs
-utilisation against the fp32 2048 x 2048 ``torch.mm`` peak measured in the same run.
+utilisation against the fp32 2048 x 2048 ``torch.mm`` peak measured in the same run. "aiayn" is
+the model as its training runs it, padding-free (``ModelConfig.padding_free``: token-wise layers
+and the loss on the real tokens only, the loss over its packed logits); "aiayn padded" is the same
+model computing its padding, as the other peers do.
 Benchmark 2 (``--suite decoder``): decoder-only, d 256, 4 layers, 4 heads, vocab 8,000, batch
 16 x 256, against Hugging Face GPT-2 and x-transformers' ``TransformerWrapper(Decoder)``.
 
@@ -14,9 +17,10 @@ eager and, as "aiayn compiled", under ``torch.compile`` (what ``aiayn train --co
 warm-up steps compile, untimed); the peers run eager, their default.
 tokens/s counts every position fed to the model, padding included (batch x (source + target)
 for encoder-decoder, batch x length for decoder-only).
-Model FLOPs are counted once, on aiayn's step, with ``torch.utils.flop_counter`` (matmuls and
-attention, forward + backward; the causal half is counted as done) and divided by each peer's
-step time: MFU = FLOPs per step / step time / measured matmul peak.
+Model FLOPs are counted on aiayn's steps with ``torch.utils.flop_counter`` (matmuls and
+attention, forward + backward; the causal half is counted as done): the padded step's count for
+every peer, padding-free aiayn's own (smaller) count for its rows; MFU = the row's FLOPs per step
+/ step time / measured matmul peak.
 """
 
 from __future__ import annotations
