@@ -8,8 +8,9 @@ live *packed*, (n, d) with n the number of real tokens, and only the attention c
 padded (b, t) layout: q/k/v are unpacked after their projection (zeros at padding, which the key
 mask hides) and the attention output is packed again before the output projection.
 
-The real tokens' results are the padded computation's (tests/unit/test_packing.py: outputs and
-gradients); only the values at padded positions differ (zeros here, ignored in either case).
+The real tokens' results are the padded computation's (tests/consistency/test_padding_free.py:
+outputs, loss and gradients); only the values at padded positions differ (zeros here, ignored in
+either case).
 
 Shape letters: b batch, t padded length, n real tokens, f any trailing feature dimensions.
 """
