@@ -109,16 +109,12 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
     # The new slot's bookkeeping, here in Python; the graph sees the filled prefix [0, n) only,
     # its length n marked dynamic: one graph serves every step (attending over the whole buffer
     # instead cost batch 16 about a third more time per step).
-    n = cache.length + 1
-    cache.valid[:, n - 1] = True
-    cache.positions[:, n - 1] = positions[:, 0]
-    key_valid, key_positions = cache.valid[:, :n], cache.positions[:, :n]  # (b, n)
+    start = cache.reserve(torch.ones_like(tokens, dtype=torch.bool), positions)  # the new slot
+    key_valid, key_positions = cache.valid[:, : start + 1], cache.positions[:, : start + 1]  # (b, n)
     torch._dynamo.maybe_mark_dynamic(key_valid, 1)
     torch._dynamo.maybe_mark_dynamic(key_positions, 1)
-    slot = torch.tensor([n - 1], device=tokens.device)
-    logits = _compiled_static_step(model, tokens, positions, slot, key_valid, key_positions, cache)
-    cache.length = n
-    return logits
+    slot = torch.tensor([start], device=tokens.device)
+    return _compiled_static_step(model, tokens, positions, slot, key_valid, key_positions, cache)
 
 
 def _compile_static_step() -> Callable[..., Tensor]:

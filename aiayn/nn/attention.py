@@ -108,16 +108,26 @@ def scaled_dot_product_attention(
     may_empty_rows = mask is not None
     if causal and t_q == 1:
         causal = False  # one query is the last key: right-aligned, it sees every key (decode step)
-    if (t_q == 1 and impl == "fused" and q.device.type == "cpu" and not need_weights and bias is None
-            and dropout_p == 0.0 and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1)))):
-        return _single_query_attention(q, k, v, mask, scale), None
+    # A single query on the CPU (a decode step, eager or compiled): the written-out path's two
+    # batched matrix-vector products read the cached keys and values once each, faster than SDPA's
+    # CPU kernels at that shape. Profiled in the decode loop of ``python -m benchmarks.decode`` at
+    # batch 16 (4 heads, ~150 cached keys): ~195 us per layer against ~250 us for SDPA's flash
+    # kernel and ~290 us for its math path (which the decode step's layouts select; it scales a
+    # copy of the keys). Compiled, the same products ran 256 batch-16 steps in 0.75 s against
+    # 0.89 s through SDPA.
+    single_query_cpu = (t_q == 1 and impl == "fused" and q.device.type == "cpu" and not need_weights
+                        and bias is None and dropout_p == 0.0
+                        and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))))
     if (t_q == 1 and h != h_kv and impl == "fused" and not need_weights and bias is None
             and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1))):
         # A single-query decode step under GQA: the h / h_kv query heads that share a key/value
         # head become that head's queries, (b, h_kv, g, d_h), so k and v are never repeated.
         out, _ = scaled_dot_product_attention(q.reshape(_b, h_kv, h // h_kv, d_h), k, v, mask=mask,
-                                              dropout_p=dropout_p, scale=scale, impl=impl)
+                                              dropout_p=dropout_p, scale=scale,
+                                              impl="reference" if single_query_cpu else impl)
         return out.reshape(_b, h, 1, d_h), None
+    if single_query_cpu:
+        impl = "reference"
     if causal:
         # Fast path: plain square causal attention needs no materialised mask.
         if (impl == "fused" and not need_weights and mask is None and bias is None and t_q == t_k
@@ -168,34 +178,6 @@ def scaled_dot_product_attention(
     if row_valid is not None:
         out = out.masked_fill(~row_valid, 0.0)
     return out, weights if need_weights else None
-
-
-def _single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """A single query's attention on the CPU (a decode step, eager or compiled): q (b, h, 1, d_h),
-    k, v (b, h_kv, t_k, d_h), mask (b or 1, 1, 1, t_k) or None -> (b, h, 1, d_h).
-
-    Two batched matrix-vector products over the cache, the scale applied to the query: the cached
-    keys and values are read once each (SDPA's CPU math path, which the decode step's layouts
-    select, scales a copy of the keys first). Profiled in the decode loop of
-    ``python -m benchmarks.decode`` at batch 16 (4 heads, ~150 cached keys): ~195 us per layer
-    against ~250 us for SDPA's flash kernel and ~290 us for its math path. Compiled (the decode
-    step of ``aiayn.generate``), the same products with Inductor's fused softmax ran 256 batch-16
-    steps in 0.75 s against 0.89 s through SDPA. Under GQA each key/value head's g = h / h_kv
-    queries are its rows.
-    """
-    b, h, _, d_h = q.shape
-    h_kv = k.shape[1]
-    q = q.reshape(b, h_kv, h // h_kv, d_h) * scale  # (b, h_kv, g, d_h)
-    scores = torch.matmul(q, k.transpose(-2, -1))  # (b, h_kv, g, t_k)
-    row_valid = None
-    if mask is not None:  # (b or 1, 1, 1, t_k), broadcast over heads and queries
-        row_valid = mask.any(dim=-1, keepdim=True)  # a row with no visible key outputs zeros
-        scores = scores.masked_fill(~(mask | ~row_valid), float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(weights, v)  # (b, h_kv, g, d_h)
-    if row_valid is not None:
-        out = out.masked_fill(~row_valid, 0.0)
-    return out.reshape(b, h, 1, d_h)
 
 
 class MultiHeadAttention(nn.Module):

@@ -93,7 +93,7 @@ def use_transposed(x: Tensor, weight: Tensor) -> bool:
 def use_eager_transposed(x: Tensor, weight: Tensor) -> bool:
     """Whether ``transposed_linear`` is the faster way to compute F.linear(x, weight) eager."""
     low, high = EAGER_TRANSPOSED_ROWS.get(weight.dtype, (1, 0))
-    return _measured(x, weight) and low <= _rows(x) <= high
+    return low <= _rows(x) <= high and _measured(x, weight)
 
 
 class Linear(nn.Linear):
@@ -108,9 +108,8 @@ class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight
         # Cheapest tests first: this runs for every projection of every forward.
-        low, high = EAGER_TRANSPOSED_ROWS.get(weight.dtype, (1, 0))
-        if (x.dim() == 3 and x.shape[1] == 1 and low <= x.shape[0] <= high and not torch.is_grad_enabled()
-                and type(x) is Tensor and type(weight) in (Tensor, nn.Parameter) and _measured(x, weight)):
+        if (x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled() and use_eager_transposed(x, weight)
+                and type(x) is Tensor and type(weight) in (Tensor, nn.Parameter)):
             return transposed_linear(x, weight, self.bias)
         return F.linear(x, weight, self.bias)
 
