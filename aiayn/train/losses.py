@@ -91,6 +91,8 @@ def sequence_loss(logits: Tensor | PackedLogits, targets: Tensor, *, label_smoot
     (``tests/parity/test_losses_vs_torch.py``): (1 - eps) * -log p(target) + eps * mean over
     classes of -log p(class), averaged over the counted positions.
     """
+    counted = targets != IGNORE  # (b, t)
+    n_tokens = int(counted.sum())
     packing = logits.packing if isinstance(logits, PackedLogits) else None
     if packing is not None:
         rows = logits_tensor(logits)  # (n, c)
@@ -98,7 +100,7 @@ def sequence_loss(logits: Tensor | PackedLogits, targets: Tensor, *, label_smoot
             raise ValueError(f"packed logits of a ({packing.batch}, {packing.length}) batch and targets "
                              f"{tuple(targets.shape)} disagree in their (batch, seq) dimensions")
         flat_targets = targets.reshape(-1).index_select(0, packing.index)  # (n,)
-        if int((targets != IGNORE).sum()) != int((flat_targets != IGNORE).sum()):
+        if n_tokens != int((flat_targets != IGNORE).sum()):
             raise ValueError("targets count positions the padding-free forward skipped (padded inputs); "
                              f"set those targets to IGNORE ({IGNORE}) or mark the inputs valid")
     else:
@@ -117,8 +119,7 @@ def sequence_loss(logits: Tensor | PackedLogits, targets: Tensor, *, label_smoot
         nll_sum = (token_nll * counted_flat).sum()
         correct_flat = (rows.argmax(-1) == flat_targets) & counted_flat  # (n,)
         correct = packing.unpack(correct_flat) if packing is not None else correct_flat.view(targets.shape)
-        counted = targets != IGNORE
         seq_correct = (correct | ~counted).all(dim=1)
-    return LossOutput(loss=loss, nll_sum=nll_sum.detach(), n_tokens=int(counted.sum()),
+    return LossOutput(loss=loss, nll_sum=nll_sum.detach(), n_tokens=n_tokens,
                       n_correct=int(correct.sum()), n_seq_correct=int(seq_correct.sum()),
                       n_seqs=targets.shape[0])
