@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn import ModelConfig, build_model
-from aiayn.models.base import PackedModelOutput
 from aiayn.nn.positional import sinusoidal_encoding
+from aiayn.train.losses import logits_tensor, loss_logits
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Dropouts:
 
 def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused",
                   padding_free: bool = True) -> nn.Module:
-    """aiayn as its training runs it: padding-free (``ModelConfig.padding_free``)."""
+    """aiayn with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``; off by default)."""
     cfg = ModelConfig(arch="encoder-decoder", vocab_size=s.vocab, d_model=s.d_model, n_heads=s.n_heads,
                       n_layers=s.n_layers, d_ff=s.d_ff, dropout=drop.residual,
                       attention_dropout=drop.attention, activation_dropout=drop.activation,
@@ -92,7 +92,7 @@ def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused",
         def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
             out = self.model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)
             # Padding-free: the logits of the real target positions only, (n, v) (see the module doc).
-            return out.packed_logits if isinstance(out, PackedModelOutput) else out.logits
+            return logits_tensor(loss_logits(out))
 
     return Wrapped()
 

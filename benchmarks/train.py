@@ -4,7 +4,7 @@ Benchmark 1 (encoder-decoder, ``--suite small`` / ``paper-base``): aiayn, torch.
 (same embeddings and tied head), Hugging Face BART and x-transformers' XTransformer, batch
 32 x (32 source + 32 target) tokens with random right padding (lengths 16..32), plus model FLOPs
 utilisation against the fp32 2048 x 2048 ``torch.mm`` peak measured in the same run. "aiayn" is
-the model as its training runs it, padding-free (``ModelConfig.padding_free``: token-wise layers
+the model with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``: token-wise layers
 and the loss on the real tokens only, the loss over its packed logits); "aiayn padded" is the same
 model computing its padding, as the other peers do.
 Benchmark 2 (``--suite decoder``): decoder-only, d 256, 4 layers, 4 heads, vocab 8,000, batch
