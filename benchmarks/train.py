@@ -146,8 +146,8 @@ def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
     padded = step_flops(padded_step)
     flops = {p.name: padded for p in peers}
     if "aiayn" in models:
-        own = step_flops(peers[0].fn)
-        flops.update({"aiayn": own, COMPILED: own} if not args.no_compiled else {"aiayn": own})
+        own = step_flops(next(p.fn for p in peers if p.name == "aiayn"))
+        flops.update({name: own for name in ("aiayn", COMPILED) if name in flops})
     peak = matmul_peak(repeats=args.repeats + 2)
     run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
     peak = max(peak, matmul_peak(repeats=args.repeats + 2))  # before and after; the better one
