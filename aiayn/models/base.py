@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.models.blocks import StackOutput
 from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.linear_cross_entropy import HeadLoss, linear_cross_entropy
 from aiayn.nn.packing import Packing
 
 
@@ -44,11 +45,61 @@ class PackedModelOutput(ModelOutput):
         return self.packing.unpack(self.packed_hidden)
 
 
-def model_output(out: StackOutput, head: nn.Module) -> ModelOutput:
-    """A stack's output and the output head applied to it, packed if the stack ran padding-free."""
+class LossModelOutput(ModelOutput):
+    """A forward given ``targets``: the output layer ran fused with the cross-entropy
+    (``aiayn.nn.linear_cross_entropy``), so there are no logits; ``head_loss`` feeds
+    ``aiayn.train.losses.sequence_loss`` (through ``loss_logits``). ``hidden`` is (b, t, d)."""
+
+    def __init__(self, head_loss: HeadLoss, hidden: Tensor, packing: Packing | None,
+                 attentions: list[Tensor] | None = None) -> None:
+        self.head_loss, self._hidden, self.packing = head_loss, hidden, packing
+        self.attentions, self.cross_attentions, self.encoder_attentions = attentions or [], [], []
+
+    @property
+    def logits(self) -> Tensor:  # type: ignore[override]
+        raise AttributeError("this forward was given targets and fused the output layer into the loss, so it "
+                             "computed no logits; call the model without targets to get them")
+
+    @functools.cached_property
+    def hidden(self) -> Tensor:  # type: ignore[override]
+        return self.packing.unpack(self._hidden) if self.packing is not None else self._hidden
+
+
+def fuses_loss(head: nn.Module) -> bool:
+    """Whether the output layer can run fused with the loss: a plain (unquantised, unsharded)
+    linear layer; any other head computes its logits and the loss takes them."""
+    return isinstance(head, nn.Linear) and type(head.weight.data) is Tensor
+
+
+def model_output(out: StackOutput, head: nn.Module, targets: Tensor | None = None) -> ModelOutput:
+    """A stack's output and the output head applied to it, packed if the stack ran padding-free.
+
+    With ``targets`` (b, t) (``IGNORE`` where nothing counts) and a head that ``fuses_loss``, the
+    head runs fused with the cross-entropy instead and no logits are made (``LossModelOutput``)."""
+    if targets is not None and fuses_loss(head):
+        return LossModelOutput(head_loss(out, head, targets), out.hidden, out.packing, out.attentions)
     if out.packing is not None:
         return PackedModelOutput(out.packing, head(out.hidden), out.hidden)
     return ModelOutput(logits=head(out.hidden), hidden=out.hidden, attentions=out.attentions)
+
+
+def head_loss(out: StackOutput, head: nn.Linear, targets: Tensor) -> HeadLoss:
+    """The fused output layer + cross-entropy over a stack's rows: every (b, t) position, or the
+    real tokens of a padding-free stack (``packing.index``)."""
+    if out.packing is not None:
+        batch_shape = (out.packing.batch, out.packing.length)
+        hidden, row_index = out.hidden, out.packing.index  # (n, d), (n,)
+    else:
+        batch_shape = tuple(out.hidden.shape[:2])
+        hidden, row_index = out.hidden.reshape(-1, out.hidden.shape[-1]), None  # (b t, d)
+    if tuple(targets.shape) != batch_shape:
+        raise ValueError(f"targets must have the (batch, seq) shape of the model's input, {batch_shape}; "
+                         f"got {tuple(targets.shape)}")
+    flat_targets = targets.reshape(-1)
+    if row_index is not None:
+        flat_targets = flat_targets.index_select(0, row_index)
+    return linear_cross_entropy(hidden, head.weight, head.bias, flat_targets, row_index=row_index,
+                                batch_shape=(batch_shape[0], batch_shape[1]))
 
 
 def init_weights(model: nn.Module, config: ModelConfig) -> None:

@@ -38,15 +38,19 @@ class DecoderOnly(nn.Module):
         positions: Tensor | None = None,
         cache: KVCache | None = None,
         need_weights: bool = False,
+        targets: Tensor | None = None,
     ) -> ModelOutput:
         """tokens (b, t) -> logits (b, t, v). With ``cache``, tokens continue the cached ones.
 
         With ``config.padding_free`` (no cache, no ``need_weights``) the stack skips padding;
-        logits and hidden are zeros at padded positions."""
+        logits and hidden are zeros at padded positions.
+        With ``targets`` (b, t) (next-token ids, ``IGNORE`` where nothing counts) the output
+        layer runs fused with the cross-entropy and makes no logits: the output's ``head_loss``
+        feeds ``sequence_loss`` (``aiayn.nn.linear_cross_entropy``; a training step's choice)."""
         pack = self.config.padding_free and cache is None and not need_weights
         out = self.decoder(tokens, valid=valid, positions=positions, cache=cache, need_weights=need_weights,
                            pack=pack)
-        return model_output(out, self.lm_head)
+        return model_output(out, self.lm_head, targets)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
                   dtype: torch.dtype | None = None, quantize: str | None = None,

@@ -58,17 +58,19 @@ class EncoderDecoder(nn.Module):
         tgt_valid: Tensor | None = None,
         cache: KVCache | None = None,
         need_weights: bool = False,
+        targets: Tensor | None = None,
     ) -> ModelOutput:
         """tgt (b, t) -> logits (b, t, v_tgt), attending to the encoded source.
 
         With ``cache`` the target tokens continue the cached ones and the cross-attention keys and
-        values of ``encoded`` are computed on the first call only.
+        values of ``encoded`` are computed on the first call only. With ``targets`` the output
+        layer runs fused with the loss (see ``forward``).
         """
         out = self.decoder(tgt, valid=tgt_valid, memory=encoded.memory, memory_valid=encoded.valid,
                            cache=cache, need_weights=need_weights)
-        return ModelOutput(logits=self.lm_head(out.hidden), hidden=out.hidden,
-                           attentions=out.attentions, cross_attentions=out.cross_attentions,
-                           encoder_attentions=encoded.attentions)
+        output = model_output(out, self.lm_head, targets)
+        output.cross_attentions, output.encoder_attentions = out.cross_attentions, encoded.attentions
+        return output
 
     def forward(
         self,
@@ -78,11 +80,14 @@ class EncoderDecoder(nn.Module):
         src_valid: Tensor | None = None,
         tgt_valid: Tensor | None = None,
         need_weights: bool = False,
+        targets: Tensor | None = None,
     ) -> ModelOutput:
         """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt).
 
         With ``config.padding_free`` (and no ``need_weights``) both stacks skip padding; logits and
-        hidden are zeros at padded target positions."""
+        hidden are zeros at padded target positions.
+        With ``targets`` (b, t) (``IGNORE`` where nothing counts) the output layer runs fused with
+        the cross-entropy and makes no logits (see ``DecoderOnly.forward``)."""
         if src.dim() == 2 and tgt.dim() == 2 and src.shape[0] != tgt.shape[0]:
             raise ValueError(f"src and tgt batch sizes differ: src {tuple(src.shape)}, tgt {tuple(tgt.shape)}")
         if self.config.padding_free and not need_weights:
@@ -91,9 +96,9 @@ class EncoderDecoder(nn.Module):
             enc = self.encoder(src, valid=src_valid, pack=True)
             out = self.decoder(tgt, valid=tgt_valid, memory=enc.hidden, memory_valid=enc.valid,
                                memory_packing=enc.packing, pack=True)
-            return model_output(out, self.lm_head)
+            return model_output(out, self.lm_head, targets)
         encoded = self.encode(src, src_valid=src_valid, need_weights=need_weights)
-        return self.decode(tgt, encoded, tgt_valid=tgt_valid, need_weights=need_weights)
+        return self.decode(tgt, encoded, tgt_valid=tgt_valid, need_weights=need_weights, targets=targets)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
                   dtype: torch.dtype | None = None, quantize: str | None = None,

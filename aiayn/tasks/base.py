@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.models import build_model
-from aiayn.train.losses import PackedLogits, sequence_loss
+from aiayn.train.losses import LossInput, sequence_loss
 
 Batch = dict[str, Tensor]
 
@@ -77,9 +77,10 @@ class Task:
         return [self.collate(split, torch.arange(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
 
     # ---- model I/O --------------------------------------------------------------------------
-    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor | PackedLogits, Tensor]:
-        """(logits (b, t, c), or ``PackedLogits`` from a padding-free model (``loss_logits``),
-        targets (b, t) with IGNORE at positions that do not count)."""
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
+        """(logits (b, t, c), ``PackedLogits`` from a padding-free model, or the ``HeadLoss`` of a
+        model given the targets (``loss_logits`` picks), targets (b, t) with IGNORE at positions
+        that do not count): what ``sequence_loss`` takes."""
         raise NotImplementedError
 
     def count_tokens(self, batch: Batch) -> int:

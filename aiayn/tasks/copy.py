@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.generate import greedy_encoder_decoder
 from aiayn.tasks.base import AttentionExample, Batch, Task, register
-from aiayn.train.losses import IGNORE
+from aiayn.train.losses import IGNORE, LossInput, loss_logits
 
 PAD, BOS = 0, 1
 
@@ -46,12 +46,12 @@ class CopyTask(Task):
             src = torch.randint(2, self.vocab_size, (n, self.seq_len), generator=generator)
             self.splits[split] = {"src": src}
 
-    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
         src = batch["src"]
         bos = torch.full((src.shape[0], 1), BOS, dtype=src.dtype)
         tgt_in = torch.cat([bos, src[:, :-1]], dim=1)  # teacher forcing: shift right
         targets = src.masked_fill(src == PAD, IGNORE)
-        return model(src, tgt_in).logits, targets
+        return loss_logits(model(src, tgt_in, targets=targets)), targets  # output layer fused with the loss
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:

@@ -19,7 +19,7 @@ from aiayn.data import dataset_file
 from aiayn.generate import SamplingConfig, generate_decoder_only
 from aiayn.tasks.base import Batch, Task, register
 from aiayn.tokenizers import CharTokenizer
-from aiayn.train.losses import IGNORE
+from aiayn.train.losses import IGNORE, LossInput, loss_logits
 
 CORPUS = ("tinyshakespeare", "input.txt")
 
@@ -91,8 +91,9 @@ class ShakespeareCharTask(TextWindowsTask):
         tokens, targets = self.windows(split, indices)
         return {"tokens": tokens, "targets": targets}
 
-    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
-        return model(batch["tokens"]).logits, batch["targets"]
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
+        # Given the targets, the model runs its output layer fused with the loss (no logits made).
+        return loss_logits(model(batch["tokens"], targets=batch["targets"])), batch["targets"]
 
     def sample(self, model: nn.Module, prompt: str, *, max_new_tokens: int,
                sampling: SamplingConfig) -> str:

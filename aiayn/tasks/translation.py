@@ -30,7 +30,7 @@ from aiayn.data.parallel import (
 )
 from aiayn.tasks.base import AttentionExample, Batch, Task, register
 from aiayn.tokenizers import BPETokenizer
-from aiayn.train.losses import IGNORE, PackedLogits, loss_logits
+from aiayn.train.losses import IGNORE, LossInput, loss_logits
 from aiayn.translate import DecodeOptions, Translator
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -159,10 +159,11 @@ class TranslationTask(Task):
         return int((batch["src"] != pad).sum() + (batch["tgt_out"] != pad).sum())
 
     # ---- model I/O ------------------------------------------------------------------------------
-    def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor | PackedLogits, Tensor]:
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
         targets = batch["tgt_out"].masked_fill(batch["tgt_out"] == self.tokenizer.pad_id, IGNORE)
-        # Packed logits when the model skips padding (ModelConfig.padding_free): the loss skips it too.
-        return loss_logits(model(batch["src"], batch["tgt_in"])), targets
+        # Given the targets the model fuses its output layer with the loss (over the real target
+        # tokens only when it skips padding, ModelConfig.padding_free).
+        return loss_logits(model(batch["src"], batch["tgt_in"], targets=targets)), targets
 
     def translator(self, model: nn.Module) -> Translator:
         return Translator(model, self.load_tokenizer(), max_tokens=self.max_tokens)

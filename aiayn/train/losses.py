@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.models.base import ModelOutput, PackedModelOutput
+from aiayn.models.base import LossModelOutput, ModelOutput, PackedModelOutput
+from aiayn.nn.linear_cross_entropy import HeadLoss
 from aiayn.nn.packing import Packing
 
 IGNORE = -100  # target value of positions that do not count (padding)
@@ -25,16 +26,25 @@ class PackedLogits:
     packing: Packing
 
 
-def loss_logits(out: ModelOutput) -> Tensor | PackedLogits:
-    """What a task hands ``sequence_loss``: a padding-free forward's packed logits (the loss then
+LossInput = Tensor | PackedLogits | HeadLoss  # what sequence_loss takes
+
+
+def loss_logits(out: ModelOutput) -> LossInput:
+    """What a task hands ``sequence_loss``: the fused output layer + loss of a forward given
+    targets (``LossModelOutput.head_loss``), a padding-free forward's packed logits (the loss then
     skips the padded rows too), else the (b, t, c) logits."""
+    if isinstance(out, LossModelOutput):
+        return out.head_loss
     if isinstance(out, PackedModelOutput):
         return PackedLogits(out.packed_logits, out.packing)
     return out.logits
 
 
-def logits_tensor(logits: Tensor | PackedLogits) -> Tensor:
-    """The tensor behind either form (to keep a loss connected to the graph, say)."""
+def logits_tensor(logits: LossInput) -> Tensor:
+    """A tensor of the graph behind any form (to keep a zero loss connected to it, say): the
+    logits, or a fused loss's NLL sum (zero, with zero gradients, when nothing counts)."""
+    if isinstance(logits, HeadLoss):
+        return logits.nll_sum
     return logits.logits if isinstance(logits, PackedLogits) else logits
 
 
@@ -81,8 +91,9 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-def sequence_loss(logits: Tensor | PackedLogits, targets: Tensor, *, label_smoothing: float = 0.0) -> LossOutput:
-    """logits (b, t, c), or ``PackedLogits`` (n, c) of a padding-free forward; targets (b, t) with
+def sequence_loss(logits: LossInput, targets: Tensor, *, label_smoothing: float = 0.0) -> LossOutput:
+    """logits (b, t, c), ``PackedLogits`` (n, c) of a padding-free forward, or the ``HeadLoss``
+    of a forward given these targets (output layer fused with the loss); targets (b, t) with
     ``IGNORE`` at padding.
 
     Label smoothing (paper section 5.4) puts ``eps / c`` of the target mass on every class; the
@@ -91,6 +102,8 @@ def sequence_loss(logits: Tensor | PackedLogits, targets: Tensor, *, label_smoot
     (``tests/parity/test_losses_vs_torch.py``): (1 - eps) * -log p(target) + eps * mean over
     classes of -log p(class), averaged over the counted positions.
     """
+    if isinstance(logits, HeadLoss):
+        return _head_sequence_loss(logits, targets, label_smoothing)
     counted = targets != IGNORE  # (b, t)
     n_tokens = int(counted.sum())
     packing = logits.packing if isinstance(logits, PackedLogits) else None
@@ -119,6 +132,42 @@ def sequence_loss(logits: Tensor | PackedLogits, targets: Tensor, *, label_smoot
         nll_sum = (token_nll * counted_flat).sum()
         correct_flat = (rows.argmax(-1) == flat_targets) & counted_flat  # (n,)
         correct = packing.unpack(correct_flat) if packing is not None else correct_flat.view(targets.shape)
+        seq_correct = (correct | ~counted).all(dim=1)
+    return LossOutput(loss=loss, nll_sum=nll_sum.detach(), n_tokens=n_tokens,
+                      n_correct=int(correct.sum()), n_seq_correct=int(seq_correct.sum()),
+                      n_seqs=targets.shape[0])
+
+
+def _head_sequence_loss(head: HeadLoss, targets: Tensor, label_smoothing: float) -> LossOutput:
+    """``sequence_loss`` of a fused output layer + loss: (1 - eps) NLL + eps uniform cross-entropy,
+    both already averaged over the counted rows (``aiayn.nn.linear_cross_entropy``)."""
+    if tuple(targets.shape) != head.batch_shape:
+        raise ValueError(f"the fused loss is of a {head.batch_shape} batch; targets {tuple(targets.shape)} "
+                         f"disagree in their (batch, seq) dimensions")
+    flat_targets = targets.reshape(-1)
+    if head.row_index is not None:
+        flat_targets = flat_targets.index_select(0, head.row_index)
+    if not torch.equal(flat_targets, head.targets):
+        raise ValueError("these targets differ from the ones the model's forward fused into its loss; "
+                         "pass sequence_loss the same targets as the forward")
+    counted = targets != IGNORE  # (b, t)
+    n_tokens = int(counted.sum())
+    counted_rows = head.targets != IGNORE  # (n,)
+    if n_tokens != int(counted_rows.sum()):
+        raise ValueError("targets count positions the padding-free forward skipped (padded inputs); "
+                         f"set those targets to IGNORE ({IGNORE}) or mark the inputs valid")
+    loss = head.nll_sum if label_smoothing == 0 else (
+        (1 - label_smoothing) * head.nll_sum + label_smoothing * head.uniform_sum)
+    if n_tokens == 0:
+        loss = loss + float("nan")  # as F.cross_entropy with nothing counted (gradients stay zero)
+    with torch.no_grad():
+        nll_sum = (head.token_nll * counted_rows).sum()
+        correct_rows = (head.predictions == head.targets) & counted_rows  # (n,)
+        if head.row_index is not None:
+            correct = torch.zeros(targets.numel(), dtype=torch.bool, device=targets.device)
+            correct = correct.index_copy_(0, head.row_index, correct_rows).view(targets.shape)
+        else:
+            correct = correct_rows.view(targets.shape)
         seq_correct = (correct | ~counted).all(dim=1)
     return LossOutput(loss=loss, nll_sum=nll_sum.detach(), n_tokens=n_tokens,
                       n_correct=int(correct.sum()), n_seq_correct=int(seq_correct.sum()),

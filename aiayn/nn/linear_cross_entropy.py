@@ -1,0 +1,192 @@
+"""The output layer and the cross-entropy fused, chunk by chunk: the (n, v) logits never exist.
+
+A language model's last step is logits = h W^T + b over the whole vocabulary, then a softmax
+cross-entropy. Done in the usual two steps on a CPU, the (n, v) logits and their gradient are
+written and read back several times (log-softmax, its backward, the zero-filled NLL gradient):
+at n = 4096 tokens and v = 8000 those passes over 131 MB cost ~40% of the output layer's three
+matmuls (``python -m benchmarks.train --suite decoder`` shows the step). Here each chunk of
+rows (~16 MB of logits, in the last-level cache) is turned into its softmax in place and
+multiplied into the gradients of h and W at once, so the logits are read from memory once:
+the approach of Liger Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy, in
+plain torch ops.
+
+Label smoothing is left to the caller: the loss is returned as two weighted sums,
+
+    nll_sum     = sum_i w_i (lse_i - z_i[t_i])          (the true negative log-likelihood)
+    uniform_sum = sum_i w_i (lse_i - mean_j z_ij)        (cross-entropy against the uniform)
+
+and a smoothed loss is (1 - eps) nll_sum + eps uniform_sum. Their gradients with respect to the
+logits share the expensive part, w_i softmax_i: the forward multiplies it into ``P_h = (w p) W``
+and ``P_W = (w p)^T h`` while the chunk is in cache, and the backward adds the cheap one-hot and
+uniform parts with the incoming scales g1, g2:
+
+    grad z_i = (g1 + g2) w_i p_i - g1 w_i e_{t_i} - g2 w_i / v
+
+The gradients are computed during the forward when any input needs one (as the fused kernels
+do), so the backward is a handful of (n, d) and (v, d) operations.
+
+Shape letters: n rows (tokens), d model width, v vocabulary, c rows in a chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MB in float32): in the L3 cache, big matmuls
+
+
+@dataclass
+class HeadLoss:
+    """A fused output layer + cross-entropy over n rows, for ``aiayn.train.losses.sequence_loss``.
+
+    ``nll_sum`` and ``uniform_sum`` are differentiable scalars (weighted as above, the weights
+    1 / counted rows, 0 at ``ignore_index``); ``token_nll`` and ``predictions`` (argmax ids) are per row, not
+    differentiable; ``targets`` (n,) are the rows' targets with ``ignore_index`` kept, and
+    ``row_index`` (n,) their positions in the flattened (b, t) batch (all of them unless the
+    forward skipped padding) of shape ``batch_shape``."""
+
+    nll_sum: Tensor
+    uniform_sum: Tensor
+    token_nll: Tensor
+    predictions: Tensor
+    targets: Tensor
+    row_index: Tensor | None
+    batch_shape: tuple[int, int]
+
+
+def _compute_dtype(hidden: Tensor) -> torch.dtype:
+    """The matmuls' dtype: the autocast one when autocast is on (as ``nn.Linear`` would run)."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
+
+
+def _chunk_rows(n_classes: int, chunk_rows: int | None) -> int:
+    return chunk_rows if chunk_rows is not None else max(1, CHUNK_ELEMENTS // max(n_classes, 1))
+
+
+def _head_loss_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, weights: Tensor,
+                    chunk_rows: int, grads: tuple[bool, bool, bool]) -> tuple[Tensor, ...]:
+    """The forward (and, for ``grads`` (hidden, weight, bias), the softmax part of the gradients).
+
+    hidden (n, d), weight (v, d), bias (v,) | None, targets (n,) valid ids, weights (n,) float32.
+    Returns nll (n,), uniform (n,), predictions (n,), P_h (n, d) | None, P_W (v, d) | None,
+    P_b (v,) | None, all float32 but predictions."""
+    dtype = _compute_dtype(hidden)
+    h, w_t = hidden.to(dtype), weight.to(dtype).t()  # (n, d), (d, v)
+    b = bias.to(dtype) if bias is not None else None
+    n = h.shape[0]
+    nll, uniform = h.new_empty(n, dtype=torch.float32), h.new_empty(n, dtype=torch.float32)
+    predictions = targets.new_empty(n)
+    p_h = h.new_empty(n, h.shape[1], dtype=torch.float32) if grads[0] else None
+    p_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads[1] else None
+    p_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if grads[2] else None
+    for start in range(0, n, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, n))
+        h_c = h[rows]  # (c, d)
+        z = (torch.addmm(b, h_c, w_t) if b is not None else h_c @ w_t).float()  # (c, v) logits
+        lse = torch.logsumexp(z, dim=1)  # (c,)
+        nll[rows] = lse - z.gather(1, targets[rows, None]).squeeze(1)
+        uniform[rows] = lse - z.mean(dim=1)
+        predictions[rows] = z.argmax(dim=1)
+        if not any(grads):
+            continue
+        # z becomes w_i softmax_i in place: exp(z - lse + log w), one pass (w = 0 gives 0).
+        z.sub_((lse - weights[rows].log())[:, None]).exp_()
+        g = z.to(dtype)  # (c, v), a no-op in float32
+        if p_h is not None:
+            p_h[rows] = g @ w_t.t()  # (c, d)
+        if p_w is not None:
+            if g.dtype == torch.float32 and h_c.dtype == torch.float32:
+                p_w.addmm_(g.t(), h_c)  # (v, d) += (v, c) @ (c, d)
+            else:
+                p_w += (g.t() @ h_c).float()
+        if p_b is not None:
+            p_b += z.sum(dim=0)
+    return nll, uniform, predictions, p_h, p_w, p_b
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                weights: Tensor, chunk_rows: int) -> tuple[Tensor, ...]:
+        grads = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        nll, uniform, predictions, p_h, p_w, p_b = _head_loss_rows(
+            hidden, weight, bias, targets, weights, chunk_rows, grads)
+        ctx.save_for_backward(hidden, weight, targets, weights, p_h, p_w, p_b)
+        ctx.grads, ctx.hidden_dtype, ctx.weight_dtype = grads, hidden.dtype, weight.dtype
+        ctx.compute_dtype = _compute_dtype(hidden)
+        ctx.mark_non_differentiable(nll, predictions)
+        return (weights * nll).sum(), (weights * uniform).sum(), nll, predictions
+
+    @staticmethod
+    def backward(ctx: Any, g_nll: Tensor, g_uniform: Tensor, _g_rows: Tensor,
+                 _g_pred: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, targets, weights, p_h, p_w, p_b = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.grads
+        n_classes = weight.shape[0]
+        scale = g_nll + g_uniform  # of the softmax part
+        w = weights[:, None]  # (n, 1)
+        grad_h = grad_w = grad_b = None
+        if need_h:
+            w_c = weight.to(ctx.compute_dtype).float()  # the weights the forward multiplied by
+            # (n, d): (g1 + g2) P_h - g1 w_i W[t_i] - g2 w_i mean_j W_j
+            grad_h = scale * p_h - g_nll * w * w_c.index_select(0, targets) - g_uniform * w * w_c.mean(dim=0)
+            grad_h = grad_h.to(ctx.hidden_dtype)
+        if need_w:
+            h_c = hidden.to(ctx.compute_dtype).float()
+            # (v, d): (g1 + g2) P_W - g1 sum_i w_i e_{t_i} h_i^T - g2 / v sum_i w_i h_i (every row)
+            weighted = w * h_c  # (n, d)
+            one_hot_part = torch.zeros_like(p_w).index_add_(0, targets, weighted)
+            grad_w = scale * p_w - g_nll * one_hot_part - (g_uniform / n_classes) * weighted.sum(dim=0)
+            grad_w = grad_w.to(ctx.weight_dtype)
+        if need_b:
+            one_hot_b = torch.zeros_like(p_b).index_add_(0, targets, weights)
+            grad_b = (scale * p_b - g_nll * one_hot_b - (g_uniform / n_classes) * weights.sum()).to(ctx.weight_dtype)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+@torch.compiler.disable  # eager inside a compiled model: a data-dependent loop of in-place chunks
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *,
+                         ignore_index: int = -100, row_index: Tensor | None = None,
+                         batch_shape: tuple[int, int] | None = None,
+                         chunk_rows: int | None = None) -> HeadLoss:
+    """Cross-entropy of the logits ``hidden @ weight.T + bias`` against ``targets``, never
+    materialising them: hidden (n, d), weight (v, d), bias (v,) | None, targets (n,) class ids or
+    ``ignore_index``. Rows are weighted 1 / (counted rows), as ``F.cross_entropy``'s mean (when
+    nothing counts, the sums are 0 with zero gradients, where ``F.cross_entropy`` gives NaN). ``row_index``/``batch_shape`` say where the rows sit in a (b, t) batch
+    (default: all of an (n, 1) one); ``chunk_rows`` overrides the ~16 MB chunk."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden (n, d) and weight (v, d) must share d; got hidden {tuple(hidden.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must have shape ({hidden.shape[0]},) (one per hidden row), "
+                         f"got {tuple(targets.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    counted = targets != ignore_index  # (n,)
+    bad = counted & ((targets < 0) | (targets >= weight.shape[0]))
+    if bool(bad.any()):
+        raise ValueError(f"targets hold ids outside [0, {weight.shape[0]}) (e.g. {int(targets[bad][0])}); "
+                         f"mark positions that do not count with {ignore_index}")
+    weights = counted.float() / counted.sum().clamp(min=1)  # (n,) all 0 when nothing counts
+    safe_targets = targets.masked_fill(~counted, 0)
+    chunk = _chunk_rows(weight.shape[0], chunk_rows)
+    inputs_need_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if torch.is_grad_enabled() and inputs_need_grad:
+        nll_sum, uniform_sum, nll, predictions = _LinearCrossEntropy.apply(
+            hidden, weight, bias, safe_targets, weights, chunk)
+    else:
+        nll, uniform, predictions, *_ = _head_loss_rows(hidden, weight, bias, safe_targets, weights, chunk,
+                                                        (False, False, False))
+        nll_sum, uniform_sum = (weights * nll).sum(), (weights * uniform).sum()
+    return HeadLoss(nll_sum=nll_sum, uniform_sum=uniform_sum, token_nll=nll, predictions=predictions,
+                    targets=targets, row_index=row_index,
+                    batch_shape=batch_shape if batch_shape is not None else (hidden.shape[0], 1))
