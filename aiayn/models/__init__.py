@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import ModelOutput, count_parameters
+from aiayn.models.base import LossModelOutput, ModelOutput, count_parameters
 from aiayn.models.blocks import TransformerBlock, TransformerStack
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import Encoded, EncoderDecoder
@@ -30,6 +30,7 @@ __all__ = [
     "EncoderDecoder",
     "EncoderOnly",
     "EncoderOnlyOutput",
+    "LossModelOutput",
     "ModelOutput",
     "TransformerBlock",
     "TransformerStack",

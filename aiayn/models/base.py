@@ -45,24 +45,31 @@ class PackedModelOutput(ModelOutput):
         return self.packing.unpack(self.packed_hidden)
 
 
-class LossModelOutput(ModelOutput):
+@dataclass
+class LossModelOutput:
     """A forward given ``targets``: the output layer ran fused with the cross-entropy
     (``aiayn.nn.linear_cross_entropy``), so there are no logits; ``head_loss`` feeds
-    ``aiayn.train.losses.sequence_loss`` (through ``loss_logits``). ``hidden`` is (b, t, d)."""
+    ``aiayn.train.losses.sequence_loss`` (through ``loss_logits``). ``stack_hidden`` is the last
+    stack's output, (b, t, d) or packed (n, d); ``hidden`` is always (b, t, d).
 
-    def __init__(self, head_loss: HeadLoss, hidden: Tensor, packing: Packing | None,
-                 attentions: list[Tensor] | None = None) -> None:
-        self.head_loss, self._hidden, self.packing = head_loss, hidden, packing
-        self.attentions, self.cross_attentions, self.encoder_attentions = attentions or [], [], []
+    A plain dataclass whose fields hold the graph's tensors (the loss sums inside ``head_loss``):
+    wrappers that hook a module's outputs (FSDP's pre-backward) find them there."""
+
+    head_loss: HeadLoss
+    stack_hidden: Tensor
+    packing: Packing | None = None
+    attentions: list[Tensor] = field(default_factory=list)
+    cross_attentions: list[Tensor] = field(default_factory=list)
+    encoder_attentions: list[Tensor] = field(default_factory=list)
 
     @property
-    def logits(self) -> Tensor:  # type: ignore[override]
+    def logits(self) -> Tensor:
         raise AttributeError("this forward was given targets and fused the output layer into the loss, so it "
                              "computed no logits; call the model without targets to get them")
 
     @functools.cached_property
-    def hidden(self) -> Tensor:  # type: ignore[override]
-        return self.packing.unpack(self._hidden) if self.packing is not None else self._hidden
+    def hidden(self) -> Tensor:
+        return self.packing.unpack(self.stack_hidden) if self.packing is not None else self.stack_hidden
 
 
 def fuses_loss(head: nn.Module) -> bool:
@@ -71,7 +78,8 @@ def fuses_loss(head: nn.Module) -> bool:
     return isinstance(head, nn.Linear) and type(head.weight.data) is Tensor
 
 
-def model_output(out: StackOutput, head: nn.Module, targets: Tensor | None = None) -> ModelOutput:
+def model_output(out: StackOutput, head: nn.Module,
+                 targets: Tensor | None = None) -> ModelOutput | LossModelOutput:
     """A stack's output and the output head applied to it, packed if the stack ran padding-free.
 
     With ``targets`` (b, t) (``IGNORE`` where nothing counts) and a head that ``fuses_loss``, the

@@ -6,7 +6,14 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache, model_output
+from aiayn.models.base import (
+    LossModelOutput,
+    ModelOutput,
+    check_arch,
+    init_weights,
+    make_cache,
+    model_output,
+)
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.matvec import Linear
@@ -39,7 +46,7 @@ class DecoderOnly(nn.Module):
         cache: KVCache | None = None,
         need_weights: bool = False,
         targets: Tensor | None = None,
-    ) -> ModelOutput:
+    ) -> ModelOutput | LossModelOutput:
         """tokens (b, t) -> logits (b, t, v). With ``cache``, tokens continue the cached ones.
 
         With ``config.padding_free`` (no cache, no ``need_weights``) the stack skips padding;

@@ -8,7 +8,14 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache, model_output
+from aiayn.models.base import (
+    LossModelOutput,
+    ModelOutput,
+    check_arch,
+    init_weights,
+    make_cache,
+    model_output,
+)
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.matvec import Linear
@@ -59,7 +66,7 @@ class EncoderDecoder(nn.Module):
         cache: KVCache | None = None,
         need_weights: bool = False,
         targets: Tensor | None = None,
-    ) -> ModelOutput:
+    ) -> ModelOutput | LossModelOutput:
         """tgt (b, t) -> logits (b, t, v_tgt), attending to the encoded source.
 
         With ``cache`` the target tokens continue the cached ones and the cross-attention keys and
@@ -81,7 +88,7 @@ class EncoderDecoder(nn.Module):
         tgt_valid: Tensor | None = None,
         need_weights: bool = False,
         targets: Tensor | None = None,
-    ) -> ModelOutput:
+    ) -> ModelOutput | LossModelOutput:
         """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt).
 
         With ``config.padding_free`` (and no ``need_weights``) both stacks skip padding; logits and

@@ -15,12 +15,16 @@ Label smoothing is left to the caller: the loss is returned as two weighted sums
     nll_sum     = sum_i w_i (lse_i - z_i[t_i])          (the true negative log-likelihood)
     uniform_sum = sum_i w_i (lse_i - mean_j z_ij)        (cross-entropy against the uniform)
 
-and a smoothed loss is (1 - eps) nll_sum + eps uniform_sum. Their gradients with respect to the
-logits share the expensive part, w_i softmax_i: the forward multiplies it into ``P_h = (w p) W``
-and ``P_W = (w p)^T h`` while the chunk is in cache, and the backward adds the cheap one-hot and
-uniform parts with the incoming scales g1, g2:
+and a smoothed loss is (1 - eps) nll_sum + eps uniform_sum. With incoming scales g1, g2 the
+gradient with respect to the logits is
 
-    grad z_i = (g1 + g2) w_i p_i - g1 w_i e_{t_i} - g2 w_i / v
+    grad z_i = (g1 + g2) w_i (p_i - e_{t_i}) + g2 w_i e_{t_i} - g2 w_i / v
+
+(p the softmax, e the one-hot target). The forward multiplies the expensive part, w_i (p_i -
+e_{t_i}), into ``P_h = G W`` and ``P_W = G^T h`` while the chunk is in cache; the backward adds the
+cheap one-hot and uniform parts, (n, d) and (v, d) operations. (The target is subtracted before
+a bfloat16 autocast rounds G, as the unfused path rounds its finished gradient: rounding p first
+would lose p_t - 1 of a confident prediction.)
 
 The gradients are computed during the forward when any input needs one (as the fused kernels
 do), so the backward is a handful of (n, d) and (v, d) operations.
@@ -96,8 +100,10 @@ def _head_loss_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
         predictions[rows] = z.argmax(dim=1)
         if not any(grads):
             continue
-        # z becomes w_i softmax_i in place: exp(z - lse + log w), one pass (w = 0 gives 0).
+        # z becomes w_i (softmax_i - e_{t_i}) in place: exp(z - lse + log w), one pass (w = 0 gives
+        # 0), then -w_i at the target.
         z.sub_((lse - weights[rows].log())[:, None]).exp_()
+        z.scatter_add_(1, targets[rows, None], -weights[rows, None])
         g = z.to(dtype)  # (c, v), a no-op in float32
         if p_h is not None:
             p_h[rows] = g @ w_t.t()  # (c, d)
@@ -135,19 +141,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = grad_w = grad_b = None
         if need_h:
             w_c = weight.to(ctx.compute_dtype).float()  # the weights the forward multiplied by
-            # (n, d): (g1 + g2) P_h - g1 w_i W[t_i] - g2 w_i mean_j W_j
-            grad_h = scale * p_h - g_nll * w * w_c.index_select(0, targets) - g_uniform * w * w_c.mean(dim=0)
+            # (n, d): (g1 + g2) P_h + g2 w_i W[t_i] - g2 w_i mean_j W_j
+            grad_h = scale * p_h + g_uniform * w * (w_c.index_select(0, targets) - w_c.mean(dim=0))
             grad_h = grad_h.to(ctx.hidden_dtype)
         if need_w:
             h_c = hidden.to(ctx.compute_dtype).float()
-            # (v, d): (g1 + g2) P_W - g1 sum_i w_i e_{t_i} h_i^T - g2 / v sum_i w_i h_i (every row)
+            # (v, d): (g1 + g2) P_W + g2 sum_i w_i e_{t_i} h_i^T - g2 / v sum_i w_i h_i (every row)
             weighted = w * h_c  # (n, d)
             one_hot_part = torch.zeros_like(p_w).index_add_(0, targets, weighted)
-            grad_w = scale * p_w - g_nll * one_hot_part - (g_uniform / n_classes) * weighted.sum(dim=0)
+            grad_w = scale * p_w + g_uniform * (one_hot_part - weighted.sum(dim=0) / n_classes)
             grad_w = grad_w.to(ctx.weight_dtype)
         if need_b:
             one_hot_b = torch.zeros_like(p_b).index_add_(0, targets, weights)
-            grad_b = (scale * p_b - g_nll * one_hot_b - (g_uniform / n_classes) * weights.sum()).to(ctx.weight_dtype)
+            grad_b = (scale * p_b + g_uniform * (one_hot_b - weights.sum() / n_classes)).to(ctx.weight_dtype)
         return grad_h, grad_w, grad_b, None, None, None
 
 

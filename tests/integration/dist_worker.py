@@ -12,15 +12,17 @@ from typing import Any
 import torch
 
 from aiayn.config import ModelConfig, TrainConfig
+from aiayn.tasks.base import Task
+from aiayn.tasks.copy import CopyTask
 from aiayn.tasks.reverse import ReverseTask
 
 N_TRAIN = 250  # 16 batches of 16, the last one of 10: ranks' batches of a step can differ in size
 BATCH = 16
 
 
-class UnionReverse(ReverseTask):
-    """The reverse task whose batch i is the union of batches i*w .. i*w + w - 1 of the plain task:
-    what a w-process run sees as one global batch per step."""
+class UnionBatches(Task):
+    """A task whose batch i is the union of batches i*w .. i*w + w - 1 of the plain task: what a
+    w-process run sees as one global batch per step."""
 
     def __init__(self, *, world: int = 2, **options: Any) -> None:
         super().__init__(**options)
@@ -32,11 +34,25 @@ class UnionReverse(ReverseTask):
         return [torch.cat(plain[i : i + self.world]) for i in range(0, usable, self.world)]
 
 
-def small_task(cls: type[ReverseTask] = ReverseTask, **kw: Any) -> ReverseTask:
-    return cls(n_train=N_TRAIN, n_val=64, n_test=64, **kw)
+class UnionReverse(UnionBatches, ReverseTask):
+    """Reverse (an encoder-only model: the loss takes its MLM logits)."""
 
 
-def small_model(task: ReverseTask) -> ModelConfig:
+class UnionCopy(UnionBatches, CopyTask):
+    """Copy (an encoder-decoder given its targets: the output layer runs fused with the loss)."""
+
+
+TASKS: dict[str, tuple[type[Task], type[Task]]] = {"reverse": (ReverseTask, UnionReverse),
+                                                   "copy": (CopyTask, UnionCopy)}
+
+
+def small_task(task: str = "reverse", *, union: bool = False, **kw: Any) -> Task:
+    """The plain task, or with ``union`` its single-process reference for a 2-process run."""
+    plain, union_cls = TASKS[task]
+    return (union_cls if union else plain)(n_train=N_TRAIN, n_val=64, n_test=64, **kw)
+
+
+def small_model(task: Task) -> ModelConfig:
     return task.model_config().replace(n_layers=2, n_heads=2, dropout=0.0, attention_dropout=0.0)
 
 
@@ -52,7 +68,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, world: int, port: int, run_dir: str, fsdp: bool, train_kw: dict[str, Any]) -> None:
+def worker(rank: int, world: int, port: int, run_dir: str, fsdp: bool, task_name: str,
+           train_kw: dict[str, Any]) -> None:
     """One rank of a spawned job: torchrun's environment, then the ordinary trainer."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -62,17 +79,17 @@ def worker(rank: int, world: int, port: int, run_dir: str, fsdp: bool, train_kw:
 
     train_kw = dict(train_kw)
     resume = train_kw.pop("resume", False)
-    task = small_task()
+    task = small_task(task_name)
     result = train(task, small_model(task), small_train(**train_kw), Path(run_dir), progress=False,
                    make_plots=False, parallel=ParallelOptions(fsdp=fsdp), resume=resume)
     if rank == 0:
         (Path(run_dir) / "rank0.json").write_text(json.dumps({"final_loss": result.final_loss}))
 
 
-def spawn(world: int, run_dir: Path, *, fsdp: bool = False, **train_kw: Any) -> None:
+def spawn(world: int, run_dir: Path, *, fsdp: bool = False, task: str = "reverse", **train_kw: Any) -> None:
     import torch.multiprocessing as mp
 
-    mp.start_processes(worker, args=(world, free_port(), str(run_dir), fsdp, train_kw), nprocs=world,
+    mp.start_processes(worker, args=(world, free_port(), str(run_dir), fsdp, task, train_kw), nprocs=world,
                        start_method="spawn")
 
 

@@ -2,7 +2,7 @@
 batches; FSDP trains alike and its checkpoint loads into a single-process model.
 
 Same global batch: rank r of a 2-process run takes batches r::2 of each step's window, so the
-single-process reference (``UnionReverse``) trains on the concatenation of each window's batches.
+single-process reference (``UnionReverse``, ``UnionCopy``) trains on the concatenation of each window's batches.
 The ranks' batches differ in size at the last step (16 and 10 examples): the trainer weights each
 rank's loss by its share of the step's tokens, so the averaged gradient is the union's token-mean.
 """
@@ -41,13 +41,13 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
 _REFERENCES: dict[tuple, Path] = {}
 
 
-def single_process(tmp_path_factory, **train_kw) -> Path:
+def single_process(tmp_path_factory, task: str = "reverse", **train_kw) -> Path:
     """One process, one global batch (the union of the 2 ranks' batches) per micro-batch."""
-    key = tuple(sorted(train_kw.items()))
+    key = (task, *sorted(train_kw.items()))
     if key not in _REFERENCES:
         run_dir = tmp_path_factory.mktemp("single") / "run"
-        task = dw.small_task(dw.UnionReverse, world=2)
-        train(task, dw.small_model(task), dw.small_train(**train_kw), run_dir, progress=False,
+        union = dw.small_task(task, union=True)
+        train(union, dw.small_model(union), dw.small_train(**train_kw), run_dir, progress=False,
               make_plots=False)
         _REFERENCES[key] = run_dir
     return _REFERENCES[key]
@@ -77,6 +77,9 @@ def assert_same_run(run_dir: Path, reference: Path, *, atol: float) -> None:
             # summation order. Its slice [d, 2d) is left out; q and v biases are compared.
             d = a.shape[0] // 3
             a, b = torch.cat([a[:d], a[2 * d :]]), torch.cat([b[:d], b[2 * d :]])
+        elif name.endswith("kv_proj.bias"):  # cross-attention's fused key/value bias: the same for its key half
+            d = a.shape[0] // 2
+            a, b = a[d:], b[d:]
         torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=name)
 
 
@@ -122,6 +125,16 @@ def test_fsdp_trains_like_one_process_and_saves_a_full_checkpoint(tmp_path, refe
     for index, entries in single.optimizer_state["state"].items():
         torch.testing.assert_close(loaded.optimizer_state["state"][index]["exp_avg"], entries["exp_avg"],
                                    atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_fused_output_layer_loss_trains_alike_under_ddp_and_fsdp(tmp_path, tmp_path_factory, fsdp):
+    """The copy task's encoder-decoder is given its targets and runs its (tied) output layer fused
+    with the label-smoothed loss, inside the wrapped forward: 2 ranks equal one process."""
+    kw = dict(label_smoothing=0.1)
+    run_dir = tmp_path / "run"
+    dw.spawn(2, run_dir, fsdp=fsdp, task="copy", **kw)
+    assert_same_run(run_dir, single_process(tmp_path_factory, task="copy", **kw), atol=1e-5)
 
 
 def test_tensor_parallel_two_processes_equal_one_process(tmp_path):
