@@ -2,8 +2,9 @@
 
 Encoder-decoder peers take ``(src, tgt_in, src_valid, tgt_valid)`` and return logits
 (b, t, v), or (n, v) for the n real target positions (``tgt_valid``, row-major) when they skip
-padding (aiayn with ``ModelConfig.padding_free``); decoder-only peers take ``tokens`` (b, t) and return logits (b, t, v). Every peer is
-plain float32 and uses its fastest attention it offers on CPU (SDPA where it has it).
+padding (aiayn with ``ModelConfig.padding_free``); decoder-only peers take ``tokens`` (b, t) and
+return logits (b, t, v). aiayn models given targets return their fused output layer + loss
+instead (``aiayn.nn.linear_cross_entropy``), as in ``aiayn train``. Every peer is plain float32 and uses its fastest attention it offers on CPU (SDPA where it has it).
 
 Known differences at "equal size" (the parameter counts printed by each benchmark show them):
 
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn import ModelConfig, build_model
+from aiayn.nn.linear_cross_entropy import HeadLoss
 from aiayn.nn.positional import sinusoidal_encoding
 from aiayn.train.losses import logits_tensor, loss_logits
 
@@ -76,7 +78,10 @@ class Dropouts:
 
 def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused",
                   padding_free: bool = True) -> nn.Module:
-    """aiayn with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``; off by default)."""
+    """aiayn with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``; off by default).
+
+    Given ``targets`` (b, t) it returns what ``aiayn train`` hands its loss: the output layer
+    fused with the cross-entropy (a ``HeadLoss`` for ``sequence_loss``), no logits."""
     cfg = ModelConfig(arch="encoder-decoder", vocab_size=s.vocab, d_model=s.d_model, n_heads=s.n_heads,
                       n_layers=s.n_layers, d_ff=s.d_ff, dropout=drop.residual,
                       attention_dropout=drop.attention, activation_dropout=drop.activation,
@@ -89,8 +94,11 @@ def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused",
             super().__init__()
             self.model = build_model(cfg)
 
-        def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
-            out = self.model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)
+        def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor,
+                    targets: Tensor | None = None) -> Tensor | HeadLoss:
+            out = self.model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid, targets=targets)
+            if targets is not None:
+                return out.head_loss
             # Padding-free: the logits of the real target positions only, (n, v) (see the module doc).
             return logits_tensor(loss_logits(out))
 
@@ -179,7 +187,8 @@ def xtransformers_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
 
 
 def aiayn_padded_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
-    """The same aiayn model computing its padding too, as the other peers do."""
+    """The same aiayn model computing its padding too, as the other peers do (the benchmark
+    gives it no targets: logits, then the peers' F.cross_entropy)."""
     return aiayn_seq2seq(s, drop, padding_free=False)
 
 

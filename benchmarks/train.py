@@ -5,16 +5,22 @@ Benchmark 1 (encoder-decoder, ``--suite small`` / ``paper-base``): aiayn, torch.
 32 x (32 source + 32 target) tokens with random right padding (lengths 16..32), plus model FLOPs
 utilisation against the fp32 2048 x 2048 ``torch.mm`` peak measured in the same run. "aiayn" is
 the model with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``: token-wise layers
-and the loss on the real tokens only, the loss over its packed logits); "aiayn padded" is the same
-model computing its padding, as the other peers do.
+on the real tokens only) and, as every aiayn training task runs it, given the targets: its output
+layer fused with the cross-entropy (``aiayn.nn.linear_cross_entropy``, no logits made).
+"aiayn padded" is the same model computing its padding and its logits for the shared
+``F.cross_entropy``: what the other peers compute.
 Benchmark 2 (``--suite decoder``): decoder-only, d 256, 4 layers, 4 heads, vocab 8,000, batch
-16 x 256, against Hugging Face GPT-2 and x-transformers' ``TransformerWrapper(Decoder)``.
+16 x 256, against Hugging Face GPT-2 and x-transformers' ``TransformerWrapper(Decoder)``. "aiayn"
+fuses its output layer with the loss as above; "aiayn logits" is the same model making its
+(b, t, v) logits for the shared ``F.cross_entropy``, as the other peers do.
 
-Same loss (token cross-entropy, padding ignored), same optimiser (torch Adam, lr 1e-4,
-betas (0.9, 0.98), eps 1e-9, its fused kernel unless ``--adam for-loop``), same dropout
-(``--dropout``, default 0: every dropout of every peer off), same batch, same process. aiayn runs
-eager and, as "aiayn compiled", under ``torch.compile`` (what ``aiayn train --compile`` does; the
-warm-up steps compile, untimed); the peers run eager, their default.
+Same loss (token cross-entropy, padding ignored: ``F.cross_entropy`` over each peer's logits,
+or aiayn's fused equal of it, ``tests/consistency/test_fused_loss.py``), same optimiser (torch
+Adam, lr 1e-4, betas (0.9, 0.98), eps 1e-9, its fused kernel unless ``--adam for-loop``), same
+dropout (``--dropout``, default 0: every dropout of every peer off), same batch, same process.
+aiayn runs eager and, as "aiayn compiled", under ``torch.compile`` (what ``aiayn train
+--compile`` does; the warm-up steps compile, untimed; the fused loss stays eager); the peers run
+eager, their default.
 tokens/s counts every position fed to the model, padding included (batch x (source + target)
 for encoder-decoder, batch x length for decoder-only).
 Model FLOPs are counted on aiayn's steps with ``torch.utils.flop_counter`` (matmuls and
@@ -33,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from aiayn.train.losses import loss_logits, sequence_loss
 from benchmarks.common import (
     Timed,
     add_common_args,
@@ -61,6 +68,11 @@ from benchmarks.peers import (
 
 TRAINING_TARGET = 1.2
 COMPILED = "aiayn compiled"  # the aiayn model under torch.compile (aiayn train --compile)
+UNFUSED = "aiayn logits"  # the aiayn decoder making its logits for the shared F.cross_entropy
+# Decoder-only training peers: aiayn (output layer fused with its loss), the same model through
+# logits + F.cross_entropy, and the others.
+LM_TRAIN_PEERS = {"aiayn": LM_PEERS["aiayn"], UNFUSED: LM_PEERS["aiayn"],
+                  **{name: build for name, build in LM_PEERS.items() if name != "aiayn"}}
 MFU_TARGET = 0.6
 
 
@@ -82,14 +94,20 @@ def padded_batch(batch: int, length: int, vocab: int, gen: torch.Generator) -> t
     return tokens.masked_fill(~valid, 0), valid
 
 
-def seq2seq_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Tensor]):
+def seq2seq_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Tensor], *, fused: bool = False):
+    """One training step; ``fused``: the model (aiayn) is given the targets and runs its output
+    layer fused with the loss, ``sequence_loss`` on its ``HeadLoss`` (as ``aiayn train``)."""
     targets, packed_targets = batch["tgt_out"].reshape(-1), batch["tgt_out"][batch["tgt_valid"]]
 
     def step() -> None:
-        logits = model(batch["src"], batch["tgt_in"], batch["src_valid"], batch["tgt_valid"])
-        # (b, t, v), or (n, v) for the real target positions from a peer that skips padding
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                               targets if logits.dim() == 3 else packed_targets, ignore_index=-100)
+        if fused:
+            head = model(batch["src"], batch["tgt_in"], batch["src_valid"], batch["tgt_valid"], batch["tgt_out"])
+            loss = sequence_loss(head, batch["tgt_out"]).loss
+        else:
+            logits = model(batch["src"], batch["tgt_in"], batch["src_valid"], batch["tgt_valid"])
+            # (b, t, v), or (n, v) for the real target positions from a peer that skips padding
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                   targets if logits.dim() == 3 else packed_targets, ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -97,12 +115,16 @@ def seq2seq_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, 
     return step
 
 
-def lm_step(name: str, model: nn.Module, opt: torch.optim.Optimizer, tokens: Tensor):
+def lm_step(name: str, model: nn.Module, opt: torch.optim.Optimizer, tokens: Tensor, *, fused: bool = False):
+    """One training step; ``fused`` as in ``seq2seq_step``."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     def step() -> None:
-        logits = lm_logits(name, model, inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        if fused:
+            loss = sequence_loss(loss_logits(model(inputs, targets=targets)), targets).loss
+        else:
+            logits = lm_logits(name, model, inputs)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -130,12 +152,14 @@ def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
         torch.manual_seed(args.seed)
         model = SEQ2SEQ_PEERS[name](size, drop).train()
         models[name], params[name] = model, count_params(model)
-        peers.append(Timed(name, seq2seq_step(model, make_optimizer(model), batch)))
-        if name == "aiayn" and not args.no_compiled:  # a second, identical model, torch.compile'd
+        fused = name == "aiayn"
+        peers.append(Timed(name, seq2seq_step(model, make_optimizer(model), batch, fused=fused)))
+        if fused and not args.no_compiled:  # a second, identical model, torch.compile'd
             torch.manual_seed(args.seed)
             twin = SEQ2SEQ_PEERS[name](size, drop).train()
             params[COMPILED] = count_params(twin)
-            peers.append(Timed(COMPILED, seq2seq_step(torch.compile(twin), make_optimizer(twin), batch)))
+            peers.append(Timed(COMPILED, seq2seq_step(torch.compile(twin), make_optimizer(twin), batch,
+                                                      fused=True)))
     mark_start(args)
     # FLOPs each peer computes per step: the padded computation for every peer but padding-free
     # aiayn (and its compiled twin), which skips the padding's share; counted on aiayn's steps.
@@ -169,16 +193,18 @@ def run_decoder(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
     tokens_in = torch.randint(0, size.vocab, (batch, length + 1), generator=gen)
     tokens = batch * length
     peers, params = [], {}
-    for name in args.peers or LM_PEERS:
+    for name in args.peers or LM_TRAIN_PEERS:
         torch.manual_seed(args.seed)
-        model = LM_PEERS[name](size, drop).train()
+        model = LM_TRAIN_PEERS[name](size, drop).train()
         params[name] = count_params(model)
-        peers.append(Timed(name, lm_step(name, model, make_optimizer(model), tokens_in)))
-        if name == "aiayn" and not args.no_compiled:
+        fused = name == "aiayn"
+        peers.append(Timed(name, lm_step(name, model, make_optimizer(model), tokens_in, fused=fused)))
+        if fused and not args.no_compiled:
             torch.manual_seed(args.seed)
-            twin = LM_PEERS[name](size, drop).train()
+            twin = LM_TRAIN_PEERS[name](size, drop).train()
             params[COMPILED] = count_params(twin)
-            peers.append(Timed(COMPILED, lm_step(name, torch.compile(twin), make_optimizer(twin), tokens_in)))
+            peers.append(Timed(COMPILED, lm_step(name, torch.compile(twin), make_optimizer(twin), tokens_in,
+                                                 fused=True)))
     mark_start(args)
     counted = step_flops(peers[0].fn)  # no padding here: every peer computes the same FLOPs
     flops = {p.name: counted for p in peers}

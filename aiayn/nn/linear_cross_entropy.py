@@ -109,7 +109,7 @@ def _head_loss_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
             p_h[rows] = g @ w_t.t()  # (c, d)
         if p_w is not None:
             if g.dtype == torch.float32 and h_c.dtype == torch.float32:
-                p_w.addmm_(g.t(), h_c)  # (v, d) += (v, c) @ (c, d)
+                torch.addmm(p_w, g.t(), h_c, out=p_w)  # (v, d) += (v, c) @ (c, d); addmm_ hides from FlopCounterMode
             else:
                 p_w += (g.t() @ h_c).float()
         if p_b is not None:

@@ -67,6 +67,24 @@ def test_tied_weight_gets_both_gradients():
     assert_close(got, want)
 
 
+def test_flop_counter_sees_the_same_matmuls():
+    """The benchmarks' MFU counts a step's FLOPs with FlopCounterMode: the fused step's three
+    matmuls (logits, and the two gradients, done in the forward) count as the unfused step's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight, b, targets = rows(bias=True)
+    counts = []
+    for fused in (False, True):
+        with FlopCounterMode(display=False) as counter:
+            if fused:
+                loss = linear_cross_entropy(hidden, weight, b, targets, chunk_rows=8).nll_sum
+            else:
+                loss = F.cross_entropy(F.linear(hidden, weight, b), targets, ignore_index=IGNORE)
+            loss.backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] == 3 * 2 * 37 * 16 * 53
+
+
 def test_without_grad_computes_no_gradients():
     hidden, weight, b, targets = rows(bias=True)
     with torch.no_grad():
