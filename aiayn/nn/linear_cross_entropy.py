@@ -94,15 +94,18 @@ def _head_loss_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
         rows = slice(start, min(start + chunk_rows, n))
         h_c = h[rows]  # (c, d)
         z = (torch.addmm(b, h_c, w_t) if b is not None else h_c @ w_t).float()  # (c, v) logits
-        lse = torch.logsumexp(z, dim=1)  # (c,)
-        nll[rows] = lse - z.gather(1, targets[rows, None]).squeeze(1)
-        uniform[rows] = lse - z.mean(dim=1)
-        predictions[rows] = z.argmax(dim=1)
+        # Few passes over the chunk, one exp: the max gives the argmax too, and z turns into
+        # exp(z - max) in place, whose row sums give the log-sum-exp and scale it to the softmax.
+        top, predictions[rows] = z.max(dim=1)  # (c,), (c,)
+        target_logit, mean_logit = z.gather(1, targets[rows, None]).squeeze(1), z.mean(dim=1)
+        z.sub_(top[:, None]).exp_()
+        sum_exp = z.sum(dim=1)  # (c,)
+        lse = top + sum_exp.log()
+        nll[rows], uniform[rows] = lse - target_logit, lse - mean_logit
         if not any(grads):
             continue
-        # z becomes w_i (softmax_i - e_{t_i}) in place: exp(z - lse + log w), one pass (w = 0 gives
-        # 0), then -w_i at the target.
-        z.sub_((lse - weights[rows].log())[:, None]).exp_()
+        # z becomes w_i (softmax_i - e_{t_i}): scaled by w_i / sum_i, then -w_i at the target.
+        z.mul_((weights[rows] / sum_exp)[:, None])
         z.scatter_add_(1, targets[rows, None], -weights[rows, None])
         g = z.to(dtype)  # (c, v), a no-op in float32
         if p_h is not None:
