@@ -240,3 +240,23 @@ def test_mismatched_shapes_are_refused(shapes, needle):
     (h, w, t) = shapes
     with pytest.raises(ValueError, match=needle):
         linear_cross_entropy(torch.randn(h), torch.randn(w), None, torch.zeros(t, dtype=torch.long))
+
+
+@pytest.mark.slow
+def test_compiled_model_given_targets_trains_as_eager():
+    """``aiayn train --compile``: the compiled forward breaks its graph at the fused loss, which
+    runs eager; loss and gradients equal the eager model's."""
+    eager = seeded_model("gpt-tiny")
+    twin = seeded_model("gpt-tiny")
+    compiled = torch.compile(twin)
+    tokens, valid, targets = batch()
+    outs = []
+    for model, run in ((eager, eager), (twin, compiled)):
+        out = sequence_loss(loss_logits(run(tokens, valid=valid, targets=targets)), targets, label_smoothing=0.1)
+        out.loss.backward()
+        outs.append((out, {name: p.grad for name, p in model.named_parameters()}))
+    (want, want_grads), (got, got_grads) = outs
+    assert_close(got.loss, want.loss)
+    assert (got.n_tokens, got.n_correct) == (want.n_tokens, want.n_correct)
+    for name, grad in got_grads.items():
+        assert_close(grad, want_grads[name], msg=name)
