@@ -114,7 +114,8 @@ def _head_loss_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
             p_h[rows] = g @ w_t.t()  # (c, d)
         if p_w is not None:
             if g.dtype == torch.float32 and h_c.dtype == torch.float32:
-                torch.addmm(p_w, g.t(), h_c, out=p_w)  # (v, d) += (v, c) @ (c, d); addmm_ hides from FlopCounterMode
+                # (v, d) += (v, c) @ (c, d); out= rather than addmm_, which FlopCounterMode misses
+                torch.addmm(p_w, g.t(), h_c, out=p_w)
             else:
                 p_w += (g.t() @ h_c).float()
         if p_b is not None:
@@ -175,6 +176,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden (n, d) and weight (v, d) must share d; got hidden {tuple(hidden.shape)}, "
                          f"weight {tuple(weight.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer class ids, got dtype {targets.dtype}")
+    targets = targets.long()
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must have shape ({hidden.shape[0]},) (one per hidden row), "
                          f"got {tuple(targets.shape)}")

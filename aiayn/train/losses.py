@@ -147,7 +147,7 @@ def _head_sequence_loss(head: HeadLoss, targets: Tensor, label_smoothing: float)
     flat_targets = targets.reshape(-1)
     if head.row_index is not None:
         flat_targets = flat_targets.index_select(0, head.row_index)
-    if not torch.equal(flat_targets, head.targets):
+    if not torch.equal(flat_targets.long(), head.targets):
         raise ValueError("these targets differ from the ones the model's forward fused into its loss; "
                          "pass sequence_loss the same targets as the forward")
     counted = targets != IGNORE  # (b, t)

@@ -260,3 +260,12 @@ def test_compiled_model_given_targets_trains_as_eager():
     assert (got.n_tokens, got.n_correct) == (want.n_tokens, want.n_correct)
     for name, grad in got_grads.items():
         assert_close(grad, want_grads[name], msg=name)
+
+
+def test_targets_of_another_dtype():
+    """Integer ids of any width work (int32 as int64); float targets are refused."""
+    hidden, weight, _, targets = rows(bias=False)
+    want = linear_cross_entropy(hidden, weight, None, targets).nll_sum
+    assert_close(linear_cross_entropy(hidden, weight, None, targets.int()).nll_sum, want)
+    with pytest.raises(ValueError, match=r"targets must be integer class ids, got dtype torch\.float32"):
+        linear_cross_entropy(hidden, weight, None, targets.float())
