@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import attention, decode, kv_cache, matvec, train
+from benchmarks import attention, decode, kv_cache, loss, matvec, train
 
 
 def test_attention_benchmark(capsys):
@@ -36,3 +36,9 @@ def test_matvec_benchmark(capsys):
     matvec.main(["--quick", "--dtypes", "float32", "--layers", "1", "--repeats", "1", "--warmup", "0", "--threads", "1"])
     out = capsys.readouterr().out
     assert "| float32 | 1 | compiled multiply + sum |" in out and "**yes**" in out
+
+
+def test_loss_benchmark(capsys):
+    loss.main(["--quick", "--repeats", "1", "--warmup", "0", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| aiayn fused |" in out and "less peak memory" in out

@@ -1,0 +1,77 @@
+"""The output layer + cross-entropy, forward and backward: aiayn's fused version
+(``aiayn.nn.linear_cross_entropy``, what ``aiayn train`` runs) against ``F.linear`` then
+``F.cross_entropy`` (what the peers run), time and peak memory.
+
+Two output layers: the decoder-only training benchmark's (d 256 -> 8,000 classes) and
+SmolLM2-135M's (d 576 -> 49,152), each over 4,096 tokens (16 x 256), tied-style weight with
+gradients for both hidden states and weight. Peak memory: the bytes the call allocates beyond its
+inputs (torch.profiler allocator events, ``benchmarks/memory.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from aiayn.nn.linear_cross_entropy import linear_cross_entropy
+from benchmarks.common import (
+    Timed,
+    add_common_args,
+    footer,
+    header,
+    mark_start,
+    run_interleaved,
+    setup,
+    table,
+)
+from benchmarks.memory import mib, peak_bytes
+
+SHAPES = {"decoder benchmark (256 -> 8,000)": (4096, 256, 8000),
+          "SmolLM2-135M (576 -> 49,152)": (4096, 576, 49152)}
+QUICK_SHAPES = {"small (64 -> 1,000)": (512, 64, 1000)}
+
+
+def steps(n: int, d: int, v: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen).requires_grad_()
+    weight = (torch.randn(v, d, generator=gen) * 0.02).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=gen)
+
+    def unfused() -> None:
+        F.cross_entropy(F.linear(hidden, weight), targets).backward()
+        hidden.grad = weight.grad = None
+
+    def fused() -> None:
+        linear_cross_entropy(hidden, weight, None, targets).nll_sum.backward()
+        hidden.grad = weight.grad = None
+
+    return unfused, fused
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.loss", description=__doc__.split("\n\n")[0])
+    add_common_args(parser, repeats=5, warmup=1)
+    args = parser.parse_args(argv)
+    setup(args)
+    mark_start(args)
+    header("Output layer + cross-entropy, forward + backward, float32", args)
+    rows, lines = [], []
+    for label, (n, d, v) in (QUICK_SHAPES if args.quick else SHAPES).items():
+        unfused, fused = steps(n, d, v, args.seed)
+        peers = [Timed("F.linear + F.cross_entropy", unfused), Timed("aiayn fused", fused)]
+        run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
+        peaks = [peak_bytes(p.fn) for p in peers]
+        for p, peak in zip(peers, peaks, strict=True):
+            rows.append([label, f"{n:,} x {d} -> {v:,}", p.name, f"{p.median * 1e3:.1f}", f"±{p.spread:.0%}",
+                         mib(peak)])
+        lines.append(f"* {label}: aiayn fused **{peers[0].median / peers[1].median:.2f}x** the speed, "
+                     f"{peaks[0] / max(peaks[1], 1):.1f}x less peak memory")
+    print(table(["output layer", "tokens x d -> classes", "way", "ms (median)", "spread", "peak MiB"], rows))
+    print("\n" + "\n".join(lines))
+    footer()
+
+
+if __name__ == "__main__":
+    main()
