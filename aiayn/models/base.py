@@ -94,19 +94,16 @@ def model_output(out: StackOutput, head: nn.Module,
 def head_loss(out: StackOutput, head: nn.Linear, targets: Tensor) -> HeadLoss:
     """The fused output layer + cross-entropy over a stack's rows: every (b, t) position, or the
     real tokens of a padding-free stack (``packing.index``)."""
-    if out.packing is not None:
-        batch_shape = (out.packing.batch, out.packing.length)
-        hidden, row_index = out.hidden, out.packing.index  # (n, d), (n,)
-    else:
-        batch_shape = tuple(out.hidden.shape[:2])
-        hidden, row_index = out.hidden.reshape(-1, out.hidden.shape[-1]), None  # (b t, d)
+    packing = out.packing
+    batch_shape = (packing.batch, packing.length) if packing is not None else tuple(out.hidden.shape[:2])
     if tuple(targets.shape) != batch_shape:
         raise ValueError(f"targets must have the (batch, seq) shape of the model's input, {batch_shape}; "
                          f"got {tuple(targets.shape)}")
-    flat_targets = targets.reshape(-1)
-    if row_index is not None:
-        flat_targets = flat_targets.index_select(0, row_index)
-    return linear_cross_entropy(hidden, head.weight, head.bias, flat_targets, row_index=row_index,
+    if packing is not None:
+        hidden, flat_targets = out.hidden, packing.pack(targets)  # (n, d), (n,)
+    else:
+        hidden, flat_targets = out.hidden.reshape(-1, out.hidden.shape[-1]), targets.reshape(-1)  # (b t, d)
+    return linear_cross_entropy(hidden, head.weight, head.bias, flat_targets, packing=packing,
                                 batch_shape=(batch_shape[0], batch_shape[1]))
 
 

@@ -6,11 +6,11 @@ written and read back several times (log-softmax, its backward, the zero-filled 
 at n = 4096 tokens and v = 8000 those passes over 131 MB take over half as long as the output
 layer's three matmuls (fused here: ~295 ms for forward + backward against 368-376 ms for
 ``F.linear`` + ``F.cross_entropy``, and 51 against 375 MiB allocated, 2 threads: ``python -m
-benchmarks.loss``; ``python -m benchmarks.train --suite decoder`` shows the whole step both ways). Here each chunk of
-rows (~16 MB of logits, in the last-level cache, or 256 rows for a large vocabulary) is turned into its softmax in place and
-multiplied into the gradients of h and W at once, so the logits are read from memory once:
-the approach of Liger Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy, in
-plain torch ops.
+benchmarks.loss``; ``python -m benchmarks.train --suite decoder`` shows the whole step both
+ways). Here each chunk of rows (~16 MB of logits, in the last-level cache, or 256 rows for a
+large vocabulary) is turned into its softmax in place and multiplied into the gradients of h and
+W at once, so the logits are read from memory once: the approach of Liger Kernel's fused linear
+cross-entropy and Apple's Cut Cross-Entropy, in plain torch ops.
 
 Label smoothing is left to the caller: the loss is returned as two weighted sums,
 
@@ -23,13 +23,11 @@ gradient with respect to the logits is
     grad z_i = (g1 + g2) w_i (p_i - e_{t_i}) + g2 w_i e_{t_i} - g2 w_i / v
 
 (p the softmax, e the one-hot target). The forward multiplies the expensive part, w_i (p_i -
-e_{t_i}), into ``P_h = G W`` and ``P_W = G^T h`` while the chunk is in cache; the backward adds the
-cheap one-hot and uniform parts, (n, d) and (v, d) operations. (The target is subtracted before
+e_{t_i}), into ``P_h = G W`` and ``P_W = G^T h`` while the chunk is in cache (during the forward,
+when any input needs a gradient, as the fused kernels do); the backward adds the cheap one-hot
+and uniform parts, a handful of (n, d) and (v, d) operations. (The target is subtracted before
 a bfloat16 autocast rounds G, as the unfused path rounds its finished gradient: rounding p first
 would lose p_t - 1 of a confident prediction.)
-
-The gradients are computed during the forward when any input needs one (as the fused kernels
-do), so the backward is a handful of (n, d) and (v, d) operations.
 
 Shape letters: n rows (tokens), d model width, v vocabulary, c rows in a chunk.
 """
@@ -42,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aiayn.nn.packing import Packing
+
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MB in float32): in the L3 cache, big matmuls
 # ...but never fewer rows than this: on fewer, the matmuls lose more than the cache saves (SmolLM2's
 # 49,152-class head, 4,096 x 576: 85-row chunks 4.4 s fwd + bwd, 128-512 rows 3.8-4.0 s, 2 threads).
@@ -53,17 +53,17 @@ class HeadLoss:
     """A fused output layer + cross-entropy over n rows, for ``aiayn.train.losses.sequence_loss``.
 
     ``nll_sum`` and ``uniform_sum`` are differentiable scalars (weighted as above, the weights
-    1 / counted rows, 0 at ``ignore_index``); ``token_nll`` and ``predictions`` (argmax ids) are per row, not
-    differentiable; ``targets`` (n,) are the rows' targets with ``ignore_index`` kept, and
-    ``row_index`` (n,) their positions in the flattened (b, t) batch (all of them unless the
-    forward skipped padding) of shape ``batch_shape``."""
+    1 / counted rows, 0 at ``ignore_index``); ``token_nll`` and ``predictions`` (argmax ids) are
+    per row, not differentiable; ``targets`` (n,) are the rows' targets with ``ignore_index`` kept.
+    The rows are the (b, t) = ``batch_shape`` batch's positions in row-major order, or, with
+    ``packing``, its real tokens only (a padding-free forward)."""
 
     nll_sum: Tensor
     uniform_sum: Tensor
     token_nll: Tensor
     predictions: Tensor
     targets: Tensor
-    row_index: Tensor | None
+    packing: Packing | None
     batch_shape: tuple[int, int]
 
 
@@ -168,15 +168,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 @torch.compiler.disable  # eager inside a compiled model: a data-dependent loop of in-place chunks
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *,
-                         ignore_index: int = -100, row_index: Tensor | None = None,
+                         ignore_index: int = -100, packing: Packing | None = None,
                          batch_shape: tuple[int, int] | None = None,
                          chunk_rows: int | None = None) -> HeadLoss:
     """Cross-entropy of the logits ``hidden @ weight.T + bias`` against ``targets``, never
     materialising them: hidden (n, d), weight (v, d), bias (v,) | None, targets (n,) class ids or
     ``ignore_index``. Rows are weighted 1 / (counted rows), as ``F.cross_entropy``'s mean (when
-    nothing counts, the sums are 0 with zero gradients, where ``F.cross_entropy`` gives NaN). ``row_index``/``batch_shape`` say where the rows sit in a (b, t) batch
-    (default: all of an (n, 1) one); ``chunk_rows`` overrides the chunk (~16 MB of logits, at
-    least 256 rows)."""
+    nothing counts, the sums are 0 with zero gradients, where ``F.cross_entropy`` gives NaN).
+    ``batch_shape``/``packing`` say where the rows sit in a (b, t) batch (default: all of an
+    (n, 1) one; see ``HeadLoss``); ``chunk_rows`` overrides the chunk (~16 MB of logits, at least
+    256 rows)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden (n, d) and weight (v, d) must share d; got hidden {tuple(hidden.shape)}, "
                          f"weight {tuple(weight.shape)}")
@@ -207,5 +208,5 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
                                                         (False, False, False))
         nll_sum, uniform_sum = (weights * nll).sum(), (weights * uniform).sum()
     return HeadLoss(nll_sum=nll_sum, uniform_sum=uniform_sum, token_nll=nll, predictions=predictions,
-                    targets=targets, row_index=row_index,
+                    targets=targets, packing=packing,
                     batch_shape=batch_shape if batch_shape is not None else (hidden.shape[0], 1))

@@ -103,19 +103,27 @@ def sequence_loss(logits: LossInput, targets: Tensor, *, label_smoothing: float 
     classes of -log p(class), averaged over the counted positions.
     """
     if isinstance(logits, HeadLoss):
-        return _head_sequence_loss(logits, targets, label_smoothing)
-    counted = targets != IGNORE  # (b, t)
-    n_tokens = int(counted.sum())
+        head, packing = logits, logits.packing
+        if tuple(targets.shape) != head.batch_shape:
+            raise ValueError(f"the fused loss is of a {head.batch_shape} batch; targets {tuple(targets.shape)} "
+                             f"disagree in their (batch, seq) dimensions")
+        flat_targets = packing.pack(targets) if packing is not None else targets.reshape(-1)  # (n,)
+        if not torch.equal(flat_targets.long(), head.targets):
+            raise ValueError("these targets differ from the ones the model's forward fused into its loss; "
+                             "pass sequence_loss the same targets as the forward")
+        # Both sums are already averaged over the counted rows (aiayn.nn.linear_cross_entropy).
+        loss = head.nll_sum if label_smoothing == 0 else (
+            (1 - label_smoothing) * head.nll_sum + label_smoothing * head.uniform_sum)
+        if not bool((flat_targets != IGNORE).any()):
+            loss = loss + float("nan")  # as F.cross_entropy with nothing counted (gradients stay zero)
+        return _loss_output(loss, head.token_nll, head.predictions, flat_targets, targets, packing)
     packing = logits.packing if isinstance(logits, PackedLogits) else None
     if packing is not None:
         rows = logits_tensor(logits)  # (n, c)
         if (packing.batch, packing.length) != tuple(targets.shape):
             raise ValueError(f"packed logits of a ({packing.batch}, {packing.length}) batch and targets "
                              f"{tuple(targets.shape)} disagree in their (batch, seq) dimensions")
-        flat_targets = targets.reshape(-1).index_select(0, packing.index)  # (n,)
-        if n_tokens != int((flat_targets != IGNORE).sum()):
-            raise ValueError("targets count positions the padding-free forward skipped (padded inputs); "
-                             f"set those targets to IGNORE ({IGNORE}) or mark the inputs valid")
+        flat_targets = packing.pack(targets)  # (n,)
     else:
         assert isinstance(logits, Tensor)
         if logits.shape[:-1] != targets.shape:
@@ -123,51 +131,27 @@ def sequence_loss(logits: LossInput, targets: Tensor, *, label_smoothing: float 
                              f"in their leading (batch, seq) dimensions")
         rows, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (n, c), (n,)
     counted_flat = flat_targets != IGNORE
-    n_counted = counted_flat.sum()
     safe_targets = flat_targets.masked_fill(~counted_flat, 0)
     # NaN with nothing counted, as F.cross_entropy.
-    weights = counted_flat.float() / n_counted
+    weights = counted_flat.float() / counted_flat.sum()
     loss, token_nll = _SmoothedCrossEntropy.apply(rows, safe_targets, weights, label_smoothing)
-    with torch.no_grad():
-        nll_sum = (token_nll * counted_flat).sum()
-        correct_flat = (rows.argmax(-1) == flat_targets) & counted_flat  # (n,)
-        correct = packing.unpack(correct_flat) if packing is not None else correct_flat.view(targets.shape)
-        seq_correct = (correct | ~counted).all(dim=1)
-    return LossOutput(loss=loss, nll_sum=nll_sum.detach(), n_tokens=n_tokens,
-                      n_correct=int(correct.sum()), n_seq_correct=int(seq_correct.sum()),
-                      n_seqs=targets.shape[0])
+    return _loss_output(loss, token_nll, rows.detach().argmax(-1), flat_targets, targets, packing)
 
 
-def _head_sequence_loss(head: HeadLoss, targets: Tensor, label_smoothing: float) -> LossOutput:
-    """``sequence_loss`` of a fused output layer + loss: (1 - eps) NLL + eps uniform cross-entropy,
-    both already averaged over the counted rows (``aiayn.nn.linear_cross_entropy``)."""
-    if tuple(targets.shape) != head.batch_shape:
-        raise ValueError(f"the fused loss is of a {head.batch_shape} batch; targets {tuple(targets.shape)} "
-                         f"disagree in their (batch, seq) dimensions")
-    flat_targets = targets.reshape(-1)
-    if head.row_index is not None:
-        flat_targets = flat_targets.index_select(0, head.row_index)
-    if not torch.equal(flat_targets.long(), head.targets):
-        raise ValueError("these targets differ from the ones the model's forward fused into its loss; "
-                         "pass sequence_loss the same targets as the forward")
+def _loss_output(loss: Tensor, token_nll: Tensor, predictions: Tensor, flat_targets: Tensor, targets: Tensor,
+                 packing: Packing | None) -> LossOutput:
+    """The loss with its counts: token_nll, predictions, flat_targets (n,) of the computed rows (all
+    (b, t) positions, or the real tokens of ``packing``); targets (b, t)."""
     counted = targets != IGNORE  # (b, t)
+    counted_flat = flat_targets != IGNORE  # (n,)
     n_tokens = int(counted.sum())
-    counted_rows = head.targets != IGNORE  # (n,)
-    if n_tokens != int(counted_rows.sum()):
+    if packing is not None and n_tokens != int(counted_flat.sum()):
         raise ValueError("targets count positions the padding-free forward skipped (padded inputs); "
                          f"set those targets to IGNORE ({IGNORE}) or mark the inputs valid")
-    loss = head.nll_sum if label_smoothing == 0 else (
-        (1 - label_smoothing) * head.nll_sum + label_smoothing * head.uniform_sum)
-    if n_tokens == 0:
-        loss = loss + float("nan")  # as F.cross_entropy with nothing counted (gradients stay zero)
     with torch.no_grad():
-        nll_sum = (head.token_nll * counted_rows).sum()
-        correct_rows = (head.predictions == head.targets) & counted_rows  # (n,)
-        if head.row_index is not None:
-            correct = torch.zeros(targets.numel(), dtype=torch.bool, device=targets.device)
-            correct = correct.index_copy_(0, head.row_index, correct_rows).view(targets.shape)
-        else:
-            correct = correct_rows.view(targets.shape)
+        nll_sum = (token_nll * counted_flat).sum()
+        correct_flat = (predictions == flat_targets) & counted_flat  # (n,)
+        correct = packing.unpack(correct_flat) if packing is not None else correct_flat.view(targets.shape)
         seq_correct = (correct | ~counted).all(dim=1)
     return LossOutput(loss=loss, nll_sum=nll_sum.detach(), n_tokens=n_tokens,
                       n_correct=int(correct.sum()), n_seq_correct=int(seq_correct.sum()),
