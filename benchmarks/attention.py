@@ -1,11 +1,14 @@
-"""Attention cost as the sequence grows: aiayn's fused (SDPA) and reference (math) paths.
+"""Attention cost as the sequence grows: aiayn's fused (SDPA), block-causal and reference paths.
 
 Benchmark 4. ``aiayn.nn.attention.scaled_dot_product_attention`` on q, k, v of shape
 (batch 1, 8 heads, n, 64) (one paper-base layer), causal, float32, at n = 256 ... 4096: median
 time of a forward (and of forward + backward with ``--backward``) and the peak memory the call
 allocates (torch.profiler allocator events, see ``benchmarks/memory.py``). The reference path
 materialises the (b, h, n, n) score and weight matrices, so its memory grows as n^2; the fused
-kernel works in blocks and keeps O(n) memory. Both do O(n^2) work.
+kernel (``F.scaled_dot_product_attention``, run with ``fastpath.plain_torch``) works in blocks and
+keeps O(n) memory. With ``--backward``, "block causal" is the kernel aiayn trains with on the CPU
+up to ``block_causal.MAX_LENGTH`` positions (``aiayn.nn.block_causal``: query blocks as large
+batched products; it keeps the visible half of the weights for the backward). All do O(n^2) work.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import argparse
 
 import torch
 
+from aiayn.nn import fastpath
 from aiayn.nn.attention import scaled_dot_product_attention
+from aiayn.nn.block_causal import MAX_LENGTH, block_causal_attention
 from benchmarks.common import Timed, add_common_args, footer, header, run_interleaved, setup, table
 from benchmarks.memory import mib, peak_bytes
 
@@ -38,17 +43,25 @@ def main(argv: list[str] | None = None) -> None:
         grad = torch.randn(shape)
 
         def call(impl: str, q=q, k=k, v=v, grad=grad):
+            def attend() -> torch.Tensor:
+                if impl == "block causal":
+                    return block_causal_attention(q, k, v, scale=args.head_dim**-0.5)
+                with fastpath.plain_torch():  # the fused row is SDPA's kernel
+                    return scaled_dot_product_attention(q, k, v, causal=True, impl=impl)[0]
+
             def run():
                 if args.backward:
-                    out = scaled_dot_product_attention(q, k, v, causal=True, impl=impl)[0]
-                    out.backward(grad)
+                    attend().backward(grad)
                     q.grad = k.grad = v.grad = None
                     return None
                 with torch.no_grad():
-                    return scaled_dot_product_attention(q, k, v, causal=True, impl=impl)[0]
+                    return attend()
             return run
 
-        peers = [Timed("fused", call("fused")), Timed("reference", call("reference"))]
+        peers = [Timed("fused", call("fused"))]
+        if args.backward and n <= MAX_LENGTH:
+            peers.append(Timed("block causal", call("block causal")))
+        peers.append(Timed("reference", call("reference")))
         run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
         scores = args.heads * n * n * 4  # one (1, h, n, n) float32 matrix
         memory = {p.name: peak_bytes(p.fn) for p in peers}
@@ -57,9 +70,12 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([n, p.name, f"{p.median * 1e3:.2f}", growth, mib(memory[p.name]),
                          f"{memory[p.name] / scores:.2f}"])
             previous[p.name] = p.median
-        fused, ref = peers
-        rows.append([n, "**fused saves**", f"{ref.median / fused.median:.1f}x time", "",
+        time = {p.name: p.median for p in peers}
+        rows.append([n, "**fused saves**", f"{time['reference'] / time['fused']:.1f}x time", "",
                      f"{mib(memory['reference'] - memory['fused'])} MiB", ""])
+        if "block causal" in time:
+            rows.append([n, "**block causal vs fused**", f"{time['fused'] / time['block causal']:.2f}x speed",
+                         "", f"{mib(memory['block causal'] - memory['fused'])} MiB more", ""])
     print(table(["n", "path", "ms (median)", "time vs n/2", "peak MiB allocated",
                  "peak / one n x n score matrix"], rows))
     print("\nPeak = bytes allocated by the call beyond its inputs (outputs included), from "

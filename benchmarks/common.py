@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from aiayn.nn import onednn
+
 
 def add_common_args(parser: argparse.ArgumentParser, *, repeats: int = 7, warmup: int = 2) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
@@ -95,16 +97,29 @@ def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int) -> Non
             p.times.append((time.perf_counter() - start) / p.iters)
 
 
-def matmul_peak(*, n: int = 2048, repeats: int = 7) -> float:
-    """Measured float32 ``torch.mm`` throughput of an n x n by n x n product, FLOP/s (median)."""
+def matmul_peak(*, n: int = 2048, repeats: int = 7, backend: str = "torch.mm") -> float:
+    """Measured float32 throughput of an n x n by n x n product, FLOP/s (median): ``torch.mm``
+    (MKL on this build) or, with ``backend="onednn"``, the oneDNN product aiayn's linear layers
+    use (``aiayn.nn.onednn``; 0.0 when this torch build has none)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
+    if backend == "onednn":
+        if not onednn.available():
+            return 0.0
+        product = onednn.matmul
+    else:
+        product = torch.mm
+    product(a, b)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(a, b)
+        product(a, b)
         times.append(time.perf_counter() - start)
     return 2 * n**3 / statistics.median(times)
+
+
+def matmul_peaks(repeats: int) -> dict[str, float]:
+    """Both float32 2048^3 rates, {"torch.mm": ..., "onednn": ...}, FLOP/s."""
+    return {backend: matmul_peak(repeats=repeats, backend=backend) for backend in ("torch.mm", "onednn")}
 
 
 def count_params(model: nn.Module) -> int:

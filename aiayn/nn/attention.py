@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.nn.block_causal import block_causal_attention, use_block_causal
 from aiayn.nn.dropout import dropout
 from aiayn.nn.kv_cache import LayerKVCache, StaticKV
 from aiayn.nn.masks import causal_mask
@@ -132,6 +133,8 @@ def scaled_dot_product_attention(
         # Fast path: plain square causal attention needs no materialised mask.
         if (impl == "fused" and not need_weights and mask is None and bias is None and t_q == t_k
                 and not (dropout_p > 0 and q.device.type == "cpu")):
+            if use_block_causal(q, k, v, dropout_p):  # the CPU: see aiayn.nn.block_causal
+                return block_causal_attention(q, k, v, scale), None
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=h != h_kv
             )

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from aiayn.nn.onednn import onednn_linear, use_onednn
+
 # Which way each linear layer of a compiled decode step runs, by rows (batch x tokens) and weight
 # dtype, from ``python -m benchmarks.matvec`` (2 threads, SmolLM2's projections, speed against the
 # compiled F.linear; two runs a day apart): float32 multiply + sum 1.9x at 1 row, 2.5x at 2,
@@ -97,12 +99,13 @@ def use_eager_transposed(x: Tensor, weight: Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (the same parameters, state dict and initialisation) whose forward runs a
-    decode step, x (b, 1, i) with b a few float32 CPU rows, as (W x^T)^T (``transposed_linear``)
-    when no autograd graph is being built (generation runs under ``torch.inference_mode``); every
-    other call is ``nn.Linear``'s, so full forward passes round exactly as ``nn.Linear`` does (the
-    parity tests against Hugging Face compare them at default tolerances). Plain tensors only:
-    sharded (DTensor) weights keep ``nn.Linear``'s forward.
+    """``nn.Linear`` (the same parameters, state dict and initialisation) with two faster ways on
+    the CPU: a decode step, x (b, 1, i) with b a few float32 rows, runs as (W x^T)^T
+    (``transposed_linear``) when no autograd graph is being built (generation runs under
+    ``torch.inference_mode``); float32 inputs of at least 64 rows (training, prefill) run through
+    oneDNN (``aiayn.nn.onednn``, ~2x MKL's matmul speed on this machine, as exact; the parity
+    tests against Hugging Face still hold at default tolerances). Every other call is
+    ``nn.Linear``'s. Plain tensors only: sharded (DTensor) weights keep ``nn.Linear``'s forward.
     """
 
     def forward(self, x: Tensor) -> Tensor:
@@ -111,6 +114,8 @@ class Linear(nn.Linear):
         if (x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled() and use_eager_transposed(x, weight)
                 and type(x) is Tensor and type(weight) in (Tensor, nn.Parameter)):
             return transposed_linear(x, weight, self.bias)
+        if use_onednn(x, weight):  # float32 CPU, >= 64 rows: see aiayn.nn.onednn
+            return onednn_linear(x, weight, self.bias)
         return F.linear(x, weight, self.bias)
 
 

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import attention, decode, kv_cache, loss, matvec, train
+from benchmarks import attention, decode, kv_cache, loss, matvec, onednn, train
 
 
 def test_attention_benchmark(capsys):
     attention.main(["--lengths", "32", "64", "--repeats", "1", "--warmup", "0", "--threads", "1"])
     out = capsys.readouterr().out
     assert "| 64 | reference |" in out and "fused saves" in out
+    attention.main(["--lengths", "64", "--backward", "--repeats", "1", "--warmup", "0", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| 64 | block causal |" in out and "block causal vs fused" in out
+
+
+def test_onednn_benchmark(capsys):
+    onednn.main(["--quick", "--rows", "64", "--repeats", "1", "--warmup", "0", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "oneDNN / MKL" in out and ("| 256 -> 8000 | weight grad g^T x |" in out or "no oneDNN" in out)
 
 
 def test_kv_cache_benchmark(capsys):

@@ -1,0 +1,33 @@
+"""One switch for aiayn's own CPU kernels (``aiayn.nn.onednn`` linear layers and
+``aiayn.nn.block_causal`` attention), so they can be compared with, or replaced by, plain torch ops.
+
+They compute the same functions as ``F.linear`` and ``F.scaled_dot_product_attention`` (tests in
+tests/consistency/test_cpu_kernels.py), only faster on a CPU. Turn them off for a whole process
+with ``AIAYN_PLAIN_TORCH=1`` in the environment, or for a block of code with ``plain_torch()``:
+the training benchmark counts its model FLOPs that way (``torch.utils.flop_counter`` does not see
+inside the CPU attention kernels, so every peer's count is the same plain-op count).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_enabled = os.environ.get("AIAYN_PLAIN_TORCH", "").strip() in ("", "0")
+
+
+def enabled() -> bool:
+    """Whether aiayn's CPU kernels may be used (each also checks its own conditions)."""
+    return _enabled
+
+
+@contextmanager
+def plain_torch() -> Iterator[None]:
+    """Within this block, every layer uses plain torch ops (``F.linear``, SDPA)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before

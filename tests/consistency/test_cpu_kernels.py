@@ -1,0 +1,230 @@
+"""aiayn's own CPU kernels compute what the plain torch ops do, as exactly: oneDNN linear layers
+(``aiayn.nn.onednn``), query-block causal attention (``aiayn.nn.block_causal``) and the fused
+loss's max/argmax. Each float32 result is compared with a float64 reference at ``assert_close``'s
+default float32 tolerances; whole training steps are compared with the plain-op path
+(``fastpath.plain_torch``) through their errors against a float64 twin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from aiayn.models import build_model, get_preset
+from aiayn.nn import fastpath, onednn
+from aiayn.nn.block_causal import MAX_LENGTH, block_causal_attention, use_block_causal
+from aiayn.nn.linear_cross_entropy import _max_and_argmax, linear_cross_entropy
+from aiayn.nn.matvec import Linear
+from aiayn.train.losses import IGNORE
+
+needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN linear op")
+
+
+def _float64_twins(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+
+
+# --- oneDNN linear -------------------------------------------------------------------------------
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(96, 48, 80), (70, 80, 48), (2, 40, 24, 24)])  # i < o, i > o, 3-D
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_equals_float64(shape, bias):
+    *lead, i, o = shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*lead, i, generator=g).requires_grad_()
+    weight = (torch.randn(o, i, generator=g) / i**0.5).requires_grad_()
+    b = torch.randn(o, generator=g).requires_grad_() if bias else None
+    params = [x, weight] + ([b] if bias else [])
+    grad_out = torch.randn(*lead, o, generator=g)
+    assert onednn.use_onednn(x, weight)
+    y = onednn.onednn_linear(x, weight, b)
+    grads = torch.autograd.grad(y, params, grad_out)
+    params64 = _float64_twins(*params)
+    y64 = F.linear(params64[0], params64[1], params64[2] if bias else None)
+    grads64 = torch.autograd.grad(y64, params64, grad_out.double())
+    assert_close(y, y64.float())
+    for got, want in zip(grads, grads64, strict=True):
+        assert got.is_contiguous()
+        assert_close(got, want.float())
+
+
+@needs_onednn
+def test_onednn_linear_of_strided_input_and_no_grad():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3, 32, generator=g).transpose(0, 1)  # (3, 64, 32), not contiguous
+    weight = torch.randn(40, 32, generator=g)
+    with torch.no_grad():
+        y = onednn.onednn_linear(x, weight)
+    assert not y.requires_grad and y.shape == (3, 64, 40)
+    assert_close(y, F.linear(x.double(), weight.double()).float())
+
+
+@needs_onednn
+def test_onednn_linear_is_counted_as_a_linear():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(64, 32, requires_grad=True)
+    layer = Linear(32, 48)
+    with FlopCounterMode(display=False) as counter:
+        layer(x).sum().backward()
+    assert counter.get_total_flops() == 3 * 2 * 64 * 32 * 48
+
+
+@needs_onednn
+def test_linear_layer_uses_onednn_only_where_it_was_measured_faster(monkeypatch):
+    layer = Linear(32, 48)
+    calls = []
+    real = onednn.linear_product
+    monkeypatch.setattr(onednn, "linear_product", lambda *a: calls.append(1) or real(*a))
+    layer(torch.randn(64, 32))
+    assert calls, "64 float32 CPU rows go through oneDNN"
+    calls.clear()
+    layer(torch.randn(63, 32))  # fewer rows: F.linear was as fast
+    layer.double()(torch.randn(64, 32, dtype=torch.float64))  # oneDNN's product is float32 only
+    layer.float()
+    with fastpath.plain_torch():
+        layer(torch.randn(64, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(64, 32))
+    assert not calls
+
+
+# --- block-causal attention ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t", [2, 63, 64, 65, 130, 256])
+def test_block_causal_attention_equals_float64_sdpa(t):
+    g = torch.Generator().manual_seed(t)
+    b, h, d_h = 2, 3, 16
+    # q, k, v as the model makes them: head views of one (b, t, 3 h d_h) projection
+    qkv = torch.randn(b, t, 3 * h * d_h, generator=g).requires_grad_()
+    grad_out = torch.randn(b, h, t, d_h, generator=g)
+
+    def attend(qkv: torch.Tensor, fn) -> torch.Tensor:
+        q, k, v = (x.view(b, t, h, d_h).transpose(1, 2) for x in qkv.split(h * d_h, dim=-1))
+        return fn(q, k, v)
+
+    out = attend(qkv, lambda q, k, v: block_causal_attention(q, k, v, scale=d_h**-0.5))
+    (grad,) = torch.autograd.grad(out, qkv, grad_out)
+    (qkv64,) = _float64_twins(qkv)
+    out64 = attend(qkv64, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    (grad64,) = torch.autograd.grad(out64, qkv64, grad_out.double())
+    assert_close(out, out64.float())
+    assert_close(grad, grad64.float())
+    # the output is laid out (b, t, h, d_h): the output projection's reshape is a view
+    assert out.transpose(1, 2).is_contiguous()
+    with torch.no_grad():
+        assert_close(attend(qkv, lambda q, k, v: block_causal_attention(q, k, v, scale=d_h**-0.5)), out)
+
+
+def test_block_causal_attention_is_taken_only_where_it_applies():
+    q = torch.randn(1, 4, 128, 64, requires_grad=True)  # 4.2M multiply-adds per product: MIN_WORK
+    assert use_block_causal(q, q, q, 0.0)
+    assert not use_block_causal(q, q[:, :2], q[:, :2], 0.0)  # grouped key heads: SDPA's enable_gqa
+    assert not use_block_causal(q, q, q, 0.1)  # dropout on the weights
+    assert not use_block_causal(q[:, :, :64], q[:, :, :64], q[:, :, :64], 0.0)  # too little work
+    long = torch.randn(1, 1, MAX_LENGTH + 1, 64, requires_grad=True)
+    assert not use_block_causal(long, long, long, 0.0)  # the kept weights would grow as t^2
+    assert not use_block_causal(q.double().half(), q.half(), q.half(), 0.0)
+    with torch.no_grad():
+        assert not use_block_causal(q, q, q, 0.0)  # a forward alone: SDPA is as fast
+    fixed = q.detach()
+    assert not use_block_causal(fixed, fixed, fixed, 0.0)
+    with fastpath.plain_torch():
+        assert not use_block_causal(q, q, q, 0.0)
+    assert fastpath.enabled()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not use_block_causal(q, q, q, 0.0)
+
+
+# --- the fused loss: max/argmax and its oneDNN products ------------------------------------------
+
+@pytest.mark.parametrize("v", [50, 128, 200, 8000])  # one block (torch.max), exact blocks, a partial one
+def test_max_and_argmax_equals_torch_max(v):
+    g = torch.Generator().manual_seed(v)
+    z = torch.randn(33, v, generator=g)
+    z[0] = 1.0  # all tied: the first index
+    z[1, v // 3] = z[1, v - 1] = 9.0  # tied across blocks (and with the partial block): the first
+    z[2, v - 1] = 9.0  # the maximum in the last (partial) block
+    z[3, 5] = float("nan")  # NaN wins, as in torch.max
+    top, ids = _max_and_argmax(z)
+    want_top, want_ids = z.max(dim=1)
+    assert torch.equal(ids, want_ids)
+    assert_close(top, want_top, equal_nan=True, rtol=0, atol=0)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_loss_on_onednn_equals_float64(bias):
+    """≥ 64 float32 rows: the fused loss's three products run through oneDNN."""
+    g = torch.Generator().manual_seed(2)
+    n, d, v = 300, 32, 700
+    hidden = torch.randn(n, d, generator=g).requires_grad_()
+    weight = (torch.randn(v, d, generator=g) / d**0.5).requires_grad_()
+    b = torch.randn(v, generator=g).requires_grad_() if bias else None
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[::7] = IGNORE
+    params = [hidden, weight] + ([b] if bias else [])
+    assert onednn.use_onednn(hidden, weight)
+    head = linear_cross_entropy(hidden, weight, b, targets, chunk_rows=128)
+    loss = 0.9 * head.nll_sum + 0.1 * head.uniform_sum
+    grads = torch.autograd.grad(loss, params)
+    params64 = _float64_twins(*params)
+    logits64 = F.linear(params64[0], params64[1], params64[2] if bias else None)
+    loss64 = F.cross_entropy(logits64, targets, ignore_index=IGNORE, label_smoothing=0.1)
+    grads64 = torch.autograd.grad(loss64, params64)
+    assert_close(loss, loss64.float())
+    for got, want in zip(grads, grads64, strict=True):
+        assert_close(got, want.float())
+    assert torch.equal(head.predictions, logits64.argmax(-1))
+
+
+# --- a whole training step -------------------------------------------------------------------------
+
+def _step_error(model: torch.nn.Module, model64: torch.nn.Module, ids: torch.Tensor) -> tuple[float, float]:
+    """(|loss - loss64|, max |grad - grad64|) of one training step against the float64 twin."""
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    losses, grads = [], []
+    for m in (model, model64):
+        m.zero_grad()
+        out = m(inputs)
+        loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        losses.append(loss.detach().double())
+        grads.append([p.grad.double() for p in m.parameters()])
+    grad_error = max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
+    return float((losses[0] - losses[1]).abs()), grad_error
+
+
+@needs_onednn
+def test_training_step_with_cpu_kernels_is_as_exact_as_plain_torch(monkeypatch):
+    """A GPT-style model (causal attention over 128 positions, 8 x 128 rows): with aiayn's CPU
+    kernels, its loss and gradients are as close to a float64 twin as with plain torch ops."""
+    import aiayn.nn.attention as attention
+
+    used = {"attention": 0, "linear": 0}
+    real_attention, real_product = attention.block_causal_attention, onednn.linear_product
+
+    def count(name, fn):
+        return lambda *args, **kwargs: used.__setitem__(name, used[name] + 1) or fn(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "block_causal_attention", count("attention", real_attention))
+    monkeypatch.setattr(onednn, "linear_product", count("linear", real_product))
+    torch.manual_seed(0)
+    model = build_model(get_preset("gpt-tiny", vocab_size=97, d_model=64, n_heads=2, n_layers=2, d_ff=128,
+                                   max_seq_len=128, dropout=0.0))
+    model64 = build_model(get_preset("gpt-tiny", vocab_size=97, d_model=64, n_heads=2, n_layers=2, d_ff=128,
+                                     max_seq_len=128, dropout=0.0)).double()
+    model64.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 97, (8, 129), generator=torch.Generator().manual_seed(1))
+    fast = _step_error(model, model64, ids)
+    assert used["attention"] >= 2 and used["linear"] > 0, used  # float64 attention takes it too
+    used.update(attention=0, linear=0)
+    with fastpath.plain_torch():
+        plain = _step_error(model, model64, ids)
+    assert used == {"attention": 0, "linear": 0}
+    # both are float32 roundings of the same sums: neither may be more than twice the other's error
+    assert fast[0] <= 2 * plain[0] + 1e-7 and fast[1] <= 2 * plain[1] + 1e-9, (fast, plain)
+    assert fast[1] < 1e-5
