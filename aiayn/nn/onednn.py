@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 from torch.utils.flop_counter import register_flop_formula
 
 from aiayn.nn import fastpath
@@ -84,28 +83,66 @@ def weight_gradient(grad: Tensor, x: Tensor) -> Tensor:
     return linear_product(grad.t(), x.t())
 
 
-class _OneDNNLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return linear_product(x, weight, bias)  # (m, o)
+# The layer as a custom op with its own autograd formula: eager it costs one dispatch more than a
+# call of the product; under torch.compile Inductor calls it as an opaque kernel (it cannot lower
+# the mkldnn op with plain weights itself), so a compiled model keeps oneDNN's speed.
+@torch.library.custom_op("aiayn::onednn_linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return linear_product(x, weight, bias)  # (m, o)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        x, weight = ctx.saved_tensors
-        grad = grad.contiguous()  # (m, o); a broadcast gradient (zero strides) becomes real memory
-        grad_x = linear_product(grad, weight.t()) if ctx.needs_input_grad[0] else None  # (m, i) = g W
-        grad_w = weight_gradient(grad, x) if ctx.needs_input_grad[1] else None
-        grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+
+@_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("aiayn::onednn_linear_backward", mutates_args=())
+def _linear_backward_op(grad: Tensor, x: Tensor, weight: Tensor, need_x: bool,
+                        need_weight: bool) -> tuple[Tensor, Tensor]:
+    grad = grad.contiguous()  # (m, o); a broadcast gradient (zero strides) becomes real memory
+    grad_x = linear_product(grad, weight.t()) if need_x else x.new_empty(0)  # (m, i) = g W
+    grad_w = weight_gradient(grad, x) if need_weight else weight.new_empty(0)  # (o, i)
+    return grad_x, grad_w
+
+
+@_linear_backward_op.register_fake
+def _(grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_weight: bool) -> tuple[Tensor, Tensor]:
+    return (x.new_empty(x.shape) if need_x else x.new_empty(0),
+            weight.new_empty(weight.shape) if need_weight else weight.new_empty(0))
+
+
+def _setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    x, weight = ctx.saved_tensors
+    need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_x, grad_w = _linear_backward_op(grad, x, weight, need_x, need_weight)
+    grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x if need_x else None, grad_w if need_weight else None, grad_b
+
+
+_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# FlopCounterMode sees the custom ops, not the products inside them: count them like nn.Linear's.
+@register_flop_formula(torch.ops.aiayn.onednn_linear)
+def _layer_flops(x_shape: torch.Size, w_shape: torch.Size, *args: Any, **kwargs: Any) -> int:
+    return 2 * x_shape[0] * w_shape[0] * w_shape[1]
+
+
+@register_flop_formula(torch.ops.aiayn.onednn_linear_backward)
+def _layer_backward_flops(grad_shape: torch.Size, x_shape: torch.Size, w_shape: torch.Size, need_x: bool,
+                          need_weight: bool, *args: Any, **kwargs: Any) -> int:
+    return (int(need_x) + int(need_weight)) * 2 * x_shape[0] * w_shape[0] * w_shape[1]
 
 
 def use_onednn(x: Tensor, weight: Tensor) -> bool:
     """Whether ``onednn_linear`` should compute F.linear(x, weight): plain float32 CPU tensors,
-    at least ``MIN_ROWS`` rows, outside ``torch.compile`` (Inductor chooses its own kernels) and
-    autocast (which would run F.linear in bfloat16)."""
+    at least ``MIN_ROWS`` rows, outside autocast (which would run F.linear in bfloat16)."""
     return (
         _LINEAR is not None
         and x.dtype == torch.float32
@@ -117,7 +154,6 @@ def use_onednn(x: Tensor, weight: Tensor) -> bool:
         and type(weight) in (Tensor, nn.Parameter)
         and fastpath.enabled()
         and not torch.is_autocast_enabled("cpu")
-        and not torch.compiler.is_compiling()
     )
 
 
@@ -127,7 +163,7 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     x2 = x.reshape(-1, x.shape[-1])  # (m, i), a view for contiguous x
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
-        y = _OneDNNLinear.apply(x2, weight, bias)
+        y = _linear_op(x2, weight, bias)
     else:
         y = linear_product(x2, weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
