@@ -70,6 +70,15 @@ from benchmarks.peers import (
 TRAINING_TARGET = 1.2
 COMPILED = "aiayn compiled"  # the aiayn model under torch.compile (aiayn train --compile)
 UNFUSED = "aiayn logits"  # the aiayn decoder making its logits for the shared F.cross_entropy
+PLAIN = "aiayn plain torch"  # aiayn's step with its CPU kernels off (aiayn.nn.fastpath): MKL, SDPA
+
+
+def plain_torch(step):
+    """The same step with aiayn's CPU kernels (oneDNN linears, block-causal attention) turned off."""
+    def run() -> None:
+        with fastpath.plain_torch():
+            step()
+    return run
 # Decoder-only training peers: aiayn (output layer fused with its loss), the same model through
 # logits + F.cross_entropy, and the others.
 LM_TRAIN_PEERS = {"aiayn": LM_PEERS["aiayn"], UNFUSED: LM_PEERS["aiayn"],
@@ -164,6 +173,11 @@ def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
             params[COMPILED] = count_params(twin)
             peers.append(Timed(COMPILED, seq2seq_step(torch.compile(twin), make_optimizer(twin), batch,
                                                       fused=True)))
+        if fused and not args.no_plain:
+            torch.manual_seed(args.seed)
+            twin = SEQ2SEQ_PEERS[name](size, drop).train()
+            params[PLAIN] = count_params(twin)
+            peers.append(Timed(PLAIN, plain_torch(seq2seq_step(twin, make_optimizer(twin), batch, fused=True))))
     mark_start(args)
     # FLOPs each peer computes per step: the padded computation for every peer but padding-free
     # aiayn (and its compiled twin), which skips the padding's share; counted on aiayn's steps.
@@ -175,7 +189,7 @@ def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
     flops = {p.name: padded for p in peers}
     if "aiayn" in models:
         own = step_flops(next(p.fn for p in peers if p.name == "aiayn"))
-        flops.update({name: own for name in ("aiayn", COMPILED) if name in flops})
+        flops.update({name: own for name in ("aiayn", COMPILED, PLAIN) if name in flops})
     peaks = matmul_peaks(repeats=args.repeats + 2)
     run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
     after = matmul_peaks(repeats=args.repeats + 2)  # before and after; the better one of each
@@ -210,6 +224,11 @@ def run_decoder(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
             params[COMPILED] = count_params(twin)
             peers.append(Timed(COMPILED, lm_step(name, torch.compile(twin), make_optimizer(twin), tokens_in,
                                                  fused=True)))
+        if fused and not args.no_plain:
+            torch.manual_seed(args.seed)
+            twin = LM_TRAIN_PEERS[name](size, drop).train()
+            params[PLAIN] = count_params(twin)
+            peers.append(Timed(PLAIN, plain_torch(lm_step(name, twin, make_optimizer(twin), tokens_in, fused=True))))
     mark_start(args)
     counted = step_flops(peers[0].fn)  # no padding here: every peer computes the same FLOPs
     flops = {p.name: counted for p in peers}
@@ -268,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adam", choices=["fused", "for-loop"], default="fused",
                         help="torch Adam implementation, the same for every peer (default fused: "
                              "torch's fastest on CPU)")
+    parser.add_argument("--no-plain", action="store_true",
+                        help=f"skip the '{PLAIN}' row (aiayn's step with its CPU kernels off: "
+                             "MKL matmuls, SDPA attention; AIAYN_PLAIN_TORCH=1)")
     parser.add_argument("--no-compiled", action="store_true",
                         help="skip the 'aiayn compiled' row (torch.compile of the same model, as "
                              "`aiayn train --compile` does; compiling takes a minute or more)")

@@ -11,13 +11,14 @@ can use it without converting anything: measured on the decoder benchmark's shap
 against ~225 GFLOP/s, the weight gradient at ~300-450 against ~215 (it runs fastest with the
 smaller of the two weight dimensions as the result's rows, so the backward picks that way round).
 
-The op has no autograd formula: ``onednn_linear`` wraps it in one (forward x W^T + b, backward
-g W, the weight gradient, sum(g)). The results are float32 products summed in another order than
-MKL's, as exact (tests/consistency/test_cpu_kernels.py compares both with float64). Used by
+The op has no autograd formula: ``onednn_linear`` gives it one, as a ``torch.library`` custom op
+(forward x W^T + b; backward g W, the weight gradient, sum(g)), which ``torch.compile`` keeps as
+an opaque kernel. The results are float32 products summed in another order than MKL's, as exact
+(tests/consistency/test_cpu_kernels.py compares both with float64). Used by
 ``aiayn.nn.matvec.Linear`` (every projection of the model family) and by the fused output layer
 (``aiayn.nn.linear_cross_entropy``), for plain float32 CPU tensors of at least ``MIN_ROWS`` rows
-outside ``torch.compile`` and autocast; everything else keeps ``F.linear``. ``AIAYN_PLAIN_TORCH=1``
-turns it off (``aiayn.nn.fastpath``).
+and ``MIN_WORK`` multiply-adds, outside autocast; everything else keeps ``F.linear``.
+``AIAYN_PLAIN_TORCH=1`` turns it off (``aiayn.nn.fastpath``).
 
 Shape letters: m rows, i in_features, o out_features.
 """
@@ -34,6 +35,11 @@ from aiayn.nn import fastpath
 
 # Fewer rows: no faster than F.linear (8 rows 35 vs 35 us, 64 rows 86 vs 133 us, 256 -> 768).
 MIN_ROWS = 64
+# Less work (rows x in x out multiply-adds) than this: the op's fixed cost (~80-100 us for forward
+# + backward through the custom op) outweighs the faster product. Forward + backward against
+# F.linear, 2 threads: 32 -> 32 x 4,096 rows (4.2M) 0.70x, 64 -> 64 x 1,024 (4.2M) 0.77x,
+# 64 -> 64 x 4,096 (16.8M) 1.11x, 128 -> 128 x 1,024 (16.8M) 1.26x, 128 -> 512 x 1,024 1.81x.
+MIN_WORK = 1 << 24
 
 
 def _find_op() -> Any:
@@ -142,7 +148,8 @@ def _layer_backward_flops(grad_shape: torch.Size, x_shape: torch.Size, w_shape: 
 
 def use_onednn(x: Tensor, weight: Tensor) -> bool:
     """Whether ``onednn_linear`` should compute F.linear(x, weight): plain float32 CPU tensors,
-    at least ``MIN_ROWS`` rows, outside autocast (which would run F.linear in bfloat16)."""
+    at least ``MIN_ROWS`` rows and ``MIN_WORK`` multiply-adds, outside autocast (which would run
+    F.linear in bfloat16)."""
     return (
         _LINEAR is not None
         and x.dtype == torch.float32
@@ -150,6 +157,7 @@ def use_onednn(x: Tensor, weight: Tensor) -> bool:
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.numel() >= MIN_ROWS * x.shape[-1] > 0
+        and x.numel() * weight.shape[0] >= MIN_WORK
         and type(x) is Tensor
         and type(weight) in (Tensor, nn.Parameter)
         and fastpath.enabled()

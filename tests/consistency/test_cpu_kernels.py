@@ -39,8 +39,7 @@ def test_onednn_linear_equals_float64(shape, bias):
     b = torch.randn(o, generator=g).requires_grad_() if bias else None
     params = [x, weight] + ([b] if bias else [])
     grad_out = torch.randn(*lead, o, generator=g)
-    assert onednn.use_onednn(x, weight)
-    y = onednn.onednn_linear(x, weight, b)
+    y = onednn.onednn_linear(x, weight, b)  # small: use_onednn would pick F.linear, the op is the same
     grads = torch.autograd.grad(y, params, grad_out)
     params64 = _float64_twins(*params)
     y64 = F.linear(params64[0], params64[1], params64[2] if bias else None)
@@ -66,29 +65,31 @@ def test_onednn_linear_of_strided_input_and_no_grad():
 def test_onednn_linear_is_counted_as_a_linear():
     from torch.utils.flop_counter import FlopCounterMode
 
-    x = torch.randn(64, 32, requires_grad=True)
-    layer = Linear(32, 48)
+    x = torch.randn(64, 256, requires_grad=True)
+    layer = Linear(256, 1024)
+    assert onednn.use_onednn(x, layer.weight)
     with FlopCounterMode(display=False) as counter:
         layer(x).sum().backward()
-    assert counter.get_total_flops() == 3 * 2 * 64 * 32 * 48
+    assert counter.get_total_flops() == 3 * 2 * 64 * 256 * 1024
 
 
 @needs_onednn
 def test_linear_layer_uses_onednn_only_where_it_was_measured_faster(monkeypatch):
-    layer = Linear(32, 48)
+    layer = Linear(256, 1024)  # 64 rows: 16.8M multiply-adds, onednn.MIN_WORK
     calls = []
     real = onednn.linear_product
     monkeypatch.setattr(onednn, "linear_product", lambda *a: calls.append(1) or real(*a))
-    layer(torch.randn(64, 32))
-    assert calls, "64 float32 CPU rows go through oneDNN"
+    layer(torch.randn(64, 256))
+    assert calls, "64 float32 CPU rows of enough work go through oneDNN"
     calls.clear()
-    layer(torch.randn(63, 32))  # fewer rows: F.linear was as fast
-    layer.double()(torch.randn(64, 32, dtype=torch.float64))  # oneDNN's product is float32 only
+    layer(torch.randn(63, 256))  # fewer rows, less work: F.linear was as fast
+    Linear(32, 32)(torch.randn(4096, 32))  # many rows but little work: the op's fixed cost wins
+    layer.double()(torch.randn(64, 256, dtype=torch.float64))  # oneDNN's product is float32 only
     layer.float()
     with fastpath.plain_torch():
-        layer(torch.randn(64, 32))
+        layer(torch.randn(64, 256))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        layer(torch.randn(64, 32))
+        layer(torch.randn(64, 256))
     assert not calls
 
 
@@ -160,7 +161,7 @@ def test_max_and_argmax_equals_torch_max(v):
 def test_fused_loss_on_onednn_equals_float64(bias):
     """≥ 64 float32 rows: the fused loss's three products run through oneDNN."""
     g = torch.Generator().manual_seed(2)
-    n, d, v = 300, 32, 700
+    n, d, v = 300, 64, 1000  # 19.2M multiply-adds per product: over onednn.MIN_WORK
     hidden = torch.randn(n, d, generator=g).requires_grad_()
     weight = (torch.randn(v, d, generator=g) / d**0.5).requires_grad_()
     b = torch.randn(v, generator=g).requires_grad_() if bias else None
@@ -200,7 +201,7 @@ def _step_error(model: torch.nn.Module, model64: torch.nn.Module, ids: torch.Ten
 
 @needs_onednn
 def test_training_step_with_cpu_kernels_is_as_exact_as_plain_torch(monkeypatch):
-    """A GPT-style model (causal attention over 128 positions, 8 x 128 rows): with aiayn's CPU
+    """A GPT-style model (d 128, causal attention over 128 positions, 8 x 128 rows): with aiayn's CPU
     kernels, its loss and gradients are as close to a float64 twin as with plain torch ops."""
     import aiayn.nn.attention as attention
 
@@ -213,9 +214,9 @@ def test_training_step_with_cpu_kernels_is_as_exact_as_plain_torch(monkeypatch):
     monkeypatch.setattr(attention, "block_causal_attention", count("attention", real_attention))
     monkeypatch.setattr(onednn, "linear_product", count("linear", real_product))
     torch.manual_seed(0)
-    model = build_model(get_preset("gpt-tiny", vocab_size=97, d_model=64, n_heads=2, n_layers=2, d_ff=128,
+    model = build_model(get_preset("gpt-tiny", vocab_size=97, d_model=128, n_heads=2, n_layers=2, d_ff=256,
                                    max_seq_len=128, dropout=0.0))
-    model64 = build_model(get_preset("gpt-tiny", vocab_size=97, d_model=64, n_heads=2, n_layers=2, d_ff=128,
+    model64 = build_model(get_preset("gpt-tiny", vocab_size=97, d_model=128, n_heads=2, n_layers=2, d_ff=256,
                                      max_seq_len=128, dropout=0.0)).double()
     model64.load_state_dict(model.state_dict())
     ids = torch.randint(0, 97, (8, 129), generator=torch.Generator().manual_seed(1))
