@@ -3,12 +3,16 @@
 Benchmark 1 (encoder-decoder, ``--suite small`` / ``paper-base``): aiayn, torch.nn.Transformer
 (same embeddings and tied head), Hugging Face BART and x-transformers' XTransformer, batch
 32 x (32 source + 32 target) tokens with random right padding (lengths 16..32), plus model FLOPs
-utilisation against the fp32 2048 x 2048 ``torch.mm`` peak measured in the same run. "aiayn" is
+utilisation against the fp32 2048 x 2048 ``torch.mm`` peak measured in the same run (and against
+the same product through oneDNN, which runs at about twice ``torch.mm``'s MKL rate on this AMD
+CPU and which aiayn's linear layers use: ``aiayn.nn.onednn``). "aiayn" is
 the model with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``: token-wise layers
 on the real tokens only) and, as every aiayn training task runs it, given the targets: its output
 layer fused with the cross-entropy (``aiayn.nn.linear_cross_entropy``, no logits made).
 "aiayn padded" is the same model computing its padding and its logits for the shared
-``F.cross_entropy``: what the other peers compute.
+``F.cross_entropy``: what the other peers compute. "aiayn plain torch" is "aiayn" with its CPU
+kernels turned off (``aiayn.nn.fastpath.plain_torch``: ``F.linear``/MKL matmuls and SDPA
+attention, as the peers call): the difference between the two rows is those kernels.
 Benchmark 2 (``--suite decoder``): decoder-only, d 256, 4 layers, 4 heads, vocab 8,000, batch
 16 x 256, against Hugging Face GPT-2 and x-transformers' ``TransformerWrapper(Decoder)``. "aiayn"
 fuses its output layer with the loss as above; "aiayn logits" is the same model making its
@@ -23,10 +27,11 @@ aiayn runs eager and, as "aiayn compiled", under ``torch.compile`` (what ``aiayn
 eager, their default.
 tokens/s counts every position fed to the model, padding included (batch x (source + target)
 for encoder-decoder, batch x length for decoder-only).
-Model FLOPs are counted on aiayn's steps with ``torch.utils.flop_counter`` (matmuls and
-attention, forward + backward; the causal half is counted as done): the padded step's count for
-every peer, padding-free aiayn's own (smaller) count for its rows; MFU = the row's FLOPs per step
-/ step time / measured matmul peak.
+Model FLOPs are counted on aiayn's steps with ``torch.utils.flop_counter`` run on plain torch
+ops (forward + backward matmuls; the counter has no formula for torch's CPU attention kernels, so
+attention, a few per cent of these steps, is not counted for any peer): the padded step's count
+for every peer, padding-free aiayn's own (smaller) count for its rows; MFU = the row's FLOPs per
+step / step time / measured matmul peak (both peaks, two columns).
 """
 
 from __future__ import annotations
@@ -248,20 +253,22 @@ def run_decoder(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
 def report(title: str, peers: list[Timed], params: dict[str, int], tokens: int, flops: dict[str, int],
            peaks: dict[str, float], args: argparse.Namespace) -> None:
     """``flops``: the FLOPs each peer computes per step (its own arithmetic: MFU is of that).
-    ``peaks``: the measured 2048^3 rates; MFU is against the faster one."""
+    ``peaks``: the measured 2048^3 rates. MFU is given against both: the ``torch.mm`` rate (the
+    issue's definition, MKL here) and the oneDNN rate (the faster product this torch build has,
+    which aiayn's linear layers run at, so the stricter measure of how much of the machine is used)."""
     header(title, args)
-    peak = max(peaks.values())
     rows = []
     for p in peers:
         achieved = flops[p.name] / p.median
         rows.append([p.name, fmt_int(params[p.name]), f"{p.median * 1e3:.1f}", f"±{p.spread * 50:.0f}%",
-                     fmt_int(tokens / p.median), f"{achieved / 1e9:.1f}", f"{achieved / peak:.2f}"])
+                     fmt_int(tokens / p.median), f"{achieved / 1e9:.1f}", f"{achieved / peaks['torch.mm']:.2f}",
+                     f"{achieved / peaks['onednn']:.2f}" if peaks["onednn"] else "-"])
     print(table(["peer", "parameters", "ms / step (median)", "spread", "tokens/s", "model GFLOP/s",
-                 "MFU"], rows))
+                 "MFU (torch.mm peak)", "MFU (oneDNN peak)"], rows))
     counts = sorted(set(flops.values()), reverse=True)
     counted = " / ".join(f"{f / 1e9:.2f} GFLOP ({', '.join(n for n in flops if flops[n] == f)})" for f in counts)
     print(f"\nmodel FLOPs per step (fwd + bwd, counted on aiayn by torch.utils.flop_counter): {counted}; "
-          f"matmul peak (fp32 2048^3, measured, MFU is against the faster): torch.mm {peaks['torch.mm'] / 1e9:.1f}, "
+          f"matmul peak (fp32 2048^3, measured): torch.mm {peaks['torch.mm'] / 1e9:.1f}, "
           f"oneDNN {peaks['onednn'] / 1e9:.1f} GFLOP/s\n")
     others = {p.name: tokens / p.median for p in peers if not p.name.startswith("aiayn")}
     for p in peers:
@@ -271,9 +278,12 @@ def report(title: str, peers: list[Timed], params: dict[str, int], tokens: int, 
     if args.suite == "paper-base":
         for p in peers:
             if p.name.startswith("aiayn"):
-                mfu = flops[p.name] / p.median / peak
+                mfu = flops[p.name] / p.median / peaks["torch.mm"]
                 verdict = "met" if mfu >= MFU_TARGET else f"MISSED by {MFU_TARGET / mfu:.2f}x"
-                print(f"* {p.name} MFU {mfu:.2f} of the measured matmul peak (target >= {MFU_TARGET}: {verdict})")
+                strict = (f"; {flops[p.name] / p.median / peaks['onednn']:.2f} of the oneDNN peak"
+                          if peaks["onednn"] else "")
+                print(f"* {p.name} MFU {mfu:.2f} of the measured torch.mm peak (target >= {MFU_TARGET}: "
+                      f"{verdict}){strict}")
     footer()
 
 
