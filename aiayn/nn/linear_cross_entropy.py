@@ -4,10 +4,10 @@ A language model's last step is logits = h W^T + b over the whole vocabulary, th
 cross-entropy. Done in the usual two steps on a CPU, the (n, v) logits and their gradient are
 written and read back several times (log-softmax, its backward, the zero-filled NLL gradient):
 at n = 4096 tokens and v = 8000 those passes over 131 MB take over half as long as the output
-layer's three matmuls (fused here: ~295 ms for forward + backward against 368-376 ms for
-``F.linear`` + ``F.cross_entropy``, and 51 against 375 MiB allocated, 2 threads: ``python -m
-benchmarks.loss``; ``python -m benchmarks.train --suite decoder`` shows the whole step both
-ways). Here each chunk of rows (~16 MB of logits, in the last-level cache, or 256 rows for a
+layer's three matmuls (fused here, its products through oneDNN (``aiayn.nn.onednn``) in float32
+on the CPU: ~166 ms for forward + backward against ~381 ms for ``F.linear`` +
+``F.cross_entropy``, and 68 against 375 MiB allocated, 2 threads: ``python -m benchmarks.loss``;
+``python -m benchmarks.train --suite decoder`` shows the whole step both ways). Here each chunk of rows (~16 MB of logits, in the last-level cache, or 256 rows for a
 large vocabulary) is turned into its softmax and multiplied into the gradients of h and
 W at once, so the logits are read from memory once: the approach of Liger Kernel's fused linear
 cross-entropy and Apple's Cut Cross-Entropy, in plain torch ops.
