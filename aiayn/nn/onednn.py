@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.flop_counter import register_flop_formula
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from aiayn.nn import fastpath
 
@@ -59,7 +59,7 @@ def available() -> bool:
     return _LINEAR is not None
 
 
-if _LINEAR is not None:
+if _LINEAR is not None and _LINEAR not in flop_registry:  # a later torch may count it itself
     @register_flop_formula(_LINEAR)
     def _linear_flops(x_shape: torch.Size, w_shape: torch.Size, *args: Any, **kwargs: Any) -> int:
         """So ``torch.utils.flop_counter`` counts these products like ``F.linear``'s (the op's
