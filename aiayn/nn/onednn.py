@@ -1,15 +1,16 @@
 """float32 linear layers through oneDNN on the CPU: about twice the matmul speed of ``F.linear``
 on this AMD machine.
 
-``F.linear`` and ``torch.mm`` on the CPU call MKL's sgemm, which runs AVX2 code on AMD processors
-(it picks AVX-512 kernels only on Intel's): 2048^3 at ~230 GFLOP/s on this 2-core AVX-512 EPYC.
-oneDNN, which the same torch build ships for its mkldnn ops, picks its kernels by instruction
-set: ~470-490 GFLOP/s on the same product. ``torch.ops.mkldnn._linear_pointwise`` (the op
-Inductor's CPU backend uses for linear layers) takes ordinary dense tensors, so a linear layer
-can use it without converting anything: measured on the decoder benchmark's shapes (4,096 rows,
-2 threads, ``python -m benchmarks.onednn``) the forward and the input gradient run at ~450-530
-against ~225 GFLOP/s, the weight gradient at ~300-450 against ~215 (it runs fastest with the
-smaller of the two weight dimensions as the result's rows, so the backward picks that way round).
+``F.linear`` and ``torch.mm`` on the CPU call MKL's sgemm: 2048^3 at ~230 GFLOP/s on this 2-core
+AVX-512 EPYC. oneDNN, which the same torch build ships for its mkldnn ops, runs the same product
+at ~460-500 GFLOP/s. (The likely reason: MKL chooses its code paths by CPU vendor and does not run
+its AVX-512 kernels on AMD processors; oneDNN chooses by instruction set.)
+``torch.ops.mkldnn._linear_pointwise`` (the op Inductor's CPU backend uses for linear layers)
+takes ordinary dense tensors, so a linear layer can use it without converting anything. Measured
+on the decoder benchmark's shapes (4,096 rows, 2 threads, ``python -m benchmarks.onednn``): the
+forward and the input gradient ~2x ``F.linear``'s speed, the weight gradient 1.1-1.9x (it runs
+fastest with the smaller of the two weight dimensions as the result's rows, so the backward
+picks that way round).
 
 The op has no autograd formula: ``onednn_linear`` gives it one, as a ``torch.library`` custom op
 (forward x W^T + b; backward g W, the weight gradient, sum(g)), which ``torch.compile`` keeps as

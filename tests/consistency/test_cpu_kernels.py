@@ -229,3 +229,34 @@ def test_training_step_with_cpu_kernels_is_as_exact_as_plain_torch(monkeypatch):
     # both are float32 roundings of the same sums: neither may be more than twice the other's error
     assert fast[0] <= 2 * plain[0] + 1e-7 and fast[1] <= 2 * plain[1] + 1e-9, (fast, plain)
     assert fast[1] < 1e-5
+
+
+@needs_onednn
+@pytest.mark.slow
+def test_compiled_layer_keeps_the_onednn_op_and_its_gradients(monkeypatch):
+    """Under torch.compile the custom op stays in the graph (Inductor calls it as an opaque kernel)
+    and the forward and gradients equal the eager layer's."""
+    torch.manual_seed(0)
+    layer = Linear(256, 1024)
+    x = torch.randn(2, 40, 256, requires_grad=True)  # 80 rows: 21M multiply-adds, over MIN_WORK
+    grad_out = torch.randn(2, 40, 1024)
+
+    def run(fn) -> list[torch.Tensor]:
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        y = fn(x)
+        y.backward(grad_out)
+        return [y.detach(), x.grad, layer.weight.grad, layer.bias.grad]
+
+    calls = []
+    real = onednn.linear_product
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    eager = run(layer)
+    monkeypatch.setattr(onednn, "linear_product", counted)  # the op looks it up at call time
+    compiled = run(torch.compile(layer, fullgraph=True))
+    assert calls, "the compiled graph runs the oneDNN op"
+    for got, want in zip(compiled, eager, strict=True):
+        assert_close(got, want)
