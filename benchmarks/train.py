@@ -77,6 +77,12 @@ COMPILED = "aiayn compiled"  # the aiayn model under torch.compile (aiayn train 
 UNFUSED = "aiayn logits"  # the aiayn decoder making its logits for the shared F.cross_entropy
 PLAIN = "aiayn plain torch"  # aiayn's step with its CPU kernels off (aiayn.nn.fastpath): MKL, SDPA
 
+# Decoder-only training peers: aiayn (output layer fused with its loss), the same model through
+# logits + F.cross_entropy, and the others.
+LM_TRAIN_PEERS = {"aiayn": LM_PEERS["aiayn"], UNFUSED: LM_PEERS["aiayn"],
+                  **{name: build for name, build in LM_PEERS.items() if name != "aiayn"}}
+MFU_TARGET = 0.6
+
 
 def plain_torch(step):
     """The same step with aiayn's CPU kernels (oneDNN linears, block-causal attention) turned off."""
@@ -84,11 +90,6 @@ def plain_torch(step):
         with fastpath.plain_torch():
             step()
     return run
-# Decoder-only training peers: aiayn (output layer fused with its loss), the same model through
-# logits + F.cross_entropy, and the others.
-LM_TRAIN_PEERS = {"aiayn": LM_PEERS["aiayn"], UNFUSED: LM_PEERS["aiayn"],
-                  **{name: build for name, build in LM_PEERS.items() if name != "aiayn"}}
-MFU_TARGET = 0.6
 
 
 FUSED_ADAM = True  # set from --adam
@@ -185,7 +186,8 @@ def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
             peers.append(Timed(PLAIN, plain_torch(seq2seq_step(twin, make_optimizer(twin), batch, fused=True))))
     mark_start(args)
     # FLOPs each peer computes per step: the padded computation for every peer but padding-free
-    # aiayn (and its compiled twin), which skips the padding's share; counted on aiayn's steps.
+    # aiayn (and its compiled and plain-torch twins), which skip the padding's share; counted on
+    # aiayn's steps.
     padded_step = next((p.fn for p in peers if p.name == "aiayn padded"), None)
     if padded_step is None:
         twin = aiayn_padded_seq2seq(size, drop).train()
