@@ -14,7 +14,8 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_enabled = os.environ.get("AIAYN_PLAIN_TORCH", "").strip() in ("", "0")
+# AIAYN_PLAIN_TORCH=1 (or true/yes/on) turns the kernels off; unset, empty, 0, false, no, off leave them on.
+_enabled = os.environ.get("AIAYN_PLAIN_TORCH", "").strip().lower() in ("", "0", "false", "no", "off")
 
 
 def enabled() -> bool:

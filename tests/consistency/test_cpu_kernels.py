@@ -7,6 +7,10 @@ default float32 tolerances; whole training steps are compared with the plain-op 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -260,3 +264,12 @@ def test_compiled_layer_keeps_the_onednn_op_and_its_gradients(monkeypatch):
     assert calls, "the compiled graph runs the oneDNN op"
     for got, want in zip(compiled, eager, strict=True):
         assert_close(got, want)
+
+
+@pytest.mark.parametrize(("value", "enabled"), [("true", False), ("0", True)])
+def test_environment_switch(value, enabled):
+    """AIAYN_PLAIN_TORCH=1 (true, yes, on) turns the kernels off for the process; 0 (off, ...) not."""
+    code = "from aiayn.nn import fastpath; print(fastpath.enabled())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "AIAYN_PLAIN_TORCH": value},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(enabled)
