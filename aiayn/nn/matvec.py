@@ -102,10 +102,11 @@ class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters, state dict and initialisation) with two faster ways on
     the CPU: a decode step, x (b, 1, i) with b a few float32 rows, runs as (W x^T)^T
     (``transposed_linear``) when no autograd graph is being built (generation runs under
-    ``torch.inference_mode``); float32 inputs of at least 64 rows (training, prefill) run through
-    oneDNN (``aiayn.nn.onednn``, ~2x MKL's matmul speed on this machine, as exact; the parity
-    tests against Hugging Face still hold at default tolerances). Every other call is
-    ``nn.Linear``'s. Plain tensors only: sharded (DTensor) weights keep ``nn.Linear``'s forward.
+    ``torch.inference_mode``); float32 inputs of at least 64 rows and 16.8M multiply-adds
+    (training, prefill) run through oneDNN (``aiayn.nn.onednn``: ~2x MKL's matmul speed on this
+    machine, float32 sums in another order; the parity tests against Hugging Face still hold at
+    default tolerances). Every other call is ``nn.Linear``'s. Plain tensors only: sharded
+    (DTensor) weights keep ``nn.Linear``'s forward.
     """
 
     def forward(self, x: Tensor) -> Tensor:
