@@ -14,13 +14,17 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 # AIAYN_PLAIN_TORCH=1 (or true/yes/on) turns the kernels off; unset, empty, 0, false, no, off leave them on.
 _enabled = os.environ.get("AIAYN_PLAIN_TORCH", "").strip().lower() in ("", "0", "false", "no", "off")
 
 
 def enabled() -> bool:
-    """Whether aiayn's CPU kernels may be used (each also checks its own conditions)."""
-    return _enabled
+    """Whether aiayn's CPU kernels may be used (each also checks its own conditions): not when
+    turned off, nor under a ``torch.func`` transform (vmap, grad, jacrev, ...), which the kernels'
+    autograd functions and custom ops do not support: plain torch ops do."""
+    return _enabled and not torch._C._are_functorch_transforms_active()
 
 
 @contextmanager

@@ -301,3 +301,26 @@ def test_environment_switch(value, enabled):
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "AIAYN_PLAIN_TORCH": value},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == str(enabled)
+
+
+def test_torch_func_transforms_take_the_plain_ops():
+    """Under torch.func (grad, vmap) the kernels step aside: their custom ops and autograd
+    functions have no functorch rules, the plain ops do."""
+    from aiayn.nn.attention import scaled_dot_product_attention
+
+    torch.manual_seed(0)
+    layer = Linear(256, 1024)  # 64 rows: over onednn.MIN_WORK
+    x = torch.randn(3, 64, 256)
+    batched = torch.func.vmap(layer)(x)
+    assert_close(batched, F.linear(x, layer.weight, layer.bias))
+    params = {"weight": layer.weight.detach(), "bias": layer.bias.detach()}
+    grad = torch.func.grad(lambda p: torch.func.functional_call(layer, p, (x[0],)).square().sum())(params)
+    weight = layer.weight.detach().requires_grad_()
+    F.linear(x[0], weight, layer.bias).square().sum().backward()
+    assert_close(grad["weight"], weight.grad)
+
+    q = torch.randn(2, 4, 128, 64)  # 8.4M multiply-adds per product: over block_causal.MIN_WORK
+    got = torch.func.grad(lambda q: scaled_dot_product_attention(q, q, q, causal=True)[0].square().sum())(q)
+    q_ = q.clone().requires_grad_()
+    F.scaled_dot_product_attention(q_, q_, q_, is_causal=True).square().sum().backward()
+    assert_close(got, q_.grad)
