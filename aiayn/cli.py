@@ -59,7 +59,7 @@ def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_lay
             cfg = get_preset(preset)
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="--preset") from None
-        n_layers = n_layers or (cfg.decoder_layers if cfg.arch != "encoder-only" else cfg.n_layers)
+        n_layers = n_layers or (cfg.n_decoder_layers if cfg.arch != "encoder-only" else cfg.n_layers)
         n_heads = n_heads or cfg.n_heads
         n_kv_heads = n_kv_heads or cfg.n_kv_heads
         d_model = d_model or cfg.d_model
@@ -378,9 +378,9 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     if threads is not None:
         torch.set_num_threads(threads)
     lm = _load_text_model(run_dir, model_path)
-    if kv_cache == "int4" and lm.model.config.head_size % 2:
+    if kv_cache == "int4" and lm.model.config.head_dim % 2:
         raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
-                                 f"{lm.model.config.head_size} is odd; use int8", param_hint="--kv-cache")
+                                 f"{lm.model.config.head_dim} is odd; use int8", param_hint="--kv-cache")
     if quantize != "none":
         from aiayn.quantize import lower_precision
 

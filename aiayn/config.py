@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,32 @@ NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
 SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 ATTENTION_IMPLS = ("fused", "reference")
+
+
+# ModelConfig fields that may be left None to be derived from the others (see their comments).
+DERIVED_FIELDS = ("tgt_vocab_size", "n_kv_heads", "head_dim", "n_decoder_layers", "final_norm",
+                  "attn_bias", "attn_out_bias", "mlp_bias")
+# Names an older aiayn used for the same concepts (the derived values' property names): configs and
+# recipes written with them still load, with a warning.
+OLD_FIELD_NAMES = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "decoder_layers": "n_decoder_layers",
+                   "target_vocab_size": "tgt_vocab_size", "use_final_norm": "final_norm",
+                   "qkv_bias": "attn_bias", "out_proj_bias": "attn_out_bias", "ffn_bias": "mlp_bias"}
+
+
+def _rename_old_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with old field names mapped to today's (a DeprecationWarning names each); unknown
+    fields are refused."""
+    data = dict(data)
+    for old, new in OLD_FIELD_NAMES.items():
+        if old in data:
+            if new in data and data[new] is not None and data[new] != data[old]:
+                raise ConfigError(f"{old}={data[old]!r} (the old name of {new}) disagrees with "
+                                  f"{new}={data[new]!r}; keep only {new}")
+            warnings.warn(f"model config field {old!r} is now called {new!r}; rename it",
+                          DeprecationWarning, stacklevel=3)
+            data[new] = data.pop(old)
+    _check_known_fields(ModelConfig, data)
+    return data
 
 
 class ConfigError(ValueError):
@@ -41,7 +68,7 @@ def _probability(name: str, value: Any) -> None:
 
 
 def _check_known_fields(cls: type, data: dict[str, Any]) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(
@@ -125,6 +152,8 @@ class ModelConfig:
     padding_free: bool = False
     # Free-form name (the preset it came from), kept in saved configs.
     name: str = field(default="custom")
+    # Which of DERIVED_FIELDS were left None and filled in (see _resolve_derived).
+    _derived: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _choice("arch", self.arch, ARCHITECTURES)
@@ -161,14 +190,15 @@ class ModelConfig:
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; choose "
                 f"n_heads among the divisors of d_model or set head_dim explicitly"
             )
-        if self.n_heads % self.kv_heads != 0:
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads != 0:
             raise ConfigError(
-                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                 f"n_kv_heads must divide n_heads (1 = multi-query, n_heads = multi-head)"
             )
-        if self.positional == "rope" and self.head_size % 2 != 0:
+        head_dim = self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+        if self.positional == "rope" and head_dim % 2 != 0:
             raise ConfigError(
-                f"positional='rope' needs an even head_dim, got {self.head_size}; "
+                f"positional='rope' needs an even head_dim, got {head_dim}; "
                 f"change d_model/n_heads or head_dim"
             )
         if self.positional == "sinusoidal" and self.d_model % 2 != 0:
@@ -195,51 +225,40 @@ class ModelConfig:
             )
         if self.type_vocab_size < 0:
             raise ConfigError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
+        self._resolve_derived()
 
-    # ---- derived values -------------------------------------------------------------------
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def head_size(self) -> int:
-        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
-
-    @property
-    def qkv_bias(self) -> bool:
-        """Whether the q, k, v (self) and q, kv (cross) projections have biases."""
-        return self.bias if self.attn_bias is None else self.attn_bias
-
-    @property
-    def out_proj_bias(self) -> bool:
-        """Whether the attention output projection has a bias."""
-        return self.qkv_bias if self.attn_out_bias is None else self.attn_out_bias
-
-    @property
-    def ffn_bias(self) -> bool:
-        """Whether the feed-forward projections have biases."""
-        return self.bias if self.mlp_bias is None else self.mlp_bias
-
-    @property
-    def target_vocab_size(self) -> int:
-        return self.vocab_size if self.tgt_vocab_size is None else self.tgt_vocab_size
-
-    @property
-    def decoder_layers(self) -> int:
-        return self.n_layers if self.n_decoder_layers is None else self.n_decoder_layers
-
-    @property
-    def use_final_norm(self) -> bool:
-        return self.norm_position == "pre" if self.final_norm is None else self.final_norm
+    def _resolve_derived(self) -> None:
+        """Fill in the fields left None (= derived from the others), once, so that every reader
+        sees one name with one concrete value; ``to_dict`` and ``replace`` still treat them as
+        derived (a ``replace(d_model=...)`` re-derives ``head_dim``)."""
+        derived = {name for name in DERIVED_FIELDS if getattr(self, name) is None}
+        self._derived = frozenset(derived)
+        if self.tgt_vocab_size is None:
+            self.tgt_vocab_size = self.vocab_size
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            self.head_dim = self.d_model // self.n_heads
+        if self.n_decoder_layers is None:
+            self.n_decoder_layers = self.n_layers
+        if self.final_norm is None:
+            self.final_norm = self.norm_position == "pre"
+        if self.attn_bias is None:
+            self.attn_bias = self.bias
+        if self.attn_out_bias is None:
+            self.attn_out_bias = self.attn_bias
+        if self.mlp_bias is None:
+            self.mlp_bias = self.bias
 
     # ---- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as given: derived ones (left None) stay None."""
+        return {f.name: None if f.name in self._derived else getattr(self, f.name)
+                for f in dataclasses.fields(self) if f.init}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        _check_known_fields(cls, data)
-        return cls(**data)
+        return cls(**_rename_old_fields(data))
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -262,8 +281,8 @@ class ModelConfig:
         return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (validated again); derived fields are derived again."""
+        return ModelConfig.from_dict({**self.to_dict(), **changes})
 
 
 OPTIMIZERS = ("adam", "adamw")

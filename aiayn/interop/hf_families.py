@@ -205,19 +205,19 @@ class LlamaFamily(Family):
         )
 
     def rules(self, cfg: ModelConfig) -> list[Rule]:
-        q, kv, f = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.d_ff
+        q, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff
         rules = [copy_rule("decoder.embedding.weight", "model.embed_tokens.weight")]
         for i in range(cfg.n_layers):
             ours, theirs = f"decoder.blocks.{i}", f"model.layers.{i}"
             a, m = f"{theirs}.self_attn", f"{theirs}.mlp"
             rules += fused_linear_rules(f"{ours}.self_attn.qkv_proj",
                                         [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], [q, kv, kv],
-                                        bias=cfg.qkv_bias)
-            rules += linear_rules(f"{ours}.self_attn.out_proj", f"{a}.o_proj", bias=cfg.out_proj_bias)
+                                        bias=cfg.attn_bias)
+            rules += linear_rules(f"{ours}.self_attn.out_proj", f"{a}.o_proj", bias=cfg.attn_out_bias)
             rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.input_layernorm", bias=False)
             rules += fused_linear_rules(f"{ours}.ffn.fc_in", [f"{m}.gate_proj", f"{m}.up_proj"],
-                                        [f, f], bias=cfg.ffn_bias)
-            rules += linear_rules(f"{ours}.ffn.fc_out", f"{m}.down_proj", bias=cfg.ffn_bias)
+                                        [f, f], bias=cfg.mlp_bias)
+            rules += linear_rules(f"{ours}.ffn.fc_out", f"{m}.down_proj", bias=cfg.mlp_bias)
             rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.post_attention_layernorm", bias=False)
         rules += norm_rules("decoder.final_norm", "model.norm", bias=False)
         if not cfg.tie_output:  # LlamaModel / GPT2Model checkpoints have no head
@@ -230,20 +230,20 @@ class LlamaFamily(Family):
     def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
         _check_export(cfg, "LLaMA/Qwen2", arch="decoder-only", positional="rope", norm="rmsnorm",
                       norm_position="pre", activation="swiglu", scale_embeddings=False,
-                      use_final_norm=True, lm_head_bias=False, embedding_norm=False)
-        qwen2 = cfg.qkv_bias and not cfg.out_proj_bias and not cfg.ffn_bias
-        if not qwen2 and cfg.qkv_bias != cfg.out_proj_bias:
+                      final_norm=True, lm_head_bias=False, embedding_norm=False)
+        qwen2 = cfg.attn_bias and not cfg.attn_out_bias and not cfg.mlp_bias
+        if not qwen2 and cfg.attn_bias != cfg.attn_out_bias:
             raise InteropError(
                 f"a LLaMA checkpoint has biases on all of q, k, v, o or on none, and Qwen2 on q, k, "
-                f"v only (no MLP bias); this model has attn_bias={cfg.qkv_bias}, "
-                f"attn_out_bias={cfg.out_proj_bias}, mlp_bias={cfg.ffn_bias}"
+                f"v only (no MLP bias); this model has attn_bias={cfg.attn_bias}, "
+                f"attn_out_bias={cfg.attn_out_bias}, mlp_bias={cfg.mlp_bias}"
             )
         out: dict[str, Any] = {
             "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
             "model_type": "qwen2" if qwen2 else "llama",
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
             "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
             "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_output,
             "rope_theta": cfg.rope_base,
@@ -252,11 +252,11 @@ class LlamaFamily(Family):
             "bos_token_id": None, "eos_token_id": None,
         }
         if qwen2:
-            if cfg.head_size * cfg.n_heads != cfg.d_model:
-                raise InteropError(f"Qwen2 needs head_dim = d_model / n_heads, got head_dim={cfg.head_size}")
+            if cfg.head_dim * cfg.n_heads != cfg.d_model:
+                raise InteropError(f"Qwen2 needs head_dim = d_model / n_heads, got head_dim={cfg.head_dim}")
             out["use_sliding_window"] = False
         else:
-            out.update(head_dim=cfg.head_size, attention_bias=cfg.qkv_bias, mlp_bias=cfg.ffn_bias)
+            out.update(head_dim=cfg.head_dim, attention_bias=cfg.attn_bias, mlp_bias=cfg.mlp_bias)
         return out
 
 
@@ -321,9 +321,9 @@ class GPT2Family(Family):
     def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
         _check_export(cfg, "GPT-2", arch="decoder-only", positional="learned", position_offset=0,
                       norm="layernorm", norm_position="pre", activation=("gelu", "gelu_tanh", "relu", "silu"),
-                      scale_embeddings=False, use_final_norm=True, lm_head_bias=False,
-                      embedding_norm=False, qkv_bias=True, out_proj_bias=True, ffn_bias=True,
-                      kv_heads=cfg.n_heads, head_size=cfg.d_model // cfg.n_heads)
+                      scale_embeddings=False, final_norm=True, lm_head_bias=False,
+                      embedding_norm=False, attn_bias=True, attn_out_bias=True, mlp_bias=True,
+                      n_kv_heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads)
         act = {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation)
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -421,10 +421,10 @@ class BertFamily(Family):
 
     def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
         _check_export(cfg, "BERT", arch="encoder-only", positional="learned", position_offset=0,
-                      norm="layernorm", norm_position="post", use_final_norm=False,
+                      norm="layernorm", norm_position="post", final_norm=False,
                       activation=("gelu", "gelu_tanh", "relu", "silu"), embedding_norm=True,
-                      scale_embeddings=False, qkv_bias=True, out_proj_bias=True, ffn_bias=True,
-                      kv_heads=cfg.n_heads, head_size=cfg.d_model // cfg.n_heads)
+                      scale_embeddings=False, attn_bias=True, attn_out_bias=True, mlp_bias=True,
+                      n_kv_heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads)
         act = {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation)
         return {
             "architectures": ["BertForMaskedLM"], "model_type": "bert",
@@ -509,7 +509,7 @@ class BartFamily(Family):
             rules = [copy_rule("encoder.embedding.weight", "model.encoder.embed_tokens.weight"),
                      copy_rule("decoder.embedding.weight", "model.decoder.embed_tokens.weight")]
         rules += self._position_rules(cfg)
-        for stack, n in (("encoder", cfg.n_layers), ("decoder", cfg.decoder_layers)):
+        for stack, n in (("encoder", cfg.n_layers), ("decoder", cfg.n_decoder_layers)):
             for i in range(n):
                 ours, theirs = f"{stack}.blocks.{i}", f"model.{stack}.layers.{i}"
                 a = f"{theirs}.self_attn"
@@ -567,9 +567,9 @@ class BartFamily(Family):
 
     def _export_common(self, cfg: ModelConfig, family: str, **expected: Any) -> dict[str, Any]:
         _check_export(cfg, family, arch="encoder-decoder", norm="layernorm", norm_position="post",
-                      use_final_norm=False, activation=("gelu", "gelu_tanh", "relu", "silu"),
-                      qkv_bias=True, out_proj_bias=True, ffn_bias=True, lm_head_bias=True,
-                      kv_heads=cfg.n_heads, head_size=cfg.d_model // cfg.n_heads, norm_eps=1e-5,
+                      final_norm=False, activation=("gelu", "gelu_tanh", "relu", "silu"),
+                      attn_bias=True, attn_out_bias=True, mlp_bias=True, lm_head_bias=True,
+                      n_kv_heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads, norm_eps=1e-5,
                       **expected)
         if cfg.share_embeddings and not cfg.tie_output:
             raise InteropError(f"a {family} checkpoint (transformers 5) unties the shared embedding "
@@ -577,7 +577,7 @@ class BartFamily(Family):
         act = {"gelu_tanh": "gelu_new", "silu": "swish"}.get(cfg.activation, cfg.activation)
         return {
             "vocab_size": cfg.vocab_size, "d_model": cfg.d_model,
-            "encoder_layers": cfg.n_layers, "decoder_layers": cfg.decoder_layers,
+            "encoder_layers": cfg.n_layers, "decoder_layers": cfg.n_decoder_layers,
             "encoder_attention_heads": cfg.n_heads, "decoder_attention_heads": cfg.n_heads,
             "encoder_ffn_dim": cfg.d_ff, "decoder_ffn_dim": cfg.d_ff, "activation_function": act,
             "max_position_embeddings": cfg.max_seq_len, "scale_embedding": cfg.scale_embeddings,
@@ -588,7 +588,7 @@ class BartFamily(Family):
 
     def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
         out = self._export_common(cfg, "BART", positional="learned", position_offset=2,
-                                  embedding_norm=True, target_vocab_size=cfg.vocab_size,
+                                  embedding_norm=True, tgt_vocab_size=cfg.vocab_size,
                                   share_embeddings=cfg.tie_output)
         return {"architectures": ["BartForConditionalGeneration"], "model_type": "bart", **out,
                 "decoder_start_token_id": 2, "bos_token_id": 0, "eos_token_id": 2,
@@ -644,7 +644,7 @@ class MarianFamily(BartFamily):
         start = cfg.pad_id if cfg.pad_id is not None else 0
         return {"architectures": ["MarianMTModel"], "model_type": "marian", **out,
                 "share_encoder_decoder_embeddings": cfg.share_embeddings,
-                "decoder_vocab_size": cfg.target_vocab_size,
+                "decoder_vocab_size": cfg.tgt_vocab_size,
                 "decoder_start_token_id": start, "eos_token_id": 0, "forced_eos_token_id": None}
 
 

@@ -135,8 +135,8 @@ def make_cache(config: ModelConfig, *, n_layers: int, batch_size: int, max_len: 
                dtype: torch.dtype, device: torch.device, cross_attention: bool,
                quantize: str | None = None, group_size: int | None = None) -> KVCache:
     max_len = config.max_seq_len if max_len is None else max_len
-    return KVCache(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.kv_heads,
-                   head_dim=config.head_size, max_len=max_len, dtype=dtype, device=device,
+    return KVCache(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
+                   head_dim=config.head_dim, max_len=max_len, dtype=dtype, device=device,
                    cross_attention=cross_attention, quantize=quantize, group_size=group_size)
 
 

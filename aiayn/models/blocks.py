@@ -42,8 +42,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, *, cross_attention: bool) -> None:
         super().__init__()
         c = config
-        attn_kwargs = dict(n_kv_heads=c.kv_heads, head_dim=c.head_size, bias=c.qkv_bias,
-                           out_bias=c.out_proj_bias, dropout=c.attention_dropout, impl=c.attn_impl)
+        attn_kwargs = dict(n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, bias=c.attn_bias,
+                           out_bias=c.attn_out_bias, dropout=c.attention_dropout, impl=c.attn_impl)
         self.pre_norm = c.norm_position == "pre"
         self.self_attn = MultiHeadAttention(c.d_model, c.n_heads, **attn_kwargs)
         self.self_attn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
@@ -52,7 +52,7 @@ class TransformerBlock(nn.Module):
         if cross_attention:
             self.cross_attn = MultiHeadAttention(c.d_model, c.n_heads, cross=True, **attn_kwargs)
             self.cross_attn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
-        self.ffn = FeedForward(c.d_model, c.d_ff, activation=c.activation, bias=c.ffn_bias,
+        self.ffn = FeedForward(c.d_model, c.d_ff, activation=c.activation, bias=c.mlp_bias,
                                dropout=c.activation_dropout)
         self.ffn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
         self.dropout = Dropout(c.dropout)  # residual dropout, P_drop in the paper
@@ -170,7 +170,7 @@ class TransformerStack(nn.Module):
             self.absolute = LearnedPositionalEmbedding(c.max_seq_len, c.d_model,
                                                        offset=c.position_offset)
         elif c.positional == "rope":
-            self.rotary = RotaryEmbedding(c.head_size, c.max_seq_len, base=c.rope_base)
+            self.rotary = RotaryEmbedding(c.head_dim, c.max_seq_len, base=c.rope_base)
         elif c.positional == "alibi":
             self.relative = ALiBi(c.n_heads)
         elif c.positional == "t5":
@@ -185,7 +185,7 @@ class TransformerStack(nn.Module):
         self.blocks = nn.ModuleList(
             TransformerBlock(c, cross_attention=cross_attention) for _ in range(n_layers)
         )
-        self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.use_final_norm else None
+        self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.final_norm else None
 
     def embed(self, tokens: Tensor, positions: Tensor, segments: Tensor | None = None) -> Tensor:
         """tokens, positions (b, t) [, segments (b, t)] -> the stack's input (b, t, d), before

@@ -41,12 +41,12 @@ class EncoderDecoder(nn.Module):
         self.config = config
         src_embedding = nn.Embedding(config.vocab_size, config.d_model)
         tgt_embedding = (src_embedding if config.share_embeddings
-                         else nn.Embedding(config.target_vocab_size, config.d_model))
+                         else nn.Embedding(config.tgt_vocab_size, config.d_model))
         self.encoder = TransformerStack(config, n_layers=config.n_layers, embedding=src_embedding,
                                         causal=False)
-        self.decoder = TransformerStack(config, n_layers=config.decoder_layers,
+        self.decoder = TransformerStack(config, n_layers=config.n_decoder_layers,
                                         embedding=tgt_embedding, causal=True, cross_attention=True)
-        self.lm_head = Linear(config.d_model, config.target_vocab_size, bias=config.lm_head_bias)
+        self.lm_head = Linear(config.d_model, config.tgt_vocab_size, bias=config.lm_head_bias)
         init_weights(self, config)
         if config.tie_output:
             self.lm_head.weight = tgt_embedding.weight
@@ -112,6 +112,6 @@ class EncoderDecoder(nn.Module):
                   group_size: int | None = None) -> KVCache:
         """A preallocated decoder KV cache (self-attention buffers + cross-attention slots)."""
         weight = self.lm_head.weight
-        return make_cache(self.config, n_layers=self.config.decoder_layers, batch_size=batch_size,
+        return make_cache(self.config, n_layers=self.config.n_decoder_layers, batch_size=batch_size,
                           max_len=max_len, dtype=dtype or weight.dtype, device=weight.device,
                           cross_attention=True, quantize=quantize, group_size=group_size)

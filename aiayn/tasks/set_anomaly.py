@@ -50,7 +50,7 @@ class SetAnomalyModel(nn.Module):
             TransformerBlock(config, cross_attention=False) for _ in range(config.n_layers)
         )
         self.final_norm = (
-            make_norm(config.norm, config.d_model, config.norm_eps) if config.use_final_norm else None
+            make_norm(config.norm, config.d_model, config.norm_eps) if config.final_norm else None
         )
         self.score = nn.Linear(config.d_model, 1)
         init_weights(self, config)

@@ -377,9 +377,9 @@ def test_encoder_decoder_attention_weights(positional: str, impl: str) -> None:
     (b, s), t = src.shape, tgt.shape[1]
     check_weights(out.encoder_attentions, n_layers=c.n_layers, shape=(b, c.n_heads, s, s),
                   query_valid=src_valid, key_valid=src_valid, causal=False)
-    check_weights(out.attentions, n_layers=c.decoder_layers, shape=(b, c.n_heads, t, t),
+    check_weights(out.attentions, n_layers=c.n_decoder_layers, shape=(b, c.n_heads, t, t),
                   query_valid=tgt_valid, key_valid=tgt_valid, causal=True)
-    check_weights(out.cross_attentions, n_layers=c.decoder_layers, shape=(b, c.n_heads, t, s),
+    check_weights(out.cross_attentions, n_layers=c.n_decoder_layers, shape=(b, c.n_heads, t, s),
                   query_valid=tgt_valid, key_valid=src_valid, causal=False)
     # The encoder really is bidirectional: real queries put weight on later real keys.
     upper = torch.ones(7, 7, dtype=torch.bool).triu(1)  # row 0 has 7 real source tokens

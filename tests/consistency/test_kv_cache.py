@@ -305,7 +305,7 @@ def test_cache_is_preallocated_and_holds_only_kv_heads(n_kv_heads: int) -> None:
     cache = model.new_cache(b, max_len)
     assert isinstance(cache, KVCache)
     assert len(cache.layers) == config.n_layers
-    expected_shape = (b, n_kv_heads, max_len, config.head_size)
+    expected_shape = (b, n_kv_heads, max_len, config.head_dim)
     ptrs = [(layer.k.data_ptr(), layer.v.data_ptr()) for layer in cache.layers]
     for layer in cache.layers:
         assert tuple(layer.k.shape) == expected_shape
@@ -331,7 +331,7 @@ def test_encoder_decoder_cache_preallocated_through_greedy() -> None:
     encoded = model.encode(src)
     cache = model.new_cache(3, 9)
     ptrs = [(la.k.data_ptr(), la.v.data_ptr()) for la in cache.layers]
-    shape = (3, 2, 9, model.config.head_size)
+    shape = (3, 2, 9, model.config.head_dim)
     step = torch.ones(3, 1, dtype=torch.long)
     with torch.no_grad():
         for _ in range(9):
@@ -341,7 +341,7 @@ def test_encoder_decoder_cache_preallocated_through_greedy() -> None:
             assert all(tuple(la.k.shape) == shape for la in cache.layers)
     # Cross-attention keeps one (b, h_kv, s, d_h) pair per layer, computed from the source.
     for cross in cache.cross:
-        assert tuple(cross.k.shape) == (3, 2, src.shape[1], model.config.head_size)
+        assert tuple(cross.k.shape) == (3, 2, src.shape[1], model.config.head_dim)
 
 
 def test_cache_overflow_raises() -> None:
@@ -388,16 +388,16 @@ def test_kv_cache_bytes_matches_real_cache(arch: str, overrides: dict, batch_siz
     model = DecoderOnly(config) if config.arch == "decoder-only" else EncoderDecoder(config)
     cache = model.new_cache(batch_size, max_len, dtype=dtype)
     assert all(la.k.dtype == dtype for la in cache.layers)
-    n_layers = config.decoder_layers if config.arch == "encoder-decoder" else config.n_layers
-    estimate = kv_cache_bytes(n_layers=n_layers, n_kv_heads=config.kv_heads,
-                              head_dim=config.head_size, seq_len=max_len,
+    n_layers = config.n_decoder_layers if config.arch == "encoder-decoder" else config.n_layers
+    estimate = kv_cache_bytes(n_layers=n_layers, n_kv_heads=config.n_kv_heads,
+                              head_dim=config.head_dim, seq_len=max_len,
                               batch_size=batch_size, dtype=dtype)
     assert estimate == cache.nbytes
     actual = sum(t.numel() * t.element_size() for la in cache.layers for t in (la.k, la.v))
     assert estimate == actual
     name = "float32" if dtype == torch.float32 else "bf16"
-    assert kv_cache_bytes(n_layers=n_layers, n_kv_heads=config.kv_heads,
-                          head_dim=config.head_size, seq_len=max_len, batch_size=batch_size,
+    assert kv_cache_bytes(n_layers=n_layers, n_kv_heads=config.n_kv_heads,
+                          head_dim=config.head_dim, seq_len=max_len, batch_size=batch_size,
                           dtype=name) == cache.nbytes
 
 

@@ -227,7 +227,7 @@ def test_synthetic_llama_matches_hf(qtype, tied, hf_models, trained_tokenizer, t
                       llama_tensors(hf, qtype))
     loaded = load_gguf(path)
     model, config, _, _ = loaded
-    assert (config.n_heads, config.kv_heads, config.head_size, config.n_layers, config.d_ff) == (4, 2, 16, 2, 96)
+    assert (config.n_heads, config.n_kv_heads, config.head_dim, config.n_layers, config.d_ff) == (4, 2, 16, 2, 96)
     assert (config.rope_base, config.max_seq_len) == (50000.0, 128)
     assert config.norm_eps == float(np.float32(1e-5))  # stored as float32
     assert config.tie_output == tied
@@ -348,7 +348,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 def test_smollm2_config_and_tokenizer(smollm):
     loaded, _, hf_tok = smollm
     config = loaded.config
-    assert (config.vocab_size, config.d_model, config.n_layers, config.n_heads, config.kv_heads) == (49152, 576, 30, 9, 3)
+    assert (config.vocab_size, config.d_model, config.n_layers, config.n_heads, config.n_kv_heads) == (49152, 576, 30, 9, 3)
     assert (config.d_ff, config.rope_base, config.max_seq_len, config.tie_output) == (1536, 100000.0, 8192, True)
     assert loaded.tensor_types == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
     prompt = loaded.chat_template.render(CHAT)

@@ -53,10 +53,10 @@ def test_config_is_converted(case):
     name, hf, _, _, config = case
     assert (config.arch, config.positional, config.norm, config.activation) == (
         "decoder-only", "rope", "rmsnorm", "swiglu")
-    assert (config.n_heads, config.kv_heads, config.d_ff) == (6, 2, 37)
-    assert config.qkv_bias == (name in ("llama-bias", "qwen2"))
-    assert config.out_proj_bias == config.ffn_bias == (name == "llama-bias")
-    assert config.head_size == (12 if name == "llama-bias" else 8)
+    assert (config.n_heads, config.n_kv_heads, config.d_ff) == (6, 2, 37)
+    assert config.attn_bias == (name in ("llama-bias", "qwen2"))
+    assert config.attn_out_bias == config.mlp_bias == (name == "llama-bias")
+    assert config.head_dim == (12 if name == "llama-bias" else 8)
     assert config.rope_base == (500000.0 if name == "llama" else 10000.0)
     assert config.tie_output == hf.config.tie_word_embeddings
 

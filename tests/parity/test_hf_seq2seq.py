@@ -66,7 +66,7 @@ def batch(hf, *, pad_target: bool) -> tuple[torch.Tensor, ...]:
 def test_config_is_converted(case):
     name, hf, _, _, config = case
     assert config.arch == "encoder-decoder" and config.norm_position == "post"
-    assert (config.n_layers, config.decoder_layers, config.d_ff) == (2, 3, 37)
+    assert (config.n_layers, config.n_decoder_layers, config.d_ff) == (2, 3, 37)
     assert config.lm_head_bias and config.pad_id == hf.config.pad_token_id
     if name.startswith("bart"):
         assert (config.positional, config.position_offset, config.embedding_norm) == ("learned", 2, True)
@@ -74,7 +74,7 @@ def test_config_is_converted(case):
         assert (config.positional, config.sinusoidal_layout, config.activation) == ("sinusoidal", "split", "silu")
     assert config.scale_embeddings == (name != "bart")
     assert config.share_embeddings == (name in ("bart", "marian"))
-    assert config.target_vocab_size == (77 if name == "marian-separate" else VOCAB)
+    assert config.tgt_vocab_size == (77 if name == "marian-separate" else VOCAB)
 
 
 @pytest.mark.parametrize("pad_target", [False, True], ids=["full-target", "padded-target"])

@@ -88,3 +88,25 @@ def test_weight_sharing_options():
     assert separate.encoder.embedding is not separate.decoder.embedding
     assert separate.lm_head.weight.shape == (77, 48)
     assert count_parameters(separate) > count_parameters(shared)
+
+
+def test_one_name_per_concept_derived_fields_resolve_and_rederive() -> None:
+    """Fields left None are filled in once (one name, one concrete value) and derived again by
+    replace(); to_dict keeps them None so a saved config still derives them."""
+    cfg = ModelConfig(d_model=64, n_heads=4)
+    assert (cfg.n_kv_heads, cfg.head_dim, cfg.n_decoder_layers, cfg.tgt_vocab_size) == (4, 16, 6, 1000)
+    assert (cfg.final_norm, cfg.attn_bias, cfg.attn_out_bias, cfg.mlp_bias) == (False, True, True, True)
+    assert cfg.to_dict()["head_dim"] is None and cfg.to_dict()["n_kv_heads"] is None
+    wider = cfg.replace(d_model=128, n_heads=2)
+    assert (wider.head_dim, wider.n_kv_heads) == (64, 2)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    explicit = ModelConfig(d_model=64, n_heads=4, head_dim=8)
+    assert explicit.replace(d_model=128).head_dim == 8  # given, so kept
+
+
+def test_old_field_names_load_with_a_deprecation_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="'kv_heads' is now called 'n_kv_heads'"):
+        cfg = ModelConfig.from_dict({"d_model": 64, "n_heads": 4, "kv_heads": 2})
+    assert cfg.n_kv_heads == 2
+    with pytest.raises(ConfigError, match="disagrees"):
+        ModelConfig.from_dict({"d_model": 64, "n_heads": 4, "kv_heads": 2, "n_kv_heads": 4})

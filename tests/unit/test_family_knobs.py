@@ -31,10 +31,10 @@ def test_invalid_knobs_say_what_to_change(changes, needle):
 
 def test_bias_switches_follow_bias_by_default():
     cfg = ModelConfig(bias=False)
-    assert (cfg.qkv_bias, cfg.out_proj_bias, cfg.ffn_bias) == (False, False, False)
+    assert (cfg.attn_bias, cfg.attn_out_bias, cfg.mlp_bias) == (False, False, False)
     qwen2 = ModelConfig(bias=False, attn_bias=True, attn_out_bias=False)
-    assert (qwen2.qkv_bias, qwen2.out_proj_bias, qwen2.ffn_bias) == (True, False, False)
-    assert ModelConfig(attn_bias=False, mlp_bias=True).out_proj_bias is False  # follows attn_bias
+    assert (qwen2.attn_bias, qwen2.attn_out_bias, qwen2.mlp_bias) == (True, False, False)
+    assert ModelConfig(attn_bias=False, mlp_bias=True).attn_out_bias is False  # follows attn_bias
 
 
 def test_bias_switches_reach_the_modules():
