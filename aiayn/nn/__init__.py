@@ -2,7 +2,7 @@
 
 from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
 from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV, kv_cache_bytes
-from aiayn.nn.masks import causal_mask, combine_masks, key_mask, padding_mask
+from aiayn.nn.masks import causal_mask, combine_masks, key_mask, valid_tokens
 from aiayn.nn.mlp import FeedForward
 from aiayn.nn.norm import make_norm
 from aiayn.nn.positional import (
@@ -32,7 +32,7 @@ __all__ = [
     "key_mask",
     "kv_cache_bytes",
     "make_norm",
-    "padding_mask",
     "scaled_dot_product_attention",
     "sinusoidal_encoding",
+    "valid_tokens",
 ]

@@ -18,9 +18,19 @@ import torch
 from torch import Tensor
 
 
-def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
-    """(b, t) token ids -> (b, t) bool, True at real tokens."""
-    return tokens != pad_id
+def valid_tokens(tokens: Tensor, pad_id: int | None, valid: Tensor | None = None) -> Tensor:
+    """(b, t) bool, True at real tokens: ``valid`` when given (checked: a bool tensor of the
+    tokens' shape), else ``tokens != pad_id``, or all True when the model has no pad_id.
+
+    The one rule for which tokens are real, used by the stacks and by every decoder."""
+    if valid is None:
+        return tokens != pad_id if pad_id is not None else torch.ones_like(tokens, dtype=torch.bool)
+    if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool tensor (True = real token), got "
+                        f"{getattr(valid, 'dtype', type(valid).__name__)}")
+    if valid.shape != tokens.shape:
+        raise ValueError(f"valid must have the tokens' shape {tuple(tokens.shape)}, got {tuple(valid.shape)}")
+    return valid
 
 
 def key_mask(valid: Tensor) -> Tensor:

@@ -1,0 +1,1 @@
+"""aiayn's speed, applied to a built model (being written)."""

@@ -1,0 +1,114 @@
+"""A decode step compiled by ``torch.compile`` into one graph: the eager decoder-only step costs a
+small model most of its time in dispatching a few hundred small ops from Python.
+
+The step runs the same stack as the eager model (``TransformerStack``) with every shape fixed by
+the cache but the filled prefix's length, marked dynamic, and linear layers on a few rows the ways
+measured fastest compiled (``aiayn.fast.matvec``). ``aiayn.generate`` calls it with
+``compile=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from aiayn.models.blocks import check_tokens
+from aiayn.models.decoder_only import DecoderOnly
+from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.matvec import MatvecLinears
+
+
+def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Tensor, key_valid: Tensor,
+                 key_positions: Tensor, cache: KVCache) -> Tensor:
+    """tokens, positions (b, 1), slot (1,), key_valid, key_positions (b, n) -> next-token logits
+    (b, v); the graph torch.compile traces (n symbolic).
+
+    Linear layers on a few rows run the ways measured fastest compiled (``MatvecLinears``): at
+    batch 1 a fused multiply + sum that reads the weights about twice as fast as the matmul."""
+    with MatvecLinears():
+        hidden = model.decoder.static_decode_step(tokens, positions, slot, key_valid, key_positions,
+                                                  cache)  # (b, 1, d)
+        return model.lm_head(hidden[:, -1])
+
+
+_compiled_static_step: Callable[..., Tensor] | None = None
+COMPILED_CACHE_MULTIPLE = 64  # compiled decoding rounds its cache up to this, so lengths share graphs
+
+
+def cache_len(n: int, compile: bool) -> int:
+    """Slots a decoder allocates for n tokens: n, or (compiled) n rounded up to a multiple of 64,
+    so that requests of similar length reuse one compiled graph instead of compiling again (the
+    graph attends over the filled slots only; the buffer size is part of its shapes)."""
+    return -(-n // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE if compile else n
+
+
+def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> Tensor:
+    """One decode step, tokens (b, 1) -> logits (b, v), through a ``torch.compile``d graph.
+
+    The eager step spends most of a small model's time dispatching a few hundred small ops from
+    Python; this one runs ``TransformerStack.static_decode_step`` (the same blocks; every shape
+    fixed by the cache but the filled prefix's length, marked dynamic) compiled per model and shape (Inductor: C++ kernels for the element-wise
+    work; projections on a few rows as fused multiply + sum loops, ``aiayn.nn.matvec``; larger
+    batches through the matmul library with pre-packed weights). The first call
+    compiles (seconds to a minute; another batch size or cache size compiles again: decoders round
+    the cache up to a multiple of 64 slots to share graphs); the result equals the eager step up to float rounding
+    (tests/consistency/test_compiled_decode.py). What ``forward`` checks is checked here, in Python.
+
+    The graph holds the weights as constants (Inductor "freezing"; it keeps its own pre-packed
+    copy of them): after changing a model's weights in place, call ``torch._dynamo.reset()``
+    before decoding it compiled again.
+    """
+    global _compiled_static_step
+    if cache.quantize is not None:
+        raise ValueError("compiled decoding needs a float KV cache; drop compile or the cache quantisation")
+    if model.training:
+        raise ValueError("compiled decoding runs the eval-mode model; call model.eval() first")
+    check_tokens("tokens", tokens, model.config.vocab_size)
+    if tokens.shape != (cache.batch_size, 1):
+        raise ValueError(f"a compiled decode step takes one token per row, shape ({cache.batch_size}, 1), "
+                         f"got {tuple(tokens.shape)}")
+    if cache.length >= cache.max_len:
+        raise ValueError(f"KV cache is full: {cache.length} slot(s) used of max_len={cache.max_len}; "
+                         f"create the cache with a larger max_len")
+    positions = cache.next_positions()[:, None]  # (b, 1): real tokens so far
+    top = int(positions.max())
+    if top >= model.config.max_seq_len:
+        raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "
+                         f"max_seq_len={model.config.max_seq_len}; ask for fewer tokens")
+    if _compiled_static_step is None:
+        _compiled_static_step = _compile_static_step()
+    # The new slot's bookkeeping, here in Python; the graph sees the filled prefix [0, n) only,
+    # its length n marked dynamic: one graph serves every step (attending over the whole buffer
+    # instead cost batch 16 about a third more time per step).
+    start = cache.reserve(torch.ones_like(tokens, dtype=torch.bool), positions)  # the new slot
+    key_valid, key_positions = cache.valid[:, : start + 1], cache.positions[:, : start + 1]  # (b, n)
+    torch._dynamo.maybe_mark_dynamic(key_valid, 1)
+    torch._dynamo.maybe_mark_dynamic(key_positions, 1)
+    slot = torch.tensor([start], device=tokens.device)
+    return _compiled_static_step(model, tokens, positions, slot, key_valid, key_positions, cache)
+
+
+def _compile_static_step() -> Callable[..., Tensor]:
+    """``_static_step`` under torch.compile, called with Inductor's freezing on."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    # Static shapes but the number of filled cache slots (marked dynamic per call): symbolic
+    # sizes elsewhere would make slower kernels (and SDPA's enable_gqa a SymBool).
+    # Each model, batch size and cache size is one entry of the compile cache: raise torch's
+    # default limit of 8 entries per function, past which it would refuse to compile again.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+    compiled = torch.compile(_static_step, fullgraph=True, dynamic=False)
+
+    def step(*args: object) -> Tensor:
+        # Freezing folds the weights into the graph as constants, which lets Inductor pre-pack
+        # them for oneDNN's matmuls: the projections that stay F.linear (more rows than
+        # aiayn.nn.matvec rewrites) read the weights faster than torch's eager kernels do. Set around
+        # every call, since any call may compile (a new shape); torch.compile's options= does not
+        # reach the freezing pass.
+        with inductor_config.patch(freezing=True):
+            return compiled(*args)
+
+    return step
