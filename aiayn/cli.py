@@ -382,7 +382,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
         raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
                                  f"{lm.model.config.head_dim} is odd; use int8", param_hint="--kv-cache")
     if quantize != "none":
-        from aiayn.quantize import lower_precision
+        from aiayn.fast.quantize import lower_precision
 
         lm.model = lower_precision(lm.model, quantize)
     if chat and lm.chat is None:

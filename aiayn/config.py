@@ -15,7 +15,9 @@ from typing import Any
 
 ARCHITECTURES = ("encoder-decoder", "decoder-only", "encoder-only")
 POSITIONAL_SCHEMES = ("sinusoidal", "learned", "rope", "alibi", "t5", "none")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+# Gated units (Shazeer 2020) and the function of their gate: SwiGLU (LLaMA) = silu, GeGLU = gelu.
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", *GATED_ACTIVATIONS)  # the one table of names
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
 SINUSOIDAL_LAYOUTS = ("interleaved", "split")

@@ -82,7 +82,7 @@ class SentenceEncoder:
         out = []
         for start in range(0, len(texts), batch_size):
             tokens, valid = self.tokenize(texts[start:start + batch_size])
-            hidden = self.model(tokens, valid=valid, with_mlm_logits=False).hidden.float()
+            hidden = self.model(tokens, valid=valid).hidden.float()
             vectors = pool(hidden, valid, self.pooling)
             out.append(F.normalize(vectors, p=2.0, dim=-1) if self.normalize else vectors)
         return torch.cat(out)

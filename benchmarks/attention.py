@@ -7,7 +7,7 @@ allocates (torch.profiler allocator events, see ``benchmarks/memory.py``). The r
 materialises the (b, h, n, n) score and weight matrices, so its memory grows as n^2; the fused
 kernel (``F.scaled_dot_product_attention``, run with ``fastpath.plain_torch``) works in blocks and
 keeps O(n) memory. With ``--backward``, "block causal" is the kernel aiayn trains with on the CPU
-up to ``block_causal.MAX_LENGTH`` positions (``aiayn.nn.block_causal``: query blocks as large
+up to ``block_causal.MAX_LENGTH`` positions (``aiayn.fast.block_causal``: query blocks as large
 batched products; it keeps the visible half of the weights for the backward). All do O(n^2) work.
 """
 
@@ -17,9 +17,9 @@ import argparse
 
 import torch
 
-from aiayn.nn import fastpath
+from aiayn.fast import switch as fastpath
 from aiayn.nn.attention import scaled_dot_product_attention
-from aiayn.nn.block_causal import MAX_LENGTH, block_causal_attention
+from aiayn.fast.block_causal import MAX_LENGTH, block_causal_attention
 from benchmarks.common import Timed, add_common_args, footer, header, run_interleaved, setup, table
 from benchmarks.memory import mib, peak_bytes
 

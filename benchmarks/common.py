@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from aiayn.nn import onednn
+from aiayn.fast import onednn
 
 
 def add_common_args(parser: argparse.ArgumentParser, *, repeats: int = 7, warmup: int = 2) -> None:
@@ -100,7 +100,7 @@ def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int) -> Non
 def matmul_peak(*, n: int = 2048, repeats: int = 7, backend: str = "torch.mm") -> float:
     """Measured float32 throughput of an n x n by n x n product, FLOP/s (median): ``torch.mm``
     (MKL on this build) or, with ``backend="onednn"``, the oneDNN product aiayn's linear layers
-    use (``aiayn.nn.onednn``; 0.0 when this torch build has none)."""
+    use (``aiayn.fast.onednn``; 0.0 when this torch build has none)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     if backend == "onednn":
         if not onednn.available():

@@ -34,7 +34,7 @@ warnings.filterwarnings("ignore")
 from aiayn.generate import SamplingConfig, generate_decoder_only  # noqa: E402
 from aiayn.interop import load_gguf  # noqa: E402
 from aiayn.interop.gguf import smollm2_path  # noqa: E402
-from aiayn.quantize import lower_precision  # noqa: E402
+from aiayn.fast.quantize import lower_precision  # noqa: E402
 
 QUESTION = "Write a short story about a robot who learns to paint."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -1,5 +1,5 @@
 """The output layer + cross-entropy, forward and backward: aiayn's fused version
-(``aiayn.nn.linear_cross_entropy``, what ``aiayn train`` runs) against ``F.linear`` then
+(``aiayn.fast.fused_loss``, what ``aiayn train`` runs) against ``F.linear`` then
 ``F.cross_entropy`` (what the peers run), time and peak memory.
 
 Two output layers: the decoder-only training benchmark's (d 256 -> 8,000 classes) and
@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from aiayn.nn.linear_cross_entropy import linear_cross_entropy
+from aiayn.fast.fused_loss import linear_cross_entropy
 from benchmarks.common import (
     Timed,
     add_common_args,

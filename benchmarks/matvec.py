@@ -8,12 +8,12 @@ For SmolLM2-135M's projections as aiayn lays them out (30 layers of fused q/k/v 
 * ``eager F.linear``: torch's matmul library, one call per projection;
 * ``compiled F.linear``: the same calls in one ``torch.compile``d graph with Inductor's freezing
   (the weights pre-packed for oneDNN), as aiayn's compiled decode step ran them before
-  ``aiayn.nn.matvec``;
+  ``aiayn.fast.matvec``;
 * ``compiled multiply + sum``: ``matvec_linear`` (``MatvecLinears``), the same graph with each
   product written as an element-wise multiply and a float32 sum that Inductor fuses into one loop;
 * ``compiled (W x^T)^T``: ``transposed_linear``, the same matmul with the few rows as the narrow
   right-hand side;
-* ``eager (W x^T)^T``: ``transposed_linear`` called eagerly, as ``aiayn.nn.matvec.Linear`` does
+* ``eager (W x^T)^T``: ``transposed_linear`` called eagerly, as ``aiayn.fast.matvec.Linear`` does
   with no autograd graph to build.
 
 GB/s is weight bytes read per second. These ratios set ``MATVEC_MAX_ROWS`` and
@@ -35,7 +35,7 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.nn.matvec import (
+from aiayn.fast.matvec import (
     matvec_linear,
     transposed_linear,
     use_eager_transposed,

@@ -1,6 +1,6 @@
 """float32 linear layers: aiayn's oneDNN path against ``F.linear`` (MKL), side by side.
 
-Not one of the issue's five benchmarks: the measurement behind ``aiayn.nn.onednn``. For each
+Not one of the issue's five benchmarks: the measurement behind ``aiayn.fast.onednn``. For each
 projection shape of the training benchmarks (4,096 rows: the decoder-only batch 16 x 256), the
 forward, the input gradient g W and the weight gradient g^T x, each as ``F.linear``/``torch.mm``
 (what ``nn.Linear``'s autograd runs) and as aiayn's oneDNN products, interleaved in one process;
@@ -14,7 +14,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from aiayn.nn import onednn
+from aiayn.fast import onednn
 from benchmarks.common import Timed, add_common_args, footer, header, run_interleaved, setup, table
 
 # (in_features, out_features) of the decoder benchmark's layers (d 256, d_ff 1024, vocab 8,000)

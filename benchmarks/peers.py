@@ -4,7 +4,7 @@ Encoder-decoder peers take ``(src, tgt_in, src_valid, tgt_valid)`` and return lo
 (b, t, v), or (n, v) for the n real target positions (``tgt_valid``, row-major) when they skip
 padding (aiayn with ``ModelConfig.padding_free``); decoder-only peers take ``tokens`` (b, t) and
 return logits (b, t, v). aiayn models given targets return their fused output layer + loss
-instead (``aiayn.nn.linear_cross_entropy``), as in ``aiayn train``. Every peer is plain float32 and uses its fastest attention it offers on CPU (SDPA where it has it).
+instead (``aiayn.fast.fused_loss``), as in ``aiayn train``. Every peer is plain float32 and uses its fastest attention it offers on CPU (SDPA where it has it).
 
 Known differences at "equal size" (the parameter counts printed by each benchmark show them):
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn import ModelConfig, build_model
-from aiayn.nn.linear_cross_entropy import HeadLoss
+from aiayn.fast.fused_loss import HeadLoss
 from aiayn.nn.positional import sinusoidal_encoding
 from aiayn.train.losses import logits_tensor, loss_logits
 

@@ -5,13 +5,13 @@ Benchmark 1 (encoder-decoder, ``--suite small`` / ``paper-base``): aiayn, torch.
 32 x (32 source + 32 target) tokens with random right padding (lengths 16..32), plus model FLOPs
 utilisation against the fp32 2048 x 2048 ``torch.mm`` peak measured in the same run (and against
 the same product through oneDNN, which runs at about twice ``torch.mm``'s MKL rate on this AMD
-CPU and which aiayn's linear layers use: ``aiayn.nn.onednn``). "aiayn" is
+CPU and which aiayn's linear layers use: ``aiayn.fast.onednn``). "aiayn" is
 the model with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``: token-wise layers
 on the real tokens only) and, as every aiayn training task runs it, given the targets: its output
-layer fused with the cross-entropy (``aiayn.nn.linear_cross_entropy``, no logits made).
+layer fused with the cross-entropy (``aiayn.fast.fused_loss``, no logits made).
 "aiayn padded" is the same model computing its padding and its logits for the shared
 ``F.cross_entropy``: what the other peers compute. "aiayn plain torch" is "aiayn" with its CPU
-kernels turned off (``aiayn.nn.fastpath.plain_torch``: ``F.linear``/MKL matmuls and SDPA
+kernels turned off (``aiayn.fast.switch.plain_torch``: ``F.linear``/MKL matmuls and SDPA
 attention, as the peers call): the difference between the two rows is those kernels.
 Benchmark 2 (``--suite decoder``): decoder-only, d 256, 4 layers, 4 heads, vocab 8,000, batch
 16 x 256, against Hugging Face GPT-2 and x-transformers' ``TransformerWrapper(Decoder)``. "aiayn"
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from aiayn.nn import fastpath
+from aiayn.fast import switch as fastpath
 from aiayn.train.losses import loss_logits, sequence_loss
 from benchmarks.common import (
     Timed,
@@ -75,7 +75,7 @@ from benchmarks.peers import (
 TRAINING_TARGET = 1.2
 COMPILED = "aiayn compiled"  # the aiayn model under torch.compile (aiayn train --compile)
 UNFUSED = "aiayn logits"  # the aiayn decoder making its logits for the shared F.cross_entropy
-PLAIN = "aiayn plain torch"  # aiayn's step with its CPU kernels off (aiayn.nn.fastpath): MKL, SDPA
+PLAIN = "aiayn plain torch"  # aiayn's step with its CPU kernels off (aiayn.fast.switch): MKL, SDPA
 
 # Decoder-only training peers: aiayn (output layer fused with its loss), the same model through
 # logits + F.cross_entropy, and the others.

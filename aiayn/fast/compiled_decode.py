@@ -14,22 +14,30 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from aiayn.models.blocks import check_tokens
+from aiayn.fast.matvec import MatvecLinears
+from aiayn.models.blocks import StackInputs, check_tokens
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.kv_cache import KVCache
-from aiayn.nn.matvec import MatvecLinears
+from aiayn.nn.masks import key_mask
 
 
 def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Tensor, key_valid: Tensor,
                  key_positions: Tensor, cache: KVCache) -> Tensor:
-    """tokens, positions (b, 1), slot (1,), key_valid, key_positions (b, n) -> next-token logits
-    (b, v); the graph torch.compile traces (n symbolic).
+    """tokens, positions (b, 1) long, ``slot`` (1,) long (the cache slot the new token fills),
+    ``key_valid`` (b, n) bool and ``key_positions`` (b, n) long (the cache's first n = slot + 1
+    slots, the new one's already set) -> next-token logits (b, v): the graph torch.compile traces,
+    n symbolic.
 
-    Linear layers on a few rows run the ways measured fastest compiled (``MatvecLinears``): at
-    batch 1 a fused multiply + sum that reads the weights about twice as fast as the matmul."""
+    The decoder's own ``TransformerStack.run`` on inputs built here without reading a tensor into
+    Python: attention covers the n filled slots (the key mask's width), the new keys go to
+    ``slot``. Linear layers on a few rows run the ways measured fastest compiled
+    (``MatvecLinears``): at batch 1 a fused multiply + sum that reads the weights about twice as
+    fast as the matmul."""
+    stack = model.decoder
+    self_attn = stack.attention_inputs(positions, key_positions, key_mask(key_valid), cache_pos=slot)
+    inputs = StackInputs(positions=positions, valid=torch.ones_like(tokens, dtype=torch.bool), self_attn=self_attn)
     with MatvecLinears():
-        hidden = model.decoder.static_decode_step(tokens, positions, slot, key_valid, key_positions,
-                                                  cache)  # (b, 1, d)
+        hidden = stack.run(tokens, inputs, cache=cache).hidden  # (b, 1, d)
         return model.lm_head(hidden[:, -1])
 
 
@@ -48,12 +56,13 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
     """One decode step, tokens (b, 1) -> logits (b, v), through a ``torch.compile``d graph.
 
     The eager step spends most of a small model's time dispatching a few hundred small ops from
-    Python; this one runs ``TransformerStack.static_decode_step`` (the same blocks; every shape
-    fixed by the cache but the filled prefix's length, marked dynamic) compiled per model and shape (Inductor: C++ kernels for the element-wise
-    work; projections on a few rows as fused multiply + sum loops, ``aiayn.nn.matvec``; larger
-    batches through the matmul library with pre-packed weights). The first call
-    compiles (seconds to a minute; another batch size or cache size compiles again: decoders round
-    the cache up to a multiple of 64 slots to share graphs); the result equals the eager step up to float rounding
+    Python; this one runs the decoder's ``TransformerStack.run`` (the same blocks; every shape
+    fixed by the cache but the filled prefix's length, marked dynamic) compiled per model and
+    shape (Inductor: C++ kernels for the element-wise work; projections on a few rows as fused
+    multiply + sum loops, ``aiayn.fast.matvec``; larger batches through the matmul library with
+    pre-packed weights). The first call compiles (seconds to a minute; another batch size or cache
+    size compiles again: decoders round the cache up to a multiple of 64 slots to share graphs);
+    the result equals the eager step up to float rounding
     (tests/consistency/test_compiled_decode.py). What ``forward`` checks is checked here, in Python.
 
     The graph holds the weights as constants (Inductor "freezing"; it keeps its own pre-packed
@@ -105,7 +114,7 @@ def _compile_static_step() -> Callable[..., Tensor]:
     def step(*args: object) -> Tensor:
         # Freezing folds the weights into the graph as constants, which lets Inductor pre-pack
         # them for oneDNN's matmuls: the projections that stay F.linear (more rows than
-        # aiayn.nn.matvec rewrites) read the weights faster than torch's eager kernels do. Set around
+        # aiayn.fast.matvec rewrites) read the weights faster than torch's eager kernels do. Set around
         # every call, since any call may compile (a new shape); torch.compile's options= does not
         # reach the freezing pass.
         with inductor_config.patch(freezing=True):

@@ -29,7 +29,7 @@ from aiayn.interop.mapping import (
 from aiayn.nn.positional import sinusoidal_encoding
 
 # Hugging Face activation names -> aiayn's.
-_ACTIVATIONS = {
+_HF_ACTIVATION_NAMES = {
     "gelu": "gelu",  # erf GELU
     "gelu_new": "gelu_tanh",  # GPT-2's tanh approximation
     "gelu_pytorch_tanh": "gelu_tanh",
@@ -62,11 +62,11 @@ class HFConfig:
 
 def _activation(hf: HFConfig, key: str, default: str) -> str:
     name = hf.get(key, default)
-    if name not in _ACTIVATIONS:
+    if name not in _HF_ACTIVATION_NAMES:
         raise InteropError(
-            f"{hf.source}: {key}={name!r} is not supported; aiayn has {', '.join(sorted(_ACTIVATIONS))}"
+            f"{hf.source}: {key}={name!r} is not supported; aiayn has {', '.join(sorted(_HF_ACTIVATION_NAMES))}"
         )
-    return _ACTIVATIONS[name]
+    return _HF_ACTIVATION_NAMES[name]
 
 
 def _pad_id(hf: HFConfig, vocab: int) -> int | None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import LossModelOutput, ModelOutput, count_parameters
+from aiayn.models.base import ModelOutput, count_parameters
 from aiayn.models.blocks import TransformerBlock, TransformerStack
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import Encoded, EncoderDecoder
-from aiayn.models.encoder_only import EncoderOnly, EncoderOnlyOutput
+from aiayn.models.encoder_only import EncoderOnly
 from aiayn.models.presets import get_preset, preset_names
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -29,8 +29,6 @@ __all__ = [
     "Encoded",
     "EncoderDecoder",
     "EncoderOnly",
-    "EncoderOnlyOutput",
-    "LossModelOutput",
     "ModelOutput",
     "TransformerBlock",
     "TransformerStack",

@@ -1,8 +1,9 @@
-"""What the three model classes share: their output type, weight initialisation, cache factory."""
+"""What the three model classes share: their one output type, weight initialisation, cache factory."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -11,100 +12,49 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.models.blocks import StackOutput
 from aiayn.nn.kv_cache import KVCache
-from aiayn.nn.linear_cross_entropy import HeadLoss, linear_cross_entropy
 from aiayn.nn.packing import Packing
 
 
 @dataclass
 class ModelOutput:
-    logits: Tensor  # (b, t, v)
-    hidden: Tensor  # (b, t, d), the last stack's output (after its final norm)
-    attentions: list[Tensor] = field(default_factory=list)  # decoder/encoder self-attn, per layer
-    cross_attentions: list[Tensor] = field(default_factory=list)  # decoder cross-attn, per layer
-    encoder_attentions: list[Tensor] = field(default_factory=list)  # encoder self-attn (enc-dec)
+    """What every model of the family returns: the last stack's hidden states and, through the
+    output layer, the logits.
 
-
-class PackedModelOutput(ModelOutput):
-    """A padding-free forward's output (``ModelConfig.padding_free``): computed for the real tokens
-    only. ``packed_logits`` (n, v) and ``packed_hidden`` (n, d) are those rows, in row-major order
-    of the (b, t) batch (``packing.index``); ``logits`` and ``hidden`` unpack them to (b, t, ...),
-    zeros at padding, on first access. A loss over real tokens can take ``packed_logits`` with
-    ``targets.reshape(-1)[packing.index]`` and skip the padded rows altogether.
+    ``logits`` (b, t, v) are ``head(hidden)``, computed on first access: a caller that wants only
+    the hidden states (an embedding) never pays for them, and a training loss takes the hidden
+    rows and the output layer ``head`` (``aiayn.train.losses.sequence_loss``: over the real tokens
+    only, or fused with the cross-entropy). A padding-free forward (``ModelConfig.padding_free``)
+    computes its real tokens only: ``hidden_rows`` are those, (n, d), placed by ``packing``;
+    ``hidden`` and ``logits`` are (b, t, ...) all the same, zeros at padding.
     """
 
-    def __init__(self, packing: Packing, packed_logits: Tensor, packed_hidden: Tensor) -> None:
-        self.packing, self.packed_logits, self.packed_hidden = packing, packed_logits, packed_hidden
-        self.attentions, self.cross_attentions, self.encoder_attentions = [], [], []
-
-    @functools.cached_property
-    def logits(self) -> Tensor:  # type: ignore[override]
-        return self.packing.unpack(self.packed_logits)
-
-    @functools.cached_property
-    def hidden(self) -> Tensor:  # type: ignore[override]
-        return self.packing.unpack(self.packed_hidden)
-
-
-@dataclass
-class LossModelOutput:
-    """A forward given ``targets``: the output layer ran fused with the cross-entropy
-    (``aiayn.nn.linear_cross_entropy``), so there are no logits; ``head_loss`` feeds
-    ``aiayn.train.losses.sequence_loss`` (through ``loss_logits``). ``stack_hidden`` is the last
-    stack's output, (b, t, d) or packed (n, d); ``hidden`` is always (b, t, d).
-
-    A plain dataclass whose fields hold the graph's tensors (the loss sums inside ``head_loss``):
-    wrappers that hook a module's outputs (FSDP's pre-backward) find them there."""
-
-    head_loss: HeadLoss
-    stack_hidden: Tensor
-    packing: Packing | None = None
-    attentions: list[Tensor] = field(default_factory=list)
-    cross_attentions: list[Tensor] = field(default_factory=list)
-    encoder_attentions: list[Tensor] = field(default_factory=list)
-
-    @property
-    def logits(self) -> Tensor:
-        raise AttributeError("this forward was given targets and fused the output layer into the loss, so it "
-                             "computed no logits; call the model without targets to get them")
+    hidden_rows: Tensor  # the last stack's output (after its final norm): (b, t, d), or packed (n, d)
+    head: Callable[[Tensor], Tensor]  # the output layer: (..., d) -> (..., v)
+    packing: Packing | None = None  # set when hidden_rows are packed (padding-free)
+    attentions: list[Tensor] = field(default_factory=list)  # self-attention weights per layer, on request
+    cross_attentions: list[Tensor] = field(default_factory=list)  # decoder cross-attention, per layer
+    encoder_attentions: list[Tensor] = field(default_factory=list)  # encoder self-attention (enc-dec)
+    pooled: Tensor | None = None  # (b, d) an encoder's sentence vector (BERT's pooler)
 
     @functools.cached_property
     def hidden(self) -> Tensor:
-        return self.packing.unpack(self.stack_hidden) if self.packing is not None else self.stack_hidden
+        """(b, t, d)"""
+        return self.unpack(self.hidden_rows)
+
+    @functools.cached_property
+    def logits(self) -> Tensor:
+        """(b, t, v)"""
+        return self.unpack(self.head(self.hidden_rows))
+
+    def unpack(self, rows: Tensor) -> Tensor:
+        """Rows in ``hidden_rows``' layout -> (b, t, ...), zeros at padding if they are packed."""
+        return self.packing.unpack(rows) if self.packing is not None else rows
 
 
-def fuses_loss(head: nn.Module) -> bool:
-    """Whether the output layer can run fused with the loss: a plain (unquantised, unsharded)
-    linear layer; any other head computes its logits and the loss takes them."""
-    return isinstance(head, nn.Linear) and type(head.weight.data) is Tensor
-
-
-def model_output(out: StackOutput, head: nn.Module,
-                 targets: Tensor | None = None) -> ModelOutput | LossModelOutput:
-    """A stack's output and the output head applied to it, packed if the stack ran padding-free.
-
-    With ``targets`` (b, t) (``IGNORE`` where nothing counts) and a head that ``fuses_loss``, the
-    head runs fused with the cross-entropy instead and no logits are made (``LossModelOutput``)."""
-    if targets is not None and fuses_loss(head):
-        return LossModelOutput(head_loss(out, head, targets), out.hidden, out.packing, out.attentions)
-    if out.packing is not None:
-        return PackedModelOutput(out.packing, head(out.hidden), out.hidden)
-    return ModelOutput(logits=head(out.hidden), hidden=out.hidden, attentions=out.attentions)
-
-
-def head_loss(out: StackOutput, head: nn.Linear, targets: Tensor) -> HeadLoss:
-    """The fused output layer + cross-entropy over a stack's rows: every (b, t) position, or the
-    real tokens of a padding-free stack (``packing.index``)."""
-    packing = out.packing
-    batch_shape = (packing.batch, packing.length) if packing is not None else tuple(out.hidden.shape[:2])
-    if tuple(targets.shape) != batch_shape:
-        raise ValueError(f"targets must have the (batch, seq) shape of the model's input, {batch_shape}; "
-                         f"got {tuple(targets.shape)}")
-    if packing is not None:
-        hidden, flat_targets = out.hidden, packing.pack(targets)  # (n, d), (n,)
-    else:
-        hidden, flat_targets = out.hidden.reshape(-1, out.hidden.shape[-1]), targets.reshape(-1)  # (b t, d)
-    return linear_cross_entropy(hidden, head.weight, head.bias, flat_targets, packing=packing,
-                                batch_shape=(batch_shape[0], batch_shape[1]))
+def model_output(out: StackOutput, head: Callable[[Tensor], Tensor], **extra: object) -> ModelOutput:
+    """A stack's output with the output layer that turns it into logits."""
+    return ModelOutput(hidden_rows=out.hidden, head=head, packing=out.packing, attentions=out.attentions,
+                       cross_attentions=out.cross_attentions, **extra)  # type: ignore[arg-type]
 
 
 def init_weights(model: nn.Module, config: ModelConfig) -> None:

@@ -20,10 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.nn.attention import MultiHeadAttention
-from aiayn.nn.dropout import Dropout
+from aiayn.nn.attention import AttentionInputs, MultiHeadAttention
 from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
-from aiayn.nn.masks import key_mask
+from aiayn.nn.masks import key_mask, valid_tokens
 from aiayn.nn.mlp import FeedForward
 from aiayn.nn.norm import make_norm
 from aiayn.nn.packing import Packing
@@ -55,49 +54,58 @@ class TransformerBlock(nn.Module):
         self.ffn = FeedForward(c.d_model, c.d_ff, activation=c.activation, bias=c.mlp_bias,
                                dropout=c.activation_dropout)
         self.ffn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
-        self.dropout = Dropout(c.dropout)  # residual dropout, P_drop in the paper
+        self.dropout = nn.Dropout(c.dropout)  # residual dropout, P_drop in the paper
 
     def forward(
         self,
         x: Tensor,
+        inputs: StackInputs | None = None,
         *,
-        mask: Tensor | None = None,
-        bias: Tensor | None = None,
-        causal: bool = False,
-        rotary: tuple[Tensor, Tensor] | None = None,
-        memory: Tensor | None = None,
-        memory_mask: Tensor | None = None,
-        kv_cache: LayerKVCache | None = None,
+        cache: LayerKVCache | None = None,
         cross_cache: StaticKV | None = None,
-        cache_pos: int | Tensor = 0,
         need_weights: bool = False,
-        packing: Packing | None = None,
-        memory_packing: Packing | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights).
 
-        With ``packing`` x is packed, (n, d) real tokens only, and so is the result: every
-        sublayer but the attention core is token-wise (``aiayn.nn.packing``).
+        With ``inputs.packing`` x is packed, (n, d) real tokens only, and so is the result: every
+        sublayer but the attention core is token-wise (``aiayn.nn.packing``). Without ``inputs``:
+        no mask, no positions (a set, say).
         """
         h = self.self_attn_norm(x) if self.pre_norm else x
-        h, self_weights = self.self_attn(h, mask=mask, bias=bias, causal=causal, rotary=rotary,
-                                         kv_cache=kv_cache, cache_pos=cache_pos,
-                                         need_weights=need_weights, packing=packing)
+        h, self_weights = self.self_attn(h, inputs=inputs.self_attn if inputs is not None else None, cache=cache,
+                                         need_weights=need_weights)
         x = x + self.dropout(h) if self.pre_norm else self.self_attn_norm(x + self.dropout(h))
 
         cross_weights = None
         if self.cross_attn is not None:
-            assert self.cross_attn_norm is not None
+            assert self.cross_attn_norm is not None and inputs is not None, "cross-attention needs inputs.memory"
             h = self.cross_attn_norm(x) if self.pre_norm else x
-            h, cross_weights = self.cross_attn(h, memory, mask=memory_mask, kv_cache=cross_cache,
-                                               need_weights=need_weights, packing=packing,
-                                               memory_packing=memory_packing)
+            h, cross_weights = self.cross_attn(h, inputs.memory, inputs=inputs.cross_attn, cache=cross_cache,
+                                               need_weights=need_weights)
             x = x + self.dropout(h) if self.pre_norm else self.cross_attn_norm(x + self.dropout(h))
 
         h = self.ffn_norm(x) if self.pre_norm else x
         h = self.ffn(h)
         x = x + self.dropout(h) if self.pre_norm else self.ffn_norm(x + self.dropout(h))
         return x, self_weights, cross_weights
+
+
+@dataclass
+class StackInputs:
+    """One forward's inputs besides the token ids, computed once by ``TransformerStack.prepare``
+    (or by the compiled decode step, ``aiayn.fast.compiled_decode``) and shared by every block."""
+
+    positions: Tensor  # (b, t) long position ids of the new tokens
+    valid: Tensor  # (b, t) bool, True at real tokens
+    self_attn: AttentionInputs  # key mask over cached + new keys, causal, rotary/bias, cache slot
+    segments: Tensor | None = None  # (b, t) segment ids (BERT token types)
+    memory: Tensor | None = None  # encoder output (b, s, d) or packed (n_s, d), for cross-attention
+    cross_attn: AttentionInputs | None = None  # memory mask, packing (a decoder of an encoder-decoder)
+
+    @property
+    def packing(self) -> Packing | None:
+        """Set when the blocks run on the real tokens only (padding-free)."""
+        return self.self_attn.packing
 
 
 @dataclass
@@ -125,15 +133,6 @@ def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
         raise ValueError(
             f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size}); "
             f"check the tokenizer matches the model's vocab_size"
-        )
-
-
-def check_valid(name: str, valid: Tensor, tokens: Tensor) -> None:
-    if valid.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor (True = real token), got dtype {valid.dtype}")
-    if valid.shape != tokens.shape:
-        raise ValueError(
-            f"{name} must have the tokens' shape {tuple(tokens.shape)}, got {tuple(valid.shape)}"
         )
 
 
@@ -181,7 +180,7 @@ class TransformerStack(nn.Module):
             nn.Embedding(c.type_vocab_size, c.d_model) if segments and c.type_vocab_size > 0 else None
         )
         self.embedding_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.embedding_norm else None
-        self.dropout = Dropout(c.dropout)  # on embeddings + positions (paper section 5.4)
+        self.dropout = nn.Dropout(c.dropout)  # on embeddings + positions (paper section 5.4)
         self.blocks = nn.ModuleList(
             TransformerBlock(c, cross_attention=cross_attention) for _ in range(n_layers)
         )
@@ -213,7 +212,7 @@ class TransformerStack(nn.Module):
         need_weights: bool = False,
         pack: bool = False,
     ) -> StackOutput:
-        """tokens (b, t) -> hidden (b, t, d).
+        """tokens (b, t) -> hidden (b, t, d): ``run`` on the inputs ``prepare`` computes.
 
         Args:
             valid: (b, t) bool, True at real tokens; default ``tokens != pad_id`` (or all True when
@@ -230,18 +229,34 @@ class TransformerStack(nn.Module):
                 only and return hidden packed, (n, d), with ``packing`` (``aiayn.nn.packing``).
                 Not with a cache or attention weights.
         """
+        if pack and (cache is not None or need_weights):
+            raise ValueError("pack=True (padding-free) does not go with a cache or need_weights")
+        inputs = self.prepare(tokens, valid=valid, positions=positions, segments=segments, memory=memory,
+                              memory_valid=memory_valid, memory_packing=memory_packing, cache=cache, pack=pack)
+        return self.run(tokens, inputs, cache=cache, need_weights=need_weights)
+
+    def prepare(
+        self,
+        tokens: Tensor,
+        *,
+        valid: Tensor | None = None,
+        positions: Tensor | None = None,
+        segments: Tensor | None = None,
+        memory: Tensor | None = None,
+        memory_valid: Tensor | None = None,
+        memory_packing: Packing | None = None,
+        cache: KVCache | None = None,
+        pack: bool = False,
+    ) -> StackInputs:
+        """The checks and bookkeeping of a forward (arguments as ``forward``'s): validity, positions,
+        the cache's new slots, masks, positional bias or rotation, packing."""
         c = self.config
-        vocab = self.embedding.num_embeddings
-        check_tokens("tokens", tokens, vocab)
-        _b, _t = tokens.shape
-        if valid is None:
-            valid = tokens != c.pad_id if c.pad_id is not None else torch.ones_like(tokens, dtype=torch.bool)
-        else:
-            check_valid("valid", valid, tokens)
+        check_tokens("tokens", tokens, self.embedding.num_embeddings)
+        valid = valid_tokens(tokens, c.pad_id, valid)  # (b, t)
         if positions is None:
             # Count real tokens: left padding and earlier cached tokens do not shift positions.
             start = cache.next_positions()[:, None] if cache is not None else 0
-            positions = (start + valid.long().cumsum(dim=1) - 1).clamp(min=0)
+            positions = (start + valid.long().cumsum(dim=1) - 1).clamp(min=0)  # (b, t)
         elif positions.shape != tokens.shape:
             raise ValueError(f"positions must have the tokens' shape {tuple(tokens.shape)}, got {tuple(positions.shape)}")
         if int(positions.max()) >= c.max_seq_len:
@@ -250,10 +265,8 @@ class TransformerStack(nn.Module):
                 f"{int(positions.max())}, but the model has max_seq_len={c.max_seq_len}; shorten "
                 f"the input (or truncate it) or use a model with a larger max_seq_len"
             )
-
         if segments is not None and segments.shape != tokens.shape:
             raise ValueError(f"segments must have the tokens' shape {tuple(tokens.shape)}, got {tuple(segments.shape)}")
-        x = self.dropout(self.embed(tokens, positions, segments))  # (b, t, d)
 
         # Keys: the cached slots plus the new tokens.
         cache_pos = 0
@@ -261,72 +274,48 @@ class TransformerStack(nn.Module):
             cache_pos = cache.reserve(valid, positions)
             keys_valid, key_positions = cache.valid[:, : cache.length], cache.positions[:, : cache.length]
         else:
-            keys_valid, key_positions = valid, positions
+            keys_valid, key_positions = valid, positions  # (b, t_k)
         mask = None if bool(keys_valid.all()) else key_mask(keys_valid)  # (b, 1, 1, t_k)
-        bias = self.relative(positions, key_positions).to(x.dtype) if self.relative is not None else None
-        rotary = self.rotary(positions) if self.rotary is not None else None
+        packing = Packing.of(valid) if pack and mask is not None else None  # only with padding to skip
+        self_attn = self.attention_inputs(positions, key_positions, mask, cache_pos=cache_pos, packing=packing)
 
-        memory_mask = None
+        cross_attn = None
         if self.has_cross:
             if memory is None and (cache is None or cache.cross[0].k is None):
                 raise ValueError("the decoder needs memory= (the encoder output) for cross-attention")
-            if memory_valid is not None and not bool(memory_valid.all()):
-                memory_mask = key_mask(memory_valid)  # (b, 1, 1, s)
-
-        if pack and (cache is not None or need_weights):
-            raise ValueError("pack=True (padding-free) does not go with a cache or need_weights")
-        packing = Packing.of(valid) if pack and mask is not None else None  # only with padding to skip
-        if packing is not None:
-            x = packing.pack(x)  # (n, d)
+            memory_mask = None if memory_valid is None or bool(memory_valid.all()) else key_mask(memory_valid)
+            cross_attn = AttentionInputs(mask=memory_mask, packing=packing, memory_packing=memory_packing)  # (b, 1, 1, s)
         if memory_packing is not None and memory is None:
             raise ValueError("memory_packing= needs the packed memory=")
+        return StackInputs(positions=positions, valid=valid, self_attn=self_attn, segments=segments,
+                           memory=memory, cross_attn=cross_attn)
 
-        out = StackOutput(hidden=x, valid=valid, packing=packing)
+    def attention_inputs(self, positions: Tensor, key_positions: Tensor, mask: Tensor | None, *,
+                         cache_pos: int | Tensor = 0, packing: Packing | None = None) -> AttentionInputs:
+        """Self-attention inputs for queries at ``positions`` (b, t) over keys at ``key_positions``
+        (b, t_k) (cached + new) under ``mask`` (b, 1, 1, t_k): the positional scheme's bias or
+        rotation, causal masking for a decoder."""
+        bias = self.relative(positions, key_positions) if self.relative is not None else None  # (b|1, h, t, t_k)
+        rotary = self.rotary(positions) if self.rotary is not None else None  # (cos, sin) (b, t, d_h)
+        return AttentionInputs(mask=mask, bias=bias, causal=self.causal, rotary=rotary, cache_pos=cache_pos,
+                               packing=packing)
+
+    def run(self, tokens: Tensor, inputs: StackInputs, *, cache: KVCache | None = None,
+            need_weights: bool = False) -> StackOutput:
+        """Embeddings -> blocks -> final norm, on prepared inputs: tensor work only (nothing read
+        back into Python), so ``torch.compile`` traces it whole (``aiayn.fast.compiled_decode``)."""
+        x = self.dropout(self.embed(tokens, inputs.positions, inputs.segments))  # (b, t, d)
+        if inputs.packing is not None:
+            x = inputs.packing.pack(x)  # (n, d): the real tokens only
+        out = StackOutput(hidden=x, valid=inputs.valid, packing=inputs.packing)
         for i, block in enumerate(self.blocks):
-            x, self_w, cross_w = block(
-                x,
-                mask=mask,
-                bias=bias,
-                causal=self.causal,
-                rotary=rotary,
-                memory=memory,
-                memory_mask=memory_mask,
-                kv_cache=cache.layers[i] if cache is not None else None,
+            x, self_weights, cross_weights = block(
+                x, inputs, cache=cache.layers[i] if cache is not None else None,
                 cross_cache=cache.cross[i] if cache is not None and self.has_cross else None,
-                cache_pos=cache_pos,
-                need_weights=need_weights,
-                packing=packing,
-                memory_packing=memory_packing,
-            )
+                need_weights=need_weights)
             if need_weights:
-                out.attentions.append(self_w)
-                if cross_w is not None:
-                    out.cross_attentions.append(cross_w)
+                out.attentions.append(self_weights)
+                if cross_weights is not None:
+                    out.cross_attentions.append(cross_weights)
         out.hidden = self.final_norm(x) if self.final_norm is not None else x
         return out
-
-    def static_decode_step(self, tokens: Tensor, positions: Tensor, slot: Tensor, key_valid: Tensor,
-                           key_positions: Tensor, cache: KVCache) -> Tensor:
-        """One new token per row against the cache's filled prefix: tokens, positions (b, 1)
-        long, ``slot`` (1,) long (the cache slot it fills), ``key_valid`` (b, n) bool and
-        ``key_positions`` (b, n) long, the cache's first n = slot + 1 slots' validity and
-        positions with the new slot's already set -> hidden (b, 1, d).
-
-        Nothing reads a tensor's value into Python and every shape is fixed by the cache but n,
-        so ``torch.compile`` traces it as one graph with n symbolic
-        (``aiayn.generate.compiled_decode_step``): attention reads the n filled slots, not the
-        whole buffer. The blocks are the same ones ``forward`` runs; what differs is the
-        bookkeeping: the slot is a tensor and the caller keeps ``cache.valid``/``positions``/
-        ``length`` (it also checks what ``forward`` checks: token ids, positions < max_seq_len,
-        room in the cache). Decoder-only stacks; the eval-mode (dropout-free) computation.
-        """
-        if self.has_cross:
-            raise ValueError("static_decode_step is for decoder-only stacks (no cross-attention)")
-        x = self.embed(tokens, positions)  # (b, 1, d)
-        mask = key_mask(key_valid)  # (b, 1, 1, n): attention covers the first n slots
-        bias = self.relative(positions, key_positions).to(x.dtype) if self.relative is not None else None
-        rotary = self.rotary(positions) if self.rotary is not None else None
-        for i, block in enumerate(self.blocks):
-            x, _, _ = block(x, mask=mask, bias=bias, causal=self.causal, rotary=rotary,
-                            kv_cache=cache.layers[i], cache_pos=slot)
-        return self.final_norm(x) if self.final_norm is not None else x

@@ -6,17 +6,9 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import (
-    LossModelOutput,
-    ModelOutput,
-    check_arch,
-    init_weights,
-    make_cache,
-    model_output,
-)
+from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache, model_output
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.kv_cache import KVCache
-from aiayn.nn.matvec import Linear
 
 
 class DecoderOnly(nn.Module):
@@ -28,7 +20,7 @@ class DecoderOnly(nn.Module):
         self.config = config
         embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.decoder = TransformerStack(config, n_layers=config.n_layers, embedding=embedding, causal=True)
-        self.lm_head = Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         init_weights(self, config)
         if config.tie_output:
             self.lm_head.weight = embedding.weight
@@ -45,19 +37,15 @@ class DecoderOnly(nn.Module):
         positions: Tensor | None = None,
         cache: KVCache | None = None,
         need_weights: bool = False,
-        targets: Tensor | None = None,
-    ) -> ModelOutput | LossModelOutput:
+    ) -> ModelOutput:
         """tokens (b, t) -> logits (b, t, v). With ``cache``, tokens continue the cached ones.
 
         With ``config.padding_free`` (no cache, no ``need_weights``) the stack skips padding;
-        logits and hidden are zeros at padded positions.
-        With ``targets`` (b, t) (next-token ids, ``IGNORE`` where nothing counts) the output
-        layer runs fused with the cross-entropy and makes no logits: the output's ``head_loss``
-        feeds ``sequence_loss`` (``aiayn.nn.linear_cross_entropy``; a training step's choice)."""
+        logits and hidden are zeros at padded positions."""
         pack = self.config.padding_free and cache is None and not need_weights
         out = self.decoder(tokens, valid=valid, positions=positions, cache=cache, need_weights=need_weights,
                            pack=pack)
-        return model_output(out, self.lm_head, targets)
+        return model_output(out, self.lm_head)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
                   dtype: torch.dtype | None = None, quantize: str | None = None,

@@ -8,17 +8,9 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import (
-    LossModelOutput,
-    ModelOutput,
-    check_arch,
-    init_weights,
-    make_cache,
-    model_output,
-)
+from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache, model_output
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.kv_cache import KVCache
-from aiayn.nn.matvec import Linear
 
 
 @dataclass
@@ -46,7 +38,7 @@ class EncoderDecoder(nn.Module):
                                         causal=False)
         self.decoder = TransformerStack(config, n_layers=config.n_decoder_layers,
                                         embedding=tgt_embedding, causal=True, cross_attention=True)
-        self.lm_head = Linear(config.d_model, config.tgt_vocab_size, bias=config.lm_head_bias)
+        self.lm_head = nn.Linear(config.d_model, config.tgt_vocab_size, bias=config.lm_head_bias)
         init_weights(self, config)
         if config.tie_output:
             self.lm_head.weight = tgt_embedding.weight
@@ -65,19 +57,15 @@ class EncoderDecoder(nn.Module):
         tgt_valid: Tensor | None = None,
         cache: KVCache | None = None,
         need_weights: bool = False,
-        targets: Tensor | None = None,
-    ) -> ModelOutput | LossModelOutput:
+    ) -> ModelOutput:
         """tgt (b, t) -> logits (b, t, v_tgt), attending to the encoded source.
 
         With ``cache`` the target tokens continue the cached ones and the cross-attention keys and
-        values of ``encoded`` are computed on the first call only. With ``targets`` the output
-        layer runs fused with the loss (see ``forward``).
+        values of ``encoded`` are computed on the first call only.
         """
         out = self.decoder(tgt, valid=tgt_valid, memory=encoded.memory, memory_valid=encoded.valid,
                            cache=cache, need_weights=need_weights)
-        output = model_output(out, self.lm_head, targets)
-        output.cross_attentions, output.encoder_attentions = out.cross_attentions, encoded.attentions
-        return output
+        return model_output(out, self.lm_head, encoder_attentions=encoded.attentions)
 
     def forward(
         self,
@@ -87,14 +75,11 @@ class EncoderDecoder(nn.Module):
         src_valid: Tensor | None = None,
         tgt_valid: Tensor | None = None,
         need_weights: bool = False,
-        targets: Tensor | None = None,
-    ) -> ModelOutput | LossModelOutput:
+    ) -> ModelOutput:
         """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt).
 
         With ``config.padding_free`` (and no ``need_weights``) both stacks skip padding; logits and
-        hidden are zeros at padded target positions.
-        With ``targets`` (b, t) (``IGNORE`` where nothing counts) the output layer runs fused with
-        the cross-entropy and makes no logits (see ``DecoderOnly.forward``)."""
+        hidden are zeros at padded target positions."""
         if src.dim() == 2 and tgt.dim() == 2 and src.shape[0] != tgt.shape[0]:
             raise ValueError(f"src and tgt batch sizes differ: src {tuple(src.shape)}, tgt {tuple(tgt.shape)}")
         if self.config.padding_free and not need_weights:
@@ -103,9 +88,9 @@ class EncoderDecoder(nn.Module):
             enc = self.encoder(src, valid=src_valid, pack=True)
             out = self.decoder(tgt, valid=tgt_valid, memory=enc.hidden, memory_valid=enc.valid,
                                memory_packing=enc.packing, pack=True)
-            return model_output(out, self.lm_head, targets)
+            return model_output(out, self.lm_head)
         encoded = self.encode(src, src_valid=src_valid, need_weights=need_weights)
-        return self.decode(tgt, encoded, tgt_valid=tgt_valid, need_weights=need_weights, targets=targets)
+        return self.decode(tgt, encoded, tgt_valid=tgt_valid, need_weights=need_weights)
 
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
                   dtype: torch.dtype | None = None, quantize: str | None = None,

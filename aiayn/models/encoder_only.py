@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import check_arch, init_weights
+from aiayn.models.base import ModelOutput, check_arch, init_weights, model_output
 from aiayn.models.blocks import TransformerStack
-from aiayn.nn.mlp import ACTIVATIONS
+from aiayn.nn.mlp import activation_function
 from aiayn.nn.norm import make_norm
-
-
-@dataclass
-class EncoderOnlyOutput:
-    hidden: Tensor  # (b, t, d) contextual token vectors
-    pooled: Tensor  # (b, d) tanh(W h_[CLS] + b), BERT's sentence vector
-    mlm_logits: Tensor | None  # (b, t, v) masked-token predictions, if asked for
-    attentions: list[Tensor] = field(default_factory=list)
 
 
 class EncoderOnly(nn.Module):
@@ -35,7 +25,7 @@ class EncoderOnly(nn.Module):
         self.pooler = nn.Linear(config.d_model, config.d_model)
         # MLM head (BERT): transform (dense + activation + norm), then project to the vocabulary.
         self.mlm_dense = nn.Linear(config.d_model, config.d_model)
-        self.mlm_act = ACTIVATIONS["gelu" if config.activation in ("swiglu", "geglu") else config.activation]
+        self.mlm_act = activation_function(config.activation)  # a gated unit's own function (gelu, silu)
         self.mlm_norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.mlm_head = nn.Linear(config.d_model, config.vocab_size, bias=True)
         init_weights(self, config)
@@ -56,16 +46,14 @@ class EncoderOnly(nn.Module):
         *,
         valid: Tensor | None = None,
         segments: Tensor | None = None,
-        with_mlm_logits: bool = True,
         need_weights: bool = False,
-    ) -> EncoderOnlyOutput:
-        # Padding-free (config.padding_free): the stack and the MLM head run on the real tokens
-        # only, (n, d); hidden and logits come back padded, zeros at padding.
+    ) -> ModelOutput:
+        """tokens (b, t) -> hidden (b, t, d), pooled (b, d) and the MLM head's logits (b, t, v).
+
+        Padding-free (``config.padding_free``): the stack and the MLM head run on the real tokens
+        only; hidden and logits come back padded, zeros at padding."""
         pack = self.config.padding_free and not need_weights
         out = self.encoder(tokens, valid=valid, segments=segments, need_weights=need_weights, pack=pack)
-        unpack = out.packing.unpack if out.packing is not None else (lambda x: x)
-        hidden = unpack(out.hidden)  # (b, t, d)
-        pooled = torch.tanh(self.pooler(hidden[:, 0]))  # (b, d) from the first ([CLS]) token
-        logits = unpack(self.mlm_logits(out.hidden)) if with_mlm_logits else None
-        return EncoderOnlyOutput(hidden=hidden, pooled=pooled, mlm_logits=logits,
-                                 attentions=out.attentions)
+        first = out.packing.unpack(out.hidden)[:, 0] if out.packing is not None else out.hidden[:, 0]
+        pooled = torch.tanh(self.pooler(first))  # (b, d) from the first ([CLS]) token
+        return model_output(out, self.mlm_logits, pooled=pooled)

@@ -1,22 +1,24 @@
-"""Scaled dot-product attention (a pure function) and the one multi-head attention module.
+"""Scaled dot-product attention, the paper's equation (1), and the one multi-head attention module
+(section 3.2.2).
 
-Shape letters: b batch, h query heads, h_kv key/value heads, t_q queries, t_k keys,
-d_h head width, d model width. Mask convention: see ``aiayn.nn.masks`` (True = may attend).
+Shape letters: b batch, h query heads, h_kv key/value heads, t / t_q queries, t_k keys, s source
+length, d_h head width, d model width. Mask convention: see ``aiayn.nn.masks`` (True = may attend).
+
+Plain PyTorch: ``aiayn.fast`` swaps in faster CPU kernels for a built model (``MultiHeadAttention.
+kernel``), each tested equal to ``scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.nn.block_causal import block_causal_attention, use_block_causal
-from aiayn.nn.dropout import dropout
 from aiayn.nn.kv_cache import LayerKVCache, StaticKV
-from aiayn.nn.masks import causal_mask
-from aiayn.nn.matvec import Linear
+from aiayn.nn.masks import causal_mask, combine_masks
 from aiayn.nn.packing import Packing
 from aiayn.nn.positional import apply_rotary
 
@@ -80,107 +82,78 @@ def scaled_dot_product_attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     need_weights: bool = False,
-    impl: str = "fused",
 ) -> tuple[Tensor, Tensor | None]:
-    """softmax(q k^T * scale + bias, masked) v, the paper's equation (1).
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + bias, masked) V, equation (1).
 
     Args:
-        q: (b, h, t_q, d_h). k, v: (b, h_kv, t_k, d_h) with h a multiple of h_kv (GQA/MQA).
+        q: (b, h, t_q, d_h). k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv (GQA/MQA: each key/value
+            head serves h / h_kv query heads).
         mask: bool, broadcastable to (b, h, t_q, t_k); True = may attend.
-        bias: float, broadcastable to (b, h, t_q, t_k); added to the scores.
-        causal: also apply a right-aligned causal mask (queries are the last t_q keys).
+        bias: float, broadcastable to (b, h, t_q, t_k); added to the scores (ALiBi, T5).
+        causal: also mask the future, right-aligned: the t_q queries are the last t_q keys (a cached
+            decode step's queries see every earlier key).
         dropout_p: dropout on the attention weights (pass 0.0 in eval).
         scale: multiplies the scores; default 1 / sqrt(d_h).
-        need_weights: return the (b, h, t_q, t_k) softmax weights (before dropout). This uses the
-            reference path, since the fused kernel never materialises them.
-        impl: "fused" (``F.scaled_dot_product_attention``) or "reference" (the equation written
-            out). Both give the same result; see tests/parity/test_attention_paths.py.
+        need_weights: write the equation out and return the softmax weights (before dropout);
+            otherwise ``F.scaled_dot_product_attention`` computes the same thing in one kernel.
 
     Returns:
-        (output (b, h, t_q, d_h), weights or None). Queries with no visible key output zeros.
+        (output (b, h, t_q, d_h), weights (b, h, t_q, t_k) or None). A query with no visible key
+        outputs zeros (and zero weights), never NaN.
     """
     _check_attention_inputs(q, k, v, mask, bias)
-    _b, h, t_q, d_h = q.shape
-    h_kv, t_k = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d_h) if scale is None else scale
-
-    # Only a caller's mask can leave a query with no visible key: a right-aligned causal mask
-    # always shows each query at least its own position.
-    may_empty_rows = mask is not None
-    if causal and t_q == 1:
-        causal = False  # one query is the last key: right-aligned, it sees every key (decode step)
-    # A single query on the CPU (a decode step, eager or compiled): the written-out path's two
-    # batched matrix-vector products read the cached keys and values once each, faster than SDPA's
-    # CPU kernels at that shape. Profiled in the decode loop of ``python -m benchmarks.decode`` at
-    # batch 16 (4 heads, ~150 cached keys): ~195 us per layer against ~250 us for SDPA's flash
-    # kernel and ~290 us for its math path (which the decode step's layouts select; it scales a
-    # copy of the keys). Compiled, the same products ran 256 batch-16 steps in 0.75 s against
-    # 0.89 s through SDPA.
-    single_query_cpu = (t_q == 1 and impl == "fused" and q.device.type == "cpu" and not need_weights
-                        and bias is None and dropout_p == 0.0
-                        and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))))
-    if (t_q == 1 and h != h_kv and impl == "fused" and not need_weights and bias is None
-            and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1))):
-        # A single-query decode step under GQA: the h / h_kv query heads that share a key/value
-        # head become that head's queries, (b, h_kv, g, d_h), so k and v are never repeated.
-        out, _ = scaled_dot_product_attention(q.reshape(_b, h_kv, h // h_kv, d_h), k, v, mask=mask,
-                                              dropout_p=dropout_p, scale=scale,
-                                              impl="reference" if single_query_cpu else impl)
-        return out.reshape(_b, h, 1, d_h), None
-    if single_query_cpu:
-        impl = "reference"
-    if causal:
-        # Fast path: plain square causal attention needs no materialised mask.
-        if (impl == "fused" and not need_weights and mask is None and bias is None and t_q == t_k
-                and not (dropout_p > 0 and q.device.type == "cpu")):
-            if use_block_causal(q, k, v, dropout_p):  # the CPU: see aiayn.nn.block_causal
-                return block_causal_attention(q, k, v, scale), None
-            out = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=h != h_kv
-            )
-            return out, None
-        mask_c = causal_mask(t_q, t_k, device=q.device)
-        mask = mask_c if mask is None else mask & mask_c
-
-    # Rows with no visible key: remember them, let them attend everywhere (finite softmax, finite
-    # gradients), and zero their output afterwards.
-    row_valid = None
-    if mask is not None and may_empty_rows:
-        row_valid = mask.any(dim=-1, keepdim=True)  # (.., t_q, 1)
+    t_q, t_k, gqa = q.shape[2], k.shape[2], q.shape[1] != k.shape[1]
+    plain_causal = causal and mask is None and bias is None and t_q == t_k and not need_weights
+    if causal and t_q > 1 and not plain_causal:  # (plain square causal: the kernel's is_causal)
+        mask = combine_masks(mask, causal_mask(t_q, t_k, device=q.device))  # (.., t_q, t_k)
+    row_valid = mask.any(dim=-1, keepdim=True) if mask is not None else None  # (.., t_q, 1)
+    if row_valid is not None:  # a query that sees no key attends everywhere (finite), output 0
         mask = mask | ~row_valid
+    if bias is not None:  # the additive form of mask + bias: -inf where masked
+        bias = bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+    if not need_weights:  # the same equation in one fused kernel (flash / memory-efficient)
+        attn_mask = bias if bias is not None else mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                             is_causal=plain_causal, scale=scale, enable_gqa=gqa)
+        return _zero_rows(out, row_valid), None
+    if gqa:  # each group of h / h_kv query heads shares one key/value head
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (b, h, t_q, t_k)
+    if bias is not None:
+        scores = scores + bias
+    elif mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = _zero_rows(torch.softmax(scores.float(), dim=-1).to(q.dtype), row_valid)  # float32 softmax
+    out = F.dropout(weights, dropout_p) @ v  # (b, h, t_q, d_h)
+    return _zero_rows(out, row_valid), weights
 
-    # With dropout on the weights, SDPA on the CPU runs its unfused math path with a slow
-    # Bernoulli mask; the reference path is the same computation with the faster mask.
-    fused = impl == "fused" and not need_weights and not (dropout_p > 0 and q.device.type == "cpu")
-    if fused:
-        attn_mask: Tensor | None = mask
-        if bias is not None:
-            attn_mask = bias.to(q.dtype)
-            if mask is not None:
-                attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=h != h_kv
-        )
-        weights = None
-    else:
-        if h != h_kv:  # each group of h / h_kv query heads shares one key/value head
-            k = k.repeat_interleave(h // h_kv, dim=1)
-            v = v.repeat_interleave(h // h_kv, dim=1)
-        scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (b, h, t_q, t_k)
-        if bias is not None:
-            scores = scores + bias
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        # Softmax in float32 for half-precision inputs; the weights go back to q's dtype.
-        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        if row_valid is not None:
-            weights = weights.masked_fill(~row_valid, 0.0)
-        dropped = dropout(weights, dropout_p) if dropout_p > 0 else weights
-        out = torch.matmul(dropped, v)  # (b, h, t_q, d_h)
 
-    if row_valid is not None:
-        out = out.masked_fill(~row_valid, 0.0)
-    return out, weights if need_weights else None
+def _zero_rows(x: Tensor, row_valid: Tensor | None) -> Tensor:
+    """x (.., t_q, f) with the rows of queries that see no key (row_valid False) set to zero."""
+    return x if row_valid is None else x.masked_fill(~row_valid, 0.0)
+
+
+AttentionKernel = Callable[..., tuple[Tensor, Tensor | None]]  # scaled_dot_product_attention's signature
+
+
+@dataclass
+class AttentionInputs:
+    """What a stack's forward computes once and hands every attention layer (the self-attention and
+    the cross-attention ones get one each): masks, positions, the cache slot, the packing."""
+
+    mask: Tensor | None = None  # bool (b, 1, 1 or t, t_k), True = may attend
+    bias: Tensor | None = None  # float (b or 1, h, t, t_k), added to the scores (ALiBi, T5)
+    causal: bool = False  # right-aligned causal masking on top of ``mask``
+    rotary: tuple[Tensor, Tensor] | None = None  # RoPE (cos, sin), each (b or 1, t, d_h)
+    # Self-attention with a KV cache: the slot of the first new key. A (t,) long tensor of slots in
+    # the compiled decode step (``aiayn.fast.compiled_decode``): attention then runs over the
+    # buffer's first t_k slots, t_k = ``mask``'s last dimension.
+    cache_pos: int | Tensor = 0
+    packing: Packing | None = None  # x is packed: (n, d), its real tokens only (aiayn.nn.packing)
+    memory_packing: Packing | None = None  # cross-attention: the memory is packed, (n_s, d)
+
+
+_NO_INPUTS = AttentionInputs()  # no mask, bias, rotation, cache slot or packing (never modified)
 
 
 class MultiHeadAttention(nn.Module):
@@ -216,14 +189,17 @@ class MultiHeadAttention(nn.Module):
         self.cross, self.dropout, self.impl = cross, dropout, impl
         q_width, kv_width = n_heads * head_dim, n_kv_heads * head_dim
         if cross:
-            self.q_proj = Linear(d_model, q_width, bias=bias)
-            self.kv_proj = Linear(d_model, 2 * kv_width, bias=bias)
+            self.q_proj = nn.Linear(d_model, q_width, bias=bias)
+            self.kv_proj = nn.Linear(d_model, 2 * kv_width, bias=bias)
         else:
-            self.qkv_proj = Linear(d_model, q_width + 2 * kv_width, bias=bias)
-        self.out_proj = Linear(q_width, d_model, bias=out_bias)
+            self.qkv_proj = nn.Linear(d_model, q_width + 2 * kv_width, bias=bias)
+        self.out_proj = nn.Linear(q_width, d_model, bias=out_bias)
+        # Equation (1) itself; aiayn.fast may swap in a faster kernel with the same signature.
+        self.kernel: AttentionKernel = scaled_dot_product_attention
 
-    def _heads(self, x: Tensor, n: int) -> Tensor:
-        """(b, t, n * d_h) -> (b, n, t, d_h)"""
+    def _heads(self, x: Tensor, n: int, packing: Packing | None = None) -> Tensor:
+        """(b, t, n * d_h), or packed (n_tokens, n * d_h) -> (b, n, t, d_h) (zeros at padding)"""
+        x = packing.unpack(x) if packing is not None else x
         b, t, _ = x.shape
         return x.view(b, t, n, self.head_dim).transpose(1, 2)
 
@@ -244,89 +220,84 @@ class MultiHeadAttention(nn.Module):
         """Cross-attention keys and values of the encoder memory (b, s, d), or of its real tokens
         (n_s, d) packed by ``packing``, -> 2 x (b, h_kv, s, d_h) (zeros at padding if packed)."""
         self._check_input("memory", memory, packing)
-        kv = self.kv_proj(memory)  # (b, s, 2 kv) or (n_s, 2 kv)
-        k, v = (packing.unpack(kv) if packing is not None else kv).chunk(2, dim=-1)
-        return self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+        k, v = self.kv_proj(memory).chunk(2, dim=-1)  # (b, s, kv) or packed (n_s, kv) each
+        return self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
 
     def forward(
         self,
         x: Tensor,
         memory: Tensor | None = None,
         *,
-        mask: Tensor | None = None,
-        bias: Tensor | None = None,
-        causal: bool = False,
-        rotary: tuple[Tensor, Tensor] | None = None,
-        kv_cache: LayerKVCache | StaticKV | None = None,
-        cache_pos: int | Tensor = 0,
+        inputs: AttentionInputs | None = None,
+        cache: LayerKVCache | StaticKV | None = None,
         need_weights: bool = False,
-        packing: Packing | None = None,
-        memory_packing: Packing | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attend from x (b, t, d) to itself (self) or to ``memory`` (b, s, d) (cross).
+        """Attend from x (b, t, d) to itself (self-attention) or to ``memory`` (b, s, d) (cross).
 
         Args:
-            mask, bias: over the keys *including* cached ones, broadcastable to (b, h, t, t_k).
-            causal: right-aligned causal masking (decoder self-attention).
-            rotary: (cos, sin) of shape (b or 1, t, d_h) for RoPE, applied to q and new k.
-            kv_cache: self-attention: a ``LayerKVCache``; the new k, v are written at
-                ``cache_pos`` and attention runs over positions [0, cache_pos + t). A (t,) tensor
-                ``cache_pos`` is the compiled decode step: attention runs over the buffer's first
-                t_k slots, t_k = ``mask``'s last dimension (the filled prefix), which ``mask``
-                describes.
-                Cross-attention: a ``StaticKV``; memory's k, v are computed on first use and reused.
+            inputs: masks, bias, rotation, cache slot and packing (``AttentionInputs``; default none).
+                Masks and bias cover the keys *including* cached ones: (b, h, t, t_k) broadcast.
+            cache: self-attention: a ``LayerKVCache``; the new keys and values are written at
+                ``inputs.cache_pos`` and attention runs over slots [0, cache_pos + t).
+                Cross-attention: a ``StaticKV``; memory's keys and values are computed on first
+                use and reused.
             need_weights: also return the (b, h, t, t_k) attention weights.
-            packing, memory_packing: x (or memory) is packed, (n, d) real tokens only
-                (``aiayn.nn.packing``): the projections run on the real tokens, attention on the
-                padded layout, and the output is packed (n, d) too. No cache then.
 
         Returns:
-            (output (b, t, d) or packed (n, d), weights or None)
+            (output (b, t, d), or (n, d) when ``inputs.packing`` packs x; weights or None)
         """
+        inputs = inputs or _NO_INPUTS
+        packing = inputs.packing
         self._check_input("x", x, packing)
-        if packing is not None and kv_cache is not None:
-            raise ValueError("MultiHeadAttention: packed inputs (packing=) do not go with a KV cache")
-        b, t = (packing.batch, packing.length) if packing is not None else x.shape[:2]
         if self.cross:
-            q = self.q_proj(x)  # (b, t, h * d_h) or packed (n, h * d_h)
-            q = self._heads(packing.unpack(q) if packing is not None else q, self.n_heads)
-            if isinstance(kv_cache, StaticKV) and kv_cache.k is not None:
-                k, v = kv_cache.k, kv_cache.v
-            else:
-                if memory is None:
-                    raise ValueError("MultiHeadAttention(cross=True) needs memory= (the encoder output)")
-                k, v = self.project_kv(memory, memory_packing)
-                if isinstance(kv_cache, StaticKV):
-                    kv_cache.k, kv_cache.v = k, v
+            q = self._heads(self.q_proj(x), self.n_heads, packing)  # (b, h, t, d_h)
+            k, v = self._memory_kv(memory, inputs.memory_packing, cache)  # (b, h_kv, s, d_h) each
         else:
             if memory is not None:
                 raise ValueError("self-attention got memory=; build MultiHeadAttention(cross=True)")
             q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            qkv = self.qkv_proj(x)  # (b, t, q + 2 kv) or packed (n, q + 2 kv)
-            q, k, v = (packing.unpack(qkv) if packing is not None else qkv).split([q_width, kv_width, kv_width], dim=-1)
-            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
-            if rotary is not None:
-                cos, sin = rotary
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            if isinstance(kv_cache, LayerKVCache):
-                k, v = kv_cache.write(k, v, cache_pos)  # (b, h_kv, cache_pos + t, d_h)
-                if isinstance(cache_pos, Tensor):  # the compiled step: the prefix the mask covers
-                    if mask is None:
-                        raise ValueError("a tensor cache_pos (the compiled decode step) needs mask= over the "
-                                         "filled cache slots")
-                    k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
-        out, weights = scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            mask=mask,
-            bias=bias,
-            causal=causal,
+            q, k, v = self.qkv_proj(x).split([q_width, kv_width, kv_width], dim=-1)  # (b, t, .) or (n, .)
+            q = self._heads(q, self.n_heads, packing)  # (b, h, t, d_h)
+            k, v = self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
+            if inputs.rotary is not None:  # RoPE rotates the new queries and keys by their positions
+                q, k = apply_rotary(q, *inputs.rotary), apply_rotary(k, *inputs.rotary)
+            if cache is not None:
+                k, v = self._cached_kv(cache, k, v, inputs)  # (b, h_kv, t_k, d_h): cached + new
+        out, weights = self.kernel(
+            q, k, v, mask=inputs.mask, bias=inputs.bias, causal=inputs.causal,
             dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights,
-            impl=self.impl,
-        )
+            need_weights=need_weights or self.impl == "reference",
+        )  # (b, h, t, d_h)
+        b, t = q.shape[0], q.shape[2]
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h * d_h)
         if packing is not None:
             out = packing.pack(out)  # (n, h * d_h): the output projection on real tokens only
-        return self.out_proj(out), weights
+        return self.out_proj(out), weights if need_weights else None
+
+    def _memory_kv(self, memory: Tensor | None, memory_packing: Packing | None,
+                   cache: LayerKVCache | StaticKV | None) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys and values, 2 x (b, h_kv, s, d_h): from the cache once filled."""
+        if isinstance(cache, StaticKV) and cache.k is not None and cache.v is not None:
+            return cache.k, cache.v
+        if memory is None:
+            raise ValueError("MultiHeadAttention(cross=True) needs memory= (the encoder output)")
+        k, v = self.project_kv(memory, memory_packing)
+        if isinstance(cache, StaticKV):
+            cache.k, cache.v = k, v
+        return k, v
+
+    @staticmethod
+    def _cached_kv(cache: LayerKVCache | StaticKV, k: Tensor, v: Tensor,
+                   inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+        """Write the new k, v (b, h_kv, t, d_h) into the cache; the keys attention runs over."""
+        if not isinstance(cache, LayerKVCache):
+            raise ValueError("self-attention takes a LayerKVCache (a StaticKV is for cross-attention)")
+        if inputs.packing is not None:
+            raise ValueError("MultiHeadAttention: packed inputs do not go with a KV cache")
+        k, v = cache.write(k, v, inputs.cache_pos)  # (b, h_kv, cache_pos + t, d_h)
+        if isinstance(inputs.cache_pos, Tensor):  # the compiled step: the prefix the mask covers
+            if inputs.mask is None:
+                raise ValueError("a tensor cache_pos (the compiled decode step) needs a mask over the "
+                                 "filled cache slots")
+            k, v = k[:, :, : inputs.mask.shape[-1]], v[:, :, : inputs.mask.shape[-1]]
+        return k, v

@@ -26,7 +26,7 @@ def valid_tokens(tokens: Tensor, pad_id: int | None, valid: Tensor | None = None
     if valid is None:
         return tokens != pad_id if pad_id is not None else torch.ones_like(tokens, dtype=torch.bool)
     if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
-        raise TypeError(f"valid must be a bool tensor (True = real token), got "
+        raise TypeError(f"valid must be a bool tensor (True = real token), got dtype "
                         f"{getattr(valid, 'dtype', type(valid).__name__)}")
     if valid.shape != tokens.shape:
         raise ValueError(f"valid must have the tokens' shape {tuple(tokens.shape)}, got {tuple(valid.shape)}")

@@ -7,21 +7,28 @@ FFN(x) = W_2 act(W_1 x + b_1) + b_2, applied to every position independently. Ga
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.nn.dropout import Dropout
-from aiayn.nn.matvec import Linear
+from aiayn.config import ACTIVATIONS, GATED_ACTIVATIONS
 
-ACTIVATIONS = {
+# The element-wise function of each activation; a gated unit (config.GATED_ACTIVATIONS) uses its
+# base function on the gate. The names, and which are gated, are config.ACTIVATIONS'.
+_FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "silu": F.silu,
-    "swiglu": F.silu,
-    "geglu": F.gelu,
 }
-GATED = ("swiglu", "geglu")
+
+
+def activation_function(name: str) -> Callable[[Tensor], Tensor]:
+    """The element-wise function of activation ``name`` (of a gated unit: its gate's)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; choose one of {', '.join(ACTIVATIONS)}")
+    return _FUNCTIONS[GATED_ACTIVATIONS.get(name, name)]
 
 
 class FeedForward(nn.Module):
@@ -34,13 +41,11 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, *, activation: str = "relu", bias: bool = True,
                  dropout: float = 0.0) -> None:
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
-        self.activation, self.gated = activation, activation in GATED
-        self.act = ACTIVATIONS[activation]
-        self.fc_in = Linear(d_model, 2 * d_ff if self.gated else d_ff, bias=bias)
-        self.fc_out = Linear(d_ff, d_model, bias=bias)
-        self.dropout = Dropout(dropout)
+        self.act = activation_function(activation)
+        self.activation, self.gated = activation, activation in GATED_ACTIVATIONS
+        self.fc_in = nn.Linear(d_model, 2 * d_ff if self.gated else d_ff, bias=bias)
+        self.fc_out = nn.Linear(d_ff, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         """(b, t, d) -> (b, t, d)"""

@@ -78,9 +78,9 @@ class Task:
 
     # ---- model I/O --------------------------------------------------------------------------
     def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
-        """(logits (b, t, c), ``PackedLogits`` from a padding-free model, or the ``HeadLoss`` of a
-        model given the targets (``loss_logits`` picks), targets (b, t) with IGNORE at positions
-        that do not count): what ``sequence_loss`` takes."""
+        """(the model's output (``ModelOutput``; the loss applies its output layer) or logits
+        (b, t, c), targets (b, t) with IGNORE at positions that do not count): what
+        ``sequence_loss`` takes."""
         raise NotImplementedError
 
     def count_tokens(self, batch: Batch) -> int:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.generate import greedy_encoder_decoder
 from aiayn.tasks.base import AttentionExample, Batch, Task, register
-from aiayn.train.losses import IGNORE, LossInput, loss_logits
+from aiayn.train.losses import IGNORE, LossInput
 
 PAD, BOS = 0, 1
 
@@ -51,7 +51,7 @@ class CopyTask(Task):
         bos = torch.full((src.shape[0], 1), BOS, dtype=src.dtype)
         tgt_in = torch.cat([bos, src[:, :-1]], dim=1)  # teacher forcing: shift right
         targets = src.masked_fill(src == PAD, IGNORE)
-        return loss_logits(model(src, tgt_in, targets=targets)), targets  # output layer fused with the loss
+        return model(src, tgt_in), targets  # the loss applies the output layer (aiayn.train.losses)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:

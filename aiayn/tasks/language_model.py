@@ -19,7 +19,7 @@ from aiayn.data import dataset_file
 from aiayn.generate import SamplingConfig, generate_decoder_only
 from aiayn.tasks.base import Batch, Task, register
 from aiayn.tokenizers import CharTokenizer
-from aiayn.train.losses import IGNORE, LossInput, loss_logits
+from aiayn.train.losses import IGNORE, LossInput
 
 CORPUS = ("tinyshakespeare", "input.txt")
 
@@ -92,8 +92,8 @@ class ShakespeareCharTask(TextWindowsTask):
         return {"tokens": tokens, "targets": targets}
 
     def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
-        # Given the targets, the model runs its output layer fused with the loss (no logits made).
-        return loss_logits(model(batch["tokens"], targets=batch["targets"])), batch["targets"]
+        # The model's output, not its logits: the loss applies the output layer (aiayn.train.losses).
+        return model(batch["tokens"]), batch["targets"]
 
     def sample(self, model: nn.Module, prompt: str, *, max_new_tokens: int,
                sampling: SamplingConfig) -> str:
@@ -173,13 +173,13 @@ class MaskedCharTask(TextWindowsTask):
         return {"tokens": inputs, "targets": targets}
 
     def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
-        return model(batch["tokens"]).mlm_logits, batch["targets"]
+        return model(batch["tokens"]).logits, batch["targets"]
 
     def examples(self, model: nn.Module, n: int = 2) -> list[str]:
         model.eval()
         batch = self.eval_batches("val", n)[0]
         with torch.no_grad():
-            predicted = model(batch["tokens"][:n]).mlm_logits.argmax(-1)
+            predicted = model(batch["tokens"][:n]).logits.argmax(-1)
         lines = []
         for inputs, targets, guess in zip(batch["tokens"][:n], batch["targets"][:n], predicted, strict=True):
             shown = self.tokenizer.decode(inputs[:60]).replace("[MASK]", "_")

@@ -45,13 +45,13 @@ class ReverseTask(Task):
             self.splits[split] = {"inputs": inputs, "labels": inputs.flip(1)}
 
     def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
-        return model(batch["inputs"]).mlm_logits, batch["labels"]
+        return model(batch["inputs"]).logits, batch["labels"]
 
     @torch.no_grad()
     def examples(self, model: nn.Module, n: int = 3) -> list[str]:
         model.eval()
         batch = self.collate("test", torch.arange(n))
-        predicted = model(batch["inputs"]).mlm_logits.argmax(-1)
+        predicted = model(batch["inputs"]).logits.argmax(-1)
         lines = []
         for x, y in zip(batch["inputs"].tolist(), predicted.tolist(), strict=True):
             lines.append(f"{' '.join(map(str, x))}  ->  {' '.join(map(str, y))}")
@@ -62,7 +62,7 @@ class ReverseTask(Task):
         model.eval()
         inputs = (self.collate("test", torch.arange(1))["inputs"] if text is None
                   else self.parse_ids(text, low=0, high=self.num_categories, length=self.seq_len))
-        out = model(inputs, with_mlm_logits=False, need_weights=True)
+        out = model(inputs, need_weights=True)
         labels = [str(v) for v in inputs[0].tolist()]
         return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels,
                                 key_labels=labels, title="reverse: attention of each head on a test sequence")

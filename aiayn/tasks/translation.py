@@ -30,7 +30,7 @@ from aiayn.data.parallel import (
 )
 from aiayn.tasks.base import AttentionExample, Batch, Task, register
 from aiayn.tokenizers import BPETokenizer
-from aiayn.train.losses import IGNORE, LossInput, loss_logits
+from aiayn.train.losses import IGNORE, LossInput
 from aiayn.translate import DecodeOptions, Translator
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -161,9 +161,9 @@ class TranslationTask(Task):
     # ---- model I/O ------------------------------------------------------------------------------
     def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
         targets = batch["tgt_out"].masked_fill(batch["tgt_out"] == self.tokenizer.pad_id, IGNORE)
-        # Given the targets the model fuses its output layer with the loss (over the real target
-        # tokens only when it skips padding, ModelConfig.padding_free).
-        return loss_logits(model(batch["src"], batch["tgt_in"], targets=targets)), targets
+        # The model's output, not its logits: the loss runs the output layer over the real target
+        # tokens only when the model skips padding, fused with the cross-entropy under aiayn.fast.
+        return model(batch["src"], batch["tgt_in"]), targets
 
     def translator(self, model: nn.Module) -> Translator:
         return Translator(model, self.load_tokenizer(), max_tokens=self.max_tokens)

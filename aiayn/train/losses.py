@@ -1,4 +1,10 @@
-"""Cross-entropy with label smoothing, the true NLL beside it, and accuracy."""
+"""Cross-entropy with label smoothing, the true NLL beside it, and accuracy.
+
+``sequence_loss`` takes logits, or a model's output (``aiayn.models.ModelOutput``): then the loss
+runs over the rows the model computed (only the real tokens of a padding-free forward) and, when
+the output layer offers it (``aiayn.fast``'s ``FusedLossLinear.cross_entropy``), fused with the
+output layer so that the (n, v) logits never exist.
+"""
 
 from __future__ import annotations
 
@@ -9,43 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from aiayn.models.base import LossModelOutput, ModelOutput, PackedModelOutput
-from aiayn.nn.linear_cross_entropy import HeadLoss
+from aiayn.models.base import ModelOutput
 from aiayn.nn.packing import Packing
 
 IGNORE = -100  # target value of positions that do not count (padding)
 
-
-@dataclass(frozen=True)
-class PackedLogits:
-    """The logits of a padding-free forward (``ModelConfig.padding_free``), for ``sequence_loss``:
-    ``logits`` (n, c) are the rows of the targets' (b, t) positions ``packing.index``; every other
-    position is padding, never computed, and must not count."""
-
-    logits: Tensor
-    packing: Packing
+LossInput = Tensor | ModelOutput  # what sequence_loss takes: logits (b, t, c), or a model's output
 
 
-LossInput = Tensor | PackedLogits | HeadLoss  # what sequence_loss takes
-
-
-def loss_logits(out: ModelOutput) -> LossInput:
-    """What a task hands ``sequence_loss``: the fused output layer + loss of a forward given
-    targets (``LossModelOutput.head_loss``), a padding-free forward's packed logits (the loss then
-    skips the padded rows too), else the (b, t, c) logits."""
-    if isinstance(out, LossModelOutput):
-        return out.head_loss
-    if isinstance(out, PackedModelOutput):
-        return PackedLogits(out.packed_logits, out.packing)
-    return out.logits
-
-
-def logits_tensor(logits: LossInput) -> Tensor:
-    """A tensor of the graph behind any form (to keep a zero loss connected to it, say): the
-    logits, or a fused loss's NLL sum (zero, with zero gradients, when nothing counts)."""
-    if isinstance(logits, HeadLoss):
-        return logits.nll_sum
-    return logits.logits if isinstance(logits, PackedLogits) else logits
+def graph_tensor(out: LossInput) -> Tensor:
+    """A tensor of the graph behind ``out`` (to keep a zero loss connected to it, say)."""
+    return out.hidden_rows if isinstance(out, ModelOutput) else out
 
 
 @dataclass
@@ -91,10 +71,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-def sequence_loss(logits: LossInput, targets: Tensor, *, label_smoothing: float = 0.0) -> LossOutput:
-    """logits (b, t, c), ``PackedLogits`` (n, c) of a padding-free forward, or the ``HeadLoss``
-    of a forward given these targets (output layer fused with the loss); targets (b, t) with
-    ``IGNORE`` at padding.
+def sequence_loss(out: LossInput, targets: Tensor, *, label_smoothing: float = 0.0) -> LossOutput:
+    """logits (b, t, c) or a model's output, against targets (b, t) with ``IGNORE`` at padding.
 
     Label smoothing (paper section 5.4) puts ``eps / c`` of the target mass on every class; the
     reported NLL is the plain cross-entropy, so perplexity = exp(nll_sum / n_tokens).
@@ -102,34 +80,34 @@ def sequence_loss(logits: LossInput, targets: Tensor, *, label_smoothing: float 
     (``tests/parity/test_losses_vs_torch.py``): (1 - eps) * -log p(target) + eps * mean over
     classes of -log p(class), averaged over the counted positions.
     """
-    if isinstance(logits, HeadLoss):
-        head, packing = logits, logits.packing
-        if tuple(targets.shape) != head.batch_shape:
-            raise ValueError(f"the fused loss is of a {head.batch_shape} batch; targets {tuple(targets.shape)} "
-                             f"disagree in their (batch, seq) dimensions")
-        flat_targets = packing.pack(targets) if packing is not None else targets.reshape(-1)  # (n,)
-        if not torch.equal(flat_targets.long(), head.targets):
-            raise ValueError("these targets differ from the ones the model's forward fused into its loss; "
-                             "pass sequence_loss the same targets as the forward")
-        # Both sums are already averaged over the counted rows (aiayn.nn.linear_cross_entropy).
-        loss = head.nll_sum if label_smoothing == 0 else (
-            (1 - label_smoothing) * head.nll_sum + label_smoothing * head.uniform_sum)
-        if not bool((flat_targets != IGNORE).any()):
-            loss = loss + float("nan")  # as F.cross_entropy with nothing counted (gradients stay zero)
-        return _loss_output(loss, head.token_nll, head.predictions, flat_targets, targets, packing)
-    packing = logits.packing if isinstance(logits, PackedLogits) else None
-    if packing is not None:
-        rows = logits_tensor(logits)  # (n, c)
-        if (packing.batch, packing.length) != tuple(targets.shape):
-            raise ValueError(f"packed logits of a ({packing.batch}, {packing.length}) batch and targets "
-                             f"{tuple(targets.shape)} disagree in their (batch, seq) dimensions")
-        flat_targets = packing.pack(targets)  # (n,)
-    else:
-        assert isinstance(logits, Tensor)
-        if logits.shape[:-1] != targets.shape:
-            raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree "
+    if isinstance(out, Tensor):
+        if out.shape[:-1] != targets.shape:
+            raise ValueError(f"logits {tuple(out.shape)} and targets {tuple(targets.shape)} disagree "
                              f"in their leading (batch, seq) dimensions")
-        rows, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (n, c), (n,)
+        rows, flat_targets = out.reshape(-1, out.shape[-1]), targets.reshape(-1)  # (n, c), (n,)
+        return _logits_loss(rows, flat_targets, targets, None, label_smoothing)
+    packing = out.packing
+    hidden = out.hidden_rows.reshape(-1, out.hidden_rows.shape[-1])  # (n, d): every position, or the real ones
+    batch_shape = (packing.batch, packing.length) if packing is not None else tuple(out.hidden_rows.shape[:2])
+    if tuple(targets.shape) != batch_shape:
+        raise ValueError(f"targets must have the (batch, seq) shape of the model's input, {batch_shape}; "
+                         f"got {tuple(targets.shape)}")
+    flat_targets = packing.pack(targets) if packing is not None else targets.reshape(-1)  # (n,)
+    fused = getattr(out.head, "cross_entropy", None)  # aiayn.fast's output layer + loss in one
+    head = fused(hidden, flat_targets, ignore_index=IGNORE) if fused is not None else None
+    if head is None:
+        return _logits_loss(out.head(hidden), flat_targets, targets, packing, label_smoothing)
+    # Both sums are already averaged over the counted rows (aiayn.fast.fused_loss).
+    loss = head.nll_sum if label_smoothing == 0 else (
+        (1 - label_smoothing) * head.nll_sum + label_smoothing * head.uniform_sum)
+    if not bool((flat_targets != IGNORE).any()):
+        loss = loss + float("nan")  # as F.cross_entropy with nothing counted (gradients stay zero)
+    return _loss_output(loss, head.token_nll, head.predictions, flat_targets, targets, packing)
+
+
+def _logits_loss(rows: Tensor, flat_targets: Tensor, targets: Tensor, packing: Packing | None,
+                 label_smoothing: float) -> LossOutput:
+    """The loss of logit rows (n, c) against their targets (n,) (rows of ``targets`` (b, t))."""
     counted_flat = flat_targets != IGNORE
     safe_targets = flat_targets.masked_fill(~counted_flat, 0)
     # NaN with nothing counted, as F.cross_entropy.

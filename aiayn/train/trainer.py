@@ -39,7 +39,7 @@ from aiayn.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from aiayn.train.losses import logits_tensor, sequence_loss
+from aiayn.train.losses import graph_tensor, sequence_loss
 from aiayn.train.optim import make_optimizer, make_schedule
 
 METRIC_FIELDS = ["step", "epoch", "lr", "train_loss", "train_nll", "train_acc", "tokens_per_s",
@@ -167,8 +167,12 @@ def train(
     echo: Callable[[str], None] = print,
     make_plots: bool = True,
     parallel: distributed.ParallelOptions | None = None,
+    fast: bool = True,
 ) -> TrainResult:
     """Train ``task`` into ``run_dir``; see the module docstring.
+
+    ``fast``: train through aiayn's CPU kernels (``aiayn.fast.optimize(model, "train")``: the same
+    function, faster); False trains the plain PyTorch model.
 
     Under torchrun (``WORLD_SIZE`` > 1) it trains data-parallel (DDP) or sharded
     (``parallel.fsdp``); see ``aiayn.train.distributed`` for how batches and the loss are split.
@@ -179,7 +183,7 @@ def train(
     try:
         return _train(task, model_config, train_config, run_dir, ctx, resume=resume, overwrite=overwrite,
                       progress=progress and ctx.is_main, echo=echo if ctx.is_main else _quiet,
-                      make_plots=make_plots)
+                      make_plots=make_plots, fast=fast)
     finally:
         if ctx.owns_group:
             distributed.shutdown(ctx)
@@ -201,6 +205,7 @@ def _train(
     progress: bool,
     echo: Callable[[str], None],
     make_plots: bool,
+    fast: bool,
 ) -> TrainResult:
     cfg = train_config
     run_dir = Path(run_dir)
@@ -222,6 +227,10 @@ def _train(
     if ctx.enabled and not ctx.is_main:
         task.prepare(cfg.seed)
     model = task.build_model(model_config)
+    if fast:  # the CPU kernels: same parameters and state dict, same function (aiayn.fast)
+        from aiayn.fast import optimize
+
+        optimize(model, mode="train")
     # Tasks may batch by token count, so ask for an epoch's batches rather than divide.
     batches_per_epoch = len(task.train_batches(0, cfg.batch_size, cfg.seed))
     steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
@@ -253,8 +262,8 @@ def _train(
             model.train()
             batch = task.collate("train", task.train_batches(0, cfg.batch_size, cfg.seed)[0])
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                logits, targets = task.forward(model, batch)
-            return sequence_loss(logits, targets, label_smoothing=cfg.label_smoothing).loss
+                output, targets = task.forward(model, batch)
+                return sequence_loss(output, targets, label_smoothing=cfg.label_smoothing).loss
 
         frozen = distributed.freeze_unused(model, first_batch_loss)
     forward_model: nn.Module = torch.compile(model) if cfg.compile else distributed.wrap(model, ctx)
@@ -308,20 +317,20 @@ def _train(
                     batch = task.collate("train", indices)
                     if not ctx.enabled:
                         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                            logits, targets = task.forward(forward_model, batch)
-                        out = sequence_loss(logits, targets, label_smoothing=cfg.label_smoothing)
+                            output, targets = task.forward(forward_model, batch)
+                            out = sequence_loss(output, targets, label_smoothing=cfg.label_smoothing)
                         (out.loss / len(group)).backward()
                         step_loss += out.loss.item() / len(group)
                     else:
                         with distributed.no_sync(forward_model, last=i == len(group) - 1):
                             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                                logits, targets = task.forward(forward_model, batch)
-                            out = sequence_loss(logits, targets, label_smoothing=cfg.label_smoothing)
+                                output, targets = task.forward(forward_model, batch)
+                                out = sequence_loss(output, targets, label_smoothing=cfg.label_smoothing)
                             # Weight by this rank's share of the micro-batch's tokens over all ranks:
                             # the gradient average is then that of the union's token-mean loss.
                             (global_tokens,) = distributed.all_reduce_sum([out.n_tokens], ctx)
                             weight = out.n_tokens * ctx.world_size / max(global_tokens, 1.0)
-                            loss = out.loss * weight if out.n_tokens else logits_tensor(logits).sum() * 0.0
+                            loss = out.loss * weight if out.n_tokens else graph_tensor(output).sum() * 0.0
                             (loss / len(group)).backward()
                         if out.n_tokens:
                             step_loss += out.loss.item() * weight / ctx.world_size / len(group)

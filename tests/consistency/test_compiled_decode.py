@@ -1,6 +1,6 @@
 """The compiled decode step equals the eager cached step, and compiles once.
 
-``compiled_decode_step`` runs ``TransformerStack.static_decode_step`` through ``torch.compile``:
+``compiled_decode_step`` runs the decoder stack's own ``TransformerStack.run`` through ``torch.compile``:
 the same blocks, but attention over the cache's filled prefix with its length symbolic (one
 graph for every step), tensor slots instead of Python ints, and Inductor's fused kernels. Each test compares it
 with the eager cached decoder (itself tested against full recomputation in test_kv_cache.py) on

@@ -1,5 +1,5 @@
 """aiayn's own CPU kernels compute what the plain torch ops do: oneDNN linear layers
-(``aiayn.nn.onednn``), query-block causal attention (``aiayn.nn.block_causal``) and the fused
+(``aiayn.fast.onednn``), query-block causal attention (``aiayn.fast.block_causal``) and the fused
 loss's max/argmax. Each float32 result is compared with a float64 reference at ``assert_close``'s
 default float32 tolerances; at full layer sizes, and for whole training steps, where no float32
 path meets those, their errors against float64 are compared with the plain-op path's
@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from aiayn.models import build_model, get_preset
-from aiayn.nn import fastpath, onednn
-from aiayn.nn.block_causal import MAX_LENGTH, block_causal_attention, use_block_causal
-from aiayn.nn.linear_cross_entropy import _max_and_argmax, linear_cross_entropy
-from aiayn.nn.matvec import Linear
+from aiayn.fast import switch as fastpath, onednn
+from aiayn.fast.block_causal import MAX_LENGTH, block_causal_attention, use_block_causal
+from aiayn.fast.fused_loss import _max_and_argmax, linear_cross_entropy
+from aiayn.fast.matvec import Linear
 from aiayn.train.losses import IGNORE
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN linear op")
@@ -298,7 +298,7 @@ def test_compiled_layer_keeps_the_onednn_op_and_its_gradients(monkeypatch):
 @pytest.mark.parametrize(("value", "enabled"), [("true", False), ("0", True)])
 def test_environment_switch(value, enabled):
     """AIAYN_PLAIN_TORCH=1 (true, yes, on) turns the kernels off for the process; 0 (off, ...) not."""
-    code = "from aiayn.nn import fastpath; print(fastpath.enabled())"
+    code = "from aiayn.fast import switch as fastpath; print(fastpath.enabled())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "AIAYN_PLAIN_TORCH": value},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == str(enabled)

@@ -1,4 +1,4 @@
-"""The output layer fused with the cross-entropy (``aiayn.nn.linear_cross_entropy``, what a model
+"""The output layer fused with the cross-entropy (``aiayn.fast.fused_loss``, what a model
 given ``targets`` runs) computes what the logits + loss path does: the loss, the reported NLL and
 accuracies, and every gradient, equal at ``assert_close``'s default tolerances (float32), chunk
 sizes that do and do not divide the rows, ignored rows, label smoothing, bias, tied weights,
@@ -15,8 +15,8 @@ from torch.testing import assert_close
 
 from aiayn.models import build_model, get_preset
 from aiayn.models.base import LossModelOutput, ModelOutput
-from aiayn.nn.linear_cross_entropy import HeadLoss, linear_cross_entropy
-from aiayn.quantize import quantize_int8_
+from aiayn.fast.fused_loss import HeadLoss, linear_cross_entropy
+from aiayn.fast.quantize import quantize_int8_
 from aiayn.train.losses import IGNORE, logits_tensor, loss_logits, sequence_loss
 
 

@@ -170,7 +170,7 @@ def test_encoder_only_right_padding_invariance(positional: str) -> None:
         for n_pad in (1, 6):
             out = model(F.pad(seq, (0, n_pad), value=PAD), segments=F.pad(segments, (0, n_pad)))
             assert_close(out.hidden[:, :8], base.hidden)
-            assert_close(out.mlm_logits[:, :8], base.mlm_logits)
+            assert_close(out.logits[:, :8], base.logits)
             assert_close(out.pooled, base.pooled)
 
 
@@ -228,7 +228,7 @@ def test_encoder_only_batch_invariance(positional: str) -> None:
         for i, row in enumerate(rows):
             alone = model(row[None])
             assert_close(batch.hidden[i : i + 1, : len(row)], alone.hidden)
-            assert_close(batch.mlm_logits[i : i + 1, : len(row)], alone.mlm_logits)
+            assert_close(batch.logits[i : i + 1, : len(row)], alone.logits)
             assert_close(batch.pooled[i : i + 1], alone.pooled)
 
 
@@ -272,9 +272,9 @@ def test_no_nan_encoder_only_fully_padded_row(positional: str, impl: str) -> Non
     model = encoder_only(positional, attn_impl=impl, dropout=0.0).train()
     tokens = right_pad([*rows_of((7, 2), seed=20), torch.tensor([], dtype=torch.long)], t=7)
     out = model(tokens)
-    loss = out.mlm_logits.square().mean() + out.pooled.sum() + out.hidden.square().mean()
+    loss = out.logits.square().mean() + out.pooled.sum() + out.hidden.square().mean()
     backward_and_check(model, {"hidden": out.hidden, "pooled": out.pooled,
-                               "mlm_logits": out.mlm_logits}, loss)
+                               "mlm_logits": out.logits}, loss)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -397,7 +397,7 @@ def test_encoder_only_attention_weights(positional: str, impl: str) -> None:
         plain = model(tokens)
         out = model(tokens, need_weights=True)
     assert_close(out.hidden, plain.hidden)
-    assert_close(out.mlm_logits, plain.mlm_logits)
+    assert_close(out.logits, plain.logits)
     b, t = tokens.shape
     check_weights(out.attentions, n_layers=model.config.n_layers,
                   shape=(b, model.config.n_heads, t, t), query_valid=valid, key_valid=valid,

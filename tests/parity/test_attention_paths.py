@@ -19,6 +19,13 @@ from aiayn.nn.masks import causal_mask, key_mask
 
 B, H, D_H = 3, 6, 7  # odd head width on purpose
 
+def sdpa(q, k, v, *, impl: str, need_weights: bool = False, **kw):
+    """``impl="fused"``: the one-kernel path (``F.scaled_dot_product_attention``); ``"reference"``:
+    the equation written out, the path ``need_weights=True`` takes."""
+    out, weights = scaled_dot_product_attention(q, k, v, need_weights=need_weights or impl == "reference", **kw)
+    return out, weights if need_weights else None
+
+
 
 def formula(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
     """softmax(q k^T * scale + bias, masked) v with explicit group indexing; rows that see no key
@@ -96,10 +103,10 @@ def test_fused_reference_and_formula_agree(name, t_q, t_k, use_mask, use_bias, c
     q, k, v, mask, bias = _inputs(t_q, t_k, use_mask, use_bias, h_kv)
     kw = dict(mask=mask, bias=bias, causal=causal)
 
-    fused, w_fused = scaled_dot_product_attention(q, k, v, impl="fused", **kw)
-    ref, w_ref = scaled_dot_product_attention(q, k, v, impl="reference", **kw)
-    with_w, weights = scaled_dot_product_attention(q, k, v, impl="fused", need_weights=True, **kw)
-    ref_w, weights_ref = scaled_dot_product_attention(q, k, v, impl="reference", need_weights=True,
+    fused, w_fused = sdpa(q, k, v, impl="fused", **kw)
+    ref, w_ref = sdpa(q, k, v, impl="reference", **kw)
+    with_w, weights = sdpa(q, k, v, impl="fused", need_weights=True, **kw)
+    ref_w, weights_ref = sdpa(q, k, v, impl="reference", need_weights=True,
                                                       **kw)
     expected, expected_w = formula(q, k, v, **kw)
 
@@ -124,8 +131,8 @@ def test_fused_reference_and_formula_agree(name, t_q, t_k, use_mask, use_bias, c
 def test_causal_flag_equals_explicit_causal_mask(impl):
     for t_q, t_k in ((6, 6), (2, 7)):
         q, k, v = make_qkv(t_q, t_k)
-        flag, _ = scaled_dot_product_attention(q, k, v, causal=True, impl=impl)
-        explicit, _ = scaled_dot_product_attention(q, k, v, mask=causal_mask(t_q, t_k), impl=impl)
+        flag, _ = sdpa(q, k, v, causal=True, impl=impl)
+        explicit, _ = sdpa(q, k, v, mask=causal_mask(t_q, t_k), impl=impl)
         assert_close(flag, explicit)
 
 
@@ -133,7 +140,7 @@ def test_causal_flag_equals_explicit_causal_mask(impl):
 def test_explicit_scale(impl):
     q, k, v = make_qkv(4, 6)
     mask = padding(6)
-    out, _ = scaled_dot_product_attention(q, k, v, mask=mask, scale=0.37, impl=impl)
+    out, _ = sdpa(q, k, v, mask=mask, scale=0.37, impl=impl)
     expected, _ = formula(q, k, v, mask=mask, scale=0.37)
     assert_close(out, expected)
 
@@ -144,8 +151,8 @@ def test_bias_equal_to_mask(impl):
     q, k, v = make_qkv(5, 6)
     mask = padding(6)
     as_bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
-    out_mask, _ = scaled_dot_product_attention(q, k, v, mask=mask, impl=impl)
-    out_bias, _ = scaled_dot_product_attention(q, k, v, bias=as_bias, impl=impl)
+    out_mask, _ = sdpa(q, k, v, mask=mask, impl=impl)
+    out_bias, _ = sdpa(q, k, v, bias=as_bias, impl=impl)
     assert_close(out_mask, out_bias)
 
 
@@ -196,7 +203,7 @@ def test_fully_masked_rows_are_zero_and_finite(name, t_q, t_k, mask, causal, h_k
     outputs, grads = {}, {}
     for impl, need_weights in (("fused", False), ("reference", False), ("reference", True)):
         q, k, v = make_qkv(t_q, t_k, h_kv=h_kv, requires_grad=True)
-        out, weights = scaled_dot_product_attention(q, k, v, mask=mask, bias=bias, causal=causal,
+        out, weights = sdpa(q, k, v, mask=mask, bias=bias, causal=causal,
                                                     impl=impl, need_weights=need_weights)
         assert torch.isfinite(out).all()
         assert torch.equal(out[dead], torch.zeros_like(out[dead]))
@@ -226,7 +233,7 @@ def test_gradients_agree(name, t_q, t_k, use_mask, use_bias, causal, h_kv):
     grads = []
     for impl in ("fused", "reference"):
         q, k, v, mask, bias = _inputs(t_q, t_k, use_mask, use_bias, h_kv, requires_grad=True)
-        out, _ = scaled_dot_product_attention(q, k, v, mask=mask, bias=bias, causal=causal,
+        out, _ = sdpa(q, k, v, mask=mask, bias=bias, causal=causal,
                                               impl=impl)
         (out * torch.linspace(-1.0, 1.0, D_H)).sum().backward()
         grads.append((q.grad, k.grad, v.grad))

@@ -80,7 +80,7 @@ def test_outputs_match(case, padded):
     if has_pooler:
         assert_close(out.pooled, pooled)
     if has_mlm:
-        assert_close(out.mlm_logits[real], logits[real])
+        assert_close(out.logits[real], logits[real])
 
 
 @torch.no_grad()
@@ -112,7 +112,7 @@ def test_export_round_trip(case, tmp_path):
         assert_close(mlm(tokens).logits, logits)
     again, config_again = load_hf(out)
     assert config_again.replace(name=config.name) == config
-    assert_close(again(tokens).mlm_logits, model(tokens).mlm_logits, rtol=0, atol=0)
+    assert_close(again(tokens).logits, model(tokens).logits, rtol=0, atol=0)
 
 
 @torch.no_grad()
@@ -130,4 +130,4 @@ def test_old_checkpoint_names(tmp_path):
         warnings.simplefilter("ignore")
         loaded, _ = load_hf(tmp_path)
     tokens = random_tokens((2, 7), seed=7)
-    assert_close(loaded(tokens).mlm_logits, hf(tokens).logits)
+    assert_close(loaded(tokens).logits, hf(tokens).logits)

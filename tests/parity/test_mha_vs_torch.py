@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from aiayn.nn.attention import MultiHeadAttention
+from aiayn.nn.attention import AttentionInputs, MultiHeadAttention
 from aiayn.nn.masks import key_mask
 
 D, H = 48, 6
@@ -106,7 +106,7 @@ def test_output_matches_torch(cross, case, impl):
     torch_kw, mask = build_masks(case, cross)
     with torch.no_grad():
         expected, _ = run_torch(ref, x, memory, need_weights=False, **torch_kw)
-        got, weights = ours(x, memory, mask=mask)
+        got, weights = ours(x, memory, inputs=AttentionInputs(mask=mask))
     assert weights is None
     assert got.shape == (B, T, D)
     assert_close(got, expected)
@@ -123,7 +123,7 @@ def test_weights_match_torch(cross, case, impl):
     with torch.no_grad():
         exp_out, exp_avg = run_torch(ref, x, memory, need_weights=True, average=True, **torch_kw)
         _, exp_heads = run_torch(ref, x, memory, need_weights=True, average=False, **torch_kw)
-        got, weights = ours(x, memory, mask=mask, need_weights=True)
+        got, weights = ours(x, memory, inputs=AttentionInputs(mask=mask), need_weights=True)
     assert weights is not None and weights.shape == (B, H, T, k_len)
     assert exp_heads.shape == (B, H, T, k_len)
     assert_close(got, exp_out)
@@ -145,8 +145,8 @@ def test_causal_flag_matches_torch_causal_attn_mask(with_padding, impl):
         mask = key_mask(~kpm)
     with torch.no_grad():
         expected, exp_heads = run_torch(ref, x, None, need_weights=True, average=False, **torch_kw)
-        got, _ = ours(x, mask=mask, causal=True)
-        got_w, weights = ours(x, mask=mask, causal=True, need_weights=True)
+        got, _ = ours(x, inputs=AttentionInputs(mask=mask, causal=True))
+        got_w, weights = ours(x, inputs=AttentionInputs(mask=mask, causal=True), need_weights=True)
     assert_close(got, expected)
     assert_close(got_w, expected)
     assert_close(weights, exp_heads)
@@ -165,7 +165,7 @@ def test_gradients_match_torch(cross, impl):
         m_ref, m_ours = memory.clone().requires_grad_(True), memory.clone().requires_grad_(True)
     w = torch.randn(B, T, D, generator=torch.Generator().manual_seed(5))
     out_ref, _ = run_torch(ref, x_ref, m_ref, need_weights=False, **torch_kw)
-    out_ours, _ = ours(x_ours, m_ours, mask=mask)
+    out_ours, _ = ours(x_ours, m_ours, inputs=AttentionInputs(mask=mask))
     (out_ref * w).sum().backward()
     (out_ours * w).sum().backward()
 

@@ -1,4 +1,4 @@
-"""aiayn.nn.dropout: the faster CPU mask drops with the right probability, scales the rest,
+"""aiayn.fast.dropout: the faster CPU mask drops with the right probability, scales the rest,
 back-propagates through the same mask, follows torch's seed, and is used by the models."""
 
 from __future__ import annotations
@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aiayn.fast import optimize
+from aiayn.fast.attention import fast_attention
+from aiayn.fast.dropout import FastDropout, dropout, keep_mask
 from aiayn.models import build_model, get_preset
 from aiayn.nn.attention import scaled_dot_product_attention
-from aiayn.nn.dropout import Dropout, dropout, keep_mask
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.9])
@@ -48,23 +50,32 @@ def test_identity_in_eval_and_edges():
     assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         dropout(x, 1.5)
-    module = Dropout(0.4)
+    module = FastDropout(0.4)
     assert isinstance(module, torch.nn.Dropout)
     assert module.eval()(x) is x
 
 
-def test_attention_dropout_paths_agree_under_the_same_seed():
-    """With dropout on the weights, the fused and reference impls draw the same mask on the CPU."""
+def test_fast_attention_dropout_is_the_equation_with_this_mask():
+    """With dropout on the weights, the fast kernel is equation (1) with this module's mask on the
+    weights: the same numbers as dropping the plain function's weights under the same seed."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8, generator=g) for _ in range(3))
-    outs = []
-    for impl in ("fused", "reference"):
-        torch.manual_seed(7)
-        outs.append(scaled_dot_product_attention(q, k, v, causal=True, dropout_p=0.2, impl=impl)[0])
-    torch.testing.assert_close(outs[0], outs[1])
+    _, weights = scaled_dot_product_attention(q, k, v, causal=True, need_weights=True)
+    torch.manual_seed(7)
+    expected = dropout(weights, 0.2) @ v
+    torch.manual_seed(7)
+    got, _ = fast_attention(q, k, v, causal=True, dropout_p=0.2)
+    torch.testing.assert_close(got, expected)
+    assert not torch.equal(got, scaled_dot_product_attention(q, k, v, causal=True)[0])  # it dropped
 
 
-def test_models_use_it():
+def test_the_converter_swaps_it_in_and_out():
+    from aiayn.fast import plain
+
     model = build_model(get_preset("tiny"))
     drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
-    assert drops and all(isinstance(m, Dropout) for m in drops)
+    assert drops and not any(isinstance(m, FastDropout) for m in drops)  # the plain model: nn.Dropout
+    optimize(model, mode="train")
+    assert all(type(m) is FastDropout for m in drops)
+    plain(model)
+    assert all(type(m) is torch.nn.Dropout for m in drops)

@@ -1,4 +1,4 @@
-"""``aiayn.nn.matvec``: linear layers on few rows as a multiply + sum or as (W x^T)^T.
+"""``aiayn.fast.matvec``: linear layers on few rows as a multiply + sum or as (W x^T)^T.
 
 Each must equal ``F.linear`` (eager and compiled, with and without bias, float32 and bfloat16), and
 the mode must replace exactly the calls it claims to: few rows of a supported dtype, inside the
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 
-from aiayn.nn.matvec import (
+from aiayn.fast.matvec import (
     EAGER_TRANSPOSED_ROWS,
     MATVEC_MAX_ROWS,
     TRANSPOSED_MAX_ROWS,

@@ -1,4 +1,4 @@
-"""Lower-precision inference (``aiayn.quantize``, ``aiayn generate --quantize``): int8 Linear layers
+"""Lower-precision inference (``aiayn.fast.quantize``, ``aiayn generate --quantize``): int8 Linear layers
 stay close to float32, and greedy tokens of a tiny model mostly agree with float32's."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from aiayn import build_model, get_preset
 from aiayn.generate import SamplingConfig, generate_decoder_only
-from aiayn.quantize import Int8Linear, lower_precision
+from aiayn.fast.quantize import Int8Linear, lower_precision
 
 
 def peaked_llama(seed: int = 0) -> nn.Module:

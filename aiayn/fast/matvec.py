@@ -12,10 +12,9 @@ From 3 to 64 float32 rows the matmul itself is faster turned around, (W x^T)^T: 
 become the narrow right-hand side (``transposed_linear``).
 
 Eager, the multiply + sum would build the (rows, o, i) product in memory: use it only inside a
-compiled graph (``aiayn.generate.compiled_decode_step`` does, through ``MatvecLinears``). The
+compiled graph (``aiayn.fast.compiled_decode`` does, through ``MatvecLinears``). The
 (W x^T)^T turn pays off eager too, from 2 to 64 float32 rows (a batched decode or beam-search
-step): ``Linear``, the ``nn.Linear`` every projection of the model family is built from, takes it
-when no autograd graph is being built.
+step): ``aiayn.fast.linear.FastLinear`` takes it when no autograd graph is being built.
 
 Shape letters: o out_features, i in_features.
 """
@@ -26,10 +25,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
-
-from aiayn.nn.onednn import onednn_linear, use_onednn
 
 # Which way each linear layer of a compiled decode step runs, by rows (batch x tokens) and weight
 # dtype, from ``python -m benchmarks.matvec`` (2 threads, SmolLM2's projections, speed against the
@@ -40,7 +37,7 @@ from aiayn.nn.onednn import onednn_linear, use_onednn
 # F.linear.
 MATVEC_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 2}
 TRANSPOSED_MAX_ROWS = {torch.float32: 64}
-# Eager (``Linear``), same benchmark, "eager (W x^T)^T" against "eager F.linear": float32 0.98x at
+# Eager (``FastLinear``), same benchmark, "eager (W x^T)^T" against "eager F.linear": float32 0.98x at
 # 1 row (F.linear's matrix-vector kernel is as fast), 3.3x at 2, 2.9x at 4, 1.3x at 8, 1.2x at 16,
 # 1.1x at 64.
 EAGER_TRANSPOSED_ROWS = {torch.float32: (2, 64)}
@@ -96,28 +93,6 @@ def use_eager_transposed(x: Tensor, weight: Tensor) -> bool:
     """Whether ``transposed_linear`` is the faster way to compute F.linear(x, weight) eager."""
     low, high = EAGER_TRANSPOSED_ROWS.get(weight.dtype, (1, 0))
     return low <= _rows(x) <= high and _measured(x, weight)
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` (the same parameters, state dict and initialisation) with two faster ways on
-    the CPU: a decode step, x (b, 1, i) with b a few float32 rows, runs as (W x^T)^T
-    (``transposed_linear``) when no autograd graph is being built (generation runs under
-    ``torch.inference_mode``); float32 inputs of at least 64 rows and 16.8M multiply-adds
-    (training, prefill) run through oneDNN (``aiayn.nn.onednn``: ~2x MKL's matmul speed on this
-    machine, float32 sums in another order; the parity tests against Hugging Face still hold at
-    default tolerances). Every other call is ``nn.Linear``'s. Plain tensors only: sharded
-    (DTensor) weights keep ``nn.Linear``'s forward.
-    """
-
-    def forward(self, x: Tensor) -> Tensor:
-        weight = self.weight
-        # Cheapest tests first: this runs for every projection of every forward.
-        if (x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled() and use_eager_transposed(x, weight)
-                and type(x) is Tensor and type(weight) in (Tensor, nn.Parameter)):
-            return transposed_linear(x, weight, self.bias)
-        if use_onednn(x, weight):  # float32 CPU, >= 64 rows: see aiayn.nn.onednn
-            return onednn_linear(x, weight, self.bias)
-        return F.linear(x, weight, self.bias)
 
 
 class MatvecLinears(TorchFunctionMode):

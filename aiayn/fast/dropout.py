@@ -42,8 +42,9 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     return x * scale  # backward: grad * scale, the same mask
 
 
-class Dropout(nn.Dropout):
-    """``nn.Dropout`` (same arguments, no parameters) that uses :func:`dropout`."""
+class FastDropout(nn.Dropout):
+    """``nn.Dropout`` (same arguments, no parameters) that uses :func:`dropout`; ``aiayn.fast.optimize``
+    swaps it in for a built model's ``nn.Dropout`` layers."""
 
     def forward(self, x: Tensor) -> Tensor:
         if self.inplace:

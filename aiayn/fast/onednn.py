@@ -17,10 +17,10 @@ The op has no autograd formula: ``onednn_linear`` gives it one, as a ``torch.lib
 an opaque kernel. The results are float32 products summed in another order than MKL's: against
 float64, within default float32 tolerances on small layers, and within 1.0-2.4x MKL's largest
 error on 512-row layers with 256-1,024 inputs (tests/consistency/test_cpu_kernels.py). Used by
-``aiayn.nn.matvec.Linear`` (every projection of the model family) and by the fused output layer
-(``aiayn.nn.linear_cross_entropy``), for plain float32 CPU tensors of at least ``MIN_ROWS`` rows
+``aiayn.fast.matvec.Linear`` (every projection of the model family) and by the fused output layer
+(``aiayn.fast.fused_loss``), for plain float32 CPU tensors of at least ``MIN_ROWS`` rows
 and ``MIN_WORK`` multiply-adds, outside autocast; everything else keeps ``F.linear``.
-``AIAYN_PLAIN_TORCH=1`` turns it off (``aiayn.nn.fastpath``).
+``AIAYN_PLAIN_TORCH=1`` turns it off (``aiayn.fast.switch``).
 
 Shape letters: m rows, i in_features, o out_features.
 """
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-from aiayn.nn import fastpath
+from aiayn.fast import switch
 
 # Fewer rows: no faster than F.linear (8 rows 35 vs 35 us, 64 rows 86 vs 133 us, 256 -> 768).
 MIN_ROWS = 64
@@ -162,7 +162,7 @@ def use_onednn(x: Tensor, weight: Tensor) -> bool:
         and x.numel() * weight.shape[0] >= MIN_WORK
         and type(x) is Tensor
         and type(weight) in (Tensor, nn.Parameter)
-        and fastpath.enabled()
+        and switch.enabled()
         and not torch.is_autocast_enabled("cpu")
     )
 

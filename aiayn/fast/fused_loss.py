@@ -4,7 +4,7 @@ A language model's last step is logits = h W^T + b over the whole vocabulary, th
 cross-entropy. Done in the usual two steps on a CPU, the (n, v) logits and their gradient are
 written and read back several times (log-softmax, its backward, the zero-filled NLL gradient):
 at n = 4096 tokens and v = 8000 those passes over 131 MB take over half as long as the output
-layer's three matmuls (fused here, its products through oneDNN (``aiayn.nn.onednn``) in float32
+layer's three matmuls (fused here, its products through oneDNN (``aiayn.fast.onednn``) in float32
 on the CPU: ~166 ms for forward + backward against ~381 ms for ``F.linear`` +
 ``F.cross_entropy``, and 68 against 375 MiB allocated, 2 threads: ``python -m benchmarks.loss``;
 ``python -m benchmarks.train --suite decoder`` shows the whole step both ways). Here each chunk of rows (~16 MB of logits, in the last-level cache, or 256 rows for a
@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from aiayn.nn import onednn
+from aiayn.fast import onednn
+from aiayn.fast.linear import FastLinear
 from aiayn.nn.packing import Packing
 
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MB in float32): in the L3 cache, big matmuls
@@ -124,7 +125,7 @@ def _head_loss_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
     h, w_t = hidden.to(dtype), weight.to(dtype).t()  # (n, d), (d, v)
     b = bias.to(dtype) if bias is not None else None
     n = h.shape[0]
-    # float32 on the CPU: the three products through oneDNN (aiayn.nn.onednn), ~2x MKL's speed here.
+    # float32 on the CPU: the three products through oneDNN (aiayn.fast.onednn), ~2x MKL's speed here.
     fast = onednn.use_onednn(h, weight)
     nll, uniform = h.new_empty(n, dtype=torch.float32), h.new_empty(n, dtype=torch.float32)
     predictions = targets.new_empty(n)
@@ -260,3 +261,16 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
     return HeadLoss(nll_sum=nll_sum, uniform_sum=uniform_sum, token_nll=nll, predictions=predictions,
                     targets=targets, packing=packing,
                     batch_shape=batch_shape if batch_shape is not None else (hidden.shape[0], 1))
+
+
+class FusedLossLinear(FastLinear):
+    """A model's output layer while it trains (``aiayn.fast.optimize(model, mode="train")``): a
+    ``FastLinear`` whose ``cross_entropy`` also runs it fused with the loss, for
+    ``aiayn.train.losses.sequence_loss``, which looks for that method on a model's output layer."""
+
+    def cross_entropy(self, hidden: Tensor, targets: Tensor, *, ignore_index: int) -> HeadLoss | None:
+        """hidden rows (n, d), their targets (n,) -> the fused loss, or None when this layer's
+        weight is not a plain tensor (sharded or quantised): the caller then computes logits."""
+        if type(self.weight.data) is not Tensor:
+            return None
+        return linear_cross_entropy(hidden, self.weight, self.bias, targets, ignore_index=ignore_index)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from aiayn.nn import fastpath
+from aiayn.fast import switch
 
 BLOCK = 64  # queries per block: 32 and 64 ran alike at t = 256; larger blocks compute more of the square
 MAX_LENGTH = 1024  # longer: the kept weights grow as t^2 and the flash kernel's forward catches up
@@ -50,7 +50,7 @@ def use_block_causal(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
     forward alone ran 0.6-1.3x SDPA's speed), float32/float64 on the CPU, as many key heads as
     query heads, no dropout, at least ``MIN_WORK`` multiply-adds per product and at most
     ``MAX_LENGTH`` positions, outside autocast and ``torch.compile`` (which keep their own SDPA
-    handling), unless turned off (``aiayn.nn.fastpath``)."""
+    handling), unless turned off (``aiayn.fast.switch``)."""
     b, h, t, d_h = q.shape
     return (
         q.device.type == "cpu"
@@ -61,7 +61,7 @@ def use_block_causal(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
         and b * h * t * t * d_h >= MIN_WORK
         and torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad)
-        and fastpath.enabled()
+        and switch.enabled()
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
     )

@@ -1,5 +1,5 @@
-"""One switch for aiayn's own CPU kernels (``aiayn.nn.onednn`` linear layers and
-``aiayn.nn.block_causal`` attention), so they can be compared with, or replaced by, plain torch ops.
+"""One switch for aiayn's own CPU kernels (``aiayn.fast.onednn`` linear layers and
+``aiayn.fast.block_causal`` attention), so they can be compared with, or replaced by, plain torch ops.
 
 They compute the same functions as ``F.linear`` and ``F.scaled_dot_product_attention`` (tests in
 tests/consistency/test_cpu_kernels.py), only faster on a CPU. Turn them off for a whole process
@@ -24,6 +24,8 @@ def enabled() -> bool:
     """Whether aiayn's CPU kernels may be used (each also checks its own conditions): not when
     turned off, nor under a ``torch.func`` transform (vmap, grad, jacrev, ...), which the kernels'
     autograd functions and custom ops do not support: plain torch ops do."""
+    if torch.compiler.is_compiling():  # traced once; no functorch transform around a compiled graph
+        return _enabled
     return _enabled and not torch._C._are_functorch_transforms_active()
 
 
