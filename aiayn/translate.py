@@ -131,3 +131,19 @@ class Translator:
         if self.tokenizer.eos_id in ids:
             ids = ids[: ids.index(self.tokenizer.eos_id)]
         return [i for i in ids if i != self.tokenizer.pad_id]
+
+
+def decode_options(defaults: DecodeOptions, *, beam_size: int | None = None,
+                   length_penalty: float | None = None, temperature: float | None = None,
+                   top_k: int | None = None, top_p: float | None = None,
+                   seed: int | None = None) -> DecodeOptions:
+    """Decoding options given on top of ``defaults`` (a run's recipe: the beam size and length
+    penalty its test score was computed with, e.g. an alpha tuned on val). Any of ``temperature``,
+    ``top_k``, ``top_p`` samples instead of searching (temperature 1 unless given)."""
+    sampling = None
+    if temperature is not None or top_k is not None or top_p is not None:
+        sampling = SamplingConfig(temperature=1.0 if temperature is None else temperature,
+                                  top_k=top_k, top_p=top_p, seed=seed)
+    return DecodeOptions(beam_size=defaults.beam_size if beam_size is None else beam_size,
+                         length_penalty=defaults.length_penalty if length_penalty is None else length_penalty,
+                         sampling=sampling)

@@ -15,9 +15,13 @@ quantised on write, dequantised when the attention reads them back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from aiayn.config import ModelConfig
 
 _BYTES = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
           "bfloat16": 2, "bf16": 2, "float64": 8, "int8": 1}
@@ -381,3 +385,37 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the self-attention key/value buffers (what ``kv_cache_bytes`` estimates)."""
         return sum(layer.nbytes for layer in self.layers)
+
+
+# ---- the memory estimate, described (``aiayn kv-cache``) ----------------------------------------
+def cache_sizes(config: ModelConfig) -> dict[str, int]:
+    """The sizes a model's KV cache is made of: n_layers (its decoder's), n_heads, n_kv_heads,
+    d_model, head_dim and seq_len (the model's max_seq_len)."""
+    n_layers = config.n_decoder_layers if config.arch != "encoder-only" else config.n_layers
+    return {"n_layers": n_layers, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
+            "d_model": config.d_model, "head_dim": config.head_dim, "seq_len": config.max_seq_len}
+
+
+def describe_kv_cache(*, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int,
+                      batch_size: int, dtype: str = "float32", group_size: int | None = None) -> list[str]:
+    """``kv_cache_bytes`` as lines to print: the total, the product it comes from, and what float32
+    (for a quantised cache) or multi-head attention (for GQA/MQA) would need instead.
+    ValueError (from ``kv_cache_bytes``) for a group_size that does not fit."""
+    sizes = dict(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, seq_len=seq_len,
+                 batch_size=batch_size)
+    total = kv_cache_bytes(**sizes, dtype=dtype, group_size=group_size)
+    lines = [f"KV cache: {format_bytes(total)} ({total:,} bytes)"]
+    vectors = f"2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {seq_len} tokens x {batch_size} batch"
+    if dtype in QUANTIZED:
+        groups = head_dim // (group_size or head_dim)
+        data = f"{head_dim}" if dtype == "int8" else f"{head_dim} / 2"
+        lines.append(f"  = {vectors} x ({data} bytes of {dtype} + {groups} x 2 bytes of float16 scales)")
+        full = kv_cache_bytes(**sizes, dtype="float32")
+        lines.append(f"  float32 would need {format_bytes(full)} ({full / total:.2f}x)")
+    else:
+        lines.append(f"  = 2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {head_dim} head_dim "
+                     f"x {seq_len} tokens x {batch_size} batch x {dtype_bytes(dtype)} bytes ({dtype})")
+    if n_kv_heads != n_heads:
+        lines.append(f"  multi-head attention with {n_heads} kv heads would need "
+                     f"{format_bytes(total * n_heads // n_kv_heads)}")
+    return lines

@@ -1,128 +1,16 @@
-"""What a task is: data splits, a default model and recipe, a forward that yields logits/targets,
-and an evaluation. Adding a task = one module with a ``Task`` subclass and ``@register``.
+"""The task registry: ``@register`` a ``Task`` subclass, ``get_task(name, **options)`` builds one.
+
+The ``Task`` protocol itself (with ``Batch`` and ``AttentionExample``) is the trainer's and lives in
+``aiayn.train.task``; it is re-exported here and from ``aiayn.tasks``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-import torch
-from torch import Tensor, nn
+from aiayn.train.task import AttentionExample, Batch, Task
 
-from aiayn.config import ModelConfig
-from aiayn.models import build_model
-from aiayn.train.losses import LossInput, sequence_loss
-
-Batch = dict[str, Tensor]
-
-
-@dataclass
-class AttentionExample:
-    """Attention maps of one input: per layer (h, t_q, t_k), with axis labels."""
-
-    weights: list[Tensor]
-    query_labels: list[str]
-    key_labels: list[str]
-    title: str
-
-
-class Task:
-    """Base class. Subclasses fill ``splits`` in ``prepare`` and implement ``forward``."""
-
-    name: ClassVar[str] = ""
-    description: ClassVar[str] = ""
-    # The split reported at the end of training.
-    test_split: ClassVar[str] = "test"
-
-    def __init__(self, **options: Any) -> None:
-        self.options = options
-        self.splits: dict[str, Batch] = {}
-        # The run directory, set by the trainer before ``prepare`` (tasks that keep files there,
-        # like a learned tokenizer, read and write them through it); None outside a run.
-        self.run_dir: Path | None = None
-
-    # ---- what to train ----------------------------------------------------------------------
-    def model_config(self) -> ModelConfig:
-        raise NotImplementedError
-
-    def train_overrides(self) -> dict[str, Any]:
-        """TrainConfig fields this task's default recipe sets."""
-        return {}
-
-    def build_model(self, config: ModelConfig) -> nn.Module:
-        return build_model(config)
-
-    # ---- data -------------------------------------------------------------------------------
-    def prepare(self, seed: int) -> None:
-        """Build ``self.splits`` deterministically from ``seed``."""
-        raise NotImplementedError
-
-    def split_size(self, split: str) -> int:
-        return next(iter(self.splits[split].values())).shape[0]
-
-    def train_batches(self, epoch: int, batch_size: int, seed: int) -> list[Tensor]:
-        """Index batches of one epoch: a permutation fixed by (seed, epoch), so a resumed run
-        sees exactly the batches an uninterrupted one would."""
-        generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        order = torch.randperm(self.split_size("train"), generator=generator)
-        return list(order.split(batch_size))
-
-    def collate(self, split: str, indices: Tensor) -> Batch:
-        return {key: value[indices] for key, value in self.splits[split].items()}
-
-    def eval_batches(self, split: str, batch_size: int) -> list[Batch]:
-        n = self.split_size(split)
-        return [self.collate(split, torch.arange(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
-
-    # ---- model I/O --------------------------------------------------------------------------
-    def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
-        """(the model's output (``ModelOutput``; the loss applies its output layer) or logits
-        (b, t, c), targets (b, t) with IGNORE at positions that do not count): what
-        ``sequence_loss`` takes."""
-        raise NotImplementedError
-
-    def count_tokens(self, batch: Batch) -> int:
-        """Input tokens in a batch, for the tokens/s figure."""
-        return sum(v.numel() for k, v in batch.items() if k in ("src", "tgt", "tokens", "inputs"))
-
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:
-        """Teacher-forced loss, perplexity, token and sequence accuracy on a split."""
-        model.eval()
-        nll = 0.0
-        tokens = correct = seqs = seq_correct = 0
-        for batch in self.eval_batches(split, batch_size):
-            logits, targets = self.forward(model, batch)
-            out = sequence_loss(logits, targets)
-            nll += float(out.nll_sum)
-            tokens, correct = tokens + out.n_tokens, correct + out.n_correct
-            seqs, seq_correct = seqs + out.n_seqs, seq_correct + out.n_seq_correct
-        return {"nll": nll / max(tokens, 1), "acc": correct / max(tokens, 1),
-                "seq_acc": seq_correct / max(seqs, 1)}
-
-    def examples(self, model: nn.Module, n: int = 3) -> list[str]:
-        """A few test inputs with the model's predictions, for the end-of-run summary."""
-        return []
-
-    def attention_example(self, model: nn.Module, text: str | None = None) -> AttentionExample | None:
-        """Attention maps of the model on ``text`` (task-specific input syntax) or a test example."""
-        return None
-
-    @staticmethod
-    def parse_ids(text: str, *, low: int, high: int, length: int | None = None) -> Tensor:
-        """'3 1 4 1 5' -> tensor([[3, 1, 4, 1, 5]]), checking every id is in [low, high)."""
-        try:
-            ids = [int(tok) for tok in text.replace(",", " ").split()]
-        except ValueError:
-            raise ValueError(f"input {text!r} must be space-separated integers") from None
-        if not ids or any(not low <= i < high for i in ids):
-            raise ValueError(f"input {text!r} must hold integers in [{low}, {high})")
-        if length is not None and len(ids) != length:
-            raise ValueError(f"input {text!r} must hold exactly {length} integers, got {len(ids)}")
-        return torch.tensor([ids])
-
+__all__ = ["TASKS", "AttentionExample", "Batch", "Task", "UnknownTaskError", "get_task", "register"]
 
 TASKS: dict[str, type[Task]] = {}
 

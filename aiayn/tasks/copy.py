@@ -14,8 +14,9 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.generate import greedy_encoder_decoder
-from aiayn.tasks.base import AttentionExample, Batch, Task, register
+from aiayn.tasks.base import register
 from aiayn.train.losses import IGNORE, LossInput
+from aiayn.train.task import AttentionExample, Batch, Task
 
 PAD, BOS = 0, 1
 

@@ -17,9 +17,10 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.data import dataset_file
 from aiayn.generate import SamplingConfig, generate_decoder_only
-from aiayn.tasks.base import Batch, Task, register
+from aiayn.tasks.base import register
 from aiayn.tokenizers import CharTokenizer
 from aiayn.train.losses import IGNORE, LossInput
+from aiayn.train.task import Batch, Task
 
 CORPUS = ("tinyshakespeare", "input.txt")
 

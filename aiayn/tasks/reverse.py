@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.tasks.base import AttentionExample, Batch, Task, register
+from aiayn.tasks.base import register
+from aiayn.train.task import AttentionExample, Batch, Task
 
 
 @register

@@ -25,7 +25,8 @@ from aiayn.config import ModelConfig
 from aiayn.models.base import init_weights
 from aiayn.models.blocks import TransformerBlock
 from aiayn.nn.norm import make_norm
-from aiayn.tasks.base import AttentionExample, Batch, Task, register
+from aiayn.tasks.base import register
+from aiayn.train.task import AttentionExample, Batch, Task
 
 N_FEATURES = 64  # 8x8 pixels
 

@@ -28,9 +28,10 @@ from aiayn.data.parallel import (
     split_paths,
     token_batches,
 )
-from aiayn.tasks.base import AttentionExample, Batch, Task, register
+from aiayn.tasks.base import register
 from aiayn.tokenizers import BPETokenizer
 from aiayn.train.losses import IGNORE, LossInput
+from aiayn.train.task import AttentionExample, Batch, Task
 from aiayn.translate import DecodeOptions, Translator
 
 TOKENIZER_FILE = "tokenizer.json"

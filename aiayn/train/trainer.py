@@ -27,7 +27,6 @@ from torch import nn
 from tqdm import tqdm
 
 from aiayn.config import ModelConfig, TrainConfig
-from aiayn.tasks.base import Task
 from aiayn.train import distributed
 from aiayn.train.checkpoint import (
     CheckpointError,
@@ -41,6 +40,7 @@ from aiayn.train.checkpoint import (
 )
 from aiayn.train.losses import graph_tensor, sequence_loss
 from aiayn.train.optim import make_optimizer, make_schedule
+from aiayn.train.task import Task
 
 METRIC_FIELDS = ["step", "epoch", "lr", "train_loss", "train_nll", "train_acc", "tokens_per_s",
                  "val_nll", "val_ppl", "val_acc", "val_seq_acc", "val_bleu", "elapsed_s"]
@@ -429,38 +429,3 @@ def _train(
                                                    title=example.title))
     return result
 
-
-@dataclass
-class LoadedRun:
-    task: Task
-    model: nn.Module
-    model_config: ModelConfig
-    train_config: TrainConfig
-    checkpoint: Path
-
-
-def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = True) -> LoadedRun:
-    """The task and trained model of a run directory (its latest checkpoint by default), in eval mode.
-
-    ``prepare=False`` skips building the task's data splits (enough for generation).
-    """
-    from aiayn.tasks import get_task
-
-    run_dir = Path(run_dir)
-    config_path = run_dir / "config.json"
-    if not config_path.is_file():
-        raise RunDirError(f"{run_dir} is not a run directory (no config.json); train one with aiayn train")
-    configs = json.loads(config_path.read_text(encoding="utf-8"))
-    task = get_task(configs["task"], **configs.get("task_options", {}))
-    model_config = ModelConfig.from_dict(configs["model"])
-    train_config = TrainConfig.from_dict(configs["train"])
-    path = checkpoint or latest_checkpoint(run_dir / "checkpoints")
-    if path is None:
-        raise CheckpointError(f"{run_dir} holds no checkpoint yet")
-    model = task.build_model(model_config)
-    load_checkpoint(path, model)
-    task.run_dir = run_dir
-    if prepare:
-        task.prepare(train_config.seed)
-    return LoadedRun(task=task, model=model.eval(), model_config=model_config,
-                     train_config=train_config, checkpoint=path)

@@ -14,8 +14,9 @@ from aiayn.config import TrainConfig
 from aiayn.data import data_dir
 from aiayn.data.parallel import read_lines
 from aiayn.tasks import get_task
+from aiayn.tasks.runs import load_run
 from aiayn.tasks.translation import corpus_score
-from aiayn.train.trainer import load_run, train
+from aiayn.train.trainer import train
 from aiayn.translate import DecodeOptions
 
 MULTI30K = data_dir() / "multi30k"

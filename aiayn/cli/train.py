@@ -1,0 +1,247 @@
+"""``aiayn train``, ``tasks``, ``average``, ``presets`` and ``kv-cache``: runs and model sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from aiayn.cli.app import cli, is_main_process, plain_option
+from aiayn.config import ConfigError
+
+
+@cli.command("kv-cache")
+@click.option("--preset", help="Take the model sizes from a named preset (see `aiayn presets`).")
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Sequences decoded at once.")
+@click.option("--seq-len", type=click.IntRange(min=1), help="Tokens held per sequence (prompt + generated). Default: the preset's max_seq_len.")
+@click.option("--n-layers", type=click.IntRange(min=1), help="Decoder layers (each caches its own k and v).")
+@click.option("--n-heads", type=click.IntRange(min=1), help="Query heads.")
+@click.option("--n-kv-heads", type=click.IntRange(min=1), help="Key/value heads (GQA/MQA); default n-heads.")
+@click.option("--d-model", type=click.IntRange(min=1), help="Model width; head_dim = d_model / n_heads.")
+@click.option("--head-dim", type=click.IntRange(min=1), help="Per-head width, if not d_model / n_heads.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int4"]),
+              default="float32", show_default=True,
+              help="Element type of the cache; int8/int4 include their float16 scales.")
+@click.option("--group-size", type=click.IntRange(min=1),
+              help="int8/int4: channels per scale (default: one scale per token and head).")
+def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_layers: int | None,
+                 n_heads: int | None, n_kv_heads: int | None, d_model: int | None,
+                 head_dim: int | None, dtype: str, group_size: int | None) -> None:
+    """Estimate KV-cache memory: 2 x layers x kv_heads x head_dim x seq_len x batch x bytes.
+
+    Example (the seeds'): aiayn kv-cache --batch-size 32 --n-layers 32 --n-heads 32
+    --d-model 4096 --seq-len 2048  ->  64 GiB
+    """
+    from aiayn.nn.kv_cache import cache_sizes, describe_kv_cache
+
+    if preset is not None:  # the preset fills in what is not given
+        p = cache_sizes(_preset(preset))
+        n_layers, n_heads, n_kv_heads = n_layers or p["n_layers"], n_heads or p["n_heads"], n_kv_heads or p["n_kv_heads"]
+        d_model, head_dim, seq_len = d_model or p["d_model"], head_dim or p["head_dim"], seq_len or p["seq_len"]
+    missing = [name for name, value in (("--n-layers", n_layers), ("--n-heads", n_heads),
+                                        ("--seq-len", seq_len)) if value is None]
+    if d_model is None and head_dim is None:
+        missing.append("--d-model (or --head-dim)")
+    if missing:
+        raise click.UsageError(f"missing {', '.join(missing)}; give them or a --preset")
+    assert n_layers is not None and n_heads is not None and seq_len is not None
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    if n_heads % n_kv_heads != 0:
+        raise click.BadParameter(f"{n_kv_heads} does not divide --n-heads {n_heads}",
+                                 param_hint="--n-kv-heads")
+    if head_dim is None:
+        assert d_model is not None
+        if d_model % n_heads != 0:
+            raise click.BadParameter(f"{d_model} is not divisible by --n-heads {n_heads}; "
+                                     f"give --head-dim instead", param_hint="--d-model")
+        head_dim = d_model // n_heads
+    try:
+        lines = describe_kv_cache(n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                                  seq_len=seq_len, batch_size=batch_size, dtype=dtype, group_size=group_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--group-size") from None
+    for line in lines:
+        click.echo(line)
+
+
+def _preset(name: str) -> Any:
+    from aiayn.models.presets import get_preset
+
+    try:
+        return get_preset(name)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--preset") from None
+
+
+# ---- training ---------------------------------------------------------------------------------
+_MODEL_OPTIONS = {  # CLI option -> ModelConfig field
+    "d_model": "d_model", "n_layers": "n_layers", "n_heads": "n_heads", "d_ff": "d_ff",
+    "dropout": "dropout", "attention_dropout": "attention_dropout", "positional": "positional",
+    "padding_free": "padding_free",
+}
+_TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_steps", "optimizer",
+                  "weight_decay", "label_smoothing", "clip_grad_norm", "grad_accum", "seed", "bf16",
+                  "compile", "eval_every", "save_every", "keep_checkpoints", "average_last")
+_SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}  # RunSetupError.about
+
+
+@cli.command("train")
+@click.option("--task", default="reverse", show_default=True,  # aiayn.tasks.runs.DEFAULT_TASK
+              help="What to learn: reverse, copy, set-anomaly, ... (see `aiayn tasks`).")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the run is written. Default: runs/<task>-<date>-<time>.")
+@click.option("--resume", is_flag=True, help="Continue the run in --run-dir from its latest checkpoint.")
+@click.option("--overwrite", is_flag=True, help="Delete an existing --run-dir and start again.")
+@click.option("--epochs", type=click.IntRange(min=1), help="Passes over the training split.")
+@click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimiser steps.")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Examples per batch.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True),
+              help="Peak learning rate (for --schedule noam: the factor in front of the formula).")
+@click.option("--schedule", type=click.Choice(["noam", "cosine", "constant", "linear"]),
+              help="Learning-rate schedule; all warm up linearly.")
+@click.option("--warmup-steps", type=click.IntRange(min=0), help="Warmup length in steps.")
+@click.option("--optimizer", type=click.Choice(["adam", "adamw"]), help="Adam (paper betas/eps) or AdamW.")
+@click.option("--weight-decay", type=click.FloatRange(min=0), help="AdamW decoupled weight decay.")
+@click.option("--label-smoothing", type=click.FloatRange(min=0, max=1, max_open=True),
+              help="Label smoothing epsilon (paper: 0.1).")
+@click.option("--clip-grad-norm", type=click.FloatRange(min=0, min_open=True), help="Gradient-norm clip.")
+@click.option("--grad-accum", type=click.IntRange(min=1), help="Batches accumulated per optimiser step.")
+@click.option("--seed", type=int, help="Random seed (data, initialisation, dropout).")
+@click.option("--bf16/--no-bf16", default=None, help="bfloat16 autocast on the CPU.")
+@click.option("--compile/--no-compile", default=None, help="torch.compile the model.")
+@click.option("--eval-every", type=click.IntRange(min=0), help="Steps between validations (0: each epoch).")
+@click.option("--save-every", type=click.IntRange(min=0), help="Steps between checkpoints (0: each epoch).")
+@click.option("--keep-checkpoints", type=click.IntRange(min=1), help="How many of the newest checkpoints to keep.")
+@click.option("--average-last", type=click.IntRange(min=0),
+              help="At the end, average the last N checkpoints (paper, section 6.1) into RUN/averaged-lastN "
+                   "and score the test split with them (0: off).")
+@click.option("--d-model", type=click.IntRange(min=1), help="Model width.")
+@click.option("--n-layers", type=click.IntRange(min=1), help="Layers per stack.")
+@click.option("--n-heads", type=click.IntRange(min=1), help="Attention heads.")
+@click.option("--d-ff", type=click.IntRange(min=1), help="Feed-forward width.")
+@click.option("--dropout", type=click.FloatRange(min=0, max=1, max_open=True), help="Residual/embedding dropout.")
+@click.option("--attention-dropout", type=click.FloatRange(min=0, max=1, max_open=True),
+              help="Dropout on the attention weights.")
+@click.option("--positional", type=click.Choice(["sinusoidal", "learned", "rope", "alibi", "t5", "none"]),
+              help="Positional scheme.")
+@click.option("--padding-free/--no-padding-free", default=None,
+              help="Skip padding: the token-wise layers and the loss run on the real tokens only "
+                   "(same results; faster on padded batches).")
+@click.option("--max-tokens", type=click.IntRange(min=1),
+              help="Token-count batching (translation): padded tokens per batch, e.g. 4096.")
+@click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path),
+              help="A YAML recipe (task, task_options, model, train); options given here override it.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+@click.option("--fsdp", is_flag=True, help="Under torchrun: shard parameters, gradients and optimiser "
+              "state over the processes (FSDP2) instead of replicating them (DDP, the default).")
+@plain_option
+@click.pass_context
+def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool, overwrite: bool,
+              recipe: Path | None, max_tokens: int | None, progress: bool, fsdp: bool, plain: bool,
+              **options: Any) -> None:
+    """Train a task and write a run directory (checkpoint, metrics.csv, plots).
+
+    With no arguments: the reverse task, in under 3 minutes on a 2-core CPU.
+    """
+    from aiayn.tasks.runs import default_run_dir
+    from aiayn.train.distributed import ParallelOptions
+    from aiayn.train.trainer import train
+
+    if resume and overwrite:
+        raise click.UsageError("--resume and --overwrite contradict each other; choose one")
+    if resume and run_dir is None:
+        raise click.UsageError("--resume needs --run-dir (the run to continue)")
+    if resume and max_tokens is not None:
+        raise click.UsageError("--max-tokens cannot change when resuming (the batches would differ)")
+    setup = _setup_run(ctx, task, run_dir if resume else None, recipe, max_tokens, options)
+    run_dir = run_dir or default_run_dir(setup.task_name)
+    if is_main_process():
+        click.echo(f"task {setup.task_name}: {setup.task.description}")
+        click.echo(f"run directory: {run_dir}")
+    result = train(setup.task, setup.model_config, setup.train_config, run_dir, resume=resume,
+                   overwrite=overwrite, progress=progress, echo=click.echo,
+                   parallel=ParallelOptions(fsdp=fsdp), fast=not plain)
+    if result.interrupted:
+        raise SystemExit(130)
+    if is_main_process():  # under torchrun, rank 0 reports
+        _report(result, run_dir)
+
+
+def _setup_run(ctx: click.Context, task: str, resume_dir: Path | None, recipe: Path | None,
+               max_tokens: int | None, options: dict[str, Any]) -> Any:
+    """``aiayn.tasks.runs.setup_run`` with the options given on the command line (not defaulted)."""
+    from aiayn.tasks.runs import RunSetupError, setup_run
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+
+    chosen = {k: v for k, v in options.items() if v is not None and given(k)}
+    try:
+        return setup_run(task if given("task") else None, resume_dir=resume_dir, recipe=recipe,
+                         max_tokens=max_tokens,
+                         model_options={_MODEL_OPTIONS[k]: v for k, v in chosen.items() if k in _MODEL_OPTIONS},
+                         train_options={k: v for k, v in chosen.items() if k in _TRAIN_OPTIONS})
+    except RunSetupError as exc:
+        if exc.about not in _SETUP_HINTS:
+            raise click.UsageError(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=_SETUP_HINTS[exc.about]) from None
+
+
+def _report(result: Any, run_dir: Path) -> None:
+    click.echo(f"\nfinished {result.step} steps. Test split: "
+               + ", ".join(f"{k} {v:.4%}" if "acc" in k or "exact" in k else f"{k} {v:.4g}"
+                           for k, v in result.test_metrics.items()))
+    if result.examples:
+        click.echo("examples (input -> prediction):")
+        for line in result.examples:
+            click.echo(f"  {line}")
+    click.echo(f"run directory {run_dir}: config.json, checkpoints/, metrics.csv, summary.json"
+               + "".join(f", {p.name}" for p in result.plots))
+
+
+@cli.command("tasks")
+def tasks_cmd() -> None:
+    """List the tasks `aiayn train --task` knows."""
+    from aiayn.tasks import TASKS
+
+    for name in sorted(TASKS):
+        click.echo(f"{name:14s} {TASKS[name].description}")
+
+
+@cli.command("average")
+@click.option("--run", "run_dir", required=True, type=click.Path(path_type=Path), help="A run directory.")
+@click.option("--last", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Average this many of the newest checkpoints.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the averaged checkpoint goes. Default: RUN/averaged-lastN.")
+def average_cmd(run_dir: Path, last: int, out_dir: Path | None) -> None:
+    """Average the weights of the last N checkpoints (the paper's trick, section 6.1)."""
+    from aiayn.tasks.runs import load_run
+    from aiayn.train.checkpoint import average_last_checkpoints, list_checkpoints
+
+    found = list_checkpoints(run_dir / "checkpoints")
+    if not found:
+        raise click.BadParameter(f"{run_dir} holds no checkpoints", param_hint="--run")
+    if len(found) < last:
+        raise click.BadParameter(f"{run_dir} keeps {len(found)} checkpoint(s), fewer than --last {last}; "
+                                 f"lower --last or train with a larger keep_checkpoints", param_hint="--last")
+    run = load_run(run_dir, checkpoint=found[-1], prepare=False)
+    path = average_last_checkpoints(run_dir / "checkpoints", last, run.model,
+                                    out_dir or run_dir / f"averaged-last{last}")
+    averaged = json.loads((path / "state.json").read_text(encoding="utf-8"))["averaged"]
+    click.echo(f"averaged {', '.join(averaged)} -> {path}")
+
+
+@cli.command("presets")
+def presets_cmd() -> None:
+    """List the named model configurations and their parameter counts."""
+    from aiayn.models import build_model, count_parameters, get_preset, preset_names
+
+    for name in preset_names():
+        cfg = get_preset(name)
+        n = count_parameters(build_model(cfg))
+        click.echo(f"{name:12s} {cfg.arch:16s} d_model={cfg.d_model:<5d} layers={cfg.n_layers:<3d} "
+                   f"heads={cfg.n_heads:<3d} d_ff={cfg.d_ff:<5d} vocab={cfg.vocab_size:<6d} params={n:,}")

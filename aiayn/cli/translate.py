@@ -1,0 +1,122 @@
+"""``aiayn translate``, ``evaluate`` and ``fetch-multi30k``: translation runs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from aiayn.cli.app import cli, plain_option
+
+
+def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--run", "run_dir", required=True, type=click.Path(path_type=Path),
+                     help="A run directory of the translation task."),
+        click.option("--checkpoint", type=click.Path(path_type=Path),
+                     help="A checkpoint directory (e.g. RUN/averaged-last5) instead of the run's latest."),
+        click.option("--beam", type=click.IntRange(min=1),
+                     help="Beam size; 1 = greedy.  [default: the run's recipe, beam_size (5 if unset)]"),
+        click.option("--length-penalty", type=click.FloatRange(min=0),
+                     help="GNMT length penalty alpha: score / ((5 + length) / 6) ** alpha.  "
+                          "[default: the run's recipe, length_penalty (0.6 if unset)]"),
+        click.option("--temperature", type=click.FloatRange(min=0),
+                     help="Sample instead of searching, at this temperature."),
+        click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens."),
+        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True),
+                     help="Nucleus sampling threshold."),
+        click.option("--seed", type=int, help="Random seed for sampling."),
+        plain_option,
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _translator(run_dir: Path, checkpoint: Path | None, plain: bool, **decoding: Any) -> tuple[Any, Any]:
+    """(``Translator``, ``DecodeOptions``) of --run / --checkpoint and the decoding options; beam size
+    and length penalty default to the run's recipe."""
+    from aiayn.tasks.runs import RunInputError, load_translator
+    from aiayn.translate import decode_options
+
+    try:
+        task, translator = load_translator(run_dir, checkpoint, plain=plain)
+    except RunInputError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"--{exc.about}") from None
+    return translator, decode_options(task.decode, **decoding)
+
+
+@cli.command("translate")
+@_decoding_options
+@click.argument("texts", nargs=-1)
+def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
+                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
+                  plain: bool, texts: tuple[str, ...]) -> None:
+    """Translate TEXTS, or each line of standard input as it arrives (one output line per input line).
+
+    A sentence longer than the model's maximum is cut to fit, with a warning on stderr.
+    """
+    import warnings
+
+    from aiayn.translate import InputTooLongWarning
+
+    translator, options = _translator(run_dir, checkpoint, plain, beam_size=beam, length_penalty=length_penalty,
+                                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+    def show(warning: Any, category: Any, *_: Any, **__: Any) -> None:
+        click.echo(f"warning: {warning}", err=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", InputTooLongWarning)
+        warnings.showwarning = show
+        if texts:
+            for line in translator.translate(list(texts), options):
+                click.echo(line)
+            return
+        for raw in sys.stdin:  # streamed: each line is translated as soon as it is read
+            click.echo(translator.translate([raw.strip()], options)[0])
+            sys.stdout.flush()
+
+
+@cli.command("evaluate")
+@_decoding_options
+@click.option("--src", "src_path", required=True, type=click.Path(path_type=Path), help="Source sentences, one per line.")
+@click.option("--ref", "ref_path", required=True, type=click.Path(path_type=Path), help="Reference translations, aligned.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the hypotheses (detokenised, one per line) here.")
+def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
+                 temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
+                 plain: bool, src_path: Path, ref_path: Path, out_path: Path | None) -> None:
+    """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF."""
+    from aiayn.data.parallel import read_parallel
+    from aiayn.tasks.translation import corpus_score
+
+    sources, references = read_parallel(src_path, ref_path)
+    translator, options = _translator(run_dir, checkpoint, plain, beam_size=beam, length_penalty=length_penalty,
+                                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    start = time.perf_counter()
+    hypotheses = translator.translate(sources, options)
+    seconds = time.perf_counter() - start
+    scores = corpus_score(hypotheses, references)
+    if out_path is not None:
+        out_path.write_text("\n".join(hypotheses) + "\n", encoding="utf-8")
+    click.echo(f"{scores['bleu_text']}")
+    click.echo(f"BLEU signature: {scores['bleu_signature']}")
+    click.echo(f"chrF2 = {scores['chrf']:.2f}  (signature: {scores['chrf_signature']})")
+    click.echo(f"{len(sources)} sentences in {seconds:.1f} s ({len(sources) / seconds:.1f} sentences/s), "
+               f"beam {options.beam_size}, length penalty {options.length_penalty}" + (f"; hypotheses written to {out_path}" if out_path else ""))
+
+
+@cli.command("fetch-multi30k")
+@click.option("--to", "cache_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Folder for train/val/test2016 .en/.de files (then set AIAYN_DATA_DIR to its parent, "
+                   "or give the task option corpus_dir).")
+def fetch_multi30k_cmd(cache_dir: Path) -> None:
+    """Download Multi30k task 1 (en-de: train, val, test2016) from its public source (needs a network)."""
+    from aiayn.data.parallel import fetch_multi30k
+
+    click.echo(f"Multi30k in {fetch_multi30k(cache_dir)}")

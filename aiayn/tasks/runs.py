@@ -1,0 +1,229 @@
+"""Run directories as the commands use them: set up a run's configs (task defaults, a YAML recipe,
+the saved configs of a run being resumed, options given on top), load a trained run back
+(``load_run``), and the models the commands run from a run or a file: a translator, a text model.
+
+These need the task registry (``get_task``), so they live here, above ``aiayn.train``: the trainer
+takes a built ``Task`` and configs and never looks a task up by name.
+
+The models loaded for inference (``load_text_model``, ``load_translator``) run through
+``aiayn.fast``'s CPU kernels unless ``plain=True`` (the plain PyTorch model; the same function).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from aiayn.config import ConfigError, ModelConfig, TrainConfig
+from aiayn.tasks.base import TASKS, get_task
+from aiayn.tasks.translation import TranslationTask
+from aiayn.train.checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+)
+from aiayn.train.task import Task
+from aiayn.train.trainer import RunDirError
+
+if TYPE_CHECKING:
+    from aiayn.textgen import TextModel
+    from aiayn.translate import Translator
+
+DEFAULT_TASK = "reverse"
+RECIPE_KEYS = frozenset({"task", "task_options", "model", "train", "description"})
+
+
+class RunSetupError(ConfigError):
+    """Options a run cannot be set up with. ``about`` names the input at fault, for a front end to
+    point at: "recipe" (the recipe file), "task_options" (an option the task does not take) or
+    "max_tokens" (token-count batching asked of a task that batches by examples)."""
+
+    def __init__(self, message: str, about: str) -> None:
+        super().__init__(message)
+        self.about = about
+
+
+class RunInputError(RunDirError):
+    """A run directory or checkpoint that cannot serve what was asked. ``about``: "run" or
+    "checkpoint" (the input at fault)."""
+
+    def __init__(self, message: str, about: str = "run") -> None:
+        super().__init__(message)
+        self.about = about
+
+
+# ---- loading a trained run --------------------------------------------------------------------
+@dataclass
+class LoadedRun:
+    task: Task
+    model: nn.Module
+    model_config: ModelConfig
+    train_config: TrainConfig
+    checkpoint: Path
+
+
+def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = True) -> LoadedRun:
+    """The task and trained model of a run directory (its latest checkpoint by default), in eval mode.
+
+    ``prepare=False`` skips building the task's data splits (enough for generation).
+    """
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise RunDirError(f"{run_dir} is not a run directory (no config.json); train one with aiayn train")
+    configs = json.loads(config_path.read_text(encoding="utf-8"))
+    task = get_task(configs["task"], **configs.get("task_options", {}))
+    model_config = ModelConfig.from_dict(configs["model"])
+    train_config = TrainConfig.from_dict(configs["train"])
+    path = checkpoint or latest_checkpoint(run_dir / "checkpoints")
+    if path is None:
+        raise CheckpointError(f"{run_dir} holds no checkpoint yet")
+    model = task.build_model(model_config)
+    load_checkpoint(path, model)
+    task.run_dir = run_dir
+    if prepare:
+        task.prepare(train_config.seed)
+    return LoadedRun(task=task, model=model.eval(), model_config=model_config,
+                     train_config=train_config, checkpoint=path)
+
+
+def resolve_checkpoint(checkpoint: Path | None) -> Path | None:
+    """A checkpoint directory, or a folder of them (its newest is taken); None stays None (the
+    run's latest)."""
+    if checkpoint is None or (checkpoint / STATE_FILE).is_file():
+        return checkpoint
+    found = latest_checkpoint(checkpoint) if checkpoint.is_dir() else None
+    if found is None:
+        raise RunInputError(f"{checkpoint} is not a checkpoint (no {STATE_FILE}) nor a folder of "
+                            f"checkpoints", about="checkpoint")
+    return found
+
+
+# ---- models for inference ---------------------------------------------------------------------
+def for_inference(model: nn.Module, *, plain: bool = False) -> nn.Module:
+    """``model`` in eval mode, through aiayn.fast's CPU kernels unless ``plain`` (in place)."""
+    model.eval()
+    if not plain:
+        from aiayn.fast import optimize
+
+        optimize(model, mode="inference")
+    return model
+
+
+def load_translator(run_dir: Path, checkpoint: Path | None = None, *,
+                    plain: bool = False) -> tuple[TranslationTask, Translator]:
+    """(the translation task, a ``Translator`` of its trained model) from a run directory;
+    ``checkpoint``: a checkpoint (e.g. RUN/averaged-last5) or a folder of them instead of the
+    run's latest."""
+    if not run_dir.is_dir():
+        raise RunInputError(f"{run_dir} does not exist; train one with "
+                            f"aiayn train --recipe recipes/multi30k-en-de.yaml")
+    run = load_run(run_dir, checkpoint=resolve_checkpoint(checkpoint), prepare=False)
+    if not isinstance(run.task, TranslationTask):
+        raise RunInputError(f"{run_dir} holds a {run.task.name} run; translation needs a run of "
+                            f"the translation task")
+    return run.task, run.task.translator(for_inference(run.model, plain=plain))
+
+
+def load_text_model(run_dir: Path | None = None, model_path: Path | None = None, *,
+                    plain: bool = False) -> TextModel:
+    """A decoder-only model with its text functions, from a run directory of a language-model task
+    (``run_dir``) or a GGUF file / Hugging Face model directory (``model_path``)."""
+    from aiayn.textgen import TextModel, read_text_model
+
+    if (run_dir is None) == (model_path is None):
+        raise ValueError("load_text_model takes one of run_dir and model_path")
+    if model_path is not None:
+        lm = read_text_model(model_path)
+        lm.model = for_inference(lm.model, plain=plain)
+        return lm
+    assert run_dir is not None
+    run = load_run(run_dir, prepare=False)
+    tokenizer = getattr(run.task, "tokenizer", None)
+    if run.model_config.arch != "decoder-only" or tokenizer is None:
+        raise RunInputError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
+                            f"generation needs a decoder-only language model such as shakespeare-char")
+    return TextModel(for_inference(run.model, plain=plain), lambda text: tokenizer.encode(text).tolist(),
+                     tokenizer.decode, run.model_config.max_seq_len)
+
+
+# ---- setting up a run -------------------------------------------------------------------------
+def read_recipe(path: Path) -> dict[str, Any]:
+    """A recipe file: YAML with ``task``, ``task_options``, ``model`` and ``train`` mappings."""
+    import yaml
+
+    if not path.is_file():
+        raise RunSetupError(f"{path} not found", about="recipe")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise RunSetupError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}", about="recipe") from None
+    if not isinstance(data, dict) or not set(data) <= RECIPE_KEYS:
+        extra = sorted(set(data) - RECIPE_KEYS) if isinstance(data, dict) else "not a mapping"
+        raise RunSetupError(f"{path}: a recipe is a mapping with keys {', '.join(sorted(RECIPE_KEYS))}; "
+                            f"got {extra}", about="recipe")
+    for key in ("task_options", "model", "train"):
+        if not isinstance(data.get(key, {}), dict):
+            raise RunSetupError(f"{path}: {key} must be a mapping", about="recipe")
+    return data
+
+
+@dataclass
+class RunSetup:
+    """What ``aiayn.train.trainer.train`` is called with: the task (built) and the two configs."""
+
+    task_name: str
+    task: Task
+    model_config: ModelConfig
+    train_config: TrainConfig
+
+
+def setup_run(task: str | None = None, *, resume_dir: Path | None = None, recipe: Path | None = None,
+              max_tokens: int | None = None, model_options: Mapping[str, Any] | None = None,
+              train_options: Mapping[str, Any] | None = None) -> RunSetup:
+    """The task and configs of a run, from (lowest to highest precedence) the task's defaults, a
+    recipe file, and ``model_options`` / ``train_options`` (ModelConfig / TrainConfig fields given
+    explicitly).
+
+    ``task``: a task name; None takes the recipe's (or the resumed run's), else ``DEFAULT_TASK``.
+    ``resume_dir``: a run being resumed: when it holds a config.json, its saved task, task options
+    and configs replace the defaults and the recipe. ``max_tokens``: token-count batching (a task
+    option of tasks that take it, e.g. translation).
+    """
+    saved = None
+    if resume_dir is not None and (resume_dir / "config.json").is_file():
+        saved = json.loads((resume_dir / "config.json").read_text(encoding="utf-8"))
+    recipe_fields = read_recipe(recipe) if recipe is not None and saved is None else {}
+    name = task or (saved or recipe_fields).get("task") or DEFAULT_TASK
+    task_options = (saved or recipe_fields).get("task_options", {})
+    if max_tokens is not None:
+        if name in TASKS and "max_tokens" not in inspect.signature(TASKS[name].__init__).parameters:
+            raise RunSetupError(f"task {name!r} batches by examples (--batch-size); --max-tokens is "
+                                f"for token-count batching (translation)", about="max_tokens")
+        task_options = {**task_options, "max_tokens": max_tokens}
+    try:
+        task_obj = get_task(name, **task_options)
+    except TypeError as exc:  # an option the task does not take
+        raise RunSetupError(f"task {name!r} does not take that option: {exc}", about="task_options") from None
+    if saved is not None:
+        model_fields, train_fields = saved["model"], saved["train"]
+    else:
+        model_fields = {**task_obj.model_config().to_dict(), **recipe_fields.get("model", {})}
+        train_fields = {**TrainConfig(task=name).to_dict(), **task_obj.train_overrides(),
+                        **recipe_fields.get("train", {}), "task": name}
+    model_fields.update(model_options or {})
+    train_fields.update(train_options or {})
+    return RunSetup(name, task_obj, ModelConfig.from_dict(model_fields), TrainConfig.from_dict(train_fields))
+
+
+def default_run_dir(task: str) -> Path:
+    """runs/<task>-<date>-<time>, where a run goes when no directory is given."""
+    return Path("runs") / f"{task}-{time.strftime('%Y%m%d-%H%M%S')}"

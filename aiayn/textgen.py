@@ -1,0 +1,145 @@
+"""Text in, text out with a decoder-only model: what ``aiayn generate`` runs.
+
+``TextModel`` is a model with its tokenizer's encode/decode, its context length, its end-of-text id
+and chat template. ``read_text_model(path)`` reads one from a GGUF file (llama.cpp) or a Hugging Face
+model directory (config.json + safetensors + tokenizer.json), telling the two apart by their
+contents; ``aiayn.tasks.runs.load_text_model`` also reads one from a run directory of a
+language-model task. ``stream_text`` generates, handing out text as it is produced: a multi-byte
+character is held back until complete, and it stops at end-of-text or a stop string.
+
+Like ``aiayn.embed`` (sentence encoders) and ``aiayn.translate`` (translators), this is an
+application of ``aiayn.interop`` and ``aiayn.generate``, beside them rather than inside either.
+Errors a user can fix raise ``TextModelError`` with one-line messages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.interop.mapping import InteropError
+
+if TYPE_CHECKING:
+    from aiayn.generate import SamplingConfig
+
+
+class TextModelError(InteropError):
+    """A model path that does not hold a text model generation can use."""
+
+
+@dataclass
+class TextModel:
+    """A decoder-only model with the text functions generation needs."""
+
+    model: nn.Module
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    context: int  # tokens the model can attend over (prompt + generated)
+    eos_id: int | None = None  # generation stops when the model produces it
+    chat: Callable[[str], str] | None = None  # a user message -> the prompt in the chat template
+
+    def prompt_ids(self, prompt: str, *, chat: bool = False) -> Tensor:
+        """(1, t) token ids of ``prompt`` (a user message wrapped in the chat template with
+        ``chat``). ValueError when the tokenizer refuses it or it leaves no room in the context."""
+        text = self.chat(prompt) if chat and self.chat else prompt
+        ids = torch.tensor([self.encode(text)])
+        if ids.shape[1] >= self.context:
+            raise ValueError(f"the prompt is {ids.shape[1]} tokens, the model's context is {self.context}; "
+                             f"shorten it")
+        return ids
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic bytes."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
+def read_text_model(path: Path) -> TextModel:
+    """The text model in a GGUF file or a Hugging Face model directory (a decoder-only model with a
+    tokenizer.json), as stored: float32, eval mode."""
+    if is_gguf(path):
+        from aiayn.interop import load_gguf
+
+        loaded = load_gguf(path)
+        tok, template = loaded.tokenizer, loaded.chat_template
+        chat = (lambda text: template.render([{"role": "user", "content": text}])) if template else None
+        return TextModel(loaded.model, lambda text: tok.encode(text, add_special_tokens=False).ids,
+                         lambda ids: tok.decode(ids), loaded.config.max_seq_len, loaded.eos_id, chat)
+    if path.is_dir() and (path / "config.json").is_file():
+        from tokenizers import Tokenizer
+
+        from aiayn.interop import load_hf
+
+        model, config = load_hf(path)
+        if config.arch != "decoder-only":
+            raise TextModelError(f"{path} is a {config.arch} model; generation needs a decoder-only one")
+        if not (path / "tokenizer.json").is_file():
+            raise TextModelError(f"{path} has no tokenizer.json")
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        return TextModel(model.eval(), lambda text: tok.encode(text, add_special_tokens=False).ids,
+                         lambda ids: tok.decode(ids), config.max_seq_len)
+    raise TextModelError(f"{path} is neither a GGUF file nor a Hugging Face model directory "
+                         f"(config.json + safetensors)")
+
+
+@dataclass
+class StreamStats:
+    """How a ``stream_text`` call went: tokens produced (end-of-text not counted) and time taken."""
+
+    tokens: int
+    seconds: float
+    # With a compiled decode step: seconds from the second token on (the first step compiles).
+    seconds_after_compile: float | None = None
+
+    def summary(self) -> str:
+        """'N tokens in S s, R tokens/s' (and the rate after the compiling step, when compiled)."""
+        rate = f"{self.tokens / self.seconds:.1f} tokens/s"
+        if self.seconds_after_compile is not None and self.tokens > 2:
+            rate += f"; {(self.tokens - 2) / self.seconds_after_compile:.1f} tokens/s after the compiling step"
+        return f"{self.tokens} tokens in {self.seconds:.2f} s, {rate}"
+
+
+def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], max_new_tokens: int,
+                sampling: SamplingConfig, stops: Sequence[str] = (), kv_cache: str | None = None,
+                compile: bool = False) -> StreamStats:
+    """Continue ``ids`` (1, t), calling ``on_text`` with each new piece of text as it is decoded.
+
+    Stops after ``max_new_tokens`` (cut to what the context leaves), at the model's end-of-text id,
+    or once the text holds one of ``stops``. ``kv_cache`` ("int8"/"int4") and ``compile`` are
+    ``generate_decoder_only``'s.
+    """
+    from aiayn.generate import generate_decoder_only
+
+    max_new_tokens = min(max_new_tokens, lm.context - ids.shape[1])
+    produced: list[int] = []
+    shown = ""
+    second_token_at: float | None = None  # with compile: the first (compiling) step ends here
+
+    def on_token(token: Tensor) -> bool:
+        nonlocal shown, second_token_at
+        if lm.eos_id is not None and int(token[0]) == lm.eos_id:
+            return True
+        produced.append(int(token[0]))
+        if len(produced) == 2:
+            second_token_at = time.perf_counter()
+        text = lm.decode(produced)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            on_text(text[len(shown):])
+            shown = text
+        return any(stop in text for stop in stops)
+
+    start = time.perf_counter()
+    generate_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                          on_token=on_token, kv_cache=kv_cache, compile=compile)
+    end = time.perf_counter()
+    after = end - second_token_at if compile and second_token_at is not None else None
+    return StreamStats(len(produced), end - start, after)
