@@ -92,7 +92,7 @@ class TransformerBlock(nn.Module):
 
 @dataclass
 class StackInputs:
-    """One forward's inputs besides the token ids, computed once by ``TransformerStack.prepare``
+    """One forward's inputs besides the token ids, computed once by ``TransformerStack.forward``
     (or by the compiled decode step, ``aiayn.fast.compiled_decode``) and shared by every block."""
 
     positions: Tensor  # (b, t) long position ids of the new tokens
@@ -212,7 +212,8 @@ class TransformerStack(nn.Module):
         need_weights: bool = False,
         pack: bool = False,
     ) -> StackOutput:
-        """tokens (b, t) -> hidden (b, t, d): ``run`` on the inputs ``prepare`` computes.
+        """tokens (b, t) -> hidden (b, t, d): the checks and bookkeeping (validity, positions, the
+        cache's new slots, masks, positional bias or rotation, packing), then ``run``.
 
         Args:
             valid: (b, t) bool, True at real tokens; default ``tokens != pad_id`` (or all True when
@@ -231,40 +232,10 @@ class TransformerStack(nn.Module):
         """
         if pack and (cache is not None or need_weights):
             raise ValueError("pack=True (padding-free) does not go with a cache or need_weights")
-        inputs = self.prepare(tokens, valid=valid, positions=positions, segments=segments, memory=memory,
-                              memory_valid=memory_valid, memory_packing=memory_packing, cache=cache, pack=pack)
-        return self.run(tokens, inputs, cache=cache, need_weights=need_weights)
-
-    def prepare(
-        self,
-        tokens: Tensor,
-        *,
-        valid: Tensor | None = None,
-        positions: Tensor | None = None,
-        segments: Tensor | None = None,
-        memory: Tensor | None = None,
-        memory_valid: Tensor | None = None,
-        memory_packing: Packing | None = None,
-        cache: KVCache | None = None,
-        pack: bool = False,
-    ) -> StackInputs:
-        """The checks and bookkeeping of a forward (arguments as ``forward``'s): validity, positions,
-        the cache's new slots, masks, positional bias or rotation, packing."""
         c = self.config
         check_tokens("tokens", tokens, self.embedding.num_embeddings)
         valid = valid_tokens(tokens, c.pad_id, valid)  # (b, t)
-        if positions is None:
-            # Count real tokens: left padding and earlier cached tokens do not shift positions.
-            start = cache.next_positions()[:, None] if cache is not None else 0
-            positions = (start + valid.long().cumsum(dim=1) - 1).clamp(min=0)  # (b, t)
-        elif positions.shape != tokens.shape:
-            raise ValueError(f"positions must have the tokens' shape {tuple(tokens.shape)}, got {tuple(positions.shape)}")
-        if int(positions.max()) >= c.max_seq_len:
-            raise ValueError(
-                f"sequence too long: position {int(positions.max())} needs max_seq_len > "
-                f"{int(positions.max())}, but the model has max_seq_len={c.max_seq_len}; shorten "
-                f"the input (or truncate it) or use a model with a larger max_seq_len"
-            )
+        positions = self._positions(valid, positions, cache)  # (b, t)
         if segments is not None and segments.shape != tokens.shape:
             raise ValueError(f"segments must have the tokens' shape {tuple(tokens.shape)}, got {tuple(segments.shape)}")
 
@@ -287,8 +258,24 @@ class TransformerStack(nn.Module):
             cross_attn = AttentionInputs(mask=memory_mask, packing=packing, memory_packing=memory_packing)  # (b, 1, 1, s)
         if memory_packing is not None and memory is None:
             raise ValueError("memory_packing= needs the packed memory=")
-        return StackInputs(positions=positions, valid=valid, self_attn=self_attn, segments=segments,
-                           memory=memory, cross_attn=cross_attn)
+        inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn, segments=segments,
+                             memory=memory, cross_attn=cross_attn)
+        return self.run(tokens, inputs, cache=cache, need_weights=need_weights)
+
+    def _positions(self, valid: Tensor, positions: Tensor | None, cache: KVCache | None) -> Tensor:
+        """(b, t) position ids: ``positions`` if given, else real tokens counted (left padding and
+        earlier cached tokens do not shift them); checked against ``max_seq_len``."""
+        if positions is None:
+            start = cache.next_positions()[:, None] if cache is not None else 0
+            positions = (start + valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        elif positions.shape != valid.shape:
+            raise ValueError(f"positions must have the tokens' shape {tuple(valid.shape)}, got {tuple(positions.shape)}")
+        top = int(positions.max())
+        if top >= self.config.max_seq_len:
+            raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "
+                             f"max_seq_len={self.config.max_seq_len}; shorten the input (or truncate it) or use "
+                             f"a model with a larger max_seq_len")
+        return positions
 
     def attention_inputs(self, positions: Tensor, key_positions: Tensor, mask: Tensor | None, *,
                          cache_pos: int | Tensor = 0, packing: Packing | None = None) -> AttentionInputs:
