@@ -28,26 +28,20 @@ from aiayn.fast.dropout import dropout
 from aiayn.nn.attention import scaled_dot_product_attention
 
 
-def fast_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    bias: Tensor | None = None,
-    causal: bool = False,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    need_weights: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
+                   bias: Tensor | None = None, causal: bool = False, dropout_p: float = 0.0,
+                   scale: float | None = None,
+                   need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
     """``scaled_dot_product_attention`` (same arguments, same result up to float rounding), by the
     fastest measured path for the case."""
-    plain = dict(mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale, need_weights=need_weights)
+    plain = dict(mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale,
+                 need_weights=need_weights)
     if q.device.type != "cpu" or need_weights or not switch.enabled():
         return scaled_dot_product_attention(q, k, v, **plain)
     b, h, t_q, d_h = q.shape
     h_kv = k.shape[1]
-    if t_q == 1 and bias is None and dropout_p == 0.0 and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))):
+    key_mask_only = mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))  # (b, 1, 1, t_k)
+    if t_q == 1 and bias is None and dropout_p == 0.0 and key_mask_only:
         if h != h_kv:  # GQA: fold each group of query heads into its key/value head, (b, h_kv, g, d_h)
             _check_heads(q, k)
             out, _ = scaled_dot_product_attention(q.reshape(b, h_kv, h // h_kv, d_h), k, v, mask=mask,

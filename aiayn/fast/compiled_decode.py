@@ -35,7 +35,8 @@ def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Te
     fast as the matmul."""
     stack = model.decoder
     self_attn = stack.attention_inputs(positions, key_positions, key_mask(key_valid), cache_pos=slot)
-    inputs = StackInputs(positions=positions, valid=torch.ones_like(tokens, dtype=torch.bool), self_attn=self_attn)
+    valid = torch.ones_like(tokens, dtype=torch.bool)  # (b, 1): every new token is real
+    inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn)
     with MatvecLinears():
         hidden = stack.run(tokens, inputs, cache=cache).hidden  # (b, 1, d)
         return model.lm_head(hidden[:, -1])

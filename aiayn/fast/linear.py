@@ -20,8 +20,8 @@ from aiayn.fast.onednn import onednn_linear, use_onednn
 class FastLinear(nn.Linear):
     """``nn.Linear`` (the same parameters and state dict; ``aiayn.fast.optimize`` swaps it in for a
     built model's ``nn.Linear`` layers) with two faster ways on the CPU: a decode step, x (b, 1, i)
-    with b a few float32 rows, runs as (W x^T)^T (``transposed_linear``) when no autograd graph is being built (generation runs under
-    ``torch.inference_mode``); float32 inputs of at least 64 rows and 16.8M multiply-adds
+    with b a few float32 rows, runs as (W x^T)^T (``transposed_linear``) when no autograd graph
+    is being built (generation runs under ``torch.inference_mode``); float32 inputs of at least 64 rows and 16.8M multiply-adds
     (training, prefill) run through oneDNN (``aiayn.fast.onednn``: ~2x MKL's matmul speed on this
     machine, float32 sums in another order; the parity tests against Hugging Face still hold at
     default tolerances). Every other call is ``nn.Linear``'s. Plain tensors only: sharded
@@ -31,8 +31,9 @@ class FastLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight
         # Cheapest tests first: this runs for every projection of every forward.
-        if (x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled() and use_eager_transposed(x, weight)
-                and type(x) is Tensor and type(weight) in (Tensor, nn.Parameter)):
+        if (x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled()
+                and use_eager_transposed(x, weight) and type(x) is Tensor
+                and type(weight) in (Tensor, nn.Parameter)):
             return transposed_linear(x, weight, self.bias)
         if use_onednn(x, weight):  # float32 CPU, >= 64 rows: see aiayn.fast.onednn
             return onednn_linear(x, weight, self.bias)

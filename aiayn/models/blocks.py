@@ -56,15 +56,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = make_norm(c.norm, c.d_model, c.norm_eps)
         self.dropout = nn.Dropout(c.dropout)  # residual dropout, P_drop in the paper
 
-    def forward(
-        self,
-        x: Tensor,
-        inputs: StackInputs | None = None,
-        *,
-        cache: LayerKVCache | None = None,
-        cross_cache: StaticKV | None = None,
-        need_weights: bool = False,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def forward(self, x: Tensor, inputs: StackInputs | None = None, *,
+                cache: LayerKVCache | None = None, cross_cache: StaticKV | None = None,
+                need_weights: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights).
 
         With ``inputs.packing`` x is packed, (n, d) real tokens only, and so is the result: every
@@ -72,13 +66,13 @@ class TransformerBlock(nn.Module):
         no mask, no positions (a set, say).
         """
         h = self.self_attn_norm(x) if self.pre_norm else x
-        h, self_weights = self.self_attn(h, inputs=inputs.self_attn if inputs is not None else None, cache=cache,
-                                         need_weights=need_weights)
+        self_inputs = inputs.self_attn if inputs is not None else None
+        h, self_weights = self.self_attn(h, inputs=self_inputs, cache=cache, need_weights=need_weights)
         x = x + self.dropout(h) if self.pre_norm else self.self_attn_norm(x + self.dropout(h))
 
         cross_weights = None
         if self.cross_attn is not None:
-            assert self.cross_attn_norm is not None and inputs is not None, "cross-attention needs inputs.memory"
+            assert self.cross_attn_norm is not None and inputs is not None, "cross-attention needs inputs"
             h = self.cross_attn_norm(x) if self.pre_norm else x
             h, cross_weights = self.cross_attn(h, inputs.memory, inputs=inputs.cross_attn, cache=cross_cache,
                                                need_weights=need_weights)
@@ -144,16 +138,8 @@ class TransformerStack(nn.Module):
     encoder (``segments=True``). ``embedding`` may be shared with another stack.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        *,
-        n_layers: int,
-        embedding: nn.Embedding,
-        causal: bool,
-        cross_attention: bool = False,
-        segments: bool = False,
-    ) -> None:
+    def __init__(self, config: ModelConfig, *, n_layers: int, embedding: nn.Embedding, causal: bool,
+                 cross_attention: bool = False, segments: bool = False) -> None:
         super().__init__()
         c = self.config = config
         self.causal, self.has_cross = causal, cross_attention
@@ -198,20 +184,11 @@ class TransformerStack(nn.Module):
             x = self.embedding_norm(x)
         return x
 
-    def forward(
-        self,
-        tokens: Tensor,
-        *,
-        valid: Tensor | None = None,
-        positions: Tensor | None = None,
-        segments: Tensor | None = None,
-        memory: Tensor | None = None,
-        memory_valid: Tensor | None = None,
-        memory_packing: Packing | None = None,
-        cache: KVCache | None = None,
-        need_weights: bool = False,
-        pack: bool = False,
-    ) -> StackOutput:
+    def forward(self, tokens: Tensor, *, valid: Tensor | None = None,
+                positions: Tensor | None = None, segments: Tensor | None = None,
+                memory: Tensor | None = None, memory_valid: Tensor | None = None,
+                memory_packing: Packing | None = None, cache: KVCache | None = None,
+                need_weights: bool = False, pack: bool = False) -> StackOutput:
         """tokens (b, t) -> hidden (b, t, d): the checks and bookkeeping (validity, positions, the
         cache's new slots, masks, positional bias or rotation, packing), then ``run``.
 
@@ -237,7 +214,8 @@ class TransformerStack(nn.Module):
         valid = valid_tokens(tokens, c.pad_id, valid)  # (b, t)
         positions = self._positions(valid, positions, cache)  # (b, t)
         if segments is not None and segments.shape != tokens.shape:
-            raise ValueError(f"segments must have the tokens' shape {tuple(tokens.shape)}, got {tuple(segments.shape)}")
+            raise ValueError(f"segments must have the tokens' shape {tuple(tokens.shape)}, "
+                             f"got {tuple(segments.shape)}")
 
         # Keys: the cached slots plus the new tokens.
         cache_pos = 0
@@ -248,14 +226,16 @@ class TransformerStack(nn.Module):
             keys_valid, key_positions = valid, positions  # (b, t_k)
         mask = None if bool(keys_valid.all()) else key_mask(keys_valid)  # (b, 1, 1, t_k)
         packing = Packing.of(valid) if pack and mask is not None else None  # only with padding to skip
-        self_attn = self.attention_inputs(positions, key_positions, mask, cache_pos=cache_pos, packing=packing)
+        self_attn = self.attention_inputs(positions, key_positions, mask, cache_pos=cache_pos,
+                                          packing=packing)
 
         cross_attn = None
         if self.has_cross:
             if memory is None and (cache is None or cache.cross[0].k is None):
                 raise ValueError("the decoder needs memory= (the encoder output) for cross-attention")
-            memory_mask = None if memory_valid is None or bool(memory_valid.all()) else key_mask(memory_valid)
-            cross_attn = AttentionInputs(mask=memory_mask, packing=packing, memory_packing=memory_packing)  # (b, 1, 1, s)
+            all_valid = memory_valid is None or bool(memory_valid.all())
+            memory_mask = None if all_valid else key_mask(memory_valid)  # (b, 1, 1, s)
+            cross_attn = AttentionInputs(mask=memory_mask, packing=packing, memory_packing=memory_packing)
         if memory_packing is not None and memory is None:
             raise ValueError("memory_packing= needs the packed memory=")
         inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn, segments=segments,
@@ -269,12 +249,13 @@ class TransformerStack(nn.Module):
             start = cache.next_positions()[:, None] if cache is not None else 0
             positions = (start + valid.long().cumsum(dim=1) - 1).clamp(min=0)
         elif positions.shape != valid.shape:
-            raise ValueError(f"positions must have the tokens' shape {tuple(valid.shape)}, got {tuple(positions.shape)}")
+            raise ValueError(f"positions must have the tokens' shape {tuple(valid.shape)}, "
+                             f"got {tuple(positions.shape)}")
         top = int(positions.max())
         if top >= self.config.max_seq_len:
-            raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "
-                             f"max_seq_len={self.config.max_seq_len}; shorten the input (or truncate it) or use "
-                             f"a model with a larger max_seq_len")
+            raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the "
+                             f"model has max_seq_len={self.config.max_seq_len}; shorten the input (or "
+                             f"truncate it) or use a model with a larger max_seq_len")
         return positions
 
     def attention_inputs(self, positions: Tensor, key_positions: Tensor, mask: Tensor | None, *,
@@ -282,8 +263,9 @@ class TransformerStack(nn.Module):
         """Self-attention inputs for queries at ``positions`` (b, t) over keys at ``key_positions``
         (b, t_k) (cached + new) under ``mask`` (b, 1, 1, t_k): the positional scheme's bias or
         rotation, causal masking for a decoder."""
-        bias = self.relative(positions, key_positions) if self.relative is not None else None  # (b|1, h, t, t_k)
-        rotary = self.rotary(positions) if self.rotary is not None else None  # (cos, sin) (b, t, d_h)
+        # (b or 1, h, t, t_k) additive bias (ALiBi, T5), or RoPE's (cos, sin) of (b, t, d_h)
+        bias = self.relative(positions, key_positions) if self.relative is not None else None
+        rotary = self.rotary(positions) if self.rotary is not None else None
         return AttentionInputs(mask=mask, bias=bias, causal=self.causal, rotary=rotary, cache_pos=cache_pos,
                                packing=packing)
 

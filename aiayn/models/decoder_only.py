@@ -29,15 +29,9 @@ class DecoderOnly(nn.Module):
     def embedding(self) -> nn.Embedding:
         return self.decoder.embedding
 
-    def forward(
-        self,
-        tokens: Tensor,
-        *,
-        valid: Tensor | None = None,
-        positions: Tensor | None = None,
-        cache: KVCache | None = None,
-        need_weights: bool = False,
-    ) -> ModelOutput:
+    def forward(self, tokens: Tensor, *, valid: Tensor | None = None,
+                positions: Tensor | None = None, cache: KVCache | None = None,
+                need_weights: bool = False) -> ModelOutput:
         """tokens (b, t) -> logits (b, t, v). With ``cache``, tokens continue the cached ones.
 
         With ``config.padding_free`` (no cache, no ``need_weights``) the stack skips padding;

@@ -49,15 +49,8 @@ class EncoderDecoder(nn.Module):
         out = self.encoder(src, valid=src_valid, need_weights=need_weights)
         return Encoded(memory=out.hidden, valid=out.valid, attentions=out.attentions)
 
-    def decode(
-        self,
-        tgt: Tensor,
-        encoded: Encoded,
-        *,
-        tgt_valid: Tensor | None = None,
-        cache: KVCache | None = None,
-        need_weights: bool = False,
-    ) -> ModelOutput:
+    def decode(self, tgt: Tensor, encoded: Encoded, *, tgt_valid: Tensor | None = None,
+               cache: KVCache | None = None, need_weights: bool = False) -> ModelOutput:
         """tgt (b, t) -> logits (b, t, v_tgt), attending to the encoded source.
 
         With ``cache`` the target tokens continue the cached ones and the cross-attention keys and
@@ -67,21 +60,15 @@ class EncoderDecoder(nn.Module):
                            cache=cache, need_weights=need_weights)
         return model_output(out, self.lm_head, encoder_attentions=encoded.attentions)
 
-    def forward(
-        self,
-        src: Tensor,
-        tgt: Tensor,
-        *,
-        src_valid: Tensor | None = None,
-        tgt_valid: Tensor | None = None,
-        need_weights: bool = False,
-    ) -> ModelOutput:
+    def forward(self, src: Tensor, tgt: Tensor, *, src_valid: Tensor | None = None,
+                tgt_valid: Tensor | None = None, need_weights: bool = False) -> ModelOutput:
         """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt).
 
         With ``config.padding_free`` (and no ``need_weights``) both stacks skip padding; logits and
         hidden are zeros at padded target positions."""
         if src.dim() == 2 and tgt.dim() == 2 and src.shape[0] != tgt.shape[0]:
-            raise ValueError(f"src and tgt batch sizes differ: src {tuple(src.shape)}, tgt {tuple(tgt.shape)}")
+            raise ValueError(f"src and tgt batch sizes differ: src {tuple(src.shape)}, "
+                             f"tgt {tuple(tgt.shape)}")
         if self.config.padding_free and not need_weights:
             # Both stacks packed: the source's real tokens feed the cross-attention projections,
             # the target's the output layer (aiayn.nn.packing).

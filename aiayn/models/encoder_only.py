@@ -40,14 +40,8 @@ class EncoderOnly(nn.Module):
         """hidden (b, t, d) -> (b, t, v)"""
         return self.mlm_head(self.mlm_norm(self.mlm_act(self.mlm_dense(hidden))))
 
-    def forward(
-        self,
-        tokens: Tensor,
-        *,
-        valid: Tensor | None = None,
-        segments: Tensor | None = None,
-        need_weights: bool = False,
-    ) -> ModelOutput:
+    def forward(self, tokens: Tensor, *, valid: Tensor | None = None,
+                segments: Tensor | None = None, need_weights: bool = False) -> ModelOutput:
         """tokens (b, t) -> hidden (b, t, d), pooled (b, d) and the MLM head's logits (b, t, v).
 
         Padding-free (``config.padding_free``): the stack and the MLM head run on the real tokens

@@ -23,9 +23,8 @@ from aiayn.nn.packing import Packing
 from aiayn.nn.positional import apply_rotary
 
 
-def _check_attention_inputs(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, bias: Tensor | None
-) -> None:
+def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                            bias: Tensor | None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(
@@ -71,18 +70,10 @@ def _check_attention_inputs(
             )
 
 
-def scaled_dot_product_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    bias: Tensor | None = None,
-    causal: bool = False,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    need_weights: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
+                                 bias: Tensor | None = None, causal: bool = False,
+                                 dropout_p: float = 0.0, scale: float | None = None,
+                                 need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + bias, masked) V, equation (1).
 
     Args:
@@ -164,19 +155,9 @@ class MultiHeadAttention(nn.Module):
     each key/value head among ``n_heads / n_kv_heads`` query heads (GQA; 1 = MQA).
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        *,
-        n_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        cross: bool = False,
-        bias: bool = True,
-        out_bias: bool | None = None,
-        dropout: float = 0.0,
-        impl: str = "fused",
-    ) -> None:
+    def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
+                 head_dim: int | None = None, cross: bool = False, bias: bool = True,
+                 out_bias: bool | None = None, dropout: float = 0.0, impl: str = "fused") -> None:
         """``bias`` switches the biases of the q/k/v projections, ``out_bias`` that of the output
         projection (None = same as ``bias``; Qwen2 has q/k/v biases but none on the output)."""
         super().__init__()
@@ -223,15 +204,9 @@ class MultiHeadAttention(nn.Module):
         k, v = self.kv_proj(memory).chunk(2, dim=-1)  # (b, s, kv) or packed (n_s, kv) each
         return self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
 
-    def forward(
-        self,
-        x: Tensor,
-        memory: Tensor | None = None,
-        *,
-        inputs: AttentionInputs | None = None,
-        cache: LayerKVCache | StaticKV | None = None,
-        need_weights: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, memory: Tensor | None = None, *,
+                inputs: AttentionInputs | None = None, cache: LayerKVCache | StaticKV | None = None,
+                need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         """Attend from x (b, t, d) to itself (self-attention) or to ``memory`` (b, s, d) (cross).
 
         Args:

@@ -41,16 +41,8 @@ QUANTIZED = ("int8", "int4")  # cache element types stored with per-group scales
 SCALE_DTYPE = torch.float16  # the scales' type: 2 bytes per token, head and group
 
 
-def kv_cache_bytes(
-    *,
-    n_layers: int,
-    n_kv_heads: int,
-    head_dim: int,
-    seq_len: int,
-    batch_size: int,
-    dtype: torch.dtype | str = torch.float32,
-    group_size: int | None = None,
-) -> int:
+def kv_cache_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, batch_size: int,
+                   dtype: torch.dtype | str = torch.float32, group_size: int | None = None) -> int:
     """Memory of a KV cache: 2 (k and v) x layers x kv_heads x head_dim x seq_len x batch x bytes.
 
     Example (the seeds'): batch 32, 32 layers, 32 heads of 128 (d_model 4096), 2048 tokens,
@@ -95,16 +87,9 @@ def format_bytes(n: int) -> str:
 class LayerKVCache:
     """One self-attention layer's preallocated keys and values, (b, h_kv, s_max, d_h) each."""
 
-    def __init__(
-        self,
-        batch_size: int,
-        n_kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, *,
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
         shape = (batch_size, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -202,18 +187,10 @@ class QuantizedLayerKVCache(LayerKVCache):
     d_h (int8) or d_h / 2 (int4) bytes, plus 2 bytes per group.
     """
 
-    def __init__(
-        self,
-        batch_size: int,
-        n_kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        *,
-        quantize: str = "int8",
-        group_size: int | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, *,
+                 quantize: str = "int8", group_size: int | None = None,
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
         if quantize not in QUANTIZED:
             raise ValueError(f"unknown KV-cache quantisation {quantize!r}; use one of {', '.join(QUANTIZED)}")
         self.group_size = _check_group(head_dim, group_size, quantize)
@@ -282,20 +259,10 @@ class KVCache:
     cross-attention keys and values, computed once, stay in float.
     """
 
-    def __init__(
-        self,
-        *,
-        n_layers: int,
-        batch_size: int,
-        n_kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-        cross_attention: bool = False,
-        quantize: str | None = None,
-        group_size: int | None = None,
-    ) -> None:
+    def __init__(self, *, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int,
+                 max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, cross_attention: bool = False,
+                 quantize: str | None = None, group_size: int | None = None) -> None:
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(
                 f"KVCache needs positive batch_size and max_len, got {batch_size} and {max_len}"
