@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.fast import switch
+
 _LEVELS = 1 << 16  # a 16-bit slice of a random int64 is uniform over 65,536 values
 
 
@@ -47,6 +49,6 @@ class FastDropout(nn.Dropout):
     swaps it in for a built model's ``nn.Dropout`` layers."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.inplace:
+        if self.inplace or not switch.enabled():
             return super().forward(x)
         return dropout(x, self.p, self.training)

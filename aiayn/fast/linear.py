@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.fast import switch
 from aiayn.fast.matvec import transposed_linear, use_eager_transposed
 from aiayn.fast.onednn import onednn_linear, use_onednn
 
@@ -33,7 +34,7 @@ class FastLinear(nn.Linear):
         # Cheapest tests first: this runs for every projection of every forward.
         if (x.dim() == 3 and x.shape[1] == 1 and not torch.is_grad_enabled()
                 and use_eager_transposed(x, weight) and type(x) is Tensor
-                and type(weight) in (Tensor, nn.Parameter)):
+                and type(weight) in (Tensor, nn.Parameter) and switch.enabled()):
             return transposed_linear(x, weight, self.bias)
         if use_onednn(x, weight):  # float32 CPU, >= 64 rows: see aiayn.fast.onednn
             return onednn_linear(x, weight, self.bias)

@@ -17,7 +17,7 @@ The op has no autograd formula: ``onednn_linear`` gives it one, as a ``torch.lib
 an opaque kernel. The results are float32 products summed in another order than MKL's: against
 float64, within default float32 tolerances on small layers, and within 1.0-2.4x MKL's largest
 error on 512-row layers with 256-1,024 inputs (tests/consistency/test_cpu_kernels.py). Used by
-``aiayn.fast.matvec.Linear`` (every projection of the model family) and by the fused output layer
+``aiayn.fast.linear.FastLinear`` (every projection of an optimized model) and by the fused output layer
 (``aiayn.fast.fused_loss``), for plain float32 CPU tensors of at least ``MIN_ROWS`` rows
 and ``MIN_WORK`` multiply-adds, outside autocast; everything else keeps ``F.linear``.
 ``AIAYN_PLAIN_TORCH=1`` turns it off (``aiayn.fast.switch``).

@@ -1,8 +1,9 @@
-"""One switch for aiayn's own CPU kernels (``aiayn.fast.onednn`` linear layers and
-``aiayn.fast.block_causal`` attention), so they can be compared with, or replaced by, plain torch ops.
+"""One switch for every aiayn CPU kernel an optimized model holds (``aiayn.fast.optimize``: its
+linear layers, attention kernel and dropout), so they can be compared with plain torch ops
+without converting the model back (``aiayn.fast.plain`` does that).
 
-They compute the same functions as ``F.linear`` and ``F.scaled_dot_product_attention`` (tests in
-tests/consistency/test_cpu_kernels.py), only faster on a CPU. Turn them off for a whole process
+They compute the same functions as ``F.linear``, ``F.scaled_dot_product_attention`` and
+``F.dropout`` (tests/consistency/test_fast_convert.py, test_cpu_kernels.py), only faster on a CPU. Turn them off for a whole process
 with ``AIAYN_PLAIN_TORCH=1`` in the environment, or for a block of code with ``plain_torch()``:
 the training benchmark counts its model FLOPs that way (``torch.utils.flop_counter`` does not see
 inside the CPU attention kernels, so every peer's count is the same plain-op count).

@@ -1,9 +1,9 @@
 """aiayn's own CPU kernels compute what the plain torch ops do: oneDNN linear layers
 (``aiayn.fast.onednn``), query-block causal attention (``aiayn.fast.block_causal``) and the fused
 loss's max/argmax. Each float32 result is compared with a float64 reference at ``assert_close``'s
-default float32 tolerances; at full layer sizes, and for whole training steps, where no float32
-path meets those, their errors against float64 are compared with the plain-op path's
-(``F.linear``, ``fastpath.plain_torch``).
+default float32 tolerances; at full layer sizes, and for whole training steps (of a model that
+``aiayn.fast.optimize`` converted), where no float32 path meets those, their errors against
+float64 are compared with the plain-op path's (``F.linear``, ``aiayn.fast.plain_torch``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from aiayn.models import build_model, get_preset
-from aiayn.fast import switch as fastpath, onednn
+from aiayn.fast import onednn, optimize, switch
+from aiayn.fast.attention import fast_attention
 from aiayn.fast.block_causal import MAX_LENGTH, block_causal_attention, use_block_causal
 from aiayn.fast.fused_loss import _max_and_argmax, linear_cross_entropy
-from aiayn.fast.matvec import Linear
+from aiayn.fast.linear import FastLinear
+from aiayn.models import build_model, get_preset
 from aiayn.train.losses import IGNORE
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN linear op")
@@ -112,7 +113,7 @@ def test_onednn_linear_is_counted_as_a_linear():
     from torch.utils.flop_counter import FlopCounterMode
 
     x = torch.randn(64, 256, requires_grad=True)
-    layer = Linear(256, 1024)
+    layer = FastLinear(256, 1024)
     assert onednn.use_onednn(x, layer.weight)
     with FlopCounterMode(display=False) as counter:
         layer(x).sum().backward()
@@ -121,16 +122,16 @@ def test_onednn_linear_is_counted_as_a_linear():
 
 @needs_onednn
 def test_linear_layer_uses_onednn_only_where_it_was_measured_faster(monkeypatch):
-    layer = Linear(256, 1024)  # 64 rows: 16.8M multiply-adds, onednn.MIN_WORK
+    layer = FastLinear(256, 1024)  # 64 rows: 16.8M multiply-adds, onednn.MIN_WORK
     calls = _count_calls(monkeypatch, onednn, "linear_product")
     layer(torch.randn(64, 256))
     assert calls, "64 float32 CPU rows of enough work go through oneDNN"
     calls.clear()
     layer(torch.randn(63, 256))  # fewer rows, less work: F.linear was as fast
-    Linear(32, 32)(torch.randn(4096, 32))  # many rows but little work: the op's fixed cost wins
+    FastLinear(32, 32)(torch.randn(4096, 32))  # many rows but little work: the op's fixed cost wins
     layer.double()(torch.randn(64, 256, dtype=torch.float64))  # oneDNN's product is float32 only
     layer.float()
-    with fastpath.plain_torch():
+    with switch.plain_torch():
         layer(torch.randn(64, 256))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         layer(torch.randn(64, 256))
@@ -177,9 +178,9 @@ def test_block_causal_attention_is_taken_only_where_it_applies():
         assert not use_block_causal(q, q, q, 0.0)  # a forward alone: SDPA is as fast
     fixed = q.detach()
     assert not use_block_causal(fixed, fixed, fixed, 0.0)
-    with fastpath.plain_torch():
+    with switch.plain_torch():
         assert not use_block_causal(q, q, q, 0.0)
-    assert fastpath.enabled()
+    assert switch.enabled()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not use_block_causal(q, q, q, 0.0)
 
@@ -246,9 +247,9 @@ def _step_error(model: torch.nn.Module, model64: torch.nn.Module, ids: torch.Ten
 @needs_onednn
 def test_training_step_with_cpu_kernels_is_as_accurate_as_plain_torch(monkeypatch):
     """A GPT-style model (d 128, causal attention over 128 positions, 8 x 128 rows): with aiayn's CPU
-    kernels, its loss and gradients are within twice the plain-op step's error against a float64
-    twin."""
-    import aiayn.nn.attention as attention
+    kernels (``optimize(model, "train")``), its loss and gradients are within twice the plain-op
+    step's error against a float64 twin."""
+    import aiayn.fast.attention as attention
 
     attention_calls = _count_calls(monkeypatch, attention, "block_causal_attention")
     linear_calls = _count_calls(monkeypatch, onednn, "linear_product")
@@ -258,12 +259,14 @@ def test_training_step_with_cpu_kernels_is_as_accurate_as_plain_torch(monkeypatc
     model64 = build_model(get_preset("gpt-tiny", vocab_size=97, d_model=128, n_heads=2, n_layers=2, d_ff=256,
                                      max_seq_len=128, dropout=0.0)).double()
     model64.load_state_dict(model.state_dict())
+    optimize(model, mode="train")
+    optimize(model64, mode="train")
     ids = torch.randint(0, 97, (8, 129), generator=torch.Generator().manual_seed(1))
     fast = _step_error(model, model64, ids)
     assert len(attention_calls) >= 2 and linear_calls  # float64 attention takes it too
     attention_calls.clear()
     linear_calls.clear()
-    with fastpath.plain_torch():
+    with switch.plain_torch():
         plain = _step_error(model, model64, ids)
     assert not attention_calls and not linear_calls
     # both are float32 roundings of the same sums: neither may be more than twice the other's error
@@ -277,7 +280,7 @@ def test_compiled_layer_keeps_the_onednn_op_and_its_gradients(monkeypatch):
     """Under torch.compile the custom op stays in the graph (Inductor calls it as an opaque kernel)
     and the forward and gradients equal the eager layer's."""
     torch.manual_seed(0)
-    layer = Linear(256, 1024)
+    layer = FastLinear(256, 1024)
     x = torch.randn(2, 40, 256, requires_grad=True)  # 80 rows: 21M multiply-adds, over MIN_WORK
     grad_out = torch.randn(2, 40, 1024)
 
@@ -298,7 +301,7 @@ def test_compiled_layer_keeps_the_onednn_op_and_its_gradients(monkeypatch):
 @pytest.mark.parametrize(("value", "enabled"), [("true", False), ("0", True)])
 def test_environment_switch(value, enabled):
     """AIAYN_PLAIN_TORCH=1 (true, yes, on) turns the kernels off for the process; 0 (off, ...) not."""
-    code = "from aiayn.fast import switch as fastpath; print(fastpath.enabled())"
+    code = "from aiayn.fast import enabled; print(enabled())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "AIAYN_PLAIN_TORCH": value},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == str(enabled)
@@ -307,10 +310,8 @@ def test_environment_switch(value, enabled):
 def test_torch_func_transforms_take_the_plain_ops():
     """Under torch.func (grad, vmap) the kernels step aside: their custom ops and autograd
     functions have no functorch rules, the plain ops do."""
-    from aiayn.nn.attention import scaled_dot_product_attention
-
     torch.manual_seed(0)
-    layer = Linear(256, 1024)  # 64 rows: over onednn.MIN_WORK
+    layer = FastLinear(256, 1024)  # 64 rows: over onednn.MIN_WORK
     x = torch.randn(3, 64, 256)
     batched = torch.func.vmap(layer)(x)
     assert_close(batched, F.linear(x, layer.weight, layer.bias))
@@ -321,7 +322,7 @@ def test_torch_func_transforms_take_the_plain_ops():
     assert_close(grad["weight"], weight.grad)
 
     q = torch.randn(2, 4, 128, 64)  # 8.4M multiply-adds per product: over block_causal.MIN_WORK
-    got = torch.func.grad(lambda q: scaled_dot_product_attention(q, q, q, causal=True)[0].square().sum())(q)
+    got = torch.func.grad(lambda q: fast_attention(q, q, q, causal=True)[0].square().sum())(q)
     q_ = q.clone().requires_grad_()
     F.scaled_dot_product_attention(q_, q_, q_, is_causal=True).square().sum().backward()
     assert_close(got, q_.grad)

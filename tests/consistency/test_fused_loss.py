@@ -1,7 +1,8 @@
-"""The output layer fused with the cross-entropy (``aiayn.fast.fused_loss``, what a model
-given ``targets`` runs) computes what the logits + loss path does: the loss, the reported NLL and
-accuracies, and every gradient, equal at ``assert_close``'s default tolerances (float32), chunk
-sizes that do and do not divide the rows, ignored rows, label smoothing, bias, tied weights,
+"""The output layer fused with the cross-entropy (``aiayn.fast.fused_loss``, what
+``sequence_loss`` runs on the output of a model that ``aiayn.fast.optimize(model, "train")``
+converted) computes what the logits + loss path (the plain model's) does: the loss, the reported
+NLL and accuracies, and every gradient, equal at ``assert_close``'s default tolerances (float32),
+chunk sizes that do and do not divide the rows, ignored rows, label smoothing, bias, tied weights,
 padded and padding-free models; under bfloat16 autocast equal at bfloat16's tolerances.
 """
 
@@ -13,11 +14,12 @@ import torch.nn.functional as F
 from random_weights import randomize_
 from torch.testing import assert_close
 
-from aiayn.models import build_model, get_preset
-from aiayn.models.base import LossModelOutput, ModelOutput
-from aiayn.fast.fused_loss import HeadLoss, linear_cross_entropy
-from aiayn.fast.quantize import quantize_int8_
-from aiayn.train.losses import IGNORE, logits_tensor, loss_logits, sequence_loss
+import aiayn.fast.fused_loss as fused_loss
+from aiayn.fast import optimize
+from aiayn.fast.fused_loss import FusedLossLinear, linear_cross_entropy
+from aiayn.fast.quantize import Int8Linear, quantize_int8_
+from aiayn.models import ModelOutput, build_model, get_preset
+from aiayn.train.losses import IGNORE, graph_tensor, sequence_loss
 
 
 def rows(n: int = 37, d: int = 16, v: int = 53, *, bias: bool, seed: int = 0):
@@ -99,10 +101,19 @@ def test_nothing_counted_is_nan_with_zero_gradients():
     hidden, weight, _, targets = rows(bias=False)
     targets = torch.full_like(targets, IGNORE)
     head = linear_cross_entropy(hidden, weight, None, targets)
-    out = sequence_loss(HeadLoss(**{**head.__dict__, "batch_shape": (37, 1)}), targets[:, None])
-    assert out.n_tokens == 0 and torch.isnan(out.loss)
-    grads = torch.autograd.grad(logits_tensor(head) * 0.0, [hidden, weight])
+    grads = torch.autograd.grad(head.nll_sum * 0.0, [hidden, weight])
     assert all(torch.all(grad == 0) for grad in grads)
+    # sequence_loss through the fused output layer (a (37, 1) batch of hidden rows)
+    layer = FusedLossLinear(16, 53, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    model_out = ModelOutput(hidden_rows=hidden[:, None], head=layer)
+    out = sequence_loss(model_out, targets[:, None])
+    assert out.n_tokens == 0 and torch.isnan(out.loss)
+    grads = torch.autograd.grad(out.loss, [hidden, layer.weight])
+    assert all(torch.all(grad == 0) for grad in grads)
+    (grad,) = torch.autograd.grad(graph_tensor(model_out).sum() * 0.0, hidden)  # the trainer's zero loss
+    assert torch.all(grad == 0)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -135,8 +146,22 @@ def test_bfloat16_autocast_is_as_accurate_as_the_autocast_layer(seed):
 
 
 def seeded_model(preset: str, **overrides):
-    """A preset model with seeded weights, train mode, no dropout."""
+    """A preset model with seeded weights, train mode, no dropout (plain: not optimized)."""
     return randomize_(build_model(get_preset(preset, dropout=0.0, **overrides)), seed=0).train()
+
+
+def count_fused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the calls of the fused output layer + loss (``FusedLossLinear.cross_entropy`` looks
+    ``linear_cross_entropy`` up at call time)."""
+    calls: list[int] = []
+    real = fused_loss.linear_cross_entropy
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_loss, "linear_cross_entropy", counted)
+    return calls
 
 
 def batch(b: int = 3, t: int = 9, seed: int = 1):
@@ -149,23 +174,28 @@ def batch(b: int = 3, t: int = 9, seed: int = 1):
     return tokens.masked_fill(~valid, 0), valid, targets.masked_fill(~valid, IGNORE)
 
 
-def assert_same_step(model, run, targets, eps: float) -> None:
-    """sequence_loss of the fused forward == of the logits forward, and so do the gradients."""
-    plain = run(None)
-    assert isinstance(plain, ModelOutput)
-    want = sequence_loss(loss_logits(plain), targets, label_smoothing=eps)
+def assert_same_step(model, run, targets, eps: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sequence_loss of the optimized model's output (fused) == of the plain model's (logits),
+    and so do the gradients."""
+    calls = count_fused(monkeypatch)
+    plain_out = run()
+    assert isinstance(plain_out, ModelOutput) and type(plain_out.head) is torch.nn.Linear
+    want = sequence_loss(plain_out, targets, label_smoothing=eps)
+    assert not calls
     want.loss.backward()
     want_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    fused = run(targets)
-    assert isinstance(fused, LossModelOutput)
-    got = sequence_loss(loss_logits(fused), targets, label_smoothing=eps)
+    optimize(model, mode="train")
+    fused = run()
+    assert isinstance(fused.head, FusedLossLinear)
+    got = sequence_loss(fused, targets, label_smoothing=eps)
+    assert len(calls) == 1  # the loss ran fused
     got.loss.backward()
     assert_close(got.loss, want.loss)
     assert_close(got.nll_sum, want.nll_sum)
     assert (got.n_tokens, got.n_correct, got.n_seq_correct, got.n_seqs) == \
         (want.n_tokens, want.n_correct, want.n_seq_correct, want.n_seqs)
-    assert_close(fused.hidden, plain.hidden)
+    assert_close(fused.hidden, plain_out.hidden)
     got_grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     assert got_grads.keys() == want_grads.keys()
     for name, grad in got_grads.items():
@@ -174,45 +204,53 @@ def assert_same_step(model, run, targets, eps: float) -> None:
 
 @pytest.mark.parametrize("overrides", [dict(), dict(tie_output=False, lm_head_bias=True)], ids=["tied", "untied-bias"])
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
-def test_decoder_only_given_targets_trains_as_with_logits(preset, overrides):
+def test_decoder_only_trains_fused_as_with_logits(preset, overrides, monkeypatch):
     model = seeded_model(preset, **overrides)
     tokens, valid, targets = batch()
-    assert_same_step(model, lambda t: model(tokens, valid=valid, targets=t), targets, eps=0.1)
+    assert_same_step(model, lambda: model(tokens, valid=valid), targets, eps=0.1, monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
-def test_encoder_decoder_given_targets_trains_as_with_logits(padding_free):
+def test_encoder_decoder_trains_fused_as_with_logits(padding_free, monkeypatch):
     model = seeded_model("tiny", padding_free=padding_free)
     src, src_valid, _ = batch(seed=2)
     tgt, tgt_valid, targets = batch(seed=3)
-    assert_same_step(model, lambda t: model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid, targets=t),
-                     targets, eps=0.1)
+    assert_same_step(model, lambda: model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid),
+                     targets, eps=0.1, monkeypatch=monkeypatch)
 
 
-def test_a_quantised_output_layer_computes_logits():
+def test_a_quantised_output_layer_computes_logits(monkeypatch):
     """Only a plain linear output layer runs fused; any other head hands the loss its logits."""
-    model = seeded_model("gpt-tiny", tie_output=False).eval()
+    model = optimize(seeded_model("gpt-tiny", tie_output=False).eval(), mode="train")
     quantize_int8_(model)
+    assert isinstance(model.lm_head, Int8Linear)
     tokens, valid, targets = batch()
+    calls = count_fused(monkeypatch)
     with torch.no_grad():
-        out = model(tokens, valid=valid, targets=targets)
+        out = model(tokens, valid=valid)
+        loss = sequence_loss(out, targets)
+    assert not calls
     assert isinstance(out, ModelOutput) and out.logits.shape == (3, 9, 99)
+    assert_close(loss.loss, sequence_loss(out.logits, targets).loss)
 
 
 # ---- bad input --------------------------------------------------------------------------------
-def test_fused_output_has_no_logits_and_says_why():
+def test_optimized_output_still_has_its_logits():
+    """The fused output layer is used by the loss only: the output's logits are the plain model's."""
     model = seeded_model("gpt-tiny")
-    tokens, valid, targets = batch()
-    out = model(tokens, valid=valid, targets=targets)
-    with pytest.raises(AttributeError, match="call the model without targets"):
-        _ = out.logits
+    tokens, valid, _ = batch()
+    want = model(tokens, valid=valid).logits
+    out = optimize(model, mode="train")(tokens, valid=valid)
+    assert isinstance(out.head, FusedLossLinear)
+    assert_close(out.logits, want)
 
 
 def test_targets_of_another_shape_are_refused():
-    model = seeded_model("gpt-tiny")
+    model = optimize(seeded_model("gpt-tiny"), mode="train")
     tokens, valid, targets = batch()
+    out = model(tokens, valid=valid)
     with pytest.raises(ValueError, match=r"targets must have the \(batch, seq\) shape of the model's input"):
-        model(tokens, valid=valid, targets=targets[:, :-1])
+        sequence_loss(out, targets[:, :-1])
 
 
 def test_target_ids_outside_the_vocabulary_are_refused():
@@ -220,16 +258,6 @@ def test_target_ids_outside_the_vocabulary_are_refused():
     targets[3] = 53
     with pytest.raises(ValueError, match=r"outside \[0, 53\).*mark positions that do not count with -100"):
         linear_cross_entropy(hidden, weight, None, targets)
-
-
-def test_loss_of_other_targets_is_refused():
-    model = seeded_model("gpt-tiny")
-    tokens, valid, targets = batch()
-    out = model(tokens, valid=valid, targets=targets)
-    other = targets.clone()
-    other[0, 0] = (other[0, 0] + 1) % 99
-    with pytest.raises(ValueError, match="differ from the ones the model's forward fused"):
-        sequence_loss(loss_logits(out), other)
 
 
 @pytest.mark.parametrize(("shapes", "needle"), [
@@ -243,16 +271,16 @@ def test_mismatched_shapes_are_refused(shapes, needle):
 
 
 @pytest.mark.slow
-def test_compiled_model_given_targets_trains_as_eager():
-    """``aiayn train --compile``: the compiled forward breaks its graph at the fused loss, which
-    runs eager; loss and gradients equal the eager model's."""
-    eager = seeded_model("gpt-tiny")
-    twin = seeded_model("gpt-tiny")
+def test_compiled_optimized_model_trains_as_eager():
+    """``aiayn train --compile``: the compiled forward of the optimized model, then the fused loss,
+    which runs eager; loss and gradients equal the eager model's."""
+    eager = optimize(seeded_model("gpt-tiny"), mode="train")
+    twin = optimize(seeded_model("gpt-tiny"), mode="train")
     compiled = torch.compile(twin)
     tokens, valid, targets = batch()
     outs = []
     for model, run in ((eager, eager), (twin, compiled)):
-        out = sequence_loss(loss_logits(run(tokens, valid=valid, targets=targets)), targets, label_smoothing=0.1)
+        out = sequence_loss(run(tokens, valid=valid), targets, label_smoothing=0.1)
         out.loss.backward()
         outs.append((out, {name: p.grad for name, p in model.named_parameters()}))
     (want, want_grads), (got, got_grads) = outs

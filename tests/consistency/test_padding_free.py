@@ -15,9 +15,9 @@ from torch import nn
 from torch.testing import assert_close
 
 from aiayn.models import DecoderOnly, EncoderDecoder, build_model, get_preset
-from aiayn.models.base import PackedModelOutput
+from aiayn.nn.attention import AttentionInputs
 from aiayn.nn.packing import Packing
-from aiayn.train.losses import IGNORE, PackedLogits, loss_logits, sequence_loss
+from aiayn.train.losses import IGNORE, sequence_loss
 
 SCHEMES = ["sinusoidal", "learned", "rope", "alibi", "t5", "none"]
 IMPLS = ["fused", "reference"]
@@ -46,14 +46,15 @@ def tokens_and_valid(lengths: list[int], t: int, *, left: bool = False, seed: in
 def assert_same_at_real_tokens(padded: nn.Module, free: nn.Module, run, valid: torch.Tensor) -> None:
     """Logits at real positions and the gradients of a loss over them match; padding gives zeros."""
     out_p, out_f = run(padded), run(free)
-    assert isinstance(out_f, PackedModelOutput)
-    assert out_f.packed_logits.shape == (int(valid.sum()), out_p.logits.shape[-1])
+    assert out_f.packing is not None and out_p.packing is None
+    packed_logits = out_f.head(out_f.hidden_rows)
+    assert packed_logits.shape == (int(valid.sum()), out_p.logits.shape[-1])
     assert_close(out_f.logits[valid], out_p.logits[valid])
     assert_close(out_f.hidden[valid], out_p.hidden[valid])
     assert torch.all(out_f.logits[~valid] == 0)
     weights = torch.randn(out_p.logits[valid].shape, generator=torch.Generator().manual_seed(5))
     (out_p.logits[valid] * weights).sum().backward()
-    (out_f.packed_logits * weights).sum().backward()
+    (packed_logits * weights).sum().backward()
     grads_p = dict(padded.named_parameters())
     for name, p in free.named_parameters():
         q = grads_p[name]
@@ -86,13 +87,14 @@ def test_encoder_only(positional: str) -> None:
     padded, free = twins("bert-tiny", positional=positional)
     tokens, valid = tokens_and_valid([8, 5, 1], 8, seed=16)
     out_p, out_f = padded(tokens, valid=valid), free(tokens, valid=valid)
-    assert_close(out_f.mlm_logits[valid], out_p.mlm_logits[valid])
+    assert out_f.packing is not None
+    assert_close(out_f.logits[valid], out_p.logits[valid])
     assert_close(out_f.hidden[valid], out_p.hidden[valid])
     assert_close(out_f.pooled, out_p.pooled)
-    assert torch.all(out_f.mlm_logits[~valid] == 0)
-    weights = torch.randn(out_p.mlm_logits[valid].shape, generator=torch.Generator().manual_seed(5))
-    ((out_p.mlm_logits[valid] * weights).sum() + out_p.pooled.sum()).backward()
-    ((out_f.mlm_logits[valid] * weights).sum() + out_f.pooled.sum()).backward()
+    assert torch.all(out_f.logits[~valid] == 0)
+    weights = torch.randn(out_p.logits[valid].shape, generator=torch.Generator().manual_seed(5))
+    ((out_p.logits[valid] * weights).sum() + out_p.pooled.sum()).backward()
+    ((out_f.logits[valid] * weights).sum() + out_f.pooled.sum()).backward()
     for (name, p), q in zip(free.named_parameters(), padded.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
@@ -121,7 +123,7 @@ def test_no_padding_runs_the_plain_path() -> None:
     padded, free = twins("gpt-tiny")
     tokens = torch.randint(1, VOCAB, (2, 6))
     out_p, out_f = padded(tokens), free(tokens)
-    assert not isinstance(out_f, PackedModelOutput)
+    assert out_f.packing is None
     assert torch.equal(out_p.logits, out_f.logits)
 
 
@@ -132,7 +134,7 @@ def test_cache_and_attention_weights_take_the_padded_path() -> None:
     src, src_valid = tokens_and_valid([5, 3], 5, seed=8)
     tgt, tgt_valid = tokens_and_valid([4, 2], 4, seed=9)
     out = free(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid, need_weights=True)
-    assert not isinstance(out, PackedModelOutput) and len(out.attentions) == 2
+    assert out.packing is None and len(out.attentions) == 2
     lm_p, lm_f = twins("gpt-tiny")
     lm_p.eval(), lm_f.eval()
     tokens, valid = tokens_and_valid([6, 4], 6, left=True)
@@ -152,8 +154,8 @@ def test_padding_free_training_step_matches() -> None:
     for model in (padded, free):
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         out = model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)
-        if isinstance(out, PackedModelOutput):
-            loss = nn.functional.cross_entropy(out.packed_logits, targets.reshape(-1)[out.packing.index])
+        if out.packing is not None:
+            loss = nn.functional.cross_entropy(out.head(out.hidden_rows), targets.reshape(-1)[out.packing.index])
         else:
             loss = nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), targets.reshape(-1))
         loss.backward()
@@ -179,7 +181,7 @@ def test_packed_input_of_the_wrong_shape_is_explained() -> None:
     attn = model.encoder.blocks[0].self_attn
     packing = Packing.of(torch.tensor([[True, False], [True, True]]))
     with pytest.raises(ValueError, match=r"packed x must be \(real tokens=3, d_model=48\)"):
-        attn(torch.zeros(2, 2, 48), packing=packing)
+        attn(torch.zeros(2, 2, 48), inputs=AttentionInputs(packing=packing))
     with pytest.raises(ValueError, match="does not go with a cache"):
         lm = DecoderOnly(get_preset("gpt-tiny"))
         lm.decoder(torch.ones(2, 2, dtype=torch.long), valid=packing_valid(), cache=lm.new_cache(2, 4), pack=True)
@@ -190,19 +192,19 @@ def packing_valid() -> torch.Tensor:
 
 
 def test_sequence_loss_on_packed_logits() -> None:
-    """The trainer's loss over packed logits (loss_logits) equals it over the padded logits:
-    loss, NLL, token and sequence accuracy, gradients."""
+    """The trainer's loss over a padding-free output (the packed rows' logits) equals it over the
+    padded logits: loss, NLL, token and sequence accuracy, gradients."""
     padded, free = twins("tiny")
     src, src_valid = tokens_and_valid([7, 4, 6], 7, seed=12)
     tgt, tgt_valid = tokens_and_valid([6, 6, 2], 6, seed=13)
     targets = torch.randint(1, VOCAB, tgt.shape, generator=torch.Generator().manual_seed(3))
     targets = targets.masked_fill(~tgt_valid, IGNORE)
     targets[1, :3] = IGNORE  # counted positions need not be all the valid ones
-    out_p = sequence_loss(loss_logits(padded(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)), targets,
+    out_p = sequence_loss(padded(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid), targets,
                           label_smoothing=0.1)
-    logits_f = loss_logits(free(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid))
-    assert isinstance(logits_f, PackedLogits) and logits_f.logits.shape == (14, VOCAB)
-    out_f = sequence_loss(logits_f, targets, label_smoothing=0.1)
+    model_out_f = free(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)
+    assert model_out_f.packing is not None and model_out_f.head(model_out_f.hidden_rows).shape == (14, VOCAB)
+    out_f = sequence_loss(model_out_f, targets, label_smoothing=0.1)
     assert_close(out_f.loss, out_p.loss)
     assert_close(out_f.nll_sum, out_p.nll_sum)
     assert (out_f.n_tokens, out_f.n_correct, out_f.n_seq_correct, out_f.n_seqs) == (
@@ -217,9 +219,10 @@ def test_sequence_loss_rejects_targets_at_skipped_positions() -> None:
     _, free = twins("tiny")
     src, src_valid = tokens_and_valid([5, 3], 5, seed=14)
     tgt, tgt_valid = tokens_and_valid([4, 2], 4, seed=15)
-    logits = loss_logits(free(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid))
+    out = free(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)
+    assert out.packing is not None
     targets = torch.ones_like(tgt)  # counts the padded positions of row 1 too
     with pytest.raises(ValueError, match="skipped"):
-        sequence_loss(logits, targets)
-    with pytest.raises(ValueError, match="disagree"):
-        sequence_loss(logits, targets[:, :3])
+        sequence_loss(out, targets)
+    with pytest.raises(ValueError, match=r"targets must have the \(batch, seq\) shape"):
+        sequence_loss(out, targets[:, :3])

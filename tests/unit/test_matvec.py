@@ -2,7 +2,9 @@
 
 Each must equal ``F.linear`` (eager and compiled, with and without bias, float32 and bfloat16), and
 the mode must replace exactly the calls it claims to: few rows of a supported dtype, inside the
-traced graph, by the way measured faster for them; larger inputs keep F.linear.
+traced graph, by the way measured faster for them; larger inputs keep F.linear. ``FastLinear``
+(``aiayn.fast.linear``, what ``aiayn.fast.optimize`` swaps in for ``nn.Linear``) takes (W x^T)^T
+eager exactly where it was measured faster.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.testing import assert_close
 
+from aiayn.fast.linear import FastLinear
 from aiayn.fast.matvec import (
     EAGER_TRANSPOSED_ROWS,
     MATVEC_MAX_ROWS,
     TRANSPOSED_MAX_ROWS,
-    Linear,
     MatvecLinears,
     matvec_linear,
     transposed_linear,
@@ -105,11 +107,11 @@ def test_compiled_mode_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
 @pytest.mark.parametrize("rows", [1, 4, 5, 16, 64, 65])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_nn_linear(rows: int, bias: bool) -> None:
-    """aiayn's Linear: nn.Linear's parameters and state dict; the same outputs with and without an
+    """FastLinear: nn.Linear's parameters and state dict; the same outputs with and without an
     autograd graph; (W x^T)^T taken exactly where EAGER_TRANSPOSED_ROWS says, under inference mode."""
     torch.manual_seed(0)
     reference = nn.Linear(40, 24, bias=bias)
-    linear = Linear(40, 24, bias=bias)
+    linear = FastLinear(40, 24, bias=bias)
     linear.load_state_dict(reference.state_dict())
     assert isinstance(linear, nn.Linear) and linear.state_dict().keys() == reference.state_dict().keys()
     x = torch.randn(rows, 1, 40)  # rows x 1 token, as a decode step
@@ -131,7 +133,7 @@ def test_linear_equals_nn_linear(rows: int, bias: bool) -> None:
 
 
 def test_linear_keeps_nn_linear_for_other_dtypes_and_subclasses() -> None:
-    linear = Linear(16, 8).to(torch.bfloat16)
+    linear = FastLinear(16, 8).to(torch.bfloat16)
     x = torch.randn(16, 16, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert not use_eager_transposed(x, linear.weight)
