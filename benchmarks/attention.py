@@ -1,14 +1,16 @@
 """Attention cost as the sequence grows: aiayn's fused (SDPA), block-causal and reference paths.
 
-Benchmark 4. ``aiayn.nn.attention.scaled_dot_product_attention`` on q, k, v of shape
-(batch 1, 8 heads, n, 64) (one paper-base layer), causal, float32, at n = 256 ... 4096: median
-time of a forward (and of forward + backward with ``--backward``) and the peak memory the call
-allocates (torch.profiler allocator events, see ``benchmarks/memory.py``). The reference path
-materialises the (b, h, n, n) score and weight matrices, so its memory grows as n^2; the fused
-kernel (``F.scaled_dot_product_attention``, run with ``fastpath.plain_torch``) works in blocks and
-keeps O(n) memory. With ``--backward``, "block causal" is the kernel aiayn trains with on the CPU
-up to ``block_causal.MAX_LENGTH`` positions (``aiayn.fast.block_causal``: query blocks as large
-batched products; it keeps the visible half of the weights for the backward). All do O(n^2) work.
+Benchmark 4. ``aiayn.nn.attention.scaled_dot_product_attention`` (the plain function, equation
+(1)) on q, k, v of shape (batch 1, 8 heads, n, 64) (one paper-base layer), causal, float32, at
+n = 256 ... 4096: median time of a forward (and of forward + backward with ``--backward``) and the
+peak memory the call allocates (torch.profiler allocator events, see ``benchmarks/memory.py``).
+The reference path (``need_weights=True``: the equation written out) materialises the
+(b, h, n, n) score and weight matrices, so its memory grows as n^2; the fused kernel
+(``F.scaled_dot_product_attention``, the function's path without ``need_weights``) works in
+blocks and keeps O(n) memory. With ``--backward``, "block causal" is the kernel an optimized
+model (``aiayn.fast.optimize``) trains with on the CPU up to ``block_causal.MAX_LENGTH``
+positions (``aiayn.fast.block_causal``: query blocks as large batched products; it keeps the
+visible half of the weights for the backward). All do O(n^2) work.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ import argparse
 
 import torch
 
-from aiayn.fast import switch as fastpath
-from aiayn.nn.attention import scaled_dot_product_attention
 from aiayn.fast.block_causal import MAX_LENGTH, block_causal_attention
+from aiayn.nn.attention import scaled_dot_product_attention
 from benchmarks.common import Timed, add_common_args, footer, header, run_interleaved, setup, table
 from benchmarks.memory import mib, peak_bytes
 
@@ -46,8 +47,8 @@ def main(argv: list[str] | None = None) -> None:
             def attend() -> torch.Tensor:
                 if impl == "block causal":
                     return block_causal_attention(q, k, v, scale=args.head_dim**-0.5)
-                with fastpath.plain_torch():  # the fused row is SDPA's kernel
-                    return scaled_dot_product_attention(q, k, v, causal=True, impl=impl)[0]
+                # fused: SDPA's kernel; reference: the equation written out (its weights dropped)
+                return scaled_dot_product_attention(q, k, v, causal=True, need_weights=impl == "reference")[0]
 
             def run():
                 if args.backward:

@@ -6,7 +6,9 @@ tokens (no eos), batch 1 and 16, KV cache on and off. Every call runs under
 ``torch.inference_mode()``. tokens/s = batch x new tokens / wall time of the whole call (prefill
 included).
 
-aiayn is timed through ``aiayn.generate.greedy_decoder_only`` (the library's greedy decoder, cache
+aiayn is the model after ``aiayn.fast.optimize(model, "inference")`` (its CPU kernels, as
+``aiayn generate`` runs it; ``--plain`` adds an "aiayn plain torch" row of the same model without
+them), timed through ``aiayn.generate.greedy_decoder_only`` (the library's greedy decoder, cache
 on/off), eager and, with the cache on, with ``compile=True`` (the decode steps after the prompt as
 one ``torch.compile``d static-shape graph; the compile happens in the warm-up call, untimed). The
 peers run eager, as their ``generate`` does by default. Ratios are given for each aiayn row
@@ -34,16 +36,26 @@ from benchmarks.common import (
     table,
     top_ops,
 )
-from benchmarks.peers import LM_PEERS, Dropouts, LMSize, quiet
+from benchmarks.peers import LM_PEERS, Dropouts, LMSize, optimize_aiayn, quiet
 
 TARGETS = {1: 3.0, 16: 1.5}  # batch -> aiayn / best peer, with the cache
 
 
 COMPILED = "aiayn compiled"  # the same aiayn model, decoded with compile=True
+PLAIN = "aiayn plain torch"  # the same aiayn model without aiayn.fast.optimize (--plain)
+AIAYN = ("aiayn", COMPILED, PLAIN)
+
+
+def aiayn_model(size: LMSize, seed: int, *, plain: bool = False) -> nn.Module:
+    """The aiayn decoder in eval mode through ``optimize(model, "inference")`` (``aiayn
+    generate``'s model) unless ``plain``."""
+    torch.manual_seed(seed)
+    model = LM_PEERS["aiayn"](size, Dropouts()).eval()
+    return model if plain else optimize_aiayn(model, "inference")
 
 
 def decoder(name: str, model: nn.Module, prompt: Tensor, new: int, use_cache: bool):
-    if name in ("aiayn", COMPILED):
+    if name in AIAYN:
         compile = name == COMPILED
 
         def run() -> Tensor:
@@ -86,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the per-token framework overhead rows (a tiny model, batch 1)")
     parser.add_argument("--no-compiled", action="store_true",
                         help="skip the 'aiayn compiled' rows (compile=True; needs a C++ compiler)")
+    parser.add_argument("--plain", action="store_true",
+                        help=f"add '{PLAIN}' rows: the same model without aiayn.fast.optimize, eager")
     add_common_args(parser, repeats=5, warmup=1)
     args = parser.parse_args(argv)
     setup(args)
@@ -94,9 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     size = LMSize()
     models, params = {}, {}
     for name in args.peers or LM_PEERS:
-        torch.manual_seed(args.seed)
-        models[name] = LM_PEERS[name](size, Dropouts()).eval()
+        if name == "aiayn":
+            models[name] = aiayn_model(size, args.seed)
+        else:
+            torch.manual_seed(args.seed)
+            models[name] = LM_PEERS[name](size, Dropouts()).eval()
         params[name] = count_params(models[name])
+    plain_model = aiayn_model(size, args.seed, plain=True) if args.plain and "aiayn" in models else None
     header(f"Greedy decoding, decoder-only (d {size.d_model}, {size.n_layers} layers, {size.n_heads} heads, "
            f"vocab {size.vocab:,}), prompt {args.prompt_len}, {new} new tokens", args)
     print(table(["peer", "parameters"], [[n, fmt_int(p)] for n, p in params.items()]) + "\n")
@@ -108,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
             runs = dict(models)
             if use_cache and "aiayn" in models and not args.no_compiled:
                 runs[COMPILED] = models["aiayn"]
+            if plain_model is not None:
+                runs[PLAIN] = plain_model
             peers = [Timed(n, decoder(n, m, prompt, new, use_cache)) for n, m in runs.items()]
             # Recomputing is slow: fewer rounds (still interleaved and a median).
             repeats = args.repeats if use_cache else max(1, min(args.repeats, 3))
@@ -142,11 +162,16 @@ def overhead(args: argparse.Namespace, new: int) -> None:
     prompt = torch.randint(1, tiny.vocab, (1, args.prompt_len))
     peers = []
     for name in args.peers or LM_PEERS:
-        torch.manual_seed(args.seed)
-        model = LM_PEERS[name](tiny, Dropouts()).eval()
+        if name == "aiayn":
+            model = aiayn_model(tiny, args.seed)
+        else:
+            torch.manual_seed(args.seed)
+            model = LM_PEERS[name](tiny, Dropouts()).eval()
         peers.append(Timed(name, decoder(name, model, prompt, new, True)))
         if name == "aiayn" and not args.no_compiled:
             peers.append(Timed(COMPILED, decoder(COMPILED, model, prompt, new, True)))
+        if name == "aiayn" and args.plain:
+            peers.append(Timed(PLAIN, decoder(PLAIN, aiayn_model(tiny, args.seed, plain=True), prompt, new, True)))
     run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
     print(f"\nFramework overhead per generated token (tiny model: d 32, 1 layer, vocab 64; batch 1, "
           f"cache on, {new} new tokens):\n")

@@ -7,7 +7,8 @@ Benchmark 5. For a LLaMA-style decoder (d 512, 8 query heads of 64, 6 layers) wi
 allocator events, ``benchmarks/memory.py``; includes the small valid/positions bookkeeping), and
 ``kv_cache_bytes`` (the estimator behind ``aiayn kv-cache``). Then a real prefill + 32 decode
 steps through each cache, to show the saving costs no correctness (same shapes of logits) and
-what it does to decode-step time.
+what it does to decode-step time (the model after ``aiayn.fast.optimize(model, "inference")``, as
+``aiayn generate`` runs it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import torch
 
 from aiayn import ModelConfig, build_model
+from aiayn.fast import optimize
 from aiayn.nn.kv_cache import kv_cache_bytes
 from benchmarks.common import (
     Timed,
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
                           n_layers=6, d_ff=1376, activation="swiglu", norm="rmsnorm", norm_position="pre",
                           positional="rope", bias=False, scale_embeddings=False, pad_id=None,
                           max_seq_len=seq, tie_output=False)
-        model = build_model(cfg).eval()
+        model = optimize(build_model(cfg).eval(), mode="inference")
         cache = model.new_cache(batch, seq, quantize=quantize)
         allocated = peak_bytes(lambda m=model, q=quantize: m.new_cache(batch, seq, quantize=q))
         estimate = kv_cache_bytes(n_layers=6, n_kv_heads=kv_heads, head_dim=64, seq_len=seq,

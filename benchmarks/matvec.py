@@ -13,12 +13,14 @@ For SmolLM2-135M's projections as aiayn lays them out (30 layers of fused q/k/v 
   product written as an element-wise multiply and a float32 sum that Inductor fuses into one loop;
 * ``compiled (W x^T)^T``: ``transposed_linear``, the same matmul with the few rows as the narrow
   right-hand side;
-* ``eager (W x^T)^T``: ``transposed_linear`` called eagerly, as ``aiayn.fast.matvec.Linear`` does
-  with no autograd graph to build.
+* ``eager (W x^T)^T``: ``transposed_linear`` called eagerly, as ``aiayn.fast.linear.FastLinear``
+  (an optimized model's linear layers) does with no autograd graph to build.
 
 GB/s is weight bytes read per second. These ratios set ``MATVEC_MAX_ROWS`` and
 ``TRANSPOSED_MAX_ROWS``, by which ``MatvecLinears`` picks a way compiled, and
-``EAGER_TRANSPOSED_ROWS``, by which ``Linear`` picks one eager ("aiayn's choice").
+``EAGER_TRANSPOSED_ROWS``, by which ``FastLinear`` picks one eager ("aiayn's choice"). The
+per-kernel view of the same products, fast against plain at 1 and 2 threads: ``python -m
+benchmarks.fast``.
 
     python -m benchmarks.matvec                 # float32 and bfloat16, rows 1, 2, 4, 8, 16, 64
     python -m benchmarks.matvec --quick         # rows 1 only, 6 layers

@@ -1,10 +1,13 @@
 """The models compared, built at equal size with random weights.
 
-Encoder-decoder peers take ``(src, tgt_in, src_valid, tgt_valid)`` and return logits
-(b, t, v), or (n, v) for the n real target positions (``tgt_valid``, row-major) when they skip
-padding (aiayn with ``ModelConfig.padding_free``); decoder-only peers take ``tokens`` (b, t) and
-return logits (b, t, v). aiayn models given targets return their fused output layer + loss
-instead (``aiayn.fast.fused_loss``), as in ``aiayn train``. Every peer is plain float32 and uses its fastest attention it offers on CPU (SDPA where it has it).
+Encoder-decoder peers take ``(src, tgt_in, src_valid, tgt_valid)`` and return logits (b, t, v);
+decoder-only peers take ``tokens`` (b, t) and return logits (b, t, v) (``lm_logits``). aiayn's
+models return their ``aiayn.models.ModelOutput`` instead (its hidden rows, only the real tokens'
+with ``ModelConfig.padding_free``, and its output layer: ``.logits`` makes (b, t, v) logits,
+``aiayn.train.losses.sequence_loss`` takes it as ``aiayn train`` does). Every builder returns a
+plain PyTorch model; the benchmarks apply ``aiayn.fast.optimize`` to aiayn's (``optimize_aiayn``)
+for the rows that measure aiayn with its CPU kernels. Every peer is plain float32 and uses the
+fastest attention it offers on CPU (SDPA where it has it).
 
 Known differences at "equal size" (the parameter counts printed by each benchmark show them):
 
@@ -30,9 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn import ModelConfig, build_model
-from aiayn.fast.fused_loss import HeadLoss
+from aiayn.fast import optimize
+from aiayn.models import ModelOutput
 from aiayn.nn.positional import sinusoidal_encoding
-from aiayn.train.losses import logits_tensor, loss_logits
 
 
 @dataclass(frozen=True)
@@ -76,33 +79,37 @@ class Dropouts:
 # ---------------------------------------------------------------- encoder-decoder peers
 
 
+class AiaynSeq2Seq(nn.Module):
+    """An aiayn encoder-decoder (``.model``) called the way the benchmarks call every peer; returns
+    the model's ``ModelOutput`` (what ``aiayn train`` hands ``sequence_loss``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.model = build_model(config)
+
+    def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> ModelOutput:
+        return self.model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)
+
+
 def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused",
                   padding_free: bool = True) -> nn.Module:
-    """aiayn with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``; off by default).
-
-    Given ``targets`` (b, t) it returns what ``aiayn train`` hands its loss: the output layer
-    fused with the cross-entropy (a ``HeadLoss`` for ``sequence_loss``), no logits."""
+    """aiayn with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``; off by default),
+    plain PyTorch (``optimize_aiayn`` gives it the CPU kernels, as ``aiayn train`` does)."""
     cfg = ModelConfig(arch="encoder-decoder", vocab_size=s.vocab, d_model=s.d_model, n_heads=s.n_heads,
                       n_layers=s.n_layers, d_ff=s.d_ff, dropout=drop.residual,
                       attention_dropout=drop.attention, activation_dropout=drop.activation,
                       positional="sinusoidal", norm_position="post", share_embeddings=True,
                       tie_output=True, max_seq_len=max(s.src_len, s.tgt_len) + 8, pad_id=0,
                       attn_impl=attn_impl, padding_free=padding_free)
+    return AiaynSeq2Seq(cfg)
 
-    class Wrapped(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = build_model(cfg)
 
-        def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor,
-                    targets: Tensor | None = None) -> Tensor | HeadLoss:
-            out = self.model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid, targets=targets)
-            if targets is not None:
-                return out.head_loss
-            # Padding-free: the logits of the real target positions only, (n, v) (see the module doc).
-            return logits_tensor(loss_logits(out))
-
-    return Wrapped()
+def optimize_aiayn(model: nn.Module, mode: str) -> nn.Module:
+    """``aiayn.fast.optimize`` of an aiayn peer (the model itself, or inside ``AiaynSeq2Seq``):
+    the CPU kernels, and in mode "train" the output layer fused with the loss (``optimize`` finds
+    it as the model's ``lm_head``, so it is given the aiayn model, not the wrapper). In place."""
+    optimize(model.model if isinstance(model, AiaynSeq2Seq) else model, mode=mode)
+    return model
 
 
 class TorchTransformerLM(nn.Module):
@@ -187,8 +194,8 @@ def xtransformers_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
 
 
 def aiayn_padded_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
-    """The same aiayn model computing its padding too, as the other peers do (the benchmark
-    gives it no targets: logits, then the peers' F.cross_entropy)."""
+    """The same aiayn model computing its padding too, as the other peers do (the training
+    benchmark takes its (b, t, v) logits to the peers' F.cross_entropy)."""
     return aiayn_seq2seq(s, drop, padding_free=False)
 
 
@@ -242,7 +249,7 @@ def xtransformers_lm(s: LMSize, drop: Dropouts) -> nn.Module:
 
 
 def lm_logits(name: str, model: nn.Module, tokens: Tensor) -> Tensor:
-    """One forward of a decoder-only peer -> logits (b, t, v)."""
+    """One forward of a decoder-only peer -> logits (b, t, v) (aiayn's: its ``ModelOutput.logits``)."""
     if name == "HF GPT-2":
         return model(input_ids=tokens, use_cache=False).logits
     if name == "x-transformers":

@@ -5,33 +5,41 @@ Benchmark 1 (encoder-decoder, ``--suite small`` / ``paper-base``): aiayn, torch.
 32 x (32 source + 32 target) tokens with random right padding (lengths 16..32), plus model FLOPs
 utilisation against the fp32 2048 x 2048 ``torch.mm`` peak measured in the same run (and against
 the same product through oneDNN, which runs at about twice ``torch.mm``'s MKL rate on this AMD
-CPU and which aiayn's linear layers use: ``aiayn.fast.onednn``). "aiayn" is
-the model with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``: token-wise layers
-on the real tokens only) and, as every aiayn training task runs it, given the targets: its output
-layer fused with the cross-entropy (``aiayn.fast.fused_loss``, no logits made).
-"aiayn padded" is the same model computing its padding and its logits for the shared
-``F.cross_entropy``: what the other peers compute. "aiayn plain torch" is "aiayn" with its CPU
-kernels turned off (``aiayn.fast.switch.plain_torch``: ``F.linear``/MKL matmuls and SDPA
-attention, as the peers call): the difference between the two rows is those kernels.
+CPU and which aiayn's linear layers use: ``aiayn.fast.onednn``). Every aiayn row but "aiayn
+plain torch" is the model after ``aiayn.fast.optimize(model, "train")``, as ``aiayn train``
+trains it (its CPU kernels: oneDNN linear layers, block-causal attention, the faster dropout, the
+output layer fused with the loss). "aiayn" is the model with ``ModelConfig.padding_free`` on
+(``aiayn train --padding-free``: token-wise layers on the real tokens only), its step ``aiayn
+train``'s: ``out = model(...)``, ``sequence_loss(out, targets)``, which runs the output layer
+fused with the cross-entropy over the real tokens (``aiayn.fast.fused_loss``, no logits made).
+"aiayn padded" is the same optimized model computing its padding and its (b, t, v) logits
+(``ModelOutput.logits``) for the shared ``F.cross_entropy``: what the other peers compute.
+"aiayn plain torch" is "aiayn" without ``optimize``: the plain PyTorch model (``nn.Linear``/MKL
+matmuls, SDPA attention, as the peers call; ``aiayn train --plain``), its step the same
+``sequence_loss(out, targets)``, which then makes logits of the real tokens only and takes their
+cross-entropy (no fused loss): the difference between the two rows is ``aiayn.fast``.
 Benchmark 2 (``--suite decoder``): decoder-only, d 256, 4 layers, 4 heads, vocab 8,000, batch
 16 x 256, against Hugging Face GPT-2 and x-transformers' ``TransformerWrapper(Decoder)``. "aiayn"
-fuses its output layer with the loss as above; "aiayn logits" is the same model making its
-(b, t, v) logits for the shared ``F.cross_entropy``, as the other peers do.
+and "aiayn plain torch" as above; "aiayn logits" is the optimized model making its (b, t, v)
+logits for the shared ``F.cross_entropy``, as the other peers do (its CPU kernels, no fused loss).
 
 Same loss (token cross-entropy, padding ignored: ``F.cross_entropy`` over each peer's logits,
-or aiayn's fused equal of it, ``tests/consistency/test_fused_loss.py``), same optimiser (torch
-Adam, lr 1e-4, betas (0.9, 0.98), eps 1e-9, its fused kernel unless ``--adam for-loop``), same
-dropout (``--dropout``, default 0: every dropout of every peer off), same batch, same process.
-aiayn runs eager and, as "aiayn compiled", under ``torch.compile`` (what ``aiayn train
---compile`` does; the warm-up steps compile, untimed; the fused loss stays eager); the peers run
-eager, their default.
+or aiayn's ``sequence_loss``, equal to it, ``tests/parity/test_losses_vs_torch.py`` and
+``tests/consistency/test_fused_loss.py``), same optimiser (torch Adam, lr 1e-4, betas (0.9, 0.98),
+eps 1e-9, its fused kernel unless ``--adam for-loop``), same dropout (``--dropout``, default 0:
+every dropout of every peer off), same batch, same process. aiayn's forward and loss run under
+the trainer's autocast context (``aiayn train``'s ``bf16`` off: float32, as every peer).
+aiayn runs eager and, as "aiayn compiled", under ``torch.compile`` (the optimized model, as
+``aiayn train --compile`` compiles it; the warm-up steps compile, untimed; the fused loss stays
+eager); the peers run eager, their default.
 tokens/s counts every position fed to the model, padding included (batch x (source + target)
 for encoder-decoder, batch x length for decoder-only).
-Model FLOPs are counted on aiayn's steps with ``torch.utils.flop_counter`` run on plain torch
-ops (forward + backward matmuls; the counter has no formula for torch's CPU attention kernels, so
-attention, a few per cent of these steps, is not counted for any peer): the padded step's count
-for every peer, padding-free aiayn's own (smaller) count for its rows; MFU = the row's FLOPs per
-step / step time / measured matmul peak (both peaks, two columns).
+Model FLOPs are counted with ``torch.utils.flop_counter`` on a step of the plain (not optimized)
+aiayn model, a twin of the timed ones (forward + backward matmuls; the counter has no formula for
+torch's CPU attention kernels, so attention, a few per cent of these steps, is not counted for
+any peer): the padded model's count for every peer, padding-free aiayn's own (smaller) count for
+its rows; MFU = the row's FLOPs per step / step time / measured matmul peak (both peaks, two
+columns).
 """
 
 from __future__ import annotations
@@ -44,8 +52,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from aiayn.fast import switch as fastpath
-from aiayn.train.losses import loss_logits, sequence_loss
+from aiayn.models import ModelOutput
+from aiayn.train.losses import sequence_loss
 from benchmarks.common import (
     Timed,
     add_common_args,
@@ -68,28 +76,29 @@ from benchmarks.peers import (
     Dropouts,
     LMSize,
     aiayn_padded_seq2seq,
+    aiayn_seq2seq,
     lm_logits,
+    optimize_aiayn,
     quiet,
 )
 
 TRAINING_TARGET = 1.2
-COMPILED = "aiayn compiled"  # the aiayn model under torch.compile (aiayn train --compile)
-UNFUSED = "aiayn logits"  # the aiayn decoder making its logits for the shared F.cross_entropy
-PLAIN = "aiayn plain torch"  # aiayn's step with its CPU kernels off (aiayn.fast.switch): MKL, SDPA
+COMPILED = "aiayn compiled"  # the optimized aiayn model under torch.compile (aiayn train --compile)
+UNFUSED = "aiayn logits"  # the optimized aiayn decoder making its logits for the shared F.cross_entropy
+PLAIN = "aiayn plain torch"  # the aiayn model without aiayn.fast.optimize (aiayn train --plain): MKL, SDPA
+PADDED = "aiayn padded"  # the optimized aiayn model computing its padding and logits (F.cross_entropy)
 
 # Decoder-only training peers: aiayn (output layer fused with its loss), the same model through
 # logits + F.cross_entropy, and the others.
 LM_TRAIN_PEERS = {"aiayn": LM_PEERS["aiayn"], UNFUSED: LM_PEERS["aiayn"],
                   **{name: build for name, build in LM_PEERS.items() if name != "aiayn"}}
+# Rows of aiayn models, built plain, then optimize(model, "train") for every one but PLAIN; those
+# of SEQUENCE_LOSS_ROWS take aiayn train's loss (sequence_loss on the model's output), the others
+# the peers' F.cross_entropy on the model's logits.
+AIAYN_ROWS = ("aiayn", COMPILED, PLAIN, PADDED, UNFUSED)
+SEQUENCE_LOSS_ROWS = ("aiayn", COMPILED, PLAIN)
 MFU_TARGET = 0.6
-
-
-def plain_torch(step):
-    """The same step with aiayn's CPU kernels (oneDNN linears, block-causal attention) turned off."""
-    def run() -> None:
-        with fastpath.plain_torch():
-            step()
-    return run
+BF16 = False  # aiayn train's autocast setting (TrainConfig.bf16) for the aiayn rows: off, float32 as every peer
 
 
 FUSED_ADAM = True  # set from --adam
@@ -110,20 +119,34 @@ def padded_batch(batch: int, length: int, vocab: int, gen: torch.Generator) -> t
     return tokens.masked_fill(~valid, 0), valid
 
 
-def seq2seq_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Tensor], *, fused: bool = False):
-    """One training step; ``fused``: the model (aiayn) is given the targets and runs its output
-    layer fused with the loss, ``sequence_loss`` on its ``HeadLoss`` (as ``aiayn train``)."""
-    targets, packed_targets = batch["tgt_out"].reshape(-1), batch["tgt_out"][batch["tgt_valid"]]
+def aiayn_loss(out: ModelOutput, targets: Tensor) -> Tensor:
+    """``aiayn train``'s loss of a forward: ``sequence_loss`` on the model's output (fused with the
+    output layer when ``optimize(model, "train")`` gave it one; over the real tokens only when
+    the model is padding-free)."""
+    return sequence_loss(out, targets).loss
+
+
+def logits_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """The peers' loss: ``F.cross_entropy`` over (b, t, v) logits, padding (-100) ignored."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+
+def seq2seq_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Tensor], *,
+                 sequence: bool = False):
+    """One training step; ``sequence``: an aiayn model's step as ``aiayn train`` runs it
+    (``out = model(...)``, ``sequence_loss(out, targets)`` under the trainer's autocast context);
+    otherwise the peers' step (logits, ``F.cross_entropy``; an aiayn model's through
+    ``ModelOutput.logits``)."""
+    targets = batch["tgt_out"]  # (b, t), -100 at padding
 
     def step() -> None:
-        if fused:
-            head = model(batch["src"], batch["tgt_in"], batch["src_valid"], batch["tgt_valid"], batch["tgt_out"])
-            loss = sequence_loss(head, batch["tgt_out"]).loss
+        if sequence:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=BF16):
+                out = model(batch["src"], batch["tgt_in"], batch["src_valid"], batch["tgt_valid"])
+                loss = aiayn_loss(out, targets)
         else:
-            logits = model(batch["src"], batch["tgt_in"], batch["src_valid"], batch["tgt_valid"])
-            # (b, t, v), or (n, v) for the real target positions from a peer that skips padding
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                   targets if logits.dim() == 3 else packed_targets, ignore_index=-100)
+            out = model(batch["src"], batch["tgt_in"], batch["src_valid"], batch["tgt_valid"])
+            loss = logits_loss(out.logits if isinstance(out, ModelOutput) else out, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -131,16 +154,16 @@ def seq2seq_step(model: nn.Module, opt: torch.optim.Optimizer, batch: dict[str, 
     return step
 
 
-def lm_step(name: str, model: nn.Module, opt: torch.optim.Optimizer, tokens: Tensor, *, fused: bool = False):
-    """One training step; ``fused`` as in ``seq2seq_step``."""
+def lm_step(name: str, model: nn.Module, opt: torch.optim.Optimizer, tokens: Tensor, *, sequence: bool = False):
+    """One training step; ``sequence`` as in ``seq2seq_step``."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     def step() -> None:
-        if fused:
-            loss = sequence_loss(loss_logits(model(inputs, targets=targets)), targets).loss
+        if sequence:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=BF16):
+                loss = aiayn_loss(model(inputs), targets)
         else:
-            logits = lm_logits(name, model, inputs)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            loss = logits_loss(lm_logits(name, model, inputs), targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -149,12 +172,22 @@ def lm_step(name: str, model: nn.Module, opt: torch.optim.Optimizer, tokens: Ten
 
 
 def step_flops(step) -> int:
-    """The model FLOPs of one step, counted with plain torch ops (``fastpath.plain_torch``): the
-    flop counter has no formula for torch's CPU attention kernels, so attention is not counted,
-    for any peer, and aiayn's own kernels must not add theirs."""
-    with fastpath.plain_torch(), FlopCounterMode(display=False) as counter:
+    """The model FLOPs of one step, counted by ``torch.utils.flop_counter``. Give it a step of the
+    plain (not optimized) model: the counter has no formula for torch's CPU attention kernels, so
+    attention is not counted, for any peer, and aiayn's own kernels must not add theirs."""
+    with FlopCounterMode(display=False) as counter:
         step()
     return counter.get_total_flops()
+
+
+def aiayn_row(name: str, build, args: argparse.Namespace, drop: Dropouts, size) -> nn.Module:
+    """A fresh aiayn model for row ``name`` (the same seed: the same weights in every row), through
+    ``optimize(model, "train")`` unless it is the plain-torch row; the compiled row compiled."""
+    torch.manual_seed(args.seed)
+    model = build(size, drop).train()
+    if name != PLAIN:
+        optimize_aiayn(model, "train")
+    return torch.compile(model) if name == COMPILED else model
 
 
 def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
@@ -166,37 +199,38 @@ def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
     batch = {"src": src, "src_valid": src_valid, "tgt_in": tgt[:, :-1], "tgt_valid": tgt_valid[:, :-1],
              "tgt_out": tgt[:, 1:].masked_fill(~tgt_valid[:, 1:], -100)}
     tokens = size.batch * (size.src_len + size.tgt_len)
-    peers, params, models = [], {}, {}
+    peers, params = [], {}
+
+    def add(name: str, build, *, sequence: bool) -> None:
+        if name in AIAYN_ROWS:
+            model = aiayn_row(name, build, args, drop, size)
+        else:
+            torch.manual_seed(args.seed)
+            model = build(size, drop).train()
+        params[name] = count_params(model)
+        peers.append(Timed(name, seq2seq_step(model, make_optimizer(model), batch, sequence=sequence)))
+
     for name in args.peers or SEQ2SEQ_PEERS:
-        torch.manual_seed(args.seed)
-        model = SEQ2SEQ_PEERS[name](size, drop).train()
-        models[name], params[name] = model, count_params(model)
-        fused = name == "aiayn"
-        peers.append(Timed(name, seq2seq_step(model, make_optimizer(model), batch, fused=fused)))
-        if fused and not args.no_compiled:  # a second, identical model, torch.compile'd
-            torch.manual_seed(args.seed)
-            twin = SEQ2SEQ_PEERS[name](size, drop).train()
-            params[COMPILED] = count_params(twin)
-            peers.append(Timed(COMPILED, seq2seq_step(torch.compile(twin), make_optimizer(twin), batch,
-                                                      fused=True)))
-        if fused and not args.no_plain:
-            torch.manual_seed(args.seed)
-            twin = SEQ2SEQ_PEERS[name](size, drop).train()
-            params[PLAIN] = count_params(twin)
-            peers.append(Timed(PLAIN, plain_torch(seq2seq_step(twin, make_optimizer(twin), batch, fused=True))))
+        add(name, SEQ2SEQ_PEERS[name], sequence=name == "aiayn")
+        if name == "aiayn" and not args.no_compiled:  # a second, identical model, torch.compile'd
+            add(COMPILED, aiayn_seq2seq, sequence=True)
+        if name == "aiayn" and not args.no_plain:  # a third, without aiayn.fast
+            add(PLAIN, aiayn_seq2seq, sequence=True)
     mark_start(args)
-    # FLOPs each peer computes per step: the padded computation for every peer but padding-free
-    # aiayn (and its compiled and plain-torch twins), which skip the padding's share; counted on
-    # aiayn's steps.
-    padded_step = next((p.fn for p in peers if p.name == "aiayn padded"), None)
-    if padded_step is None:
-        twin = aiayn_padded_seq2seq(size, drop).train()
-        padded_step = seq2seq_step(twin, make_optimizer(twin), batch)
-    padded = step_flops(padded_step)
+    # FLOPs each peer computes per step, counted on plain twins of aiayn's models: the padded
+    # model's step (logits of every position, F.cross_entropy) for every peer but padding-free
+    # aiayn (and its compiled and plain-torch twins), which skip the padding's share.
+
+    def plain_flops(build, *, sequence: bool) -> int:
+        torch.manual_seed(args.seed)
+        twin = build(size, drop).train()
+        return step_flops(seq2seq_step(twin, make_optimizer(twin), batch, sequence=sequence))
+
+    padded = plain_flops(aiayn_padded_seq2seq, sequence=False)
     flops = {p.name: padded for p in peers}
-    if "aiayn" in models:
-        own = step_flops(next(p.fn for p in peers if p.name == "aiayn"))
-        flops.update({name: own for name in ("aiayn", COMPILED, PLAIN) if name in flops})
+    if "aiayn" in flops:
+        own = plain_flops(aiayn_seq2seq, sequence=True)
+        flops.update({name: own for name in SEQUENCE_LOSS_ROWS if name in flops})
     peaks = matmul_peaks(repeats=args.repeats + 2)
     run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
     after = matmul_peaks(repeats=args.repeats + 2)  # before and after; the better one of each
@@ -207,7 +241,7 @@ def run_seq2seq(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
              f"batch {size.batch} x ({size.src_len} + {size.tgt_len}) tokens, padded")
     report(title, peers, params, tokens, flops, peaks, args)
     if args.profile:
-        print(f"\ntorch.profiler, aiayn, {args.suite}, top ops by self CPU time (3 steps):\n")
+        print(f"\ntorch.profiler, {peers[0].name}, {args.suite}, top ops by self CPU time (3 steps):\n")
         print("```\n" + top_ops(peers[0].fn) + "\n```")
     return {p.name: tokens / p.median for p in peers}
 
@@ -219,25 +253,28 @@ def run_decoder(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
     tokens_in = torch.randint(0, size.vocab, (batch, length + 1), generator=gen)
     tokens = batch * length
     peers, params = [], {}
-    for name in args.peers or LM_TRAIN_PEERS:
-        torch.manual_seed(args.seed)
-        model = LM_TRAIN_PEERS[name](size, drop).train()
+
+    def add(name: str, build, *, sequence: bool) -> None:
+        if name in AIAYN_ROWS:
+            model = aiayn_row(name, build, args, drop, size)
+        else:
+            torch.manual_seed(args.seed)
+            model = build(size, drop).train()
         params[name] = count_params(model)
-        fused = name == "aiayn"
-        peers.append(Timed(name, lm_step(name, model, make_optimizer(model), tokens_in, fused=fused)))
-        if fused and not args.no_compiled:
-            torch.manual_seed(args.seed)
-            twin = LM_TRAIN_PEERS[name](size, drop).train()
-            params[COMPILED] = count_params(twin)
-            peers.append(Timed(COMPILED, lm_step(name, torch.compile(twin), make_optimizer(twin), tokens_in,
-                                                 fused=True)))
-        if fused and not args.no_plain:
-            torch.manual_seed(args.seed)
-            twin = LM_TRAIN_PEERS[name](size, drop).train()
-            params[PLAIN] = count_params(twin)
-            peers.append(Timed(PLAIN, plain_torch(lm_step(name, twin, make_optimizer(twin), tokens_in, fused=True))))
+        peers.append(Timed(name, lm_step(name, model, make_optimizer(model), tokens_in, sequence=sequence)))
+
+    for name in args.peers or LM_TRAIN_PEERS:
+        add(name, LM_TRAIN_PEERS[name], sequence=name == "aiayn")
+        if name == "aiayn" and not args.no_compiled:
+            add(COMPILED, LM_PEERS["aiayn"], sequence=True)
+        if name == "aiayn" and not args.no_plain:
+            add(PLAIN, LM_PEERS["aiayn"], sequence=True)
     mark_start(args)
-    counted = step_flops(peers[0].fn)  # no padding here: every peer computes the same FLOPs
+    # No padding here: every peer computes the same FLOPs, counted on a plain twin of aiayn's model.
+    torch.manual_seed(args.seed)
+    twin = LM_PEERS["aiayn"](size, drop).train()
+    counted = step_flops(lm_step("aiayn", twin, make_optimizer(twin), tokens_in, sequence=True))
+    del twin
     flops = {p.name: counted for p in peers}
     peaks = matmul_peaks(repeats=args.repeats + 2)
     run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
@@ -247,7 +284,7 @@ def run_decoder(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
              f"d_ff {size.d_ff}, vocab {size.vocab:,}), batch {batch} x {length}")
     report(title, peers, params, tokens, flops, peaks, args)
     if args.profile:
-        print("\ntorch.profiler, aiayn, decoder-only, top ops by self CPU time (3 steps):\n")
+        print(f"\ntorch.profiler, {peers[0].name}, decoder-only, top ops by self CPU time (3 steps):\n")
         print("```\n" + top_ops(peers[0].fn) + "\n```")
     return {p.name: tokens / p.median for p in peers}
 
@@ -269,7 +306,7 @@ def report(title: str, peers: list[Timed], params: dict[str, int], tokens: int, 
                  "MFU (torch.mm peak)", "MFU (oneDNN peak)"], rows))
     counts = sorted(set(flops.values()), reverse=True)
     counted = " / ".join(f"{f / 1e9:.2f} GFLOP ({', '.join(n for n in flops if flops[n] == f)})" for f in counts)
-    print(f"\nmodel FLOPs per step (fwd + bwd, counted on aiayn by torch.utils.flop_counter): {counted}; "
+    print(f"\nmodel FLOPs per step (fwd + bwd, counted on plain aiayn by torch.utils.flop_counter): {counted}; "
           f"matmul peak (fp32 2048^3, measured): torch.mm {peaks['torch.mm'] / 1e9:.1f}, "
           f"oneDNN {peaks['onednn'] / 1e9:.1f} GFLOP/s\n")
     others = {p.name: tokens / p.median for p in peers if not p.name.startswith("aiayn")}
@@ -300,10 +337,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="torch Adam implementation, the same for every peer (default fused: "
                              "torch's fastest on CPU)")
     parser.add_argument("--no-plain", action="store_true",
-                        help=f"skip the '{PLAIN}' row (aiayn's step with its CPU kernels off: "
-                             "MKL matmuls, SDPA attention; AIAYN_PLAIN_TORCH=1)")
+                        help=f"skip the '{PLAIN}' row (the same model without aiayn.fast.optimize: "
+                             "MKL matmuls, SDPA attention, logits then the loss; aiayn train --plain)")
     parser.add_argument("--no-compiled", action="store_true",
-                        help="skip the 'aiayn compiled' row (torch.compile of the same model, as "
+                        help="skip the 'aiayn compiled' row (torch.compile of the same optimized model, as "
                              "`aiayn train --compile` does; compiling takes a minute or more)")
     add_common_args(parser, repeats=7, warmup=3)
     args = parser.parse_args(argv)

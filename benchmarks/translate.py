@@ -8,7 +8,8 @@ to the same number of target tokens. Random weights almost never pick </s>, so b
 limit: the work is equal, and the printed mean output lengths show it.
 
 Measured: sentences/s for greedy and beam 5, at batch 1 and 64, medians of --repeats runs with the
-two implementations interleaved, in one process and on the same threads.
+two implementations interleaved, in one process and on the same threads. aiayn's model runs through
+``aiayn.fast.optimize(model, "inference")``, as ``aiayn translate`` runs it.
 
     python benchmarks/translate.py                 # 2 threads, 64 sentences, 3 repeats
     python benchmarks/translate.py --quick         # a smoke run
@@ -29,12 +30,14 @@ def build_models(vocab: int, max_len: int, *, d_model: int, heads: int, layers: 
     from transformers import MarianConfig, MarianMTModel
 
     from aiayn.config import ModelConfig
+    from aiayn.fast import optimize
     from aiayn.models import build_model
 
     ours = build_model(ModelConfig(
         arch="encoder-decoder", vocab_size=vocab, d_model=d_model, n_heads=heads, n_layers=layers,
         n_decoder_layers=layers, d_ff=d_ff, activation="relu", norm_position="post", positional="sinusoidal",
         max_seq_len=max_len, share_embeddings=True, tie_output=True, pad_id=0)).eval()
+    optimize(ours, mode="inference")
     theirs = MarianMTModel(MarianConfig(
         vocab_size=vocab, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
         encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=d_ff,

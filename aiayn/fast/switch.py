@@ -4,9 +4,7 @@ without converting the model back (``aiayn.fast.plain`` does that).
 
 They compute the same functions as ``F.linear``, ``F.scaled_dot_product_attention`` and
 ``F.dropout`` (tests/consistency/test_fast_convert.py, test_cpu_kernels.py), only faster on a CPU. Turn them off for a whole process
-with ``AIAYN_PLAIN_TORCH=1`` in the environment, or for a block of code with ``plain_torch()``:
-the training benchmark counts its model FLOPs that way (``torch.utils.flop_counter`` does not see
-inside the CPU attention kernels, so every peer's count is the same plain-op count).
+with ``AIAYN_PLAIN_TORCH=1`` in the environment, or for a block of code with ``plain_torch()``.
 """
 
 from __future__ import annotations

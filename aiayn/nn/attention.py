@@ -95,11 +95,12 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tenso
     _check_attention_inputs(q, k, v, mask, bias)
     t_q, t_k, gqa = q.shape[2], k.shape[2], q.shape[1] != k.shape[1]
     plain_causal = causal and mask is None and bias is None and t_q == t_k and not need_weights
+    callers_mask = mask is not None  # may leave a query no key (a right-aligned causal mask never does)
     if causal and t_q > 1 and not plain_causal:  # (plain square causal: the kernel's is_causal)
         mask = combine_masks(mask, causal_mask(t_q, t_k, device=q.device))  # (.., t_q, t_k)
-    row_valid = mask.any(dim=-1, keepdim=True) if mask is not None else None  # (.., t_q, 1)
-    if row_valid is not None:  # a query that sees no key attends everywhere (finite), output 0
-        mask = mask | ~row_valid
+    row_valid = mask.any(dim=-1, keepdim=True) if callers_mask else None  # (.., t_q, 1)
+    # A query that sees no key attends everywhere (a finite softmax), then outputs zeros.
+    mask = mask | ~row_valid if row_valid is not None else mask
     if bias is not None:  # the additive form of mask + bias: -inf where masked
         bias = bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, float("-inf"))
     if not need_weights:  # the same equation in one fused kernel (flash / memory-efficient)

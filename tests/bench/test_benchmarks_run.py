@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import argparse
 
-from benchmarks import attention, decode, kv_cache, loss, matvec, onednn, train
+import pytest
+import torch
+from torch import nn
+
+from aiayn.fast.fused_loss import FusedLossLinear
+from aiayn.fast.linear import FastLinear
+from benchmarks import attention, decode, fast, kv_cache, loss, matvec, onednn, train
+from benchmarks.peers import SEQ2SEQ_PEERS, SEQ2SEQ_SIZES, Dropouts, LMSize, aiayn_seq2seq
 
 
 def test_attention_benchmark(capsys):
@@ -36,8 +43,36 @@ def test_train_and_decode_benchmarks(capsys):
     decode.main(["--peers", "aiayn", "--batch", "1", "--new-tokens", "4", "--no-recompute", "--no-overhead",
                  "--repeats", "1", "--warmup", "0", "--threads", "1"])
     out = capsys.readouterr().out
-    assert "| aiayn | 7,577,600 |" in out and "| 1 | on | aiayn |" in out
-    assert "| 1 | on | aiayn compiled |" in out
+    assert "| aiayn | 7,577,600 |" in out and "| aiayn plain torch | 7,577,600 |" in out
+    assert "35.27 GFLOP (aiayn, aiayn plain torch)" in out  # counted on the plain padding-free model
+    assert "| 1 | on | aiayn |" in out and "| 1 | on | aiayn compiled |" in out
+
+
+def test_train_benchmark_rows_are_the_models_they_name():
+    """aiayn's rows in the training benchmark: optimize(model, "train") (fused output layer, fast
+    linear layers) for all but "aiayn plain torch", the plain PyTorch model; the same weights."""
+    args = argparse.Namespace(seed=0)
+    size = SEQ2SEQ_SIZES["small"]
+    rows = {name: train.aiayn_row(name, build, args, Dropouts(), size)
+            for name, build in ((train.PLAIN, aiayn_seq2seq), ("aiayn", aiayn_seq2seq),
+                                (train.PADDED, SEQ2SEQ_PEERS[train.PADDED]))}
+    for name, wrapped in rows.items():
+        model = wrapped.model
+        linears = {type(m) for m in model.modules() if isinstance(m, nn.Linear)}
+        if name == train.PLAIN:
+            assert linears == {nn.Linear}
+        else:
+            assert type(model.lm_head) is FusedLossLinear and FastLinear in linears
+    assert rows["aiayn"].model.config.padding_free and not rows[train.PADDED].model.config.padding_free
+    plain, optimized = rows[train.PLAIN].state_dict(), rows["aiayn"].state_dict()
+    assert plain.keys() == optimized.keys() and all(torch.equal(plain[k], optimized[k]) for k in plain)
+    lm = train.aiayn_row(train.UNFUSED, train.LM_TRAIN_PEERS[train.UNFUSED], args, Dropouts(), LMSize())
+    assert type(lm.lm_head) is FusedLossLinear
+
+
+def test_decode_benchmark_model_is_optimized_for_inference():
+    model = decode.aiayn_model(LMSize(vocab=64, d_model=32, n_heads=2, n_layers=1, d_ff=64), 0)
+    assert not model.training and {type(m) for m in model.modules() if isinstance(m, nn.Linear)} == {FastLinear}
 
 
 @pytest.mark.slow
@@ -51,3 +86,30 @@ def test_loss_benchmark(capsys):
     loss.main(["--quick", "--repeats", "1", "--warmup", "0", "--threads", "1"])
     out = capsys.readouterr().out
     assert "| aiayn fused |" in out and "less peak memory" in out
+
+
+def test_fast_benchmark(capsys):
+    fast.main(["--quick", "--threads", "1", "--repeats", "1", "--warmup", "0"])
+    out = capsys.readouterr().out
+    for kernel in fast.KERNELS:
+        if kernel != "compiled-matvec":  # --quick skips the compiled step
+            assert f"### {kernel}:" in out and f"| {kernel} | 1 |" in out
+    # The cases measure the kernels themselves, not the fast modules' fallbacks.
+    assert "| block causal | 1 |" in out and "| single query, written-out | 1 |" in out
+    assert "| GQA fold + written-out | 1 |" in out and "| (W x^T)^T | 1 |" in out
+    assert "| oneDNN | 1 |" in out or not fast.onednn.available()
+    assert "### Summary" in out and "plain / fast" in out
+
+
+def test_fast_benchmark_threads_option():
+    assert fast.parse_threads("1,2") == [1, 2] and fast.parse_threads("2") == [2]
+    with pytest.raises(argparse.ArgumentTypeError):
+        fast.parse_threads("0,2")
+
+
+@pytest.mark.slow
+def test_fast_benchmark_compiled_matvec(capsys):
+    fast.main(["--kernels", "compiled-matvec", "--compiled-rows", "1", "--threads", "1", "--repeats", "1",
+               "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert "| multiply + sum | 1 |" in out and "| compiled-matvec | 1 |" in out
