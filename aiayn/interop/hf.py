@@ -29,13 +29,17 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.interop.hf_families import FAMILIES, Family, HFConfig
+from aiayn.interop.hf_decoders import GPT2Family, LlamaFamily
+from aiayn.interop.hf_encoders import BartFamily, BertFamily, MarianFamily
+from aiayn.interop.hf_families import Family, HFConfig
 from aiayn.interop.mapping import InteropError, export_tensors, load_tensors
 from aiayn.models import build_model
 
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+
+FAMILIES: tuple[Family, ...] = (LlamaFamily(), GPT2Family(), BertFamily(), BartFamily(), MarianFamily())
 
 
 def supported() -> str:

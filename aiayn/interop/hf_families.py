@@ -1,8 +1,10 @@
 """Hugging Face model families: config.json <-> ModelConfig, and tensor-name rules.
 
-One class per family; each says how its config maps onto aiayn's ``ModelConfig``, which tensors
-make which aiayn parameter (``Rule``\\ s, see ``aiayn.interop.mapping``), and the family's quirks
-in its docstring. ``hf.py`` runs them; nothing here reads files.
+What every family shares (``Family``, ``HFConfig`` and the config helpers); the families
+themselves live in ``hf_decoders`` (LLaMA, GPT-2) and ``hf_encoders`` (BERT, BART, Marian). One
+class per family; each says how its config maps onto aiayn's ``ModelConfig``, which tensors make
+which aiayn parameter (``Rule``\\ s, see ``aiayn.interop.mapping``), and the family's quirks in
+its docstring. ``hf.py`` runs them; nothing here reads files.
 
 Shape letters: d hidden size, h/h_kv query/key-value heads, d_h head width, f intermediate size,
 v vocabulary.
@@ -10,23 +12,15 @@ v vocabulary.
 
 from __future__ import annotations
 
-import re
-import warnings
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.interop.mapping import (
     InteropError,
     Rule,
-    copy_rule,
-    fused_linear_rules,
-    linear_rules,
-    norm_rules,
 )
-from aiayn.nn.positional import sinusoidal_encoding
 
 # Hugging Face activation names -> aiayn's.
 _HF_ACTIVATION_NAMES = {
@@ -60,7 +54,7 @@ class HFConfig:
         return str(self.data.get("model_type", ""))
 
 
-def _activation(hf: HFConfig, key: str, default: str) -> str:
+def hf_activation(hf: HFConfig, key: str, default: str) -> str:
     name = hf.get(key, default)
     if name not in _HF_ACTIVATION_NAMES:
         raise InteropError(
@@ -69,12 +63,12 @@ def _activation(hf: HFConfig, key: str, default: str) -> str:
     return _HF_ACTIVATION_NAMES[name]
 
 
-def _pad_id(hf: HFConfig, vocab: int) -> int | None:
+def hf_pad_id(hf: HFConfig, vocab: int) -> int | None:
     pad = hf.get("pad_token_id")
     return pad if isinstance(pad, int) and 0 <= pad < vocab else None
 
 
-def _mismatches(cfg: ModelConfig, **expected: Any) -> list[str]:
+def mismatches(cfg: ModelConfig, **expected: Any) -> list[str]:
     """Fields of ``cfg`` that differ from what a family needs, as 'field=value (needs X)'."""
     out = []
     for key, want in expected.items():
@@ -85,7 +79,7 @@ def _mismatches(cfg: ModelConfig, **expected: Any) -> list[str]:
     return out
 
 
-def _build_config(hf: HFConfig, **fields: Any) -> ModelConfig:
+def build_config(hf: HFConfig, **fields: Any) -> ModelConfig:
     try:
         return ModelConfig(**fields)
     except ConfigError as exc:
@@ -131,521 +125,7 @@ class Family:
         return name
 
 
-def _check_export(cfg: ModelConfig, family: str, **expected: Any) -> None:
-    bad = _mismatches(cfg, **expected)
+def check_export(cfg: ModelConfig, family: str, **expected: Any) -> None:
+    bad = mismatches(cfg, **expected)
     if bad:
         raise InteropError(f"a {family} checkpoint cannot hold this model: {', '.join(bad)}")
-
-
-# ---- LLaMA, Mistral, Qwen2 ----------------------------------------------------------------------
-class LlamaFamily(Family):
-    """LLaMA-style decoders: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
-
-    Pre-norm RMSNorm blocks, RoPE in the half-split (rotate_half) layout that aiayn uses, SwiGLU
-    MLP ``down(silu(gate(x)) * up(x))`` -> ``fc_in`` rows [gate; up], grouped-query attention
-    (q/k/v projections stacked into ``qkv_proj``), no embedding scale, a final RMSNorm.
-    Quirks: LLaMA has no biases unless ``attention_bias`` (q, k, v and o) / ``mlp_bias``; Qwen2
-    always has q/k/v biases and never an o_proj or MLP bias; Mistral has none. Mistral (and Qwen2
-    with ``use_sliding_window``) use sliding-window attention, which equals full attention up to
-    the window, so ``max_seq_len`` is capped at the window. Only the default RoPE is supported
-    (no llama3 / linear / dynamic / yarn scaling). ``pad_id`` is None: Hugging Face decoders never
-    infer padding from the token ids (pad is often eos); pass ``valid=`` for padded batches.
-    """
-
-    name = "llama"
-    model_types = ("llama", "mistral", "qwen2")
-    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                     "LlamaModel", "MistralModel", "Qwen2Model")
-    ignore = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
-
-    def normalize(self, name: str) -> str:
-        # LlamaModel (no LM head) stores the body without the "model." prefix.
-        return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
-
-    def _rope_theta(self, hf: HFConfig) -> float:
-        # transformers >= 5 writes rope_parameters; older config.json rope_theta + rope_scaling.
-        params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise InteropError(
-                f"{hf.source}: RoPE scaling {rope_type!r} is not supported; aiayn implements the "
-                f"default RoPE only (rope_type 'default')"
-            )
-        return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-    def to_config(self, hf: HFConfig) -> ModelConfig:
-        kind = hf.model_type
-        d, n_heads = hf.need("hidden_size"), hf.need("num_attention_heads")
-        if hf.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise InteropError(f"{hf.source}: hidden_act={hf.get('hidden_act')!r} is not supported "
-                               f"for {kind}; aiayn's LLaMA MLP is SwiGLU (silu)")
-        if kind == "qwen2":
-            qkv_bias, out_bias, mlp_bias = True, False, False
-        elif kind == "mistral":
-            qkv_bias = out_bias = mlp_bias = False
-        else:
-            qkv_bias = out_bias = bool(hf.get("attention_bias", False))
-            mlp_bias = bool(hf.get("mlp_bias", False))
-        max_len = hf.get("max_position_embeddings", 2048)
-        window = hf.get("sliding_window")
-        if window is not None and (kind == "mistral" or hf.get("use_sliding_window", False)):
-            max_len = min(max_len, window)  # full attention == sliding window up to the window
-        return _build_config(
-            hf, arch="decoder-only", name=f"hf-{kind}",
-            vocab_size=hf.need("vocab_size"), d_model=d, n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads", n_heads),
-            head_dim=hf.get("head_dim", d // n_heads), n_layers=hf.need("num_hidden_layers"),
-            d_ff=hf.need("intermediate_size"), activation="swiglu", norm="rmsnorm",
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm_position="pre", final_norm=True,
-            positional="rope", rope_base=self._rope_theta(hf), max_seq_len=max_len,
-            attention_dropout=float(hf.get("attention_dropout", 0.0)),
-            bias=False, attn_bias=qkv_bias, attn_out_bias=out_bias, mlp_bias=mlp_bias,
-            scale_embeddings=False, tie_output=bool(hf.get("tie_word_embeddings", False)),
-            pad_id=None,
-        )
-
-    def rules(self, cfg: ModelConfig) -> list[Rule]:
-        q, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff
-        rules = [copy_rule("decoder.embedding.weight", "model.embed_tokens.weight")]
-        for i in range(cfg.n_layers):
-            ours, theirs = f"decoder.blocks.{i}", f"model.layers.{i}"
-            a, m = f"{theirs}.self_attn", f"{theirs}.mlp"
-            rules += fused_linear_rules(f"{ours}.self_attn.qkv_proj",
-                                        [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], [q, kv, kv],
-                                        bias=cfg.attn_bias)
-            rules += linear_rules(f"{ours}.self_attn.out_proj", f"{a}.o_proj", bias=cfg.attn_out_bias)
-            rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.input_layernorm", bias=False)
-            rules += fused_linear_rules(f"{ours}.ffn.fc_in", [f"{m}.gate_proj", f"{m}.up_proj"],
-                                        [f, f], bias=cfg.mlp_bias)
-            rules += linear_rules(f"{ours}.ffn.fc_out", f"{m}.down_proj", bias=cfg.mlp_bias)
-            rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.post_attention_layernorm", bias=False)
-        rules += norm_rules("decoder.final_norm", "model.norm", bias=False)
-        if not cfg.tie_output:  # LlamaModel / GPT2Model checkpoints have no head
-            rules.append(copy_rule("lm_head.weight", "lm_head.weight", group="the LM head (lm_head)"))
-        return rules
-
-    def aliases(self, cfg: ModelConfig) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_output else {}
-
-    def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        _check_export(cfg, "LLaMA/Qwen2", arch="decoder-only", positional="rope", norm="rmsnorm",
-                      norm_position="pre", activation="swiglu", scale_embeddings=False,
-                      final_norm=True, lm_head_bias=False, embedding_norm=False)
-        qwen2 = cfg.attn_bias and not cfg.attn_out_bias and not cfg.mlp_bias
-        if not qwen2 and cfg.attn_bias != cfg.attn_out_bias:
-            raise InteropError(
-                f"a LLaMA checkpoint has biases on all of q, k, v, o or on none, and Qwen2 on q, k, "
-                f"v only (no MLP bias); this model has attn_bias={cfg.attn_bias}, "
-                f"attn_out_bias={cfg.attn_out_bias}, mlp_bias={cfg.mlp_bias}"
-            )
-        out: dict[str, Any] = {
-            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-            "model_type": "qwen2" if qwen2 else "llama",
-            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-            "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_output,
-            "rope_theta": cfg.rope_base,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
-            "attention_dropout": cfg.attention_dropout, "pad_token_id": None,
-            "bos_token_id": None, "eos_token_id": None,
-        }
-        if qwen2:
-            if cfg.head_dim * cfg.n_heads != cfg.d_model:
-                raise InteropError(f"Qwen2 needs head_dim = d_model / n_heads, got head_dim={cfg.head_dim}")
-            out["use_sliding_window"] = False
-        else:
-            out.update(head_dim=cfg.head_dim, attention_bias=cfg.attn_bias, mlp_bias=cfg.mlp_bias)
-        return out
-
-
-# ---- GPT-2 --------------------------------------------------------------------------------------
-class GPT2Family(Family):
-    """GPT2LMHeadModel / GPT2Model.
-
-    Pre-norm LayerNorm blocks, learned positions, tanh-approximated GELU ("gelu_new"), biases
-    everywhere, a final LayerNorm ``ln_f``, output tied to ``wte``. Quirks: every projection is
-    a ``Conv1D`` whose weight is stored (in, out), the transpose of ``nn.Linear``; ``c_attn`` is
-    already the fused [q; k; v] projection. Old checkpoints omit the ``transformer.`` prefix and
-    store the causal-mask buffers ``attn.bias`` / ``attn.masked_bias`` (ignored).
-    ``scale_attn_by_inverse_layer_idx`` and unscaled attention are not supported.
-    """
-
-    name = "gpt2"
-    model_types = ("gpt2",)
-    architectures = ("GPT2LMHeadModel", "GPT2Model")
-    ignore = (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",)
-
-    def normalize(self, name: str) -> str:
-        return name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"
-
-    def to_config(self, hf: HFConfig) -> ModelConfig:
-        if hf.get("scale_attn_by_inverse_layer_idx", False) or not hf.get("scale_attn_weights", True):
-            raise InteropError(f"{hf.source}: GPT-2 with scale_attn_by_inverse_layer_idx=True or "
-                               f"scale_attn_weights=False is not supported (aiayn scales by 1/sqrt(d_h))")
-        if hf.get("add_cross_attention", False):
-            raise InteropError(f"{hf.source}: GPT-2 with add_cross_attention=True is not supported")
-        d = hf.need("n_embd")
-        return _build_config(
-            hf, arch="decoder-only", name="hf-gpt2", vocab_size=hf.need("vocab_size"), d_model=d,
-            n_heads=hf.need("n_head"), n_layers=hf.need("n_layer"), d_ff=hf.get("n_inner", 4 * d),
-            activation=_activation(hf, "activation_function", "gelu_new"), norm="layernorm",
-            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), norm_position="pre",
-            final_norm=True, positional="learned", max_seq_len=hf.get("n_positions", 1024),
-            dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)),
-            bias=True, scale_embeddings=False, tie_output=bool(hf.get("tie_word_embeddings", True)),
-            pad_id=None,
-        )
-
-    def rules(self, cfg: ModelConfig) -> list[Rule]:
-        rules = [copy_rule("decoder.embedding.weight", "transformer.wte.weight"),
-                 copy_rule("decoder.absolute.weight", "transformer.wpe.weight")]
-        for i in range(cfg.n_layers):
-            ours, theirs = f"decoder.blocks.{i}", f"transformer.h.{i}"
-            # Conv1D weights are (in, out): transpose. c_attn's columns are [q | k | v] already.
-            rules += linear_rules(f"{ours}.self_attn.qkv_proj", f"{theirs}.attn.c_attn", bias=True, transpose=True)
-            rules += linear_rules(f"{ours}.self_attn.out_proj", f"{theirs}.attn.c_proj", bias=True, transpose=True)
-            rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.ln_1", bias=True)
-            rules += linear_rules(f"{ours}.ffn.fc_in", f"{theirs}.mlp.c_fc", bias=True, transpose=True)
-            rules += linear_rules(f"{ours}.ffn.fc_out", f"{theirs}.mlp.c_proj", bias=True, transpose=True)
-            rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.ln_2", bias=True)
-        rules += norm_rules("decoder.final_norm", "transformer.ln_f", bias=True)
-        if not cfg.tie_output:  # LlamaModel / GPT2Model checkpoints have no head
-            rules.append(copy_rule("lm_head.weight", "lm_head.weight", group="the LM head (lm_head)"))
-        return rules
-
-    def aliases(self, cfg: ModelConfig) -> dict[str, str]:
-        return {"lm_head.weight": "transformer.wte.weight"} if cfg.tie_output else {}
-
-    def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        _check_export(cfg, "GPT-2", arch="decoder-only", positional="learned", position_offset=0,
-                      norm="layernorm", norm_position="pre", activation=("gelu", "gelu_tanh", "relu", "silu"),
-                      scale_embeddings=False, final_norm=True, lm_head_bias=False,
-                      embedding_norm=False, attn_bias=True, attn_out_bias=True, mlp_bias=True,
-                      n_kv_heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads)
-        act = {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation)
-        return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-            "vocab_size": cfg.vocab_size, "n_embd": cfg.d_model, "n_head": cfg.n_heads,
-            "n_layer": cfg.n_layers, "n_inner": cfg.d_ff, "n_positions": cfg.max_seq_len,
-            "activation_function": act, "layer_norm_epsilon": cfg.norm_eps,
-            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.attention_dropout,
-            "tie_word_embeddings": cfg.tie_output, "bos_token_id": None, "eos_token_id": None,
-        }
-
-
-# ---- BERT ---------------------------------------------------------------------------------------
-class BertFamily(Family):
-    """BertModel, BertForMaskedLM, BertForPreTraining (names with or without the ``bert.`` prefix).
-
-    Post-norm LayerNorm blocks, learned absolute positions + token-type (segment) embeddings, a
-    LayerNorm on the embeddings, erf GELU, biases everywhere, no final norm. Quirks: the pooler
-    (absent from BertForMaskedLM) and the MLM head ``cls.predictions`` (absent from BertModel)
-    are optional: aiayn's modules keep their initial weights, with a warning. The MLM decoder is
-    tied to the word embeddings and its bias is stored as ``cls.predictions.bias`` (also as
-    ``...decoder.bias``); BertForPreTraining's next-sentence head ``cls.seq_relationship`` has no
-    aiayn module and is dropped with a warning. Old TF conversions name LayerNorm ``gamma``/``beta``.
-    Hugging Face counts positions 0..t-1 including padding, aiayn counts real tokens: with right
-    padding the real tokens agree. Export writes BertForMaskedLM with the pooler.
-    """
-
-    name = "bert"
-    model_types = ("bert",)
-    architectures = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
-    ignore = (r"embeddings\.(position_ids|token_type_ids)",)  # index buffers, not weights
-
-    def normalize(self, name: str) -> str:
-        name = name.removeprefix("bert.")
-        return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name))
-
-    def to_config(self, hf: HFConfig) -> ModelConfig:
-        if hf.get("position_embedding_type", "absolute") != "absolute":
-            raise InteropError(f"{hf.source}: position_embedding_type="
-                               f"{hf.get('position_embedding_type')!r} is not supported (only 'absolute')")
-        if hf.get("is_decoder", False) or hf.get("add_cross_attention", False):
-            raise InteropError(f"{hf.source}: BERT as a decoder (is_decoder / add_cross_attention) is not supported")
-        vocab = hf.need("vocab_size")
-        return _build_config(
-            hf, arch="encoder-only", name="hf-bert", vocab_size=vocab, d_model=hf.need("hidden_size"),
-            n_heads=hf.need("num_attention_heads"), n_layers=hf.need("num_hidden_layers"),
-            d_ff=hf.need("intermediate_size"), activation=_activation(hf, "hidden_act", "gelu"),
-            norm="layernorm", norm_eps=float(hf.get("layer_norm_eps", 1e-12)), norm_position="post",
-            final_norm=False, positional="learned", max_seq_len=hf.get("max_position_embeddings", 512),
-            type_vocab_size=hf.get("type_vocab_size", 2), embedding_norm=True,
-            dropout=float(hf.get("hidden_dropout_prob", 0.0)),
-            attention_dropout=float(hf.get("attention_probs_dropout_prob", 0.0)),
-            bias=True, scale_embeddings=False, tie_output=bool(hf.get("tie_word_embeddings", True)),
-            pad_id=_pad_id(hf, vocab),
-        )
-
-    def rules(self, cfg: ModelConfig) -> list[Rule]:
-        d = cfg.d_model
-        rules = [copy_rule("encoder.embedding.weight", "embeddings.word_embeddings.weight"),
-                 copy_rule("encoder.absolute.weight", "embeddings.position_embeddings.weight")]
-        if cfg.type_vocab_size > 0:
-            rules.append(copy_rule("encoder.segment_embedding.weight", "embeddings.token_type_embeddings.weight"))
-        rules += norm_rules("encoder.embedding_norm", "embeddings.LayerNorm", bias=True)
-        for i in range(cfg.n_layers):
-            ours, theirs = f"encoder.blocks.{i}", f"encoder.layer.{i}"
-            s = f"{theirs}.attention.self"
-            rules += fused_linear_rules(f"{ours}.self_attn.qkv_proj",
-                                        [f"{s}.query", f"{s}.key", f"{s}.value"], [d, d, d], bias=True)
-            rules += linear_rules(f"{ours}.self_attn.out_proj", f"{theirs}.attention.output.dense", bias=True)
-            rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.attention.output.LayerNorm", bias=True)
-            rules += linear_rules(f"{ours}.ffn.fc_in", f"{theirs}.intermediate.dense", bias=True)
-            rules += linear_rules(f"{ours}.ffn.fc_out", f"{theirs}.output.dense", bias=True)
-            rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.output.LayerNorm", bias=True)
-        rules += linear_rules("pooler", "pooler.dense", bias=True, group="the pooler (pooler.dense)")
-        mlm = "the MLM head (cls.predictions)"
-        rules += linear_rules("mlm_dense", "cls.predictions.transform.dense", bias=True, group=mlm)
-        rules += norm_rules("mlm_norm", "cls.predictions.transform.LayerNorm", bias=True, group=mlm)
-        rules.append(copy_rule("mlm_head.bias", "cls.predictions.bias", group=mlm))
-        if not cfg.tie_output:
-            rules.append(copy_rule("mlm_head.weight", "cls.predictions.decoder.weight", group=mlm))
-        return rules
-
-    def aliases(self, cfg: ModelConfig) -> dict[str, str]:
-        out = {"cls.predictions.decoder.bias": "cls.predictions.bias"}
-        if cfg.tie_output:
-            out["cls.predictions.decoder.weight"] = "embeddings.word_embeddings.weight"
-        return out
-
-    def prepare(self, tensors: dict[str, Tensor], config: ModelConfig, source: str) -> None:
-        nsp = [k for k in tensors if k.startswith("cls.seq_relationship.")]
-        if nsp:
-            for k in nsp:
-                del tensors[k]
-            warnings.warn(f"{source}: dropped the next-sentence head ({', '.join(sorted(nsp))}); "
-                          f"aiayn's EncoderOnly has no module for it", stacklevel=4)
-
-    def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        _check_export(cfg, "BERT", arch="encoder-only", positional="learned", position_offset=0,
-                      norm="layernorm", norm_position="post", final_norm=False,
-                      activation=("gelu", "gelu_tanh", "relu", "silu"), embedding_norm=True,
-                      scale_embeddings=False, attn_bias=True, attn_out_bias=True, mlp_bias=True,
-                      n_kv_heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads)
-        act = {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation)
-        return {
-            "architectures": ["BertForMaskedLM"], "model_type": "bert",
-            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-            "num_attention_heads": cfg.n_heads, "num_hidden_layers": cfg.n_layers,
-            "intermediate_size": cfg.d_ff, "hidden_act": act,
-            "max_position_embeddings": cfg.max_seq_len, "type_vocab_size": cfg.type_vocab_size,
-            "layer_norm_eps": cfg.norm_eps, "hidden_dropout_prob": cfg.dropout,
-            "attention_probs_dropout_prob": cfg.attention_dropout,
-            "pad_token_id": cfg.pad_id, "tie_word_embeddings": cfg.tie_output,
-        }
-
-    def export_name(self, name: str) -> str:
-        return name if name.startswith("cls.") else f"bert.{name}"
-
-
-# ---- BART and Marian ----------------------------------------------------------------------------
-class BartFamily(Family):
-    """BartForConditionalGeneration / BartModel.
-
-    Post-norm LayerNorm encoder-decoder, GELU, biases everywhere, one shared embedding
-    ``model.shared`` (also stored as the encoder's, the decoder's and the tied ``lm_head``), a
-    LayerNorm on the embeddings of each stack (``layernorm_embedding``), no final norms.
-    Quirks: learned positions with 2 unused rows in front (``position_offset=2``, a fairseq
-    legacy), separate tables for encoder and decoder; embeddings scaled by sqrt(d) only if
-    ``scale_embedding``; the logits get ``final_logits_bias`` (1, v) -> aiayn ``lm_head.bias``
-    (BartModel has neither it nor an LM head: the bias stays zero, with a warning).
-    ``tie_word_embeddings=False`` unties everything in transformers 5: encoder and decoder
-    embeddings and lm_head are separate (``share_embeddings=False``) and ``model.shared`` is
-    unused by the forward pass; a file that stores only ``model.shared`` (transformers 4) gives
-    both stacks a copy of it. Encoder and decoder must share head count and FFN width. Hugging
-    Face counts positions 0..t-1 including padding: right-pad the source and the real tokens agree.
-    """
-
-    name = "bart"
-    model_types = ("bart",)
-    architectures = ("BartForConditionalGeneration", "BartModel")
-
-    def _common(self, hf: HFConfig) -> dict[str, Any]:
-        heads = hf.need("encoder_attention_heads")
-        ffn = hf.need("encoder_ffn_dim")
-        if hf.get("decoder_attention_heads", heads) != heads or hf.get("decoder_ffn_dim", ffn) != ffn:
-            raise InteropError(
-                f"{hf.source}: encoder and decoder differ in attention heads or FFN width "
-                f"({heads}/{hf.get('decoder_attention_heads')}, {ffn}/{hf.get('decoder_ffn_dim')}); "
-                f"aiayn's EncoderDecoder uses one n_heads and one d_ff"
-            )
-        if hf.get("normalize_before", False) or hf.get("add_final_layer_norm", False):
-            raise InteropError(f"{hf.source}: pre-norm variants (normalize_before / add_final_layer_norm, "
-                               f"mBART-style) are not supported by the {self.name} converter")
-        return dict(
-            arch="encoder-decoder", name=f"hf-{self.name}", d_model=hf.need("d_model"), n_heads=heads,
-            n_layers=hf.need("encoder_layers"), n_decoder_layers=hf.get("decoder_layers", hf.need("encoder_layers")),
-            d_ff=ffn, activation=_activation(hf, "activation_function", "gelu"), norm="layernorm",
-            norm_eps=1e-5, norm_position="post", final_norm=False,
-            max_seq_len=hf.get("max_position_embeddings", 1024),
-            dropout=float(hf.get("dropout", 0.0)), attention_dropout=float(hf.get("attention_dropout", 0.0)),
-            activation_dropout=float(hf.get("activation_dropout", 0.0)),
-            bias=True, lm_head_bias=True, scale_embeddings=bool(hf.get("scale_embedding", False)),
-            tie_output=bool(hf.get("tie_word_embeddings", True)),
-        )
-
-    def to_config(self, hf: HFConfig) -> ModelConfig:
-        vocab = hf.need("vocab_size")
-        tied = bool(hf.get("tie_word_embeddings", True))
-        return _build_config(hf, **self._common(hf), vocab_size=vocab, share_embeddings=tied,
-                             positional="learned", position_offset=2, embedding_norm=True,
-                             pad_id=_pad_id(hf, vocab))
-
-    def _position_rules(self, cfg: ModelConfig) -> list[Rule]:
-        rules = []
-        for stack in ("encoder", "decoder"):
-            rules.append(copy_rule(f"{stack}.absolute.weight", f"model.{stack}.embed_positions.weight"))
-            rules += norm_rules(f"{stack}.embedding_norm", f"model.{stack}.layernorm_embedding", bias=True)
-        return rules
-
-    def rules(self, cfg: ModelConfig) -> list[Rule]:
-        d = cfg.d_model
-        if cfg.share_embeddings:
-            rules = [copy_rule("encoder.embedding.weight", "model.shared.weight")]
-        else:
-            rules = [copy_rule("encoder.embedding.weight", "model.encoder.embed_tokens.weight"),
-                     copy_rule("decoder.embedding.weight", "model.decoder.embed_tokens.weight")]
-        rules += self._position_rules(cfg)
-        for stack, n in (("encoder", cfg.n_layers), ("decoder", cfg.n_decoder_layers)):
-            for i in range(n):
-                ours, theirs = f"{stack}.blocks.{i}", f"model.{stack}.layers.{i}"
-                a = f"{theirs}.self_attn"
-                rules += fused_linear_rules(f"{ours}.self_attn.qkv_proj",
-                                            [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], [d, d, d], bias=True)
-                rules += linear_rules(f"{ours}.self_attn.out_proj", f"{a}.out_proj", bias=True)
-                rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.self_attn_layer_norm", bias=True)
-                if stack == "decoder":
-                    c = f"{theirs}.encoder_attn"
-                    rules += linear_rules(f"{ours}.cross_attn.q_proj", f"{c}.q_proj", bias=True)
-                    rules += fused_linear_rules(f"{ours}.cross_attn.kv_proj",
-                                                [f"{c}.k_proj", f"{c}.v_proj"], [d, d], bias=True)
-                    rules += linear_rules(f"{ours}.cross_attn.out_proj", f"{c}.out_proj", bias=True)
-                    rules += norm_rules(f"{ours}.cross_attn_norm", f"{theirs}.encoder_attn_layer_norm", bias=True)
-                rules += linear_rules(f"{ours}.ffn.fc_in", f"{theirs}.fc1", bias=True)
-                rules += linear_rules(f"{ours}.ffn.fc_out", f"{theirs}.fc2", bias=True)
-                rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.final_layer_norm", bias=True)
-        # (1, v) in the checkpoint; prepare() makes it (v,). BartModel has no LM head at all.
-        rules.append(copy_rule("lm_head.bias", "final_logits_bias", group="the logits bias (final_logits_bias)"))
-        if not cfg.tie_output:  # LlamaModel / GPT2Model checkpoints have no head
-            rules.append(copy_rule("lm_head.weight", "lm_head.weight", group="the LM head (lm_head)"))
-        return rules
-
-    def normalize(self, name: str) -> str:
-        # BartModel / MarianModel store the body without the "model." prefix.
-        keep = ("model.", "lm_head.", "final_logits_bias")
-        return name if name.startswith(keep) else f"model.{name}"
-
-    def aliases(self, cfg: ModelConfig) -> dict[str, str]:
-        if not cfg.share_embeddings:
-            return {"lm_head.weight": "model.decoder.embed_tokens.weight"} if cfg.tie_output else {}
-        shared = "model.shared.weight"
-        out = {"model.encoder.embed_tokens.weight": shared, "model.decoder.embed_tokens.weight": shared}
-        if cfg.tie_output:
-            out["lm_head.weight"] = shared
-        return out
-
-    def prepare(self, tensors: dict[str, Tensor], config: ModelConfig, source: str) -> None:
-        # final_logits_bias is a (1, v) buffer; aiayn's lm_head.bias is (v,).
-        bias = tensors.get("final_logits_bias")
-        if bias is not None and bias.dim() == 2 and bias.shape[0] == 1:
-            tensors["final_logits_bias"] = bias[0]
-        # Untied stacks: model.shared is what transformers 4 stored for both (it ties them), and
-        # in transformers 5 a parameter the forward pass never reads.
-        shared = None if config.share_embeddings else tensors.pop("model.shared.weight", None)
-        if shared is not None:
-            for stack in ("encoder", "decoder"):
-                tensors.setdefault(f"model.{stack}.embed_tokens.weight", shared)
-
-    def finish_export(self, tensors: dict[str, Tensor], config: ModelConfig) -> None:
-        tensors["final_logits_bias"] = tensors["final_logits_bias"][None]  # (v,) -> (1, v)
-        if not config.share_embeddings and self.name == "bart":
-            # BartModel always has model.shared; untied, the forward pass does not read it.
-            tensors["model.shared.weight"] = tensors["model.encoder.embed_tokens.weight"].clone()
-
-    def _export_common(self, cfg: ModelConfig, family: str, **expected: Any) -> dict[str, Any]:
-        _check_export(cfg, family, arch="encoder-decoder", norm="layernorm", norm_position="post",
-                      final_norm=False, activation=("gelu", "gelu_tanh", "relu", "silu"),
-                      attn_bias=True, attn_out_bias=True, mlp_bias=True, lm_head_bias=True,
-                      n_kv_heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads, norm_eps=1e-5,
-                      **expected)
-        if cfg.share_embeddings and not cfg.tie_output:
-            raise InteropError(f"a {family} checkpoint (transformers 5) unties the shared embedding "
-                               f"when the output is untied: share_embeddings=True needs tie_output=True")
-        act = {"gelu_tanh": "gelu_new", "silu": "swish"}.get(cfg.activation, cfg.activation)
-        return {
-            "vocab_size": cfg.vocab_size, "d_model": cfg.d_model,
-            "encoder_layers": cfg.n_layers, "decoder_layers": cfg.n_decoder_layers,
-            "encoder_attention_heads": cfg.n_heads, "decoder_attention_heads": cfg.n_heads,
-            "encoder_ffn_dim": cfg.d_ff, "decoder_ffn_dim": cfg.d_ff, "activation_function": act,
-            "max_position_embeddings": cfg.max_seq_len, "scale_embedding": cfg.scale_embeddings,
-            "dropout": cfg.dropout, "attention_dropout": cfg.attention_dropout,
-            "activation_dropout": cfg.activation_dropout, "tie_word_embeddings": cfg.tie_output,
-            "pad_token_id": cfg.pad_id, "is_encoder_decoder": True,
-        }
-
-    def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        out = self._export_common(cfg, "BART", positional="learned", position_offset=2,
-                                  embedding_norm=True, tgt_vocab_size=cfg.vocab_size,
-                                  share_embeddings=cfg.tie_output)
-        return {"architectures": ["BartForConditionalGeneration"], "model_type": "bart", **out,
-                "decoder_start_token_id": 2, "bos_token_id": 0, "eos_token_id": 2,
-                "forced_eos_token_id": None}
-
-
-class MarianFamily(BartFamily):
-    """MarianMTModel / MarianModel (OPUS-MT translation models).
-
-    BART's block layout (post-norm, biases, ``final_logits_bias``) with these differences: fixed
-    sinusoidal positions in the *split* layout (sines in the first half of the vector, cosines in
-    the second; ``sinusoidal_layout="split"``), counted from 0; no embedding LayerNorm; usually
-    ``scale_embedding=True`` and activation "swish" (silu). The position tables, when a checkpoint
-    stores them, are checked against the formula and not loaded. With
-    ``share_encoder_decoder_embeddings=False`` the target has its own vocabulary
-    (``decoder_vocab_size``) and embedding, to which the output is tied.
-    """
-
-    name = "marian"
-    model_types = ("marian",)
-    architectures = ("MarianMTModel", "MarianModel")
-
-    def to_config(self, hf: HFConfig) -> ModelConfig:
-        vocab = hf.need("vocab_size")
-        shared = bool(hf.get("share_encoder_decoder_embeddings", True))
-        tgt_vocab = None if shared else hf.get("decoder_vocab_size", vocab)
-        tied = bool(hf.get("tie_word_embeddings", True))
-        return _build_config(hf, **self._common(hf), vocab_size=vocab, tgt_vocab_size=tgt_vocab,
-                             share_embeddings=shared and tied, positional="sinusoidal",
-                             sinusoidal_layout="split", embedding_norm=False,
-                             pad_id=_pad_id(hf, vocab if tgt_vocab is None else min(vocab, tgt_vocab)))
-
-    def _position_rules(self, cfg: ModelConfig) -> list[Rule]:
-        return []  # fixed sinusoids: nothing to load (prepare() checks stored tables)
-
-    def prepare(self, tensors: dict[str, Tensor], config: ModelConfig, source: str) -> None:
-        super().prepare(tensors, config, source)
-        for stack in ("encoder", "decoder"):
-            name = f"model.{stack}.embed_positions.weight"
-            table = tensors.pop(name, None)
-            if table is None:
-                continue
-            expected = sinusoidal_encoding(torch.arange(table.shape[0]), table.shape[1], layout="split")
-            if not torch.allclose(table.float(), expected, atol=1e-5, rtol=0):
-                raise InteropError(
-                    f"{source}: {name} is not Marian's sinusoidal table (sin | cos halves); "
-                    f"this converter only supports the fixed sinusoidal positions"
-                )
-
-    def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
-        out = self._export_common(cfg, "Marian", positional="sinusoidal", sinusoidal_layout="split",
-                                  embedding_norm=False)
-        start = cfg.pad_id if cfg.pad_id is not None else 0
-        return {"architectures": ["MarianMTModel"], "model_type": "marian", **out,
-                "share_encoder_decoder_embeddings": cfg.share_embeddings,
-                "decoder_vocab_size": cfg.tgt_vocab_size,
-                "decoder_start_token_id": start, "eos_token_id": 0, "forced_eos_token_id": None}
-
-
-FAMILIES: tuple[Family, ...] = (LlamaFamily(), GPT2Family(), BertFamily(), BartFamily(), MarianFamily())

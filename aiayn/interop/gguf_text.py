@@ -1,0 +1,202 @@
+"""A GGUF file's text side: its tokenizer (llama.cpp's BPE vocabulary and pre-tokenizer, as a
+``tokenizers.Tokenizer``) and its chat template (Jinja, rendered in a sandbox).
+
+``aiayn.interop.gguf`` reads the tensors and builds the model; this module reads the metadata a
+text model needs around it.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from aiayn.interop.mapping import InteropError
+
+if TYPE_CHECKING:  # optional dependency, imported where used
+    from tokenizers import Tokenizer
+
+SUPPORTED_TOKENIZERS = ("gpt2",)
+# llama.cpp's token types (tokenizer.ggml.token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class GGUFError(InteropError):
+    """A GGUF file aiayn cannot load; the one-line message names the file and what is wrong."""
+
+
+def need_key(meta: dict[str, Any], key: str, source: str) -> Any:
+    if meta.get(key) is None:
+        raise GGUFError(f"{source}: metadata has no {key!r}, which a {meta.get('general.architecture')} model needs")
+    return meta[key]
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------
+# llama.cpp's pre-tokenizers (llama-vocab.cpp, by tokenizer.ggml.pre), as `tokenizers` pieces.
+_GPT2_REGEX_PRE = ("gpt2", "default", "mpt", "olmo", "jais", "trillion", "granite-docling")
+_DIGITS_THEN_GPT2_PRE = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_PRE = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+}
+# llama.cpp matches a whole pre-token against the vocabulary before merging for these.
+_IGNORE_MERGES_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3")
+
+
+def _pre_tokenizer(pre: str | None, source: str) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
+    if pre in _DIGITS_THEN_GPT2_PRE:  # every digit its own pre-token, then GPT-2's regex
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _SPLIT_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    if pre not in (*_GPT2_REGEX_PRE, None):
+        warnings.warn(f"{source}: tokenizer.ggml.pre={pre!r} is not known to aiayn; splitting text with "
+                      f"GPT-2's regex, which may tokenize some text differently from llama.cpp", stacklevel=4)
+    return byte_level
+
+
+def gguf_tokenizer(meta: dict[str, Any], source: str) -> Tokenizer:
+    """A ``tokenizers.Tokenizer`` equal to the one the metadata describes (byte-level BPE).
+
+    Control tokens (type 3, e.g. ``<|im_start|>``) are special added tokens, user-defined ones (4)
+    plain added tokens: both are matched whole in the text, as llama.cpp does. BOS/EOS are added by
+    ``encode`` when ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say so.
+    """
+    model_kind = meta.get("tokenizer.ggml.model")
+    if model_kind is None:
+        raise GGUFError(f"{source}: the metadata holds no tokenizer (tokenizer.ggml.model); pass "
+                        f"tokenizer=False to load the model alone")
+    if model_kind not in SUPPORTED_TOKENIZERS:
+        raise GGUFError(
+            f"{source}: tokenizer.ggml.model={model_kind!r} is not supported; aiayn rebuilds "
+            f"{', '.join(SUPPORTED_TOKENIZERS)} (byte-level BPE) tokenizers — pass tokenizer=False "
+            f"to load the model alone"
+        )
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    tokens: list[str] = list(need_key(meta, "tokenizer.ggml.tokens", source))
+    merges = [tuple(m.split(" ", 1)) for m in need_key(meta, "tokenizer.ggml.merges", source)]
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # a duplicated spelling keeps its first id
+    pre = meta.get("tokenizer.ggml.pre")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                                     ignore_merges=pre in _IGNORE_MERGES_PRE))
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre, source)
+    tokenizer.decoder = decoders.ByteLevel()
+
+    types = meta.get("tokenizer.ggml.token_type") or []
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in zip(tokens, types, strict=False) if kind == _CONTROL])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                          for t, kind in zip(tokens, types, strict=False) if kind == _USER_DEFINED])
+
+    added = []  # what encode() puts around the text: [bos] text [eos], as the file asks
+    for which in ("bos", "eos"):
+        token_id = meta.get(f"tokenizer.ggml.{which}_token_id")
+        if meta.get(f"tokenizer.ggml.add_{which}_token") and token_id is not None:
+            added.append((which, tokens[token_id], token_id))
+    if added:
+        before = [t for which, t, _ in added if which == "bos"]
+        after = [t for which, t, _ in added if which == "eos"]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=[*before, "$A", *after],
+            pair=[*before, "$A", *after, *(f"{t}:1" for t in before), "$B:1", *(f"{t}:1" for t in after)],
+            special_tokens=[(t, i) for _, t, i in added],
+        )
+    return tokenizer
+
+
+# ---- chat template ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A Jinja chat template and the special tokens it may refer to (``bos_token``, ...)."""
+
+    source: str
+    special_tokens: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.source
+
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+               **kwargs: Any) -> str:
+        """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]).
+
+        Rendered as transformers' ``apply_chat_template(tokenize=False)`` does: a sandboxed Jinja
+        environment with trim_blocks / lstrip_blocks and loop controls, a ``tojson`` that does not
+        escape HTML, ``raise_exception`` and ``strftime_now``; the special tokens and ``kwargs``
+        are template variables. Encode the result without adding special tokens (the template
+        writes them).
+        """
+        variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
+        return _compiled(self.source).render(messages=[dict(m) for m in messages],
+                                             add_generation_prompt=add_generation_prompt, **variables)
+
+
+def _compiled(source: str) -> Any:
+    try:
+        import jinja2
+        from jinja2 import nodes
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:
+        raise GGUFError("rendering a chat template needs the 'jinja2' package: pip install jinja2") from exc
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` (assistant-mask markers): renders its body."""
+
+        tags = {"generation"}  # noqa: RUF012 (jinja's class attribute)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def chat_template(meta: dict[str, Any]) -> ChatTemplate | None:
+    source = meta.get("tokenizer.chat_template")
+    if not source:
+        return None
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    specials = {}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
+                      ("pad_token", "padding")):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            specials[name] = tokens[token_id]
+    return ChatTemplate(source, specials)
+
+

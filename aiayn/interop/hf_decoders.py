@@ -1,0 +1,224 @@
+"""Hugging Face decoder-only families: LLaMA (Mistral, Qwen2) and GPT-2 (see ``hf_families``).
+
+Shape letters: d hidden size, h/h_kv query/key-value heads, d_h head width, f intermediate size,
+v vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiayn.config import ModelConfig
+from aiayn.interop.hf_families import (
+    Family,
+    HFConfig,
+    build_config,
+    check_export,
+    hf_activation,
+)
+from aiayn.interop.mapping import (
+    InteropError,
+    Rule,
+    copy_rule,
+    fused_linear_rules,
+    linear_rules,
+    norm_rules,
+)
+
+
+# ---- LLaMA, Mistral, Qwen2 ----------------------------------------------------------------------
+class LlamaFamily(Family):
+    """LLaMA-style decoders: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+
+    Pre-norm RMSNorm blocks, RoPE in the half-split (rotate_half) layout that aiayn uses, SwiGLU
+    MLP ``down(silu(gate(x)) * up(x))`` -> ``fc_in`` rows [gate; up], grouped-query attention
+    (q/k/v projections stacked into ``qkv_proj``), no embedding scale, a final RMSNorm.
+    Quirks: LLaMA has no biases unless ``attention_bias`` (q, k, v and o) / ``mlp_bias``; Qwen2
+    always has q/k/v biases and never an o_proj or MLP bias; Mistral has none. Mistral (and Qwen2
+    with ``use_sliding_window``) use sliding-window attention, which equals full attention up to
+    the window, so ``max_seq_len`` is capped at the window. Only the default RoPE is supported
+    (no llama3 / linear / dynamic / yarn scaling). ``pad_id`` is None: Hugging Face decoders never
+    infer padding from the token ids (pad is often eos); pass ``valid=`` for padded batches.
+    """
+
+    name = "llama"
+    model_types = ("llama", "mistral", "qwen2")
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                     "LlamaModel", "MistralModel", "Qwen2Model")
+    ignore = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)
+
+    def normalize(self, name: str) -> str:
+        # LlamaModel (no LM head) stores the body without the "model." prefix.
+        return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
+
+    def _rope_theta(self, hf: HFConfig) -> float:
+        # transformers >= 5 writes rope_parameters; older config.json rope_theta + rope_scaling.
+        params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "default":
+            raise InteropError(
+                f"{hf.source}: RoPE scaling {rope_type!r} is not supported; aiayn implements the "
+                f"default RoPE only (rope_type 'default')"
+            )
+        return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+    def to_config(self, hf: HFConfig) -> ModelConfig:
+        kind = hf.model_type
+        d, n_heads = hf.need("hidden_size"), hf.need("num_attention_heads")
+        if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise InteropError(f"{hf.source}: hidden_act={hf.get('hidden_act')!r} is not supported "
+                               f"for {kind}; aiayn's LLaMA MLP is SwiGLU (silu)")
+        if kind == "qwen2":
+            qkv_bias, out_bias, mlp_bias = True, False, False
+        elif kind == "mistral":
+            qkv_bias = out_bias = mlp_bias = False
+        else:
+            qkv_bias = out_bias = bool(hf.get("attention_bias", False))
+            mlp_bias = bool(hf.get("mlp_bias", False))
+        max_len = hf.get("max_position_embeddings", 2048)
+        window = hf.get("sliding_window")
+        if window is not None and (kind == "mistral" or hf.get("use_sliding_window", False)):
+            max_len = min(max_len, window)  # full attention == sliding window up to the window
+        return build_config(
+            hf, arch="decoder-only", name=f"hf-{kind}",
+            vocab_size=hf.need("vocab_size"), d_model=d, n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads", n_heads),
+            head_dim=hf.get("head_dim", d // n_heads), n_layers=hf.need("num_hidden_layers"),
+            d_ff=hf.need("intermediate_size"), activation="swiglu", norm="rmsnorm",
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm_position="pre", final_norm=True,
+            positional="rope", rope_base=self._rope_theta(hf), max_seq_len=max_len,
+            attention_dropout=float(hf.get("attention_dropout", 0.0)),
+            bias=False, attn_bias=qkv_bias, attn_out_bias=out_bias, mlp_bias=mlp_bias,
+            scale_embeddings=False, tie_output=bool(hf.get("tie_word_embeddings", False)),
+            pad_id=None,
+        )
+
+    def rules(self, cfg: ModelConfig) -> list[Rule]:
+        q, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff
+        rules = [copy_rule("decoder.embedding.weight", "model.embed_tokens.weight")]
+        for i in range(cfg.n_layers):
+            ours, theirs = f"decoder.blocks.{i}", f"model.layers.{i}"
+            a, m = f"{theirs}.self_attn", f"{theirs}.mlp"
+            rules += fused_linear_rules(f"{ours}.self_attn.qkv_proj",
+                                        [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], [q, kv, kv],
+                                        bias=cfg.attn_bias)
+            rules += linear_rules(f"{ours}.self_attn.out_proj", f"{a}.o_proj", bias=cfg.attn_out_bias)
+            rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.input_layernorm", bias=False)
+            rules += fused_linear_rules(f"{ours}.ffn.fc_in", [f"{m}.gate_proj", f"{m}.up_proj"],
+                                        [f, f], bias=cfg.mlp_bias)
+            rules += linear_rules(f"{ours}.ffn.fc_out", f"{m}.down_proj", bias=cfg.mlp_bias)
+            rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.post_attention_layernorm", bias=False)
+        rules += norm_rules("decoder.final_norm", "model.norm", bias=False)
+        if not cfg.tie_output:  # LlamaModel / GPT2Model checkpoints have no head
+            rules.append(copy_rule("lm_head.weight", "lm_head.weight", group="the LM head (lm_head)"))
+        return rules
+
+    def aliases(self, cfg: ModelConfig) -> dict[str, str]:
+        return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_output else {}
+
+    def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        check_export(cfg, "LLaMA/Qwen2", arch="decoder-only", positional="rope", norm="rmsnorm",
+                      norm_position="pre", activation="swiglu", scale_embeddings=False,
+                      final_norm=True, lm_head_bias=False, embedding_norm=False)
+        qwen2 = cfg.attn_bias and not cfg.attn_out_bias and not cfg.mlp_bias
+        if not qwen2 and cfg.attn_bias != cfg.attn_out_bias:
+            raise InteropError(
+                f"a LLaMA checkpoint has biases on all of q, k, v, o or on none, and Qwen2 on q, k, "
+                f"v only (no MLP bias); this model has attn_bias={cfg.attn_bias}, "
+                f"attn_out_bias={cfg.attn_out_bias}, mlp_bias={cfg.mlp_bias}"
+            )
+        out: dict[str, Any] = {
+            "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen2 else "llama",
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+            "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_output,
+            "rope_theta": cfg.rope_base,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+            "attention_dropout": cfg.attention_dropout, "pad_token_id": None,
+            "bos_token_id": None, "eos_token_id": None,
+        }
+        if qwen2:
+            if cfg.head_dim * cfg.n_heads != cfg.d_model:
+                raise InteropError(f"Qwen2 needs head_dim = d_model / n_heads, got head_dim={cfg.head_dim}")
+            out["use_sliding_window"] = False
+        else:
+            out.update(head_dim=cfg.head_dim, attention_bias=cfg.attn_bias, mlp_bias=cfg.mlp_bias)
+        return out
+
+
+# ---- GPT-2 --------------------------------------------------------------------------------------
+class GPT2Family(Family):
+    """GPT2LMHeadModel / GPT2Model.
+
+    Pre-norm LayerNorm blocks, learned positions, tanh-approximated GELU ("gelu_new"), biases
+    everywhere, a final LayerNorm ``ln_f``, output tied to ``wte``. Quirks: every projection is
+    a ``Conv1D`` whose weight is stored (in, out), the transpose of ``nn.Linear``; ``c_attn`` is
+    already the fused [q; k; v] projection. Old checkpoints omit the ``transformer.`` prefix and
+    store the causal-mask buffers ``attn.bias`` / ``attn.masked_bias`` (ignored).
+    ``scale_attn_by_inverse_layer_idx`` and unscaled attention are not supported.
+    """
+
+    name = "gpt2"
+    model_types = ("gpt2",)
+    architectures = ("GPT2LMHeadModel", "GPT2Model")
+    ignore = (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",)
+
+    def normalize(self, name: str) -> str:
+        return name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}"
+
+    def to_config(self, hf: HFConfig) -> ModelConfig:
+        if hf.get("scale_attn_by_inverse_layer_idx", False) or not hf.get("scale_attn_weights", True):
+            raise InteropError(f"{hf.source}: GPT-2 with scale_attn_by_inverse_layer_idx=True or "
+                               f"scale_attn_weights=False is not supported (aiayn scales by 1/sqrt(d_h))")
+        if hf.get("add_cross_attention", False):
+            raise InteropError(f"{hf.source}: GPT-2 with add_cross_attention=True is not supported")
+        d = hf.need("n_embd")
+        return build_config(
+            hf, arch="decoder-only", name="hf-gpt2", vocab_size=hf.need("vocab_size"), d_model=d,
+            n_heads=hf.need("n_head"), n_layers=hf.need("n_layer"), d_ff=hf.get("n_inner", 4 * d),
+            activation=hf_activation(hf, "activation_function", "gelu_new"), norm="layernorm",
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), norm_position="pre",
+            final_norm=True, positional="learned", max_seq_len=hf.get("n_positions", 1024),
+            dropout=float(hf.get("resid_pdrop", 0.0)), attention_dropout=float(hf.get("attn_pdrop", 0.0)),
+            bias=True, scale_embeddings=False, tie_output=bool(hf.get("tie_word_embeddings", True)),
+            pad_id=None,
+        )
+
+    def rules(self, cfg: ModelConfig) -> list[Rule]:
+        rules = [copy_rule("decoder.embedding.weight", "transformer.wte.weight"),
+                 copy_rule("decoder.absolute.weight", "transformer.wpe.weight")]
+        for i in range(cfg.n_layers):
+            ours, theirs = f"decoder.blocks.{i}", f"transformer.h.{i}"
+            # Conv1D weights are (in, out): transpose. c_attn's columns are [q | k | v] already.
+            rules += linear_rules(f"{ours}.self_attn.qkv_proj", f"{theirs}.attn.c_attn", bias=True, transpose=True)
+            rules += linear_rules(f"{ours}.self_attn.out_proj", f"{theirs}.attn.c_proj", bias=True, transpose=True)
+            rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.ln_1", bias=True)
+            rules += linear_rules(f"{ours}.ffn.fc_in", f"{theirs}.mlp.c_fc", bias=True, transpose=True)
+            rules += linear_rules(f"{ours}.ffn.fc_out", f"{theirs}.mlp.c_proj", bias=True, transpose=True)
+            rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.ln_2", bias=True)
+        rules += norm_rules("decoder.final_norm", "transformer.ln_f", bias=True)
+        if not cfg.tie_output:  # LlamaModel / GPT2Model checkpoints have no head
+            rules.append(copy_rule("lm_head.weight", "lm_head.weight", group="the LM head (lm_head)"))
+        return rules
+
+    def aliases(self, cfg: ModelConfig) -> dict[str, str]:
+        return {"lm_head.weight": "transformer.wte.weight"} if cfg.tie_output else {}
+
+    def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
+        check_export(cfg, "GPT-2", arch="decoder-only", positional="learned", position_offset=0,
+                      norm="layernorm", norm_position="pre", activation=("gelu", "gelu_tanh", "relu", "silu"),
+                      scale_embeddings=False, final_norm=True, lm_head_bias=False,
+                      embedding_norm=False, attn_bias=True, attn_out_bias=True, mlp_bias=True,
+                      n_kv_heads=cfg.n_heads, head_dim=cfg.d_model // cfg.n_heads)
+        act = {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation)
+        return {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size, "n_embd": cfg.d_model, "n_head": cfg.n_heads,
+            "n_layer": cfg.n_layers, "n_inner": cfg.d_ff, "n_positions": cfg.max_seq_len,
+            "activation_function": act, "layer_norm_epsilon": cfg.norm_eps,
+            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.attention_dropout,
+            "tie_word_embeddings": cfg.tie_output, "bos_token_id": None, "eos_token_id": None,
+        }
