@@ -13,8 +13,8 @@ from torch import nn
 from torch.testing import assert_close
 
 from aiayn import build_model, get_preset
-from aiayn.generate import SamplingConfig, generate_decoder_only
 from aiayn.fast.quantize import Int8Linear, lower_precision
+from aiayn.generate import SamplingConfig, generate_decoder_only
 
 
 def peaked_llama(seed: int = 0) -> nn.Module:

@@ -1,0 +1,325 @@
+"""Beam search for encoder-decoder models, over the KV cache, with GNMT's length penalty.
+
+Every source's ``beam`` open hypotheses run as rows of one (n * beam) batch (n: the sources still
+searching); each source keeps its ``beam`` best finished hypotheses in fixed-size tensors
+(``_Finished``). ``beam_search_encoder_decoder``'s docstring gives the rules; the tests check them
+against greedy decoding, an exhaustive search, a plain Python search and Hugging Face.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from aiayn.generate.encoder_decoder import (
+    decode_cached_step,
+    greedy_encoder_decoder,
+    max_target_lengths,
+)
+from aiayn.models.encoder_decoder import EncoderDecoder
+
+NEG_INF = float("-inf")
+
+
+def gnmt_length_penalty(length: Tensor, alpha: float) -> Tensor:
+    """GNMT's length penalty lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al. 2016, eq. 14)."""
+    return ((5.0 + length.float()) / 6.0) ** alpha
+
+
+@dataclass
+class Hypothesis:
+    tokens: Tensor  # (n,) ids without bos; ends with eos unless the length limit was reached
+    score: float  # sum of the tokens' log-probabilities
+    normalized_score: float  # score / gnmt_length_penalty(n, alpha): what the search ranks by
+    token_scores: Tensor  # (n,) float32 log-probability of each token
+
+
+@dataclass
+class BeamSearchResult:
+    """The best hypothesis per source, padded into one tensor, and the n-best lists."""
+
+    tokens: Tensor  # (b, n) best hypothesis per source (no bos, eos included); then pad_id (or eos)
+    lengths: Tensor  # (b,) tokens in each best hypothesis, eos included
+    scores: Tensor  # (b,) float32 sum of log-probabilities of the best hypothesis
+    normalized_scores: Tensor  # (b,) scores / gnmt_length_penalty(lengths, alpha)
+    nbest: list[list[Hypothesis]]  # per source: up to n_best hypotheses, best first
+
+    def token_lists(self, *, eos_id: int | None = None) -> list[list[int]]:
+        """Best hypotheses as Python lists, without the trailing eos when eos_id is given."""
+        out = []
+        for row, n in zip(self.tokens.tolist(), self.lengths.tolist(), strict=True):
+            row = row[:n]
+            out.append(row[:-1] if eos_id is not None and row and row[-1] == eos_id else row)
+        return out
+
+
+@dataclass
+class _Beams:
+    """The open hypotheses of the n sources still searching, k per source, best first."""
+
+    scores: Tensor  # (n, k) sum of log-probabilities; -inf = no hypothesis in this slot
+    tokens: Tensor  # (n, k, L) ids so far, L = the longest limit; fill id after the last
+    token_scores: Tensor  # (n, k, L) float32 log-probability of each token
+
+    def extend(self, t: int, parent: Tensor, token: Tensor, token_lp: Tensor) -> tuple[Tensor, Tensor]:
+        """Histories of the chosen parents (n, m) continued by ``token`` (n, m) with log-prob
+        ``token_lp`` (n, m) at slot t - 1 -> new histories (n, m, L) of ids and of log-probs."""
+        idx = parent[:, :, None].expand(-1, -1, self.tokens.shape[2])  # (n, m, L)
+        new_tokens, new_scores = self.tokens.gather(1, idx), self.token_scores.gather(1, idx)
+        new_tokens[:, :, t - 1], new_scores[:, :, t - 1] = token, token_lp
+        return new_tokens, new_scores
+
+    def select(self, sources: Tensor) -> _Beams:
+        """The beams of the sources at local ids ``sources`` (n_new,)."""
+        return _Beams(self.scores[sources], self.tokens[sources], self.token_scores[sources])
+
+
+@dataclass
+class _Finished:
+    """The k best finished hypotheses of every source (all b of them), best first; a slot with
+    normalized score -inf is empty."""
+
+    norm: Tensor  # (b, k) score / gnmt_length_penalty(length, alpha): the ranking
+    score: Tensor  # (b, k) sum of log-probabilities
+    length: Tensor  # (b, k) long, eos included
+    tokens: Tensor  # (b, k, L) ids, fill id after the hypothesis
+    token_scores: Tensor  # (b, k, L) log-probability of each token
+
+    @classmethod
+    def empty(cls, b: int, k: int, n_max: int, fill_id: int, device: torch.device) -> _Finished:
+        return cls(norm=torch.full((b, k), NEG_INF, device=device),
+                   score=torch.full((b, k), NEG_INF, device=device),
+                   length=torch.zeros(b, k, dtype=torch.long, device=device),
+                   tokens=torch.full((b, k, n_max), fill_id, dtype=torch.long, device=device),
+                   token_scores=torch.zeros(b, k, n_max, device=device))
+
+    def merge(self, alive: Tensor, score: Tensor, length: Tensor, tokens: Tensor, token_scores: Tensor,
+              alpha: float) -> None:
+        """Merge candidates into the k best of the sources ``alive`` (n,): ``score`` (n, c) (-inf =
+        no candidate), ``length`` (n, c), ``tokens`` and ``token_scores`` (n, c, L). The kept
+        hypotheses come first on ties, then the candidates in their order."""
+        k, n_max = self.norm.shape[1], self.tokens.shape[2]
+        all_score = torch.cat([self.score[alive], score], dim=1)  # (n, k + c)
+        all_len = torch.cat([self.length[alive], length], dim=1)
+        all_norm = torch.where(torch.isfinite(all_score), all_score / gnmt_length_penalty(all_len, alpha),
+                               NEG_INF)
+        best = torch.sort(all_norm, dim=1, descending=True, stable=True).indices[:, :k]  # (n, k)
+        self.norm[alive] = all_norm.gather(1, best)
+        self.score[alive] = all_score.gather(1, best)
+        self.length[alive] = all_len.gather(1, best)
+        idx = best[:, :, None].expand(-1, -1, n_max)  # (n, k, L)
+        self.tokens[alive] = torch.cat([self.tokens[alive], tokens], 1).gather(1, idx)
+        self.token_scores[alive] = torch.cat([self.token_scores[alive], token_scores], 1).gather(1, idx)
+
+    def insert(self, i: int, slot: int, *, norm: float, score: float, tokens: Tensor, token_scores: Tensor,
+               fill_id: int) -> None:
+        """Put a hypothesis (tokens (n,), token_scores (n,)) at rank ``slot`` of source i, moving
+        the ones from there down one (the last drops out)."""
+        n = tokens.shape[0]
+        for buf in (self.norm, self.score, self.length, self.tokens, self.token_scores):
+            buf[i, slot + 1:] = buf[i, slot:-1].clone()
+        self.norm[i, slot], self.score[i, slot], self.length[i, slot] = norm, score, n
+        self.tokens[i, slot], self.token_scores[i, slot] = fill_id, 0.0
+        self.tokens[i, slot, :n], self.token_scores[i, slot, :n] = tokens, token_scores
+
+    def result(self, n_best: int) -> BeamSearchResult:
+        """The best hypothesis of every source and its ``n_best`` list."""
+        lengths, scores, norms = self.length[:, 0].clone(), self.score[:, 0].clone(), self.norm[:, 0].clone()
+        width = int(lengths.max())
+        nbest = [
+            [Hypothesis(tokens=self.tokens[i, j, : self.length[i, j]].clone(), score=float(self.score[i, j]),
+                        normalized_score=float(self.norm[i, j]),
+                        token_scores=self.token_scores[i, j, : self.length[i, j]].clone())
+             for j in range(n_best) if torch.isfinite(self.norm[i, j])]
+            for i in range(self.norm.shape[0])
+        ]
+        return BeamSearchResult(tokens=self.tokens[:, 0, :width].clone(), lengths=lengths, scores=scores,
+                                normalized_scores=norms, nbest=nbest)
+
+
+@torch.inference_mode()
+def beam_search_encoder_decoder(
+    model: EncoderDecoder,
+    src: Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    beam_size: int = 4,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    length_penalty: float = 0.6,
+    min_len: int = 0,
+    src_valid: Tensor | None = None,
+    n_best: int = 1,
+    early_stopping: bool = False,
+    mask_pad: bool = True,
+    keep_greedy: bool = False,
+) -> BeamSearchResult:
+    """Beam search over the KV cache: every source's ``beam_size`` beams in one (b * beam) batch.
+
+    Defaults are the paper's (section 6.1): beam 4, alpha 0.6, at most source length + 50 tokens.
+
+    * Scores: log-probabilities in float32 (``log_softmax``), summed over the hypothesis. A
+      hypothesis of n tokens (eos included, bos not) is ranked by its normalized score
+      ``score / lp(n)`` with GNMT's ``lp(n) = ((5 + n) / 6) ** alpha``; alpha 0 ranks by the sum.
+    * Length: at most ``floor(max_len_a * src_len + max_len_b)`` tokens, eos included, with
+      src_len the source's real (unpadded) tokens, capped by the model's max_seq_len. A beam still
+      open at its limit is finished there without eos. ``min_len``: eos is forbidden while fewer
+      than ``min_len`` tokens precede it. The model's pad_id is never a candidate (unless
+      ``mask_pad=False``).
+    * Each step (fairseq / Hugging Face bookkeeping): the 2 * beam best continuations of the
+      source's beams are ranked by sum score; an eos continuation ranked within the first ``beam``
+      finishes (it is scored with the length penalty now and joins the source's ``beam`` best
+      finished hypotheses); the first ``beam`` non-eos continuations are the next beams. So beam 1
+      is greedy decoding.
+    * Stopping rule, per source: with ``early_stopping=False`` (default; Hugging Face's "never")
+      a source stops once its ``beam`` finished hypotheses cannot be beaten: the worst of them
+      scores >= an upper bound of any future hypothesis, best_open_sum / lp(n) with n the limit
+      for alpha > 0, n the next length for alpha < 0 (log-probs are <= 0, so sums only fall);
+      with ``early_stopping=True`` (fairseq, Hugging Face's True) as soon as it has ``beam``
+      finished hypotheses. A source also stops at its length limit or when no beam is open.
+      Finished sources leave the batch (``KVCache.reorder``).
+
+    The encoder and the cross-attention keys/values run once per source (first step at batch b),
+    then the cache is expanded to b * beam rows.
+
+    ``keep_greedy``: beam search may prune the greedy path and end with a lower normalized score
+    than greedy decoding (a search error; the tests record one at beam 2). With ``keep_greedy`` the
+    greedy hypothesis (one greedy pass, about 1/beam of the search's work) joins each source's
+    finished hypotheses before they are ranked, so the best returned normalized score is never
+    below greedy's. A greedy hypothesis the search could not have produced (pad, or eos before
+    ``min_len``) is not added.
+
+    Returns the best hypothesis per source and up to ``n_best`` (<= beam_size) per source.
+    """
+    if beam_size < 1 or not 1 <= n_best <= beam_size:
+        raise ValueError(f"need beam_size >= 1 and 1 <= n_best <= beam_size, got beam_size={beam_size}, "
+                         f"n_best={n_best}")
+    pad_id = model.config.pad_id if mask_pad else None
+    fill_id = pad_id if pad_id is not None else eos_id
+    device, b, k = src.device, src.shape[0], beam_size
+    alpha = length_penalty
+
+    encoded = model.encode(src, src_valid=src_valid)  # once per source: memory (b, s, d)
+    limits = max_target_lengths(encoded.valid, max_len_a=max_len_a, max_len_b=max_len_b,
+                                cap=model.config.max_seq_len)  # (b,)
+    n_max = int(limits.max())
+    cache = model.new_cache(b, n_max)  # bos + at most n_max - 1 fed tokens
+    bos = torch.full((b, 1), bos_id, dtype=torch.long, device=device)
+    logits = model.decode(bos, encoded, tgt_valid=torch.ones_like(bos, dtype=torch.bool),
+                          cache=cache).logits[:, -1]  # (b, v); fills the cross-attention k/v once
+    v = logits.shape[-1]
+    cache.repeat_interleave(k)  # (b * k) rows: source i's beams are rows i*k .. i*k + k-1
+    lprobs = torch.log_softmax(logits.float(), dim=-1).repeat_interleave(k, dim=0).view(b, k, v)
+
+    # Open beams of the sources still searching (n of them; `alive` maps them to source ids).
+    alive = torch.arange(b, device=device)  # (n,)
+    beams = _Beams(scores=torch.full((b, k), NEG_INF, device=device),
+                   tokens=torch.full((b, k, n_max), fill_id, dtype=torch.long, device=device),
+                   token_scores=torch.zeros(b, k, n_max, device=device))
+    beams.scores[:, 0] = 0.0  # at the first step only beam 0 is real (all beams are equal)
+    memory_valid = encoded.valid.repeat_interleave(k, dim=0)  # (n * k, s)
+    finished = _Finished.empty(b, k, n_max, fill_id, device)
+
+    n_cand = min(2 * k, k * v)
+    for t in range(1, n_max + 1):  # t: length of the hypotheses after this step
+        n = alive.shape[0]
+        if pad_id is not None:
+            lprobs[:, :, pad_id] = NEG_INF
+        if t - 1 < min_len:
+            lprobs[:, :, eos_id] = NEG_INF
+        # The 2k best continuations of each source's beams, by sum score, best first: (n, 2k) each.
+        cand = (beams.scores[:, :, None] + lprobs).view(n, k * v)  # (n, k * v) sum scores
+        top_scores, top_idx = cand.topk(n_cand, dim=1)
+        top_beam, top_tok = top_idx // v, top_idx % v  # the parent beam and the token
+        top_lp = lprobs.view(n, k * v).gather(1, top_idx)  # this token's own log-prob
+        is_eos = top_tok == eos_id
+
+        # Finished now: eos continuations ranked within the first k.
+        eos_ok = is_eos[:, :k] & torch.isfinite(top_scores[:, :k])  # (n, k)
+        eos_tokens, eos_token_scores = beams.extend(t, top_beam[:, :k], top_tok[:, :k], top_lp[:, :k])
+        eos_score = torch.where(eos_ok, top_scores[:, :k], NEG_INF)  # (n, k)
+
+        # Next beams: the first k non-eos continuations (stable sort keeps the rank order).
+        keep = torch.sort(is_eos.to(torch.uint8), dim=1, stable=True).indices[:, :k]  # (n, k)
+        next_beam, next_tok = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (n, k)
+        next_tokens, next_token_scores = beams.extend(t, next_beam, next_tok, top_lp.gather(1, keep))
+        beams = _Beams(top_scores.gather(1, keep), next_tokens, next_token_scores)  # scores best first
+
+        # At its length limit a source's open beams finish too (without eos).
+        at_limit = t >= limits[alive]  # (n,)
+        open_score = torch.where(at_limit[:, None], beams.scores, NEG_INF)  # (n, k)
+
+        # Into the source's k best finished hypotheses (old ones first on ties): (n, 2k) candidates.
+        length_t = torch.full((n, k), t, dtype=torch.long, device=device)
+        finished.merge(alive, torch.cat([eos_score, open_score], 1), torch.cat([length_t, length_t], 1),
+                       torch.cat([eos_tokens, beams.tokens], 1),
+                       torch.cat([eos_token_scores, beams.token_scores], 1), alpha)
+
+        done = _sources_done(finished.norm[alive][:, k - 1], beams.scores[:, 0], limits[alive], t=t,
+                             alpha=alpha, early_stopping=early_stopping) | at_limit  # (n,)
+        if bool(done.all()):
+            break
+
+        # Follow the kept beams (and drop finished sources) in the cache, then feed the new tokens.
+        stay = (~done).nonzero().squeeze(1)  # (n_new,) local ids of sources still searching
+        rows = (stay[:, None] * k + next_beam[stay]).reshape(-1)  # (n_new * k,) parent rows
+        cache.reorder(rows, cross=bool(done.any()))  # cross k/v only change when a source leaves
+        if bool(done.any()):
+            alive, memory_valid = alive[stay], memory_valid.index_select(0, rows)
+            beams = beams.select(stay)
+        step_logits = decode_cached_step(model, next_tok[stay].reshape(-1, 1), memory_valid, cache)
+        lprobs = torch.log_softmax(step_logits.float(), dim=-1).view(stay.shape[0], k, v)  # (n_new, k, v)
+
+    if keep_greedy:
+        _merge_greedy(model, src, src_valid, limits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                      fill_id=fill_id, min_len=min_len, alpha=alpha, finished=finished)
+    return finished.result(n_best)
+
+
+def _sources_done(worst_finished: Tensor, best_open: Tensor, limits: Tensor, *, t: int, alpha: float,
+                  early_stopping: bool) -> Tensor:
+    """(n,) bool: which sources stop searching after step t (the docstring's stopping rule, but
+    the length limit). worst_finished (n,): normalized score of each source's k-th finished
+    hypothesis (-inf while it has fewer than k); best_open (n,): sum score of its best open beam
+    (-inf: none open); limits (n,): its length limits."""
+    if early_stopping:
+        done = torch.isfinite(worst_finished)
+    else:
+        # The best any continuation of the best open beam can score (log-probs <= 0 only lower
+        # the sum): with alpha > 0 at the longest length, with alpha < 0 at the next.
+        bound_len = limits if alpha > 0 else torch.full_like(limits, t + 1)
+        bound = best_open / gnmt_length_penalty(bound_len, alpha) if alpha != 0 else best_open
+        done = worst_finished >= bound
+    return done | ~torch.isfinite(best_open)
+
+
+def _merge_greedy(model: EncoderDecoder, src: Tensor, src_valid: Tensor | None, limits: Tensor, *,
+                  bos_id: int, eos_id: int, pad_id: int | None, fill_id: int, min_len: int, alpha: float,
+                  finished: _Finished) -> None:
+    """Insert each source's greedy hypothesis into its sorted finished hypotheses (in place), unless
+    it is already there or ranks below all of them."""
+    greedy = greedy_encoder_decoder(model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=limits,
+                                    src_valid=src_valid)
+    assert greedy.lengths is not None
+    # (b, n) log-probability of each greedy token
+    token_lp = torch.log_softmax(greedy.logits.float(), dim=-1).gather(2, greedy.tokens[:, :, None])[:, :, 0]
+    k = finished.norm.shape[1]
+    for i in range(src.shape[0]):
+        n = int(greedy.lengths[i])
+        tokens = greedy.tokens[i, :n]
+        ids = tokens.tolist()
+        if (pad_id is not None and pad_id in ids) or (eos_id in ids and ids.index(eos_id) < min_len):
+            continue  # a hypothesis the search never proposes
+        score = float(token_lp[i, :n].sum())
+        norm = score / float(gnmt_length_penalty(torch.tensor(n), alpha))
+        if norm <= float(finished.norm[i, k - 1]):
+            continue  # ranks below every kept hypothesis (ties keep the search's)
+        if any(int(finished.length[i, j]) == n and torch.equal(finished.tokens[i, j, :n], tokens)
+               for j in range(k)):
+            continue  # the search found it too
+        slot = int((finished.norm[i] >= norm).sum())  # after the hypotheses that rank at least as high
+        finished.insert(i, slot, norm=norm, score=score, tokens=tokens, token_scores=token_lp[i, :n],
+                        fill_id=fill_id)

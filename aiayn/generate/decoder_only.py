@@ -1,0 +1,221 @@
+"""Decoder-only generation: one decode loop, ``stream_decoder_only``, that greedy decoding and
+sampling share, and the functions that collect it.
+
+The loop runs the prompt once into a KV cache, then one token per row per step, and computes the
+output projection at the last position only (for a small model the largest matmul of a step).
+``use_cache=False`` recomputes the whole sequence every step instead: the reference the cached
+path is tested against. ``compile=True`` runs the steps after the prompt through
+``aiayn.fast.compiled_decode`` (imported only then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from aiayn.generate.sampling import SamplingConfig, TokenChooser
+from aiayn.generate.steps import DecodeStep, GreedyResult, default_fill_id, fill_finished
+from aiayn.models.decoder_only import DecoderOnly
+from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.masks import valid_tokens
+
+
+def stream_decoder_only(
+    model: DecoderOnly,
+    prompt: Tensor,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    prompt_valid: Tensor | None = None,
+    eos_id: int | None = None,
+    fill_id: int | None = None,
+    kv_cache: str | None = None,
+    compile: bool = False,
+    use_cache: bool = True,
+) -> Iterator[DecodeStep]:
+    """Continue each row of ``prompt`` (b, t), yielding one ``DecodeStep`` per new token.
+
+    sampling: how each token is chosen; None = greedy (argmax). A ``SamplingConfig`` with a seed
+        draws the same tokens every run.
+    prompt_valid (b, t) bool: the real tokens; rows may be left-padded. Default: the model's rule
+        (``aiayn.nn.masks.valid_tokens``: ``prompt != pad_id`` when the config has a pad_id, else
+        all real). Every row needs a real token. Padding changes nothing: each row gets the tokens
+        it would get alone, since padded keys are masked and positions count real tokens only.
+        Generated tokens always count as real.
+    eos_id: a row that emits it is done; from then on it holds ``fill_id`` (default: the model's
+        pad_id, else eos_id). The loop ends when every row is done or after ``max_new_tokens``.
+    kv_cache: "int8" / "int4" decodes over a quantised KV cache (default float).
+    compile: the steps after the prompt run through ``compiled_decode_step`` (float cache only).
+    use_cache: False recomputes the whole sequence every step (the reference for the cache).
+
+    The arguments are checked on the call; the model runs lazily, one step per item taken: a
+    caller that stops early (``break``, or closing the iterator) costs no further step. The
+    tokens and logits yielded are inference tensors (``torch.inference_mode``).
+    """
+    t = prompt.shape[1]
+    if t + max_new_tokens > model.config.max_seq_len:
+        raise ValueError(f"prompt of {t} tokens + {max_new_tokens} new tokens exceeds the model's context "
+                         f"of {model.config.max_seq_len}; shorten the prompt or ask for fewer tokens")
+    if compile and not use_cache:
+        raise ValueError("compile=True decodes through the KV cache; it needs use_cache=True")
+    if compile and kv_cache is not None:
+        raise ValueError("compiled decoding needs a float KV cache; drop compile or the cache quantisation")
+    valid = prompt_validity(model, prompt, prompt_valid)  # (b, t)
+    fill_id = default_fill_id(model.config.pad_id, eos_id, fill_id) if eos_id is not None else None
+    return _decode(model, prompt, valid, max_new_tokens=max_new_tokens, chooser=TokenChooser(sampling, prompt.device),
+                   eos_id=eos_id, fill_id=fill_id, kv_cache=kv_cache, compile=compile, use_cache=use_cache)
+
+
+@torch.inference_mode()
+def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens: int, chooser: TokenChooser,
+            eos_id: int | None, fill_id: int | None, kv_cache: str | None, compile: bool,
+            use_cache: bool) -> Iterator[DecodeStep]:
+    """``stream_decoder_only``'s loop, on checked arguments: prompt, valid (b, t)."""
+    b, t = prompt.shape
+    history = penalty_history(prompt, valid, max_new_tokens) if chooser.needs_history else None
+    cache = model.new_cache(b, cache_slots(t + max_new_tokens, compile), quantize=kv_cache) if use_cache else None
+
+    # What the next model call reads: the prompt first; then, with the cache, the last token of
+    # each row (b, 1), without it the whole sequence so far (b, t + i).
+    inputs, inputs_valid = prompt, valid
+    one_real = torch.ones(b, 1, dtype=torch.bool, device=prompt.device)  # generated tokens are real
+    done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
+    for i in range(max_new_tokens):
+        if cache is None:
+            logits = model(inputs, valid=inputs_valid).logits[:, -1]  # (b, v)
+        elif compile and i > 0:
+            logits = _compiled_step(model, inputs, cache)
+        else:
+            logits = last_position_logits(model, inputs, inputs_valid, cache)
+        ids_so_far = history[:, : t + i] if history is not None else None  # (b, t + i)
+        token = fill_finished(chooser.choose(logits, ids_so_far), done, fill_id)  # (b,)
+        active = ~done
+        if eos_id is not None:
+            done = done | (token == eos_id)
+        if history is not None:
+            history[:, t + i] = token
+        yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done)
+        if bool(done.all()):
+            return
+        if cache is None:
+            inputs = torch.cat([inputs, token[:, None]], dim=1)
+            inputs_valid = torch.cat([inputs_valid, one_real], dim=1)
+        else:
+            inputs, inputs_valid = token[:, None], one_real
+
+
+@torch.inference_mode()
+def greedy_decoder_only(
+    model: DecoderOnly,
+    prompt: Tensor,
+    *,
+    max_new_tokens: int,
+    prompt_valid: Tensor | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    kv_cache: str | None = None,
+    compile: bool = False,
+) -> GreedyResult:
+    """Continue each row of ``prompt`` (b, t), left-padded where ``prompt_valid`` is False, with
+    the argmax at every step -> tokens (b, n <= max_new_tokens) and their logits.
+
+    ``kv_cache="int8"``/``"int4"`` decodes over a quantised KV cache (float by default).
+    ``compile=True`` runs the steps after the prompt through ``compiled_decode_step``.
+    ``use_cache=False`` recomputes the whole sequence every step.
+
+    Without ``prompt_valid`` the model's default applies: ``prompt != pad_id`` when the config has
+    a pad_id, else every prompt token is real. Generated tokens always count as real. After eos a
+    row holds pad_id (eos_id if the model has no pad_id); decoding stops once every row is done.
+    """
+    return GreedyResult.from_steps(stream_decoder_only(
+        model, prompt, max_new_tokens=max_new_tokens, prompt_valid=prompt_valid, eos_id=eos_id,
+        kv_cache=kv_cache, compile=compile, use_cache=use_cache))
+
+
+@torch.inference_mode()
+def generate_decoder_only(
+    model: DecoderOnly,
+    prompt: Tensor,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig | None = None,
+    prompt_valid: Tensor | None = None,
+    eos_id: int | None = None,
+    on_token: Callable[[Tensor], bool | None] | None = None,
+    kv_cache: str | None = None,
+    compile: bool = False,
+) -> Tensor:
+    """Sample a continuation of ``prompt`` (b, t) through the KV cache -> new ids (b, n <= max_new_tokens).
+
+    ``sampling``: default ``SamplingConfig()`` (temperature 1, no filtering). Rows may be
+    left-padded: ``prompt_valid`` (b, t) bool marks the real tokens (default: the model's,
+    ``prompt != pad_id`` when the config has a pad_id). Padding changes nothing: each row gets the
+    tokens it would get alone (greedy). After eos a row repeats eos; decoding stops once every row
+    is done. ``on_token`` receives each step's (b,) ids as they are produced (for streaming);
+    returning True stops early (e.g. a stop string). ``stream_decoder_only`` is the same loop as an
+    iterator.
+
+    The loop allocates once: the KV cache and a (b, t + max_new_tokens) id buffer for the
+    repetition penalty. ``kv_cache="int8"``/``"int4"``: a quantised cache. ``compile=True``: the
+    steps after the prompt run through ``compiled_decode_step`` (float cache only).
+    """
+    generated: list[Tensor] = []
+    steps = stream_decoder_only(model, prompt, max_new_tokens=max_new_tokens, sampling=sampling or SamplingConfig(),
+                                prompt_valid=prompt_valid, eos_id=eos_id, fill_id=eos_id, kv_cache=kv_cache,
+                                compile=compile)
+    for step in steps:
+        generated.append(step.tokens)
+        if on_token is not None and on_token(step.tokens):
+            steps.close()
+            break
+    return torch.stack(generated, dim=1)
+
+
+def prompt_validity(model: DecoderOnly, prompt: Tensor, prompt_valid: Tensor | None) -> Tensor:
+    """(b, t) bool, True at the prompt's real tokens: ``prompt_valid``, else the model's default
+    (``aiayn.nn.masks.valid_tokens``). Raises ValueError if a row has no real token."""
+    try:
+        valid = valid_tokens(prompt, model.config.pad_id, prompt_valid)
+    except (TypeError, ValueError) as exc:  # only a given prompt_valid can be wrong
+        got = (f"{prompt_valid.dtype} {tuple(prompt_valid.shape)}" if isinstance(prompt_valid, Tensor)
+               else type(prompt_valid).__name__)
+        raise ValueError(f"prompt_valid must be a bool tensor of the prompt's shape {tuple(prompt.shape)}, "
+                         f"got {got}") from exc
+    if not bool(valid.any(dim=1).all()):
+        raise ValueError("a prompt row has no real token (all padding); drop it or give a token")
+    return valid
+
+
+def penalty_history(prompt: Tensor, valid: Tensor, max_new_tokens: int) -> Tensor:
+    """The id buffer the repetition penalty reads, (b, t + max_new_tokens): the prompt, where a
+    padded slot repeats its row's last prompt token (so padding penalises nothing extra); the loop
+    writes each new token after it."""
+    b, t = prompt.shape
+    history = torch.empty(b, t + max_new_tokens, dtype=prompt.dtype, device=prompt.device)
+    history[:, :t] = torch.where(valid, prompt, prompt[:, -1:])
+    return history
+
+
+def last_position_logits(model: DecoderOnly, tokens: Tensor, valid: Tensor, cache: KVCache) -> Tensor:
+    """Run ``tokens`` (b, t) through the model into ``cache``; logits (b, v) of the last position
+    only (the output projection is the largest matmul of a small model's decode step)."""
+    hidden = model.decoder(tokens, valid=valid, cache=cache).hidden  # (b, t, d)
+    return model.lm_head(hidden[:, -1])
+
+
+def cache_slots(n: int, compile: bool) -> int:
+    """Cache slots for n tokens: n, or what compiled decoding rounds n up to (shared graphs)."""
+    if not compile:
+        return n
+    from aiayn.fast.compiled_decode import cache_len
+
+    return cache_len(n, compile)
+
+
+def _compiled_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> Tensor:
+    """tokens (b, 1) -> logits (b, v) through ``aiayn.fast.compiled_decode`` (imported on first use)."""
+    from aiayn.fast.compiled_decode import compiled_decode_step
+
+    return compiled_decode_step(model, tokens, cache)

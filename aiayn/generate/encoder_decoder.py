@@ -1,0 +1,147 @@
+"""Encoder-decoder generation: one decode loop, ``stream_encoder_decoder``, that greedy decoding
+and sampling share, the functions that collect it, and the per-source length limits.
+
+The source is encoded once; the first step runs bos and fills the cross-attention keys and values
+of the KV cache, every later step runs one token per row over the cache. ``use_cache=False``
+recomputes the whole target every step instead: the reference the cached path is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from aiayn.generate.sampling import SamplingConfig, TokenChooser
+from aiayn.generate.steps import DecodeStep, GreedyResult, default_fill_id, fill_finished
+from aiayn.models.encoder_decoder import EncoderDecoder
+from aiayn.nn.kv_cache import KVCache
+
+
+def stream_encoder_decoder(
+    model: EncoderDecoder,
+    src: Tensor,
+    *,
+    bos_id: int,
+    max_new_tokens: int | Tensor,
+    sampling: SamplingConfig | None = None,
+    src_valid: Tensor | None = None,
+    eos_id: int | None = None,
+    fill_id: int | None = None,
+    use_cache: bool = True,
+) -> Iterator[DecodeStep]:
+    """Decode a target for each row of ``src`` (b, s), starting every target with ``bos_id``,
+    yielding one ``DecodeStep`` per new token.
+
+    max_new_tokens: one limit for all rows, or a (b,) tensor of per-source limits (e.g.
+        ``max_target_lengths``), eos included.
+    sampling: how each token is chosen; None = greedy (argmax). The repetition penalty sees the
+        target so far, bos included.
+    src_valid (b, s) bool: the source's real tokens (default: the model's rule, ``src != pad_id``).
+    eos_id: a row that emits it is done; so is a row at its limit. From then on it holds
+        ``fill_id`` (default: the model's pad_id, else eos_id; None and no pad_id: no filling).
+        The loop ends when every row is done.
+    use_cache: False recomputes the whole target every step (the reference for the cache).
+
+    The model runs lazily, from the encoder on, one step per item taken: stopping early (``break``,
+    or closing the iterator) costs no further step.
+    """
+    limit = torch.as_tensor(max_new_tokens, device=src.device).expand(src.shape[0])  # (b,)
+    return _decode(model, src, src_valid, bos_id=bos_id, limit=limit, chooser=TokenChooser(sampling, src.device),
+                   eos_id=eos_id, fill_id=default_fill_id(model.config.pad_id, eos_id, fill_id), use_cache=use_cache)
+
+
+@torch.inference_mode()
+def _decode(model: EncoderDecoder, src: Tensor, src_valid: Tensor | None, *, bos_id: int, limit: Tensor,
+            chooser: TokenChooser, eos_id: int | None, fill_id: int | None, use_cache: bool) -> Iterator[DecodeStep]:
+    """``stream_encoder_decoder``'s loop: src (b, s), limit (b,) most new tokens per row."""
+    b, device = src.shape[0], src.device
+    n_steps = int(limit.max())
+    encoded = model.encode(src, src_valid=src_valid)  # once per source: memory (b, s, d)
+    cache = model.new_cache(b, n_steps) if use_cache else None  # bos + at most n_steps - 1 fed tokens
+
+    # bos and the tokens so far (b, 1 + i): what the recomputing path reads, and the penalty's history.
+    target = torch.full((b, 1), bos_id, dtype=torch.long, device=device)
+    done = limit <= 0  # (b,) a row with no token to generate is done from the start
+    for i in range(n_steps):
+        if cache is None:  # generated tokens are real even if one equals pad_id
+            logits = model.decode(target, encoded, tgt_valid=torch.ones_like(target, dtype=torch.bool)).logits[:, -1]
+        elif i == 0:  # bos; fills the cross-attention keys and values of the cache
+            logits = model.decode(target, encoded, tgt_valid=torch.ones_like(target, dtype=torch.bool),
+                                  cache=cache).logits[:, -1]
+        else:
+            logits = decode_cached_step(model, target[:, -1:], encoded.valid, cache)  # (b, v)
+        token = fill_finished(chooser.choose(logits, target), done, fill_id)  # (b,)
+        active = ~done
+        if eos_id is not None:
+            done = done | (token == eos_id)
+        done = done | (i + 1 >= limit)
+        target = torch.cat([target, token[:, None]], dim=1)
+        yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done)
+        if bool(done.all()):
+            return
+
+
+@torch.inference_mode()
+def greedy_encoder_decoder(
+    model: EncoderDecoder,
+    src: Tensor,
+    *,
+    bos_id: int,
+    max_new_tokens: int | Tensor,
+    src_valid: Tensor | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+) -> GreedyResult:
+    """Translate each row of ``src`` (b, s) greedily, starting every target with ``bos_id``.
+
+    ``max_new_tokens`` is one limit for all rows or a (b,) tensor of per-source limits (e.g.
+    ``max_target_lengths``); after its eos or its limit a row holds pad_id (eos_id if the model
+    has no pad_id) and ``lengths`` says how many tokens each row generated (up to and including
+    eos).
+    """
+    return GreedyResult.from_steps(stream_encoder_decoder(
+        model, src, bos_id=bos_id, max_new_tokens=max_new_tokens, src_valid=src_valid, eos_id=eos_id,
+        use_cache=use_cache), with_lengths=True)
+
+
+@torch.inference_mode()
+def sample_encoder_decoder(
+    model: EncoderDecoder,
+    src: Tensor,
+    *,
+    bos_id: int,
+    max_new_tokens: int | Tensor,
+    sampling: SamplingConfig | None = None,
+    src_valid: Tensor | None = None,
+    eos_id: int | None = None,
+) -> Tensor:
+    """Sample a target for each row of ``src`` (b, s) through the KV cache -> ids (b, n).
+
+    Temperature / top-k / top-p / repetition penalty as in ``SamplingConfig`` (default
+    ``SamplingConfig()``; temperature 0 = greedy); the repetition penalty sees the target so far,
+    bos included. ``max_new_tokens``: one limit or (b,) per-source limits. After a row's eos or its
+    limit the row holds pad_id (eos_id if the model has no pad_id).
+    """
+    steps = stream_encoder_decoder(model, src, bos_id=bos_id, max_new_tokens=max_new_tokens,
+                                   sampling=sampling or SamplingConfig(), src_valid=src_valid, eos_id=eos_id)
+    return torch.stack([step.tokens for step in steps], dim=1)
+
+
+def max_target_lengths(src_valid: Tensor, *, max_len_a: float, max_len_b: int,
+                       cap: int | None = None) -> Tensor:
+    """(b,) most target tokens per source, eos included (fairseq's convention):
+    floor(max_len_a * real source tokens + max_len_b), at least 1 and at most ``cap``."""
+    src_len = src_valid.sum(dim=1).double()  # (b,) padding does not count
+    limit = torch.floor(max_len_a * src_len + max_len_b).long().clamp(min=1)
+    return limit if cap is None else limit.clamp(max=cap)
+
+
+def decode_cached_step(model: EncoderDecoder, tokens: Tensor, memory_valid: Tensor, cache: KVCache) -> Tensor:
+    """Next-token logits (b, v) for tokens (b, 1) continuing ``cache``, whose cross-attention keys
+    and values are already filled: the encoder memory itself is not needed again, only its
+    validity (b, s) for the cross-attention mask."""
+    out = model.decoder(tokens, valid=torch.ones_like(tokens, dtype=torch.bool), memory=None,
+                        memory_valid=memory_valid, cache=cache)
+    return model.lm_head(out.hidden[:, -1])

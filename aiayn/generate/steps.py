@@ -1,0 +1,81 @@
+"""What the decode loops produce: one ``DecodeStep`` per new token position, and the
+``GreedyResult`` the greedy functions collect from them."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One step of a decode loop (``stream_decoder_only``, ``stream_encoder_decoder``): the next
+    token of every row of the batch.
+
+    index: 0 for the first new token.
+    tokens (b,) long: this step's token per row; a row that finished at an earlier step holds the
+        loop's fill id (pad_id, else eos_id) instead of a generated token.
+    logits (b, v): the model's logits the tokens were chosen from (before any repetition penalty,
+        temperature or top-k / top-p filtering).
+    active (b,) bool: rows whose token was generated at this step (False: the row had finished,
+        its token is the fill id).
+    done (b,) bool: rows finished after this step (eos emitted, or the row's length limit reached);
+        the loop stops once every row is done.
+    """
+
+    index: int
+    tokens: Tensor
+    logits: Tensor
+    active: Tensor
+    done: Tensor
+
+
+class GreedyResult:
+    """What a greedy decoder returns.
+
+    tokens (b, n_new): the generated ids (after eos: pad_id, or eos repeated if no pad_id).
+    logits (b, n_new, v): the logits each token was chosen from, stacked from the per-step logits
+        on first access (a copy of b x n_new x v floats, 131 MB for 16 x 256 x 8,000, that a caller
+        wanting only the tokens never pays).
+    lengths (b,) or None: tokens generated per row, eos included (encoder-decoder).
+    """
+
+    def __init__(self, tokens: Tensor, step_logits: list[Tensor], lengths: Tensor | None = None) -> None:
+        self.tokens, self.lengths = tokens, lengths
+        self._step_logits = step_logits  # n_new x (b, v)
+
+    @functools.cached_property
+    def logits(self) -> Tensor:
+        return torch.stack(self._step_logits, 1)
+
+    @classmethod
+    def from_steps(cls, steps: Iterable[DecodeStep], *, with_lengths: bool = False) -> GreedyResult:
+        """Run a decode loop to its end and collect its steps; ``with_lengths``: count each row's
+        generated tokens (its active steps)."""
+        tokens: list[Tensor] = []
+        logits: list[Tensor] = []
+        lengths: Tensor | None = None
+        for step in steps:
+            tokens.append(step.tokens)
+            logits.append(step.logits)
+            if with_lengths:
+                lengths = step.active.long() if lengths is None else lengths + step.active
+        return cls(torch.stack(tokens, 1), logits, lengths)
+
+
+def fill_finished(tokens: Tensor, finished: Tensor, fill_id: int | None) -> Tensor:
+    """tokens (b,) with the rows of ``finished`` (b,) bool replaced by ``fill_id`` (None: kept)."""
+    if fill_id is None:
+        return tokens
+    return torch.where(finished, torch.full_like(tokens, fill_id), tokens)
+
+
+def default_fill_id(pad_id: int | None, eos_id: int | None, fill_id: int | None) -> int | None:
+    """What a finished row holds: ``fill_id`` if given, else the model's pad_id, else eos_id."""
+    if fill_id is not None:
+        return fill_id
+    return pad_id if pad_id is not None else eos_id

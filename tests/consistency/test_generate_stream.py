@@ -1,0 +1,281 @@
+"""The decode iterators ``stream_decoder_only`` / ``stream_encoder_decoder``: the loops the greedy
+and sampling functions collect.
+
+Proofs: the iterator yields exactly the wrappers' tokens (greedy and seeded sampling, both
+architectures, left-padded prompts, per-source limits); every step's logits equal a cache-free
+forward over the sequence so far; it stops once every row has emitted eos and fills finished rows;
+it runs the model lazily, so a caller that leaves the loop early costs no further step; importing
+aiayn.generate does not import aiayn.fast.
+
+Models: tiny random ones (vocab 99, d_model 48) from ``build_model(ModelConfig(...))`` with seeded
+weights at a scale where attention is far from uniform (``random_weights.randomize_``), and an
+output bias on eos so that rows finish at different steps.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from random_weights import randomize_, right_pad
+from torch import nn
+from torch.testing import assert_close
+
+from aiayn.config import ModelConfig
+from aiayn.generate import (
+    DecodeStep,
+    SamplingConfig,
+    generate_decoder_only,
+    greedy_decoder_only,
+    greedy_encoder_decoder,
+    sample_encoder_decoder,
+    stream_decoder_only,
+    stream_encoder_decoder,
+)
+from aiayn.models import build_model
+
+VOCAB, PAD, BOS, EOS = 99, 0, 1, 3
+SAMPLING = SamplingConfig(temperature=0.9, top_k=30, top_p=0.95, repetition_penalty=1.2, seed=5)
+
+
+def language_model(eos_boost: float = 0.0) -> nn.Module:
+    """LLaMA-like (RoPE, GQA, RMSNorm, SwiGLU) with pad_id 0; ``eos_boost`` is added to eos's output bias."""
+    torch.manual_seed(0)
+    config = ModelConfig(arch="decoder-only", vocab_size=VOCAB, d_model=48, n_heads=6, n_kv_heads=2, n_layers=2,
+                         d_ff=37, activation="swiglu", norm="rmsnorm", norm_position="pre", positional="rope",
+                         bias=False, scale_embeddings=False, tie_output=False, lm_head_bias=True, pad_id=PAD,
+                         max_seq_len=64)
+    model = randomize_(build_model(config), 0).eval()
+    with torch.no_grad():
+        model.lm_head.bias[EOS] += eos_boost
+    return model
+
+
+def translation_model(eos_boost: float = 0.0) -> nn.Module:
+    """The paper's encoder-decoder at toy size, T5 relative positions, pad_id 0."""
+    torch.manual_seed(0)
+    config = ModelConfig(arch="encoder-decoder", vocab_size=VOCAB, d_model=48, n_heads=6, n_layers=2, d_ff=37,
+                         positional="t5", tie_output=False, lm_head_bias=True, pad_id=PAD, max_seq_len=64)
+    model = randomize_(build_model(config), 0).eval()
+    with torch.no_grad():
+        model.lm_head.bias[EOS] += eos_boost
+    return model
+
+
+def ids(b: int, t: int, seed: int) -> torch.Tensor:
+    """Token ids in [4, VOCAB): never pad, bos or eos."""
+    return torch.randint(4, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded_prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    """(3, 6) prompt of 6, 3 and 1 real tokens, left-padded with pad ids -> (tokens, valid)."""
+    tokens = ids(3, 6, seed=1)
+    valid = torch.ones(3, 6, dtype=torch.bool)
+    valid[1, :3] = valid[2, :5] = False
+    return tokens.masked_fill(~valid, PAD), valid
+
+
+def sources() -> torch.Tensor:
+    """(4, 9) right-padded sources of 9, 5, 2 and 7 tokens."""
+    return right_pad([ids(1, n, seed=10 + n)[0] for n in (9, 5, 2, 7)])
+
+
+def collect(steps: list[DecodeStep]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps -> tokens (b, n), logits (b, n, v)."""
+    return torch.stack([s.tokens for s in steps], 1), torch.stack([s.logits for s in steps], 1)
+
+
+def first_eos(tokens: torch.Tensor) -> list[int | None]:
+    return [int((row == EOS).nonzero()[0, 0]) if bool((row == EOS).any()) else None for row in tokens]
+
+
+# ---- the iterator is the wrappers' loop ---------------------------------------------------------
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "recomputed"])
+def test_decoder_only_stream_yields_the_greedy_tokens(use_cache: bool) -> None:
+    model = language_model()
+    prompt, valid = left_padded_prompt()
+    steps = list(stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=10, use_cache=use_cache))
+    tokens, logits = collect(steps)
+    greedy = greedy_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=10, use_cache=use_cache)
+    assert [s.index for s in steps] == list(range(10))
+    assert torch.equal(tokens, greedy.tokens) and tokens.shape == (3, 10)
+    assert torch.equal(logits, greedy.logits)
+    assert torch.equal(tokens, logits.argmax(-1))  # greedy: each token is its step's argmax
+    assert all(bool(s.active.all()) and not bool(s.done.any()) for s in steps)  # no eos: nobody finishes
+
+
+def test_decoder_only_stream_yields_the_seeded_samples() -> None:
+    model = language_model()
+    prompt, valid = left_padded_prompt()
+    tokens, _ = collect(list(stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12,
+                                                 sampling=SAMPLING)))
+    sampled = generate_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12, sampling=SAMPLING)
+    assert torch.equal(tokens, sampled)
+    again, _ = collect(list(stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12,
+                                                sampling=SAMPLING)))
+    assert torch.equal(again, tokens)  # the seed reproduces the draws
+    greedy = greedy_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12).tokens
+    assert not torch.equal(tokens, greedy)  # it did sample
+    # on_token sees the same steps as they come, and stopping it ends the result there.
+    seen: list[torch.Tensor] = []
+    early = generate_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12, sampling=SAMPLING,
+                                  on_token=lambda t: seen.append(t) or len(seen) == 4)
+    assert torch.equal(early, tokens[:, :4]) and torch.equal(torch.stack(seen, 1), early)
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "recomputed"])
+def test_encoder_decoder_stream_yields_the_greedy_tokens_and_lengths(use_cache: bool) -> None:
+    model = translation_model(eos_boost=2.5)
+    src = sources()
+    limits = torch.tensor([12, 4, 1, 7])
+    steps = list(stream_encoder_decoder(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=limits,
+                                        use_cache=use_cache))
+    tokens, logits = collect(steps)
+    greedy = greedy_encoder_decoder(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=limits, use_cache=use_cache)
+    assert torch.equal(tokens, greedy.tokens)
+    assert torch.equal(logits, greedy.logits)
+    lengths = torch.stack([s.active for s in steps]).sum(0)
+    assert torch.equal(lengths, greedy.lengths)
+    # Each row stops at its eos or its limit, whichever comes first; then it holds pad.
+    expected = [n if e is None else min(n, e + 1)
+                for n, e in zip(limits.tolist(), first_eos(tokens), strict=True)]
+    assert lengths.tolist() == expected and expected != limits.tolist()  # eos cut some rows short
+    for row, n in enumerate(expected):
+        assert bool((tokens[row, n:] == PAD).all())
+
+
+def test_encoder_decoder_stream_yields_the_seeded_samples() -> None:
+    model = translation_model()
+    src = sources()
+    limits = torch.tensor([8, 3, 5, 8])
+    tokens, _ = collect(list(stream_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=limits,
+                                                    sampling=SAMPLING)))
+    sampled = sample_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=limits, sampling=SAMPLING)
+    assert torch.equal(tokens, sampled) and tokens.shape == (4, 8)
+    greedy = greedy_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=limits).tokens
+    assert not torch.equal(tokens, greedy)
+    greedy_sampling, _ = collect(list(stream_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=limits,
+                                                             sampling=SamplingConfig(temperature=0))))
+    assert torch.equal(greedy_sampling, greedy)  # temperature 0 is greedy
+
+
+# ---- every step's logits are the model's over the sequence so far --------------------------------
+@pytest.mark.parametrize("sampling", [None, SAMPLING], ids=["greedy", "sampled"])
+def test_decoder_only_step_logits_equal_a_full_forward(sampling: SamplingConfig | None) -> None:
+    model = language_model()
+    prompt, valid = left_padded_prompt()
+    t = prompt.shape[1]
+    tokens, logits = collect(list(stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=10,
+                                                      sampling=sampling)))
+    generated_valid = torch.ones_like(tokens, dtype=torch.bool)
+    with torch.no_grad():  # one forward over prompt + generated tokens, no cache
+        full = model(torch.cat([prompt, tokens], 1), valid=torch.cat([valid, generated_valid], 1)).logits
+    assert_close(logits, full[:, t - 1 : t - 1 + tokens.shape[1]])
+
+
+@pytest.mark.parametrize("sampling", [None, SAMPLING], ids=["greedy", "sampled"])
+def test_encoder_decoder_step_logits_equal_teacher_forcing(sampling: SamplingConfig | None) -> None:
+    model = translation_model()
+    src = sources()
+    tokens, logits = collect(list(stream_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=10,
+                                                         sampling=sampling)))
+    target = torch.cat([torch.full((4, 1), BOS), tokens], 1)  # (b, 1 + n): bos and the generated tokens
+    with torch.no_grad():
+        full = model(src, target, tgt_valid=torch.ones_like(target, dtype=torch.bool)).logits
+    assert_close(logits, full[:, :-1])
+
+
+# ---- eos ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["decoder-only", "encoder-decoder"])
+def test_stream_stops_once_every_row_has_emitted_eos(arch: str) -> None:
+    if arch == "decoder-only":
+        steps = list(stream_decoder_only(language_model(eos_boost=2.5), ids(4, 5, seed=1), max_new_tokens=30,
+                                         eos_id=EOS))
+    else:
+        steps = list(stream_encoder_decoder(translation_model(eos_boost=2.5), sources(), bos_id=BOS,
+                                            max_new_tokens=30, eos_id=EOS))
+    tokens, _ = collect(steps)
+    stops = first_eos(tokens)
+    assert None not in stops and len(set(stops)) > 1  # every row ends, at different steps
+    assert len(steps) == max(stops) + 1 < 30  # the loop ends at the last row's eos
+    for row, stop in enumerate(stops):
+        assert bool((tokens[row, stop + 1 :] == PAD).all())  # finished rows hold pad_id
+        assert [bool(s.done[row]) for s in steps] == [i >= stop for i in range(len(steps))]
+        assert [bool(s.active[row]) for s in steps] == [i <= stop for i in range(len(steps))]
+
+
+def test_fill_id_after_eos() -> None:
+    """generate_decoder_only repeats eos after eos; the stream's fill_id chooses."""
+    model, prompt = language_model(eos_boost=2.5), ids(4, 5, seed=1)
+    sampled = generate_decoder_only(model, prompt, max_new_tokens=30, eos_id=EOS,
+                                    sampling=SamplingConfig(temperature=0))
+    streamed, _ = collect(list(stream_decoder_only(model, prompt, max_new_tokens=30, eos_id=EOS, fill_id=EOS)))
+    assert torch.equal(sampled, streamed)
+    for row, stop in enumerate(first_eos(streamed)):
+        assert stop is not None and bool((streamed[row, stop:] == EOS).all())
+
+
+# ---- leaving early ------------------------------------------------------------------------------
+def count_output_calls(model: nn.Module) -> list[int]:
+    calls = [0]
+    model.lm_head.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["decoder-only", "encoder-decoder"])
+def test_leaving_the_loop_early_runs_no_further_step(arch: str) -> None:
+    model = language_model() if arch == "decoder-only" else translation_model()
+    calls = count_output_calls(model)
+
+    def stream():
+        if arch == "decoder-only":
+            return stream_decoder_only(model, ids(2, 5, seed=2), max_new_tokens=20, sampling=SAMPLING)
+        return stream_encoder_decoder(model, sources(), bos_id=BOS, max_new_tokens=20, sampling=SAMPLING)
+
+    full, _ = collect(list(stream()))
+    assert calls[0] == 20  # one model step (one output projection) per token
+    calls[0] = 0
+    taken = []
+    for step in stream():
+        taken.append(step.tokens)
+        if step.index == 2:
+            break
+    assert calls[0] == 3 and torch.equal(torch.stack(taken, 1), full[:, :3])  # same draws, seeded
+    calls[0] = 0
+    steps = stream()
+    first = next(steps)
+    steps.close()
+    assert calls[0] == 1 and torch.equal(first.tokens, full[:, 0])
+    with pytest.raises(StopIteration):
+        next(steps)
+
+
+def test_bad_arguments_raise_on_the_call_not_at_the_first_step() -> None:
+    model, prompt = language_model(), ids(2, 5, seed=3)
+    calls = count_output_calls(model)
+    with pytest.raises(ValueError, match="exceeds the model's context of 64"):
+        stream_decoder_only(model, prompt, max_new_tokens=60)
+    no_real = torch.ones(2, 5, dtype=torch.bool)
+    no_real[1] = False
+    with pytest.raises(ValueError, match="has no real token"):
+        stream_decoder_only(model, prompt, prompt_valid=no_real, max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt_valid must be a bool tensor of the prompt's shape"):
+        stream_decoder_only(model, prompt, prompt_valid=no_real.long(), max_new_tokens=2)
+    with pytest.raises(ValueError, match="use_cache=True"):
+        stream_decoder_only(model, prompt, max_new_tokens=2, compile=True, use_cache=False)
+    assert calls[0] == 0
+
+
+# ---- imports ----------------------------------------------------------------------------------------
+def test_importing_generate_leaves_aiayn_fast_unimported() -> None:
+    code = ("import sys, aiayn.generate as g; from aiayn.generate import compiled_decode_step; "
+            "print(sorted(m for m in sys.modules if m.startswith('aiayn.fast')))")
+    # compiled_decode_step is imported on access only: before it, nothing of aiayn.fast.
+    before = subprocess.run([sys.executable, "-c", "import sys, aiayn.generate; "
+                             "print(sorted(m for m in sys.modules if m.startswith('aiayn.fast')))"],
+                            capture_output=True, text=True, check=True)
+    after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert before.stdout.strip() == "[]"
+    assert "aiayn.fast.compiled_decode" in after.stdout
