@@ -115,31 +115,30 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
 
     Stops after ``max_new_tokens`` (cut to what the context leaves), at the model's end-of-text id,
     or once the text holds one of ``stops``. ``kv_cache`` ("int8"/"int4") and ``compile`` are
-    ``generate_decoder_only``'s.
+    ``stream_decoder_only``'s.
     """
-    from aiayn.generate import generate_decoder_only
+    from aiayn.generate import stream_decoder_only
 
     max_new_tokens = min(max_new_tokens, lm.context - ids.shape[1])
     produced: list[int] = []
     shown = ""
     second_token_at: float | None = None  # with compile: the first (compiling) step ends here
-
-    def on_token(token: Tensor) -> bool:
-        nonlocal shown, second_token_at
-        if lm.eos_id is not None and int(token[0]) == lm.eos_id:
-            return True
-        produced.append(int(token[0]))
+    start = time.perf_counter()
+    steps = stream_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                                kv_cache=kv_cache, compile=compile)
+    for step in steps:
+        token = int(step.tokens[0])
+        if lm.eos_id is not None and token == lm.eos_id:
+            break
+        produced.append(token)
         if len(produced) == 2:
             second_token_at = time.perf_counter()
         text = lm.decode(produced)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             on_text(text[len(shown):])
             shown = text
-        return any(stop in text for stop in stops)
-
-    start = time.perf_counter()
-    generate_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                          on_token=on_token, kv_cache=kv_cache, compile=compile)
+        if any(stop in text for stop in stops):
+            break
     end = time.perf_counter()
     after = end - second_token_at if compile and second_token_at is not None else None
     return StreamStats(len(produced), end - start, after)

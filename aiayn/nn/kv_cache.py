@@ -99,7 +99,7 @@ class LayerKVCache:
         """Store new k, v (b, h_kv, t, d_h) at [pos, pos + t); return views of [0, pos + t).
 
         ``pos`` may be a (t,) long tensor of slots instead (the decode step that ``torch.compile``
-        runs, see ``aiayn.generate``): k, v go there and the whole buffers come back,
+        runs, see ``aiayn.fast.compiled_decode``): k, v go there and the whole buffers come back,
         (b, h_kv, s_max, d_h); the caller attends over the filled prefix its key mask covers.
         """
         if isinstance(pos, Tensor):
