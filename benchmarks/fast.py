@@ -62,7 +62,7 @@ from torch import Tensor, nn
 
 from aiayn import ModelConfig, build_model
 from aiayn.fast import onednn
-from aiayn.fast.attention import fast_attention
+from aiayn.fast.attention import MIN_DECODE_QUERIES, fast_attention
 from aiayn.fast.block_causal import use_block_causal
 from aiayn.fast.dropout import FastDropout
 from aiayn.fast.fused_loss import FusedLossLinear
@@ -246,7 +246,7 @@ def _attention_path(q: Tensor, k: Tensor, kwargs: dict) -> str:
     single = (q.shape[2] == 1 and kwargs.get("bias") is None and not kwargs.get("dropout_p")
               and not kwargs.get("need_weights")
               and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))))
-    if not single:
+    if not single or q.shape[0] * q.shape[1] < MIN_DECODE_QUERIES:
         return f"{FALLS_BACK} (plain function)"
     return "GQA fold + written-out" if q.shape[1] != k.shape[1] else "single query, written-out"
 

@@ -3,11 +3,11 @@ is ``aiayn.nn.attention.scaled_dot_product_attention`` itself. ``aiayn.fast.opti
 ``fast_attention`` as a built model's attention kernel (``MultiHeadAttention.kernel``); tests in
 tests/consistency/test_fast_convert.py check it equals the plain function.
 
-* One query per row on the CPU (a decode step, eager or compiled): the written-out equation's two
-  batched matrix-vector products read the cached keys and values once each, faster than SDPA's
-  CPU kernels at that shape. Profiled in the decode loop of ``python -m benchmarks.decode`` at
-  batch 16 (4 heads, ~150 cached keys): ~195 us per layer against ~250 us for SDPA's flash kernel
-  and ~290 us for its math path. Compiled, 256 batch-16 steps took 0.75 s against 0.89 s.
+* One query per row on the CPU (a decode step, compiled, or eager from ``MIN_DECODE_QUERIES``
+  queries): the written-out equation's two batched matrix-vector products read the cached keys
+  and values once each, faster than SDPA's CPU kernels at that shape. Profiled in the decode loop
+  of ``python -m benchmarks.decode`` at batch 16 (4 heads, ~150 cached keys): ~195 us per layer
+  against ~250 us for SDPA's flash kernel and ~290 us for its math path. Compiled, 256 batch-16 steps took 0.75 s against 0.89 s.
 * One query under GQA: the h / h_kv query heads that share a key/value head become that head's
   queries, (b, h_kv, g, d_h), so k and v are never repeated.
 * Square causal training attention: query blocks (``aiayn.fast.block_causal``), 1.3-1.5x SDPA's
@@ -20,12 +20,19 @@ Shape letters: b batch, h query heads, h_kv key/value heads, t_q queries, t_k ke
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from aiayn.fast import switch
 from aiayn.fast.block_causal import block_causal_attention, use_block_causal
 from aiayn.fast.dropout import dropout
 from aiayn.nn.attention import scaled_dot_product_attention
+
+# A single-query step takes the written-out path from this many queries (batch x heads) up, eager:
+# ``python -m benchmarks.fast`` measured it at 1.01x SDPA at 64 (batch 16 x 4 heads), 1.15-1.18x at
+# 144 (SmolLM2's 9 heads), and 0.50-0.71x at batch 1 (4 and 9), at 1 and 2 threads. Inside the
+# compiled decode step (Inductor fuses the written-out products) it is taken at every batch.
+MIN_DECODE_QUERIES = 64
 
 
 def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
@@ -41,7 +48,8 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = Non
     b, h, t_q, d_h = q.shape
     h_kv = k.shape[1]
     key_mask_only = mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))  # (b, 1, 1, t_k)
-    if t_q == 1 and bias is None and dropout_p == 0.0 and key_mask_only:
+    if (t_q == 1 and bias is None and dropout_p == 0.0 and key_mask_only
+            and (b * h >= MIN_DECODE_QUERIES or torch.compiler.is_compiling())):
         if h != h_kv:  # GQA: fold each group of query heads into its key/value head, (b, h_kv, g, d_h)
             _check_heads(q, k)
             out, _ = scaled_dot_product_attention(q.reshape(b, h_kv, h // h_kv, d_h), k, v, mask=mask,

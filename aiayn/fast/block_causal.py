@@ -42,6 +42,9 @@ MAX_LENGTH = 1024  # longer: the kept weights grow as t^2 and the flash kernel's
 # backward, 2 threads: 1 x 8 heads x 64 positions x 64 (2.1M) 0.97x SDPA's speed, 1 x 4 x 128 x 64
 # (4.2M) 1.01x, 16 x 4 x 32 x 64 (4.2M) 1.44x, 1 x 8 x 128 x 64 (8.4M) 1.21x, 16 x 4 x 256 x 64 1.40x.
 MIN_WORK = 1 << 22
+# On one thread the short sequences lose: ``python -m benchmarks.fast --threads 1,2`` measured 0.85x SDPA
+# at 32 positions (batch 32 x 4 heads) on one thread, 1.23x on two; 1.37x at 256 on one.
+MIN_LENGTH_ONE_THREAD = 64
 
 
 def use_block_causal(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
@@ -58,6 +61,7 @@ def use_block_causal(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
         and k.shape[1] == h
         and dropout_p == 0.0
         and 2 <= t <= MAX_LENGTH
+        and (t >= MIN_LENGTH_ONE_THREAD or torch.get_num_threads() > 1)
         and b * h * t * t * d_h >= MIN_WORK
         and torch.is_grad_enabled()
         and (q.requires_grad or k.requires_grad or v.requires_grad)

@@ -41,6 +41,10 @@ TRANSPOSED_MAX_ROWS = {torch.float32: 64}
 # 1 row (F.linear's matrix-vector kernel is as fast), 3.3x at 2, 2.9x at 4, 1.3x at 8, 1.2x at 16,
 # 1.1x at 64.
 EAGER_TRANSPOSED_ROWS = {torch.float32: (2, 64)}
+# The turned-around product gains by splitting the output rows across threads: on one thread
+# ``python -m benchmarks.fast --threads 1,2`` measured it at 0.81-1.03x F.linear eager (2-64 rows) and
+# 0.92x compiled at 16 rows, against 1.21-1.68x and 1.32x on two. One thread keeps F.linear.
+MIN_THREADS_TRANSPOSED = 2
 
 
 def matvec_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -69,6 +73,13 @@ def transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+@torch.compiler.assume_constant_result
+def _threads() -> int:
+    """torch's intra-op thread count; read once at trace time inside a compiled function (a decode
+    step compiled at one thread count keeps its choice if the count changes afterwards)."""
+    return torch.get_num_threads()
+
+
 def _rows(x: Tensor) -> int:
     """Rows of x (..., i): the product of its leading dimensions."""
     return x.numel() // max(x.shape[-1], 1)
@@ -86,13 +97,15 @@ def use_matvec(x: Tensor, weight: Tensor) -> bool:
 
 def use_transposed(x: Tensor, weight: Tensor) -> bool:
     """Whether ``transposed_linear`` is the faster way to compute F.linear(x, weight) compiled."""
-    return _measured(x, weight) and _rows(x) <= TRANSPOSED_MAX_ROWS.get(weight.dtype, 0)
+    return (_measured(x, weight) and _rows(x) <= TRANSPOSED_MAX_ROWS.get(weight.dtype, 0)
+            and _threads() >= MIN_THREADS_TRANSPOSED)
 
 
 def use_eager_transposed(x: Tensor, weight: Tensor) -> bool:
     """Whether ``transposed_linear`` is the faster way to compute F.linear(x, weight) eager."""
     low, high = EAGER_TRANSPOSED_ROWS.get(weight.dtype, (1, 0))
-    return low <= _rows(x) <= high and _measured(x, weight)
+    return (low <= _rows(x) <= high and _measured(x, weight)
+            and _threads() >= MIN_THREADS_TRANSPOSED)
 
 
 class MatvecLinears(TorchFunctionMode):

@@ -31,6 +31,15 @@ from aiayn.fast.matvec import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _any_thread_count(monkeypatch):
+    """The turned-around product is routed to from two threads (a speed threshold, tested in
+    test_fast_routing.py); here it is taken at any thread count, so the kernels are tested alike
+    on a machine of any size."""
+    from aiayn.fast import matvec
+
+    monkeypatch.setattr(matvec, "MIN_THREADS_TRANSPOSED", 1)
+
 @pytest.mark.parametrize("way", [matvec_linear, transposed_linear])
 @pytest.mark.parametrize("bias", [False, True])
 def test_ways_equal_f_linear_eager(way: Callable[..., Tensor], bias: bool) -> None:
