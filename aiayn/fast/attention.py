@@ -29,9 +29,11 @@ from aiayn.fast.dropout import dropout
 from aiayn.nn.attention import scaled_dot_product_attention
 
 # A single-query step takes the written-out path from this many queries (batch x heads) up, eager:
-# ``python -m benchmarks.fast`` measured it at 1.01x SDPA at 64 (batch 16 x 4 heads), 1.15-1.18x at
-# 144 (SmolLM2's 9 heads), and 0.50-0.71x at batch 1 (4 and 9), at 1 and 2 threads. Inside the
-# compiled decode step (Inductor fuses the written-out products) it is taken at every batch.
+# ``python -m benchmarks.fast --threads 1,2`` measured it at 1.15-1.18x SDPA at 144 (batch 16 x
+# SmolLM2's 9 heads) and 0.50-0.71x at batch 1 (4 and 9 heads). At 64 (batch 16 x 4 heads) it
+# ties in isolation (0.96-1.01x over two runs) but wins inside the decode loop: the batch-16 call
+# of ``benchmarks.decode`` took 7% longer with SDPA there (730 against 684 ms, 2 threads). Inside
+# the compiled decode step (Inductor fuses the written-out products) it is taken at every batch.
 MIN_DECODE_QUERIES = 64
 
 
