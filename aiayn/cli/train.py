@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,22 @@ def _preset(name: str) -> Any:
 
 
 # ---- training ---------------------------------------------------------------------------------
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange that also refuses NaN and the infinities (which pass its range checks:
+    every comparison with NaN is false, and inf > 0), written as nan, inf or 1e999."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number; give an ordinary number such as 0.001", param, ctx)
+        return number
+
+
+# torch.manual_seed takes less than 2**64, and tasks derive further seeds from it by arithmetic
+# (seed * 100_003 + epoch): the usual 32-bit range leaves room.
+SEED_RANGE = click.IntRange(0, 2**32 - 1)
 _MODEL_OPTIONS = {  # CLI option -> ModelConfig field
     "d_model": "d_model", "n_layers": "n_layers", "n_heads": "n_heads", "d_ff": "d_ff",
     "dropout": "dropout", "attention_dropout": "attention_dropout", "positional": "positional",
@@ -98,18 +116,18 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
 @click.option("--epochs", type=click.IntRange(min=1), help="Passes over the training split.")
 @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimiser steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Examples per batch.")
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True),
+@click.option("--lr", type=FiniteFloatRange(min=0, min_open=True),
               help="Peak learning rate (for --schedule noam: the factor in front of the formula).")
 @click.option("--schedule", type=click.Choice(["noam", "cosine", "constant", "linear"]),
               help="Learning-rate schedule; all warm up linearly.")
 @click.option("--warmup-steps", type=click.IntRange(min=0), help="Warmup length in steps.")
 @click.option("--optimizer", type=click.Choice(["adam", "adamw"]), help="Adam (paper betas/eps) or AdamW.")
-@click.option("--weight-decay", type=click.FloatRange(min=0), help="AdamW decoupled weight decay.")
-@click.option("--label-smoothing", type=click.FloatRange(min=0, max=1, max_open=True),
+@click.option("--weight-decay", type=FiniteFloatRange(min=0), help="AdamW decoupled weight decay.")
+@click.option("--label-smoothing", type=FiniteFloatRange(min=0, max=1, max_open=True),
               help="Label smoothing epsilon (paper: 0.1).")
-@click.option("--clip-grad-norm", type=click.FloatRange(min=0, min_open=True), help="Gradient-norm clip.")
+@click.option("--clip-grad-norm", type=FiniteFloatRange(min=0, min_open=True), help="Gradient-norm clip.")
 @click.option("--grad-accum", type=click.IntRange(min=1), help="Batches accumulated per optimiser step.")
-@click.option("--seed", type=int, help="Random seed (data, initialisation, dropout).")
+@click.option("--seed", type=SEED_RANGE, help="Random seed (data, initialisation, dropout), 0 to 2**32 - 1.")
 @click.option("--bf16/--no-bf16", default=None, help="bfloat16 autocast on the CPU.")
 @click.option("--compile/--no-compile", default=None, help="torch.compile the model.")
 @click.option("--eval-every", type=click.IntRange(min=0), help="Steps between validations (0: each epoch).")
@@ -122,8 +140,8 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
 @click.option("--n-layers", type=click.IntRange(min=1), help="Layers per stack.")
 @click.option("--n-heads", type=click.IntRange(min=1), help="Attention heads.")
 @click.option("--d-ff", type=click.IntRange(min=1), help="Feed-forward width.")
-@click.option("--dropout", type=click.FloatRange(min=0, max=1, max_open=True), help="Residual/embedding dropout.")
-@click.option("--attention-dropout", type=click.FloatRange(min=0, max=1, max_open=True),
+@click.option("--dropout", type=FiniteFloatRange(min=0, max=1, max_open=True), help="Residual/embedding dropout.")
+@click.option("--attention-dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
               help="Dropout on the attention weights.")
 @click.option("--positional", type=click.Choice(["sinusoidal", "learned", "rope", "alibi", "t5", "none"]),
               help="Positional scheme.")
@@ -148,7 +166,7 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
     """
     from aiayn.tasks.runs import default_run_dir
     from aiayn.train.distributed import ParallelOptions
-    from aiayn.train.trainer import train
+    from aiayn.train.trainer import TrainingDiverged, train
 
     if resume and overwrite:
         raise click.UsageError("--resume and --overwrite contradict each other; choose one")
@@ -161,9 +179,14 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
     if is_main_process():
         click.echo(f"task {setup.task_name}: {setup.task.description}")
         click.echo(f"run directory: {run_dir}")
-    result = train(setup.task, setup.model_config, setup.train_config, run_dir, resume=resume,
-                   overwrite=overwrite, progress=progress, echo=click.echo,
-                   parallel=ParallelOptions(fsdp=fsdp), fast=not plain)
+    try:
+        result = train(setup.task, setup.model_config, setup.train_config, run_dir, resume=resume,
+                       overwrite=overwrite, progress=progress, echo=click.echo,
+                       parallel=ParallelOptions(fsdp=fsdp), fast=not plain)
+    except TrainingDiverged as exc:  # a failure, not a usage error: exit code 1
+        if is_main_process():
+            click.echo(f"Error: {exc}", err=True)
+        sys.exit(1)
     if result.interrupted:
         raise SystemExit(130)
     if is_main_process():  # under torchrun, rank 0 reports

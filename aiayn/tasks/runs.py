@@ -12,7 +12,6 @@ The models loaded for inference (``load_text_model``, ``load_translator``) run t
 from __future__ import annotations
 
 import inspect
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,8 +29,8 @@ from aiayn.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
+from aiayn.train.run_dir import RunDirError, read_run_config
 from aiayn.train.task import Task
-from aiayn.train.trainer import RunDirError
 
 if TYPE_CHECKING:
     from aiayn.textgen import TextModel
@@ -76,10 +75,7 @@ def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = T
     ``prepare=False`` skips building the task's data splits (enough for generation).
     """
     run_dir = Path(run_dir)
-    config_path = run_dir / "config.json"
-    if not config_path.is_file():
-        raise RunDirError(f"{run_dir} is not a run directory (no config.json); train one with aiayn train")
-    configs = json.loads(config_path.read_text(encoding="utf-8"))
+    configs = read_run_config(run_dir)
     task = get_task(configs["task"], **configs.get("task_options", {}))
     model_config = ModelConfig.from_dict(configs["model"])
     train_config = TrainConfig.from_dict(configs["train"])
@@ -200,7 +196,7 @@ def setup_run(task: str | None = None, *, resume_dir: Path | None = None, recipe
     """
     saved = None
     if resume_dir is not None and (resume_dir / "config.json").is_file():
-        saved = json.loads((resume_dir / "config.json").read_text(encoding="utf-8"))
+        saved = read_run_config(resume_dir, hint="cannot resume it")
     recipe_fields = read_recipe(recipe) if recipe is not None and saved is None else {}
     name = task or (saved or recipe_fields).get("task") or DEFAULT_TASK
     task_options = (saved or recipe_fields).get("task_options", {})

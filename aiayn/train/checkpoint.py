@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,33 +28,19 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
+from aiayn.train.run_dir import CHECKPOINT_NAME, atomic_write_text, claim_output_dir, fsync_dir
+
+__all__ = ["CheckpointError", "LoadedCheckpoint", "atomic_write_text", "average_checkpoints",
+           "average_last_checkpoints", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+           "load_weights", "restore_rng", "save_checkpoint"]
+
 FORMAT_VERSION = 1
 MODEL_FILE, OPTIM_FILE, STATE_FILE, LATEST = "model.safetensors", "optimizer.safetensors", "state.json", "latest"
+STALE_TMP = re.compile(r"\.tmp-step-\d{8}-\d+")  # what save_checkpoint writes before its rename
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, corrupt, truncated or from another model."""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a small text file so that readers see either the old or the new content."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def _flatten_optimizer(state_dict: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -121,36 +108,59 @@ def save_checkpoint(
         with open(file, "rb") as handle:
             os.fsync(handle.fileno())
     if final.exists():  # a checkpoint of this step from an earlier, abandoned attempt
+        if final.is_symlink() or not final.is_dir() or not _written_by_us(final):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"refusing to replace {final}: it is not a checkpoint aiayn wrote; "
+                                  f"move it out of {directory}")
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     atomic_write_text(directory / LATEST, name + "\n")
     _prune(directory, keep)
     return final
 
 
+def _written_by_us(path: Path) -> bool:
+    """A checkpoint directory save_checkpoint wrote: its own files only, and a state.json of ours."""
+    if not {p.name for p in path.iterdir()} <= {MODEL_FILE, OPTIM_FILE, STATE_FILE}:
+        return False
+    try:
+        return "format_version" in json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        return False
+
+
 def _prune(directory: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and leftovers of a kill mid-save: only
+    ``step-XXXXXXXX`` directories this module wrote (a folder a user put there, or a checkpoint
+    holding a file of theirs, is left alone)."""
     for old in list_checkpoints(directory)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in directory.glob(".tmp-step-*"):  # leftovers of a kill mid-save
-        if not stale.name.endswith(f"-{os.getpid()}"):
+        if _written_by_us(old):
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.glob(".tmp-step-*"):
+        if STALE_TMP.fullmatch(stale.name) and not stale.name.endswith(f"-{os.getpid()}"):
             shutil.rmtree(stale, ignore_errors=True)
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints (``step-XXXXXXXX`` directories with a state.json), oldest first."""
     if not directory.is_dir():
         return []
-    found = [p for p in directory.glob("step-*") if p.is_dir() and (p / STATE_FILE).is_file()]
+    found = [p for p in directory.glob("step-*")
+             if CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: p.name)
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
     pointer = directory / LATEST
     if pointer.is_file():
-        candidate = directory / pointer.read_text(encoding="utf-8").strip()
-        if (candidate / STATE_FILE).is_file():
-            return candidate
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        # Only a checkpoint of this folder: a pointer such as ../../elsewhere is ignored.
+        if CHECKPOINT_NAME.fullmatch(name) and (directory / name / STATE_FILE).is_file():
+            return directory / name
     found = list_checkpoints(directory)
     return found[-1] if found else None
 
@@ -212,13 +222,19 @@ def restore_rng(loaded: LoadedCheckpoint) -> None:
 
 def average_last_checkpoints(checkpoint_dir: Path, last: int, model: nn.Module, out_dir: Path) -> Path:
     """Average the newest ``last`` checkpoints of ``checkpoint_dir`` into ``model`` and save the result
-    as a weights-only checkpoint in ``out_dir`` (what ``aiayn average`` and ``average_last`` do)."""
+    as a weights-only checkpoint in ``out_dir`` (what ``aiayn average`` and ``average_last`` do).
+
+    ``out_dir`` must be new, empty or an earlier output of this function (it is marked as such): a
+    run's checkpoints/ or a folder of other files is refused (``run_dir.RunDirError``) before
+    anything is computed, since saving prunes what it finds there.
+    """
     found = list_checkpoints(checkpoint_dir)
     if not found:
         raise CheckpointError(f"{checkpoint_dir} holds no checkpoints to average")
     if len(found) < last:
         raise CheckpointError(f"{checkpoint_dir} keeps {len(found)} checkpoint(s), fewer than the {last} "
                               f"to average; average fewer or train with a larger keep_checkpoints")
+    claim_output_dir(out_dir, source=str(checkpoint_dir))
     chosen = found[-last:]
     average_checkpoints(chosen, model)
     step = int(chosen[-1].name.removeprefix("step-"))

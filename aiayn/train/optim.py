@@ -7,7 +7,7 @@ the one an uninterrupted run would use, with no scheduler state to save.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -77,3 +77,22 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
                                 weight_decay=cfg.weight_decay)
     groups = parameter_groups(model, cfg.weight_decay, decay_all=cfg.decay_all)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+# ---- the divergence guard's measurements ------------------------------------------------------
+def clip_and_measure(parameters: Iterable[nn.Parameter], max_norm: float | None) -> float | None:
+    """Clip the gradients' total 2-norm to ``max_norm`` and return the norm before clipping, as a
+    float the trainer checks for NaN/inf. None when not clipping: the norm is then not computed
+    (one more pass over the gradients every step); the weights are checked before each save instead.
+    """
+    if max_norm is None:
+        return None
+    total = nn.utils.clip_grad_norm_(parameters, max_norm)
+    if hasattr(total, "full_tensor"):  # FSDP2: a sharded DTensor; every rank gets the global norm
+        total = total.full_tensor()
+    return float(total)
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when no floating-point tensor holds NaN or an infinity (one pass, before a save)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())

@@ -14,7 +14,6 @@ import csv
 import json
 import math
 import os
-import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +29,6 @@ from aiayn.config import ModelConfig, TrainConfig
 from aiayn.train import distributed
 from aiayn.train.checkpoint import (
     CheckpointError,
-    atomic_write_text,
     average_last_checkpoints,
     latest_checkpoint,
     list_checkpoints,
@@ -39,15 +37,28 @@ from aiayn.train.checkpoint import (
     save_checkpoint,
 )
 from aiayn.train.losses import graph_tensor, sequence_loss
-from aiayn.train.optim import make_optimizer, make_schedule
+from aiayn.train.optim import all_finite, clip_and_measure, make_optimizer, make_schedule
+from aiayn.train.run_dir import (  # noqa: F401  (RunDirError, config_diff: imported from here too)
+    RunDirError,
+    RunLocation,
+    atomic_write_text,
+    config_diff,
+    from_main,
+    prepare_run_dir,
+)
 from aiayn.train.task import Task
 
 METRIC_FIELDS = ["step", "epoch", "lr", "train_loss", "train_nll", "train_acc", "tokens_per_s",
                  "val_nll", "val_ppl", "val_acc", "val_seq_acc", "val_bleu", "elapsed_s"]
 
 
-class RunDirError(ValueError):
-    """A run directory that cannot be used as asked (exists, differs, missing)."""
+class TrainingDiverged(RuntimeError):
+    """The loss, gradient norm or weights became non-finite (NaN or infinite). Training stopped at
+    that step and saved nothing after it: the run's latest checkpoint is the last good one."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 @dataclass
@@ -59,52 +70,6 @@ class TrainResult:
     examples: list[str] = field(default_factory=list)
     interrupted: bool = False
     plots: list[Path] = field(default_factory=list)
-
-
-def config_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
-    """Fields that differ between two nested config dicts, as 'a.b: old -> new'."""
-    diffs = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key), current.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += config_diff(a, b, f"{prefix}{key}.")
-        elif a != b:
-            diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return diffs
-
-
-def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, overwrite: bool) -> None:
-    config_path = run_dir / "config.json"
-    if resume:
-        if not config_path.is_file():
-            raise RunDirError(f"cannot resume: {run_dir} has no config.json (is it a run directory?)")
-        saved = json.loads(config_path.read_text(encoding="utf-8"))
-        with contextlib.suppress(Exception):  # fields added since the run was saved take their defaults
-            saved["model"] = ModelConfig.from_dict(saved["model"]).to_dict()
-            saved["train"] = TrainConfig.from_dict(saved["train"]).to_dict()
-        # Lengths of training may be extended on resume, and what happens after the last step
-        # (checkpoint averaging) changed; everything else must match.
-        ignore = {"epochs", "max_steps", "average_last"}
-        for key in ignore:
-            saved.get("train", {}).pop(key, None)
-        current = json.loads(json.dumps(configs))
-        for key in ignore:
-            current.get("train", {}).pop(key, None)
-        diffs = config_diff(saved, current)
-        if diffs:
-            raise RunDirError(
-                f"cannot resume {run_dir}: its config differs from the one given in "
-                f"{len(diffs)} field(s): {'; '.join(diffs)}. Resume with the same options, or start a "
-                f"new run (another --run-dir, or --overwrite)"
-            )
-        return
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not overwrite:
-            raise RunDirError(f"run directory {run_dir} already exists; pass --resume to continue it "
-                              f"or --overwrite to start it again")
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(config_path, json.dumps(configs, indent=2) + "\n")
 
 
 class MetricsLog:
@@ -181,9 +146,22 @@ def train(
                               average_last=train_config.average_last)
     ctx = distributed.setup(parallel)
     try:
-        return _train(task, model_config, train_config, run_dir, ctx, resume=resume, overwrite=overwrite,
-                      progress=progress and ctx.is_main, echo=echo if ctx.is_main else _quiet,
-                      make_plots=make_plots, fast=fast)
+        configs = {"task": task.name, "task_options": task.options, "model": model_config.to_dict(),
+                   "train": train_config.to_dict()}
+        # Rank 0 checks and writes the directory (a replaced run goes to a temporary sibling, whose
+        # name the other ranks learn from it); an error there is raised on every rank.
+        location = distributed.run_on_main(
+            ctx, lambda: prepare_run_dir(Path(run_dir), configs, resume=resume, overwrite=overwrite))
+        location = from_main(ctx, location)
+        assert location is not None
+        try:
+            return _train(task, model_config, train_config, location, ctx, resume=resume,
+                          progress=progress and ctx.is_main, echo=echo if ctx.is_main else _quiet,
+                          make_plots=make_plots, fast=fast)
+        except BaseException:
+            if ctx.is_main:  # failed before the first checkpoint: the old run stays, the sibling goes
+                location.abandon()
+            raise
     finally:
         if ctx.owns_group:
             distributed.shutdown(ctx)
@@ -193,34 +171,35 @@ def _quiet(_: str) -> None:
     pass
 
 
+def _diverged_message(step: int, what: str, saved_step: int | None, location: RunLocation, *, clipping: bool) -> str:
+    if saved_step is not None:
+        kept = (f"nothing was saved after it: the latest checkpoint is still step-{saved_step:08d} in "
+                f"{location.path / 'checkpoints'}")
+    elif location.pending:
+        kept = f"no checkpoint had been saved, and the run it was to replace, {location.final}, is untouched"
+    else:
+        kept = "no checkpoint had been saved"
+    fix = "a lower --lr" if clipping else "a lower --lr, or clip gradients with --clip-grad-norm"
+    return f"training diverged at step {step} ({what}); {kept}. Start again with {fix}"
+
+
 def _train(
     task: Task,
     model_config: ModelConfig,
     train_config: TrainConfig,
-    run_dir: Path,
+    location: RunLocation,
     ctx: distributed.DistContext,
     *,
     resume: bool,
-    overwrite: bool,
     progress: bool,
     echo: Callable[[str], None],
     make_plots: bool,
     fast: bool,
 ) -> TrainResult:
     cfg = train_config
-    run_dir = Path(run_dir)
-    configs = {"task": task.name, "task_options": task.options, "model": model_config.to_dict(),
-               "train": cfg.to_dict()}
-
-    def prepare() -> None:
-        prepare_run_dir(run_dir, configs, resume=resume, overwrite=overwrite)
-        if resume:  # the training length may have been extended: record it
-            atomic_write_text(run_dir / "config.json", json.dumps(configs, indent=2) + "\n")
-
-    distributed.run_on_main(ctx, prepare)  # rank 0 writes; the others wait for it
-
+    run_dir = location.final  # where the run ends up; it is written in location.path until then
     torch.manual_seed(cfg.seed)
-    task.run_dir = run_dir
+    task.run_dir = location.path
     # Rank 0 prepares first: a task may write files into the run (a learned tokenizer) that the
     # other ranks then read instead of learning their own.
     distributed.run_on_main(ctx, lambda: task.prepare(cfg.seed))
@@ -243,11 +222,12 @@ def _train(
     lr_at = make_schedule(cfg, total_steps=total_steps, d_model=model_config.d_model)
     eval_every = cfg.eval_every or steps_per_epoch
     save_every = cfg.save_every or steps_per_epoch
-    ckpt_dir = run_dir / "checkpoints"
 
     step, epoch, batch_in_epoch = 0, 0, 0
     loaded = None
+    saved_step: int | None = None  # the step of the run's latest checkpoint
     if resume:  # weights go in before the model is wrapped or sharded (checkpoints hold full states)
+        ckpt_dir = location.path / "checkpoints"
         latest = latest_checkpoint(ckpt_dir)
         if latest is None:
             raise CheckpointError(f"cannot resume: {ckpt_dir} holds no checkpoint yet; start the run "
@@ -255,6 +235,7 @@ def _train(
         loaded = load_checkpoint(latest, model)
         # batch_in_epoch counts batches of the task's list, whatever the world size that saved it.
         step, epoch, batch_in_epoch = loaded.step, loaded.state["epoch"], loaded.state["batch_in_epoch"]
+        saved_step = step
         echo(f"resuming {run_dir} from {latest.name} (step {step}, epoch {epoch})")
     frozen: list[str] = []  # parameters the loss never reaches, frozen for DDP/FSDP
     if ctx.enabled:
@@ -277,20 +258,41 @@ def _train(
                 optimizer.load_state_dict(loaded.optimizer_state)
         restore_rng(loaded)
     metrics = distributed.run_on_main(
-        ctx, lambda: MetricsLog(run_dir / "metrics.csv", resume_step=step if resume else None))
+        ctx, lambda: MetricsLog(location.path / "metrics.csv", resume_step=step if resume else None))
 
     def log_row(**row: Any) -> None:
         if metrics is not None:
             metrics.write(**row)
 
+    def diverged(what: str) -> TrainingDiverged:
+        bar.close()
+        return TrainingDiverged(_diverged_message(step, what, saved_step, location,
+                                                  clipping=cfg.clip_grad_norm is not None), step)
+
     def checkpoint() -> None:
+        nonlocal saved_step
         model_state = optimizer_state = None
         if ctx.fsdp:  # gather the full state on every rank (a collective); rank 0 writes it
             model_state, optimizer_state = distributed.full_state(model, optimizer, ctx)
-        distributed.run_on_main(ctx, lambda: save_checkpoint(
-            ckpt_dir, step=step, model=model, optimizer=optimizer, keep=cfg.keep_checkpoints,
-            state={"epoch": epoch, "batch_in_epoch": batch_in_epoch}, model_state=model_state,
-            optimizer_state=optimizer_state))
+        # Never save non-finite weights (without clipping a gradient is not measured, so an
+        # overflow can reach the weights with the loss still finite); every rank sees the same.
+        if not all_finite(model_state.values() if model_state is not None else model.parameters()):
+            raise diverged("the weights hold NaN or infinite values")
+
+        def save() -> None:
+            save_checkpoint(location.path / "checkpoints", step=step, model=model, optimizer=optimizer,
+                            keep=cfg.keep_checkpoints, state={"epoch": epoch, "batch_in_epoch": batch_in_epoch},
+                            model_state=model_state, optimizer_state=optimizer_state)
+            location.swap_in()  # a replaced run: the new one takes its place once it holds a checkpoint
+
+        moving = location.pending
+        distributed.run_on_main(ctx, save)
+        saved_step = step
+        if moving:  # every rank follows the run to its final place
+            location.swapped()
+            task.run_dir = location.path
+            if metrics is not None:
+                metrics.path = location.path / "metrics.csv"
 
     start_time = time.perf_counter()
     window_loss = window_nll = 0.0
@@ -338,8 +340,7 @@ def _train(
                     window_tokens += out.n_tokens
                     window_correct += out.n_correct
                     window_in_tokens += task.count_tokens(batch)
-                if cfg.clip_grad_norm is not None:
-                    nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                grad_norm = clip_and_measure(model.parameters(), cfg.clip_grad_norm)  # None: not clipping
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
@@ -347,6 +348,11 @@ def _train(
                 if ctx.enabled:  # the union's loss; stop when any rank was asked to
                     step_loss, stop_votes = distributed.all_reduce_sum([step_loss, float(stop.requested)], ctx)
                     stop.requested = stop_votes > 0
+                # The divergence guard: the loss (the union's, so every rank stops alike) and, when
+                # clipping, the gradient norm. Nothing is logged or saved for this step.
+                if not math.isfinite(step_loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+                    raise diverged(f"loss {step_loss:.4g}" + (f", gradient norm {grad_norm:.4g}"
+                                                              if grad_norm is not None else ""))
                 last_loss = step_loss
                 window_loss += step_loss
                 window_steps += 1
@@ -397,8 +403,9 @@ def _train(
     if cfg.average_last:
         # The paper's checkpoint averaging (section 6.1): the test split is scored with the mean of
         # the last N checkpoints' weights; val is scored again so the choice can be made on val.
+        ckpt_dir = location.path / "checkpoints"
         last = min(cfg.average_last, len(list_checkpoints(ckpt_dir)))
-        out_dir = run_dir / f"averaged-last{cfg.average_last}"
+        out_dir = location.path / f"averaged-last{cfg.average_last}"
         saved = distributed.run_on_main(ctx, lambda: average_last_checkpoints(ckpt_dir, last, model, out_dir))
         if ctx.enabled and not ctx.is_main:  # rank 0 has written the averaged checkpoint: load it
             load_checkpoint(latest_checkpoint(out_dir), model)
@@ -415,17 +422,17 @@ def _train(
     if averaged:
         summary["averaged"] = averaged
     if ctx.is_main:
-        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(location.path / "summary.json", json.dumps(summary, indent=2) + "\n")
     if make_plots:
         from aiayn import viz
 
         example = task.attention_example(model)
         if not ctx.is_main:
             return result
-        result.plots.append(viz.plot_metrics(run_dir / "metrics.csv", run_dir / "curves.png"))
+        result.plots.append(viz.plot_metrics(location.path / "metrics.csv", location.path / "curves.png"))
         if example is not None:
             result.plots.append(viz.plot_attention(example.weights, example.query_labels,
-                                                   example.key_labels, run_dir / "attention.png",
+                                                   example.key_labels, location.path / "attention.png",
                                                    title=example.title))
     return result
 

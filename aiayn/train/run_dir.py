@@ -1,0 +1,333 @@
+"""Run directories that know they are one, and the only ways aiayn creates, replaces or writes into a
+directory: nothing it did not create is ever deleted or written over.
+
+A directory aiayn creates holds a marker, ``.aiayn-run``: a small JSON object naming what it is
+(``"kind": "run"`` for a training run, ``"averaged"`` for averaged checkpoints), its format
+version and when it was created. Runs written before markers existed are recognised by their
+``config.json`` (it parses as an aiayn run config) and get their marker when resumed.
+
+Replacing a run (``--overwrite``) never deletes first. The new run is validated and started in a
+temporary sibling, ``RUN.tmp-<random>``, and swapped in when its first checkpoint is on disk (the
+old run is renamed away, the new one renamed in, then the old deleted). A failure before that (a
+typo in a task name, a diverging first step) removes the sibling and leaves the old run as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from aiayn.config import ModelConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from aiayn.train.distributed import DistContext
+
+T = TypeVar("T")
+
+MARKER = ".aiayn-run"
+MARKER_VERSION = 1
+KIND_RUN, KIND_AVERAGED = "run", "averaged"
+CONFIG_FILE = "config.json"
+# A checkpoint directory's name: the only entries pruning may delete (see checkpoint._prune).
+CHECKPOINT_NAME = re.compile(r"step-\d{8}")
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked (exists, differs, missing, not aiayn's)."""
+
+
+# ---- small, crash-safe writes -----------------------------------------------------------------
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (best effort: some filesystems refuse)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small text file so that readers see either the old or the new content."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+# ---- markers ----------------------------------------------------------------------------------
+def write_marker(directory: Path, kind: str, **extra: Any) -> None:
+    """Mark ``directory`` as aiayn's (a run or averaged checkpoints)."""
+    marker = {"kind": kind, "format_version": MARKER_VERSION,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
+    atomic_write_text(directory / MARKER, json.dumps(marker, indent=1) + "\n")
+
+
+def read_marker(directory: Path) -> dict[str, Any] | None:
+    """The marker of ``directory``, or None if it has none (or one that is not aiayn's JSON)."""
+    try:
+        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("kind"), str) else None
+
+
+def read_run_config(run_dir: Path, *, hint: str = "train one with aiayn train") -> dict[str, Any]:
+    """The saved configs of a run (``config.json``: task, task_options, model, train), checked for
+    shape; a missing, unreadable or foreign file is a RunDirError that says so."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise RunDirError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); {hint}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunDirError(f"{path} cannot be read as JSON ({exc}); is {run_dir} an aiayn run?") from None
+    shape_ok = (isinstance(data, dict) and isinstance(data.get("task"), str)
+                and isinstance(data.get("model"), dict) and isinstance(data.get("train"), dict)
+                and isinstance(data.get("task_options", {}), dict))
+    if not shape_ok:
+        raise RunDirError(f"{path} is not an aiayn run config (a mapping with task, task_options, model "
+                          f"and train); is {run_dir} an aiayn run?")
+    return data
+
+
+def is_run_dir(directory: Path) -> bool:
+    """A run aiayn wrote: its marker says so, or (runs older than markers) its config.json does."""
+    marker = read_marker(directory)
+    if marker is not None:
+        return marker["kind"] == KIND_RUN
+    try:
+        read_run_config(directory)
+    except RunDirError:
+        return False
+    return True
+
+
+def is_averaged_dir(directory: Path) -> bool:
+    """Averaged checkpoints aiayn wrote: its marker says so, or (written before markers) it holds
+    only checkpoints whose state.json records what was averaged, and their ``latest`` pointer."""
+    marker = read_marker(directory)
+    if marker is not None:
+        return marker["kind"] == KIND_AVERAGED
+    entries = list(directory.iterdir())
+    checkpoints = [p for p in entries if CHECKPOINT_NAME.fullmatch(p.name)]
+    others = [p for p in entries if p not in checkpoints and p.name != "latest" and not p.name.startswith(".tmp-step-")]
+    if not checkpoints or others:
+        return False
+    for path in checkpoints:
+        try:
+            if "averaged" not in json.loads((path / "state.json").read_text(encoding="utf-8")):
+                return False
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+            return False
+    return True
+
+
+# ---- what may be replaced or written into -----------------------------------------------------
+def _what_it_is(real: Path) -> str | None:
+    """Why ``real`` (a resolved path) must never be deleted, or None."""
+    cwd = Path.cwd().resolve()
+    home = None
+    with suppress(RuntimeError, KeyError):  # no HOME and no passwd entry
+        home = Path.home().resolve()
+    if real == Path(real.anchor):
+        return "the filesystem root"
+    if real == home:
+        return "your home directory"
+    if real == cwd:
+        return "the current directory"
+    if real in cwd.parents:
+        return "a parent of the current directory"
+    return None
+
+
+def check_replaceable(run_dir: Path) -> Path:
+    """The real path of a run that ``--overwrite`` may replace, or a RunDirError saying why not:
+    the root, the home directory, the current directory and its parents are never replaced, and
+    nothing that is not an aiayn run (a folder of unrelated files) is."""
+    real = run_dir.resolve()
+    what = _what_it_is(real)
+    if what is not None:
+        shown = f"{run_dir} ({real})" if str(run_dir) != str(real) else str(run_dir)
+        raise RunDirError(f"refusing to overwrite {shown}: it is {what}, not a run directory; "
+                          f"give --run-dir the run's own folder")
+    if not is_run_dir(real):
+        raise RunDirError(f"refusing to overwrite {run_dir}: it is not an aiayn run directory (no {MARKER} "
+                          f"and no aiayn {CONFIG_FILE}), so its files are not aiayn's to delete; choose "
+                          f"another --run-dir, or move those files away yourself")
+    return real
+
+
+def claim_output_dir(out_dir: Path, *, kind: str = KIND_AVERAGED, **extra: Any) -> None:
+    """Make ``out_dir`` ready for aiayn to write ``kind`` into, or refuse with a RunDirError: never a
+    run's ``checkpoints/`` (training resumes from it and prunes it) or anything inside one, never a
+    run, never a non-empty directory aiayn did not create as ``kind``."""
+    real = out_dir.resolve()
+    for folder in (real, *real.parents):
+        if folder.name == "checkpoints" and is_run_dir(folder.parent):
+            raise RunDirError(f"refusing to write into {out_dir}: it is in the checkpoints/ of the run "
+                              f"{folder.parent}, which training resumes from and prunes; choose an --out "
+                              f"outside it, such as {folder.parent / 'averaged'}")
+    if real.exists() and not real.is_dir():
+        raise RunDirError(f"refusing to write into {out_dir}: it is a file; choose a directory")
+    if real.is_dir() and any(real.iterdir()):
+        if is_run_dir(real):
+            raise RunDirError(f"refusing to write into {out_dir}: it is a run directory; choose a new "
+                              f"directory for the output")
+        marker = read_marker(real)
+        ours = marker["kind"] == kind if marker is not None else kind == KIND_AVERAGED and is_averaged_dir(real)
+        if not ours:
+            raise RunDirError(f"refusing to write into {out_dir}: it is not empty and aiayn did not create "
+                              f"it for {kind} checkpoints; choose a new or empty directory")
+    try:
+        real.mkdir(parents=True, exist_ok=True)
+        if read_marker(real) is None:
+            write_marker(real, kind, **extra)
+    except OSError as exc:
+        raise RunDirError(f"cannot write {out_dir}: {exc.strerror or exc}") from None
+
+
+# ---- setting up a run directory ---------------------------------------------------------------
+@dataclass
+class RunLocation:
+    """Where a run is being written (``path``) and where it ends up (``final``): the same folder,
+    except for a replaced run, which is written in a temporary sibling until ``swap_in``."""
+
+    final: Path
+    path: Path
+
+    @property
+    def pending(self) -> bool:
+        """True while the run lives in its temporary sibling (the old run still in place)."""
+        return self.path != self.final
+
+    def swap_in(self) -> None:
+        """Rename the old run away, the new one in, then delete the old (rank 0, after the first
+        checkpoint). A failure between the renames puts the old run back."""
+        if not self.pending:
+            return
+        old = self.final.with_name(f"{self.final.name}.old-{secrets.token_hex(4)}")
+        had_old = self.final.exists()
+        if had_old:
+            os.rename(self.final, old)
+        try:
+            os.rename(self.path, self.final)
+        except BaseException:
+            if had_old:
+                os.rename(old, self.final)
+            raise
+        self.path = self.final
+        fsync_dir(self.final.parent)
+        if had_old:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def swapped(self) -> None:
+        """Record a swap rank 0 did (the other ranks of a distributed run)."""
+        self.path = self.final
+
+    def abandon(self) -> None:
+        """Remove the temporary sibling of a replacement that failed before ``swap_in``."""
+        if self.pending:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
+    """Fields that differ between two nested config dicts, as 'a.b: old -> new'."""
+    diffs = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += config_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            diffs.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return diffs
+
+
+def _check_resumable(run_dir: Path, configs: dict[str, Any]) -> None:
+    saved = read_run_config(run_dir, hint="cannot resume it")
+    with suppress(Exception):  # fields added since the run was saved take their defaults
+        saved["model"] = ModelConfig.from_dict(saved["model"]).to_dict()
+        saved["train"] = TrainConfig.from_dict(saved["train"]).to_dict()
+    # Lengths of training may be extended on resume, and what happens after the last step
+    # (checkpoint averaging) changed; everything else must match.
+    ignore = {"epochs", "max_steps", "average_last"}
+    current = json.loads(json.dumps(configs))
+    for key in ignore:
+        saved["train"].pop(key, None)
+        current.get("train", {}).pop(key, None)
+    diffs = config_diff(saved, current)
+    if diffs:
+        raise RunDirError(
+            f"cannot resume {run_dir}: its config differs from the one given in "
+            f"{len(diffs)} field(s): {'; '.join(diffs)}. Resume with the same options, or start a "
+            f"new run (another --run-dir, or --overwrite)"
+        )
+
+
+def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, overwrite: bool) -> RunLocation:
+    """Check ``run_dir`` against what was asked and write the run's marker and config.json.
+
+    Resume: the saved configs must match (training may be extended); a run older than markers gets
+    one. New run: a missing or empty folder is used in place; an existing run needs ``overwrite``
+    and is replaced through a temporary sibling (see the module docstring).
+    """
+    run_dir = Path(run_dir)
+    if str(run_dir).startswith("~"):  # a quoted ~ reaches us unexpanded: it would make a folder "~"
+        raise RunDirError(f"run directory {run_dir}: '~' is not expanded here, so it would name a folder "
+                          f"called '~'; write the path out (or leave ~ unquoted for the shell)")
+    config_text = json.dumps(configs, indent=2) + "\n"
+    try:
+        if resume:
+            _check_resumable(run_dir, configs)
+            atomic_write_text(run_dir / CONFIG_FILE, config_text)  # the training length may have grown
+            if read_marker(run_dir) is None:
+                write_marker(run_dir, KIND_RUN)
+            return RunLocation(final=run_dir, path=run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            raise RunDirError(f"{run_dir} is a file, not a directory; choose another --run-dir")
+        if run_dir.is_dir() and any(run_dir.iterdir()):
+            if not overwrite:
+                raise RunDirError(f"run directory {run_dir} already exists; pass --resume to continue it "
+                                  f"or --overwrite to start it again")
+            final = check_replaceable(run_dir)
+            location = RunLocation(final=final, path=final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}"))
+            location.path.mkdir()
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            location = RunLocation(final=run_dir, path=run_dir)
+    except OSError as exc:
+        raise RunDirError(f"cannot use {run_dir} as a run directory: {exc.strerror or exc}") from None
+    try:
+        write_marker(location.path, KIND_RUN)
+        atomic_write_text(location.path / CONFIG_FILE, config_text)
+    except BaseException as exc:
+        location.abandon()
+        if isinstance(exc, OSError):
+            raise RunDirError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
+        raise
+    return location
+
+
+def from_main(ctx: DistContext, value: T) -> T:
+    """``value`` as rank 0 has it, on every rank (a broadcast; itself when not distributed)."""
+    if not ctx.enabled:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
