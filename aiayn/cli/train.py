@@ -112,7 +112,9 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the run is written. Default: runs/<task>-<date>-<time>.")
 @click.option("--resume", is_flag=True, help="Continue the run in --run-dir from its latest checkpoint.")
-@click.option("--overwrite", is_flag=True, help="Delete an existing --run-dir and start again.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the aiayn run in --run-dir with a new one (the old run is deleted only once the "
+                   "new one has saved its first checkpoint; folders that are not aiayn runs are refused).")
 @click.option("--epochs", type=click.IntRange(min=1), help="Passes over the training split.")
 @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimiser steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), help="Examples per batch.")

@@ -1,7 +1,9 @@
 """The training loop: run directory, progress bar, metrics, checkpoints, exact resume, Ctrl-C.
 
-A run directory holds ``config.json`` (task, model and training configs), ``checkpoints/``,
-``metrics.csv``, ``summary.json`` and the plots. ``train(..., resume=True)`` continues from the
+A run directory holds its marker ``.aiayn-run``, ``config.json`` (task, model and training configs),
+``checkpoints/``, ``metrics.csv``, ``summary.json`` and the plots (``aiayn.train.run_dir``: how a run
+is created, or replaced only once the new one holds a checkpoint). A NaN or infinite loss, gradient
+norm or weight stops training with ``TrainingDiverged``; nothing is saved after it. ``train(..., resume=True)`` continues from the
 latest checkpoint and ends with the same weights and losses as an uninterrupted run: the data order
 is a function of (seed, epoch), the learning rate a function of the step, and the RNG, optimiser and
 data position are restored from the checkpoint.
