@@ -260,7 +260,7 @@ def attention_decode_cases(opt: Options) -> Iterator[Case]:
                       bias=False, scale_embeddings=False, tie_output=True, pad_id=None,
                       max_seq_len=512)  # SmolLM2-135M's attention
     if opt.quick:
-        settings = [("MHA 4 heads", mha, 4, 64), ("GQA 9/3 heads", gqa, 4, 64)]
+        settings = [("MHA 4 heads", mha, 16, 64), ("GQA 9/3 heads", gqa, 16, 64)]  # >= MIN_DECODE_QUERIES
     else:  # ~144 keys: the decode benchmark's average (16 + 256 new tokens)
         settings = [("MHA 4 heads (decode bench)", mha, 1, 144), ("MHA 4 heads (decode bench)", mha, 16, 144),
                     ("GQA 9/3 heads (SmolLM2)", gqa, 1, 160), ("GQA 9/3 heads (SmolLM2)", gqa, 16, 160)]

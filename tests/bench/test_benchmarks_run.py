@@ -89,15 +89,16 @@ def test_loss_benchmark(capsys):
 
 
 def test_fast_benchmark(capsys):
-    fast.main(["--quick", "--threads", "1", "--repeats", "1", "--warmup", "0"])
+    # Two threads: the turned-around product is routed to from two threads only (aiayn.fast.matvec).
+    fast.main(["--quick", "--threads", "2", "--repeats", "1", "--warmup", "0"])
     out = capsys.readouterr().out
     for kernel in fast.KERNELS:
         if kernel != "compiled-matvec":  # --quick skips the compiled step
-            assert f"### {kernel}:" in out and f"| {kernel} | 1 |" in out
+            assert f"### {kernel}:" in out and f"| {kernel} | 2 |" in out
     # The cases measure the kernels themselves, not the fast modules' fallbacks.
-    assert "| block causal | 1 |" in out and "| single query, written-out | 1 |" in out
-    assert "| GQA fold + written-out | 1 |" in out and "| (W x^T)^T | 1 |" in out
-    assert "| oneDNN | 1 |" in out or not fast.onednn.available()
+    assert "| block causal | 2 |" in out and "| single query, written-out | 2 |" in out
+    assert "| GQA fold + written-out | 2 |" in out and "| (W x^T)^T | 2 |" in out
+    assert "| oneDNN | 2 |" in out or not fast.onednn.available()
     assert "### Summary" in out and "plain / fast" in out
 
 
