@@ -1,6 +1,15 @@
 """The ``aiayn`` command line: parse arguments, call the library, print.
 
-Errors a user can fix are reported as one line and exit code 2 (click's usage-error convention).
+Every failure a user sees is one line on stderr, ``Error: what is wrong; what to do``, and no
+traceback (``AIAYN_DEBUG=1`` or ``aiayn --debug ...`` shows it). Exit codes:
+
+* 2: a usage error, fixed by changing the command or its inputs: bad options (click's), configs,
+  run directories, tasks, model files that are not what they claim (``ConfigError``,
+  ``RunDirError``, ``UnknownTaskError``, ``InteropError``, ``CheckpointError``, ...);
+* 1: a failure of the work itself: training diverged, out of memory, an I/O error, and anything
+  unforeseen (the last-resort handler: "internal error", please report it);
+* 130: interrupted (Ctrl-C). A closed output pipe (``aiayn generate ... | head -1``) ends quietly.
+
 The commands live by subject: ``train`` (train, tasks, average, presets, kv-cache), ``generate``
 (generate, embed), ``translate`` (translate, evaluate, fetch-multi30k), ``plots`` (plot ..., demo);
 ``app`` holds the command group. No module of the library imports this package.
@@ -8,6 +17,7 @@ The commands live by subject: ``train`` (train, tasks, average, presets, kv-cach
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -19,30 +29,77 @@ from aiayn.config import ConfigError
 __all__ = ["cli", "main"]
 
 
+def _debug(argv: list[str] | None) -> bool:
+    """``AIAYN_DEBUG=1`` or ``--debug`` before the command: show tracebacks instead of one line."""
+    args = sys.argv[1:] if argv is None else argv
+    return os.environ.get("AIAYN_DEBUG", "") not in ("", "0") or "--debug" in args[:1]
+
+
+def _fail(message: str, code: int) -> None:
+    if is_main_process():  # under torchrun every rank fails alike; rank 0 says it once
+        click.echo(f"Error: {message}", err=True)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: every error a user can fix is one line on stderr and exit code 2."""
+    """Entry point: run the command; every failure is one line on stderr (see the module doc)."""
     from aiayn.data.parallel import DataError
     from aiayn.interop.mapping import InteropError
     from aiayn.tasks.base import UnknownTaskError
     from aiayn.train.checkpoint import CheckpointError
     from aiayn.train.distributed import DistributedError
-    from aiayn.train.trainer import RunDirError
+    from aiayn.train.trainer import RunDirError, TrainingDiverged
 
+    debug = _debug(argv)
     try:
         code = cli.main(args=argv, prog_name="aiayn", standalone_mode=False)
     except click.ClickException as exc:  # bad arguments: click's message, without the usage block
         hint = ""
         if isinstance(exc, click.UsageError) and exc.ctx is not None:
             hint = f" (see '{exc.ctx.command_path} --help')"
-        click.echo(f"Error: {exc.format_message()}{hint}", err=True)
-        sys.exit(exc.exit_code)
+        _fail(f"{exc.format_message()}{hint}", exc.exit_code)
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
+    except (KeyboardInterrupt, click.exceptions.Exit) as exc:
+        if isinstance(exc, click.exceptions.Exit):
+            sys.exit(exc.exit_code)
+        click.echo("Interrupted.", err=True)
+        sys.exit(130)
+    except BrokenPipeError:  # the reader went away (`| head`): nothing to say, nowhere to say it
+        _quiet_stdout()
+        sys.exit(1)
     except (ConfigError, UnknownTaskError, RunDirError, CheckpointError, InteropError,
             DistributedError, DataError) as exc:
-        # Problems a user can fix: one line, exit code 2, nothing saved is touched.
-        if is_main_process():  # under torchrun every rank fails alike; rank 0 says it once
-            click.echo(f"Error: {exc}", err=True)
-        sys.exit(2)
+        if debug:
+            raise
+        _fail(str(exc), 2)  # problems a user can fix; nothing saved is touched
+    except TrainingDiverged as exc:
+        if debug:
+            raise
+        _fail(str(exc), 1)
+    except MemoryError:
+        if debug:
+            raise
+        _fail("out of memory: the model or batch does not fit; try a smaller model, batch or "
+              "--max-new-tokens", 1)
+    except OSError as exc:  # a file that cannot be read or written: name it
+        if debug:
+            raise
+        where = f": {exc.filename}" if exc.filename else ""
+        _fail(f"{exc.strerror or exc}{where}", 1)
+    except Exception as exc:  # the last resort: one line, not a traceback
+        if debug:
+            raise
+        _fail(f"internal error: {type(exc).__name__}: {exc} (run again with AIAYN_DEBUG=1 for the "
+              f"traceback; please report it)", 1)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so that Python's exit flush stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import cli, plain_option
+from aiayn.cli.app import check_threads, cli, plain_option
 
 
 @cli.command("generate")
@@ -61,7 +61,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
         raise click.BadParameter("--compile needs the float KV cache; drop --kv-cache or --compile",
                                  param_hint="--kv-cache")
     if threads is not None:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(check_threads(threads))
     lm = _text_model(run_dir, model_path, plain=plain)
     if kv_cache == "int4" and lm.model.config.head_dim % 2:
         raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "

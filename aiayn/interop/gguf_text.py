@@ -8,6 +8,9 @@ text model needs around it.
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -144,9 +147,75 @@ class ChatTemplate:
         are template variables. Encode the result without adding special tokens (the template
         writes them).
         """
+        import jinja2
+
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
-        return _compiled(self.source).render(messages=[dict(m) for m in messages],
-                                             add_generation_prompt=add_generation_prompt, **variables)
+        try:
+            return _render_bounded(_compiled(self.source), dict(
+                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **variables))
+        except jinja2.TemplateError as exc:
+            raise GGUFError(f"the model's chat template failed: {exc}; drop --chat, or fix the "
+                            f"template") from None
+        except (OverflowError, RecursionError) as exc:
+            raise GGUFError(f"the model's chat template exceeds a limit ({exc}); it is refused") from None
+
+
+# A chat template is code from a model file: it renders in Jinja's immutable sandbox (no attribute
+# access to Python internals, no mutation), and within these budgets, so that a hostile or broken
+# one fails fast instead of hanging or filling memory. Real templates render in milliseconds into
+# a few kilobytes.
+TEMPLATE_SECONDS = 2.0
+TEMPLATE_MAX_CHARS = 1_000_000
+TEMPLATE_MAX_MEMORY = 256 << 20  # bytes the process may grow by while rendering
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory (Linux: /proc/self/statm), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _render_bounded(template: Any, context: dict[str, Any]) -> str:
+    """Render chunk by chunk: stop past ``TEMPLATE_MAX_CHARS`` of output, past ``TEMPLATE_SECONDS``
+    or once the process has grown by ``TEMPLATE_MAX_MEMORY`` (both checked on every line the
+    template's compiled code runs, through a trace function confined to the template's own frames,
+    so loops that print nothing, or that double a string in a namespace, are caught too)."""
+    deadline = time.monotonic() + TEMPLATE_SECONDS
+    start = _resident_bytes()
+
+    def in_template(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise GGUFError(f"the model's chat template ran for over {TEMPLATE_SECONDS:g} s and was "
+                            f"stopped (an endless or huge loop?); drop --chat, or fix the template")
+        now = _resident_bytes() if start is not None else None
+        if now is not None and start is not None and now - start > TEMPLATE_MAX_MEMORY:
+            raise GGUFError(f"the model's chat template took over {TEMPLATE_MAX_MEMORY >> 20} MiB of memory "
+                            f"and was stopped; drop --chat, or fix the template")
+        return in_template
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        return in_template if frame.f_code.co_filename == "<template>" else None
+
+    pieces: list[str] = []
+    size = 0
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        for piece in template.generate(**context):
+            size += len(piece)
+            if size > TEMPLATE_MAX_CHARS:
+                raise GGUFError(f"the model's chat template wrote over {TEMPLATE_MAX_CHARS:,} characters "
+                                f"and was stopped; drop --chat, or fix the template")
+            pieces.append(piece)
+    finally:
+        sys.settrace(previous)
+    return "".join(pieces)
 
 
 def _compiled(source: str) -> Any:
@@ -178,8 +247,26 @@ def _compiled(source: str) -> Any:
                separators: Any = None, sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, loopcontrols])
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        """The sandbox, with ``*``, ``**`` and ``+`` checked before they run: ``'a' * 10**10``
+        would allocate 10 GB in one operation, before any other budget could stop it."""
+
+        intercepted_binops = frozenset({"*", "**", "+"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**" and isinstance(right, int) and abs(right) > 64:
+                raise OverflowError(f"exponent {right} in '**'")
+            sequences = isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple))
+            if operator == "+" and sequences and len(left) + len(right) > TEMPLATE_MAX_CHARS:
+                raise OverflowError(f"a sequence of {len(left) + len(right):,} items")
+            if operator == "*":
+                sized, count = (left, right) if isinstance(right, int) else (right, left)
+                if (isinstance(sized, (str, list, tuple)) and isinstance(count, int)
+                        and len(sized) * count > TEMPLATE_MAX_CHARS):
+                    raise OverflowError(f"a sequence of {len(sized):,} x {count:,} items")
+            return super().call_binop(context, operator, left, right)
+
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -1,0 +1,54 @@
+"""A chat template is code from a model file: hostile or broken ones fail fast, with one message,
+inside the sandbox's budgets of time, output and memory (aiayn.interop.gguf_text)."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+
+from aiayn.interop.gguf_text import TEMPLATE_SECONDS, ChatTemplate, GGUFError
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+HOSTILE = {
+    "nested loops that print nothing": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran for over"),
+    "a range past the sandbox's limit": ("{% for i in range(10**12) %}x{% endfor %}", "Range too big"),
+    "a string multiplied to 10 GB": ("{{ 'a' * 10**10 }}", "1 x 10,000,000,000 items"),
+    "a huge power": ("{{ 2 ** 100000000 }}", "exponent"),
+    "output past the cap": ("{% for i in range(100000) %}{{ 'abcdefghijklmnopqrstuvwxyz' }}{% endfor %}",
+                            "wrote over 1,000,000 characters"),
+    "a string doubled in a namespace (~)": (
+        "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+        "{{ ns.s|length }}", "MiB of memory"),
+    "a string doubled in a namespace (+)": (
+        "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+        "a sequence of"),
+    "endless recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursion"),
+    "a syntax error": ("{% for %}", "chat template failed: Expected an expression"),
+    "raise_exception": ("{{ raise_exception('no system role') }}", "chat template failed: no system role"),
+    "Python internals": ("{{ messages.__class__.__mro__ }}", "unsafe"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_template_fails_fast_with_one_message(name: str) -> None:
+    source, message = HOSTILE[name]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    with pytest.raises(GGUFError, match=message) as info:
+        ChatTemplate(source).render(MESSAGES)
+    assert time.monotonic() - start < TEMPLATE_SECONDS + 2
+    message = str(info.value)
+    assert "\n" not in message and ("drop --chat" in message or "refused" in message)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # ru_maxrss: KiB
+    assert grown_mib < 1024, f"the process grew by {grown_mib:.0f} MiB"
+
+
+def test_an_ordinary_template_still_renders() -> None:
+    source = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    assert ChatTemplate(source).render(MESSAGES) == "<|user|>hi\n<|assistant|>"
+    assert ChatTemplate("{{ 'ab' * 3 }}{{ [1] + [2] }}{{ 2 ** 10 }}").render(MESSAGES) == "ababab[1, 2]1024"
