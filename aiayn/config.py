@@ -7,7 +7,9 @@ Every validation error says which field is wrong, what it holds and what to chan
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,12 +71,38 @@ def _probability(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a probability in [0, 1), got {value!r}")
 
 
+def _number(name: str, value: Any, *, low: float | None = None, low_open: bool = False,
+            high: float | None = None, high_open: bool = False) -> None:
+    """A finite real number (not a bool, not a string) within the bounds: type first, then range."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    if ((low is not None and (value < low or (low_open and value == low)))
+            or (high is not None and (value > high or (high_open and value == high)))):
+        bounds = f"{'(' if low_open else '['}{low if low is not None else '-inf'}, " \
+                 f"{high if high is not None else 'inf'}{')' if high_open or high is None else ']'}"
+        raise ConfigError(f"{name} must be in {bounds}, got {value!r}")
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r} ({type(value).__name__})")
+
+
 def _check_known_fields(cls: type, data: dict[str, Any]) -> None:
+    """Unknown keys are refused, each with the closest known one: a typo must not train the default."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a {cls.__name__} must be a mapping of field names to values, got {type(data).__name__}")
     known = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(str(key) for key in set(data) - known)
     if unknown:
+        guesses = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, known, n=1)
+            guesses.append(f"{key} (did you mean {close[0]}?)" if close else key)
         raise ConfigError(
-            f"unknown {cls.__name__} field(s): {', '.join(unknown)}; known fields are "
+            f"unknown {cls.__name__} field(s): {', '.join(guesses)}; known fields are "
             f"{', '.join(sorted(known))}"
         )
 
@@ -336,18 +364,22 @@ class TrainConfig:
             _positive("max_steps", self.max_steps)
         for name in ("eval_every", "save_every", "warmup_steps"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.lr, int | float) or self.lr <= 0:
-            raise ConfigError(f"lr must be a positive number, got {self.lr!r}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError(f"label_smoothing must be in [0, 1), got {self.label_smoothing!r}")
-        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
-            raise ConfigError(f"clip_grad_norm must be positive or None, got {self.clip_grad_norm!r}")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32:
+            raise ConfigError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        _number("lr", self.lr, low=0, low_open=True)
+        _number("eps", self.eps, low=0, low_open=True)
+        _number("weight_decay", self.weight_decay, low=0)
+        _number("label_smoothing", self.label_smoothing, low=0, high=1, high_open=True)
+        if self.clip_grad_norm is not None:
+            _number("clip_grad_norm", self.clip_grad_norm, low=0, low_open=True)
+        for name in ("decay_all", "bf16", "compile"):
+            _flag(name, getattr(self, name))
+        if not isinstance(self.betas, tuple) or len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        for beta in self.betas:
+            _number("each of betas", beta, low=0, high=1, high_open=True)
         if not isinstance(self.average_last, int) or self.average_last < 0:
             raise ConfigError(f"average_last must be an integer >= 0, got {self.average_last!r}")
         if self.average_last > self.keep_checkpoints:

@@ -26,6 +26,7 @@ Needs the optional packages ``gguf`` and ``tokenizers`` (and ``jinja2`` to rende
 from __future__ import annotations
 
 import inspect
+import mmap
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -114,6 +115,87 @@ def _reader_class(base: type) -> type:
     return FastReader
 
 
+# GGUF value types and the bytes of each fixed-size one (the GGUF spec: UINT8 .. FLOAT64; 8 is a
+# string, 9 an array).
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 8
+
+
+def check_header(path: Path) -> None:
+    """Walk the GGUF header without allocating from its counts, and refuse one that claims more
+    than the file holds: a 68-byte file can declare an array of 2^40 elements, which the ``gguf``
+    reader would try to materialise. Every count and length is bounded by the bytes left."""
+    size = path.stat().st_size
+    if size < 24:
+        raise GGUFError(f"{path}: {size} bytes, too short for a GGUF header; the file is truncated")
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        _walk_header(path, mapped, size)
+
+
+def _walk_header(path: Path, data: mmap.mmap, size: int) -> None:
+    pos = 0
+
+    def take(n: int, what: str) -> bytes:
+        nonlocal pos
+        if n < 0 or pos + n > len(data):
+            raise GGUFError(f"{path}: the GGUF header says {what} needs {n:,} bytes at offset {pos:,}, but the "
+                            f"file has {size:,}; the file is truncated or damaged")
+        chunk = data[pos:pos + n]
+        pos += n
+        return chunk
+
+    def u32(what: str) -> int:
+        return int.from_bytes(take(4, what), "little")
+
+    def u64(what: str) -> int:
+        return int.from_bytes(take(8, what), "little")
+
+    def count(what: str, at_least: int) -> int:
+        n = u64(what)
+        if n * at_least > len(data) - pos:
+            raise GGUFError(f"{path}: the GGUF header declares {n:,} {what}, more than its {size:,} bytes can "
+                            f"hold; the file is damaged or hostile")
+        return n
+
+    def value(kind: int, what: str, depth: int = 0) -> None:
+        if kind in _SCALAR_SIZES:
+            take(_SCALAR_SIZES[kind], what)
+        elif kind == _STRING:
+            take(u64(what), what)
+        elif kind == _ARRAY and depth < 4:
+            item = u32(what)
+            if item in _SCALAR_SIZES:
+                take(count(f"elements of {what}", _SCALAR_SIZES[item]) * _SCALAR_SIZES[item], what)
+            else:
+                for _ in range(count(f"elements of {what}", 8 if item == _STRING else 12)):
+                    value(item, what, depth + 1)
+        else:
+            raise GGUFError(f"{path}: unknown GGUF value type {kind} for {what}; the file is damaged")
+
+    take(4, "the magic")
+    version = u32("the version")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version}; aiayn reads versions 2 and 3")
+    n_tensors = count("tensors", 32)
+    n_keys = count("metadata keys", 13)
+    for _ in range(n_keys):
+        key = take(u64("a metadata key"), "a metadata key").decode("utf-8", "replace")
+        value(u32(key), key)
+    for _ in range(n_tensors):
+        name = take(u64("a tensor name"), "a tensor name").decode("utf-8", "replace")
+        dims = u32(f"tensor {name}")
+        if dims > _MAX_DIMS:
+            raise GGUFError(f"{path}: tensor {name} claims {dims:,} dimensions; the file is damaged")
+        extent = 1
+        for _ in range(dims):
+            extent *= u64(f"tensor {name}")
+        take(12, f"tensor {name}")  # its type and data offset
+        if extent > 8 * size:  # even 1-bit quantisation stores no more than 8 values per byte
+            raise GGUFError(f"{path}: tensor {name} claims {extent:,} values, more than the {size:,}-byte file "
+                            f"can hold; the file is damaged or hostile")
+
+
 def open_gguf(path: str | Path) -> GGUFReader:
     """A ``GGUFReader`` over ``path`` (memory-mapped), after checking it is a GGUF file at all."""
     path = Path(path)
@@ -123,6 +205,7 @@ def open_gguf(path: str | Path) -> GGUFReader:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r})")
+    check_header(path)
     gguf = _import_gguf()
     try:
         return _reader_class(gguf.GGUFReader)(path)
@@ -370,6 +453,9 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: 
     if embedding is None:
         raise GGUFError(f"{source}: no token_embd.weight tensor; not a complete {arch} model")
     hf_config = llama_hf_config(meta, names, int(embedding.shape[-1]), source)
+    if hf_config["num_hidden_layers"] > len(names):  # every layer has tensors: bound it by the file
+        raise GGUFError(f"{source}: {arch}.block_count is {hf_config['num_hidden_layers']:,} but the file holds "
+                        f"only {len(names):,} tensors; its metadata is damaged")
     check_llama_tensors(reader.tensors, hf_config, source)
     tok = gguf_tokenizer(meta, source) if tokenizer else None  # before the slow part: fail early
     tensors = llama_hf_tensors(reader.tensors, hf_config)

@@ -20,6 +20,8 @@ matches; otherwise ``InteropError`` names the tensors. Converted models are retu
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +88,17 @@ def _read_weight_file(path: Path) -> dict[str, Tensor]:
             weight_map: dict[str, str] = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise InteropError(f"{path}: not a shard index (a JSON object with 'weight_map')") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise InteropError(f"{path}: 'weight_map' must map tensor names to shard file names")
         tensors: dict[str, Tensor] = {}
         for shard in sorted(set(weight_map.values())):
             shard_path = path.parent / shard
+            # A shard is a weights file beside the index: no path out of the model directory, and
+            # not an index again (an index naming itself would recurse forever).
+            if (Path(shard).name != shard or shard in ("", ".", "..") or shard.endswith(".index.json")
+                    or shard_path.resolve().parent != path.parent.resolve()):
+                raise InteropError(f"{path}: shard {shard!r} is not a weights file name in {path.parent} "
+                                   f"(paths out of the model directory and nested indexes are refused)")
             if not shard_path.is_file():
                 raise InteropError(f"{path}: lists shard {shard}, which is not in {path.parent}")
             tensors.update(_read_weight_file(shard_path))
@@ -121,8 +131,9 @@ def read_hf_checkpoint(path_or_dir: str | Path) -> tuple[dict[str, Any], dict[st
         raise InteropError(f"{directory}: no {CONFIG_FILE}; a Hugging Face model directory needs one")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InteropError(f"{config_path}: not valid JSON ({exc})") from exc
+    check_config_types(config, config_path)
     if weights is None:
         weights = next((directory / f for f in WEIGHT_FILES if (directory / f).is_file()), None)
         if weights is None:
@@ -153,7 +164,48 @@ def _canonical_tensors(family: Family, tensors: dict[str, Tensor], hf: HFConfig,
                 f"(tie_word_embeddings); set it to false in config.json if they are separate"
             )
     family.prepare(out, config, hf.source)
+    ignored = [re.compile(pattern) for pattern in family.ignore]  # buffers such as position_ids
+    not_float = sorted(name for name, tensor in out.items() if not tensor.is_floating_point()
+                       and not any(pattern.fullmatch(name) for pattern in ignored))
+    if not_float:
+        raise InteropError(f"{hf.source}: weight(s) {', '.join(not_float[:4])} hold {out[not_float[0]].dtype} "
+                           f"values where floating-point weights belong; the checkpoint is damaged or "
+                           f"quantised in a format aiayn does not read")
     return out
+
+
+# config.json keys the families read, by the type they must have: a string "false" where a bool
+# belongs is truthy in Python and would silently tie weights that are separate.
+_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "scale_embedding", "normalize_before",
+              "add_final_layer_norm", "add_cross_attention", "is_decoder", "scale_attn_weights",
+              "scale_attn_by_inverse_layer_idx", "use_sliding_window", "share_encoder_decoder_embeddings")
+_INT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "vocab_size", "max_position_embeddings", "n_positions", "n_inner",
+             "head_dim", "decoder_layers", "decoder_attention_heads", "decoder_ffn_dim", "decoder_vocab_size",
+             "type_vocab_size", "sliding_window", "n_embd", "n_layer", "n_head", "d_model",
+             "encoder_layers", "encoder_attention_heads", "encoder_ffn_dim")
+_FLOAT_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "dropout",
+               "attention_dropout", "activation_dropout", "hidden_dropout_prob",
+               "attention_probs_dropout_prob", "attn_pdrop", "resid_pdrop")
+
+
+def check_config_types(config: Any, where: Path | str) -> None:
+    """Type first, then range, for every key above that ``config`` holds (null means "default")."""
+    if not isinstance(config, dict):
+        raise InteropError(f"{where}: must hold a JSON object, got {type(config).__name__}")
+    for key in _BOOL_KEYS:
+        value = config.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise InteropError(f"{where}: {key} must be true or false, got {value!r}")
+    for key in _INT_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise InteropError(f"{where}: {key} must be a whole number >= 0, got {value!r}")
+    for key in _FLOAT_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value) or value < 0):
+            raise InteropError(f"{where}: {key} must be a finite number >= 0, got {value!r}")
 
 
 def from_hf_state(hf_config: dict[str, Any], tensors: dict[str, Tensor], *,

@@ -11,6 +11,7 @@ from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import Encoded, EncoderDecoder
 from aiayn.models.encoder_only import EncoderOnly
 from aiayn.models.presets import get_preset, preset_names
+from aiayn.models.size import check_fits
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "encoder-decoder": EncoderDecoder,
@@ -20,7 +21,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def build_model(config: ModelConfig) -> nn.Module:
-    """The model class for ``config.arch``, freshly initialised."""
+    """The model class for ``config.arch``, freshly initialised; a config too large for this
+    machine's memory is refused first (``aiayn.models.size``)."""
+    check_fits(config)
     return MODEL_CLASSES[config.arch](config)
 
 
