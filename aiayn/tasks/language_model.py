@@ -30,6 +30,8 @@ class TextWindowsTask(Task):
 
     specials: tuple[str, ...] = ()
 
+    recorded_options = ("vocab",)  # the character vocabulary, kept in the run's config
+
     def __init__(self, *, block_size: int = 64, **options: Any) -> None:
         super().__init__(block_size=block_size, **options)
         self.block_size = block_size
@@ -229,6 +231,8 @@ class ShakespeareBPETask(ShakespeareCharTask):
 
     name = "shakespeare-bpe"
     description = "GPT on Tiny Shakespeare with a byte-level BPE vocabulary (loss per token and per character)"
+
+    recorded_options = ("tokenizer",)  # the learned BPE tokenizer's JSON, kept in the run's config
 
     def __init__(self, *, block_size: int = 64, vocab_size: int = 1024, **options: Any) -> None:
         Task.__init__(self, block_size=block_size, vocab_size=vocab_size, **options)

@@ -36,6 +36,9 @@ class Task:
     description: ClassVar[str] = ""
     # The split reported at the end of training.
     test_split: ClassVar[str] = "test"
+    # Options a task writes into its own options for the run's config (a learned vocabulary), read
+    # back when the run is loaded; accepted besides its ``__init__`` parameters.
+    recorded_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any) -> None:
         self.options = options

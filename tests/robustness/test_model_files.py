@@ -205,3 +205,13 @@ def test_random_model_configs_fail_only_with_config_error(data):
     for name in ("d_model", "n_heads", "n_layers", "d_ff", "vocab_size", "max_seq_len"):
         assert isinstance(getattr(config, name), int) and not isinstance(getattr(config, name), bool)
     assert math.isfinite(config.dropout)
+
+
+def test_unknown_task_options_and_names_are_refused_with_the_closest_one(capsys):
+    from aiayn.tasks.base import UnknownTaskError, get_task
+
+    with pytest.raises(UnknownTaskError, match=r"task 'reverse' has no option seq_lenn \(did you mean seq_len\?\)"):
+        get_task("reverse", seq_lenn=5)
+    with pytest.raises(UnknownTaskError, match=r"unknown task 'revers' \(did you mean reverse\?\)"):
+        get_task("revers")
+    assert get_task("reverse", seq_len=5).seq_len == 5

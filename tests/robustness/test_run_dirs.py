@@ -128,7 +128,7 @@ def test_overwrite_with_a_typo_in_the_task_keeps_the_old_run(work, capsys):
     run = work / "run"
     before = snapshot(work)
     code, _, err = aiayn(capsys, "train", "--task", "revrese", "--run-dir", "run", "--overwrite", *FAST)
-    assert code == 2 and "unknown task 'revrese'; known tasks:" in err
+    assert code == 2 and "unknown task 'revrese' (did you mean reverse?); known tasks:" in err
     code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--overwrite",
                          "--d-model", "30", "--n-heads", "4", *FAST)
     assert code == 2 and "d_model=30 is not divisible by n_heads=4" in err
