@@ -11,6 +11,7 @@ The models loaded for inference (``load_text_model``, ``load_translator``) run t
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import time
 from collections.abc import Mapping
@@ -163,7 +164,11 @@ def read_recipe(path: Path) -> dict[str, Any]:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise RunSetupError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}", about="recipe") from None
     if not isinstance(data, dict) or not set(data) <= RECIPE_KEYS:
-        extra = sorted(set(data) - RECIPE_KEYS) if isinstance(data, dict) else "not a mapping"
+        if isinstance(data, dict):
+            extra = ", ".join(f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(
+                str(key), RECIPE_KEYS, n=1)) else str(key) for key in sorted(map(str, set(data) - RECIPE_KEYS)))
+        else:
+            extra = "not a mapping"
         raise RunSetupError(f"{path}: a recipe is a mapping with keys {', '.join(sorted(RECIPE_KEYS))}; "
                             f"got {extra}", about="recipe")
     for key in ("task_options", "model", "train"):

@@ -215,3 +215,15 @@ def test_unknown_task_options_and_names_are_refused_with_the_closest_one(capsys)
     with pytest.raises(UnknownTaskError, match=r"unknown task 'revers' \(did you mean reverse\?\)"):
         get_task("revers")
     assert get_task("reverse", seq_len=5).seq_len == 5
+
+
+def test_unknown_recipe_keys_are_named_with_the_closest_one(tmp_path, capsys):
+    from aiayn.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("task: reverse\ntrian:\n  lr: 0.1\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--recipe", str(recipe), "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "got trian (did you mean train?)" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
