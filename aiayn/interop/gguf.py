@@ -452,7 +452,13 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: 
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
         raise GGUFError(f"{source}: no token_embd.weight tensor; not a complete {arch} model")
-    hf_config = llama_hf_config(meta, names, int(embedding.shape[-1]), source)
+    try:  # metadata of the wrong type ("abc" for a count, a list for a number) ends here
+        hf_config = llama_hf_config(meta, names, int(embedding.shape[-1]), source)
+    except (TypeError, ValueError, OverflowError) as exc:
+        if isinstance(exc, GGUFError):
+            raise
+        raise GGUFError(f"{source}: {arch} metadata holds a value of the wrong type ({exc}); the file is "
+                        f"damaged") from None
     if hf_config["num_hidden_layers"] > len(names):  # every layer has tensors: bound it by the file
         raise GGUFError(f"{source}: {arch}.block_count is {hf_config['num_hidden_layers']:,} but the file holds "
                         f"only {len(names):,} tensors; its metadata is damaged")

@@ -190,6 +190,8 @@ def load_checkpoint(path: Path, model: nn.Module) -> LoadedCheckpoint:
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise _corrupt(path, STATE_FILE, exc) from None
+    if not isinstance(state, dict):
+        raise _corrupt(path, STATE_FILE, ValueError(f"a JSON {type(state).__name__}, not an object"))
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {state.get('format_version')!r}, "
                               f"this aiayn reads version {FORMAT_VERSION}")
@@ -208,9 +210,21 @@ def load_checkpoint(path: Path, model: nn.Module) -> LoadedCheckpoint:
         tensors = load_file(str(path / OPTIM_FILE))
     except (SafetensorError, OSError, ValueError) as exc:
         raise _corrupt(path, OPTIM_FILE, exc) from None
+    # Every checkpoint has its step and torch RNG state; a training checkpoint (not an averaged
+    # one) also where to resume: checked here so that resuming never meets a KeyError.
+    needed = [("step", int), ("python_rng", list)]
+    if "averaged" not in state:
+        needed += [("epoch", int), ("batch_in_epoch", int)]
+    bad = [key for key, kind in needed if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool)]
+    if bad or "rng.torch" not in tensors:
+        what = f"{STATE_FILE} lacks {', '.join(bad)} (or holds the wrong type)" if bad else f"{OPTIM_FILE} lacks rng.torch"
+        raise _corrupt(path, STATE_FILE if bad else OPTIM_FILE, ValueError(what))
     meta = state.pop("optimizer", {})
-    optimizer_state = _unflatten_optimizer(tensors, meta) if meta else None
-    return LoadedCheckpoint(path=path, step=int(state["step"]), state=state,
+    try:
+        optimizer_state = _unflatten_optimizer(tensors, meta) if meta else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _corrupt(path, OPTIM_FILE, exc) from None
+    return LoadedCheckpoint(path=path, step=state["step"], state=state,
                             optimizer_state=optimizer_state, rng_state=tensors["rng.torch"])
 
 

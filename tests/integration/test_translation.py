@@ -141,7 +141,7 @@ def test_cli_bad_input(tmp_path, corpus):
     ]
     typo = tmp_path / "typo.yaml"
     typo.write_text("task: translation\ntask_options:\n  vocab_sise: 100\n", encoding="utf-8")
-    cases.append((["train", "--recipe", str(typo)], "unknown translation task option(s) vocab_sise"))
+    cases.append((["train", "--recipe", str(typo)], "has no option vocab_sise (did you mean vocab_size?)"))
     for args, needle in cases:
         result = run_cli(*args)
         assert result.returncode == 2, (args, result.stdout, result.stderr)
