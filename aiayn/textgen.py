@@ -48,7 +48,11 @@ class TextModel:
         """(1, t) token ids of ``prompt`` (a user message wrapped in the chat template with
         ``chat``). ValueError when the tokenizer refuses it or it leaves no room in the context."""
         text = self.chat(prompt) if chat and self.chat else prompt
-        ids = torch.tensor([self.encode(text)])
+        tokens = self.encode(text)
+        if not tokens:  # e.g. only characters a character-level vocabulary lacks
+            raise ValueError("the prompt is empty after tokenisation (the model's vocabulary has none of its "
+                             "characters); give some text it knows")
+        ids = torch.tensor([tokens], dtype=torch.long)
         if ids.shape[1] >= self.context:
             raise ValueError(f"the prompt is {ids.shape[1]} tokens, the model's context is {self.context}; "
                              f"shorten it")

@@ -61,11 +61,13 @@ class FiniteFloatRange(click.FloatRange):
 SEED_RANGE = click.IntRange(0, 2**32 - 1)
 
 
-def utf8_text(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
-    """A click callback for text arguments: refuse text that is not UTF-8 (an argument's odd bytes
-    arrive as surrogate escapes) with the byte offset, rather than failing later in a tokenizer."""
-    if value is not None:
-        check_utf8(value, f"--{param.name}" if param is not None and param.name else "the text")
+def utf8_text(ctx: click.Context | None, param: click.Parameter | None, value: Any) -> Any:
+    """A click callback for text options and arguments (one string or a tuple of them): refuse text
+    that is not UTF-8 (an argument's odd bytes arrive as surrogate escapes) with the byte offset,
+    rather than failing later in a tokenizer."""
+    what = f"--{param.name}" if isinstance(param, click.Option) and param.name else "the text"
+    for text in (value,) if isinstance(value, str) else value or ():
+        check_utf8(text, what)
     return value
 
 

@@ -116,7 +116,7 @@ def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool) -
               help="Override L2 normalisation (default: the Normalize module, else normalised).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
               help="Texts encoded at once.")
-@click.argument("texts", nargs=-1, required=True)
+@click.argument("texts", nargs=-1, required=True, callback=utf8_text)
 def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batch_size: int,
               texts: tuple[str, ...]) -> None:
     """Print one JSON line {"text", "embedding"} per TEXT (use '-' to read lines from stdin)."""

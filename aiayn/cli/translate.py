@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, check_writable, cli, plain_option
+from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, check_writable, cli, plain_option, utf8_text
 
 
 def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,7 +52,7 @@ def _translator(run_dir: Path, checkpoint: Path | None, plain: bool, **decoding:
 
 @cli.command("translate")
 @_decoding_options
-@click.argument("texts", nargs=-1)
+@click.argument("texts", nargs=-1, callback=utf8_text)
 def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
                   temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
                   plain: bool, texts: tuple[str, ...]) -> None:

@@ -43,6 +43,8 @@ BAD_OPTIONS = [
     (["generate", "--model", "README.md", "--prompt", "hi", "--seed", str(2**70)], r"--seed.*not in the range"),
     (["generate", "--model", "README.md", "--prompt", "ab\udcff"],
      r"--prompt is not UTF-8 text \(an undecodable byte at byte 2\)"),
+    (["translate", "--run", "nowhere", "ein \udcffHund"], r"the text is not UTF-8 text \(an undecodable byte at byte 4\)"),
+    (["embed", "--model", "README.md", "ok", "caf\udce9"], r"the text is not UTF-8 text \(an undecodable byte at byte 3\)"),
     (["train", "--task", "reverse", "--lr", "nan"], r"--lr.*'nan' is not a finite number"),
     (["translate", "--run", "nowhere", "--beam", "4", "--length-penalty", "-inf", "hello"], r"--length-penalty"),
     (["demo", "--seed", "-1"], r"--seed.*-1 is not in the range"),
@@ -144,3 +146,16 @@ def test_odd_bytes_in_argv_reach_a_message():
     # A shell hands over bytes; Python decodes the undecodable ones to surrogates (os.fsdecode).
     proc = aiayn("generate", "--model", "README.md", "--prompt", os.fsdecode(b"caf\xe9"))
     assert proc.returncode == 2 and b"not UTF-8 text" in proc.stderr and b"Traceback" not in proc.stderr
+
+
+def test_a_prompt_with_no_known_characters_is_named_not_a_dtype_error():
+    from torch import nn
+
+    from aiayn.textgen import TextModel
+
+    vocabulary = {"a": 0, "b": 1}
+    lm = TextModel(model=nn.Identity(), encode=lambda text: [vocabulary[c] for c in text if c in vocabulary],
+                   decode=lambda ids: "", context=16)
+    with pytest.raises(ValueError, match=r"the prompt is empty after tokenisation"):
+        lm.prompt_ids("§§§")
+    assert lm.prompt_ids("ab").tolist() == [[0, 1]]
