@@ -179,3 +179,12 @@ def test_committed_recipes_build_valid_configs(name):
     assert (task.src_lang, task.tgt_lang) == (src, tgt)
     assert model.share_embeddings and model.tie_output and model.arch == "encoder-decoder"
     assert trainer.label_smoothing == 0.1
+
+
+def test_stdin_that_is_not_utf8_is_named_by_line_and_byte(tiny_run):
+    """translate streams stdin line by line: a line of odd bytes stops it with the line and byte."""
+    result = subprocess.run([sys.executable, "-m", "aiayn", "translate", "--run", str(tiny_run), "--beam", "1"],
+                            capture_output=True, input=b"a dog\na d\xe4g\n", timeout=300)
+    assert result.returncode == 2 and b"Traceback" not in result.stderr, result.stderr
+    assert b"standard input, line 2: not UTF-8 (byte 0xe4 at column 4)" in result.stderr
+    assert len(result.stdout.decode().splitlines()) == 1  # the first line was translated before it
