@@ -18,6 +18,7 @@ from aiayn.explain.base import Report
 # topic name -> module in this package, in the order of the docs (the paper's order)
 TOPICS = {
     "scaling": "scaling",          # why divide by sqrt(d_k)
+    "parameters": "parameters",    # paper-base: 63.1M here, 65M in Table 3
 }
 
 
