@@ -130,7 +130,7 @@ def _plot(d_model: int, wavelength: list[float], pe: torch.Tensor, offsets: list
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), layout="constrained")
     t = torch.arange(200)
     curves = sinusoidal_encoding(t, d_model)
-    for dim in (0, 1, 8, 16, 32):
+    for dim in (0, 1, d_model // 4, d_model // 2):  # wavelengths 2π, 2π, 2π·10000^(1/4), 2π·100
         axes[0][0].plot(t.numpy(), curves[:, dim].numpy(), label=f"dim {dim}")
     axes[0][0].set_xlabel("position t")
     axes[0][0].set_title("PE(t, dim): sines and cosines of falling frequency")
@@ -143,9 +143,9 @@ def _plot(d_model: int, wavelength: list[float], pe: torch.Tensor, offsets: list
     axes[0][1].set_title("wavelengths: a geometric progression")
     axes[0][1].legend()
     ks = torch.arange(-max(offsets), max(offsets) + 1)
-    for start in starts[1:]:
+    for start in (max(offsets), starts[-1]):  # t >= the largest offset: t + k >= 0
         axes[1][0].plot(ks.numpy(), (pe[start] * pe[start + ks]).sum(-1).numpy(), label=f"t = {start}",
-                        linestyle="-" if start == starts[1] else "--")
+                        linestyle="-" if start == max(offsets) else "--")
     axes[1][0].set_xlabel("offset k")
     axes[1][0].set_title("PE(t)·PE(t+k): a function of k alone, symmetric")
     axes[1][0].legend()
