@@ -20,6 +20,7 @@ TOPICS = {
     "scaling": "scaling",          # why divide by sqrt(d_k)
     "masks": "masking",            # what the mask does to the softmax
     "heads": "heads",              # one head vs h heads: the same parameters and FLOPs
+    "additive": "additive",        # dot-product vs additive attention
     "positional": "positional",    # the sinusoidal encoding
     "parameters": "parameters",    # paper-base: 63.1M here, 65M in Table 3
 }
