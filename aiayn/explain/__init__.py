@@ -23,6 +23,7 @@ TOPICS = {
     "additive": "additive",        # dot-product vs additive attention
     "shared-qk": "shared_qk",      # one projection for queries and keys
     "positional": "positional",    # the sinusoidal encoding
+    "table1": "table1",            # the paper's Table 1, measured
     "parameters": "parameters",    # paper-base: 63.1M here, 65M in Table 3
 }
 

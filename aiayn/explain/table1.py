@@ -1,0 +1,200 @@
+"""The paper's Table 1, measured: per-layer cost, sequential operations and maximum path length of
+self-attention, restricted self-attention, a recurrent layer and a convolution.
+
+Each layer maps a sequence of n vectors of width d to another: self-attention (one head, q = k = v
+= x: the n² d of the table, without the projections every layer type could add), restricted
+self-attention over 2r + 1 neighbours (``aiayn.nn.local_attention``), an Elman RNN (``nn.RNN``,
+tanh) and a 1-D convolution of kernel k (``nn.Conv1d``). FLOPs by torch's FlopCounterMode where it
+counts the operation (the written-out attention, the banded einsum, the convolution), by the
+formula for the RNN (torch's fused RNN kernel is not counted); time by the median of a few runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from aiayn.explain.base import Report, Table, save_figure, timed
+from aiayn.nn.attention import scaled_dot_product_attention
+from aiayn.nn.local_attention import local_attention
+
+NAME = "table1"
+TITLE = "Table 1, measured: self-attention, restricted attention, recurrent, convolutional layers"
+QUESTION = "per-layer cost, sequential operations and path length, timed across n and d; where n > d"
+
+KERNEL = 3  # convolution width k
+LAYERS = ("self-attention", "restricted", "recurrent", "convolution")
+
+
+def make_layer(kind: str, d: int, radius: int) -> Callable[[Tensor], Tensor]:
+    """x (b, n, d) -> (b, n, d) for one layer of ``kind`` (random weights)."""
+    if kind == "self-attention":
+        return lambda x: scaled_dot_product_attention(x[:, None], x[:, None], x[:, None])[0][:, 0]
+    if kind == "restricted":
+        return lambda x: local_attention(x[:, None], x[:, None], x[:, None], radius=radius)[:, 0]
+    if kind == "recurrent":
+        rnn = nn.RNN(d, d, batch_first=True)
+        return lambda x: rnn(x)[0]
+    conv = nn.Conv1d(d, d, KERNEL, padding=KERNEL // 2)
+    return lambda x: conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+def flops(kind: str, n: int, d: int, radius: int, batch: int = 1) -> int:
+    """FLOPs of one layer's forward: counted by FlopCounterMode (the RNN: 2 products of d x d per step)."""
+    if kind == "recurrent":
+        return batch * n * 2 * (2 * d * d)  # x_t W_ih and h_{t-1} W_hh, each 2 d² per step
+    x = torch.randn(batch, n, d)
+    layer = (lambda x: scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], need_weights=True)[0]
+             ) if kind == "self-attention" else make_layer(kind, d, radius)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        layer(x)
+    return counter.get_total_flops()
+
+
+def path_length(kind: str, n: int, radius: int, *, dilated: bool = False) -> int:
+    """The fewest stacked layers through which output n−1 depends on input 0 (its gradient is not
+    zero); for the RNN, the sequential steps between them within its one layer."""
+    if kind == "recurrent":
+        return n - 1  # h_{n-1} = tanh(W x_{n-1} + U h_{n-2}): n−1 applications of U back to x_0
+    torch.manual_seed(0)
+    d = 4
+    layers: list[Callable[[Tensor], Tensor]] = []
+    for depth in range(1, n + 1):
+        if kind == "convolution" and dilated:  # dilations 1, k, k², ... below n, then again (WaveNet)
+            levels = max(1, math.ceil(math.log(n, KERNEL)))
+            dilation = KERNEL ** ((depth - 1) % levels)
+            conv = nn.Conv1d(d, d, KERNEL, padding=dilation, dilation=dilation)
+            layers.append(lambda x, conv=conv: conv(x.transpose(1, 2)).transpose(1, 2))
+        else:
+            layers.append(make_layer(kind, d, radius))
+        x = torch.randn(1, n, d, requires_grad=True)
+        y = x
+        for layer in layers:
+            y = layer(y)
+        (grad,) = torch.autograd.grad(y[0, n - 1].sum(), x)
+        if grad[0, 0].abs().sum() > 0:
+            return depth
+    raise AssertionError("unreachable: n layers always connect the ends")
+
+
+def run(out_dir: Path, *, quick: bool = False) -> Report:
+    radius = 4 if quick else 16
+    lengths = [16, 64, 256] if quick else [32, 64, 128, 256, 512, 1024, 2048]
+    widths = [32, 128] if quick else [64, 256, 1024]
+    timings: dict[tuple[str, int, int], float] = {}
+    for d in widths:
+        for n in lengths:
+            x = torch.randn(1, n, d)
+            for kind in LAYERS:
+                layer = make_layer(kind, d, radius)
+                with torch.no_grad():
+                    timings[kind, n, d] = 1e3 * timed(lambda layer=layer, x=x: layer(x), repeat=3, warmup=2)
+    counted = {(kind, n, d): flops(kind, n, d, radius) for kind in LAYERS for n in lengths for d in widths}
+
+    n_path = 16 if quick else 64
+    paths = {kind: path_length(kind, n_path, radius) for kind in LAYERS}
+    paths["dilated convolution"] = path_length("convolution", n_path, radius, dilated=True)
+    paper = {"self-attention": ("O(n² · d)", "O(1)", "O(1)"),
+             "restricted": (f"O(r · n · d), r = {radius}", "O(1)", "O(n / r)"),
+             "recurrent": ("O(n · d²)", "O(n)", "O(n)"),
+             "convolution": (f"O(k · n · d²), k = {KERNEL}", "O(1)", "O(log_k n) dilated, O(n / k) contiguous")}
+    n_mid, d_mid = lengths[len(lengths) // 2], widths[len(widths) // 2]
+    summary = Table(f"Table 1 with measurements (FLOPs and ms at n = {n_mid}, d = {d_mid}; path length at "
+                    f"n = {n_path})",
+                    ["layer type", "complexity per layer (paper)", "FLOPs", "ms", "sequential operations (paper)",
+                     "maximum path length (paper)", "measured path length (layers)"])
+    for kind in LAYERS:
+        measured = str(paths[kind]) if kind != "recurrent" else f"1 layer, {paths[kind]} steps"
+        if kind == "convolution":
+            measured += f" contiguous, {paths['dilated convolution']} dilated"
+        summary.rows.append([kind, paper[kind][0], counted[kind, n_mid, d_mid], timings[kind, n_mid, d_mid],
+                             "n" if kind == "recurrent" else "1", paper[kind][2], measured])
+    grid = Table("Time per layer (ms, forward, batch 1) and FLOPs, across n and d",
+                 ["d", "n", *[f"{k} ms" for k in LAYERS], "attention ÷ recurrent FLOPs", "attention ÷ recurrent time"])
+    for d in widths:
+        for n in lengths:
+            grid.rows.append([d, n, *[timings[k, n, d] for k in LAYERS],
+                              counted["self-attention", n, d] / counted["recurrent", n, d],
+                              timings["self-attention", n, d] / timings["recurrent", n, d]])
+    crossover = []
+    for d in widths:
+        n0 = lengths[0]  # attention/recurrent FLOPs = n / d exactly: they are equal at n = d
+        equal = n0 * counted["recurrent", n0, d] / counted["self-attention", n0, d]
+        crossover.append({"d": d, "flops_equal": equal,
+                          "time": _stays_above(lengths, lambda n, d=d: timings["self-attention", n, d] /
+                                               timings["recurrent", n, d]),
+                          "restricted_time": _stays_above(lengths, lambda n, d=d: timings["self-attention", n, d] /
+                                                          timings["restricted", n, d])})
+    cross_table = Table("Where self-attention becomes the costlier layer",
+                        ["d", "FLOPs of attention = recurrent at n =", "time: attention > recurrent from n =",
+                         "time: attention > restricted from n ="],
+                        [[c["d"], c["flops_equal"], _n(c["time"]), _n(c["restricted_time"])] for c in crossover])
+    plot = out_dir / "table1.png"
+    _plot(timings, counted, lengths, widths, plot)
+    claims = {"timings": timings, "flops": counted, "paths": paths, "crossover": crossover, "radius": radius,
+              "lengths": lengths, "widths": widths}
+    d_big = widths[-1]
+    cross_big = crossover[-1]
+    text = f"""
+**Question.** Table 1 of the paper compares layer types by complexity per layer, sequential
+operations (what cannot run in parallel) and maximum path length (how many steps a signal needs
+between two positions). Self-attention is O(n² d) against the recurrent layer's O(n d²), so it is
+cheaper "when the sequence length n is smaller than the representation dimensionality d". Measured.
+
+**FLOPs** follow the formulas exactly (FlopCounterMode: attention 4n²d, restricted 4n(2r+1)d,
+convolution 2knd², recurrent 4nd²), so attention's FLOPs pass the recurrent layer's exactly when n
+exceeds d: their measured ratio puts the crossing at n = {', '.join(f"{c['flops_equal']:g}" for c in crossover)} for
+d = {', '.join(str(c['d']) for c in crossover)}.
+
+**Time** is another story on a CPU: the recurrent layer's n sequential steps are n small
+matrix-vector products that cannot run in parallel, while attention is two large matrix products.
+Attention's time stays above the RNN's only from n = {_n(cross_big['time'])} for d = {d_big} (measured grid: n up to
+{lengths[-1]}) — the "sequential operations" column, O(n) against O(1), is worth more than the FLOP count
+suggests. Restricted attention (r = {radius}) grows linearly in n and is cheaper than full attention from
+n = {_n(cross_big['restricted_time'])} on at d = {d_big}.
+
+**Path length** measured by gradients (the fewest stacked layers through which output n−1 depends on
+input 0, n = {n_path}): self-attention {paths['self-attention']}, restricted attention (r = {radius}) {paths['restricted']}
+= ⌈(n−1)/r⌉, a contiguous convolution (k = {KERNEL}) {paths['convolution']} layers, a dilated one
+{paths['dilated convolution']} (dilations 1, 3, 9, … repeated: O(log_k n), log_3 {n_path} = {math.log(n_path, KERNEL):.1f}), and the
+recurrent layer one layer but {paths['recurrent']} sequential steps.
+Short paths make long-range dependencies easier to learn (section 4). Measured on a shared, busy
+machine: the shapes of the curves, not the milliseconds.
+"""
+    return Report(NAME, TITLE, [summary, cross_table, grid], claims, [plot], text)
+
+
+def _stays_above(lengths: list[int], ratio: Callable[[int], float]) -> int | None:
+    """The smallest n of the grid from which ``ratio(n)`` > 1 for every larger n too (one noisy
+    small-n timing does not make a crossover)."""
+    found = None
+    for n in reversed(lengths):
+        if ratio(n) <= 1:
+            break
+        found = n
+    return found
+
+
+def _n(value: int | None) -> str:
+    return "beyond the grid" if value is None else str(value)
+
+
+def _plot(timings: dict, counted: dict, lengths: list[int], widths: list[int], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 4.2), layout="constrained", squeeze=False)
+    for ax, d in zip(axes[0], widths, strict=True):
+        for kind in LAYERS:
+            ax.loglog(lengths, [timings[kind, n, d] for n in lengths], "o-", label=kind)
+        ax.axvline(d, color="grey", linestyle=":", label="n = d")
+        ax.set_xlabel("sequence length n")
+        ax.set_ylabel("ms per layer (forward)")
+        ax.set_title(f"d = {d}")
+        ax.legend(fontsize=8)
+    save_figure(fig, path)
+

@@ -1,0 +1,61 @@
+"""`aiayn explain table1`, reduced: FLOPs follow Table 1's formulas (so attention's pass the
+recurrent layer's at n = d), path lengths are measured by gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from aiayn.explain import run_topic
+from aiayn.explain.table1 import KERNEL
+
+
+@pytest.fixture(scope="module")
+def claims(tmp_path_factory):
+    return run_topic("table1", tmp_path_factory.mktemp("table1"), quick=True).claims
+
+
+def test_flops_follow_the_formulas(claims):
+    r = claims["radius"]
+    for n in claims["lengths"]:
+        for d in claims["widths"]:
+            flops = {kind: claims["flops"][kind, n, d] for kind in ("self-attention", "restricted", "convolution")}
+            assert flops == {"self-attention": 4 * n * n * d, "restricted": 4 * n * (2 * r + 1) * d,
+                             "convolution": 2 * KERNEL * n * d * d}
+    assert [c["flops_equal"] for c in claims["crossover"]] == pytest.approx(claims["widths"])  # n = d
+
+
+def test_path_lengths(claims):
+    n, r, paths = 16, claims["radius"], claims["paths"]
+    assert paths["self-attention"] == 1
+    assert paths["restricted"] == math.ceil((n - 1) / r)
+    assert paths["convolution"] == n - 1  # kernel 3: one position per layer
+    assert math.log(n, KERNEL) <= paths["dilated convolution"] < paths["convolution"]
+    assert paths["recurrent"] == n - 1
+
+
+def test_every_timing_is_there(claims):
+    assert len(claims["timings"]) == 4 * len(claims["lengths"]) * len(claims["widths"])
+    assert all(ms > 0 for ms in claims["timings"].values())
+
+
+def test_the_recurrent_formula_counts_an_rnn_written_out():
+    """torch's fused RNN kernel is not counted by FlopCounterMode: the formula is checked on the
+    same RNN written as its n sequential steps (which also gives nn.RNN's output)."""
+    import torch
+    from torch import nn
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from aiayn.explain.table1 import flops
+
+    torch.manual_seed(0)
+    n, d = 5, 8
+    rnn, x = nn.RNN(d, d, batch_first=True), torch.randn(1, n, d)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        h, outputs = torch.zeros(1, d), []
+        for t in range(n):  # n dependent steps: the "sequential operations" of Table 1
+            h = torch.tanh(x[:, t] @ rnn.weight_ih_l0.T + rnn.bias_ih_l0 + h @ rnn.weight_hh_l0.T + rnn.bias_hh_l0)
+            outputs.append(h)
+    assert counter.get_total_flops() == flops("recurrent", n, d, radius=0)
+    torch.testing.assert_close(torch.stack(outputs, 1), rnn(x)[0].detach())
