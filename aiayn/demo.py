@@ -21,6 +21,8 @@ def run_demo(echo: Callable[[str], None] = print, *, seed: int = 0) -> bool:
         with torch.device("meta"):  # count without allocating
             n = count_parameters(build_model(cfg))
         echo(f"{name}: {n / 1e6:.1f}M parameters (paper, Table 3: {'65' if name == 'paper-base' else '213'}M)")
+    echo("  the gap is in the embedding: Table 3's base-size rows fit a ~41k-token vocabulary, not 37k; "
+         "big's 213M fits none (aiayn explain parameters)")
     for name in ("tiny", "gpt-tiny", "llama-tiny"):
         cfg = get_preset(name)
         model = build_model(cfg).eval()

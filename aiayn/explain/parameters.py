@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from aiayn.explain.base import Report, Table, save_figure
 from aiayn.models import build_model, count_parameters, get_preset
 
@@ -70,11 +72,13 @@ def built(row: Row) -> int | None:
         return None
     config = get_preset("paper-base", n_layers=row.n_layers, d_model=row.d_model, d_ff=row.d_ff,
                         n_heads=row.n_heads, head_dim=row.d_k)
-    return count_parameters(build_model(config))
+    with torch.device("meta"):  # shapes only: nothing allocated, nothing initialised
+        return count_parameters(build_model(config))
 
 
 def run(out_dir: Path, *, quick: bool = False) -> Report:
-    rows = ROWS[:4] if quick else ROWS
+    del quick  # counting is instant: the full table at any size
+    rows = ROWS
     counted = Table("Table 3's rows with a parameter count: the paper's, and aiayn's count (shared "
                     f"{VOCAB:,}-token embedding tied to the output layer)",
                     ["row", "paper", "aiayn (built)", "formula", "paper − aiayn", "÷ d_model (rows)",

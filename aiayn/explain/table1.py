@@ -93,7 +93,7 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
             for kind in LAYERS:
                 layer = make_layer(kind, d, radius)
                 with torch.no_grad():
-                    timings[kind, n, d] = 1e3 * timed(lambda layer=layer, x=x: layer(x), repeat=3, warmup=2)
+                    timings[kind, n, d] = 1e3 * timed(lambda layer=layer, x=x: layer(x), repeat=5, warmup=2)
     counted = {(kind, n, d): flops(kind, n, d, radius) for kind in LAYERS for n in lengths for d in widths}
 
     n_path = 16 if quick else 64
@@ -139,6 +139,8 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
     claims = {"timings": timings, "flops": counted, "paths": paths, "crossover": crossover, "radius": radius,
               "lengths": lengths, "widths": widths}
     d_big = widths[-1]
+    time_cross = "; ".join(f"n = {c['time']} at d = {c['d']}" if c["time"] else f"nowhere at d = {c['d']}"
+                           for c in crossover)
     cross_big = crossover[-1]
     text = f"""
 **Question.** Table 1 of the paper compares layer types by complexity per layer, sequential
@@ -153,9 +155,9 @@ d = {', '.join(str(c['d']) for c in crossover)}.
 
 **Time** is another story on a CPU: the recurrent layer's n sequential steps are n small
 matrix-vector products that cannot run in parallel, while attention is two large matrix products.
-Attention's time stays above the RNN's only from n = {_n(cross_big['time'])} for d = {d_big} (measured grid: n up to
-{lengths[-1]}) — the "sequential operations" column, O(n) against O(1), is worth more than the FLOP count
-suggests. Restricted attention (r = {radius}) grows linearly in n and is cheaper than full attention from
+Attention's time stays above the RNN's only from {time_cross} (grid: n up to {lengths[-1]}), far
+beyond n = d: the "sequential operations" column, O(n) against O(1), is worth more than the FLOP
+count suggests. Restricted attention (r = {radius}) grows linearly in n and is cheaper than full attention from
 n = {_n(cross_big['restricted_time'])} on at d = {d_big}.
 
 **Path length** measured by gradients (the fewest stacked layers through which output n−1 depends on

@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from aiayn.cli import main
 from aiayn.explain import TOPICS
 
 
@@ -24,8 +27,10 @@ def test_lists_the_topics_and_runs_one(tmp_path):
     assert "aiayn explain scaling --out" in (tmp_path / "scaling.md").read_text(encoding="utf-8")
 
 
-def test_errors_exit_2_in_one_line():
+def test_errors_exit_2_in_one_line(capsys):
     for args, needle in ((["nope"], "unknown topic 'nope'; topics: scaling"),
                          (["scaling", "--all"], "give a TOPIC or --all, not both")):
-        result = run_cli(*args)
-        assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
+        with pytest.raises(SystemExit) as exited:
+            main(["explain", *args])
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and needle in stderr and "Traceback" not in stderr
