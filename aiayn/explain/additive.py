@@ -75,6 +75,9 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
     longest = timings[-1]
     reverse = {r["kind"]: r for r in results if r["task"] == "reverse"}
     claims = {"timings": timings, "results": results}
+    dot_wins = reverse["dot-product"]["acc"] > reverse["additive"]["acc"]
+    verdict = ("dot-product attention learned faster here" if dot_wins
+               else "additive attention still learned as fast or faster here, at its higher cost per step")
     text = f"""
 **Question.** Section 3.2.1 compares the two common attention functions: additive attention
 (Bahdanau et al.), a feed-forward network with one hidden layer over each query-key pair,
@@ -93,8 +96,8 @@ that backward must store. (Measured on a shared, busy machine: the ratios, not t
 dot-product attention reached {reverse['dot-product']['acc']:.1%} token accuracy, additive
 {reverse['additive']['acc']:.1%}, at {reverse['additive']['s_per_step'] / reverse['dot-product']['s_per_step']:.1f}x
 the time per step. The paper notes additive attention *outperforms* unscaled dot-product attention
-for large d_k (see `aiayn explain scaling`); with the 1/√d_k scaling, dot-product attention is the
-faster learner here. One seed, a short budget: the ranking, not the decimals.
+for large d_k (see `aiayn explain scaling`); with the 1/√d_k scaling, {verdict}. One seed, a short
+budget: the ranking, not the decimals.
 """
     if "copy" in steps_of:
         copy = {r["kind"]: r for r in results if r["task"] == "copy"}

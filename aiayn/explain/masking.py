@@ -5,6 +5,7 @@ query that sees no key at all is the trap: softmax of a row of −∞ is 0/0.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -90,6 +91,9 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
         "ours_zero": float(ours_out.abs().max()) + float(ours_fused.abs().max()),
         "ours_grad_finite": bool(torch.isfinite(qg.grad).all()),
     }
+    sdpa_says = ("returns NaN" if math.isnan(claims["sdpa_zero"]) else
+                 f"returns zeros (largest |output| {claims['sdpa_zero']})" if claims["sdpa_zero"] == 0 else
+                 f"returns a row of largest |output| {claims['sdpa_zero']:.3g}")
     text = f"""
 **Question.** How does a mask act inside softmax(QKᵀ/√d_k)? And what happens to a query that may
 attend to nothing (a padded position, or a row that a combined mask empties)?
@@ -103,8 +107,8 @@ A row with **no** visible key is where implementations differ. The plain recipe,
 then softmax, gives NaN (exp(−∞)/Σ = 0/0), and the NaN spreads through the next matmul into the
 loss. Filling with −1e9 instead (the Annotated Transformer) avoids the NaN but makes the row uniform
 (largest deviation from 1/{T}: {claims['big_negative_uniform']:.1g}): the query averages the values of
-keys it was told not to see. PyTorch {torch.__version__.split('+')[0]}'s fused kernel returns zeros
-(largest |output| {claims['sdpa_zero']}). aiayn defines it: a query that sees no key outputs zeros and
+keys it was told not to see. PyTorch {torch.__version__.split('+')[0]}'s fused kernel {sdpa_says}.
+aiayn defines it: a query that sees no key outputs zeros and
 zero weights, in both its paths, with a finite gradient (`aiayn/nn/attention.py`,
 `tests/unit/test_attention_properties.py`). With the −∞ convention a mask is also just an additive
 bias of 0 / −∞, which is how aiayn combines masks with ALiBi or T5 biases.
