@@ -11,7 +11,7 @@ traceback (``AIAYN_DEBUG=1`` or ``aiayn --debug ...`` shows it). Exit codes:
 * 130: interrupted (Ctrl-C). A closed output pipe (``aiayn generate ... | head -1``) ends quietly.
 
 The commands live by subject: ``train`` (train, tasks, average, presets, kv-cache), ``generate``
-(generate, embed), ``translate`` (translate, evaluate, fetch-multi30k), ``plots`` (plot ..., demo);
+(generate, embed, models), ``translate`` (translate, evaluate, fetch-multi30k), ``plots`` (plot ..., demo);
 ``app`` holds the command group. No module of the library imports this package.
 """
 
