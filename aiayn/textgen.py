@@ -103,13 +103,17 @@ class StreamStats:
     seconds: float
     # With a compiled decode step: seconds from the second token on (the first step compiles).
     seconds_after_compile: float | None = None
+    # The model's context (tokens) when generation stopped because the context was full, before
+    # max_new_tokens (the learned-position models here cannot slide past it).
+    context_full: int | None = None
 
     def summary(self) -> str:
         """'N tokens in S s, R tokens/s' (and the rate after the compiling step, when compiled)."""
         rate = f"{self.tokens / self.seconds:.1f} tokens/s"
         if self.seconds_after_compile is not None and self.tokens > 2:
             rate += f"; {(self.tokens - 2) / self.seconds_after_compile:.1f} tokens/s after the compiling step"
-        return f"{self.tokens} tokens in {self.seconds:.2f} s, {rate}"
+        full = f"; stopped: the model's context of {self.context_full} tokens is full" if self.context_full else ""
+        return f"{self.tokens} tokens in {self.seconds:.2f} s, {rate}{full}"
 
 
 def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], max_new_tokens: int,
@@ -123,7 +127,9 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
     """
     from aiayn.generate import stream_decoder_only
 
-    max_new_tokens = min(max_new_tokens, lm.context - ids.shape[1])
+    room = lm.context - ids.shape[1]
+    cut_by_context = max_new_tokens > room
+    max_new_tokens = min(max_new_tokens, room)
     produced: list[int] = []
     shown = ""
     second_token_at: float | None = None  # with compile: the first (compiling) step ends here
@@ -145,4 +151,5 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
             break
     end = time.perf_counter()
     after = end - second_token_at if compile and second_token_at is not None else None
-    return StreamStats(len(produced), end - start, after)
+    full = lm.context if cut_by_context and len(produced) == max_new_tokens else None
+    return StreamStats(len(produced), end - start, after, full)

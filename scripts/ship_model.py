@@ -26,11 +26,14 @@ def main() -> None:
     parser.add_argument("--recipe", type=Path, help="the recipe the run was trained with")
     parser.add_argument("--scores", type=Path, help="a JSON object of measured scores to record")
     parser.add_argument("--usage", help="a command line that uses the model")
+    parser.add_argument("--trained-with", help="the command line that trained the run")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     args = parser.parse_args()
     extra = {"scores": json.loads(args.scores.read_text()) if args.scores else {}}
     if args.usage:
         extra["usage"] = args.usage
+    if args.trained_with:
+        extra["trained_with"] = args.trained_with
     out = write_release(args.run, SHIPPED_DIR / args.name, checkpoint=args.checkpoint, dtype=args.dtype,
                         name=args.name, recipe=args.recipe, extra=extra)
     print(f"wrote {out}: {json.loads((out / 'release.json').read_text())['weight_bytes'] / 2**20:.2f} MiB")

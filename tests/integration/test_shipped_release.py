@@ -104,7 +104,9 @@ def test_cli_names_an_unknown_model(tmp_path: Path) -> None:
 def test_generate_and_translate_from_a_release(runs: Path, tmp_path: Path) -> None:
     out = write_release(runs / "shakespeare", tmp_path / "release")
     proc = subprocess.run([sys.executable, "-m", "aiayn", "generate", "--model", str(out), "--prompt", "RO",
-                           "--max-new-tokens", "5", "--temperature", "0"], capture_output=True, text=True,
+                           "--max-new-tokens", "100", "--temperature", "0"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("RO") and len(proc.stdout.strip()) >= 3
+    # the fixture's context is 64 characters: generation stops there and says why
+    assert "stopped: the model's context of 64 tokens is full" in proc.stderr
