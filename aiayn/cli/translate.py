@@ -124,6 +124,7 @@ def evaluate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path 
     click.echo(f"{scores['bleu_text']}")
     click.echo(f"BLEU signature: {scores['bleu_signature']}")
     click.echo(f"chrF2 = {scores['chrf']:.2f}  (signature: {scores['chrf_signature']})")
+    click.echo(f"lower-cased BLEU = {scores['bleu_lc']:.2f}  (signature: {scores['bleu_lc_signature']})")
     click.echo(f"{len(sources)} sentences in {seconds:.1f} s ({len(sources) / seconds:.1f} sentences/s), "
                f"beam {options.beam_size}, length penalty {options.length_penalty}" + (f"; hypotheses written to {out_path}" if out_path else ""))
 
