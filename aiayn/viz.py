@@ -6,6 +6,7 @@ Every function writes a PNG (matplotlib, no display needed) and returns its path
 from __future__ import annotations
 
 import csv
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from torch import Tensor
 
 from aiayn.nn.positional import sinusoidal_encoding
 
+PANEL_INCHES = 3.2  # one attention heatmap with its colour bar
+MIN_WIDTH_INCHES = 5.0  # room for a title even on a 1 x 1 grid
+
 
 def _save(fig: plt.Figure, path: Path | str) -> Path:
     path = Path(path)
@@ -25,6 +29,39 @@ def _save(fig: plt.Figure, path: Path | str) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def attention_figure(
+    weights: Sequence[Tensor],
+    query_labels: Sequence[str],
+    key_labels: Sequence[str],
+    *,
+    title: str = "attention",
+) -> plt.Figure:
+    """A grid of heatmaps, one row per layer and one column per head, each with its own colour
+    bar from 0 to its largest weight (a fixed 0-1 scale would flatten a diffuse head into one
+    colour); the title is wrapped to the figure's width.
+
+    weights: per layer, (h, t_q, t_k) attention weights of one example.
+    """
+    n_layers, n_heads = len(weights), weights[0].shape[0]
+    width = max(PANEL_INCHES * n_heads + 0.4, MIN_WIDTH_INCHES)
+    fig, axes = plt.subplots(n_layers, n_heads, figsize=(width, PANEL_INCHES * n_layers + 0.9),
+                             squeeze=False, layout="constrained")
+    for layer, layer_weights in enumerate(weights):
+        for head in range(n_heads):
+            ax = axes[layer][head]
+            panel = layer_weights[head].detach().float().cpu().numpy()
+            image = ax.imshow(panel, vmin=0.0, vmax=max(float(panel.max()), 1e-9), cmap="viridis")
+            fig.colorbar(image, ax=ax, shrink=0.8)
+            ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=9)
+            ax.set_xticks(range(len(key_labels)), key_labels, fontsize=6, rotation=90)
+            ax.set_yticks(range(len(query_labels)), query_labels, fontsize=6)
+            ax.set_xlabel("key", fontsize=8)
+            ax.set_ylabel("query", fontsize=8)
+    # About 0.11 inch per character at font size 12: wrap so that the title never runs off the figure.
+    fig.suptitle("\n".join(textwrap.wrap(title, max(20, int(width / 0.11)))), fontsize=12)
+    return fig
 
 
 def plot_attention(
@@ -35,25 +72,8 @@ def plot_attention(
     *,
     title: str = "attention",
 ) -> Path:
-    """A grid of heatmaps, one row per layer and one column per head.
-
-    weights: per layer, (h, t_q, t_k) attention weights of one example.
-    """
-    n_layers, n_heads = len(weights), weights[0].shape[0]
-    fig, axes = plt.subplots(n_layers, n_heads, figsize=(2.8 * n_heads + 1, 2.8 * n_layers + 0.8),
-                             squeeze=False)
-    for layer, layer_weights in enumerate(weights):
-        for head in range(n_heads):
-            ax = axes[layer][head]
-            ax.imshow(layer_weights[head].detach().float().cpu().numpy(), vmin=0, vmax=1, cmap="viridis")
-            ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=9)
-            ax.set_xticks(range(len(key_labels)), key_labels, fontsize=6, rotation=90)
-            ax.set_yticks(range(len(query_labels)), query_labels, fontsize=6)
-            ax.set_xlabel("key", fontsize=8)
-            ax.set_ylabel("query", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return _save(fig, path)
+    """``attention_figure`` written to ``path``."""
+    return _save(attention_figure(weights, query_labels, key_labels, title=title), path)
 
 
 def plot_positional_encoding(path: Path | str, *, d_model: int = 48, max_len: int = 96) -> Path:

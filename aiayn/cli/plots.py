@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, cli
+from aiayn.train.task import ATTENTION_KINDS
 
 
 @cli.group("plot")
@@ -24,24 +25,34 @@ def _out_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., An
 @plot_group.command("attention")
 @click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="A run directory written by aiayn train.")
-@click.option("--input", "text", help="Input in the task's syntax (e.g. 16 digits for reverse); "
-              "default: the first test example.")
+@click.option("--input", "text", help="Input in the task's syntax (16 digits for reverse, a sentence "
+              "for translation, a test-set number for set-anomaly); default: the first test example.")
+@click.option("--kind", type=click.Choice(ATTENTION_KINDS),
+              help="Which attention: encoder (self), decoder (self, causal) or cross (encoder-decoder). "
+                   "Default: cross for encoder-decoder tasks, the model's self-attention otherwise.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="PNG file to write (default: <run>/attention.png).")
-def plot_attention_cmd(run_dir: Path, text: str | None, out: Path | None) -> None:
-    """Attention maps of a trained run: a grid of layers x heads."""
+              help="PNG file to write (default: <run>/attention.png for the default kind, "
+                   "<run>/attention-KIND.png for another).")
+def plot_attention_cmd(run_dir: Path, text: str | None, kind: str | None, out: Path | None) -> None:
+    """Attention maps of a trained run: a grid of layers x heads, each with its colour scale."""
     from aiayn import viz
     from aiayn.tasks.runs import load_run
 
-    run = load_run(run_dir)
+    run = load_run(run_dir, prepare=False)
+    if run.task.attention_needs_splits:
+        run.task.prepare(run.train_config.seed)
     try:
-        example = run.task.attention_example(run.model, text)
+        kind = run.task.attention_kind(kind)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kind") from None
+    try:
+        example = run.task.attention_example(run.model, text, kind)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--input") from None
-    if example is None:
-        raise click.UsageError(f"task {run.task.name} has no attention plot")
+    assert example is not None  # every task with attention_kinds draws them
+    default = run_dir / (f"attention-{kind}.png" if kind != run.task.attention_kinds[0] else "attention.png")
     click.echo(viz.plot_attention(example.weights, example.query_labels, example.key_labels,
-                                  out or run_dir / "attention.png", title=example.title))
+                                  out or default, title=example.title))
 
 
 def _even_width(ctx: click.Context, param: click.Parameter, value: int) -> int:

@@ -18,6 +18,9 @@ from aiayn.config import ConfigError
 @click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Sequences decoded at once.")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Tokens held per sequence (prompt + generated). Default: the preset's max_seq_len.")
+@click.option("--src-len", type=click.IntRange(min=0),
+              help="Encoder-decoder: source tokens per sequence, whose cross-attention keys/values every "
+                   "decoder layer keeps. Default: --seq-len for an encoder-decoder preset, else 0.")
 @click.option("--n-layers", type=click.IntRange(min=1), help="Decoder layers (each caches its own k and v).")
 @click.option("--n-heads", type=click.IntRange(min=1), help="Query heads.")
 @click.option("--n-kv-heads", type=click.IntRange(min=1), help="Key/value heads (GQA/MQA); default n-heads.")
@@ -28,44 +31,54 @@ from aiayn.config import ConfigError
               help="Element type of the cache; int8/int4 include their float16 scales.")
 @click.option("--group-size", type=click.IntRange(min=1),
               help="int8/int4: channels per scale (default: one scale per token and head).")
-def kv_cache_cmd(preset: str | None, batch_size: int, seq_len: int | None, n_layers: int | None,
-                 n_heads: int | None, n_kv_heads: int | None, d_model: int | None,
-                 head_dim: int | None, dtype: str, group_size: int | None) -> None:
-    """Estimate KV-cache memory: 2 x layers x kv_heads x head_dim x seq_len x batch x bytes.
+def kv_cache_cmd(preset: str | None, batch_size: int, dtype: str, group_size: int | None,
+                 **given: int | None) -> None:
+    """Estimate KV-cache memory: 2 x layers x kv_heads x head_dim x seq_len x batch x bytes
+    (+ the same over --src-len source tokens for an encoder-decoder's cross-attention).
 
     Example (the seeds'): aiayn kv-cache --batch-size 32 --n-layers 32 --n-heads 32
     --d-model 4096 --seq-len 2048  ->  64 GiB
     """
-    from aiayn.nn.kv_cache import cache_sizes, describe_kv_cache
+    from aiayn.nn.kv_cache import describe_kv_cache
+
+    sizes = _kv_sizes(preset, given)
+    try:
+        lines = describe_kv_cache(**sizes, batch_size=batch_size, dtype=dtype, group_size=group_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--group-size") from None
+    for line in lines:
+        click.echo(line)
+
+
+def _kv_sizes(preset: str | None, given: dict[str, int | None]) -> dict[str, int]:
+    """``kv-cache``'s sizes: those given, the rest from the preset; usage errors for what is missing
+    or inconsistent."""
+    from aiayn.nn.kv_cache import cache_sizes
 
     if preset is not None:  # the preset fills in what is not given
-        p = cache_sizes(_preset(preset))
-        n_layers, n_heads, n_kv_heads = n_layers or p["n_layers"], n_heads or p["n_heads"], n_kv_heads or p["n_kv_heads"]
-        d_model, head_dim, seq_len = d_model or p["d_model"], head_dim or p["head_dim"], seq_len or p["seq_len"]
-    missing = [name for name, value in (("--n-layers", n_layers), ("--n-heads", n_heads),
-                                        ("--seq-len", seq_len)) if value is None]
-    if d_model is None and head_dim is None:
+        from_preset = cache_sizes(_preset(preset))
+        if from_preset["src_len"] and given["src_len"] is None:  # encoder-decoder: as long as the target
+            from_preset["src_len"] = given["seq_len"] or from_preset["seq_len"]
+        given = {k: from_preset[k] if v is None and k in from_preset else v for k, v in given.items()}
+    missing = [f"--{k.replace('_', '-')}" for k in ("n_layers", "n_heads", "seq_len") if given[k] is None]
+    if given["d_model"] is None and given["head_dim"] is None:
         missing.append("--d-model (or --head-dim)")
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)}; give them or a --preset")
-    assert n_layers is not None and n_heads is not None and seq_len is not None
-    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    n_heads = given["n_heads"]
+    assert n_heads is not None
+    n_kv_heads = given["n_kv_heads"] or n_heads
     if n_heads % n_kv_heads != 0:
-        raise click.BadParameter(f"{n_kv_heads} does not divide --n-heads {n_heads}",
-                                 param_hint="--n-kv-heads")
+        raise click.BadParameter(f"{n_kv_heads} does not divide --n-heads {n_heads}", param_hint="--n-kv-heads")
+    head_dim, d_model = given["head_dim"], given["d_model"]
     if head_dim is None:
         assert d_model is not None
         if d_model % n_heads != 0:
             raise click.BadParameter(f"{d_model} is not divisible by --n-heads {n_heads}; "
                                      f"give --head-dim instead", param_hint="--d-model")
         head_dim = d_model // n_heads
-    try:
-        lines = describe_kv_cache(n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                                  seq_len=seq_len, batch_size=batch_size, dtype=dtype, group_size=group_size)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--group-size") from None
-    for line in lines:
-        click.echo(line)
+    return dict(n_layers=given["n_layers"], n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                seq_len=given["seq_len"], src_len=given["src_len"] or 0)  # type: ignore[dict-item]
 
 
 def _preset(name: str) -> Any:

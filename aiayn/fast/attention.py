@@ -47,6 +47,8 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = Non
                  need_weights=need_weights)
     if q.device.type != "cpu" or need_weights or not switch.enabled():
         return scaled_dot_product_attention(q, k, v, **plain)
+    if (mask is not None and mask.dim() == 3) or (bias is not None and bias.dim() == 3):
+        return scaled_dot_product_attention(q, k, v, **plain)  # checks, then reads it as (b, t_q, t_k)
     b, h, t_q, d_h = q.shape
     h_kv = k.shape[1]
     key_mask_only = mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))  # (b, 1, 1, t_k)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.nn.kv_cache import LayerKVCache, StaticKV
-from aiayn.nn.masks import causal_mask, combine_masks
+from aiayn.nn.masks import causal_mask, combine_masks, scores_shaped
 from aiayn.nn.packing import Packing
 from aiayn.nn.positional import apply_rotary
 
@@ -59,10 +59,17 @@ def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
             )
         if name == "bias" and not t.is_floating_point():
             raise TypeError(f"attention: bias must be a float tensor, got dtype {t.dtype}")
+        shape = (t.shape[0], 1, *t.shape[1:]) if t.dim() == 3 else t.shape  # 3-D: (b, t_q, t_k)
         try:
-            ok = t.dim() <= 4 and torch.broadcast_shapes(t.shape, scores_shape) == scores_shape
+            ok = t.dim() <= 4 and torch.broadcast_shapes(shape, scores_shape) == scores_shape
         except RuntimeError:
             ok = False
+        if not ok and t.dim() == 3:
+            raise ValueError(
+                f"attention: a 3-D {name} is (batch, q_len, k_len), the same for every head; shape "
+                f"{tuple(t.shape)} does not fit batch {b}, q_len {t_q}, k_len {k.shape[2]} (for a "
+                f"mask per head give 4 dimensions: (batch or 1, heads, q_len, k_len))"
+            )
         if not ok:
             raise ValueError(
                 f"attention: {name} of shape {tuple(t.shape)} does not broadcast to the scores' "
@@ -79,8 +86,9 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tenso
     Args:
         q: (b, h, t_q, d_h). k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv (GQA/MQA: each key/value
             head serves h / h_kv query heads).
-        mask: bool, broadcastable to (b, h, t_q, t_k); True = may attend.
-        bias: float, broadcastable to (b, h, t_q, t_k); added to the scores (ALiBi, T5).
+        mask: bool, broadcastable to (b, h, t_q, t_k); True = may attend. A 3-D mask is (b, t_q, t_k),
+            one per batch element shared by the heads (``aiayn.nn.masks``).
+        bias: float, broadcastable to (b, h, t_q, t_k), added to the scores (ALiBi, T5); 3-D as mask.
         causal: also mask the future, right-aligned: the t_q queries are the last t_q keys (a cached
             decode step's queries see every earlier key).
         dropout_p: dropout on the attention weights (pass 0.0 in eval).
@@ -93,6 +101,7 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tenso
         outputs zeros (and zero weights), never NaN.
     """
     _check_attention_inputs(q, k, v, mask, bias)
+    mask, bias = scores_shaped(mask), scores_shaped(bias)  # 3-D: (b, t_q, t_k) -> (b, 1, t_q, t_k)
     t_q, t_k, gqa = q.shape[2], k.shape[2], q.shape[1] != k.shape[1]
     plain_causal = causal and mask is None and bias is None and t_q == t_k and not need_weights
     callers_mask = mask is not None  # may leave a query no key (a right-aligned causal mask never does)
@@ -212,7 +221,8 @@ class MultiHeadAttention(nn.Module):
 
         Args:
             inputs: masks, bias, rotation, cache slot and packing (``AttentionInputs``; default none).
-                Masks and bias cover the keys *including* cached ones: (b, h, t, t_k) broadcast.
+                Masks and bias cover the keys *including* cached ones: (b, h, t, t_k) broadcast; a
+                3-D one is (b, t, t_k), shared by the heads.
             cache: self-attention: a ``LayerKVCache``; the new keys and values are written at
                 ``inputs.cache_pos`` and attention runs over slots [0, cache_pos + t).
                 Cross-attention: a ``StaticKV``; memory's keys and values are computed on first

@@ -5,6 +5,16 @@ It broadcasts against attention scores of shape (b, h, t_q, t_k). This is the co
 ``torch.nn.functional.scaled_dot_product_attention``; note it is the *opposite* of
 ``torch.nn.MultiheadAttention``'s ``key_padding_mask`` (True = ignore).
 
+Its dimensions, by count (``scores_shaped``):
+
+* 4-D (b or 1, h or 1, t_q or 1, t_k): as it stands;
+* **3-D (b or 1, t_q or 1, t_k): one mask per batch element, the same for every head** (read as
+  (b, 1, t_q, t_k), as the Annotated Transformer and most tutorials build it). Plain broadcasting
+  would read it as (h, t_q, t_k) and, when the batch size equals the number of heads, silently
+  give batch element i's mask to head i. ``torch.nn.MultiheadAttention``'s 3-D ``attn_mask``, (b·h,
+  t_q, t_k), is a third convention: reshape it to (b, h, t_q, t_k) first;
+* 2-D (t_q or 1, t_k) and 1-D (t_k,): the same for every batch element and head.
+
 Additive biases (ALiBi, T5 relative bias, or a user's float mask) are float tensors of the same
 broadcast shape, added to the scores before the softmax. A query whose keys are all masked
 attends to nothing: its output is zero (never NaN).
@@ -55,6 +65,12 @@ def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | 
     q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]  # (t_q, 1)
     k_pos = torch.arange(k_len, device=device)[None, :]  # (1, t_k)
     return (k_pos <= q_pos)[None, None]
+
+
+def scores_shaped(mask: Tensor | None) -> Tensor | None:
+    """A mask or additive bias with the scores' 4 dimensions: a 3-D (b, t_q, t_k) one becomes
+    (b, 1, t_q, t_k), shared by the heads (see the module doc); others are left as they are."""
+    return mask[:, None] if mask is not None and mask.dim() == 3 else mask
 
 
 def combine_masks(*masks: Tensor | None) -> Tensor | None:

@@ -16,7 +16,7 @@ from aiayn.config import ModelConfig
 from aiayn.generate import greedy_encoder_decoder
 from aiayn.tasks.base import register
 from aiayn.train.losses import IGNORE, LossInput
-from aiayn.train.task import AttentionExample, Batch, Task
+from aiayn.train.task import AttentionExample, Batch, Task, encoder_decoder_example
 
 PAD, BOS = 0, 1
 
@@ -24,6 +24,7 @@ PAD, BOS = 0, 1
 @register
 class CopyTask(Task):
     name = "copy"
+    attention_kinds = ("cross", "encoder", "decoder")
     description = "copy 10 symbols (Annotated Transformer); encoder-decoder, greedy decoding"
 
     def __init__(self, *, vocab_size: int = 11, seq_len: int = 10, n_train: int = 50_000,
@@ -74,13 +75,13 @@ class CopyTask(Task):
                 for s, o in zip(src.tolist(), out.tokens.tolist(), strict=True)]
 
     @torch.no_grad()
-    def attention_example(self, model: nn.Module, text: str | None = None) -> AttentionExample:
+    def attention_example(self, model: nn.Module, text: str | None = None,
+                          kind: str | None = None) -> AttentionExample:
+        kind = self.attention_kind(kind)
         model.eval()
         src = (self.collate("test", torch.arange(1))["src"] if text is None
                else self.parse_ids(text, low=2, high=self.vocab_size, length=self.seq_len))
         tgt_in = torch.cat([torch.full((1, 1), BOS), src[:, :-1]], dim=1)
         out = model(src, tgt_in, need_weights=True)
-        return AttentionExample(weights=[w[0] for w in out.cross_attentions],
-                                query_labels=["<s>", *map(str, src[0, :-1].tolist())],
-                                key_labels=[str(v) for v in src[0].tolist()],
-                                title="copy: decoder cross-attention of each head")
+        return encoder_decoder_example(out, kind, [str(v) for v in src[0].tolist()],
+                                       ["<s>", *map(str, src[0, :-1].tolist())], "copy")

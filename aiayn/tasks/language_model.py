@@ -20,9 +20,10 @@ from aiayn.generate import SamplingConfig, generate_decoder_only
 from aiayn.tasks.base import register
 from aiayn.tokenizers import CharTokenizer
 from aiayn.train.losses import IGNORE, LossInput
-from aiayn.train.task import Batch, Task
+from aiayn.train.task import AttentionExample, Batch, Task
 
 CORPUS = ("tinyshakespeare", "input.txt")
+ATTENTION_TOKENS = 48  # tokens an attention plot shows at most
 
 
 class TextWindowsTask(Task):
@@ -31,6 +32,7 @@ class TextWindowsTask(Task):
     specials: tuple[str, ...] = ()
 
     recorded_options = ("vocab",)  # the character vocabulary, kept in the run's config
+    attention_needs_splits = False
 
     def __init__(self, *, block_size: int = 64, **options: Any) -> None:
         super().__init__(block_size=block_size, **options)
@@ -72,10 +74,32 @@ class TextWindowsTask(Task):
     def count_tokens(self, batch: Batch) -> int:
         return batch["tokens"].numel()
 
+    @torch.no_grad()
+    def attention_example(self, model: nn.Module, text: str | None = None,
+                          kind: str | None = None) -> AttentionExample:
+        """Self-attention over ``text`` or the start of the validation text, at most
+        ``ATTENTION_TOKENS`` tokens (more would not be readable)."""
+        self.attention_kind(kind)
+        model.eval()
+        if text is None:  # the start of the validation text (no need to encode the whole corpus)
+            corpus = dataset_file(*CORPUS).read_text(encoding="utf-8")
+            ids = self.tokenizer.encode(corpus[int(0.9 * len(corpus)):][: 4 * ATTENTION_TOKENS])[:ATTENTION_TOKENS]
+        else:
+            ids = self.tokenizer.encode(text)[:ATTENTION_TOKENS]
+            if ids.numel() == 0:
+                raise ValueError(f"input {text!r} holds no token of the vocabulary")
+        ids = ids[: self.block_size]
+        out = model(ids[None], need_weights=True)
+        labels = [repr(self.tokenizer.decode(ids[i : i + 1]))[1:-1] for i in range(ids.numel())]
+        what = "causal self-attention" if self.attention_kinds == ("decoder",) else "self-attention"
+        return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels,
+                                key_labels=labels, title=f"{self.name}: {what}")
+
 
 @register
 class ShakespeareCharTask(TextWindowsTask):
     name = "shakespeare-char"
+    attention_kinds = ("decoder",)
     description = "character-level GPT on Tiny Shakespeare (nanoGPT's shakespeare-char)"
 
     def model_config(self) -> ModelConfig:
@@ -142,6 +166,7 @@ class MaskedCharTask(TextWindowsTask):
     80% become [MASK], 10% a random character, 10% stay; the model predicts the originals."""
 
     name = "mlm"
+    attention_kinds = ("encoder",)
     description = "masked-character BERT pretraining on Tiny Shakespeare (80/10/10 masking)"
     specials = ("[MASK]",)
     mask_rate = 0.15

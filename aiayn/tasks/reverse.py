@@ -20,6 +20,7 @@ from aiayn.train.task import AttentionExample, Batch, Task
 @register
 class ReverseTask(Task):
     name = "reverse"
+    attention_kinds = ("encoder",)
     description = "reverse 16 digits (UvA tutorial); encoder-only, per-position labels"
 
     def __init__(self, *, num_categories: int = 10, seq_len: int = 16, n_train: int = 50_000,
@@ -59,11 +60,13 @@ class ReverseTask(Task):
         return lines
 
     @torch.no_grad()
-    def attention_example(self, model: nn.Module, text: str | None = None) -> AttentionExample:
+    def attention_example(self, model: nn.Module, text: str | None = None,
+                          kind: str | None = None) -> AttentionExample:
+        self.attention_kind(kind)
         model.eval()
         inputs = (self.collate("test", torch.arange(1))["inputs"] if text is None
                   else self.parse_ids(text, low=0, high=self.num_categories, length=self.seq_len))
         out = model(inputs, need_weights=True)
         labels = [str(v) for v in inputs[0].tolist()]
         return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels,
-                                key_labels=labels, title="reverse: attention of each head on a test sequence")
+                                key_labels=labels, title="reverse: encoder self-attention")

@@ -128,6 +128,7 @@ def sample_sets(pool: Tensor, classes: Tensor, n_sets: int, set_size: int, num_c
 @register
 class SetAnomalyTask(Task):
     name = "set-anomaly"
+    attention_kinds = ("encoder",)
     description = ("find the odd digit in a set of 10 (UvA tutorial); permutation-equivariant "
                    "encoder, unseen test images")
 
@@ -199,11 +200,22 @@ class SetAnomalyTask(Task):
         return lines
 
     @torch.no_grad()
-    def attention_example(self, model: nn.Module) -> AttentionExample:
+    def attention_example(self, model: nn.Module, text: str | None = None,
+                          kind: str | None = None) -> AttentionExample:
+        """The attention on one test set: the first, or the set numbered ``text`` (0-based)."""
+        self.attention_kind(kind)
         model.eval()
-        batch = self.collate("test", torch.arange(1))
+        n_test = self.split_size("test")
+        if text is None:
+            index = 0
+        else:
+            try:
+                index = int(self.parse_ids(text, low=0, high=n_test, length=1))
+            except ValueError:
+                raise ValueError(f"input {text!r} must be the number of a test set, 0 to {n_test - 1}") from None
+        batch = self.collate("test", torch.tensor([index]))
         out = model(batch["inputs"], need_weights=True)
         labels = self._labels(batch["image_ids"][0], int(batch["labels"][0]))
         return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels,
                                 key_labels=labels,
-                                title="set-anomaly: attention of each head on a test set (* = odd one)")
+                                title=f"set-anomaly: attention on test set {index} (* = odd one)")

@@ -52,6 +52,22 @@ def make_schedule(cfg: TrainConfig, *, total_steps: int, d_model: int) -> Callab
     return lambda s: constant_lr(s, peak=cfg.lr, warmup=cfg.warmup_steps)
 
 
+# A Noam schedule whose peak learning rate is below this learns nothing in any sensible run
+# (``lr`` is the factor in front of the formula: 1e-3 at d_model 256, warmup 4000 peaks at 1e-6).
+NOAM_TINY_PEAK = 1e-5
+
+
+def schedule_warning(cfg: TrainConfig, *, d_model: int) -> str | None:
+    """A warning for a schedule that cannot learn: Noam with a factor that makes its peak tiny."""
+    if cfg.schedule != "noam":
+        return None
+    peak = noam_lr(cfg.warmup_steps, d_model=d_model, warmup=cfg.warmup_steps, factor=cfg.lr)
+    if peak >= NOAM_TINY_PEAK:
+        return None
+    return (f"warning: schedule noam with lr (its factor) {cfg.lr:g} peaks at a learning rate of "
+            f"{peak:.2g} at step {cfg.warmup_steps}, too small to learn; the paper's factor is 1 (--lr 1)")
+
+
 def parameter_groups(model: nn.Module, weight_decay: float, *, decay_all: bool = False) -> list[dict]:
     """Decay matrices of linear layers; not norms, biases or embeddings (unless ``decay_all``)."""
     no_decay: set[int] = set()

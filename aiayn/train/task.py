@@ -29,6 +29,26 @@ class AttentionExample:
     title: str
 
 
+# The attention an ``aiayn plot attention --kind`` can show: an encoder's self-attention, a
+# decoder's (masked) self-attention, and an encoder-decoder's cross-attention (decoder queries,
+# source keys).
+ATTENTION_KINDS = ("encoder", "decoder", "cross")
+
+
+def encoder_decoder_example(out: Any, kind: str, src_labels: list[str], tgt_labels: list[str],
+                            title: str) -> AttentionExample:
+    """The ``kind`` maps of an encoder-decoder's ``ModelOutput`` (forward with ``need_weights``)
+    for one example: encoder (source x source), decoder (target x target) or cross (target x
+    source). ``title`` names the example; the kind is appended."""
+    weights, queries, keys = {"encoder": (out.encoder_attentions, src_labels, src_labels),
+                              "decoder": (out.attentions, tgt_labels, tgt_labels),
+                              "cross": (out.cross_attentions, tgt_labels, src_labels)}[kind]
+    what = {"encoder": "encoder self-attention", "decoder": "decoder self-attention (causal)",
+            "cross": "decoder cross-attention"}[kind]
+    return AttentionExample(weights=[w[0] for w in weights], query_labels=queries, key_labels=keys,
+                            title=f"{title}: {what}")
+
+
 class Task:
     """Base class. Subclasses fill ``splits`` in ``prepare`` and implement ``forward``."""
 
@@ -39,6 +59,11 @@ class Task:
     # Options a task writes into its own options for the run's config (a learned vocabulary), read
     # back when the run is loaded; accepted besides its ``__init__`` parameters.
     recorded_options: ClassVar[tuple[str, ...]] = ()
+    # The attention maps ``attention_example`` draws (ATTENTION_KINDS), the first by default;
+    # empty: the task has none.
+    attention_kinds: ClassVar[tuple[str, ...]] = ()
+    # Whether ``attention_example`` needs ``prepare``'s splits (False: it reads what it needs itself).
+    attention_needs_splits: ClassVar[bool] = True
 
     def __init__(self, **options: Any) -> None:
         self.options = options
@@ -110,9 +135,22 @@ class Task:
         """A few test inputs with the model's predictions, for the end-of-run summary."""
         return []
 
-    def attention_example(self, model: nn.Module, text: str | None = None) -> AttentionExample | None:
-        """Attention maps of the model on ``text`` (task-specific input syntax) or a test example."""
+    def attention_example(self, model: nn.Module, text: str | None = None,
+                          kind: str | None = None) -> AttentionExample | None:
+        """Attention maps of the model on ``text`` (task-specific input syntax; ValueError if it
+        does not parse) or a test example: the ``kind`` of ``attention_kinds`` (default the first)."""
         return None
+
+    def attention_kind(self, kind: str | None) -> str:
+        """``kind``, or the task's default; ValueError naming the kinds the task has."""
+        if not self.attention_kinds:
+            raise ValueError(f"task {self.name} has no attention plot")
+        if kind is None:
+            return self.attention_kinds[0]
+        if kind not in self.attention_kinds:
+            raise ValueError(f"task {self.name} has {' and '.join(self.attention_kinds)} attention, not "
+                             f"{kind}; choose --kind {' or '.join(self.attention_kinds)}")
+        return kind
 
     @staticmethod
     def parse_ids(text: str, *, low: int, high: int, length: int | None = None) -> Tensor:

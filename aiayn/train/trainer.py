@@ -39,7 +39,13 @@ from aiayn.train.checkpoint import (
     save_checkpoint,
 )
 from aiayn.train.losses import graph_tensor, sequence_loss
-from aiayn.train.optim import all_finite, clip_and_measure, make_optimizer, make_schedule
+from aiayn.train.optim import (
+    all_finite,
+    clip_and_measure,
+    make_optimizer,
+    make_schedule,
+    schedule_warning,
+)
 from aiayn.train.run_dir import (  # noqa: F401  (RunDirError, config_diff: imported from here too)
     RunDirError,
     RunLocation,
@@ -222,6 +228,8 @@ def _train(
         steps_per_epoch = max(1, n_batches // per_step)
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     lr_at = make_schedule(cfg, total_steps=total_steps, d_model=model_config.d_model)
+    if (warning := schedule_warning(cfg, d_model=model_config.d_model)) is not None:
+        echo(warning)
     eval_every = cfg.eval_every or steps_per_epoch
     save_every = cfg.save_every or steps_per_epoch
 

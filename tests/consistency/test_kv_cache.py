@@ -404,3 +404,26 @@ def test_kv_cache_bytes_matches_real_cache(arch: str, overrides: dict, batch_siz
 def test_kv_cache_bytes_documented_example() -> None:
     assert kv_cache_bytes(n_layers=32, n_kv_heads=32, head_dim=128, seq_len=2048,
                           batch_size=32, dtype=torch.float32) == 64 * 2**30
+
+
+@pytest.mark.parametrize(("model_dtype", "quantize"), [(torch.float32, None), (torch.bfloat16, None),
+                                                       (torch.float32, "int8"), (torch.float32, "int4")])
+def test_encoder_decoder_estimate_counts_the_cross_attention_keys_and_values(model_dtype, quantize):
+    """After the first decode step every decoder layer holds the source's cross-attention keys and
+    values too (issue 23): the estimate with src_len equals the cache's real bytes then."""
+    model = encoder_decoder(n_kv_heads=3).to(model_dtype)
+    config, batch, src_len, max_len = model.config, 2, 9, 11
+    src = torch.randint(3, VOCAB, (batch, src_len))
+    cache = model.new_cache(batch, max_len, quantize=quantize)
+    sizes = dict(n_layers=config.n_decoder_layers, n_kv_heads=3, head_dim=config.head_dim, seq_len=max_len,
+                 batch_size=batch, dtype=quantize or model_dtype)
+    assert cache.nbytes == cache.self_nbytes == kv_cache_bytes(**sizes)  # nothing computed yet
+    with torch.no_grad():
+        model.decode(torch.ones(batch, 1, dtype=torch.long), model.encode(src), cache=cache)
+    cross = sum(t.numel() * t.element_size() for kv in cache.cross for t in (kv.k, kv.v))
+    assert cross == cache.cross_nbytes > 0
+    assert cache.nbytes == kv_cache_bytes(**sizes, src_len=src_len) == cache.self_nbytes + cross
+    if quantize:  # the cross-attention keys/values stay in the model's float dtype
+        assert all(kv.k.dtype == model_dtype for kv in cache.cross)
+    assert kv_cache_bytes(**sizes, src_len=src_len) - kv_cache_bytes(**sizes) == (
+        2 * config.n_decoder_layers * 3 * config.head_dim * src_len * batch * (2 if model_dtype == torch.bfloat16 else 4))

@@ -33,8 +33,11 @@ def test_lr_schedule_plot(tmp_path):
 
 def test_attention_grid_size_follows_layers_and_heads(tmp_path):
     weights = [torch.softmax(torch.randn(3, 5, 7), -1) for _ in range(2)]  # 2 layers x 3 heads
+    assert viz.PANEL_INCHES * 3 + 0.4 > viz.MIN_WIDTH_INCHES
     path = viz.plot_attention(weights, list("abcde"), list("ABCDEFG"), tmp_path / "attn.png")
-    assert png_shape(path) == (round(100 * (2.8 * 3 + 1)), round(100 * (2.8 * 2 + 0.8)))
+    assert png_shape(path) == (round(100 * (viz.PANEL_INCHES * 3 + 0.4)), round(100 * (viz.PANEL_INCHES * 2 + 0.9)))
+    one = viz.plot_attention([weights[0][:1]], list("abcde"), list("ABCDEFG"), tmp_path / "one.png")
+    assert png_shape(one) == (round(100 * viz.MIN_WIDTH_INCHES), round(100 * (viz.PANEL_INCHES + 0.9)))
 
 
 def test_metrics_plot(tmp_path):

@@ -49,10 +49,11 @@ def tiny_run(corpus, tmp_path_factory) -> Path:
                     max_tokens=1024, beam_size=4, val_bleu=False)
     model_config = task.model_config().replace(d_model=128, n_heads=4, n_layers=2, n_decoder_layers=2,
                                                d_ff=256, dropout=0.0, attention_dropout=0.0,
-                                               padding_free=True)
+                                               activation_dropout=0.0, padding_free=True)
     train_config = TrainConfig(**{**task.train_overrides(), "epochs": 40, "schedule": "cosine",
                                   "lr": 2e-3, "warmup_steps": 50, "label_smoothing": 0.0,
-                                  "keep_checkpoints": 3, "save_every": 0})
+                                  "keep_checkpoints": 3, "save_every": 0,
+                                  "clip_grad_norm": None, "average_last": 0})
     run_dir = tmp_path_factory.mktemp("runs") / "tiny"
     train(task, model_config, train_config, run_dir, progress=False, make_plots=False)
     return run_dir

@@ -66,3 +66,20 @@ def test_cli_bad_arguments_exit_2_without_traceback(args, needle):
 def test_cli_version():
     result = run_cli("--version")
     assert result.returncode == 0 and aiayn.__version__ in result.stdout
+
+
+def test_cli_encoder_decoder_preset_adds_the_cross_attention_keys_and_values():
+    """paper-base, 100 target and 100 source tokens, batch 4: the cross-attention keys/values (6
+    layers x 8 heads x 64 x 100 source tokens x 4 x 2 x 4 bytes) double the self-attention's."""
+    result = run_cli("kv-cache", "--preset", "paper-base", "--seq-len", "100", "--batch-size", "4")
+    assert result.returncode == 0, result.stderr
+    cross = 2 * 6 * 8 * 64 * 100 * 4 * 4
+    assert f"KV cache: {format_bytes(2 * cross)} ({2 * cross:,} bytes)" in result.stdout
+    assert f"cross-attention (encoder-decoder): {format_bytes(cross)} ({cross:,} bytes)" in result.stdout
+    assert "x 100 source tokens x 4 batch x 4 bytes (float32" in result.stdout
+    longer = run_cli("kv-cache", "--preset", "paper-base", "--seq-len", "100", "--src-len", "300")
+    assert f"KV cache: {format_bytes(cross)} " in longer.stdout  # batch 1: 100 + 300 tokens = 4 x 100
+    none = run_cli("kv-cache", "--preset", "paper-base", "--seq-len", "100", "--src-len", "0")
+    assert f"KV cache: {format_bytes(cross // 4)} " in none.stdout and "cross-attention" not in none.stdout
+    decoder_only = run_cli("kv-cache", "--preset", "gpt-tiny")
+    assert decoder_only.returncode == 0 and "cross-attention" not in decoder_only.stdout

@@ -1,0 +1,53 @@
+"""``aiayn explain TOPIC``: the classic questions about the Transformer answered by small
+experiments (seconds to a minute on 2 cores), each printing its tables and writing a plot and a
+markdown page whose every number comes from the run (``docs/explain/``).
+
+One module per topic (``NAME``, ``TITLE``, ``QUESTION``, ``run(out_dir, quick=False)``); the
+registry below maps a topic's name to its module, imported when the topic runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+from types import ModuleType
+
+from aiayn.explain.base import Report
+
+# topic name -> module in this package, in the order of the docs (the paper's order)
+TOPICS = {
+    "scaling": "scaling",          # why divide by sqrt(d_k)
+}
+
+
+def topic(name: str) -> ModuleType:
+    """The module of topic ``name``; ValueError naming the topics for an unknown one."""
+    if name not in TOPICS:
+        raise ValueError(f"unknown topic {name!r}; topics: {', '.join(TOPICS)}")
+    return importlib.import_module(f"aiayn.explain.{TOPICS[name]}")
+
+
+def run_topic(name: str, out_dir: Path, *, quick: bool = False, command: str | None = None) -> Report:
+    """Run a topic: its report, with its plots in ``out_dir`` and its page as ``out_dir/NAME.md``."""
+    module = topic(name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    report = module.run(out_dir, quick=quick)
+    report.seconds = time.perf_counter() - start
+    command = command or f"aiayn explain {name}" + (" --quick" if quick else "")
+    (out_dir / f"{name}.md").write_text(report.markdown(command), encoding="utf-8")
+    return report
+
+
+def index_page(out_dir: Path) -> Path:
+    """``out_dir/README.md``: the topics, their questions and their pages."""
+    lines = ["# The classic questions, answered by experiments", "",
+             "Each page is written by `aiayn explain TOPIC --out docs/explain` (all of them: "
+             "`aiayn explain --all --out docs/explain`); its numbers are that run's.", ""]
+    for name in TOPICS:
+        module = topic(name)
+        lines.append(f"* [{module.TITLE}]({name}.md) — {module.QUESTION} (`aiayn explain {name}`)")
+    path = out_dir / "README.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
