@@ -47,13 +47,13 @@ def train_tokenizer():
     return tok
 
 
-def tiny_text_model(seed: int = 0) -> TextModel:
+def tiny_text_model(seed: int = 0, context: int = CONTEXT) -> TextModel:
     """A LLaMA-style model of 2 layers, GQA, with weights at a scale where attention and positions
     matter (and logits are far from ties); the end-of-text row of the output layer is zero, so the
     model never ends an answer by itself (answers run to max_tokens or a stop string)."""
     tok = train_tokenizer()
     torch.manual_seed(seed)
-    config = get_preset("llama-tiny", vocab_size=tok.get_vocab_size(), max_seq_len=CONTEXT)
+    config = get_preset("llama-tiny", vocab_size=tok.get_vocab_size(), max_seq_len=context)
     model = DecoderOnly(config).eval()
     g = torch.Generator().manual_seed(seed)
     eos = tok.token_to_id("<|im_end|>")
@@ -66,7 +66,7 @@ def tiny_text_model(seed: int = 0) -> TextModel:
         model.lm_head.weight[eos] = 0.0
     template = ChatTemplate(CHAT_TEMPLATE, {"eos_token": "<|im_end|>"})
     return TextModel(model, lambda text: tok.encode(text, add_special_tokens=False).ids, lambda ids: tok.decode(ids),
-                     CONTEXT, eos, None, template, tok)
+                     context, eos, None, template, tok)
 
 
 def free_port() -> int:
