@@ -52,8 +52,8 @@ export async function generateView(section, model) {
     el("button", { class: "ghost", id: "gen-last", onclick: () => go(data.steps.length - 1) }, "last »"),
     slider);
   slider.addEventListener("input", () => go(Number(slider.value)));
-  section.addEventListener("keydown", (event) => {
-    if (event.target.tagName === "TEXTAREA" || event.target.tagName === "INPUT") return;
+  document.addEventListener("keydown", (event) => {  // ← → step through, while this view is shown
+    if (section.hidden || event.target.tagName === "TEXTAREA" || event.target.tagName === "INPUT") return;
     if (event.key === "ArrowRight") go(index + 1);
     if (event.key === "ArrowLeft") go(index - 1);
   });
