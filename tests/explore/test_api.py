@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ from aiayn.explore.probes import unpack_matrix
 from aiayn.generate import beam_search_encoder_decoder, greedy_decoder_only, greedy_encoder_decoder
 from aiayn.nn.kv_cache import kv_cache_bytes
 from aiayn.nn.positional import sinusoidal_encoding
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def client(ex) -> TestClient:
@@ -266,3 +269,27 @@ def test_the_page_and_its_modules_are_served(char_ex):
         assert not re.search(r"https?://", module.text.replace("http://www.w3.org/2000/svg", "")), name
     assert api.get("/static/style.css").status_code == 200
     assert api.get("/static/../models.py").status_code == 404
+
+
+def test_a_run_of_any_other_task_shows_its_attention_example():
+    """A copy run (tests/fixtures/old_runs: written by an older aiayn) has no text tokenizer: its
+    attention view is the task's own attention example, in the task's input syntax."""
+    from aiayn.explore import load_explorable
+
+    run = REPO / "tests" / "fixtures" / "old_runs" / "copy"
+    ex = load_explorable(run_dir=run)
+    api = client(ex)
+    summary = api.get("/api/model").json()
+    assert summary["kind"] == "task" and summary["views"]["generate"] and summary["views"]["attention"] is None
+    default = api.post("/api/attention", json={"text": ""}).json()  # empty: the task's test example
+    first = ex.task.attention_example(ex.model, None)
+    assert default["tokens"] == {"queries": first.query_labels, "keys": first.key_labels}
+    text = " ".join(reversed(first.key_labels))  # another input in the task's syntax
+    probe = api.post("/api/attention", json={"text": text}).json()
+    example = ex.task.attention_example(ex.model, text)
+    assert probe["tokens"] == {"queries": example.query_labels, "keys": example.key_labels}
+    for layer, weights in enumerate(example.weights):
+        assert np.array_equal(layer_weights(api, probe, "task", layer), weights.numpy())
+    bad = api.post("/api/attention", json={"text": "not digits"})
+    assert bad.status_code == 400 and "must be space-separated integers" in bad.json()["error"]
+    assert api.get("/api/run").json()["available"]

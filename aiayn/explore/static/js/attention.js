@@ -3,7 +3,7 @@
 // serves one layer's (h, t_q, t_k) weights) and one head in detail: a heatmap with the exact
 // value under the mouse, and lines between tokens.
 import { postJSON, getJSON, unpack, el, svgEl, tokenPreview, showTip } from "./api.js";
-import { heatmap, labelledHeatmap, paintMatrix } from "./draw.js";
+import { heatmap, labelledHeatmap, paintMatrix, sequential } from "./draw.js";
 
 const CONCURRENT = 2; // layer requests in flight at once
 const LINES_MAX = 80; // the lines view is drawn up to this many tokens a side
@@ -25,7 +25,7 @@ export async function attentionView(section, model) {
   const targetMessage = el("div", { class: "message", id: "attn-target-message" });
   const note = el("div", { class: "note", id: "attn-note" });
   const stacks = el("div", { class: "tabs2", id: "attn-stacks" });
-  const gridInfo = el("div", { class: "note", id: "attn-grid-info" });
+  const gridInfo = el("div", { class: "note", id: "attn-grid-info", style: "max-width: 560px" });
   const grid = el("div", { class: "head-grid", id: "attn-grid" });
   const gridWrap = el("div", { class: "grid-wrap", id: "attn-grid-wrap" }, grid);
   const detailTitle = el("h3", { id: "attn-detail-title" });
@@ -51,7 +51,7 @@ export async function attentionView(section, model) {
     note, stacks,
     el("div", { class: "row" },
       el("div", { class: "col", style: "flex:0 1 auto" }, el("h3", {}, "Layers × heads"), gridInfo,
-        el("div", { class: "controls" }, el("label", {}, scale, " colour scale 0 – 1 (else 0 – each map's largest weight)")),
+        el("div", { class: "controls" }, el("label", {}, scale, " linear colour scale 0 – 1 (else √(weight / the map's largest))")),
         gridWrap),
       el("div", { class: "col" }, detailTitle, readout, el("div", { class: "detail" }, heat, lines))));
 
@@ -146,17 +146,19 @@ export async function attentionView(section, model) {
       const canvas = grid.querySelector(`canvas[data-layer="${l}"][data-head="${head}"]`);
       if (!canvas) continue;
       const values = w.values.subarray(head * tq * tk, (head + 1) * tq * tk);
-      paintMatrix(canvas, values, tq, tk, { hi: top(values) });
+      paintMatrix(canvas, values, tq, tk, colourScale(values));
       canvas.dataset.loaded = "1";
     }
   }
 
-  // The colour scale's top: 1, or the map's largest weight (weights spread over many keys are small).
-  function top(values) {
-    if (scale.checked) return 1;
+  // Colours: linear over [0, 1], or (default) the square root of weight / the map's largest weight,
+  // so that weights spread over many keys stay visible next to a few large ones. Values shown are exact.
+  function colourScale(values) {
+    if (scale.checked) return { lo: 0, hi: 1 };
     let m = 0;
     for (const v of values) if (v > m) m = v;
-    return m > 0 ? m : 1;
+    const top = m > 0 ? m : 1;
+    return { lo: 0, hi: 1, color: (x) => sequential(Math.sqrt(Math.max(0, x) / top)) };
   }
   scale.addEventListener("change", () => { if (state.probe) chooseStack(state.stack.name); });
 
@@ -184,7 +186,7 @@ export async function attentionView(section, model) {
     const kLabels = state.probe.tokens[desc.keys];
     const size = Math.max(3, Math.min(26, Math.floor(560 / Math.max(tq, tk))));
     const canvas = heatmap(values, tq, tk, {
-      cell: size, title: `${tq} queries × ${tk} keys`, hi: top(values),
+      cell: size, title: `${tq} queries × ${tk} keys`, ...colourScale(values),
       onHover: (i, j, v, event) => {
         const line = `query ${i} ${qLabels[i]} → key ${j} ${kLabels[j]}: ${v.toFixed(4)}`;
         readout.textContent = line;

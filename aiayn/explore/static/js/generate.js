@@ -103,7 +103,8 @@ export async function generateView(section, model) {
     const c = data.cache;
     const fig = step.cache;
     const previous = index > 0 ? data.steps[index - 1].cache.filled : 0;
-    kvTitle.textContent = `KV cache after step ${index + 1}: ${fig.filled} of ${c.capacity} slots filled`;
+    kvTitle.textContent = `KV cache after step ${index + 1}: ${fig.filled} of ${c.capacity} slots filled ` +
+      "(this step's token is written at the next step)";
     const unit = c.bytes_per_value;
     const formula = `2 × ${c.layers} layers × ${c.kv_heads} kv heads × ${c.head_dim} head_dim × ${fig.filled} tokens × ${unit} B`;
     const equal = fig.measured === fig.formula;

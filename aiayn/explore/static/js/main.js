@@ -45,7 +45,9 @@ async function boot() {
   const kv = model.kv_heads !== model.heads ? ` (${model.kv_heads} kv heads)` : "";
   document.getElementById("model-name").textContent =
     `${model.name} · ${model.arch}, ${params} × ${model.heads} heads${kv}, d_model ${model.d_model}, ` +
-    `${(model.parameters / 1e6).toFixed(2)}M parameters · ${model.origin}`;
+    `${(model.parameters / 1e6).toFixed(2)}M parameters · ` +
+    (model.origin.length > 64 ? `${model.origin.split(" ")[0]} …${model.origin.slice(-48)}` : model.origin);
+  document.getElementById("model-name").title = model.origin;
   for (const link of document.querySelectorAll("#tabs a")) {
     const reason = model.views[link.dataset.view];
     link.classList.toggle("unavailable", Boolean(reason));

@@ -85,17 +85,17 @@ function ownPanel(own, model) {
       el("div", { class: "col" }, tableMap(own.table, { id: "pos-own-table" })),
       chartPanel("its PE(t) · PE(t + k)", own.dots, "PE(t)·PE(t+k)", "pos-own-dots")));
   } else if (own.scheme === "learned") {
-    const t = unpack(own.table);
-    const [lo, hi] = extent(t.values);
-    const bound = Math.max(Math.abs(lo), Math.abs(hi));
+    // A learned table has a few outlying values: colour by the 99th percentile of |value|.
+    const sorted = Float32Array.from(unpack(own.table).values, Math.abs).sort();
+    const bound = sorted[Math.floor(0.99 * (sorted.length - 1))] || 1;
     panel.append(el("p", { class: "note" }, "A vector per position, trained with the model. The similarity map " +
       "(cosine of every pair of positions) shows what it learned about distance; the curves compare positions t " +
       "and t + k: unlike the sinusoids they need not depend on k alone."),
     el("div", { class: "row" },
       el("div", { class: "col" }, el("h3", {}, "the table"), tableMap(own.table, { id: "pos-own-table", lo: -bound, hi: bound })),
       el("div", { class: "col" }, el("h3", {}, "cosine similarity of positions"),
-        tableMap(own.similarity, { id: "pos-own-similarity", colName: "position", maxPx: 420 })),
-      chartPanel("cos(p(t), p(t + k))", own.dots, "cosine", "pos-own-dots")));
+        tableMap(own.similarity, { id: "pos-own-similarity", colName: "position", maxPx: 420 }))),
+    el("div", { class: "row" }, chartPanel("cos(p(t), p(t + k))", own.dots, "cosine", "pos-own-dots")));
   } else if (own.scheme === "rope") {
     panel.append(el("p", { class: "note" }, `${model.name} rotates its queries and keys (no position is added to the ` +
       "embeddings); these are its own tables and base."),
