@@ -8,6 +8,7 @@ against greedy decoding, an exhaustive search, a plain Python search and Hugging
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,36 @@ class BeamSearchResult:
             row = row[:n]
             out.append(row[:-1] if eos_id is not None and row and row[-1] == eos_id else row)
         return out
+
+
+@dataclass(frozen=True)
+class BeamStep:
+    """What one step of the search did, for an observer (``beam_search_encoder_decoder(trace=)``):
+    the 2 * beam candidates of every source still searching, best first by sum score.
+
+    t: the candidates' length (tokens without bos), 1 at the first step.
+    sources (n,) long: the source ids (rows of ``src``) still searching at this step.
+    parent (n, c) long: the beam slot (0 .. beam - 1, best first at step t - 1) each candidate
+        continues; at t = 1 every candidate continues slot 0 (bos).
+    token (n, c) long, score (n, c) float32: the candidate's last token and its sum of
+        log-probabilities (-inf: no candidate).
+    finished (n, c) bool: an eos candidate ranked within the first ``beam``: it joined the
+        source's finished hypotheses (ranked by ``score / lp(t)``), where it may still be beaten.
+    slot (n, c) long: the beam slot the candidate continues in at the next step, -1 when pruned
+        (or finished).
+    at_limit (n,) bool: the source reached its length limit (its open beams finished without eos).
+    done (n,) bool: the source stopped searching after this step.
+    """
+
+    t: int
+    sources: Tensor
+    parent: Tensor
+    token: Tensor
+    score: Tensor
+    finished: Tensor
+    slot: Tensor
+    at_limit: Tensor
+    done: Tensor
 
 
 @dataclass
@@ -156,6 +187,7 @@ def beam_search_encoder_decoder(
     early_stopping: bool = False,
     mask_pad: bool = True,
     keep_greedy: bool = False,
+    trace: Callable[[BeamStep], None] | None = None,
 ) -> BeamSearchResult:
     """Beam search over the KV cache: every source's ``beam_size`` beams in one (b * beam) batch.
 
@@ -191,6 +223,10 @@ def beam_search_encoder_decoder(
     finished hypotheses before they are ranked, so the best returned normalized score is never
     below greedy's. A greedy hypothesis the search could not have produced (pad, or eos before
     ``min_len``) is not added.
+
+    ``trace``: called with a ``BeamStep`` after every step (every candidate, where it went, which
+    were pruned): what ``aiayn explore`` draws the search tree from. It changes nothing in the
+    search, and costs nothing when None.
 
     Returns the best hypothesis per source and up to ``n_best`` (<= beam_size) per source.
     """
@@ -260,6 +296,12 @@ def beam_search_encoder_decoder(
 
         done = _sources_done(finished.norm[alive][:, k - 1], beams.scores[:, 0], limits[alive], t=t,
                              alpha=alpha, early_stopping=early_stopping) | at_limit  # (n,)
+        if trace is not None:
+            slot = torch.full_like(top_tok, -1).scatter_(
+                1, keep, torch.arange(k, device=device).expand(n, k).contiguous())  # (n, 2k)
+            trace(BeamStep(t=t, sources=alive.clone(), parent=top_beam, token=top_tok, score=top_scores,
+                           finished=torch.cat([eos_ok, torch.zeros_like(is_eos[:, k:])], 1),
+                           slot=slot, at_limit=at_limit, done=done))
         if bool(done.all()):
             break
 
