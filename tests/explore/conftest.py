@@ -59,7 +59,7 @@ def translation_run(tmp_path_factory) -> Path:
     model_config = task.model_config().replace(d_model=32, n_heads=4, n_layers=2, n_decoder_layers=3, d_ff=37,
                                                dropout=0.0, attention_dropout=0.0)
     train_config = TrainConfig(**{**task.train_overrides(), "max_steps": 4, "warmup_steps": 2, "save_every": 0,
-                                  "keep_checkpoints": 1})
+                                  "keep_checkpoints": 1, "average_last": 0})
     train(task, model_config, train_config, root / "run", progress=False, make_plots=False, echo=lambda _: None)
     return root / "run"
 
