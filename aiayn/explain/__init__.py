@@ -18,6 +18,12 @@ from aiayn.explain.base import Report
 # topic name -> module in this package, in the order of the docs (the paper's order)
 TOPICS = {
     "scaling": "scaling",          # why divide by sqrt(d_k)
+    "masks": "masking",            # what the mask does to the softmax
+    "heads": "heads",              # one head vs h heads: the same parameters and FLOPs
+    "additive": "additive",        # dot-product vs additive attention
+    "shared-qk": "shared_qk",      # one projection for queries and keys
+    "positional": "positional",    # the sinusoidal encoding
+    "parameters": "parameters",    # paper-base: 63.1M here, 65M in Table 3
 }
 
 

@@ -129,7 +129,7 @@ def train_briefly(task: Task, model: nn.Module, *, steps: int, batch_size: int, 
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        last = float(loss)
+        last = loss.item()
     per_step = (time.perf_counter() - start) / steps
     metrics = task.evaluate(model, "test")
     model.eval()

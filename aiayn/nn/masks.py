@@ -67,6 +67,21 @@ def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | 
     return (k_pos <= q_pos)[None, None]
 
 
+def sliding_window_mask(q_len: int, k_len: int | None = None, *, radius: int,
+                        causal: bool = False, device: torch.device | None = None) -> Tensor:
+    """Restricted (local) attention, the paper's Table 1: query i may see the keys within ``radius``
+    positions of it (only the earlier ones with ``causal``), (1, 1, t_q, t_k). Right-aligned like
+    ``causal_mask``: the t_q queries are the last t_q positions of the t_k keys."""
+    k_len = q_len if k_len is None else k_len
+    if radius < 0 or k_len < q_len:
+        raise ValueError(f"sliding_window_mask: need radius >= 0 and k_len >= q_len, got radius {radius}, "
+                         f"q_len {q_len}, k_len {k_len}")
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]  # (t_q, 1)
+    k_pos = torch.arange(k_len, device=device)[None, :]  # (1, t_k)
+    near = (q_pos - k_pos).abs() <= radius
+    return (near & (k_pos <= q_pos) if causal else near)[None, None]
+
+
 def scores_shaped(mask: Tensor | None) -> Tensor | None:
     """A mask or additive bias with the scores' 4 dimensions: a 3-D (b, t_q, t_k) one becomes
     (b, 1, t_q, t_k), shared by the heads (see the module doc); others are left as they are."""

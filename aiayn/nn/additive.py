@@ -1,0 +1,81 @@
+"""Additive attention (Bahdanau, Cho and Bengio 2015), the alternative the paper compares its
+dot-product attention with in section 3.2.1: score(q, k) = wᵀ tanh(q + k), a one-hidden-layer
+network over each query-key pair, with q = W_q x and k = W_k y already projected.
+
+``additive_attention`` takes the arguments of ``aiayn.nn.attention.scaled_dot_product_attention``
+(same masks, same zero output for a query that sees no key) plus the vector w per head.
+``AdditiveAttentionKernel`` holds w and stands in for ``MultiHeadAttention.kernel``;
+``use_additive_attention(model)`` puts one in every attention layer of a built model.
+
+Cost: the scores need the (b, h, t_q, t_k, d_h) tensor tanh(q_i + k_j), where dot-product
+attention needs one matrix product; the FLOPs are of the same order (t_q t_k d_h per head), but
+they are elementwise work and memory traffic instead of a matrix product.
+Shape letters: b batch, h heads, h_kv key/value heads, t_q queries, t_k keys, d_h head width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.nn.attention import MultiHeadAttention, _check_attention_inputs
+from aiayn.nn.masks import causal_mask, combine_masks, scores_shaped
+
+
+def additive_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, *, mask: Tensor | None = None,
+                       bias: Tensor | None = None, causal: bool = False, dropout_p: float = 0.0,
+                       need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+    """softmax(wᵀ tanh(q_i + k_j) + bias, masked) V.
+
+    q: (b, h, t_q, d_h); k, v: (b, h_kv, t_k, d_h); w: (h, d_h). mask, bias, causal, dropout_p:
+    as in ``scaled_dot_product_attention``. Returns (output (b, h, t_q, d_h), weights or None).
+    """
+    _check_attention_inputs(q, k, v, mask, bias)
+    if w.shape != (q.shape[1], q.shape[3]):
+        raise ValueError(f"additive attention: w must be (heads, head_dim) = {(q.shape[1], q.shape[3])}, "
+                         f"got {tuple(w.shape)}")
+    mask, bias = scores_shaped(mask), scores_shaped(bias)
+    if q.shape[1] != k.shape[1]:  # GQA: each key/value head serves h / h_kv query heads
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    t_q, t_k = q.shape[2], k.shape[2]
+    if causal:
+        mask = combine_masks(mask, causal_mask(t_q, t_k, device=q.device))
+    hidden = torch.tanh(q.unsqueeze(3) + k.unsqueeze(2))  # (b, h, t_q, t_k, d_h)
+    scores = (hidden * w[None, :, None, None, :]).sum(-1)  # (b, h, t_q, t_k)
+    if bias is not None:
+        scores = scores + bias
+    row_valid = None
+    if mask is not None:
+        row_valid = mask.any(dim=-1, keepdim=True)  # (.., t_q, 1): a query that sees no key -> zeros
+        scores = scores.masked_fill(~(mask | ~row_valid), float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if row_valid is not None:
+        weights = weights.masked_fill(~row_valid, 0.0)
+    out = F.dropout(weights, dropout_p) @ v  # (b, h, t_q, d_h)
+    return out, weights if need_weights else None
+
+
+class AdditiveAttentionKernel(nn.Module):
+    """The vector w of additive attention per head, called like ``scaled_dot_product_attention``
+    (``scale`` is ignored: the tanh bounds each term, nothing to scale)."""
+
+    def __init__(self, n_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n_heads, head_dim) * head_dim**-0.5)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
+                bias: Tensor | None = None, causal: bool = False, dropout_p: float = 0.0,
+                scale: float | None = None, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        return additive_attention(q, k, v, self.w, mask=mask, bias=bias, causal=causal, dropout_p=dropout_p,
+                                  need_weights=need_weights)
+
+
+def use_additive_attention(model: nn.Module) -> nn.Module:
+    """Give every ``MultiHeadAttention`` of ``model`` an additive kernel (new parameters w; the
+    projections are kept as W_q and W_k). In place; returns the model. Do not apply
+    ``aiayn.fast.optimize`` afterwards: it would set its dot-product kernel again."""
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.kernel = AdditiveAttentionKernel(module.n_heads, module.head_dim)
+    return model
