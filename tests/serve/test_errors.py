@@ -123,10 +123,12 @@ def slow_server(tiny_dir):
     """One slot, no waiting room, and a model slowed to ~20 ms a step: long answers stay running."""
     state = tiny_state(tiny_dir, max_batch=1, max_queue=0)
     step = state.engine.step
+    state.steps = 0
 
     def slow_step():
         time.sleep(0.02)
         step()
+        state.steps += 1
 
     state.engine.step = slow_step
     with live_server(state) as url:
@@ -154,8 +156,10 @@ def test_a_full_server_says_429_with_retry_after_and_a_gone_client_frees_its_slo
             client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=5)
         retry = info.value.response.headers["retry-after"]
         assert retry.isdigit() and int(retry) >= 1 and info.value.code == "rate_limit_exceeded"
+        steps = state.steps
     # The stream was closed mid-answer: the slot is free within a step or two (20 ms each).
     assert wait_for(lambda: engine.running == 0) < 1.0
+    assert state.steps - steps <= 3
     assert int(engine.cache.lengths.sum()) == 0
     answer = httpx.post(f"{url}/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=10)
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
