@@ -5,6 +5,7 @@ Retry-After past the queue limit; and a client that leaves frees its slot within
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -87,6 +88,18 @@ def test_bodies_that_are_not_json_objects_get_400(tiny_server, content, needle):
     response = httpx.post(f"{tiny_server[0]}/chat/completions", content=content,
                           headers={"content-type": "application/json"}, timeout=10)
     assert response.status_code == 400 and needle in response.json()["error"]["message"], response.text
+
+
+def test_a_huge_body_is_refused_before_it_is_read(tiny_server):
+    url = f"{tiny_server[0]}/completions"
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    with socket.create_connection((host, port), timeout=10) as raw:  # declares 1 GiB, sends none of it
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 1073741824\r\n\r\n")
+        assert raw.recv(4096).startswith(b"HTTP/1.1 413")
+    chunks = (b" " * (1 << 20) for _ in range(17))  # chunked: no declared length, 17 MiB of spaces
+    streamed = httpx.post(url, content=chunks, timeout=30, headers={"content-type": "application/json"})
+    assert streamed.status_code == 413 and "over 16 MiB" in streamed.json()["error"]["message"]
 
 
 def test_unknown_routes_and_methods(tiny_server):
