@@ -87,9 +87,13 @@ class ServerState:
 
 
 # ---- the plumbing: auth, shutdown, metrics per route, errors ------------------------------------
+MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413) before it is read
+
+
 class ServerMiddleware:
     """Pure ASGI (streams pass through untouched): the API key on /v1 and /metrics, 503 for new API
-    requests once a shutdown began, and each answer's status counted per route."""
+    requests once a shutdown began, bodies over ``MAX_BODY_BYTES`` refused (413, by their declared
+    length or as they arrive), and each answer's status counted per route."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -107,12 +111,22 @@ class ServerMiddleware:
                 status["code"] = message["status"]
             await send(message)
 
+        received = 0
+
+        async def bounded_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > MAX_BODY_BYTES:
+                raise _too_large()
+            return message
+
         try:
             error = self._refusal(scope, path)
             if error is not None:
                 await _error_response(error)(scope, receive, counting_send)
             else:
-                await self.app(scope, receive, counting_send)
+                await self.app(scope, bounded_receive, counting_send)
         finally:
             self.state.metrics.requests.labels(route=route, status=str(status["code"])).inc()
 
@@ -126,10 +140,18 @@ class ServerMiddleware:
                 what = "no API key was given" if not given else "the API key is not valid"
                 return APIError(401, f"{what}; send the header 'Authorization: Bearer <key>' with the server's "
                                      f"--api-key", code="invalid_api_key")
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return _too_large()
         if path.startswith("/v1/") and self.state.draining_since is not None:
             return APIError(503, "the server is shutting down and takes no new requests", kind="server_error",
                             code="shutting_down")
         return None
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB; send less text at once",
+                    code="request_too_large")
 
 
 def _error_response(error: APIError) -> JSONResponse:

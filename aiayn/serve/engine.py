@@ -256,8 +256,7 @@ class Engine:
         for _, future in jobs:
             future.cancel()
         self.rows, self.n_decode = [], 0
-        self.cache.lengths.zero_()
-        self.cache.valid.zero_()
+        self.cache.reset()
 
     @torch.inference_mode()
     def step(self) -> None:

@@ -18,17 +18,20 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.exceptions import HTTPException
+
 from aiayn.serve.engine import Engine, Event, Request, SamplingParams
 
 POLL_SECONDS = 0.2  # how often a waiting handler checks for a gone client or a shutdown
 
 
-class APIError(Exception):
-    """An answer in OpenAI's error format: {"error": {"message", "type", "param", "code"}}."""
+class APIError(HTTPException):
+    """An answer in OpenAI's error format: {"error": {"message", "type", "param", "code"}}. (An
+    HTTPException, so that FastAPI lets one raised while it reads the body through as it is.)"""
 
     def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
+        super().__init__(status, message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
         self.headers = headers or {}
 

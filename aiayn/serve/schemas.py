@@ -9,7 +9,6 @@ ignored. ``validation_message`` turns pydantic's errors into the one line the 40
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -23,10 +22,6 @@ Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 PositiveInt = Annotated[int, Field(ge=1)]
-
-
-def _before(check: Callable[[Any], Any]) -> BeforeValidator:
-    return BeforeValidator(check)
 
 
 def _strings(value: Any) -> Any:
@@ -77,7 +72,7 @@ class StreamOptions(Strict):
 
 class Message(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, _before(_content)]
+    content: Annotated[str, BeforeValidator(_content)]
     name: str | None = None
 
 
@@ -88,7 +83,7 @@ class GenerationRequest(Strict):
     temperature: Temperature | None = None
     top_p: Probability | None = None
     max_tokens: PositiveInt | None = None
-    stop: Annotated[list[str], _before(_strings)] | None = None
+    stop: Annotated[list[str], BeforeValidator(_strings)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: Seed | None = None
@@ -135,7 +130,7 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: Annotated[list[str | list[int]], _before(_texts_or_token_lists)]
+    prompt: Annotated[list[str | list[int]], BeforeValidator(_texts_or_token_lists)]
     max_tokens: PositiveInt | None = 16  # OpenAI's default for completions
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
@@ -155,7 +150,7 @@ class CompletionRequest(GenerationRequest):
 
 class EmbeddingRequest(Strict):
     model: str
-    input: Annotated[list[str | list[int]], _before(_texts_or_token_lists)]
+    input: Annotated[list[str | list[int]], BeforeValidator(_texts_or_token_lists)]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None
     user: str | None = None

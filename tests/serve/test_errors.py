@@ -5,6 +5,7 @@ Retry-After past the queue limit; and a client that leaves frees its slot within
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -89,6 +90,18 @@ def test_bodies_that_are_not_json_objects_get_400(tiny_server, content, needle):
     assert response.status_code == 400 and needle in response.json()["error"]["message"], response.text
 
 
+def test_a_huge_body_is_refused_before_it_is_read(tiny_server):
+    url = f"{tiny_server[0]}/completions"
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    with socket.create_connection((host, port), timeout=10) as raw:  # declares 1 GiB, sends none of it
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 1073741824\r\n\r\n")
+        assert raw.recv(4096).startswith(b"HTTP/1.1 413")
+    chunks = (b" " * (1 << 20) for _ in range(17))  # chunked: no declared length, 17 MiB of spaces
+    streamed = httpx.post(url, content=chunks, timeout=30, headers={"content-type": "application/json"})
+    assert streamed.status_code == 413 and "over 16 MiB" in streamed.json()["error"]["message"]
+
+
 def test_unknown_routes_and_methods(tiny_server):
     url = tiny_server[0]
     missing = httpx.get(f"{url}/engines", timeout=10)
@@ -123,10 +136,12 @@ def slow_server(tiny_dir):
     """One slot, no waiting room, and a model slowed to ~20 ms a step: long answers stay running."""
     state = tiny_state(tiny_dir, max_batch=1, max_queue=0)
     step = state.engine.step
+    state.steps = 0
 
     def slow_step():
         time.sleep(0.02)
         step()
+        state.steps += 1
 
     state.engine.step = slow_step
     with live_server(state) as url:
@@ -154,8 +169,10 @@ def test_a_full_server_says_429_with_retry_after_and_a_gone_client_frees_its_slo
             client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=5)
         retry = info.value.response.headers["retry-after"]
         assert retry.isdigit() and int(retry) >= 1 and info.value.code == "rate_limit_exceeded"
+        steps = state.steps
     # The stream was closed mid-answer: the slot is free within a step or two (20 ms each).
     assert wait_for(lambda: engine.running == 0) < 1.0
+    assert state.steps - steps <= 3
     assert int(engine.cache.lengths.sum()) == 0
     answer = httpx.post(f"{url}/chat/completions", json={**CHAT, "max_tokens": 3}, timeout=10)
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
