@@ -132,7 +132,7 @@ def _from_run(run_dir: Path) -> Explorable:
 
     run = load_run(run_dir, prepare=False)
     model, config, task = run.model.eval(), run.model_config, run.task
-    common = dict(name=f"{task.name} ({run_dir.name})", origin=f"run {run_dir}", model=model, config=config,
+    common = dict(name=run_dir.name if task.name in run_dir.name else f"{task.name} ({run_dir.name})", origin=f"run {run_dir}", model=model, config=config,
                   context=config.max_seq_len, run_dir=run_dir)
     if isinstance(task, TranslationTask):
         tok = task.load_tokenizer()
@@ -177,7 +177,7 @@ def _from_path(path: Path) -> Explorable:
         return Explorable(kind="decoder", name=path.name, origin=f"file {path}", model=loaded.model.eval(),
                           config=loaded.config, encode=lambda text: tok.encode(text, add_special_tokens=False).ids,
                           piece=tok.id_to_token, decode=tok.decode, context=loaded.config.max_seq_len,
-                          eos_id=loaded.eos_id, chat=chat, default_text="The capital of France is")
+                          eos_id=loaded.eos_id, chat=chat, default_text="The capital of France is Paris. The capital of Germany is")
     if not (path.is_dir() and (path / "config.json").is_file()):
         raise TextModelError(f"{path} is neither a GGUF file nor a Hugging Face model directory "
                              f"(config.json + weights + tokenizer)")

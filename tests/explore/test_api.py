@@ -293,3 +293,12 @@ def test_a_run_of_any_other_task_shows_its_attention_example():
     bad = api.post("/api/attention", json={"text": "not digits"})
     assert bad.status_code == 400 and "must be space-separated integers" in bad.json()["error"]
     assert api.get("/api/run").json()["available"]
+
+
+def test_the_responsiveness_benchmark_runs(char_run, capsys):
+    from benchmarks import explore
+
+    explore.main(["--run", str(char_run), "--tokens", "20", "--steps", "4", "--repeats", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r"\| attention of 1\d tokens, all 3 layers \| \d+\.\d+ \|", out), out
+    assert "| 4 decode steps with their figures |" in out

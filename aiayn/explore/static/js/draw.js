@@ -92,7 +92,8 @@ export function lineChart(series, { width = 520, height = 240, xLabel = "", yLab
     svg.append(svgEl("text", { x: pad.left - 6, y: y + 4, "text-anchor": "end" }, formatTick(shown)));
   }
   for (let k = 0; k <= 4; k += 1) {
-    const xv = x0 + ((x1 - x0) * k) / 4;
+    const raw = x0 + ((x1 - x0) * k) / 4;
+    const xv = x1 - x0 > 20 ? Math.round(raw) : raw;  // steps and offsets: whole numbers
     svg.append(svgEl("text", { x: px(xv), y: height - pad.bottom + 15, "text-anchor": "middle" }, formatTick(xv)));
   }
   svg.append(svgEl("line", { class: "axis", x1: pad.left, x2: pad.left, y1: pad.top, y2: height - pad.bottom }));
