@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from aiayn.explain.table1 import KERNEL
 
 from aiayn.explain import run_topic
-from aiayn.explain.table1 import KERNEL
 
 
 @pytest.fixture(scope="module")
