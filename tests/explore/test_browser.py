@@ -233,3 +233,18 @@ def test_smollm2_loads_attention_lazily_by_layer(page, live, smollm2_ex):
     for i, j, value in probe_cells(weights, head=8):
         assert hover_value(page, i, j) == value
     assert len(set(layer_requests)) == len(layer_requests)  # each layer fetched once
+    print(f"SmolLM2: {first} of 30 layers fetched before scrolling")
+
+    data = open_view(page, server, "generate", "/api/generate")  # decoding: 30 layers, 3 kv heads of 64
+    page.wait_for_selector("#gen-current")
+    prompt = len(data["prompt"]["ids"])
+    page.click("#gen-next")
+    page.wait_for_selector("#gen-step-label:has-text('step 2 of')")
+    assert page.locator(".kv-row").count() == 30
+    assert page.locator(".kv-slot.filled").count() == 30 * (prompt + 1)
+    mha = int(page.locator("#gen-bytes tr[data-field='mha'] td.num").get_attribute("data-value"))
+    assert mha == 3 * data["steps"][1]["cache"]["formula"]  # 9 kv heads instead of 3
+    assert page.locator("#gen-current").inner_text() == data["steps"][1]["label"]
+    page.click("#tabs a[data-view='positions']")
+    page.wait_for_selector("#pos-model[data-scheme='rope']")
+    assert int(page.locator("#pos-own-table").get_attribute("width")) == 32  # 64 / 2 rotated pairs
