@@ -83,6 +83,10 @@ def create_app(ex: Explorable) -> FastAPI:
     async def bad_input(request: Request, exc: ExploreInputError) -> JSONResponse:
         return _error(str(exc), 400)
 
+    @app.exception_handler(Exception)
+    async def failure(request: Request, exc: Exception) -> JSONResponse:  # a bug: one line, not a page
+        return _error(f"internal error: {type(exc).__name__}: {exc} (please report it)", 500)
+
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:
         return FileResponse(str(STATIC / "index.html"), headers={"Cache-Control": "no-cache"})

@@ -302,3 +302,16 @@ def test_the_responsiveness_benchmark_runs(char_run, capsys):
     out = capsys.readouterr().out
     assert re.search(r"\| attention of 1\d tokens, all 3 layers \| \d+\.\d+ \|", out), out
     assert "| 4 decode steps with their figures |" in out
+
+
+def test_an_unforeseen_failure_is_one_line_too(char_ex, monkeypatch):
+    import aiayn.explore.app as explore_app
+
+    def broken(run_dir):
+        raise RuntimeError("metrics.csv vanished")
+
+    monkeypatch.setattr(explore_app, "run_record", broken)
+    api = TestClient(create_app(char_ex), raise_server_exceptions=False)
+    response = api.get("/api/run")
+    assert response.status_code == 500
+    assert response.json() == {"error": "internal error: RuntimeError: metrics.csv vanished (please report it)"}

@@ -191,6 +191,7 @@ export async function attentionView(section, model) {
         const line = `query ${i} ${qLabels[i]} → key ${j} ${kLabels[j]}: ${v.toFixed(4)}`;
         readout.textContent = line;
         Object.assign(readout.dataset, { value: String(v), query: String(i), key: String(j) });
+        markChips(desc, i, j);
         showTip(event, line);
       },
     });
@@ -200,6 +201,16 @@ export async function attentionView(section, model) {
     heat.replaceChildren(labelledHeatmap(canvas, kLabels, qLabels, size));
     lines.replaceChildren(tq <= LINES_MAX && tk <= LINES_MAX ? linesView(values, tq, tk, qLabels, kLabels)
       : el("p", { class: "note" }, `the lines view draws up to ${LINES_MAX} tokens a side`));
+  }
+
+  // The hovered cell's query and key among the token chips above.
+  function markChips(desc, i, j) {
+    const rows = { source: chips, tokens: chips, target: targetChips };
+    for (const c of section.querySelectorAll(".chip.hl")) c.classList.remove("hl");
+    const q = rows[desc.queries] && rows[desc.queries].children[i];
+    const k = rows[desc.keys] && rows[desc.keys].children[j];
+    if (q) q.classList.add("hl");
+    if (k) k.classList.add("hl");
   }
 
   function linesView(values, tq, tk, qLabels, kLabels) {
