@@ -315,3 +315,15 @@ def test_an_unforeseen_failure_is_one_line_too(char_ex, monkeypatch):
     response = api.get("/api/run")
     assert response.status_code == 500
     assert response.json() == {"error": "internal error: RuntimeError: metrics.csv vanished (please report it)"}
+
+
+def test_a_long_run_is_thinned_for_the_page(tmp_path):
+    from aiayn.explore.training import MAX_POINTS, run_record
+
+    rows = ["step,lr,train_loss,val_nll"] + [f"{s},0.001,{10 / s},{'' if s % 100 else 5 / s}" for s in range(1, 5001)]
+    (tmp_path / "metrics.csv").write_text("\n".join(rows) + "\n")
+    record = run_record(tmp_path)
+    loss = record["series"]["train_loss"]
+    assert record["rows"] == 5000 and len(loss) <= MAX_POINTS + 1
+    assert loss[0] == [1.0, 10.0] and loss[-1] == [5000.0, 10 / 5000]  # the first and the last kept
+    assert len(record["series"]["val_nll"]) == 50 and record["config"] is None

@@ -147,6 +147,9 @@ def test_translation_positions_and_training_views(page, live, translation_ex, tr
     val = page.locator("#train-loss polyline[data-name='val NLL']")
     assert int(val.get_attribute("data-points")) == len(record["series"]["val_nll"])
     assert "translation" in page.locator("#train-config").inner_text()
+    with page.expect_response(lambda r: r.url.endswith("/api/run")):
+        page.click("#train-reload")  # a run still training: read metrics.csv again
+    page.wait_for_selector("#train-loss")
     page.click("#tabs a[data-view='attention']")  # views are kept: switching back is instant
     page.wait_for_selector("#attn-heatmap")
 

@@ -13,7 +13,8 @@ export async function attentionView(section, model) {
   const state = { probe: null, stack: null, selected: { layer: 0, head: 0 }, layers: new Map(), queue: [],
     active: 0, generation: 0, observer: null };
 
-  const text = el("textarea", { id: "attn-text", rows: 2, spellcheck: "false" }, model.default_text);
+  const text = el("textarea", { id: "attn-text", rows: 2, spellcheck: "false",
+    placeholder: model.kind === "task" ? "the task's input (empty: a test example)" : null }, model.default_text);
   const chips = el("div", { class: "chips", id: "attn-chips" });
   const count = el("span", { class: "count", id: "attn-count" });
   const message = el("div", { class: "message", id: "attn-message" });
