@@ -100,8 +100,7 @@ class Explorable:
         views = {
             "attention": None,
             "generate": None if generates else f"a {c.arch} model does not generate text",
-            "beam": None if self.kind == "translation" else
-            "beam search runs on encoder-decoder (translation) models",
+            "beam": None if generates else f"a {c.arch} model does not generate text: no beam search",
             "positions": None,
             "training": None if self.run_dir is not None else
             "this model was loaded from a file, not trained here: it has no run to show",
@@ -111,6 +110,7 @@ class Explorable:
                 "heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
                 "d_model": c.d_model, "positional": c.positional, "context": self.context,
                 "limit": self.limit, "default_text": self.default_text, "chat": self.chat is not None,
+                "eos": self.label(self.eos_id) if self.eos_id is not None else None,
                 "parameters": sum(p.numel() for p in self.model.parameters()), "views": views}
 
 

@@ -16,7 +16,12 @@ from fastapi.testclient import TestClient
 
 from aiayn.explore import create_app
 from aiayn.explore.probes import unpack_matrix
-from aiayn.generate import beam_search_encoder_decoder, greedy_decoder_only, greedy_encoder_decoder
+from aiayn.generate import (
+    beam_search_decoder_only,
+    beam_search_encoder_decoder,
+    greedy_decoder_only,
+    greedy_encoder_decoder,
+)
 from aiayn.nn.kv_cache import kv_cache_bytes
 from aiayn.nn.positional import sinusoidal_encoding
 
@@ -179,6 +184,19 @@ def test_beam_tree_holds_the_searchs_own_nbest(translation_ex, beam, alpha):
         assert result.nbest[0][0].tokens.tolist() == greedy.tokens[0, : int(greedy.lengths[0])].tolist()
 
 
+def test_beam_tree_of_a_decoder_only_model(char_ex):
+    """A character-level LM (no end-of-text token): every hypothesis runs to the step limit."""
+    ex, api = char_ex, client(char_ex)
+    tree = api.post("/api/beam", json={"text": "ROMEO:", "beam": 3, "length_penalty": 0.6, "steps": 7}).json()
+    result = beam_search_decoder_only(ex.model, torch.tensor([ex.encode("ROMEO:")]), eos_id=None, max_new_tokens=7,
+                                      beam_size=3, length_penalty=0.6, n_best=3)
+    assert [(h["score"], h["text"]) for h in tree["nbest"]] == \
+           [(h.score, ex.decode(h.tokens.tolist())) for h in result.nbest[0]]
+    assert tree["steps"] == 7 and all(h["length"] == 7 for h in tree["nbest"])
+    assert tree["nodes"][0]["label"] == ":" and {n["status"] for n in tree["nodes"]} <= {"kept", "pruned", "limit"}
+    assert sum(n["status"] == "limit" for n in tree["nodes"]) == 3
+
+
 # ---- positions and the run ---------------------------------------------------------------------
 def test_positions_are_the_models_own(translation_ex, char_ex, minilm_ex):
     data = client(translation_ex).get("/api/positions").json()
@@ -228,8 +246,10 @@ def test_bad_input_gets_one_short_message(char_ex, minilm_ex, translation_ex):
     assert api.post("/api/generate", json={"text": "x" * 64}).json() == {
         "error": "the prompt is 64 tokens and fills the model's context of 64; shorten it"}
     assert api.post("/api/generate", json={"text": "a", "temperature": "nan"}).status_code == 422
-    assert api.post("/api/beam", json={"text": "a"}).json() == {
-        "error": "beam search runs on encoder-decoder (translation) models"}
+    assert api.post("/api/beam", json={"text": "a", "steps": 65}).json() == {
+        "error": "steps: Input should be less than or equal to 64"}
+    assert client(minilm_ex).post("/api/beam", json={"text": "a"}).json() == {
+        "error": "a encoder-only model does not generate text: no beam search"}
     assert api.get("/api/attention/0123456789abcdef/self/0").json() == {
         "error": "this text's attention is no longer kept; show it again"}
     assert api.post("/api/attention", content=b"{not json", headers={"Content-Type": "application/json"}
