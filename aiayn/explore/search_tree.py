@@ -34,7 +34,7 @@ def beam_tree(ex: Explorable, text: str, *, beam: int = 4, length_penalty: float
     )
 
     if ex.kind not in ("translation", "decoder"):
-        raise ExploreInputError(f"a {ex.config.arch} model does not generate text: no beam search")
+        raise ExploreInputError(f"{ex.an_arch} model does not generate text: no beam search")
     if not 1 <= beam <= MAX_BEAM or not 0.0 <= length_penalty <= 3.0 or math.isnan(length_penalty):
         raise ExploreInputError(f"beam must be 1 to {MAX_BEAM} and the length penalty 0 to 3")
     if not 1 <= steps <= MAX_STEPS:

@@ -249,13 +249,13 @@ def test_bad_input_gets_one_short_message(char_ex, minilm_ex, translation_ex):
     assert api.post("/api/beam", json={"text": "a", "steps": 65}).json() == {
         "error": "steps: Input should be less than or equal to 64"}
     assert client(minilm_ex).post("/api/beam", json={"text": "a"}).json() == {
-        "error": "a encoder-only model does not generate text: no beam search"}
+        "error": "an encoder-only model does not generate text: no beam search"}
     assert api.get("/api/attention/0123456789abcdef/self/0").json() == {
         "error": "this text's attention is no longer kept; show it again"}
     assert api.post("/api/attention", content=b"{not json", headers={"Content-Type": "application/json"}
                     ).status_code == 422
     assert client(minilm_ex).post("/api/generate", json={"text": "a"}).json() == {
-        "error": "a encoder-only model does not generate text"}
+        "error": "an encoder-only model does not generate text"}
     assert client(translation_ex).post("/api/beam", json={"text": "a", "beam": 9}).status_code == 422
     probe = api.post("/api/attention", json={"text": "abc"}).json()
     assert api.get(f"/api/attention/{probe['key']}/cross/0").json() == {
