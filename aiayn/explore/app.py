@@ -12,7 +12,7 @@ Routes (every error is ``{"error": "one short message"}`` with a 4xx status):
   (base64): the page fetches layers one at a time, as they come into view;
 * ``POST /api/generate`` ``{text, steps, top_k, temperature, seed, chat}``: decoding step by step,
   with the KV cache's figures;
-* ``POST /api/beam`` ``{text, beam, length_penalty}``: the beam-search tree (translation);
+* ``POST /api/beam`` ``{text, beam, length_penalty, steps}``: the beam-search tree;
 * ``GET /api/positions``; ``GET /api/run``: positional encodings; the training run.
 """
 
@@ -61,6 +61,7 @@ class BeamRequest(BaseModel):
     text: str = Field(max_length=MAX_TEXT_CHARS)
     beam: int = Field(default=4, ge=1, le=MAX_BEAM)
     length_penalty: float = Field(default=0.6, ge=0.0, le=3.0, allow_inf_nan=False)
+    steps: int = Field(default=16, ge=1, le=MAX_STEPS)  # new tokens of a decoder-only model
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -82,6 +83,10 @@ def create_app(ex: Explorable) -> FastAPI:
     @app.exception_handler(ExploreInputError)
     async def bad_input(request: Request, exc: ExploreInputError) -> JSONResponse:
         return _error(str(exc), 400)
+
+    @app.exception_handler(Exception)
+    async def failure(request: Request, exc: Exception) -> JSONResponse:  # a bug: one line, not a page
+        return _error(f"internal error: {type(exc).__name__}: {exc} (please report it)", 500)
 
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:
@@ -136,7 +141,7 @@ def create_app(ex: Explorable) -> FastAPI:
 
     @app.post("/api/beam")
     def beam(req: BeamRequest) -> dict[str, Any]:
-        return beam_tree(ex, req.text, beam=req.beam, length_penalty=req.length_penalty)
+        return beam_tree(ex, req.text, beam=req.beam, length_penalty=req.length_penalty, steps=req.steps)
 
     @app.get("/api/positions")
     def positional() -> dict[str, Any]:

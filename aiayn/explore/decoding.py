@@ -57,7 +57,7 @@ def decode_steps(ex: Explorable, text: str, *, steps: int = 16, top_k: int = 5, 
     )
 
     if ex.kind not in ("translation", "decoder"):
-        raise ExploreInputError(f"a {ex.config.arch} model does not generate text")
+        raise ExploreInputError(f"{ex.an_arch} model does not generate text")
     if not 1 <= steps <= MAX_STEPS or not 1 <= top_k <= MAX_TOP_K:
         raise ExploreInputError(f"steps must be 1 to {MAX_STEPS} and top-k 1 to {MAX_TOP_K}")
     sampling = SamplingConfig(temperature=temperature, seed=seed) if temperature > 0 else None

@@ -70,6 +70,11 @@ class Explorable:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
+    def an_arch(self) -> str:
+        """'an encoder-only', 'a decoder-only': the architecture with its article, for messages."""
+        return f"{'an' if self.config.arch[0] in 'aeiou' else 'a'} {self.config.arch}"
+
+    @property
     def limit(self) -> int:
         """Most tokens a text may have in this explorer."""
         return min(self.context, MAX_TOKENS)
@@ -99,9 +104,8 @@ class Explorable:
         generates = self.kind in ("translation", "decoder")
         views = {
             "attention": None,
-            "generate": None if generates else f"a {c.arch} model does not generate text",
-            "beam": None if self.kind == "translation" else
-            "beam search runs on encoder-decoder (translation) models",
+            "generate": None if generates else f"{self.an_arch} model does not generate text",
+            "beam": None if generates else f"{self.an_arch} model does not generate text: no beam search",
             "positions": None,
             "training": None if self.run_dir is not None else
             "this model was loaded from a file, not trained here: it has no run to show",
@@ -111,6 +115,7 @@ class Explorable:
                 "heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
                 "d_model": c.d_model, "positional": c.positional, "context": self.context,
                 "limit": self.limit, "default_text": self.default_text, "chat": self.chat is not None,
+                "eos": self.label(self.eos_id) if self.eos_id is not None else None,
                 "parameters": sum(p.numel() for p in self.model.parameters()), "views": views}
 
 
@@ -136,8 +141,9 @@ def _from_run(run_dir: Path) -> Explorable:
 
     run = load_run_or_release(run_dir)
     model, config, task = run.model.eval(), run.model_config, run.task
-    common = dict(name=run_dir.name if task.name in run_dir.name else f"{task.name} ({run_dir.name})", origin=f"run {run_dir}", model=model, config=config,
-                  context=config.max_seq_len, run_dir=run_dir)
+    name = run_dir.name if task.name in run_dir.name else f"{task.name} ({run_dir.name})"
+    common = dict(name=name, origin=f"run {run_dir}", model=model, config=config, context=config.max_seq_len,
+                  run_dir=run_dir)
     if isinstance(task, TranslationTask):
         tok = task.load_tokenizer()
         return Explorable(kind="translation", encode=lambda text: [*tok.encode(text), tok.eos_id],

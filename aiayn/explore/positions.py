@@ -56,7 +56,9 @@ def rope_panel(head_dim: int, base: float, n_positions: int) -> dict[str, Any]:
     rotated_k = apply_rotary(k.expand(1, 1, rope.max_len, head_dim), cos, sin)[0, 0]
     offsets = torch.arange(MAX_OFFSET + 1)
     curves = [{"start": t, "values": (rotated_q[t] * rotated_k[t + offsets]).sum(-1).tolist()} for t in STARTS]
-    return {"head_dim": head_dim, "base": base, "cos": pack_matrix(cos[0, :n_positions, : head_dim // 2]),
+    theta = torch.atan2(sin[0, 1, : head_dim // 2], cos[0, 1, : head_dim // 2])  # (d_h / 2,) angle per position
+    return {"head_dim": head_dim, "base": base, "theta": theta.tolist(),
+            "cos": pack_matrix(cos[0, :n_positions, : head_dim // 2]),
             "dots": {"offsets": offsets.tolist(), "curves": curves, "cosine": False}}
 
 

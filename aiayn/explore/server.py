@@ -59,7 +59,8 @@ def serve(ex: Explorable, *, host: str = "127.0.0.1", port: int = 8765, open_bro
     if port == 0:
         port = free_port(host if is_loopback(host) else "0.0.0.0")
     check_port(host, port)
-    shown = f"[{host}]" if ":" in host else host
+    # On every interface (0.0.0.0, ::) this machine's own browser opens the loopback address.
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/"
     if not is_loopback(host):
         echo(f"Warning: listening on {host}, not 127.0.0.1: anyone who can reach this machine on port "

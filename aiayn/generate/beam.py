@@ -1,4 +1,6 @@
-"""Beam search for encoder-decoder models, over the KV cache, with GNMT's length penalty.
+"""Beam search over the KV cache with GNMT's length penalty: for encoder-decoder models
+(``beam_search_encoder_decoder``, the paper's translation search) and for decoder-only ones
+(``beam_search_decoder_only``), one search loop (``_search``) for both.
 
 Every source's ``beam`` open hypotheses run as rows of one (n * beam) batch (n: the sources still
 searching); each source keeps its ``beam`` best finished hypotheses in fixed-size tensors
@@ -14,12 +16,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from aiayn.generate.decoder_only import last_position_logits, prompt_validity
 from aiayn.generate.encoder_decoder import (
     decode_cached_step,
     greedy_encoder_decoder,
     max_target_lengths,
 )
+from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
+from aiayn.nn.kv_cache import KVCache
 
 NEG_INF = float("-inf")
 
@@ -235,17 +240,90 @@ def beam_search_encoder_decoder(
                          f"n_best={n_best}")
     pad_id = model.config.pad_id if mask_pad else None
     fill_id = pad_id if pad_id is not None else eos_id
-    device, b, k = src.device, src.shape[0], beam_size
-    alpha = length_penalty
+    b, k = src.shape[0], beam_size
 
     encoded = model.encode(src, src_valid=src_valid)  # once per source: memory (b, s, d)
     limits = max_target_lengths(encoded.valid, max_len_a=max_len_a, max_len_b=max_len_b,
                                 cap=model.config.max_seq_len)  # (b,)
-    n_max = int(limits.max())
-    cache = model.new_cache(b, n_max)  # bos + at most n_max - 1 fed tokens
-    bos = torch.full((b, 1), bos_id, dtype=torch.long, device=device)
+    cache = model.new_cache(b, int(limits.max()))  # bos + at most n_max - 1 fed tokens
+    bos = torch.full((b, 1), bos_id, dtype=torch.long, device=src.device)
     logits = model.decode(bos, encoded, tgt_valid=torch.ones_like(bos, dtype=torch.bool),
                           cache=cache).logits[:, -1]  # (b, v); fills the cross-attention k/v once
+    memory_valid = encoded.valid.repeat_interleave(k, dim=0)  # (b * k, s): source i's beams share its row
+
+    def step(tokens: Tensor, rows: Tensor, dropped: bool) -> Tensor:
+        nonlocal memory_valid
+        if dropped:  # a source left: its rows go (within a source the rows are all the same)
+            memory_valid = memory_valid.index_select(0, rows)
+        return decode_cached_step(model, tokens, memory_valid, cache)
+
+    finished = _search(logits, cache, limits, step, k=k, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
+                       alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace)
+    if keep_greedy:
+        _merge_greedy(model, src, src_valid, limits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                      fill_id=fill_id, min_len=min_len, alpha=length_penalty, finished=finished)
+    return finished.result(n_best)
+
+
+@torch.inference_mode()
+def beam_search_decoder_only(
+    model: DecoderOnly,
+    prompt: Tensor,
+    *,
+    eos_id: int | None,
+    max_new_tokens: int,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    prompt_valid: Tensor | None = None,
+    min_len: int = 0,
+    n_best: int = 1,
+    early_stopping: bool = False,
+    mask_pad: bool = True,
+    trace: Callable[[BeamStep], None] | None = None,
+) -> BeamSearchResult:
+    """Beam search continuing each row of ``prompt`` (b, t) with a decoder-only model, over the KV
+    cache: ``beam_search_encoder_decoder``'s rules (scores, GNMT length penalty, candidates, the
+    stopping rule, ``trace``) for the new tokens, the prompt run once and its cache expanded to
+    the beams. At most ``max_new_tokens`` new tokens (eos included), within the model's context.
+
+    ``prompt_valid`` (b, t) bool: rows may be left-padded (default: the model's rule, as in
+    ``stream_decoder_only``); padding changes nothing. Hypotheses hold the new tokens only.
+    ``eos_id`` None: a model without an end-of-text token (a character-level one): every hypothesis
+    runs to the limit (``min_len`` is moot; after a hypothesis ``tokens`` holds pad_id, else 0).
+    """
+    if beam_size < 1 or not 1 <= n_best <= beam_size:
+        raise ValueError(f"need beam_size >= 1 and 1 <= n_best <= beam_size, got beam_size={beam_size}, "
+                         f"n_best={n_best}")
+    b, t = prompt.shape
+    if max_new_tokens < 1 or t + max_new_tokens > model.config.max_seq_len:
+        raise ValueError(f"prompt of {t} tokens + {max_new_tokens} new tokens must fit the model's context of "
+                         f"{model.config.max_seq_len} (and max_new_tokens >= 1)")
+    valid = prompt_validity(model, prompt, prompt_valid)  # (b, t)
+    pad_id = model.config.pad_id if mask_pad else None
+    fill_id = pad_id if pad_id is not None else eos_id if eos_id is not None else 0
+    if eos_id is None:  # no token ends a hypothesis: -1 is no candidate's id
+        eos_id, min_len = -1, 0
+    limits = torch.full((b,), max_new_tokens, dtype=torch.long, device=prompt.device)
+    cache = model.new_cache(b, t + max_new_tokens)  # the prompt + at most max_new_tokens - 1 fed tokens
+    logits = last_position_logits(model, prompt, valid, cache)  # (b, v)
+
+    def step(tokens: Tensor, rows: Tensor, dropped: bool) -> Tensor:
+        return last_position_logits(model, tokens, torch.ones_like(tokens, dtype=torch.bool), cache)
+
+    finished = _search(logits, cache, limits, step, k=beam_size, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
+                       alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace)
+    return finished.result(n_best)
+
+
+def _search(logits: Tensor, cache: KVCache, limits: Tensor, step: Callable[[Tensor, Tensor, bool], Tensor], *,
+            k: int, eos_id: int, pad_id: int | None, fill_id: int, alpha: float, min_len: int,
+            early_stopping: bool, trace: Callable[[BeamStep], None] | None) -> _Finished:
+    """The search both architectures share: ``logits`` (b, v) of the first new token, ``cache``
+    holding b rows (expanded here to b * k), ``limits`` (b,) most new tokens per source;
+    ``step(tokens (m, 1), rows (m,), dropped)`` feeds the kept beams' tokens (after the loop has
+    reordered the cache to their parent ``rows``; ``dropped``: a source left) -> logits (m, v)."""
+    device, b = logits.device, logits.shape[0]
+    n_max = int(limits.max())
     v = logits.shape[-1]
     cache.repeat_interleave(k)  # (b * k) rows: source i's beams are rows i*k .. i*k + k-1
     lprobs = torch.log_softmax(logits.float(), dim=-1).repeat_interleave(k, dim=0).view(b, k, v)
@@ -256,7 +334,6 @@ def beam_search_encoder_decoder(
                    tokens=torch.full((b, k, n_max), fill_id, dtype=torch.long, device=device),
                    token_scores=torch.zeros(b, k, n_max, device=device))
     beams.scores[:, 0] = 0.0  # at the first step only beam 0 is real (all beams are equal)
-    memory_valid = encoded.valid.repeat_interleave(k, dim=0)  # (n * k, s)
     finished = _Finished.empty(b, k, n_max, fill_id, device)
 
     n_cand = min(2 * k, k * v)
@@ -308,17 +385,15 @@ def beam_search_encoder_decoder(
         # Follow the kept beams (and drop finished sources) in the cache, then feed the new tokens.
         stay = (~done).nonzero().squeeze(1)  # (n_new,) local ids of sources still searching
         rows = (stay[:, None] * k + next_beam[stay]).reshape(-1)  # (n_new * k,) parent rows
-        cache.reorder(rows, cross=bool(done.any()))  # cross k/v only change when a source leaves
-        if bool(done.any()):
-            alive, memory_valid = alive[stay], memory_valid.index_select(0, rows)
+        dropped = bool(done.any())
+        cache.reorder(rows, cross=dropped)  # cross k/v only change when a source leaves
+        if dropped:
+            alive = alive[stay]
             beams = beams.select(stay)
-        step_logits = decode_cached_step(model, next_tok[stay].reshape(-1, 1), memory_valid, cache)
+        step_logits = step(next_tok[stay].reshape(-1, 1), rows, dropped)
         lprobs = torch.log_softmax(step_logits.float(), dim=-1).view(stay.shape[0], k, v)  # (n_new, k, v)
 
-    if keep_greedy:
-        _merge_greedy(model, src, src_valid, limits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                      fill_id=fill_id, min_len=min_len, alpha=alpha, finished=finished)
-    return finished.result(n_best)
+    return finished
 
 
 def _sources_done(worst_finished: Tensor, best_open: Tensor, limits: Tensor, *, t: int, alpha: float,

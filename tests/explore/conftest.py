@@ -67,6 +67,8 @@ def translation_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def char_run(tmp_path_factory) -> Path:
     """shakespeare-char at 3 layers x 2 heads, d_model 32, 64 characters of context, 4 steps."""
+    if not (data_dir() / "tinyshakespeare" / "input.txt").is_file():
+        pytest.skip("Tiny Shakespeare not found (set AIAYN_DATA_DIR)")
     from aiayn.config import TrainConfig
     from aiayn.tasks import get_task
     from aiayn.train.trainer import train

@@ -16,7 +16,12 @@ from fastapi.testclient import TestClient
 
 from aiayn.explore import create_app
 from aiayn.explore.probes import unpack_matrix
-from aiayn.generate import beam_search_encoder_decoder, greedy_decoder_only, greedy_encoder_decoder
+from aiayn.generate import (
+    beam_search_decoder_only,
+    beam_search_encoder_decoder,
+    greedy_decoder_only,
+    greedy_encoder_decoder,
+)
 from aiayn.nn.kv_cache import kv_cache_bytes
 from aiayn.nn.positional import sinusoidal_encoding
 
@@ -179,6 +184,19 @@ def test_beam_tree_holds_the_searchs_own_nbest(translation_ex, beam, alpha):
         assert result.nbest[0][0].tokens.tolist() == greedy.tokens[0, : int(greedy.lengths[0])].tolist()
 
 
+def test_beam_tree_of_a_decoder_only_model(char_ex):
+    """A character-level LM (no end-of-text token): every hypothesis runs to the step limit."""
+    ex, api = char_ex, client(char_ex)
+    tree = api.post("/api/beam", json={"text": "ROMEO:", "beam": 3, "length_penalty": 0.6, "steps": 7}).json()
+    result = beam_search_decoder_only(ex.model, torch.tensor([ex.encode("ROMEO:")]), eos_id=None, max_new_tokens=7,
+                                      beam_size=3, length_penalty=0.6, n_best=3)
+    assert [(h["score"], h["text"]) for h in tree["nbest"]] == \
+           [(h.score, ex.decode(h.tokens.tolist())) for h in result.nbest[0]]
+    assert tree["steps"] == 7 and all(h["length"] == 7 for h in tree["nbest"])
+    assert tree["nodes"][0]["label"] == ":" and {n["status"] for n in tree["nodes"]} <= {"kept", "pruned", "limit"}
+    assert sum(n["status"] == "limit" for n in tree["nodes"]) == 3
+
+
 # ---- positions and the run ---------------------------------------------------------------------
 def test_positions_are_the_models_own(translation_ex, char_ex, minilm_ex):
     data = client(translation_ex).get("/api/positions").json()
@@ -228,14 +246,16 @@ def test_bad_input_gets_one_short_message(char_ex, minilm_ex, translation_ex):
     assert api.post("/api/generate", json={"text": "x" * 64}).json() == {
         "error": "the prompt is 64 tokens and fills the model's context of 64; shorten it"}
     assert api.post("/api/generate", json={"text": "a", "temperature": "nan"}).status_code == 422
-    assert api.post("/api/beam", json={"text": "a"}).json() == {
-        "error": "beam search runs on encoder-decoder (translation) models"}
+    assert api.post("/api/beam", json={"text": "a", "steps": 65}).json() == {
+        "error": "steps: Input should be less than or equal to 64"}
+    assert client(minilm_ex).post("/api/beam", json={"text": "a"}).json() == {
+        "error": "an encoder-only model does not generate text: no beam search"}
     assert api.get("/api/attention/0123456789abcdef/self/0").json() == {
         "error": "this text's attention is no longer kept; show it again"}
     assert api.post("/api/attention", content=b"{not json", headers={"Content-Type": "application/json"}
                     ).status_code == 422
     assert client(minilm_ex).post("/api/generate", json={"text": "a"}).json() == {
-        "error": "a encoder-only model does not generate text"}
+        "error": "an encoder-only model does not generate text"}
     assert client(translation_ex).post("/api/beam", json={"text": "a", "beam": 9}).status_code == 422
     probe = api.post("/api/attention", json={"text": "abc"}).json()
     assert api.get(f"/api/attention/{probe['key']}/cross/0").json() == {
@@ -302,3 +322,28 @@ def test_the_responsiveness_benchmark_runs(char_run, capsys):
     out = capsys.readouterr().out
     assert re.search(r"\| attention of 1\d tokens, all 3 layers \| \d+\.\d+ \|", out), out
     assert "| 4 decode steps with their figures |" in out
+
+
+def test_an_unforeseen_failure_is_one_line_too(char_ex, monkeypatch):
+    import aiayn.explore.app as explore_app
+
+    def broken(run_dir):
+        raise RuntimeError("metrics.csv vanished")
+
+    monkeypatch.setattr(explore_app, "run_record", broken)
+    api = TestClient(create_app(char_ex), raise_server_exceptions=False)
+    response = api.get("/api/run")
+    assert response.status_code == 500
+    assert response.json() == {"error": "internal error: RuntimeError: metrics.csv vanished (please report it)"}
+
+
+def test_a_long_run_is_thinned_for_the_page(tmp_path):
+    from aiayn.explore.training import MAX_POINTS, run_record
+
+    rows = ["step,lr,train_loss,val_nll"] + [f"{s},0.001,{10 / s},{'' if s % 100 else 5 / s}" for s in range(1, 5001)]
+    (tmp_path / "metrics.csv").write_text("\n".join(rows) + "\n")
+    record = run_record(tmp_path)
+    loss = record["series"]["train_loss"]
+    assert record["rows"] == 5000 and len(loss) <= MAX_POINTS + 1
+    assert loss[0] == [1.0, 10.0] and loss[-1] == [5000.0, 10 / 5000]  # the first and the last kept
+    assert len(record["series"]["val_nll"]) == 50 and record["config"] is None

@@ -147,6 +147,9 @@ def test_translation_positions_and_training_views(page, live, translation_ex, tr
     val = page.locator("#train-loss polyline[data-name='val NLL']")
     assert int(val.get_attribute("data-points")) == len(record["series"]["val_nll"])
     assert "translation" in page.locator("#train-config").inner_text()
+    with page.expect_response(lambda r: r.url.endswith("/api/run")):
+        page.click("#train-reload")  # a run still training: read metrics.csv again
+    page.wait_for_selector("#train-loss")
     page.click("#tabs a[data-view='attention']")  # views are kept: switching back is instant
     page.wait_for_selector("#attn-heatmap")
 
@@ -180,8 +183,13 @@ def test_char_lm_views_and_the_context_limit(page, live, char_ex):
     page.wait_for_selector("#gen-step-label:has-text('step 3 of')")
     assert page.locator(".kv-slot.filled").count() == ex.config.n_layers * (prompt + 2)
     assert page.locator("#gen-chips, #gen-seq-chips .chip.gen").count() == 2
-    page.click("#tabs a[data-view='beam']")
-    assert "beam search runs on encoder-decoder" in page.locator("#view-beam .unavailable-reason").inner_text()
+    with page.expect_response(lambda r: "/api/beam" in r.url) as info:
+        page.click("#tabs a[data-view='beam']")  # no end-of-text token: every hypothesis runs to the limit
+    tree = info.value.json()
+    page.wait_for_selector("#beam-svg")
+    assert page.locator("#beam-svg g.node").count() == len(tree["nodes"])
+    assert page.locator("#beam-nbest td.hyp").all_inner_texts() == [h["text"] for h in tree["nbest"]]
+    assert page.locator("#beam-svg g.node[data-status='limit']").count() == 4  # beam 4, 12 new tokens each
     page.click("#tabs a[data-view='training']")
     page.wait_for_selector("#train-loss")
 
@@ -201,7 +209,7 @@ def test_minilm_attention_and_what_it_does_not_have(page, live, minilm_ex):
     page.wait_for_selector("#attn-detail-title:has-text('layer 5, head 11')")
     for i, j, value in probe_cells(weights, head=11):
         assert hover_value(page, i, j) == value
-    for view, reason in (("generate", "does not generate text"), ("beam", "encoder-decoder"),
+    for view, reason in (("generate", "does not generate text"), ("beam", "does not generate text"),
                          ("training", "loaded from a file")):
         page.click(f"#tabs a[data-view='{view}']")
         assert reason in page.locator(f"#view-{view} .lead").inner_text()
@@ -233,3 +241,24 @@ def test_smollm2_loads_attention_lazily_by_layer(page, live, smollm2_ex):
     for i, j, value in probe_cells(weights, head=8):
         assert hover_value(page, i, j) == value
     assert len(set(layer_requests)) == len(layer_requests)  # each layer fetched once
+    print(f"SmolLM2: {first} of 30 layers fetched before scrolling")
+
+    data = open_view(page, server, "generate", "/api/generate")  # decoding: 30 layers, 3 kv heads of 64
+    page.wait_for_selector("#gen-current")
+    prompt = len(data["prompt"]["ids"])
+    page.click("#gen-next")
+    page.wait_for_selector("#gen-step-label:has-text('step 2 of')")
+    assert page.locator(".kv-row").count() == 30
+    assert page.locator(".kv-slot.filled").count() == 30 * (prompt + 1)
+    mha = int(page.locator("#gen-bytes tr[data-field='mha'] td.num").get_attribute("data-value"))
+    assert mha == 3 * data["steps"][1]["cache"]["formula"]  # 9 kv heads instead of 3
+    assert page.locator("#gen-current").inner_text() == data["steps"][1]["label"]
+    with page.expect_response(lambda r: "/api/beam" in r.url) as info:
+        page.click("#tabs a[data-view='beam']")
+    tree = info.value.json()
+    page.wait_for_selector("#beam-svg")
+    assert page.locator("#beam-svg g.node").count() == len(tree["nodes"])
+    assert page.locator("#beam-nbest td.hyp").first.inner_text().startswith("Berlin")  # "... Germany is" Berlin
+    page.click("#tabs a[data-view='positions']")
+    page.wait_for_selector("#pos-model[data-scheme='rope']")
+    assert int(page.locator("#pos-own-table").get_attribute("width")) == 32  # 64 / 2 rotated pairs

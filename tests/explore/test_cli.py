@@ -4,10 +4,12 @@ bound elsewhere, and refuses bad options in one line (exit code 2) before loadin
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,25 +50,47 @@ def test_a_taken_port_is_refused_before_the_model_loads(char_run):
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "give another --port" in result.stderr
 
 
-def test_serves_prints_the_url_and_warns_off_loopback(char_run):
-    """Bound to 0.0.0.0 it warns; the page and the API answer on 127.0.0.1."""
+def read_until(process: subprocess.Popen, marker: str, seconds: float) -> str:
+    """The process's output up to the line starting with ``marker`` (or all it printed within
+    ``seconds``): read by a thread, so a silent process cannot hang the test."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen, deadline = [], time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        if line.startswith(marker):
+            break
+    return "".join(seen)
+
+
+def test_serves_prints_the_url_opens_the_browser_and_warns_off_loopback(char_run, tmp_path):
+    """Bound to 0.0.0.0 it warns; it opens the browser at the URL once serving (Python's webbrowser
+    runs $BROWSER: here a script that prints the URL it is given); the page and the API answer on
+    127.0.0.1."""
+    browser = tmp_path / "browser"
+    browser.write_text('#!/bin/sh\necho "browser-opened:$1"\n')
+    browser.chmod(0o755)
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "BROWSER": str(browser)}
     process = subprocess.Popen([sys.executable, "-m", "aiayn", "explore", "--run", str(char_run), "--host", "0.0.0.0",
-                                "--port", str(port), "--no-open"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env)
     try:
-        lines = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("open http"):
-                break
-        output = "".join(lines)
-        assert f"open http://0.0.0.0:{port}/" in output, output
+        output = read_until(process, "browser-opened:", 60)
+        assert f"open http://127.0.0.1:{port}/" in output, output
+        assert f"browser-opened:http://127.0.0.1:{port}/" in output, output
         assert "Warning: listening on 0.0.0.0, not 127.0.0.1" in output
         with httpx.Client(timeout=10) as http:
             for _ in range(100):  # uvicorn binds just after the line is printed
@@ -79,7 +103,11 @@ def test_serves_prints_the_url_and_warns_off_loopback(char_run):
             assert "aiayn explore" in http.get(f"http://127.0.0.1:{port}/").text
     finally:
         process.send_signal(signal.SIGINT)
-        process.wait(timeout=20)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
 
 
 def test_loopback_addresses():

@@ -13,7 +13,8 @@ export async function attentionView(section, model) {
   const state = { probe: null, stack: null, selected: { layer: 0, head: 0 }, layers: new Map(), queue: [],
     active: 0, generation: 0, observer: null };
 
-  const text = el("textarea", { id: "attn-text", rows: 2, spellcheck: "false" }, model.default_text);
+  const text = el("textarea", { id: "attn-text", rows: 2, spellcheck: "false",
+    placeholder: model.kind === "task" ? "the task's input (empty: a test example)" : null }, model.default_text);
   const chips = el("div", { class: "chips", id: "attn-chips" });
   const count = el("span", { class: "count", id: "attn-count" });
   const message = el("div", { class: "message", id: "attn-message" });
@@ -191,6 +192,7 @@ export async function attentionView(section, model) {
         const line = `query ${i} ${qLabels[i]} → key ${j} ${kLabels[j]}: ${v.toFixed(4)}`;
         readout.textContent = line;
         Object.assign(readout.dataset, { value: String(v), query: String(i), key: String(j) });
+        markChips(desc, i, j);
         showTip(event, line);
       },
     });
@@ -200,6 +202,16 @@ export async function attentionView(section, model) {
     heat.replaceChildren(labelledHeatmap(canvas, kLabels, qLabels, size));
     lines.replaceChildren(tq <= LINES_MAX && tk <= LINES_MAX ? linesView(values, tq, tk, qLabels, kLabels)
       : el("p", { class: "note" }, `the lines view draws up to ${LINES_MAX} tokens a side`));
+  }
+
+  // The hovered cell's query and key among the token chips above.
+  function markChips(desc, i, j) {
+    const rows = { source: chips, tokens: chips, target: targetChips };
+    for (const c of section.querySelectorAll(".chip.hl")) c.classList.remove("hl");
+    const q = rows[desc.queries] && rows[desc.queries].children[i];
+    const k = rows[desc.keys] && rows[desc.keys].children[j];
+    if (q) q.classList.add("hl");
+    if (k) k.classList.add("hl");
   }
 
   function linesView(values, tq, tk, qLabels, kLabels) {

@@ -8,7 +8,11 @@ const BOX_W = 86;
 const BOX_H = 32;
 
 export async function beamView(section, model) {
-  const text = el("textarea", { id: "beam-text", rows: 2, spellcheck: "false" }, model.default_text);
+  const translation = model.kind === "translation";
+  const end = model.eos || "end-of-text";  // a character-level model has none: every hypothesis runs to the limit
+  const text = el("textarea", { id: "beam-text", rows: 2, spellcheck: "false" },
+    translation ? model.default_text : model.default_text.split("\n")[0]);
+  const steps = translation ? null : el("input", { type: "number", id: "beam-steps", min: 1, max: 64, value: 12 });
   const chips = el("div", { class: "chips" });
   const count = el("span", { class: "count" });
   const message = el("div", { class: "message", id: "beam-message" });
@@ -24,24 +28,29 @@ export async function beamView(section, model) {
   section.replaceChildren(
     el("h2", {}, "Beam search tree"),
     el("p", { class: "lead" }, "Each step ranks the 2 × beam best continuations of the open beams by their summed " +
-      "log-probability: the first beam of them that do not end in </s> become the next beams, an </s> ranked " +
-      "within the first beam finishes its hypothesis, the rest are pruned. Finished hypotheses are ranked by " +
-      "score / ((5 + length) / 6)^α (GNMT's length penalty); a larger α favours longer translations."),
+      (model.eos ? `log-probability: the first beam of them that are not ${end} become the next beams, an ${end} ` +
+        "ranked within the first beam finishes its hypothesis, the rest are pruned. "
+        : "log-probability: the first beam of them become the next beams, the rest are pruned (this model has no " +
+        "end-of-text token: every hypothesis runs to the limit). ") +
+      "Finished hypotheses are ranked by score / ((5 + length) / 6)^α (GNMT's length penalty); a larger α favours " +
+      (translation ? "longer translations." : "longer continuations. The tree starts from the prompt's last token.")),
     el("div", { class: "panel" },
-      el("label", { for: "beam-text" }, "Source sentence"), text,
+      el("label", { for: "beam-text" }, translation ? "Source sentence" : "Prompt"), text,
       el("div", { class: "controls" }, count,
         el("label", {}, "beam ", beam, " ", beamValue),
-        el("label", {}, "length penalty α ", alpha, " ", alphaValue), runButton),
+        el("label", {}, "length penalty α ", alpha, " ", alphaValue),
+        steps ? el("label", {}, "new tokens ", steps) : null, runButton),
       chips, message),
     summary,
     el("div", { class: "legend" },
       el("span", {}, el("i", { style: "background:#dbe6fd;border-color:#2563eb" }), "kept (open beam)"),
-      el("span", {}, el("i", { style: "background:#dcfce7;border-color:#15803d" }), "finished with </s>"),
+      model.eos ? el("span", {}, el("i", { style: "background:#dcfce7;border-color:#15803d" }), `finished with ${end}`) : null,
       el("span", {}, el("i", { style: "background:#ccfbf1;border-color:#0f766e" }), "finished at the length limit"),
       el("span", {}, el("i", { style: "background:#f3f4f6;border-style:dashed" }), "pruned"),
       el("span", {}, el("i", { style: "background:white;border-color:#ea580c;border-width:2px" }), "the best hypothesis")),
     tree,
     el("h3", {}, "n-best (the search's finished hypotheses, best first)"), nbest);
+  if (steps) steps.addEventListener("change", () => run());
 
   tokenPreview({ input: text, chips, count, message, onState: (ok) => { runButton.disabled = !ok; } });
 
@@ -109,8 +118,10 @@ export async function beamView(section, model) {
     const counts = {};
     for (const node of data.nodes) counts[node.status] = (counts[node.status] || 0) + 1;
     summary.textContent = `${data.steps} steps, ${data.nodes.length - 1} candidates: ${counts.kept - 1 || 0} kept, ` +
-      `${counts.finished || 0} finished with </s>, ${counts.limit || 0} at the length limit, ${counts.pruned || 0} pruned.`;
-    nbest.replaceChildren(el("tr", {}, el("th", {}, "#"), el("th", {}, "translation"), el("th", {}, "tokens"),
+      (model.eos ? `${counts.finished || 0} finished with ${end}, ` : "") +
+      `${counts.limit || 0} at the length limit, ${counts.pruned || 0} pruned.`;
+    nbest.replaceChildren(el("tr", {}, el("th", {}, "#"), el("th", {}, translation ? "translation" : "continuation"),
+      el("th", {}, "tokens"),
       el("th", {}, "sum log-prob"), el("th", {}, "normalized")),
       ...data.nbest.map((h, rank) => {
         const tr = el("tr", { "data-node": h.node }, el("td", {}, String(rank + 1)), el("td", { class: "hyp" }, h.text),
@@ -128,8 +139,9 @@ export async function beamView(section, model) {
     message.textContent = "";
     runButton.classList.add("spinner");
     try {
-      const result = await postJSON("/api/beam", { text: text.value, beam: Number(beam.value),
-        length_penalty: Number(alpha.value) });
+      const request = { text: text.value, beam: Number(beam.value), length_penalty: Number(alpha.value) };
+      if (steps) request.steps = Number(steps.value);
+      const result = await postJSON("/api/beam", request);
       if (mine !== seq) return;
       data = result;
       draw();

@@ -1,7 +1,7 @@
 // View 4: positions. The paper's sinusoidal encoding, PE(t)·PE(t+k) against k (it depends only on
 // the offset k), RoPE's rotations (the rotated q·k depends only on the offset too), and the loaded
 // model's own scheme (GET /api/positions).
-import { getJSON, unpack, el, showTip } from "./api.js";
+import { getJSON, unpack, el, svgEl, showTip } from "./api.js";
 import { heatmap, diverging, lineChart, legend, extent } from "./draw.js";
 
 function curves(dots, label) {
@@ -25,6 +25,31 @@ function tableMap(packed, { id, rowName = "position", colName = "dimension", lo 
   canvas.style.height = `${Math.min(Math.max(rows * cell, 200), 420)}px`;
   return el("div", {}, el("div", { class: "note" }, `${rows} ${rowName}s (down) × ${cols} ${colName}s (across)`),
     canvas, readout);
+}
+
+// RoPE as rotations: for a few pairs of dimensions, where positions 0..11 turn a unit vector.
+function ropeClocks(theta, id) {
+  const pairs = [...new Set([0, 1, Math.floor(theta.length / 4), Math.floor(theta.length / 2), theta.length - 1])];
+  const r = 42;
+  const w = 140;
+  const svg = svgEl("svg", { width: pairs.length * w, height: 132, id, class: "chart" });
+  pairs.forEach((i, n) => {
+    const cx = w / 2 + n * w;
+    const cy = 62;
+    svg.append(svgEl("circle", { cx, cy, r, fill: "none", stroke: "#d9dce1" }));
+    for (let pos = 0; pos < 12; pos += 1) {
+      const a = pos * theta[i];
+      const x = cx + r * Math.cos(a);
+      const y = cy - r * Math.sin(a);
+      svg.append(svgEl("line", { x1: cx, y1: cy, x2: x, y2: y, stroke: "#2563eb", "stroke-opacity": 1 - pos / 13 }),
+        svgEl("circle", { cx: x, cy: y, r: 3, fill: "#2563eb", "fill-opacity": 1 - pos / 13 },
+          svgEl("title", {}, `pair ${i}, position ${pos}: angle ${a.toFixed(3)} rad`)));
+    }
+    svg.append(svgEl("text", { x: cx, y: 124, "text-anchor": "middle", style: "font-size:11px" },
+      `pair ${i}: θ = ${theta[i].toPrecision(2)}`));
+  });
+  return el("div", {}, el("div", { class: "note" }, "each pair is rotated by θ_i per position (positions 0 to 11, fading):"),
+    svg);
 }
 
 function chartPanel(title, dots, yLabel, id) {
@@ -69,6 +94,7 @@ export async function positionsView(section, model) {
       el("p", { class: "note" }, "Each pair (x_i, x_{i+d/2}) of a query and a key is rotated by the angle pos × θ_i, " +
         "θ_i = base^(−2i/d). The map shows cos(pos × θ_i); the curves, one random q and k rotated to positions t and " +
         "t + k: their dot product depends only on the offset k."),
+      ropeClocks(rope.theta, "pos-rope-clocks"),
       el("div", { class: "row" },
         el("div", { class: "col" }, tableMap(rope.cos, { id: "pos-rope-cos", colName: "pair" })),
         chartPanel("rotated q(t) · k(t + k) depends only on k", rope.dots, "q·k", "pos-rope-dots"))),
@@ -98,7 +124,7 @@ function ownPanel(own, model) {
     el("div", { class: "row" }, chartPanel("cos(p(t), p(t + k))", own.dots, "cosine", "pos-own-dots")));
   } else if (own.scheme === "rope") {
     panel.append(el("p", { class: "note" }, `${model.name} rotates its queries and keys (no position is added to the ` +
-      "embeddings); these are its own tables and base."),
+      "embeddings); these are its own tables and base."), ropeClocks(own.theta, "pos-own-clocks"),
     el("div", { class: "row" },
       el("div", { class: "col" }, tableMap(own.cos, { id: "pos-own-table", colName: "pair" })),
       chartPanel("its rotated q(t) · k(t + k)", own.dots, "q·k", "pos-own-dots")));

@@ -30,7 +30,7 @@ function table(object, id) {
 }
 
 export async function trainingView(section, model) {
-  const run = await getJSON("/api/run");
+  const run = await getJSON("/api/run");  // read again by "Reload" (a run still training grows)
   if (!run.available) {
     section.replaceChildren(el("h2", {}, "Training run"), el("p", { class: "lead" }, run.reason));
     return;
@@ -45,7 +45,8 @@ export async function trainingView(section, model) {
   section.replaceChildren(...[
     el("h2", {}, "Training run"),
     el("p", { class: "lead" }, `${run.run}: ${run.rows} rows of metrics.csv (task ${config.task || "?"}). ` +
-      "Lines are training steps, dots evaluations."),
+      "Lines are training steps, dots evaluations. ",
+      el("button", { class: "ghost", id: "train-reload", onclick: () => trainingView(section, model) }, "Reload")),
     run.note ? el("p", { class: "message" }, run.note) : null,
     el("div", { class: "row", id: "train-charts" }, charts),
     el("div", { class: "row" },
