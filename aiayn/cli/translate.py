@@ -15,8 +15,11 @@ from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, check_writable, cli, pla
 
 def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
     options = [
-        click.option("--run", "run_dir", required=True, type=click.Path(path_type=Path),
+        click.option("--run", "run_dir", type=click.Path(path_type=Path),
                      help="A run directory of the translation task."),
+        click.option("--model", "model_name",
+                     help="A shipped model (multi30k-en-de, multi30k-de-en; see `aiayn models`) or a "
+                          "release directory.  [default without --run: multi30k-en-de]"),
         click.option("--checkpoint", type=click.Path(path_type=Path),
                      help="A checkpoint directory (e.g. RUN/averaged-last5) instead of the run's latest."),
         click.option("--beam", type=click.IntRange(min=1),
@@ -37,13 +40,19 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _translator(run_dir: Path, checkpoint: Path | None, plain: bool, **decoding: Any) -> tuple[Any, Any]:
-    """(``Translator``, ``DecodeOptions``) of --run / --checkpoint and the decoding options; beam size
-    and length penalty default to the run's recipe."""
+def _translator(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, plain: bool,
+                **decoding: Any) -> tuple[Any, Any]:
+    """(``Translator``, ``DecodeOptions``) of --run / --model / --checkpoint and the decoding
+    options; beam size and length penalty default to the run's recipe."""
     from aiayn.tasks.runs import RunInputError, load_translator
+    from aiayn.tasks.shipped import DEFAULT_TRANSLATION_MODEL, resolve_model
     from aiayn.translate import decode_options
 
+    if run_dir is not None and model_name is not None:
+        raise click.UsageError("--run and --model name two models; give one")
     try:
+        if run_dir is None:
+            run_dir = resolve_model(model_name or DEFAULT_TRANSLATION_MODEL)
         task, translator = load_translator(run_dir, checkpoint, plain=plain)
     except RunInputError as exc:
         raise click.BadParameter(str(exc), param_hint=f"--{exc.about}") from None
@@ -53,7 +62,7 @@ def _translator(run_dir: Path, checkpoint: Path | None, plain: bool, **decoding:
 @cli.command("translate")
 @_decoding_options
 @click.argument("texts", nargs=-1, callback=utf8_text)
-def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
+def translate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
                   temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
                   plain: bool, texts: tuple[str, ...]) -> None:
     """Translate TEXTS, or each line of standard input as it arrives (one output line per input line).
@@ -64,7 +73,7 @@ def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, leng
 
     from aiayn.translate import InputTooLongWarning
 
-    translator, options = _translator(run_dir, checkpoint, plain, beam_size=beam, length_penalty=length_penalty,
+    translator, options = _translator(run_dir, model_name, checkpoint, plain, beam_size=beam, length_penalty=length_penalty,
                                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
     def show(warning: Any, category: Any, *_: Any, **__: Any) -> None:
@@ -93,7 +102,7 @@ def translate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, leng
 @click.option("--ref", "ref_path", required=True, type=click.Path(path_type=Path), help="Reference translations, aligned.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the hypotheses (detokenised, one per line) here.")
-def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
+def evaluate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
                  plain: bool, src_path: Path, ref_path: Path, out_path: Path | None) -> None:
     """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF."""
@@ -104,7 +113,7 @@ def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, lengt
     sources, references = read_parallel(src_path, ref_path)
     if out_path is not None:  # fail now, not after the whole decode
         check_writable(out_path, "--out")
-    translator, options = _translator(run_dir, checkpoint, plain, beam_size=beam, length_penalty=length_penalty,
+    translator, options = _translator(run_dir, model_name, checkpoint, plain, beam_size=beam, length_penalty=length_penalty,
                                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     start = time.perf_counter()
     hypotheses = translator.translate(sources, options)
@@ -115,6 +124,7 @@ def evaluate_cmd(run_dir: Path, checkpoint: Path | None, beam: int | None, lengt
     click.echo(f"{scores['bleu_text']}")
     click.echo(f"BLEU signature: {scores['bleu_signature']}")
     click.echo(f"chrF2 = {scores['chrf']:.2f}  (signature: {scores['chrf_signature']})")
+    click.echo(f"lower-cased BLEU = {scores['bleu_lc']:.2f}  (signature: {scores['bleu_lc_signature']})")
     click.echo(f"{len(sources)} sentences in {seconds:.1f} s ({len(sources) / seconds:.1f} sentences/s), "
                f"beam {options.beam_size}, length penalty {options.length_penalty}" + (f"; hypotheses written to {out_path}" if out_path else ""))
 

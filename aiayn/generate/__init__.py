@@ -7,7 +7,8 @@
 * ``greedy_decoder_only``, ``generate_decoder_only``, ``greedy_encoder_decoder``,
   ``sample_encoder_decoder``: the loops run to the end, their tokens collected.
 * ``sampling``: ``SamplingConfig``, temperature / top-k / top-p and the repetition penalty.
-* ``beam``: ``beam_search_encoder_decoder`` with GNMT's length penalty.
+* ``beam``: ``beam_search_encoder_decoder`` and ``beam_search_decoder_only`` with GNMT's length
+  penalty (``trace=`` reports every step's candidates as a ``BeamStep``).
 
 Every loop can run with ``use_cache=False``, recomputing the whole sequence every step: the
 reference the cached path is tested against. The compiled decoder-only step lives in
@@ -21,7 +22,9 @@ from typing import Any
 
 from aiayn.generate.beam import (
     BeamSearchResult,
+    BeamStep,
     Hypothesis,
+    beam_search_decoder_only,
     beam_search_encoder_decoder,
     gnmt_length_penalty,
 )
@@ -46,11 +49,13 @@ from aiayn.generate.steps import DecodeStep, GreedyResult
 
 __all__ = [
     "BeamSearchResult",
+    "BeamStep",
     "DecodeStep",
     "GreedyResult",
     "Hypothesis",
     "SamplingConfig",
     "apply_repetition_penalty",
+    "beam_search_decoder_only",
     "beam_search_encoder_decoder",
     "compiled_decode_step",
     "filter_logits",

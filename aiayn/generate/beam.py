@@ -1,4 +1,6 @@
-"""Beam search for encoder-decoder models, over the KV cache, with GNMT's length penalty.
+"""Beam search over the KV cache with GNMT's length penalty: for encoder-decoder models
+(``beam_search_encoder_decoder``, the paper's translation search) and for decoder-only ones
+(``beam_search_decoder_only``), one search loop (``_search``) for both.
 
 Every source's ``beam`` open hypotheses run as rows of one (n * beam) batch (n: the sources still
 searching); each source keeps its ``beam`` best finished hypotheses in fixed-size tensors
@@ -8,17 +10,21 @@ against greedy decoding, an exhaustive search, a plain Python search and Hugging
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from aiayn.generate.decoder_only import last_position_logits, prompt_validity
 from aiayn.generate.encoder_decoder import (
     decode_cached_step,
     greedy_encoder_decoder,
     max_target_lengths,
 )
+from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
+from aiayn.nn.kv_cache import KVCache
 
 NEG_INF = float("-inf")
 
@@ -53,6 +59,36 @@ class BeamSearchResult:
             row = row[:n]
             out.append(row[:-1] if eos_id is not None and row and row[-1] == eos_id else row)
         return out
+
+
+@dataclass(frozen=True)
+class BeamStep:
+    """What one step of the search did, for an observer (``beam_search_encoder_decoder(trace=)``):
+    the 2 * beam candidates of every source still searching, best first by sum score.
+
+    t: the candidates' length (tokens without bos), 1 at the first step.
+    sources (n,) long: the source ids (rows of ``src``) still searching at this step.
+    parent (n, c) long: the beam slot (0 .. beam - 1, best first at step t - 1) each candidate
+        continues; at t = 1 every candidate continues slot 0 (bos).
+    token (n, c) long, score (n, c) float32: the candidate's last token and its sum of
+        log-probabilities (-inf: no candidate).
+    finished (n, c) bool: an eos candidate ranked within the first ``beam``: it joined the
+        source's finished hypotheses (ranked by ``score / lp(t)``), where it may still be beaten.
+    slot (n, c) long: the beam slot the candidate continues in at the next step, -1 when pruned
+        (or finished).
+    at_limit (n,) bool: the source reached its length limit (its open beams finished without eos).
+    done (n,) bool: the source stopped searching after this step.
+    """
+
+    t: int
+    sources: Tensor
+    parent: Tensor
+    token: Tensor
+    score: Tensor
+    finished: Tensor
+    slot: Tensor
+    at_limit: Tensor
+    done: Tensor
 
 
 @dataclass
@@ -156,6 +192,7 @@ def beam_search_encoder_decoder(
     early_stopping: bool = False,
     mask_pad: bool = True,
     keep_greedy: bool = False,
+    trace: Callable[[BeamStep], None] | None = None,
 ) -> BeamSearchResult:
     """Beam search over the KV cache: every source's ``beam_size`` beams in one (b * beam) batch.
 
@@ -192,6 +229,10 @@ def beam_search_encoder_decoder(
     below greedy's. A greedy hypothesis the search could not have produced (pad, or eos before
     ``min_len``) is not added.
 
+    ``trace``: called with a ``BeamStep`` after every step (every candidate, where it went, which
+    were pruned): what ``aiayn explore`` draws the search tree from. It changes nothing in the
+    search, and costs nothing when None.
+
     Returns the best hypothesis per source and up to ``n_best`` (<= beam_size) per source.
     """
     if beam_size < 1 or not 1 <= n_best <= beam_size:
@@ -199,17 +240,90 @@ def beam_search_encoder_decoder(
                          f"n_best={n_best}")
     pad_id = model.config.pad_id if mask_pad else None
     fill_id = pad_id if pad_id is not None else eos_id
-    device, b, k = src.device, src.shape[0], beam_size
-    alpha = length_penalty
+    b, k = src.shape[0], beam_size
 
     encoded = model.encode(src, src_valid=src_valid)  # once per source: memory (b, s, d)
     limits = max_target_lengths(encoded.valid, max_len_a=max_len_a, max_len_b=max_len_b,
                                 cap=model.config.max_seq_len)  # (b,)
-    n_max = int(limits.max())
-    cache = model.new_cache(b, n_max)  # bos + at most n_max - 1 fed tokens
-    bos = torch.full((b, 1), bos_id, dtype=torch.long, device=device)
+    cache = model.new_cache(b, int(limits.max()))  # bos + at most n_max - 1 fed tokens
+    bos = torch.full((b, 1), bos_id, dtype=torch.long, device=src.device)
     logits = model.decode(bos, encoded, tgt_valid=torch.ones_like(bos, dtype=torch.bool),
                           cache=cache).logits[:, -1]  # (b, v); fills the cross-attention k/v once
+    memory_valid = encoded.valid.repeat_interleave(k, dim=0)  # (b * k, s): source i's beams share its row
+
+    def step(tokens: Tensor, rows: Tensor, dropped: bool) -> Tensor:
+        nonlocal memory_valid
+        if dropped:  # a source left: its rows go (within a source the rows are all the same)
+            memory_valid = memory_valid.index_select(0, rows)
+        return decode_cached_step(model, tokens, memory_valid, cache)
+
+    finished = _search(logits, cache, limits, step, k=k, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
+                       alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace)
+    if keep_greedy:
+        _merge_greedy(model, src, src_valid, limits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
+                      fill_id=fill_id, min_len=min_len, alpha=length_penalty, finished=finished)
+    return finished.result(n_best)
+
+
+@torch.inference_mode()
+def beam_search_decoder_only(
+    model: DecoderOnly,
+    prompt: Tensor,
+    *,
+    eos_id: int | None,
+    max_new_tokens: int,
+    beam_size: int = 4,
+    length_penalty: float = 0.6,
+    prompt_valid: Tensor | None = None,
+    min_len: int = 0,
+    n_best: int = 1,
+    early_stopping: bool = False,
+    mask_pad: bool = True,
+    trace: Callable[[BeamStep], None] | None = None,
+) -> BeamSearchResult:
+    """Beam search continuing each row of ``prompt`` (b, t) with a decoder-only model, over the KV
+    cache: ``beam_search_encoder_decoder``'s rules (scores, GNMT length penalty, candidates, the
+    stopping rule, ``trace``) for the new tokens, the prompt run once and its cache expanded to
+    the beams. At most ``max_new_tokens`` new tokens (eos included), within the model's context.
+
+    ``prompt_valid`` (b, t) bool: rows may be left-padded (default: the model's rule, as in
+    ``stream_decoder_only``); padding changes nothing. Hypotheses hold the new tokens only.
+    ``eos_id`` None: a model without an end-of-text token (a character-level one): every hypothesis
+    runs to the limit (``min_len`` is moot; after a hypothesis ``tokens`` holds pad_id, else 0).
+    """
+    if beam_size < 1 or not 1 <= n_best <= beam_size:
+        raise ValueError(f"need beam_size >= 1 and 1 <= n_best <= beam_size, got beam_size={beam_size}, "
+                         f"n_best={n_best}")
+    b, t = prompt.shape
+    if max_new_tokens < 1 or t + max_new_tokens > model.config.max_seq_len:
+        raise ValueError(f"prompt of {t} tokens + {max_new_tokens} new tokens must fit the model's context of "
+                         f"{model.config.max_seq_len} (and max_new_tokens >= 1)")
+    valid = prompt_validity(model, prompt, prompt_valid)  # (b, t)
+    pad_id = model.config.pad_id if mask_pad else None
+    fill_id = pad_id if pad_id is not None else eos_id if eos_id is not None else 0
+    if eos_id is None:  # no token ends a hypothesis: -1 is no candidate's id
+        eos_id, min_len = -1, 0
+    limits = torch.full((b,), max_new_tokens, dtype=torch.long, device=prompt.device)
+    cache = model.new_cache(b, t + max_new_tokens)  # the prompt + at most max_new_tokens - 1 fed tokens
+    logits = last_position_logits(model, prompt, valid, cache)  # (b, v)
+
+    def step(tokens: Tensor, rows: Tensor, dropped: bool) -> Tensor:
+        return last_position_logits(model, tokens, torch.ones_like(tokens, dtype=torch.bool), cache)
+
+    finished = _search(logits, cache, limits, step, k=beam_size, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
+                       alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace)
+    return finished.result(n_best)
+
+
+def _search(logits: Tensor, cache: KVCache, limits: Tensor, step: Callable[[Tensor, Tensor, bool], Tensor], *,
+            k: int, eos_id: int, pad_id: int | None, fill_id: int, alpha: float, min_len: int,
+            early_stopping: bool, trace: Callable[[BeamStep], None] | None) -> _Finished:
+    """The search both architectures share: ``logits`` (b, v) of the first new token, ``cache``
+    holding b rows (expanded here to b * k), ``limits`` (b,) most new tokens per source;
+    ``step(tokens (m, 1), rows (m,), dropped)`` feeds the kept beams' tokens (after the loop has
+    reordered the cache to their parent ``rows``; ``dropped``: a source left) -> logits (m, v)."""
+    device, b = logits.device, logits.shape[0]
+    n_max = int(limits.max())
     v = logits.shape[-1]
     cache.repeat_interleave(k)  # (b * k) rows: source i's beams are rows i*k .. i*k + k-1
     lprobs = torch.log_softmax(logits.float(), dim=-1).repeat_interleave(k, dim=0).view(b, k, v)
@@ -220,7 +334,6 @@ def beam_search_encoder_decoder(
                    tokens=torch.full((b, k, n_max), fill_id, dtype=torch.long, device=device),
                    token_scores=torch.zeros(b, k, n_max, device=device))
     beams.scores[:, 0] = 0.0  # at the first step only beam 0 is real (all beams are equal)
-    memory_valid = encoded.valid.repeat_interleave(k, dim=0)  # (n * k, s)
     finished = _Finished.empty(b, k, n_max, fill_id, device)
 
     n_cand = min(2 * k, k * v)
@@ -260,23 +373,27 @@ def beam_search_encoder_decoder(
 
         done = _sources_done(finished.norm[alive][:, k - 1], beams.scores[:, 0], limits[alive], t=t,
                              alpha=alpha, early_stopping=early_stopping) | at_limit  # (n,)
+        if trace is not None:
+            slot = torch.full_like(top_tok, -1).scatter_(
+                1, keep, torch.arange(k, device=device).expand(n, k).contiguous())  # (n, 2k)
+            trace(BeamStep(t=t, sources=alive.clone(), parent=top_beam, token=top_tok, score=top_scores,
+                           finished=torch.cat([eos_ok, torch.zeros_like(is_eos[:, k:])], 1),
+                           slot=slot, at_limit=at_limit, done=done))
         if bool(done.all()):
             break
 
         # Follow the kept beams (and drop finished sources) in the cache, then feed the new tokens.
         stay = (~done).nonzero().squeeze(1)  # (n_new,) local ids of sources still searching
         rows = (stay[:, None] * k + next_beam[stay]).reshape(-1)  # (n_new * k,) parent rows
-        cache.reorder(rows, cross=bool(done.any()))  # cross k/v only change when a source leaves
-        if bool(done.any()):
-            alive, memory_valid = alive[stay], memory_valid.index_select(0, rows)
+        dropped = bool(done.any())
+        cache.reorder(rows, cross=dropped)  # cross k/v only change when a source leaves
+        if dropped:
+            alive = alive[stay]
             beams = beams.select(stay)
-        step_logits = decode_cached_step(model, next_tok[stay].reshape(-1, 1), memory_valid, cache)
+        step_logits = step(next_tok[stay].reshape(-1, 1), rows, dropped)
         lprobs = torch.log_softmax(step_logits.float(), dim=-1).view(stay.shape[0], k, v)  # (n_new, k, v)
 
-    if keep_greedy:
-        _merge_greedy(model, src, src_valid, limits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-                      fill_id=fill_id, min_len=min_len, alpha=alpha, finished=finished)
-    return finished.result(n_best)
+    return finished
 
 
 def _sources_done(worst_finished: Tensor, best_open: Tensor, limits: Tensor, *, t: int, alpha: float,

@@ -96,7 +96,7 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
             done = done | (token == eos_id)
         if history is not None:
             history[:, t + i] = token
-        yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done)
+        yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done, cache=cache)
         if bool(done.all()):
             return
         if cache is None:

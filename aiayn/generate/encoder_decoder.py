@@ -78,7 +78,7 @@ def _decode(model: EncoderDecoder, src: Tensor, src_valid: Tensor | None, *, bos
             done = done | (token == eos_id)
         done = done | (i + 1 >= limit)
         target = torch.cat([target, token[:, None]], dim=1)
-        yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done)
+        yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done, cache=cache)
         if bool(done.all()):
             return
 

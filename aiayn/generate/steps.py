@@ -6,9 +6,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from aiayn.nn.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,10 @@ class DecodeStep:
         its token is the fill id).
     done (b,) bool: rows finished after this step (eos emitted, or the row's length limit reached);
         the loop stops once every row is done.
+    cache: the loop's KV cache as this step left it (``cache.length`` slots filled: every token
+        fed so far; this step's token is fed at the next step), None without a cache. The loop
+        goes on writing into it: read it before taking the next step (``aiayn explore`` shows it
+        filling).
     """
 
     index: int
@@ -32,6 +40,7 @@ class DecodeStep:
     logits: Tensor
     active: Tensor
     done: Tensor
+    cache: KVCache | None = None
 
 
 class GreedyResult:

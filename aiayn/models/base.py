@@ -13,6 +13,7 @@ from aiayn.config import ModelConfig
 from aiayn.models.blocks import StackOutput
 from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.packing import Packing
+from aiayn.nn.row_kv_cache import RowKVCache
 
 
 @dataclass
@@ -83,9 +84,10 @@ def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
 
 def make_cache(config: ModelConfig, *, n_layers: int, batch_size: int, max_len: int | None,
                dtype: torch.dtype, device: torch.device, cross_attention: bool,
-               quantize: str | None = None, group_size: int | None = None) -> KVCache:
+               quantize: str | None = None, group_size: int | None = None, per_row: bool = False) -> KVCache:
     max_len = config.max_seq_len if max_len is None else max_len
-    return KVCache(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
+    cls = RowKVCache if per_row else KVCache
+    return cls(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
                    head_dim=config.head_dim, max_len=max_len, dtype=dtype, device=device,
                    cross_attention=cross_attention, quantize=quantize, group_size=group_size)
 

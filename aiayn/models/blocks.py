@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from aiayn.config import ModelConfig
 from aiayn.nn.attention import AttentionInputs, MultiHeadAttention
 from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
-from aiayn.nn.masks import key_mask, valid_tokens
+from aiayn.nn.masks import combine_masks, key_mask, position_causal_mask, valid_tokens
 from aiayn.nn.mlp import FeedForward
 from aiayn.nn.norm import make_norm
 from aiayn.nn.packing import Packing
@@ -218,16 +218,21 @@ class TransformerStack(nn.Module):
                              f"got {tuple(segments.shape)}")
 
         # Keys: the cached slots plus the new tokens.
-        cache_pos = 0
+        cache_pos: int | Tensor = 0
         if cache is not None:
-            cache_pos = cache.reserve(valid, positions)
+            cache_pos = cache.reserve(valid, positions)  # a slot, or (b, t) slots per row (RowKVCache)
             keys_valid, key_positions = cache.valid[:, : cache.length], cache.positions[:, : cache.length]
         else:
             keys_valid, key_positions = valid, positions  # (b, t_k)
         mask = None if bool(keys_valid.all()) else key_mask(keys_valid)  # (b, 1, 1, t_k)
+        # Rows of a RowKVCache sit at their own slots: causality from positions, not slot order
+        # (one new token per row sees its row's every valid key: no mask needed).
+        per_row = isinstance(cache_pos, Tensor)
+        if per_row and self.causal and tokens.shape[1] > 1:
+            mask = combine_masks(mask, position_causal_mask(positions, key_positions))  # (b, 1, t, t_k)
         packing = Packing.of(valid) if pack and mask is not None else None  # only with padding to skip
         self_attn = self.attention_inputs(positions, key_positions, mask, cache_pos=cache_pos,
-                                          packing=packing)
+                                          packing=packing, causal=self.causal and not per_row)
 
         cross_attn = None
         if self.has_cross:
@@ -259,14 +264,17 @@ class TransformerStack(nn.Module):
         return positions
 
     def attention_inputs(self, positions: Tensor, key_positions: Tensor, mask: Tensor | None, *,
-                         cache_pos: int | Tensor = 0, packing: Packing | None = None) -> AttentionInputs:
+                         cache_pos: int | Tensor = 0, packing: Packing | None = None,
+                         causal: bool | None = None) -> AttentionInputs:
         """Self-attention inputs for queries at ``positions`` (b, t) over keys at ``key_positions``
         (b, t_k) (cached + new) under ``mask`` (b, 1, 1, t_k): the positional scheme's bias or
-        rotation, causal masking for a decoder."""
+        rotation, causal masking for a decoder (``causal``: the right-aligned slot mask; default
+        the stack's own, False when ``mask`` already holds causality)."""
         # (b or 1, h, t, t_k) additive bias (ALiBi, T5), or RoPE's (cos, sin) of (b, t, d_h)
         bias = self.relative(positions, key_positions) if self.relative is not None else None
         rotary = self.rotary(positions) if self.rotary is not None else None
-        return AttentionInputs(mask=mask, bias=bias, causal=self.causal, rotary=rotary, cache_pos=cache_pos,
+        causal = self.causal if causal is None else causal
+        return AttentionInputs(mask=mask, bias=bias, causal=causal, rotary=rotary, cache_pos=cache_pos,
                                packing=packing)
 
     def run(self, tokens: Tensor, inputs: StackInputs, *, cache: KVCache | None = None,

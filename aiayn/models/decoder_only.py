@@ -43,11 +43,13 @@ class DecoderOnly(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
                   dtype: torch.dtype | None = None, quantize: str | None = None,
-                  group_size: int | None = None) -> KVCache:
+                  group_size: int | None = None, per_row: bool = False) -> KVCache:
         """A preallocated KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens.
 
-        ``quantize="int8"``/``"int4"``: keys and values stored quantised (see ``aiayn.nn.kv_cache``)."""
+        ``quantize="int8"``/``"int4"``: keys and values stored quantised (see ``aiayn.nn.kv_cache``).
+        ``per_row``: a ``RowKVCache``, whose rows fill independently (continuous batching)."""
         weight = self.embedding.weight  # (the output projection may be quantised; the table is not)
         return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size,
                           max_len=max_len, dtype=dtype or weight.dtype, device=weight.device,
-                          cross_attention=False, quantize=quantize, group_size=group_size)
+                          cross_attention=False, quantize=quantize, group_size=group_size,
+                          per_row=per_row)

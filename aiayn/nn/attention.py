@@ -148,7 +148,8 @@ class AttentionInputs:
     rotary: tuple[Tensor, Tensor] | None = None  # RoPE (cos, sin), each (b or 1, t, d_h)
     # Self-attention with a KV cache: the slot of the first new key. A (t,) long tensor of slots in
     # the compiled decode step (``aiayn.fast.compiled_decode``): attention then runs over the
-    # buffer's first t_k slots, t_k = ``mask``'s last dimension.
+    # buffer's first t_k slots, t_k = ``mask``'s last dimension. A (b, t) long tensor: each row's
+    # own slots (``aiayn.nn.row_kv_cache.RowKVCache``, continuous batching).
     cache_pos: int | Tensor = 0
     packing: Packing | None = None  # x is packed: (n, d), its real tokens only (aiayn.nn.packing)
     memory_packing: Packing | None = None  # cross-attention: the memory is packed, (n_s, d)
@@ -281,7 +282,8 @@ class MultiHeadAttention(nn.Module):
         if inputs.packing is not None:
             raise ValueError("MultiHeadAttention: packed inputs do not go with a KV cache")
         k, v = cache.write(k, v, inputs.cache_pos)  # (b, h_kv, cache_pos + t, d_h)
-        if isinstance(inputs.cache_pos, Tensor):  # the compiled step: the prefix the mask covers
+        if isinstance(inputs.cache_pos, Tensor) and inputs.cache_pos.dim() == 1:
+            # the compiled step: the prefix the mask covers (per-row slots return theirs already)
             if inputs.mask is None:
                 raise ValueError("a tensor cache_pos (the compiled decode step) needs a mask over the "
                                  "filled cache slots")

@@ -113,7 +113,15 @@ class LayerKVCache:
         ``pos`` may be a (t,) long tensor of slots instead (the decode step that ``torch.compile``
         runs, see ``aiayn.fast.compiled_decode``): k, v go there and the whole buffers come back,
         (b, h_kv, s_max, d_h); the caller attends over the filled prefix its key mask covers.
+        A (b, t) tensor gives each row its own slots (``RowKVCache``): views of
+        [0, the highest slot + 1) come back.
         """
+        if isinstance(pos, Tensor) and pos.dim() == 2:
+            index = self._row_index(k, pos, self.k.shape[3])  # (b, h_kv, t, d_h)
+            self.k.scatter_(2, index, k.to(self.k.dtype))
+            self.v.scatter_(2, index, v.to(self.v.dtype))
+            end = int(pos.max()) + 1
+            return self.k[:, :, :end], self.v[:, :, :end]
         if isinstance(pos, Tensor):
             self.k.index_copy_(2, pos, k.to(self.k.dtype))
             self.v.index_copy_(2, pos, v.to(self.v.dtype))
@@ -137,6 +145,13 @@ class LayerKVCache:
                 f"{(self.k.shape[0], self.k.shape[1], '*', head_dim)}, got k of shape {tuple(k.shape)}"
             )
         return t
+
+    def _row_index(self, k: Tensor, slots: Tensor, width: int) -> Tensor:
+        """Per-row slots (b, t) -> the scatter index (b, h_kv, t, width) of new keys k (b, h_kv, t, d_h)."""
+        if slots.shape != (k.shape[0], k.shape[2]) or k.shape[0] != self.k.shape[0]:
+            raise ValueError(f"per-row cache slots of shape {tuple(slots.shape)} do not fit k of shape "
+                             f"{tuple(k.shape)} and a cache of {self.k.shape[0]} rows")
+        return slots[:, None, :, None].expand(-1, k.shape[1], -1, width)
 
     # Per-row buffers a reorder must carry along (a quantised cache adds its scales).
     _row_buffers: tuple[str, ...] = ("k", "v")
@@ -229,6 +244,17 @@ class QuantizedLayerKVCache(LayerKVCache):
 
     def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
         """Quantise new k, v (b, h_kv, t, d_h) into [pos, pos + t); return [0, pos + t) dequantised."""
+        if isinstance(pos, Tensor) and pos.dim() == 2:  # per-row slots (b, t), see LayerKVCache.write
+            self.dtype = k.dtype
+            data_index = self._row_index(k, pos, self.k.shape[3])  # (b, h_kv, t, d_h or d_h / 2)
+            scale_index = self._row_index(k, pos, self.k_scale.shape[3])  # (b, h_kv, t, groups)
+            for data, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                q, scale = self._store(x)
+                data.scatter_(2, data_index, q)
+                scales.scatter_(2, scale_index, scale)
+            end = int(pos.max()) + 1
+            return (self._load(self.k[:, :, :end], self.k_scale[:, :, :end]),
+                    self._load(self.v[:, :, :end], self.v_scale[:, :, :end]))
         if isinstance(pos, Tensor):
             raise ValueError("the static-shape (compiled) decode step needs a float KV cache; "
                              "decode a quantised cache without compile")

@@ -88,6 +88,17 @@ def scores_shaped(mask: Tensor | None) -> Tensor | None:
     return mask[:, None] if mask is not None and mask.dim() == 3 else mask
 
 
+def position_causal_mask(q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """(b, t_q) query and (b, t_k) key position ids -> (b, 1, t_q, t_k): True where the key's
+    position is at most the query's.
+
+    Causality by position rather than by slot order: for a cache whose rows fill independently
+    (``aiayn.nn.row_kv_cache``) the rows' slots do not line up, so the right-aligned slot mask
+    does not apply; within a row positions grow with the slots, so this is the same mask there.
+    """
+    return (k_positions[:, None, :] <= q_positions[:, :, None])[:, None]
+
+
 def combine_masks(*masks: Tensor | None) -> Tensor | None:
     """Logical AND of the given masks (None entries are skipped); None if all are None."""
     out: Tensor | None = None

@@ -120,10 +120,12 @@ def load_translator(run_dir: Path, checkpoint: Path | None = None, *,
     """(the translation task, a ``Translator`` of its trained model) from a run directory;
     ``checkpoint``: a checkpoint (e.g. RUN/averaged-last5) or a folder of them instead of the
     run's latest."""
+    from aiayn.tasks.shipped import load_run_or_release
+
     if not run_dir.is_dir():
         raise RunInputError(f"{run_dir} does not exist; train one with "
                             f"aiayn train --recipe recipes/multi30k-en-de.yaml")
-    run = load_run(run_dir, checkpoint=resolve_checkpoint(checkpoint), prepare=False)
+    run = load_run_or_release(run_dir, checkpoint=checkpoint)
     if not isinstance(run.task, TranslationTask):
         raise RunInputError(f"{run_dir} holds a {run.task.name} run; translation needs a run of "
                             f"the translation task")
@@ -133,23 +135,36 @@ def load_translator(run_dir: Path, checkpoint: Path | None = None, *,
 def load_text_model(run_dir: Path | None = None, model_path: Path | None = None, *,
                     plain: bool = False) -> TextModel:
     """A decoder-only model with its text functions, from a run directory of a language-model task
-    (``run_dir``) or a GGUF file / Hugging Face model directory (``model_path``)."""
+    or a shipped model's release (``run_dir``), or a GGUF file / Hugging Face model directory
+    (``model_path``)."""
+    from aiayn.tasks.shipped import is_release, load_run_or_release
     from aiayn.textgen import TextModel, read_text_model
 
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_text_model takes one of run_dir and model_path")
+    if model_path is not None and is_release(model_path):
+        run_dir, model_path = model_path, None
     if model_path is not None:
         lm = read_text_model(model_path)
         lm.model = for_inference(lm.model, plain=plain)
         return lm
     assert run_dir is not None
-    run = load_run(run_dir, prepare=False)
+    run = load_run_or_release(run_dir)
     tokenizer = getattr(run.task, "tokenizer", None)
     if run.model_config.arch != "decoder-only" or tokenizer is None:
         raise RunInputError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
                             f"generation needs a decoder-only language model such as shakespeare-char")
     return TextModel(for_inference(run.model, plain=plain), lambda text: tokenizer.encode(text).tolist(),
-                     tokenizer.decode, run.model_config.max_seq_len)
+                     tokenizer.decode, run.model_config.max_seq_len,
+                     tokenizer=_tokenizers_object(tokenizer))
+
+
+def _tokenizers_object(tokenizer: Any) -> Any:
+    """A run's tokenizer as a ``tokenizers.Tokenizer`` (what a Hugging Face export writes): a BPE
+    run's own, a character-level run's rebuilt (``CharTokenizer.to_tokenizers``)."""
+    if hasattr(tokenizer, "to_tokenizers"):
+        return tokenizer.to_tokenizers()
+    return getattr(tokenizer, "tokenizer", None)
 
 
 # ---- setting up a run -------------------------------------------------------------------------

@@ -396,3 +396,42 @@ def test_sampling_encoder_decoder() -> None:
     assert not torch.equal(a, greedy_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=limits).tokens)
     for i, n in enumerate(limits.tolist()):
         assert bool((a[i, n:] == PAD).all())
+
+
+@pytest.mark.parametrize(("seed", "eos", "k", "alpha", "boost"), [
+    (0, 40, 4, 0.6, 0.0), (1, 40, 2, 0.0, 0.0), (1, 69, 3, 0.6, 2.0), (0, 69, 5, 1.0, 2.5),
+])
+def test_traced_search_equals_untraced_and_its_trace_rebuilds_the_nbest(seed: int, eos: int, k: int,
+                                                                        alpha: float, boost: float) -> None:
+    """``trace=`` (what aiayn explore draws the beam tree from) changes nothing: the same tokens,
+    scores and n-best lists; and following the trace's parent links from step to step rebuilds
+    every finished hypothesis, so each returned hypothesis is one of them with the same score."""
+    model = model_(seed=seed, eos_boost=(eos, boost) if boost else None)
+    src = sources(seed=seed + 1)
+    args = dict(bos_id=BOS, eos_id=eos, beam_size=k, max_len_a=1.0, max_len_b=6 if boost else 3,
+                length_penalty=alpha, n_best=k)
+    steps = []
+    traced = beam_search_encoder_decoder(model, src, trace=steps.append, **args)
+    plain = beam_search_encoder_decoder(model, src, **args)
+    assert torch.equal(traced.tokens, plain.tokens) and torch.equal(traced.lengths, plain.lengths)
+    assert torch.equal(traced.scores, plain.scores)
+    assert [[(h.tokens.tolist(), h.score) for h in row] for row in traced.nbest] == \
+           [[(h.tokens.tolist(), h.score) for h in row] for row in plain.nbest]
+
+    beams = {i: [([], 0.0)] for i in range(src.shape[0])}  # source -> open (tokens, score) by slot
+    finished: dict[int, list[tuple[list[int], float]]] = {i: [] for i in beams}
+    for step in steps:
+        assert step.t == len(beams[int(step.sources[0])][0][0]) + 1
+        for row, source in enumerate(step.sources.tolist()):
+            history = [(beams[source][int(p)][0] + [int(tok)], float(s))
+                       for p, tok, s in zip(step.parent[row], step.token[row], step.score[row], strict=True)]
+            finished[source] += [h for h, f in zip(history, step.finished[row].tolist(), strict=True) if f]
+            slots = step.slot[row].tolist()
+            beams[source] = [history[slots.index(j)] for j in range(k)]
+            if step.at_limit[row]:
+                finished[source] += [b for b in beams[source] if b[1] > float("-inf")]
+            assert not (step.finished[row] & (step.slot[row] >= 0)).any()
+    for source, row in enumerate(traced.nbest):
+        for h in row:
+            scores = [s for toks, s in finished[source] if toks == h.tokens.tolist()]
+            assert scores and torch.tensor(scores[0]).item() == torch.tensor(h.score).item()

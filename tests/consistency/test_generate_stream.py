@@ -279,3 +279,23 @@ def test_importing_generate_leaves_aiayn_fast_unimported() -> None:
     after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert before.stdout.strip() == "[]"
     assert "aiayn.fast.compiled_decode" in after.stdout
+
+
+def test_each_step_hands_out_the_cache_as_it_fills() -> None:
+    """DecodeStep.cache (what aiayn explore shows filling): the loop's one cache, holding every token
+    fed so far after each step (the prompt, then one more per step); None when recomputing."""
+    model = language_model()
+    prompt, valid = left_padded_prompt()
+    t = prompt.shape[1]
+    caches = []
+    for step in stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=5):
+        caches.append(step.cache)
+        assert step.cache.length == t + step.index  # this step's token is fed at the next step
+        assert torch.equal(step.cache.valid[:, :t], valid) and bool(step.cache.valid[:, t:t + step.index].all())
+    assert all(c is caches[0] for c in caches) and caches[0].max_len == t + 5
+    assert all(s.cache is None for s in stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=2,
+                                                            use_cache=False))
+    src = sources()
+    filled = [(s.cache.length, s.cache.cross[0].k is not None)
+              for s in stream_encoder_decoder(translation_model(), src, bos_id=1, max_new_tokens=4)]
+    assert filled == [(1, True), (2, True), (3, True), (4, True)]  # cross-attention k/v from the first step

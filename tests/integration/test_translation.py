@@ -189,3 +189,11 @@ def test_stdin_that_is_not_utf8_is_named_by_line_and_byte(tiny_run):
     assert result.returncode == 2 and b"Traceback" not in result.stderr, result.stderr
     assert b"standard input, line 2: not UTF-8 (byte 0xe4 at column 4)" in result.stderr
     assert len(result.stdout.decode().splitlines()) == 1  # the first line was translated before it
+
+
+def test_lower_cased_bleu_ignores_case_only():
+    hyps = ["Ein Mann fährt Fahrrad .", "zwei hunde spielen im schnee ."]
+    refs = ["Ein Mann fährt Fahrrad .", "Zwei Hunde spielen im Schnee ."]
+    score = corpus_score(hyps, refs)
+    assert score["bleu_lc"] == pytest.approx(100.0) and score["bleu"] < 90
+    assert "case:lc" in score["bleu_lc_signature"] and "tok:13a" in score["bleu_lc_signature"]

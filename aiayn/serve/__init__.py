@@ -1,0 +1,19 @@
+"""``aiayn serve``: an OpenAI-compatible HTTP server with continuous batching.
+
+* ``engine``: the scheduler (continuous batching, chunked prefill) over a ``RowKVCache`` of fixed
+  slots sized from a memory budget;
+* ``app``: the FastAPI routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
+  ``/v1/models``, ``/health``, ``/metrics``), ``schemas`` their strict request models,
+  ``responses`` the OpenAI wire format (whole and streamed);
+* ``models``: what is served (a decoder-only text model, or a sentence encoder);
+* ``server``: putting it together under uvicorn; ``metrics``: Prometheus.
+
+See docs/serve.md.
+"""
+
+from aiayn.serve.engine import Engine, Event, Request, SamplingParams, slot_plan
+from aiayn.serve.models import ServedModel, load_served_model
+from aiayn.serve.server import build_state, parse_size, server
+
+__all__ = ["Engine", "Event", "Request", "SamplingParams", "ServedModel", "build_state", "load_served_model",
+           "parse_size", "server", "slot_plan"]

@@ -1,0 +1,361 @@
+"""The OpenAI-compatible HTTP API of ``aiayn serve``: FastAPI routes over the engine.
+
+Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``,
+``POST /v1/completions``, ``POST /v1/embeddings``, ``GET /health``, ``GET /metrics``.
+Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for
+anything the client can fix (400 bad input, 401 no or wrong API key, 404 unknown model or route,
+429 queue full with ``Retry-After``, 503 shutting down); never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from aiayn.interop.mapping import InteropError
+from aiayn.serve.engine import Engine, QueueFull, SamplingParams, ShuttingDown
+from aiayn.serve.metrics import Metrics
+from aiayn.serve.models import ServedModel, decoder_embeddings, encoder_token_counts, vector_size
+from aiayn.serve.responses import (
+    APIError,
+    ClientGone,
+    Generation,
+    Meta,
+    chat_answer,
+    chat_stream,
+    collect,
+    completion_answer,
+    completion_stream,
+)
+from aiayn.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    validation_message,
+)
+from aiayn.textgen import TextModel
+
+logger = logging.getLogger("aiayn.serve")
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the model, its engine (decoder-only models), the settings."""
+
+    served: ServedModel
+    engine: Engine | None
+    metrics: Metrics
+    api_key: str | None = None
+    shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM
+    draining_since: float | None = None  # set when a shutdown begins
+    created: int = field(default_factory=lambda: int(time.time()))
+    encoder_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def begin_drain(self) -> None:
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+
+    def past_grace(self) -> bool:
+        return self.draining_since is not None and time.monotonic() - self.draining_since > self.shutdown_grace
+
+    def check_model(self, name: str) -> None:
+        if name != self.served.name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.served.name!r} "
+                                f"(GET /v1/models)", code="model_not_found", param="model")
+
+    def generator(self, name: str) -> tuple[TextModel, Engine]:
+        self.check_model(name)
+        if self.served.lm is None or self.engine is None:
+            raise APIError(400, f"{self.served.name} is an encoder (sentence embeddings); it serves /v1/embeddings "
+                                f"only", code="model_not_supported", param="model")
+        return self.served.lm, self.engine
+
+
+# ---- the plumbing: auth, shutdown, metrics per route, errors ------------------------------------
+MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413) before it is read
+
+
+class ServerMiddleware:
+    """Pure ASGI (streams pass through untouched): the API key on /v1 and /metrics, 503 for new API
+    requests once a shutdown began, bodies over ``MAX_BODY_BYTES`` refused (413, by their declared
+    length or as they arrive), and each answer's status counted per route."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        route = path if path in ROUTES else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        status = {"code": 500}
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        received = 0
+
+        async def bounded_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > MAX_BODY_BYTES:
+                raise _too_large()
+            return message
+
+        try:
+            error = self._refusal(scope, path)
+            if error is not None:
+                await _error_response(error)(scope, receive, counting_send)
+            else:
+                await self.app(scope, bounded_receive, counting_send)
+        finally:
+            self.state.metrics.requests.labels(route=route, status=str(status["code"])).inc()
+
+    def _refusal(self, scope: Scope, path: str) -> APIError | None:
+        protected = path.startswith("/v1/") or path == "/metrics"
+        if protected and self.state.api_key is not None:
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.state.api_key.encode()):
+                what = "no API key was given" if not given else "the API key is not valid"
+                return APIError(401, f"{what}; send the header 'Authorization: Bearer <key>' with the server's "
+                                     f"--api-key", code="invalid_api_key")
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return _too_large()
+        if path.startswith("/v1/") and self.state.draining_since is not None:
+            return APIError(503, "the server is shutting down and takes no new requests", kind="server_error",
+                            code="shutting_down")
+        return None
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB; send less text at once",
+                    code="request_too_large")
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return _error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = {404: f"no route {request.method} {request.url.path}; see /v1/models, /v1/chat/completions, "
+                        f"/v1/completions, /v1/embeddings, /health, /metrics",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return _error_response(APIError(exc.status_code, message, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error on %s", request.url.path)
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}; the server log has the details",
+                                        kind="server_error", code="internal_error"))
+
+
+# ---- turning a request into engine work -------------------------------------------------------
+def prompt_ids(lm: TextModel, prompt: str | list[int], what: str) -> list[int]:
+    """Token ids of a text (or given ids, checked against the vocabulary); 400 if empty or bad."""
+    vocab = lm.model.config.vocab_size
+    if isinstance(prompt, list):
+        bad = [i for i in prompt if not 0 <= i < vocab]
+        if bad:
+            raise APIError(400, f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=what)
+        return prompt
+    try:
+        ids = lm.encode(prompt)
+    except ValueError as exc:  # a character-level vocabulary that lacks a character
+        raise APIError(400, f"{what}: {exc}", param=what) from None
+    if not ids:
+        raise APIError(400, f"{what}: empty after tokenisation; give some text", param=what)
+    return ids
+
+
+def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: int | None,
+                    logprobs: int | None) -> SamplingParams:
+    """The engine's parameters, after checking prompt + answer fit the context (400 if not)."""
+    longest = max(len(p) for p in prompts)
+    room = engine.context - longest
+    if room < 1 or (limit is not None and limit > room):
+        asked = f" + max_tokens {limit} = {longest + limit}" if limit is not None else ""
+        raise APIError(400, f"this server's context is {engine.context} tokens (prompt + answer), but the prompt is "
+                            f"{longest} tokens{asked}; shorten the prompt or ask for fewer tokens",
+                       code="context_length_exceeded", param="messages" if hasattr(body, "messages") else "prompt")
+    return SamplingParams(max_tokens=limit if limit is not None else room,
+                          temperature=1.0 if body.temperature is None else body.temperature,
+                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+                          stop=tuple(body.stop or ()), logprobs=logprobs)
+
+
+def start_generation(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Generation:
+    try:
+        return Generation(engine, prompts, params)
+    except QueueFull as exc:
+        raise APIError(429, f"the server is busy ({engine.max_queue} requests waiting); retry after "
+                            f"{exc.retry_after} s", kind="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+    except ShuttingDown:
+        raise APIError(503, "the server is shutting down and takes no new requests", kind="server_error",
+                       code="shutting_down") from None
+
+
+async def answer(state: ServerState, request: Request, generation: Generation, meta: Meta, stream: bool,
+                 include_usage: bool) -> Any:
+    """A streamed (server-sent events) or whole answer."""
+    if stream:
+        events = (chat_stream if meta.object == "chat.completion" else completion_stream)(
+            meta, generation, include_usage, state.past_grace)
+        return EventSourceResponse(events, shutdown_grace_period=state.shutdown_grace + 1.0)
+    try:
+        choices = await collect(generation, request.is_disconnected, state.past_grace)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+    build = chat_answer if meta.object == "chat.completion" else completion_answer
+    return build(meta, generation, choices)
+
+
+# ---- the app -----------------------------------------------------------------------------------
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/health", "/metrics")
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the engine."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state.engine is not None:
+            state.engine.start()
+        try:
+            yield
+        finally:
+            if state.engine is not None:
+                state.engine.stop()
+
+    app = FastAPI(title="aiayn serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(ServerMiddleware, state=state)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        draining = state.draining_since is not None
+        engine = state.engine
+        body = {"status": "shutting_down" if draining else "ok", "model": state.served.name,
+                "running": engine.running if engine else 0, "waiting": len(engine.waiting) if engine else 0}
+        return JSONResponse(body, status_code=503 if draining else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": state.served.name, "object": "model", "created": state.created, "owned_by": "aiayn"}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        state.check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        lm, engine = state.generator(body.model)
+        if lm.chat_template is None:
+            raise APIError(400, f"{state.served.name} has no chat template; use /v1/completions with a plain prompt",
+                           param="messages")
+        try:
+            text = lm.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages])
+        except InteropError as exc:  # the template refused the messages (e.g. an unknown role order)
+            raise APIError(400, f"messages: {exc}", param="messages") from None
+        prompts = [prompt_ids(lm, text, "messages")]
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, engine, prompts, body.token_limit, top)
+        generation = start_generation(engine, prompts, params)
+        meta = Meta(state.served.name, "chat.completion", logprobs=body.logprobs)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return await answer(state, request, generation, meta, body.stream, include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        lm, engine = state.generator(body.model)
+        prompts = [prompt_ids(lm, p, f"prompt[{i}]" if len(body.prompt) > 1 else "prompt")
+                   for i, p in enumerate(body.prompt)]
+        params = sampling_params(body, engine, prompts, body.max_tokens, body.logprobs)
+        generation = start_generation(engine, prompts, params)
+        meta = Meta(state.served.name, "text_completion", logprobs=body.logprobs is not None)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return await answer(state, request, generation, meta, body.stream, include_usage)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        state.check_model(body.model)
+        size = vector_size(state.served)
+        if body.dimensions is not None and body.dimensions != size:
+            raise APIError(400, f"dimensions: this model's vectors have {size} dimensions; leave it out or give {size}",
+                           param="dimensions")
+        vectors, tokens = await embed(state, body.input)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii")
+                 if body.encoding_format == "base64" else v.tolist()} for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": state.served.name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    return app
+
+
+async def embed(state: ServerState, inputs: list[str | list[int]]) -> tuple[torch.Tensor, int]:
+    """(n, d) vectors of the inputs and the tokens read: the encoder on a worker thread, a decoder
+    on the engine's thread (between its steps)."""
+    served = state.served
+    if served.encoder is not None:
+        encoder = served.encoder
+        if any(not isinstance(text, str) or not text.strip() for text in inputs):
+            raise APIError(400, "input: this encoder embeds text; give non-empty strings (not token ids)",
+                           param="input")
+        texts: list[str] = [t for t in inputs if isinstance(t, str)]
+        async with state.encoder_lock:
+            vectors = await asyncio.to_thread(encoder.encode, texts)
+        return vectors, sum(encoder_token_counts(encoder, texts))
+    lm, engine = state.served.lm, state.engine
+    assert lm is not None and engine is not None
+    prompts = [prompt_ids(lm, text, f"input[{i}]" if len(inputs) > 1 else "input") for i, text in enumerate(inputs)]
+    longest = max(len(p) for p in prompts)
+    if longest > lm.context:
+        raise APIError(400, f"input: {longest} tokens, more than the model's context of {lm.context}; shorten it",
+                       param="input", code="context_length_exceeded")
+    try:
+        vectors = await asyncio.wrap_future(engine.call(lambda: decoder_embeddings(lm, prompts)))
+    except ShuttingDown:
+        raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down") from None
+    return vectors, sum(len(p) for p in prompts)

@@ -1,0 +1,404 @@
+"""The engine behind ``aiayn serve``: continuous batching of decoder-only generation.
+
+One thread owns the model and a ``RowKVCache`` of ``max_batch`` rows (fixed slots, each as long
+as the served context; see ``slot_plan`` for the memory budget). Every step:
+
+1. cancelled requests (a client gone, a stop string seen) give their row back at once;
+2. waiting requests take free rows, in arrival order;
+3. **prefill**, in chunks: the rows still reading their prompts feed up to ``prefill_chunk``
+   prompt tokens between them, in one forward over their view of the cache; a row whose prompt
+   is done samples its first token there and joins the decoding rows. A long prompt thus takes
+   several steps, and the other streams get a token at each of them;
+4. **decode**: every decoding row feeds its last token, one forward over their view, and each
+   samples its next token; a row that finishes (end-of-text, ``max_tokens``, a stop string)
+   leaves at once.
+
+The cache rows are kept in that order (decoding rows first, then prefilling ones) by swapping
+rows as requests join and leave, so both forwards run on contiguous views with no copy. Each row
+is computed as if alone (``RowKVCache``: its own slots, positions and mask), so a request's greedy
+tokens do not depend on what else is running (up to float rounding of the batched matmuls).
+
+Requests talk to the engine through ``submit`` and a ``sink``: a callable the engine thread calls
+with an ``Event`` per generated token (the app hands each to its event loop).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from aiayn.generate.sampling import SamplingConfig, sample_next
+from aiayn.nn.kv_cache import format_bytes, kv_cache_bytes
+from aiayn.nn.row_kv_cache import RowKVCache
+from aiayn.serve.metrics import Metrics
+from aiayn.serve.text import IncrementalText
+from aiayn.textgen import TextModel
+
+logger = logging.getLogger("aiayn.serve")
+NO_HISTORY = torch.empty(1, 0, dtype=torch.long)  # sample_next's ids so far (no repetition penalty)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen and when it stops."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (before temperature / top_p), and the
+    ``top`` most likely alternatives as (text, logprob) pairs."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Event:
+    """What the engine tells a request: text to show (possibly empty: held back), the token's
+    log-probability when asked, and the finish reason ("stop", "length") or an error."""
+
+    text: str
+    logprob: TokenLogprob | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    token: int | None = None  # the generated token's id (None for an error)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit; ``retry_after`` seconds is a fair wait."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the server is busy; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    """The engine takes no new requests."""
+
+
+_ids = itertools.count()
+
+
+class Request:
+    """A prompt (token ids) to continue under ``params``; its events go to ``sink``."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None]) -> None:
+        if not prompt:
+            raise ValueError("a request needs at least one prompt token")
+        self.id = next(_ids)
+        self.prompt, self.params, self.sink = prompt, params, sink
+        self.cancelled = False  # set from any thread; the engine frees the row at its next step
+        self.arrived = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at = 0.0
+        self.fed = 0  # prompt tokens in the cache
+        self.generated = 0
+        self.last_token = -1
+        self.finished = False
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.sampling = SamplingConfig(temperature=params.temperature, top_p=params.top_p)
+        self.text: IncrementalText | None = None  # set by the engine (it knows the tokenizer)
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """How the KV cache memory is laid out: ``rows`` fixed slots of ``context`` tokens each."""
+
+    rows: int
+    context: int
+    bytes_per_row: int
+    dtype: str
+
+    def describe(self, budget: int) -> str:
+        return (f"KV cache: {self.rows} slots x {self.context} tokens ({self.dtype}), "
+                f"{format_bytes(self.rows * self.bytes_per_row)} of a {format_bytes(budget)} budget "
+                f"({format_bytes(self.bytes_per_row)} per slot) -> up to {self.rows} concurrent requests")
+
+
+def slot_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_cache: str | None) -> SlotPlan:
+    """The cache's slots: ``max_batch`` rows of ``context`` tokens, fewer if ``budget`` bytes do not
+    hold them. ValueError if not even one fits or ``context`` exceeds the model's."""
+    config = lm.model.config
+    if context > lm.context:
+        raise ValueError(f"a context of {context} tokens is more than the model's {lm.context}; give at most that")
+    dtype = kv_cache or str(lm.model.embedding.weight.dtype).removeprefix("torch.")
+    per_row = kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+                             seq_len=context, batch_size=1, dtype=dtype)
+    rows = min(max_batch, budget // per_row)
+    if rows < 1:
+        raise ValueError(f"one request of {context} tokens needs {format_bytes(per_row)} of KV cache, more than "
+                         f"the budget of {format_bytes(budget)}; raise the budget or lower the context")
+    return SlotPlan(rows, context, per_row, dtype)
+
+
+class Engine:
+    """Continuous batching over ``lm`` (see the module docstring). ``start()`` runs it on a
+    thread; ``submit`` queues a request (``QueueFull`` past ``max_queue`` waiting)."""
+
+    def __init__(self, lm: TextModel, plan: SlotPlan, *, kv_cache: str | None = None, prefill_chunk: int = 256,
+                 max_queue: int = 64, metrics: Metrics | None = None) -> None:
+        if prefill_chunk < 1 or max_queue < 0:
+            raise ValueError("prefill_chunk must be >= 1 and max_queue >= 0")
+        self.lm, self.model, self.plan = lm, lm.model, plan
+        self.context, self.max_batch = plan.context, plan.rows
+        cache = self.model.new_cache(plan.rows, plan.context, per_row=True, quantize=kv_cache)
+        assert isinstance(cache, RowKVCache)
+        self.cache = cache
+        self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
+        self.metrics = metrics or Metrics()
+        self.rows: list[Request] = []  # cache row i serves rows[i]: decoding first, then prefilling
+        self.n_decode = 0
+        self.waiting: deque[Request] = deque()
+        self.jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.metrics.watch(self)
+
+    # ---- the outside: any thread ---------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        total = len(request.prompt) + request.params.max_tokens
+        if total > self.context:
+            raise ValueError(f"{len(request.prompt)} prompt tokens + max_tokens {request.params.max_tokens} "
+                             f"exceed the context of {self.context} tokens")
+        with self._cv:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            if len(self.waiting) >= self.max_queue + max(0, self.max_batch - len(self.rows)):  # slots free soon
+                raise QueueFull(self.retry_after())
+            self.waiting.append(request)
+            self._cv.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Stop ``request``: its row is freed at the engine's next step (no more events)."""
+        request.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn`` on the engine thread between two steps (one model user at a time)."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            self.jobs.append((fn, future))
+            self._cv.notify()
+        return future
+
+    def retry_after(self) -> int:
+        """Seconds until a queued request would likely start: the queue over the batch, times the
+        recent mean request time (at least 1)."""
+        mean = self.metrics.mean_request_seconds() or 1.0
+        return max(1, min(60, round(mean * (len(self.waiting) + 1) / self.max_batch)))
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="aiayn-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still waiting or running get an error event."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_all("the server is shutting down; the request was stopped")
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not (self._stopping or self.waiting or self.rows or self.jobs):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a bug: fail what is running, keep serving
+                logger.exception("engine step failed")
+                self._fail_all(f"internal error: {type(exc).__name__}: {exc}")
+
+    def _fail_all(self, message: str) -> None:
+        with self._cv:
+            pending = [*self.rows, *self.waiting]
+            self.waiting.clear()
+            jobs = list(self.jobs)
+            self.jobs.clear()
+        for request in pending:
+            if not request.finished:
+                request.finished = True
+                request.sink(Event("", finish_reason="error", error=message))
+        for _, future in jobs:
+            future.cancel()
+        self.rows, self.n_decode = [], 0
+        self.cache.reset()
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One scheduling step (see the module docstring)."""
+        self._run_jobs()
+        for request in [r for r in self.rows if r.cancelled]:
+            self._remove(request)
+        self._admit()
+        if len(self.rows) > self.n_decode:
+            self._prefill()
+        if self.n_decode:
+            self._decode()
+        self.metrics.steps.inc()
+
+    def _run_jobs(self) -> None:
+        while self.jobs:
+            with self._cv:
+                fn, future = self.jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as exc:
+                    future.set_exception(exc)
+
+    def _admit(self) -> None:
+        while len(self.rows) < self.max_batch:
+            with self._cv:
+                if not self.waiting:
+                    return
+                request = self.waiting.popleft()
+            if request.cancelled:
+                continue
+            request.text = IncrementalText(self.lm.decode, request.params.stop)
+            self.cache.clear_row(len(self.rows))
+            self.rows.append(request)
+            self.metrics.prompt_tokens.inc(len(request.prompt))
+
+    def _prefill(self) -> None:
+        """Feed the prefilling rows up to ``prefill_chunk`` prompt tokens; rows whose prompt is
+        done sample their first token and join the decoding rows."""
+        start, budget = self.n_decode, self.prefill_chunk
+        batch: list[tuple[Request, int]] = []
+        for request in self.rows[start:]:
+            take = min(len(request.prompt) - request.fed, budget)
+            batch.append((request, take))
+            budget -= take
+            if budget == 0:
+                break
+        width = max(take for _, take in batch)
+        tokens = torch.zeros(len(batch), width, dtype=torch.long)
+        valid = torch.zeros(len(batch), width, dtype=torch.bool)
+        for i, (request, take) in enumerate(batch):
+            tokens[i, :take] = torch.tensor(request.prompt[request.fed: request.fed + take])
+            valid[i, :take] = True
+        view = self.cache.rows(start, start + len(batch))
+        hidden = self.model.decoder(tokens, valid=valid, cache=view).hidden  # (k, width, d)
+        done = []
+        for i, (request, take) in enumerate(batch):
+            request.fed += take
+            if request.fed == len(request.prompt):
+                done.append((i, take - 1))
+        if not done:
+            return
+        rows, last = zip(*done, strict=True)
+        logits = self.model.lm_head(hidden[list(rows), list(last)])  # (m, v): each prompt's last token
+        finished_rows = [batch[i][0] for i in rows]
+        for request in finished_rows:  # into the decoding rows, in order
+            self._swap(self.rows.index(request), self.n_decode)
+            self.n_decode += 1
+        self._sample_and_emit(logits, finished_rows)
+
+    def _decode(self) -> None:
+        """One token for every decoding row."""
+        requests = self.rows[: self.n_decode]
+        tokens = torch.tensor([[r.last_token] for r in requests], dtype=torch.long)  # (d, 1)
+        hidden = self.model.decoder(tokens, cache=self.cache.rows(0, self.n_decode)).hidden[:, -1]
+        self._sample_and_emit(self.model.lm_head(hidden), requests)  # logits (d, v)
+        self.metrics.batch_size.observe(len(requests))
+
+    def _sample_and_emit(self, logits: Tensor, requests: list[Request]) -> None:
+        logits = logits.float()  # (m, v)
+        chosen = logits.argmax(dim=-1)  # (m,) greedy, replaced where a request samples
+        for i, request in enumerate(requests):
+            if request.params.temperature > 0:
+                chosen[i] = sample_next(logits[i: i + 1], NO_HISTORY, request.sampling, request.generator)[0]
+        logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in requests) else None
+        for i, (request, token) in enumerate(zip(requests, chosen.tolist(), strict=True)):
+            info = self._logprob(logprobs[i], token, request.params.logprobs) if logprobs is not None \
+                and request.params.logprobs is not None else None
+            self._emit(request, token, info)
+        for request in [r for r in requests if r.finished]:
+            self._remove(request)
+
+    def _logprob(self, logprobs: Tensor, token: int, top: int) -> TokenLogprob:
+        """``logprobs`` (v,) of one row -> the token's log-probability and the ``top`` best."""
+        decode = self.lm.decode
+        alternatives = []
+        if top:
+            values, ids = logprobs.topk(top)
+            alternatives = [(decode([j]), v) for v, j in zip(values.tolist(), ids.tolist(), strict=True)]
+        return TokenLogprob(decode([token]), float(logprobs[token]), alternatives)
+
+    def _emit(self, request: Request, token: int, info: TokenLogprob | None) -> None:
+        now = time.monotonic()
+        if request.first_token_at is None:
+            request.first_token_at = now
+            self.metrics.time_to_first_token.observe(now - request.arrived)
+        else:
+            self.metrics.inter_token_latency.observe(now - request.last_token_at)
+        request.last_token_at, request.last_token = now, token
+        request.generated += 1
+        self.metrics.token_generated()
+        assert request.text is not None
+        finish = None
+        if token == self.lm.eos_id:
+            text, finish = request.text.finish(), "stop"
+        else:
+            text, stopped = request.text.add(token)
+            if stopped:
+                finish = "stop"
+            elif request.generated >= request.params.max_tokens:
+                text, finish = text + request.text.finish(), "length"
+        if finish is not None:
+            request.finished = True
+            self.metrics.finished(now - request.arrived)
+        if not request.cancelled:
+            request.sink(Event(text, info, finish, token=token))
+
+    def _swap(self, i: int, j: int) -> None:
+        if i != j:
+            self.cache.swap_rows(i, j)
+            self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
+
+    def _remove(self, request: Request) -> None:
+        """Free ``request``'s row: it moves to the end of the used rows (decoding rows stay first,
+        prefilling ones keep their order) and is cleared."""
+        row = self.rows.index(request)
+        if row < self.n_decode:
+            self._swap(row, self.n_decode - 1)
+            row = self.n_decode = self.n_decode - 1
+        for k in range(row, len(self.rows) - 1):
+            self._swap(k, k + 1)
+        self.rows.pop()
+        self.cache.clear_row(len(self.rows))
+        request.finished = True

@@ -1,0 +1,88 @@
+"""The server's Prometheus metrics (``GET /metrics``, text format), with ``prometheus_client``.
+
+Each server has its own registry, so that several can live in one process (the tests).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from aiayn.serve.engine import Engine
+
+RATE_WINDOW = 10.0  # seconds over which the tokens/s gauge counts
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    """The counters, gauges and histograms of one server."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("aiayn_requests", "HTTP requests answered, by route and status code",
+                                ["route", "status"], registry=registry)
+        self.prompt_tokens = Counter("aiayn_prompt_tokens", "Prompt tokens admitted", registry=registry)
+        self.generation_tokens = Counter("aiayn_generation_tokens", "Tokens generated", registry=registry)
+        self.steps = Counter("aiayn_engine_steps", "Engine steps run", registry=registry)
+        self.time_to_first_token = Histogram("aiayn_time_to_first_token_seconds",
+                                             "From arrival to the first generated token",
+                                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.inter_token_latency = Histogram("aiayn_inter_token_latency_seconds",
+                                             "Between two tokens of one request", buckets=LATENCY_BUCKETS,
+                                             registry=registry)
+        self.request_seconds = Histogram("aiayn_request_seconds", "From arrival to the last token",
+                                         buckets=LATENCY_BUCKETS, registry=registry)
+        self.batch_size = Histogram("aiayn_decode_batch_size", "Rows in a decode step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+        self.queue_depth = Gauge("aiayn_queue_depth", "Requests waiting for a slot", registry=registry)
+        self.running = Gauge("aiayn_running_requests", "Requests holding a slot (prefilling or decoding)",
+                             registry=registry)
+        self.occupancy = Gauge("aiayn_batch_occupancy", "Share of the KV-cache slots in use (0 to 1)",
+                               registry=registry)
+        self.slots = Gauge("aiayn_kv_cache_slots", "KV-cache slots (the most concurrent requests)",
+                           registry=registry)
+        self.tokens_per_second = Gauge("aiayn_generation_tokens_per_second",
+                                       f"Tokens generated per second over the last {RATE_WINDOW:g} s",
+                                       registry=registry)
+        self.tokens_per_second.set_function(self._rate)
+        self._lock = threading.Lock()
+        self._recent: deque[float] = deque()  # when each recent token was generated
+        self._durations: deque[float] = deque(maxlen=64)  # seconds of the last finished requests
+
+    def watch(self, engine: Engine) -> None:
+        """Read the queue and batch gauges from ``engine`` at every scrape."""
+        self.queue_depth.set_function(lambda: len(engine.waiting))
+        self.running.set_function(lambda: engine.running)
+        self.occupancy.set_function(lambda: engine.running / engine.max_batch)
+        self.slots.set(engine.max_batch)
+
+    def token_generated(self) -> None:
+        with self._lock:
+            self._recent.append(time.monotonic())
+        self.generation_tokens.inc()
+
+    def _rate(self) -> float:
+        cutoff = time.monotonic() - RATE_WINDOW
+        with self._lock:
+            while self._recent and self._recent[0] < cutoff:
+                self._recent.popleft()
+            return len(self._recent) / RATE_WINDOW
+
+    def finished(self, seconds: float) -> None:
+        self.request_seconds.observe(seconds)
+        self._durations.append(seconds)
+
+    def mean_request_seconds(self) -> float | None:
+        durations = list(self._durations)
+        return sum(durations) / len(durations) if durations else None
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

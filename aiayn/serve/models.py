@@ -1,0 +1,83 @@
+"""What ``aiayn serve`` serves: a decoder-only text model (generation and embeddings) or a
+sentence encoder (embeddings only), loaded from a GGUF file, a Hugging Face directory or a run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aiayn.embed import SentenceEncoder, load_sentence_encoder
+from aiayn.tasks.runs import load_text_model
+from aiayn.textgen import TextModel
+
+
+@dataclass
+class ServedModel:
+    """One model under one name: ``lm`` (decoder-only) or ``encoder`` (BERT-family), not both."""
+
+    name: str
+    lm: TextModel | None = None
+    encoder: SentenceEncoder | None = None
+
+    @property
+    def kind(self) -> str:
+        return "decoder-only" if self.lm is not None else "encoder"
+
+
+def is_encoder_dir(path: Path) -> bool:
+    """A sentence-transformers directory, or a Hugging Face directory of a BERT model."""
+    if not path.is_dir():
+        return False
+    if (path / "modules.json").is_file():
+        return True
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") == "bert"
+
+
+def load_served_model(model_path: Path | None = None, run_dir: Path | None = None, *, name: str | None = None,
+                      quantize: str = "none", plain: bool = False) -> ServedModel:
+    """The model of ``--model`` (GGUF file, Hugging Face directory, sentence-transformers directory)
+    or ``--run``; its name defaults to the file or directory name. ``quantize`` ("bf16", "int8")
+    lowers a decoder's weights (``aiayn.fast.quantize.lower_precision``)."""
+    source = model_path if model_path is not None else run_dir
+    assert source is not None, "give a model path or a run directory"
+    name = name or (source.stem if source.is_file() else source.resolve().name)
+    if model_path is not None and is_encoder_dir(model_path):
+        return ServedModel(name, encoder=load_sentence_encoder(model_path))
+    lm = load_text_model(run_dir, model_path, plain=plain)
+    if quantize != "none":
+        from aiayn.fast.quantize import lower_precision
+
+        lm.model = lower_precision(lm.model, quantize)
+    return ServedModel(name, lm=lm)
+
+
+def decoder_embeddings(lm: TextModel, prompts: list[list[int]]) -> Tensor:
+    """Sentence vectors from a decoder-only model: the mean of its last hidden states (after the
+    final norm) over each prompt's tokens, L2-normalised -> (n, d) float32. Run one prompt at a time
+    (no padding to mask)."""
+    vectors = []
+    with torch.inference_mode():
+        for ids in prompts:
+            hidden = lm.model(torch.tensor([ids], dtype=torch.long)).hidden  # (1, t, d)
+            vectors.append(hidden[0].float().mean(dim=0))
+    return F.normalize(torch.stack(vectors), dim=-1)
+
+
+def encoder_token_counts(encoder: SentenceEncoder, texts: list[str]) -> list[int]:
+    """Tokens the encoder reads per text (after its truncation)."""
+    return [len(e.ids) for e in encoder.tokenizer.encode_batch(texts)]
+
+
+def vector_size(model: ServedModel) -> int:
+    module: Any = model.lm.model if model.lm is not None else model.encoder.model  # type: ignore[union-attr]
+    return int(module.config.d_model)

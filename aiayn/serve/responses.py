@@ -1,0 +1,276 @@
+"""From engine events to OpenAI answers: a ``Generation`` bridges the engine thread to the event
+loop, ``collect`` builds a whole answer, ``chat_stream`` / ``completion_stream`` yield the
+server-sent events of a streamed one (ending in ``[DONE]``).
+
+The wire format is OpenAI's: ``chat.completion`` / ``chat.completion.chunk`` and
+``text_completion`` objects, ``usage`` counts, and log-probabilities as the chat API
+(``logprobs.content``) or the completions API (``tokens``, ``token_logprobs``, ...) gives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.exceptions import HTTPException
+
+from aiayn.serve.engine import Engine, Event, Request, SamplingParams
+
+POLL_SECONDS = 0.2  # how often a waiting handler checks for a gone client or a shutdown
+
+
+class APIError(HTTPException):
+    """An answer in OpenAI's error format: {"error": {"message", "type", "param", "code"}}. (An
+    HTTPException, so that FastAPI lets one raised while it reads the body through as it is.)"""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was complete."""
+
+
+def event_error(message: str) -> APIError:
+    """The APIError for an engine error event."""
+    if "shutting down" in message:
+        return APIError(503, message, kind="server_error", code="shutting_down")
+    return APIError(500, message, kind="server_error", code="internal_error")
+
+
+class Generation:
+    """Engine requests for one HTTP request (one per prompt), their events on this event loop."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine = engine
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.requests: list[Request] = []
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        try:
+            for index, prompt in enumerate(prompts):
+                request = Request(prompt, params, self._sink(loop, index))
+                engine.submit(request)
+                self.requests.append(request)
+        except BaseException:
+            self.cancel()
+            raise
+
+    def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Event], None]:
+        def deliver(event: Event) -> None:  # on the engine thread
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+                loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+        return deliver
+
+    async def next(self) -> tuple[int, Event] | None:
+        """The next event, or None after ``POLL_SECONDS`` without one."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), POLL_SECONDS)
+        except TimeoutError:
+            return None
+
+    def cancel(self) -> None:
+        for request in self.requests:
+            if not request.finished:
+                self.engine.cancel(request)
+
+
+@dataclass
+class Choice:
+    """One prompt's answer as it accumulates."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)  # engine TokenLogprob per token, when asked
+    finish_reason: str | None = None
+    tokens: int = 0
+
+
+async def collect(generation: Generation, is_disconnected: Callable[[], Any],
+                  past_grace: Callable[[], bool]) -> list[Choice]:
+    """Wait for every prompt's whole answer. ClientGone when the client leaves, APIError(503) when a
+    shutdown's grace period ends first; either way the engine requests are cancelled."""
+    choices = [Choice() for _ in generation.requests]
+    pending = len(choices)
+    checked = time.monotonic()
+    try:
+        while pending:
+            item = await generation.next()
+            if item is None or time.monotonic() - checked > POLL_SECONDS:  # (tokens may never pause)
+                checked = time.monotonic()
+                if await is_disconnected():
+                    raise ClientGone
+                if past_grace():
+                    raise APIError(503, "the server is shutting down; the request was stopped before it finished",
+                                   kind="server_error", code="shutting_down")
+            if item is None:
+                continue
+            index, event = item
+            if event.error is not None:
+                raise event_error(event.error)
+            choice = choices[index]
+            choice.tokens += 1
+            choice.text.append(event.text)
+            if event.logprob is not None:
+                choice.logprobs.append(event.logprob)
+            if event.finish_reason is not None:
+                choice.finish_reason = event.finish_reason
+                pending -= 1
+    finally:
+        generation.cancel()
+    return choices
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[Any]) -> dict[str, Any]:
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": _bytes(e.token),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[Any], offset: int = 0) -> dict[str, Any]:
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+
+
+@dataclass
+class Meta:
+    """What every object of one answer shares."""
+
+    model: str
+    object: str  # "chat.completion" or "text_completion"
+    logprobs: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def head(self, object_name: str) -> dict[str, Any]:
+        prefix = "chatcmpl" if object_name.startswith("chat") else "cmpl"
+        return {"id": f"{prefix}-{self.id}", "object": object_name, "created": self.created, "model": self.model}
+
+
+def chat_answer(meta: Meta, generation: Generation, choices: list[Choice]) -> dict[str, Any]:
+    choice = choices[0]
+    return {**meta.head("chat.completion"), "choices": [{
+        "index": 0, "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
+        "logprobs": chat_logprobs(choice.logprobs) if meta.logprobs else None,
+        "finish_reason": choice.finish_reason}],
+        "usage": usage(generation.prompt_tokens, choice.tokens), "system_fingerprint": None}
+
+
+def completion_answer(meta: Meta, generation: Generation, choices: list[Choice]) -> dict[str, Any]:
+    return {**meta.head("text_completion"), "choices": [{
+        "index": i, "text": "".join(c.text), "finish_reason": c.finish_reason,
+        "logprobs": completion_logprobs(c.logprobs) if meta.logprobs else None} for i, c in enumerate(choices)],
+        "usage": usage(generation.prompt_tokens, sum(c.tokens for c in choices)), "system_fingerprint": None}
+
+
+async def _events(generation: Generation, past_grace: Callable[[], bool]) -> AsyncIterator[tuple[int, Event]]:
+    """Every event until each prompt has finished; an error event ends it; so does a shutdown's
+    grace period running out (as an error event)."""
+    pending = len(generation.requests)
+    checked = time.monotonic()
+    while pending:
+        item = await generation.next()
+        if item is None or time.monotonic() - checked > POLL_SECONDS:
+            checked = time.monotonic()
+            if past_grace():
+                yield 0, Event("", finish_reason="error",
+                               error="the server is shutting down; the answer was cut short")
+                return
+        if item is None:
+            continue
+        yield item
+        if item[1].finish_reason is not None:
+            pending -= 1
+            if item[1].error is not None:
+                return
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+def _error_data(message: str) -> str:
+    return _json(event_error(message).body())
+
+
+async def chat_stream(meta: Meta, generation: Generation, include_usage: bool,
+                      past_grace: Callable[[], bool]) -> AsyncIterator[str]:
+    """The server-sent events of a streamed chat answer: a role chunk, content chunks, a finish
+    chunk, the usage chunk (``include_usage``), ``[DONE]``."""
+    tokens = 0
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> str:
+        return _json({**meta.head("chat.completion.chunk"), "system_fingerprint": None, "choices": [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra})
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for _, event in _events(generation, past_grace):
+            if event.error is not None:
+                yield _error_data(event.error)
+                break
+            tokens += 1
+            logprobs = chat_logprobs([event.logprob]) if meta.logprobs and event.logprob else None
+            if event.text or logprobs:
+                yield chunk({"content": event.text}, logprobs)
+            if event.finish_reason is not None:
+                yield chunk({}, None, event.finish_reason)
+        if include_usage:
+            yield _json({**meta.head("chat.completion.chunk"), "system_fingerprint": None, "choices": [],
+                              "usage": usage(generation.prompt_tokens, tokens)})
+        yield "[DONE]"
+    finally:
+        generation.cancel()
+
+
+async def completion_stream(meta: Meta, generation: Generation, include_usage: bool,
+                            past_grace: Callable[[], bool]) -> AsyncIterator[str]:
+    """The server-sent events of streamed completions (one ``index`` per prompt), then ``[DONE]``."""
+    tokens = 0
+    offsets = [0] * len(generation.requests)
+    extra = {"usage": None} if include_usage else {}
+    try:
+        async for index, event in _events(generation, past_grace):
+            if event.error is not None:
+                yield _error_data(event.error)
+                break
+            tokens += 1
+            logprobs = None
+            if meta.logprobs and event.logprob is not None:
+                logprobs = completion_logprobs([event.logprob], offsets[index])
+                offsets[index] += len(event.logprob.token)
+            if event.text or logprobs or event.finish_reason:
+                yield _json({**meta.head("text_completion"), "system_fingerprint": None, "choices": [
+                    {"index": index, "text": event.text, "logprobs": logprobs,
+                     "finish_reason": event.finish_reason}], **extra})
+        if include_usage:
+            yield _json({**meta.head("text_completion"), "system_fingerprint": None, "choices": [],
+                              "usage": usage(generation.prompt_tokens, tokens)})
+        yield "[DONE]"
+    finally:
+        generation.cancel()

@@ -1,0 +1,192 @@
+"""The OpenAI request bodies ``aiayn serve`` accepts, as strict pydantic models.
+
+Strict: a field of the wrong type ("0.5" for a number, "true" for a bool) is refused rather than
+converted, numbers must be finite and in range, unknown fields are refused (naming the field), and
+OpenAI options aiayn does not implement are refused with a message saying so, never silently
+ignored. ``validation_message`` turns pydantic's errors into the one line the 400 answer carries.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+MAX_STOPS = 4  # as OpenAI
+MAX_TOP_LOGPROBS = 20
+SEED_LIMIT = 2**63  # seeds in [0, 2**63)
+
+Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def _strings(value: Any) -> Any:
+    """A string or a list of strings -> a list of strings (other types: a clear error)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise ValueError("must be a string or a list of strings")
+
+
+def _texts_or_token_lists(value: Any) -> Any:
+    """OpenAI's prompt / input: a string, a list of strings, a list of token ids or a list of such
+    lists -> a non-empty list whose items are strings or lists of ints."""
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+    if isinstance(value, str) or is_ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, str) or is_ids(v) for v in value):
+        return value
+    raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists "
+                     "(none of them empty)")
+
+
+def _content(value: Any) -> Any:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts (joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        texts = []
+        for part in value:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise ValueError(f"only text content parts ({{'type': 'text', 'text': '...'}}) are supported, "
+                                 f"got {sorted(part)} of type {part.get('type')!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError("must be a string or a list of text parts")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, BeforeValidator(_content)]
+    name: str | None = None
+
+
+class GenerationRequest(Strict):
+    """What chat and completion requests share."""
+
+    model: str
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    max_tokens: PositiveInt | None = None
+    stop: Annotated[list[str], BeforeValidator(_strings)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: Seed | None = None
+    n: PositiveInt = 1
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> GenerationRequest:
+        if self.n != 1:
+            raise ValueError("n: aiayn serve returns one choice per prompt; give n=1 (or send the request n times)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise ValueError(f"{name}: not supported by aiayn serve; leave it out or give 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported by aiayn serve; leave it out")
+        if self.stop is not None and (len(self.stop) > MAX_STOPS or "" in self.stop):
+            raise ValueError(f"stop: give at most {MAX_STOPS} stop strings, none of them empty")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
+        return self
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _tokens_and_logprobs(self) -> ChatCompletionRequest:
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ValueError("max_tokens: differs from max_completion_tokens; give one of them")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: Annotated[list[str | list[int]], BeforeValidator(_texts_or_token_lists)]
+    max_tokens: PositiveInt | None = 16  # OpenAI's default for completions
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _completion_options(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo: not supported by aiayn serve; leave it out")
+        if self.suffix:
+            raise ValueError("suffix: not supported by aiayn serve (no fill-in-the-middle); leave it out")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: not supported by aiayn serve; leave it out or give 1")
+        return self
+
+
+class EmbeddingRequest(Strict):
+    model: str
+    input: Annotated[list[str | list[int]], BeforeValidator(_texts_or_token_lists)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+
+
+MAX_MESSAGE_ERRORS = 3
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """pydantic / FastAPI validation errors -> (one line naming each bad field, the first field)."""
+    parts, first = [], None
+    for error in errors[:MAX_MESSAGE_ERRORS]:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        field = ".".join(loc)
+        message = str(error.get("msg", "is not valid")).removeprefix("Value error, ")
+        kind = error.get("type", "")
+        if kind == "extra_forbidden":
+            message = "unknown field (not part of the API, or not supported by aiayn serve); leave it out"
+        elif kind == "missing" and not field:
+            message = "the body is empty; send a JSON object"
+        elif kind == "missing":
+            message = "is required"
+        elif kind == "json_invalid":
+            ctx = error.get("ctx") or {}
+            message = f"the body is not valid JSON ({ctx.get('error', 'parse error')})"
+            field = ""
+        elif not field and kind in ("model_attributes_type", "dict_type", "model_type"):
+            message = "the body must be a JSON object (sent with Content-Type: application/json)"
+        elif "input" in error and kind not in ("value_error",) and not isinstance(error["input"], dict | list):
+            message = f"{message} (got {error['input']!r})"
+        named = re.match(r"([a-z_]+): ", message)
+        if not field and named:  # a check of the whole request names its field itself
+            field = named[1]
+            parts.append(message)
+        else:
+            parts.append(f"{field}: {message}" if field else message)
+        first = first or field or None
+    more = len(errors) - MAX_MESSAGE_ERRORS
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else ""), first

@@ -1,0 +1,96 @@
+"""Putting a server together: the model, its engine and slots, the app, uvicorn (``aiayn serve``)."""
+
+from __future__ import annotations
+
+import re
+import socket
+from types import FrameType
+
+import uvicorn
+
+from aiayn.models.base import count_parameters
+from aiayn.nn.kv_cache import format_bytes
+from aiayn.serve.app import ServerState, create_app
+from aiayn.serve.engine import Engine, slot_plan
+from aiayn.serve.metrics import Metrics
+from aiayn.serve.models import ServedModel
+
+DEFAULT_CONTEXT = 2048  # tokens per slot when the model allows more (SmolLM2: 8192)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512 MiB', '1.5G', '1000000' -> bytes (binary units). ValueError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match[2].lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write it like 2GiB, 512MiB or a number of bytes")
+    size = int(float(match[1]) * _UNITS[match[2].lower()])
+    if size <= 0:
+        raise ValueError(f"{text!r}: the size must be positive")
+    return size
+
+
+def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None = None,
+                kv_budget: int = 2 << 30, kv_cache: str | None = None, prefill_chunk: int = 256,
+                max_queue: int = 64, api_key: str | None = None,
+                shutdown_grace: float = 30.0) -> tuple[ServerState, list[str]]:
+    """The server's state and the lines that describe it at start-up (the model, the KV-cache
+    slots the budget allows). ValueError for settings that cannot work."""
+    metrics = Metrics()
+    engine = None
+    if served.lm is not None:
+        lm = served.lm
+        context = context or min(lm.context, DEFAULT_CONTEXT)
+        plan = slot_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache)
+        engine = Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=prefill_chunk, max_queue=max_queue,
+                        metrics=metrics)
+        weight = lm.model.embedding.weight
+        lines = [f"model {served.name}: decoder-only, {count_parameters(lm.model):,} parameters, "
+                 f"{str(weight.dtype).removeprefix('torch.')}, context {lm.context} tokens"
+                 f"{', chat template' if lm.chat_template is not None else ', no chat template'}",
+                 plan.describe(kv_budget),
+                 f"prefill in chunks of {prefill_chunk} tokens; at most {max_queue} requests wait for a slot "
+                 f"(then 429)"]
+        if plan.rows < max_batch:
+            lines.append(f"  (--max-batch {max_batch} asked for more: the budget of {format_bytes(kv_budget)} "
+                         f"holds {plan.rows})")
+    else:
+        assert served.encoder is not None
+        lines = [f"model {served.name}: sentence encoder ({served.encoder.pooling} pooling), "
+                 f"{count_parameters(served.encoder.model):,} parameters; serves /v1/embeddings"]
+    state = ServerState(served, engine, metrics, api_key=api_key, shutdown_grace=shutdown_grace)
+    return state, lines
+
+
+def check_port(host: str, port: int) -> None:
+    """OSError with a clear message if ``host:port`` cannot be bound (in use, no such address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or "
+                          f"--host") from None
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, telling the app when a shutdown (SIGTERM, Ctrl-C) begins: new API requests get 503,
+    running ones get ``shutdown_grace`` seconds to finish, then are told they were cut short."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.state.begin_drain()
+        super().handle_exit(sig, frame)
+
+
+def server(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000,
+           log_level: str = "info") -> GracefulServer:
+    """A uvicorn server for ``state`` (``run()`` it, or ``serve()`` it on an event loop)."""
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=int(state.shutdown_grace) + 3, access_log=False)
+    return GracefulServer(config, state)

@@ -1,0 +1,193 @@
+"""Trained models shipped inside the package: a new user translates or generates in the first
+minute, with no training run of their own.
+
+A shipped model is a *release* directory, ``aiayn/pretrained/<name>/``:
+
+    release.json        what it is: name, task, the run it came from (step, checkpoint), dtype,
+                        parameter count, scores (the record of the run that made it)
+    config.json         the run's configs (task, task_options, model, train) as training wrote them
+    model.safetensors   the weights, float16 or bfloat16 (loaded back as float32)
+    tokenizer.json      the run's tokenizer, for tasks that keep one in the run directory
+    record/             the run's recipe, metrics.csv, summary.json and scores
+
+``write_release`` makes one from a finished run (``scripts/ship_model.py`` calls it);
+``load_release`` loads one as a ``LoadedRun``; ``resolve_model`` turns a ``--model`` argument (a
+shipped name or a path) into a release, a run directory or a file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from aiayn.config import ModelConfig, TrainConfig
+from aiayn.tasks.base import get_task
+from aiayn.tasks.runs import LoadedRun, RunInputError, load_run, resolve_checkpoint
+from aiayn.train.checkpoint import atomic_write_text
+from aiayn.train.run_dir import read_run_config
+
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "pretrained"
+RELEASE_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "release.json", "model.safetensors", "tokenizer.json"
+RECORD_FILES = ("metrics.csv", "summary.json", "curves.png")
+RELEASE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_TRANSLATION_MODEL = "multi30k-en-de"  # what `aiayn translate` runs without --run/--model
+MAX_RELEASE_BYTES = 10 * 2**20  # a shipped model's weights stay under 10 MB (the repository carries them)
+
+
+def shipped_models() -> dict[str, dict[str, Any]]:
+    """{name: its release.json} of every model shipped in the package, sorted by name."""
+    found = {}
+    if SHIPPED_DIR.is_dir():
+        for directory in sorted(SHIPPED_DIR.iterdir()):
+            if (directory / RELEASE_FILE).is_file():
+                found[directory.name] = json.loads((directory / RELEASE_FILE).read_text(encoding="utf-8"))
+    return found
+
+
+def shipped_path(name: str) -> Path:
+    """The release directory of the shipped model ``name``; an unknown name lists the known ones."""
+    models = shipped_models()
+    if name not in models:
+        known = ", ".join(models) or "none (this installation ships no models)"
+        raise RunInputError(f"no shipped model is called {name!r}; the shipped models are: {known}",
+                            about="model")
+    return SHIPPED_DIR / name
+
+
+def is_release(path: Path) -> bool:
+    return path.is_dir() and (path / RELEASE_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+
+
+def resolve_model(value: str | Path) -> Path:
+    """A ``--model`` argument as a path: an existing path as given (a release, a run directory, a
+    GGUF file, a Hugging Face directory), else a shipped model's name (``multi30k-en-de``). A bare
+    name that is neither is refused with the list of shipped models."""
+    path = Path(value)
+    if path.exists():
+        return path
+    text = str(value)
+    if text in shipped_models():
+        return shipped_path(text)
+    if "/" not in text and "." not in text:
+        known = ", ".join(shipped_models()) or "none in this installation"
+        raise RunInputError(f"{text!r} is neither a shipped model ({known}) nor an existing path",
+                            about="model")
+    return path
+
+
+def load_release(release: Path, *, prepare: bool = False) -> LoadedRun:
+    """The task and model of a release directory, float32 weights, in eval mode (like ``load_run``)."""
+    release = Path(release)
+    if not is_release(release):
+        raise RunInputError(f"{release} is not a shipped-model release (no {RELEASE_FILE} and "
+                            f"{WEIGHTS_FILE}); give a shipped name ({', '.join(shipped_models())}) or "
+                            f"a run directory")
+    configs = read_run_config(release)
+    task = get_task(configs["task"], **configs.get("task_options", {}))
+    model_config = ModelConfig.from_dict(configs["model"])
+    train_config = TrainConfig.from_dict(configs["train"])
+    model = task.build_model(model_config)
+    try:
+        weights = load_file(str(release / WEIGHTS_FILE))
+        with safe_open(str(release / WEIGHTS_FILE), framework="pt") as handle:
+            tied = json.loads((handle.metadata() or {}).get("tied", "{}"))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise RunInputError(f"{release / WEIGHTS_FILE} cannot be read ({exc}); reinstall aiayn or "
+                            f"rewrite the release") from None
+    for alias, source in tied.items():  # tied weights (shared embeddings, output layer) stored once
+        if source in weights:
+            weights[alias] = weights[source]
+    expected = model.state_dict()
+    if set(weights) != set(expected):
+        missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+        raise RunInputError(f"{release / WEIGHTS_FILE} does not fit its config.json: missing "
+                            f"{missing[:5]}, unexpected {extra[:5]}")
+    for key, tensor in weights.items():
+        if tensor.shape != expected[key].shape:
+            raise RunInputError(f"{release / WEIGHTS_FILE}: {key} has shape {tuple(tensor.shape)}, the "
+                                f"config gives {tuple(expected[key].shape)}")
+    # float16/bfloat16 on disk, float32 in the model: the model computes as it was trained.
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()}, strict=True)
+    task.run_dir = release
+    if prepare:
+        task.prepare(train_config.seed)
+    return LoadedRun(task=task, model=model.eval(), model_config=model_config,
+                     train_config=train_config, checkpoint=release)
+
+
+def load_run_or_release(path: Path, *, checkpoint: Path | None = None, prepare: bool = False) -> LoadedRun:
+    """``load_release`` for a release directory, else ``load_run`` (a run directory)."""
+    if is_release(path):
+        if checkpoint is not None:
+            raise RunInputError(f"{path} is a shipped model (one set of weights); drop --checkpoint",
+                                about="checkpoint")
+        return load_release(path, prepare=prepare)
+    return load_run(path, checkpoint=resolve_checkpoint(checkpoint), prepare=prepare)
+
+
+def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = None, dtype: str = "float16",
+                  name: str | None = None, recipe: Path | None = None,
+                  extra: dict[str, Any] | None = None) -> Path:
+    """Write the release of a finished run: its (averaged) checkpoint's weights in ``dtype``, its
+    configs, tokenizer and record. ``out_dir`` is built beside itself and renamed into place, so an
+    existing release is replaced whole or not at all. Returns ``out_dir``."""
+    if dtype not in RELEASE_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(RELEASE_DTYPES)}")
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run = load_run(run_dir, checkpoint=resolve_checkpoint(checkpoint), prepare=False)
+    weights: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}  # alias -> the key its tensor is stored under (safetensors stores no aliases)
+    stored_as: dict[int, str] = {}
+    for key, tensor in run.model.state_dict().items():
+        if tensor.data_ptr() in stored_as:
+            tied[key] = stored_as[tensor.data_ptr()]
+            continue
+        stored_as[tensor.data_ptr()] = key
+        weights[key] = (tensor.detach().to(RELEASE_DTYPES[dtype]) if tensor.is_floating_point() else tensor.detach()).contiguous()
+    n_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    if n_bytes > MAX_RELEASE_BYTES:
+        raise ValueError(f"{n_bytes / 2**20:.1f} MiB of {dtype} weights: over the {MAX_RELEASE_BYTES // 2**20} "
+                         f"MiB a shipped model may take")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / "record").mkdir(parents=True)
+    save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "dtype": dtype, "tied": json.dumps(tied)})
+    shutil.copy2(run_dir / "config.json", tmp / "config.json")
+    if (run_dir / TOKENIZER_FILE).is_file():
+        shutil.copy2(run_dir / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+    copied = [f.name for f in (*[run_dir / n for n in RECORD_FILES], *sorted(run_dir.glob("score.*.json")))
+              if f.is_file()]
+    for file_name in copied:
+        shutil.copy2(run_dir / file_name, tmp / "record" / file_name)
+    if recipe is not None:
+        shutil.copy2(recipe, tmp / "record" / recipe.name)
+        copied.append(recipe.name)
+    record = {
+        "name": name or out_dir.name,
+        "task": run.task.name,
+        "checkpoint": str(run.checkpoint.resolve().relative_to(run_dir.resolve()))
+        if run.checkpoint.resolve().is_relative_to(run_dir.resolve()) else run.checkpoint.name,
+        "step": int(run.checkpoint.name.split("-")[-1]) if run.checkpoint.name.startswith("step-") else None,
+        "dtype": dtype,
+        "parameters": sum(t.numel() for t in weights.values()),  # tied weights counted once
+        "tied": tied,
+        "weight_bytes": n_bytes,
+        "record": copied,
+        **(extra or {}),
+    }
+    atomic_write_text(tmp / RELEASE_FILE, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    if out_dir.exists():
+        old = out_dir.with_name(out_dir.name + ".old")
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out_dir)
+    return out_dir

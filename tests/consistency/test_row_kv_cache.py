@@ -1,0 +1,156 @@
+"""A cache whose rows fill independently (``RowKVCache``, continuous batching) gives every row what
+the model computes for that row alone.
+
+Rows join at different steps, prefill in chunks of different widths in one right-padded forward,
+decode side by side through views of row ranges, swap places and leave; at every forward the
+logits of each row's real tokens equal a full forward over that row's sequence alone (float32,
+``assert_close``'s default tolerances). The int8 cache equals the int8 ``KVCache`` of the row
+alone (the same quantisation of the same keys).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from random_weights import randomize_
+from torch.testing import assert_close
+
+from aiayn.models import DecoderOnly, get_preset
+from aiayn.nn.row_kv_cache import RowKVCache
+
+VOCAB = 99
+SCHEMES = ["learned", "rope", "alibi", "t5", "sinusoidal"]
+
+
+def decoder_only(positional: str, n_kv_heads: int | None = None, seed: int = 0) -> DecoderOnly:
+    torch.manual_seed(seed)
+    config = get_preset("gpt-tiny", positional=positional, n_kv_heads=n_kv_heads, pad_id=None)
+    return randomize_(DecoderOnly(config), seed).eval()
+
+
+def sequences(lengths: list[int], seed: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+class Driver:
+    """Feeds chunks of per-row sequences through views of a RowKVCache and checks each real token's
+    logits against the row alone."""
+
+    def __init__(self, model: DecoderOnly, rows: int, max_len: int, *, quantize: str | None = None) -> None:
+        self.model = model
+        self.cache = model.new_cache(rows, max_len, per_row=True, quantize=quantize)
+        assert isinstance(self.cache, RowKVCache)
+        self.seqs: list[torch.Tensor | None] = [None] * rows
+        self.fed = [0] * rows  # tokens of each row's sequence already in the cache
+        self.quantize = quantize
+
+    def start(self, row: int, seq: torch.Tensor) -> None:
+        self.cache.clear_row(row)
+        self.seqs[row], self.fed[row] = seq, 0
+
+    def swap(self, i: int, j: int) -> None:
+        self.cache.swap_rows(i, j)
+        self.seqs[i], self.seqs[j] = self.seqs[j], self.seqs[i]
+        self.fed[i], self.fed[j] = self.fed[j], self.fed[i]
+
+    @torch.no_grad()
+    def forward(self, start: int, counts: list[int]) -> None:
+        """One forward over rows [start, start + len(counts)): row start + k takes its next counts[k]
+        tokens (right-padded to the widest)."""
+        t = max(counts)
+        tokens = torch.randint(0, VOCAB, (len(counts), t))  # junk where padded
+        valid = torch.zeros(len(counts), t, dtype=torch.bool)
+        for k, n in enumerate(counts):
+            row = start + k
+            tokens[k, :n] = self.seqs[row][self.fed[row]: self.fed[row] + n]
+            valid[k, :n] = True
+        view = self.cache.rows(start, start + len(counts))
+        logits = self.model(tokens, valid=valid, cache=view).logits  # (b, t, v)
+        for k, n in enumerate(counts):
+            row = start + k
+            end = self.fed[row] + n
+            expected = self.alone(self.seqs[row][:end])[self.fed[row]:end]
+            assert_close(logits[k, :n], expected)
+            self.fed[row] = end
+        assert self.cache.lengths[start: start + len(counts)].tolist() == [self.fed[start + k] for k in range(len(counts))]
+
+    def alone(self, seq: torch.Tensor) -> torch.Tensor:
+        """(n, v) logits of the row alone: a full forward, or (int8) its own int8 KVCache fed alike."""
+        if self.quantize is None:
+            return self.model(seq[None]).logits[0]
+        cache = self.model.new_cache(1, len(seq), quantize=self.quantize)
+        return self.model(seq[None], cache=cache).logits[0]
+
+
+def staggered_schedule(driver: Driver) -> None:
+    """Rows join, prefill in chunks beside decoding rows, swap, leave and are reused."""
+    a, b, c, d = sequences([12, 13, 11, 9])
+    driver.start(0, a)
+    driver.forward(0, [4])  # row 0 prefills 4 tokens alone
+    driver.start(1, b)
+    driver.forward(0, [1, 5])  # row 0 decodes one token while row 1 prefills 5 (padded batch)
+    driver.forward(0, [1, 1])  # both decode
+    driver.start(2, c)
+    driver.forward(2, [3])  # row 2 prefills through its own view ...
+    driver.forward(0, [1, 1])  # ... while rows 0-1 decode through theirs
+    driver.forward(0, [2, 3, 4])  # three widths in one forward
+    driver.swap(0, 2)
+    driver.forward(0, [1, 1, 1])
+    driver.start(1, d)  # row 1 leaves; d takes its place
+    driver.forward(1, [6, 1])
+    driver.forward(0, [1, 1, 1])
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 1])
+@pytest.mark.parametrize("positional", SCHEMES)
+def test_each_row_equals_the_row_alone(positional: str, n_kv_heads: int | None) -> None:
+    staggered_schedule(Driver(decoder_only(positional, n_kv_heads), rows=3, max_len=16))
+
+
+def test_with_the_fast_kernels() -> None:
+    from aiayn.fast import optimize
+
+    model = optimize(decoder_only("rope", 2), mode="inference")
+    staggered_schedule(Driver(model, rows=3, max_len=16))
+
+
+def test_int8_cache_equals_the_row_alone_in_an_int8_cache() -> None:
+    staggered_schedule(Driver(decoder_only("rope", 2), rows=3, max_len=16, quantize="int8"))
+
+
+def test_decode_step_by_step_equals_full_recompute() -> None:
+    """Rows at different lengths, one token per row per step, for many steps."""
+    model = decoder_only("rope", 2)
+    driver = Driver(model, rows=2, max_len=24)
+    for row, seq in enumerate(sequences([20, 23])):
+        driver.start(row, seq)
+    driver.forward(0, [2, 7])
+    for _ in range(13):
+        driver.forward(0, [1, 1])
+
+
+def test_a_view_writes_through_and_clear_row_frees() -> None:
+    model = decoder_only("rope")
+    cache = model.new_cache(3, 8, per_row=True)
+    view = cache.rows(1, 3)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3], [4, 5, 0]]), valid=torch.tensor([[True] * 3, [True, True, False]]),
+              cache=view)
+    assert cache.lengths.tolist() == [0, 3, 2]
+    assert cache.valid[:, :3].tolist() == [[False] * 3, [True] * 3, [True, True, False]]
+    assert cache.layers[0].k[1:, :, :3].abs().sum() > 0 and cache.layers[0].k[0].abs().sum() == 0
+    cache.clear_row(1)
+    assert cache.lengths.tolist() == [0, 0, 2] and not bool(cache.valid[1].any())
+
+
+def test_refuses_left_padding_and_overflow() -> None:
+    model = decoder_only("rope")
+    cache = model.new_cache(2, 4, per_row=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="right-padded"):
+        model(torch.tensor([[1, 2], [3, 4]]), valid=torch.tensor([[False, True], [True, True]]), cache=cache)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache=cache)
+        with pytest.raises(ValueError, match="row 0 is full"):
+            model(torch.tensor([[1, 2], [3, 4]]), valid=torch.tensor([[True, True], [False, False]]),
+                  cache=cache)

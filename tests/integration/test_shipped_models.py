@@ -1,0 +1,49 @@
+"""The models shipped in aiayn/pretrained load and do their job: every shipped model is checked here
+against a band on its validation split (a model added without an entry below fails the test).
+
+The bands sit a little below what each shipped model measured (its release.json), so a model that
+loads wrongly (a transposed weight, a wrong tokenizer, float16 damage) falls far outside them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from aiayn.tasks.shipped import load_release, shipped_models, shipped_path
+
+# name -> (what is measured, the band it must reach)
+EXPECTED = {
+    # the whole val split (1,800 windows of 64): 1.7455 with the run's float32 weights and with the
+    # shipped float16 ones alike
+    "shakespeare-char": ("val NLL per character", 1.76),
+}
+
+
+def test_every_shipped_model_is_checked() -> None:
+    assert shipped_models(), "aiayn/pretrained ships no model"
+    assert set(shipped_models()) == set(EXPECTED)
+
+
+def test_shakespeare_char_reaches_its_val_loss() -> None:
+    import torch
+
+    run = load_release(shipped_path("shakespeare-char"), prepare=True)  # reads Tiny Shakespeare's val split
+    with torch.no_grad():
+        nll = run.task.evaluate(run.model, "val", batch_size=100)["nll"]
+    assert nll <= EXPECTED["shakespeare-char"][1], nll
+
+
+def test_generate_with_the_shipped_char_model(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "aiayn", "generate", "--model", "shakespeare-char", "--prompt",
+                           "ROMEO:", "--max-new-tokens", "40", "--seed", "1"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert text.startswith("ROMEO:") and len(text) >= 40
+    words = [w for w in text.split() if w.isalpha() and w.islower()]
+    assert len(words) >= 3  # English-looking words, not noise
+
+    listed = subprocess.run([sys.executable, "-m", "aiayn", "models"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and "shakespeare-char" in listed.stdout

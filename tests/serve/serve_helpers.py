@@ -1,0 +1,101 @@
+"""Shared by the server tests (imported by this folder's modules and its conftest): a tiny random
+decoder-only model with a real byte-level BPE tokenizer and a chat template, and live uvicorn
+servers on 127.0.0.1 at free ports, each in a thread of this process."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from aiayn.interop.gguf_text import ChatTemplate
+from aiayn.models import DecoderOnly, get_preset
+from aiayn.serve import build_state, load_served_model, server
+from aiayn.textgen import TextModel
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. A server answers requests as they come, and a "
+    "batch of streams shares every step of the model. Tokens arrive one by one; some requests stop "
+    "early, others run long. Hello world! Numbers like 12345 and 678 are split into digits. "
+    "Questions? Answers. The end of a line\nand the start of another.\n"
+) * 4
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CONTEXT = 256
+MODEL_NAME = "tiny-llama"
+
+
+def train_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    return tok
+
+
+def tiny_text_model(seed: int = 0, context: int = CONTEXT) -> TextModel:
+    """A LLaMA-style model of 2 layers, GQA, with weights at a scale where attention and positions
+    matter (and logits are far from ties); the end-of-text row of the output layer is zero, so the
+    model never ends an answer by itself (answers run to max_tokens or a stop string)."""
+    tok = train_tokenizer()
+    torch.manual_seed(seed)
+    config = get_preset("llama-tiny", vocab_size=tok.get_vocab_size(), max_seq_len=context)
+    model = DecoderOnly(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    eos = tok.token_to_id("<|im_end|>")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=g) / math.sqrt(module.in_features))
+            elif isinstance(module, nn.Embedding):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=g))
+        model.lm_head.weight[eos] = 0.0
+    template = ChatTemplate(CHAT_TEMPLATE, {"eos_token": "<|im_end|>"})
+    return TextModel(model, lambda text: tok.encode(text, add_special_tokens=False).ids, lambda ids: tok.decode(ids),
+                     context, eos, None, template, tok)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def live_server(state, timeout: float = 20.0) -> Iterator[str]:
+    """Run uvicorn for ``state`` on 127.0.0.1 in a thread; yield its base URL ('.../v1')."""
+    port = free_port()
+    srv = server(state, port=port, log_level="warning")
+    thread = threading.Thread(target=srv.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not srv.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout)
+
+
+def tiny_state(tiny_dir: Path, **settings):
+    served = load_served_model(tiny_dir, name=MODEL_NAME)
+    settings = {"max_batch": 4, "context": CONTEXT, "prefill_chunk": 16, **settings}
+    return build_state(served, **settings)[0]
+

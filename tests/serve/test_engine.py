@@ -1,0 +1,179 @@
+"""The engine on its own (no HTTP, stepped by hand): continuous batching gives every request the
+tokens it gets alone, prefill in chunks keeps the other streams going, finished or cancelled
+requests give their slot back at once, and the queue has a limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from serve_helpers import tiny_text_model
+from torch.testing import assert_close
+
+from aiayn.generate import (
+    SamplingConfig,
+    generate_decoder_only,
+    greedy_decoder_only,
+    stream_decoder_only,
+)
+from aiayn.serve.engine import Engine, QueueFull, Request, SamplingParams, slot_plan
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_text_model()
+
+
+def engine_for(lm, *, rows=4, context=128, chunk=16, max_queue=64, kv_cache=None) -> Engine:
+    plan = slot_plan(lm, max_batch=rows, context=context, budget=1 << 30, kv_cache=kv_cache)
+    return Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=chunk, max_queue=max_queue)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Collector:
+    """A request's events (its sink)."""
+
+    def __init__(self) -> None:
+        self.events = []
+
+    def __call__(self, event) -> None:
+        self.events.append(event)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token for e in self.events]
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1].finish_reason is not None
+
+
+def submit(engine, ids, **params) -> Collector:
+    sink = Collector()
+    engine.submit(Request(ids, SamplingParams(**{"temperature": 0.0, "max_tokens": 12, **params}), sink))
+    return sink
+
+
+def run_until_done(engine, sinks, limit=500) -> None:
+    for _ in range(limit):
+        if all(s.done for s in sinks):
+            return
+        engine.step()
+    raise AssertionError("the engine did not finish")
+
+
+def test_greedy_tokens_alone_equal_a_staggered_full_batch(lm):
+    """Six requests (prompts of 5 to 70 tokens, chunked by 16) on 4 slots, arriving at different
+    steps: each gets exactly the tokens of the library's decode loop run on it alone, and the
+    log-probabilities of its tokens are that loop's logits."""
+    engine = engine_for(lm)
+    lengths = [5, 40, 17, 70, 9, 33]
+    prompts = [prompt(n, seed) for seed, n in enumerate(lengths)]
+    sinks = []
+    for i, ids in enumerate(prompts):
+        sinks.append(submit(engine, ids, max_tokens=10 + i, logprobs=0))
+        for _ in range(i % 3):  # stagger: 0, 1 or 2 steps between arrivals
+            engine.step()
+    run_until_done(engine, sinks)
+    assert engine.running == 0
+    for ids, sink in zip(prompts, sinks, strict=True):
+        alone = greedy_decoder_only(lm.model, torch.tensor([ids]), max_new_tokens=len(sink.tokens))
+        assert sink.tokens == alone.tokens[0].tolist()
+        n = len(sink.tokens)
+        expected = torch.log_softmax(alone.logits[0], dim=-1)[torch.arange(n), alone.tokens[0]]  # (n,)
+        assert_close(torch.tensor([e.logprob.logprob for e in sink.events]), expected)
+        assert sink.events[-1].finish_reason == "length"
+
+
+def test_seeded_sampling_equals_the_library_alone(lm):
+    """A seeded request draws the same tokens in a batch as the library's sampler alone."""
+    engine = engine_for(lm)
+    ids = prompt(12, 9)
+    sinks = [submit(engine, prompt(20, 3), max_tokens=8),  # greedy neighbours
+             submit(engine, ids, temperature=0.8, top_p=0.9, seed=1234, max_tokens=15),
+             submit(engine, prompt(7, 4), temperature=1.0, seed=5, max_tokens=9)]
+    run_until_done(engine, sinks)
+    alone = generate_decoder_only(lm.model, torch.tensor([ids]), max_new_tokens=15,
+                                  sampling=SamplingConfig(temperature=0.8, top_p=0.9, seed=1234))
+    assert sinks[1].tokens == alone[0].tolist()
+
+
+def test_int8_kv_cache_equals_the_library_int8_cache(lm):
+    engine = engine_for(lm, kv_cache="int8")
+    prompts = [prompt(n, 20 + n) for n in (6, 30, 11)]
+    sinks = [submit(engine, ids, max_tokens=10) for ids in prompts]
+    run_until_done(engine, sinks)
+    for ids, sink in zip(prompts, sinks, strict=True):
+        steps = stream_decoder_only(lm.model, torch.tensor([ids]), max_new_tokens=10, kv_cache="int8")
+        assert sink.tokens == [int(s.tokens[0]) for s in steps]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(lm):
+    engine = engine_for(lm, chunk=16)
+    short = submit(engine, prompt(4, 1), max_tokens=40)
+    engine.step()  # the short request prefills and gets its first token
+    assert len(short.tokens) == 2  # ... and decodes in the same step
+    long = submit(engine, prompt(100, 2), max_tokens=5)
+    for step in range(7):  # 100 prompt tokens in chunks of 16: seven steps
+        before = len(short.tokens)
+        engine.step()
+        assert len(short.tokens) == before + 1, f"step {step}: the decoding stream stalled"
+        assert len(long.tokens) == (2 if step == 6 else 0)
+    # (its prompt done at the seventh step: the first token from the prefill, one more from that step's decode)
+    run_until_done(engine, [short, long])
+
+
+def test_a_finished_request_frees_its_slot_in_the_same_step(lm):
+    engine = engine_for(lm, rows=2)
+    first = submit(engine, prompt(5, 1), max_tokens=3)
+    second = submit(engine, prompt(9, 2), max_tokens=30)
+    engine.step()  # both prefill; each has 2 tokens
+    engine.step()  # first reaches 3 tokens and leaves
+    assert first.done and engine.running == 1 and engine.rows[0].prompt == prompt(9, 2)
+    assert engine.cache.lengths[1] == 0 and not bool(engine.cache.valid[1].any())
+    third = submit(engine, prompt(6, 3), max_tokens=3)
+    engine.step()
+    assert len(third.tokens) == 2 and engine.running == 2
+    run_until_done(engine, [second, third])
+    assert engine.running == 0 and int(engine.cache.lengths.sum()) == 0
+
+
+def test_a_cancelled_request_leaves_at_the_next_step(lm):
+    engine = engine_for(lm)
+    keep = submit(engine, prompt(8, 1), max_tokens=20)
+    gone = Collector()
+    request = Request(prompt(8, 2), SamplingParams(max_tokens=20, temperature=0.0), gone)
+    engine.submit(request)
+    engine.step()
+    engine.cancel(request)
+    count = len(gone.events)
+    engine.step()
+    assert engine.running == 1 and len(gone.events) == count
+    run_until_done(engine, [keep])
+    alone = greedy_decoder_only(lm.model, torch.tensor([prompt(8, 1)]), max_new_tokens=20)
+    assert keep.tokens == alone.tokens[0].tolist()
+
+
+def test_the_queue_has_a_limit(lm):
+    engine = engine_for(lm, rows=1, max_queue=1)
+    submit(engine, prompt(5, 1))
+    submit(engine, prompt(5, 2))  # one for the free slot, one waiting
+    with pytest.raises(QueueFull) as info:
+        submit(engine, prompt(5, 3))
+    assert info.value.retry_after >= 1
+    with pytest.raises(ValueError, match="exceed the context of 128"):
+        submit(engine, prompt(100, 4), max_tokens=29)
+
+
+def test_the_slot_plan_follows_the_budget(lm):
+    one = slot_plan(lm, max_batch=16, context=128, budget=1 << 30, kv_cache=None).bytes_per_row
+    assert one == 2 * 2 * 2 * 8 * 128 * 4  # k and v x 2 layers x 2 kv heads x head_dim 8 x 128 x float32
+    plan = slot_plan(lm, max_batch=16, context=128, budget=3 * one + 1, kv_cache=None)
+    assert plan.rows == 3 and "up to 3 concurrent requests" in plan.describe(3 * one + 1)
+    assert slot_plan(lm, max_batch=16, context=128, budget=3 * one, kv_cache="int8").rows > 3
+    with pytest.raises(ValueError, match="more than the budget"):
+        slot_plan(lm, max_batch=4, context=128, budget=one - 1, kv_cache=None)
+    with pytest.raises(ValueError, match="more than the model's 256"):
+        slot_plan(lm, max_batch=4, context=512, budget=1 << 30, kv_cache=None)
