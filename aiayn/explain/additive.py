@@ -113,6 +113,8 @@ def _plot(timings: list[dict[str, float]], results: list[dict[str, float]], path
     lengths = [r["t"] for r in timings]
     for name in ("dot, fused", "dot, written out", "additive"):
         ax_time.loglog(lengths, [r[name] for r in timings], "o-", label=name)
+    ax_time.set_xticks(lengths, [str(t) for t in lengths])
+    ax_time.minorticks_off()
     ax_time.set_xlabel("sequence length t")
     ax_time.set_ylabel("ms, forward + backward")
     ax_time.set_title("attention function")
