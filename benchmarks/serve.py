@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sequential", type=int, default=16,
                         help="requests of the one-at-a-time baseline (the first N prompts; default 16)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--kv-cache", choices=["float", "int8"], default="float")
     parser.add_argument("--port", type=int, default=8631)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")

@@ -27,7 +27,7 @@ from aiayn.cli.app import FiniteFloatRange, check_threads, cli, plain_option
               help="KV-cache storage: the model's float type or quantised (more slots per budget).")
 @click.option("--quantize", type=click.Choice(["none", "bf16", "int8"]), default="none", show_default=True,
               help="Lower-precision weights: bf16, or int8 Linear weights (weight-only).")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prompt tokens read per engine step (a long prompt does not stall other streams).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; beyond, 429 with Retry-After.")

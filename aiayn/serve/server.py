@@ -32,7 +32,7 @@ def parse_size(text: str) -> int:
 
 
 def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None = None,
-                kv_budget: int = 2 << 30, kv_cache: str | None = None, prefill_chunk: int = 256,
+                kv_budget: int = 2 << 30, kv_cache: str | None = None, prefill_chunk: int = 512,
                 max_queue: int = 64, api_key: str | None = None,
                 shutdown_grace: float = 30.0) -> tuple[ServerState, list[str]]:
     """The server's state and the lines that describe it at start-up (the model, the KV-cache
