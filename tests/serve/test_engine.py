@@ -4,6 +4,8 @@ requests give their slot back at once, and the queue has a limit."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from serve_helpers import tiny_text_model
@@ -177,3 +179,26 @@ def test_the_slot_plan_follows_the_budget(lm):
         slot_plan(lm, max_batch=4, context=128, budget=one - 1, kv_cache=None)
     with pytest.raises(ValueError, match="more than the model's 256"):
         slot_plan(lm, max_batch=4, context=512, budget=1 << 30, kv_cache=None)
+
+
+def test_a_failing_step_fails_the_running_requests_and_the_engine_goes_on(lm, monkeypatch):
+    engine = engine_for(lm)
+    broken = submit(engine, prompt(5, 1))
+    monkeypatch.setattr(engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("no memory left")))
+    engine.start()
+    try:
+        for _ in range(500):
+            if broken.done:
+                break
+            time.sleep(0.01)
+        assert broken.events[-1].finish_reason == "error" and "RuntimeError: no memory left" in broken.events[-1].error
+        assert engine.running == 0 and not engine.waiting
+        monkeypatch.undo()  # the engine serves the next request
+        after = submit(engine, prompt(5, 2), max_tokens=3)
+        for _ in range(500):
+            if after.done:
+                break
+            time.sleep(0.01)
+        assert after.tokens and after.events[-1].finish_reason == "length"
+    finally:
+        engine.stop()
