@@ -190,9 +190,12 @@ class Engine:
             self._cv.notify()
 
     def cancel(self, request: Request) -> None:
-        """Stop ``request``: its row is freed at the engine's next step (no more events)."""
+        """Stop ``request``: out of the queue at once if it waits, else its row is freed at the
+        engine's next step (no more events)."""
         request.cancelled = True
         with self._cv:
+            if request in self.waiting:
+                self.waiting.remove(request)
             self._cv.notify()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:

@@ -158,13 +158,16 @@ def test_a_cancelled_request_leaves_at_the_next_step(lm):
     assert keep.tokens == alone.tokens[0].tolist()
 
 
-def test_the_queue_has_a_limit(lm):
+def test_the_queue_has_a_limit_and_a_cancelled_request_leaves_it(lm):
     engine = engine_for(lm, rows=1, max_queue=1)
     submit(engine, prompt(5, 1))
-    submit(engine, prompt(5, 2))  # one for the free slot, one waiting
+    waiting = Request(prompt(5, 2), SamplingParams(max_tokens=4, temperature=0.0), Collector())
+    engine.submit(waiting)  # one for the free slot, one waiting
     with pytest.raises(QueueFull) as info:
         submit(engine, prompt(5, 3))
     assert info.value.retry_after >= 1
+    engine.cancel(waiting)
+    submit(engine, prompt(5, 3))  # its place in the queue is free at once
     with pytest.raises(ValueError, match="exceed the context of 128"):
         submit(engine, prompt(100, 4), max_tokens=29)
 
