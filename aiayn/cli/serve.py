@@ -45,7 +45,7 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
 
     from aiayn.cli.generate import resolve_model
     from aiayn.serve import build_state, load_served_model, parse_size, server
-    from aiayn.serve.server import check_port
+    from aiayn.serve.server import check_port, exposure_warning
 
     if run_dir is not None and model_path is not None:
         raise click.UsageError("--run and --model name two models; give one")
@@ -64,8 +64,10 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
                                    max_queue=max_queue, api_key=api_key, shutdown_grace=shutdown_grace)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    for line in [*lines, f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}"]:
-        click.echo(line, err=True)
+    lines.append(f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}")
+    for line in [*lines, exposure_warning(host, api_key)]:
+        if line:
+            click.echo(line, err=True)
     server(state, host=host, port=port).run()
 
 

@@ -63,6 +63,20 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
     return state, lines
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A line to print when the server listens beyond this machine without an API key."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if loopback or api_key:
+        return None
+    return (f"warning: listening on {host} without --api-key: anyone who reaches this address can use the "
+            f"model; give --api-key or --host 127.0.0.1")
+
+
 def check_port(host: str, port: int) -> None:
     """OSError with a clear message if ``host:port`` cannot be bound (in use, no such address)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

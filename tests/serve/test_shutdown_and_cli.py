@@ -104,3 +104,12 @@ def test_a_port_in_use_is_named(tiny_dir, capsys):
         with pytest.raises(SystemExit) as info:
             main(["serve", "--model", str(tiny_dir), "--port", str(taken.getsockname()[1])])
     assert info.value.code == 1 and "choose another --port" in capsys.readouterr().err
+
+
+def test_listening_beyond_loopback_without_a_key_is_warned():
+    from aiayn.serve.server import exposure_warning
+
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
+    assert exposure_warning("localhost", None) is None and exposure_warning("0.0.0.0", "key") is None
+    assert "without --api-key" in exposure_warning("0.0.0.0", None)
+    assert "without --api-key" in exposure_warning("example.org", None)
