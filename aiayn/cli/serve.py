@@ -27,7 +27,7 @@ from aiayn.cli.app import FiniteFloatRange, check_threads, cli, plain_option
               help="KV-cache storage: the model's float type or quantised (more slots per budget).")
 @click.option("--quantize", type=click.Choice(["none", "bf16", "int8"]), default="none", show_default=True,
               help="Lower-precision weights: bf16, or int8 Linear weights (weight-only).")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prompt tokens read per engine step (a long prompt does not stall other streams).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; beyond, 429 with Retry-After.")
@@ -45,7 +45,7 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
 
     from aiayn.cli.generate import resolve_model
     from aiayn.serve import build_state, load_served_model, parse_size, server
-    from aiayn.serve.server import check_port
+    from aiayn.serve.server import check_port, exposure_warning
 
     if run_dir is not None and model_path is not None:
         raise click.UsageError("--run and --model name two models; give one")
@@ -64,8 +64,10 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
                                    max_queue=max_queue, api_key=api_key, shutdown_grace=shutdown_grace)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    for line in [*lines, f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}"]:
-        click.echo(line, err=True)
+    lines.append(f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}")
+    for line in [*lines, exposure_warning(host, api_key)]:
+        if line:
+            click.echo(line, err=True)
     server(state, host=host, port=port).run()
 
 

@@ -86,10 +86,10 @@ def make_cache(config: ModelConfig, *, n_layers: int, batch_size: int, max_len: 
                dtype: torch.dtype, device: torch.device, cross_attention: bool,
                quantize: str | None = None, group_size: int | None = None, per_row: bool = False) -> KVCache:
     max_len = config.max_seq_len if max_len is None else max_len
-    cls = RowKVCache if per_row else KVCache
+    cls = RowKVCache if per_row else KVCache  # per_row: each row at its own length (continuous batching)
     return cls(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
-                   head_dim=config.head_dim, max_len=max_len, dtype=dtype, device=device,
-                   cross_attention=cross_attention, quantize=quantize, group_size=group_size)
+               head_dim=config.head_dim, max_len=max_len, dtype=dtype, device=device,
+               cross_attention=cross_attention, quantize=quantize, group_size=group_size)
 
 
 def check_arch(config: ModelConfig, expected: str, cls: str) -> None:

@@ -226,7 +226,7 @@ class TransformerStack(nn.Module):
             keys_valid, key_positions = valid, positions  # (b, t_k)
         mask = None if bool(keys_valid.all()) else key_mask(keys_valid)  # (b, 1, 1, t_k)
         # Rows of a RowKVCache sit at their own slots: causality from positions, not slot order
-        # (one new token per row sees its row's every valid key: no mask needed).
+        # (a single new token per row may see every valid key of its row: no causal mask needed).
         per_row = isinstance(cache_pos, Tensor)
         if per_row and self.causal and tokens.shape[1] > 1:
             mask = combine_masks(mask, position_causal_mask(positions, key_positions))  # (b, 1, t, t_k)

@@ -4,7 +4,7 @@ Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completion
 ``POST /v1/completions``, ``POST /v1/embeddings``, ``GET /health``, ``GET /metrics``.
 Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for
 anything the client can fix (400 bad input, 401 no or wrong API key, 404 unknown model or route,
-429 queue full with ``Retry-After``, 503 shutting down); never a traceback.
+413 a body over 16 MiB, 429 queue full with ``Retry-After``, 503 shutting down); never a traceback.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ class Engine:
     """Continuous batching over ``lm`` (see the module docstring). ``start()`` runs it on a
     thread; ``submit`` queues a request (``QueueFull`` past ``max_queue`` waiting)."""
 
-    def __init__(self, lm: TextModel, plan: SlotPlan, *, kv_cache: str | None = None, prefill_chunk: int = 256,
+    def __init__(self, lm: TextModel, plan: SlotPlan, *, kv_cache: str | None = None, prefill_chunk: int = 512,
                  max_queue: int = 64, metrics: Metrics | None = None) -> None:
         if prefill_chunk < 1 or max_queue < 0:
             raise ValueError("prefill_chunk must be >= 1 and max_queue >= 0")
@@ -190,9 +190,12 @@ class Engine:
             self._cv.notify()
 
     def cancel(self, request: Request) -> None:
-        """Stop ``request``: its row is freed at the engine's next step (no more events)."""
+        """Stop ``request``: out of the queue at once if it waits, else its row is freed at the
+        engine's next step (no more events)."""
         request.cancelled = True
         with self._cv:
+            if request in self.waiting:
+                self.waiting.remove(request)
             self._cv.notify()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:

@@ -32,7 +32,7 @@ def parse_size(text: str) -> int:
 
 
 def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None = None,
-                kv_budget: int = 2 << 30, kv_cache: str | None = None, prefill_chunk: int = 256,
+                kv_budget: int = 2 << 30, kv_cache: str | None = None, prefill_chunk: int = 512,
                 max_queue: int = 64, api_key: str | None = None,
                 shutdown_grace: float = 30.0) -> tuple[ServerState, list[str]]:
     """The server's state and the lines that describe it at start-up (the model, the KV-cache
@@ -61,6 +61,20 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
                  f"{count_parameters(served.encoder.model):,} parameters; serves /v1/embeddings"]
     state = ServerState(served, engine, metrics, api_key=api_key, shutdown_grace=shutdown_grace)
     return state, lines
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A line to print when the server listens beyond this machine without an API key."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = False
+    if loopback or api_key:
+        return None
+    return (f"warning: listening on {host} without --api-key: anyone who reaches this address can use the "
+            f"model; give --api-key or --host 127.0.0.1")
 
 
 def check_port(host: str, port: int) -> None:

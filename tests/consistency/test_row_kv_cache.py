@@ -4,8 +4,8 @@ the model computes for that row alone.
 Rows join at different steps, prefill in chunks of different widths in one right-padded forward,
 decode side by side through views of row ranges, swap places and leave; at every forward the
 logits of each row's real tokens equal a full forward over that row's sequence alone (float32,
-``assert_close``'s default tolerances). The int8 cache equals the int8 ``KVCache`` of the row
-alone (the same quantisation of the same keys).
+``assert_close``'s default tolerances). The int8 and int4 caches equal the quantised ``KVCache`` of
+the row alone (the same quantisation of the same keys).
 """
 
 from __future__ import annotations
@@ -115,8 +115,9 @@ def test_with_the_fast_kernels() -> None:
     staggered_schedule(Driver(model, rows=3, max_len=16))
 
 
-def test_int8_cache_equals_the_row_alone_in_an_int8_cache() -> None:
-    staggered_schedule(Driver(decoder_only("rope", 2), rows=3, max_len=16, quantize="int8"))
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_quantised_cache_equals_the_row_alone_in_a_quantised_cache(quantize: str) -> None:
+    staggered_schedule(Driver(decoder_only("rope", 2), rows=3, max_len=16, quantize=quantize))
 
 
 def test_decode_step_by_step_equals_full_recompute() -> None:

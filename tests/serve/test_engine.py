@@ -4,6 +4,8 @@ requests give their slot back at once, and the queue has a limit."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from serve_helpers import tiny_text_model
@@ -156,13 +158,16 @@ def test_a_cancelled_request_leaves_at_the_next_step(lm):
     assert keep.tokens == alone.tokens[0].tolist()
 
 
-def test_the_queue_has_a_limit(lm):
+def test_the_queue_has_a_limit_and_a_cancelled_request_leaves_it(lm):
     engine = engine_for(lm, rows=1, max_queue=1)
     submit(engine, prompt(5, 1))
-    submit(engine, prompt(5, 2))  # one for the free slot, one waiting
+    waiting = Request(prompt(5, 2), SamplingParams(max_tokens=4, temperature=0.0), Collector())
+    engine.submit(waiting)  # one for the free slot, one waiting
     with pytest.raises(QueueFull) as info:
         submit(engine, prompt(5, 3))
     assert info.value.retry_after >= 1
+    engine.cancel(waiting)
+    submit(engine, prompt(5, 3))  # its place in the queue is free at once
     with pytest.raises(ValueError, match="exceed the context of 128"):
         submit(engine, prompt(100, 4), max_tokens=29)
 
@@ -177,3 +182,26 @@ def test_the_slot_plan_follows_the_budget(lm):
         slot_plan(lm, max_batch=4, context=128, budget=one - 1, kv_cache=None)
     with pytest.raises(ValueError, match="more than the model's 256"):
         slot_plan(lm, max_batch=4, context=512, budget=1 << 30, kv_cache=None)
+
+
+def test_a_failing_step_fails_the_running_requests_and_the_engine_goes_on(lm, monkeypatch):
+    engine = engine_for(lm)
+    broken = submit(engine, prompt(5, 1))
+    monkeypatch.setattr(engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("no memory left")))
+    engine.start()
+    try:
+        for _ in range(500):
+            if broken.done:
+                break
+            time.sleep(0.01)
+        assert broken.events[-1].finish_reason == "error" and "RuntimeError: no memory left" in broken.events[-1].error
+        assert engine.running == 0 and not engine.waiting
+        monkeypatch.undo()  # the engine serves the next request
+        after = submit(engine, prompt(5, 2), max_tokens=3)
+        for _ in range(500):
+            if after.done:
+                break
+            time.sleep(0.01)
+        assert after.tokens and after.events[-1].finish_reason == "length"
+    finally:
+        engine.stop()
