@@ -11,7 +11,8 @@ traceback (``AIAYN_DEBUG=1`` or ``aiayn --debug ...`` shows it). Exit codes:
 * 130: interrupted (Ctrl-C). A closed output pipe (``aiayn generate ... | head -1``) ends quietly.
 
 The commands live by subject: ``train`` (train, tasks, average, presets, kv-cache), ``generate``
-(generate, embed), ``translate`` (translate, evaluate, fetch-multi30k), ``plots`` (plot ..., demo);
+(generate, embed), ``translate`` (translate, evaluate, fetch-multi30k), ``plots`` (plot ..., demo),
+``experiments`` (experiment);
 ``app`` holds the command group. No module of the library imports this package.
 """
 
@@ -22,7 +23,7 @@ import sys
 
 import click
 
-from aiayn.cli import generate, plots, train, translate  # noqa: F401  (registers the commands)
+from aiayn.cli import experiments, generate, plots, train, translate  # noqa: F401  (registers the commands)
 from aiayn.cli.app import cli, is_main_process
 from aiayn.config import ConfigError
 
