@@ -201,8 +201,10 @@ def prepare_out_dir(experiment: Experiment, out_dir: Path, budget: Budget, *, re
     manifest = {"experiment": experiment.name, "budget": budget.name, "budget_summary": budget.summary,
                 "variants": [v.name for v in variants], "command": command,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if manifest_path.is_file():  # keep when it was first started
-        manifest["started"] = json.loads(manifest_path.read_text(encoding="utf-8")).get("started", manifest["started"])
+    if manifest_path.is_file():  # keep when and how it was first started; list the resumptions
+        first = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest.update(started=first.get("started"), command=first.get("command", command),
+                        resumed_with=[*first.get("resumed_with", []), command])
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
 
 
@@ -240,7 +242,8 @@ def run_experiment(experiment: Experiment, out_dir: Path, *, budget: str | None 
             echo(f"[{i}/{len(variants)}] {variant.name}: {_brief(row)}")
     elif todo:
         echo(f"training {len(todo)} variant(s), {jobs} at a time (each in its own process)")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+        try:
             futures = {pool.submit(_worker, experiment.name, variant, str(out_dir / variant.name),
                                    chosen.name, threads): variant for _, variant, _ in todo}
             for future in as_completed(futures):
@@ -250,6 +253,9 @@ def run_experiment(experiment: Experiment, out_dir: Path, *, budget: str | None 
                     continue
                 rows[variant.name] = row
                 echo(f"[{len(rows)}/{len(variants)}] {variant.name}: {_brief(row)}")
+        finally:
+            # Ctrl-C reaches the workers too: each saves its checkpoint and stops; nothing queued starts.
+            pool.shutdown(wait=True, cancel_futures=True)
     if interrupted:
         echo(f"interrupted: the variants finished so far are kept; continue with --resume --out {out_dir}")
         return ExperimentResult(out_dir, [rows[v.name] for v in variants if v.name in rows], [], interrupted=True)
@@ -303,6 +309,14 @@ def write_results(out_dir: Path, *, markdown: str, columns: Sequence[str], rows:
                                              "load_average_at_end": load, "rows": rows, **(extra or {})},
                                             indent=2) + "\n")
     return [md, csv_path, json_path]
+
+
+def made_by(out_dir: Path) -> str:
+    """The commands that made an experiment's results: the first, then each --resume."""
+    manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    lines = [f"Made by: `{manifest.get('command', '')}`"]
+    lines += [f"continued with: `{command}`" for command in manifest.get("resumed_with", [])]
+    return ";\n".join(lines) + "\n"
 
 
 def cost_line(rows: list[dict[str, Any]]) -> str:

@@ -30,6 +30,7 @@ from aiayn.experiments.base import (
     Experiment,
     Variant,
     cost_line,
+    made_by,
     markdown_table,
     write_results,
 )
@@ -133,7 +134,7 @@ class LengthExtrapolation(Experiment):
             f"\"–\": learned positions have no row past position {s['train_len'] - 1}, so those lengths cannot "
             f"be scored (aiayn refuses them).\n\n{table}\n"
             f"Best at each length: " + ", ".join(f"{n}: {fmt_best(v)}" for n, v in best.items()) + ".\n\n"
-            f"Cost: {cost_line(rows)}.\n\nMade by: `{_command(out_dir)}`\n")
+            f"Cost: {cost_line(rows)}.\n\n" + made_by(out_dir))
         columns = ["variant", "positional", "params", "train_len", "max_seq_len", *[f"ppl@{n}" for n in lengths],
                    "cpu_s", "wall_s"]
         files = write_results(out_dir, markdown=markdown, columns=columns, rows=rows)
@@ -143,12 +144,6 @@ class LengthExtrapolation(Experiment):
 
 def fmt_best(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}"
-
-
-def _command(out_dir: Path) -> str:
-    import json
-
-    return json.loads((out_dir / "experiment.json").read_text(encoding="utf-8")).get("command", "")
 
 
 def plot_extrapolation(rows: list[dict[str, Any]], lengths: list[int], train_len: int, path: Path) -> Path:

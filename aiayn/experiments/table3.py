@@ -5,13 +5,15 @@ for the same number of steps, and scored on the validation split (never the test
 per BPE token (teacher-forced, without label smoothing) and BLEU of greedy decoding (sacreBLEU). The
 paper's own numbers (newstest2013 dev, beam search, 100K steps on 8 GPUs) stand beside them.
 
-The base is the paper's base model at half its depth and a quarter of its width: N = 3, d_model =
-128, d_ff = 512, h = 8, d_k = d_v = 16, P_drop = 0.1, eps_ls = 0.1, sinusoidal positions; a joint BPE
-vocabulary of 4,000. The rows scale the same way: (A) h = 1, 4, 16, 32 at d_k = d_model / h; (B)
-d_k = 4, 8 (the paper's 16 and 32 are a quarter of its 64); (C) N = 1, 2, 4 (half of 2, 4, 8),
-d_model = 64, 256 and d_ff = 256, 1,024 (a quarter of 256, 1,024 and 1,024, 4,096); (D) P_drop = 0,
-0.2 and eps_ls = 0, 0.2; (E) learned positions. One more base run with another seed shows how much
-two runs of the same model differ, the yardstick for every other difference.
+The base is the paper's base model at a third of its depth and a quarter of its width: N = 2,
+d_model = 128, d_ff = 512, h = 8, d_k = d_v = 16, P_drop = 0.1, eps_ls = 0.1, sinusoidal
+positions; a joint BPE vocabulary of 4,000. The rows scale the same way: (A) h = 1, 4, 16, 32 at
+d_k = d_model / h; (B) d_k = 4, 8 (the paper's 16 and 32 are a quarter of its 64); (C) N = 1 and 3
+(standing for the paper's shallower N = 2 and deeper N = 8; its N = 4 has no integer counterpart
+between 1 and 2), d_model = 64, 256 and d_ff = 256, 1,024 (a quarter of 256, 1,024 and 1,024,
+4,096); (D) P_drop = 0, 0.2 and eps_ls = 0, 0.2; (E) learned positions. One more base run with
+another seed shows how much two runs of the same model differ, the yardstick for every other
+difference.
 
 Two departures, stated: (B) shrinks d_v with d_k (aiayn has one per-head width; the paper shrank
 d_k only), and the learning rate is a cosine schedule (warmup then decay to zero, which suits a
@@ -31,22 +33,25 @@ from aiayn.experiments.base import (
     Experiment,
     Variant,
     cost_line,
+    made_by,
     markdown_table,
     write_results,
 )
 
-# Table 3 of the paper, as printed: (PPL dev, BLEU dev, params x 10^6 or None where not printed).
+# Table 3 of the paper, as printed, for the row each variant stands for: (the paper's row,
+# PPL dev, BLEU dev, params x 10^6 or None where not printed).
 PAPER = {
-    "base": (4.92, 25.8, 65),
-    "A-h1": (5.29, 24.9, None), "A-h4": (5.00, 25.5, None), "A-h16": (4.91, 25.8, None),
-    "A-h32": (5.01, 25.4, None),
-    "B-dk-quarter": (5.16, 25.1, 58), "B-dk-half": (5.01, 25.4, 60),
-    "C-N1": (6.11, 23.7, 36), "C-N2": (5.19, 25.3, 50), "C-N4": (4.88, 25.5, 80),
-    "C-d_model-half": (5.75, 24.5, 28), "C-d_model-double": (4.66, 26.0, 168),
-    "C-d_ff-half": (5.12, 25.4, 53), "C-d_ff-double": (4.75, 26.2, 90),
-    "D-dropout-0": (5.77, 24.6, None), "D-dropout-0.2": (4.95, 25.5, None),
-    "D-ls-0": (4.67, 25.3, None), "D-ls-0.2": (5.47, 25.7, None),
-    "E-learned": (4.92, 25.7, None),
+    "base": ("base", 4.92, 25.8, 65),
+    "A-h1": ("h=1, d_k=d_v=512", 5.29, 24.9, None), "A-h4": ("h=4, d_k=d_v=128", 5.00, 25.5, None),
+    "A-h16": ("h=16, d_k=d_v=32", 4.91, 25.8, None), "A-h32": ("h=32, d_k=d_v=16", 5.01, 25.4, None),
+    "B-dk-quarter": ("d_k=16", 5.16, 25.1, 58), "B-dk-half": ("d_k=32", 5.01, 25.4, 60),
+    "C-N1": ("N=2", 6.11, 23.7, 36), "C-N3": ("N=8", 4.88, 25.5, 80),
+    "C-d_model-half": ("d_model=256, d_k=d_v=32", 5.75, 24.5, 28),
+    "C-d_model-double": ("d_model=1024, d_k=d_v=128", 4.66, 26.0, 168),
+    "C-d_ff-half": ("d_ff=1024", 5.12, 25.4, 53), "C-d_ff-double": ("d_ff=4096", 4.75, 26.2, 90),
+    "D-dropout-0": ("P_drop=0.0", 5.77, 24.6, None), "D-dropout-0.2": ("P_drop=0.2", 4.95, 25.5, None),
+    "D-ls-0": ("eps_ls=0.0", 4.67, 25.3, None), "D-ls-0.2": ("eps_ls=0.2", 5.47, 25.7, None),
+    "E-learned": ("positional embedding", 4.92, 25.7, None),
 }
 # What the paper says each group shows (section 6.2), to hold our numbers against.
 PAPER_FINDING = {
@@ -64,12 +69,12 @@ class Table3(Experiment):
     description = ("the paper's Table 3 rows (A)-(E) on Multi30k en->de: heads, d_k, model size, dropout and "
                    "label smoothing, learned positions; val PPL and greedy BLEU beside the paper's")
     budgets: ClassVar[dict[str, Budget]] = {
-        "full": Budget("full", "20 models (base N=3, d_model 128), 300 steps of 2,048 tokens each (about 1.3 "
-                               "epochs of Multi30k); about 40 min of one core in all",
-                       {"steps": 300, "warmup": 30, "max_tokens": 2048, "vocab_size": 4000, "n_layers": 3,
+        "full": Budget("full", "19 models (base N=2, d_model 128), 500 steps of 2,048 tokens each (about 2.1 "
+                               "epochs of Multi30k); about 45 min of one core in all",
+                       {"steps": 500, "warmup": 50, "max_tokens": 2048, "vocab_size": 4000, "n_layers": 2,
                         "d_model": 128, "d_ff": 512, "n_heads": 8, "lr": 3e-3}),
-        "tiny": Budget("tiny", "20 tiny models (d_model 32), 4 steps each; seconds (the tests)",
-                       {"steps": 4, "warmup": 1, "max_tokens": 256, "vocab_size": 120, "n_layers": 3,
+        "tiny": Budget("tiny", "19 tiny models (d_model 32), 4 steps each; seconds (the tests)",
+                       {"steps": 4, "warmup": 1, "max_tokens": 256, "vocab_size": 120, "n_layers": 2,
                         "d_model": 32, "d_ff": 64, "n_heads": 8, "lr": 3e-3}),
     }
 
@@ -83,7 +88,7 @@ class Table3(Experiment):
             *[(f"A-h{heads}", "A", f"h={heads}, d_k=d_v={d // heads}", {"n_heads": heads}) for heads in (1, 4, 16, 32)],
             ("B-dk-quarter", "B", f"d_k=d_v={d_k // 4}", {"head_dim": d_k // 4}),
             ("B-dk-half", "B", f"d_k=d_v={d_k // 2}", {"head_dim": d_k // 2}),
-            *[(f"C-N{layers}", "C", f"N={layers}", {"n_layers": layers}) for layers in (1, 2, 4)],
+            *[(f"C-N{layers}", "C", f"N={layers}", {"n_layers": layers}) for layers in (n // 2, n + n // 2)],
             ("C-d_model-half", "C", f"d_model={d // 2}, d_k=d_v={d_k // 2}", {"d_model": d // 2}),
             ("C-d_model-double", "C", f"d_model={d * 2}, d_k=d_v={d_k * 2}", {"d_model": d * 2}),
             ("C-d_ff-half", "C", f"d_ff={d_ff // 2}", {"d_ff": d_ff // 2}),
@@ -122,21 +127,22 @@ class Table3(Experiment):
         config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
         model_config = ModelConfig.from_dict(config["model"])
         scores = summary["test"]  # the validation split (test_split="val"), greedy
-        paper = PAPER.get(variant.name.replace("-seed1", ""), (None, None, None))
+        paper = PAPER.get(variant.name.replace("-seed1", ""), (None, None, None, None))
         return {"n_layers": model_config.n_layers, "d_model": model_config.d_model, "d_ff": model_config.d_ff,
                 "n_heads": model_config.n_heads, "head_dim": model_config.head_dim,
                 "dropout": model_config.dropout, "label_smoothing": config["train"]["label_smoothing"],
                 "positional": model_config.positional, "params": count_parameters(build_model(model_config)),
                 "val_ppl": math.exp(scores["nll"]), "val_bleu": scores["bleu"], "val_chrf": scores["chrf"],
                 "train_loss": summary["final_train_loss"],
-                "paper_ppl": paper[0], "paper_bleu": paper[1], "paper_params_m": paper[2]}
+                "paper_row": paper[0], "paper_ppl": paper[1], "paper_bleu": paper[2], "paper_params_m": paper[3]}
 
     def report(self, rows: list[dict[str, Any]], out_dir: Path, budget: Budget) -> list[Path]:
         base = rows[0]
-        header = ["row", "variant", "params", "val PPL", "val BLEU (greedy)", "paper PPL (dev)",
+        header = ["row", "variant (ours)", "params", "val PPL", "val BLEU (greedy)", "paper's row", "paper PPL (dev)",
                   "paper BLEU (dev)", "paper params (M)"]
         table = markdown_table(header, [[r["group"], r["label"], f"{r['params']:,}", r["val_ppl"], r["val_bleu"],
-                                         r["paper_ppl"], r["paper_bleu"], r["paper_params_m"]] for r in rows])
+                                         r["paper_row"], r["paper_ppl"], r["paper_bleu"], r["paper_params_m"]]
+                                        for r in rows])
         spread = [r for r in rows if r["variant"] == "base-seed1"]
         noise = (f"The two base runs (seeds 0 and 1) differ by {abs(spread[0]['val_ppl'] - base['val_ppl']):.2f} "
                  f"PPL and {abs(spread[0]['val_bleu'] - base['val_bleu']):.2f} BLEU: smaller differences "
@@ -149,10 +155,10 @@ class Table3(Experiment):
             f"(dev), per-wordpiece perplexity, beam search, 100K steps of the 65M-parameter base. Compare "
             f"directions within a row group, not magnitudes.\n\n{table}\n{noise}"
             f"Does the paper's trend hold here? (direction of each row's change from the base, ours vs "
-            f"the paper's)\n\n{trends}\nCost: {cost_line(rows)}.\n\nMade by: `{_command(out_dir)}`\n")
+            f"the paper's)\n\n{trends}\nCost: {cost_line(rows)}.\n\n" + made_by(out_dir))
         columns = ["variant", "group", "label", "n_layers", "d_model", "d_ff", "n_heads", "head_dim", "dropout",
                    "label_smoothing", "positional", "params", "val_ppl", "val_bleu", "val_chrf", "train_loss",
-                   "paper_ppl", "paper_bleu", "paper_params_m", "cpu_s", "wall_s"]
+                   "paper_row", "paper_ppl", "paper_bleu", "paper_params_m", "cpu_s", "wall_s"]
         files = write_results(out_dir, markdown=markdown, columns=columns, rows=rows,
                               extra={"paper_findings": PAPER_FINDING})
         files.append(plot_table3(rows, out_dir / "table3.png"))
@@ -187,10 +193,6 @@ def _same_direction(ours: float, paper: float, noise: float) -> bool:
     ours_sign = 0 if abs(ours) <= noise else (1 if ours > 0 else -1)
     paper_sign = 0 if paper == 0 else (1 if paper > 0 else -1)
     return ours_sign == paper_sign
-
-
-def _command(out_dir: Path) -> str:
-    return json.loads((out_dir / "experiment.json").read_text(encoding="utf-8")).get("command", "")
 
 
 def plot_table3(rows: list[dict[str, Any]], path: Path) -> Path:
