@@ -67,12 +67,12 @@ def png_size(path: Path) -> tuple[int, int]:
 
 @pytest.mark.slow
 def test_length_extrapolation_end_to_end_then_resume(data, tmp_path):
-    """The CLI runs the four decoders, writes the table (learned positions stop at their table),
+    """The CLI runs the four decoders (two at a time, in worker processes), writes the table (learned positions stop at their table),
     CSV, JSON and plot; --resume then skips the finished variants and continues an interrupted one
     from its checkpoint to the same numbers (the trainer's exact resume)."""
     out = tmp_path / "le"
     done = run_cli("experiment", "length-extrapolation", "--budget", "tiny", "--out", str(out), "--threads", "1",
-                   "--no-progress", env_data=data)
+                   "--jobs", "2", "--no-progress", env_data=data)
     assert done.returncode == 0, done.stderr
     results = json.loads((out / "results.json").read_text(encoding="utf-8"))
     rows = {r["variant"]: r for r in results["rows"]}
@@ -90,6 +90,7 @@ def test_length_extrapolation_end_to_end_then_resume(data, tmp_path):
     assert (out / "results.csv").read_text(encoding="utf-8").splitlines()[0].startswith("variant,positional,params")
     assert png_size(out / "perplexity_vs_length.png") == (1200, 450)
     assert "| rope |" in done.stdout  # the table is printed at the end
+    assert "training 4 variant(s), 2 at a time" in done.stdout
 
     # Interrupt "rope" after its step-4 checkpoint: its later checkpoints, summary and result go.
     rope = out / "rope"
