@@ -21,7 +21,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -242,19 +242,28 @@ def run_experiment(experiment: Experiment, out_dir: Path, *, budget: str | None 
             echo(f"[{i}/{len(variants)}] {variant.name}: {_brief(row)}")
     elif todo:
         echo(f"training {len(todo)} variant(s), {jobs} at a time (each in its own process)")
+        # At most ``jobs`` variants are handed out at a time (none waits in the pool's queue): on
+        # Ctrl-C each worker saves its checkpoint and returns, and nothing further starts.
         pool = ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn"))
+        queue = [variant for _, variant, _ in todo]
+        running: dict[Future[dict[str, Any]], Variant] = {}
         try:
-            futures = {pool.submit(_worker, experiment.name, variant, str(out_dir / variant.name),
-                                   chosen.name, threads): variant for _, variant, _ in todo}
-            for future in as_completed(futures):
-                variant, row = futures[future], future.result()
-                if row.get("interrupted"):
-                    interrupted = True
-                    continue
-                rows[variant.name] = row
-                echo(f"[{len(rows)}/{len(variants)}] {variant.name}: {_brief(row)}")
+            while queue or running:
+                while queue and len(running) < jobs and not interrupted:
+                    variant = queue.pop(0)
+                    running[pool.submit(_worker, experiment.name, variant, str(out_dir / variant.name),
+                                        chosen.name, threads)] = variant
+                if not running:
+                    break
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    variant, row = running.pop(future), future.result()
+                    if row.get("interrupted"):
+                        interrupted = True
+                        continue
+                    rows[variant.name] = row
+                    echo(f"[{len(rows)}/{len(variants)}] {variant.name}: {_brief(row)}")
         finally:
-            # Ctrl-C reaches the workers too: each saves its checkpoint and stops; nothing queued starts.
             pool.shutdown(wait=True, cancel_futures=True)
     if interrupted:
         echo(f"interrupted: the variants finished so far are kept; continue with --resume --out {out_dir}")
