@@ -17,6 +17,7 @@ which aiayn refuses ("position 64 is beyond the model's maximum"); the table sho
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -148,7 +149,7 @@ def fmt_best(value: float | None) -> str:
 
 def plot_extrapolation(rows: list[dict[str, Any]], lengths: list[int], train_len: int, path: Path) -> Path:
     """Left: perplexity against test length (learned positions end at their table). Right: the loss
-    at each position of the longest windows each scheme could read, in bins of 1/32 of it."""
+    at each position of the longest windows each scheme could read (half-octave bins)."""
     import matplotlib
     import matplotlib.ticker
 
@@ -164,11 +165,12 @@ def plot_extrapolation(rows: list[dict[str, Any]], lengths: list[int], train_len
             ax_len.annotate(f"{r['positional']}: no positions past {scored[-1][0] - 1}", scored[-1],
                             textcoords="offset points", xytext=(8, 12), fontsize=8, color=line.get_color())
         curve = torch.tensor(r["loss_by_position"])
-        if len(curve):
-            bin_size = max(1, len(curve) // 32)
-            binned = curve[: len(curve) // bin_size * bin_size].view(-1, bin_size).mean(1)
-            centres = torch.arange(len(binned)) * bin_size + (bin_size + 1) / 2  # 1-based positions
-            ax_pos.plot(centres, binned, label=r["positional"], color=line.get_color())
+        if len(curve):  # mean loss in bins half an octave wide, at 1-based positions
+            octaves = 2 * math.ceil(math.log2(len(curve)))
+            edges = [0, *sorted({min(len(curve), round(2 ** (k / 2))) for k in range(octaves + 1)})]
+            centres = [(lo + 1 + hi) / 2 for lo, hi in pairwise(edges)]
+            binned = [float(curve[lo:hi].mean()) for lo, hi in pairwise(edges)]
+            ax_pos.plot(centres, binned, ".-", label=r["positional"], color=line.get_color())
     for ax in (ax_len, ax_pos):
         ax.axvline(train_len, color="grey", ls="--", lw=1)
         ax.set_xscale("log", base=2)
@@ -179,7 +181,7 @@ def plot_extrapolation(rows: list[dict[str, Any]], lengths: list[int], train_len
     ax_len.set(xlabel="test window length (characters)", ylabel="validation perplexity (per character)",
                title=f"trained on {train_len} characters (dashed line)")
     ax_pos.set(xlabel="position in the window (1 = first)", ylabel="loss at that position (nats)",
-               title="loss by position, longest window each can read")
+               title="loss by position (half-octave bins), longest window each reads")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -220,3 +220,24 @@ def test_loss_by_position_is_the_mean_cross_entropy_of_each_position():
         logits = model(windows[:, :-1]).logits
     expected = torch.nn.functional.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none").mean(0)
     torch.testing.assert_close(curve.float(), expected)
+
+
+COMMITTED = Path(__file__).resolve().parents[2] / "results" / "experiments"
+
+
+@pytest.mark.parametrize("name", ["length-extrapolation", "table3"])
+def test_committed_tables_are_what_the_report_writes_from_the_committed_rows(name, tmp_path):
+    """results/experiments/NAME/results.md and results.csv are the experiment's own report of the
+    rows in results.json (nothing edited by hand), and each row is its variant's result.json."""
+    folder = COMMITTED / name
+    if not (folder / "results.json").is_file():
+        pytest.skip(f"no committed results for {name} yet")
+    committed = json.loads((folder / "results.json").read_text(encoding="utf-8"))
+    for row in committed["rows"]:
+        assert json.loads((folder / row["variant"] / RESULT).read_text(encoding="utf-8")) == row
+    (tmp_path / "experiment.json").write_text((folder / "experiment.json").read_text(encoding="utf-8"),
+                                              encoding="utf-8")
+    experiment = get_experiment(name)
+    experiment.report(committed["rows"], tmp_path, experiment.budget(committed["budget"]))
+    for table in ("results.md", "results.csv"):
+        assert (tmp_path / table).read_text(encoding="utf-8") == (folder / table).read_text(encoding="utf-8")
