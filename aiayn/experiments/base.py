@@ -203,8 +203,9 @@ def prepare_out_dir(experiment: Experiment, out_dir: Path, budget: Budget, *, re
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if manifest_path.is_file():  # keep when and how it was first started; list the resumptions
         first = json.loads(manifest_path.read_text(encoding="utf-8"))
+        resumed = first.get("resumed_with", [])
         manifest.update(started=first.get("started"), command=first.get("command", command),
-                        resumed_with=[*first.get("resumed_with", []), command])
+                        resumed_with=resumed if command in resumed else [*resumed, command])
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2) + "\n")
 
 
