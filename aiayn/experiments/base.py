@@ -42,6 +42,7 @@ from aiayn.train.task import Task
 KIND_EXPERIMENT = "experiment"
 MANIFEST = "experiment.json"
 RESULT = "result.json"
+COST = "cost.json"  # in each variant's run: CPU and wall seconds summed over its sessions
 
 
 class ExperimentError(ConfigError):
@@ -150,14 +151,23 @@ def run_variant(experiment: Experiment, variant: Variant, run_dir: Path, budget:
                        overwrite=state == "new" and run_dir.is_dir() and any(run_dir.iterdir()),
                        progress=progress, echo=echo, make_plots=False)
         if result.interrupted:
+            _add_cost(run_dir, time.process_time() - cpu0, time.perf_counter() - wall0)
             return {"variant": variant.name, "interrupted": True}
     row = {"variant": variant.name, "group": variant.group, "label": variant.label,
            **experiment.measure(variant, run_dir, budget)}
-    # This session's cost (a resumed variant counts only what ran now); kept for the budget note.
-    row["cpu_s"] = round(time.process_time() - cpu0, 1)
-    row["wall_s"] = round(time.perf_counter() - wall0, 1)
+    # The cost over every session of this variant (interrupted ones included), for the budget note.
+    row.update(_add_cost(run_dir, time.process_time() - cpu0, time.perf_counter() - wall0))
     atomic_write_text(run_dir / RESULT, json.dumps(row, indent=2) + "\n")
     return row
+
+
+def _add_cost(run_dir: Path, cpu_s: float, wall_s: float) -> dict[str, float]:
+    """Add one session's CPU and wall seconds to RUN/cost.json; return the totals."""
+    path = run_dir / COST
+    cost = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"cpu_s": 0.0, "wall_s": 0.0}
+    cost = {"cpu_s": round(cost["cpu_s"] + cpu_s, 1), "wall_s": round(cost["wall_s"] + wall_s, 1)}
+    atomic_write_text(path, json.dumps(cost) + "\n")
+    return cost
 
 
 def _worker(name: str, variant: Variant, run_dir: str, budget_name: str, threads: int | None) -> dict[str, Any]:
@@ -334,4 +344,4 @@ def cost_line(rows: list[dict[str, Any]]) -> str:
     cpu = sum(r.get("cpu_s", 0.0) for r in rows)
     wall = sum(r.get("wall_s", 0.0) for r in rows)
     return (f"{len(rows)} variants, {cpu / 60:.1f} min of CPU time and {wall / 60:.1f} min of wall time "
-            f"in all (summed over the variants; a resumed variant counts its last session only)")
+            f"in all (summed over the variants and their sessions)")

@@ -111,6 +111,7 @@ def test_length_extrapolation_end_to_end_then_resume(data, tmp_path):
     resumed = json.loads((rope / RESULT).read_text(encoding="utf-8"))
     for key in ("ppl@16", "ppl@32", "ppl@64"):
         assert resumed[key] == rows["rope"][key]
+    assert resumed["wall_s"] > rows["rope"]["wall_s"]  # the cost adds up over the variant's sessions
 
 
 @pytest.mark.slow
