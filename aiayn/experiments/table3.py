@@ -196,26 +196,37 @@ def _same_direction(ours: float, paper: float, noise: float) -> bool:
 
 
 def plot_table3(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Each variant's change from the base, ours beside the paper's: PPL as a ratio, BLEU as a difference."""
+    """Each variant's change from the base, ours beside the paper's: PPL in per cent, BLEU in points;
+    the grey band is how far the two base runs (seeds 0 and 1) are apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     base = rows[0]
-    shown = [r for r in rows[1:] if r["paper_ppl"] is not None or r["variant"] == "base-seed1"]
-    labels = [f"({r['group']}) {r['label']}" for r in shown]
+    seed = next((r for r in rows if r["variant"] == "base-seed1"), None)
+    shown = [r for r in rows[1:] if r["paper_ppl"] is not None or r is seed]
+    labels = [f"({r['group']}) {r['label']}" + (f"  [paper: {r['paper_row']}]" if r["group"] in "ABC" else "")
+              for r in shown]
     y = list(range(len(shown)))
-    fig, (ax_ppl, ax_bleu) = plt.subplots(1, 2, figsize=(13, 0.38 * len(shown) + 1.6), sharey=True)
+    fig, (ax_ppl, ax_bleu) = plt.subplots(1, 2, figsize=(14, 0.38 * len(shown) + 1.6), sharey=True)
     for ax, key, paper_key, relative in ((ax_ppl, "val_ppl", "paper_ppl", True),
                                          (ax_bleu, "val_bleu", "paper_bleu", False)):
-        ours = [r[key] / base[key] if relative else r[key] - base[key] for r in shown]
-        paper = [(r[paper_key] / base[paper_key] if relative else r[paper_key] - base[paper_key])
-                 if r[paper_key] is not None else float("nan") for r in shown]
+        def change(value: float | None, reference: float, relative: bool = relative) -> float:
+            if value is None:
+                return float("nan")
+            return 100 * (value / reference - 1) if relative else value - reference
+
+        ours = [change(r[key], base[key]) for r in shown]
+        paper = [change(r[paper_key], base[paper_key]) for r in shown]
+        if seed is not None:
+            noise = abs(change(seed[key], base[key]))
+            ax.axvspan(-noise, noise, color="grey", alpha=0.2, label="spread of two base runs")
         ax.barh([i - 0.2 for i in y], ours, height=0.4, label="ours (Multi30k val, small)")
         ax.barh([i + 0.2 for i in y], paper, height=0.4, label="paper (newstest2013)")
-        ax.axvline(1.0 if relative else 0.0, color="black", lw=0.8)
-        ax.set_xlabel("PPL / base PPL (lower is better)" if relative else "BLEU - base BLEU (higher is better)")
+        ax.axvline(0.0, color="black", lw=0.8)
+        ax.set_xlabel("PPL change from the base, % (lower is better)" if relative
+                      else "BLEU change from the base, points (higher is better)")
         ax.legend(fontsize=8)
     ax_ppl.set_yticks(y, labels, fontsize=8)
     ax_ppl.invert_yaxis()

@@ -145,7 +145,7 @@ def test_table3_end_to_end(data, tmp_path):
     table = (tmp_path / "t3" / "results.md").read_text(encoding="utf-8")
     assert "| A | h=1, d_k=d_v=32 |" in table and "| h=1, d_k=d_v=512 | 5.29 | 24.90 | – |" in table
     assert table.count("Here PPL moves the paper's way in") == 5
-    assert png_size(tmp_path / "t3" / "table3.png")[0] == 1300
+    assert png_size(tmp_path / "t3" / "table3.png")[0] == 1400
 
 
 def test_listing_and_errors(data, tmp_path, capsys):
