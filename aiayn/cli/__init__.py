@@ -12,8 +12,8 @@ traceback (``AIAYN_DEBUG=1`` or ``aiayn --debug ...`` shows it). Exit codes:
 
 The commands live by subject: ``train`` (train, tasks, average, presets, kv-cache), ``generate``
 (generate, embed, models), ``translate`` (translate, evaluate, fetch-multi30k), ``plots`` (plot ..., demo),
-``explain`` (the classic questions, measured), ``serve`` (the OpenAI API of ``aiayn.serve``, export),
-``explore`` (the web page of ``aiayn.explore``);
+``explain`` (the classic questions, measured), ``experiments`` (experiment: the paper's tables, small),
+``serve`` (the OpenAI API of ``aiayn.serve``, export), ``explore`` (the web page of ``aiayn.explore``);
 ``app`` holds the command group. No module of the library imports this package.
 """
 
@@ -24,7 +24,16 @@ import sys
 
 import click
 
-from aiayn.cli import explain, explore, generate, plots, serve, train, translate  # noqa: F401  (registers the commands)
+from aiayn.cli import (  # noqa: F401  (registers the commands)
+    experiments,
+    explain,
+    explore,
+    generate,
+    plots,
+    serve,
+    train,
+    translate,
+)
 from aiayn.cli.app import cli, is_main_process
 from aiayn.config import ConfigError
 

@@ -1,0 +1,51 @@
+"""The paper's experiments, small enough for a CPU: ``aiayn experiment NAME``.
+
+Each experiment trains its variants with aiayn's own trainer (one run directory each, resumable),
+measures them and writes a results table (markdown, CSV, JSON) and a plot. The registry maps a
+name to its ``Experiment`` class; a new experiment is one module with an ``@register``ed subclass.
+
+* ``table3`` (``aiayn/experiments/table3.py``): the paper's Table 3 rows (A)-(E) on Multi30k en->de.
+* ``length-extrapolation`` (``aiayn/experiments/length_extrapolation.py``): sinusoidal, learned,
+  RoPE and ALiBi positions trained on 64 characters, scored at 64 ... 1024.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from aiayn.experiments.base import (
+    Budget,
+    Experiment,
+    ExperimentError,
+    ExperimentResult,
+    Variant,
+    run_experiment,
+    run_variant,
+)
+
+__all__ = ["EXPERIMENTS", "Budget", "Experiment", "ExperimentError", "ExperimentResult", "Variant",
+           "get_experiment", "register", "run_experiment", "run_variant"]
+
+EXPERIMENTS: dict[str, type[Experiment]] = {}
+
+
+def register(cls: type[Experiment]) -> type[Experiment]:
+    EXPERIMENTS[cls.name] = cls
+    return cls
+
+
+def get_experiment(name: str) -> Experiment:
+    """The experiment called ``name``; an unknown name is an ExperimentError naming the closest."""
+    from aiayn.experiments import length_extrapolation, table3  # noqa: F401  (register themselves)
+
+    if name not in EXPERIMENTS:
+        close = difflib.get_close_matches(str(name), EXPERIMENTS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ExperimentError(f"unknown experiment {name!r}{hint}; known: {', '.join(sorted(EXPERIMENTS))}")
+    return EXPERIMENTS[name]()
+
+
+def experiment_names() -> list[str]:
+    from aiayn.experiments import length_extrapolation, table3  # noqa: F401
+
+    return sorted(EXPERIMENTS)
