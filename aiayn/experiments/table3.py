@@ -108,7 +108,8 @@ class Table3(Experiment):
                  "positional": "sinusoidal", "padding_free": True, "name": f"table3-{name}"}
         train = {"max_steps": s["steps"], "schedule": "cosine", "warmup_steps": s["warmup"], "optimizer": "adam",
                  "label_smoothing": 0.1, "clip_grad_norm": 1.0, "seed": 0, "eval_every": s["steps"],
-                 "save_every": max(1, s["steps"] // 5), "keep_checkpoints": 1, "log_every": min(50, s["steps"])}
+                 "save_every": max(1, s["steps"] // 5), "keep_checkpoints": 1, "average_last": 0,
+                 "log_every": min(50, s["steps"])}
         for key, value in change.items():
             (train if key in ("seed", "label_smoothing") else model)[key] = value
         # The paper's schedule scales the rate as d_model^-0.5 (eq. 3); so does this cosine's peak.
