@@ -200,6 +200,15 @@ def prompt_ids(lm: TextModel, prompt: str | list[int], what: str) -> list[int]:
     return ids
 
 
+def chat_message(message: Any) -> dict[str, Any]:
+    """A request message as the chat template reads it; OpenAI's "developer" role is the system
+    role of the templates models ship with (many refuse roles they do not know)."""
+    data = message.model_dump(exclude_none=True)
+    if data["role"] == "developer":
+        data["role"] = "system"
+    return data
+
+
 def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: int | None,
                     logprobs: int | None) -> SamplingParams:
     """The engine's parameters, after checking prompt + answer fit the context (400 if not)."""
@@ -295,7 +304,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"{state.served.name} has no chat template; use /v1/completions with a plain prompt",
                            param="messages")
         try:
-            text = lm.chat_template.render([m.model_dump(exclude_none=True) for m in body.messages])
+            text = lm.chat_template.render([chat_message(m) for m in body.messages])
         except InteropError as exc:  # the template refused the messages (e.g. an unknown role order)
             raise APIError(400, f"messages: {exc}", param="messages") from None
         prompts = [prompt_ids(lm, text, "messages")]

@@ -85,6 +85,13 @@ def test_chat_streamed_equals_whole_with_usage_and_done(client, tiny_server):
     assert lines[-1] == "data: [DONE]" and all(json.loads(line[5:]) for line in lines[:-1])
 
 
+def test_the_developer_role_is_the_templates_system_role(client, lm):
+    developer = [{"role": "developer", "content": "Be brief."}, MESSAGES[1]]
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=developer, max_tokens=12, temperature=0)
+    assert answer.usage.prompt_tokens == len(chat_ids(lm))  # rendered as MESSAGES, whose first is "system"
+    assert answer.choices[0].message.content == lm.decode(greedy(lm, chat_ids(lm), 12)[0])
+
+
 def test_completions_of_several_prompts_whole_and_streamed(client, lm):
     prompts = ["The quick brown fox", "Numbers like 123"]
     whole = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=12, temperature=0)
