@@ -131,16 +131,18 @@ def load_translator(run_dir: Path, checkpoint: Path | None = None, *,
 
 
 def load_text_model(run_dir: Path | None = None, model_path: Path | None = None, *,
-                    plain: bool = False) -> TextModel:
+                    plain: bool = False, quantize: str = "none") -> TextModel:
     """A decoder-only model with its text functions, from a run directory of a language-model task
-    (``run_dir``) or a GGUF file / Hugging Face model directory (``model_path``)."""
+    (``run_dir``) or a GGUF file / Hugging Face model directory (``model_path``). ``quantize``:
+    ``aiayn.fast.quantize.lower_precision``'s choices; "auto" and "q4" read a GGUF file's blocks
+    without dequantising them."""
     from aiayn.textgen import TextModel, read_text_model
 
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_text_model takes one of run_dir and model_path")
     if model_path is not None:
-        lm = read_text_model(model_path)
-        lm.model = for_inference(lm.model, plain=plain)
+        lm = read_text_model(model_path, quantize=quantize)
+        lm.model = _lower(for_inference(lm.model, plain=plain), quantize)
         return lm
     assert run_dir is not None
     run = load_run(run_dir, prepare=False)
@@ -148,8 +150,16 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
     if run.model_config.arch != "decoder-only" or tokenizer is None:
         raise RunInputError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
                             f"generation needs a decoder-only language model such as shakespeare-char")
-    return TextModel(for_inference(run.model, plain=plain), lambda text: tokenizer.encode(text).tolist(),
-                     tokenizer.decode, run.model_config.max_seq_len)
+    return TextModel(_lower(for_inference(run.model, plain=plain), quantize),
+                     lambda text: tokenizer.encode(text).tolist(), tokenizer.decode, run.model_config.max_seq_len)
+
+
+def _lower(model: nn.Module, quantize: str) -> nn.Module:
+    if quantize == "none":
+        return model
+    from aiayn.fast.quantize import lower_precision
+
+    return lower_precision(model, quantize)
 
 
 # ---- setting up a run -------------------------------------------------------------------------
