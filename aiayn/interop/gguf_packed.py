@@ -49,18 +49,60 @@ def _blocks_of(tensor: ReaderTensor, rope_heads: int | None, mode: str) -> Block
     rows, k = _torch_shape(tensor)
     kind = tensor.tensor_type.name
     if kind in BLOCK_TYPES and (mode == "auto" or kind in FOUR_BIT_TYPES):
-        u = unpack(kind, np.asarray(tensor.data).reshape(rows, -1), rows, k)
-        parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in (u.values, u.scale)]
-        mins = None if u.mins is None else torch.from_numpy(np.ascontiguousarray(u.mins))
-        values, scale = parts
-        if rope_heads is not None:
-            values, scale = unpermute_rope_rows(values, rope_heads), unpermute_rope_rows(scale, rope_heads)
-            mins = None if mins is None else unpermute_rope_rows(mins, rope_heads)
-        return BlockWeight.from_values(values, scale, mins, offset=u.offset, block=u.block, kind=kind)
+        data = np.asarray(tensor.data).reshape(rows, -1)
+        # Unpacked a slice of rows at a time into the final buffers: the integers take a byte per
+        # weight while unpacking, so a whole 49k-row table at once would briefly take ~3x its size.
+        step = rows if rope_heads is not None else max(1, (1 << 22) // k)  # q/k rows move across heads
+        out: BlockWeight | None = None
+        for r0 in range(0, rows, step):
+            u = unpack(kind, data[r0:r0 + step], min(step, rows - r0), k)
+            values, scale = torch.from_numpy(np.ascontiguousarray(u.values)), torch.from_numpy(u.scale.copy())
+            mins = None if u.mins is None else torch.from_numpy(u.mins.copy())
+            if rope_heads is not None:
+                values, scale = unpermute_rope_rows(values, rope_heads), unpermute_rope_rows(scale, rope_heads)
+                mins = None if mins is None else unpermute_rope_rows(mins, rope_heads)
+            part = BlockWeight.from_values(values, scale, mins, offset=u.offset, block=u.block, kind=kind)
+            if out is None:
+                if step >= rows:
+                    return part
+                out = _empty_like_rows(part, rows)
+            for dst, src in ((out.q, part.q), (out.scale, part.scale), (out.mins, part.mins)):
+                if dst is not None and src is not None:
+                    dst[r0:r0 + step] = src
+        assert out is not None
+        return out
     weight = dequantize_tensor(tensor)
     if rope_heads is not None:
         weight = unpermute_rope_rows(weight, rope_heads)
     return quantize_blocks_q4(weight)
+
+
+def _release_pages(tensor: ReaderTensor) -> None:
+    """Drop the file pages a tensor was read through from this process's resident memory (the
+    file is memory-mapped read-only: ``MADV_DONTNEED`` only forgets them; touched again, they are
+    read again). Without this the whole file would sit in the peak resident memory beside its
+    packed copy. Best effort: a reader without a memory map is left alone."""
+    import mmap
+
+    array, base = tensor.data, tensor.data
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    mapped = getattr(base, "_mmap", None)
+    if mapped is None or not hasattr(mapped, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = array.ctypes.data - np.frombuffer(mapped, np.uint8).ctypes.data  # bytes into the mapping
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(start + array.nbytes, len(mapped))
+    if 0 <= first < end:
+        mapped.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def _empty_like_rows(part: BlockWeight, rows: int) -> BlockWeight:
+    def grown(t: Tensor) -> Tensor:
+        return torch.empty((rows, t.shape[1]), dtype=t.dtype)
+
+    return BlockWeight(grown(part.q), grown(part.scale), None if part.mins is None else grown(part.mins),
+                       part.offset, part.block, part.nibbles, part.k, part.kind)
 
 
 def _stack(parts: list[BlockWeight]) -> BlockWeight:
@@ -129,6 +171,8 @@ def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], sou
         is_matrix = attr == "weight" and isinstance(module, (nn.Linear, nn.Embedding))
         if is_matrix and _packable(module, [by_name[s] for s in rule.theirs], mode):
             weight = _stack([_blocks_of(by_name[s], rope_heads(s), mode) for s in rule.theirs])
+            for s in rule.theirs:
+                _release_pages(by_name[s])
             setattr(parent, child, BlockEmbedding(weight) if isinstance(module, nn.Embedding) else BlockLinear(weight))
         elif isinstance(module, BlockLinear) and attr == "bias":
             module.bias = torch.cat([float_value(s) for s in rule.theirs])
