@@ -19,9 +19,9 @@ The kernel quantises each row of activations per block to int8 (as llama.cpp doe
 integer products exactly with AVX-512 VNNI, and scales each block's sum in float32. Its error
 against the dequantised matrix is bounded per output: |y - x W^T| <= sum_b (dx_b / 2) *
 sum_{k in b} |w_k - min_b| + float32 rounding, dx_b = max |x_k| / 127 over the block
-(``error_bound``; tests/unit/test_q4.py checks it on every supported type). With many rows (a
-prefill) the layer dequantises the matrix once per call and uses the float matmul instead, where
-that is faster (``DEQUANTIZE_MIN_ROWS``).
+(``error_bound``; tests/parity/test_q4_kernel.py checks it on every supported type). The same
+kernel serves every number of rows: at 512 (a prefill) it ran ~2x faster than dequantising the
+matrix and multiplying in float32 through oneDNN (``python -m benchmarks.q4``).
 
 ``quantize_q4_(model)`` (``lower_precision(model, "q4")``) turns a float model's linear layers into
 4-bit ones (Q4_1's scheme: per 32 inputs, scale = (max - min) / 15, q = round((w - min) / scale));
@@ -38,44 +38,47 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.fast import q4_build, switch
+from aiayn.fast.onednn import onednn_linear, use_onednn
 
-CHUNK = 64  # rows are padded to a multiple of 64 inputs: the kernel's step
+GROUP = 16  # rows interleaved together in memory: the 16 int32 lanes of an AVX-512 vector
 Q4_BLOCK = 32  # the block of quantize_q4_ (Q4_1's)
-# From this many activation rows on (a prefill), dequantising the matrix once and calling the
-# float matmul beats the integer kernel (``python -m benchmarks.q4``).
-DEQUANTIZE_MIN_ROWS = 32
 
 
 @dataclass
 class BlockWeight:
-    """A (n, k) matrix in blocks: see the module docstring. ``kind`` names its source (e.g. "Q4_1")."""
+    """An (n, k) matrix in blocks: see the module docstring. ``kind`` names its source (e.g. "Q4_1").
 
-    q: Tensor  # (n, kp / 2) uint8 nibbles, or (n, kp) uint8
-    scale: Tensor  # (n, kp / block) float32
-    mins: Tensor | None  # (n, kp / block) float32, or None
+    Memory layout (what the kernel reads; rows interleaved by 16, n padded to a multiple of 16):
+    ``q`` (n/16, k/block * block/2 * 16) uint8 for nibbles, (n/16, k/block * block * 16) for bytes,
+    unit by unit of 64 bytes = 16 rows x 4 consecutive inputs (a nibble unit u holds inputs 4u..4u+3
+    in its low nibbles and 4(u + block/8).. in its high ones); ``scale``, ``mins`` (n/16, k/block * 16).
+    """
+
+    q: Tensor
+    scale: Tensor
+    mins: Tensor | None
     offset: int
     block: int
     nibbles: bool
+    n: int
     k: int
     kind: str
-
-    @property
-    def n(self) -> int:
-        return self.q.shape[0]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.mins) if t is not None)
 
+    @property
+    def groups(self) -> int:
+        return self.q.shape[0]
+
     @classmethod
     def from_values(cls, values: Tensor, scale: Tensor, mins: Tensor | None, *, offset: int, block: int,
                     kind: str, nibbles: bool | None = None) -> BlockWeight:
-        """values (n, k) integers in [0, 256) (in [0, 16) for nibbles), scale and mins (n, k / block).
-
-        Pads k to a multiple of 64 (zero scales and mins) and packs nibbles two per byte: byte j of
-        each 32-byte chunk holds input j (low nibble) and input 32 + j (high nibble)."""
+        """values (n, k) integers in [0, 256) (in [0, 16) for nibbles), scale and mins (n, k / block),
+        laid out as the class docstring says."""
         n, k = values.shape
-        if block not in (16, 32) or k % block:
+        if block not in (16, 32) or k % block or k == 0:
             raise ValueError(f"blocks of {block} inputs cannot tile rows of {k}; aiayn packs blocks of 16 or 32")
         if scale.shape != (n, k // block) or (mins is not None and mins.shape != scale.shape):
             raise ValueError(f"scales of shape {tuple(scale.shape)} do not match {n} rows of {k // block} blocks")
@@ -84,43 +87,52 @@ class BlockWeight:
             nibbles = top < 16
         if top >= (16 if nibbles else 256) or (values.numel() and int(values.min()) < 0):
             raise ValueError(f"block values must lie in [0, {16 if nibbles else 256}), got max {top}")
-        kp = -(-k // CHUNK) * CHUNK
-        v = F.pad(values.to(torch.uint8), (0, kp - k))  # (n, kp)
+        groups, nb, quads = -(-n // GROUP), k // block, block // 4
+        pad = groups * GROUP - n
+        v = F.pad(values.to(torch.uint8), (0, 0, 0, pad)).reshape(groups, GROUP, nb, quads, 4)
+        v = v.permute(0, 2, 3, 1, 4)  # (groups, blocks, quads, 16 rows, 4 inputs)
         if nibbles:
-            v = v.reshape(n, kp // CHUNK, 2, 32)
-            v = (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, kp // 2)
-        pad_blocks = (kp - k) // block
-        scale = F.pad(scale.float(), (0, pad_blocks)).contiguous()
-        mins = None if mins is None else F.pad(mins.float(), (0, pad_blocks)).contiguous()
-        return cls(v.contiguous(), scale, mins, int(offset), block, bool(nibbles), k, kind)
+            v = v[:, :, : quads // 2] | (v[:, :, quads // 2:] << 4)
+
+        def grouped(t: Tensor) -> Tensor:  # (n, nb) -> (groups, nb * 16)
+            t = F.pad(t.float(), (0, 0, 0, pad)).reshape(groups, GROUP, nb)
+            return t.transpose(1, 2).reshape(groups, nb * GROUP).contiguous()
+
+        return cls(v.reshape(groups, -1).contiguous(), grouped(scale), None if mins is None else grouped(mins),
+                   int(offset), block, bool(nibbles), n, k, kind)
 
     def values(self) -> Tensor:
-        """The integers q (n, k) as uint8."""
-        if not self.nibbles:
-            return self.q[:, : self.k]
-        kp = self.q.shape[1] * 2
-        packed = self.q.reshape(self.n, kp // CHUNK, 1, 32)
-        both = torch.cat((packed & 0x0F, packed >> 4), dim=2)  # (n, chunks, 2, 32)
-        return both.reshape(self.n, kp)[:, : self.k]
+        """The integers q (n, k) as uint8, in row order."""
+        nb, quads = self.k // self.block, self.block // 4
+        units = quads // 2 if self.nibbles else quads
+        v = self.q.reshape(self.groups, nb, units, GROUP, 4)
+        if self.nibbles:
+            v = torch.cat((v & 0x0F, v >> 4), dim=2)  # (groups, nb, quads, 16, 4)
+        return v.permute(0, 3, 1, 2, 4).reshape(self.groups * GROUP, self.k)[: self.n]
+
+    def row_scales(self) -> tuple[Tensor, Tensor | None]:
+        """scale and mins as (n, k / block), in row order."""
+        nb = self.k // self.block
+
+        def rows(t: Tensor) -> Tensor:
+            return t.reshape(self.groups, nb, GROUP).transpose(1, 2).reshape(-1, nb)[: self.n]
+
+        return rows(self.scale), None if self.mins is None else rows(self.mins)
 
     def dequantize_rows(self, rows: Tensor | None = None) -> Tensor:
         """Float32 w (n, k) (or the given rows, (r,) long -> (r, k)), computed as scale * (q - offset)
         + min in float32, the order the ``gguf`` package uses, so that both give the same floats."""
-        q, scale, mins = self.q, self.scale, self.mins
+        ops = q4_build.OPS if switch.enabled() else None
+        if ops is not None and self.q.device.type == "cpu":
+            return ops.dequantize(self.q, self.scale, self.mins, self.offset, self.block, self.nibbles, self.n,
+                                  self.k, rows)
+        values, (scale, mins) = self.values(), self.row_scales()
         if rows is not None:
-            q, scale = q[rows], scale[rows]
-            mins = None if mins is None else mins[rows]
-        part = BlockWeight(q, scale, mins, self.offset, self.block, self.nibbles, self.k, self.kind)
-        v = part.values().float() - self.offset  # exact: small integers
-        w = scale[:, : self.k // self.block].repeat_interleave(self.block, dim=1) * v
+            values, scale, mins = values[rows], scale[rows], None if mins is None else mins[rows]
+        w = scale.repeat_interleave(self.block, dim=1) * (values.float() - self.offset)  # exact: small integers
         if mins is not None:
-            w = w + mins[:, : self.k // self.block].repeat_interleave(self.block, dim=1)
+            w = w + mins.repeat_interleave(self.block, dim=1)
         return w
-
-    def rows_of(self, start: int, stop: int) -> BlockWeight:
-        return BlockWeight(self.q[start:stop], self.scale[start:stop],
-                           None if self.mins is None else self.mins[start:stop], self.offset, self.block,
-                           self.nibbles, self.k, self.kind)
 
 
 def error_bound(x: Tensor, weight: BlockWeight) -> Tensor:
@@ -130,8 +142,9 @@ def error_bound(x: Tensor, weight: BlockWeight) -> Tensor:
     m, k, block = x.shape[0], weight.k, weight.block
     dx = x.reshape(m, k // block, block).abs().amax(-1) / 127  # (m, b)
     w = weight.dequantize_rows()
-    if weight.mins is not None:
-        w = w - weight.mins[:, : k // block].repeat_interleave(block, dim=1)
+    mins = weight.row_scales()[1]
+    if mins is not None:
+        w = w - mins.repeat_interleave(block, dim=1)
     absw = w.abs().reshape(weight.n, k // block, block).sum(-1)  # (n, b)
     return (dx / 2) @ absw.T
 
@@ -141,14 +154,10 @@ def block_matmul(x: Tensor, weight: BlockWeight) -> Tensor:
     dequantised matrix through F.linear."""
     ops = q4_build.OPS if switch.enabled() else None
     if ops is None or x.device.type != "cpu":
-        return F.linear(x, weight.dequantize_rows().to(x.device))
-    x = x.contiguous()
-    if x.shape[0] >= DEQUANTIZE_MIN_ROWS:
-        w = ops.dequantize(weight.q, weight.scale, weight.mins, weight.offset, weight.block, weight.nibbles,
-                           weight.k)
-        return F.linear(x, w)
-    return ops.matmul(x, weight.q, weight.scale, weight.mins, weight.offset, weight.block, weight.nibbles,
-                      weight.k)
+        w = weight.dequantize_rows().to(x.device)
+        return onednn_linear(x, w) if use_onednn(x, w) else F.linear(x, w)
+    return ops.matmul(x.contiguous(), weight.q, weight.scale, weight.mins, weight.offset, weight.block,
+                      weight.nibbles, weight.n, weight.k)
 
 
 class BlockLinear(nn.Module):
@@ -167,7 +176,7 @@ class BlockLinear(nn.Module):
     @property
     def weight_blocks(self) -> BlockWeight:
         return BlockWeight(self.q, self.scale, self.mins, self.offset, self.block, self.nibbles,
-                           self.in_features, self.kind)
+                           self.out_features, self.in_features, self.kind)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> BlockLinear:
@@ -206,7 +215,7 @@ class BlockEmbedding(nn.Module):
     @property
     def weight_blocks(self) -> BlockWeight:
         return BlockWeight(self.q, self.scale, self.mins, self.offset, self.block, self.nibbles,
-                           self.embedding_dim, self.kind)
+                           self.num_embeddings, self.embedding_dim, self.kind)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens (...) long -> (..., d) float32."""

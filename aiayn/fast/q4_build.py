@@ -62,12 +62,12 @@ def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing (the ops allocate their results themselves)."""
 
     @torch.library.register_fake("aiayn_q4::matmul")
-    def _matmul(x, q, scale, mins, offset, block, nibbles, k):  # type: ignore[no-untyped-def]
-        return x.new_empty(x.shape[0], q.shape[0])
+    def _matmul(x, q, scale, mins, offset, block, nibbles, n, k):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("aiayn_q4::dequantize")
-    def _dequantize(q, scale, mins, offset, block, nibbles, k):  # type: ignore[no-untyped-def]
-        return scale.new_empty(q.shape[0], k)
+    def _dequantize(q, scale, mins, offset, block, nibbles, n, k, rows):  # type: ignore[no-untyped-def]
+        return scale.new_empty(n if rows is None else rows.numel(), k)
 
 
 def has_vnni() -> bool:

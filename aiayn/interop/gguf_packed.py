@@ -52,7 +52,7 @@ def _blocks_of(tensor: ReaderTensor, rope_heads: int | None, mode: str) -> Block
         data = np.asarray(tensor.data).reshape(rows, -1)
         # Unpacked a slice of rows at a time into the final buffers: the integers take a byte per
         # weight while unpacking, so a whole 49k-row table at once would briefly take ~3x its size.
-        step = rows if rope_heads is not None else max(1, (1 << 22) // k)  # q/k rows move across heads
+        step = rows if rope_heads is not None else max(16, (1 << 22) // k // 16 * 16)  # whole 16-row groups
         out: BlockWeight | None = None
         for r0 in range(0, rows, step):
             u = unpack(kind, data[r0:r0 + step], min(step, rows - r0), k)
@@ -66,9 +66,10 @@ def _blocks_of(tensor: ReaderTensor, rope_heads: int | None, mode: str) -> Block
                 if step >= rows:
                     return part
                 out = _empty_like_rows(part, rows)
+            g0 = r0 // 16
             for dst, src in ((out.q, part.q), (out.scale, part.scale), (out.mins, part.mins)):
                 if dst is not None and src is not None:
-                    dst[r0:r0 + step] = src
+                    dst[g0:g0 + src.shape[0]] = src
         assert out is not None
         return out
     weight = dequantize_tensor(tensor)
@@ -99,10 +100,10 @@ def _release_pages(tensor: ReaderTensor) -> None:
 
 def _empty_like_rows(part: BlockWeight, rows: int) -> BlockWeight:
     def grown(t: Tensor) -> Tensor:
-        return torch.empty((rows, t.shape[1]), dtype=t.dtype)
+        return torch.empty((-(-rows // 16), t.shape[1]), dtype=t.dtype)
 
     return BlockWeight(grown(part.q), grown(part.scale), None if part.mins is None else grown(part.mins),
-                       part.offset, part.block, part.nibbles, part.k, part.kind)
+                       part.offset, part.block, part.nibbles, rows, part.k, part.kind)
 
 
 def _stack(parts: list[BlockWeight]) -> BlockWeight:
@@ -110,20 +111,14 @@ def _stack(parts: list[BlockWeight]) -> BlockWeight:
     (bytes, the smallest block, the largest offset with values shifted to it, zero mins where absent)."""
     if len(parts) == 1:
         return parts[0]
-    same = {(p.nibbles, p.block, p.offset, p.mins is None, p.k) for p in parts}
-    if len(same) == 1:
-        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
-        first = parts[0]
-        return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), mins,
-                           first.offset, first.block, first.nibbles, first.k, first.kind)
     block, offset = min(p.block for p in parts), max(p.offset for p in parts)
     nibbles = all(p.nibbles for p in parts) and len({p.offset for p in parts}) == 1
     values, scales, mins = [], [], []
     for p in parts:
-        nb = p.k // p.block
+        scale, m = p.row_scales()
         values.append(p.values().to(torch.int16) + (offset - p.offset))
-        scales.append(p.scale[:, :nb].repeat_interleave(p.block // block, dim=1))
-        m = torch.zeros_like(p.scale[:, :nb]) if p.mins is None else p.mins[:, :nb]
+        scales.append(scale.repeat_interleave(p.block // block, dim=1))
+        m = torch.zeros_like(scale) if m is None else m
         mins.append(m.repeat_interleave(p.block // block, dim=1))
     any_mins = any(p.mins is not None for p in parts)
     kind = "+".join(dict.fromkeys(p.kind for p in parts))
