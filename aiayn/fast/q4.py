@@ -51,7 +51,8 @@ class BlockWeight:
     Memory layout (what the kernel reads; rows interleaved by 16, n padded to a multiple of 16):
     ``q`` (n/16, k/block * block/2 * 16) uint8 for nibbles, (n/16, k/block * block * 16) for bytes,
     unit by unit of 64 bytes = 16 rows x 4 consecutive inputs (a nibble unit u holds inputs 4u..4u+3
-    in its low nibbles and 4(u + block/8).. in its high ones); ``scale``, ``mins`` (n/16, k/block * 16).
+    in its low nibbles and 4(u + block/8).. in its high ones); ``scale``, ``mins`` (n/16, k/block * 16),
+    float16 where every value is exactly one (the GGUF legacy types), else float32.
     """
 
     q: Tensor
@@ -94,9 +95,14 @@ class BlockWeight:
         if nibbles:
             v = v[:, :, : quads // 2] | (v[:, :, quads // 2:] << 4)
 
+        # float16 where every scale and min is one exactly (GGUF's legacy types store them so): a
+        # quarter fewer bytes to read per weight for Q4_1; float32 otherwise (K-quants' products).
+        exact16 = all(torch.equal(t.float().half().float(), t.float()) for t in (scale, mins) if t is not None)
+        kept = torch.float16 if exact16 else torch.float32
+
         def grouped(t: Tensor) -> Tensor:  # (n, nb) -> (groups, nb * 16)
             t = F.pad(t.float(), (0, 0, 0, pad)).reshape(groups, GROUP, nb)
-            return t.transpose(1, 2).reshape(groups, nb * GROUP).contiguous()
+            return t.transpose(1, 2).reshape(groups, nb * GROUP).to(kept).contiguous()
 
         return cls(v.reshape(groups, -1).contiguous(), grouped(scale), None if mins is None else grouped(mins),
                    int(offset), block, bool(nibbles), n, k, kind)
@@ -115,7 +121,7 @@ class BlockWeight:
         nb = self.k // self.block
 
         def rows(t: Tensor) -> Tensor:
-            return t.reshape(self.groups, nb, GROUP).transpose(1, 2).reshape(-1, nb)[: self.n]
+            return t.float().reshape(self.groups, nb, GROUP).transpose(1, 2).reshape(-1, nb)[: self.n]
 
         return rows(self.scale), None if self.mins is None else rows(self.mins)
 

@@ -9,7 +9,7 @@
 //              inputs 4u..4u+3 of the block;
 //   q nibbles: (n / 16, k / B, U = B / 8, 16, 4); the low nibbles of unit u are inputs 4u..4u+3,
 //              the high nibbles inputs 4(u + B/8)..4(u + B/8)+3;
-//   scale, min: (n / 16, k / B, 16) float32.
+//   scale, min: (n / 16, k / B, 16) float32, or float16 (where every value is one exactly).
 // n is padded to a multiple of 16 (zero scales and mins).
 //
 // y = x W^T is computed the way llama.cpp does on the CPU: each row of x is quantised per block to
@@ -21,12 +21,14 @@
 // Without AVX-512 VNNI the same arithmetic runs as plain C++ loops.
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -85,7 +87,20 @@ Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_
   return a;
 }
 
+// 16 scales (or mins) as float32: stored float32, or float16 widened exactly.
+template <typename S>
+inline float scalar(const S* p) { return static_cast<float>(*p); }
+
 #if AIAYN_VNNI
+template <typename S>
+inline __m512 load16(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -93,9 +108,9 @@ inline __m512i bcast4(const int8_t* p) {
 }
 
 // y[m, 16 g .. 16 g + 15] for the kTile activation rows m0.. and row group g.
-template <bool kNibbles, int kBlock, bool kMin, int kTile>
-inline void group_rows(const Activations& a, int64_t m0, const uint8_t* q, const float* scale,
-                       const float* mins, int64_t offset, float* y, int64_t y_stride, __mmask16 store) {
+template <typename S, bool kNibbles, int kBlock, bool kMin, int kTile>
+inline void group_rows(const Activations& a, int64_t m0, const uint8_t* q, const S* scale,
+                       const S* mins, int64_t offset, float* y, int64_t y_stride, __mmask16 store) {
   constexpr int kQuads = kBlock / 4, kUnits = kNibbles ? kQuads / 2 : kQuads;
   const int64_t nb = a.nb;
   __m512 acc[kTile];
@@ -126,12 +141,12 @@ inline void group_rows(const Activations& a, int64_t m0, const uint8_t* q, const
         }
       }
     }
-    const __m512 sc = _mm512_loadu_ps(scale + b * kGroup);
+    const __m512 sc = load16(scale + b * kGroup);
     for (int t = 0; t < kTile; ++t) {
       const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(lo[t], hi[t]));
       acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(sc, _mm512_set1_ps(a.dx[(m0 + t) * nb + b])), acc[t]);
       if constexpr (kMin) {
-        acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(mins + b * kGroup), _mm512_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[t]);
+        acc[t] = _mm512_fmadd_ps(load16(mins + b * kGroup), _mm512_set1_ps(a.xsum[(m0 + t) * nb + b]), acc[t]);
       }
     }
   }
@@ -140,9 +155,9 @@ inline void group_rows(const Activations& a, int64_t m0, const uint8_t* q, const
 #endif
 
 // The same sums in plain C++ (CPUs without AVX-512 VNNI).
-template <bool kNibbles, int kBlock, bool kMin>
-void group_rows_scalar(const Activations& a, int64_t m, const uint8_t* q, const float* scale,
-                       const float* mins, int64_t offset, float* y, int64_t live) {
+template <typename S, bool kNibbles, int kBlock, bool kMin>
+void group_rows_scalar(const Activations& a, int64_t m, const uint8_t* q, const S* scale,
+                       const S* mins, int64_t offset, float* y, int64_t live) {
   constexpr int kQuads = kBlock / 4, kUnits = kNibbles ? kQuads / 2 : kQuads;
   for (int64_t r = 0; r < live; ++r) {
     float v = 0.f;
@@ -161,15 +176,15 @@ void group_rows_scalar(const Activations& a, int64_t m, const uint8_t* q, const 
           }
         }
       }
-      v += static_cast<float>(s) * (scale[b * kGroup + r] * a.dx[m * a.nb + b]);
-      if constexpr (kMin) v += mins[b * kGroup + r] * a.xsum[m * a.nb + b];
+      v += static_cast<float>(s) * (scalar(scale + b * kGroup + r) * a.dx[m * a.nb + b]);
+      if constexpr (kMin) v += scalar(mins + b * kGroup + r) * a.xsum[m * a.nb + b];
     }
     y[r] = v;
   }
 }
 
-template <bool kNibbles, int kBlock, bool kMin>
-void matmul_groups(const Activations& a, const uint8_t* q, const float* scale, const float* mins,
+template <typename S, bool kNibbles, int kBlock, bool kMin>
+void matmul_groups(const Activations& a, const uint8_t* q, const S* scale, const S* mins,
                    int64_t offset, int64_t n, float* y) {
   const int64_t groups = (n + kGroup - 1) / kGroup;
   const int64_t group_bytes = a.nb * (kNibbles ? kBlock / 2 : kBlock) * kGroup;
@@ -179,23 +194,23 @@ void matmul_groups(const Activations& a, const uint8_t* q, const float* scale, c
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* qg = q + g * group_bytes;
-      const float* sg = scale + g * a.nb * kGroup;
-      const float* mg = kMin ? mins + g * a.nb * kGroup : nullptr;
+      const S* sg = scale + g * a.nb * kGroup;
+      const S* mg = kMin ? mins + g * a.nb * kGroup : nullptr;
       const int64_t live = std::min<int64_t>(kGroup, n - g * kGroup);
 #if AIAYN_VNNI
       const __mmask16 store = static_cast<__mmask16>((1u << live) - 1u);
       float* yg = y + g * kGroup;
       int64_t m = 0;
-      for (; m + 4 <= a.rows; m += 4) group_rows<kNibbles, kBlock, kMin, 4>(a, m, qg, sg, mg, offset, yg, n, store);
+      for (; m + 4 <= a.rows; m += 4) group_rows<S, kNibbles, kBlock, kMin, 4>(a, m, qg, sg, mg, offset, yg, n, store);
       switch (a.rows - m) {
-        case 3: group_rows<kNibbles, kBlock, kMin, 3>(a, m, qg, sg, mg, offset, yg, n, store); break;
-        case 2: group_rows<kNibbles, kBlock, kMin, 2>(a, m, qg, sg, mg, offset, yg, n, store); break;
-        case 1: group_rows<kNibbles, kBlock, kMin, 1>(a, m, qg, sg, mg, offset, yg, n, store); break;
+        case 3: group_rows<S, kNibbles, kBlock, kMin, 3>(a, m, qg, sg, mg, offset, yg, n, store); break;
+        case 2: group_rows<S, kNibbles, kBlock, kMin, 2>(a, m, qg, sg, mg, offset, yg, n, store); break;
+        case 1: group_rows<S, kNibbles, kBlock, kMin, 1>(a, m, qg, sg, mg, offset, yg, n, store); break;
         default: break;
       }
 #else
       for (int64_t m = 0; m < a.rows; ++m) {
-        group_rows_scalar<kNibbles, kBlock, kMin>(a, m, qg, sg, mg, offset, y + m * n + g * kGroup, live);
+        group_rows_scalar<S, kNibbles, kBlock, kMin>(a, m, qg, sg, mg, offset, y + m * n + g * kGroup, live);
       }
 #endif
     }
@@ -209,12 +224,28 @@ void check_weights(const at::Tensor& q, const at::Tensor& scale, const c10::opti
   const int64_t groups = (n + kGroup - 1) / kGroup, nb = k / block;
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.numel() == groups * nb * (nibbles ? block / 2 : block) * kGroup,
               "q4: the weights must be ", groups * nb * (nibbles ? block / 2 : block) * kGroup, " contiguous bytes for n=", n, ", k=", k);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == groups * nb * kGroup,
-              "q4: the scales must be ", groups * nb * kGroup, " contiguous float32 values");
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf) && scale.is_contiguous() &&
+                  scale.numel() == groups * nb * kGroup,
+              "q4: the scales must be ", groups * nb * kGroup, " contiguous float32 or float16 values");
   if (mins.has_value()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->numel() == scale.numel(),
+    TORCH_CHECK(mins->scalar_type() == scale.scalar_type() && mins->is_contiguous() && mins->numel() == scale.numel(),
                 "q4: the mins must match the scales");
   }
+}
+
+template <typename S>
+void dispatch(const Activations& a, const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+              int64_t offset, int64_t block, bool nibbles, int64_t n, float* yp) {
+  const S* m = mins.has_value() ? mins->data_ptr<S>() : nullptr;
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const S* sp = scale.data_ptr<S>();
+  const bool has_min = m != nullptr;
+#define AIAYN_CALL(NIB, BLK, MIN) matmul_groups<S, NIB, BLK, MIN>(a, qp, sp, m, offset, n, yp)
+  if (nibbles && block == 32) { if (has_min) AIAYN_CALL(true, 32, true); else AIAYN_CALL(true, 32, false); }
+  else if (nibbles) { if (has_min) AIAYN_CALL(true, 16, true); else AIAYN_CALL(true, 16, false); }
+  else if (block == 32) { if (has_min) AIAYN_CALL(false, 32, true); else AIAYN_CALL(false, 32, false); }
+  else { if (has_min) AIAYN_CALL(false, 16, true); else AIAYN_CALL(false, 16, false); }
+#undef AIAYN_CALL
 }
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
@@ -227,43 +258,21 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   at::Tensor y = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return y;
   const Activations a = quantize_activations(x.data_ptr<float>(), rows, k, block);
-  const float* m = mins.has_value() ? mins->data_ptr<float>() : nullptr;
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const bool has_min = m != nullptr;
-#define AIAYN_CALL(NIB, BLK, MIN) matmul_groups<NIB, BLK, MIN>(a, qp, sp, m, offset, n, yp)
-  if (nibbles && block == 32) { if (has_min) AIAYN_CALL(true, 32, true); else AIAYN_CALL(true, 32, false); }
-  else if (nibbles) { if (has_min) AIAYN_CALL(true, 16, true); else AIAYN_CALL(true, 16, false); }
-  else if (block == 32) { if (has_min) AIAYN_CALL(false, 32, true); else AIAYN_CALL(false, 32, false); }
-  else { if (has_min) AIAYN_CALL(false, 16, true); else AIAYN_CALL(false, 16, false); }
-#undef AIAYN_CALL
+  if (scale.scalar_type() == at::kHalf) {
+    dispatch<at::Half>(a, q, scale, mins, offset, block, nibbles, n, y.data_ptr<float>());
+  } else {
+    dispatch<float>(a, q, scale, mins, offset, block, nibbles, n, y.data_ptr<float>());
+  }
   return y;
 }
 
 // W's rows (all n, or the given ones) as float32 (r, k): scale * (q - offset) + min, in that
 // order (as the gguf package computes it).
-at::Tensor q4_dequantize(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
-                         int64_t offset, int64_t block, bool nibbles, int64_t n, int64_t k,
-                         const c10::optional<at::Tensor>& rows) {
-  check_weights(q, scale, mins, block, nibbles, n, k);
+template <typename S>
+void dequantize_rows(const uint8_t* qp, const S* sp, const S* mp, int64_t offset, int64_t block, bool nibbles,
+                     int64_t k, const int64_t* ip, int64_t count, float* wp) {
   const int64_t nb = k / block, units = nibbles ? block / 8 : block / 4;
   const int64_t group_bytes = nb * units * kUnit;
-  at::Tensor index;
-  if (rows.has_value()) {
-    index = rows->contiguous();
-    TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1, "q4: rows must be a 1-D long tensor");
-  }
-  const int64_t count = rows.has_value() ? index.numel() : n;
-  const int64_t* ip = rows.has_value() ? index.data_ptr<int64_t>() : nullptr;
-  for (int64_t i = 0; i < (ip != nullptr ? count : 0); ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "q4: row ", ip[i], " is out of range for ", n, " rows");
-  }
-  at::Tensor w = at::empty({count, k}, scale.options());
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* mp = mins.has_value() ? mins->data_ptr<float>() : nullptr;
-  float* wp = w.data_ptr<float>();
   at::parallel_for(0, count, 16, [&](int64_t i0, int64_t i1) {
     uint8_t values[32];
     for (int64_t i = i0; i < i1; ++i) {
@@ -282,10 +291,10 @@ at::Tensor q4_dequantize(const at::Tensor& q, const at::Tensor& scale, const c10
           }
         }
         const int64_t at = (g * nb + b) * kGroup + lane;
-        const float s = sp[at];
+        const float s = scalar(sp + at);
         float* out = wp + i * k + b * block;
         if (mp != nullptr) {
-          const float m = mp[at];
+          const float m = scalar(mp + at);
           for (int64_t c = 0; c < block; ++c) out[c] = s * static_cast<float>(values[c] - offset) + m;
         } else {
           for (int64_t c = 0; c < block; ++c) out[c] = s * static_cast<float>(values[c] - offset);
@@ -293,6 +302,32 @@ at::Tensor q4_dequantize(const at::Tensor& q, const at::Tensor& scale, const c10
       }
     }
   });
+}
+
+at::Tensor q4_dequantize(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& mins,
+                         int64_t offset, int64_t block, bool nibbles, int64_t n, int64_t k,
+                         const c10::optional<at::Tensor>& rows) {
+  check_weights(q, scale, mins, block, nibbles, n, k);
+  at::Tensor index;
+  if (rows.has_value()) {
+    index = rows->contiguous();
+    TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1, "q4: rows must be a 1-D long tensor");
+  }
+  const int64_t count = rows.has_value() ? index.numel() : n;
+  const int64_t* ip = rows.has_value() ? index.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < (ip != nullptr ? count : 0); ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "q4: row ", ip[i], " is out of range for ", n, " rows");
+  }
+  at::Tensor w = at::empty({count, k}, q.options().dtype(at::kFloat));
+  if (scale.scalar_type() == at::kHalf) {
+    dequantize_rows<at::Half>(q.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
+                              mins.has_value() ? mins->data_ptr<at::Half>() : nullptr, offset, block, nibbles, k,
+                              ip, count, w.data_ptr<float>());
+  } else {
+    dequantize_rows<float>(q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                           mins.has_value() ? mins->data_ptr<float>() : nullptr, offset, block, nibbles, k, ip,
+                           count, w.data_ptr<float>());
+  }
   return w;
 }
 

@@ -65,8 +65,13 @@ def test_bits_per_weight_and_storage():
     q80, _ = block_weight("Q8_0", 16, 512)
     assert q41.nibbles and q41.q.shape == (1, 16 * 256) and q41.mins is not None  # one group of 16 rows
     assert not q80.nibbles and q80.q.shape == (1, 16 * 512) and q80.mins is None and q80.offset == 128
-    assert 8 * q41.nbytes / (16 * 512) == 6.0  # 4 bits + two float32 per 32 weights
-    assert 8 * q80.nbytes / (16 * 512) == 9.0
+    # GGUF's float16 scales are kept as float16: the bytes of the file, 5 and 8.5 bits per weight
+    assert q41.scale.dtype == q41.mins.dtype == q80.scale.dtype == torch.float16
+    assert 8 * q41.nbytes / (16 * 512) == 5.0
+    assert 8 * q80.nbytes / (16 * 512) == 8.5
+    q4k, _ = block_weight("Q4_K", 16, 512)  # d * sub-scale products: float32 unless all are float16 values
+    exact16 = torch.equal(q4k.scale.float().half().float(), q4k.scale.float())
+    assert q4k.scale.dtype == (torch.float16 if exact16 else torch.float32)
 
 
 def test_row_counts_not_a_multiple_of_16_are_padded():
