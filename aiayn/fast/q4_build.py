@@ -63,11 +63,11 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("aiayn_q4::matmul")
     def _matmul(x, q, scale, mins, offset, block, nibbles, n, k):  # type: ignore[no-untyped-def]
-        return x.new_empty(x.shape[0], n)
+        return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
     @torch.library.register_fake("aiayn_q4::dequantize")
     def _dequantize(q, scale, mins, offset, block, nibbles, n, k, rows):  # type: ignore[no-untyped-def]
-        return scale.new_empty(n if rows is None else rows.numel(), k)
+        return q.new_empty(n if rows is None else rows.numel(), k, dtype=torch.float32)
 
 
 def has_vnni() -> bool:

@@ -25,7 +25,7 @@ from q4_helpers import assert_within_bound, gguf_blocks
 
 from aiayn.fast import plain_torch
 from aiayn.fast.q4 import BlockEmbedding, BlockLinear, weight_bytes
-from aiayn.generate import SamplingConfig, generate_decoder_only
+from aiayn.generate import SamplingConfig, generate_decoder_only, greedy_decoder_only
 from aiayn.interop.gguf import GGUFError, load_gguf, smollm2_path
 from aiayn.interop.gguf_blocks import SUPPORTED
 
@@ -148,6 +148,27 @@ def test_an_unsupported_block_type_is_named(tmp_path):
     with pytest.raises(GGUFError, match=r"stored as IQ4_NL, which aiayn cannot dequantise.*supported types: "
                                         r"F32, F16, BF16, Q4_0, Q4_1"):
         load_gguf(path, quantize="auto")
+
+
+@pytest.mark.slow
+def test_packed_model_decodes_the_same_compiled_and_batched(tmp_path):
+    """The kernel inside ``torch.compile``'s decode graph (the op's shape function, the embedding's
+    row lookup) gives the eager tokens, and a batch of prompts decodes as each prompt alone.
+
+    The logits agree to a few thousandths of their range, not to float32 rounding: the graph sums
+    in another order, and an activation that moves by a rounding error can cross the boundary
+    between two int8 steps of its block, which moves the layer's output by up to dx * |w|."""
+    path = write_llama(tmp_path / "mixed.gguf", {"blk.0.attn_v.weight": "Q8_0", "blk.0.ffn_down.weight": "Q6_K"},
+                       tied=True)
+    model = load_gguf(path, quantize="auto", tokenizer=False).model
+    prompt = TOKENS[:, :5]
+    eager = greedy_decoder_only(model, prompt, max_new_tokens=8)
+    compiled = greedy_decoder_only(model, prompt, max_new_tokens=8, compile=True)
+    assert torch.equal(compiled.tokens, eager.tokens)
+    spread = eager.logits.max() - eager.logits.min()
+    assert (compiled.logits - eager.logits).abs().max() <= 5e-3 * spread
+    alone = greedy_decoder_only(model, prompt[:1], max_new_tokens=8)
+    assert torch.equal(alone.tokens[0], eager.tokens[0])
 
 
 # ---- the real SmolLM2 file ----------------------------------------------------------------------
