@@ -33,6 +33,7 @@ from aiayn.interop.gguf_blocks import unpack
 from aiayn.interop.gguf_text import GGUFError
 from aiayn.interop.hf import family_for, from_hf_state
 from aiayn.interop.mapping import InteropError
+from aiayn.models.size import available_memory
 from aiayn.nn.positional import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -139,6 +140,11 @@ def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], sou
 
     if mode not in MODES:
         raise ValueError(f"quantize={mode!r}; packed GGUF loading takes one of {', '.join(MODES)}")
+    packed_bytes = sum(int(t.n_bytes) for t in tensors)  # what the blocks take (K-quants' integers a little more)
+    available = available_memory()
+    if available is not None and packed_bytes > available:
+        raise GGUFError(f"{source}: its {packed_bytes / 2**30:,.1f} GiB of weights do not fit in the "
+                        f"{available / 2**30:,.1f} GiB of memory available here")
     by_name = {hf_name(t.name): t for t in tensors if hf_name(t.name) is not None}
     meta = {name: torch.empty(_torch_shape(t), device="meta") for name, t in by_name.items()}
     try:
