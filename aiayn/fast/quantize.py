@@ -1,4 +1,4 @@
-"""Lower-precision weights for faster CPU inference: bfloat16, and int8 Linear layers.
+"""Lower-precision weights for faster CPU inference: bfloat16, int8 and 4-bit Linear layers.
 
 Decoding one token at a time reads every weight once per token, so a small model's decode speed is
 bound by memory traffic: float32 -> bfloat16 halves it, int8 quarters it.
@@ -12,6 +12,10 @@ faster still, but one scale per call cannot hold LLaMA-style activations, whose 
 channels are ~100x the rest: on SmolLM2 it turned every greedy answer into noise. Embedding tables
 and norms keep float32 (a tied output projection gets its own int8 copy).
 
+4-bit layers (``"q4"``) are ``aiayn.fast.q4``'s: blocks of 32 weights with a scale and a minimum
+each (GGUF's Q4_1 scheme), multiplied by a C++ kernel; ``"auto"`` keeps a model's weights as they
+are (a GGUF file loaded with ``load_gguf(path, quantize="auto")`` already holds its own blocks).
+
 Shape letters: o out_features, i in_features.
 """
 
@@ -20,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-QUANTIZE_CHOICES = ("none", "bf16", "int8")
+QUANTIZE_CHOICES = ("none", "bf16", "int8", "q4", "auto")
 _HAS_INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
@@ -77,12 +81,18 @@ def quantize_int8_(model: nn.Module) -> nn.Module:
 
 
 def lower_precision(model: nn.Module, quantize: str) -> nn.Module:
-    """``quantize`` in QUANTIZE_CHOICES: "none" (as is), "bf16" (all weights bfloat16), "int8"
-    (Linear weights int8, the rest float32). Returns the model (modified in place)."""
+    """``quantize`` in QUANTIZE_CHOICES: "none" or "auto" (as is: a packed GGUF model keeps its
+    blocks, a float model its floats), "bf16" (all weights bfloat16), "int8" (Linear weights int8,
+    the rest float32), "q4" (Linear weights 4-bit blocks, the rest float32). Returns the model
+    (modified in place). The function a serving engine calls on a loaded model."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
     if quantize == "bf16":
         return model.to(torch.bfloat16)
     if quantize == "int8":
         return quantize_int8_(model.float())
+    if quantize == "q4":
+        from aiayn.fast.q4 import quantize_q4_
+
+        return quantize_q4_(model.float())
     return model

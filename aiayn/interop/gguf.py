@@ -430,8 +430,13 @@ def smollm2_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: bool = True) -> GGUFModel:
+def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: bool = True,
+              quantize: str = "none") -> GGUFModel:
     """Load a llama.cpp GGUF file as an aiayn ``DecoderOnly`` (float32 unless ``dtype``).
+
+    ``quantize="auto"`` keeps the weight matrices in the file's blocks (Q4_1 stays 4-bit, Q8_0
+    8-bit), ``"q4"`` makes them all 4-bit; both multiply with ``aiayn.fast.q4``'s kernel and never
+    hold a float copy of a matrix (``aiayn.interop.gguf_packed``). ``"none"``: dequantised floats.
 
     Returns a ``GGUFModel`` that unpacks as ``(model, config, tokenizer, chat_template)``; it also
     carries ``bos_id``, ``eos_id`` (stop generating there) and the file's scalar ``metadata``.
@@ -464,11 +469,18 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: 
                         f"only {len(names):,} tensors; its metadata is damaged")
     check_llama_tensors(reader.tensors, hf_config, source)
     tok = gguf_tokenizer(meta, source) if tokenizer else None  # before the slow part: fail early
-    tensors = llama_hf_tensors(reader.tensors, hf_config)
-    try:
-        model, config = from_hf_state(hf_config, tensors, source=source)
-    except InteropError as exc:  # the shared LLaMA checks, in Hugging Face's names
-        raise GGUFError(str(exc)) from exc
+    if quantize != "none":
+        from aiayn.interop.gguf_packed import packed_llama
+
+        if dtype is not None:
+            raise ValueError("dtype applies to a float model; drop it or quantize")
+        model, config = packed_llama(reader.tensors, hf_config, source, quantize)
+    else:
+        tensors = llama_hf_tensors(reader.tensors, hf_config)
+        try:
+            model, config = from_hf_state(hf_config, tensors, source=source)
+        except InteropError as exc:  # the shared LLaMA checks, in Hugging Face's names
+            raise GGUFError(str(exc)) from exc
     if dtype is not None:
         model = model.to(dtype)
     scalars = {k: v for k, v in meta.items() if not isinstance(v, list) or len(v) <= 64}

@@ -48,8 +48,11 @@ class DecoderOnly(nn.Module):
 
         ``quantize="int8"``/``"int4"``: keys and values stored quantised (see ``aiayn.nn.kv_cache``).
         ``per_row``: a ``RowKVCache``, whose rows fill independently (continuous batching)."""
-        weight = self.embedding.weight  # (the output projection may be quantised; the table is not)
-        return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size,
-                          max_len=max_len, dtype=dtype or weight.dtype, device=weight.device,
+        # The model's float type and device: the embedding table's (a packed model's first float
+        # parameter is a norm's; its linear layers and table hold integer blocks).
+        weight = next((p for p in self.parameters() if p.is_floating_point()), None)
+        return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size, max_len=max_len,
+                          dtype=dtype or (torch.float32 if weight is None else weight.dtype),
+                          device=torch.device("cpu") if weight is None else weight.device,
                           cross_attention=False, quantize=quantize, group_size=group_size,
                           per_row=per_row)

@@ -46,18 +46,16 @@ def is_encoder_dir(path: Path) -> bool:
 def load_served_model(model_path: Path | None = None, run_dir: Path | None = None, *, name: str | None = None,
                       quantize: str = "none", plain: bool = False) -> ServedModel:
     """The model of ``--model`` (GGUF file, Hugging Face directory, sentence-transformers directory)
-    or ``--run``; its name defaults to the file or directory name. ``quantize`` ("bf16", "int8")
-    lowers a decoder's weights (``aiayn.fast.quantize.lower_precision``)."""
+    or ``--run``; its name defaults to the file or directory name. ``quantize`` ("bf16", "int8",
+    "q4", "auto": ``aiayn.fast.quantize.lower_precision``'s) lowers a decoder's weights; "q4" and
+    "auto" keep a GGUF file's blocks packed."""
     source = model_path if model_path is not None else run_dir
     assert source is not None, "give a model path or a run directory"
     name = name or (source.stem if source.is_file() else source.resolve().name)
     if model_path is not None and is_encoder_dir(model_path):
         return ServedModel(name, encoder=load_sentence_encoder(model_path))
-    lm = load_text_model(run_dir, model_path, plain=plain)
-    if quantize != "none":
-        from aiayn.fast.quantize import lower_precision
-
-        lm.model = lower_precision(lm.model, quantize)
+    # "q4"/"auto" read a GGUF file's blocks packed (never a float copy); bf16/int8 lower the floats
+    lm = load_text_model(run_dir, model_path, plain=plain, quantize=quantize)
     return ServedModel(name, lm=lm)
 
 

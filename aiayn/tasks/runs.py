@@ -133,10 +133,11 @@ def load_translator(run_dir: Path, checkpoint: Path | None = None, *,
 
 
 def load_text_model(run_dir: Path | None = None, model_path: Path | None = None, *,
-                    plain: bool = False) -> TextModel:
+                    plain: bool = False, quantize: str = "none") -> TextModel:
     """A decoder-only model with its text functions, from a run directory of a language-model task
     or a shipped model's release (``run_dir``), or a GGUF file / Hugging Face model directory
-    (``model_path``)."""
+    (``model_path``). ``quantize``: ``aiayn.fast.quantize.lower_precision``'s choices; "auto" and
+    "q4" read a GGUF file's blocks without dequantising them."""
     from aiayn.tasks.shipped import is_release, load_run_or_release
     from aiayn.textgen import TextModel, read_text_model
 
@@ -145,8 +146,8 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
     if model_path is not None and is_release(model_path):
         run_dir, model_path = model_path, None
     if model_path is not None:
-        lm = read_text_model(model_path)
-        lm.model = for_inference(lm.model, plain=plain)
+        lm = read_text_model(model_path, quantize=quantize)
+        lm.model = _lower(for_inference(lm.model, plain=plain), quantize)
         return lm
     assert run_dir is not None
     run = load_run_or_release(run_dir)
@@ -154,8 +155,8 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
     if run.model_config.arch != "decoder-only" or tokenizer is None:
         raise RunInputError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
                             f"generation needs a decoder-only language model such as shakespeare-char")
-    return TextModel(for_inference(run.model, plain=plain), lambda text: tokenizer.encode(text).tolist(),
-                     tokenizer.decode, run.model_config.max_seq_len,
+    return TextModel(_lower(for_inference(run.model, plain=plain), quantize),
+                     lambda text: tokenizer.encode(text).tolist(), tokenizer.decode, run.model_config.max_seq_len,
                      tokenizer=_tokenizers_object(tokenizer))
 
 
@@ -165,6 +166,14 @@ def _tokenizers_object(tokenizer: Any) -> Any:
     if hasattr(tokenizer, "to_tokenizers"):
         return tokenizer.to_tokenizers()
     return getattr(tokenizer, "tokenizer", None)
+
+
+def _lower(model: nn.Module, quantize: str) -> nn.Module:
+    if quantize == "none":
+        return model
+    from aiayn.fast.quantize import lower_precision
+
+    return lower_precision(model, quantize)
 
 
 # ---- setting up a run -------------------------------------------------------------------------

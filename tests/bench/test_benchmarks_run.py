@@ -10,7 +10,7 @@ from torch import nn
 
 from aiayn.fast.fused_loss import FusedLossLinear
 from aiayn.fast.linear import FastLinear
-from benchmarks import attention, decode, fast, kv_cache, loss, matvec, onednn, train
+from benchmarks import attention, decode, fast, kv_cache, loss, matvec, onednn, q4, train
 from benchmarks.peers import SEQ2SEQ_PEERS, SEQ2SEQ_SIZES, Dropouts, LMSize, aiayn_seq2seq
 
 
@@ -27,6 +27,12 @@ def test_onednn_benchmark(capsys):
     onednn.main(["--quick", "--rows", "64", "--repeats", "1", "--warmup", "0", "--threads", "1"])
     out = capsys.readouterr().out
     assert "oneDNN / MKL" in out and ("| 256 -> 8000 | weight grad g^T x |" in out or "no oneDNN" in out)
+
+
+def test_q4_benchmark(capsys):
+    q4.main(["--quick", "--rows", "1,64", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| 1 rows | aiayn Q4_1" in out and "dequantise + oneDNN f32" in out
 
 
 def test_kv_cache_benchmark(capsys):

@@ -47,13 +47,14 @@ def train_tokenizer():
     return tok
 
 
-def tiny_text_model(seed: int = 0, context: int = CONTEXT) -> TextModel:
+def tiny_text_model(seed: int = 0, context: int = CONTEXT, **sizes: int) -> TextModel:
     """A LLaMA-style model of 2 layers, GQA, with weights at a scale where attention and positions
     matter (and logits are far from ties); the end-of-text row of the output layer is zero, so the
-    model never ends an answer by itself (answers run to max_tokens or a stop string)."""
+    model never ends an answer by itself (answers run to max_tokens or a stop string). ``sizes``
+    override the preset's (d_model, d_ff, ...)."""
     tok = train_tokenizer()
     torch.manual_seed(seed)
-    config = get_preset("llama-tiny", vocab_size=tok.get_vocab_size(), max_seq_len=context)
+    config = get_preset("llama-tiny", vocab_size=tok.get_vocab_size(), max_seq_len=context, **sizes)
     model = DecoderOnly(config).eval()
     g = torch.Generator().manual_seed(seed)
     eos = tok.token_to_id("<|im_end|>")

@@ -1,0 +1,76 @@
+"""Builds and loads ``q4_kernel.cpp`` (aiayn's block-quantised matmul) on first use.
+
+``torch.utils.cpp_extension.load_inline`` compiles it with the system C++ compiler for this CPU
+(``-march=native``: AVX-512 VNNI where the CPU has it, plain C++ loops elsewhere) into torch's
+extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), named by a
+hash of the source and flags: a later process loads the cached library in milliseconds; the first
+build takes ~20-60 s. The ops land in ``torch.ops.aiayn_q4`` (``matmul``, ``dequantize``,
+``has_vnni``), with shape functions registered so that ``torch.compile`` can trace them.
+
+Without a compiler (or ``ninja``), ``kernel_ops()`` warns once and returns None: ``BlockLinear``
+then dequantises its matrix for every call (correct, slow). ``AIAYN_Q4_KERNEL=0`` skips the build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("q4_kernel.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
+
+
+OPS: Any | None = None  # torch.ops.aiayn_q4 once loaded (read by compiled graphs as a constant)
+
+
+@lru_cache(maxsize=1)
+def kernel_ops() -> Any | None:
+    """``torch.ops.aiayn_q4`` once built and loaded; None where it cannot be built. Call it before
+    compiling (``BlockLinear`` does, when built): the build is no part of a graph."""
+    global OPS
+    if os.environ.get("AIAYN_Q4_KERNEL", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    loaded = hasattr(torch.ops.aiayn_q4, "matmul")  # by an earlier call in this process
+    OPS = torch.ops.aiayn_q4 if loaded else _build()
+    return OPS
+
+
+def _build() -> Any | None:
+    source = SOURCE.read_text(encoding="utf-8")
+    digest = hashlib.sha256((source + " ".join(FLAGS) + torch.__version__).encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        load_inline(f"aiayn_q4_{digest}", cpp_sources=[source], no_implicit_headers=True,
+                    is_python_module=False, extra_cflags=FLAGS, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a build error: fall back, say so once
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        warnings.warn(f"aiayn's 4-bit kernel could not be built ({first[:200]}); block-quantised layers "
+                      f"dequantise their weights for every call instead (slow)", stacklevel=2)
+        return None
+    _register_fakes()
+    return torch.ops.aiayn_q4
+
+
+def _register_fakes() -> None:
+    """Output shapes for torch.compile's tracing (the ops allocate their results themselves)."""
+
+    @torch.library.register_fake("aiayn_q4::matmul")
+    def _matmul(x, q, scale, mins, offset, block, nibbles, n, k):  # type: ignore[no-untyped-def]
+        return x.new_empty(x.shape[0], n, dtype=torch.float32)
+
+    @torch.library.register_fake("aiayn_q4::dequantize")
+    def _dequantize(q, scale, mins, offset, block, nibbles, n, k, rows):  # type: ignore[no-untyped-def]
+        return q.new_empty(n if rows is None else rows.numel(), k, dtype=torch.float32)
+
+
+def has_vnni() -> bool:
+    """Whether the built kernel uses AVX-512 VNNI (else its plain C++ loops)."""
+    ops = kernel_ops()
+    return bool(ops is not None and ops.has_vnni())

@@ -1,0 +1,217 @@
+"""A GGUF LLaMA loaded with its weight matrices still in blocks (``load_gguf(path, quantize=...)``).
+
+The model is built on PyTorch's "meta" device (shapes only, no memory) through the same
+``from_hf_state`` as the float loader, so the same names, checks and LLaMA mapping apply. Then,
+rule by rule of the family's mapping, each aiayn parameter is filled from the file:
+
+* a linear layer's or the embedding's matrix whose tensors are block-quantised becomes a
+  ``BlockLinear`` / ``BlockEmbedding`` (``aiayn.fast.q4``) holding the file's integers and scales
+  (``aiayn.interop.gguf_blocks``: exact); a fused projection (q/k/v, gate/up) stacks the rows of its
+  parts, after undoing llama.cpp's q/k row order (rows move whole: exact);
+* everything else (norms, float matrices) is dequantised as the float loader does.
+
+``mode``: ``"auto"`` keeps every block type as the file stores it (Q8_0 stays 8-bit, Q4_1 4-bit);
+``"q4"`` makes every matrix 4-bit: the 4-bit-or-less types (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K) as they
+are, the others (Q5_*, Q6_K, Q8_0, F16, F32) dequantised and re-quantised with Q4_1's scheme
+(``quantize_blocks_q4``; that step rounds, by at most half a 4-bit step per weight). A tied output
+layer shares the embedding's blocks. No float copy of a packed matrix is ever made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.fast.q4 import BlockEmbedding, BlockLinear, BlockWeight, quantize_blocks_q4
+from aiayn.interop.gguf_blocks import SUPPORTED as BLOCK_TYPES
+from aiayn.interop.gguf_blocks import unpack
+from aiayn.interop.gguf_text import GGUFError
+from aiayn.interop.hf import family_for, from_hf_state
+from aiayn.interop.mapping import InteropError
+from aiayn.models.size import available_memory
+from aiayn.nn.positional import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from gguf import ReaderTensor
+
+MODES = ("auto", "q4")
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")  # nibbles: kept as they are by "q4"
+
+
+def _blocks_of(tensor: ReaderTensor, rope_heads: int | None, mode: str) -> BlockWeight:
+    """One GGUF matrix as a BlockWeight (rows in Hugging Face's order)."""
+    from aiayn.interop.gguf import _torch_shape, dequantize_tensor, unpermute_rope_rows
+
+    rows, k = _torch_shape(tensor)
+    kind = tensor.tensor_type.name
+    if kind in BLOCK_TYPES and (mode == "auto" or kind in FOUR_BIT_TYPES):
+        data = np.asarray(tensor.data).reshape(rows, -1)
+        # Unpacked a slice of rows at a time into the final buffers: the integers take a byte per
+        # weight while unpacking, so a whole 49k-row table at once would briefly take ~3x its size.
+        step = rows if rope_heads is not None else max(16, (1 << 22) // k // 16 * 16)  # whole 16-row groups
+        out: BlockWeight | None = None
+        for r0 in range(0, rows, step):
+            u = unpack(kind, data[r0:r0 + step], min(step, rows - r0), k)
+            values, scale = torch.from_numpy(np.ascontiguousarray(u.values)), torch.from_numpy(u.scale.copy())
+            mins = None if u.mins is None else torch.from_numpy(u.mins.copy())
+            if rope_heads is not None:
+                values, scale = unpermute_rope_rows(values, rope_heads), unpermute_rope_rows(scale, rope_heads)
+                mins = None if mins is None else unpermute_rope_rows(mins, rope_heads)
+            part = BlockWeight.from_values(values, scale, mins, offset=u.offset, block=u.block, kind=kind)
+            if out is None:
+                if step >= rows:
+                    return part
+                out = _empty_like_rows(part, rows)
+            g0 = r0 // 16
+            for dst, src in ((out.q, part.q), (out.scale, part.scale), (out.mins, part.mins)):
+                if dst is not None and src is not None:
+                    dst[g0:g0 + src.shape[0]] = src
+        assert out is not None
+        return out
+    weight = dequantize_tensor(tensor)
+    if rope_heads is not None:
+        weight = unpermute_rope_rows(weight, rope_heads)
+    return quantize_blocks_q4(weight)
+
+
+def _release_pages(tensor: ReaderTensor) -> None:
+    """Drop the file pages a tensor was read through from this process's resident memory (the
+    file is memory-mapped read-only: ``MADV_DONTNEED`` only forgets them; touched again, they are
+    read again). Without this the whole file would sit in the peak resident memory beside its
+    packed copy. Best effort: a reader without a memory map is left alone."""
+    import mmap
+
+    array, base = tensor.data, tensor.data
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    mapped = getattr(base, "_mmap", None)
+    if mapped is None or not hasattr(mapped, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = array.ctypes.data - np.frombuffer(mapped, np.uint8).ctypes.data  # bytes into the mapping
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(start + array.nbytes, len(mapped))
+    if 0 <= first < end:
+        mapped.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def _empty_like_rows(part: BlockWeight, rows: int) -> BlockWeight:
+    def grown(t: Tensor) -> Tensor:
+        return torch.empty((-(-rows // 16), t.shape[1]), dtype=t.dtype)
+
+    return BlockWeight(grown(part.q), grown(part.scale), None if part.mins is None else grown(part.mins),
+                       part.offset, part.block, part.nibbles, rows, part.k, part.kind)
+
+
+def _stack(parts: list[BlockWeight]) -> BlockWeight:
+    """Row-wise concatenation; parts of different formats meet in one that holds each exactly
+    (bytes, the smallest block, the largest offset with values shifted to it, zero mins where absent)."""
+    if len(parts) == 1:
+        return parts[0]
+    block, offset = min(p.block for p in parts), max(p.offset for p in parts)
+    nibbles = all(p.nibbles for p in parts) and len({p.offset for p in parts}) == 1
+    values, scales, mins = [], [], []
+    for p in parts:
+        scale, m = p.row_scales()
+        values.append(p.values().to(torch.int16) + (offset - p.offset))
+        scales.append(scale.repeat_interleave(p.block // block, dim=1))
+        m = torch.zeros_like(scale) if m is None else m
+        mins.append(m.repeat_interleave(p.block // block, dim=1))
+    any_mins = any(p.mins is not None for p in parts)
+    kind = "+".join(dict.fromkeys(p.kind for p in parts))
+    return BlockWeight.from_values(torch.cat(values), torch.cat(scales), torch.cat(mins) if any_mins else None,
+                                   offset=offset, block=block, kind=kind, nibbles=nibbles)
+
+
+def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], source: str,
+                 mode: str) -> tuple[nn.Module, ModelConfig]:
+    """The LLaMA of a GGUF file with its matrices in blocks (see the module docstring)."""
+    from aiayn.interop.gguf import (
+        _BLOCK_NAME,
+        _torch_shape,
+        dequantize_tensor,
+        hf_name,
+        unpermute_rope_rows,
+    )
+
+    if mode not in MODES:
+        raise ValueError(f"quantize={mode!r}; packed GGUF loading takes one of {', '.join(MODES)}")
+    packed_bytes = sum(int(t.n_bytes) for t in tensors)  # what the blocks take (K-quants' integers a little more)
+    available = available_memory()
+    if available is not None and packed_bytes > available:
+        raise GGUFError(f"{source}: its {packed_bytes / 2**30:,.1f} GiB of weights do not fit in the "
+                        f"{available / 2**30:,.1f} GiB of memory available here")
+    by_name = {hf_name(t.name): t for t in tensors if hf_name(t.name) is not None}
+    meta = {name: torch.empty(_torch_shape(t), device="meta") for name, t in by_name.items()}
+    try:
+        with torch.device("meta"):
+            model, config = from_hf_state(hf_config, meta, source=source)
+    except InteropError as exc:
+        raise GGUFError(str(exc)) from exc
+    heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
+
+    def rope_heads(name: str) -> int | None:
+        m = _BLOCK_NAME.fullmatch(by_name[name].name)
+        return heads.get(m[2]) if m else None
+
+    def float_value(name: str) -> Tensor:
+        value = dequantize_tensor(by_name[name])
+        h = rope_heads(name)
+        return value if h is None else unpermute_rope_rows(value, h)
+
+    family = family_for(hf_config, source=source)
+    for rule in family.rules(config):
+        path, _, attr = rule.ours.rpartition(".")
+        module = model.get_submodule(path)
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        is_matrix = attr == "weight" and isinstance(module, (nn.Linear, nn.Embedding))
+        if is_matrix and _packable(module, [by_name[s] for s in rule.theirs], mode):
+            weight = _stack([_blocks_of(by_name[s], rope_heads(s), mode) for s in rule.theirs])
+            for s in rule.theirs:
+                _release_pages(by_name[s])
+            setattr(parent, child, BlockEmbedding(weight) if isinstance(module, nn.Embedding) else BlockLinear(weight))
+        elif isinstance(module, BlockLinear) and attr == "bias":
+            module.bias = torch.cat([float_value(s) for s in rule.theirs])
+        else:
+            value = torch.cat([float_value(s) for s in rule.theirs])
+            module._parameters[attr] = nn.Parameter(value)
+    _tie_output(model, config)
+    _rebuild_rotary(model, config)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise GGUFError(f"{source}: aiayn could not fill {', '.join(left[:3])} from the file (an internal error)")
+    return model.eval(), config
+
+
+def _packable(module: nn.Module, parts: list[ReaderTensor], mode: str) -> bool:
+    """Whether a matrix goes into blocks: "auto" when every part is block-quantised, "q4" always
+    (float parts are quantised), provided the input width splits into blocks of 32."""
+    width = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim
+    if width % 32:
+        return False
+    return mode == "q4" or all(p.tensor_type.name in BLOCK_TYPES for p in parts)
+
+
+def _tie_output(model: nn.Module, config: ModelConfig) -> None:
+    """A tied output layer shares the embedding's blocks (or, float, its parameter again)."""
+    if not config.tie_output:
+        return
+    embedding = model.decoder.embedding
+    if isinstance(embedding, BlockEmbedding):
+        model.lm_head = BlockLinear(embedding.weight_blocks)
+    else:
+        model.lm_head.weight = embedding.weight
+
+
+def _rebuild_rotary(model: nn.Module, config: ModelConfig) -> None:
+    """RoPE's cos/sin tables were computed on the meta device: compute them for real."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, RotaryEmbedding) and module.cos.is_meta:
+            parent_path, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            setattr(parent, child, RotaryEmbedding(config.head_dim, config.max_seq_len, base=config.rope_base))

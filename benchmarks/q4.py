@@ -1,0 +1,100 @@
+"""aiayn's block-quantised matmul (``aiayn.fast.q4``) against the other ways to multiply by a
+SmolLM2-135M projection on this CPU: ATen's int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``,
+bfloat16 activations: its float32 path is a scalar loop), ATen's int8 weight-only kernel, and
+``F.linear`` in bfloat16 and float32; plus, for many rows, dequantising the blocks and multiplying
+in float32 through oneDNN.
+
+Per number of rows (1, 4, 16: decode batches; 512: a prefill) it prints each way's time for
+SmolLM2's four projection shapes x 30 layers and its 49,152-row output layer, i.e. the linear
+layers of one forward. The weights are reused call after call, so they sit in the caches: the
+figures are the kernels' compute cost, not the memory-bound cost of a real decode step (which
+``benchmarks/generate.py`` measures).
+
+    python -m benchmarks.q4                     # 2 threads, wall clock
+    python -m benchmarks.q4 --threads 1 --clock cpu   # on a shared machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from aiayn.fast.onednn import onednn_linear
+from aiayn.fast.q4 import BlockWeight, quantize_blocks_q4
+from aiayn.fast.q4_build import kernel_ops
+
+SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]  # (out, in, count)
+
+
+def best(fn: Callable[[], object], clock: Callable[[], float], seconds: float = 0.3) -> float:
+    fn()
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds or len(times) < 3:
+        t = clock()
+        fn()
+        times.append(clock() - t)
+    times.sort()
+    return times[len(times) // 5]
+
+
+def ways(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
+    ops = kernel_ops()
+    n, k = w.shape
+    q4 = quantize_blocks_q4(w)
+    half = lambda t: t.half().float()  # noqa: E731 (Q4_1's float16 scales, as a GGUF file stores them)
+    q41 = BlockWeight.from_values(q4.values(), half(q4.row_scales()[0]), half(q4.row_scales()[1]), offset=0,
+                                  block=32, kind="Q4_1")
+    q8 = BlockWeight.from_values((torch.randint(-127, 128, (n, k)) + 128).to(torch.uint8),
+                                 half(torch.rand(n, k // 32) * 1e-2), None, offset=128, block=32, kind="Q8_0")
+    int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.values().int(), 1)
+    int4_scales = torch.stack([q4.row_scales()[0].T, q4.row_scales()[1].T], -1).bfloat16().contiguous()
+    int8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    int8_scales = torch.rand(n, dtype=torch.bfloat16)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    out: dict[str, Callable[[], object]] = {
+        "aiayn Q4_1": lambda: ops.matmul(x, q41.q, q41.scale, q41.mins, 0, 32, True, n, k),
+        "aiayn Q8_0": lambda: ops.matmul(x, q8.q, q8.scale, None, 128, 32, False, n, k),
+        "ATen int4 (bf16)": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, int4, 32, int4_scales),
+        "ATen int8 (bf16)": lambda: torch.ops.aten._weight_int8pack_mm(xb, int8, int8_scales),
+        "F.linear bf16": lambda: F.linear(xb, wb),
+        "F.linear f32": lambda: F.linear(x, w),
+    }
+    if x.shape[0] >= 64:
+        out["dequantise + oneDNN f32"] = lambda: onednn_linear(x, q41.dequantize_rows())
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", default="1,4,16,512")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    parser.add_argument("--quick", action="store_true", help="Only the first projection shape (a smoke test).")
+    args = parser.parse_args(argv)
+    if kernel_ops() is None:
+        raise SystemExit("aiayn's 4-bit kernel could not be built here (a C++ compiler and ninja are needed)")
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    print(f"{args.threads} threads, {args.clock} clock; load average {os.getloadavg()[0]:.2f} (2 cores, shared)")
+    torch.manual_seed(0)
+    weights = [(torch.randn(n, k) * k ** -0.5, count) for n, k, count in shapes]
+    for m in (int(r) for r in args.rows.split(",")):
+        totals: dict[str, float] = {}
+        with torch.inference_mode():
+            for w, count in weights:
+                x = torch.randn(m, w.shape[1])
+                for name, fn in ways(x, w).items():
+                    totals[name] = totals.get(name, 0.0) + count * best(fn, clock)
+        base = totals["aiayn Q4_1"]
+        print(f"| {m} rows | " + " | ".join(f"{name} {t * 1e3:.2f} ms ({t / base:.1f}x)" for name, t in totals.items())
+              + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

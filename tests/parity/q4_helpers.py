@@ -1,0 +1,52 @@
+"""Helpers of the block-quantisation tests (test_q4_kernel.py, test_gguf_q4.py): GGUF blocks of
+every supported type, and the kernel's error bound as an assertion."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from aiayn.fast.q4 import BlockWeight, error_bound
+from aiayn.interop.gguf_blocks import unpack
+
+LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants can quantise these
+# K-quants: byte offsets of each block's float16 scale fields (ggml-common.h layouts)
+K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """(rows, bytes) blocks of ``kind``: quantised random floats for the legacy types; random bits
+    with finite scales of about 1 / sqrt(cols) for the K-quants (no quantiser in the gguf package)."""
+    rng = np.random.default_rng(seed)
+    if kind in LEGACY:
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32) / math.sqrt(cols), Q[kind])
+    block_elems, block_bytes = GGML_QUANT_SIZES[Q[kind]]
+    blocks = rng.integers(0, 256, (rows * cols // block_elems, block_bytes), dtype=np.uint8)
+    for offset in K_SCALES[kind]:
+        scales = (rng.uniform(0.5, 1.5, len(blocks)) * 0.01 / math.sqrt(cols)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def block_weight(kind: str, rows: int, cols: int, seed: int = 0) -> tuple[BlockWeight, np.ndarray]:
+    raw = gguf_blocks(kind, rows, cols, seed)
+    u = unpack(kind, raw, rows, cols)
+    mins = None if u.mins is None else torch.from_numpy(u.mins)
+    weight = BlockWeight.from_values(torch.from_numpy(u.values), torch.from_numpy(u.scale), mins,
+                                     offset=u.offset, block=u.block, kind=kind)
+    return weight, dequantize(raw, Q[kind]).reshape(rows, cols)
+
+
+def assert_within_bound(got: torch.Tensor, x: torch.Tensor, weight: BlockWeight) -> None:
+    """|got - x W^T| <= the quantisation bound + float32 rounding (1e-5 of sum |x| |w|)."""
+    exact = (x.double() @ weight.dequantize_rows().double().T)
+    rounding = 1e-5 * (x.double().abs() @ weight.dequantize_rows().double().abs().T)
+    excess = (got.double() - exact).abs() - error_bound(x, weight).double() - rounding
+    assert excess.max() <= 0, f"{weight.kind}: over the bound by {excess.max():.3g}"
+
+
