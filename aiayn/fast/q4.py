@@ -2,18 +2,19 @@
 
 A GGUF file (llama.cpp) stores its weight matrices in blocks along the input dimension: Q4_1
 keeps, for every 32 inputs of a row, a scale d, a minimum m and 32 four-bit integers q, meaning
-w = d * q + m. ``BlockLinear`` keeps such a matrix in that form (~0.6-0.75 bytes per weight instead
-of float32's 4) and multiplies with a C++ kernel (``q4_kernel.cpp``) that reads the packed blocks
+w = d * q + m. ``BlockLinear`` keeps such a matrix in that form (Q4_1: 5 bits per weight instead
+of float32's 32) and multiplies with a C++ kernel (``q4_kernel.cpp``) that reads the packed blocks
 directly; ``BlockEmbedding`` looks rows up in the same storage (a tied output layer shares it).
 
 One format holds every GGUF block type aiayn reads (``aiayn.interop.gguf_blocks`` converts them
-exactly, integers and float32 scales, no rounding):
+exactly: ggml's integers and scales, no rounding; docs/q4.md):
 
     w[n, k] = scale[n, b] * (q[n, k] - offset) + min[n, b]        b = k // block
 
 * ``q`` unsigned integers, two per byte ("nibbles", values < 16) or one per byte;
 * ``block`` 32 or 16 inputs; ``offset`` an integer zero point (Q4_0: 8, Q8_0: 128, Q6_K: 32);
-* ``scale``, ``min`` float32 per block (``min`` absent where the format has none).
+* ``scale``, ``min`` per block (``min`` absent where the format has none), float16 where every
+  value is exactly a float16 (GGUF's legacy types), else float32.
 
 The kernel quantises each row of activations per block to int8 (as llama.cpp does), sums the
 integer products exactly with AVX-512 VNNI, and scales each block's sum in float32. Its error
@@ -284,10 +285,6 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += t.untyped_storage().nbytes()
     return total
-
-
-def bits_per_weight(weight: BlockWeight) -> float:
-    return 8 * weight.nbytes / max(1, weight.n * weight.k)
 
 
 __all__ = ["BlockEmbedding", "BlockLinear", "BlockWeight", "block_matmul", "error_bound",
