@@ -148,6 +148,8 @@ def test_integer_weights_are_refused(tmp_path):
         load_hf(model_dir(tmp_path, LLAMA, tensors))
 
 
+# torch's safe unpickler warns about the protocol of the pickle this test writes on purpose
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 def test_pickle_checkpoint_advice_never_says_weights_only_false(tmp_path):
     directory = tmp_path / "model"
     directory.mkdir()
