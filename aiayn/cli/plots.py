@@ -23,8 +23,10 @@ def _out_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., An
 
 
 @plot_group.command("attention")
-@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A run directory written by aiayn train.")
+@click.option("--model", "model_name",
+              help="A shipped model (see `aiayn models`, e.g. multi30k-en-de) or a release directory.")
 @click.option("--input", "text", help="Input in the task's syntax (16 digits for reverse, a sentence "
               "for translation, a test-set number for set-anomaly); default: the first test example.")
 @click.option("--kind", type=click.Choice(ATTENTION_KINDS),
@@ -32,13 +34,22 @@ def _out_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., An
                    "Default: cross for encoder-decoder tasks, the model's self-attention otherwise.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="PNG file to write (default: <run>/attention.png for the default kind, "
-                   "<run>/attention-KIND.png for another).")
-def plot_attention_cmd(run_dir: Path, text: str | None, kind: str | None, out: Path | None) -> None:
-    """Attention maps of a trained run: a grid of layers x heads, each with its colour scale."""
+                   "<run>/attention-KIND.png for another; for --model, the same names here).")
+def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str | None, kind: str | None,
+                       out: Path | None) -> None:
+    """Attention maps of a trained run or shipped model: a grid of layers x heads, each with its
+    colour scale."""
     from aiayn import viz
-    from aiayn.tasks.runs import load_run
+    from aiayn.tasks.runs import RunInputError
+    from aiayn.tasks.shipped import load_run_or_release, resolve_model
 
-    run = load_run(run_dir, prepare=False)
+    if (run_dir is None) == (model_name is None):
+        raise click.UsageError("give one of --run (a run directory) and --model (a shipped model)")
+    try:
+        path = run_dir if run_dir is not None else resolve_model(model_name or "")
+        run = load_run_or_release(path, prepare=False)
+    except RunInputError as exc:
+        raise click.BadParameter(str(exc), param_hint="--run" if run_dir is not None else "--model") from None
     if run.task.attention_needs_splits:
         run.task.prepare(run.train_config.seed)
     try:
@@ -50,7 +61,9 @@ def plot_attention_cmd(run_dir: Path, text: str | None, kind: str | None, out: P
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--input") from None
     assert example is not None  # every task with attention_kinds draws them
-    default = run_dir / (f"attention-{kind}.png" if kind != run.task.attention_kinds[0] else "attention.png")
+    name = f"attention-{kind}.png" if kind != run.task.attention_kinds[0] else "attention.png"
+    # A shipped model's folder is part of the installed package: never write into it.
+    default = run_dir / name if run_dir is not None else Path(name)
     click.echo(viz.plot_attention(example.weights, example.query_labels, example.key_labels,
                                   out or default, title=example.title))
 

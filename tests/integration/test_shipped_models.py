@@ -47,3 +47,19 @@ def test_generate_with_the_shipped_char_model(tmp_path: Path) -> None:
 
     listed = subprocess.run([sys.executable, "-m", "aiayn", "models"], capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0 and "shakespeare-char" in listed.stdout
+
+
+def test_plot_attention_of_a_shipped_model_writes_here_not_into_the_package(tmp_path: Path) -> None:
+    release = shipped_path("shakespeare-char")
+    before = sorted(p.name for p in release.rglob("*"))
+    proc = subprocess.run([sys.executable, "-m", "aiayn", "plot", "attention", "--model", "shakespeare-char",
+                           "--input", "ROMEO:"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "attention.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in release.rglob("*")) == before
+    for argv, needle in ((["--model", "no-such-model"], "neither a shipped model"),
+                         ([], "give one of --run"),
+                         (["--model", "shakespeare-char", "--run", str(tmp_path)], "give one of --run")):
+        bad = subprocess.run([sys.executable, "-m", "aiayn", "plot", "attention", *argv], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)
+        assert bad.returncode == 2 and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
