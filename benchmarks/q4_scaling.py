@@ -11,7 +11,9 @@ buffer, far larger than the caches), then both decoders, and prints
 
     tokens/s,  bytes read per token x tokens/s (effective GB/s),  that / the measured bandwidth
 
-for aiayn (compiled decode step, and eager) and llama.cpp, and aiayn / llama.cpp.
+for aiayn (compiled decode step, and eager) and llama.cpp, and aiayn / llama.cpp; then, over the
+sizes, a least-squares fit of each decoder's time per token as a cost per layer plus bytes read /
+a rate (``fit_line``): the rate says how fast a step streams weights once fixed costs are set aside.
 
     python benchmarks/q4_scaling.py                                  # 135M, 360M, 1.1B; 1 thread
     python benchmarks/q4_scaling.py --sizes 135M --new-tokens 32 --repeats 2
@@ -258,6 +260,24 @@ def report(rows: dict[str, dict[str, float]], threads: int) -> None:
         cells += [f"{r[p] / r['llama.cpp']:.0%}" if p in r and "llama.cpp" in r else "-"
                   for p in peers if p != "llama.cpp" and "llama.cpp" in peers]
         print("| " + " | ".join(cells) + " |")
+    if len(rows) >= 2:
+        print()
+        for p in peers:
+            print(fit_line(p, {name: r for name, r in rows.items() if p in r}))
+
+
+def fit_line(peer: str, rows: dict[str, dict[str, float]]) -> str:
+    """Least squares of seconds per token = c * layers + bytes / B over the sizes: B is the rate at
+    which a step's time grows with the bytes it reads, c a fixed cost per block (norms, attention
+    over the cache, the step's overhead: what does not grow with the matrices)."""
+    if len(rows) < 2:
+        return f"{peer}: fewer than two sizes, no fit"
+    a = np.array([[SHAPES[name].layers, r["bytes"]] for name, r in rows.items()], dtype=np.float64)
+    t = np.array([1 / r[peer] for r in rows.values()])
+    (per_layer, per_byte), *_ = np.linalg.lstsq(a, t, rcond=None)
+    worst = np.abs(a @ [per_layer, per_byte] / t - 1).max()
+    return (f"{peer}: seconds per token ~ {per_layer * 1e3:.3f} ms per layer + bytes read / "
+            f"{1 / per_byte / 1e9:.1f} GB/s (least squares over {len(rows)} sizes; off by <= {worst:.0%})")
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
