@@ -10,7 +10,18 @@ from torch import nn
 
 from aiayn.fast.fused_loss import FusedLossLinear
 from aiayn.fast.linear import FastLinear
-from benchmarks import attention, decode, fast, kv_cache, loss, matvec, onednn, q4, train
+from benchmarks import (
+    attention,
+    decode,
+    fast,
+    kv_cache,
+    loss,
+    matvec,
+    onednn,
+    q4,
+    q4_scaling,
+    train,
+)
 from benchmarks.peers import SEQ2SEQ_PEERS, SEQ2SEQ_SIZES, Dropouts, LMSize, aiayn_seq2seq
 
 
@@ -33,6 +44,14 @@ def test_q4_benchmark(capsys):
     q4.main(["--quick", "--rows", "1,64", "--threads", "1"])
     out = capsys.readouterr().out
     assert "| 1 rows | aiayn Q4_1" in out and "dequantise + oneDNN f32" in out
+
+
+def test_q4_scaling_benchmark(capsys, tmp_path):
+    pytest.importorskip("gguf")
+    q4_scaling.main(["--sizes", "tiny", "--new-tokens", "4", "--repeats", "1", "--no-compiled", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "read bandwidth, 1 thread(s)" in out and "| tiny | 0.2 |" in out and "aiayn q4 eager tokens/s" in out
+    assert not list(tmp_path.iterdir())  # the file is deleted without --keep
 
 
 def test_kv_cache_benchmark(capsys):

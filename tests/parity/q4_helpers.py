@@ -1,5 +1,6 @@
-"""Helpers of the block-quantisation tests (test_q4_kernel.py, test_gguf_q4.py): GGUF blocks of
-every supported type, and the kernel's error bound as an assertion."""
+"""Helpers of the block-quantisation tests (test_q4_kernel.py, test_gguf_q4.py, test_q4_scaling.py):
+GGUF blocks of every supported type, and the kernel's error bound as an assertion, on one product
+or on every block layer of a model."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from aiayn.fast.q4 import BlockWeight, error_bound
+from aiayn.fast.q4 import BlockLinear, BlockWeight, error_bound
 from aiayn.interop.gguf_blocks import unpack
 
 LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants can quantise these
@@ -50,3 +51,25 @@ def assert_within_bound(got: torch.Tensor, x: torch.Tensor, weight: BlockWeight)
     assert excess.max() <= 0, f"{weight.kind}: over the bound by {excess.max():.3g}"
 
 
+def block_layers(model: torch.nn.Module) -> list[BlockLinear]:
+    return [m for m in model.modules() if isinstance(m, BlockLinear)]
+
+
+def check_bounds_on(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """Run ``model`` on ``tokens``, checking every BlockLinear call against the bound; returns the
+    number of calls checked."""
+    calls = []
+
+    def hook(module: BlockLinear, args: tuple, output: torch.Tensor) -> None:
+        x = args[0].reshape(-1, module.in_features).float()
+        assert_within_bound(output.reshape(-1, module.out_features), x, module.weight_blocks)
+        calls.append(module)
+
+    handles = [m.register_forward_hook(hook) for m in block_layers(model)]
+    try:
+        with torch.no_grad():
+            assert model(tokens).logits.isfinite().all()  # logits are computed lazily: ask for them
+    finally:
+        for h in handles:
+            h.remove()
+    return len(calls)

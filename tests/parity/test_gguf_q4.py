@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from q4_helpers import assert_within_bound, gguf_blocks
+from q4_helpers import block_layers, check_bounds_on, gguf_blocks
 
 from aiayn.fast import plain_torch
-from aiayn.fast.q4 import BlockEmbedding, BlockLinear, weight_bytes
+from aiayn.fast.q4 import BlockEmbedding, weight_bytes
 from aiayn.generate import SamplingConfig, generate_decoder_only, greedy_decoder_only
 from aiayn.interop.gguf import GGUFError, load_gguf, smollm2_path
 from aiayn.interop.gguf_blocks import SUPPORTED
@@ -64,30 +64,6 @@ def write_llama(path: Path, kinds: dict[str, str], *, tied: bool = False, seed: 
     w.write_tensors_to_file()
     w.close()
     return path
-
-
-def block_layers(model: torch.nn.Module) -> list[BlockLinear]:
-    return [m for m in model.modules() if isinstance(m, BlockLinear)]
-
-
-def check_bounds_on(model: torch.nn.Module, tokens: torch.Tensor) -> int:
-    """Run ``model`` on ``tokens``, checking every BlockLinear call against the bound; returns the
-    number of calls checked."""
-    calls = []
-
-    def hook(module: BlockLinear, args: tuple, output: torch.Tensor) -> None:
-        x = args[0].reshape(-1, module.in_features).float()
-        assert_within_bound(output.reshape(-1, module.out_features), x, module.weight_blocks)
-        calls.append(module)
-
-    handles = [m.register_forward_hook(hook) for m in block_layers(model)]
-    try:
-        with torch.no_grad():
-            assert model(tokens).logits.isfinite().all()  # logits are computed lazily: ask for them
-    finally:
-        for h in handles:
-            h.remove()
-    return len(calls)
 
 
 @pytest.mark.parametrize("kind", list(SUPPORTED))

@@ -1,0 +1,327 @@
+"""How 4-bit decoding scales with the bytes of weights (issue 21, point 5): random LLaMA-shaped GGUF
+files of growing size, all matrices Q4_0, decoded at batch 1 by aiayn (``load_gguf(path,
+quantize="auto")``: the file's blocks, ``aiayn.fast.q4``'s kernel) and by llama.cpp on the same
+file, against the memory-read bandwidth measured in the same run.
+
+A decode step at batch 1 reads every weight matrix once (the untied embedding table excepted: one
+row of it), so its speed is bounded by how fast the memory delivers those bytes. For each size the
+script writes the file (``write_random_llama``, with the ``gguf`` package; quantised by
+``gguf.quants.quantize``), measures the read bandwidth (``read_bandwidth``: a sum over a 1.5 GiB
+buffer, far larger than the caches), then both decoders, and prints
+
+    tokens/s,  bytes read per token x tokens/s (effective GB/s),  that / the measured bandwidth
+
+for aiayn (compiled decode step, and eager) and llama.cpp, and aiayn / llama.cpp; then, over the
+sizes, a least-squares fit of each decoder's time per token as a cost per layer plus bytes read /
+a rate (``fit_line``): the rate says how fast a step streams weights once fixed costs are set aside.
+
+    python benchmarks/q4_scaling.py                                  # 135M, 360M, 1.1B; 1 thread
+    python benchmarks/q4_scaling.py --sizes 135M --new-tokens 32 --repeats 2
+    nice -n 10 python benchmarks/q4_scaling.py --clock cpu           # on a machine shared with other jobs
+
+The shapes are real models' (SmolLM2-135M and -360M: tied embeddings, 49,152 tokens; TinyLlama-1.1B:
+untied, 32,000 tokens); the weights are random (N(0, 1/k) per row of k inputs), so the tokens
+mean nothing: only the speed is measured. The tokenizer in the file is a minimal byte-level BPE
+(256 byte tokens, one merge, fillers up to the vocabulary size) that aiayn's loader and llama.cpp
+both accept. Files go to a temporary directory (``--out``) and are deleted unless ``--keep``.
+
+Not a test: it prints figures, it asserts nothing (tests/parity/test_q4_scaling.py checks the
+written files load and compute right; tests/bench runs this script on a tiny size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import generate as gen  # its decode_rate / best_of read gen.CLOCK (set by --clock)
+from benchmarks.generate_q4 import packed_model, runner
+from benchmarks.llama_cpp import llama_cpp_cffi_library, llama_cpp_cffi_runners
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A LLaMA's sizes, as the GGUF metadata states them."""
+
+    d: int
+    layers: int
+    d_ff: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+
+    @property
+    def kv_dim(self) -> int:
+        return self.d // self.heads * self.kv_heads
+
+    def matrices(self) -> dict[str, tuple[int, int]]:
+        """GGUF tensor name -> (rows, inputs) of every weight matrix."""
+        out = {"token_embd.weight": (self.vocab, self.d)}
+        for i in range(self.layers):
+            out |= {f"blk.{i}.attn_q.weight": (self.d, self.d), f"blk.{i}.attn_k.weight": (self.kv_dim, self.d),
+                    f"blk.{i}.attn_v.weight": (self.kv_dim, self.d), f"blk.{i}.attn_output.weight": (self.d, self.d),
+                    f"blk.{i}.ffn_gate.weight": (self.d_ff, self.d), f"blk.{i}.ffn_up.weight": (self.d_ff, self.d),
+                    f"blk.{i}.ffn_down.weight": (self.d, self.d_ff)}
+        if not self.tied:
+            out["output.weight"] = (self.vocab, self.d)
+        return out
+
+    def norms(self) -> list[str]:
+        return [f"blk.{i}.{n}.weight" for i in range(self.layers) for n in ("attn_norm", "ffn_norm")] + [
+            "output_norm.weight"]
+
+    @property
+    def parameters(self) -> int:
+        return sum(r * k for r, k in self.matrices().values()) + len(self.norms()) * self.d
+
+
+SHAPES = {
+    "tiny": LlamaShape(d=128, layers=2, d_ff=256, heads=4, kv_heads=2, vocab=512, tied=False),  # smoke runs
+    "135M": LlamaShape(d=576, layers=30, d_ff=1536, heads=9, kv_heads=3, vocab=49152, tied=True),  # SmolLM2-135M
+    "360M": LlamaShape(d=960, layers=32, d_ff=2560, heads=15, kv_heads=5, vocab=49152, tied=True),  # SmolLM2-360M
+    "1.1B": LlamaShape(d=2048, layers=22, d_ff=5632, heads=32, kv_heads=4, vocab=32000, tied=False),  # TinyLlama
+}
+CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0-2; bos = eos = 0
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's 256 byte-level characters (``bytes_to_unicode``), in byte order: llama.cpp's BPE
+    vocabularies spell every token in them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b], extra = chr(256 + extra), extra + 1
+    return [out[b] for b in range(256)]
+
+
+def tokenizer_metadata(vocab: int) -> dict[str, object]:
+    """A minimal byte-level BPE of ``vocab`` tokens: 3 control tokens, the 256 byte tokens, one
+    merge ("a b" -> "ab": ``tokenizers`` refuses a merge whose parts or result are missing, and
+    llama.cpp refuses a BPE vocabulary without merges) and numbered fillers ("x0", "x1", ...: plain
+    ASCII, spelt in the byte alphabet) up to the vocabulary size the shape asks for."""
+    tokens = [*CONTROL, *byte_level_alphabet(), "ab"]
+    if vocab < len(tokens):
+        raise ValueError(f"vocab {vocab} < the {len(tokens)} tokens a byte-level BPE needs")
+    tokens += [f"x{i}" for i in range(vocab - len(tokens))]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3] * len(CONTROL) + [1] * (vocab - len(CONTROL)),
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0,
+            "tokenizer.ggml.add_bos_token": False}
+
+
+def write_random_llama(path: Path, shape: LlamaShape, *, kind: str = "Q4_0", seed: int = 0) -> Path:
+    """A random LLaMA GGUF at ``path``: every matrix ``kind`` (quantised from N(0, 1/k) floats by
+    ``gguf.quants.quantize``), norms float32 near 1, the tokenizer of ``tokenizer_metadata``.
+
+    Tensors are written one at a time (``add_tensor_info`` first, then ``write_tensor_data``), so
+    at most one matrix's floats and blocks are in memory, not the whole model's."""
+    import gguf
+    from gguf.quants import quantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"random llama {shape.parameters / 1e6:.0f}M {kind}")
+    for key, value in {"context_length": 2048, "embedding_length": shape.d, "block_count": shape.layers,
+                       "feed_forward_length": shape.d_ff, "attention.head_count": shape.heads,
+                       "attention.head_count_kv": shape.kv_heads, "rope.dimension_count": shape.d // shape.heads,
+                       "vocab_size": shape.vocab}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    for key, value in tokenizer_metadata(shape.vocab).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
+    matrices = shape.matrices()
+    for name, (rows, k) in matrices.items():
+        row_bytes = k // block_elems * block_bytes  # given as (rows, bytes) of uint8, as add_tensor takes blocks
+        w.add_tensor_info(name, (rows, row_bytes), np.dtype(np.uint8), rows * row_bytes, raw_dtype=qtype)
+    for name in shape.norms():
+        w.add_tensor_info(name, (shape.d,), np.dtype(np.float32), shape.d * 4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for rows, k in matrices.values():
+        w.write_tensor_data(quantize(rng.standard_normal((rows, k), dtype=np.float32) / math.sqrt(k), qtype))
+    for _ in shape.norms():
+        w.write_tensor_data((1 + 0.1 * rng.standard_normal(shape.d)).astype(np.float32))
+    w.close()
+    return path
+
+
+def bytes_per_token(path: Path) -> tuple[int, int]:
+    """(all tensor bytes of the file, bytes a batch-1 decode step reads): every tensor, less the
+    embedding table when an output matrix of its own exists (a step reads one row of the table;
+    tied, the table is the output matrix and is read whole). The KV cache a step also reads is left
+    out: under 1% of the weights at these short contexts."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
+    total = sum(tensors.values())
+    return total, total - (tensors["token_embd.weight"] if "output.weight" in tensors else 0)
+
+
+def read_bandwidth(threads: int, *, gib: float = 1.5, repeats: int = 5) -> float:
+    """Bytes/s of reading a ``gib`` GiB buffer once (far past the 32 MiB L3), best of ``repeats``,
+    timed by ``gen.CLOCK``, at ``threads`` torch threads: the fastest of a float32 and an int64
+    sum over it (a uint8 sum is not memory-bound: it widens every byte, ~0.2 GB/s here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    buf = torch.full((int(gib * 2**30),), 1, dtype=torch.uint8)  # written, so every page is real memory
+    try:
+        best = min(gen.best_of(lambda v=view: v.sum(), repeats)
+                   for view in (buf.view(torch.float32), buf.view(torch.int64)))
+    finally:
+        del buf
+        torch.set_num_threads(before)
+    return int(gib * 2**30) / best
+
+
+def measure_size(name: str, shape: LlamaShape, out_dir: Path, args: argparse.Namespace,
+                 llama: tuple | None) -> dict[str, float]:
+    """Write the file, then, in this order: the bandwidth, aiayn (compiled, eager), llama.cpp."""
+    start = time.perf_counter()
+    path = write_random_llama(out_dir / f"random-llama-{name}.Q4_0.gguf", shape, seed=args.seed)
+    total, streamed = bytes_per_token(path)
+    print(f"\n{name}: {shape.parameters / 1e6:,.1f}M parameters (d {shape.d}, {shape.layers} layers, d_ff {shape.d_ff}, "
+          f"{shape.heads}/{shape.kv_heads} heads, vocab {shape.vocab:,}, {'tied' if shape.tied else 'untied'}); "
+          f"file {path.stat().st_size / 1e6:,.1f} MB, tensors {total / 1e6:,.1f} MB, read per token "
+          f"{streamed / 1e6:,.1f} MB; written in {time.perf_counter() - start:.0f} s", flush=True)
+    row: dict[str, float] = {"bytes": streamed}
+    for threads in sorted({1, args.threads}):
+        row[f"bandwidth {threads}"] = read_bandwidth(threads, repeats=args.repeats + 2)
+        print(f"  read bandwidth, {threads} thread(s): {row[f'bandwidth {threads}'] / 1e9:.1f} GB/s", flush=True)
+    prompt = torch.randint(len(CONTROL), shape.vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
+    rate = lambda run: gen.decode_rate(run, args.new_tokens, args.repeats)  # noqa: E731
+    model = packed_model(path, "auto")
+    ours = {}
+    for label, compile in (("aiayn q4 compiled", True), ("aiayn q4 eager", False)):
+        if (compile and args.no_compiled) or (not compile and args.no_eager):
+            continue
+        start = time.perf_counter()
+        row[label] = rate(runner(model, prompt, compile=compile))
+        ours[label] = runner(model, prompt, compile=compile)(args.new_tokens)[0].tolist()
+        print(f"  {label:20s} {row[label]:7.1f} tokens/s ({time.perf_counter() - start:.0f} s)", flush=True)
+    del model
+    gc.collect()
+    if llama is not None:
+        start = time.perf_counter()
+        make = llama_cpp_cffi_runners(*llama, path, args.threads)
+        row["llama.cpp"] = rate(make(prompt[0].tolist()))
+        theirs = make(prompt[0].tolist())(args.new_tokens)
+        print(f"  {'llama.cpp':20s} {row['llama.cpp']:7.1f} tokens/s ({time.perf_counter() - start:.0f} s)", flush=True)
+        for label, tokens in ours.items():  # a check that both read the file as the same model
+            same = next((i for i, (a, b) in enumerate(zip(tokens, theirs, strict=True)) if a != b), len(tokens))
+            print(f"  greedy tokens, {label} vs llama.cpp: identical for the first {same} of {len(tokens)}")
+    if not args.keep:
+        path.unlink()  # llama.cpp's mapping of it stays valid until the process ends
+    return row
+
+
+def report(rows: dict[str, dict[str, float]], threads: int) -> None:
+    """One markdown table: per size and decoder, tokens/s, effective GB/s, % of the bandwidth."""
+    peers = [p for p in ("aiayn q4 compiled", "aiayn q4 eager", "llama.cpp") if any(p in r for r in rows.values())]
+    print(f"\nbatch 1, {threads} thread(s); effective GB/s = bytes read per token x tokens/s; "
+          f"% of the read bandwidth measured just before, at {threads} thread(s)\n")
+    head = ["size", "MB read / token", f"bandwidth GB/s ({threads} th)"]
+    for p in peers:
+        head += [f"{p} tokens/s", f"{p} GB/s (%)"]
+    head += [f"{p} / llama.cpp" for p in peers if p != "llama.cpp" and "llama.cpp" in peers]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for name, r in rows.items():
+        bw = r[f"bandwidth {threads}"]
+        cells = [name, f"{r['bytes'] / 1e6:,.1f}", f"{bw / 1e9:.1f}"]
+        for p in peers:
+            if p in r:
+                cells += [f"{r[p]:.1f}", f"{r[p] * r['bytes'] / 1e9:.1f} ({r[p] * r['bytes'] / bw:.0%})"]
+            else:
+                cells += ["-", "-"]
+        cells += [f"{r[p] / r['llama.cpp']:.0%}" if p in r and "llama.cpp" in r else "-"
+                  for p in peers if p != "llama.cpp" and "llama.cpp" in peers]
+        print("| " + " | ".join(cells) + " |")
+    if len(rows) >= 2:
+        print()
+        for p in peers:
+            print(fit_line(p, {name: r for name, r in rows.items() if p in r}))
+
+
+def fit_line(peer: str, rows: dict[str, dict[str, float]]) -> str:
+    """Least squares of seconds per token = c * layers + bytes / B over the sizes: B is the rate at
+    which a step's time grows with the bytes it reads, c a fixed cost per block (norms, attention
+    over the cache, the step's overhead: what does not grow with the matrices)."""
+    if len(rows) < 2:
+        return f"{peer}: fewer than two sizes, no fit"
+    a = np.array([[SHAPES[name].layers, r["bytes"]] for name, r in rows.items()], dtype=np.float64)
+    t = np.array([1 / r[peer] for r in rows.values()])
+    (per_layer, per_byte), *_ = np.linalg.lstsq(a, t, rcond=None)
+    worst = np.abs(a @ [per_layer, per_byte] / t - 1).max()
+    return (f"{peer}: seconds per token ~ {per_layer * 1e3:.3f} ms per layer + bytes read / "
+            f"{1 / per_byte / 1e9:.1f} GB/s (least squares over {len(rows)} sizes; off by <= {worst:.0%})")
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sizes", default="135M,360M,1.1B", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="each timing is the best of this many runs")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this process's CPU time instead of wall time, for a machine shared with "
+                             "other jobs (meaningful with --threads 1 only)")
+    parser.add_argument("--no-compiled", action="store_true", help="skip aiayn's compiled decode step")
+    parser.add_argument("--no-eager", action="store_true", help="skip aiayn's eager decode step")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--out", type=Path, help="where to write the files (default: a temporary directory)")
+    parser.add_argument("--keep", action="store_true", help="keep the written files")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    sizes = args.sizes.split(",")
+    if unknown := [s for s in sizes if s not in SHAPES]:
+        parser.error(f"unknown size(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    gen.CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads)
+    llama = None if args.no_llama_cpp else llama_cpp_cffi_library()
+    print(f"random LLaMA-shaped Q4_0 GGUF files; {args.threads} thread(s); torch {torch.__version__}; batch 1; "
+          f"greedy; {args.new_tokens} new tokens after {args.prompt_tokens}; best of {args.repeats}; "
+          f"{args.clock} clock; llama.cpp {'(llama-cpp-cffi)' if llama else 'not measured'}; "
+          f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="aiayn-q4-scaling-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    try:
+        for name in sizes:
+            rows[name] = measure_size(name, SHAPES[name], out_dir, args, llama)
+    finally:
+        if args.out is None and not args.keep:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        elif args.keep:
+            print(f"files kept in {out_dir}")
+    report(rows, args.threads)
+    print(f"\nload average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
