@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from aiayn.tasks.shipped import load_release, shipped_models, shipped_path
 
 # name -> (what is measured, the band it must reach)
@@ -18,6 +20,8 @@ EXPECTED = {
     # the whole val split (1,800 windows of 64): 1.7455 with the run's float32 weights and with the
     # shipped float16 ones alike
     "shakespeare-char": ("val NLL per character", 1.76),
+    # greedy cased sacreBLEU of the first 200 val sentences: 41.38 with the shipped float16 weights
+    "multi30k-en-de": ("greedy val BLEU, 200 sentences", 40.0),
 }
 
 
@@ -63,3 +67,37 @@ def test_plot_attention_of_a_shipped_model_writes_here_not_into_the_package(tmp_
         bad = subprocess.run([sys.executable, "-m", "aiayn", "plot", "attention", *argv], capture_output=True,
                              text=True, timeout=120, cwd=tmp_path)
         assert bad.returncode == 2 and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+# The translation models: greedy decoding of the first 200 validation sentences, cased sacreBLEU.
+TRANSLATION_SENTENCES = 200
+
+
+def _val_bleu(name: str) -> float:
+    from aiayn.data import data_dir
+    from aiayn.tasks.runs import load_translator
+    from aiayn.tasks.translation import corpus_score
+    from aiayn.translate import decode_options
+
+    task, translator = load_translator(shipped_path(name))
+    src, tgt = task.src_lang, task.tgt_lang
+    root = data_dir() / "multi30k"
+    sources = (root / f"val.{src}").read_text(encoding="utf-8").splitlines()[:TRANSLATION_SENTENCES]
+    references = (root / f"val.{tgt}").read_text(encoding="utf-8").splitlines()[:TRANSLATION_SENTENCES]
+    hypotheses = translator.translate(sources, decode_options(task.decode, beam_size=1))
+    return corpus_score(hypotheses, references)["bleu"]
+
+
+@pytest.mark.parametrize("name", [name for name in EXPECTED if name.startswith("multi30k-")])
+def test_translation_models_reach_their_val_bleu(name: str) -> None:
+    bleu = _val_bleu(name)
+    assert bleu >= EXPECTED[name][1], (name, bleu)
+
+
+def test_translate_right_after_installation_needs_no_run(tmp_path: Path) -> None:
+    """`aiayn translate "..."` with no --run or --model: the shipped en->de model, from any folder."""
+    proc = subprocess.run([sys.executable, "-m", "aiayn", "translate", "A man is riding a bike."],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    german = proc.stdout.strip().lower()
+    assert german.startswith("ein mann") and "fahrrad" in german, german
