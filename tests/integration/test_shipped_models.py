@@ -22,6 +22,7 @@ EXPECTED = {
     "shakespeare-char": ("val NLL per character", 1.76),
     # greedy cased sacreBLEU of the first 200 val sentences: 41.38 with the shipped float16 weights
     "multi30k-en-de": ("greedy val BLEU, 200 sentences", 40.0),
+    "multi30k-de-en": ("greedy val BLEU, 200 sentences", 40.0),  # 41.51 shipped
 }
 
 
@@ -101,3 +102,6 @@ def test_translate_right_after_installation_needs_no_run(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr
     german = proc.stdout.strip().lower()
     assert german.startswith("ein mann") and "fahrrad" in german, german
+    back = subprocess.run([sys.executable, "-m", "aiayn", "translate", "--model", "multi30k-de-en",
+                           "Ein Mann fährt Fahrrad."], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert back.returncode == 0 and back.stdout.strip().lower().startswith("a man"), (back.stdout, back.stderr)
