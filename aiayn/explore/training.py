@@ -35,7 +35,12 @@ def run_record(run_dir: Path | None) -> dict[str, Any]:
     if run_dir is None:
         return {"available": False,
                 "reason": "this model was loaded from a file, not trained here: it has no run to show"}
-    metrics = run_dir / "metrics.csv"
+    from aiayn.tasks.shipped import is_release
+
+    # A shipped model keeps the record of the run that made it in record/ (config.json stays beside
+    # the weights).
+    record = run_dir / "record" if is_release(run_dir) else run_dir
+    metrics = record / "metrics.csv"
     rows = read_metrics(metrics) if metrics.is_file() else []
     series: dict[str, list[list[float]]] = {}
     for name in (*TRAIN_FIELDS, *VAL_FIELDS):
@@ -43,5 +48,5 @@ def run_record(run_dir: Path | None) -> dict[str, Any]:
         if points:
             series[name] = [[r["step"], r[name]] for r in points]
     return {"available": True, "run": str(run_dir), "series": series, "rows": len(rows),
-            "config": _read_json(run_dir / "config.json"), "summary": _read_json(run_dir / "summary.json"),
+            "config": _read_json(run_dir / "config.json"), "summary": _read_json(record / "summary.json"),
             "note": None if rows else "metrics.csv is missing or empty"}

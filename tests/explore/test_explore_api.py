@@ -228,6 +228,19 @@ def test_run_record_is_the_runs_metrics_and_config(char_run, char_ex, minilm_ex)
         "available": False, "reason": "this model was loaded from a file, not trained here: it has no run to show"}
 
 
+def test_a_shipped_models_run_view_reads_its_record():
+    """A shipped model keeps its run's metrics and summary in record/: the training view shows them."""
+    from aiayn.explore import load_explorable
+    from aiayn.tasks.shipped import shipped_path
+
+    release = shipped_path("shakespeare-char")
+    record = client(load_explorable(run_dir=release)).get("/api/run").json()
+    lines = (release / "record" / "metrics.csv").read_text().splitlines()[1:]
+    assert record["available"] and record["rows"] == len(lines) and record["series"]["val_nll"]
+    assert record["summary"] == json.loads((release / "record" / "summary.json").read_text())
+    assert record["config"] == json.loads((release / "config.json").read_text())
+
+
 # ---- what is refused, and how ----------------------------------------------------------------
 def test_bad_input_gets_one_short_message(char_ex, minilm_ex, translation_ex):
     api = client(char_ex)
