@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from playwright.sync_api import expect
 
 from aiayn.generate import greedy_encoder_decoder
+
+WAIT_MS = 30_000  # as the page's default timeout (conftest): every retrying assertion is bounded
 
 
 def open_view(page, server, view: str, response: str | None = None) -> dict | None:
@@ -181,13 +184,14 @@ def test_char_lm_views_and_the_context_limit(page, live, char_ex):
     page.press("body", "ArrowRight")
     page.press("body", "ArrowRight")
     page.wait_for_selector("#gen-step-label:has-text('step 3 of')")
-    assert page.locator(".kv-slot.filled").count() == ex.config.n_layers * (prompt + 2)
-    assert page.locator("#gen-chips, #gen-seq-chips .chip.gen").count() == 2
+    # the grid and chips render just after the step label: retrying assertions, bounded by the page's timeout
+    expect(page.locator(".kv-slot.filled")).to_have_count(ex.config.n_layers * (prompt + 2), timeout=WAIT_MS)
+    expect(page.locator("#gen-chips, #gen-seq-chips .chip.gen")).to_have_count(2, timeout=WAIT_MS)
     with page.expect_response(lambda r: "/api/beam" in r.url) as info:
         page.click("#tabs a[data-view='beam']")  # no end-of-text token: every hypothesis runs to the limit
     tree = info.value.json()
     page.wait_for_selector("#beam-svg")
-    assert page.locator("#beam-svg g.node").count() == len(tree["nodes"])
+    expect(page.locator("#beam-svg g.node")).to_have_count(len(tree["nodes"]), timeout=WAIT_MS)
     assert page.locator("#beam-nbest td.hyp").all_inner_texts() == [h["text"] for h in tree["nbest"]]
     assert page.locator("#beam-svg g.node[data-status='limit']").count() == 4  # beam 4, 12 new tokens each
     page.click("#tabs a[data-view='training']")
