@@ -16,9 +16,9 @@ aiayn's model is the one ``aiayn generate`` runs: ``aiayn.fast.optimize(model, "
 CPU kernels), then the dtype or quantisation (``lower_precision``).
 Each timing is the best of ``--repeats`` runs (the least disturbed by other jobs on the machine).
 
-    python benchmarks/generate.py                 # float32 and bfloat16, int8, llama.cpp if present
-    python benchmarks/generate.py --dtypes float32 --no-hf --repeats 1
-    python benchmarks/generate.py --threads 1 --clock cpu    # on a machine shared with other jobs
+    python -m benchmarks.generate                 # float32 and bfloat16, int8, llama.cpp if present
+    python -m benchmarks.generate --dtypes float32 --no-hf --repeats 1
+    python -m benchmarks.generate --threads 1 --clock cpu    # on a machine shared with other jobs
 
 Not a test: it prints figures, it asserts nothing.
 """

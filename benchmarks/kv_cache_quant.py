@@ -1,6 +1,6 @@
 """Quantised KV cache: memory saving, and its effect on SmolLM2-135M's output.
 
-    PYTHONPATH=. python benchmarks/kv_cache_quant.py [--model file.gguf] [--new-tokens 32] [--ppl-tokens 1024]
+    PYTHONPATH=. python -m benchmarks.kv_cache_quant [--model file.gguf] [--new-tokens 32] [--ppl-tokens 1024]
 
 Prints, for the float32 cache and the int8 / int4 caches (float16 absmax scale per token and head;
 int4 also with a scale per 32 channels):

@@ -15,9 +15,9 @@ for aiayn (compiled decode step, and eager) and llama.cpp, and aiayn / llama.cpp
 sizes, a least-squares fit of each decoder's time per token as a cost per layer plus bytes read /
 a rate (``fit_line``): the rate says how fast a step streams weights once fixed costs are set aside.
 
-    python benchmarks/q4_scaling.py                                  # 135M, 360M, 1.1B; 1 thread
-    python benchmarks/q4_scaling.py --sizes 135M --new-tokens 32 --repeats 2
-    nice -n 10 python benchmarks/q4_scaling.py --clock cpu           # on a machine shared with other jobs
+    python -m benchmarks.q4_scaling                                  # 135M, 360M, 1.1B; 1 thread
+    python -m benchmarks.q4_scaling --sizes 135M --new-tokens 32 --repeats 2
+    nice -n 10 python -m benchmarks.q4_scaling --clock cpu           # on a machine shared with other jobs
 
 The shapes are real models' (SmolLM2-135M and -360M: tied embeddings, 49,152 tokens; TinyLlama-1.1B:
 untied, 32,000 tokens); the weights are random (N(0, 1/k) per row of k inputs), so the tokens

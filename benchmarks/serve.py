@@ -23,8 +23,8 @@ when the corpus is absent) for ``--new-tokens`` greedy tokens. For each client c
 Targets (issue 20): at 16 clients, aggregate throughput >= 6x one at a time and >= 1.5x the
 transformers static batch, TTFT p99 <= 2 s.
 
-    flock /tmp/aiayn-bench.lock python benchmarks/serve.py
-    python benchmarks/serve.py --clients 1 4 --sequential 4 --no-hf        # quicker
+    flock /tmp/aiayn-bench.lock python -m benchmarks.serve
+    python -m benchmarks.serve --clients 1 4 --sequential 4 --no-hf        # quicker
 
 Not a test: it prints figures, it asserts nothing. The machine's load average is printed around
 every measurement.

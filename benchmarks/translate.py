@@ -11,8 +11,8 @@ Measured: sentences/s for greedy and beam 5, at batch 1 and 64, medians of --rep
 two implementations interleaved, in one process and on the same threads. aiayn's model runs through
 ``aiayn.fast.optimize(model, "inference")``, as ``aiayn translate`` runs it.
 
-    python benchmarks/translate.py                 # 2 threads, 64 sentences, 3 repeats
-    python benchmarks/translate.py --quick         # a smoke run
+    python -m benchmarks.translate                 # 2 threads, 64 sentences, 3 repeats
+    python -m benchmarks.translate --quick         # a smoke run
 """
 
 from __future__ import annotations
