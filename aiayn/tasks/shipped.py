@@ -18,6 +18,7 @@ shipped name or a path) into a release, a run directory or a file.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,13 @@ def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = Non
     copied = [f.name for f in (*[run_dir / n for n in RECORD_FILES], *sorted(run_dir.glob("score.*.json")))
               if f.is_file()]
     for file_name in copied:
-        shutil.copy2(run_dir / file_name, tmp / "record" / file_name)
+        if file_name.endswith(".json"):  # paths inside the run become relative: no local folder ships
+            text = (run_dir / file_name).read_text(encoding="utf-8")
+            for prefix in sorted({str(run_dir.resolve()), str(run_dir)}, key=len, reverse=True):
+                text = text.replace(json.dumps(prefix + os.sep)[1:-1], "")
+            (tmp / "record" / file_name).write_text(text, encoding="utf-8")
+        else:
+            shutil.copy2(run_dir / file_name, tmp / "record" / file_name)
     if recipe is not None:
         shutil.copy2(recipe, tmp / "record" / recipe.name)
         copied.append(recipe.name)

@@ -63,6 +63,20 @@ def test_tied_weights_are_stored_once(runs: Path, tmp_path: Path) -> None:
         assert loaded[alias].data_ptr() == loaded[source].data_ptr()  # still tied after loading
 
 
+def test_no_local_folder_ships_in_the_record(runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paths inside the run (an averaged checkpoint's, say) are written relative to it."""
+    run = runs / "reverse"
+    summary = {"step": 3, "averaged": {"checkpoint": str(run.resolve() / "averaged-last5" / "step-3")}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "score.test.json").write_text(json.dumps({"hypotheses": str(run / "hypotheses.test.txt")}))
+    out = write_release(run, tmp_path / "release")
+    assert json.loads((out / "record" / "summary.json").read_text())["averaged"]["checkpoint"] == "averaged-last5/step-3"
+    assert json.loads((out / "record" / "score.test.json").read_text()) == {"hypotheses": "hypotheses.test.txt"}
+    monkeypatch.chdir(runs)  # the run named by a relative path: the same
+    out = write_release(Path("reverse"), tmp_path / "release")
+    assert str(tmp_path) not in (out / "record" / "summary.json").read_text()
+
+
 def test_a_release_is_replaced_whole(runs: Path, tmp_path: Path) -> None:
     out = write_release(runs / "reverse", tmp_path / "release")
     (out / "stale.txt").write_text("from the old release")
