@@ -167,24 +167,33 @@ def block_matmul(x: Tensor, weight: BlockWeight) -> Tensor:
                       weight.nibbles, weight.n, weight.k)
 
 
-class BlockLinear(nn.Module):
-    """y = x W^T + b with W a ``BlockWeight`` (buffers ``q``, ``scale``, ``mins``; float32 bias)."""
+class _BlockStorage(nn.Module):
+    """A ``BlockWeight`` held as a module: buffers ``q``, ``scale``, ``mins`` and its format."""
 
-    def __init__(self, weight: BlockWeight, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: BlockWeight) -> None:
         super().__init__()
-        q4_build.kernel_ops()  # built (or found in the cache) now, not inside a compiled graph
-        self.in_features, self.out_features = weight.k, weight.n
         self.offset, self.block, self.nibbles, self.kind = weight.offset, weight.block, weight.nibbles, weight.kind
+        # The format in one tuple attribute: a compiled graph guards on every attribute it reads,
+        # each checked again at every call (121 layers x 5 ints cost SmolLM2 ~10% of a step).
         self.spec = (weight.offset, weight.block, weight.nibbles, weight.n, weight.k)
         self.register_buffer("q", weight.q)
         self.register_buffer("scale", weight.scale)
         self.register_buffer("mins", weight.mins)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @property
     def weight_blocks(self) -> BlockWeight:
-        return BlockWeight(self.q, self.scale, self.mins, self.offset, self.block, self.nibbles,
-                           self.out_features, self.in_features, self.kind)
+        offset, block, nibbles, n, k = self.spec
+        return BlockWeight(self.q, self.scale, self.mins, offset, block, nibbles, n, k, self.kind)
+
+
+class BlockLinear(_BlockStorage):
+    """y = x W^T + b with W a ``BlockWeight`` (buffers ``q``, ``scale``, ``mins``; float32 bias)."""
+
+    def __init__(self, weight: BlockWeight, bias: Tensor | None = None) -> None:
+        super().__init__(weight)
+        q4_build.kernel_ops()  # built (or found in the cache) now, not inside a compiled graph
+        self.in_features, self.out_features = weight.k, weight.n
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> BlockLinear:
@@ -197,9 +206,7 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x (..., k) -> (..., n), in x's dtype (computed in float32)."""
-        # The format in one tuple attribute: a compiled graph guards on every attribute it reads,
-        # each checked again at every call (121 layers x 5 ints cost SmolLM2 ~10% of a step).
-        offset, block, nibbles, n, k = self.spec
+        offset, block, nibbles, n, k = self.spec  # one attribute read (see _BlockStorage)
         shape = x.shape
         x2 = x.reshape(-1, k).float()
         ops = q4_build.OPS if switch.enabled() else None
@@ -217,22 +224,12 @@ class BlockLinear(nn.Module):
                 f"blocks of {self.block}")
 
 
-class BlockEmbedding(nn.Module):
+class BlockEmbedding(_BlockStorage):
     """An embedding table kept in blocks: looks up rows and dequantises only those (float32)."""
 
     def __init__(self, weight: BlockWeight) -> None:
-        super().__init__()
+        super().__init__(weight)
         self.num_embeddings, self.embedding_dim = weight.n, weight.k
-        self.offset, self.block, self.nibbles, self.kind = weight.offset, weight.block, weight.nibbles, weight.kind
-        self.spec = (weight.offset, weight.block, weight.nibbles, weight.n, weight.k)
-        self.register_buffer("q", weight.q)
-        self.register_buffer("scale", weight.scale)
-        self.register_buffer("mins", weight.mins)
-
-    @property
-    def weight_blocks(self) -> BlockWeight:
-        return BlockWeight(self.q, self.scale, self.mins, self.offset, self.block, self.nibbles,
-                           self.num_embeddings, self.embedding_dim, self.kind)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens (...) long -> (..., d) float32."""
