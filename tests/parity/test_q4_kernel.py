@@ -11,19 +11,15 @@ per-block products and the final sum adds a relative 1e-6 or so, allowed for sep
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.testing import assert_close
 
-from aiayn import build_model, get_preset
 from aiayn.fast import plain_torch
 from aiayn.fast.q4 import BlockLinear, BlockWeight, quantize_blocks_q4
 from aiayn.fast.q4_build import kernel_ops
-from aiayn.fast.quantize import lower_precision
 from aiayn.interop.gguf_blocks import SUPPORTED, unpack
 
 gguf = pytest.importorskip("gguf")
@@ -105,29 +101,3 @@ def test_bad_values_and_shapes_are_refused():
         unpack("IQ4_NL", np.zeros((1, 18), np.uint8), 1, 32)
 
 
-def test_lower_precision_q4_kernel_decides_like_its_dequantised_weights():
-    """Random weights lose much to 4 bits (greedy choices of this tiny model agree with float32's
-    at ~40%: 4-bit rounding, which test_q4_quantisation_rounds_by_at_most_half_a_step bounds). The
-    kernel's own rounding of the activations (int8 per block of 32) is a smaller change: its greedy
-    choices agree with those of the same 4-bit weights dequantised through F.linear at 84% of the
-    positions (for scale, on this sensitive random model: bfloat16 weights and activations 95%,
-    int8 weights 91% against float32). SmolLM2's quality (perplexity, agreement): docs/q4.md."""
-    torch.manual_seed(0)
-    model = build_model(get_preset("llama-tiny").replace(d_model=96, d_ff=160, n_layers=3)).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=g) * 2 / math.sqrt(module.in_features))
-            elif isinstance(module, nn.Embedding):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=g))
-    tokens = torch.randint(0, 99, (8, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        q4 = lower_precision(model, "q4")
-        assert not any(isinstance(m, nn.Linear) for m in q4.modules())
-        assert isinstance(q4.lm_head, BlockLinear) and q4.embedding.weight.dtype == torch.float32
-        kernel = q4(tokens).logits.argmax(-1)
-        with plain_torch():
-            dequantised = q4(tokens).logits.argmax(-1)
-    same = (kernel == dequantised).float().mean()
-    assert same >= 0.8, f"only {same:.0%} of greedy choices agree"
