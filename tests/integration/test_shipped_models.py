@@ -75,16 +75,14 @@ TRANSLATION_SENTENCES = 200
 
 
 def _val_bleu(name: str) -> float:
-    from aiayn.data import data_dir
+    from aiayn.data.parallel import read_parallel, split_paths
     from aiayn.tasks.runs import load_translator
     from aiayn.tasks.translation import corpus_score
     from aiayn.translate import decode_options
 
     task, translator = load_translator(shipped_path(name))
-    src, tgt = task.src_lang, task.tgt_lang
-    root = data_dir() / "multi30k"
-    sources = (root / f"val.{src}").read_text(encoding="utf-8").splitlines()[:TRANSLATION_SENTENCES]
-    references = (root / f"val.{tgt}").read_text(encoding="utf-8").splitlines()[:TRANSLATION_SENTENCES]
+    sources, references = read_parallel(*split_paths(task.root(), "val", task.src_lang, task.tgt_lang))
+    sources, references = sources[:TRANSLATION_SENTENCES], references[:TRANSLATION_SENTENCES]
     hypotheses = translator.translate(sources, decode_options(task.decode, beam_size=1))
     return corpus_score(hypotheses, references)["bleu"]
 
