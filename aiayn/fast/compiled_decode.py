@@ -9,9 +9,11 @@ measured fastest compiled (``aiayn.fast.matvec``). ``aiayn.generate`` calls it w
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from torch import Tensor
 
 from aiayn.fast.matvec import MatvecLinears
@@ -42,7 +44,20 @@ def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Te
         return model.lm_head(hidden[:, -1])
 
 
-_compiled_static_step: Callable[..., Tensor] | None = None
+# One compiled step per model, its graphs kept apart from other models' (``isolate_recompiles``)
+# and dropped with the model (a weak key), instead of one step for all told apart by Dynamo's
+# guards on every submodule: those are ~6,000 checks per call (~0.6 ms of SmolLM2's ~6 ms step,
+# measured), so the graphs are guarded on the step's inputs only (``_inputs_only``).
+_compiled_steps: weakref.WeakKeyDictionary[nn.Module, Callable[..., Tensor]] = weakref.WeakKeyDictionary()
+
+
+def forget_compiled(model: nn.Module) -> None:
+    """Drop ``model``'s compiled decode graphs, so that its next compiled step compiles afresh: call
+    it after changing the model in place by hand (its weights, dtype or layers). aiayn's converters
+    (``optimize``, ``plain``, ``lower_precision``) call it themselves."""
+    _compiled_steps.pop(model, None)
+
+
 COMPILED_CACHE_MULTIPLE = 64  # compiled decoding rounds its cache up to this, so lengths share graphs
 
 
@@ -67,10 +82,10 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
     (tests/consistency/test_compiled_decode.py). What ``forward`` checks is checked here, in Python.
 
     The graph holds the weights as constants (Inductor "freezing"; it keeps its own pre-packed
-    copy of them): after changing a model's weights in place, call ``torch._dynamo.reset()``
-    before decoding it compiled again.
+    copy of them) and is not guarded on the model's submodules: after changing a model in place
+    (weights, dtype, layers) by hand, call ``forget_compiled(model)`` before decoding it compiled
+    again (aiayn's converters do).
     """
-    global _compiled_static_step
     if cache.quantize is not None:
         raise ValueError("compiled decoding needs a float KV cache; drop compile or the cache quantisation")
     if model.training:
@@ -87,8 +102,9 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
     if top >= model.config.max_seq_len:
         raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "
                          f"max_seq_len={model.config.max_seq_len}; ask for fewer tokens")
-    if _compiled_static_step is None:
-        _compiled_static_step = _compile_static_step()
+    step = _compiled_steps.get(model)
+    if step is None:
+        step = _compiled_steps[model] = _compile_static_step()
     # The new slot's bookkeeping, here in Python; the graph sees the filled prefix [0, n) only,
     # its length n marked dynamic: one graph serves every step (attending over the whole buffer
     # instead cost batch 16 about a third more time per step).
@@ -97,20 +113,25 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
     torch._dynamo.maybe_mark_dynamic(key_valid, 1)
     torch._dynamo.maybe_mark_dynamic(key_positions, 1)
     slot = torch.tensor([start], device=tokens.device)
-    return _compiled_static_step(model, tokens, positions, slot, key_valid, key_positions, cache)
+    return step(model, tokens, positions, slot, key_valid, key_positions, cache)
+
+
+def _inputs_only(guards: list) -> list[bool]:
+    """Dynamo's guards to keep: all but those on the model's submodules and their attributes
+    (each model has its own compiled step, ``_compiled_steps``)."""
+    return [not guard.orig_guard.source.is_unspecialized_nn_module() for guard in guards]
 
 
 def _compile_static_step() -> Callable[..., Tensor]:
     """``_static_step`` under torch.compile, called with Inductor's freezing on."""
-    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
     # Static shapes but the number of filled cache slots (marked dynamic per call): symbolic
     # sizes elsewhere would make slower kernels (and SDPA's enable_gqa a SymBool).
-    # Each model, batch size and cache size is one entry of the compile cache: raise torch's
-    # default limit of 8 entries per function, past which it would refuse to compile again.
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
-    compiled = torch.compile(_static_step, fullgraph=True, dynamic=False)
+    # Each batch size and cache size of the model is one entry of its compile cache: raise torch's
+    # default limit of 8 entries, past which it would refuse to compile again.
+    compiled = torch.compile(_static_step, fullgraph=True, dynamic=False, recompile_limit=64,
+                             isolate_recompiles=True, options={"guard_filter_fn": _inputs_only})
 
     def step(*args: object) -> Tensor:
         # Freezing folds the weights into the graph as constants, which lets Inductor pre-pack

@@ -47,7 +47,7 @@ def optimize(model: nn.Module, mode: str = "inference") -> nn.Module:
         raise ValueError(f"mode={mode!r} is not known; choose one of {', '.join(MODES)}")
     if any(p.device.type != "cpu" for p in model.parameters()):
         return model
-    plain(model)
+    plain(model)  # (also forgets the model's compiled decode graphs: its layers change)
     head = getattr(model, "lm_head", None)
     for module in model.modules():
         if type(module) is nn.Linear:
@@ -61,6 +61,9 @@ def optimize(model: nn.Module, mode: str = "inference") -> nn.Module:
 
 def plain(model: nn.Module) -> nn.Module:
     """Undo ``optimize``: the plain modules and the plain attention function (in place)."""
+    from aiayn.fast.compiled_decode import forget_compiled
+
+    forget_compiled(model)
     for module in model.modules():
         if type(module) in _PLAIN_CLASS:
             module.__class__ = _PLAIN_CLASS[type(module)]

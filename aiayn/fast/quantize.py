@@ -87,6 +87,10 @@ def lower_precision(model: nn.Module, quantize: str) -> nn.Module:
     (modified in place). The function a serving engine calls on a loaded model."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
+    from aiayn.fast.compiled_decode import forget_compiled
+
+    if quantize not in ("none", "auto"):
+        forget_compiled(model)  # its layers or dtype change in place: a compiled graph of it is stale
     if quantize == "bf16":
         return model.to(torch.bfloat16)
     if quantize == "int8":

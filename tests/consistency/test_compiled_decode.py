@@ -108,3 +108,48 @@ def test_one_graph_serves_every_step_and_prompt_length() -> None:
     assert after_first - before <= 1
     assert counters["stats"]["unique_graphs"] == after_first  # 5 + 20 and 9 + 16 share the 64-slot cache
     assert first.tokens.shape == (3, 20) and second.tokens.shape == (3, 16)
+
+
+def test_each_model_decodes_with_its_own_graph() -> None:
+    """Compiled graphs are not guarded on the model's submodules (aiayn.fast.compiled_decode keeps
+    one compiled step per model instead): two models of one architecture but different weights,
+    interleaved, and a third built after the first is freed (it may reuse its id()), each decode
+    as their own eager step does."""
+    import gc
+
+    prompt = random_tokens(2, 5, seed=8)
+
+    def check(model: DecoderOnly) -> torch.Tensor:
+        eager = greedy_decoder_only(model, prompt, max_new_tokens=8)
+        compiled = greedy_decoder_only(model, prompt, max_new_tokens=8, compile=True)
+        assert torch.equal(compiled.tokens, eager.tokens)
+        assert_close(compiled.logits, eager.logits)
+        return eager.logits
+
+    config = get_preset("llama-tiny", positional="rope", n_kv_heads=2)
+    first, second = (randomize_(DecoderOnly(config), seed).eval() for seed in (1, 2))
+    logits_first, logits_second = check(first), check(second)
+    assert not torch.allclose(logits_first, logits_second)  # the two models really differ
+    check(first)
+    del first
+    gc.collect()
+    check(randomize_(DecoderOnly(config), 3).eval())
+
+
+def test_changing_a_model_in_place_recompiles_its_graph() -> None:
+    """aiayn's converters forget a model's compiled graph (its layers or dtype change in place);
+    ``forget_compiled`` does the same after a change made by hand (new weights: the graph holds the
+    old ones as constants)."""
+    from aiayn.fast.compiled_decode import forget_compiled
+    from aiayn.fast.convert import optimize, plain
+    from aiayn.fast.quantize import lower_precision
+
+    model = model_for("llama-tiny", "rope", 2)
+    prompt = random_tokens(1, 5, seed=9)
+    for change in (lambda: optimize(model), lambda: plain(model), lambda: lower_precision(model, "int8"),
+                   lambda: (randomize_(model, 4), forget_compiled(model))):
+        change()
+        eager = greedy_decoder_only(model, prompt, max_new_tokens=6)
+        compiled = greedy_decoder_only(model, prompt, max_new_tokens=6, compile=True)
+        assert torch.equal(compiled.tokens, eager.tokens)
+        assert_close(compiled.logits, eager.logits)
