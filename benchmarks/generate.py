@@ -114,7 +114,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="aiayn float rows: float32, bfloat16, comma-separated ('' to skip).")
     parser.add_argument("--no-hf", action="store_true", help="Skip Hugging Face transformers.")
     parser.add_argument("--no-int8", action="store_true", help="Skip aiayn's int8 path.")
     parser.add_argument("--no-llama-cpp", action="store_true", help="Skip llama.cpp.")
@@ -130,6 +131,9 @@ def main() -> None:
                         help="cpu: measure this process's CPU time instead of wall time, for a machine "
                              "shared with other jobs (meaningful with --threads 1 only).")
     args = parser.parse_args()
+    unknown = [name for name in filter(None, args.dtypes.split(",")) if name not in DTYPES]
+    if unknown:
+        parser.error(f"--dtypes: unknown {', '.join(unknown)}; choose from {', '.join(DTYPES)}")
     global CLOCK
     if args.clock == "cpu":
         CLOCK = time.process_time
@@ -168,7 +172,7 @@ def main() -> None:
         except ImportError:
             print("  Hugging Face transformers is not installed; skipping it")
     rates: dict[str, float] = {}
-    for dtype_name in args.dtypes.split(","):
+    for dtype_name in filter(None, args.dtypes.split(",")):
         dtype = DTYPES[dtype_name]
         print(f"{dtype_name}:")
         model = aiayn_model(path, "bf16" if dtype_name == "bfloat16" else "none")
