@@ -126,6 +126,9 @@ def _compile_static_step() -> Callable[..., Tensor]:
     """``_static_step`` under torch.compile, called with Inductor's freezing on."""
     import torch._inductor.config as inductor_config
 
+    from aiayn.fast import matvec
+
+    matvec.mark_for_compile()
     # Static shapes but the number of filled cache slots (marked dynamic per call): symbolic
     # sizes elsewhere would make slower kernels (and SDPA's enable_gqa a SymBool).
     # Each batch size and cache size of the model is one entry of its compile cache: raise torch's

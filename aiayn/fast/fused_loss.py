@@ -217,7 +217,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None
 
 
-@torch.compiler.disable  # eager inside a compiled model: a data-dependent loop of in-place chunks
+# Eager inside a compiled model (a data-dependent loop of in-place chunks): torch.compiler.disable,
+# through torch's own lazy form of it, which imports torch._dynamo at the first call, not at import
+# (~70 MiB of resident memory that an eager process need not pay).
+@torch._disable_dynamo
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *,
                          ignore_index: int = -100, packing: Packing | None = None,
                          batch_shape: tuple[int, int] | None = None,

@@ -73,11 +73,19 @@ def transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-@torch.compiler.assume_constant_result
 def _threads() -> int:
     """torch's intra-op thread count; read once at trace time inside a compiled function (a decode
-    step compiled at one thread count keeps its choice if the count changes afterwards)."""
+    step compiled at one thread count keeps its choice if the count changes afterwards), once
+    ``mark_for_compile`` has told Dynamo so."""
     return torch.get_num_threads()
+
+
+def mark_for_compile() -> None:
+    """Let Dynamo trace ``_threads`` as a constant (it cannot trace ``torch.get_num_threads``).
+    Called by the code that compiles, not at import: ``torch.compiler.assume_constant_result``
+    imports torch._dynamo, ~70 MiB of resident memory an eager process need not pay."""
+    global _threads
+    _threads = torch.compiler.assume_constant_result(_threads)
 
 
 def _rows(x: Tensor) -> int:

@@ -469,6 +469,9 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: 
                         f"only {len(names):,} tensors; its metadata is damaged")
     check_llama_tensors(reader.tensors, hf_config, source)
     tok = gguf_tokenizer(meta, source) if tokenizer else None  # before the slow part: fail early
+    # The reader's parsed fields (~150,000 small arrays for SmolLM2's vocabulary and merges, ~140 MiB)
+    # are all in ``meta`` now: free them before the weights take their memory, to lower the peak.
+    reader.fields.clear()
     if quantize != "none":
         from aiayn.interop.gguf_packed import packed_llama
 

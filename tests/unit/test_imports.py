@@ -184,3 +184,23 @@ def test_cli_verbs_only_parse_and_call():
                 if lines > 40:
                     long_verbs.append(f"{path.name}:{node.name}: {lines} lines")
     assert not long_verbs, long_verbs
+
+
+# ---- what importing costs ---------------------------------------------------------------------
+def test_importing_aiayn_leaves_torch_compile_unloaded() -> None:
+    """torch._dynamo (~70 MiB resident, and sympy with it) is imported only by code that compiles:
+    an eager process (generate, translate, a packed 4-bit model) does not pay for it. Decorators
+    that would import it at module level are applied lazily (aiayn.fast.matvec.mark_for_compile,
+    fused_loss's torch._disable_dynamo)."""
+    import subprocess
+    import sys
+
+    modules = ["aiayn.cli", "aiayn.fast", "aiayn.fast.q4", "aiayn.fast.quantize", "aiayn.generate",
+               "aiayn.interop", "aiayn.train", "aiayn.translate", "aiayn.serve"]
+    code = ("import importlib, sys\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'sympy') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
