@@ -13,8 +13,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch import nn
-from torch import Tensor
+from torch import Tensor, nn
 
 from aiayn.fast.matvec import MatvecLinears
 from aiayn.models.blocks import StackInputs, check_tokens
