@@ -28,6 +28,14 @@ def plain_option(func: Callable[..., Any]) -> Callable[..., Any]:
                         help="Run the plain PyTorch model, without aiayn.fast's CPU kernels.")(func)
 
 
+def one_model(run_dir: object, model: object, *, required: bool = False) -> None:
+    """--run and --model both name a model: refuse both at once (and neither, when ``required``)."""
+    if run_dir is not None and model is not None:
+        raise click.UsageError("--run and --model name two models; give one")
+    if required and run_dir is None and model is None:
+        raise click.UsageError("give one of --run (a run directory) and --model (a shipped model)")
+
+
 def is_main_process() -> bool:
     """False on the ranks > 0 of a torchrun job (they train but print nothing)."""
     return os.environ.get("RANK", "0") == "0"

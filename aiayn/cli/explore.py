@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from aiayn.cli.app import cli
+from aiayn.cli.app import cli, one_model
 
 
 @cli.command("explore")
@@ -28,8 +28,7 @@ def explore_cmd(run_dir: Path | None, model_path: Path | None, host: str, port: 
     from aiayn.explore import load_explorable
     from aiayn.explore.server import ServeError, check_port, serve
 
-    if run_dir is not None and model_path is not None:
-        raise click.UsageError("--run and --model name two models; give one")
+    one_model(run_dir, model_path)
     model_path = resolve_model(run_dir, model_path)  # a shipped name, or SmolLM2 by default
     try:
         if port:

@@ -10,7 +10,15 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, check_threads, cli, plain_option, utf8_text
+from aiayn.cli.app import (
+    SEED_RANGE,
+    FiniteFloatRange,
+    check_threads,
+    cli,
+    one_model,
+    plain_option,
+    utf8_text,
+)
 
 
 @cli.command("generate")
@@ -58,8 +66,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     from aiayn.generate import SamplingConfig
     from aiayn.textgen import stream_text
 
-    if run_dir is not None and model_path is not None:
-        raise click.UsageError("--run and --model name two models; give one")
+    one_model(run_dir, model_path)
     if not prompt:
         raise click.BadParameter("the prompt is empty; give some text to continue", param_hint="--prompt")
     if compiled and kv_cache != "float":

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, cli
+from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, cli, one_model
 from aiayn.train.task import ATTENTION_KINDS
 
 
@@ -43,8 +43,7 @@ def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str |
     from aiayn.tasks.runs import RunInputError
     from aiayn.tasks.shipped import load_run_or_release, resolve_model
 
-    if (run_dir is None) == (model_name is None):
-        raise click.UsageError("give one of --run (a run directory) and --model (a shipped model)")
+    one_model(run_dir, model_name, required=True)
     try:
         path = run_dir if run_dir is not None else resolve_model(model_name or "")
         run = load_run_or_release(path, prepare=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from aiayn.cli.app import FiniteFloatRange, check_threads, cli, plain_option
+from aiayn.cli.app import FiniteFloatRange, check_threads, cli, one_model, plain_option
 
 
 @cli.command("serve")
@@ -48,8 +48,7 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
     from aiayn.serve import build_state, load_served_model, parse_size, server
     from aiayn.serve.server import check_port, exposure_warning
 
-    if run_dir is not None and model_path is not None:
-        raise click.UsageError("--run and --model name two models; give one")
+    one_model(run_dir, model_path)
     try:
         budget = parse_size(kv_budget)
     except ValueError as exc:
@@ -90,8 +89,7 @@ def export_cmd(target: str, out_dir: Path, model_path: Path | None, run_dir: Pat
     from aiayn.cli.generate import _text_model
     from aiayn.textgen import TextModelError, export_text_model
 
-    if run_dir is not None and model_path is not None:
-        raise click.UsageError("--run and --model name two models; give one")
+    one_model(run_dir, model_path)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise click.BadParameter(f"{out_dir} exists and is not an empty directory; give a new one",
                                  param_hint="OUT_DIR")

@@ -10,7 +10,15 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, check_writable, cli, plain_option, utf8_text
+from aiayn.cli.app import (
+    SEED_RANGE,
+    FiniteFloatRange,
+    check_writable,
+    cli,
+    one_model,
+    plain_option,
+    utf8_text,
+)
 
 
 def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,8 +56,7 @@ def _translator(run_dir: Path | None, model_name: str | None, checkpoint: Path |
     from aiayn.tasks.shipped import DEFAULT_TRANSLATION_MODEL, resolve_model
     from aiayn.translate import decode_options
 
-    if run_dir is not None and model_name is not None:
-        raise click.UsageError("--run and --model name two models; give one")
+    one_model(run_dir, model_name)
     try:
         if run_dir is None:
             run_dir = resolve_model(model_name or DEFAULT_TRANSLATION_MODEL)

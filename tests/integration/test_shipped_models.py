@@ -64,7 +64,7 @@ def test_plot_attention_of_a_shipped_model_writes_here_not_into_the_package(tmp_
     assert sorted(p.name for p in release.rglob("*")) == before
     for argv, needle in ((["--model", "no-such-model"], "neither a shipped model"),
                          ([], "give one of --run"),
-                         (["--model", "shakespeare-char", "--run", str(tmp_path)], "give one of --run")):
+                         (["--model", "shakespeare-char", "--run", str(tmp_path)], "name two models")):
         bad = subprocess.run([sys.executable, "-m", "aiayn", "plot", "attention", *argv], capture_output=True,
                              text=True, timeout=120, cwd=tmp_path)
         assert bad.returncode == 2 and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
