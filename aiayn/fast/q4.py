@@ -143,16 +143,13 @@ class BlockWeight:
 
 
 def error_bound(x: Tensor, weight: BlockWeight) -> Tensor:
-    """The bound on |kernel(x) - x W^T| from quantising x per block, (m, k) -> (m, n): for each
-    block, half an activation step dx / 2 (dx = max |x| / 127) times sum |w - min| over the block.
-    Float32 rounding of the sums comes on top."""
+    """The bound on |kernel(x) - x W^T| from quantising x per block, (m, k) -> (m, n): the kernel
+    computes W x^ exactly but for float32 rounding, with each x^ within half a step dx / 2 of x
+    (dx = max |x| / 127 over the block), so the bound is sum over blocks of dx / 2 * sum |w|.
+    Float32 rounding comes on top."""
     m, k, block = x.shape[0], weight.k, weight.block
     dx = x.reshape(m, k // block, block).abs().amax(-1) / 127  # (m, b)
-    w = weight.dequantize_rows()
-    mins = weight.row_scales()[1]
-    if mins is not None:
-        w = w - mins.repeat_interleave(block, dim=1)
-    absw = w.abs().reshape(weight.n, k // block, block).sum(-1)  # (n, b)
+    absw = weight.dequantize_rows().abs().reshape(weight.n, k // block, block).sum(-1)  # (n, b)
     return (dx / 2) @ absw.T
 
 

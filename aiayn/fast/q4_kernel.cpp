@@ -13,11 +13,16 @@
 // n is padded to a multiple of 16 (zero scales and mins).
 //
 // y = x W^T is computed the way llama.cpp does on the CPU: each row of x is quantised per block to
-// int8 (dx = max|x| / 127, xq = round(x / dx)), sum_c (q - offset) xq is summed exactly in int32
-// (vpdpbusd: 16 rows x 4 inputs per instruction, the 4 activations broadcast), and each block's
-// integer sum is scaled by scale * dx in float32; the min term uses the exact float sum of x:
-//   y[m, r] = sum_b scale[r,b] dx[m,b] sum_{c in b} (q[r,c] - offset) xq[m,c] + sum_b min[r,b] sum_{c in b} x[m,c]
-// so |y - x W^T| <= sum_b (dx[m,b] / 2) sum_{c in b} |w[r,c] - min[r,b]| + float32 rounding.
+// int8 (dx = max|x| / 127, xq = round(x / dx), x^ = dx xq), sum_c (q - offset) xq is summed exactly
+// in int32 (vpdpbusd: 16 rows x 4 inputs per instruction, the 4 activations broadcast), and each
+// block's integer sum is scaled by scale * dx in float32; the min term takes the same rounded x
+// (dx * sum xq, llama.cpp's Q8_1 "s"):
+//   y[m, r] = sum_b dx[m,b] (scale[r,b] sum_{c in b} (q[r,c] - offset) xq[m,c] + min[r,b] sum_{c in b} xq[m,c])
+//           = sum_c w[r,c] x^[m,c]                                      (exactly, but float32 rounding)
+// so |y - x W^T| <= sum_b (dx[m,b] / 2) sum_{c in b} |w[r,c]| + float32 rounding. (The min term with
+// the exact float sum of x instead would leave sum_c scale (q - offset) (x^ - x): integers q that are
+// all >= 0 with a negative min add the rounding errors of a block up instead of letting the signed
+// weights cancel them; SmolLM2 Q4_1's perplexity was 1.8% above float32 with it, 0.1% without.)
 // Without AVX-512 VNNI the same arithmetic runs as plain C++ loops.
 
 #include <ATen/Parallel.h>
@@ -52,7 +57,7 @@ struct Activations {
   std::vector<int8_t> xq;       // (rows, k)
   std::vector<float> dx;        // (rows, nb) the step of each block
   std::vector<int32_t> qsum;    // (rows, nb) sum of xq over each block (for the offset)
-  std::vector<float> xsum;      // (rows, nb) exact float sum of x over each block (for the mins)
+  std::vector<float> xsum;      // (rows, nb) dx * qsum: the rounded x summed over each block (for the mins)
 };
 
 Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_t block) {
@@ -66,10 +71,9 @@ Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t b = 0; b < a.nb; ++b) {
         const float* xb = x + r * k + b * block;
-        float amax = 0.f, total = 0.f;
+        float amax = 0.f;
         for (int64_t i = 0; i < block; ++i) {
           amax = std::max(amax, std::fabs(xb[i]));
-          total += xb[i];
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         int32_t qs = 0;
@@ -80,7 +84,7 @@ Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_
         }
         a.dx[r * a.nb + b] = amax / 127.f;
         a.qsum[r * a.nb + b] = qs;
-        a.xsum[r * a.nb + b] = total;
+        a.xsum[r * a.nb + b] = a.dx[r * a.nb + b] * static_cast<float>(qs);
       }
     }
   });

@@ -51,6 +51,28 @@ def assert_within_bound(got: torch.Tensor, x: torch.Tensor, weight: BlockWeight)
     assert excess.max() <= 0, f"{weight.kind}: over the bound by {excess.max():.3g}"
 
 
+def kernel_arithmetic(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """What the kernel computes, in float64 from its own roundings: x quantised per block of the
+    weight's (dx = max |x| / 127 in float32, xq = round-half-even(x * (127 / max |x|)) clamped to
+    +-127), then W x^ with x^ = dx xq. (m, k) -> (m, n) float64."""
+    m, k, block = x.shape[0], weight.k, weight.block
+    xb = x.float().reshape(m, k // block, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # float32, as the kernel
+    xq = torch.round(xb * inv).clamp(-127, 127)
+    x_hat = (xq.double() * (amax / 127.0).double()).reshape(m, k)
+    return x_hat @ weight.dequantize_rows().double().T
+
+
+def assert_kernel_arithmetic(got: torch.Tensor, x: torch.Tensor, weight: BlockWeight) -> None:
+    """``got`` is ``kernel_arithmetic`` but for float32 rounding (1e-5 of sum |x^| |w|): far tighter
+    than the error bound, so that a change of scheme (say, the min term on the exact x) is caught."""
+    expected = kernel_arithmetic(x, weight)
+    scale = x.double().abs() @ weight.dequantize_rows().double().abs().T
+    excess = (got.double() - expected).abs() - 1e-5 * scale
+    assert excess.max() <= 0, f"{weight.kind}: off the kernel's arithmetic by {excess.max():.3g}"
+
+
 def block_layers(model: torch.nn.Module) -> list[BlockLinear]:
     return [m for m in model.modules() if isinstance(m, BlockLinear)]
 

@@ -23,7 +23,7 @@ from aiayn.fast.q4_build import kernel_ops
 from aiayn.interop.gguf_blocks import SUPPORTED, unpack
 
 gguf = pytest.importorskip("gguf")
-from q4_helpers import assert_within_bound, block_weight  # noqa: E402
+from q4_helpers import assert_kernel_arithmetic, assert_within_bound, block_weight  # noqa: E402
 
 
 def test_the_kernel_builds_with_vnni_where_the_cpu_has_it():
@@ -50,8 +50,10 @@ def test_each_gguf_type_unpacks_exactly_and_multiplies_within_its_bound(kind):
         x = torch.randn(m, cols, generator=g)
         x[:, 7] *= 30  # one outlier channel, as LLaMA activations have
         assert_within_bound(layer(x), x, weight)
+        assert_kernel_arithmetic(layer(x), x, weight)
     x = torch.randn(40, cols, generator=g)  # a prefill's many rows: the same kernel
     assert_within_bound(layer(x), x, weight)
+    assert_kernel_arithmetic(layer(x), x, weight)
     with plain_torch():  # the plain path: F.linear on the dequantised matrix
         assert_close(layer(x[:2]), x[:2] @ ours.T)
 
