@@ -38,8 +38,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -123,6 +125,24 @@ def tokenizer_metadata(vocab: int) -> dict[str, object]:
             "tokenizer.ggml.add_bos_token": False}
 
 
+def add_metadata(writer: Any, metadata: Mapping[str, Any]) -> None:
+    """GGUF key-values written by their Python type: bool, int (as uint32), float (float32), str,
+    anything else an array; None is skipped. (Also the GGUF files of tests/parity/test_gguf.py.)"""
+    for key, value in metadata.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+
+
 def write_random_llama(path: Path, shape: LlamaShape, *, kind: str = "Q4_0", seed: int = 0) -> Path:
     """A random LLaMA GGUF at ``path``: every matrix ``kind`` (quantised from N(0, 1/k) floats by
     ``gguf.quants.quantize``), norms float32 near 1, the tokenizer of ``tokenizer_metadata``.
@@ -137,22 +157,12 @@ def write_random_llama(path: Path, shape: LlamaShape, *, kind: str = "Q4_0", see
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"random llama {shape.parameters / 1e6:.0f}M {kind}")
-    for key, value in {"context_length": 2048, "embedding_length": shape.d, "block_count": shape.layers,
-                       "feed_forward_length": shape.d_ff, "attention.head_count": shape.heads,
-                       "attention.head_count_kv": shape.kv_heads, "rope.dimension_count": shape.d // shape.heads,
-                       "vocab_size": shape.vocab}.items():
-        w.add_uint32(f"llama.{key}", value)
-    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_float32("llama.rope.freq_base", 10000.0)
-    for key, value in tokenizer_metadata(shape.vocab).items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+    add_metadata(w, {f"llama.{key}": value for key, value in {
+        "context_length": 2048, "embedding_length": shape.d, "block_count": shape.layers,
+        "feed_forward_length": shape.d_ff, "attention.head_count": shape.heads,
+        "attention.head_count_kv": shape.kv_heads, "rope.dimension_count": shape.d // shape.heads,
+        "vocab_size": shape.vocab, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0}.items()})
+    add_metadata(w, tokenizer_metadata(shape.vocab))
     matrices = shape.matrices()
     for name, (rows, k) in matrices.items():
         row_bytes = k // block_elems * block_bytes  # given as (rows, bytes) of uint8, as add_tensor takes blocks

@@ -39,6 +39,8 @@ tokenizers = pytest.importorskip("tokenizers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
+from benchmarks.q4_scaling import add_metadata  # noqa: E402  (one GGUF metadata writer for tests and benchmarks)
+
 transformers.logging.disable_progress_bar()
 
 # ---- writing llama.cpp-style GGUFs --------------------------------------------------------------
@@ -101,19 +103,7 @@ def write_gguf(path: Path, meta: dict[str, Any], tensors: dict[str, tuple[np.nda
                arch: str = "llama") -> Path:
     """tensors: GGUF name -> (array, ggml type or None for the array's own float dtype)."""
     w = gguf.GGUFWriter(str(path), arch)
-    for key, value in meta.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+    add_metadata(w, meta)
     for name, (array, raw_dtype) in tensors.items():
         w.add_tensor(name, array, raw_dtype=raw_dtype)
     w.write_header_to_file()
