@@ -148,6 +148,19 @@ def slow_server(tiny_dir):
         yield url, state
 
 
+# An unseeded answer of the tiny random model can sample an early end-of-sequence token and finish
+# inside the 25 steps these tests need it to run (CI saw one finish within a 0.5 s timeout): a fixed
+# seed whose answer runs all 200 tokens keeps them deterministic (checked by the test below).
+LONG_ANSWER_SEED = 7
+
+
+def test_the_long_answer_seed_runs_long(tiny_dir):
+    with live_server(tiny_state(tiny_dir)) as url:
+        answer = httpx.post(f"{url}/chat/completions", json={**CHAT, "max_tokens": 200, "seed": LONG_ANSWER_SEED},
+                            timeout=60)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 200
+
+
 def wait_for(condition, timeout=5.0) -> float:
     start = time.monotonic()
     while not condition():
@@ -159,7 +172,7 @@ def wait_for(condition, timeout=5.0) -> float:
 def test_a_full_server_says_429_with_retry_after_and_a_gone_client_frees_its_slot(slow_server):
     url, state = slow_server
     engine = state.engine
-    body = {**CHAT, "max_tokens": 200, "stream": True}
+    body = {**CHAT, "max_tokens": 200, "stream": True, "seed": LONG_ANSWER_SEED}
     with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=10) as first:
         data = (line for line in first.iter_lines() if line.startswith("data:"))
         next(data), next(data)  # the role chunk, then a generated token: the request holds the slot
@@ -181,5 +194,6 @@ def test_a_full_server_says_429_with_retry_after_and_a_gone_client_frees_its_slo
 def test_a_client_that_leaves_a_whole_answer_frees_its_slot(slow_server):
     url, state = slow_server
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/chat/completions", json={**CHAT, "max_tokens": 200}, timeout=0.5)
+        httpx.post(f"{url}/chat/completions", json={**CHAT, "max_tokens": 200, "seed": LONG_ANSWER_SEED},
+                   timeout=0.5)
     assert wait_for(lambda: state.engine.running == 0) < 1.5
