@@ -86,8 +86,8 @@ def test_lower_precision_q4_kernel_decides_like_its_dequantised_weights():
     """Random weights lose much to 4 bits (greedy choices of this tiny model agree with float32's
     at ~40%: 4-bit rounding, which tests/parity/test_q4_kernel.py::test_q4_quantisation_rounds_by_at_most_half_a_step bounds). The
     kernel's own rounding of the activations (int8 per block of 32) is a smaller change: its greedy
-    choices agree with those of the same 4-bit weights dequantised through F.linear at 84% of the
-    positions (for scale, on this sensitive random model: bfloat16 weights and activations 95%,
+    choices agree with those of the same 4-bit weights dequantised through F.linear at 94% of the
+    positions (84% when the kernel's min term took the exact x; for scale, on this sensitive random model: bfloat16 weights and activations 95%,
     int8 weights 91% against float32). SmolLM2's quality (perplexity, agreement): docs/q4.md."""
     model = peaked_llama(0)
     tokens = torch.randint(0, 99, (8, 40), generator=torch.Generator().manual_seed(1))
