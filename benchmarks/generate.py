@@ -131,7 +131,8 @@ def main() -> None:
                         help="cpu: measure this process's CPU time instead of wall time, for a machine "
                              "shared with other jobs (meaningful with --threads 1 only).")
     args = parser.parse_args()
-    unknown = [name for name in filter(None, args.dtypes.split(",")) if name not in DTYPES]
+    dtype_names = [name for name in args.dtypes.split(",") if name]
+    unknown = [name for name in dtype_names if name not in DTYPES]
     if unknown:
         parser.error(f"--dtypes: unknown {', '.join(unknown)}; choose from {', '.join(DTYPES)}")
     global CLOCK
@@ -172,7 +173,7 @@ def main() -> None:
         except ImportError:
             print("  Hugging Face transformers is not installed; skipping it")
     rates: dict[str, float] = {}
-    for dtype_name in filter(None, args.dtypes.split(",")):
+    for dtype_name in dtype_names:
         dtype = DTYPES[dtype_name]
         print(f"{dtype_name}:")
         model = aiayn_model(path, "bf16" if dtype_name == "bfloat16" else "none")
