@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import expect
 
 from aiayn.generate import greedy_encoder_decoder
 
 WAIT_MS = 30_000  # as the page's default timeout (conftest): every retrying assertion is bounded
+HOVER_TRY_MS = 2_000  # one hover's wait for the readout before the move is measured and made again
 
 
 def open_view(page, server, view: str, response: str | None = None) -> dict | None:
@@ -30,16 +32,30 @@ def open_view(page, server, view: str, response: str | None = None) -> dict | No
 
 
 def hover_value(page, i: int, j: int) -> float:
-    """Hover the detail heatmap's cell (query i, key j); the value the page shows for it."""
+    """Hover the detail heatmap's cell (query i, key j); the value the page shows for it.
+
+    The cell's place is measured just before each move and the move is retried until the readout
+    names (i, j): on a loaded machine the page can still shift (the token chips above the heatmap
+    arrive late) or redraw the heatmap under a still mouse, which fires no new mousemove."""
     canvas = page.locator("#attn-heatmap")
-    rows, cols = int(canvas.get_attribute("height")), int(canvas.get_attribute("width"))
-    page.evaluate("([i, rows]) => { const c = document.getElementById('attn-heatmap'); const b = c.getBoundingClientRect();"
-                  " window.scrollBy(0, b.top + (i + 0.5) * b.height / rows - innerHeight / 2); }", [i, rows])
-    box = canvas.bounding_box()
-    page.mouse.move(box["x"] + (j + 0.5) * box["width"] / cols, box["y"] + (i + 0.5) * box["height"] / rows)
     readout = page.locator("#attn-hover")
-    page.wait_for_function("([i, j]) => { const r = document.getElementById('attn-hover');"
-                           " return r.dataset.query === String(i) && r.dataset.key === String(j); }", arg=[i, j])
+    named = "([i, j]) => { const r = document.getElementById('attn-hover');" \
+            " return r.dataset.query === String(i) && r.dataset.key === String(j); }"
+    for attempt in range(WAIT_MS // HOVER_TRY_MS):
+        rows, cols = int(canvas.get_attribute("height")), int(canvas.get_attribute("width"))
+        page.evaluate("([i, rows]) => { const c = document.getElementById('attn-heatmap'); const b = c.getBoundingClientRect();"
+                      " window.scrollBy(0, b.top + (i + 0.5) * b.height / rows - innerHeight / 2); }", [i, rows])
+        box = canvas.bounding_box()
+        if attempt:  # leave the canvas first, so that coming back is a fresh mousemove on whatever is there now
+            page.mouse.move(0, 0)
+        page.mouse.move(box["x"] + (j + 0.5) * box["width"] / cols, box["y"] + (i + 0.5) * box["height"] / rows)
+        try:
+            page.wait_for_function(named, arg=[i, j], timeout=HOVER_TRY_MS)
+            break
+        except PlaywrightTimeout:
+            continue
+    else:
+        raise AssertionError(f"the heatmap's readout never showed query {i}, key {j} within {WAIT_MS} ms")
     shown = float(readout.inner_text().rsplit(": ", 1)[1])
     exact = float(readout.get_attribute("data-value"))
     assert abs(shown - exact) <= 5e-5  # the text shows it to 4 decimals
