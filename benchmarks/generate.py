@@ -52,6 +52,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (this process's CPU time)
 
 
+C_WRAPPED = "aiayn q4 compiled, C++ wrapper"
+
+
 def best_of(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -123,6 +126,9 @@ def main() -> None:
     parser.add_argument("--batches", default="4,16",
                         help="Batch sizes for aiayn q4 compiled vs llama.cpp decode rates ('' to skip).")
     parser.add_argument("--no-memory", action="store_true", help="Skip the peak-memory processes.")
+    parser.add_argument("--cpp-wrapper", action="store_true",
+                        help="Add a row 'aiayn q4 compiled, C++ wrapper': the compiled step built with Inductor's "
+                             "cpp_wrapper, as TORCHINDUCTOR_CPP_WRAPPER=1 does (its first compile takes longer).")
     parser.add_argument("--perplexity-windows", type=int, default=4,
                         help="512-token windows of Tiny Shakespeare's validation text for perplexity (0: skip).")
     parser.add_argument("--no-compiled", action="store_true",
@@ -223,6 +229,18 @@ def main() -> None:
         if not args.no_compiled:
             measure("aiayn q4 compiled", q4_runner(model, ids, compile=True), q4_runner(model, long_ids, compile=True))
             rates["aiayn q4 compiled"], prefills["aiayn q4 compiled"] = rows[-1][1], rows[-1][2]
+        if not args.no_compiled and args.cpp_wrapper:
+            import torch._inductor.config as inductor_config
+
+            from aiayn.fast.compiled_decode import forget_compiled
+
+            forget_compiled(model)  # compile again, the graph's calls made from C++
+            with inductor_config.patch(cpp_wrapper=True):
+                wrapped = measure(C_WRAPPED, q4_runner(model, ids, compile=True),
+                                  q4_runner(model, long_ids, compile=True))
+            rates[C_WRAPPED] = rows[-1][1]
+            same = int((wrapped == q4_tokens).all(0).cumprod(0).sum())  # type: ignore[union-attr]
+            print(f"  C++ wrapper vs eager q4 greedy tokens: identical for the first {same} of {args.new_tokens}")
         if reference_tokens is not None:
             agree = float((q4_tokens == reference_tokens).float().mean())  # type: ignore[union-attr]
             print(f"  greedy tokens vs aiayn float32: {agree:.0%} equal position by position")
@@ -251,7 +269,7 @@ def main() -> None:
                     llama_cpp_runner(llm, long_ids[0].tolist()))
             rates["llama.cpp"], prefills["llama.cpp"] = rows[-1][1], rows[-1][2]
     if "llama.cpp" in rates:
-        for key in ("aiayn q4 compiled", "aiayn q4", "aiayn int8 compiled", "aiayn int8", "aiayn bfloat16 compiled",
+        for key in (C_WRAPPED, "aiayn q4 compiled", "aiayn q4", "aiayn int8 compiled", "aiayn int8", "aiayn bfloat16 compiled",
                     "aiayn bfloat16", "aiayn float32 compiled", "aiayn float32"):
             if key in rates:
                 print(f"{key} / llama.cpp = {rates[key] / rates['llama.cpp']:.0%}")
