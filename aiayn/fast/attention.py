@@ -1,7 +1,7 @@
 """Faster CPU paths of scaled dot-product attention, each for one measured case; every other call
 is ``aiayn.nn.attention.scaled_dot_product_attention`` itself. ``aiayn.fast.optimize`` sets
 ``fast_attention`` as a built model's attention kernel (``MultiHeadAttention.kernel``); tests in
-tests/consistency/test_fast_convert.py check it equals the plain function.
+tests/consistency/test_fast_modules.py check it equals the plain function.
 
 * One query per row on the CPU (a decode step, compiled, or eager from ``MIN_DECODE_QUERIES``
   queries): the written-out equation's two batched matrix-vector products read the cached keys

@@ -3,8 +3,8 @@ kernels, in place, the way torchao's ``quantize_`` and torchtitan's converters w
 that was built plain. ``plain(model)`` swaps them back.
 
 What it swaps (each one tested equal to the plain module it replaces, tests/consistency/
-test_fast_convert.py and test_cpu_kernels.py; each kernel's measurement sits beside it in its
-module):
+test_fast_modules.py and test_cpu_kernels.py; whole converted models: test_fast_convert.py; each
+kernel's measurement sits beside it in its module):
 
 =====================  =============================  ==========================================
 plain module           fast module                    when it is faster

@@ -3,8 +3,8 @@ linear layers, attention kernel and dropout), so they can be compared with plain
 without converting the model back (``aiayn.fast.plain`` does that).
 
 They compute the same functions as ``F.linear``, ``F.scaled_dot_product_attention`` and
-``F.dropout`` (tests/consistency/test_fast_convert.py, test_cpu_kernels.py), only faster on a CPU. Turn them off for a whole process
-with ``AIAYN_PLAIN_TORCH=1`` in the environment, or for a block of code with ``plain_torch()``.
+``F.dropout`` (tests/consistency/test_fast_modules.py, test_cpu_kernels.py), only faster on a
+CPU. Turn them off for a whole process with ``AIAYN_PLAIN_TORCH=1`` in the environment, or for a block of code with ``plain_torch()``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_spies import count_calls, needs_onednn
 from torch.testing import assert_close
 
 from aiayn.fast import onednn, optimize, switch
@@ -25,25 +26,9 @@ from aiayn.fast.linear import FastLinear
 from aiayn.models import build_model, get_preset
 from aiayn.train.losses import IGNORE
 
-needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN linear op")
-
 
 def _float64_twins(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
-
-
-def _count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
-    """Wrap ``module.name`` (looked up at call time by its callers) so each call appends to the
-    returned list."""
-    calls: list[int] = []
-    real = getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 # --- oneDNN linear -------------------------------------------------------------------------------
@@ -123,7 +108,7 @@ def test_onednn_linear_is_counted_as_a_linear():
 @needs_onednn
 def test_linear_layer_uses_onednn_only_where_it_was_measured_faster(monkeypatch):
     layer = FastLinear(256, 1024)  # 64 rows: 16.8M multiply-adds, onednn.MIN_WORK
-    calls = _count_calls(monkeypatch, onednn, "linear_product")
+    calls = count_calls(monkeypatch, onednn, "linear_product")
     layer(torch.randn(64, 256))
     assert calls, "64 float32 CPU rows of enough work go through oneDNN"
     calls.clear()
@@ -251,8 +236,8 @@ def test_training_step_with_cpu_kernels_is_as_accurate_as_plain_torch(monkeypatc
     step's error against a float64 twin."""
     import aiayn.fast.attention as attention
 
-    attention_calls = _count_calls(monkeypatch, attention, "block_causal_attention")
-    linear_calls = _count_calls(monkeypatch, onednn, "linear_product")
+    attention_calls = count_calls(monkeypatch, attention, "block_causal_attention")
+    linear_calls = count_calls(monkeypatch, onednn, "linear_product")
     torch.manual_seed(0)
     model = build_model(get_preset("gpt-tiny", vocab_size=97, d_model=128, n_heads=2, n_layers=2, d_ff=256,
                                    max_seq_len=128, dropout=0.0))
@@ -291,7 +276,7 @@ def test_compiled_layer_keeps_the_onednn_op_and_its_gradients(monkeypatch):
         return [y.detach(), x.grad, layer.weight.grad, layer.bias.grad]
 
     eager = run(layer)
-    calls = _count_calls(monkeypatch, onednn, "linear_product")  # the op looks it up at call time
+    calls = count_calls(monkeypatch, onednn, "linear_product")  # the op looks it up at call time
     compiled = run(torch.compile(layer, fullgraph=True))
     assert calls, "the compiled graph runs the oneDNN op"
     for got, want in zip(compiled, eager, strict=True):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_spies import count_calls
 from random_weights import randomize_
 from torch.testing import assert_close
 
@@ -150,20 +151,6 @@ def seeded_model(preset: str, **overrides):
     return randomize_(build_model(get_preset(preset, dropout=0.0, **overrides)), seed=0).train()
 
 
-def count_fused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the calls of the fused output layer + loss (``FusedLossLinear.cross_entropy`` looks
-    ``linear_cross_entropy`` up at call time)."""
-    calls: list[int] = []
-    real = fused_loss.linear_cross_entropy
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fused_loss, "linear_cross_entropy", counted)
-    return calls
-
-
 def batch(b: int = 3, t: int = 9, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, 99, (b, t), generator=g)
@@ -177,7 +164,7 @@ def batch(b: int = 3, t: int = 9, seed: int = 1):
 def assert_same_step(model, run, targets, eps: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """sequence_loss of the optimized model's output (fused) == of the plain model's (logits),
     and so do the gradients."""
-    calls = count_fused(monkeypatch)
+    calls = count_calls(monkeypatch, fused_loss, "linear_cross_entropy")
     plain_out = run()
     assert isinstance(plain_out, ModelOutput) and type(plain_out.head) is torch.nn.Linear
     want = sequence_loss(plain_out, targets, label_smoothing=eps)
@@ -225,7 +212,7 @@ def test_a_quantised_output_layer_computes_logits(monkeypatch):
     quantize_int8_(model)
     assert isinstance(model.lm_head, Int8Linear)
     tokens, valid, targets = batch()
-    calls = count_fused(monkeypatch)
+    calls = count_calls(monkeypatch, fused_loss, "linear_cross_entropy")
     with torch.no_grad():
         out = model(tokens, valid=valid)
         loss = sequence_loss(out, targets)
