@@ -23,7 +23,10 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("q4_kernel.cpp")
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
+# -fopenmp: at::parallel_for is OpenMP in torch's CPU builds and runs serially in code compiled without it
+# (ATen/Parallel-inl.h); linked with -fopenmp the kernel shares torch's own libgomp.so.1 (one thread pool,
+# sized by torch.set_num_threads).
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
 
 
 OPS: Any | None = None  # torch.ops.aiayn_q4 once loaded (read by compiled graphs as a constant)
@@ -48,7 +51,7 @@ def _build() -> Any | None:
         from torch.utils.cpp_extension import load_inline
 
         load_inline(f"aiayn_q4_{digest}", cpp_sources=[source], no_implicit_headers=True,
-                    is_python_module=False, extra_cflags=FLAGS, verbose=False)
+                    is_python_module=False, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: fall back, say so once
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
         warnings.warn(f"aiayn's 4-bit kernel could not be built ({first[:200]}); block-quantised layers "
