@@ -5,7 +5,7 @@
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), named by a
 hash of the source and flags: a later process loads the cached library in milliseconds; the first
 build takes ~20-60 s. The ops land in ``torch.ops.aiayn_q4`` (``matmul``, ``dequantize``,
-``has_vnni``), with shape functions registered so that ``torch.compile`` can trace them.
+``has_vnni``, ``parallel``), with shape functions registered so that ``torch.compile`` can trace them.
 
 Without a compiler (or ``ninja``), ``kernel_ops()`` warns once and returns None: ``BlockLinear``
 then dequantises its matrix for every call (correct, slow). ``AIAYN_Q4_KERNEL=0`` skips the build.

@@ -337,12 +337,24 @@ at::Tensor q4_dequantize(const at::Tensor& q, const at::Tensor& scale, const c10
 
 bool q4_has_vnni() { return AIAYN_VNNI != 0; }
 
+// at::parallel_for splits work over torch's threads only in code compiled with OpenMP: ATen's
+// header runs it serially otherwise (one thread whatever torch.set_num_threads says). The build
+// passes -fopenmp; a test checks that it took.
+bool q4_parallel() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(aiayn_q4, m) {
   m.def("matmul(Tensor x, Tensor q, Tensor scale, Tensor? mins, int offset, int block, bool nibbles, int n, int k) -> Tensor");
   m.def("dequantize(Tensor q, Tensor scale, Tensor? mins, int offset, int block, bool nibbles, int n, int k, Tensor? rows) -> Tensor");
   m.def("has_vnni() -> bool", &q4_has_vnni);
+  m.def("parallel() -> bool", &q4_parallel);
 }
 
 TORCH_LIBRARY_IMPL(aiayn_q4, CPU, m) {

@@ -34,6 +34,28 @@ def test_the_kernel_builds_with_vnni_where_the_cpu_has_it():
     assert ops.has_vnni() == ("avx512_vnni" in flags and "avx512bw" in flags)
 
 
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K"])
+def test_the_kernel_splits_its_work_over_torch_threads_with_the_same_result(kind):
+    """Built with OpenMP: without it ATen's parallel_for runs serially, and the kernel used one thread
+    whatever torch.set_num_threads said. Its output does not depend on the thread count (each thread
+    owns whole output rows), at one activation row (a decode step) and at several (a prefill)."""
+    ops = kernel_ops()
+    assert ops is not None and ops.parallel(), "the kernel was built without OpenMP: it runs on one thread"
+    weight, _ = block_weight(kind, 1024, 512)  # 64 groups of 16 rows: split even at one activation row
+    layer = BlockLinear(weight)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outputs.append((layer(x[:1]), layer(x)))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    assert_within_bound(outputs[1][1], x, weight)
+
 @pytest.mark.parametrize("kind", list(SUPPORTED))
 def test_each_gguf_type_unpacks_exactly_and_multiplies_within_its_bound(kind):
     rows, cols = 40, 512  # 512: two K-quant super-blocks, eight 64-input chunks
