@@ -23,10 +23,12 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("q4_kernel.cpp")
-# -fopenmp: at::parallel_for is OpenMP in torch's CPU builds and runs serially in code compiled without it
-# (ATen/Parallel-inl.h); linked with -fopenmp the kernel shares torch's own libgomp.so.1 (one thread pool,
-# sized by torch.set_num_threads).
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
+# at::parallel_for is OpenMP in torch's CPU builds and runs serially in code compiled without it
+# (ATen/Parallel-inl.h): the kernel is built with -fopenmp, which links it to the libgomp.so.1 torch
+# already loaded (one thread pool, sized by torch.set_num_threads). A compiler without OpenMP gets
+# the serial build rather than none (``parallel()`` then says False).
+OPENMP = "-fopenmp"
 
 
 OPS: Any | None = None  # torch.ops.aiayn_q4 once loaded (read by compiled graphs as a constant)
@@ -46,19 +48,28 @@ def kernel_ops() -> Any | None:
 
 def _build() -> Any | None:
     source = SOURCE.read_text(encoding="utf-8")
-    digest = hashlib.sha256((source + " ".join(FLAGS) + torch.__version__).encode()).hexdigest()[:12]
-    try:
-        from torch.utils.cpp_extension import load_inline
+    error: Exception | None = None
+    for extra in ([OPENMP], []):  # with OpenMP (threads), else serial
+        flags = FLAGS + extra
+        digest = hashlib.sha256((source + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+        try:
+            from torch.utils.cpp_extension import load_inline
 
-        load_inline(f"aiayn_q4_{digest}", cpp_sources=[source], no_implicit_headers=True,
-                    is_python_module=False, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # no compiler, no ninja, a build error: fall back, say so once
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        warnings.warn(f"aiayn's 4-bit kernel could not be built ({first[:200]}); block-quantised layers "
-                      f"dequantise their weights for every call instead (slow)", stacklevel=2)
-        return None
-    _register_fakes()
-    return torch.ops.aiayn_q4
+            load_inline(f"aiayn_q4_{digest}", cpp_sources=[source], no_implicit_headers=True,
+                        is_python_module=False, extra_cflags=flags, extra_ldflags=extra, verbose=False)
+        except Exception as exc:  # no compiler, no ninja, no OpenMP, a build error
+            error = exc
+            continue
+        if not extra:
+            warnings.warn("aiayn's 4-bit kernel was built without OpenMP (the compiler refused -fopenmp): "
+                          "it runs on one thread", stacklevel=2)
+        _register_fakes()
+        return torch.ops.aiayn_q4
+    text = str(error).strip()
+    first = text.splitlines()[-1] if text else type(error).__name__
+    warnings.warn(f"aiayn's 4-bit kernel could not be built ({first[:200]}); block-quantised layers "
+                  f"dequantise their weights for every call instead (slow)", stacklevel=2)
+    return None
 
 
 def _register_fakes() -> None:

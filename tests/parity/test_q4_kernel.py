@@ -125,3 +125,22 @@ def test_bad_values_and_shapes_are_refused():
         unpack("IQ4_NL", np.zeros((1, 18), np.uint8), 1, 32)
 
 
+
+
+def test_a_compiler_without_openmp_gets_the_serial_build_and_no_compiler_the_fallback(monkeypatch):
+    """The build tries -fopenmp first, then the serial kernel; when both fail it warns and returns
+    None (block layers then dequantise per call)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from aiayn.fast import q4_build
+
+    tried: list[list[str]] = []
+
+    def failing_build(name, *, extra_cflags, extra_ldflags, **kwargs):
+        tried.append(list(extra_ldflags))
+        raise RuntimeError("c++: error: unrecognized command-line option")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", failing_build)
+    with pytest.warns(UserWarning, match="could not be built .*unrecognized command-line option"):
+        assert q4_build._build() is None
+    assert tried == [["-fopenmp"], []]
