@@ -3,10 +3,11 @@ concurrent clients, against the same requests served one at a time, and against 
 transformers' batched ``generate`` on the same prompts (static batching), in one run.
 
 The server is ``python -m aiayn serve`` in a subprocess, as a user runs it (float32 unless
-``--quantize``, aiayn.fast's kernels, ``--threads``); the clients are the official ``openai`` client (``AsyncOpenAI``), one task
-per client, each streaming a completion of a ``--prompt-tokens``-token prompt (given as token ids,
-so every prompt is exactly that long; windows of Tiny Shakespeare, or of a fixed English passage
-when the corpus is absent) for ``--new-tokens`` greedy tokens. For each client count it prints:
+``--quantize``, aiayn.fast's kernels, ``--threads``); the clients are the official ``openai``
+client (``AsyncOpenAI``), one task per client, each streaming a completion of a
+``--prompt-tokens``-token prompt (given as token ids, so every prompt is exactly that long; windows
+of Tiny Shakespeare, or of a fixed English passage when the corpus is absent) for
+``--new-tokens`` greedy tokens. For each client count it prints:
 
 * aggregate generated tokens/s: the completion tokens of all requests (the server's usage counts)
   over the wall time from the first request to the last answer;

@@ -33,22 +33,28 @@ def parse_size(text: str) -> int:
 
 
 def weights_summary(model: torch.nn.Module) -> str:
-    """'134,515,008 parameters, float32'; a model with packed blocks (``--quantize q4`` / ``auto``)
-    counts the weights its blocks hold too (a tied table once) and names their types."""
+    """'134,515,008 parameters, float32'. A model with lowered layers (``--quantize int8`` / ``q4`` /
+    ``auto``) holds their weights as buffers, not parameters: they are counted too (a tied table's
+    blocks once), so the total is the float model's, and their types are named."""
     from aiayn.fast.q4 import BlockEmbedding, BlockLinear  # lazily: the kernel's module
+    from aiayn.fast.quantize import Int8Linear
 
-    packed, kinds, seen = 0, set(), set()
+    lowered, kinds, seen = 0, set(), set()
     for module in model.modules():
-        if isinstance(module, BlockLinear | BlockEmbedding):
-            kinds.add(module.kind)
-            if module.q.data_ptr() not in seen:  # a tied output layer shares the table's blocks
-                seen.add(module.q.data_ptr())
-                packed += module.spec[3] * module.spec[4]  # n x k weights
-    dtype = str(model.float_dtype if hasattr(model, "float_dtype") else torch.float32).removeprefix("torch.")
-    total = count_parameters(model) + packed
+        if isinstance(module, BlockLinear | BlockEmbedding | Int8Linear):
+            values = module.weight_int8 if isinstance(module, Int8Linear) else module.q
+            kinds.add("int8" if isinstance(module, Int8Linear) else module.kind)
+            if values.data_ptr() not in seen:  # a tied output layer shares the table's blocks
+                seen.add(values.data_ptr())
+                n, k = (module.out_features, module.in_features) if isinstance(module, Int8Linear) else module.spec[3:]
+                lowered += n * k
+            bias = getattr(module, "bias", None)
+            lowered += 0 if bias is None else bias.numel()  # a buffer there too
+    dtype = str(getattr(model, "float_dtype", torch.float32)).removeprefix("torch.")
+    total = count_parameters(model) + lowered
     if not kinds:
         return f"{total:,} parameters, {dtype}"
-    return f"{total:,} parameters ({packed:,} in {', '.join(sorted(kinds))} blocks), {dtype} activations"
+    return f"{total:,} parameters ({lowered:,} in {', '.join(sorted(kinds))} weights), {dtype} activations"
 
 
 def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None = None,

