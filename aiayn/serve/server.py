@@ -41,15 +41,18 @@ def weights_summary(model: torch.nn.Module) -> str:
 
     lowered, kinds, seen = 0, set(), set()
     for module in model.modules():
-        if isinstance(module, BlockLinear | BlockEmbedding | Int8Linear):
-            values = module.weight_int8 if isinstance(module, Int8Linear) else module.q
-            kinds.add("int8" if isinstance(module, Int8Linear) else module.kind)
-            if values.data_ptr() not in seen:  # a tied output layer shares the table's blocks
-                seen.add(values.data_ptr())
-                n, k = (module.out_features, module.in_features) if isinstance(module, Int8Linear) else module.spec[3:]
-                lowered += n * k
-            bias = getattr(module, "bias", None)
-            lowered += 0 if bias is None else bias.numel()  # a buffer there too
+        if isinstance(module, Int8Linear):
+            values, kind, n_weights = module.weight_int8, "int8", module.weight_int8.numel()  # (o, i) int8
+        elif isinstance(module, BlockLinear | BlockEmbedding):
+            values, kind, n_weights = module.q, module.kind, module.spec[3] * module.spec[4]  # n x k
+        else:
+            continue
+        kinds.add(kind)
+        if values.data_ptr() not in seen:  # a tied output layer shares the table's blocks
+            seen.add(values.data_ptr())
+            lowered += n_weights
+        if getattr(module, "bias", None) is not None:  # a buffer there too
+            lowered += module.bias.numel()
     dtype = str(getattr(model, "float_dtype", torch.float32)).removeprefix("torch.")
     total = count_parameters(model) + lowered
     if not kinds:

@@ -34,7 +34,6 @@ def test_the_kernel_builds_with_vnni_where_the_cpu_has_it():
     assert ops.has_vnni() == ("avx512_vnni" in flags and "avx512bw" in flags)
 
 
-
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K"])
 def test_the_kernel_splits_its_work_over_torch_threads_with_the_same_result(kind):
     """Built with OpenMP: without it ATen's parallel_for runs serially, and the kernel used one thread
@@ -55,6 +54,7 @@ def test_the_kernel_splits_its_work_over_torch_threads_with_the_same_result(kind
         torch.set_num_threads(before)
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
     assert_within_bound(outputs[1][1], x, weight)
+
 
 @pytest.mark.parametrize("kind", list(SUPPORTED))
 def test_each_gguf_type_unpacks_exactly_and_multiplies_within_its_bound(kind):
@@ -123,8 +123,6 @@ def test_bad_values_and_shapes_are_refused():
                                 block=32, kind="x", nibbles=True)
     with pytest.raises(ValueError, match="IQ4_NL blocks are not supported; aiayn packs Q4_0, Q4_1"):
         unpack("IQ4_NL", np.zeros((1, 18), np.uint8), 1, 32)
-
-
 
 
 def test_a_compiler_without_openmp_gets_the_serial_build_and_no_compiler_the_fallback(monkeypatch):
