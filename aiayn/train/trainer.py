@@ -5,8 +5,9 @@ A run directory holds its marker ``.aiayn-run``, ``config.json`` (task, model an
 is created, or replaced only once the new one holds a checkpoint). A NaN or infinite loss, gradient
 norm or weight stops training with ``TrainingDiverged``; nothing is saved after it. ``train(..., resume=True)`` continues from the
 latest checkpoint and ends with the same weights and losses as an uninterrupted run: the data order
-is a function of (seed, epoch), the learning rate a function of the step, and the RNG, optimiser and
-data position are restored from the checkpoint.
+is a function of (seed, epoch), the learning rate a function of the step, and the RNG, optimiser,
+data position and the partial metrics window are restored from the checkpoint (only the timing
+columns of metrics.csv differ).
 """
 
 from __future__ import annotations
@@ -99,6 +100,47 @@ class MetricsLog:
             csv.DictWriter(handle, fieldnames=METRIC_FIELDS).writerow(
                 {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
             )
+
+
+@dataclass
+class MetricsWindow:
+    """The training statistics since the last metrics.csv row. A checkpoint saves them, so the first
+    row after ``--resume`` averages the same steps as an uninterrupted run's row does."""
+
+    loss: float = 0.0  # sum of the steps' losses (the union's, in a distributed run)
+    steps: int = 0
+    nll: float = 0.0  # summed over this rank's target tokens
+    tokens: float = 0  # target tokens (a float once summed over ranks)
+    correct: float = 0  # target tokens predicted right
+    in_tokens: float = 0  # input tokens, for tokens/s
+    start: float = field(default_factory=time.perf_counter)
+
+    SAVED = ("loss", "steps", "nll", "tokens", "correct", "in_tokens")
+
+    def reduce(self, ctx: distributed.DistContext) -> None:
+        """Sum the per-rank counts over all ranks (a collective) into every rank's window."""
+        if ctx.enabled:
+            self.nll, self.tokens, self.correct, self.in_tokens = distributed.all_reduce_sum(
+                [self.nll, self.tokens, self.correct, self.in_tokens], ctx)
+
+    def saved(self, ctx: distributed.DistContext) -> dict[str, float]:
+        """The window for a checkpoint (a collective): the union's counts, which rank 0 keeps and
+        the other ranks drop, so the next row's sum over ranks is unchanged."""
+        self.reduce(ctx)
+        state = {name: getattr(self, name) for name in self.SAVED}
+        if not ctx.is_main:
+            self.nll = self.tokens = self.correct = self.in_tokens = 0
+        return state
+
+    @classmethod
+    def restored(cls, state: dict[str, Any], ctx: distributed.DistContext) -> MetricsWindow:
+        """The window a checkpoint saved (empty in one saved before windows were: the first row
+        after resuming it then averages the steps since the checkpoint)."""
+        window = cls(loss=state.get("loss", 0.0), steps=state.get("steps", 0))
+        if ctx.is_main:
+            for name in ("nll", "tokens", "correct", "in_tokens"):
+                setattr(window, name, state.get(name, 0))
+        return window
 
 
 class StopRequest:
@@ -291,10 +333,12 @@ def _train(
 
         def save() -> None:
             save_checkpoint(location.path / "checkpoints", step=step, model=model, optimizer=optimizer,
-                            keep=cfg.keep_checkpoints, state={"epoch": epoch, "batch_in_epoch": batch_in_epoch},
+                            keep=cfg.keep_checkpoints, state={"epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                                   "metrics_window": window_state},
                             model_state=model_state, optimizer_state=optimizer_state)
             location.swap_in()  # a replaced run: the new one takes its place once it holds a checkpoint
 
+        window_state = window.saved(ctx)  # a collective: every rank, before rank 0 saves
         moving = location.pending
         distributed.run_on_main(ctx, save)
         saved_step = step
@@ -305,9 +349,7 @@ def _train(
                 metrics.path = location.path / "metrics.csv"
 
     start_time = time.perf_counter()
-    window_loss = window_nll = 0.0
-    window_tokens = window_correct = window_in_tokens = window_steps = 0
-    window_start = time.perf_counter()
+    window = MetricsWindow.restored(loaded.state.get("metrics_window", {}), ctx) if loaded else MetricsWindow()
     last_loss = float("nan")
     interrupted = False
     bar = tqdm(total=total_steps, initial=step, disable=not progress, desc=f"train {task.name}",
@@ -346,10 +388,10 @@ def _train(
                             (loss / len(group)).backward()
                         if out.n_tokens:
                             step_loss += out.loss.item() * weight / ctx.world_size / len(group)
-                    window_nll += float(out.nll_sum)
-                    window_tokens += out.n_tokens
-                    window_correct += out.n_correct
-                    window_in_tokens += task.count_tokens(batch)
+                    window.nll += float(out.nll_sum)
+                    window.tokens += out.n_tokens
+                    window.correct += out.n_correct
+                    window.in_tokens += task.count_tokens(batch)
                 grad_norm = clip_and_measure(model.parameters(), cfg.clip_grad_norm)  # None: not clipping
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -364,26 +406,22 @@ def _train(
                     raise diverged(f"loss {step_loss:.4g}" + (f", gradient norm {grad_norm:.4g}"
                                                               if grad_norm is not None else ""))
                 last_loss = step_loss
-                window_loss += step_loss
-                window_steps += 1
+                window.loss += step_loss
+                window.steps += 1
                 bar.update(1)
 
                 if step % cfg.log_every == 0 or step == total_steps:
-                    if ctx.enabled:
-                        window_nll, window_tokens, window_correct, window_in_tokens = distributed.all_reduce_sum(
-                            [window_nll, window_tokens, window_correct, window_in_tokens], ctx)
-                    elapsed = time.perf_counter() - window_start
-                    mean_loss = window_loss / window_steps
-                    tokens_per_s = window_in_tokens / max(elapsed, 1e-9)
+                    window.reduce(ctx)
+                    elapsed = time.perf_counter() - window.start
+                    mean_loss = window.loss / window.steps
+                    tokens_per_s = window.in_tokens / max(elapsed, 1e-9)
                     bar.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}",
                                     epoch=epoch)
                     log_row(step=step, epoch=epoch, lr=lr, train_loss=mean_loss,
-                            train_nll=window_nll / max(window_tokens, 1),
-                            train_acc=window_correct / max(window_tokens, 1),
+                            train_nll=window.nll / max(window.tokens, 1),
+                            train_acc=window.correct / max(window.tokens, 1),
                             tokens_per_s=tokens_per_s, elapsed_s=time.perf_counter() - start_time)
-                    window_loss = window_nll = 0.0
-                    window_tokens = window_correct = window_in_tokens = window_steps = 0
-                    window_start = time.perf_counter()
+                    window = MetricsWindow()
                 if step % eval_every == 0 or step == total_steps:
                     val = task.evaluate(model, "val")
                     log_row(step=step, epoch=epoch, val_nll=val["nll"], val_ppl=math.exp(min(val["nll"], 50)),

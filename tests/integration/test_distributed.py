@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -158,6 +159,28 @@ def test_fsdp_resume_from_its_full_checkpoint(tmp_path, tmp_path_factory):
     dw.spawn(2, run_dir, fsdp=True, max_steps=4, **kw)
     dw.spawn(2, run_dir, fsdp=True, resume=True, **kw)
     assert_same_run(run_dir, single_process(tmp_path_factory, **kw), atol=1e-5)
+
+
+def test_ddp_resumed_mid_row_writes_the_rows_of_one_uninterrupted_process(tmp_path, tmp_path_factory):
+    """Checkpoints every 2 steps, metrics rows every 3: resumed from step 4, the row of steps 4-6
+    starts half filled. The checkpoint holds that half row summed over the ranks, so the resumed
+    2-process run writes the single process's rows (loss, NLL and accuracy over the whole row)."""
+    kw = dict(log_every=3, save_every=2, keep_checkpoints=4)
+    run_dir = tmp_path / "ddp"
+    dw.spawn(2, run_dir, **kw)
+    for name in ("step-00000006", "step-00000008"):  # as if killed right after step 4's checkpoint
+        shutil.rmtree(run_dir / "checkpoints" / name)
+    dw.spawn(2, run_dir, resume=True, **kw)
+
+    def rows(run: Path) -> list[list[float]]:
+        with open(run / "metrics.csv", newline="") as handle:
+            return [[float(r[k]) for k in ("step", "train_loss", "train_nll", "train_acc")]
+                    for r in csv.DictReader(handle) if r["train_loss"]]
+
+    got, want = rows(run_dir), rows(single_process(tmp_path_factory, **kw))
+    assert [r[0] for r in got] == [r[0] for r in want] == [3, 6, 8]
+    for a, b in zip(got, want, strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300):
