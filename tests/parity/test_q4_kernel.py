@@ -142,3 +142,15 @@ def test_a_compiler_without_openmp_gets_the_serial_build_and_no_compiler_the_fal
     with pytest.warns(UserWarning, match="could not be built .*unrecognized command-line option"):
         assert q4_build._build() is None
     assert tried == [["-fopenmp"], []]
+
+    def refuses_openmp(name, *, extra_cflags, extra_ldflags, **kwargs):  # builds (here: nothing) without it
+        tried.append(list(extra_ldflags))
+        if "-fopenmp" in extra_cflags:
+            raise RuntimeError("c++: error: unrecognized command-line option '-fopenmp'")
+
+    tried.clear()
+    monkeypatch.setattr(cpp_extension, "load_inline", refuses_openmp)
+    monkeypatch.setattr(q4_build, "_register_fakes", lambda: None)  # registered once per process
+    with pytest.warns(UserWarning, match="built without OpenMP.*one thread"):
+        assert q4_build._build() is torch.ops.aiayn_q4
+    assert tried == [["-fopenmp"], []]
