@@ -112,10 +112,10 @@ class MetricsWindow:
     nll: float = 0.0  # summed over this rank's target tokens
     tokens: float = 0  # target tokens (a float once summed over ranks)
     correct: float = 0  # target tokens predicted right
-    in_tokens: float = 0  # input tokens, for tokens/s
+    in_tokens: float = 0  # input tokens since ``start``, for tokens/s (not saved: a rate of this process)
     start: float = field(default_factory=time.perf_counter)
 
-    SAVED = ("loss", "steps", "nll", "tokens", "correct", "in_tokens")
+    SAVED = ("loss", "steps", "nll", "tokens", "correct")
 
     def reduce(self, ctx: distributed.DistContext) -> None:
         """Sum the per-rank counts over all ranks (a collective) into every rank's window."""
@@ -125,7 +125,7 @@ class MetricsWindow:
 
     def saved(self, ctx: distributed.DistContext) -> dict[str, float]:
         """The window for a checkpoint (a collective): the union's counts, which rank 0 keeps and
-        the other ranks drop, so the next row's sum over ranks is unchanged."""
+        the other ranks drop, so the next row's sums over ranks are unchanged."""
         self.reduce(ctx)
         state = {name: getattr(self, name) for name in self.SAVED}
         if not ctx.is_main:
@@ -136,10 +136,15 @@ class MetricsWindow:
     def restored(cls, state: dict[str, Any], ctx: distributed.DistContext) -> MetricsWindow:
         """The window a checkpoint saved (empty in one saved before windows were: the first row
         after resuming it then averages the steps since the checkpoint)."""
-        window = cls(loss=state.get("loss", 0.0), steps=state.get("steps", 0))
+
+        def number(name: str) -> float:  # state.json is a file: anything but a finite number counts 0
+            value = state.get(name, 0) if isinstance(state, dict) else 0
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            return value if ok else 0
+
+        window = cls(loss=number("loss"), steps=int(number("steps")))
         if ctx.is_main:
-            for name in ("nll", "tokens", "correct", "in_tokens"):
-                setattr(window, name, state.get(name, 0))
+            window.nll, window.tokens, window.correct = number("nll"), number("tokens"), number("correct")
         return window
 
 

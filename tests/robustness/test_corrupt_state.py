@@ -60,3 +60,21 @@ def test_gguf_metadata_of_the_wrong_type(tmp_path):
     writer.close()
     with pytest.raises(GGUFError, match=r"metadata holds a value of the wrong type .*invalid literal"):
         load_gguf(path)
+
+
+def test_a_metrics_window_of_junk_in_state_json_counts_as_empty():
+    """The half-filled metrics row a checkpoint keeps (loss, steps, NLL, token counts): a value that
+    is not a finite number, or a window that is not an object, is taken as 0 - the first row after
+    the resume then averages fewer steps, and training goes on."""
+    from aiayn.train.distributed import DistContext
+    from aiayn.train.trainer import MetricsWindow
+
+    one = DistContext()
+    junk = {"loss": "x", "steps": float("nan"), "nll": [1.0], "tokens": True, "correct": float("inf")}
+    window = MetricsWindow.restored(junk, one)
+    assert (window.loss, window.steps, window.nll, window.tokens, window.correct) == (0, 0, 0, 0, 0)
+    assert MetricsWindow.restored(["not", "an", "object"], one).steps == 0  # type: ignore[arg-type]
+    kept = MetricsWindow.restored({"loss": 2.5, "steps": 3, "nll": 40.0, "tokens": 20, "correct": 7}, one)
+    assert (kept.loss, kept.steps, kept.nll, kept.tokens, kept.correct) == (2.5, 3, 40.0, 20, 7)
+    other_rank = MetricsWindow.restored({"loss": 2.5, "steps": 3, "nll": 40.0, "tokens": 20}, DistContext(1, 2))
+    assert (other_rank.loss, other_rank.steps, other_rank.nll, other_rank.tokens) == (2.5, 3, 0, 0)
