@@ -4,7 +4,7 @@
 (``-march=native``: AVX-512 VNNI where the CPU has it, plain C++ loops elsewhere) into torch's
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), named by a
 hash of the source and flags: a later process loads the cached library in milliseconds; the first
-build takes ~20-60 s. The ops land in ``torch.ops.aiayn_q4`` (``matmul``, ``dequantize``,
+build takes ~20-60 s. A build that was killed never blocks the next one (``_one_builder``). The ops land in ``torch.ops.aiayn_q4`` (``matmul``, ``dequantize``,
 ``has_vnni``, ``parallel``), with shape functions registered so that ``torch.compile`` can trace them.
 
 Without a compiler (or ``ninja``), ``kernel_ops()`` warns once and returns None: ``BlockLinear``
@@ -13,9 +13,11 @@ then dequantises its matrix for every call (correct, slow). ``AIAYN_Q4_KERNEL=0`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import warnings
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -46,17 +48,49 @@ def kernel_ops() -> Any | None:
     return OPS
 
 
+def build_name(flags: list[str]) -> str:
+    """The extension's name in torch's cache: a hash of the source, the flags and torch's version."""
+    source = SOURCE.read_text(encoding="utf-8")
+    return "aiayn_q4_" + hashlib.sha256((source + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _one_builder(name: str) -> Iterator[None]:
+    """Torch guards a build with a file (``lock`` in the build directory) that a process killed
+    mid-build (Ctrl-C, a timeout, the OOM killer) leaves behind, and every later process then waits
+    for it forever. aiayn's builds first take an OS lock (``flock``: released when its holder dies,
+    however it dies); whoever holds it is the only aiayn builder alive, so a ``lock`` file found
+    there was left by a dead one and is removed."""
+    try:
+        import fcntl
+
+        from torch.utils.cpp_extension import _get_build_directory  # creates the directory
+
+        build_dir = Path(_get_build_directory(name, False))
+    except (ImportError, AttributeError, TypeError, OSError):  # no flock (Windows), another torch
+        yield
+        return
+    with open(build_dir / "aiayn-build.lock", "a", encoding="utf-8") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits for a live builder, never for a dead one
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build() -> Any | None:
     source = SOURCE.read_text(encoding="utf-8")
     error: Exception | None = None
     for extra in ([OPENMP], []):  # with OpenMP (threads), else serial
         flags = FLAGS + extra
-        digest = hashlib.sha256((source + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+        name = build_name(flags)
         try:
             from torch.utils.cpp_extension import load_inline
 
-            load_inline(f"aiayn_q4_{digest}", cpp_sources=[source], no_implicit_headers=True,
-                        is_python_module=False, extra_cflags=flags, extra_ldflags=extra, verbose=False)
+            with _one_builder(name):
+                load_inline(name, cpp_sources=[source], no_implicit_headers=True, is_python_module=False,
+                            extra_cflags=flags, extra_ldflags=extra, verbose=False)
         except Exception as exc:  # no compiler, no ninja, no OpenMP, a build error
             error = exc
             continue

@@ -11,6 +11,8 @@ per-block products and the final sum adds a relative 1e-6 or so, allowed for sep
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -154,3 +156,26 @@ def test_a_compiler_without_openmp_gets_the_serial_build_and_no_compiler_the_fal
     with pytest.warns(UserWarning, match="built without OpenMP.*one thread"):
         assert q4_build._build() is torch.ops.aiayn_q4
     assert tried == [["-fopenmp"], []]
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_one():
+    """torch's build lock is a file: a process killed while it built or checked the kernel leaves it
+    behind, and torch alone would make every later process wait for it forever (a test suite hung
+    so). The next process removes it under aiayn's OS lock and loads the kernel."""
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from aiayn.fast import q4_build
+
+    stale = Path(_get_build_directory(q4_build.build_name([*q4_build.FLAGS, q4_build.OPENMP]), False)) / "lock"
+    stale.write_text("")  # what a killed builder leaves
+    try:
+        loads = subprocess.run([sys.executable, "-c", "from aiayn.fast.q4_build import kernel_ops; "
+                                "print(kernel_ops() is not None)"], capture_output=True, text=True, timeout=300)
+        removed = not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)  # never leave it for the rest of the suite
+    assert loads.returncode == 0 and loads.stdout.strip() == "True", loads.stderr[-2000:]
+    assert removed
