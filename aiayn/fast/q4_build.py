@@ -4,8 +4,9 @@
 (``-march=native``: AVX-512 VNNI where the CPU has it, plain C++ loops elsewhere) into torch's
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), named by a
 hash of the source and flags: a later process loads the cached library in milliseconds; the first
-build takes ~20-60 s. A build that was killed never blocks the next one (``_one_builder``). The ops land in ``torch.ops.aiayn_q4`` (``matmul``, ``dequantize``,
-``has_vnni``, ``parallel``), with shape functions registered so that ``torch.compile`` can trace them.
+build takes ~20-60 s, and a build that was killed never blocks the next one (``_one_builder``).
+The ops land in ``torch.ops.aiayn_q4`` (``matmul``, ``dequantize``, ``has_vnni``, ``parallel``),
+with shape functions registered so that ``torch.compile`` can trace them.
 
 Without a compiler (or ``ninja``), ``kernel_ops()`` warns once and returns None: ``BlockLinear``
 then dequantises its matrix for every call (correct, slow). ``AIAYN_Q4_KERNEL=0`` skips the build.
