@@ -68,10 +68,11 @@ def _one_builder(name: str) -> Iterator[None]:
         from torch.utils.cpp_extension import _get_build_directory  # creates the directory
 
         build_dir = Path(_get_build_directory(name, False))
-    except (ImportError, AttributeError, TypeError, OSError):  # no flock (Windows), another torch
-        yield
+        handle = open(build_dir / "aiayn-build.lock", "a", encoding="utf-8")  # noqa: SIM115 (closed below)
+    except (ImportError, AttributeError, TypeError, OSError):  # no flock (Windows), another torch, read-only
+        yield  # torch's own lock alone, as before
         return
-    with open(build_dir / "aiayn-build.lock", "a", encoding="utf-8") as handle:
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # waits for a live builder, never for a dead one
         try:
             (build_dir / "lock").unlink(missing_ok=True)
