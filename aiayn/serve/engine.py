@@ -156,7 +156,7 @@ class Engine:
     thread; ``submit`` queues a request (``QueueFull`` past ``max_queue`` waiting)."""
 
     def __init__(self, lm: TextModel, plan: SlotPlan, *, kv_cache: str | None = None, prefill_chunk: int = 512,
-                 max_queue: int = 64, metrics: Metrics | None = None) -> None:
+                 max_queue: int = 64, metrics: Metrics | None = None, threads: int | None = None) -> None:
         if prefill_chunk < 1 or max_queue < 0:
             raise ValueError("prefill_chunk must be >= 1 and max_queue >= 0")
         self.lm, self.model, self.plan = lm, lm.model, plan
@@ -165,6 +165,7 @@ class Engine:
         assert isinstance(cache, RowKVCache)
         self.cache = cache
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
+        self.threads = threads  # torch threads of the engine thread (None: as it finds them)
         self.metrics = metrics or Metrics()
         self.rows: list[Request] = []  # cache row i serves rows[i]: decoding first, then prefilling
         self.n_decode = 0
@@ -234,6 +235,8 @@ class Engine:
     # ---- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         while True:
             with self._cv:
                 while not (self._stopping or self.waiting or self.rows or self.jobs):

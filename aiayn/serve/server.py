@@ -62,10 +62,11 @@ def weights_summary(model: torch.nn.Module) -> str:
 
 def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None = None,
                 kv_budget: int = 2 << 30, kv_cache: str | None = None, prefill_chunk: int = 512,
-                max_queue: int = 64, api_key: str | None = None,
-                shutdown_grace: float = 30.0) -> tuple[ServerState, list[str]]:
+                max_queue: int = 64, api_key: str | None = None, shutdown_grace: float = 30.0,
+                threads: int | None = None) -> tuple[ServerState, list[str]]:
     """The server's state and the lines that describe it at start-up (the model, the KV-cache
-    slots the budget allows). ValueError for settings that cannot work."""
+    slots the budget allows); ``threads``: the engine thread's torch threads. ValueError for
+    settings that cannot work."""
     metrics = Metrics()
     engine = None
     if served.lm is not None:
@@ -73,7 +74,7 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
         context = context or min(lm.context, DEFAULT_CONTEXT)
         plan = slot_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache)
         engine = Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=prefill_chunk, max_queue=max_queue,
-                        metrics=metrics)
+                        metrics=metrics, threads=threads)
         lines = [f"model {served.name}: decoder-only, {weights_summary(lm.model)}, context {lm.context} tokens"
                  f"{', chat template' if lm.chat_template is not None else ', no chat template'}",
                  plan.describe(kv_budget),

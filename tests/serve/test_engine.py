@@ -236,3 +236,18 @@ def test_q4_weights_in_the_engine_follow_the_q4_model_alone():
             assert got == want, (ids, step)
             compared += 1
     assert compared >= 12  # most steps were compared
+
+
+def test_the_engine_thread_runs_on_the_threads_it_was_given(lm):
+    """`aiayn serve` loads on one torch thread and hands the threads asked for to the engine's own
+    thread, where every forward runs (OpenMP pools per thread: see aiayn/cli/serve.py)."""
+    plan = slot_plan(lm, max_batch=2, context=64, budget=1 << 30, kv_cache=None)
+    before = torch.get_num_threads()
+    given = 1 if before != 1 else 2
+    engine = Engine(lm, plan, threads=given)
+    engine.start()
+    try:
+        assert engine.call(torch.get_num_threads).result(timeout=30) == given
+    finally:
+        engine.stop()
+    assert torch.get_num_threads() == before  # the calling thread keeps its own
