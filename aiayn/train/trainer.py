@@ -115,13 +115,15 @@ class MetricsWindow:
     in_tokens: float = 0  # input tokens since ``start``, for tokens/s (not saved: a rate of this process)
     start: float = field(default_factory=time.perf_counter)
 
+    PER_RANK = ("nll", "tokens", "correct", "in_tokens")  # this rank's counts, summed over ranks per row
     SAVED = ("loss", "steps", "nll", "tokens", "correct")
 
     def reduce(self, ctx: distributed.DistContext) -> None:
         """Sum the per-rank counts over all ranks (a collective) into every rank's window."""
         if ctx.enabled:
-            self.nll, self.tokens, self.correct, self.in_tokens = distributed.all_reduce_sum(
-                [self.nll, self.tokens, self.correct, self.in_tokens], ctx)
+            summed = distributed.all_reduce_sum([getattr(self, name) for name in self.PER_RANK], ctx)
+            for name, value in zip(self.PER_RANK, summed, strict=True):
+                setattr(self, name, value)
 
     def saved(self, ctx: distributed.DistContext) -> dict[str, float]:
         """The window for a checkpoint (a collective): the union's counts, which rank 0 keeps and
@@ -129,7 +131,8 @@ class MetricsWindow:
         self.reduce(ctx)
         state = {name: getattr(self, name) for name in self.SAVED}
         if not ctx.is_main:
-            self.nll = self.tokens = self.correct = self.in_tokens = 0
+            for name in self.PER_RANK:
+                setattr(self, name, 0)
         return state
 
     @classmethod
@@ -142,9 +145,11 @@ class MetricsWindow:
             ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
             return value if ok else 0
 
-        window = cls(loss=number("loss"), steps=int(number("steps")))
-        if ctx.is_main:
-            window.nll, window.tokens, window.correct = number("nll"), number("tokens"), number("correct")
+        window = cls()
+        for name in cls.SAVED:  # the union's counts go to rank 0 only, as saved() left them
+            if ctx.is_main or name not in cls.PER_RANK:
+                setattr(window, name, number(name))
+        window.steps = int(window.steps)
         return window
 
 
