@@ -28,6 +28,26 @@ def plain_option(func: Callable[..., Any]) -> Callable[..., Any]:
                         help="Run the plain PyTorch model, without aiayn.fast's CPU kernels.")(func)
 
 
+def device_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--device``: where the command runs (``aiayn.device``; a keyword ``device`` of the command,
+    the name as given: resolve it with ``aiayn.device.resolve``)."""
+    from aiayn.device import DEVICE_HELP
+
+    return click.option("--device", default="auto", show_default=False, metavar="DEVICE",
+                        help=DEVICE_HELP)(func)
+
+
+def resolve_device(name: str) -> Any:
+    """The ``torch.device`` of ``--device`` (prepared: TF32 on CUDA), or a usage error (exit 2) that
+    names what this machine has."""
+    from aiayn import device as devices
+
+    try:
+        return devices.prepare(devices.resolve(name))
+    except devices.DeviceError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 def one_model(run_dir: object, model: object, *, required: bool = False) -> None:
     """--run and --model both name a model: refuse both at once (and neither, when ``required``)."""
     if run_dir is not None and model is not None:
