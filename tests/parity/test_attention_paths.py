@@ -33,44 +33,46 @@ def formula(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
     b, h, t_q, d_h = q.shape
     h_kv, t_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d_h) if scale is None else scale
-    kv_head = torch.arange(h) // (h // h_kv)  # query head i reads key/value head i // group
+    dev = q.device
+    kv_head = torch.arange(h, device=dev) // (h // h_kv)  # query head i reads key/value head i // group
     k_full, v_full = k[:, kv_head], v[:, kv_head]
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k_full) * scale
     if bias is not None:
         scores = scores + bias
-    allowed = torch.ones(b, h, t_q, t_k, dtype=torch.bool)
+    allowed = torch.ones(b, h, t_q, t_k, dtype=torch.bool, device=dev)
     if mask is not None:
         allowed = allowed & mask
     if causal:
-        q_pos = torch.arange(t_k - t_q, t_k)[:, None]
-        allowed = allowed & (torch.arange(t_k)[None, :] <= q_pos)
+        q_pos = torch.arange(t_k - t_q, t_k, device=dev)[:, None]
+        allowed = allowed & (torch.arange(t_k, device=dev)[None, :] <= q_pos)
     scores = scores.masked_fill(~allowed, float("-inf"))
     any_visible = allowed.any(dim=-1, keepdim=True)
-    weights = torch.where(any_visible, torch.softmax(scores, dim=-1), torch.zeros(()))
+    weights = torch.where(any_visible, torch.softmax(scores, dim=-1), torch.zeros((), device=dev))
     return torch.einsum("bhqk,bhkd->bhqd", weights, v_full), weights
 
 
-def make_qkv(t_q, t_k, h_kv=H, seed=0, requires_grad=False):
+def make_qkv(t_q, t_k, h_kv=H, seed=0, requires_grad=False, *, device: torch.device):
+    """(q, k, v) drawn on the CPU (the same numbers on every device), then moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, t_q, D_H, generator=g)
-    k = torch.randn(B, h_kv, t_k, D_H, generator=g)
-    v = torch.randn(B, h_kv, t_k, D_H, generator=g)
+    q = torch.randn(B, H, t_q, D_H, generator=g).to(device)
+    k = torch.randn(B, h_kv, t_k, D_H, generator=g).to(device)
+    v = torch.randn(B, h_kv, t_k, D_H, generator=g).to(device)
     if requires_grad:
         for t in (q, k, v):
             t.requires_grad_(True)
     return q, k, v
 
 
-def padding(t_k: int) -> torch.Tensor:
+def padding(t_k: int, device: torch.device) -> torch.Tensor:
     """(B, 1, 1, t_k): row 0 unpadded, the others with 1 and 3 trailing pads."""
-    valid = torch.ones(B, t_k, dtype=torch.bool)
+    valid = torch.ones(B, t_k, dtype=torch.bool, device=device)
     valid[1, -1:] = False
     valid[2, -3:] = False
     return key_mask(valid)
 
 
-def random_bias(t_q: int, t_k: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(B, H, t_q, t_k, generator=torch.Generator().manual_seed(seed))
+def random_bias(t_q: int, t_k: int, device: torch.device, seed: int = 1) -> torch.Tensor:
+    return torch.randn(B, H, t_q, t_k, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 # (name, t_q, t_k, mask?, bias?, causal)
@@ -88,19 +90,19 @@ CASES = [
 ]
 
 
-def _inputs(t_q, t_k, use_mask, use_bias, h_kv, requires_grad=False):
-    q, k, v = make_qkv(t_q, t_k, h_kv=h_kv, requires_grad=requires_grad)
-    mask = padding(t_k) if use_mask else None
-    bias = random_bias(t_q, t_k) if use_bias else None
+def _inputs(t_q, t_k, use_mask, use_bias, h_kv, device, requires_grad=False):
+    q, k, v = make_qkv(t_q, t_k, h_kv=h_kv, requires_grad=requires_grad, device=device)
+    mask = padding(t_k, device) if use_mask else None
+    bias = random_bias(t_q, t_k, device) if use_bias else None
     return q, k, v, mask, bias
 
 
 @pytest.mark.parametrize("h_kv", [H, 2, 1], ids=["mha", "gqa2", "mqa"])
 @pytest.mark.parametrize(("name", "t_q", "t_k", "use_mask", "use_bias", "causal"), CASES,
                          ids=[c[0] for c in CASES])
-def test_fused_reference_and_formula_agree(name, t_q, t_k, use_mask, use_bias, causal, h_kv):
+def test_fused_reference_and_formula_agree(name, t_q, t_k, use_mask, use_bias, causal, h_kv, device):
     torch.manual_seed(0)
-    q, k, v, mask, bias = _inputs(t_q, t_k, use_mask, use_bias, h_kv)
+    q, k, v, mask, bias = _inputs(t_q, t_k, use_mask, use_bias, h_kv, device)
     kw = dict(mask=mask, bias=bias, causal=causal)
 
     fused, w_fused = sdpa(q, k, v, impl="fused", **kw)
@@ -128,29 +130,29 @@ def test_fused_reference_and_formula_agree(name, t_q, t_k, use_mask, use_bias, c
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])
-def test_causal_flag_equals_explicit_causal_mask(impl):
+def test_causal_flag_equals_explicit_causal_mask(impl, device):
     for t_q, t_k in ((6, 6), (2, 7)):
-        q, k, v = make_qkv(t_q, t_k)
+        q, k, v = make_qkv(t_q, t_k, device=device)
         flag, _ = sdpa(q, k, v, causal=True, impl=impl)
-        explicit, _ = sdpa(q, k, v, mask=causal_mask(t_q, t_k), impl=impl)
+        explicit, _ = sdpa(q, k, v, mask=causal_mask(t_q, t_k, device=device), impl=impl)
         assert_close(flag, explicit)
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])
-def test_explicit_scale(impl):
-    q, k, v = make_qkv(4, 6)
-    mask = padding(6)
+def test_explicit_scale(impl, device):
+    q, k, v = make_qkv(4, 6, device=device)
+    mask = padding(6, device)
     out, _ = sdpa(q, k, v, mask=mask, scale=0.37, impl=impl)
     expected, _ = formula(q, k, v, mask=mask, scale=0.37)
     assert_close(out, expected)
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])
-def test_bias_equal_to_mask(impl):
+def test_bias_equal_to_mask(impl, device):
     """A -inf additive bias at the masked keys is the same as the bool mask."""
-    q, k, v = make_qkv(5, 6)
-    mask = padding(6)
-    as_bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    q, k, v = make_qkv(5, 6, device=device)
+    mask = padding(6, device)
+    as_bias = torch.zeros(mask.shape, device=device).masked_fill(~mask, float("-inf"))
     out_mask, _ = sdpa(q, k, v, mask=mask, impl=impl)
     out_bias, _ = sdpa(q, k, v, bias=as_bias, impl=impl)
     assert_close(out_mask, out_bias)
@@ -190,19 +192,20 @@ FULLY_MASKED = _fully_masked_cases()
 @pytest.mark.parametrize("h_kv", [H, 2], ids=["mha", "gqa2"])
 @pytest.mark.parametrize(("name", "t_q", "t_k", "mask", "causal"), FULLY_MASKED,
                          ids=[c[0] for c in FULLY_MASKED])
-def test_fully_masked_rows_are_zero_and_finite(name, t_q, t_k, mask, causal, h_kv, use_bias):
-    bias = random_bias(t_q, t_k) if use_bias else None
-    expected, expected_w = formula(*make_qkv(t_q, t_k, h_kv=h_kv), mask=mask, bias=bias,
+def test_fully_masked_rows_are_zero_and_finite(name, t_q, t_k, mask, causal, h_kv, use_bias, device):
+    mask = mask.to(device)  # (B, 1 or H, t_q or 1, t_k), built on the CPU at import
+    bias = random_bias(t_q, t_k, device) if use_bias else None
+    expected, expected_w = formula(*make_qkv(t_q, t_k, h_kv=h_kv, device=device), mask=mask, bias=bias,
                                    causal=causal)
     allowed = mask.expand(B, H, t_q, t_k)
     if causal:
-        allowed = allowed & causal_mask(t_q, t_k)
+        allowed = allowed & causal_mask(t_q, t_k, device=device)
     dead = ~allowed.any(dim=-1)  # (B, H, t_q) queries with no visible key
     assert dead.any(), "the case must contain at least one fully masked query"
 
     outputs, grads = {}, {}
     for impl, need_weights in (("fused", False), ("reference", False), ("reference", True)):
-        q, k, v = make_qkv(t_q, t_k, h_kv=h_kv, requires_grad=True)
+        q, k, v = make_qkv(t_q, t_k, h_kv=h_kv, requires_grad=True, device=device)
         out, weights = sdpa(q, k, v, mask=mask, bias=bias, causal=causal,
                                                     impl=impl, need_weights=need_weights)
         assert torch.isfinite(out).all()
@@ -213,7 +216,7 @@ def test_fully_masked_rows_are_zero_and_finite(name, t_q, t_k, mask, causal, h_k
             assert torch.equal(weights[dead], torch.zeros_like(weights[dead]))
             assert_close(weights, expected_w)
         # Backward through the fully masked rows: finite gradients everywhere.
-        (out * torch.linspace(-1.0, 1.0, D_H)).sum().backward()
+        (out * torch.linspace(-1.0, 1.0, D_H, device=device)).sum().backward()
         for t in (q, k, v):
             assert t.grad is not None and torch.isfinite(t.grad).all()
         # A dead query contributes nothing, so its gradient is exactly zero.
@@ -229,13 +232,13 @@ def test_fully_masked_rows_are_zero_and_finite(name, t_q, t_k, mask, causal, h_k
 @pytest.mark.parametrize("h_kv", [H, 2, 1], ids=["mha", "gqa2", "mqa"])
 @pytest.mark.parametrize(("name", "t_q", "t_k", "use_mask", "use_bias", "causal"), CASES,
                          ids=[c[0] for c in CASES])
-def test_gradients_agree(name, t_q, t_k, use_mask, use_bias, causal, h_kv):
+def test_gradients_agree(name, t_q, t_k, use_mask, use_bias, causal, h_kv, device):
     grads = []
     for impl in ("fused", "reference"):
-        q, k, v, mask, bias = _inputs(t_q, t_k, use_mask, use_bias, h_kv, requires_grad=True)
+        q, k, v, mask, bias = _inputs(t_q, t_k, use_mask, use_bias, h_kv, device, requires_grad=True)
         out, _ = sdpa(q, k, v, mask=mask, bias=bias, causal=causal,
                                               impl=impl)
-        (out * torch.linspace(-1.0, 1.0, D_H)).sum().backward()
+        (out * torch.linspace(-1.0, 1.0, D_H, device=device)).sum().backward()
         grads.append((q.grad, k.grad, v.grad))
     for a, b in zip(*grads, strict=True):
         assert_close(a, b)

@@ -10,10 +10,10 @@ from aiayn.train.losses import IGNORE, sequence_loss
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
-def test_smoothed_loss_and_nll_equal_torch(eps):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 7, 99, generator=g, dtype=torch.float64).requires_grad_()
-    targets = torch.randint(0, 99, (3, 7), generator=g)
+def test_smoothed_loss_and_nll_equal_torch(eps, device):
+    g = torch.Generator().manual_seed(0)  # drawn on the CPU: the same numbers on every device
+    logits = torch.randn(3, 7, 99, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    targets = torch.randint(0, 99, (3, 7), generator=g).to(device)
     targets[0, 5:] = IGNORE
     targets[2, 1:] = IGNORE
     out = sequence_loss(logits, targets, label_smoothing=eps)

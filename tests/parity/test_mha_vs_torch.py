@@ -23,8 +23,9 @@ B, T, S = 3, 5, 9  # batch, query length, source length of cross-attention
 IMPLS = ["fused", "reference"]
 
 
-def make_pair(*, cross: bool, impl: str, seed: int = 0):
-    """A torch MHA with random weights and biases, and an aiayn MHA holding the same weights."""
+def make_pair(*, cross: bool, impl: str, device: torch.device, seed: int = 0):
+    """A torch MHA with random weights and biases, and an aiayn MHA holding the same weights, both
+    built on the CPU (the same numbers everywhere) and moved to ``device``."""
     torch.manual_seed(seed)
     ref = nn.MultiheadAttention(D, H, dropout=0.0, bias=True, batch_first=True)
     with torch.no_grad():  # nonzero biases so that a misplaced bias is noticed
@@ -43,13 +44,13 @@ def make_pair(*, cross: bool, impl: str, seed: int = 0):
             ours.qkv_proj.bias.copy_(b)
         ours.out_proj.weight.copy_(ref.out_proj.weight)
         ours.out_proj.bias.copy_(ref.out_proj.bias)
-    return ref.eval(), ours.eval()
+    return ref.to(device).eval(), ours.to(device).eval()
 
 
-def inputs(*, cross: bool, seed: int = 1):
+def inputs(*, cross: bool, device: torch.device, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, T, D, generator=g)
-    memory = torch.randn(B, S, D, generator=g) if cross else None
+    x = torch.randn(B, T, D, generator=g).to(device)
+    memory = torch.randn(B, S, D, generator=g).to(device) if cross else None
     return x, memory
 
 
@@ -76,8 +77,8 @@ def torch_attn_mask(cross: bool) -> torch.Tensor:
 MASK_CASES = ["none", "key_padding", "attn_mask", "both"]
 
 
-def build_masks(case: str, cross: bool):
-    """-> (torch kwargs, our mask)"""
+def build_masks(case: str, cross: bool, device: torch.device):
+    """-> (torch kwargs, our mask), on ``device``"""
     k_len = S if cross else T
     torch_kw, ours = {}, None
     if case in ("key_padding", "both"):
@@ -89,7 +90,7 @@ def build_masks(case: str, cross: bool):
         torch_kw["attn_mask"] = am
         converted = ~am[None, None]  # (1, 1, t, k_len)
         ours = converted if ours is None else ours & converted
-    return torch_kw, ours
+    return {k: v.to(device) for k, v in torch_kw.items()}, None if ours is None else ours.to(device)
 
 
 def run_torch(ref, x, memory, need_weights=False, average=True, **kw):
@@ -100,10 +101,10 @@ def run_torch(ref, x, memory, need_weights=False, average=True, **kw):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", MASK_CASES)
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
-def test_output_matches_torch(cross, case, impl):
-    ref, ours = make_pair(cross=cross, impl=impl)
-    x, memory = inputs(cross=cross)
-    torch_kw, mask = build_masks(case, cross)
+def test_output_matches_torch(cross, case, impl, device):
+    ref, ours = make_pair(cross=cross, impl=impl, device=device)
+    x, memory = inputs(cross=cross, device=device)
+    torch_kw, mask = build_masks(case, cross, device)
     with torch.no_grad():
         expected, _ = run_torch(ref, x, memory, need_weights=False, **torch_kw)
         got, weights = ours(x, memory, inputs=AttentionInputs(mask=mask))
@@ -115,10 +116,10 @@ def test_output_matches_torch(cross, case, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", MASK_CASES)
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
-def test_weights_match_torch(cross, case, impl):
-    ref, ours = make_pair(cross=cross, impl=impl)
-    x, memory = inputs(cross=cross)
-    torch_kw, mask = build_masks(case, cross)
+def test_weights_match_torch(cross, case, impl, device):
+    ref, ours = make_pair(cross=cross, impl=impl, device=device)
+    x, memory = inputs(cross=cross, device=device)
+    torch_kw, mask = build_masks(case, cross, device)
     k_len = S if cross else T
     with torch.no_grad():
         exp_out, exp_avg = run_torch(ref, x, memory, need_weights=True, average=True, **torch_kw)
@@ -133,14 +134,14 @@ def test_weights_match_torch(cross, case, impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("with_padding", [False, True], ids=["causal", "causal_and_padding"])
-def test_causal_flag_matches_torch_causal_attn_mask(with_padding, impl):
+def test_causal_flag_matches_torch_causal_attn_mask(with_padding, impl, device):
     """Our causal=True (no materialised mask) equals torch with the causal bool attn_mask."""
-    ref, ours = make_pair(cross=False, impl=impl)
-    x, _ = inputs(cross=False)
-    torch_kw = {"attn_mask": torch_attn_mask(cross=False)}
+    ref, ours = make_pair(cross=False, impl=impl, device=device)
+    x, _ = inputs(cross=False, device=device)
+    torch_kw = {"attn_mask": torch_attn_mask(cross=False).to(device)}
     mask = None
     if with_padding:
-        kpm = torch_key_padding(T)
+        kpm = torch_key_padding(T).to(device)
         torch_kw["key_padding_mask"] = kpm
         mask = key_mask(~kpm)
     with torch.no_grad():
@@ -154,16 +155,16 @@ def test_causal_flag_matches_torch_causal_attn_mask(with_padding, impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
-def test_gradients_match_torch(cross, impl):
+def test_gradients_match_torch(cross, impl, device):
     """Same loss, same gradients with respect to the inputs and every projection."""
-    ref, ours = make_pair(cross=cross, impl=impl)
-    x, memory = inputs(cross=cross)
-    torch_kw, mask = build_masks("both", cross)
+    ref, ours = make_pair(cross=cross, impl=impl, device=device)
+    x, memory = inputs(cross=cross, device=device)
+    torch_kw, mask = build_masks("both", cross, device)
     x_ref, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     m_ref = m_ours = None
     if cross:
         m_ref, m_ours = memory.clone().requires_grad_(True), memory.clone().requires_grad_(True)
-    w = torch.randn(B, T, D, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(B, T, D, generator=torch.Generator().manual_seed(5)).to(device)
     out_ref, _ = run_torch(ref, x_ref, m_ref, need_weights=False, **torch_kw)
     out_ours, _ = ours(x_ours, m_ours, inputs=AttentionInputs(mask=mask))
     (out_ref * w).sum().backward()

@@ -142,7 +142,8 @@ def torch_names_to_ours(model: EncoderDecoder, tf: nn.Transformer) -> dict[str, 
     return mapping
 
 
-def make_pair(norm_position: str, final_norm: bool, impl: str = "fused"):
+def make_pair(norm_position: str, final_norm: bool, device: torch.device, impl: str = "fused"):
+    """(ours, torch's) with the same weights, built on the CPU and moved to ``device``."""
     model = make_ours(norm_position, final_norm, impl)
     tf = make_torch(norm_position == "pre", final_norm)
     mapping = torch_names_to_ours(model, tf)
@@ -152,7 +153,7 @@ def make_pair(norm_position: str, final_norm: bool, impl: str = "fused"):
         for name, value in mapping.items():
             assert params[name].shape == value.shape, name
             params[name].copy_(value)
-    return model, tf
+    return model.to(device), tf.to(device)
 
 
 def our_positions(tok: torch.Tensor) -> torch.Tensor:
@@ -162,7 +163,7 @@ def our_positions(tok: torch.Tensor) -> torch.Tensor:
 
 
 def plain_positions(tok: torch.Tensor) -> torch.Tensor:
-    return torch.arange(tok.shape[1]).expand_as(tok)
+    return torch.arange(tok.shape[1], device=tok.device).expand_as(tok)
 
 
 def embed(model: EncoderDecoder, stack: nn.Module, tok: torch.Tensor,
@@ -178,7 +179,7 @@ def reference(model: EncoderDecoder, tf: nn.Transformer, src: torch.Tensor, tgt:
     t = tgt.shape[1]
     # generate_square_subsequent_mask gives -inf above the diagonal; as bool: True = not allowed,
     # the same type as the key padding masks.
-    tgt_mask = torch.isinf(nn.Transformer.generate_square_subsequent_mask(t))
+    tgt_mask = torch.isinf(nn.Transformer.generate_square_subsequent_mask(t, device=tgt.device))
     src_kpm, tgt_kpm = src == PAD, tgt == PAD
     memory = tf.encoder(src_x, src_key_padding_mask=src_kpm)
     out = tf.decoder(tgt_x, memory, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_kpm,
@@ -192,59 +193,62 @@ def reference(model: EncoderDecoder, tf: nn.Transformer, src: torch.Tensor, tgt:
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 @pytest.mark.parametrize("impl", ["fused", "reference"])
 @pytest.mark.parametrize(("norm_position", "final_norm"), NORM_CASES, ids=NORM_IDS)
-def test_logits_match_torch_transformer(norm_position, final_norm, impl, grad):
+def test_logits_match_torch_transformer(norm_position, final_norm, impl, grad, device):
     """All positions, pads included, with the positions our stacks use. Under no_grad torch takes
     its fused "fast path" kernels for the encoder; with grad it runs the Python layers."""
-    model, tf = make_pair(norm_position, final_norm, impl)
+    model, tf = make_pair(norm_position, final_norm, device, impl)
+    src, tgt = SRC.to(device), TGT.to(device)
     with torch.set_grad_enabled(grad):
-        memory_ref, logits_ref = reference(model, tf, SRC, TGT)
-        encoded = model.encode(SRC)
-        out = model.decode(TGT, encoded)
+        memory_ref, logits_ref = reference(model, tf, src, tgt)
+        encoded = model.encode(src)
+        out = model.decode(tgt, encoded)
     assert out.logits.shape == (3, max(TGT_LENGTHS), VOCAB)
     assert_close(encoded.memory, memory_ref)
     assert_close(out.logits, logits_ref)
-    assert_close(model(SRC, TGT).logits, out.logits)
+    assert_close(model(src, tgt).logits, out.logits)
 
 
 @pytest.mark.parametrize(("norm_position", "final_norm"), NORM_CASES, ids=NORM_IDS)
-def test_real_positions_match_with_plain_positions(norm_position, final_norm):
+def test_real_positions_match_with_plain_positions(norm_position, final_norm, device):
     """With the usual 0..t-1 positions only pad positions get other inputs; every real position
     (encoder memory and decoder logits) must still agree."""
-    model, tf = make_pair(norm_position, final_norm)
+    model, tf = make_pair(norm_position, final_norm, device)
+    src, tgt = SRC.to(device), TGT.to(device)
     with torch.no_grad():
-        memory_ref, logits_ref = reference(model, tf, SRC, TGT, positions=plain_positions)
-        encoded = model.encode(SRC)
-        logits = model.decode(TGT, encoded).logits
-    src_real, tgt_real = SRC != PAD, TGT != PAD
+        memory_ref, logits_ref = reference(model, tf, src, tgt, positions=plain_positions)
+        encoded = model.encode(src)
+        logits = model.decode(tgt, encoded).logits
+    src_real, tgt_real = src != PAD, tgt != PAD
     assert_close(encoded.memory[src_real], memory_ref[src_real])
     assert_close(logits[tgt_real], logits_ref[tgt_real])
 
 
-def test_unpadded_batch_matches_torch():
+def test_unpadded_batch_matches_torch(device):
     """No padding at all: no masks but the causal one, positions 0..t-1 on both sides."""
-    model, tf = make_pair("post", True)
+    model, tf = make_pair("post", True, device)
     g = torch.Generator().manual_seed(3)
-    src = torch.randint(1, VOCAB, (2, 8), generator=g)
-    tgt = torch.randint(1, VOCAB, (2, 5), generator=g)
+    src = torch.randint(1, VOCAB, (2, 8), generator=g).to(device)
+    tgt = torch.randint(1, VOCAB, (2, 5), generator=g).to(device)
     with torch.no_grad():
         _, logits_ref = reference(model, tf, src, tgt, positions=plain_positions)
         logits = model(src, tgt).logits
     assert_close(logits, logits_ref)
 
 
-def test_torch_nested_tensor_fast_path_zeroes_padded_memory_only():
+def test_torch_nested_tensor_fast_path_zeroes_padded_memory_only(device):
     """torch's default nn.Transformer (enable_nested_tensor) drops padded encoder positions and
     pads its output back with zeros before the final norm, so there the memory is
     LayerNorm(0) = the norm's bias, not what the layers compute. Those positions are masked keys
     of the cross-attention, so the decoder logits agree at every target position regardless."""
-    model, tf = make_pair("post", True)
+    model, tf = make_pair("post", True, device)
     tf.encoder.enable_nested_tensor = tf.encoder.use_nested_tensor = True
+    src, tgt = SRC.to(device), TGT.to(device)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
-        memory_ref, logits_ref = reference(model, tf, SRC, TGT)
-        encoded = model.encode(SRC)
-        logits = model.decode(TGT, encoded).logits
-    src_pad = SRC == PAD
+        memory_ref, logits_ref = reference(model, tf, src, tgt)
+        encoded = model.encode(src)
+        logits = model.decode(tgt, encoded).logits
+    src_pad = src == PAD
     norm_bias = model.encoder.final_norm.bias.detach()
     assert torch.equal(memory_ref[src_pad], norm_bias.expand_as(memory_ref[src_pad]))
     assert not torch.allclose(encoded.memory[src_pad], memory_ref[src_pad])
@@ -254,12 +258,13 @@ def test_torch_nested_tensor_fast_path_zeroes_padded_memory_only():
 
 @pytest.mark.parametrize(("norm_position", "final_norm"), [("post", True), ("pre", False)],
                          ids=["post_final", "pre_nofinal"])
-def test_gradients_match_torch_transformer(norm_position, final_norm):
+def test_gradients_match_torch_transformer(norm_position, final_norm, device):
     """Same loss, same gradient for every block parameter."""
-    model, tf = make_pair(norm_position, final_norm)
-    _, logits_ref = reference(model, tf, SRC, TGT)
-    logits = model(SRC, TGT).logits
-    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(4))
+    model, tf = make_pair(norm_position, final_norm, device)
+    src, tgt = SRC.to(device), TGT.to(device)
+    _, logits_ref = reference(model, tf, src, tgt)
+    logits = model(src, tgt).logits
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(4)).to(device)
     (logits_ref * w).sum().backward()
     model.zero_grad()  # the reference also ran through our embedding and lm_head
     (logits * w).sum().backward()

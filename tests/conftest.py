@@ -1,0 +1,92 @@
+"""The devices the parity and consistency tests run on (DESIGN.md, "Tests name their devices").
+
+``AIAYN_TEST_DEVICES`` lists them, comma-separated (default ``cpu``, what CI runs; ``cuda`` or
+``cpu,cuda`` where a GPU is lent). A test that takes the ``device`` fixture runs once per device,
+with ``[cpu]``/``[cuda]`` in its id: its models are built on (or moved to) the device, its inputs
+made there, its references (torch.nn, Hugging Face) run there, and it compares in float32 at the
+tolerances it uses on the CPU. On CUDA TF32 is off for those tests: a TF32 matmul keeps 10 mantissa
+bits, which no float32 tolerance allows for.
+
+A device named in ``AIAYN_TEST_DEVICES`` that this machine lacks is a usage error (exit code 4):
+someone asked for it, so nothing is skipped quietly.
+
+Tests of CPU-only code (aiayn.fast's kernels, the 4-bit kernel, oneDNN, file formats) carry the
+``cpu_only`` mark instead and run once, on the CPU, whatever the list says; ``-m "not cpu_only"``
+leaves them out (scripts/gpu-check.sh does). In tests/parity and tests/consistency every test is one
+or the other: a test with neither fails, so a new test decides where it runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+ENV = "AIAYN_TEST_DEVICES"
+DEVICE_FOLDERS = ("parity", "consistency")  # tests/<folder>: every test takes `device` or is cpu_only
+
+
+def listed_devices() -> list[str]:
+    """The device names ``AIAYN_TEST_DEVICES`` lists (default ``["cpu"]``), in order, without repeats."""
+    raw = os.environ.get(ENV, "cpu")
+    names = [name.strip().lower() for name in raw.split(",") if name.strip()]
+    return list(dict.fromkeys(names))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cpu_only: tests CPU-only code (aiayn.fast's kernels, q4, oneDNN, "
+                                       "file formats); runs once on the CPU whatever AIAYN_TEST_DEVICES says")
+    from aiayn.device import DeviceError, resolve
+
+    names = listed_devices()
+    if not names:
+        raise pytest.UsageError(f"{ENV}={os.environ.get(ENV)!r} names no device; give e.g. cpu, cuda or cpu,cuda")
+    for name in names:
+        try:
+            resolve(name)
+        except DeviceError as exc:
+            raise pytest.UsageError(f"{ENV} names {name!r}, which this machine lacks: {exc}") from None
+
+
+@pytest.fixture(scope="session", params=listed_devices())
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """A device from ``AIAYN_TEST_DEVICES`` (session-scoped, so module fixtures can build on it)."""
+    from aiayn.device import resolve
+
+    return resolve(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls(request: pytest.FixtureRequest) -> Iterator[None]:
+    """TF32 off on CUDA for every test that takes ``device`` (set per test: library code that calls
+    ``aiayn.device.prepare`` turns it on for training); restored afterwards."""
+    if "device" not in request.fixturenames or request.getfixturevalue("device").type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _in_device_folder(item: pytest.Item) -> bool:
+    parts = Path(str(item.path)).parts
+    return any(parts[i] == "tests" and parts[i + 1] in DEVICE_FOLDERS for i in range(len(parts) - 1))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """In tests/parity and tests/consistency a test takes ``device`` or is marked ``cpu_only``."""
+    if not _in_device_folder(item):
+        return
+    takes_device = "device" in getattr(item, "fixturenames", ())
+    cpu_only = item.get_closest_marker("cpu_only") is not None
+    if takes_device == cpu_only:
+        what = "both takes `device` and is marked cpu_only" if cpu_only else "neither takes `device` nor is marked cpu_only"
+        pytest.fail(f"{item.nodeid} {what}: a parity or consistency test runs on every device in {ENV} "
+                    f"(take the `device` fixture) or once on the CPU (@pytest.mark.cpu_only), not both",
+                    pytrace=False)
