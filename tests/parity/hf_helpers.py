@@ -1,7 +1,8 @@
 """Shared by the Hugging Face parity tests: seeded weights, padded batches, quiet transformers.
 
 Tiny random models are built from configs (nothing is downloaded), saved with
-``save_pretrained`` and read back with ``aiayn.interop.load_hf``, the converter users run.
+``save_pretrained`` and read back with ``aiayn.interop.load_hf``, the converter users run; then both
+are moved to the test's device (tests/conftest.py), where the checks below make their inputs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
+from aiayn.device import model_device
 from aiayn.generate import greedy_decoder_only
 from aiayn.interop import export_hf, load_hf
 
@@ -59,14 +61,15 @@ def randomize_hf_(model: nn.Module, seed: int = 0) -> nn.Module:
     return model.eval()
 
 
-def random_tokens(shape: tuple[int, int], seed: int, low: int = 3) -> torch.Tensor:
-    """Ids in [low, VOCAB): clear of the special ids the tiny configs use."""
-    return torch.randint(low, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+def random_tokens(shape: tuple[int, int], seed: int, low: int = 3, *, device: torch.device) -> torch.Tensor:
+    """Ids in [low, VOCAB): clear of the special ids the tiny configs use. Drawn on the CPU (the same
+    ids on every device), returned on ``device``."""
+    return torch.randint(low, VOCAB, shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def lengths_mask(lengths: list[int], t: int, *, left: bool) -> torch.Tensor:
+def lengths_mask(lengths: list[int], t: int, *, left: bool, device: torch.device) -> torch.Tensor:
     """(b, t) long attention mask with ``lengths`` real tokens per row, padded left or right."""
-    mask = torch.zeros(len(lengths), t, dtype=torch.long)
+    mask = torch.zeros(len(lengths), t, dtype=torch.long, device=device)
     for row, n in enumerate(lengths):
         if left:
             mask[row, t - n:] = 1
@@ -87,20 +90,21 @@ def save(hf_model: nn.Module, path) -> str:
     return str(path)
 
 
-def converted_case(name: str, model_cls: type[nn.Module], hf_config, tmp_path_factory) -> tuple:
-    """A tiny random HF model saved to disk and loaded back by ``load_hf`` (the users' path):
-    (name, HF model, its directory, aiayn model, aiayn config)."""
+def converted_case(name: str, model_cls: type[nn.Module], hf_config, tmp_path_factory,
+                   device: torch.device) -> tuple:
+    """A tiny random HF model saved to disk and loaded back by ``load_hf`` (the users' path), both
+    then moved to ``device``: (name, HF model, its directory, aiayn model, aiayn config)."""
     torch.manual_seed(0)
     hf = randomize_hf_(model_cls(hf_config), seed=1)
     path = save(hf, tmp_path_factory.mktemp(name))
     model, config = load_hf(path)
-    return name, hf, path, model, config
+    return name, hf.to(device), path, model.to(device), config
 
 
 # ---- checks shared by the decoder-only families (LLaMA-style, GPT-2) ----------------------------
 @torch.no_grad()
 def check_decoder_logits(hf: nn.Module, model: nn.Module) -> None:
-    tokens = random_tokens((3, 13), seed=2)
+    tokens = random_tokens((3, 13), seed=2, device=model_device(model))
     assert_close(model(tokens).logits, hf(tokens).logits)
 
 
@@ -108,8 +112,9 @@ def check_decoder_logits(hf: nn.Module, model: nn.Module) -> None:
 def check_decoder_left_padding(hf: nn.Module, model: nn.Module) -> None:
     """Left-padded batch; Hugging Face gets position ids counted over real tokens, as aiayn does.
     Pad positions' own outputs are not compared (Hugging Face leaves them unmasked garbage)."""
-    mask = lengths_mask([13, 9, 4], 13, left=True)
-    tokens = random_tokens((3, 13), seed=3).masked_fill(mask == 0, 0)
+    device = model_device(model)
+    mask = lengths_mask([13, 9, 4], 13, left=True, device=device)
+    tokens = random_tokens((3, 13), seed=3, device=device).masked_fill(mask == 0, 0)
     expected = hf(tokens, attention_mask=mask, position_ids=hf_positions(mask)).logits
     got = model(tokens, valid=mask.bool()).logits
     real = mask.bool()
@@ -118,8 +123,9 @@ def check_decoder_left_padding(hf: nn.Module, model: nn.Module) -> None:
 
 def check_decoder_generation(hf: nn.Module, model: nn.Module, *, use_cache: bool) -> None:
     """20 greedy tokens from a left-padded batch: same tokens and same logits at every step."""
-    mask = lengths_mask([9, 6, 3], 9, left=True)
-    prompt = random_tokens((3, 9), seed=4).masked_fill(mask == 0, 0)
+    device = model_device(model)
+    mask = lengths_mask([9, 6, 3], 9, left=True, device=device)
+    prompt = random_tokens((3, 9), seed=4, device=device).masked_fill(mask == 0, 0)
     with torch.no_grad():
         expected = hf.generate(prompt, attention_mask=mask, max_new_tokens=20, do_sample=False,
                                eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
@@ -136,11 +142,13 @@ def check_decoder_generation(hf: nn.Module, model: nn.Module, *, use_cache: bool
 def check_decoder_export(hf: nn.Module, model: nn.Module, config, out_dir) -> str:
     """export_hf -> transformers loads it -> same logits as the original; load_hf gives the model
     back. Returns the exported model_type."""
+    device = model_device(model)
     out = export_hf(model, config, out_dir)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    tokens = random_tokens((3, 13), seed=6)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval().to(device)
+    tokens = random_tokens((3, 13), seed=6, device=device)
     assert_close(reloaded(tokens).logits, hf(tokens).logits)
     again, config_again = load_hf(out)
+    again = again.to(device)
     assert config_again.replace(name=config.name) == config
     assert_close(again(tokens).logits, model(tokens).logits, rtol=0, atol=0)
     return json.loads((out / "config.json").read_text())["model_type"]
@@ -151,9 +159,10 @@ def check_batched_generation(model: nn.Module) -> None:
     and greedy_decoder_only) gives each row the tokens it gets alone, unpadded."""
     from aiayn.generate import SamplingConfig, generate_decoder_only
 
+    device = model_device(model)
     lengths = [9, 2, 6, 4]
-    mask = lengths_mask(lengths, 9, left=True)
-    prompt = random_tokens((4, 9), seed=7).masked_fill(mask == 0, 0)
+    mask = lengths_mask(lengths, 9, left=True, device=device)
+    prompt = random_tokens((4, 9), seed=7, device=device).masked_fill(mask == 0, 0)
     greedy = SamplingConfig(temperature=0)
     batched = generate_decoder_only(model, prompt, max_new_tokens=15, sampling=greedy, prompt_valid=mask.bool())
     batched_greedy = greedy_decoder_only(model, prompt, max_new_tokens=15, prompt_valid=mask.bool())

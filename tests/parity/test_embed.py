@@ -2,6 +2,9 @@
 transformers' BertModel and the pooling written out in torch, for a tiny random BERT saved in the
 sentence-transformers layout (modules.json, 1_Pooling/config.json, an optional Normalize module).
 sentence-transformers itself is not needed: the layout is written by hand, as it saves it.
+
+CPU only but for ``pool``: ``SentenceEncoder.encode`` makes its token ids on the CPU and does not
+move them to the model's device, so an encoder moved to a GPU cannot run yet.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ def reference(hf, texts: list[str], pooling: str, normalize: bool) -> torch.Tens
     return out / out.norm(dim=-1, keepdim=True) if normalize else out
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize(("pooling", "normalize"), [("mean", True), ("cls", False), ("max", True)])
 def test_embeddings_match_transformers(bert, tmp_path, pooling, normalize):
     hf, path = bert
@@ -96,6 +100,7 @@ def test_embeddings_match_transformers(bert, tmp_path, pooling, normalize):
     assert_close(encoder.encode(TEXTS[1:2]), got[1:2])
 
 
+@pytest.mark.cpu_only
 def test_plain_directory_defaults_to_mean_and_l2(bert, tmp_path):
     hf, path = bert
     plain = tmp_path / "plain"
@@ -111,9 +116,9 @@ def test_plain_directory_defaults_to_mean_and_l2(bert, tmp_path):
                  reference(hf, TEXTS, "cls", False))
 
 
-def test_pool_ignores_padding():
-    hidden = torch.randn(2, 5, 3)
-    valid = torch.tensor([[True] * 5, [True, True, False, False, False]])
+def test_pool_ignores_padding(device):
+    hidden = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(0)).to(device)
+    valid = torch.tensor([[True] * 5, [True, True, False, False, False]], device=device)
     changed = hidden.clone()
     changed[1, 2:] = 1e4  # garbage at the padded positions must not matter
     for mode in ("mean", "cls", "max"):
@@ -121,6 +126,7 @@ def test_pool_ignores_padding():
     assert_close(pool(hidden, valid, "mean")[1], hidden[1, :2].mean(0))
 
 
+@pytest.mark.cpu_only
 def test_library_errors(bert, tmp_path):
     _, path = bert
     with pytest.raises(EmbedError, match="not a model directory"):
@@ -142,6 +148,7 @@ def run_embed(*args: str, stdin: str | None = None) -> subprocess.CompletedProce
                           input=stdin, timeout=300)
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 def test_cli_prints_json_lines(bert):
     hf, path = bert
@@ -155,6 +162,7 @@ def test_cli_prints_json_lines(bert):
     assert piped.returncode == 0 and piped.stdout == result.stdout
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize(("args", "needle"), [
     (["--model", "README.md", "hello"], "not a model directory"),
     (["--model", "tests", "hello"], "no config.json"),

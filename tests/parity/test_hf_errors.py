@@ -18,6 +18,10 @@ from torch.testing import assert_close
 from aiayn import build_model, get_preset
 from aiayn.interop import InteropError, export_hf, load_hf
 
+# What load_hf/export_hf accept and refuse from files, and the messages: the same on every device, so
+# these run once, on the CPU (the parity on a device: test_hf_*.py).
+pytestmark = pytest.mark.cpu_only
+
 TOKENS = torch.tensor([[5, 17, 42, 8, 91, 3]])
 
 

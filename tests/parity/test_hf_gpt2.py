@@ -38,10 +38,10 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
-    """(name, HF model, its directory, aiayn model, aiayn config)."""
+def case(request, tmp_path_factory, device):
+    """(name, HF model, its directory, aiayn model, aiayn config); both models on ``device``."""
     hf_config = transformers.GPT2Config(**BASE, **CASES[request.param])
-    return converted_case(request.param, transformers.GPT2LMHeadModel, hf_config, tmp_path_factory)
+    return converted_case(request.param, transformers.GPT2LMHeadModel, hf_config, tmp_path_factory, device)
 
 
 def test_config_is_converted(case):
@@ -67,10 +67,11 @@ def test_greedy_generation_matches(case, use_cache):
 
 
 @torch.no_grad()
-def test_from_hf_model_equals_load_hf(case):
+def test_from_hf_model_equals_load_hf(case, device):
     _, hf, _, model, _ = case
-    converted, _ = from_hf_model(hf)
-    tokens = random_tokens((2, 7), seed=5)
+    converted, _ = from_hf_model(hf)  # built on the CPU, as load_hf's model is
+    converted = converted.to(device)
+    tokens = random_tokens((2, 7), seed=5, device=device)
     assert_close(converted(tokens).logits, model(tokens).logits, rtol=0, atol=0)
 
 
@@ -80,7 +81,7 @@ def test_export_round_trip(case, tmp_path):
 
 
 @torch.no_grad()
-def test_old_checkpoint_names_and_mask_buffers(case, tmp_path):
+def test_old_checkpoint_names_and_mask_buffers(case, tmp_path, device):
     """The original gpt2 checkpoints: names without ``transformer.``, plus ``attn.bias`` (causal
     mask) and ``attn.masked_bias`` buffers, which are not weights."""
     _, _, path, model, _ = case
@@ -91,7 +92,8 @@ def test_old_checkpoint_names_and_mask_buffers(case, tmp_path):
     shutil.copy(f"{path}/config.json", tmp_path / "config.json")
     save_file(old, tmp_path / "model.safetensors", metadata={"format": "pt"})
     loaded, _ = load_hf(tmp_path)
-    tokens = random_tokens((2, 7), seed=7)
+    loaded = loaded.to(device)
+    tokens = random_tokens((2, 7), seed=7, device=device)
     assert_close(loaded(tokens).logits, model(tokens).logits, rtol=0, atol=0)
 
 

@@ -42,11 +42,11 @@ EXPORTED_TYPE = {"llama": "llama", "llama-bias": "llama", "mistral": "llama", "q
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
-    """(name, HF model, its directory, aiayn model, aiayn config)."""
+def case(request, tmp_path_factory, device):
+    """(name, HF model, its directory, aiayn model, aiayn config); both models on ``device``."""
     config_cls, model_cls, extra = CASES[request.param]
     hf_config = getattr(transformers, config_cls)(**BASE, **extra)
-    return converted_case(request.param, getattr(transformers, model_cls), hf_config, tmp_path_factory)
+    return converted_case(request.param, getattr(transformers, model_cls), hf_config, tmp_path_factory, device)
 
 
 def test_config_is_converted(case):
@@ -75,10 +75,11 @@ def test_greedy_generation_matches(case, use_cache):
 
 
 @torch.no_grad()
-def test_from_hf_model_equals_load_hf(case):
+def test_from_hf_model_equals_load_hf(case, device):
     _, hf, _, model, _ = case
-    converted, _ = from_hf_model(hf)
-    tokens = random_tokens((2, 7), seed=5)
+    converted, _ = from_hf_model(hf)  # built on the CPU, as load_hf's model is
+    converted = converted.to(device)
+    tokens = random_tokens((2, 7), seed=5, device=device)
     assert_close(converted(tokens).logits, model(tokens).logits, rtol=0, atol=0)
 
 

@@ -19,6 +19,7 @@ from hf_helpers import VOCAB, converted_case, lengths_mask, random_tokens, save
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
+from aiayn.device import model_device
 from aiayn.generate import greedy_encoder_decoder
 from aiayn.interop import InteropError, export_hf, from_hf_model, load_hf
 
@@ -44,21 +45,23 @@ CASES = {  # name -> (config class, model class, extra config)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
-    """(name, HF model, its directory, aiayn model, aiayn config)."""
+def case(request, tmp_path_factory, device):
+    """(name, HF model, its directory, aiayn model, aiayn config); both models on ``device``."""
     config_cls, model_cls, extra = CASES[request.param]
     hf_config = getattr(transformers, config_cls)(**BASE, **extra)
-    return converted_case(request.param, getattr(transformers, model_cls), hf_config, tmp_path_factory)
+    return converted_case(request.param, getattr(transformers, model_cls), hf_config, tmp_path_factory, device)
 
 
 def batch(hf, *, pad_target: bool) -> tuple[torch.Tensor, ...]:
-    """Source (3, 11) right-padded, target (3, 7) starting with the decoder start id."""
+    """Source (3, 11) right-padded, target (3, 7) starting with the decoder start id; on ``hf``'s
+    device."""
     pad, start = hf.config.pad_token_id, hf.config.decoder_start_token_id
     tgt_vocab = hf.config.decoder_vocab_size if hf.config.model_type == "marian" else VOCAB
-    src_mask = lengths_mask([11, 6, 2], 11, left=False)
-    src = random_tokens((3, 11), seed=2).clamp(max=VOCAB - 2).masked_fill(src_mask == 0, pad)
-    tgt_mask = lengths_mask([7, 4, 6] if pad_target else [7, 7, 7], 7, left=False)
-    tgt = (random_tokens((3, 7), seed=3) % (tgt_vocab - 3) + 3).masked_fill(tgt_mask == 0, pad)
+    device = model_device(hf)
+    src_mask = lengths_mask([11, 6, 2], 11, left=False, device=device)
+    src = random_tokens((3, 11), seed=2, device=device).clamp(max=VOCAB - 2).masked_fill(src_mask == 0, pad)
+    tgt_mask = lengths_mask([7, 4, 6] if pad_target else [7, 7, 7], 7, left=False, device=device)
+    tgt = (random_tokens((3, 7), seed=3, device=device) % (tgt_vocab - 3) + 3).masked_fill(tgt_mask == 0, pad)
     tgt[:, 0] = start
     return src, src_mask, tgt, tgt_mask
 
@@ -108,30 +111,33 @@ def test_greedy_translation_matches(case, use_cache):
 
 
 @torch.no_grad()
-def test_from_hf_model_equals_load_hf(case):
+def test_from_hf_model_equals_load_hf(case, device):
     """In memory, Marian's state dict also holds its sinusoid tables: checked, not loaded."""
     _, hf, _, model, _ = case
-    converted, _ = from_hf_model(hf)
+    converted, _ = from_hf_model(hf)  # built on the CPU, as load_hf's model is
+    converted = converted.to(device)
     src, src_mask, tgt, _ = batch(hf, pad_target=False)
     assert_close(converted(src, tgt, src_valid=src_mask.bool()).logits,
                  model(src, tgt, src_valid=src_mask.bool()).logits, rtol=0, atol=0)
 
 
 @torch.no_grad()
-def test_export_round_trip(case, tmp_path):
+def test_export_round_trip(case, tmp_path, device):
     _, hf, _, model, config = case
     out = export_hf(model, config, tmp_path / "exported")
-    reloaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    reloaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval().to(device)
     assert type(reloaded) is type(hf)
     src, src_mask, tgt, _ = batch(hf, pad_target=False)
     kwargs = dict(input_ids=src, attention_mask=src_mask, decoder_input_ids=tgt)
     assert_close(reloaded(**kwargs).logits, hf(**kwargs).logits)
     again, config_again = load_hf(out)
+    again = again.to(device)
     assert config_again.replace(name=config.name) == config
     assert_close(again(src, tgt, src_valid=src_mask.bool()).logits,
                  model(src, tgt, src_valid=src_mask.bool()).logits, rtol=0, atol=0)
 
 
+@pytest.mark.cpu_only  # what load_hf accepts from a file: nothing runs on a device
 def test_marian_position_table_is_checked(tmp_path):
     """Older Marian files store the sinusoid tables: the true ones load, others are refused."""
     hf = transformers.MarianMTModel(transformers.MarianConfig(**BASE, **MARIAN))

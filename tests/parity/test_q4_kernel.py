@@ -27,6 +27,9 @@ from aiayn.interop.gguf_blocks import SUPPORTED, unpack
 gguf = pytest.importorskip("gguf")
 from q4_helpers import assert_kernel_arithmetic, assert_within_bound, block_weight  # noqa: E402
 
+# The 4-bit blocks and their C++ kernel are CPU code (aiayn.fast.q4): once, on the CPU.
+pytestmark = pytest.mark.cpu_only
+
 
 def test_the_kernel_builds_with_vnni_where_the_cpu_has_it():
     ops = kernel_ops()

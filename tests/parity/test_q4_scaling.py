@@ -17,6 +17,9 @@ from benchmarks.q4_scaling import LlamaShape, bytes_per_token, write_random_llam
 
 pytest.importorskip("gguf")
 
+# The 4-bit blocks and their C++ kernel are CPU code (aiayn.fast.q4): once, on the CPU.
+pytestmark = pytest.mark.cpu_only
+
 # odd head count and GQA as in SmolLM2 (9/3); rows multiples of 16, so no padding in aiayn's groups
 SHAPES = {"untied": LlamaShape(d=96, layers=2, d_ff=160, heads=3, kv_heads=1, vocab=400, tied=False),
           "tied": LlamaShape(d=64, layers=1, d_ff=96, heads=2, kv_heads=2, vocab=320, tied=True)}
