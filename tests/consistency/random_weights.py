@@ -34,9 +34,10 @@ PAD = 0
 
 
 def right_pad(rows: list[torch.Tensor], t: int | None = None) -> torch.Tensor:
-    """Rows of token ids -> (len(rows), t), right-padded with PAD (default t: the longest row)."""
+    """Rows of token ids -> (len(rows), t), right-padded with PAD (default t: the longest row), on
+    the rows' device."""
     t = max(len(r) for r in rows) if t is None else t
-    out = torch.full((len(rows), t), PAD, dtype=torch.long)
+    out = torch.full((len(rows), t), PAD, dtype=torch.long, device=rows[0].device)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out

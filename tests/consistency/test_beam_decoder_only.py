@@ -23,7 +23,8 @@ from aiayn.models import build_model
 PAD = 0
 
 
-def model_(vocab: int = 99, seed: int = 0):
+def model_(vocab: int = 99, seed: int = 0, *, device: torch.device):
+    """Built and seeded on the CPU (the same weights on every device), then moved to ``device``."""
     torch.manual_seed(seed)
     config = ModelConfig(arch="decoder-only", vocab_size=vocab, d_model=48, n_heads=6, n_kv_heads=2, n_layers=2,
                          d_ff=37, activation="swiglu", norm="rmsnorm", norm_position="pre", positional="rope",
@@ -33,13 +34,13 @@ def model_(vocab: int = 99, seed: int = 0):
     with torch.no_grad():
         model.lm_head.weight.mul_(2.0)  # peaked distributions: eos ranks and pruning both matter
         model.lm_head.bias[PAD] = -30.0
-    return model
+    return model.to(device)
 
 
-def prompts(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(3, 6) left-padded prompts of 6, 3 and 1 real tokens -> (tokens, valid)."""
-    tokens = torch.randint(3, 99, (3, 6), generator=torch.Generator().manual_seed(seed))
-    valid = torch.ones(3, 6, dtype=torch.bool)
+def prompts(seed: int = 1, *, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(3, 6) left-padded prompts of 6, 3 and 1 real tokens -> (tokens, valid), on ``device``."""
+    tokens = torch.randint(3, 99, (3, 6), generator=torch.Generator().manual_seed(seed)).to(device)
+    valid = torch.ones(3, 6, dtype=torch.bool, device=device)
     valid[1, :3] = valid[2, :5] = False
     return tokens.masked_fill(~valid, PAD), valid
 
@@ -53,8 +54,8 @@ def recomputed(model, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
 
 
 @pytest.mark.parametrize("eos", [5, 40, 77])
-def test_beam_1_is_greedy(eos: int) -> None:
-    model, (tokens, valid) = model_(), prompts()
+def test_beam_1_is_greedy(eos: int, device: torch.device) -> None:
+    model, (tokens, valid) = model_(device=device), prompts(device=device)
     greedy = greedy_decoder_only(model, tokens, prompt_valid=valid, max_new_tokens=8, eos_id=eos)
     beam = beam_search_decoder_only(model, tokens, prompt_valid=valid, eos_id=eos, max_new_tokens=8, beam_size=1)
     for i in range(3):
@@ -64,8 +65,8 @@ def test_beam_1_is_greedy(eos: int) -> None:
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
-def test_batch_equals_each_prompt_alone_and_scores_equal_recomputation(alpha: float) -> None:
-    model, (tokens, valid) = model_(seed=2), prompts(seed=3)
+def test_batch_equals_each_prompt_alone_and_scores_equal_recomputation(alpha: float, device: torch.device) -> None:
+    model, (tokens, valid) = model_(seed=2, device=device), prompts(seed=3, device=device)
     batch = beam_search_decoder_only(model, tokens, prompt_valid=valid, eos_id=40, max_new_tokens=6, beam_size=4,
                                      length_penalty=alpha, n_best=4)
     for i in range(3):
@@ -81,18 +82,18 @@ def test_batch_equals_each_prompt_alone_and_scores_equal_recomputation(alpha: fl
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.8])
-def test_wide_beam_equals_exhaustive_search(alpha: float) -> None:
+def test_wide_beam_equals_exhaustive_search(alpha: float, device: torch.device) -> None:
     """Vocab 6 (pad 0, eos 2), at most 3 new tokens: 1 + 4 + 16 hypotheses end in eos and 64 stop at
     the limit; a beam of 80 keeps every prefix, so its 80-best are the exhaustive search's, in order."""
     eos, k = 2, 80
-    model = model_(vocab=6)
-    prompt = torch.tensor([[3, 4, 5, 1]])
+    model = model_(vocab=6, device=device)
+    prompt = torch.tensor([[3, 4, 5, 1]], device=device)
     out = beam_search_decoder_only(model, prompt, eos_id=eos, max_new_tokens=3, beam_size=k, length_penalty=alpha,
                                    n_best=k)
     words = [1, 3, 4, 5]  # every id but pad and eos
     hyps = ([[eos]] + [[a, eos] for a in words] + [[a, b, eos] for a, b in itertools.product(words, words)]
             + [list(p) for p in itertools.product(words, words, words)])
-    scored = sorted(((float(recomputed(model, prompt[0], torch.tensor(h)).sum()
+    scored = sorted(((float(recomputed(model, prompt[0], torch.tensor(h, device=device)).sum()
                             / gnmt_length_penalty(torch.tensor(len(h)), alpha)), h) for h in hyps),
                     key=lambda x: -x[0])
     assert len(out.nbest[0]) == k
@@ -101,8 +102,8 @@ def test_wide_beam_equals_exhaustive_search(alpha: float) -> None:
         assert_close(torch.tensor(got.normalized_score), torch.tensor(norm))
 
 
-def test_trace_changes_nothing_and_bad_arguments() -> None:
-    model, (tokens, valid) = model_(seed=1), prompts(seed=4)
+def test_trace_changes_nothing_and_bad_arguments(device: torch.device) -> None:
+    model, (tokens, valid) = model_(seed=1, device=device), prompts(seed=4, device=device)
     steps = []
     args = dict(prompt_valid=valid, eos_id=77, max_new_tokens=5, beam_size=3, n_best=3)
     traced = beam_search_decoder_only(model, tokens, trace=steps.append, **args)
@@ -116,10 +117,10 @@ def test_trace_changes_nothing_and_bad_arguments() -> None:
         beam_search_decoder_only(model, tokens, eos_id=77, max_new_tokens=2, beam_size=2, n_best=3)
 
 
-def test_without_an_end_of_text_token_every_hypothesis_runs_to_the_limit() -> None:
+def test_without_an_end_of_text_token_every_hypothesis_runs_to_the_limit(device: torch.device) -> None:
     """A character-level model has no eos: the search ranks hypotheses of the full length, and
     beam 1 is still greedy decoding."""
-    model, (tokens, valid) = model_(seed=3), prompts(seed=5)
+    model, (tokens, valid) = model_(seed=3, device=device), prompts(seed=5, device=device)
     out = beam_search_decoder_only(model, tokens, prompt_valid=valid, eos_id=None, max_new_tokens=5, beam_size=3,
                                    n_best=3)
     assert all(len(h.tokens) == 5 for row in out.nbest for h in row) and out.lengths.tolist() == [5, 5, 5]

@@ -26,6 +26,9 @@ from aiayn.fast.linear import FastLinear
 from aiayn.models import build_model, get_preset
 from aiayn.train.losses import IGNORE
 
+# aiayn's own CPU kernels (oneDNN, block-causal attention, the fused loss's max/argmax): once, on the CPU.
+pytestmark = pytest.mark.cpu_only
+
 
 def _float64_twins(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]

@@ -36,6 +36,10 @@ from aiayn.models import build_model, get_preset
 from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
 from aiayn.train.losses import IGNORE, sequence_loss
 
+# aiayn.fast.optimize swaps in CPU kernels and leaves a model on another device as it is (the last
+# test): once, on the CPU.
+pytestmark = pytest.mark.cpu_only
+
 # --- whole models ----------------------------------------------------------------------------------
 
 @dataclass

@@ -29,6 +29,9 @@ from aiayn.fast.linear import FastLinear
 from aiayn.nn.attention import scaled_dot_product_attention
 from aiayn.train.losses import IGNORE
 
+# The modules aiayn.fast.optimize swaps in run their kernels on the CPU only: once, on the CPU.
+pytestmark = pytest.mark.cpu_only
+
 
 def linear_twins(i: int, o: int, bias: bool) -> tuple[nn.Linear, FastLinear]:
     torch.manual_seed(0)

@@ -22,6 +22,10 @@ from aiayn.fast.quantize import Int8Linear, quantize_int8_
 from aiayn.models import ModelOutput, build_model, get_preset
 from aiayn.train.losses import IGNORE, graph_tensor, sequence_loss
 
+# The fused output layer + loss runs for models that aiayn.fast.optimize converted, which it does on
+# the CPU only: once, on the CPU.
+pytestmark = pytest.mark.cpu_only
+
 
 def rows(n: int = 37, d: int = 16, v: int = 53, *, bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)

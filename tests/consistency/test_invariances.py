@@ -24,35 +24,44 @@ PAD = 0
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+# Models are built and seeded on the CPU (the same weights on every device), then moved to the test's
+# device; token ids are drawn on the CPU and moved likewise.
 def decoder_only(positional: str = "learned", n_kv_heads: int | None = 2, *, seed: int = 0,
-                 **overrides) -> DecoderOnly:
+                 device: torch.device, **overrides) -> DecoderOnly:
     torch.manual_seed(seed)
     config = get_preset("gpt-tiny", positional=positional, n_kv_heads=n_kv_heads, **overrides)
-    return randomize_(DecoderOnly(config), seed).eval()
+    return randomize_(DecoderOnly(config), seed).eval().to(device)
 
 
 def encoder_decoder(positional: str = "sinusoidal", n_kv_heads: int | None = 2, *, seed: int = 0,
-                    **overrides) -> EncoderDecoder:
+                    device: torch.device, **overrides) -> EncoderDecoder:
     torch.manual_seed(seed)
     config = get_preset("tiny", positional=positional, n_kv_heads=n_kv_heads, **overrides)
-    return randomize_(EncoderDecoder(config), seed).eval()
+    return randomize_(EncoderDecoder(config), seed).eval().to(device)
 
 
-def encoder_only(positional: str = "learned", *, seed: int = 0, **overrides) -> EncoderOnly:
+def encoder_only(positional: str = "learned", *, seed: int = 0, device: torch.device,
+                 **overrides) -> EncoderOnly:
     torch.manual_seed(seed)
     config = get_preset("bert-tiny", positional=positional, **overrides)
-    return randomize_(EncoderOnly(config), seed).eval()
+    return randomize_(EncoderOnly(config), seed).eval().to(device)
 
 
-def random_tokens(b: int, t: int, seed: int = 1) -> torch.Tensor:
+def random_tokens(b: int, t: int, seed: int = 1, *, device: torch.device) -> torch.Tensor:
     """Ids in [1, VOCAB): never the pad id."""
-    return torch.randint(1, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(1, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def no_tokens(device: torch.device) -> torch.Tensor:
+    """An empty row: a sequence with no real token at all."""
+    return torch.tensor([], dtype=torch.long, device=device)
 
 
 def changed(tokens: torch.Tensor, start: int, seed: int = 99) -> torch.Tensor:
     """A copy with every token at positions >= start replaced by a different non-pad id."""
     out = tokens.clone()
-    shift = random_tokens(*tokens[:, start:].shape, seed=seed) % (VOCAB - 2) + 1  # in [1, VOCAB-2]
+    shift = random_tokens(*tokens[:, start:].shape, seed=seed, device=tokens.device)
+    shift = shift % (VOCAB - 2) + 1  # in [1, VOCAB-2]
     out[:, start:] = (tokens[:, start:] - 1 + shift) % (VOCAB - 1) + 1
     assert bool((out[:, start:] != tokens[:, start:]).all()) and bool((out > 0).all())
     return out
@@ -60,10 +69,11 @@ def changed(tokens: torch.Tensor, start: int, seed: int = 99) -> torch.Tensor:
 
 def left_pad(rows: list[torch.Tensor], t: int | None = None,
              seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad with random junk ids (the valid mask, not the id, must hide them)."""
+    """Left-pad with random junk ids (the valid mask, not the id, must hide them); on the rows' device."""
     t = max(len(r) for r in rows) if t is None else t
-    tokens = random_tokens(len(rows), t, seed=seed)
-    valid = torch.zeros(len(rows), t, dtype=torch.bool)
+    device = rows[0].device
+    tokens = random_tokens(len(rows), t, seed=seed, device=device)
+    valid = torch.zeros(len(rows), t, dtype=torch.bool, device=device)
     for i, r in enumerate(rows):
         if len(r):
             tokens[i, t - len(r):] = r
@@ -71,8 +81,8 @@ def left_pad(rows: list[torch.Tensor], t: int | None = None,
     return tokens, valid
 
 
-def rows_of(lengths: tuple[int, ...], seed: int) -> list[torch.Tensor]:
-    return [random_tokens(1, n, seed=seed + 13 * i)[0] for i, n in enumerate(lengths)]
+def rows_of(lengths: tuple[int, ...], seed: int, *, device: torch.device) -> list[torch.Tensor]:
+    return [random_tokens(1, n, seed=seed + 13 * i, device=device)[0] for i, n in enumerate(lengths)]
 
 
 def assert_differs(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -86,9 +96,9 @@ def assert_finite(name: str, t: torch.Tensor) -> None:
 # ---- causality --------------------------------------------------------------------------------
 @pytest.mark.parametrize("n_kv_heads", [6, 1])
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_decoder_only_causality(positional: str, n_kv_heads: int) -> None:
-    model = decoder_only(positional, n_kv_heads)
-    seq = random_tokens(2, 12)
+def test_decoder_only_causality(positional: str, n_kv_heads: int, device: torch.device) -> None:
+    model = decoder_only(positional, n_kv_heads, device=device)
+    seq = random_tokens(2, 12, device=device)
     with torch.no_grad():
         base = model(seq).logits
         for k in (1, 4, 11):
@@ -98,9 +108,9 @@ def test_decoder_only_causality(positional: str, n_kv_heads: int) -> None:
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_decoder_only_causality_left_padded(positional: str) -> None:
-    model = decoder_only(positional)
-    tokens, valid = left_pad(rows_of((9, 5), seed=3))
+def test_decoder_only_causality_left_padded(positional: str, device: torch.device) -> None:
+    model = decoder_only(positional, device=device)
+    tokens, valid = left_pad(rows_of((9, 5), seed=3, device=device))
     with torch.no_grad():
         base = model(tokens, valid=valid).logits
         for k in (5, 8):
@@ -109,10 +119,10 @@ def test_decoder_only_causality_left_padded(positional: str) -> None:
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_encoder_decoder_decoder_causality(positional: str) -> None:
-    model = encoder_decoder(positional)
-    src = right_pad(rows_of((8, 4), seed=5))
-    tgt = random_tokens(2, 10, seed=6)
+def test_encoder_decoder_decoder_causality(positional: str, device: torch.device) -> None:
+    model = encoder_decoder(positional, device=device)
+    src = right_pad(rows_of((8, 4), seed=5, device=device))
+    tgt = random_tokens(2, 10, seed=6, device=device)
     with torch.no_grad():
         base = model(src, tgt).logits
         for k in (1, 6, 9):
@@ -123,9 +133,9 @@ def test_encoder_decoder_decoder_causality(positional: str) -> None:
 
 # ---- padding invariance -----------------------------------------------------------------------
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_decoder_only_left_padding_invariance(positional: str) -> None:
-    model = decoder_only(positional)
-    seq = random_tokens(2, 7, seed=8)
+def test_decoder_only_left_padding_invariance(positional: str, device: torch.device) -> None:
+    model = decoder_only(positional, device=device)
+    seq = random_tokens(2, 7, seed=8, device=device)
     with torch.no_grad():
         base = model(seq).logits
         for n_pad in (1, 5):
@@ -135,19 +145,19 @@ def test_decoder_only_left_padding_invariance(positional: str) -> None:
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_decoder_only_left_padding_from_pad_id(positional: str) -> None:
+def test_decoder_only_left_padding_from_pad_id(positional: str, device: torch.device) -> None:
     """With config.pad_id set and no valid=, pad ids are recognised as padding."""
-    model = decoder_only(positional, pad_id=PAD)
-    seq = random_tokens(2, 6, seed=10)
-    padded = torch.cat([torch.full((2, 3), PAD), seq], dim=1)
+    model = decoder_only(positional, pad_id=PAD, device=device)
+    seq = random_tokens(2, 6, seed=10, device=device)
+    padded = torch.cat([torch.full((2, 3), PAD, device=device), seq], dim=1)
     with torch.no_grad():
         assert_close(model(padded).logits[:, 3:], model(seq).logits)
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_encoder_decoder_right_padding_invariance(positional: str) -> None:
-    model = encoder_decoder(positional)
-    src, tgt = random_tokens(2, 7, seed=11), random_tokens(2, 5, seed=12)
+def test_encoder_decoder_right_padding_invariance(positional: str, device: torch.device) -> None:
+    model = encoder_decoder(positional, device=device)
+    src, tgt = random_tokens(2, 7, seed=11, device=device), random_tokens(2, 5, seed=12, device=device)
     with torch.no_grad():
         base = model(src, tgt).logits
         for src_pads, tgt_pads in ((3, 0), (0, 4), (2, 2)):
@@ -161,10 +171,10 @@ def test_encoder_decoder_right_padding_invariance(positional: str) -> None:
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_encoder_only_right_padding_invariance(positional: str) -> None:
-    model = encoder_only(positional)
-    seq = random_tokens(2, 8, seed=13)
-    segments = torch.tensor([[0] * 4 + [1] * 4, [0] * 6 + [1] * 2])
+def test_encoder_only_right_padding_invariance(positional: str, device: torch.device) -> None:
+    model = encoder_only(positional, device=device)
+    seq = random_tokens(2, 8, seed=13, device=device)
+    segments = torch.tensor([[0] * 4 + [1] * 4, [0] * 6 + [1] * 2], device=device)
     with torch.no_grad():
         base = model(seq, segments=segments)
         for n_pad in (1, 6):
@@ -175,13 +185,13 @@ def test_encoder_only_right_padding_invariance(positional: str) -> None:
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_decoder_only_position_shift(positional: str) -> None:
+def test_decoder_only_position_shift(positional: str, device: torch.device) -> None:
     """Explicit positions equal to the default ones change nothing; shifting every position by a
     constant changes nothing for relative schemes (RoPE, ALiBi, T5, none) and does change the
     output for absolute ones (sinusoidal, learned)."""
-    model = decoder_only(positional)
-    seq = random_tokens(2, 9, seed=29)
-    positions = torch.arange(9).expand(2, 9)
+    model = decoder_only(positional, device=device)
+    seq = random_tokens(2, 9, seed=29, device=device)
+    positions = torch.arange(9, device=device).expand(2, 9)
     with torch.no_grad():
         base = model(seq).logits
         assert_close(model(seq, positions=positions).logits, base)
@@ -194,9 +204,9 @@ def test_decoder_only_position_shift(positional: str) -> None:
 
 # ---- batch invariance -------------------------------------------------------------------------
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_decoder_only_batch_invariance(positional: str) -> None:
-    model = decoder_only(positional)
-    rows = rows_of((5, 9, 2, 7), seed=14)
+def test_decoder_only_batch_invariance(positional: str, device: torch.device) -> None:
+    model = decoder_only(positional, device=device)
+    rows = rows_of((5, 9, 2, 7), seed=14, device=device)
     tokens, valid = left_pad(rows)
     t = tokens.shape[1]
     with torch.no_grad():
@@ -207,9 +217,9 @@ def test_decoder_only_batch_invariance(positional: str) -> None:
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_encoder_decoder_batch_invariance(positional: str) -> None:
-    model = encoder_decoder(positional)
-    srcs, tgts = rows_of((6, 9, 3), seed=15), rows_of((4, 2, 7), seed=16)
+def test_encoder_decoder_batch_invariance(positional: str, device: torch.device) -> None:
+    model = encoder_decoder(positional, device=device)
+    srcs, tgts = rows_of((6, 9, 3), seed=15, device=device), rows_of((4, 2, 7), seed=16, device=device)
     src, tgt = right_pad(srcs), right_pad(tgts)
     with torch.no_grad():
         batch = model(src, tgt).logits
@@ -219,9 +229,9 @@ def test_encoder_decoder_batch_invariance(positional: str) -> None:
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_encoder_only_batch_invariance(positional: str) -> None:
-    model = encoder_only(positional)
-    rows = rows_of((6, 10, 3), seed=17)
+def test_encoder_only_batch_invariance(positional: str, device: torch.device) -> None:
+    model = encoder_only(positional, device=device)
+    rows = rows_of((6, 10, 3), seed=17, device=device)
     tokens = right_pad(rows)
     with torch.no_grad():
         batch = model(tokens)
@@ -248,11 +258,11 @@ def backward_and_check(model: nn.Module, outputs: dict[str, torch.Tensor], loss:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_no_nan_encoder_decoder_fully_padded_source(positional: str, impl: str) -> None:
-    model = encoder_decoder(positional, attn_impl=impl, dropout=0.0).train()
-    src = right_pad([*rows_of((6, 3), seed=18), torch.tensor([], dtype=torch.long)], t=6)
+def test_no_nan_encoder_decoder_fully_padded_source(positional: str, impl: str, device: torch.device) -> None:
+    model = encoder_decoder(positional, attn_impl=impl, dropout=0.0, device=device).train()
+    src = right_pad([*rows_of((6, 3), seed=18, device=device), no_tokens(device)], t=6)
     assert bool((src[2] == PAD).all())
-    tgt = right_pad(rows_of((5, 2, 4), seed=19))
+    tgt = right_pad(rows_of((5, 2, 4), seed=19, device=device))
     out = model(src, tgt)
     targets = torch.roll(tgt, -1, dims=1)
     # Cross-entropy on real target positions, plus a term that reaches every padded position.
@@ -268,9 +278,9 @@ def test_no_nan_encoder_decoder_fully_padded_source(positional: str, impl: str) 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_no_nan_encoder_only_fully_padded_row(positional: str, impl: str) -> None:
-    model = encoder_only(positional, attn_impl=impl, dropout=0.0).train()
-    tokens = right_pad([*rows_of((7, 2), seed=20), torch.tensor([], dtype=torch.long)], t=7)
+def test_no_nan_encoder_only_fully_padded_row(positional: str, impl: str, device: torch.device) -> None:
+    model = encoder_only(positional, attn_impl=impl, dropout=0.0, device=device).train()
+    tokens = right_pad([*rows_of((7, 2), seed=20, device=device), no_tokens(device)], t=7)
     out = model(tokens)
     loss = out.logits.square().mean() + out.pooled.sum() + out.hidden.square().mean()
     backward_and_check(model, {"hidden": out.hidden, "pooled": out.pooled,
@@ -279,10 +289,10 @@ def test_no_nan_encoder_only_fully_padded_row(positional: str, impl: str) -> Non
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_no_nan_decoder_only_left_padded(positional: str, impl: str) -> None:
-    model = decoder_only(positional, attn_impl=impl, dropout=0.0).train()
+def test_no_nan_decoder_only_left_padded(positional: str, impl: str, device: torch.device) -> None:
+    model = decoder_only(positional, attn_impl=impl, dropout=0.0, device=device).train()
     # Long and short prompts plus a row with no real token at all.
-    tokens, valid = left_pad([*rows_of((8, 3, 1), seed=21), torch.tensor([], dtype=torch.long)])
+    tokens, valid = left_pad([*rows_of((8, 3, 1), seed=21, device=device), no_tokens(device)])
     out = model(tokens, valid=valid)
     targets = torch.roll(tokens, -1, dims=1).masked_fill(~torch.roll(valid, -1, dims=1), -100)
     loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
@@ -292,9 +302,9 @@ def test_no_nan_decoder_only_left_padded(positional: str, impl: str) -> None:
 
 # ---- encoder-only is bidirectional ------------------------------------------------------------
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_encoder_only_is_bidirectional(positional: str) -> None:
-    model = encoder_only(positional)
-    seq = random_tokens(2, 8, seed=22)
+def test_encoder_only_is_bidirectional(positional: str, device: torch.device) -> None:
+    model = encoder_only(positional, device=device)
+    seq = random_tokens(2, 8, seed=22, device=device)
     with torch.no_grad():
         base = model(seq)
         out = model(changed(seq, 7))
@@ -318,16 +328,16 @@ def check_weights(weights: list[torch.Tensor], *, n_layers: int, shape: tuple[in
         pad_keys = ~key_valid[:, None, None, :].expand_as(w)
         assert bool((w[pad_keys] == 0).all()), "weight on a padded key"
         if causal:
-            q_pos = torch.arange(t_k - t, t_k)[:, None]
-            future = (torch.arange(t_k)[None, :] > q_pos).expand_as(w)
+            q_pos = torch.arange(t_k - t, t_k, device=w.device)[:, None]
+            future = (torch.arange(t_k, device=w.device)[None, :] > q_pos).expand_as(w)
             assert bool((w[future] == 0).all()), "weight on a future key"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_decoder_only_attention_weights(positional: str, impl: str) -> None:
-    model = decoder_only(positional, attn_impl=impl)
-    tokens, valid = left_pad(rows_of((9, 4, 6), seed=23))
+def test_decoder_only_attention_weights(positional: str, impl: str, device: torch.device) -> None:
+    model = decoder_only(positional, attn_impl=impl, device=device)
+    tokens, valid = left_pad(rows_of((9, 4, 6), seed=23, device=device))
     with torch.no_grad():
         plain = model(tokens, valid=valid)
         out = model(tokens, valid=valid, need_weights=True)
@@ -342,11 +352,11 @@ def test_decoder_only_attention_weights(positional: str, impl: str) -> None:
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_decoder_only_attention_weights_with_cache(positional: str) -> None:
+def test_decoder_only_attention_weights_with_cache(positional: str, device: torch.device) -> None:
     """A cached step's weights cover the cached keys too: (b, h, t_new, cache.length)."""
-    model = decoder_only(positional)
-    tokens, valid = left_pad(rows_of((6, 2), seed=24))
-    step = random_tokens(2, 2, seed=25)
+    model = decoder_only(positional, device=device)
+    tokens, valid = left_pad(rows_of((6, 2), seed=24, device=device))
+    step = random_tokens(2, 2, seed=25, device=device)
     step_valid = torch.ones_like(step, dtype=torch.bool)
     with torch.no_grad():
         cache = model.new_cache(2, 10)
@@ -364,10 +374,10 @@ def test_decoder_only_attention_weights_with_cache(positional: str) -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_encoder_decoder_attention_weights(positional: str, impl: str) -> None:
-    model = encoder_decoder(positional, attn_impl=impl, n_decoder_layers=3)
-    src = right_pad(rows_of((7, 3, 5), seed=26))
-    tgt = right_pad(rows_of((4, 6, 2), seed=27))
+def test_encoder_decoder_attention_weights(positional: str, impl: str, device: torch.device) -> None:
+    model = encoder_decoder(positional, attn_impl=impl, n_decoder_layers=3, device=device)
+    src = right_pad(rows_of((7, 3, 5), seed=26, device=device))
+    tgt = right_pad(rows_of((4, 6, 2), seed=27, device=device))
     src_valid, tgt_valid = src != PAD, tgt != PAD
     with torch.no_grad():
         plain = model(src, tgt)
@@ -382,16 +392,16 @@ def test_encoder_decoder_attention_weights(positional: str, impl: str) -> None:
     check_weights(out.cross_attentions, n_layers=c.n_decoder_layers, shape=(b, c.n_heads, t, s),
                   query_valid=tgt_valid, key_valid=src_valid, causal=False)
     # The encoder really is bidirectional: real queries put weight on later real keys.
-    upper = torch.ones(7, 7, dtype=torch.bool).triu(1)  # row 0 has 7 real source tokens
+    upper = torch.ones(7, 7, dtype=torch.bool, device=device).triu(1)  # row 0 has 7 real source tokens
     for w in out.encoder_attentions:
         assert float(w[0, :, :7, :7][:, upper].sum()) > 0
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_encoder_only_attention_weights(positional: str, impl: str) -> None:
-    model = encoder_only(positional, attn_impl=impl)
-    tokens = right_pad(rows_of((8, 3, 5), seed=28))
+def test_encoder_only_attention_weights(positional: str, impl: str, device: torch.device) -> None:
+    model = encoder_only(positional, attn_impl=impl, device=device)
+    tokens = right_pad(rows_of((8, 3, 5), seed=28, device=device))
     valid = tokens != PAD
     with torch.no_grad():
         plain = model(tokens)

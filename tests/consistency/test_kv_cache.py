@@ -24,32 +24,35 @@ PAD = 0
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+# Models are built and seeded on the CPU (the same weights on every device), then moved to the test's
+# device; token ids are drawn on the CPU and moved likewise.
 def decoder_only(positional: str = "learned", n_kv_heads: int | None = None, *,
-                 preset: str = "gpt-tiny", seed: int = 0, **overrides) -> DecoderOnly:
+                 preset: str = "gpt-tiny", seed: int = 0, device: torch.device, **overrides) -> DecoderOnly:
     torch.manual_seed(seed)
     config = get_preset(preset, positional=positional, n_kv_heads=n_kv_heads, **overrides)
-    return randomize_(DecoderOnly(config), seed).eval()
+    return randomize_(DecoderOnly(config), seed).eval().to(device)
 
 
 def encoder_decoder(positional: str = "sinusoidal", n_kv_heads: int | None = None, *,
-                    seed: int = 0, **overrides) -> EncoderDecoder:
+                    seed: int = 0, device: torch.device, **overrides) -> EncoderDecoder:
     torch.manual_seed(seed)
     config = get_preset("tiny", positional=positional, n_kv_heads=n_kv_heads, **overrides)
-    return randomize_(EncoderDecoder(config), seed).eval()
+    return randomize_(EncoderDecoder(config), seed).eval().to(device)
 
 
-def random_tokens(b: int, t: int, seed: int = 1, low: int = 1) -> torch.Tensor:
+def random_tokens(b: int, t: int, seed: int = 1, low: int = 1, *, device: torch.device) -> torch.Tensor:
     """Token ids in [low, VOCAB): with low=1 never the pad id 0."""
-    return torch.randint(low, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(low, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def left_pad(rows: list[torch.Tensor], seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad 1-D rows to one length with *random* (non-pad) junk ids, which the valid mask
-    must hide; returns (tokens (b, t), valid (b, t))."""
+    must hide; returns (tokens (b, t), valid (b, t)) on the rows' device."""
     t = max(len(r) for r in rows)
-    junk = random_tokens(len(rows), t, seed=seed)
+    device = rows[0].device
+    junk = random_tokens(len(rows), t, seed=seed, device=device)
     tokens = junk.clone()
-    valid = torch.zeros(len(rows), t, dtype=torch.bool)
+    valid = torch.zeros(len(rows), t, dtype=torch.bool, device=device)
     for i, r in enumerate(rows):
         tokens[i, t - len(r):] = r
         valid[i, t - len(r):] = True
@@ -59,10 +62,10 @@ def left_pad(rows: list[torch.Tensor], seed: int = 7) -> tuple[torch.Tensor, tor
 # ---- decoder-only: step by step ---------------------------------------------------------------
 @pytest.mark.parametrize("n_kv_heads", KV_HEADS)
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_stepwise_decode_equals_full_forward(positional: str, n_kv_heads: int) -> None:
-    model = decoder_only(positional, n_kv_heads)
+def test_stepwise_decode_equals_full_forward(positional: str, n_kv_heads: int, device: torch.device) -> None:
+    model = decoder_only(positional, n_kv_heads, device=device)
     b, total, prompt_len = 2, 12, 5
-    seq = random_tokens(b, total)
+    seq = random_tokens(b, total, device=device)
     cache = model.new_cache(b, total)
     with torch.no_grad():
         prefill = model(seq[:, :prompt_len], cache=cache).logits
@@ -77,9 +80,9 @@ def test_stepwise_decode_equals_full_forward(positional: str, n_kv_heads: int) -
 
 @pytest.mark.parametrize("n_kv_heads", KV_HEADS)
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_greedy_cached_equals_uncached(positional: str, n_kv_heads: int) -> None:
-    model = decoder_only(positional, n_kv_heads)
-    prompt = random_tokens(3, 6, seed=2)
+def test_greedy_cached_equals_uncached(positional: str, n_kv_heads: int, device: torch.device) -> None:
+    model = decoder_only(positional, n_kv_heads, device=device)
+    prompt = random_tokens(3, 6, seed=2, device=device)
     cached = greedy_decoder_only(model, prompt, max_new_tokens=10, use_cache=True)
     uncached = greedy_decoder_only(model, prompt, max_new_tokens=10, use_cache=False)
     assert cached.tokens.shape == (3, 10)
@@ -96,11 +99,11 @@ def test_greedy_cached_equals_uncached(positional: str, n_kv_heads: int) -> None
     ],
     ids=["llama-tiny", "post-norm", "reference-impl"],
 )
-def test_presets_cached_equals_uncached(preset: str, overrides: dict) -> None:
+def test_presets_cached_equals_uncached(preset: str, overrides: dict, device: torch.device) -> None:
     torch.manual_seed(0)
     config = get_preset(preset, **overrides)
-    model = randomize_(DecoderOnly(config), 3).eval()
-    prompt = random_tokens(2, 5, seed=4)
+    model = randomize_(DecoderOnly(config), 3).eval().to(device)
+    prompt = random_tokens(2, 5, seed=4, device=device)
     cached = greedy_decoder_only(model, prompt, max_new_tokens=8, use_cache=True)
     uncached = greedy_decoder_only(model, prompt, max_new_tokens=8, use_cache=False)
     assert torch.equal(cached.tokens, uncached.tokens)
@@ -110,11 +113,11 @@ def test_presets_cached_equals_uncached(preset: str, overrides: dict) -> None:
 # ---- decoder-only: several new tokens per step (right-aligned causal mask) --------------------
 @pytest.mark.parametrize("n_kv_heads", [6, 2])
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_multi_token_chunks_equal_full_forward(positional: str, n_kv_heads: int) -> None:
-    model = decoder_only(positional, n_kv_heads)
+def test_multi_token_chunks_equal_full_forward(positional: str, n_kv_heads: int, device: torch.device) -> None:
+    model = decoder_only(positional, n_kv_heads, device=device)
     b, prompt_len, chunk, n_chunks = 2, 4, 3, 3
     total = prompt_len + chunk * n_chunks
-    seq = random_tokens(b, total, seed=5)
+    seq = random_tokens(b, total, seed=5, device=device)
     cache = model.new_cache(b, total)
     with torch.no_grad():
         full = model(seq).logits
@@ -128,11 +131,11 @@ def test_multi_token_chunks_equal_full_forward(positional: str, n_kv_heads: int)
     assert_close(torch.cat(got, dim=1), full)
 
 
-def test_multi_token_chunks_with_left_padding() -> None:
-    model = decoder_only("rope", 2)
-    rows = [random_tokens(1, n, seed=10 + n)[0] for n in (6, 3, 1)]
+def test_multi_token_chunks_with_left_padding(device: torch.device) -> None:
+    model = decoder_only("rope", 2, device=device)
+    rows = [random_tokens(1, n, seed=10 + n, device=device)[0] for n in (6, 3, 1)]
     prompt, valid = left_pad(rows)
-    cont = random_tokens(3, 6, seed=20)
+    cont = random_tokens(3, 6, seed=20, device=device)
     tokens = torch.cat([prompt, cont], dim=1)
     all_valid = torch.cat([valid, torch.ones_like(cont, dtype=torch.bool)], dim=1)
     cache = model.new_cache(3, tokens.shape[1])
@@ -149,10 +152,10 @@ def test_multi_token_chunks_with_left_padding() -> None:
 # ---- decoder-only: left-padded batches --------------------------------------------------------
 @pytest.mark.parametrize("n_kv_heads", [6, 1])
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_left_padded_batch_cached_uncached_and_alone(positional: str, n_kv_heads: int) -> None:
-    model = decoder_only(positional, n_kv_heads)
+def test_left_padded_batch_cached_uncached_and_alone(positional: str, n_kv_heads: int, device: torch.device) -> None:
+    model = decoder_only(positional, n_kv_heads, device=device)
     lengths = (7, 4, 1)
-    rows = [random_tokens(1, n, seed=30 + n)[0] for n in lengths]
+    rows = [random_tokens(1, n, seed=30 + n, device=device)[0] for n in lengths]
     prompt, valid = left_pad(rows)
     new = 8
     cached = greedy_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=new)
@@ -167,13 +170,13 @@ def test_left_padded_batch_cached_uncached_and_alone(positional: str, n_kv_heads
         assert_close(cached.logits[i : i + 1], alone.logits)
 
 
-def test_left_padding_from_pad_id_default_valid() -> None:
+def test_left_padding_from_pad_id_default_valid(device: torch.device) -> None:
     """With config.pad_id set, valid defaults to tokens != pad_id, also with a cache."""
-    model = decoder_only("alibi", 2, pad_id=PAD)
-    rows = [random_tokens(1, n, seed=40 + n)[0] for n in (5, 2)]
+    model = decoder_only("alibi", 2, pad_id=PAD, device=device)
+    rows = [random_tokens(1, n, seed=40 + n, device=device)[0] for n in (5, 2)]
     prompt, valid = left_pad(rows)
     prompt[~valid] = PAD  # no valid= given: the pads must be recognised by their id
-    cont = random_tokens(2, 4, seed=41)
+    cont = random_tokens(2, 4, seed=41, device=device)
     cache = model.new_cache(2, 9)
     with torch.no_grad():
         model(prompt, cache=cache)
@@ -185,11 +188,11 @@ def test_left_padding_from_pad_id_default_valid() -> None:
 
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "uncached"])
-def test_greedy_left_padding_from_pad_id(use_cache: bool) -> None:
+def test_greedy_left_padding_from_pad_id(use_cache: bool, device: torch.device) -> None:
     """greedy_decoder_only without prompt_valid follows the model's default: with config.pad_id
     set, pad ids in the prompt are padding (as in ``model(prompt)``), not real tokens."""
-    model = decoder_only("rope", 2, pad_id=PAD)
-    rows = [random_tokens(1, n, seed=45 + n)[0] for n in (6, 3, 1)]
+    model = decoder_only("rope", 2, pad_id=PAD, device=device)
+    rows = [random_tokens(1, n, seed=45 + n, device=device)[0] for n in (6, 3, 1)]
     prompt, valid = left_pad(rows)
     prompt[~valid] = PAD
     out = greedy_decoder_only(model, prompt, max_new_tokens=6, use_cache=use_cache)
@@ -204,15 +207,15 @@ def test_greedy_left_padding_from_pad_id(use_cache: bool) -> None:
 
 
 # ---- encoder-decoder --------------------------------------------------------------------------
-def padded_sources(lengths: tuple[int, ...] = (9, 5, 2), seed: int = 50) -> torch.Tensor:
-    return right_pad([random_tokens(1, n, seed=seed + n)[0] for n in lengths])
+def padded_sources(lengths: tuple[int, ...] = (9, 5, 2), seed: int = 50, *, device: torch.device) -> torch.Tensor:
+    return right_pad([random_tokens(1, n, seed=seed + n, device=device)[0] for n in lengths])
 
 
 @pytest.mark.parametrize("n_kv_heads", [6, 2])
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_encoder_decoder_greedy_cached_equals_uncached(positional: str, n_kv_heads: int) -> None:
-    model = encoder_decoder(positional, n_kv_heads)
-    src = padded_sources()
+def test_encoder_decoder_greedy_cached_equals_uncached(positional: str, n_kv_heads: int, device: torch.device) -> None:
+    model = encoder_decoder(positional, n_kv_heads, device=device)
+    src = padded_sources(device=device)
     cached = greedy_encoder_decoder(model, src, bos_id=1, max_new_tokens=10, use_cache=True)
     uncached = greedy_encoder_decoder(model, src, bos_id=1, max_new_tokens=10, use_cache=False)
     assert cached.tokens.shape == (3, 10)
@@ -220,9 +223,9 @@ def test_encoder_decoder_greedy_cached_equals_uncached(positional: str, n_kv_hea
     assert_close(cached.logits, uncached.logits)
 
 
-def test_encoder_decoder_greedy_with_eos() -> None:
-    model = encoder_decoder()
-    src = padded_sources()
+def test_encoder_decoder_greedy_with_eos(device: torch.device) -> None:
+    model = encoder_decoder(device=device)
+    src = padded_sources(device=device)
     free = greedy_encoder_decoder(model, src, bos_id=1, max_new_tokens=8)
     # eos = a token that row 0 emits for the first time at step j > 0 (or at step 0).
     row = free.tokens[0].tolist()
@@ -238,10 +241,10 @@ def test_encoder_decoder_greedy_with_eos() -> None:
 
 
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_encoder_decoder_cached_chunks_equal_teacher_forcing(positional: str) -> None:
-    model = encoder_decoder(positional, 2)
-    src = padded_sources()
-    tgt = random_tokens(3, 10, seed=60)
+def test_encoder_decoder_cached_chunks_equal_teacher_forcing(positional: str, device: torch.device) -> None:
+    model = encoder_decoder(positional, 2, device=device)
+    src = padded_sources(device=device)
+    tgt = random_tokens(3, 10, seed=60, device=device)
     tgt[:, 0] = 1  # bos
     with torch.no_grad():
         full = model(src, tgt).logits
@@ -256,11 +259,11 @@ def test_encoder_decoder_cached_chunks_equal_teacher_forcing(positional: str) ->
     assert cache.length == tgt.shape[1]
 
 
-def test_encoder_decoder_cached_right_padded_target() -> None:
+def test_encoder_decoder_cached_right_padded_target(device: torch.device) -> None:
     """Padded target slots in the cache are masked for later tokens, as in teacher forcing."""
-    model = encoder_decoder("t5", 2)
-    src = padded_sources()
-    tgt = random_tokens(3, 8, seed=61)
+    model = encoder_decoder("t5", 2, device=device)
+    src = padded_sources(device=device)
+    tgt = random_tokens(3, 8, seed=61, device=device)
     tgt[:, 0] = 1
     tgt[1, 5:] = PAD
     tgt[2, 2:] = PAD
@@ -273,9 +276,9 @@ def test_encoder_decoder_cached_right_padded_target() -> None:
             assert_close(out, full[:, start:stop])
 
 
-def test_cross_attention_kv_projected_once_per_source() -> None:
-    model = encoder_decoder(n_kv_heads=2)
-    src = padded_sources()
+def test_cross_attention_kv_projected_once_per_source(device: torch.device) -> None:
+    model = encoder_decoder(n_kv_heads=2, device=device)
+    src = padded_sources(device=device)
     calls = [0] * len(model.decoder.blocks)
     handles = []
     for i, block in enumerate(model.decoder.blocks):
@@ -298,8 +301,8 @@ def test_cross_attention_kv_projected_once_per_source() -> None:
 
 # ---- the cache itself -------------------------------------------------------------------------
 @pytest.mark.parametrize("n_kv_heads", KV_HEADS)
-def test_cache_is_preallocated_and_holds_only_kv_heads(n_kv_heads: int) -> None:
-    model = decoder_only("rope", n_kv_heads)
+def test_cache_is_preallocated_and_holds_only_kv_heads(n_kv_heads: int, device: torch.device) -> None:
+    model = decoder_only("rope", n_kv_heads, device=device)
     config = model.config
     b, max_len = 2, 16
     cache = model.new_cache(b, max_len)
@@ -310,7 +313,7 @@ def test_cache_is_preallocated_and_holds_only_kv_heads(n_kv_heads: int) -> None:
     for layer in cache.layers:
         assert tuple(layer.k.shape) == expected_shape
         assert tuple(layer.v.shape) == expected_shape
-    seq = random_tokens(b, 12, seed=70)
+    seq = random_tokens(b, 12, seed=70, device=device)
     with torch.no_grad():
         model(seq[:, :4], cache=cache)
         assert [(la.k.data_ptr(), la.v.data_ptr()) for la in cache.layers] == ptrs
@@ -325,14 +328,14 @@ def test_cache_is_preallocated_and_holds_only_kv_heads(n_kv_heads: int) -> None:
         assert bool((layer.k[:, :, :12] != 0).any())
 
 
-def test_encoder_decoder_cache_preallocated_through_greedy() -> None:
-    model = encoder_decoder(n_kv_heads=2)
-    src = padded_sources()
+def test_encoder_decoder_cache_preallocated_through_greedy(device: torch.device) -> None:
+    model = encoder_decoder(n_kv_heads=2, device=device)
+    src = padded_sources(device=device)
     encoded = model.encode(src)
     cache = model.new_cache(3, 9)
     ptrs = [(la.k.data_ptr(), la.v.data_ptr()) for la in cache.layers]
     shape = (3, 2, 9, model.config.head_dim)
-    step = torch.ones(3, 1, dtype=torch.long)
+    step = torch.ones(3, 1, dtype=torch.long, device=device)
     with torch.no_grad():
         for _ in range(9):
             logits = model.decode(step, encoded, cache=cache).logits[:, -1]
@@ -344,10 +347,10 @@ def test_encoder_decoder_cache_preallocated_through_greedy() -> None:
         assert tuple(cross.k.shape) == (3, 2, src.shape[1], model.config.head_dim)
 
 
-def test_cache_overflow_raises() -> None:
-    model = decoder_only("learned", 2)
+def test_cache_overflow_raises(device: torch.device) -> None:
+    model = decoder_only("learned", 2, device=device)
     cache = model.new_cache(1, 4)
-    seq = random_tokens(1, 6, seed=80)
+    seq = random_tokens(1, 6, seed=80, device=device)
     with torch.no_grad():
         model(seq[:, :3], cache=cache)
         with pytest.raises(ValueError, match="full") as excinfo:
@@ -359,14 +362,14 @@ def test_cache_overflow_raises() -> None:
             model(seq[:, 4:5], cache=cache)
 
 
-def test_encoder_decoder_cache_overflow_raises() -> None:
-    model = encoder_decoder()
+def test_encoder_decoder_cache_overflow_raises(device: torch.device) -> None:
+    model = encoder_decoder(device=device)
     cache = model.new_cache(1, 2)
-    encoded = model.encode(padded_sources((3,)))
+    encoded = model.encode(padded_sources((3,), device=device))
     with torch.no_grad():
-        model.decode(torch.ones(1, 2, dtype=torch.long), encoded, cache=cache)
+        model.decode(torch.ones(1, 2, dtype=torch.long, device=device), encoded, cache=cache)
         with pytest.raises(ValueError, match="full") as excinfo:
-            model.decode(torch.ones(1, 1, dtype=torch.long), encoded, cache=cache)
+            model.decode(torch.ones(1, 1, dtype=torch.long, device=device), encoded, cache=cache)
     assert "max_len=2" in str(excinfo.value)
 
 
@@ -383,9 +386,9 @@ def test_encoder_decoder_cache_overflow_raises() -> None:
     ],
 )
 def test_kv_cache_bytes_matches_real_cache(arch: str, overrides: dict, batch_size: int,
-                                           max_len: int, dtype: torch.dtype) -> None:
+                                           max_len: int, dtype: torch.dtype, device: torch.device) -> None:
     config = get_preset(arch, **overrides)
-    model = DecoderOnly(config) if config.arch == "decoder-only" else EncoderDecoder(config)
+    model = (DecoderOnly(config) if config.arch == "decoder-only" else EncoderDecoder(config)).to(device)
     cache = model.new_cache(batch_size, max_len, dtype=dtype)
     assert all(la.k.dtype == dtype for la in cache.layers)
     n_layers = config.n_decoder_layers if config.arch == "encoder-decoder" else config.n_layers
@@ -401,6 +404,7 @@ def test_kv_cache_bytes_matches_real_cache(arch: str, overrides: dict, batch_siz
                           dtype=name) == cache.nbytes
 
 
+@pytest.mark.cpu_only  # arithmetic on sizes: no tensor
 def test_kv_cache_bytes_documented_example() -> None:
     assert kv_cache_bytes(n_layers=32, n_kv_heads=32, head_dim=128, seq_len=2048,
                           batch_size=32, dtype=torch.float32) == 64 * 2**30
@@ -408,18 +412,18 @@ def test_kv_cache_bytes_documented_example() -> None:
 
 @pytest.mark.parametrize(("model_dtype", "quantize"), [(torch.float32, None), (torch.bfloat16, None),
                                                        (torch.float32, "int8"), (torch.float32, "int4")])
-def test_encoder_decoder_estimate_counts_the_cross_attention_keys_and_values(model_dtype, quantize):
+def test_encoder_decoder_estimate_counts_the_cross_attention_keys_and_values(model_dtype, quantize, device: torch.device):
     """After the first decode step every decoder layer holds the source's cross-attention keys and
     values too (issue 23): the estimate with src_len equals the cache's real bytes then."""
-    model = encoder_decoder(n_kv_heads=3).to(model_dtype)
+    model = encoder_decoder(n_kv_heads=3, device=device).to(model_dtype)
     config, batch, src_len, max_len = model.config, 2, 9, 11
-    src = torch.randint(3, VOCAB, (batch, src_len))
+    src = torch.randint(3, VOCAB, (batch, src_len), device=device)
     cache = model.new_cache(batch, max_len, quantize=quantize)
     sizes = dict(n_layers=config.n_decoder_layers, n_kv_heads=3, head_dim=config.head_dim, seq_len=max_len,
                  batch_size=batch, dtype=quantize or model_dtype)
     assert cache.nbytes == cache.self_nbytes == kv_cache_bytes(**sizes)  # nothing computed yet
     with torch.no_grad():
-        model.decode(torch.ones(batch, 1, dtype=torch.long), model.encode(src), cache=cache)
+        model.decode(torch.ones(batch, 1, dtype=torch.long, device=device), model.encode(src), cache=cache)
     cross = sum(t.numel() * t.element_size() for kv in cache.cross for t in (kv.k, kv.v))
     assert cross == cache.cross_nbytes > 0
     assert cache.nbytes == kv_cache_bytes(**sizes, src_len=src_len) == cache.self_nbytes + cross
