@@ -11,7 +11,8 @@ its modules say how to pool and whether to normalise:
 
 A directory without ``modules.json`` gets mean pooling and L2 normalisation (the usual choice of
 sentence-embedding models). Errors a user can fix raise ``EmbedError`` with one-line messages.
-Shape letters: b batch, t tokens, d d_model.
+The model runs on the device it is loaded to (``device``; the first CUDA GPU by default, else the
+CPU); the vectors come back on the CPU. Shape letters: b batch, t tokens, d d_model.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.device import autocast, model_device, resolve, to_device
 from aiayn.interop.hf import load_hf
 from aiayn.interop.mapping import InteropError
 
@@ -71,7 +73,7 @@ class SentenceEncoder:
 
     @torch.inference_mode()
     def encode(self, texts: list[str], *, batch_size: int = 32) -> Tensor:
-        """texts -> (n, d) float32 embeddings (unit length when ``normalize``)."""
+        """texts -> (n, d) float32 embeddings on the CPU (unit length when ``normalize``)."""
         if isinstance(texts, str):
             raise TypeError("encode takes a list of texts; wrap a single text in a list")
         if not texts:
@@ -79,16 +81,18 @@ class SentenceEncoder:
         empty = [i for i, text in enumerate(texts) if not text.strip()]
         if empty:
             raise EmbedError(f"text {empty[0] + 1} of {len(texts)} is empty; every text needs some words")
+        device = model_device(self.model)
         out = []
         for start in range(0, len(texts), batch_size):
-            tokens, valid = self.tokenize(texts[start:start + batch_size])
-            hidden = self.model(tokens, valid=valid).hidden.float()
-            vectors = pool(hidden, valid, self.pooling)
+            tokens, valid = to_device(self.tokenize(texts[start:start + batch_size]), device)  # (b, t) each
+            with autocast(device):  # bfloat16 on CUDA; nothing on the CPU
+                hidden = self.model(tokens, valid=valid).hidden.float()  # (b, t, d)
+            vectors = pool(hidden, valid, self.pooling)  # (b, d)
             out.append(F.normalize(vectors, p=2.0, dim=-1) if self.normalize else vectors)
-        return torch.cat(out)
+        return torch.cat(out).cpu()  # (n, d); no copy on the CPU
 
     def tokenize(self, texts: list[str]) -> tuple[Tensor, Tensor]:
-        """texts -> right-padded ids (b, t) and validity (b, t), truncated to ``max_length``."""
+        """texts -> right-padded ids (b, t) and validity (b, t) on the CPU, truncated to ``max_length``."""
         encodings = self.tokenizer.encode_batch(texts)
         t = max(len(e.ids) for e in encodings)
         tokens = torch.full((len(texts), t), self.pad_id, dtype=torch.long)
@@ -150,10 +154,13 @@ def _load_tokenizer(directory: Path, lowercase: bool | None) -> Any:
     raise EmbedError(f"{directory}: no tokenizer.json or vocab.txt; save the tokenizer with the model")
 
 
-def load_sentence_encoder(directory: str | Path, *, pooling: str | None = None,
-                          normalize: bool | None = None) -> SentenceEncoder:
+def load_sentence_encoder(directory: str | Path, *, pooling: str | None = None, normalize: bool | None = None,
+                          device: torch.device | str | None = None) -> SentenceEncoder:
     """A ``SentenceEncoder`` from a BERT-family model directory (sentence-transformers layout or a
-    plain Hugging Face one). ``pooling`` / ``normalize`` override what the directory says."""
+    plain Hugging Face one). ``pooling`` / ``normalize`` override what the directory says.
+    ``device``: where the model runs (None: the first CUDA GPU, else the CPU; a device this machine
+    lacks is an ``aiayn.device.DeviceError``)."""
+    where = resolve(device)  # before loading: a missing device fails at once
     path = Path(directory)
     if not path.is_dir():
         raise EmbedError(f"{path}: not a model directory (expected config.json, weights and a tokenizer)")
@@ -178,6 +185,6 @@ def load_sentence_encoder(directory: str | Path, *, pooling: str | None = None,
     tokenizer.enable_truncation(max_length)
     tokenizer.no_padding()
     pad_id = config.pad_id if config.pad_id is not None else 0
-    return SentenceEncoder(model.eval(), tokenizer, pooling=pooling or st_pooling,
+    return SentenceEncoder(model.to(where).eval(), tokenizer, pooling=pooling or st_pooling,
                            normalize=st_normalize if normalize is None else normalize,
                            max_length=max_length, pad_id=pad_id)

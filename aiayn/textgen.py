@@ -10,6 +10,10 @@ character is held back until complete, and it stops at end-of-text or a stop str
 Like ``aiayn.embed`` (sentence encoders) and ``aiayn.translate`` (translators), this is an
 application of ``aiayn.interop`` and ``aiayn.generate``, beside them rather than inside either.
 Errors a user can fix raise ``TextModelError`` with one-line messages.
+
+Devices: a text model is loaded on the CPU and moved to where it runs (``placement``: the device
+asked for, ``aiayn.device.resolve``'s choice by default); its prompts are made there and the text
+comes back to the CPU.
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from aiayn.device import autocast, model_device, resolve
 from aiayn.interop.mapping import InteropError
 
 if TYPE_CHECKING:
     from aiayn.generate import SamplingConfig
+
+# Weight quantisations that only aiayn.fast's CPU kernels run (int8 rows, packed 4-bit blocks).
+CPU_QUANTIZE = ("int8", "q4")
 
 
 class TextModelError(InteropError):
@@ -47,14 +55,14 @@ class TextModel:
     tokenizer: Any = None  # the ``tokenizers.Tokenizer`` encode/decode use, when there is one
 
     def prompt_ids(self, prompt: str, *, chat: bool = False) -> Tensor:
-        """(1, t) token ids of ``prompt`` (a user message wrapped in the chat template with
+        """(1, t) token ids of ``prompt`` on the model's device (a user message wrapped in the chat template with
         ``chat``). ValueError when the tokenizer refuses it or it leaves no room in the context."""
         text = self.chat(prompt) if chat and self.chat else prompt
         tokens = self.encode(text)
         if not tokens:  # e.g. only characters a character-level vocabulary lacks
             raise ValueError("the prompt is empty after tokenisation (the model's vocabulary has none of its "
                              "characters); give some text it knows")
-        ids = torch.tensor([tokens], dtype=torch.long)
+        ids = torch.tensor([tokens], dtype=torch.long, device=model_device(self.model))
         if ids.shape[1] >= self.context:
             raise ValueError(f"the prompt is {ids.shape[1]} tokens, the model's context is {self.context}; "
                              f"shorten it")
@@ -69,11 +77,37 @@ def is_gguf(path: Path) -> bool:
         return handle.read(4) == b"GGUF"
 
 
-def read_text_model(path: Path, *, quantize: str = "none") -> TextModel:
+def placement(device: torch.device | str | None = None, quantize: str = "none") -> tuple[torch.device, str]:
+    """(where a text model loaded with ``quantize`` runs, the quantisation it gets there).
+
+    ``device``: None or "auto" is ``aiayn.device.resolve``'s choice (the first CUDA GPU, else the
+    CPU), except that int8 and q4 weights choose the CPU (their kernels are the CPU's). Off the
+    CPU, "auto" keeps float weights (a GGUF file's blocks dequantised: the device's own matmuls
+    are its fast path) and int8 / q4 are refused: ValueError, one line."""
+    auto = device is None or (isinstance(device, str) and device.strip().lower() == "auto")
+    where = torch.device("cpu") if auto and quantize in CPU_QUANTIZE else resolve(device)
+    if where.type == "cpu":
+        return where, quantize
+    if quantize in CPU_QUANTIZE:
+        raise ValueError(f"{quantize} weights run on aiayn.fast's CPU kernels only; on {where} use bf16 "
+                         f"or none, or run on the CPU (--device cpu)")
+    return where, "none" if quantize == "auto" else quantize
+
+
+def read_text_model(path: Path, *, quantize: str = "none", device: torch.device | str | None = None) -> TextModel:
     """The text model in a GGUF file or a Hugging Face model directory (a decoder-only model with a
-    tokenizer.json), as stored: float32, eval mode. ``quantize="auto"`` or ``"q4"`` loads a GGUF
-    file's matrices in blocks (``load_gguf``); other models ignore it here (see
+    tokenizer.json), as stored: float32, eval mode, on ``device`` (``placement``: None is the
+    first CUDA GPU, else the CPU). ``quantize="auto"`` or ``"q4"`` loads a GGUF file's matrices in
+    blocks on the CPU (``load_gguf``); other models ignore it here (see
     ``aiayn.fast.quantize.lower_precision``)."""
+    where, quantize = placement(device, quantize)
+    lm = _read_text_model(path, quantize)
+    lm.model = lm.model.to(where)  # loaded on the CPU; moved whole (tied weights stay tied)
+    return lm
+
+
+def _read_text_model(path: Path, quantize: str) -> TextModel:
+    """``read_text_model`` on the CPU."""
     if is_gguf(path):
         from aiayn.interop import load_gguf
 
@@ -177,10 +211,13 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
 
     Stops after ``max_new_tokens`` (cut to what the context leaves), at the model's end-of-text id,
     or once the text holds one of ``stops``. ``kv_cache`` ("int8"/"int4") and ``compile`` are
-    ``stream_decoder_only``'s.
+    ``stream_decoder_only``'s. The model runs where it is (``ids`` are moved there), under
+    ``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU).
     """
     from aiayn.generate import stream_decoder_only
 
+    device = model_device(lm.model)
+    ids = ids.to(device)
     room = lm.context - ids.shape[1]
     cut_by_context = max_new_tokens > room
     max_new_tokens = min(max_new_tokens, room)
@@ -190,19 +227,20 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
     start = time.perf_counter()
     steps = stream_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                 kv_cache=kv_cache, compile=compile)
-    for step in steps:
-        token = int(step.tokens[0])
-        if lm.eos_id is not None and token == lm.eos_id:
-            break
-        produced.append(token)
-        if len(produced) == 2:
-            second_token_at = time.perf_counter()
-        text = lm.decode(produced)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            on_text(text[len(shown):])
-            shown = text
-        if any(stop in text for stop in stops):
-            break
+    with autocast(device):  # the loop's forwards run as each step is taken, inside this block
+        for step in steps:
+            token = int(step.tokens[0])  # back to the CPU: one id
+            if lm.eos_id is not None and token == lm.eos_id:
+                break
+            produced.append(token)
+            if len(produced) == 2:
+                second_token_at = time.perf_counter()
+            text = lm.decode(produced)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                on_text(text[len(shown):])
+                shown = text
+            if any(stop in text for stop in stops):
+                break
     end = time.perf_counter()
     after = end - second_token_at if compile and second_token_at is not None else None
     full = lm.context if cut_by_context and len(produced) == max_new_tokens else None

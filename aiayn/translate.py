@@ -4,7 +4,8 @@
 Sources get ``</s>`` appended (as in training); a source longer than the model's ``max_seq_len`` is
 truncated to fit, with a warning naming the sentence (documented behaviour, not an error).
 The target may run to ``max_len_a * source_length + max_len_b`` tokens (fairseq's convention),
-never past the model's maximum.
+never past the model's maximum. The model runs where it is (its sources are made there, under
+``aiayn.device.autocast``: bfloat16 on CUDA, nothing on the CPU); the text comes back to the CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from aiayn.data.parallel import pad_batch
+from aiayn.device import autocast, model_device
 from aiayn.generate import (
     SamplingConfig,
     beam_search_encoder_decoder,
@@ -103,8 +105,13 @@ class Translator:
     @torch.inference_mode()
     def translate_ids(self, sources: list[list[int]], options: DecodeOptions) -> list[list[int]]:
         """Source id lists (each ending in </s>) -> target id lists (without <s> and </s>)."""
+        device = model_device(self.model)
+        with autocast(device):  # bfloat16 on CUDA; nothing on the CPU
+            return self._translate_ids(pad_batch(sources, self.tokenizer.pad_id).to(device), options)
+
+    def _translate_ids(self, src: Tensor, options: DecodeOptions) -> list[list[int]]:
+        """``translate_ids`` on src (b, s), padded, on the model's device."""
         tok = self.tokenizer
-        src = pad_batch(sources, tok.pad_id).to(self.model.lm_head.weight.device)  # (b, s)
         src_valid = src != tok.pad_id
         # a * source length + b target tokens (</s> included), within the model's maximum
         # (one position holds <s>).
@@ -114,11 +121,11 @@ class Translator:
             tokens = sample_encoder_decoder(self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id,
                                             max_new_tokens=limits, sampling=options.sampling,
                                             src_valid=src_valid)
-            return [self._cut(row) for row in tokens]
+            return [self._cut(row) for row in tokens.cpu()]  # one copy back, not one per row
         if options.beam_size == 1:
             result = greedy_encoder_decoder(self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id,
                                             max_new_tokens=limits, src_valid=src_valid)
-            return [self._cut(row) for row in result.tokens]
+            return [self._cut(row) for row in result.tokens.cpu()]
         beams = beam_search_encoder_decoder(
             self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=options.beam_size,
             length_penalty=options.length_penalty, max_len_a=options.max_len_a,

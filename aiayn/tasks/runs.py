@@ -6,7 +6,9 @@ These need the task registry (``get_task``), so they live here, above ``aiayn.tr
 takes a built ``Task`` and configs and never looks a task up by name.
 
 The models loaded for inference (``load_text_model``, ``load_translator``) run through
-``aiayn.fast``'s CPU kernels unless ``plain=True`` (the plain PyTorch model; the same function).
+``aiayn.fast``'s CPU kernels unless ``plain=True`` (the plain PyTorch model; the same function),
+on the device given (``device``: None is ``aiayn.device.resolve("auto")``, the first CUDA GPU else
+the CPU). A model off the CPU runs plain: ``aiayn.fast.optimize`` leaves it as it is.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from aiayn.config import ConfigError, ModelConfig, TrainConfig
@@ -105,8 +108,12 @@ def resolve_checkpoint(checkpoint: Path | None) -> Path | None:
 
 
 # ---- models for inference ---------------------------------------------------------------------
-def for_inference(model: nn.Module, *, plain: bool = False) -> nn.Module:
-    """``model`` in eval mode, through aiayn.fast's CPU kernels unless ``plain`` (in place)."""
+def for_inference(model: nn.Module, *, plain: bool = False,
+                  device: torch.device | str | None = None) -> nn.Module:
+    """``model`` in eval mode, moved to ``device`` (None: where it is), then through aiayn.fast's
+    CPU kernels unless ``plain`` (in place; a model off the CPU keeps its plain modules)."""
+    if device is not None:
+        model.to(device)  # before optimize: it swaps in its CPU kernels only for a CPU model
     model.eval()
     if not plain:
         from aiayn.fast import optimize
@@ -115,13 +122,16 @@ def for_inference(model: nn.Module, *, plain: bool = False) -> nn.Module:
     return model
 
 
-def load_translator(run_dir: Path, checkpoint: Path | None = None, *,
-                    plain: bool = False) -> tuple[TranslationTask, Translator]:
+def load_translator(run_dir: Path, checkpoint: Path | None = None, *, plain: bool = False,
+                    device: torch.device | str | None = None) -> tuple[TranslationTask, Translator]:
     """(the translation task, a ``Translator`` of its trained model) from a run directory;
     ``checkpoint``: a checkpoint (e.g. RUN/averaged-last5) or a folder of them instead of the
-    run's latest."""
+    run's latest; ``device``: where the model runs (None: the first CUDA GPU, else the CPU;
+    ``aiayn.device.DeviceError`` for one this machine lacks)."""
+    from aiayn.device import resolve
     from aiayn.tasks.shipped import load_run_or_release
 
+    where = resolve(device)  # before loading: a missing device fails at once
     if not run_dir.is_dir():
         raise RunInputError(f"{run_dir} does not exist; train one with "
                             f"aiayn train --recipe recipes/multi30k-en-de.yaml")
@@ -129,25 +139,29 @@ def load_translator(run_dir: Path, checkpoint: Path | None = None, *,
     if not isinstance(run.task, TranslationTask):
         raise RunInputError(f"{run_dir} holds a {run.task.name} run; translation needs a run of "
                             f"the translation task")
-    return run.task, run.task.translator(for_inference(run.model, plain=plain))
+    return run.task, run.task.translator(for_inference(run.model, plain=plain, device=where))
 
 
 def load_text_model(run_dir: Path | None = None, model_path: Path | None = None, *,
-                    plain: bool = False, quantize: str = "none") -> TextModel:
+                    plain: bool = False, quantize: str = "none",
+                    device: torch.device | str | None = None) -> TextModel:
     """A decoder-only model with its text functions, from a run directory of a language-model task
     or a shipped model's release (``run_dir``), or a GGUF file / Hugging Face model directory
     (``model_path``). ``quantize``: ``aiayn.fast.quantize.lower_precision``'s choices; "auto" and
-    "q4" read a GGUF file's blocks without dequantising them."""
+    "q4" read a GGUF file's blocks without dequantising them. ``device``: where the model runs
+    (``aiayn.textgen.placement``: None is the first CUDA GPU else the CPU, but the CPU for int8
+    and q4, which are refused elsewhere with a ValueError; "auto" keeps floats off the CPU)."""
     from aiayn.tasks.shipped import is_release, load_run_or_release
-    from aiayn.textgen import TextModel, read_text_model
+    from aiayn.textgen import TextModel, placement, read_text_model
 
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_text_model takes one of run_dir and model_path")
+    where, quantize = placement(device, quantize)  # before loading: a refusal comes at once
     if model_path is not None and is_release(model_path):
         run_dir, model_path = model_path, None
     if model_path is not None:
-        lm = read_text_model(model_path, quantize=quantize)
-        lm.model = _lower(for_inference(lm.model, plain=plain), quantize)
+        lm = read_text_model(model_path, quantize=quantize, device=where)
+        lm.model = _lower(for_inference(lm.model, plain=plain, device=where), quantize)
         return lm
     assert run_dir is not None
     run = load_run_or_release(run_dir)
@@ -155,7 +169,7 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
     if run.model_config.arch != "decoder-only" or tokenizer is None:
         raise RunInputError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
                             f"generation needs a decoder-only language model such as shakespeare-char")
-    return TextModel(_lower(for_inference(run.model, plain=plain), quantize),
+    return TextModel(_lower(for_inference(run.model, plain=plain, device=where), quantize),
                      lambda text: tokenizer.encode(text).tolist(), tokenizer.decode, run.model_config.max_seq_len,
                      tokenizer=_tokenizers_object(tokenizer))
 
