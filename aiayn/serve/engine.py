@@ -20,6 +20,11 @@ tokens do not depend on what else is running (up to float rounding of the batche
 
 Requests talk to the engine through ``submit`` and a ``sink``: a callable the engine thread calls
 with an ``Event`` per generated token (the app hands each to its event loop).
+
+The engine runs where its model is (``aiayn.device.model_device``): the cache, each step's tokens
+(built on the CPU, then one copy) and every request's generator are there, and the forwards run
+under ``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU); the chosen ids come back
+to the CPU once per step.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aiayn.device import autocast, model_device, to_device
 from aiayn.generate.sampling import SamplingConfig, sample_next
 from aiayn.nn.kv_cache import format_bytes, kv_cache_bytes
 from aiayn.nn.row_kv_cache import RowKVCache
@@ -46,7 +52,6 @@ from aiayn.serve.text import IncrementalText
 from aiayn.textgen import TextModel
 
 logger = logging.getLogger("aiayn.serve")
-NO_HISTORY = torch.empty(1, 0, dtype=torch.long)  # sample_next's ids so far (no repetition penalty)
 
 
 @dataclass(frozen=True)
@@ -114,8 +119,9 @@ class Request:
         self.generated = 0
         self.last_token = -1
         self.finished = False
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        # The draws' generator, made on the model's device when the engine admits the request.
+        self.generator: torch.Generator | None = None
         self.sampling = SamplingConfig(temperature=params.temperature, top_p=params.top_p)
         self.text: IncrementalText | None = None  # set by the engine (it knows the tokenizer)
 
@@ -160,6 +166,8 @@ class Engine:
         if prefill_chunk < 1 or max_queue < 0:
             raise ValueError("prefill_chunk must be >= 1 and max_queue >= 0")
         self.lm, self.model, self.plan = lm, lm.model, plan
+        self.device = model_device(self.model)
+        self.no_history = torch.empty(1, 0, dtype=torch.long, device=self.device)  # sample_next's ids so far
         self.context, self.max_batch = plan.context, plan.rows
         cache = self.model.new_cache(plan.rows, plan.context, per_row=True, quantize=kv_cache)
         assert isinstance(cache, RowKVCache)
@@ -267,14 +275,15 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> None:
         """One scheduling step (see the module docstring)."""
-        self._run_jobs()
-        for request in [r for r in self.rows if r.cancelled]:
-            self._remove(request)
-        self._admit()
-        if len(self.rows) > self.n_decode:
-            self._prefill()
-        if self.n_decode:
-            self._decode()
+        with autocast(self.device):  # bfloat16 on CUDA; nothing on the CPU
+            self._run_jobs()
+            for request in [r for r in self.rows if r.cancelled]:
+                self._remove(request)
+            self._admit()
+            if len(self.rows) > self.n_decode:
+                self._prefill()
+            if self.n_decode:
+                self._decode()
         self.metrics.steps.inc()
 
     def _run_jobs(self) -> None:
@@ -296,6 +305,7 @@ class Engine:
             if request.cancelled:
                 continue
             request.text = IncrementalText(self.lm.decode, request.params.stop)
+            request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
             self.cache.clear_row(len(self.rows))
             self.rows.append(request)
             self.metrics.prompt_tokens.inc(len(request.prompt))
@@ -317,6 +327,7 @@ class Engine:
         for i, (request, take) in enumerate(batch):
             tokens[i, :take] = torch.tensor(request.prompt[request.fed: request.fed + take])
             valid[i, :take] = True
+        tokens, valid = to_device((tokens, valid), self.device)  # built on the CPU, one copy each
         view = self.cache.rows(start, start + len(batch))
         hidden = self.model.decoder(tokens, valid=valid, cache=view).hidden  # (k, width, d)
         done = []
@@ -337,7 +348,7 @@ class Engine:
     def _decode(self) -> None:
         """One token for every decoding row."""
         requests = self.rows[: self.n_decode]
-        tokens = torch.tensor([[r.last_token] for r in requests], dtype=torch.long)  # (d, 1)
+        tokens = to_device(torch.tensor([[r.last_token] for r in requests], dtype=torch.long), self.device)  # (d, 1)
         hidden = self.model.decoder(tokens, cache=self.cache.rows(0, self.n_decode)).hidden[:, -1]
         self._sample_and_emit(self.model.lm_head(hidden), requests)  # logits (d, v)
         self.metrics.batch_size.observe(len(requests))
@@ -347,7 +358,7 @@ class Engine:
         chosen = logits.argmax(dim=-1)  # (m,) greedy, replaced where a request samples
         for i, request in enumerate(requests):
             if request.params.temperature > 0:
-                chosen[i] = sample_next(logits[i: i + 1], NO_HISTORY, request.sampling, request.generator)[0]
+                chosen[i] = sample_next(logits[i: i + 1], self.no_history, request.sampling, request.generator)[0]
         logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in requests) else None
         for i, (request, token) in enumerate(zip(requests, chosen.tolist(), strict=True)):
             info = self._logprob(logprobs[i], token, request.params.logprobs) if logprobs is not None \

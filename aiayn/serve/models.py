@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aiayn.device import autocast, model_device
 from aiayn.embed import SentenceEncoder, load_sentence_encoder
 from aiayn.tasks.runs import load_text_model
 from aiayn.textgen import TextModel
@@ -44,31 +45,34 @@ def is_encoder_dir(path: Path) -> bool:
 
 
 def load_served_model(model_path: Path | None = None, run_dir: Path | None = None, *, name: str | None = None,
-                      quantize: str = "none", plain: bool = False) -> ServedModel:
+                      quantize: str = "none", plain: bool = False,
+                      device: torch.device | str | None = None) -> ServedModel:
     """The model of ``--model`` (GGUF file, Hugging Face directory, sentence-transformers directory)
     or ``--run``; its name defaults to the file or directory name. ``quantize`` ("bf16", "int8",
     "q4", "auto": ``aiayn.fast.quantize.lower_precision``'s) lowers a decoder's weights; "q4" and
-    "auto" keep a GGUF file's blocks packed."""
+    "auto" keep a GGUF file's blocks packed. ``device``: where it runs (None: the first CUDA GPU,
+    else the CPU; a decoder's int8 / q4 weights: the CPU, ``aiayn.textgen.placement``)."""
     source = model_path if model_path is not None else run_dir
     assert source is not None, "give a model path or a run directory"
     name = name or (source.stem if source.is_file() else source.resolve().name)
     if model_path is not None and is_encoder_dir(model_path):
-        return ServedModel(name, encoder=load_sentence_encoder(model_path))
+        return ServedModel(name, encoder=load_sentence_encoder(model_path, device=device))
     # "q4"/"auto" read a GGUF file's blocks packed (never a float copy); bf16/int8 lower the floats
-    lm = load_text_model(run_dir, model_path, plain=plain, quantize=quantize)
+    lm = load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device)
     return ServedModel(name, lm=lm)
 
 
 def decoder_embeddings(lm: TextModel, prompts: list[list[int]]) -> Tensor:
     """Sentence vectors from a decoder-only model: the mean of its last hidden states (after the
-    final norm) over each prompt's tokens, L2-normalised -> (n, d) float32. Run one prompt at a time
-    (no padding to mask)."""
+    final norm) over each prompt's tokens, L2-normalised -> (n, d) float32 on the CPU. Run one
+    prompt at a time (no padding to mask), on the model's device."""
+    device = model_device(lm.model)
     vectors = []
-    with torch.inference_mode():
+    with torch.inference_mode(), autocast(device):  # bfloat16 on CUDA; nothing on the CPU
         for ids in prompts:
-            hidden = lm.model(torch.tensor([ids], dtype=torch.long)).hidden  # (1, t, d)
+            hidden = lm.model(torch.tensor([ids], dtype=torch.long, device=device)).hidden  # (1, t, d)
             vectors.append(hidden[0].float().mean(dim=0))
-    return F.normalize(torch.stack(vectors), dim=-1)
+    return F.normalize(torch.stack(vectors), dim=-1).cpu()  # no copy on the CPU
 
 
 def encoder_token_counts(encoder: SentenceEncoder, texts: list[str]) -> list[int]:

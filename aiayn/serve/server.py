@@ -9,6 +9,7 @@ from types import FrameType
 import torch
 import uvicorn
 
+from aiayn.device import model_device
 from aiayn.models.base import count_parameters
 from aiayn.nn.kv_cache import format_bytes
 from aiayn.serve.app import ServerState, create_app
@@ -75,7 +76,8 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
         plan = slot_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache)
         engine = Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=prefill_chunk, max_queue=max_queue,
                         metrics=metrics, threads=threads)
-        lines = [f"model {served.name}: decoder-only, {weights_summary(lm.model)}, context {lm.context} tokens"
+        lines = [f"model {served.name}: decoder-only, {weights_summary(lm.model)}, on {model_device(lm.model)}, "
+                 f"context {lm.context} tokens"
                  f"{', chat template' if lm.chat_template is not None else ', no chat template'}",
                  plan.describe(kv_budget),
                  f"prefill in chunks of {prefill_chunk} tokens; at most {max_queue} requests wait for a slot "
@@ -86,7 +88,8 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
     else:
         assert served.encoder is not None
         lines = [f"model {served.name}: sentence encoder ({served.encoder.pooling} pooling), "
-                 f"{count_parameters(served.encoder.model):,} parameters; serves /v1/embeddings"]
+                 f"{count_parameters(served.encoder.model):,} parameters, on {model_device(served.encoder.model)}; "
+                 f"serves /v1/embeddings"]
     state = ServerState(served, engine, metrics, api_key=api_key, shutdown_grace=shutdown_grace)
     return state, lines
 
