@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aiayn.device import autocast
 from aiayn.explore.models import Explorable, ExploreInputError
 from aiayn.nn.kv_cache import KVCache, dtype_bytes, kv_cache_bytes
 
@@ -70,13 +71,13 @@ def decode_steps(ex: Explorable, text: str, *, steps: int = 16, top_k: int = 5, 
             raise ExploreInputError(f"the prompt is {len(ids)} tokens and fills the model's context of "
                                     f"{ex.context}; shorten it")
         n = min(steps, room)
-        loop = stream_decoder_only(ex.model, torch.tensor([ids]), max_new_tokens=n, sampling=sampling,
-                                   eos_id=ex.eos_id)
+        loop = stream_decoder_only(ex.model, torch.tensor([ids], device=ex.device), max_new_tokens=n,
+                                   sampling=sampling, eos_id=ex.eos_id)
         layers = c.n_layers
     else:
         assert ex.bos_id is not None
         ids = ex.tokens(text, "the source")
-        src = torch.tensor([ids])
+        src = torch.tensor([ids], device=ex.device)  # (1, s)
         limit = max_target_lengths(torch.ones_like(src, dtype=torch.bool), max_len_a=1.2, max_len_b=10,
                                    cap=min(steps, ex.context - 1))
         loop = stream_encoder_decoder(ex.model, src, bos_id=ex.bos_id, max_new_tokens=limit,
@@ -86,7 +87,7 @@ def decode_steps(ex: Explorable, text: str, *, steps: int = 16, top_k: int = 5, 
     out_steps: list[dict[str, Any]] = []
     generated: list[int] = []
     cache: KVCache | None = None
-    with ex.lock:
+    with ex.lock, autocast(ex.device):  # the loop's forwards run in here, one per step taken
         start = time.perf_counter()
         for step in loop:
             token, logits = int(step.tokens[0]), step.logits[0]
@@ -116,7 +117,7 @@ def decode_steps(ex: Explorable, text: str, *, steps: int = 16, top_k: int = 5, 
 
 
 def _step(ex: Explorable, index: int, token: int, logits: Tensor, top_k: int, seconds: float) -> dict[str, Any]:
-    probs = torch.softmax(logits.float(), dim=-1)  # (v,)
+    probs = torch.softmax(logits.float(), dim=-1).cpu()  # (v,); read back value by value below
     top = probs.topk(min(top_k, probs.shape[0]))
     return {"index": index, "id": token, "label": ex.label(token), "p": float(probs[token]),
             "eos": token == ex.eos_id, "ms": round(seconds * 1000, 2),

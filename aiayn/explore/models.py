@@ -11,7 +11,10 @@ Four kinds, each with its text functions:
 * ``task``: a run of any other task (reverse, copy, set-anomaly): its attention example only, in
   the task's own input syntax.
 
-The models run plain (no ``aiayn.fast`` kernels): what is shown is the paper's computation.
+The models run plain (no ``aiayn.fast`` kernels): what is shown is the paper's computation, on the
+device given at start-up (``device``; the first CUDA GPU by default, else the CPU), under
+``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU). A ``task`` run stays on the CPU:
+its task makes its attention example there (``Task.attention_example``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from aiayn.config import ModelConfig
+from aiayn.device import model_device, resolve
 
 # The explorer shows attention over at most this many tokens (a layer of SmolLM2 at 256 tokens
 # is 9 x 256 x 256 weights, 2.4 MB); the model's own context may be smaller.
@@ -75,6 +80,11 @@ class Explorable:
         return f"{'an' if self.config.arch[0] in 'aeiou' else 'a'} {self.config.arch}"
 
     @property
+    def device(self) -> torch.device:
+        """Where the model runs: every tensor the views make for it is made there."""
+        return model_device(self.model)
+
+    @property
     def limit(self) -> int:
         """Most tokens a text may have in this explorer."""
         return min(self.context, MAX_TOKENS)
@@ -120,18 +130,25 @@ class Explorable:
 
 
 # ---- loading ----------------------------------------------------------------------------------
-def load_explorable(run_dir: Path | None = None, model_path: Path | None = None) -> Explorable:
-    """The model of a run directory or of a file/directory (GGUF, Hugging Face); exactly one."""
+def load_explorable(run_dir: Path | None = None, model_path: Path | None = None, *,
+                    device: torch.device | str | None = None) -> Explorable:
+    """The model of a run directory or of a file/directory (GGUF, Hugging Face); exactly one.
+    ``device``: where it runs (None: the first CUDA GPU, else the CPU; a ``task`` run: the CPU)."""
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_explorable takes one of run_dir and model_path")
     from aiayn.tasks.shipped import is_release
 
+    where = resolve(device)  # before loading: a missing device fails at once
     if run_dir is None and model_path is not None and is_release(Path(model_path)):
         run_dir = model_path  # a shipped model is a run in miniature
     if run_dir is not None:
-        return _from_run(Path(run_dir))
-    assert model_path is not None
-    return _from_path(Path(model_path))
+        ex = _from_run(Path(run_dir))
+    else:
+        assert model_path is not None
+        ex = _from_path(Path(model_path), where)
+    if ex.kind != "task":  # a task's attention_example makes its inputs on the CPU
+        ex.model.to(where)
+    return ex
 
 
 def _from_run(run_dir: Path) -> Explorable:
@@ -174,7 +191,7 @@ def _from_run(run_dir: Path) -> Explorable:
                       decode=lambda ids: " ".join(map(str, ids)), task=task, **common)
 
 
-def _from_path(path: Path) -> Explorable:
+def _from_path(path: Path, device: torch.device) -> Explorable:
     from aiayn.textgen import TextModelError, is_gguf
 
     if is_gguf(path):
@@ -192,14 +209,14 @@ def _from_path(path: Path) -> Explorable:
         raise TextModelError(f"{path} is neither a GGUF file nor a Hugging Face model directory "
                              f"(config.json + weights + tokenizer)")
     if (path / "modules.json").is_file() or _hf_model_type(path) in ("bert", "roberta", "distilbert"):
-        return _sentence_encoder(path)
+        return _sentence_encoder(path, device)
     from tokenizers import Tokenizer
 
     from aiayn.interop import load_hf
 
     model, config = load_hf(path)
     if config.arch == "encoder-only":
-        return _sentence_encoder(path)
+        return _sentence_encoder(path, device)
     if config.arch != "decoder-only":
         raise TextModelError(f"{path} is a Hugging Face {config.arch} model; aiayn explore opens decoder-only "
                              f"and encoder-only model directories (for a translation model, give --run)")
@@ -224,10 +241,10 @@ def _hf_model_type(path: Path) -> str | None:
         return None  # load_hf names the problem
 
 
-def _sentence_encoder(path: Path) -> Explorable:
+def _sentence_encoder(path: Path, device: torch.device) -> Explorable:
     from aiayn.embed import load_sentence_encoder
 
-    encoder = load_sentence_encoder(path)
+    encoder = load_sentence_encoder(path, device=device)
     tok = encoder.tokenizer
     tok.no_truncation()  # the explorer refuses a long text instead of cutting it silently
     config = encoder.model.config

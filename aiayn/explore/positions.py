@@ -38,7 +38,7 @@ def offset_curves(table: Tensor, *, cosine: bool = False) -> dict[str, Any]:
         k_max = last // 2
         starts = sorted({0, (last - k_max) // 2, last - k_max})
     rows = table / table.norm(dim=-1, keepdim=True).clamp(min=1e-12) if cosine else table
-    offsets = torch.arange(k_max + 1)
+    offsets = torch.arange(k_max + 1, device=table.device)
     curves = [{"start": t, "values": (rows[t] * rows[t + offsets]).sum(-1).tolist()} for t in starts]
     return {"offsets": offsets.tolist(), "curves": curves, "cosine": cosine}
 
@@ -104,7 +104,7 @@ def model_positions(ex: Explorable) -> dict[str, Any]:
         return {"scheme": "rope", "title": f"the model's RoPE (head_dim {c.head_dim}, base {c.rope_base:g})",
                 **rope_panel(c.head_dim, c.rope_base, n)}
     if isinstance(stack.relative, ALiBi | T5RelativeBias):
-        positions = torch.arange(min(n, 64))[None]
+        positions = torch.arange(min(n, 64), device=ex.device)[None]  # (1, t)
         bias = stack.relative(positions, positions)[0]  # (h, t, t)
         return {"scheme": c.positional, "title": f"the model's {c.positional} attention bias per head (query x key)",
                 "bias": pack_matrix(bias)}

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from aiayn.device import autocast
 from aiayn.explore.models import Explorable, ExploreInputError
 
 CACHE_BYTES = 512 * 2**20  # attention kept for recent texts, at most this much (oldest dropped first)
@@ -80,6 +81,12 @@ class AttentionProbe:
         return layers[layer]
 
 
+def kept(weights: Tensor) -> Tensor:
+    """Attention weights as the cache keeps them: a float32 copy on the CPU (not a view into the
+    forward's output, nor device memory)."""
+    return weights.float().to("cpu", copy=True)
+
+
 def probe_key(*parts: str) -> str:
     return hashlib.sha256("\x00".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
@@ -92,13 +99,14 @@ def compute_attention(ex: Explorable, text: str, target: str | None = None) -> A
     if ex.kind == "task":
         return _task_attention(ex, text, key)
     ids = ex.tokens(text, "the source" if ex.kind == "translation" else "the text")
-    if ex.kind == "translation":
-        return _translation_attention(ex, ids, target, key)
-    tokens = torch.tensor([ids])  # (1, t)
-    out = ex.model(tokens, need_weights=True)
+    with autocast(ex.device):  # bfloat16 on CUDA (the softmax stays float32); nothing on the CPU
+        if ex.kind == "translation":
+            return _translation_attention(ex, ids, target, key)
+        tokens = torch.tensor([ids], device=ex.device)  # (1, t)
+        out = ex.model(tokens, need_weights=True)
     title = "causal self-attention" if ex.kind == "decoder" else "self-attention (bidirectional)"
     stack = AttentionStack("self", title, "tokens", "tokens", ex.kind == "decoder",
-                           [w[0].float().clone() for w in out.attentions])  # each (h, t, t)
+                           [kept(w[0]) for w in out.attentions])  # each (h, t, t)
     return AttentionProbe(key, {"tokens": [ex.label(i) for i in ids]}, {"tokens": ids}, {"self": stack})
 
 
@@ -106,7 +114,7 @@ def _translation_attention(ex: Explorable, src_ids: list[int], target: str | Non
     from aiayn.generate import greedy_encoder_decoder, max_target_lengths
 
     assert ex.bos_id is not None and ex.eos_id is not None
-    src = torch.tensor([src_ids])  # (1, s)
+    src = torch.tensor([src_ids], device=ex.device)  # (1, s)
     note = ""
     if target is not None and target.strip():
         tgt_ids = ex.tokens(target, "the target")[:-1]  # without the </s> encode appends
@@ -118,15 +126,15 @@ def _translation_attention(ex: Explorable, src_ids: list[int], target: str | Non
         result = greedy_encoder_decoder(ex.model, src, bos_id=ex.bos_id, eos_id=ex.eos_id, max_new_tokens=limit)
         tgt_ids = [i for i in result.tokens[0].tolist()[: int(result.lengths[0])] if i != ex.eos_id]
         note = f"target: the model's greedy translation, \u201c{ex.decode(tgt_ids)}\u201d"
-    tgt_in = torch.tensor([[ex.bos_id, *tgt_ids]])  # (1, t): <s> + target, the decoder's queries
+    tgt_in = torch.tensor([[ex.bos_id, *tgt_ids]], device=ex.device)  # (1, t): <s> + target, the decoder's queries
     out = ex.model(src, tgt_in, need_weights=True)
     stacks = {
         "encoder": AttentionStack("encoder", "encoder self-attention", "source", "source", False,
-                                  [w[0].float().clone() for w in out.encoder_attentions]),
+                                  [kept(w[0]) for w in out.encoder_attentions]),
         "decoder": AttentionStack("decoder", "decoder self-attention (causal)", "target", "target", True,
-                                  [w[0].float().clone() for w in out.attentions]),
+                                  [kept(w[0]) for w in out.attentions]),
         "cross": AttentionStack("cross", "cross-attention: target queries, source keys", "target", "source",
-                                False, [w[0].float().clone() for w in out.cross_attentions]),
+                                False, [kept(w[0]) for w in out.cross_attentions]),
     }
     target_ids = [ex.bos_id, *tgt_ids]
     return AttentionProbe(key, {"source": [ex.label(i) for i in src_ids], "target": [ex.label(i) for i in target_ids]},
@@ -142,7 +150,7 @@ def _task_attention(ex: Explorable, text: str, key: str) -> AttentionProbe:
     if example is None:
         raise ExploreInputError(f"task {ex.task.name} has no attention example")
     stack = AttentionStack("task", example.title, "queries", "keys", False,
-                           [w.float().clone() for w in example.weights])
+                           [kept(w) for w in example.weights])
     return AttentionProbe(key, {"queries": example.query_labels, "keys": example.key_labels}, {}, {"task": stack})
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from aiayn.device import autocast, to_device
 from aiayn.explore.models import Explorable, ExploreInputError
 
 MAX_BEAM = 8
@@ -44,9 +45,9 @@ def beam_tree(ex: Explorable, text: str, *, beam: int = 4, length_penalty: float
         assert ex.bos_id is not None and ex.eos_id is not None
         ids = ex.tokens(text, "the source")
         root = ex.label(ex.bos_id)
-        with ex.lock:
+        with ex.lock, autocast(ex.device):
             result = beam_search_encoder_decoder(
-                ex.model, torch.tensor([ids]), bos_id=ex.bos_id, eos_id=ex.eos_id, beam_size=beam,
+                ex.model, torch.tensor([ids], device=ex.device), bos_id=ex.bos_id, eos_id=ex.eos_id, beam_size=beam,
                 length_penalty=length_penalty, max_len_a=1.2, max_len_b=10, n_best=beam, trace=trace.append)
     else:
         ids = ex.tokens(text, "the prompt")
@@ -55,11 +56,12 @@ def beam_tree(ex: Explorable, text: str, *, beam: int = 4, length_penalty: float
             raise ExploreInputError(f"the prompt is {len(ids)} tokens and fills the model's context of "
                                     f"{ex.context}; shorten it")
         root = ex.label(ids[-1])
-        with ex.lock:
+        with ex.lock, autocast(ex.device):
             result = beam_search_decoder_only(
-                ex.model, torch.tensor([ids]), eos_id=ex.eos_id, max_new_tokens=min(steps, room), beam_size=beam,
+                ex.model, torch.tensor([ids], device=ex.device), eos_id=ex.eos_id, max_new_tokens=min(steps, room), beam_size=beam,
                 length_penalty=length_penalty, n_best=beam, trace=trace.append)
 
+    trace = [to_device(step, torch.device("cpu")) for step in trace]  # read value by value below
     nodes: list[dict[str, Any]] = [{"id": 0, "t": 0, "parent": None, "label": root, "score": 0.0,
                                     "status": "kept", "slot": 0}]
     slots = {0: 0}  # beam slot -> node id of the open beams after the previous step
