@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from aiayn.cli.app import cli, one_model
+from aiayn.cli.app import cli, device_option, one_model, resolve_device
 
 
 @cli.command("explore")
@@ -21,19 +21,25 @@ from aiayn.cli.app import cli, one_model
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,
               help="Port to listen on (0: any free port).")
 @click.option("--no-open", is_flag=True, help="Print the URL without opening a browser.")
-def explore_cmd(run_dir: Path | None, model_path: Path | None, host: str, port: int, no_open: bool) -> None:
+@device_option
+def explore_cmd(run_dir: Path | None, model_path: Path | None, host: str, port: int, no_open: bool,
+                device: str = "auto") -> None:
     """Look inside a model in the browser: attention (cross-attention too), decoding step by step
-    with the KV cache, the beam-search tree, positional encodings, the training run."""
+    with the KV cache, the beam-search tree, positional encodings, the training run.
+
+    A run of a task other than translation or a language model stays on the CPU (its attention
+    example is made there)."""
     from aiayn.cli.generate import resolve_model
     from aiayn.explore import load_explorable
     from aiayn.explore.server import ServeError, check_port, serve
 
+    where = resolve_device(device)
     one_model(run_dir, model_path)
     model_path = resolve_model(run_dir, model_path)  # a shipped name, or SmolLM2 by default
     try:
         if port:
             check_port(host, port)  # before loading the model: fail in a second, not after it
-        explorable = load_explorable(run_dir, model_path)
+        explorable = load_explorable(run_dir, model_path, device=where)
         serve(explorable, host=host, port=port, open_browser=not no_open, echo=click.echo)
     except ServeError as exc:
         raise click.BadParameter(str(exc), param_hint="--port/--host") from None

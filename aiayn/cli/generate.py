@@ -15,10 +15,32 @@ from aiayn.cli.app import (
     FiniteFloatRange,
     check_threads,
     cli,
+    device_option,
     one_model,
     plain_option,
+    resolve_device,
     utf8_text,
 )
+
+QUANTIZE_HELP = ("Lower-precision weights for speed: bf16 (all weights bfloat16), int8 (Linear weights "
+                 "int8 per row), q4 (Linear weights in 4-bit blocks), auto (a GGUF file's own blocks, "
+                 "e.g. Q4_1 and Q8_0, kept packed; other models as stored). int8 and q4 are CPU "
+                 "kernels: with --device auto they run on the CPU, with another device they are "
+                 "refused; off the CPU auto keeps float weights. docs/q4.md")
+
+
+def text_device(name: str, quantize: str = "none") -> Any:
+    """The ``torch.device`` of ``--device`` for a text model loaded with ``--quantize`` (resolved
+    once, before loading): ``aiayn.textgen.placement``'s rule (int8 / q4 choose the CPU under
+    auto and are refused elsewhere), each failure one usage line."""
+    from aiayn.textgen import CPU_QUANTIZE, placement
+
+    device = resolve_device("cpu" if quantize in CPU_QUANTIZE and name.strip().lower() == "auto" else name)
+    try:
+        placement(device, quantize)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--quantize") from None
+    return device
 
 
 @cli.command("generate")
@@ -43,10 +65,7 @@ from aiayn.cli.app import (
 @click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1.")
 @click.option("--stop", "stops", multiple=True, help="Stop once this string is produced (repeatable).")
 @click.option("--quantize", type=click.Choice(["none", "bf16", "int8", "q4", "auto"]), default="none",
-              show_default=True,
-              help="Lower-precision weights for speed: bf16 (all weights bfloat16), int8 (Linear weights "
-                   "int8 per row), q4 (Linear weights in 4-bit blocks), auto (a GGUF file's own blocks, "
-                   "e.g. Q4_1 and Q8_0, kept packed; other models as stored). docs/q4.md")
+              show_default=True, help=QUANTIZE_HELP)
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's choice).")
 @click.option("--kv-cache", "kv_cache", type=click.Choice(["float", "int8", "int4"]), default="float",
               show_default=True, help="Key/value cache storage: the model's float type, or quantised "
@@ -55,17 +74,19 @@ from aiayn.cli.app import (
               help="Run the decode steps as one torch.compile'd graph (float KV cache only; the "
                    "first step compiles, which takes seconds to a minute and needs a C++ compiler).")
 @plain_option
+@device_option
 def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
                  max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
                  repetition_penalty: float, seed: int | None, stops: tuple[str, ...],
                  quantize: str = "none", threads: int | None = None, kv_cache: str = "float",
-                 compiled: bool = False, plain: bool = False) -> None:
+                 compiled: bool = False, plain: bool = False, device: str = "auto") -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     import torch
 
     from aiayn.generate import SamplingConfig
     from aiayn.textgen import stream_text
 
+    where = text_device(device, quantize)
     one_model(run_dir, model_path)
     if not prompt:
         raise click.BadParameter("the prompt is empty; give some text to continue", param_hint="--prompt")
@@ -74,7 +95,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
                                  param_hint="--kv-cache")
     if threads is not None:
         torch.set_num_threads(check_threads(threads))
-    lm = _text_model(run_dir, model_path, plain=plain, quantize=quantize)
+    lm = _text_model(run_dir, model_path, plain=plain, quantize=quantize, device=where)
     if kv_cache == "int4" and lm.model.config.head_dim % 2:
         raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
                                  f"{lm.model.config.head_dim} is odd; use int8", param_hint="--kv-cache")
@@ -114,14 +135,16 @@ def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
     return model_path
 
 
-def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool, quantize: str = "none") -> Any:
-    """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed)."""
+def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool, quantize: str = "none",
+                device: Any = None) -> Any:
+    """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed), on
+    ``device`` (a ``torch.device``, or a name: ``text_device``)."""
     from aiayn.tasks.runs import RunInputError, load_text_model
     from aiayn.textgen import TextModelError
 
     model_path = resolve_model(run_dir, model_path)
     try:
-        return load_text_model(run_dir, model_path, plain=plain, quantize=quantize)
+        return load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device)
     except RunInputError as exc:
         raise click.UsageError(str(exc)) from None
     except TextModelError as exc:
@@ -138,11 +161,14 @@ def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool, q
               help="Override L2 normalisation (default: the Normalize module, else normalised).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
               help="Texts encoded at once.")
+@device_option
 @click.argument("texts", nargs=-1, required=True, callback=utf8_text)
 def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batch_size: int,
-              texts: tuple[str, ...]) -> None:
+              texts: tuple[str, ...], device: str = "auto") -> None:
     """Print one JSON line {"text", "embedding"} per TEXT (use '-' to read lines from stdin)."""
     from aiayn.embed import load_sentence_encoder
+
+    where = resolve_device(device)
 
     if texts == ("-",):
         texts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
@@ -150,7 +176,7 @@ def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batc
     if not texts or empty:
         where = f"text {empty[0] + 1} of {len(texts)} is empty" if empty else "no texts were given"
         raise click.BadParameter(f"{where}; every text needs some words", param_hint="TEXTS")
-    encoder = load_sentence_encoder(model_dir, pooling=pooling, normalize=normalize)
+    encoder = load_sentence_encoder(model_dir, pooling=pooling, normalize=normalize, device=where)
     vectors = encoder.encode(list(texts), batch_size=batch_size)
     for text, vector in zip(texts, vectors.tolist(), strict=True):
         click.echo(json.dumps({"text": text, "embedding": vector}, ensure_ascii=False))

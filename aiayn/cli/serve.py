@@ -6,7 +6,14 @@ from pathlib import Path
 
 import click
 
-from aiayn.cli.app import FiniteFloatRange, check_threads, cli, one_model, plain_option
+from aiayn.cli.app import (
+    FiniteFloatRange,
+    check_threads,
+    cli,
+    device_option,
+    one_model,
+    plain_option,
+)
 
 
 @cli.command("serve")
@@ -27,7 +34,9 @@ from aiayn.cli.app import FiniteFloatRange, check_threads, cli, one_model, plain
               help="KV-cache storage: the model's float type or quantised (more slots per budget).")
 @click.option("--quantize", type=click.Choice(["none", "bf16", "int8", "q4", "auto"]), default="none",
               show_default=True, help="Lower-precision weights: bf16, int8 Linear weights (weight-only), "
-              "q4 (4-bit blocks), or auto (a GGUF file's own blocks kept packed: docs/q4.md).")
+              "q4 (4-bit blocks), or auto (a GGUF file's own blocks kept packed: docs/q4.md). int8 and q4 "
+              "are CPU kernels: --device auto then picks the CPU, another device refuses them; off the "
+              "CPU auto keeps float weights.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prompt tokens read per engine step (a long prompt does not stall other streams).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
@@ -37,17 +46,19 @@ from aiayn.cli.app import FiniteFloatRange, check_threads, cli, one_model, plain
               help="Seconds running requests get to finish after SIGTERM.")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's choice).")
 @plain_option
+@device_option
 def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, host: str, port: int,
               max_batch: int, context: int | None, kv_budget: str, kv_cache: str, quantize: str,
               prefill_chunk: int, max_queue: int, api_key: str | None, shutdown_grace: float,
-              threads: int | None, plain: bool = False) -> None:
+              threads: int | None, plain: bool = False, device: str = "auto") -> None:
     """Serve a model over the OpenAI API (chat, completions, embeddings) with continuous batching."""
     import torch
 
-    from aiayn.cli.generate import resolve_model
+    from aiayn.cli.generate import resolve_model, text_device
     from aiayn.serve import build_state, load_served_model, parse_size, server
     from aiayn.serve.server import check_port, exposure_warning
 
+    where = text_device(device, quantize)  # the KV budget (--kv-budget) is this device's memory
     one_model(run_dir, model_path)
     try:
         budget = parse_size(kv_budget)
@@ -62,7 +73,7 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
     # matmul of one row: 75 instead of 15 us; decode 1.5x slower on 2 threads). So the main thread
     # loads on one thread (no pool of its own) and the engine thread uses the threads asked for.
     torch.set_num_threads(1)
-    served = load_served_model(model_path, run_dir, name=name, quantize=quantize, plain=plain)
+    served = load_served_model(model_path, run_dir, name=name, quantize=quantize, plain=plain, device=where)
     if served.lm is None:  # an encoder answers on the server's threads: no engine thread to leave them to
         torch.set_num_threads(wanted)
     try:
@@ -101,7 +112,7 @@ def export_cmd(target: str, out_dir: Path, model_path: Path | None, run_dir: Pat
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise click.BadParameter(f"{out_dir} exists and is not an empty directory; give a new one",
                                  param_hint="OUT_DIR")
-    lm = _text_model(run_dir, model_path, plain=True)
+    lm = _text_model(run_dir, model_path, plain=True, device="cpu")  # written from the CPU
     lm.model = lm.model.to(getattr(torch, dtype))
     try:
         out = export_text_model(lm, out_dir)

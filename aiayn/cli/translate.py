@@ -15,8 +15,10 @@ from aiayn.cli.app import (
     FiniteFloatRange,
     check_writable,
     cli,
+    device_option,
     one_model,
     plain_option,
+    resolve_device,
     utf8_text,
 )
 
@@ -42,6 +44,7 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Nucleus sampling threshold."),
         click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1."),
         plain_option,
+        device_option,
     ]
     for option in reversed(options):
         func = option(func)
@@ -49,9 +52,10 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _translator(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, plain: bool,
-                **decoding: Any) -> tuple[Any, Any]:
+                device: Any, **decoding: Any) -> tuple[Any, Any]:
     """(``Translator``, ``DecodeOptions``) of --run / --model / --checkpoint and the decoding
-    options; beam size and length penalty default to the run's recipe."""
+    options, the model on ``device`` (resolved: ``resolve_device``); beam size and length penalty
+    default to the run's recipe."""
     from aiayn.tasks.runs import RunInputError, load_translator
     from aiayn.tasks.shipped import DEFAULT_TRANSLATION_MODEL, resolve_model
     from aiayn.translate import decode_options
@@ -60,7 +64,7 @@ def _translator(run_dir: Path | None, model_name: str | None, checkpoint: Path |
     try:
         if run_dir is None:
             run_dir = resolve_model(model_name or DEFAULT_TRANSLATION_MODEL)
-        task, translator = load_translator(run_dir, checkpoint, plain=plain)
+        task, translator = load_translator(run_dir, checkpoint, plain=plain, device=device)
     except RunInputError as exc:
         raise click.BadParameter(str(exc), param_hint=f"--{exc.about}") from None
     return translator, decode_options(task.decode, **decoding)
@@ -71,7 +75,7 @@ def _translator(run_dir: Path | None, model_name: str | None, checkpoint: Path |
 @click.argument("texts", nargs=-1, callback=utf8_text)
 def translate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
                   temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
-                  plain: bool, texts: tuple[str, ...]) -> None:
+                  plain: bool, device: str, texts: tuple[str, ...]) -> None:
     """Translate TEXTS, or each line of standard input as it arrives (one output line per input line).
 
     A sentence longer than the model's maximum is cut to fit, with a warning on stderr.
@@ -80,7 +84,8 @@ def translate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path
 
     from aiayn.translate import InputTooLongWarning
 
-    translator, options = _translator(run_dir, model_name, checkpoint, plain, beam_size=beam, length_penalty=length_penalty,
+    where = resolve_device(device)
+    translator, options = _translator(run_dir, model_name, checkpoint, plain, where, beam_size=beam, length_penalty=length_penalty,
                                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
     def show(warning: Any, category: Any, *_: Any, **__: Any) -> None:
@@ -111,16 +116,17 @@ def translate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path
               help="Also write the hypotheses (detokenised, one per line) here.")
 def evaluate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
-                 plain: bool, src_path: Path, ref_path: Path, out_path: Path | None) -> None:
+                 plain: bool, device: str, src_path: Path, ref_path: Path, out_path: Path | None) -> None:
     """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF."""
     from aiayn.data.parallel import read_parallel
     from aiayn.tasks.translation import corpus_score
     from aiayn.train.checkpoint import atomic_write_text
 
+    where = resolve_device(device)
     sources, references = read_parallel(src_path, ref_path)
     if out_path is not None:  # fail now, not after the whole decode
         check_writable(out_path, "--out")
-    translator, options = _translator(run_dir, model_name, checkpoint, plain, beam_size=beam, length_penalty=length_penalty,
+    translator, options = _translator(run_dir, model_name, checkpoint, plain, where, beam_size=beam, length_penalty=length_penalty,
                                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     start = time.perf_counter()
     hypotheses = translator.translate(sources, options)
