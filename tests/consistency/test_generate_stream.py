@@ -40,7 +40,9 @@ VOCAB, PAD, BOS, EOS = 99, 0, 1, 3
 SAMPLING = SamplingConfig(temperature=0.9, top_k=30, top_p=0.95, repetition_penalty=1.2, seed=5)
 
 
-def language_model(eos_boost: float = 0.0) -> nn.Module:
+# Models are built and seeded on the CPU (the same weights on every device), then moved to the test's
+# device; ids are drawn on the CPU and moved likewise.
+def language_model(eos_boost: float = 0.0, *, device: torch.device) -> nn.Module:
     """LLaMA-like (RoPE, GQA, RMSNorm, SwiGLU) with pad_id 0; ``eos_boost`` is added to eos's output bias."""
     torch.manual_seed(0)
     config = ModelConfig(arch="decoder-only", vocab_size=VOCAB, d_model=48, n_heads=6, n_kv_heads=2, n_layers=2,
@@ -50,10 +52,10 @@ def language_model(eos_boost: float = 0.0) -> nn.Module:
     model = randomize_(build_model(config), 0).eval()
     with torch.no_grad():
         model.lm_head.bias[EOS] += eos_boost
-    return model
+    return model.to(device)
 
 
-def translation_model(eos_boost: float = 0.0) -> nn.Module:
+def translation_model(eos_boost: float = 0.0, *, device: torch.device) -> nn.Module:
     """The paper's encoder-decoder at toy size, T5 relative positions, pad_id 0."""
     torch.manual_seed(0)
     config = ModelConfig(arch="encoder-decoder", vocab_size=VOCAB, d_model=48, n_heads=6, n_layers=2, d_ff=37,
@@ -61,25 +63,25 @@ def translation_model(eos_boost: float = 0.0) -> nn.Module:
     model = randomize_(build_model(config), 0).eval()
     with torch.no_grad():
         model.lm_head.bias[EOS] += eos_boost
-    return model
+    return model.to(device)
 
 
-def ids(b: int, t: int, seed: int) -> torch.Tensor:
+def ids(b: int, t: int, seed: int, *, device: torch.device) -> torch.Tensor:
     """Token ids in [4, VOCAB): never pad, bos or eos."""
-    return torch.randint(4, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(4, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def left_padded_prompt() -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded_prompt(*, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(3, 6) prompt of 6, 3 and 1 real tokens, left-padded with pad ids -> (tokens, valid)."""
-    tokens = ids(3, 6, seed=1)
-    valid = torch.ones(3, 6, dtype=torch.bool)
+    tokens = ids(3, 6, seed=1, device=device)
+    valid = torch.ones(3, 6, dtype=torch.bool, device=device)
     valid[1, :3] = valid[2, :5] = False
     return tokens.masked_fill(~valid, PAD), valid
 
 
-def sources() -> torch.Tensor:
+def sources(*, device: torch.device) -> torch.Tensor:
     """(4, 9) right-padded sources of 9, 5, 2 and 7 tokens."""
-    return right_pad([ids(1, n, seed=10 + n)[0] for n in (9, 5, 2, 7)])
+    return right_pad([ids(1, n, seed=10 + n, device=device)[0] for n in (9, 5, 2, 7)])
 
 
 def collect(steps: list[DecodeStep]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,9 +95,9 @@ def first_eos(tokens: torch.Tensor) -> list[int | None]:
 
 # ---- the iterator is the wrappers' loop ---------------------------------------------------------
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "recomputed"])
-def test_decoder_only_stream_yields_the_greedy_tokens(use_cache: bool) -> None:
-    model = language_model()
-    prompt, valid = left_padded_prompt()
+def test_decoder_only_stream_yields_the_greedy_tokens(use_cache: bool, device: torch.device) -> None:
+    model = language_model(device=device)
+    prompt, valid = left_padded_prompt(device=device)
     steps = list(stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=10, use_cache=use_cache))
     tokens, logits = collect(steps)
     greedy = greedy_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=10, use_cache=use_cache)
@@ -106,9 +108,9 @@ def test_decoder_only_stream_yields_the_greedy_tokens(use_cache: bool) -> None:
     assert all(bool(s.active.all()) and not bool(s.done.any()) for s in steps)  # no eos: nobody finishes
 
 
-def test_decoder_only_stream_yields_the_seeded_samples() -> None:
-    model = language_model()
-    prompt, valid = left_padded_prompt()
+def test_decoder_only_stream_yields_the_seeded_samples(device: torch.device) -> None:
+    model = language_model(device=device)
+    prompt, valid = left_padded_prompt(device=device)
     tokens, _ = collect(list(stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12,
                                                  sampling=SAMPLING)))
     sampled = generate_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12, sampling=SAMPLING)
@@ -126,10 +128,10 @@ def test_decoder_only_stream_yields_the_seeded_samples() -> None:
 
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "recomputed"])
-def test_encoder_decoder_stream_yields_the_greedy_tokens_and_lengths(use_cache: bool) -> None:
-    model = translation_model(eos_boost=2.5)
-    src = sources()
-    limits = torch.tensor([12, 4, 1, 7])
+def test_encoder_decoder_stream_yields_the_greedy_tokens_and_lengths(use_cache: bool, device: torch.device) -> None:
+    model = translation_model(eos_boost=2.5, device=device)
+    src = sources(device=device)
+    limits = torch.tensor([12, 4, 1, 7], device=device)
     steps = list(stream_encoder_decoder(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=limits,
                                         use_cache=use_cache))
     tokens, logits = collect(steps)
@@ -146,10 +148,10 @@ def test_encoder_decoder_stream_yields_the_greedy_tokens_and_lengths(use_cache: 
         assert bool((tokens[row, n:] == PAD).all())
 
 
-def test_encoder_decoder_stream_yields_the_seeded_samples() -> None:
-    model = translation_model()
-    src = sources()
-    limits = torch.tensor([8, 3, 5, 8])
+def test_encoder_decoder_stream_yields_the_seeded_samples(device: torch.device) -> None:
+    model = translation_model(device=device)
+    src = sources(device=device)
+    limits = torch.tensor([8, 3, 5, 8], device=device)
     tokens, _ = collect(list(stream_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=limits,
                                                     sampling=SAMPLING)))
     sampled = sample_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=limits, sampling=SAMPLING)
@@ -163,9 +165,9 @@ def test_encoder_decoder_stream_yields_the_seeded_samples() -> None:
 
 # ---- every step's logits are the model's over the sequence so far --------------------------------
 @pytest.mark.parametrize("sampling", [None, SAMPLING], ids=["greedy", "sampled"])
-def test_decoder_only_step_logits_equal_a_full_forward(sampling: SamplingConfig | None) -> None:
-    model = language_model()
-    prompt, valid = left_padded_prompt()
+def test_decoder_only_step_logits_equal_a_full_forward(sampling: SamplingConfig | None, device: torch.device) -> None:
+    model = language_model(device=device)
+    prompt, valid = left_padded_prompt(device=device)
     t = prompt.shape[1]
     tokens, logits = collect(list(stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=10,
                                                       sampling=sampling)))
@@ -176,12 +178,12 @@ def test_decoder_only_step_logits_equal_a_full_forward(sampling: SamplingConfig 
 
 
 @pytest.mark.parametrize("sampling", [None, SAMPLING], ids=["greedy", "sampled"])
-def test_encoder_decoder_step_logits_equal_teacher_forcing(sampling: SamplingConfig | None) -> None:
-    model = translation_model()
-    src = sources()
+def test_encoder_decoder_step_logits_equal_teacher_forcing(sampling: SamplingConfig | None, device: torch.device) -> None:
+    model = translation_model(device=device)
+    src = sources(device=device)
     tokens, logits = collect(list(stream_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=10,
                                                          sampling=sampling)))
-    target = torch.cat([torch.full((4, 1), BOS), tokens], 1)  # (b, 1 + n): bos and the generated tokens
+    target = torch.cat([torch.full((4, 1), BOS, device=device), tokens], 1)  # (b, 1 + n): bos and the generated tokens
     with torch.no_grad():
         full = model(src, target, tgt_valid=torch.ones_like(target, dtype=torch.bool)).logits
     assert_close(logits, full[:, :-1])
@@ -189,13 +191,13 @@ def test_encoder_decoder_step_logits_equal_teacher_forcing(sampling: SamplingCon
 
 # ---- eos ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["decoder-only", "encoder-decoder"])
-def test_stream_stops_once_every_row_has_emitted_eos(arch: str) -> None:
+def test_stream_stops_once_every_row_has_emitted_eos(arch: str, device: torch.device) -> None:
     if arch == "decoder-only":
-        steps = list(stream_decoder_only(language_model(eos_boost=2.5), ids(4, 5, seed=1), max_new_tokens=30,
-                                         eos_id=EOS))
+        steps = list(stream_decoder_only(language_model(eos_boost=2.5, device=device), ids(4, 5, seed=1, device=device),
+                                         max_new_tokens=30, eos_id=EOS))
     else:
-        steps = list(stream_encoder_decoder(translation_model(eos_boost=2.5), sources(), bos_id=BOS,
-                                            max_new_tokens=30, eos_id=EOS))
+        steps = list(stream_encoder_decoder(translation_model(eos_boost=2.5, device=device), sources(device=device),
+                                            bos_id=BOS, max_new_tokens=30, eos_id=EOS))
     tokens, _ = collect(steps)
     stops = first_eos(tokens)
     assert None not in stops and len(set(stops)) > 1  # every row ends, at different steps
@@ -206,9 +208,9 @@ def test_stream_stops_once_every_row_has_emitted_eos(arch: str) -> None:
         assert [bool(s.active[row]) for s in steps] == [i <= stop for i in range(len(steps))]
 
 
-def test_fill_id_after_eos() -> None:
+def test_fill_id_after_eos(device: torch.device) -> None:
     """generate_decoder_only repeats eos after eos; the stream's fill_id chooses."""
-    model, prompt = language_model(eos_boost=2.5), ids(4, 5, seed=1)
+    model, prompt = language_model(eos_boost=2.5, device=device), ids(4, 5, seed=1, device=device)
     sampled = generate_decoder_only(model, prompt, max_new_tokens=30, eos_id=EOS,
                                     sampling=SamplingConfig(temperature=0))
     streamed, _ = collect(list(stream_decoder_only(model, prompt, max_new_tokens=30, eos_id=EOS, fill_id=EOS)))
@@ -225,14 +227,14 @@ def count_output_calls(model: nn.Module) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ["decoder-only", "encoder-decoder"])
-def test_leaving_the_loop_early_runs_no_further_step(arch: str) -> None:
-    model = language_model() if arch == "decoder-only" else translation_model()
+def test_leaving_the_loop_early_runs_no_further_step(arch: str, device: torch.device) -> None:
+    model = language_model(device=device) if arch == "decoder-only" else translation_model(device=device)
     calls = count_output_calls(model)
 
     def stream():
         if arch == "decoder-only":
-            return stream_decoder_only(model, ids(2, 5, seed=2), max_new_tokens=20, sampling=SAMPLING)
-        return stream_encoder_decoder(model, sources(), bos_id=BOS, max_new_tokens=20, sampling=SAMPLING)
+            return stream_decoder_only(model, ids(2, 5, seed=2, device=device), max_new_tokens=20, sampling=SAMPLING)
+        return stream_encoder_decoder(model, sources(device=device), bos_id=BOS, max_new_tokens=20, sampling=SAMPLING)
 
     full, _ = collect(list(stream()))
     assert calls[0] == 20  # one model step (one output projection) per token
@@ -252,12 +254,12 @@ def test_leaving_the_loop_early_runs_no_further_step(arch: str) -> None:
         next(steps)
 
 
-def test_bad_arguments_raise_on_the_call_not_at_the_first_step() -> None:
-    model, prompt = language_model(), ids(2, 5, seed=3)
+def test_bad_arguments_raise_on_the_call_not_at_the_first_step(device: torch.device) -> None:
+    model, prompt = language_model(device=device), ids(2, 5, seed=3, device=device)
     calls = count_output_calls(model)
     with pytest.raises(ValueError, match="exceeds the model's context of 64"):
         stream_decoder_only(model, prompt, max_new_tokens=60)
-    no_real = torch.ones(2, 5, dtype=torch.bool)
+    no_real = torch.ones(2, 5, dtype=torch.bool, device=device)
     no_real[1] = False
     with pytest.raises(ValueError, match="has no real token"):
         stream_decoder_only(model, prompt, prompt_valid=no_real, max_new_tokens=2)
@@ -269,6 +271,7 @@ def test_bad_arguments_raise_on_the_call_not_at_the_first_step() -> None:
 
 
 # ---- imports ----------------------------------------------------------------------------------------
+@pytest.mark.cpu_only  # which modules an import loads: no device involved
 def test_importing_generate_leaves_aiayn_fast_unimported() -> None:
     code = ("import sys, aiayn.generate as g; from aiayn.generate import compiled_decode_step; "
             "print(sorted(m for m in sys.modules if m.startswith('aiayn.fast')))")
@@ -281,11 +284,11 @@ def test_importing_generate_leaves_aiayn_fast_unimported() -> None:
     assert "aiayn.fast.compiled_decode" in after.stdout
 
 
-def test_each_step_hands_out_the_cache_as_it_fills() -> None:
+def test_each_step_hands_out_the_cache_as_it_fills(device: torch.device) -> None:
     """DecodeStep.cache (what aiayn explore shows filling): the loop's one cache, holding every token
     fed so far after each step (the prompt, then one more per step); None when recomputing."""
-    model = language_model()
-    prompt, valid = left_padded_prompt()
+    model = language_model(device=device)
+    prompt, valid = left_padded_prompt(device=device)
     t = prompt.shape[1]
     caches = []
     for step in stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=5):
@@ -295,7 +298,7 @@ def test_each_step_hands_out_the_cache_as_it_fills() -> None:
     assert all(c is caches[0] for c in caches) and caches[0].max_len == t + 5
     assert all(s.cache is None for s in stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=2,
                                                             use_cache=False))
-    src = sources()
+    src = sources(device=device)
     filled = [(s.cache.length, s.cache.cross[0].k is not None)
-              for s in stream_encoder_decoder(translation_model(), src, bos_id=1, max_new_tokens=4)]
+              for s in stream_encoder_decoder(translation_model(device=device), src, bos_id=1, max_new_tokens=4)]
     assert filled == [(1, True), (2, True), (3, True), (4, True)]  # cross-attention k/v from the first step

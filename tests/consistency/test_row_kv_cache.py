@@ -15,6 +15,7 @@ import torch
 from random_weights import randomize_
 from torch.testing import assert_close
 
+from aiayn.device import model_device
 from aiayn.models import DecoderOnly, get_preset
 from aiayn.nn.row_kv_cache import RowKVCache
 
@@ -22,15 +23,17 @@ VOCAB = 99
 SCHEMES = ["learned", "rope", "alibi", "t5", "sinusoidal"]
 
 
-def decoder_only(positional: str, n_kv_heads: int | None = None, seed: int = 0) -> DecoderOnly:
+def decoder_only(positional: str, n_kv_heads: int | None = None, seed: int = 0, *,
+                 device: torch.device) -> DecoderOnly:
+    """Seeded on the CPU (the same weights on every device), then moved to ``device``."""
     torch.manual_seed(seed)
     config = get_preset("gpt-tiny", positional=positional, n_kv_heads=n_kv_heads, pad_id=None)
-    return randomize_(DecoderOnly(config), seed).eval()
+    return randomize_(DecoderOnly(config), seed).eval().to(device)
 
 
-def sequences(lengths: list[int], seed: int = 3) -> list[torch.Tensor]:
+def sequences(lengths: list[int], seed: int = 3, *, device: torch.device) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    return [torch.randint(0, VOCAB, (n,), generator=g).to(device) for n in lengths]
 
 
 class Driver:
@@ -44,6 +47,7 @@ class Driver:
         self.seqs: list[torch.Tensor | None] = [None] * rows
         self.fed = [0] * rows  # tokens of each row's sequence already in the cache
         self.quantize = quantize
+        self.device = model_device(model)
 
     def start(self, row: int, seq: torch.Tensor) -> None:
         self.cache.clear_row(row)
@@ -59,8 +63,8 @@ class Driver:
         """One forward over rows [start, start + len(counts)): row start + k takes its next counts[k]
         tokens (right-padded to the widest)."""
         t = max(counts)
-        tokens = torch.randint(0, VOCAB, (len(counts), t))  # junk where padded
-        valid = torch.zeros(len(counts), t, dtype=torch.bool)
+        tokens = torch.randint(0, VOCAB, (len(counts), t), device=self.device)  # junk where padded
+        valid = torch.zeros(len(counts), t, dtype=torch.bool, device=self.device)
         for k, n in enumerate(counts):
             row = start + k
             tokens[k, :n] = self.seqs[row][self.fed[row]: self.fed[row] + n]
@@ -85,7 +89,7 @@ class Driver:
 
 def staggered_schedule(driver: Driver) -> None:
     """Rows join, prefill in chunks beside decoding rows, swap, leave and are reused."""
-    a, b, c, d = sequences([12, 13, 11, 9])
+    a, b, c, d = sequences([12, 13, 11, 9], device=driver.device)
     driver.start(0, a)
     driver.forward(0, [4])  # row 0 prefills 4 tokens alone
     driver.start(1, b)
@@ -104,40 +108,41 @@ def staggered_schedule(driver: Driver) -> None:
 
 @pytest.mark.parametrize("n_kv_heads", [None, 1])
 @pytest.mark.parametrize("positional", SCHEMES)
-def test_each_row_equals_the_row_alone(positional: str, n_kv_heads: int | None) -> None:
-    staggered_schedule(Driver(decoder_only(positional, n_kv_heads), rows=3, max_len=16))
+def test_each_row_equals_the_row_alone(positional: str, n_kv_heads: int | None, device: torch.device) -> None:
+    staggered_schedule(Driver(decoder_only(positional, n_kv_heads, device=device), rows=3, max_len=16))
 
 
+@pytest.mark.cpu_only  # aiayn.fast.optimize's kernels are CPU code
 def test_with_the_fast_kernels() -> None:
     from aiayn.fast import optimize
 
-    model = optimize(decoder_only("rope", 2), mode="inference")
+    model = optimize(decoder_only("rope", 2, device=torch.device("cpu")), mode="inference")
     staggered_schedule(Driver(model, rows=3, max_len=16))
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_a_quantised_cache_equals_the_row_alone_in_a_quantised_cache(quantize: str) -> None:
-    staggered_schedule(Driver(decoder_only("rope", 2), rows=3, max_len=16, quantize=quantize))
+def test_a_quantised_cache_equals_the_row_alone_in_a_quantised_cache(quantize: str, device: torch.device) -> None:
+    staggered_schedule(Driver(decoder_only("rope", 2, device=device), rows=3, max_len=16, quantize=quantize))
 
 
-def test_decode_step_by_step_equals_full_recompute() -> None:
+def test_decode_step_by_step_equals_full_recompute(device: torch.device) -> None:
     """Rows at different lengths, one token per row per step, for many steps."""
-    model = decoder_only("rope", 2)
+    model = decoder_only("rope", 2, device=device)
     driver = Driver(model, rows=2, max_len=24)
-    for row, seq in enumerate(sequences([20, 23])):
+    for row, seq in enumerate(sequences([20, 23], device=device)):
         driver.start(row, seq)
     driver.forward(0, [2, 7])
     for _ in range(13):
         driver.forward(0, [1, 1])
 
 
-def test_a_view_writes_through_and_clear_row_frees() -> None:
-    model = decoder_only("rope")
+def test_a_view_writes_through_and_clear_row_frees(device: torch.device) -> None:
+    model = decoder_only("rope", device=device)
     cache = model.new_cache(3, 8, per_row=True)
     view = cache.rows(1, 3)
     with torch.no_grad():
-        model(torch.tensor([[1, 2, 3], [4, 5, 0]]), valid=torch.tensor([[True] * 3, [True, True, False]]),
-              cache=view)
+        model(torch.tensor([[1, 2, 3], [4, 5, 0]], device=device),
+              valid=torch.tensor([[True] * 3, [True, True, False]], device=device), cache=view)
     assert cache.lengths.tolist() == [0, 3, 2]
     assert cache.valid[:, :3].tolist() == [[False] * 3, [True] * 3, [True, True, False]]
     assert cache.layers[0].k[1:, :, :3].abs().sum() > 0 and cache.layers[0].k[0].abs().sum() == 0
@@ -145,13 +150,14 @@ def test_a_view_writes_through_and_clear_row_frees() -> None:
     assert cache.lengths.tolist() == [0, 0, 2] and not bool(cache.valid[1].any())
 
 
-def test_refuses_left_padding_and_overflow() -> None:
-    model = decoder_only("rope")
+def test_refuses_left_padding_and_overflow(device: torch.device) -> None:
+    model = decoder_only("rope", device=device)
     cache = model.new_cache(2, 4, per_row=True)
     with torch.no_grad(), pytest.raises(ValueError, match="right-padded"):
-        model(torch.tensor([[1, 2], [3, 4]]), valid=torch.tensor([[False, True], [True, True]]), cache=cache)
+        model(torch.tensor([[1, 2], [3, 4]], device=device),
+              valid=torch.tensor([[False, True], [True, True]], device=device), cache=cache)
     with torch.no_grad():
-        model(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache=cache)
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]], device=device), cache=cache)
         with pytest.raises(ValueError, match="row 0 is full"):
-            model(torch.tensor([[1, 2], [3, 4]]), valid=torch.tensor([[True, True], [False, False]]),
-                  cache=cache)
+            model(torch.tensor([[1, 2], [3, 4]], device=device),
+                  valid=torch.tensor([[True, True], [False, False]], device=device), cache=cache)
