@@ -342,7 +342,9 @@ class TrainConfig:
     warmup_steps: int = 100
     label_smoothing: float = 0.0
     clip_grad_norm: float | None = 1.0
-    bf16: bool = False
+    # bfloat16 autocast over float32 weights: None = the device's default (on CUDA, on; on the
+    # CPU, off: aiayn.device.autocast_dtype); True/False force it.
+    bf16: bool | None = None
     compile: bool = False
     eval_every: int = 0  # steps between validation runs; 0 = once per epoch
     save_every: int = 0  # steps between checkpoints; 0 = once per epoch
@@ -374,8 +376,10 @@ class TrainConfig:
         _number("label_smoothing", self.label_smoothing, low=0, high=1, high_open=True)
         if self.clip_grad_norm is not None:
             _number("clip_grad_norm", self.clip_grad_norm, low=0, low_open=True)
-        for name in ("decay_all", "bf16", "compile"):
+        for name in ("decay_all", "compile"):
             _flag(name, getattr(self, name))
+        if self.bf16 is not None:
+            _flag("bf16", self.bf16)
         if not isinstance(self.betas, tuple) or len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         for beta in self.betas:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from aiayn.cli.app import check_threads, cli
+from aiayn.cli.app import check_threads, cli, device_option, resolve_device
 
 
 @cli.command("experiment")
@@ -23,8 +23,9 @@ from aiayn.cli.app import check_threads, cli
 @click.option("--threads", type=click.IntRange(min=1), callback=lambda c, p, v: v and check_threads(v),
               help="Torch threads per variant (default: torch's).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+@device_option
 def experiment_cmd(name: str | None, budget: str | None, out_dir: Path | None, resume: bool, jobs: int,
-                   threads: int | None, progress: bool) -> None:
+                   threads: int | None, progress: bool, device: str) -> None:
     """Run an experiment (train its variants, write a results table and a plot); no NAME: list them.
 
     Example: aiayn experiment length-extrapolation --budget full --out runs/experiments/length-extrapolation
@@ -39,10 +40,11 @@ def experiment_cmd(name: str | None, budget: str | None, out_dir: Path | None, r
                 click.echo(f"  --budget {budget_name}: {spec.summary}")
         return
     experiment = get_experiment(name)
+    where = str(resolve_device(device))  # checked here; each variant's process places itself
     out_dir = out_dir or Path("runs") / "experiments" / name
     command = "aiayn " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["experiment"] else f"aiayn experiment {name}"
     result = run_experiment(experiment, out_dir, budget=budget, resume=resume, jobs=jobs, threads=threads,
-                            progress=progress, echo=click.echo, command=command)
+                            progress=progress, echo=click.echo, command=command, device=where)
     if result.interrupted:
         raise SystemExit(130)
     click.echo((out_dir / "results.md").read_text(encoding="utf-8"))

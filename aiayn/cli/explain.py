@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from aiayn.cli.app import cli
+from aiayn.cli.app import cli, resolve_device
 
 
 @cli.command("explain")
@@ -15,7 +15,10 @@ from aiayn.cli.app import cli
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("explain"),
               show_default=True, help="Folder for the plots and the markdown page (TOPIC.md).")
 @click.option("--quick", is_flag=True, help="Reduced sizes (what the tests run): seconds, rougher numbers.")
-def explain_cmd(topic: str | None, run_all: bool, out: Path, quick: bool) -> None:
+@click.option("--device", default="auto", metavar="DEVICE",
+              help="Where the topics that train (additive, shared-qk) train: auto (the first CUDA GPU, else the "
+                   "CPU), cpu, cuda, cuda:N or mps; the other topics measure functions on the CPU.  [default: auto]")
+def explain_cmd(topic: str | None, run_all: bool, out: Path, quick: bool, device: str) -> None:
     """Answer a classic question about the Transformer by an experiment: print its tables, write
     its plot and its page. Without TOPIC: list the topics."""
     from aiayn.explain import TOPICS, index_page, run_topic
@@ -29,9 +32,10 @@ def explain_cmd(topic: str | None, run_all: bool, out: Path, quick: bool) -> Non
         raise click.UsageError("give a TOPIC or --all, not both")
     if topic is not None and topic not in TOPICS:
         raise click.BadParameter(f"unknown topic {topic!r}; topics: {', '.join(TOPICS)}", param_hint="TOPIC")
+    where = resolve_device(device)
     for name in TOPICS if run_all else [topic]:
         command = f"aiayn explain {name} --out {out}" + (" --quick" if quick else "")
-        report = run_topic(name, out, quick=quick, command=command)
+        report = run_topic(name, out, quick=quick, command=command, device=where)
         click.echo(report.printable())
         click.echo(f"page: {out / (name + '.md')} ({report.seconds:.0f} s)\n")
     if run_all:

@@ -9,7 +9,15 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, cli, is_main_process, plain_option
+from aiayn.cli.app import (
+    SEED_RANGE,
+    FiniteFloatRange,
+    cli,
+    device_option,
+    is_main_process,
+    plain_option,
+    resolve_device,
+)
 from aiayn.config import ConfigError
 
 
@@ -126,7 +134,8 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
 @click.option("--clip-grad-norm", type=FiniteFloatRange(min=0, min_open=True), help="Gradient-norm clip.")
 @click.option("--grad-accum", type=click.IntRange(min=1), help="Batches accumulated per optimiser step.")
 @click.option("--seed", type=SEED_RANGE, help="Random seed (data, initialisation, dropout), 0 to 2**32 - 1.")
-@click.option("--bf16/--no-bf16", default=None, help="bfloat16 autocast on the CPU.")
+@click.option("--bf16/--no-bf16", default=None,
+              help="bfloat16 autocast over float32 weights.  [default: on with CUDA, off on the CPU]")
 @click.option("--compile/--no-compile", default=None, help="torch.compile the model.")
 @click.option("--eval-every", type=click.IntRange(min=0), help="Steps between validations (0: each epoch).")
 @click.option("--save-every", type=click.IntRange(min=0), help="Steps between checkpoints (0: each epoch).")
@@ -154,10 +163,11 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
 @click.option("--fsdp", is_flag=True, help="Under torchrun: shard parameters, gradients and optimiser "
               "state over the processes (FSDP2) instead of replicating them (DDP, the default).")
 @plain_option
+@device_option
 @click.pass_context
 def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool, overwrite: bool,
               recipe: Path | None, max_tokens: int | None, progress: bool, fsdp: bool, plain: bool,
-              **options: Any) -> None:
+              device: str, **options: Any) -> None:
     """Train a task and write a run directory (checkpoint, metrics.csv, plots).
 
     With no arguments: the reverse task, in under 3 minutes on a 2-core CPU.
@@ -172,6 +182,7 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
         raise click.UsageError("--resume needs --run-dir (the run to continue)")
     if resume and max_tokens is not None:
         raise click.UsageError("--max-tokens cannot change when resuming (the batches would differ)")
+    where = resolve_device(device)
     setup = _setup_run(ctx, task, run_dir if resume else None, recipe, max_tokens, options)
     run_dir = run_dir or default_run_dir(setup.task_name)
     if is_main_process():
@@ -180,7 +191,7 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
     try:
         result = train(setup.task, setup.model_config, setup.train_config, run_dir, resume=resume,
                        overwrite=overwrite, progress=progress, echo=click.echo,
-                       parallel=ParallelOptions(fsdp=fsdp), fast=not plain)
+                       parallel=ParallelOptions(fsdp=fsdp), fast=not plain, device=where)
     except TrainingDiverged as exc:  # a failure, not a usage error: exit code 1
         if is_main_process():
             click.echo(f"Error: {exc}", err=True)

@@ -132,9 +132,10 @@ def variant_state(variant: Variant, run_dir: Path) -> str:
 
 def run_variant(experiment: Experiment, variant: Variant, run_dir: Path, budget: Budget, *,
                 progress: bool = True, echo: Callable[[str], None] = print,
-                threads: int | None = None) -> dict[str, Any]:
+                threads: int | None = None, device: str | None = None) -> dict[str, Any]:
     """Train (or resume) one variant, measure it once, return its row (with ``interrupted`` when
-    Ctrl-C stopped the training: the checkpoint is saved, the row is not)."""
+    Ctrl-C stopped the training: the checkpoint is saved, the row is not). ``device``: where it
+    trains (``aiayn.device.resolve``; None: auto)."""
     import torch
 
     from aiayn.train.trainer import train
@@ -149,7 +150,7 @@ def run_variant(experiment: Experiment, variant: Variant, run_dir: Path, budget:
         task, model, train_config = variant.build()
         result = train(task, model, train_config, run_dir, resume=state == "interrupted",
                        overwrite=state == "new" and run_dir.is_dir() and any(run_dir.iterdir()),
-                       progress=progress, echo=echo, make_plots=False)
+                       progress=progress, echo=echo, make_plots=False, device=device)
         if result.interrupted:
             _add_cost(run_dir, time.process_time() - cpu0, time.perf_counter() - wall0)
             return {"variant": variant.name, "interrupted": True}
@@ -170,13 +171,15 @@ def _add_cost(run_dir: Path, cpu_s: float, wall_s: float) -> dict[str, float]:
     return cost
 
 
-def _worker(name: str, variant: Variant, run_dir: str, budget_name: str, threads: int | None) -> dict[str, Any]:
+def _worker(name: str, variant: Variant, run_dir: str, budget_name: str, threads: int | None,
+            device: str | None = None) -> dict[str, Any]:
     """One variant in a worker process (``jobs`` > 1): no progress bar, lines prefixed by its name."""
     from aiayn.experiments import get_experiment
 
     experiment = get_experiment(name)
     return run_variant(experiment, variant, Path(run_dir), experiment.budget(budget_name), progress=False,
-                       echo=lambda line: print(f"[{variant.name}] {line}", flush=True), threads=threads)
+                       echo=lambda line: print(f"[{variant.name}] {line}", flush=True), threads=threads,
+                       device=device)
 
 
 # ---- running an experiment --------------------------------------------------------------------
@@ -221,9 +224,11 @@ def prepare_out_dir(experiment: Experiment, out_dir: Path, budget: Budget, *, re
 
 def run_experiment(experiment: Experiment, out_dir: Path, *, budget: str | None = None, resume: bool = False,
                    jobs: int = 1, threads: int | None = None, progress: bool = True,
-                   echo: Callable[[str], None] = print, command: str = "") -> ExperimentResult:
+                   echo: Callable[[str], None] = print, command: str = "",
+                   device: str | None = None) -> ExperimentResult:
     """Train, measure and report every variant of ``experiment`` under ``out_dir`` (see the module
-    docstring). ``jobs`` > 1 trains that many variants at once, each in its own process."""
+    docstring). ``jobs`` > 1 trains that many variants at once, each in its own process.
+    ``device``: where the variants train (``aiayn.device.resolve``; None: auto)."""
     chosen = experiment.budget(budget or experiment.default_budget)
     variants = experiment.variants(chosen)
     out_dir = Path(out_dir)
@@ -245,7 +250,7 @@ def run_experiment(experiment: Experiment, out_dir: Path, *, budget: str | None 
             what = {"new": "training", "interrupted": "resuming from its checkpoint", "trained": "measuring"}[state]
             echo(f"[{i}/{len(variants)}] {variant.name} ({variant.label}): {what}")
             row = run_variant(experiment, variant, out_dir / variant.name, chosen, progress=progress,
-                              echo=echo, threads=threads)
+                              echo=echo, threads=threads, device=device)
             if row.get("interrupted"):
                 interrupted = True
                 break
@@ -263,7 +268,7 @@ def run_experiment(experiment: Experiment, out_dir: Path, *, budget: str | None 
                 while queue and len(running) < jobs and not interrupted:
                     variant = queue.pop(0)
                     running[pool.submit(_worker, experiment.name, variant, str(out_dir / variant.name),
-                                        chosen.name, threads)] = variant
+                                        chosen.name, threads, device)] = variant
                 if not running:
                     break
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)

@@ -2,16 +2,20 @@
 experiments (seconds to a minute on 2 cores), each printing its tables and writing a plot and a
 markdown page whose every number comes from the run (``docs/explain/``).
 
-One module per topic (``NAME``, ``TITLE``, ``QUESTION``, ``run(out_dir, quick=False)``); the
+One module per topic (``NAME``, ``TITLE``, ``QUESTION``, ``run(out_dir, quick=False)``, and
+``device=`` when the topic trains models); the
 registry below maps a topic's name to its module, imported when the topic runs.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 from aiayn.explain.base import Report
 
@@ -35,12 +39,21 @@ def topic(name: str) -> ModuleType:
     return importlib.import_module(f"aiayn.explain.{TOPICS[name]}")
 
 
-def run_topic(name: str, out_dir: Path, *, quick: bool = False, command: str | None = None) -> Report:
-    """Run a topic: its report, with its plots in ``out_dir`` and its page as ``out_dir/NAME.md``."""
+def trains(name: str) -> bool:
+    """Whether topic ``name`` trains models (and so runs on a chosen device; the others measure
+    functions on the CPU)."""
+    return "device" in inspect.signature(topic(name).run).parameters
+
+
+def run_topic(name: str, out_dir: Path, *, quick: bool = False, command: str | None = None,
+              device: torch.device | None = None) -> Report:
+    """Run a topic: its report, with its plots in ``out_dir`` and its page as ``out_dir/NAME.md``.
+    ``device``: where a topic that trains trains (default: the CPU, where the pages were made)."""
     module = topic(name)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    report = module.run(out_dir, quick=quick)
+    extra = {"device": device} if device is not None and trains(name) else {}
+    report = module.run(out_dir, quick=quick, **extra)
     report.seconds = time.perf_counter() - start
     command = command or f"aiayn explain {name}" + (" --quick" if quick else "")
     (out_dir / f"{name}.md").write_text(report.markdown(command), encoding="utf-8")

@@ -38,7 +38,7 @@ def speed(t: int, *, batch: int = 8, heads: int = 4, d_h: int = 32) -> dict[str,
     return out
 
 
-def quality(task_name: str, steps: int, n_test: int) -> list[dict[str, float]]:
+def quality(task_name: str, steps: int, n_test: int, device: torch.device | None = None) -> list[dict[str, float]]:
     task = get_task(task_name, n_train=20_000, n_val=200, n_test=n_test)
     task.prepare(0)
     rows = []
@@ -47,13 +47,15 @@ def quality(task_name: str, steps: int, n_test: int) -> list[dict[str, float]]:
         model = task.build_model(task.model_config())
         if kind == "additive":
             use_additive_attention(model)
+        model.to(device or "cpu")
         metrics = train_briefly(task, model, steps=steps, batch_size=128, lr=3e-3)
         rows.append({"task": task_name, "kind": kind, "params": sum(p.numel() for p in model.parameters()),
                      **metrics})
     return rows
 
 
-def run(out_dir: Path, *, quick: bool = False) -> Report:
+def run(out_dir: Path, *, quick: bool = False, device: torch.device | None = None) -> Report:
+    """The speed table (the CPU) and the brief trainings (on ``device``; default the CPU)."""
     lengths = [16, 64] if quick else [16, 64, 256]
     timings = [speed(t) for t in lengths]
     speed_table = Table("Attention function, forward + backward, batch 8 x 4 heads x d_k 32 (ms; memory of the "
@@ -63,7 +65,7 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
                         [[r["t"], r["dot, fused"], r["dot, written out"], r["additive"],
                           r["additive"] / r["dot, fused"], r["scores_mb"], r["additive_mb"]] for r in timings])
     plan = [("reverse", 150, 500)] if quick else [("reverse", 400, 2000), ("copy", 200, 500)]
-    results = [row for name, steps, n_test in plan for row in quality(name, steps, n_test)]
+    results = [row for name, steps, n_test in plan for row in quality(name, steps, n_test, device)]
     steps_of = {name: steps for name, steps, _ in plan}
     quality_table = Table("Trained briefly, everything else equal (Adam 3e-3, batch 128, warmup + cosine, seed 0)",
                           ["task", "steps", "attention", "parameters", "test token accuracy", "test sequence accuracy",

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from aiayn.device import model_device, synchronize, to_device
 from aiayn.train.losses import sequence_loss
 from aiayn.train.optim import cosine_lr
 from aiayn.train.task import Task
@@ -110,7 +111,9 @@ def timed(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1) -> float:
 def train_briefly(task: Task, model: nn.Module, *, steps: int, batch_size: int, lr: float,
                   warmup: int = 20, seed: int = 0) -> dict[str, float]:
     """A short plain training run (Adam, warmup + cosine, gradient clipping at 1) of ``model`` on
-    ``task`` (prepared); returns the test metrics, the last loss and the seconds per step."""
+    ``task`` (prepared), on the model's device; returns the test metrics, the last loss and the
+    seconds per step."""
+    device = model_device(model)
     torch.manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
     model.train()
@@ -123,17 +126,18 @@ def train_briefly(task: Task, model: nn.Module, *, steps: int, batch_size: int, 
             epoch += 1
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, peak=lr, warmup=warmup, total=steps)
-        out, targets = task.forward(model, task.collate("train", batches.pop(0)))
+        out, targets = task.forward(model, to_device(task.collate("train", batches.pop(0)), device))
         loss = sequence_loss(out, targets).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        last = loss.item()
+        last = loss.detach()
+    synchronize(device)
     per_step = (time.perf_counter() - start) / steps
     metrics = task.evaluate(model, "test")
     model.eval()
-    return {**metrics, "loss": last, "s_per_step": per_step}
+    return {**metrics, "loss": float(last), "s_per_step": per_step}
 
 
 def save_figure(fig: Any, path: Path) -> Path:

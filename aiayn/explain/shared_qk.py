@@ -56,7 +56,7 @@ def pattern(model: nn.Module, inputs: Tensor) -> dict[str, float]:
     model.eval()
     weights = model(inputs, need_weights=True).attentions[0]  # (b, h, t, t)
     t = weights.shape[-1]
-    diagonal = torch.arange(t)
+    diagonal = torch.arange(t, device=weights.device)
     mirror = t - 1 - diagonal  # where reverse's answer for position i is
     argmax = weights.argmax(-1)  # (b, h, t)
     return {"self_argmax": float((argmax == diagonal).float().mean()),
@@ -84,16 +84,19 @@ def _score_asymmetry(model: nn.Module, inputs: Tensor) -> float:
     return float((s - s.transpose(-2, -1)).abs().max() / s.abs().max())
 
 
-def run(out_dir: Path, *, quick: bool = False) -> Report:
+def run(out_dir: Path, *, quick: bool = False, device: torch.device | None = None) -> Report:
+    """Train both variants on ``device`` (default the CPU) and compare their attention."""
+    device = device or torch.device("cpu")
     steps = 150 if quick else 600
     task = get_task("reverse", n_train=20_000, n_val=200, n_test=500 if quick else 2000)
     task.prepare(0)
-    inputs = task.collate("test", torch.arange(200))["inputs"]
+    inputs = task.collate("test", torch.arange(200))["inputs"].to(device)
     results = []
     for kind in ("separate W_Q, W_K", "shared W_Q = W_K"):
         torch.manual_seed(0)
         model = task.build_model(task.model_config())
         unused = share_query_key(model) if kind.startswith("shared") else 0
+        model.to(device)
         before = pattern(model.eval(), inputs)
         metrics = train_briefly(task, model, steps=steps, batch_size=128, lr=3e-3)
         after = pattern(model, inputs)

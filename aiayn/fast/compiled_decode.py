@@ -9,6 +9,7 @@ measured fastest compiled (``aiayn.fast.matvec``). ``aiayn.generate`` calls it w
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 
@@ -121,6 +122,19 @@ def _inputs_only(guards: list) -> list[bool]:
     return [not guard.orig_guard.source.is_unspecialized_nn_module() for guard in guards]
 
 
+def _recompile_limit(limit: int) -> dict[str, object]:
+    """torch.compile's keywords for a per-function limit of ``limit`` compiled entries, kept apart
+    from other functions' (torch >= 2.12); an older torch has no such keywords, so there the
+    process-wide limit is raised instead (``recompile_limit``, ``cache_size_limit`` before 2.6)."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return {"recompile_limit": limit, "isolate_recompiles": True}
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
+    return {}
+
+
 def _compile_static_step() -> Callable[..., Tensor]:
     """``_static_step`` under torch.compile, called with Inductor's freezing on."""
     import torch._inductor.config as inductor_config
@@ -132,8 +146,8 @@ def _compile_static_step() -> Callable[..., Tensor]:
     # sizes elsewhere would make slower kernels (and SDPA's enable_gqa a SymBool).
     # Each batch size and cache size of the model is one entry of its compile cache: raise torch's
     # default limit of 8 entries, past which it would refuse to compile again.
-    compiled = torch.compile(_static_step, fullgraph=True, dynamic=False, recompile_limit=64,
-                             isolate_recompiles=True, options={"guard_filter_fn": _inputs_only})
+    compiled = torch.compile(_static_step, fullgraph=True, dynamic=False, **_recompile_limit(64),
+                             options={"guard_filter_fn": _inputs_only})
 
     def step(*args: object) -> Tensor:
         # Freezing folds the weights into the graph as constants, which lets Inductor pre-pack

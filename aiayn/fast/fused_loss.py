@@ -273,7 +273,9 @@ class FusedLossLinear(FastLinear):
 
     def cross_entropy(self, hidden: Tensor, targets: Tensor, *, ignore_index: int) -> HeadLoss | None:
         """hidden rows (n, d), their targets (n,) -> the fused loss, or None when this layer's
-        weight is not a plain tensor (sharded or quantised): the caller then computes logits."""
-        if type(self.weight.data) is not Tensor:
+        weight is not a plain tensor (sharded or quantised), or inside ``torch.compile``, where the
+        fused loss's chunk loop would be an eager island (a graph break) and Inductor fuses the
+        plain output layer + cross-entropy itself: the caller then computes logits."""
+        if type(self.weight.data) is not Tensor or torch.compiler.is_compiling():
             return None
         return linear_cross_entropy(hidden, self.weight, self.bias, targets, ignore_index=ignore_index)

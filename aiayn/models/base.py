@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,16 +35,24 @@ class ModelOutput:
     cross_attentions: list[Tensor] = field(default_factory=list)  # decoder cross-attention, per layer
     encoder_attentions: list[Tensor] = field(default_factory=list)  # encoder self-attention (enc-dec)
     pooled: Tensor | None = None  # (b, d) an encoder's sentence vector (BERT's pooler)
+    # hidden and logits once computed (plain attributes, not functools.cached_property, which
+    # torch.compile cannot trace: a graph break in every step that reads the logits)
+    _hidden: Tensor | None = field(default=None, repr=False, compare=False)
+    _logits: Tensor | None = field(default=None, repr=False, compare=False)
 
-    @functools.cached_property
+    @property
     def hidden(self) -> Tensor:
         """(b, t, d)"""
-        return self.unpack(self.hidden_rows)
+        if self._hidden is None:
+            self._hidden = self.unpack(self.hidden_rows)
+        return self._hidden
 
-    @functools.cached_property
+    @property
     def logits(self) -> Tensor:
         """(b, t, v)"""
-        return self.unpack(self.head(self.hidden_rows))
+        if self._logits is None:
+            self._logits = self.unpack(self.head(self.hidden_rows))
+        return self._logits
 
     def unpack(self, rows: Tensor) -> Tensor:
         """Rows in ``hidden_rows``' layout -> (b, t, ...), zeros at padding if they are packed."""

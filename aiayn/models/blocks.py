@@ -111,8 +111,18 @@ class StackOutput:
     cross_attentions: list[Tensor] = field(default_factory=list)  # per layer (b, h, t, s)
 
 
+def reads_data(t: Tensor) -> bool:
+    """Whether a forward may read ``t``'s values back into Python (``int(...)``, ``bool(...)``):
+    only eager on the CPU. Inside ``torch.compile`` such a read is a graph break, and on a GPU a
+    host-device sync that stalls the stream; there the data checks are made at the batch boundary
+    (or by the device itself: ``torch._assert_async``, an index bound) and masks are always built."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
-    """Token ids must be a (batch, seq) integer tensor with ids in [0, vocab_size)."""
+    """Token ids must be a (batch, seq) integer tensor with ids in [0, vocab_size). The shape and
+    type checks always run; the ids' range is read only where ``reads_data`` allows (elsewhere the
+    device asserts it without waiting, and a compiled graph's embedding lookup bounds-checks it)."""
     if not isinstance(tokens, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
     if tokens.dim() != 2:
@@ -121,6 +131,11 @@ def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
         raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
     if tokens.shape[1] == 0:
         raise ValueError(f"{name} is empty (seq length 0); give at least one token")
+    if not reads_data(tokens):
+        if not torch.compiler.is_compiling():
+            torch._assert_async(((tokens >= 0) & (tokens < vocab_size)).all(),
+                                f"{name} holds a token id outside the vocabulary [0, {vocab_size})")
+        return
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
@@ -128,6 +143,15 @@ def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
             f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size}); "
             f"check the tokenizer matches the model's vocab_size"
         )
+
+
+def padding_mask(valid: Tensor) -> Tensor | None:
+    """The key mask (b, 1, 1, t_k) of ``valid`` (b, t_k), or None when every key is real and the
+    data may be read (``reads_data``: the mask-free attention paths are faster). Where it may not
+    be read the mask is always built: an all-True mask gives the same attention."""
+    if reads_data(valid) and bool(valid.all()):
+        return None
+    return key_mask(valid)
 
 
 class TransformerStack(nn.Module):
@@ -224,13 +248,15 @@ class TransformerStack(nn.Module):
             keys_valid, key_positions = cache.valid[:, : cache.length], cache.positions[:, : cache.length]
         else:
             keys_valid, key_positions = valid, positions  # (b, t_k)
-        mask = None if bool(keys_valid.all()) else key_mask(keys_valid)  # (b, 1, 1, t_k)
+        mask = padding_mask(keys_valid)  # (b, 1, 1, t_k), or None: no padding
         # Rows of a RowKVCache sit at their own slots: causality from positions, not slot order
         # (a single new token per row may see every valid key of its row: no causal mask needed).
         per_row = isinstance(cache_pos, Tensor)
         if per_row and self.causal and tokens.shape[1] > 1:
             mask = combine_masks(mask, position_causal_mask(positions, key_positions))  # (b, 1, t, t_k)
-        packing = Packing.of(valid) if pack and mask is not None else None  # only with padding to skip
+        # Only with padding to skip, and only eager on the CPU: the real tokens' count sets the
+        # packed shapes, which a compiled graph or a GPU stream cannot learn without waiting.
+        packing = Packing.of(valid) if pack and mask is not None and reads_data(valid) else None
         self_attn = self.attention_inputs(positions, key_positions, mask, cache_pos=cache_pos,
                                           packing=packing, causal=self.causal and not per_row)
 
@@ -238,8 +264,7 @@ class TransformerStack(nn.Module):
         if self.has_cross:
             if memory is None and (cache is None or cache.cross[0].k is None):
                 raise ValueError("the decoder needs memory= (the encoder output) for cross-attention")
-            all_valid = memory_valid is None or bool(memory_valid.all())
-            memory_mask = None if all_valid else key_mask(memory_valid)  # (b, 1, 1, s)
+            memory_mask = None if memory_valid is None else padding_mask(memory_valid)  # (b, 1, 1, s)
             cross_attn = AttentionInputs(mask=memory_mask, packing=packing, memory_packing=memory_packing)
         if memory_packing is not None and memory is None:
             raise ValueError("memory_packing= needs the packed memory=")
@@ -256,6 +281,11 @@ class TransformerStack(nn.Module):
         elif positions.shape != valid.shape:
             raise ValueError(f"positions must have the tokens' shape {tuple(valid.shape)}, "
                              f"got {tuple(positions.shape)}")
+        if not reads_data(positions):
+            if not torch.compiler.is_compiling():
+                torch._assert_async((positions < self.config.max_seq_len).all(),
+                                    f"sequence too long for max_seq_len={self.config.max_seq_len}")
+            return positions
         top = int(positions.max())
         if top >= self.config.max_seq_len:
             raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the "

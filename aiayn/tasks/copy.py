@@ -50,7 +50,7 @@ class CopyTask(Task):
 
     def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
         src = batch["src"]
-        bos = torch.full((src.shape[0], 1), BOS, dtype=src.dtype)
+        bos = torch.full((src.shape[0], 1), BOS, dtype=src.dtype, device=src.device)
         tgt_in = torch.cat([bos, src[:, :-1]], dim=1)  # teacher forcing: shift right
         targets = src.masked_fill(src == PAD, IGNORE)
         return model(src, tgt_in), targets  # the loss applies the output layer (aiayn.train.losses)
@@ -60,6 +60,7 @@ class CopyTask(Task):
         metrics = super().evaluate(model, split, batch_size)
         exact = total = 0
         for batch in self.eval_batches(split, batch_size):
+            batch = self.on_model(model, batch)
             out = greedy_encoder_decoder(model, batch["src"], bos_id=BOS, max_new_tokens=self.seq_len)
             exact += int((out.tokens == batch["src"]).all(dim=1).sum())
             total += batch["src"].shape[0]
@@ -69,7 +70,7 @@ class CopyTask(Task):
     @torch.no_grad()
     def examples(self, model: nn.Module, n: int = 3) -> list[str]:
         model.eval()
-        src = self.collate("test", torch.arange(n))["src"]
+        src = self.on_model(model, self.collate("test", torch.arange(n)))["src"]
         out = greedy_encoder_decoder(model, src, bos_id=BOS, max_new_tokens=self.seq_len)
         return [f"{' '.join(map(str, s))}  ->  {' '.join(map(str, o))}"
                 for s, o in zip(src.tolist(), out.tokens.tolist(), strict=True)]
@@ -81,7 +82,8 @@ class CopyTask(Task):
         model.eval()
         src = (self.collate("test", torch.arange(1))["src"] if text is None
                else self.parse_ids(text, low=2, high=self.vocab_size, length=self.seq_len))
-        tgt_in = torch.cat([torch.full((1, 1), BOS), src[:, :-1]], dim=1)
+        src = self.on_model(model, {"src": src})["src"]
+        tgt_in = torch.cat([torch.full((1, 1), BOS, device=src.device), src[:, :-1]], dim=1)
         out = model(src, tgt_in, need_weights=True)
         return encoder_decoder_example(out, kind, [str(v) for v in src[0].tolist()],
                                        ["<s>", *map(str, src[0, :-1].tolist())], "copy")

@@ -89,7 +89,7 @@ class TextWindowsTask(Task):
             if ids.numel() == 0:
                 raise ValueError(f"input {text!r} holds no token of the vocabulary")
         ids = ids[: self.block_size]
-        out = model(ids[None], need_weights=True)
+        out = model(self.on_model(model, {"ids": ids[None]})["ids"], need_weights=True)
         labels = [repr(self.tokenizer.decode(ids[i : i + 1]))[1:-1] for i in range(ids.numel())]
         what = "causal self-attention" if self.attention_kinds == ("decoder",) else "self-attention"
         return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels,
@@ -125,7 +125,7 @@ class ShakespeareCharTask(TextWindowsTask):
     def sample(self, model: nn.Module, prompt: str, *, max_new_tokens: int,
                sampling: SamplingConfig) -> str:
         model.eval()
-        ids = self.tokenizer.encode(prompt)[None]
+        ids = self.on_model(model, {"ids": self.tokenizer.encode(prompt)[None]})["ids"]
         new = generate_decoder_only(model, ids, max_new_tokens=max_new_tokens, sampling=sampling)
         return self.tokenizer.decode(new[0])
 
@@ -207,7 +207,7 @@ class MaskedCharTask(TextWindowsTask):
         model.eval()
         batch = self.eval_batches("val", n)[0]
         with torch.no_grad():
-            predicted = model(batch["tokens"][:n]).logits.argmax(-1)
+            predicted = model(self.on_model(model, batch)["tokens"][:n]).logits.argmax(-1).cpu()
         lines = []
         for inputs, targets, guess in zip(batch["tokens"][:n], batch["targets"][:n], predicted, strict=True):
             shown = self.tokenizer.decode(inputs[:60]).replace("[MASK]", "_")

@@ -52,7 +52,7 @@ class ReverseTask(Task):
     @torch.no_grad()
     def examples(self, model: nn.Module, n: int = 3) -> list[str]:
         model.eval()
-        batch = self.collate("test", torch.arange(n))
+        batch = self.on_model(model, self.collate("test", torch.arange(n)))
         predicted = model(batch["inputs"]).logits.argmax(-1)
         lines = []
         for x, y in zip(batch["inputs"].tolist(), predicted.tolist(), strict=True):
@@ -66,7 +66,7 @@ class ReverseTask(Task):
         model.eval()
         inputs = (self.collate("test", torch.arange(1))["inputs"] if text is None
                   else self.parse_ids(text, low=0, high=self.num_categories, length=self.seq_len))
-        out = model(inputs, need_weights=True)
+        out = model(self.on_model(model, {"inputs": inputs})["inputs"], need_weights=True)
         labels = [str(v) for v in inputs[0].tolist()]
         return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels,
                                 key_labels=labels, title="reverse: encoder self-attention")

@@ -190,7 +190,7 @@ class SetAnomalyTask(Task):
     def examples(self, model: nn.Module, n: int = 3) -> list[str]:
         model.eval()
         batch = self.collate("test", torch.arange(n))
-        predicted = model(batch["inputs"]).scores.argmax(-1)  # (n,)
+        predicted = model(self.on_model(model, batch)["inputs"]).scores.argmax(-1).cpu()  # (n,)
         lines = []
         for ids, true, pred in zip(batch["image_ids"], batch["labels"].tolist(), predicted.tolist(),
                                    strict=True):
@@ -214,7 +214,7 @@ class SetAnomalyTask(Task):
             except ValueError:
                 raise ValueError(f"input {text!r} must be the number of a test set, 0 to {n_test - 1}") from None
         batch = self.collate("test", torch.tensor([index]))
-        out = model(batch["inputs"], need_weights=True)
+        out = model(self.on_model(model, batch)["inputs"], need_weights=True)
         labels = self._labels(batch["image_ids"][0], int(batch["labels"][0]))
         return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels,
                                 key_labels=labels,

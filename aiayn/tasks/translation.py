@@ -218,7 +218,8 @@ class TranslationTask(Task):
         tgt_ids = translator.translate_ids([src_ids], DecodeOptions(beam_size=1))[0]
         src = pad_batch([src_ids], tok.pad_id)
         tgt_in = pad_batch([[tok.bos_id, *tgt_ids]], tok.pad_id)
-        out = model(src, tgt_in, need_weights=True)
+        on_model = self.on_model(model, {"src": src, "tgt_in": tgt_in})
+        out = model(on_model["src"], on_model["tgt_in"], need_weights=True)
         label = tok.tokenizer.id_to_token
         return encoder_decoder_example(out, kind, [label(i) for i in src_ids],
                                        [label(i) for i in [tok.bos_id, *tgt_ids]],

@@ -19,7 +19,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,10 @@ def save_checkpoint(
         save_model(model, str(tmp / MODEL_FILE))
     else:
         save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
-    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    from aiayn.device import rng_states
+
+    # The CPU generator's state, and each CUDA generator's where a GPU has been used.
+    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state(), **rng_states()}
     meta: dict[str, Any] = {}
     if optimizer_state is None and optimizer is not None:
         optimizer_state = optimizer.state_dict()
@@ -172,6 +175,7 @@ class LoadedCheckpoint:
     state: dict[str, Any]  # everything the trainer stored, plus format_version and step
     optimizer_state: dict[str, Any] | None
     rng_state: torch.Tensor
+    cuda_rng_states: dict[str, torch.Tensor] = field(default_factory=dict)  # rng.cuda.N, if saved on a GPU
 
 
 def _corrupt(path: Path, what: str, exc: Exception) -> CheckpointError:
@@ -225,11 +229,16 @@ def load_checkpoint(path: Path, model: nn.Module) -> LoadedCheckpoint:
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt(path, OPTIM_FILE, exc) from None
     return LoadedCheckpoint(path=path, step=state["step"], state=state,
-                            optimizer_state=optimizer_state, rng_state=tensors["rng.torch"])
+                            optimizer_state=optimizer_state, rng_state=tensors["rng.torch"],
+                            cuda_rng_states={k: v for k, v in tensors.items() if k.startswith("rng.cuda.")})
 
 
 def restore_rng(loaded: LoadedCheckpoint) -> None:
+    """The CPU's, Python's and (where saved and present) the CUDA generators' states."""
+    from aiayn.device import set_rng_states
+
     torch.set_rng_state(loaded.rng_state)
+    set_rng_states(loaded.cuda_rng_states)
     version, internal, gauss = loaded.state["python_rng"]
     random.setstate((version, tuple(internal), gauss))
 

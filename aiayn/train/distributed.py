@@ -2,8 +2,10 @@
 full-state checkpoints.
 
 Launch with ``torchrun --nproc_per_node=N -m aiayn train ...``; torchrun sets ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous, ``setup()`` reads them. The trainer runs on the
-CPU, so the backend is gloo (``AIAYN_DIST_BACKEND`` overrides it).
+``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous, ``setup()`` reads them. The backend follows the
+device (``aiayn.device.distributed_backend``): NCCL when the processes train on CUDA GPUs (each on
+the GPU of its ``LOCAL_RANK``), gloo on CPUs, through the same code (``AIAYN_DIST_BACKEND``
+overrides it).
 
 How a step is split: the task's list of batches for the epoch is cut into windows of
 ``world_size x grad_accum`` consecutive batches; rank r takes ``window[r::world_size]``. Every rank
@@ -28,7 +30,7 @@ import contextlib
 import datetime
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -57,6 +59,7 @@ class DistContext:
     local_rank: int = 0
     fsdp: bool = False
     owns_group: bool = False  # setup() created the process group (and the trainer destroys it)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this process trains
 
     @property
     def enabled(self) -> bool:
@@ -71,21 +74,33 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def setup(options: ParallelOptions | None = None) -> DistContext:
+def setup(options: ParallelOptions | None = None, device: torch.device | None = None) -> DistContext:
     """The process's place in the job: from torchrun's environment; one process without it.
 
-    Initialises the default process group (gloo) when ``WORLD_SIZE`` > 1 and none exists yet.
+    ``device``: where training runs (``aiayn.device.resolve``); under torchrun a CUDA device means
+    the GPU of this process's ``LOCAL_RANK``. Initialises the default process group (NCCL on CUDA,
+    gloo otherwise) when ``WORLD_SIZE`` > 1 and none exists yet.
     """
+    from aiayn import device as devices
+
     options = options or ParallelOptions()
+    device = device or torch.device("cpu")
     world = env_world_size()
     if world <= 1:
-        return DistContext(fsdp=False)
+        return DistContext(fsdp=False, device=device)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise DistributedError(f"process {local_rank} of this machine has no GPU of its own "
+                                   f"({torch.cuda.device_count()} GPU(s)); start at most that many "
+                                   f"processes per machine (torchrun --nproc-per-node)")
+        device = devices.prepare(torch.device("cuda", local_rank))
     owns = not dist.is_initialized()
     if owns:
-        backend = os.environ.get("AIAYN_DIST_BACKEND", "gloo")
+        backend = os.environ.get("AIAYN_DIST_BACKEND", devices.distributed_backend(device))
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                       local_rank=int(os.environ.get("LOCAL_RANK", "0")), fsdp=options.fsdp, owns_group=owns)
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                       fsdp=options.fsdp, owns_group=owns, device=device)
 
 
 def check_options(options: ParallelOptions | None, *, world_size: int, compile: bool,
@@ -121,7 +136,8 @@ def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
     """Sum a few numbers over all ranks (float64; one collective)."""
     if not ctx.enabled:
         return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64)
+    # On the process's device: NCCL reduces GPU tensors only (float64 there too).
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(tensor)
     return tensor.tolist()
 
@@ -154,7 +170,7 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (ctx.world_size,))
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         from aiayn.models.blocks import TransformerBlock
 
         for module in model.modules():
@@ -164,6 +180,8 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
+    if ctx.device.type == "cuda":
+        return DistributedDataParallel(model, device_ids=[ctx.device.index])
     return DistributedDataParallel(model)
 
 
@@ -178,12 +196,15 @@ def freeze_unused(model: nn.Module, loss_of_one_batch: Callable[[], torch.Tensor
     so the training run's random stream is the one a single process sees). Every rank must pass
     the same batch, so all freeze the same set.
     """
-    rng = torch.get_rng_state()
+    from aiayn import device as devices
+
+    rng, cuda_rng = torch.get_rng_state(), devices.rng_states()
     model.zero_grad(set_to_none=True)
     loss_of_one_batch().backward()
     unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     model.zero_grad(set_to_none=True)
     torch.set_rng_state(rng)
+    devices.set_rng_states(cuda_rng)
     for name, param in model.named_parameters():
         if name in unused:
             param.requires_grad_(False)

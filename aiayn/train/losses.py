@@ -30,11 +30,15 @@ def graph_tensor(out: LossInput) -> Tensor:
 
 @dataclass
 class LossOutput:
+    """The loss and its counts. The counts are 0-dim tensors on the loss's device, not Python
+    numbers: reading them is a host-device sync on a GPU (and a graph break when compiled), so the
+    trainer sums them where they are and reads them once per logging interval (``int(...)``)."""
+
     loss: Tensor  # scalar, smoothed cross-entropy averaged over counted positions (backprop this)
     nll_sum: Tensor  # scalar, summed true negative log-likelihood (no smoothing), detached
-    n_tokens: int  # counted positions
-    n_correct: int  # counted positions whose argmax equals the target
-    n_seq_correct: int  # sequences whose counted positions are all correct
+    n_tokens: Tensor  # () long: counted positions
+    n_correct: Tensor  # () long: counted positions whose argmax equals the target
+    n_seq_correct: Tensor  # () long: sequences whose counted positions are all correct
     n_seqs: int
 
 
@@ -100,8 +104,8 @@ def sequence_loss(out: LossInput, targets: Tensor, *, label_smoothing: float = 0
     # Both sums are already averaged over the counted rows (aiayn.fast.fused_loss).
     loss = head.nll_sum if label_smoothing == 0 else (
         (1 - label_smoothing) * head.nll_sum + label_smoothing * head.uniform_sum)
-    if not bool((flat_targets != IGNORE).any()):
-        loss = loss + float("nan")  # as F.cross_entropy with nothing counted (gradients stay zero)
+    # NaN with nothing counted, as F.cross_entropy (gradients stay zero); chosen on the device.
+    loss = torch.where((flat_targets != IGNORE).any(), loss, loss + float("nan"))
     return _loss_output(loss, head.token_nll, head.predictions, flat_targets, targets, packing)
 
 
@@ -122,8 +126,9 @@ def _loss_output(loss: Tensor, token_nll: Tensor, predictions: Tensor, flat_targ
     (b, t) positions, or the real tokens of ``packing``); targets (b, t)."""
     counted = targets != IGNORE  # (b, t)
     counted_flat = flat_targets != IGNORE  # (n,)
-    n_tokens = int(counted.sum())
-    if packing is not None and n_tokens != int(counted_flat.sum()):
+    n_tokens = counted.sum()
+    # A padding-free forward is eager on the CPU only (``aiayn.models.blocks.reads_data``): checked there.
+    if packing is not None and int(n_tokens) != int(counted_flat.sum()):
         raise ValueError("targets count positions the padding-free forward skipped (padded inputs); "
                          f"set those targets to IGNORE ({IGNORE}) or mark the inputs valid")
     with torch.no_grad():
@@ -132,5 +137,5 @@ def _loss_output(loss: Tensor, token_nll: Tensor, predictions: Tensor, flat_targ
         correct = packing.unpack(correct_flat) if packing is not None else correct_flat.view(targets.shape)
         seq_correct = (correct | ~counted).all(dim=1)
     return LossOutput(loss=loss, nll_sum=nll_sum.detach(), n_tokens=n_tokens,
-                      n_correct=int(correct.sum()), n_seq_correct=int(seq_correct.sum()),
+                      n_correct=correct.sum(), n_seq_correct=seq_correct.sum(),
                       n_seqs=targets.shape[0])

@@ -86,27 +86,40 @@ def parameter_groups(model: nn.Module, weight_decay: float, *, decay_all: bool =
     return groups
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """Adam with the paper's betas/eps, or AdamW with decoupled weight decay."""
+def make_optimizer(model: nn.Module, cfg: TrainConfig, *, fused: bool = False) -> torch.optim.Optimizer:
+    """Adam with the paper's betas/eps, or AdamW with decoupled weight decay. ``fused``: one kernel
+    for every parameter (``aiayn.device.fused_optimizer``: on CUDA); else torch's default."""
+    kind = {"fused": True} if fused else {}
     if cfg.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                weight_decay=cfg.weight_decay)
+                                weight_decay=cfg.weight_decay, **kind)
     groups = parameter_groups(model, cfg.weight_decay, decay_all=cfg.decay_all)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kind)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, keeping this optimizer's implementation: a checkpoint
+    saved with fused Adam on a GPU resumes with the CPU's, and back (the moments move to the
+    parameters' device; the saved groups would otherwise switch the implementation too)."""
+    kinds = [{key: group.get(key) for key in ("fused", "foreach", "capturable")} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, kind in zip(optimizer.param_groups, kinds, strict=True):
+        group.update(kind)
 
 
 # ---- the divergence guard's measurements ------------------------------------------------------
-def clip_and_measure(parameters: Iterable[nn.Parameter], max_norm: float | None) -> float | None:
-    """Clip the gradients' total 2-norm to ``max_norm`` and return the norm before clipping, as a
-    float the trainer checks for NaN/inf. None when not clipping: the norm is then not computed
-    (one more pass over the gradients every step); the weights are checked before each save instead.
+def clip_and_measure(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor | None:
+    """Clip the gradients' total 2-norm to ``max_norm`` and return the norm before clipping, a 0-dim
+    tensor on the gradients' device that the trainer checks for NaN/inf without waiting for it.
+    None when not clipping: the norm is then not computed (one more pass over the gradients every
+    step); the weights are checked before each save instead.
     """
     if max_norm is None:
         return None
     total = nn.utils.clip_grad_norm_(parameters, max_norm)
     if hasattr(total, "full_tensor"):  # FSDP2: a sharded DTensor; every rank gets the global norm
         total = total.full_tensor()
-    return float(total)
+    return total.detach()
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.device import model_device, to_device
 from aiayn.models import build_model
 from aiayn.train.losses import LossInput, sequence_loss
 
@@ -27,6 +28,9 @@ class AttentionExample:
     query_labels: list[str]
     key_labels: list[str]
     title: str
+
+    def __post_init__(self) -> None:  # on the CPU, for plotting, whatever device made them
+        self.weights = [w.detach().cpu() for w in self.weights]
 
 
 # The attention an ``aiayn plot attention --kind`` can show: an encoder's self-attention, a
@@ -116,18 +120,25 @@ class Task:
         """Input tokens in a batch, for the tokens/s figure."""
         return sum(v.numel() for k, v in batch.items() if k in ("src", "tgt", "tokens", "inputs"))
 
+    @staticmethod
+    def on_model(model: nn.Module, batch: Batch) -> Batch:
+        """``batch`` on ``model``'s device (``aiayn.device.to_device``; as it is on the CPU)."""
+        return to_device(batch, model_device(model))
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:
         """Teacher-forced loss, perplexity, token and sequence accuracy on a split."""
         model.eval()
-        nll = 0.0
-        tokens = correct = seqs = seq_correct = 0
+        # Summed on the model's device and read once at the end (one sync, not one per batch).
+        nll, tokens, correct, seq_correct = 0.0, 0, 0, 0
+        seqs = 0
         for batch in self.eval_batches(split, batch_size):
-            logits, targets = self.forward(model, batch)
+            logits, targets = self.forward(model, self.on_model(model, batch))
             out = sequence_loss(logits, targets)
-            nll += float(out.nll_sum)
-            tokens, correct = tokens + out.n_tokens, correct + out.n_correct
-            seqs, seq_correct = seqs + out.n_seqs, seq_correct + out.n_seq_correct
+            nll, tokens = out.nll_sum.double() + nll, out.n_tokens + tokens
+            correct, seq_correct = out.n_correct + correct, out.n_seq_correct + seq_correct
+            seqs += out.n_seqs
+        nll, tokens, correct, seq_correct = float(nll), int(tokens), int(correct), int(seq_correct)
         return {"nll": nll / max(tokens, 1), "acc": correct / max(tokens, 1),
                 "seq_acc": seq_correct / max(seqs, 1)}
 

@@ -13,7 +13,6 @@ columns of metrics.csv differ).
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import math
 import os
@@ -25,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor
 from tqdm import tqdm
 
+from aiayn import device as devices
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.train import distributed
 from aiayn.train.checkpoint import (
@@ -40,9 +40,11 @@ from aiayn.train.checkpoint import (
     save_checkpoint,
 )
 from aiayn.train.losses import graph_tensor, sequence_loss
+from aiayn.train.metrics import METRIC_FIELDS, DeviceTotals, MetricsLog, MetricsWindow  # noqa: F401
 from aiayn.train.optim import (
     all_finite,
     clip_and_measure,
+    load_optimizer_state,
     make_optimizer,
     make_schedule,
     schedule_warning,
@@ -56,9 +58,6 @@ from aiayn.train.run_dir import (  # noqa: F401  (RunDirError, config_diff: impo
     prepare_run_dir,
 )
 from aiayn.train.task import Task
-
-METRIC_FIELDS = ["step", "epoch", "lr", "train_loss", "train_nll", "train_acc", "tokens_per_s",
-                 "val_nll", "val_ppl", "val_acc", "val_seq_acc", "val_bleu", "elapsed_s"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -79,78 +78,6 @@ class TrainResult:
     examples: list[str] = field(default_factory=list)
     interrupted: bool = False
     plots: list[Path] = field(default_factory=list)
-
-
-class MetricsLog:
-    """metrics.csv, one row per log or evaluation; on resume rows after the checkpoint are dropped."""
-
-    def __init__(self, path: Path, *, resume_step: int | None) -> None:
-        self.path = path
-        rows: list[dict[str, str]] = []
-        if resume_step is not None and path.is_file():
-            with open(path, newline="", encoding="utf-8") as handle:
-                rows = [r for r in csv.DictReader(handle) if int(r["step"]) <= resume_step]
-        with open(path, "w", newline="", encoding="utf-8") as handle:
-            writer = csv.DictWriter(handle, fieldnames=METRIC_FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
-
-    def write(self, **row: Any) -> None:
-        with open(self.path, "a", newline="", encoding="utf-8") as handle:
-            csv.DictWriter(handle, fieldnames=METRIC_FIELDS).writerow(
-                {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
-            )
-
-
-@dataclass
-class MetricsWindow:
-    """The training statistics since the last metrics.csv row. A checkpoint saves them, so the first
-    row after ``--resume`` averages the same steps as an uninterrupted run's row does."""
-
-    loss: float = 0.0  # sum of the steps' losses (the union's, in a distributed run)
-    steps: int = 0
-    nll: float = 0.0  # summed over this rank's target tokens
-    tokens: float = 0  # target tokens (a float once summed over ranks)
-    correct: float = 0  # target tokens predicted right
-    in_tokens: float = 0  # input tokens since ``start``, for tokens/s (not saved: a rate of this process)
-    start: float = field(default_factory=time.perf_counter)
-
-    PER_RANK = ("nll", "tokens", "correct", "in_tokens")  # this rank's counts, summed over ranks per row
-    SAVED = ("loss", "steps", "nll", "tokens", "correct")
-
-    def reduce(self, ctx: distributed.DistContext) -> None:
-        """Sum the per-rank counts over all ranks (a collective) into every rank's window."""
-        if ctx.enabled:
-            summed = distributed.all_reduce_sum([getattr(self, name) for name in self.PER_RANK], ctx)
-            for name, value in zip(self.PER_RANK, summed, strict=True):
-                setattr(self, name, value)
-
-    def saved(self, ctx: distributed.DistContext) -> dict[str, float]:
-        """The window for a checkpoint (a collective): the union's counts, which rank 0 keeps and
-        the other ranks drop, so the next row's sums over ranks are unchanged."""
-        self.reduce(ctx)
-        state = {name: getattr(self, name) for name in self.SAVED}
-        if not ctx.is_main:
-            for name in self.PER_RANK:
-                setattr(self, name, 0)
-        return state
-
-    @classmethod
-    def restored(cls, state: dict[str, Any], ctx: distributed.DistContext) -> MetricsWindow:
-        """The window a checkpoint saved (empty in one saved before windows were: the first row
-        after resuming it then averages the steps since the checkpoint)."""
-
-        def number(name: str) -> float:  # state.json is a file: anything but a finite number counts 0
-            value = state.get(name, 0) if isinstance(state, dict) else 0
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            return value if ok else 0
-
-        window = cls()
-        for name in cls.SAVED:  # the union's counts go to rank 0 only, as saved() left them
-            if ctx.is_main or name not in cls.PER_RANK:
-                setattr(window, name, number(name))
-        window.steps = int(window.steps)
-        return window
 
 
 class StopRequest:
@@ -193,18 +120,24 @@ def train(
     make_plots: bool = True,
     parallel: distributed.ParallelOptions | None = None,
     fast: bool = True,
+    device: torch.device | str | None = None,
 ) -> TrainResult:
     """Train ``task`` into ``run_dir``; see the module docstring.
 
     ``fast``: train through aiayn's CPU kernels (``aiayn.fast.optimize(model, "train")``: the same
-    function, faster); False trains the plain PyTorch model.
+    function, faster); False trains the plain PyTorch model. On another device the plain model runs.
+
+    ``device``: where to train (``aiayn.device.resolve``: "auto" or None takes the first CUDA GPU,
+    else the CPU). The model, optimiser state and batches live there; on CUDA the forward runs
+    under bfloat16 autocast unless ``train_config.bf16`` is False, and Adam is fused. Checkpoints
+    are device-free: a run saved on a GPU resumes on the CPU and back.
 
     Under torchrun (``WORLD_SIZE`` > 1) it trains data-parallel (DDP) or sharded
     (``parallel.fsdp``); see ``aiayn.train.distributed`` for how batches and the loss are split.
     """
     distributed.check_options(parallel, world_size=distributed.env_world_size(), compile=train_config.compile,
                               average_last=train_config.average_last)
-    ctx = distributed.setup(parallel)
+    ctx = distributed.setup(parallel, devices.prepare(devices.resolve(device)))
     try:
         configs = {"task": task.name, "task_options": task.options, "model": model_config.to_dict(),
                    "train": train_config.to_dict()}
@@ -225,6 +158,18 @@ def train(
     finally:
         if ctx.owns_group:
             distributed.shutdown(ctx)
+
+
+def step_loss(task: Task, model: Any, batch: Any, *, device: torch.device, bf16: bool | None = None,
+              label_smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One micro-batch's forward and loss on ``device`` -> (loss, summed NLL, counted tokens,
+    correct tokens), 0-dim tensors: the step that ``--compile`` compiles whole. Neither the model
+    nor the loss reads a value back into Python, so the graph has no break and a GPU never waits
+    in it (tests/unit/test_compiled_step.py counts the breaks with ``torch._dynamo.explain``)."""
+    with devices.autocast(device, bf16=bf16):
+        output, targets = task.forward(model, batch)
+        out = sequence_loss(output, targets, label_smoothing=label_smoothing)
+    return out.loss, out.nll_sum, out.n_tokens, out.n_correct
 
 
 def _quiet(_: str) -> None:
@@ -257,15 +202,16 @@ def _train(
     fast: bool,
 ) -> TrainResult:
     cfg = train_config
+    dev = ctx.device
     run_dir = location.final  # where the run ends up; it is written in location.path until then
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # (seeds the CUDA generators too)
     task.run_dir = location.path
     # Rank 0 prepares first: a task may write files into the run (a learned tokenizer) that the
     # other ranks then read instead of learning their own.
     distributed.run_on_main(ctx, lambda: task.prepare(cfg.seed))
     if ctx.enabled and not ctx.is_main:
         task.prepare(cfg.seed)
-    model = task.build_model(model_config)
+    model = task.build_model(model_config).to(dev)  # built on the CPU (same initial weights everywhere)
     if fast:  # the CPU kernels: same parameters and state dict, same function (aiayn.fast)
         from aiayn.fast import optimize
 
@@ -303,21 +249,27 @@ def _train(
     if ctx.enabled:
         def first_batch_loss() -> torch.Tensor:
             model.train()
-            batch = task.collate("train", task.train_batches(0, cfg.batch_size, cfg.seed)[0])
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            batch = devices.to_device(task.collate("train", task.train_batches(0, cfg.batch_size, cfg.seed)[0]), dev)
+            with devices.autocast(dev, bf16=cfg.bf16):
                 output, targets = task.forward(model, batch)
                 return sequence_loss(output, targets, label_smoothing=cfg.label_smoothing).loss
 
         frozen = distributed.freeze_unused(model, first_batch_loss)
-    forward_model: nn.Module = torch.compile(model) if cfg.compile else distributed.wrap(model, ctx)
+    forward_model = distributed.wrap(model, ctx)
+
+    def forward_loss(batch: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return step_loss(task, forward_model, batch, device=dev, bf16=cfg.bf16,
+                         label_smoothing=cfg.label_smoothing)
+
+    step_forward = torch.compile(forward_loss) if cfg.compile else forward_loss
     with distributed.thawed(model, frozen):
-        optimizer = make_optimizer(model, cfg)
+        optimizer = make_optimizer(model, cfg, fused=devices.fused_optimizer(dev))
     if loaded is not None:
         if loaded.optimizer_state is not None:
             if ctx.fsdp:
                 distributed.load_full_optimizer_state(model, optimizer, loaded.optimizer_state)
             else:
-                optimizer.load_state_dict(loaded.optimizer_state)
+                load_optimizer_state(optimizer, loaded.optimizer_state)
         restore_rng(loaded)
     metrics = distributed.run_on_main(
         ctx, lambda: MetricsLog(location.path / "metrics.csv", resume_step=step if resume else None))
@@ -326,13 +278,23 @@ def _train(
         if metrics is not None:
             metrics.write(**row)
 
-    def diverged(what: str) -> TrainingDiverged:
+    def diverged(what: str, at: int | None = None) -> TrainingDiverged:
         bar.close()
-        return TrainingDiverged(_diverged_message(step, what, saved_step, location,
-                                                  clipping=cfg.clip_grad_norm is not None), step)
+        at = step if at is None else at
+        return TrainingDiverged(_diverged_message(at, what, saved_step, location,
+                                                  clipping=cfg.clip_grad_norm is not None), at)
+
+    def read_totals() -> None:
+        """Fold the device's sums into the window (one sync) and stop if a step diverged."""
+        bad = totals.fold(window)
+        if bad is not None:
+            at, loss, norm = bad
+            clipping = cfg.clip_grad_norm is not None
+            raise diverged(f"loss {loss:.4g}" + (f", gradient norm {norm:.4g}" if clipping else ""), at)
 
     def checkpoint() -> None:
         nonlocal saved_step
+        read_totals()  # the divergence guard first: a diverged step is named as such
         model_state = optimizer_state = None
         if ctx.fsdp:  # gather the full state on every rank (a collective); rank 0 writes it
             model_state, optimizer_state = distributed.full_state(model, optimizer, ctx)
@@ -360,7 +322,8 @@ def _train(
 
     start_time = time.perf_counter()
     window = MetricsWindow.restored(loaded.state.get("metrics_window", {}), ctx) if loaded else MetricsWindow()
-    last_loss = float("nan")
+    totals = DeviceTotals(dev)
+    last_loss: Tensor | float = float("nan")
     interrupted = False
     bar = tqdm(total=total_steps, initial=step, disable=not progress, desc=f"train {task.name}",
                unit="step", dynamic_ncols=True)
@@ -376,51 +339,53 @@ def _train(
                 lr = lr_at(step + 1)
                 for param_group in optimizer.param_groups:
                     param_group["lr"] = lr
-                step_loss = 0.0
+                loss_of_step: Tensor | float = 0.0
                 for i, indices in enumerate(group):
                     batch = task.collate("train", indices)
+                    window.in_tokens += task.count_tokens(batch)  # counted on the host, before the copy
+                    batch = devices.to_device(batch, dev)
                     if not ctx.enabled:
-                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                            output, targets = task.forward(forward_model, batch)
-                            out = sequence_loss(output, targets, label_smoothing=cfg.label_smoothing)
-                        (out.loss / len(group)).backward()
-                        step_loss += out.loss.item() / len(group)
+                        loss, nll_sum, n_tokens, n_correct = step_forward(batch)
+                        (loss / len(group)).backward()
+                        loss_of_step = loss_of_step + loss.detach().double() / len(group)
+                        totals.add_batch(nll_sum, n_tokens, n_correct)
                     else:
                         with distributed.no_sync(forward_model, last=i == len(group) - 1):
-                            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                            with devices.autocast(dev, bf16=cfg.bf16):
                                 output, targets = task.forward(forward_model, batch)
                                 out = sequence_loss(output, targets, label_smoothing=cfg.label_smoothing)
                             # Weight by this rank's share of the micro-batch's tokens over all ranks:
                             # the gradient average is then that of the union's token-mean loss.
-                            (global_tokens,) = distributed.all_reduce_sum([out.n_tokens], ctx)
-                            weight = out.n_tokens * ctx.world_size / max(global_tokens, 1.0)
-                            loss = out.loss * weight if out.n_tokens else graph_tensor(output).sum() * 0.0
+                            # (One collective per micro-batch, which reads the count anyway.)
+                            local_tokens = int(out.n_tokens)
+                            (global_tokens,) = distributed.all_reduce_sum([local_tokens], ctx)
+                            weight = local_tokens * ctx.world_size / max(global_tokens, 1.0)
+                            loss = out.loss * weight if local_tokens else graph_tensor(output).sum() * 0.0
                             (loss / len(group)).backward()
-                        if out.n_tokens:
-                            step_loss += out.loss.item() * weight / ctx.world_size / len(group)
-                    window.nll += float(out.nll_sum)
-                    window.tokens += out.n_tokens
-                    window.correct += out.n_correct
-                    window.in_tokens += task.count_tokens(batch)
+                        if local_tokens:
+                            loss_of_step += float(out.loss) * weight / ctx.world_size / len(group)
+                        totals.add_batch(out.nll_sum, out.n_tokens, out.n_correct)
                 grad_norm = clip_and_measure(model.parameters(), cfg.clip_grad_norm)  # None: not clipping
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 batch_in_epoch += per_step
                 if ctx.enabled:  # the union's loss; stop when any rank was asked to
-                    step_loss, stop_votes = distributed.all_reduce_sum([step_loss, float(stop.requested)], ctx)
+                    loss_of_step, stop_votes = distributed.all_reduce_sum([float(loss_of_step), float(stop.requested)], ctx)
                     stop.requested = stop_votes > 0
-                # The divergence guard: the loss (the union's, so every rank stops alike) and, when
-                # clipping, the gradient norm. Nothing is logged or saved for this step.
-                if not math.isfinite(step_loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
-                    raise diverged(f"loss {step_loss:.4g}" + (f", gradient norm {grad_norm:.4g}"
-                                                              if grad_norm is not None else ""))
-                last_loss = step_loss
-                window.loss += step_loss
+                    loss_of_step = torch.tensor(loss_of_step, dtype=torch.float64)
+                # The divergence guard watches the loss (the union's, so every rank stops alike)
+                # and, when clipping, the gradient norm, on the device; it is read with the
+                # metrics (below), before any evaluation or save: nothing is logged or saved for
+                # a diverged step or after it.
+                assert isinstance(loss_of_step, Tensor)
+                totals.add_step(step, loss_of_step, grad_norm)
+                last_loss = loss_of_step
                 window.steps += 1
                 bar.update(1)
 
                 if step % cfg.log_every == 0 or step == total_steps:
+                    read_totals()
                     window.reduce(ctx)
                     elapsed = time.perf_counter() - window.start
                     mean_loss = window.loss / window.steps
@@ -433,6 +398,7 @@ def _train(
                             tokens_per_s=tokens_per_s, elapsed_s=time.perf_counter() - start_time)
                     window = MetricsWindow()
                 if step % eval_every == 0 or step == total_steps:
+                    read_totals()
                     val = task.evaluate(model, "val")
                     log_row(step=step, epoch=epoch, val_nll=val["nll"], val_ppl=math.exp(min(val["nll"], 50)),
                             val_acc=val["acc"], val_seq_acc=val["seq_acc"], val_bleu=val.get("bleu"),
@@ -451,7 +417,7 @@ def _train(
                 break
     bar.close()
 
-    result = TrainResult(run_dir=run_dir, step=step, final_loss=last_loss, interrupted=interrupted)
+    result = TrainResult(run_dir=run_dir, step=step, final_loss=float(last_loss), interrupted=interrupted)
     if interrupted:
         echo(f"interrupted at step {step}; checkpoint saved. Continue with: aiayn train --resume "
              f"--run-dir {run_dir}")
@@ -475,7 +441,7 @@ def _train(
     # Every rank evaluates (a sharded model's forward is a collective); rank 0 writes.
     result.test_metrics = task.evaluate(model, task.test_split)
     result.examples = task.examples(model)
-    summary = {"step": step, "final_train_loss": last_loss, "test": result.test_metrics,
+    summary = {"step": step, "final_train_loss": result.final_loss, "test": result.test_metrics,
                "seconds": time.perf_counter() - start_time}
     if averaged:
         summary["averaged"] = averaged
