@@ -70,6 +70,16 @@ def resolve(spec: str | torch.device | None = "auto") -> torch.device:
     raise DeviceError(f"--device {spec!r} is not a device aiayn runs on; give one of {', '.join(CHOICES)}")
 
 
+def local_gpu(local_rank: int) -> torch.device:
+    """The GPU of a torchrun process on this machine (its ``LOCAL_RANK``), prepared; DeviceError when
+    the machine has fewer GPUs than processes."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank >= count:
+        raise DeviceError(f"process {local_rank} of this machine has no GPU of its own ({count} GPU(s)); "
+                          f"start at most that many processes per machine (torchrun --nproc-per-node)")
+    return prepare(torch.device("cuda", local_rank))
+
+
 def prepare(device: torch.device) -> torch.device:
     """Set the process-wide switches for ``device`` (once, before the first model runs): on CUDA,
     TF32 for float32 matmuls and convolutions, and ``device`` as the current GPU. Returns it."""

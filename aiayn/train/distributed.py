@@ -90,11 +90,10 @@ def setup(options: ParallelOptions | None = None, device: torch.device | None = 
         return DistContext(fsdp=False, device=device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise DistributedError(f"process {local_rank} of this machine has no GPU of its own "
-                                   f"({torch.cuda.device_count()} GPU(s)); start at most that many "
-                                   f"processes per machine (torchrun --nproc-per-node)")
-        device = devices.prepare(torch.device("cuda", local_rank))
+        try:
+            device = devices.local_gpu(local_rank)
+        except devices.DeviceError as exc:
+            raise DistributedError(str(exc)) from None
     owns = not dist.is_initialized()
     if owns:
         backend = os.environ.get("AIAYN_DIST_BACKEND", devices.distributed_backend(device))

@@ -161,3 +161,17 @@ def test_non_finite_and_out_of_range_options_are_usage_errors(tmp_path, capsys, 
     assert code == 2
     assert f"Error: Invalid value for '{option}': {message}" in err
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+def test_the_guard_read_once_per_row_still_names_the_first_bad_step(tmp_path):
+    """The loss and gradient norm are watched on the device and read with the metrics (every 3
+    steps here) or before a save (every 2): the error names step 5, where the loss became NaN, not
+    the step at which it was read, and the checkpoint of step 4 stays the latest."""
+    exc, run = sabotaged_run(tmp_path, at=5, what="loss", log_every=3, save_every=2)
+    assert exc.step == 5
+    assert "diverged at step 5 (loss nan, gradient norm nan)" in str(exc)
+    checkpoints = run / "checkpoints"
+    assert ckpt.latest_checkpoint(checkpoints).name == "step-00000004"
+    assert [p.name for p in ckpt.list_checkpoints(checkpoints)] == ["step-00000002", "step-00000004"]
+    with open(run / "metrics.csv", newline="") as handle:
+        assert [int(row["step"]) for row in csv.DictReader(handle)] == [3]

@@ -64,6 +64,7 @@ def within(name: str, *packages: str) -> bool:
 # it imports models; ``from aiayn import x`` counts as importing aiayn.x).
 ALLOWED = {
     "aiayn.config": (),
+    "aiayn.device": (),  # the placement and precision policy: torch only, asked by every layer above nn
     "aiayn.nn": ("aiayn.config", "aiayn.nn"),
     "aiayn.models": ("aiayn.config", "aiayn.nn", "aiayn.models"),
     "aiayn.fast": ("aiayn.config", "aiayn.nn", "aiayn.models", "aiayn.fast"),
@@ -204,3 +205,12 @@ def test_importing_aiayn_leaves_torch_compile_unloaded() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_only_the_device_module_places_tensors_by_hand():
+    """One module owns placement (``aiayn.device``): nothing else calls ``.cuda()`` or names a GPU."""
+    offenders = [f"{path.relative_to(PACKAGE)}:{i}" for path in sorted(PACKAGE.rglob("*.py"))
+                 if path.name != "device.py"
+                 for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                 if ".cuda(" in line or 'torch.device("cuda' in line]
+    assert not offenders, offenders

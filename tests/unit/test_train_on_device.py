@@ -1,0 +1,85 @@
+"""Training's device policy, checked on the CPU: where the pieces go, what a checkpoint keeps, and
+the one-line refusal of a device this machine lacks (the GPU side runs in scripts/gpu-check.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiayn import device as devices
+from aiayn.cli import main
+from aiayn.config import TrainConfig
+from aiayn.train.optim import load_optimizer_state, make_optimizer
+
+
+def test_resolve_names_devices_and_refuses_absent_ones() -> None:
+    assert devices.resolve("cpu") == torch.device("cpu")
+    assert devices.resolve(" CPU ") == torch.device("cpu")
+    assert devices.resolve("auto") == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+    assert devices.resolve(None) == devices.resolve("auto")
+    if not torch.cuda.is_available():
+        with pytest.raises(devices.DeviceError, match="no CUDA GPU"):
+            devices.resolve("cuda:1")
+    with pytest.raises(devices.DeviceError, match="is not a device"):
+        devices.resolve("banana")
+
+
+def test_precision_policy_per_device() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert devices.autocast_dtype(cpu) is None and devices.autocast_dtype(cpu, bf16=False) is None
+    assert devices.autocast_dtype(cpu, bf16=True) is torch.bfloat16
+    assert devices.autocast_dtype(cuda) is torch.bfloat16 and devices.autocast_dtype(cuda, bf16=True) is torch.bfloat16
+    assert devices.autocast_dtype(cuda, bf16=False) is None
+    assert devices.fused_optimizer(cuda) and not devices.fused_optimizer(cpu)
+    assert devices.distributed_backend(cuda) == "nccl" and devices.distributed_backend(cpu) == "gloo"
+
+
+def test_to_device_keeps_structure_and_leaves_cpu_tensors_alone() -> None:
+    batch = {"src": torch.arange(6).view(2, 3), "pair": (torch.ones(2), [torch.zeros(1)]), "n": 3}
+    moved = devices.to_device(batch, torch.device("cpu"))
+    assert moved["src"] is batch["src"] and moved["pair"][0] is batch["pair"][0]
+    assert isinstance(moved["pair"], tuple) and isinstance(moved["pair"][1], list) and moved["n"] == 3
+
+
+def test_bf16_defaults_to_the_device_and_round_trips() -> None:
+    assert TrainConfig().bf16 is None
+    assert TrainConfig.from_dict(TrainConfig(bf16=True).to_dict()).bf16 is True
+    assert TrainConfig.from_dict({**TrainConfig().to_dict(), "bf16": False}).bf16 is False
+
+
+def test_optimizer_state_from_another_implementation_keeps_this_ones() -> None:
+    """A checkpoint written by fused Adam (a CUDA run) resumes with the CPU's implementation and
+    the same moments, and back."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    fused = make_optimizer(model, TrainConfig(optimizer="adamw"), fused=True)
+    model(torch.randn(5, 4)).sum().backward()
+    fused.step()
+    saved = fused.state_dict()
+    assert saved["param_groups"][0]["fused"] is True
+    plain = make_optimizer(model, TrainConfig(optimizer="adamw"))
+    load_optimizer_state(plain, saved)
+    assert not plain.param_groups[0]["fused"]
+    for name in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(plain.state[model.weight][name], fused.state[model.weight][name])
+    back = make_optimizer(model, TrainConfig(optimizer="adamw"), fused=True)
+    load_optimizer_state(back, plain.state_dict())
+    assert back.param_groups[0]["fused"] is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("args", [
+    ["train", "--max-steps", "1"],
+    ["experiment", "length-extrapolation"],
+    ["explain", "additive", "--quick"],
+])
+@pytest.mark.parametrize("name", ["cuda", "cuda:3", "banana"])
+def test_an_absent_device_is_one_line_and_exit_2(args, name, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--device", name])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("Error: --device ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert ("no CUDA GPU" in err) if name.startswith("cuda") else ("is not a device" in err)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
