@@ -114,3 +114,41 @@ def test_compiled_training_matches_eager(tmp_path) -> None:
     assert compiled_run.final_loss == pytest.approx(eager.final_loss, rel=1e-4)
     for key, value in eager.test_metrics.items():
         assert compiled_run.test_metrics[key] == pytest.approx(value, rel=1e-3, abs=1e-3), key
+
+
+def breaks_of(fn: object, *args: object) -> list[str]:
+    dynamo.reset()
+    explained = dynamo.explain(fn)(*args)
+    dynamo.reset()
+    return [reason.reason.splitlines()[0] for reason in explained.break_reasons]
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
+def test_the_decode_step_of_a_decoder_is_one_graph(preset: str) -> None:
+    """A padded prompt prefilled eagerly, then the one-token step traced: no graph break."""
+    from aiayn.generate.decoder_only import last_position_logits
+
+    torch.manual_seed(0)
+    model = build_model(get_preset(preset, pad_id=PAD)).eval()
+    prompt = torch.randint(1, 99, (2, 5))
+    prompt[0, :2] = PAD  # left padding
+    with torch.no_grad():
+        cache = model.new_cache(2, 16)
+        last_position_logits(model, prompt, prompt != PAD, cache)
+        step = prompt[:, -1:]
+        assert breaks_of(last_position_logits, model, step, torch.ones_like(step, dtype=torch.bool), cache) == []
+
+
+def test_the_decode_step_of_an_encoder_decoder_is_one_graph() -> None:
+    from aiayn.generate.encoder_decoder import decode_cached_step
+
+    torch.manual_seed(0)
+    model = build_model(get_preset("tiny", pad_id=PAD)).eval()
+    src = torch.randint(1, 99, (2, 6))
+    src[1, -3:] = PAD  # a padded source
+    with torch.no_grad():
+        encoded = model.encode(src)
+        cache = model.new_cache(2, 16)
+        bos = torch.ones(2, 1, dtype=torch.long)
+        model.decode(bos, encoded, cache=cache)  # fills the cross-attention keys and values
+        assert breaks_of(decode_cached_step, model, bos, encoded.valid, cache) == []
