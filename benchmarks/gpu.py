@@ -1,0 +1,377 @@
+"""aiayn on a GPU against its peers, every row in one run on one card (issue 33, point 8).
+
+(a) GPT-2 124M training, batch 8 x 1024, bf16 autocast: aiayn against transformers'
+    GPT2LMHeadModel built from its config (random init), each eager and under torch.compile;
+    tokens/s and MFU (PaLM's 6 N + 12 L d T model FLOPs per token over the card's dense bf16 peak).
+(b) The paper's base encoder-decoder (preset ``paper-base``), 128 x (100 source + 100 target)
+    tokens, bf16 autocast: aiayn against torch.nn.Transformer of the same shape, eager and compiled.
+(c) Greedy decoding of GPT-2 124M in bfloat16, batch 1 and 16, 256 new tokens after a 16-token
+    prompt (tokens/s counts the new tokens; the prompt's prefill is in the time): aiayn eager and
+    compiled (``aiayn.generate``'s ``compile=True``) against transformers' generate with its
+    dynamic cache and with its static cache, whose decode step it compiles (CUDA graphs).
+(d) ``--recipe-row``: ``aiayn train --recipe recipes/multi30k-en-de.yaml --device DEVICE``, wall
+    time and test2016 BLEU (the data must be there: docs/gpu.md).
+
+Timing: every peer warmed up (the compiled ones compile then, untimed), then the peers of a row
+timed in turn, A, B, C, A, B, C, ..., ``--repeats`` rounds, the device synchronised around each
+round; a peer's figure is its median round. A peer that fails prints its error and the run goes on.
+
+    python -m benchmarks.gpu                           # (a)-(c) on the first CUDA GPU
+    python -m benchmarks.gpu --rows c --device cuda:1
+    python -m benchmarks.gpu --recipe-row              # (d) too
+    python -m benchmarks.gpu --smoke --device cpu      # tiny sizes, seconds: what the test runs
+
+Not a test: it prints figures and ratios against the issue's goals; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from aiayn import build_model
+from aiayn.device import prepare, resolve, synchronize
+from benchmarks.common import Timed, count_params, fmt_int, table
+from benchmarks.gpu_models import (
+    CPU_RECIPE_BLEU,
+    FULL,
+    RECIPE,
+    RECIPE_MINUTES,
+    SEED_SPREAD,
+    SMOKE,
+    Plan,
+    TorchSeq2Seq,
+    aiayn_decode,
+    aiayn_lm_step,
+    aiayn_seq2seq_step,
+    device_name,
+    gpt2_config,
+    gpt2_train_flops,
+    hf_decode,
+    hf_gpt2,
+    logits_step,
+    make_adamw,
+    peak_flops,
+    run_recipe,
+    seq2seq_config,
+    transformers_or_none,
+)
+
+GOALS = {"a": 1.3, "a_mfu": 0.45, "b": 1.2, "c_rate": 2000.0, "c": 1.5}  # the issue's targets
+
+
+@contextlib.contextmanager
+def compile_backend(backend: str | None) -> Iterator[None]:
+    """With ``backend``, every torch.compile of the run (this benchmark's and aiayn's own compiled
+    decode step) uses it: --smoke traces the compiled paths on a CPU in seconds instead of building
+    kernels for minutes. Restored afterwards."""
+    if backend is None:
+        yield
+        return
+    real = torch.compile
+
+    def patched(model=None, **kwargs):
+        kwargs.update(backend=backend, mode=None)
+        return real(**kwargs) if model is None else real(model, **kwargs)
+
+    torch.compile = patched  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = real  # type: ignore[assignment]
+
+
+class Row:
+    """The peers of one row: each built and timed, or its failure kept as one line."""
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
+        self.device, self.repeats, self.warmup = device, repeats, warmup
+        self.timed: list[Timed] = []
+        self.failed: dict[str, str] = {}
+        self.skipped: dict[str, str] = {}
+        self.params: dict[str, int] = {}
+
+    def add(self, name: str, build: Callable[[], tuple[Callable[[], object], int]], iters: int = 1) -> None:
+        """``build() -> (call, parameters)``; the call is warmed up here (a compiled one compiles)."""
+        try:
+            fn, params = build()
+            for _ in range(self.warmup):
+                fn()
+            synchronize(self.device)
+        except Exception as exc:  # a peer that cannot run here: say so, measure the others
+            self.failed[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            return
+        self.timed.append(Timed(name, fn, iters=iters))
+        self.params[name] = params
+
+    def skip(self, name: str, why: str) -> None:
+        self.skipped[name] = why
+
+    def run(self) -> dict[str, float]:
+        """Interleaved rounds -> median seconds per call, by peer."""
+        for _ in range(self.repeats):
+            for p in self.timed:
+                gc.collect()
+                synchronize(self.device)
+                start = time.perf_counter()
+                for _ in range(p.iters):
+                    p.fn()
+                synchronize(self.device)
+                p.times.append((time.perf_counter() - start) / p.iters)
+        return {p.name: statistics.median(p.times) for p in self.timed}
+
+    def report(self, headers: list[str], cells: Callable[[Timed], list[object]]) -> None:
+        rows = [[p.name, fmt_int(self.params[p.name]), *cells(p)] for p in self.timed]
+        rows += [[name, "-", f"failed: {why}", *["-"] * (len(headers) - 3)] for name, why in self.failed.items()]
+        rows += [[name, "-", f"skipped: {why}", *["-"] * (len(headers) - 3)] for name, why in self.skipped.items()]
+        print(table(headers, rows) + "\n")
+
+
+def ratio(label: str, rates: dict[str, float], ours: str, theirs: str, target: float | None = None) -> None:
+    """'label: ours / theirs = 1.23x (target >= 1.3x: met)', or why it is not measured."""
+    missing = [name for name in (ours, theirs) if name not in rates]
+    if missing:
+        print(f"* {label}: {ours} / {theirs}: not measured ({', '.join(missing)} did not run)")
+        return
+    r = rates[ours] / rates[theirs]
+    goal = "" if target is None else f" (goal >= {target:g}x: {'met' if r >= target else 'MISSED'})"
+    print(f"* {label}: {ours} / {theirs} = **{r:.2f}x**{goal}")
+
+
+def spread(p: Timed) -> str:
+    return f"±{(max(p.times) - min(p.times)) / statistics.median(p.times) * 50:.0f}%"
+
+
+def free(row: Row) -> None:
+    row.timed.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- (a) ----------------------------------------------------------------------------------------
+def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transformers) -> None:
+    batch, length = plan.train_batch
+    vocab = plan.gpt[0]
+    tokens = torch.randint(0, vocab, (batch, length + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (b, t)
+    row = Row(device, args.repeats, args.warmup)
+
+    def aiayn(compiled: bool):
+        torch.manual_seed(0)
+        model = build_model(gpt2_config(plan)).to(device).train()
+        run = torch.compile(model) if compiled else model
+        return aiayn_lm_step(run, make_adamw(model, device), tokens, device), count_params(model)
+
+    def hf(compiled: bool):
+        torch.manual_seed(0)
+        model = hf_gpt2(transformers, plan).to(device).train()
+        run = torch.compile(model) if compiled else model
+        forward = lambda x: run(input_ids=x, use_cache=False).logits  # noqa: E731
+        return logits_step(forward, make_adamw(model, device), (inputs, targets), device), count_params(model)
+
+    row.add("aiayn", lambda: aiayn(False), iters=args.iters)
+    row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
+    for compiled, name in ((False, "transformers"), (True, "transformers compiled")):
+        if transformers is None:
+            row.skip(name, "transformers is not installed")
+        else:
+            row.add(name, lambda c=compiled: hf(c), iters=args.iters)
+    seconds = row.run()
+    peak, peak_note = peak_flops(device, args.peak_tflops)
+    flops = gpt2_train_flops(plan, batch * length)
+    print(f"## (a) GPT-2 training, d {plan.gpt[1]}, {plan.gpt[3]} layers, vocab {vocab:,}, batch {batch} x {length}, "
+          f"{device_name(device)}\n")
+    mfu = {name: flops / s / peak for name, s in seconds.items()} if peak else {}
+    row.report(["peer", "parameters", "ms / step (median)", "spread", "tokens/s", "MFU"],
+               lambda p: [f"{seconds[p.name] * 1e3:.1f}", spread(p), fmt_int(batch * length / seconds[p.name]),
+                          f"{mfu[p.name]:.3f}" if p.name in mfu else "-"])
+    print(f"model FLOPs per step: {flops / 1e12:.2f} TFLOP (6 N + 12 L d T per token); peak: {peak_note}\n")
+    rates = {name: batch * length / s for name, s in seconds.items()}
+    ratio("(a) training tokens/s, eager", rates, "aiayn", "transformers")
+    ratio("(a) training tokens/s, compiled", rates, "aiayn compiled", "transformers compiled", GOALS["a"])
+    if "aiayn compiled" in mfu:
+        verdict = "met" if mfu["aiayn compiled"] >= GOALS["a_mfu"] else "MISSED"
+        print(f"* (a) MFU of aiayn compiled = **{mfu['aiayn compiled']:.3f}** (goal >= {GOALS['a_mfu']}: {verdict})")
+    else:
+        print(f"* (a) MFU of aiayn compiled: not measured ({peak_note if not peak else 'it did not run'})")
+    free(row)
+
+
+# ---- (b) ----------------------------------------------------------------------------------------
+def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
+    batch, src_len, tgt_len = plan.seq2seq_batch
+    config = seq2seq_config(plan, args.dropout)
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(3, config.vocab_size, (batch, src_len), generator=g).to(device)  # no padding
+    tgt = torch.randint(3, config.vocab_size, (batch, tgt_len + 1), generator=g).to(device)
+    data = (src, tgt[:, :-1], tgt[:, 1:])  # source, target in, target out
+    row = Row(device, args.repeats, args.warmup)
+
+    def aiayn(compiled: bool):
+        torch.manual_seed(0)
+        model = build_model(config).to(device).train()
+        run = torch.compile(model) if compiled else model
+        return aiayn_seq2seq_step(run, make_adamw(model, device), data, device), count_params(model)
+
+    def reference(compiled: bool):
+        torch.manual_seed(0)
+        model = TorchSeq2Seq(config).to(device).train()
+        run = torch.compile(model) if compiled else model
+        return logits_step(run, make_adamw(model, device), data, device), count_params(model)
+
+    row.add("aiayn", lambda: aiayn(False), iters=args.iters)
+    row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
+    row.add("torch.nn.Transformer", lambda: reference(False), iters=args.iters)
+    row.add("torch.nn.Transformer compiled", lambda: reference(True), iters=args.iters)
+    seconds = row.run()
+    tokens = batch * (src_len + tgt_len)
+    print(f"## (b) encoder-decoder `{plan.seq2seq}` (d {config.d_model}, {config.n_layers}+{config.n_decoder_layers} "
+          f"layers, vocab {config.vocab_size:,}), batch {batch} x ({src_len} + {tgt_len}) tokens, "
+          f"{device_name(device)}\n")
+    row.report(["peer", "parameters", "ms / step (median)", "spread", "tokens/s"],
+               lambda p: [f"{seconds[p.name] * 1e3:.1f}", spread(p), fmt_int(tokens / seconds[p.name])])
+    rates = {name: tokens / s for name, s in seconds.items()}
+    ratio("(b) training tokens/s, eager", rates, "aiayn", "torch.nn.Transformer")
+    ratio("(b) training tokens/s, compiled", rates, "aiayn compiled", "torch.nn.Transformer compiled", GOALS["b"])
+    free(row)
+
+
+# ---- (c) ----------------------------------------------------------------------------------------
+def row_c(args: argparse.Namespace, plan: Plan, device: torch.device, transformers) -> None:
+    dtype = getattr(torch, args.decode_dtype)
+    torch.manual_seed(0)
+    if transformers is not None:  # the same weights on both sides: aiayn's model converted from HF's
+        from aiayn.interop import from_hf_model
+
+        hf = hf_gpt2(transformers, plan).eval()
+        model = from_hf_model(hf)[0].to(device, dtype).eval()
+        hf = hf.to(device, dtype)
+    else:
+        model, hf = build_model(gpt2_config(plan)).to(device, dtype).eval(), None
+    print(f"## (c) greedy decoding, GPT-2 (d {plan.gpt[1]}, {plan.gpt[3]} layers), {args.decode_dtype}, "
+          f"{plan.new_tokens} new tokens after a {plan.prompt_len}-token prompt, {device_name(device)}\n")
+    if hf is not None and device.type != "cuda":
+        print(f"(transformers compiles its static-cache step on CUDA only: on {device.type} that row ran uncompiled)\n")
+    for b in plan.decode_batches:
+        decode_batch(args, plan, device, transformers, model, hf, b)
+
+
+def decode_batch(args: argparse.Namespace, plan: Plan, device: torch.device, transformers, model: torch.nn.Module,
+                 hf: torch.nn.Module | None, b: int) -> None:
+    """Row (c) at batch ``b``: every decoder from the same random prompt (b, prompt_len)."""
+    n = plan.new_tokens
+    prompt = torch.randint(0, plan.gpt[0], (b, plan.prompt_len), generator=torch.Generator().manual_seed(b))
+    prompt = prompt.to(device)
+    row = Row(device, args.repeats, args.warmup)
+    params = count_params(model)
+    row.add("aiayn", lambda: (aiayn_decode(model, prompt, n, compile=False), params))
+    row.add("aiayn compiled", lambda: (aiayn_decode(model, prompt, n, compile=True), params))
+    for static, name in ((False, "transformers"), (True, "transformers static + compile")):
+        if hf is None:
+            row.skip(name, "transformers is not installed")
+        else:
+            row.add(name, lambda s=static: (hf_decode(transformers, hf, prompt, n, static=s), params))
+    seconds = row.run()
+    print(f"batch {b}:\n")
+    row.report(["peer", "parameters", "ms / call (median)", "spread", "tokens/s"],
+               lambda p: [f"{seconds[p.name] * 1e3:.1f}", spread(p), fmt_int(b * n / seconds[p.name])])
+    rates = {name: b * n / s for name, s in seconds.items()}
+    ratio(f"(c) decode tokens/s, batch {b}, eager", rates, "aiayn", "transformers")
+    ratio(f"(c) decode tokens/s, batch {b}, compiled", rates, "aiayn compiled", "transformers static + compile",
+          GOALS["c"] if b == 1 else None)
+    if b == 1:
+        best = max((rates[k] for k in ("aiayn", "aiayn compiled") if k in rates), default=None)
+        verdict = "not measured" if best is None else ("met" if best >= GOALS["c_rate"] else "MISSED")
+        shown = "-" if best is None else fmt_int(best)
+        print(f"* (c) aiayn batch 1 = **{shown}** tokens/s (goal >= {GOALS['c_rate']:,.0f}: {verdict})")
+    if "aiayn" in rates and "transformers" in rates:
+        calls = {p.name: p.fn for p in row.timed}
+        same = torch.equal(calls["aiayn"](), calls["transformers"]())
+        print(f"* greedy tokens, aiayn vs transformers (same weights): {'identical' if same else 'differ'}")
+    print()
+    free(row)
+
+
+# ---- (d) ----------------------------------------------------------------------------------------
+def row_d(args: argparse.Namespace, device: torch.device) -> None:
+    print(f"## (d) `aiayn train --recipe {RECIPE} --device {device}`\n")
+    with tempfile.TemporaryDirectory(prefix="aiayn-recipe-") as tmp:
+        run_dir = Path(tmp) / "run"
+        command = [sys.executable, "-m", "aiayn", "train", "--recipe", RECIPE, "--device", str(device),
+                   "--run-dir", str(run_dir), *args.recipe_args]
+        result = run_recipe(command, run_dir, args.recipe_timeout)
+    print(f"command: {' '.join(command[1:])}\n")
+    if result.bleu is None:
+        print(f"* (d) failed (exit {result.returncode}, {result.seconds:.0f} s):\n```\n{result.tail}\n```")
+        return
+    minutes = result.seconds / 60
+    close = abs(result.bleu - CPU_RECIPE_BLEU) <= SEED_SPREAD
+    print(f"* (d) wall time **{minutes:.1f} min** (goal <= {RECIPE_MINUTES:g}: "
+          f"{'met' if minutes <= RECIPE_MINUTES else 'MISSED'}); test2016 BLEU **{result.bleu:.2f}** against the "
+          f"CPU run's {CPU_RECIPE_BLEU} (goal: within its seed spread {SEED_SPREAD}: {'met' if close else 'MISSED'})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto (the first CUDA GPU, else the CPU), cpu, cuda, cuda:N")
+    parser.add_argument("--rows", default="abc", help="which of the rows a, b, c to run (default abc)")
+    parser.add_argument("--recipe-row", action="store_true", help="also row (d): the Multi30k recipe (minutes)")
+    parser.add_argument("--recipe-args", nargs="*", default=[], help="extra options for row (d)'s aiayn train")
+    parser.add_argument("--recipe-timeout", type=float, default=1800.0, help="seconds row (d) may take")
+    parser.add_argument("--peak-tflops", type=float, help="the card's dense bf16 peak, for MFU (default: by name)")
+    parser.add_argument("--decode-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="weights of both decoders in row (c) (default bfloat16)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="every dropout of row (b), both peers (default 0)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per peer first; compiles (default 2)")
+    parser.add_argument("--iters", type=int, default=3, help="training steps per timed round (default 3)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, 2 rounds, torch.compile with the eager backend: seconds on a CPU")
+    args = parser.parse_args(argv)
+    unknown = set(args.rows) - set("abc")
+    if unknown:
+        parser.error(f"--rows: unknown row(s) {', '.join(sorted(unknown))}; give some of a, b, c")
+    plan = SMOKE if args.smoke else FULL
+    if args.smoke:
+        args.repeats, args.warmup, args.iters = min(args.repeats, 2), min(args.warmup, 1), 1
+    device = prepare(resolve(args.device))
+    threads = torch.get_num_threads()
+    if args.smoke and device.type == "cpu":
+        torch.set_num_threads(1)  # tiny ops: one thread is fastest, and steady beside other jobs
+    try:
+        run_rows(args, plan, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_rows(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
+    transformers = transformers_or_none()
+    print(f"# aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}\n")
+    print(f"{device_name(device)} ({device}); torch {torch.__version__}; transformers "
+          f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}; "
+          f"{args.repeats} interleaved rounds after {args.warmup} warm-up call(s); "
+          f"{time.strftime('%Y-%m-%d %H:%M')}\n")
+    rows = {"a": lambda: row_a(args, plan, device, transformers), "b": lambda: row_b(args, plan, device),
+            "c": lambda: row_c(args, plan, device, transformers)}
+    with compile_backend("eager" if args.smoke else None):
+        for name in "abc":
+            if name in args.rows:
+                rows[name]()
+                print(flush=True)
+    if args.recipe_row:
+        row_d(args, device)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
