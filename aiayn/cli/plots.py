@@ -8,7 +8,14 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import SEED_RANGE, FiniteFloatRange, cli, one_model
+from aiayn.cli.app import (
+    SEED_RANGE,
+    FiniteFloatRange,
+    cli,
+    device_option,
+    one_model,
+    resolve_device,
+)
 from aiayn.train.task import ATTENTION_KINDS
 
 
@@ -35,8 +42,9 @@ def _out_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., An
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="PNG file to write (default: <run>/attention.png for the default kind, "
                    "<run>/attention-KIND.png for another; for --model, the same names here).")
+@device_option
 def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str | None, kind: str | None,
-                       out: Path | None) -> None:
+                       out: Path | None, device: str) -> None:
     """Attention maps of a trained run or shipped model: a grid of layers x heads, each with its
     colour scale."""
     from aiayn import viz
@@ -44,11 +52,13 @@ def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str |
     from aiayn.tasks.shipped import load_run_or_release, resolve_model
 
     one_model(run_dir, model_name, required=True)
+    where = resolve_device(device)
     try:
         path = run_dir if run_dir is not None else resolve_model(model_name or "")
         run = load_run_or_release(path, prepare=False)
     except RunInputError as exc:
         raise click.BadParameter(str(exc), param_hint="--run" if run_dir is not None else "--model") from None
+    run.model.to(where)
     if run.task.attention_needs_splits:
         run.task.prepare(run.train_config.seed)
     try:

@@ -13,8 +13,8 @@ Four kinds, each with its text functions:
 
 The models run plain (no ``aiayn.fast`` kernels): what is shown is the paper's computation, on the
 device given at start-up (``device``; the first CUDA GPU by default, else the CPU), under
-``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU). A ``task`` run stays on the CPU:
-its task makes its attention example there (``Task.attention_example``).
+``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU); a ``task`` run's attention example
+moves its inputs to the model (``Task.on_model``).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class Explorable:
 def load_explorable(run_dir: Path | None = None, model_path: Path | None = None, *,
                     device: torch.device | str | None = None) -> Explorable:
     """The model of a run directory or of a file/directory (GGUF, Hugging Face); exactly one.
-    ``device``: where it runs (None: the first CUDA GPU, else the CPU; a ``task`` run: the CPU)."""
+    ``device``: where it runs (None: the first CUDA GPU, else the CPU)."""
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_explorable takes one of run_dir and model_path")
     from aiayn.tasks.shipped import is_release
@@ -146,8 +146,7 @@ def load_explorable(run_dir: Path | None = None, model_path: Path | None = None,
     else:
         assert model_path is not None
         ex = _from_path(Path(model_path), where)
-    if ex.kind != "task":  # a task's attention_example makes its inputs on the CPU
-        ex.model.to(where)
+    ex.model.to(where)  # (a task's attention_example moves its inputs to the model: Task.on_model)
     return ex
 
 

@@ -216,11 +216,12 @@ def verb_args(verb: str, tmp_path: Path) -> list[str]:
         "evaluate": ["evaluate", "--src", str(src), "--ref", str(src), "--out", str(tmp_path / "out.de")],
         "serve": ["serve", "--model", "shakespeare-char", "--port", "0"],
         "explore": ["explore", "--model", "shakespeare-char", "--port", "0", "--no-open"],
+        "plot": ["plot", "attention", "--model", "multi30k-en-de", "--out", str(tmp_path / "out.de")],
     }[verb]
 
 
 @pytest.mark.parametrize("name", missing_devices())
-@pytest.mark.parametrize("verb", ["generate", "embed", "translate", "evaluate", "serve", "explore"])
+@pytest.mark.parametrize("verb", ["generate", "embed", "translate", "evaluate", "serve", "explore", "plot"])
 def test_a_missing_device_is_one_usage_line(verb, name, tmp_path, capsys):
     code, out, err = run_main([*verb_args(verb, tmp_path), "--device", name], capsys)
     assert code == 2

@@ -83,3 +83,21 @@ def test_an_absent_device_is_one_line_and_exit_2(args, name, tmp_path, monkeypat
     assert err.startswith("Error: --device ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert ("no CUDA GPU" in err) if name.startswith("cuda") else ("is not a device" in err)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+@pytest.mark.parametrize("task_name", ["reverse", "copy", "set-anomaly"])
+def test_a_task_run_trains_evaluates_and_draws_attention_on_the_device(task_name, device, tmp_path) -> None:
+    """The trainer on ``device`` (AIAYN_TEST_DEVICES): weights end there, the evaluation and the
+    attention example (inputs moved by ``Task.on_model``, maps back on the CPU) run there."""
+    from aiayn.tasks.base import get_task
+    from aiayn.train.trainer import train
+
+    task = get_task(task_name, n_train=64, n_val=16, n_test=16)
+    cfg = TrainConfig(**{**task.train_overrides(), "max_steps": 2, "batch_size": 16, "eval_every": 1000,
+                         "average_last": 0})
+    result = train(task, task.model_config(), cfg, tmp_path / "run", progress=False, make_plots=False,
+                   echo=lambda _: None, device=device)
+    assert result.step == 2 and all(v == v for v in result.test_metrics.values())  # finite, not NaN
+    model = task.build_model(task.model_config()).to(device)
+    example = task.attention_example(model)
+    assert example is not None and all(w.device.type == "cpu" for w in example.weights)
