@@ -3,8 +3,9 @@ transformers' BertModel and the pooling written out in torch, for a tiny random 
 sentence-transformers layout (modules.json, 1_Pooling/config.json, an optional Normalize module).
 sentence-transformers itself is not needed: the layout is written by hand, as it saves it.
 
-CPU only but for ``pool``: ``SentenceEncoder.encode`` makes its token ids on the CPU and does not
-move them to the model's device, so an encoder moved to a GPU cannot run yet.
+CPU only but for ``pool``: ``SentenceEncoder.encode`` runs under ``aiayn.device.autocast``, bfloat16
+on CUDA, so float32 parity with transformers holds on the CPU, where these tests load the encoder
+(``device="cpu"``, ``--device cpu``; the default would take a GPU where there is one).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", *(f"w{i}" for i in range(4, VOCAB))]
 TEXTS = ["w5 w17 w33 w4 w90 w61 w12 w7 w8", "w44", "w9 w10 w11 w98", "w20 w21 w22 w23 w24 w25"]
+CPU = "cpu"
 MODES = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}
 
 
@@ -91,7 +93,7 @@ def reference(hf, texts: list[str], pooling: str, normalize: bool) -> torch.Tens
 def test_embeddings_match_transformers(bert, tmp_path, pooling, normalize):
     hf, path = bert
     write_st_layout(path, pooling, normalize)
-    encoder = load_sentence_encoder(path)
+    encoder = load_sentence_encoder(path, device=CPU)
     assert (encoder.pooling, encoder.normalize, encoder.max_length) == (pooling, normalize, 32)
     got = encoder.encode(TEXTS)  # one padded batch of 4 different lengths
     assert_close(got, reference(hf, TEXTS, pooling, normalize))
@@ -107,12 +109,12 @@ def test_plain_directory_defaults_to_mean_and_l2(bert, tmp_path):
     plain.mkdir()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         (plain / name).write_bytes((path / name).read_bytes())
-    encoder = load_sentence_encoder(plain)
+    encoder = load_sentence_encoder(plain, device=CPU)
     assert (encoder.pooling, encoder.normalize) == ("mean", True)
     got = encoder.encode(TEXTS)
     assert_close(got, reference(hf, TEXTS, "mean", True))
     assert_close(got.norm(dim=-1), torch.ones(len(TEXTS)))
-    assert_close(load_sentence_encoder(plain, pooling="cls", normalize=False).encode(TEXTS),
+    assert_close(load_sentence_encoder(plain, pooling="cls", normalize=False, device=CPU).encode(TEXTS),
                  reference(hf, TEXTS, "cls", False))
 
 
@@ -130,17 +132,17 @@ def test_pool_ignores_padding(device):
 def test_library_errors(bert, tmp_path):
     _, path = bert
     with pytest.raises(EmbedError, match="not a model directory"):
-        load_sentence_encoder(tmp_path / "missing")
+        load_sentence_encoder(tmp_path / "missing", device=CPU)
     write_st_layout(path, "mean", True)
     with pytest.raises(EmbedError, match="is empty"):
-        load_sentence_encoder(path).encode(["w5", "  "])
+        load_sentence_encoder(path, device=CPU).encode(["w5", "  "])
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Transformer", "path": ".."}, {"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}]))
     (bad / "1_Pooling").mkdir()
     (bad / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_weightedmean_tokens": True}))
     with pytest.raises(EmbedError, match="pooling_mode_weightedmean_tokens is not supported"):
-        load_sentence_encoder(bad)
+        load_sentence_encoder(bad, device=CPU)
 
 
 def run_embed(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -153,12 +155,12 @@ def run_embed(*args: str, stdin: str | None = None) -> subprocess.CompletedProce
 def test_cli_prints_json_lines(bert):
     hf, path = bert
     write_st_layout(path, "mean", True)
-    result = run_embed("--model", str(path), *TEXTS[:2])
+    result = run_embed("--model", str(path), "--device", "cpu", *TEXTS[:2])
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [line["text"] for line in lines] == TEXTS[:2]
     assert_close(torch.tensor([line["embedding"] for line in lines]), reference(hf, TEXTS[:2], "mean", True))
-    piped = run_embed("--model", str(path), "-", stdin="\n".join(TEXTS[:2]) + "\n")
+    piped = run_embed("--model", str(path), "--device", "cpu", "-", stdin="\n".join(TEXTS[:2]) + "\n")
     assert piped.returncode == 0 and piped.stdout == result.stdout
 
 
