@@ -4,8 +4,10 @@
 and chat template. ``read_text_model(path)`` reads one from a GGUF file (llama.cpp) or a Hugging Face
 model directory (config.json + safetensors + tokenizer.json), telling the two apart by their
 contents; ``aiayn.tasks.runs.load_text_model`` also reads one from a run directory of a
-language-model task. ``stream_text`` generates, handing out text as it is produced: a multi-byte
-character is held back until complete, and it stops at end-of-text or a stop string.
+language-model task. ``stream_text`` generates, handing out text as it is produced through the one
+incremental detokeniser (``aiayn.generate.text.IncrementalText``, as ``aiayn serve`` does): a
+multi-byte character is held back until complete, and it stops at end-of-text or just before a stop
+string, which is never shown.
 
 Like ``aiayn.embed`` (sentence encoders) and ``aiayn.translate`` (translators), this is an
 application of ``aiayn.interop`` and ``aiayn.generate``, beside them rather than inside either.
@@ -28,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.device import autocast, model_device, resolve
+from aiayn.generate.text import IncrementalText
 from aiayn.interop.mapping import InteropError
 
 if TYPE_CHECKING:
@@ -210,7 +213,7 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
     """Continue ``ids`` (1, t), calling ``on_text`` with each new piece of text as it is decoded.
 
     Stops after ``max_new_tokens`` (cut to what the context leaves), at the model's end-of-text id,
-    or once the text holds one of ``stops``. ``kv_cache`` ("int8"/"int4") and ``compile`` are
+    or once the text holds one of ``stops`` (the text ends just before it: the stop is not shown). ``kv_cache`` ("int8"/"int4") and ``compile`` are
     ``stream_decoder_only``'s. The model runs where it is (``ids`` are moved there), under
     ``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU).
     """
@@ -222,7 +225,8 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
     cut_by_context = max_new_tokens > room
     max_new_tokens = min(max_new_tokens, room)
     produced: list[int] = []
-    shown = ""
+    text = IncrementalText(lm.decode, stops)  # holds back half characters and what may become a stop
+    stopped = False
     second_token_at: float | None = None  # with compile: the first (compiling) step ends here
     start = time.perf_counter()
     steps = stream_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -235,12 +239,13 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
             produced.append(token)
             if len(produced) == 2:
                 second_token_at = time.perf_counter()
-            text = lm.decode(produced)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                on_text(text[len(shown):])
-                shown = text
-            if any(stop in text for stop in stops):
+            new, stopped = text.add(token)
+            if new:
+                on_text(new)
+            if stopped:  # the answer ends just before the stop string, which is not shown
                 break
+    if not stopped and (rest := text.finish()):  # what was held back: the answer ended another way
+        on_text(rest)
     end = time.perf_counter()
     after = end - second_token_at if compile and second_token_at is not None else None
     full = lm.context if cut_by_context and len(produced) == max_new_tokens else None

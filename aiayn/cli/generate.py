@@ -63,7 +63,8 @@ def text_device(name: str, quantize: str = "none") -> Any:
 @click.option("--repetition-penalty", type=FiniteFloatRange(min=0, min_open=True), default=1.0,
               show_default=True, help="Divide the logits of tokens already present (CTRL); 1 = off.")
 @click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1.")
-@click.option("--stop", "stops", multiple=True, help="Stop once this string is produced (repeatable).")
+@click.option("--stop", "stops", multiple=True,
+              help="Stop just before this string (it is not printed, as in aiayn serve; repeatable).")
 @click.option("--quantize", type=click.Choice(["none", "bf16", "int8", "q4", "auto"]), default="none",
               show_default=True, help=QUANTIZE_HELP)
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's choice).")

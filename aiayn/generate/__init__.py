@@ -1,5 +1,11 @@
 """Generation: greedy decoding, sampling and beam search, over the KV cache.
 
+* ``step.decode_step``: THE decode step (new tokens in, the next-token logits out) that every loop
+  here, ``aiayn serve``'s engine and ``aiayn explore`` call; ``compile=True`` runs it through the
+  compiled graph of ``aiayn.fast.compiled_decode``.
+* ``text.IncrementalText``: the one incremental detokeniser (held-back half characters and stop
+  strings), shared by ``aiayn generate`` and ``aiayn serve``.
+
 * ``stream_decoder_only`` / ``stream_encoder_decoder`` (modules ``decoder_only``,
   ``encoder_decoder``): the one decode loop per architecture, an iterator of ``DecodeStep`` (each
   row's next token and the logits it came from), shared by greedy decoding (``sampling=None``) and
@@ -45,7 +51,9 @@ from aiayn.generate.sampling import (
     filter_logits,
     sample_next,
 )
+from aiayn.generate.step import decode_step
 from aiayn.generate.steps import DecodeStep, GreedyResult
+from aiayn.generate.text import IncrementalText
 
 __all__ = [
     "BeamSearchResult",
@@ -53,11 +61,13 @@ __all__ = [
     "DecodeStep",
     "GreedyResult",
     "Hypothesis",
+    "IncrementalText",
     "SamplingConfig",
     "apply_repetition_penalty",
     "beam_search_decoder_only",
     "beam_search_encoder_decoder",
     "compiled_decode_step",
+    "decode_step",
     "filter_logits",
     "generate_decoder_only",
     "gnmt_length_penalty",

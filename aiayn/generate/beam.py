@@ -16,12 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from aiayn.generate.decoder_only import last_position_logits, prompt_validity
-from aiayn.generate.encoder_decoder import (
-    decode_cached_step,
-    greedy_encoder_decoder,
-    max_target_lengths,
-)
+from aiayn.generate.decoder_only import prompt_validity
+from aiayn.generate.encoder_decoder import greedy_encoder_decoder, max_target_lengths
+from aiayn.generate.step import decode_step
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn.kv_cache import KVCache
@@ -247,15 +244,15 @@ def beam_search_encoder_decoder(
                                 cap=model.config.max_seq_len)  # (b,)
     cache = model.new_cache(b, int(limits.max()))  # bos + at most n_max - 1 fed tokens
     bos = torch.full((b, 1), bos_id, dtype=torch.long, device=src.device)
-    logits = model.decode(bos, encoded, tgt_valid=torch.ones_like(bos, dtype=torch.bool),
-                          cache=cache).logits[:, -1]  # (b, v); fills the cross-attention k/v once
+    # (b, v); fills the cross-attention k/v once
+    logits = decode_step(model, bos, cache, memory=encoded.memory, memory_valid=encoded.valid)
     memory_valid = encoded.valid.repeat_interleave(k, dim=0)  # (b * k, s): source i's beams share its row
 
     def step(tokens: Tensor, rows: Tensor, dropped: bool) -> Tensor:
         nonlocal memory_valid
         if dropped:  # a source left: its rows go (within a source the rows are all the same)
             memory_valid = memory_valid.index_select(0, rows)
-        return decode_cached_step(model, tokens, memory_valid, cache)
+        return decode_step(model, tokens, cache, memory_valid=memory_valid)
 
     finished = _search(logits, cache, limits, step, k=k, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
                        alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace)
@@ -305,10 +302,10 @@ def beam_search_decoder_only(
         eos_id, min_len = -1, 0
     limits = torch.full((b,), max_new_tokens, dtype=torch.long, device=prompt.device)
     cache = model.new_cache(b, t + max_new_tokens)  # the prompt + at most max_new_tokens - 1 fed tokens
-    logits = last_position_logits(model, prompt, valid, cache)  # (b, v)
+    logits = decode_step(model, prompt, cache, valid=valid)  # (b, v)
 
     def step(tokens: Tensor, rows: Tensor, dropped: bool) -> Tensor:
-        return last_position_logits(model, tokens, torch.ones_like(tokens, dtype=torch.bool), cache)
+        return decode_step(model, tokens, cache, valid=torch.ones_like(tokens, dtype=torch.bool))
 
     finished = _search(logits, cache, limits, step, k=beam_size, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
                        alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace)

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
+from aiayn.generate.step import decode_step
 from aiayn.generate.steps import DecodeStep, GreedyResult, default_fill_id, fill_finished
 from aiayn.models.decoder_only import DecoderOnly
-from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.masks import valid_tokens
 
 
@@ -86,9 +86,9 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
         if cache is None:
             logits = model(inputs, valid=inputs_valid).logits[:, -1]  # (b, v)
         elif compile and i > 0:
-            logits = _compiled_step(model, inputs, cache)
+            logits = decode_step(model, inputs, cache, compile=True)
         else:
-            logits = last_position_logits(model, inputs, inputs_valid, cache)
+            logits = decode_step(model, inputs, cache, valid=inputs_valid)  # (b, v)
         ids_so_far = history[:, : t + i] if history is not None else None  # (b, t + i)
         token = fill_finished(chooser.choose(logits, ids_so_far), done, fill_id)  # (b,)
         active = ~done
@@ -198,13 +198,6 @@ def penalty_history(prompt: Tensor, valid: Tensor, max_new_tokens: int) -> Tenso
     return history
 
 
-def last_position_logits(model: DecoderOnly, tokens: Tensor, valid: Tensor, cache: KVCache) -> Tensor:
-    """Run ``tokens`` (b, t) through the model into ``cache``; logits (b, v) of the last position
-    only (the output projection is the largest matmul of a small model's decode step)."""
-    hidden = model.decoder(tokens, valid=valid, cache=cache).hidden  # (b, t, d)
-    return model.lm_head(hidden[:, -1])
-
-
 def cache_slots(n: int, compile: bool) -> int:
     """Cache slots for n tokens: n, or what compiled decoding rounds n up to (shared graphs)."""
     if not compile:
@@ -212,10 +205,3 @@ def cache_slots(n: int, compile: bool) -> int:
     from aiayn.fast.compiled_decode import cache_len
 
     return cache_len(n, compile)
-
-
-def _compiled_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> Tensor:
-    """tokens (b, 1) -> logits (b, v) through ``aiayn.fast.compiled_decode`` (imported on first use)."""
-    from aiayn.fast.compiled_decode import compiled_decode_step
-
-    return compiled_decode_step(model, tokens, cache)

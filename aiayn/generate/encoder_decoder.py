@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
+from aiayn.generate.step import decode_step
 from aiayn.generate.steps import DecodeStep, GreedyResult, default_fill_id, fill_finished
 from aiayn.models.encoder_decoder import EncoderDecoder
-from aiayn.nn.kv_cache import KVCache
 
 
 def stream_encoder_decoder(
@@ -67,11 +67,9 @@ def _decode(model: EncoderDecoder, src: Tensor, src_valid: Tensor | None, *, bos
     for i in range(n_steps):
         if cache is None:  # generated tokens are real even if one equals pad_id
             logits = model.decode(target, encoded, tgt_valid=torch.ones_like(target, dtype=torch.bool)).logits[:, -1]
-        elif i == 0:  # bos; fills the cross-attention keys and values of the cache
-            logits = model.decode(target, encoded, tgt_valid=torch.ones_like(target, dtype=torch.bool),
-                                  cache=cache).logits[:, -1]
-        else:
-            logits = decode_cached_step(model, target[:, -1:], encoded.valid, cache)  # (b, v)
+        else:  # bos first, which fills the cross-attention keys and values of the cache
+            logits = decode_step(model, target[:, -1:], cache, memory=encoded.memory if i == 0 else None,
+                                 memory_valid=encoded.valid)  # (b, v)
         token = fill_finished(chooser.choose(logits, target), done, fill_id)  # (b,)
         active = ~done
         if eos_id is not None:
@@ -136,12 +134,3 @@ def max_target_lengths(src_valid: Tensor, *, max_len_a: float, max_len_b: int,
     src_len = src_valid.sum(dim=1).double()  # (b,) padding does not count
     limit = torch.floor(max_len_a * src_len + max_len_b).long().clamp(min=1)
     return limit if cap is None else limit.clamp(max=cap)
-
-
-def decode_cached_step(model: EncoderDecoder, tokens: Tensor, memory_valid: Tensor, cache: KVCache) -> Tensor:
-    """Next-token logits (b, v) for tokens (b, 1) continuing ``cache``, whose cross-attention keys
-    and values are already filled: the encoder memory itself is not needed again, only its
-    validity (b, s) for the cross-attention mask."""
-    out = model.decoder(tokens, valid=torch.ones_like(tokens, dtype=torch.bool), memory=None,
-                        memory_valid=memory_valid, cache=cache)
-    return model.lm_head(out.hidden[:, -1])

@@ -27,6 +27,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from aiayn.generate.sampling import SamplingConfig
 from aiayn.interop.mapping import InteropError
 from aiayn.serve.engine import Engine, QueueFull, SamplingParams, ShuttingDown
 from aiayn.serve.metrics import Metrics
@@ -219,9 +220,9 @@ def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: 
         raise APIError(400, f"this server's context is {engine.context} tokens (prompt + answer), but the prompt is "
                             f"{longest} tokens{asked}; shorten the prompt or ask for fewer tokens",
                        code="context_length_exceeded", param="messages" if hasattr(body, "messages") else "prompt")
-    return SamplingParams(max_tokens=limit if limit is not None else room,
-                          temperature=1.0 if body.temperature is None else body.temperature,
-                          top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+    sampling = SamplingConfig(temperature=1.0 if body.temperature is None else body.temperature,
+                              top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+    return SamplingParams(max_tokens=limit if limit is not None else room, sampling=sampling,
                           stop=tuple(body.stop or ()), logprobs=logprobs)
 
 

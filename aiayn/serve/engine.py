@@ -45,10 +45,11 @@ from torch import Tensor
 
 from aiayn.device import autocast, model_device, to_device
 from aiayn.generate.sampling import SamplingConfig, sample_next
+from aiayn.generate.step import decode_step
+from aiayn.generate.text import IncrementalText
 from aiayn.nn.kv_cache import format_bytes, kv_cache_bytes
 from aiayn.nn.row_kv_cache import RowKVCache
 from aiayn.serve.metrics import Metrics
-from aiayn.serve.text import IncrementalText
 from aiayn.textgen import TextModel
 
 logger = logging.getLogger("aiayn.serve")
@@ -56,12 +57,12 @@ logger = logging.getLogger("aiayn.serve")
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request's tokens are chosen and when it stops."""
+    """When one request stops and what it reports, around how its tokens are chosen: the one
+    sampling config every decode loop takes (``aiayn.generate.SamplingConfig``: temperature 0 is
+    greedy; top-k, top-p, the repetition penalty and the seed as ``aiayn generate`` has them)."""
 
     max_tokens: int
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
 
@@ -119,10 +120,9 @@ class Request:
         self.generated = 0
         self.last_token = -1
         self.finished = False
-        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.seed = params.sampling.seed if params.sampling.seed is not None else random.getrandbits(63)
         # The draws' generator, made on the model's device when the engine admits the request.
         self.generator: torch.Generator | None = None
-        self.sampling = SamplingConfig(temperature=params.temperature, top_p=params.top_p)
         self.text: IncrementalText | None = None  # set by the engine (it knows the tokenizer)
 
 
@@ -329,16 +329,17 @@ class Engine:
             valid[i, :take] = True
         tokens, valid = to_device((tokens, valid), self.device)  # built on the CPU, one copy each
         view = self.cache.rows(start, start + len(batch))
-        hidden = self.model.decoder(tokens, valid=valid, cache=view).hidden  # (k, width, d)
         done = []
         for i, (request, take) in enumerate(batch):
             request.fed += take
             if request.fed == len(request.prompt):
                 done.append((i, take - 1))
+        # The rows whose prompt ends in this chunk want their last prompt token's logits (m, v).
+        at = to_device(torch.tensor(done, dtype=torch.long).reshape(-1, 2).T, self.device)  # (2, m)
+        logits = decode_step(self.model, tokens, view, valid=valid, at=(at[0], at[1]))
         if not done:
             return
-        rows, last = zip(*done, strict=True)
-        logits = self.model.lm_head(hidden[list(rows), list(last)])  # (m, v): each prompt's last token
+        rows = [i for i, _ in done]
         finished_rows = [batch[i][0] for i in rows]
         for request in finished_rows:  # into the decoding rows, in order
             self._swap(self.rows.index(request), self.n_decode)
@@ -349,16 +350,17 @@ class Engine:
         """One token for every decoding row."""
         requests = self.rows[: self.n_decode]
         tokens = to_device(torch.tensor([[r.last_token] for r in requests], dtype=torch.long), self.device)  # (d, 1)
-        hidden = self.model.decoder(tokens, cache=self.cache.rows(0, self.n_decode)).hidden[:, -1]
-        self._sample_and_emit(self.model.lm_head(hidden), requests)  # logits (d, v)
+        logits = decode_step(self.model, tokens, self.cache.rows(0, self.n_decode))  # (d, v)
+        self._sample_and_emit(logits, requests)
         self.metrics.batch_size.observe(len(requests))
 
     def _sample_and_emit(self, logits: Tensor, requests: list[Request]) -> None:
         logits = logits.float()  # (m, v)
         chosen = logits.argmax(dim=-1)  # (m,) greedy, replaced where a request samples
         for i, request in enumerate(requests):
-            if request.params.temperature > 0:
-                chosen[i] = sample_next(logits[i: i + 1], self.no_history, request.sampling, request.generator)[0]
+            if request.params.sampling.temperature > 0:
+                chosen[i] = sample_next(logits[i: i + 1], self.no_history, request.params.sampling,
+                                        request.generator)[0]
         logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in requests) else None
         for i, (request, token) in enumerate(zip(requests, chosen.tolist(), strict=True)):
             info = self._logprob(logprobs[i], token, request.params.logprobs) if logprobs is not None \

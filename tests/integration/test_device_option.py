@@ -25,6 +25,7 @@ import torch
 
 from aiayn.cli import main
 from aiayn.device import model_device, resolve
+from aiayn.generate import SamplingConfig
 from aiayn.tasks.shipped import shipped_path
 
 PROMPT = "ROMEO:"
@@ -177,7 +178,8 @@ def test_serve_on_cpu_answers_as_the_default_engine():
     events = []
     state.engine.start()
     try:
-        request = Request(served.lm.encode(PROMPT), SamplingParams(max_tokens=16, temperature=0), events.append)
+        greedy = SamplingParams(max_tokens=16, sampling=SamplingConfig(temperature=0))
+        request = Request(served.lm.encode(PROMPT), greedy, events.append)
         state.engine.submit(request)
         deadline = time.monotonic() + 60
         while not (events and events[-1].finish_reason) and time.monotonic() < deadline:
@@ -266,7 +268,6 @@ def test_placement_of_quantised_weights(monkeypatch):
 
 # ---- the library: each loader puts the model on the device asked for -----------------------------
 def test_load_text_model_and_stream_text(device):
-    from aiayn.generate import SamplingConfig
     from aiayn.tasks.runs import load_text_model
     from aiayn.textgen import stream_text
 

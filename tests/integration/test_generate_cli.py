@@ -53,3 +53,22 @@ def test_generate_bad_input(args, needle):
     result = run_cli(*args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_stop_string_ends_the_text_before_it_as_serve_does(capsys):
+    """`aiayn generate --stop S` prints the text up to S, never S itself (the incremental
+    detokeniser aiayn serve uses), and stops there."""
+    from aiayn.cli import main
+
+    def generate(*extra: str) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--model", "shakespeare-char", "--prompt", "ROMEO:", "--seed", "7",
+                  "--max-new-tokens", "40", *extra])
+        assert exit_info.value.code in (0, None)
+        return capsys.readouterr().out
+
+    full = generate()
+    stop = full[len("ROMEO:") + 12: len("ROMEO:") + 15]  # three characters the model wrote
+    assert len(stop) == 3 and stop in full[len("ROMEO:"):]
+    cut = full.index(stop, len("ROMEO:"))
+    assert generate("--stop", stop).rstrip("\n") == full[:cut].rstrip("\n")

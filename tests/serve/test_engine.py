@@ -52,9 +52,14 @@ class Collector:
         return bool(self.events) and self.events[-1].finish_reason is not None
 
 
+SAMPLING = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")  # SamplingConfig's fields
+
+
 def submit(engine, ids, **params) -> Collector:
     sink = Collector()
-    engine.submit(Request(ids, SamplingParams(**{"temperature": 0.0, "max_tokens": 12, **params}), sink))
+    sampling = SamplingConfig(**{"temperature": 0.0, **{k: v for k, v in params.items() if k in SAMPLING}})
+    rest = {"max_tokens": 12, **{k: v for k, v in params.items() if k not in SAMPLING}}
+    engine.submit(Request(ids, SamplingParams(sampling=sampling, **rest), sink))
     return sink
 
 
@@ -146,7 +151,7 @@ def test_a_cancelled_request_leaves_at_the_next_step(lm):
     engine = engine_for(lm)
     keep = submit(engine, prompt(8, 1), max_tokens=20)
     gone = Collector()
-    request = Request(prompt(8, 2), SamplingParams(max_tokens=20, temperature=0.0), gone)
+    request = Request(prompt(8, 2), SamplingParams(max_tokens=20, sampling=SamplingConfig(temperature=0.0)), gone)
     engine.submit(request)
     engine.step()
     engine.cancel(request)
@@ -161,7 +166,7 @@ def test_a_cancelled_request_leaves_at_the_next_step(lm):
 def test_the_queue_has_a_limit_and_a_cancelled_request_leaves_it(lm):
     engine = engine_for(lm, rows=1, max_queue=1)
     submit(engine, prompt(5, 1))
-    waiting = Request(prompt(5, 2), SamplingParams(max_tokens=4, temperature=0.0), Collector())
+    waiting = Request(prompt(5, 2), SamplingParams(max_tokens=4, sampling=SamplingConfig(temperature=0.0)), Collector())
     engine.submit(waiting)  # one for the free slot, one waiting
     with pytest.raises(QueueFull) as info:
         submit(engine, prompt(5, 3))

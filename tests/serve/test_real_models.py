@@ -15,7 +15,7 @@ from serve_helpers import live_server
 from torch.testing import assert_close
 
 from aiayn.embed import load_sentence_encoder
-from aiayn.generate import greedy_decoder_only
+from aiayn.generate import SamplingConfig, greedy_decoder_only
 from aiayn.interop.gguf import smollm2_path
 from aiayn.serve import (
     Engine,
@@ -56,7 +56,7 @@ def test_smollm2_greedy_alone_equals_a_full_staggered_batch(smollm2):
     prompts = [lm.encode(lm.chat_template.render([{"role": "user", "content": q}])) for q in QUESTIONS]
     results: list[list[int]] = [[] for _ in prompts]
     for i, ids in enumerate(prompts):  # five requests on four slots, arriving one step apart
-        engine.submit(Request(ids, SamplingParams(max_tokens=16, temperature=0.0),
+        engine.submit(Request(ids, SamplingParams(max_tokens=16, sampling=SamplingConfig(temperature=0.0)),
                               lambda event, out=results[i]: out.append(event.token)))
         engine.step()
     while engine.running or engine.waiting:

@@ -126,7 +126,7 @@ def breaks_of(fn: object, *args: object) -> list[str]:
 @pytest.mark.parametrize("preset", ["gpt-tiny", "llama-tiny"])
 def test_the_decode_step_of_a_decoder_is_one_graph(preset: str) -> None:
     """A padded prompt prefilled eagerly, then the one-token step traced: no graph break."""
-    from aiayn.generate.decoder_only import last_position_logits
+    from aiayn.generate.step import decode_step
 
     torch.manual_seed(0)
     model = build_model(get_preset(preset, pad_id=PAD)).eval()
@@ -134,13 +134,17 @@ def test_the_decode_step_of_a_decoder_is_one_graph(preset: str) -> None:
     prompt[0, :2] = PAD  # left padding
     with torch.no_grad():
         cache = model.new_cache(2, 16)
-        last_position_logits(model, prompt, prompt != PAD, cache)
+        decode_step(model, prompt, cache, valid=prompt != PAD)
         step = prompt[:, -1:]
-        assert breaks_of(last_position_logits, model, step, torch.ones_like(step, dtype=torch.bool), cache) == []
+
+        def one_step(tokens: Tensor) -> Tensor:
+            return decode_step(model, tokens, cache)
+
+        assert breaks_of(one_step, step) == []
 
 
 def test_the_decode_step_of_an_encoder_decoder_is_one_graph() -> None:
-    from aiayn.generate.encoder_decoder import decode_cached_step
+    from aiayn.generate.step import decode_step
 
     torch.manual_seed(0)
     model = build_model(get_preset("tiny", pad_id=PAD)).eval()
@@ -150,5 +154,9 @@ def test_the_decode_step_of_an_encoder_decoder_is_one_graph() -> None:
         encoded = model.encode(src)
         cache = model.new_cache(2, 16)
         bos = torch.ones(2, 1, dtype=torch.long)
-        model.decode(bos, encoded, cache=cache)  # fills the cross-attention keys and values
-        assert breaks_of(decode_cached_step, model, bos, encoded.valid, cache) == []
+        decode_step(model, bos, cache, memory=encoded.memory, memory_valid=encoded.valid)  # fills cross k/v
+
+        def one_step(tokens: Tensor) -> Tensor:
+            return decode_step(model, tokens, cache, memory_valid=encoded.valid)
+
+        assert breaks_of(one_step, bos) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from aiayn.serve.text import IncrementalText
+from aiayn.generate.text import IncrementalText
 
 
 def byte_decode(ids: list[int]) -> str:

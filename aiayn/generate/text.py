@@ -1,4 +1,6 @@
-"""Token ids to text as they come: what a streamed answer may show after each token.
+"""Token ids to text as they come: what a streamed answer may show after each token. The one
+incremental detokeniser: ``aiayn generate`` (``aiayn.textgen.stream_text``) and ``aiayn serve``'s
+engine both release text through it, so a stop string behaves the same in both (never shown).
 
 A byte-level tokenizer splits a multi-byte character over tokens, so the text of the ids so far can
 end in half a character (decoded as U+FFFD): that tail waits for the next token. A stop string can

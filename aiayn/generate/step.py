@@ -1,0 +1,53 @@
+"""THE decode step: new tokens in, next-token logits out.
+
+``decode_step`` runs a model's decoder on the new tokens of each row into its KV cache and applies
+the output layer at the positions whose next token is wanted (each row's last, by default) — the
+output projection is the largest matmul of a small model's step, so it runs on those rows only.
+Greedy decoding, sampling and beam search (both architectures), ``aiayn serve``'s engine (its
+prefill chunks and decode steps over a per-row cache) and ``aiayn explore`` all call it;
+``compile=True`` runs the same step through ``aiayn.fast.compiled_decode`` (one token per row of a
+decoder-only model over a float cache: the graph torch.compile traces once per shape).
+
+Shape letters: b rows, t new tokens per row, d d_model, v vocabulary, m positions asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.models.encoder_decoder import EncoderDecoder
+from aiayn.nn.kv_cache import KVCache
+
+
+def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache, *, valid: Tensor | None = None,
+                memory: Tensor | None = None, memory_valid: Tensor | None = None,
+                at: tuple[Tensor, Tensor] | None = None, compile: bool = False) -> Tensor:
+    """tokens (b, t) continuing ``cache`` -> logits (b, v) of each row's last position, or (m, v) of
+    the positions ``at`` = (rows (m,), positions (m,)) names.
+
+    A decoder-only model (``DecoderOnly``) or an encoder-decoder (``EncoderDecoder``: its decoder,
+    cross-attending to ``memory`` (b, s, d) on the first step, which fills the cache's
+    cross-attention keys and values, and to those afterwards; ``memory_valid`` (b, s) marks the
+    real source tokens every step).
+    valid (b, t) bool: the real new tokens (left-padded prompts; a serve prefill chunk's ragged
+        rows). Default: the model's rule for a decoder-only model (``tokens != pad_id``), all real
+        for an encoder-decoder's target (a generated token equal to pad_id is still real).
+    compile: one token per row of a decoder-only model through its compiled graph
+        (``aiayn.fast.compiled_decode.compiled_decode_step``; float cache, eval mode).
+    """
+    if compile:
+        if at is not None or valid is not None or memory is not None:
+            raise ValueError("the compiled decode step takes one real token per row of a decoder-only model; "
+                             "drop compile for prompts, padding or an encoder's memory")
+        from aiayn.fast.compiled_decode import compiled_decode_step
+
+        return compiled_decode_step(model, tokens, cache)  # type: ignore[arg-type]
+    if isinstance(model, EncoderDecoder):
+        if valid is None:
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+        out = model.decoder(tokens, valid=valid, memory=memory, memory_valid=memory_valid, cache=cache)
+    else:
+        out = model.decoder(tokens, valid=valid, cache=cache)
+    hidden = out.hidden  # (b, t, d)
+    return model.lm_head(hidden[:, -1] if at is None else hidden[at])  # (b, v) or (m, v)
