@@ -1,10 +1,17 @@
 """A decode step compiled by ``torch.compile`` into one graph: the eager decoder-only step costs a
 small model most of its time in dispatching a few hundred small ops from Python.
 
-The step runs the same stack as the eager model (``TransformerStack``) with every shape fixed by
-the cache but the filled prefix's length, marked dynamic, and linear layers on a few rows the ways
-measured fastest compiled (``aiayn.fast.matvec``). ``aiayn.generate`` calls it with
-``compile=True``.
+The step runs the same stack as the eager model (``TransformerStack``) in one of two layouts:
+
+* **the filled prefix** (the CPU): every shape fixed by the cache but the filled prefix's length,
+  marked dynamic, and linear layers on a few rows the ways measured fastest compiled
+  (``aiayn.fast.matvec``), the weights frozen into the graph;
+* **the whole buffer** (CUDA): attention over all of the cache's slots under its validity mask, so
+  every shape is static and the graph replays as a CUDA graph (``mode="reduce-overhead"``, the
+  cache's buffers marked static: gpt-fast's and Hugging Face's StaticCache's recipe), with no host
+  sync in the step. Unfilled slots are masked keys, so the result is the prefix layout's.
+
+``aiayn.generate.decode_step(..., compile=True)`` calls it.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.fast.matvec import MatvecLinears
-from aiayn.models.blocks import StackInputs, check_tokens
+from aiayn.models.blocks import StackInputs, check_tokens, reads_data
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.masks import key_mask
@@ -27,8 +34,8 @@ def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Te
                  key_positions: Tensor, cache: KVCache) -> Tensor:
     """tokens, positions (b, 1) long, ``slot`` (1,) long (the cache slot the new token fills),
     ``key_valid`` (b, n) bool and ``key_positions`` (b, n) long (the cache's first n = slot + 1
-    slots, the new one's already set) -> next-token logits (b, v): the graph torch.compile traces,
-    n symbolic.
+    slots, n symbolic, or all of its slots, n = max_len; the new one's already set) -> next-token
+    logits (b, v): the graph torch.compile traces.
 
     The decoder's own ``TransformerStack.run`` on inputs built here without reading a tensor into
     Python: attention covers the n filled slots (the key mask's width), the new keys go to
@@ -48,7 +55,10 @@ def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Te
 # and dropped with the model (a weak key), instead of one step for all told apart by Dynamo's
 # guards on every submodule: those are ~6,000 checks per call (~0.6 ms of SmolLM2's ~6 ms step,
 # measured), so the graphs are guarded on the step's inputs only (``_inputs_only``).
-_compiled_steps: weakref.WeakKeyDictionary[nn.Module, Callable[..., Tensor]] = weakref.WeakKeyDictionary()
+_compiled_steps: weakref.WeakKeyDictionary[nn.Module, dict[bool, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
+# The devices whose compiled step attends over the whole cache buffer (static shapes, CUDA graphs);
+# elsewhere over the filled prefix (tests put "cpu" here to check the CUDA layout on a CPU).
+WHOLE_BUFFER_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 def forget_compiled(model: nn.Module) -> None:
@@ -98,22 +108,41 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
         raise ValueError(f"KV cache is full: {cache.length} slot(s) used of max_len={cache.max_len}; "
                          f"create the cache with a larger max_len")
     positions = cache.next_positions()[:, None]  # (b, 1): real tokens so far
-    top = int(positions.max())
-    if top >= model.config.max_seq_len:
-        raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "
-                         f"max_seq_len={model.config.max_seq_len}; ask for fewer tokens")
-    step = _compiled_steps.get(model)
-    if step is None:
-        step = _compiled_steps[model] = _compile_static_step()
-    # The new slot's bookkeeping, here in Python; the graph sees the filled prefix [0, n) only,
-    # its length n marked dynamic: one graph serves every step (attending over the whole buffer
-    # instead cost batch 16 about a third more time per step).
+    if reads_data(positions):
+        top = int(positions.max())
+        if top >= model.config.max_seq_len:
+            raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "
+                             f"max_seq_len={model.config.max_seq_len}; ask for fewer tokens")
+    else:  # checked by the device, without waiting for it (the decode loops check lengths up front)
+        torch._assert_async((positions < model.config.max_seq_len).all(), "sequence too long for max_seq_len")
+    whole = cache.valid.device.type in WHOLE_BUFFER_DEVICES
+    steps = _compiled_steps.setdefault(model, {})
+    if whole not in steps:
+        steps[whole] = _compile_static_step(whole=whole, device=cache.valid.device)
+    # The new slot's bookkeeping, here in Python (a Python counter: no read of the device).
     start = cache.reserve(torch.ones_like(tokens, dtype=torch.bool), positions)  # the new slot
+    slot = torch.full((1,), start, dtype=torch.long, device=tokens.device)  # made on the device: no copy
+    if whole:  # every slot, under the validity mask: static shapes for a CUDA graph
+        if cache.valid.device.type == "cuda":  # (on the CPU, freezing would fold static inputs as constants)
+            _mark_static(cache)
+        return steps[whole](model, tokens, positions, slot, cache.valid, cache.positions, cache)
+    # The filled prefix [0, n) only, its length n marked dynamic: one graph serves every step
+    # (attending over the whole buffer instead cost batch 16 about a third more time per step on
+    # the CPU).
     key_valid, key_positions = cache.valid[:, : start + 1], cache.positions[:, : start + 1]  # (b, n)
     torch._dynamo.maybe_mark_dynamic(key_valid, 1)
     torch._dynamo.maybe_mark_dynamic(key_positions, 1)
-    slot = torch.tensor([start], device=tokens.device)
-    return step(model, tokens, positions, slot, key_valid, key_positions, cache)
+    return steps[whole](model, tokens, positions, slot, key_valid, key_positions, cache)
+
+
+def _mark_static(cache: KVCache) -> None:
+    """Mark the cache's buffers as static inputs of the compiled step (once per cache): the CUDA
+    graph then reads and writes them in place instead of copying them in at every replay."""
+    if getattr(cache, "_static_marked", False):
+        return
+    for tensor in (cache.valid, cache.positions, *[t for layer in cache.layers for t in (layer.k, layer.v)]):
+        torch._dynamo.mark_static_address(tensor)
+    cache._static_marked = True  # type: ignore[attr-defined]
 
 
 def _inputs_only(guards: list) -> list[bool]:
@@ -135,8 +164,9 @@ def _recompile_limit(limit: int) -> dict[str, object]:
     return {}
 
 
-def _compile_static_step() -> Callable[..., Tensor]:
-    """``_static_step`` under torch.compile, called with Inductor's freezing on."""
+def _compile_static_step(*, whole: bool, device: torch.device) -> Callable[..., Tensor]:
+    """``_static_step`` under torch.compile: on the CPU called with Inductor's freezing on; over the
+    whole buffer with static shapes, replayed as CUDA graphs on a GPU."""
     import torch._inductor.config as inductor_config
 
     from aiayn.fast import matvec
@@ -146,8 +176,13 @@ def _compile_static_step() -> Callable[..., Tensor]:
     # sizes elsewhere would make slower kernels (and SDPA's enable_gqa a SymBool).
     # Each batch size and cache size of the model is one entry of its compile cache: raise torch's
     # default limit of 8 entries, past which it would refuse to compile again.
+    options: dict[str, object] = {"guard_filter_fn": _inputs_only}
+    if whole and device.type == "cuda":
+        options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (mode and options exclude each other)
     compiled = torch.compile(_static_step, fullgraph=True, dynamic=False, **_recompile_limit(64),
-                             options={"guard_filter_fn": _inputs_only})
+                             options=options)
+    if device.type != "cpu":  # freezing pre-packs weights for the CPU's matmul library
+        return compiled
 
     def step(*args: object) -> Tensor:
         # Freezing folds the weights into the graph as constants, which lets Inductor pre-pack

@@ -54,6 +54,26 @@ def test_compiled_greedy_equals_eager_on_a_left_padded_batch(preset: str, positi
     assert_close(compiled.logits, eager.logits)
 
 
+@pytest.mark.parametrize(("preset", "positional", "n_kv_heads"), CASES)
+def test_the_whole_buffer_layout_equals_eager(preset: str, positional: str, n_kv_heads: int | None,
+                                              device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layout a GPU's compiled step uses (attention over every cache slot under the validity
+    mask: static shapes for CUDA graphs), on whatever device the tests run: the eager tokens and
+    logits on a left-padded batch, and the cache as the eager path leaves it."""
+    from aiayn.fast import compiled_decode
+
+    monkeypatch.setattr(compiled_decode, "WHOLE_BUFFER_DEVICES", (device.type,))
+    model = model_for(preset, positional, n_kv_heads, device=device)
+    compiled_decode.forget_compiled(model)
+    rows = [random_tokens(1, n, seed=50 + n, device=device)[0] for n in (5, 2, 4)]
+    prompt, valid = left_pad(rows)
+    eager = greedy_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=10)
+    compiled = greedy_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=10, compile=True)
+    assert torch.equal(compiled.tokens, eager.tokens)
+    assert_close(compiled.logits, eager.logits)
+    compiled_decode.forget_compiled(model)
+
+
 def test_compiled_sampling_equals_eager_and_cache_stays_usable(device: torch.device) -> None:
     model = model_for("llama-tiny", "rope", 2, device=device)
     prompt = random_tokens(2, 5, seed=3, device=device)
