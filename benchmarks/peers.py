@@ -131,7 +131,7 @@ class TorchTransformerLM(nn.Module):
         return self.dropout(self.embedding(tokens) * self.scale + self.pe[: tokens.shape[1]])
 
     def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
-        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], device=tgt.device)
         out = self.transformer(self._embed(src), self._embed(tgt), tgt_mask=causal,
                                src_key_padding_mask=~src_valid, tgt_key_padding_mask=~tgt_valid,
                                memory_key_padding_mask=~src_valid, tgt_is_causal=True)
