@@ -15,6 +15,8 @@
 * ``sampling``: ``SamplingConfig``, temperature / top-k / top-p and the repetition penalty.
 * ``beam``: ``beam_search_encoder_decoder`` and ``beam_search_decoder_only`` with GNMT's length
   penalty (``trace=`` reports every step's candidates as a ``BeamStep``).
+* ``ensemble``: ``Ensemble``, several encoder-decoders that the encoder-decoder loops and beam
+  search decode as one model (the mean of their log-probabilities, each member on its own cache).
 
 Every loop can run with ``use_cache=False``, recomputing the whole sequence every step: the
 reference the cached path is tested against. The compiled decoder-only step lives in
@@ -45,6 +47,7 @@ from aiayn.generate.encoder_decoder import (
     sample_encoder_decoder,
     stream_encoder_decoder,
 )
+from aiayn.generate.ensemble import Ensemble, mean_log_probs
 from aiayn.generate.sampling import (
     SamplingConfig,
     apply_repetition_penalty,
@@ -59,6 +62,7 @@ __all__ = [
     "BeamSearchResult",
     "BeamStep",
     "DecodeStep",
+    "Ensemble",
     "GreedyResult",
     "Hypothesis",
     "IncrementalText",
@@ -74,6 +78,7 @@ __all__ = [
     "greedy_decoder_only",
     "greedy_encoder_decoder",
     "max_target_lengths",
+    "mean_log_probs",
     "sample_encoder_decoder",
     "sample_next",
     "stream_decoder_only",

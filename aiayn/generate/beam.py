@@ -18,6 +18,7 @@ from torch import Tensor
 
 from aiayn.generate.decoder_only import prompt_validity
 from aiayn.generate.encoder_decoder import greedy_encoder_decoder, max_target_lengths
+from aiayn.generate.ensemble import Ensemble, EnsembleCache
 from aiayn.generate.step import decode_step
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
@@ -174,7 +175,7 @@ class _Finished:
 
 @torch.inference_mode()
 def beam_search_encoder_decoder(
-    model: EncoderDecoder,
+    model: EncoderDecoder | Ensemble,
     src: Tensor,
     *,
     bos_id: int,
@@ -218,6 +219,9 @@ def beam_search_encoder_decoder(
 
     The encoder and the cross-attention keys/values run once per source (first step at batch b),
     then the cache is expanded to b * beam rows.
+
+    ``model`` may be an ``Ensemble`` (``aiayn.generate.ensemble``): every member's encoder and
+    cache, one search over the log_softmax of the members' mean log-probabilities.
 
     ``keep_greedy``: beam search may prune the greedy path and end with a lower normalized score
     than greedy decoding (a search error; the tests record one at beam 2). With ``keep_greedy`` the
@@ -312,7 +316,7 @@ def beam_search_decoder_only(
     return finished.result(n_best)
 
 
-def _search(logits: Tensor, cache: KVCache, limits: Tensor, step: Callable[[Tensor, Tensor, bool], Tensor], *,
+def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step: Callable[[Tensor, Tensor, bool], Tensor], *,
             k: int, eos_id: int, pad_id: int | None, fill_id: int, alpha: float, min_len: int,
             early_stopping: bool, trace: Callable[[BeamStep], None] | None) -> _Finished:
     """The search both architectures share: ``logits`` (b, v) of the first new token, ``cache``
@@ -410,7 +414,7 @@ def _sources_done(worst_finished: Tensor, best_open: Tensor, limits: Tensor, *, 
     return done | ~torch.isfinite(best_open)
 
 
-def _merge_greedy(model: EncoderDecoder, src: Tensor, src_valid: Tensor | None, limits: Tensor, *,
+def _merge_greedy(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | None, limits: Tensor, *,
                   bos_id: int, eos_id: int, pad_id: int | None, fill_id: int, min_len: int, alpha: float,
                   finished: _Finished) -> None:
     """Insert each source's greedy hypothesis into its sorted finished hypotheses (in place), unless

@@ -4,6 +4,8 @@ and sampling share, the functions that collect it, and the per-source length lim
 The source is encoded once; the first step runs bos and fills the cross-attention keys and values
 of the KV cache, every later step runs one token per row over the cache. ``use_cache=False``
 recomputes the whole target every step instead: the reference the cached path is tested against.
+Every function here takes an ``Ensemble`` (``aiayn.generate.ensemble``) as its model too: the
+members' mean log-probabilities are the logits it chooses from.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from aiayn.generate.ensemble import Ensemble
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
 from aiayn.generate.steps import DecodeStep, GreedyResult, default_fill_id, fill_finished
@@ -20,7 +23,7 @@ from aiayn.models.encoder_decoder import EncoderDecoder
 
 
 def stream_encoder_decoder(
-    model: EncoderDecoder,
+    model: EncoderDecoder | Ensemble,
     src: Tensor,
     *,
     bos_id: int,
@@ -53,7 +56,7 @@ def stream_encoder_decoder(
 
 
 @torch.inference_mode()
-def _decode(model: EncoderDecoder, src: Tensor, src_valid: Tensor | None, *, bos_id: int, limit: Tensor,
+def _decode(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | None, *, bos_id: int, limit: Tensor,
             chooser: TokenChooser, eos_id: int | None, fill_id: int | None, use_cache: bool) -> Iterator[DecodeStep]:
     """``stream_encoder_decoder``'s loop: src (b, s), limit (b,) most new tokens per row."""
     b, device = src.shape[0], src.device
@@ -83,7 +86,7 @@ def _decode(model: EncoderDecoder, src: Tensor, src_valid: Tensor | None, *, bos
 
 @torch.inference_mode()
 def greedy_encoder_decoder(
-    model: EncoderDecoder,
+    model: EncoderDecoder | Ensemble,
     src: Tensor,
     *,
     bos_id: int,
@@ -106,7 +109,7 @@ def greedy_encoder_decoder(
 
 @torch.inference_mode()
 def sample_encoder_decoder(
-    model: EncoderDecoder,
+    model: EncoderDecoder | Ensemble,
     src: Tensor,
     *,
     bos_id: int,

@@ -16,12 +16,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from aiayn.generate.ensemble import Ensemble, EnsembleCache, mean_log_probs
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn.kv_cache import KVCache
 
 
-def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache, *, valid: Tensor | None = None,
-                memory: Tensor | None = None, memory_valid: Tensor | None = None,
+def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache | EnsembleCache, *, valid: Tensor | None = None,
+                memory: Tensor | tuple[Tensor, ...] | None = None, memory_valid: Tensor | None = None,
                 at: tuple[Tensor, Tensor] | None = None, compile: bool = False) -> Tensor:
     """tokens (b, t) continuing ``cache`` -> logits (b, v) of each row's last position, or (m, v) of
     the positions ``at`` = (rows (m,), positions (m,)) names.
@@ -35,7 +36,20 @@ def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache, *, valid: Tens
         for an encoder-decoder's target (a generated token equal to pad_id is still real).
     compile: one token per row of a decoder-only model through its compiled graph
         (``aiayn.fast.compiled_decode.compiled_decode_step``; float cache, eval mode).
+
+    An ``Ensemble`` (``aiayn.generate.ensemble``; its ``EnsembleCache``, and ``memory`` a tuple of
+    its members' encoder outputs) runs this step for every member, on the member's own memory and
+    cache, and returns the mean of their log-probabilities (b, v) or (m, v): valid logits for
+    every loop (that module's docstring says why).
     """
+    if isinstance(model, Ensemble):
+        if not isinstance(cache, EnsembleCache) or isinstance(memory, Tensor):
+            raise TypeError("an Ensemble decodes over its own new_cache() and encode().memory (one per member)")
+        memories = memory if memory is not None else (None,) * len(model)
+        return mean_log_probs([
+            decode_step(member, tokens, member_cache, valid=valid, memory=member_memory,
+                        memory_valid=memory_valid, at=at, compile=compile)
+            for member, member_cache, member_memory in zip(model.members, cache.members, memories, strict=True)])
     if compile:
         if at is not None or valid is not None or memory is not None:
             raise ValueError("the compiled decode step takes one real token per row of a decoder-only model; "
