@@ -107,6 +107,11 @@ class LayerKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
+    # Per-row writes (a (b, t) ``pos``) return slots [0, row_extent): ``RowKVCache.reserve`` sets it
+    # from its host lengths before the layers write. None: the extent is read from ``pos`` (a read
+    # of a device value: a wait on a GPU, a graph break under torch.compile).
+    row_extent: int | None = None
+
     def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
         """Store new k, v (b, h_kv, t, d_h) at [pos, pos + t); return views of [0, pos + t).
 
@@ -114,13 +119,14 @@ class LayerKVCache:
         runs, see ``aiayn.fast.compiled_decode``): k, v go there and the whole buffers come back,
         (b, h_kv, s_max, d_h); the caller attends over the filled prefix its key mask covers.
         A (b, t) tensor gives each row its own slots (``RowKVCache``): views of
-        [0, the highest slot + 1) come back.
+        [0, the highest slot + 1) come back (``row_extent`` when set: the same number, known on
+        the host).
         """
         if isinstance(pos, Tensor) and pos.dim() == 2:
             index = self._row_index(k, pos, self.k.shape[3])  # (b, h_kv, t, d_h)
             self.k.scatter_(2, index, k.to(self.k.dtype))
             self.v.scatter_(2, index, v.to(self.v.dtype))
-            end = int(pos.max()) + 1
+            end = self._extent(pos)
             return self.k[:, :, :end], self.v[:, :, :end]
         if isinstance(pos, Tensor):
             self.k.index_copy_(2, pos, k.to(self.k.dtype))
@@ -145,6 +151,10 @@ class LayerKVCache:
                 f"{(self.k.shape[0], self.k.shape[1], '*', head_dim)}, got k of shape {tuple(k.shape)}"
             )
         return t
+
+    def _extent(self, slots: Tensor) -> int:
+        """The slots [0, extent) a per-row write of ``slots`` (b, t) returns: the highest slot + 1."""
+        return self.row_extent if self.row_extent is not None else int(slots.max()) + 1
 
     def _row_index(self, k: Tensor, slots: Tensor, width: int) -> Tensor:
         """Per-row slots (b, t) -> the scatter index (b, h_kv, t, width) of new keys k (b, h_kv, t, d_h)."""
@@ -252,7 +262,7 @@ class QuantizedLayerKVCache(LayerKVCache):
                 q, scale = self._store(x)
                 data.scatter_(2, data_index, q)
                 scales.scatter_(2, scale_index, scale)
-            end = int(pos.max()) + 1
+            end = self._extent(pos)
             return (self._load(self.k[:, :, :end], self.k_scale[:, :, :end]),
                     self._load(self.v[:, :, :end], self.v_scale[:, :, :end]))
         if isinstance(pos, Tensor):

@@ -18,6 +18,16 @@ length per row instead:
   reads and writes those rows only, with no copy (a server runs its decoding rows and its
   prefilling rows as two such views). ``clear_row`` frees a row at once; ``swap_rows`` reorders.
 
+**Nothing is read back from the device.** The lengths live twice: ``lengths``, a (b,) tensor on the
+cache's device (the slots and masks are computed from it there), and ``host_lengths``, the same
+numbers as Python ints, from which every extent is known on the host: the slots attention reads,
+the capacity check, the slots a swap copies. ``reserve`` learns each row's real-token count from
+the caller (``expect``; the engine builds its rows on the host and knows them) and has the device
+check them against the data without waiting (``torch._assert_async``); only eager on the CPU
+(``aiayn.models.blocks.reads_data``), or when the caller says nothing, does it read the validity
+back, and then it checks the right-padding itself with a clear error. So a GPU step queues its work
+and never waits for it (tests/serve/test_no_device_reads.py).
+
 Each row's results equal the model run on that row alone (tests/consistency/test_row_kv_cache.py).
 Shape letters as in ``aiayn.nn.kv_cache``.
 """
@@ -25,18 +35,21 @@ Shape letters as in ``aiayn.nn.kv_cache``.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from aiayn.device import to_device
 from aiayn.nn.kv_cache import KVCache, LayerKVCache
 
 
 class RowKVCache(KVCache):
     """A ``KVCache`` (same constructor, decoder self-attention only) with a length per row.
 
-    ``lengths`` (b,) long: tokens held per row. ``length``: the slots the last forward attended
-    over (for a fresh view, the longest row's length).
+    ``lengths`` (b,) long, on the cache's device: tokens held per row; ``host_lengths`` the same as
+    ints. ``length``: the slots the last forward attended over (for a fresh view, the longest row's
+    length).
     """
 
     def __init__(self, **kwargs: object) -> None:
@@ -44,30 +57,82 @@ class RowKVCache(KVCache):
             raise ValueError("RowKVCache is for decoder-only self-attention; it holds no cross-attention")
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.lengths = torch.zeros(self.batch_size, dtype=torch.long, device=self.valid.device)
+        # The host mirror of ``lengths``: one list for the whole cache, shared by its views (a view
+        # sees its rows from ``_first`` on), so a write through a view is seen by the cache.
+        self._host: list[int] = [0] * self.batch_size
+        self._first = 0
+        self._expected: list[int] | None = None  # the next reserve's real-token counts (``expect``)
 
-    def reserve(self, new_valid: Tensor, new_positions: Tensor) -> Tensor:  # type: ignore[override]
+    @property
+    def host_lengths(self) -> list[int]:
+        """Tokens held per row of this cache (view), as ints: ``lengths`` without asking the device."""
+        return self._host[self._first: self._first + self.batch_size]
+
+    def expect(self, counts: Sequence[int]) -> RowKVCache:
+        """Tell the next ``reserve`` (the next forward through this cache) that row i brings
+        ``counts[i]`` real tokens, its first ones: it then reads nothing back from the device to
+        learn them. Returns this cache, to hand on: ``decode_step(model, x, view.expect(counts))``."""
+        self._expected = [int(n) for n in counts]
+        return self
+
+    def reserve(self, new_valid: Tensor, new_positions: Tensor, counts: Sequence[int] | None = None,
+                ) -> Tensor:  # type: ignore[override]
         """Record each row's t new slots (validity and positions, (b, t), real tokens first);
-        return their slots (b, t): row i's are [lengths[i], lengths[i] + t)."""
+        return their slots (b, t): row i's are [lengths[i], lengths[i] + t).
+
+        ``counts`` (default: what ``expect`` announced) are each row's real tokens as host ints;
+        without them the validity is read back (free eager on the CPU; a wait on a GPU)."""
         b, t = new_valid.shape
         if b != self.batch_size:
             raise ValueError(f"this cache (view) has {self.batch_size} rows, got a batch of {b}")
-        steps = torch.arange(t, device=new_valid.device)
-        counts = new_valid.sum(dim=1)  # (b,) real tokens per row
-        if not bool((new_valid == (steps < counts[:, None])).all()):
-            raise ValueError("a RowKVCache takes right-padded rows (each row's real tokens first, "
-                             "then padding); left padding would leave gaps in a row")
-        slots = self.lengths[:, None] + steps  # (b, t)
-        end = int(slots[:, -1].max()) + 1
+        if counts is None:
+            counts = self._expected
+        self._expected = None  # an announcement is for one forward
+        steps = torch.arange(t, device=new_valid.device)  # (t,)
+        real = self._real_counts(new_valid, steps, counts)  # b ints
+        lengths = self.host_lengths
+        end = max(lengths) + t  # the slots attention reads: [0, end)
         if end > self.max_len:
-            row = int(slots[:, -1].argmax())
-            raise ValueError(f"KV cache row {row} is full: it holds {int(self.lengths[row])} token(s), "
+            row = max(range(b), key=lengths.__getitem__)
+            raise ValueError(f"KV cache row {row} is full: it holds {lengths[row]} token(s), "
                              f"{t} more need {end} slots, but a row holds {self.max_len}; create the cache "
                              f"with a larger max_len or send fewer tokens")
+        slots = self.lengths[:, None] + steps  # (b, t), on the device
         self.valid.scatter_(1, slots, new_valid)
         self.positions.scatter_(1, slots, new_positions)
-        self.lengths += counts
+        self.lengths += new_valid.sum(dim=1)  # (b,): the device's own count (checked equal to ``real``)
+        for i, n in enumerate(real):
+            self._host[self._first + i] += n
         self.length = end
+        for layer in self.layers:  # the extent of the per-row writes that follow (no pos.max() read)
+            layer.row_extent = end
         return slots
+
+    def _real_counts(self, new_valid: Tensor, steps: Tensor, counts: Sequence[int] | None) -> list[int]:
+        """Each row's real tokens (ints), checked: new_valid (b, t) must be right-padded and, when
+        ``counts`` are given, hold exactly that many real tokens per row."""
+        # Imported here: aiayn.models imports this module (and a patched reads_data is seen).
+        from aiayn.models.blocks import reads_data
+
+        b = new_valid.shape[0]
+        if counts is not None and len(counts) != b:
+            raise ValueError(f"counts gives {len(counts)} rows, the batch has {b}")
+        if counts is not None and not reads_data(new_valid):
+            # Trusted host numbers: the device compares them with the data when it gets there (a
+            # mismatch is a device-side assert), and the host does not wait.
+            expected = steps < to_device(torch.tensor(counts, dtype=torch.long), new_valid.device)[:, None]
+            torch._assert_async((new_valid == expected).all(),  # (b, t) vs (b, t)
+                                "RowKVCache.reserve: the rows are not right-padded to the announced counts")
+            return [int(n) for n in counts]
+        host = new_valid.cpu()  # eager on the CPU: the tensor itself; elsewhere the one read
+        found = host.sum(dim=1)  # (b,)
+        if not bool((host == (torch.arange(host.shape[1]) < found[:, None])).all()):
+            raise ValueError("a RowKVCache takes right-padded rows (each row's real tokens first, "
+                             "then padding); left padding would leave gaps in a row")
+        real = found.tolist()
+        if counts is not None and list(counts) != real:
+            raise ValueError(f"the rows hold {real} real token(s), but counts says {list(counts)}")
+        return real
 
     def rows(self, start: int, stop: int) -> RowKVCache:
         """A view of rows [start, stop): the same buffers (writes through it land here), no copy."""
@@ -77,36 +142,67 @@ class RowKVCache(KVCache):
         view.layers = [_layer_rows(layer, start, stop) for layer in self.layers]
         view.valid, view.positions = self.valid[start:stop], self.positions[start:stop]
         view.lengths = self.lengths[start:stop]
+        view._first, view._expected = self._first + start, None
         view.batch_size = stop - start
-        view.length = int(view.lengths.max())
+        view.length = max(view.host_lengths)
         return view
 
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s tokens: the row is free for a new sequence (buffers stay allocated)."""
         self.lengths[row] = 0
         self.valid[row] = False
+        self._host[self._first + row] = 0
 
     def swap_rows(self, i: int, j: int) -> None:
         """Exchange rows i and j (their keys, values, validity, positions and lengths)."""
         if i == j:
             return
-        n = int(torch.maximum(self.lengths[i], self.lengths[j]))  # slots worth copying
-        pair, swapped = [i, j], [j, i]
-        for layer in self.layers:
-            for name in layer._row_buffers:
-                buffer = getattr(layer, name)  # (b, h_kv, s_max, d_h) or its scales
-                buffer[pair, :, :n] = buffer[swapped, :, :n]
-        for buffer in (self.valid, self.positions, self.lengths):
-            buffer[pair] = buffer[swapped]
+        host = self._host
+        n = max(host[self._first + i], host[self._first + j])  # slots worth copying
+        # Plain integer indexing (no index tensor: a list index would be a host-to-device copy).
+        if n:
+            for layer in self.layers:
+                for name in layer._row_buffers:
+                    buffer = getattr(layer, name)  # (b, h_kv, s_max, d_h) or its scales
+                    _swap(buffer[i, :, :n], buffer[j, :, :n])  # (h_kv, n, d_h) each
+        for buffer in (self.valid, self.positions, self.lengths):  # (b, s_max), (b, s_max), (b,)
+            _swap(buffer[i], buffer[j])
+        host[self._first + i], host[self._first + j] = host[self._first + j], host[self._first + i]
 
-    def reorder(self, indices: Tensor, *, cross: bool = True) -> None:
-        self.length = int(self.lengths.max())  # reorder copies the first ``length`` slots
-        super().reorder(indices, cross=cross)
-        self.lengths = self.lengths.index_select(0, indices.to(self.lengths.device))
+    def reorder(self, indices: Tensor | Sequence[int], *, cross: bool = True) -> None:
+        """Select, reorder or repeat rows: new row i is old row ``indices[i]`` (as ``KVCache.reorder``;
+        there is no cross-attention here). ``indices`` as ints are known on the host and read
+        nothing back; a tensor is read as ints first (free on the CPU, one wait on a GPU). The
+        result is a cache of its own, even from a view."""
+        if isinstance(indices, Tensor):
+            if indices.dim() != 1 or indices.dtype != torch.long:
+                raise ValueError(f"reorder needs a non-empty 1-D long tensor of row indices, got "
+                                 f"{indices.dtype} of shape {tuple(indices.shape)}")
+            indices = indices.tolist()
+        order = [int(i) for i in indices]
+        if not order or not all(0 <= i < self.batch_size for i in order):
+            raise ValueError(f"reorder needs row indices in [0, {self.batch_size}), got {order}")
+        host = self.host_lengths
+        index = to_device(torch.tensor(order, dtype=torch.long), self.valid.device)  # (b_new,)
+        for layer in self.layers:
+            layer.reorder(index, max(host))  # copies the first max(host) slots: all a row holds
+        self.valid = self.valid.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        self.lengths = self.lengths.index_select(0, index)
+        self._host, self._first = [host[i] for i in order], 0
+        self.batch_size, self.length = len(order), max(host)
 
     def reset(self) -> None:
         super().reset()
         self.lengths.zero_()
+        self._host[self._first: self._first + self.batch_size] = [0] * self.batch_size
+
+
+def _swap(a: Tensor, b: Tensor) -> None:
+    """Exchange the contents of two same-shaped views, in place (device copies only)."""
+    kept = a.clone()
+    a.copy_(b)
+    b.copy_(kept)
 
 
 def _layer_rows(layer: LayerKVCache, start: int, stop: int) -> LayerKVCache:
