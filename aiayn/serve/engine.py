@@ -23,8 +23,11 @@ with an ``Event`` per generated token (the app hands each to its event loop).
 
 The engine runs where its model is (``aiayn.device.model_device``): the cache, each step's tokens
 (built on the CPU, then one copy) and every request's generator are there, and the forwards run
-under ``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU); the chosen ids come back
-to the CPU once per step.
+under ``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU). Nothing is read back from
+the device but the chosen ids (with the log-probabilities asked for), once per forward in
+``_sample_and_emit``: they must reach the host to be detokenised. The cache's extents are known on
+the host (``RowKVCache.host_lengths``; each forward tells it its rows' real tokens, ``expect``), so
+on a GPU a step queues its work and waits only for its tokens (tests/serve/test_no_device_reads.py).
 """
 
 from __future__ import annotations
@@ -328,7 +331,8 @@ class Engine:
             tokens[i, :take] = torch.tensor(request.prompt[request.fed: request.fed + take])
             valid[i, :take] = True
         tokens, valid = to_device((tokens, valid), self.device)  # built on the CPU, one copy each
-        view = self.cache.rows(start, start + len(batch))
+        # Each row's real tokens, told to the cache: it learns them without reading ``valid`` back.
+        view = self.cache.rows(start, start + len(batch)).expect([take for _, take in batch])
         done = []
         for i, (request, take) in enumerate(batch):
             request.fed += take
@@ -350,33 +354,50 @@ class Engine:
         """One token for every decoding row."""
         requests = self.rows[: self.n_decode]
         tokens = to_device(torch.tensor([[r.last_token] for r in requests], dtype=torch.long), self.device)  # (d, 1)
-        logits = decode_step(self.model, tokens, self.cache.rows(0, self.n_decode))  # (d, v)
+        # A generated token is real whatever its id (also one equal to pad_id), as in the library's
+        # decode loops; one per row, which the cache is told rather than reading it back.
+        valid = torch.ones_like(tokens, dtype=torch.bool)  # (d, 1), made on the device
+        view = self.cache.rows(0, self.n_decode).expect([1] * self.n_decode)
+        logits = decode_step(self.model, tokens, view, valid=valid)  # (d, v)
         self._sample_and_emit(logits, requests)
         self.metrics.batch_size.observe(len(requests))
 
     def _sample_and_emit(self, logits: Tensor, requests: list[Request]) -> None:
+        """Choose each row's next token from ``logits`` (m, v) and emit it.
+
+        The step's one read from the device, and the only one the engine makes: the chosen ids
+        must reach the host to be detokenised (and to be fed back next step). With them, in the
+        same copy, come the log-probabilities that requests asked for."""
         logits = logits.float()  # (m, v)
         chosen = logits.argmax(dim=-1)  # (m,) greedy, replaced where a request samples
         for i, request in enumerate(requests):
             if request.params.sampling.temperature > 0:
                 chosen[i] = sample_next(logits[i: i + 1], self.no_history, request.params.sampling,
                                         request.generator)[0]
-        logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in requests) else None
-        for i, (request, token) in enumerate(zip(requests, chosen.tolist(), strict=True)):
-            info = self._logprob(logprobs[i], token, request.params.logprobs) if logprobs is not None \
-                and request.params.logprobs is not None else None
-            self._emit(request, token, info)
+        asks = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+        if not asks:
+            for request, token in zip(requests, chosen.tolist(), strict=True):  # the read
+                self._emit(request, token, None)
+        else:
+            logprobs = torch.log_softmax(logits, dim=-1)  # (m, v)
+            k = max(asks)  # alternatives for the request that wants the most; each takes its first
+            values, ids = logprobs.topk(k, dim=-1)  # (m, k) each, best first
+            own = logprobs.gather(1, chosen[:, None])  # (m, 1): the chosen token's
+            # One (m, 2 + 2k) float64 table (ids < 2^53 are exact in it), one copy: the read.
+            table = torch.cat([chosen[:, None].double(), own.double(), values.double(), ids.double()], dim=1)
+            for request, row in zip(requests, table.tolist(), strict=True):
+                token, top = int(row[0]), request.params.logprobs
+                info = None if top is None else self._logprob(token, row[1], row[2: 2 + top], row[2 + k: 2 + k + top])
+                self._emit(request, token, info)
         for request in [r for r in requests if r.finished]:
             self._remove(request)
 
-    def _logprob(self, logprobs: Tensor, token: int, top: int) -> TokenLogprob:
-        """``logprobs`` (v,) of one row -> the token's log-probability and the ``top`` best."""
+    def _logprob(self, token: int, logprob: float, values: list[float], ids: list[float]) -> TokenLogprob:
+        """The chosen ``token``'s log-probability and its alternatives (``values`` of the ``ids``,
+        best first), as the API reports them."""
         decode = self.lm.decode
-        alternatives = []
-        if top:
-            values, ids = logprobs.topk(top)
-            alternatives = [(decode([j]), v) for v, j in zip(values.tolist(), ids.tolist(), strict=True)]
-        return TokenLogprob(decode([token]), float(logprobs[token]), alternatives)
+        alternatives = [(decode([int(j)]), v) for v, j in zip(values, ids, strict=True)]
+        return TokenLogprob(decode([token]), logprob, alternatives)
 
     def _emit(self, request: Request, token: int, info: TokenLogprob | None) -> None:
         now = time.monotonic()
