@@ -10,6 +10,9 @@ the row alone (the same quantisation of the same keys).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 from random_weights import randomize_
@@ -40,8 +43,13 @@ class Driver:
     """Feeds chunks of per-row sequences through views of a RowKVCache and checks each real token's
     logits against the row alone."""
 
-    def __init__(self, model: DecoderOnly, rows: int, max_len: int, *, quantize: str | None = None) -> None:
+    def __init__(self, model: DecoderOnly, rows: int, max_len: int, *, quantize: str | None = None,
+                 tell: bool = False, no_sync: bool = False) -> None:
+        """``tell``: each forward's counts are told to the cache (``RowKVCache.expect``, as the serve
+        engine does), which then reads nothing back. ``no_sync`` (with ``tell``, on CUDA): the
+        forwards run under ``torch.cuda.set_sync_debug_mode("error")``: a host-device sync fails."""
         self.model = model
+        self.tell, self.no_sync = tell, no_sync
         self.cache = model.new_cache(rows, max_len, per_row=True, quantize=quantize)
         assert isinstance(self.cache, RowKVCache)
         self.seqs: list[torch.Tensor | None] = [None] * rows
@@ -50,11 +58,13 @@ class Driver:
         self.device = model_device(model)
 
     def start(self, row: int, seq: torch.Tensor) -> None:
-        self.cache.clear_row(row)
+        with sync_errors(self.no_sync and self.device.type == "cuda"):
+            self.cache.clear_row(row)
         self.seqs[row], self.fed[row] = seq, 0
 
     def swap(self, i: int, j: int) -> None:
-        self.cache.swap_rows(i, j)
+        with sync_errors(self.no_sync and self.device.type == "cuda"):
+            self.cache.swap_rows(i, j)
         self.seqs[i], self.seqs[j] = self.seqs[j], self.seqs[i]
         self.fed[i], self.fed[j] = self.fed[j], self.fed[i]
 
@@ -69,8 +79,9 @@ class Driver:
             row = start + k
             tokens[k, :n] = self.seqs[row][self.fed[row]: self.fed[row] + n]
             valid[k, :n] = True
-        view = self.cache.rows(start, start + len(counts))
-        logits = self.model(tokens, valid=valid, cache=view).logits  # (b, t, v)
+        with sync_errors(self.no_sync and self.device.type == "cuda"):
+            view = self.cache.rows(start, start + len(counts))
+            logits = self.model(tokens, valid=valid, cache=view.expect(counts) if self.tell else view).logits
         for k, n in enumerate(counts):
             row = start + k
             end = self.fed[row] + n
@@ -85,6 +96,20 @@ class Driver:
             return self.model(seq[None]).logits[0]
         cache = self.model.new_cache(1, len(seq), quantize=self.quantize)
         return self.model(seq[None], cache=cache).logits[0]
+
+
+@contextmanager
+def sync_errors(on: bool) -> Iterator[None]:
+    """CUDA's sync debug mode "error" while ``on``: any host-device synchronisation raises."""
+    if not on:
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def staggered_schedule(driver: Driver) -> None:
@@ -110,6 +135,16 @@ def staggered_schedule(driver: Driver) -> None:
 @pytest.mark.parametrize("positional", SCHEMES)
 def test_each_row_equals_the_row_alone(positional: str, n_kv_heads: int | None, device: torch.device) -> None:
     staggered_schedule(Driver(decoder_only(positional, n_kv_heads, device=device), rows=3, max_len=16))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_rows_told_their_counts_equal_the_row_alone_without_a_sync(quantize: str | None, device: torch.device) -> None:
+    """The serve engine's way: each forward's real-token counts told to the cache (``expect``), so
+    it reads nothing back from the device; on CUDA the forwards run where a sync is an error (ALiBi:
+    the learned, sinusoidal and rotary modules still read their positions' maximum, see
+    tests/serve/test_no_device_reads.py). Each row still equals the row alone."""
+    model = decoder_only("alibi", 2, device=device)
+    staggered_schedule(Driver(model, rows=3, max_len=16, quantize=quantize, tell=True, no_sync=True))
 
 
 @pytest.mark.cpu_only  # aiayn.fast.optimize's kernels are CPU code
