@@ -24,8 +24,9 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.fast.matvec import MatvecLinears
-from aiayn.models.blocks import StackInputs, check_tokens, reads_data
+from aiayn.models.blocks import StackInputs, check_tokens
 from aiayn.models.decoder_only import DecoderOnly
+from aiayn.nn import data_checks
 from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.masks import key_mask
 
@@ -108,7 +109,7 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
         raise ValueError(f"KV cache is full: {cache.length} slot(s) used of max_len={cache.max_len}; "
                          f"create the cache with a larger max_len")
     positions = cache.next_positions()[:, None]  # (b, 1): real tokens so far
-    if reads_data(positions):
+    if data_checks.reads_data(positions):
         top = int(positions.max())
         if top >= model.config.max_seq_len:
             raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "

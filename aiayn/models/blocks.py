@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.nn import data_checks
 from aiayn.nn.attention import AttentionInputs, MultiHeadAttention
 from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
 from aiayn.nn.masks import combine_masks, key_mask, position_causal_mask, valid_tokens
@@ -111,18 +112,11 @@ class StackOutput:
     cross_attentions: list[Tensor] = field(default_factory=list)  # per layer (b, h, t, s)
 
 
-def reads_data(t: Tensor) -> bool:
-    """Whether a forward may read ``t``'s values back into Python (``int(...)``, ``bool(...)``):
-    only eager on the CPU. Inside ``torch.compile`` such a read is a graph break, and on a GPU a
-    host-device sync that stalls the stream; there the data checks are made at the batch boundary
-    (or by the device itself: ``torch._assert_async``, an index bound) and masks are always built."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
 def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
     """Token ids must be a (batch, seq) integer tensor with ids in [0, vocab_size). The shape and
-    type checks always run; the ids' range is read only where ``reads_data`` allows (elsewhere the
-    device asserts it without waiting, and a compiled graph's embedding lookup bounds-checks it)."""
+    type checks always run; the ids' range is read only where ``aiayn.nn.data_checks.reads_data``
+    allows (elsewhere the device asserts it without waiting, and a compiled graph's embedding
+    lookup bounds-checks it)."""
     if not isinstance(tokens, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
     if tokens.dim() != 2:
@@ -131,7 +125,7 @@ def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
         raise TypeError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
     if tokens.shape[1] == 0:
         raise ValueError(f"{name} is empty (seq length 0); give at least one token")
-    if not reads_data(tokens):
+    if not data_checks.reads_data(tokens):
         if not torch.compiler.is_compiling():
             torch._assert_async(((tokens >= 0) & (tokens < vocab_size)).all(),
                                 f"{name} holds a token id outside the vocabulary [0, {vocab_size})")
@@ -147,9 +141,10 @@ def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
 
 def padding_mask(valid: Tensor) -> Tensor | None:
     """The key mask (b, 1, 1, t_k) of ``valid`` (b, t_k), or None when every key is real and the
-    data may be read (``reads_data``: the mask-free attention paths are faster). Where it may not
-    be read the mask is always built: an all-True mask gives the same attention."""
-    if reads_data(valid) and bool(valid.all()):
+    data may be read (``aiayn.nn.data_checks.reads_data``: the mask-free attention paths are
+    faster). Where it may not be read the mask is always built: an all-True mask gives the same
+    attention."""
+    if data_checks.reads_data(valid) and bool(valid.all()):
         return None
     return key_mask(valid)
 
@@ -256,7 +251,7 @@ class TransformerStack(nn.Module):
             mask = combine_masks(mask, position_causal_mask(positions, key_positions))  # (b, 1, t, t_k)
         # Only with padding to skip, and only eager on the CPU: the real tokens' count sets the
         # packed shapes, which a compiled graph or a GPU stream cannot learn without waiting.
-        packing = Packing.of(valid) if pack and mask is not None and reads_data(valid) else None
+        packing = Packing.of(valid) if pack and mask is not None and data_checks.reads_data(valid) else None
         self_attn = self.attention_inputs(positions, key_positions, mask, cache_pos=cache_pos,
                                           packing=packing, causal=self.causal and not per_row)
 
@@ -281,7 +276,7 @@ class TransformerStack(nn.Module):
         elif positions.shape != valid.shape:
             raise ValueError(f"positions must have the tokens' shape {tuple(valid.shape)}, "
                              f"got {tuple(positions.shape)}")
-        if not reads_data(positions):
+        if not data_checks.reads_data(positions):
             if not torch.compiler.is_compiling():
                 torch._assert_async((positions < self.config.max_seq_len).all(),
                                     f"sequence too long for max_seq_len={self.config.max_seq_len}")

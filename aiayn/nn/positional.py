@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from aiayn.nn import data_checks
+
 SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 
 
@@ -44,9 +46,10 @@ def sinusoidal_encoding(positions: Tensor, d_model: int, *, layout: str = "inter
 
 
 def _check_positions(positions: Tensor, max_len: int, what: str) -> None:
-    # Under torch.compile (the static decode step) the caller checks positions in Python instead:
-    # reading a tensor's value here would break the graph.
-    if torch.compiler.is_compiling():
+    # Read only eager on the CPU: under torch.compile the read would break the graph, and on a GPU
+    # it would wait for the device; there the stack asserts the range on the device
+    # (aiayn.models.blocks.TransformerStack._positions) and the compiled step's caller checks it.
+    if not data_checks.reads_data(positions):
         return
     if positions.numel() and int(positions.max()) >= max_len:
         raise ValueError(

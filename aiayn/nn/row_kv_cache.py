@@ -24,7 +24,7 @@ numbers as Python ints, from which every extent is known on the host: the slots 
 the capacity check, the slots a swap copies. ``reserve`` learns each row's real-token count from
 the caller (``expect``; the engine builds its rows on the host and knows them) and has the device
 check them against the data without waiting (``torch._assert_async``); only eager on the CPU
-(``aiayn.models.blocks.reads_data``), or when the caller says nothing, does it read the validity
+(``aiayn.nn.data_checks.reads_data``), or when the caller says nothing, does it read the validity
 back, and then it checks the right-padding itself with a clear error. So a GPU step queues its work
 and never waits for it (tests/serve/test_no_device_reads.py).
 
@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from aiayn.device import to_device
+from aiayn.nn import data_checks
 from aiayn.nn.kv_cache import KVCache, LayerKVCache
 
 
@@ -111,13 +112,11 @@ class RowKVCache(KVCache):
     def _real_counts(self, new_valid: Tensor, steps: Tensor, counts: Sequence[int] | None) -> list[int]:
         """Each row's real tokens (ints), checked: new_valid (b, t) must be right-padded and, when
         ``counts`` are given, hold exactly that many real tokens per row."""
-        # Imported here: aiayn.models imports this module (and a patched reads_data is seen).
-        from aiayn.models.blocks import reads_data
 
         b = new_valid.shape[0]
         if counts is not None and len(counts) != b:
             raise ValueError(f"counts gives {len(counts)} rows, the batch has {b}")
-        if counts is not None and not reads_data(new_valid):
+        if counts is not None and not data_checks.reads_data(new_valid):
             # Trusted host numbers: the device compares them with the data when it gets there (a
             # mismatch is a device-side assert), and the host does not wait.
             expected = steps < to_device(torch.tensor(counts, dtype=torch.long), new_valid.device)[:, None]

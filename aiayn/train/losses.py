@@ -127,7 +127,7 @@ def _loss_output(loss: Tensor, token_nll: Tensor, predictions: Tensor, flat_targ
     counted = targets != IGNORE  # (b, t)
     counted_flat = flat_targets != IGNORE  # (n,)
     n_tokens = counted.sum()
-    # A padding-free forward is eager on the CPU only (``aiayn.models.blocks.reads_data``): checked there.
+    # A padding-free forward is eager on the CPU only (``aiayn.nn.data_checks.reads_data``): checked there.
     if packing is not None and int(n_tokens) != int(counted_flat.sum()):
         raise ValueError("targets count positions the padding-free forward skipped (padded inputs); "
                          f"set those targets to IGNORE ({IGNORE}) or mark the inputs valid")

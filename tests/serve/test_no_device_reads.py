@@ -2,7 +2,7 @@
 
 On a GPU every read of a device value into Python (``int(t)``, ``bool(t)``, ``t.item()``,
 ``t.tolist()``, ``t.cpu()``) makes the host wait for the stream. This machine has no GPU, so the
-tests take the GPU's code path on the CPU: ``aiayn.models.blocks.reads_data`` is patched to say
+tests take the GPU's code path on the CPU: ``aiayn.nn.data_checks.reads_data`` is patched to say
 False (as it does for a CUDA tensor: no data-dependent checks, masks always built), and every way a
 tensor's value reaches Python is patched to note where it was called from. The engine's prefill
 and decode steps, and the per-row cache's own operations (``RowKVCache.reserve``, ``rows``,
@@ -23,7 +23,7 @@ import torch
 from serve_helpers import tiny_text_model
 from torch.testing import assert_close
 
-import aiayn.models.blocks
+import aiayn.nn.data_checks
 from aiayn.generate import SamplingConfig
 from aiayn.models import DecoderOnly, get_preset
 from aiayn.nn.row_kv_cache import RowKVCache
@@ -39,7 +39,7 @@ def device_path() -> Iterator[list[str]]:
     reads a tensor's value into Python meanwhile."""
     reads: list[str] = []
     saved = {name: getattr(torch.Tensor, name) for name in READS}
-    saved_reads_data = aiayn.models.blocks.reads_data
+    saved_reads_data = aiayn.nn.data_checks.reads_data
 
     def spy(name: str):
         original = saved[name]
@@ -52,14 +52,14 @@ def device_path() -> Iterator[list[str]]:
         return read
 
     try:
-        aiayn.models.blocks.reads_data = lambda t: False
+        aiayn.nn.data_checks.reads_data = lambda t: False
         for name in READS:
             setattr(torch.Tensor, name, spy(name))
         yield reads
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
-        aiayn.models.blocks.reads_data = saved_reads_data
+        aiayn.nn.data_checks.reads_data = saved_reads_data
 
 
 # ---- the cache on its own ----------------------------------------------------------------------
@@ -159,9 +159,7 @@ def run_engine(lm, *, spy: bool) -> tuple[list[list[int]], list[list], list[str]
 
 @pytest.mark.parametrize("positional", [
     "alibi",
-    pytest.param("rope", marks=pytest.mark.xfail(strict=True, reason=(
-        "aiayn/nn/positional.py's _check_positions reads int(positions.max()) in every forward outside "
-        "torch.compile (the stack has already asserted the range on the device there)"))),
+    "rope",  # (positional.py's range check reads only where data_checks.reads_data allows)
 ])
 def test_the_engine_step_reads_only_its_tokens(positional: str) -> None:
     lm = tiny_text_model(positional=positional)

@@ -4,7 +4,7 @@ aiayn.fast's CPU kernels, and ``--compile`` trains to the eager run's numbers.
 
 A graph break is where a forward reads a tensor's value back into Python (``int(t.max())``,
 ``bool(mask.all())``): on a GPU it is also a host-device sync. The data checks that need such reads
-run eager on the CPU only (``aiayn.models.blocks.reads_data``); inside a compiled graph the masks
+run eager on the CPU only (``aiayn.nn.data_checks.reads_data``); inside a compiled graph the masks
 are always built and the index bounds are Inductor's.
 """
 

@@ -65,9 +65,10 @@ def within(name: str, *packages: str) -> bool:
 ALLOWED = {
     "aiayn.config": (),
     "aiayn.device": (),  # the placement and precision policy: torch only, asked by every layer above nn
-    "aiayn.nn": ("aiayn.config", "aiayn.nn"),
-    "aiayn.models": ("aiayn.config", "aiayn.nn", "aiayn.models"),
-    "aiayn.fast": ("aiayn.config", "aiayn.nn", "aiayn.models", "aiayn.fast"),
+    # aiayn.device, like config, is a leaf every layer may ask (placement and precision)
+    "aiayn.nn": ("aiayn.config", "aiayn.device", "aiayn.nn"),
+    "aiayn.models": ("aiayn.config", "aiayn.device", "aiayn.nn", "aiayn.models"),
+    "aiayn.fast": ("aiayn.config", "aiayn.device", "aiayn.nn", "aiayn.models", "aiayn.fast"),
 }
 # The middle of the spine may import what it needs, except what sits above it.
 ABOVE_THE_MIDDLE = ("aiayn.tasks", "aiayn.cli", "aiayn.translate", "aiayn.textgen", "aiayn.embed",
