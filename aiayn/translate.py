@@ -20,6 +20,7 @@ from torch import Tensor
 from aiayn.data.parallel import pad_batch
 from aiayn.device import autocast, model_device
 from aiayn.generate import (
+    Ensemble,
     SamplingConfig,
     beam_search_encoder_decoder,
     greedy_encoder_decoder,
@@ -58,9 +59,11 @@ class DecodeOptions:
 
 
 class Translator:
-    """A trained ``EncoderDecoder`` and its BPE tokenizer, ready to translate sentences."""
+    """A trained ``EncoderDecoder`` and its BPE tokenizer, ready to translate sentences; or an
+    ``Ensemble`` of them sharing the tokenizer (``aiayn.tasks.runs.load_ensemble_translator``),
+    searched over the mean of their log-probabilities."""
 
-    def __init__(self, model: EncoderDecoder, tokenizer: BPETokenizer, *, max_tokens: int = 4096,
+    def __init__(self, model: EncoderDecoder | Ensemble, tokenizer: BPETokenizer, *, max_tokens: int = 4096,
                  max_sentences: int = 128) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer

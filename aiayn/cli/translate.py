@@ -16,7 +16,6 @@ from aiayn.cli.app import (
     check_writable,
     cli,
     device_option,
-    one_model,
     plain_option,
     resolve_device,
     utf8_text,
@@ -25,13 +24,18 @@ from aiayn.cli.app import (
 
 def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
     options = [
-        click.option("--run", "run_dir", type=click.Path(path_type=Path),
-                     help="A run directory of the translation task."),
-        click.option("--model", "model_name",
+        click.option("--run", "run_dirs", type=click.Path(path_type=Path), multiple=True,
+                     help="A run directory of the translation task. Repeat it (or add --model) for an "
+                          "ensemble: one search over the mean of the models' log-probabilities; they "
+                          "must share the vocabulary and the language pair."),
+        click.option("--model", "model_names", multiple=True,
                      help="A shipped model (multi30k-en-de, multi30k-de-en; see `aiayn models`) or a "
-                          "release directory.  [default without --run: multi30k-en-de]"),
-        click.option("--checkpoint", type=click.Path(path_type=Path),
-                     help="A checkpoint directory (e.g. RUN/averaged-last5) instead of the run's latest."),
+                          "release directory; repeat it for an ensemble.  [default without --run: "
+                          "multi30k-en-de]"),
+        click.option("--checkpoint", "checkpoints", type=click.Path(path_type=Path), multiple=True,
+                     help="A checkpoint directory (e.g. RUN/averaged-last5) instead of the run's latest. "
+                          "Repeated with one --run: an ensemble of that run's checkpoints; with several "
+                          "--run: one each, in order."),
         click.option("--beam", type=click.IntRange(min=1),
                      help="Beam size; 1 = greedy.  [default: the run's recipe, beam_size (5 if unset)]"),
         click.option("--length-penalty", type=FiniteFloatRange(min=0),
@@ -51,21 +55,33 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _translator(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, plain: bool,
-                device: Any, **decoding: Any) -> tuple[Any, Any]:
+def _translator(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...],
+                plain: bool, device: Any, **decoding: Any) -> tuple[Any, Any]:
     """(``Translator``, ``DecodeOptions``) of --run / --model / --checkpoint and the decoding
-    options, the model on ``device`` (resolved: ``resolve_device``); beam size and length penalty
-    default to the run's recipe."""
-    from aiayn.tasks.runs import RunInputError, load_translator
+    options, the models on ``device`` (resolved: ``resolve_device``); beam size and length penalty
+    default to the (first) run's recipe. Several models make an ensemble
+    (``aiayn.tasks.runs.load_ensemble_translator``): the runs, then the shipped models, each with
+    its --checkpoint (all of them with a single run)."""
+    from aiayn.tasks.runs import RunInputError, load_ensemble_translator
     from aiayn.tasks.shipped import DEFAULT_TRANSLATION_MODEL, resolve_model
     from aiayn.translate import decode_options
 
-    one_model(run_dir, model_name)
     try:
-        if run_dir is None:
-            run_dir = resolve_model(model_name or DEFAULT_TRANSLATION_MODEL)
-        task, translator = load_translator(run_dir, checkpoint, plain=plain, device=device)
+        sources = [*run_dirs, *(resolve_model(name) for name in model_names)]
+        sources = sources or [resolve_model(DEFAULT_TRANSLATION_MODEL)]
+        if not checkpoints:
+            members = [(source, None) for source in sources]
+        elif len(sources) == 1:  # several checkpoints of one run
+            members = [(sources[0], checkpoint) for checkpoint in checkpoints]
+        elif len(checkpoints) == len(sources):
+            members = list(zip(sources, checkpoints, strict=True))
+        else:
+            raise click.UsageError(f"{len(checkpoints)} --checkpoint for {len(sources)} models; give one per "
+                                   f"--run (in order), or several with a single --run")
+        task, translator = load_ensemble_translator(members, plain=plain, device=device)
     except RunInputError as exc:
+        if exc.about == "members":  # about the models together, not one option
+            raise click.UsageError(str(exc)) from None
         raise click.BadParameter(str(exc), param_hint=f"--{exc.about}") from None
     return translator, decode_options(task.decode, **decoding)
 
@@ -73,19 +89,20 @@ def _translator(run_dir: Path | None, model_name: str | None, checkpoint: Path |
 @cli.command("translate")
 @_decoding_options
 @click.argument("texts", nargs=-1, callback=utf8_text)
-def translate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
+def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...], beam: int | None, length_penalty: float | None,
                   temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
                   plain: bool, device: str, texts: tuple[str, ...]) -> None:
     """Translate TEXTS, or each line of standard input as it arrives (one output line per input line).
 
-    A sentence longer than the model's maximum is cut to fit, with a warning on stderr.
+    A sentence longer than the model's maximum is cut to fit, with a warning on stderr. Several
+    --model / --run / --checkpoint translate with an ensemble of them (docs/translation.md).
     """
     import warnings
 
     from aiayn.translate import InputTooLongWarning
 
     where = resolve_device(device)
-    translator, options = _translator(run_dir, model_name, checkpoint, plain, where, beam_size=beam, length_penalty=length_penalty,
+    translator, options = _translator(run_dirs, model_names, checkpoints, plain, where, beam_size=beam, length_penalty=length_penalty,
                                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
     def show(warning: Any, category: Any, *_: Any, **__: Any) -> None:
@@ -114,11 +131,14 @@ def translate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path
 @click.option("--ref", "ref_path", required=True, type=click.Path(path_type=Path), help="Reference translations, aligned.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the hypotheses (detokenised, one per line) here.")
-def evaluate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path | None, beam: int | None, length_penalty: float | None,
+def evaluate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...], beam: int | None, length_penalty: float | None,
                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
                  plain: bool, device: str, src_path: Path, ref_path: Path, out_path: Path | None) -> None:
-    """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF."""
+    """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF.
+
+    Several --model / --run / --checkpoint score an ensemble of them."""
     from aiayn.data.parallel import read_parallel
+    from aiayn.generate import Ensemble
     from aiayn.tasks.translation import corpus_score
     from aiayn.train.checkpoint import atomic_write_text
 
@@ -126,7 +146,7 @@ def evaluate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path 
     sources, references = read_parallel(src_path, ref_path)
     if out_path is not None:  # fail now, not after the whole decode
         check_writable(out_path, "--out")
-    translator, options = _translator(run_dir, model_name, checkpoint, plain, where, beam_size=beam, length_penalty=length_penalty,
+    translator, options = _translator(run_dirs, model_names, checkpoints, plain, where, beam_size=beam, length_penalty=length_penalty,
                                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     start = time.perf_counter()
     hypotheses = translator.translate(sources, options)
@@ -139,7 +159,9 @@ def evaluate_cmd(run_dir: Path | None, model_name: str | None, checkpoint: Path 
     click.echo(f"chrF2 = {scores['chrf']:.2f}  (signature: {scores['chrf_signature']})")
     click.echo(f"lower-cased BLEU = {scores['bleu_lc']:.2f}  (signature: {scores['bleu_lc_signature']})")
     click.echo(f"{len(sources)} sentences in {seconds:.1f} s ({len(sources) / seconds:.1f} sentences/s), "
-               f"beam {options.beam_size}, length penalty {options.length_penalty}" + (f"; hypotheses written to {out_path}" if out_path else ""))
+               f"beam {options.beam_size}, length penalty {options.length_penalty}"
+               + (f", an ensemble of {len(translator.model)} models" if isinstance(translator.model, Ensemble) else "")
+               + (f"; hypotheses written to {out_path}" if out_path else ""))
 
 
 @cli.command("fetch-multi30k")

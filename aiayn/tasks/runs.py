@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,10 +35,10 @@ from aiayn.train.checkpoint import (
 )
 from aiayn.train.run_dir import RunDirError, read_run_config
 from aiayn.train.task import Task
+from aiayn.translate import Translator
 
 if TYPE_CHECKING:
     from aiayn.textgen import TextModel
-    from aiayn.translate import Translator
 
 DEFAULT_TASK = "reverse"
 RECIPE_KEYS = frozenset({"task", "task_options", "model", "train", "description"})
@@ -140,6 +140,52 @@ def load_translator(run_dir: Path, checkpoint: Path | None = None, *, plain: boo
         raise RunInputError(f"{run_dir} holds a {run.task.name} run; translation needs a run of "
                             f"the translation task")
     return run.task, run.task.translator(for_inference(run.model, plain=plain, device=where))
+
+
+def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, plain: bool = False,
+                             device: torch.device | str | None = None) -> tuple[TranslationTask, Translator]:
+    """(the first member's task, a ``Translator`` of an ``aiayn.generate.Ensemble``) from several
+    (run or release directory, checkpoint or None) pairs, each loaded as ``load_translator`` loads
+    one; a single pair is ``load_translator``'s translator itself. The first member's recipe gives
+    the default beam size and length penalty.
+
+    The members must share a vocabulary, so that every token id means the same to all of them:
+    the same tokenizer (its whole tokenizer.json: vocabulary, merges, normalisation) and output
+    layer width. The shipped en->de and de->en models share one joint BPE, so a vocabulary check
+    alone would let them through: they must also translate the same language pair in the same
+    direction. Either mismatch is a ``RunInputError`` with ``about="members"``."""
+    from aiayn.generate import Ensemble
+
+    if not members:
+        raise ValueError("an ensemble needs at least one member")
+    loaded = [load_translator(run_dir, checkpoint, plain=plain, device=device) for run_dir, checkpoint in members]
+    if len(loaded) == 1:
+        return loaded[0]
+    (task, first), first_name = loaded[0], _member_name(*members[0])
+    vocabulary = first.tokenizer.tokenizer.to_str()
+    for (run_dir, checkpoint), (other_task, other) in zip(members[1:], loaded[1:], strict=True):
+        name = _member_name(run_dir, checkpoint)
+        pair, other_pair = f"{task.src_lang}->{task.tgt_lang}", f"{other_task.src_lang}->{other_task.tgt_lang}"
+        if other_pair != pair:
+            raise RunInputError(f"{first_name} translates {pair} but {name} {other_pair}; an ensemble's "
+                                f"members translate one language pair in one direction", about="members")
+        if other.tokenizer.tokenizer.to_str() != vocabulary:
+            raise RunInputError(f"{name} has another vocabulary than {first_name} (their tokenizer.json "
+                                f"files differ); an ensemble's members share one", about="members")
+    try:
+        ensemble = Ensemble([translator.model for _, translator in loaded])
+    except ValueError as exc:  # output widths or pad ids differ
+        raise RunInputError(str(exc), about="members") from None
+    return task, Translator(ensemble, first.tokenizer, max_tokens=first.max_tokens,
+                            max_sentences=first.max_sentences)
+
+
+def _member_name(run_dir: Path, checkpoint: Path | None) -> str:
+    """A member as a message names it: a shipped model by its name, a run by its path."""
+    from aiayn.tasks.shipped import SHIPPED_DIR
+
+    name = run_dir.name if Path(run_dir).resolve().parent == SHIPPED_DIR.resolve() else str(run_dir)
+    return name if checkpoint is None else f"{name} (checkpoint {checkpoint})"
 
 
 def load_text_model(run_dir: Path | None = None, model_path: Path | None = None, *,
