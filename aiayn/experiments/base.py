@@ -71,11 +71,13 @@ class Variant:
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields
 
     def build(self) -> tuple[Task, ModelConfig, TrainConfig]:
-        """The task and the two configs this variant trains with (task defaults, then the variant's)."""
+        """The task and the two configs this variant trains with (task defaults, then the variant's).
+        Float32 on every device unless a task or variant says otherwise (bf16 False, not the
+        device's default): the experiments' tables compare variants, and were made in float32."""
         task = get_task(self.task, **self.task_options)
         model = ModelConfig.from_dict({**task.model_config().to_dict(), **self.model})
-        train = TrainConfig.from_dict({**TrainConfig(task=self.task).to_dict(), **task.train_overrides(),
-                                       **self.train, "task": self.task})
+        train = TrainConfig.from_dict({**TrainConfig(task=self.task).to_dict(), "bf16": False,
+                                       **task.train_overrides(), **self.train, "task": self.task})
         return task, model, train
 
 
