@@ -71,6 +71,22 @@ def check_threads(threads: int) -> int:
     return threads
 
 
+def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--threads``: torch's CPU threads for the command (a keyword ``threads``; set it with
+    ``use_threads``)."""
+    return click.option("--threads", type=click.IntRange(min=1), callback=lambda c, p, v: v and check_threads(v),
+                        help="CPU threads torch computes with (default: torch's choice, one per core). A "
+                             "training's numbers are reproducible for a given thread count.")(func)
+
+
+def use_threads(threads: int | None) -> None:
+    """Apply ``--threads`` (None: leave torch's default)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 class FiniteFloatRange(click.FloatRange):
     """click's FloatRange that also refuses NaN and the infinities (which pass its range checks:
     every comparison with NaN is false, and inf > 0), written as nan, inf or 1e999."""

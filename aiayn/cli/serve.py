@@ -24,7 +24,8 @@ from aiayn.cli.app import (
               help="A run directory of a decoder-only task.")
 @click.option("--name", help="The model's name in the API (default: the file or directory name).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True,
               help="Requests decoded together at most (KV-cache slots; fewer if --kv-budget holds fewer).")
 @click.option("--context", type=click.IntRange(min=2), help="Tokens per request, prompt + answer "

@@ -17,6 +17,8 @@ from aiayn.cli.app import (
     is_main_process,
     plain_option,
     resolve_device,
+    threads_option,
+    use_threads,
 )
 from aiayn.config import ConfigError
 
@@ -164,10 +166,11 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
               "state over the processes (FSDP2) instead of replicating them (DDP, the default).")
 @plain_option
 @device_option
+@threads_option
 @click.pass_context
 def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool, overwrite: bool,
               recipe: Path | None, max_tokens: int | None, progress: bool, fsdp: bool, plain: bool,
-              device: str, **options: Any) -> None:
+              device: str, threads: int | None, **options: Any) -> None:
     """Train a task and write a run directory (checkpoint, metrics.csv, plots).
 
     With no arguments: the reverse task, in under 3 minutes on a 2-core CPU.
@@ -183,6 +186,7 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
     if resume and max_tokens is not None:
         raise click.UsageError("--max-tokens cannot change when resuming (the batches would differ)")
     where = resolve_device(device)
+    use_threads(threads)
     setup = _setup_run(ctx, task, run_dir if resume else None, recipe, max_tokens, options)
     run_dir = run_dir or default_run_dir(setup.task_name)
     if is_main_process():

@@ -18,6 +18,8 @@ from aiayn.cli.app import (
     device_option,
     plain_option,
     resolve_device,
+    threads_option,
+    use_threads,
     utf8_text,
 )
 
@@ -49,6 +51,7 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1."),
         plain_option,
         device_option,
+        threads_option,
     ]
     for option in reversed(options):
         func = option(func)
@@ -91,8 +94,9 @@ def _translator(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkp
 @click.argument("texts", nargs=-1, callback=utf8_text)
 def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...], beam: int | None, length_penalty: float | None,
                   temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
-                  plain: bool, device: str, texts: tuple[str, ...]) -> None:
-    """Translate TEXTS, or each line of standard input as it arrives (one output line per input line).
+                  plain: bool, device: str, threads: int | None, texts: tuple[str, ...]) -> None:
+    """Translate TEXTS, or each line of standard input as it arrives (one output line per input line;
+    TEXTS "-" reads standard input too).
 
     A sentence longer than the model's maximum is cut to fit, with a warning on stderr. Several
     --model / --run / --checkpoint translate with an ensemble of them (docs/translation.md).
@@ -102,8 +106,11 @@ def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], chec
     from aiayn.translate import InputTooLongWarning
 
     where = resolve_device(device)
+    use_threads(threads)
     translator, options = _translator(run_dirs, model_names, checkpoints, plain, where, beam_size=beam, length_penalty=length_penalty,
                                       temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if texts == ("-",):  # "-" is standard input, as for aiayn embed
+        texts = ()
 
     def show(warning: Any, category: Any, *_: Any, **__: Any) -> None:
         click.echo(f"warning: {warning}", err=True)
@@ -133,7 +140,8 @@ def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], chec
               help="Also write the hypotheses (detokenised, one per line) here.")
 def evaluate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...], beam: int | None, length_penalty: float | None,
                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
-                 plain: bool, device: str, src_path: Path, ref_path: Path, out_path: Path | None) -> None:
+                 plain: bool, device: str, threads: int | None, src_path: Path, ref_path: Path,
+                 out_path: Path | None) -> None:
     """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF.
 
     Several --model / --run / --checkpoint score an ensemble of them."""
@@ -143,6 +151,7 @@ def evaluate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], check
     from aiayn.train.checkpoint import atomic_write_text
 
     where = resolve_device(device)
+    use_threads(threads)
     sources, references = read_parallel(src_path, ref_path)
     if out_path is not None:  # fail now, not after the whole decode
         check_writable(out_path, "--out")
