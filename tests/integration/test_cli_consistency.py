@@ -34,3 +34,20 @@ def test_too_many_threads_is_one_line():
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
         assert "more than 4 per CPU" in result.stderr
+
+
+def test_every_option_of_every_command_has_help_text():
+    import click
+
+    from aiayn.cli import cli
+
+    def commands(command: click.Command, path: str):
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                yield from commands(sub, f"{path} {name}")
+        else:
+            yield path, command
+
+    missing = [f"{path} {param.opts[0]}" for path, command in commands(cli, "aiayn") for param in command.params
+               if isinstance(param, click.Option) and not param.hidden and not param.help]
+    assert not missing, missing
