@@ -11,7 +11,7 @@ traceback (``AIAYN_DEBUG=1`` or ``aiayn --debug ...`` shows it). Exit codes:
 * 130: interrupted (Ctrl-C). A closed output pipe (``aiayn generate ... | head -1``) ends quietly.
 
 The commands live by subject: ``train`` (train, tasks, average, presets, kv-cache), ``generate``
-(generate, embed, models), ``translate`` (translate, evaluate, fetch-multi30k), ``plots`` (plot ..., demo),
+(generate, embed, models), ``translate`` (translate, evaluate, the old fetch-multi30k), ``data`` (fetch), ``plots`` (plot ..., demo),
 ``explain`` (the classic questions, measured), ``experiments`` (experiment: the paper's tables, small),
 ``serve`` (the OpenAI API of ``aiayn.serve``, export), ``explore`` (the web page of ``aiayn.explore``);
 ``app`` holds the command group. No module of the library imports this package.
@@ -25,6 +25,7 @@ import sys
 import click
 
 from aiayn.cli import (  # noqa: F401  (registers the commands)
+    data,
     experiments,
     explain,
     explore,

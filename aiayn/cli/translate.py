@@ -1,4 +1,5 @@
-"""``aiayn translate``, ``evaluate`` and ``fetch-multi30k``: translation runs."""
+"""``aiayn translate``, ``evaluate`` and ``fetch-multi30k`` (the old name of ``aiayn fetch multi30k``):
+translation runs."""
 
 from __future__ import annotations
 
@@ -173,12 +174,13 @@ def evaluate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], check
                + (f"; hypotheses written to {out_path}" if out_path else ""))
 
 
-@cli.command("fetch-multi30k")
+@cli.command("fetch-multi30k", hidden=True)  # kept so that scripts using the old name still work
 @click.option("--to", "cache_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Folder for train/val/test2016 .en/.de files (then set AIAYN_DATA_DIR to its parent, "
                    "or give the task option corpus_dir).")
 def fetch_multi30k_cmd(cache_dir: Path) -> None:
-    """Download Multi30k task 1 (en-de: train, val, test2016) from its public source (needs a network)."""
+    """The old name of `aiayn fetch multi30k`: download Multi30k task 1 (en-de: train, val, test2016),
+    checked, into the folder --to itself (needs a network)."""
     from aiayn.data.parallel import fetch_multi30k
 
     click.echo(f"Multi30k in {fetch_multi30k(cache_dir)}")

@@ -8,10 +8,7 @@ UTF-8) raises ``DataError`` naming the file and line.
 
 from __future__ import annotations
 
-import gzip
-import os
-import shutil
-import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,35 +60,26 @@ def split_paths(corpus_dir: str | Path, split: str, src_lang: str, tgt_lang: str
 
 # ---- Multi30k from its public source (for users with a network; tests never fetch) -----------------
 
-MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/a3d2e0d26b56f3846f66a952536ffed4e401d05a/data/task1/raw"
 MULTI30K_FILES = {"train": "train", "val": "val", "test2016": "test_2016_flickr"}
 
 
-def fetch_multi30k(cache_dir: str | Path, *, base_url: str = MULTI30K_URL,
-                   langs: tuple[str, ...] = ("en", "de")) -> Path:
-    """Download Multi30k task 1 (train, val, test2016) into ``cache_dir`` as ``{split}.{lang}``.
-
-    Files already there are kept. Each file is written to a temporary name and renamed, so an
-    interrupted download never leaves a truncated corpus behind.
+def fetch_multi30k(cache_dir: str | Path, *, base_url: str = MULTI30K_URL, langs: tuple[str, ...] = ("en", "de"),
+                   sha256: Mapping[str, str] | None = None) -> Path:
+    """Download Multi30k task 1 (train, val, test2016) into ``cache_dir`` as ``{split}.{lang}``: the
+    folder itself, unlike ``aiayn fetch multi30k`` (``aiayn.data.fetch``), which fills
+    ``<data root>/multi30k``. Each file's SHA-256 is checked (``sha256``: local name -> hash,
+    default the constants of ``aiayn.data.fetch``) before it is renamed into place; a verified file
+    already there is kept. Failures raise ``aiayn.data.fetch.FetchError`` (one line).
     """
+    from aiayn.data.fetch import DATASETS, fetch_files
+
     cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    for split, remote in MULTI30K_FILES.items():
-        for lang in langs:
-            target = cache_dir / f"{split}.{lang}"
-            if target.is_file():
-                continue
-            url = f"{base_url}/{remote}.{lang}.gz"
-            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-            try:
-                with urllib.request.urlopen(url, timeout=60) as response, gzip.open(response) as unzipped, \
-                        open(tmp, "wb") as out:
-                    shutil.copyfileobj(unzipped, out)
-            except OSError as exc:
-                tmp.unlink(missing_ok=True)
-                raise DataError(f"cannot download {url}: {exc}; check the network, or put the files "
-                                f"in {cache_dir} by hand") from None
-            os.replace(tmp, target)
+    known = DATASETS["multi30k"].files
+    hashes = sha256 if sha256 is not None else {name: remote.sha256 for name, remote in known.items()}
+    files = {f"{split}.{lang}": (f"{base_url}/{remote}.{lang}.gz", hashes[f"{split}.{lang}"], True)
+             for split, remote in MULTI30K_FILES.items() for lang in langs}
+    fetch_files(cache_dir, files)
     return cache_dir
 
 

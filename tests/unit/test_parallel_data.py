@@ -111,22 +111,30 @@ def test_parallel_file_errors_name_file_and_line(tmp_path):
 
 
 def test_fetch_multi30k_from_a_mirror_without_network(tmp_path):
-    """The downloader reads gzipped {remote}.{lang}.gz files; a file:// mirror stands in for the
-    public source (tests never use the network)."""
+    """The downloader reads gzipped {remote}.{lang}.gz files and checks each one's SHA-256 (here the
+    fake files' own); a file:// mirror stands in for the public source (tests never use the network)."""
     import gzip
+    import hashlib
 
+    from aiayn.data.fetch import FetchError
     from aiayn.data.parallel import MULTI30K_FILES, fetch_multi30k
 
     mirror = tmp_path / "mirror"
     mirror.mkdir()
-    for remote in MULTI30K_FILES.values():
+    hashes = {}
+    for split, remote in MULTI30K_FILES.items():
         for lang in ("en", "de"):
-            with gzip.open(mirror / f"{remote}.{lang}.gz", "wt", encoding="utf-8") as handle:
-                handle.write(f"{remote} {lang} Straße\nzwei\n")
-    cache = fetch_multi30k(tmp_path / "cache", base_url=mirror.as_uri())
+            text = f"{remote} {lang} Straße\nzwei\n".encode()
+            with gzip.open(mirror / f"{remote}.{lang}.gz", "wb") as handle:
+                handle.write(text)
+            hashes[f"{split}.{lang}"] = hashlib.sha256(text).hexdigest()
+    cache = fetch_multi30k(tmp_path / "cache", base_url=mirror.as_uri(), sha256=hashes)
     assert read_lines(cache / "test2016.de") == ["test_2016_flickr de Straße", "zwei"]
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         f"{split}.{lang}" for split in MULTI30K_FILES for lang in ("en", "de"))
-    with pytest.raises(DataError, match="cannot download"):
-        fetch_multi30k(tmp_path / "other", base_url=(tmp_path / "nowhere").as_uri())
-    assert not any((tmp_path / "other").iterdir())  # nothing half-written
+    with pytest.raises(FetchError, match="cannot download"):
+        fetch_multi30k(tmp_path / "other", base_url=(tmp_path / "nowhere").as_uri(), sha256=hashes)
+    assert not (tmp_path / "other").exists()  # nothing half-written, not even the folder
+    with pytest.raises(FetchError, match="not the expected file"):  # the real hashes refuse fake files
+        fetch_multi30k(tmp_path / "checked", base_url=mirror.as_uri())
+    assert not (tmp_path / "checked").exists()
