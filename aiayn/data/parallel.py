@@ -20,6 +20,11 @@ class DataError(ValueError):
     """Input text a user must fix: missing, misaligned, empty lines or not UTF-8."""
 
 
+class MissingDataError(DataError, FileNotFoundError):
+    """A dataset file that is not there: a DataError (the CLI's exit code 2, one line naming the
+    fetch command) that is still the FileNotFoundError ``dataset_file`` always raised."""
+
+
 def read_lines(path: str | Path, *, allow_empty: bool = False) -> list[str]:
     """The stripped lines of a UTF-8 text file; an error names the file and line of any problem."""
     path = Path(path)

@@ -19,10 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ConfigError, ModelConfig
-from aiayn.data import data_dir
+from aiayn.data import data_dir, fetch_hint
 from aiayn.data.parallel import (
     BucketSpec,
     DataError,
+    MissingDataError,
     pad_batch,
     read_parallel,
     split_paths,
@@ -120,7 +121,9 @@ class TranslationTask(Task):
     def prepare(self, seed: int) -> None:
         root = self.root()
         for split, name in self.split_names.items():
-            self.text[split] = read_parallel(*split_paths(root, name, self.src_lang, self.tgt_lang))
+            paths = split_paths(root, name, self.src_lang, self.tgt_lang)
+            self._check_present(paths)
+            self.text[split] = read_parallel(*paths)
         saved = self.run_dir / TOKENIZER_FILE if self.run_dir is not None else None
         if saved is not None and saved.is_file():
             self.tokenizer = BPETokenizer.load(saved)
@@ -138,6 +141,15 @@ class TranslationTask(Task):
             # + </s>; pairs longer than the model's maximum are cut (training) — rare by design.
             cut = self.max_len - 1
             self.ids[split] = ([[*s[:cut], eos] for s in src_ids], [[*t[:cut], eos] for t in tgt_ids])
+
+    def _check_present(self, paths: tuple[Path, Path]) -> None:
+        """A missing corpus file names the command that fetches the corpus (the default root only:
+        a corpus_dir of the user's own is theirs to fill)."""
+        for path in paths:
+            if not path.is_file():
+                hint = ("give the task option corpus_dir the folder that holds it" if self.corpus_dir
+                        else fetch_hint(self.options["corpus"]))
+                raise MissingDataError(f"{path} not found; {hint}")
 
     def split_size(self, split: str) -> int:
         return len(self.ids[split][0])

@@ -209,6 +209,11 @@ class RunLocation:
 
     final: Path
     path: Path
+    # A new run in place that this start found missing or empty: until its first checkpoint,
+    # everything in it is this start's, so a failure empties it (``abandon``). ``made`` lists the
+    # folders this start created (the run's own and missing parents, deepest first).
+    fresh: bool = False
+    made: tuple[Path, ...] = ()
 
     @property
     def pending(self) -> bool:
@@ -218,6 +223,7 @@ class RunLocation:
     def swap_in(self) -> None:
         """Rename the old run away, the new one in, then delete the old (rank 0, after the first
         checkpoint). A failure between the renames puts the old run back."""
+        self.fresh = False  # it holds a checkpoint now: a run to resume, never removed
         if not self.pending:
             return
         old = self.final.with_name(f"{self.final.name}.old-{secrets.token_hex(4)}")
@@ -240,9 +246,21 @@ class RunLocation:
         self.path = self.final
 
     def abandon(self) -> None:
-        """Remove the temporary sibling of a replacement that failed before ``swap_in``."""
+        """Undo a start that failed before its first checkpoint (``swap_in``): remove the temporary
+        sibling of a replacement; empty a fresh run's folder and remove the folders this start
+        created, so that the same command works again without --overwrite. A folder the user made
+        stays (emptied of what this start wrote into it); an existing run is never touched."""
         if self.pending:
             shutil.rmtree(self.path, ignore_errors=True)
+        elif self.fresh:
+            for entry in list(self.path.iterdir()) if self.path.is_dir() else []:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+            for folder in self.made:  # deepest first; rmdir refuses a folder someone else filled
+                with suppress(OSError):
+                    folder.rmdir()
 
 
 def config_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
@@ -307,8 +325,9 @@ def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, ove
             location = RunLocation(final=final, path=final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}"))
             location.path.mkdir()
         else:
+            made = tuple(p for p in (run_dir, *run_dir.parents) if not p.exists())
             run_dir.mkdir(parents=True, exist_ok=True)
-            location = RunLocation(final=run_dir, path=run_dir)
+            location = RunLocation(final=run_dir, path=run_dir, fresh=True, made=made)
     except OSError as exc:
         raise RunDirError(f"cannot use {run_dir} as a run directory: {exc.strerror or exc}") from None
     try:

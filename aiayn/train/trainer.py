@@ -182,6 +182,8 @@ def _diverged_message(step: int, what: str, saved_step: int | None, location: Ru
                 f"{location.path / 'checkpoints'}")
     elif location.pending:
         kept = f"no checkpoint had been saved, and the run it was to replace, {location.final}, is untouched"
+    elif location.fresh:  # abandon() empties it: the same command can start again
+        kept = f"no checkpoint had been saved, so {location.final} was left as it was before this start"
     else:
         kept = "no checkpoint had been saved"
     fix = "a lower --lr" if clipping else "a lower --lr, or clip gradients with --clip-grad-norm"
