@@ -8,6 +8,7 @@ UTF-8) raises ``DataError`` naming the file and line.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,15 +70,20 @@ MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/a3d2e0d26b56f
 MULTI30K_FILES = {"train": "train", "val": "val", "test2016": "test_2016_flickr"}
 
 
-def fetch_multi30k(cache_dir: str | Path, *, base_url: str = MULTI30K_URL, langs: tuple[str, ...] = ("en", "de"),
+def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None, langs: tuple[str, ...] = ("en", "de"),
                    sha256: Mapping[str, str] | None = None) -> Path:
     """Download Multi30k task 1 (train, val, test2016) into ``cache_dir`` as ``{split}.{lang}``: the
     folder itself, unlike ``aiayn fetch multi30k`` (``aiayn.data.fetch``), which fills
     ``<data root>/multi30k``. Each file's SHA-256 is checked (``sha256``: local name -> hash,
     default the constants of ``aiayn.data.fetch``) before it is renamed into place; a verified file
-    already there is kept. Failures raise ``aiayn.data.fetch.FetchError`` (one line).
+    already there is kept. Failures raise ``aiayn.data.fetch.FetchError`` (one line). ``base_url``
+    defaults to a mirror in $AIAYN_DATA_URL (``<mirror>/multi30k``), else the public source.
     """
-    from aiayn.data.fetch import DATASETS, fetch_files
+    from aiayn.data.fetch import DATASETS, URL_ENV_VAR, fetch_files
+
+    if base_url is None:
+        mirror = os.environ.get(URL_ENV_VAR)
+        base_url = f"{mirror.rstrip('/')}/multi30k" if mirror else MULTI30K_URL
 
     cache_dir = Path(cache_dir)
     known = DATASETS["multi30k"].files
