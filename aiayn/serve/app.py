@@ -76,8 +76,8 @@ class ServerState:
 
     def check_model(self, name: str) -> None:
         if name != self.served.name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.served.name!r} "
-                                f"(GET /v1/models)", code="model_not_found", param="model")
+            raise APIError(404, f"the model {preview(name)} does not exist; this server serves "
+                                f"{self.served.name!r} (GET /v1/models)", code="model_not_found", param="model")
 
     def generator(self, name: str) -> tuple[TextModel, Engine]:
         self.check_model(name)
@@ -171,9 +171,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        message = {404: f"no route {request.method} {request.url.path}; see /v1/models, /v1/chat/completions, "
+        message = {404: f"no route {request.method} {preview(request.url.path, quote=False)}; see /v1/models, "
+                        f"/v1/chat/completions, "
                         f"/v1/completions, /v1/embeddings, /health, /metrics",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+                   405: f"{request.method} is not allowed on {preview(request.url.path, quote=False)}"
+                   }.get(exc.status_code, str(exc.detail))
         return _error_response(APIError(exc.status_code, message, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
@@ -226,7 +228,22 @@ def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: 
                           stop=tuple(body.stop or ()), logprobs=logprobs)
 
 
+def preview(text: str, limit: int = 64, *, quote: bool = True) -> str:
+    """User input as an error message shows it: at most ``limit`` characters (a 100 KB model name
+    is not echoed back), quoted with repr unless ``quote`` is False."""
+    short = text if len(text) <= limit else text[:limit] + "..."
+    return repr(short) if quote else short
+
+
 def start_generation(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Generation:
+    # More prompts than the server can ever hold at once (every slot and the whole queue) would get
+    # 429 forever: a retry cannot succeed, so it is a 400 naming the limit.
+    most = engine.max_queue + engine.max_batch
+    if len(prompts) > most:
+        raise APIError(400, f"{len(prompts)} prompts in one request, but this server holds at most {most} "
+                            f"requests at once ({engine.max_batch} decoding + {engine.max_queue} waiting: "
+                            f"--max-batch, --max-queue); send at most {most} prompts per request",
+                       param="prompt", code="too_many_prompts")
     try:
         return Generation(engine, prompts, params)
     except QueueFull as exc:

@@ -102,6 +102,24 @@ def test_a_huge_body_is_refused_before_it_is_read(tiny_server):
     assert streamed.status_code == 413 and "over 16 MiB" in streamed.json()["error"]["message"]
 
 
+def test_a_request_larger_than_the_server_is_400_naming_the_limit_and_echoes_little(tiny_server):
+    """More prompts than slots + queue could ever hold is not "busy, retry" (429) but a 400 naming
+    the limit; error messages show at most a short prefix of what the client sent."""
+    url = tiny_server[0]
+    prompts = ["hi"] * 500  # the tiny server: 4 slots + the default queue of 64
+    response = httpx.post(f"{url}/completions", json={"model": MODEL_NAME, "prompt": prompts, "max_tokens": 1},
+                          timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "500 prompts in one request" in error["message"], error
+    assert "at most 68 requests at once" in error["message"] and "--max-queue" in error["message"]
+    huge = "m" * 100_000
+    missing = httpx.post(f"{url}/chat/completions", json={**CHAT, "model": huge}, timeout=10)
+    assert missing.status_code == 404 and len(missing.text) < 1_000, missing.text[:300]
+    long_path = httpx.get(f"{url}/{'x' * 50_000}", timeout=10)
+    assert long_path.status_code == 404 and len(long_path.text) < 1_000
+
+
 def test_unknown_routes_and_methods(tiny_server):
     url = tiny_server[0]
     missing = httpx.get(f"{url}/engines", timeout=10)
