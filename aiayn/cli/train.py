@@ -138,7 +138,9 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
 @click.option("--seed", type=SEED_RANGE, help="Random seed (data, initialisation, dropout), 0 to 2**32 - 1.")
 @click.option("--bf16/--no-bf16", default=None,
               help="bfloat16 autocast over float32 weights.  [default: on with CUDA, off on the CPU]")
-@click.option("--compile/--no-compile", default=None, help="torch.compile the model.")
+@click.option("--compile/--no-compile", default=None,
+              help="torch.compile each step's forward and loss as one graph (for GPUs; on a CPU the eager step "
+                   "with aiayn.fast's kernels is faster: a graph cannot skip padding).")
 @click.option("--eval-every", type=click.IntRange(min=0), help="Steps between validations (0: each epoch).")
 @click.option("--save-every", type=click.IntRange(min=0), help="Steps between checkpoints (0: each epoch).")
 @click.option("--keep-checkpoints", type=click.IntRange(min=1), help="How many of the newest checkpoints to keep.")
