@@ -1,7 +1,8 @@
 """The explorer's ASGI application (FastAPI): the page, its static files, and JSON routes over one
 model chosen at start-up.
 
-Routes (every error is ``{"error": "one short message"}`` with a 4xx status):
+Routes (every error is ``{"error": "one short message"}`` with a 4xx status, the framework's own
+404/405/422 included; a body over ``MAX_BODY_BYTES`` is refused with 413 before it is read):
 
 * ``GET /api/model``: the model, its sizes and which views it has;
 * ``POST /api/tokenize`` ``{text, side}``: the tokens as the page previews them (a text the model
@@ -26,6 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiayn.explore.decoding import MAX_STEPS, MAX_TOP_K, decode_steps
 from aiayn.explore.models import Explorable, ExploreInputError
@@ -64,13 +67,73 @@ class BeamRequest(BaseModel):
     steps: int = Field(default=16, ge=1, le=MAX_STEPS)  # new tokens of a decoder-only model
 
 
+# The page sends texts of at most MAX_TEXT_CHARS characters: no request of its needs 1 MiB.
+MAX_BODY_BYTES = 1 << 20
+
+
 def _error(message: str, status: int) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
+
+
+def _short(text: str, limit: int = 64) -> str:
+    """User input in an error message: at most ``limit`` characters of it."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised by the bounded receive; an HTTPException so that FastAPI's body parsing passes it on
+    (any other exception there becomes its generic 400) to ``framework_error``."""
+
+    def __init__(self) -> None:
+        super().__init__(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB; send less text at once")
+
+
+class BodyLimit:
+    """Pure ASGI: a request body over ``MAX_BODY_BYTES`` gets 413 ``{"error": ...}``, by its declared
+    Content-Length before anything is read, or as its chunks arrive (no length declared)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            await _too_large()(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def bounded_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > MAX_BODY_BYTES:
+                raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await _too_large()(scope, receive, send)
+
+
+def _too_large() -> JSONResponse:
+    return _error(str(_BodyTooLarge().detail), 413)
 
 
 def create_app(ex: Explorable) -> FastAPI:
     """The application for one loaded model."""
     app = FastAPI(title="aiayn explore", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit)
     probes = ProbeCache()
     positions: dict[str, Any] = {}  # computed once, on first request
 
@@ -79,6 +142,14 @@ def create_app(ex: Explorable) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return _error(f"{where or 'request'}: {first.get('msg', 'invalid')}", 422)
+
+    @app.exception_handler(HTTPException)
+    async def framework_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """The router's own errors (no such route, a wrong method, ...) in the one error shape."""
+        path = _short(request.url.path)
+        message = {404: f"no route {request.method} {path}; the page is at /, its data under /api/",
+                   405: f"{request.method} is not allowed on {path}"}.get(exc.status_code, _short(str(exc.detail)))
+        return JSONResponse({"error": message}, status_code=exc.status_code, headers=dict(exc.headers or {}))
 
     @app.exception_handler(ExploreInputError)
     async def bad_input(request: Request, exc: ExploreInputError) -> JSONResponse:

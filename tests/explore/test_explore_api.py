@@ -360,3 +360,27 @@ def test_a_long_run_is_thinned_for_the_page(tmp_path):
     assert record["rows"] == 5000 and len(loss) <= MAX_POINTS + 1
     assert loss[0] == [1.0, 10.0] and loss[-1] == [5000.0, 10 / 5000]  # the first and the last kept
     assert len(record["series"]["val_nll"]) == 50 and record["config"] is None
+
+
+def test_every_error_has_the_one_shape_and_big_bodies_are_refused_unread(char_ex):
+    """Framework errors too (no route, wrong method, a missing static file) answer {"error": ...}
+    with a short message; a body over 1 MiB is 413 by its declared length or as it streams."""
+    from aiayn.explore.app import MAX_BODY_BYTES
+
+    api = client(char_ex)
+    for response, status, needle in [
+        (api.get("/api/nothing"), 404, "no route GET /api/nothing"),
+        (api.get("/" + "x" * 50_000), 404, "no route GET /xxxx"),
+        (api.delete("/api/model"), 405, "DELETE is not allowed on /api/model"),
+        (api.get("/static/no-such-file.js"), 404, ""),
+    ]:
+        assert response.status_code == status, response.text
+        body = response.json()
+        assert list(body) == ["error"] and needle in body["error"] and len(response.text) < 300, body
+    declared = api.post("/api/attention", content=b"x" * (MAX_BODY_BYTES + 1),
+                        headers={"Content-Type": "application/json"})
+    assert declared.status_code == 413 and "over 1 MiB" in declared.json()["error"]
+    streamed = api.post("/api/attention", content=(b" " * (1 << 16) for _ in range(20)),
+                        headers={"Content-Type": "application/json"})
+    assert streamed.status_code == 413 and "over 1 MiB" in streamed.json()["error"]
+    assert api.post("/api/tokenize", json={"text": "hello"}).json()["count"] == 5  # small bodies pass
