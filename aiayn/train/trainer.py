@@ -375,7 +375,7 @@ def _train(
                 if ctx.enabled:  # the union's loss; stop when any rank was asked to
                     loss_of_step, stop_votes = distributed.all_reduce_sum([float(loss_of_step), float(stop.requested)], ctx)
                     stop.requested = stop_votes > 0
-                    loss_of_step = torch.tensor(loss_of_step, dtype=torch.float64)
+                    loss_of_step = torch.tensor(loss_of_step, dtype=torch.float64, device=dev)
                 # The divergence guard watches the loss (the union's, so every rank stops alike)
                 # and, when clipping, the gradient norm, on the device; it is read with the
                 # metrics (below), before any evaluation or save: nothing is logged or saved for
