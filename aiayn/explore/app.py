@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from aiayn.asgi import bounded_receive, preview
 from aiayn.explore.decoding import MAX_STEPS, MAX_TOP_K, decode_steps
 from aiayn.explore.models import Explorable, ExploreInputError
 from aiayn.explore.positions import positions_view
@@ -75,11 +76,6 @@ def _error(message: str, status: int) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def _short(text: str, limit: int = 64) -> str:
-    """User input in an error message: at most ``limit`` characters of it."""
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 class _BodyTooLarge(HTTPException):
     """Raised by the bounded receive; an HTTPException so that FastAPI's body parsing passes it on
     (any other exception there becomes its generic 400) to ``framework_error``."""
@@ -103,16 +99,7 @@ class BodyLimit:
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             await _too_large()(scope, receive, send)
             return
-        received = 0
         started = False
-
-        async def bounded_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > MAX_BODY_BYTES:
-                raise _BodyTooLarge()
-            return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
@@ -120,7 +107,7 @@ class BodyLimit:
             await send(message)
 
         try:
-            await self.app(scope, bounded_receive, tracking_send)
+            await self.app(scope, bounded_receive(receive, MAX_BODY_BYTES, _BodyTooLarge), tracking_send)
         except _BodyTooLarge:
             if not started:
                 await _too_large()(scope, receive, send)
@@ -146,9 +133,9 @@ def create_app(ex: Explorable) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def framework_error(request: Request, exc: HTTPException) -> JSONResponse:
         """The router's own errors (no such route, a wrong method, ...) in the one error shape."""
-        path = _short(request.url.path)
+        path = preview(request.url.path, quote=False)
         message = {404: f"no route {request.method} {path}; the page is at /, its data under /api/",
-                   405: f"{request.method} is not allowed on {path}"}.get(exc.status_code, _short(str(exc.detail)))
+                   405: f"{request.method} is not allowed on {path}"}.get(exc.status_code, preview(str(exc.detail), quote=False))
         return JSONResponse({"error": message}, status_code=exc.status_code, headers=dict(exc.headers or {}))
 
     @app.exception_handler(ExploreInputError)

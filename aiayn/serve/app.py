@@ -27,6 +27,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from aiayn.asgi import bounded_receive, preview
 from aiayn.generate.sampling import SamplingConfig
 from aiayn.interop.mapping import InteropError
 from aiayn.serve.engine import Engine, QueueFull, SamplingParams, ShuttingDown
@@ -112,22 +113,12 @@ class ServerMiddleware:
                 status["code"] = message["status"]
             await send(message)
 
-        received = 0
-
-        async def bounded_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > MAX_BODY_BYTES:
-                raise _too_large()
-            return message
-
         try:
             error = self._refusal(scope, path)
             if error is not None:
                 await _error_response(error)(scope, receive, counting_send)
             else:
-                await self.app(scope, bounded_receive, counting_send)
+                await self.app(scope, bounded_receive(receive, MAX_BODY_BYTES, _too_large), counting_send)
         finally:
             self.state.metrics.requests.labels(route=route, status=str(status["code"])).inc()
 
@@ -226,13 +217,6 @@ def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: 
                               top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
     return SamplingParams(max_tokens=limit if limit is not None else room, sampling=sampling,
                           stop=tuple(body.stop or ()), logprobs=logprobs)
-
-
-def preview(text: str, limit: int = 64, *, quote: bool = True) -> str:
-    """User input as an error message shows it: at most ``limit`` characters (a 100 KB model name
-    is not echoed back), quoted with repr unless ``quote`` is False."""
-    short = text if len(text) <= limit else text[:limit] + "..."
-    return repr(short) if quote else short
 
 
 def start_generation(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Generation:
