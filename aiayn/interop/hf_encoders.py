@@ -329,7 +329,8 @@ class MarianFamily(BartFamily):
             if table is None:
                 continue
             expected = sinusoidal_encoding(torch.arange(table.shape[0]), table.shape[1], layout="split")
-            if not torch.allclose(table.float(), expected, atol=1e-5, rtol=0):
+            # On the CPU, where ``expected`` is: an in-memory model's table may be on a GPU.
+            if not torch.allclose(table.detach().float().cpu(), expected, atol=1e-5, rtol=0):
                 raise InteropError(
                     f"{source}: {name} is not Marian's sinusoidal table (sin | cos halves); "
                     f"this converter only supports the fixed sinusoidal positions"

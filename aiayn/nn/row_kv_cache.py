@@ -148,8 +148,10 @@ class RowKVCache(KVCache):
 
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s tokens: the row is free for a new sequence (buffers stay allocated)."""
-        self.lengths[row] = 0
-        self.valid[row] = False
+        # In-place fills of views: ``lengths[row] = 0`` would copy a host scalar to the device (a
+        # synchronizing copy on CUDA); ``fill_`` passes the value as a kernel argument.
+        self.lengths[row].zero_()
+        self.valid[row].fill_(False)
         self._host[self._first + row] = 0
 
     def swap_rows(self, i: int, j: int) -> None:

@@ -4,6 +4,11 @@ padded ones do at every real token: logits, and the gradients of a loss over rea
 grouped-query attention, pre- and post-norm, right and left padding, fully padded rows.
 
 The same seeded weights in both models; train mode with dropout 0 (the path training takes).
+
+The spine packs only where a forward may read data back (eager on the CPU:
+``aiayn.nn.data_checks.reads_data``; elsewhere packing would stall the stream once per forward).
+These tests take the packed path on every test device (the fixture below allows the reads), so its
+arithmetic is checked on a GPU too; ``test_packs_only_where_data_is_read`` checks the policy itself.
 """
 
 from __future__ import annotations
@@ -15,9 +20,20 @@ from torch import nn
 from torch.testing import assert_close
 
 from aiayn.models import DecoderOnly, EncoderDecoder, build_model, get_preset
+from aiayn.nn import data_checks
 from aiayn.nn.attention import AttentionInputs
 from aiayn.nn.packing import Packing
 from aiayn.train.losses import IGNORE, sequence_loss
+
+REAL_READS_DATA = data_checks.reads_data
+
+
+@pytest.fixture(autouse=True)
+def packed_path_on_every_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let an eager forward on any device read data, so padding-free models pack there too (the same
+    answer as the real rule on the CPU)."""
+    monkeypatch.setattr(data_checks, "reads_data", lambda t: not torch.compiler.is_compiling())
+
 
 SCHEMES = ["sinusoidal", "learned", "rope", "alibi", "t5", "none"]
 IMPLS = ["fused", "reference"]
@@ -229,3 +245,14 @@ def test_sequence_loss_rejects_targets_at_skipped_positions(device: torch.device
         sequence_loss(out, targets)
     with pytest.raises(ValueError, match=r"targets must have the \(batch, seq\) shape"):
         sequence_loss(out, targets[:, :3])
+
+
+def test_packs_only_where_data_is_read(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy, unpatched: a padding-free model packs eager on the CPU and runs padded elsewhere
+    (no host-device sync per forward), with the same logits at real tokens either way."""
+    monkeypatch.setattr(data_checks, "reads_data", REAL_READS_DATA)
+    padded, free = twins("gpt-tiny", device=device)
+    tokens, valid = tokens_and_valid([6, 3], 6, device=device)
+    out_p, out_f = padded(tokens, valid=valid), free(tokens, valid=valid)
+    assert (out_f.packing is not None) == (device.type == "cpu")
+    assert_close(out_f.logits[valid], out_p.logits[valid])

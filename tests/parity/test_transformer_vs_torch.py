@@ -259,12 +259,17 @@ def test_torch_nested_tensor_fast_path_zeroes_padded_memory_only(device):
 @pytest.mark.parametrize(("norm_position", "final_norm"), [("post", True), ("pre", False)],
                          ids=["post_final", "pre_nofinal"])
 def test_gradients_match_torch_transformer(norm_position, final_norm, device):
-    """Same loss, same gradient for every block parameter."""
+    """Same loss, same gradient for every block parameter, in float64 (the forward tests above hold
+    in float32). A weight's gradient sums over every position of the batch, terms larger than the
+    result: float32 summed in another order (a GPU's kernels) moves it by more than float32's
+    rounding of the result, while float64 leaves no doubt which computation each side did."""
     model, tf = make_pair(norm_position, final_norm, device)
+    model, tf = model.double(), tf.double()
     src, tgt = SRC.to(device), TGT.to(device)
     _, logits_ref = reference(model, tf, src, tgt)
     logits = model(src, tgt).logits
-    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(4)).to(device)
+    assert logits.dtype == logits_ref.dtype == torch.float64
+    w = torch.randn(logits.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).to(device)
     (logits_ref * w).sum().backward()
     model.zero_grad()  # the reference also ran through our embedding and lm_head
     (logits * w).sum().backward()
