@@ -101,7 +101,10 @@ def test_decoder_only_left_padded(preset: str, positional: str, device: torch.de
 
 @pytest.mark.parametrize("positional", SCHEMES)
 def test_encoder_only(positional: str, device: torch.device) -> None:
-    """BERT-style: hidden, pooled and MLM logits at real tokens, and their gradients."""
+    """BERT-style: hidden, pooled and MLM logits at real tokens (float32), and their gradients
+    (float64: the loss adds the pooled vector, whose gradient every weight sums over all positions,
+    packed or padded, in orders a GPU makes differ by more than float32's rounding of the result;
+    float64 shows both sides compute the same sum)."""
     padded, free = twins("bert-tiny", positional=positional, device=device)
     tokens, valid = tokens_and_valid([8, 5, 1], 8, seed=16, device=device)
     out_p, out_f = padded(tokens, valid=valid), free(tokens, valid=valid)
@@ -110,7 +113,11 @@ def test_encoder_only(positional: str, device: torch.device) -> None:
     assert_close(out_f.hidden[valid], out_p.hidden[valid])
     assert_close(out_f.pooled, out_p.pooled)
     assert torch.all(out_f.logits[~valid] == 0)
-    weights = torch.randn(out_p.logits[valid].shape, generator=torch.Generator().manual_seed(5)).to(device)
+    padded, free = padded.double(), free.double()
+    out_p, out_f = padded(tokens, valid=valid), free(tokens, valid=valid)
+    assert out_f.packing is not None and out_f.logits.dtype == out_p.logits.dtype == torch.float64
+    weights = torch.randn(out_p.logits[valid].shape, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(5)).to(device)
     ((out_p.logits[valid] * weights).sum() + out_p.pooled.sum()).backward()
     ((out_f.logits[valid] * weights).sum() + out_f.pooled.sum()).backward()
     for (name, p), q in zip(free.named_parameters(), padded.parameters(), strict=True):
