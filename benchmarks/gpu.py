@@ -51,8 +51,7 @@ from benchmarks.gpu_models import (
     Plan,
     TorchSeq2Seq,
     aiayn_decode,
-    aiayn_lm_step,
-    aiayn_seq2seq_step,
+    aiayn_step,
     device_name,
     gpt2_config,
     gpt2_train_flops,
@@ -169,8 +168,8 @@ def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transforme
     def aiayn(compiled: bool):
         torch.manual_seed(0)
         model = build_model(gpt2_config(plan)).to(device).train()
-        run = torch.compile(model) if compiled else model
-        return aiayn_lm_step(run, make_adamw(model, device), tokens, device), count_params(model)
+        step = aiayn_step(model, make_adamw(model, device), (inputs,), targets, device, compiled=compiled)
+        return step, count_params(model)
 
     def hf(compiled: bool):
         torch.manual_seed(0)
@@ -220,8 +219,8 @@ def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
     def aiayn(compiled: bool):
         torch.manual_seed(0)
         model = build_model(config).to(device).train()
-        run = torch.compile(model) if compiled else model
-        return aiayn_seq2seq_step(run, make_adamw(model, device), data, device), count_params(model)
+        step = aiayn_step(model, make_adamw(model, device), data[:2], data[2], device, compiled=compiled)
+        return step, count_params(model)
 
     def reference(compiled: bool):
         torch.manual_seed(0)

@@ -116,15 +116,22 @@ def make_adamw(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
                              fused=fused_optimizer(device))
 
 
-def aiayn_lm_step(model: nn.Module, opt: torch.optim.Optimizer, tokens: Tensor,
-                  device: torch.device) -> Callable[[], None]:
-    """aiayn's training step: the model's output to ``sequence_loss`` under the device's autocast."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (b, t) each
+def aiayn_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple[Tensor, ...], targets: Tensor,
+               device: torch.device, *, compiled: bool) -> Callable[[], None]:
+    """aiayn's training step as ``aiayn train`` takes it (``aiayn.train.trainer.step_loss``): the
+    model's output to ``sequence_loss`` under the device's autocast, the loss and the metrics the
+    trainer keeps (summed NLL, counted and correct tokens); ``compiled``: that whole function is one
+    ``torch.compile`` graph, model and loss together, as ``aiayn train --compile`` compiles it."""
+
+    def forward_loss(*batch: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        with autocast(device):
+            out = sequence_loss(model(*batch), targets)
+        return out.loss, out.nll_sum, out.n_tokens, out.n_correct
+
+    forward = torch.compile(forward_loss) if compiled else forward_loss
 
     def step() -> None:
-        with autocast(device):
-            loss = sequence_loss(model(inputs), targets).loss
-        loss.backward()
+        forward(*inputs)[0].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -175,20 +182,6 @@ class TorchSeq2Seq(nn.Module):
         embed = lambda ids: self.embedding(ids) * self.scale + self.pe[: ids.shape[1]]  # noqa: E731
         out = self.transformer(embed(src), embed(tgt), tgt_mask=causal, tgt_is_causal=True)
         return F.linear(out, self.embedding.weight)
-
-
-def aiayn_seq2seq_step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[Tensor, Tensor, Tensor],
-                       device: torch.device) -> Callable[[], None]:
-    src, tgt_in, tgt_out = batch
-
-    def step() -> None:
-        with autocast(device):
-            loss = sequence_loss(model(src, tgt_in), tgt_out).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 # ---- (c): greedy decoding -------------------------------------------------------------------------
