@@ -92,8 +92,8 @@ def compile_backend(backend: str | None) -> Iterator[None]:
 class Row:
     """The peers of one row: each built and timed, or its failure kept as one line."""
 
-    def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
-        self.device, self.repeats, self.warmup = device, repeats, warmup
+    def __init__(self, device: torch.device, repeats: int, warmup: int, *, profile: bool = False) -> None:
+        self.device, self.repeats, self.warmup, self.profile = device, repeats, warmup, profile
         self.timed: list[Timed] = []
         self.failed: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
@@ -133,6 +133,23 @@ class Row:
         rows += [[name, "-", f"failed: {why}", *["-"] * (len(headers) - 3)] for name, why in self.failed.items()]
         rows += [[name, "-", f"skipped: {why}", *["-"] * (len(headers) - 3)] for name, why in self.skipped.items()]
         print(table(headers, rows) + "\n")
+        if self.profile:
+            for p in self.timed:
+                print(f"### {p.name}: torch.profiler, one call after the timed rounds\n\n```text\n"
+                      f"{profile_table(p.fn, self.device)}\n```\n", flush=True)
+
+
+def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 15) -> str:
+    """The ops (kernels on a GPU) of one call of ``fn``, by the time they took on the device: where
+    a step's time goes, and whether a CUDA graph replayed (one graph launch instead of kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def ratio(label: str, rates: dict[str, float], ours: str, theirs: str, target: float | None = None) -> None:
@@ -163,7 +180,7 @@ def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transforme
     vocab = plan.gpt[0]
     tokens = torch.randint(0, vocab, (batch, length + 1), generator=torch.Generator().manual_seed(0)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (b, t)
-    row = Row(device, args.repeats, args.warmup)
+    row = Row(device, args.repeats, args.warmup, profile=args.profile)
 
     def aiayn(compiled: bool):
         torch.manual_seed(0)
@@ -214,7 +231,7 @@ def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
     src = torch.randint(3, config.vocab_size, (batch, src_len), generator=g).to(device)  # no padding
     tgt = torch.randint(3, config.vocab_size, (batch, tgt_len + 1), generator=g).to(device)
     data = (src, tgt[:, :-1], tgt[:, 1:])  # source, target in, target out
-    row = Row(device, args.repeats, args.warmup)
+    row = Row(device, args.repeats, args.warmup, profile=args.profile)
 
     def aiayn(compiled: bool):
         torch.manual_seed(0)
@@ -271,7 +288,7 @@ def decode_batch(args: argparse.Namespace, plan: Plan, device: torch.device, tra
     n = plan.new_tokens
     prompt = torch.randint(0, plan.gpt[0], (b, plan.prompt_len), generator=torch.Generator().manual_seed(b))
     prompt = prompt.to(device)
-    row = Row(device, args.repeats, args.warmup)
+    row = Row(device, args.repeats, args.warmup, profile=args.profile)
     params = count_params(model)
     row.add("aiayn", lambda: (aiayn_decode(model, prompt, n, compile=False), params))
     row.add("aiayn compiled", lambda: (aiayn_decode(model, prompt, n, compile=True), params))
@@ -334,6 +351,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per peer first; compiles (default 2)")
     parser.add_argument("--iters", type=int, default=3, help="training steps per timed round (default 3)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each row, every peer's op table from torch.profiler (one call), and "
+                             "torch.compile's hints (recompiles, skipped CUDA graphs) as they happen")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes, 2 rounds, torch.compile with the eager backend: seconds on a CPU")
     args = parser.parse_args(argv)
@@ -344,6 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.repeats, args.warmup, args.iters = min(args.repeats, 2), min(args.warmup, 1), 1
     device = prepare(resolve(args.device))
+    if args.profile:  # what TORCH_LOGS=perf_hints,recompiles prints: why a graph recompiles or skips CUDA graphs
+        torch._logging.set_logs(perf_hints=True, recompiles=True)
     threads = torch.get_num_threads()
     if args.smoke and device.type == "cpu":
         torch.set_num_threads(1)  # tiny ops: one thread is fastest, and steady beside other jobs
@@ -351,6 +373,8 @@ def main(argv: list[str] | None = None) -> None:
         run_rows(args, plan, device)
     finally:
         torch.set_num_threads(threads)
+        if args.profile:
+            torch._logging.set_logs()  # back to the defaults (TORCH_LOGS's)
 
 
 def run_rows(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:

@@ -40,6 +40,15 @@ def test_smoke_prints_every_row_and_ratio(capsys):
     assert "greedy tokens, aiayn vs transformers (same weights): identical" in out  # the same converted weights
 
 
+def test_profile_prints_each_peers_op_table(capsys):
+    """``--profile``: after the row's table, one torch.profiler table per peer (here row (b))."""
+    gpu.main(["--smoke", "--device", "cpu", "--rows", "b", "--profile"])
+    out = capsys.readouterr().out
+    for peer in ("aiayn", "aiayn compiled", "torch.nn.Transformer", "torch.nn.Transformer compiled"):
+        assert f"### {peer}: torch.profiler, one call after the timed rounds" in out, peer
+    assert out.count("Self CPU time total") == 4
+
+
 def test_unknown_rows_are_refused(capsys):
     with pytest.raises(SystemExit):
         gpu.main(["--rows", "ax", "--device", "cpu"])
