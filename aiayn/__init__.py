@@ -16,6 +16,18 @@ from aiayn.models import (
 
 __version__ = "0.1.0"
 
+# One call from a name or a path to a model in use, and training from Python (aiayn/api.py,
+# docs/python-api.md); imported on first use, so that ``import aiayn`` stays light.
+_API = ("load", "generate_text", "train_run")
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from aiayn import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'aiayn' has no attribute {name!r}")
+
 __all__ = [
     "ConfigError",
     "DecoderOnly",
@@ -25,5 +37,8 @@ __all__ = [
     "__version__",
     "build_model",
     "count_parameters",
+    "generate_text",
     "get_preset",
+    "load",
+    "train_run",
 ]

@@ -1,0 +1,221 @@
+"""``aiayn.load``: a shipped model, a run directory, a GGUF file or a Hugging Face directory in one
+call, as the object that uses it; ``aiayn.generate_text`` and ``aiayn.train_run`` for the rest of
+a Python session (docs/python-api.md).
+
+What ``load`` returns follows from what the source holds:
+
+=====================================================  ===================  ===========================
+source                                                 returns              use
+=====================================================  ===================  ===========================
+a translation run or release (``"multi30k-en-de"``)    ``Translator``       ``.translate(["A dog."])``
+a language-model run or release                        ``TextModel``        ``generate_text(lm, "To be")``
+(``"shakespeare-char"``), a GGUF file, a Hugging
+Face decoder-only directory (GPT-2, LLaMA, ...)
+a sentence-transformers or BERT-family directory       ``SentenceEncoder``  ``.encode(["a", "b"])``
+another task's run (reverse, copy, ...)                ``LoadedRun``        ``.model``, ``.task``
+a Hugging Face encoder-decoder (Marian, BART, T5)      ``LoadedModel``      ``.model``, ``.config``
+=====================================================  ===================  ===========================
+
+Each is the object the command line uses for the same job (``aiayn translate``, ``generate``,
+``embed``), so what the docs say of a verb holds here: the same defaults, checks and one-line
+errors (``aiayn.ConfigError`` and its kinds, ``aiayn.interop.InteropError``, ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from aiayn.config import ConfigError, ModelConfig
+from aiayn.embed import SentenceEncoder
+from aiayn.tasks.runs import LoadedRun
+from aiayn.textgen import TextModel
+from aiayn.translate import Translator
+
+if TYPE_CHECKING:
+    from aiayn.train.trainer import TrainResult
+
+
+class LoadError(ConfigError):
+    """A source ``aiayn.load`` cannot open: what it is, and what it takes instead."""
+
+
+@dataclass
+class LoadedModel:
+    """A model with no text front end here (a Hugging Face encoder-decoder): the aiayn model, eval
+    mode, on its device, and its config."""
+
+    model: nn.Module
+    config: ModelConfig
+
+
+@dataclass
+class Generation:
+    """What ``generate_text`` produced: the new text (the prompt not included), its token ids, and
+    why it stopped: "length" (``max_new_tokens`` reached), "stop" (the end-of-text token or a
+    ``stop`` string; the stop string is not in ``text``) or "context" (the model's context is
+    full)."""
+
+    text: str
+    tokens: int
+    stop_reason: str
+
+
+def source_kind(path: Path) -> str:
+    """What ``path`` holds: "gguf", "release", "run", "sentence-transformers" or "hf" (a Hugging
+    Face model directory), read from its files without loading weights; LoadError otherwise."""
+    from aiayn.tasks.shipped import is_release
+    from aiayn.textgen import is_gguf
+
+    if is_gguf(path):
+        return "gguf"
+    if is_release(path):
+        return "release"
+    if not path.is_dir():
+        what = "a file that is not GGUF" if path.is_file() else "not found"
+        raise LoadError(f"{path}: {what}; aiayn.load takes a shipped model's name, a run directory, a GGUF "
+                        f"file or a Hugging Face model directory")
+    if (path / "modules.json").is_file():
+        return "sentence-transformers"
+    config = path / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise LoadError(f"{config} cannot be read as JSON ({exc})") from None
+    if isinstance(data, dict) and isinstance(data.get("task"), str) and "model" in data:
+        return "run"
+    if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
+        return "hf"
+    raise LoadError(f"{path} holds neither an aiayn run (config.json with task, model, train) nor a Hugging "
+                    f"Face model (config.json with model_type)")
+
+
+def load(source: str | Path, *, checkpoint: str | Path | None = None, device: torch.device | str | None = None,
+         quantize: str = "none", plain: bool = False) -> Translator | TextModel | SentenceEncoder | LoadedRun | LoadedModel:
+    """The model at ``source``, ready to use (the table in this module's docstring).
+
+    ``source``: a shipped model's name (``aiayn.tasks.shipped.shipped_models()``), a run directory
+    (its latest checkpoint, or ``checkpoint``: e.g. ``RUN/averaged-last5``), a GGUF file, or a
+    Hugging Face / sentence-transformers model directory. ``device``: where it runs (None or
+    "auto": the first CUDA GPU, else the CPU; ``aiayn.device.DeviceError`` for one this machine
+    lacks). ``quantize``: for text models, ``aiayn generate``'s ``--quantize`` ("none", "auto",
+    "bf16", "int8", "q4"; int8 and q4 run on the CPU). ``plain``: the plain PyTorch modules instead
+    of ``aiayn.fast``'s CPU kernels (the same function).
+    """
+    from aiayn.tasks.runs import load_text_model
+    from aiayn.tasks.shipped import resolve_model
+
+    path = resolve_model(source)
+    kind = source_kind(path)
+    if checkpoint is not None and kind != "run":
+        raise LoadError(f"{path} is not a run directory (it is a {kind}); checkpoint= is for runs")
+    if kind == "gguf":
+        return load_text_model(model_path=path, quantize=quantize, device=device, plain=plain)
+    if kind == "sentence-transformers":
+        from aiayn.embed import load_sentence_encoder
+
+        return load_sentence_encoder(path, device=device)
+    if kind == "hf":
+        return _load_hf(path, quantize=quantize, device=device, plain=plain)
+    return _load_run(path, None if checkpoint is None else Path(checkpoint), quantize=quantize, device=device,
+                     plain=plain)
+
+
+def _load_hf(path: Path, *, quantize: str, device: torch.device | str | None,
+             plain: bool) -> TextModel | SentenceEncoder | LoadedModel:
+    """A Hugging Face directory by the architecture its config.json converts to."""
+    from aiayn.device import resolve
+    from aiayn.embed import load_sentence_encoder
+    from aiayn.interop import load_hf
+    from aiayn.interop.hf import HFConfig, family_for
+    from aiayn.tasks.runs import for_inference, load_text_model
+
+    hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    arch = family_for(hf_config, source=str(path)).to_config(HFConfig(hf_config, str(path))).arch
+    if arch == "decoder-only":
+        return load_text_model(model_path=path, quantize=quantize, device=device, plain=plain)
+    if arch == "encoder-only":
+        return load_sentence_encoder(path, device=device)
+    where = resolve(device)
+    model, config = load_hf(path)
+    return LoadedModel(for_inference(model, plain=plain, device=where), config)
+
+
+def _load_run(path: Path, checkpoint: Path | None, *, quantize: str, device: torch.device | str | None,
+              plain: bool) -> Translator | TextModel | LoadedRun:
+    """A run or release by its task: translation, a language model, or any other task's run."""
+    from aiayn.device import resolve
+    from aiayn.tasks.runs import for_inference, load_text_model, load_translator
+    from aiayn.tasks.shipped import load_run_or_release
+    from aiayn.tasks.translation import TranslationTask
+
+    where = resolve(device)  # before loading: a missing device fails at once
+    run = load_run_or_release(path, checkpoint=checkpoint)
+    if isinstance(run.task, TranslationTask):
+        return load_translator(path, checkpoint, plain=plain, device=where)[1]
+    if run.model_config.arch == "decoder-only" and getattr(run.task, "tokenizer", None) is not None:
+        if checkpoint is not None:
+            raise LoadError(f"{path} holds a language model; generation loads its latest checkpoint (drop "
+                            f"checkpoint=, or load the run with aiayn.tasks.runs.load_run)")
+        return load_text_model(run_dir=path, quantize=quantize, device=where, plain=plain)
+    run.model = for_inference(run.model, plain=plain, device=where)
+    return run
+
+
+def generate_text(lm: TextModel, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
+                  top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
+                  seed: int | None = None, chat: bool = False, stop: Sequence[str] = (),
+                  compile: bool = False) -> Generation:
+    """Continue ``prompt`` with ``lm`` (from ``load``), as ``aiayn generate`` does: greedy at
+    ``temperature`` 0 (the default here: the same text every time), else sampled (``seed`` makes it
+    repeatable); ``chat`` wraps the prompt in the model's chat template; the text ends before the
+    first of ``stop``. ValueError (one line) for a prompt the model cannot take."""
+    from aiayn.generate.sampling import SamplingConfig
+    from aiayn.textgen import stream_text
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
+                              repetition_penalty=repetition_penalty, seed=seed)
+    pieces: list[str] = []
+    stats = stream_text(lm, lm.prompt_ids(prompt, chat=chat), on_text=pieces.append, max_new_tokens=max_new_tokens,
+                        sampling=sampling, stops=tuple(stop), compile=compile)
+    if stats.context_full:
+        reason = "context"
+    elif stats.tokens >= max_new_tokens:
+        reason = "length"
+    else:
+        reason = "stop"
+    return Generation("".join(pieces), stats.tokens, reason)
+
+
+def train_run(task: str | None = None, run_dir: str | Path | None = None, *, recipe: str | Path | None = None,
+              model: dict[str, Any] | None = None, train: dict[str, Any] | None = None, resume: bool = False,
+              overwrite: bool = False, device: torch.device | str | None = None, progress: bool = True,
+              plots: bool = True, plain: bool = False) -> TrainResult:
+    """Train as ``aiayn train`` does, from Python: ``task`` (a name from ``aiayn tasks``; None: the
+    recipe's, else the default) into ``run_dir`` (None: ``runs/<task>-<date>-<time>``), its configs
+    from (lowest to highest precedence) the task's defaults, ``recipe`` (a YAML file) and ``model``
+    / ``train`` (``ModelConfig`` / ``TrainConfig`` fields: ``model={"d_model": 64}``,
+    ``train={"max_steps": 200}``). ``resume`` continues ``run_dir`` (its saved configs win);
+    ``overwrite`` replaces it; ``plots``: write the run's plots at the end. Returns the ``TrainResult`` (``run_dir``, ``step``, ``final_loss``,
+    ``test_metrics``); ``load(result.run_dir)`` then loads what it trained."""
+    from aiayn.device import resolve
+    from aiayn.tasks.runs import default_run_dir, setup_run
+    from aiayn.train.trainer import train as train_task
+
+    where = resolve(device)  # before anything is built: a missing device fails at once
+    directory = None if run_dir is None else Path(run_dir)
+    if resume and directory is None:
+        raise ValueError("resume=True needs run_dir (the run to continue)")
+    setup = setup_run(task, resume_dir=directory if resume else None,
+                      recipe=None if recipe is None else Path(recipe), model_options=model, train_options=train)
+    directory = directory or default_run_dir(setup.task_name)
+    return train_task(setup.task, setup.model_config, setup.train_config, directory, resume=resume,
+                      overwrite=overwrite, progress=progress, make_plots=plots, device=where, fast=not plain)
