@@ -5,7 +5,9 @@ The loop runs the prompt once into a KV cache, then one token per row per step, 
 output projection at the last position only (for a small model the largest matmul of a step).
 ``use_cache=False`` recomputes the whole sequence every step instead: the reference the cached
 path is tested against. ``compile=True`` runs the steps after the prompt through
-``aiayn.fast.compiled_decode`` (imported only then).
+``aiayn.fast.compiled_decode`` (imported only then). Past the model's context (``max_seq_len``)
+the loop slides its window (``aiayn.generate.window``): a row keeps its last 3/4 of the context,
+recomputed into the cleared cache, and goes on; ``slide=False`` refuses more tokens than fit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import Tensor
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
 from aiayn.generate.steps import DecodeStep, GreedyResult, default_fill_id, fill_finished
+from aiayn.generate.window import keep_tokens, slide_window
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.masks import valid_tokens
 
@@ -34,6 +37,7 @@ def stream_decoder_only(
     kv_cache: str | None = None,
     compile: bool = False,
     use_cache: bool = True,
+    slide: bool = True,
 ) -> Iterator[DecodeStep]:
     """Continue each row of ``prompt`` (b, t), yielding one ``DecodeStep`` per new token.
 
@@ -49,15 +53,22 @@ def stream_decoder_only(
     kv_cache: "int8" / "int4" decodes over a quantised KV cache (default float).
     compile: the steps after the prompt run through ``compiled_decode_step`` (float cache only).
     use_cache: False recomputes the whole sequence every step (the reference for the cache).
+    slide: past the model's context (``config.max_seq_len``) a row keeps its last
+        ``window.keep_tokens(context)`` tokens (3/4 of the context), recomputes them into the
+        cleared cache and goes on, so the loop always makes ``max_new_tokens`` steps (unless every
+        row is done); that step's ``DecodeStep.slid`` is True. The prompt must fit the context.
+        False: prompt + ``max_new_tokens`` must fit (ValueError otherwise).
 
     The arguments are checked on the call; the model runs lazily, one step per item taken: a
     caller that stops early (``break``, or closing the iterator) costs no further step. The
     tokens and logits yielded are inference tensors (``torch.inference_mode``).
     """
-    t = prompt.shape[1]
-    if t + max_new_tokens > model.config.max_seq_len:
+    t, context = prompt.shape[1], model.config.max_seq_len
+    if slide and t > context:
+        raise ValueError(f"prompt of {t} tokens exceeds the model's context of {context}; shorten the prompt")
+    if not slide and t + max_new_tokens > context:
         raise ValueError(f"prompt of {t} tokens + {max_new_tokens} new tokens exceeds the model's context "
-                         f"of {model.config.max_seq_len}; shorten the prompt or ask for fewer tokens")
+                         f"of {context}; shorten the prompt, ask for fewer tokens or slide (slide=True)")
     if compile and not use_cache:
         raise ValueError("compile=True decodes through the KV cache; it needs use_cache=True")
     if compile and kv_cache is not None:
@@ -65,40 +76,73 @@ def stream_decoder_only(
     valid = prompt_validity(model, prompt, prompt_valid)  # (b, t)
     fill_id = default_fill_id(model.config.pad_id, eos_id, fill_id) if eos_id is not None else None
     return _decode(model, prompt, valid, max_new_tokens=max_new_tokens, chooser=TokenChooser(sampling, prompt.device),
-                   eos_id=eos_id, fill_id=fill_id, kv_cache=kv_cache, compile=compile, use_cache=use_cache)
+                   eos_id=eos_id, fill_id=fill_id, kv_cache=kv_cache, compile=compile, use_cache=use_cache,
+                   slide=slide)
 
 
 @torch.inference_mode()
 def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens: int, chooser: TokenChooser,
             eos_id: int | None, fill_id: int | None, kv_cache: str | None, compile: bool,
-            use_cache: bool) -> Iterator[DecodeStep]:
+            use_cache: bool, slide: bool) -> Iterator[DecodeStep]:
     """``stream_decoder_only``'s loop, on checked arguments: prompt, valid (b, t)."""
     b, t = prompt.shape
-    history = penalty_history(prompt, valid, max_new_tokens) if chooser.needs_history else None
-    cache = model.new_cache(b, cache_slots(t + max_new_tokens, compile), quantize=kv_cache) if use_cache else None
+    context = model.config.max_seq_len
+    # Slots the loop's tokens take at most: all of them, or, when they overflow the context (the
+    # loop slides), the context: no row's window holds more, and a slide compacts the padding away.
+    slides = slide and t + max_new_tokens > context
+    width = context if slides else t + max_new_tokens
+    # The ids fed so far, slot by slot (b, width): what the repetition penalty reads and where a
+    # slide takes its window from. Padded slots repeat their row's last prompt token.
+    history = (penalty_history(prompt, valid, width - t) if chooser.needs_history or (slides and use_cache)
+               else None)
+    cache = model.new_cache(b, cache_slots(width, compile), quantize=kv_cache) if use_cache else None
+    keep = keep_tokens(context)
+    # Each row's real tokens at the last (pre)fill and the tokens fed to every row since, on the
+    # host: deciding to slide reads nothing from the device (this one read, and only when sliding).
+    filled = valid.sum(dim=1).tolist() if slides else [0]
+    longest, grown = max(filled), 0
 
-    # What the next model call reads: the prompt first; then, with the cache, the last token of
-    # each row (b, 1), without it the whole sequence so far (b, t + i).
+    # What the next model call reads: the prompt first (or a window after a slide); then, with the
+    # cache, the last token of each row (b, 1), without it the whole sequence so far (b, fed + 1).
     inputs, inputs_valid = prompt, valid
     one_real = torch.ones(b, 1, dtype=torch.bool, device=prompt.device)  # generated tokens are real
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
+    fresh, slid = True, False  # fresh: this call prefills (eager, with validity); slid: after a slide
     for i in range(max_new_tokens):
         if cache is None:
             logits = model(inputs, valid=inputs_valid).logits[:, -1]  # (b, v)
-        elif compile and i > 0:
+        elif compile and not fresh:
             logits = decode_step(model, inputs, cache, compile=True)
         else:
             logits = decode_step(model, inputs, cache, valid=inputs_valid)  # (b, v)
-        ids_so_far = history[:, : t + i] if history is not None else None  # (b, t + i)
+        fed = inputs.shape[1] if cache is None else cache.length  # slots the model has seen
+        ids_so_far = history[:, :fed] if history is not None else None  # (b, fed)
         token = fill_finished(chooser.choose(logits, ids_so_far), done, fill_id)  # (b,)
         active = ~done
         if eos_id is not None:
             done = done | (token == eos_id)
-        if history is not None:
-            history[:, t + i] = token
-        yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done, cache=cache)
-        if bool(done.all()):
+        yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done, cache=cache, slid=slid)
+        if bool(done.all()) or i + 1 == max_new_tokens:
             return
+        fresh = slid = False
+        if slides and (fed >= width or longest + grown >= context):  # the token has no slot or position
+            if cache is None:  # inputs hold every token fed
+                ids_fed, valid_fed = inputs, inputs_valid  # (b, fed) each
+            else:
+                assert history is not None  # kept whenever the loop slides over a cache
+                ids_fed, valid_fed = history[:, :fed], cache.valid[:, :fed]
+            real = [n + grown + 1 for n in filled]  # each row's real tokens, the new one counted
+            inputs, inputs_valid, filled = slide_window(ids_fed, valid_fed, token, real, context=context, keep=keep)
+            longest, grown = max(filled), 0
+            if cache is not None:
+                cache.reset()  # the same buffers: a compiled step's graph (its shapes) stays valid
+            if history is not None:
+                history[:, : inputs.shape[1]] = torch.where(inputs_valid, inputs, inputs[:, -1:])
+            fresh = slid = True
+            continue
+        grown += 1
+        if history is not None:
+            history[:, fed] = token
         if cache is None:
             inputs = torch.cat([inputs, token[:, None]], dim=1)
             inputs_valid = torch.cat([inputs_valid, one_real], dim=1)
@@ -117,13 +161,15 @@ def greedy_decoder_only(
     use_cache: bool = True,
     kv_cache: str | None = None,
     compile: bool = False,
+    slide: bool = True,
 ) -> GreedyResult:
     """Continue each row of ``prompt`` (b, t), left-padded where ``prompt_valid`` is False, with
     the argmax at every step -> tokens (b, n <= max_new_tokens) and their logits.
 
     ``kv_cache="int8"``/``"int4"`` decodes over a quantised KV cache (float by default).
     ``compile=True`` runs the steps after the prompt through ``compiled_decode_step``.
-    ``use_cache=False`` recomputes the whole sequence every step.
+    ``use_cache=False`` recomputes the whole sequence every step. Past the model's context the
+    window slides (``slide``, as ``stream_decoder_only``): n is max_new_tokens unless eos ends every row.
 
     Without ``prompt_valid`` the model's default applies: ``prompt != pad_id`` when the config has
     a pad_id, else every prompt token is real. Generated tokens always count as real. After eos a
@@ -131,7 +177,7 @@ def greedy_decoder_only(
     """
     return GreedyResult.from_steps(stream_decoder_only(
         model, prompt, max_new_tokens=max_new_tokens, prompt_valid=prompt_valid, eos_id=eos_id,
-        kv_cache=kv_cache, compile=compile, use_cache=use_cache))
+        kv_cache=kv_cache, compile=compile, use_cache=use_cache, slide=slide))
 
 
 @torch.inference_mode()
@@ -146,6 +192,7 @@ def generate_decoder_only(
     on_token: Callable[[Tensor], bool | None] | None = None,
     kv_cache: str | None = None,
     compile: bool = False,
+    slide: bool = True,
 ) -> Tensor:
     """Sample a continuation of ``prompt`` (b, t) through the KV cache -> new ids (b, n <= max_new_tokens).
 
@@ -158,13 +205,15 @@ def generate_decoder_only(
     iterator.
 
     The loop allocates once: the KV cache and a (b, t + max_new_tokens) id buffer for the
-    repetition penalty. ``kv_cache="int8"``/``"int4"``: a quantised cache. ``compile=True``: the
-    steps after the prompt run through ``compiled_decode_step`` (float cache only).
+    repetition penalty (the context's width when it slides). ``kv_cache="int8"``/``"int4"``: a
+    quantised cache. ``compile=True``: the steps after the prompt run through
+    ``compiled_decode_step`` (float cache only). ``slide``: past the model's context the window
+    slides, as ``stream_decoder_only`` says.
     """
     generated: list[Tensor] = []
     steps = stream_decoder_only(model, prompt, max_new_tokens=max_new_tokens, sampling=sampling or SamplingConfig(),
                                 prompt_valid=prompt_valid, eos_id=eos_id, fill_id=eos_id, kv_cache=kv_cache,
-                                compile=compile)
+                                compile=compile, slide=slide)
     for step in steps:
         generated.append(step.tokens)
         if on_token is not None and on_token(step.tokens):

@@ -32,7 +32,10 @@ class DecodeStep:
     cache: the loop's KV cache as this step left it (``cache.length`` slots filled: every token
         fed so far; this step's token is fed at the next step), None without a cache. The loop
         goes on writing into it: read it before taking the next step (``aiayn explore`` shows it
-        filling).
+        filling). After a slide (``slid``) it holds the window, not every token fed.
+    slid: True when the window slid just before this step (``stream_decoder_only`` past the
+        model's context, ``aiayn.generate.window``): the logits come from the rows' kept tokens,
+        recomputed.
     """
 
     index: int
@@ -41,6 +44,7 @@ class DecodeStep:
     active: Tensor
     done: Tensor
     cache: KVCache | None = None
+    slid: bool = False
 
 
 class GreedyResult:

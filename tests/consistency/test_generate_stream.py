@@ -258,7 +258,7 @@ def test_bad_arguments_raise_on_the_call_not_at_the_first_step(device: torch.dev
     model, prompt = language_model(device=device), ids(2, 5, seed=3, device=device)
     calls = count_output_calls(model)
     with pytest.raises(ValueError, match="exceeds the model's context of 64"):
-        stream_decoder_only(model, prompt, max_new_tokens=60)
+        stream_decoder_only(model, prompt, max_new_tokens=60, slide=False)
     no_real = torch.ones(2, 5, dtype=torch.bool, device=device)
     no_real[1] = False
     with pytest.raises(ValueError, match="has no real token"):

@@ -68,7 +68,7 @@ def test_generation_streams_stops_and_is_seeded():
                                 on_token=lambda t: seen.append(t) or len(seen) == 3)
     assert out.shape == (2, 3) and torch.equal(torch.stack(seen, 1), out)
     with pytest.raises(ValueError, match="exceeds the model's context of 64"):
-        generate_decoder_only(model, prompt, max_new_tokens=60)
+        generate_decoder_only(model, prompt, max_new_tokens=60, slide=False)
 
 
 def test_generation_checks_prompt_valid():
