@@ -22,7 +22,12 @@ from random_weights import randomize_
 from test_kv_cache import left_pad, random_tokens
 from torch.testing import assert_close
 
-from aiayn.generate import SamplingConfig, generate_decoder_only, greedy_decoder_only, stream_decoder_only
+from aiayn.generate import (
+    SamplingConfig,
+    generate_decoder_only,
+    greedy_decoder_only,
+    stream_decoder_only,
+)
 from aiayn.generate.window import keep_tokens
 from aiayn.models import DecoderOnly, get_preset
 
