@@ -188,53 +188,74 @@ def hf_chat_settings(directory: Path, tok: Any) -> tuple[Any, int | None]:
 
 @dataclass
 class StreamStats:
-    """How a ``stream_text`` call went: tokens produced (end-of-text not counted) and time taken."""
+    """How a ``stream_text`` call went: tokens produced (end-of-text not counted), time taken and
+    why it stopped."""
 
     tokens: int
     seconds: float
     # With a compiled decode step: seconds from the second token on (the first step compiles).
     seconds_after_compile: float | None = None
     # The model's context (tokens) when generation stopped because the context was full, before
-    # max_new_tokens (the learned-position models here cannot slide past it).
+    # max_new_tokens (only with slide=False: otherwise the window slides past it).
     context_full: int | None = None
+    # Why it stopped: "length" (max_new_tokens), "eos" (the model's end-of-text), "stop" (a stop
+    # string) or "context" (the context full, slide=False).
+    stop: str = "length"
+    slides: int = 0  # times the window slid past the model's context (``aiayn.generate.window``)
+    context: int | None = None  # the model's context, for the summary of the slides
 
     def summary(self) -> str:
-        """'N tokens in S s, R tokens/s' (and the rate after the compiling step, when compiled)."""
+        """'N tokens in S s, R tokens/s; stopped: WHY' (the rate after the compiling step, when
+        compiled; how often the window slid, when it did)."""
+        from aiayn.generate.window import keep_tokens
+
         rate = f"{self.tokens / self.seconds:.1f} tokens/s"
         if self.seconds_after_compile is not None and self.tokens > 2:
             rate += f"; {(self.tokens - 2) / self.seconds_after_compile:.1f} tokens/s after the compiling step"
-        full = f"; stopped: the model's context of {self.context_full} tokens is full" if self.context_full else ""
-        return f"{self.tokens} tokens in {self.seconds:.2f} s, {rate}{full}"
+        why = {"length": "stopped: the token limit (max new tokens)", "eos": "stopped: the model's end-of-text",
+               "stop": "stopped: a stop string",
+               "context": f"stopped: the model's context of {self.context_full} tokens is full"}[self.stop]
+        if self.slides and self.context is not None:
+            times = "once" if self.slides == 1 else f"{self.slides} times"
+            why += (f"; the window slid past the {self.context}-token context {times} (each time keeping "
+                    f"the last {keep_tokens(self.context)} tokens, recomputed)")
+        return f"{self.tokens} tokens in {self.seconds:.2f} s, {rate}; {why}"
 
 
 def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], max_new_tokens: int,
                 sampling: SamplingConfig, stops: Sequence[str] = (), kv_cache: str | None = None,
-                compile: bool = False) -> StreamStats:
+                compile: bool = False, slide: bool = True) -> StreamStats:
     """Continue ``ids`` (1, t), calling ``on_text`` with each new piece of text as it is decoded.
 
-    Stops after ``max_new_tokens`` (cut to what the context leaves), at the model's end-of-text id,
-    or once the text holds one of ``stops`` (the text ends just before it: the stop is not shown). ``kv_cache`` ("int8"/"int4") and ``compile`` are
-    ``stream_decoder_only``'s. The model runs where it is (``ids`` are moved there), under
-    ``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU).
+    Stops after ``max_new_tokens``, at the model's end-of-text id, or once the text holds one of
+    ``stops`` (the text ends just before it: the stop is not shown). Past the model's context the
+    window slides (``stream_decoder_only``'s ``slide``: the last 3/4 of the context kept,
+    recomputed); ``slide=False`` cuts ``max_new_tokens`` to what the context leaves instead.
+    ``kv_cache`` ("int8"/"int4") and ``compile`` are ``stream_decoder_only``'s. The model runs
+    where it is (``ids`` are moved there), under ``aiayn.device.autocast`` (bfloat16 on CUDA,
+    nothing on the CPU).
     """
     from aiayn.generate import stream_decoder_only
 
     device = model_device(lm.model)
     ids = ids.to(device)
     room = lm.context - ids.shape[1]
-    cut_by_context = max_new_tokens > room
-    max_new_tokens = min(max_new_tokens, room)
+    cut_by_context = not slide and max_new_tokens > room
+    if cut_by_context:
+        max_new_tokens = room
     produced: list[int] = []
     text = IncrementalText(lm.decode, stops)  # holds back half characters and what may become a stop
-    stopped = False
+    stop, slides = "length", 0
     second_token_at: float | None = None  # with compile: the first (compiling) step ends here
     start = time.perf_counter()
     steps = stream_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                                kv_cache=kv_cache, compile=compile)
+                                kv_cache=kv_cache, compile=compile, slide=slide)
     with autocast(device):  # the loop's forwards run as each step is taken, inside this block
         for step in steps:
+            slides += step.slid
             token = int(step.tokens[0])  # back to the CPU: one id
             if lm.eos_id is not None and token == lm.eos_id:
+                stop = "eos"
                 break
             produced.append(token)
             if len(produced) == 2:
@@ -243,13 +264,16 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
             if new:
                 on_text(new)
             if stopped:  # the answer ends just before the stop string, which is not shown
+                stop = "stop"
                 break
-    if not stopped and (rest := text.finish()):  # what was held back: the answer ended another way
+    if stop != "stop" and (rest := text.finish()):  # what was held back: the answer ended another way
         on_text(rest)
     end = time.perf_counter()
     after = end - second_token_at if compile and second_token_at is not None else None
     full = lm.context if cut_by_context and len(produced) == max_new_tokens else None
-    return StreamStats(len(produced), end - start, after, full)
+    if full:
+        stop = "context"
+    return StreamStats(len(produced), end - start, after, full, stop, slides, lm.context)
 
 
 def export_text_model(lm: TextModel, out_dir: Path) -> Path:

@@ -54,7 +54,9 @@ def text_device(name: str, quantize: str = "none") -> Any:
               help="Text to continue (or, with --chat, the user's message).")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=200, show_default=True,
-              help="Tokens to generate at most.")
+              help="Tokens to generate (fewer only at end-of-text or a --stop string). Past the "
+                   "model's context generation slides its window: it keeps the last 3/4 of the "
+                   "context, recomputes it and goes on. The reason it stopped is printed last.")
 @click.option("--temperature", type=FiniteFloatRange(min=0), default=0.8, show_default=True,
               help="Softmax temperature; 0 = greedy.")
 @click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens only.")

@@ -74,6 +74,51 @@ def test_a_stop_string_ends_the_text_before_it_as_serve_does(capsys):
     assert generate("--stop", stop).rstrip("\n") == full[:cut].rstrip("\n")
 
 
+def test_generate_writes_past_the_context_and_says_why_it_stopped(capsys):
+    """The shipped shakespeare-char model's context is 64 characters: `aiayn generate` slides its
+    window past it and writes every one of --max-new-tokens, then prints why it stopped."""
+    from aiayn.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "shakespeare-char", "--prompt", "RO", "--temperature", "0",
+              "--max-new-tokens", "80"])
+    assert exit_info.value.code in (0, None)
+    out, err = capsys.readouterr()
+    assert out.startswith("RO") and len(out) == len("RO") + 80  # one character per token
+    assert "80 tokens in" in err and "stopped: the token limit (max new tokens)" in err
+    assert "the window slid past the 64-token context once" in err
+
+
+def test_stream_text_names_each_stop_reason():
+    """``stream_text``'s stats say why it stopped: the token limit (past the context: it slid), the
+    model's end-of-text, a stop string, or (slide=False) the full context, in the old words."""
+    from dataclasses import replace
+
+    from aiayn.generate import SamplingConfig
+    from aiayn.tasks.runs import load_text_model
+    from aiayn.tasks.shipped import resolve_model
+    from aiayn.textgen import stream_text
+
+    lm = load_text_model(model_path=resolve_model("shakespeare-char"), device="cpu")
+    ids, greedy = lm.prompt_ids("RO"), SamplingConfig(temperature=0)
+
+    def stream(model=lm, **options):
+        pieces: list[str] = []
+        stats = stream_text(model, ids, on_text=pieces.append, sampling=greedy, **options)
+        return "".join(pieces), stats
+
+    text, stats = stream(max_new_tokens=70)
+    assert len(text) == 70 and (stats.stop, stats.slides, stats.context_full) == ("length", 1, None)
+    cut, stats = stream(max_new_tokens=70, slide=False)
+    assert cut == text[:62] and (stats.stop, stats.context_full) == ("context", 64)
+    assert stats.summary().endswith("stopped: the model's context of 64 tokens is full")
+    _, stats = stream(max_new_tokens=10, stops=(text[5:7],))
+    assert (stats.stop, stats.tokens) == ("stop", text.index(text[5:7]) + 2)  # the stop's tokens were produced
+    _, stats = stream(replace(lm, eos_id=lm.encode(text[3])[0]), max_new_tokens=10)
+    assert (stats.stop, stats.tokens) == ("eos", text.index(text[3]))
+    assert "stopped: the model's end-of-text" in stats.summary()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("quantize", "answer"), [
     ("q4", "L'Étoile (The Lion) is the capital of France."),
