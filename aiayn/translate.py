@@ -64,9 +64,12 @@ class Translator:
     searched over the mean of their log-probabilities."""
 
     def __init__(self, model: EncoderDecoder | Ensemble, tokenizer: BPETokenizer, *, max_tokens: int = 4096,
-                 max_sentences: int = 128) -> None:
+                 max_sentences: int = 128, options: DecodeOptions | None = None) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # How ``translate`` searches when it is not told: a run's own beam size and length penalty
+        # (``TranslationTask.translator``), else DecodeOptions' defaults.
+        self.options = options or DecodeOptions()
         self.max_tokens, self.max_sentences = max_tokens, max_sentences
         self.max_len = model.config.max_seq_len
 
@@ -82,8 +85,9 @@ class Translator:
         return [*ids, self.tokenizer.eos_id]
 
     def translate(self, texts: list[str], options: DecodeOptions | None = None) -> list[str]:
-        """Translate sentences (any order and lengths); empty input gives empty output."""
-        options = options or DecodeOptions()
+        """Translate sentences (any order and lengths); empty input gives empty output. ``options``:
+        how to search (None: ``self.options``, the run's own for a loaded run)."""
+        options = options or self.options
         out = [""] * len(texts)
         sources = {i: self.source_ids(t) for i, t in enumerate(texts) if t.strip()}
         for indices in self._batches(sources):

@@ -177,7 +177,7 @@ def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, pla
     except ValueError as exc:  # output widths or pad ids differ
         raise RunInputError(str(exc), about="members") from None
     return task, Translator(ensemble, first.tokenizer, max_tokens=first.max_tokens,
-                            max_sentences=first.max_sentences)
+                            max_sentences=first.max_sentences, options=first.options)
 
 
 def _member_name(run_dir: Path, checkpoint: Path | None) -> str:

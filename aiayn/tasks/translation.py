@@ -189,7 +189,9 @@ class TranslationTask(Task):
         return model(batch["src"], batch["tgt_in"]), targets
 
     def translator(self, model: nn.Module) -> Translator:
-        return Translator(model, self.load_tokenizer(), max_tokens=self.max_tokens)
+        """A ``Translator`` of ``model`` that searches as this run's test split is scored (its beam
+        size and length penalty) unless told otherwise."""
+        return Translator(model, self.load_tokenizer(), max_tokens=self.max_tokens, options=self.decode)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:

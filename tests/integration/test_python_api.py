@@ -15,7 +15,7 @@ from aiayn.generate.sampling import SamplingConfig
 from aiayn.tasks.runs import LoadedRun, RunInputError, load_text_model, load_translator
 from aiayn.tasks.shipped import shipped_path
 from aiayn.textgen import TextModel, export_text_model, stream_text
-from aiayn.translate import Translator
+from aiayn.translate import DecodeOptions, Translator
 
 SENTENCE = "A man is riding a bike down the street."
 
@@ -25,7 +25,11 @@ def test_a_shipped_translation_model_translates_as_its_loader_does():
     assert isinstance(translator, Translator)
     _, reference = load_translator(shipped_path("multi30k-en-de"), device="cpu")
     out = translator.translate([SENTENCE])
-    assert out == reference.translate([SENTENCE]) and out[0]  # German, the CLI's default beam
+    assert out == reference.translate([SENTENCE]) and out[0]
+    # It searches as aiayn translate does by default: the run's own beam size and length penalty.
+    task, _ = load_translator(shipped_path("multi30k-en-de"), device="cpu")
+    assert translator.options == task.decode and task.decode.length_penalty != DecodeOptions().length_penalty
+    assert out == reference.translate([SENTENCE], task.decode)
 
 
 def test_a_shipped_language_model_generates_what_stream_text_does():
