@@ -145,8 +145,9 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
 @click.option("--save-every", type=click.IntRange(min=0), help="Steps between checkpoints (0: each epoch).")
 @click.option("--keep-checkpoints", type=click.IntRange(min=1), help="How many of the newest checkpoints to keep.")
 @click.option("--average-last", type=click.IntRange(min=0),
-              help="At the end, average the last N checkpoints (paper, section 6.1) into RUN/averaged-lastN "
-                   "and score the test split with them (0: off).")
+              help="At the end, average the last N checkpoints (paper, section 6.1) into RUN/averaged-lastK "
+                   "(K: those kept, at most N) and score the test split with the better of them and the last "
+                   "checkpoint on val (0: off).")
 @click.option("--d-model", type=click.IntRange(min=1), help="Model width.")
 @click.option("--n-layers", type=click.IntRange(min=1), help="Layers per stack.")
 @click.option("--n-heads", type=click.IntRange(min=1), help="Attention heads.")
@@ -229,7 +230,11 @@ def _setup_run(ctx: click.Context, task: str, resume_dir: Path | None, recipe: P
 
 
 def _report(result: Any, run_dir: Path) -> None:
-    click.echo(f"\nfinished {result.step} steps. Test split: "
+    from aiayn.train.averaging import describe_choice
+
+    choice = describe_choice(result.test_checkpoint) if result.test_checkpoint else None
+    scored_with = f", scored with {choice}" if choice else ""
+    click.echo(f"\nfinished {result.step} steps. Test split{scored_with}: "
                + ", ".join(f"{k} {v:.4%}" if "acc" in k or "exact" in k else f"{k} {v:.4g}"
                            for k, v in result.test_metrics.items()))
     if result.examples:
@@ -252,23 +257,30 @@ def tasks_cmd() -> None:
 @cli.command("average")
 @click.option("--run", "run_dir", required=True, type=click.Path(path_type=Path), help="A run directory.")
 @click.option("--last", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Average this many of the newest checkpoints.")
+              help="Average this many of the newest checkpoints (fewer kept: those, with a warning).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where the averaged checkpoint goes. Default: RUN/averaged-lastN.")
+              help="Where the averaged checkpoint goes. Default: RUN/averaged-lastK, K the checkpoints averaged.")
 def average_cmd(run_dir: Path, last: int, out_dir: Path | None) -> None:
-    """Average the weights of the last N checkpoints (the paper's trick, section 6.1)."""
-    from aiayn.tasks.runs import load_run
-    from aiayn.train.checkpoint import average_last_checkpoints, list_checkpoints
+    """Average the weights of the last N checkpoints (the paper's trick, section 6.1).
 
-    found = list_checkpoints(run_dir / "checkpoints")
-    if not found:
-        raise click.BadParameter(f"{run_dir} holds no checkpoints", param_hint="--run")
-    if len(found) < last:
-        raise click.BadParameter(f"{run_dir} keeps {len(found)} checkpoint(s), fewer than --last {last}; "
-                                 f"lower --last or train with a larger keep_checkpoints", param_hint="--last")
-    run = load_run(run_dir, checkpoint=found[-1], prepare=False)
-    path = average_last_checkpoints(run_dir / "checkpoints", last, run.model,
-                                    out_dir or run_dir / f"averaged-last{last}")
+    The rule of ``average_last`` at the end of training (aiayn.train.averaging.plan_average): fewer
+    than N kept averages those, with a warning; a single checkpoint is not averaged (nothing written).
+    """
+    from aiayn.tasks.runs import load_run
+    from aiayn.train.averaging import plan_average
+    from aiayn.train.checkpoint import CheckpointError, average_last_checkpoints
+
+    try:
+        plan = plan_average(run_dir / "checkpoints", last)
+    except CheckpointError:
+        raise click.BadParameter(f"{run_dir} holds no checkpoints", param_hint="--run") from None
+    if (warning := plan.warning()) is not None:
+        click.echo(warning, err=True)
+    if not plan.averages:
+        return
+    run = load_run(run_dir, checkpoint=plan.last, prepare=False)
+    path = average_last_checkpoints(run_dir / "checkpoints", plan.count, run.model,
+                                    out_dir or run_dir / plan.folder_name)
     averaged = json.loads((path / "state.json").read_text(encoding="utf-8"))["averaged"]
     click.echo(f"averaged {', '.join(averaged)} -> {path}")
 

@@ -68,6 +68,22 @@ def schedule_warning(cfg: TrainConfig, *, d_model: int) -> str | None:
             f"{peak:.2g} at step {cfg.warmup_steps}, too small to learn; the paper's factor is 1 (--lr 1)")
 
 
+def warmup_warning(cfg: TrainConfig, *, total_steps: int, d_model: int) -> str | None:
+    """A one-line warning for a run shorter than its warm-up: the learning rate never reaches its
+    peak (a short trial of a long recipe, ``--max-steps 150`` under a 600-step warm-up)."""
+    if total_steps >= cfg.warmup_steps:
+        return None
+    schedule = make_schedule(cfg, total_steps=total_steps, d_model=d_model)
+    peak = noam_lr(cfg.warmup_steps, d_model=d_model, warmup=cfg.warmup_steps, factor=cfg.lr) \
+        if cfg.schedule == "noam" else cfg.lr
+    # The highest rate the run does reach (cosine decays while still warming up); total_steps is
+    # below warmup_steps here, so this loop is as short as the run.
+    reached = max(schedule(s) for s in range(1, total_steps + 1))
+    return (f"warning: the run's {total_steps} steps are fewer than its {cfg.warmup_steps} warm-up steps: the "
+            f"learning rate never reaches its peak {peak:.3g} (at most {reached:.3g}); give --warmup-steps "
+            f"{max(1, total_steps // 10)} (a tenth of the run) or train longer")
+
+
 def parameter_groups(model: nn.Module, weight_decay: float, *, decay_all: bool = False) -> list[dict]:
     """Decay matrices of linear layers; not norms, biases or embeddings (unless ``decay_all``)."""
     no_decay: set[int] = set()

@@ -30,11 +30,10 @@ from tqdm import tqdm
 from aiayn import device as devices
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.train import distributed
+from aiayn.train.averaging import choose_test_checkpoint
 from aiayn.train.checkpoint import (
     CheckpointError,
-    average_last_checkpoints,
     latest_checkpoint,
-    list_checkpoints,
     load_checkpoint,
     restore_rng,
     save_checkpoint,
@@ -48,6 +47,7 @@ from aiayn.train.optim import (
     make_optimizer,
     make_schedule,
     schedule_warning,
+    warmup_warning,
 )
 from aiayn.train.run_dir import (  # noqa: F401  (RunDirError, config_diff: imported from here too)
     RunDirError,
@@ -78,6 +78,8 @@ class TrainResult:
     examples: list[str] = field(default_factory=list)
     interrupted: bool = False
     plots: list[Path] = field(default_factory=list)
+    # Which weights scored the test split, last or averaged, and why (summary.json's test_checkpoint).
+    test_checkpoint: dict[str, Any] = field(default_factory=dict)
 
 
 class StopRequest:
@@ -230,6 +232,8 @@ def _train(
     lr_at = make_schedule(cfg, total_steps=total_steps, d_model=model_config.d_model)
     if (warning := schedule_warning(cfg, d_model=model_config.d_model)) is not None:
         echo(warning)
+    if (warning := warmup_warning(cfg, total_steps=total_steps, d_model=model_config.d_model)) is not None:
+        echo(warning)
     eval_every = cfg.eval_every or steps_per_epoch
     save_every = cfg.save_every or steps_per_epoch
 
@@ -326,6 +330,7 @@ def _train(
     window = MetricsWindow.restored(loaded.state.get("metrics_window", {}), ctx) if loaded else MetricsWindow()
     totals = DeviceTotals(dev)
     last_loss: Tensor | float = float("nan")
+    last_val: tuple[int, dict[str, float]] | None = None  # (step, val metrics) of the latest validation
     interrupted = False
     bar = tqdm(total=total_steps, initial=step, disable=not progress, desc=f"train {task.name}",
                unit="step", dynamic_ncols=True)
@@ -402,6 +407,7 @@ def _train(
                 if step % eval_every == 0 or step == total_steps:
                     read_totals()
                     val = task.evaluate(model, "val")
+                    last_val = (step, val)
                     log_row(step=step, epoch=epoch, val_nll=val["nll"], val_ppl=math.exp(min(val["nll"], 50)),
                             val_acc=val["acc"], val_seq_acc=val["seq_acc"], val_bleu=val.get("bleu"),
                             elapsed_s=time.perf_counter() - start_time)
@@ -425,26 +431,18 @@ def _train(
              f"--run-dir {run_dir}")
         return result
 
-    averaged: dict[str, Any] = {}
-    if cfg.average_last:
-        # The paper's checkpoint averaging (section 6.1): the test split is scored with the mean of
-        # the last N checkpoints' weights; val is scored again so the choice can be made on val.
-        ckpt_dir = location.path / "checkpoints"
-        last = min(cfg.average_last, len(list_checkpoints(ckpt_dir)))
-        out_dir = location.path / f"averaged-last{cfg.average_last}"
-        saved = distributed.run_on_main(ctx, lambda: average_last_checkpoints(ckpt_dir, last, model, out_dir))
-        if ctx.enabled and not ctx.is_main:  # rank 0 has written the averaged checkpoint: load it
-            load_checkpoint(latest_checkpoint(out_dir), model)
-        val = task.evaluate(model, "val")
-        averaged = {"checkpoint": str(saved or out_dir), "checkpoints_averaged": last, "val": val}
-        echo(f"averaged the last {last} checkpoints -> {out_dir}; val " +
-             ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+    # The paper's checkpoint averaging (section 6.1, aiayn.train.averaging): the test split is
+    # scored with the better of the last and the averaged weights on val (the model holds them).
+    result.test_checkpoint, averaged = choose_test_checkpoint(
+        task, model, location.path, cfg.average_last, ctx=ctx, echo=echo,
+        last_val=last_val[1] if last_val is not None and last_val[0] == step else None)
 
     # Every rank evaluates (a sharded model's forward is a collective); rank 0 writes.
     result.test_metrics = task.evaluate(model, task.test_split)
     result.examples = task.examples(model)
     summary = {"step": step, "final_train_loss": result.final_loss, "test": result.test_metrics,
                "seconds": time.perf_counter() - start_time}
+    summary["test_checkpoint"] = result.test_checkpoint
     if averaged:
         summary["averaged"] = averaged
     if ctx.is_main:

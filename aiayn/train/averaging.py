@@ -1,0 +1,143 @@
+"""Checkpoint averaging (the paper's section 6.1) at the end of a run and in ``aiayn average``: one rule
+for both, and the end-of-run choice of the weights that score the test split.
+
+The rule (``plan_average``): average the newest min(N, found) checkpoints into ``averaged-lastK``,
+named for the K it really holds; fewer than N found is a one-line warning with both numbers, and a
+single checkpoint is not averaged at all (the mean of one is that checkpoint: no folder is written).
+
+The choice (``choose_test_checkpoint``): the test split is scored with the better of the last
+checkpoint and the averaged one *on val* (val BLEU where the task computes it, else val loss), never
+on test; summary.json's ``test_checkpoint`` records which was used and both val numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from aiayn.train import distributed
+from aiayn.train.checkpoint import (
+    CheckpointError,
+    average_last_checkpoints,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
+from aiayn.train.task import Task
+
+
+@dataclass(frozen=True)
+class AveragePlan:
+    """What averaging the last ``asked`` checkpoints of ``checkpoint_dir`` does."""
+
+    checkpoint_dir: Path
+    asked: int
+    found: list[Path]  # every complete checkpoint, oldest first (at least one)
+
+    @property
+    def count(self) -> int:
+        """K: the checkpoints really averaged."""
+        return min(self.asked, len(self.found))
+
+    @property
+    def averages(self) -> bool:
+        return self.count >= 2
+
+    @property
+    def folder_name(self) -> str:
+        return f"averaged-last{self.count}"
+
+    @property
+    def last(self) -> Path:
+        return self.found[-1]
+
+    def warning(self) -> str | None:
+        """One line when the plan is not what was asked (fewer checkpoints, or nothing to average)."""
+        where = f"{self.checkpoint_dir} keeps {len(self.found)}"
+        if not self.averages:
+            asked = ("averaging the last 1 checkpoint" if self.asked == 1
+                     else f"asked to average the last {self.asked} checkpoints but {where}")
+            return f"warning: {asked}: nothing to average, {self.last.name} stands as it is"
+        if self.count < self.asked:
+            return (f"warning: asked to average the last {self.asked} checkpoints but {where}: "
+                    f"averaging {self.count} into {self.folder_name}")
+        return None
+
+
+def plan_average(checkpoint_dir: Path, asked: int) -> AveragePlan:
+    """The averaging of the newest ``asked`` checkpoints (see the module docstring); CheckpointError
+    if ``checkpoint_dir`` holds none."""
+    found = list_checkpoints(checkpoint_dir)
+    if not found:
+        raise CheckpointError(f"{checkpoint_dir} holds no checkpoints to average")
+    return AveragePlan(checkpoint_dir=checkpoint_dir, asked=asked, found=found)
+
+
+def val_key(last: dict[str, float], averaged: dict[str, float]) -> tuple[str, bool]:
+    """The val metric that chooses, and whether higher is better: BLEU where both have it (the
+    translation task's), else the loss (every task computes ``nll``)."""
+    return ("bleu", True) if "bleu" in last and "bleu" in averaged else ("nll", False)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def choose_test_checkpoint(task: Task, model: nn.Module, run_path: Path, asked: int, *,
+                           last_val: dict[str, float] | None, ctx: distributed.DistContext,
+                           echo: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Average the run's last checkpoints (``asked``: ``average_last``; 0 = off) and leave in
+    ``model`` the better of the last and the averaged weights on val -> (the ``test_checkpoint``
+    record, the ``averaged`` record or {}), both for summary.json.
+
+    ``model`` holds the last checkpoint's weights on entry; ``last_val``: their val metrics if the
+    loop scored them at the last step (None: scored here, only when there is something to compare).
+    """
+    ckpt_dir = run_path / "checkpoints"
+    last_path = latest_checkpoint(ckpt_dir)
+    record: dict[str, Any] = {"used": "last", "checkpoint": str(last_path) if last_path else None}
+    if not asked:
+        return record, {}
+    plan = plan_average(ckpt_dir, asked)
+    if (warning := plan.warning()) is not None:
+        echo(warning)
+    if not plan.averages:
+        record["reason"] = f"nothing to average: {len(plan.found)} checkpoint(s) kept, {asked} asked"
+        return record, {}
+    if last_val is None:
+        last_val = task.evaluate(model, "val")
+    out_dir = run_path / plan.folder_name
+    saved = distributed.run_on_main(ctx, lambda: average_last_checkpoints(ckpt_dir, plan.count, model, out_dir))
+    if ctx.enabled and not ctx.is_main:  # rank 0 has written the averaged checkpoint: load it
+        load_checkpoint(latest_checkpoint(out_dir), model)
+    averaged_val = task.evaluate(model, "val")
+    averaged = {"checkpoint": str(saved or out_dir), "checkpoints_averaged": plan.count, "asked": asked,
+                "val": averaged_val}
+    key, higher = val_key(last_val, averaged_val)
+    a, b = averaged_val[key], last_val[key]
+    use_averaged = a > b if higher else a < b  # a tie keeps the last checkpoint: it was trained, not made
+    if not use_averaged:  # every rank reads the same file back (the model holds the average now)
+        load_checkpoint(last_path or plan.last, model)
+    record = {"used": "averaged" if use_averaged else "last",
+              "checkpoint": averaged["checkpoint"] if use_averaged else str(last_path),
+              "chosen_by": f"val {key}", "val": {"last": b, "averaged": a}}
+    echo(f"averaged the last {plan.count} checkpoints -> {out_dir}; val "
+         + ", ".join(f"{k} {v:.4f}" for k, v in averaged_val.items()))
+    return record, averaged
+
+
+def describe_choice(record: dict[str, Any]) -> str | None:
+    """Which weights scored the test split and why, for the end-of-run lines: 'the averaged checkpoint
+    averaged-last3, better on val bleu (12.3 vs 11.9 for the last)'; None when averaging was off."""
+    if "val" not in record:
+        return f"the last checkpoint ({record['reason']})" if "reason" in record else None
+    val, key = record["val"], record["chosen_by"]
+    if record["used"] == "averaged":  # its folder, averaged-lastK (rank 0 records the step inside it)
+        name = next((p for p in reversed(Path(record["checkpoint"]).parts) if p.startswith("averaged-")), "")
+        return (f"the averaged checkpoint {name}, better on {key} ({_fmt(val['averaged'])} vs "
+                f"{_fmt(val['last'])} for the last)")
+    return f"the last checkpoint, better on {key} ({_fmt(val['last'])} vs {_fmt(val['averaged'])} averaged)"
