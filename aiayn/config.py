@@ -350,7 +350,8 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints; 0 = once per epoch
     keep_checkpoints: int = 3
     # At the end, average the weights of the last N checkpoints (the paper's trick, section 6.1;
-    # 0 = off) into RUN/averaged-lastN and score the test split with them. Needs
+    # 0 = off) into RUN/averaged-lastK (K = those kept, at most N) and score the test split with
+    # the better of them and the last checkpoint on val (aiayn.train.averaging). Needs
     # keep_checkpoints >= N.
     average_last: int = 0
     log_every: int = 10
