@@ -57,14 +57,16 @@ class LoadedModel:
 
 @dataclass
 class Generation:
-    """What ``generate_text`` produced: the new text (the prompt not included), its token ids, and
-    why it stopped: "length" (``max_new_tokens`` reached), "stop" (the end-of-text token or a
-    ``stop`` string; the stop string is not in ``text``) or "context" (the model's context is
-    full)."""
+    """What ``generate_text`` produced: the new text (the prompt not included), how many tokens it
+    took, why it stopped ("length": ``max_new_tokens`` reached; "eos": the model's end-of-text;
+    "stop": a ``stop`` string, which is not in ``text``; "context": the context full, with
+    ``slide=False``), and how often the window slid past the model's context
+    (``aiayn.generate.window``)."""
 
     text: str
     tokens: int
     stop_reason: str
+    slides: int = 0
 
 
 def source_kind(path: Path) -> str:
@@ -171,11 +173,12 @@ def _load_run(path: Path, checkpoint: Path | None, *, quantize: str, device: tor
 def generate_text(lm: TextModel, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
                   seed: int | None = None, chat: bool = False, stop: Sequence[str] = (),
-                  compile: bool = False) -> Generation:
+                  compile: bool = False, slide: bool = True) -> Generation:
     """Continue ``prompt`` with ``lm`` (from ``load``), as ``aiayn generate`` does: greedy at
     ``temperature`` 0 (the default here: the same text every time), else sampled (``seed`` makes it
     repeatable); ``chat`` wraps the prompt in the model's chat template; the text ends before the
-    first of ``stop``. ValueError (one line) for a prompt the model cannot take."""
+    first of ``stop``. Past the model's context the window slides (``slide=False``: stop there
+    instead). ValueError (one line) for a prompt the model cannot take."""
     from aiayn.generate.sampling import SamplingConfig
     from aiayn.textgen import stream_text
 
@@ -185,14 +188,8 @@ def generate_text(lm: TextModel, prompt: str, *, max_new_tokens: int = 64, tempe
                               repetition_penalty=repetition_penalty, seed=seed)
     pieces: list[str] = []
     stats = stream_text(lm, lm.prompt_ids(prompt, chat=chat), on_text=pieces.append, max_new_tokens=max_new_tokens,
-                        sampling=sampling, stops=tuple(stop), compile=compile)
-    if stats.context_full:
-        reason = "context"
-    elif stats.tokens >= max_new_tokens:
-        reason = "length"
-    else:
-        reason = "stop"
-    return Generation("".join(pieces), stats.tokens, reason)
+                        sampling=sampling, stops=tuple(stop), compile=compile, slide=slide)
+    return Generation("".join(pieces), stats.tokens, stats.stop, stats.slides)
 
 
 def train_run(task: str | None = None, run_dir: str | Path | None = None, *, recipe: str | Path | None = None,

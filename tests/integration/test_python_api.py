@@ -44,6 +44,14 @@ def test_a_shipped_language_model_generates_what_stream_text_does():
     assert sampled[0] == sampled[1]  # a seed makes sampling repeatable
 
 
+def test_generation_slides_past_the_context_unless_told_not_to():
+    lm = aiayn.load("shakespeare-char", device="cpu")  # a 64-character context
+    long = aiayn.generate_text(lm, "ROMEO:", max_new_tokens=80)
+    assert (long.tokens, long.stop_reason, len(long.text)) == (80, "length", 80) and long.slides >= 1
+    short = aiayn.generate_text(lm, "ROMEO:", max_new_tokens=80, slide=False)
+    assert short.stop_reason == "context" and short.slides == 0 and long.text.startswith(short.text)
+
+
 def test_a_stop_string_ends_the_text_before_it():
     lm = aiayn.load("shakespeare-char", device="cpu")
     full = aiayn.generate_text(lm, "ROMEO:", max_new_tokens=30).text
