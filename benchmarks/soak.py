@@ -1,0 +1,316 @@
+"""A soak of ``aiayn serve`` (issue 34, point 7): a real server in a subprocess on 127.0.0.1, for a
+bounded time, under a mix of hostile and ordinary clients, then a report against the goals.
+
+The clients (asyncio tasks, one ``httpx.AsyncClient``), each drawing its next request at random:
+
+* **stream**: a streamed completion of 4-40 tokens, read to the end (TTFT and the gaps between
+  chunks recorded);
+* **hang-up**: the same, closed after its first few chunks (the server must free the slot);
+* **embeddings**: 1-32 short inputs;
+* **bad**: malformed JSON, an unknown model, a negative or absurd ``max_tokens``, a wrong type, a
+  prompt of token ids out of the vocabulary (each must be a 4xx with a JSON error, never a 5xx);
+* **burst**: more concurrent completions than ``--max-batch`` + ``--max-queue`` at once (the
+  overflow must be 429 with ``Retry-After``).
+
+Goals (the report says met or MISSED for each): every well-formed request answered (200) or 429'd
+with Retry-After; no 5xx; the server's RSS grows < 10% from the end of the warm-up (the first
+tenth of the run, at least 5 s) to the end; no request left holding a slot or waiting once the
+clients stop (``/health``'s running and waiting back to 0); no traceback in the server's log.
+
+    python -m benchmarks.soak                          # 10 minutes, the shipped shakespeare-char model
+    python -m benchmarks.soak --seconds 60 --clients 6
+    python -m benchmarks.soak --model path/to/model.gguf --seconds 600
+
+tests/serve/test_soak.py runs a 60-second soak and asserts the goals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("stream", "hang-up", "embeddings", "bad", "burst")
+WEIGHTS = (5, 2, 2, 2, 1)
+WORDS = ("the king", "a rose", "my lord", "good night", "what news", "to be", "fair Verona", "O Romeo")
+
+
+@dataclass
+class Tally:
+    """What the clients saw."""
+
+    status: Counter[tuple[str, int]] = field(default_factory=Counter)  # (kind, HTTP status) -> count
+    failures: list[str] = field(default_factory=list)  # goal breaches, one line each (the first 20 kept)
+    ttft: list[float] = field(default_factory=list)  # seconds to the first streamed token
+    itl: list[float] = field(default_factory=list)  # seconds between streamed chunks
+    chunks: int = 0  # streamed completion chunks with text (one per token here) read by clients
+
+    def fail(self, what: str) -> None:
+        if len(self.failures) < 20:
+            self.failures.append(what)
+        else:
+            self.failures[-1] = f"... and more ({what})"
+
+
+@dataclass
+class Report:
+    seconds: float
+    tally: Tally
+    rss_warm: int  # bytes, at the end of the warm-up
+    rss_end: int
+    left_running: int
+    left_waiting: int
+    tracebacks: int
+    log: Path
+
+    @property
+    def rss_growth(self) -> float:
+        return self.rss_end / self.rss_warm - 1
+
+    def goals(self) -> dict[str, bool]:
+        return {"every well-formed request 200 or 429 with Retry-After, no 5xx": not self.tally.failures,
+                "RSS growth < 10% after the warm-up": self.rss_growth < 0.10,
+                "no slot or queue entry left when the clients stop": self.left_running == self.left_waiting == 0,
+                "no traceback in the server's log": self.tracebacks == 0}
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def start_server(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
+    """``python -m aiayn serve`` on 127.0.0.1:``port``, its output to ``log``; returns once /health
+    answers (or exits with the log's tail)."""
+    import httpx
+
+    source = ["--model", str(args.model)] if args.model else ["--run", str(args.run)]
+    command = [sys.executable, "-m", "aiayn", "serve", *source, "--name", "soak", "--port", str(port),
+               "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue), "--threads", str(args.threads),
+               "--device", "cpu"]
+    print(f"server: {' '.join(command[2:])}", flush=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise SystemExit(f"the server did not start:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.5)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Clients:
+    """The soak's clients against one server (``url``), until ``deadline`` (monotonic seconds)."""
+
+    def __init__(self, client, url: str, args: argparse.Namespace, deadline: float, tally: Tally) -> None:
+        self.client, self.url, self.args, self.deadline, self.tally = client, url, args, deadline, tally
+
+    def check(self, kind: str, response, *, well_formed: bool) -> None:
+        """Count the answer; a breach of the goals becomes a failure line."""
+        code = response.status_code
+        self.tally.status[(kind, code)] += 1
+        if code >= 500:
+            self.tally.fail(f"{kind}: {code} {response.text[:120]!r}")
+        elif well_formed and code == 429 and "retry-after" not in response.headers:
+            self.tally.fail(f"{kind}: 429 without Retry-After")
+        elif well_formed and code not in (200, 429):
+            self.tally.fail(f"{kind}: a well-formed request got {code} {response.text[:120]!r}")
+        elif not well_formed and not 400 <= code < 500:
+            self.tally.fail(f"{kind}: a bad request got {code}")
+
+    async def stream(self, rng: random.Random, *, hang_up: bool, kind: str) -> None:
+        body = {"model": "soak", "prompt": rng.choice(WORDS), "max_tokens": rng.randint(4, 40), "stream": True,
+                "temperature": 0}
+        start = time.monotonic()
+        async with self.client.stream("POST", f"{self.url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                self.check(kind, response, well_formed=True)
+                return
+            self.tally.status[(kind, 200)] += 1
+            last, chunks, limit = None, 0, rng.randint(1, 3) if hang_up else None
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    self.tally.fail(f"{kind}: an error inside the stream {line[:120]!r}")
+                    return
+                now = time.monotonic()
+                if data["choices"] and data["choices"][0].get("text"):
+                    chunks += 1
+                    self.tally.chunks += 1
+                    (self.tally.ttft if last is None else self.tally.itl).append(now - (start if last is None else last))
+                    last = now
+                if limit is not None and chunks >= limit:
+                    return  # hang up: closing the response closes the connection mid-stream
+
+    async def embeddings(self, rng: random.Random) -> None:
+        inputs = [" ".join(rng.sample(WORDS, 2)) for _ in range(rng.randint(1, 32))]
+        response = await self.client.post(f"{self.url}/v1/embeddings", json={"model": "soak", "input": inputs})
+        self.check("embeddings", response, well_formed=True)
+
+    async def bad(self, rng: random.Random) -> None:
+        url = f"{self.url}/v1/completions"
+        choice = rng.randrange(5)
+        if choice == 0:
+            response = await self.client.post(url, content=b'{"model": "soak", "prompt": ',
+                                              headers={"content-type": "application/json"})
+        else:
+            body = [{"model": "no-such-model" * 20, "prompt": "hi"},
+                    {"model": "soak", "prompt": "hi", "max_tokens": -3},
+                    {"model": "soak", "prompt": "hi", "max_tokens": "many"},
+                    {"model": "soak", "prompt": [10**9, 5], "max_tokens": 2}][choice - 1]
+            response = await self.client.post(url, json=body)
+        self.check("bad", response, well_formed=False)
+        if "error" not in response.text:
+            self.tally.fail(f"bad: an error without an error body: {response.text[:80]!r}")
+
+    async def burst(self, rng: random.Random) -> None:
+        n = self.args.max_batch + self.args.max_queue + 4
+        await asyncio.gather(*(self.stream(random.Random(rng.random()), hang_up=False, kind="burst") for _ in range(n)))
+
+    async def run(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < self.deadline:
+            kind = rng.choices(KINDS, WEIGHTS)[0]
+            try:
+                if kind in ("stream", "hang-up"):
+                    await self.stream(rng, hang_up=kind == "hang-up", kind=kind)
+                elif kind == "embeddings":
+                    await self.embeddings(rng)
+                elif kind == "bad":
+                    await self.bad(rng)
+                else:
+                    await self.burst(rng)
+            except Exception as exc:  # a transport error on a well-formed request is a failure
+                self.tally.fail(f"{kind}: {type(exc).__name__}: {exc}")
+
+
+async def drive(url: str, args: argparse.Namespace, pid: int) -> tuple[Tally, int, int, int, int]:
+    """Run the clients; -> (tally, RSS after the warm-up, RSS at the end, running, waiting left)."""
+    import httpx
+
+    tally = Tally()
+    start = time.monotonic()
+    warm_up = max(5.0, args.seconds / 10)
+    limits = httpx.Limits(max_connections=args.clients * (args.max_batch + args.max_queue + 8))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
+        clients = Clients(client, url, args, start + args.seconds, tally)
+        tasks = [asyncio.create_task(clients.run(args.seed * 1000 + i)) for i in range(args.clients)]
+        await asyncio.sleep(warm_up)
+        rss_warm = rss_bytes(pid)
+        await asyncio.gather(*tasks)
+        # Every client has stopped: what the server still holds is leaked (give it a moment to
+        # notice the last hang-ups).
+        running = waiting = -1
+        for _ in range(40):
+            health = (await client.get(f"{url}/health")).json()
+            running, waiting = health["running"], health["waiting"]
+            if running == waiting == 0:
+                break
+            await asyncio.sleep(0.25)
+        return tally, rss_warm, rss_bytes(pid), running, waiting
+
+
+def run_soak(args: argparse.Namespace) -> Report:
+    log = Path(args.log) if args.log else Path(tempfile.mkdtemp(prefix="aiayn-soak-")) / "server.log"
+    port = free_port()
+    proc = start_server(args, port, log)
+    start = time.monotonic()
+    try:
+        tally, rss_warm, rss_end, running, waiting = asyncio.run(drive(f"http://127.0.0.1:{port}", args, proc.pid))
+    finally:
+        stop_server(proc)
+    tracebacks = log.read_text(errors="replace").count("Traceback")
+    return Report(time.monotonic() - start, tally, rss_warm, rss_end, running, waiting, tracebacks, log)
+
+
+def print_report(report: Report) -> None:
+    tally = report.tally
+    print(f"\n## soak: {report.seconds:.0f} s, {sum(tally.status.values())} requests, "
+          f"{tally.chunks} streamed chunks; server log {report.log}\n")
+    print("| request | status | count |\n|---|---|---|")
+    for (kind, code), count in sorted(tally.status.items()):
+        print(f"| {kind} | {code} | {count} |")
+    print(f"\nTTFT p50 / p99: {percentile(tally.ttft, 50) * 1e3:.0f} / {percentile(tally.ttft, 99) * 1e3:.0f} ms; "
+          f"inter-token p50 / p99: {percentile(tally.itl, 50) * 1e3:.0f} / {percentile(tally.itl, 99) * 1e3:.0f} ms")
+    print(f"RSS {report.rss_warm / 2**20:.0f} MiB after the warm-up, {report.rss_end / 2**20:.0f} MiB at the end "
+          f"({report.rss_growth:+.1%}); left running {report.left_running}, waiting {report.left_waiting}; "
+          f"tracebacks in the log: {report.tracebacks}\n")
+    for goal, met in report.goals().items():
+        print(f"* {goal}: {'met' if met else 'MISSED'}")
+    for line in tally.failures:
+        print(f"  - {line}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=600.0, help="how long the clients run (default 600)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    parser.add_argument("--model", type=Path, help="a GGUF file or Hugging Face directory to serve")
+    parser.add_argument("--run", type=Path, help="a run or release directory to serve (default: the shipped "
+                                                 "shakespeare-char)")
+    parser.add_argument("--max-batch", type=int, default=4, help="the server's --max-batch (default 4)")
+    parser.add_argument("--max-queue", type=int, default=8, help="the server's --max-queue (default 8)")
+    parser.add_argument("--threads", type=int, default=1, help="the server's --threads (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="the clients' random choices (default 0)")
+    parser.add_argument("--log", help="where the server's output goes (default: a temporary file)")
+    args = parser.parse_args(argv)
+    if args.model is None and args.run is None:
+        from aiayn.tasks.shipped import shipped_path
+
+        args.run = shipped_path("shakespeare-char")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    report = run_soak(parse_args(argv))
+    print_report(report)
+    return 0 if all(report.goals().values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
