@@ -11,7 +11,13 @@ as the served context; see ``slot_plan`` for the memory budget). Every step:
    several steps, and the other streams get a token at each of them;
 4. **decode**: every decoding row feeds its last token, one forward over their view, and each
    samples its next token; a row that finishes (end-of-text, ``max_tokens``, a stop string)
-   leaves at once.
+   leaves at once;
+5. **embeddings**, in slices: the queued ``/v1/embeddings`` jobs (``aiayn.serve.embedding``) run
+   forwards of at most ``embed_chunk`` tokens, in turn (one forward per job, round robin), for as
+   long as the step's stream forwards took, times ``embed_share / (1 - embed_share)`` (a credit
+   carried from step to step: a forward longer than a decode step is paid back over the next
+   steps). So embeddings take at most ``embed_share`` of the engine's time while streams run (at
+   0.5 a stream's tokens come at most twice as far apart), and all of it when none does.
 
 The cache rows are kept in that order (decoding rows first, then prefilling ones) by swapping
 rows as requests join and leave, so both forwards run on contiguous views with no copy. Each row
@@ -52,6 +58,7 @@ from aiayn.generate.step import decode_step
 from aiayn.generate.text import IncrementalText
 from aiayn.nn.kv_cache import format_bytes, kv_cache_bytes
 from aiayn.nn.row_kv_cache import RowKVCache
+from aiayn.serve.embedding import DEFAULT_CHUNK, EmbeddingJob, EmbeddingQueue
 from aiayn.serve.metrics import Metrics
 from aiayn.textgen import TextModel
 
@@ -102,6 +109,10 @@ class QueueFull(Exception):
 
 class ShuttingDown(Exception):
     """The engine takes no new requests."""
+
+
+class EngineFailed(RuntimeError):
+    """A step failed (a bug): the work that was running is told so."""
 
 
 _ids = itertools.count()
@@ -165,10 +176,13 @@ class Engine:
     thread; ``submit`` queues a request (``QueueFull`` past ``max_queue`` waiting)."""
 
     def __init__(self, lm: TextModel, plan: SlotPlan, *, kv_cache: str | None = None, prefill_chunk: int = 512,
-                 max_queue: int = 64, metrics: Metrics | None = None, threads: int | None = None) -> None:
-        if prefill_chunk < 1 or max_queue < 0:
-            raise ValueError("prefill_chunk must be >= 1 and max_queue >= 0")
+                 max_queue: int = 64, metrics: Metrics | None = None, threads: int | None = None,
+                 embed_chunk: int = DEFAULT_CHUNK, embed_share: float = 0.5,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if prefill_chunk < 1 or max_queue < 0 or embed_chunk < 1 or not 0 < embed_share < 1:
+            raise ValueError("prefill_chunk and embed_chunk must be >= 1, max_queue >= 0, 0 < embed_share < 1")
         self.lm, self.model, self.plan = lm, lm.model, plan
+        self._cv = threading.Condition()
         self.device = model_device(self.model)
         self.no_history = torch.empty(1, 0, dtype=torch.long, device=self.device)  # sample_next's ids so far
         self.context, self.max_batch = plan.context, plan.rows
@@ -182,7 +196,8 @@ class Engine:
         self.n_decode = 0
         self.waiting: deque[Request] = deque()
         self.jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
-        self._cv = threading.Condition()
+        self.embed_chunk = embed_chunk
+        self.embeddings = EmbeddingQueue(embed_share, clock, self._cv)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.metrics.watch(self)
@@ -200,6 +215,19 @@ class Engine:
                 raise QueueFull(self.retry_after())
             self.waiting.append(request)
             self._cv.notify()
+
+    def embed(self, prompts: list[list[int]]) -> EmbeddingJob:
+        """Queue the vectors of ``prompts`` (``job.future`` gets them); ``QueueFull`` when as many
+        embedding jobs wait as the server holds requests (``max_batch + max_queue``)."""
+        job = EmbeddingJob(self.lm, prompts, self.embed_chunk)
+        with self._cv:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            if len(self.embeddings) >= self.max_batch + self.max_queue:
+                raise QueueFull(self.retry_after())
+            self.embeddings.add(job)
+            self._cv.notify()
+        return job
 
     def cancel(self, request: Request) -> None:
         """Stop ``request``: out of the queue at once if it waits, else its row is freed at the
@@ -250,7 +278,7 @@ class Engine:
             torch.set_num_threads(self.threads)
         while True:
             with self._cv:
-                while not (self._stopping or self.waiting or self.rows or self.jobs):
+                while not (self._stopping or self.waiting or self.rows or self.jobs or self.embeddings):
                     self._cv.wait()
                 if self._stopping:
                     return
@@ -266,6 +294,7 @@ class Engine:
             self.waiting.clear()
             jobs = list(self.jobs)
             self.jobs.clear()
+        self.embeddings.fail_all(ShuttingDown(message) if self._stopping else EngineFailed(message))
         for request in pending:
             if not request.finished:
                 request.finished = True
@@ -283,10 +312,13 @@ class Engine:
             for request in [r for r in self.rows if r.cancelled]:
                 self._remove(request)
             self._admit()
+            streams, start = bool(self.rows), self.embeddings.clock()
             if len(self.rows) > self.n_decode:
                 self._prefill()
             if self.n_decode:
                 self._decode()
+            if self.embeddings:
+                self.embeddings.run(self.embeddings.clock() - start if streams else None)
         self.metrics.steps.inc()
 
     def _run_jobs(self) -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
 
-from aiayn.device import autocast, model_device
 from aiayn.embed import SentenceEncoder, load_sentence_encoder
+from aiayn.serve.embedding import (
+    decoder_embeddings as decoder_embeddings,  # (re-exported: its old home)
+)
 from aiayn.tasks.runs import load_text_model
 from aiayn.textgen import TextModel
 
@@ -60,19 +60,6 @@ def load_served_model(model_path: Path | None = None, run_dir: Path | None = Non
     # "q4"/"auto" read a GGUF file's blocks packed (never a float copy); bf16/int8 lower the floats
     lm = load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device)
     return ServedModel(name, lm=lm)
-
-
-def decoder_embeddings(lm: TextModel, prompts: list[list[int]]) -> Tensor:
-    """Sentence vectors from a decoder-only model: the mean of its last hidden states (after the
-    final norm) over each prompt's tokens, L2-normalised -> (n, d) float32 on the CPU. Run one
-    prompt at a time (no padding to mask), on the model's device."""
-    device = model_device(lm.model)
-    vectors = []
-    with torch.inference_mode(), autocast(device):  # bfloat16 on CUDA; nothing on the CPU
-        for ids in prompts:
-            hidden = lm.model(torch.tensor([ids], dtype=torch.long, device=device)).hidden  # (1, t, d)
-            vectors.append(hidden[0].float().mean(dim=0))
-    return F.normalize(torch.stack(vectors), dim=-1).cpu()  # no copy on the CPU
 
 
 def encoder_token_counts(encoder: SentenceEncoder, texts: list[str]) -> list[int]:

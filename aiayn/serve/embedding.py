@@ -1,0 +1,182 @@
+"""Sentence vectors from a decoder-only model, read one forward at a time (``EmbeddingJob``).
+
+A vector is the mean of the model's last hidden states (after its final norm) over an input's
+tokens, L2-normalised. One input is one forward, with no padding to mask; an input longer than
+``chunk`` tokens is read in pieces of ``chunk`` over a KV cache of its own length (as a prompt is
+prefilled), the hidden states summed as they come. The pieces are fixed by ``chunk`` alone, so the
+vectors do not depend on how the engine spreads the forwards over its steps: a job run to the end
+at once (``decoder_embeddings``) gives the same bits as one sliced between decode steps.
+
+The engine (``aiayn.serve.engine``) runs a job's forwards between its decode steps, so that a large
+``/v1/embeddings`` request cannot stall the streams being generated.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aiayn.device import autocast, model_device, synchronize
+from aiayn.nn.kv_cache import KVCache
+from aiayn.textgen import TextModel
+
+logger = logging.getLogger("aiayn.serve")
+
+DEFAULT_CHUNK = 128  # tokens per forward: on SmolLM2's CPU path ~0.1 s, a few decode steps' time
+
+
+class EmbeddingJob:
+    """The inputs of one embeddings request (token ids), their vectors computed by ``forward``
+    calls; ``future`` gets the (n, d) float32 CPU tensor once the last input is read."""
+
+    def __init__(self, lm: TextModel, prompts: list[list[int]], chunk: int = DEFAULT_CHUNK) -> None:
+        if chunk < 1 or not prompts or not all(prompts):
+            raise ValueError("an embedding job needs inputs of at least one token, and chunk >= 1")
+        self.lm, self.chunk = lm, chunk
+        self.device = model_device(lm.model)
+        # int64 tensors rather than lists of ints: a queued request of 300,000 tokens holds 2.4 MB.
+        self.inputs = [torch.tensor(ids, dtype=torch.long) for ids in prompts]
+        self.tokens = sum(len(ids) for ids in prompts)
+        self.future: concurrent.futures.Future[Tensor] = concurrent.futures.Future()
+        self.means: list[Tensor] = []  # (d,) float32 on the CPU, one per input read
+        self.index = 0  # the input being read
+        self.fed = 0  # its tokens read so far (a long input)
+        self.cache: KVCache | None = None  # a long input's keys and values, while it is read
+        self.total: Tensor | None = None  # (d,) the sum of its hidden states so far
+        self.forwards = 0
+        self.cancelled = False  # set from any thread: the engine drops the job at its next forward
+
+    @property
+    def done(self) -> bool:
+        return self.index == len(self.inputs)
+
+    def forward(self) -> None:
+        """Read the next piece: a whole input of up to ``chunk`` tokens, or the next ``chunk`` of a
+        longer one. Runs under the caller's inference mode and autocast (the engine's step)."""
+        ids = self.inputs[self.index]
+        n = len(ids)
+        self.forwards += 1
+        if n <= self.chunk:  # one forward, no cache
+            hidden = self.lm.model(ids[None].to(self.device)).hidden  # (1, t, d)
+            mean = hidden[0].float().mean(dim=0)  # (d,)
+        else:
+            if self.cache is None:
+                self.cache = self.lm.model.new_cache(1, n)
+                self.total = torch.zeros(self.lm.model.config.d_model, device=self.device)
+            piece = ids[self.fed: self.fed + self.chunk]
+            hidden = self.lm.model(piece[None].to(self.device), cache=self.cache).hidden  # (1, c, d)
+            assert self.total is not None
+            self.total += hidden[0].float().sum(dim=0)
+            self.fed += len(piece)
+            if self.fed < n:
+                synchronize(self.device)  # the engine times each forward: wait for a GPU's work
+                return
+            mean = self.total / n
+            self.cache = self.total = None  # the cache is freed with the input
+            self.fed = 0
+        self.means.append(mean.cpu())  # the input's one read from the device
+        self.index += 1
+
+    def result(self) -> Tensor:
+        """(n, d) unit vectors, once ``done``."""
+        assert self.done
+        return F.normalize(torch.stack(self.means), dim=-1)
+
+    def run(self) -> Tensor:
+        """Every forward at once (no engine): what a sliced run gives, bit for bit."""
+        with torch.inference_mode(), autocast(self.device):  # bfloat16 on CUDA; nothing on the CPU
+            while not self.done:
+                self.forward()
+        return self.result()
+
+
+def decoder_embeddings(lm: TextModel, prompts: list[list[int]], chunk: int = DEFAULT_CHUNK) -> Tensor:
+    """(n, d) float32 CPU vectors of ``prompts`` (see the module docstring), computed at once."""
+    return EmbeddingJob(lm, prompts, chunk).run()
+
+
+class EmbeddingQueue:
+    """The engine's embedding jobs and their share of its time (its step's last part).
+
+    After each step's stream forwards (prefill and decode) took ``streams`` seconds, ``run`` does
+    embedding forwards, one job's at a time in turn (round robin: a small request is not held
+    behind a large one), while a credit lasts: each step adds ``streams * share / (1 - share)``
+    seconds and each forward takes its own time off. A forward longer than that leaves a debt that
+    the next steps pay back before the next forward, so embeddings take at most ``share`` of the
+    engine's time while streams run, whatever a forward costs. With no stream, one forward a step
+    (the engine looks for new requests between them). ``clock`` times the forwards; on a GPU a job
+    waits for its forward before the clock is read (``EmbeddingJob.forward``)."""
+
+    def __init__(self, share: float, clock: Callable[[], float], lock: threading.Condition) -> None:
+        self.share, self.clock, self.lock = share, clock, lock
+        self.jobs: deque[EmbeddingJob] = deque()  # the next forward's job first
+        self.credit = 0.0  # seconds of forwards the streams' share allows now
+        # Seconds of stream and embedding forwards in the steps that had both: the share, measured.
+        self.shared_seconds = {"streams": 0.0, "embeddings": 0.0}
+        self.forwards = 0  # embedding forwards run, in all
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def add(self, job: EmbeddingJob) -> None:
+        """Queue ``job`` (the caller holds ``lock``)."""
+        self.jobs.append(job)
+
+    def cancel(self, job: EmbeddingJob) -> None:
+        """Drop ``job`` (its client is gone): no more forwards for it."""
+        job.cancelled = True
+        with self.lock:
+            if job in self.jobs:
+                self.jobs.remove(job)
+        job.future.cancel()
+
+    def fail_all(self, error: Exception) -> None:
+        with self.lock:
+            jobs = list(self.jobs)
+            self.jobs.clear()
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(error)
+        self.credit = 0.0
+
+    def run(self, streams: float | None) -> None:
+        """Forwards after the streams took ``streams`` seconds this step (None: no stream ran)."""
+        if streams is None:
+            self.credit = 0.0  # no debt or savings carried into the next streams' steps
+        else:
+            self.credit += streams * self.share / (1 - self.share)
+            self.shared_seconds["streams"] += streams
+        while self.jobs and (streams is None or self.credit > 0):
+            with self.lock:
+                job = self.jobs.popleft()
+            if job.cancelled or job.future.done():
+                continue
+            start = self.clock()
+            try:
+                job.forward()
+            except Exception as exc:  # this job's failure (its memory, a bug) fails it alone
+                logger.exception("an embedding forward failed")
+                job.future.set_exception(exc)
+                continue
+            finally:
+                spent = self.clock() - start
+                self.forwards += 1
+            if streams is not None:
+                self.credit -= spent
+                self.shared_seconds["embeddings"] += spent
+            if job.done:
+                job.future.set_result(job.result())
+            else:
+                with self.lock:
+                    self.jobs.append(job)  # behind the others
+            if streams is None:
+                break
+        if not self.jobs:
+            self.credit = 0.0
