@@ -42,6 +42,21 @@ from aiayn.cli.app import (
               help="Prompt tokens read per engine step (a long prompt does not stall other streams).")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; beyond, 429 with Retry-After.")
+@click.option("--max-inputs", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Inputs of one embeddings request, or prompts of one completions request, at most (OpenAI's "
+                   "limit); beyond, 400.")
+@click.option("--max-input-tokens", type=click.IntRange(min=1),
+              help="Tokens of one input or prompt, at most; beyond, 400 (default: 8192, OpenAI's limit, or the "
+                   "model's context if smaller).")
+@click.option("--max-request-tokens", type=click.IntRange(min=1), default=300_000, show_default=True,
+              help="Tokens of one request, all its inputs or prompts together, at most (OpenAI's limit for "
+                   "embeddings); beyond, 400.")
+@click.option("--embed-chunk", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Tokens of an embeddings input read per forward, between decode steps (a longer input is "
+                   "read in pieces): smaller, streams wait less at a time; larger, embeddings finish sooner.")
+@click.option("--embed-share", type=FiniteFloatRange(min=0, max=1, min_open=True, max_open=True), default=0.5,
+              show_default=True, help="The most of the engine's time embeddings take while streams are "
+              "generated (0.5: a stream's tokens come at most about 2x further apart); all of it otherwise.")
 @click.option("--api-key", envvar="AIAYN_API_KEY", help="Require 'Authorization: Bearer KEY' (or set AIAYN_API_KEY).")
 @click.option("--shutdown-grace", type=FiniteFloatRange(min=0), default=30.0, show_default=True,
               help="Seconds running requests get to finish after SIGTERM.")
@@ -51,7 +66,8 @@ from aiayn.cli.app import (
 def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, host: str, port: int,
               max_batch: int, context: int | None, kv_budget: str, kv_cache: str, quantize: str,
               prefill_chunk: int, max_queue: int, api_key: str | None, shutdown_grace: float,
-              threads: int | None, plain: bool = False, device: str = "auto") -> None:
+              threads: int | None, max_inputs: int, max_input_tokens: int | None, max_request_tokens: int,
+              embed_chunk: int, embed_share: float, plain: bool = False, device: str = "auto") -> None:
     """Serve a model over the OpenAI API (chat, completions, embeddings) with continuous batching."""
     import torch
 
@@ -81,7 +97,9 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
         state, lines = build_state(served, max_batch=max_batch, context=context, kv_budget=budget,
                                    kv_cache=None if kv_cache == "float" else kv_cache, prefill_chunk=prefill_chunk,
                                    max_queue=max_queue, api_key=api_key, shutdown_grace=shutdown_grace,
-                                   threads=wanted)
+                                   threads=wanted, max_inputs=max_inputs, max_input_tokens=max_input_tokens,
+                                   max_request_tokens=max_request_tokens, embed_chunk=embed_chunk,
+                                   embed_share=embed_share)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     lines.append(f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}")

@@ -149,6 +149,7 @@ class ChatTemplate:
         """
         import jinja2
 
+        _check_message_sizes(messages)
         variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs}
         try:
             return _render_bounded(_compiled(self.source), dict(
@@ -167,6 +168,24 @@ class ChatTemplate:
 TEMPLATE_SECONDS = 2.0
 TEMPLATE_MAX_CHARS = 1_000_000
 TEMPLATE_MAX_MEMORY = 256 << 20  # bytes the process may grow by while rendering
+
+
+MESSAGES_MAX_CHARS = TEMPLATE_MAX_CHARS // 2  # the rest is the template's own text around them
+
+
+def _check_message_sizes(messages: Sequence[dict[str, Any]]) -> None:
+    """Messages too long for the template's output budget are refused as what they are (a 5 MB
+    message is too long, not the template at fault), naming the longest message."""
+    sizes = [len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages]
+    if sum(sizes) <= MESSAGES_MAX_CHARS:
+        return
+    i = max(range(len(sizes)), key=sizes.__getitem__)
+    which = f"message {i} ({messages[i].get('role', 'no role')})"
+    if sizes[i] > MESSAGES_MAX_CHARS:
+        raise GGUFError(f"{which} has {sizes[i]:,} characters, more than the {MESSAGES_MAX_CHARS:,} a chat prompt "
+                        f"may hold; shorten it")
+    raise GGUFError(f"the messages have {sum(sizes):,} characters in all (the longest, {which}, {sizes[i]:,}), more "
+                    f"than the {MESSAGES_MAX_CHARS:,} a chat prompt may hold; shorten them")
 
 
 def _resident_bytes() -> int | None:

@@ -4,7 +4,8 @@ Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completion
 ``POST /v1/completions``, ``POST /v1/embeddings``, ``GET /health``, ``GET /metrics``.
 Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for
 anything the client can fix (400 bad input, 401 no or wrong API key, 404 unknown model or route,
-413 a body over 16 MiB, 429 queue full with ``Retry-After``, 503 shutting down); never a traceback.
+413 a body over 16 MiB, 429 busy now (queue full) with ``Retry-After``, 503 shutting down); never a
+traceback. A request larger than the server ever takes (``aiayn.serve.limits``) is a 400, not a 429.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
+import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +32,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from aiayn.asgi import bounded_receive, preview
 from aiayn.generate.sampling import SamplingConfig
 from aiayn.interop.mapping import InteropError
-from aiayn.serve.engine import Engine, QueueFull, SamplingParams, ShuttingDown
+from aiayn.serve.engine import Engine, EngineFailed, QueueFull, SamplingParams, ShuttingDown
+from aiayn.serve.limits import Limits, check_tokens, prompt_ids, token_ids, too_long
 from aiayn.serve.metrics import Metrics
-from aiayn.serve.models import ServedModel, decoder_embeddings, encoder_token_counts, vector_size
+from aiayn.serve.models import ServedModel, encoder_token_counts, vector_size
 from aiayn.serve.responses import (
+    POLL_SECONDS,
     APIError,
     ClientGone,
     Generation,
@@ -67,6 +71,7 @@ class ServerState:
     draining_since: float | None = None  # set when a shutdown begins
     created: int = field(default_factory=lambda: int(time.time()))
     encoder_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    limits: Limits = field(default_factory=Limits)
 
     def begin_drain(self) -> None:
         if self.draining_since is None:
@@ -177,23 +182,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 # ---- turning a request into engine work -------------------------------------------------------
-def prompt_ids(lm: TextModel, prompt: str | list[int], what: str) -> list[int]:
-    """Token ids of a text (or given ids, checked against the vocabulary); 400 if empty or bad."""
-    vocab = lm.model.config.vocab_size
-    if isinstance(prompt, list):
-        bad = [i for i in prompt if not 0 <= i < vocab]
-        if bad:
-            raise APIError(400, f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=what)
-        return prompt
-    try:
-        ids = lm.encode(prompt)
-    except ValueError as exc:  # a character-level vocabulary that lacks a character
-        raise APIError(400, f"{what}: {exc}", param=what) from None
-    if not ids:
-        raise APIError(400, f"{what}: empty after tokenisation; give some text", param=what)
-    return ids
-
-
 def chat_message(message: Any) -> dict[str, Any]:
     """A request message as the chat template reads it; OpenAI's "developer" role is the system
     role of the templates models ship with (many refuse roles they do not know)."""
@@ -219,15 +207,20 @@ def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: 
                           stop=tuple(body.stop or ()), logprobs=logprobs)
 
 
-def start_generation(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Generation:
+def check_prompt_count(engine: Engine, limits: Limits, n: int) -> None:
+    """400 for more prompts than the server takes in one request (before they are tokenised)."""
+    limits.check_count(n, "prompt")
     # More prompts than the server can ever hold at once (every slot and the whole queue) would get
     # 429 forever: a retry cannot succeed, so it is a 400 naming the limit.
     most = engine.max_queue + engine.max_batch
-    if len(prompts) > most:
-        raise APIError(400, f"{len(prompts)} prompts in one request, but this server holds at most {most} "
+    if n > most:
+        raise APIError(400, f"{n} prompts in one request, but this server holds at most {most} "
                             f"requests at once ({engine.max_batch} decoding + {engine.max_queue} waiting: "
                             f"--max-batch, --max-queue); send at most {most} prompts per request",
                        param="prompt", code="too_many_prompts")
+
+
+def start_generation(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Generation:
     try:
         return Generation(engine, prompts, params)
     except QueueFull as exc:
@@ -305,11 +298,7 @@ def create_app(state: ServerState) -> FastAPI:
         if lm.chat_template is None:
             raise APIError(400, f"{state.served.name} has no chat template; use /v1/completions with a plain prompt",
                            param="messages")
-        try:
-            text = lm.chat_template.render([chat_message(m) for m in body.messages])
-        except InteropError as exc:  # the template refused the messages (e.g. an unknown role order)
-            raise APIError(400, f"messages: {exc}", param="messages") from None
-        prompts = [prompt_ids(lm, text, "messages")]
+        prompts = [await asyncio.to_thread(chat_ids, state, lm, engine, [chat_message(m) for m in body.messages])]
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, engine, prompts, body.token_limit, top)
         generation = start_generation(engine, prompts, params)
@@ -320,8 +309,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         lm, engine = state.generator(body.model)
-        prompts = [prompt_ids(lm, p, f"prompt[{i}]" if len(body.prompt) > 1 else "prompt")
-                   for i, p in enumerate(body.prompt)]
+        check_prompt_count(engine, state.limits, len(body.prompt))
+        # Off the event loop (a long text takes a while to tokenise; streams are sent from the loop).
+        per_prompt = state.limits.input_tokens if state.limits.input_tokens < engine.context else None
+        prompts = await asyncio.to_thread(token_ids, lm, body.prompt, "prompt", state.limits, per_prompt)
         params = sampling_params(body, engine, prompts, body.max_tokens, body.logprobs)
         generation = start_generation(engine, prompts, params)
         meta = Meta(state.served.name, "text_completion", logprobs=body.logprobs is not None)
@@ -329,44 +320,100 @@ def create_app(state: ServerState) -> FastAPI:
         return await answer(state, request, generation, meta, body.stream, include_usage)
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         state.check_model(body.model)
         size = vector_size(state.served)
         if body.dimensions is not None and body.dimensions != size:
             raise APIError(400, f"dimensions: this model's vectors have {size} dimensions; leave it out or give {size}",
                            param="dimensions")
-        vectors, tokens = await embed(state, body.input)
-        data = [{"object": "embedding", "index": i,
-                 "embedding": base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii")
-                 if body.encoding_format == "base64" else v.tolist()} for i, v in enumerate(vectors)]
-        return {"object": "list", "data": data, "model": state.served.name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        state.limits.check_count(len(body.input), "input")
+        try:
+            vectors, tokens = await embed(state, body.input, request.is_disconnected)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        content = await asyncio.to_thread(embeddings_json, vectors, body.encoding_format, state.served.name, tokens)
+        return Response(content, media_type="application/json")
 
     return app
 
 
-async def embed(state: ServerState, inputs: list[str | list[int]]) -> tuple[torch.Tensor, int]:
-    """(n, d) vectors of the inputs and the tokens read: the encoder on a worker thread, a decoder
-    on the engine's thread (between its steps)."""
-    served = state.served
+def chat_ids(state: ServerState, lm: TextModel, engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
+    """The token ids of the chat template's prompt for ``messages``; 400 if the template refuses
+    them (a message too long for it is named) or the prompt is over the per-input limit."""
+    assert lm.chat_template is not None
+    try:
+        text = lm.chat_template.render(messages)
+    except InteropError as exc:  # the template refused the messages (e.g. an unknown role order)
+        raise APIError(400, f"messages: {exc}", param="messages") from None
+    ids = prompt_ids(lm, text, "messages")
+    if state.limits.input_tokens < engine.context and len(ids) > state.limits.input_tokens:
+        raise too_long("messages", len(ids), state.limits.input_tokens, "chat prompt")
+    return ids
+
+
+def embeddings_json(vectors: torch.Tensor, encoding: str, model: str, tokens: int) -> bytes:
+    """The answer's JSON, written a vector at a time on a worker thread: 2,048 vectors of floats are
+    megabytes, and one json.dumps call would hold the interpreter (and the event loop, which sends
+    the streams' tokens) for all of it."""
+    def item(i: int, v: torch.Tensor) -> str:
+        vector = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii") if encoding == "base64"
+                  else v.tolist())
+        return json.dumps({"object": "embedding", "index": i, "embedding": vector})
+
+    data = ",".join(item(i, v) for i, v in enumerate(vectors))
+    usage = json.dumps({"prompt_tokens": tokens, "total_tokens": tokens})
+    return f'{{"object":"list","data":[{data}],"model":{json.dumps(model)},"usage":{usage}}}'.encode()
+
+
+ENCODER_BATCH = 32  # texts an encoder reads per forward (SentenceEncoder.encode's default)
+
+
+async def embed(state: ServerState, inputs: list[str | list[int]],
+                is_disconnected: Callable[[], Awaitable[bool]]) -> tuple[torch.Tensor, int]:
+    """(n, d) vectors of the inputs and the tokens read: an encoder on a worker thread, a batch at
+    a time (requests take turns at the lock between batches); a decoder on the engine's thread, in
+    slices between its decode steps (``Engine.embed``). ClientGone if the client leaves meanwhile."""
+    served, limits = state.served, state.limits
     if served.encoder is not None:
         encoder = served.encoder
         if any(not isinstance(text, str) or not text.strip() for text in inputs):
             raise APIError(400, "input: this encoder embeds text; give non-empty strings (not token ids)",
                            param="input")
         texts: list[str] = [t for t in inputs if isinstance(t, str)]
-        async with state.encoder_lock:
-            vectors = await asyncio.to_thread(encoder.encode, texts)
-        return vectors, sum(encoder_token_counts(encoder, texts))
+        counts = await asyncio.to_thread(encoder_token_counts, encoder, texts)
+        check_tokens(counts, "input", limits)
+        batches = []
+        for start in range(0, len(texts), ENCODER_BATCH):  # encode()'s own batches: the same vectors
+            if await is_disconnected():
+                raise ClientGone
+            async with state.encoder_lock:
+                batches.append(await asyncio.to_thread(encoder.encode, texts[start: start + ENCODER_BATCH],
+                                                       batch_size=ENCODER_BATCH))
+        return torch.cat(batches), sum(counts)
     lm, engine = state.served.lm, state.engine
     assert lm is not None and engine is not None
-    prompts = [prompt_ids(lm, text, f"input[{i}]" if len(inputs) > 1 else "input") for i, text in enumerate(inputs)]
-    longest = max(len(p) for p in prompts)
-    if longest > lm.context:
-        raise APIError(400, f"input: {longest} tokens, more than the model's context of {lm.context}; shorten it",
-                       param="input", code="context_length_exceeded")
+    prompts = await asyncio.to_thread(token_ids, lm, inputs, "input", limits, limits.input_tokens)
     try:
-        vectors = await asyncio.wrap_future(engine.call(lambda: decoder_embeddings(lm, prompts)))
+        job = engine.embed(prompts)
+    except QueueFull as exc:
+        raise APIError(429, f"the server is busy ({len(engine.embeddings)} embedding requests waiting); retry after "
+                            f"{exc.retry_after} s", kind="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
     except ShuttingDown:
         raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down") from None
-    return vectors, sum(len(p) for p in prompts)
+    waiting = asyncio.wrap_future(job.future)
+    try:
+        while not waiting.done():
+            await asyncio.wait([waiting], timeout=POLL_SECONDS)
+            if not waiting.done() and await is_disconnected():
+                raise ClientGone
+            if not waiting.done() and state.past_grace():
+                raise APIError(503, "the server is shutting down; the request was stopped before it finished",
+                               kind="server_error", code="shutting_down")
+        return waiting.result(), job.tokens
+    except ShuttingDown:
+        raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down") from None
+    except EngineFailed as exc:
+        raise APIError(500, str(exc), kind="server_error", code="internal_error") from None
+    finally:
+        engine.embeddings.cancel(job)  # (done: nothing to drop)

@@ -13,7 +13,9 @@ from aiayn.device import model_device
 from aiayn.models.base import count_parameters
 from aiayn.nn.kv_cache import format_bytes
 from aiayn.serve.app import ServerState, create_app
+from aiayn.serve.embedding import DEFAULT_CHUNK
 from aiayn.serve.engine import Engine, slot_plan
+from aiayn.serve.limits import MAX_INPUT_TOKENS, MAX_INPUTS, MAX_REQUEST_TOKENS, Limits
 from aiayn.serve.metrics import Metrics
 from aiayn.serve.models import ServedModel
 
@@ -64,24 +66,35 @@ def weights_summary(model: torch.nn.Module) -> str:
 def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None = None,
                 kv_budget: int = 2 << 30, kv_cache: str | None = None, prefill_chunk: int = 512,
                 max_queue: int = 64, api_key: str | None = None, shutdown_grace: float = 30.0,
-                threads: int | None = None) -> tuple[ServerState, list[str]]:
+                threads: int | None = None, max_inputs: int = MAX_INPUTS, max_input_tokens: int | None = None,
+                max_request_tokens: int = MAX_REQUEST_TOKENS, embed_chunk: int = DEFAULT_CHUNK,
+                embed_share: float = 0.5) -> tuple[ServerState, list[str]]:
     """The server's state and the lines that describe it at start-up (the model, the KV-cache
-    slots the budget allows); ``threads``: the engine thread's torch threads. ValueError for
-    settings that cannot work."""
+    slots the budget allows, the limits on a request); ``threads``: the engine thread's torch
+    threads; ``max_input_tokens``: None for 8,192 or the model's context if smaller. ValueError
+    for settings that cannot work."""
     metrics = Metrics()
     engine = None
+    model_context = served.lm.context if served.lm is not None else served.encoder.max_length  # type: ignore[union-attr]
+    if max_input_tokens is not None and max_input_tokens > model_context and served.lm is not None:
+        raise ValueError(f"--max-input-tokens {max_input_tokens} is more than the model's context of "
+                         f"{model_context} tokens; give at most that")
+    limits = Limits(max_inputs, max_input_tokens or min(MAX_INPUT_TOKENS, model_context), max_request_tokens)
+    why = "the model's context" if max_input_tokens is None and model_context < MAX_INPUT_TOKENS else ""
     if served.lm is not None:
         lm = served.lm
         context = context or min(lm.context, DEFAULT_CONTEXT)
         plan = slot_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache)
         engine = Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=prefill_chunk, max_queue=max_queue,
-                        metrics=metrics, threads=threads)
+                        metrics=metrics, threads=threads, embed_chunk=embed_chunk, embed_share=embed_share)
         lines = [f"model {served.name}: decoder-only, {weights_summary(lm.model)}, on {model_device(lm.model)}, "
                  f"context {lm.context} tokens"
                  f"{', chat template' if lm.chat_template is not None else ', no chat template'}",
                  plan.describe(kv_budget),
                  f"prefill in chunks of {prefill_chunk} tokens; at most {max_queue} requests wait for a slot "
-                 f"(then 429)"]
+                 f"(then 429)",
+                 f"{limits.describe(why)}; embeddings in forwards of {embed_chunk} tokens, at most "
+                 f"{embed_share:.0%} of the engine's time while streams run"]
         if plan.rows < max_batch:
             lines.append(f"  (--max-batch {max_batch} asked for more: the budget of {format_bytes(kv_budget)} "
                          f"holds {plan.rows})")
@@ -89,8 +102,8 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
         assert served.encoder is not None
         lines = [f"model {served.name}: sentence encoder ({served.encoder.pooling} pooling), "
                  f"{count_parameters(served.encoder.model):,} parameters, on {model_device(served.encoder.model)}; "
-                 f"serves /v1/embeddings"]
-    state = ServerState(served, engine, metrics, api_key=api_key, shutdown_grace=shutdown_grace)
+                 f"serves /v1/embeddings", limits.describe(why)]
+    state = ServerState(served, engine, metrics, api_key=api_key, shutdown_grace=shutdown_grace, limits=limits)
     return state, lines
 
 
