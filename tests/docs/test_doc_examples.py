@@ -3,7 +3,8 @@
 A page's ``pycon`` blocks are Python sessions (``>>>`` lines and their output, as ``python -i``
 shows them), run in order in one namespace per page, as a reader typing them would, by the standard
 library's ``doctest`` with ``ELLIPSIS`` and ``NORMALIZE_WHITESPACE``. So a model output quoted in
-a ``pycon`` block is the one the code printed: change the code and the page fails here.
+a ``pycon`` block is the one the code printed: change the code and the page fails here. The shell
+examples (``console`` blocks, and the not-run markers of the rest) are test_doc_shell_examples.py's.
 """
 
 from __future__ import annotations
