@@ -1,0 +1,394 @@
+"""Constrained decoding: every answer parses as JSON and validates against a JSON schema.
+
+A ``GrammarConstraint`` is one request's grammar state. Each step it masks the next-token logits
+(``mask_logits``: -inf wherever the token would leave the grammar), is advanced with the token
+chosen (``advance``), says when the answer is complete (``is_finished``) and starts over
+(``reset``). ``mask_rows`` masks the rows of a batch with one constraint per row (None: free).
+``generate_constrained`` / ``generate_json`` are a small decode loop over ``decode_step`` that uses
+it from Python; ``aiayn serve`` and ``aiayn generate`` call the same four methods around their own
+loops.
+
+The engine is llguidance (Microsoft, MIT; Rust with abi3 wheels for Linux x86_64/aarch64, macOS and
+Windows, no Python dependencies; the engine behind OpenAI's, vLLM's, SGLang's and llama.cpp's
+structured output). ``python -m benchmarks.constrain`` measured it against xgrammar and
+outlines-core on SmolLM2-135M (docs/structured-output.md has the table): all three keep the mask
+well under the 10% goal at batch 1, and llguidance is the only one that is fast both per step and
+to compile (milliseconds per new schema, against a fraction of a second to seconds for
+outlines-core's automaton, whose regular expressions also cannot express JSON of any depth, which
+``{"type": "json_object"}`` needs). xgrammar compiles quickly too but needs torch, transformers
+and triton at run time, and reads special tokens such as ``<|im_start|>`` as plain text unless
+told otherwise.
+
+Choices:
+
+* JSON is written compactly: ``", "`` between items, ``": "`` after keys, no other whitespace
+  (llguidance's ``whitespace_flexible`` off). A small model given free whitespace may emit
+  newlines for ever; this way every answer is one line, as ``json.dumps`` writes it.
+* The end-of-text token is allowed only once the text is a complete answer; once nothing else
+  can follow (the closing brace of the top-level object), ``is_finished()`` is True and a loop
+  stops without asking the model for it. Other special tokens (``<|im_start|>``, ...) are never
+  allowed: they are not text.
+* A model whose vocabulary is larger than the tokenizer's (rows padded to a multiple of 64, say)
+  gets those extra rows masked.
+* Schemas are checked by llguidance: an invalid or unsatisfiable one, or one that uses a keyword
+  it does not implement (so that an answer could break it), is one ``ValueError`` naming why.
+
+Cached, since building them costs: the tokenizer's description (about a second for a 49k
+vocabulary) per tokenizer and end-of-text id, and each schema's compiled grammar (a template
+matcher, copied per request), the last ``GRAMMAR_CACHE`` schemas.
+
+Shape letters: b rows, v the model's vocabulary (logits), n the tokenizer's vocabulary, w = ceil(n
+/ 32) words of a packed bitmask (bit j of word i allows token 32 i + j).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from aiayn.generate.sampling import SamplingConfig
+    from aiayn.textgen import TextModel
+
+TOKENIZER_CACHE = 4  # tokenizer descriptions kept (one per served model, in practice)
+GRAMMAR_CACHE = 64  # compiled schemas kept, least recently used dropped
+# Compact JSON (see the module docstring): what llguidance's JSON compiler is told for every schema.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+_lock = threading.Lock()  # the caches are shared by a server's request threads
+_tokenizers: OrderedDict[tuple[int, int | None], tuple[Any, TokenizerInfo]] = OrderedDict()
+# Keyed by the TokenizerInfo's id, which the entry keeps alive (so the id is not reused): a tokenizer
+# described anew after being dropped from _tokenizers compiles its schemas anew.
+_grammars: OrderedDict[tuple[int, str], tuple[TokenizerInfo, llguidance.LLMatcher]] = OrderedDict()
+_executor: list[Any] = []  # one llguidance.LLExecutor, made on first batched use
+# 1 << j for the bits of an int32 word (1 << 31 wraps to the sign bit, as the packed words have it).
+_BITS = torch.tensor([1 << j for j in range(31)] + [-(1 << 31)], dtype=torch.int32)  # (32,)
+
+
+class ConstraintError(ValueError):
+    """A token the grammar does not allow was given to ``advance`` (the logits were not masked)."""
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise ImportError("structured output needs llguidance: pip install 'llguidance>=1.0'") from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """A tokenizer as llguidance sees it: ``llg`` (an ``LLTokenizer``), the tokenizer's vocabulary
+    size n, and the end-of-text id the grammar allows at the end (None: the model has none; the
+    tokenizer's own then stands in, and is never allowed)."""
+
+    llg: Any
+    n_vocab: int
+    eos_id: int | None
+
+
+def tokenizer_info(tokenizer: Any, eos_id: int | None) -> TokenizerInfo:
+    """The (cached) llguidance description of a ``tokenizers.Tokenizer``: built from its JSON
+    (``to_str``), nothing downloaded. ValueError for a tokenizer without one (a character-level
+    model's) or an end-of-text id outside its vocabulary."""
+    key = (id(tokenizer), eos_id)
+    with _lock:
+        if key in _tokenizers:
+            _tokenizers.move_to_end(key)
+            return _tokenizers[key][1]
+    if tokenizer is None or not hasattr(tokenizer, "to_str"):
+        raise ValueError("structured output needs a model with a `tokenizers` tokenizer (BPE, GGUF or Hugging "
+                         "Face); this model's is character-level")
+    n_vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    if eos_id is not None and not 0 <= eos_id < n_vocab:
+        raise ValueError(f"end-of-text id {eos_id} is outside the tokenizer's vocabulary of {n_vocab}")
+    llg = _llguidance()
+    try:
+        lltok = llg.LLTokenizer(tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos_id)
+    except ValueError as exc:
+        raise ValueError(f"llguidance cannot read this tokenizer: {str(exc).splitlines()[0]}") from None
+    info = TokenizerInfo(lltok, n_vocab, eos_id)
+    with _lock:
+        _tokenizers[key] = (tokenizer, info)  # the tokenizer kept alive, so its id is not reused
+        while len(_tokenizers) > TOKENIZER_CACHE:
+            _tokenizers.popitem(last=False)
+    return info
+
+
+def schema_text(schema: Any) -> str:
+    """The JSON text of a JSON schema (a dict) or, for None, of any JSON object's schema.
+    ValueError, one line, when the schema is not a JSON object or not JSON at all."""
+    if schema is None:
+        schema = {"type": "object"}
+    elif not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema must be a JSON object (a dict), got {type(schema).__name__}")
+    try:
+        return json.dumps(schema, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+
+
+def _template(info: TokenizerInfo, schema: Any) -> llguidance.LLMatcher:
+    """The compiled grammar of ``schema`` (None: any JSON object; compact JSON), cached: a fresh
+    matcher that requests copy. ValueError naming what is wrong with an invalid schema."""
+    text = schema_text(schema)
+    key = (id(info), text)
+    with _lock:
+        if key in _grammars:
+            _grammars.move_to_end(key)
+            return _grammars[key][1]
+    llg = _llguidance()
+    grammar = llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, info.llg)
+    if error:
+        raise ValueError(f"invalid JSON schema: {' '.join(messages[0].split())}")
+    matcher = llg.LLMatcher(info.llg, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"invalid JSON schema: {' '.join(matcher.get_error().split())}")
+    with _lock:
+        _grammars[key] = (info, matcher)
+        while len(_grammars) > GRAMMAR_CACHE:
+            _grammars.popitem(last=False)
+    return matcher
+
+
+def clear_caches() -> None:
+    """Forget every cached tokenizer description and compiled schema (tests, benchmarks)."""
+    with _lock:
+        _tokenizers.clear()
+        _grammars.clear()
+
+
+class GrammarConstraint:
+    """One request's grammar state (one row of a batch): ``mask_logits`` before choosing a token,
+    ``advance`` with the token chosen, ``is_finished`` to stop, ``reset`` to start over.
+
+    Build one with ``from_schema`` (a JSON schema), ``json_object`` (any JSON object) or
+    ``from_response_format`` (OpenAI's ``response_format``). Not thread-safe: one per request.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, info: TokenizerInfo) -> None:
+        self._matcher = matcher
+        self.info = info
+        self._words = torch.empty((info.n_vocab + 31) // 32, dtype=torch.int32)  # (w,) this state's mask
+
+    @classmethod
+    def from_schema(cls, tokenizer: Any, schema: dict[str, Any], *, eos_id: int | None) -> GrammarConstraint:
+        """Answers that validate against the JSON schema ``schema``. ``tokenizer``: the model's
+        ``tokenizers.Tokenizer``; ``eos_id``: its end-of-text id (allowed once the answer is
+        complete), None if it has none. ValueError, one line, for an invalid schema."""
+        info = tokenizer_info(tokenizer, eos_id)
+        return cls(_template(info, schema).deep_copy(), info)
+
+    @classmethod
+    def json_object(cls, tokenizer: Any, *, eos_id: int | None) -> GrammarConstraint:
+        """Answers that are a JSON object (any keys and values)."""
+        info = tokenizer_info(tokenizer, eos_id)
+        return cls(_template(info, None).deep_copy(), info)
+
+    @classmethod
+    def from_response_format(cls, tokenizer: Any, response_format: Any, *,
+                             eos_id: int | None) -> GrammarConstraint | None:
+        """OpenAI's ``response_format``: ``{"type": "text"}`` (or None) -> None (no constraint),
+        ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ...,
+        "schema": {...}, "strict": ...}}``. The schema is always enforced, strict or not.
+        ValueError, one line, for anything else."""
+        if response_format is None:
+            return None
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object(tokenizer, eos_id=eos_id)
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": '
+                                 '{...}}}')
+            return cls.from_schema(tokenizer, spec.get("schema", {}), eos_id=eos_id)
+        raise ValueError(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}')
+
+    # -- the four calls of a decode loop -----------------------------------------------------------
+
+    def bitmask(self) -> Tensor:
+        """The tokens allowed next, packed (w,) int32 on the CPU (this state's buffer, overwritten by
+        the next call): bit j of word i allows token 32 i + j of the tokenizer's vocabulary."""
+        words = self._words
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        if self.info.eos_id is None:  # the stand-in end-of-text is never the model's to emit
+            eos = self.info.llg.eos_token
+            words[eos // 32] &= ~int(_BITS[eos % 32])
+        return words
+
+    def mask_logits(self, logits: Tensor) -> Tensor:
+        """Set the logits of every token the grammar does not allow next to -inf, in place, and
+        return them. logits (v,) or (b, v), any float dtype and device; every row gets this
+        state's mask. Rows past the tokenizer's vocabulary (v > n: a padded output layer) are
+        masked too."""
+        apply_bitmask(logits, self.bitmask(), self.info.n_vocab)
+        return logits
+
+    def advance(self, token: int) -> None:
+        """Move past ``token``, the one chosen from the masked logits. ConstraintError when the
+        grammar does not allow it (the logits were not masked, or the row had finished)."""
+        if not self._matcher.consume_token(int(token)):
+            error = self._matcher.get_error() or "no token can follow"
+            raise ConstraintError(f"token {int(token)} does not fit the grammar ({' '.join(error.split())})")
+
+    def is_finished(self) -> bool:
+        """True once nothing can follow: the answer is complete and only end-of-text would fit, or
+        end-of-text was given. A loop stops here (the answer is ``is_complete``)."""
+        return bool(self._matcher.is_stopped())
+
+    def is_complete(self) -> bool:
+        """True when the tokens so far are a whole valid answer (end-of-text is allowed now)."""
+        return bool(self._matcher.is_accepting())
+
+    def reset(self) -> None:
+        """Back to the start: no token given yet."""
+        self._matcher.reset()
+
+    def copy(self) -> GrammarConstraint:
+        """An independent state at the same point (e.g. for n > 1 choices of one request)."""
+        return GrammarConstraint(self._matcher.deep_copy(), self.info)
+
+    def allowed(self) -> Tensor:
+        """(n,) bool: the tokens allowed next (tests and debugging; loops use ``mask_logits``)."""
+        return unpack_bitmask(self.bitmask()[None], self.info.n_vocab)[0]
+
+
+def unpack_bitmask(words: Tensor, n: int) -> Tensor:
+    """Packed (b, w) int32 -> (b, n) bool, True where the bit is set."""
+    bits = _BITS.to(words.device)
+    return ((words.unsqueeze(-1) & bits) != 0).view(words.shape[0], -1)[:, :n]  # (b, 32 w) -> (b, n)
+
+
+def apply_bitmask(logits: Tensor, words: Tensor, n: int) -> None:
+    """logits (v,) or (b, v) in place: -inf where the packed mask (w,) or (b, w) has a 0 bit, and
+    at every position >= n (a (w,) mask applies to every row)."""
+    rows = logits if logits.dim() == 2 else logits.unsqueeze(0)  # (b, v), a view
+    words = words if words.dim() == 2 else words.unsqueeze(0)  # (1 or b, w)
+    v = rows.shape[-1]
+    m = min(v, n)
+    allowed = unpack_bitmask(words.to(rows.device, non_blocking=True), m)  # (1 or b, m)
+    rows[:, :m].masked_fill_(~allowed, float("-inf"))
+    if v > n:
+        rows[:, n:] = float("-inf")
+
+
+def mask_rows(logits: Tensor, constraints: Sequence[GrammarConstraint | None]) -> Tensor:
+    """Mask each row of logits (b, v) in place with its own constraint (None: the row is left
+    free), and return them. All constraints share one tokenizer. With several constrained rows
+    their masks are computed in parallel (llguidance's executor, the GIL released)."""
+    if len(constraints) != logits.shape[0]:
+        raise ValueError(f"{len(constraints)} constraints for {logits.shape[0]} rows of logits")
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    if not rows:
+        return logits
+    if len(rows) == 1:
+        constraints[rows[0]].mask_logits(logits[rows[0]])  # type: ignore[union-attr]
+        return logits
+    first: GrammarConstraint = constraints[rows[0]]  # type: ignore[assignment]
+    words = torch.empty(len(rows), first._words.numel(), dtype=torch.int32)  # (r, w)
+    if not _executor:
+        _executor.append(_llguidance().LLExecutor())
+    chosen = [constraints[i] for i in rows]
+    _executor[0].unsafe_compute_mask_ptr([(c._matcher, k) for k, c in enumerate(chosen)],  # type: ignore[union-attr]
+                                         words.data_ptr(), words.shape[1] * 4, len(rows))
+    for k, c in enumerate(chosen):
+        if c.info.eos_id is None:  # type: ignore[union-attr]
+            eos = c.info.llg.eos_token  # type: ignore[union-attr]
+            words[k, eos // 32] &= ~int(_BITS[eos % 32])
+    index = torch.tensor(rows, device=logits.device)
+    sub = logits.index_select(0, index)  # (r, v)
+    apply_bitmask(sub, words, first.info.n_vocab)
+    logits.index_copy_(0, index, sub)
+    return logits
+
+
+# -- a decode loop that uses it (from Python; aiayn serve and aiayn generate have their own loops) --
+
+
+@dataclass
+class ConstrainedResult:
+    """What ``generate_constrained`` made: the answer's text and token ids (end-of-text not
+    included) and why it stopped: "finished" (the grammar's answer is complete), "eos" (the model
+    ended a complete answer) or "length" (``max_new_tokens`` or the context ran out first: the
+    text is then a cut answer, not valid)."""
+
+    text: str
+    tokens: list[int]
+    stop: str
+
+    @property
+    def complete(self) -> bool:
+        return self.stop != "length"
+
+
+def generate_constrained(lm: TextModel, prompt: str, constraint: GrammarConstraint, *, max_new_tokens: int,
+                         sampling: SamplingConfig | None = None, chat: bool = True) -> ConstrainedResult:
+    """Continue ``prompt`` (a user message in the model's chat template with ``chat``, when it has
+    one) under ``constraint``, from its start: each step masks the logits, chooses a token
+    (``sampling``: None is greedy, as ``TokenChooser``), advances the constraint, and stops when
+    it is finished, at end-of-text, or after ``max_new_tokens`` (cut to what the context leaves:
+    the window never slides, which would drop the instructions). One row, on the model's device
+    under ``aiayn.device.autocast``."""
+    from aiayn.device import autocast, model_device
+    from aiayn.generate.sampling import TokenChooser
+    from aiayn.generate.step import decode_step
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    constraint.reset()
+    ids = lm.prompt_ids(prompt, chat=chat)  # (1, t) on the model's device
+    device, t = model_device(lm.model), ids.shape[1]
+    max_new_tokens = min(max_new_tokens, lm.context - t)
+    chooser = TokenChooser(sampling, device)
+    produced: list[int] = []
+    stop = "length"
+    with torch.inference_mode(), autocast(device):
+        history = torch.empty(1, t + max_new_tokens, dtype=torch.long, device=device)  # (1, t + new) ids fed
+        history[:, :t] = ids
+        cache = lm.model.new_cache(1, t + max_new_tokens)
+        inputs = ids  # the prompt, then each new token (1, 1)
+        for _ in range(max_new_tokens):
+            logits = decode_step(lm.model, inputs, cache).float()  # (1, v)
+            constraint.mask_logits(logits)
+            fed = cache.length
+            token = int(chooser.choose(logits, history[:, :fed] if chooser.needs_history else None)[0])
+            constraint.advance(token)
+            if lm.eos_id is not None and token == lm.eos_id:
+                stop = "eos"
+                break
+            produced.append(token)
+            if constraint.is_finished():
+                stop = "finished"
+                break
+            history[0, fed] = token
+            inputs = history[:, fed:fed + 1]
+    return ConstrainedResult(lm.decode(produced), produced, stop)
+
+
+def generate_json(lm: TextModel, prompt: str, schema: dict[str, Any] | None = None, *, max_new_tokens: int = 256,
+                  sampling: SamplingConfig | None = None, chat: bool = True) -> Any:
+    """The JSON value the model answers ``prompt`` with: one that validates against ``schema``
+    (None: any JSON object), parsed. ValueError for an invalid schema, or when ``max_new_tokens``
+    (or the context) ran out before the answer was complete."""
+    tokenizer = lm.tokenizer
+    constraint = (GrammarConstraint.json_object(tokenizer, eos_id=lm.eos_id) if schema is None
+                  else GrammarConstraint.from_schema(tokenizer, schema, eos_id=lm.eos_id))
+    result = generate_constrained(lm, prompt, constraint, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat)
+    if not result.complete:
+        raise ValueError(f"the answer was cut after {len(result.tokens)} tokens, before its JSON was complete; "
+                         f"raise max_new_tokens")
+    return json.loads(result.text)
