@@ -57,9 +57,10 @@ class EmbeddingJob:
     def done(self) -> bool:
         return self.index == len(self.inputs)
 
-    def forward(self) -> None:
+    def forward(self) -> int:
         """Read the next piece: a whole input of up to ``chunk`` tokens, or the next ``chunk`` of a
-        longer one. Runs under the caller's inference mode and autocast (the engine's step)."""
+        longer one; returns its tokens. Runs under the caller's inference mode and autocast (the
+        engine's step)."""
         ids = self.inputs[self.index]
         n = len(ids)
         self.forwards += 1
@@ -77,12 +78,14 @@ class EmbeddingJob:
             self.fed += len(piece)
             if self.fed < n:
                 synchronize(self.device)  # the engine times each forward: wait for a GPU's work
-                return
+                return len(piece)
             mean = self.total / n
             self.cache = self.total = None  # the cache is freed with the input
             self.fed = 0
+            n = len(piece)
         self.means.append(mean.cpu())  # the input's one read from the device
         self.index += 1
+        return n
 
     def result(self) -> Tensor:
         """(n, d) unit vectors, once ``done``."""
@@ -114,8 +117,10 @@ class EmbeddingQueue:
     (the engine looks for new requests between them). ``clock`` times the forwards; on a GPU a job
     waits for its forward before the clock is read (``EmbeddingJob.forward``)."""
 
-    def __init__(self, share: float, clock: Callable[[], float], lock: threading.Condition) -> None:
+    def __init__(self, share: float, clock: Callable[[], float], lock: threading.Condition,
+                 read: Callable[[int], None] = lambda tokens: None) -> None:
         self.share, self.clock, self.lock = share, clock, lock
+        self.read = read  # told the tokens of each forward (the metrics)
         self.jobs: deque[EmbeddingJob] = deque()  # the next forward's job first
         self.credit = 0.0  # seconds of forwards the streams' share allows now
         # Seconds of stream and embedding forwards in the steps that had both: the share, measured.
@@ -160,7 +165,7 @@ class EmbeddingQueue:
                 continue
             start = self.clock()
             try:
-                job.forward()
+                self.read(job.forward())
             except Exception as exc:  # this job's failure (its memory, a bug) fails it alone
                 logger.exception("an embedding forward failed")
                 job.future.set_exception(exc)

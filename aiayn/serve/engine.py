@@ -191,13 +191,13 @@ class Engine:
         self.cache = cache
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
         self.threads = threads  # torch threads of the engine thread (None: as it finds them)
-        self.metrics = metrics or Metrics()
         self.rows: list[Request] = []  # cache row i serves rows[i]: decoding first, then prefilling
         self.n_decode = 0
         self.waiting: deque[Request] = deque()
         self.jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self.embed_chunk = embed_chunk
-        self.embeddings = EmbeddingQueue(embed_share, clock, self._cv)
+        self.metrics = metrics or Metrics()
+        self.embeddings = EmbeddingQueue(embed_share, clock, self._cv, self.metrics.embedding_tokens.inc)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.metrics.watch(self)

@@ -32,6 +32,8 @@ class Metrics:
         self.prompt_tokens = Counter("aiayn_prompt_tokens", "Prompt tokens admitted", registry=registry)
         self.generation_tokens = Counter("aiayn_generation_tokens", "Tokens generated", registry=registry)
         self.steps = Counter("aiayn_engine_steps", "Engine steps run", registry=registry)
+        self.embedding_tokens = Counter("aiayn_embedding_tokens", "Embedding input tokens read (decoder models)",
+                                        registry=registry)
         self.time_to_first_token = Histogram("aiayn_time_to_first_token_seconds",
                                              "From arrival to the first generated token",
                                              buckets=LATENCY_BUCKETS, registry=registry)

@@ -57,6 +57,7 @@ def test_sliced_embeddings_equal_the_one_batch_ones(lm):
     run at once; an input of one chunk the same bits as one forward over it, a longer one within
     float rounding of that (its pieces attend over the cache)."""
     engine = engine_for(lm)
+    engine.embeddings.clock = FakeClock()  # one forward a step, whatever the machine's hiccups
     prompts = inputs([3, 16, 17, 40, 90, 5, 33])
     streams = [submit(engine, prompt(6, 50), max_tokens=200), submit(engine, prompt(9, 51), max_tokens=200)]
     engine.step()
@@ -101,8 +102,8 @@ def test_a_forward_longer_than_a_decode_step_is_paid_back_over_the_next_steps(lm
     forward = EmbeddingJob.forward
 
     def slow_forward(self):
-        forward(self)
         clock.now += 2.0  # the two readings around it add the third unit
+        return forward(self)
 
     monkeypatch.setattr(EmbeddingJob, "forward", slow_forward)
     stream = submit(engine, prompt(5, 1), max_tokens=100)
@@ -131,8 +132,9 @@ def test_the_share_holds_on_the_real_clock(lm, monkeypatch):
     def timed(self):
         nonlocal longest
         start = time.perf_counter()
-        forward(self)
+        tokens = forward(self)
         longest = max(longest, time.perf_counter() - start)
+        return tokens
 
     monkeypatch.setattr(EmbeddingJob, "forward", timed)
     stream = submit(engine, prompt(5, 1), max_tokens=80)
@@ -157,10 +159,13 @@ def test_alone_the_embeddings_take_the_whole_engine_and_small_jobs_are_not_held_
     while not large.future.done():
         engine.step()
     assert torch.equal(small.future.result(), decoder_embeddings(lm, inputs([4, 4], seed=100), chunk=16))
+    metrics = engine.metrics.render().decode()
+    assert f"aiayn_embedding_tokens_total {float(20 * 30 + 8)}" in metrics  # every token read, counted
 
 
 def test_a_cancelled_job_is_dropped_and_a_failing_one_fails_alone(lm, monkeypatch):
     engine = engine_for(lm)
+    engine.embeddings.clock = FakeClock()  # one forward a step
     stream = submit(engine, prompt(5, 1), max_tokens=30)
     gone = engine.embed(inputs([8] * 20))
     engine.step()

@@ -6,6 +6,7 @@ server is busy; and a stream keeps going while a large embeddings request is rea
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -112,8 +113,7 @@ def test_the_template_names_the_messages_that_are_too_long_together():
 
 @pytest.fixture(scope="module")
 def busy_server(tiny_dir):
-    """One slot, no waiting room, every step slowed to ~20 ms (outside the engine's timings),
-    embeddings one token a forward."""
+    """One slot, no waiting room, every step slowed to ~20 ms, embeddings one token a forward."""
     state = tiny_state(tiny_dir, max_batch=1, max_queue=0, embed_chunk=1)
     step = state.engine.step
 
@@ -122,10 +122,15 @@ def busy_server(tiny_dir):
         step()
 
     state.engine.step = slow_step
+    # Every forward timed as one unit: one embedding forward per step beside a stream, whatever
+    # the machine's hiccups (the share on the real clock: test_embedding_slices.py).
+    state.engine.embeddings.clock = itertools.count().__next__
     with live_server(state) as url:
-        # Warm up: a first answer's one-time costs (seconds on a busy machine) make one long step,
-        # which would give the embeddings as long a turn (their share) in the tests.
-        httpx.post(f"{url}/completions", json={"model": MODEL_NAME, "prompt": "The", "max_tokens": 2}, timeout=60)
+        # Warm up: the first prompt of several tokens pays a one-time import in torch (the attention
+        # mask's broadcast_shapes loads torch._refs: seconds on a busy machine); that long step would
+        # give the embeddings as long a turn (their share) in the tests.
+        httpx.post(f"{url}/completions", json={"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 2},
+                   timeout=60)
         yield url, state
 
 
@@ -137,13 +142,13 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 
 def test_429_only_while_busy_and_a_stream_goes_on_beside_embeddings(busy_server):
-    """The one embeddings place is taken by a request of 440 forwards (about 9 s): a second
+    """The one embeddings place is taken by a request of 220 forwards (about 5 s): a second
     embeddings request is told to retry (429, Retry-After); a request too large for the server is
     still a 400; a streamed completion meanwhile gets all its tokens while the large request is
     still being read; then the large request's vectors equal those computed at once."""
     url, state = busy_server
     engine, lm = state.engine, state.served.lm
-    texts = [f"{words(9)} {i}" for i in range(40)]
+    texts = [f"{words(9)} {i}" for i in range(20)]
     result = {}
 
     def large() -> None:
