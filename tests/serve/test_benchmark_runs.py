@@ -24,3 +24,17 @@ def test_the_serve_benchmark_passes_quantize_to_the_server(tiny_dir, capsys):
     assert "--quantize q4" in out.splitlines()[0]  # the header
     assert any(line.startswith("server: ") and line.endswith("--quantize q4") for line in out.splitlines())
     assert "| aiayn serve, continuous batching | 2 | 2 | 8 |" in out
+
+
+def test_the_fairness_benchmark_runs(tiny_dir, capsys):
+    """benchmarks/serve_fairness.py on the tiny model: both rows, the ratio line, the overlap counted."""
+    from benchmarks import serve_fairness
+
+    serve_fairness.main(["--model", str(tiny_dir), "--port", str(free_port()), "--inputs", "1000",
+                         "--max-request-tokens", "20000", "--embed-chunk", "8", "--new-tokens", "8",
+                         "--prompt-tokens", "8", "--repeats", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| idle | " in out and "| beside the embeddings (" in out
+    assert "beside / idle, all repeats: mean ITL **" in out and "(goal <= 2x: " in out
+    read = float(out.split("; ")[-1].split(" embedding tokens")[0].replace(",", ""))
+    assert read > 0  # the embeddings ran beside the stream

