@@ -11,8 +11,8 @@ The conventions, for whoever writes a page:
   use and a timeout. It must exit with status 0 and print the quoted lines: line for line, each
   line whole, except that ``...`` within a line stands for any text (timings, tokens/s, long
   vectors), as in doctest. A command with no lines after it must print nothing. Trailing spaces and
-  trailing empty lines are not compared (a page cannot show them). An identical command is run once
-  per session.
+  trailing empty lines are not compared (a page cannot show them). An identical command (its
+  trailing comment aside) is run once per session.
 * A block that cannot run in a test (a server that keeps running, hours of training, a GPU, a
   download, a path the reader supplies) has ``<!-- not run: WHY -->`` as the nearest non-blank line
   above its fence, the reason said.
@@ -159,6 +159,12 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def without_comment(text: str) -> str:
+    """``text`` less a trailing ``# comment`` that holds no quote (bash ignores it), so that the same
+    command with another comment runs once."""
+    return re.sub(r"\s+#[^\"'`$\\]*$", "", text)
+
+
 @functools.cache
 def run(text: str, cwd: Path) -> tuple[int, str]:
     """Exit status and output (stdout and stderr interleaved) of one command, run once per session."""
@@ -191,7 +197,7 @@ def test_a_block_not_run_says_why(block: Block) -> None:
 def test_console_block(block: Block, scratch: Path) -> None:
     for command in commands(block):
         where = f"{block.page.relative_to(REPO)}:{command.line}"
-        status, output = run(command.text, scratch)
+        status, output = run(without_comment(command.text), scratch)
         assert status == 0, f"{where}: `{command.text}` exited with status {status}:\n{output}"
         problem = mismatch(trimmed(command.output), trimmed(output.splitlines()))
         assert problem is None, (f"{where}: `{command.text}` printed what the page does not show ({problem}).\n"
