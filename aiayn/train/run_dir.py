@@ -10,6 +10,8 @@ Replacing a run (``--overwrite``) never deletes first. The new run is validated 
 temporary sibling, ``RUN.tmp-<random>``, and swapped in when its first checkpoint is on disk (the
 old run is renamed away, the new one renamed in, then the old deleted). A failure before that (a
 typo in a task name, a diverging first step) removes the sibling and leaves the old run as it was.
+A process killed before that leaves the sibling behind: the next start in that run directory
+removes it when it is clearly dead (``clear_leftovers``), or names it with the command to remove it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,19 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no owner locks; leftovers are named, never removed
+    fcntl = None  # type: ignore[assignment]
 
 from aiayn.config import ModelConfig, TrainConfig
 
@@ -38,6 +47,11 @@ KIND_RUN, KIND_AVERAGED = "run", "averaged"
 CONFIG_FILE = "config.json"
 # A checkpoint directory's name: the only entries pruning may delete (see checkpoint._prune).
 CHECKPOINT_NAME = re.compile(r"step-\d{8}")
+# A replacement's temporary sibling holds this file, locked (flock) by the process that writes it
+# for as long as it lives: the kernel drops the lock when that process dies, however it dies.
+OWNER_LOCK = ".aiayn-owner"
+# A free lock younger than this may be one its owner has created and not yet locked.
+LEFTOVER_AGE_S = 60.0
 
 
 class RunDirError(ValueError):
@@ -236,6 +250,7 @@ class RunLocation:
             if had_old:
                 os.rename(old, self.final)
             raise
+        _disown(self.path, now_at=self.final)  # its owner lock moved in with it
         self.path = self.final
         fsync_dir(self.final.parent)
         if had_old:
@@ -252,6 +267,7 @@ class RunLocation:
         stays (emptied of what this start wrote into it); an existing run is never touched."""
         if self.pending:
             shutil.rmtree(self.path, ignore_errors=True)
+            _disown(self.path, now_at=None)
         elif self.fresh:
             for entry in list(self.path.iterdir()) if self.path.is_dir() else []:
                 if entry.is_dir() and not entry.is_symlink():
@@ -261,6 +277,104 @@ class RunLocation:
             for folder in self.made:  # deepest first; rmdir refuses a folder someone else filled
                 with suppress(OSError):
                     folder.rmdir()
+
+
+# ---- what a killed replacement leaves behind ----------------------------------------------------
+_OWNED: dict[Path, int] = {}  # temporary siblings this process writes -> its locked owner file
+
+
+def _own(directory: Path) -> None:
+    """Lock ``directory/OWNER_LOCK`` for as long as this process lives (or until ``_disown``). Where
+    locks are not to be had (no fcntl, a filesystem without them) the file is not left behind: a
+    sibling without one is only ever named, never removed."""
+    if fcntl is None:
+        return
+    lock = directory / OWNER_LOCK
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError:
+        os.close(fd)
+        lock.unlink(missing_ok=True)
+        return
+    _OWNED[directory] = fd
+
+
+def _disown(directory: Path, *, now_at: Path | None) -> None:
+    """Let go of the lock ``_own`` took on ``directory`` (renamed to ``now_at``: remove its file)."""
+    fd = _OWNED.pop(directory, None)
+    if fd is None:
+        return
+    if now_at is not None:
+        with suppress(OSError):
+            (now_at / OWNER_LOCK).unlink()
+    os.close(fd)
+
+
+def _owner_alive(directory: Path) -> bool | None:
+    """True when a live process holds ``directory``'s owner lock, False when its lock is free (the
+    process that took it is gone), None when it has no lock file (or locks are not to be had)."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(directory / OWNER_LOCK, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (closing also drops the lock just taken)
+    return False
+
+
+def clear_leftovers(run_dir: Path, echo: Callable[[str], None] = print) -> None:
+    """Remove, or name with the command that removes it, each temporary sibling ``RUN.tmp-<hex>``
+    that a replacement (``--overwrite``) of ``run_dir`` left when it was killed before its first
+    checkpoint. The rule, so that nothing another process is writing or anything of value is lost:
+
+    * removed: an aiayn run (its marker) holding no checkpoint, whose owner lock is free (the
+      process that wrote it is dead: the kernel drops a flock when its holder dies) and which has
+      not changed for ``LEFTOVER_AGE_S`` (a lock file just created is not locked yet);
+    * named, with ``rm -r ...``: one unchanged for as long that holds a checkpoint, or has no owner
+      lock (written by an older aiayn, or by a process killed while creating it);
+    * left alone: one whose owner lives (a replacement in progress), one that changed recently,
+      and anything that is not a directory of that name.
+    """
+    real = run_dir.resolve()  # the sibling sits next to the resolved run (check_replaceable)
+    pattern = re.compile(re.escape(real.name) + r"\.tmp-[0-9a-f]{8}")
+    try:
+        entries = sorted(real.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        if not pattern.fullmatch(entry.name) or entry.is_symlink() or not entry.is_dir() or entry in _OWNED:
+            continue
+        alive = _owner_alive(entry)
+        try:
+            recent = time.time() - entry.stat().st_mtime < LEFTOVER_AGE_S
+        except OSError:  # gone meanwhile
+            continue
+        if alive or recent:
+            continue
+        saved = [p.name for p in (entry / "checkpoints").glob("step-*") if CHECKPOINT_NAME.fullmatch(p.name)]
+        marker = read_marker(entry)
+        if alive is False and not saved and marker is not None and marker["kind"] == KIND_RUN:
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                echo(f"removed {entry}: left by a replacement of {real} (--overwrite) that was stopped "
+                     f"before its first checkpoint")
+                continue
+        what = f"holds {max(saved)} of a replacement (--overwrite) of {real} that" if saved else \
+            f"was left by a replacement (--overwrite) of {real} that"
+        echo(f"note: {entry} {what} did not finish; remove it with: rm -r {shlex.quote(str(entry))}")
 
 
 def config_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
@@ -296,18 +410,21 @@ def _check_resumable(run_dir: Path, configs: dict[str, Any]) -> None:
         )
 
 
-def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, overwrite: bool) -> RunLocation:
+def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, overwrite: bool,
+                    echo: Callable[[str], None] = print) -> RunLocation:
     """Check ``run_dir`` against what was asked and write the run's marker and config.json.
 
     Resume: the saved configs must match (training may be extended); a run older than markers gets
     one. New run: a missing or empty folder is used in place; an existing run needs ``overwrite``
-    and is replaced through a temporary sibling (see the module docstring).
+    and is replaced through a temporary sibling (see the module docstring). First, the siblings a
+    killed replacement left are removed or named through ``echo`` (``clear_leftovers``).
     """
     run_dir = Path(run_dir)
     if str(run_dir).startswith("~"):  # a quoted ~ reaches us unexpanded: it would make a folder "~"
         raise RunDirError(f"run directory {run_dir}: '~' is not expanded here, so it would name a folder "
                           f"called '~'; write the path out (or leave ~ unquoted for the shell)")
     config_text = json.dumps(configs, indent=2) + "\n"
+    clear_leftovers(run_dir, echo)
     try:
         if resume:
             _check_resumable(run_dir, configs)
@@ -324,6 +441,7 @@ def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, ove
             final = check_replaceable(run_dir)
             location = RunLocation(final=final, path=final.with_name(f"{final.name}.tmp-{secrets.token_hex(4)}"))
             location.path.mkdir()
+            _own(location.path)  # a sibling whose lock is free later was left by a dead process
         else:
             made = tuple(p for p in (run_dir, *run_dir.parents) if not p.exists())
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,11 @@ did not create. Each refusal is one line, exit code 2, and leaves every file as 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,17 @@ from torch import nn
 from aiayn.cli import main
 from aiayn.tasks.reverse import ReverseTask
 from aiayn.train import checkpoint as ckpt
-from aiayn.train.run_dir import MARKER, RunDirError, claim_output_dir, is_run_dir
+from aiayn.train import run_dir as run_dir_module
+from aiayn.train.run_dir import (
+    MARKER,
+    OWNER_LOCK,
+    RunDirError,
+    claim_output_dir,
+    clear_leftovers,
+    is_run_dir,
+    prepare_run_dir,
+    write_marker,
+)
 
 OLD_RUNS = Path(__file__).resolve().parents[1] / "fixtures" / "old_runs"
 # A small reverse task (through a recipe: the CLI has no option for the split sizes), 2 steps.
@@ -270,3 +284,78 @@ def test_claim_output_dir_rules(tmp_path):
         claim_output_dir(tmp_path / "file")
     saved = ckpt.average_last_checkpoints(checkpoints, 1, model, tmp_path / "avg")
     assert saved == tmp_path / "avg" / "step-00000001" and (tmp_path / "avg" / MARKER).is_file()
+
+
+# ---- what a killed --overwrite leaves behind ----------------------------------------------------
+# A process that starts a replacement of ./run (``--overwrite``: the new run is written in a
+# temporary sibling, run.tmp-<hex>), prints its name and dies (``os._exit``: no cleanup, as when
+# killed).
+KILLED_REPLACEMENT = """
+import os
+from pathlib import Path
+from aiayn.train.run_dir import prepare_run_dir
+location = prepare_run_dir(Path("run"), {"task": "reverse"}, resume=False, overwrite=True, echo=lambda line: None)
+print(location.path.name, flush=True)
+os._exit(9)
+"""
+
+
+def age(path: Path, seconds: float = 3600) -> None:
+    """Make ``path`` look unchanged for ``seconds`` (the rule leaves a recent sibling alone)."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_a_killed_overwrites_sibling_is_removed_when_the_run_is_used_again(work, capsys):
+    """A replacement killed before its first checkpoint left run.tmp-<hex>; the next start in that
+    run directory (here a resume) removes it, says so, and leaves alone the sibling of a replacement
+    whose process still holds its lock (started here, its lock handed over as if another process's)."""
+    done = subprocess.run([sys.executable, "-c", KILLED_REPLACEMENT], cwd=work, capture_output=True, text=True,
+                          timeout=120)
+    killed = work / done.stdout.strip()
+    assert done.returncode == 9 and killed.is_dir() and killed.name.startswith("run.tmp-"), done.stderr
+    live = prepare_run_dir(work / "run", {"task": "reverse"}, resume=False, overwrite=True).path
+    lock = run_dir_module._OWNED.pop(live)  # still locked: a live owner that is not this start
+    try:
+        age(killed)
+        age(live)
+        live_before = snapshot(live)
+        code, out, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--resume",
+                               "--max-steps", "3", "--save-every", "1", "--eval-every", "1000", "--no-progress")
+        assert code == 0, err
+        assert f"removed {killed.resolve()}: left by a replacement of {(work / 'run').resolve()} (--overwrite) " \
+               f"that was stopped before its first checkpoint" in out
+        assert not killed.exists()
+        assert snapshot(live) == live_before and live.name not in out  # its owner lives: untouched
+        assert ckpt.latest_checkpoint(work / "run" / "checkpoints").name == "step-00000003"
+    finally:
+        os.close(lock)
+
+
+def test_leftovers_that_are_not_clearly_dead_are_named_not_removed(tmp_path):
+    """The rule's other cases: a sibling holding a checkpoint, or without an owner lock (an older
+    aiayn's), is named with the command that removes it; a recent one is left alone, silently."""
+    (tmp_path / "run").mkdir()
+    with_checkpoint = tmp_path / "run.tmp-0123abcd"
+    (with_checkpoint / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (with_checkpoint / OWNER_LOCK).write_text("12345\n")  # a lock file nobody holds
+    write_marker(with_checkpoint, "run")
+    unlocked = tmp_path / "run.tmp-89abcdef"
+    unlocked.mkdir()
+    write_marker(unlocked, "run")
+    recent = tmp_path / "run.tmp-feedf00d"
+    recent.mkdir()
+    (recent / OWNER_LOCK).write_text("")
+    not_ours = tmp_path / "run.tmp-notahexname"
+    not_ours.mkdir()
+    for path in (with_checkpoint, unlocked, not_ours):
+        age(path)
+    before = snapshot(tmp_path)
+    notes: list[str] = []
+    clear_leftovers(tmp_path / "run", notes.append)
+    assert snapshot(tmp_path) == before
+    run, with_checkpoint, unlocked = (p.resolve() for p in (tmp_path / "run", with_checkpoint, unlocked))
+    assert notes == [f"note: {with_checkpoint} holds step-00000004 of a replacement (--overwrite) of {run} "
+                     f"that did not finish; remove it with: rm -r {with_checkpoint}",
+                     f"note: {unlocked} was left by a replacement (--overwrite) of {run} that did not "
+                     f"finish; remove it with: rm -r {unlocked}"]
