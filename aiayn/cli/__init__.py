@@ -55,11 +55,14 @@ def _fail(message: str, code: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the command; every failure is one line on stderr (see the module doc)."""
+    import torch
+
     from aiayn.data.parallel import DataError
     from aiayn.interop.mapping import InteropError
     from aiayn.tasks.base import UnknownTaskError
     from aiayn.train.checkpoint import CheckpointError
     from aiayn.train.distributed import DistributedError
+    from aiayn.train.memory import TrainingOutOfMemory
     from aiayn.train.trainer import RunDirError, TrainingDiverged
 
     debug = _debug(argv)
@@ -90,11 +93,11 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         _fail(str(exc), 1)
-    except MemoryError:
+    except (MemoryError, torch.OutOfMemoryError) as exc:  # training's says what is kept and the fix
         if debug:
             raise
-        _fail("out of memory: the model or batch does not fit; try a smaller model, batch or "
-              "--max-new-tokens", 1)
+        _fail(str(exc) if isinstance(exc, TrainingOutOfMemory) else "out of memory: the model or batch "
+              "does not fit; try a smaller model, batch or --max-new-tokens", 1)
     except OSError as exc:  # a file that cannot be read or written: name it
         if debug:
             raise

@@ -162,6 +162,15 @@ class TranslationTask(Task):
         """Length-bucketed batches of up to ``max_tokens`` padded tokens (``batch_size`` is unused)."""
         return token_batches(*self.lengths("train"), BucketSpec(self.max_tokens), seed=seed, epoch=epoch)
 
+    def memory_batches(self, batches: list[Tensor]) -> list[Tensor]:
+        """The batch of the most pairs and the one of the longest pair: each holds up to
+        ``max_tokens`` padded tokens, the longest pair's the largest attention masks."""
+        if not batches:
+            return []
+        longest_side = torch.maximum(*self.lengths("train"))  # (pairs,)
+        longest = max(batches, key=lambda indices: int(longest_side[indices].max()))
+        return [max(batches, key=len), longest]
+
     def eval_batches(self, split: str, batch_size: int) -> list[Batch]:
         spec = BucketSpec(self.max_tokens)
         return [self.collate(split, b) for b in token_batches(*self.lengths(split), spec, seed=None)]

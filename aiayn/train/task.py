@@ -102,6 +102,12 @@ class Task:
         order = torch.randperm(self.split_size("train"), generator=generator)
         return list(order.split(batch_size))
 
+    def memory_batches(self, batches: list[Tensor]) -> list[Tensor]:
+        """The index batches among ``batches`` whose collated shapes bound a training step's memory
+        (``aiayn.train.memory``): by default the one with the most examples; a task whose batches
+        differ in length names its longest too."""
+        return [max(batches, key=len)] if batches else []
+
     def collate(self, split: str, indices: Tensor) -> Batch:
         return {key: value[indices] for key, value in self.splits[split].items()}
 

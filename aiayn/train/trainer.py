@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from aiayn import device as devices
 from aiayn.config import ModelConfig, TrainConfig
-from aiayn.train import distributed
+from aiayn.train import distributed, memory
 from aiayn.train.averaging import choose_test_checkpoint
 from aiayn.train.checkpoint import (
     CheckpointError,
@@ -146,16 +146,21 @@ def train(
         # Rank 0 checks and writes the directory (a replaced run goes to a temporary sibling, whose
         # name the other ranks learn from it); an error there is raised on every rank.
         location = distributed.run_on_main(
-            ctx, lambda: prepare_run_dir(Path(run_dir), configs, resume=resume, overwrite=overwrite))
+            ctx, lambda: prepare_run_dir(Path(run_dir), configs, resume=resume, overwrite=overwrite, echo=echo))
         location = from_main(ctx, location)
         assert location is not None
         try:
             return _train(task, model_config, train_config, location, ctx, resume=resume,
                           progress=progress and ctx.is_main, echo=echo if ctx.is_main else _quiet,
                           make_plots=make_plots, fast=fast)
-        except BaseException:
+        except BaseException as exc:
+            # Out of memory: one line naming what is kept and the fix (written before abandon()).
+            oom = (memory.out_of_memory(exc, location, task, train_config, ctx.device)
+                   if memory.is_out_of_memory(exc) else None)
             if ctx.is_main:  # failed before the first checkpoint: the old run stays, the sibling goes
                 location.abandon()
+            if oom is not None:
+                raise oom from exc
             raise
     finally:
         if ctx.owns_group:
@@ -215,6 +220,9 @@ def _train(
     distributed.run_on_main(ctx, lambda: task.prepare(cfg.seed))
     if ctx.enabled and not ctx.is_main:
         task.prepare(cfg.seed)
+    # Refuse a step that cannot fit (weights, gradients, Adam, activations) before allocating any.
+    memory.check_training_memory(task, model_config, cfg, dev, fast=fast, resume=resume,
+                                 world_size=ctx.world_size, fsdp=ctx.fsdp)
     model = task.build_model(model_config).to(dev)  # built on the CPU (same initial weights everywhere)
     if fast:  # the CPU kernels: same parameters and state dict, same function (aiayn.fast)
         from aiayn.fast import optimize

@@ -1,0 +1,448 @@
+"""How much memory a training step takes, checked before anything is allocated; and the one line a
+step that runs out of memory anyway ends with.
+
+The estimate (``estimate_training_memory``) counts, in bytes:
+
+* weights: every parameter and buffer, float32 as built;
+* gradients: one float32 value per trainable parameter;
+* optimizer: Adam/AdamW's two float32 moments per trainable parameter, and the step's
+  temporaries, about two copies of the largest parameter (a tied embedding's two gradients are
+  summed at the end of the backward; torch's for-each Adam runs tensor by tensor on the CPU, with
+  a square root and a quotient of each);
+* activations: what the forward keeps for the backward, layer by layer, for the largest batch's
+  b sequences of t positions (n = b t tokens), plus the loss's logits (``activation_bytes``).
+
+A step's peak is not their sum: the forward keeps activations and the backward frees them while it
+fills the gradients, and the optimizer runs after both. So the peak is weights + moments +
+max(activations, gradients + the optimizer's temporary), measured within 25% on the CPU by
+tests/robustness/test_memory.py (torch's profiler records every allocation of a real step).
+
+``check_training_memory`` refuses (``TrainingMemoryError``, one line) a run whose peak exceeds the
+memory available now: ``torch.cuda.mem_get_info`` on a GPU, MemAvailable (``aiayn.models.size``)
+on the CPU, shared by the processes of this machine. ``out_of_memory`` turns an out-of-memory
+error during training into a ``TrainingOutOfMemory`` line with the same advice.
+
+Shape letters: b sequences, t positions (s of an encoder-decoder's source), n = b t tokens (n_s = b
+s), d ``d_model``, f ``d_ff``, h heads, h_kv key/value heads, d_h head width, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ConfigError, ModelConfig, TrainConfig
+from aiayn.models.size import available_memory, check_fits, estimated_values
+from aiayn.nn.kv_cache import format_bytes
+
+if TYPE_CHECKING:
+    from aiayn.train.run_dir import RunLocation
+    from aiayn.train.task import Task
+
+F32 = 4  # bytes of a float32: weights, gradients, moments, the loss's logits, norms' statistics
+
+
+class TrainingMemoryError(ConfigError):
+    """A run whose training step would not fit in the memory available (refused before it starts)."""
+
+
+class TrainingOutOfMemory(MemoryError):
+    """Training ran out of memory during a step or an evaluation; nothing saved was touched."""
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The largest batch a step sees: b sequences of t positions (s: an encoder-decoder's source)."""
+
+    sequences: int
+    length: int
+    source_length: int = 0
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """What the estimate needs of a built model: values of parameters and buffers, trainable values,
+    values in matmul weights (which bfloat16 autocast copies), the largest trainable tensor, and
+    whether a fused loss applies."""
+
+    weights: int
+    trainable: int
+    matmul: int
+    largest: int
+    fused_head: bool
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the step runs: bfloat16 autocast; aiayn.fast's CPU kernels (block-causal attention, the
+    fused output layer + loss, their dropout); the device's type; torch's threads."""
+
+    autocast: bool = False
+    fast: bool = False
+    device_type: str = "cpu"
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class TrainingMemory:
+    """The estimate, in bytes."""
+
+    weights: int
+    gradients: int
+    optimizer: int  # the moments
+    step_temporary: int  # after the backward: two copies of the largest parameter
+    activations: int
+
+    @property
+    def peak(self) -> int:
+        """Weights and moments live throughout; activations peak at the end of the forward,
+        gradients (and the optimizer's temporaries) after the backward."""
+        return self.weights + self.optimizer + max(self.activations, self.gradients + self.step_temporary)
+
+    def describe(self) -> str:
+        """'2.10 GiB (weights 300 MiB + Adam's moments 600 MiB + the larger of activations 1.20 GiB
+        and gradients 600 MiB)': the gradients with the step's temporaries."""
+        return (f"{readable(self.peak)} (weights {readable(self.weights)} + Adam's moments "
+                f"{readable(self.optimizer)} + the larger of activations {readable(self.activations)} and "
+                f"gradients {readable(self.gradients + self.step_temporary)})")
+
+
+def readable(n: int) -> str:
+    """A size to read: '1.50 GiB', '12.25 MiB' (``aiayn.nn.kv_cache.format_bytes``, whole units bare)."""
+    return format_bytes(int(n))
+
+
+# ---- activations --------------------------------------------------------------------------------
+def activation_bytes(c: ModelConfig, shape: BatchShape, path: Execution, *, fused_head: bool = False) -> int:
+    """What one forward keeps for its backward, and the loss's logits, in bytes (see the module doc).
+
+    Per layer, in units of n tokens (a: 2 bytes under bfloat16 autocast, else 4, for what a matmul
+    outputs; the residual stream stays float32 either way):
+
+    * each sublayer: its input, the residual (4 n d, the norm saves it), and the norm's output
+      that the next projection reads (a n d);
+    * self-attention: q, k, v (a n (h + 2 h_kv) d_h), kept by the attention kernel, and its output
+      (a n h d_h) for the output projection; rotated q, k with RoPE (a n (h + h_kv) d_h); and the
+      (b, h, t, t) weights where the path writes them out (``_scores_bytes``);
+    * cross-attention: q (a n h d_h), k and v of the source (a n_s 2 h_kv d_h), the output;
+    * feed-forward: the first projection's output through the activation (a n f for ReLU, which
+      keeps only its output; 2 a n f for GELU/SiLU, input and output; 4 a n f for a gated unit,
+      the (n, 2 f) projection, the gate's activation and the product);
+    * dropout: a mask per dropped tensor (CUDA's a byte per value; the CPU's, torch's and
+      aiayn.fast's, a scale of the tensor's dtype);
+    * RMSNorm: torch's, written out off CUDA, also keeps x / rms (4 n d);
+    * masks and biases: a causal mask with padding becomes a (b, 1, t, t) float mask that SDPA
+      keeps; ALiBi's and T5's (b, h, t, t) bias is filled with the causal mask anew in each layer;
+    * an encoder-only model's MLM transform (dense, activation, norm: 3 a n d), and the loss's
+      logits (``_logits_bytes``);
+    * autocast: the bfloat16 copies of the matmul weights, kept for the backward (counted by the
+      caller, which knows them).
+
+    Checked against the CPU's measured peak for decoder-only, encoder-decoder and encoder-only
+    models, plain and with aiayn.fast's kernels, float32 and bfloat16 (tests/robustness/
+    test_memory.py); the CUDA paths (flash attention, fused dropout) follow the same counts.
+    """
+    a = 2 if path.autocast else F32
+    b, t = shape.sequences, shape.length
+    s = shape.source_length or t
+    n, n_s = b * t, b * s
+    d, f = c.d_model, c.d_ff
+    h, h_kv, d_h = c.n_heads, c.n_kv_heads, c.head_dim
+    # A dropout mask: CUDA's fused kernel keeps bool; the CPU's (torch's and aiayn.fast's) a scale
+    # of the tensor's dtype.
+    mask_bytes = 1 if path.device_type == "cuda" else a
+    cpu_fast = path.fast and path.device_type == "cpu"
+    # torch's RMSNorm off CUDA is written out: it also keeps x / rms (n, d) for the gain's gradient.
+    norm_extra = F32 if c.norm == "rmsnorm" else 0
+
+    def dropped(values: int, p: float) -> int:
+        return mask_bytes * values if p > 0 else 0
+
+    def sublayer(tokens: int) -> int:  # residual input + norm output + residual dropout
+        return (F32 + norm_extra + a) * tokens * d + dropped(tokens * d, c.dropout)
+
+    def self_attention(tokens: int, length: int, causal: bool) -> int:
+        kept = sublayer(tokens) + a * tokens * (2 * h + 2 * h_kv) * d_h + F32 * b * h * length
+        block_causal = cpu_fast and causal and _block_causal(c, b, length, path)
+        if c.positional == "rope" and not block_causal:  # the rotated q, k beside the (n, 3 d) projection
+            kept += a * tokens * (h + h_kv) * d_h  # (block-causal copies q, k, v and lets it go)
+        scores = _scores_bytes(c, b, length, length, path, block_causal=block_causal)
+        if causal and c.pad_id is not None:
+            # With padding the causal mask is a (b, 1, t, t) bool tensor, which SDPA keeps as float
+            # (and aiayn.fast leaves to SDPA): the larger of the two, as a batch may have padding.
+            scores = max(scores, F32 * b * length * length)
+        if c.positional in ("alibi", "t5") and causal:  # the bias with the causal mask filled in,
+            scores += F32 * b * h * length * length  # (b, h, t, t), a new tensor per layer
+        return kept + scores
+
+    def cross_attention() -> int:
+        kept = sublayer(n) + a * n * 2 * h * d_h + a * n_s * 2 * h_kv * d_h + F32 * b * h * t
+        return kept + _scores_bytes(c, b, t, s, path, block_causal=False)
+
+    def feed_forward(tokens: int) -> int:
+        gated = c.activation in ("swiglu", "geglu")
+        factor = 4 if gated else 1 if c.activation == "relu" else 2
+        return sublayer(tokens) + a * tokens * f * factor + dropped(tokens * f, c.activation_dropout)
+
+    def stack(tokens: int, length: int, layers: int, *, causal: bool, cross: bool) -> int:
+        layer = self_attention(tokens, length, causal) + feed_forward(tokens)
+        if cross:
+            layer += cross_attention()
+        # embedding dropout, the last block's output (f32) and the final norm's (a)
+        return layers * layer + dropped(tokens * d, c.dropout) + (F32 + norm_extra + a) * tokens * d
+
+    if c.arch == "encoder-decoder":
+        kept = (stack(n_s, s, c.n_layers, causal=False, cross=False)
+                + stack(n, t, c.n_decoder_layers, causal=True, cross=True))
+        vocab = c.tgt_vocab_size or c.vocab_size
+    else:
+        kept = stack(n, t, c.n_layers, causal=c.arch == "decoder-only", cross=False)
+        vocab = c.vocab_size
+        if c.arch == "encoder-only":  # BERT's MLM transform: dense, activation, norm outputs
+            kept += 3 * a * n * d
+    return kept + _logits_bytes(n, d, vocab, path, fused=fused_head and path.fast and path.device_type == "cpu")
+
+
+def _logits_bytes(n: int, d: int, v: int, path: Execution, *, fused: bool) -> int:
+    """The loss's share: (n, v) float32 log-probabilities kept for the backward and, at its start,
+    their gradient (``aiayn.train.losses``: 8 bytes per logit; autocast adds the bfloat16 logits
+    in front, 10). aiayn.fast's fused output layer + loss (``aiayn.fast.fused_loss``) holds chunks
+    of c rows instead: while a chunk's logits and softmax, (c, v) each, are computed, the previous
+    chunk's softmax is still referenced, and P_W^T (d, v) with the newest product beside it; at
+    the end P_W^T, its transposed copy and the last product; throughout, the (n, d) P_h."""
+    if not fused:
+        return (10 if path.autocast else 8) * n * v
+    from aiayn.fast.fused_loss import _chunk_rows
+
+    chunk = min(n, _chunk_rows(v, None))
+    chunks = -(-n // chunk)
+    cv, vd = chunk * v, v * d
+    in_loop = (2 if chunks == 1 else 3) * cv + min(chunks - 1, 2) * vd
+    at_end = cv + (2 if chunks == 1 else 3) * vd
+    return F32 * (n * d + max(in_loop, at_end))
+
+
+def _scores_bytes(c: ModelConfig, b: int, t_q: int, t_k: int, path: Execution, *, block_causal: bool) -> int:
+    """The (b, h, t_q, t_k) attention weights a path keeps for its backward: none for SDPA's fused
+    kernels (flash, memory-efficient: a log-sum-exp per row); the written-out equation's float32
+    softmax, and with attention dropout its mask and output, with ``attn_impl="reference"`` or
+    attention dropout on the CPU (SDPA's math path, aiayn.fast's dropout path); aiayn.fast's
+    block-causal kernel keeps the blocks it computes, (m + 1) / 2m of the square for m query blocks."""
+    square = b * c.n_heads * t_q * t_k
+    if c.attn_impl == "reference" or (c.attention_dropout > 0 and path.device_type != "cuda"):
+        a = 2 if path.autocast else F32
+        dropout = (1 if path.device_type == "cuda" else a) + a if c.attention_dropout > 0 else 0
+        return square * (F32 + dropout)
+    if block_causal:
+        from aiayn.fast.block_causal import BLOCK
+
+        blocks = -(-t_q // BLOCK)
+        return F32 * square * (blocks + 1) // (2 * blocks)
+    return 0
+
+
+def _block_causal(c: ModelConfig, b: int, t: int, path: Execution) -> bool:
+    """Whether aiayn.fast's block-causal attention runs this training attention
+    (``aiayn.fast.block_causal.use_block_causal``, from the config: no padding assumed)."""
+    from aiayn.fast.block_causal import MAX_LENGTH, MIN_LENGTH_ONE_THREAD, MIN_WORK
+
+    return (not path.autocast and c.n_kv_heads == c.n_heads and c.attention_dropout == 0
+            and c.positional not in ("alibi", "t5") and 2 <= t <= MAX_LENGTH
+            and (t >= MIN_LENGTH_ONE_THREAD or path.threads > 1)
+            and b * c.n_heads * t * t * c.head_dim >= MIN_WORK)
+
+
+# ---- the estimate -------------------------------------------------------------------------------
+def model_counts(task: Task | None, config: ModelConfig) -> ModelCounts:
+    """The bytes of the model ``task`` builds for ``config``, counted on the meta device (nothing
+    allocated; parameters tied to each other once); from the config alone
+    (``aiayn.models.size.estimated_values``, which errs high) if that build fails."""
+    try:
+        with torch.device("meta"):
+            model = task.build_model(config) if task is not None else _build(config)
+    except Exception:  # a task whose model cannot be built on the meta device
+        values = estimated_values(config) * F32
+        largest = F32 * config.d_model * max(config.vocab_size, config.tgt_vocab_size or 0, config.d_ff)
+        return ModelCounts(values, values, values, largest, fused_head=False)
+    params = list(model.parameters())
+    weights = sum(_nbytes(p) for p in params) + sum(_nbytes(b) for b in model.buffers())
+    trainable = sum(_nbytes(p) for p in params if p.requires_grad)
+    matmul = sum(_nbytes(m.weight) for m in model.modules() if isinstance(m, nn.Linear))
+    largest = max((_nbytes(p) for p in params if p.requires_grad), default=0)
+    fused_head = isinstance(getattr(model, "lm_head", None), nn.Linear) and config.arch != "encoder-only"
+    return ModelCounts(weights, trainable, matmul, largest, fused_head)
+
+
+def _build(config: ModelConfig) -> nn.Module:
+    from aiayn.models import build_model
+
+    return build_model(config)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def estimate_training_memory(config: ModelConfig, shape: BatchShape, path: Execution, *,
+                             counts: ModelCounts | None = None, ddp: bool = False,
+                             shards: int = 1) -> TrainingMemory:
+    """The memory of a training step (see the module doc); ``counts`` default to the config's
+    model. ``ddp``: DDP's gradient
+    buckets, a second copy of the gradients. ``shards``: FSDP shards weights, gradients and
+    moments over this many processes."""
+    counts = counts or model_counts(None, config)
+    activations = activation_bytes(config, shape, path, fused_head=counts.fused_head)
+    if path.autocast:  # bfloat16 copies of the matmul weights, kept for the backward
+        activations += counts.matmul // 2
+    gradients = counts.trainable * (2 if ddp else 1)
+    return TrainingMemory(weights=counts.weights // shards, gradients=gradients // shards,
+                          optimizer=2 * counts.trainable // shards,
+                          step_temporary=2 * counts.largest,
+                          activations=activations)
+
+
+# ---- the check before training -----------------------------------------------------------------
+def batch_shape(batch: Any) -> BatchShape:
+    """A collated batch's b sequences and its longest t positions, over its tensors (token ids
+    (b, t), a set's features (b, t, f), ...); an encoder-decoder's source is taken as long (errs
+    high where it is shorter)."""
+    tensors = [v for v in (batch.values() if isinstance(batch, dict) else [batch])
+               if isinstance(v, Tensor) and v.dim() >= 1]
+    b = max((v.shape[0] for v in tensors), default=1)
+    t = max((v.shape[1] for v in tensors if v.dim() >= 2), default=1)
+    return BatchShape(b, t, t)
+
+
+def training_execution(device: torch.device, cfg: TrainConfig, *, fast: bool) -> Execution:
+    """How the trainer runs a step on ``device`` (``fast``: with aiayn.fast's CPU kernels)."""
+    from aiayn import device as devices
+
+    return Execution(autocast=devices.autocast_dtype(device, bf16=cfg.bf16) is not None, fast=fast,
+                device_type=device.type, threads=torch.get_num_threads())
+
+
+def available_bytes(device: torch.device, *, local_processes: int = 1) -> tuple[int | None, str]:
+    """Bytes free for training on ``device`` now, and where: the GPU's free memory, or this
+    machine's available memory shared by its ``local_processes`` (None: unknown)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free, f"free on {device}"
+    if device.type != "cpu":  # MPS shares the host's memory; its own limit is not known here
+        return None, str(device)
+    available = available_memory()
+    if available is None:
+        return None, "here"
+    if local_processes > 1:
+        return available // local_processes, f"available to each of this machine's {local_processes} processes"
+    return available, "available here"
+
+
+def check_training_memory(task: Task, model_config: ModelConfig, cfg: TrainConfig, device: torch.device, *,
+                          fast: bool, resume: bool = False, world_size: int = 1,
+                          fsdp: bool = False) -> TrainingMemory | None:
+    """Refuse a run whose training step would not fit (``TrainingMemoryError``, one line with the
+    numbers and the fix); call it after ``task.prepare`` and before the model is built. Returns the
+    estimate of the largest batch (None when the memory available is unknown)."""
+    check_fits(model_config)  # an absurd config fails fast, before even a meta build of it
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    available, where = available_bytes(device, local_processes=local)
+    if available is None:
+        return None
+    batches = task.train_batches(0, cfg.batch_size, cfg.seed)
+    shapes = [batch_shape(task.collate("train", indices)) for indices in task.memory_batches(batches)]
+    if not shapes:
+        return None
+    counts = model_counts(task, model_config)
+    path = training_execution(device, cfg, fast=fast and device.type == "cpu")
+    ddp = world_size > 1 and not fsdp
+    estimates = [(estimate_training_memory(model_config, shape, path, counts=counts, ddp=ddp,
+                                           shards=world_size if fsdp else 1), shape) for shape in shapes]
+    estimate, shape = max(estimates, key=lambda pair: pair[0].peak)
+    if estimate.peak <= available:
+        return estimate
+    raise TrainingMemoryError(
+        f"training would need about {estimate.describe()} for batches of {shape.sequences} x "
+        f"{shape.length} tokens, more than the {readable(available)} {where}; "
+        f"{_advice(estimate, available, cfg, path, task.options.get('max_tokens'), resume=resume)}")
+
+
+def _advice(estimate: TrainingMemory, available: int, cfg: TrainConfig, path: Execution, max_tokens: Any, *,
+            resume: bool) -> str:
+    """What to change: batches k times smaller with k times the accumulation (the same batch per
+    step; activations shrink with the batch, the rest does not), bfloat16 on a GPU, a smaller
+    model. A resumed run keeps its batch and precision."""
+    if resume:
+        return ("a resumed run keeps its batch and precision, so free memory (other processes), or "
+                "resume on a machine with more")
+    fixes = []
+    room = available - estimate.weights - estimate.optimizer  # for activations, at any batch
+    if room > estimate.gradients + estimate.step_temporary:
+        k = -(-estimate.activations // room)
+        accum = f"--grad-accum {cfg.grad_accum * k}"
+        if isinstance(max_tokens, int):
+            fixes.append(f"--max-tokens {max(1, max_tokens // k)} {accum}")
+        elif cfg.batch_size >= k:
+            fixes.append(f"--batch-size {cfg.batch_size // k} {accum}")
+        else:
+            fixes.append("shorter sequences")
+    if path.device_type == "cuda" and not path.autocast:
+        fixes.append("--bf16")
+    fixes.append("a smaller model")
+    return "try " + ", or ".join(fixes)
+
+
+# ---- out of memory anyway -----------------------------------------------------------------------
+# What torch's allocators say in the RuntimeError they raise off CUDA (CUDA's is OutOfMemoryError).
+ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's out-of-memory error (CUDA's, or the CPU's or MPS's allocator's), or Python's."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in ALLOCATOR_FAILURES)
+
+
+def out_of_memory(exc: BaseException, location: RunLocation, task: Task, cfg: TrainConfig,
+                  device: torch.device) -> TrainingOutOfMemory:
+    """The one line an out-of-memory error during training becomes: how much was asked and free,
+    what is kept (the latest checkpoint, never touched by the failure; before the first one, the
+    run it was to replace, or nothing), and the fix. Call it before ``location.abandon()``."""
+    from aiayn.train.checkpoint import latest_checkpoint
+
+    text = str(exc)
+    asked = re.search(r"[Tt]ried to allocate ([\d.]+ \w?i?B|\d+ bytes)", text)
+    free = re.search(r"of which ([\d.]+ \w?i?B) is free", text)
+    what = ", ".join(part for part in (
+        f"tried to allocate {_bytes_text(asked.group(1))}" if asked else "",
+        f"{free.group(1)} free" if free else "") if part)
+    latest = latest_checkpoint(location.path / "checkpoints")
+    if latest is not None:
+        kept = f"the latest checkpoint, {latest.name} in {latest.parent}, is intact"
+    elif location.pending:
+        kept = f"no checkpoint had been saved, and the run it was to replace, {location.final}, is untouched"
+    elif location.fresh:
+        kept = f"no checkpoint had been saved, so {location.final} was left as it was before this start"
+    else:
+        kept = "no checkpoint had been saved"
+    max_tokens = task.options.get("max_tokens")
+    smaller = (f"--max-tokens {max(1, max_tokens // 2)}" if isinstance(max_tokens, int)
+               else f"--batch-size {max(1, cfg.batch_size // 2)}")
+    fixes = f"{smaller} --grad-accum {cfg.grad_accum * 2} (the same batch per step)"
+    if device.type == "cuda" and cfg.bf16 is False:
+        fixes += ", --bf16"
+    again = "free memory and --resume, or start again with --overwrite and " if latest is not None else "start again with "
+    return TrainingOutOfMemory(f"out of memory on {device} during training" + (f" ({what})" if what else "")
+                               + f"; {kept}. A run keeps its batch when resumed: {again}{fixes}, or a smaller model")
+
+
+def _bytes_text(amount: str) -> str:
+    """'2.00 GiB' as it is; '140737488355328 bytes' (the CPU allocator's) readable."""
+    if amount.endswith(" bytes"):
+        return readable(int(amount.split()[0]))
+    return amount
