@@ -390,8 +390,8 @@ def _advice(estimate: TrainingMemory, available: int, cfg: TrainConfig, path: Ex
             fixes.append(f"--batch-size {cfg.batch_size // k} {accum}")
         else:
             fixes.append("shorter sequences")
-    if path.device_type == "cuda" and not path.autocast:
-        fixes.append("--bf16")
+        if path.device_type == "cuda" and not path.autocast:  # halves most activations
+            fixes.append("--bf16")
     fixes.append("a smaller model")
     return "try " + ", or ".join(fixes)
 

@@ -211,3 +211,20 @@ def test_cpu_allocator_failure_reads_as_out_of_memory():
                          "memory: you tried to allocate 140737488355328 bytes. Error code 12")
     assert memory.is_out_of_memory(error) and memory.is_out_of_memory(torch.OutOfMemoryError("x"))
     assert not memory.is_out_of_memory(RuntimeError("out of memory (simulated)"))
+
+
+def test_the_advice_fits_what_does_not_fit():
+    """Activations too large: batches k times smaller with k times the accumulation (--max-tokens
+    for token batches), --bf16 on a GPU without it; weights, gradients and moments too large: only
+    a smaller model; a resume: free memory (its batch and precision are the run's)."""
+    cfg = TrainConfig(batch_size=64, grad_accum=2, bf16=False)
+    mib = 2**20
+    estimate = memory.TrainingMemory(weights=10 * mib, gradients=10 * mib, optimizer=20 * mib, step_temporary=0,
+                                     activations=100 * mib)
+    cuda, cpu = memory.Execution(device_type="cuda"), memory.Execution()
+    assert memory._advice(estimate, 60 * mib, cfg, cpu, None, resume=False) == \
+        "try --batch-size 16 --grad-accum 8, or a smaller model"  # 100 MiB of activations in 30: k = 4
+    assert memory._advice(estimate, 60 * mib, cfg, cuda, 4096, resume=False) == \
+        "try --max-tokens 1024 --grad-accum 8, or --bf16, or a smaller model"
+    assert memory._advice(estimate, 35 * mib, cfg, cuda, None, resume=False) == "try a smaller model"
+    assert "resumed run keeps its batch" in memory._advice(estimate, 60 * mib, cfg, cpu, None, resume=True)
