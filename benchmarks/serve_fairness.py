@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-request-tokens", type=int, default=300_000,
                         help="the server's limit, which the embeddings request fills")
     parser.add_argument("--embed-share", type=float, default=0.5)
-    parser.add_argument("--embed-chunk", type=int, default=128)
+    parser.add_argument("--embed-chunk", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="idle / beside pairs, alternated")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8632)

@@ -51,7 +51,7 @@ from aiayn.cli.app import (
 @click.option("--max-request-tokens", type=click.IntRange(min=1), default=300_000, show_default=True,
               help="Tokens of one request, all its inputs or prompts together, at most (OpenAI's limit for "
                    "embeddings); beyond, 400.")
-@click.option("--embed-chunk", type=click.IntRange(min=1), default=128, show_default=True,
+@click.option("--embed-chunk", type=click.IntRange(min=1), default=64, show_default=True,
               help="Tokens of an embeddings input read per forward, between decode steps (a longer input is "
                    "read in pieces): smaller, streams wait less at a time; larger, embeddings finish sooner.")
 @click.option("--embed-share", type=FiniteFloatRange(min=0, max=1, min_open=True, max_open=True), default=0.5,

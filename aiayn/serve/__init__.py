@@ -5,6 +5,8 @@
 * ``app``: the FastAPI routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
   ``/v1/models``, ``/health``, ``/metrics``), ``schemas`` their strict request models,
   ``responses`` the OpenAI wire format (whole and streamed);
+* ``embedding``: a decoder's sentence vectors, a forward at a time (the engine runs them between
+  its decode steps); ``limits``: how much one request may ask (400 past it);
 * ``models``: what is served (a decoder-only text model, or a sentence encoder);
 * ``server``: putting it together under uvicorn; ``metrics``: Prometheus.
 

@@ -29,7 +29,7 @@ from aiayn.textgen import TextModel
 
 logger = logging.getLogger("aiayn.serve")
 
-DEFAULT_CHUNK = 128  # tokens per forward: on SmolLM2's CPU path ~0.1 s, a few decode steps' time
+DEFAULT_CHUNK = 64  # tokens per forward: SmolLM2 on 2 idle cores, about two decode steps' time
 
 
 class EmbeddingJob:
@@ -56,6 +56,12 @@ class EmbeddingJob:
     @property
     def done(self) -> bool:
         return self.index == len(self.inputs)
+
+    @property
+    def next_tokens(self) -> int:
+        """The tokens the next ``forward`` reads."""
+        n = len(self.inputs[self.index])
+        return n if n <= self.chunk else min(self.chunk, n - self.fed)
 
     def forward(self) -> int:
         """Read the next piece: a whole input of up to ``chunk`` tokens, or the next ``chunk`` of a
@@ -105,17 +111,42 @@ def decoder_embeddings(lm: TextModel, prompts: list[list[int]], chunk: int = DEF
     return EmbeddingJob(lm, prompts, chunk).run()
 
 
+class ForwardCost:
+    """Seconds a forward of n tokens takes, a + b n, fitted by least squares to the recent forwards
+    (each older one weighs ``decay`` times less); proportional to n while one size was seen."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, n, t, n^2, n t
+
+    def observe(self, n: int, seconds: float) -> None:
+        self.sums = tuple(self.decay * s + x for s, x in zip(self.sums, (1.0, n, seconds, n * n, n * seconds),
+                                                             strict=True))
+
+    def __call__(self, n: int) -> float:
+        w, sn, st, snn, snt = self.sums
+        if w == 0.0:
+            return 0.0  # nothing seen yet: the first forward goes at once
+        spread = w * snn - sn * sn
+        if spread <= 1e-6 * w * snn:
+            return st / sn * n
+        b = (w * snt - sn * st) / spread
+        return max(0.0, (st - b * sn) / w + b * n)
+
+
 class EmbeddingQueue:
     """The engine's embedding jobs and their share of its time (its step's last part).
 
     After each step's stream forwards (prefill and decode) took ``streams`` seconds, ``run`` does
     embedding forwards, one job's at a time in turn (round robin: a small request is not held
-    behind a large one), while a credit lasts: each step adds ``streams * share / (1 - share)``
-    seconds and each forward takes its own time off. A forward longer than that leaves a debt that
-    the next steps pay back before the next forward, so embeddings take at most ``share`` of the
-    engine's time while streams run, whatever a forward costs. With no stream, one forward a step
-    (the engine looks for new requests between them). ``clock`` times the forwards; on a GPU a job
-    waits for its forward before the clock is read (``EmbeddingJob.forward``)."""
+    behind a large one), while a credit covers them: each step adds ``streams * share / (1 -
+    share)`` seconds, and a forward starts only when the credit holds its expected time (a fit of
+    the recent forwards' times, ``ForwardCost``) and takes its real time off. A forward longer than
+    a decode step thus waits for the steps that pay for it, and embeddings take at most ``share`` of
+    the engine's time while streams run, over any stretch, whatever a forward costs (up to the
+    error of one estimate). With no stream, one forward a step (the engine looks for new requests
+    between them). ``clock`` times the forwards; on a GPU a job waits for its forward before the
+    clock is read (``EmbeddingJob.forward``)."""
 
     def __init__(self, share: float, clock: Callable[[], float], lock: threading.Condition,
                  read: Callable[[int], None] = lambda tokens: None) -> None:
@@ -126,6 +157,7 @@ class EmbeddingQueue:
         # Seconds of stream and embedding forwards in the steps that had both: the share, measured.
         self.shared_seconds = {"streams": 0.0, "embeddings": 0.0}
         self.forwards = 0  # embedding forwards run, in all
+        self.cost = ForwardCost()
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -163,6 +195,11 @@ class EmbeddingQueue:
                 job = self.jobs.popleft()
             if job.cancelled or job.future.done():
                 continue
+            tokens = job.next_tokens
+            if streams is not None and self.credit < self.cost(tokens) * (1 - 1e-9):  # (the fit's rounding)
+                with self.lock:
+                    self.jobs.appendleft(job)  # its turn stays: the next steps pay for it
+                break
             start = self.clock()
             try:
                 self.read(job.forward())
@@ -173,6 +210,7 @@ class EmbeddingQueue:
             finally:
                 spent = self.clock() - start
                 self.forwards += 1
+                self.cost.observe(tokens, spent)
             if streams is not None:
                 self.credit -= spent
                 self.shared_seconds["embeddings"] += spent

@@ -93,10 +93,11 @@ def test_a_stream_gets_a_token_at_every_step_beside_a_large_embeddings_request(l
         assert job.forwards == forwards + 1, f"step {step}: the embeddings did not advance"
 
 
-def test_a_forward_longer_than_a_decode_step_is_paid_back_over_the_next_steps(lm, monkeypatch):
-    """An embedding forward measured at 3 units against the streams' 1 a step: one forward every
-    third step, so the embeddings take half the engine's time (embed_share 0.5), never more than
-    the streams' time plus one forward."""
+def test_a_forward_longer_than_a_decode_step_waits_for_the_steps_that_pay_for_it(lm, monkeypatch):
+    """An embedding forward measured at 3 units against the streams' 1 a step: once its cost is
+    known, one forward every third step, after the steps that pay for it, so the embeddings take
+    half the engine's time (embed_share 0.5). The first forward, of unknown cost, goes at once
+    and its debt is paid back before the next: never more than the streams' time plus one."""
     engine = engine_for(lm)
     clock = engine.embeddings.clock = FakeClock()
     forward = EmbeddingJob.forward
@@ -116,7 +117,8 @@ def test_a_forward_longer_than_a_decode_step_is_paid_back_over_the_next_steps(lm
         if job.forwards > forwards:
             ran_at.append(step)
     assert len(stream.tokens) == 62  # a token every step (two from the first step)
-    assert [b - a for a, b in itertools.pairwise(ran_at)] == [3] * (len(ran_at) - 1) and len(ran_at) > 15
+    gaps = [b - a for a, b in itertools.pairwise(ran_at)]
+    assert ran_at[0] == 0 and gaps == [5] + [3] * (len(gaps) - 1) and len(gaps) > 15  # (5: the debt, then 3)
     shared = engine.embeddings.shared_seconds
     assert shared["embeddings"] <= shared["streams"] + 3.0
 
@@ -209,3 +211,16 @@ def test_the_queue_of_embeddings_does_not_change_what_a_stream_gets(lm):
         engine.step()
     assert beside.tokens == alone.tokens
     assert isinstance(beside, Collector)
+
+
+def test_the_forward_cost_is_fitted_to_the_recent_forwards():
+    from aiayn.serve.embedding import ForwardCost
+
+    cost = ForwardCost()
+    assert cost(100) == 0.0  # nothing seen: the first forward is not held back
+    cost.observe(64, 2.0)
+    assert cost(32) == pytest.approx(1.0)  # one size seen: proportional
+    for _ in range(20):  # a long input's pieces: 64 tokens in 2.5 s, the last 18 in 1.2 s
+        cost.observe(64, 2.5)
+        cost.observe(18, 1.2)
+    assert cost(64) == pytest.approx(2.5, rel=0.02) and cost(18) == pytest.approx(1.2, rel=0.05)
