@@ -240,6 +240,19 @@ def test_mask_logits_shapes_padding_and_rows(tok):
         mask_rows(logits, [a, b])
 
 
+def test_bitmask_unpacking(device):
+    """numpy's unpackbits (the CPU's path) and the shifts (a GPU's) read the packed words alike,
+    and applying a mask on the device masks exactly the 0 bits and the rows past n."""
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    want = torch.tensor([[bool(int(words[r, t // 32]) >> (t % 32) & 1) for t in range(150)] for r in range(3)])
+    assert c.unpack_bitmask(words, 150).equal(want) and c.unpack_bitmask(words, 150, invert=True).equal(~want)
+    assert c.unpack_by_shifts(words.to(device), 150).cpu().equal(want)
+    logits = torch.randn(3, 157, device=device)
+    masked = logits.clone()
+    c.apply_bitmask(masked, words, 150)
+    assert torch.isinf(masked[:, 150:]).all() and masked[:, :150].isfinite().cpu().equal(want)
+
+
 @pytest.mark.cpu_only
 def test_end_of_text_and_advance_errors(tok):
     eos = tok.token_to_id("<|im_end|>")
@@ -270,6 +283,7 @@ def test_end_of_text_and_advance_errors(tok):
     ({"type": "object", "required": ["a"], "properties": {}, "additionalProperties": False}, "Unsatisfiable"),
     ({"type": "string", "format": "colour"}, "Unknown format"),
     ({"enum": {1, 2}}, "not JSON"),
+    ({"type": "array", "uniqueItems": True}, "Unimplemented keys"),  # unenforced would mean invalid answers
 ])
 def test_invalid_schema_is_one_value_error(tok, schema, why):
     with pytest.raises(ValueError, match=why) as caught:
