@@ -213,8 +213,8 @@ class GrammarConstraint:
                              eos_id: int | None) -> GrammarConstraint | None:
         """OpenAI's ``response_format``: ``{"type": "text"}`` (or None) -> None (no constraint),
         ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ...,
-        "schema": {...}, "strict": ...}}``. The schema is always enforced, strict or not.
-        ValueError, one line, for anything else."""
+        "schema": {...}, "strict": ...}}``. The schema is always enforced, strict or not (none
+        given: any JSON value). ValueError, one line, for anything else."""
         if response_format is None:
             return None
         kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -234,7 +234,8 @@ class GrammarConstraint:
 
     def bitmask(self) -> Tensor:
         """The tokens allowed next, packed (w,) int32 on the CPU (this state's buffer, overwritten by
-        the next call): bit j of word i allows token 32 i + j of the tokenizer's vocabulary."""
+        the next call): bit j of word i allows token 32 i + j of the tokenizer's vocabulary. Once
+        ``is_finished``, only end-of-text (none when the model has none)."""
         words = self._words
         self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         if self.info.eos_id is None:  # the stand-in end-of-text is never the model's to emit
@@ -326,8 +327,9 @@ def mask_rows(logits: Tensor, constraints: Sequence[GrammarConstraint | None]) -
         return logits
     first: GrammarConstraint = constraints[rows[0]]  # type: ignore[assignment]
     words = torch.empty(len(rows), first._words.numel(), dtype=torch.int32)  # (r, w)
-    if not _executor:
-        _executor.append(_llguidance().LLExecutor())
+    with _lock:
+        if not _executor:
+            _executor.append(_llguidance().LLExecutor())
     chosen = [constraints[i] for i in rows]
     _executor[0].unsafe_compute_mask_ptr([(c._matcher, k) for k, c in enumerate(chosen)],  # type: ignore[union-attr]
                                          words.data_ptr(), words.shape[1] * 4, len(rows))
