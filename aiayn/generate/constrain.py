@@ -59,7 +59,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -69,7 +69,20 @@ if TYPE_CHECKING:
     import llguidance
 
     from aiayn.generate.sampling import SamplingConfig
-    from aiayn.textgen import TextModel
+
+
+class TextModel(Protocol):
+    """What ``generate_constrained`` reads of a text model (``aiayn.textgen.TextModel``, a layer
+    above this one: named here by its shape, not imported)."""
+
+    model: Any  # a DecoderOnly
+    tokenizer: Any  # a tokenizers.Tokenizer
+    eos_id: int | None
+    context: int
+
+    def prompt_ids(self, prompt: str, *, chat: bool = False) -> Tensor: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 TOKENIZER_CACHE = 4  # tokenizer descriptions kept (one per served model, in practice)
 GRAMMAR_CACHE = 64  # compiled schemas kept, least recently used dropped

@@ -153,6 +153,9 @@ class EmbeddingQueue:
         self.share, self.clock, self.lock = share, clock, lock
         self.read = read  # told the tokens of each forward (the metrics)
         self.jobs: deque[EmbeddingJob] = deque()  # the next forward's job first
+        # The job whose forward runs now (out of ``jobs`` meanwhile, back at their end after it):
+        # still a job the server holds, so it counts in ``len`` (the 429 admission reads that).
+        self.active: EmbeddingJob | None = None
         self.credit = 0.0  # seconds of forwards the streams' share allows now
         # Seconds of stream and embedding forwards in the steps that had both: the share, measured.
         self.shared_seconds = {"streams": 0.0, "embeddings": 0.0}
@@ -160,7 +163,8 @@ class EmbeddingQueue:
         self.cost = ForwardCost()
 
     def __len__(self) -> int:
-        return len(self.jobs)
+        """Jobs the queue holds: waiting, and the one in its forward."""
+        return len(self.jobs) + (self.active is not None)
 
     def add(self, job: EmbeddingJob) -> None:
         """Queue ``job`` (the caller holds ``lock``)."""
@@ -193,33 +197,44 @@ class EmbeddingQueue:
         while self.jobs and (streams is None or self.credit > 0):
             with self.lock:
                 job = self.jobs.popleft()
-            if job.cancelled or job.future.done():
-                continue
-            tokens = job.next_tokens
-            if streams is not None and self.credit < self.cost(tokens) * (1 - 1e-9):  # (the fit's rounding)
-                with self.lock:
-                    self.jobs.appendleft(job)  # its turn stays: the next steps pay for it
-                break
-            start = self.clock()
+                self.active = job
             try:
-                self.read(job.forward())
-            except Exception as exc:  # this job's failure (its memory, a bug) fails it alone
-                logger.exception("an embedding forward failed")
-                job.future.set_exception(exc)
-                continue
+                if not self._turn(job, streams):
+                    break
             finally:
-                spent = self.clock() - start
-                self.forwards += 1
-                self.cost.observe(tokens, spent)
-            if streams is not None:
-                self.credit -= spent
-                self.shared_seconds["embeddings"] += spent
-            if job.done:
-                job.future.set_result(job.result())
-            else:
                 with self.lock:
-                    self.jobs.append(job)  # behind the others
-            if streams is None:
-                break
+                    self.active = None
         if not self.jobs:
             self.credit = 0.0
+
+    def _turn(self, job: EmbeddingJob, streams: float | None) -> bool:
+        """One forward of ``job`` (taken off ``jobs``; ``streams`` as ``run``'s), or its turn kept
+        when the credit is short -> whether another forward may follow in this step."""
+        if job.cancelled or job.future.done():
+            return True
+        tokens = job.next_tokens
+        if streams is not None and self.credit < self.cost(tokens) * (1 - 1e-9):  # (the fit's rounding)
+            with self.lock:
+                self.jobs.appendleft(job)  # its turn stays: the next steps pay for it
+            return False
+        start = self.clock()
+        try:
+            self.read(job.forward())
+        except Exception as exc:  # this job's failure (its memory, a bug) fails it alone
+            logger.exception("an embedding forward failed")
+            job.future.set_exception(exc)
+            return True
+        finally:
+            spent = self.clock() - start
+            self.forwards += 1
+            self.cost.observe(tokens, spent)
+        if streams is not None:
+            self.credit -= spent
+            self.shared_seconds["embeddings"] += spent
+        if job.done:
+            job.future.set_result(job.result())
+        else:
+            with self.lock:
+                self.jobs.append(job)  # behind the others
+        return streams is not None  # with no stream, one forward a step
+

@@ -157,14 +157,24 @@ def test_429_only_while_busy_and_a_stream_goes_on_beside_embeddings(busy_server)
     thread = threading.Thread(target=large)
     thread.start()
     try:
-        wait_for(lambda: len(engine.embeddings) == 1)
+        seen = []
+
+        def queued() -> bool:  # the job, waiting or in its forward (out of ``jobs`` meanwhile)
+            with engine.embeddings.lock:
+                job = engine.embeddings.jobs[0] if engine.embeddings.jobs else engine.embeddings.active
+            if job is not None:
+                seen.append(job)
+            return bool(seen)
+
+        wait_for(queued)
+        assert len(engine.embeddings) == 1  # it counts while its forward runs: the 429 below reads this
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
         with pytest.raises(openai.RateLimitError) as info:
             client.embeddings.create(model=MODEL_NAME, input="hello")
         assert int(info.value.response.headers["retry-after"]) >= 1 and "busy" in info.value.message
         with pytest.raises(openai.BadRequestError):  # too large is too large, busy or not
             client.embeddings.create(model=MODEL_NAME, input=["hi"] * 2049)
-        job = engine.embeddings.jobs[0]
+        job = seen[0]
         chunks = list(client.completions.create(model=MODEL_NAME, prompt="The quick", max_tokens=12, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))
         assert chunks[-1].usage.completion_tokens == 12
