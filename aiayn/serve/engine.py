@@ -31,7 +31,7 @@ The engine runs where its model is (``aiayn.device.model_device``): the cache, e
 (built on the CPU, then one copy) and every request's generator are there, and the forwards run
 under ``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU). Nothing is read back from
 the device but the chosen ids (with the log-probabilities asked for), once per forward in
-``_sample_and_emit``: they must reach the host to be detokenised. The cache's extents are known on
+``aiayn.serve.sampler.choose``: they must reach the host to be detokenised. The cache's extents are known on
 the host (``RowKVCache.host_lengths``; each forward tells it its rows' real tokens, ``expect``), so
 on a GPU a step queues its work and waits only for its tokens (tests/serve/test_no_device_reads.py).
 """
@@ -46,45 +46,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from aiayn.device import autocast, model_device, to_device
-from aiayn.generate.sampling import SamplingConfig, sample_next
 from aiayn.generate.step import decode_step
 from aiayn.generate.text import IncrementalText
 from aiayn.nn.kv_cache import format_bytes, kv_cache_bytes
 from aiayn.nn.row_kv_cache import RowKVCache
 from aiayn.serve.embedding import DEFAULT_CHUNK, EmbeddingJob, EmbeddingQueue
 from aiayn.serve.metrics import Metrics
+from aiayn.serve.sampler import SamplingParams, TokenLogprob, choose
 from aiayn.textgen import TextModel
 
 logger = logging.getLogger("aiayn.serve")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """When one request stops and what it reports, around how its tokens are chosen: the one
-    sampling config every decode loop takes (``aiayn.generate.SamplingConfig``: temperature 0 is
-    greedy; top-k, top-p, the repetition penalty and the seed as ``aiayn generate`` has them)."""
-
-    max_tokens: int
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
-
-
-@dataclass
-class TokenLogprob:
-    """A generated token's log-probability under the model (before temperature / top_p), and the
-    ``top`` most likely alternatives as (text, logprob) pairs."""
-
-    token: str
-    logprob: float
-    top: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -184,7 +162,6 @@ class Engine:
         self.lm, self.model, self.plan = lm, lm.model, plan
         self._cv = threading.Condition()
         self.device = model_device(self.model)
-        self.no_history = torch.empty(1, 0, dtype=torch.long, device=self.device)  # sample_next's ids so far
         self.context, self.max_batch = plan.context, plan.rows
         cache = self.model.new_cache(plan.rows, plan.context, per_row=True, quantize=kv_cache)
         assert isinstance(cache, RowKVCache)
@@ -395,41 +372,12 @@ class Engine:
         self.metrics.batch_size.observe(len(requests))
 
     def _sample_and_emit(self, logits: Tensor, requests: list[Request]) -> None:
-        """Choose each row's next token from ``logits`` (m, v) and emit it.
-
-        The step's one read from the device, and the only one the engine makes: the chosen ids
-        must reach the host to be detokenised (and to be fed back next step). With them, in the
-        same copy, come the log-probabilities that requests asked for."""
-        logits = logits.float()  # (m, v)
-        chosen = logits.argmax(dim=-1)  # (m,) greedy, replaced where a request samples
-        for i, request in enumerate(requests):
-            if request.params.sampling.temperature > 0:
-                chosen[i] = sample_next(logits[i: i + 1], self.no_history, request.params.sampling,
-                                        request.generator)[0]
-        asks = [r.params.logprobs for r in requests if r.params.logprobs is not None]
-        if not asks:
-            for request, token in zip(requests, chosen.tolist(), strict=True):  # the read
-                self._emit(request, token, None)
-        else:
-            logprobs = torch.log_softmax(logits, dim=-1)  # (m, v)
-            k = max(asks)  # alternatives for the request that wants the most; each takes its first
-            values, ids = logprobs.topk(k, dim=-1)  # (m, k) each, best first
-            own = logprobs.gather(1, chosen[:, None])  # (m, 1): the chosen token's
-            # One (m, 2 + 2k) float64 table (ids < 2^53 are exact in it), one copy: the read.
-            table = torch.cat([chosen[:, None].double(), own.double(), values.double(), ids.double()], dim=1)
-            for request, row in zip(requests, table.tolist(), strict=True):
-                token, top = int(row[0]), request.params.logprobs
-                info = None if top is None else self._logprob(token, row[1], row[2: 2 + top], row[2 + k: 2 + k + top])
-                self._emit(request, token, info)
+        """Choose each row's next token from ``logits`` (m, v) (``aiayn.serve.sampler.choose``: the
+        step's one read from the device) and emit it; finished rows leave."""
+        for request, (token, info) in zip(requests, choose(logits, requests, self.lm.decode), strict=True):
+            self._emit(request, token, info)
         for request in [r for r in requests if r.finished]:
             self._remove(request)
-
-    def _logprob(self, token: int, logprob: float, values: list[float], ids: list[float]) -> TokenLogprob:
-        """The chosen ``token``'s log-probability and its alternatives (``values`` of the ``ids``,
-        best first), as the API reports them."""
-        decode = self.lm.decode
-        alternatives = [(decode([int(j)]), v) for v, j in zip(values, ids, strict=True)]
-        return TokenLogprob(decode([token]), logprob, alternatives)
 
     def _emit(self, request: Request, token: int, info: TokenLogprob | None) -> None:
         now = time.monotonic()
