@@ -1,5 +1,5 @@
 """What every benchmark shares: thread setup, interleaved timing with medians, the measured
-matmul peak, parameter counts and markdown tables.
+matmul peak, parameter counts, markdown tables, and an ``aiayn serve`` subprocess to measure.
 
 Methodology (the same for every benchmark):
 
@@ -13,18 +13,27 @@ Methodology (the same for every benchmark):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import platform
+import signal
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from aiayn.fast import onednn
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: the server subprocess imports aiayn from it
 
 
 def add_common_args(parser: argparse.ArgumentParser, *, repeats: int = 7, warmup: int = 2) -> None:
@@ -161,3 +170,65 @@ def top_ops(fn: Callable[[], object], *, steps: int = 3, rows: int = 15) -> str:
         for _ in range(steps):
             fn()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(serve_args: Sequence[str], *, port: int, log: Path | None = None, timeout: float = 300.0,
+            stop_timeout: float = 40.0) -> Iterator[subprocess.Popen]:
+    """``python -m aiayn serve --port PORT SERVE_ARGS`` as a user runs it, yielded once its /health
+    answers 200 on 127.0.0.1, stopped on leaving the block.
+
+    The server's stdout and stderr go to ``log`` (default: a temporary file, removed afterwards):
+    a file, not a pipe, so a chatty server never blocks on a full pipe nobody reads. It runs in a
+    process group of its own, and the stop is SIGTERM to that group (the server drains and exits),
+    SIGKILL after ``stop_timeout`` seconds. A server that exits or is not healthy within ``timeout``
+    seconds is stopped and raises SystemExit with the log's tail.
+    """
+    command = [sys.executable, "-m", "aiayn", "serve", "--port", str(port), *serve_args]
+    print(f"server: {' '.join(command[2:])}", flush=True)
+    temporary = log is None
+    if log is None:
+        log = Path(tempfile.mkstemp(prefix="aiayn-serve-", suffix=".log")[1])
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not healthy(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                how = f"exited with status {proc.returncode}" if proc.poll() is not None else f"not healthy in {timeout:.0f} s"
+                raise SystemExit(f"the server did not start ({how}):\n{log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.5)
+        yield proc
+    finally:
+        stop_server(proc, timeout=stop_timeout)
+        if temporary:
+            log.unlink(missing_ok=True)
+
+
+def healthy(port: int) -> bool:
+    """Whether a server on 127.0.0.1:``port`` answers /health with 200 now."""
+    import httpx  # only the serving benchmarks need it
+
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def stop_server(proc: subprocess.Popen, *, timeout: float = 40.0) -> None:
+    """SIGTERM to the server's process group, SIGKILL if it is still there after ``timeout`` s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -37,18 +37,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.common import ROOT, serving
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
-ROOT = Path(__file__).resolve().parents[1]
 PASSAGE = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
            "in want of a wife. However little known the feelings or views of such a man may be on his first "
            "entering a neighbourhood, this truth is so well fixed in the minds of the surrounding families, that "
@@ -135,28 +133,16 @@ async def serve_clients(url: str, model: str, prompts: list[list[int]], clients:
     return run
 
 
-def start_server(args: argparse.Namespace, model_path: Path, port: int) -> subprocess.Popen:
-    import httpx
-
-    command = [sys.executable, "-m", "aiayn", "serve", "--model", str(model_path), "--name", "bench",
-               "--port", str(port), "--max-batch", str(max(args.clients)), "--context",
+def serve_args(args: argparse.Namespace, model_path: Path) -> list[str]:
+    """The benchmark's ``aiayn serve`` options (the port aside)."""
+    options = ["--model", str(model_path), "--name", "bench", "--max-batch", str(max(args.clients)), "--context",
                str(args.prompt_tokens + args.new_tokens + 8), "--threads", str(args.threads),
                "--prefill-chunk", str(args.prefill_chunk), "--max-queue", "256"]
     if args.kv_cache != "float":
-        command += ["--kv-cache", args.kv_cache]
+        options += ["--kv-cache", args.kv_cache]
     if args.quantize != "none":
-        command += ["--quantize", args.quantize]
-    print(f"server: {' '.join(command[1:])}", flush=True)
-    proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server did not start: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.5)
+        options += ["--quantize", args.quantize]
+    return options
 
 
 def hf_static(model_path: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[Run, float]:
@@ -224,9 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"## aiayn serve: {model_path.name} ({weights}), {args.prompt_tokens}-token prompts, {args.new_tokens} new "
           f"tokens, greedy\n\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
     url = f"http://127.0.0.1:{args.port}/v1"
-    proc = start_server(args, model_path, args.port)
     runs: list[tuple[Run, int | str, int]] = []
-    try:
+    with serving(serve_args(args, model_path), port=args.port) as proc:
         asyncio.run(serve_clients(url, "bench", prompts[:1], 1, 8, "warm-up", proc.pid))
         sequential = asyncio.run(serve_clients(url, "bench", prompts[: args.sequential], 1, args.new_tokens,
                                                "aiayn serve, one at a time", proc.pid))
@@ -239,9 +224,6 @@ def main(argv: list[str] | None = None) -> None:
             by_clients[n] = run
             runs.append((run, n, n))
             print(row(run, n, n), flush=True)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
     hf = None
     if not args.no_hf:
         hf, hf_first = hf_static(model_path, prompts[: max(args.clients)], args.new_tokens, args.threads)

@@ -26,34 +26,19 @@ import argparse
 import asyncio
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from benchmarks.serve import ROOT, make_prompts, percentile
+from benchmarks.common import serving
+from benchmarks.serve import make_prompts, percentile
 
 
-def start_server(args: argparse.Namespace, model_path: Path) -> subprocess.Popen:
-    import httpx
-
-    command = [sys.executable, "-m", "aiayn", "serve", "--model", str(model_path), "--name", "bench",
-               "--port", str(args.port), "--max-batch", "4", "--context", str(args.prompt_tokens + args.new_tokens + 8),
-               "--threads", str(args.threads), "--max-request-tokens", str(args.max_request_tokens),
-               "--max-inputs", str(args.inputs), "--embed-share", str(args.embed_share),
-               "--embed-chunk", str(args.embed_chunk)]
-    print(f"server: {' '.join(command[1:])}", flush=True)
-    proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server did not start: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.5)
+def serve_args(args: argparse.Namespace, model_path: Path) -> list[str]:
+    """The benchmark's ``aiayn serve`` options (the port aside)."""
+    return ["--model", str(model_path), "--name", "bench", "--max-batch", "4",
+            "--context", str(args.prompt_tokens + args.new_tokens + 8), "--threads", str(args.threads),
+            "--max-request-tokens", str(args.max_request_tokens), "--max-inputs", str(args.inputs),
+            "--embed-share", str(args.embed_share), "--embed-chunk", str(args.embed_chunk)]
 
 
 async def stream_gaps(client, prompt: list[int], new_tokens: int) -> list[float]:
@@ -146,9 +131,8 @@ def main(argv: list[str] | None = None) -> None:
           f"--embed-chunk {args.embed_chunk}; the stream: {args.new_tokens} greedy tokens\n\n"
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
     url = f"http://127.0.0.1:{args.port}/v1"
-    proc = start_server(args, model_path)
     rows, idle_all, beside_all, read_all = [], [], [], 0.0
-    try:
+    with serving(serve_args(args, model_path), port=args.port):
         async def warm_up() -> None:
             client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
             await stream_gaps(client, prompt, 4)
@@ -170,9 +154,6 @@ def main(argv: list[str] | None = None) -> None:
             idle_all += idle
             beside_all += beside
             read_all += read
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
     print("\n| stream | chunks | ITL p50 (ms) | mean (ms) | p99 (ms) | load average |\n|---|---|---|---|---|---|")
     for row in rows:
         print(row)

@@ -29,18 +29,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import free_port, serving
+
 KINDS = ("stream", "hang-up", "embeddings", "bad", "burst")
 WEIGHTS = (5, 2, 2, 2, 1)
 WORDS = ("the king", "a rose", "my lord", "good night", "what news", "to be", "fair Verona", "O Romeo")
@@ -98,47 +95,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-def start_server(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
-    """``python -m aiayn serve`` on 127.0.0.1:``port``, its output to ``log``; returns once /health
-    answers (or exits with the log's tail)."""
-    import httpx
-
+def serve_args(args: argparse.Namespace) -> list[str]:
+    """The soak's ``aiayn serve`` options (the port aside)."""
     source = ["--model", str(args.model)] if args.model else ["--run", str(args.run)]
-    command = [sys.executable, "-m", "aiayn", "serve", *source, "--name", "soak", "--port", str(port),
-               "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue), "--threads", str(args.threads),
-               "--device", "cpu"]
-    print(f"server: {' '.join(command[2:])}", flush=True)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_server(proc)
-            raise SystemExit(f"the server did not start:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.5)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return [*source, "--name", "soak", "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
+            "--threads", str(args.threads), "--device", "cpu"]
 
 
 class Clients:
@@ -258,12 +219,9 @@ async def drive(url: str, args: argparse.Namespace, pid: int) -> tuple[Tally, in
 def run_soak(args: argparse.Namespace) -> Report:
     log = Path(args.log) if args.log else Path(tempfile.mkdtemp(prefix="aiayn-soak-")) / "server.log"
     port = free_port()
-    proc = start_server(args, port, log)
-    start = time.monotonic()
-    try:
+    with serving(serve_args(args), port=port, log=log, timeout=180) as proc:
+        start = time.monotonic()
         tally, rss_warm, rss_end, running, waiting = asyncio.run(drive(f"http://127.0.0.1:{port}", args, proc.pid))
-    finally:
-        stop_server(proc)
     tracebacks = log.read_text(errors="replace").count("Traceback")
     return Report(time.monotonic() - start, tally, rss_warm, rss_end, running, waiting, tracebacks, log)
 
