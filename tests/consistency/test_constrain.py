@@ -23,6 +23,7 @@ import random
 import jsonschema
 import pytest
 import torch
+from tokenizer_helpers import CHAT_TEMPLATE, SPECIALS, train_tokenizer
 from torch import nn
 
 from aiayn.generate import SamplingConfig
@@ -40,9 +41,6 @@ from aiayn.textgen import TextModel
 
 TEXT = ('{"name": "Ada", "age": 36, "tags": ["math", "engines"], "ok": true, "score": -1.5e3, "x": null}\n'
         "The quick brown fox jumps over the lazy dog. Numbers like 12345 and 678.\n") * 4
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CLOSERS = '"],}'
 
 SCHEMAS = {
@@ -68,18 +66,6 @@ SCHEMAS = {
 }
 SAMPLINGS = [None, SamplingConfig(temperature=1.0, seed=0), SamplingConfig(temperature=1.0, seed=1),
              SamplingConfig(temperature=0.8, top_k=20, seed=2, repetition_penalty=1.2)]
-
-
-def train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT], trainer=trainer)
-    return tok
 
 
 class Biased(nn.Module):
@@ -112,12 +98,12 @@ def tiny_lm(tok, *, pad_vocab: int = 0, seed: int = 0) -> TextModel:
     model.lm_head = Biased(model.lm_head, bias)
     eos = tok.token_to_id("<|im_end|>")
     return TextModel(model, lambda text: tok.encode(text, add_special_tokens=False).ids, lambda ids: tok.decode(ids),
-                     256, eos, None, ChatTemplate(CHAT, {"eos_token": "<|im_end|>"}), tok)
+                     256, eos, None, ChatTemplate(CHAT_TEMPLATE, {"eos_token": "<|im_end|>"}), tok)
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return train_tokenizer()
+    return train_tokenizer(TEXT)
 
 
 @pytest.fixture(scope="module")

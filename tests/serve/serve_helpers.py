@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from tokenizer_helpers import CHAT_TEMPLATE, train_tokenizer
 from torch import nn
 
 from aiayn.interop.gguf_text import ChatTemplate
@@ -26,25 +27,8 @@ TEXT = (
     "early, others run long. Hello world! Numbers like 12345 and 678 are split into digits. "
     "Questions? Answers. The end of a line\nand the start of another.\n"
 ) * 4
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 CONTEXT = 256
 MODEL_NAME = "tiny-llama"
-
-
-def train_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TEXT], trainer=trainer)
-    return tok
 
 
 def tiny_text_model(seed: int = 0, context: int = CONTEXT, **sizes: int) -> TextModel:
@@ -52,7 +36,7 @@ def tiny_text_model(seed: int = 0, context: int = CONTEXT, **sizes: int) -> Text
     matter (and logits are far from ties); the end-of-text row of the output layer is zero, so the
     model never ends an answer by itself (answers run to max_tokens or a stop string). ``sizes``
     override the preset's (d_model, d_ff, ...)."""
-    tok = train_tokenizer()
+    tok = train_tokenizer(TEXT)
     torch.manual_seed(seed)
     config = get_preset("llama-tiny", vocab_size=tok.get_vocab_size(), max_seq_len=context, **sizes)
     model = DecoderOnly(config).eval()
