@@ -11,7 +11,8 @@ temporary sibling, ``RUN.tmp-<random>``, and swapped in when its first checkpoin
 old run is renamed away, the new one renamed in, then the old deleted). A failure before that (a
 typo in a task name, a diverging first step) removes the sibling and leaves the old run as it was.
 A process killed before that leaves the sibling behind: the next start in that run directory
-removes it when it is clearly dead (``clear_leftovers``), or names it with the command to remove it.
+removes it when it is clearly dead (``clear_leftovers``), or names it with the command to remove it;
+one killed during the swap is finished then, or its two copies named (``_finish_swaps``).
 """
 
 from __future__ import annotations
@@ -354,6 +355,7 @@ def clear_leftovers(run_dir: Path, echo: Callable[[str], None] = print) -> None:
         entries = sorted(real.parent.iterdir())
     except OSError:
         return
+    entries = _finish_swaps(real, entries, pattern, echo)
     for entry in entries:
         if not pattern.fullmatch(entry.name) or entry.is_symlink() or not entry.is_dir() or entry in _OWNED:
             continue
@@ -375,6 +377,51 @@ def clear_leftovers(run_dir: Path, echo: Callable[[str], None] = print) -> None:
         what = f"holds {max(saved)} of a replacement (--overwrite) of {real} that" if saved else \
             f"was left by a replacement (--overwrite) of {real} that"
         echo(f"note: {entry} {what} did not finish; remove it with: rm -r {shlex.quote(str(entry))}")
+
+
+def _finish_swaps(real: Path, entries: list[Path], tmp_pattern: re.Pattern[str],
+                  echo: Callable[[str], None]) -> list[Path]:
+    """Handle the ``RUN.old-<hex>`` a replacement killed in ``RunLocation.swap_in`` left; return the
+    other ``entries``. Killed between the two renames (``real`` missing): the new run's sibling holds
+    its first checkpoint (the swap starts only then), so it is renamed in, as the swap would have
+    done, when that is unambiguous (one such sibling, owner dead, unchanged for ``LEFTOVER_AGE_S``);
+    else both are named with the commands. Killed before deleting the old run: it is named with
+    ``rm -r`` (not deleted unasked). A swap in progress (owner alive, recent change) is left alone."""
+    def stale(entry: Path) -> bool:
+        with suppress(OSError):
+            return time.time() - entry.stat().st_mtime >= LEFTOVER_AGE_S
+        return False
+
+    def siblings(pattern: re.Pattern[str]) -> list[Path]:
+        return [e for e in entries if pattern.fullmatch(e.name) and e.is_dir() and not e.is_symlink()
+                and e not in _OWNED]
+
+    olds = [e for e in siblings(re.compile(re.escape(real.name) + r"\.old-[0-9a-f]{8}")) if stale(e)]
+    if not olds:
+        return entries
+    if real.exists() or real.is_symlink():
+        for old in olds if _owner_alive(real) is not True else []:  # (alive: it may be deleting it now)
+            echo(f"note: {old} holds the run that a replacement (--overwrite) of {real} replaced; it was "
+                 f"stopped before deleting it: remove it with: rm -r {shlex.quote(str(old))}")
+        return [e for e in entries if e not in olds]
+    news = [e for e in siblings(tmp_pattern) if any(CHECKPOINT_NAME.fullmatch(p.name)
+                                                    for p in (e / "checkpoints").glob("step-*"))]
+    rest = [e for e in entries if e not in olds and e not in news]
+    if any(_owner_alive(e) or not stale(e) for e in news):
+        return rest  # a swap in progress
+    if len(olds) == 1 and len(news) == 1 and _owner_alive(news[0]) is False:
+        os.rename(news[0], real)
+        with suppress(OSError):
+            (real / OWNER_LOCK).unlink()
+        fsync_dir(real.parent)
+        echo(f"finished the replacement (--overwrite) of {real} that was stopped between its two renames: the "
+             f"new run ({news[0].name}) is in place; the old one is in {olds[0]}, remove it with: "
+             f"rm -r {shlex.quote(str(olds[0]))}")
+        return rest
+    left = " ".join(shlex.quote(str(e)) for e in [*news, *olds])
+    echo(f"note: {real} is missing: a replacement (--overwrite) was stopped between its two renames and left "
+         f"{left} (the new run in .tmp-*, the old in .old-*): mv the one to keep to {shlex.quote(str(real))}")
+    return rest
 
 
 def config_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:
