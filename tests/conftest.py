@@ -14,12 +14,15 @@ Tests of CPU-only code (aiayn.fast's kernels, the 4-bit kernel, oneDNN, file for
 ``cpu_only`` mark instead and run once, on the CPU, whatever the list says; ``-m "not cpu_only"``
 leaves them out (scripts/gpu-check.sh does). In tests/parity and tests/consistency every test is one
 or the other: a test with neither fails, so a new test decides where it runs.
+
+Shared fixtures beside those: ``run_aiayn``, the CLI run in this process (exit code, stdout,
+stderr; no traceback allowed).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -90,3 +93,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.fail(f"{item.nodeid} {what}: a parity or consistency test runs on every device in {ENV} "
                     f"(take the `device` fixture) or once on the CPU (@pytest.mark.cpu_only), not both",
                     pytrace=False)
+
+
+@pytest.fixture
+def run_aiayn(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str]]:
+    """``aiayn ARGS`` in this process, as a user runs it: ``run_aiayn("train", "--max-steps", "1")``
+    returns (exit code, stdout, stderr), the output captured by ``capsys``. A traceback on stderr
+    fails the test: every error the CLI reports is one line."""
+    from aiayn.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        with pytest.raises(SystemExit) as exit_info:  # click's standalone mode always ends in sys.exit
+            main(list(args))
+        captured = capsys.readouterr()
+        assert "Traceback" not in captured.err, captured.err
+        return exit_info.value.code or 0, captured.out, captured.err
+
+    return run

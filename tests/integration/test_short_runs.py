@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from aiayn.cli import main
 from aiayn.cli.train import _report
 from aiayn.config import TrainConfig
 from aiayn.tasks import get_task
@@ -37,15 +36,6 @@ def run(run_dir: Path, *, resume: bool = False, task: Any = None, **changes: Any
     result = train(task, task.model_config(), config(task, **changes), run_dir, resume=resume, progress=False,
                    make_plots=False, echo=said.append)
     return result, said
-
-
-def aiayn(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``aiayn ARGS`` in this process: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    return exit_info.value.code or 0, captured.out, captured.err
 
 
 # ---- warm-up longer than the run --------------------------------------------------------------
@@ -129,22 +119,22 @@ def test_a_single_checkpoint_is_not_averaged(one):
                                           "reason": "nothing to average: 1 checkpoint(s) kept, 5 asked"}
 
 
-def test_aiayn_average_follows_the_same_rule(three, one, capsys, tmp_path):
+def test_aiayn_average_follows_the_same_rule(three, one, run_aiayn, tmp_path):
     """`aiayn average --last 5` warns as the trainer did (the same line) and writes averaged-last3;
     with one checkpoint it writes nothing and says why; neither refuses."""
     run_dir, _, said = three
-    code, out, err = aiayn(capsys, "average", "--run", str(run_dir), "--last", "5", "--out", str(tmp_path / "avg"))
+    code, out, err = run_aiayn("average", "--run", str(run_dir), "--last", "5", "--out", str(tmp_path / "avg"))
     assert code == 0 and err.strip() in said and "averaging 3 into averaged-last3" in err
     assert "averaged step-00000010, step-00000020, step-00000030 -> " in out
     plan = plan_average(run_dir / "checkpoints", 5)
     assert (plan.count, plan.folder_name, plan.averages) == (3, "averaged-last3", True)
-    code, out, err = aiayn(capsys, "average", "--run", str(run_dir), "--last", "2")
+    code, out, err = run_aiayn("average", "--run", str(run_dir), "--last", "2")
     assert code == 0 and not err and (run_dir / "averaged-last2").is_dir()  # as many as asked: no warning
 
     run_dir, _, said = one
-    code, out, err = aiayn(capsys, "average", "--run", str(run_dir), "--last", "5")
+    code, out, err = run_aiayn("average", "--run", str(run_dir), "--last", "5")
     assert code == 0 and not out and err.strip() in said and "nothing to average" in err
-    code, out, err = aiayn(capsys, "average", "--run", str(run_dir), "--last", "1")
+    code, out, err = run_aiayn("average", "--run", str(run_dir), "--last", "1")
     assert code == 0 and "averaging the last 1 checkpoint: nothing to average" in err
     assert not list(run_dir.glob("averaged-*"))
 

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from aiayn.cli import main
 from aiayn.config import TrainConfig
 from aiayn.tasks.reverse import ReverseTask
 from aiayn.train import checkpoint as ckpt
@@ -30,15 +29,6 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """Every file and folder under ``root``: relative name -> (size, mtime in ns)."""
     return {str(p.relative_to(root)): (p.lstat().st_size if p.is_file() else 0, p.lstat().st_mtime_ns)
             for p in sorted(root.rglob("*"))}
-
-
-def aiayn(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``aiayn ARGS`` in this process: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    return exit_info.value.code or 0, captured.out, captured.err
 
 
 class Sabotaged(ReverseTask):
@@ -109,10 +99,10 @@ def test_infinite_gradient_without_clipping_is_caught_before_the_save(tmp_path):
     assert_good_checkpoints_kept(run, last_good=4, last_logged=5)
 
 
-def test_cli_huge_lr_exits_1_naming_the_step(tmp_path, capsys, monkeypatch):
+def test_cli_huge_lr_exits_1_naming_the_step(tmp_path, run_aiayn, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("recipe.yaml").write_text(RECIPE)
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--lr", "1e30",
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--lr", "1e30",
                          "--max-steps", "6", "--save-every", "1", "--eval-every", "1000", "--no-progress")
     assert code == 1
     found = re.fullmatch(r"Error: training diverged at step (\d+) \(loss (nan|inf), gradient norm (nan|inf)\); "
@@ -125,14 +115,14 @@ def test_cli_huge_lr_exits_1_naming_the_step(tmp_path, capsys, monkeypatch):
     assert ckpt.latest_checkpoint(Path("run/checkpoints")).name == f"step-{latest:08d}"
 
 
-def test_divergence_of_a_replacement_leaves_the_old_run(tmp_path, capsys, monkeypatch):
+def test_divergence_of_a_replacement_leaves_the_old_run(tmp_path, run_aiayn, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("recipe.yaml").write_text(RECIPE)
     fast = ["--max-steps", "4", "--save-every", "2", "--eval-every", "1000", "--no-progress"]
-    code, _, _ = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", *fast)
+    code, _, _ = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", *fast)
     assert code == 0
     before = snapshot(tmp_path)
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--overwrite",
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--overwrite",
                          "--lr", "1e30", *fast)
     assert code == 1
     assert re.search(r"training diverged at step \d \(loss .*\); no checkpoint had been saved, and the run "
@@ -154,10 +144,10 @@ def test_divergence_of_a_replacement_leaves_the_old_run(tmp_path, capsys, monkey
     ("--seed", str(2**70), f"{2**70} is not in the range 0<=x<=4294967295"),
     ("--seed", "-1", "-1 is not in the range 0<=x<=4294967295"),
 ])
-def test_non_finite_and_out_of_range_options_are_usage_errors(tmp_path, capsys, monkeypatch, option, value,
+def test_non_finite_and_out_of_range_options_are_usage_errors(tmp_path, run_aiayn, monkeypatch, option, value,
                                                               message):
     monkeypatch.chdir(tmp_path)
-    code, _, err = aiayn(capsys, "train", option, value, "--max-steps", "1", "--no-progress")
+    code, _, err = run_aiayn("train", option, value, "--max-steps", "1", "--no-progress")
     assert code == 2
     assert f"Error: Invalid value for '{option}': {message}" in err
     assert list(tmp_path.iterdir()) == []  # refused before anything was written

@@ -20,7 +20,6 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
-from aiayn.cli import main
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.models import build_model
 from aiayn.tasks.reverse import ReverseTask
@@ -126,14 +125,6 @@ def test_batch_shape_reads_the_largest_tensors():
 
 
 # ---- refused before training --------------------------------------------------------------------
-def aiayn(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    return exit_info.value.code or 0, captured.out, captured.err
-
-
 @pytest.fixture
 def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
@@ -141,7 +132,7 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_a_run_that_cannot_fit_is_refused_with_a_fix_that_fits(work, capsys, monkeypatch):
+def test_a_run_that_cannot_fit_is_refused_with_a_fix_that_fits(work, run_aiayn, monkeypatch):
     """Reverse's default batch (128) in a machine with memory for about half its activations: one
     line with the numbers (exit 2, nothing left behind), whose suggested batch then trains."""
     task = ReverseTask(n_train=512, n_val=32, n_test=32)
@@ -151,14 +142,14 @@ def test_a_run_that_cannot_fit_is_refused_with_a_fix_that_fits(work, capsys, mon
                                              counts=memory.model_counts(task, config))
     fixed = needed.weights + needed.optimizer
     monkeypatch.setattr(memory, "available_memory", lambda: fixed + needed.activations * 6 // 10)
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--max-steps", "1", *QUICK)
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--max-steps", "1", *QUICK)
     assert code == 2 and err.count("\n") == 1, err
     assert re.search(r"training would need about [\d.]+ [KM]iB \(weights [\d.]+ KiB \+ Adam's moments "
                      r"[\d.]+ KiB \+ the larger of activations [\d.]+ MiB and gradients [\d.]+ KiB\) for batches "
                      r"of 128 x 16 tokens, more than the [\d.]+ [KM]iB available here; try --batch-size 64 "
                      r"--grad-accum 2, or a smaller model", err), err
     assert not (work / "run").exists()
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--max-steps", "1",
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--max-steps", "1",
                          "--batch-size", "64", "--grad-accum", "2", *QUICK)
     assert code == 0, err
     assert latest_checkpoint(work / "run" / "checkpoints") is not None
@@ -175,7 +166,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.parametrize("at", [1, 3])
-def test_out_of_memory_in_a_step_is_one_line_and_leaves_the_checkpoints(work, capsys, monkeypatch, at):
+def test_out_of_memory_in_a_step_is_one_line_and_leaves_the_checkpoints(work, run_aiayn, monkeypatch, at):
     """torch.OutOfMemoryError raised by training step ``at`` (checkpoints are saved every step):
     exit 1, one line with what was asked and free, the checkpoint kept and the fix; the
     checkpoints are as they were when the step began (none yet at step 1: the run is not left)."""
@@ -191,7 +182,7 @@ def test_out_of_memory_in_a_step_is_one_line_and_leaves_the_checkpoints(work, ca
         return forward(self, model, batch)
 
     monkeypatch.setattr(ReverseTask, "forward", running_out)
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--max-steps", "5",
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--max-steps", "5",
                          "--save-every", "1", *QUICK)
     assert code == 1 and err.count("\n") == 1, err
     assert "Error: out of memory on cpu during training (tried to allocate 2.00 GiB, 1.06 GiB free); " in err

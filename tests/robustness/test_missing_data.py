@@ -7,18 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from aiayn.cli import main
 from aiayn.data import dataset_file
 from aiayn.data.parallel import DataError
-
-
-def aiayn(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``aiayn ARGS`` in this process: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    return exit_info.value.code or 0, captured.out, captured.err
 
 
 def test_dataset_file_names_the_fetch_command(tmp_path, monkeypatch):
@@ -32,11 +22,11 @@ def test_dataset_file_names_the_fetch_command(tmp_path, monkeypatch):
     assert "aiayn fetch" not in str(caught.value) and "AIAYN_DATA_DIR" in str(caught.value)
 
 
-def test_cli_shakespeare_without_data_is_one_line(tmp_path, capsys, monkeypatch):
+def test_cli_shakespeare_without_data_is_one_line(tmp_path, run_aiayn, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()
     monkeypatch.setenv("AIAYN_DATA_DIR", str(tmp_path / "empty"))
-    code, _, err = aiayn(capsys, "train", "--task", "shakespeare-char", "--max-steps", "1", "--no-progress")
+    code, _, err = run_aiayn("train", "--task", "shakespeare-char", "--max-steps", "1", "--no-progress")
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("Error: dataset file ") and "`aiayn fetch tinyshakespeare`" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # no run directory left
@@ -51,7 +41,7 @@ def _corpus(folder: Path) -> None:
         (folder / f"{split}.de").write_text("\n".join(de for _, de in pairs) + "\n", encoding="utf-8")
 
 
-def test_a_failed_start_leaves_nothing_and_the_retry_needs_no_overwrite(tmp_path, capsys, monkeypatch):
+def test_a_failed_start_leaves_nothing_and_the_retry_needs_no_overwrite(tmp_path, run_aiayn, monkeypatch):
     monkeypatch.chdir(tmp_path)
     data = tmp_path / "data"
     data.mkdir()
@@ -62,7 +52,7 @@ def test_a_failed_start_leaves_nothing_and_the_retry_needs_no_overwrite(tmp_path
         "model: {d_model: 16, n_heads: 2, n_layers: 1, n_decoder_layers: 1, d_ff: 32}\n"
         "train: {epochs: 1, average_last: 0}\n", encoding="utf-8")
     command = ["train", "--recipe", "recipe.yaml", "--run-dir", "runs/new/run", "--max-steps", "1", "--no-progress"]
-    code, _, err = aiayn(capsys, *command)
+    code, _, err = run_aiayn(*command)
     assert code == 2
     error = err.splitlines()[-1]
     assert error.startswith("Error: ") and "multi30k/train.en not found" in error
@@ -70,17 +60,17 @@ def test_a_failed_start_leaves_nothing_and_the_retry_needs_no_overwrite(tmp_path
     assert not Path("runs").exists()  # the run directory and the parents this start made are gone
     # A folder the user made stays, emptied of what the failed start wrote into it.
     Path("mine").mkdir()
-    code, _, _ = aiayn(capsys, *command[:3], "--run-dir", "mine", *command[5:])
+    code, _, _ = run_aiayn(*command[:3], "--run-dir", "mine", *command[5:])
     assert code == 2 and list(Path("mine").iterdir()) == []
     _corpus(data / "multi30k")
-    code, _, err = aiayn(capsys, *command)  # the same command, now with the data: no --overwrite
+    code, _, err = run_aiayn(*command)  # the same command, now with the data: no --overwrite
     assert code == 0, err
     run = tmp_path / "runs/new/run"
     assert (run / "checkpoints").is_dir()
     # An existing run is never removed by a failed start: here a replacement without data.
     before = sorted(str(p.relative_to(tmp_path)) for p in run.rglob("*"))
     (data / "multi30k" / "train.en").unlink()
-    code, _, err = aiayn(capsys, *command, "--overwrite")
+    code, _, err = run_aiayn(*command, "--overwrite")
     assert code == 2 and "`aiayn fetch multi30k`" in err
     assert sorted(str(p.relative_to(tmp_path)) for p in run.rglob("*")) == before
     assert sorted(p.name for p in run.parent.iterdir()) == ["run"]  # no temporary sibling either

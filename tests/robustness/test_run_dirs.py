@@ -44,15 +44,6 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(root.rglob("*"))}
 
 
-def aiayn(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``aiayn ARGS`` in this process: (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    return exit_info.value.code or 0, captured.out, captured.err
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One finished 2-step run (checkpoints 1 and 2), copied by the tests that need one."""
@@ -79,13 +70,13 @@ def siblings(path: Path) -> list[str]:
 
 
 # ---- --overwrite deletes only a run -----------------------------------------------------------
-def test_overwrite_refuses_a_folder_of_unrelated_files(work, capsys):
+def test_overwrite_refuses_a_folder_of_unrelated_files(work, run_aiayn):
     junk = work / "thesis"
     junk.mkdir()
     (junk / "chapter1.tex").write_text("\\section{Introduction}\n")
     (junk / "config.json").write_text('{"theme": "dark"}')  # a config.json, but not an aiayn run's
     before = snapshot(work)
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "thesis", "--overwrite", *FAST)
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "thesis", "--overwrite", *FAST)
     assert code == 2
     assert "refusing to overwrite thesis: it is not an aiayn run directory" in err
     assert "choose another --run-dir" in err
@@ -93,57 +84,57 @@ def test_overwrite_refuses_a_folder_of_unrelated_files(work, capsys):
 
 
 @pytest.mark.parametrize("target", [".", "./", "sub/.."])
-def test_overwrite_refuses_the_current_directory(work, capsys, target):
+def test_overwrite_refuses_the_current_directory(work, run_aiayn, target):
     (work / "sub").mkdir()
     before = snapshot(work)
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", target, "--overwrite", *FAST)
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", target, "--overwrite", *FAST)
     assert code == 2
     assert f"({work.resolve()}): it is the current directory, not a run directory" in err
     assert snapshot(work) == before
 
 
-def test_overwrite_refuses_a_parent_of_the_current_directory(work, capsys, monkeypatch):
+def test_overwrite_refuses_a_parent_of_the_current_directory(work, run_aiayn, monkeypatch):
     inner = work / "a" / "b"
     inner.mkdir(parents=True)
     monkeypatch.chdir(inner)
     before = snapshot(work)
     for target in ("..", "../..", str(work)):
-        code, _, err = aiayn(capsys, "train", "--recipe", str(work / "recipe.yaml"), "--run-dir", target,
+        code, _, err = run_aiayn("train", "--recipe", str(work / "recipe.yaml"), "--run-dir", target,
                              "--overwrite", *FAST)
         assert code == 2
         assert "it is a parent of the current directory, not a run directory" in err
     assert snapshot(work) == before
 
 
-def test_overwrite_refuses_a_symlink_to_the_current_directory(work, capsys):
+def test_overwrite_refuses_a_symlink_to_the_current_directory(work, run_aiayn):
     (work / "here").symlink_to(work, target_is_directory=True)
     before = snapshot(work)
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "here", "--overwrite", *FAST)
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "here", "--overwrite", *FAST)
     assert code == 2
     assert "refusing to overwrite here" in err and "it is the current directory" in err
     assert snapshot(work) == before
 
 
-def test_overwrite_refuses_home_and_root(work, capsys, monkeypatch):
+def test_overwrite_refuses_home_and_root(work, run_aiayn, monkeypatch):
     home = work / "home"
     (home / "documents").mkdir(parents=True)
     monkeypatch.setenv("HOME", str(home))
     before = snapshot(work)
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", str(home), "--overwrite", *FAST)
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", str(home), "--overwrite", *FAST)
     assert code == 2 and "it is your home directory, not a run directory" in err
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "~", "--overwrite", *FAST)
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "~", "--overwrite", *FAST)
     assert code == 2 and "'~' is not expanded here" in err
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "/", "--overwrite", *FAST)
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "/", "--overwrite", *FAST)
     assert code == 2 and "it is the filesystem root" in err
     assert snapshot(work) == before
 
 
-def test_overwrite_with_a_typo_in_the_task_keeps_the_old_run(work, capsys):
+def test_overwrite_with_a_typo_in_the_task_keeps_the_old_run(work, run_aiayn):
     run = work / "run"
     before = snapshot(work)
-    code, _, err = aiayn(capsys, "train", "--task", "revrese", "--run-dir", "run", "--overwrite", *FAST)
+    code, _, err = run_aiayn("train", "--task", "revrese", "--run-dir", "run", "--overwrite", *FAST)
     assert code == 2 and "unknown task 'revrese' (did you mean reverse?); known tasks:" in err
-    code, _, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--overwrite",
+    code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--overwrite",
                          "--d-model", "30", "--n-heads", "4", *FAST)
     assert code == 2 and "d_model=30 is not divisible by n_heads=4" in err
     assert snapshot(work) == before
@@ -172,9 +163,9 @@ def test_overwrite_that_fails_before_its_first_checkpoint_keeps_the_old_run(work
     assert snapshot(work) == before
 
 
-def test_overwrite_of_a_run_replaces_it(work, capsys):
+def test_overwrite_of_a_run_replaces_it(work, run_aiayn):
     run = work / "run"
-    code, out, _ = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--overwrite",
+    code, out, _ = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--overwrite",
                          "--max-steps", "3", "--save-every", "3", "--eval-every", "1000", "--no-progress")
     assert code == 0, out
     assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step-00000003"]
@@ -185,56 +176,56 @@ def test_overwrite_of_a_run_replaces_it(work, capsys):
     assert siblings(run) == []
 
 
-def test_new_run_in_an_empty_or_missing_folder_gets_a_marker(work, capsys):
+def test_new_run_in_an_empty_or_missing_folder_gets_a_marker(work, run_aiayn):
     (work / "empty").mkdir()
     for name in ("empty", "deep/new"):
-        code, _, _ = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", name, *FAST)
+        code, _, _ = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", name, *FAST)
         assert code == 0
         assert json.loads((work / name / MARKER).read_text())["kind"] == "run"
         assert siblings(work / name) == []
 
 
-def test_old_run_without_marker_is_a_run_and_gets_one_on_resume(tmp_path, capsys, monkeypatch):
+def test_old_run_without_marker_is_a_run_and_gets_one_on_resume(tmp_path, run_aiayn, monkeypatch):
     monkeypatch.chdir(tmp_path)
     old = Path(shutil.copytree(OLD_RUNS / "reverse", tmp_path / "old"))
     assert not (old / MARKER).exists() and is_run_dir(old)
-    code, out, _ = aiayn(capsys, "train", "--resume", "--run-dir", "old", "--max-steps", "4", "--no-progress")
+    code, out, _ = run_aiayn("train", "--resume", "--run-dir", "old", "--max-steps", "4", "--no-progress")
     assert code == 0 and "resuming" in out
     assert json.loads((old / MARKER).read_text())["kind"] == "run"
 
 
-def test_resume_of_a_broken_config_is_one_line(work, capsys):
+def test_resume_of_a_broken_config_is_one_line(work, run_aiayn):
     (work / "run" / "config.json").write_text("{not json")
-    code, _, err = aiayn(capsys, "train", "--resume", "--run-dir", "run", "--no-progress")
+    code, _, err = run_aiayn("train", "--resume", "--run-dir", "run", "--no-progress")
     assert code == 2 and "config.json cannot be read as JSON" in err
 
 
 # ---- average writes only where it may -----------------------------------------------------------
-def test_average_refuses_the_runs_checkpoints_and_resume_still_works(work, capsys):
+def test_average_refuses_the_runs_checkpoints_and_resume_still_works(work, run_aiayn):
     before = snapshot(work)
     for out in ("run/checkpoints", "run/checkpoints/averaged", "run"):
-        code, _, err = aiayn(capsys, "average", "--run", "run", "--last", "2", "--out", out)
+        code, _, err = run_aiayn("average", "--run", "run", "--last", "2", "--out", out)
         assert code == 2, out
         assert f"refusing to write into {out}:" in err
     assert snapshot(work) == before
-    code, out, _ = aiayn(capsys, "train", "--resume", "--run-dir", "run", "--max-steps", "3", "--no-progress")
+    code, out, _ = run_aiayn("train", "--resume", "--run-dir", "run", "--max-steps", "3", "--no-progress")
     assert code == 0 and "resuming" in out and "(step 2," in out
 
 
-def test_average_refuses_a_folder_it_did_not_create(work, capsys):
+def test_average_refuses_a_folder_it_did_not_create(work, run_aiayn):
     photos = work / "photos"
     photos.mkdir()
     (photos / "cat.jpg").write_bytes(b"\xff\xd8\xff")
     before = snapshot(work)
-    code, _, err = aiayn(capsys, "average", "--run", "run", "--last", "2", "--out", "photos")
+    code, _, err = run_aiayn("average", "--run", "run", "--last", "2", "--out", "photos")
     assert code == 2
     assert "refusing to write into photos: it is not empty and aiayn did not create it" in err
     assert snapshot(work) == before
 
 
-def test_average_may_write_again_into_its_own_output(work, capsys):
+def test_average_may_write_again_into_its_own_output(work, run_aiayn):
     for _ in range(2):
-        code, out, _ = aiayn(capsys, "average", "--run", "run", "--last", "2", "--out", "avg")
+        code, out, _ = run_aiayn("average", "--run", "run", "--last", "2", "--out", "avg")
         assert code == 0 and "averaged step-00000001, step-00000002 -> avg" in out
     assert json.loads((work / "avg" / MARKER).read_text())["kind"] == "averaged"
     assert [p.name for p in ckpt.list_checkpoints(work / "avg")] == ["step-00000002"]
@@ -306,7 +297,7 @@ def age(path: Path, seconds: float = 3600) -> None:
     os.utime(path, (then, then))
 
 
-def test_a_killed_overwrites_sibling_is_removed_when_the_run_is_used_again(work, capsys):
+def test_a_killed_overwrites_sibling_is_removed_when_the_run_is_used_again(work, run_aiayn):
     """A replacement killed before its first checkpoint left run.tmp-<hex>; the next start in that
     run directory (here a resume) removes it, says so, and leaves alone the sibling of a replacement
     whose process still holds its lock (started here, its lock handed over as if another process's)."""
@@ -320,7 +311,7 @@ def test_a_killed_overwrites_sibling_is_removed_when_the_run_is_used_again(work,
         age(killed)
         age(live)
         live_before = snapshot(live)
-        code, out, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--resume",
+        code, out, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--resume",
                                "--max-steps", "3", "--save-every", "1", "--eval-every", "1000", "--no-progress")
         assert code == 0, err
         assert f"removed {killed.resolve()}: left by a replacement of {(work / 'run').resolve()} (--overwrite) " \
