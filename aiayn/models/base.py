@@ -12,6 +12,7 @@ from aiayn.config import ModelConfig
 from aiayn.models.blocks import StackOutput
 from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.packing import Packing
+from aiayn.nn.paged_kv_cache import PagedKVCache
 from aiayn.nn.row_kv_cache import RowKVCache
 
 
@@ -91,8 +92,13 @@ def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
 
 def make_cache(config: ModelConfig, *, n_layers: int, batch_size: int, max_len: int | None,
                dtype: torch.dtype, device: torch.device, cross_attention: bool,
-               quantize: str | None = None, group_size: int | None = None, per_row: bool = False) -> KVCache:
+               quantize: str | None = None, group_size: int | None = None, per_row: bool = False,
+               n_blocks: int | None = None, block_size: int = 16) -> KVCache:
     max_len = config.max_seq_len if max_len is None else max_len
+    if n_blocks is not None:  # paged: rows over a pool of n_blocks blocks (continuous batching, prefix sharing)
+        return PagedKVCache(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
+                            head_dim=config.head_dim, max_len=max_len, n_blocks=n_blocks, block_size=block_size,
+                            dtype=dtype, device=device, cross_attention=cross_attention, quantize=quantize)
     cls = RowKVCache if per_row else KVCache  # per_row: each row at its own length (continuous batching)
     return cls(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
                head_dim=config.head_dim, max_len=max_len, dtype=dtype, device=device,

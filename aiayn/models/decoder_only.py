@@ -54,14 +54,17 @@ class DecoderOnly(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int | None = None, *,
                   dtype: torch.dtype | None = None, quantize: str | None = None,
-                  group_size: int | None = None, per_row: bool = False) -> KVCache:
+                  group_size: int | None = None, per_row: bool = False, n_blocks: int | None = None,
+                  block_size: int = 16) -> KVCache:
         """A preallocated KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens.
 
         ``quantize="int8"``/``"int4"``: keys and values stored quantised (see ``aiayn.nn.kv_cache``).
-        ``per_row``: a ``RowKVCache``, whose rows fill independently (continuous batching)."""
+        ``per_row``: a ``RowKVCache``, whose rows fill independently (continuous batching).
+        ``n_blocks``: a ``PagedKVCache`` instead: the rows over a pool of ``n_blocks`` blocks of
+        ``block_size`` tokens (``aiayn.nn.paged_kv_cache``)."""
         weight = self._first_float_parameter()
         return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size, max_len=max_len,
                           dtype=dtype or self.float_dtype,
                           device=torch.device("cpu") if weight is None else weight.device,
                           cross_attention=False, quantize=quantize, group_size=group_size,
-                          per_row=per_row)
+                          per_row=per_row, n_blocks=n_blocks, block_size=block_size)

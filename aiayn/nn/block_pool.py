@@ -1,0 +1,144 @@
+"""The blocks of a paged KV cache: who holds which, and which hold a known prompt prefix.
+
+A paged cache (``aiayn.nn.paged_kv_cache``) keeps every layer's keys and values in one pool of
+fixed-size blocks of ``block_size`` tokens; a row (a sequence) holds a list of block ids, its block
+table. This module is the host-side bookkeeping of that pool, vLLM's block manager in miniature:
+
+* **reference counts**: a block is held by every row whose table names it; it is free again when
+  the last one lets go (``release``), at once, whatever the row's length was.
+* **prefix index** (vLLM's automatic prefix caching): a *full* block of prompt tokens can be
+  registered under the digest of its tokens chained with the digest of every block before it
+  (``block_digests``: sha256 over the parent's digest and the block's token ids, so a digest names
+  the whole prefix up to the block's end, not just the block). A later prompt that starts with the
+  same tokens finds those blocks (``lookup``) and holds them (``retain``) instead of recomputing
+  them. Only full blocks are shared, and nobody writes into a full block: a row only ever writes
+  at its own end, in a block it holds alone (the row that filled a shared block had it to itself
+  then). So sharing needs no copy-on-write.
+* **LRU eviction**: a registered block that nobody holds stays in the index (a cache hit for the
+  next request), on an evictable list in least-recently-released order; ``allocate`` takes free
+  blocks first and evicts only when none is left. A row's blocks are released tail first, so the
+  end of a prefix is evicted before its beginning (a beginning alone still hits).
+
+Block 0 is the *null block*: never handed out, it pads block tables to a common width and takes
+the writes of padding tokens (what it holds is never attended to: those keys are masked).
+Nothing here touches a tensor: everything is host ints, so it costs the device nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+NULL_BLOCK = 0
+
+
+class OutOfBlocks(RuntimeError):
+    """No free or evictable block is left in the pool."""
+
+
+def block_digests(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained digest of each full block of ``tokens``: digest i names tokens[: (i + 1) * block_size]
+    (sha256 of digest i - 1 and block i's token ids). A last partial block gets none."""
+    digests, parent = [], b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = tokens[start: start + block_size]
+        parent = hashlib.sha256(parent + b"".join(int(t).to_bytes(4, "little", signed=True) for t in block)).digest()
+        digests.append(parent)
+    return digests
+
+
+class BlockPool:
+    """``n_blocks`` blocks (block 0 the null block): reference counts, the prefix index and its LRU."""
+
+    def __init__(self, n_blocks: int, block_size: int) -> None:
+        if n_blocks < 2 or block_size < 1:
+            raise ValueError(f"a block pool needs at least 2 blocks (one is the null block) and block_size >= 1, "
+                             f"got {n_blocks} blocks of {block_size}")
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self._free: deque[int] = deque(range(1, n_blocks))
+        self._refs = [0] * n_blocks
+        self._digest_of: dict[int, bytes] = {}  # registered block -> the digest of the prefix it ends
+        self._by_digest: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, held by none: LRU first
+
+    @property
+    def capacity(self) -> int:
+        """Blocks a row can ever hold: all but the null block."""
+        return self.n_blocks - 1
+
+    @property
+    def available(self) -> int:
+        """Blocks ``allocate`` can hand out now: free ones plus cached ones held by nobody."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def used(self) -> int:
+        """Blocks held by at least one row."""
+        return self.capacity - self.available
+
+    @property
+    def cached(self) -> int:
+        """Blocks in the prefix index (held or not)."""
+        return len(self._by_digest)
+
+    def allocate(self) -> int:
+        """A block for one row (reference count 1): a free one, else the least recently released cached one."""
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_digest[self._digest_of.pop(block)]
+        else:
+            raise OutOfBlocks(f"all {self.capacity} KV-cache blocks are in use")
+        self._refs[block] = 1
+        return block
+
+    def retain(self, block: int) -> None:
+        """One more row holds ``block`` (a prefix hit)."""
+        if self._refs[block] == 0:
+            if block not in self._evictable:
+                raise ValueError(f"block {block} is neither held nor cached; it cannot be shared")
+            del self._evictable[block]
+        self._refs[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """A row lets go of ``blocks`` (its table, in order): released tail first, so that a cached
+        prefix loses its end before its beginning."""
+        for block in reversed(blocks):
+            if self._refs[block] <= 0:
+                raise ValueError(f"block {block} released more often than held")
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._digest_of:
+                    self._evictable[block] = None  # most recently released last
+                else:
+                    self._free.append(block)
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def register(self, block: int, digest: bytes) -> None:
+        """Index a full block (held now) under its prefix digest. A digest already indexed keeps its
+        block (this one stays private and is freed as usual); a block already indexed stays so."""
+        if block in self._digest_of or digest in self._by_digest:
+            return
+        self._digest_of[block] = digest
+        self._by_digest[digest] = block
+
+    def lookup(self, digests: Sequence[bytes]) -> list[int]:
+        """The blocks of the longest indexed prefix of ``digests`` (not yet retained)."""
+        blocks = []
+        for digest in digests:
+            block = self._by_digest.get(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def clear_index(self) -> None:
+        """Forget every cached prefix (held blocks stay held; unheld ones become free)."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._digest_of.clear()
+        self._by_digest.clear()

@@ -1,0 +1,268 @@
+"""A paged KV cache: keys and values in a pool of fixed-size blocks, a block table per row.
+
+``RowKVCache`` gives each row a slot of ``max_len`` tokens: memory follows the longest possible
+request. ``PagedKVCache`` follows vLLM's PagedAttention (Kwon et al., 2023): every layer keeps its
+keys and values in one pool of ``n_blocks`` blocks of ``block_size`` tokens, (n_blocks, block_size,
+h_kv, d_h) each, and row i holds a block table, the ids of the blocks that hold its tokens in order
+(logical slot s of the row is slot s % block_size of block table[s // block_size]). Blocks are
+taken from the pool as a row grows (``reserve``) and go back at once when it leaves
+(``clear_row``); rows may share the full blocks of a common prompt prefix (``adopt``; see
+``aiayn.nn.block_pool`` for the reference counts, the prefix index and why no copy-on-write is
+needed). The pool's bookkeeping is host ints only.
+
+Attention over it, with no custom kernel: each layer writes the new keys and values into their
+pool slots (``index_copy_`` at flat slot ids, (b * t,), computed on the host from the tables) and
+then gathers the rows' blocks into the contiguous layout ``F.scaled_dot_product_attention`` wants:
+``index_select`` of whole blocks by the (b, n) block table (padded with the null block), viewed as
+(b, n * block_size, h_kv, d_h) and cut to the extent the rows need. That gather is the price of
+paging on top of ``RowKVCache``'s in-place read (benchmarks/paged_kv_cache.py measures it).
+
+Everything else is ``RowKVCache``'s contract, so the stacks and the serve engine use it the same
+way: per-row logical ``valid``/``positions``/``lengths`` (causality from positions), views of row
+ranges (``rows``), ``swap_rows`` (here a swap of two tables: no keys move), ``clear_row``,
+``expect`` and ``host_lengths``: **nothing is read back from the device** (the slots and tables
+are built from host numbers and copied to the device; tests/serve/test_no_device_reads.py).
+Padding tokens of a right-padded forward write into the null block and are masked.
+
+Quantised keys and values (int8/int4) are not supported here: a quantised cache is refused with
+a clear error (use ``RowKVCache``, the fixed slots, for them).
+
+Shape letters: b rows, t new tokens, n blocks per row, B block_size, h_kv key/value heads, d_h head width.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from aiayn.device import to_device
+from aiayn.nn.block_pool import NULL_BLOCK, BlockPool
+from aiayn.nn.kv_cache import KVCache, LayerKVCache
+from aiayn.nn.row_kv_cache import RowKVCache, _swap
+
+
+class PagedLayerKVCache(LayerKVCache):
+    """One layer's pool: k, v (n_blocks, B, h_kv, d_h). ``PagedKVCache.reserve`` sets the forward's
+    block table (``read_blocks``, (b, n) on the device) and key extent (``read_end``) before the
+    layers write."""
+
+    def __init__(self, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        shape = (n_blocks, block_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.max_len = n_blocks * block_size
+        self.read_blocks: Tensor | None = None
+        self.read_end = 0
+
+    _row_buffers = ()  # rows hold no buffers of their own: a row is its block table
+
+    def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
+        """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``pos`` (b, t); return every row's keys
+        and values over logical slots [0, read_end): 2 x (b, h_kv, read_end, d_h)."""
+        if not isinstance(pos, Tensor) or pos.dim() != 2 or self.read_blocks is None:
+            raise ValueError("a paged KV cache layer is written through PagedKVCache.reserve's slots")
+        b, h_kv, t, d_h = k.shape
+        for pool, new in ((self.k, k), (self.v, v)):
+            flat = pool.view(-1, h_kv, d_h)  # (n_blocks * B, h_kv, d_h)
+            flat.index_copy_(0, pos.reshape(-1), new.transpose(1, 2).reshape(b * t, h_kv, d_h).to(pool.dtype))
+        n = self.read_blocks.shape[1]
+        index = self.read_blocks.reshape(-1)  # (b * n,)
+        keys, values = (pool.index_select(0, index).view(b, n * self.block_size, h_kv, d_h)[:, : self.read_end]
+                        for pool in (self.k, self.v))  # (b, read_end, h_kv, d_h) each
+        return keys.transpose(1, 2), values.transpose(1, 2)  # (b, h_kv, read_end, d_h)
+
+    def reorder(self, indices: Tensor, length: int) -> None:
+        raise ValueError("a paged KV cache reorders its rows by their block tables (PagedKVCache.swap_rows)")
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class PagedKVCache(KVCache):
+    """``rows`` sequences over a pool of ``n_blocks`` blocks of ``block_size`` tokens per layer (block 0
+    the null block); each row holds up to ``max_len`` tokens. Decoder self-attention only.
+
+    ``lengths`` (b,) long on the device and ``host_lengths`` (ints): tokens held per row.
+    ``pool``: the blocks' reference counts and prefix index (``aiayn.nn.block_pool.BlockPool``).
+    """
+
+    def __init__(self, *, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 n_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, cross_attention: bool = False,
+                 quantize: str | None = None, group_size: int | None = None) -> None:
+        if cross_attention:
+            raise ValueError("PagedKVCache is for decoder-only self-attention; it holds no cross-attention")
+        if quantize is not None:
+            raise ValueError(f"the paged KV cache holds float keys and values; a {quantize} cache needs the "
+                             f"fixed slots (RowKVCache; aiayn serve --kv-layout slots)")
+        if batch_size <= 0 or max_len <= 0:
+            raise ValueError(f"PagedKVCache needs positive batch_size and max_len, got {batch_size} and {max_len}")
+        self.pool = BlockPool(n_blocks, block_size)
+        self.block_size = block_size
+        self.layers: list[LayerKVCache] = [
+            PagedLayerKVCache(n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(n_layers)]
+        self.quantize, self.cross = None, []
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.valid.device)
+        self.length = 0
+        self.batch_size, self.max_len = batch_size, max_len
+        # Host state shared by the views (a view sees its rows from ``_first`` on).
+        self._host: list[int] = [0] * batch_size
+        self._tables: list[list[int]] = [[] for _ in range(batch_size)]
+        self._first = 0
+        self._expected: list[int] | None = None
+
+    # ---- RowKVCache's contract ---------------------------------------------------------------
+    @property
+    def host_lengths(self) -> list[int]:
+        """Tokens held per row of this cache (view), as ints."""
+        return self._host[self._first: self._first + self.batch_size]
+
+    def table(self, row: int) -> list[int]:
+        """Row ``row``'s block table (a copy)."""
+        return list(self._tables[self._first + row])
+
+    def expect(self, counts: Sequence[int]) -> PagedKVCache:
+        """As ``RowKVCache.expect``: the next forward's real-token counts per row, known on the host."""
+        self._expected = [int(n) for n in counts]
+        return self
+
+    def blocks_for(self, row: int, n_tokens: int) -> int:
+        """New blocks row ``row`` needs to hold ``n_tokens`` more tokens."""
+        held = len(self._tables[self._first + row])
+        return max(0, -(-(self._host[self._first + row] + n_tokens) // self.block_size) - held)
+
+    def reserve(self, new_valid: Tensor, new_positions: Tensor, counts: Sequence[int] | None = None,
+                ) -> Tensor:
+        """Record each row's t new tokens (validity and positions, (b, t), real tokens first), taking
+        the blocks they need from the pool; return their flat pool slots (b, t) (padding: the null
+        block's). ValueError when a row would pass ``max_len`` or the pool has too few blocks."""
+        b, t = new_valid.shape
+        if b != self.batch_size:
+            raise ValueError(f"this cache (view) has {self.batch_size} rows, got a batch of {b}")
+        if counts is None:
+            counts = self._expected
+        self._expected = None
+        steps = torch.arange(t, device=new_valid.device)  # (t,)
+        real = RowKVCache._real_counts(self, new_valid, steps, counts)  # type: ignore[arg-type]  # b ints, checked
+        lengths = self.host_lengths
+        end = max(lengths) + t  # logical slots attention reads: [0, end)
+        if end > self.max_len:
+            row = max(range(b), key=lengths.__getitem__)
+            raise ValueError(f"KV cache row {row} is full: it holds {lengths[row]} token(s), {t} more need "
+                             f"{end} slots, but a row holds {self.max_len}; send fewer tokens")
+        needed = sum(self.blocks_for(i, n) for i, n in enumerate(real))
+        if needed > self.pool.available:
+            raise ValueError(f"the paged KV cache is out of blocks: this forward needs {needed} more, "
+                             f"{self.pool.available} of {self.pool.capacity} are free; free rows first")
+        B, slots = self.block_size, []
+        for i, n in enumerate(real):
+            table = self._tables[self._first + i]
+            for _ in range(self.blocks_for(i, n)):
+                table.append(self.pool.allocate())
+            start = lengths[i]
+            slots.append([table[(start + j) // B] * B + (start + j) % B if j < n else NULL_BLOCK * B
+                          for j in range(t)])
+        width = -(-end // B)  # blocks per row read, n
+        tables = [self._tables[self._first + i][:width] for i in range(b)]
+        tables = [table + [NULL_BLOCK] * (width - len(table)) for table in tables]
+        # Built on the host, one copy each (to_device pins and does not wait on CUDA).
+        write_slots = to_device(torch.tensor(slots, dtype=torch.long).reshape(b, t), new_valid.device)
+        read_blocks = to_device(torch.tensor(tables, dtype=torch.long).reshape(b, width), new_valid.device)
+        logical = self.lengths[:, None] + steps  # (b, t) logical slots, on the device
+        self.valid.scatter_(1, logical, new_valid)
+        self.positions.scatter_(1, logical, new_positions)
+        self.lengths += new_valid.sum(dim=1)
+        for i, n in enumerate(real):
+            self._host[self._first + i] += n
+        self.length = end
+        for layer in self.layers:
+            assert isinstance(layer, PagedLayerKVCache)
+            layer.read_blocks, layer.read_end = read_blocks, end
+        return write_slots
+
+    def next_positions(self) -> Tensor:
+        """(b,) the position of each row's next token: its length (a row holds real tokens only)."""
+        return self.lengths.clone()
+
+    def rows(self, start: int, stop: int) -> PagedKVCache:
+        """A view of rows [start, stop): the same pool and tables (writes through it land here)."""
+        if not 0 <= start < stop <= self.batch_size:
+            raise ValueError(f"rows({start}, {stop}): need 0 <= start < stop <= {self.batch_size}")
+        view = copy.copy(self)
+        view.valid, view.positions = self.valid[start:stop], self.positions[start:stop]
+        view.lengths = self.lengths[start:stop]
+        view._first, view._expected = self._first + start, None
+        view.batch_size = stop - start
+        view.length = max(view.host_lengths)
+        return view
+
+    def clear_row(self, row: int) -> None:
+        """Forget row ``row``'s tokens and give its blocks back to the pool at once."""
+        table = self._tables[self._first + row]
+        self.pool.release(table)
+        table.clear()
+        self.lengths[row].zero_()
+        self.valid[row].fill_(False)
+        self._host[self._first + row] = 0
+
+    def swap_rows(self, i: int, j: int) -> None:
+        """Exchange rows i and j: their tables and per-row state (no keys or values move)."""
+        if i == j:
+            return
+        a, b = self._first + i, self._first + j
+        self._tables[a], self._tables[b] = self._tables[b], self._tables[a]
+        self._host[a], self._host[b] = self._host[b], self._host[a]
+        n = max(self._host[a], self._host[b])
+        for buffer in (self.valid, self.positions):  # (b, max_len): the slots worth copying
+            if n:
+                _swap(buffer[i, :n], buffer[j, :n])
+        _swap(self.lengths[i], self.lengths[j])
+
+    def reorder(self, indices: Tensor | Sequence[int], *, cross: bool = True) -> None:
+        raise ValueError("a PagedKVCache does not reorder its rows: use swap_rows, clear_row and adopt")
+
+    def reset(self) -> None:
+        for row in range(self.batch_size):
+            self.clear_row(row)
+        self.length = 0
+
+    # ---- prefix sharing ----------------------------------------------------------------------
+    def adopt(self, row: int, blocks: Sequence[int]) -> None:
+        """Start empty row ``row`` with the full, computed ``blocks`` of a prompt prefix (a prefix-cache
+        hit: ``pool.lookup``): the row holds them (shared) and continues after their tokens."""
+        if self._host[self._first + row]:
+            raise ValueError(f"row {row} is not empty; clear it before adopting a prefix")
+        for block in blocks:
+            self.pool.retain(block)
+        n = len(blocks) * self.block_size
+        if n > self.max_len:
+            raise ValueError(f"a prefix of {n} tokens does not fit a row of {self.max_len}")
+        self._tables[self._first + row] = list(blocks)
+        self._host[self._first + row] = n
+        if n:
+            self.lengths[row].fill_(n)
+            self.valid[row, :n].fill_(True)
+            # Right-padded rows: the token in logical slot s is at position s.
+            self.positions[row, :n].copy_(torch.arange(n, device=self.positions.device))
+
+    def register(self, row: int, digests: Sequence[bytes]) -> None:
+        """Index row ``row``'s full blocks under ``digests`` (``block_digests`` of its tokens), as far as
+        the row holds them: its first min(len(digests), length // block_size) blocks."""
+        full = min(len(digests), self._host[self._first + row] // self.block_size)
+        table = self._tables[self._first + row]
+        for k in range(full):
+            self.pool.register(table[k], digests[k])
+
+    @property
+    def self_nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
