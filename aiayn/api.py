@@ -106,9 +106,11 @@ def load(source: str | Path, *, checkpoint: str | Path | None = None, device: to
     (its latest checkpoint, or ``checkpoint``: e.g. ``RUN/averaged-last5``), a GGUF file, or a
     Hugging Face / sentence-transformers model directory. ``device``: where it runs (None or
     "auto": the first CUDA GPU, else the CPU; ``aiayn.device.DeviceError`` for one this machine
-    lacks). ``quantize``: for text models, ``aiayn generate``'s ``--quantize`` ("none", "auto",
-    "bf16", "int8", "q4"; int8 and q4 run on the CPU). ``plain``: the plain PyTorch modules instead
-    of ``aiayn.fast``'s CPU kernels (the same function).
+    lacks). ``quantize``: for text models only (a language-model run or release, a GGUF file, a
+    Hugging Face decoder-only directory), ``aiayn generate``'s ``--quantize`` ("none", "auto",
+    "bf16", "int8", "q4"; int8 and q4 run on the CPU); for any other model, a quantize other than
+    "none" is a LoadError (a ValueError), not a silently full-precision model. ``plain``: the plain
+    PyTorch modules instead of ``aiayn.fast``'s CPU kernels (the same function).
     """
     from aiayn.tasks.runs import load_text_model
     from aiayn.tasks.shipped import resolve_model
@@ -122,11 +124,20 @@ def load(source: str | Path, *, checkpoint: str | Path | None = None, device: to
     if kind == "sentence-transformers":
         from aiayn.embed import load_sentence_encoder
 
+        refuse_quantize(quantize, path, "a sentence encoder")
         return load_sentence_encoder(path, device=device)
     if kind == "hf":
         return _load_hf(path, quantize=quantize, device=device, plain=plain)
     return _load_run(path, None if checkpoint is None else Path(checkpoint), quantize=quantize, device=device,
                      plain=plain)
+
+
+def refuse_quantize(quantize: str, path: Path, what: str) -> None:
+    """A LoadError unless ``quantize`` is "none": only text models are quantized (``load_text_model``),
+    and a model loaded at full precision when 4 or 8 bits were asked for would mislead silently."""
+    if quantize != "none":
+        raise LoadError(f"quantize={quantize!r} applies to text models only (a language-model run, a GGUF file, "
+                        f"a Hugging Face decoder-only directory); {path} holds {what}: leave quantize='none'")
 
 
 def _load_hf(path: Path, *, quantize: str, device: torch.device | str | None,
@@ -143,7 +154,9 @@ def _load_hf(path: Path, *, quantize: str, device: torch.device | str | None,
     if arch == "decoder-only":
         return load_text_model(model_path=path, quantize=quantize, device=device, plain=plain)
     if arch == "encoder-only":
+        refuse_quantize(quantize, path, "a sentence encoder")
         return load_sentence_encoder(path, device=device)
+    refuse_quantize(quantize, path, f"an {arch} model")
     where = resolve(device)
     model, config = load_hf(path)
     return LoadedModel(for_inference(model, plain=plain, device=where), config)
@@ -160,12 +173,14 @@ def _load_run(path: Path, checkpoint: Path | None, *, quantize: str, device: tor
     where = resolve(device)  # before loading: a missing device fails at once
     run = load_run_or_release(path, checkpoint=checkpoint)
     if isinstance(run.task, TranslationTask):
+        refuse_quantize(quantize, path, "a translation model")
         return load_translator(path, checkpoint, plain=plain, device=where)[1]
     if run.model_config.arch == "decoder-only" and getattr(run.task, "tokenizer", None) is not None:
         if checkpoint is not None:
             raise LoadError(f"{path} holds a language model; generation loads its latest checkpoint (drop "
                             f"checkpoint=, or load the run with aiayn.tasks.runs.load_run)")
         return load_text_model(run_dir=path, quantize=quantize, device=where, plain=plain)
+    refuse_quantize(quantize, path, f"a {run.task.name} model")
     run.model = for_inference(run.model, plain=plain, device=where)
     return run
 

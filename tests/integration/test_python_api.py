@@ -101,6 +101,9 @@ def test_a_hugging_face_encoder_decoder_is_a_loaded_model(tmp_path):
     loaded = aiayn.load(tmp_path, device="cpu")
     assert isinstance(loaded, LoadedModel) and loaded.config.arch == "encoder-decoder"
     assert not loaded.model.training
+    with pytest.raises(LoadError, match=r"^quantize='int8' applies to text models only .* holds an encoder-decoder "
+                                        r"model: leave quantize='none'$"):
+        aiayn.load(tmp_path, quantize="int8")
 
 
 def test_train_from_python_then_load_the_run(tmp_path):
@@ -110,6 +113,17 @@ def test_train_from_python_then_load_the_run(tmp_path):
     run = aiayn.load(result.run_dir, device="cpu")
     assert isinstance(run, LoadedRun) and run.task.name == "reverse" and not run.model.training
     assert source_kind(result.run_dir) == "run"
+    with pytest.raises(LoadError, match="holds a reverse model: leave quantize='none'"):
+        aiayn.load(result.run_dir, quantize="q4", device="cpu")
+
+
+def test_quantize_is_refused_for_a_translation_model():
+    """quantize= quantizes text models only: a translation run asked for int8 is one ValueError
+    naming what it applies to, not a float32 translator that looks quantized."""
+    with pytest.raises(ValueError, match=r"^quantize='int8' applies to text models only \(a language-model run, a "
+                                         r"GGUF file, a Hugging Face decoder-only directory\); .*multi30k-en-de holds a "
+                                         r"translation model: leave quantize='none'$"):
+        aiayn.load("multi30k-en-de", quantize="int8", device="cpu")
 
 
 def test_sources_it_cannot_open_are_one_clear_error(tmp_path):
