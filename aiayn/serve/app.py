@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiayn.asgi import bounded_receive, preview
+from aiayn.generate.constrain import GrammarConstraint
 from aiayn.generate.sampling import SamplingConfig
 from aiayn.interop.mapping import InteropError
 from aiayn.serve.engine import Engine, EngineFailed, QueueFull, SamplingParams, ShuttingDown
@@ -193,7 +194,8 @@ def chat_message(message: Any) -> dict[str, Any]:
 
 def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: int | None,
                     logprobs: int | None) -> SamplingParams:
-    """The engine's parameters, after checking prompt + answer fit the context (400 if not)."""
+    """The engine's parameters, after checking prompt + answer fit the context and ``logit_bias``'s
+    ids are in the model's vocabulary (400 if not)."""
     longest = max(len(p) for p in prompts)
     room = engine.context - longest
     if room < 1 or (limit is not None and limit > room):
@@ -201,28 +203,54 @@ def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: 
         raise APIError(400, f"this server's context is {engine.context} tokens (prompt + answer), but the prompt is "
                             f"{longest} tokens{asked}; shorten the prompt or ask for fewer tokens",
                        code="context_length_exceeded", param="messages" if hasattr(body, "messages") else "prompt")
+    vocab = engine.model.config.vocab_size
+    bias = tuple((int(key), value) for key, value in (body.logit_bias or {}).items())
+    outside = [key for key, _ in bias if key >= vocab]
+    if outside:
+        raise APIError(400, f"logit_bias: token id {outside[0]} is outside the model's vocabulary of {vocab} "
+                            f"(ids 0 to {vocab - 1})", param="logit_bias")
     sampling = SamplingConfig(temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+                              top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
+                              repetition_penalty=body.repetition_penalty or 1.0, seed=body.seed)
     return SamplingParams(max_tokens=limit if limit is not None else room, sampling=sampling,
-                          stop=tuple(body.stop or ()), logprobs=logprobs)
+                          stop=tuple(body.stop or ()), logprobs=logprobs, logit_bias=bias,
+                          presence_penalty=body.presence_penalty or 0.0,
+                          frequency_penalty=body.frequency_penalty or 0.0)
 
 
-def check_prompt_count(engine: Engine, limits: Limits, n: int) -> None:
-    """400 for more prompts than the server takes in one request (before they are tokenised)."""
+def response_constraint(lm: TextModel, body: Any) -> GrammarConstraint | None:
+    """The grammar of ``body.response_format`` (None for text or none given), compiled (call it
+    off the event loop: a new schema takes milliseconds, the tokenizer's description a second
+    once). 400 naming what is wrong with an invalid schema or a model that cannot follow one."""
+    if body.response_format is None or body.response_format.type == "text":
+        return None
+    try:
+        return GrammarConstraint.from_response_format(lm.tokenizer, body.response_format.model_dump(by_alias=True),
+                                                      eos_id=lm.eos_id)
+    except ValueError as exc:
+        raise APIError(400, f"response_format: {exc}", param="response_format") from None
+
+
+def check_prompt_count(engine: Engine, limits: Limits, n: int, choices: int = 1) -> None:
+    """400 for more prompts than the server takes in one request (before they are tokenised), or
+    more answers (prompts x ``choices``, the request's n) than it holds at once."""
     limits.check_count(n, "prompt")
-    # More prompts than the server can ever hold at once (every slot and the whole queue) would get
+    # More answers than the server can ever hold at once (every slot and the whole queue) would get
     # 429 forever: a retry cannot succeed, so it is a 400 naming the limit.
     most = engine.max_queue + engine.max_batch
-    if n > most:
-        raise APIError(400, f"{n} prompts in one request, but this server holds at most {most} "
+    if n * choices > most:
+        what = f"{n} prompts" if choices == 1 else f"{n} prompt{'s' if n > 1 else ''} x n={choices} answers"
+        param = "prompt" if choices == 1 else "n"
+        raise APIError(400, f"{what} in one request, but this server holds at most {most} "
                             f"requests at once ({engine.max_batch} decoding + {engine.max_queue} waiting: "
-                            f"--max-batch, --max-queue); send at most {most} prompts per request",
-                       param="prompt", code="too_many_prompts")
+                            f"--max-batch, --max-queue); send at most {most} {'prompts' if choices == 1 else 'answers'} "
+                            f"per request", param=param, code="too_many_prompts")
 
 
-def start_generation(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Generation:
+def start_generation(engine: Engine, prompts: list[list[int]], params: SamplingParams, *, n: int = 1,
+                     constraint: GrammarConstraint | None = None) -> Generation:
     try:
-        return Generation(engine, prompts, params)
+        return Generation(engine, prompts, params, n=n, constraint=constraint)
     except QueueFull as exc:
         raise APIError(429, f"the server is busy ({engine.max_queue} requests waiting); retry after "
                             f"{exc.retry_after} s", kind="rate_limit_error", code="rate_limit_exceeded",
@@ -298,10 +326,12 @@ def create_app(state: ServerState) -> FastAPI:
         if lm.chat_template is None:
             raise APIError(400, f"{state.served.name} has no chat template; use /v1/completions with a plain prompt",
                            param="messages")
+        check_prompt_count(engine, state.limits, 1, body.n)
         prompts = [await asyncio.to_thread(chat_ids, state, lm, engine, [chat_message(m) for m in body.messages])]
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, engine, prompts, body.token_limit, top)
-        generation = start_generation(engine, prompts, params)
+        constraint = await asyncio.to_thread(response_constraint, lm, body)
+        generation = start_generation(engine, prompts, params, n=body.n, constraint=constraint)
         meta = Meta(state.served.name, "chat.completion", logprobs=body.logprobs)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await answer(state, request, generation, meta, body.stream, include_usage)
@@ -309,12 +339,13 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         lm, engine = state.generator(body.model)
-        check_prompt_count(engine, state.limits, len(body.prompt))
+        check_prompt_count(engine, state.limits, len(body.prompt), body.n)
         # Off the event loop (a long text takes a while to tokenise; streams are sent from the loop).
         per_prompt = state.limits.input_tokens if state.limits.input_tokens < engine.context else None
         prompts = await asyncio.to_thread(token_ids, lm, body.prompt, "prompt", state.limits, per_prompt)
         params = sampling_params(body, engine, prompts, body.max_tokens, body.logprobs)
-        generation = start_generation(engine, prompts, params)
+        constraint = await asyncio.to_thread(response_constraint, lm, body)
+        generation = start_generation(engine, prompts, params, n=body.n, constraint=constraint)
         meta = Meta(state.served.name, "text_completion", logprobs=body.logprobs is not None)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await answer(state, request, generation, meta, body.stream, include_usage)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -20,6 +21,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
+from aiayn.generate.constrain import GrammarConstraint
 from aiayn.serve.engine import Engine, Event, Request, SamplingParams
 
 POLL_SECONDS = 0.2  # how often a waiting handler checks for a gone client or a shutdown
@@ -50,20 +52,35 @@ def event_error(message: str) -> APIError:
     return APIError(500, message, kind="server_error", code="internal_error")
 
 
-class Generation:
-    """Engine requests for one HTTP request (one per prompt), their events on this event loop."""
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The ``i``-th of n choices' parameters: a given seed becomes seed + i (so n choices differ and
+    a rerun gives the same n); without one each request draws its own."""
+    seed = params.sampling.seed
+    if i == 0 or seed is None:
+        return params
+    return dataclasses.replace(params, sampling=dataclasses.replace(params.sampling, seed=seed + i))
 
-    def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams) -> None:
+
+class Generation:
+    """Engine requests for one HTTP request, their events on this event loop: ``n`` per prompt,
+    choice ``index = prompt * n + i`` (OpenAI's order), each with its own copy of ``constraint``
+    (structured output; None: free text). The prompt tokens are counted once per prompt, as
+    OpenAI's usage counts them."""
+
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams, *, n: int = 1,
+                 constraint: GrammarConstraint | None = None) -> None:
         loop = asyncio.get_running_loop()
         self.engine = engine
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.requests: list[Request] = []
         self.prompt_tokens = sum(len(p) for p in prompts)
         try:
-            for index, prompt in enumerate(prompts):
-                request = Request(prompt, params, self._sink(loop, index))
-                engine.submit(request)
-                self.requests.append(request)
+            for p, prompt in enumerate(prompts):
+                for i in range(n):
+                    own = None if constraint is None else constraint.copy()
+                    request = Request(prompt, choice_params(params, i), self._sink(loop, p * n + i), own)
+                    engine.submit(request)
+                    self.requests.append(request)
         except BaseException:
             self.cancel()
             raise
@@ -172,12 +189,11 @@ class Meta:
 
 
 def chat_answer(meta: Meta, generation: Generation, choices: list[Choice]) -> dict[str, Any]:
-    choice = choices[0]
     return {**meta.head("chat.completion"), "choices": [{
-        "index": 0, "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
-        "logprobs": chat_logprobs(choice.logprobs) if meta.logprobs else None,
-        "finish_reason": choice.finish_reason}],
-        "usage": usage(generation.prompt_tokens, choice.tokens), "system_fingerprint": None}
+        "index": i, "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+        "logprobs": chat_logprobs(c.logprobs) if meta.logprobs else None,
+        "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+        "usage": usage(generation.prompt_tokens, sum(c.tokens for c in choices)), "system_fingerprint": None}
 
 
 def completion_answer(meta: Meta, generation: Generation, choices: list[Choice]) -> dict[str, Any]:
@@ -219,27 +235,28 @@ def _error_data(message: str) -> str:
 
 async def chat_stream(meta: Meta, generation: Generation, include_usage: bool,
                       past_grace: Callable[[], bool]) -> AsyncIterator[str]:
-    """The server-sent events of a streamed chat answer: a role chunk, content chunks, a finish
-    chunk, the usage chunk (``include_usage``), ``[DONE]``."""
+    """The server-sent events of a streamed chat answer: a role chunk per choice, content chunks, a
+    finish chunk per choice (each with its ``index``), the usage chunk (``include_usage``), ``[DONE]``."""
     tokens = 0
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> str:
+    def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None, index: int = 0) -> str:
         return _json({**meta.head("chat.completion.chunk"), "system_fingerprint": None, "choices": [
-            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra})
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra})
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for _, event in _events(generation, past_grace):
+        for index in range(len(generation.requests)):
+            yield chunk({"role": "assistant", "content": ""}, index=index)
+        async for index, event in _events(generation, past_grace):
             if event.error is not None:
                 yield _error_data(event.error)
                 break
             tokens += 1
             logprobs = chat_logprobs([event.logprob]) if meta.logprobs and event.logprob else None
             if event.text or logprobs:
-                yield chunk({"content": event.text}, logprobs)
+                yield chunk({"content": event.text}, logprobs, index=index)
             if event.finish_reason is not None:
-                yield chunk({}, None, event.finish_reason)
+                yield chunk({}, None, event.finish_reason, index=index)
         if include_usage:
             yield _json({**meta.head("chat.completion.chunk"), "system_fingerprint": None, "choices": [],
                               "usage": usage(generation.prompt_tokens, tokens)})

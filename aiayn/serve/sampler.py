@@ -1,10 +1,23 @@
 """How the serve engine chooses each row's next token, and what a request asks of it.
 
 ``SamplingParams`` is one request's options (the library's ``SamplingConfig`` for how tokens are
-drawn, plus when to stop and what to report); ``choose`` turns one forward's logits into each
-row's token (and the log-probabilities asked for). It makes the engine step's one read from the
-device: the chosen ids must reach the host to be detokenised (and fed back next step); with them,
-in the same copy, come the log-probabilities.
+drawn, plus OpenAI's logit bias and penalties, when to stop and what to report); ``choose`` turns
+one forward's logits into each row's token (and the log-probabilities asked for). It makes the
+engine step's one read from the device: the chosen ids must reach the host to be detokenised (and
+fed back next step); with them, in the same copy, come the log-probabilities.
+
+Per row, in this order (vLLM's): the logit bias is added, the penalties subtract (CTRL's
+repetition penalty over the prompt and the answer so far; OpenAI's frequency and presence
+penalties over the answer so far), the grammar of a structured-output request masks what would
+break it (``aiayn.generate.constrain.mask_rows``), then the argmax or a draw (temperature, top-k,
+top-p). The penalties read per-request device tensors (``RowAdjustments``: (v,) token counts and
+the answer's ids, written on the device from the chosen ids), so they add no read; they touch only
+the ids concerned (the bias's, the prompt's, the answer's), not the whole vocabulary.
+
+Log-probabilities are the model's own (``log_softmax`` of the raw logits, before bias, penalties,
+grammar mask and temperature), as vLLM reports them by default: what the model thought of each
+token, not the distribution the token was drawn from (which under a grammar puts 1.0 on every
+forced token and says nothing).
 
 Shape letters: m rows of the forward, v vocabulary, k alternatives reported.
 """
@@ -18,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from aiayn.generate.constrain import mask_rows
 from aiayn.generate.sampling import SamplingConfig, sample_next
 
 if TYPE_CHECKING:
@@ -28,40 +42,112 @@ if TYPE_CHECKING:
 class SamplingParams:
     """When one request stops and what it reports, around how its tokens are chosen: the one
     sampling config every decode loop takes (``aiayn.generate.SamplingConfig``: temperature 0 is
-    greedy; top-k, top-p, the repetition penalty and the seed as ``aiayn generate`` has them)."""
+    greedy; top-k, top-p, the repetition penalty and the seed as ``aiayn generate`` has them),
+    and OpenAI's ``logit_bias`` ((token id, added to its logit) pairs), ``presence_penalty`` and
+    ``frequency_penalty``."""
 
     max_tokens: int
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a bias or a penalty changes this request's logits (``RowAdjustments``)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.sampling.repetition_penalty != 1.0)
 
 
 @dataclass
 class TokenLogprob:
-    """A generated token's log-probability under the model (before temperature / top_p), and the
-    ``top`` most likely alternatives as (text, logprob) pairs."""
+    """A generated token's log-probability under the model (before bias, penalties, grammar,
+    temperature and top_p), and the ``top`` most likely alternatives as (text, logprob) pairs."""
 
     token: str
     logprob: float
     top: list[tuple[str, float]] = field(default_factory=list)
 
 
+class RowAdjustments:
+    """One request's logit bias and penalties as device tensors, made on its first token: the bias's
+    ids and values, the prompt's distinct ids, the answer's ids so far (a (max_tokens,) buffer,
+    filled on the device) and their counts (v,). ``apply`` changes a row of logits in place at
+    those ids only (a few hundred of a 49k vocabulary, not all of it: about ten small kernels a
+    row); ``record`` writes the chosen token on the device (nothing is read)."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int], vocab: int, device: torch.device) -> None:
+        self.params = params
+        self.bias_ids = self.bias_values = None
+        if params.logit_bias:
+            self.bias_ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=device)
+            self.bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+        self.penalise = bool(params.presence_penalty or params.frequency_penalty)
+        self.repetition = params.sampling.repetition_penalty
+        distinct = sorted({t for t in prompt if 0 <= t < vocab}) if self.repetition != 1.0 else []
+        self.prompt_ids = torch.tensor(distinct, dtype=torch.long, device=device)  # (p,)
+        self.answer = torch.zeros(params.max_tokens, dtype=torch.long, device=device)  # (max_tokens,) ids so far
+        self.n = 0  # tokens in ``answer`` (known on the host: one per ``record``)
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device) if self.penalise else None  # (v,)
+
+    def apply(self, row: Tensor) -> None:
+        """row (v,) float32 logits, in place: + bias; CTRL's repetition penalty over the prompt's and
+        the answer's tokens (a logit divided by it if positive, else multiplied; once per token);
+        - frequency * count - presence * [count > 0] over the answer's. (An id listed twice writes
+        the same value twice.)"""
+        if self.bias_ids is not None:
+            row.index_add_(0, self.bias_ids, self.bias_values)
+        answer = self.answer[: self.n]  # (n,)
+        if self.repetition != 1.0:
+            ids = torch.cat([self.prompt_ids, answer])  # (p + n,)
+            seen = row[ids]
+            row.index_put_((ids,), torch.where(seen > 0, seen / self.repetition, seen * self.repetition))
+        if self.counts is not None and self.n:
+            counts = self.counts[answer]  # (n,)
+            penalised = row[answer] - counts * self.params.frequency_penalty
+            row.index_put_((answer,), penalised - (counts > 0).float() * self.params.presence_penalty)
+
+    def record(self, token: Tensor) -> None:
+        """token (1,) long on the device: the row's chosen id, written and counted there."""
+        if self.n < self.answer.numel():
+            self.answer[self.n: self.n + 1] = token
+            self.n += 1
+        if self.counts is not None:
+            self.counts.index_add_(0, token, torch.ones(1, dtype=torch.float32, device=token.device))
+
+
 def choose(logits: Tensor, requests: Sequence[Request],
            decode: Callable[[list[int]], str]) -> list[tuple[int, TokenLogprob | None]]:
     """logits (m, v) of one forward -> each row's (token id, its log-probability or None).
 
-    Greedy rows take the argmax; a sampling row draws from its own generator (``Request.generator``,
-    seeded per request). ``decode`` turns ids into the text the log-probabilities report."""
-    logits = logits.float()  # (m, v)
+    Each row's bias and penalties, then its grammar (``Request.constraint``), then greedy rows take
+    the argmax and a sampling row draws from its own generator (``Request.generator``, seeded per
+    request). ``decode`` turns ids into the text the log-probabilities report."""
+    logits = logits.float()  # (m, v), changed in place below
+    asks = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+    logprobs = torch.log_softmax(logits, dim=-1) if asks else None  # (m, v): the raw model's
+    adjusted = []
+    for i, request in enumerate(requests):
+        if request.params.adjusts_logits:
+            if request.adjustments is None:
+                request.adjustments = RowAdjustments(request.params, request.prompt, logits.shape[-1], logits.device)
+            request.adjustments.apply(logits[i])
+            adjusted.append(i)
+    constraints = [r.constraint for r in requests]
+    if any(c is not None for c in constraints):
+        mask_rows(logits, constraints)
     chosen = logits.argmax(dim=-1)  # (m,) greedy, replaced where a request samples
-    no_history = logits.new_empty(1, 0, dtype=torch.long)  # sample_next's ids so far (none)
+    # sample_next's ids so far: none, so its own repetition penalty does nothing (applied above).
+    no_history = logits.new_empty(1, 0, dtype=torch.long)
     for i, request in enumerate(requests):
         if request.params.sampling.temperature > 0:
             chosen[i] = sample_next(logits[i: i + 1], no_history, request.params.sampling, request.generator)[0]
-    asks = [r.params.logprobs for r in requests if r.params.logprobs is not None]
-    if not asks:
+    for i in adjusted:
+        requests[i].adjustments.record(chosen[i: i + 1])  # type: ignore[union-attr]
+    if logprobs is None:
         return [(token, None) for token in chosen.tolist()]  # the read
-    logprobs = torch.log_softmax(logits, dim=-1)  # (m, v)
     k = max(asks)  # alternatives for the request that wants the most; each takes its first
     values, ids = logprobs.topk(k, dim=-1)  # (m, k) each, best first
     own = logprobs.gather(1, chosen[:, None])  # (m, 1): the chosen token's

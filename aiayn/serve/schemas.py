@@ -15,6 +15,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 
 MAX_STOPS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 128  # n, as OpenAI
+MAX_LOGIT_BIAS = 300  # entries of logit_bias
 SEED_LIMIT = 2**63  # seeds in [0, 2**63)
 
 Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
@@ -22,6 +24,7 @@ Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 PositiveInt = Annotated[int, Field(ge=1)]
+Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
 
 
 def _strings(value: Any) -> Any:
@@ -76,8 +79,36 @@ class Message(Strict):
     name: str | None = None
 
 
+class JSONSchemaSpec(Strict):
+    """``response_format.json_schema``: the schema an answer must validate against (enforced
+    whatever ``strict`` says; none given: any JSON value)."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
+
+
 class GenerationRequest(Strict):
-    """What chat and completion requests share."""
+    """What chat and completion requests share. ``repetition_penalty`` (CTRL's, as ``aiayn
+    generate`` has it) and ``top_k`` are extensions (vLLM's names), and so is ``response_format``
+    on completions."""
 
     model: str
     temperature: Temperature | None = None
@@ -87,21 +118,20 @@ class GenerationRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: Seed | None = None
-    n: PositiveInt = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    top_k: PositiveInt | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> GenerationRequest:
-        if self.n != 1:
-            raise ValueError("n: aiayn serve returns one choice per prompt; give n=1 (or send the request n times)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise ValueError(f"{name}: not supported by aiayn serve; leave it out or give 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported by aiayn serve; leave it out")
+        bad = [key for key in self.logit_bias or {} if not key.isascii() or not key.isdigit()]
+        if bad:
+            raise ValueError(f"logit_bias: keys are token ids written as strings (\"50256\"), got {bad[0]!r}")
         if self.stop is not None and (len(self.stop) > MAX_STOPS or "" in self.stop):
             raise ValueError(f"stop: give at most {MAX_STOPS} stop strings, none of them empty")
         if self.stream_options is not None and not self.stream:
