@@ -167,19 +167,29 @@ def _template(info: TokenizerInfo, schema: Any) -> llguidance.LLMatcher:
     """The compiled grammar of ``schema`` (None: any JSON object; compact JSON), cached: a fresh
     matcher that requests copy. ValueError naming what is wrong with an invalid schema."""
     text = schema_text(schema)
-    key = (id(info), text)
+    return _compiled(info, text, lambda llg: llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS),
+                     "invalid JSON schema")
+
+
+def _compiled(info: TokenizerInfo, key_text: str, build: Any, what: str) -> llguidance.LLMatcher:
+    """The matcher of the grammar ``build(llguidance)`` makes (keyed by ``key_text``), cached.
+    ValueError "{what}: why" when llguidance refuses it."""
+    key = (id(info), key_text)
     with _lock:
         if key in _grammars:
             _grammars.move_to_end(key)
             return _grammars[key][1]
     llg = _llguidance()
-    grammar = llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+    try:
+        grammar = build(llg)
+    except ValueError as exc:  # (a Lark grammar that does not parse)
+        raise ValueError(f"{what}: {' '.join(str(exc).split())}") from None
     error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, info.llg)
     if error:
-        raise ValueError(f"invalid JSON schema: {' '.join(messages[0].split())}")
+        raise ValueError(f"{what}: {' '.join(messages[0].split())}")
     matcher = llg.LLMatcher(info.llg, grammar, log_level=0)
     if matcher.is_error():
-        raise ValueError(f"invalid JSON schema: {' '.join(matcher.get_error().split())}")
+        raise ValueError(f"{what}: {' '.join(matcher.get_error().split())}")
     with _lock:
         _grammars[key] = (info, matcher)
         while len(_grammars) > GRAMMAR_CACHE:
@@ -214,6 +224,16 @@ class GrammarConstraint:
         complete), None if it has none. ValueError, one line, for an invalid schema."""
         info = tokenizer_info(tokenizer, eos_id)
         return cls(_template(info, schema).deep_copy(), info)
+
+    @classmethod
+    def from_lark(cls, tokenizer: Any, grammar: str, *, eos_id: int | None) -> GrammarConstraint:
+        """Answers in the language of ``grammar``, in llguidance's Lark dialect (``%json {...}``
+        inlines a JSON schema, ``[lazy]`` lexemes end at their first match: its docs/syntax.md);
+        tool calls are built so (``aiayn.serve.tool_calls``). ValueError, one line, for an invalid
+        grammar."""
+        info = tokenizer_info(tokenizer, eos_id)
+        return cls(_compiled(info, "lark:" + grammar, lambda llg: llg.LLMatcher.grammar_from_lark(grammar),
+                             "invalid grammar").deep_copy(), info)
 
     @classmethod
     def json_object(cls, tokenizer: Any, *, eos_id: int | None) -> GrammarConstraint:

@@ -1,0 +1,246 @@
+"""A tool-calling answer: how it is laid out, the grammar that holds the model to it, and how its
+text is read back into OpenAI's ``tool_calls`` (whole, or as streamed deltas).
+
+Two layouts, as llama.cpp's server has them (its docs/function-calling.md):
+
+* **Hermes** (``<tool_call>`` tags), for templates that write them (Qwen2.5, Hermes 2/3: the
+  model was trained to answer so): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+  several separated by a newline. With ``tool_choice`` "auto" the model writes free text, and a
+  call once it writes ``<tool_call>`` (the trigger: a lazy lexeme, llguidance's tool-calling
+  pattern): from there the call must be one of the tools with arguments valid against its
+  schema. Text before the calls is the message's ``content``.
+* **Generic**, for any other template (SmolLM2's): the whole answer is JSON, ``{"tool_call":
+  {"name": ..., "arguments": {...}}}`` (``{"tool_calls": [...]}`` when several may come) or, with
+  "auto", ``{"response": "text"}``; the model chooses between them at the first key.
+
+"required" and a named function allow calls only (the named one: only it). The JSON is compact
+(``", "`` and ``": "``, as ``aiayn.generate.constrain`` writes it), the function's name comes first,
+so the answer is read back by position: a call's arguments are the text of its JSON object as the
+model wrote it (``json.JSONDecoder.raw_decode`` finds where it ends; until then all of the text
+after ``"arguments": `` is arguments, since an object is complete only at its last brace).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiayn.generate.constrain import JSON_OPTIONS, GrammarConstraint
+from aiayn.serve.tools import ToolSettings, call_id
+
+TRIGGER, CLOSE = "<tool_call>", "</tool_call>"  # Hermes: the text that starts a call, and ends it
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the call objects sit: ``first`` before the first, ``between`` two (None: one call
+    only), ``last`` after the last."""
+
+    first: str
+    between: str | None
+    last: str
+
+
+HERMES = Layout("<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>")
+GENERIC_ONE = Layout('{"tool_call": ', None, "}")
+GENERIC_MANY = Layout('{"tool_calls": [', ", ", "]}")
+RESPONSE = '{"response": '  # the generic layout's text answer: this, a JSON string, "}"
+
+_HEAD = re.compile(r'\{"name": "([a-zA-Z0-9_-]{1,64})", "arguments": ')  # a call object up to its arguments
+_decoder = json.JSONDecoder()
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # the arguments' JSON text so far
+    complete: bool  # the arguments object is whole
+
+
+@dataclass
+class Parsed:
+    """An answer read so far: its text ``content`` (None: none, only calls) and its calls."""
+
+    content: str | None
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+def _lark(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal (JSON's escapes)
+
+
+def _json(schema: dict[str, Any]) -> str:
+    """``%json {...}``: an inline JSON schema, compact JSON as the rest of aiayn writes it."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
+class ToolFormat:
+    """One request's tool-call format: its ``grammar`` (llguidance's Lark), the ``constraint``
+    a generation follows, and ``parse`` of what the model wrote."""
+
+    def __init__(self, settings: ToolSettings, *, hermes: bool) -> None:
+        self.settings, self.hermes = settings, hermes
+        layout = HERMES if hermes else (GENERIC_MANY if settings.parallel else GENERIC_ONE)
+        self.layout = layout if settings.parallel else Layout(layout.first, None, layout.last)
+
+    def call_schema(self) -> dict[str, Any]:
+        """One call object: ``{"name": <a callable function>, "arguments": <its parameters>}``."""
+        options = [{"type": "object", "properties": {"name": {"const": name}, "arguments": self.settings.parameters(name)},
+                    "required": ["name", "arguments"], "additionalProperties": False} for name in self.settings.names]
+        return options[0] if len(options) == 1 else {"anyOf": options}
+
+    def grammar(self, tag_tokens: bool = False) -> str:
+        """The answer's grammar. ``tag_tokens``: the tokenizer has Hermes' tags as tokens of their
+        own (Qwen2.5's added tokens), which the model writes them with: the grammar names those
+        tokens (llguidance takes any added token for a special one: never part of text)."""
+        layout = self.layout
+        if self.hermes and tag_tokens:
+            return self._hermes_token_grammar()
+        more = f" ({_lark(layout.between)} call)*" if layout.between is not None else ""
+        lines = [f"call: {_json(self.call_schema())}"]
+        if self.settings.choice == "required":
+            lines.insert(0, f"start: {_lark(layout.first)} call{more} {_lark(layout.last)}")
+        elif self.hermes:  # free text, or text up to the trigger and then calls
+            rest = layout.first.removeprefix(TRIGGER)
+            lines[:0] = [f"start: TEXT | head {_lark(rest)} call{more} {_lark(layout.last)}",
+                         "TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/",
+                         "head[lazy]: /(?s:.*)<tool_call>/"]
+        else:  # a {"response": ...} object or the calls
+            lines[:0] = [f"start: {_lark(layout.first)} call{more} {_lark(layout.last)} | {_lark(RESPONSE)} text "
+                         f'"}}"', f"text: {_json({'type': 'string'})}"]
+        return "\n".join(lines) + "\n"
+
+    def _hermes_token_grammar(self) -> str:
+        """Hermes with ``<tool_call>`` / ``</tool_call>`` as tokens: text ends where the token comes
+        (no lazy lexeme needed); text that spells the tag out is refused, so that reading the
+        answer back (which sees the same characters) is never fooled."""
+        block = f'{TRIGGER} "\\n" call "\\n" {CLOSE}'  # (<name> in Lark: the token)
+        calls = f'{block} ("\\n" {block})*' if self.layout.between is not None else block
+        start = "calls" if self.settings.choice == "required" else "TEXT | TEXT calls | calls"
+        return "\n".join([f"start: {start}", f"calls: {calls}", f"call: {_json(self.call_schema())}",
+                          "TEXT: /(?s:.+)/ & ~/(?s:.*)<tool_call>(?s:.*)/"]) + "\n"
+
+    def constraint(self, tokenizer: Any, eos_id: int | None) -> GrammarConstraint:
+        """A fresh grammar state for one answer; ValueError, one line, when llguidance refuses a
+        function's parameters schema."""
+        return GrammarConstraint.from_lark(tokenizer, self.grammar(self.hermes and tags_are_tokens(tokenizer)),
+                                           eos_id=eos_id)
+
+    # ---- reading the answer ----------------------------------------------------------------------
+    def parse(self, text: str, final: bool) -> Parsed:
+        """What ``text`` says so far. Not ``final`` (streaming), text that may yet turn out to start
+        a call is held back; a cut answer (the token limit) gives its calls so far, the last one's
+        arguments cut."""
+        layout = self.layout
+        if self.hermes:
+            start = text.find(TRIGGER)
+            if start < 0:
+                return Parsed(text if final else _held_back(text))
+            return Parsed(text[:start].rstrip() or None, _calls(text, start, layout))
+        if text.startswith(layout.first):
+            return Parsed(None, _calls(text, 0, layout))
+        if text.startswith(RESPONSE):
+            return Parsed(_string_so_far(text, len(RESPONSE)))
+        return Parsed("")  # (a prefix of either, or a cut answer)
+
+    def finish_reason(self, parsed: Parsed, engine_reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" for an answer that ended with whole calls."""
+        if engine_reason == "stop" and parsed.calls and parsed.calls[-1].complete:
+            return "tool_calls"
+        return engine_reason
+
+
+def tags_are_tokens(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` (a ``tokenizers.Tokenizer``) has both Hermes tags as added tokens."""
+    added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    return TRIGGER in added and CLOSE in added
+
+
+def _held_back(text: str) -> str:
+    """Streamed Hermes text without what may yet start a call: a tail that begins ``<tool_call>``,
+    and the whitespace before it (text before calls is the content without its trailing space)."""
+    for size in range(min(len(TRIGGER) - 1, len(text)), 0, -1):
+        if TRIGGER.startswith(text[-size:]):
+            text = text[:-size]
+            break
+    return text.rstrip()
+
+
+def _calls(text: str, start: int, layout: Layout) -> list[ParsedCall]:
+    """The calls written from ``start`` on (where ``layout.first`` begins)."""
+    if not text.startswith(layout.first, start):
+        return []
+    at = start + len(layout.first)
+    calls: list[ParsedCall] = []
+    while (head := _HEAD.match(text, at)) is not None:
+        try:
+            _, end = _decoder.raw_decode(text, head.end())
+        except ValueError:  # not complete yet (or cut): everything after the head is arguments
+            calls.append(ParsedCall(head[1], text[head.end():], False))
+            break
+        calls.append(ParsedCall(head[1], text[head.end(): end], True))
+        at = end + 1  # past the call object's closing brace
+        if layout.between is None or not text.startswith(layout.between, at):
+            break
+        at += len(layout.between)
+    return calls
+
+
+def _string_so_far(text: str, start: int) -> str:
+    """The JSON string that starts at ``start``, decoded as far as it is written (an escape cut in
+    its middle left out, and a lone high surrogate whose pair is still to come)."""
+    try:
+        value, _ = _decoder.raw_decode(text, start)
+        return value if isinstance(value, str) else ""
+    except ValueError:
+        pass
+    body = text[start:]
+    for cut in range(min(7, len(body))):  # \uXXXX is the longest escape: 6 characters
+        try:
+            value = json.loads(body[: len(body) - cut] + '"')
+        except ValueError:
+            continue
+        return value[:-1] if value and "\ud800" <= value[-1] <= "\udbff" else value
+    return ""
+
+
+def message(fmt: ToolFormat, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole answer's (content, tool_calls in OpenAI's form, each with a new id)."""
+    parsed = fmt.parse(text, final=True)
+    return parsed.content, [{"id": call_id(), "type": "function",
+                             "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
+
+
+class ToolStream:
+    """A streamed answer's deltas as OpenAI sends them: ``{"content": ...}`` for text, and per
+    call ``{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]}`` once
+    its name is known, then ``{"tool_calls": [{"index", "function": {"arguments": ...}}]}`` as its
+    arguments are written."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self.text = ""
+        self.content = ""  # sent so far
+        self.arguments: list[str] = []  # each call's arguments sent so far
+        self.parsed = Parsed("")
+
+    def add(self, piece: str, final: bool = False) -> list[dict[str, Any]]:
+        self.text += piece
+        self.parsed = parsed = self.fmt.parse(self.text, final)
+        deltas: list[dict[str, Any]] = []
+        content = parsed.content or ""
+        if len(content) > len(self.content):
+            deltas.append({"content": content[len(self.content):]})
+            self.content = content
+        for index, call in enumerate(parsed.calls):
+            if index == len(self.arguments):
+                self.arguments.append("")
+                deltas.append({"tool_calls": [{"index": index, "id": call_id(), "type": "function",
+                                               "function": {"name": call.name, "arguments": ""}}]})
+            sent = self.arguments[index]
+            if len(call.arguments) > len(sent):
+                deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments[len(sent):]}}]})
+                self.arguments[index] = call.arguments
+        return deltas
