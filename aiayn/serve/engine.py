@@ -34,6 +34,10 @@ the device but the chosen ids (with the log-probabilities asked for), once per f
 ``aiayn.serve.sampler.choose``: they must reach the host to be detokenised. The cache's extents are known on
 the host (``RowKVCache.host_lengths``; each forward tells it its rows' real tokens, ``expect``), so
 on a GPU a step queues its work and waits only for its tokens (tests/serve/test_no_device_reads.py).
+
+With a ``BlockPlan`` (``--kv-layout paged``) the cache is a ``PagedKVCache``: rows hold blocks
+from one pool, admission is by free blocks, prompt prefixes are shared, and the newest request is
+preempted (recomputed later) when a step needs more blocks than are free (``aiayn.serve.blocks``).
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ from aiayn.generate.constrain import ConstraintError, GrammarConstraint
 from aiayn.generate.step import decode_step
 from aiayn.generate.text import IncrementalText
 from aiayn.nn.kv_cache import format_bytes, kv_cache_bytes
+from aiayn.nn.paged_kv_cache import PagedKVCache
 from aiayn.nn.row_kv_cache import RowKVCache
+from aiayn.serve.blocks import BlockPlan, BlockScheduler, PagedSteps
 from aiayn.serve.embedding import DEFAULT_CHUNK, EmbeddingJob, EmbeddingQueue
 from aiayn.serve.metrics import Metrics
 from aiayn.serve.sampler import RowAdjustments, SamplingParams, TokenLogprob, choose
@@ -158,11 +164,11 @@ def slot_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_ca
     return SlotPlan(rows, context, per_row, dtype)
 
 
-class Engine:
+class Engine(PagedSteps):
     """Continuous batching over ``lm`` (see the module docstring). ``start()`` runs it on a
     thread; ``submit`` queues a request (``QueueFull`` past ``max_queue`` waiting)."""
 
-    def __init__(self, lm: TextModel, plan: SlotPlan, *, kv_cache: str | None = None, prefill_chunk: int = 512,
+    def __init__(self, lm: TextModel, plan: SlotPlan | BlockPlan, *, kv_cache: str | None = None, prefill_chunk: int = 512,
                  max_queue: int = 64, metrics: Metrics | None = None, threads: int | None = None,
                  embed_chunk: int = DEFAULT_CHUNK, embed_share: float = 0.5,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -172,9 +178,14 @@ class Engine:
         self._cv = threading.Condition()
         self.device = model_device(self.model)
         self.context, self.max_batch = plan.context, plan.rows
-        cache = self.model.new_cache(plan.rows, plan.context, per_row=True, quantize=kv_cache)
-        assert isinstance(cache, RowKVCache)
-        self.cache = cache
+        self.cache: RowKVCache | PagedKVCache
+        self.blocks: BlockScheduler | None = None  # the paged cache's scheduling (None: fixed slots)
+        if isinstance(plan, BlockPlan):
+            self.cache = self.model.new_cache(plan.rows, plan.context, per_row=True, quantize=kv_cache,
+                                              n_blocks=plan.n_blocks, block_size=plan.block_size)  # type: ignore[assignment]
+            self.blocks = BlockScheduler(self.cache, plan)  # type: ignore[arg-type]
+        else:
+            self.cache = self.model.new_cache(plan.rows, plan.context, per_row=True, quantize=kv_cache)  # type: ignore[assignment]
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
         self.threads = threads  # torch threads of the engine thread (None: as it finds them)
         self.rows: list[Request] = []  # cache row i serves rows[i]: decoding first, then prefilling
@@ -194,6 +205,8 @@ class Engine:
         if total > self.context:
             raise ValueError(f"{len(request.prompt)} prompt tokens + max_tokens {request.params.max_tokens} "
                              f"exceed the context of {self.context} tokens")
+        if self.blocks is not None:
+            self.blocks.check_fits(len(request.prompt), request.params.max_tokens)
         with self._cv:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
@@ -298,6 +311,8 @@ class Engine:
             for request in [r for r in self.rows if r.cancelled]:
                 self._remove(request)
             self._admit()
+            if self.blocks is not None:
+                self._make_room()
             streams, start = bool(self.rows), self.embeddings.clock()
             if len(self.rows) > self.n_decode:
                 self._prefill()
@@ -318,6 +333,8 @@ class Engine:
                     future.set_exception(exc)
 
     def _admit(self) -> None:
+        if self.blocks is not None:
+            return self._admit_by_blocks(self.blocks)
         while len(self.rows) < self.max_batch:
             with self._cv:
                 if not self.waiting:
@@ -331,22 +348,32 @@ class Engine:
             self.rows.append(request)
             self.metrics.prompt_tokens.inc(len(request.prompt))
 
-    def _prefill(self) -> None:
-        """Feed the prefilling rows up to ``prefill_chunk`` prompt tokens; rows whose prompt is
-        done sample their first token and join the decoding rows."""
-        start, budget = self.n_decode, self.prefill_chunk
+    def _sequence(self, request: Request) -> list[int]:
+        """What ``request``'s row must hold before it samples: its prompt (after a preemption, its
+        prompt and answer so far)."""
+        return self.blocks.sequence(request) if self.blocks is not None else request.prompt
+
+    def _prefill_batch(self) -> list[tuple[Request, int]]:
+        """The prefilling rows of this step's chunk, in row order, with the tokens each feeds."""
+        budget = self.prefill_chunk
         batch: list[tuple[Request, int]] = []
-        for request in self.rows[start:]:
-            take = min(len(request.prompt) - request.fed, budget)
+        for request in self.rows[self.n_decode:]:
+            take = min(len(self._sequence(request)) - request.fed, budget)
             batch.append((request, take))
             budget -= take
             if budget == 0:
                 break
+        return batch
+
+    def _prefill(self) -> None:
+        """Feed the prefilling rows up to ``prefill_chunk`` prompt tokens; rows whose prompt is
+        done sample their first token and join the decoding rows."""
+        start, batch = self.n_decode, self._prefill_batch()
         width = max(take for _, take in batch)
         tokens = torch.zeros(len(batch), width, dtype=torch.long)
         valid = torch.zeros(len(batch), width, dtype=torch.bool)
         for i, (request, take) in enumerate(batch):
-            tokens[i, :take] = torch.tensor(request.prompt[request.fed: request.fed + take])
+            tokens[i, :take] = torch.tensor(self._sequence(request)[request.fed: request.fed + take])
             valid[i, :take] = True
         tokens, valid = to_device((tokens, valid), self.device)  # built on the CPU, one copy each
         # Each row's real tokens, told to the cache: it learns them without reading ``valid`` back.
@@ -354,11 +381,14 @@ class Engine:
         done = []
         for i, (request, take) in enumerate(batch):
             request.fed += take
-            if request.fed == len(request.prompt):
+            if request.fed == len(self._sequence(request)):
                 done.append((i, take - 1))
         # The rows whose prompt ends in this chunk want their last prompt token's logits (m, v).
         at = to_device(torch.tensor(done, dtype=torch.long).reshape(-1, 2).T, self.device)  # (2, m)
         logits = decode_step(self.model, tokens, view, valid=valid, at=(at[0], at[1]))
+        if self.blocks is not None:  # the full blocks of prompts are indexed as soon as they are computed
+            for i, (request, _) in enumerate(batch):
+                self.blocks.filled(request, start + i)
         if not done:
             return
         rows = [i for i, _ in done]
@@ -376,6 +406,9 @@ class Engine:
         # decode loops; one per row, which the cache is told rather than reading it back.
         valid = torch.ones_like(tokens, dtype=torch.bool)  # (d, 1), made on the device
         view = self.cache.rows(0, self.n_decode).expect([1] * self.n_decode)
+        if self.blocks is not None:
+            for request in requests:
+                self.blocks.decoding(request)
         logits = decode_step(self.model, tokens, view, valid=valid)  # (d, v)
         self._sample_and_emit(logits, requests)
         self.metrics.batch_size.observe(len(requests))
@@ -433,8 +466,15 @@ class Engine:
             self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
 
     def _remove(self, request: Request) -> None:
+        """``request`` is done: free its row."""
+        self._free_row(request)
+        if self.blocks is not None:
+            self.blocks.forget(request)
+        request.finished = True
+
+    def _free_row(self, request: Request) -> None:
         """Free ``request``'s row: it moves to the end of the used rows (decoding rows stay first,
-        prefilling ones keep their order) and is cleared."""
+        prefilling ones keep their order) and is cleared (a paged row's blocks go back at once)."""
         row = self.rows.index(request)
         if row < self.n_decode:
             self._swap(row, self.n_decode - 1)
@@ -443,4 +483,3 @@ class Engine:
             self._swap(k, k + 1)
         self.rows.pop()
         self.cache.clear_row(len(self.rows))
-        request.finished = True

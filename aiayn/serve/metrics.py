@@ -51,6 +51,14 @@ class Metrics:
                                registry=registry)
         self.slots = Gauge("aiayn_kv_cache_slots", "KV-cache slots (the most concurrent requests)",
                            registry=registry)
+        self.preemptions = Counter("aiayn_preemptions", "Requests preempted for KV-cache blocks (recomputed later)",
+                                   registry=registry)
+        self.kv_blocks_used = Gauge("aiayn_kv_cache_blocks_used", "Paged KV-cache blocks held by requests",
+                                    registry=registry)
+        self.kv_blocks_free = Gauge("aiayn_kv_cache_blocks_free",
+                                    "Paged KV-cache blocks free or holding an unused cached prefix", registry=registry)
+        self.prefix_hit_rate = Gauge("aiayn_prefix_cache_hit_rate",
+                                     "Share of admitted prompt tokens found in the prefix cache", registry=registry)
         self.tokens_per_second = Gauge("aiayn_generation_tokens_per_second",
                                        f"Tokens generated per second over the last {RATE_WINDOW:g} s",
                                        registry=registry)
@@ -65,6 +73,12 @@ class Metrics:
         self.running.set_function(lambda: engine.running)
         self.occupancy.set_function(lambda: engine.running / engine.max_batch)
         self.slots.set(engine.max_batch)
+        blocks = getattr(engine, "blocks", None)
+        if blocks is not None:  # the paged cache (aiayn.serve.blocks)
+            pool = blocks.cache.pool
+            self.kv_blocks_used.set_function(lambda: pool.used)
+            self.kv_blocks_free.set_function(lambda: pool.available)
+            self.prefix_hit_rate.set_function(lambda: blocks.hit_rate)
 
     def token_generated(self) -> None:
         with self._lock:

@@ -1,0 +1,267 @@
+"""The serve engine's paged KV cache: its memory plan, admission by free blocks, the prefix cache
+and preemption (vLLM's scheduler, in miniature).
+
+* **Plan** (``block_plan``): ``--kv-budget`` bytes become a pool of blocks of ``--block-size``
+  tokens (block 0 the null block), at most what ``--max-batch`` rows of ``--context`` tokens could
+  ever hold. A request holds the blocks its tokens fill, so many short requests and a few long ones
+  share the same memory; ``--max-batch`` only caps how many run at once.
+* **Admission**: a waiting request starts when a row is free and the pool can hold its whole prompt
+  (after its prefix-cache hits) beside what the prompts already admitted still need; in arrival
+  order (a request that does not fit waits, and so do the ones behind it). A request that could
+  never fit (prompt + max_tokens over the pool) is refused at ``submit``, the limit named.
+* **Prefix cache** (vLLM's automatic prefix caching): each full block of a prompt is indexed, after
+  the forward that fills it, under the chained digest of the prompt up to its end
+  (``aiayn.nn.block_pool``); an admitted request holds the longest indexed prefix of its prompt
+  instead of recomputing it (never its last token's block: the first answer token needs that
+  token's logits). Rows of one request with ``n > 1`` (the same prompt, submitted together) share
+  one prefill: a request whose next block is being computed by a prefilling row waits for it, then
+  finds it in the index. Blocks nobody holds stay cached until the pool needs them (LRU).
+* **Preemption** (recompute, as vLLM does by default): when the running rows' next forward needs
+  more blocks than are free, the newest request gives its blocks back and goes to the front of the
+  queue; when it is admitted again it prefills its prompt and the tokens it had generated (mostly
+  prefix-cache hits) and carries on from its last token, its sampler state untouched. The oldest
+  request always fits alone (the ``submit`` check), so the engine never deadlocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from aiayn.generate.text import IncrementalText
+from aiayn.nn.block_pool import block_digests
+from aiayn.nn.kv_cache import QUANTIZED, format_bytes, kv_cache_bytes
+from aiayn.nn.paged_kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from aiayn.nn.row_kv_cache import RowKVCache
+    from aiayn.serve.engine import Request
+    from aiayn.serve.metrics import Metrics
+    from aiayn.textgen import TextModel
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The paged cache's memory: ``n_blocks`` blocks (the null block included) of ``block_size`` tokens
+    for up to ``rows`` concurrent requests of up to ``context`` tokens each."""
+
+    rows: int
+    context: int
+    n_blocks: int
+    block_size: int
+    bytes_per_block: int
+    dtype: str
+    prefix_caching: bool = True
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the usable blocks hold (the null block excluded): the most one request may use."""
+        return (self.n_blocks - 1) * self.block_size
+
+    def describe(self, budget: int) -> str:
+        return (f"KV cache: {self.n_blocks - 1} blocks x {self.block_size} tokens ({self.dtype}, paged), "
+                f"{format_bytes(self.n_blocks * self.bytes_per_block)} of a {format_bytes(budget)} budget "
+                f"({format_bytes(self.bytes_per_block)} per block) -> {self.capacity_tokens} tokens shared by up to "
+                f"{self.rows} concurrent requests; prefix caching {'on' if self.prefix_caching else 'off'}")
+
+
+def block_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_cache: str | None,
+               block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True) -> BlockPlan:
+    """A pool of blocks in ``budget`` bytes for ``max_batch`` rows of up to ``context`` tokens.
+    ValueError for a quantised cache (the paged cache holds floats), a context over the model's, or
+    a budget that holds fewer than two blocks."""
+    config = lm.model.config
+    if kv_cache in QUANTIZED:
+        raise ValueError(f"--kv-cache {kv_cache} needs --kv-layout slots: the paged KV cache holds float keys "
+                         f"and values")
+    if block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {block_size}")
+    if context > lm.context:
+        raise ValueError(f"a context of {context} tokens is more than the model's {lm.context}; give at most that")
+    dtype = kv_cache or str(lm.model.float_dtype).removeprefix("torch.")
+    per_block = kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+                               seq_len=block_size, batch_size=1, dtype=dtype)
+    most = 1 + max_batch * -(-context // block_size)  # what max_batch full rows could hold, + the null block
+    n_blocks = min(most, budget // per_block)
+    if n_blocks < 2:
+        raise ValueError(f"a block of {block_size} tokens needs {format_bytes(per_block)} of KV cache and the "
+                         f"budget of {format_bytes(budget)} holds fewer than two (one is the null block); raise "
+                         f"the budget or lower the block size")
+    return BlockPlan(max_batch, context, n_blocks, block_size, per_block, dtype, prefix_caching)
+
+
+class BlockScheduler:
+    """The engine's paged-cache bookkeeping per request: what its row must hold (its prompt, or its
+    prompt and answer so far after a preemption), its prompt's digests, prefix hits, the order of
+    admission (preemption takes the newest) and the hit counters for /metrics."""
+
+    def __init__(self, cache: PagedKVCache, plan: BlockPlan) -> None:
+        self.cache, self.plan = cache, plan
+        self.block_size = plan.block_size
+        self._sequence: dict[int, list[int]] = {}  # request id -> the tokens its row must hold
+        self._digests: dict[int, list[bytes]] = {}
+        self._decoded: dict[int, list[int]] = {}  # request id -> answer tokens fed since its prefill
+        self._admitted: dict[int, int] = {}  # request id -> admission number (newest: highest)
+        self._admissions = 0
+        self.resumed: set[int] = set()  # requests preempted at least once (back in the queue)
+        self.hit_tokens = 0  # prompt tokens found in the prefix cache (not recomputed)
+        self.looked_up_tokens = 0  # prompt tokens of admitted requests
+
+    # ---- admission ----------------------------------------------------------------------------
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError, the limit named, for a request the pool could never hold."""
+        total = prompt_tokens + max_tokens
+        if total > self.plan.capacity_tokens:
+            raise ValueError(f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} = {total} tokens exceed the "
+                             f"KV cache's {self.plan.capacity_tokens} ({self.plan.n_blocks - 1} blocks of "
+                             f"{self.block_size}; raise --kv-budget)")
+
+    def sequence(self, request: Request) -> list[int]:
+        """The tokens ``request``'s row must hold before it samples: its prompt, or after a
+        preemption its prompt and every token it had generated."""
+        return self._sequence.get(request.id, request.prompt)
+
+    def _hits(self, request: Request) -> tuple[list[bytes], list[int]]:
+        """The request's digests and the indexed blocks it can hold (never the one with its last token)."""
+        sequence = self.sequence(request)
+        if not self.plan.prefix_caching:
+            return [], []
+        digests = self._digests.get(request.id)
+        if digests is None:
+            digests = self._digests[request.id] = block_digests(sequence, self.block_size)
+        return digests, self.cache.pool.lookup(digests)[: (len(sequence) - 1) // self.block_size]
+
+    def admission(self, request: Request, prefilling: Sequence[tuple[int, Request]]) -> str:
+        """"admit", "wait" (its next block is being computed by a prefilling row: the n > 1 case) or
+        "full" (the pool cannot hold its prompt beside what the admitted prompts still need)."""
+        digests, hits = self._hits(request)
+        pool = self.cache.pool
+        if len(hits) < len(digests):
+            upcoming = digests[len(hits)]
+            if any(upcoming in self._digests.get(other.id, ()) for _, other in prefilling):
+                return "wait"
+        still_needed = sum(self.cache.blocks_for(row, len(self.sequence(other)) - other.fed)
+                           for row, other in prefilling)
+        own = -(-len(self.sequence(request)) // self.block_size) - len(hits)
+        cached_hits = sum(1 for block in hits if pool.refs(block) == 0)  # evictable now, held once admitted
+        return "admit" if own + still_needed <= pool.available - cached_hits else "full"
+
+    def start(self, request: Request, row: int) -> None:
+        """``request`` takes empty row ``row``: it holds its prefix hits, and ``request.fed`` skips them."""
+        _, hits = self._hits(request)
+        self.cache.adopt(row, hits)
+        request.fed = len(hits) * self.block_size
+        if request.id not in self.resumed:
+            self.hit_tokens += request.fed
+            self.looked_up_tokens += len(request.prompt)
+        self._admissions += 1
+        self._admitted[request.id] = self._admissions
+
+    def filled(self, request: Request, row: int) -> None:
+        """After a prefill forward: index the full blocks of the row's prompt."""
+        if self.plan.prefix_caching:
+            self.cache.register(row, self._digests.get(request.id, ()))
+
+    # ---- running rows -------------------------------------------------------------------------
+    def decoding(self, request: Request) -> None:
+        """``request`` feeds its last token now (a decode step): remembered for a recompute."""
+        self._decoded.setdefault(request.id, []).append(request.last_token)
+
+    def newest(self, requests: Sequence[Request]) -> Request:
+        return max(requests, key=lambda r: self._admitted.get(r.id, 0))
+
+    def preempted(self, request: Request, decoding: bool) -> None:
+        """``request`` gave its row back: next time its row must hold everything it has so far (a
+        decoding row: its sequence, the tokens it fed since and the last one it sampled)."""
+        if decoding:
+            self._sequence[request.id] = [*self.sequence(request), *self._decoded.pop(request.id, []),
+                                          request.last_token]
+            self._digests.pop(request.id, None)
+        request.fed = 0
+        self.resumed.add(request.id)
+        self._admitted.pop(request.id, None)
+
+    def forget(self, request: Request) -> None:
+        """``request`` has finished: drop what was kept for it."""
+        for table in (self._sequence, self._digests, self._decoded, self._admitted):
+            table.pop(request.id, None)
+        self.resumed.discard(request.id)
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of admitted prompt tokens found in the prefix cache."""
+        return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
+
+
+class PagedSteps:
+    """The engine's steps that only the paged cache has (``aiayn.serve.engine.Engine`` inherits them):
+    admission by free blocks and preemption. They read and change the engine's rows and queue."""
+
+    lm: TextModel
+    device: torch.device
+    cache: RowKVCache | PagedKVCache
+    blocks: BlockScheduler | None
+    rows: list[Request]
+    n_decode: int
+    max_batch: int
+    waiting: deque[Request]
+    metrics: Metrics
+    _cv: threading.Condition
+
+    def _free_row(self, request: Request) -> None: ...  # (Engine's)
+    def _prefill_batch(self) -> list[tuple[Request, int]]: ...  # (Engine's)
+
+    def _admit_by_blocks(self, blocks: BlockScheduler) -> None:
+        """The paged cache's admission, in arrival order: a request starts when a row is free and the
+        pool holds its prompt (``BlockScheduler.admission``); one that waits for a prefilling row's
+        blocks (the same prompt: n > 1) lets the others pass."""
+        with self._cv:
+            candidates = list(self.waiting)
+        for request in candidates:
+            if len(self.rows) >= self.max_batch:
+                return
+            prefilling = list(enumerate(self.rows))[self.n_decode:]
+            verdict = "skip" if request.cancelled else blocks.admission(request, prefilling)
+            if verdict == "full":
+                return
+            if verdict == "wait":
+                continue
+            with self._cv:
+                if request not in self.waiting:  # cancelled meanwhile
+                    continue
+                self.waiting.remove(request)
+            if request.cancelled:
+                blocks.forget(request)
+                continue
+            if request.id not in blocks.resumed:  # (a preempted request keeps its text and draws)
+                request.text = IncrementalText(self.lm.decode, request.params.stop)
+                request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
+                self.metrics.prompt_tokens.inc(len(request.prompt))
+            self.cache.clear_row(len(self.rows))
+            blocks.start(request, len(self.rows))
+            self.rows.append(request)
+
+    def _make_room(self) -> None:
+        """Preempt the newest requests until this step's forwards have the blocks they need (the
+        oldest request alone always fits: ``BlockScheduler.check_fits``)."""
+        assert self.blocks is not None and isinstance(self.cache, PagedKVCache)
+        while self.rows:
+            need = sum(self.cache.blocks_for(row, 1) for row in range(self.n_decode))
+            need += sum(self.cache.blocks_for(self.n_decode + i, take)
+                        for i, (_, take) in enumerate(self._prefill_batch()))
+            if need <= self.cache.pool.available:
+                return
+            victim = self.blocks.newest(self.rows)
+            decoding = self.rows.index(victim) < self.n_decode
+            self._free_row(victim)
+            self.blocks.preempted(victim, decoding)
+            self.metrics.preemptions.inc()
+            with self._cv:
+                self.waiting.appendleft(victim)
