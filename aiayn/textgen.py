@@ -35,6 +35,7 @@ from aiayn.interop.mapping import InteropError
 
 if TYPE_CHECKING:
     from aiayn.generate import SamplingConfig
+    from aiayn.generate.decoder_only import RowConstraint
 
 # Weight quantisations that only aiayn.fast's CPU kernels run (int8 rows, packed 4-bit blocks).
 CPU_QUANTIZE = ("int8", "q4")
@@ -199,7 +200,7 @@ class StreamStats:
     # max_new_tokens (only with slide=False: otherwise the window slides past it).
     context_full: int | None = None
     # Why it stopped: "length" (max_new_tokens), "eos" (the model's end-of-text), "stop" (a stop
-    # string) or "context" (the context full, slide=False).
+    # string), "context" (the context full, slide=False) or "complete" (the constraint's answer is).
     stop: str = "length"
     slides: int = 0  # times the window slid past the model's context (``aiayn.generate.window``)
     context: int | None = None  # the model's context, for the summary of the slides
@@ -213,7 +214,7 @@ class StreamStats:
         if self.seconds_after_compile is not None and self.tokens > 2:
             rate += f"; {(self.tokens - 2) / self.seconds_after_compile:.1f} tokens/s after the compiling step"
         why = {"length": "stopped: the token limit (max new tokens)", "eos": "stopped: the model's end-of-text",
-               "stop": "stopped: a stop string",
+               "stop": "stopped: a stop string", "complete": "stopped: the answer is complete (its grammar ends)",
                "context": f"stopped: the model's context of {self.context_full} tokens is full"}[self.stop]
         if self.slides and self.context is not None:
             times = "once" if self.slides == 1 else f"{self.slides} times"
@@ -224,7 +225,8 @@ class StreamStats:
 
 def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], max_new_tokens: int,
                 sampling: SamplingConfig, stops: Sequence[str] = (), kv_cache: str | None = None,
-                compile: bool = False, slide: bool = True) -> StreamStats:
+                compile: bool = False, slide: bool = True,
+                constraint: RowConstraint | None = None) -> StreamStats:
     """Continue ``ids`` (1, t), calling ``on_text`` with each new piece of text as it is decoded.
 
     Stops after ``max_new_tokens``, at the model's end-of-text id, or once the text holds one of
@@ -233,7 +235,8 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
     recomputed); ``slide=False`` cuts ``max_new_tokens`` to what the context leaves instead.
     ``kv_cache`` ("int8"/"int4") and ``compile`` are ``stream_decoder_only``'s. The model runs
     where it is (``ids`` are moved there), under ``aiayn.device.autocast`` (bfloat16 on CUDA,
-    nothing on the CPU).
+    nothing on the CPU). ``constraint``: a grammar the answer follows (``aiayn.generate.constrain.
+    GrammarConstraint``; ``stream_decoder_only``'s ``constraints``), which ends it once complete.
     """
     from aiayn.generate import stream_decoder_only
 
@@ -249,7 +252,8 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
     second_token_at: float | None = None  # with compile: the first (compiling) step ends here
     start = time.perf_counter()
     steps = stream_decoder_only(lm.model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                                kv_cache=kv_cache, compile=compile, slide=slide)
+                                kv_cache=kv_cache, compile=compile, slide=slide,
+                                constraints=None if constraint is None else [constraint])
     with autocast(device):  # the loop's forwards run as each step is taken, inside this block
         for step in steps:
             slides += step.slid
@@ -266,6 +270,8 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
             if stopped:  # the answer ends just before the stop string, which is not shown
                 stop = "stop"
                 break
+            if constraint is not None and constraint.is_finished():
+                stop = "complete"
     if stop != "stop" and (rest := text.finish()):  # what was held back: the answer ended another way
         on_text(rest)
     end = time.perf_counter()

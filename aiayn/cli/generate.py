@@ -76,13 +76,19 @@ def text_device(name: str, quantize: str = "none") -> Any:
 @click.option("--compile", "compiled", is_flag=True,
               help="Run the decode steps as one torch.compile'd graph (float KV cache only; the "
                    "first step compiles, which takes seconds to a minute and needs a C++ compiler).")
+@click.option("--json-schema", "json_schema", type=click.File("r", encoding="utf-8"),
+              help="Answer with JSON that validates against the JSON schema in this file ('-': stdin), "
+                   "by constrained decoding (docs/structured-output.md); best with --chat.")
+@click.option("--json", "json_object", is_flag=True,
+              help="Answer with a JSON object (any keys), by constrained decoding; best with --chat.")
 @plain_option
 @device_option
 def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
                  max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
                  repetition_penalty: float, seed: int | None, stops: tuple[str, ...],
                  quantize: str = "none", threads: int | None = None, kv_cache: str = "float",
-                 compiled: bool = False, plain: bool = False, device: str = "auto") -> None:
+                 compiled: bool = False, json_schema: Any = None, json_object: bool = False, plain: bool = False,
+                 device: str = "auto") -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     import torch
 
@@ -96,6 +102,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     if compiled and kv_cache != "float":
         raise click.BadParameter("--compile needs the float KV cache; drop --kv-cache or --compile",
                                  param_hint="--kv-cache")
+    schema = read_schema(json_schema, json_object)
     if threads is not None:
         torch.set_num_threads(check_threads(threads))
     lm = _text_model(run_dir, model_path, plain=plain, quantize=quantize, device=where)
@@ -110,12 +117,47 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
         raise click.BadParameter(str(exc), param_hint="--prompt") from None
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)
-    if not chat:
+    constraint = None if schema is None else json_constraint(lm, schema)
+    if not chat and constraint is None:  # (with a grammar stdout is the JSON alone)
         click.echo(prompt, nl=False)
     stats = stream_text(lm, ids, on_text=lambda text: click.echo(text, nl=False), max_new_tokens=max_new_tokens,
                         sampling=sampling, stops=stops, kv_cache=None if kv_cache == "float" else kv_cache,
-                        compile=compiled)
+                        compile=compiled, constraint=constraint)
     click.echo(f"\n[{stats.summary()}]", err=True)
+    if constraint is not None and stats.stop in ("length", "context", "stop"):
+        raise click.ClickException(f"the answer was cut after {stats.tokens} tokens, before its JSON was complete; "
+                                   f"raise --max-new-tokens (or drop --stop)")
+
+
+def read_schema(source: Any, json_object: bool) -> dict[str, Any] | None:
+    """--json-schema's schema (a JSON object read from the file), --json's (any JSON object), or None
+    for free text; one usage line for a file that is not a JSON object."""
+    if source is not None and json_object:
+        raise click.UsageError("give --json-schema FILE or --json, not both")
+    if json_object:
+        return {"type": "object"}
+    if source is None:
+        return None
+    name = "stdin" if source.name == "<stdin>" else source.name
+    try:
+        schema = json.loads(source.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"{name} is not JSON: {exc}", param_hint="--json-schema") from None
+    if not isinstance(schema, dict):
+        raise click.BadParameter(f"{name} holds a JSON {type(schema).__name__}; a JSON schema is an object",
+                                 param_hint="--json-schema")
+    return schema
+
+
+def json_constraint(lm: Any, schema: dict[str, Any]) -> Any:
+    """The grammar of ``schema`` for ``lm``'s tokenizer; one usage line for an invalid schema or a
+    model that cannot follow one (a character-level tokenizer)."""
+    from aiayn.generate.constrain import GrammarConstraint
+
+    try:
+        return GrammarConstraint.from_schema(lm.tokenizer, schema, eos_id=lm.eos_id)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--json-schema / --json") from None
 
 
 def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:

@@ -8,11 +8,14 @@ path is tested against. ``compile=True`` runs the steps after the prompt through
 ``aiayn.fast.compiled_decode`` (imported only then). Past the model's context (``max_seq_len``)
 the loop slides its window (``aiayn.generate.window``): a row keeps its last 3/4 of the context,
 recomputed into the cleared cache, and goes on; ``slide=False`` refuses more tokens than fit.
+``constraints`` (a grammar per row, ``aiayn.generate.constrain.GrammarConstraint``: structured
+output) mask each step's logits and end a row once its answer is complete.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -23,6 +26,20 @@ from aiayn.generate.steps import DecodeStep, GreedyResult, default_fill_id, fill
 from aiayn.generate.window import keep_tokens, slide_window
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.masks import valid_tokens
+
+
+class RowConstraint(Protocol):
+    """What the loop asks of a row's grammar (``aiayn.generate.constrain.GrammarConstraint`` is one):
+    ``reset`` at the start, ``mask_logits`` (in place) before each choice, ``advance`` with the
+    token chosen, ``is_finished`` when nothing but end-of-text could follow."""
+
+    def reset(self) -> None: ...
+
+    def mask_logits(self, logits: Tensor) -> Tensor: ...
+
+    def advance(self, token: int) -> None: ...
+
+    def is_finished(self) -> bool: ...
 
 
 def stream_decoder_only(
@@ -38,6 +55,7 @@ def stream_decoder_only(
     compile: bool = False,
     use_cache: bool = True,
     slide: bool = True,
+    constraints: Sequence[RowConstraint | None] | None = None,
 ) -> Iterator[DecodeStep]:
     """Continue each row of ``prompt`` (b, t), yielding one ``DecodeStep`` per new token.
 
@@ -58,6 +76,11 @@ def stream_decoder_only(
         cleared cache and goes on, so the loop always makes ``max_new_tokens`` steps (unless every
         row is done); that step's ``DecodeStep.slid`` is True. The prompt must fit the context.
         False: prompt + ``max_new_tokens`` must fit (ValueError otherwise).
+    constraints: one per row (None: that row is free), reset when the loop starts. Each step
+        masks its row's logits (the ``DecodeStep.logits`` are the masked ones), advances it with
+        the token chosen, and a row whose grammar is finished (its answer complete: only
+        end-of-text could follow) is done, as at eos. The grammar reads each step's tokens on the
+        host (one read a step).
 
     The arguments are checked on the call; the model runs lazily, one step per item taken: a
     caller that stops early (``break``, or closing the iterator) costs no further step. The
@@ -73,17 +96,20 @@ def stream_decoder_only(
         raise ValueError("compile=True decodes through the KV cache; it needs use_cache=True")
     if compile and kv_cache is not None:
         raise ValueError("compiled decoding needs a float KV cache; drop compile or the cache quantisation")
+    if constraints is not None and len(constraints) != prompt.shape[0]:
+        raise ValueError(f"{len(constraints)} constraints for {prompt.shape[0]} prompt rows; give one per row "
+                         f"(None for a free row)")
     valid = prompt_validity(model, prompt, prompt_valid)  # (b, t)
     fill_id = default_fill_id(model.config.pad_id, eos_id, fill_id) if eos_id is not None else None
     return _decode(model, prompt, valid, max_new_tokens=max_new_tokens, chooser=TokenChooser(sampling, prompt.device),
                    eos_id=eos_id, fill_id=fill_id, kv_cache=kv_cache, compile=compile, use_cache=use_cache,
-                   slide=slide)
+                   slide=slide, constraints=list(constraints) if constraints is not None else None)
 
 
 @torch.inference_mode()
 def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens: int, chooser: TokenChooser,
             eos_id: int | None, fill_id: int | None, kv_cache: str | None, compile: bool,
-            use_cache: bool, slide: bool) -> Iterator[DecodeStep]:
+            use_cache: bool, slide: bool, constraints: list[RowConstraint | None] | None) -> Iterator[DecodeStep]:
     """``stream_decoder_only``'s loop, on checked arguments: prompt, valid (b, t)."""
     b, t = prompt.shape
     context = model.config.max_seq_len
@@ -108,6 +134,10 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
     one_real = torch.ones(b, 1, dtype=torch.bool, device=prompt.device)  # generated tokens are real
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
     fresh, slid = True, False  # fresh: this call prefills (eager, with validity); slid: after a slide
+    # The rows a grammar still steers (host-side: the grammar lives on the host).
+    steered = [i for i, c in enumerate(constraints or []) if c is not None]
+    for i in steered:
+        constraints[i].reset()  # type: ignore[index, union-attr]
     for i in range(max_new_tokens):
         if cache is None:
             logits = model(inputs, valid=inputs_valid).logits[:, -1]  # (b, v)
@@ -115,12 +145,25 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
             logits = decode_step(model, inputs, cache, compile=True)
         else:
             logits = decode_step(model, inputs, cache, valid=inputs_valid)  # (b, v)
+        if steered:
+            logits = logits.clone()  # (b, v) masked in place: the step's own buffer stays as the model wrote it
+            for row in steered:
+                constraints[row].mask_logits(logits[row])  # type: ignore[index, union-attr]
         fed = inputs.shape[1] if cache is None else cache.length  # slots the model has seen
         ids_so_far = history[:, :fed] if history is not None else None  # (b, fed)
         token = fill_finished(chooser.choose(logits, ids_so_far), done, fill_id)  # (b,)
         active = ~done
         if eos_id is not None:
             done = done | (token == eos_id)
+        if steered:
+            chosen = token.tolist()  # the grammar's read
+            for row in steered:
+                constraints[row].advance(chosen[row])  # type: ignore[index, union-attr]
+            ended = [row for row in steered if constraints[row].is_finished()]  # type: ignore[index, union-attr]
+            steered = [row for row in steered if row not in ended and chosen[row] != eos_id]
+            if ended:  # complete answers: done, as at end-of-text
+                done = done.clone()
+                done[ended] = True
         yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done, cache=cache, slid=slid)
         if bool(done.all()) or i + 1 == max_new_tokens:
             return

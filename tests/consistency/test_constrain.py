@@ -26,7 +26,7 @@ import torch
 from tokenizer_helpers import CHAT_TEMPLATE, SPECIALS, train_tokenizer
 from torch import nn
 
-from aiayn.generate import SamplingConfig
+from aiayn.generate import SamplingConfig, stream_decoder_only
 from aiayn.generate import constrain as c
 from aiayn.generate.constrain import (
     ConstraintError,
@@ -80,9 +80,10 @@ class Biased(nn.Module):
         return self.head(hidden) + self.bias
 
 
-def tiny_lm(tok, *, pad_vocab: int = 0, seed: int = 0) -> TextModel:
+def tiny_lm(tok, *, pad_vocab: int = 0, seed: int = 0, biased: bool = True) -> TextModel:
     """A 2-layer LLaMA-style model over ``tok`` (its output layer ``pad_vocab`` rows wider than the
-    vocabulary), weights at a scale far from ties, biased toward closing tokens (the docstring)."""
+    vocabulary), weights at a scale far from ties, biased toward closing tokens (the docstring;
+    ``biased=False``: a plain model, as ``aiayn export`` writes it)."""
     n = tok.get_vocab_size()
     torch.manual_seed(seed)
     model = DecoderOnly(get_preset("llama-tiny", vocab_size=n + pad_vocab, max_seq_len=256)).eval()
@@ -95,7 +96,8 @@ def tiny_lm(tok, *, pad_vocab: int = 0, seed: int = 0) -> TextModel:
                 module.weight.copy_(torch.randn(module.weight.shape, generator=g))
     bias = torch.tensor([3.0 if any(ch in tok.decode([i]) for ch in CLOSERS) else 0.0 for i in range(n)]
                         + [50.0] * pad_vocab)  # padded rows would win everywhere if not masked
-    model.lm_head = Biased(model.lm_head, bias)
+    if biased:
+        model.lm_head = Biased(model.lm_head, bias)
     eos = tok.token_to_id("<|im_end|>")
     return TextModel(model, lambda text: tok.encode(text, add_special_tokens=False).ids, lambda ids: tok.decode(ids),
                      256, eos, None, ChatTemplate(CHAT_TEMPLATE, {"eos_token": "<|im_end|>"}), tok)
@@ -155,6 +157,78 @@ def test_reset_and_copy(lm, device):
     assert cut.stop == "length" and not cut.complete
     with pytest.raises(ValueError, match="cut after 3 tokens"):
         generate_json(lm, "Q", SCHEMAS["nested"], max_new_tokens=3)
+
+
+# -- the library's decode loop and aiayn generate ----------------------------------------------------
+
+
+def loop_answer(lm, ids: torch.Tensor, constraints: list, sampling: SamplingConfig | None) -> list[list[int]]:
+    """Each row's tokens from ``stream_decoder_only`` with ``constraints`` (end-of-text and the fill
+    after a row is done left out)."""
+    rows: list[list[int]] = [[] for _ in range(ids.shape[0])]
+    for step in stream_decoder_only(lm.model, ids, max_new_tokens=120, sampling=sampling, eos_id=lm.eos_id,
+                                    constraints=constraints):
+        for row, (token, active) in enumerate(zip(step.tokens.tolist(), step.active.tolist(), strict=True)):
+            if active and token != lm.eos_id:
+                rows[row].append(token)
+    return rows
+
+
+@pytest.mark.parametrize("name", ["person", "nested", "array_top"])
+def test_the_decode_loop_steers_rows_as_generate_constrained(lm, name, device):
+    """``stream_decoder_only(constraints=...)`` (what aiayn generate --json-schema runs) gives the
+    tokens of ``generate_constrained`` (its own loop), greedy and seeded; in a batch, a free row beside
+    a constrained one gets its tokens alone, and the loop stops once every row is done."""
+    ids = lm.prompt_ids("Answer with JSON.", chat=True)  # (1, t)
+    constraint = GrammarConstraint.from_schema(lm.tokenizer, SCHEMAS[name], eos_id=lm.eos_id)
+    for sampling in (None, SamplingConfig(temperature=1.0, seed=4)):
+        expected = generate_constrained(lm, "Answer with JSON.", constraint, max_new_tokens=120, sampling=sampling)
+        assert expected.complete
+        [got] = loop_answer(lm, ids, [constraint], sampling)
+        assert got == expected.tokens and constraint.is_finished()
+        valid(lm.decode(got), SCHEMAS[name])
+    free_alone = loop_answer(lm, ids, [None], None)[0]
+    steered, free = loop_answer(lm, ids.repeat(2, 1), [constraint, None], None)
+    assert free == free_alone and steered == generate_constrained(lm, "Answer with JSON.", constraint,
+                                                                 max_new_tokens=120).tokens
+    with pytest.raises(ValueError, match="1 constraints for 2 prompt rows"):
+        stream_decoder_only(lm.model, ids.repeat(2, 1), max_new_tokens=4, constraints=[constraint])
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tok, tmp_path_factory):
+    from aiayn.textgen import export_text_model
+
+    return export_text_model(tiny_lm(tok, biased=False), tmp_path_factory.mktemp("models") / "plain")
+
+
+@pytest.mark.cpu_only
+def test_aiayn_generate_json_schema(plain_dir, tmp_path, run_aiayn):
+    """aiayn generate --json-schema FILE / --json: stdout is the JSON alone (an enum's value: a random
+    model reaches the end of it), the summary says it is complete; cut by --max-new-tokens it exits
+    1 saying so; an invalid schema, a file that is not JSON, or both options are one-line errors."""
+    enum = tmp_path / "enum.json"
+    enum.write_text(json.dumps({"enum": ["yes", "no", "maybe"]}))
+    base = ("generate", "--model", str(plain_dir), "--chat", "--prompt", "Yes or no?")
+    for sampling in (("--temperature", "0"), ("--seed", "3")):
+        code, out, err = run_aiayn(*base, "--json-schema", str(enum), *sampling)
+        assert code == 0 and json.loads(out) in ("yes", "no", "maybe"), (out, err)
+        assert "stopped: the answer is complete (its grammar ends)" in err
+    person = tmp_path / "person.json"
+    person.write_text(json.dumps(SCHEMAS["person"]))
+    code, out, err = run_aiayn(*base, "--json-schema", str(person), "--max-new-tokens", "3", "--temperature", "0")
+    assert code == 1 and out.startswith('{"') and "the answer was cut after 3 tokens" in err
+    code, out, err = run_aiayn(*base, "--json", "--max-new-tokens", "2", "--temperature", "0")
+    assert code == 1 and out.startswith("{") and "before its JSON was complete" in err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "strin"}))
+    code, _, err = run_aiayn(*base, "--json-schema", str(bad))
+    assert code == 2 and "invalid JSON schema: Invalid type: strin" in err
+    bad.write_text("{not json")
+    code, _, err = run_aiayn(*base, "--json-schema", str(bad))
+    assert code == 2 and "bad.json is not JSON" in err
+    code, _, err = run_aiayn(*base, "--json-schema", str(enum), "--json")
+    assert code == 2 and "not both" in err
 
 
 # -- the mask itself: no model ---------------------------------------------------------------------
