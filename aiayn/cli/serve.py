@@ -27,12 +27,20 @@ from aiayn.cli.app import (
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True,
-              help="Requests decoded together at most (KV-cache slots; fewer if --kv-budget holds fewer).")
+              help="Requests decoded together at most (with --kv-layout slots: fewer if --kv-budget holds fewer).")
 @click.option("--context", type=click.IntRange(min=2), help="Tokens per request, prompt + answer "
               "(default: the model's context, at most 2048).")
 @click.option("--kv-budget", default="2GiB", show_default=True, help="Memory for the KV cache (e.g. 512MiB).")
 @click.option("--kv-cache", type=click.Choice(["float", "int8", "int4"]), default="float", show_default=True,
               help="KV-cache storage: the model's float type or quantised (more slots per budget).")
+@click.option("--kv-layout", type=click.Choice(["paged", "slots"]),
+              help="paged: the KV cache in blocks shared by all requests, taken as they grow (many short and a "
+                   "few long requests in one budget; prefix caching); slots: a fixed slot of --context tokens "
+                   "per request. Default: paged, or slots with --kv-cache int8/int4.")
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Tokens per KV-cache block (--kv-layout paged).")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="Reuse the KV cache of prompt prefixes seen before (--kv-layout paged).")
 @click.option("--quantize", type=click.Choice(["none", "bf16", "int8", "q4", "auto"]), default="none",
               show_default=True, help="Lower-precision weights: bf16, int8 Linear weights (weight-only), "
               "q4 (4-bit blocks), or auto (a GGUF file's own blocks kept packed: docs/q4.md). int8 and q4 "
@@ -67,7 +75,8 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
               max_batch: int, context: int | None, kv_budget: str, kv_cache: str, quantize: str,
               prefill_chunk: int, max_queue: int, api_key: str | None, shutdown_grace: float,
               threads: int | None, max_inputs: int, max_input_tokens: int | None, max_request_tokens: int,
-              embed_chunk: int, embed_share: float, plain: bool = False, device: str = "auto") -> None:
+              embed_chunk: int, embed_share: float, kv_layout: str | None = None, block_size: int = 16,
+              prefix_caching: bool = True, plain: bool = False, device: str = "auto") -> None:
     """Serve a model over the OpenAI API (chat, completions, embeddings) with continuous batching."""
     import torch
 
@@ -99,7 +108,8 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
                                    max_queue=max_queue, api_key=api_key, shutdown_grace=shutdown_grace,
                                    threads=wanted, max_inputs=max_inputs, max_input_tokens=max_input_tokens,
                                    max_request_tokens=max_request_tokens, embed_chunk=embed_chunk,
-                                   embed_share=embed_share)
+                                   embed_share=embed_share, kv_layout=kv_layout, block_size=block_size,
+                                   prefix_caching=prefix_caching)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     lines.append(f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}")

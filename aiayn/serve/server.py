@@ -13,6 +13,7 @@ from aiayn.device import model_device
 from aiayn.models.base import count_parameters
 from aiayn.nn.kv_cache import format_bytes
 from aiayn.serve.app import ServerState, create_app
+from aiayn.serve.blocks import DEFAULT_BLOCK_SIZE, block_plan
 from aiayn.serve.embedding import DEFAULT_CHUNK
 from aiayn.serve.engine import Engine, slot_plan
 from aiayn.serve.limits import MAX_INPUT_TOKENS, MAX_INPUTS, MAX_REQUEST_TOKENS, Limits
@@ -68,11 +69,14 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
                 max_queue: int = 64, api_key: str | None = None, shutdown_grace: float = 30.0,
                 threads: int | None = None, max_inputs: int = MAX_INPUTS, max_input_tokens: int | None = None,
                 max_request_tokens: int = MAX_REQUEST_TOKENS, embed_chunk: int = DEFAULT_CHUNK,
-                embed_share: float = 0.5) -> tuple[ServerState, list[str]]:
+                embed_share: float = 0.5, kv_layout: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                prefix_caching: bool = True) -> tuple[ServerState, list[str]]:
     """The server's state and the lines that describe it at start-up (the model, the KV-cache
     slots the budget allows, the limits on a request); ``threads``: the engine thread's torch
     threads; ``max_input_tokens``: None for 8,192 or the model's context if smaller. ValueError
-    for settings that cannot work."""
+    for settings that cannot work. ``kv_layout``: "paged" (blocks of ``block_size`` tokens, with
+    ``prefix_caching``) or "slots" (a fixed slot of ``context`` tokens per request); None: paged,
+    or slots for a quantised ``kv_cache`` (the paged cache holds floats)."""
     metrics = Metrics()
     engine = None
     model_context = served.lm.context if served.lm is not None else served.encoder.max_length  # type: ignore[union-attr]
@@ -84,7 +88,13 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
     if served.lm is not None:
         lm = served.lm
         context = context or min(lm.context, DEFAULT_CONTEXT)
-        plan = slot_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache)
+        if kv_layout not in (None, "paged", "slots"):
+            raise ValueError(f"--kv-layout must be paged or slots, got {kv_layout!r}")
+        if kv_layout == "paged" or (kv_layout is None and kv_cache is None):
+            plan = block_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache,
+                              block_size=block_size, prefix_caching=prefix_caching)
+        else:
+            plan = slot_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache)
         engine = Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=prefill_chunk, max_queue=max_queue,
                         metrics=metrics, threads=threads, embed_chunk=embed_chunk, embed_share=embed_share)
         lines = [f"model {served.name}: decoder-only, {weights_summary(lm.model)}, on {model_device(lm.model)}, "

@@ -19,7 +19,7 @@ RUN = Path(__file__).resolve().parents[1] / "fixtures" / "old_runs" / "shakespea
 def test_a_character_level_run_serves_completions():
     served = load_served_model(run_dir=RUN)
     assert served.name == "shakespeare"
-    state, lines = build_state(served, max_batch=2)
+    state, lines = build_state(served, max_batch=2, kv_layout="slots")
     assert "KV cache: 2 slots x 64 tokens (float32)" in lines[1] and "no chat template" in lines[0]
     lm = served.lm
     with live_server(state) as url:
