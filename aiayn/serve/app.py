@@ -55,6 +55,8 @@ from aiayn.serve.schemas import (
     EmbeddingRequest,
     validation_message,
 )
+from aiayn.serve.tool_calls import ToolFormat, tool_format
+from aiayn.serve.tools import ToolSettings, render_chat, tool_settings
 from aiayn.textgen import TextModel
 
 logger = logging.getLogger("aiayn.serve")
@@ -186,7 +188,7 @@ def install_error_handlers(app: FastAPI) -> None:
 def chat_message(message: Any) -> dict[str, Any]:
     """A request message as the chat template reads it; OpenAI's "developer" role is the system
     role of the templates models ship with (many refuse roles they do not know)."""
-    data = message.model_dump(exclude_none=True)
+    data = message.model_dump(exclude_none=True, exclude={"refusal"})
     if data["role"] == "developer":
         data["role"] = "system"
     return data
@@ -327,12 +329,17 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, f"{state.served.name} has no chat template; use /v1/completions with a plain prompt",
                            param="messages")
         check_prompt_count(engine, state.limits, 1, body.n)
-        prompts = [await asyncio.to_thread(chat_ids, state, lm, engine, [chat_message(m) for m in body.messages])]
+        tools = tool_settings(body.tools, body.tool_choice, body.parallel_tool_calls)  # (checked by the schema)
+        messages = [chat_message(m) for m in body.messages]
+        prompts = [await asyncio.to_thread(chat_ids, state, lm, engine, messages, tools)]
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, engine, prompts, body.token_limit, top)
         constraint = await asyncio.to_thread(response_constraint, lm, body)
+        fmt = None
+        if tools is not None:  # (response_format is then text: the schema says so)
+            fmt, constraint = await asyncio.to_thread(tool_constraint, lm, tools)
         generation = start_generation(engine, prompts, params, n=body.n, constraint=constraint)
-        meta = Meta(state.served.name, "chat.completion", logprobs=body.logprobs)
+        meta = Meta(state.served.name, "chat.completion", logprobs=body.logprobs, tools=fmt)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await answer(state, request, generation, meta, body.stream, include_usage)
 
@@ -368,12 +375,23 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def chat_ids(state: ServerState, lm: TextModel, engine: Engine, messages: list[dict[str, Any]]) -> list[int]:
-    """The token ids of the chat template's prompt for ``messages``; 400 if the template refuses
-    them (a message too long for it is named) or the prompt is over the per-input limit."""
+def tool_constraint(lm: TextModel, tools: ToolSettings) -> tuple[ToolFormat, GrammarConstraint]:
+    """The tool-call format and grammar of a chat request (``aiayn.serve.tool_calls``); 400 naming
+    what is wrong with a function's parameters schema, or a model that cannot follow one."""
+    try:
+        return tool_format(lm, tools)
+    except ValueError as exc:
+        raise APIError(400, f"tools: {exc}", param="tools") from None
+
+
+def chat_ids(state: ServerState, lm: TextModel, engine: Engine, messages: list[dict[str, Any]],
+             tools: ToolSettings | None = None) -> list[int]:
+    """The token ids of the chat template's prompt for ``messages`` (and the request's ``tools``:
+    ``aiayn.serve.tools.render_chat``); 400 if the template refuses them (a message too long for it
+    is named) or the prompt is over the per-input limit."""
     assert lm.chat_template is not None
     try:
-        text = lm.chat_template.render(messages)
+        text = render_chat(lm.chat_template, messages, tools)
     except InteropError as exc:  # the template refused the messages (e.g. an unknown role order)
         raise APIError(400, f"messages: {exc}", param="messages") from None
     ids = prompt_ids(lm, text, "messages")

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from aiayn.generate.constrain import GrammarConstraint
 from aiayn.serve.engine import Engine, Event, Request, SamplingParams
+from aiayn.serve.tool_calls import ToolFormat, ToolStream, answer_message
 
 POLL_SECONDS = 0.2  # how often a waiting handler checks for a gone client or a shutdown
 
@@ -180,6 +181,7 @@ class Meta:
     model: str
     object: str  # "chat.completion" or "text_completion"
     logprobs: bool = False
+    tools: ToolFormat | None = None  # a chat answer that may call tools: its text is read into tool_calls
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -189,10 +191,14 @@ class Meta:
 
 
 def chat_answer(meta: Meta, generation: Generation, choices: list[Choice]) -> dict[str, Any]:
+    def reply(c: Choice) -> tuple[dict[str, Any], str | None]:
+        if meta.tools is not None:
+            return answer_message(meta.tools, "".join(c.text), c.finish_reason)
+        return {"role": "assistant", "content": "".join(c.text), "refusal": None}, c.finish_reason
+
     return {**meta.head("chat.completion"), "choices": [{
-        "index": i, "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
-        "logprobs": chat_logprobs(c.logprobs) if meta.logprobs else None,
-        "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+        "index": i, "message": message, "logprobs": chat_logprobs(c.logprobs) if meta.logprobs else None,
+        "finish_reason": finish} for i, c in enumerate(choices) for message, finish in [reply(c)]],
         "usage": usage(generation.prompt_tokens, sum(c.tokens for c in choices)), "system_fingerprint": None}
 
 
@@ -235,9 +241,11 @@ def _error_data(message: str) -> str:
 
 async def chat_stream(meta: Meta, generation: Generation, include_usage: bool,
                       past_grace: Callable[[], bool]) -> AsyncIterator[str]:
-    """The server-sent events of a streamed chat answer: a role chunk per choice, content chunks, a
-    finish chunk per choice (each with its ``index``), the usage chunk (``include_usage``), ``[DONE]``."""
+    """The server-sent events of a streamed chat answer: a role chunk per choice, content chunks (or
+    tool-call deltas, ``meta.tools``), a finish chunk per choice (each with its ``index``), the usage
+    chunk (``include_usage``), ``[DONE]``."""
     tokens = 0
+    calls = [ToolStream(meta.tools) for _ in generation.requests] if meta.tools is not None else None
     extra = {"usage": None} if include_usage else {}
 
     def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None, index: int = 0) -> str:
@@ -253,10 +261,16 @@ async def chat_stream(meta: Meta, generation: Generation, include_usage: bool,
                 break
             tokens += 1
             logprobs = chat_logprobs([event.logprob]) if meta.logprobs and event.logprob else None
-            if event.text or logprobs:
+            finish = event.finish_reason
+            if calls is not None:  # the text read as content and calls (logprobs with the first delta)
+                deltas = calls[index].add(event.text, final=finish is not None) or ([{}] if logprobs else [])
+                for k, delta in enumerate(deltas):
+                    yield chunk(delta, None if k else logprobs, index=index)
+                finish = calls[index].finish_reason(finish)
+            elif event.text or logprobs:
                 yield chunk({"content": event.text}, logprobs, index=index)
-            if event.finish_reason is not None:
-                yield chunk({}, None, event.finish_reason, index=index)
+            if finish is not None:
+                yield chunk({}, None, finish, index=index)
         if include_usage:
             yield _json({**meta.head("chat.completion.chunk"), "system_fingerprint": None, "choices": [],
                               "usage": usage(generation.prompt_tokens, tokens)})

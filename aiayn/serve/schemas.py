@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from aiayn.serve.tools import Tool, ToolCall, ToolChoice, tool_settings
+
 MAX_STOPS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 128  # n, as OpenAI
@@ -74,9 +76,27 @@ class StreamOptions(Strict):
 
 
 class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, BeforeValidator(_content)]
+    """A chat message. An assistant message may carry ``tool_calls`` (its content then may be
+    null) and its ``refusal`` (ignored), as the client sends back an answer; a ``role: "tool"``
+    message is a call's result, naming it by ``tool_call_id``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, BeforeValidator(_content)] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _by_role(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content: a {self.role} message needs content (null only beside an assistant's "
+                             f"tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries tool calls")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers (and only it has one)")
+        return self
 
 
 class JSONSchemaSpec(Strict):
@@ -144,9 +164,16 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _tokens_and_logprobs(self) -> ChatCompletionRequest:
+        settings = tool_settings(self.tools, self.tool_choice, self.parallel_tool_calls)  # (ValueError naming the field)
+        if settings is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format: not supported together with tools (unless tool_choice is \"none\"); "
+                             "give one of them")
         if (self.max_tokens is not None and self.max_completion_tokens is not None
                 and self.max_tokens != self.max_completion_tokens):
             raise ValueError("max_tokens: differs from max_completion_tokens; give one of them")

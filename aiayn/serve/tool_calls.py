@@ -244,3 +244,27 @@ class ToolStream:
                 deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments[len(sent):]}}]})
                 self.arguments[index] = call.arguments
         return deltas
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        return self.fmt.finish_reason(self.parsed, engine_reason)
+
+
+def answer_message(fmt: ToolFormat, text: str, engine_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A whole answer's assistant message (``tool_calls`` only where there are calls; content
+    null beside calls without text) and its finish reason."""
+    content, calls = message(fmt, text)
+    reply: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        reply["tool_calls"] = calls
+    return reply, fmt.finish_reason(fmt.parse(text, final=True), engine_reason)
+
+
+def tool_format(lm: Any, settings: ToolSettings) -> tuple[ToolFormat, GrammarConstraint]:
+    """The request's format for ``lm`` (a ``TextModel``: Hermes where its chat template writes
+    ``<tool_call>``, else generic) and the grammar its answers follow (compiled: call it off the
+    event loop). ValueError, one line, for a schema llguidance refuses or a model without a
+    ``tokenizers`` tokenizer."""
+    from aiayn.serve.tools import template_support
+
+    fmt = ToolFormat(settings, hermes=template_support(lm.chat_template).hermes)
+    return fmt, fmt.constraint(lm.tokenizer, lm.eos_id)

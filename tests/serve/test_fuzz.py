@@ -17,7 +17,7 @@ JSON = st.recursive(
     max_leaves=8,
 )
 CHAT_FIELDS = ["model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "stream",
-               "stream_options", "seed", "n", "logprobs", "top_logprobs", "presence_penalty", "user", "tools",
+               "stream_options", "seed", "n", "logprobs", "top_logprobs", "presence_penalty", "user", "tools", "tool_choice", "parallel_tool_calls",
                "logit_bias", "frequency_penalty", "repetition_penalty", "top_k", "response_format"]
 COMPLETION_FIELDS = ["prompt", "max_tokens", "logprobs", "echo", "suffix", "best_of", "stop", "seed"]
 
