@@ -133,9 +133,9 @@ class BlockScheduler:
         sequence = self.sequence(request)
         if not self.plan.prefix_caching:
             return [], []
-        digests = self._digests.get(request.id)
+        digests = self._digests.get(request.id)  # kept from admission on (a waiting request may never come)
         if digests is None:
-            digests = self._digests[request.id] = block_digests(sequence, self.block_size)
+            digests = block_digests(sequence, self.block_size)
         return digests, self.cache.pool.lookup(digests)[: (len(sequence) - 1) // self.block_size]
 
     def admission(self, request: Request, prefilling: Sequence[tuple[int, Request]]) -> str:
@@ -155,7 +155,9 @@ class BlockScheduler:
 
     def start(self, request: Request, row: int) -> None:
         """``request`` takes empty row ``row``: it holds its prefix hits, and ``request.fed`` skips them."""
-        _, hits = self._hits(request)
+        digests, hits = self._hits(request)
+        if self.plan.prefix_caching:
+            self._digests[request.id] = digests
         self.cache.adopt(row, hits)
         request.fed = len(hits) * self.block_size
         if request.id not in self.resumed:
