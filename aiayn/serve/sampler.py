@@ -10,9 +10,10 @@ Per row, in this order (vLLM's): the logit bias is added, the penalties subtract
 repetition penalty over the prompt and the answer so far; OpenAI's frequency and presence
 penalties over the answer so far), the grammar of a structured-output request masks what would
 break it (``aiayn.generate.constrain.mask_rows``), then the argmax or a draw (temperature, top-k,
-top-p). The penalties read per-request device tensors (``RowAdjustments``: (v,) token counts and
-the answer's ids, written on the device from the chosen ids), so they add no read; they touch only
-the ids concerned (the bias's, the prompt's, the answer's), not the whole vocabulary.
+top-p). The penalties read per-request device tensors (``RowAdjustments``: the answer's ids,
+written on the device from the chosen ids), so they add no read; they touch only the ids concerned
+(the bias's, the prompt's, the answer's), not the whole vocabulary, every row of the batch in the
+same dozen kernels (``apply_adjustments``).
 
 Log-probabilities are the model's own (``log_softmax`` of the raw logits, before bias, penalties,
 grammar mask and temperature), as vLLM reports them by default: what the model thought of each
@@ -73,49 +74,75 @@ class TokenLogprob:
 
 class RowAdjustments:
     """One request's logit bias and penalties as device tensors, made on its first token: the bias's
-    ids and values, the prompt's distinct ids, the answer's ids so far (a (max_tokens,) buffer,
-    filled on the device) and their counts (v,). ``apply`` changes a row of logits in place at
-    those ids only (a few hundred of a 49k vocabulary, not all of it: about ten small kernels a
-    row); ``record`` writes the chosen token on the device (nothing is read)."""
+    ids and values, the prompt's distinct ids (for the repetition penalty) and the answer's ids so
+    far (a (max_tokens,) buffer written on the device by ``record``: nothing is read). Their lengths
+    are known on the host. ``apply_adjustments`` applies the rows of a batch together."""
 
     def __init__(self, params: SamplingParams, prompt: list[int], vocab: int, device: torch.device) -> None:
         self.params = params
-        self.bias_ids = self.bias_values = None
-        if params.logit_bias:
-            self.bias_ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=device)
-            self.bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
-        self.penalise = bool(params.presence_penalty or params.frequency_penalty)
+        self.bias_ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long, device=device)  # (b,)
+        self.bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
         self.repetition = params.sampling.repetition_penalty
         distinct = sorted({t for t in prompt if 0 <= t < vocab}) if self.repetition != 1.0 else []
         self.prompt_ids = torch.tensor(distinct, dtype=torch.long, device=device)  # (p,)
         self.answer = torch.zeros(params.max_tokens, dtype=torch.long, device=device)  # (max_tokens,) ids so far
-        self.n = 0  # tokens in ``answer`` (known on the host: one per ``record``)
-        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device) if self.penalise else None  # (v,)
-
-    def apply(self, row: Tensor) -> None:
-        """row (v,) float32 logits, in place: + bias; CTRL's repetition penalty over the prompt's and
-        the answer's tokens (a logit divided by it if positive, else multiplied; once per token);
-        - frequency * count - presence * [count > 0] over the answer's. (An id listed twice writes
-        the same value twice.)"""
-        if self.bias_ids is not None:
-            row.index_add_(0, self.bias_ids, self.bias_values)
-        answer = self.answer[: self.n]  # (n,)
-        if self.repetition != 1.0:
-            ids = torch.cat([self.prompt_ids, answer])  # (p + n,)
-            seen = row[ids]
-            row.index_put_((ids,), torch.where(seen > 0, seen / self.repetition, seen * self.repetition))
-        if self.counts is not None and self.n:
-            counts = self.counts[answer]  # (n,)
-            penalised = row[answer] - counts * self.params.frequency_penalty
-            row.index_put_((answer,), penalised - (counts > 0).float() * self.params.presence_penalty)
+        self.n = 0  # tokens in ``answer``
 
     def record(self, token: Tensor) -> None:
-        """token (1,) long on the device: the row's chosen id, written and counted there."""
+        """token (1,) long on the device: the row's chosen id, written there."""
         if self.n < self.answer.numel():
             self.answer[self.n: self.n + 1] = token
             self.n += 1
-        if self.counts is not None:
-            self.counts.index_add_(0, token, torch.ones(1, dtype=torch.float32, device=token.device))
+
+
+def apply_adjustments(logits: Tensor, rows: list[tuple[int, RowAdjustments]]) -> None:
+    """logits (m, v) float32, in place, at the ids concerned only (a few hundred of a 49k vocabulary):
+    for each (row, adjustments), the bias is added; CTRL's repetition penalty divides a positive
+    logit of the prompt's and the answer's tokens by it, multiplies a negative one (once per
+    token); OpenAI's ``- frequency * c - presence * [c > 0]`` over the answer's tokens, c their
+    counts. Every row at once: a dozen kernels a step, whatever the batch; the positions they take
+    are built on the host from host lengths (one copy each to the device). An id listed twice
+    writes the same value twice."""
+    v = logits.shape[-1]
+    flat = logits.view(-1)  # (m v,): logits is contiguous
+    device = logits.device
+
+    def positions(parts: list[tuple[int, Tensor, int]]) -> tuple[Tensor, Tensor]:
+        """(row, ids (k,), k) parts -> (row of each id (K,) long on the host, ids (K,) on the device)."""
+        rows_of = torch.repeat_interleave(torch.tensor([r for r, _, _ in parts]), torch.tensor([k for *_, k in parts]))
+        return rows_of, torch.cat([ids for _, ids, _ in parts])
+
+    def per_id(values: list[float], parts: list[tuple[int, Tensor, int]]) -> Tensor:
+        """One value per part -> (K,) float32 on the device, repeated over the part's ids."""
+        counts = torch.tensor([k for *_, k in parts])
+        return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), counts).to(device)
+
+    biased = [(r, a.bias_ids, a.bias_ids.numel()) for r, a in rows if a.params.logit_bias]
+    if biased:
+        rows_of, ids = positions(biased)
+        flat.index_add_(0, rows_of.to(device) * v + ids, torch.cat([a.bias_values for _, a in rows if a.params.logit_bias]))
+    repeated = [(r, a) for r, a in rows if a.repetition != 1.0 and a.prompt_ids.numel() + a.n]
+    if repeated:
+        parts = [(r, torch.cat([a.prompt_ids, a.answer[: a.n]]), a.prompt_ids.numel() + a.n) for r, a in repeated]
+        rows_of, ids = positions(parts)
+        where = rows_of.to(device) * v + ids  # (K,)
+        penalty = per_id([a.repetition for _, a in repeated], parts)
+        seen = flat[where]
+        flat.index_put_((where,), torch.where(seen > 0, seen / penalty, seen * penalty))
+    penalised = [(r, a) for r, a in rows if (a.params.presence_penalty or a.params.frequency_penalty) and a.n]
+    if penalised:
+        parts = [(r, a.answer[: a.n], a.n) for r, a in penalised]
+        rows_of, ids = positions(parts)
+        local = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor([a.n for _, a in penalised]))
+        # Each answer's token counts, in a scratch (len(penalised), v) counted from its ids.
+        scratch = torch.zeros(len(parts) * v, dtype=torch.float32, device=device)
+        at = local.to(device) * v + ids  # (K,) in the scratch
+        scratch.index_add_(0, at, torch.ones_like(at, dtype=torch.float32))
+        counts = scratch[at]  # (K,)
+        where = rows_of.to(device) * v + ids  # (K,) in the logits
+        frequency = per_id([a.params.frequency_penalty for _, a in penalised], parts)
+        presence = per_id([a.params.presence_penalty for _, a in penalised], parts)
+        flat.index_put_((where,), flat[where] - counts * frequency - (counts > 0).float() * presence)
 
 
 def choose(logits: Tensor, requests: Sequence[Request],
@@ -125,16 +152,17 @@ def choose(logits: Tensor, requests: Sequence[Request],
     Each row's bias and penalties, then its grammar (``Request.constraint``), then greedy rows take
     the argmax and a sampling row draws from its own generator (``Request.generator``, seeded per
     request). ``decode`` turns ids into the text the log-probabilities report."""
-    logits = logits.float()  # (m, v), changed in place below
+    logits = logits.float().contiguous()  # (m, v), changed in place below
     asks = [r.params.logprobs for r in requests if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits, dim=-1) if asks else None  # (m, v): the raw model's
-    adjusted = []
+    adjusted: list[tuple[int, RowAdjustments]] = []
     for i, request in enumerate(requests):
         if request.params.adjusts_logits:
             if request.adjustments is None:
                 request.adjustments = RowAdjustments(request.params, request.prompt, logits.shape[-1], logits.device)
-            request.adjustments.apply(logits[i])
-            adjusted.append(i)
+            adjusted.append((i, request.adjustments))
+    if adjusted:
+        apply_adjustments(logits, adjusted)
     constraints = [r.constraint for r in requests]
     if any(c is not None for c in constraints):
         mask_rows(logits, constraints)
@@ -144,8 +172,8 @@ def choose(logits: Tensor, requests: Sequence[Request],
     for i, request in enumerate(requests):
         if request.params.sampling.temperature > 0:
             chosen[i] = sample_next(logits[i: i + 1], no_history, request.params.sampling, request.generator)[0]
-    for i in adjusted:
-        requests[i].adjustments.record(chosen[i: i + 1])  # type: ignore[union-attr]
+    for i, adjustments in adjusted:
+        adjustments.record(chosen[i: i + 1])
     if logprobs is None:
         return [(token, None) for token in chosen.tolist()]  # the read
     k = max(asks)  # alternatives for the request that wants the most; each takes its first
