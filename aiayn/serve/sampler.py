@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -107,15 +108,18 @@ def apply_adjustments(logits: Tensor, rows: list[tuple[int, RowAdjustments]]) ->
     flat = logits.view(-1)  # (m v,): logits is contiguous
     device = logits.device
 
+    def spread(values: list[Any], parts: list[tuple[int, Tensor, int]], dtype: Any = np.int64) -> Tensor:
+        """One value per part -> (K,) on the host, each repeated over its part's k ids (numpy: torch's
+        repeat_interleave takes a millisecond for this on a CPU)."""
+        return torch.from_numpy(np.repeat(np.asarray(values, dtype=dtype), [k for *_, k in parts]))
+
     def positions(parts: list[tuple[int, Tensor, int]]) -> tuple[Tensor, Tensor]:
         """(row, ids (k,), k) parts -> (row of each id (K,) long on the host, ids (K,) on the device)."""
-        rows_of = torch.repeat_interleave(torch.tensor([r for r, _, _ in parts]), torch.tensor([k for *_, k in parts]))
-        return rows_of, torch.cat([ids for _, ids, _ in parts])
+        return spread([r for r, _, _ in parts], parts), torch.cat([ids for _, ids, _ in parts])
 
     def per_id(values: list[float], parts: list[tuple[int, Tensor, int]]) -> Tensor:
         """One value per part -> (K,) float32 on the device, repeated over the part's ids."""
-        counts = torch.tensor([k for *_, k in parts])
-        return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32), counts).to(device)
+        return spread(values, parts, np.float32).to(device)
 
     biased = [(r, a.bias_ids, a.bias_ids.numel()) for r, a in rows if a.params.logit_bias]
     if biased:
@@ -133,7 +137,7 @@ def apply_adjustments(logits: Tensor, rows: list[tuple[int, RowAdjustments]]) ->
     if penalised:
         parts = [(r, a.answer[: a.n], a.n) for r, a in penalised]
         rows_of, ids = positions(parts)
-        local = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor([a.n for _, a in penalised]))
+        local = spread(list(range(len(parts))), parts)  # (K,): each id's answer, 0 .. len(parts) - 1
         # Each answer's token counts, in a scratch (len(penalised), v) counted from its ids.
         scratch = torch.zeros(len(parts) * v, dtype=torch.float32, device=device)
         at = local.to(device) * v + ids  # (K,) in the scratch
