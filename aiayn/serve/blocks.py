@@ -120,7 +120,7 @@ class BlockScheduler:
         total = prompt_tokens + max_tokens
         if total > self.plan.capacity_tokens:
             raise ValueError(f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} = {total} tokens exceed the "
-                             f"KV cache's {self.plan.capacity_tokens} ({self.plan.n_blocks - 1} blocks of "
+                             f"KV cache's {self.plan.capacity_tokens} tokens ({self.plan.n_blocks - 1} blocks of "
                              f"{self.block_size}; raise --kv-budget)")
 
     def sequence(self, request: Request) -> list[int]:

@@ -146,7 +146,7 @@ def test_a_full_pool_preempts_the_newest_and_recomputes_it(lm):
 
 def test_a_request_that_can_never_fit_is_refused_with_the_limit(lm):
     engine = paged_engine(lm, blocks=10)
-    with pytest.raises(ValueError, match=r"exceed the KV cache's 80 \(10 blocks of 8; raise --kv-budget\)"):
+    with pytest.raises(ValueError, match=r"= 90 tokens exceed the KV cache's 80 tokens \(10 blocks of 8; raise --kv-budget\)"):
         submit(engine, prompt(60, 1), max_tokens=30)
     with pytest.raises(ValueError, match="needs --kv-layout slots"):
         block_plan(lm, max_batch=2, context=64, budget=1 << 20, kv_cache="int8")
