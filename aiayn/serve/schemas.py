@@ -90,7 +90,7 @@ class Message(Strict):
     @model_validator(mode="after")
     def _by_role(self) -> Message:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"content: a {self.role} message needs content (null only beside an assistant's "
+            raise ValueError(f"content: is required in a message of role {self.role} (null only beside an assistant's "
                              f"tool_calls)")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("tool_calls: only an assistant message carries tool calls")

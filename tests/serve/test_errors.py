@@ -46,7 +46,7 @@ BAD_CHAT = [
     (with_(stream_options={"include_usage": True}), "stream_options", "only allowed with stream=true"),
     (with_(max_tokens=3, max_completion_tokens=4), "max_tokens", "differ"),
     (with_(messages=[{"role": "robot", "content": "hi"}]), "messages.0.role", "'user'"),
-    (with_(messages=[{"role": "user"}]), "messages.0", "content: a user message needs content"),
+    (with_(messages=[{"role": "user"}]), "messages.0", "content: is required in a message of role user"),
     (with_(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
      "messages.0.content", "only text content parts"),
     (with_(messages="hello"), "messages", "valid list"),

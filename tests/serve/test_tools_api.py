@@ -114,7 +114,7 @@ def test_auto_answers_text_or_calls_and_takes_the_results_back(servers):
         "required": ["x"]}}}]),
      "tools: invalid grammar"),
     (dict(messages=[*QUESTION, {"role": "tool", "content": "5"}]), "tool_call_id: a tool message needs"),
-    (dict(messages=[*QUESTION, {"role": "assistant", "content": None}]), "content: a assistant message needs"),
+    (dict(messages=[*QUESTION, {"role": "assistant", "content": None}]), "content: is required in a message of role assistant"),
 ])
 def test_bad_tool_requests_are_one_clear_400(servers, kwargs, says):
     client = client_for(servers["generic"])
