@@ -84,6 +84,25 @@ def test_calls_whole_and_streamed_are_the_same_and_valid(servers, kind, choice, 
         {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in strip]
 
 
+def test_n_answers_each_read_into_their_own_calls(servers):
+    """n=2: each choice its own grammar state and its own calls, streamed under its own index."""
+    client = client_for(servers["hermes"])
+    kwargs = dict(model="tiny", messages=QUESTION, tools=[WEATHER, ADD], tool_choice="required", n=2, seed=11,
+                  parallel_tool_calls=False, max_tokens=150, temperature=1.0)
+    whole = client.chat.completions.create(**kwargs).choices
+    assert [c.index for c in whole] == [0, 1]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    for choice in whole:
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in choice.message.tool_calls]
+        assert choice.finish_reason == "tool_calls" and len(calls) == 1
+        check_calls(calls, {"add", "get_weather"})
+        mine = [c for c in chunks if c.choices and c.choices[0].index == choice.index]
+        content, streamed_calls, finish = streamed(mine)
+        assert (content, finish) == (None, "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in streamed_calls] == [(c["name"], c["arguments"]) for c in calls]
+
+
 def test_auto_answers_text_or_calls_and_takes_the_results_back(servers):
     """tool_choice "auto" (the default with tools) on the Hermes template: free text or calls; the
     answer's message is sent back as it came, with a tool result, and the next answer comes."""
