@@ -47,6 +47,9 @@ class DecodeOptions:
     # Beam search also keeps the greedy hypothesis, so it never returns a lower score than greedy
     # (see beam_search_encoder_decoder); costs one greedy pass.
     keep_greedy: bool = True
+    # Greedy and beam search run their steps after the first through the compiled decode step
+    # (aiayn.fast.compiled_decode: one graph per batch size; the first batch compiles).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.beam_size < 1:
@@ -127,16 +130,17 @@ class Translator:
         if options.sampling is not None:
             tokens = sample_encoder_decoder(self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id,
                                             max_new_tokens=limits, sampling=options.sampling,
-                                            src_valid=src_valid)
+                                            src_valid=src_valid, compile=options.compile)
             return [self._cut(row) for row in tokens.cpu()]  # one copy back, not one per row
         if options.beam_size == 1:
             result = greedy_encoder_decoder(self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                                            max_new_tokens=limits, src_valid=src_valid)
+                                            max_new_tokens=limits, src_valid=src_valid, compile=options.compile)
             return [self._cut(row) for row in result.tokens.cpu()]
         beams = beam_search_encoder_decoder(
             self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=options.beam_size,
             length_penalty=options.length_penalty, max_len_a=options.max_len_a,
-            max_len_b=options.max_len_b, src_valid=src_valid, keep_greedy=options.keep_greedy)
+            max_len_b=options.max_len_b, src_valid=src_valid, keep_greedy=options.keep_greedy,
+            compile=options.compile)
         return [self._cut(torch.tensor(ids, dtype=torch.long)) for ids in beams.token_lists(eos_id=tok.eos_id)]
 
     def _cut(self, row: Tensor) -> list[int]:
@@ -150,7 +154,7 @@ class Translator:
 def decode_options(defaults: DecodeOptions, *, beam_size: int | None = None,
                    length_penalty: float | None = None, temperature: float | None = None,
                    top_k: int | None = None, top_p: float | None = None,
-                   seed: int | None = None) -> DecodeOptions:
+                   seed: int | None = None, compile: bool = False) -> DecodeOptions:
     """Decoding options given on top of ``defaults`` (a run's recipe: the beam size and length
     penalty its test score was computed with, e.g. an alpha tuned on val). Any of ``temperature``,
     ``top_k``, ``top_p`` samples instead of searching (temperature 1 unless given)."""
@@ -160,4 +164,4 @@ def decode_options(defaults: DecodeOptions, *, beam_size: int | None = None,
                                   top_k=top_k, top_p=top_p, seed=seed)
     return DecodeOptions(beam_size=defaults.beam_size if beam_size is None else beam_size,
                          length_penalty=defaults.length_penalty if length_penalty is None else length_penalty,
-                         sampling=sampling)
+                         sampling=sampling, compile=compile)

@@ -13,6 +13,11 @@ two implementations interleaved, in one process and on the same threads. aiayn's
 
     python -m benchmarks.translate                 # 2 threads, 64 sentences, 3 repeats
     python -m benchmarks.translate --quick         # a smoke run
+    python -m benchmarks.translate --compile       # and aiayn with compile=True (compiled in the warm-up)
+
+``--compile`` adds an "aiayn compiled" column: the same Translator with ``DecodeOptions(compile=True)``
+(greedy and beam search's steps after the first through ``aiayn.fast.compiled_decode``), its
+graphs compiled in the warm-up call, untimed, and the ratio compiled / eager.
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4, help="encoder and decoder layers each")
     parser.add_argument("--d-ff", type=int, default=256)
+    parser.add_argument("--compile", action="store_true", help="also aiayn with compile=True")
+    parser.add_argument("--beams", type=int, nargs="+", default=[1, 5], help="beam sizes (1: greedy)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="batch sizes")
     args = parser.parse_args()
     if args.quick:
         args.sentences, args.repeats = 8, 1
@@ -84,14 +92,14 @@ def main() -> None:
     # The same target budget for both: fairseq's 1.2 * source + 10, per batch the longest source's.
     a, b = 1.2, 10
 
-    def run_aiayn(beam: int, batch: int) -> tuple[float, float]:
+    def run_aiayn(beam: int, batch: int, compile: bool = False) -> tuple[float, float]:
         lengths = []
         start = time.perf_counter()
         for i in range(0, len(sources), batch):
             chunk = sources[i : i + batch]
             budget = int(a * max(len(s) for s in chunk)) + b
             out = translator.translate_ids(chunk, DecodeOptions(beam_size=beam, max_len_a=0, max_len_b=budget,
-                                                                      keep_greedy=False))
+                                                                      keep_greedy=False, compile=compile))
             lengths += [len(o) for o in out]
         return time.perf_counter() - start, statistics.mean(lengths)
 
@@ -110,12 +118,17 @@ def main() -> None:
         return time.perf_counter() - start, statistics.mean(lengths)
 
     rows = []
-    for beam in (1, 5):
-        for batch in (1, 64):
+    compiled_rows = []
+    for beam in args.beams:
+        for batch in args.batches:
             batch = min(batch, len(sources))
-            times: dict[str, list[float]] = {"aiayn": [], "hf": []}
-            mean_len: dict[str, float] = {}
             runners: dict[str, Callable[[int, int], tuple[float, float]]] = {"aiayn": run_aiayn, "hf": run_hf}
+            if args.compile:
+                runners["compiled"] = lambda beam, batch: run_aiayn(beam, batch, compile=True)
+            times: dict[str, list[float]] = {name: [] for name in runners}
+            mean_len: dict[str, float] = {}
+            if args.compile:  # its graphs compile here, untimed
+                runners["compiled"](beam, batch)
             if not args.quick:  # warm-up
                 for fn in runners.values():
                     fn(beam, batch)
@@ -129,10 +142,21 @@ def main() -> None:
             print(f"beam {beam} batch {batch:>2}: aiayn {ours_sps:7.1f} sent/s  Marian {hf_sps:7.1f} sent/s  "
                   f"ratio {ours_sps / hf_sps:5.2f}x  (mean output tokens {mean_len['aiayn']:.1f} vs "
                   f"{mean_len['hf']:.1f})", flush=True)
+            if args.compile:
+                compiled_sps = len(sources) / statistics.median(times["compiled"])
+                compiled_rows.append((beam, batch, ours_sps, compiled_sps))
+                print(f"beam {beam} batch {batch:>2}: aiayn compiled {compiled_sps:7.1f} sent/s, "
+                      f"{compiled_sps / ours_sps:5.2f}x eager (mean output tokens {mean_len['compiled']:.1f})",
+                      flush=True)
     print("\n| decoding | batch | aiayn sent/s | Marian sent/s | ratio |\n|---|---|---|---|---|")
     for beam, batch, ours_sps, hf_sps, _, _ in rows:
         print(f"| {'greedy' if beam == 1 else f'beam {beam}'} | {batch} | {ours_sps:.1f} | {hf_sps:.1f} | "
               f"{ours_sps / hf_sps:.2f}x |")
+    if compiled_rows:
+        print("\n| decoding | batch | aiayn sent/s | aiayn compiled sent/s | compiled / eager |\n|---|---|---|---|---|")
+        for beam, batch, ours_sps, compiled_sps in compiled_rows:
+            print(f"| {'greedy' if beam == 1 else f'beam {beam}'} | {batch} | {ours_sps:.1f} | {compiled_sps:.1f} | "
+                  f"{compiled_sps / ours_sps:.2f}x |")
 
 
 if __name__ == "__main__":

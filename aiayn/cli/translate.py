@@ -50,6 +50,11 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True),
                      help="Nucleus sampling threshold."),
         click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1."),
+        click.option("--compile", "compiled", is_flag=True,
+                     help="Run the decode steps after the first as one torch.compile'd graph (a CUDA graph "
+                          "on a GPU; each batch size compiles once, seconds to a minute, and needs a C++ "
+                          "compiler on the CPU). The same translations; off by default, as it is slower "
+                          "on the CPU for a test set's worth of sentences (docs/gpu.md)."),
         plain_option,
         device_option,
         threads_option,
@@ -95,7 +100,7 @@ def _translator(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkp
 @click.argument("texts", nargs=-1, callback=utf8_text)
 def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...], beam: int | None, length_penalty: float | None,
                   temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
-                  plain: bool, device: str, threads: int | None, texts: tuple[str, ...]) -> None:
+                  compiled: bool, plain: bool, device: str, threads: int | None, texts: tuple[str, ...]) -> None:
     """Translate TEXTS, or each line of standard input as it arrives (one output line per input line;
     TEXTS "-" reads standard input too).
 
@@ -109,7 +114,8 @@ def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], chec
     where = resolve_device(device)
     use_threads(threads)
     translator, options = _translator(run_dirs, model_names, checkpoints, plain, where, beam_size=beam, length_penalty=length_penalty,
-                                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                      compile=compiled)
     if texts == ("-",):  # "-" is standard input, as for aiayn embed
         texts = ()
 
@@ -141,7 +147,7 @@ def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], chec
               help="Also write the hypotheses (detokenised, one per line) here.")
 def evaluate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...], beam: int | None, length_penalty: float | None,
                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
-                 plain: bool, device: str, threads: int | None, src_path: Path, ref_path: Path,
+                 compiled: bool, plain: bool, device: str, threads: int | None, src_path: Path, ref_path: Path,
                  out_path: Path | None) -> None:
     """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF.
 
@@ -157,7 +163,8 @@ def evaluate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], check
     if out_path is not None:  # fail now, not after the whole decode
         check_writable(out_path, "--out")
     translator, options = _translator(run_dirs, model_names, checkpoints, plain, where, beam_size=beam, length_penalty=length_penalty,
-                                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                      compile=compiled)
     start = time.perf_counter()
     hypotheses = translator.translate(sources, options)
     seconds = time.perf_counter() - start

@@ -1,5 +1,8 @@
-"""A decode step compiled by ``torch.compile`` into one graph: the eager decoder-only step costs a
-small model most of its time in dispatching a few hundred small ops from Python.
+"""A decode step compiled by ``torch.compile`` into one graph: the eager step costs a small model
+most of its time in dispatching a few hundred small ops from Python.
+
+It serves a decoder-only model and the decoder of an encoder-decoder (its cross-attention over the
+keys and values the eager first step put in the cache, the source length symbolic).
 
 The step runs the same stack as the eager model (``TransformerStack``) in one of two layouts:
 
@@ -26,17 +29,22 @@ from torch import Tensor, nn
 from aiayn.fast.matvec import MatvecLinears
 from aiayn.models.blocks import StackInputs, check_tokens
 from aiayn.models.decoder_only import DecoderOnly
+from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn import data_checks
+from aiayn.nn.attention import AttentionInputs
 from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.masks import key_mask
 
 
-def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Tensor, key_valid: Tensor,
-                 key_positions: Tensor, cache: KVCache) -> Tensor:
+def _static_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions: Tensor, slot: Tensor,
+                 key_valid: Tensor, key_positions: Tensor, cache: KVCache,
+                 memory_valid: Tensor | None = None) -> Tensor:
     """tokens, positions (b, 1) long, ``slot`` (1,) long (the cache slot the new token fills),
     ``key_valid`` (b, n) bool and ``key_positions`` (b, n) long (the cache's first n = slot + 1
     slots, n symbolic, or all of its slots, n = max_len; the new one's already set) -> next-token
-    logits (b, v): the graph torch.compile traces.
+    logits (b, v): the graph torch.compile traces. ``memory_valid`` (b, s) bool: an
+    encoder-decoder's real source tokens, the keys of its cross-attention (their keys and values
+    are in ``cache.cross``).
 
     The decoder's own ``TransformerStack.run`` on inputs built here without reading a tensor into
     Python: attention covers the n filled slots (the key mask's width), the new keys go to
@@ -46,7 +54,9 @@ def _static_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slot: Te
     stack = model.decoder
     self_attn = stack.attention_inputs(positions, key_positions, key_mask(key_valid), cache_pos=slot)
     valid = torch.ones_like(tokens, dtype=torch.bool)  # (b, 1): every new token is real
-    inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn)
+    # (b, 1, 1, s): always a mask (an all-real source is not looked for: that reads the data)
+    cross_attn = AttentionInputs(mask=key_mask(memory_valid)) if memory_valid is not None else None
+    inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn, cross_attn=cross_attn)
     with MatvecLinears():
         hidden = stack.run(tokens, inputs, cache=cache).hidden  # (b, 1, d)
         return model.lm_head(hidden[:, -1])
@@ -79,7 +89,8 @@ def cache_len(n: int, compile: bool) -> int:
     return -(-n // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE if compile else n
 
 
-def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> Tensor:
+def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, cache: KVCache, *,
+                         memory_valid: Tensor | None = None) -> Tensor:
     """One decode step, tokens (b, 1) -> logits (b, v), through a ``torch.compile``d graph.
 
     The eager step spends most of a small model's time dispatching a few hundred small ops from
@@ -92,6 +103,11 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
     the result equals the eager step up to float rounding
     (tests/consistency/test_compiled_decode.py). What ``forward`` checks is checked here, in Python.
 
+    An ``EncoderDecoder``'s decoder: ``memory_valid`` (b, s) marks the real source tokens, and the
+    cache holds the cross-attention keys and values already (the eager first step, which takes the
+    encoder's memory, put them there); the source length s is symbolic, so one graph serves every
+    source length.
+
     The graph holds the weights as constants (Inductor "freezing"; it keeps its own pre-packed
     copy of them) and is not guarded on the model's submodules: after changing a model in place
     (weights, dtype, layers) by hand, call ``forget_compiled(model)`` before decoding it compiled
@@ -101,7 +117,8 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
         raise ValueError("compiled decoding needs a float KV cache; drop compile or the cache quantisation")
     if model.training:
         raise ValueError("compiled decoding runs the eval-mode model; call model.eval() first")
-    check_tokens("tokens", tokens, model.config.vocab_size)
+    _check_memory(model, cache, memory_valid)
+    check_tokens("tokens", tokens, model.decoder.embedding.num_embeddings)
     if tokens.shape != (cache.batch_size, 1):
         raise ValueError(f"a compiled decode step takes one token per row, shape ({cache.batch_size}, 1), "
                          f"got {tuple(tokens.shape)}")
@@ -120,20 +137,57 @@ def compiled_decode_step(model: DecoderOnly, tokens: Tensor, cache: KVCache) -> 
     steps = _compiled_steps.setdefault(model, {})
     if whole not in steps:
         steps[whole] = _compile_static_step(whole=whole, device=cache.valid.device)
+    if memory_valid is not None:  # the source length: symbolic, one graph for every length
+        for tensor in (memory_valid, *[t for kv in cache.cross for t in (kv.k, kv.v)]):
+            torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1 if tensor is memory_valid else 2)
     # The new slot's bookkeeping, here in Python (a Python counter: no read of the device).
     start = cache.reserve(torch.ones_like(tokens, dtype=torch.bool), positions)  # the new slot
     slot = torch.full((1,), start, dtype=torch.long, device=tokens.device)  # made on the device: no copy
     if whole:  # every slot, under the validity mask: static shapes for a CUDA graph
         if cache.valid.device.type == "cuda":  # (on the CPU, freezing would fold static inputs as constants)
             _mark_static(cache)
-        return steps[whole](model, tokens, positions, slot, cache.valid, cache.positions, cache)
+        return steps[whole](model, tokens, positions, slot, cache.valid, cache.positions, cache, memory_valid)
     # The filled prefix [0, n) only, its length n marked dynamic: one graph serves every step
     # (attending over the whole buffer instead cost batch 16 about a third more time per step on
     # the CPU).
     key_valid, key_positions = cache.valid[:, : start + 1], cache.positions[:, : start + 1]  # (b, n)
     torch._dynamo.maybe_mark_dynamic(key_valid, 1)
     torch._dynamo.maybe_mark_dynamic(key_positions, 1)
-    return steps[whole](model, tokens, positions, slot, key_valid, key_positions, cache)
+    return steps[whole](model, tokens, positions, slot, key_valid, key_positions, cache, memory_valid)
+
+
+def _check_memory(model: DecoderOnly | EncoderDecoder, cache: KVCache, memory_valid: Tensor | None) -> None:
+    """An encoder-decoder's step needs ``memory_valid`` (b, s) and the cross-attention keys and
+    values in the cache (its eager first step with the encoder's memory); a decoder-only one neither."""
+    if not isinstance(model, EncoderDecoder):
+        if memory_valid is not None:
+            raise ValueError("memory_valid is for an encoder-decoder's decoder; a decoder-only model has no source")
+        return
+    if memory_valid is None:
+        raise ValueError("an encoder-decoder's compiled step needs memory_valid (batch, source length)")
+    if not cache.cross or cache.cross[0].k is None:
+        raise ValueError("the compiled step continues a cache whose cross-attention keys and values are "
+                         "filled: run the first step (bos, with the encoder's memory) without compile")
+    if memory_valid.shape != (cache.batch_size, cache.cross[0].k.shape[2]):
+        raise ValueError(f"memory_valid must be (batch, source length) = "
+                         f"{(cache.batch_size, cache.cross[0].k.shape[2])}, got {tuple(memory_valid.shape)}")
+
+
+def reorder_rows_in_place(cache: KVCache, rows: Tensor) -> None:
+    """``cache.reorder(rows, cross=False)`` for a batch of the same size, written into the cache's
+    own buffers: new row i is old row ``rows[i]`` (rows (b,) long, every row replaced by one with
+    the same source). A compiled step's graph, and a CUDA graph's static buffer addresses, stay
+    valid; nothing is read back from the device (beam search's compiled steps follow their beams
+    with it)."""
+    if rows.shape != (cache.batch_size,):
+        raise ValueError(f"an in-place reorder keeps the batch of {cache.batch_size} rows, got rows of shape "
+                         f"{tuple(rows.shape)}")
+    n = cache.length
+    for layer in cache.layers:  # (b, h_kv, s_max, d_h) each: the filled slots only
+        layer.k[:, :, :n] = layer.k[:, :, :n].index_select(0, rows)
+        layer.v[:, :, :n] = layer.v[:, :, :n].index_select(0, rows)
+    cache.valid.copy_(cache.valid.index_select(0, rows))  # (b, s_max)
+    cache.positions.copy_(cache.positions.index_select(0, rows))
 
 
 def _mark_static(cache: KVCache) -> None:
@@ -141,7 +195,8 @@ def _mark_static(cache: KVCache) -> None:
     graph then reads and writes them in place instead of copying them in at every replay."""
     if getattr(cache, "_static_marked", False):
         return
-    for tensor in (cache.valid, cache.positions, *[t for layer in cache.layers for t in (layer.k, layer.v)]):
+    cross = [t for kv in cache.cross if kv.k is not None and kv.v is not None for t in (kv.k, kv.v)]
+    for tensor in (cache.valid, cache.positions, *[t for layer in cache.layers for t in (layer.k, layer.v)], *cross):
         torch._dynamo.mark_static_address(tensor)
     cache._static_marked = True  # type: ignore[attr-defined]
 

@@ -4,7 +4,10 @@
 
 Every source's ``beam`` open hypotheses run as rows of one (n * beam) batch (n: the sources still
 searching); each source keeps its ``beam`` best finished hypotheses in fixed-size tensors
-(``_Finished``). ``beam_search_encoder_decoder``'s docstring gives the rules; the tests check them
+(``_Finished``). With ``compile=True`` the steps after the first run through the compiled decode
+step (``aiayn.fast.compiled_decode``) over static shapes: the batch keeps every source's rows to
+the end (a stopped source's beams are masked, not dropped) and the cache follows the kept beams in
+its own buffers, so one graph serves every step (a CUDA graph on a GPU). ``beam_search_encoder_decoder``'s docstring gives the rules; the tests check them
 against greedy decoding, an exhaustive search, a plain Python search and Hugging Face.
 """
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from aiayn.generate.decoder_only import prompt_validity
+from aiayn.generate.decoder_only import cache_slots, prompt_validity
 from aiayn.generate.encoder_decoder import greedy_encoder_decoder, max_target_lengths
 from aiayn.generate.ensemble import Ensemble, EnsembleCache
 from aiayn.generate.step import decode_step
@@ -191,6 +194,7 @@ def beam_search_encoder_decoder(
     mask_pad: bool = True,
     keep_greedy: bool = False,
     trace: Callable[[BeamStep], None] | None = None,
+    compile: bool = False,
 ) -> BeamSearchResult:
     """Beam search over the KV cache: every source's ``beam_size`` beams in one (b * beam) batch.
 
@@ -234,11 +238,14 @@ def beam_search_encoder_decoder(
     were pruned): what ``aiayn explore`` draws the search tree from. It changes nothing in the
     search, and costs nothing when None.
 
+    ``compile``: the steps after the first run through the compiled decode step (float cache, eval
+    mode; the first call of a model and shape compiles, seconds to a minute) over static shapes:
+    stopped sources stay in the batch, masked, and the cache follows the beams in place. The same
+    hypotheses as the eager search, their scores equal up to float rounding. Not with ``trace``.
+
     Returns the best hypothesis per source and up to ``n_best`` (<= beam_size) per source.
     """
-    if beam_size < 1 or not 1 <= n_best <= beam_size:
-        raise ValueError(f"need beam_size >= 1 and 1 <= n_best <= beam_size, got beam_size={beam_size}, "
-                         f"n_best={n_best}")
+    _check_search(beam_size, n_best, compile=compile, trace=trace)
     pad_id = model.config.pad_id if mask_pad else None
     fill_id = pad_id if pad_id is not None else eos_id
     b, k = src.shape[0], beam_size
@@ -246,7 +253,7 @@ def beam_search_encoder_decoder(
     encoded = model.encode(src, src_valid=src_valid)  # once per source: memory (b, s, d)
     limits = max_target_lengths(encoded.valid, max_len_a=max_len_a, max_len_b=max_len_b,
                                 cap=model.config.max_seq_len)  # (b,)
-    cache = model.new_cache(b, int(limits.max()))  # bos + at most n_max - 1 fed tokens
+    cache = model.new_cache(b, cache_slots(int(limits.max()), compile))  # bos + at most n_max - 1 fed tokens
     bos = torch.full((b, 1), bos_id, dtype=torch.long, device=src.device)
     # (b, v); fills the cross-attention k/v once
     logits = decode_step(model, bos, cache, memory=encoded.memory, memory_valid=encoded.valid)
@@ -256,10 +263,11 @@ def beam_search_encoder_decoder(
         nonlocal memory_valid
         if dropped:  # a source left: its rows go (within a source the rows are all the same)
             memory_valid = memory_valid.index_select(0, rows)
-        return decode_step(model, tokens, cache, memory_valid=memory_valid)
+        return decode_step(model, tokens, cache, memory_valid=memory_valid, compile=compile)
 
     finished = _search(logits, cache, limits, step, k=k, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
-                       alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace)
+                       alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace,
+                       static=compile)
     if keep_greedy:
         _merge_greedy(model, src, src_valid, limits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
                       fill_id=fill_id, min_len=min_len, alpha=length_penalty, finished=finished)
@@ -281,6 +289,7 @@ def beam_search_decoder_only(
     early_stopping: bool = False,
     mask_pad: bool = True,
     trace: Callable[[BeamStep], None] | None = None,
+    compile: bool = False,
 ) -> BeamSearchResult:
     """Beam search continuing each row of ``prompt`` (b, t) with a decoder-only model, over the KV
     cache: ``beam_search_encoder_decoder``'s rules (scores, GNMT length penalty, candidates, the
@@ -291,10 +300,10 @@ def beam_search_decoder_only(
     ``stream_decoder_only``); padding changes nothing. Hypotheses hold the new tokens only.
     ``eos_id`` None: a model without an end-of-text token (a character-level one): every hypothesis
     runs to the limit (``min_len`` is moot; after a hypothesis ``tokens`` holds pad_id, else 0).
+    ``compile``: the steps after the prompt through the compiled decode step, as in
+    ``beam_search_encoder_decoder``.
     """
-    if beam_size < 1 or not 1 <= n_best <= beam_size:
-        raise ValueError(f"need beam_size >= 1 and 1 <= n_best <= beam_size, got beam_size={beam_size}, "
-                         f"n_best={n_best}")
+    _check_search(beam_size, n_best, compile=compile, trace=trace)
     b, t = prompt.shape
     if max_new_tokens < 1 or t + max_new_tokens > model.config.max_seq_len:
         raise ValueError(f"prompt of {t} tokens + {max_new_tokens} new tokens must fit the model's context of "
@@ -305,24 +314,44 @@ def beam_search_decoder_only(
     if eos_id is None:  # no token ends a hypothesis: -1 is no candidate's id
         eos_id, min_len = -1, 0
     limits = torch.full((b,), max_new_tokens, dtype=torch.long, device=prompt.device)
-    cache = model.new_cache(b, t + max_new_tokens)  # the prompt + at most max_new_tokens - 1 fed tokens
+    # the prompt + at most max_new_tokens - 1 fed tokens
+    cache = model.new_cache(b, cache_slots(t + max_new_tokens, compile))
     logits = decode_step(model, prompt, cache, valid=valid)  # (b, v)
 
     def step(tokens: Tensor, rows: Tensor, dropped: bool) -> Tensor:
+        if compile:  # (every fed token is real: the compiled step's rule)
+            return decode_step(model, tokens, cache, compile=True)
         return decode_step(model, tokens, cache, valid=torch.ones_like(tokens, dtype=torch.bool))
 
     finished = _search(logits, cache, limits, step, k=beam_size, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
-                       alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace)
+                       alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace,
+                       static=compile)
     return finished.result(n_best)
+
+
+def _check_search(beam_size: int, n_best: int, *, compile: bool, trace: Callable[[BeamStep], None] | None) -> None:
+    if beam_size < 1 or not 1 <= n_best <= beam_size:
+        raise ValueError(f"need beam_size >= 1 and 1 <= n_best <= beam_size, got beam_size={beam_size}, "
+                         f"n_best={n_best}")
+    if compile and trace is not None:
+        raise ValueError("trace= follows the eager search (its steps name the sources still searching); "
+                         "drop compile to trace a search")
 
 
 def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step: Callable[[Tensor, Tensor, bool], Tensor], *,
             k: int, eos_id: int, pad_id: int | None, fill_id: int, alpha: float, min_len: int,
-            early_stopping: bool, trace: Callable[[BeamStep], None] | None) -> _Finished:
+            early_stopping: bool, trace: Callable[[BeamStep], None] | None, static: bool = False) -> _Finished:
     """The search both architectures share: ``logits`` (b, v) of the first new token, ``cache``
     holding b rows (expanded here to b * k), ``limits`` (b,) most new tokens per source;
     ``step(tokens (m, 1), rows (m,), dropped)`` feeds the kept beams' tokens (after the loop has
-    reordered the cache to their parent ``rows``; ``dropped``: a source left) -> logits (m, v)."""
+    reordered the cache to their parent ``rows``; ``dropped``: a source left) -> logits (m, v).
+
+    ``static``: the batch keeps all b * k rows to the end, for a compiled step's fixed shapes. A
+    source that stops has its open beams' scores set to -inf: its candidates are then all -inf, so
+    its finished hypotheses stay as they are (``_Finished.merge`` keeps the old ones first on
+    ties) and it counts as stopped at every later step; its rows run on, unread. The cache follows
+    the beams in its own buffers (``reorder_rows_in_place``), and the only read of the device per
+    step is whether every source has stopped."""
     device, b = logits.device, logits.shape[0]
     n_max = int(limits.max())
     v = logits.shape[-1]
@@ -382,6 +411,12 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
                            slot=slot, at_limit=at_limit, done=done))
         if bool(done.all()):
             break
+        if static:
+            beams.scores.masked_fill_(done[:, None], NEG_INF)  # a stopped source proposes nothing more
+            rows = (torch.arange(n, device=device)[:, None] * k + next_beam).reshape(-1)  # (n * k,) parents
+            _follow_in_place(cache, rows)
+            lprobs = torch.log_softmax(step(next_tok.reshape(-1, 1), rows, False).float(), dim=-1).view(n, k, v)
+            continue
 
         # Follow the kept beams (and drop finished sources) in the cache, then feed the new tokens.
         stay = (~done).nonzero().squeeze(1)  # (n_new,) local ids of sources still searching
@@ -395,6 +430,14 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
         lprobs = torch.log_softmax(step_logits.float(), dim=-1).view(stay.shape[0], k, v)  # (n_new, k, v)
 
     return finished
+
+
+def _follow_in_place(cache: KVCache | EnsembleCache, rows: Tensor) -> None:
+    """The static search's cache reorder: row i becomes old row ``rows[i]`` in the same buffers."""
+    from aiayn.fast.compiled_decode import reorder_rows_in_place
+
+    for member in cache.members if isinstance(cache, EnsembleCache) else [cache]:
+        reorder_rows_in_place(member, rows)
 
 
 def _sources_done(worst_finished: Tensor, best_open: Tensor, limits: Tensor, *, t: int, alpha: float,

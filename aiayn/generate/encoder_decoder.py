@@ -3,7 +3,9 @@ and sampling share, the functions that collect it, and the per-source length lim
 
 The source is encoded once; the first step runs bos and fills the cross-attention keys and values
 of the KV cache, every later step runs one token per row over the cache. ``use_cache=False``
-recomputes the whole target every step instead: the reference the cached path is tested against.
+recomputes the whole target every step instead: the reference the cached path is tested against;
+``compile=True`` runs the steps after the first through the compiled decode step
+(``aiayn.fast.compiled_decode``).
 Every function here takes an ``Ensemble`` (``aiayn.generate.ensemble``) as its model too: the
 members' mean log-probabilities are the logits it chooses from.
 """
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from aiayn.generate.decoder_only import cache_slots
 from aiayn.generate.ensemble import Ensemble
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
@@ -33,6 +36,7 @@ def stream_encoder_decoder(
     eos_id: int | None = None,
     fill_id: int | None = None,
     use_cache: bool = True,
+    compile: bool = False,
 ) -> Iterator[DecodeStep]:
     """Decode a target for each row of ``src`` (b, s), starting every target with ``bos_id``,
     yielding one ``DecodeStep`` per new token.
@@ -46,23 +50,31 @@ def stream_encoder_decoder(
         ``fill_id`` (default: the model's pad_id, else eos_id; None and no pad_id: no filling).
         The loop ends when every row is done.
     use_cache: False recomputes the whole target every step (the reference for the cache).
+    compile: the steps after the first (bos) run through the compiled decode step (float cache,
+        eval mode; the first call of a model and shape compiles). Rows keep their place to the end,
+        so its shapes stay fixed.
 
     The model runs lazily, from the encoder on, one step per item taken: stopping early (``break``,
     or closing the iterator) costs no further step.
     """
+    if compile and not use_cache:
+        raise ValueError("compile=True decodes through the KV cache; it needs use_cache=True")
     limit = torch.as_tensor(max_new_tokens, device=src.device).expand(src.shape[0])  # (b,)
     return _decode(model, src, src_valid, bos_id=bos_id, limit=limit, chooser=TokenChooser(sampling, src.device),
-                   eos_id=eos_id, fill_id=default_fill_id(model.config.pad_id, eos_id, fill_id), use_cache=use_cache)
+                   eos_id=eos_id, fill_id=default_fill_id(model.config.pad_id, eos_id, fill_id), use_cache=use_cache,
+                   compile=compile)
 
 
 @torch.inference_mode()
 def _decode(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | None, *, bos_id: int, limit: Tensor,
-            chooser: TokenChooser, eos_id: int | None, fill_id: int | None, use_cache: bool) -> Iterator[DecodeStep]:
+            chooser: TokenChooser, eos_id: int | None, fill_id: int | None, use_cache: bool,
+            compile: bool) -> Iterator[DecodeStep]:
     """``stream_encoder_decoder``'s loop: src (b, s), limit (b,) most new tokens per row."""
     b, device = src.shape[0], src.device
     n_steps = int(limit.max())
     encoded = model.encode(src, src_valid=src_valid)  # once per source: memory (b, s, d)
-    cache = model.new_cache(b, n_steps) if use_cache else None  # bos + at most n_steps - 1 fed tokens
+    # bos + at most n_steps - 1 fed tokens (compiled: rounded up, so lengths share a graph)
+    cache = model.new_cache(b, cache_slots(n_steps, compile)) if use_cache else None
 
     # bos and the tokens so far (b, 1 + i): what the recomputing path reads, and the penalty's history.
     target = torch.full((b, 1), bos_id, dtype=torch.long, device=device)
@@ -72,7 +84,7 @@ def _decode(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | N
             logits = model.decode(target, encoded, tgt_valid=torch.ones_like(target, dtype=torch.bool)).logits[:, -1]
         else:  # bos first, which fills the cross-attention keys and values of the cache
             logits = decode_step(model, target[:, -1:], cache, memory=encoded.memory if i == 0 else None,
-                                 memory_valid=encoded.valid)  # (b, v)
+                                 memory_valid=encoded.valid, compile=compile and i > 0)  # (b, v)
         token = fill_finished(chooser.choose(logits, target), done, fill_id)  # (b,)
         active = ~done
         if eos_id is not None:
@@ -94,17 +106,18 @@ def greedy_encoder_decoder(
     src_valid: Tensor | None = None,
     eos_id: int | None = None,
     use_cache: bool = True,
+    compile: bool = False,
 ) -> GreedyResult:
     """Translate each row of ``src`` (b, s) greedily, starting every target with ``bos_id``.
 
     ``max_new_tokens`` is one limit for all rows or a (b,) tensor of per-source limits (e.g.
     ``max_target_lengths``); after its eos or its limit a row holds pad_id (eos_id if the model
     has no pad_id) and ``lengths`` says how many tokens each row generated (up to and including
-    eos).
+    eos). ``compile``: the steps after the first through the compiled decode step.
     """
     return GreedyResult.from_steps(stream_encoder_decoder(
         model, src, bos_id=bos_id, max_new_tokens=max_new_tokens, src_valid=src_valid, eos_id=eos_id,
-        use_cache=use_cache), with_lengths=True)
+        use_cache=use_cache, compile=compile), with_lengths=True)
 
 
 @torch.inference_mode()
@@ -117,16 +130,19 @@ def sample_encoder_decoder(
     sampling: SamplingConfig | None = None,
     src_valid: Tensor | None = None,
     eos_id: int | None = None,
+    compile: bool = False,
 ) -> Tensor:
     """Sample a target for each row of ``src`` (b, s) through the KV cache -> ids (b, n).
 
     Temperature / top-k / top-p / repetition penalty as in ``SamplingConfig`` (default
     ``SamplingConfig()``; temperature 0 = greedy); the repetition penalty sees the target so far,
     bos included. ``max_new_tokens``: one limit or (b,) per-source limits. After a row's eos or its
-    limit the row holds pad_id (eos_id if the model has no pad_id).
+    limit the row holds pad_id (eos_id if the model has no pad_id). ``compile``: the steps after the
+    first through the compiled decode step.
     """
     steps = stream_encoder_decoder(model, src, bos_id=bos_id, max_new_tokens=max_new_tokens,
-                                   sampling=sampling or SamplingConfig(), src_valid=src_valid, eos_id=eos_id)
+                                   sampling=sampling or SamplingConfig(), src_valid=src_valid, eos_id=eos_id,
+                                   compile=compile)
     return torch.stack([step.tokens for step in steps], dim=1)
 
 

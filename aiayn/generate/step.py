@@ -5,8 +5,9 @@ the output layer at the positions whose next token is wanted (each row's last, b
 output projection is the largest matmul of a small model's step, so it runs on those rows only.
 Greedy decoding, sampling and beam search (both architectures), ``aiayn serve``'s engine (its
 prefill chunks and decode steps over a per-row cache) and ``aiayn explore`` all call it;
-``compile=True`` runs the same step through ``aiayn.fast.compiled_decode`` (one token per row of a
-decoder-only model over a float cache: the graph torch.compile traces once per shape).
+``compile=True`` runs the same step through ``aiayn.fast.compiled_decode`` (one token per row over a
+float cache, of a decoder-only model or of an encoder-decoder's decoder after its first step: the
+graph torch.compile traces once per shape).
 
 Shape letters: b rows, t new tokens per row, d d_model, v vocabulary, m positions asked for.
 """
@@ -34,8 +35,10 @@ def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache | EnsembleCache
     valid (b, t) bool: the real new tokens (left-padded prompts; a serve prefill chunk's ragged
         rows). Default: the model's rule for a decoder-only model (``tokens != pad_id``), all real
         for an encoder-decoder's target (a generated token equal to pad_id is still real).
-    compile: one token per row of a decoder-only model through its compiled graph
-        (``aiayn.fast.compiled_decode.compiled_decode_step``; float cache, eval mode).
+    compile: one token per row through the model's compiled graph
+        (``aiayn.fast.compiled_decode.compiled_decode_step``; float cache, eval mode): a
+        decoder-only model, or an encoder-decoder after its first step (``memory_valid`` given,
+        the cross-attention keys and values in the cache).
 
     An ``Ensemble`` (``aiayn.generate.ensemble``; its ``EnsembleCache``, and ``memory`` a tuple of
     its members' encoder outputs) runs this step for every member, on the member's own memory and
@@ -52,11 +55,11 @@ def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache | EnsembleCache
             for member, member_cache, member_memory in zip(model.members, cache.members, memories, strict=True)])
     if compile:
         if at is not None or valid is not None or memory is not None:
-            raise ValueError("the compiled decode step takes one real token per row of a decoder-only model; "
-                             "drop compile for prompts, padding or an encoder's memory")
+            raise ValueError("the compiled decode step takes one real token per row after the first step; "
+                             "drop compile for prompts, padding or the step that reads an encoder's memory")
         from aiayn.fast.compiled_decode import compiled_decode_step
 
-        return compiled_decode_step(model, tokens, cache)  # type: ignore[arg-type]
+        return compiled_decode_step(model, tokens, cache, memory_valid=memory_valid)  # type: ignore[arg-type]
     if isinstance(model, EncoderDecoder):
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
