@@ -91,9 +91,9 @@ def block_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_c
     most = 1 + max_batch * -(-context // block_size)  # what max_batch full rows could hold, + the null block
     n_blocks = min(most, budget // per_block)
     if n_blocks < 2:
-        raise ValueError(f"a block of {block_size} tokens needs {format_bytes(per_block)} of KV cache and the "
-                         f"budget of {format_bytes(budget)} holds fewer than two (one is the null block); raise "
-                         f"the budget or lower the block size")
+        raise ValueError(f"two blocks of {block_size} tokens (one is the null block) need {format_bytes(2 * per_block)} "
+                         f"of KV cache, more than the budget of {format_bytes(budget)}; raise the budget or lower "
+                         f"the block size")
     return BlockPlan(max_batch, context, n_blocks, block_size, per_block, dtype, prefix_caching)
 
 
