@@ -336,8 +336,8 @@ def create_app(state: ServerState) -> FastAPI:
         params = sampling_params(body, engine, prompts, body.token_limit, top)
         constraint = await asyncio.to_thread(response_constraint, lm, body)
         fmt = None
-        if tools is not None:  # (response_format is then text: the schema says so)
-            fmt, constraint = await asyncio.to_thread(tool_constraint, lm, tools)
+        if tools is not None:  # (a response_format is then the text answer's, checked just above)
+            fmt, constraint = await asyncio.to_thread(tool_constraint, lm, tools, body.response_format)
         generation = start_generation(engine, prompts, params, n=body.n, constraint=constraint)
         meta = Meta(state.served.name, "chat.completion", logprobs=body.logprobs, tools=fmt)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -375,11 +375,18 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def tool_constraint(lm: TextModel, tools: ToolSettings) -> tuple[ToolFormat, GrammarConstraint]:
-    """The tool-call format and grammar of a chat request (``aiayn.serve.tool_calls``); 400 naming
-    what is wrong with a function's parameters schema, or a model that cannot follow one."""
+def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any) -> tuple[ToolFormat, GrammarConstraint]:
+    """The tool-call format and grammar of a chat request (``aiayn.serve.tool_calls``; a JSON
+    ``response_format`` holds its text answer); 400 naming what is wrong with a function's
+    parameters schema, or a model that cannot follow one."""
+    kind = None if response_format is None else response_format.type
+    schema = None  # free text
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        schema = response_format.json_schema.schema_ or {}  # (none given: any JSON value)
     try:
-        return tool_format(lm, tools)
+        return tool_format(lm, tools, schema)
     except ValueError as exc:
         raise APIError(400, f"tools: {exc}", param="tools") from None
 

@@ -170,10 +170,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _tokens_and_logprobs(self) -> ChatCompletionRequest:
-        settings = tool_settings(self.tools, self.tool_choice, self.parallel_tool_calls)  # (ValueError naming the field)
-        if settings is not None and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format: not supported together with tools (unless tool_choice is \"none\"); "
-                             "give one of them")
+        tool_settings(self.tools, self.tool_choice, self.parallel_tool_calls)  # (ValueError naming the field)
         if (self.max_tokens is not None and self.max_completion_tokens is not None
                 and self.max_tokens != self.max_completion_tokens):
             raise ValueError("max_tokens: differs from max_completion_tokens; give one of them")

@@ -78,10 +78,13 @@ def _json(schema: dict[str, Any]) -> str:
 
 class ToolFormat:
     """One request's tool-call format: its ``grammar`` (llguidance's Lark), the ``constraint``
-    a generation follows, and ``parse`` of what the model wrote."""
+    a generation follows, and ``parse`` of what the model wrote. ``response_schema``: the JSON
+    schema a text answer follows (``response_format`` beside "auto"; None: free text): the
+    generic layout's ``"response"`` is then that JSON value, and Hermes' answer is that JSON or
+    calls (no text before calls), as llama.cpp's generic handling has it."""
 
-    def __init__(self, settings: ToolSettings, *, hermes: bool) -> None:
-        self.settings, self.hermes = settings, hermes
+    def __init__(self, settings: ToolSettings, *, hermes: bool, response_schema: dict[str, Any] | None = None) -> None:
+        self.settings, self.hermes, self.response_schema = settings, hermes, response_schema
         layout = HERMES if hermes else (GENERIC_MANY if settings.parallel else GENERIC_ONE)
         self.layout = layout if settings.parallel else Layout(layout.first, None, layout.last)
 
@@ -100,16 +103,20 @@ class ToolFormat:
             return self._hermes_token_grammar()
         more = f" ({_lark(layout.between)} call)*" if layout.between is not None else ""
         lines = [f"call: {_json(self.call_schema())}"]
+        calls = f"{_lark(layout.first)} call{more} {_lark(layout.last)}"
+        answer = None if self.response_schema is None else f"answer: {_json(self.response_schema)}"
         if self.settings.choice == "required":
-            lines.insert(0, f"start: {_lark(layout.first)} call{more} {_lark(layout.last)}")
+            lines.insert(0, f"start: {calls}")
+        elif self.hermes and answer is not None:  # a JSON answer or calls
+            lines[:0] = [f"start: answer | {calls}", answer]
         elif self.hermes:  # free text, or text up to the trigger and then calls
             rest = layout.first.removeprefix(TRIGGER)
             lines[:0] = [f"start: TEXT | head {_lark(rest)} call{more} {_lark(layout.last)}",
                          "TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/",
                          "head[lazy]: /(?s:.*)<tool_call>/"]
         else:  # a {"response": ...} object or the calls
-            lines[:0] = [f"start: {_lark(layout.first)} call{more} {_lark(layout.last)} | {_lark(RESPONSE)} text "
-                         f'"}}"', f"text: {_json({'type': 'string'})}"]
+            lines[:0] = [f'start: {calls} | {_lark(RESPONSE)} answer "}}"',
+                         answer or f"answer: {_json({'type': 'string'})}"]
         return "\n".join(lines) + "\n"
 
     def _hermes_token_grammar(self) -> str:
@@ -118,9 +125,13 @@ class ToolFormat:
         answer back (which sees the same characters) is never fooled."""
         block = f'{TRIGGER} "\\n" call "\\n" {CLOSE}'  # (<name> in Lark: the token)
         calls = f'{block} ("\\n" {block})*' if self.layout.between is not None else block
-        start = "calls" if self.settings.choice == "required" else "TEXT | TEXT calls | calls"
-        return "\n".join([f"start: {start}", f"calls: {calls}", f"call: {_json(self.call_schema())}",
-                          "TEXT: /(?s:.+)/ & ~/(?s:.*)<tool_call>(?s:.*)/"]) + "\n"
+        if self.settings.choice == "required":
+            start, text = "calls", []
+        elif self.response_schema is not None:
+            start, text = "answer | calls", [f"answer: {_json(self.response_schema)}"]
+        else:
+            start, text = "TEXT | TEXT calls | calls", ["TEXT: /(?s:.+)/ & ~/(?s:.*)<tool_call>(?s:.*)/"]
+        return "\n".join([f"start: {start}", f"calls: {calls}", f"call: {_json(self.call_schema())}", *text]) + "\n"
 
     def constraint(self, tokenizer: Any, eos_id: int | None) -> GrammarConstraint:
         """A fresh grammar state for one answer; ValueError, one line, when llguidance refuses a
@@ -134,6 +145,10 @@ class ToolFormat:
         a call is held back; a cut answer (the token limit) gives its calls so far, the last one's
         arguments cut."""
         layout = self.layout
+        if self.hermes and self.response_schema is not None:  # JSON (which may hold the tag in a string) or calls
+            if text.startswith(TRIGGER):
+                return Parsed(None, _calls(text, 0, layout))
+            return Parsed(text if final or not TRIGGER.startswith(text) else "")
         if self.hermes:
             start = text.find(TRIGGER)
             if start < 0:
@@ -141,6 +156,8 @@ class ToolFormat:
             return Parsed(text[:start].rstrip() or None, _calls(text, start, layout))
         if text.startswith(layout.first):
             return Parsed(None, _calls(text, 0, layout))
+        if text.startswith(RESPONSE) and self.response_schema is not None:  # the JSON value's text
+            return Parsed(_value_so_far(text, len(RESPONSE)))
         if text.startswith(RESPONSE):
             return Parsed(_string_so_far(text, len(RESPONSE)))
         return Parsed("")  # (a prefix of either, or a cut answer)
@@ -186,6 +203,15 @@ def _calls(text: str, start: int, layout: Layout) -> list[ParsedCall]:
             break
         at += len(layout.between)
     return calls
+
+
+def _value_so_far(text: str, start: int) -> str:
+    """The text of the JSON value that starts at ``start``: up to its end once it is whole (what
+    follows is the envelope's brace), all of it until then."""
+    try:
+        return text[start: _decoder.raw_decode(text, start)[1]]
+    except ValueError:
+        return text[start:]
 
 
 def _string_so_far(text: str, start: int) -> str:
@@ -259,12 +285,13 @@ def answer_message(fmt: ToolFormat, text: str, engine_reason: str | None) -> tup
     return reply, fmt.finish_reason(fmt.parse(text, final=True), engine_reason)
 
 
-def tool_format(lm: Any, settings: ToolSettings) -> tuple[ToolFormat, GrammarConstraint]:
+def tool_format(lm: Any, settings: ToolSettings,
+                response_schema: dict[str, Any] | None = None) -> tuple[ToolFormat, GrammarConstraint]:
     """The request's format for ``lm`` (a ``TextModel``: Hermes where its chat template writes
     ``<tool_call>``, else generic) and the grammar its answers follow (compiled: call it off the
     event loop). ValueError, one line, for a schema llguidance refuses or a model without a
     ``tokenizers`` tokenizer."""
     from aiayn.serve.tools import template_support
 
-    fmt = ToolFormat(settings, hermes=template_support(lm.chat_template).hermes)
+    fmt = ToolFormat(settings, hermes=template_support(lm.chat_template).hermes, response_schema=response_schema)
     return fmt, fmt.constraint(lm.tokenizer, lm.eos_id)

@@ -300,6 +300,32 @@ def test_a_cut_answer_gives_what_was_written():
     assert fmt.finish_reason(ToolFormat(fmt.settings, hermes=True).parse("just text", True), "stop") == "stop"
 
 
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+                 "additionalProperties": False}
+
+
+@pytest.mark.parametrize(("hermes", "answer", "content", "calls"), [
+    (False, '{"response": {"answer": 5}}', '{"answer": 5}', []),
+    (False, '{"response": "five"}', None, None),
+    (False, f'{{"tool_calls": [{CALL_ADD}]}}', None, [("add", '{"a": 1, "b": 2}')]),
+    (True, '{"answer": 5}', '{"answer": 5}', []),
+    (True, "Plain text.", None, None),
+    (True, f"<tool_call>\n{CALL_ADD}\n</tool_call>", None, [("add", '{"a": 1, "b": 2}')]),
+])
+def test_a_response_format_holds_the_text_answer_beside_tools(tokenizer, hermes, answer, content, calls):
+    """response_format with tool_choice "auto": the text answer is JSON valid against its schema
+    (generic: the "response" value; Hermes: the whole answer, else calls), read back as content."""
+    fmt = ToolFormat(tool_settings(tools(ADD), "auto", None), hermes=hermes, response_schema=ANSWER_SCHEMA)
+    eos = tokenizer.token_to_id("<|im_end|>")
+    assert follows(fmt.constraint(tokenizer, eos), tokenizer, answer) == (calls is not None)
+    if calls is None:
+        return
+    whole_content, whole_calls = message(fmt, answer)
+    assert (whole_content, [(c["function"]["name"], c["function"]["arguments"]) for c in whole_calls]) == (content, calls)
+    got_content, got_calls, _ = streamed(fmt, [tokenizer.decode([t]) for t in tokenizer.encode(answer).ids])
+    assert (got_content or None, got_calls) == (content, calls)
+
+
 # ---- a model's answers under the grammar -------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_lm():

@@ -123,10 +123,33 @@ def test_auto_answers_text_or_calls_and_takes_the_results_back(servers):
             assert again.choices[0].message.tool_calls is None and again.choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("kind", ["generic", "hermes"])
+def test_a_response_format_holds_the_text_answer_beside_tools(servers, kind):
+    """tools with response_format: each answer is calls or JSON valid against the schema."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    client = client_for(servers[kind])
+    checked = 0
+    for seed in range(4):
+        answer = client.chat.completions.create(
+            model="tiny", messages=QUESTION, tools=[WEATHER, ADD], max_tokens=60, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}).choices[0]
+        if answer.message.tool_calls:
+            check_calls([{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                         for c in answer.message.tool_calls[: None if answer.finish_reason != "length" else -1]],
+                        {"add", "get_weather"})
+            checked += answer.finish_reason == "tool_calls"
+        elif answer.finish_reason == "stop":
+            jsonschema.validate(json.loads(answer.message.content), schema)
+            checked += 1
+    assert checked  # (whether a random model calls or answers is its own)
+
+
 @pytest.mark.parametrize(("kwargs", "says"), [
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "add"}}), 'no tool is named "add"'),
     (dict(tool_choice="required"), "tool_choice: only allowed when tools are given"),
-    (dict(tools=[WEATHER], response_format={"type": "json_object"}), "response_format: not supported together"),
+    (dict(tools=[WEATHER], response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "strin"}}}), "response_format: invalid JSON schema"),
     (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools.0.function.name"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "minLength": 3, "maxLength": 1}},
