@@ -138,9 +138,10 @@ class BlockScheduler:
             digests = block_digests(sequence, self.block_size)
         return digests, self.cache.pool.lookup(digests)[: (len(sequence) - 1) // self.block_size]
 
-    def admission(self, request: Request, prefilling: Sequence[tuple[int, Request]]) -> str:
+    def admission(self, request: Request, prefilling: Sequence[tuple[int, Request]], decoding: int = 0) -> str:
         """"admit", "wait" (its next block is being computed by a prefilling row: the n > 1 case) or
-        "full" (the pool cannot hold its prompt beside what the admitted prompts still need)."""
+        "full" (the pool cannot hold its prompt beside what the admitted prompts still need and the
+        blocks the first ``decoding`` rows' next tokens take: admitted, it would be preempted at once)."""
         digests, hits = self._hits(request)
         pool = self.cache.pool
         if len(hits) < len(digests):
@@ -149,6 +150,7 @@ class BlockScheduler:
                 return "wait"
         still_needed = sum(self.cache.blocks_for(row, len(self.sequence(other)) - other.fed)
                            for row, other in prefilling)
+        still_needed += sum(self.cache.blocks_for(row, 1) for row in range(decoding))
         own = -(-len(self.sequence(request)) // self.block_size) - len(hits)
         cached_hits = sum(1 for block in hits if pool.refs(block) == 0)  # evictable now, held once admitted
         return "admit" if own + still_needed <= pool.available - cached_hits else "full"
@@ -230,7 +232,7 @@ class PagedSteps:
             if len(self.rows) >= self.max_batch:
                 return
             prefilling = list(enumerate(self.rows))[self.n_decode:]
-            verdict = "skip" if request.cancelled else blocks.admission(request, prefilling)
+            verdict = "skip" if request.cancelled else blocks.admission(request, prefilling, self.n_decode)
             if verdict == "full":
                 return
             if verdict == "wait":
