@@ -56,7 +56,11 @@ def text_device(name: str, quantize: str = "none") -> Any:
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=200, show_default=True,
               help="Tokens to generate (fewer only at end-of-text or a --stop string). Past the "
                    "model's context generation slides its window: it keeps the last 3/4 of the "
-                   "context, recomputes it and goes on. The reason it stopped is printed last.")
+                   "context, recomputes it and goes on (--no-slide: it stops there). The reason it "
+                   "stopped is printed last.")
+@click.option("--slide/--no-slide", default=True, show_default=True,
+              help="Past the model's context, slide the window and go on (--slide), or stop when the "
+                   "context is full (--no-slide: fewer tokens than --max-new-tokens, said in the last line).")
 @click.option("--temperature", type=FiniteFloatRange(min=0), default=0.8, show_default=True,
               help="Softmax temperature; 0 = greedy.")
 @click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens only.")
@@ -88,7 +92,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
                  repetition_penalty: float, seed: int | None, stops: tuple[str, ...],
                  quantize: str = "none", threads: int | None = None, kv_cache: str = "float",
                  compiled: bool = False, json_schema: Any = None, json_object: bool = False, plain: bool = False,
-                 device: str = "auto") -> None:
+                 device: str = "auto", slide: bool = True) -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     import torch
 
@@ -122,7 +126,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
         click.echo(prompt, nl=False)
     stats = stream_text(lm, ids, on_text=lambda text: click.echo(text, nl=False), max_new_tokens=max_new_tokens,
                         sampling=sampling, stops=stops, kv_cache=None if kv_cache == "float" else kv_cache,
-                        compile=compiled, constraint=constraint)
+                        compile=compiled, constraint=constraint, slide=slide)
     click.echo(f"\n[{stats.summary()}]", err=True)
     if constraint is not None and stats.stop in ("length", "context", "stop"):
         raise click.ClickException(f"the answer was cut after {stats.tokens} tokens, before its JSON was complete; "

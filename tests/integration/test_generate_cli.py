@@ -89,6 +89,17 @@ def test_generate_writes_past_the_context_and_says_why_it_stopped(capsys):
     assert "the window slid past the 64-token context once" in err
 
 
+def test_no_slide_stops_when_the_context_is_full(run_aiayn):
+    """--no-slide: the 64-character model stops once its context is full (2 prompt characters + 62
+    written, the sliding run's first 62), and the last line says so."""
+    args = ("generate", "--model", "shakespeare-char", "--prompt", "RO", "--temperature", "0", "--max-new-tokens", "80")
+    code, slid, _ = run_aiayn(*args)
+    assert code == 0
+    code, out, err = run_aiayn(*args, "--no-slide")
+    assert code == 0 and out == slid[: len("RO") + 62]
+    assert "62 tokens in" in err and "stopped: the model's context of 64 tokens is full" in err and "slid" not in err
+
+
 def test_stream_text_names_each_stop_reason():
     """``stream_text``'s stats say why it stopped: the token limit (past the context: it slid), the
     model's end-of-text, a stop string, or (slide=False) the full context, in the old words."""
