@@ -170,7 +170,10 @@ class ToolFormat:
 
 
 def tags_are_tokens(tokenizer: Any) -> bool:
-    """Whether ``tokenizer`` (a ``tokenizers.Tokenizer``) has both Hermes tags as added tokens."""
+    """Whether ``tokenizer`` (a ``tokenizers.Tokenizer``) has both Hermes tags as added tokens
+    (False for any other tokenizer: the grammar's own check then says what it needs)."""
+    if not hasattr(tokenizer, "get_added_tokens_decoder"):
+        return False
     added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
     return TRIGGER in added and CLOSE in added
 

@@ -356,3 +356,10 @@ def test_a_random_models_sampled_calls_are_valid_against_the_schemas(tiny_lm, he
             jsonschema.validate(json.loads(call["function"]["arguments"]), settings.parameters(name))
             made += 1
     assert made or choice == "auto"
+
+
+@pytest.mark.parametrize("hermes", [False, True])
+def test_a_character_level_model_is_one_clear_error(hermes):
+    fmt = ToolFormat(tool_settings(tools(ADD), "required", None), hermes=hermes)
+    with pytest.raises(ValueError, match="needs a model with a `tokenizers` tokenizer"):
+        fmt.constraint(None, None)
