@@ -223,9 +223,9 @@ def report(policies: Sequence[Policy], args: argparse.Namespace, load_before: fl
                      spread(p.b_alone, 2), spread(p.b_shared, 2), f"{ratio(p.b_alone, p.b_shared):.2f}x"])
     print(table(["policy", "environment", "A alone s", "A beside B s", "A slowdown", "A loop alone s",
                  "A loop beside B s", "B alone sent/s", "B beside A sent/s", "B slowdown"], rows))
+    print()
     old = next((p for p in policies if p.name == "old"), None)
     if old is not None:
-        print()
         for p in policies:
             if p is not old:
                 print(f"{p.name} / old, alone (1.00 = no loss): A's wall time {ratio(p.a_alone, old.a_alone):.2f}, "
