@@ -15,9 +15,13 @@ union of the ranks' batches. A last window shorter than ``world_size x grad_accu
 global batch is ``world_size x batch_size``.
 
 Loss normalisation: each rank's loss is weighted by its share of the step's counted target tokens
-(one all-reduce of the token count per micro-batch), so DDP's gradient average equals the gradient
-of the token-mean loss over the union of the ranks' batches, even when the ranks' batches hold
-different numbers of tokens (length-bucketed batches, a short last batch).
+(one all-reduce of the token count per micro-batch, on the device), so DDP's gradient average
+equals the gradient of the token-mean loss over the union of the ranks' batches, even when the
+ranks' batches hold different numbers of tokens (length-bucketed batches, a short last batch).
+
+What the host reads: nothing per step. The counts, the weights and the step's loss (summed over
+the ranks by a collective per step) stay on the device until the metrics row reads them; the ranks
+agree on stopping (a signal to one of them) at metrics rows and checkpoints (``any_rank``).
 
 Checkpoints hold full (unsharded) state dicts in the single-process format, written by rank 0
 only, so a checkpoint saved under one world size (or with FSDP) loads under any other, and into a
@@ -35,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 T = TypeVar("T")
 
@@ -139,6 +143,30 @@ def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
     tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def all_reduce_tensor(value: Tensor, ctx: DistContext) -> Tensor:
+    """A 0-dim float64 sum of ``value`` over all ranks, on the device (one collective, nothing read
+    back: under NCCL the stream does not wait for the host)."""
+    total = value.detach().to(torch.float64, copy=True)
+    if ctx.enabled:
+        dist.all_reduce(total)
+    return total
+
+
+def token_share(n_tokens: Tensor, ctx: DistContext) -> Tensor:
+    """This rank's micro-batch weight, world_size x its counted tokens / all ranks' (0-dim float64 on
+    the device; 0 for a rank without any): the union's token-mean gradient is the ranks' mean of
+    their weighted losses. One collective, nothing read back."""
+    local = n_tokens.to(torch.float64)
+    return local * ctx.world_size / all_reduce_tensor(local, ctx).clamp(min=1.0)
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """Whether ``flag`` is set on any rank (a collective that every rank must call; one read)."""
+    if not ctx.enabled:
+        return flag
+    return all_reduce_sum([float(flag)], ctx)[0] > 0
 
 
 def run_on_main(ctx: DistContext, fn: Callable[[], T]) -> T | None:

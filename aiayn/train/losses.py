@@ -114,9 +114,11 @@ def _logits_loss(rows: Tensor, flat_targets: Tensor, targets: Tensor, packing: P
     """The loss of logit rows (n, c) against their targets (n,) (rows of ``targets`` (b, t))."""
     counted_flat = flat_targets != IGNORE
     safe_targets = flat_targets.masked_fill(~counted_flat, 0)
-    # NaN with nothing counted, as F.cross_entropy.
-    weights = counted_flat.float() / counted_flat.sum()
+    weights = counted_flat.float() / counted_flat.sum().clamp(min=1)  # all 0 with nothing counted
     loss, token_nll = _SmoothedCrossEntropy.apply(rows, safe_targets, weights, label_smoothing)
+    # NaN with nothing counted, as F.cross_entropy, and zero gradients (the weights are 0, not
+    # 0 / 0): a multi-process rank's empty micro-batch then adds nothing. Chosen on the device.
+    loss = torch.where(counted_flat.any(), loss, loss + float("nan"))
     return _loss_output(loss, token_nll, rows.detach().argmax(-1), flat_targets, targets, packing)
 
 

@@ -38,7 +38,7 @@ from aiayn.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from aiayn.train.losses import graph_tensor, sequence_loss
+from aiayn.train.losses import sequence_loss
 from aiayn.train.metrics import METRIC_FIELDS, DeviceTotals, MetricsLog, MetricsWindow  # noqa: F401
 from aiayn.train.optim import (
     all_finite,
@@ -343,8 +343,12 @@ def _train(
     bar = tqdm(total=total_steps, initial=step, disable=not progress, desc=f"train {task.name}",
                unit="step", dynamic_ncols=True)
     stop = StopRequest()
+    # Whether to stop now: one process stops as soon as it is asked (a signal); several stop together
+    # at the first metrics row or checkpoint after any of them was asked (their vote is a collective
+    # and a read of the device, so it is not taken every step).
+    stopping = False
     with stop.installed():
-        while step < total_steps and not stop.requested:
+        while step < total_steps and not stopping:
             batches = task.train_batches(epoch, cfg.batch_size, cfg.seed)
             while batch_in_epoch + per_step <= len(batches) and step < total_steps:
                 model.train()
@@ -370,25 +374,23 @@ def _train(
                                 output, targets = task.forward(forward_model, batch)
                                 out = sequence_loss(output, targets, label_smoothing=cfg.label_smoothing)
                             # Weight by this rank's share of the micro-batch's tokens over all ranks:
-                            # the gradient average is then that of the union's token-mean loss.
-                            # (One collective per micro-batch, which reads the count anyway.)
-                            local_tokens = int(out.n_tokens)
-                            (global_tokens,) = distributed.all_reduce_sum([local_tokens], ctx)
-                            weight = local_tokens * ctx.world_size / max(global_tokens, 1.0)
-                            loss = out.loss * weight if local_tokens else graph_tensor(output).sum() * 0.0
+                            # the gradient average is then that of the union's token-mean loss. The
+                            # counts stay on the device (a collective per micro-batch, nothing read).
+                            weight = distributed.token_share(out.n_tokens, ctx)  # () float64
+                            # A rank without counted tokens adds 0 (its loss is NaN, its gradients 0).
+                            counted = out.n_tokens > 0
+                            loss = torch.where(counted, out.loss * weight.to(out.loss.dtype), 0.0)
                             (loss / len(group)).backward()
-                        if local_tokens:
-                            loss_of_step += float(out.loss) * weight / ctx.world_size / len(group)
+                        share = torch.where(counted, out.loss.detach().double() * weight, 0.0)
+                        loss_of_step = loss_of_step + share / ctx.world_size / len(group)
                         totals.add_batch(out.nll_sum, out.n_tokens, out.n_correct)
                 grad_norm = clip_and_measure(model.parameters(), cfg.clip_grad_norm)  # None: not clipping
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 batch_in_epoch += per_step
-                if ctx.enabled:  # the union's loss; stop when any rank was asked to
-                    loss_of_step, stop_votes = distributed.all_reduce_sum([float(loss_of_step), float(stop.requested)], ctx)
-                    stop.requested = stop_votes > 0
-                    loss_of_step = torch.tensor(loss_of_step, dtype=torch.float64, device=dev)
+                if ctx.enabled:  # the union's loss, summed on the device (a collective, nothing read)
+                    loss_of_step = distributed.all_reduce_tensor(loss_of_step, ctx)
                 # The divergence guard watches the loss (the union's, so every rank stops alike)
                 # and, when clipping, the gradient norm, on the device; it is read with the
                 # metrics (below), before any evaluation or save: nothing is logged or saved for
@@ -398,8 +400,13 @@ def _train(
                 last_loss = loss_of_step
                 window.steps += 1
                 bar.update(1)
+                at_row = step % cfg.log_every == 0 or step == total_steps
+                if not ctx.enabled:
+                    stopping = stop.requested
+                elif at_row or step % save_every == 0:  # every rank reaches these steps together
+                    stopping = distributed.any_rank(stop.requested, ctx)
 
-                if step % cfg.log_every == 0 or step == total_steps:
+                if at_row:
                     read_totals()
                     window.reduce(ctx)
                     elapsed = time.perf_counter() - window.start
@@ -421,15 +428,15 @@ def _train(
                             elapsed_s=time.perf_counter() - start_time)
                     if ctx.is_main:
                         bar.write(f"step {step}: val " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-                if step % save_every == 0 or step == total_steps or stop.requested:
+                if step % save_every == 0 or step == total_steps or stopping:
                     checkpoint()
-                if stop.requested:
+                if stopping:
                     interrupted = True
                     break
             else:
                 epoch, batch_in_epoch = epoch + 1, 0
                 continue
-            if stop.requested:
+            if stopping:
                 break
     bar.close()
 

@@ -3,9 +3,12 @@ ranks' batches (the single-process reference) and the worker each spawned rank r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,11 +82,51 @@ def worker(rank: int, world: int, port: int, run_dir: str, fsdp: bool, task_name
 
     train_kw = dict(train_kw)
     resume = train_kw.pop("resume", False)
+    reads: list[str] | None = [] if train_kw.pop("count_reads", False) else None
     task = small_task(task_name)
-    result = train(task, small_model(task), small_train(**train_kw), Path(run_dir), progress=False,
-                   make_plots=False, parallel=ParallelOptions(fsdp=fsdp), resume=resume)
+    with reads_of_the_trainer(reads):
+        result = train(task, small_model(task), small_train(**train_kw), Path(run_dir), progress=False,
+                       make_plots=False, parallel=ParallelOptions(fsdp=fsdp), resume=resume)
+    if reads is not None:
+        (Path(run_dir) / f"reads-rank{rank}.json").write_text(json.dumps(reads))
     if rank == 0:
         (Path(run_dir) / "rank0.json").write_text(json.dumps({"final_loss": result.final_loss}))
+
+
+# Every way a tensor's value gets into Python (on a GPU each waits for the device), and the
+# training loop's own files (the task's evaluation and the checkpoint files are not the step).
+READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
+TRAINER_FILES = ("trainer.py", "metrics.py", "distributed.py", "losses.py", "optim.py")
+
+
+@contextlib.contextmanager
+def reads_of_the_trainer(reads: list[str] | None) -> Iterator[None]:
+    """With a list: note in it, as "file:function (method)", every read of a tensor's value made by
+    the training loop's code (aiayn/train/: the step, its metrics, the collectives, the loss)."""
+    if reads is None:
+        yield
+        return
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def spy(name: str):
+        original = saved[name]
+
+        def read(self, *args, **kwargs):
+            code = sys._getframe(1).f_code
+            where = Path(code.co_filename)
+            if where.parent.name == "train" and where.parent.parent.name == "aiayn" and where.name in TRAINER_FILES:
+                reads.append(f"{where.name}:{code.co_name} ({name})")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name in READS:
+            setattr(torch.Tensor, name, spy(name))
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
 
 
 def spawn(world: int, run_dir: Path, *, fsdp: bool = False, task: str = "reverse", **train_kw: Any) -> None:

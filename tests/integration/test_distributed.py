@@ -183,6 +183,22 @@ def test_ddp_resumed_mid_row_writes_the_rows_of_one_uninterrupted_process(tmp_pa
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
 
 
+def test_ddp_reads_the_device_at_metrics_rows_and_checkpoints_only(tmp_path):
+    """Every read of a tensor's value by the training loop (a host-device sync on a GPU), noted per
+    rank: 4 steps with one metrics row and checkpoint, and 8 steps with one, read the same, so no
+    step between rows reads anything (the token counts, the weights, the step's loss stay on the
+    device; the ranks vote on stopping at the row)."""
+    reads = {}
+    for steps in (4, 8):
+        run_dir = tmp_path / f"steps-{steps}"
+        dw.spawn(2, run_dir, max_steps=steps, log_every=steps, save_every=steps, count_reads=True)
+        reads[steps] = [sorted(json.loads((run_dir / f"reads-rank{rank}.json").read_text())) for rank in (0, 1)]
+    assert reads[4] == reads[8]
+    assert reads[4][0] == reads[4][1]  # both ranks alike
+    assert any("metrics.py:fold" in read for read in reads[4][0])  # the row's one read of the sums
+    assert not any("trainer.py" in read and "__int__" in read for read in reads[4][0])
+
+
 def torchrun(*args: str, nproc: int = 2, timeout: float = 300):
     import subprocess
 
