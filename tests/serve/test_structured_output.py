@@ -34,8 +34,11 @@ from aiayn.generate.constrain import GrammarConstraint
 from aiayn.serve import ServedModel, build_state
 from aiayn.serve.engine import Engine, Request, SamplingParams, slot_plan
 
+# Numbers are bounded: a grammar cannot make a model end, and SmolLM2 may write an unbounded
+# integer's digits until max_tokens (docs/structured-output.md); the answers here must all end.
 SCHEMAS = {
-    "person": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+    "person": {"type": "object", "properties": {"name": {"type": "string"},
+                                                 "age": {"type": "integer", "minimum": 0, "maximum": 150},
                                                  "tags": {"type": "array", "items": {"type": "string"},
                                                           "maxItems": 3}},
                "required": ["name", "age", "tags"], "additionalProperties": False},
@@ -43,10 +46,10 @@ SCHEMAS = {
                                                     "ok": {"type": "boolean"}, "none": {"type": "null"}},
                   "required": ["colour", "ok", "none"], "additionalProperties": False},
     "numbers": {"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 120},
-                                                  "x": {"type": "number"}},
+                                                  "x": {"type": "number", "minimum": -1000, "maximum": 1000}},
                 "required": ["n", "x"], "additionalProperties": False},
     "nested": {"type": "object", "properties": {
-        "user": {"type": "object", "properties": {"id": {"type": "integer"},
+        "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 10**6},
                                                   "langs": {"type": "array", "items": {"enum": ["en", "fr"]},
                                                             "minItems": 1, "maxItems": 3}},
                  "required": ["id", "langs"], "additionalProperties": False},
