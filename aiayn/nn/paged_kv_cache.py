@@ -58,6 +58,9 @@ class PagedLayerKVCache(LayerKVCache):
         self.max_len = n_blocks * block_size
         self.read_blocks: Tensor | None = None
         self.read_end = 0
+        # One row whose blocks are consecutive in the pool: their first id, and the keys are a view
+        # of the pool (no gather). None: gather by ``read_blocks``.
+        self.read_run: int | None = None
 
     _row_buffers = ()  # rows hold no buffers of their own: a row is its block table
 
@@ -71,6 +74,10 @@ class PagedLayerKVCache(LayerKVCache):
             flat = pool.view(-1, h_kv, d_h)  # (n_blocks * B, h_kv, d_h)
             flat.index_copy_(0, pos.reshape(-1), new.transpose(1, 2).reshape(b * t, h_kv, d_h).to(pool.dtype))
         n = self.read_blocks.shape[1]
+        if self.read_run is not None:  # b = 1, blocks [read_run, read_run + n): a view, no copy
+            keys, values = (pool[self.read_run: self.read_run + n].view(1, n * self.block_size, h_kv, d_h)
+                            [:, : self.read_end] for pool in (self.k, self.v))
+            return keys.transpose(1, 2), values.transpose(1, 2)
         index = self.read_blocks.reshape(-1)  # (b * n,)
         keys, values = (pool.index_select(0, index).view(b, n * self.block_size, h_kv, d_h)[:, : self.read_end]
                         for pool in (self.k, self.v))  # (b, read_end, h_kv, d_h) each
@@ -176,6 +183,8 @@ class PagedKVCache(KVCache):
         tables = [table + [NULL_BLOCK] * (width - len(table)) for table in tables]
         # Built on the host, one copy each (to_device pins and does not wait on CUDA).
         write_slots = to_device(torch.tensor(slots, dtype=torch.long).reshape(b, t), new_valid.device)
+        first = tables[0][0]
+        run = first if b == 1 and tables[0] == list(range(first, first + width)) and first != NULL_BLOCK else None
         read_blocks = to_device(torch.tensor(tables, dtype=torch.long).reshape(b, width), new_valid.device)
         logical = self.lengths[:, None] + steps  # (b, t) logical slots, on the device
         self.valid.scatter_(1, logical, new_valid)
@@ -186,7 +195,7 @@ class PagedKVCache(KVCache):
         self.length = end
         for layer in self.layers:
             assert isinstance(layer, PagedLayerKVCache)
-            layer.read_blocks, layer.read_end = read_blocks, end
+            layer.read_blocks, layer.read_end, layer.read_run = read_blocks, end, run
         return write_slots
 
     def next_positions(self) -> Tensor:
