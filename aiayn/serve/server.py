@@ -13,7 +13,7 @@ from aiayn.device import model_device
 from aiayn.models.base import count_parameters
 from aiayn.nn.kv_cache import format_bytes
 from aiayn.serve.app import ServerState, create_app
-from aiayn.serve.blocks import DEFAULT_BLOCK_SIZE, block_plan
+from aiayn.serve.blocks import DEFAULT_BLOCK_SIZE, BlockPlan, block_plan
 from aiayn.serve.embedding import DEFAULT_CHUNK
 from aiayn.serve.engine import Engine, slot_plan
 from aiayn.serve.limits import MAX_INPUT_TOKENS, MAX_INPUTS, MAX_REQUEST_TOKENS, Limits
@@ -108,6 +108,9 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
         if plan.rows < max_batch:
             lines.append(f"  (--max-batch {max_batch} asked for more: the budget of {format_bytes(kv_budget)} "
                          f"holds {plan.rows})")
+        if isinstance(plan, BlockPlan) and plan.capacity_tokens < context:
+            lines.append(f"  (a request may hold at most {plan.capacity_tokens} tokens: the budget of "
+                         f"{format_bytes(kv_budget)} holds less than --context {context})")
     else:
         assert served.encoder is not None
         lines = [f"model {served.name}: sentence encoder ({served.encoder.pooling} pooling), "
