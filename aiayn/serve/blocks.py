@@ -198,6 +198,14 @@ class BlockScheduler:
             table.pop(request.id, None)
         self.resumed.discard(request.id)
 
+    def prune(self, live: set[int]) -> None:
+        """Drop what is kept for requests no longer waiting or running (cancelled while preempted, or
+        failed): ``live`` are the ids of those that are."""
+        for table in (self._sequence, self._digests, self._decoded, self._admitted):
+            for gone in [key for key in table if key not in live]:
+                del table[gone]
+        self.resumed &= live
+
     @property
     def hit_rate(self) -> float:
         """Share of admitted prompt tokens found in the prefix cache."""
@@ -228,6 +236,8 @@ class PagedSteps:
         blocks (the same prompt: n > 1) lets the others pass."""
         with self._cv:
             candidates = list(self.waiting)
+        if len(blocks.resumed) + len(blocks._admitted) > len(candidates) + len(self.rows):  # leftovers
+            blocks.prune({r.id for r in [*candidates, *self.rows]})
         for request in candidates:
             if len(self.rows) >= self.max_batch:
                 return

@@ -183,3 +183,21 @@ def test_the_start_up_lines_say_what_the_budget_holds(lm):
     assert "(a request may hold at most 64 tokens: the budget of" in lines[-1] and "--context 128" in lines[-1]
     _, lines = build_state(ServedModel("tiny", lm=lm), max_batch=4, context=128, kv_layout="slots")
     assert lines[1].startswith("KV cache: 4 slots x 128 tokens (float32)")
+
+
+def test_a_preempted_request_cancelled_while_it_waits_leaves_nothing_behind(lm):
+    prompts = [prompt(30, seed) for seed in range(4)]
+    engine = paged_engine(lm, blocks=20)
+    sinks = [submit(engine, ids, max_tokens=40) for ids in prompts]
+    blocks = engine.blocks
+    assert blocks is not None
+    for _ in range(300):
+        engine.step()
+        if blocks.resumed and engine.waiting:
+            break
+    victim = engine.waiting[0]
+    engine.cancel(victim)
+    run_until_done(engine, [s for s, r in zip(sinks, prompts, strict=True) if r is not victim.prompt])
+    engine.step()
+    assert blocks.resumed == set() and not blocks._sequence and not blocks._admitted and not blocks._decoded
+    assert blocks.cache.pool.used == 0
