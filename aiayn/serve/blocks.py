@@ -201,6 +201,8 @@ class BlockScheduler:
     def prune(self, live: set[int]) -> None:
         """Drop what is kept for requests no longer waiting or running (cancelled while preempted, or
         failed): ``live`` are the ids of those that are."""
+        if len(self.resumed) + len(self._admitted) <= len(live):
+            return  # (every id kept belongs to a live request: nothing to look for)
         for table in (self._sequence, self._digests, self._decoded, self._admitted):
             for gone in [key for key in table if key not in live]:
                 del table[gone]
@@ -236,8 +238,7 @@ class PagedSteps:
         blocks (the same prompt: n > 1) lets the others pass."""
         with self._cv:
             candidates = list(self.waiting)
-        if len(blocks.resumed) + len(blocks._admitted) > len(candidates) + len(self.rows):  # leftovers
-            blocks.prune({r.id for r in [*candidates, *self.rows]})
+        blocks.prune({r.id for r in [*candidates, *self.rows]})
         for request in candidates:
             if len(self.rows) >= self.max_batch:
                 return
