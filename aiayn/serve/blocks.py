@@ -66,7 +66,7 @@ class BlockPlan:
         return (self.n_blocks - 1) * self.block_size
 
     def describe(self, budget: int) -> str:
-        return (f"KV cache: {self.n_blocks - 1} blocks x {self.block_size} tokens ({self.dtype}, paged), "
+        return (f"KV cache (paged): {self.n_blocks - 1} blocks x {self.block_size} tokens ({self.dtype}), "
                 f"{format_bytes(self.n_blocks * self.bytes_per_block)} of a {format_bytes(budget)} budget "
                 f"({format_bytes(self.bytes_per_block)} per block) -> {self.capacity_tokens} tokens shared by up to "
                 f"{self.rows} concurrent requests; prefix caching {'on' if self.prefix_caching else 'off'}")

@@ -179,7 +179,7 @@ def test_the_start_up_lines_say_what_the_budget_holds(lm):
     block = kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
                            seq_len=16, batch_size=1)
     _, lines = build_state(ServedModel("tiny", lm=lm), max_batch=4, context=128, kv_budget=5 * block)
-    assert lines[1].startswith("KV cache: 4 blocks x 16 tokens (float32, paged)") and "prefix caching on" in lines[1]
+    assert lines[1].startswith("KV cache (paged): 4 blocks x 16 tokens (float32)") and "prefix caching on" in lines[1]
     assert "(a request may hold at most 64 tokens: the budget of" in lines[-1] and "--context 128" in lines[-1]
     _, lines = build_state(ServedModel("tiny", lm=lm), max_batch=4, context=128, kv_layout="slots")
     assert lines[1].startswith("KV cache: 4 slots x 128 tokens (float32)")

@@ -79,7 +79,7 @@ def test_sigterm_lets_short_requests_finish_and_tells_long_ones(tmp_path):
             proc.kill()
             proc.wait(10)
     log = proc.stderr.read()
-    assert "KV cache: 1024 blocks x 16 tokens (float32, paged)" in log and "up to 2 concurrent requests" in log
+    assert "KV cache (paged): 1024 blocks x 16 tokens (float32)" in log and "up to 2 concurrent requests" in log
     assert "Traceback" not in log and "Finished server process" in log
 
 
