@@ -140,6 +140,9 @@ def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, ca
     if memory_valid is not None:  # the source length: symbolic, one graph for every length
         for tensor in (memory_valid, *[t for kv in cache.cross for t in (kv.k, kv.v)]):
             torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1 if tensor is memory_valid else 2)
+    # One layout for the ids: a view of a growing target (b, i) would carry another stride every
+    # step, and the graph, guarded on strides, would compile again each time.
+    tokens = tokens.contiguous()  # (b, 1)
     # The new slot's bookkeeping, here in Python (a Python counter: no read of the device).
     start = cache.reserve(torch.ones_like(tokens, dtype=torch.bool), positions)  # the new slot
     slot = torch.full((1,), start, dtype=torch.long, device=tokens.device)  # made on the device: no copy

@@ -31,6 +31,7 @@ from aiayn.generate import (
     greedy_encoder_decoder,
 )
 from aiayn.generate.step import decode_step
+from aiayn.models import EncoderDecoder
 
 BOS, EOS = 1, 77
 
@@ -50,71 +51,83 @@ def assert_same_search(compiled: BeamSearchResult, eager: BeamSearchResult) -> N
             assert_close(a.token_scores, b.token_scores)
 
 
+# One model per device for the encoder-decoder searches (the translation model's sinusoids): each
+# compiled graph (a model, batch size and layout) costs tens of seconds, so the tests share them.
+_TRANSLATION_MODELS: dict[str, EncoderDecoder] = {}
+
+
+def translation_model(device: torch.device) -> EncoderDecoder:
+    if str(device) not in _TRANSLATION_MODELS:
+        _TRANSLATION_MODELS[str(device)] = encoder_decoder_model("sinusoidal", eos_boost=(EOS, 3.0), device=device)
+    return _TRANSLATION_MODELS[str(device)]
+
+
+SEARCH = dict(bos_id=BOS, eos_id=EOS, beam_size=3, max_len_b=12, n_best=3)  # 4 sources: 12 rows
+
+
 def test_compiled_translation_search_equals_eager_with_one_graph(device: torch.device) -> None:
     """The translation search (encoder-decoder, padded sources of different lengths that stop at
     different steps) under several stopping rules and length penalties; the first search compiles
     at most one graph, and the later ones (other source lengths, other step counts) none."""
-    model = encoder_decoder_model("t5", eos_boost=(EOS, 3.0), device=device)
-    compiled_decode.forget_compiled(model)
+    model = translation_model(device)
     settings = [dict(length_penalty=0.6), dict(length_penalty=0.0, early_stopping=True),
                 dict(length_penalty=1.0, min_len=3)]
     batches = [sources(device=device), sources((4, 11, 3, 6), seed=5, device=device)]
     before = counters["stats"]["unique_graphs"]
     for i, (src, setting) in enumerate([(batches[0], settings[0]), *[(batches[1], s) for s in settings]]):
-        kwargs = dict(bos_id=BOS, eos_id=EOS, beam_size=3, max_len_b=12, n_best=3, **setting)
-        eager = beam_search_encoder_decoder(model, src, **kwargs)
-        compiled = beam_search_encoder_decoder(model, src, **kwargs, compile=True)
+        eager = beam_search_encoder_decoder(model, src, **SEARCH, **setting)
+        compiled = beam_search_encoder_decoder(model, src, **SEARCH, **setting, compile=True)
         assert_same_search(compiled, eager)
         if i == 0:
             after_first = counters["stats"]["unique_graphs"]
             assert after_first - before <= 1
             assert len(set(eager.lengths.tolist())) > 1  # the sources stopped at different steps
     assert counters["stats"]["unique_graphs"] == after_first
-    compiled_decode.forget_compiled(model)
+
+
+@pytest.mark.slow
+def test_compiled_ensemble_search_equals_eager(device: torch.device) -> None:
+    """An ensemble's members each run their compiled step on their own cache, reordered in place
+    (the same model twice: its graph is the translation test's)."""
+    model = translation_model(device)
+    ensemble, src = Ensemble([model, model]).eval(), sources(device=device)
+    eager = beam_search_encoder_decoder(ensemble, src, **SEARCH)
+    assert_same_search(beam_search_encoder_decoder(ensemble, src, **SEARCH, compile=True), eager)
+
+
+@pytest.mark.slow
+def test_compiled_greedy_translation_equals_eager(device: torch.device) -> None:
+    """Greedy translation feeds each step a view of its growing target (another stride every
+    step): still one graph for all steps."""
+    model, src = translation_model(device), sources(device=device)
+    eager = greedy_encoder_decoder(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=14)
+    before = counters["stats"]["unique_graphs"]
+    compiled = greedy_encoder_decoder(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=14, compile=True)
+    assert counters["stats"]["unique_graphs"] - before <= 1
+    assert torch.equal(compiled.tokens, eager.tokens) and torch.equal(compiled.lengths, eager.lengths)
+    assert_close(compiled.logits, eager.logits)
+
+
+@pytest.mark.slow
+def test_the_whole_buffer_layout_equals_eager(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The search over the layout a GPU's compiled step uses (attention over every cache slot under
+    the validity mask: static shapes for CUDA graphs), on whatever device the tests run; a model
+    with rotary positions and grouped keys and values."""
+    monkeypatch.setattr(compiled_decode, "WHOLE_BUFFER_DEVICES", (device.type,))
+    model, src = encoder_decoder_model("rope", n_kv_heads=2, eos_boost=(EOS, 2.0), device=device), sources(device=device)
+    eager = beam_search_encoder_decoder(model, src, **SEARCH)
+    assert_same_search(beam_search_encoder_decoder(model, src, **SEARCH, compile=True), eager)
+    compiled_decode.forget_compiled(model)  # its graph is the whole buffer's
 
 
 @pytest.mark.slow
 def test_compiled_decoder_only_search_equals_eager(device: torch.device) -> None:
     """The decoder-only search on left-padded prompts, eos 40 (hypotheses of several lengths)."""
     model, (tokens, valid) = decoder_only_model(seed=2, device=device), prompts(seed=3, device=device)
-    compiled_decode.forget_compiled(model)
     for alpha in (0.6, 0.0):
         kwargs = dict(prompt_valid=valid, eos_id=40, max_new_tokens=8, beam_size=4, n_best=4, length_penalty=alpha)
         eager = beam_search_decoder_only(model, tokens, **kwargs)
         assert_same_search(beam_search_decoder_only(model, tokens, **kwargs, compile=True), eager)
-    compiled_decode.forget_compiled(model)
-
-
-@pytest.mark.slow
-def test_compiled_greedy_translation_and_the_whole_buffer_layout_equal_eager(
-        device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy encoder-decoder decoding compiled, and the beam search over the layout a GPU's
-    compiled step uses (attention over every cache slot under the validity mask: static shapes
-    for CUDA graphs), on whatever device the tests run."""
-    model = encoder_decoder_model("rope", n_kv_heads=2, eos_boost=(EOS, 2.0), device=device)
-    src = sources(device=device)
-    eager = greedy_encoder_decoder(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=14)
-    compiled = greedy_encoder_decoder(model, src, bos_id=BOS, eos_id=EOS, max_new_tokens=14, compile=True)
-    assert torch.equal(compiled.tokens, eager.tokens) and torch.equal(compiled.lengths, eager.lengths)
-    assert_close(compiled.logits, eager.logits)
-
-    monkeypatch.setattr(compiled_decode, "WHOLE_BUFFER_DEVICES", (device.type,))
-    compiled_decode.forget_compiled(model)
-    kwargs = dict(bos_id=BOS, eos_id=EOS, beam_size=3, max_len_b=10, n_best=2)
-    eager_beam = beam_search_encoder_decoder(model, src, **kwargs)
-    assert_same_search(beam_search_encoder_decoder(model, src, **kwargs, compile=True), eager_beam)
-    compiled_decode.forget_compiled(model)
-
-
-@pytest.mark.slow
-def test_compiled_ensemble_search_equals_eager(device: torch.device) -> None:
-    members = [encoder_decoder_model("sinusoidal", seed=seed, eos_boost=(EOS, 3.0), device=device) for seed in (0, 1)]
-    ensemble, src = Ensemble(members).eval(), sources(device=device)
-    kwargs = dict(bos_id=BOS, eos_id=EOS, beam_size=2, max_len_b=10, n_best=2)
-    eager = beam_search_encoder_decoder(ensemble, src, **kwargs)
-    assert_same_search(beam_search_encoder_decoder(ensemble, src, **kwargs, compile=True), eager)
-    for member in members:
-        compiled_decode.forget_compiled(member)
 
 
 def test_the_compiled_step_of_an_encoder_decoder_is_one_graph(device: torch.device) -> None:
