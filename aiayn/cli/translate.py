@@ -52,9 +52,9 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1."),
         click.option("--compile", "compiled", is_flag=True,
                      help="Run the decode steps after the first as one torch.compile'd graph (a CUDA graph "
-                          "on a GPU; each batch size compiles once, seconds to a minute, and needs a C++ "
-                          "compiler on the CPU). The same translations; off by default, as it is slower "
-                          "on the CPU for a test set's worth of sentences (docs/gpu.md)."),
+                          "on a GPU). The same translations; each batch size compiles once (about a minute "
+                          "on the CPU, with a C++ compiler), so it pays for many sentences, not a few "
+                          "(docs/gpu.md)."),
         plain_option,
         device_option,
         threads_option,
