@@ -84,6 +84,16 @@ def test_greedy_and_beam_both_reproduce_and_tokenizer_is_saved(tiny_run, corpus)
 
 
 @pytest.mark.slow
+def test_cli_translate_compiled_gives_the_eager_translations(tiny_run, corpus):
+    """``--compile``: the beam search's steps through the compiled decode step, the same output."""
+    sources = read_lines(corpus / "test.en")[:2]
+    eager = run_cli("translate", "--run", str(tiny_run), "--beam", "3", *sources)
+    compiled = run_cli("translate", "--run", str(tiny_run), "--beam", "3", "--compile", *sources)
+    assert eager.returncode == compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == eager.stdout and len(compiled.stdout.splitlines()) == 2
+
+
+@pytest.mark.slow
 def test_cli_translate_evaluate_average(tiny_run, corpus, tmp_path):
     sources = read_lines(corpus / "test.en")
     references = read_lines(corpus / "test.de")
