@@ -77,6 +77,18 @@ def _float32_matmuls(request: pytest.FixtureRequest) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """torch's intra-op thread count as each test found it (benchmarks' ``--threads 1``, the CLI's
+    ``--threads`` set it for the whole process). It is not only speed: ``aiayn.fast`` routes by it
+    (some kernels from two threads up) and float sums split by it, so a count left behind changed
+    a later test's greedy tokens (docs/serve.md's SmolLM2 answers after tests/bench)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def _in_device_folder(item: pytest.Item) -> bool:
     parts = Path(str(item.path)).parts
     return any(parts[i] == "tests" and parts[i + 1] in DEVICE_FOLDERS for i in range(len(parts) - 1))
