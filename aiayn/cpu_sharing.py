@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import MutableMapping, Sequence
-from pathlib import PureWindowsPath
+from pathlib import PurePath
 
 WAIT_POLICY = "OMP_WAIT_POLICY"
 # The user's own spin settings: any of these set means "the user chose", and we leave all alone.
@@ -47,8 +47,7 @@ def is_the_aiayn_command(argv: Sequence[str], orig_argv: Sequence[str]) -> bool:
 
     ``argv`` is ``sys.argv`` (while ``python -m`` imports the package, ``sys.argv[0]`` is still
     ``"-m"``), ``orig_argv`` is ``sys.orig_argv``, the interpreter's own command line."""
-    # PureWindowsPath splits at / and at \: aiayn, /venv/bin/aiayn, C:\venv\Scripts\aiayn.exe
-    if argv and PureWindowsPath(argv[0]).stem in ("aiayn", "aiayn-script"):
+    if argv and PurePath(argv[0]).stem in ("aiayn", "aiayn-script"):  # aiayn, aiayn.exe, aiayn-script.py
         return True
     args = iter(orig_argv[1:])
     for arg in args:
