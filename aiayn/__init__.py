@@ -4,14 +4,8 @@ The Transformer of Vaswani et al. (2017) and its descendants (GPT, BERT, LLaMA) 
 module and one residual block, proved equal to reference implementations.
 """
 
-# Before anything imports torch: the aiayn command's OpenMP wait policy (sleep, not spin, between
-# parallel regions; a user's own setting wins), so two aiayn processes share a machine fairly.
-from aiayn import cpu_sharing
-
-cpu_sharing.apply_command_defaults()
-
-from aiayn.config import ConfigError, ModelConfig  # noqa: E402
-from aiayn.models import (  # noqa: E402
+from aiayn.config import ConfigError, ModelConfig
+from aiayn.models import (
     DecoderOnly,
     EncoderDecoder,
     EncoderOnly,
