@@ -1,7 +1,11 @@
 """``aiayn serve``: an OpenAI-compatible HTTP server with continuous batching.
 
-* ``engine``: the scheduler (continuous batching, chunked prefill) over a ``RowKVCache`` of fixed
-  slots sized from a memory budget;
+* ``engine``: the scheduler (continuous batching, chunked prefill) over a paged KV cache
+  (``blocks``: a pool of blocks from the memory budget, admission by free blocks, the prefix
+  cache, preemption) or fixed slots (``--kv-layout slots``); ``sampler``: each row's next token
+  (bias, penalties, grammar masks, the draw);
+* ``tools`` / ``tool_calls``: OpenAI tool calls (the prompt with tools, the constraining grammar,
+  the answer read back);
 * ``app``: the FastAPI routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
   ``/v1/models``, ``/health``, ``/metrics``), ``schemas`` their strict request models,
   ``responses`` the OpenAI wire format (whole and streamed);
