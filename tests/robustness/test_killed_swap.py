@@ -41,14 +41,6 @@ def age(path: Path, seconds: float = 3600) -> None:
     os.utime(path, (then, then))
 
 
-def aiayn(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    return exit_info.value.code or 0, captured.out, captured.err
-
-
 @pytest.fixture
 def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A tmp dir as the current directory holding a finished 2-step run, ./run."""
@@ -60,7 +52,7 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_a_swap_killed_between_its_renames_is_finished_by_the_next_start(work, capsys):
+def test_a_swap_killed_between_its_renames_is_finished_by_the_next_start(work, run_aiayn):
     done = subprocess.run([sys.executable, "-c", KILLED_IN_SWAP], cwd=work, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 9, done.stderr
@@ -71,7 +63,7 @@ def test_a_swap_killed_between_its_renames_is_finished_by_the_next_start(work, c
     assert ckpt.latest_checkpoint(new / "checkpoints").name == "step-00000001"  # the new one's first
     age(old)
     age(new)
-    code, out, err = aiayn(capsys, "train", "--recipe", "recipe.yaml", "--run-dir", "run", "--resume",
+    code, out, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--resume",
                            "--max-steps", "3", *FAST)
     assert code == 0, err
     run = (work / "run").resolve()
