@@ -32,7 +32,6 @@ Shape letters: b rows, t new tokens, n blocks per row, B block_size, h_kv key/va
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +40,7 @@ from torch import Tensor
 from aiayn.device import to_device
 from aiayn.nn.block_pool import NULL_BLOCK, BlockPool
 from aiayn.nn.kv_cache import KVCache, LayerKVCache
-from aiayn.nn.row_kv_cache import RowKVCache, _swap
+from aiayn.nn.row_kv_cache import RowKVCache, _swap, row_view
 
 
 class PagedLayerKVCache(LayerKVCache):
@@ -204,15 +203,7 @@ class PagedKVCache(KVCache):
 
     def rows(self, start: int, stop: int) -> PagedKVCache:
         """A view of rows [start, stop): the same pool and tables (writes through it land here)."""
-        if not 0 <= start < stop <= self.batch_size:
-            raise ValueError(f"rows({start}, {stop}): need 0 <= start < stop <= {self.batch_size}")
-        view = copy.copy(self)
-        view.valid, view.positions = self.valid[start:stop], self.positions[start:stop]
-        view.lengths = self.lengths[start:stop]
-        view._first, view._expected = self._first + start, None
-        view.batch_size = stop - start
-        view.length = max(view.host_lengths)
-        return view
+        return row_view(self, start, stop)
 
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s tokens and give its blocks back to the pool at once."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -43,6 +44,8 @@ from torch import Tensor
 from aiayn.device import to_device
 from aiayn.nn import data_checks
 from aiayn.nn.kv_cache import KVCache, LayerKVCache
+
+C = TypeVar("C", bound=Any)  # a per-row cache class (row_view)
 
 
 class RowKVCache(KVCache):
@@ -135,15 +138,8 @@ class RowKVCache(KVCache):
 
     def rows(self, start: int, stop: int) -> RowKVCache:
         """A view of rows [start, stop): the same buffers (writes through it land here), no copy."""
-        if not 0 <= start < stop <= self.batch_size:
-            raise ValueError(f"rows({start}, {stop}): need 0 <= start < stop <= {self.batch_size}")
-        view = copy.copy(self)
+        view = row_view(self, start, stop)
         view.layers = [_layer_rows(layer, start, stop) for layer in self.layers]
-        view.valid, view.positions = self.valid[start:stop], self.positions[start:stop]
-        view.lengths = self.lengths[start:stop]
-        view._first, view._expected = self._first + start, None
-        view.batch_size = stop - start
-        view.length = max(view.host_lengths)
         return view
 
     def clear_row(self, row: int) -> None:
@@ -211,4 +207,19 @@ def _layer_rows(layer: LayerKVCache, start: int, stop: int) -> LayerKVCache:
     view = copy.copy(layer)
     for name in layer._row_buffers:
         setattr(view, name, getattr(layer, name)[start:stop])
+    return view
+
+
+def row_view(cache: C, start: int, stop: int) -> C:
+    """A shallow copy of a per-row cache (``RowKVCache``, ``PagedKVCache``) that sees rows [start,
+    stop) only: its masks, positions and lengths sliced (views: writes land in ``cache``), its
+    first row's index and its extent; the caller slices what its layout keeps per row."""
+    if not 0 <= start < stop <= cache.batch_size:
+        raise ValueError(f"rows({start}, {stop}): need 0 <= start < stop <= {cache.batch_size}")
+    view = copy.copy(cache)
+    view.valid, view.positions = cache.valid[start:stop], cache.positions[start:stop]
+    view.lengths = cache.lengths[start:stop]
+    view._first, view._expected = cache._first + start, None
+    view.batch_size = stop - start
+    view.length = max(view.host_lengths)
     return view
