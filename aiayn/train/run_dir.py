@@ -11,94 +11,54 @@ temporary sibling, ``RUN.tmp-<random>``, and swapped in when its first checkpoin
 old run is renamed away, the new one renamed in, then the old deleted). A failure before that (a
 typo in a task name, a diverging first step) removes the sibling and leaves the old run as it was.
 A process killed before that leaves the sibling behind: the next start in that run directory
-removes it when it is clearly dead (``clear_leftovers``), or names it with the command to remove it;
-one killed during the swap is finished then, or its two copies named (``_finish_swaps``).
+removes it when it is clearly dead, or names it with the command to remove it; one killed during
+the swap is finished then, or its two copies named (``aiayn.train.leftovers``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
-import shlex
 import shutil
-import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-try:
-    import fcntl
-except ImportError:  # not POSIX: no owner locks; leftovers are named, never removed
-    fcntl = None  # type: ignore[assignment]
-
 from aiayn.config import ModelConfig, TrainConfig
+
+# The marker and crash-safe writes (run_files) and the leftovers of killed replacements (leftovers)
+# live beside this module; their names are imported from here too.
+from aiayn.train.leftovers import OWNER_LOCK, _disown, _own, clear_leftovers
+from aiayn.train.run_files import (
+    CHECKPOINT_NAME,
+    CONFIG_FILE,
+    KIND_AVERAGED,
+    KIND_RUN,
+    MARKER,
+    atomic_write_text,
+    fsync_dir,
+    read_marker,
+    write_marker,
+)
+
+__all__ = [
+    "CHECKPOINT_NAME", "CONFIG_FILE", "KIND_AVERAGED", "KIND_RUN", "MARKER", "OWNER_LOCK", "RunDirError",
+    "RunLocation", "atomic_write_text", "check_replaceable", "claim_output_dir", "clear_leftovers",
+    "config_diff", "from_main", "fsync_dir", "is_averaged_dir", "is_run_dir", "prepare_run_dir",
+    "read_marker", "read_run_config", "write_marker",
+]
 
 if TYPE_CHECKING:
     from aiayn.train.distributed import DistContext
 
 T = TypeVar("T")
 
-MARKER = ".aiayn-run"
-MARKER_VERSION = 1
-KIND_RUN, KIND_AVERAGED = "run", "averaged"
-CONFIG_FILE = "config.json"
-# A checkpoint directory's name: the only entries pruning may delete (see checkpoint._prune).
-CHECKPOINT_NAME = re.compile(r"step-\d{8}")
-# A replacement's temporary sibling holds this file, locked (flock) by the process that writes it
-# for as long as it lives: the kernel drops the lock when that process dies, however it dies.
-OWNER_LOCK = ".aiayn-owner"
-# A free lock younger than this may be one its owner has created and not yet locked.
-LEFTOVER_AGE_S = 60.0
-
 
 class RunDirError(ValueError):
     """A run directory that cannot be used as asked (exists, differs, missing, not aiayn's)."""
-
-
-# ---- small, crash-safe writes -----------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable (best effort: some filesystems refuse)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a small text file so that readers see either the old or the new content."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-# ---- markers ----------------------------------------------------------------------------------
-def write_marker(directory: Path, kind: str, **extra: Any) -> None:
-    """Mark ``directory`` as aiayn's (a run or averaged checkpoints)."""
-    marker = {"kind": kind, "format_version": MARKER_VERSION,
-              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
-    atomic_write_text(directory / MARKER, json.dumps(marker, indent=1) + "\n")
-
-
-def read_marker(directory: Path) -> dict[str, Any] | None:
-    """The marker of ``directory``, or None if it has none (or one that is not aiayn's JSON)."""
-    try:
-        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return marker if isinstance(marker, dict) and isinstance(marker.get("kind"), str) else None
 
 
 def read_run_config(run_dir: Path, *, hint: str = "train one with aiayn train") -> dict[str, Any]:
@@ -278,150 +238,6 @@ class RunLocation:
             for folder in self.made:  # deepest first; rmdir refuses a folder someone else filled
                 with suppress(OSError):
                     folder.rmdir()
-
-
-# ---- what a killed replacement leaves behind ----------------------------------------------------
-_OWNED: dict[Path, int] = {}  # temporary siblings this process writes -> its locked owner file
-
-
-def _own(directory: Path) -> None:
-    """Lock ``directory/OWNER_LOCK`` for as long as this process lives (or until ``_disown``). Where
-    locks are not to be had (no fcntl, a filesystem without them) the file is not left behind: a
-    sibling without one is only ever named, never removed."""
-    if fcntl is None:
-        return
-    lock = directory / OWNER_LOCK
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, f"{os.getpid()}\n".encode())
-    except OSError:
-        os.close(fd)
-        lock.unlink(missing_ok=True)
-        return
-    _OWNED[directory] = fd
-
-
-def _disown(directory: Path, *, now_at: Path | None) -> None:
-    """Let go of the lock ``_own`` took on ``directory`` (renamed to ``now_at``: remove its file)."""
-    fd = _OWNED.pop(directory, None)
-    if fd is None:
-        return
-    if now_at is not None:
-        with suppress(OSError):
-            (now_at / OWNER_LOCK).unlink()
-    os.close(fd)
-
-
-def _owner_alive(directory: Path) -> bool | None:
-    """True when a live process holds ``directory``'s owner lock, False when its lock is free (the
-    process that took it is gone), None when it has no lock file (or locks are not to be had)."""
-    if fcntl is None:
-        return None
-    try:
-        fd = os.open(directory / OWNER_LOCK, os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return None
-    finally:
-        os.close(fd)  # (closing also drops the lock just taken)
-    return False
-
-
-def clear_leftovers(run_dir: Path, echo: Callable[[str], None] = print) -> None:
-    """Remove, or name with the command that removes it, each temporary sibling ``RUN.tmp-<hex>``
-    that a replacement (``--overwrite``) of ``run_dir`` left when it was killed before its first
-    checkpoint. The rule, so that nothing another process is writing or anything of value is lost:
-
-    * removed: an aiayn run (its marker) holding no checkpoint, whose owner lock is free (the
-      process that wrote it is dead: the kernel drops a flock when its holder dies) and which has
-      not changed for ``LEFTOVER_AGE_S`` (a lock file just created is not locked yet);
-    * named, with ``rm -r ...``: one unchanged for as long that holds a checkpoint, or has no owner
-      lock (written by an older aiayn, or by a process killed while creating it);
-    * left alone: one whose owner lives (a replacement in progress), one that changed recently,
-      and anything that is not a directory of that name.
-    """
-    real = run_dir.resolve()  # the sibling sits next to the resolved run (check_replaceable)
-    pattern = re.compile(re.escape(real.name) + r"\.tmp-[0-9a-f]{8}")
-    try:
-        entries = sorted(real.parent.iterdir())
-    except OSError:
-        return
-    entries = _finish_swaps(real, entries, pattern, echo)
-    for entry in entries:
-        if not pattern.fullmatch(entry.name) or entry.is_symlink() or not entry.is_dir() or entry in _OWNED:
-            continue
-        alive = _owner_alive(entry)
-        try:
-            recent = time.time() - entry.stat().st_mtime < LEFTOVER_AGE_S
-        except OSError:  # gone meanwhile
-            continue
-        if alive or recent:
-            continue
-        saved = [p.name for p in (entry / "checkpoints").glob("step-*") if CHECKPOINT_NAME.fullmatch(p.name)]
-        marker = read_marker(entry)
-        if alive is False and not saved and marker is not None and marker["kind"] == KIND_RUN:
-            shutil.rmtree(entry, ignore_errors=True)
-            if not entry.exists():
-                echo(f"removed {entry}: left by a replacement of {real} (--overwrite) that was stopped "
-                     f"before its first checkpoint")
-                continue
-        what = f"holds {max(saved)} of a replacement (--overwrite) of {real} that" if saved else \
-            f"was left by a replacement (--overwrite) of {real} that"
-        echo(f"note: {entry} {what} did not finish; remove it with: rm -r {shlex.quote(str(entry))}")
-
-
-def _finish_swaps(real: Path, entries: list[Path], tmp_pattern: re.Pattern[str],
-                  echo: Callable[[str], None]) -> list[Path]:
-    """Handle the ``RUN.old-<hex>`` a replacement killed in ``RunLocation.swap_in`` left; return the
-    other ``entries``. Killed between the two renames (``real`` missing): the new run's sibling holds
-    its first checkpoint (the swap starts only then), so it is renamed in, as the swap would have
-    done, when that is unambiguous (one such sibling, owner dead, unchanged for ``LEFTOVER_AGE_S``);
-    else both are named with the commands. Killed before deleting the old run: it is named with
-    ``rm -r`` (not deleted unasked). A swap in progress (owner alive, recent change) is left alone."""
-    def stale(entry: Path) -> bool:
-        with suppress(OSError):
-            return time.time() - entry.stat().st_mtime >= LEFTOVER_AGE_S
-        return False
-
-    def siblings(pattern: re.Pattern[str]) -> list[Path]:
-        return [e for e in entries if pattern.fullmatch(e.name) and e.is_dir() and not e.is_symlink()
-                and e not in _OWNED]
-
-    olds = [e for e in siblings(re.compile(re.escape(real.name) + r"\.old-[0-9a-f]{8}")) if stale(e)]
-    if not olds:
-        return entries
-    if real.exists() or real.is_symlink():
-        for old in olds if _owner_alive(real) is not True else []:  # (alive: it may be deleting it now)
-            echo(f"note: {old} holds the run that a replacement (--overwrite) of {real} replaced; it was "
-                 f"stopped before deleting it: remove it with: rm -r {shlex.quote(str(old))}")
-        return [e for e in entries if e not in olds]
-    news = [e for e in siblings(tmp_pattern) if any(CHECKPOINT_NAME.fullmatch(p.name)
-                                                    for p in (e / "checkpoints").glob("step-*"))]
-    rest = [e for e in entries if e not in olds and e not in news]
-    if any(_owner_alive(e) or not stale(e) for e in news):
-        return rest  # a swap in progress
-    if len(olds) == 1 and len(news) == 1 and _owner_alive(news[0]) is False:
-        os.rename(news[0], real)
-        with suppress(OSError):
-            (real / OWNER_LOCK).unlink()
-        fsync_dir(real.parent)
-        echo(f"finished the replacement (--overwrite) of {real} that was stopped between its two renames: the "
-             f"new run ({news[0].name}) is in place; the old one is in {olds[0]}, remove it with: "
-             f"rm -r {shlex.quote(str(olds[0]))}")
-        return rest
-    left = " ".join(shlex.quote(str(e)) for e in [*news, *olds])
-    echo(f"note: {real} is missing: a replacement (--overwrite) was stopped between its two renames and left "
-         f"{left} (the new run in .tmp-*, the old in .old-*): mv the one to keep to {shlex.quote(str(real))}")
-    return rest
 
 
 def config_diff(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[str]:

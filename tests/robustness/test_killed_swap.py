@@ -1,7 +1,7 @@
 """A replacement (``--overwrite``) killed during its swap: between renaming the old run away and
 the new one in, or before deleting the old one. The next start in that run directory finishes the
 swap when that is unambiguous, and otherwise names what is left with the commands; nothing is
-deleted (``aiayn.train.run_dir._finish_swaps``)."""
+deleted (``aiayn.train.leftovers._finish_swaps``)."""
 
 from __future__ import annotations
 

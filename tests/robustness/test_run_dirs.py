@@ -20,7 +20,7 @@ from torch import nn
 from aiayn.cli import main
 from aiayn.tasks.reverse import ReverseTask
 from aiayn.train import checkpoint as ckpt
-from aiayn.train import run_dir as run_dir_module
+from aiayn.train import leftovers as leftovers_module
 from aiayn.train.run_dir import (
     MARKER,
     OWNER_LOCK,
@@ -306,7 +306,7 @@ def test_a_killed_overwrites_sibling_is_removed_when_the_run_is_used_again(work,
     killed = work / done.stdout.strip()
     assert done.returncode == 9 and killed.is_dir() and killed.name.startswith("run.tmp-"), done.stderr
     live = prepare_run_dir(work / "run", {"task": "reverse"}, resume=False, overwrite=True).path
-    lock = run_dir_module._OWNED.pop(live)  # still locked: a live owner that is not this start
+    lock = leftovers_module._OWNED.pop(live)  # still locked: a live owner that is not this start
     try:
         age(killed)
         age(live)

@@ -1,0 +1,62 @@
+"""The small files a run directory is known by, written so a crash never leaves half of one: the
+marker ``.aiayn-run`` (what aiayn made the folder for), crash-safe text writes, and the names
+(``config.json``, ``step-NNNNNNNN``) the rest of ``aiayn.train`` recognises. See
+``aiayn.train.run_dir`` for the rules that use them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+MARKER = ".aiayn-run"
+MARKER_VERSION = 1
+KIND_RUN, KIND_AVERAGED = "run", "averaged"
+CONFIG_FILE = "config.json"
+# A checkpoint directory's name: the only entries pruning may delete (see checkpoint._prune).
+CHECKPOINT_NAME = re.compile(r"step-\d{8}")
+
+
+# ---- small, crash-safe writes -----------------------------------------------------------------
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (best effort: some filesystems refuse)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small text file so that readers see either the old or the new content."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+# ---- markers ----------------------------------------------------------------------------------
+def write_marker(directory: Path, kind: str, **extra: Any) -> None:
+    """Mark ``directory`` as aiayn's (a run or averaged checkpoints)."""
+    marker = {"kind": kind, "format_version": MARKER_VERSION,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **extra}
+    atomic_write_text(directory / MARKER, json.dumps(marker, indent=1) + "\n")
+
+
+def read_marker(directory: Path) -> dict[str, Any] | None:
+    """The marker of ``directory``, or None if it has none (or one that is not aiayn's JSON)."""
+    try:
+        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("kind"), str) else None
