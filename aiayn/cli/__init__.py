@@ -1,7 +1,8 @@
 """The ``aiayn`` command line: parse arguments, call the library, print.
 
 Every failure a user sees is one line on stderr, ``Error: what is wrong; what to do``, and no
-traceback (``AIAYN_DEBUG=1`` or ``aiayn --debug ...`` shows it). Exit codes:
+traceback (``AIAYN_DEBUG=1`` or ``aiayn --debug ...`` shows it); a warning is one line,
+``warning: ...``. Exit codes:
 
 * 2: a usage error, fixed by changing the command or its inputs: bad options (click's), configs,
   run directories, tasks, model files that are not what they claim (``ConfigError``,
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
+from typing import Any
 
 import click
 
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     from aiayn.train.trainer import RunDirError, TrainingDiverged
 
     debug = _debug(argv)
+    if not debug:  # a library warning is one line too: "warning: ...", not file:line and source
+        warnings.showwarning = _one_line_warning
     try:
         code = cli.main(args=argv, prog_name="aiayn", standalone_mode=False)
     except click.ClickException as exc:  # bad arguments: click's message, without the usage block
@@ -109,6 +114,11 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"internal error: {type(exc).__name__}: {exc} (run again with AIAYN_DEBUG=1 for the "
               f"traceback; please report it)", 1)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    if is_main_process():
+        click.echo(f"warning: {message}", err=True)
 
 
 def _quiet_stdout() -> None:

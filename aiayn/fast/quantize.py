@@ -21,6 +21,8 @@ Shape letters: o out_features, i in_features.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
 
@@ -96,7 +98,13 @@ def lower_precision(model: nn.Module, quantize: str) -> nn.Module:
     if quantize == "int8":
         return quantize_int8_(model.float())
     if quantize == "q4":
-        from aiayn.fast.q4 import quantize_q4_
+        from aiayn.fast.q4 import Q4_BLOCK, quantize_q4_
 
+        kept = [name for name, m in model.named_modules()
+                if isinstance(m, nn.Linear) and m.in_features % Q4_BLOCK != 0]
+        if kept:  # said, not silent: the model is bigger and slower than "q4" promises
+            warnings.warn(f"q4 keeps {len(kept)} linear layer(s) in float32 because their input width is not a "
+                          f"multiple of {Q4_BLOCK} (the 4-bit block): {', '.join(kept[:3])}"
+                          f"{', ...' if len(kept) > 3 else ''}", stacklevel=2)
         return quantize_q4_(model.float())
     return model

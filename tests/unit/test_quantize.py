@@ -100,3 +100,28 @@ def test_lower_precision_q4_kernel_decides_like_its_dequantised_weights():
             dequantised = q4(tokens).logits.argmax(-1)
     same = (kernel == dequantised).float().mean()
     assert same >= 0.8, f"only {same:.0%} of greedy choices agree"
+
+
+def test_q4_says_which_layers_stay_float(recwarn):
+    """A linear layer whose input width is not a multiple of the 32-wide block stays float32; q4 says so
+    instead of silently serving a bigger, slower model than asked."""
+    odd = build_model(get_preset("llama-tiny")).eval()  # d_model 48, d_ff 37
+    with pytest.warns(UserWarning, match=r"q4 keeps \d+ linear layer\(s\) in float32 .* multiple of 32"):
+        lowered = lower_precision(odd, "q4")
+    assert any(isinstance(m, nn.Linear) for m in lowered.modules())
+    recwarn.clear()
+    even = lower_precision(build_model(get_preset("llama-tiny").replace(d_model=64, n_heads=8, d_ff=96)), "q4")
+    assert not any(isinstance(m, nn.Linear) for m in even.modules()) and not recwarn.list
+
+
+def test_the_command_line_prints_a_library_warning_as_one_line(monkeypatch, capsys):
+    import warnings
+
+    from aiayn.cli import main
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # restored after the test
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    capsys.readouterr()
+    warnings.warn_explicit("the model is odd", UserWarning, "somefile.py", 7)
+    assert capsys.readouterr().err == "warning: the model is odd\n"
