@@ -21,12 +21,17 @@ of Tiny Shakespeare, or of a fixed English passage when the corpus is absent) fo
   weights), float32, ``generate`` on the batch of the 16 prompts at once, greedy, exactly
   ``--new-tokens`` tokens each (``min_new_tokens``); its TTFT is its time for one new token.
 
+``--kv-layout paged slots`` measures the server with each KV-cache layout in turn (the paged cache,
+``aiayn serve``'s default, and the fixed slots of a whole context each), the same requests, one
+transformers run for both; the default is ``paged`` alone.
+
 Targets (issue 20): at 16 clients, aggregate throughput >= 6x one at a time and >= 1.5x the
 transformers static batch, TTFT p99 <= 2 s.
 
     flock /tmp/aiayn-bench.lock python -m benchmarks.serve
     python -m benchmarks.serve --clients 1 4 --sequential 4 --no-hf        # quicker
     python -m benchmarks.serve --quantize auto     # the server on the GGUF file's 4-bit blocks (docs/q4.md)
+    python -m benchmarks.serve --kv-layout paged slots   # both KV-cache layouts, side by side
 
 Not a test: it prints figures, it asserts nothing. The machine's load average is printed around
 every measurement.
@@ -133,9 +138,9 @@ async def serve_clients(url: str, model: str, prompts: list[list[int]], clients:
     return run
 
 
-def serve_args(args: argparse.Namespace, model_path: Path) -> list[str]:
-    """The benchmark's ``aiayn serve`` options (the port aside)."""
-    options = ["--model", str(model_path), "--name", "bench", "--max-batch", str(max(args.clients)), "--context",
+def serve_args(args: argparse.Namespace, model_path: Path, kv_layout: str = "paged") -> list[str]:
+    """The benchmark's ``aiayn serve`` options (the port aside), with the KV cache in ``kv_layout``."""
+    options = ["--kv-layout", kv_layout, "--model", str(model_path), "--name", "bench", "--max-batch", str(max(args.clients)), "--context",
                str(args.prompt_tokens + args.new_tokens + 8), "--threads", str(args.threads),
                "--prefill-chunk", str(args.prefill_chunk), "--max-queue", "256"]
     if args.kv_cache != "float":
@@ -190,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--kv-cache", choices=["float", "int8"], default="float")
+    parser.add_argument("--kv-layout", choices=["paged", "slots"], nargs="+", default=["paged"],
+                        help="the server's KV-cache layout(s), each measured in turn (default: paged, the server's "
+                             "default; int8 keys and values need slots)")
     parser.add_argument("--quantize", choices=["none", "bf16", "int8", "q4", "auto"], default="none",
                         help="the server's weights, as `aiayn serve --quantize` (auto: a GGUF file's own "
                              "4-bit blocks); the transformers peer stays float32")
@@ -211,19 +219,23 @@ def main(argv: list[str] | None = None) -> None:
           f"tokens, greedy\n\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
     url = f"http://127.0.0.1:{args.port}/v1"
     runs: list[tuple[Run, int | str, int]] = []
-    with serving(serve_args(args, model_path), port=args.port) as proc:
-        asyncio.run(serve_clients(url, "bench", prompts[:1], 1, 8, "warm-up", proc.pid))
-        sequential = asyncio.run(serve_clients(url, "bench", prompts[: args.sequential], 1, args.new_tokens,
-                                               "aiayn serve, one at a time", proc.pid))
-        runs.append((sequential, 1, args.sequential))
-        print(row(sequential, 1, args.sequential), flush=True)
-        by_clients = {}
-        for n in args.clients:
-            run = asyncio.run(serve_clients(url, "bench", prompts[:n], n, args.new_tokens,
-                                            "aiayn serve, continuous batching", proc.pid))
-            by_clients[n] = run
-            runs.append((run, n, n))
-            print(row(run, n, n), flush=True)
+    layouts: dict[str, tuple[Run, dict[int, Run]]] = {}  # layout -> (one at a time, by client count)
+    for layout in args.kv_layout:
+        name = f"aiayn serve ({layout})" if len(args.kv_layout) > 1 else "aiayn serve"
+        with serving(serve_args(args, model_path, layout), port=args.port) as proc:
+            asyncio.run(serve_clients(url, "bench", prompts[:1], 1, 8, "warm-up", proc.pid))
+            sequential = asyncio.run(serve_clients(url, "bench", prompts[: args.sequential], 1, args.new_tokens,
+                                                   f"{name}, one at a time", proc.pid))
+            runs.append((sequential, 1, args.sequential))
+            print(row(sequential, 1, args.sequential), flush=True)
+            by_clients = {}
+            for n in args.clients:
+                run = asyncio.run(serve_clients(url, "bench", prompts[:n], n, args.new_tokens,
+                                                f"{name}, continuous batching", proc.pid))
+                by_clients[n] = run
+                runs.append((run, n, n))
+                print(row(run, n, n), flush=True)
+        layouts[layout] = (sequential, by_clients)
     hf = None
     if not args.no_hf:
         hf, hf_first = hf_static(model_path, prompts[: max(args.clients)], args.new_tokens, args.threads)
@@ -236,17 +248,25 @@ def main(argv: list[str] | None = None) -> None:
     for run, clients, requests in runs:
         print(row(run, clients, requests))
     top = max(args.clients)
-    best = by_clients[top]
-    print(f"\n* {top} clients / one at a time: **{best.rate / sequential.rate:.2f}x** (target >= 6x)")
-    if hf is not None:
-        print(f"* {top} clients / transformers static batch of {top}: **{best.rate / hf.rate:.2f}x** (target >= 1.5x)")
-    print(f"* TTFT p99 at {top} clients: **{percentile(best.ttft, 99):.2f} s** (target <= 2 s)")
-    print(f"* by CPU time (tokens per CPU second; less sensitive to other jobs, but spinning worker threads "
-          f"count too): {top} clients / one at a time {best.cpu_rate / sequential.cpu_rate:.2f}x"
-          + (f", / transformers {best.cpu_rate / hf.cpu_rate:.2f}x" if hf is not None else ""))
-    expected = args.new_tokens * top
-    if best.tokens != expected:
-        print(f"* note: {best.tokens} tokens generated of {expected} asked (some answers ended at end-of-text)")
+    print()
+    for layout, (sequential, by_clients) in layouts.items():
+        best = by_clients[top]
+        which = f" ({layout})" if len(layouts) > 1 else ""
+        print(f"* {top} clients / one at a time{which}: **{best.rate / sequential.rate:.2f}x** (target >= 6x)")
+        if hf is not None:
+            print(f"* {top} clients / transformers static batch of {top}{which}: **{best.rate / hf.rate:.2f}x** "
+                  f"(target >= 1.5x)")
+        print(f"* TTFT p99 at {top} clients{which}: **{percentile(best.ttft, 99):.2f} s** (target <= 2 s)")
+        print(f"* by CPU time{which} (tokens per CPU second; less sensitive to other jobs, but spinning worker "
+              f"threads count too): {top} clients / one at a time {best.cpu_rate / sequential.cpu_rate:.2f}x"
+              + (f", / transformers {best.cpu_rate / hf.cpu_rate:.2f}x" if hf is not None else ""))
+        expected = args.new_tokens * top
+        if best.tokens != expected:
+            print(f"* note{which}: {best.tokens} tokens generated of {expected} asked (some answers ended at "
+                  f"end-of-text)")
+    if len(layouts) == 2:
+        paged, slots = (layouts[k][1][top] for k in ("paged", "slots"))
+        print(f"* paged / slots at {top} clients: {paged.rate / slots.rate:.2f}x (tokens/s)")
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
 
 

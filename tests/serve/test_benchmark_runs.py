@@ -38,3 +38,18 @@ def test_the_fairness_benchmark_runs(tiny_dir, capsys):
     assert "beside / idle, all repeats: mean ITL **" in out and "(goal <= 2x: " in out
     read = float(out.split("; ")[-1].split(" embedding tokens")[0].replace(",", ""))
     assert read > 0  # the embeddings ran beside the stream
+
+
+def test_the_serve_benchmark_measures_each_kv_layout(tiny_dir, capsys):
+    """--kv-layout paged slots: a server per layout (its command line says which), rows for each,
+    each layout's ratio lines and paged / slots."""
+    serve.main(["--model", str(tiny_dir), "--port", str(free_port()), "--clients", "2", "--sequential", "1",
+                "--prompt-tokens", "8", "--new-tokens", "4", "--threads", "1", "--no-hf", "--kv-layout", "paged",
+                "slots"])
+    out = capsys.readouterr().out
+    servers = [line for line in out.splitlines() if line.startswith("server: ")]
+    assert len(servers) == 2 and "--kv-layout paged" in servers[0] and "--kv-layout slots" in servers[1]
+    for layout in ("paged", "slots"):
+        assert f"| aiayn serve ({layout}), continuous batching | 2 | 2 | 8 |" in out
+        assert f"2 clients / one at a time ({layout}):" in out and f"TTFT p99 at 2 clients ({layout})" in out
+    assert "* paged / slots at 2 clients: " in out
