@@ -36,7 +36,7 @@ from aiayn.cli.app import (
 @click.option("--kv-layout", type=click.Choice(["paged", "slots"]),
               help="paged: the KV cache in blocks shared by all requests, taken as they grow (many short and a "
                    "few long requests in one budget; prefix caching); slots: a fixed slot of --context tokens "
-                   "per request. Default: paged, or slots with --kv-cache int8/int4.")
+                   "per request. Default: paged, or slots with --kv-cache int8/int4 or --compile.")
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="Tokens per KV-cache block (--kv-layout paged).")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
@@ -69,6 +69,12 @@ from aiayn.cli.app import (
 @click.option("--shutdown-grace", type=FiniteFloatRange(min=0), default=30.0, show_default=True,
               help="Seconds running requests get to finish after SIGTERM.")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's choice).")
+@click.option("--compile", "compiled", is_flag=True,
+              help="Decode through torch.compile'd graphs, one per batch-size bucket (1, 2, 4, ... --max-batch; "
+                   "a CUDA graph each on a GPU); prompts are read eagerly. The same answers. Each bucket compiles "
+                   "the first time the running requests reach it: seconds on a GPU, about a minute on the CPU "
+                   "(with a C++ compiler), so it pays off for a long-running server. Needs --kv-layout slots "
+                   "(the default with --compile) and a float --kv-cache.")
 @plain_option
 @device_option
 def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, host: str, port: int,
@@ -76,14 +82,20 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
               prefill_chunk: int, max_queue: int, api_key: str | None, shutdown_grace: float,
               threads: int | None, max_inputs: int, max_input_tokens: int | None, max_request_tokens: int,
               embed_chunk: int, embed_share: float, kv_layout: str | None = None, block_size: int = 16,
-              prefix_caching: bool = True, plain: bool = False, device: str = "auto") -> None:
+              prefix_caching: bool = True, plain: bool = False, device: str = "auto", compiled: bool = False) -> None:
     """Serve a model over the OpenAI API (chat, completions, embeddings) with continuous batching."""
     import torch
 
     from aiayn.cli.generate import resolve_model, text_device
     from aiayn.serve import build_state, load_served_model, parse_size, server
+    from aiayn.serve.compiled_step import COMPILE_NEEDS_FLOAT
+    from aiayn.serve.engine import PAGED_COMPILE
     from aiayn.serve.server import check_port, exposure_warning
 
+    if compiled and kv_layout == "paged":
+        raise click.UsageError(PAGED_COMPILE)
+    if compiled and kv_cache != "float":
+        raise click.UsageError(COMPILE_NEEDS_FLOAT)
     where = text_device(device, quantize)  # the KV budget (--kv-budget) is this device's memory
     one_model(run_dir, model_path)
     try:
@@ -109,7 +121,7 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
                                    threads=wanted, max_inputs=max_inputs, max_input_tokens=max_input_tokens,
                                    max_request_tokens=max_request_tokens, embed_chunk=embed_chunk,
                                    embed_share=embed_share, kv_layout=kv_layout, block_size=block_size,
-                                   prefix_caching=prefix_caching)
+                                   prefix_caching=prefix_caching, compile=compiled)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     lines.append(f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}")

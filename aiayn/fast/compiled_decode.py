@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -32,14 +33,15 @@ from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn import data_checks
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
 from aiayn.nn.masks import key_mask
 
 
 def _static_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions: Tensor, slot: Tensor,
                  key_valid: Tensor, key_positions: Tensor, cache: KVCache,
                  memory_valid: Tensor | None = None) -> Tensor:
-    """tokens, positions (b, 1) long, ``slot`` (1,) long (the cache slot the new token fills),
+    """tokens, positions (b, 1) long, ``slot`` (1,) long (the cache slot the new token fills; or
+    (b, 1), each row's own slot: a ``RowKVCache``'s rows, ``compiled_row_step``),
     ``key_valid`` (b, n) bool and ``key_positions`` (b, n) long (the cache's first n = slot + 1
     slots, n symbolic, or all of its slots, n = max_len; the new one's already set) -> next-token
     logits (b, v): the graph torch.compile traces. ``memory_valid`` (b, s) bool: an
@@ -62,11 +64,26 @@ def _static_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions:
         return model.lm_head(hidden[:, -1])
 
 
-# One compiled step per model, its graphs kept apart from other models' (``isolate_recompiles``)
-# and dropped with the model (a weak key), instead of one step for all told apart by Dynamo's
-# guards on every submodule: those are ~6,000 checks per call (~0.6 ms of SmolLM2's ~6 ms step,
-# measured), so the graphs are guarded on the step's inputs only (``_inputs_only``).
-_compiled_steps: weakref.WeakKeyDictionary[nn.Module, dict[bool, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
+def _row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Tensor, key_valid: Tensor,
+              key_positions: Tensor, cache: RowLayers) -> Tensor:
+    """``_static_step`` over a per-row cache's whole buffer: tokens, positions, slots (b, 1) long
+    (each row's new slot), key_valid (b, s_max) bool and key_positions (b, s_max) long (the new
+    slots already recorded), the layers' writes scattered per row -> logits (b, v).
+
+    Every row also attends to its own new key: a row that only pads the batch up to its graph's
+    size (recorded invalid, ``CompiledRows``) and holds no valid key would otherwise attend to
+    nothing and make NaNs, which its next layers would write into its slots; a masked NaN value
+    still poisons a later read (0 x NaN). A real row's new slot is valid already: no change."""
+    attend = key_valid.scatter(1, slots, True)  # (b, s_max)
+    return _static_step(model, tokens, positions, slots, attend, key_positions, cache)  # type: ignore[arg-type]
+
+
+# One compiled step per model and layout, its graphs kept apart from other models'
+# (``isolate_recompiles``) and dropped with the model (a weak key), instead of one step for all
+# told apart by Dynamo's guards on every submodule: those are ~6,000 checks per call (~0.6 ms of
+# SmolLM2's ~6 ms step, measured), so the graphs are guarded on the step's inputs only
+# (``_inputs_only``). Layouts: "prefix", "whole" (``compiled_decode_step``), "rows" (``compiled_row_step``).
+_compiled_steps: weakref.WeakKeyDictionary[nn.Module, dict[str, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
 # The devices whose compiled step attends over the whole cache buffer (static shapes, CUDA graphs);
 # elsewhere over the filled prefix (tests put "cpu" here to check the CUDA layout on a CPU).
 WHOLE_BUFFER_DEVICES: tuple[str, ...] = ("cuda",)
@@ -134,9 +151,7 @@ def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, ca
     else:  # checked by the device, without waiting for it (the decode loops check lengths up front)
         torch._assert_async((positions < model.config.max_seq_len).all(), "sequence too long for max_seq_len")
     whole = cache.valid.device.type in WHOLE_BUFFER_DEVICES
-    steps = _compiled_steps.setdefault(model, {})
-    if whole not in steps:
-        steps[whole] = _compile_static_step(whole=whole, device=cache.valid.device)
+    step = _compiled(model, "whole" if whole else "prefix", cache.valid.device)
     if memory_valid is not None:  # the source length: symbolic, one graph for every length
         for tensor in (memory_valid, *[t for kv in cache.cross for t in (kv.k, kv.v)]):
             torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1 if tensor is memory_valid else 2)
@@ -149,14 +164,48 @@ def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, ca
     if whole:  # every slot, under the validity mask: static shapes for a CUDA graph
         if cache.valid.device.type == "cuda":  # (on the CPU, freezing would fold static inputs as constants)
             _mark_static(cache)
-        return steps[whole](model, tokens, positions, slot, cache.valid, cache.positions, cache, memory_valid)
+        return step(model, tokens, positions, slot, cache.valid, cache.positions, cache, memory_valid)
     # The filled prefix [0, n) only, its length n marked dynamic: one graph serves every step
     # (attending over the whole buffer instead cost batch 16 about a third more time per step on
     # the CPU).
     key_valid, key_positions = cache.valid[:, : start + 1], cache.positions[:, : start + 1]  # (b, n)
     torch._dynamo.maybe_mark_dynamic(key_valid, 1)
     torch._dynamo.maybe_mark_dynamic(key_positions, 1)
-    return steps[whole](model, tokens, positions, slot, key_valid, key_positions, cache, memory_valid)
+    return step(model, tokens, positions, slot, key_valid, key_positions, cache, memory_valid)
+
+
+@dataclass
+class RowLayers:
+    """The per-layer caches a compiled per-row step writes (views of a ``RowKVCache``'s rows),
+    each returning its whole buffer (``row_extent`` = s_max: a constant, so no recompile as rows
+    grow); what ``TransformerStack.run`` reads of a cache."""
+
+    layers: list[LayerKVCache]
+    cross: list[StaticKV] = field(default_factory=list)
+
+
+def compiled_row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Tensor, key_valid: Tensor,
+                      key_positions: Tensor, layers: RowLayers) -> Tensor:
+    """One decode step of a decoder-only model over rows of a ``RowKVCache`` that are each at their
+    own length, through a compiled graph (``_row_step``): tokens, positions, slots (b, 1) long,
+    key_valid, key_positions (b, s_max) (the rows' ``valid`` and ``positions``, the new slots
+    recorded by ``RowKVCache.reserve`` beforehand) -> logits (b, v). Every shape is static (the
+    whole buffer under the mask): one graph per batch size, whatever the rows' lengths; on CUDA
+    replayed as a CUDA graph, the buffers marked static by the caller (``mark_static``).
+    ``aiayn.serve.compiled_step`` calls it for the serve engine's decode steps."""
+    if model.training:
+        raise ValueError("compiled decoding runs the eval-mode model; call model.eval() first")
+    return _compiled(model, "rows", key_valid.device)(model, tokens, positions, slots, key_valid, key_positions,
+                                                       layers)
+
+
+def _compiled(model: nn.Module, layout: str, device: torch.device) -> Callable[..., Tensor]:
+    """``model``'s compiled step of ``layout`` (made on first use)."""
+    steps = _compiled_steps.setdefault(model, {})
+    if layout not in steps:
+        function = _row_step if layout == "rows" else _static_step
+        steps[layout] = _compile_static_step(function, whole=layout != "prefix", device=device)
+    return steps[layout]
 
 
 def _check_memory(model: DecoderOnly | EncoderDecoder, cache: KVCache, memory_valid: Tensor | None) -> None:
@@ -199,9 +248,16 @@ def _mark_static(cache: KVCache) -> None:
     if getattr(cache, "_static_marked", False):
         return
     cross = [t for kv in cache.cross if kv.k is not None and kv.v is not None for t in (kv.k, kv.v)]
-    for tensor in (cache.valid, cache.positions, *[t for layer in cache.layers for t in (layer.k, layer.v)], *cross):
-        torch._dynamo.mark_static_address(tensor)
+    mark_static(cache.valid, cache.positions, *[t for layer in cache.layers for t in (layer.k, layer.v)], *cross)
     cache._static_marked = True  # type: ignore[attr-defined]
+
+
+def mark_static(*tensors: Tensor) -> None:
+    """Mark buffers that keep their storage from step to step (a cache's) as static inputs of the
+    compiled steps: a CUDA graph reads and writes them in place instead of copying them in at every
+    replay (and a graph that writes an input must have it static to be replayed at all)."""
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)
 
 
 def _inputs_only(guards: list) -> list[bool]:
@@ -223,9 +279,10 @@ def _recompile_limit(limit: int) -> dict[str, object]:
     return {}
 
 
-def _compile_static_step(*, whole: bool, device: torch.device) -> Callable[..., Tensor]:
-    """``_static_step`` under torch.compile: on the CPU called with Inductor's freezing on; over the
-    whole buffer with static shapes, replayed as CUDA graphs on a GPU."""
+def _compile_static_step(function: Callable[..., Tensor], *, whole: bool, device: torch.device
+                         ) -> Callable[..., Tensor]:
+    """``function`` (``_static_step``, ``_row_step``) under torch.compile: on the CPU called with
+    Inductor's freezing on; over the whole buffer with static shapes, replayed as CUDA graphs on a GPU."""
     import torch._inductor.config as inductor_config
 
     from aiayn.fast import matvec
@@ -238,7 +295,7 @@ def _compile_static_step(*, whole: bool, device: torch.device) -> Callable[..., 
     options: dict[str, object] = {"guard_filter_fn": _inputs_only}
     if whole and device.type == "cuda":
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (mode and options exclude each other)
-    compiled = torch.compile(_static_step, fullgraph=True, dynamic=False, **_recompile_limit(64),
+    compiled = torch.compile(function, fullgraph=True, dynamic=False, **_recompile_limit(64),
                              options=options)
     if device.type != "cpu":  # freezing pre-packs weights for the CPU's matmul library
         return compiled

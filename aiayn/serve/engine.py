@@ -38,6 +38,9 @@ on a GPU a step queues its work and waits only for its tokens (tests/serve/test_
 With a ``BlockPlan`` (``--kv-layout paged``) the cache is a ``PagedKVCache``: rows hold blocks
 from one pool, admission is by free blocks, prompt prefixes are shared, and the newest request is
 preempted (recomputed later) when a step needs more blocks than are free (``aiayn.serve.blocks``).
+
+``compile=True`` (``--compile``, fixed slots only) runs the decode steps through a compiled graph
+per batch-size bucket (``aiayn.serve.compiled_step``); prefill stays eager.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from aiayn.nn.kv_cache import format_bytes, kv_cache_bytes
 from aiayn.nn.paged_kv_cache import PagedKVCache
 from aiayn.nn.row_kv_cache import RowKVCache
 from aiayn.serve.blocks import BlockPlan, BlockScheduler, PagedSteps
+from aiayn.serve.compiled_step import CompiledRows
 from aiayn.serve.embedding import DEFAULT_CHUNK, EmbeddingJob, EmbeddingQueue
 from aiayn.serve.metrics import Metrics
 from aiayn.serve.sampler import RowAdjustments, SamplingParams, TokenLogprob, choose
@@ -82,6 +86,10 @@ class Event:
     finish_reason: str | None = None
     error: str | None = None
     token: int | None = None  # the generated token's id (None for an error)
+
+
+PAGED_COMPILE = ("--compile works with --kv-layout slots only (the paged cache's decode step is not "
+                 "compiled yet); use --kv-layout slots")
 
 
 class QueueFull(Exception):
@@ -171,9 +179,11 @@ class Engine(PagedSteps):
     def __init__(self, lm: TextModel, plan: SlotPlan | BlockPlan, *, kv_cache: str | None = None, prefill_chunk: int = 512,
                  max_queue: int = 64, metrics: Metrics | None = None, threads: int | None = None,
                  embed_chunk: int = DEFAULT_CHUNK, embed_share: float = 0.5,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, compile: bool = False) -> None:
         if prefill_chunk < 1 or max_queue < 0 or embed_chunk < 1 or not 0 < embed_share < 1:
             raise ValueError("prefill_chunk and embed_chunk must be >= 1, max_queue >= 0, 0 < embed_share < 1")
+        if compile and isinstance(plan, BlockPlan):
+            raise ValueError(PAGED_COMPILE)
         self.lm, self.model, self.plan = lm, lm.model, plan
         self._cv = threading.Condition()
         self.device = model_device(self.model)
@@ -186,6 +196,8 @@ class Engine(PagedSteps):
             self.blocks = BlockScheduler(self.cache, plan)  # type: ignore[arg-type]
         else:
             self.cache = self.model.new_cache(plan.rows, plan.context, per_row=True, quantize=kv_cache)  # type: ignore[assignment]
+        # --compile: the decode steps through a compiled graph per batch-size bucket (fixed slots only)
+        self.compiled = CompiledRows(self.model, self.cache) if compile else None  # type: ignore[arg-type]
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
         self.threads = threads  # torch threads of the engine thread (None: as it finds them)
         self.rows: list[Request] = []  # cache row i serves rows[i]: decoding first, then prefilling
@@ -399,17 +411,20 @@ class Engine(PagedSteps):
         self._sample_and_emit(logits, finished_rows)
 
     def _decode(self) -> None:
-        """One token for every decoding row."""
+        """One token for every decoding row (``--compile``: through the compiled graph of its bucket)."""
         requests = self.rows[: self.n_decode]
-        tokens = to_device(torch.tensor([[r.last_token] for r in requests], dtype=torch.long), self.device)  # (d, 1)
-        # A generated token is real whatever its id (also one equal to pad_id), as in the library's
-        # decode loops; one per row, which the cache is told rather than reading it back.
-        valid = torch.ones_like(tokens, dtype=torch.bool)  # (d, 1), made on the device
-        view = self.cache.rows(0, self.n_decode).expect([1] * self.n_decode)
-        if self.blocks is not None:
-            for request in requests:
-                self.blocks.decoding(request)
-        logits = decode_step(self.model, tokens, view, valid=valid)  # (d, v)
+        if self.compiled is not None:  # (fixed slots only: no blocks to take)
+            logits = self.compiled.step([r.last_token for r in requests])  # (d, v)
+        else:
+            tokens = to_device(torch.tensor([[r.last_token] for r in requests], dtype=torch.long), self.device)
+            # A generated token is real whatever its id (also one equal to pad_id), as in the library's
+            # decode loops; one per row, which the cache is told rather than reading it back.
+            valid = torch.ones_like(tokens, dtype=torch.bool)  # (d, 1), made on the device
+            view = self.cache.rows(0, self.n_decode).expect([1] * self.n_decode)
+            if self.blocks is not None:
+                for request in requests:
+                    self.blocks.decoding(request)
+            logits = decode_step(self.model, tokens, view, valid=valid)  # (d, v)
         self._sample_and_emit(logits, requests)
         self.metrics.batch_size.observe(len(requests))
 

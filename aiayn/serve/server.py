@@ -14,6 +14,7 @@ from aiayn.models.base import count_parameters
 from aiayn.nn.kv_cache import format_bytes
 from aiayn.serve.app import ServerState, create_app
 from aiayn.serve.blocks import DEFAULT_BLOCK_SIZE, BlockPlan, block_plan
+from aiayn.serve.compiled_step import bucket_sizes
 from aiayn.serve.embedding import DEFAULT_CHUNK
 from aiayn.serve.engine import Engine, slot_plan
 from aiayn.serve.limits import MAX_INPUT_TOKENS, MAX_INPUTS, MAX_REQUEST_TOKENS, Limits
@@ -70,13 +71,14 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
                 threads: int | None = None, max_inputs: int = MAX_INPUTS, max_input_tokens: int | None = None,
                 max_request_tokens: int = MAX_REQUEST_TOKENS, embed_chunk: int = DEFAULT_CHUNK,
                 embed_share: float = 0.5, kv_layout: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                prefix_caching: bool = True) -> tuple[ServerState, list[str]]:
+                prefix_caching: bool = True, compile: bool = False) -> tuple[ServerState, list[str]]:
     """The server's state and the lines that describe it at start-up (the model, the KV-cache
     slots the budget allows, the limits on a request); ``threads``: the engine thread's torch
     threads; ``max_input_tokens``: None for 8,192 or the model's context if smaller. ValueError
     for settings that cannot work. ``kv_layout``: "paged" (blocks of ``block_size`` tokens, with
     ``prefix_caching``) or "slots" (a fixed slot of ``context`` tokens per request); None: paged,
-    or slots for a quantised ``kv_cache`` (the paged cache holds floats)."""
+    or slots for a quantised ``kv_cache`` (the paged cache holds floats) or with ``compile`` (the
+    decode steps through compiled graphs: ``aiayn.serve.compiled_step``)."""
     metrics = Metrics()
     engine = None
     model_context = served.lm.context if served.lm is not None else served.encoder.max_length  # type: ignore[union-attr]
@@ -90,13 +92,14 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
         context = context or min(lm.context, DEFAULT_CONTEXT)
         if kv_layout not in (None, "paged", "slots"):
             raise ValueError(f"--kv-layout must be paged or slots, got {kv_layout!r}")
-        if kv_layout == "paged" or (kv_layout is None and kv_cache is None):
+        if kv_layout == "paged" or (kv_layout is None and kv_cache is None and not compile):
             plan = block_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache,
                               block_size=block_size, prefix_caching=prefix_caching)
         else:
             plan = slot_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache)
         engine = Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=prefill_chunk, max_queue=max_queue,
-                        metrics=metrics, threads=threads, embed_chunk=embed_chunk, embed_share=embed_share)
+                        metrics=metrics, threads=threads, embed_chunk=embed_chunk, embed_share=embed_share,
+                        compile=compile)
         lines = [f"model {served.name}: decoder-only, {weights_summary(lm.model)}, on {model_device(lm.model)}, "
                  f"context {lm.context} tokens"
                  f"{', chat template' if lm.chat_template is not None else ', no chat template'}",
@@ -105,6 +108,9 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
                  f"(then 429)",
                  f"{limits.describe(why)}; embeddings in forwards of {embed_chunk} tokens, at most "
                  f"{embed_share:.0%} of the engine's time while streams run"]
+        if compile:
+            lines.append(f"decode steps compiled, a graph per batch size of {', '.join(map(str, bucket_sizes(plan.rows)))} "
+                         f"rows (each compiles the first time the running requests reach it)")
         if plan.rows < max_batch:
             lines.append(f"  (--max-batch {max_batch} asked for more: the budget of {format_bytes(kv_budget)} "
                          f"holds {plan.rows})")

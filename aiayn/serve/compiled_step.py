@@ -1,0 +1,100 @@
+"""The serve engine's decode step as compiled graphs, one per batch-size bucket (``aiayn serve --compile``).
+
+The engine's decoding rows are its cache's first rows, [0, n), each at its own length, and n
+changes as requests join and leave. A compiled graph has static shapes, so the step runs on the
+smallest **bucket** of rows that holds n (1, 2, 4, 8, ... and ``max_batch``): rows [n, bucket)
+pad it. A padding row feeds token 0 recorded as *invalid* at its own next slot (its length), so
+it writes nowhere harmful: a prefilling row's next chunk, or a free row's next request, writes
+that slot again before anything reads it as a key, and an invalid slot is masked meanwhile.
+Attention runs over each row's whole buffer under its validity mask (``compiled_row_step``), so
+no shape depends on the rows' lengths: each bucket compiles once, then every step replays it,
+whatever joins, leaves or grows (and on CUDA replays it as a CUDA graph, the cache's buffers
+static). The padding rows can never be the cache's last rows beyond ``max_batch``: the largest
+bucket is the cache's row count.
+
+The bookkeeping outside the graph is the eager path's own: ``RowKVCache.reserve`` records the new
+slots (told each row's real-token count, ``expect``: nothing read back from the device), then the
+graph runs the stack. Its results are the eager engine's up to float rounding (attention over
+more masked keys): tests/serve/test_compiled_engine.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import Tensor
+
+from aiayn.device import to_device
+from aiayn.fast.compiled_decode import RowLayers, compiled_row_step, mark_static
+from aiayn.models.decoder_only import DecoderOnly
+from aiayn.nn.row_kv_cache import RowKVCache
+
+logger = logging.getLogger("aiayn.serve")
+COMPILE_NEEDS_FLOAT = "--compile needs a float KV cache in fixed slots: use --kv-cache float and --kv-layout slots"
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """The batch sizes that get a graph: powers of two below ``max_batch``, then ``max_batch``."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    sizes = []
+    size = 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_batch]
+
+
+class CompiledRows:
+    """Decode steps of ``model`` over the first rows of ``cache`` through one compiled graph per
+    bucket (see the module docstring). ``compiled_buckets``: the buckets that have run."""
+
+    def __init__(self, model: DecoderOnly, cache: RowKVCache) -> None:
+        if not isinstance(cache, RowKVCache) or cache.quantize is not None:
+            raise ValueError(COMPILE_NEEDS_FLOAT)
+        self.model, self.cache = model, cache
+        self.buckets = bucket_sizes(cache.batch_size)
+        # Per bucket: a view of the cache's first rows and its layers returning whole buffers. Made
+        # once and kept, so a CUDA graph sees the same buffers at every replay (the views share
+        # the cache's storage: swaps, clears and the prefill's writes land in them).
+        self._views: dict[int, tuple[RowKVCache, RowLayers]] = {}
+        self.compiled_buckets: set[int] = set()
+
+    def bucket(self, n: int) -> int:
+        """The smallest bucket that holds n rows."""
+        for size in self.buckets:
+            if size >= n:
+                return size
+        raise ValueError(f"{n} rows exceed the cache's {self.buckets[-1]}")
+
+    def _view(self, size: int) -> tuple[RowKVCache, RowLayers]:
+        if size not in self._views:
+            view = self.cache.rows(0, size)
+            layers = [copy.copy(layer) for layer in view.layers]  # (their own row_extent; the same buffers)
+            for layer in layers:
+                layer.row_extent = self.cache.max_len  # whole buffers: the same shapes at every step
+            if view.valid.device.type == "cuda":
+                mark_static(view.valid, view.positions, *[t for layer in layers for t in (layer.k, layer.v)])
+            self._views[size] = (view, RowLayers(layers))
+        return self._views[size]
+
+    def step(self, last_tokens: list[int]) -> Tensor:
+        """Rows [0, n) feed their last tokens, ``last_tokens`` (n ints) -> their next-token logits (n, v)."""
+        n = len(last_tokens)
+        size = self.bucket(n)
+        view, layers = self._view(size)
+        host_tokens = torch.zeros(size, 1, dtype=torch.long)  # (size, 1): padding rows feed token 0
+        host_tokens[:n, 0] = torch.tensor(last_tokens, dtype=torch.long)
+        tokens, live = to_device((host_tokens, torch.arange(size) < n), view.valid.device)  # (size, 1), (size,)
+        positions = view.lengths[:, None].clone()  # (size, 1): each row's real tokens so far
+        # Rows [0, n) bring one real token each, the padding rows none (their slot recorded invalid).
+        slots = view.expect([1] * n + [0] * (size - n)).reserve(live[:, None], positions)  # (size, 1)
+        if size not in self.compiled_buckets:
+            logger.info("compiling the decode step for %d row(s) (once per batch-size bucket)", size)
+            self.compiled_buckets.add(size)
+        if view.valid.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: reuse them
+        logits = compiled_row_step(self.model, tokens, positions, slots, view.valid, view.positions, layers)
+        return logits[:n]  # (n, v)
