@@ -15,10 +15,12 @@ output layer (train)   ``FusedLossLinear``            output layer + cross-entro
 ``nn.Dropout``         ``FastDropout``                a cheaper CPU mask
 attention kernel       ``fast_attention``             single-query decode, GQA decode,
                                                       block-causal training, CPU weight dropout
+attention over a       ``paged_cache_attention``      decode over a paged KV cache: reads the
+paged KV cache         (``cache_kernel``)             blocks in place instead of gathering them
 =====================  =============================  ==========================================
 
 The swap keeps every parameter, buffer and state-dict key (a class change, or a kernel function
-set on ``MultiHeadAttention.kernel``): checkpoints, tied weights and optimisers are unaffected.
+set on ``MultiHeadAttention.kernel`` / ``cache_kernel``): checkpoints, tied weights and optimisers are unaffected.
 Models on a device without these kernels (a GPU) are left as they are.
 """
 
@@ -30,6 +32,7 @@ from aiayn.fast.attention import fast_attention
 from aiayn.fast.dropout import FastDropout
 from aiayn.fast.fused_loss import FusedLossLinear
 from aiayn.fast.linear import FastLinear
+from aiayn.fast.paged_attention import paged_cache_attention
 from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
 
 MODES = ("train", "inference")
@@ -56,6 +59,8 @@ def optimize(model: nn.Module, mode: str = "inference") -> nn.Module:
             module.__class__ = FastDropout
         elif isinstance(module, MultiHeadAttention):
             module.kernel = fast_attention
+            if not module.cross:
+                module.cache_kernel = paged_cache_attention
     return model
 
 
@@ -69,6 +74,7 @@ def plain(model: nn.Module) -> nn.Module:
             module.__class__ = _PLAIN_CLASS[type(module)]
         elif isinstance(module, MultiHeadAttention):
             module.kernel = scaled_dot_product_attention
+            module.cache_kernel = None
     return model
 
 

@@ -135,6 +135,9 @@ def _zero_rows(x: Tensor, row_valid: Tensor | None) -> Tensor:
 
 
 AttentionKernel = Callable[..., tuple[Tensor, Tensor | None]]  # scaled_dot_product_attention's signature
+# (q, k, v, cache, inputs) -> output, or None: attention read from the cache's own storage (it writes
+# k, v there itself); ``aiayn.fast.paged_attention.paged_cache_attention``.
+CacheAttentionKernel = Callable[..., Tensor | None]
 
 
 @dataclass
@@ -188,6 +191,10 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(q_width, d_model, bias=out_bias)
         # Equation (1) itself; aiayn.fast may swap in a faster kernel with the same signature.
         self.kernel: AttentionKernel = scaled_dot_product_attention
+
+    # None: a cache returns its keys and values (``LayerKVCache.write``) and ``kernel`` attends. aiayn.fast
+    # may set a kernel that attends from the cache's storage itself where it can (a paged cache's blocks).
+    cache_kernel: CacheAttentionKernel | None = None
 
     def _heads(self, x: Tensor, n: int, packing: Packing | None = None) -> Tensor:
         """(b, t, n * d_h), or packed (n_tokens, n * d_h) -> (b, n, t, d_h) (zeros at padding)"""
@@ -248,6 +255,11 @@ class MultiHeadAttention(nn.Module):
             k, v = self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
             if inputs.rotary is not None:  # RoPE rotates the new queries and keys by their positions
                 q, k = apply_rotary(q, *inputs.rotary), apply_rotary(k, *inputs.rotary)
+            plain_only = need_weights or self.impl == "reference" or (self.training and self.dropout > 0)
+            if cache is not None and self.cache_kernel is not None and not plain_only:
+                out = self.cache_kernel(q, k, v, cache, inputs)  # (b, h, t, d_h), or None: not here
+                if out is not None:
+                    return self._project_out(out, packing), None
             if cache is not None:
                 k, v = self._cached_kv(cache, k, v, inputs)  # (b, h_kv, t_k, d_h): cached + new
         out, weights = self.kernel(
@@ -255,11 +267,15 @@ class MultiHeadAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights or self.impl == "reference",
         )  # (b, h, t, d_h)
-        b, t = q.shape[0], q.shape[2]
+        return self._project_out(out, packing), weights if need_weights else None
+
+    def _project_out(self, out: Tensor, packing: Packing | None) -> Tensor:
+        """The heads' outputs (b, h, t, d_h) -> the output projection (b, t, d), or (n, d) packed."""
+        b, t = out.shape[0], out.shape[2]
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h * d_h)
         if packing is not None:
             out = packing.pack(out)  # (n, h * d_h): the output projection on real tokens only
-        return self.out_proj(out), weights if need_weights else None
+        return self.out_proj(out)
 
     def _memory_kv(self, memory: Tensor | None, memory_packing: Packing | None,
                    cache: LayerKVCache | StaticKV | None) -> tuple[Tensor, Tensor]:

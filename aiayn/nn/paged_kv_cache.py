@@ -66,13 +66,25 @@ class PagedLayerKVCache(LayerKVCache):
     def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
         """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``pos`` (b, t); return every row's keys
         and values over logical slots [0, read_end): 2 x (b, h_kv, read_end, d_h)."""
+        self.store(k, v, pos)
+        return self.gather()
+
+    def store(self, k: Tensor, v: Tensor, pos: int | Tensor) -> None:
+        """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``pos`` (b, t) only (a kernel that
+        reads the pool through ``read_blocks`` follows: ``aiayn.fast.paged_attention``)."""
         if not isinstance(pos, Tensor) or pos.dim() != 2 or self.read_blocks is None:
             raise ValueError("a paged KV cache layer is written through PagedKVCache.reserve's slots")
         b, h_kv, t, d_h = k.shape
         for pool, new in ((self.k, k), (self.v, v)):
             flat = pool.view(-1, h_kv, d_h)  # (n_blocks * B, h_kv, d_h)
             flat.index_copy_(0, pos.reshape(-1), new.transpose(1, 2).reshape(b * t, h_kv, d_h).to(pool.dtype))
-        n = self.read_blocks.shape[1]
+
+    def gather(self) -> tuple[Tensor, Tensor]:
+        """Every row's keys and values over logical slots [0, read_end), contiguous as SDPA wants
+        them: 2 x (b, h_kv, read_end, d_h) (a view of the pool for one row of consecutive blocks)."""
+        assert self.read_blocks is not None, "gather() follows PagedKVCache.reserve"
+        _, _, h_kv, d_h = self.k.shape
+        b, n = self.read_blocks.shape
         if self.read_run is not None:  # b = 1, blocks [read_run, read_run + n): a view, no copy
             keys, values = (pool[self.read_run: self.read_run + n].view(1, n * self.block_size, h_kv, d_h)
                             [:, : self.read_end] for pool in (self.k, self.v))

@@ -1,0 +1,208 @@
+"""The paged-attention kernel (``aiayn.fast.paged_attention``: attention read through a paged KV
+cache's block table, no gathered copy) equals the plain path it replaces.
+
+* The op itself against the plain gather (``index_select`` of whole blocks, as
+  ``PagedLayerKVCache.gather``) + ``aiayn.nn.attention.scaled_dot_product_attention``, and against
+  the same keys laid out in fixed slots as ``RowKVCache`` holds them: random pools, ragged row
+  lengths, rows sharing prefix blocks, rows with no key (padding rows: zeros), GQA and MQA, one
+  query or several under a position-causal mask, masks broadcast or not.
+* A model over ``PagedKVCache`` with the kernel equals the same model over ``RowKVCache`` (the
+  staggered schedules of test_row_kv_cache.py, step by step) and each row equals the row alone.
+* The serve engine over the paged cache gives the same greedy tokens with the kernel as without
+  it, and as over the fixed slots.
+
+float32, ``assert_close``'s default tolerances (rtol 1.3e-6, atol 1e-5); spies prove the kernel ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_spies import count_calls
+from test_paged_kv_cache import BLOCK, PagedDriver
+from test_row_kv_cache import decoder_only, sequences, staggered_schedule
+from torch.testing import assert_close
+
+from aiayn.fast import optimize, paged_attention, plain_torch
+from aiayn.fast.paged_attention_build import kernel_ops
+from aiayn.nn.attention import scaled_dot_product_attention
+from aiayn.nn.block_pool import NULL_BLOCK
+
+# The kernel is CPU code (aiayn.fast): once, on the CPU.
+pytestmark = pytest.mark.cpu_only
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = kernel_ops()
+    assert built is not None, "the paged-attention kernel did not build (a C++ compiler and ninja are needed)"
+    return built
+
+
+def random_pool(lengths: list[int], *, h_kv: int, d_h: int, block: int, share: int, seed: int):
+    """Pools (n_blocks, block, h_kv, d_h) of random keys and values, and a block table (b, n) for rows
+    of ``lengths`` tokens, padded with the null block; rows 1 and 2 share their first ``share``
+    blocks (a common prompt prefix). The blocks are handed out in a shuffled order (a used pool)."""
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max(lengths) // block)
+    n_blocks = 1 + sum(-(-n // block) for n in lengths)
+    k, v = (torch.randn(n_blocks, block, h_kv, d_h, generator=g) for _ in range(2))
+    free = (torch.randperm(n_blocks - 1, generator=g) + 1).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lengths]
+    tables[2][:share] = tables[1][:share]
+    table = torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in tables], dtype=torch.long)
+    return k, v, table
+
+
+def gathered(pool: torch.Tensor, table: torch.Tensor, t_k: int) -> torch.Tensor:
+    """The plain path's copy: (b, h_kv, t_k, d_h), as ``PagedLayerKVCache.gather``."""
+    b, n = table.shape
+    _, block, h_kv, d_h = pool.shape
+    return pool.index_select(0, table.reshape(-1)).view(b, n * block, h_kv, d_h)[:, :t_k].transpose(1, 2)
+
+
+def in_slots(pool: torch.Tensor, table: torch.Tensor, lengths: list[int], t_k: int) -> torch.Tensor:
+    """The same keys as ``RowKVCache`` holds them, (b, h_kv, t_k, d_h): row i's slot s is its token s,
+    written token by token from the pool (zeros past its length)."""
+    _, block, h_kv, d_h = pool.shape
+    slots = torch.zeros(len(lengths), h_kv, t_k, d_h)
+    for i, n in enumerate(lengths):
+        for s in range(n):
+            slots[i, :, s] = pool[table[i, s // block], s % block]
+    return slots
+
+
+@pytest.mark.parametrize("t_q", [1, 3])
+@pytest.mark.parametrize(("h", "h_kv"), [(4, 4), (6, 2), (4, 1)])
+def test_the_kernel_equals_the_gather_and_the_slots(ops, h: int, h_kv: int, t_q: int) -> None:
+    """Ragged rows (a padding row with no key among them), two sharing a prefix; t_q > 1 under a
+    position-causal mask (each row's queries are its last t_q tokens)."""
+    lengths, d_h, block = [7, 13, 16, 0, 1, 30], 16, 4
+    k, v, table = random_pool(lengths, h_kv=h_kv, d_h=d_h, block=block, share=2, seed=h + h_kv + t_q)
+    b, t_k = len(lengths), max(lengths)
+    q = torch.randn(b, h, t_q, d_h, generator=torch.Generator().manual_seed(7))
+    valid = torch.arange(t_k)[None] < torch.tensor(lengths)[:, None]  # (b, t_k)
+    mask = valid[:, None, None, :]  # (b, 1, 1, t_k)
+    if t_q > 1:
+        query_pos = torch.tensor(lengths)[:, None] - t_q + torch.arange(t_q)  # (b, t_q)
+        mask = mask & (torch.arange(t_k)[None, None, :] <= query_pos[:, :, None])[:, None]  # (b, 1, t_q, t_k)
+    scale = 0.3
+    out = ops.attention(q, k, v, table, t_k, mask, scale)
+    expected, _ = scaled_dot_product_attention(q, gathered(k, table, t_k), gathered(v, table, t_k), mask=mask,
+                                               scale=scale)
+    assert_close(out, expected)
+    slots, _ = scaled_dot_product_attention(q, in_slots(k, table, lengths, t_k), in_slots(v, table, lengths, t_k),
+                                            mask=mask, scale=scale)
+    assert_close(out, slots)
+    assert bool((out[3] == 0).all())  # the row with no key: zeros, not NaN
+
+
+def test_without_a_mask_and_with_a_wider_strided_mask(ops) -> None:
+    """No mask: every slot [0, t_k) is a key. A mask that is a slice of a wider buffer (the cache's
+    ``valid[:, :length]``, strided) and broadcast over the rows."""
+    lengths, d_h, block = [12, 12, 12], 8, 4
+    k, v, table = random_pool(lengths, h_kv=2, d_h=d_h, block=block, share=3, seed=1)
+    q = torch.randn(3, 4, 1, d_h, generator=torch.Generator().manual_seed(2))
+    keys, values = gathered(k, table, 12), gathered(v, table, 12)
+    assert_close(ops.attention(q, k, v, table, 12, None, d_h**-0.5), scaled_dot_product_attention(q, keys, values)[0])
+    wide = torch.rand(1, 20, generator=torch.Generator().manual_seed(3)) < 0.7  # (1, 20): one row's valid
+    mask = wide[:, :12][:, None, None, :]  # (1, 1, 1, 12), strided
+    assert_close(ops.attention(q, k, v, table, 12, mask, d_h**-0.5),
+                 scaled_dot_product_attention(q, keys, values, mask=mask)[0])
+
+
+def test_it_splits_its_work_over_torch_threads_with_the_same_result(ops) -> None:
+    """Built with OpenMP (at::parallel_for runs serially without it); each task owns whole rows x
+    key/value heads, so the result does not depend on the thread count."""
+    assert ops.parallel(), "the kernel was built without OpenMP: it runs on one thread"
+    lengths = [9, 33, 20, 5]
+    k, v, table = random_pool(lengths, h_kv=3, d_h=16, block=8, share=1, seed=4)
+    q = torch.randn(4, 9, 1, 16, generator=torch.Generator().manual_seed(5))
+    mask = (torch.arange(33)[None] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    before = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outputs.append(ops.attention(q, k, v, table, 33, mask, 0.25))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_bad_input_gets_one_clear_error(ops) -> None:
+    k, v, table = random_pool([8, 8, 8], h_kv=2, d_h=8, block=4, share=0, seed=0)
+    q = torch.randn(3, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.attention(q, k, v, table + 100, 8, None, 1.0)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        ops.attention(q, k, v, table, 9, None, 1.0)
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        ops.attention(torch.randn(3, 3, 1, 8), k, v, table, 8, None, 1.0)
+
+
+# ---- through the model -------------------------------------------------------------------------
+def kernel_model(positional: str = "rope", n_kv_heads: int | None = 2):
+    return optimize(decoder_only(positional, n_kv_heads, device=torch.device("cpu")), mode="inference")
+
+
+class TwinDriver(PagedDriver):
+    """``PagedDriver`` that also feeds every forward's tokens to a ``RowKVCache`` read by the plain
+    path: each paged forward's logits (the kernel's) equal the fixed slots' and the row alone's."""
+
+    def __init__(self, model, rows: int, max_len: int) -> None:
+        super().__init__(model, rows, max_len)
+        self.slots = model.new_cache(rows, max_len, per_row=True)
+
+    def start(self, row, seq):
+        super().start(row, seq)
+        self.slots.clear_row(row)
+
+    def swap(self, i, j):
+        super().swap(i, j)
+        self.slots.swap_rows(i, j)
+
+    @torch.no_grad()
+    def forward(self, start, counts):
+        t, stop = max(counts), start + len(counts)
+        tokens = torch.randint(0, 99, (len(counts), t))  # junk where padded
+        valid = torch.zeros(len(counts), t, dtype=torch.bool)
+        for k, n in enumerate(counts):
+            tokens[k, :n] = self.seqs[start + k][self.fed[start + k]: self.fed[start + k] + n]
+            valid[k, :n] = True
+        paged = self.model(tokens, valid=valid, cache=self.cache.rows(start, stop)).logits
+        with plain_torch():  # the fixed slots, plain SDPA
+            slots = self.model(tokens, valid=valid, cache=self.slots.rows(start, stop)).logits
+        for k, n in enumerate(counts):
+            row, end = start + k, self.fed[start + k] + n
+            assert_close(paged[k, :n], slots[k, :n])
+            assert_close(paged[k, :n], self.alone(self.seqs[row][:end])[self.fed[row]:end])
+            self.fed[row] = end
+
+
+@pytest.mark.parametrize(("positional", "n_kv_heads"), [("rope", 2), ("rope", None), ("learned", 1)])
+def test_a_model_over_the_paged_cache_equals_the_slots_and_the_rows_alone(
+        ops, monkeypatch, positional: str, n_kv_heads: int | None) -> None:
+    """Rows join, prefill beside decoding rows, swap, leave and are reused (blocks of 4): at every
+    forward the kernel's logits equal the fixed slots' (plain SDPA) and each row equals the row alone."""
+    calls = count_calls(monkeypatch, paged_attention, "kernel_ops")
+    staggered_schedule(TwinDriver(kernel_model(positional, n_kv_heads), rows=3, max_len=16))
+    assert calls, "the kernel never ran"
+
+
+def test_shared_prefix_rows_decode_with_the_kernel(ops, monkeypatch) -> None:
+    """Rows that adopt another row's prompt blocks (a prefix-cache hit) decode step by step with the
+    kernel and equal the row alone."""
+    calls = count_calls(monkeypatch, paged_attention, "kernel_ops")
+    driver = PagedDriver(kernel_model(), rows=3, max_len=24)
+    a, b, c = sequences([20, 22, 21], device=torch.device("cpu"))
+    b[: 2 * BLOCK], c[: 2 * BLOCK] = a[: 2 * BLOCK], a[: 2 * BLOCK]
+    driver.start(0, a)
+    driver.forward(0, [9])
+    blocks = driver.cache.table(0)[:2]
+    driver.adopt(1, b, blocks)
+    driver.adopt(2, c, blocks)
+    driver.forward(0, [1, 3, 2])
+    for _ in range(8):
+        driver.forward(0, [1, 1, 1])
+    assert calls, "the kernel never ran"
