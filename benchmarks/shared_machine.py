@@ -13,11 +13,12 @@ For each OpenMP policy, interleaved over ``--repeats`` rounds:
 * A beside B: B is started and warmed up (its first sentence out), then A runs; A's times, and B's
   rate while A ran.
 
-Policies: ``old`` is libgomp's own default spelled out (``GOMP_SPINCOUNT=300000``: its spin when
-``OMP_WAIT_POLICY`` is unset); ``aiayn`` is what the command does (every spin setting removed from
-the environment; today the command sets none, so it equals ``old``); ``passive``
-(``OMP_WAIT_POLICY=PASSIVE``: threads sleep at once between parallel regions) is what a user may set
-for jobs that share a machine; ``--policy NAME:VAR=VALUE[,VAR=VALUE]`` adds a candidate.
+Policies: ``old`` is the command before it shared the cores: sharing off (``AIAYN_SHARE_CPUS=0``)
+and libgomp's own default spelled out (``GOMP_SPINCOUNT=300000``: its spin when
+``OMP_WAIT_POLICY`` is unset); ``aiayn`` is what the command does (every setting below removed from
+the environment: each busy aiayn process takes its fair share of the threads, aiayn/cpu_share.py);
+``passive`` (``OMP_WAIT_POLICY=PASSIVE``, sharing off: threads sleep at once between parallel
+regions) is what a user could set before; ``--policy NAME:VAR=VALUE[,VAR=VALUE]`` adds a candidate.
 
 Fair share on a machine with two busy jobs is half the cores each, so A beside B takes about 2x
 its time alone; the goal (issue 34) is at most 2.5x, with nothing lost alone (aiayn / old, A and B
@@ -45,8 +46,10 @@ from pathlib import Path
 from benchmarks.common import ROOT, table
 
 # The OpenMP spin settings a job's environment may carry (libgomp's, the standard one, Intel's and
-# LLVM's libomp's): removed for the ``aiayn`` policy, so that it measures the command as it is.
-USER_SPIN_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+# LLVM's libomp's), the thread counts torch reads and aiayn's sharing switch: removed for the
+# ``aiayn`` policy, so that it measures the command as it is.
+USER_SPIN_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                      "AIAYN_SHARE_CPUS")
 
 # Varied lengths (5 to 17 words), cycled: B translates them one by one as they arrive.
 SENTENCES = (
@@ -59,13 +62,14 @@ SENTENCES = (
     "An old man sits on a bench and reads a newspaper while pigeons walk around him.",
     "A chef is cooking in a restaurant kitchen.",
 )
-OLD = {"GOMP_SPINCOUNT": "300000"}  # libgomp's spin count when OMP_WAIT_POLICY is unset
+# The command before it shared the cores: no sharing, libgomp's spin count when OMP_WAIT_POLICY is unset.
+OLD = {"AIAYN_SHARE_CPUS": "0", "GOMP_SPINCOUNT": "300000"}
 
 
 @dataclass
 class Policy:
     name: str
-    env: dict[str, str]  # added to the environment, every spin setting of ours removed first
+    env: dict[str, str]  # added to the environment, every setting in USER_SPIN_SETTINGS removed first
     a_alone: list[float] = field(default_factory=list)  # A's wall seconds
     a_alone_loop: list[float] = field(default_factory=list)  # A's training-loop seconds
     a_shared: list[float] = field(default_factory=list)
@@ -217,7 +221,7 @@ def report(policies: Sequence[Policy], args: argparse.Namespace, load_before: fl
     size = f"{args.steps} steps" if args.steps else "the default run"
     print(f"\n## Sharing a machine: `aiayn train` (reverse, {size}) beside `aiayn translate` "
           f"(beam search, {args.model})\n")
-    print(f"{os.cpu_count()} CPUs, torch's default thread count in each job; {args.repeats} interleaved "
+    print(f"{os.cpu_count()} CPUs, the command's default thread count in each job; {args.repeats} interleaved "
           f"round(s); load average {load_before:.2f} before\n")
     rows = []
     for p in policies:
@@ -263,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.quick:
         args.steps, args.window, args.repeats = min(args.steps or 20, 20), min(args.window, 2.0), 1
         args.timeout_factor = min(args.timeout_factor, 4.0)
-    policies = [Policy("old", dict(OLD)), Policy("aiayn", {}), Policy("passive", {"OMP_WAIT_POLICY": "PASSIVE"}),
+    policies = [Policy("old", dict(OLD)), Policy("aiayn", {}), Policy("passive", {"AIAYN_SHARE_CPUS": "0", "OMP_WAIT_POLICY": "PASSIVE"}),
                 *args.policy]
     if args.only:
         policies = [p for p in policies if p.name in args.only]

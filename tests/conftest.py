@@ -30,6 +30,10 @@ import torch
 
 ENV = "AIAYN_TEST_DEVICES"
 DEVICE_FOLDERS = ("parity", "consistency")  # tests/<folder>: every test takes `device` or is cpu_only
+# No test's numbers may depend on other aiayn jobs on the machine: sharing the cores
+# (aiayn/cpu_share.py) would change a run's thread count, and so its floating-point order, midway.
+# Its own tests turn it on; this reaches the CLI subprocesses too.
+os.environ.setdefault("AIAYN_SHARE_CPUS", "0")
 
 
 def listed_devices() -> list[str]:

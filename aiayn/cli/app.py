@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from aiayn import __version__
+from aiayn.cpu_share import keep_thread_count
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -68,6 +69,7 @@ def check_threads(threads: int) -> int:
     if threads > limit:
         raise click.BadParameter(f"{threads} threads is more than 4 per CPU of this machine "
                                  f"({os.cpu_count()} CPUs); give at most {limit}", param_hint="--threads")
+    keep_thread_count()  # the user's count: sharing the cores with other aiayn jobs leaves it alone
     return threads
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from aiayn.cpu_share import share_cores
 from aiayn.generate.decoder_only import cache_slots, prompt_validity
 from aiayn.generate.encoder_decoder import greedy_encoder_decoder, max_target_lengths
 from aiayn.generate.ensemble import Ensemble, EnsembleCache
@@ -368,6 +369,7 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
 
     n_cand = min(2 * k, k * v)
     for t in range(1, n_max + 1):  # t: length of the hypotheses after this step
+        share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
         n = alive.shape[0]
         if pad_id is not None:
             lprobs[:, :, pad_id] = NEG_INF

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from aiayn.cpu_share import share_cores
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
 from aiayn.generate.steps import DecodeStep, GreedyResult, default_fill_id, fill_finished
@@ -139,6 +140,7 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
     for i in steered:
         constraints[i].reset()  # type: ignore[index, union-attr]
     for i in range(max_new_tokens):
+        share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
         if cache is None:
             logits = model(inputs, valid=inputs_valid).logits[:, -1]  # (b, v)
         elif compile and not fresh:

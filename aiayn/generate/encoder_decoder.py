@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from aiayn.cpu_share import share_cores
 from aiayn.generate.decoder_only import cache_slots
 from aiayn.generate.ensemble import Ensemble
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
@@ -80,6 +81,7 @@ def _decode(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | N
     target = torch.full((b, 1), bos_id, dtype=torch.long, device=device)
     done = limit <= 0  # (b,) a row with no token to generate is done from the start
     for i in range(n_steps):
+        share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
         if cache is None:  # generated tokens are real even if one equals pad_id
             logits = model.decode(target, encoded, tgt_valid=torch.ones_like(target, dtype=torch.bool)).logits[:, -1]
         else:  # bos first, which fills the cross-attention keys and values of the cache

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from aiayn import device as devices
 from aiayn.config import ModelConfig, TrainConfig
+from aiayn.cpu_share import share_cores
 from aiayn.train import distributed, memory
 from aiayn.train.averaging import choose_test_checkpoint
 from aiayn.train.checkpoint import (
@@ -351,6 +352,7 @@ def _train(
         while step < total_steps and not stopping:
             batches = task.train_batches(epoch, cfg.batch_size, cfg.seed)
             while batch_in_epoch + per_step <= len(batches) and step < total_steps:
+                share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
                 model.train()
                 group = batches[batch_in_epoch : batch_in_epoch + per_step]
                 if ctx.enabled:  # this rank's share of the step's window: window[rank::world]

@@ -32,7 +32,7 @@ def test_the_report_divides_the_medians_of_its_rounds(capsys):
     args = argparse.Namespace(steps=None, model="multi30k-en-de", repeats=3, goal=2.5)
     report([old, fix], args, load_before=1.0)
     out = capsys.readouterr().out
-    assert "| old | GOMP_SPINCOUNT=300000 | 11.0 (10.0-12.0) | >=250.0 (200.0-300.0) | **>=22.73x** |" in out
+    assert "| old | AIAYN_SHARE_CPUS=0 GOMP_SPINCOUNT=300000 | 11.0 (10.0-12.0) | >=250.0 (200.0-300.0) | **>=22.73x** |" in out
     assert "| aiayn | (the command's default) | 11.0 | 22.0 (21.0-23.0) | **2.00x** |" in out
     assert "| 4.00 | 0.50 | 8.00x |" in out and "| 3.60 | 2.00 | 1.80x |" in out
     assert "aiayn / old, alone (1.00 = no loss): A's wall time 1.00, A's loop 1.10, B's rate 0.90" in out
