@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from aiayn.cpu_share import share_cores
 from aiayn.device import autocast, model_device, to_device
 from aiayn.generate.constrain import ConstraintError, GrammarConstraint
 from aiayn.generate.step import decode_step
@@ -294,6 +295,7 @@ class Engine(PagedSteps):
                 if self._stopping:
                     return
             try:
+                share_cores()  # this server's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
                 self.step()
             except Exception as exc:  # a bug: fail what is running, keep serving
                 logger.exception("engine step failed")
