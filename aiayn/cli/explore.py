@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from aiayn.cli.app import cli, device_option, one_model, resolve_device
+from aiayn.cli.app import cli, device_option, one_model, resolve_device, threads_option, use_threads
 
 
 @cli.command("explore")
@@ -22,8 +22,9 @@ from aiayn.cli.app import cli, device_option, one_model, resolve_device
               help="Port to listen on (0: any free port).")
 @click.option("--no-open", is_flag=True, help="Print the URL without opening a browser.")
 @device_option
+@threads_option
 def explore_cmd(run_dir: Path | None, model_path: Path | None, host: str, port: int, no_open: bool,
-                device: str = "auto") -> None:
+                device: str = "auto", threads: int | None = None) -> None:
     """Look inside a model in the browser: attention (cross-attention too), decoding step by step
     with the KV cache, the beam-search tree, positional encodings, the training run.
 
@@ -34,6 +35,7 @@ def explore_cmd(run_dir: Path | None, model_path: Path | None, host: str, port: 
     from aiayn.explore.server import ServeError, check_port, serve
 
     where = resolve_device(device)
+    use_threads(threads)
     one_model(run_dir, model_path)
     model_path = resolve_model(run_dir, model_path)  # a shipped name, or SmolLM2 by default
     try:

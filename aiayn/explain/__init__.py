@@ -56,7 +56,8 @@ def run_topic(name: str, out_dir: Path, *, quick: bool = False, command: str | N
     report = module.run(out_dir, quick=quick, **extra)
     report.seconds = time.perf_counter() - start
     command = command or f"aiayn explain {name}" + (" --quick" if quick else "")
-    (out_dir / f"{name}.md").write_text(report.markdown(command), encoding="utf-8")
+    source = f"aiayn/explain/{TOPICS[name]}.py"  # the module's file, not the topic's name (masks: masking.py)
+    (out_dir / f"{name}.md").write_text(report.markdown(command, source), encoding="utf-8")
     return report
 
 
