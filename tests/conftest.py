@@ -16,12 +16,16 @@ leaves them out (scripts/gpu-check.sh does). In tests/parity and tests/consisten
 or the other: a test with neither fails, so a new test decides where it runs.
 
 Shared fixtures beside those: ``run_aiayn``, the CLI run in this process (exit code, stdout,
-stderr; no traceback allowed).
+stderr; no traceback allowed), and ``run_aiayn_process``, the command in a child process, for what
+needs one (the installed command itself, stdin, an environment of its own). A child process costs
+the imports again (about 2 s of CPU): ``run_aiayn`` is the default.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -124,5 +128,19 @@ def run_aiayn(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, st
         captured = capsys.readouterr()
         assert "Traceback" not in captured.err, captured.err
         return exit_info.value.code or 0, captured.out, captured.err
+
+    return run
+
+
+@pytest.fixture
+def run_aiayn_process() -> Callable[..., subprocess.CompletedProcess]:
+    """``python -m aiayn ARGS`` in a child process: ``run_aiayn_process("translate", ...,
+    stdin="...", env={"AIAYN_DATA_DIR": ...}, timeout=300)`` returns the CompletedProcess (text
+    output captured; ``env`` adds to this process's environment)."""
+
+    def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "aiayn", *args], capture_output=True, text=True,
+                              input=stdin, timeout=timeout, env={**os.environ, **(env or {})})
 
     return run
