@@ -17,26 +17,23 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-from serve_helpers import MODEL_NAME, live_server, tiny_text_model
+from serve_helpers import MODEL_NAME
 from test_no_device_reads import device_path
 
 from aiayn.generate import SamplingConfig
 from aiayn.generate.sampling import sample_next
-from aiayn.serve import ServedModel, build_state
 from aiayn.serve.engine import Request, SamplingParams
 from aiayn.serve.sampler import choose
 
 
 @pytest.fixture(scope="module")
-def lm():
-    return tiny_text_model()
+def lm(tiny_lm):
+    return tiny_lm
 
 
 @pytest.fixture(scope="module")
-def client(lm):
-    state, _ = build_state(ServedModel(MODEL_NAME, lm=lm), max_batch=4, context=256, prefill_chunk=16)
-    with live_server(state) as url:
-        yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+def client(tiny_lm_client):
+    return tiny_lm_client
 
 
 def reference_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int],

@@ -27,7 +27,7 @@ import openai
 import pytest
 import torch
 from pydantic import BaseModel
-from serve_helpers import MODEL_NAME, live_server, tiny_text_model
+from serve_helpers import MODEL_NAME, live_server
 
 from aiayn.generate import SamplingConfig
 from aiayn.generate.constrain import GrammarConstraint
@@ -62,15 +62,13 @@ CLOSERS = {'"': 8.0, "}": 6.0, "]": 4.0, ",": 3.0}  # the bias on a token holdin
 
 
 @pytest.fixture(scope="module")
-def lm():
-    return tiny_text_model()
+def lm(tiny_lm):
+    return tiny_lm
 
 
 @pytest.fixture(scope="module")
-def server(lm):
-    state, _ = build_state(ServedModel(MODEL_NAME, lm=lm), max_batch=4, context=256, prefill_chunk=16)
-    with live_server(state) as url:
-        yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+def server(tiny_lm_client):
+    return tiny_lm_client
 
 
 @pytest.fixture(scope="module")
