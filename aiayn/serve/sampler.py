@@ -25,7 +25,8 @@ Shape letters: m rows of the forward, v vocabulary, k alternatives reported.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -169,7 +170,8 @@ def choose(logits: Tensor, requests: Sequence[Request],
         apply_adjustments(logits, adjusted)
     constraints = [r.constraint for r in requests]
     if any(c is not None for c in constraints):
-        mask_rows(logits, constraints)
+        with one_thread(logits.device):
+            mask_rows(logits, constraints)
     chosen = logits.argmax(dim=-1)  # (m,) greedy, replaced where a request samples
     # sample_next's ids so far: none, so its own repetition penalty does nothing (applied above).
     no_history = logits.new_empty(1, 0, dtype=torch.long)
@@ -191,6 +193,29 @@ def choose(logits: Tensor, requests: Sequence[Request],
         info = None if top is None else token_logprob(decode, token, row[1], row[2: 2 + top], row[2 + k: 2 + k + top])
         out.append((token, info))
     return out
+
+
+@contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """Run the block on one torch thread when ``device`` is the CPU (the count is given back after).
+
+    For the grammar mask: unpacking a 49k-token bitmask and its masked fill are a few dozen
+    microseconds of work each, but over 32,768 elements torch opens an OpenMP parallel region for
+    each, and on cores shared with other jobs a region waits until every one of its threads has been
+    scheduled. SmolLM2's mask alone (``apply_bitmask``, a 49,152-token vocabulary; 2026-11-27, the
+    2 cores shared, load average 18): 8 rows took 56 ms median at 2 threads and 2.0 ms on one; one
+    row 4.4-5.4 ms mean (a tenth of the calls over 0.3 ms, the worst 96-156 ms) against 0.7-1.7 ms.
+    One thread opens no region. (torch's thread count is the process's: this is for the engine
+    thread, the one that computes.)"""
+    before = torch.get_num_threads()
+    if device.type != "cpu" or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def token_logprob(decode: Callable[[list[int]], str], token: int, logprob: float, values: list[float],
