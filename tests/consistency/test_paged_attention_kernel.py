@@ -19,14 +19,20 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_spies import count_calls
+from random_weights import randomize_
 from test_paged_kv_cache import BLOCK, PagedDriver
 from test_row_kv_cache import decoder_only, sequences, staggered_schedule
 from torch.testing import assert_close
 
 from aiayn.fast import optimize, paged_attention, plain_torch
 from aiayn.fast.paged_attention_build import kernel_ops
-from aiayn.nn.attention import scaled_dot_product_attention
+from aiayn.generate import SamplingConfig
+from aiayn.models import DecoderOnly, get_preset
+from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
 from aiayn.nn.block_pool import NULL_BLOCK
+from aiayn.serve.blocks import block_plan
+from aiayn.serve.engine import Engine, Request, SamplingParams, slot_plan
+from aiayn.textgen import TextModel
 
 # The kernel is CPU code (aiayn.fast): once, on the CPU.
 pytestmark = pytest.mark.cpu_only
@@ -72,12 +78,13 @@ def in_slots(pool: torch.Tensor, table: torch.Tensor, lengths: list[int], t_k: i
     return slots
 
 
+@pytest.mark.parametrize("d_h", [64, 16])  # 64: the AVX-512 path where the CPU has it; 16: the plain loops
 @pytest.mark.parametrize("t_q", [1, 3])
 @pytest.mark.parametrize(("h", "h_kv"), [(4, 4), (6, 2), (4, 1)])
-def test_the_kernel_equals_the_gather_and_the_slots(ops, h: int, h_kv: int, t_q: int) -> None:
+def test_the_kernel_equals_the_gather_and_the_slots(ops, h: int, h_kv: int, t_q: int, d_h: int) -> None:
     """Ragged rows (a padding row with no key among them), two sharing a prefix; t_q > 1 under a
     position-causal mask (each row's queries are its last t_q tokens)."""
-    lengths, d_h, block = [7, 13, 16, 0, 1, 30], 16, 4
+    lengths, block = [7, 13, 16, 0, 1, 30], 4
     k, v, table = random_pool(lengths, h_kv=h_kv, d_h=d_h, block=block, share=2, seed=h + h_kv + t_q)
     b, t_k = len(lengths), max(lengths)
     q = torch.randn(b, h, t_q, d_h, generator=torch.Generator().manual_seed(7))
@@ -97,10 +104,11 @@ def test_the_kernel_equals_the_gather_and_the_slots(ops, h: int, h_kv: int, t_q:
     assert bool((out[3] == 0).all())  # the row with no key: zeros, not NaN
 
 
-def test_without_a_mask_and_with_a_wider_strided_mask(ops) -> None:
+@pytest.mark.parametrize("d_h", [32, 8])
+def test_without_a_mask_and_with_a_wider_strided_mask(ops, d_h: int) -> None:
     """No mask: every slot [0, t_k) is a key. A mask that is a slice of a wider buffer (the cache's
     ``valid[:, :length]``, strided) and broadcast over the rows."""
-    lengths, d_h, block = [12, 12, 12], 8, 4
+    lengths, block = [12, 12, 12], 4
     k, v, table = random_pool(lengths, h_kv=2, d_h=d_h, block=block, share=3, seed=1)
     q = torch.randn(3, 4, 1, d_h, generator=torch.Generator().manual_seed(2))
     keys, values = gathered(k, table, 12), gathered(v, table, 12)
@@ -111,13 +119,18 @@ def test_without_a_mask_and_with_a_wider_strided_mask(ops) -> None:
                  scaled_dot_product_attention(q, keys, values, mask=mask)[0])
 
 
+def test_the_avx512_path_is_built_where_the_cpu_has_it(ops) -> None:
+    with open("/proc/cpuinfo") as f:
+        assert ops.has_avx512() == ("avx512f" in f.read())
+
+
 def test_it_splits_its_work_over_torch_threads_with_the_same_result(ops) -> None:
     """Built with OpenMP (at::parallel_for runs serially without it); each task owns whole rows x
     key/value heads, so the result does not depend on the thread count."""
     assert ops.parallel(), "the kernel was built without OpenMP: it runs on one thread"
     lengths = [9, 33, 20, 5]
-    k, v, table = random_pool(lengths, h_kv=3, d_h=16, block=8, share=1, seed=4)
-    q = torch.randn(4, 9, 1, 16, generator=torch.Generator().manual_seed(5))
+    k, v, table = random_pool(lengths, h_kv=3, d_h=128, block=8, share=1, seed=4)
+    q = torch.randn(4, 9, 1, 128, generator=torch.Generator().manual_seed(5))
     mask = (torch.arange(33)[None] < torch.tensor(lengths)[:, None])[:, None, None, :]
     before = torch.get_num_threads()
     try:
@@ -142,8 +155,17 @@ def test_bad_input_gets_one_clear_error(ops) -> None:
 
 
 # ---- through the model -------------------------------------------------------------------------
-def kernel_model(positional: str = "rope", n_kv_heads: int | None = 2):
-    return optimize(decoder_only(positional, n_kv_heads, device=torch.device("cpu")), mode="inference")
+def kernel_model(positional: str = "rope", n_kv_heads: int | None = 2, head_dim: int = 8):
+    """test_row_kv_cache.py's seeded gpt-tiny (heads of 8: the kernel's plain loops), or with two
+    query heads of ``head_dim`` (32: its AVX-512 path), through ``aiayn.fast.optimize``."""
+    if head_dim == 8:
+        model = decoder_only(positional, n_kv_heads, device=torch.device("cpu"))
+    else:
+        torch.manual_seed(0)
+        config = get_preset("gpt-tiny", positional=positional, n_kv_heads=n_kv_heads, pad_id=None,
+                            d_model=2 * head_dim, n_heads=2)
+        model = randomize_(DecoderOnly(config), 0).eval()
+    return optimize(model, mode="inference")
 
 
 class TwinDriver(PagedDriver):
@@ -180,13 +202,14 @@ class TwinDriver(PagedDriver):
             self.fed[row] = end
 
 
-@pytest.mark.parametrize(("positional", "n_kv_heads"), [("rope", 2), ("rope", None), ("learned", 1)])
+@pytest.mark.parametrize(("positional", "n_kv_heads", "head_dim"),
+                         [("rope", 2, 8), ("rope", None, 8), ("learned", 1, 8), ("rope", 1, 32), ("rope", None, 32)])
 def test_a_model_over_the_paged_cache_equals_the_slots_and_the_rows_alone(
-        ops, monkeypatch, positional: str, n_kv_heads: int | None) -> None:
+        ops, monkeypatch, positional: str, n_kv_heads: int | None, head_dim: int) -> None:
     """Rows join, prefill beside decoding rows, swap, leave and are reused (blocks of 4): at every
     forward the kernel's logits equal the fixed slots' (plain SDPA) and each row equals the row alone."""
     calls = count_calls(monkeypatch, paged_attention, "kernel_ops")
-    staggered_schedule(TwinDriver(kernel_model(positional, n_kv_heads), rows=3, max_len=16))
+    staggered_schedule(TwinDriver(kernel_model(positional, n_kv_heads, head_dim), rows=3, max_len=16))
     assert calls, "the kernel never ran"
 
 
@@ -194,7 +217,7 @@ def test_shared_prefix_rows_decode_with_the_kernel(ops, monkeypatch) -> None:
     """Rows that adopt another row's prompt blocks (a prefix-cache hit) decode step by step with the
     kernel and equal the row alone."""
     calls = count_calls(monkeypatch, paged_attention, "kernel_ops")
-    driver = PagedDriver(kernel_model(), rows=3, max_len=24)
+    driver = PagedDriver(kernel_model(head_dim=32), rows=3, max_len=24)
     a, b, c = sequences([20, 22, 21], device=torch.device("cpu"))
     b[: 2 * BLOCK], c[: 2 * BLOCK] = a[: 2 * BLOCK], a[: 2 * BLOCK]
     driver.start(0, a)
@@ -206,3 +229,47 @@ def test_shared_prefix_rows_decode_with_the_kernel(ops, monkeypatch) -> None:
     for _ in range(8):
         driver.forward(0, [1, 1, 1])
     assert calls, "the kernel never ran"
+
+
+# ---- the serve engine --------------------------------------------------------------------------
+def engine_answers(lm: TextModel, prompts: list[list[int]], *, paged: bool) -> list[list[int]]:
+    """Each prompt's 12 greedy tokens from the serve engine (paged blocks of 8, or the fixed slots),
+    the prompts submitted two steps apart (prefill chunks of 16 beside decoding rows)."""
+    kwargs = dict(max_batch=4, context=128, budget=1 << 30, kv_cache=None)
+    plan = block_plan(lm, block_size=8, **kwargs) if paged else slot_plan(lm, **kwargs)
+    engine = Engine(lm, plan, prefill_chunk=16)
+    sinks: list[list] = []
+    for ids in prompts:
+        events: list = []
+        engine.submit(Request(ids, SamplingParams(sampling=SamplingConfig(temperature=0.0), max_tokens=12),
+                              events.append))
+        sinks.append(events)
+        engine.step()
+        engine.step()
+    for _ in range(500):
+        if all(events and events[-1].finish_reason is not None for events in sinks):
+            return [[e.token for e in events] for events in sinks]
+        engine.step()
+    raise AssertionError("the engine did not finish")
+
+
+def test_the_serve_engine_gives_the_same_greedy_tokens_with_the_kernel(ops, monkeypatch) -> None:
+    """A LLaMA-style model (GQA, heads of 32) through aiayn.fast.optimize, as ``aiayn serve`` loads
+    it: over the paged cache its greedy tokens with the kernel equal those without it (the gather)
+    and those over the fixed slots."""
+    torch.manual_seed(0)
+    config = get_preset("llama-tiny", vocab_size=300, max_seq_len=128, d_model=128, n_heads=4, n_kv_heads=2)
+    model = optimize(randomize_(DecoderOnly(config), 0).eval(), mode="inference")
+    lm = TextModel(model, lambda text: [], lambda ids: " ".join(map(str, ids)), 128)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 40, 17, 70, 9)]
+    calls = count_calls(monkeypatch, paged_attention, "kernel_ops")
+    with_kernel = engine_answers(lm, prompts, paged=True)
+    assert calls, "the kernel never ran"
+    calls.clear()
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            monkeypatch.setattr(module, "cache_kernel", None)
+    assert engine_answers(lm, prompts, paged=True) == with_kernel
+    assert engine_answers(lm, prompts, paged=False) == with_kernel
+    assert not calls
