@@ -45,6 +45,7 @@ ENV_SWITCH = "AIAYN_SHARE_CPUS"  # "0" (or "off", "false", "no"): never register
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # a user's count: torch takes it, so do we
 CHECK_EVERY = 0.5  # seconds between two looks at the registry (the first call looks at once)
 BUSY_FOR = 2.0  # seconds a renewal counts the process busy (at least; 3 gaps between safe points)
+MAX_GAP = 10.0  # a longer gap between safe points was idle time (waiting for input), not a slow step
 FOLDER_NAME = "aiayn-cpu-share"
 
 
@@ -215,7 +216,7 @@ class CpuShare:
             self._next_check = now + CHECK_EVERY
             if self._register() is None:
                 return
-            self.renew(now + max(BUSY_FOR, 3 * gap))
+            self.renew(now + max(BUSY_FOR, 3 * min(gap, MAX_GAP)))
             self._adjust(self.busy_processes(now))
         except OSError:  # the folder went away or is unreadable: stop sharing, keep computing
             self.off = True

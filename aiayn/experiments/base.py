@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from aiayn.config import ConfigError, ModelConfig, TrainConfig
+from aiayn.cpu_share import keep_thread_count
 from aiayn.tasks.base import get_task
 from aiayn.train.checkpoint import latest_checkpoint
 from aiayn.train.run_dir import (
@@ -144,6 +145,7 @@ def run_variant(experiment: Experiment, variant: Variant, run_dir: Path, budget:
 
     if threads is not None:
         torch.set_num_threads(threads)
+    keep_thread_count()  # a variant's numbers must not depend on --jobs or other jobs (aiayn/cpu_share.py)
     state = variant_state(variant, run_dir)
     if state == "measured":
         return json.loads((run_dir / RESULT).read_text(encoding="utf-8"))
