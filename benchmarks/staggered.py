@@ -26,7 +26,9 @@ token), time to first token p50 / p99, and the most requests running at once. ``
 runs the three N times, interleaved (slots, paged, transformers, slots, ...); the table has every
 run and the ratios are medians over the rounds with their range. Goals (issue 35): paged >= 1.3x
 the fixed slots' and >= 1.5x transformers' static batch throughput at equal memory, TTFT p99 <= 2 s
-(the paged engine here serves up to ``--max-batch`` (16) requests at once).
+(the paged engine here serves up to ``--max-batch`` (16) requests at once). ``--gather-row`` adds
+the paged engine without ``aiayn.fast``'s paged-attention kernel (every row's blocks gathered for
+SDPA, as before the kernel) to each round.
 
     flock /tmp/aiayn-bench.lock python -m benchmarks.staggered
     python -m benchmarks.staggered --quick
@@ -58,7 +60,7 @@ from benchmarks.common import (
 )
 
 HF = "transformers static batch"
-SLOTS, PAGED = "fixed slots", "paged"
+SLOTS, PAGED, GATHER = "fixed slots", "paged", "paged, gather (no paged-attention kernel)"
 
 
 @dataclass
@@ -81,12 +83,13 @@ def workload(args: argparse.Namespace) -> list[Job]:
     return jobs
 
 
-def figures(tokens: int, seconds: float, ttft: list[float], most: int) -> dict[str, float]:
-    """One run's figures: throughput, TTFT p50 / p99 (``ttft`` in seconds, one per request)."""
-    ttft = sorted(ttft)
+def figures(tokens: int, seconds: float, ttft: list[float], most: int, failed: int = 0) -> dict[str, float]:
+    """One run's figures: throughput, TTFT p50 / p99 (``ttft`` in seconds, one per request answered),
+    and how many requests failed (an engine error: no token)."""
+    ttft = sorted(ttft) or [float("nan")]
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
-            "most_running": most}
+            "most_running": most, "failed": failed}
 
 
 def run(engine, jobs: list[Job]) -> dict[str, float]:
@@ -117,7 +120,9 @@ def run(engine, jobs: list[Job]) -> dict[str, float]:
         while not done.acquire(timeout=0.05):
             most = max(most, engine.running)
     end = max(r.last_token_at for r in requests)
-    return figures(sum(tokens), end - start, [r.first_token_at - r.arrived for r in requests], most)
+    answered = [r for r in requests if r.first_token_at is not None]
+    return figures(sum(tokens), end - start, [r.first_token_at - r.arrived for r in answered], most,
+                   len(requests) - len(answered))
 
 
 def hf_model():  # -> a transformers LlamaForCausalLM, float32, SmolLM2's GGUF weights
@@ -206,14 +211,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--hf-batch", type=int, help="transformers' static batch size (default: --slots, equal memory)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    parser.add_argument("--gather-row", action="store_true",
+                        help="add the paged engine without the paged-attention kernel (gather + SDPA)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.answer = min(args.requests, 16), [8, 48]
     args.hf_batch = args.hf_batch or args.slots
     setup(args)
+    from aiayn.cpu_share import keep_thread_count
+    from aiayn.nn.attention import MultiHeadAttention
     from aiayn.serve.blocks import block_plan
     from aiayn.serve.engine import Engine, slot_plan
 
+    keep_thread_count()  # every peer on --threads, whatever other aiayn jobs run (aiayn/cpu_share.py)
     torch.set_num_threads(1)  # the engine thread takes --threads (as aiayn serve does)
     lm = smollm2_text_model()
     hf = None if args.no_hf else hf_model()
@@ -221,6 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     budget *= args.slots
     plans = {SLOTS: slot_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None),
              PAGED: block_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None)}
+    if args.gather_row:
+        plans[GATHER] = plans[PAGED]
+    kernels = {m: m.cache_kernel for m in lm.model.modules() if isinstance(m, MultiHeadAttention)}
     for plan in plans.values():
         print(plan.describe(budget), flush=True)
     jobs = workload(args)
@@ -230,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     results: list[tuple[str, dict[str, float]]] = []
     for _ in range(args.repeats):
         for label, plan in plans.items():
+            for module, kernel in kernels.items():
+                module.cache_kernel = None if label == GATHER else kernel
             engine = Engine(lm, plan, prefill_chunk=256, threads=args.threads)
             engine.start()
             try:
@@ -237,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                 results.append((label, run(engine, jobs)))
             finally:
                 engine.stop()
+                for module, kernel in kernels.items():
+                    module.cache_kernel = kernel
             report(label, results[-1][1])
         if hf is not None:
             results.append((HF, static_batches(hf, jobs, args.hf_batch, lm.eos_id, args.threads)))
@@ -246,9 +263,9 @@ def main(argv: list[str] | None = None) -> None:
            f"{args.short[0]}-{args.short[1]} tokens ({args.long[0]}-{args.long[1]} for {args.long_share:.0%}), "
            f"answers {args.answer[0]}-{args.answer[1]} (offered: {offered:.1f} answer tokens/s over the "
            f"arrivals); KV budget = {args.slots} slots of {args.context} tokens; {args.threads} thread(s)", args)
-    print(table(["peer", "answer tokens", "seconds", "tokens/s", "TTFT p50 s", "TTFT p99 s", "most running"],
+    print(table(["peer", "answer tokens", "seconds", "tokens/s", "TTFT p50 s", "TTFT p99 s", "most running", "failed"],
                 [[label if label != HF else f"{HF} of {args.hf_batch}", r["tokens"], f"{r['seconds']:.1f}",
-                  f"{r['tokens_per_s']:.2f}", f"{r['ttft_p50']:.2f}", f"{r['ttft_p99']:.2f}", r["most_running"]]
+                  f"{r['tokens_per_s']:.2f}", f"{r['ttft_p50']:.2f}", f"{r['ttft_p99']:.2f}", r["most_running"], r["failed"]]
                  for label, r in results]))
     rounds = [dict(results[k: k + len(results) // args.repeats])
               for k in range(0, len(results), len(results) // args.repeats)]
@@ -258,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     if hf is not None:
         print(spread_line(f"paged / {HF} of {args.hf_batch} throughput",
                           [r[PAGED]["tokens_per_s"] / r[HF]["tokens_per_s"] for r in rounds], 1.5))
+    if args.gather_row:
+        print(spread_line("paged with the kernel / paged, gather", [r[PAGED]["tokens_per_s"] / r[GATHER]["tokens_per_s"]
+                                                                   for r in rounds], 1.0))
     p99 = [r[PAGED]["ttft_p99"] for r in rounds]
     print(f"* paged TTFT p99 (up to {args.max_batch} at once): **{statistics.median(p99):.2f} s** "
           f"({', '.join(f'{p:.2f}' for p in p99)}; goal <= 2 s: {'met' if statistics.median(p99) <= 2 else 'MISSED'})")
@@ -266,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(label: str, r: dict[str, float]) -> None:
     print(f"{label}: {r['tokens']} tokens in {r['seconds']:.1f} s, {r['tokens_per_s']:.2f} tokens/s, TTFT p50 "
-          f"{r['ttft_p50']:.2f} s p99 {r['ttft_p99']:.2f} s, at most {r['most_running']} running (load average "
+          f"{r['ttft_p50']:.2f} s p99 {r['ttft_p99']:.2f} s, at most {r['most_running']} running, {r['failed']} failed (load average "
           f"{os.getloadavg()[0]:.1f})", flush=True)
 
 
