@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import stat
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +49,8 @@ CHECK_EVERY = 0.5  # seconds between two looks at the registry (the first call l
 BUSY_FOR = 2.0  # seconds a renewal counts the process busy (at least; 3 gaps between safe points)
 MAX_GAP = 10.0  # a longer gap between safe points was idle time (waiting for input), not a slow step
 FOLDER_NAME = "aiayn-cpu-share"
+
+logger = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
@@ -126,7 +130,7 @@ class CpuShare:
     """The registry of busy aiayn processes, seen from this one (one instance per process:
     ``SHARE``). ``folder``/``clock``/``pid`` are for tests."""
 
-    def __init__(self, folder: Path | None = None, *, clock=time.time, pid: int | None = None) -> None:
+    def __init__(self, folder: Path | None = None, *, clock: Callable[[], float] = time.time, pid: int | None = None) -> None:
         self._folder = folder
         self._clock = clock
         self.pid = os.getpid() if pid is None else pid
@@ -155,6 +159,12 @@ class CpuShare:
             return None
         self._file = path
         return path
+
+    def forked(self) -> None:
+        """In a forked child (a data-loading worker): a process of its own, registered on its own
+        first safe point; its parent's file is the parent's."""
+        self.pid, self._file, self._next_check, self._last_call = os.getpid(), None, 0.0, None
+        self._lock = threading.Lock()
 
     def unregister(self) -> None:
         """Remove this process's file (at exit)."""
@@ -237,7 +247,8 @@ class CpuShare:
         if state.kept or self.keep:
             return
         wanted = fair_share(state.full, busy)
-        if wanted != current:
+        if wanted != current:  # logged: a job that slows down says why (logging at DEBUG)
+            logger.debug("%d busy aiayn processes: %d threads instead of %d", busy, wanted, current)
             torch.set_num_threads(wanted)
         state.last_set = wanted
 
@@ -252,6 +263,8 @@ def default_threads() -> int:
 
 SHARE = CpuShare()
 atexit.register(SHARE.unregister)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=SHARE.forked)
 
 
 def share_cores() -> None:

@@ -209,3 +209,20 @@ def test_two_real_processes_see_each_other_and_drop_to_half(tmp_path):
     assert back_at < second_ended + cpu_share.BUSY_FOR + cpu_share.CHECK_EVERY + 1.0
     folder = tmp_path / f"{cpu_share.FOLDER_NAME}-{os.getuid()}"
     assert (folder / str(first.pid)).exists() and not (folder / str(second.pid)).exists()  # killed; exited
+
+
+def test_a_forked_child_is_a_process_of_its_own(machine, tmp_path):
+    share = CpuShare(tmp_path, clock=Clock())
+    share.share_cores()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its first safe point registers it under its own pid
+        share.forked()
+        share.share_cores()
+        os.write(write, f"{share.pid} {(tmp_path / str(share.pid)).exists()}".encode())
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 100).decode().split()
+    os.waitpid(child, 0)
+    assert answer == [str(child), "True"]
+    assert (tmp_path / str(os.getpid())).exists()  # the parent's file is the parent's
