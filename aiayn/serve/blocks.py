@@ -269,8 +269,11 @@ class PagedSteps:
         assert self.blocks is not None and isinstance(self.cache, PagedKVCache)
         while self.rows:
             need = sum(self.cache.blocks_for(row, 1) for row in range(self.n_decode))
-            need += sum(self.cache.blocks_for(self.n_decode + i, take)
-                        for i, (_, take) in enumerate(self._prefill_batch()))
+            # A row whose prompt ends in this step's chunk joins the decode forward of the same step:
+            # its chunk and that one token.
+            need += sum(self.cache.blocks_for(self.n_decode + i,
+                                              take + (request.fed + take == len(self._sequence(request))))
+                        for i, (request, take) in enumerate(self._prefill_batch()))
             if need <= self.cache.pool.available:
                 return
             victim = self.blocks.newest(self.rows)

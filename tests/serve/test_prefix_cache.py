@@ -201,3 +201,23 @@ def test_a_preempted_request_cancelled_while_it_waits_leaves_nothing_behind(lm):
     engine.step()
     assert blocks.resumed == set() and not blocks._sequence and not blocks._admitted and not blocks._decoded
     assert blocks.cache.pool.used == 0
+
+
+def test_a_prompt_that_ends_on_a_block_boundary_gets_a_block_for_its_first_decode(lm):
+    """A row whose prompt ends in a step's chunk decodes in the same step. Its prompt (16 tokens)
+    fills its 2 blocks exactly and the other row holds the pool's other 2: the step must count that
+    row's decode token and preempt, not fail for want of a block (as it once did). The answers equal
+    the fixed slots' on the same schedule."""
+
+    def schedule(engine: Engine) -> list[list[int]]:
+        first = submit(engine, prompt(5, 0), max_tokens=20)
+        for _ in range(6):  # the first row's 5 + 6 tokens: 2 blocks, room left in the second
+            engine.step()
+        second = submit(engine, prompt(16, 1), max_tokens=4)
+        run_until_done(engine, [first, second])
+        assert all(e.error is None for e in first.events + second.events)
+        return [first.tokens, second.tokens]
+
+    expected = schedule(slots_engine(lm, rows=2, context=64))
+    engine = paged_engine(lm, rows=2, context=64, blocks=4, prefix_caching=False)
+    assert schedule(engine) == expected and engine.metrics.preemptions._value.get() > 0
