@@ -24,8 +24,9 @@ Fair share on a machine with two busy jobs is half the cores each, so A beside B
 its time alone; the goal (issue 34) is at most 2.5x, with nothing lost alone (aiayn / old, A and B
 alone, about 1.0). A run of A beside B is stopped after ``--timeout-factor`` times its time alone
 (reported as ">=": the slowdown is at least that). Each figure is the median of the rounds, with
-their range; the load average is printed before and after (other jobs on the machine make every
-figure rough).
+their range; the load average is printed before and after, and each round says how many other
+busy aiayn processes the sharing registry held before it (other jobs on the machine make every
+figure rough; under the ``aiayn`` policy, A "alone" makes room for those aiayn jobs too).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiayn import cpu_share
 from benchmarks.common import ROOT, table
 
 # The OpenMP spin settings a job's environment may carry (libgomp's, the standard one, Intel's and
@@ -177,8 +179,16 @@ def train(env: dict[str, str], steps: int | None, timeout: float | None) -> tupl
         return wall, loop, False
 
 
+def other_aiayn_jobs() -> int:
+    """Busy aiayn processes of this user now (aiayn/cpu_share.py's registry): under the ``aiayn``
+    policy, A "alone" shares the cores with these too."""
+    folder = cpu_share.registry_folder()
+    return cpu_share.CpuShare(folder).busy_processes(time.time()) if folder is not None else 0
+
+
 def one_round(policy: Policy, args: argparse.Namespace) -> None:
     env = policy.environment()
+    others = other_aiayn_jobs()
     wall, loop, _ = train(env, args.steps, None)
     policy.a_alone.append(wall)
     policy.a_alone_loop.append(loop)
@@ -197,7 +207,8 @@ def one_round(policy: Policy, args: argparse.Namespace) -> None:
     policy.a_shared_loop.append(loop)
     policy.a_shared_cut |= cut
     print(f"  round: {policy.name}: A alone {policy.a_alone[-1]:.1f} s, beside B {wall:.1f} s{' (cut)' if cut else ''}; "
-          f"B {policy.b_alone[-1]:.2f} -> {policy.b_shared[-1]:.2f} sentences/s; load {os.getloadavg()[0]:.2f}",
+          f"B {policy.b_alone[-1]:.2f} -> {policy.b_shared[-1]:.2f} sentences/s; load {os.getloadavg()[0]:.2f}; "
+          f"other busy aiayn jobs {others}",
           flush=True)
 
 
