@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from aiayn.cli.app import cli, resolve_device
+from aiayn.cli.app import cli, resolve_device, threads_option, use_threads
 
 
 @cli.command("explain")
@@ -18,7 +18,9 @@ from aiayn.cli.app import cli, resolve_device
 @click.option("--device", default="auto", metavar="DEVICE",
               help="Where the topics that train (additive, shared-qk) train: auto (the first CUDA GPU, else the "
                    "CPU), cpu, cuda, cuda:N or mps; the other topics measure functions on the CPU.  [default: auto]")
-def explain_cmd(topic: str | None, run_all: bool, out: Path, quick: bool, device: str) -> None:
+@threads_option
+def explain_cmd(topic: str | None, run_all: bool, out: Path, quick: bool, device: str,
+                threads: int | None = None) -> None:
     """Answer a classic question about the Transformer by an experiment: print its tables, write
     its plot and its page. Without TOPIC: list the topics."""
     from aiayn.explain import TOPICS, index_page, run_topic
@@ -33,6 +35,7 @@ def explain_cmd(topic: str | None, run_all: bool, out: Path, quick: bool, device
     if topic is not None and topic not in TOPICS:
         raise click.BadParameter(f"unknown topic {topic!r}; topics: {', '.join(TOPICS)}", param_hint="TOPIC")
     where = resolve_device(device)
+    use_threads(threads)  # the timed topics' figures are for this thread count (each page names it)
     for name in TOPICS if run_all else [topic]:
         command = f"aiayn explain {name} --out {out}" + (" --quick" if quick else "")
         report = run_topic(name, out, quick=quick, command=command, device=where)

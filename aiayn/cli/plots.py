@@ -15,6 +15,8 @@ from aiayn.cli.app import (
     device_option,
     one_model,
     resolve_device,
+    threads_option,
+    use_threads,
 )
 from aiayn.train.task import ATTENTION_KINDS
 
@@ -43,8 +45,9 @@ def _out_option(default: str) -> Callable[[Callable[..., Any]], Callable[..., An
               help="PNG file to write (default: <run>/attention.png for the default kind, "
                    "<run>/attention-KIND.png for another; for --model, the same names here).")
 @device_option
+@threads_option
 def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str | None, kind: str | None,
-                       out: Path | None, device: str) -> None:
+                       out: Path | None, device: str, threads: int | None = None) -> None:
     """Attention maps of a trained run or shipped model: a grid of layers x heads, each with its
     colour scale."""
     from aiayn import viz
@@ -53,6 +56,7 @@ def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str |
 
     one_model(run_dir, model_name, required=True)
     where = resolve_device(device)
+    use_threads(threads)
     try:
         path = run_dir if run_dir is not None else resolve_model(model_name or "")
         run = load_run_or_release(path, prepare=False)
@@ -153,9 +157,12 @@ def plot_loss_cmd(run_dir: Path, out: Path | None) -> None:
 
 @cli.command("demo")
 @click.option("--seed", type=SEED_RANGE, default=0, show_default=True, help="Random seed for the weights.")
-def demo_cmd(seed: int) -> None:
+@threads_option
+def demo_cmd(seed: int, threads: int | None = None) -> None:
     """Build each model family and show cached decoding equals recomputation."""
     from aiayn.demo import run_demo
+
+    use_threads(threads)
 
     if not run_demo(click.echo, seed=seed):
         raise SystemExit(1)

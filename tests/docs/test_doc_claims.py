@@ -1,8 +1,10 @@
 """Claims of the pages' prose that the code can answer at once: the commands the README lists, the
-verbs the docs say take ``--threads``, and the packages the README's layout names."""
+verbs that take ``--threads``, ``--prompt -`` as standard input, and the packages the README's
+layout names."""
 
 from __future__ import annotations
 
+import io
 import re
 
 import click
@@ -11,16 +13,6 @@ from test_doc_shell_examples import REPO
 from aiayn.cli import cli
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
-ROBUSTNESS = (REPO / "docs" / "robustness.md").read_text(encoding="utf-8")
-
-
-def command(path: str) -> click.Command:
-    """The click command of ``aiayn PATH`` (``"plot attention"``)."""
-    found: click.Command = cli
-    for name in path.split():
-        assert isinstance(found, click.Group), f"aiayn {path}: {found.name} has no subcommands"
-        found = found.commands[name]
-    return found
 
 
 def test_the_readme_lists_every_command():
@@ -32,14 +24,28 @@ def test_the_readme_lists_every_command():
     assert named == shown, f"listed but not a command: {named - shown}; a command not listed: {shown - named}"
 
 
-def test_the_verbs_said_to_take_threads_take_it():
-    """docs/robustness.md names the verbs that have --threads; each has it."""
-    listed = re.search(r"which every verb that runs a model has: ([a-z ,\n]+);", ROBUSTNESS)
-    assert listed, "docs/robustness.md's list of the verbs with --threads was not found"
-    verbs = [verb.strip() for verb in listed.group(1).replace("\n", " ").split(",")]
-    assert len(verbs) >= 6, verbs
-    without = [verb for verb in verbs if "--threads" not in {o for p in command(verb).params for o in p.opts}]
-    assert not without, f"said to take --threads but do not: {without}"
+def commands(group: click.Group = cli, path: str = "") -> dict[str, click.Command]:
+    """Every command of the CLI, subcommands included, by its path (``"plot attention"``)."""
+    found: dict[str, click.Command] = {}
+    for name, verb in group.commands.items():
+        if isinstance(verb, click.Group):
+            found.update(commands(verb, f"{path}{name} "))
+        else:
+            found[f"{path}{name}"] = verb
+    return found
+
+
+def options(verb: click.Command) -> set[str]:
+    return {name for param in verb.params for name in param.opts}
+
+
+def test_every_verb_that_runs_a_model_takes_threads():
+    """The docs tie speed and reproducibility to the thread count (training.md, robustness.md), so
+    every verb that runs a model (it takes --device) takes --threads (issue 37, point 6)."""
+    running = {path: verb for path, verb in commands().items() if "--device" in options(verb)}
+    assert {"train", "generate", "translate", "evaluate", "embed", "serve", "explore", "explain"} <= set(running)
+    without = sorted(path for path, verb in running.items() if "--threads" not in options(verb))
+    assert not without, f"verbs with --device but no --threads: {without}"
 
 
 def test_the_readme_layout_names_every_package():
@@ -51,3 +57,18 @@ def test_the_readme_layout_names_every_package():
     assert packages <= named, f"packages the README's layout leaves out: {sorted(packages - named)}"
     missing = sorted(name for name in named if not (REPO / "aiayn" / name).exists())
     assert not missing, f"named in the README's layout but not in aiayn/: {missing}"
+
+
+def test_a_dash_prompt_reads_standard_input(run_aiayn, monkeypatch):
+    """docs/pretrained.md: `--prompt -` reads the prompt from stdin, as `translate -` and `embed -`
+    read theirs: the same greedy text as the prompt given as an argument."""
+    args = ("generate", "--model", "shakespeare-char", "--temperature", "0", "--max-new-tokens", "8")
+    code, given, _ = run_aiayn(*args, "--prompt", "ROMEO:")
+    assert code == 0
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ROMEO:\n"), encoding="utf-8"))
+    code, read, _ = run_aiayn(*args, "--prompt", "-")
+    assert (code, read) == (0, given)
+    assert read.startswith("ROMEO:") and len(read) > len("ROMEO:")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe"), encoding="utf-8"))
+    code, _, err = run_aiayn(*args, "--prompt", "-")
+    assert code == 2 and "not UTF-8" in err
