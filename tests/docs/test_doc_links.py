@@ -1,5 +1,5 @@
-"""Every link between the pages of README.md and docs/, and every repository path or test the prose
-names, exists.
+"""Every link between the pages of README.md and docs/ (and the READMEs of results/, recipes/sweeps/
+and aiayn/pretrained/), and every repository path or test their prose names, exists.
 
 What is checked, outside fenced blocks (a block's paths are the reader's: ``runs/...``):
 
@@ -28,6 +28,13 @@ PLACEHOLDER = re.compile(r"\b[A-Z]{2,}\b(?!\.md)|\.\.\.|…|<")  # NAME, XX-YY, 
 FENCE = re.compile(r"^\s*```")
 
 
+# The folders' own READMEs, which a reader reaches from the pages (results/experiments/*/results.md
+# are written by the experiments' code and checked by tests/integration/test_experiments.py).
+FOLDER_READMES = [REPO / "results" / "README.md", REPO / "recipes" / "sweeps" / "README.md",
+                  REPO / "aiayn" / "pretrained" / "README.md"]
+CHECKED = [*PAGES, *FOLDER_READMES]
+
+
 def prose_lines(page: Path) -> list[tuple[int, str]]:
     """(line number, text) of ``page``'s lines outside fenced blocks."""
     lines, inside = [], False
@@ -52,9 +59,10 @@ def where(page: Path, number: int) -> str:
 def test_the_pages_are_found():
     names = {page.relative_to(REPO).as_posix() for page in PAGES}
     assert {"README.md", "docs/architecture.md", "docs/serve.md", "docs/explain/README.md"} <= names
+    assert all(page.is_file() for page in FOLDER_READMES)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(REPO).as_posix())
+@pytest.mark.parametrize("page", CHECKED, ids=lambda page: page.relative_to(REPO).as_posix())
 def test_links_resolve(page: Path) -> None:
     broken = []
     for number, line in prose_lines(page):
@@ -71,7 +79,7 @@ def test_links_resolve(page: Path) -> None:
     assert not broken, "\n".join(broken)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(REPO).as_posix())
+@pytest.mark.parametrize("page", CHECKED, ids=lambda page: page.relative_to(REPO).as_posix())
 def test_named_repository_paths_exist(page: Path) -> None:
     missing = []
     for number, line in prose_lines(page):
@@ -88,7 +96,7 @@ def test_named_repository_paths_exist(page: Path) -> None:
     assert not missing, "paths named in the prose that do not exist:\n" + "\n".join(missing)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(REPO).as_posix())
+@pytest.mark.parametrize("page", CHECKED, ids=lambda page: page.relative_to(REPO).as_posix())
 def test_named_tests_exist(page: Path) -> None:
     missing = []
     for number, line in prose_lines(page):
