@@ -71,9 +71,10 @@ def _row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Tens
     slots already recorded), the layers' writes scattered per row -> logits (b, v).
 
     Every row also attends to its own new key: a row that only pads the batch up to its graph's
-    size (recorded invalid, ``CompiledRows``) and holds no valid key would otherwise attend to
-    nothing and make NaNs, which its next layers would write into its slots; a masked NaN value
-    still poisons a later read (0 x NaN). A real row's new slot is valid already: no change."""
+    size (recorded invalid, ``CompiledRows``) may hold no valid key, and a softmax over no key is
+    NaN in some kernels (torch's CPU SDPA gives zeros, a plain softmax NaN); its next layers would
+    write those NaNs into its slots, and a masked NaN value still poisons a later read (0 x NaN).
+    A real row's new slot is valid already: no change."""
     attend = key_valid.scatter(1, slots, True)  # (b, s_max)
     return _static_step(model, tokens, positions, slots, attend, key_positions, cache)  # type: ignore[arg-type]
 
