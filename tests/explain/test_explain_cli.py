@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from aiayn.cli import main
 from aiayn.explain import TOPICS
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aiayn", "explain", *args], capture_output=True, text=True,
-                          timeout=300)
 
 
 def test_lists_the_topics(capsys):
@@ -23,8 +15,8 @@ def test_lists_the_topics(capsys):
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == list(TOPICS)
 
 
-def test_runs_one_topic_through_the_real_command(tmp_path):
-    result = run_cli("scaling", "--quick", "--out", str(tmp_path))
+def test_runs_one_topic_through_the_real_command(tmp_path, run_aiayn_process):
+    result = run_aiayn_process("explain", "scaling", "--quick", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert "Variance of q·k" in result.stdout and f"page: {tmp_path / 'scaling.md'}" in result.stdout
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"

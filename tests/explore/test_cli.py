@@ -1,5 +1,6 @@
-"""``aiayn explore`` through a subprocess: it serves on 127.0.0.1 and prints the URL, warns when
-bound elsewhere, and refuses bad options in one line (exit code 2) before loading anything."""
+"""``aiayn explore``: through a subprocess, it serves on 127.0.0.1 and prints the URL, warns when
+bound elsewhere; in this process (``run_aiayn``), it refuses bad options in one line (exit code 2)
+before loading anything."""
 
 from __future__ import annotations
 
@@ -20,13 +21,7 @@ from aiayn.explore.server import free_port, is_loopback
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "aiayn", "explore", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
-
-
-def test_usage_errors_are_one_line(tmp_path, char_run):
+def test_usage_errors_are_one_line(tmp_path, char_run, run_aiayn):
     cases = [
         (["--run", str(char_run), "--model", "x.gguf"], "--run and --model name two models; give one"),
         (["--run", str(tmp_path / "none")], "is not a run directory"),
@@ -34,20 +29,20 @@ def test_usage_errors_are_one_line(tmp_path, char_run):
         (["--run", str(char_run), "--port", "70000"], "70000 is not in the range 0<=x<=65535"),
     ]
     for args, needle in cases:
-        result = run_cli(*args, "--no-open")
-        assert result.returncode == 2, (args, result.stderr)
-        assert needle in result.stderr and "Traceback" not in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
+        code, _, err = run_aiayn("explore", *args, "--no-open")  # run_aiayn fails the test on a traceback
+        assert code == 2, (args, err)
+        assert needle in err
+        assert len(err.strip().splitlines()) == 1
 
 
-def test_a_taken_port_is_refused_before_the_model_loads(char_run):
+def test_a_taken_port_is_refused_before_the_model_loads(char_run, run_aiayn):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_cli("--run", str(char_run), "--port", str(port), "--no-open")
-    assert result.returncode == 2
-    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "give another --port" in result.stderr
+        code, _, err = run_aiayn("explore", "--run", str(char_run), "--port", str(port), "--no-open")
+    assert code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "give another --port" in err
 
 
 def read_until(process: subprocess.Popen, marker: str, seconds: float) -> str:

