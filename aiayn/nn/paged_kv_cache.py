@@ -10,12 +10,15 @@ taken from the pool as a row grows (``reserve``) and go back at once when it lea
 ``aiayn.nn.block_pool`` for the reference counts, the prefix index and why no copy-on-write is
 needed). The pool's bookkeeping is host ints only.
 
-Attention over it, with no custom kernel: each layer writes the new keys and values into their
-pool slots (``index_copy_`` at flat slot ids, (b * t,), computed on the host from the tables) and
-then gathers the rows' blocks into the contiguous layout ``F.scaled_dot_product_attention`` wants:
-``index_select`` of whole blocks by the (b, n) block table (padded with the null block), viewed as
-(b, n * block_size, h_kv, d_h) and cut to the extent the rows need. That gather is the price of
-paging on top of ``RowKVCache``'s in-place read (benchmarks/paged_kv_cache.py measures it).
+Attention over it, plain PyTorch (the reference, and the path everywhere but below): each layer
+writes the new keys and values into their pool slots (``store``: ``index_copy_`` at flat slot ids,
+(b * t,), computed on the host from the tables) and then gathers the rows' blocks into the
+contiguous layout ``F.scaled_dot_product_attention`` wants (``gather``: ``index_select`` of whole
+blocks by the (b, n) block table, padded with the null block, viewed as (b, n * block_size, h_kv,
+d_h) and cut to the extent the rows need). That gather is the price of paging on top of
+``RowKVCache``'s in-place read. On the CPU, a model converted by ``aiayn.fast.optimize`` skips it
+for decode steps: ``aiayn.fast.paged_attention`` stores the keys and reads the pool in place through
+``read_blocks`` (a C++ kernel; benchmarks/paged_kv_cache.py measures both).
 
 Everything else is ``RowKVCache``'s contract, so the stacks and the serve engine use it the same
 way: per-row logical ``valid``/``positions``/``lengths`` (causality from positions), views of row

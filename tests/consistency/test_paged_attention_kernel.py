@@ -143,6 +143,19 @@ def test_it_splits_its_work_over_torch_threads_with_the_same_result(ops) -> None
     assert torch.equal(outputs[0], outputs[1])
 
 
+def test_the_op_is_registered_for_torch_compile(ops) -> None:
+    """torch.library's own checks of the op (schema, fake shape function, autograd registration),
+    and a fullgraph trace through it (aot_eager: the graph without Inductor's C++ build)."""
+    lengths = [5, 12, 0]
+    k, v, table = random_pool(lengths, h_kv=2, d_h=32, block=4, share=1, seed=6)
+    q = torch.randn(3, 4, 1, 32, generator=torch.Generator().manual_seed(8))
+    mask = (torch.arange(12)[None] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    torch.library.opcheck(torch.ops.aiayn_paged.attention.default, (q, k, v, table, 12, mask, 0.25))
+    compiled = torch.compile(lambda q: ops.attention(q, k, v, table, 12, mask, 0.25), fullgraph=True,
+                             backend="aot_eager")
+    assert_close(compiled(q), ops.attention(q, k, v, table, 12, mask, 0.25))
+
+
 def test_bad_input_gets_one_clear_error(ops) -> None:
     k, v, table = random_pool([8, 8, 8], h_kv=2, d_h=8, block=4, share=0, seed=0)
     q = torch.randn(3, 4, 1, 8)
