@@ -136,6 +136,17 @@ def test_compile_refuses_the_paged_layout_and_a_quantised_cache(lm: TextModel) -
         Engine(lm, slots, kv_cache="int8", compile=True)
 
 
+def test_compile_takes_the_fixed_slots_and_says_so_at_start_up(tiny_dir) -> None:
+    """Without --kv-layout, --compile serves from fixed slots (the paged default is not compiled)."""
+    from aiayn.serve import build_state, load_served_model
+    from aiayn.serve.engine import SlotPlan
+
+    state, lines = build_state(load_served_model(tiny_dir), max_batch=6, context=48, compile=True)
+    assert state.engine is not None and state.engine.compiled is not None
+    assert isinstance(state.engine.plan, SlotPlan)
+    assert "decode steps compiled, a graph per batch size of 1, 2, 4, 6 rows" in "\n".join(lines)
+
+
 def test_the_cli_refuses_compile_with_the_paged_layout(run_aiayn, tiny_dir) -> None:
     """One line, exit 2, before the model loads (the paged cache's step is not compiled yet)."""
     code, _, err = run_aiayn("serve", "--model", str(tiny_dir), "--compile", "--kv-layout", "paged")
