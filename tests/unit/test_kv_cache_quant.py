@@ -101,17 +101,13 @@ def test_greedy_tokens_mostly_agree_with_the_float_cache(quantize: str, threshol
     assert err < {"int8": 0.02, "int4": 0.3}[quantize]
 
 
-def test_cli_kv_cache_int8_counts_the_scales() -> None:
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, "-m", "aiayn", "kv-cache", "--batch-size", "32", "--n-heads", "32",
-                             "--n-layers", "32", "--d-model", "4096", "--seq-len", "2048", "--dtype", "int8"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+def test_cli_kv_cache_int8_counts_the_scales(run_aiayn) -> None:
+    code, out, err = run_aiayn("kv-cache", "--batch-size", "32", "--n-heads", "32", "--n-layers", "32",
+                               "--d-model", "4096", "--seq-len", "2048", "--dtype", "int8")
+    assert code == 0, err
     # 64 GiB in float32 -> (128 + 2) / 512 of it.
-    assert f"({64 * 2**30 * 130 // 512:,} bytes)" in result.stdout
-    assert "1 x 2 bytes of float16 scales" in result.stdout
+    assert f"({64 * 2**30 * 130 // 512:,} bytes)" in out
+    assert "1 x 2 bytes of float16 scales" in out
 
 
 @pytest.mark.slow
