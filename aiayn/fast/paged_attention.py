@@ -18,7 +18,8 @@ It applies to (and only to), everything else staying on the plain gather + SDPA,
 * at most ``MAX_QUERIES`` new tokens per row (decode steps, short chunks; a long prefill chunk is
   SDPA's matrix products' strength);
 * the cache's masking only: a key mask or a position-causal mask of (b, 1, t_q or 1, t_k), no
-  additive bias (ALiBi, T5) and no slot-order causal flag, no dropout, no weights asked for.
+  additive bias (ALiBi, T5) and no slot-order causal flag, no dropout, no weights asked for, no
+  gradient (the op has no backward).
 
 Equal to the plain path up to float32 rounding: tests/consistency/test_paged_attention_kernel.py.
 The step it speeds up: ``python -m benchmarks.paged_kv_cache`` (the "kernel" column).
@@ -49,6 +50,7 @@ def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionI
     mask = inputs.mask
     return (switch.enabled() and q.device.type == "cpu" and q.dtype == torch.float32
             and cache.k.dtype == torch.float32 and q.dim() == 4 and q.shape[2] <= MAX_QUERIES
+            and not q.requires_grad  # (the op has no backward: decoding runs without gradients)
             and inputs.bias is None and not inputs.causal and inputs.packing is None
             and isinstance(inputs.cache_pos, Tensor) and inputs.cache_pos.dim() == 2
             and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1

@@ -226,6 +226,32 @@ def test_a_model_over_the_paged_cache_equals_the_slots_and_the_rows_alone(
     assert calls, "the kernel never ran"
 
 
+def test_the_plain_path_stays_where_the_kernel_does_not_apply(ops, monkeypatch) -> None:
+    """Prefill chunks (t > 1), a lone row of consecutive blocks (a view, no gather), an additive
+    position bias (ALiBi), ``plain_torch()``: the gather + SDPA, and the rows still equal the rows alone."""
+    calls = count_calls(monkeypatch, paged_attention, "kernel_ops")
+    driver = PagedDriver(kernel_model(head_dim=32), rows=2, max_len=24)
+    a, b = sequences([12, 12], device=torch.device("cpu"))
+    driver.start(0, a)
+    driver.forward(0, [5])  # a prefill chunk
+    driver.forward(0, [1])  # one row, blocks 1-2: read as a view of the pool
+    assert not calls
+    driver.start(1, b)
+    driver.forward(1, [3])
+    with plain_torch():
+        driver.forward(0, [1, 1])
+    assert not calls
+    driver.forward(0, [1, 1])  # two rows decode: the kernel
+    assert calls
+    calls.clear()
+    alibi = PagedDriver(kernel_model("alibi", 1), rows=2, max_len=24)
+    for row, seq in enumerate((a, b)):
+        alibi.start(row, seq)
+    alibi.forward(0, [4, 6])
+    alibi.forward(0, [1, 1])
+    assert not calls
+
+
 def test_shared_prefix_rows_decode_with_the_kernel(ops, monkeypatch) -> None:
     """Rows that adopt another row's prompt blocks (a prefix-cache hit) decode step by step with the
     kernel and equal the row alone."""
