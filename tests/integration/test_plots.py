@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -51,20 +49,17 @@ def test_metrics_plot(tmp_path):
     (["pe-dot"], "dot.png", (700, 400)),
     (["lr", "--warmups", "100,400", "--steps", "1000"], "lr.png", (700, 400)),
 ])
-def test_plot_cli(tmp_path, args, name, size):
+def test_plot_cli(tmp_path, run_aiayn, args, name, size):
+    """In this process (test_shipped_models runs `aiayn plot` as a child process)."""
     out = tmp_path / name
-    result = subprocess.run([sys.executable, "-m", "aiayn", "plot", *args, "--out", str(out)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(out)
+    code, stdout, err = run_aiayn("plot", *args, "--out", str(out))
+    assert code == 0, err
+    assert stdout.strip() == str(out)
     assert png_shape(out) == size
 
 
-def test_plot_cli_errors(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "aiayn", "plot", "pe", "--d-model", "31"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "31 is odd" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "aiayn", "plot", "attention", "--run", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "is not a run directory" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_plot_cli_errors(tmp_path, run_aiayn):
+    code, _, err = run_aiayn("plot", "pe", "--d-model", "31")  # run_aiayn fails the test on a traceback
+    assert code == 2 and "31 is odd" in err
+    code, _, err = run_aiayn("plot", "attention", "--run", str(tmp_path))
+    assert code == 2 and "is not a run directory" in err

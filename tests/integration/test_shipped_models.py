@@ -40,7 +40,7 @@ def test_shakespeare_char_reaches_its_val_loss() -> None:
     assert nll <= EXPECTED["shakespeare-char"][1], nll
 
 
-def test_generate_with_the_shipped_char_model(tmp_path: Path) -> None:
+def test_generate_with_the_shipped_char_model(tmp_path: Path, run_aiayn) -> None:
     proc = subprocess.run([sys.executable, "-m", "aiayn", "generate", "--model", "shakespeare-char", "--prompt",
                            "ROMEO:", "--max-new-tokens", "40", "--seed", "1"], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
@@ -50,11 +50,11 @@ def test_generate_with_the_shipped_char_model(tmp_path: Path) -> None:
     words = [w for w in text.split() if w.isalpha() and w.islower()]
     assert len(words) >= 3  # English-looking words, not noise
 
-    listed = subprocess.run([sys.executable, "-m", "aiayn", "models"], capture_output=True, text=True, timeout=60)
-    assert listed.returncode == 0 and "shakespeare-char" in listed.stdout
+    code, listed, _ = run_aiayn("models")
+    assert code == 0 and "shakespeare-char" in listed
 
 
-def test_plot_attention_of_a_shipped_model_writes_here_not_into_the_package(tmp_path: Path) -> None:
+def test_plot_attention_of_a_shipped_model_writes_here_not_into_the_package(tmp_path: Path, run_aiayn) -> None:
     release = shipped_path("shakespeare-char")
     before = sorted(p.name for p in release.rglob("*"))
     proc = subprocess.run([sys.executable, "-m", "aiayn", "plot", "attention", "--model", "shakespeare-char",
@@ -65,9 +65,8 @@ def test_plot_attention_of_a_shipped_model_writes_here_not_into_the_package(tmp_
     for argv, needle in ((["--model", "no-such-model"], "neither a shipped model"),
                          ([], "give one of --run"),
                          (["--model", "shakespeare-char", "--run", str(tmp_path)], "name two models")):
-        bad = subprocess.run([sys.executable, "-m", "aiayn", "plot", "attention", *argv], capture_output=True,
-                             text=True, timeout=120, cwd=tmp_path)
-        assert bad.returncode == 2 and needle in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+        code, _, err = run_aiayn("plot", "attention", *argv)  # refused before writing anything; no traceback
+        assert code == 2 and needle in err, err
 
 
 # The translation models: greedy decoding of the first 200 validation sentences, cased sacreBLEU.
