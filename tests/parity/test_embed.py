@@ -11,8 +11,6 @@ on CUDA, so float32 parity with transformers holds on the CPU, where these tests
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -145,22 +143,17 @@ def test_library_errors(bert, tmp_path):
         load_sentence_encoder(bad, device=CPU)
 
 
-def run_embed(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aiayn", "embed", *args], capture_output=True, text=True,
-                          input=stdin, timeout=300)
-
-
 @pytest.mark.cpu_only
 @pytest.mark.slow
-def test_cli_prints_json_lines(bert):
+def test_cli_prints_json_lines(bert, run_aiayn_process):
     hf, path = bert
     write_st_layout(path, "mean", True)
-    result = run_embed("--model", str(path), "--device", "cpu", *TEXTS[:2])
+    result = run_aiayn_process("embed", "--model", str(path), "--device", "cpu", *TEXTS[:2])
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [line["text"] for line in lines] == TEXTS[:2]
     assert_close(torch.tensor([line["embedding"] for line in lines]), reference(hf, TEXTS[:2], "mean", True))
-    piped = run_embed("--model", str(path), "--device", "cpu", "-", stdin="\n".join(TEXTS[:2]) + "\n")
+    piped = run_aiayn_process("embed", "--model", str(path), "--device", "cpu", "-", stdin="\n".join(TEXTS[:2]) + "\n")
     assert piped.returncode == 0 and piped.stdout == result.stdout
 
 
@@ -172,8 +165,8 @@ def test_cli_prints_json_lines(bert):
     (["--model", "tests"], "Missing argument"),
     (["--model", "tests", "--pooling", "sum", "hi"], "Invalid value for '--pooling'"),
 ])
-def test_cli_bad_input(args, needle):
-    result = run_embed(*args)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert needle in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+def test_cli_bad_input(run_aiayn, args, needle):
+    code, out, err = run_aiayn("embed", *args)  # run_aiayn fails the test on a traceback
+    assert code == 2, out + err
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
