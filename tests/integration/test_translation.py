@@ -25,11 +25,6 @@ pytestmark = pytest.mark.skipif(not (MULTI30K / "train.en").is_file(),
 N_PAIRS = 200
 
 
-def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aiayn", *args], capture_output=True, text=True,
-                          input=stdin, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """The first 200 Multi30k training pairs as train, val and test (the task is to memorise them)."""
@@ -84,56 +79,60 @@ def test_greedy_and_beam_both_reproduce_and_tokenizer_is_saved(tiny_run, corpus)
 
 
 @pytest.mark.slow
-def test_cli_translate_compiled_gives_the_eager_translations(tiny_run, corpus):
-    """``--compile``: the beam search's steps through the compiled decode step, the same output."""
+def test_cli_translate_compiled_gives_the_eager_translations(tiny_run, corpus, run_aiayn, run_aiayn_process):
+    """``--compile``: the beam search's steps through the compiled decode step, the same output
+    (compiled in a child process of its own: torch.compile's caches stay out of this one)."""
     sources = read_lines(corpus / "test.en")[:2]
-    eager = run_cli("translate", "--run", str(tiny_run), "--beam", "3", *sources)
-    compiled = run_cli("translate", "--run", str(tiny_run), "--beam", "3", "--compile", *sources)
-    assert eager.returncode == compiled.returncode == 0, compiled.stderr
-    assert compiled.stdout == eager.stdout and len(compiled.stdout.splitlines()) == 2
+    code, eager, _ = run_aiayn("translate", "--run", str(tiny_run), "--beam", "3", *sources)
+    compiled = run_aiayn_process("translate", "--run", str(tiny_run), "--beam", "3", "--compile", *sources)
+    assert code == compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == eager and len(compiled.stdout.splitlines()) == 2
 
 
 @pytest.mark.slow
-def test_cli_translate_evaluate_average(tiny_run, corpus, tmp_path):
+def test_cli_translate_evaluate_average(tiny_run, corpus, tmp_path, run_aiayn, run_aiayn_process):
+    """The commands in this process, but for stdin and one evaluate: real child processes."""
     sources = read_lines(corpus / "test.en")
     references = read_lines(corpus / "test.de")
-    result = run_cli("translate", "--run", str(tiny_run), "--beam", "3", sources[0], sources[1])
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == references[:2]
-    streamed = run_cli("translate", "--run", str(tiny_run), "--beam", "1", stdin="\n".join(sources[2:5]) + "\n")
+    code, out, err = run_aiayn("translate", "--run", str(tiny_run), "--beam", "3", sources[0], sources[1])
+    assert code == 0, err
+    assert out.splitlines() == references[:2]
+    streamed = run_aiayn_process("translate", "--run", str(tiny_run), "--beam", "1",
+                                 stdin="\n".join(sources[2:5]) + "\n")
     assert streamed.returncode == 0, streamed.stderr
     assert streamed.stdout.splitlines() == references[2:5]
 
-    averaged = run_cli("average", "--run", str(tiny_run), "--last", "2")
-    assert averaged.returncode == 0, averaged.stderr
+    code, _, err = run_aiayn("average", "--run", str(tiny_run), "--last", "2")
+    assert code == 0, err
     assert (tiny_run / "averaged-last2").is_dir()
-    out = tmp_path / "hyp.de"
-    scored = run_cli("evaluate", "--run", str(tiny_run), "--checkpoint", str(tiny_run / "averaged-last2"),
-                     "--src", str(corpus / "test.en"), "--ref", str(corpus / "test.de"), "--beam", "2",
-                     "--out", str(out))
+    hypotheses = tmp_path / "hyp.de"
+    scored = run_aiayn_process("evaluate", "--run", str(tiny_run), "--checkpoint", str(tiny_run / "averaged-last2"),
+                               "--src", str(corpus / "test.en"), "--ref", str(corpus / "test.de"), "--beam", "2",
+                               "--out", str(hypotheses))
     assert scored.returncode == 0, scored.stderr
     assert "BLEU = " in scored.stdout and "nrefs:1|case:mixed" in scored.stdout and "chrF2 = " in scored.stdout
     bleu = float(scored.stdout.split("BLEU = ")[1].split()[0])
     assert bleu >= 90
-    assert len(out.read_text(encoding="utf-8").splitlines()) == N_PAIRS
+    assert len(hypotheses.read_text(encoding="utf-8").splitlines()) == N_PAIRS
     assert "beam 2, length penalty 0.6" in scored.stdout
 
     # without --beam / --length-penalty the run's recipe values are used (tiny_run: beam_size=4)
-    defaults = run_cli("evaluate", "--run", str(tiny_run), "--src", str(corpus / "test.en"),
-                       "--ref", str(corpus / "test.de"))
-    assert defaults.returncode == 0, defaults.stderr
-    assert "beam 4, length penalty 0.6" in defaults.stdout
+    code, out, err = run_aiayn("evaluate", "--run", str(tiny_run), "--src", str(corpus / "test.en"),
+                               "--ref", str(corpus / "test.de"))
+    assert code == 0, err
+    assert "beam 4, length penalty 0.6" in out
 
 
 @pytest.mark.slow
-def test_cli_translate_truncates_a_too_long_sentence_with_a_warning(tiny_run):
+def test_cli_translate_truncates_a_too_long_sentence_with_a_warning(tiny_run, run_aiayn_process):
+    """In a child process: the warning as a user sees it (pytest records warnings in this one)."""
     long_sentence = " ".join(["A man in a blue shirt is standing on a ladder."] * 30)
-    result = run_cli("translate", "--run", str(tiny_run), "--beam", "1", long_sentence)
+    result = run_aiayn_process("translate", "--run", str(tiny_run), "--beam", "1", long_sentence)
     assert result.returncode == 0, result.stderr
     assert "warning: source of" in result.stderr and "longer than the model's maximum" in result.stderr
 
 
-def test_cli_bad_input(tmp_path, corpus):
+def test_cli_bad_input(tmp_path, corpus, run_aiayn):
     (tmp_path / "a.en").write_text("one\ntwo\n", encoding="utf-8")
     (tmp_path / "a.de").write_text("eins\n", encoding="utf-8")
     (tmp_path / "bad.de").write_bytes(b"eins\nzw\xe4i\n")
@@ -154,12 +153,12 @@ def test_cli_bad_input(tmp_path, corpus):
     typo.write_text("task: translation\ntask_options:\n  vocab_sise: 100\n", encoding="utf-8")
     cases.append((["train", "--recipe", str(typo)], "has no option vocab_sise (did you mean vocab_size?)"))
     for args, needle in cases:
-        result = run_cli(*args)
-        assert result.returncode == 2, (args, result.stdout, result.stderr)
-        assert needle in result.stderr and "Traceback" not in result.stderr, (args, result.stderr)
+        code, out, err = run_aiayn(*args)  # run_aiayn fails the test on a traceback
+        assert code == 2, (args, out, err)
+        assert needle in err, (args, err)
 
 
-def test_training_data_errors_are_one_line(tmp_path, corpus):
+def test_training_data_errors_are_one_line(tmp_path, corpus, run_aiayn):
     bad = tmp_path / "corpus"
     bad.mkdir()
     for name in ("train", "val", "test"):
@@ -170,9 +169,9 @@ def test_training_data_errors_are_one_line(tmp_path, corpus):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"task: translation\ntask_options:\n  corpus_dir: {bad}\n  test_split: test\n"
                       f"train:\n  epochs: 1\n", encoding="utf-8")
-    result = run_cli("train", "--recipe", str(recipe), "--run-dir", str(tmp_path / "run"), "--no-progress")
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "val.en has 200 lines but" in result.stderr and "Traceback" not in result.stderr
+    code, out, err = run_aiayn("train", "--recipe", str(recipe), "--run-dir", str(tmp_path / "run"), "--no-progress")
+    assert code == 2, out + err
+    assert "val.en has 200 lines but" in err
 
 
 @pytest.mark.parametrize("name", ["multi30k-en-de", "multi30k-de-en"])
