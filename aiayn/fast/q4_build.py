@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import platform
 import warnings
 from collections.abc import Iterator
 from functools import lru_cache
@@ -50,9 +51,25 @@ def kernel_ops() -> Any | None:
 
 
 def build_name(flags: list[str]) -> str:
-    """The extension's name in torch's cache: a hash of the source, the flags and torch's version."""
+    """The extension's name in torch's cache: a hash of the source, the flags, torch's version and the
+    CPU (``-march=native`` code built on one CPU may not run on another sharing the cache)."""
     source = SOURCE.read_text(encoding="utf-8")
-    return "aiayn_q4_" + hashlib.sha256((source + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    key = source + " ".join(flags) + torch.__version__ + cpu_identity()
+    return "aiayn_q4_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+@lru_cache(maxsize=1)
+def cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux's /proc/cpuinfo),
+    else the platform's machine and processor names. A home folder (and its torch extension cache)
+    shared by machines with different CPUs then keeps one build per CPU."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        info = ""
+    wanted = ("model name", "flags", "Features", "CPU part", "CPU implementer")
+    lines = [line.strip() for line in info.split("\n\n", 1)[0].splitlines() if line.split(":", 1)[0].strip() in wanted]
+    return "\n".join(lines) or f"{platform.machine()} {platform.processor()}"
 
 
 @contextlib.contextmanager

@@ -182,3 +182,14 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_one():
         stale.unlink(missing_ok=True)  # never leave it for the rest of the suite
     assert loads.returncode == 0 and loads.stdout.strip() == "True", loads.stderr[-2000:]
     assert removed
+
+
+def test_the_cached_build_is_named_by_the_cpu_it_was_built_for(monkeypatch):
+    """-march=native code may not run on another CPU: a home folder shared by two machines keeps
+    one build per CPU instead of loading the other's (an illegal instruction)."""
+    from aiayn.fast import q4_build
+
+    here = q4_build.build_name(q4_build.FLAGS)
+    assert q4_build.cpu_identity()  # this machine names its CPU
+    monkeypatch.setattr(q4_build, "cpu_identity", lambda: "model name : another CPU\nflags : sse2")
+    assert q4_build.build_name(q4_build.FLAGS) != here
