@@ -1,7 +1,7 @@
 """Builds and loads ``paged_attention.cpp`` (attention read through a paged cache's block table) on
 first use, the way ``aiayn.fast.q4_build`` builds the 4-bit kernel: ``load_inline`` with the system
 C++ compiler for this CPU (``-march=native``) into torch's extension cache, named by a hash of the
-source, flags and torch version (a later process loads it in milliseconds; the first build takes
+source, flags, torch version and CPU (a later process loads it in milliseconds; the first build takes
 ~20-40 s), under q4_build's OS lock (a build that was killed never blocks the next one).
 The op lands in ``torch.ops.aiayn_paged`` (``attention``, ``parallel``), with a shape function
 registered so that ``torch.compile`` can trace it.
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from aiayn.fast.q4_build import OPENMP, _one_builder
+from aiayn.fast.q4_build import OPENMP, _one_builder, cpu_identity
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++17"]
@@ -40,9 +40,11 @@ def kernel_ops() -> Any | None:
 
 
 def build_name(flags: list[str]) -> str:
-    """The extension's name in torch's cache: a hash of the source, the flags and torch's version."""
+    """The extension's name in torch's cache: a hash of the source, the flags, torch's version and the
+    CPU (``-march=native`` code built on one CPU may not run on another sharing the cache)."""
     source = SOURCE.read_text(encoding="utf-8")
-    return "aiayn_paged_" + hashlib.sha256((source + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    key = source + " ".join(flags) + torch.__version__ + cpu_identity()
+    return "aiayn_paged_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def _build() -> Any | None:
