@@ -20,14 +20,13 @@ more masked keys): tests/serve/test_compiled_engine.py.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
 from torch import Tensor
 
 from aiayn.device import to_device
-from aiayn.fast.compiled_decode import RowLayers, compiled_row_step, mark_static
+from aiayn.fast.compiled_decode import RowLayers, WholeRowsLayer, compiled_row_step, mark_static
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.row_kv_cache import RowKVCache
 
@@ -72,9 +71,7 @@ class CompiledRows:
     def _view(self, size: int) -> tuple[RowKVCache, RowLayers]:
         if size not in self._views:
             view = self.cache.rows(0, size)
-            layers = [copy.copy(layer) for layer in view.layers]  # (their own row_extent; the same buffers)
-            for layer in layers:
-                layer.row_extent = self.cache.max_len  # whole buffers: the same shapes at every step
+            layers = [WholeRowsLayer(layer.k, layer.v) for layer in view.layers]  # the same buffers
             if view.valid.device.type == "cuda":
                 mark_static(view.valid, view.positions, *[t for layer in layers for t in (layer.k, layer.v)])
             self._views[size] = (view, RowLayers(layers))
