@@ -97,6 +97,10 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
                               block_size=block_size, prefix_caching=prefix_caching)
         else:
             plan = slot_plan(lm, max_batch=max_batch, context=context, budget=kv_budget, kv_cache=kv_cache)
+        if isinstance(plan, BlockPlan) and any(getattr(m, "cache_kernel", None) is not None for m in lm.model.modules()):
+            from aiayn.fast.paged_attention_build import kernel_ops
+
+            kernel_ops()  # the paged-attention kernel built (first time, ~30 s) or loaded now, not at a request
         engine = Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=prefill_chunk, max_queue=max_queue,
                         metrics=metrics, threads=threads, embed_chunk=embed_chunk, embed_share=embed_share,
                         compile=compile)
