@@ -1,7 +1,7 @@
 """Converters between aiayn models and other checkpoint formats (Hugging Face, GGUF).
 
 Hugging Face loading and exporting need only ``safetensors``; transformers is a test-time reference
-(``pip install aiayn[hf]`` for users who want it). GGUF needs ``pip install aiayn[gguf]`` and
+(``pip install -e '.[hf]'`` for users who want it). GGUF needs ``pip install -e '.[gguf]'`` and
 imports ``gguf`` only when a file is loaded. ``nn`` and ``models`` never import this package.
 """
 
