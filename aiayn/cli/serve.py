@@ -88,14 +88,11 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
 
     from aiayn.cli.generate import resolve_model, text_device
     from aiayn.serve import build_state, load_served_model, parse_size, server
-    from aiayn.serve.compiled_step import COMPILE_NEEDS_FLOAT
-    from aiayn.serve.engine import PAGED_COMPILE
+    from aiayn.serve.compiled_step import compile_refusal
     from aiayn.serve.server import check_port, exposure_warning
 
-    if compiled and kv_layout == "paged":
-        raise click.UsageError(PAGED_COMPILE)
-    if compiled and kv_cache != "float":
-        raise click.UsageError(COMPILE_NEEDS_FLOAT)
+    if compiled and (why := compile_refusal(kv_layout, kv_cache)):
+        raise click.UsageError(why)
     where = text_device(device, quantize)  # the KV budget (--kv-budget) is this device's memory
     one_model(run_dir, model_path)
     try:
@@ -105,11 +102,9 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
     wanted = check_threads(threads) if threads is not None else torch.get_num_threads()
     check_port(host, port)
     model_path = resolve_model(run_dir, model_path)
-    # A decoder's forwards run on the engine's thread. OpenMP gives each thread that opens a
-    # parallel region its own pool of workers, and once the pools' workers outnumber the CPUs it
-    # stops letting idle workers spin: every parallel op then waits for a worker to wake (a 4-bit
-    # matmul of one row: 75 instead of 15 us; decode 1.5x slower on 2 threads). So the main thread
-    # loads on one thread (no pool of its own) and the engine thread uses the threads asked for.
+    # The main thread loads on one thread, the engine thread computes on the threads asked for: a
+    # second OpenMP pool would outnumber the CPUs and stop workers spinning (docs/serve.md: "the
+    # engine thread's own OpenMP pool").
     torch.set_num_threads(1)
     served = load_served_model(model_path, run_dir, name=name, quantize=quantize, plain=plain, device=where)
     if served.lm is None:  # an encoder answers on the server's threads: no engine thread to leave them to

@@ -34,6 +34,17 @@ logger = logging.getLogger("aiayn.serve")
 COMPILE_NEEDS_FLOAT = "--compile needs a float KV cache in fixed slots: use --kv-cache float and --kv-layout slots"
 
 
+def compile_refusal(kv_layout: str | None, kv_cache: str | None) -> str | None:
+    """Why ``--compile`` cannot serve with these cache options (one line for the user), or None."""
+    from aiayn.serve.engine import PAGED_COMPILE
+
+    if kv_layout == "paged":
+        return PAGED_COMPILE
+    if kv_cache not in (None, "float"):
+        return COMPILE_NEEDS_FLOAT
+    return None
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """The batch sizes that get a graph: powers of two below ``max_batch``, then ``max_batch``."""
     if max_batch < 1:
