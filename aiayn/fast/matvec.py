@@ -80,12 +80,17 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+_marked = False
+
+
 def mark_for_compile() -> None:
     """Let Dynamo trace ``_threads`` as a constant (it cannot trace ``torch.get_num_threads``).
     Called by the code that compiles, not at import: ``torch.compiler.assume_constant_result``
     imports torch._dynamo, ~70 MiB of resident memory an eager process need not pay."""
-    global _threads
-    _threads = torch.compiler.assume_constant_result(_threads)
+    global _threads, _marked
+    if not _marked:  # once: wrapping it again would only stack wrappers
+        _threads = torch.compiler.assume_constant_result(_threads)
+        _marked = True
 
 
 def _rows(x: Tensor) -> int:
