@@ -13,16 +13,14 @@ skips the build.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aiayn.fast.q4_build import OPENMP, _one_builder, cpu_identity
+from aiayn.fast.q4_build import build_kernel, kernel_name
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++17"]
@@ -40,38 +38,14 @@ def kernel_ops() -> Any | None:
 
 
 def build_name(flags: list[str]) -> str:
-    """The extension's name in torch's cache: a hash of the source, the flags, torch's version and the
-    CPU (``-march=native`` code built on one CPU may not run on another sharing the cache)."""
-    source = SOURCE.read_text(encoding="utf-8")
-    key = source + " ".join(flags) + torch.__version__ + cpu_identity()
-    return "aiayn_paged_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    """The extension's name in torch's cache (``q4_build.kernel_name``: source, flags, torch, CPU)."""
+    return kernel_name(SOURCE, "aiayn_paged_", flags)
 
 
 def _build() -> Any | None:
-    source = SOURCE.read_text(encoding="utf-8")
-    error: Exception | None = None
-    for extra in ([OPENMP], []):  # with OpenMP (threads), else serial
-        flags = FLAGS + extra
-        name = build_name(flags)
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            with _one_builder(name):
-                load_inline(name, cpp_sources=[source], no_implicit_headers=True, is_python_module=False,
-                            extra_cflags=flags, extra_ldflags=extra, verbose=False)
-        except Exception as exc:  # no compiler, no ninja, no OpenMP, a build error
-            error = exc
-            continue
-        if not extra:
-            warnings.warn("aiayn's paged-attention kernel was built without OpenMP (the compiler refused "
-                          "-fopenmp): it runs on one thread", stacklevel=2)
-        _register_fake()
-        return torch.ops.aiayn_paged
-    text = str(error).strip()
-    first = text.splitlines()[-1] if text else type(error).__name__
-    warnings.warn(f"aiayn's paged-attention kernel could not be built ({first[:200]}); a paged KV cache "
-                  f"is read by gathering its blocks instead (slower at large batches)", stacklevel=2)
-    return None
+    return build_kernel(SOURCE, "aiayn_paged_", FLAGS, "paged-attention kernel", _register_fake,
+                        lambda: torch.ops.aiayn_paged,
+                        fallback="a paged KV cache is read by gathering its blocks instead (slower at large batches)")
 
 
 def _register_fake() -> None:

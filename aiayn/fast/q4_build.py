@@ -19,7 +19,7 @@ import hashlib
 import os
 import platform
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -51,11 +51,15 @@ def kernel_ops() -> Any | None:
 
 
 def build_name(flags: list[str]) -> str:
-    """The extension's name in torch's cache: a hash of the source, the flags, torch's version and the
+    """The 4-bit extension's name in torch's cache (``kernel_name``)."""
+    return kernel_name(SOURCE, "aiayn_q4_", flags)
+
+
+def kernel_name(source: Path, prefix: str, flags: list[str]) -> str:
+    """An extension's name in torch's cache: a hash of the source, the flags, torch's version and the
     CPU (``-march=native`` code built on one CPU may not run on another sharing the cache)."""
-    source = SOURCE.read_text(encoding="utf-8")
-    key = source + " ".join(flags) + torch.__version__ + cpu_identity()
-    return "aiayn_q4_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    key = source.read_text(encoding="utf-8") + " ".join(flags) + torch.__version__ + cpu_identity()
+    return prefix + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 @lru_cache(maxsize=1)
@@ -99,29 +103,38 @@ def _one_builder(name: str) -> Iterator[None]:
 
 
 def _build() -> Any | None:
-    source = SOURCE.read_text(encoding="utf-8")
+    return build_kernel(SOURCE, "aiayn_q4_", FLAGS, "4-bit kernel", _register_fakes, lambda: torch.ops.aiayn_q4,
+                        fallback="block-quantised layers dequantise their weights for every call instead (slow)")
+
+
+def build_kernel(source: Path, prefix: str, base_flags: list[str], what: str, register_fakes: Callable[[], None],
+                 ops: Callable[[], Any], *, fallback: str) -> Any | None:
+    """Build and load one of aiayn's C++ kernels (``source``, ``base_flags``) with OpenMP, else serially, under
+    ``_one_builder``'s lock; register its fake shapes and return ``ops()`` (its ``torch.ops``
+    namespace). Where it cannot be built: one warning naming the compiler's last line and what runs
+    instead (``fallback``), and None."""
+    text = source.read_text(encoding="utf-8")
     error: Exception | None = None
     for extra in ([OPENMP], []):  # with OpenMP (threads), else serial
-        flags = FLAGS + extra
-        name = build_name(flags)
+        flags = base_flags + extra
+        name = kernel_name(source, prefix, flags)
         try:
             from torch.utils.cpp_extension import load_inline
 
             with _one_builder(name):
-                load_inline(name, cpp_sources=[source], no_implicit_headers=True, is_python_module=False,
+                load_inline(name, cpp_sources=[text], no_implicit_headers=True, is_python_module=False,
                             extra_cflags=flags, extra_ldflags=extra, verbose=False)
         except Exception as exc:  # no compiler, no ninja, no OpenMP, a build error
             error = exc
             continue
         if not extra:
-            warnings.warn("aiayn's 4-bit kernel was built without OpenMP (the compiler refused -fopenmp): "
-                          "it runs on one thread", stacklevel=2)
-        _register_fakes()
-        return torch.ops.aiayn_q4
-    text = str(error).strip()
-    first = text.splitlines()[-1] if text else type(error).__name__
-    warnings.warn(f"aiayn's 4-bit kernel could not be built ({first[:200]}); block-quantised layers "
-                  f"dequantise their weights for every call instead (slow)", stacklevel=2)
+            warnings.warn(f"aiayn's {what} was built without OpenMP (the compiler refused -fopenmp): "
+                          "it runs on one thread", stacklevel=3)
+        register_fakes()
+        return ops()
+    message = str(error).strip()
+    first = message.splitlines()[-1] if message else type(error).__name__
+    warnings.warn(f"aiayn's {what} could not be built ({first[:200]}); {fallback}", stacklevel=3)
     return None
 
 
