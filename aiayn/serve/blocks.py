@@ -1,7 +1,7 @@
 """The serve engine's paged KV cache: its memory plan, admission by free blocks, the prefix cache
 and preemption (vLLM's scheduler, in miniature).
 
-* **Plan** (``block_plan``): ``--kv-budget`` bytes become a pool of blocks of ``--block-size``
+* **Plan** (``block_plan``; ``slot_plan`` is the fixed slots' of ``--kv-layout slots``): ``--kv-budget`` bytes become a pool of blocks of ``--block-size``
   tokens (block 0 the null block), at most what ``--max-batch`` rows of ``--context`` tokens could
   ever hold. A request holds the blocks its tokens fill, so many short requests and a few long ones
   share the same memory; ``--max-batch`` only caps how many run at once.
@@ -45,6 +45,37 @@ if TYPE_CHECKING:
     from aiayn.textgen import TextModel
 
 DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """How the KV cache memory is laid out: ``rows`` fixed slots of ``context`` tokens each."""
+
+    rows: int
+    context: int
+    bytes_per_row: int
+    dtype: str
+
+    def describe(self, budget: int) -> str:
+        return (f"KV cache: {self.rows} slots x {self.context} tokens ({self.dtype}), "
+                f"{format_bytes(self.rows * self.bytes_per_row)} of a {format_bytes(budget)} budget "
+                f"({format_bytes(self.bytes_per_row)} per slot) -> up to {self.rows} concurrent requests")
+
+
+def slot_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_cache: str | None) -> SlotPlan:
+    """The cache's slots: ``max_batch`` rows of ``context`` tokens, fewer if ``budget`` bytes do not
+    hold them. ValueError if not even one fits or ``context`` exceeds the model's."""
+    config = lm.model.config
+    if context > lm.context:
+        raise ValueError(f"a context of {context} tokens is more than the model's {lm.context}; give at most that")
+    dtype = kv_cache or str(lm.model.float_dtype).removeprefix("torch.")
+    per_row = kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+                             seq_len=context, batch_size=1, dtype=dtype)
+    rows = min(max_batch, budget // per_row)
+    if rows < 1:
+        raise ValueError(f"one request of {context} tokens needs {format_bytes(per_row)} of KV cache, more than "
+                         f"the budget of {format_bytes(budget)}; raise the budget or lower the context")
+    return SlotPlan(rows, context, per_row, dtype)
 
 
 @dataclass(frozen=True)

@@ -64,10 +64,9 @@ from aiayn.device import autocast, model_device, to_device
 from aiayn.generate.constrain import ConstraintError, GrammarConstraint
 from aiayn.generate.step import decode_step
 from aiayn.generate.text import IncrementalText
-from aiayn.nn.kv_cache import format_bytes, kv_cache_bytes
 from aiayn.nn.paged_kv_cache import PagedKVCache
 from aiayn.nn.row_kv_cache import RowKVCache
-from aiayn.serve.blocks import BlockPlan, BlockScheduler, PagedSteps
+from aiayn.serve.blocks import BlockPlan, BlockScheduler, PagedSteps, SlotPlan, slot_plan  # noqa: F401  (slot_plan: imported from here too)
 from aiayn.serve.compiled_step import CompiledRows
 from aiayn.serve.embedding import DEFAULT_CHUNK, EmbeddingJob, EmbeddingQueue
 from aiayn.serve.metrics import Metrics
@@ -140,37 +139,6 @@ class Request:
     def release(self) -> None:
         """Drop the per-request state the sampler holds (grammar, device tensors): it has finished."""
         self.constraint = self.adjustments = None
-
-
-@dataclass(frozen=True)
-class SlotPlan:
-    """How the KV cache memory is laid out: ``rows`` fixed slots of ``context`` tokens each."""
-
-    rows: int
-    context: int
-    bytes_per_row: int
-    dtype: str
-
-    def describe(self, budget: int) -> str:
-        return (f"KV cache: {self.rows} slots x {self.context} tokens ({self.dtype}), "
-                f"{format_bytes(self.rows * self.bytes_per_row)} of a {format_bytes(budget)} budget "
-                f"({format_bytes(self.bytes_per_row)} per slot) -> up to {self.rows} concurrent requests")
-
-
-def slot_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_cache: str | None) -> SlotPlan:
-    """The cache's slots: ``max_batch`` rows of ``context`` tokens, fewer if ``budget`` bytes do not
-    hold them. ValueError if not even one fits or ``context`` exceeds the model's."""
-    config = lm.model.config
-    if context > lm.context:
-        raise ValueError(f"a context of {context} tokens is more than the model's {lm.context}; give at most that")
-    dtype = kv_cache or str(lm.model.float_dtype).removeprefix("torch.")
-    per_row = kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-                             seq_len=context, batch_size=1, dtype=dtype)
-    rows = min(max_batch, budget // per_row)
-    if rows < 1:
-        raise ValueError(f"one request of {context} tokens needs {format_bytes(per_row)} of KV cache, more than "
-                         f"the budget of {format_bytes(budget)}; raise the budget or lower the context")
-    return SlotPlan(rows, context, per_row, dtype)
 
 
 class Engine(PagedSteps):
