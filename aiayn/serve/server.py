@@ -123,6 +123,12 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
                          f"{format_bytes(kv_budget)} holds less than --context {context})")
     else:
         assert served.encoder is not None
+        decoding = [option for option, given in (("--compile", compile), ("--kv-layout", kv_layout is not None),
+                                                  ("--kv-cache", kv_cache is not None)) if given]
+        if decoding:  # options of the decode engine: refused rather than ignored, so no one thinks they took effect
+            raise ValueError(f"{' and '.join(decoding)} {'sets' if len(decoding) == 1 else 'set'} how a decoder "
+                             f"generates tokens; {served.name} is a sentence encoder (embeddings only): leave "
+                             f"{'it' if len(decoding) == 1 else 'them'} out")
         lines = [f"model {served.name}: sentence encoder ({served.encoder.pooling} pooling), "
                  f"{count_parameters(served.encoder.model):,} parameters, on {model_device(served.encoder.model)}; "
                  f"serves /v1/embeddings", limits.describe(why)]
