@@ -21,8 +21,22 @@ time to first token is from a request's arrival to its batch's first new token (
 it); its answer tokens are each row's own, up to its ``max_tokens`` or end-of-text (as the engine
 counts them).
 
+**The arrival rate** (the rule): a p99 TTFT means something only below the server's capacity (above
+it the queue, and every server's TTFT, grows without bound). So first the fixed slots' capacity is
+measured on this workload's own requests, all arriving at once (answer tokens/s; ``--capacity C``
+gives it instead of measuring), and the rate is ``--load`` (default 0.75) of it: rate = load x
+capacity / mean answer tokens. ``--rate R`` sets the rate instead; either way the header states the
+offered answer tokens/s and their share of the measured capacity. Below the slots' capacity every
+peer keeps up, so the throughputs there are near the offered load and their ratios near 1:
+``--saturated`` adds each peer on the same requests all at once (its capacity), where the
+throughput ratios compare what each can serve.
+
 For each: throughput (answer tokens over the time from the start of the schedule to the last
-token), time to first token p50 / p99, and the most requests running at once. ``--repeats N``
+token), time to first token p50 / p99, and the most requests running at once. ``--ttft-breakdown``
+adds where the time to first token went, per peer (the mean over all requests, and over the slowest
+tenth): queued (arrival to admission: a free row and blocks; transformers: to its batch's
+``generate``), behind (admission to the request's first prefill forward: other rows' prefill
+chunks), prefill (that forward to the first token: its chunks and the steps between them). ``--repeats N``
 runs the three N times, interleaved (slots, paged, transformers, slots, ...); the table has every
 run and the ratios are medians over the rounds with their range. Goals (issue 35): paged >= 1.3x
 the fixed slots' and >= 1.5x transformers' static batch throughput at equal memory, TTFT p99 <= 2 s
@@ -30,7 +44,7 @@ the fixed slots' and >= 1.5x transformers' static batch throughput at equal memo
 the paged engine without ``aiayn.fast``'s paged-attention kernel (every row's blocks gathered for
 SDPA, as before the kernel) to each round.
 
-    flock /tmp/aiayn-bench.lock python -m benchmarks.staggered
+    flock /tmp/aiayn-bench.lock python -m benchmarks.staggered --ttft-breakdown --saturated
     python -m benchmarks.staggered --quick
 
 Not a test: it prints figures, it asserts nothing.
@@ -70,26 +84,45 @@ class Job:
     answer: int  # max_tokens
 
 
-def workload(args: argparse.Namespace) -> list[Job]:
-    """``--requests`` jobs: exponential gaps of mean 1 / ``--rate`` s; a prompt of ``--long`` tokens
-    with probability ``--long-share``, else ``--short``; answers of ``--answer`` tokens (ranges)."""
+def workload(args: argparse.Namespace, rate: float) -> list[Job]:
+    """``--requests`` jobs: exponential gaps of mean 1 / ``rate`` s; a prompt of ``--long`` tokens
+    with probability ``--long-share``, else ``--short``; answers of ``--answer`` tokens (ranges).
+    The same ``--seed`` gives the same prompts and answers at any rate (the gaps scale as 1 / rate)."""
     rng = random.Random(args.seed)
     jobs, at = [], 0.0
     for _ in range(args.requests):
-        at += rng.expovariate(args.rate)
+        at += rng.expovariate(rate)
         low, high = args.long if rng.random() < args.long_share else args.short
         prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(low, high))]
         jobs.append(Job(at, prompt, rng.randint(*args.answer)))
     return jobs
 
 
-def figures(tokens: int, seconds: float, ttft: list[float], most: int, failed: int = 0) -> dict[str, float]:
+def all_at_once(jobs: list[Job]) -> list[Job]:
+    """The same requests, every one arriving at the start (a saturating load: the capacity run)."""
+    return [Job(0.0, job.prompt, job.answer) for job in jobs]
+
+
+PARTS = ("queued", "behind", "prefill")  # where a request's TTFT goes (see the module docstring)
+
+
+def figures(tokens: int, seconds: float, ttft: list[float], most: int, failed: int = 0,
+            parts: list[tuple[float, float, float]] | None = None) -> dict[str, float]:
     """One run's figures: throughput, TTFT p50 / p99 (``ttft`` in seconds, one per request answered),
-    and how many requests failed (an engine error: no token)."""
-    ttft = sorted(ttft) or [float("nan")]
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
-            "most_running": most, "failed": failed}
+    how many requests failed (an engine error: no token), and with ``parts`` (each answered request's
+    queued, behind and prefill seconds, in ``ttft``'s order) each part's mean over all the requests
+    (``queued``) and over the slowest tenth by TTFT (``queued_tail``)."""
+    order = sorted(range(len(ttft)), key=ttft.__getitem__)
+    ranked = [ttft[i] for i in order] or [float("nan")]
+    out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+           "ttft_p50": ranked[len(ranked) // 2], "ttft_p99": ranked[min(len(ranked) - 1, round(0.99 * (len(ranked) - 1)))],
+           "most_running": most, "failed": failed}
+    if parts:
+        tail = [parts[i] for i in order[-max(1, len(order) // 10):]]
+        for k, name in enumerate(PARTS):
+            out[name] = statistics.fmean(p[k] for p in parts)
+            out[f"{name}_tail"] = statistics.fmean(p[k] for p in tail)
+    return out
 
 
 def run(engine, jobs: list[Job]) -> dict[str, float]:
@@ -121,8 +154,10 @@ def run(engine, jobs: list[Job]) -> dict[str, float]:
             most = max(most, engine.running)
     end = max(r.last_token_at for r in requests)
     answered = [r for r in requests if r.first_token_at is not None]
+    parts = [(r.admitted_at - r.arrived, r.prefill_at - r.admitted_at, r.first_token_at - r.prefill_at)
+             for r in answered]
     return figures(sum(tokens), end - start, [r.first_token_at - r.arrived for r in answered], most,
-                   len(requests) - len(answered))
+                   len(requests) - len(answered), parts)
 
 
 def hf_model():  # -> a transformers LlamaForCausalLM, float32, SmolLM2's GGUF weights
@@ -162,7 +197,7 @@ def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threa
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    tokens, ttft, end = 0, [], 0.0
+    tokens, ttft, parts, end = 0, [], [], 0.0
     start = time.monotonic()
     try:
         for first in range(0, len(jobs), batch):
@@ -174,7 +209,7 @@ def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threa
             for row, job in enumerate(group):
                 ids[row, width - len(job.prompt):] = torch.tensor(job.prompt)
                 mask[row, width - len(job.prompt):] = 1
-            streamer = FirstToken()
+            streamer, began = FirstToken(), time.monotonic()
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=max(j.answer for j in group),
                                      do_sample=False, eos_token_id=eos_id, pad_token_id=0, streamer=streamer)
@@ -185,9 +220,10 @@ def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threa
                     answer = answer[: answer.index(eos_id) + 1]  # end-of-text counts, as the engine's
                 tokens += len(answer)
                 ttft.append(streamer.at - (start + job.at))
+                parts.append((began - (start + job.at), 0.0, streamer.at - began))  # (one forward: no "behind")
     finally:
         torch.set_num_threads(before)
-    return figures(tokens, end - start, ttft, batch)
+    return figures(tokens, end - start, ttft, batch, parts=parts)
 
 
 def spread_line(label: str, ratios: list[float], goal: float | None) -> str:
@@ -202,7 +238,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(parser, repeats=1, warmup=1)
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second (default 1)")
+    parser.add_argument("--load", type=float, default=0.75,
+                        help="the arrival rate as a share of the fixed slots' measured capacity (default 0.75)")
+    parser.add_argument("--rate", type=float, help="mean arrivals per second (default: from --load)")
+    parser.add_argument("--capacity", type=float,
+                        help="the fixed slots' capacity in answer tokens/s (default: measured, all at once)")
+    parser.add_argument("--saturated", action="store_true",
+                        help="also run every peer on the requests all at once (their capacities)")
+    parser.add_argument("--ttft-breakdown", action="store_true", help="where each peer's time to first token went")
     parser.add_argument("--short", type=int, nargs=2, default=[16, 128], help="short prompt tokens, min max")
     parser.add_argument("--long", type=int, nargs=2, default=[512, 900], help="long prompt tokens, min max")
     parser.add_argument("--long-share", type=float, default=0.2)
@@ -210,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--slots", type=int, default=4, help="the budget: this many fixed slots of --context")
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, help="transformers' static batch size (default: --slots, equal memory)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--gather-row", action="store_true",
@@ -217,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.answer = min(args.requests, 16), [8, 48]
+    if args.load <= 0 or (args.rate is not None and args.rate <= 0) or (args.capacity or 1) <= 0:
+        parser.error("--load, --rate and --capacity must be > 0")
     args.hf_batch = args.hf_batch or args.slots
     setup(args)
     from aiayn.cpu_share import keep_thread_count
@@ -237,57 +283,99 @@ def main(argv: list[str] | None = None) -> None:
     kernels = {m: m.cache_kernel for m in lm.model.modules() if isinstance(m, MultiHeadAttention)}
     for plan in plans.values():
         print(plan.describe(budget), flush=True)
-    jobs = workload(args)
     if hf is not None:
-        static_batches(hf, [Job(0.0, jobs[0].prompt[:32], 4)], 1, lm.eos_id, args.threads)  # warm-up
-    mark_start(args)
-    results: list[tuple[str, dict[str, float]]] = []
-    for _ in range(args.repeats):
-        for label, plan in plans.items():
+        static_batches(hf, [Job(0.0, [100 + i for i in range(32)], 4)], 1, lm.eos_id, args.threads)  # warm-up
+
+    def engine_run(label: str, jobs: list[Job]) -> dict[str, float]:
+        for module, kernel in kernels.items():
+            module.cache_kernel = None if label == GATHER else kernel
+        engine = Engine(lm, plans[label], prefill_chunk=args.prefill_chunk, threads=args.threads)
+        engine.start()
+        try:
+            run(engine, [Job(0.0, [100 + i for i in range(32)], 4)])  # warm-up (one-time costs)
+            result = run(engine, jobs)
+        finally:
+            engine.stop()
             for module, kernel in kernels.items():
-                module.cache_kernel = None if label == GATHER else kernel
-            engine = Engine(lm, plan, prefill_chunk=256, threads=args.threads)
-            engine.start()
-            try:
-                run(engine, [Job(0.0, jobs[0].prompt[:32], 4)])  # warm-up (one-time costs)
-                results.append((label, run(engine, jobs)))
-            finally:
-                engine.stop()
-                for module, kernel in kernels.items():
-                    module.cache_kernel = kernel
+                module.cache_kernel = kernel
+        result["preemptions"] = engine.metrics.preemptions._value.get()
+        return result
+
+    mark_start(args)
+    unit = workload(args, 1.0)  # the requests; their arrival times at 1/s, scaled below
+    mean_answer = statistics.fmean(j.answer for j in unit)
+    capacity = args.capacity
+    if capacity is None:
+        measured = engine_run(SLOTS, all_at_once(unit))
+        report(f"{SLOTS}, all at once (capacity)", measured)
+        capacity = measured["tokens_per_s"]
+    rate = args.rate or args.load * capacity / mean_answer
+    jobs = [Job(j.at / rate, j.prompt, j.answer) for j in unit]
+    offered = rate * mean_answer
+    print(f"arrival rate {rate:.3g}/s: offered {offered:.2f} answer tokens/s = {offered / capacity:.0%} of the fixed "
+          f"slots' capacity ({capacity:.2f} tokens/s{' measured' if args.capacity is None else ', given'})", flush=True)
+
+    results: list[tuple[str, dict[str, float]]] = []
+    saturated: list[tuple[str, dict[str, float]]] = []
+    for _ in range(args.repeats):
+        for label in plans:
+            results.append((label, engine_run(label, jobs)))
             report(label, results[-1][1])
+            if args.saturated:
+                saturated.append((label, engine_run(label, all_at_once(jobs))))
+                report(f"{label}, all at once", saturated[-1][1])
         if hf is not None:
             results.append((HF, static_batches(hf, jobs, args.hf_batch, lm.eos_id, args.threads)))
             report(f"{HF} of {args.hf_batch}", results[-1][1])
-    offered = sum(j.answer for j in jobs) / jobs[-1].at
-    header(f"Staggered arrivals, SmolLM2-135M: {args.requests} requests at {args.rate:g}/s, prompts "
+            if args.saturated:
+                saturated.append((HF, static_batches(hf, all_at_once(jobs), args.hf_batch, lm.eos_id, args.threads)))
+                report(f"{HF} of {args.hf_batch}, all at once", saturated[-1][1])
+    header(f"Staggered arrivals, SmolLM2-135M: {args.requests} requests at {rate:.3g}/s (offered {offered:.1f} answer "
+           f"tokens/s = {offered / capacity:.0%} of the fixed slots' capacity, {capacity:.1f} tokens/s), prompts "
            f"{args.short[0]}-{args.short[1]} tokens ({args.long[0]}-{args.long[1]} for {args.long_share:.0%}), "
-           f"answers {args.answer[0]}-{args.answer[1]} (offered: {offered:.1f} answer tokens/s over the "
-           f"arrivals); KV budget = {args.slots} slots of {args.context} tokens; {args.threads} thread(s)", args)
-    print(table(["peer", "answer tokens", "seconds", "tokens/s", "TTFT p50 s", "TTFT p99 s", "most running", "failed"],
-                [[label if label != HF else f"{HF} of {args.hf_batch}", r["tokens"], f"{r['seconds']:.1f}",
-                  f"{r['tokens_per_s']:.2f}", f"{r['ttft_p50']:.2f}", f"{r['ttft_p99']:.2f}", r["most_running"], r["failed"]]
-                 for label, r in results]))
-    rounds = [dict(results[k: k + len(results) // args.repeats])
-              for k in range(0, len(results), len(results) // args.repeats)]
+           f"answers {args.answer[0]}-{args.answer[1]}; KV budget = {args.slots} slots of {args.context} tokens; "
+           f"--prefill-chunk {args.prefill_chunk}; {args.threads} thread(s)", args)
+    summary(args, results, "")
+    if saturated:
+        print("\n### The same requests all at once (each peer's capacity)\n")
+        summary(args, saturated, " all at once")
+    footer()
+
+
+def summary(args: argparse.Namespace, results: list[tuple[str, dict[str, float]]], how: str) -> None:
+    """The runs' table, the breakdown with ``--ttft-breakdown``, and the ratios against the goals."""
+    name = {HF: f"{HF} of {args.hf_batch}"}
+    print(table(["peer", "answer tokens", "seconds", "tokens/s", "TTFT p50 s", "TTFT p99 s", "most running",
+                 "preempted", "failed"],
+                [[name.get(label, label), r["tokens"], f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}",
+                  f"{r['ttft_p50']:.2f}", f"{r['ttft_p99']:.2f}", r["most_running"], int(r.get("preemptions", 0)),
+                  r["failed"]] for label, r in results]))
+    if args.ttft_breakdown:
+        print("\nWhere the time to first token went (s; mean over all requests / over the slowest tenth):\n")
+        print(table(["peer", "TTFT", *PARTS],
+                    [[name.get(label, label), f"{r['ttft_p50']:.2f} p50 / {r['ttft_p99']:.2f} p99",
+                      *(f"{r[p]:.2f} / {r[p + '_tail']:.2f}" for p in PARTS)] for label, r in results]))
+    per_round = len(results) // args.repeats
+    rounds = [dict(results[k: k + per_round]) for k in range(0, len(results), per_round)]
     print()
-    print(spread_line("paged / fixed slots throughput at equal memory",
+    print(spread_line(f"paged / fixed slots throughput at equal memory{how}",
                       [r[PAGED]["tokens_per_s"] / r[SLOTS]["tokens_per_s"] for r in rounds], 1.3))
-    if hf is not None:
-        print(spread_line(f"paged / {HF} of {args.hf_batch} throughput",
+    if HF in rounds[0]:
+        print(spread_line(f"paged / {HF} of {args.hf_batch} throughput{how}",
                           [r[PAGED]["tokens_per_s"] / r[HF]["tokens_per_s"] for r in rounds], 1.5))
-    if args.gather_row:
+    if GATHER in rounds[0]:
         print(spread_line("paged with the kernel / paged, gather", [r[PAGED]["tokens_per_s"] / r[GATHER]["tokens_per_s"]
                                                                    for r in rounds], None))
     p99 = [r[PAGED]["ttft_p99"] for r in rounds]
-    print(f"* paged TTFT p99 (up to {args.max_batch} at once): **{statistics.median(p99):.2f} s** "
+    print(f"* paged TTFT p99{how} (up to {args.max_batch} at once): **{statistics.median(p99):.2f} s** "
           f"({', '.join(f'{p:.2f}' for p in p99)}; goal <= 2 s: {'met' if statistics.median(p99) <= 2 else 'MISSED'})")
-    footer()
+
 
 
 def report(label: str, r: dict[str, float]) -> None:
     print(f"{label}: {r['tokens']} tokens in {r['seconds']:.1f} s, {r['tokens_per_s']:.2f} tokens/s, TTFT p50 "
-          f"{r['ttft_p50']:.2f} s p99 {r['ttft_p99']:.2f} s, at most {r['most_running']} running, {r['failed']} failed (load average "
+          f"{r['ttft_p50']:.2f} s p99 {r['ttft_p99']:.2f} s, at most {r['most_running']} running, "
+          f"{int(r.get('preemptions', 0))} preempted, {r['failed']} failed (load average "
           f"{os.getloadavg()[0]:.1f})", flush=True)
 
 

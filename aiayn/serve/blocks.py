@@ -26,6 +26,7 @@ and preemption (vLLM's scheduler, in miniature).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -293,6 +294,7 @@ class PagedSteps:
             self.cache.clear_row(len(self.rows))
             blocks.start(request, len(self.rows))
             self.rows.append(request)
+            request.admitted_at = request.admitted_at or time.monotonic()
 
     def _make_room(self) -> None:
         """Preempt the newest requests until this step's forwards have the blocks they need (the

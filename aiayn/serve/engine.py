@@ -123,6 +123,10 @@ class Request:
         self.prompt, self.params, self.sink = prompt, params, sink
         self.cancelled = False  # set from any thread; the engine frees the row at its next step
         self.arrived = time.monotonic()
+        # Where its time to first token goes (time.monotonic(); set once, kept over a preemption):
+        # arrived -> admitted (a row and blocks) -> its first prefill forward -> its first token.
+        self.admitted_at: float | None = None
+        self.prefill_at: float | None = None
         self.first_token_at: float | None = None
         self.last_token_at = 0.0
         self.fed = 0  # prompt tokens in the cache
@@ -328,6 +332,7 @@ class Engine(PagedSteps):
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
             self.cache.clear_row(len(self.rows))
             self.rows.append(request)
+            request.admitted_at = time.monotonic()
             self.metrics.prompt_tokens.inc(len(request.prompt))
 
     def _sequence(self, request: Request) -> list[int]:
@@ -360,8 +365,9 @@ class Engine(PagedSteps):
         tokens, valid = to_device((tokens, valid), self.device)  # built on the CPU, one copy each
         # Each row's real tokens, told to the cache: it learns them without reading ``valid`` back.
         view = self.cache.rows(start, start + len(batch)).expect([take for _, take in batch])
-        done = []
+        done, now = [], time.monotonic()
         for i, (request, take) in enumerate(batch):
+            request.prefill_at = request.prefill_at or now
             request.fed += take
             if request.fed == len(self._sequence(request)):
                 done.append((i, take - 1))
