@@ -12,14 +12,26 @@ The clients (asyncio tasks, one ``httpx.AsyncClient``), each drawing its next re
 * **burst**: more concurrent completions than ``--max-batch`` + ``--max-queue`` at once (the
   overflow must be 429 with ``Retry-After``).
 
-Goals (the report says met or MISSED for each): every well-formed request answered (200) or 429'd
-with Retry-After; no 5xx; the server's RSS grows < 10% from the end of the warm-up (the first
-tenth of the run, at least 5 s) to the end; no request left holding a slot or waiting once the
-clients stop (``/health``'s running and waiting back to 0); no traceback in the server's log.
+Goals (the report says met or MISSED for each): every well-formed request the server saw answered
+(200) or 429'd with Retry-After; no 5xx; the server's RSS grows < 10% from the end of the warm-up
+(the first tenth of the run, at least 5 s) to the end; no request left holding a slot or waiting
+once the clients stop (``/health``'s running and waiting back to 0); no traceback in the server's
+log; no request lost before it reached the server.
+
+Every request carries an ``X-Request-Id``; the client's connection pool is tracked
+(``benchmarks.tracked_http``), so a transport error (no HTTP status) is reported with the
+connection it went out on and how long that had been idle, and told apart by the server's own
+count (/metrics): the server saw it (a breach of the first goal) or it never reached the server
+(the client's fault: the last goal). The clients give up a pooled connection after half the
+server's keep-alive timeout: with equal timeouts (httpx's default) a request sent on a connection
+idle just under 5 s can meet the server closing it, unread (the ``ReadError`` an earlier soak met).
+``--keepalive-probe`` shows that race alone: clients that each reuse one connection after idle
+gaps near the server's timeout (``--keepalive-expiry 5`` for httpx's default pool).
 
     python -m benchmarks.soak                          # 10 minutes, the shipped shakespeare-char model
     python -m benchmarks.soak --seconds 60 --clients 6
     python -m benchmarks.soak --model path/to/model.gguf --seconds 600
+    python -m benchmarks.soak --keepalive-probe --keepalive-expiry 5 --seconds 30 --clients 100
 
 tests/serve/test_soak.py runs a 60-second soak and asserts the goals.
 """
@@ -36,10 +48,23 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
+from aiayn.serve.server import KEEP_ALIVE_SECONDS
 from benchmarks.common import free_port, serving
+from benchmarks.tracked_http import (
+    CURRENT,
+    Attempt,
+    ConnectionBook,
+    attribute,
+    client_keepalive_expiry,
+    server_counts,
+    tracked_client,
+)
 
 KINDS = ("stream", "hang-up", "embeddings", "bad", "burst")
 WEIGHTS = (5, 2, 2, 2, 1)
+COMPLETIONS, EMBEDDINGS = "/v1/completions", "/v1/embeddings"
 WORDS = ("the king", "a rose", "my lord", "good night", "what news", "to be", "fair Verona", "O Romeo")
 
 
@@ -52,6 +77,18 @@ class Tally:
     ttft: list[float] = field(default_factory=list)  # seconds to the first streamed token
     itl: list[float] = field(default_factory=list)  # seconds between streamed chunks
     chunks: int = 0  # streamed completion chunks with text (one per token here) read by clients
+    answered: Counter[str] = field(default_factory=Counter)  # route -> responses whose status the clients read
+    errors: list[Attempt] = field(default_factory=list)  # transport errors (no status, or the body cut short)
+    connections: ConnectionBook = field(default_factory=ConnectionBook)  # the clients' TCP connections
+
+    @property
+    def lost_before_server(self) -> list[Attempt]:
+        return [e for e in self.errors if e.server_saw is False]
+
+    @property
+    def lost_at_server(self) -> list[Attempt]:
+        """Transport errors the server saw (or that cannot be told apart from one it saw)."""
+        return [e for e in self.errors if e.server_saw is not False]
 
     def fail(self, what: str) -> None:
         if len(self.failures) < 20:
@@ -76,10 +113,12 @@ class Report:
         return self.rss_end / self.rss_warm - 1
 
     def goals(self) -> dict[str, bool]:
-        return {"every well-formed request 200 or 429 with Retry-After, no 5xx": not self.tally.failures,
+        return {"every well-formed request the server saw: 200 or 429 with Retry-After, no 5xx":
+                    not self.tally.failures and not self.tally.lost_at_server,
                 "RSS growth < 10% after the warm-up": self.rss_growth < 0.10,
                 "no slot or queue entry left when the clients stop": self.left_running == self.left_waiting == 0,
-                "no traceback in the server's log": self.tracebacks == 0}
+                "no traceback in the server's log": self.tracebacks == 0,
+                "no request lost before it reached the server": not self.tally.lost_before_server}
 
 
 def rss_bytes(pid: int) -> int:
@@ -105,8 +144,26 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 class Clients:
     """The soak's clients against one server (``url``), until ``deadline`` (monotonic seconds)."""
 
-    def __init__(self, client, url: str, args: argparse.Namespace, deadline: float, tally: Tally) -> None:
+    def __init__(self, client: httpx.AsyncClient, url: str, args: argparse.Namespace, deadline: float,
+                 tally: Tally) -> None:
         self.client, self.url, self.args, self.deadline, self.tally = client, url, args, deadline, tally
+        self.sent = 0
+
+    def begin(self, kind: str, route: str) -> Attempt:
+        """A new request's record, the current one of this asyncio task (the pool fills in its connection)."""
+        self.sent += 1
+        attempt = Attempt(f"{kind}-{self.sent}", kind, route)
+        CURRENT.set(attempt)
+        return attempt
+
+    def answered(self, attempt: Attempt, response: httpx.Response) -> None:
+        attempt.status = response.status_code
+        self.tally.answered[attempt.route] += 1
+
+    def lost(self, attempt: Attempt, exc: httpx.TransportError) -> None:
+        """A transport error: counted and reported, told apart once the server's count is read."""
+        attempt.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        self.tally.errors.append(attempt)
 
     def check(self, kind: str, response, *, well_formed: bool) -> None:
         """Count the answer; a breach of the goals becomes a failure line."""
@@ -122,10 +179,19 @@ class Clients:
             self.tally.fail(f"{kind}: a bad request got {code}")
 
     async def stream(self, rng: random.Random, *, hang_up: bool, kind: str) -> None:
+        attempt = self.begin(kind, COMPLETIONS)
+        try:
+            await self._stream(attempt, rng, hang_up=hang_up)
+        except httpx.TransportError as exc:
+            self.lost(attempt, exc)
+
+    async def _stream(self, attempt: Attempt, rng: random.Random, *, hang_up: bool) -> None:
+        kind = attempt.kind
         body = {"model": "soak", "prompt": rng.choice(WORDS), "max_tokens": rng.randint(4, 40), "stream": True,
                 "temperature": 0}
         start = time.monotonic()
-        async with self.client.stream("POST", f"{self.url}/v1/completions", json=body) as response:
+        async with self.client.stream("POST", f"{self.url}{COMPLETIONS}", json=body, headers=attempt.headers) as response:
+            self.answered(attempt, response)
             if response.status_code != 200:
                 await response.aread()
                 self.check(kind, response, well_formed=True)
@@ -149,22 +215,35 @@ class Clients:
                     return  # hang up: closing the response closes the connection mid-stream
 
     async def embeddings(self, rng: random.Random) -> None:
+        attempt = self.begin("embeddings", EMBEDDINGS)
         inputs = [" ".join(rng.sample(WORDS, 2)) for _ in range(rng.randint(1, 32))]
-        response = await self.client.post(f"{self.url}/v1/embeddings", json={"model": "soak", "input": inputs})
+        try:
+            response = await self.client.post(f"{self.url}{EMBEDDINGS}", json={"model": "soak", "input": inputs},
+                                              headers=attempt.headers)
+        except httpx.TransportError as exc:
+            self.lost(attempt, exc)
+            return
+        self.answered(attempt, response)
         self.check("embeddings", response, well_formed=True)
 
     async def bad(self, rng: random.Random) -> None:
-        url = f"{self.url}/v1/completions"
+        attempt = self.begin("bad", COMPLETIONS)
+        url = f"{self.url}{COMPLETIONS}"
         choice = rng.randrange(5)
-        if choice == 0:
-            response = await self.client.post(url, content=b'{"model": "soak", "prompt": ',
-                                              headers={"content-type": "application/json"})
-        else:
-            body = [{"model": "no-such-model" * 20, "prompt": "hi"},
-                    {"model": "soak", "prompt": "hi", "max_tokens": -3},
-                    {"model": "soak", "prompt": "hi", "max_tokens": "many"},
-                    {"model": "soak", "prompt": [10**9, 5], "max_tokens": 2}][choice - 1]
-            response = await self.client.post(url, json=body)
+        try:
+            if choice == 0:
+                response = await self.client.post(url, content=b'{"model": "soak", "prompt": ',
+                                                  headers={"content-type": "application/json", **attempt.headers})
+            else:
+                body = [{"model": "no-such-model" * 20, "prompt": "hi"},
+                        {"model": "soak", "prompt": "hi", "max_tokens": -3},
+                        {"model": "soak", "prompt": "hi", "max_tokens": "many"},
+                        {"model": "soak", "prompt": [10**9, 5], "max_tokens": 2}][choice - 1]
+                response = await self.client.post(url, json=body, headers=attempt.headers)
+        except httpx.TransportError as exc:
+            self.lost(attempt, exc)
+            return
+        self.answered(attempt, response)
         self.check("bad", response, well_formed=False)
         if "error" not in response.text:
             self.tally.fail(f"bad: an error without an error body: {response.text[:80]!r}")
@@ -186,19 +265,18 @@ class Clients:
                     await self.bad(rng)
                 else:
                     await self.burst(rng)
-            except Exception as exc:  # a transport error on a well-formed request is a failure
+            except Exception as exc:  # anything else (a stream that is not JSON, ...) is a failure
                 self.tally.fail(f"{kind}: {type(exc).__name__}: {exc}")
 
 
 async def drive(url: str, args: argparse.Namespace, pid: int) -> tuple[Tally, int, int, int, int]:
     """Run the clients; -> (tally, RSS after the warm-up, RSS at the end, running, waiting left)."""
-    import httpx
-
     tally = Tally()
     start = time.monotonic()
     warm_up = max(5.0, args.seconds / 10)
-    limits = httpx.Limits(max_connections=args.clients * (args.max_batch + args.max_queue + 8))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
+    async with tracked_client(tally.connections, max_connections=args.clients * (args.max_batch + args.max_queue + 8),
+                              keepalive_expiry=args.keepalive_expiry or client_keepalive_expiry()) as client:
+        before = await server_counts(client, url)
         clients = Clients(client, url, args, start + args.seconds, tally)
         tasks = [asyncio.create_task(clients.run(args.seed * 1000 + i)) for i in range(args.clients)]
         await asyncio.sleep(warm_up)
@@ -213,7 +291,56 @@ async def drive(url: str, args: argparse.Namespace, pid: int) -> tuple[Tally, in
             if running == waiting == 0:
                 break
             await asyncio.sleep(0.25)
+        await settle(client, url, before, tally)
         return tally, rss_warm, rss_bytes(pid), running, waiting
+
+
+async def settle(client: httpx.AsyncClient, url: str, before: Counter[str], tally: Tally) -> None:
+    """Tell each transport error apart by the server's count of requests since ``before`` (the
+    server counts a request as it ends: a hang-up's may still be ending, so a few reads)."""
+    for _ in range(20):
+        problems = attribute(tally.errors, tally.answered, await server_counts(client, url) - before)
+        if not problems:
+            return
+        await asyncio.sleep(0.25)
+    for line in problems:
+        tally.fail(f"the counts do not add up: {line}")
+
+
+async def probe(url: str, args: argparse.Namespace) -> Tally:
+    """``--clients`` clients, each with a pool of one connection (``--keepalive-expiry``), GET /health
+    again and again after idle gaps drawn around the server's keep-alive timeout (and, when the
+    expiry is shorter, around the expiry too), for ``--seconds``."""
+    tally = Tally()
+    expiry = args.keepalive_expiry or client_keepalive_expiry()
+    windows = sorted({KEEP_ALIVE_SECONDS, min(expiry, KEEP_ALIVE_SECONDS)})
+    deadline = time.monotonic() + args.seconds
+    sent = Counter[str]()
+
+    async def one(index: int) -> None:
+        rng = random.Random(args.seed * 1000 + index)
+        async with tracked_client(tally.connections, max_connections=1, keepalive_expiry=expiry, timeout=30.0) as client:
+            await asyncio.sleep(rng.uniform(0, KEEP_ALIVE_SECONDS))  # spread the clients out
+            while time.monotonic() < deadline:
+                sent["n"] += 1
+                attempt = Attempt(f"probe-{index}-{sent['n']}", "probe", "/health")
+                CURRENT.set(attempt)
+                try:
+                    response = await client.get(f"{url}/health", headers=attempt.headers)
+                    attempt.status = response.status_code
+                    tally.answered["/health"] += 1
+                    tally.status[("probe", response.status_code)] += 1
+                except httpx.TransportError as exc:
+                    attempt.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                    tally.errors.append(attempt)
+                end = rng.choice(windows)  # idle until just before or around it (the race is there)
+                await asyncio.sleep(rng.uniform(end - 0.15, end + 0.05))
+
+    async with httpx.AsyncClient() as client:
+        before = await server_counts(client, url)
+        await asyncio.gather(*(one(i) for i in range(args.clients)))
+        await settle(client, url, before, tally)
+    return tally
 
 
 def run_soak(args: argparse.Namespace) -> Report:
@@ -224,6 +351,23 @@ def run_soak(args: argparse.Namespace) -> Report:
         tally, rss_warm, rss_end, running, waiting = asyncio.run(drive(f"http://127.0.0.1:{port}", args, proc.pid))
     tracebacks = log.read_text(errors="replace").count("Traceback")
     return Report(time.monotonic() - start, tally, rss_warm, rss_end, running, waiting, tracebacks, log)
+
+
+def run_probe(args: argparse.Namespace) -> Tally:
+    """``--keepalive-probe``: the keep-alive race alone, against a fresh server."""
+    with serving(serve_args(args), port=(port := free_port()), log=Path(args.log) if args.log else None, timeout=180):
+        return asyncio.run(probe(f"http://127.0.0.1:{port}", args))
+
+
+def transport_lines(tally: Tally) -> list[str]:
+    errors = tally.errors
+    lines = [f"{tally.connections.summary()}; the server closes a connection idle {KEEP_ALIVE_SECONDS} s",
+             f"transport errors (no status, or a body cut short): {len(errors)}: the server saw "
+             f"{len(tally.lost_at_server)}, {len(tally.lost_before_server)} never reached it"]
+    lines += [f"  - {e.describe()}" for e in errors[:20]]
+    if len(errors) > 20:
+        lines.append(f"  - ... and {len(errors) - 20} more")
+    return lines
 
 
 def print_report(report: Report) -> None:
@@ -237,7 +381,8 @@ def print_report(report: Report) -> None:
           f"inter-token p50 / p99: {percentile(tally.itl, 50) * 1e3:.0f} / {percentile(tally.itl, 99) * 1e3:.0f} ms")
     print(f"RSS {report.rss_warm / 2**20:.0f} MiB after the warm-up, {report.rss_end / 2**20:.0f} MiB at the end "
           f"({report.rss_growth:+.1%}); left running {report.left_running}, waiting {report.left_waiting}; "
-          f"tracebacks in the log: {report.tracebacks}\n")
+          f"tracebacks in the log: {report.tracebacks}")
+    print("\n".join(transport_lines(tally)) + "\n")
     for goal, met in report.goals().items():
         print(f"* {goal}: {'met' if met else 'MISSED'}")
     for line in tally.failures:
@@ -256,7 +401,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="the server's --threads (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="the clients' random choices (default 0)")
     parser.add_argument("--log", help="where the server's output goes (default: a temporary file)")
+    parser.add_argument("--keepalive-probe", action="store_true",
+                        help="instead of the soak: --clients clients each reuse one pooled connection after idle "
+                             "gaps near the server's keep-alive timeout, for --seconds; reports transport errors")
+    parser.add_argument("--keepalive-expiry", type=float,
+                        help="seconds the clients keep an idle pooled connection (default: half the server's "
+                             f"keep-alive timeout of {KEEP_ALIVE_SECONDS} s; httpx's default is 5)")
     args = parser.parse_args(argv)
+    if args.keepalive_expiry is not None and not args.keepalive_expiry > 0:
+        parser.error(f"--keepalive-expiry must be a positive number of seconds, got {args.keepalive_expiry}")
     if args.model is None and args.run is None:
         from aiayn.tasks.shipped import shipped_path
 
@@ -265,7 +418,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    report = run_soak(parse_args(argv))
+    args = parse_args(argv)
+    if args.keepalive_probe:
+        tally = run_probe(args)
+        print(f"\n## keep-alive probe: {args.clients} clients for {args.seconds:.0f} s, pooled connections kept "
+              f"{args.keepalive_expiry or client_keepalive_expiry()} s; {tally.answered['/health']} answers\n")
+        print("\n".join(transport_lines(tally)))
+        return 0 if not tally.errors and not tally.failures else 1
+    report = run_soak(args)
     print_report(report)
     return 0 if all(report.goals().values()) else 1
 

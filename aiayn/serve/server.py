@@ -22,6 +22,10 @@ from aiayn.serve.metrics import Metrics
 from aiayn.serve.models import ServedModel
 
 DEFAULT_CONTEXT = 2048  # tokens per slot when the model allows more (SmolLM2: 8192)
+# Seconds an idle keep-alive connection stays open (uvicorn's default, named): a client that pools
+# connections must give one up sooner, or it may send a request on a socket the server is closing
+# (the request is never read: httpx's ReadError or RemoteProtocolError; benchmarks/soak.py).
+KEEP_ALIVE_SECONDS = 5
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -179,5 +183,6 @@ def server(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000,
            log_level: str = "info") -> GracefulServer:
     """A uvicorn server for ``state`` (``run()`` it, or ``serve()`` it on an event loop)."""
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS,
                             timeout_graceful_shutdown=int(state.shutdown_grace) + 3, access_log=False)
     return GracefulServer(config, state)
