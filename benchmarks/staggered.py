@@ -31,6 +31,12 @@ peer keeps up, so the throughputs there are near the offered load and their rati
 ``--saturated`` adds each peer on the same requests all at once (its capacity), where the
 throughput ratios compare what each can serve.
 
+**The clock** (``--clock``): ``wall`` runs each engine on its thread as ``aiayn serve`` does, the
+requests submitted at their times; on a machine shared with other jobs its figures measure the
+load as much as the engine. ``cpu`` steps the engine on this thread on a clock of the CPU seconds
+its steps take (``run_stepped``; transformers' ``generate`` calls likewise), so the figures are the
+engine's own whatever else runs; with ``--threads 1`` they are the seconds of one quiet core.
+
 For each: throughput (answer tokens over the time from the start of the schedule to the last
 token), time to first token p50 / p99, and the most requests running at once. ``--ttft-breakdown``
 adds where the time to first token went, per peer (the mean over all requests, and over the slowest
@@ -45,6 +51,7 @@ the paged engine without ``aiayn.fast``'s paged-attention kernel (every row's bl
 SDPA, as before the kernel) to each round.
 
     flock /tmp/aiayn-bench.lock python -m benchmarks.staggered --ttft-breakdown --saturated
+    python -m benchmarks.staggered --clock cpu --threads 1 --ttft-breakdown --saturated
     python -m benchmarks.staggered --quick
 
 Not a test: it prints figures, it asserts nothing.
@@ -160,6 +167,51 @@ def run(engine, jobs: list[Job]) -> dict[str, float]:
                    len(requests) - len(answered), parts)
 
 
+def run_stepped(engine, jobs: list[Job], threads: int) -> dict[str, float]:
+    """``--clock cpu``: the engine stepped on this thread (not started), on a clock that advances by
+    the CPU seconds each step takes (``time.process_time``: this process's, every torch thread's)
+    and jumps to the next arrival when the engine has nothing to do. Requests arrive when the clock
+    passes their time; a request is admitted and starts its prefill at the start of the step that
+    does it, and has its first token at that step's end. The figures do not depend on what else the
+    machine runs (its load only stretches the wall time); with ``--threads 1`` they are the seconds
+    of one quiet core."""
+    from aiayn.generate import SamplingConfig
+    from aiayn.serve.engine import Request, SamplingParams
+
+    torch.set_num_threads(threads)
+    tokens, requests, marks = [0] * len(jobs), [], []  # marks: [admitted, prefill, first token, last token]
+    clock, most, arrived = 0.0, 0, 0
+    while arrived < len(jobs) or engine.running or engine.waiting:
+        if not (engine.running or engine.waiting) and clock < jobs[arrived].at:
+            clock = jobs[arrived].at  # idle until the next arrival
+        while arrived < len(jobs) and jobs[arrived].at <= clock:
+            job = jobs[arrived]
+
+            def sink(event, i=arrived) -> None:
+                tokens[i] += 1
+
+            requests.append(Request(job.prompt, SamplingParams(max_tokens=job.answer,
+                                                               sampling=SamplingConfig(temperature=0.0)), sink))
+            marks.append([None] * 4)
+            engine.submit(requests[-1])
+            arrived += 1
+        seen = [(r.admitted_at, r.prefill_at, r.first_token_at, r.last_token_at) for r in requests]
+        before = time.process_time()
+        engine.step()
+        end = clock + time.process_time() - before
+        for r, mark, old in zip(requests, marks, seen, strict=True):
+            new = (r.admitted_at, r.prefill_at, r.first_token_at, r.last_token_at)
+            for k, (was, now) in enumerate(zip(old, new, strict=True)):
+                if now != was and (mark[k] is None or k == 3):
+                    mark[k] = clock if k < 2 else end
+        clock = end
+        most = max(most, engine.running)
+    answered = [(job, m) for job, m in zip(jobs, marks, strict=True) if m[2] is not None]
+    parts = [(m[0] - job.at, m[1] - m[0], m[2] - m[1]) for job, m in answered]
+    return figures(sum(tokens), max(m[3] for _, m in answered), [m[2] - job.at for job, m in answered], most,
+                   len(jobs) - len(answered), parts)
+
+
 def hf_model():  # -> a transformers LlamaForCausalLM, float32, SmolLM2's GGUF weights
     """SmolLM2-135M-Instruct in transformers, from the GGUF file ``smollm2_text_model`` reads."""
     import transformers
@@ -175,11 +227,16 @@ def hf_model():  # -> a transformers LlamaForCausalLM, float32, SmolLM2's GGUF w
                                                              dtype=torch.float32).eval()
 
 
-def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threads: int) -> dict[str, float]:
+def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threads: int,
+                   cpu_clock: bool = False) -> dict[str, float]:
     """transformers' static batching on ``jobs``' schedule: wait for ``batch`` arrivals (or the
     last), ``generate`` them together to the longest answer, then the next ``batch`` waiting.
-    Runs on this thread with ``threads`` torch threads (given back after)."""
+    Runs on this thread with ``threads`` torch threads (given back after). ``cpu_clock``: on the
+    clock of ``run_stepped`` (a batch starts when it is full and the last one is done; it lasts the
+    CPU seconds its ``generate`` took), no sleep."""
     from transformers.generation.streamers import BaseStreamer
+
+    now = time.process_time if cpu_clock else time.monotonic
 
     class FirstToken(BaseStreamer):
         """The time of the batch's first new token (``generate`` puts the prompt first)."""
@@ -190,7 +247,7 @@ def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threa
         def put(self, value) -> None:
             self.puts += 1
             if self.puts == 2:
-                self.at = time.monotonic()
+                self.at = now()
 
         def end(self) -> None:
             pass
@@ -202,28 +259,32 @@ def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threa
     try:
         for first in range(0, len(jobs), batch):
             group = jobs[first: first + batch]
-            time.sleep(max(0.0, start + group[-1].at - time.monotonic()))  # the batch is full
+            if cpu_clock:
+                began = max(end, group[-1].at)  # (seconds on the clock)
+            else:
+                time.sleep(max(0.0, start + group[-1].at - time.monotonic()))  # the batch is full
+                began = time.monotonic() - start
             width = max(len(j.prompt) for j in group)
             ids = torch.zeros(len(group), width, dtype=torch.long)  # (b, width), left-padded with 0
             mask = torch.zeros(len(group), width, dtype=torch.long)
             for row, job in enumerate(group):
                 ids[row, width - len(job.prompt):] = torch.tensor(job.prompt)
                 mask[row, width - len(job.prompt):] = 1
-            streamer, began = FirstToken(), time.monotonic()
+            streamer, origin = FirstToken(), now()
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=max(j.answer for j in group),
                                      do_sample=False, eos_token_id=eos_id, pad_token_id=0, streamer=streamer)
-            end = time.monotonic()
+            end, first_token = began + now() - origin, began + streamer.at - origin
             for row, job in enumerate(group):
                 answer = out[row, width:].tolist()[: job.answer]
                 if eos_id in answer:
                     answer = answer[: answer.index(eos_id) + 1]  # end-of-text counts, as the engine's
                 tokens += len(answer)
-                ttft.append(streamer.at - (start + job.at))
-                parts.append((began - (start + job.at), 0.0, streamer.at - began))  # (one forward: no "behind")
+                ttft.append(first_token - job.at)
+                parts.append((began - job.at, 0.0, first_token - began))  # (one forward: no "behind")
     finally:
         torch.set_num_threads(before)
-    return figures(tokens, end - start, ttft, batch, parts=parts)
+    return figures(tokens, end, ttft, batch, parts=parts)
 
 
 def spread_line(label: str, ratios: list[float], goal: float | None) -> str:
@@ -245,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="the fixed slots' capacity in answer tokens/s (default: measured, all at once)")
     parser.add_argument("--saturated", action="store_true",
                         help="also run every peer on the requests all at once (their capacities)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall: the engine on its thread, requests on the wall clock; cpu: the engine stepped "
+                             "on a clock of CPU seconds (run_stepped: figures the machine's load does not change)")
     parser.add_argument("--ttft-breakdown", action="store_true", help="where each peer's time to first token went")
     parser.add_argument("--short", type=int, nargs=2, default=[16, 128], help="short prompt tokens, min max")
     parser.add_argument("--long", type=int, nargs=2, default=[512, 900], help="long prompt tokens, min max")
@@ -290,18 +354,25 @@ def main(argv: list[str] | None = None) -> None:
         for module, kernel in kernels.items():
             module.cache_kernel = None if label == GATHER else kernel
         engine = Engine(lm, plans[label], prefill_chunk=args.prefill_chunk, threads=args.threads)
-        engine.start()
+        warm_up = [Job(0.0, [100 + i for i in range(32)], 4)]  # (one-time costs)
         try:
-            run(engine, [Job(0.0, [100 + i for i in range(32)], 4)])  # warm-up (one-time costs)
-            result = run(engine, jobs)
+            if args.clock == "cpu":
+                run_stepped(engine, warm_up, args.threads)
+                result = run_stepped(engine, jobs, args.threads)
+            else:
+                engine.start()
+                run(engine, warm_up)
+                result = run(engine, jobs)
         finally:
             engine.stop()
+            torch.set_num_threads(1)
             for module, kernel in kernels.items():
                 module.cache_kernel = kernel
         result["preemptions"] = engine.metrics.preemptions._value.get()
         return result
 
     mark_start(args)
+    cpu = args.clock == "cpu"
     unit = workload(args, 1.0)  # the requests; their arrival times at 1/s, scaled below
     mean_answer = statistics.fmean(j.answer for j in unit)
     capacity = args.capacity
@@ -325,16 +396,17 @@ def main(argv: list[str] | None = None) -> None:
                 saturated.append((label, engine_run(label, all_at_once(jobs))))
                 report(f"{label}, all at once", saturated[-1][1])
         if hf is not None:
-            results.append((HF, static_batches(hf, jobs, args.hf_batch, lm.eos_id, args.threads)))
+            results.append((HF, static_batches(hf, jobs, args.hf_batch, lm.eos_id, args.threads, cpu)))
             report(f"{HF} of {args.hf_batch}", results[-1][1])
             if args.saturated:
-                saturated.append((HF, static_batches(hf, all_at_once(jobs), args.hf_batch, lm.eos_id, args.threads)))
+                saturated.append((HF, static_batches(hf, all_at_once(jobs), args.hf_batch, lm.eos_id, args.threads, cpu)))
                 report(f"{HF} of {args.hf_batch}, all at once", saturated[-1][1])
     header(f"Staggered arrivals, SmolLM2-135M: {args.requests} requests at {rate:.3g}/s (offered {offered:.1f} answer "
            f"tokens/s = {offered / capacity:.0%} of the fixed slots' capacity, {capacity:.1f} tokens/s), prompts "
            f"{args.short[0]}-{args.short[1]} tokens ({args.long[0]}-{args.long[1]} for {args.long_share:.0%}), "
            f"answers {args.answer[0]}-{args.answer[1]}; KV budget = {args.slots} slots of {args.context} tokens; "
-           f"--prefill-chunk {args.prefill_chunk}; {args.threads} thread(s)", args)
+           f"--prefill-chunk {args.prefill_chunk}; {args.threads} thread(s); "
+           + ("clock: CPU seconds of the stepped engine (--clock cpu)" if cpu else "clock: wall"), args)
     summary(args, results, "")
     if saturated:
         print("\n### The same requests all at once (each peer's capacity)\n")

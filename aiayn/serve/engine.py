@@ -6,9 +6,11 @@ as the served context; see ``slot_plan`` for the memory budget). Every step:
 1. cancelled requests (a client gone, a stop string seen) give their row back at once;
 2. waiting requests take free rows, in arrival order;
 3. **prefill**, in chunks: the rows still reading their prompts feed up to ``prefill_chunk``
-   prompt tokens between them, in one forward over their view of the cache; a row whose prompt
-   is done samples its first token there and joins the decoding rows. A long prompt thus takes
-   several steps, and the other streams get a token at each of them;
+   prompt tokens between them (padding included), fewest tokens left first
+   (``aiayn.serve.schedule``), in one forward over their view of the cache; a row whose prompt is
+   done samples its first token there and joins the decoding rows. A long prompt thus takes
+   several steps, the other streams get a token at each of them, and a short prompt arriving
+   meanwhile is not held behind it;
 4. **decode**: every decoding row feeds its last token, one forward over their view, and each
    samples its next token; a row that finishes (end-of-text, ``max_tokens``, a stop string)
    leaves at once;
@@ -71,6 +73,7 @@ from aiayn.serve.compiled_step import CompiledRows
 from aiayn.serve.embedding import DEFAULT_CHUNK, EmbeddingJob, EmbeddingQueue
 from aiayn.serve.metrics import Metrics
 from aiayn.serve.sampler import RowAdjustments, SamplingParams, TokenLogprob, choose
+from aiayn.serve.schedule import prefill_plan
 from aiayn.textgen import TextModel
 
 logger = logging.getLogger("aiayn.serve")
@@ -341,16 +344,14 @@ class Engine(PagedSteps):
         return self.blocks.sequence(request) if self.blocks is not None else request.prompt
 
     def _prefill_batch(self) -> list[tuple[Request, int]]:
-        """The prefilling rows of this step's chunk, in row order, with the tokens each feeds."""
-        budget = self.prefill_chunk
-        batch: list[tuple[Request, int]] = []
-        for request in self.rows[self.n_decode:]:
-            take = min(len(self._sequence(request)) - request.fed, budget)
-            batch.append((request, take))
-            budget -= take
-            if budget == 0:
-                break
-        return batch
+        """The prefilling rows of this step's chunk with the tokens each feeds (``prefill_plan``:
+        fewest tokens left first, at most ``prefill_chunk`` padded tokens), moved to the first
+        prefilling rows in that order (the forward runs on a contiguous view)."""
+        pending = self.rows[self.n_decode:]
+        plan = prefill_plan([len(self._sequence(r)) - r.fed for r in pending], self.prefill_chunk)
+        for slot, (index, _) in enumerate(plan):
+            self._swap(self.rows.index(pending[index]), self.n_decode + slot)
+        return [(pending[index], take) for index, take in plan]
 
     def _prefill(self) -> None:
         """Feed the prefilling rows up to ``prefill_chunk`` prompt tokens; rows whose prompt is
