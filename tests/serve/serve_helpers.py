@@ -1,14 +1,16 @@
 """Shared by the server tests (imported by this folder's modules and its conftest): a tiny random
-decoder-only model with a real byte-level BPE tokenizer and a chat template, and live uvicorn
-servers on 127.0.0.1 at free ports, each in a thread of this process."""
+decoder-only model with a real byte-level BPE tokenizer and a chat template, live uvicorn servers
+on 127.0.0.1 at free ports, each in a thread of this process, and the engine stepped by hand with
+its reads of device values spied on (``device_path``, ``step_until``)."""
 
 from __future__ import annotations
 
 import math
 import socket
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,9 +18,11 @@ import torch
 from tokenizer_helpers import CHAT_TEMPLATE, train_tokenizer
 from torch import nn
 
+import aiayn.nn.data_checks
 from aiayn.interop.gguf_text import ChatTemplate
 from aiayn.models import DecoderOnly, get_preset
 from aiayn.serve import build_state, load_served_model, server
+from aiayn.serve.engine import Engine
 from aiayn.textgen import TextModel
 
 TEXT = (
@@ -84,3 +88,57 @@ def tiny_state(tiny_dir: Path, **settings):
     settings = {"max_batch": 4, "context": CONTEXT, "prefill_chunk": 16, **settings}
     return build_state(served, **settings)[0]
 
+
+
+# Every way a tensor's value gets into Python (on a GPU each waits for the device).
+READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
+
+
+@contextmanager
+def device_path() -> Iterator[list[str]]:
+    """Take the non-CPU code path on the CPU (``aiayn.nn.data_checks.reads_data`` says False, as for
+    a CUDA tensor) and list, as "function (file:line, method)", every place that reads a tensor's
+    value into Python meanwhile (tests/serve/test_no_device_reads.py explains why)."""
+    reads: list[str] = []
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+    saved_reads_data = aiayn.nn.data_checks.reads_data
+
+    def spy(name: str):
+        original = saved[name]
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            reads.append(f"{caller.f_code.co_name} ({caller.f_code.co_filename}:{caller.f_lineno}, {name})")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    try:
+        aiayn.nn.data_checks.reads_data = lambda t: False
+        for name in READS:
+            setattr(torch.Tensor, name, spy(name))
+        yield reads
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        aiayn.nn.data_checks.reads_data = saved_reads_data
+
+
+def step_until(engine: Engine, done: Callable[[], bool], *, spy: bool = False, limit: int = 300,
+               before_step: Callable[[int], None] | None = None) -> list[str]:
+    """Step ``engine`` until ``done()``: before each step ``before_step(i)`` (e.g. requests arriving
+    at step i) runs, then ``done()`` is asked. With ``spy`` every step runs in ``device_path`` and
+    the reads of device values seen are returned (else ``[]``). Fails after ``limit`` steps."""
+    reads: list[str] = []
+    for i in range(limit):
+        if before_step is not None:
+            before_step(i)
+        if done():
+            return reads
+        if spy:
+            with device_path() as seen:
+                engine.step()
+            reads += seen
+        else:
+            engine.step()
+    raise AssertionError(f"the engine did not finish in {limit} steps")

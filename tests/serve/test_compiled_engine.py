@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from serve_helpers import tiny_text_model
-from test_no_device_reads import device_path
+from serve_helpers import step_until, tiny_text_model
 from torch._dynamo.utils import counters, guard_failures
 
 from aiayn.fast import compiled_decode
@@ -29,30 +28,24 @@ from aiayn.textgen import TextModel
 SCHEDULE = [(0, 5, 9, 0.0), (0, 13, 4, 0.9), (3, 3, 12, 0.0), (4, 21, 6, 0.7), (9, 7, 3, 0.0), (10, 2, 8, 1.0)]
 
 
-def run_schedule(engine: Engine, *, spy: bool = False) -> tuple[list[list[int]], list[int], list[str]]:
-    """Step ``engine`` through ``SCHEDULE`` to the end: each request's tokens, the number of decoding
-    rows at each decode step, and (``spy``) every read of a device value into Python meanwhile."""
+def run_schedule(engine: Engine, *, spy: bool = False) -> tuple[list[list[int]], list[str]]:
+    """Step ``engine`` through ``SCHEDULE`` to the end: each request's tokens and (``spy``) every
+    read of a device value into Python meanwhile."""
     events: list[list] = [[] for _ in SCHEDULE]
-    decoding: list[int] = []
-    reads: list[str] = []
-    for step in range(300):
+
+    def arrive(step: int) -> None:
         for i, (arrives, n, max_tokens, temperature) in enumerate(SCHEDULE):
             if arrives == step:
                 prompt = torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(i)).tolist()
                 sampling = SamplingConfig(temperature=temperature, top_p=0.95, seed=i)
                 engine.submit(Request(prompt, SamplingParams(max_tokens=max_tokens, sampling=sampling),
                                       events[i].append))
-        if step > SCHEDULE[-1][0] and all(e and e[-1].finish_reason for e in events):
-            break
-        decoding.append(engine.n_decode)
-        if spy:
-            with device_path() as seen:
-                engine.step()
-            reads += seen
-        else:
-            engine.step()
-    assert all(e and e[-1].finish_reason == "length" for e in events)
-    return [[ev.token for ev in e] for e in events], decoding, reads
+
+    # (a request not arrived yet has no events: not done before the last one has arrived)
+    reads = step_until(engine, lambda: all(e and e[-1].finish_reason for e in events), spy=spy,
+                       before_step=arrive)
+    assert all(e[-1].finish_reason == "length" for e in events)
+    return [[ev.token for ev in e] for e in events], reads
 
 
 def guard_failure_count() -> int:
@@ -82,7 +75,7 @@ def test_compiled_engine_equals_eager_and_compiles_once_per_bucket(lm: TextModel
     nothing read back for checks), the first compiling, the second warm: rows join and leave at
     other lengths of the reused cache, and no graph is compiled, no guard fails, and the only reads
     of device values are the chosen tokens' (``choose``, once per forward that samples)."""
-    eager, _, _ = run_schedule(new_engine(lm, compile=False))
+    eager, _ = run_schedule(new_engine(lm, compile=False))
     compiled_decode.forget_compiled(lm.model)
     engine = new_engine(lm, compile=True)
     assert engine.compiled is not None
@@ -95,7 +88,7 @@ def test_compiled_engine_equals_eager_and_compiles_once_per_bucket(lm: TextModel
 
     engine.compiled.step = noted  # type: ignore[method-assign]
     graphs = counters["stats"]["unique_graphs"]
-    tokens, _, _ = run_schedule(engine, spy=True)
+    tokens, _ = run_schedule(engine, spy=True)
     assert tokens == eager  # greedy and seeded sampling alike
     assert engine.compiled.compiled_buckets == {1, 2, 4}  # the schedule passes through every bucket
     # The padding rows were free rows and rows still reading their prompts: 3 decoding rows in a
@@ -103,7 +96,7 @@ def test_compiled_engine_equals_eager_and_compiles_once_per_bucket(lm: TextModel
     assert (3, 4) in steps and any(n == 1 and used > 1 for n, used in steps)
     assert counters["stats"]["unique_graphs"] - graphs == 3  # one graph per bucket
     graphs, frames, failures = counters["stats"]["unique_graphs"], counters["frames"]["total"], guard_failure_count()
-    again, _, reads = run_schedule(engine, spy=True)
+    again, reads = run_schedule(engine, spy=True)
     assert again == eager
     assert counters["stats"]["unique_graphs"] == graphs and counters["frames"]["total"] == frames
     assert guard_failure_count() == failures
@@ -178,7 +171,7 @@ def test_cuda_graphs_replay_the_buckets(device: torch.device) -> None:
         pytest.skip("a CUDA test")
     lm = tiny_text_model(context=48)
     lm.model.to(device)
-    eager, _, _ = run_schedule(new_engine(lm, compile=False))
+    eager, _ = run_schedule(new_engine(lm, compile=False))
     engine = new_engine(lm, compile=True)
     skips = counters["inductor"]["cudagraph_skips"]
     assert run_schedule(engine)[0] == eager

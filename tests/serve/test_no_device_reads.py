@@ -2,9 +2,10 @@
 
 On a GPU every read of a device value into Python (``int(t)``, ``bool(t)``, ``t.item()``,
 ``t.tolist()``, ``t.cpu()``) makes the host wait for the stream. This machine has no GPU, so the
-tests take the GPU's code path on the CPU: ``aiayn.nn.data_checks.reads_data`` is patched to say
-False (as it does for a CUDA tensor: no data-dependent checks, masks always built), and every way a
-tensor's value reaches Python is patched to note where it was called from. The engine's prefill
+tests take the GPU's code path on the CPU (``serve_helpers.device_path``):
+``aiayn.nn.data_checks.reads_data`` is patched to say False (as it does for a CUDA tensor: no
+data-dependent checks, masks always built), and every way a tensor's value reaches Python is
+patched to note where it was called from. The engine's prefill
 and decode steps, and the per-row cache's own operations (``RowKVCache.reserve``, ``rows``,
 ``swap_rows``, ``clear_row``, ``reorder`` and the layers' writes), then read nothing, except the one
 read the engine must make: the chosen token ids (with the log-probabilities asked for), once per
@@ -14,52 +15,15 @@ forward in ``aiayn.serve.sampler.choose`` (``Engine._sample_and_emit``), to deto
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
-from serve_helpers import tiny_text_model
+from serve_helpers import device_path, step_until, tiny_text_model
 from torch.testing import assert_close
 
-import aiayn.nn.data_checks
 from aiayn.generate import SamplingConfig
 from aiayn.models import DecoderOnly, get_preset
 from aiayn.nn.row_kv_cache import RowKVCache
 from aiayn.serve.engine import Engine, Request, SamplingParams, slot_plan
-
-# Every way a tensor's value gets into Python (on a GPU each waits for the device).
-READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
-
-
-@contextmanager
-def device_path() -> Iterator[list[str]]:
-    """Take the non-CPU code path on the CPU and list, as "function (file:line)", every place that
-    reads a tensor's value into Python meanwhile."""
-    reads: list[str] = []
-    saved = {name: getattr(torch.Tensor, name) for name in READS}
-    saved_reads_data = aiayn.nn.data_checks.reads_data
-
-    def spy(name: str):
-        original = saved[name]
-
-        def read(self, *args, **kwargs):
-            caller = sys._getframe(1)
-            reads.append(f"{caller.f_code.co_name} ({caller.f_code.co_filename}:{caller.f_lineno}, {name})")
-            return original(self, *args, **kwargs)
-
-        return read
-
-    try:
-        aiayn.nn.data_checks.reads_data = lambda t: False
-        for name in READS:
-            setattr(torch.Tensor, name, spy(name))
-        yield reads
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-        aiayn.nn.data_checks.reads_data = saved_reads_data
 
 
 # ---- the cache on its own ----------------------------------------------------------------------
@@ -142,17 +106,8 @@ def run_engine(lm, *, spy: bool) -> tuple[list[list[int]], list[list], list[str]
         sampling = SamplingConfig(temperature=0.0 if i % 2 == 0 else 0.8, top_p=0.9, seed=i)
         params = SamplingParams(max_tokens=6 + i, sampling=sampling, logprobs=[None, 0, 3, None, 1][i])
         engine.submit(Request(prompt, params, events[i].append))
-    reads: list[str] = []
-    for _ in range(200):
-        if all(e and e[-1].finish_reason for e in events):
-            break
-        if spy:
-            with device_path() as seen:
-                engine.step()
-            reads += seen
-        else:
-            engine.step()
-    assert all(e and e[-1].finish_reason == "length" for e in events)
+    reads = step_until(engine, lambda: all(e and e[-1].finish_reason for e in events), spy=spy, limit=200)
+    assert all(e[-1].finish_reason == "length" for e in events)
     logprobs = [[(ev.logprob.logprob, ev.logprob.top) if ev.logprob else None for ev in e] for e in events]
     return [[ev.token for ev in e] for e in events], logprobs, reads, samples
 

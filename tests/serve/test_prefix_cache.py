@@ -8,9 +8,8 @@ and a step reads nothing back from the device but its tokens."""
 from __future__ import annotations
 
 import pytest
-from serve_helpers import tiny_text_model
+from serve_helpers import step_until, tiny_text_model
 from test_engine import Collector, prompt, run_until_done, submit
-from test_no_device_reads import device_path
 
 import aiayn.serve.engine
 from aiayn.nn.kv_cache import kv_cache_bytes
@@ -159,13 +158,7 @@ def test_the_paged_engine_step_reads_only_its_tokens(lm):
     expected = answers(paged_engine(lm, blocks=20), prompts, every=1, max_tokens=30)
     engine = paged_engine(lm, blocks=20)
     sinks = [submit(engine, ids, seed=i, max_tokens=30) for i, ids in enumerate(prompts)]
-    reads: list[str] = []
-    for _ in range(300):
-        if all(s.done for s in sinks):
-            break
-        with device_path() as seen:
-            engine.step()
-        reads += seen
+    reads = step_until(engine, lambda: all(s.done for s in sinks), spy=True)
     assert [s.tokens for s in sinks] == expected
     assert {r.split(" ")[0] for r in reads} <= {"choose"}, "\n".join(reads)
     assert engine.metrics.preemptions._value.get() > 0 and engine.blocks.hit_tokens > 0

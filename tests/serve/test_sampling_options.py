@@ -17,8 +17,7 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-from serve_helpers import MODEL_NAME
-from test_no_device_reads import device_path
+from serve_helpers import MODEL_NAME, device_path
 
 from aiayn.generate import SamplingConfig
 from aiayn.generate.sampling import sample_next
