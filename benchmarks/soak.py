@@ -107,6 +107,7 @@ class Report:
     left_waiting: int
     tracebacks: int
     log: Path
+    keep_alive: float  # the server's --keep-alive seconds
 
     @property
     def rss_growth(self) -> float:
@@ -138,7 +139,7 @@ def serve_args(args: argparse.Namespace) -> list[str]:
     """The soak's ``aiayn serve`` options (the port aside)."""
     source = ["--model", str(args.model)] if args.model else ["--run", str(args.run)]
     return [*source, "--name", "soak", "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
-            "--threads", str(args.threads), "--device", "cpu"]
+            "--threads", str(args.threads), "--device", "cpu", "--keep-alive", str(args.server_keep_alive)]
 
 
 class Clients:
@@ -275,7 +276,7 @@ async def drive(url: str, args: argparse.Namespace, pid: int) -> tuple[Tally, in
     start = time.monotonic()
     warm_up = max(5.0, args.seconds / 10)
     async with tracked_client(tally.connections, max_connections=args.clients * (args.max_batch + args.max_queue + 8),
-                              keepalive_expiry=args.keepalive_expiry or client_keepalive_expiry()) as client:
+                              keepalive_expiry=args.keepalive_expiry or client_keepalive_expiry(args.server_keep_alive)) as client:
         before = await server_counts(client, url)
         clients = Clients(client, url, args, start + args.seconds, tally)
         tasks = [asyncio.create_task(clients.run(args.seed * 1000 + i)) for i in range(args.clients)]
@@ -312,15 +313,16 @@ async def probe(url: str, args: argparse.Namespace) -> Tally:
     again and again after idle gaps drawn around the server's keep-alive timeout (and, when the
     expiry is shorter, around the expiry too), for ``--seconds``."""
     tally = Tally()
-    expiry = args.keepalive_expiry or client_keepalive_expiry()
-    windows = sorted({KEEP_ALIVE_SECONDS, min(expiry, KEEP_ALIVE_SECONDS)})
+    server = args.server_keep_alive
+    expiry = args.keepalive_expiry or client_keepalive_expiry(server)
+    windows = sorted({server, min(expiry, server)})
     deadline = time.monotonic() + args.seconds
     sent = Counter[str]()
 
     async def one(index: int) -> None:
         rng = random.Random(args.seed * 1000 + index)
         async with tracked_client(tally.connections, max_connections=1, keepalive_expiry=expiry, timeout=30.0) as client:
-            await asyncio.sleep(rng.uniform(0, KEEP_ALIVE_SECONDS))  # spread the clients out
+            await asyncio.sleep(rng.uniform(0, server))  # spread the clients out
             while time.monotonic() < deadline:
                 sent["n"] += 1
                 attempt = Attempt(f"probe-{index}-{sent['n']}", "probe", "/health")
@@ -350,7 +352,8 @@ def run_soak(args: argparse.Namespace) -> Report:
         start = time.monotonic()
         tally, rss_warm, rss_end, running, waiting = asyncio.run(drive(f"http://127.0.0.1:{port}", args, proc.pid))
     tracebacks = log.read_text(errors="replace").count("Traceback")
-    return Report(time.monotonic() - start, tally, rss_warm, rss_end, running, waiting, tracebacks, log)
+    return Report(time.monotonic() - start, tally, rss_warm, rss_end, running, waiting, tracebacks, log,
+                  args.server_keep_alive)
 
 
 def run_probe(args: argparse.Namespace) -> Tally:
@@ -359,9 +362,9 @@ def run_probe(args: argparse.Namespace) -> Tally:
         return asyncio.run(probe(f"http://127.0.0.1:{port}", args))
 
 
-def transport_lines(tally: Tally) -> list[str]:
+def transport_lines(tally: Tally, keep_alive: float) -> list[str]:
     errors = tally.errors
-    lines = [f"{tally.connections.summary()}; the server closes a connection idle {KEEP_ALIVE_SECONDS} s",
+    lines = [f"{tally.connections.summary()}; the server closes a connection idle {keep_alive:g} s",
              f"transport errors (no status, or a body cut short): {len(errors)}: the server saw "
              f"{len(tally.lost_at_server)}, {len(tally.lost_before_server)} never reached it"]
     lines += [f"  - {e.describe()}" for e in errors[:20]]
@@ -382,7 +385,7 @@ def print_report(report: Report) -> None:
     print(f"RSS {report.rss_warm / 2**20:.0f} MiB after the warm-up, {report.rss_end / 2**20:.0f} MiB at the end "
           f"({report.rss_growth:+.1%}); left running {report.left_running}, waiting {report.left_waiting}; "
           f"tracebacks in the log: {report.tracebacks}")
-    print("\n".join(transport_lines(tally)) + "\n")
+    print("\n".join(transport_lines(tally, report.keep_alive)) + "\n")
     for goal, met in report.goals().items():
         print(f"* {goal}: {'met' if met else 'MISSED'}")
     for line in tally.failures:
@@ -404,10 +407,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keepalive-probe", action="store_true",
                         help="instead of the soak: --clients clients each reuse one pooled connection after idle "
                              "gaps near the server's keep-alive timeout, for --seconds; reports transport errors")
+    parser.add_argument("--server-keep-alive", type=float, default=KEEP_ALIVE_SECONDS,
+                        help=f"the server's --keep-alive seconds (default {KEEP_ALIVE_SECONDS:g}, aiayn serve's; "
+                             "uvicorn's own default is 5)")
     parser.add_argument("--keepalive-expiry", type=float,
                         help="seconds the clients keep an idle pooled connection (default: half the server's "
-                             f"keep-alive timeout of {KEEP_ALIVE_SECONDS} s; httpx's default is 5)")
+                             "keep-alive timeout; httpx's default is 5)")
     args = parser.parse_args(argv)
+    if not args.server_keep_alive > 0:
+        parser.error(f"--server-keep-alive must be a positive number of seconds, got {args.server_keep_alive}")
     if args.keepalive_expiry is not None and not args.keepalive_expiry > 0:
         parser.error(f"--keepalive-expiry must be a positive number of seconds, got {args.keepalive_expiry}")
     if args.model is None and args.run is None:
@@ -422,8 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.keepalive_probe:
         tally = run_probe(args)
         print(f"\n## keep-alive probe: {args.clients} clients for {args.seconds:.0f} s, pooled connections kept "
-              f"{args.keepalive_expiry or client_keepalive_expiry()} s; {tally.answered['/health']} answers\n")
-        print("\n".join(transport_lines(tally)))
+              f"{args.keepalive_expiry or client_keepalive_expiry(args.server_keep_alive)} s; "
+              f"{tally.answered['/health']} answers\n")
+        print("\n".join(transport_lines(tally, args.server_keep_alive)))
         return 0 if not tally.errors and not tally.failures else 1
     report = run_soak(args)
     print_report(report)

@@ -4,8 +4,9 @@ that connection had been idle, and whether the server saw a request that failed 
 
 Why it exists: the soak once lost a request to httpx's ``ReadError`` with nothing in the server's
 log. The cause was the keep-alive race: uvicorn closes a connection idle for ``timeout_keep_alive``
-seconds (``aiayn.serve.server.KEEP_ALIVE_SECONDS``, 5) and httpx keeps a pooled connection for
-``keepalive_expiry`` seconds (also 5 by default), so a request sent on a connection idle for just
+seconds (then uvicorn's default, 5; now ``aiayn serve --keep-alive``,
+``aiayn.serve.server.KEEP_ALIVE_SECONDS``) and httpx keeps a pooled connection for
+``keepalive_expiry`` seconds (5 by default), so a request sent on a connection idle for just
 under 5 s could reach the server's socket as the server closed it: the server never read it (the
 kernel answers the unread bytes with a reset: ``ReadError``; or the client reads the close:
 ``RemoteProtocolError``, "Server disconnected without sending a response"). A client must give up
@@ -29,14 +30,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from aiayn.serve.server import KEEP_ALIVE_SECONDS
 
 
-def client_keepalive_expiry() -> float:
+def client_keepalive_expiry(server_keep_alive: float = KEEP_ALIVE_SECONDS) -> float:
     """Seconds a pooled connection may idle before the client gives it up: half the server's
-    keep-alive timeout. The server's clock starts when it writes a response's last byte, the
+    keep-alive timeout (``server_keep_alive``). The server's clock starts when it writes a response's last byte, the
     client's when it has read it, and a request then waits on both event loops before the server
     reads it; on a loaded machine that is tens of milliseconds to a second, so equal timeouts
     (httpx's default 5 s against uvicorn's 5 s) leave a window where the server closes the socket
     under a request it never reads."""
-    return KEEP_ALIVE_SECONDS / 2
+    return server_keep_alive / 2
 
 
 @dataclass

@@ -68,6 +68,10 @@ from aiayn.cli.app import (
 @click.option("--api-key", envvar="AIAYN_API_KEY", help="Require 'Authorization: Bearer KEY' (or set AIAYN_API_KEY).")
 @click.option("--shutdown-grace", type=FiniteFloatRange(min=0), default=30.0, show_default=True,
               help="Seconds running requests get to finish after SIGTERM.")
+@click.option("--keep-alive", type=FiniteFloatRange(min=0.1, max=3600), default=20.0, show_default=True,
+              help="Seconds an idle connection stays open for the client's next request. Keep it above the "
+                   "clients' own pool timeout (httpx and the openai client: 5 s), or a request sent as the "
+                   "server closes the connection is lost.")
 @click.option("--threads", type=click.IntRange(min=1), help="CPU threads (default: torch's choice).")
 @click.option("--compile", "compiled", is_flag=True,
               help="Decode through torch.compile'd graphs, one per batch-size bucket (1, 2, 4, ... --max-batch; "
@@ -82,7 +86,8 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
               prefill_chunk: int, max_queue: int, api_key: str | None, shutdown_grace: float,
               threads: int | None, max_inputs: int, max_input_tokens: int | None, max_request_tokens: int,
               embed_chunk: int, embed_share: float, kv_layout: str | None = None, block_size: int = 16,
-              prefix_caching: bool = True, plain: bool = False, device: str = "auto", compiled: bool = False) -> None:
+              prefix_caching: bool = True, plain: bool = False, device: str = "auto", compiled: bool = False,
+              keep_alive: float = 20.0) -> None:
     """Serve a model over the OpenAI API (chat, completions, embeddings) with continuous batching."""
     import torch
 
@@ -123,7 +128,7 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
     for line in [*lines, exposure_warning(host, api_key)]:
         if line:
             click.echo(line, err=True)
-    server(state, host=host, port=port).run()
+    server(state, host=host, port=port, keep_alive=keep_alive).run()
 
 
 @cli.command("export")

@@ -22,10 +22,13 @@ from aiayn.serve.metrics import Metrics
 from aiayn.serve.models import ServedModel
 
 DEFAULT_CONTEXT = 2048  # tokens per slot when the model allows more (SmolLM2: 8192)
-# Seconds an idle keep-alive connection stays open (uvicorn's default, named): a client that pools
-# connections must give one up sooner, or it may send a request on a socket the server is closing
-# (the request is never read: httpx's ReadError or RemoteProtocolError; benchmarks/soak.py).
-KEEP_ALIVE_SECONDS = 5
+# Seconds an idle keep-alive connection stays open (`aiayn serve --keep-alive`). Longer than the
+# connection pools of common clients keep one idle (httpx's and so the openai client's 5 s,
+# aiohttp's 15 s), so such a client gives a connection up before the server closes it: at equal
+# timeouts a request sent on a connection idle just under them can meet the server closing it, and is
+# never read (httpx's ReadError or RemoteProtocolError; benchmarks/soak.py --keepalive-probe; uvicorn's
+# own default is 5 s). An idle connection costs a socket and no thread.
+KEEP_ALIVE_SECONDS = 20.0
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -179,10 +182,11 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def server(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000,
-           log_level: str = "info") -> GracefulServer:
-    """A uvicorn server for ``state`` (``run()`` it, or ``serve()`` it on an event loop)."""
+def server(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+           keep_alive: float = KEEP_ALIVE_SECONDS) -> GracefulServer:
+    """A uvicorn server for ``state`` (``run()`` it, or ``serve()`` it on an event loop); an idle
+    connection is closed after ``keep_alive`` seconds."""
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
-                            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                            timeout_keep_alive=keep_alive,
                             timeout_graceful_shutdown=int(state.shutdown_grace) + 3, access_log=False)
     return GracefulServer(config, state)
