@@ -125,6 +125,7 @@ def figures(tokens: int, seconds: float, ttft: list[float], most: int, failed: i
            "ttft_p50": ranked[len(ranked) // 2], "ttft_p99": ranked[min(len(ranked) - 1, round(0.99 * (len(ranked) - 1)))],
            "most_running": most, "failed": failed}
     if parts:
+        out["ttft_mean"] = statistics.fmean(ttft)
         tail = [parts[i] for i in order[-max(1, len(order) // 10):]]
         for k, name in enumerate(PARTS):
             out[name] = statistics.fmean(p[k] for p in parts)
