@@ -7,8 +7,6 @@ loads wrongly (a transposed weight, a wrong tokenizer, float16 damage) falls far
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,12 +38,11 @@ def test_shakespeare_char_reaches_its_val_loss() -> None:
     assert nll <= EXPECTED["shakespeare-char"][1], nll
 
 
-def test_generate_with_the_shipped_char_model(tmp_path: Path, run_aiayn) -> None:
-    proc = subprocess.run([sys.executable, "-m", "aiayn", "generate", "--model", "shakespeare-char", "--prompt",
-                           "ROMEO:", "--max-new-tokens", "40", "--seed", "1"], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    text = proc.stdout
+def test_generate_with_the_shipped_char_model(tmp_path: Path, run_aiayn, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # from a folder that holds no run
+    code, text, err = run_aiayn("generate", "--model", "shakespeare-char", "--prompt", "ROMEO:", "--max-new-tokens",
+                                "40", "--seed", "1")
+    assert code == 0, err
     assert text.startswith("ROMEO:") and len(text) >= 40
     words = [w for w in text.split() if w.isalpha() and w.islower()]
     assert len(words) >= 3  # English-looking words, not noise
@@ -54,12 +51,13 @@ def test_generate_with_the_shipped_char_model(tmp_path: Path, run_aiayn) -> None
     assert code == 0 and "shakespeare-char" in listed
 
 
-def test_plot_attention_of_a_shipped_model_writes_here_not_into_the_package(tmp_path: Path, run_aiayn) -> None:
+def test_plot_attention_of_a_shipped_model_writes_here_not_into_the_package(tmp_path: Path, run_aiayn,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     release = shipped_path("shakespeare-char")
     before = sorted(p.name for p in release.rglob("*"))
-    proc = subprocess.run([sys.executable, "-m", "aiayn", "plot", "attention", "--model", "shakespeare-char",
-                           "--input", "ROMEO:"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    monkeypatch.chdir(tmp_path)  # "here": the working folder of the command
+    code, _, err = run_aiayn("plot", "attention", "--model", "shakespeare-char", "--input", "ROMEO:")
+    assert code == 0, err
     assert (tmp_path / "attention.png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in release.rglob("*")) == before
     for argv, needle in ((["--model", "no-such-model"], "neither a shipped model"),
@@ -92,13 +90,15 @@ def test_translation_models_reach_their_val_bleu(name: str) -> None:
     assert bleu >= EXPECTED[name][1], (name, bleu)
 
 
-def test_translate_right_after_installation_needs_no_run(tmp_path: Path) -> None:
-    """`aiayn translate "..."` with no --run or --model: the shipped en->de model, from any folder."""
-    proc = subprocess.run([sys.executable, "-m", "aiayn", "translate", "A man is riding a bike."],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    german = proc.stdout.strip().lower()
+def test_translate_right_after_installation_needs_no_run(tmp_path: Path, run_aiayn,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`aiayn translate "..."` with no --run or --model: the shipped en->de model, from any folder
+    (in this process; docs/translation.md's first console block runs the same commands as a shell
+    does and compares their whole output)."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_aiayn("translate", "A man is riding a bike.")
+    assert code == 0, err
+    german = out.strip().lower()
     assert german.startswith("ein mann") and "fahrrad" in german, german
-    back = subprocess.run([sys.executable, "-m", "aiayn", "translate", "--model", "multi30k-de-en",
-                           "Ein Mann fährt Fahrrad."], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert back.returncode == 0 and back.stdout.strip().lower().startswith("a man"), (back.stdout, back.stderr)
+    code, out, err = run_aiayn("translate", "--model", "multi30k-de-en", "Ein Mann fährt Fahrrad.")
+    assert code == 0 and out.strip().lower().startswith("a man"), (out, err)
