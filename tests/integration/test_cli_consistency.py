@@ -14,26 +14,29 @@ def aiayn(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def test_translate_dash_reads_standard_input_and_threads_change_nothing():
-    direct = aiayn("translate", SENTENCE)
-    assert direct.returncode == 0, direct.stderr
+def test_translate_dash_reads_standard_input_and_threads_change_nothing(run_aiayn):
+    """Standard input needs a child process; the direct run is in this process (at its default
+    thread count, as a fresh process has it)."""
+    code, direct, err = run_aiayn("translate", SENTENCE)
+    assert code == 0, err
     piped = aiayn("translate", "-", "--threads", "1", stdin=SENTENCE + "\n")
     assert piped.returncode == 0, piped.stderr
-    assert piped.stdout == direct.stdout and piped.stdout.strip() not in ("", "-")
+    assert piped.stdout == direct and piped.stdout.strip() not in ("", "-")
 
 
-def test_train_takes_threads(tmp_path):
-    result = aiayn("train", "--max-steps", "2", "--threads", "1", "--no-progress", "--run-dir", str(tmp_path / "run"))
-    assert result.returncode == 0, result.stderr
+def test_train_takes_threads(tmp_path, run_aiayn):
+    code, _, err = run_aiayn("train", "--max-steps", "2", "--threads", "1", "--no-progress",
+                             "--run-dir", str(tmp_path / "run"))
+    assert code == 0, err
     assert (tmp_path / "run" / "summary.json").is_file()
 
 
-def test_too_many_threads_is_one_line():
+def test_too_many_threads_is_one_line(run_aiayn):
     for args in (["train"], ["translate", SENTENCE], ["evaluate", "--src", "x", "--ref", "y"]):
-        result = aiayn(*args, "--threads", "100000")
-        assert result.returncode == 2, result.stderr
-        assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
-        assert "more than 4 per CPU" in result.stderr
+        code, _, err = run_aiayn(*args, "--threads", "100000")
+        assert code == 2, err
+        assert err.startswith("Error: ") and err.count("\n") == 1, err
+        assert "more than 4 per CPU" in err
 
 
 def test_every_option_of_every_command_has_help_text():
