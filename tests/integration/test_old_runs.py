@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -53,11 +51,10 @@ def test_old_run_loads_and_computes_what_it_did(old_runs: Path, name: str, fast:
         assert torch.equal(greedy, expected["greedy"])
 
 
-def test_old_run_resumes_with_todays_trainer(old_runs: Path) -> None:
+def test_old_run_resumes_with_todays_trainer(old_runs: Path, run_aiayn) -> None:
     run_dir = old_runs / "reverse"
-    done = subprocess.run([sys.executable, "-m", "aiayn", "train", "--resume", "--run-dir", str(run_dir),
-                           "--max-steps", "4", "--no-progress"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "resuming" in done.stdout and "step 3" in done.stdout
+    code, out, err = run_aiayn("train", "--resume", "--run-dir", str(run_dir), "--max-steps", "4", "--no-progress")
+    assert code == 0, err
+    assert "resuming" in out and "step 3" in out
     state = json.loads((run_dir / "checkpoints" / "step-00000004" / "state.json").read_text())
     assert state["step"] == 4
