@@ -24,11 +24,11 @@ def test_gqa_and_dtype_scale_the_estimate():
         kv_cache_bytes(n_layers=1, n_kv_heads=1, head_dim=1, seq_len=0, batch_size=1)
 
 
-def test_cli_prints_64_gib_for_the_seeds_example(run_aiayn_process):
-    result = run_aiayn_process("kv-cache", "--batch-size", "32", "--n-heads", "32", "--n-layers", "32",
-                     "--d-model", "4096", "--seq-len", "2048", "--dtype", "float32")
-    assert result.returncode == 0, result.stderr
-    assert "KV cache: 64 GiB (68,719,476,736 bytes)" in result.stdout
+def test_cli_prints_64_gib_for_the_seeds_example(run_aiayn):
+    code, out, err = run_aiayn("kv-cache", "--batch-size", "32", "--n-heads", "32", "--n-layers", "32",
+                               "--d-model", "4096", "--seq-len", "2048", "--dtype", "float32")
+    assert code == 0, err
+    assert "KV cache: 64 GiB (68,719,476,736 bytes)" in out
 
 
 def test_cli_gqa_shows_the_saving(run_aiayn):
