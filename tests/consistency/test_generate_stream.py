@@ -273,15 +273,14 @@ def test_bad_arguments_raise_on_the_call_not_at_the_first_step(device: torch.dev
 # ---- imports ----------------------------------------------------------------------------------------
 @pytest.mark.cpu_only  # which modules an import loads: no device involved
 def test_importing_generate_leaves_aiayn_fast_unimported() -> None:
-    code = ("import sys, aiayn.generate as g; from aiayn.generate import compiled_decode_step; "
-            "print(sorted(m for m in sys.modules if m.startswith('aiayn.fast')))")
-    # compiled_decode_step is imported on access only: before it, nothing of aiayn.fast.
-    before = subprocess.run([sys.executable, "-c", "import sys, aiayn.generate; "
-                             "print(sorted(m for m in sys.modules if m.startswith('aiayn.fast')))"],
-                            capture_output=True, text=True, check=True)
-    after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert before.stdout.strip() == "[]"
-    assert "aiayn.fast.compiled_decode" in after.stdout
+    # compiled_decode_step is imported on access only: before it, nothing of aiayn.fast. One child
+    # process (a fresh sys.modules) prints the aiayn.fast modules before and after that access.
+    fast_modules = "print(sorted(m for m in sys.modules if m.startswith('aiayn.fast')))"
+    code = f"import sys, aiayn.generate; {fast_modules}; from aiayn.generate import compiled_decode_step; {fast_modules}"
+    before, after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   check=True).stdout.strip().splitlines()
+    assert before == "[]"
+    assert "aiayn.fast.compiled_decode" in after
 
 
 def test_each_step_hands_out_the_cache_as_it_fills(device: torch.device) -> None:
