@@ -43,10 +43,13 @@ def test_static_batches_count_to_end_of_text(tiny_llama):
 def test_workload_is_seeded_and_in_range():
     import argparse
 
-    args = argparse.Namespace(seed=3, requests=20, rate=2.0, short=[4, 8], long=[30, 40], long_share=0.5,
-                              answer=[2, 5])
-    jobs = workload(args)
-    assert [(j.at, j.prompt, j.answer) for j in jobs] == [(j.at, j.prompt, j.answer) for j in workload(args)]
+    args = argparse.Namespace(seed=3, requests=20, short=[4, 8], long=[30, 40], long_share=0.5, answer=[2, 5])
+    jobs = workload(args, 2.0)
+    assert [(j.at, j.prompt, j.answer) for j in jobs] == [(j.at, j.prompt, j.answer) for j in workload(args, 2.0)]
     assert all(a.at < b.at for a, b in itertools.pairwise(jobs))
     assert all(4 <= len(j.prompt) <= 8 or 30 <= len(j.prompt) <= 40 for j in jobs)
     assert all(2 <= j.answer <= 5 for j in jobs)
+    # Another rate: the same requests, their arrival times scaled by the ratio of the rates.
+    slower = workload(args, 0.5)
+    assert [(j.prompt, j.answer) for j in slower] == [(j.prompt, j.answer) for j in jobs]
+    assert [j.at for j in slower] == pytest.approx([4 * j.at for j in jobs])
