@@ -61,7 +61,9 @@ def mark_start(args: argparse.Namespace) -> None:
 def header(title: str, args: argparse.Namespace) -> None:
     load = getattr(args, "load_before", None) or os.getloadavg()[0]
     print(f"## {title}\n")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
+    # --threads when given: a server-like benchmark keeps its main thread at one and computes on --threads.
+    threads = getattr(args, "threads", None) or torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads, float32, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
           f"load average {load:.2f} before; {args.repeats} interleaved rounds after "
           f"{args.warmup} warm-up call(s){' (--quick)' if args.quick else ''}\n")
