@@ -62,14 +62,21 @@ class DecodeOptions:
 
 
 class Translator:
-    """A trained ``EncoderDecoder`` and its BPE tokenizer, ready to translate sentences; or an
-    ``Ensemble`` of them sharing the tokenizer (``aiayn.tasks.runs.load_ensemble_translator``),
-    searched over the mean of their log-probabilities."""
+    """A trained ``EncoderDecoder`` and its BPE tokenizer(s), ready to translate sentences; or an
+    ``Ensemble`` of them sharing the tokenizers (``aiayn.tasks.runs.load_ensemble_translator``),
+    searched over the mean of their log-probabilities.
 
-    def __init__(self, model: EncoderDecoder | Ensemble, tokenizer: BPETokenizer, *, max_tokens: int = 4096,
+    ``tokenizer`` encodes the sources; ``target_tokenizer`` (a run of separate vocabularies)
+    decodes the targets, else ``tokenizer`` does both (one joint vocabulary)."""
+
+    def __init__(self, model: EncoderDecoder | Ensemble, tokenizer: BPETokenizer, *,
+                 target_tokenizer: BPETokenizer | None = None, max_tokens: int = 4096,
                  max_sentences: int = 128, options: DecodeOptions | None = None) -> None:
         self.model = model.eval()
+        # The special ids (<pad> 0, <s> 1, </s> 2) are the same in every BPETokenizer, so the
+        # search reads them from the source tokenizer whichever side it works on.
         self.tokenizer = tokenizer
+        self.target_tokenizer = target_tokenizer or tokenizer
         # How ``translate`` searches when it is not told: a run's own beam size and length penalty
         # (``TranslationTask.translator``), else DecodeOptions' defaults.
         self.options = options or DecodeOptions()
@@ -96,7 +103,7 @@ class Translator:
         for indices in self._batches(sources):
             hyps = self.translate_ids([sources[i] for i in indices], options)
             for i, hyp in zip(indices, hyps, strict=True):
-                out[i] = self.tokenizer.decode(hyp)
+                out[i] = self.target_tokenizer.decode(hyp)
         return out
 
     def _batches(self, sources: dict[int, list[int]]) -> Iterator[list[int]]:

@@ -30,7 +30,7 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--run", "run_dirs", type=click.Path(path_type=Path), multiple=True,
                      help="A run directory of the translation task. Repeat it (or add --model) for an "
                           "ensemble: one search over the mean of the models' log-probabilities; they "
-                          "must share the vocabulary and the language pair."),
+                          "must share the vocabulary (source and target tokenizers) and the language pair."),
         click.option("--model", "model_names", multiple=True,
                      help="A shipped model (multi30k-en-de, multi30k-de-en; see `aiayn models`) or a "
                           "release directory; repeat it for an ensemble.  [default without --run: "

@@ -164,12 +164,13 @@ def create_app(ex: Explorable) -> FastAPI:
         if req.side == "target" and not req.text.strip():  # no target: the model's own translation
             return {"ids": [], "labels": [], "count": 0, "limit": ex.limit, "error": None}
         try:
-            ids = ex.tokens(req.text, what) if ex.kind != "task" else []
+            ids = ex.tokens(req.text, what, target=req.side == "target") if ex.kind != "task" else []
         except ExploreInputError as exc:
             return {"ids": [], "labels": [], "count": None, "limit": ex.limit, "error": str(exc)}
         if req.side == "target" and ids:
             ids = ids[:-1]  # the target's </s> is predicted, not fed
-        return {"ids": ids, "labels": [ex.label(i) for i in ids], "count": len(ids), "limit": ex.limit,
+        label = ex.label if req.side == "target" else ex.source_label
+        return {"ids": ids, "labels": [label(i) for i in ids], "count": len(ids), "limit": ex.limit,
                 "error": None}
 
     @app.post("/api/attention")

@@ -107,7 +107,7 @@ def decode_steps(ex: Explorable, text: str, *, steps: int = 16, top_k: int = 5, 
     side = "prompt" if ex.kind == "decoder" else "source"
     first = [ex.label(i) for i in ids] if ex.kind == "decoder" else [ex.label(ex.bos_id)]  # type: ignore[arg-type]
     return {
-        "kind": ex.kind, side: {"ids": ids, "labels": [ex.label(i) for i in ids]},
+        "kind": ex.kind, side: {"ids": ids, "labels": [ex.source_label(i) for i in ids]},
         "fed_first": first,  # what the first step feeds: the prompt, or <s>
         "steps": out_steps, "text": ex.decode(generated), "sampling": sampling is not None,
         "cache": {"layers": layers, "kv_heads": c.n_kv_heads, "heads": c.n_heads, "head_dim": c.head_dim,

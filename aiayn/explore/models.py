@@ -71,6 +71,10 @@ class Explorable:
     task: Any = None  # kind "task": the run's Task (its attention_example)
     default_text: str = ""
     chat: Callable[[str], str] | None = None
+    # A translation run of separate vocabularies: ``encode`` and ``source_piece`` are the source
+    # side's, ``target_encode`` and ``piece`` the target side's. None: one vocabulary for both.
+    source_piece: Callable[[int], str] | None = None
+    target_encode: Callable[[str], list[int]] | None = None
     # One model computation at a time: requests may come concurrently; the model is not copied.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -92,12 +96,17 @@ class Explorable:
     def label(self, token_id: int) -> str:
         return display_token(self.piece(token_id))
 
-    def tokens(self, text: str, what: str = "the text") -> list[int]:
-        """Ids of ``text``, refused with a message the page shows when empty or too long."""
+    def source_label(self, token_id: int) -> str:
+        """A source (or prompt) token's label: the source vocabulary's where it has its own."""
+        return display_token((self.source_piece or self.piece)(token_id))
+
+    def tokens(self, text: str, what: str = "the text", *, target: bool = False) -> list[int]:
+        """Ids of ``text`` (``target``: a translation's target side), refused with a message the
+        page shows when empty or too long."""
         if not text.strip():
             raise ExploreInputError(f"{what} is empty; type something")
         try:
-            ids = self.encode(text)
+            ids = (self.target_encode if target and self.target_encode else self.encode)(text)
         except ValueError as exc:  # e.g. a character a character-level vocabulary lacks
             raise ExploreInputError(f"{what}: {exc}") from None
         if not ids:
@@ -161,10 +170,13 @@ def _from_run(run_dir: Path) -> Explorable:
     common = dict(name=name, origin=f"run {run_dir}", model=model, config=config, context=config.max_seq_len,
                   run_dir=run_dir)
     if isinstance(task, TranslationTask):
-        tok = task.load_tokenizer()
+        tok, target = task.load_tokenizers()  # one object twice for a joint vocabulary
+        separate = target is not tok
         return Explorable(kind="translation", encode=lambda text: [*tok.encode(text), tok.eos_id],
-                          piece=tok.tokenizer.id_to_token, decode=tok.decode, bos_id=tok.bos_id,
+                          piece=target.tokenizer.id_to_token, decode=target.decode, bos_id=tok.bos_id,
                           eos_id=tok.eos_id, default_text="A man is riding a bike down the street.",
+                          source_piece=tok.tokenizer.id_to_token if separate else None,
+                          target_encode=(lambda text: [*target.encode(text), target.eos_id]) if separate else None,
                           **common)
     tokenizer = getattr(task, "tokenizer", None)
     if tokenizer is not None and config.arch in ("decoder-only", "encoder-only"):

@@ -117,7 +117,7 @@ def _translation_attention(ex: Explorable, src_ids: list[int], target: str | Non
     src = torch.tensor([src_ids], device=ex.device)  # (1, s)
     note = ""
     if target is not None and target.strip():
-        tgt_ids = ex.tokens(target, "the target")[:-1]  # without the </s> encode appends
+        tgt_ids = ex.tokens(target, "the target", target=True)[:-1]  # without the </s> encode appends
         if len(tgt_ids) + 1 > ex.limit:
             raise ExploreInputError(f"the target is {len(tgt_ids) + 1} tokens with <s>; the limit is {ex.limit}")
     else:  # the model's own greedy translation
@@ -137,7 +137,7 @@ def _translation_attention(ex: Explorable, src_ids: list[int], target: str | Non
                                 False, [kept(w[0]) for w in out.cross_attentions]),
     }
     target_ids = [ex.bos_id, *tgt_ids]
-    return AttentionProbe(key, {"source": [ex.label(i) for i in src_ids], "target": [ex.label(i) for i in target_ids]},
+    return AttentionProbe(key, {"source": [ex.source_label(i) for i in src_ids], "target": [ex.label(i) for i in target_ids]},
                           {"source": src_ids, "target": target_ids}, stacks, note)
 
 

@@ -95,5 +95,5 @@ def beam_tree(ex: Explorable, text: str, *, beam: int = 4, length_penalty: float
               "score": h.score, "normalized": h.normalized_score, "length": int(h.tokens.shape[0]),
               "node": ends.get(tuple(h.tokens.tolist()))}
              for h in result.nbest[0]]
-    return {"kind": ex.kind, "source": [ex.label(i) for i in ids], "beam": beam, "length_penalty": length_penalty,
+    return {"kind": ex.kind, "source": [ex.source_label(i) for i in ids], "beam": beam, "length_penalty": length_penalty,
             "steps": len(trace), "nodes": nodes, "nbest": nbest}

@@ -26,7 +26,7 @@ from torch import nn
 
 from aiayn.config import ConfigError, ModelConfig, TrainConfig
 from aiayn.tasks.base import TASKS, get_task
-from aiayn.tasks.translation import TranslationTask
+from aiayn.tasks.translation import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TranslationTask
 from aiayn.train.checkpoint import (
     STATE_FILE,
     CheckpointError,
@@ -149,9 +149,10 @@ def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, pla
     one; a single pair is ``load_translator``'s translator itself. The first member's recipe gives
     the default beam size and length penalty.
 
-    The members must share a vocabulary, so that every token id means the same to all of them:
-    the same tokenizer (its whole tokenizer.json: vocabulary, merges, normalisation) and output
-    layer width. The shipped en->de and de->en models share one joint BPE, so a vocabulary check
+    The members must share their vocabularies, so that every token id means the same to all of
+    them: the same source and target tokenizers (the whole tokenizer.json of a joint vocabulary,
+    or tokenizer.src.json and tokenizer.tgt.json of separate ones: vocabulary, merges,
+    normalisation; a joint run and a separate one never share them) and output layer width. The shipped en->de and de->en models share one joint BPE, so a vocabulary check
     alone would let them through: they must also translate the same language pair in the same
     direction. Either mismatch is a ``RunInputError`` with ``about="members"``."""
     from aiayn.generate import Ensemble
@@ -162,22 +163,45 @@ def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, pla
     if len(loaded) == 1:
         return loaded[0]
     (task, first), first_name = loaded[0], _member_name(*members[0])
-    vocabulary = first.tokenizer.tokenizer.to_str()
+    vocabularies = _vocabularies(first)
     for (run_dir, checkpoint), (other_task, other) in zip(members[1:], loaded[1:], strict=True):
         name = _member_name(run_dir, checkpoint)
         pair, other_pair = f"{task.src_lang}->{task.tgt_lang}", f"{other_task.src_lang}->{other_task.tgt_lang}"
         if other_pair != pair:
             raise RunInputError(f"{first_name} translates {pair} but {name} {other_pair}; an ensemble's "
                                 f"members translate one language pair in one direction", about="members")
-        if other.tokenizer.tokenizer.to_str() != vocabulary:
-            raise RunInputError(f"{name} has another vocabulary than {first_name} (their tokenizer.json "
-                                f"files differ); an ensemble's members share one", about="members")
+        other_vocabularies = _vocabularies(other)
+        if other_vocabularies != vocabularies:
+            source_differs = other_vocabularies[0] != vocabularies[0]
+            raise RunInputError(_vocabulary_mismatch(first_name, task, name, other_task, source_differs),
+                                about="members")
     try:
         ensemble = Ensemble([translator.model for _, translator in loaded])
     except ValueError as exc:  # output widths or pad ids differ
         raise RunInputError(str(exc), about="members") from None
-    return task, Translator(ensemble, first.tokenizer, max_tokens=first.max_tokens,
-                            max_sentences=first.max_sentences, options=first.options)
+    return task, Translator(ensemble, first.tokenizer, target_tokenizer=first.target_tokenizer,
+                            max_tokens=first.max_tokens, max_sentences=first.max_sentences, options=first.options)
+
+
+def _vocabularies(translator: Translator) -> tuple[str, str]:
+    """(source, target) tokenizers of a translator as their whole JSON (the same string twice
+    for a joint vocabulary): equal pairs give every token id the same meaning."""
+    return translator.tokenizer.tokenizer.to_str(), translator.target_tokenizer.tokenizer.to_str()
+
+
+def _vocabulary_mismatch(first_name: str, first: TranslationTask, name: str, other: TranslationTask,
+                         source_differs: bool) -> str:
+    """The one line that refuses ``other`` beside ``first`` for their vocabularies."""
+    if first.vocabulary != other.vocabulary:
+        kinds = {"joint": "one joint vocabulary", "separate": "separate source and target vocabularies"}
+        return (f"{first_name} has {kinds[first.vocabulary]} but {name} {kinds[other.vocabulary]}; an "
+                f"ensemble's members share their vocabularies")
+    if first.separate:
+        side, file = ("source", SOURCE_TOKENIZER_FILE) if source_differs else ("target", TARGET_TOKENIZER_FILE)
+        return (f"{name} has another {side} vocabulary than {first_name} (their {file} files differ); an "
+                f"ensemble's members share one")
+    return (f"{name} has another vocabulary than {first_name} (their tokenizer.json files differ); an "
+            f"ensemble's members share one")
 
 
 def _member_name(run_dir: Path, checkpoint: Path | None) -> str:
@@ -306,7 +330,10 @@ def setup_run(task: str | None = None, *, resume_dir: Path | None = None, recipe
                         **recipe_fields.get("train", {}), "task": name}
     model_fields.update(model_options or {})
     train_fields.update(train_options or {})
-    return RunSetup(name, task_obj, ModelConfig.from_dict(model_fields), TrainConfig.from_dict(train_fields))
+    model_config = ModelConfig.from_dict(model_fields)
+    if isinstance(task_obj, TranslationTask):  # e.g. shared embeddings asked of separate vocabularies: now,
+        task_obj.check_model_config(model_config)  # not after the BPE is learned
+    return RunSetup(name, task_obj, model_config, TrainConfig.from_dict(train_fields))
 
 
 def default_run_dir(task: str) -> Path:

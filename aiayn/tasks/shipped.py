@@ -7,7 +7,9 @@ A shipped model is a *release* directory, ``aiayn/pretrained/<name>/``:
                         parameter count, scores (the record of the run that made it)
     config.json         the run's configs (task, task_options, model, train) as training wrote them
     model.safetensors   the weights, float16 or bfloat16 (loaded back as float32)
-    tokenizer.json      the run's tokenizer, for tasks that keep one in the run directory
+    tokenizer.json      the run's tokenizer, for tasks that keep one in the run directory (a
+                        translation run of separate vocabularies: tokenizer.src.json and
+                        tokenizer.tgt.json instead)
     record/             the run's recipe, metrics.csv, summary.json and scores
 
 ``write_release`` makes one from a finished run (``scripts/ship_model.py`` calls it);
@@ -30,11 +32,14 @@ from safetensors.torch import load_file, save_file
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.tasks.base import get_task
 from aiayn.tasks.runs import LoadedRun, RunInputError, load_run, resolve_checkpoint
+from aiayn.tasks.translation import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TOKENIZER_FILE
 from aiayn.train.checkpoint import atomic_write_text
 from aiayn.train.run_dir import read_run_config
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "pretrained"
-RELEASE_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "release.json", "model.safetensors", "tokenizer.json"
+RELEASE_FILE, WEIGHTS_FILE = "release.json", "model.safetensors"
+# The tokenizer files a run may keep (a translation run: one joint, or a source and a target).
+TOKENIZER_FILES = (TOKENIZER_FILE, SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE)
 RECORD_FILES = ("metrics.csv", "summary.json", "curves.png")
 RELEASE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_TRANSLATION_MODEL = "multi30k-en-de"  # what `aiayn translate` runs without --run/--model
@@ -161,8 +166,9 @@ def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = Non
     (tmp / "record").mkdir(parents=True)
     save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "dtype": dtype, "tied": json.dumps(tied)})
     shutil.copy2(run_dir / "config.json", tmp / "config.json")
-    if (run_dir / TOKENIZER_FILE).is_file():
-        shutil.copy2(run_dir / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+    for tokenizer_file in TOKENIZER_FILES:
+        if (run_dir / tokenizer_file).is_file():
+            shutil.copy2(run_dir / tokenizer_file, tmp / tokenizer_file)
     copied = [f.name for f in (*[run_dir / n for n in RECORD_FILES], *sorted(run_dir.glob("score.*.json")))
               if f.is_file()]
     for file_name in copied:

@@ -1,9 +1,14 @@
-"""Machine translation, the paper's own job: parallel text -> joint BPE -> encoder-decoder -> sacreBLEU.
+"""Machine translation, the paper's own job: parallel text -> BPE -> encoder-decoder -> sacreBLEU.
 
 The corpus is a directory of ``{split}.{lang}`` files (default ``$AIAYN_DATA_DIR/multi30k``:
-Multi30k task 1, train / val / test2016). A joint source+target BPE vocabulary is learned on the
-training split with the ``tokenizers`` library and saved as ``tokenizer.json`` in the run
-directory (a resumed run or ``aiayn translate`` reads it back). Training batches hold up to
+Multi30k task 1, train / val / test2016). The BPE is learned on the training split with the
+``tokenizers`` library and saved in the run directory (a resumed run or ``aiayn translate`` reads
+it back): by default (``vocabulary="joint"``) one source+target vocabulary in ``tokenizer.json``,
+which shared embeddings need; with ``vocabulary="separate"`` a source BPE learned on the source
+side only (``tokenizer.src.json``, ``vocab_size`` tokens) and a target BPE on the target side only
+(``tokenizer.tgt.json``, ``tgt_vocab_size`` tokens), for a model whose encoder and decoder
+embeddings are apart (``share_embeddings=False``; ``tie_output`` ties the output layer to the
+target embedding). Training batches hold up to
 ``max_tokens`` padded tokens of similar-length pairs. Validation reports teacher-forced loss and
 greedy BLEU; the test split is scored with beam search, sacreBLEU BLEU (with its signature) and chrF.
 """
@@ -30,12 +35,22 @@ from aiayn.data.parallel import (
     token_batches,
 )
 from aiayn.tasks.base import register
-from aiayn.tokenizers import BPETokenizer
+from aiayn.tokenizers import BPE_SPECIALS, BPETokenizer
 from aiayn.train.losses import IGNORE, LossInput
 from aiayn.train.task import AttentionExample, Batch, Task, encoder_decoder_example
 from aiayn.translate import DecodeOptions, Translator
 
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = "tokenizer.json"  # a joint vocabulary (every run before separate ones existed)
+SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE = "tokenizer.src.json", "tokenizer.tgt.json"
+VOCABULARIES = ("joint", "separate")
+
+
+def tokenizer_files(vocabulary: str) -> tuple[str, str]:
+    """(source, target) tokenizer file names in a run directory of this ``vocabulary`` kind (a
+    joint vocabulary is one file on both sides)."""
+    if vocabulary == "joint":
+        return TOKENIZER_FILE, TOKENIZER_FILE
+    return SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE
 
 
 def corpus_score(hypotheses: list[str], references: list[str]) -> dict[str, Any]:
@@ -63,12 +78,17 @@ class TranslationTask(Task):
                  corpus_dir: str | None = None, vocab_size: int = 8000, max_tokens: int = 4096,
                  max_len: int = 128, train_split: str = "train", val_split: str = "val",
                  test_split: str = "test2016", val_bleu: bool = True, beam_size: int = 5,
-                 length_penalty: float = 0.6, **options: Any) -> None:
+                 length_penalty: float = 0.6, vocabulary: str = "joint", tgt_vocab_size: int | None = None,
+                 **options: Any) -> None:
+        # A joint run records no vocabulary options: its config.json stays as it was before
+        # separate vocabularies existed (and an old run, without them, loads as joint).
+        separate_options = ({} if vocabulary == "joint" and tgt_vocab_size is None
+                            else dict(vocabulary=vocabulary, tgt_vocab_size=tgt_vocab_size))
         super().__init__(src_lang=src_lang, tgt_lang=tgt_lang, corpus=corpus, corpus_dir=corpus_dir,
                          vocab_size=vocab_size, max_tokens=max_tokens, max_len=max_len,
                          train_split=train_split, val_split=val_split, test_split=test_split,
                          val_bleu=val_bleu, beam_size=beam_size, length_penalty=length_penalty,
-                         **options)
+                         **separate_options, **options)
         if options:
             known = sorted(inspect.signature(TranslationTask.__init__).parameters)
             raise ConfigError(f"unknown translation task option(s) {', '.join(sorted(options))}; known: "
@@ -77,12 +97,17 @@ class TranslationTask(Task):
             raise DataError(f"source and target language are both {src_lang!r}")
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.corpus_dir = corpus_dir
+        self.vocabulary = check_vocabulary(vocabulary, vocab_size, tgt_vocab_size)
+        # vocab_size: the joint BPE's size, or the source BPE's; tgt_vocab_size: the target BPE's
+        # (None for a joint vocabulary; separate without it: as many as the source).
+        self.tgt_vocab_size = None if vocabulary == "joint" else (tgt_vocab_size or vocab_size)
         self.vocab_size, self.max_tokens, self.max_len = vocab_size, max_tokens, max_len
         self.split_names = {"train": train_split, "val": val_split, "test": test_split}
         self.test_split = "test"
         self.val_bleu = val_bleu
         self.decode = DecodeOptions(beam_size=beam_size, length_penalty=length_penalty)
-        self.tokenizer: BPETokenizer | None = None
+        # The source and target tokenizers: one object twice for a joint vocabulary.
+        self.tokenizers: tuple[BPETokenizer, BPETokenizer] | None = None
         self.ids: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
         self.text: dict[str, tuple[list[str], list[str]]] = {}
 
@@ -92,11 +117,42 @@ class TranslationTask(Task):
         layers, d_model 128, 4 heads, d_ff 256), measured there at 39.2 BLEU on test2016; a recipe
         overrides any field. tests/integration/test_translation_defaults.py keeps the two equal."""
         return ModelConfig(
-            arch="encoder-decoder", vocab_size=self.vocab_size, d_model=128, n_heads=4, n_layers=4,
-            n_decoder_layers=4, d_ff=256, activation="relu", norm_position="post",
+            arch="encoder-decoder", vocab_size=self.vocab_size, tgt_vocab_size=self.tgt_vocab_size, d_model=128,
+            n_heads=4, n_layers=4, n_decoder_layers=4, d_ff=256, activation="relu", norm_position="post",
             positional="sinusoidal", dropout=0.3, attention_dropout=0.1, activation_dropout=0.1,
-            max_seq_len=self.max_len, share_embeddings=True, tie_output=True, pad_id=0,
+            max_seq_len=self.max_len, share_embeddings=not self.separate, tie_output=True, pad_id=0,
             name=f"{self.src_lang}-{self.tgt_lang}")
+
+    @property
+    def target_vocab_size(self) -> int:
+        """Most tokens of the target side's BPE: the separate target BPE's, or the joint one's."""
+        return self.tgt_vocab_size if self.tgt_vocab_size is not None else self.vocab_size
+
+    @property
+    def separate(self) -> bool:
+        """Whether source and target have vocabularies of their own (``vocabulary="separate"``)."""
+        return self.vocabulary == "separate"
+
+    def check_model_config(self, config: ModelConfig) -> None:
+        """A ``ConfigError`` (one line) for a model that cannot take this task's vocabularies:
+        shared embeddings over two vocabularies, or an embedding smaller than its BPE. (A joint
+        vocabulary is checked as it always was: by the tokenizer's size in ``prepare``.)"""
+        if not self.separate:
+            return
+        if config.share_embeddings:
+            raise ConfigError("vocabulary: separate gives the source and the target a BPE each, but the model "
+                              "has share_embeddings=True (one embedding for both); set share_embeddings: false, "
+                              "or vocabulary: joint")
+        for field, side, size in (("vocab_size", "source", self.vocab_size),
+                                  ("tgt_vocab_size", "target", self.target_vocab_size)):
+            if getattr(config, field) < size:  # the BPE's ids would index past the embedding
+                raise ConfigError(f"the model's {field} is {getattr(config, field)} but the task's {side} BPE "
+                                  f"has up to {size} tokens; leave the model's {field} to the task (its "
+                                  f"{field} option)")
+
+    def build_model(self, config: ModelConfig) -> nn.Module:
+        self.check_model_config(config)
+        return super().build_model(config)
 
     def train_overrides(self) -> dict[str, Any]:
         """The training settings of ``recipes/multi30k-en-de.yaml``: a peak learning rate of 3e-3
@@ -109,14 +165,47 @@ class TranslationTask(Task):
     def root(self) -> Path:
         return Path(self.corpus_dir) if self.corpus_dir else data_dir() / self.options["corpus"]
 
-    def load_tokenizer(self) -> BPETokenizer:
-        """The run's tokenizer.json (needs ``run_dir``)."""
-        if self.tokenizer is None:
-            if self.run_dir is None or not (self.run_dir / TOKENIZER_FILE).is_file():
-                raise DataError(f"no {TOKENIZER_FILE} in run directory {self.run_dir}; "
+    @property
+    def tokenizer(self) -> BPETokenizer | None:
+        """The source tokenizer (the joint one of a joint vocabulary); None before it is loaded.
+        Its special ids (<pad>, <s>, </s>) are the target's too: every BPETokenizer has 0-3."""
+        return self.tokenizers[0] if self.tokenizers is not None else None
+
+    def load_tokenizers(self) -> tuple[BPETokenizer, BPETokenizer]:
+        """(source, target) tokenizers of the run (needs ``run_dir``): its tokenizer.json twice for
+        a joint vocabulary, tokenizer.src.json and tokenizer.tgt.json for separate ones."""
+        if self.tokenizers is None:
+            names = tokenizer_files(self.vocabulary)
+            missing = [name for name in dict.fromkeys(names)
+                       if self.run_dir is None or not (self.run_dir / name).is_file()]
+            if missing:
+                raise DataError(f"no {' nor '.join(missing)} in run directory {self.run_dir}; "
                                 f"is it a translation run?")
-            self.tokenizer = BPETokenizer.load(self.run_dir / TOKENIZER_FILE)
-        return self.tokenizer
+            assert self.run_dir is not None
+            self.tokenizers = self._read_pair(self.run_dir, names)
+        return self.tokenizers
+
+    @staticmethod
+    def _read_pair(run_dir: Path, names: tuple[str, str]) -> tuple[BPETokenizer, BPETokenizer]:
+        source = BPETokenizer.load(run_dir / names[0])
+        return source, source if names[1] == names[0] else BPETokenizer.load(run_dir / names[1])
+
+    def _learn_tokenizers(self) -> tuple[BPETokenizer, BPETokenizer]:
+        """The run's saved tokenizers, else learned on the training split (and saved in the run)."""
+        names = tokenizer_files(self.vocabulary)
+        if self.run_dir is not None and all((self.run_dir / name).is_file() for name in names):
+            return self._read_pair(self.run_dir, names)
+        src, tgt = self.text["train"]
+        if self.separate:  # each side its own merges, learned on that side of train only
+            pair = (BPETokenizer.train(src, vocab_size=self.vocab_size),
+                    BPETokenizer.train(tgt, vocab_size=self.target_vocab_size))
+        else:  # one joint vocabulary: shared embeddings need it
+            joint = BPETokenizer.train([*src, *tgt], vocab_size=self.vocab_size)
+            pair = (joint, joint)
+        if self.run_dir is not None:
+            for name, tokenizer in dict(zip(names, pair, strict=True)).items():
+                tokenizer.save(self.run_dir / name)
+        return pair
 
     def prepare(self, seed: int) -> None:
         root = self.root()
@@ -124,20 +213,17 @@ class TranslationTask(Task):
             paths = split_paths(root, name, self.src_lang, self.tgt_lang)
             self._check_present(paths)
             self.text[split] = read_parallel(*paths)
-        saved = self.run_dir / TOKENIZER_FILE if self.run_dir is not None else None
-        if saved is not None and saved.is_file():
-            self.tokenizer = BPETokenizer.load(saved)
-        else:  # one joint vocabulary: shared embeddings need it
-            src, tgt = self.text["train"]
-            self.tokenizer = BPETokenizer.train([*src, *tgt], vocab_size=self.vocab_size)
-            if saved is not None:
-                self.tokenizer.save(saved)
-        if self.tokenizer.vocab_size > self.vocab_size:
-            raise DataError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model only "
-                            f"{self.vocab_size}")
-        eos = self.tokenizer.eos_id
+        self.tokenizers = source, target = self._learn_tokenizers()
+        if not self.separate and source.vocab_size > self.vocab_size:
+            raise DataError(f"tokenizer has {source.vocab_size} tokens but the model only {self.vocab_size}")
+        for side, tokenizer, option, size in (("source", source, "vocab_size", self.vocab_size),
+                                              ("target", target, "tgt_vocab_size", self.target_vocab_size)):
+            if self.separate and tokenizer.vocab_size > size:
+                raise DataError(f"the {side} BPE has {tokenizer.vocab_size} tokens (its alphabet and "
+                                f"special tokens) but {option} is {size}; raise {option}")
+        eos = source.eos_id
         for split, (src, tgt) in self.text.items():
-            src_ids, tgt_ids = self.tokenizer.encode_batch(src), self.tokenizer.encode_batch(tgt)
+            src_ids, tgt_ids = source.encode_batch(src), target.encode_batch(tgt)
             # + </s>; pairs longer than the model's maximum are cut (training) — rare by design.
             cut = self.max_len - 1
             self.ids[split] = ([[*s[:cut], eos] for s in src_ids], [[*t[:cut], eos] for t in tgt_ids])
@@ -200,7 +286,8 @@ class TranslationTask(Task):
     def translator(self, model: nn.Module) -> Translator:
         """A ``Translator`` of ``model`` that searches as this run's test split is scored (its beam
         size and length penalty) unless told otherwise."""
-        return Translator(model, self.load_tokenizer(), max_tokens=self.max_tokens, options=self.decode)
+        source, target = self.load_tokenizers()
+        return Translator(model, source, target_tokenizer=target, max_tokens=self.max_tokens, options=self.decode)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:
@@ -234,16 +321,30 @@ class TranslationTask(Task):
         """The maps of one sentence (``text``, or the first test source) and its greedy translation."""
         kind = self.attention_kind(kind)
         model.eval()
-        tok = self.load_tokenizer()
+        source_tok, target_tok = self.load_tokenizers()
         source = text if text is not None else self.text["test"][0][0]
         translator = self.translator(model)
         src_ids = translator.source_ids(source)
         tgt_ids = translator.translate_ids([src_ids], DecodeOptions(beam_size=1))[0]
-        src = pad_batch([src_ids], tok.pad_id)
-        tgt_in = pad_batch([[tok.bos_id, *tgt_ids]], tok.pad_id)
+        src = pad_batch([src_ids], source_tok.pad_id)
+        tgt_in = pad_batch([[target_tok.bos_id, *tgt_ids]], target_tok.pad_id)
         on_model = self.on_model(model, {"src": src, "tgt_in": tgt_in})
         out = model(on_model["src"], on_model["tgt_in"], need_weights=True)
-        label = tok.tokenizer.id_to_token
-        return encoder_decoder_example(out, kind, [label(i) for i in src_ids],
-                                       [label(i) for i in [tok.bos_id, *tgt_ids]],
+        source_label, target_label = source_tok.tokenizer.id_to_token, target_tok.tokenizer.id_to_token
+        return encoder_decoder_example(out, kind, [source_label(i) for i in src_ids],
+                                       [target_label(i) for i in [target_tok.bos_id, *tgt_ids]],
                                        f"{self.src_lang}->{self.tgt_lang}")
+
+
+def check_vocabulary(vocabulary: str, vocab_size: int, tgt_vocab_size: int | None) -> str:
+    """``vocabulary`` as given, or a ``ConfigError`` (one line) for options that contradict it."""
+    if vocabulary not in VOCABULARIES:
+        raise ConfigError(f"vocabulary must be one of {', '.join(VOCABULARIES)}, got {vocabulary!r}")
+    for name, size in (("vocab_size", vocab_size), ("tgt_vocab_size", tgt_vocab_size)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= len(BPE_SPECIALS)):
+            raise ConfigError(f"{name} must be an integer above {len(BPE_SPECIALS)} (the special tokens), "
+                              f"got {size!r}")
+    if vocabulary == "joint" and tgt_vocab_size is not None:
+        raise ConfigError(f"tgt_vocab_size={tgt_vocab_size} sizes the target BPE of vocabulary: separate; a joint "
+                          f"vocabulary has one size, vocab_size (set vocabulary: separate, or drop tgt_vocab_size)")
+    return vocabulary
