@@ -21,6 +21,10 @@ It applies to (and only to), everything else staying on the plain gather + SDPA,
   additive bias (ALiBi, T5) and no slot-order causal flag, no dropout, no weights asked for, no
   gradient (the op has no backward).
 
+A prefill chunk (more than ``MAX_QUERIES`` queries per row) keeps the gather + SDPA, through
+``aiayn.fast.prefill_attention``: its mask turned into SDPA's additive form once per forward
+rather than in every layer (the same computation; tests/consistency/test_prefill_attention.py).
+
 Equal to the plain path up to float32 rounding: tests/consistency/test_paged_attention_kernel.py.
 The step it speeds up: ``python -m benchmarks.paged_kv_cache`` (the "kernel" column).
 
@@ -32,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from aiayn.fast import switch
+from aiayn.fast import prefill_attention, switch
 from aiayn.fast.paged_attention_build import kernel_ops
 from aiayn.nn.attention import AttentionInputs
 from aiayn.nn.kv_cache import LayerKVCache, StaticKV
@@ -61,8 +65,12 @@ def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionI
 def paged_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache | StaticKV | None,
                           inputs: AttentionInputs, scale: float | None = None) -> Tensor | None:
     """Write k, v (b, h_kv, t_q, d_h) into ``cache`` and attend q (b, h, t_q, d_h) over its rows'
-    keys in place: (b, h, t_q, d_h). None (and nothing written) where the kernel does not apply:
-    the caller then takes the plain path."""
+    keys in place: (b, h, t_q, d_h). A prefill chunk (more than ``MAX_QUERIES`` queries per row)
+    takes ``aiayn.fast.prefill_attention`` instead (the gathered keys, its mask prepared once per
+    forward). None (and nothing written) where neither applies: the caller then takes the plain path."""
+    if prefill_attention.applies(q, cache, inputs, MAX_QUERIES):
+        assert isinstance(cache, PagedLayerKVCache)  # (applies)
+        return prefill_attention.prefill_cache_attention(q, k, v, cache, inputs, scale)
     if not applies(q, cache, inputs):
         return None
     ops = kernel_ops()

@@ -1,0 +1,102 @@
+"""A paged cache's prefill chunks: the chunk's mask turned into SDPA's form once per forward, not
+once per layer.
+
+A prefill chunk (t_q > 1 new tokens per row) over a ``PagedKVCache`` attends under the stack's
+position-causal key mask, (b, 1, t_q, t_k) bool, the same tensor for every layer of the forward.
+The plain path (``aiayn.nn.attention.scaled_dot_product_attention``) prepares it in every layer:
+it finds the queries that see no key (``mask.any``: padding rows of a ragged chunk), lets them see
+every key (``mask | ~row_valid``) so the softmax stays finite, and zeroes their outputs after; and
+``F.scaled_dot_product_attention`` turns the bool mask into an additive float one (0 / -inf)
+inside every call. Measured on SmolLM2-135M (9 heads, GQA 3), one chunk of 256 queries over 768
+keys, one thread: 7.8 ms per layer through the plain function against 6.6 ms for SDPA given the
+additive mask (``python -m benchmarks.prefill`` shows the whole 900-token prefill).
+
+``prefill_cache_attention`` writes the new keys and values as the plain path does
+(``PagedLayerKVCache.write``: store, then the rows' keys gathered or viewed) and calls
+``F.scaled_dot_product_attention`` with the additive mask that ``prepared_mask`` computed for this
+mask tensor, zeroing the outputs of queries that see no key (only when some exist). The same
+computation as the plain path: SDPA's own conversion of a bool mask is ``where(mask, 0, -inf)``.
+
+``prepared_mask`` keeps one entry: the last mask tensor it saw (a strong reference, so that
+identity cannot be reused by another tensor while it is kept) and what it computed from it. The
+stack builds a fresh mask tensor for each forward and never changes it in place
+(``aiayn.models.blocks.TransformerStack.forward``), so the entry is reused by the forward's
+layers and replaced by the next forward's mask.
+
+It applies to a ``PagedLayerKVCache`` chunk of more than ``aiayn.fast.paged_attention.MAX_QUERIES``
+queries per row on the CPU, a bool (b or 1, 1, t_q, t_k) mask or none, no additive bias, no slot
+causal flag, no packing, no dropout or weights (the caller, ``MultiHeadAttention``, takes the plain
+path for those), aiayn's kernels on (``aiayn.fast.switch``). Equal to the plain path:
+tests/consistency/test_prefill_attention.py.
+
+Shape letters: b rows, h query heads, h_kv key/value heads, t_q new tokens, t_k keys, d_h head width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aiayn.fast import switch
+from aiayn.nn.attention import AttentionInputs
+from aiayn.nn.kv_cache import LayerKVCache, StaticKV
+from aiayn.nn.paged_kv_cache import PagedLayerKVCache
+
+
+@dataclass
+class PreparedMask:
+    """A bool mask in SDPA's additive form, and the queries that see no key."""
+
+    mask: Tensor  # the bool mask it was made from (b or 1, 1, t_q, t_k), kept: the cache's key
+    additive: Tensor  # float (b or 1, 1, t_q, t_k): 0 where a key is seen, -inf elsewhere
+    row_valid: Tensor | None  # bool (b or 1, 1, t_q, 1): False for queries that see no key; None: all see one
+
+
+_last: PreparedMask | None = None
+
+
+def prepared_mask(mask: Tensor, dtype: torch.dtype) -> PreparedMask:
+    """``mask`` (bool, (b or 1, 1, t_q, t_k), True = may attend) in SDPA's additive form of ``dtype``:
+    queries that see no key see every key instead (a finite softmax; their outputs are zeroed by
+    the caller with ``row_valid``), as ``aiayn.nn.attention.scaled_dot_product_attention`` does.
+    Computed once per mask tensor (see the module docstring)."""
+    global _last
+    if (_last is not None and _last.mask is mask and _last.additive.dtype == dtype
+            and _last.additive.device == mask.device):
+        return _last
+    row_valid = mask.any(dim=-1, keepdim=True)  # (b or 1, 1, t_q, 1)
+    empty = not bool(row_valid.all())  # a read of the data: CPU only (see ``applies``)
+    seen = mask | ~row_valid if empty else mask
+    additive = torch.zeros(seen.shape, dtype=dtype, device=mask.device).masked_fill_(~seen, float("-inf"))
+    _last = PreparedMask(mask, additive, row_valid if empty else None)
+    return _last
+
+
+def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionInputs, max_queries: int) -> bool:
+    """Whether ``prefill_cache_attention`` takes this call (the module docstring's conditions)."""
+    mask = inputs.mask
+    return (isinstance(cache, PagedLayerKVCache) and cache.read_blocks is not None
+            and switch.enabled() and q.device.type == "cpu" and q.is_floating_point()
+            and q.dim() == 4 and q.shape[2] > max_queries
+            and inputs.bias is None and not inputs.causal and inputs.packing is None
+            and isinstance(inputs.cache_pos, Tensor) and inputs.cache_pos.dim() == 2
+            and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1
+                                  and mask.shape[0] in (1, q.shape[0]) and mask.shape[2] == q.shape[2]
+                                  and mask.shape[3] == cache.read_end)))
+
+
+def prefill_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: PagedLayerKVCache, inputs: AttentionInputs,
+                            scale: float | None = None) -> Tensor:
+    """Write k, v (b, h_kv, t_q, d_h) into ``cache`` and attend q (b, h, t_q, d_h) over the rows' keys
+    (cached + new) under ``inputs.mask``: (b, h, t_q, d_h). Check ``applies`` first."""
+    keys, values = cache.write(k, v, inputs.cache_pos)  # (b, h_kv, t_k, d_h) each
+    gqa = q.shape[1] != keys.shape[1]
+    if inputs.mask is None:
+        return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=gqa)
+    prepared = prepared_mask(inputs.mask, q.dtype)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=prepared.additive, scale=scale,
+                                         enable_gqa=gqa)  # (b, h, t_q, d_h)
+    return out if prepared.row_valid is None else out.masked_fill(~prepared.row_valid, 0.0)
