@@ -48,7 +48,8 @@ run and the ratios are medians over the rounds with their range. Goals (issue 35
 the fixed slots' and >= 1.5x transformers' static batch throughput at equal memory, TTFT p99 <= 2 s
 (the paged engine here serves up to ``--max-batch`` (16) requests at once). ``--gather-row`` adds
 the paged engine without ``aiayn.fast``'s paged-attention kernel (every row's blocks gathered for
-SDPA, as before the kernel) to each round.
+SDPA, as before the kernel) to each round; ``--plain-chunk-attention`` the paged engine without
+``aiayn.fast.prefill_attention`` (each prefill chunk's mask prepared in every layer, as before it).
 
     flock /tmp/aiayn-bench.lock python -m benchmarks.staggered --ttft-breakdown --saturated
     python -m benchmarks.staggered --clock cpu --threads 1 --ttft-breakdown --saturated
@@ -82,6 +83,7 @@ from benchmarks.common import (
 
 HF = "transformers static batch"
 SLOTS, PAGED, GATHER = "fixed slots", "paged", "paged, gather (no paged-attention kernel)"
+PLAIN_CHUNKS = "paged, plain chunk attention (no aiayn.fast.prefill_attention)"
 
 
 @dataclass
@@ -323,6 +325,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--gather-row", action="store_true",
                         help="add the paged engine without the paged-attention kernel (gather + SDPA)")
+    parser.add_argument("--plain-chunk-attention", action="store_true",
+                        help="add the paged engine without aiayn.fast.prefill_attention (each prefill chunk's "
+                             "mask prepared in every layer)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.answer = min(args.requests, 16), [8, 48]
@@ -345,6 +350,11 @@ def main(argv: list[str] | None = None) -> None:
              PAGED: block_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None)}
     if args.gather_row:
         plans[GATHER] = plans[PAGED]
+    if args.plain_chunk_attention:
+        plans[PLAIN_CHUNKS] = plans[PAGED]
+    from aiayn.fast import prefill_attention
+
+    chunk_path = prefill_attention.applies
     kernels = {m: m.cache_kernel for m in lm.model.modules() if isinstance(m, MultiHeadAttention)}
     for plan in plans.values():
         print(plan.describe(budget), flush=True)
@@ -354,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     def engine_run(label: str, jobs: list[Job]) -> dict[str, float]:
         for module, kernel in kernels.items():
             module.cache_kernel = None if label == GATHER else kernel
+        prefill_attention.applies = (lambda *a: False) if label == PLAIN_CHUNKS else chunk_path
         engine = Engine(lm, plans[label], prefill_chunk=args.prefill_chunk, threads=args.threads)
         warm_up = [Job(0.0, [100 + i for i in range(32)], 4)]  # (one-time costs)
         try:
@@ -369,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.set_num_threads(1)
             for module, kernel in kernels.items():
                 module.cache_kernel = kernel
+            prefill_attention.applies = chunk_path
         result["preemptions"] = engine.metrics.preemptions._value.get()
         return result
 
@@ -439,6 +451,9 @@ def summary(args: argparse.Namespace, results: list[tuple[str, dict[str, float]]
     if GATHER in rounds[0]:
         print(spread_line("paged with the kernel / paged, gather", [r[PAGED]["tokens_per_s"] / r[GATHER]["tokens_per_s"]
                                                                    for r in rounds], None))
+    if PLAIN_CHUNKS in rounds[0]:
+        print("* paged TTFT p99 with / without aiayn.fast.prefill_attention: " + ", ".join(
+            f"{r[PAGED]['ttft_p99']:.2f} / {r[PLAIN_CHUNKS]['ttft_p99']:.2f} s" for r in rounds))
     p99 = [r[PAGED]["ttft_p99"] for r in rounds]
     print(f"* paged TTFT p99{how} (up to {args.max_batch} at once): **{statistics.median(p99):.2f} s** "
           f"({', '.join(f'{p:.2f}' for p in p99)}; goal <= 2 s: {'met' if statistics.median(p99) <= 2 else 'MISSED'})")

@@ -1,0 +1,162 @@
+"""Where a long prompt's prefill time goes: SmolLM2-135M-Instruct float32, one prompt of
+``--tokens`` (default 900: the staggered workload's longest) random tokens.
+
+Peers, interleaved (``benchmarks.common``'s method: a figure is the median over ``--repeats`` rounds):
+
+* **engine, paged** — ``aiayn serve``'s engine over the paged KV cache (``--kv-layout paged``),
+  the prompt alone, in chunks of ``--prefill-chunk`` (default 256, as benchmarks.staggered), to its
+  first token: every chunk's forward with its bookkeeping;
+* **engine, paged, plain chunk attention** — the same without ``aiayn.fast.prefill_attention``
+  (the chunks' masks prepared in every layer, as before it);
+* **plain forward** — one forward of the same model (as the serve path loads it, through
+  ``aiayn.fast.optimize``) over the whole prompt, no cache, the output layer on the last position
+  only: the lower bound the chunks approach;
+* **transformers** — ``LlamaForCausalLM`` from the same GGUF file, one forward, ``logits_to_keep=1``
+  (``--no-hf`` skips it).
+
+Then, for the engine's prefill, the time inside its linear layers and its attention kernel
+(``F.scaled_dot_product_attention``), summed in situ: the floor of the rest (matrix products near
+the CPU's float32 peak; ``python -m benchmarks.onednn`` measures the products alone).
+
+    flock /tmp/aiayn-bench.lock python -m benchmarks.prefill --threads 2
+    python -m benchmarks.prefill --threads 1 --quick
+
+Not a test: it prints figures, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import (
+    add_common_args,
+    footer,
+    header,
+    mark_start,
+    setup,
+    smollm2_text_model,
+    table,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(parser, repeats=5, warmup=1)
+    parser.add_argument("--tokens", type=int, default=900, help="prompt tokens (default 900)")
+    parser.add_argument("--prefill-chunk", type=int, default=256, help="the engine's chunk (default 256)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    args = parser.parse_args(argv)
+    if args.tokens < 1 or args.prefill_chunk < 1:
+        parser.error("--tokens and --prefill-chunk must be >= 1")
+    setup(args)
+    from aiayn.fast import prefill_attention
+    from aiayn.generate import SamplingConfig
+    from aiayn.serve.blocks import block_plan
+    from aiayn.serve.engine import Engine, Request, SamplingParams, slot_plan
+
+    torch.set_grad_enabled(False)
+    lm = smollm2_text_model()
+    if args.tokens + 1 > lm.model.config.max_seq_len:
+        parser.error(f"--tokens must be below the model's {lm.model.config.max_seq_len} positions")
+    hf = None
+    if not args.no_hf:
+        from benchmarks.staggered import hf_model
+
+        hf = hf_model()
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(100, 40000) for _ in range(args.tokens)]  # as benchmarks.staggered's
+    context = 1 << (args.tokens + 1).bit_length()  # a row long enough for the prompt
+    budget = slot_plan(lm, max_batch=1, context=context, budget=1 << 40, kv_cache=None).bytes_per_row
+    plan = block_plan(lm, max_batch=1, context=context, budget=budget, kv_cache=None)
+    chunk_path = prefill_attention.applies
+
+    def engine(prepared: bool) -> Callable[[], int]:
+        def prefill() -> int:
+            prefill_attention.applies = chunk_path if prepared else (lambda *a: False)  # type: ignore[assignment]
+            try:
+                engine = Engine(lm, plan, prefill_chunk=args.prefill_chunk, threads=args.threads)
+                first: list[int] = []
+                engine.submit(Request(prompt, SamplingParams(max_tokens=1, sampling=SamplingConfig(temperature=0.0)),
+                                      lambda event: first.append(event.token)))
+                while engine.running or engine.waiting:
+                    engine.step()
+                return first[0]
+            finally:
+                prefill_attention.applies = chunk_path  # type: ignore[assignment]
+        return prefill
+
+    def plain() -> int:
+        with torch.inference_mode():
+            out = lm.model(torch.tensor([prompt]))
+            return int(out.head(out.hidden_rows[:, -1]).argmax())
+
+    def transformers_forward() -> int:
+        with torch.inference_mode():
+            return int(hf(torch.tensor([prompt]), logits_to_keep=1).logits[0, -1].argmax())
+
+    peers = {"engine, paged": engine(True), "engine, paged, plain chunk attention": engine(False),
+             "plain forward": plain}
+    if hf is not None:
+        peers["transformers forward"] = transformers_forward
+    mark_start(args)
+    tokens = {name: [fn() for _ in range(args.warmup)][-1] for name, fn in peers.items()}
+    seconds: dict[str, list[float]] = {name: [] for name in peers}
+    for _ in range(args.repeats):
+        for name, fn in peers.items():
+            start = time.perf_counter()
+            fn()
+            seconds[name].append(time.perf_counter() - start)
+    inside = in_situ(peers["engine, paged"])
+    header(f"Prefill of one {args.tokens}-token prompt, SmolLM2-135M-Instruct float32 (engine chunks of "
+           f"{args.prefill_chunk})", args)
+    print(table(["peer", "seconds (median)", "range", "tokens/s", "first token"],
+                [[name, f"{statistics.median(s):.3f}", f"{min(s):.3f}-{max(s):.3f}",
+                  f"{args.tokens / statistics.median(s):.0f}", tokens[name]] for name, s in seconds.items()]))
+    total = inside.pop("total")
+    print(f"\nInside one engine prefill ({total:.3f} s): "
+          + ", ".join(f"{name} {s:.3f} s ({s / total:.0%})" for name, s in inside.items())
+          + f", the rest {total - sum(inside.values()):.3f} s")
+    footer()
+
+
+def in_situ(prefill: Callable[[], int]) -> dict[str, float]:
+    """One run of ``prefill`` with the seconds spent in linear layers (``F.linear`` and aiayn's
+    oneDNN / turned-around products) and in ``F.scaled_dot_product_attention`` summed."""
+    import aiayn.fast.linear as fast_linear
+    import aiayn.fast.prefill_attention as chunk_attention
+    import aiayn.nn.attention as attention
+
+    spent: collections.Counter[str] = collections.Counter()
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return call
+
+    linear, sdpa = fast_linear.FastLinear.forward, F.scaled_dot_product_attention
+    fast_linear.FastLinear.forward = timed("linear layers", linear)  # type: ignore[method-assign]
+    chunk_attention.F.scaled_dot_product_attention = attention.F.scaled_dot_product_attention = timed("attention (SDPA)", sdpa)
+    try:
+        start = time.perf_counter()
+        prefill()
+        spent["total"] = time.perf_counter() - start
+    finally:
+        fast_linear.FastLinear.forward = linear  # type: ignore[method-assign]
+        chunk_attention.F.scaled_dot_product_attention = attention.F.scaled_dot_product_attention = sdpa
+    return dict(spent)
+
+
+if __name__ == "__main__":
+    main()
