@@ -16,7 +16,8 @@ CPU time on one thread, 52 s wall on a machine at load 10):
   size, is refused in one line;
 * a shipped-model release of the run holds both tokenizer files and translates as the run's
   weights rounded to float16 do;
-* the explorer labels source tokens with the source vocabulary and target tokens with the target's.
+* the explorer, and the attention example of `aiayn plot attention`, label source tokens with the
+  source vocabulary and target tokens with the target's.
 """
 
 from __future__ import annotations
@@ -214,3 +215,16 @@ def test_the_explorer_labels_each_side_with_its_vocabulary(run: Path) -> None:
     assert target_ids == [*target.encode("Ein Mann und ein Hund.", add_special_tokens=False).ids, 2]
     assert [ex.label(i) for i in target_ids] == [display_token(target.id_to_token(i)) for i in target_ids]
     assert ex.decode(target_ids[:-1]) == "Ein Mann und ein Hund."
+
+
+def test_the_attention_example_labels_each_side_with_its_vocabulary(run: Path) -> None:
+    """``aiayn plot attention``'s example: cross-attention keys are source pieces, queries target ones."""
+    loaded = load_run(run)
+    source, target = loaded.task.load_tokenizers()
+    example = loaded.task.attention_example(loaded.model, "A man and a dog.", kind="cross")
+    src_ids = [*source.encode("A man and a dog."), source.eos_id]
+    assert example.key_labels == [source.tokenizer.id_to_token(i) for i in src_ids]
+    assert example.key_labels != [target.tokenizer.id_to_token(i) for i in src_ids]  # the side matters
+    greedy = loaded.task.translator(loaded.model).translate_ids([src_ids], DecodeOptions(beam_size=1))[0]
+    assert example.query_labels == [target.tokenizer.id_to_token(i) for i in [target.bos_id, *greedy]]
+    assert len(example.weights) == 2  # one map per decoder layer
