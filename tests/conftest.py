@@ -33,14 +33,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-# Idle OpenMP threads sleep at once instead of spinning (torch's ATen runs on GNU OpenMP, which reads
-# this when torch is first imported: here, before any test's import; the CLI's child processes
-# inherit it). scripts/test.sh runs two pytest workers of torch's default thread count on the
-# machine's cores, beside whatever else runs there: a spinning thread takes the core the thread it
-# waits for needs. Measured on 2 busy cores, a tiny encoder layer's forward and backward, 60 times:
-# 82 s spinning, 2.3 s sleeping. Only the waiting changes: the thread count, and so every sum's
-# order, stays what it was.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# In a pytest-xdist worker (scripts/test.sh runs two), idle OpenMP threads sleep at once instead of
+# spinning: torch's ATen runs on GNU OpenMP, which reads this when torch is first imported (here,
+# before any test's import; the CLI's child processes inherit it). Each worker keeps torch's default
+# thread count on the machine's cores, so two workers computing at once, or a worker beside other
+# jobs, would wait on spinning threads that hold the core the awaited thread needs. Measured on 2
+# busy cores (load ~10), a tiny encoder layer's forward and backward, 60 times: 82 s spinning, 2.3 s
+# sleeping. Only the waiting changes: the thread count, and so every sum's order, stays what it was.
+# A serial run keeps libgomp's default (alone, sleeping costs a job up to 2x: docs/robustness.md).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import torch
