@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--model", type=Path, help="a GGUF file or Hugging Face directory (default: SmolLM2)")
     args = parser.parse_args(argv)
+    args.clients = sorted(set(args.clients))  # one run (and one prompt set) per client count
 
     from aiayn.interop.gguf import smollm2_path
     from aiayn.textgen import read_text_model
