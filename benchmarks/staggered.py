@@ -49,7 +49,9 @@ the fixed slots' and >= 1.5x transformers' static batch throughput at equal memo
 (the paged engine here serves up to ``--max-batch`` (16) requests at once). ``--gather-row`` adds
 the paged engine without ``aiayn.fast``'s paged-attention kernel (every row's blocks gathered for
 SDPA, as before the kernel) to each round; ``--plain-chunk-attention`` the paged engine without
-``aiayn.fast.prefill_attention`` (each prefill chunk's mask prepared in every layer, as before it).
+``aiayn.fast.prefill_attention`` (each prefill chunk's mask prepared in every layer, as before it);
+``--two-forwards`` the paged engine running a step's prefill chunk and its decoding rows as two
+forwards (``Engine(mixed_steps=False)``, as before the mixed step: the weights read twice).
 
     flock /tmp/aiayn-bench.lock python -m benchmarks.staggered --ttft-breakdown --saturated
     python -m benchmarks.staggered --clock cpu --threads 1 --ttft-breakdown --saturated
@@ -84,6 +86,7 @@ from benchmarks.common import (
 HF = "transformers static batch"
 SLOTS, PAGED, GATHER = "fixed slots", "paged", "paged, gather (no paged-attention kernel)"
 PLAIN_CHUNKS = "paged, plain chunk attention (no aiayn.fast.prefill_attention)"
+TWO_FORWARDS = "paged, two forwards per step (prefill, then decode)"
 
 
 @dataclass
@@ -325,6 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--gather-row", action="store_true",
                         help="add the paged engine without the paged-attention kernel (gather + SDPA)")
+    parser.add_argument("--two-forwards", action="store_true",
+                        help="add the paged engine with a prefill forward and a decode forward per step (no mixed "
+                             "steps, as before them)")
     parser.add_argument("--plain-chunk-attention", action="store_true",
                         help="add the paged engine without aiayn.fast.prefill_attention (each prefill chunk's "
                              "mask prepared in every layer)")
@@ -352,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
         plans[GATHER] = plans[PAGED]
     if args.plain_chunk_attention:
         plans[PLAIN_CHUNKS] = plans[PAGED]
+    if args.two_forwards:
+        plans[TWO_FORWARDS] = plans[PAGED]
     from aiayn.fast import prefill_attention
 
     chunk_path = prefill_attention.applies
@@ -365,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
         for module, kernel in kernels.items():
             module.cache_kernel = None if label == GATHER else kernel
         prefill_attention.applies = (lambda *a: False) if label == PLAIN_CHUNKS else chunk_path
-        engine = Engine(lm, plans[label], prefill_chunk=args.prefill_chunk, threads=args.threads)
+        engine = Engine(lm, plans[label], prefill_chunk=args.prefill_chunk, threads=args.threads,
+                        mixed_steps=label != TWO_FORWARDS)
         warm_up = [Job(0.0, [100 + i for i in range(32)], 4)]  # (one-time costs)
         try:
             if args.clock == "cpu":

@@ -55,7 +55,7 @@ def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionI
     return (switch.enabled() and q.device.type == "cpu" and q.dtype == torch.float32
             and cache.k.dtype == torch.float32 and q.dim() == 4 and q.shape[2] <= MAX_QUERIES
             and not q.requires_grad  # (the op has no backward: decoding runs without gradients)
-            and inputs.bias is None and not inputs.causal and inputs.packing is None
+            and inputs.bias is None and not inputs.causal
             and isinstance(inputs.cache_pos, Tensor) and inputs.cache_pos.dim() == 2
             and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1
                                   and mask.shape[0] in (1, q.shape[0]) and mask.shape[2] in (1, q.shape[2])

@@ -25,9 +25,9 @@ layers and replaced by the next forward's mask.
 
 It applies to a ``PagedLayerKVCache`` chunk of more than ``aiayn.fast.paged_attention.MAX_QUERIES``
 queries per row on the CPU, a bool (b or 1, 1, t_q, t_k) mask or none, no additive bias, no slot
-causal flag, no packing, no dropout or weights (the caller, ``MultiHeadAttention``, takes the plain
-path for those), aiayn's kernels on (``aiayn.fast.switch``). Equal to the plain path:
-tests/consistency/test_prefill_attention.py.
+causal flag (a packed batch's queries arrive unpacked, as every kernel gets them), no dropout or
+weights (the caller, ``MultiHeadAttention``, takes the plain path for those), aiayn's kernels on
+(``aiayn.fast.switch``). Equal to the plain path: tests/consistency/test_prefill_attention.py.
 
 Shape letters: b rows, h query heads, h_kv key/value heads, t_q new tokens, t_k keys, d_h head width.
 """
@@ -81,7 +81,7 @@ def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionI
     return (isinstance(cache, PagedLayerKVCache) and cache.read_blocks is not None
             and switch.enabled() and q.device.type == "cpu" and q.is_floating_point()
             and q.dim() == 4 and q.shape[2] > max_queries
-            and inputs.bias is None and not inputs.causal and inputs.packing is None
+            and inputs.bias is None and not inputs.causal
             and isinstance(inputs.cache_pos, Tensor) and inputs.cache_pos.dim() == 2
             and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1
                                   and mask.shape[0] in (1, q.shape[0]) and mask.shape[2] == q.shape[2]

@@ -9,15 +9,22 @@ prefill chunks and decode steps over a per-row cache) and ``aiayn explore`` all 
 float cache, of a decoder-only model or of an encoder-decoder's decoder after its first step: the
 graph torch.compile traces once per shape).
 
+``decode_ragged`` is the same step over several batches at once (the serve engine's step that
+decodes its running rows and feeds a prompt chunk together): one pass over the weights.
+
 Shape letters: b rows, t new tokens per row, d d_model, v vocabulary, m positions asked for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
 from aiayn.generate.ensemble import Ensemble, EnsembleCache, mean_log_probs
+from aiayn.models.blocks import RaggedBatch
+from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn.kv_cache import KVCache
 
@@ -68,3 +75,15 @@ def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache | EnsembleCache
         out = model.decoder(tokens, valid=valid, cache=cache)
     hidden = out.hidden  # (b, t, d)
     return model.lm_head(hidden[:, -1] if at is None else hidden[at])  # (b, v) or (m, v)
+
+
+def decode_ragged(model: nn.Module, batches: Sequence[RaggedBatch], at: Tensor) -> Tensor:
+    """Several batches of new tokens, each right-padded over its own per-row cache (view), through
+    a decoder-only model in one pass (``TransformerStack.forward_ragged``) -> logits (m, v) of the
+    tokens ``at`` (m,) names: indices into the batches' real tokens, packed batch after batch
+    (batch 0's rows' tokens first, row by row). Each batch's logits equal ``decode_step`` on it
+    alone; the weights are read once for all of them."""
+    if not isinstance(model, DecoderOnly):
+        raise TypeError("decode_ragged runs a decoder-only model (the serve engine's)")
+    hidden, _ = model.decoder.forward_ragged(batches)  # (n, d)
+    return model.lm_head(hidden[at])  # (m, v)

@@ -14,12 +14,14 @@ Shape letters: b batch, t new tokens, t_k keys (cached + new), s source length, 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.device import to_device
 from aiayn.nn import data_checks
 from aiayn.nn.attention import AttentionInputs, MultiHeadAttention
 from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
@@ -69,7 +71,7 @@ class TransformerBlock(nn.Module):
         h = self.self_attn_norm(x) if self.pre_norm else x
         self_inputs = inputs.self_attn if inputs is not None else None
         h, self_weights = self.self_attn(h, inputs=self_inputs, cache=cache, need_weights=need_weights)
-        x = x + self.dropout(h) if self.pre_norm else self.self_attn_norm(x + self.dropout(h))
+        x = self._add(x, h, self.self_attn_norm)
 
         cross_weights = None
         if self.cross_attn is not None:
@@ -77,12 +79,26 @@ class TransformerBlock(nn.Module):
             h = self.cross_attn_norm(x) if self.pre_norm else x
             h, cross_weights = self.cross_attn(h, inputs.memory, inputs=inputs.cross_attn, cache=cross_cache,
                                                need_weights=need_weights)
-            x = x + self.dropout(h) if self.pre_norm else self.cross_attn_norm(x + self.dropout(h))
+            x = self._add(x, h, self.cross_attn_norm)
+        return self._feed_forward(x), self_weights, cross_weights
 
+    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
+        """Several batches' real tokens in one pass, x (n, d) packed batch after batch
+        (``TransformerStack.forward_ragged``): every sublayer but the attention core runs once over
+        all of them; the core per batch, over its own cache (``MultiHeadAttention.forward_ragged``)."""
+        if self.cross_attn is not None:
+            raise ValueError("a ragged forward is for decoder-only blocks (no cross-attention)")
+        h = self.self_attn_norm(x) if self.pre_norm else x
+        x = self._add(x, self.self_attn.forward_ragged(h, batches), self.self_attn_norm)
+        return self._feed_forward(x)
+
+    def _add(self, x: Tensor, h: Tensor, norm: nn.Module) -> Tensor:
+        """The residual connection of a sublayer's output h: pre-norm adds, post-norm adds and normalises."""
+        return x + self.dropout(h) if self.pre_norm else norm(x + self.dropout(h))
+
+    def _feed_forward(self, x: Tensor) -> Tensor:
         h = self.ffn_norm(x) if self.pre_norm else x
-        h = self.ffn(h)
-        x = x + self.dropout(h) if self.pre_norm else self.ffn_norm(x + self.dropout(h))
-        return x, self_weights, cross_weights
+        return self._add(x, self.ffn(h), self.ffn_norm)
 
 
 @dataclass
@@ -101,6 +117,17 @@ class StackInputs:
     def packing(self) -> Packing | None:
         """Set when the blocks run on the real tokens only (padding-free)."""
         return self.self_attn.packing
+
+
+@dataclass
+class RaggedBatch:
+    """One batch of a ragged forward (``TransformerStack.forward_ragged``): rows right-padded to the
+    width of ``tokens``, row i's real tokens its first ``counts[i]`` (host ints: nothing is read
+    back from the device to learn them), continuing ``cache`` (a per-row cache or a view of its rows)."""
+
+    tokens: Tensor  # (b, t) long
+    counts: list[int]  # b ints, each in [1, t]
+    cache: KVCache
 
 
 @dataclass
@@ -236,24 +263,8 @@ class TransformerStack(nn.Module):
             raise ValueError(f"segments must have the tokens' shape {tuple(tokens.shape)}, "
                              f"got {tuple(segments.shape)}")
 
-        # Keys: the cached slots plus the new tokens.
-        cache_pos: int | Tensor = 0
-        if cache is not None:
-            cache_pos = cache.reserve(valid, positions)  # a slot, or (b, t) slots per row (RowKVCache)
-            keys_valid, key_positions = cache.valid[:, : cache.length], cache.positions[:, : cache.length]
-        else:
-            keys_valid, key_positions = valid, positions  # (b, t_k)
-        mask = padding_mask(keys_valid)  # (b, 1, 1, t_k), or None: no padding
-        # Rows of a RowKVCache sit at their own slots: causality from positions, not slot order
-        # (a single new token per row may see every valid key of its row: no causal mask needed).
-        per_row = isinstance(cache_pos, Tensor)
-        if per_row and self.causal and tokens.shape[1] > 1:
-            mask = combine_masks(mask, position_causal_mask(positions, key_positions))  # (b, 1, t, t_k)
-        # Only with padding to skip, and only eager on the CPU: the real tokens' count sets the
-        # packed shapes, which a compiled graph or a GPU stream cannot learn without waiting.
-        packing = Packing.of(valid) if pack and mask is not None and data_checks.reads_data(valid) else None
-        self_attn = self.attention_inputs(positions, key_positions, mask, cache_pos=cache_pos,
-                                          packing=packing, causal=self.causal and not per_row)
+        self_attn = self._self_attention_inputs(valid, positions, cache, pack=pack)
+        packing = self_attn.packing
 
         cross_attn = None
         if self.has_cross:
@@ -266,6 +277,41 @@ class TransformerStack(nn.Module):
         inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn, segments=segments,
                              memory=memory, cross_attn=cross_attn)
         return self.run(tokens, inputs, cache=cache, need_weights=need_weights)
+
+    def forward_ragged(self, batches: Sequence[RaggedBatch]) -> tuple[Tensor, list[Packing]]:
+        """Several batches through the stack in one pass -> (hidden (n, d), each batch's packing).
+
+        The batches' real tokens are packed one batch after another (n = every count added up):
+        the embeddings, norms, feed-forward networks and every projection run once over them all,
+        so a step that decodes some rows and prefills others reads the weights once, not once per
+        batch (vLLM's mixed prefill/decode step); each batch's attention runs over its own cache
+        and masks as ``forward`` would build them. Decoder-only stacks, per-row caches
+        (``RowKVCache``, ``PagedKVCache``, or views of their rows), no weights. Each batch's results
+        equal ``forward`` on it alone with ``cache`` (tests/consistency/test_ragged_forward.py).
+        """
+        if self.has_cross or self.segment_embedding is not None:
+            raise ValueError("forward_ragged is for decoder-only stacks (no cross-attention, no segments)")
+        xs, parts = [], []
+        for batch in batches:
+            check_tokens("tokens", batch.tokens, self.embedding.num_embeddings)
+            b, t = batch.tokens.shape
+            if len(batch.counts) != b or min(batch.counts, default=1) < 1:
+                raise ValueError(f"a ragged batch of {b} rows needs {b} counts, each in [1, {t}], got {batch.counts}")
+            device = batch.tokens.device
+            packing = Packing.of_counts(batch.counts, t, device)
+            steps = torch.arange(t)[None, :] < torch.tensor(batch.counts)[:, None]  # (b, t), on the host
+            valid = to_device(steps, device)
+            positions = self._positions(valid, None, batch.cache)  # (b, t)
+            batch.cache.expect(batch.counts)  # type: ignore[attr-defined]  # (a per-row cache)
+            inputs = self._self_attention_inputs(valid, positions, batch.cache, packing=packing)
+            xs.append(packing.pack(self.dropout(self.embed(batch.tokens, positions))))  # (n_i, d)
+            parts.append(inputs)
+        x = torch.cat(xs)  # (n, d)
+        for i, block in enumerate(self.blocks):
+            layer_batches = [(inputs, batch.cache.layers[i]) for inputs, batch in zip(parts, batches, strict=True)]
+            x = block.forward_ragged(x, layer_batches)
+        hidden = self.final_norm(x) if self.final_norm is not None else x
+        return hidden, [inputs.packing for inputs in parts]  # type: ignore[misc]
 
     def _positions(self, valid: Tensor, positions: Tensor | None, cache: KVCache | None) -> Tensor:
         """(b, t) position ids: ``positions`` if given, else real tokens counted (left padding and
@@ -287,6 +333,32 @@ class TransformerStack(nn.Module):
                              f"model has max_seq_len={self.config.max_seq_len}; shorten the input (or "
                              f"truncate it) or use a model with a larger max_seq_len")
         return positions
+
+    def _self_attention_inputs(self, valid: Tensor, positions: Tensor, cache: KVCache | None, *,
+                               pack: bool = False, packing: Packing | None = None) -> AttentionInputs:
+        """The self-attention inputs of new tokens ``valid``/``positions`` (b, t): their slots in
+        ``cache`` (reserved here), the key mask over cached + new keys, causality, the positional
+        rotation or bias, the packing (``pack``: found from ``valid`` when there is padding, eager
+        on the CPU only; or ``packing`` as given)."""
+        # Keys: the cached slots plus the new tokens.
+        cache_pos: int | Tensor = 0
+        if cache is not None:
+            cache_pos = cache.reserve(valid, positions)  # a slot, or (b, t) slots per row (RowKVCache)
+            keys_valid, key_positions = cache.valid[:, : cache.length], cache.positions[:, : cache.length]
+        else:
+            keys_valid, key_positions = valid, positions  # (b, t_k)
+        mask = padding_mask(keys_valid)  # (b, 1, 1, t_k), or None: no padding
+        # Rows of a RowKVCache sit at their own slots: causality from positions, not slot order
+        # (a single new token per row may see every valid key of its row: no causal mask needed).
+        per_row = isinstance(cache_pos, Tensor)
+        if per_row and self.causal and valid.shape[1] > 1:
+            mask = combine_masks(mask, position_causal_mask(positions, key_positions))  # (b, 1, t, t_k)
+        # Only with padding to skip, and only eager on the CPU: the real tokens' count sets the
+        # packed shapes, which a compiled graph or a GPU stream cannot learn without waiting.
+        if packing is None and pack and mask is not None and data_checks.reads_data(valid):
+            packing = Packing.of(valid)
+        return self.attention_inputs(positions, key_positions, mask, cache_pos=cache_pos,
+                                     packing=packing, causal=self.causal and not per_row)
 
     def attention_inputs(self, positions: Tensor, key_positions: Tensor, mask: Tensor | None, *,
                          cache_pos: int | Tensor = 0, packing: Packing | None = None,

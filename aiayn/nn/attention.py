@@ -10,7 +10,7 @@ kernel``), each tested equal to ``scaled_dot_product_attention``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -246,36 +246,66 @@ class MultiHeadAttention(nn.Module):
         if self.cross:
             q = self._heads(self.q_proj(x), self.n_heads, packing)  # (b, h, t, d_h)
             k, v = self._memory_kv(memory, inputs.memory_packing, cache)  # (b, h_kv, s, d_h) each
+            out, weights = self.kernel(
+                q, k, v, mask=inputs.mask, bias=inputs.bias, causal=inputs.causal,
+                dropout_p=self.dropout if self.training else 0.0,
+                need_weights=need_weights or self.impl == "reference",
+            )  # (b, h, t, d_h)
         else:
             if memory is not None:
                 raise ValueError("self-attention got memory=; build MultiHeadAttention(cross=True)")
-            q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([q_width, kv_width, kv_width], dim=-1)  # (b, t, .) or (n, .)
-            q = self._heads(q, self.n_heads, packing)  # (b, h, t, d_h)
-            k, v = self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
-            if inputs.rotary is not None:  # RoPE rotates the new queries and keys by their positions
-                q, k = apply_rotary(q, *inputs.rotary), apply_rotary(k, *inputs.rotary)
-            plain_only = need_weights or self.impl == "reference" or (self.training and self.dropout > 0)
-            if cache is not None and self.cache_kernel is not None and not plain_only:
-                out = self.cache_kernel(q, k, v, cache, inputs)  # (b, h, t, d_h), or None: not here
-                if out is not None:
-                    return self._project_out(out, packing), None
-            if cache is not None:
-                k, v = self._cached_kv(cache, k, v, inputs)  # (b, h_kv, t_k, d_h): cached + new
-        out, weights = self.kernel(
+            out, weights = self._attend_self(self.qkv_proj(x), inputs, cache, need_weights)
+        return self.out_proj(self._merge_heads(out, packing)), weights if need_weights else None
+
+    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
+        """Self-attention of several batches in one pass: x (n_1 + ... + n_g, d) holds batch i's real
+        tokens packed by its ``inputs.packing``, one batch after another; each batch attends over its
+        own cache (view) under its own inputs. The projections run once over all the tokens (one
+        read of their weights: what a step of a few tokens per row costs), the attention core once
+        per batch. Returns (n_1 + ... + n_g, d) in the same order. No weights, no dropout (decoding)."""
+        if self.cross:
+            raise ValueError("forward_ragged is self-attention (a decoder-only model's serve steps)")
+        if any(inputs.packing is None for inputs, _ in batches):
+            raise ValueError("forward_ragged: every batch's inputs need its packing (its real tokens)")
+        sizes = [inputs.packing.n_tokens for inputs, _ in batches]  # type: ignore[union-attr]
+        if x.dim() != 2 or x.shape != (sum(sizes), self.d_model):
+            raise ValueError(f"MultiHeadAttention.forward_ragged: x must be (real tokens={sum(sizes)}, "
+                             f"d_model={self.d_model}), got shape {tuple(x.shape)}")
+        parts = self.qkv_proj(x).split(sizes)  # (n_i, q + 2 kv) each: one pass over the weights
+        outs = [self._merge_heads(self._attend_self(part, inputs, cache, False)[0], inputs.packing)
+                for part, (inputs, cache) in zip(parts, batches, strict=True)]  # (n_i, h * d_h) each
+        return self.out_proj(torch.cat(outs))  # (sum n_i, d)
+
+    def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerKVCache | StaticKV | None,
+                     need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """Self-attention from the projected qkv (b, t, q + 2 kv), or packed (n, q + 2 kv): the
+        heads, the rotation, the cache, the kernel -> (out (b, h, t, d_h), weights or None)."""
+        packing = inputs.packing
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)  # (b, t, .) or (n, .)
+        q = self._heads(q, self.n_heads, packing)  # (b, h, t, d_h)
+        k, v = self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
+        if inputs.rotary is not None:  # RoPE rotates the new queries and keys by their positions
+            q, k = apply_rotary(q, *inputs.rotary), apply_rotary(k, *inputs.rotary)
+        plain_only = need_weights or self.impl == "reference" or (self.training and self.dropout > 0)
+        if cache is not None and self.cache_kernel is not None and not plain_only:
+            out = self.cache_kernel(q, k, v, cache, inputs)  # (b, h, t, d_h), or None: not here
+            if out is not None:
+                return out, None
+        if cache is not None:
+            k, v = self._cached_kv(cache, k, v, inputs)  # (b, h_kv, t_k, d_h): cached + new
+        return self.kernel(
             q, k, v, mask=inputs.mask, bias=inputs.bias, causal=inputs.causal,
             dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights or self.impl == "reference",
-        )  # (b, h, t, d_h)
-        return self._project_out(out, packing), weights if need_weights else None
+        )  # (b, h, t, d_h), weights
 
-    def _project_out(self, out: Tensor, packing: Packing | None) -> Tensor:
-        """The heads' outputs (b, h, t, d_h) -> the output projection (b, t, d), or (n, d) packed."""
+    def _merge_heads(self, out: Tensor, packing: Packing | None) -> Tensor:
+        """The heads' outputs (b, h, t, d_h) -> (b, t, h * d_h), or (n, h * d_h) packed: the output
+        projection then runs on real tokens only."""
         b, t = out.shape[0], out.shape[2]
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h * d_h)
-        if packing is not None:
-            out = packing.pack(out)  # (n, h * d_h): the output projection on real tokens only
-        return self.out_proj(out)
+        return packing.pack(out) if packing is not None else out
 
     def _memory_kv(self, memory: Tensor | None, memory_packing: Packing | None,
                    cache: LayerKVCache | StaticKV | None) -> tuple[Tensor, Tensor]:
@@ -295,8 +325,6 @@ class MultiHeadAttention(nn.Module):
         """Write the new k, v (b, h_kv, t, d_h) into the cache; the keys attention runs over."""
         if not isinstance(cache, LayerKVCache):
             raise ValueError("self-attention takes a LayerKVCache (a StaticKV is for cross-attention)")
-        if inputs.packing is not None:
-            raise ValueError("MultiHeadAttention: packed inputs do not go with a KV cache")
         k, v = cache.write(k, v, inputs.cache_pos)  # (b, h_kv, cache_pos + t, d_h)
         if isinstance(inputs.cache_pos, Tensor) and inputs.cache_pos.dim() == 1:
             # the compiled step: the prefix the mask covers (per-row slots return theirs already)

@@ -35,6 +35,7 @@ Shape letters: b rows, t new tokens, n blocks per row, B block_size, h_kv key/va
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -217,8 +218,12 @@ class PagedKVCache(KVCache):
         return self.lengths.clone()
 
     def rows(self, start: int, stop: int) -> PagedKVCache:
-        """A view of rows [start, stop): the same pool and tables (writes through it land here)."""
-        return row_view(self, start, stop)
+        """A view of rows [start, stop): the same pool and tables (writes through it land here). Its
+        layers are its own shallow copies (the same pools): a forward's block table and extent are
+        set on them, so two views can be reserved for one step (a ragged forward) without clobbering."""
+        view = row_view(self, start, stop)
+        view.layers = [copy.copy(layer) for layer in self.layers]
+        return view
 
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s tokens and give its blocks back to the pool at once."""

@@ -256,6 +256,7 @@ class PagedSteps:
     blocks: BlockScheduler | None
     rows: list[Request]
     n_decode: int
+    mixed_steps: bool
     max_batch: int
     waiting: deque[Request]
     metrics: Metrics
@@ -302,10 +303,12 @@ class PagedSteps:
         assert self.blocks is not None and isinstance(self.cache, PagedKVCache)
         while self.rows:
             need = sum(self.cache.blocks_for(row, 1) for row in range(self.n_decode))
-            # A row whose prompt ends in this step's chunk joins the decode forward of the same step:
-            # its chunk and that one token.
+            # With no row decoding yet (or mixed steps off), a row whose prompt ends in this step's
+            # chunk joins the decode forward of the same step: its chunk and that one token. (A mixed
+            # step decodes the rows that were decoding before it: the new ones start next step.)
+            joins = not (self.n_decode and self.mixed_steps)
             need += sum(self.cache.blocks_for(self.n_decode + i,
-                                              take + (request.fed + take == len(self._sequence(request))))
+                                              take + (joins and request.fed + take == len(self._sequence(request))))
                         for i, (request, take) in enumerate(self._prefill_batch()))
             if need <= self.cache.pool.available:
                 return

@@ -11,9 +11,13 @@ as the served context; see ``slot_plan`` for the memory budget). Every step:
    done samples its first token there and joins the decoding rows. A long prompt thus takes
    several steps, the other streams get a token at each of them, and a short prompt arriving
    meanwhile is not held behind it;
-4. **decode**: every decoding row feeds its last token, one forward over their view, and each
-   samples its next token; a row that finishes (end-of-text, ``max_tokens``, a stop string)
-   leaves at once;
+4. **decode**: every decoding row feeds its last token and samples its next one; a row that
+   finishes (end-of-text, ``max_tokens``, a stop string) leaves at once. When a step has both
+   (``mixed_steps``, the default), the decoding rows' tokens and the prefill chunk go through **one
+   forward** (``aiayn.generate.step.decode_ragged``: the real tokens of both packed together, one
+   read of the weights, each part attending over its own view of the cache, as vLLM's chunked
+   prefill batches them); a row whose prompt ends in the chunk decodes from the next step. Else a
+   prefill forward, then a decode forward that such a row joins at once;
 5. **embeddings**, in slices: the queued ``/v1/embeddings`` jobs (``aiayn.serve.embedding``) run
    forwards of at most ``embed_chunk`` tokens, in turn (one forward per job, round robin), for as
    long as the step's stream forwards took, times ``embed_share / (1 - embed_share)`` (a credit
@@ -22,7 +26,7 @@ as the served context; see ``slot_plan`` for the memory budget). Every step:
    0.5 a stream's tokens come at most twice as far apart), and all of it when none does.
 
 The cache rows are kept in that order (decoding rows first, then prefilling ones) by swapping
-rows as requests join and leave, so both forwards run on contiguous views with no copy. Each row
+rows as requests join and leave, so both parts run on contiguous views with no copy. Each row
 is computed as if alone (``RowKVCache``: its own slots, positions and mask), so a request's greedy
 tokens do not depend on what else is running (up to float rounding of the batched matmuls).
 
@@ -64,8 +68,9 @@ from torch import Tensor
 from aiayn.cpu_share import share_cores
 from aiayn.device import autocast, model_device, to_device
 from aiayn.generate.constrain import ConstraintError, GrammarConstraint
-from aiayn.generate.step import decode_step
+from aiayn.generate.step import decode_ragged
 from aiayn.generate.text import IncrementalText
+from aiayn.models.blocks import RaggedBatch
 from aiayn.nn.paged_kv_cache import PagedKVCache
 from aiayn.nn.row_kv_cache import RowKVCache
 from aiayn.serve.blocks import BlockPlan, BlockScheduler, PagedSteps, SlotPlan, slot_plan  # noqa: F401  (slot_plan: imported from here too)
@@ -155,7 +160,8 @@ class Engine(PagedSteps):
     def __init__(self, lm: TextModel, plan: SlotPlan | BlockPlan, *, kv_cache: str | None = None, prefill_chunk: int = 512,
                  max_queue: int = 64, metrics: Metrics | None = None, threads: int | None = None,
                  embed_chunk: int = DEFAULT_CHUNK, embed_share: float = 0.5,
-                 clock: Callable[[], float] = time.perf_counter, compile: bool = False) -> None:
+                 clock: Callable[[], float] = time.perf_counter, compile: bool = False,
+                 mixed_steps: bool = True) -> None:
         if prefill_chunk < 1 or max_queue < 0 or embed_chunk < 1 or not 0 < embed_share < 1:
             raise ValueError("prefill_chunk and embed_chunk must be >= 1, max_queue >= 0, 0 < embed_share < 1")
         if compile and isinstance(plan, BlockPlan):
@@ -175,6 +181,9 @@ class Engine(PagedSteps):
         # --compile: the decode steps through a compiled graph per batch-size bucket (fixed slots only)
         self.compiled = CompiledRows(self.model, self.cache) if compile else None  # type: ignore[arg-type]
         self.prefill_chunk, self.max_queue = prefill_chunk, max_queue
+        # A step with both decoding and prefilling rows runs them in one forward (False: two, as
+        # before; kept for the benchmarks' A/B). Not with --compile: its decode steps are graphs.
+        self.mixed_steps = mixed_steps and self.compiled is None
         self.threads = threads  # torch threads of the engine thread (None: as it finds them)
         self.rows: list[Request] = []  # cache row i serves rows[i]: decoding first, then prefilling
         self.n_decode = 0
@@ -303,10 +312,13 @@ class Engine(PagedSteps):
             if self.blocks is not None:
                 self._make_room()
             streams, start = bool(self.rows), self.embeddings.clock()
-            if len(self.rows) > self.n_decode:
-                self._prefill()
-            if self.n_decode:
-                self._decode()
+            if len(self.rows) > self.n_decode and self.n_decode and self.mixed_steps:
+                self._prefill_and_decode()
+            else:
+                if len(self.rows) > self.n_decode:
+                    self._prefill()
+                if self.n_decode:
+                    self._decode()
             if self.embeddings:
                 self.embeddings.run(self.embeddings.clock() - start if streams else None)
         self.metrics.steps.inc()
@@ -356,36 +368,13 @@ class Engine(PagedSteps):
     def _prefill(self) -> None:
         """Feed the prefilling rows up to ``prefill_chunk`` prompt tokens; rows whose prompt is
         done sample their first token and join the decoding rows."""
-        start, batch = self.n_decode, self._prefill_batch()
-        width = max(take for _, take in batch)
-        tokens = torch.zeros(len(batch), width, dtype=torch.long)
-        valid = torch.zeros(len(batch), width, dtype=torch.bool)
-        for i, (request, take) in enumerate(batch):
-            tokens[i, :take] = torch.tensor(self._sequence(request)[request.fed: request.fed + take])
-            valid[i, :take] = True
-        tokens, valid = to_device((tokens, valid), self.device)  # built on the CPU, one copy each
-        # Each row's real tokens, told to the cache: it learns them without reading ``valid`` back.
-        view = self.cache.rows(start, start + len(batch)).expect([take for _, take in batch])
-        done, now = [], time.monotonic()
-        for i, (request, take) in enumerate(batch):
-            request.prefill_at = request.prefill_at or now
-            request.fed += take
-            if request.fed == len(self._sequence(request)):
-                done.append((i, take - 1))
-        # The rows whose prompt ends in this chunk want their last prompt token's logits (m, v).
-        at = to_device(torch.tensor(done, dtype=torch.long).reshape(-1, 2).T, self.device)  # (2, m)
-        logits = decode_step(self.model, tokens, view, valid=valid, at=(at[0], at[1]))
-        if self.blocks is not None:  # the full blocks of prompts are indexed as soon as they are computed
-            for i, (request, _) in enumerate(batch):
-                self.blocks.filled(request, start + i)
-        if not done:
-            return
-        rows = [i for i, _ in done]
-        finished_rows = [batch[i][0] for i in rows]
-        for request in finished_rows:  # into the decoding rows, in order
-            self._swap(self.rows.index(request), self.n_decode)
-            self.n_decode += 1
-        self._sample_and_emit(logits, finished_rows)
+        start, batch, tokens = self._prefill_tokens()
+        done = self._feeding(batch)
+        at = [sum(take for _, take in batch[:i]) + last for i, last in done]  # in the packed tokens
+        logits = self._forward([RaggedBatch(tokens, [take for _, take in batch], self.cache.rows(start, start + len(batch)))], at)
+        self._prefilled(start, batch)
+        if done:
+            self._sample_and_emit(logits, self._join(batch, done))
 
     def _decode(self) -> None:
         """One token for every decoding row (``--compile``: through the compiled graph of its bucket)."""
@@ -393,17 +382,71 @@ class Engine(PagedSteps):
         if self.compiled is not None:  # (fixed slots only: no blocks to take)
             logits = self.compiled.step([r.last_token for r in requests])  # (d, v)
         else:
-            tokens = to_device(torch.tensor([[r.last_token] for r in requests], dtype=torch.long), self.device)
-            # A generated token is real whatever its id (also one equal to pad_id), as in the library's
-            # decode loops; one per row, which the cache is told rather than reading it back.
-            valid = torch.ones_like(tokens, dtype=torch.bool)  # (d, 1), made on the device
-            view = self.cache.rows(0, self.n_decode).expect([1] * self.n_decode)
-            if self.blocks is not None:
-                for request in requests:
-                    self.blocks.decoding(request)
-            logits = decode_step(self.model, tokens, view, valid=valid)  # (d, v)
+            logits = self._forward([self._decode_batch(requests)], list(range(len(requests))))  # (d, v)
         self._sample_and_emit(logits, requests)
         self.metrics.batch_size.observe(len(requests))
+
+    def _prefill_and_decode(self) -> None:
+        """The decoding rows' next tokens and the prefill chunk in one forward (``decode_ragged``:
+        the weights read once for both, not once per forward): what a step with both costs is
+        about the chunk's alone. A row whose prompt ends in the chunk samples its first token here
+        and decodes from the next step on."""
+        requests = self.rows[: self.n_decode]
+        decoding = self._decode_batch(requests)
+        start, batch, tokens = self._prefill_tokens()
+        done = self._feeding(batch)
+        at = [len(requests) + sum(take for _, take in batch[:i]) + last for i, last in done]
+        prefill = RaggedBatch(tokens, [take for _, take in batch], self.cache.rows(start, start + len(batch)))
+        logits = self._forward([decoding, prefill], list(range(len(requests))) + at)  # (d + m, v)
+        self._prefilled(start, batch)
+        self._sample_and_emit(logits, [*requests, *self._join(batch, done)])
+        self.metrics.batch_size.observe(len(requests))
+
+    def _forward(self, batches: list[RaggedBatch], at: list[int]) -> Tensor:
+        """One forward over ``batches`` -> the logits (m, v) of the packed tokens ``at`` names."""
+        return decode_ragged(self.model, batches, to_device(torch.tensor(at, dtype=torch.long), self.device))
+
+    def _decode_batch(self, requests: list[Request]) -> RaggedBatch:
+        """The decoding rows (the first ``len(requests)``) feeding their last tokens: (d, 1). A
+        generated token is real whatever its id (also one equal to pad_id), as in the library's loops."""
+        tokens = to_device(torch.tensor([[r.last_token] for r in requests], dtype=torch.long), self.device)
+        if self.blocks is not None:
+            for request in requests:
+                self.blocks.decoding(request)
+        return RaggedBatch(tokens, [1] * len(requests), self.cache.rows(0, len(requests)))
+
+    def _prefill_tokens(self) -> tuple[int, list[tuple[Request, int]], Tensor]:
+        """This step's prefill chunk (``_prefill_batch``): its first row, its rows with the tokens
+        each feeds, and those tokens right-padded, (k, w) on the device (built on the host, one copy)."""
+        start, batch = self.n_decode, self._prefill_batch()
+        tokens = torch.zeros(len(batch), max(take for _, take in batch), dtype=torch.long)
+        for i, (request, take) in enumerate(batch):
+            tokens[i, :take] = torch.tensor(self._sequence(request)[request.fed: request.fed + take])
+        return start, batch, to_device(tokens, self.device)
+
+    def _feeding(self, batch: list[tuple[Request, int]]) -> list[tuple[int, int]]:
+        """Count the chunk's tokens as fed; the rows whose prompt it ends, as (index in the batch,
+        its last token's index in its row)."""
+        done, now = [], time.monotonic()
+        for i, (request, take) in enumerate(batch):
+            request.prefill_at = request.prefill_at or now
+            request.fed += take
+            if request.fed == len(self._sequence(request)):
+                done.append((i, take - 1))
+        return done
+
+    def _prefilled(self, start: int, batch: list[tuple[Request, int]]) -> None:
+        if self.blocks is not None:  # the full blocks of prompts are indexed as soon as they are computed
+            for i, (request, _) in enumerate(batch):
+                self.blocks.filled(request, start + i)
+
+    def _join(self, batch: list[tuple[Request, int]], done: list[tuple[int, int]]) -> list[Request]:
+        """The rows whose prompt is done move into the decoding rows, in order; returned."""
+        finished = [batch[i][0] for i, _ in done]
+        for request in finished:
+            self._swap(self.rows.index(request), self.n_decode)
+            self.n_decode += 1
+        return finished
 
     def _sample_and_emit(self, logits: Tensor, requests: list[Request]) -> None:
         """Choose each row's next token from ``logits`` (m, v) (``aiayn.serve.sampler.choose``: the

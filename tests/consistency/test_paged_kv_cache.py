@@ -123,10 +123,10 @@ def test_blocks_are_taken_as_rows_grow_and_given_back_at_once(device: torch.devi
     driver.start(0, a)
     driver.forward(0, [5])
     assert len(cache.table(0)) == 2 and pool.used == 2
-    assert cache.layers[0].read_run == 1  # one row on blocks 1, 2: read as a view of the pool, no gather
+    assert driver.view.layers[0].read_run == 1  # one row on blocks 1, 2: read as a view of the pool, no gather
     driver.start(1, b)
     driver.forward(0, [4, 12])  # row 0 to 9 tokens (3 blocks), row 1 to 12 (3 blocks): 6 of 6
-    assert pool.used == 6 and pool.available == 0 and cache.layers[0].read_run is None  # two rows: gathered
+    assert pool.used == 6 and pool.available == 0 and driver.view.layers[0].read_run is None  # two rows: gathered
     with pytest.raises(ValueError, match="out of blocks: this forward needs 1 more, 0 of 6 are free"):
         cache.rows(0, 1).expect([4]).reserve(torch.ones(1, 4, dtype=torch.bool, device=device),
                                              torch.zeros(1, 4, dtype=torch.long, device=device))

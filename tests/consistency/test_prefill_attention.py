@@ -50,7 +50,7 @@ def chunk_over_cache(held: list[int], new: list[int], *, h_kv: int, d_h: int, se
         if n:
             row = cache.rows(i, i + 1)
             slots = row.reserve(torch.ones(1, n, dtype=torch.bool), torch.arange(n)[None])
-            layer.store(*(torch.randn(1, h_kv, n, d_h, generator=g) for _ in range(2)), slots)
+            row.layers[0].store(*(torch.randn(1, h_kv, n, d_h, generator=g) for _ in range(2)), slots)
     t = max(new)
     valid = torch.arange(t)[None] < torch.tensor(new)[:, None]  # (b, t)
     positions = torch.tensor(held)[:, None] + torch.arange(t)[None]  # (b, t)

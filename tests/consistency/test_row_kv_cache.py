@@ -80,7 +80,7 @@ class Driver:
             tokens[k, :n] = self.seqs[row][self.fed[row]: self.fed[row] + n]
             valid[k, :n] = True
         with sync_errors(self.no_sync and self.device.type == "cuda"):
-            view = self.cache.rows(start, start + len(counts))
+            view = self.view = self.cache.rows(start, start + len(counts))  # (the last forward's view)
             logits = self.model(tokens, valid=valid, cache=view.expect(counts) if self.tell else view).logits
         for k, n in enumerate(counts):
             row = start + k

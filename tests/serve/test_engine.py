@@ -25,9 +25,9 @@ def lm():
     return tiny_text_model()
 
 
-def engine_for(lm, *, rows=4, context=128, chunk=16, max_queue=64, kv_cache=None) -> Engine:
+def engine_for(lm, *, rows=4, context=128, chunk=16, max_queue=64, kv_cache=None, mixed_steps=True) -> Engine:
     plan = slot_plan(lm, max_batch=rows, context=context, budget=1 << 30, kv_cache=kv_cache)
-    return Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=chunk, max_queue=max_queue)
+    return Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=chunk, max_queue=max_queue, mixed_steps=mixed_steps)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -117,19 +117,44 @@ def test_int8_kv_cache_equals_the_library_int8_cache(lm):
         assert sink.tokens == [int(s.tokens[0]) for s in steps]
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(lm):
-    engine = engine_for(lm, chunk=16)
+@pytest.mark.parametrize("mixed", [True, False])
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(lm, mixed, monkeypatch):
+    engine = engine_for(lm, chunk=16, mixed_steps=mixed)
+    forwards = spy_forwards(engine, monkeypatch)
     short = submit(engine, prompt(4, 1), max_tokens=40)
     engine.step()  # the short request prefills and gets its first token
-    assert len(short.tokens) == 2  # ... and decodes in the same step
+    assert len(short.tokens) == 2  # ... and decodes in the same step (nothing else was decoding)
     long = submit(engine, prompt(100, 2), max_tokens=5)
     for step in range(7):  # 100 prompt tokens in chunks of 16: seven steps
-        before = len(short.tokens)
+        before, forwards[:] = len(short.tokens), []
         engine.step()
         assert len(short.tokens) == before + 1, f"step {step}: the decoding stream stalled"
-        assert len(long.tokens) == (2 if step == 6 else 0)
-    # (its prompt done at the seventh step: the first token from the prefill, one more from that step's decode)
+        # Mixed: the short row's token and the chunk in one forward; the long prompt's first token
+        # at its last chunk, its second at the next step. Not mixed: a prefill forward, then a
+        # decode forward that the finished row joins at once.
+        chunk = (1, 16 if step < 6 else 4)  # (rows, tokens per row) of the prefill chunk
+        assert forwards == ([[(1, 1), chunk]] if mixed else [[chunk], [(1 if step < 6 else 2, 1)]])
+        assert len(long.tokens) == ((1 if mixed else 2) if step == 6 else 0)
     run_until_done(engine, [short, long])
+    assert long.tokens == greedy_alone(lm, prompt(100, 2), 5) and short.tokens == greedy_alone(lm, prompt(4, 1), 40)
+
+
+def spy_forwards(engine: Engine, monkeypatch) -> list[list[tuple[int, int]]]:
+    """Record each forward of ``engine``: (rows, widest row's tokens) of each of its batches."""
+    forwards: list[list[tuple[int, int]]] = []
+    ragged = engine.model.decoder.forward_ragged
+
+    def spy(batches):
+        forwards.append([(len(batch.counts), max(batch.counts)) for batch in batches])
+        return ragged(batches)
+
+    monkeypatch.setattr(engine.model.decoder, "forward_ragged", spy)
+    return forwards
+
+
+def greedy_alone(lm, ids: list[int], n: int) -> list[int]:
+    steps = stream_decoder_only(lm.model, torch.tensor([ids]), max_new_tokens=n)
+    return [int(s.tokens[0]) for s in steps]
 
 
 def test_a_finished_request_frees_its_slot_in_the_same_step(lm):
@@ -141,8 +166,8 @@ def test_a_finished_request_frees_its_slot_in_the_same_step(lm):
     assert first.done and engine.running == 1 and engine.rows[0].prompt == prompt(9, 2)
     assert engine.cache.lengths[1] == 0 and not bool(engine.cache.valid[1].any())
     third = submit(engine, prompt(6, 3), max_tokens=3)
-    engine.step()
-    assert len(third.tokens) == 2 and engine.running == 2
+    engine.step()  # third prefills beside second's decode, one forward: its first token
+    assert len(third.tokens) == 1 and engine.running == 2
     run_until_done(engine, [second, third])
     assert engine.running == 0 and int(engine.cache.lengths.sum()) == 0
 

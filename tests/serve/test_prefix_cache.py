@@ -11,7 +11,6 @@ import pytest
 from serve_helpers import step_until, tiny_text_model
 from test_engine import Collector, prompt, run_until_done, submit
 
-import aiayn.serve.engine
 from aiayn.nn.kv_cache import kv_cache_bytes
 from aiayn.serve.blocks import block_plan
 from aiayn.serve.engine import Engine, slot_plan
@@ -54,16 +53,16 @@ def answers(engine: Engine, prompts: list[list[int]], *, every: int = 0, **param
 
 
 def prefill_tokens(monkeypatch) -> list[int]:
-    """Counts the prompt tokens the engine's forwards read (the real tokens of its prefill forwards)."""
+    """Counts the prompt tokens the engine's forwards read (each prefill chunk's real tokens)."""
     counted: list[int] = []
-    step = aiayn.serve.engine.decode_step
+    chunk = Engine._prefill_tokens
 
-    def counting(model, tokens, cache, *, valid=None, at=None, **kwargs):
-        if at is not None:
-            counted.append(int(valid.sum()))
-        return step(model, tokens, cache, valid=valid, at=at, **kwargs)
+    def counting(self):
+        start, batch, tokens = chunk(self)
+        counted.append(sum(take for _, take in batch))
+        return start, batch, tokens
 
-    monkeypatch.setattr(aiayn.serve.engine, "decode_step", counting)
+    monkeypatch.setattr(Engine, "_prefill_tokens", counting)
     return counted
 
 
