@@ -6,8 +6,8 @@ as the served context; see ``slot_plan`` for the memory budget). Every step:
 1. cancelled requests (a client gone, a stop string seen) give their row back at once;
 2. waiting requests take free rows, in arrival order;
 3. **prefill**, in chunks: the rows still reading their prompts feed up to ``prefill_chunk``
-   prompt tokens between them (padding included), fewest tokens left first
-   (``aiayn.serve.schedule``), in one forward over their view of the cache; a row whose prompt is
+   prompt tokens between them, fewest tokens left first (``aiayn.serve.schedule``), each row a
+   part of its own (no padding) over its one-row view of the cache; a row whose prompt is
    done samples its first token there and joins the decoding rows. A long prompt thus takes
    several steps, the other streams get a token at each of them, and a short prompt arriving
    meanwhile is not held behind it;
@@ -357,8 +357,8 @@ class Engine(PagedSteps):
 
     def _prefill_batch(self) -> list[tuple[Request, int]]:
         """The prefilling rows of this step's chunk with the tokens each feeds (``prefill_plan``:
-        fewest tokens left first, at most ``prefill_chunk`` padded tokens), moved to the first
-        prefilling rows in that order (the forward runs on a contiguous view)."""
+        fewest tokens left first, at most ``prefill_chunk`` tokens in all), moved to the first
+        prefilling rows in that order."""
         pending = self.rows[self.n_decode:]
         plan = prefill_plan([len(self._sequence(r)) - r.fed for r in pending], self.prefill_chunk)
         for slot, (index, _) in enumerate(plan):
@@ -368,10 +368,10 @@ class Engine(PagedSteps):
     def _prefill(self) -> None:
         """Feed the prefilling rows up to ``prefill_chunk`` prompt tokens; rows whose prompt is
         done sample their first token and join the decoding rows."""
-        start, batch, tokens = self._prefill_tokens()
+        start, batch, parts = self._prefill_parts()
         done = self._feeding(batch)
         at = [sum(take for _, take in batch[:i]) + last for i, last in done]  # in the packed tokens
-        logits = self._forward([RaggedBatch(tokens, [take for _, take in batch], self.cache.rows(start, start + len(batch)))], at)
+        logits = self._forward(parts, at)
         self._prefilled(start, batch)
         if done:
             self._sample_and_emit(logits, self._join(batch, done))
@@ -393,11 +393,10 @@ class Engine(PagedSteps):
         and decodes from the next step on."""
         requests = self.rows[: self.n_decode]
         decoding = self._decode_batch(requests)
-        start, batch, tokens = self._prefill_tokens()
+        start, batch, parts = self._prefill_parts()
         done = self._feeding(batch)
         at = [len(requests) + sum(take for _, take in batch[:i]) + last for i, last in done]
-        prefill = RaggedBatch(tokens, [take for _, take in batch], self.cache.rows(start, start + len(batch)))
-        logits = self._forward([decoding, prefill], list(range(len(requests))) + at)  # (d + m, v)
+        logits = self._forward([decoding, *parts], list(range(len(requests))) + at)  # (d + m, v)
         self._prefilled(start, batch)
         self._sample_and_emit(logits, [*requests, *self._join(batch, done)])
         self.metrics.batch_size.observe(len(requests))
@@ -415,14 +414,18 @@ class Engine(PagedSteps):
                 self.blocks.decoding(request)
         return RaggedBatch(tokens, [1] * len(requests), self.cache.rows(0, len(requests)))
 
-    def _prefill_tokens(self) -> tuple[int, list[tuple[Request, int]], Tensor]:
+    def _prefill_parts(self) -> tuple[int, list[tuple[Request, int]], list[RaggedBatch]]:
         """This step's prefill chunk (``_prefill_batch``): its first row, its rows with the tokens
-        each feeds, and those tokens right-padded, (k, w) on the device (built on the host, one copy)."""
+        each feeds, and a part per row, (1, take) over its own one-row view of the cache (no row
+        padded to another's width; the token ids built on the host, one copy)."""
         start, batch = self.n_decode, self._prefill_batch()
-        tokens = torch.zeros(len(batch), max(take for _, take in batch), dtype=torch.long)
-        for i, (request, take) in enumerate(batch):
-            tokens[i, :take] = torch.tensor(self._sequence(request)[request.fed: request.fed + take])
-        return start, batch, to_device(tokens, self.device)
+        ids = [token for request, take in batch for token in self._sequence(request)[request.fed: request.fed + take]]
+        flat = to_device(torch.tensor(ids, dtype=torch.long), self.device)  # (n,)
+        parts, offset = [], 0
+        for i, (_, take) in enumerate(batch):
+            parts.append(RaggedBatch(flat[offset: offset + take][None], [take], self.cache.rows(start + i, start + i + 1)))
+            offset += take
+        return start, batch, parts
 
     def _feeding(self, batch: list[tuple[Request, int]]) -> list[tuple[int, int]]:
         """Count the chunk's tokens as fed; the rows whose prompt it ends, as (index in the batch,

@@ -1,29 +1,26 @@
-"""Which prompt tokens the serve engine's prefill forward feeds at a step (``aiayn.serve.engine``).
+"""Which prompt tokens the serve engine's prefill feeds at a step (``aiayn.serve.engine``).
 
-The prefilling rows share one forward of ``(k, w)`` tokens: ``k`` rows right-padded to the widest
-row's ``w`` tokens. Its cost is about its area ``k * w`` (every padded position goes through the
-matmuls), so ``--prefill-chunk`` bounds the area, not just the real tokens: ``prefill_plan`` picks
-the rows and the width under that bound.
+``--prefill-chunk`` is a budget of prompt tokens per step (vLLM's ``max_num_batched_tokens``):
+the prefilling rows share it, and each feeds its share as a part of its own in the step's one
+packed forward (``aiayn.generate.step.decode_ragged``), so no row is padded to another's width and
+the step costs about the real tokens it feeds.
 
 * **Fewest tokens left first** (shortest remaining prefill first, as SGLang's and vLLM's
   priority schedulers can): a 30-token prompt that arrives while a 900-token one prefills gets its
   first token at the next step instead of after the long one's every chunk. The long one loses
-  only the share of a step the short one takes (its area), not whole steps.
-* **Real tokens, not padding**: among the first ``k`` rows in that order, with the width
-  ``w = min(their most tokens left, chunk // k)``, the ``k`` whose forward feeds the most real
-  tokens less its padded positions (a padded position costs what a real one does and computes
-  nothing), the fewest rows on a tie. So the padding is never more than the real tokens (before:
-  up to ``k`` times), a lone long prompt still takes whole chunks, a short prompt beside a long one
-  takes its tokens while the long one takes the rest of the area, and a handful of tiny prompts
-  beside a long one go alone in a small forward rather than padded to a wide one.
+  only the short one's tokens of that step's budget, not whole steps.
+* **Each row takes what is left of the budget**: in that order, a row feeds all the tokens it has
+  left, or the rest of the budget, and the next row the rest after it. So a lone long prompt takes
+  whole chunks, a short prompt beside a long one takes its tokens while the long one takes the
+  rest, and tiny prompts beside a long one go in the same forward at no padding cost.
   A row never waits behind a later arrival with more tokens left. A long prompt does wait while
   shorter ones fill whole chunks: for ever only if short prompts keep filling every chunk, which is
   an engine past its prefill capacity (where every request waits without bound anyway).
 
-Before this, the rows fed in admission order up to ``--prefill-chunk`` real tokens: a short
-prompt behind a long one waited for the long one's every chunk, and a batch of a long row's
-remainder and a few short rows was padded to the long row's width (up to ``k`` times the real
-tokens computed).
+Before the packed forward (session 38 and earlier) the rows of a chunk shared one right-padded
+``(k, w)`` forward whose every padded position went through the matrix products, so the budget
+bounded the area ``k * w`` and the plan traded rows against padding; before that, rows fed in
+admission order, and a short prompt behind a long one waited for the long one's every chunk.
 """
 
 from __future__ import annotations
@@ -32,18 +29,16 @@ from collections.abc import Sequence
 
 
 def prefill_plan(remaining: Sequence[int], chunk: int) -> list[tuple[int, int]]:
-    """The rows of a prefill forward, as ``(index into remaining, tokens it feeds)`` in the order
+    """The rows of this step's prefill, as ``(index into remaining, tokens it feeds)`` in the order
     they go into the forward. ``remaining``: each prefilling row's prompt tokens still to feed (in
-    row order, all >= 1; none: an empty plan); ``chunk``: the most tokens (padded positions
-    included) of the forward."""
+    row order, all >= 1; none: an empty plan); ``chunk``: the step's budget of prompt tokens."""
     if chunk < 1 or min(remaining, default=1) < 1:
         raise ValueError(f"a prefill plan needs chunk >= 1 and rows with tokens to feed, got {chunk}, {list(remaining)}")
-    order = sorted(range(len(remaining)), key=lambda i: (remaining[i], i))  # fewest left first, then row order
-    best_rows, best_width, best_gain = 0, 0, 0
-    for rows in range(1, min(len(order), chunk) + 1):
-        width = min(remaining[order[rows - 1]], chunk // rows)  # (rows sorted: the last has the most left)
-        real = sum(min(remaining[i], width) for i in order[:rows])
-        gain = real - (rows * width - real)  # real tokens less padded positions
-        if gain > best_gain:
-            best_rows, best_width, best_gain = rows, width, gain
-    return [(i, min(remaining[i], best_width)) for i in order[:best_rows]]
+    plan, budget = [], chunk
+    for i in sorted(range(len(remaining)), key=lambda i: (remaining[i], i)):  # fewest left first, then row order
+        if budget == 0:
+            break
+        take = min(remaining[i], budget)
+        plan.append((i, take))
+        budget -= take
+    return plan

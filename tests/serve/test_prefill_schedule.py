@@ -1,8 +1,8 @@
-"""The prefill schedule (``aiayn.serve.schedule``): fewest prompt tokens left first, under a bound on
-the forward's padded area. A short request that arrives while 14 rows decode and a long prompt
-prefills (16 rows) gets its first token at the next step (not after the long prompt's every chunk), on the
-fixed slots and on the paged cache; the long prompt still finishes while a short prompt arrives at
-every step; and every answer equals the model's alone."""
+"""The prefill schedule (``aiayn.serve.schedule``): fewest prompt tokens left first, each row taking
+what is left of the step's token budget. A short request that arrives while 14 rows decode and a
+long prompt prefills (16 rows) gets its first token at the next step (not after the long prompt's
+every chunk), on the fixed slots and on the paged cache; the long prompt still finishes while a
+short prompt arrives at every step; and every answer equals the model's alone."""
 
 from __future__ import annotations
 
@@ -29,16 +29,16 @@ def test_a_lone_prompt_takes_whole_chunks():
     assert prefill_plan([], 256) == []
 
 
-def test_a_short_prompt_goes_first_and_the_long_one_takes_the_rest_of_the_area():
-    # 30 tokens beside 900: both, 128 wide (30 + 128 real tokens in 2 x 128 positions)
-    assert prefill_plan([900, 30], 256) == [(1, 30), (0, 128)]
-    # tiny prompts beside a long one go alone rather than padded to a wide forward
-    assert prefill_plan([900, 1, 1, 1], 256) == [(1, 1), (2, 1), (3, 1)]
+def test_a_short_prompt_goes_first_and_the_long_one_takes_the_rest_of_the_budget():
+    assert prefill_plan([900, 30], 256) == [(1, 30), (0, 226)]
+    # tiny prompts beside a long one: all in the same forward (no padding to pay for)
+    assert prefill_plan([900, 1, 1, 1], 256) == [(1, 1), (2, 1), (3, 1), (0, 253)]
     # equal rows: the earlier row first, whole chunks
     assert prefill_plan([300, 300], 256) == [(0, 256)]
+    assert prefill_plan([200, 300], 256) == [(0, 200), (1, 56)]
 
 
-def test_plans_stay_in_the_area_and_pad_less_than_they_feed():
+def test_plans_fill_the_budget_fewest_left_first():
     rng = random.Random(0)
     for _ in range(500):
         chunk = rng.choice([1, 7, 16, 256, 512])
@@ -47,11 +47,9 @@ def test_plans_stay_in_the_area_and_pad_less_than_they_feed():
         rows = [i for i, _ in plan]
         keys = sorted((n, i) for i, n in enumerate(remaining))
         assert [(remaining[i], i) for i in rows] == keys[: len(rows)]  # fewest left first; the rest have more
-        width = max(take for _, take in plan)
-        real = sum(take for _, take in plan)
         assert all(1 <= take <= remaining[i] for i, take in plan)
-        assert len(plan) * width <= chunk  # the padded area
-        assert len(plan) * width - real < real  # padding under the real tokens
+        assert all(take == remaining[i] for i, take in plan[:-1])  # only the last row may stop short
+        assert sum(take for _, take in plan) == min(chunk, sum(remaining))  # the budget, or everything
 
 
 def test_bad_plans_are_refused():

@@ -55,14 +55,14 @@ def answers(engine: Engine, prompts: list[list[int]], *, every: int = 0, **param
 def prefill_tokens(monkeypatch) -> list[int]:
     """Counts the prompt tokens the engine's forwards read (each prefill chunk's real tokens)."""
     counted: list[int] = []
-    chunk = Engine._prefill_tokens
+    chunk = Engine._prefill_parts
 
     def counting(self):
-        start, batch, tokens = chunk(self)
+        start, batch, parts = chunk(self)
         counted.append(sum(take for _, take in batch))
-        return start, batch, tokens
+        return start, batch, parts
 
-    monkeypatch.setattr(Engine, "_prefill_tokens", counting)
+    monkeypatch.setattr(Engine, "_prefill_parts", counting)
     return counted
 
 
