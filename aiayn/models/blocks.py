@@ -295,6 +295,9 @@ class TransformerStack(nn.Module):
         for batch in batches:
             check_tokens("tokens", batch.tokens, self.embedding.num_embeddings)
             b, t = batch.tokens.shape
+            if not hasattr(batch.cache, "expect"):
+                raise TypeError("forward_ragged needs per-row caches (RowKVCache or PagedKVCache, or views of "
+                                f"their rows), got {type(batch.cache).__name__}")
             if len(batch.counts) != b or min(batch.counts, default=1) < 1:
                 raise ValueError(f"a ragged batch of {b} rows needs {b} counts, each in [1, {t}], got {batch.counts}")
             device = batch.tokens.device
@@ -302,7 +305,7 @@ class TransformerStack(nn.Module):
             steps = torch.arange(t)[None, :] < torch.tensor(batch.counts)[:, None]  # (b, t), on the host
             valid = to_device(steps, device)
             positions = self._positions(valid, None, batch.cache)  # (b, t)
-            batch.cache.expect(batch.counts)  # type: ignore[attr-defined]  # (a per-row cache)
+            batch.cache.expect(batch.counts)  # type: ignore[attr-defined]  # (checked above)
             inputs = self._self_attention_inputs(valid, positions, batch.cache, packing=packing)
             xs.append(packing.pack(self.dropout(self.embed(batch.tokens, positions))))  # (n_i, d)
             parts.append(inputs)

@@ -94,3 +94,5 @@ def test_refusals(device: torch.device) -> None:
         model.decoder.forward_ragged([RaggedBatch(tokens, [3, 0], cache)])
     with pytest.raises(ValueError, match="a ragged batch of 2 rows needs 2 counts"):
         model.decoder.forward_ragged([RaggedBatch(tokens, [3], cache)])
+    with pytest.raises(TypeError, match="forward_ragged needs per-row caches"):
+        model.decoder.forward_ragged([RaggedBatch(tokens, [3, 3], model.new_cache(2, 16))])
