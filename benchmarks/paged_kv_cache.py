@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Iterator
 
 import torch
 
+from aiayn.fast import switch
 from aiayn.fast.paged_attention_build import kernel_ops
 from aiayn.generate.step import decode_step
-from aiayn.nn.attention import MultiHeadAttention
 from benchmarks.common import (
     Timed,
     add_common_args,
@@ -68,25 +67,11 @@ def filled_caches(model: torch.nn.Module, batch: int, context: int, block_size: 
     return rows, *paged
 
 
-@contextlib.contextmanager
-def without_cache_kernel(model: torch.nn.Module) -> Iterator[None]:
-    """The plain gather + SDPA for a paged cache: every attention layer's ``cache_kernel`` unset."""
-    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    kernels = [m.cache_kernel for m in layers]
-    for m in layers:
-        m.cache_kernel = None
-    try:
-        yield
-    finally:
-        for m, kernel in zip(layers, kernels, strict=True):
-            m.cache_kernel = kernel
-
-
 def step(model: torch.nn.Module, cache, batch: int, *, gather: bool = False) -> None:
     """One decode step of every row (``gather``: the paged cache read by the plain gather)."""
     tokens = torch.full((batch, 1), 7, dtype=torch.long)
     view = cache.rows(0, batch).expect([1] * batch)
-    with without_cache_kernel(model) if gather else contextlib.nullcontext():
+    with switch.without("paged_attention") if gather else contextlib.nullcontext():
         decode_step(model, tokens, view, valid=torch.ones_like(tokens, dtype=torch.bool))
 
 

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tokens < 1 or args.prefill_chunk < 1:
         parser.error("--tokens and --prefill-chunk must be >= 1")
     setup(args)
-    from aiayn.fast import prefill_attention
+    from aiayn.fast import switch
     from aiayn.generate import SamplingConfig
     from aiayn.serve.blocks import block_plan
     from aiayn.serve.engine import Engine, Request, SamplingParams, slot_plan
@@ -76,12 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     context = 1 << (args.tokens + 1).bit_length()  # a row long enough for the prompt
     budget = slot_plan(lm, max_batch=1, context=context, budget=1 << 40, kv_cache=None).bytes_per_row
     plan = block_plan(lm, max_batch=1, context=context, budget=budget, kv_cache=None)
-    chunk_path = prefill_attention.applies
-
     def engine(prepared: bool) -> Callable[[], int]:
         def prefill() -> int:
-            prefill_attention.applies = chunk_path if prepared else (lambda *a: False)  # type: ignore[assignment]
-            try:
+            with switch.without(*(() if prepared else ("prefill_attention",))):
                 engine = Engine(lm, plan, prefill_chunk=args.prefill_chunk, threads=args.threads)
                 first: list[int] = []
                 engine.submit(Request(prompt, SamplingParams(max_tokens=1, sampling=SamplingConfig(temperature=0.0)),
@@ -89,8 +86,6 @@ def main(argv: list[str] | None = None) -> None:
                 while engine.running or engine.waiting:
                     engine.step()
                 return first[0]
-            finally:
-                prefill_attention.applies = chunk_path  # type: ignore[assignment]
         return prefill
 
     def plain() -> int:

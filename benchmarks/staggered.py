@@ -342,7 +342,6 @@ def main(argv: list[str] | None = None) -> None:
     args.hf_batch = args.hf_batch or args.slots
     setup(args)
     from aiayn.cpu_share import keep_thread_count
-    from aiayn.nn.attention import MultiHeadAttention
     from aiayn.serve.blocks import block_plan
     from aiayn.serve.engine import Engine, slot_plan
 
@@ -360,36 +359,30 @@ def main(argv: list[str] | None = None) -> None:
         plans[PLAIN_CHUNKS] = plans[PAGED]
     if args.two_forwards:
         plans[TWO_FORWARDS] = plans[PAGED]
-    from aiayn.fast import prefill_attention
+    from aiayn.fast import switch
 
-    chunk_path = prefill_attention.applies
-    kernels = {m: m.cache_kernel for m in lm.model.modules() if isinstance(m, MultiHeadAttention)}
     for plan in plans.values():
         print(plan.describe(budget), flush=True)
     if hf is not None:
         static_batches(hf, [Job(0.0, [100 + i for i in range(32)], 4)], 1, lm.eos_id, args.threads)  # warm-up
 
     def engine_run(label: str, jobs: list[Job]) -> dict[str, float]:
-        for module, kernel in kernels.items():
-            module.cache_kernel = None if label == GATHER else kernel
-        prefill_attention.applies = (lambda *a: False) if label == PLAIN_CHUNKS else chunk_path
+        off = {GATHER: ("paged_attention",), PLAIN_CHUNKS: ("prefill_attention",)}.get(label, ())
         engine = Engine(lm, plans[label], prefill_chunk=args.prefill_chunk, threads=args.threads,
                         mixed_steps=label != TWO_FORWARDS)
         warm_up = [Job(0.0, [100 + i for i in range(32)], 4)]  # (one-time costs)
-        try:
-            if args.clock == "cpu":
-                run_stepped(engine, warm_up, args.threads)
-                result = run_stepped(engine, jobs, args.threads)
-            else:
-                engine.start()
-                run(engine, warm_up)
-                result = run(engine, jobs)
-        finally:
-            engine.stop()
-            torch.set_num_threads(1)
-            for module, kernel in kernels.items():
-                module.cache_kernel = kernel
-            prefill_attention.applies = chunk_path
+        with switch.without(*off):
+            try:
+                if args.clock == "cpu":
+                    run_stepped(engine, warm_up, args.threads)
+                    result = run_stepped(engine, jobs, args.threads)
+                else:
+                    engine.start()
+                    run(engine, warm_up)
+                    result = run(engine, jobs)
+            finally:
+                engine.stop()
+                torch.set_num_threads(1)
         result["preemptions"] = engine.metrics.preemptions._value.get()
         return result
 

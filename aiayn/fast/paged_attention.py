@@ -52,7 +52,7 @@ def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionI
     if not isinstance(cache, PagedLayerKVCache) or cache.read_blocks is None or cache.read_run is not None:
         return False
     mask = inputs.mask
-    return (switch.enabled() and q.device.type == "cpu" and q.dtype == torch.float32
+    return (switch.kernel_enabled("paged_attention") and q.device.type == "cpu" and q.dtype == torch.float32
             and cache.k.dtype == torch.float32 and q.dim() == 4 and q.shape[2] <= MAX_QUERIES
             and not q.requires_grad  # (the op has no backward: decoding runs without gradients)
             and inputs.bias is None and not inputs.causal

@@ -79,7 +79,7 @@ def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionI
     """Whether ``prefill_cache_attention`` takes this call (the module docstring's conditions)."""
     mask = inputs.mask
     return (isinstance(cache, PagedLayerKVCache) and cache.read_blocks is not None
-            and switch.enabled() and q.device.type == "cpu" and q.is_floating_point()
+            and switch.kernel_enabled("prefill_attention") and q.device.type == "cpu" and q.is_floating_point()
             and q.dim() == 4 and q.shape[2] > max_queries
             and inputs.bias is None and not inputs.causal
             and isinstance(inputs.cache_pos, Tensor) and inputs.cache_pos.dim() == 2

@@ -24,7 +24,7 @@ from test_paged_attention_kernel import TwinDriver, engine_answers, kernel_model
 from test_row_kv_cache import staggered_schedule
 from torch.testing import assert_close
 
-from aiayn.fast import optimize, plain_torch, prefill_attention
+from aiayn.fast import optimize, plain_torch, prefill_attention, switch
 from aiayn.fast.paged_attention import MAX_QUERIES
 from aiayn.models import DecoderOnly, get_preset
 from aiayn.nn.attention import AttentionInputs, scaled_dot_product_attention
@@ -117,7 +117,7 @@ def test_a_lone_row_of_consecutive_blocks_and_no_mask() -> None:
                  plain(q, k, v, copy.deepcopy(twin), bare))
 
 
-def test_it_stays_out_of_decode_steps_bias_and_plain_torch() -> None:
+def test_it_stays_out_of_decode_steps_bias_plain_torch_and_when_turned_off() -> None:
     layer, _, _, inputs = chunk_over_cache([5, 7], [3, 3], h_kv=2, d_h=16, seed=6)
     q = torch.randn(2, 4, 3, 16)
     assert prefill_attention.applies(q, layer, inputs, MAX_QUERIES)
@@ -127,6 +127,12 @@ def test_it_stays_out_of_decode_steps_bias_and_plain_torch() -> None:
     assert not prefill_attention.applies(q, layer, bias, MAX_QUERIES)
     with plain_torch():
         assert not prefill_attention.applies(q, layer, inputs, MAX_QUERIES)
+    with switch.without("prefill_attention"):  # this kernel alone off (a benchmark's A/B)
+        assert not prefill_attention.applies(q, layer, inputs, MAX_QUERIES)
+        assert switch.kernel_enabled("paged_attention")
+    assert prefill_attention.applies(q, layer, inputs, MAX_QUERIES)  # on again after the block
+    with pytest.raises(ValueError, match="no kernel named linear; the ones that turn off alone"), switch.without("linear"):
+        pass
 
 
 @pytest.mark.parametrize(("positional", "n_kv_heads", "head_dim"), [("rope", 2, 8), ("rope", 1, 32), ("learned", None, 8)])
