@@ -17,11 +17,12 @@ additive mask (``python -m benchmarks.prefill`` shows the whole 900-token prefil
 mask tensor, zeroing the outputs of queries that see no key (only when some exist). The same
 computation as the plain path: SDPA's own conversion of a bool mask is ``where(mask, 0, -inf)``.
 
-``prepared_mask`` keeps one entry: the last mask tensor it saw (a strong reference, so that
-identity cannot be reused by another tensor while it is kept) and what it computed from it. The
-stack builds a fresh mask tensor for each forward and never changes it in place
-(``aiayn.models.blocks.TransformerStack.forward``), so the entry is reused by the forward's
-layers and replaced by the next forward's mask.
+``prepared_mask`` keeps the last ``RECENT`` mask tensors it saw, up to ``RECENT_BYTES`` of
+prepared masks (strong references, so that an identity cannot be reused by another tensor while
+it is kept) and what it computed from each. The stack builds a fresh mask tensor for each forward, or each part of a ragged forward, and never
+changes it in place (``aiayn.models.blocks.TransformerStack``), so an entry is reused by the
+forward's layers (a ragged forward's parts take turns in every layer: one entry each) and falls
+out as later forwards' masks come.
 
 It applies to a ``PagedLayerKVCache`` chunk of more than ``aiayn.fast.paged_attention.MAX_QUERIES``
 queries per row on the CPU, a bool (b or 1, 1, t_q, t_k) mask or none, no additive bias, no slot
@@ -55,7 +56,10 @@ class PreparedMask:
     row_valid: Tensor | None  # bool (b or 1, 1, t_q, 1): False for queries that see no key; None: all see one
 
 
-_last: PreparedMask | None = None
+# The masks of the current forward, newest last: a step's prefill parts (one per prompt row,
+# ``aiayn.serve.steps``) each have a mask, and every layer visits the parts in turn.
+_recent: list[PreparedMask] = []
+RECENT, RECENT_BYTES = 32, 64 << 20  # entries kept, and their additive masks' bytes (the newest always)
 
 
 def prepared_mask(mask: Tensor, dtype: torch.dtype) -> PreparedMask:
@@ -63,16 +67,18 @@ def prepared_mask(mask: Tensor, dtype: torch.dtype) -> PreparedMask:
     queries that see no key see every key instead (a finite softmax; their outputs are zeroed by
     the caller with ``row_valid``), as ``aiayn.nn.attention.scaled_dot_product_attention`` does.
     Computed once per mask tensor (see the module docstring)."""
-    global _last
-    if (_last is not None and _last.mask is mask and _last.additive.dtype == dtype
-            and _last.additive.device == mask.device):
-        return _last
+    for entry in reversed(_recent):
+        if entry.mask is mask and entry.additive.dtype == dtype and entry.additive.device == mask.device:
+            return entry
     row_valid = mask.any(dim=-1, keepdim=True)  # (b or 1, 1, t_q, 1)
     empty = not bool(row_valid.all())  # a read of the data: CPU only (see ``applies``)
     seen = mask | ~row_valid if empty else mask
     additive = torch.zeros(seen.shape, dtype=dtype, device=mask.device).masked_fill_(~seen, float("-inf"))
-    _last = PreparedMask(mask, additive, row_valid if empty else None)
-    return _last
+    entry = PreparedMask(mask, additive, row_valid if empty else None)
+    _recent.append(entry)
+    while len(_recent) > 1 and (len(_recent) > RECENT or sum(e.additive.nbytes for e in _recent) > RECENT_BYTES):
+        del _recent[0]
+    return entry
 
 
 def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionInputs, max_queries: int) -> bool:

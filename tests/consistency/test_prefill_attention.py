@@ -102,6 +102,11 @@ def test_a_query_that_sees_no_key_gives_zeros_and_the_mask_is_prepared_once_per_
     got = prefill_attention.prefill_cache_attention(q, k, v, copy.deepcopy(twin), other)
     assert len(calls) == 2
     assert_close(got, plain(q, k, v, copy.deepcopy(twin), other))
+    # Two masks taking turns (a ragged forward's parts in every layer): each prepared once.
+    for _ in range(3):
+        prefill_attention.prefill_cache_attention(q, k, v, copy.deepcopy(twin), inputs)
+        prefill_attention.prefill_cache_attention(q, k, v, copy.deepcopy(twin), other)
+    assert len(calls) == 2
 
 
 def test_a_lone_row_of_consecutive_blocks_and_no_mask() -> None:
