@@ -19,10 +19,11 @@ computation as the plain path: SDPA's own conversion of a bool mask is ``where(m
 
 ``prepared_mask`` keeps the last ``RECENT`` mask tensors it saw, up to ``RECENT_BYTES`` of
 prepared masks (strong references, so that an identity cannot be reused by another tensor while
-it is kept) and what it computed from each. The stack builds a fresh mask tensor for each forward, or each part of a ragged forward, and never
-changes it in place (``aiayn.models.blocks.TransformerStack``), so an entry is reused by the
-forward's layers (a ragged forward's parts take turns in every layer: one entry each) and falls
-out as later forwards' masks come.
+it is kept) and what it computed from each. The stack builds a fresh mask tensor for each
+forward, or each part of a ragged forward, and never changes it in place
+(``aiayn.models.blocks.TransformerStack``), so an entry is reused by the forward's layers (a
+ragged forward's parts take turns in every layer: one entry each) and falls out as later
+forwards' masks come.
 
 It applies to a ``PagedLayerKVCache`` chunk of more than ``aiayn.fast.paged_attention.MAX_QUERIES``
 queries per row on the CPU, a bool (b or 1, 1, t_q, t_k) mask or none, no additive bias, no slot
