@@ -28,6 +28,7 @@ from aiayn.serve.schedule import prefill_plan
 if TYPE_CHECKING:
     from torch import nn
 
+    from aiayn.serve.compiled_step import CompiledRows
     from aiayn.serve.engine import Request
 
 
@@ -41,7 +42,7 @@ class ForwardSteps:
     rows: list[Request]
     n_decode: int
     prefill_chunk: int
-    compiled: object | None
+    compiled: CompiledRows | None
     metrics: Metrics
 
     def _sample_and_emit(self, logits: Tensor, requests: list[Request]) -> None: ...  # (Engine's)
