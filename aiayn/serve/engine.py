@@ -416,5 +416,6 @@ class Engine(ForwardSteps, PagedSteps):
             row = self.n_decode = self.n_decode - 1
         for k in range(row, len(self.rows) - 1):
             self._swap(k, k + 1)
+        # Cleared before it leaves ``rows``: another thread that sees ``running`` drop sees the row empty.
+        self.cache.clear_row(len(self.rows) - 1)
         self.rows.pop()
-        self.cache.clear_row(len(self.rows))
