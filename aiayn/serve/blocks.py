@@ -256,7 +256,6 @@ class PagedSteps:
     blocks: BlockScheduler | None
     rows: list[Request]
     n_decode: int
-    mixed_steps: bool
     max_batch: int
     waiting: deque[Request]
     metrics: Metrics
@@ -264,6 +263,7 @@ class PagedSteps:
 
     def _free_row(self, request: Request) -> None: ...  # (Engine's)
     def _prefill_batch(self) -> list[tuple[Request, int]]: ...  # (Engine's)
+    def _mixes(self) -> bool: ...  # (Engine's)
 
     def _admit_by_blocks(self, blocks: BlockScheduler) -> None:
         """The paged cache's admission, in arrival order: a request starts when a row is free and the
@@ -306,7 +306,7 @@ class PagedSteps:
             # With no row decoding yet (or mixed steps off), a row whose prompt ends in this step's
             # chunk joins the decode forward of the same step: its chunk and that one token. (A mixed
             # step decodes the rows that were decoding before it: the new ones start next step.)
-            joins = not (self.n_decode and self.mixed_steps)
+            joins = not self._mixes()
             need += sum(self.cache.blocks_for(self.n_decode + i,
                                               take + (joins and request.fed + take == len(self._sequence(request))))
                         for i, (request, take) in enumerate(self._prefill_batch()))

@@ -310,8 +310,8 @@ class Engine(ForwardSteps, PagedSteps):
             if self.blocks is not None:
                 self._make_room()
             streams, start = bool(self.rows), self.embeddings.clock()
-            if len(self.rows) > self.n_decode and self.n_decode and self.mixed_steps:
-                self._prefill_and_decode()
+            if len(self.rows) > self.n_decode and self._mixes():
+                self._prefill(self.rows[: self.n_decode])
             else:
                 if len(self.rows) > self.n_decode:
                     self._prefill()

@@ -1,7 +1,7 @@
 """The forwards of a serve engine step (``aiayn.serve.engine.Engine`` inherits them): which prompt
 tokens the prefill feeds (``aiayn.serve.schedule``), the decoding rows' tokens, and the one packed
 forward that runs them (``aiayn.generate.step.decode_ragged``) - the prefill chunk alone, the
-decoding rows alone, or both together (the mixed step). They read and change the engine's rows
+decoding rows alone, or both together (the mixed step, ``_prefill(decoding)``). They read and change the engine's rows
 (decoding rows first, then prefilling ones) and its cache.
 
 Shape letters: d decoding rows, k prefilling rows of this step, n tokens in the forward, m
@@ -41,6 +41,7 @@ class ForwardSteps:
     blocks: BlockScheduler | None
     rows: list[Request]
     n_decode: int
+    mixed_steps: bool
     prefill_chunk: int
     compiled: CompiledRows | None
     metrics: Metrics
@@ -63,16 +64,29 @@ class ForwardSteps:
             self._swap(self.rows.index(pending[index]), self.n_decode + slot)
         return [(pending[index], take) for index, take in plan]
 
-    def _prefill(self) -> None:
-        """Feed the prefilling rows up to ``prefill_chunk`` prompt tokens; rows whose prompt is
-        done sample their first token and join the decoding rows."""
+    def _mixes(self) -> bool:
+        """Whether this step's prefill chunk goes into one forward with the decoding rows (some row
+        decodes, mixed steps on); else the chunk runs alone and a row it finishes joins the decode
+        forward of the same step."""
+        return bool(self.n_decode) and self.mixed_steps
+
+    def _prefill(self, decoding: list[Request] | None = None) -> None:
+        """Feed the prefilling rows up to ``prefill_chunk`` prompt tokens, and with ``decoding``
+        (the decoding rows, a mixed step) their next tokens in the same forward (``decode_ragged``:
+        the weights read once for both). Rows whose prompt is done sample their first token and
+        join the decoding rows (a mixed step's decode from the next step on)."""
+        decoding = decoding or []
         start, batch, parts = self._prefill_parts()
         done = self._feeding(batch)
-        at = [sum(take for _, take in batch[:i]) + last for i, last in done]  # in the packed tokens
-        logits = self._forward(parts, at)
+        batches = [self._decode_batch(decoding), *parts] if decoding else parts
+        at = list(range(len(decoding))) + [len(decoding) + last for _, last in done]  # in the packed tokens
+        logits = self._forward(batches, at)  # (d + m, v)
         self._prefilled(start, batch)
-        if done:
-            self._sample_and_emit(logits, self._join(batch, done))
+        requests = [*decoding, *self._join(batch, done)]
+        if requests:
+            self._sample_and_emit(logits, requests)
+        if decoding:
+            self.metrics.batch_size.observe(len(decoding))
 
     def _decode(self) -> None:
         """One token for every decoding row (``--compile``: through the compiled graph of its bucket)."""
@@ -82,21 +96,6 @@ class ForwardSteps:
         else:
             logits = self._forward([self._decode_batch(requests)], list(range(len(requests))))  # (d, v)
         self._sample_and_emit(logits, requests)
-        self.metrics.batch_size.observe(len(requests))
-
-    def _prefill_and_decode(self) -> None:
-        """The decoding rows' next tokens and the prefill chunk in one forward (``decode_ragged``:
-        the weights read once for both, not once per forward): what a step with both costs is
-        about the chunk's alone. A row whose prompt ends in the chunk samples its first token here
-        and decodes from the next step on."""
-        requests = self.rows[: self.n_decode]
-        decoding = self._decode_batch(requests)
-        start, batch, parts = self._prefill_parts()
-        done = self._feeding(batch)
-        at = [len(requests) + sum(take for _, take in batch[:i]) + last for i, last in done]
-        logits = self._forward([decoding, *parts], list(range(len(requests))) + at)  # (d + m, v)
-        self._prefilled(start, batch)
-        self._sample_and_emit(logits, [*requests, *self._join(batch, done)])
         self.metrics.batch_size.observe(len(requests))
 
     def _forward(self, batches: list[RaggedBatch], at: list[int]) -> Tensor:
@@ -127,13 +126,14 @@ class ForwardSteps:
 
     def _feeding(self, batch: list[tuple[Request, int]]) -> list[tuple[int, int]]:
         """Count the chunk's tokens as fed; the rows whose prompt it ends, as (index in the batch,
-        its last token's index in its row)."""
-        done, now = [], time.monotonic()
+        its last token's index among the chunk's tokens, packed row after row)."""
+        done, now, offset = [], time.monotonic(), 0
         for i, (request, take) in enumerate(batch):
             request.prefill_at = request.prefill_at or now
             request.fed += take
+            offset += take
             if request.fed == len(self._sequence(request)):
-                done.append((i, take - 1))
+                done.append((i, offset - 1))
         return done
 
     def _prefilled(self, start: int, batch: list[tuple[Request, int]]) -> None:
