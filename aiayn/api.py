@@ -8,6 +8,7 @@ What ``load`` returns follows from what the source holds:
 source                                                 returns              use
 =====================================================  ===================  ===========================
 a translation run or release (``"multi30k-en-de"``)    ``Translator``       ``.translate(["A dog."])``
+or a shipped ensemble of them (one Translator)
 a language-model run or release                        ``TextModel``        ``generate_text(lm, "To be")``
 (``"shakespeare-char"``), a GGUF file, a Hugging
 Face decoder-only directory (GPT-2, LLaMA, ...)
@@ -72,12 +73,12 @@ class Generation:
 def source_kind(path: Path) -> str:
     """What ``path`` holds: "gguf", "release", "run", "sentence-transformers" or "hf" (a Hugging
     Face model directory), read from its files without loading weights; LoadError otherwise."""
-    from aiayn.tasks.shipped import is_release
+    from aiayn.tasks.shipped import is_ensemble_release, is_release
     from aiayn.textgen import is_gguf
 
     if is_gguf(path):
         return "gguf"
-    if is_release(path):
+    if is_release(path) or is_ensemble_release(path):
         return "release"
     if not path.is_dir():
         what = "a file that is not GGUF" if path.is_file() else "not found"
@@ -167,10 +168,13 @@ def _load_run(path: Path, checkpoint: Path | None, *, quantize: str, device: tor
     """A run or release by its task: translation, a language model, or any other task's run."""
     from aiayn.device import resolve
     from aiayn.tasks.runs import for_inference, load_text_model, load_translator
-    from aiayn.tasks.shipped import load_run_or_release
+    from aiayn.tasks.shipped import is_ensemble_release, load_run_or_release
     from aiayn.tasks.translation import TranslationTask
 
     where = resolve(device)  # before loading: a missing device fails at once
+    if is_ensemble_release(path):  # a shipped ensemble (of translation models): one Translator
+        refuse_quantize(quantize, path, "an ensemble of translation models")
+        return load_translator(path, checkpoint, plain=plain, device=where)[1]
     run = load_run_or_release(path, checkpoint=checkpoint)
     if isinstance(run.task, TranslationTask):
         refuse_quantize(quantize, path, "a translation model")

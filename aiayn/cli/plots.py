@@ -52,13 +52,15 @@ def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str |
     colour scale."""
     from aiayn import viz
     from aiayn.tasks.runs import RunInputError
-    from aiayn.tasks.shipped import load_run_or_release, resolve_model
+    from aiayn.tasks.shipped import load_run_or_release, resolve_model, single_model
 
     one_model(run_dir, model_name, required=True)
     where = resolve_device(device)
     use_threads(threads)
     try:
-        path = run_dir if run_dir is not None else resolve_model(model_name or "")
+        path, note = single_model(run_dir if run_dir is not None else resolve_model(model_name or ""))
+        if note is not None:  # a map is one model's: an ensemble shows its first member
+            click.echo(note, err=True)
         run = load_run_or_release(path, prepare=False)
     except RunInputError as exc:
         raise click.BadParameter(str(exc), param_hint="--run" if run_dir is not None else "--model") from None

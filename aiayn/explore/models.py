@@ -145,13 +145,17 @@ def load_explorable(run_dir: Path | None = None, model_path: Path | None = None,
     ``device``: where it runs (None: the first CUDA GPU, else the CPU)."""
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_explorable takes one of run_dir and model_path")
-    from aiayn.tasks.shipped import is_release
+    from aiayn.tasks.shipped import is_ensemble_release, is_release, single_model
 
     where = resolve(device)  # before loading: a missing device fails at once
-    if run_dir is None and model_path is not None and is_release(Path(model_path)):
+    if run_dir is None and model_path is not None and (is_release(Path(model_path))
+                                                       or is_ensemble_release(Path(model_path))):
         run_dir = model_path  # a shipped model is a run in miniature
     if run_dir is not None:
-        ex = _from_run(Path(run_dir))
+        member, note = single_model(Path(run_dir))  # the views show one model: an ensemble's first
+        ex = _from_run(member)
+        if note is not None:
+            ex.name, ex.origin = f"{Path(run_dir).name} (member {member.name})", f"{note}: run {member}"
     else:
         assert model_path is not None
         ex = _from_path(Path(model_path), where)

@@ -129,12 +129,14 @@ def load_translator(run_dir: Path, checkpoint: Path | None = None, *, plain: boo
     run's latest; ``device``: where the model runs (None: the first CUDA GPU, else the CPU;
     ``aiayn.device.DeviceError`` for one this machine lacks)."""
     from aiayn.device import resolve
-    from aiayn.tasks.shipped import load_run_or_release
+    from aiayn.tasks.shipped import is_ensemble_release, load_run_or_release
 
     where = resolve(device)  # before loading: a missing device fails at once
     if not run_dir.is_dir():
         raise RunInputError(f"{run_dir} does not exist; train one with "
                             f"aiayn train --recipe recipes/multi30k-en-de.yaml")
+    if is_ensemble_release(run_dir):  # a shipped ensemble: its members as one translator
+        return load_ensemble_translator([(run_dir, checkpoint)], plain=plain, device=where)
     run = load_run_or_release(run_dir, checkpoint=checkpoint)
     if not isinstance(run.task, TranslationTask):
         raise RunInputError(f"{run_dir} holds a {run.task.name} run; translation needs a run of "
@@ -154,11 +156,23 @@ def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, pla
     or tokenizer.src.json and tokenizer.tgt.json of separate ones: vocabulary, merges,
     normalisation; a joint run and a separate one never share them) and output layer width. The shipped en->de and de->en models share one joint BPE, so a vocabulary check
     alone would let them through: they must also translate the same language pair in the same
-    direction. Either mismatch is a ``RunInputError`` with ``about="members"``."""
+    direction. Either mismatch is a ``RunInputError`` with ``about="members"``. An ensemble release
+    (``aiayn.tasks.shipped.release_members``) among them stands for its members."""
     from aiayn.generate import Ensemble
+    from aiayn.tasks.shipped import is_ensemble_release, release_members
 
     if not members:
         raise ValueError("an ensemble needs at least one member")
+    expanded: list[tuple[Path, Path | None]] = []
+    for run_dir, checkpoint in members:
+        if not is_ensemble_release(run_dir):
+            expanded.append((run_dir, checkpoint))
+        elif checkpoint is not None:
+            raise RunInputError(f"{run_dir} is a shipped ensemble (one set of weights per member); drop "
+                                f"--checkpoint", about="checkpoint")
+        else:
+            expanded.extend((member, None) for member in release_members(run_dir))
+    members = expanded
     loaded = [load_translator(run_dir, checkpoint, plain=plain, device=device) for run_dir, checkpoint in members]
     if len(loaded) == 1:
         return loaded[0]
@@ -208,7 +222,8 @@ def _member_name(run_dir: Path, checkpoint: Path | None) -> str:
     """A member as a message names it: a shipped model by its name, a run by its path."""
     from aiayn.tasks.shipped import SHIPPED_DIR
 
-    name = run_dir.name if Path(run_dir).resolve().parent == SHIPPED_DIR.resolve() else str(run_dir)
+    where = Path(run_dir).resolve()  # a shipped model (or a shipped ensemble's member) by its name
+    name = str(where.relative_to(SHIPPED_DIR.resolve())) if where.is_relative_to(SHIPPED_DIR.resolve()) else str(run_dir)
     return name if checkpoint is None else f"{name} (checkpoint {checkpoint})"
 
 
@@ -221,12 +236,15 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
     "q4" read a GGUF file's blocks without dequantising them. ``device``: where the model runs
     (``aiayn.textgen.placement``: None is the first CUDA GPU else the CPU, but the CPU for int8
     and q4, which are refused elsewhere with a ValueError; "auto" keeps floats off the CPU)."""
-    from aiayn.tasks.shipped import is_release, load_run_or_release
+    from aiayn.tasks.shipped import is_ensemble_release, is_release, load_run_or_release
     from aiayn.textgen import TextModel, placement, read_text_model
 
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_text_model takes one of run_dir and model_path")
     where, quantize = placement(device, quantize)  # before loading: a refusal comes at once
+    if model_path is not None and is_ensemble_release(model_path):
+        raise RunInputError(f"{model_path.name} is an ensemble of translation models; generation needs a "
+                            f"decoder-only language model such as shakespeare-char")
     if model_path is not None and is_release(model_path):
         run_dir, model_path = model_path, None
     if model_path is not None:

@@ -12,9 +12,15 @@ A shipped model is a *release* directory, ``aiayn/pretrained/<name>/``:
                         tokenizer.tgt.json instead)
     record/             the run's recipe, metrics.csv, summary.json and scores
 
-``write_release`` makes one from a finished run (``scripts/ship_model.py`` calls it);
-``load_release`` loads one as a ``LoadedRun``; ``resolve_model`` turns a ``--model`` argument (a
-shipped name or a path) into a release, a run directory or a file.
+An *ensemble release* ships several models that translate as one (``aiayn.generate.Ensemble``):
+its release.json names its ``members``, each a release directory of its own inside it
+(``aiayn/pretrained/<name>/<member>/``, with its run's record), and it has no weights of its own.
+
+``write_release`` makes one from a finished run and ``write_ensemble_release`` one from several
+(``scripts/ship_model.py`` calls them); ``load_release`` loads a single release as a
+``LoadedRun``, ``release_members`` lists an ensemble's members (``aiayn.tasks.runs.load_translator``
+loads them as one translator); ``resolve_model`` turns a ``--model`` argument (a shipped name or a
+path) into a release, a run directory or a file.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +74,50 @@ def shipped_path(name: str) -> Path:
 
 
 def is_release(path: Path) -> bool:
+    """A single model's release: release.json and the weights beside it."""
     return path.is_dir() and (path / RELEASE_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+
+
+def is_ensemble_release(path: Path) -> bool:
+    """An ensemble's release: release.json naming its ``members``, no weights of its own."""
+    if not (path.is_dir() and (path / RELEASE_FILE).is_file()) or (path / WEIGHTS_FILE).exists():
+        return False
+    try:
+        record = json.loads((path / RELEASE_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(record, dict) and "members" in record
+
+
+def release_members(release: Path) -> list[Path]:
+    """The member release directories of an ensemble release, in its order (the first is the
+    member that views of a single model show: ``single_model``). A ``RunInputError`` for a member
+    that is not a plain name or not a release."""
+    release = Path(release)
+    names = json.loads((release / RELEASE_FILE).read_text(encoding="utf-8")).get("members")
+    if not isinstance(names, list) or not names:
+        raise RunInputError(f"{release / RELEASE_FILE}: members must be a list of member folder names; "
+                            f"reinstall aiayn or rewrite the release", about="model")
+    members = []
+    for name in names:
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            raise RunInputError(f"{release / RELEASE_FILE}: member {name!r} is not a folder name inside "
+                                f"the release; reinstall aiayn or rewrite the release", about="model")
+        if not is_release(release / name):
+            raise RunInputError(f"{release}: member {name} is missing or has no {RELEASE_FILE} and "
+                                f"{WEIGHTS_FILE}; reinstall aiayn or rewrite the release", about="model")
+        members.append(release / name)
+    return members
+
+
+def single_model(path: Path) -> tuple[Path, str | None]:
+    """(``path``, None), or for an ensemble release (its first member, a note that says so): what
+    views of one model (attention maps, ``aiayn explore``) show of an ensemble."""
+    if not is_ensemble_release(path):
+        return path, None
+    members = release_members(path)
+    return members[0], (f"{path.name} is an ensemble of {len(members)} models; showing its first member, "
+                        f"{members[0].name}")
 
 
 def resolve_model(value: str | Path) -> Path:
@@ -128,7 +178,13 @@ def load_release(release: Path, *, prepare: bool = False) -> LoadedRun:
 
 
 def load_run_or_release(path: Path, *, checkpoint: Path | None = None, prepare: bool = False) -> LoadedRun:
-    """``load_release`` for a release directory, else ``load_run`` (a run directory)."""
+    """``load_release`` for a release directory, else ``load_run`` (a run directory). An ensemble
+    release is refused (one model is asked for here): translate with it through
+    ``aiayn.tasks.runs.load_translator``, or take one member (``single_model``)."""
+    if is_ensemble_release(path):
+        members = release_members(path)
+        raise RunInputError(f"{path.name} is an ensemble of {len(members)} models, not one; translate with it, "
+                            f"or give one member ({members[0]})", about="model")
     if is_release(path):
         if checkpoint is not None:
             raise RunInputError(f"{path} is a shipped model (one set of weights); drop --checkpoint",
@@ -196,6 +252,58 @@ def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = Non
         **(extra or {}),
     }
     atomic_write_text(tmp / RELEASE_FILE, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    _put_in_place(tmp, out_dir)
+    return out_dir
+
+
+def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out_dir: Path, *,
+                           dtype: str = "float16", name: str | None = None, recipe: Path | None = None,
+                           extra: dict[str, Any] | None = None) -> Path:
+    """Write an ensemble release: each (run directory, checkpoint or None, member name) as a
+    release of its own in ``out_dir/<member name>`` (``write_release``: its weights, configs,
+    tokenizer and record; each under the size limit), and a release.json that names them in
+    order. The members must form an ensemble (one language pair and direction, one vocabulary:
+    ``aiayn.tasks.runs.load_ensemble_translator``'s checks, a ``RunInputError`` otherwise). Built
+    beside ``out_dir`` and renamed into place, as ``write_release``. Returns ``out_dir``."""
+    from aiayn.tasks.runs import load_ensemble_translator
+
+    out_dir = Path(out_dir)
+    names = [member_name for _, _, member_name in members]
+    if len(members) < 2:
+        raise ValueError("an ensemble release needs at least two members")
+    if len(set(names)) != len(names) or any(Path(n).name != n or n in (".", "..", "") for n in names):
+        raise ValueError(f"member names must be distinct folder names; got {names}")
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        records = []
+        for run_dir, checkpoint, member_name in members:
+            write_release(run_dir, tmp / member_name, checkpoint=checkpoint, dtype=dtype, name=member_name,
+                          recipe=recipe, extra={"member_of": name or out_dir.name})
+            records.append(json.loads((tmp / member_name / RELEASE_FILE).read_text(encoding="utf-8")))
+        load_ensemble_translator([(tmp / member_name, None) for member_name in names])  # they form one
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    record = {
+        "name": name or out_dir.name,
+        "task": records[0]["task"],
+        "members": names,
+        "dtype": dtype,
+        "parameters": sum(r["parameters"] for r in records),  # all members together
+        "member_parameters": [r["parameters"] for r in records],
+        "weight_bytes": sum(r["weight_bytes"] for r in records),
+        **(extra or {}),
+    }
+    atomic_write_text(tmp / RELEASE_FILE, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    _put_in_place(tmp, out_dir)
+    return out_dir
+
+
+def _put_in_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished ``tmp`` to ``out_dir``, replacing an existing one whole."""
     if out_dir.exists():
         old = out_dir.with_name(out_dir.name + ".old")
         out_dir.rename(old)
@@ -203,4 +311,3 @@ def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = Non
         shutil.rmtree(old)
     else:
         tmp.rename(out_dir)
-    return out_dir

@@ -119,3 +119,118 @@ def test_members_that_cannot_be_an_ensemble_are_refused(tiny_run: Path, capsys) 
     assert_refused(run_main(["translate", "--run", str(tiny_run), "--run", str(tiny_run), "--checkpoint", step,
                              "A man."], capsys),
                    "1 --checkpoint for 2 models; give one per --run (in order), or several with a single --run")
+
+
+# ---- a shipped ensemble: one release of several members (aiayn.tasks.shipped.write_ensemble_release)
+@pytest.fixture(scope="module")
+def ensemble_release(tiny_run: Path) -> Path:
+    """The tiny run's checkpoints 2 and 6 shipped as one ensemble release of members "early", "late"."""
+    from aiayn.tasks.shipped import write_ensemble_release
+
+    steps = [tiny_run / "checkpoints" / f"step-{step:08d}" for step in (2, 6)]
+    return write_ensemble_release([(tiny_run, steps[0], "early"), (tiny_run, steps[1], "late")],
+                                  tiny_run.parent / "shipped" / "tiny-ensemble",
+                                  extra={"scores": {"val_bleu": 0.1}, "usage": "aiayn translate --model tiny-ensemble"})
+
+
+def test_an_ensemble_release_translates_as_its_members_together(ensemble_release: Path, tiny_run: Path,
+                                                                 tmp_path: Path, capsys) -> None:
+    import json
+
+    import aiayn
+    from aiayn.generate import Ensemble
+    from aiayn.tasks.shipped import is_ensemble_release, is_release, release_members
+
+    record = json.loads((ensemble_release / "release.json").read_text())
+    assert record["members"] == ["early", "late"] and record["task"] == "translation"
+    assert is_ensemble_release(ensemble_release) and not is_release(ensemble_release)
+    members = release_members(ensemble_release)
+    assert [m.name for m in members] == ["early", "late"] and all(is_release(m) for m in members)
+    for member in members:  # each member keeps its run's record, and says whose member it is
+        assert (member / "record" / "metrics.csv").is_file()
+        assert json.loads((member / "release.json").read_text())["member_of"] == "tiny-ensemble"
+    assert record["parameters"] == sum(record["member_parameters"])
+
+    corpus = tiny_run.parent / "corpus"
+    data = ["--src", str(corpus / "val.en"), "--ref", str(corpus / "val.de")]
+    outputs = {}
+    for name, models in (("release", ["--model", str(ensemble_release)]),
+                         ("members", ["--model", str(members[0]), "--model", str(members[1])])):
+        code, out, err = run_main(["evaluate", *models, *data, "--out", str(tmp_path / name)], capsys)
+        assert code == 0, err
+        assert "an ensemble of 2 models" in out
+        outputs[name] = (tmp_path / name).read_text(encoding="utf-8")
+    assert outputs["release"] == outputs["members"]
+    code, out, err = run_main(["evaluate", "--model", str(ensemble_release), "--run", str(tiny_run), *data], capsys)
+    assert code == 0 and "an ensemble of 3 models" in out, err  # the run beside both members
+
+    translator = aiayn.load(ensemble_release)  # the Python API: one Translator of both
+    assert isinstance(translator.model, Ensemble) and len(translator.model) == 2
+    sources = (corpus / "val.en").read_text(encoding="utf-8").splitlines()
+    assert "\n".join(translator.translate(sources)) + "\n" == outputs["release"]
+
+
+def test_aiayn_models_says_a_release_is_an_ensemble(ensemble_release: Path, capsys,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiayn.tasks import shipped
+
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", ensemble_release.parent)
+    code, out, err = run_main(["models"], capsys)
+    assert code == 0, err
+    line, usage = out.splitlines()
+    assert line.startswith("tiny-ensemble      translation        an ensemble of 2 models (early, late), ")
+    assert "M parameters each (float16)  val_bleu 0.1" in line and usage.strip() == "aiayn translate --model tiny-ensemble"
+    code, out, err = run_main(["translate", "--model", "tiny-ensemble", "A man."], capsys)  # by its shipped name
+    assert code == 0 and len(out.splitlines()) == 1, err
+
+
+def test_views_of_one_model_show_an_ensembles_first_member(ensemble_release: Path, tmp_path: Path, capsys) -> None:
+    from aiayn.explore import load_explorable
+
+    explorable = load_explorable(model_path=ensemble_release)
+    assert explorable.kind == "translation" and explorable.name == "tiny-ensemble (member early)"
+    assert explorable.run_dir == ensemble_release / "early"
+    code, _, err = run_main(["plot", "attention", "--model", str(ensemble_release), "--input", "A man.",
+                               "--out", str(tmp_path / "a.png")], capsys)
+    assert code == 0, err
+    assert err.strip() == "tiny-ensemble is an ensemble of 2 models; showing its first member, early"
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_ensemble_releases_are_refused(ensemble_release: Path, tiny_run: Path, tmp_path: Path, capsys) -> None:
+    import json
+    import shutil
+
+    from aiayn.tasks.runs import RunInputError
+    from aiayn.tasks.shipped import load_run_or_release, write_ensemble_release
+
+    step = tiny_run / "checkpoints" / "step-00000002"
+    assert_refused(run_main(["translate", "--model", str(ensemble_release), "--checkpoint", str(step), "A man."],
+                            capsys), "is a shipped ensemble (one set of weights per member); drop --checkpoint")
+    assert_refused(run_main(["generate", "--model", str(ensemble_release), "--prompt", "A"], capsys),
+                   "tiny-ensemble is an ensemble of translation models; generation needs a decoder-only")
+    with pytest.raises(RunInputError, match="is an ensemble of 2 models, not one"):
+        load_run_or_release(ensemble_release)
+
+    broken = Path(shutil.copytree(ensemble_release, tmp_path / "broken"))
+    shutil.rmtree(broken / "late")
+    assert_refused(run_main(["translate", "--model", str(broken), "A man."], capsys),
+                   "member late is missing or has no release.json and model.safetensors")
+    record = json.loads((broken / "release.json").read_text())
+    (broken / "release.json").write_text(json.dumps({**record, "members": ["early", "../../etc"]}))
+    assert_refused(run_main(["translate", "--model", str(broken), "A man."], capsys),
+                   "member '../../etc' is not a folder name inside the release")
+
+    # Members that cannot be one ensemble are refused before anything is written.
+    swapped = Path(shutil.copytree(tiny_run, tmp_path / "swapped", ignore=shutil.ignore_patterns("checkpoints")))
+    shutil.copytree(tiny_run / "checkpoints" / "step-00000006", swapped / "checkpoints" / "step-00000006")
+    config = json.loads((swapped / "config.json").read_text())
+    config["task_options"].update(src_lang="de", tgt_lang="en")
+    (swapped / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RunInputError, match=r"translates en->de but .* de->en"):
+        write_ensemble_release([(tiny_run, None, "a"), (swapped, None, "b")], tmp_path / "mixed")
+    for members, message in (([(tiny_run, None, "a")], "at least two members"),
+                             ([(tiny_run, None, "a"), (tiny_run, None, "a")], "distinct folder names")):
+        with pytest.raises(ValueError, match=message):
+            write_ensemble_release(members, tmp_path / "mixed")
+    assert not (tmp_path / "mixed").exists() and not (tmp_path / "mixed.tmp").exists()
