@@ -23,7 +23,7 @@ from torch import Tensor
 from aiayn.cpu_share import share_cores
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
-from aiayn.generate.steps import DecodeStep, GreedyResult, default_fill_id, fill_finished
+from aiayn.generate.steps import DecodeStep, DoneCheck, GreedyResult, default_fill_id, fill_finished
 from aiayn.generate.window import keep_tokens, slide_window
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.masks import valid_tokens
@@ -139,6 +139,10 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
     steered = [i for i, c in enumerate(constraints or []) if c is not None]
     for i in steered:
         constraints[i].reset()  # type: ignore[index, union-attr]
+    # Whether every row is done: only eos or a grammar ends a row (without either the loop runs
+    # to max_new_tokens and reads nothing); read a step late on a GPU, at once where a grammar
+    # reads the tokens anyway.
+    check = DoneCheck(prompt.device if not steered else torch.device("cpu")) if eos_id is not None or steered else None
     for i in range(max_new_tokens):
         share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
         if cache is None:
@@ -166,8 +170,10 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
             if ended:  # complete answers: done, as at end-of-text
                 done = done.clone()
                 done[ended] = True
+        if check is not None and check.stopped_before():
+            return  # (lagged) the step before ended every row: this one is dropped
         yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done, cache=cache, slid=slid)
-        if bool(done.all()) or i + 1 == max_new_tokens:
+        if i + 1 == max_new_tokens or (check is not None and check.after(done)):
             return
         fresh = slid = False
         if slides and (fed >= width or longest + grown >= context):  # the token has no slot or position

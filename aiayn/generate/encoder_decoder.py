@@ -22,7 +22,7 @@ from aiayn.generate.decoder_only import cache_slots
 from aiayn.generate.ensemble import Ensemble
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
-from aiayn.generate.steps import DecodeStep, GreedyResult, default_fill_id, fill_finished
+from aiayn.generate.steps import DecodeStep, DoneCheck, GreedyResult, default_fill_id, fill_finished
 from aiayn.models.encoder_decoder import EncoderDecoder
 
 
@@ -80,6 +80,7 @@ def _decode(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | N
     # bos and the tokens so far (b, 1 + i): what the recomputing path reads, and the penalty's history.
     target = torch.full((b, 1), bos_id, dtype=torch.long, device=device)
     done = limit <= 0  # (b,) a row with no token to generate is done from the start
+    check = DoneCheck(device)  # "every row done?": read a step late on a GPU (the host runs ahead)
     for i in range(n_steps):
         share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
         if cache is None:  # generated tokens are real even if one equals pad_id
@@ -93,8 +94,10 @@ def _decode(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | N
             done = done | (token == eos_id)
         done = done | (i + 1 >= limit)
         target = torch.cat([target, token[:, None]], dim=1)
+        if check.stopped_before():
+            return  # (lagged) the step before ended every row: this one is dropped
         yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done, cache=cache)
-        if bool(done.all()):
+        if check.after(done):
             return
 
 

@@ -92,3 +92,57 @@ def default_fill_id(pad_id: int | None, eos_id: int | None, fill_id: int | None)
     if fill_id is not None:
         return fill_id
     return pad_id if pad_id is not None else eos_id
+
+
+# The devices where a decode loop reads "is every row done?" one step late (``DoneCheck``).
+LAGGED_DONE_DEVICES: tuple[str, ...] = ("cuda",)
+
+
+class DoneCheck:
+    """Whether every row of a decode loop is done, read without making a GPU wait for the host.
+
+    Read at once (``bool(done.all())``), the check is a host-device sync: the host waits for the
+    step to finish before it can queue the next one, so host and GPU take turns instead of
+    overlapping (a small model's step on a GPU costs about what its Python costs). On a device in
+    ``LAGGED_DONE_DEVICES`` the flag is copied to host memory without waiting (``after``) and read
+    at the next step, once that step is queued (``stopped_before``): a loop whose rows all finish
+    computes one step more and drops it, and yields exactly the steps it yields elsewhere.
+    Elsewhere (the CPU) ``after`` reads the flag at once, as the loops always did.
+
+        check = DoneCheck(device)
+        for i in ...:
+            ...  # queue this step's work: logits, token, done
+            if check.stopped_before():
+                return  # the previous step ended every row: this one is dropped
+            yield step
+            if check.after(done):
+                return
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.lagged = device.type in LAGGED_DONE_DEVICES
+        self._pending = False
+        if self.lagged:
+            cuda = device.type == "cuda"
+            self._host = torch.zeros((), dtype=torch.bool, pin_memory=cuda)  # the flag, copied here
+            self._copied = torch.cuda.Event() if cuda else None  # set when the copy has landed
+
+    def after(self, done: Tensor) -> bool:
+        """Once a step is yielded, its ``done`` (b,) bool: True to stop now (read at once), or
+        False with the flag on its way to the host (lagged: ``stopped_before`` reads it)."""
+        if not self.lagged:
+            return bool(done.all())
+        self._host.copy_(done.all(), non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        self._pending = True
+        return False
+
+    def stopped_before(self) -> bool:
+        """True when the step before ended every row (lagged): drop the step just queued."""
+        if not self._pending:
+            return False
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's flag: the current step stays queued
+        self._pending = False
+        return bool(self._host)

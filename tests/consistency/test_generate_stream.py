@@ -208,6 +208,76 @@ def test_stream_stops_once_every_row_has_emitted_eos(arch: str, device: torch.de
         assert [bool(s.active[row]) for s in steps] == [i <= stop for i in range(len(steps))]
 
 
+@pytest.mark.parametrize("arch", ["decoder-only", "encoder-decoder"])
+@pytest.mark.parametrize("sampling", [None, SAMPLING], ids=["greedy", "sampled"])
+def test_the_lagged_done_check_yields_the_same_steps(arch: str, sampling: SamplingConfig | None,
+                                                    device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU "is every row done?" is read one step late (``DoneCheck``: no host-device sync per
+    step): the loop yields the same steps, tokens, logits and flags, and computes one step more,
+    which it drops. Here the lag is forced on the test's device (on CUDA it is the default)."""
+    from aiayn.generate import steps as steps_module
+
+    model = (language_model(eos_boost=2.5, device=device) if arch == "decoder-only"
+             else translation_model(eos_boost=2.5, device=device))
+    calls = count_output_calls(model)
+
+    def run(lagged: bool) -> list[DecodeStep]:
+        monkeypatch.setattr(steps_module, "LAGGED_DONE_DEVICES", (device.type,) if lagged else ())
+        calls[0] = 0
+        if arch == "decoder-only":
+            return list(stream_decoder_only(model, ids(4, 5, seed=1, device=device), max_new_tokens=30, eos_id=EOS,
+                                            sampling=sampling))
+        return list(stream_encoder_decoder(model, sources(device=device), bos_id=BOS, max_new_tokens=30,
+                                           eos_id=EOS, sampling=sampling))
+
+    at_once = run(lagged=False)
+    assert calls[0] == len(at_once) < 30  # every row ended early
+    lagged = run(lagged=True)
+    assert calls[0] == len(at_once) + 1  # one step past the end, dropped
+    assert len(lagged) == len(at_once)
+    for a, b in zip(at_once, lagged, strict=True):
+        assert a.index == b.index and torch.equal(a.tokens, b.tokens) and torch.equal(a.done, b.done)
+        assert torch.equal(a.active, b.active) and torch.equal(a.logits, b.logits)
+    assert bool(lagged[-1].done.all()) and not bool(lagged[-2].done.all())
+
+
+@pytest.mark.parametrize("arch", ["decoder-only", "encoder-decoder"])
+def test_on_cuda_the_steps_after_the_first_read_nothing_back(arch: str, device: torch.device) -> None:
+    """Under CUDA's sync debug mode "error", every step after the first (the prompt's, whose
+    checks may read) of a greedy loop with eos runs without a host-device sync: the done flag
+    travels to the host without waiting (``DoneCheck``)."""
+    if device.type != "cuda":
+        pytest.skip("a host-device sync exists on CUDA only")
+    if arch == "decoder-only":
+        loop = stream_decoder_only(language_model(eos_boost=2.5, device=device), ids(4, 5, seed=1, device=device),
+                                   max_new_tokens=30, eos_id=EOS)
+    else:
+        loop = stream_encoder_decoder(translation_model(eos_boost=2.5, device=device), sources(device=device),
+                                      bos_id=BOS, max_new_tokens=30, eos_id=EOS)
+    steps = [next(loop)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        steps.extend(loop)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert 1 < len(steps) < 30 and bool(steps[-1].done.all())
+
+
+def test_without_eos_the_loop_reads_no_done_flag(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No eos and no grammar: no row can finish early, so the loop runs to max_new_tokens without
+    a done check (on a GPU, without a read of the device between steps)."""
+    from aiayn.generate import steps as steps_module
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("a done check was made")
+
+    monkeypatch.setattr(steps_module.DoneCheck, "__init__", refuse)
+    steps = list(stream_decoder_only(language_model(eos_boost=2.5, device=device), ids(2, 5, seed=1, device=device),
+                                     max_new_tokens=12))
+    assert len(steps) == 12
+
+
 def test_fill_id_after_eos(device: torch.device) -> None:
     """generate_decoder_only repeats eos after eos; the stream's fill_id chooses."""
     model, prompt = language_model(eos_boost=2.5, device=device), ids(4, 5, seed=1, device=device)
