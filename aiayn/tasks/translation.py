@@ -214,11 +214,11 @@ class TranslationTask(Task):
             self._check_present(paths)
             self.text[split] = read_parallel(*paths)
         self.tokenizers = source, target = self._learn_tokenizers()
-        if not self.separate and source.vocab_size > self.vocab_size:
-            raise DataError(f"tokenizer has {source.vocab_size} tokens but the model only {self.vocab_size}")
-        for side, tokenizer, option, size in (("source", source, "vocab_size", self.vocab_size),
-                                              ("target", target, "tgt_vocab_size", self.target_vocab_size)):
-            if self.separate and tokenizer.vocab_size > size:
+        sides = ((("source", source, "vocab_size", self.vocab_size),
+                  ("target", target, "tgt_vocab_size", self.target_vocab_size)) if self.separate
+                 else (("joint", source, "vocab_size", self.vocab_size),))
+        for side, tokenizer, option, size in sides:  # a BPE cannot learn fewer tokens than its alphabet
+            if tokenizer.vocab_size > size:
                 raise DataError(f"the {side} BPE has {tokenizer.vocab_size} tokens (its alphabet and "
                                 f"special tokens) but {option} is {size}; raise {option}")
         eos = source.eos_id

@@ -52,18 +52,23 @@ def test_contradictions_are_one_line(task_options: dict[str, object], model: dic
 
 
 @pytest.mark.skipif(not (MULTI30K / "train.en").is_file(), reason="Multi30k not found (set AIAYN_DATA_DIR)")
-def test_a_target_size_below_the_target_alphabet_is_one_line(tmp_path: Path, run_aiayn) -> None:
-    """Known only once the target BPE is learned: its alphabet alone is more than 20 tokens."""
+@pytest.mark.parametrize(("options", "message"), [
+    ({"vocabulary": "separate", "vocab_size": 200, "tgt_vocab_size": 20},
+     ("the target BPE has", "but tgt_vocab_size is 20; raise tgt_vocab_size")),
+    ({"vocab_size": 20}, ("the joint BPE has", "but vocab_size is 20; raise vocab_size")),
+], ids=["separate", "joint"])
+def test_a_size_below_the_alphabet_is_one_line(options: dict[str, object], message: tuple[str, str],
+                                               tmp_path: Path, run_aiayn) -> None:
+    """Known only once the BPE is learned: its alphabet alone is more than 20 tokens."""
     for lang in ("en", "de"):
         lines = read_lines(MULTI30K / f"train.{lang}")[:20]
         for split in ("train", "val", "test"):
             (tmp_path / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    options = {"vocabulary": "separate", "vocab_size": 200, "tgt_vocab_size": 20, "corpus_dir": str(tmp_path),
-               "test_split": "test"}
+    options = {**options, "corpus_dir": str(tmp_path), "test_split": "test"}
     code, _, err = run_aiayn("train", "--recipe", str(recipe(tmp_path / "r.yaml", options)),
                                "--run-dir", str(tmp_path / "run"), "--no-progress")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "the target BPE has" in err and "but tgt_vocab_size is 20; raise tgt_vocab_size" in err
+    assert message[0] in err and message[1] in err, err
 
 
 def test_the_task_refuses_shared_embeddings_when_called_directly() -> None:
