@@ -24,6 +24,7 @@ from aiayn.generate.decoder_only import cache_slots, prompt_validity
 from aiayn.generate.encoder_decoder import greedy_encoder_decoder, max_target_lengths
 from aiayn.generate.ensemble import Ensemble, EnsembleCache
 from aiayn.generate.step import decode_step
+from aiayn.generate.steps import DoneCheck
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn.kv_cache import KVCache
@@ -352,7 +353,7 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
     its finished hypotheses stay as they are (``_Finished.merge`` keeps the old ones first on
     ties) and it counts as stopped at every later step; its rows run on, unread. The cache follows
     the beams in its own buffers (``reorder_rows_in_place``), and the only read of the device per
-    step is whether every source has stopped."""
+    step is whether every source has stopped (on a GPU read a step late: ``DoneCheck``)."""
     device, b = logits.device, logits.shape[0]
     n_max = int(limits.max())
     v = logits.shape[-1]
@@ -368,6 +369,9 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
     finished = _Finished.empty(b, k, n_max, fill_id, device)
 
     n_cand = min(2 * k, k * v)
+    # "Has every source stopped?": the static search reads it a step late on a GPU (no sync per
+    # step; ``DoneCheck``), since one step past every source's stop merges only -inf candidates.
+    check = DoneCheck(device)
     for t in range(1, n_max + 1):  # t: length of the hypotheses after this step
         share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
         n = alive.shape[0]
@@ -411,7 +415,10 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
             trace(BeamStep(t=t, sources=alive.clone(), parent=top_beam, token=top_tok, score=top_scores,
                            finished=torch.cat([eos_ok, torch.zeros_like(is_eos[:, k:])], 1),
                            slot=slot, at_limit=at_limit, done=done))
-        if bool(done.all()):
+        if static:  # a stopped source changes nothing more, so the stop may be read a step late
+            if check.stopped_before() or check.after(done):
+                break
+        elif bool(done.all()):
             break
         if static:
             beams.scores.masked_fill_(done[:, None], NEG_INF)  # a stopped source proposes nothing more

@@ -65,10 +65,14 @@ def translation_model(device: torch.device) -> EncoderDecoder:
 SEARCH = dict(bos_id=BOS, eos_id=EOS, beam_size=3, max_len_b=12, n_best=3)  # 4 sources: 12 rows
 
 
-def test_compiled_translation_search_equals_eager_with_one_graph(device: torch.device) -> None:
+def test_compiled_translation_search_equals_eager_with_one_graph(device: torch.device,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The translation search (encoder-decoder, padded sources of different lengths that stop at
     different steps) under several stopping rules and length penalties; the first search compiles
-    at most one graph, and the later ones (other source lengths, other step counts) none."""
+    at most one graph, and the later ones (other source lengths, other step counts) none. With the
+    stop read a step late (a GPU's ``DoneCheck``, forced here), the same search."""
+    from aiayn.generate import steps as steps_module
+
     model = translation_model(device)
     settings = [dict(length_penalty=0.6), dict(length_penalty=0.0, early_stopping=True),
                 dict(length_penalty=1.0, min_len=3)]
@@ -78,6 +82,9 @@ def test_compiled_translation_search_equals_eager_with_one_graph(device: torch.d
         eager = beam_search_encoder_decoder(model, src, **SEARCH, **setting)
         compiled = beam_search_encoder_decoder(model, src, **SEARCH, **setting, compile=True)
         assert_same_search(compiled, eager)
+        monkeypatch.setattr(steps_module, "LAGGED_DONE_DEVICES", (device.type,))
+        assert_same_search(beam_search_encoder_decoder(model, src, **SEARCH, **setting, compile=True), eager)
+        monkeypatch.setattr(steps_module, "LAGGED_DONE_DEVICES", ())
         if i == 0:
             after_first = counters["stats"]["unique_graphs"]
             assert after_first - before <= 1
