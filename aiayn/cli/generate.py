@@ -266,7 +266,7 @@ def models_cmd() -> None:
         members = release.get("members")
         size = f"{release['parameters'] / 1e6:.2f}M parameters"
         if members:  # a shipped ensemble
-            counts = {f"{n / 1e6:.2f}M" for n in release["member_parameters"]}
+            counts = {f"{n / 1e6:.2f}M" for n in release.get("member_parameters", [])}
             size = (f"an ensemble of {len(members)} models ({', '.join(members)}), "
                     + (f"{counts.pop()} parameters each" if len(counts) == 1 else f"{size} in all"))
         click.echo(f"{name:<18} {release['task']:<18} {size} ({release['dtype']}){'  ' + scores if scores else ''}")
