@@ -269,7 +269,7 @@ def beam_search_encoder_decoder(
 
     finished = _search(logits, cache, limits, step, k=k, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
                        alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace,
-                       static=compile)
+                       static=_static_search(compile, src.device, trace))
     if keep_greedy:
         _merge_greedy(model, src, src_valid, limits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
                       fill_id=fill_id, min_len=min_len, alpha=length_penalty, finished=finished)
@@ -327,8 +327,20 @@ def beam_search_decoder_only(
 
     finished = _search(logits, cache, limits, step, k=beam_size, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
                        alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace,
-                       static=compile)
+                       static=_static_search(compile, prompt.device, trace))
     return finished.result(n_best)
+
+
+# The devices where the search keeps static shapes without compile too (stopped sources masked, not
+# dropped): dropping them reads the device every step (which sources stay), a host-device sync a
+# GPU waits on, while a masked source's rows cost a GPU next to nothing.
+STATIC_SEARCH_DEVICES: tuple[str, ...] = ("cuda",)
+
+
+def _static_search(compile: bool, device: torch.device, trace: Callable[[BeamStep], None] | None) -> bool:
+    """Whether the search keeps static shapes: compiled, or untraced on a ``STATIC_SEARCH_DEVICES``
+    device (a trace names the sources still searching, which the eager search's bookkeeping gives)."""
+    return compile or (trace is None and device.type in STATIC_SEARCH_DEVICES)
 
 
 def _check_search(beam_size: int, n_best: int, *, compile: bool, trace: Callable[[BeamStep], None] | None) -> None:
@@ -348,7 +360,8 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
     ``step(tokens (m, 1), rows (m,), dropped)`` feeds the kept beams' tokens (after the loop has
     reordered the cache to their parent ``rows``; ``dropped``: a source left) -> logits (m, v).
 
-    ``static``: the batch keeps all b * k rows to the end, for a compiled step's fixed shapes. A
+    ``static``: the batch keeps all b * k rows to the end, for a compiled step's fixed shapes (and
+    on a GPU, ``STATIC_SEARCH_DEVICES``, for a search without a host-device sync per step). A
     source that stops has its open beams' scores set to -inf: its candidates are then all -inf, so
     its finished hypotheses stay as they are (``_Finished.merge`` keeps the old ones first on
     ties) and it counts as stopped at every later step; its rows run on, unread. The cache follows
@@ -416,7 +429,7 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
                            finished=torch.cat([eos_ok, torch.zeros_like(is_eos[:, k:])], 1),
                            slot=slot, at_limit=at_limit, done=done))
         if static:  # a stopped source changes nothing more, so the stop may be read a step late
-            if check.stopped_before() or check.after(done):
+            if t == n_max or check.stopped_before() or check.after(done):  # (at n_max every source is done)
                 break
         elif bool(done.all()):
             break
