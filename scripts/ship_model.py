@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--name", required=True, help="the shipped name (aiayn/pretrained/NAME)")
     parser.add_argument("--recipe", type=Path, help="the recipe the run was trained with")
     parser.add_argument("--scores", type=Path, help="a JSON object of measured scores to record")
+    parser.add_argument("--member-scores", type=Path,
+                        help="an ensemble's members' own scores: a JSON list of objects, one per --run in order")
     parser.add_argument("--usage", help="a command line that uses the model")
     parser.add_argument("--trained-with", help="the command line that trained the run")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
@@ -56,8 +58,9 @@ def main() -> None:
                             name=args.name, recipe=args.recipe, extra=extra)
     else:
         members = list(zip(runs, checkpoints, args.member or [run.name for run in runs], strict=True))
+        member_scores = json.loads(args.member_scores.read_text()) if args.member_scores else None
         out = write_ensemble_release(members, SHIPPED_DIR / args.name, dtype=args.dtype, name=args.name,
-                                     recipe=args.recipe, extra=extra)
+                                     recipe=args.recipe, extra=extra, member_scores=member_scores)
     print(f"wrote {out}: {json.loads((out / 'release.json').read_text())['weight_bytes'] / 2**20:.2f} MiB")
 
 

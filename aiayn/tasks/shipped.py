@@ -258,11 +258,13 @@ def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = Non
 
 def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out_dir: Path, *,
                            dtype: str = "float16", name: str | None = None, recipe: Path | None = None,
-                           extra: dict[str, Any] | None = None) -> Path:
+                           extra: dict[str, Any] | None = None,
+                           member_scores: Sequence[dict[str, Any]] | None = None) -> Path:
     """Write an ensemble release: each (run directory, checkpoint or None, member name) as a
     release of its own in ``out_dir/<member name>`` (``write_release``: its weights, configs,
     tokenizer and record; each under the size limit), and a release.json that names them in
-    order. The members must form an ensemble (one language pair and direction, one vocabulary:
+    order; ``member_scores``: each member's own measured scores (its release.json's ``scores``), in
+    the same order. The members must form an ensemble (one language pair and direction, one vocabulary:
     ``aiayn.tasks.runs.load_ensemble_translator``'s checks, a ``RunInputError`` otherwise). Built
     beside ``out_dir`` and renamed into place, as ``write_release``. Returns ``out_dir``."""
     from aiayn.tasks.runs import load_ensemble_translator
@@ -273,15 +275,18 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
         raise ValueError("an ensemble release needs at least two members")
     if len(set(names)) != len(names) or any(Path(n).name != n or n in (".", "..", "") for n in names):
         raise ValueError(f"member names must be distinct folder names; got {names}")
+    if member_scores is not None and len(member_scores) != len(members):
+        raise ValueError(f"{len(member_scores)} member_scores for {len(members)} members; give one per member")
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
         records = []
-        for run_dir, checkpoint, member_name in members:
+        for i, (run_dir, checkpoint, member_name) in enumerate(members):
+            own = {"scores": member_scores[i]} if member_scores is not None else {}
             write_release(run_dir, tmp / member_name, checkpoint=checkpoint, dtype=dtype, name=member_name,
-                          recipe=recipe, extra={"member_of": name or out_dir.name})
+                          recipe=recipe, extra={"member_of": name or out_dir.name, **own})
             records.append(json.loads((tmp / member_name / RELEASE_FILE).read_text(encoding="utf-8")))
         load_ensemble_translator([(tmp / member_name, None) for member_name in names])  # they form one
     except BaseException:

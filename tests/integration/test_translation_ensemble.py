@@ -130,7 +130,8 @@ def ensemble_release(tiny_run: Path) -> Path:
     steps = [tiny_run / "checkpoints" / f"step-{step:08d}" for step in (2, 6)]
     return write_ensemble_release([(tiny_run, steps[0], "early"), (tiny_run, steps[1], "late")],
                                   tiny_run.parent / "shipped" / "tiny-ensemble",
-                                  extra={"scores": {"val_bleu": 0.1}, "usage": "aiayn translate --model tiny-ensemble"})
+                                  extra={"scores": {"val_bleu": 0.1}, "usage": "aiayn translate --model tiny-ensemble"},
+                                  member_scores=[{"val_bleu": 0.01}, {"val_bleu": 0.02}])
 
 
 def test_an_ensemble_release_translates_as_its_members_together(ensemble_release: Path, tiny_run: Path,
@@ -146,9 +147,10 @@ def test_an_ensemble_release_translates_as_its_members_together(ensemble_release
     assert is_ensemble_release(ensemble_release) and not is_release(ensemble_release)
     members = release_members(ensemble_release)
     assert [m.name for m in members] == ["early", "late"] and all(is_release(m) for m in members)
-    for member in members:  # each member keeps its run's record, and says whose member it is
+    for member, score in zip(members, (0.01, 0.02), strict=True):  # each keeps its run's record and scores
         assert (member / "record" / "metrics.csv").is_file()
-        assert json.loads((member / "release.json").read_text())["member_of"] == "tiny-ensemble"
+        own = json.loads((member / "release.json").read_text())
+        assert own["member_of"] == "tiny-ensemble" and own["scores"] == {"val_bleu": score}
     assert record["parameters"] == sum(record["member_parameters"])
 
     corpus = tiny_run.parent / "corpus"
