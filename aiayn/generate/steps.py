@@ -122,6 +122,7 @@ class DoneCheck:
     def __init__(self, device: torch.device) -> None:
         self.lagged = device.type in LAGGED_DONE_DEVICES
         self._pending = False
+        self._device = device
         if self.lagged:
             cuda = device.type == "cuda"
             self._host = torch.zeros((), dtype=torch.bool, pin_memory=cuda)  # the flag, copied here
@@ -133,8 +134,8 @@ class DoneCheck:
         if not self.lagged:
             return bool(done.all())
         self._host.copy_(done.all(), non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        if self._copied is not None:  # on the stream of the loop's own GPU (not the current device's)
+            self._copied.record(torch.cuda.current_stream(self._device))
         self._pending = True
         return False
 
