@@ -23,6 +23,7 @@ from aiayn.cpu_share import share_cores
 from aiayn.generate.decoder_only import cache_slots, prompt_validity
 from aiayn.generate.encoder_decoder import greedy_encoder_decoder, max_target_lengths
 from aiayn.generate.ensemble import Ensemble, EnsembleCache
+from aiayn.generate.static_search import follow_in_place, static_search
 from aiayn.generate.step import decode_step
 from aiayn.generate.steps import DoneCheck
 from aiayn.models.decoder_only import DecoderOnly
@@ -269,7 +270,7 @@ def beam_search_encoder_decoder(
 
     finished = _search(logits, cache, limits, step, k=k, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
                        alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace,
-                       static=_static_search(compile, src.device, trace))
+                       static=static_search(compile, src.device, trace is not None))
     if keep_greedy:
         _merge_greedy(model, src, src_valid, limits, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
                       fill_id=fill_id, min_len=min_len, alpha=length_penalty, finished=finished)
@@ -327,20 +328,8 @@ def beam_search_decoder_only(
 
     finished = _search(logits, cache, limits, step, k=beam_size, eos_id=eos_id, pad_id=pad_id, fill_id=fill_id,
                        alpha=length_penalty, min_len=min_len, early_stopping=early_stopping, trace=trace,
-                       static=_static_search(compile, prompt.device, trace))
+                       static=static_search(compile, prompt.device, trace is not None))
     return finished.result(n_best)
-
-
-# The devices where the search keeps static shapes without compile too (stopped sources masked, not
-# dropped): dropping them reads the device every step (which sources stay), a host-device sync a
-# GPU waits on, while a masked source's rows cost a GPU next to nothing.
-STATIC_SEARCH_DEVICES: tuple[str, ...] = ("cuda",)
-
-
-def _static_search(compile: bool, device: torch.device, trace: Callable[[BeamStep], None] | None) -> bool:
-    """Whether the search keeps static shapes: compiled, or untraced on a ``STATIC_SEARCH_DEVICES``
-    device (a trace names the sources still searching, which the eager search's bookkeeping gives)."""
-    return compile or (trace is None and device.type in STATIC_SEARCH_DEVICES)
 
 
 def _check_search(beam_size: int, n_best: int, *, compile: bool, trace: Callable[[BeamStep], None] | None) -> None:
@@ -361,7 +350,7 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
     reordered the cache to their parent ``rows``; ``dropped``: a source left) -> logits (m, v).
 
     ``static``: the batch keeps all b * k rows to the end, for a compiled step's fixed shapes (and
-    on a GPU, ``STATIC_SEARCH_DEVICES``, for a search without a host-device sync per step). A
+    on a GPU, ``aiayn.generate.static_search``, for a search without a host-device sync per step). A
     source that stops has its open beams' scores set to -inf: its candidates are then all -inf, so
     its finished hypotheses stay as they are (``_Finished.merge`` keeps the old ones first on
     ties) and it counts as stopped at every later step; its rows run on, unread. The cache follows
@@ -436,7 +425,7 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
         if static:
             beams.scores.masked_fill_(done[:, None], NEG_INF)  # a stopped source proposes nothing more
             rows = (torch.arange(n, device=device)[:, None] * k + next_beam).reshape(-1)  # (n * k,) parents
-            _follow_in_place(cache, rows)
+            follow_in_place(cache, rows)
             lprobs = torch.log_softmax(step(next_tok.reshape(-1, 1), rows, False).float(), dim=-1).view(n, k, v)
             continue
 
@@ -452,14 +441,6 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
         lprobs = torch.log_softmax(step_logits.float(), dim=-1).view(stay.shape[0], k, v)  # (n_new, k, v)
 
     return finished
-
-
-def _follow_in_place(cache: KVCache | EnsembleCache, rows: Tensor) -> None:
-    """The static search's cache reorder: row i becomes old row ``rows[i]`` in the same buffers."""
-    from aiayn.fast.compiled_decode import reorder_rows_in_place
-
-    for member in cache.members if isinstance(cache, EnsembleCache) else [cache]:
-        reorder_rows_in_place(member, rows)
 
 
 def _sources_done(worst_finished: Tensor, best_open: Tensor, limits: Tensor, *, t: int, alpha: float,

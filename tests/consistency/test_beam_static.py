@@ -18,7 +18,7 @@ from test_beam_search import sources
 from test_compiled_beam import assert_same_search
 
 from aiayn.generate import Ensemble, beam_search_decoder_only, beam_search_encoder_decoder
-from aiayn.generate import beam as beam_module
+from aiayn.generate import static_search as static_module
 from aiayn.generate import steps as steps_module
 
 BOS, EOS = 1, 77
@@ -27,7 +27,7 @@ SEARCH = dict(bos_id=BOS, eos_id=EOS, beam_size=3, n_best=3)
 
 def on_gpu_terms(monkeypatch: pytest.MonkeyPatch, device: torch.device, static: bool) -> None:
     """The search as a GPU runs it (``static``) on ``device``, or as the CPU does."""
-    monkeypatch.setattr(beam_module, "STATIC_SEARCH_DEVICES", (device.type,) if static else ())
+    monkeypatch.setattr(static_module, "STATIC_SEARCH_DEVICES", (device.type,) if static else ())
     monkeypatch.setattr(steps_module, "LAGGED_DONE_DEVICES", (device.type,) if static else ())
 
 
