@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
             DistributedError, DataError) as exc:
         if debug:
             raise
+        if getattr(exc, "reported", False):  # rank 0 said it before every rank stopped
+            sys.exit(2)
         _fail(str(exc), 2)  # problems a user can fix; nothing saved is touched
     except TrainingDiverged as exc:
         if debug:

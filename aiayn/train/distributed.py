@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -45,7 +46,10 @@ T = TypeVar("T")
 
 
 class DistributedError(ValueError):
-    """Options that cannot work together, or a world size the data cannot feed."""
+    """Options that cannot work together, or a world size the data cannot feed. ``reported``: rank
+    0 has printed it already (the command line then exits without saying it again)."""
+
+    reported: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,11 +127,20 @@ def check_options(options: ParallelOptions | None, *, world_size: int, compile: 
 
 def check_world_size(ctx: DistContext, *, batches_per_epoch: int, grad_accum: int) -> None:
     need = ctx.world_size * grad_accum
-    if need > batches_per_epoch:
-        raise DistributedError(
-            f"{ctx.world_size} processes x grad_accum {grad_accum} need {need} batches per step, but "
-            f"an epoch has only {batches_per_epoch} batches; use fewer processes, a smaller "
-            f"--batch-size or --grad-accum")
+    if need <= batches_per_epoch:
+        return
+    error = DistributedError(
+        f"{ctx.world_size} processes x grad_accum {grad_accum} need {need} batches per step, but "
+        f"an epoch has only {batches_per_epoch} batches; use fewer processes, a smaller "
+        f"--batch-size or --grad-accum")
+    if ctx.enabled and dist.is_initialized():
+        # Every rank fails here alike, but torchrun stops the others as soon as one exits: rank 0
+        # says it now, and no rank leaves before it has (else the job can end without the line).
+        if ctx.is_main:
+            print(f"Error: {error}", file=sys.stderr, flush=True)
+        dist.barrier()
+        error.reported = True
+    raise error
 
 
 def shard(window: Sequence[T], ctx: DistContext) -> list[T]:
