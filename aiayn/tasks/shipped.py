@@ -51,6 +51,7 @@ RECORD_FILES = ("metrics.csv", "summary.json", "curves.png")
 RELEASE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_TRANSLATION_MODEL = "multi30k-en-de"  # what `aiayn translate` runs without --run/--model
 MAX_RELEASE_BYTES = 10 * 2**20  # a shipped model's weights stay under 10 MB (the repository carries them)
+LEFTOVER_SUFFIXES = (".tmp", ".old")  # NAME.tmp being built, NAME.old being replaced (_put_in_place)
 
 
 def shipped_models() -> dict[str, dict[str, Any]]:
@@ -58,6 +59,8 @@ def shipped_models() -> dict[str, dict[str, Any]]:
     found = {}
     if SHIPPED_DIR.is_dir():
         for directory in sorted(SHIPPED_DIR.iterdir()):
+            if directory.suffix in LEFTOVER_SUFFIXES:  # an interrupted write's, not a release
+                continue
             if (directory / RELEASE_FILE).is_file():
                 found[directory.name] = json.loads((directory / RELEASE_FILE).read_text(encoding="utf-8"))
     return found
@@ -216,10 +219,8 @@ def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = Non
     if n_bytes > MAX_RELEASE_BYTES:
         raise ValueError(f"{n_bytes / 2**20:.1f} MiB of {dtype} weights: over the {MAX_RELEASE_BYTES // 2**20} "
                          f"MiB a shipped model may take")
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    (tmp / "record").mkdir(parents=True)
+    tmp = _fresh_tmp(out_dir)
+    (tmp / "record").mkdir()
     save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "dtype": dtype, "tied": json.dumps(tied)})
     shutil.copy2(run_dir / "config.json", tmp / "config.json")
     for tokenizer_file in TOKENIZER_FILES:
@@ -277,10 +278,7 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
         raise ValueError(f"member names must be distinct folder names; got {names}")
     if member_scores is not None and len(member_scores) != len(members):
         raise ValueError(f"{len(member_scores)} member_scores for {len(members)} members; give one per member")
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = _fresh_tmp(out_dir)
     try:
         records = []
         for i, (run_dir, checkpoint, member_name) in enumerate(members):
@@ -307,10 +305,21 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
     return out_dir
 
 
+def _fresh_tmp(out_dir: Path) -> Path:
+    """An empty ``out_dir.tmp`` to build a release in (an interrupted write's leftover cleared)."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
 def _put_in_place(tmp: Path, out_dir: Path) -> None:
     """Rename the finished ``tmp`` to ``out_dir``, replacing an existing one whole."""
     if out_dir.exists():
         old = out_dir.with_name(out_dir.name + ".old")
+        if old.exists():  # left by a replacement interrupted after its first rename
+            shutil.rmtree(old)
         out_dir.rename(old)
         tmp.rename(out_dir)
         shutil.rmtree(old)

@@ -86,6 +86,18 @@ def test_a_release_is_replaced_whole(runs: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["release", "runs"]  # no .tmp/.old left
 
 
+def test_an_interrupted_writes_leftovers_are_cleared_and_never_listed(runs: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    out = write_release(runs / "reverse", tmp_path / "release")
+    shutil.copytree(out, tmp_path / "release.tmp")  # a write stopped before its rename: a release.json inside
+    shutil.copytree(out, tmp_path / "release.old")  # a replacement stopped before removing the old one
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path)
+    assert list(shipped.shipped_models()) == ["release"]  # the leftovers are not models
+    write_release(runs / "shakespeare", tmp_path / "release")
+    assert json.loads((out / "release.json").read_text())["task"] == "shakespeare-char"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["release", "runs"]
+
+
 def test_oversized_release_is_refused(runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shipped, "MAX_RELEASE_BYTES", 1000)
     with pytest.raises(ValueError, match="over the 0 MiB"):
