@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--usage", help="a command line that uses the model")
     parser.add_argument("--trained-with", help="the command line that trained the run")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--out", type=Path,
+                        help="write the release here instead of aiayn/pretrained/NAME (e.g. a run kept in "
+                             "results/ as a later ensemble's member; recipes/sweeps/README.md)")
     args = parser.parse_args()
     runs = args.run
     if args.checkpoint and len(args.checkpoint) != len(runs):
@@ -53,13 +56,14 @@ def main() -> None:
     if args.trained_with:
         extra["trained_with"] = args.trained_with
     checkpoints = args.checkpoint or [None] * len(runs)
+    out_dir = args.out or SHIPPED_DIR / args.name
     if len(runs) == 1:
-        out = write_release(runs[0], SHIPPED_DIR / args.name, checkpoint=checkpoints[0], dtype=args.dtype,
+        out = write_release(runs[0], out_dir, checkpoint=checkpoints[0], dtype=args.dtype,
                             name=args.name, recipe=args.recipe, extra=extra)
     else:
         members = list(zip(runs, checkpoints, args.member or [run.name for run in runs], strict=True))
         member_scores = json.loads(args.member_scores.read_text()) if args.member_scores else None
-        out = write_ensemble_release(members, SHIPPED_DIR / args.name, dtype=args.dtype, name=args.name,
+        out = write_ensemble_release(members, out_dir, dtype=args.dtype, name=args.name,
                                      recipe=args.recipe, extra=extra, member_scores=member_scores)
     print(f"wrote {out}: {json.loads((out / 'release.json').read_text())['weight_bytes'] / 2**20:.2f} MiB")
 
