@@ -146,3 +146,17 @@ def test_explore_opens_a_release(runs: Path, tmp_path: Path) -> None:
     explorable = load_explorable(model_path=out)
     assert explorable.kind == "decoder" and explorable.context == 64
     assert explorable.tokens("RO") == [explorable.tokens("R")[0], explorable.tokens("O")[0]]
+
+
+def test_ship_model_script_writes_where_out_says_and_leaves_the_package_alone(runs: Path, tmp_path: Path) -> None:
+    """scripts/ship_model.py --out: a run kept as a release outside aiayn/pretrained (a later ensemble's member)."""
+    before = sorted(shipped.shipped_models())
+    out = tmp_path / "kept" / "reverse-seed0"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "ship_model.py"
+    proc = subprocess.run([sys.executable, str(script), "--run", str(runs / "reverse"), "--name", "reverse-seed0",
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"wrote {out}: ")
+    assert json.loads((out / "release.json").read_text())["name"] == "reverse-seed0"
+    assert load_release(out).task.name == "reverse"
+    assert sorted(shipped.shipped_models()) == before  # nothing written into the package
