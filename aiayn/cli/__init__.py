@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -50,9 +51,21 @@ def _debug(argv: list[str] | None) -> bool:
     return os.environ.get("AIAYN_DEBUG", "") not in ("", "0") or "--debug" in args[:1]
 
 
+# How long a rank > 0 of a torchrun job waits before saying its own error (seconds).
+RANK_REPORT_GRACE_S = 5.0
+
+
 def _fail(message: str, code: int) -> None:
-    if is_main_process():  # under torchrun every rank fails alike; rank 0 says it once
+    """Say ``Error: message`` once and exit. Under torchrun the ranks usually fail alike, and
+    torchrun stops every worker (within its 0.1 s monitor interval) as soon as one exits: rank 0
+    says it at once, and a rank > 0 first waits, so that the job ends on rank 0's line. A rank
+    > 0 that is still alive after the wait failed alone (rank 0 runs on, or waits for it in a
+    collective): it says its own line, named, rather than ending the job in silence."""
+    if is_main_process():
         click.echo(f"Error: {message}", err=True)
+    else:
+        time.sleep(RANK_REPORT_GRACE_S)
+        click.echo(f"Error (rank {os.environ.get('RANK')}): {message}", err=True)
     sys.exit(code)
 
 

@@ -237,6 +237,17 @@ def test_torchrun_world_larger_than_the_epoch_is_one_clear_error(tmp_path):
     assert "Traceback" not in result.stderr.split("Error: 3 processes")[0][-500:]
 
 
+def test_torchrun_an_error_every_rank_raises_is_said_once_by_rank_0(tmp_path):
+    # Resuming a run directory that does not exist fails on every rank alike; torchrun stops the
+    # job once one rank exits, and the ranks > 0 wait before speaking: one line, rank 0's.
+    missing = tmp_path / "no-such-run"
+    result = torchrun("train", "--resume", "--run-dir", str(missing), "--no-progress", nproc=2)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and errors[0].startswith("Error: ") and str(missing) in errors[0], result.stderr[-3000:]
+    assert not missing.exists()
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--fsdp"], "--fsdp shards over several processes; launch with torchrun"),
 ])

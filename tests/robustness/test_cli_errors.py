@@ -105,6 +105,30 @@ def test_failures_of_the_work_are_one_line_exit_1(error, code, message, capsys, 
         main(["--debug", "presets"])
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_rank_0_speaks_at_once_and_a_lone_failing_rank_after_the_grace(rank, capsys, monkeypatch):
+    # torchrun stops every worker once one exits: rank 0 says the line at once; a rank > 0 waits
+    # (torchrun ends it there when rank 0 failed alike), then says its own line, named, so that a
+    # failure of one rank alone (out of memory on one card) does not end the job in silence.
+    def fail(*args, **kwargs):
+        raise MemoryError
+
+    slept = []
+    monkeypatch.setattr(cli_module.cli, "main", fail)
+    monkeypatch.setattr(cli_module.time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("AIAYN_DEBUG", raising=False)
+    code, err = run_main(["presets"], capsys)
+    said = "out of memory: the model or batch does not fit; try a smaller model, batch or --max-new-tokens"
+    assert code == 1
+    if rank == "0":
+        assert slept == [] and err == f"Error: {said}\n"
+    else:
+        assert slept == [cli_module.RANK_REPORT_GRACE_S] and err == f"Error (rank 1): {said}\n"
+    assert 1 <= cli_module.RANK_REPORT_GRACE_S <= 10  # far above torchrun's 0.1 s poll; short to wait
+
+
 def test_interrupt_is_one_word_exit_130(capsys, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
