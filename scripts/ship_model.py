@@ -8,10 +8,16 @@
         --run runs/en-de-seed0 --run runs/en-de-seed1 --run runs/en-de-seed2 \
         --checkpoint runs/en-de-seed0/averaged-last5 --checkpoint ... --member seed0 --member seed1 ...
 
+    python scripts/ship_model.py --name multi30k-en-de --recipe recipes/multi30k-en-de.yaml \
+        --run multi30k-en-de --run results/issue36/en-de-seed1 --run results/issue36/en-de-seed2 \
+        --member seed0 --member seed1 --member seed2
+
 The weights are stored in float16 (or --dtype bfloat16), tied weights once; the run's config,
 tokenizer, metrics, summary and scores go with them (aiayn.tasks.shipped.write_release). Several
 --run make an ensemble release (write_ensemble_release): each run a member release of its own
-(named by --member, default its run folder's name), in the order given; `aiayn translate --model
+(named by --member, default its run folder's name), in the order given. A --run may also be a
+release (a shipped model's name or folder, or one kept in results/issue36/): it is copied byte for
+byte, not rounded again, so an ensemble can be made of members whose runs are gone; `aiayn translate --model
 NAME` then translates with all of them. --scores is a JSON object of the figures `aiayn models`
 prints (measured with `aiayn evaluate`), and --usage the command line that shows the model at work.
 """
@@ -22,13 +28,14 @@ import argparse
 import json
 from pathlib import Path
 
-from aiayn.tasks.shipped import SHIPPED_DIR, write_ensemble_release, write_release
+from aiayn.tasks.shipped import SHIPPED_DIR, resolve_model, write_ensemble_release, write_release
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", type=Path, action="append", required=True,
-                        help="a finished run directory; repeat it for an ensemble")
+    parser.add_argument("--run", action="append", required=True,
+                        help="a finished run directory, or a release (a shipped name or a release folder); "
+                             "repeat it for an ensemble")
     parser.add_argument("--checkpoint", type=Path, action="append", default=[],
                         help="a checkpoint (e.g. RUN/averaged-last5), one per --run in order; default: latest")
     parser.add_argument("--member", action="append", default=[],
@@ -45,7 +52,7 @@ def main() -> None:
                         help="write the release here instead of aiayn/pretrained/NAME (e.g. a run kept in "
                              "results/ as a later ensemble's member; recipes/sweeps/README.md)")
     args = parser.parse_args()
-    runs = args.run
+    runs = [resolve_model(run) for run in args.run]  # a shipped name becomes its release folder
     if args.checkpoint and len(args.checkpoint) != len(runs):
         parser.error(f"{len(args.checkpoint)} --checkpoint for {len(runs)} --run; give one per --run, in order")
     if args.member and len(args.member) != len(runs):

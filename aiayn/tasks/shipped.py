@@ -201,10 +201,21 @@ def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = Non
                   extra: dict[str, Any] | None = None) -> Path:
     """Write the release of a finished run: its (averaged) checkpoint's weights in ``dtype``, its
     configs, tokenizer and record. ``out_dir`` is built beside itself and renamed into place, so an
-    existing release is replaced whole or not at all. Returns ``out_dir``."""
+    existing release is replaced whole or not at all. ``run_dir`` may be a release instead (one kept
+    in results/, or a shipped one): it is copied byte for byte, its release.json given ``name`` and
+    ``extra`` (``_copy_release``). Returns ``out_dir``."""
     if dtype not in RELEASE_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(RELEASE_DTYPES)}")
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if is_release(run_dir):  # a release again (a kept member shipped, or renamed): copied as it is
+        tmp = _fresh_tmp(out_dir)
+        try:
+            _copy_release(run_dir, tmp, checkpoint=checkpoint, dtype=dtype, name=name or out_dir.name, extra=extra)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _put_in_place(tmp, out_dir)
+        return out_dir
     run = load_run(run_dir, checkpoint=resolve_checkpoint(checkpoint), prepare=False)
     weights: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}  # alias -> the key its tensor is stored under (safetensors stores no aliases)
@@ -263,8 +274,8 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
                            member_scores: Sequence[dict[str, Any]] | None = None) -> Path:
     """Write an ensemble release: each (run directory, checkpoint or None, member name) as a
     release of its own in ``out_dir/<member name>`` (``write_release``: its weights, configs,
-    tokenizer and record; each under the size limit), and a release.json that names them in
-    order; ``member_scores``: each member's own measured scores (its release.json's ``scores``), in
+    tokenizer and record; each under the size limit; a member given as a release is copied as it
+    is), and a release.json that names them in order; ``member_scores``: each member's own measured scores (its release.json's ``scores``), in
     the same order. The members must form an ensemble (one language pair and direction, one vocabulary:
     ``aiayn.tasks.runs.load_ensemble_translator``'s checks, a ``RunInputError`` otherwise). Built
     beside ``out_dir`` and renamed into place, as ``write_release``. Returns ``out_dir``."""
@@ -283,8 +294,16 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
         records = []
         for i, (run_dir, checkpoint, member_name) in enumerate(members):
             own = {"scores": member_scores[i]} if member_scores is not None else {}
-            write_release(run_dir, tmp / member_name, checkpoint=checkpoint, dtype=dtype, name=member_name,
-                          recipe=recipe, extra={"member_of": name or out_dir.name, **own})
+            extra_of_member = {"member_of": name or out_dir.name, **own}
+            if is_ensemble_release(Path(run_dir)):
+                raise ValueError(f"{run_dir} is an ensemble release itself; give its members "
+                                 f"({', '.join(m.name for m in release_members(Path(run_dir)))}) one by one")
+            if is_release(Path(run_dir)):
+                _copy_release(Path(run_dir), tmp / member_name, checkpoint=checkpoint, dtype=dtype,
+                              name=member_name, extra=extra_of_member)
+            else:
+                write_release(run_dir, tmp / member_name, checkpoint=checkpoint, dtype=dtype, name=member_name,
+                              recipe=recipe, extra=extra_of_member)
             records.append(json.loads((tmp / member_name / RELEASE_FILE).read_text(encoding="utf-8")))
         load_ensemble_translator([(tmp / member_name, None) for member_name in names])  # they form one
     except BaseException:
@@ -303,6 +322,24 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
     atomic_write_text(tmp / RELEASE_FILE, json.dumps(record, indent=1, ensure_ascii=False) + "\n")
     _put_in_place(tmp, out_dir)
     return out_dir
+
+
+def _copy_release(source: Path, target: Path, *, checkpoint: Path | None, dtype: str, name: str,
+                  extra: dict[str, Any] | None) -> None:
+    """Copy the release ``source`` into ``target`` (absent or empty) byte for byte, its
+    release.json updated with ``name`` and ``extra`` (a new ``scores`` replaces the old): a kept
+    release becomes a shipped model or an ensemble's member without a second rounding of its
+    weights. A release has one set of weights, so ``checkpoint`` must be None, and ``dtype`` must be
+    the one it is stored in (float16 weights are not rounded again to bfloat16)."""
+    record = json.loads((source / RELEASE_FILE).read_text(encoding="utf-8"))
+    if checkpoint is not None:
+        raise ValueError(f"{source} is a release (one set of weights); give no checkpoint for it")
+    if record.get("dtype") != dtype:
+        raise ValueError(f"{source} is stored in {record.get('dtype')}, not {dtype}; ship it in {record.get('dtype')} "
+                         f"or write it again from its run")
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns(RELEASE_FILE), dirs_exist_ok=True)
+    atomic_write_text(target / RELEASE_FILE,
+                      json.dumps({**record, "name": name, **(extra or {})}, indent=1, ensure_ascii=False) + "\n")
 
 
 def _fresh_tmp(out_dir: Path) -> Path:

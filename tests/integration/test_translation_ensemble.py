@@ -10,6 +10,8 @@ tests/consistency/test_ensemble.py).
 * ``evaluate --run R --checkpoint A --checkpoint B`` scores an ensemble of one run's checkpoints
   (a tiny run trained here for 6 steps, 3 checkpoints kept), and an ensemble of one checkpoint
   twice writes the hypotheses of that checkpoint alone.
+* A shipped ensemble release translates as its members together; releases kept from runs that are
+  gone become a shipped model or an ensemble's members byte for byte (no second rounding).
 """
 
 from __future__ import annotations
@@ -236,3 +238,49 @@ def test_bad_ensemble_releases_are_refused(ensemble_release: Path, tiny_run: Pat
         with pytest.raises(ValueError, match=message):
             write_ensemble_release(members, tmp_path / "mixed")
     assert not (tmp_path / "mixed").exists() and not (tmp_path / "mixed.tmp").exists()
+
+
+def test_releases_become_a_shipped_model_or_members_byte_for_byte(ensemble_release: Path, tmp_path: Path,
+                                                                   capsys) -> None:
+    """A kept release (results/issue36/NAME, a shipped model) is shipped again, alone or as an
+    ensemble's member, by copying it: the same weight bytes, no second rounding; its release.json
+    takes the new name and scores. Even the release it replaces can be a member (the shipped model
+    becoming seed 0 of its own ensemble)."""
+    import json
+    import re
+    import shutil
+
+    from aiayn.tasks.shipped import release_members, write_ensemble_release, write_release
+
+    early, late = release_members(ensemble_release)
+    single = write_release(late, tmp_path / "kept", name="kept", extra={"scores": {"val_bleu": 0.5}})
+    assert (single / "model.safetensors").read_bytes() == (late / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in single.rglob("*")) == sorted(p.name for p in late.rglob("*"))
+    record = json.loads((single / "release.json").read_text())
+    assert record["name"] == "kept" and record["scores"] == {"val_bleu": 0.5}
+    assert record["parameters"] == json.loads((late / "release.json").read_text())["parameters"]
+
+    shipped = Path(shutil.copytree(early, tmp_path / "pretrained" / "tiny"))  # the model shipped alone so far
+    again = write_ensemble_release([(shipped, None, "seed0"), (single, None, "seed1")], shipped, name="tiny",
+                                   member_scores=[{"val_bleu": 0.01}, {"val_bleu": 0.5}])
+    assert json.loads((again / "release.json").read_text())["members"] == ["seed0", "seed1"]
+    assert (again / "seed0" / "model.safetensors").read_bytes() == (early / "model.safetensors").read_bytes()
+    assert json.loads((again / "seed1" / "release.json").read_text())["member_of"] == "tiny"
+    assert not (again / "model.safetensors").exists() and not (tmp_path / "pretrained" / "tiny.tmp").exists()
+
+    corpus = ensemble_release.parent.parent / "corpus"
+    data = ["--src", str(corpus / "val.en"), "--ref", str(corpus / "val.de")]
+    outputs = {}
+    for name, models in (("copied", ["--model", str(again)]), ("original", ["--model", str(ensemble_release)])):
+        code, _, err = run_main(["evaluate", *models, *data, "--out", str(tmp_path / name)], capsys)
+        assert code == 0, err
+        outputs[name] = (tmp_path / name).read_text(encoding="utf-8")
+    assert outputs["copied"] == outputs["original"]  # the same members, the same translations
+
+    with pytest.raises(ValueError, match="is stored in float16, not bfloat16"):
+        write_release(late, tmp_path / "b", dtype="bfloat16")
+    with pytest.raises(ValueError, match=re.escape("is a release (one set of weights); give no checkpoint")):
+        write_release(late, tmp_path / "b", checkpoint=late)
+    with pytest.raises(ValueError, match=re.escape("is an ensemble release itself; give its members (early, late)")):
+        write_ensemble_release([(ensemble_release, None, "a"), (late, None, "b")], tmp_path / "b")
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.tmp").exists()
