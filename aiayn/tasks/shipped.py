@@ -275,8 +275,8 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
     """Write an ensemble release: each (run directory, checkpoint or None, member name) as a
     release of its own in ``out_dir/<member name>`` (``write_release``: its weights, configs,
     tokenizer and record; each under the size limit; a member given as a release is copied as it
-    is), and a release.json that names them in order; ``member_scores``: each member's own measured scores (its release.json's ``scores``), in
-    the same order. The members must form an ensemble (one language pair and direction, one vocabulary:
+    is), and a release.json that names them in order; ``member_scores``: each member's own
+    measured scores (its release.json's ``scores``), in the same order. The members must form an ensemble (one language pair and direction, one vocabulary:
     ``aiayn.tasks.runs.load_ensemble_translator``'s checks, a ``RunInputError`` otherwise). Built
     beside ``out_dir`` and renamed into place, as ``write_release``. Returns ``out_dir``."""
     from aiayn.tasks.runs import load_ensemble_translator
@@ -332,6 +332,7 @@ def _copy_release(source: Path, target: Path, *, checkpoint: Path | None, dtype:
     weights. A release has one set of weights, so ``checkpoint`` must be None, and ``dtype`` must be
     the one it is stored in (float16 weights are not rounded again to bfloat16)."""
     record = json.loads((source / RELEASE_FILE).read_text(encoding="utf-8"))
+    record.pop("member_of", None)  # a former member shipped alone is no one's member (extra may say again)
     if checkpoint is not None:
         raise ValueError(f"{source} is a release (one set of weights); give no checkpoint for it")
     if record.get("dtype") != dtype:

@@ -257,7 +257,7 @@ def test_releases_become_a_shipped_model_or_members_byte_for_byte(ensemble_relea
     assert (single / "model.safetensors").read_bytes() == (late / "model.safetensors").read_bytes()
     assert sorted(p.name for p in single.rglob("*")) == sorted(p.name for p in late.rglob("*"))
     record = json.loads((single / "release.json").read_text())
-    assert record["name"] == "kept" and record["scores"] == {"val_bleu": 0.5}
+    assert record["name"] == "kept" and record["scores"] == {"val_bleu": 0.5} and "member_of" not in record
     assert record["parameters"] == json.loads((late / "release.json").read_text())["parameters"]
 
     shipped = Path(shutil.copytree(early, tmp_path / "pretrained" / "tiny"))  # the model shipped alone so far
