@@ -122,9 +122,30 @@ def plot_lr_schedules(schedules: dict[str, Callable[[int], float]], total_steps:
     return _save(fig, path)
 
 
+class MetricsError(ValueError):
+    """A metrics.csv that cannot be read as numbers (corrupt, foreign, or not written yet)."""
+
+
 def read_metrics(csv_path: Path | str) -> list[dict[str, float]]:
-    with open(csv_path, newline="", encoding="utf-8") as handle:
-        return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]
+    """The rows of a run's metrics.csv that have a step, each {column: value} of its filled cells
+    (none yet: []). A file that is not UTF-8 CSV of numbers under a header with a ``step`` column
+    is a ``MetricsError`` saying which."""
+    try:
+        with open(csv_path, newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            if reader.fieldnames is None or "step" not in reader.fieldnames:
+                raise MetricsError(f"{csv_path} has no header with a step column; is it a metrics.csv of aiayn train?")
+            rows = []
+            for row in reader:
+                try:
+                    rows.append({k: float(v) for k, v in row.items() if k is not None and v not in ("", None)})
+                except (TypeError, ValueError):
+                    raise MetricsError(f"{csv_path}, line {reader.line_num}: a value is not a number; the file is "
+                                       f"damaged") from None
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise MetricsError(f"{csv_path} is not a CSV file ({exc.__class__.__name__}); is it a metrics.csv "
+                           f"of aiayn train?") from None
+    return [row for row in rows if "step" in row]
 
 
 def plot_metrics(csv_path: Path | str, path: Path | str) -> Path:
@@ -147,5 +168,44 @@ def plot_metrics(csv_path: Path | str, path: Path | str) -> Path:
     ax_lr.set_xlabel("step")
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_title("learning rate")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# The per-run score a comparison plots beside the loss, the first a run has: translation BLEU, else accuracy.
+SCORE_COLUMNS = (("val_bleu", "val BLEU (greedy)"), ("val_acc", "val accuracy"))
+
+
+def plot_runs(runs: dict[str, list[dict[str, float]]], path: Path | str) -> Path:
+    """Several runs side by side, from their metrics.csv rows ({label: rows}): validation NLL
+    (each run's training loss faint behind it) and, where the runs log one, a validation score
+    against the step: where one run stalls or over-fits beside another."""
+    column, label = next(((c, name) for c, name in SCORE_COLUMNS
+                          if any(c in r for rows in runs.values() for r in rows)), (None, None))
+    fig, axes = plt.subplots(1, 2 if column else 1, figsize=(11 if column else 6, 4), squeeze=False)
+    ax_loss = axes[0][0]
+    for i, (name, rows) in enumerate(runs.items()):
+        colour = f"C{i % 10}"
+        train = [r for r in rows if "train_loss" in r]
+        val = [r for r in rows if "val_nll" in r]
+        if train:
+            ax_loss.plot([r["step"] for r in train], [r["train_loss"] for r in train], color=colour, alpha=0.25)
+        if val:
+            ax_loss.plot([r["step"] for r in val], [r["val_nll"] for r in val], "o-", color=colour, markersize=3,
+                         label=name)
+        if column:
+            scored = [r for r in rows if column in r]
+            axes[0][1].plot([r["step"] for r in scored], [r[column] for r in scored], "o-", color=colour,
+                            markersize=3, label=name)
+    ax_loss.set_yscale("log")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.set_title("val NLL (lines), train loss (faint)")
+    ax_loss.legend(fontsize="small")
+    if column:
+        axes[0][1].set_xlabel("step")
+        axes[0][1].set_ylabel(label)
+        axes[0][1].set_title(label)
+        axes[0][1].legend(fontsize="small")
     fig.tight_layout()
     return _save(fig, path)

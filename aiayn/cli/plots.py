@@ -143,18 +143,45 @@ def plot_lr_cmd(d_model: int, warmups: str, steps: int, cosine_peak: float, out:
 
 
 @plot_group.command("loss")
-@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="A run directory written by aiayn train.")
+@click.option("--run", "run_dirs", required=True, multiple=True, type=click.Path(file_okay=False, path_type=Path),
+              help="A run directory written by aiayn train (or a release folder: its record's metrics); "
+                   "repeat it to compare runs on one plot.")
+@click.option("--label", "labels", multiple=True,
+              help="A run's name on the plot, one per --run in order (default: the run folders' names).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="PNG file to write (default: <run>/curves.png).")
-def plot_loss_cmd(run_dir: Path, out: Path | None) -> None:
-    """Training loss, validation NLL and learning rate of a run."""
+              help="PNG file to write (default: <run>/curves.png; several runs: runs.png here).")
+def plot_loss_cmd(run_dirs: tuple[Path, ...], labels: tuple[str, ...], out: Path | None) -> None:
+    """Training loss, validation NLL and learning rate of a run; of several runs (--run A --run B
+    ...), their validation NLL and validation score (BLEU or accuracy) against the step, side by
+    side."""
     from aiayn import viz
 
-    metrics = run_dir / "metrics.csv"
-    if not metrics.is_file():
-        raise click.BadParameter(f"{run_dir} has no metrics.csv; is it a run directory?", param_hint="--run")
-    click.echo(viz.plot_metrics(metrics, out or run_dir / "curves.png"))
+    if labels and len(labels) != len(run_dirs):
+        raise click.BadParameter(f"{len(labels)} --label for {len(run_dirs)} --run; give one per --run, in order",
+                                 param_hint="--label")
+    names = list(labels) or [run_dir.name for run_dir in run_dirs]
+    if len(set(names)) != len(names):  # folders of one name in different places: their paths tell them apart
+        names = list(labels) or [str(run_dir) for run_dir in run_dirs]
+    if len(set(names)) != len(names):
+        raise click.BadParameter("two runs have one name; give each its own --label", param_hint="--label")
+    runs = {}
+    for name, run_dir in zip(names, run_dirs, strict=True):
+        # a run's own metrics.csv, or a release's record of the run that made it (aiayn/pretrained/NAME)
+        metrics = next((m for m in (run_dir / "metrics.csv", run_dir / "record" / "metrics.csv") if m.is_file()),
+                       None)
+        if metrics is None:
+            raise click.BadParameter(f"{run_dir} has no metrics.csv; is it a run directory?", param_hint="--run")
+        try:
+            runs[name] = viz.read_metrics(metrics)
+        except viz.MetricsError as exc:
+            raise click.BadParameter(str(exc), param_hint="--run") from None
+        if not runs[name]:
+            raise click.BadParameter(f"{metrics} has no rows yet: a run writes one per logging interval",
+                                     param_hint="--run")
+    if len(run_dirs) == 1:
+        click.echo(viz.plot_metrics(metrics, out or run_dirs[0] / "curves.png"))
+    else:
+        click.echo(viz.plot_runs(runs, out or Path("runs.png")))
 
 
 @cli.command("demo")

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from aiayn.viz import read_metrics
+from aiayn.viz import MetricsError, read_metrics
 
 MAX_POINTS = 2000  # points per series sent to the page (a long run is thinned evenly)
 
@@ -41,7 +41,11 @@ def run_record(run_dir: Path | None) -> dict[str, Any]:
     # the weights).
     record = run_dir / "record" if is_release(run_dir) else run_dir
     metrics = record / "metrics.csv"
-    rows = read_metrics(metrics) if metrics.is_file() else []
+    try:
+        rows = read_metrics(metrics) if metrics.is_file() else []
+        damaged = None
+    except MetricsError as exc:  # the page shows the rest of the run, and says why no curves
+        rows, damaged = [], str(exc)
     series: dict[str, list[list[float]]] = {}
     for name in (*TRAIN_FIELDS, *VAL_FIELDS):
         points = _thin([r for r in rows if name in r and "step" in r])
@@ -49,4 +53,4 @@ def run_record(run_dir: Path | None) -> dict[str, Any]:
             series[name] = [[r["step"], r[name]] for r in points]
     return {"available": True, "run": str(run_dir), "series": series, "rows": len(rows),
             "config": _read_json(run_dir / "config.json"), "summary": _read_json(record / "summary.json"),
-            "note": None if rows else "metrics.csv is missing or empty"}
+            "note": damaged or (None if rows else "metrics.csv is missing or empty")}

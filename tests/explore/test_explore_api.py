@@ -362,6 +362,22 @@ def test_a_long_run_is_thinned_for_the_page(tmp_path):
     assert len(record["series"]["val_nll"]) == 50 and record["config"] is None
 
 
+def test_a_damaged_metrics_file_leaves_the_rest_of_the_run(tmp_path):
+    """A metrics.csv that is not numbers (or not UTF-8) empties the curves and says why, instead of
+    failing the page's run view."""
+    from aiayn.explore.training import run_record
+
+    (tmp_path / "config.json").write_text('{"task": "reverse"}')
+    for damage in (b"step,lr\n1,0.1\n2,zz\n", b"\xff\xfe\x00step"):
+        (tmp_path / "metrics.csv").write_bytes(damage)
+        record = run_record(tmp_path)
+        assert record["available"] and record["rows"] == 0 and record["series"] == {}
+        assert record["config"] == {"task": "reverse"}
+        assert "metrics.csv" in record["note"] and ("line 3: a value is not a number" in record["note"]
+                                                    or "is not a CSV file" in record["note"]
+                                                    or "no header with a step column" in record["note"])
+
+
 def test_every_error_has_the_one_shape_and_big_bodies_are_refused_unread(char_ex):
     """Framework errors too (no route, wrong method, a missing static file) answer {"error": ...}
     with a short message; a body over 1 MiB is 413 by its declared length or as it streams."""

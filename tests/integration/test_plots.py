@@ -44,6 +44,53 @@ def test_metrics_plot(tmp_path):
     assert png_shape(viz.plot_metrics(csv_path, tmp_path / "curves.png")) == (1100, 400)
 
 
+def write_metrics(run: Path, rows: list[str]) -> Path:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return run
+
+
+def test_runs_compared_on_one_plot(tmp_path, run_aiayn):
+    """`aiayn plot loss --run A --run B`: both runs' val NLL and val score (BLEU here) on one PNG;
+    a release folder is read through its record/ (the shipped model beside a new run)."""
+    header = "step,epoch,lr,train_loss,val_nll,val_bleu"
+    a = write_metrics(tmp_path / "a", [header, "1,0,0.001,3.0,,", "2,0,0.001,2.5,2.4,10.0", "4,1,0.001,2.0,2.1,20.0"])
+    b = write_metrics(tmp_path / "release" / "record", [header, "1,0,0.001,3.2,,", "2,0,0.001,3.1,3.0,5.0"]).parent
+    out = tmp_path / "both.png"
+    code, stdout, err = run_aiayn("plot", "loss", "--run", str(a), "--run", str(b), "--label", "a run",
+                                  "--label", "shipped", "--out", str(out))
+    assert code == 0, err
+    assert stdout.strip() == str(out) and png_shape(out) == (1100, 400)
+    rows = {name: viz.read_metrics(run / "metrics.csv") for name, run in (("a", a), ("b", b / "record"))}
+    assert rows["a"][1] == {"step": 2.0, "epoch": 0.0, "lr": 0.001, "train_loss": 2.5, "val_nll": 2.4, "val_bleu": 10.0}
+    # No score column (a task without BLEU or accuracy): the loss panel alone.
+    plain = {"x": [{"step": 1.0, "val_nll": 2.0}], "y": [{"step": 1.0, "val_nll": 3.0}]}
+    assert png_shape(viz.plot_runs(plain, tmp_path / "plain.png")) == (600, 400)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"step,epoch,lr,train_loss\n1,0,abc,2.0\n", "metrics.csv, line 2: a value is not a number; the file is damaged"),
+    (b"\x00\xff\xfe garbage", "metrics.csv is not a CSV file (UnicodeDecodeError)"),
+    (b"loss,acc\n1,2\n", "metrics.csv has no header with a step column"),
+    (b"step,val_nll\n", "metrics.csv has no rows yet"),
+])
+def test_a_bad_metrics_file_is_one_line(tmp_path, run_aiayn, content, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_bytes(content)
+    code, stdout, err = run_aiayn("plot", "loss", "--run", str(run), "--out", str(tmp_path / "x.png"))
+    assert code == 2 and stdout == "" and len(err.strip().splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_runs_to_compare_need_names_of_their_own(tmp_path, run_aiayn):
+    run = write_metrics(tmp_path / "run", ["step,train_loss", "1,2.0"])
+    for args, message in ((["--run", str(run), "--run", str(run)], "two runs have one name; give each its own --label"),
+                          (["--run", str(run), "--label", "a", "--label", "b"], "2 --label for 1 --run")):
+        code, _, err = run_aiayn("plot", "loss", *args, "--out", str(tmp_path / "x.png"))
+        assert code == 2 and message in err, err
+
+
 @pytest.mark.parametrize(("args", "name", "size"), [
     (["pe", "--d-model", "32"], "pe.png", (900, 400)),
     (["pe-dot"], "dot.png", (700, 400)),
