@@ -48,7 +48,7 @@ def run_record(run_dir: Path | None) -> dict[str, Any]:
         rows, damaged = [], str(exc)
     series: dict[str, list[list[float]]] = {}
     for name in (*TRAIN_FIELDS, *VAL_FIELDS):
-        points = _thin([r for r in rows if name in r and "step" in r])
+        points = _thin([r for r in rows if name in r])  # read_metrics keeps rows with a step only
         if points:
             series[name] = [[r["step"], r[name]] for r in points]
     return {"available": True, "run": str(run_dir), "series": series, "rows": len(rows),

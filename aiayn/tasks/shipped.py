@@ -207,6 +207,9 @@ def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = Non
     if dtype not in RELEASE_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(RELEASE_DTYPES)}")
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if is_ensemble_release(run_dir):
+        raise ValueError(f"{run_dir} is an ensemble release itself; give its members "
+                         f"({', '.join(m.name for m in release_members(run_dir))}) one by one")
     if is_release(run_dir):  # a release again (a kept member shipped, or renamed): copied as it is
         tmp = _fresh_tmp(out_dir)
         try:
@@ -294,16 +297,8 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
         records = []
         for i, (run_dir, checkpoint, member_name) in enumerate(members):
             own = {"scores": member_scores[i]} if member_scores is not None else {}
-            extra_of_member = {"member_of": name or out_dir.name, **own}
-            if is_ensemble_release(Path(run_dir)):
-                raise ValueError(f"{run_dir} is an ensemble release itself; give its members "
-                                 f"({', '.join(m.name for m in release_members(Path(run_dir)))}) one by one")
-            if is_release(Path(run_dir)):
-                _copy_release(Path(run_dir), tmp / member_name, checkpoint=checkpoint, dtype=dtype,
-                              name=member_name, extra=extra_of_member)
-            else:
-                write_release(run_dir, tmp / member_name, checkpoint=checkpoint, dtype=dtype, name=member_name,
-                              recipe=recipe, extra=extra_of_member)
+            write_release(run_dir, tmp / member_name, checkpoint=checkpoint, dtype=dtype, name=member_name,
+                          recipe=recipe, extra={"member_of": name or out_dir.name, **own})
             records.append(json.loads((tmp / member_name / RELEASE_FILE).read_text(encoding="utf-8")))
         load_ensemble_translator([(tmp / member_name, None) for member_name in names])  # they form one
     except BaseException:
