@@ -148,9 +148,21 @@ def read_metrics(csv_path: Path | str) -> list[dict[str, float]]:
     return [row for row in rows if "step" in row]
 
 
-def plot_metrics(csv_path: Path | str, path: Path | str) -> Path:
-    """Training loss, validation NLL and the learning rate of a run, from its metrics.csv."""
-    rows = read_metrics(csv_path)
+def _loss_axis(ax: plt.Axes, title: str, **legend: object) -> None:
+    """The loss panel's log scale, labels and title; a legend when a line has a label (a plot of runs
+    with no validation rows has none, and matplotlib warns at an empty legend)."""
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**legend)
+
+
+def plot_metrics(metrics: Path | str | list[dict[str, float]], path: Path | str) -> Path:
+    """Training loss, validation NLL and the learning rate of a run, from its metrics.csv (a path, or
+    the rows ``read_metrics`` returned)."""
+    rows = metrics if isinstance(metrics, list) else read_metrics(metrics)
     train = [r for r in rows if "train_loss" in r]
     val = [r for r in rows if "val_nll" in r]
     fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
@@ -158,11 +170,7 @@ def plot_metrics(csv_path: Path | str, path: Path | str) -> Path:
         ax_loss.plot([r["step"] for r in train], [r["train_loss"] for r in train], label="train loss")
     if val:
         ax_loss.plot([r["step"] for r in val], [r["val_nll"] for r in val], "o-", label="val NLL")
-    ax_loss.set_yscale("log")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss (nats/token)")
-    ax_loss.set_title("loss")
-    ax_loss.legend()
+    _loss_axis(ax_loss, "loss")
     if train:
         ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:green")
     ax_lr.set_xlabel("step")
@@ -197,11 +205,7 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], path: Path | str) -> Path
             scored = [r for r in rows if column in r]
             axes[0][1].plot([r["step"] for r in scored], [r[column] for r in scored], "o-", color=colour,
                             markersize=3, label=name)
-    ax_loss.set_yscale("log")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss (nats/token)")
-    ax_loss.set_title("val NLL (lines), train loss (faint)")
-    ax_loss.legend(fontsize="small")
+    _loss_axis(ax_loss, "val NLL (lines), train loss (faint)", fontsize="small")
     if column:
         axes[0][1].set_xlabel("step")
         axes[0][1].set_ylabel(label)

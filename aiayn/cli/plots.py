@@ -179,7 +179,7 @@ def plot_loss_cmd(run_dirs: tuple[Path, ...], labels: tuple[str, ...], out: Path
             raise click.BadParameter(f"{metrics} has no rows yet: a run writes one per logging interval",
                                      param_hint="--run")
     if len(run_dirs) == 1:
-        click.echo(viz.plot_metrics(metrics, out or run_dirs[0] / "curves.png"))
+        click.echo(viz.plot_metrics(runs[names[0]], out or run_dirs[0] / "curves.png"))
     else:
         click.echo(viz.plot_runs(runs, out or Path("runs.png")))
 

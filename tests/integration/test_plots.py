@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import matplotlib.image
@@ -66,6 +67,11 @@ def test_runs_compared_on_one_plot(tmp_path, run_aiayn):
     # No score column (a task without BLEU or accuracy): the loss panel alone.
     plain = {"x": [{"step": 1.0, "val_nll": 2.0}], "y": [{"step": 1.0, "val_nll": 3.0}]}
     assert png_shape(viz.plot_runs(plain, tmp_path / "plain.png")) == (600, 400)
+    # Runs before their first validation (train loss only): no legend, and no matplotlib warning for an empty one.
+    early = {"x": [{"step": 1.0, "train_loss": 2.0}], "y": [{"step": 1.0, "train_loss": 3.0}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert png_shape(viz.plot_runs(early, tmp_path / "early.png")) == (600, 400)
 
 
 @pytest.mark.parametrize(("content", "message"), [
