@@ -121,8 +121,8 @@ def test_quantize_is_refused_for_a_translation_model():
     """quantize= quantizes text models only: a translation run asked for int8 is one ValueError
     naming what it applies to, not a float32 translator that looks quantized."""
     with pytest.raises(ValueError, match=r"^quantize='int8' applies to text models only \(a language-model run, a "
-                                         r"GGUF file, a Hugging Face decoder-only directory\); .*multi30k-en-de holds a "
-                                         r"translation model: leave quantize='none'$"):
+                                         r"GGUF file, a Hugging Face decoder-only directory\); .*multi30k-en-de holds (a "
+                                         r"translation model|an ensemble of translation models): leave quantize='none'$"):
         aiayn.load("multi30k-en-de", quantize="int8", device="cpu")
 
 
