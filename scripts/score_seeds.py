@@ -8,7 +8,8 @@ Each --run is scored at RUN/averaged-last5 when it has one (its latest checkpoin
 --model (a shipped model or a release directory) as it is. Beam size and length penalty default to
 the first member's recipe, as `aiayn evaluate` does. Prints one markdown table: every member's
 cased sacreBLEU, chrF and lower-cased BLEU per split, the members' mean and spread (max - min), and
-the ensemble of all of them (one search over the mean of their log-probabilities); --json writes
+the ensemble of all of them (one search over the mean of their log-probabilities), or the
+ensembles --ensemble names (member numbers, e.g. --ensemble 1,2,3 --ensemble 1,4); --json writes
 the same figures. Splits are read from the members' corpus (AIAYN_DATA_DIR, default ../shared/data).
 """
 
@@ -34,6 +35,18 @@ def member(path: Path) -> tuple[Path, Path | None]:
     return path, averaged if averaged.is_dir() else None
 
 
+def ensemble_members(numbers: str, count: int, parser: argparse.ArgumentParser) -> list[int]:
+    """The 1-based member numbers of one --ensemble ("1,3"): at least two, each once, each a member."""
+    try:
+        chosen = [int(n) for n in numbers.split(",")]
+    except ValueError:
+        parser.error(f"--ensemble {numbers!r}: give member numbers separated by commas, e.g. 1,3")
+    if len(chosen) < 2 or len(set(chosen)) != len(chosen) or not all(1 <= n <= count for n in chosen):
+        parser.error(f"--ensemble {numbers!r}: two or more different numbers from 1 to {count} (the members in "
+                     f"the order given)")
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, action="append", default=[], help="a finished run; repeat it")
@@ -41,6 +54,9 @@ def main() -> None:
     parser.add_argument("--splits", nargs="+", default=["val"], help="splits to score (val, test2016)")
     parser.add_argument("--beam", type=int, help="beam size (default: the first member's recipe)")
     parser.add_argument("--length-penalty", type=float, help="alpha (default: the first member's recipe)")
+    parser.add_argument("--ensemble", action="append", default=[], metavar="I,J,...",
+                        help="an ensemble to score, as the members' numbers in the order given (1-based, "
+                             "e.g. 1,3); repeat it for several (default: all the members together)")
     parser.add_argument("--no-ensemble", action="store_true", help="score the members only")
     parser.add_argument("--threads", type=int, help="torch threads")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -53,8 +69,12 @@ def main() -> None:
     names = [f"{i}. {path}" + (f" ({checkpoint.name})" if checkpoint is not None else "")
              for i, (path, checkpoint) in enumerate(members, start=1)]
     candidates = [(name, [m]) for name, m in zip(names, members, strict=True)]
-    if len(members) > 1 and not args.no_ensemble:
-        candidates.append((f"ensemble of {len(members)}", members))
+    if not args.no_ensemble:
+        for numbers in args.ensemble or ([",".join(str(i) for i in range(1, len(members) + 1))]
+                                         if len(members) > 1 else []):
+            chosen = ensemble_members(numbers, len(members), parser)
+            candidates.append((f"ensemble of {len(chosen)} ({'+'.join(str(i) for i in chosen)})",
+                               [members[i - 1] for i in chosen]))
 
     scores: dict[str, dict[str, dict[str, float]]] = {}
     options = None
