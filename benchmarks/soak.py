@@ -316,12 +316,16 @@ async def probe(url: str, args: argparse.Namespace) -> Tally:
     server = args.server_keep_alive
     expiry = args.keepalive_expiry or client_keepalive_expiry(server)
     windows = sorted({server, min(expiry, server)})
-    deadline = time.monotonic() + args.seconds
     sent = Counter[str]()
+    # Every client's pool is made before the clock starts: on a busy machine making 60 of them took a
+    # good part of a 10-second probe, which then sent too few requests to show the race.
+    pools = [tracked_client(tally.connections, max_connections=1, keepalive_expiry=expiry, timeout=30.0)
+             for _ in range(args.clients)]
+    deadline = time.monotonic() + args.seconds
 
     async def one(index: int) -> None:
         rng = random.Random(args.seed * 1000 + index)
-        async with tracked_client(tally.connections, max_connections=1, keepalive_expiry=expiry, timeout=30.0) as client:
+        async with pools[index] as client:
             await asyncio.sleep(rng.uniform(0, server))  # spread the clients out
             while time.monotonic() < deadline:
                 sent["n"] += 1
