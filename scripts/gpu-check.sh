@@ -3,8 +3,9 @@
 # working tree the device tool copied there (its own torch, no network). In order, each part under
 # its own timeout so the whole stays inside one 600 s device call:
 #   1. the card (nvidia-smi), torch and the optional packages, the date;
-#   2. the parity and consistency tests on the GPU: AIAYN_TEST_DEVICES=cuda, -m "not cpu_only and
-#      not slow" (--slow: the slow ones too), the repo on PYTHONPATH;
+#   2. the parity and consistency tests on the GPU, and the device tests of training (resume on the
+#      GPU and across devices), the loaders and the serve engine's CUDA graphs: AIAYN_TEST_DEVICES=cuda,
+#      -m "not cpu_only and not slow" (--slow: the slow ones too), the repo on PYTHONPATH;
 #   3. python -m benchmarks.gpu, rows (a), (b), (c), each in its own process.
 # Everything is printed and written to $OUT/gpu-check.log ($OUT: the folder the device tool brings
 # back; else $TMPDIR or /tmp). Missing pure-Python packages travel as wheels in .whl/ (docs/gpu.md):
@@ -14,9 +15,10 @@
 #   scripts/gpu-check.sh --rows c        # only benchmark row (c)
 #   scripts/gpu-check.sh --cpu-smoke     # here, on a CPU: a few tests and the benchmark at tiny sizes
 #
-# Timeouts in seconds (environment): GPU_CHECK_TESTS_TIMEOUT (120) and GPU_CHECK_ROW_TIMEOUTS
-# ("a=200 b=120 c=130"): at most 570 s with the header's few, inside one 600 s device call. Sized on
-# an H100 (2026-11-27, torch 2.11): the tests took 88-92 s, row (a) 140 s and row (b) 50 s at
+# Timeouts in seconds (environment): GPU_CHECK_TESTS_TIMEOUT (150) and GPU_CHECK_ROW_TIMEOUTS
+# ("a=180 b=110 c=130"): at most 570 s with the header's few, inside one 600 s device call. Sized on
+# an H100 (2026-11-27, torch 2.11): the parity and consistency tests took 88-92 s (the device tests
+# outside those folders, added since, take about 25 s on 2 CPU cores), row (a) 140 s and row (b) 50 s at
 # "--repeats 2 --warmup 1 --iters 2" (torch.compile's first calls are most of it), row (c) 110 s for
 # batch 1 alone. A row prints its table when it ends (row (c) after each batch size), so a timeout
 # loses that row only. GPU_CHECK_BENCH_ARGS (default "--repeats 2 --warmup 1 --iters 2") goes to
@@ -27,14 +29,21 @@ cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
 OUTDIR=${OUT:-${TMPDIR:-/tmp}}
 LOG="$OUTDIR/gpu-check.log"
-TESTS_TIMEOUT=${GPU_CHECK_TESTS_TIMEOUT:-120}
-ROW_TIMEOUTS=${GPU_CHECK_ROW_TIMEOUTS:-a=200 b=120 c=130}
+TESTS_TIMEOUT=${GPU_CHECK_TESTS_TIMEOUT:-150}
+ROW_TIMEOUTS=${GPU_CHECK_ROW_TIMEOUTS:-a=180 b=110 c=130}
 BENCH_ARGS=${GPU_CHECK_BENCH_ARGS:---repeats 2 --warmup 1 --iters 2}
 DEVICE=cuda
 SMOKE=""
 ROWS=abc
 MARK="not cpu_only and not slow"
-TESTS=${GPU_CHECK_TESTS:-tests/parity tests/consistency}
+# Outside tests/parity and tests/consistency, the tests that take `device` (or need CUDA): training
+# on the device and resumed across devices, the loaders of every verb, the serve engine's CUDA graphs.
+OPTION=tests/integration/test_device_option.py
+DEVICE_TESTS="tests/unit/test_train_on_device.py $OPTION::test_load_text_model_and_stream_text
+    $OPTION::test_read_text_model_of_a_hf_directory $OPTION::test_load_translator
+    $OPTION::test_load_sentence_encoder $OPTION::test_load_served_model_and_decoder_embeddings
+    $OPTION::test_load_explorable_and_its_views tests/serve/test_compiled_engine.py::test_cuda_graphs_replay_the_buckets"
+TESTS=${GPU_CHECK_TESTS:-tests/parity tests/consistency $DEVICE_TESTS}
 PARTS=()  # "part: result" lines for the summary
 FAILED=0
 
@@ -88,7 +97,7 @@ wheels() {  # carried wheels (.whl/*.whl, from `pip download` here) into a priva
 
 header() {
     echo "# aiayn GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
-    echo "device $DEVICE; tests: $TESTS (-m \"$MARK\"); benchmark rows: $ROWS ${SMOKE}; log: $LOG"
+    echo "device $DEVICE; tests: $(echo $TESTS) (-m \"$MARK\"); benchmark rows: $ROWS ${SMOKE}; log: $LOG"
     echo
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
@@ -125,7 +134,7 @@ EOF
 
 tests() {
     echo
-    echo "## parity and consistency tests, AIAYN_TEST_DEVICES=$DEVICE (timeout ${TESTS_TIMEOUT} s)"
+    echo "## tests, AIAYN_TEST_DEVICES=$DEVICE (timeout ${TESTS_TIMEOUT} s)"
     # shellcheck disable=SC2086  # TESTS is a list of paths
     AIAYN_TEST_DEVICES=$DEVICE timeout -k 10 "$TESTS_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -rfEs \
         --durations=5 -m "$MARK" $TESTS

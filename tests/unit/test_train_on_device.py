@@ -1,10 +1,16 @@
-"""Training's device policy, checked on the CPU: where the pieces go, what a checkpoint keeps, and
-the one-line refusal of a device this machine lacks (the GPU side runs in scripts/gpu-check.sh)."""
+"""Training's device policy: where the pieces go, what a checkpoint keeps, resume on the device and
+across devices, and the one-line refusal of a device this machine lacks. The tests that take the
+``device`` fixture run on each of ``AIAYN_TEST_DEVICES`` (CI: the CPU; scripts/gpu-check.sh: CUDA)."""
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from aiayn import device as devices
 from aiayn.cli import main
@@ -101,3 +107,58 @@ def test_a_task_run_trains_evaluates_and_draws_attention_on_the_device(task_name
     model = task.build_model(task.model_config()).to(device)
     example = task.attention_example(model)
     assert example is not None and all(w.device.type == "cpu" for w in example.weights)
+
+
+def _reverse_run(run_dir: Path, device: torch.device | str, *, steps: int, resume: bool = False) -> int:
+    """``steps`` steps of the reverse task, with dropout (so the device's generator matters), a
+    checkpoint every 2 steps; returns the step reached."""
+    from aiayn.tasks.base import get_task
+    from aiayn.train.trainer import train
+
+    task = get_task("reverse", n_train=64, n_val=16, n_test=16)
+    model_config = dataclasses.replace(task.model_config(), dropout=0.2)
+    cfg = TrainConfig(**{**task.train_overrides(), "max_steps": steps, "batch_size": 16, "eval_every": 1000,
+                         "save_every": 2, "average_last": 0})
+    return train(task, model_config, cfg, run_dir, resume=resume, progress=False, make_plots=False,
+                 echo=lambda _: None, device=device).step
+
+
+def _back_to_step(run: Path, copy: Path, step: int) -> None:
+    """A copy of ``run`` whose checkpoints end at ``step`` (the later ones removed), to resume from."""
+    shutil.copytree(run, copy)
+    for later in (copy / "checkpoints").glob("step-*"):
+        if int(later.name.removeprefix("step-")) > step:
+            shutil.rmtree(later)
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / f"step-{step:08d}" / "model.safetensors")
+
+
+def test_a_run_resumed_on_its_device_ends_on_the_straight_runs_weights(device, tmp_path) -> None:
+    """4 steps straight against 2, then a resume for the last 2, on ``device``: the same weights
+    (with dropout, so the CPU's and the device's generator states are restored from the checkpoint)."""
+    assert _reverse_run(tmp_path / "straight", device, steps=4) == 4
+    _back_to_step(tmp_path / "straight", tmp_path / "resumed", 2)
+    assert _reverse_run(tmp_path / "resumed", device, steps=4, resume=True) == 4
+    straight, resumed = _weights(tmp_path / "straight", 4), _weights(tmp_path / "resumed", 4)
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        if device.type == "cpu":
+            assert torch.equal(straight[key], resumed[key]), key
+        else:  # a GPU's backward kernels may add in a different order from call to call (atomics);
+            # a dropout mask drawn from an unrestored generator would differ far beyond this
+            torch.testing.assert_close(resumed[key], straight[key], msg=key)
+
+
+def test_a_run_moves_from_the_device_to_the_cpu_and_back(device, tmp_path) -> None:
+    """Checkpoints carry no device: a run saved on ``device`` resumes on the CPU, and a run saved on
+    the CPU resumes on ``device`` (on the CPU alone both are the same-device case above)."""
+    cpu = torch.device("cpu")
+    for first, then, name in ((device, cpu, "device-then-cpu"), (cpu, device, "cpu-then-device")):
+        run = tmp_path / name
+        assert _reverse_run(run, first, steps=4) == 4
+        _back_to_step(run, tmp_path / f"{name}-resumed", 2)
+        assert _reverse_run(tmp_path / f"{name}-resumed", then, steps=4, resume=True) == 4
+        for key, tensor in _weights(tmp_path / f"{name}-resumed", 4).items():
+            assert tensor.device.type == "cpu" and torch.isfinite(tensor).all(), key
