@@ -110,6 +110,13 @@ class StopRequest:
                 signal.signal(sig, handler)
 
 
+def _seconds_of(state: dict[str, object]) -> float | None:
+    """A checkpoint's training seconds (its state's ``elapsed_s``); None if absent or not a count."""
+    seconds = state.get("elapsed_s")
+    ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < math.inf
+    return float(seconds) if ok else None  # type: ignore[arg-type]
+
+
 def train(
     task: Task,
     model_config: ModelConfig,
@@ -321,7 +328,8 @@ def _train(
         def save() -> None:
             save_checkpoint(location.path / "checkpoints", step=step, model=model, optimizer=optimizer,
                             keep=cfg.keep_checkpoints, state={"epoch": epoch, "batch_in_epoch": batch_in_epoch,
-                                   "metrics_window": window_state},
+                                   "metrics_window": window_state,
+                                   "elapsed_s": time.perf_counter() - start_time},
                             model_state=model_state, optimizer_state=optimizer_state)
             location.swap_in()  # a replaced run: the new one takes its place once it holds a checkpoint
 
@@ -335,7 +343,13 @@ def _train(
             if metrics is not None:
                 metrics.path = location.path / "metrics.csv"
 
-    start_time = time.perf_counter()
+    # The run's training time along its saved path: a resumed run goes on from its checkpoint's
+    # count (elapsed_s in metrics.csv, "seconds" in summary.json), so the time after that checkpoint
+    # that a kill threw away is not counted, and what is done again is. A checkpoint from before
+    # the count was kept gives None: then the count starts at the resume.
+    resumed_at = (saved_step, _seconds_of(loaded.state)) if loaded is not None else None
+    seconds_before = (resumed_at[1] or 0.0) if resumed_at is not None else 0.0
+    start_time = time.perf_counter() - seconds_before
     window = MetricsWindow.restored(loaded.state.get("metrics_window", {}), ctx) if loaded else MetricsWindow()
     totals = DeviceTotals(dev)
     last_loss: Tensor | float = float("nan")
@@ -459,6 +473,8 @@ def _train(
     result.examples = task.examples(model)
     summary = {"step": step, "final_train_loss": result.final_loss, "test": result.test_metrics,
                "seconds": time.perf_counter() - start_time}
+    if resumed_at is not None:
+        summary["resumed"] = {"step": resumed_at[0], "seconds": resumed_at[1]}
     summary["test_checkpoint"] = result.test_checkpoint
     if averaged:
         summary["averaged"] = averaged

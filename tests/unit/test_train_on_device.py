@@ -162,3 +162,33 @@ def test_a_run_moves_from_the_device_to_the_cpu_and_back(device, tmp_path) -> No
         assert _reverse_run(tmp_path / f"{name}-resumed", then, steps=4, resume=True) == 4
         for key, tensor in _weights(tmp_path / f"{name}-resumed", 4).items():
             assert tensor.device.type == "cpu" and torch.isfinite(tensor).all(), key
+
+
+def test_a_resumed_run_counts_its_training_time_from_the_checkpoint(tmp_path) -> None:
+    """summary.json's "seconds" and metrics.csv's elapsed_s go on from the checkpoint's count (its
+    state's elapsed_s) on resume, and the summary says where it resumed; a checkpoint without the
+    count (written before it was kept) resumes with the count started anew, and says so (None)."""
+    import csv
+    import json
+
+    cpu = torch.device("cpu")
+    assert _reverse_run(tmp_path / "straight", cpu, steps=4) == 4
+    _back_to_step(tmp_path / "straight", tmp_path / "resumed", 2)
+    state_file = tmp_path / "resumed" / "checkpoints" / "step-00000002" / "state.json"
+    at_checkpoint = json.loads(state_file.read_text())["elapsed_s"]
+    assert at_checkpoint > 0
+    assert _reverse_run(tmp_path / "resumed", cpu, steps=4, resume=True) == 4
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["resumed"] == {"step": 2, "seconds": at_checkpoint}
+    assert summary["seconds"] > at_checkpoint
+    with (tmp_path / "resumed" / "metrics.csv").open(newline="") as handle:
+        elapsed = [float(row["elapsed_s"]) for row in csv.DictReader(handle) if row["elapsed_s"]]
+    assert elapsed == sorted(elapsed) and elapsed[-1] > at_checkpoint
+
+    _back_to_step(tmp_path / "straight", tmp_path / "old", 2)
+    old_state = tmp_path / "old" / "checkpoints" / "step-00000002" / "state.json"
+    state = json.loads(old_state.read_text())
+    del state["elapsed_s"]
+    old_state.write_text(json.dumps(state))
+    assert _reverse_run(tmp_path / "old", cpu, steps=4, resume=True) == 4
+    assert json.loads((tmp_path / "old" / "summary.json").read_text())["resumed"] == {"step": 2, "seconds": None}
