@@ -1,6 +1,7 @@
 """Every shipped model's file goes into an installed package: pyproject's package-data globs (which
 setuptools expands with glob, one folder level per `*`) match every file under aiayn/pretrained,
-an ensemble's member folders included (a non-editable install lost them once)."""
+an ensemble's member folders included (the first globs missed them: a wheel held only the
+ensemble's release.json)."""
 
 from __future__ import annotations
 
