@@ -14,6 +14,7 @@ from test_engine import Collector, prompt, run_until_done, submit
 from aiayn.nn.kv_cache import kv_cache_bytes
 from aiayn.serve.blocks import block_plan
 from aiayn.serve.engine import Engine, slot_plan
+from aiayn.serve.runner import Runner
 
 BLOCK = 8
 
@@ -55,14 +56,14 @@ def answers(engine: Engine, prompts: list[list[int]], *, every: int = 0, **param
 def prefill_tokens(monkeypatch) -> list[int]:
     """Counts the prompt tokens the engine's forwards read (each prefill chunk's real tokens)."""
     counted: list[int] = []
-    chunk = Engine._prefill_parts
+    forward = Runner.forward
 
-    def counting(self):
-        start, batch, parts = chunk(self)
-        counted.append(sum(take for _, take in batch))
-        return start, batch, parts
+    def counting(self, plan):
+        if plan.prefill:
+            counted.append(sum(len(tokens) for _, tokens, _ in plan.prefill))
+        return forward(self, plan)
 
-    monkeypatch.setattr(Engine, "_prefill_parts", counting)
+    monkeypatch.setattr(Runner, "forward", counting)
     return counted
 
 
