@@ -39,14 +39,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from aiayn.cpu_share import share_cores
 from aiayn.device import autocast
-from aiayn.nn.paged_kv_cache import PagedKVCache
-from aiayn.nn.row_kv_cache import RowKVCache
 from aiayn.serve.blocks import PAGED_COMPILE, BlockPlan, BlockScheduler, SlotPlan, slot_plan
-from aiayn.serve.compiled_step import CompiledRows
 from aiayn.serve.embedding import DEFAULT_CHUNK, EmbeddingJob, EmbeddingQueue
 from aiayn.serve.metrics import Metrics
 from aiayn.serve.output import Output
@@ -95,9 +91,11 @@ class Engine:
         self._cv = threading.Condition()
         self.context, self.max_batch = plan.context, plan.rows
         self.runner = Runner(lm.model, plan, kv_cache=kv_cache, compile=compile)
-        self.device = self.runner.device
-        blocks = BlockScheduler(self.runner.cache, plan) if isinstance(plan, BlockPlan) else None  # type: ignore[arg-type]
-        self.scheduler = Scheduler(plan.rows, prefill_chunk, self._cv, blocks, compiled=compile)
+        self.model, self.device, self.cache, self.compiled = lm.model, self.runner.device, self.runner.cache, self.runner.compiled
+        # The paged cache's bookkeeping (None: fixed slots)
+        self.blocks = BlockScheduler(self.cache, plan) if isinstance(plan, BlockPlan) else None  # type: ignore[arg-type]
+        self.scheduler = Scheduler(plan.rows, prefill_chunk, self._cv, self.blocks, compiled=compile)
+        self.rows, self.waiting = self.scheduler.rows, self.scheduler.waiting  # (the scheduler's, read here)
         self.max_queue = max_queue
         self.threads = threads  # torch threads of the engine thread (None: as it finds them)
         self.metrics = metrics or Metrics()
@@ -109,36 +107,9 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.metrics.watch_load(self.max_batch, lambda: len(self.waiting), lambda: self.running)
-        if blocks is not None:
+        if (blocks := self.blocks) is not None:
             pool = blocks.cache.pool
             self.metrics.watch_blocks(lambda: pool.used, lambda: pool.available, lambda: blocks.hit_rate)
-
-    # ---- what the parts hold ----------------------------------------------------------------------
-    @property
-    def model(self) -> nn.Module:
-        return self.runner.model
-
-    @property
-    def cache(self) -> RowKVCache | PagedKVCache:
-        return self.runner.cache
-
-    @property
-    def compiled(self) -> CompiledRows | None:
-        return self.runner.compiled
-
-    @property
-    def blocks(self) -> BlockScheduler | None:
-        """The paged cache's bookkeeping (None: fixed slots)."""
-        return self.scheduler.blocks
-
-    @property
-    def rows(self) -> list[Request]:
-        """The requests in cache rows 0, 1, ...: decoding first, then prefilling."""
-        return self.scheduler.rows
-
-    @property
-    def waiting(self) -> deque[Request]:
-        return self.scheduler.waiting
 
     # ---- the outside: any thread ---------------------------------------------------------------
     def submit(self, request: Request) -> None:

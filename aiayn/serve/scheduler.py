@@ -130,7 +130,8 @@ class Scheduler:
         with self.lock:
             pending = [*self.rows, *self.waiting]
             self.waiting.clear()
-        self.rows, self.n_decode = [], 0
+        self.rows.clear()
+        self.n_decode = 0
         return pending
 
     def _decoding(self) -> list[Request]:
