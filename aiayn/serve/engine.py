@@ -253,7 +253,7 @@ class Engine:
             request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
             self.metrics.prompt_tokens.inc(len(request.prompt))
         if plan.preempted:
-            self.metrics.preemptions.inc(plan.preempted)
+            self.metrics.preemptions.inc(len(plan.preempted))
 
     def _run_jobs(self) -> None:
         while self.jobs:

@@ -47,8 +47,9 @@ class StepPlan:
     """One forward: ``decode`` feed their last tokens (rows [0, d)); ``prefill`` rows [first,
     first + k) feed (request, tokens, whether its prompt ends here); ``ops`` go to the cache
     first, ``register`` after. ``admitted``: new requests (their text and draws to set up);
-    ``preempted``: how many gave their blocks back; ``decode_next``: the chunk runs alone and the
-    decoding rows decode in a second forward of this step."""
+    ``preempted``: back in the queue, their blocks given back; ``freed``: cancelled, their rows
+    freed; ``decode_next``: the chunk runs alone and the decoding rows decode in a second forward
+    of this step."""
 
     decode: list[Request] = field(default_factory=list)
     prefill: list[tuple[Request, list[int], bool]] = field(default_factory=list)
@@ -56,7 +57,8 @@ class StepPlan:
     ops: list[CacheOp] = field(default_factory=list)
     register: list[CacheOp] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
-    preempted: int = 0
+    preempted: list[Request] = field(default_factory=list)
+    freed: list[Request] = field(default_factory=list)
     decode_next: bool = False
 
     @property
@@ -93,7 +95,8 @@ class Scheduler:
         plan = StepPlan()
         if self.blocks is not None:
             self.blocks.snapshot(self.rows)
-        for request in [r for r in self.rows if r.cancelled]:
+        plan.freed = [r for r in self.rows if r.cancelled]
+        for request in plan.freed:
             self._remove(request, plan.ops)
         if self.blocks is not None:
             self._admit_by_blocks(self.blocks, plan)
@@ -224,7 +227,7 @@ class Scheduler:
             decoding = self.rows.index(victim) < self.n_decode
             self._free_row(victim, plan.ops)
             blocks.preempted(victim, decoding)
-            plan.preempted += 1
+            plan.preempted.append(victim)
             with self.lock:
                 self.waiting.appendleft(victim)
 
