@@ -1,9 +1,11 @@
 """``aiayn serve``: an OpenAI-compatible HTTP server with continuous batching.
 
-* ``engine``: the scheduler (continuous batching, chunked prefill) over a paged KV cache
-  (``blocks``: a pool of blocks from the memory budget, admission by free blocks, the prefix
-  cache, preemption) or fixed slots (``--kv-layout slots``); ``sampler``: each row's next token
-  (bias, penalties, grammar masks, the draw);
+* ``engine``: continuous batching, each step ``scheduler`` (rows, admission, preemption, the
+  prefill chunk: host numbers only) -> ``runner`` (the model, the KV cache and the forwards) ->
+  ``sampler`` (each row's next token: bias, penalties, grammar masks, the draw) -> ``output``
+  (text, stop strings, events); ``request`` its data types; ``blocks`` the paged KV cache's plan
+  and bookkeeping (a pool of blocks from the memory budget, admission by free blocks, the prefix
+  cache, preemption), or fixed slots (``--kv-layout slots``);
 * ``tools`` / ``tool_calls``: OpenAI tool calls (the prompt with tools, the constraining grammar,
   the answer read back);
 * ``app``: the FastAPI routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,

@@ -297,6 +297,14 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="aiayn serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(ServerMiddleware, state=state)
     install_error_handlers(app)
+    add_status_routes(app, state)
+    add_generation_routes(app, state)
+    add_embedding_route(app, state)
+    return app
+
+
+def add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """``/health``, ``/metrics`` and ``/v1/models``."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -321,6 +329,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def get_model(model_id: str) -> dict[str, Any]:
         state.check_model(model_id)
         return model_card()
+
+
+def add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """``/v1/chat/completions`` and ``/v1/completions``."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -357,6 +369,10 @@ def create_app(state: ServerState) -> FastAPI:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return await answer(state, request, generation, meta, body.stream, include_usage)
 
+
+def add_embedding_route(app: FastAPI, state: ServerState) -> None:
+    """``/v1/embeddings``."""
+
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         state.check_model(body.model)
@@ -371,8 +387,6 @@ def create_app(state: ServerState) -> FastAPI:
             return Response(status_code=499)  # nobody reads it
         content = await asyncio.to_thread(embeddings_json, vectors, body.encoding_format, state.served.name, tokens)
         return Response(content, media_type="application/json")
-
-    return app
 
 
 def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any) -> tuple[ToolFormat, GrammarConstraint]:

@@ -1,5 +1,5 @@
-"""The serve engine's paged KV cache: its memory plan, admission by free blocks, the prefix cache
-and preemption (vLLM's scheduler, in miniature).
+"""The serve engine's paged KV cache: its memory plan, and the bookkeeping behind admission by
+free blocks, the prefix cache and preemption (``aiayn.serve.scheduler`` decides with it).
 
 * **Plan** (``block_plan``; ``slot_plan`` is the fixed slots' of ``--kv-layout slots``): ``--kv-budget`` bytes become a pool of blocks of ``--block-size``
   tokens (block 0 the null block), at most what ``--max-batch`` rows of ``--context`` tokens could
@@ -25,27 +25,21 @@ and preemption (vLLM's scheduler, in miniature).
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
-from aiayn.generate.text import IncrementalText
 from aiayn.nn.block_pool import block_digests
 from aiayn.nn.kv_cache import QUANTIZED, format_bytes, kv_cache_bytes
 from aiayn.nn.paged_kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
-    from aiayn.nn.row_kv_cache import RowKVCache
-    from aiayn.serve.engine import Request
-    from aiayn.serve.metrics import Metrics
+    from aiayn.serve.request import Request
     from aiayn.textgen import TextModel
 
 DEFAULT_BLOCK_SIZE = 16
+PAGED_COMPILE = ("--compile works with --kv-layout slots only (the paged cache's decode step is not "
+                 "compiled yet); use --kv-layout slots")
 
 
 @dataclass(frozen=True)
@@ -132,7 +126,12 @@ def block_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_c
 class BlockScheduler:
     """The engine's paged-cache bookkeeping per request: what its row must hold (its prompt, or its
     prompt and answer so far after a preemption), its prompt's digests, prefix hits, the order of
-    admission (preemption takes the newest) and the hit counters for /metrics."""
+    admission (preemption takes the newest) and the hit counters for /metrics.
+
+    It reads the cache's host bookkeeping only (its pool, row lengths and block tables) and writes
+    nothing there: within a step, the rows it admits and frees are counted in a ledger of its own
+    (``snapshot``: each request's tokens and blocks; the pool's reference counts these changes
+    will make), which the runner's cache operations then make true."""
 
     def __init__(self, cache: PagedKVCache, plan: BlockPlan) -> None:
         self.cache, self.plan = cache, plan
@@ -145,6 +144,38 @@ class BlockScheduler:
         self.resumed: set[int] = set()  # requests preempted at least once (back in the queue)
         self.hit_tokens = 0  # prompt tokens found in the prefix cache (not recomputed)
         self.looked_up_tokens = 0  # prompt tokens of admitted requests
+        self._held: dict[int, tuple[int, list[int]]] = {}  # request id -> (tokens, blocks) its row holds
+        self._refs: dict[int, int] = {}  # block -> references this step's planned operations add
+
+    # ---- the step's ledger ----------------------------------------------------------------------
+    def snapshot(self, rows: Sequence[Request]) -> None:
+        """Start a step: ``rows[i]`` holds cache row i's tokens and blocks."""
+        lengths = self.cache.host_lengths
+        self._held = {r.id: (lengths[i], self.cache.table(i)) for i, r in enumerate(rows)}
+        self._refs = {}
+
+    def blocks_for(self, request: Request, n_tokens: int) -> int:
+        """New blocks ``request``'s row needs to hold ``n_tokens`` more tokens."""
+        tokens, blocks = self._held[request.id]
+        return max(0, -(-(tokens + n_tokens) // self.block_size) - len(blocks))
+
+    def refs(self, block: int) -> int:
+        return self.cache.pool.refs(block) + self._refs.get(block, 0)
+
+    @property
+    def available(self) -> int:
+        """The pool's available blocks once this step's planned operations are applied."""
+        pool, n = self.cache.pool, self.cache.pool.available
+        for block, change in self._refs.items():
+            before = pool.refs(block)
+            n += (before > 0 and before + change == 0) - (before == 0 and before + change > 0)
+        return n
+
+    def let_go(self, request: Request) -> None:
+        """``request``'s row is cleared (planned): its blocks go back."""
+        _, blocks = self._held.pop(request.id, (0, []))
+        for block in blocks:
+            self._refs[block] = self._refs.get(block, 0) - 1
 
     # ---- admission ----------------------------------------------------------------------------
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
@@ -170,40 +201,41 @@ class BlockScheduler:
             digests = block_digests(sequence, self.block_size)
         return digests, self.cache.pool.lookup(digests)[: (len(sequence) - 1) // self.block_size]
 
-    def admission(self, request: Request, prefilling: Sequence[tuple[int, Request]], decoding: int = 0) -> str:
+    def admission(self, request: Request, prefilling: Sequence[Request], decoding: Sequence[Request] = ()) -> str:
         """"admit", "wait" (its next block is being computed by a prefilling row: the n > 1 case) or
         "full" (the pool cannot hold its prompt beside what the admitted prompts still need and the
-        blocks the first ``decoding`` rows' next tokens take: admitted, it would be preempted at once)."""
+        blocks the ``decoding`` rows' next tokens take: admitted, it would be preempted at once)."""
         digests, hits = self._hits(request)
-        pool = self.cache.pool
         if len(hits) < len(digests):
             upcoming = digests[len(hits)]
-            if any(upcoming in self._digests.get(other.id, ()) for _, other in prefilling):
+            if any(upcoming in self._digests.get(other.id, ()) for other in prefilling):
                 return "wait"
-        still_needed = sum(self.cache.blocks_for(row, len(self.sequence(other)) - other.fed)
-                           for row, other in prefilling)
-        still_needed += sum(self.cache.blocks_for(row, 1) for row in range(decoding))
+        still_needed = sum(self.blocks_for(other, len(self.sequence(other)) - other.fed) for other in prefilling)
+        still_needed += sum(self.blocks_for(other, 1) for other in decoding)
         own = -(-len(self.sequence(request)) // self.block_size) - len(hits)
-        cached_hits = sum(1 for block in hits if pool.refs(block) == 0)  # evictable now, held once admitted
-        return "admit" if own + still_needed <= pool.available - cached_hits else "full"
+        cached_hits = sum(1 for block in hits if self.refs(block) == 0)  # evictable now, held once admitted
+        return "admit" if own + still_needed <= self.available - cached_hits else "full"
 
-    def start(self, request: Request, row: int) -> None:
-        """``request`` takes empty row ``row``: it holds its prefix hits, and ``request.fed`` skips them."""
+    def start(self, request: Request) -> list[int]:
+        """``request`` takes an empty row: the prefix hits it holds (the runner's ``adopt``), and
+        ``request.fed`` skips them."""
         digests, hits = self._hits(request)
         if self.plan.prefix_caching:
             self._digests[request.id] = digests
-        self.cache.adopt(row, hits)
+        self._held[request.id] = (len(hits) * self.block_size, list(hits))
+        for block in hits:
+            self._refs[block] = self._refs.get(block, 0) + 1
         request.fed = len(hits) * self.block_size
         if request.id not in self.resumed:
             self.hit_tokens += request.fed
             self.looked_up_tokens += len(request.prompt)
         self._admissions += 1
         self._admitted[request.id] = self._admissions
+        return hits
 
-    def filled(self, request: Request, row: int) -> None:
-        """After a prefill forward: index the full blocks of the row's prompt."""
-        if self.plan.prefix_caching:
-            self.cache.register(row, self._digests.get(request.id, ()))
+    def digests(self, request: Request) -> list[bytes] | None:
+        """What the runner indexes ``request``'s full blocks under after a prefill forward (None: no prefix cache)."""
+        return list(self._digests.get(request.id, ())) if self.plan.prefix_caching else None
 
     # ---- running rows -------------------------------------------------------------------------
     def decoding(self, request: Request) -> None:
@@ -244,78 +276,3 @@ class BlockScheduler:
     def hit_rate(self) -> float:
         """Share of admitted prompt tokens found in the prefix cache."""
         return self.hit_tokens / self.looked_up_tokens if self.looked_up_tokens else 0.0
-
-
-class PagedSteps:
-    """The engine's steps that only the paged cache has (``aiayn.serve.engine.Engine`` inherits them):
-    admission by free blocks and preemption. They read and change the engine's rows and queue."""
-
-    lm: TextModel
-    device: torch.device
-    cache: RowKVCache | PagedKVCache
-    blocks: BlockScheduler | None
-    rows: list[Request]
-    n_decode: int
-    max_batch: int
-    waiting: deque[Request]
-    metrics: Metrics
-    _cv: threading.Condition
-
-    def _free_row(self, request: Request) -> None: ...  # (Engine's)
-    def _prefill_batch(self) -> list[tuple[Request, int]]: ...  # (Engine's)
-    def _mixes(self) -> bool: ...  # (Engine's)
-
-    def _admit_by_blocks(self, blocks: BlockScheduler) -> None:
-        """The paged cache's admission, in arrival order: a request starts when a row is free and the
-        pool holds its prompt (``BlockScheduler.admission``); one that waits for a prefilling row's
-        blocks (the same prompt: n > 1) lets the others pass."""
-        with self._cv:
-            candidates = list(self.waiting)
-        blocks.prune({r.id for r in [*candidates, *self.rows]})
-        for request in candidates:
-            if len(self.rows) >= self.max_batch:
-                return
-            prefilling = list(enumerate(self.rows))[self.n_decode:]
-            verdict = "skip" if request.cancelled else blocks.admission(request, prefilling, self.n_decode)
-            if verdict == "full":
-                return
-            if verdict == "wait":
-                continue
-            with self._cv:
-                if request not in self.waiting:  # cancelled meanwhile
-                    continue
-                self.waiting.remove(request)
-            if request.cancelled:
-                blocks.forget(request)
-                continue
-            if request.id not in blocks.resumed:  # (a preempted request keeps its text and draws)
-                request.text = IncrementalText(self.lm.decode, request.params.stop)
-                request.generator = torch.Generator(device=self.device).manual_seed(request.seed)
-                self.metrics.prompt_tokens.inc(len(request.prompt))
-            self.cache.clear_row(len(self.rows))
-            blocks.start(request, len(self.rows))
-            self.rows.append(request)
-            request.admitted_at = request.admitted_at or time.monotonic()
-
-    def _make_room(self) -> None:
-        """Preempt the newest requests until this step's forwards have the blocks they need (the
-        oldest request alone always fits: ``BlockScheduler.check_fits``)."""
-        assert self.blocks is not None and isinstance(self.cache, PagedKVCache)
-        while self.rows:
-            need = sum(self.cache.blocks_for(row, 1) for row in range(self.n_decode))
-            # With no row decoding yet (or mixed steps off), a row whose prompt ends in this step's
-            # chunk joins the decode forward of the same step: its chunk and that one token. (A mixed
-            # step decodes the rows that were decoding before it: the new ones start next step.)
-            joins = not self._mixes()
-            need += sum(self.cache.blocks_for(self.n_decode + i,
-                                              take + (joins and request.fed + take == len(self._sequence(request))))
-                        for i, (request, take) in enumerate(self._prefill_batch()))
-            if need <= self.cache.pool.available:
-                return
-            victim = self.blocks.newest(self.rows)
-            decoding = self.rows.index(victim) < self.n_decode
-            self._free_row(victim)
-            self.blocks.preempted(victim, decoding)
-            self.metrics.preemptions.inc()
-            with self._cv:
-                self.waiting.appendleft(victim)

@@ -29,6 +29,7 @@ from aiayn.device import to_device
 from aiayn.fast.compiled_decode import RowLayers, WholeRowsLayer, compiled_row_step, mark_static
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.row_kv_cache import RowKVCache
+from aiayn.serve.blocks import PAGED_COMPILE
 
 logger = logging.getLogger("aiayn.serve")
 COMPILE_NEEDS_FLOAT = "--compile needs a float KV cache in fixed slots: use --kv-cache float and --kv-layout slots"
@@ -36,8 +37,6 @@ COMPILE_NEEDS_FLOAT = "--compile needs a float KV cache in fixed slots: use --kv
 
 def compile_refusal(kv_layout: str | None, kv_cache: str | None) -> str | None:
     """Why ``--compile`` cannot serve with these cache options (one line for the user), or None."""
-    from aiayn.serve.engine import PAGED_COMPILE
-
     if kv_layout == "paged":
         return PAGED_COMPILE
     if kv_cache not in (None, "float"):

@@ -8,13 +8,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-
-if TYPE_CHECKING:
-    from aiayn.serve.engine import Engine
 
 RATE_WINDOW = 10.0  # seconds over which the tokens/s gauge counts
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -67,18 +64,18 @@ class Metrics:
         self._recent: deque[float] = deque()  # when each recent token was generated
         self._durations: deque[float] = deque(maxlen=64)  # seconds of the last finished requests
 
-    def watch(self, engine: Engine) -> None:
-        """Read the queue and batch gauges from ``engine`` at every scrape."""
-        self.queue_depth.set_function(lambda: len(engine.waiting))
-        self.running.set_function(lambda: engine.running)
-        self.occupancy.set_function(lambda: engine.running / engine.max_batch)
-        self.slots.set(engine.max_batch)
-        blocks = getattr(engine, "blocks", None)
-        if blocks is not None:  # the paged cache (aiayn.serve.blocks)
-            pool = blocks.cache.pool
-            self.kv_blocks_used.set_function(lambda: pool.used)
-            self.kv_blocks_free.set_function(lambda: pool.available)
-            self.prefix_hit_rate.set_function(lambda: blocks.hit_rate)
+    def watch_load(self, slots: int, waiting: Callable[[], int], running: Callable[[], int]) -> None:
+        """The queue and batch gauges: ``slots`` rows, read ``waiting()`` and ``running()`` at every scrape."""
+        self.queue_depth.set_function(waiting)
+        self.running.set_function(running)
+        self.occupancy.set_function(lambda: running() / slots)
+        self.slots.set(slots)
+
+    def watch_blocks(self, used: Callable[[], float], free: Callable[[], float], hit_rate: Callable[[], float]) -> None:
+        """The paged cache's gauges (``aiayn.serve.blocks``), read at every scrape."""
+        self.kv_blocks_used.set_function(used)
+        self.kv_blocks_free.set_function(free)
+        self.prefix_hit_rate.set_function(hit_rate)
 
     def token_generated(self) -> None:
         with self._lock:

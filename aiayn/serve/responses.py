@@ -22,7 +22,8 @@ from typing import Any
 from starlette.exceptions import HTTPException
 
 from aiayn.generate.constrain import GrammarConstraint
-from aiayn.serve.engine import Engine, Event, Request, SamplingParams
+from aiayn.serve.engine import Engine
+from aiayn.serve.request import Event, Request, SamplingParams
 from aiayn.serve.tool_calls import ToolFormat, ToolStream, answer_message
 
 POLL_SECONDS = 0.2  # how often a waiting handler checks for a gone client or a shutdown

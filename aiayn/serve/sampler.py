@@ -1,10 +1,8 @@
-"""How the serve engine chooses each row's next token, and what a request asks of it.
-
-``SamplingParams`` is one request's options (the library's ``SamplingConfig`` for how tokens are
-drawn, plus OpenAI's logit bias and penalties, when to stop and what to report); ``choose`` turns
-one forward's logits into each row's token (and the log-probabilities asked for). It makes the
-engine step's one read from the device: the chosen ids must reach the host to be detokenised (and
-fed back next step); with them, in the same copy, come the log-probabilities.
+"""How the serve engine chooses each row's next token: ``choose`` turns one forward's logits into
+each row's token id (and the log-probabilities asked for, as numbers; the output stage,
+``aiayn.serve.output``, turns ids into text). It makes the engine step's one read from the
+device: the chosen ids must reach the host to be detokenised (and fed back next step); with them,
+in the same copy, come the log-probabilities.
 
 Per row, in this order (vLLM's): the logit bias is added, the penalties subtract (CTRL's
 repetition penalty over the prompt and the answer so far; OpenAI's frequency and presence
@@ -25,7 +23,7 @@ Shape letters: m rows of the forward, v vocabulary, k alternatives reported.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,43 +33,20 @@ import torch
 from torch import Tensor
 
 from aiayn.generate.constrain import mask_rows
-from aiayn.generate.sampling import SamplingConfig, sample_next
+from aiayn.generate.sampling import sample_next
+from aiayn.serve.request import SamplingParams
 
 if TYPE_CHECKING:
-    from aiayn.serve.engine import Request
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """When one request stops and what it reports, around how its tokens are chosen: the one
-    sampling config every decode loop takes (``aiayn.generate.SamplingConfig``: temperature 0 is
-    greedy; top-k, top-p, the repetition penalty and the seed as ``aiayn generate`` has them),
-    and OpenAI's ``logit_bias`` ((token id, added to its logit) pairs), ``presence_penalty`` and
-    ``frequency_penalty``."""
-
-    max_tokens: int
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the k most likely
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether a bias or a penalty changes this request's logits (``RowAdjustments``)."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
-                    or self.sampling.repetition_penalty != 1.0)
+    from aiayn.serve.request import Request
 
 
 @dataclass
-class TokenLogprob:
-    """A generated token's log-probability under the model (before bias, penalties, grammar,
-    temperature and top_p), and the ``top`` most likely alternatives as (text, logprob) pairs."""
+class Chosen:
+    """A chosen token's numbers when its request asks for log-probabilities: its own, and its
+    ``top`` alternatives as (token id, logprob) pairs, best first (the output stage names them)."""
 
-    token: str
     logprob: float
-    top: list[tuple[str, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 class RowAdjustments:
@@ -150,13 +125,12 @@ def apply_adjustments(logits: Tensor, rows: list[tuple[int, RowAdjustments]]) ->
         flat.index_put_((where,), flat[where] - counts * frequency - (counts > 0).float() * presence)
 
 
-def choose(logits: Tensor, requests: Sequence[Request],
-           decode: Callable[[list[int]], str]) -> list[tuple[int, TokenLogprob | None]]:
-    """logits (m, v) of one forward -> each row's (token id, its log-probability or None).
+def choose(logits: Tensor, requests: Sequence[Request]) -> list[tuple[int, Chosen | None]]:
+    """logits (m, v) of one forward -> each row's (token id, its log-probabilities or None).
 
     Each row's bias and penalties, then its grammar (``Request.constraint``), then greedy rows take
     the argmax and a sampling row draws from its own generator (``Request.generator``, seeded per
-    request). ``decode`` turns ids into the text the log-probabilities report."""
+    request)."""
     logits = logits.float().contiguous()  # (m, v), changed in place below
     asks = [r.params.logprobs for r in requests if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits, dim=-1) if asks else None  # (m, v): the raw model's
@@ -187,10 +161,11 @@ def choose(logits: Tensor, requests: Sequence[Request],
     own = logprobs.gather(1, chosen[:, None])  # (m, 1): the chosen token's
     # One (m, 2 + 2k) float64 table (ids < 2^53 are exact in it), one copy: the read.
     table = torch.cat([chosen[:, None].double(), own.double(), values.double(), ids.double()], dim=1)
-    out: list[tuple[int, TokenLogprob | None]] = []
+    out: list[tuple[int, Chosen | None]] = []
     for request, row in zip(requests, table.tolist(), strict=True):
         token, top = int(row[0]), request.params.logprobs
-        info = None if top is None else token_logprob(decode, token, row[1], row[2: 2 + top], row[2 + k: 2 + k + top])
+        info = None if top is None else Chosen(row[1], [(int(j), v) for v, j in zip(
+            row[2: 2 + top], row[2 + k: 2 + k + top], strict=True)])
         out.append((token, info))
     return out
 
@@ -199,13 +174,11 @@ def choose(logits: Tensor, requests: Sequence[Request],
 def one_thread(device: torch.device) -> Iterator[None]:
     """Run the block on one torch thread when ``device`` is the CPU (the count is given back after).
 
-    For the grammar mask: unpacking a 49k-token bitmask and its masked fill are a few dozen
+    For the grammar mask: unpacking a vocabulary-wide bitmask and its masked fill are a few dozen
     microseconds of work each, but over 32,768 elements torch opens an OpenMP parallel region for
     each, and on cores shared with other jobs a region waits until every one of its threads has been
-    scheduled. SmolLM2's mask alone (``apply_bitmask``, a 49,152-token vocabulary; 2026-11-27, the
-    2 cores shared, load average 18): 8 rows took 56 ms median at 2 threads and 2.0 ms on one; one
-    row 4.4-5.4 ms mean (a tenth of the calls over 0.3 ms, the worst 96-156 ms) against 0.7-1.7 ms.
-    One thread opens no region. (torch's thread count is the process's: this is for the engine
+    scheduled, which can cost far more than the work (docs/benchmarks.md has the figures). One
+    thread opens no region. (torch's thread count is the process's: this is for the engine
     thread, the one that computes.)"""
     before = torch.get_num_threads()
     if device.type != "cpu" or before == 1:
@@ -217,10 +190,3 @@ def one_thread(device: torch.device) -> Iterator[None]:
     finally:
         torch.set_num_threads(before)
 
-
-def token_logprob(decode: Callable[[list[int]], str], token: int, logprob: float, values: list[float],
-                  ids: list[float]) -> TokenLogprob:
-    """The chosen ``token``'s log-probability and its alternatives (``values`` of the ``ids``,
-    best first), as the API reports them."""
-    alternatives = [(decode([int(j)]), v) for v, j in zip(values, ids, strict=True)]
-    return TokenLogprob(decode([token]), logprob, alternatives)

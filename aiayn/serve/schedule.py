@@ -1,4 +1,4 @@
-"""Which prompt tokens the serve engine's prefill feeds at a step (``aiayn.serve.engine``).
+"""Which prompt tokens the serve engine's prefill feeds at a step (``aiayn.serve.scheduler``).
 
 ``--prefill-chunk`` is a budget of prompt tokens per step (vLLM's ``max_num_batched_tokens``):
 the prefilling rows share it, and each feeds its share as a part of its own in the step's one
@@ -17,10 +17,6 @@ the step costs about the real tokens it feeds.
   shorter ones fill whole chunks: for ever only if short prompts keep filling every chunk, which is
   an engine past its prefill capacity (where every request waits without bound anyway).
 
-Before the packed forward (session 38 and earlier) the rows of a chunk shared one right-padded
-``(k, w)`` forward whose every padded position went through the matrix products, so the budget
-bounded the area ``k * w`` and the plan traded rows against padding; before that, rows fed in
-admission order, and a short prompt behind a long one waited for the long one's every chunk.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ def lm():
     return tiny_text_model()
 
 
-def engine_for(lm, *, rows=4, context=128, chunk=16, max_queue=64, kv_cache=None, mixed_steps=True) -> Engine:
+def engine_for(lm, *, rows=4, context=128, chunk=16, max_queue=64, kv_cache=None) -> Engine:
     plan = slot_plan(lm, max_batch=rows, context=context, budget=1 << 30, kv_cache=kv_cache)
-    return Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=chunk, max_queue=max_queue, mixed_steps=mixed_steps)
+    return Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=chunk, max_queue=max_queue)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -117,24 +117,23 @@ def test_int8_kv_cache_equals_the_library_int8_cache(lm):
         assert sink.tokens == [int(s.tokens[0]) for s in steps]
 
 
-@pytest.mark.parametrize("mixed", [True, False])
-def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(lm, mixed, monkeypatch):
-    engine = engine_for(lm, chunk=16, mixed_steps=mixed)
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(lm, monkeypatch):
+    engine = engine_for(lm, chunk=16)
     forwards = spy_forwards(engine, monkeypatch)
     short = submit(engine, prompt(4, 1), max_tokens=40)
     engine.step()  # the short request prefills and gets its first token
     assert len(short.tokens) == 2  # ... and decodes in the same step (nothing else was decoding)
+    assert forwards == [[(1, 4)], [(1, 1)]]  # its prompt alone, then its first decode
     long = submit(engine, prompt(100, 2), max_tokens=5)
     for step in range(7):  # 100 prompt tokens in chunks of 16: seven steps
         before, forwards[:] = len(short.tokens), []
         engine.step()
         assert len(short.tokens) == before + 1, f"step {step}: the decoding stream stalled"
-        # Mixed: the short row's token and the chunk in one forward; the long prompt's first token
-        # at its last chunk, its second at the next step. Not mixed: a prefill forward, then a
-        # decode forward that the finished row joins at once.
+        # The short row's token and the chunk in one forward; the long prompt's first token at its
+        # last chunk, its second at the next step.
         chunk = (1, 16 if step < 6 else 4)  # (rows, tokens per row) of the prefill chunk
-        assert forwards == ([[(1, 1), chunk]] if mixed else [[chunk], [(1 if step < 6 else 2, 1)]])
-        assert len(long.tokens) == ((1 if mixed else 2) if step == 6 else 0)
+        assert forwards == [[(1, 1), chunk]]
+        assert len(long.tokens) == (1 if step == 6 else 0)
     run_until_done(engine, [short, long])
     assert long.tokens == greedy_alone(lm, prompt(100, 2), 5) and short.tokens == greedy_alone(lm, prompt(4, 1), 40)
 

@@ -9,7 +9,7 @@ patched to note where it was called from. The engine's prefill
 and decode steps, and the per-row cache's own operations (``RowKVCache.reserve``, ``rows``,
 ``swap_rows``, ``clear_row``, ``reorder`` and the layers' writes), then read nothing, except the one
 read the engine must make: the chosen token ids (with the log-probabilities asked for), once per
-forward in ``aiayn.serve.sampler.choose`` (``Engine._sample_and_emit``), to detokenise them. And the results equal the ordinary
+forward in ``aiayn.serve.sampler.choose`` (before ``Output.emit``), to detokenise them. And the results equal the ordinary
 (reading) path's.
 """
 
@@ -92,14 +92,14 @@ def run_engine(lm, *, spy: bool) -> tuple[list[list[int]], list[list], list[str]
     plan = slot_plan(lm, max_batch=3, context=64, budget=1 << 30, kv_cache=None)
     engine = Engine(lm, plan, prefill_chunk=8)
     samples = 0
-    sample_and_emit = engine._sample_and_emit
+    emit = engine.output.emit
 
     def counted(*args):
         nonlocal samples
         samples += 1
-        sample_and_emit(*args)
+        return emit(*args)
 
-    engine._sample_and_emit = counted  # type: ignore[method-assign]
+    engine.output.emit = counted  # type: ignore[method-assign]
     events: list[list] = [[] for _ in range(5)]
     for i, n in enumerate([5, 19, 11, 3, 14]):
         prompt = torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(i)).tolist()
@@ -122,6 +122,6 @@ def test_the_engine_step_reads_only_its_tokens(positional: str) -> None:
     got_tokens, got_logprobs, reads, samples = run_engine(lm, spy=True)
     assert got_tokens == tokens and got_logprobs == logprobs
     where = {r.split(" ")[0] for r in reads}
-    # aiayn.serve.sampler.choose, which the engine's _sample_and_emit calls
+    # aiayn.serve.sampler.choose, once per forward that samples (its tokens go to Output.emit)
     assert where <= {"choose"}, "\n".join(r for r in reads if not r.startswith("choose "))
     assert len(reads) == samples  # one read per forward that chose tokens

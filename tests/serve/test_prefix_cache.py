@@ -2,8 +2,9 @@
 on the fixed slots; a prefix-cache hit changes no answer and skips the prompt's cached blocks; rows
 of one prompt submitted together are prefilled once; admission by free blocks runs more short
 requests than the same memory's fixed slots; a pool too small for every row preempts the newest
-and recomputes it, with the same answers; a request that can never fit is refused, the limit named;
-and a step reads nothing back from the device but its tokens."""
+and recomputes it, with the same answers, planned without writing the cache (the runner does); a
+request that can never fit is refused, the limit named; and a step reads nothing back from the
+device but its tokens."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from serve_helpers import step_until, tiny_text_model
 from test_engine import Collector, prompt, run_until_done, submit
 
 from aiayn.nn.kv_cache import kv_cache_bytes
+from aiayn.nn.paged_kv_cache import PagedKVCache
 from aiayn.serve.blocks import block_plan
 from aiayn.serve.engine import Engine, slot_plan
+from aiayn.serve.runner import Runner
+from aiayn.serve.scheduler import Scheduler
 
 BLOCK = 8
 
@@ -55,14 +59,14 @@ def answers(engine: Engine, prompts: list[list[int]], *, every: int = 0, **param
 def prefill_tokens(monkeypatch) -> list[int]:
     """Counts the prompt tokens the engine's forwards read (each prefill chunk's real tokens)."""
     counted: list[int] = []
-    chunk = Engine._prefill_parts
+    forward = Runner.forward
 
-    def counting(self):
-        start, batch, parts = chunk(self)
-        counted.append(sum(take for _, take in batch))
-        return start, batch, parts
+    def counting(self, plan):
+        if plan.prefill:
+            counted.append(sum(len(tokens) for _, tokens, _ in plan.prefill))
+        return forward(self, plan)
 
-    monkeypatch.setattr(Engine, "_prefill_parts", counting)
+    monkeypatch.setattr(Runner, "forward", counting)
     return counted
 
 
@@ -161,6 +165,41 @@ def test_the_paged_engine_step_reads_only_its_tokens(lm):
     assert [s.tokens for s in sinks] == expected
     assert {r.split(" ")[0] for r in reads} <= {"choose"}, "\n".join(reads)
     assert engine.metrics.preemptions._value.get() > 0 and engine.blocks.hit_tokens > 0
+
+
+def test_the_scheduler_plans_and_only_the_runner_writes_the_cache(lm, monkeypatch):
+    """Admission, prefix hits and preemption are planned on host numbers: while the scheduler plans,
+    no cache method that writes is called (the runner applies the plan's operations), and the
+    answers are those of a pool that never preempts."""
+    prompts = [prompt(30, seed) for seed in range(3)] + [prompt(30, 0)[:24] + prompt(9, 9)]
+    expected = answers(paged_engine(lm), prompts, every=1, max_tokens=30)
+    planning, writes = [False], []
+
+    def noted(name, original):
+        def write(self, *args, **kwargs):
+            writes.append((name, planning[0]))
+            return original(self, *args, **kwargs)
+        return write
+
+    def flagged(original):
+        def plan(self, *args):
+            planning[0] = True
+            try:
+                return original(self, *args)
+            finally:
+                planning[0] = False
+        return plan
+
+    for name in ("clear_row", "swap_rows", "adopt", "register", "reserve", "reset"):
+        monkeypatch.setattr(PagedKVCache, name, noted(name, getattr(PagedKVCache, name)))
+    for name in ("schedule", "update", "decode_plan"):
+        monkeypatch.setattr(Scheduler, name, flagged(getattr(Scheduler, name)))
+    engine = paged_engine(lm, blocks=20)
+    sinks = [submit(engine, ids, seed=i, max_tokens=30) for i, ids in enumerate(prompts)]
+    run_until_done(engine, sinks)
+    assert [s.tokens for s in sinks] == expected
+    assert engine.metrics.preemptions._value.get() > 0 and engine.blocks.hit_tokens > 0
+    assert writes and not any(while_planning for _, while_planning in writes)
 
 
 def test_the_start_up_lines_say_what_the_budget_holds(lm):

@@ -44,7 +44,7 @@ def test_choose_masks_on_one_thread_as_mask_rows_does(monkeypatch):
     greedy = SamplingParams(max_tokens=8, sampling=SamplingConfig(temperature=0.0))
     requests = [Request([5, 6, 7], greedy, lambda event: None, constraint=c)
                 for c in constraints]
-    chosen = sampler.choose(logits.clone(), requests, str)
+    chosen = sampler.choose(logits.clone(), requests)
     assert [threads for threads, _ in calls] == [1] and torch.get_num_threads() == 2
     masked = calls[0][1]
     assert masked.equal(expected) and torch.isinf(masked[[0, 2, 3]]).any(dim=1).all()

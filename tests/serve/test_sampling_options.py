@@ -93,7 +93,7 @@ def test_choose_follows_the_definitions_step_after_step(temperature):
                 no_history = torch.empty(1, 0, dtype=torch.long)
                 expected.append(int(sample_next(row[None], no_history, request.params.sampling, references[i])[0]))
             differ += expected[-1] != int(logits[i].argmax())
-        chosen = choose(logits.clone(), requests, lambda ids: str(ids))
+        chosen = choose(logits.clone(), requests)
         assert [token for token, _ in chosen] == expected
         for i, (token, info) in enumerate(chosen):
             answers[i].append(token)
@@ -105,9 +105,9 @@ def test_choose_follows_the_definitions_step_after_step(temperature):
 def test_choose_reads_nothing_more_with_penalties_and_bias():
     requests = requests_for(0.8)
     logits = torch.randn(len(requests), 64, generator=torch.Generator().manual_seed(1))
-    choose(logits.clone(), requests, str)  # the first call makes the rows' tensors
+    choose(logits.clone(), requests)  # the first call makes the rows' tensors
     with device_path() as reads:
-        choose(logits.clone(), requests, str)
+        choose(logits.clone(), requests)
     assert {r.split(" ")[0] for r in reads} == {"choose"} and len(reads) == 1, reads
 
 
