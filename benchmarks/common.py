@@ -1,5 +1,6 @@
-"""What every benchmark shares: thread setup, interleaved timing with medians, the measured
-matmul peak, parameter counts, markdown tables, and an ``aiayn serve`` subprocess to measure.
+"""The one harness every benchmark uses: thread setup, peer loading, interleaved timing with medians
+and spread, ratio lines, the header and footer, markdown tables, the measured matmul peak, and an
+``aiayn serve`` subprocess to measure. A benchmark file holds its workload and its peers only.
 
 Methodology (the same for every benchmark):
 
@@ -7,16 +8,21 @@ Methodology (the same for every benchmark):
 * each peer is warmed up, then the peers are timed in turn, A, B, C, A, B, C, ... for
   ``repeats`` rounds, each round running ``iters`` calls; a peer's figure is the median over its
   rounds, so slow drift of the machine (other jobs, thermal) hits every peer alike;
-* the machine's load average is printed before and after, so a contended run shows itself.
+* a peer whose library is not installed is a row naming the extra that installs it
+  (``load_peer``), and the benchmark goes on with the others;
+* the header names the machine, threads, torch version, date and command; the load average is
+  printed before and after, so a contended run shows itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import gc
 import os
 import platform
+import shlex
 import signal
 import socket
 import statistics
@@ -58,15 +64,26 @@ def mark_start(args: argparse.Namespace) -> None:
     args.load_before = os.getloadavg()[0]
 
 
-def header(title: str, args: argparse.Namespace) -> None:
+def header(title: str, args: argparse.Namespace, *, dtype: str = "float32") -> None:
+    """The title, then the machine, threads, torch version, date, command and settings of the run."""
     load = getattr(args, "load_before", None) or os.getloadavg()[0]
     print(f"## {title}\n")
     # --threads when given: a server-like benchmark keeps its main thread at one and computes on --threads.
     threads = getattr(args, "threads", None) or torch.get_num_threads()
-    print(f"torch {torch.__version__}, {threads} threads, float32, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"load average {load:.2f} before; {args.repeats} interleaved rounds after "
-          f"{args.warmup} warm-up call(s){' (--quick)' if args.quick else ''}\n")
+    rounds = (f"; {args.repeats} interleaved rounds after {getattr(args, 'warmup', 0)} warm-up call(s)"
+              if hasattr(args, "repeats") else "")
+    print(f"torch {torch.__version__}, {threads} threads, {dtype}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
+          f"`{command()}`; load average {load:.2f} before{rounds}"
+          f"{' (--quick)' if getattr(args, 'quick', False) else ''}\n")
+
+
+def command() -> str:
+    """The command line that ran this benchmark, as a user would type it."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    program = f"python -m {spec.name}" if spec and spec.name else "python " + (sys.argv[0] if sys.argv else "")
+    return " ".join([program, *map(shlex.quote, sys.argv[1:])])
 
 
 def footer() -> None:
@@ -106,6 +123,56 @@ def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int) -> Non
             for _ in range(p.iters):
                 p.fn()
             p.times.append((time.perf_counter() - start) / p.iters)
+
+
+def measure(peers: Sequence[Timed], args: argparse.Namespace, **kwargs) -> None:
+    """``run_interleaved`` with the run's ``--repeats`` and ``--warmup`` (``kwargs`` override them)."""
+    run_interleaved(peers, **{"repeats": args.repeats, "warmup": args.warmup, **kwargs})
+
+
+# The extra of pyproject.toml that installs each peer's top-level module.
+EXTRAS = {"x_transformers": "bench", "transformers": "bench", "xgrammar": "bench", "outlines_core": "bench",
+          "gguf": "gguf", "httpx": "test", "jsonschema": "test"}
+
+
+def not_installed(name: str, error: ImportError) -> str:
+    """'x-transformers: not installed (pip install -e '.[bench]')': the row of a peer that failed to import."""
+    module = (error.name or "").split(".")[0]
+    how = f"pip install -e '.[{EXTRAS[module]}]'" if module in EXTRAS else f"pip install {module or name}"
+    return f"{name}: not installed ({how})"
+
+
+MISSING: dict[str, str] = {}  # peer -> its not-installed row, as load_peer found them in this run
+
+
+def load_peer(name: str, build: Callable[..., object], *args, **kwargs) -> object | None:
+    """``build(*args, **kwargs)``, or None when its import fails: then the peer's row, naming the
+    extra that installs it, is printed (once per peer) and kept in ``MISSING``."""
+    try:
+        return build(*args, **kwargs)
+    except ImportError as error:
+        if name not in MISSING:
+            MISSING[name] = not_installed(name, error)
+            print(f"* {MISSING[name]}", flush=True)
+        return None
+
+
+def spread_line(label: str, ratios: Sequence[float], goal: float | None = None) -> str:
+    """'* label: **median x** (range a-b over n rounds; goal >= g: met)' (no goal: no verdict)."""
+    mid = statistics.median(ratios)
+    span = f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} rounds" if len(ratios) > 1 else "1 round"
+    verdict = "" if goal is None else f"; goal >= {goal}x: {'met' if mid >= goal else 'MISSED'}"
+    return f"* {label}: **{mid:.2f}x** ({span}{verdict})"
+
+
+def best_of(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The least time of ``repeats`` calls of ``fn`` (the run least disturbed by other jobs)."""
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return min(times)
 
 
 def matmul_peak(*, n: int = 2048, repeats: int = 7, backend: str = "torch.mm") -> float:

@@ -30,6 +30,7 @@ from benchmarks.common import (
     fmt_int,
     footer,
     header,
+    load_peer,
     ratio_line,
     run_interleaved,
     setup,
@@ -52,6 +53,15 @@ def aiayn_model(size: LMSize, seed: int, *, plain: bool = False) -> nn.Module:
     torch.manual_seed(seed)
     model = LM_PEERS["aiayn"](size, Dropouts()).eval()
     return model if plain else optimize_aiayn(model, "inference")
+
+
+def peer_model(name: str, size: LMSize, seed: int) -> nn.Module | None:
+    """Peer ``name``'s model in eval mode (aiayn's optimized); None, its row printed, when its
+    library is not installed."""
+    if name == "aiayn":
+        return aiayn_model(size, seed)
+    torch.manual_seed(seed)
+    return load_peer(name, lambda: LM_PEERS[name](size, Dropouts()).eval())
 
 
 def decoder(name: str, model: nn.Module, prompt: Tensor, new: int, use_cache: bool):
@@ -108,12 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     size = LMSize()
     models, params = {}, {}
     for name in args.peers or LM_PEERS:
-        if name == "aiayn":
-            models[name] = aiayn_model(size, args.seed)
-        else:
-            torch.manual_seed(args.seed)
-            models[name] = LM_PEERS[name](size, Dropouts()).eval()
-        params[name] = count_params(models[name])
+        if (model := peer_model(name, size, args.seed)) is not None:
+            models[name], params[name] = model, count_params(model)
     plain_model = aiayn_model(size, args.seed, plain=True) if args.plain and "aiayn" in models else None
     header(f"Greedy decoding, decoder-only (d {size.d_model}, {size.n_layers} layers, {size.n_heads} heads, "
            f"vocab {size.vocab:,}), prompt {args.prompt_len}, {new} new tokens", args)
@@ -162,11 +168,8 @@ def overhead(args: argparse.Namespace, new: int) -> None:
     prompt = torch.randint(1, tiny.vocab, (1, args.prompt_len))
     peers = []
     for name in args.peers or LM_PEERS:
-        if name == "aiayn":
-            model = aiayn_model(tiny, args.seed)
-        else:
-            torch.manual_seed(args.seed)
-            model = LM_PEERS[name](tiny, Dropouts()).eval()
+        if (model := peer_model(name, tiny, args.seed)) is None:
+            continue
         peers.append(Timed(name, decoder(name, model, prompt, new, True)))
         if name == "aiayn" and not args.no_compiled:
             peers.append(Timed(COMPILED, decoder(COMPILED, model, prompt, new, True)))
