@@ -70,8 +70,8 @@ def header(title: str, args: argparse.Namespace, *, dtype: str = "float32") -> N
     print(f"## {title}\n")
     # --threads when given: a server-like benchmark keeps its main thread at one and computes on --threads.
     threads = getattr(args, "threads", None) or torch.get_num_threads()
-    rounds = (f"; {args.repeats} interleaved rounds after {getattr(args, 'warmup', 0)} warm-up call(s)"
-              if hasattr(args, "repeats") else "")
+    rounds = (f"; {args.repeats} interleaved rounds after {args.warmup} warm-up call(s)"
+              if hasattr(args, "warmup") else "")
     print(f"torch {torch.__version__}, {threads} threads, {dtype}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
           f"`{command()}`; load average {load:.2f} before{rounds}"
@@ -165,6 +165,9 @@ def spread_line(label: str, ratios: Sequence[float], goal: float | None = None) 
     return f"* {label}: **{mid:.2f}x** ({span}{verdict})"
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # --clock cpu: this process's CPU seconds
+
+
 def best_of(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """The least time of ``repeats`` calls of ``fn`` (the run least disturbed by other jobs)."""
     times = []
@@ -173,6 +176,15 @@ def best_of(fn: Callable[[], object], repeats: int, clock: Callable[[], float] =
         fn()
         times.append(clock() - start)
     return min(times)
+
+
+def decode_rate(run: Callable[[int], object], n: int, repeats: int,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Tokens/s of decoding, the prompt excluded: (n - 1) / (t(n) - t(1)), each time the best of
+    ``repeats``, after a warm-up call; ``run(k)`` decodes k tokens."""
+    run(4)
+    t1 = best_of(lambda: run(1), repeats, clock)
+    return (n - 1) / (best_of(lambda: run(n), repeats, clock) - t1)
 
 
 def matmul_peak(*, n: int = 2048, repeats: int = 7, backend: str = "torch.mm") -> float:

@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks import generate as gen  # its decode_rate / best_of read gen.CLOCK (set by --clock)
+from benchmarks.common import CLOCKS, best_of, decode_rate
 from benchmarks.generate_q4 import packed_model, runner
-from benchmarks.llama_cpp import llama_cpp_cffi_library, llama_cpp_cffi_runners
+from benchmarks.llama_cpp import LlamaCpp, llama_cpp_cffi_library
 
 
 @dataclass(frozen=True)
@@ -192,15 +192,15 @@ def bytes_per_token(path: Path) -> tuple[int, int]:
     return total, total - (tensors["token_embd.weight"] if "output.weight" in tensors else 0)
 
 
-def read_bandwidth(threads: int, *, gib: float = 1.5, repeats: int = 5) -> float:
+def read_bandwidth(threads: int, *, gib: float = 1.5, repeats: int = 5, clock=time.perf_counter) -> float:
     """Bytes/s of reading a ``gib`` GiB buffer once (far past the 32 MiB L3), best of ``repeats``,
-    timed by ``gen.CLOCK``, at ``threads`` torch threads: the fastest of a float32 and an int64
+    timed by ``clock``, at ``threads`` torch threads: the fastest of a float32 and an int64
     sum over it (a uint8 sum is not memory-bound: it widens every byte, ~0.2 GB/s here)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     buf = torch.full((int(gib * 2**30),), 1, dtype=torch.uint8)  # written, so every page is real memory
     try:
-        best = min(gen.best_of(lambda v=view: v.sum(), repeats)
+        best = min(best_of(lambda v=view: v.sum(), repeats, clock)
                    for view in (buf.view(torch.float32), buf.view(torch.int64)))
     finally:
         del buf
@@ -220,10 +220,10 @@ def measure_size(name: str, shape: LlamaShape, out_dir: Path, args: argparse.Nam
           f"{streamed / 1e6:,.1f} MB; written in {time.perf_counter() - start:.0f} s", flush=True)
     row: dict[str, float] = {"bytes": streamed}
     for threads in sorted({1, args.threads}):
-        row[f"bandwidth {threads}"] = read_bandwidth(threads, repeats=args.repeats + 2)
+        row[f"bandwidth {threads}"] = read_bandwidth(threads, repeats=args.repeats + 2, clock=CLOCKS[args.clock])
         print(f"  read bandwidth, {threads} thread(s): {row[f'bandwidth {threads}'] / 1e9:.1f} GB/s", flush=True)
     prompt = torch.randint(len(CONTROL), shape.vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
-    rate = lambda run: gen.decode_rate(run, args.new_tokens, args.repeats)  # noqa: E731
+    rate = lambda run: decode_rate(run, args.new_tokens, args.repeats, CLOCKS[args.clock])  # noqa: E731
     model = packed_model(path, "auto")
     ours = {}
     for label, compile in (("aiayn q4 compiled", True), ("aiayn q4 eager", False)):
@@ -237,9 +237,9 @@ def measure_size(name: str, shape: LlamaShape, out_dir: Path, args: argparse.Nam
     gc.collect()
     if llama is not None:
         start = time.perf_counter()
-        make = llama_cpp_cffi_runners(*llama, path, args.threads)
-        row["llama.cpp"] = rate(make(prompt[0].tolist()))
-        theirs = make(prompt[0].tolist())(args.new_tokens)
+        greedy = LlamaCpp(path, args.threads).greedy(prompt[0].tolist())
+        row["llama.cpp"] = rate(greedy)
+        theirs = greedy(args.new_tokens)
         print(f"  {'llama.cpp':20s} {row['llama.cpp']:7.1f} tokens/s ({time.perf_counter() - start:.0f} s)", flush=True)
         for label, tokens in ours.items():  # a check that both read the file as the same model
             same = next((i for i, (a, b) in enumerate(zip(tokens, theirs, strict=True)) if a != b), len(tokens))
@@ -310,9 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     sizes = args.sizes.split(",")
     if unknown := [s for s in sizes if s not in SHAPES]:
         parser.error(f"unknown size(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
-    gen.CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    llama = None if args.no_llama_cpp else llama_cpp_cffi_library()
+    llama = None if args.no_llama_cpp else llama_cpp_cffi_library()  # (lib, ffi) when installed
     print(f"random LLaMA-shaped Q4_0 GGUF files; {args.threads} thread(s); torch {torch.__version__}; batch 1; "
           f"greedy; {args.new_tokens} new tokens after {args.prompt_tokens}; best of {args.repeats}; "
           f"{args.clock} clock; llama.cpp {'(llama-cpp-cffi)' if llama else 'not measured'}; "

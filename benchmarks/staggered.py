@@ -1,63 +1,28 @@
 """A staggered-arrival workload on ``aiayn serve``'s engine: the paged KV cache against fixed slots
 at equal memory, and against Hugging Face transformers' static batching, in one run. SmolLM2-135M,
-requests arriving as a Poisson process with mixed prompt lengths (mostly short, some long) and mixed
-answer lengths, greedy.
+Poisson arrivals of mixed prompt lengths (mostly short, some long) and answer lengths, greedy.
 
-The KV budget is what ``--slots`` fixed slots of ``--context`` tokens take. The fixed slots
-(``--kv-layout slots``) run at most that many requests at once, each holding a whole context; the
-paged cache (``--kv-layout paged``) holds the same bytes in blocks of 16 tokens, so it runs up to
-``--max-batch`` requests whose real lengths fit. Both engines get the same requests at the same
-times (the engine runs in this process on its own thread, as ``aiayn serve`` runs it, fed
-``Request``s directly: no HTTP).
+The KV budget is what ``--slots`` fixed slots of ``--context`` tokens take; the paged cache holds
+the same bytes in blocks of 16 tokens and runs up to ``--max-batch`` requests whose lengths fit.
+The engine runs in this process, fed ``Request``s directly (no HTTP). transformers loads the same
+GGUF (the same float32 weights) and batches statically: it waits for ``--hf-batch`` (default
+``--slots``: the same memory) arrivals, left-pads them and runs one ``generate``; its TTFT runs
+from a request's arrival to its batch's first token, and each row's own tokens are counted.
 
-transformers (the issue's other peer): ``AutoModelForCausalLM`` from the same GGUF file (the same
-weights, dequantised to float32: its logits equal aiayn's), the same requests at the same times,
-greedy, the same ``--threads``, static batching: it waits until ``--hf-batch`` requests have
-arrived (or the last one has), left-pads their prompts and runs one ``generate`` to the batch's
-longest answer (every row to the end: a row whose own ``max_tokens`` is shorter gets its answer
-when the batch ends), then takes the next batch of the requests waiting. ``--hf-batch`` defaults to
-``--slots``: a batch of padded rows of at most ``--context`` tokens each, so the same memory. Its
-time to first token is from a request's arrival to its batch's first new token (a streamer times
-it); its answer tokens are each row's own, up to its ``max_tokens`` or end-of-text (as the engine
-counts them).
+The arrival rate is ``--load`` (0.75) of the fixed slots' capacity, measured first on the same
+requests all at once (``--capacity`` gives it, ``--rate`` sets the rate); ``--saturated`` adds
+each peer on the requests all at once. ``--clock cpu`` steps the engine on a clock of the CPU
+seconds its steps take (``run_stepped``), so other jobs on the machine do not change the figures.
+``--ttft-breakdown`` splits each TTFT into queued (arrival to admission), behind (admission to the
+request's first prefill forward) and prefill (that forward to the first token). ``--repeats N``
+interleaves the peers N rounds; ratios are medians with their range. ``--gather-row`` and
+``--plain-chunk-attention`` add the paged engine without ``aiayn.fast``'s paged-attention or
+prefill-attention kernel. Goals: paged >= 1.3x the fixed slots' and >= 1.5x transformers'
+throughput, TTFT p99 <= 2 s.
 
-**The arrival rate** (the rule): a p99 TTFT means something only below the server's capacity (above
-it the queue, and every server's TTFT, grows without bound). So first the fixed slots' capacity is
-measured on this workload's own requests, all arriving at once (answer tokens/s; ``--capacity C``
-gives it instead of measuring), and the rate is ``--load`` (default 0.75) of it: rate = load x
-capacity / mean answer tokens. ``--rate R`` sets the rate instead; either way the header states the
-offered answer tokens/s and their share of the measured capacity. Below the slots' capacity every
-peer keeps up, so the throughputs there are near the offered load and their ratios near 1:
-``--saturated`` adds each peer on the same requests all at once (its capacity), where the
-throughput ratios compare what each can serve.
-
-**The clock** (``--clock``): ``wall`` runs each engine on its thread as ``aiayn serve`` does, the
-requests submitted at their times; on a machine shared with other jobs its figures measure the
-load as much as the engine. ``cpu`` steps the engine on this thread on a clock of the CPU seconds
-its steps take (``run_stepped``; transformers' ``generate`` calls likewise), so the figures are the
-engine's own whatever else runs; with ``--threads 1`` they are the seconds of one quiet core.
-
-For each: throughput (answer tokens over the time from the start of the schedule to the last
-token), time to first token p50 / p99, and the most requests running at once. ``--ttft-breakdown``
-adds where the time to first token went, per peer (the mean over all requests, and over the slowest
-tenth): queued (arrival to admission: a free row and blocks; transformers: to its batch's
-``generate``), behind (admission to the request's first prefill forward: other rows' prefill
-chunks), prefill (that forward to the first token: its chunks and the steps between them). ``--repeats N``
-runs the three N times, interleaved (slots, paged, transformers, slots, ...); the table has every
-run and the ratios are medians over the rounds with their range. Goals (issue 35): paged >= 1.3x
-the fixed slots' and >= 1.5x transformers' static batch throughput at equal memory, TTFT p99 <= 2 s
-(the paged engine here serves up to ``--max-batch`` (16) requests at once). ``--gather-row`` adds
-the paged engine without ``aiayn.fast``'s paged-attention kernel (every row's blocks gathered for
-SDPA, as before the kernel) to each round; ``--plain-chunk-attention`` the paged engine without
-``aiayn.fast.prefill_attention`` (each prefill chunk's mask prepared in every layer, as before it);
-``--two-forwards`` the paged engine running a step's prefill chunk and its decoding rows as two
-forwards (``Engine(mixed_steps=False)``, as before the mixed step: the weights read twice).
-
-    flock /tmp/aiayn-bench.lock python -m benchmarks.staggered --ttft-breakdown --saturated
+    python -m benchmarks.staggered --ttft-breakdown --saturated
     python -m benchmarks.staggered --clock cpu --threads 1 --ttft-breakdown --saturated
     python -m benchmarks.staggered --quick
-
-Not a test: it prints figures, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -69,6 +34,7 @@ import statistics
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,16 +43,17 @@ from benchmarks.common import (
     add_common_args,
     footer,
     header,
+    load_peer,
     mark_start,
     setup,
     smollm2_text_model,
+    spread_line,
     table,
 )
 
 HF = "transformers static batch"
 SLOTS, PAGED, GATHER = "fixed slots", "paged", "paged, gather (no paged-attention kernel)"
 PLAIN_CHUNKS = "paged, plain chunk attention (no aiayn.fast.prefill_attention)"
-TWO_FORWARDS = "paged, two forwards per step (prefill, then decode)"
 
 
 @dataclass
@@ -293,16 +260,8 @@ def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threa
     return figures(tokens, end, ttft, batch, parts=parts)
 
 
-def spread_line(label: str, ratios: list[float], goal: float | None) -> str:
-    """'label: **median x** (range a-b over n rounds; goal >= g: met)' (no goal: no verdict)."""
-    mid = statistics.median(ratios)
-    span = f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} rounds" if len(ratios) > 1 else "1 round"
-    verdict = "" if goal is None else f"; goal >= {goal}x: {'met' if mid >= goal else 'MISSED'}"
-    return f"* {label}: **{mid:.2f}x** ({span}{verdict})"
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.staggered", description=__doc__.split("\n\n")[0])
     add_common_args(parser, repeats=1, warmup=1)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--load", type=float, default=0.75,
@@ -328,9 +287,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--gather-row", action="store_true",
                         help="add the paged engine without the paged-attention kernel (gather + SDPA)")
-    parser.add_argument("--two-forwards", action="store_true",
-                        help="add the paged engine with a prefill forward and a decode forward per step (no mixed "
-                             "steps, as before them)")
     parser.add_argument("--plain-chunk-attention", action="store_true",
                         help="add the paged engine without aiayn.fast.prefill_attention (each prefill chunk's "
                              "mask prepared in every layer)")
@@ -340,15 +296,44 @@ def main(argv: list[str] | None = None) -> None:
     if args.load <= 0 or (args.rate is not None and args.rate <= 0) or (args.capacity or 1) <= 0:
         parser.error("--load, --rate and --capacity must be > 0")
     args.hf_batch = args.hf_batch or args.slots
+    return args
+
+
+def engine_run(lm, plan, label: str, jobs: list[Job], args: argparse.Namespace) -> dict[str, float]:
+    """One run of the engine with ``plan`` on ``jobs`` (after a warm-up request), on ``--clock``."""
+    from aiayn.fast import switch
+    from aiayn.serve.engine import Engine
+
+    off = {GATHER: ("paged_attention",), PLAIN_CHUNKS: ("prefill_attention",)}.get(label, ())
+    engine = Engine(lm, plan, prefill_chunk=args.prefill_chunk, threads=args.threads)
+    warm_up = [Job(0.0, [100 + i for i in range(32)], 4)]  # (one-time costs)
+    with switch.without(*off):
+        try:
+            if args.clock == "cpu":
+                run_stepped(engine, warm_up, args.threads)
+                result = run_stepped(engine, jobs, args.threads)
+            else:
+                engine.start()
+                run(engine, warm_up)
+                result = run(engine, jobs)
+        finally:
+            engine.stop()
+            torch.set_num_threads(1)
+    result["preemptions"] = engine.metrics.preemptions._value.get()
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     setup(args)
     from aiayn.cpu_share import keep_thread_count
     from aiayn.serve.blocks import block_plan
-    from aiayn.serve.engine import Engine, slot_plan
+    from aiayn.serve.engine import slot_plan
 
     keep_thread_count()  # every peer on --threads, whatever other aiayn jobs run (aiayn/cpu_share.py)
     torch.set_num_threads(1)  # the engine thread takes --threads (as aiayn serve does)
     lm = smollm2_text_model()
-    hf = None if args.no_hf else hf_model()
+    hf = None if args.no_hf else load_peer("transformers", hf_model)
     budget = slot_plan(lm, max_batch=args.slots, context=args.context, budget=1 << 40, kv_cache=None).bytes_per_row
     budget *= args.slots
     plans = {SLOTS: slot_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None),
@@ -357,42 +342,29 @@ def main(argv: list[str] | None = None) -> None:
         plans[GATHER] = plans[PAGED]
     if args.plain_chunk_attention:
         plans[PLAIN_CHUNKS] = plans[PAGED]
-    if args.two_forwards:
-        plans[TWO_FORWARDS] = plans[PAGED]
-    from aiayn.fast import switch
-
     for plan in plans.values():
         print(plan.describe(budget), flush=True)
     if hf is not None:
         static_batches(hf, [Job(0.0, [100 + i for i in range(32)], 4)], 1, lm.eos_id, args.threads)  # warm-up
 
-    def engine_run(label: str, jobs: list[Job]) -> dict[str, float]:
-        off = {GATHER: ("paged_attention",), PLAIN_CHUNKS: ("prefill_attention",)}.get(label, ())
-        engine = Engine(lm, plans[label], prefill_chunk=args.prefill_chunk, threads=args.threads,
-                        mixed_steps=label != TWO_FORWARDS)
-        warm_up = [Job(0.0, [100 + i for i in range(32)], 4)]  # (one-time costs)
-        with switch.without(*off):
-            try:
-                if args.clock == "cpu":
-                    run_stepped(engine, warm_up, args.threads)
-                    result = run_stepped(engine, jobs, args.threads)
-                else:
-                    engine.start()
-                    run(engine, warm_up)
-                    result = run(engine, jobs)
-            finally:
-                engine.stop()
-                torch.set_num_threads(1)
-        result["preemptions"] = engine.metrics.preemptions._value.get()
-        return result
+    def engine_peer(label: str) -> Callable[[list[Job]], dict[str, float]]:
+        return lambda jobs: engine_run(lm, plans[label], label, jobs, args)
 
+    peers = {label: engine_peer(label) for label in plans}
+    if hf is not None:
+        peers[HF] = lambda jobs: static_batches(hf, jobs, args.hf_batch, lm.eos_id, args.threads, args.clock == "cpu")
+    rounds(args, peers)
+
+
+def rounds(args: argparse.Namespace, peers: dict[str, Callable[[list[Job]], dict[str, float]]]) -> None:
+    """The fixed slots' capacity (unless given), then ``--repeats`` interleaved rounds of every peer."""
     mark_start(args)
     cpu = args.clock == "cpu"
     unit = workload(args, 1.0)  # the requests; their arrival times at 1/s, scaled below
     mean_answer = statistics.fmean(j.answer for j in unit)
     capacity = args.capacity
     if capacity is None:
-        measured = engine_run(SLOTS, all_at_once(unit))
+        measured = peers[SLOTS](all_at_once(unit))
         report(f"{SLOTS}, all at once (capacity)", measured)
         capacity = measured["tokens_per_s"]
     rate = args.rate or args.load * capacity / mean_answer
@@ -403,19 +375,14 @@ def main(argv: list[str] | None = None) -> None:
 
     results: list[tuple[str, dict[str, float]]] = []
     saturated: list[tuple[str, dict[str, float]]] = []
+    name = {HF: f"{HF} of {args.hf_batch}"}
     for _ in range(args.repeats):
-        for label in plans:
-            results.append((label, engine_run(label, jobs)))
-            report(label, results[-1][1])
+        for label, peer in peers.items():
+            results.append((label, peer(jobs)))
+            report(name.get(label, label), results[-1][1])
             if args.saturated:
-                saturated.append((label, engine_run(label, all_at_once(jobs))))
-                report(f"{label}, all at once", saturated[-1][1])
-        if hf is not None:
-            results.append((HF, static_batches(hf, jobs, args.hf_batch, lm.eos_id, args.threads, cpu)))
-            report(f"{HF} of {args.hf_batch}", results[-1][1])
-            if args.saturated:
-                saturated.append((HF, static_batches(hf, all_at_once(jobs), args.hf_batch, lm.eos_id, args.threads, cpu)))
-                report(f"{HF} of {args.hf_batch}, all at once", saturated[-1][1])
+                saturated.append((label, peer(all_at_once(jobs))))
+                report(f"{name.get(label, label)}, all at once", saturated[-1][1])
     header(f"Staggered arrivals, SmolLM2-135M: {args.requests} requests at {rate:.3g}/s (offered {offered:.1f} answer "
            f"tokens/s = {offered / capacity:.0%} of the fixed slots' capacity, {capacity:.1f} tokens/s), prompts "
            f"{args.short[0]}-{args.short[1]} tokens ({args.long[0]}-{args.long[1]} for {args.long_share:.0%}), "
@@ -459,7 +426,6 @@ def summary(args: argparse.Namespace, results: list[tuple[str, dict[str, float]]
     p99 = [r[PAGED]["ttft_p99"] for r in rounds]
     print(f"* paged TTFT p99{how} (up to {args.max_batch} at once): **{statistics.median(p99):.2f} s** "
           f"({', '.join(f'{p:.2f}' for p in p99)}; goal <= 2 s: {'met' if statistics.median(p99) <= 2 else 'MISSED'})")
-
 
 
 def report(label: str, r: dict[str, float]) -> None:
