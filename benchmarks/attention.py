@@ -21,8 +21,17 @@ import torch
 
 from aiayn.fast.block_causal import MAX_LENGTH, block_causal_attention
 from aiayn.nn.attention import scaled_dot_product_attention
-from benchmarks.common import Timed, add_common_args, footer, header, run_interleaved, setup, table
-from benchmarks.memory import mib, peak_bytes
+from benchmarks.common import (
+    Timed,
+    add_common_args,
+    footer,
+    header,
+    mib,
+    peak_bytes,
+    run_interleaved,
+    setup,
+    table,
+)
 
 
 def main(argv: list[str] | None = None) -> None:

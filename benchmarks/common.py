@@ -212,6 +212,33 @@ def matmul_peaks(repeats: int) -> dict[str, float]:
     return {backend: matmul_peak(repeats=repeats, backend=backend) for backend in ("torch.mm", "onednn")}
 
 
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated on the CPU by ``fn()`` beyond what existed before (its result dropped),
+    from the allocator events ``torch.profiler`` records (scratch buffers of fused kernels
+    included), through PyTorch's private memory profiler: if its interface changes, this raises."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import _memory_profiler as mp
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        result = fn()
+        del result
+    current = peak = 0
+    for _t, action, (key, _version), size in mp.MemoryProfile(prof.profiler.kineto_results).timeline:
+        if key.device.type != "cpu":
+            continue
+        if action == mp.Action.CREATE:
+            current += size
+        elif action == mp.Action.DESTROY:
+            current -= size
+        peak = max(peak, current)
+    return peak
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
 def count_params(model: nn.Module) -> int:
     """Distinct parameters (tied weights once), buffers excluded."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -22,11 +22,12 @@ from benchmarks.common import (
     footer,
     header,
     mark_start,
+    mib,
+    peak_bytes,
     run_interleaved,
     setup,
     table,
 )
-from benchmarks.memory import mib, peak_bytes
 
 SHAPES = {"decoder benchmark (256 -> 8,000)": (4096, 256, 8000),
           "SmolLM2-135M (576 -> 49,152)": (4096, 576, 49152)}
