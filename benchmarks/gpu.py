@@ -1,27 +1,21 @@
-"""aiayn on a GPU against its peers, every row in one run on one card (issue 33, point 8).
+"""aiayn on a GPU against its peers, every row in one run on one card.
 
-(a) GPT-2 124M training, batch 8 x 1024, bf16 autocast: aiayn against transformers'
-    GPT2LMHeadModel built from its config (random init), each eager and under torch.compile;
-    tokens/s and MFU (PaLM's 6 N + 12 L d T model FLOPs per token over the card's dense bf16 peak).
-(b) The paper's base encoder-decoder (preset ``paper-base``), 128 x (100 source + 100 target)
-    tokens, bf16 autocast: aiayn against torch.nn.Transformer of the same shape, eager and compiled.
-(c) Greedy decoding of GPT-2 124M in bfloat16, batch 1 and 16, 256 new tokens after a 16-token
-    prompt (tokens/s counts the new tokens; the prompt's prefill is in the time): aiayn eager and
-    compiled (``aiayn.generate``'s ``compile=True``) against transformers' generate with its
-    dynamic cache and with its static cache, whose decode step it compiles (CUDA graphs).
-(d) ``--recipe-row``: ``aiayn train --recipe recipes/multi30k-en-de.yaml --device DEVICE``, wall
-    time and test2016 BLEU (the data must be there: docs/gpu.md).
+(a) GPT-2 124M training, batch 8 x 1024, bf16 autocast: aiayn against transformers' GPT2LMHeadModel,
+    each eager and compiled; tokens/s and MFU (6 N + 12 L d T FLOPs per token over ``--peak-tflops``).
+(b) The paper's base encoder-decoder, 128 x (100 + 100) tokens, bf16 autocast: aiayn against
+    torch.nn.Transformer of the same shape, eager and compiled.
+(c) Greedy decoding of GPT-2 124M in bfloat16, batch 1 and 16, 256 new tokens after 16: aiayn
+    eager and compiled against transformers' generate with its dynamic and its static (compiled) cache.
+(d) ``--recipe-row``: ``aiayn train --recipe recipes/multi30k-en-de.yaml``, wall time and BLEU.
 
-Timing: every peer warmed up (the compiled ones compile then, untimed), then the peers of a row
-timed in turn, A, B, C, A, B, C, ..., ``--repeats`` rounds, the device synchronised around each
-round; a peer's figure is its median round. A peer that fails prints its error and the run goes on.
+Peers of a row are warmed up, then interleaved ``--repeats`` rounds, the device synchronised around
+each; a figure is the median round. A peer that fails or is not installed prints its row and the
+run goes on.
 
     python -m benchmarks.gpu                           # (a)-(c) on the first CUDA GPU
     python -m benchmarks.gpu --rows c --device cuda:1
     python -m benchmarks.gpu --recipe-row              # (d) too
     python -m benchmarks.gpu --smoke --device cpu      # tiny sizes, seconds: what the test runs
-
-Not a test: it prints figures and ratios against the issue's goals; it asserts nothing.
 """
 
 from __future__ import annotations

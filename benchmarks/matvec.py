@@ -1,26 +1,10 @@
 """Linear layers on a few rows, the decode step's matrix-vector products: how fast each way reads
-the weights, in one process.
-
-For SmolLM2-135M's projections as aiayn lays them out (30 layers of fused q/k/v 960x576, output
-576x576, fused gate/up 3072x576, down 576x1536, and the 49,152x576 output layer: 134M weights),
-``rows`` input rows (batch size of a decode step) through every projection, per weight dtype:
-
-* ``eager F.linear``: torch's matmul library, one call per projection;
-* ``compiled F.linear``: the same calls in one ``torch.compile``d graph with Inductor's freezing
-  (the weights pre-packed for oneDNN), as aiayn's compiled decode step ran them before
-  ``aiayn.fast.matvec``;
-* ``compiled multiply + sum``: ``matvec_linear`` (``MatvecLinears``), the same graph with each
-  product written as an element-wise multiply and a float32 sum that Inductor fuses into one loop;
-* ``compiled (W x^T)^T``: ``transposed_linear``, the same matmul with the few rows as the narrow
-  right-hand side;
-* ``eager (W x^T)^T``: ``transposed_linear`` called eagerly, as ``aiayn.fast.linear.FastLinear``
-  (an optimized model's linear layers) does with no autograd graph to build.
-
-GB/s is weight bytes read per second. These ratios set ``MATVEC_MAX_ROWS`` and
-``TRANSPOSED_MAX_ROWS``, by which ``MatvecLinears`` picks a way compiled, and
-``EAGER_TRANSPOSED_ROWS``, by which ``FastLinear`` picks one eager ("aiayn's choice"). The
-per-kernel view of the same products, fast against plain at 1 and 2 threads: ``python -m
-benchmarks.fast``.
+the weights. SmolLM2-135M's projections as aiayn lays them out (30 layers and the output layer:
+134M weights), ``rows`` input rows through every projection, per weight dtype: eager
+``F.linear``; the same compiled (Inductor freezing); compiled multiply + sum (``matvec_linear``);
+compiled and eager (W x^T)^T (``transposed_linear``). GB/s is weight bytes read per second. These
+ratios set ``MATVEC_MAX_ROWS``, ``TRANSPOSED_MAX_ROWS`` and ``EAGER_TRANSPOSED_ROWS`` ("aiayn's
+choice"); ``python -m benchmarks.fast`` has the per-kernel view.
 
     python -m benchmarks.matvec                 # float32 and bfloat16, rows 1, 2, 4, 8, 16, 64
     python -m benchmarks.matvec --quick         # rows 1 only, 6 layers

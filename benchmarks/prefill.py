@@ -1,27 +1,12 @@
-"""Where a long prompt's prefill time goes: SmolLM2-135M-Instruct float32, one prompt of
-``--tokens`` (default 900: the staggered workload's longest) random tokens.
+"""Where a long prompt's prefill time goes: SmolLM2-135M-Instruct float32, one prompt of ``--tokens``
+(900) random tokens. Peers, interleaved: ``aiayn serve``'s engine over the paged KV cache in
+chunks of ``--prefill-chunk`` (256) to its first token; the same without
+``aiayn.fast.prefill_attention``; one plain forward of the optimized model over the whole prompt
+(the lower bound); transformers' ``LlamaForCausalLM`` from the same GGUF, one forward (``--no-hf``
+skips it). Then the engine's time inside its linear layers and its attention kernel, summed in situ.
 
-Peers, interleaved (``benchmarks.common``'s method: a figure is the median over ``--repeats`` rounds):
-
-* **engine, paged** — ``aiayn serve``'s engine over the paged KV cache (``--kv-layout paged``),
-  the prompt alone, in chunks of ``--prefill-chunk`` (default 256, as benchmarks.staggered), to its
-  first token: every chunk's forward with its bookkeeping;
-* **engine, paged, plain chunk attention** — the same without ``aiayn.fast.prefill_attention``
-  (the chunks' masks prepared in every layer, as before it);
-* **plain forward** — one forward of the same model (as the serve path loads it, through
-  ``aiayn.fast.optimize``) over the whole prompt, no cache, the output layer on the last position
-  only: the lower bound the chunks approach;
-* **transformers** — ``LlamaForCausalLM`` from the same GGUF file, one forward, ``logits_to_keep=1``
-  (``--no-hf`` skips it).
-
-Then, for the engine's prefill, the time inside its linear layers and its attention kernel
-(``F.scaled_dot_product_attention``), summed in situ: the floor of the rest (matrix products near
-the CPU's float32 peak; ``python -m benchmarks.onednn`` measures the products alone).
-
-    flock /tmp/aiayn-bench.lock python -m benchmarks.prefill --threads 2
+    python -m benchmarks.prefill --threads 2
     python -m benchmarks.prefill --threads 1 --quick
-
-Not a test: it prints figures, it asserts nothing.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""Time to first token of a repeated long prefix: SmolLM2-135M in ``aiayn serve``'s engine, a request
-whose prompt is a ``--prefix``-token shared prefix (a long system prompt, few-shot examples) and a
-short question, then a second request with the same prefix and another question. With the prefix
-cache (``--kv-layout paged``, the default) the second holds the first's blocks and computes only its
-question; without it (``--no-prefix-caching``) it recomputes everything.
+"""Time to first token of a repeated long prefix: SmolLM2-135M in ``aiayn serve``'s engine (in this
+process, fed ``Request``s directly), a request of a ``--prefix``-token shared prefix and a short
+question, then one with the same prefix and another question. With the prefix cache (the paged
+layout) the second computes only its question; ``--no-prefix-caching`` recomputes everything.
+Each round takes a fresh prefix; the figure is the median over ``--repeats`` rounds. Goal: repeat
+TTFT <= 0.3x the first's.
 
-The engine runs in this process on its own thread, as ``aiayn serve`` runs it (float32, aiayn.fast's
-kernels, ``--threads``), fed ``Request``s directly (no HTTP: what is measured is the engine's
-prefill). Each round takes a fresh random prefix, so a round's first request is never a hit; the
-figure is the median over ``--repeats`` rounds. Goal (issue 35): repeat TTFT <= 0.3x the first's.
-
-    flock /tmp/aiayn-bench.lock python -m benchmarks.prefix_cache
+    python -m benchmarks.prefix_cache
     python -m benchmarks.prefix_cache --quick
-
-Not a test: it prints figures, it asserts nothing.
 """
 
 from __future__ import annotations

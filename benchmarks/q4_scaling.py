@@ -1,32 +1,17 @@
-"""How 4-bit decoding scales with the bytes of weights (issue 21, point 5): random LLaMA-shaped GGUF
-files of growing size, all matrices Q4_0, decoded at batch 1 by aiayn (``load_gguf(path,
-quantize="auto")``: the file's blocks, ``aiayn.fast.q4``'s kernel) and by llama.cpp on the same
-file, against the memory-read bandwidth measured in the same run.
+"""How 4-bit decoding scales with the bytes of weights: random LLaMA-shaped GGUF files of growing
+size, all matrices Q4_0, decoded at batch 1 by aiayn (``load_gguf(path, quantize="auto")``) and by
+llama.cpp on the same file, against the memory-read bandwidth measured in the same run.
 
-A decode step at batch 1 reads every weight matrix once (the untied embedding table excepted: one
-row of it), so its speed is bounded by how fast the memory delivers those bytes. For each size the
-script writes the file (``write_random_llama``, with the ``gguf`` package; quantised by
-``gguf.quants.quantize``), measures the read bandwidth (``read_bandwidth``: a sum over a 1.5 GiB
-buffer, far larger than the caches), then both decoders, and prints
-
-    tokens/s,  bytes read per token x tokens/s (effective GB/s),  that / the measured bandwidth
-
-for aiayn (compiled decode step, and eager) and llama.cpp, and aiayn / llama.cpp; then, over the
-sizes, a least-squares fit of each decoder's time per token as a cost per layer plus bytes read /
-a rate (``fit_line``): the rate says how fast a step streams weights once fixed costs are set aside.
+A batch-1 decode step reads every weight matrix once, so the memory bounds its speed. Per size:
+the file (``write_random_llama``, real models' shapes, random weights, a minimal byte-level BPE
+tokenizer), the read bandwidth (``read_bandwidth``), then both decoders: tokens/s, effective GB/s
+(bytes read per token x tokens/s) and its share of the bandwidth, aiayn / llama.cpp; over the
+sizes, a least-squares fit of time per token as a cost per layer plus bytes / a rate (``fit_line``).
+Files go to a temporary directory (``--out``), deleted unless ``--keep``.
 
     python -m benchmarks.q4_scaling                                  # 135M, 360M, 1.1B; 1 thread
     python -m benchmarks.q4_scaling --sizes 135M --new-tokens 32 --repeats 2
-    nice -n 10 python -m benchmarks.q4_scaling --clock cpu           # on a machine shared with other jobs
-
-The shapes are real models' (SmolLM2-135M and -360M: tied embeddings, 49,152 tokens; TinyLlama-1.1B:
-untied, 32,000 tokens); the weights are random (N(0, 1/k) per row of k inputs), so the tokens
-mean nothing: only the speed is measured. The tokenizer in the file is a minimal byte-level BPE
-(256 byte tokens, one merge, fillers up to the vocabulary size) that aiayn's loader and llama.cpp
-both accept. Files go to a temporary directory (``--out``) and are deleted unless ``--keep``.
-
-Not a test: it prints figures, it asserts nothing (tests/parity/test_q4_scaling.py checks the
-written files load and compute right; tests/bench runs this script on a tiny size).
+    python -m benchmarks.q4_scaling --clock cpu                      # on a machine shared with other jobs
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""A stream's inter-token latency beside a maximal embeddings request (issue 34, point 1).
+"""A stream's inter-token latency beside a maximal embeddings request.
 
-``aiayn serve`` (SmolLM2-135M-Instruct by default) in a subprocess, as a user runs it. One client
-streams a greedy completion of ``--new-tokens`` tokens, first with the server idle, then while
-another client's embeddings request as large as the server's limits allow is being read
-(``--inputs`` inputs, by default 2,048, of token ids, their total at ``--max-request-tokens``,
-300,000 by default: 146 tokens each). The embeddings request is dropped (its connection closed)
-once the stream is done: only the overlap is measured, not the minutes the whole request takes.
+``aiayn serve`` (SmolLM2-135M-Instruct by default) in a subprocess. One client streams a greedy
+completion of ``--new-tokens`` tokens, first with the server idle, then while another client's
+embeddings request as large as the server's limits allow (``--inputs`` inputs totalling
+``--max-request-tokens``) is being read; that request is dropped once the stream is done. Printed:
+the stream's inter-token latency p50, mean and p99, idle and beside, their ratios against the goal
+(mean <= 2x idle) and the embedding tokens the server read meanwhile.
 
-Printed: the stream's inter-token latency (the gaps between its streamed chunks) p50, mean and p99,
-idle and beside the embeddings, their ratios against the goal (mean <= 2x idle, at the default
-``--embed-share`` 0.5), and how many embedding tokens the server read meanwhile
-(``aiayn_embedding_tokens_total``: the embeddings did run beside the stream). The load average is
-printed around each measurement: on a shared machine, read the ratios (both sides of each were
-measured in the same minutes), not the milliseconds.
-
-    flock /tmp/aiayn-bench.lock python -m benchmarks.serve_fairness
+    python -m benchmarks.serve_fairness
     python -m benchmarks.serve_fairness --new-tokens 32 --repeats 1          # quicker
-
-Not a test: it prints figures, it asserts nothing.
 """
 
 from __future__ import annotations
