@@ -23,6 +23,7 @@ import torch
 from benchmarks.common import (
     Timed,
     add_common_args,
+    count_params,
     footer,
     header,
     load_peer,
