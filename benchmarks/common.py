@@ -70,6 +70,7 @@ def header(title: str, args: argparse.Namespace, *, dtype: str = "float32") -> N
     print(f"## {title}\n")
     # --threads when given: a server-like benchmark keeps its main thread at one and computes on --threads.
     threads = getattr(args, "threads", None) or torch.get_num_threads()
+    threads = ", ".join(map(str, threads)) if isinstance(threads, list) else threads
     rounds = (f"; {args.repeats} interleaved rounds after {args.warmup} warm-up call(s)"
               if hasattr(args, "warmup") else "")
     print(f"torch {torch.__version__}, {threads} threads, {dtype}, {platform.processor() or platform.machine()}, "
@@ -111,17 +112,23 @@ class Timed:
         return (max(self.times) - min(self.times)) / self.median if self.times else float("nan")
 
 
-def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int) -> None:
-    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds."""
+def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int,
+                    sync: Callable[[], object] | None = None) -> None:
+    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds (``sync``: called
+    around each timed round, e.g. a device synchronisation)."""
     for p in peers:
         for _ in range(warmup):
             p.fn()
     for _ in range(repeats):
         for p in peers:
             gc.collect()
+            if sync:
+                sync()
             start = time.perf_counter()
             for _ in range(p.iters):
                 p.fn()
+            if sync:
+                sync()
             p.times.append((time.perf_counter() - start) / p.iters)
 
 

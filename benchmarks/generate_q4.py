@@ -1,4 +1,4 @@
-"""The 4-bit parts of ``benchmarks/generate.py`` (issue 21): aiayn's packed GGUF model against
+"""The 4-bit parts of ``benchmarks/generate.py``: aiayn's packed GGUF model against
 llama.cpp on the same file, in the same run.
 
 * ``q4_rows``: decode tokens/s at batch 1 and the 512-token prefill for ``load_gguf(path,

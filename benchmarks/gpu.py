@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +33,15 @@ import torch
 
 from aiayn import build_model
 from aiayn.device import prepare, resolve, synchronize
-from benchmarks.common import Timed, count_params, fmt_int, table
+from benchmarks.common import (
+    Timed,
+    command,
+    count_params,
+    fmt_int,
+    not_installed,
+    run_interleaved,
+    table,
+)
 from benchmarks.gpu_models import (
     CPU_RECIPE_BLEU,
     FULL,
@@ -59,6 +66,7 @@ from benchmarks.gpu_models import (
     transformers_or_none,
 )
 
+MISSING_TRANSFORMERS = not_installed("transformers", ImportError(name="transformers"))
 GOALS = {"a": 1.3, "a_mfu": 0.45, "b": 1.2, "c_rate": 2000.0, "c": 1.5}  # the issue's targets
 
 
@@ -110,17 +118,9 @@ class Row:
         self.skipped[name] = why
 
     def run(self) -> dict[str, float]:
-        """Interleaved rounds -> median seconds per call, by peer."""
-        for _ in range(self.repeats):
-            for p in self.timed:
-                gc.collect()
-                synchronize(self.device)
-                start = time.perf_counter()
-                for _ in range(p.iters):
-                    p.fn()
-                synchronize(self.device)
-                p.times.append((time.perf_counter() - start) / p.iters)
-        return {p.name: statistics.median(p.times) for p in self.timed}
+        """Interleaved rounds (the device synchronised around each) -> median seconds per call, by peer."""
+        run_interleaved(self.timed, repeats=self.repeats, warmup=0, sync=lambda: synchronize(self.device))
+        return {p.name: p.median for p in self.timed}
 
     def report(self, headers: list[str], cells: Callable[[Timed], list[object]]) -> None:
         rows = [[p.name, fmt_int(self.params[p.name]), *cells(p)] for p in self.timed]
@@ -157,10 +157,6 @@ def ratio(label: str, rates: dict[str, float], ours: str, theirs: str, target: f
     print(f"* {label}: {ours} / {theirs} = **{r:.2f}x**{goal}")
 
 
-def spread(p: Timed) -> str:
-    return f"±{(max(p.times) - min(p.times)) / statistics.median(p.times) * 50:.0f}%"
-
-
 def free(row: Row) -> None:
     row.timed.clear()
     gc.collect()
@@ -193,7 +189,7 @@ def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transforme
     row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
     for compiled, name in ((False, "transformers"), (True, "transformers compiled")):
         if transformers is None:
-            row.skip(name, "transformers is not installed")
+            row.skip(name, MISSING_TRANSFORMERS)
         else:
             row.add(name, lambda c=compiled: hf(c), iters=args.iters)
     seconds = row.run()
@@ -203,7 +199,7 @@ def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transforme
           f"{device_name(device)}\n")
     mfu = {name: flops / s / peak for name, s in seconds.items()} if peak else {}
     row.report(["peer", "parameters", "ms / step (median)", "spread", "tokens/s", "MFU"],
-               lambda p: [f"{seconds[p.name] * 1e3:.1f}", spread(p), fmt_int(batch * length / seconds[p.name]),
+               lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(batch * length / seconds[p.name]),
                           f"{mfu[p.name]:.3f}" if p.name in mfu else "-"])
     print(f"model FLOPs per step: {flops / 1e12:.2f} TFLOP (6 N + 12 L d T per token); peak: {peak_note}\n")
     rates = {name: batch * length / s for name, s in seconds.items()}
@@ -249,7 +245,7 @@ def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
           f"layers, vocab {config.vocab_size:,}), batch {batch} x ({src_len} + {tgt_len}) tokens, "
           f"{device_name(device)}\n")
     row.report(["peer", "parameters", "ms / step (median)", "spread", "tokens/s"],
-               lambda p: [f"{seconds[p.name] * 1e3:.1f}", spread(p), fmt_int(tokens / seconds[p.name])])
+               lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(tokens / seconds[p.name])])
     rates = {name: tokens / s for name, s in seconds.items()}
     ratio("(b) training tokens/s, eager", rates, "aiayn", "torch.nn.Transformer")
     ratio("(b) training tokens/s, compiled", rates, "aiayn compiled", "torch.nn.Transformer compiled", GOALS["b"])
@@ -288,13 +284,13 @@ def decode_batch(args: argparse.Namespace, plan: Plan, device: torch.device, tra
     row.add("aiayn compiled", lambda: (aiayn_decode(model, prompt, n, compile=True), params))
     for static, name in ((False, "transformers"), (True, "transformers static + compile")):
         if hf is None:
-            row.skip(name, "transformers is not installed")
+            row.skip(name, MISSING_TRANSFORMERS)
         else:
             row.add(name, lambda s=static: (hf_decode(transformers, hf, prompt, n, static=s), params))
     seconds = row.run()
     print(f"batch {b}:\n")
     row.report(["peer", "parameters", "ms / call (median)", "spread", "tokens/s"],
-               lambda p: [f"{seconds[p.name] * 1e3:.1f}", spread(p), fmt_int(b * n / seconds[p.name])])
+               lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(b * n / seconds[p.name])])
     rates = {name: b * n / s for name, s in seconds.items()}
     ratio(f"(c) decode tokens/s, batch {b}, eager", rates, "aiayn", "transformers")
     ratio(f"(c) decode tokens/s, batch {b}, compiled", rates, "aiayn compiled", "transformers static + compile",
@@ -377,7 +373,7 @@ def run_rows(args: argparse.Namespace, plan: Plan, device: torch.device) -> None
     print(f"{device_name(device)} ({device}); torch {torch.__version__}; transformers "
           f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}; "
           f"{args.repeats} interleaved rounds after {args.warmup} warm-up call(s); "
-          f"{time.strftime('%Y-%m-%d %H:%M')}\n")
+          f"{time.strftime('%Y-%m-%d %H:%M')}; `{command()}`\n")
     rows = {"a": lambda: row_a(args, plan, device, transformers), "b": lambda: row_b(args, plan, device),
             "c": lambda: row_c(args, plan, device, transformers)}
     with compile_backend("eager" if args.smoke else None):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -31,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import CLOCKS, best_of, decode_rate
+from benchmarks.common import CLOCKS, best_of, decode_rate, footer, header
 from benchmarks.generate_q4 import packed_model, runner
 from benchmarks.llama_cpp import LlamaCpp, llama_cpp_cffi_library
 
@@ -297,10 +296,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         parser.error(f"unknown size(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     torch.set_num_threads(args.threads)
     llama = None if args.no_llama_cpp else llama_cpp_cffi_library()  # (lib, ffi) when installed
-    print(f"random LLaMA-shaped Q4_0 GGUF files; {args.threads} thread(s); torch {torch.__version__}; batch 1; "
-          f"greedy; {args.new_tokens} new tokens after {args.prompt_tokens}; best of {args.repeats}; "
-          f"{args.clock} clock; llama.cpp {'(llama-cpp-cffi)' if llama else 'not measured'}; "
-          f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    header(f"4-bit decoding against the bytes of weights: random LLaMA-shaped Q4_0 GGUF files, batch 1, greedy, "
+           f"{args.new_tokens} new tokens after {args.prompt_tokens}, best of {args.repeats}, {args.clock} clock", args,
+           dtype="Q4_0")
+    if llama is None and not args.no_llama_cpp:
+        print("* llama.cpp: not installed (pip install cffi && pip install --no-deps llama-cpp-cffi)")
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="aiayn-q4-scaling-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = {}
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         elif args.keep:
             print(f"files kept in {out_dir}")
     report(rows, args.threads)
-    print(f"\nload average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+    footer()
     return rows
 
 

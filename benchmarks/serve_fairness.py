@@ -20,7 +20,7 @@ import re
 import time
 from pathlib import Path
 
-from benchmarks.common import serving
+from benchmarks.common import footer, header, serving
 from benchmarks.serve import make_prompts, percentile
 
 
@@ -117,10 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     source = make_prompts(encode, 1, max(per_input, args.prompt_tokens) * 8)[0]
     inputs = [source[i % 8 * per_input:][:per_input] for i in range(args.inputs)]
     prompt = source[: args.prompt_tokens]
-    print(f"## A stream beside a maximal embeddings request: {model_path.name}, {args.inputs:,} inputs x "
-          f"{per_input} tokens = {args.inputs * per_input:,} tokens, --embed-share {args.embed_share}, "
-          f"--embed-chunk {args.embed_chunk}; the stream: {args.new_tokens} greedy tokens\n\n"
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
+    header(f"A stream beside a maximal embeddings request: {model_path.name}, {args.inputs:,} inputs x "
+           f"{per_input} tokens = {args.inputs * per_input:,} tokens, --embed-share {args.embed_share}, "
+           f"--embed-chunk {args.embed_chunk}; the stream: {args.new_tokens} greedy tokens", args)
     url = f"http://127.0.0.1:{args.port}/v1"
     rows, idle_all, beside_all, read_all = [], [], [], 0.0
     with serving(serve_args(args, model_path), port=args.port):
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n* beside / idle, all repeats: mean ITL **{mean:.2f}x** (goal <= 2x: {verdict}), p50 {p50:.2f}x, "
           f"p99 {percentile(beside_all, 99) / percentile(idle_all, 99):.2f}x; {read_all:,.0f} embedding tokens "
           f"read beside the streams")
-    print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
+    footer()
 
 
 if __name__ == "__main__":
