@@ -33,6 +33,7 @@ import torch
 
 from aiayn import build_model
 from aiayn.device import prepare, resolve, synchronize
+from benchmarks import gpu_models
 from benchmarks.common import (
     Timed,
     command,
@@ -41,29 +42,6 @@ from benchmarks.common import (
     not_installed,
     run_interleaved,
     table,
-)
-from benchmarks.gpu_models import (
-    CPU_RECIPE_BLEU,
-    FULL,
-    RECIPE,
-    RECIPE_MINUTES,
-    SEED_SPREAD,
-    SMOKE,
-    Plan,
-    TorchSeq2Seq,
-    aiayn_decode,
-    aiayn_step,
-    device_name,
-    gpt2_config,
-    gpt2_train_flops,
-    hf_decode,
-    hf_gpt2,
-    logits_step,
-    make_adamw,
-    peak_flops,
-    run_recipe,
-    seq2seq_config,
-    transformers_or_none,
 )
 
 MISSING_TRANSFORMERS = not_installed("transformers", ImportError(name="transformers"))
@@ -165,7 +143,7 @@ def free(row: Row) -> None:
 
 
 # ---- (a) ----------------------------------------------------------------------------------------
-def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transformers) -> None:
+def row_a(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers) -> None:
     batch, length = plan.train_batch
     vocab = plan.gpt[0]
     tokens = torch.randint(0, vocab, (batch, length + 1), generator=torch.Generator().manual_seed(0)).to(device)
@@ -174,16 +152,16 @@ def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transforme
 
     def aiayn(compiled: bool):
         torch.manual_seed(0)
-        model = build_model(gpt2_config(plan)).to(device).train()
-        step = aiayn_step(model, make_adamw(model, device), (inputs,), targets, device, compiled=compiled)
+        model = build_model(gpu_models.gpt2_config(plan)).to(device).train()
+        step = gpu_models.aiayn_step(model, gpu_models.make_adamw(model, device), (inputs,), targets, device, compiled=compiled)
         return step, count_params(model)
 
     def hf(compiled: bool):
         torch.manual_seed(0)
-        model = hf_gpt2(transformers, plan).to(device).train()
+        model = gpu_models.hf_gpt2(transformers, plan).to(device).train()
         run = torch.compile(model) if compiled else model
         forward = lambda x: run(input_ids=x, use_cache=False).logits  # noqa: E731
-        return logits_step(forward, make_adamw(model, device), (inputs, targets), device), count_params(model)
+        return gpu_models.logits_step(forward, gpu_models.make_adamw(model, device), (inputs, targets), device), count_params(model)
 
     row.add("aiayn", lambda: aiayn(False), iters=args.iters)
     row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
@@ -193,10 +171,10 @@ def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transforme
         else:
             row.add(name, lambda c=compiled: hf(c), iters=args.iters)
     seconds = row.run()
-    peak, peak_note = peak_flops(device, args.peak_tflops)
-    flops = gpt2_train_flops(plan, batch * length)
+    peak, peak_note = gpu_models.peak_flops(device, args.peak_tflops)
+    flops = gpu_models.gpt2_train_flops(plan, batch * length)
     print(f"## (a) GPT-2 training, d {plan.gpt[1]}, {plan.gpt[3]} layers, vocab {vocab:,}, batch {batch} x {length}, "
-          f"{device_name(device)}\n")
+          f"{gpu_models.device_name(device)}\n")
     mfu = {name: flops / s / peak for name, s in seconds.items()} if peak else {}
     row.report(["peer", "parameters", "ms / step (median)", "spread", "tokens/s", "MFU"],
                lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(batch * length / seconds[p.name]),
@@ -214,9 +192,9 @@ def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transforme
 
 
 # ---- (b) ----------------------------------------------------------------------------------------
-def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
+def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device) -> None:
     batch, src_len, tgt_len = plan.seq2seq_batch
-    config = seq2seq_config(plan, args.dropout)
+    config = gpu_models.seq2seq_config(plan, args.dropout)
     g = torch.Generator().manual_seed(1)
     src = torch.randint(3, config.vocab_size, (batch, src_len), generator=g).to(device)  # no padding
     tgt = torch.randint(3, config.vocab_size, (batch, tgt_len + 1), generator=g).to(device)
@@ -226,14 +204,14 @@ def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
     def aiayn(compiled: bool):
         torch.manual_seed(0)
         model = build_model(config).to(device).train()
-        step = aiayn_step(model, make_adamw(model, device), data[:2], data[2], device, compiled=compiled)
+        step = gpu_models.aiayn_step(model, gpu_models.make_adamw(model, device), data[:2], data[2], device, compiled=compiled)
         return step, count_params(model)
 
     def reference(compiled: bool):
         torch.manual_seed(0)
-        model = TorchSeq2Seq(config).to(device).train()
+        model = gpu_models.TorchSeq2Seq(config).to(device).train()
         run = torch.compile(model) if compiled else model
-        return logits_step(run, make_adamw(model, device), data, device), count_params(model)
+        return gpu_models.logits_step(run, gpu_models.make_adamw(model, device), data, device), count_params(model)
 
     row.add("aiayn", lambda: aiayn(False), iters=args.iters)
     row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
@@ -243,7 +221,7 @@ def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
     tokens = batch * (src_len + tgt_len)
     print(f"## (b) encoder-decoder `{plan.seq2seq}` (d {config.d_model}, {config.n_layers}+{config.n_decoder_layers} "
           f"layers, vocab {config.vocab_size:,}), batch {batch} x ({src_len} + {tgt_len}) tokens, "
-          f"{device_name(device)}\n")
+          f"{gpu_models.device_name(device)}\n")
     row.report(["peer", "parameters", "ms / step (median)", "spread", "tokens/s"],
                lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(tokens / seconds[p.name])])
     rates = {name: tokens / s for name, s in seconds.items()}
@@ -253,26 +231,26 @@ def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
 
 
 # ---- (c) ----------------------------------------------------------------------------------------
-def row_c(args: argparse.Namespace, plan: Plan, device: torch.device, transformers) -> None:
+def row_c(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers) -> None:
     dtype = getattr(torch, args.decode_dtype)
     torch.manual_seed(0)
     if transformers is not None:  # the same weights on both sides: aiayn's model converted from HF's
         from aiayn.interop import from_hf_model
 
-        hf = hf_gpt2(transformers, plan).eval()
+        hf = gpu_models.hf_gpt2(transformers, plan).eval()
         model = from_hf_model(hf)[0].to(device, dtype).eval()
         hf = hf.to(device, dtype)
     else:
-        model, hf = build_model(gpt2_config(plan)).to(device, dtype).eval(), None
+        model, hf = build_model(gpu_models.gpt2_config(plan)).to(device, dtype).eval(), None
     print(f"## (c) greedy decoding, GPT-2 (d {plan.gpt[1]}, {plan.gpt[3]} layers), {args.decode_dtype}, "
-          f"{plan.new_tokens} new tokens after a {plan.prompt_len}-token prompt, {device_name(device)}\n")
+          f"{plan.new_tokens} new tokens after a {plan.prompt_len}-token prompt, {gpu_models.device_name(device)}\n")
     if hf is not None and device.type != "cuda":
         print(f"(transformers compiles its static-cache step on CUDA only: on {device.type} that row ran uncompiled)\n")
     for b in plan.decode_batches:
         decode_batch(args, plan, device, transformers, model, hf, b)
 
 
-def decode_batch(args: argparse.Namespace, plan: Plan, device: torch.device, transformers, model: torch.nn.Module,
+def decode_batch(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers, model: torch.nn.Module,
                  hf: torch.nn.Module | None, b: int) -> None:
     """Row (c) at batch ``b``: every decoder from the same random prompt (b, prompt_len)."""
     n = plan.new_tokens
@@ -280,13 +258,13 @@ def decode_batch(args: argparse.Namespace, plan: Plan, device: torch.device, tra
     prompt = prompt.to(device)
     row = Row(device, args.repeats, args.warmup, profile=args.profile)
     params = count_params(model)
-    row.add("aiayn", lambda: (aiayn_decode(model, prompt, n, compile=False), params))
-    row.add("aiayn compiled", lambda: (aiayn_decode(model, prompt, n, compile=True), params))
+    row.add("aiayn", lambda: (gpu_models.aiayn_decode(model, prompt, n, compile=False), params))
+    row.add("aiayn compiled", lambda: (gpu_models.aiayn_decode(model, prompt, n, compile=True), params))
     for static, name in ((False, "transformers"), (True, "transformers static + compile")):
         if hf is None:
             row.skip(name, MISSING_TRANSFORMERS)
         else:
-            row.add(name, lambda s=static: (hf_decode(transformers, hf, prompt, n, static=s), params))
+            row.add(name, lambda s=static: (gpu_models.hf_decode(transformers, hf, prompt, n, static=s), params))
     seconds = row.run()
     print(f"batch {b}:\n")
     row.report(["peer", "parameters", "ms / call (median)", "spread", "tokens/s"],
@@ -310,21 +288,21 @@ def decode_batch(args: argparse.Namespace, plan: Plan, device: torch.device, tra
 
 # ---- (d) ----------------------------------------------------------------------------------------
 def row_d(args: argparse.Namespace, device: torch.device) -> None:
-    print(f"## (d) `aiayn train --recipe {RECIPE} --device {device}`\n")
+    print(f"## (d) `aiayn train --recipe {gpu_models.RECIPE} --device {device}`\n")
     with tempfile.TemporaryDirectory(prefix="aiayn-recipe-") as tmp:
         run_dir = Path(tmp) / "run"
-        command = [sys.executable, "-m", "aiayn", "train", "--recipe", RECIPE, "--device", str(device),
+        command = [sys.executable, "-m", "aiayn", "train", "--recipe", gpu_models.RECIPE, "--device", str(device),
                    "--run-dir", str(run_dir), *args.recipe_args]
-        result = run_recipe(command, run_dir, args.recipe_timeout)
+        result = gpu_models.run_recipe(command, run_dir, args.recipe_timeout)
     print(f"command: {' '.join(command[1:])}\n")
     if result.bleu is None:
         print(f"* (d) failed (exit {result.returncode}, {result.seconds:.0f} s):\n```\n{result.tail}\n```")
         return
     minutes = result.seconds / 60
-    close = abs(result.bleu - CPU_RECIPE_BLEU) <= SEED_SPREAD
-    print(f"* (d) wall time **{minutes:.1f} min** (goal <= {RECIPE_MINUTES:g}: "
-          f"{'met' if minutes <= RECIPE_MINUTES else 'MISSED'}); test2016 BLEU **{result.bleu:.2f}** against the "
-          f"CPU run's {CPU_RECIPE_BLEU} (goal: within its seed spread {SEED_SPREAD}: {'met' if close else 'MISSED'})")
+    close = abs(result.bleu - gpu_models.CPU_RECIPE_BLEU) <= gpu_models.SEED_SPREAD
+    print(f"* (d) wall time **{minutes:.1f} min** (goal <= {gpu_models.RECIPE_MINUTES:g}: "
+          f"{'met' if minutes <= gpu_models.RECIPE_MINUTES else 'MISSED'}); test2016 BLEU **{result.bleu:.2f}** against the "
+          f"CPU run's {gpu_models.CPU_RECIPE_BLEU} (goal: within its seed spread {gpu_models.SEED_SPREAD}: {'met' if close else 'MISSED'})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -350,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.rows) - set("abc")
     if unknown:
         parser.error(f"--rows: unknown row(s) {', '.join(sorted(unknown))}; give some of a, b, c")
-    plan = SMOKE if args.smoke else FULL
+    plan = gpu_models.SMOKE if args.smoke else gpu_models.FULL
     if args.smoke:
         args.repeats, args.warmup, args.iters = min(args.repeats, 2), min(args.warmup, 1), 1
     device = prepare(resolve(args.device))
@@ -367,10 +345,10 @@ def main(argv: list[str] | None = None) -> None:
             torch._logging.set_logs()  # back to the defaults (TORCH_LOGS's)
 
 
-def run_rows(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
-    transformers = transformers_or_none()
+def run_rows(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device) -> None:
+    transformers = gpu_models.transformers_or_none()
     print(f"# aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}\n")
-    print(f"{device_name(device)} ({device}); torch {torch.__version__}; transformers "
+    print(f"{gpu_models.device_name(device)} ({device}); torch {torch.__version__}; transformers "
           f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}; "
           f"{args.repeats} interleaved rounds after {args.warmup} warm-up call(s); "
           f"{time.strftime('%Y-%m-%d %H:%M')}; `{command()}`\n")

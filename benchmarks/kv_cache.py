@@ -34,20 +34,7 @@ from aiayn import ModelConfig, build_model
 from aiayn.fast import optimize, switch
 from aiayn.generate.step import decode_step
 from aiayn.nn.kv_cache import kv_cache_bytes
-from benchmarks.common import (
-    Timed,
-    add_common_args,
-    fmt_int,
-    footer,
-    header,
-    mark_start,
-    measure,
-    mib,
-    peak_bytes,
-    setup,
-    smollm2_text_model,
-    table,
-)
+from benchmarks import common
 
 STEPS_PER_ROUND = 4  # --paged: decode steps per timed call
 
@@ -56,7 +43,7 @@ def memory(args: argparse.Namespace) -> None:
     """The default: bytes, estimate, allocation and decode time per cache layout."""
     seq = args.seq_len if not args.quick else min(args.seq_len, 256)
     batch = args.batch
-    header(f"KV cache, decoder d 512, 8 query heads x 64, 6 layers, batch {batch}, {seq} tokens, float32", args)
+    common.header(f"KV cache, decoder d 512, 8 query heads x 64, 6 layers, batch {batch}, {seq} tokens, float32", args)
     rows, timed = [], []
     prompt_len, steps = 32, 32
     prompt = torch.randint(0, 1000, (batch, prompt_len))
@@ -71,12 +58,12 @@ def memory(args: argparse.Namespace) -> None:
                           max_seq_len=seq, tie_output=False)
         model = optimize(build_model(cfg).eval(), mode="inference")
         cache = model.new_cache(batch, seq, quantize=quantize)
-        allocated = peak_bytes(lambda m=model, q=quantize: m.new_cache(batch, seq, quantize=q))
+        allocated = common.peak_bytes(lambda m=model, q=quantize: m.new_cache(batch, seq, quantize=q))
         estimate = kv_cache_bytes(n_layers=6, n_kv_heads=kv_heads, head_dim=64, seq_len=seq,
                                   batch_size=batch, dtype=quantize or torch.float32)
         if cache.nbytes != estimate:
             raise AssertionError(f"{label}: cache holds {cache.nbytes} bytes, estimator says {estimate}")
-        rows.append([label, fmt_int(cache.nbytes), fmt_int(estimate), mib(allocated), "", ""])
+        rows.append([label, common.fmt_int(cache.nbytes), common.fmt_int(estimate), common.mib(allocated), "", ""])
 
         def decode(m=model, q=quantize):
             with torch.inference_mode():
@@ -86,14 +73,14 @@ def memory(args: argparse.Namespace) -> None:
                     logits = m(logits.argmax(-1)[:, None], cache=c).logits[:, -1]
                 return logits
 
-        timed.append(Timed(label, decode))
-    measure(timed, args)
+        timed.append(common.Timed(label, decode))
+    common.measure(timed, args)
     base = rows[0]
     mha = int(base[1].replace(",", ""))
     for row, t in zip(rows, timed, strict=True):
         row[4] = f"{mha / int(row[1].replace(',', '')):.2f}x"
         row[5] = f"{t.median / steps * 1e3:.2f}"
-    print(table(["cache", "KVCache.nbytes (measured)", "kv_cache_bytes (estimate)",
+    print(common.table(["cache", "KVCache.nbytes (measured)", "kv_cache_bytes (estimate)",
                  "MiB allocated building it", "saving vs MHA", "ms per new token (prompt 32 + 32 tokens, 64-slot cache)"],
                 rows))
     print("\nMeasured buffer bytes equal the estimator exactly (asserted). The allocated column adds "
@@ -228,30 +215,30 @@ def paged(args: argparse.Namespace) -> None:
     """--paged: a decode step over the paged cache (gather, kernel) against fixed slots."""
     from aiayn.fast.paged_attention_build import kernel_ops
 
-    model = smollm2_text_model().model
+    model = common.smollm2_text_model().model
     if kernel_ops() is None:
         raise SystemExit("the paged-attention kernel did not build (a C++ compiler and ninja are needed)")
     torch.set_grad_enabled(False)
-    mark_start(args)
+    common.mark_start(args)
     rows_out = []
     for batch in args.batches:
         for context in args.contexts:
             steps = (args.warmup + args.repeats) * STEPS_PER_ROUND
             with torch.inference_mode():
                 fixed, gathered, kernel = filled_caches(model, batch, context, args.block_size, steps)
-                peers = [Timed("slots", lambda c=fixed, b=batch: paged_step(model, c, b), iters=STEPS_PER_ROUND),
-                         Timed("gather", lambda c=gathered, b=batch: paged_step(model, c, b, gather=True),
+                peers = [common.Timed("slots", lambda c=fixed, b=batch: paged_step(model, c, b), iters=STEPS_PER_ROUND),
+                         common.Timed("gather", lambda c=gathered, b=batch: paged_step(model, c, b, gather=True),
                                iters=STEPS_PER_ROUND),
-                         Timed("kernel", lambda c=kernel, b=batch: paged_step(model, c, b), iters=STEPS_PER_ROUND)]
-                measure(peers, args)
+                         common.Timed("kernel", lambda c=kernel, b=batch: paged_step(model, c, b), iters=STEPS_PER_ROUND)]
+                common.measure(peers, args)
             slots_ms, gather_ms, kernel_ms = (p.median * 1e3 for p in peers)
             rows_out.append([batch, context, f"{slots_ms:.1f}", f"{gather_ms:.1f}", f"{kernel_ms:.1f}",
                              f"{gather_ms / slots_ms:.2f}x", f"{kernel_ms / slots_ms:.2f}x",
                              f"{max(p.spread for p in peers):.0%}"])
             print(f"batch {batch}, context {context}: slots {slots_ms:.1f} ms, paged gather {gather_ms:.1f} ms, "
                   f"paged kernel {kernel_ms:.1f} ms", flush=True)
-    header(f"Decode step, SmolLM2-135M: paged KV cache (blocks of {args.block_size}) vs fixed slots", args)
-    print(table(["batch", "context held", "slots ms/step", "paged gather ms/step", "paged kernel ms/step",
+    common.header(f"Decode step, SmolLM2-135M: paged KV cache (blocks of {args.block_size}) vs fixed slots", args)
+    print(common.table(["batch", "context held", "slots ms/step", "paged gather ms/step", "paged kernel ms/step",
                  "gather / slots", "kernel / slots", "spread"], rows_out))
 
 
@@ -269,11 +256,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="--paged")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 512, 1024, 2048], help="--paged")
     parser.add_argument("--block-size", type=int, default=16, help="--paged: tokens per block")
-    add_common_args(parser, repeats=5, warmup=1)
+    common.add_common_args(parser, repeats=5, warmup=1)
     args = parser.parse_args(argv)
-    setup(args)
+    common.setup(args)
     (quality if args.quality else paged if args.paged else memory)(args)
-    footer()
+    common.footer()
 
 
 if __name__ == "__main__":

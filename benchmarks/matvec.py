@@ -28,16 +28,7 @@ from aiayn.fast.matvec import (
     use_matvec,
     use_transposed,
 )
-from benchmarks.common import (
-    Timed,
-    add_common_args,
-    footer,
-    header,
-    mark_start,
-    run_interleaved,
-    setup,
-    table,
-)
+from benchmarks import common
 
 
 class Projections(nn.Module):
@@ -79,13 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--layers", type=int, default=30)
-    add_common_args(parser, repeats=5, warmup=2)
+    common.add_common_args(parser, repeats=5, warmup=2)
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.layers = [1], min(args.layers, 6)
-    setup(args)
-    mark_start(args)
-    header(f"Linear layers on few rows: SmolLM2-135M's projections ({args.layers} layers + output layer)", args)
+    common.setup(args)
+    common.mark_start(args)
+    common.header(f"Linear layers on few rows: SmolLM2-135M's projections ({args.layers} layers + output layer)", args)
     rows_out = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
@@ -102,8 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                 "compiled (W x^T)^T": compiled(each_by(transposed_linear, model)),
                 "eager (W x^T)^T": torch.inference_mode()(each_by(transposed_linear, model)),
             }
-            timed = [Timed(name, partial(fn, xs)) for name, fn in ways.items()]
-            run_interleaved(timed, repeats=args.repeats, warmup=args.warmup)
+            timed = [common.Timed(name, partial(fn, xs)) for name, fn in ways.items()]
+            common.run_interleaved(timed, repeats=args.repeats, warmup=args.warmup)
             base = next(t.median for t in timed if t.name == "compiled F.linear")
             x, w = xs[0], model.linears[0].weight
             chosen = {"compiled multiply + sum" if use_matvec(x, w) else
@@ -112,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
             for t in timed:
                 rows_out.append([dtype_name, rows, t.name, f"{t.median * 1e3:.2f}", f"{nbytes / t.median / 1e9:.1f}",
                                  f"{base / t.median:.2f}x", "**yes**" if t.name in chosen else ""])
-    print(table(["dtype", "rows", "way", "ms per pass", "weight GB/s", "speed vs compiled F.linear", "aiayn's choice"], rows_out))
-    footer()
+    print(common.table(["dtype", "rows", "way", "ms per pass", "weight GB/s", "speed vs compiled F.linear", "aiayn's choice"], rows_out))
+    common.footer()
 
 
 if __name__ == "__main__":

@@ -21,34 +21,26 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (
-    add_common_args,
-    footer,
-    header,
-    mark_start,
-    setup,
-    smollm2_text_model,
-    table,
-)
+from benchmarks import common
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, repeats=5, warmup=1)
+    common.add_common_args(parser, repeats=5, warmup=1)
     parser.add_argument("--tokens", type=int, default=900, help="prompt tokens (default 900)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="the engine's chunk (default 256)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.prefill_chunk < 1:
         parser.error("--tokens and --prefill-chunk must be >= 1")
-    setup(args)
+    common.setup(args)
     from aiayn.fast import switch
     from aiayn.generate import SamplingConfig
     from aiayn.serve.blocks import block_plan
     from aiayn.serve.engine import Engine, Request, SamplingParams, slot_plan
 
     torch.set_grad_enabled(False)
-    lm = smollm2_text_model()
+    lm = common.smollm2_text_model()
     if args.tokens + 1 > lm.model.config.max_seq_len:
         parser.error(f"--tokens must be below the model's {lm.model.config.max_seq_len} positions")
     hf = None
@@ -86,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
              "plain forward": plain}
     if hf is not None:
         peers["transformers forward"] = transformers_forward
-    mark_start(args)
+    common.mark_start(args)
     tokens = {name: [fn() for _ in range(args.warmup)][-1] for name, fn in peers.items()}
     seconds: dict[str, list[float]] = {name: [] for name in peers}
     for _ in range(args.repeats):
@@ -95,16 +87,16 @@ def main(argv: list[str] | None = None) -> None:
             fn()
             seconds[name].append(time.perf_counter() - start)
     inside = in_situ(peers["engine, paged"])
-    header(f"Prefill of one {args.tokens}-token prompt, SmolLM2-135M-Instruct float32 (engine chunks of "
+    common.header(f"Prefill of one {args.tokens}-token prompt, SmolLM2-135M-Instruct float32 (engine chunks of "
            f"{args.prefill_chunk})", args)
-    print(table(["peer", "seconds (median)", "range", "tokens/s", "first token"],
+    print(common.table(["peer", "seconds (median)", "range", "tokens/s", "first token"],
                 [[name, f"{statistics.median(s):.3f}", f"{min(s):.3f}-{max(s):.3f}",
                   f"{args.tokens / statistics.median(s):.0f}", tokens[name]] for name, s in seconds.items()]))
     total = inside.pop("total")
     print(f"\nInside one engine prefill ({total:.3f} s): "
           + ", ".join(f"{name} {s:.3f} s ({s / total:.0%})" for name, s in inside.items())
           + f", the rest {total - sum(inside.values()):.3f} s")
-    footer()
+    common.footer()
 
 
 def in_situ(prefill: Callable[[], int]) -> dict[str, float]:

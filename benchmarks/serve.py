@@ -30,7 +30,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import ROOT, footer, header, load_peer, serving
+from benchmarks.common import ROOT, footer, header, load_peer, percentile, serving
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
@@ -66,11 +66,6 @@ def cpu_seconds(pid: int) -> float:
     """CPU time (user + system, all threads) of process ``pid`` so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def make_prompts(encode, n: int, length: int) -> list[list[int]]:

@@ -20,8 +20,8 @@ import re
 import time
 from pathlib import Path
 
-from benchmarks.common import footer, header, serving
-from benchmarks.serve import make_prompts, percentile
+from benchmarks.common import footer, header, percentile, serving
+from benchmarks.serve import make_prompts
 
 
 def serve_args(args: argparse.Namespace, model_path: Path) -> list[str]:

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from aiayn.serve.server import KEEP_ALIVE_SECONDS
-from benchmarks.common import free_port, serving
+from benchmarks.common import free_port, percentile, serving
 from benchmarks.tracked_http import (
     CURRENT,
     Attempt,
@@ -110,11 +110,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:

@@ -39,17 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import (
-    add_common_args,
-    footer,
-    header,
-    load_peer,
-    mark_start,
-    setup,
-    smollm2_text_model,
-    spread_line,
-    table,
-)
+from benchmarks import common
 
 HF = "transformers static batch"
 SLOTS, PAGED, GATHER = "fixed slots", "paged", "paged, gather (no paged-attention kernel)"
@@ -262,7 +252,7 @@ def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threa
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.staggered", description=__doc__.split("\n\n")[0])
-    add_common_args(parser, repeats=1, warmup=1)
+    common.add_common_args(parser, repeats=1, warmup=1)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--load", type=float, default=0.75,
                         help="the arrival rate as a share of the fixed slots' measured capacity (default 0.75)")
@@ -325,15 +315,15 @@ def engine_run(lm, plan, label: str, jobs: list[Job], args: argparse.Namespace) 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    setup(args)
+    common.setup(args)
     from aiayn.cpu_share import keep_thread_count
     from aiayn.serve.blocks import block_plan
     from aiayn.serve.engine import slot_plan
 
     keep_thread_count()  # every peer on --threads, whatever other aiayn jobs run (aiayn/cpu_share.py)
     torch.set_num_threads(1)  # the engine thread takes --threads (as aiayn serve does)
-    lm = smollm2_text_model()
-    hf = None if args.no_hf else load_peer("transformers", hf_model)
+    lm = common.smollm2_text_model()
+    hf = None if args.no_hf else common.load_peer("transformers", hf_model)
     budget = slot_plan(lm, max_batch=args.slots, context=args.context, budget=1 << 40, kv_cache=None).bytes_per_row
     budget *= args.slots
     plans = {SLOTS: slot_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None),
@@ -358,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def rounds(args: argparse.Namespace, peers: dict[str, Callable[[list[Job]], dict[str, float]]]) -> None:
     """The fixed slots' capacity (unless given), then ``--repeats`` interleaved rounds of every peer."""
-    mark_start(args)
+    common.mark_start(args)
     cpu = args.clock == "cpu"
     unit = workload(args, 1.0)  # the requests; their arrival times at 1/s, scaled below
     mean_answer = statistics.fmean(j.answer for j in unit)
@@ -383,7 +373,7 @@ def rounds(args: argparse.Namespace, peers: dict[str, Callable[[list[Job]], dict
             if args.saturated:
                 saturated.append((label, peer(all_at_once(jobs))))
                 report(f"{name.get(label, label)}, all at once", saturated[-1][1])
-    header(f"Staggered arrivals, SmolLM2-135M: {args.requests} requests at {rate:.3g}/s (offered {offered:.1f} answer "
+    common.header(f"Staggered arrivals, SmolLM2-135M: {args.requests} requests at {rate:.3g}/s (offered {offered:.1f} answer "
            f"tokens/s = {offered / capacity:.0%} of the fixed slots' capacity, {capacity:.1f} tokens/s), prompts "
            f"{args.short[0]}-{args.short[1]} tokens ({args.long[0]}-{args.long[1]} for {args.long_share:.0%}), "
            f"answers {args.answer[0]}-{args.answer[1]}; KV budget = {args.slots} slots of {args.context} tokens; "
@@ -393,32 +383,32 @@ def rounds(args: argparse.Namespace, peers: dict[str, Callable[[list[Job]], dict
     if saturated:
         print("\n### The same requests all at once (each peer's capacity)\n")
         summary(args, saturated, " all at once")
-    footer()
+    common.footer()
 
 
 def summary(args: argparse.Namespace, results: list[tuple[str, dict[str, float]]], how: str) -> None:
     """The runs' table, the breakdown with ``--ttft-breakdown``, and the ratios against the goals."""
     name = {HF: f"{HF} of {args.hf_batch}"}
-    print(table(["peer", "answer tokens", "seconds", "tokens/s", "TTFT p50 s", "TTFT p99 s", "most running",
+    print(common.table(["peer", "answer tokens", "seconds", "tokens/s", "TTFT p50 s", "TTFT p99 s", "most running",
                  "preempted", "failed"],
                 [[name.get(label, label), r["tokens"], f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}",
                   f"{r['ttft_p50']:.2f}", f"{r['ttft_p99']:.2f}", r["most_running"], int(r.get("preemptions", 0)),
                   r["failed"]] for label, r in results]))
     if args.ttft_breakdown:
         print("\nWhere the time to first token went (s; mean over all requests / over the slowest tenth):\n")
-        print(table(["peer", "TTFT", *PARTS],
+        print(common.table(["peer", "TTFT", *PARTS],
                     [[name.get(label, label), f"{r['ttft_p50']:.2f} p50 / {r['ttft_p99']:.2f} p99",
                       *(f"{r[p]:.2f} / {r[p + '_tail']:.2f}" for p in PARTS)] for label, r in results]))
     per_round = len(results) // args.repeats
     rounds = [dict(results[k: k + per_round]) for k in range(0, len(results), per_round)]
     print()
-    print(spread_line(f"paged / fixed slots throughput at equal memory{how}",
+    print(common.spread_line(f"paged / fixed slots throughput at equal memory{how}",
                       [r[PAGED]["tokens_per_s"] / r[SLOTS]["tokens_per_s"] for r in rounds], 1.3))
     if HF in rounds[0]:
-        print(spread_line(f"paged / {HF} of {args.hf_batch} throughput{how}",
+        print(common.spread_line(f"paged / {HF} of {args.hf_batch} throughput{how}",
                           [r[PAGED]["tokens_per_s"] / r[HF]["tokens_per_s"] for r in rounds], 1.5))
     if GATHER in rounds[0]:
-        print(spread_line("paged with the kernel / paged, gather", [r[PAGED]["tokens_per_s"] / r[GATHER]["tokens_per_s"]
+        print(common.spread_line("paged with the kernel / paged, gather", [r[PAGED]["tokens_per_s"] / r[GATHER]["tokens_per_s"]
                                                                    for r in rounds], None))
     if PLAIN_CHUNKS in rounds[0]:
         print("* paged TTFT p99 with / without aiayn.fast.prefill_attention: " + ", ".join(

@@ -28,22 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from aiayn.models import ModelOutput
 from aiayn.train.losses import sequence_loss
-from benchmarks.common import (
-    Timed,
-    add_common_args,
-    count_params,
-    fmt_int,
-    footer,
-    header,
-    load_peer,
-    mark_start,
-    matmul_peaks,
-    measure,
-    ratio_line,
-    setup,
-    table,
-    top_ops,
-)
+from benchmarks import common
 from benchmarks.peers import (
     LM_PEERS,
     SEQ2SEQ_PEERS,
@@ -177,10 +162,10 @@ def run_suite(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
             model = aiayn_row(name, build, args, drop, size)
         else:
             torch.manual_seed(args.seed)
-            model = load_peer(name, lambda: build(size, drop).train())
+            model = common.load_peer(name, lambda: build(size, drop).train())
         if model is not None:
-            params[name] = count_params(model)
-            peers.append(Timed(name, make_step(model, forward(name), targets, sequence=name in SEQUENCE_LOSS_ROWS)))
+            params[name] = common.count_params(model)
+            peers.append(common.Timed(name, make_step(model, forward(name), targets, sequence=name in SEQUENCE_LOSS_ROWS)))
 
     for name in args.peers or builders:
         add(name, builders[name])
@@ -188,7 +173,7 @@ def run_suite(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
             add(COMPILED, aiayn_build)
         if name == "aiayn" and not args.no_plain:  # a third, without aiayn.fast
             add(PLAIN, aiayn_build)
-    mark_start(args)
+    common.mark_start(args)
 
     def twin_flops(build, *, sequence: bool) -> int:  # counted on a plain twin of an aiayn model
         torch.manual_seed(args.seed)
@@ -201,31 +186,31 @@ def run_suite(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
     if not decoder and "aiayn" in flops:
         own = twin_flops(aiayn_seq2seq, sequence=True)
         flops.update({name: own for name in SEQUENCE_LOSS_ROWS if name in flops})
-    peaks = matmul_peaks(repeats=args.repeats + 2)
-    measure(peers, args)
-    after = matmul_peaks(repeats=args.repeats + 2)  # before and after; the better one of each
+    peaks = common.matmul_peaks(repeats=args.repeats + 2)
+    common.measure(peers, args)
+    after = common.matmul_peaks(repeats=args.repeats + 2)  # before and after; the better one of each
     peaks = {backend: max(rate, after[backend]) for backend, rate in peaks.items()}
     report(title, peers, params, tokens, flops, peaks, args)
     if args.profile:
         print(f"\ntorch.profiler, {peers[0].name}, {args.suite}, top ops by self CPU time (3 steps):\n")
-        print("```\n" + top_ops(peers[0].fn) + "\n```")
+        print("```\n" + common.top_ops(peers[0].fn) + "\n```")
     return {p.name: tokens / p.median for p in peers}
 
 
-def report(title: str, peers: list[Timed], params: dict[str, int], tokens: int, flops: dict[str, int],
+def report(title: str, peers: list[common.Timed], params: dict[str, int], tokens: int, flops: dict[str, int],
            peaks: dict[str, float], args: argparse.Namespace) -> None:
     """``flops``: the FLOPs each peer computes per step (its own arithmetic: MFU is of that).
     ``peaks``: the measured 2048^3 rates. MFU is given against both: the ``torch.mm`` rate (the
     issue's definition, MKL here) and the oneDNN rate (the faster product this torch build has,
     which aiayn's linear layers run at, so the stricter measure of how much of the machine is used)."""
-    header(title, args)
+    common.header(title, args)
     rows = []
     for p in peers:
         achieved = flops[p.name] / p.median
-        rows.append([p.name, fmt_int(params[p.name]), f"{p.median * 1e3:.1f}", f"±{p.spread * 50:.0f}%",
-                     fmt_int(tokens / p.median), f"{achieved / 1e9:.1f}", f"{achieved / peaks['torch.mm']:.2f}",
+        rows.append([p.name, common.fmt_int(params[p.name]), f"{p.median * 1e3:.1f}", f"±{p.spread * 50:.0f}%",
+                     common.fmt_int(tokens / p.median), f"{achieved / 1e9:.1f}", f"{achieved / peaks['torch.mm']:.2f}",
                      f"{achieved / peaks['onednn']:.2f}" if peaks["onednn"] else "-"])
-    print(table(["peer", "parameters", "ms / step (median)", "spread", "tokens/s", "model GFLOP/s",
+    print(common.table(["peer", "parameters", "ms / step (median)", "spread", "tokens/s", "model GFLOP/s",
                  "MFU (torch.mm peak)", "MFU (oneDNN peak)"], rows))
     counts = sorted(set(flops.values()), reverse=True)
     counted = " / ".join(f"{f / 1e9:.2f} GFLOP ({', '.join(n for n in flops if flops[n] == f)})" for f in counts)
@@ -235,7 +220,7 @@ def report(title: str, peers: list[Timed], params: dict[str, int], tokens: int, 
     others = {p.name: tokens / p.median for p in peers if not p.name.startswith("aiayn")}
     for p in peers:
         if p.name.startswith("aiayn"):
-            print("* " + ratio_line(f"training tokens/s, {p.name}", tokens / p.median, others,
+            print("* " + common.ratio_line(f"training tokens/s, {p.name}", tokens / p.median, others,
                                     target=TRAINING_TARGET))
     if args.suite == "paper-base":
         for p in peers:
@@ -246,7 +231,7 @@ def report(title: str, peers: list[Timed], params: dict[str, int], tokens: int, 
                           if peaks["onednn"] else "")
                 print(f"* {p.name} MFU {mfu:.2f} of the measured torch.mm peak (target >= {MFU_TARGET}: "
                       f"{verdict}){strict}")
-    footer()
+    common.footer()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -265,9 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compiled", action="store_true",
                         help="skip the 'aiayn compiled' row (torch.compile of the same optimized model, as "
                              "`aiayn train --compile` does; compiling takes a minute or more)")
-    add_common_args(parser, repeats=7, warmup=3)
+    common.add_common_args(parser, repeats=7, warmup=3)
     args = parser.parse_args(argv)
-    setup(args)
+    common.setup(args)
     global FUSED_ADAM
     FUSED_ADAM = args.adam == "fused"
     quiet()

@@ -20,18 +20,7 @@ import statistics
 
 import torch
 
-from benchmarks.common import (
-    Timed,
-    add_common_args,
-    count_params,
-    footer,
-    header,
-    load_peer,
-    measure,
-    ratio_line,
-    setup,
-    table,
-)
+from benchmarks import common
 
 # The same target budget for both: fairseq's 1.2 * source + 10, per batch the longest source's.
 LEN_A, LEN_B = 1.2, 10
@@ -105,9 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true", help="also aiayn with compile=True")
     parser.add_argument("--beams", type=int, nargs="+", default=[1, 5], help="beam sizes (1: greedy)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="batch sizes")
-    add_common_args(parser, repeats=3, warmup=1)
+    common.add_common_args(parser, repeats=3, warmup=1)
     args = parser.parse_args(argv)
-    setup(args)
+    common.setup(args)
     if args.quick:
         args.sentences = min(args.sentences, 8)
     from aiayn.data import data_dir
@@ -121,37 +110,37 @@ def main(argv: list[str] | None = None) -> None:
     sentences = read_lines(root / "test2016.en")[: args.sentences]
     size = dict(d_model=args.d_model, heads=args.heads, layers=args.layers, d_ff=args.d_ff)
     translator = Translator(aiayn_model(8000, 128, **size), tokenizer, max_tokens=100_000, max_sentences=64)
-    marian = load_peer("Marian (transformers)", marian_model, 8000, 128, **size)
+    marian = common.load_peer("Marian (transformers)", marian_model, 8000, 128, **size)
     sources = [translator.source_ids(s) for s in sentences]
-    header(f"Translation, {len(sentences)} sentences of test2016, random weights (d {args.d_model}, "
+    common.header(f"Translation, {len(sentences)} sentences of test2016, random weights (d {args.d_model}, "
            f"{args.layers}+{args.layers} layers)", args)
-    print(f"parameters: aiayn {count_params(translator.model):,}"
-          + (f", Marian {count_params(marian):,} (and its final_logits_bias buffer)" if marian else "") + "\n")
+    print(f"parameters: aiayn {common.count_params(translator.model):,}"
+          + (f", Marian {common.count_params(marian):,} (and its final_logits_bias buffer)" if marian else "") + "\n")
     rows = []
     for beam in args.beams:
         for batch in (min(b, len(sources)) for b in args.batches):
             lengths: dict[str, list[float]] = {"aiayn": [], "Marian": [], "aiayn compiled": []}
-            peers = [Timed("aiayn", aiayn_runner(translator, sources, beam, batch, lengths["aiayn"]))]
+            peers = [common.Timed("aiayn", aiayn_runner(translator, sources, beam, batch, lengths["aiayn"]))]
             if marian is not None:
-                peers.append(Timed("Marian", marian_runner(marian, sources, beam, batch, lengths["Marian"])))
+                peers.append(common.Timed("Marian", marian_runner(marian, sources, beam, batch, lengths["Marian"])))
             if args.compile:  # its graphs compile in the warm-up, untimed
-                peers.append(Timed("aiayn compiled", aiayn_runner(translator, sources, beam, batch,
+                peers.append(common.Timed("aiayn compiled", aiayn_runner(translator, sources, beam, batch,
                                                                   lengths["aiayn compiled"], compile=True)))
-            measure(peers, args, warmup=max(args.warmup, int(args.compile)))
+            common.measure(peers, args, warmup=max(args.warmup, int(args.compile)))
             rate = {p.name: len(sources) / p.median for p in peers}
             decoding = "greedy" if beam == 1 else f"beam {beam}"
             for p in peers:
                 rows.append([decoding, batch, p.name, f"{rate[p.name]:.1f}", f"±{p.spread * 50:.0f}%",
                              f"{lengths[p.name][-1]:.1f}"])
             for name in (n for n in rate if n.startswith("aiayn")):
-                print("* " + ratio_line(f"{decoding}, batch {batch}, {name} sentences/s", rate[name],
+                print("* " + common.ratio_line(f"{decoding}, batch {batch}, {name} sentences/s", rate[name],
                                         {n: v for n, v in rate.items() if not n.startswith("aiayn")}), flush=True)
             if "aiayn compiled" in rate:
                 print(f"* {decoding}, batch {batch}: aiayn compiled / eager = "
                       f"{rate['aiayn compiled'] / rate['aiayn']:.2f}x", flush=True)
     print()
-    print(table(["decoding", "batch", "peer", "sentences/s (median)", "spread", "mean output tokens"], rows))
-    footer()
+    print(common.table(["decoding", "batch", "peer", "sentences/s (median)", "spread", "mean output tokens"], rows))
+    common.footer()
 
 
 if __name__ == "__main__":
