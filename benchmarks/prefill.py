@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import random
-import statistics
 import time
 from collections.abc import Callable
 
@@ -25,7 +24,7 @@ from benchmarks import common
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefill", description=__doc__.split("\n\n")[0])
     common.add_common_args(parser, repeats=5, warmup=1)
     parser.add_argument("--tokens", type=int, default=900, help="prompt tokens (default 900)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="the engine's chunk (default 256)")
@@ -47,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_hf:
         from benchmarks.staggered import hf_model
 
-        hf = hf_model()
+        hf = common.load_peer("transformers", hf_model)
     rng = random.Random(args.seed)
     prompt = [rng.randrange(100, 40000) for _ in range(args.tokens)]  # as benchmarks.staggered's
     context = 1 << (args.tokens + 1).bit_length()  # a row long enough for the prompt
@@ -79,19 +78,15 @@ def main(argv: list[str] | None = None) -> None:
     if hf is not None:
         peers["transformers forward"] = transformers_forward
     common.mark_start(args)
-    tokens = {name: [fn() for _ in range(args.warmup)][-1] for name, fn in peers.items()}
-    seconds: dict[str, list[float]] = {name: [] for name in peers}
-    for _ in range(args.repeats):
-        for name, fn in peers.items():
-            start = time.perf_counter()
-            fn()
-            seconds[name].append(time.perf_counter() - start)
+    tokens = {name: fn() for name, fn in peers.items()}  # each peer's first token (a first warm-up call)
+    timed = [common.Timed(name, fn) for name, fn in peers.items()]
+    common.measure(timed, args, warmup=max(0, args.warmup - 1))
     inside = in_situ(peers["engine, paged"])
     common.header(f"Prefill of one {args.tokens}-token prompt, SmolLM2-135M-Instruct float32 (engine chunks of "
            f"{args.prefill_chunk})", args)
     print(common.table(["peer", "seconds (median)", "range", "tokens/s", "first token"],
-                [[name, f"{statistics.median(s):.3f}", f"{min(s):.3f}-{max(s):.3f}",
-                  f"{args.tokens / statistics.median(s):.0f}", tokens[name]] for name, s in seconds.items()]))
+                       [[p.name, f"{p.median:.3f}", f"{min(p.times):.3f}-{max(p.times):.3f}",
+                         f"{args.tokens / p.median:.0f}", tokens[p.name]] for p in timed]))
     total = inside.pop("total")
     print(f"\nInside one engine prefill ({total:.3f} s): "
           + ", ".join(f"{name} {s:.3f} s ({s / total:.0%})" for name, s in inside.items())
