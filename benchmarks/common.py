@@ -83,7 +83,8 @@ def command() -> str:
     """The command line that ran this benchmark, as a user would type it."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    program = f"python -m {spec.name}" if spec and spec.name else "python " + (sys.argv[0] if sys.argv else "")
+    program = (f"python -m {spec.name.removesuffix('.__main__')}" if spec and spec.name
+               else "python " + (sys.argv[0] if sys.argv else ""))
     return " ".join([program, *map(shlex.quote, sys.argv[1:])])
 
 

@@ -25,6 +25,7 @@ def test_a_missing_peer_is_a_row_and_the_benchmark_goes_on(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "* x-transformers: not installed (pip install -e '.[bench]')" in done.stdout
     assert "| 1 | on | aiayn |" in done.stdout and "Traceback" not in done.stderr
+    assert " UTC; `python -m benchmarks.decode --peers aiayn x-transformers --batch 1 " in done.stdout  # the header
 
 
 def test_the_row_names_the_extra(monkeypatch, capsys):
