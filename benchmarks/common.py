@@ -77,6 +77,10 @@ def header(title: str, args: argparse.Namespace, *, dtype: str = "float32") -> N
           f"{os.cpu_count()} CPUs; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
           f"`{command()}`; load average {load:.2f} before{rounds}"
           f"{' (--quick)' if getattr(args, 'quick', False) else ''}\n")
+    global HEADER_SHOWN
+    HEADER_SHOWN = True
+    if MISSING:  # the peers this run could not load, under every section's header
+        print("\n".join(f"* {row}" for row in MISSING.values()) + "\n")
 
 
 def command() -> str:
@@ -151,17 +155,20 @@ def not_installed(name: str, error: ImportError) -> str:
 
 
 MISSING: dict[str, str] = {}  # peer -> its not-installed row, as load_peer found them in this run
+HEADER_SHOWN = False  # whether a header has been printed: a peer found missing after it prints its row at once
 
 
 def load_peer(name: str, build: Callable[..., object], *args, **kwargs) -> object | None:
     """``build(*args, **kwargs)``, or None when its import fails: then the peer's row, naming the
-    extra that installs it, is printed (once per peer) and kept in ``MISSING``."""
+    extra that installs it, is kept in ``MISSING`` and printed under each header (at once, the
+    first time, when a header is already out)."""
     try:
         return build(*args, **kwargs)
     except ImportError as error:
         if name not in MISSING:
             MISSING[name] = not_installed(name, error)
-            print(f"* {MISSING[name]}", flush=True)
+            if HEADER_SHOWN:
+                print(f"* {MISSING[name]}", flush=True)
         return None
 
 
