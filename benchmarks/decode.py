@@ -23,19 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.generate import greedy_decoder_only
-from benchmarks.common import (
-    Timed,
-    add_common_args,
-    count_params,
-    fmt_int,
-    footer,
-    header,
-    ratio_line,
-    run_interleaved,
-    setup,
-    table,
-    top_ops,
-)
+from benchmarks import common
 from benchmarks.peers import LM_PEERS, Dropouts, LMSize, optimize_aiayn, quiet
 
 TARGETS = {1: 3.0, 16: 1.5}  # batch -> aiayn / best peer, with the cache
@@ -52,6 +40,15 @@ def aiayn_model(size: LMSize, seed: int, *, plain: bool = False) -> nn.Module:
     torch.manual_seed(seed)
     model = LM_PEERS["aiayn"](size, Dropouts()).eval()
     return model if plain else optimize_aiayn(model, "inference")
+
+
+def peer_model(name: str, size: LMSize, seed: int) -> nn.Module | None:
+    """Peer ``name``'s model in eval mode (aiayn's optimized); None, its row printed, when its
+    library is not installed."""
+    if name == "aiayn":
+        return aiayn_model(size, seed)
+    torch.manual_seed(seed)
+    return common.load_peer(name, lambda: LM_PEERS[name](size, Dropouts()).eval())
 
 
 def decoder(name: str, model: nn.Module, prompt: Tensor, new: int, use_cache: bool):
@@ -100,24 +97,20 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the 'aiayn compiled' rows (compile=True; needs a C++ compiler)")
     parser.add_argument("--plain", action="store_true",
                         help=f"add '{PLAIN}' rows: the same model without aiayn.fast.optimize, eager")
-    add_common_args(parser, repeats=5, warmup=1)
+    common.add_common_args(parser, repeats=5, warmup=1)
     args = parser.parse_args(argv)
-    setup(args)
+    common.setup(args)
     quiet()
     new = args.new_tokens if not args.quick else min(args.new_tokens, 64)
     size = LMSize()
     models, params = {}, {}
     for name in args.peers or LM_PEERS:
-        if name == "aiayn":
-            models[name] = aiayn_model(size, args.seed)
-        else:
-            torch.manual_seed(args.seed)
-            models[name] = LM_PEERS[name](size, Dropouts()).eval()
-        params[name] = count_params(models[name])
+        if (model := peer_model(name, size, args.seed)) is not None:
+            models[name], params[name] = model, common.count_params(model)
     plain_model = aiayn_model(size, args.seed, plain=True) if args.plain and "aiayn" in models else None
-    header(f"Greedy decoding, decoder-only (d {size.d_model}, {size.n_layers} layers, {size.n_heads} heads, "
+    common.header(f"Greedy decoding, decoder-only (d {size.d_model}, {size.n_layers} layers, {size.n_heads} heads, "
            f"vocab {size.vocab:,}), prompt {args.prompt_len}, {new} new tokens", args)
-    print(table(["peer", "parameters"], [[n, fmt_int(p)] for n, p in params.items()]) + "\n")
+    print(common.table(["peer", "parameters"], [[n, common.fmt_int(p)] for n, p in params.items()]) + "\n")
     gen = torch.Generator().manual_seed(args.seed)
     rows, ratios = [], []
     for batch in args.batch:
@@ -128,31 +121,31 @@ def main(argv: list[str] | None = None) -> None:
                 runs[COMPILED] = models["aiayn"]
             if plain_model is not None:
                 runs[PLAIN] = plain_model
-            peers = [Timed(n, decoder(n, m, prompt, new, use_cache)) for n, m in runs.items()]
+            peers = [common.Timed(n, decoder(n, m, prompt, new, use_cache)) for n, m in runs.items()]
             # Recomputing is slow: fewer rounds (still interleaved and a median).
             repeats = args.repeats if use_cache else max(1, min(args.repeats, 3))
-            run_interleaved(peers, repeats=repeats, warmup=args.warmup if use_cache else 0)
+            common.run_interleaved(peers, repeats=repeats, warmup=args.warmup if use_cache else 0)
             tps = {p.name: batch * new / p.median for p in peers}
             for p in peers:
                 rows.append([batch, "on" if use_cache else "off", p.name, f"{p.median * 1e3:.0f}",
-                             f"±{p.spread * 50:.0f}%", fmt_int(tps[p.name]),
+                             f"±{p.spread * 50:.0f}%", common.fmt_int(tps[p.name]),
                              f"{p.median / new * 1e3:.2f}"])
             target = TARGETS.get(batch) if use_cache else None
             others = {n: v for n, v in tps.items() if not n.startswith("aiayn")}
             for ours in (n for n in tps if n.startswith("aiayn")):
-                ratios.append(ratio_line(f"batch {batch}, cache {'on' if use_cache else 'off'}, {ours}",
+                ratios.append(common.ratio_line(f"batch {batch}, cache {'on' if use_cache else 'off'}, {ours}",
                                          tps[ours], others, target=target))
             if args.profile and use_cache:
                 print(f"torch.profiler, aiayn, batch {batch}, cache on, top ops by self CPU time:\n")
-                print("```\n" + top_ops(peers[0].fn, steps=1) + "\n```\n")
-    print(table(["batch", "KV cache", "peer", "ms / call (median)", "spread", "new tokens/s",
+                print("```\n" + common.top_ops(peers[0].fn, steps=1) + "\n```\n")
+    print(common.table(["batch", "KV cache", "peer", "ms / call (median)", "spread", "new tokens/s",
                  "ms / token step"], rows))
     print()
     for line in ratios:
         print("* " + line)
     if not args.no_overhead:
         overhead(args, new)
-    footer()
+    common.footer()
 
 
 def overhead(args: argparse.Namespace, new: int) -> None:
@@ -162,20 +155,17 @@ def overhead(args: argparse.Namespace, new: int) -> None:
     prompt = torch.randint(1, tiny.vocab, (1, args.prompt_len))
     peers = []
     for name in args.peers or LM_PEERS:
-        if name == "aiayn":
-            model = aiayn_model(tiny, args.seed)
-        else:
-            torch.manual_seed(args.seed)
-            model = LM_PEERS[name](tiny, Dropouts()).eval()
-        peers.append(Timed(name, decoder(name, model, prompt, new, True)))
+        if (model := peer_model(name, tiny, args.seed)) is None:
+            continue
+        peers.append(common.Timed(name, decoder(name, model, prompt, new, True)))
         if name == "aiayn" and not args.no_compiled:
-            peers.append(Timed(COMPILED, decoder(COMPILED, model, prompt, new, True)))
+            peers.append(common.Timed(COMPILED, decoder(COMPILED, model, prompt, new, True)))
         if name == "aiayn" and args.plain:
-            peers.append(Timed(PLAIN, decoder(PLAIN, aiayn_model(tiny, args.seed, plain=True), prompt, new, True)))
-    run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
+            peers.append(common.Timed(PLAIN, decoder(PLAIN, aiayn_model(tiny, args.seed, plain=True), prompt, new, True)))
+    common.run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
     print(f"\nFramework overhead per generated token (tiny model: d 32, 1 layer, vocab 64; batch 1, "
           f"cache on, {new} new tokens):\n")
-    print(table(["peer", "ms / token step"], [[p.name, f"{p.median / new * 1e3:.3f}"] for p in peers]))
+    print(common.table(["peer", "ms / token step"], [[p.name, f"{p.median / new * 1e3:.3f}"] for p in peers]))
 
 
 if __name__ == "__main__":

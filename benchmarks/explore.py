@@ -17,6 +17,8 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.common import footer, header, table
+
 
 def _median_seconds(fn, repeats: int) -> tuple[float, object]:
     times, result = [], None
@@ -28,7 +30,6 @@ def _median_seconds(fn, repeats: int) -> tuple[float, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import os
 
     import torch
     from fastapi.testclient import TestClient
@@ -72,11 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         beam, tree = _median_seconds(lambda: api.post("/api/beam", json={"text": " ".join(words[:8]), "beam": 4}).json(),
                                      args.repeats)
         rows.append((f"beam 4 tree ({len(tree['nodes'])} nodes)", beam, ""))
-    load_avg = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"## aiayn explore: {ex.name} ({ex.kind}), {torch.get_num_threads()} threads, load average {load_avg}")
-    print("| request | seconds | size |\n|---|---|---|")
-    for what, seconds, size in rows:
-        print(f"| {what} | {seconds:.3f} | {size} |")
+    header(f"aiayn explore: {ex.name} ({ex.kind}), the median of {args.repeats} calls", args)
+    print(table(["request", "seconds", "size"], [[what, f"{seconds:.3f}", size] for what, seconds, size in rows]))
+    footer()
 
 
 if __name__ == "__main__":

@@ -1,42 +1,17 @@
 """aiayn.fast's kernels one by one: each fast module against the plain module it replaces, on the
-same inputs, in the same run, at 1 and at 2 threads.
+same inputs, in the same run, at 1 and at 2 threads: the measurement a kernel of ``aiayn/fast``
+must pass to stay. The kernels (``KERNELS``; their cases in ``benchmarks/fast_cases.py``):
+``linear-onednn`` (``FastLinear``'s oneDNN path, forward + backward), ``linear-transposed`` (the
+turned-around (W x^T)^T on a decode step's few rows), ``attention-decode`` (single-query and GQA
+fold), ``attention-block-causal`` and ``attention-dropout`` (training attention, forward +
+backward), ``dropout``, ``fused-loss`` (the output layer fused with the loss) and
+``compiled-matvec`` (the compiled decode step's linear layers; skipped by ``--quick`` and
+``--no-compiled``).
 
-Not one of the issue's five benchmarks: the measurement a kernel of ``aiayn/fast`` must pass to
-stay ("a kernel that stays must show its gain in fast/'s own benchmark, at 1 and 2 threads").
-For each kernel that ``aiayn.fast.optimize`` (or the compiled decode step) swaps in:
-
-* ``linear-onednn``: ``FastLinear`` against ``nn.Linear`` (the same weights) on training-size
-  inputs, forward + backward (input, weight and bias gradients): its oneDNN path
-  (``aiayn.fast.onednn``) on the decoder benchmark's layers (4,096 rows) and paper-base's (768
-  rows, a padding-free batch's real tokens);
-* ``linear-transposed``: ``FastLinear`` against ``nn.Linear`` on a decode step's x (rows, 1, i)
-  under ``torch.inference_mode``, rows 1, 2, 4, 16, 64: the turned-around product (W x^T)^T
-  (``aiayn.fast.matvec.transposed_linear``; 1 row keeps ``F.linear``); one call is one pass over
-  a model's projections;
-* ``attention-decode``: ``fast_attention`` against ``aiayn.nn.attention.scaled_dot_product_attention``
-  on the inputs a decode step hands its first layer's attention kernel (captured from a model:
-  the query, the cache's keys and values, the mask): the single-query written-out path (MHA, the
-  decode benchmark's model) and the GQA fold (SmolLM2's 9 query / 3 key-value heads), batch 1 and 16;
-* ``attention-block-causal``: ``fast_attention`` against the plain function on square causal
-  training attention, forward + backward (q, k, v views of one fused projection, as the model
-  makes them): the block-causal path (``aiayn.fast.block_causal``);
-* ``attention-dropout``: the same with dropout 0.1 on the weights: the written-out equation with
-  ``aiayn.fast.dropout``'s mask against SDPA's dropout;
-* ``dropout``: ``FastDropout`` against ``nn.Dropout`` (p 0.1, training), forward + backward;
-* ``fused-loss``: the output layer + loss, forward + backward: ``FusedLossLinear.cross_entropy``
-  against ``F.linear`` + ``F.cross_entropy``, and, as ``aiayn train`` runs them,
-  ``sequence_loss`` over a ``ModelOutput`` whose head is the ``FusedLossLinear`` against the same
-  with the plain ``nn.Linear`` head (logits, then ``sequence_loss``'s cross-entropy);
-* ``compiled-matvec``: the compiled decode step's linear layers (``aiayn.fast.matvec.MatvecLinears``,
-  multiply + sum or (W x^T)^T by rows) against the same ``F.linear`` calls compiled alike
-  (``torch.compile`` with Inductor's freezing, as ``aiayn.fast.compiled_decode`` compiles;
-  SmolLM2's projections; recompiled per thread count; skipped by ``--quick`` and ``--no-compiled``).
-
-Each case is warmed up, then plain and fast are timed in turn (``benchmarks.common.run_interleaved``)
-for ``--repeats`` rounds of enough calls to fill ~20 ms; the figure is the median round's time
-per call. "plain / fast" above 1 is the kernel's gain; below 1 the table says **does NOT win**.
-"fast path" is the path the fast module takes on those inputs (from the kernel's own conditions);
-"falls back" rows run the plain function behind the fast module's dispatch (no kernel to judge).
+Each case's plain and fast calls are interleaved (``benchmarks.common``) for ``--repeats`` rounds
+of ~20 ms; "plain / fast" above 1 is the kernel's gain, below 1 the table says **does NOT win**;
+"fast path" is the path the fast module takes on those inputs, "falls back" rows run the plain
+function behind its dispatch.
 
     python -m benchmarks.fast                       # every kernel, 1 and 2 threads
     python -m benchmarks.fast --threads 1,2 --kernels dropout fused-loss
@@ -47,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -57,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import Timed, footer, run_interleaved, table
+from benchmarks.common import Timed, footer, header, run_interleaved, table
 from benchmarks.fast_cases import FACTORIES, FALLS_BACK, Case, Options
 
 KERNELS = tuple(FACTORIES)  # in the order the benchmark runs them
@@ -200,12 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels.remove("compiled-matvec")
     opt = Options(quick=args.quick, seed=args.seed, compiled_rows=args.compiled_rows)
     before = torch.get_num_threads()
-    load = os.getloadavg()[0]
-    print("## aiayn.fast kernels against the plain modules they replace\n")
-    print(f"torch {torch.__version__}, {', '.join(map(str, args.threads))} thread(s), float32, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; load average {load:.2f} before; "
-          f"median of {args.repeats} interleaved rounds after {args.warmup} warm-up call(s)"
-          f"{' (--quick)' if args.quick else ''}\n")
+    header("aiayn.fast kernels against the plain modules they replace", args)
     results: list[Result] = []
     for kernel in kernels:
         kernel_results: list[tuple[int, Result]] = []

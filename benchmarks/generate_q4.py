@@ -1,18 +1,9 @@
-"""The 4-bit parts of ``benchmarks/generate.py`` (issue 21): aiayn's packed GGUF model against
-llama.cpp on the same file, in the same run.
-
-* ``q4_rows``: decode tokens/s at batch 1 and the 512-token prefill for ``load_gguf(path,
-  quantize="auto")`` (the file's own Q4_1 and Q8_0 blocks, as llama.cpp keeps them), eager and
-  compiled; greedy agreement with llama.cpp's tokens.
-* ``batch_rows``: decode tokens/s (all rows together) at batch 4 and 16, aiayn q4 compiled and
-  llama.cpp (one sequence per row in one ``llama_decode`` per step).
-* ``peak_memory``: peak resident memory (VmHWM) of a fresh process that loads the model,
-  prefills 512 tokens and decodes 128: aiayn q4 (the CLI's path: ``optimize`` then decoding), aiayn
-  float32, llama.cpp (in a process without torch), and the interpreter with torch and aiayn
-  imported but no model, for scale.
-* ``perplexity``: on the first windows of 512 tokens of Tiny Shakespeare's validation text (its
-  last 10%, SmolLM2's tokenizer), float32, bfloat16, int8, q4 and llama.cpp (from the logits its
-  C API returns for every position, log-softmax in float64).
+"""The 4-bit parts of ``benchmarks/generate.py``: aiayn's packed GGUF model (``load_gguf(path,
+quantize="auto")``: the file's own Q4_1 and Q8_0 blocks) against llama.cpp on the same file.
+``batch_rows``: decode tokens/s of all rows at batch 4 and 16; ``peak_memory``: peak resident
+memory (VmHWM) of a fresh process that loads the model, prefills 512 tokens and decodes 128 (aiayn
+q4, aiayn float32, llama.cpp without torch, and the bare interpreter for scale); ``perplexity``:
+on 512-token windows of Tiny Shakespeare's last 10%, float32, bfloat16, int8, q4 and llama.cpp.
 """
 
 from __future__ import annotations

@@ -1,27 +1,21 @@
-"""aiayn on a GPU against its peers, every row in one run on one card (issue 33, point 8).
+"""aiayn on a GPU against its peers, every row in one run on one card.
 
-(a) GPT-2 124M training, batch 8 x 1024, bf16 autocast: aiayn against transformers'
-    GPT2LMHeadModel built from its config (random init), each eager and under torch.compile;
-    tokens/s and MFU (PaLM's 6 N + 12 L d T model FLOPs per token over the card's dense bf16 peak).
-(b) The paper's base encoder-decoder (preset ``paper-base``), 128 x (100 source + 100 target)
-    tokens, bf16 autocast: aiayn against torch.nn.Transformer of the same shape, eager and compiled.
-(c) Greedy decoding of GPT-2 124M in bfloat16, batch 1 and 16, 256 new tokens after a 16-token
-    prompt (tokens/s counts the new tokens; the prompt's prefill is in the time): aiayn eager and
-    compiled (``aiayn.generate``'s ``compile=True``) against transformers' generate with its
-    dynamic cache and with its static cache, whose decode step it compiles (CUDA graphs).
-(d) ``--recipe-row``: ``aiayn train --recipe recipes/multi30k-en-de.yaml --device DEVICE``, wall
-    time and test2016 BLEU (the data must be there: docs/gpu.md).
+(a) GPT-2 124M training, batch 8 x 1024, bf16 autocast: aiayn against transformers' GPT2LMHeadModel,
+    each eager and compiled; tokens/s and MFU (6 N + 12 L d T FLOPs per token over ``--peak-tflops``).
+(b) The paper's base encoder-decoder, 128 x (100 + 100) tokens, bf16 autocast: aiayn against
+    torch.nn.Transformer of the same shape, eager and compiled.
+(c) Greedy decoding of GPT-2 124M in bfloat16, batch 1 and 16, 256 new tokens after 16: aiayn
+    eager and compiled against transformers' generate with its dynamic and its static (compiled) cache.
+(d) ``--recipe-row``: ``aiayn train --recipe recipes/multi30k-en-de.yaml``, wall time and BLEU.
 
-Timing: every peer warmed up (the compiled ones compile then, untimed), then the peers of a row
-timed in turn, A, B, C, A, B, C, ..., ``--repeats`` rounds, the device synchronised around each
-round; a peer's figure is its median round. A peer that fails prints its error and the run goes on.
+Peers of a row are warmed up, then interleaved ``--repeats`` rounds, the device synchronised around
+each; a figure is the median round. A peer that fails or is not installed prints its row and the
+run goes on.
 
     python -m benchmarks.gpu                           # (a)-(c) on the first CUDA GPU
     python -m benchmarks.gpu --rows c --device cuda:1
     python -m benchmarks.gpu --recipe-row              # (d) too
     python -m benchmarks.gpu --smoke --device cpu      # tiny sizes, seconds: what the test runs
-
-Not a test: it prints figures and ratios against the issue's goals; it asserts nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import statistics
 import sys
 import tempfile
 import time
@@ -40,31 +33,18 @@ import torch
 
 from aiayn import build_model
 from aiayn.device import prepare, resolve, synchronize
-from benchmarks.common import Timed, count_params, fmt_int, table
-from benchmarks.gpu_models import (
-    CPU_RECIPE_BLEU,
-    FULL,
-    RECIPE,
-    RECIPE_MINUTES,
-    SEED_SPREAD,
-    SMOKE,
-    Plan,
-    TorchSeq2Seq,
-    aiayn_decode,
-    aiayn_step,
-    device_name,
-    gpt2_config,
-    gpt2_train_flops,
-    hf_decode,
-    hf_gpt2,
-    logits_step,
-    make_adamw,
-    peak_flops,
-    run_recipe,
-    seq2seq_config,
-    transformers_or_none,
+from benchmarks import gpu_models
+from benchmarks.common import (
+    Timed,
+    command,
+    count_params,
+    fmt_int,
+    not_installed,
+    run_interleaved,
+    table,
 )
 
+MISSING_TRANSFORMERS = not_installed("transformers", ImportError(name="transformers"))
 GOALS = {"a": 1.3, "a_mfu": 0.45, "b": 1.2, "c_rate": 2000.0, "c": 1.5}  # the issue's targets
 
 
@@ -116,17 +96,9 @@ class Row:
         self.skipped[name] = why
 
     def run(self) -> dict[str, float]:
-        """Interleaved rounds -> median seconds per call, by peer."""
-        for _ in range(self.repeats):
-            for p in self.timed:
-                gc.collect()
-                synchronize(self.device)
-                start = time.perf_counter()
-                for _ in range(p.iters):
-                    p.fn()
-                synchronize(self.device)
-                p.times.append((time.perf_counter() - start) / p.iters)
-        return {p.name: statistics.median(p.times) for p in self.timed}
+        """Interleaved rounds (the device synchronised around each) -> median seconds per call, by peer."""
+        run_interleaved(self.timed, repeats=self.repeats, warmup=0, sync=lambda: synchronize(self.device))
+        return {p.name: p.median for p in self.timed}
 
     def report(self, headers: list[str], cells: Callable[[Timed], list[object]]) -> None:
         rows = [[p.name, fmt_int(self.params[p.name]), *cells(p)] for p in self.timed]
@@ -163,10 +135,6 @@ def ratio(label: str, rates: dict[str, float], ours: str, theirs: str, target: f
     print(f"* {label}: {ours} / {theirs} = **{r:.2f}x**{goal}")
 
 
-def spread(p: Timed) -> str:
-    return f"±{(max(p.times) - min(p.times)) / statistics.median(p.times) * 50:.0f}%"
-
-
 def free(row: Row) -> None:
     row.timed.clear()
     gc.collect()
@@ -175,7 +143,7 @@ def free(row: Row) -> None:
 
 
 # ---- (a) ----------------------------------------------------------------------------------------
-def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transformers) -> None:
+def row_a(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers) -> None:
     batch, length = plan.train_batch
     vocab = plan.gpt[0]
     tokens = torch.randint(0, vocab, (batch, length + 1), generator=torch.Generator().manual_seed(0)).to(device)
@@ -184,32 +152,32 @@ def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transforme
 
     def aiayn(compiled: bool):
         torch.manual_seed(0)
-        model = build_model(gpt2_config(plan)).to(device).train()
-        step = aiayn_step(model, make_adamw(model, device), (inputs,), targets, device, compiled=compiled)
+        model = build_model(gpu_models.gpt2_config(plan)).to(device).train()
+        step = gpu_models.aiayn_step(model, gpu_models.make_adamw(model, device), (inputs,), targets, device, compiled=compiled)
         return step, count_params(model)
 
     def hf(compiled: bool):
         torch.manual_seed(0)
-        model = hf_gpt2(transformers, plan).to(device).train()
+        model = gpu_models.hf_gpt2(transformers, plan).to(device).train()
         run = torch.compile(model) if compiled else model
         forward = lambda x: run(input_ids=x, use_cache=False).logits  # noqa: E731
-        return logits_step(forward, make_adamw(model, device), (inputs, targets), device), count_params(model)
+        return gpu_models.logits_step(forward, gpu_models.make_adamw(model, device), (inputs, targets), device), count_params(model)
 
     row.add("aiayn", lambda: aiayn(False), iters=args.iters)
     row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
     for compiled, name in ((False, "transformers"), (True, "transformers compiled")):
         if transformers is None:
-            row.skip(name, "transformers is not installed")
+            row.skip(name, MISSING_TRANSFORMERS)
         else:
             row.add(name, lambda c=compiled: hf(c), iters=args.iters)
     seconds = row.run()
-    peak, peak_note = peak_flops(device, args.peak_tflops)
-    flops = gpt2_train_flops(plan, batch * length)
+    peak, peak_note = gpu_models.peak_flops(device, args.peak_tflops)
+    flops = gpu_models.gpt2_train_flops(plan, batch * length)
     print(f"## (a) GPT-2 training, d {plan.gpt[1]}, {plan.gpt[3]} layers, vocab {vocab:,}, batch {batch} x {length}, "
-          f"{device_name(device)}\n")
+          f"{gpu_models.device_name(device)}\n")
     mfu = {name: flops / s / peak for name, s in seconds.items()} if peak else {}
     row.report(["peer", "parameters", "ms / step (median)", "spread", "tokens/s", "MFU"],
-               lambda p: [f"{seconds[p.name] * 1e3:.1f}", spread(p), fmt_int(batch * length / seconds[p.name]),
+               lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(batch * length / seconds[p.name]),
                           f"{mfu[p.name]:.3f}" if p.name in mfu else "-"])
     print(f"model FLOPs per step: {flops / 1e12:.2f} TFLOP (6 N + 12 L d T per token); peak: {peak_note}\n")
     rates = {name: batch * length / s for name, s in seconds.items()}
@@ -224,9 +192,9 @@ def row_a(args: argparse.Namespace, plan: Plan, device: torch.device, transforme
 
 
 # ---- (b) ----------------------------------------------------------------------------------------
-def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
+def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device) -> None:
     batch, src_len, tgt_len = plan.seq2seq_batch
-    config = seq2seq_config(plan, args.dropout)
+    config = gpu_models.seq2seq_config(plan, args.dropout)
     g = torch.Generator().manual_seed(1)
     src = torch.randint(3, config.vocab_size, (batch, src_len), generator=g).to(device)  # no padding
     tgt = torch.randint(3, config.vocab_size, (batch, tgt_len + 1), generator=g).to(device)
@@ -236,14 +204,14 @@ def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
     def aiayn(compiled: bool):
         torch.manual_seed(0)
         model = build_model(config).to(device).train()
-        step = aiayn_step(model, make_adamw(model, device), data[:2], data[2], device, compiled=compiled)
+        step = gpu_models.aiayn_step(model, gpu_models.make_adamw(model, device), data[:2], data[2], device, compiled=compiled)
         return step, count_params(model)
 
     def reference(compiled: bool):
         torch.manual_seed(0)
-        model = TorchSeq2Seq(config).to(device).train()
+        model = gpu_models.TorchSeq2Seq(config).to(device).train()
         run = torch.compile(model) if compiled else model
-        return logits_step(run, make_adamw(model, device), data, device), count_params(model)
+        return gpu_models.logits_step(run, gpu_models.make_adamw(model, device), data, device), count_params(model)
 
     row.add("aiayn", lambda: aiayn(False), iters=args.iters)
     row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
@@ -253,9 +221,9 @@ def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
     tokens = batch * (src_len + tgt_len)
     print(f"## (b) encoder-decoder `{plan.seq2seq}` (d {config.d_model}, {config.n_layers}+{config.n_decoder_layers} "
           f"layers, vocab {config.vocab_size:,}), batch {batch} x ({src_len} + {tgt_len}) tokens, "
-          f"{device_name(device)}\n")
+          f"{gpu_models.device_name(device)}\n")
     row.report(["peer", "parameters", "ms / step (median)", "spread", "tokens/s"],
-               lambda p: [f"{seconds[p.name] * 1e3:.1f}", spread(p), fmt_int(tokens / seconds[p.name])])
+               lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(tokens / seconds[p.name])])
     rates = {name: tokens / s for name, s in seconds.items()}
     ratio("(b) training tokens/s, eager", rates, "aiayn", "torch.nn.Transformer")
     ratio("(b) training tokens/s, compiled", rates, "aiayn compiled", "torch.nn.Transformer compiled", GOALS["b"])
@@ -263,26 +231,26 @@ def row_b(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
 
 
 # ---- (c) ----------------------------------------------------------------------------------------
-def row_c(args: argparse.Namespace, plan: Plan, device: torch.device, transformers) -> None:
+def row_c(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers) -> None:
     dtype = getattr(torch, args.decode_dtype)
     torch.manual_seed(0)
     if transformers is not None:  # the same weights on both sides: aiayn's model converted from HF's
         from aiayn.interop import from_hf_model
 
-        hf = hf_gpt2(transformers, plan).eval()
+        hf = gpu_models.hf_gpt2(transformers, plan).eval()
         model = from_hf_model(hf)[0].to(device, dtype).eval()
         hf = hf.to(device, dtype)
     else:
-        model, hf = build_model(gpt2_config(plan)).to(device, dtype).eval(), None
+        model, hf = build_model(gpu_models.gpt2_config(plan)).to(device, dtype).eval(), None
     print(f"## (c) greedy decoding, GPT-2 (d {plan.gpt[1]}, {plan.gpt[3]} layers), {args.decode_dtype}, "
-          f"{plan.new_tokens} new tokens after a {plan.prompt_len}-token prompt, {device_name(device)}\n")
+          f"{plan.new_tokens} new tokens after a {plan.prompt_len}-token prompt, {gpu_models.device_name(device)}\n")
     if hf is not None and device.type != "cuda":
         print(f"(transformers compiles its static-cache step on CUDA only: on {device.type} that row ran uncompiled)\n")
     for b in plan.decode_batches:
         decode_batch(args, plan, device, transformers, model, hf, b)
 
 
-def decode_batch(args: argparse.Namespace, plan: Plan, device: torch.device, transformers, model: torch.nn.Module,
+def decode_batch(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers, model: torch.nn.Module,
                  hf: torch.nn.Module | None, b: int) -> None:
     """Row (c) at batch ``b``: every decoder from the same random prompt (b, prompt_len)."""
     n = plan.new_tokens
@@ -290,17 +258,17 @@ def decode_batch(args: argparse.Namespace, plan: Plan, device: torch.device, tra
     prompt = prompt.to(device)
     row = Row(device, args.repeats, args.warmup, profile=args.profile)
     params = count_params(model)
-    row.add("aiayn", lambda: (aiayn_decode(model, prompt, n, compile=False), params))
-    row.add("aiayn compiled", lambda: (aiayn_decode(model, prompt, n, compile=True), params))
+    row.add("aiayn", lambda: (gpu_models.aiayn_decode(model, prompt, n, compile=False), params))
+    row.add("aiayn compiled", lambda: (gpu_models.aiayn_decode(model, prompt, n, compile=True), params))
     for static, name in ((False, "transformers"), (True, "transformers static + compile")):
         if hf is None:
-            row.skip(name, "transformers is not installed")
+            row.skip(name, MISSING_TRANSFORMERS)
         else:
-            row.add(name, lambda s=static: (hf_decode(transformers, hf, prompt, n, static=s), params))
+            row.add(name, lambda s=static: (gpu_models.hf_decode(transformers, hf, prompt, n, static=s), params))
     seconds = row.run()
     print(f"batch {b}:\n")
     row.report(["peer", "parameters", "ms / call (median)", "spread", "tokens/s"],
-               lambda p: [f"{seconds[p.name] * 1e3:.1f}", spread(p), fmt_int(b * n / seconds[p.name])])
+               lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(b * n / seconds[p.name])])
     rates = {name: b * n / s for name, s in seconds.items()}
     ratio(f"(c) decode tokens/s, batch {b}, eager", rates, "aiayn", "transformers")
     ratio(f"(c) decode tokens/s, batch {b}, compiled", rates, "aiayn compiled", "transformers static + compile",
@@ -320,21 +288,21 @@ def decode_batch(args: argparse.Namespace, plan: Plan, device: torch.device, tra
 
 # ---- (d) ----------------------------------------------------------------------------------------
 def row_d(args: argparse.Namespace, device: torch.device) -> None:
-    print(f"## (d) `aiayn train --recipe {RECIPE} --device {device}`\n")
+    print(f"## (d) `aiayn train --recipe {gpu_models.RECIPE} --device {device}`\n")
     with tempfile.TemporaryDirectory(prefix="aiayn-recipe-") as tmp:
         run_dir = Path(tmp) / "run"
-        command = [sys.executable, "-m", "aiayn", "train", "--recipe", RECIPE, "--device", str(device),
+        command = [sys.executable, "-m", "aiayn", "train", "--recipe", gpu_models.RECIPE, "--device", str(device),
                    "--run-dir", str(run_dir), *args.recipe_args]
-        result = run_recipe(command, run_dir, args.recipe_timeout)
+        result = gpu_models.run_recipe(command, run_dir, args.recipe_timeout)
     print(f"command: {' '.join(command[1:])}\n")
     if result.bleu is None:
         print(f"* (d) failed (exit {result.returncode}, {result.seconds:.0f} s):\n```\n{result.tail}\n```")
         return
     minutes = result.seconds / 60
-    close = abs(result.bleu - CPU_RECIPE_BLEU) <= SEED_SPREAD
-    print(f"* (d) wall time **{minutes:.1f} min** (goal <= {RECIPE_MINUTES:g}: "
-          f"{'met' if minutes <= RECIPE_MINUTES else 'MISSED'}); test2016 BLEU **{result.bleu:.2f}** against the "
-          f"CPU run's {CPU_RECIPE_BLEU} (goal: within its seed spread {SEED_SPREAD}: {'met' if close else 'MISSED'})")
+    close = abs(result.bleu - gpu_models.CPU_RECIPE_BLEU) <= gpu_models.SEED_SPREAD
+    print(f"* (d) wall time **{minutes:.1f} min** (goal <= {gpu_models.RECIPE_MINUTES:g}: "
+          f"{'met' if minutes <= gpu_models.RECIPE_MINUTES else 'MISSED'}); test2016 BLEU **{result.bleu:.2f}** against the "
+          f"CPU run's {gpu_models.CPU_RECIPE_BLEU} (goal: within its seed spread {gpu_models.SEED_SPREAD}: {'met' if close else 'MISSED'})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -360,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.rows) - set("abc")
     if unknown:
         parser.error(f"--rows: unknown row(s) {', '.join(sorted(unknown))}; give some of a, b, c")
-    plan = SMOKE if args.smoke else FULL
+    plan = gpu_models.SMOKE if args.smoke else gpu_models.FULL
     if args.smoke:
         args.repeats, args.warmup, args.iters = min(args.repeats, 2), min(args.warmup, 1), 1
     device = prepare(resolve(args.device))
@@ -377,13 +345,13 @@ def main(argv: list[str] | None = None) -> None:
             torch._logging.set_logs()  # back to the defaults (TORCH_LOGS's)
 
 
-def run_rows(args: argparse.Namespace, plan: Plan, device: torch.device) -> None:
-    transformers = transformers_or_none()
+def run_rows(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device) -> None:
+    transformers = gpu_models.transformers_or_none()
     print(f"# aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}\n")
-    print(f"{device_name(device)} ({device}); torch {torch.__version__}; transformers "
+    print(f"{gpu_models.device_name(device)} ({device}); torch {torch.__version__}; transformers "
           f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}; "
           f"{args.repeats} interleaved rounds after {args.warmup} warm-up call(s); "
-          f"{time.strftime('%Y-%m-%d %H:%M')}\n")
+          f"{time.strftime('%Y-%m-%d %H:%M')}; `{command()}`\n")
     rows = {"a": lambda: row_a(args, plan, device, transformers), "b": lambda: row_b(args, plan, device),
             "c": lambda: row_c(args, plan, device, transformers)}
     with compile_backend("eager" if args.smoke else None):

@@ -1,11 +1,8 @@
 """What ``python -m benchmarks.gpu`` runs: the sizes of its rows, the models (aiayn's and its
-peers', built on the device asked for), each peer's step or decode call, the card's peak FLOPs, and
-the recipe row's command.
-
-Every peer is built on the CPU with a fixed seed and moved to the device; aiayn's models are
-plain ``build_model`` models (``aiayn.fast.optimize`` leaves a model off the CPU as it is), trained
-the library's way (``aiayn.device.autocast``, ``aiayn.train.losses.sequence_loss``, AdamW with
-``fused=aiayn.device.fused_optimizer(device)``) and decoded by ``aiayn.generate``.
+peers', built on the CPU with a fixed seed and moved to the device), each peer's step or decode
+call, the card's peak FLOPs, and the recipe row's command. aiayn's models are plain
+``build_model`` models trained the library's way (``aiayn.device.autocast``, ``sequence_loss``,
+AdamW fused where the device allows) and decoded by ``aiayn.generate``.
 """
 
 from __future__ import annotations

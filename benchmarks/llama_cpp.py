@@ -70,38 +70,6 @@ def _silent_log(ffi):
     return _silent_log_callbacks[0]
 
 
-def llama_cpp_cffi_runners(lib, ffi, path, threads: int) -> Callable[[list[int]], Callable[[int], list[int]]]:
-    """Load the GGUF file once into llama.cpp's C API; return ``runner(ids)``, whose ``run(n)``
-    decodes greedily: prefill ``ids``, then one token per ``llama_decode`` call, each chosen by
-    llama.cpp's greedy sampler (the KV cache is cleared first, so runners share the context)."""
-    lib.llama_backend_init()
-    lib.llama_log_set(_silent_log(ffi), ffi.NULL)  # llama.cpp logs every tensor it loads otherwise
-    model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
-    params = lib.llama_context_default_params()
-    params.n_ctx, params.n_threads, params.n_threads_batch = 1024, threads, threads
-    ctx = lib.llama_init_from_model(model, params)
-    sampler = lib.llama_sampler_init_greedy()
-    clear = getattr(lib, "llama_kv_self_clear", None) or lib.llama_kv_cache_clear
-    one = ffi.new("llama_token[1]")
-
-    def runner(ids: list[int]) -> Callable[[int], list[int]]:
-        prompt = ffi.new("llama_token[]", ids)
-
-        def run(n: int) -> list[int]:
-            clear(ctx)
-            if lib.llama_decode(ctx, lib.llama_batch_get_one(prompt, len(ids))) != 0:
-                raise RuntimeError("llama_decode failed on the prompt")
-            out = [lib.llama_sampler_sample(sampler, ctx, -1)]
-            while len(out) < n:
-                one[0] = out[-1]
-                if lib.llama_decode(ctx, lib.llama_batch_get_one(one, 1)) != 0:
-                    raise RuntimeError("llama_decode failed")
-                out.append(lib.llama_sampler_sample(sampler, ctx, -1))
-            return out
-        return run
-    return runner
-
-
 def peak_rss_mib() -> float:
     """This process's peak resident memory: VmHWM of /proc/self/status (``ru_maxrss`` would not do:
     Linux keeps it across fork and exec, so a child started by a large parent reports the parent's)."""
@@ -175,6 +143,11 @@ class LlamaCpp:
             return out
         return run
 
+    def greedy(self, ids: Sequence[int]) -> Callable[[int], list[int]]:
+        """``run(n)``: n greedy tokens after one prompt."""
+        run = self.greedy_batch([ids])
+        return lambda n: run(n)[0]
+
     def nll(self, window: Sequence[int]) -> tuple[float, int]:
         """(sum of -log p(token | the ones before it), count) over the window's tokens 1..n-1."""
         self.clear(self.ctx)
@@ -196,11 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    lib, ffi = llama_cpp_cffi_library() or (None, None)
-    if lib is None:
-        raise SystemExit("llama-cpp-cffi is not installed")
-    runner = llama_cpp_cffi_runners(lib, ffi, args.rss, args.threads)
-    runner(list(range(100, 100 + args.prompt_tokens)))(args.new_tokens)
+    LlamaCpp(args.rss, args.threads).greedy(list(range(100, 100 + args.prompt_tokens)))(args.new_tokens)
     print(f"peak_rss_mib {peak_rss_mib():.1f}")
 
 

@@ -16,17 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.fast.fused_loss import linear_cross_entropy
-from benchmarks.common import (
-    Timed,
-    add_common_args,
-    footer,
-    header,
-    mark_start,
-    run_interleaved,
-    setup,
-    table,
-)
-from benchmarks.memory import mib, peak_bytes
+from benchmarks import common
 
 SHAPES = {"decoder benchmark (256 -> 8,000)": (4096, 256, 8000),
           "SmolLM2-135M (576 -> 49,152)": (4096, 576, 49152)}
@@ -52,25 +42,25 @@ def steps(n: int, d: int, v: int, seed: int):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.loss", description=__doc__.split("\n\n")[0])
-    add_common_args(parser, repeats=5, warmup=1)
+    common.add_common_args(parser, repeats=5, warmup=1)
     args = parser.parse_args(argv)
-    setup(args)
-    mark_start(args)
-    header("Output layer + cross-entropy, forward + backward, float32", args)
+    common.setup(args)
+    common.mark_start(args)
+    common.header("Output layer + cross-entropy, forward + backward, float32", args)
     rows, lines = [], []
     for label, (n, d, v) in (QUICK_SHAPES if args.quick else SHAPES).items():
         unfused, fused = steps(n, d, v, args.seed)
-        peers = [Timed("F.linear + F.cross_entropy", unfused), Timed("aiayn fused", fused)]
-        run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
-        peaks = [peak_bytes(p.fn) for p in peers]
+        peers = [common.Timed("F.linear + F.cross_entropy", unfused), common.Timed("aiayn fused", fused)]
+        common.run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
+        peaks = [common.peak_bytes(p.fn) for p in peers]
         for p, peak in zip(peers, peaks, strict=True):
             rows.append([label, f"{n:,} x {d} -> {v:,}", p.name, f"{p.median * 1e3:.1f}", f"±{p.spread:.0%}",
-                         mib(peak)])
+                         common.mib(peak)])
         lines.append(f"* {label}: aiayn fused **{peers[0].median / peers[1].median:.2f}x** the speed, "
                      f"{peaks[0] / max(peaks[1], 1):.1f}x less peak memory")
-    print(table(["output layer", "tokens x d -> classes", "way", "ms (median)", "spread", "peak MiB"], rows))
+    print(common.table(["output layer", "tokens x d -> classes", "way", "ms (median)", "spread", "peak MiB"], rows))
     print("\n" + "\n".join(lines))
-    footer()
+    common.footer()
 
 
 if __name__ == "__main__":

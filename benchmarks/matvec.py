@@ -1,26 +1,10 @@
 """Linear layers on a few rows, the decode step's matrix-vector products: how fast each way reads
-the weights, in one process.
-
-For SmolLM2-135M's projections as aiayn lays them out (30 layers of fused q/k/v 960x576, output
-576x576, fused gate/up 3072x576, down 576x1536, and the 49,152x576 output layer: 134M weights),
-``rows`` input rows (batch size of a decode step) through every projection, per weight dtype:
-
-* ``eager F.linear``: torch's matmul library, one call per projection;
-* ``compiled F.linear``: the same calls in one ``torch.compile``d graph with Inductor's freezing
-  (the weights pre-packed for oneDNN), as aiayn's compiled decode step ran them before
-  ``aiayn.fast.matvec``;
-* ``compiled multiply + sum``: ``matvec_linear`` (``MatvecLinears``), the same graph with each
-  product written as an element-wise multiply and a float32 sum that Inductor fuses into one loop;
-* ``compiled (W x^T)^T``: ``transposed_linear``, the same matmul with the few rows as the narrow
-  right-hand side;
-* ``eager (W x^T)^T``: ``transposed_linear`` called eagerly, as ``aiayn.fast.linear.FastLinear``
-  (an optimized model's linear layers) does with no autograd graph to build.
-
-GB/s is weight bytes read per second. These ratios set ``MATVEC_MAX_ROWS`` and
-``TRANSPOSED_MAX_ROWS``, by which ``MatvecLinears`` picks a way compiled, and
-``EAGER_TRANSPOSED_ROWS``, by which ``FastLinear`` picks one eager ("aiayn's choice"). The
-per-kernel view of the same products, fast against plain at 1 and 2 threads: ``python -m
-benchmarks.fast``.
+the weights. SmolLM2-135M's projections as aiayn lays them out (30 layers and the output layer:
+134M weights), ``rows`` input rows through every projection, per weight dtype: eager
+``F.linear``; the same compiled (Inductor freezing); compiled multiply + sum (``matvec_linear``);
+compiled and eager (W x^T)^T (``transposed_linear``). GB/s is weight bytes read per second. These
+ratios set ``MATVEC_MAX_ROWS``, ``TRANSPOSED_MAX_ROWS`` and ``EAGER_TRANSPOSED_ROWS`` ("aiayn's
+choice"); ``python -m benchmarks.fast`` has the per-kernel view.
 
     python -m benchmarks.matvec                 # float32 and bfloat16, rows 1, 2, 4, 8, 16, 64
     python -m benchmarks.matvec --quick         # rows 1 only, 6 layers
@@ -44,16 +28,7 @@ from aiayn.fast.matvec import (
     use_matvec,
     use_transposed,
 )
-from benchmarks.common import (
-    Timed,
-    add_common_args,
-    footer,
-    header,
-    mark_start,
-    run_interleaved,
-    setup,
-    table,
-)
+from benchmarks import common
 
 
 class Projections(nn.Module):
@@ -95,13 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--layers", type=int, default=30)
-    add_common_args(parser, repeats=5, warmup=2)
+    common.add_common_args(parser, repeats=5, warmup=2)
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.layers = [1], min(args.layers, 6)
-    setup(args)
-    mark_start(args)
-    header(f"Linear layers on few rows: SmolLM2-135M's projections ({args.layers} layers + output layer)", args)
+    common.setup(args)
+    common.mark_start(args)
+    common.header(f"Linear layers on few rows: SmolLM2-135M's projections ({args.layers} layers + output layer)", args)
     rows_out = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
@@ -118,8 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                 "compiled (W x^T)^T": compiled(each_by(transposed_linear, model)),
                 "eager (W x^T)^T": torch.inference_mode()(each_by(transposed_linear, model)),
             }
-            timed = [Timed(name, partial(fn, xs)) for name, fn in ways.items()]
-            run_interleaved(timed, repeats=args.repeats, warmup=args.warmup)
+            timed = [common.Timed(name, partial(fn, xs)) for name, fn in ways.items()]
+            common.run_interleaved(timed, repeats=args.repeats, warmup=args.warmup)
             base = next(t.median for t in timed if t.name == "compiled F.linear")
             x, w = xs[0], model.linears[0].weight
             chosen = {"compiled multiply + sum" if use_matvec(x, w) else
@@ -128,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
             for t in timed:
                 rows_out.append([dtype_name, rows, t.name, f"{t.median * 1e3:.2f}", f"{nbytes / t.median / 1e9:.1f}",
                                  f"{base / t.median:.2f}x", "**yes**" if t.name in chosen else ""])
-    print(table(["dtype", "rows", "way", "ms per pass", "weight GB/s", "speed vs compiled F.linear", "aiayn's choice"], rows_out))
-    footer()
+    print(common.table(["dtype", "rows", "way", "ms per pass", "weight GB/s", "speed vs compiled F.linear", "aiayn's choice"], rows_out))
+    common.footer()
 
 
 if __name__ == "__main__":

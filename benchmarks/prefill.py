@@ -1,27 +1,12 @@
-"""Where a long prompt's prefill time goes: SmolLM2-135M-Instruct float32, one prompt of
-``--tokens`` (default 900: the staggered workload's longest) random tokens.
+"""Where a long prompt's prefill time goes: SmolLM2-135M-Instruct float32, one prompt of ``--tokens``
+(900) random tokens. Peers, interleaved: ``aiayn serve``'s engine over the paged KV cache in
+chunks of ``--prefill-chunk`` (256) to its first token; the same without
+``aiayn.fast.prefill_attention``; one plain forward of the optimized model over the whole prompt
+(the lower bound); transformers' ``LlamaForCausalLM`` from the same GGUF, one forward (``--no-hf``
+skips it). Then the engine's time inside its linear layers and its attention kernel, summed in situ.
 
-Peers, interleaved (``benchmarks.common``'s method: a figure is the median over ``--repeats`` rounds):
-
-* **engine, paged** — ``aiayn serve``'s engine over the paged KV cache (``--kv-layout paged``),
-  the prompt alone, in chunks of ``--prefill-chunk`` (default 256, as benchmarks.staggered), to its
-  first token: every chunk's forward with its bookkeeping;
-* **engine, paged, plain chunk attention** — the same without ``aiayn.fast.prefill_attention``
-  (the chunks' masks prepared in every layer, as before it);
-* **plain forward** — one forward of the same model (as the serve path loads it, through
-  ``aiayn.fast.optimize``) over the whole prompt, no cache, the output layer on the last position
-  only: the lower bound the chunks approach;
-* **transformers** — ``LlamaForCausalLM`` from the same GGUF file, one forward, ``logits_to_keep=1``
-  (``--no-hf`` skips it).
-
-Then, for the engine's prefill, the time inside its linear layers and its attention kernel
-(``F.scaled_dot_product_attention``), summed in situ: the floor of the rest (matrix products near
-the CPU's float32 peak; ``python -m benchmarks.onednn`` measures the products alone).
-
-    flock /tmp/aiayn-bench.lock python -m benchmarks.prefill --threads 2
+    python -m benchmarks.prefill --threads 2
     python -m benchmarks.prefill --threads 1 --quick
-
-Not a test: it prints figures, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -29,48 +14,39 @@ from __future__ import annotations
 import argparse
 import collections
 import random
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import (
-    add_common_args,
-    footer,
-    header,
-    mark_start,
-    setup,
-    smollm2_text_model,
-    table,
-)
+from benchmarks import common
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, repeats=5, warmup=1)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefill", description=__doc__.split("\n\n")[0])
+    common.add_common_args(parser, repeats=5, warmup=1)
     parser.add_argument("--tokens", type=int, default=900, help="prompt tokens (default 900)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="the engine's chunk (default 256)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.prefill_chunk < 1:
         parser.error("--tokens and --prefill-chunk must be >= 1")
-    setup(args)
+    common.setup(args)
     from aiayn.fast import switch
     from aiayn.generate import SamplingConfig
     from aiayn.serve.blocks import block_plan
     from aiayn.serve.engine import Engine, Request, SamplingParams, slot_plan
 
     torch.set_grad_enabled(False)
-    lm = smollm2_text_model()
+    lm = common.smollm2_text_model()
     if args.tokens + 1 > lm.model.config.max_seq_len:
         parser.error(f"--tokens must be below the model's {lm.model.config.max_seq_len} positions")
     hf = None
     if not args.no_hf:
         from benchmarks.staggered import hf_model
 
-        hf = hf_model()
+        hf = common.load_peer("transformers", hf_model)
     rng = random.Random(args.seed)
     prompt = [rng.randrange(100, 40000) for _ in range(args.tokens)]  # as benchmarks.staggered's
     context = 1 << (args.tokens + 1).bit_length()  # a row long enough for the prompt
@@ -101,25 +77,21 @@ def main(argv: list[str] | None = None) -> None:
              "plain forward": plain}
     if hf is not None:
         peers["transformers forward"] = transformers_forward
-    mark_start(args)
-    tokens = {name: [fn() for _ in range(args.warmup)][-1] for name, fn in peers.items()}
-    seconds: dict[str, list[float]] = {name: [] for name in peers}
-    for _ in range(args.repeats):
-        for name, fn in peers.items():
-            start = time.perf_counter()
-            fn()
-            seconds[name].append(time.perf_counter() - start)
+    common.mark_start(args)
+    tokens = {name: fn() for name, fn in peers.items()}  # each peer's first token (a first warm-up call)
+    timed = [common.Timed(name, fn) for name, fn in peers.items()]
+    common.measure(timed, args, warmup=max(0, args.warmup - 1))
     inside = in_situ(peers["engine, paged"])
-    header(f"Prefill of one {args.tokens}-token prompt, SmolLM2-135M-Instruct float32 (engine chunks of "
+    common.header(f"Prefill of one {args.tokens}-token prompt, SmolLM2-135M-Instruct float32 (engine chunks of "
            f"{args.prefill_chunk})", args)
-    print(table(["peer", "seconds (median)", "range", "tokens/s", "first token"],
-                [[name, f"{statistics.median(s):.3f}", f"{min(s):.3f}-{max(s):.3f}",
-                  f"{args.tokens / statistics.median(s):.0f}", tokens[name]] for name, s in seconds.items()]))
+    print(common.table(["peer", "seconds (median)", "range", "tokens/s", "first token"],
+                       [[p.name, f"{p.median:.3f}", f"{min(p.times):.3f}-{max(p.times):.3f}",
+                         f"{args.tokens / p.median:.0f}", tokens[p.name]] for p in timed]))
     total = inside.pop("total")
     print(f"\nInside one engine prefill ({total:.3f} s): "
           + ", ".join(f"{name} {s:.3f} s ({s / total:.0%})" for name, s in inside.items())
           + f", the rest {total - sum(inside.values()):.3f} s")
-    footer()
+    common.footer()
 
 
 def in_situ(prefill: Callable[[], int]) -> dict[str, float]:

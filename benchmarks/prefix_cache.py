@@ -1,18 +1,12 @@
-"""Time to first token of a repeated long prefix: SmolLM2-135M in ``aiayn serve``'s engine, a request
-whose prompt is a ``--prefix``-token shared prefix (a long system prompt, few-shot examples) and a
-short question, then a second request with the same prefix and another question. With the prefix
-cache (``--kv-layout paged``, the default) the second holds the first's blocks and computes only its
-question; without it (``--no-prefix-caching``) it recomputes everything.
+"""Time to first token of a repeated long prefix: SmolLM2-135M in ``aiayn serve``'s engine (in this
+process, fed ``Request``s directly), a request of a ``--prefix``-token shared prefix and a short
+question, then one with the same prefix and another question. With the prefix cache (the paged
+layout) the second computes only its question; ``--no-prefix-caching`` recomputes everything.
+Each round takes a fresh prefix; the figure is the median over ``--repeats`` rounds. Goal: repeat
+TTFT <= 0.3x the first's.
 
-The engine runs in this process on its own thread, as ``aiayn serve`` runs it (float32, aiayn.fast's
-kernels, ``--threads``), fed ``Request``s directly (no HTTP: what is measured is the engine's
-prefill). Each round takes a fresh random prefix, so a round's first request is never a hit; the
-figure is the median over ``--repeats`` rounds. Goal (issue 35): repeat TTFT <= 0.3x the first's.
-
-    flock /tmp/aiayn-bench.lock python -m benchmarks.prefix_cache
+    python -m benchmarks.prefix_cache
     python -m benchmarks.prefix_cache --quick
-
-Not a test: it prints figures, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -23,15 +17,7 @@ import threading
 
 import torch
 
-from benchmarks.common import (
-    add_common_args,
-    footer,
-    header,
-    mark_start,
-    setup,
-    smollm2_text_model,
-    table,
-)
+from benchmarks import common
 
 
 def first_token_seconds(engine, prompt: list[int]) -> float:
@@ -51,24 +37,24 @@ def first_token_seconds(engine, prompt: list[int]) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, repeats=3, warmup=1)
+    common.add_common_args(parser, repeats=3, warmup=1)
     parser.add_argument("--prefix", type=int, default=1700, help="shared prefix tokens (default 1700)")
     parser.add_argument("--question", type=int, default=24, help="tokens after the prefix (default 24)")
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
-    setup(args)
+    common.setup(args)
     from aiayn.serve.blocks import block_plan
     from aiayn.serve.engine import Engine
 
     torch.set_num_threads(1)  # the engine thread takes --threads (as aiayn serve does)
-    lm = smollm2_text_model()
+    lm = common.smollm2_text_model()
     context = args.prefix + args.question + 8
     g = torch.Generator().manual_seed(args.seed)
 
     def tokens(n: int) -> list[int]:
         return torch.randint(100, 40000, (n,), generator=g).tolist()
 
-    mark_start(args)
+    common.mark_start(args)
     results: dict[str, dict[str, list[float]]] = {}
     for caching in (True, False):
         plan = block_plan(lm, max_batch=4, context=context, budget=1 << 30, kv_cache=None,
@@ -87,17 +73,17 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             engine.stop()
         results["on" if caching else "off"] = times
-    header(f"Time to first token, SmolLM2-135M: a {args.prefix}-token shared prefix + {args.question} tokens, "
+    common.header(f"Time to first token, SmolLM2-135M: a {args.prefix}-token shared prefix + {args.question} tokens, "
            f"first request and a repeat (blocks of {args.block_size})", args)
     rows = []
     for label, times in results.items():
         first, repeat = statistics.median(times["first"]), statistics.median(times["repeat"])
         rows.append([f"prefix caching {label}", f"{first:.2f}", f"{repeat:.2f}", f"{repeat / first:.2f}x"])
-    print(table(["engine", "first TTFT s", "repeat TTFT s", "repeat / first"], rows))
+    print(common.table(["engine", "first TTFT s", "repeat TTFT s", "repeat / first"], rows))
     ratio = statistics.median(results["on"]["repeat"]) / statistics.median(results["on"]["first"])
     print(f"\nrepeat / first with the prefix cache: **{ratio:.2f}x** (goal <= 0.3x: "
           f"{'met' if ratio <= 0.3 else 'MISSED'})")
-    footer()
+    common.footer()
 
 
 if __name__ == "__main__":

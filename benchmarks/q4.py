@@ -17,7 +17,6 @@ figures are the kernels' compute cost, not the memory-bound cost of a real decod
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from aiayn.fast.onednn import onednn_linear
 from aiayn.fast.q4 import BlockWeight, quantize_blocks_q4
 from aiayn.fast.q4_build import kernel_ops
+from benchmarks.common import footer, header
 
 SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]  # (out, in, count)
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     shapes = SHAPES[:1] if args.quick else SHAPES
-    print(f"{args.threads} threads, {args.clock} clock; load average {os.getloadavg()[0]:.2f} (2 cores, shared)")
+    header(f"Block-quantised matmul against the other ways, SmolLM2-135M's linear layers, {args.clock} clock", args)
     torch.manual_seed(0)
     weights = [(torch.randn(n, k) * k ** -0.5, count) for n, k, count in shapes]
     for m in (int(r) for r in args.rows.split(",")):
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         base = totals["aiayn Q4_1"]
         print(f"| {m} rows | " + " | ".join(f"{name} {t * 1e3:.2f} ms ({t / base:.1f}x)" for name, t in totals.items())
               + " |", flush=True)
+    footer()
 
 
 if __name__ == "__main__":

@@ -1,32 +1,17 @@
-"""How 4-bit decoding scales with the bytes of weights (issue 21, point 5): random LLaMA-shaped GGUF
-files of growing size, all matrices Q4_0, decoded at batch 1 by aiayn (``load_gguf(path,
-quantize="auto")``: the file's blocks, ``aiayn.fast.q4``'s kernel) and by llama.cpp on the same
-file, against the memory-read bandwidth measured in the same run.
+"""How 4-bit decoding scales with the bytes of weights: random LLaMA-shaped GGUF files of growing
+size, all matrices Q4_0, decoded at batch 1 by aiayn (``load_gguf(path, quantize="auto")``) and by
+llama.cpp on the same file, against the memory-read bandwidth measured in the same run.
 
-A decode step at batch 1 reads every weight matrix once (the untied embedding table excepted: one
-row of it), so its speed is bounded by how fast the memory delivers those bytes. For each size the
-script writes the file (``write_random_llama``, with the ``gguf`` package; quantised by
-``gguf.quants.quantize``), measures the read bandwidth (``read_bandwidth``: a sum over a 1.5 GiB
-buffer, far larger than the caches), then both decoders, and prints
-
-    tokens/s,  bytes read per token x tokens/s (effective GB/s),  that / the measured bandwidth
-
-for aiayn (compiled decode step, and eager) and llama.cpp, and aiayn / llama.cpp; then, over the
-sizes, a least-squares fit of each decoder's time per token as a cost per layer plus bytes read /
-a rate (``fit_line``): the rate says how fast a step streams weights once fixed costs are set aside.
+A batch-1 decode step reads every weight matrix once, so the memory bounds its speed. Per size:
+the file (``write_random_llama``, real models' shapes, random weights, a minimal byte-level BPE
+tokenizer), the read bandwidth (``read_bandwidth``), then both decoders: tokens/s, effective GB/s
+(bytes read per token x tokens/s) and its share of the bandwidth, aiayn / llama.cpp; over the
+sizes, a least-squares fit of time per token as a cost per layer plus bytes / a rate (``fit_line``).
+Files go to a temporary directory (``--out``), deleted unless ``--keep``.
 
     python -m benchmarks.q4_scaling                                  # 135M, 360M, 1.1B; 1 thread
     python -m benchmarks.q4_scaling --sizes 135M --new-tokens 32 --repeats 2
-    nice -n 10 python -m benchmarks.q4_scaling --clock cpu           # on a machine shared with other jobs
-
-The shapes are real models' (SmolLM2-135M and -360M: tied embeddings, 49,152 tokens; TinyLlama-1.1B:
-untied, 32,000 tokens); the weights are random (N(0, 1/k) per row of k inputs), so the tokens
-mean nothing: only the speed is measured. The tokenizer in the file is a minimal byte-level BPE
-(256 byte tokens, one merge, fillers up to the vocabulary size) that aiayn's loader and llama.cpp
-both accept. Files go to a temporary directory (``--out``) and are deleted unless ``--keep``.
-
-Not a test: it prints figures, it asserts nothing (tests/parity/test_q4_scaling.py checks the
-written files load and compute right; tests/bench runs this script on a tiny size).
+    python -m benchmarks.q4_scaling --clock cpu                      # on a machine shared with other jobs
 """
 
 from __future__ import annotations
@@ -34,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -46,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks import generate as gen  # its decode_rate / best_of read gen.CLOCK (set by --clock)
+from benchmarks.common import CLOCKS, best_of, decode_rate, footer, header
 from benchmarks.generate_q4 import packed_model, runner
-from benchmarks.llama_cpp import llama_cpp_cffi_library, llama_cpp_cffi_runners
+from benchmarks.llama_cpp import LlamaCpp, llama_cpp_cffi_library
 
 
 @dataclass(frozen=True)
@@ -192,15 +176,15 @@ def bytes_per_token(path: Path) -> tuple[int, int]:
     return total, total - (tensors["token_embd.weight"] if "output.weight" in tensors else 0)
 
 
-def read_bandwidth(threads: int, *, gib: float = 1.5, repeats: int = 5) -> float:
+def read_bandwidth(threads: int, *, gib: float = 1.5, repeats: int = 5, clock=time.perf_counter) -> float:
     """Bytes/s of reading a ``gib`` GiB buffer once (far past the 32 MiB L3), best of ``repeats``,
-    timed by ``gen.CLOCK``, at ``threads`` torch threads: the fastest of a float32 and an int64
+    timed by ``clock``, at ``threads`` torch threads: the fastest of a float32 and an int64
     sum over it (a uint8 sum is not memory-bound: it widens every byte, ~0.2 GB/s here)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     buf = torch.full((int(gib * 2**30),), 1, dtype=torch.uint8)  # written, so every page is real memory
     try:
-        best = min(gen.best_of(lambda v=view: v.sum(), repeats)
+        best = min(best_of(lambda v=view: v.sum(), repeats, clock)
                    for view in (buf.view(torch.float32), buf.view(torch.int64)))
     finally:
         del buf
@@ -220,10 +204,10 @@ def measure_size(name: str, shape: LlamaShape, out_dir: Path, args: argparse.Nam
           f"{streamed / 1e6:,.1f} MB; written in {time.perf_counter() - start:.0f} s", flush=True)
     row: dict[str, float] = {"bytes": streamed}
     for threads in sorted({1, args.threads}):
-        row[f"bandwidth {threads}"] = read_bandwidth(threads, repeats=args.repeats + 2)
+        row[f"bandwidth {threads}"] = read_bandwidth(threads, repeats=args.repeats + 2, clock=CLOCKS[args.clock])
         print(f"  read bandwidth, {threads} thread(s): {row[f'bandwidth {threads}'] / 1e9:.1f} GB/s", flush=True)
     prompt = torch.randint(len(CONTROL), shape.vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
-    rate = lambda run: gen.decode_rate(run, args.new_tokens, args.repeats)  # noqa: E731
+    rate = lambda run: decode_rate(run, args.new_tokens, args.repeats, CLOCKS[args.clock])  # noqa: E731
     model = packed_model(path, "auto")
     ours = {}
     for label, compile in (("aiayn q4 compiled", True), ("aiayn q4 eager", False)):
@@ -237,9 +221,9 @@ def measure_size(name: str, shape: LlamaShape, out_dir: Path, args: argparse.Nam
     gc.collect()
     if llama is not None:
         start = time.perf_counter()
-        make = llama_cpp_cffi_runners(*llama, path, args.threads)
-        row["llama.cpp"] = rate(make(prompt[0].tolist()))
-        theirs = make(prompt[0].tolist())(args.new_tokens)
+        greedy = LlamaCpp(path, args.threads).greedy(prompt[0].tolist())
+        row["llama.cpp"] = rate(greedy)
+        theirs = greedy(args.new_tokens)
         print(f"  {'llama.cpp':20s} {row['llama.cpp']:7.1f} tokens/s ({time.perf_counter() - start:.0f} s)", flush=True)
         for label, tokens in ours.items():  # a check that both read the file as the same model
             same = next((i for i, (a, b) in enumerate(zip(tokens, theirs, strict=True)) if a != b), len(tokens))
@@ -310,13 +294,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     sizes = args.sizes.split(",")
     if unknown := [s for s in sizes if s not in SHAPES]:
         parser.error(f"unknown size(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
-    gen.CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    llama = None if args.no_llama_cpp else llama_cpp_cffi_library()
-    print(f"random LLaMA-shaped Q4_0 GGUF files; {args.threads} thread(s); torch {torch.__version__}; batch 1; "
-          f"greedy; {args.new_tokens} new tokens after {args.prompt_tokens}; best of {args.repeats}; "
-          f"{args.clock} clock; llama.cpp {'(llama-cpp-cffi)' if llama else 'not measured'}; "
-          f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    llama = None if args.no_llama_cpp else llama_cpp_cffi_library()  # (lib, ffi) when installed
+    header(f"4-bit decoding against the bytes of weights: random LLaMA-shaped Q4_0 GGUF files, batch 1, greedy, "
+           f"{args.new_tokens} new tokens after {args.prompt_tokens}, best of {args.repeats}, {args.clock} clock", args,
+           dtype="Q4_0")
+    if llama is None and not args.no_llama_cpp:
+        print("* llama.cpp: not installed (pip install cffi && pip install --no-deps llama-cpp-cffi)")
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="aiayn-q4-scaling-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = {}
@@ -329,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         elif args.keep:
             print(f"files kept in {out_dir}")
     report(rows, args.threads)
-    print(f"\nload average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+    footer()
     return rows
 
 

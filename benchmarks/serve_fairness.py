@@ -1,23 +1,14 @@
-"""A stream's inter-token latency beside a maximal embeddings request (issue 34, point 1).
+"""A stream's inter-token latency beside a maximal embeddings request.
 
-``aiayn serve`` (SmolLM2-135M-Instruct by default) in a subprocess, as a user runs it. One client
-streams a greedy completion of ``--new-tokens`` tokens, first with the server idle, then while
-another client's embeddings request as large as the server's limits allow is being read
-(``--inputs`` inputs, by default 2,048, of token ids, their total at ``--max-request-tokens``,
-300,000 by default: 146 tokens each). The embeddings request is dropped (its connection closed)
-once the stream is done: only the overlap is measured, not the minutes the whole request takes.
+``aiayn serve`` (SmolLM2-135M-Instruct by default) in a subprocess. One client streams a greedy
+completion of ``--new-tokens`` tokens, first with the server idle, then while another client's
+embeddings request as large as the server's limits allow (``--inputs`` inputs totalling
+``--max-request-tokens``) is being read; that request is dropped once the stream is done. Printed:
+the stream's inter-token latency p50, mean and p99, idle and beside, their ratios against the goal
+(mean <= 2x idle) and the embedding tokens the server read meanwhile.
 
-Printed: the stream's inter-token latency (the gaps between its streamed chunks) p50, mean and p99,
-idle and beside the embeddings, their ratios against the goal (mean <= 2x idle, at the default
-``--embed-share`` 0.5), and how many embedding tokens the server read meanwhile
-(``aiayn_embedding_tokens_total``: the embeddings did run beside the stream). The load average is
-printed around each measurement: on a shared machine, read the ratios (both sides of each were
-measured in the same minutes), not the milliseconds.
-
-    flock /tmp/aiayn-bench.lock python -m benchmarks.serve_fairness
+    python -m benchmarks.serve_fairness
     python -m benchmarks.serve_fairness --new-tokens 32 --repeats 1          # quicker
-
-Not a test: it prints figures, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -29,8 +20,8 @@ import re
 import time
 from pathlib import Path
 
-from benchmarks.common import serving
-from benchmarks.serve import make_prompts, percentile
+from benchmarks.common import footer, header, percentile, serving
+from benchmarks.serve import make_prompts
 
 
 def serve_args(args: argparse.Namespace, model_path: Path) -> list[str]:
@@ -126,10 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     source = make_prompts(encode, 1, max(per_input, args.prompt_tokens) * 8)[0]
     inputs = [source[i % 8 * per_input:][:per_input] for i in range(args.inputs)]
     prompt = source[: args.prompt_tokens]
-    print(f"## A stream beside a maximal embeddings request: {model_path.name}, {args.inputs:,} inputs x "
-          f"{per_input} tokens = {args.inputs * per_input:,} tokens, --embed-share {args.embed_share}, "
-          f"--embed-chunk {args.embed_chunk}; the stream: {args.new_tokens} greedy tokens\n\n"
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start\n", flush=True)
+    header(f"A stream beside a maximal embeddings request: {model_path.name}, {args.inputs:,} inputs x "
+           f"{per_input} tokens = {args.inputs * per_input:,} tokens, --embed-share {args.embed_share}, "
+           f"--embed-chunk {args.embed_chunk}; the stream: {args.new_tokens} greedy tokens", args)
     url = f"http://127.0.0.1:{args.port}/v1"
     rows, idle_all, beside_all, read_all = [], [], [], 0.0
     with serving(serve_args(args, model_path), port=args.port):
@@ -163,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n* beside / idle, all repeats: mean ITL **{mean:.2f}x** (goal <= 2x: {verdict}), p50 {p50:.2f}x, "
           f"p99 {percentile(beside_all, 99) / percentile(idle_all, 99):.2f}x; {read_all:,.0f} embedding tokens "
           f"read beside the streams")
-    print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
+    footer()
 
 
 if __name__ == "__main__":

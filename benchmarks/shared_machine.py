@@ -1,32 +1,15 @@
 """Two aiayn jobs on one machine: does each keep near its fair share of the cores?
 
-Job A is ``aiayn train`` (the default run: reverse, 5 epochs, 1,955 steps, ~11 s alone on an
-idle 2-core machine; or cut to ``--steps`` optimiser steps; into a temporary run directory). Job
-B is a steady ``aiayn translate`` with beam search (the shipped multi30k-en-de model, its
-recipe's beam of 5, English sentences fed on standard input without pause).
-
-For each OpenMP policy, interleaved over ``--repeats`` rounds:
-
-* A alone: A's wall time (start to exit: imports, training, test scoring, plots) and its training
-  loop's own seconds (``summary.json``);
-* B alone: B's sentences per second over ``--window`` seconds, after its first sentence;
-* A beside B: B is started and warmed up (its first sentence out), then A runs; A's times, and B's
-  rate while A ran.
-
-Policies: ``old`` is the command before it shared the cores: sharing off (``AIAYN_SHARE_CPUS=0``)
-and libgomp's own default spelled out (``GOMP_SPINCOUNT=300000``: its spin when
-``OMP_WAIT_POLICY`` is unset); ``aiayn`` is what the command does (every setting below removed from
-the environment: each busy aiayn process takes its fair share of the threads, aiayn/cpu_share.py);
-``passive`` (``OMP_WAIT_POLICY=PASSIVE``, sharing off: threads sleep at once between parallel
-regions) is what a user could set before; ``--policy NAME:VAR=VALUE[,VAR=VALUE]`` adds a candidate.
-
-Fair share on a machine with two busy jobs is half the cores each, so A beside B takes about 2x
-its time alone; the goal (issue 34) is at most 2.5x, with nothing lost alone (aiayn / old, A and B
-alone, about 1.0). A run of A beside B is stopped after ``--timeout-factor`` times its time alone
-(reported as ">=": the slowdown is at least that). Each figure is the median of the rounds, with
-their range; the load average is printed before and after, and each round says how many other
-busy aiayn processes the sharing registry held before it (other jobs on the machine make every
-figure rough; under the ``aiayn`` policy, A "alone" makes room for those aiayn jobs too).
+Job A is ``aiayn train`` (the default reverse run, or ``--steps`` optimiser steps); job B a steady
+``aiayn translate`` with beam search (multi30k-en-de, sentences on standard input). Per OpenMP
+policy, interleaved over ``--repeats`` rounds: A alone (wall time and its training loop's
+seconds), B alone (sentences/s over ``--window`` s) and A beside a warmed-up B. Policies: ``old``
+(sharing off, ``GOMP_SPINCOUNT=300000``: libgomp's default spelled out), ``aiayn`` (what the
+command does: aiayn/cpu_share.py), ``passive`` (``OMP_WAIT_POLICY=PASSIVE``) and any
+``--policy NAME:VAR=VALUE[,VAR=VALUE]``. Fair share is half the cores each, so A beside B takes
+about 2x its time alone; the goal is at most 2.5x with nothing lost alone. A run of A beside B is
+stopped after ``--timeout-factor`` times its time alone (reported as ">="). Figures are medians
+of the rounds with their range.
 """
 
 from __future__ import annotations

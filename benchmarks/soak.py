@@ -1,39 +1,21 @@
-"""A soak of ``aiayn serve`` (issue 34, point 7): a real server in a subprocess on 127.0.0.1, for a
-bounded time, under a mix of hostile and ordinary clients, then a report against the goals.
+"""A soak of ``aiayn serve``: a real server in a subprocess on 127.0.0.1, for a bounded time, under a
+mix of hostile and ordinary clients (asyncio tasks on one ``httpx.AsyncClient``), then a report
+against the goals. Each client draws its next request at random: **stream** (a streamed
+completion read to the end), **hang-up** (closed after a few chunks), **embeddings**, **bad**
+(malformed JSON, unknown model, absurd ``max_tokens``, wrong types, out-of-vocabulary ids: each
+must be a 4xx with a JSON error) and **burst** (more completions than ``--max-batch`` +
+``--max-queue``: the overflow must be 429 with ``Retry-After``).
 
-The clients (asyncio tasks, one ``httpx.AsyncClient``), each drawing its next request at random:
-
-* **stream**: a streamed completion of 4-40 tokens, read to the end (TTFT and the gaps between
-  chunks recorded);
-* **hang-up**: the same, closed after its first few chunks (the server must free the slot);
-* **embeddings**: 1-32 short inputs;
-* **bad**: malformed JSON, an unknown model, a negative or absurd ``max_tokens``, a wrong type, a
-  prompt of token ids out of the vocabulary (each must be a 4xx with a JSON error, never a 5xx);
-* **burst**: more concurrent completions than ``--max-batch`` + ``--max-queue`` at once (the
-  overflow must be 429 with ``Retry-After``).
-
-Goals (the report says met or MISSED for each): every well-formed request the server saw answered
-(200) or 429'd with Retry-After; no 5xx; the server's RSS grows < 10% from the end of the warm-up
-(the first tenth of the run, at least 5 s) to the end; no request left holding a slot or waiting
-once the clients stop (``/health``'s running and waiting back to 0); no traceback in the server's
-log; no request lost before it reached the server.
-
-Every request carries an ``X-Request-Id``; the client's connection pool is tracked
-(``benchmarks.tracked_http``), so a transport error (no HTTP status) is reported with the
-connection it went out on and how long that had been idle, and told apart by the server's own
-count (/metrics): the server saw it (a breach of the first goal) or it never reached the server
-(the client's fault: the last goal). The clients give up a pooled connection after half the
-server's keep-alive timeout: with equal timeouts (httpx's default) a request sent on a connection
-idle just under 5 s can meet the server closing it, unread (the ``ReadError`` an earlier soak met).
-``--keepalive-probe`` shows that race alone: clients that each reuse one connection after idle
-gaps near the server's timeout (``--keepalive-expiry 5`` for httpx's default pool).
+Goals (met or MISSED): every well-formed request the server saw answered or 429'd; no 5xx; RSS
+grows < 10% after the warm-up; no request left running or waiting once the clients stop; no
+traceback in the server's log; no request lost before it reached the server. Transport errors are
+attributed through ``benchmarks.tracked_http``; ``--keepalive-probe`` shows the keep-alive race
+alone (``--keepalive-expiry 5`` for httpx's default pool).
 
     python -m benchmarks.soak                          # 10 minutes, the shipped shakespeare-char model
     python -m benchmarks.soak --seconds 60 --clients 6
     python -m benchmarks.soak --model path/to/model.gguf --seconds 600
     python -m benchmarks.soak --keepalive-probe --keepalive-expiry 5 --seconds 30 --clients 100
-
-tests/serve/test_soak.py runs a 60-second soak and asserts the goals.
 """
 
 from __future__ import annotations
@@ -51,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from aiayn.serve.server import KEEP_ALIVE_SECONDS
-from benchmarks.common import free_port, serving
+from benchmarks.common import free_port, percentile, serving
 from benchmarks.tracked_http import (
     CURRENT,
     Attempt,
@@ -128,11 +110,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:

@@ -1,63 +1,28 @@
 """A staggered-arrival workload on ``aiayn serve``'s engine: the paged KV cache against fixed slots
 at equal memory, and against Hugging Face transformers' static batching, in one run. SmolLM2-135M,
-requests arriving as a Poisson process with mixed prompt lengths (mostly short, some long) and mixed
-answer lengths, greedy.
+Poisson arrivals of mixed prompt lengths (mostly short, some long) and answer lengths, greedy.
 
-The KV budget is what ``--slots`` fixed slots of ``--context`` tokens take. The fixed slots
-(``--kv-layout slots``) run at most that many requests at once, each holding a whole context; the
-paged cache (``--kv-layout paged``) holds the same bytes in blocks of 16 tokens, so it runs up to
-``--max-batch`` requests whose real lengths fit. Both engines get the same requests at the same
-times (the engine runs in this process on its own thread, as ``aiayn serve`` runs it, fed
-``Request``s directly: no HTTP).
+The KV budget is what ``--slots`` fixed slots of ``--context`` tokens take; the paged cache holds
+the same bytes in blocks of 16 tokens and runs up to ``--max-batch`` requests whose lengths fit.
+The engine runs in this process, fed ``Request``s directly (no HTTP). transformers loads the same
+GGUF (the same float32 weights) and batches statically: it waits for ``--hf-batch`` (default
+``--slots``: the same memory) arrivals, left-pads them and runs one ``generate``; its TTFT runs
+from a request's arrival to its batch's first token, and each row's own tokens are counted.
 
-transformers (the issue's other peer): ``AutoModelForCausalLM`` from the same GGUF file (the same
-weights, dequantised to float32: its logits equal aiayn's), the same requests at the same times,
-greedy, the same ``--threads``, static batching: it waits until ``--hf-batch`` requests have
-arrived (or the last one has), left-pads their prompts and runs one ``generate`` to the batch's
-longest answer (every row to the end: a row whose own ``max_tokens`` is shorter gets its answer
-when the batch ends), then takes the next batch of the requests waiting. ``--hf-batch`` defaults to
-``--slots``: a batch of padded rows of at most ``--context`` tokens each, so the same memory. Its
-time to first token is from a request's arrival to its batch's first new token (a streamer times
-it); its answer tokens are each row's own, up to its ``max_tokens`` or end-of-text (as the engine
-counts them).
+The arrival rate is ``--load`` (0.75) of the fixed slots' capacity, measured first on the same
+requests all at once (``--capacity`` gives it, ``--rate`` sets the rate); ``--saturated`` adds
+each peer on the requests all at once. ``--clock cpu`` steps the engine on a clock of the CPU
+seconds its steps take (``run_stepped``), so other jobs on the machine do not change the figures.
+``--ttft-breakdown`` splits each TTFT into queued (arrival to admission), behind (admission to the
+request's first prefill forward) and prefill (that forward to the first token). ``--repeats N``
+interleaves the peers N rounds; ratios are medians with their range. ``--gather-row`` and
+``--plain-chunk-attention`` add the paged engine without ``aiayn.fast``'s paged-attention or
+prefill-attention kernel. Goals: paged >= 1.3x the fixed slots' and >= 1.5x transformers'
+throughput, TTFT p99 <= 2 s.
 
-**The arrival rate** (the rule): a p99 TTFT means something only below the server's capacity (above
-it the queue, and every server's TTFT, grows without bound). So first the fixed slots' capacity is
-measured on this workload's own requests, all arriving at once (answer tokens/s; ``--capacity C``
-gives it instead of measuring), and the rate is ``--load`` (default 0.75) of it: rate = load x
-capacity / mean answer tokens. ``--rate R`` sets the rate instead; either way the header states the
-offered answer tokens/s and their share of the measured capacity. Below the slots' capacity every
-peer keeps up, so the throughputs there are near the offered load and their ratios near 1:
-``--saturated`` adds each peer on the same requests all at once (its capacity), where the
-throughput ratios compare what each can serve.
-
-**The clock** (``--clock``): ``wall`` runs each engine on its thread as ``aiayn serve`` does, the
-requests submitted at their times; on a machine shared with other jobs its figures measure the
-load as much as the engine. ``cpu`` steps the engine on this thread on a clock of the CPU seconds
-its steps take (``run_stepped``; transformers' ``generate`` calls likewise), so the figures are the
-engine's own whatever else runs; with ``--threads 1`` they are the seconds of one quiet core.
-
-For each: throughput (answer tokens over the time from the start of the schedule to the last
-token), time to first token p50 / p99, and the most requests running at once. ``--ttft-breakdown``
-adds where the time to first token went, per peer (the mean over all requests, and over the slowest
-tenth): queued (arrival to admission: a free row and blocks; transformers: to its batch's
-``generate``), behind (admission to the request's first prefill forward: other rows' prefill
-chunks), prefill (that forward to the first token: its chunks and the steps between them). ``--repeats N``
-runs the three N times, interleaved (slots, paged, transformers, slots, ...); the table has every
-run and the ratios are medians over the rounds with their range. Goals (issue 35): paged >= 1.3x
-the fixed slots' and >= 1.5x transformers' static batch throughput at equal memory, TTFT p99 <= 2 s
-(the paged engine here serves up to ``--max-batch`` (16) requests at once). ``--gather-row`` adds
-the paged engine without ``aiayn.fast``'s paged-attention kernel (every row's blocks gathered for
-SDPA, as before the kernel) to each round; ``--plain-chunk-attention`` the paged engine without
-``aiayn.fast.prefill_attention`` (each prefill chunk's mask prepared in every layer, as before it);
-``--two-forwards`` the paged engine running a step's prefill chunk and its decoding rows as two
-forwards (``Engine(mixed_steps=False)``, as before the mixed step: the weights read twice).
-
-    flock /tmp/aiayn-bench.lock python -m benchmarks.staggered --ttft-breakdown --saturated
+    python -m benchmarks.staggered --ttft-breakdown --saturated
     python -m benchmarks.staggered --clock cpu --threads 1 --ttft-breakdown --saturated
     python -m benchmarks.staggered --quick
-
-Not a test: it prints figures, it asserts nothing.
 """
 
 from __future__ import annotations
@@ -69,24 +34,16 @@ import statistics
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from benchmarks.common import (
-    add_common_args,
-    footer,
-    header,
-    mark_start,
-    setup,
-    smollm2_text_model,
-    table,
-)
+from benchmarks import common
 
 HF = "transformers static batch"
 SLOTS, PAGED, GATHER = "fixed slots", "paged", "paged, gather (no paged-attention kernel)"
 PLAIN_CHUNKS = "paged, plain chunk attention (no aiayn.fast.prefill_attention)"
-TWO_FORWARDS = "paged, two forwards per step (prefill, then decode)"
 
 
 @dataclass
@@ -293,17 +250,9 @@ def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threa
     return figures(tokens, end, ttft, batch, parts=parts)
 
 
-def spread_line(label: str, ratios: list[float], goal: float | None) -> str:
-    """'label: **median x** (range a-b over n rounds; goal >= g: met)' (no goal: no verdict)."""
-    mid = statistics.median(ratios)
-    span = f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} rounds" if len(ratios) > 1 else "1 round"
-    verdict = "" if goal is None else f"; goal >= {goal}x: {'met' if mid >= goal else 'MISSED'}"
-    return f"* {label}: **{mid:.2f}x** ({span}{verdict})"
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common_args(parser, repeats=1, warmup=1)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.staggered", description=__doc__.split("\n\n")[0])
+    common.add_common_args(parser, repeats=1, warmup=1)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--load", type=float, default=0.75,
                         help="the arrival rate as a share of the fixed slots' measured capacity (default 0.75)")
@@ -328,9 +277,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     parser.add_argument("--gather-row", action="store_true",
                         help="add the paged engine without the paged-attention kernel (gather + SDPA)")
-    parser.add_argument("--two-forwards", action="store_true",
-                        help="add the paged engine with a prefill forward and a decode forward per step (no mixed "
-                             "steps, as before them)")
     parser.add_argument("--plain-chunk-attention", action="store_true",
                         help="add the paged engine without aiayn.fast.prefill_attention (each prefill chunk's "
                              "mask prepared in every layer)")
@@ -340,15 +286,44 @@ def main(argv: list[str] | None = None) -> None:
     if args.load <= 0 or (args.rate is not None and args.rate <= 0) or (args.capacity or 1) <= 0:
         parser.error("--load, --rate and --capacity must be > 0")
     args.hf_batch = args.hf_batch or args.slots
-    setup(args)
+    return args
+
+
+def engine_run(lm, plan, label: str, jobs: list[Job], args: argparse.Namespace) -> dict[str, float]:
+    """One run of the engine with ``plan`` on ``jobs`` (after a warm-up request), on ``--clock``."""
+    from aiayn.fast import switch
+    from aiayn.serve.engine import Engine
+
+    off = {GATHER: ("paged_attention",), PLAIN_CHUNKS: ("prefill_attention",)}.get(label, ())
+    engine = Engine(lm, plan, prefill_chunk=args.prefill_chunk, threads=args.threads)
+    warm_up = [Job(0.0, [100 + i for i in range(32)], 4)]  # (one-time costs)
+    with switch.without(*off):
+        try:
+            if args.clock == "cpu":
+                run_stepped(engine, warm_up, args.threads)
+                result = run_stepped(engine, jobs, args.threads)
+            else:
+                engine.start()
+                run(engine, warm_up)
+                result = run(engine, jobs)
+        finally:
+            engine.stop()
+            torch.set_num_threads(1)
+    result["preemptions"] = engine.metrics.preemptions._value.get()
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    common.setup(args)
     from aiayn.cpu_share import keep_thread_count
     from aiayn.serve.blocks import block_plan
-    from aiayn.serve.engine import Engine, slot_plan
+    from aiayn.serve.engine import slot_plan
 
     keep_thread_count()  # every peer on --threads, whatever other aiayn jobs run (aiayn/cpu_share.py)
     torch.set_num_threads(1)  # the engine thread takes --threads (as aiayn serve does)
-    lm = smollm2_text_model()
-    hf = None if args.no_hf else hf_model()
+    lm = common.smollm2_text_model()
+    hf = None if args.no_hf else common.load_peer("transformers", hf_model)
     budget = slot_plan(lm, max_batch=args.slots, context=args.context, budget=1 << 40, kv_cache=None).bytes_per_row
     budget *= args.slots
     plans = {SLOTS: slot_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None),
@@ -357,42 +332,29 @@ def main(argv: list[str] | None = None) -> None:
         plans[GATHER] = plans[PAGED]
     if args.plain_chunk_attention:
         plans[PLAIN_CHUNKS] = plans[PAGED]
-    if args.two_forwards:
-        plans[TWO_FORWARDS] = plans[PAGED]
-    from aiayn.fast import switch
-
     for plan in plans.values():
         print(plan.describe(budget), flush=True)
     if hf is not None:
         static_batches(hf, [Job(0.0, [100 + i for i in range(32)], 4)], 1, lm.eos_id, args.threads)  # warm-up
 
-    def engine_run(label: str, jobs: list[Job]) -> dict[str, float]:
-        off = {GATHER: ("paged_attention",), PLAIN_CHUNKS: ("prefill_attention",)}.get(label, ())
-        engine = Engine(lm, plans[label], prefill_chunk=args.prefill_chunk, threads=args.threads,
-                        mixed_steps=label != TWO_FORWARDS)
-        warm_up = [Job(0.0, [100 + i for i in range(32)], 4)]  # (one-time costs)
-        with switch.without(*off):
-            try:
-                if args.clock == "cpu":
-                    run_stepped(engine, warm_up, args.threads)
-                    result = run_stepped(engine, jobs, args.threads)
-                else:
-                    engine.start()
-                    run(engine, warm_up)
-                    result = run(engine, jobs)
-            finally:
-                engine.stop()
-                torch.set_num_threads(1)
-        result["preemptions"] = engine.metrics.preemptions._value.get()
-        return result
+    def engine_peer(label: str) -> Callable[[list[Job]], dict[str, float]]:
+        return lambda jobs: engine_run(lm, plans[label], label, jobs, args)
 
-    mark_start(args)
+    peers = {label: engine_peer(label) for label in plans}
+    if hf is not None:
+        peers[HF] = lambda jobs: static_batches(hf, jobs, args.hf_batch, lm.eos_id, args.threads, args.clock == "cpu")
+    rounds(args, peers)
+
+
+def rounds(args: argparse.Namespace, peers: dict[str, Callable[[list[Job]], dict[str, float]]]) -> None:
+    """The fixed slots' capacity (unless given), then ``--repeats`` interleaved rounds of every peer."""
+    common.mark_start(args)
     cpu = args.clock == "cpu"
     unit = workload(args, 1.0)  # the requests; their arrival times at 1/s, scaled below
     mean_answer = statistics.fmean(j.answer for j in unit)
     capacity = args.capacity
     if capacity is None:
-        measured = engine_run(SLOTS, all_at_once(unit))
+        measured = peers[SLOTS](all_at_once(unit))
         report(f"{SLOTS}, all at once (capacity)", measured)
         capacity = measured["tokens_per_s"]
     rate = args.rate or args.load * capacity / mean_answer
@@ -403,20 +365,15 @@ def main(argv: list[str] | None = None) -> None:
 
     results: list[tuple[str, dict[str, float]]] = []
     saturated: list[tuple[str, dict[str, float]]] = []
+    name = {HF: f"{HF} of {args.hf_batch}"}
     for _ in range(args.repeats):
-        for label in plans:
-            results.append((label, engine_run(label, jobs)))
-            report(label, results[-1][1])
+        for label, peer in peers.items():
+            results.append((label, peer(jobs)))
+            report(name.get(label, label), results[-1][1])
             if args.saturated:
-                saturated.append((label, engine_run(label, all_at_once(jobs))))
-                report(f"{label}, all at once", saturated[-1][1])
-        if hf is not None:
-            results.append((HF, static_batches(hf, jobs, args.hf_batch, lm.eos_id, args.threads, cpu)))
-            report(f"{HF} of {args.hf_batch}", results[-1][1])
-            if args.saturated:
-                saturated.append((HF, static_batches(hf, all_at_once(jobs), args.hf_batch, lm.eos_id, args.threads, cpu)))
-                report(f"{HF} of {args.hf_batch}, all at once", saturated[-1][1])
-    header(f"Staggered arrivals, SmolLM2-135M: {args.requests} requests at {rate:.3g}/s (offered {offered:.1f} answer "
+                saturated.append((label, peer(all_at_once(jobs))))
+                report(f"{name.get(label, label)}, all at once", saturated[-1][1])
+    common.header(f"Staggered arrivals, SmolLM2-135M: {args.requests} requests at {rate:.3g}/s (offered {offered:.1f} answer "
            f"tokens/s = {offered / capacity:.0%} of the fixed slots' capacity, {capacity:.1f} tokens/s), prompts "
            f"{args.short[0]}-{args.short[1]} tokens ({args.long[0]}-{args.long[1]} for {args.long_share:.0%}), "
            f"answers {args.answer[0]}-{args.answer[1]}; KV budget = {args.slots} slots of {args.context} tokens; "
@@ -426,32 +383,32 @@ def main(argv: list[str] | None = None) -> None:
     if saturated:
         print("\n### The same requests all at once (each peer's capacity)\n")
         summary(args, saturated, " all at once")
-    footer()
+    common.footer()
 
 
 def summary(args: argparse.Namespace, results: list[tuple[str, dict[str, float]]], how: str) -> None:
     """The runs' table, the breakdown with ``--ttft-breakdown``, and the ratios against the goals."""
     name = {HF: f"{HF} of {args.hf_batch}"}
-    print(table(["peer", "answer tokens", "seconds", "tokens/s", "TTFT p50 s", "TTFT p99 s", "most running",
+    print(common.table(["peer", "answer tokens", "seconds", "tokens/s", "TTFT p50 s", "TTFT p99 s", "most running",
                  "preempted", "failed"],
                 [[name.get(label, label), r["tokens"], f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.2f}",
                   f"{r['ttft_p50']:.2f}", f"{r['ttft_p99']:.2f}", r["most_running"], int(r.get("preemptions", 0)),
                   r["failed"]] for label, r in results]))
     if args.ttft_breakdown:
         print("\nWhere the time to first token went (s; mean over all requests / over the slowest tenth):\n")
-        print(table(["peer", "TTFT", *PARTS],
+        print(common.table(["peer", "TTFT", *PARTS],
                     [[name.get(label, label), f"{r['ttft_p50']:.2f} p50 / {r['ttft_p99']:.2f} p99",
                       *(f"{r[p]:.2f} / {r[p + '_tail']:.2f}" for p in PARTS)] for label, r in results]))
     per_round = len(results) // args.repeats
     rounds = [dict(results[k: k + per_round]) for k in range(0, len(results), per_round)]
     print()
-    print(spread_line(f"paged / fixed slots throughput at equal memory{how}",
+    print(common.spread_line(f"paged / fixed slots throughput at equal memory{how}",
                       [r[PAGED]["tokens_per_s"] / r[SLOTS]["tokens_per_s"] for r in rounds], 1.3))
     if HF in rounds[0]:
-        print(spread_line(f"paged / {HF} of {args.hf_batch} throughput{how}",
+        print(common.spread_line(f"paged / {HF} of {args.hf_batch} throughput{how}",
                           [r[PAGED]["tokens_per_s"] / r[HF]["tokens_per_s"] for r in rounds], 1.5))
     if GATHER in rounds[0]:
-        print(spread_line("paged with the kernel / paged, gather", [r[PAGED]["tokens_per_s"] / r[GATHER]["tokens_per_s"]
+        print(common.spread_line("paged with the kernel / paged, gather", [r[PAGED]["tokens_per_s"] / r[GATHER]["tokens_per_s"]
                                                                    for r in rounds], None))
     if PLAIN_CHUNKS in rounds[0]:
         print("* paged TTFT p99 with / without aiayn.fast.prefill_attention: " + ", ".join(
@@ -459,7 +416,6 @@ def summary(args: argparse.Namespace, results: list[tuple[str, dict[str, float]]
     p99 = [r[PAGED]["ttft_p99"] for r in rounds]
     print(f"* paged TTFT p99{how} (up to {args.max_batch} at once): **{statistics.median(p99):.2f} s** "
           f"({', '.join(f'{p:.2f}' for p in p99)}; goal <= 2 s: {'met' if statistics.median(p99) <= 2 else 'MISSED'})")
-
 
 
 def report(label: str, r: dict[str, float]) -> None:

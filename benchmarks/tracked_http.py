@@ -2,16 +2,12 @@
 that connection had been idle, and whether the server saw a request that failed in transport
 (from its /metrics); used by benchmarks/soak.py.
 
-Why it exists: the soak once lost a request to httpx's ``ReadError`` with nothing in the server's
-log. The cause was the keep-alive race: uvicorn closes a connection idle for ``timeout_keep_alive``
-seconds (then uvicorn's default, 5; now ``aiayn serve --keep-alive``,
-``aiayn.serve.server.KEEP_ALIVE_SECONDS``) and httpx keeps a pooled connection for
-``keepalive_expiry`` seconds (5 by default), so a request sent on a connection idle for just
-under 5 s could reach the server's socket as the server closed it: the server never read it (the
-kernel answers the unread bytes with a reset: ``ReadError``; or the client reads the close:
-``RemoteProtocolError``, "Server disconnected without sending a response"). A client must give up
-a pooled connection well before the server would (``client_keepalive_expiry``), and every
-transport error is told apart: the server saw the request, or it never reached the server.
+Why: uvicorn closes a connection idle for its keep-alive timeout (``aiayn serve --keep-alive``)
+and httpx keeps a pooled connection as long by default, so a request sent on a connection idle
+just under that can reach the server's socket as the server closes it, unread (``ReadError`` or
+``RemoteProtocolError``). A client must give up a pooled connection well before the server would
+(``client_keepalive_expiry``), and every transport error is told apart: the server saw the
+request, or it never reached the server.
 """
 
 from __future__ import annotations

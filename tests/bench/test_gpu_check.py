@@ -87,7 +87,7 @@ def test_gpu_check_cpu_smoke_without_transformers(tmp_path):
     assert "nvidia-smi: not found" in log or "NVIDIA" in log
     assert "transformers: not installed -> the Hugging Face parity tests skip" in log
     assert "3 passed, 1 skipped" in log and "transformers is hidden by the test" in log
-    assert "| transformers | - | skipped: transformers is not installed |" in log
+    assert "| transformers | - | skipped: transformers: not installed (pip install -e '.[bench]') |" in log
     assert "| aiayn compiled |" in log and "(c) aiayn batch 1 = **" in log
     assert "not measured (transformers did not run)" in log
     summary = log.split("## summary")[1]
