@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -33,28 +32,51 @@ from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn import data_checks
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
+from aiayn.nn.kv_cache import BaseKVCache, KVCache, Slots
 from aiayn.nn.masks import key_mask
 
 
 def _static_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions: Tensor, slot: Tensor,
-                 key_valid: Tensor, key_positions: Tensor, cache: KVCache,
+                 key_valid: Tensor, key_positions: Tensor, cache: BaseKVCache,
                  memory_valid: Tensor | None = None) -> Tensor:
-    """tokens, positions (b, 1) long, ``slot`` (1,) long (the cache slot the new token fills; or
-    (b, 1), each row's own slot: a ``RowKVCache``'s rows, ``compiled_row_step``),
+    """tokens, positions (b, 1) long, ``slot`` (1,) long (the cache slot the new token fills),
     ``key_valid`` (b, n) bool and ``key_positions`` (b, n) long (the cache's first n = slot + 1
     slots, n symbolic, or all of its slots, n = max_len; the new one's already set) -> next-token
     logits (b, v): the graph torch.compile traces. ``memory_valid`` (b, s) bool: an
     encoder-decoder's real source tokens, the keys of its cross-attention (their keys and values
-    are in ``cache.cross``).
+    are in ``cache.cross``)."""
+    slots = Slots.slot(slot, key_valid.shape[1])
+    return _graph_step(model, tokens, positions, slots, key_valid, key_positions, cache, memory_valid)
 
-    The decoder's own ``TransformerStack.run`` on inputs built here without reading a tensor into
-    Python: attention covers the n filled slots (the key mask's width), the new keys go to
-    ``slot``. Linear layers on a few rows run the ways measured fastest compiled
-    (``MatvecLinears``): at batch 1 a fused multiply + sum that reads the weights about twice as
-    fast as the matmul."""
+
+def _row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Slots, key_valid: Tensor,
+              key_positions: Tensor, cache: BaseKVCache) -> Tensor:
+    """``_static_step`` over a per-row cache's whole buffer: tokens, positions (b, 1) long,
+    ``slots`` (``RowKVCache.reserve``'s: each row's new slot, (b, 1)), key_valid (b, s_max) bool
+    and key_positions (b, s_max) long (the new slots already recorded) -> logits (b, v). Each row's
+    new key is stored in place at its slot (``Slots.row_slot``).
+
+    Every row also attends to its own new key: a row that only pads the batch up to its graph's
+    size (recorded invalid, ``CompiledRows``) may hold no valid key, and a softmax over no key is
+    NaN in some kernels (torch's CPU SDPA gives zeros, a plain softmax NaN); its next layers would
+    write those NaNs into its slots, and a masked NaN value still poisons a later read (0 x NaN).
+    A real row's new slot is valid already: no change."""
+    index = slots.index
+    assert index is not None
+    attend = key_valid.scatter(1, index, True)  # (b, s_max)
+    return _graph_step(model, tokens, positions, Slots.row_slot(index, key_valid.shape[1]), attend, key_positions,
+                       cache)
+
+
+def _graph_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions: Tensor, slots: Slots,
+                key_valid: Tensor, key_positions: Tensor, cache: BaseKVCache,
+                memory_valid: Tensor | None = None) -> Tensor:
+    """The decoder's own ``TransformerStack.run`` on inputs built here without reading a tensor into
+    Python: attention covers the keys ``key_valid`` marks, the new keys go to ``slots``. Linear
+    layers on a few rows run the ways fastest compiled (``MatvecLinears``): at batch 1 a fused
+    multiply + sum that reads the weights faster than the matmul."""
     stack = model.decoder
-    self_attn = stack.attention_inputs(positions, key_positions, key_mask(key_valid), cache_pos=slot)
+    self_attn = stack.attention_inputs(positions, key_positions, key_mask(key_valid), slots=slots)
     valid = torch.ones_like(tokens, dtype=torch.bool)  # (b, 1): every new token is real
     # (b, 1, 1, s): always a mask (an all-real source is not looked for: that reads the data)
     cross_attn = AttentionInputs(mask=key_mask(memory_valid)) if memory_valid is not None else None
@@ -62,21 +84,6 @@ def _static_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions:
     with MatvecLinears():
         hidden = stack.run(tokens, inputs, cache=cache).hidden  # (b, 1, d)
         return model.lm_head(hidden[:, -1])
-
-
-def _row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Tensor, key_valid: Tensor,
-              key_positions: Tensor, cache: RowLayers) -> Tensor:
-    """``_static_step`` over a per-row cache's whole buffer: tokens, positions, slots (b, 1) long
-    (each row's new slot), key_valid (b, s_max) bool and key_positions (b, s_max) long (the new
-    slots already recorded), the layers' writes scattered per row -> logits (b, v).
-
-    Every row also attends to its own new key: a row that only pads the batch up to its graph's
-    size (recorded invalid, ``CompiledRows``) may hold no valid key, and a softmax over no key is
-    NaN in some kernels (torch's CPU SDPA gives zeros, a plain softmax NaN); its next layers would
-    write those NaNs into its slots, and a masked NaN value still poisons a later read (0 x NaN).
-    A real row's new slot is valid already: no change."""
-    attend = key_valid.scatter(1, slots, True)  # (b, s_max)
-    return _static_step(model, tokens, positions, slots, attend, key_positions, cache)  # type: ignore[arg-type]
 
 
 # One compiled step per model and layout, its graphs kept apart from other models'
@@ -160,7 +167,7 @@ def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, ca
     # step, and the graph, guarded on strides, would compile again each time.
     tokens = tokens.contiguous()  # (b, 1)
     # The new slot's bookkeeping, here in Python (a Python counter: no read of the device).
-    start = cache.reserve(torch.ones_like(tokens, dtype=torch.bool), positions)  # the new slot
+    start = cache.reserve(torch.ones_like(tokens, dtype=torch.bool), positions).start  # the new slot
     slot = torch.full((1,), start, dtype=torch.long, device=tokens.device)  # made on the device: no copy
     if whole:  # every slot, under the validity mask: static shapes for a CUDA graph
         if cache.valid.device.type == "cuda":  # (on the CPU, freezing would fold static inputs as constants)
@@ -175,40 +182,11 @@ def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, ca
     return step(model, tokens, positions, slot, key_valid, key_positions, cache, memory_valid)
 
 
-class WholeRowsLayer(LayerKVCache):
-    """One layer's keys and values for the compiled per-row step: views k, v (b, h_kv, s_max, d_h)
-    of a ``RowKVCache``'s rows. Each row's new key and value go to its own slot through an indexed
-    store, in place (``LayerKVCache``'s per-row ``scatter_`` into a graph input compiles to a copy of
-    the whole buffer and back, every layer and step: measured 2x slower than eager on SmolLM2), and
-    the whole buffers come back (the same shapes at every step)."""
-
-    def __init__(self, k: Tensor, v: Tensor) -> None:  # (no allocation: the cache's own buffers)
-        self.k, self.v, self.max_len = k, v, k.shape[2]
-
-    def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
-        """k, v (b, h_kv, 1, d_h) at each row's slot ``pos`` (b, 1) -> the whole buffers."""
-        if not isinstance(pos, Tensor) or pos.shape != (k.shape[0], 1) or k.shape[2] != 1:
-            raise ValueError("the compiled per-row step writes one token per row at its (b, 1) slots")
-        rows = torch.arange(k.shape[0], device=k.device)  # (b,)
-        self.k[rows, :, pos[:, 0]] = k[:, :, 0].to(self.k.dtype)  # (b, h_kv, d_h) into (b, h_kv, s_max, d_h)
-        self.v[rows, :, pos[:, 0]] = v[:, :, 0].to(self.v.dtype)
-        return self.k, self.v
-
-
-@dataclass
-class RowLayers:
-    """The per-layer caches a compiled per-row step writes (``WholeRowsLayer``s over a
-    ``RowKVCache``'s rows); what ``TransformerStack.run`` reads of a cache."""
-
-    layers: list[WholeRowsLayer]
-    cross: list[StaticKV] = field(default_factory=list)
-
-
-def compiled_row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Tensor, key_valid: Tensor,
-                      key_positions: Tensor, layers: RowLayers) -> Tensor:
+def compiled_row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Slots, key_valid: Tensor,
+                      key_positions: Tensor, cache: BaseKVCache) -> Tensor:
     """One decode step of a decoder-only model over rows of a ``RowKVCache`` that are each at their
-    own length, through a compiled graph (``_row_step``): tokens, positions, slots (b, 1) long,
-    key_valid, key_positions (b, s_max) (the rows' ``valid`` and ``positions``, the new slots
+    own length, through a compiled graph (``_row_step``): tokens, positions (b, 1) long, ``slots``
+    (``reserve``'s, one per row), key_valid, key_positions (b, s_max) (the rows' ``valid`` and ``positions``, the new slots
     recorded by ``RowKVCache.reserve`` beforehand) -> logits (b, v). Every shape is static (the
     whole buffer under the mask): one graph per batch size, whatever the rows' lengths; on CUDA
     replayed as a CUDA graph, the buffers marked static by the caller (``mark_static``).
@@ -216,7 +194,7 @@ def compiled_row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slo
     if model.training:
         raise ValueError("compiled decoding runs the eval-mode model; call model.eval() first")
     return _compiled(model, "rows", key_valid.device)(model, tokens, positions, slots, key_valid, key_positions,
-                                                       layers)
+                                                       cache)
 
 
 def _compiled(model: nn.Module, layout: str, device: torch.device) -> Callable[..., Tensor]:
