@@ -30,7 +30,7 @@ from aiayn.fast.matvec import MatvecLinears
 from aiayn.models.blocks import StackInputs, check_tokens
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
-from aiayn.nn import data_checks
+from aiayn.models.step import StepInput, run_step
 from aiayn.nn.attention import AttentionInputs
 from aiayn.nn.kv_cache import BaseKVCache, KVCache, Slots
 from aiayn.nn.masks import key_mask
@@ -82,14 +82,13 @@ def _graph_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions: 
     cross_attn = AttentionInputs(mask=key_mask(memory_valid)) if memory_valid is not None else None
     inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn, cross_attn=cross_attn)
     with MatvecLinears():
-        hidden = stack.run(tokens, inputs, cache=cache).hidden  # (b, 1, d)
-        return model.lm_head(hidden[:, -1])
+        return run_step(model, StepInput(tokens, inputs), cache)  # (b, v)
 
 
 # One compiled step per model and layout, its graphs kept apart from other models'
 # (``isolate_recompiles``) and dropped with the model (a weak key), instead of one step for all
-# told apart by Dynamo's guards on every submodule: those are ~6,000 checks per call (~0.6 ms of
-# SmolLM2's ~6 ms step, measured), so the graphs are guarded on the step's inputs only
+# told apart by Dynamo's guards on every submodule: those are thousands of checks per call, a
+# visible part of a small model's step, so the graphs are guarded on the step's inputs only
 # (``_inputs_only``). Layouts: "prefix", "whole" (``compiled_decode_step``), "rows" (``compiled_row_step``).
 _compiled_steps: weakref.WeakKeyDictionary[nn.Module, dict[str, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
 # The devices whose compiled step attends over the whole cache buffer (static shapes, CUDA graphs);
@@ -147,39 +146,35 @@ def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, ca
     if tokens.shape != (cache.batch_size, 1):
         raise ValueError(f"a compiled decode step takes one token per row, shape ({cache.batch_size}, 1), "
                          f"got {tuple(tokens.shape)}")
-    if cache.length >= cache.max_len:
-        raise ValueError(f"KV cache is full: {cache.length} slot(s) used of max_len={cache.max_len}; "
-                         f"create the cache with a larger max_len")
-    positions = cache.next_positions()[:, None]  # (b, 1): real tokens so far
-    if data_checks.reads_data(positions):
-        top = int(positions.max())
-        if top >= model.config.max_seq_len:
-            raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "
-                             f"max_seq_len={model.config.max_seq_len}; ask for fewer tokens")
-    else:  # checked by the device, without waiting for it (the decode loops check lengths up front)
-        torch._assert_async((positions < model.config.max_seq_len).all(), "sequence too long for max_seq_len")
+    # One layout for the ids: a view of a growing target (b, i) would carry another stride every
+    # step, and the graph, guarded on strides, would compile again each time.
+    tokens = tokens.contiguous()  # (b, 1)
+    positions, slots = next_token_slots(model, cache, torch.ones_like(tokens, dtype=torch.bool))
     whole = cache.valid.device.type in WHOLE_BUFFER_DEVICES
     step = _compiled(model, "whole" if whole else "prefix", cache.valid.device)
     if memory_valid is not None:  # the source length: symbolic, one graph for every length
         for tensor in (memory_valid, *[t for kv in cache.cross for t in (kv.k, kv.v)]):
             torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1 if tensor is memory_valid else 2)
-    # One layout for the ids: a view of a growing target (b, i) would carry another stride every
-    # step, and the graph, guarded on strides, would compile again each time.
-    tokens = tokens.contiguous()  # (b, 1)
-    # The new slot's bookkeeping, here in Python (a Python counter: no read of the device).
-    start = cache.reserve(torch.ones_like(tokens, dtype=torch.bool), positions).start  # the new slot
-    slot = torch.full((1,), start, dtype=torch.long, device=tokens.device)  # made on the device: no copy
+    slot = torch.full((1,), slots.start, dtype=torch.long, device=tokens.device)  # made on the device: no copy
     if whole:  # every slot, under the validity mask: static shapes for a CUDA graph
         if cache.valid.device.type == "cuda":  # (on the CPU, freezing would fold static inputs as constants)
             _mark_static(cache)
         return step(model, tokens, positions, slot, cache.valid, cache.positions, cache, memory_valid)
     # The filled prefix [0, n) only, its length n marked dynamic: one graph serves every step
-    # (attending over the whole buffer instead cost batch 16 about a third more time per step on
-    # the CPU).
-    key_valid, key_positions = cache.valid[:, : start + 1], cache.positions[:, : start + 1]  # (b, n)
+    # (over the whole buffer the CPU would also compute the unfilled, masked slots).
+    key_valid, key_positions = cache.valid[:, : slots.end], cache.positions[:, : slots.end]  # (b, n)
     torch._dynamo.maybe_mark_dynamic(key_valid, 1)
     torch._dynamo.maybe_mark_dynamic(key_positions, 1)
     return step(model, tokens, positions, slot, key_valid, key_positions, cache, memory_valid)
+
+
+def next_token_slots(model: DecoderOnly | EncoderDecoder, cache: BaseKVCache, real: Tensor
+                     ) -> tuple[Tensor, Slots]:
+    """The host half of a one-token-per-row step: each row's position (its real tokens so far,
+    checked against ``max_seq_len``), (b, 1), and the slots its token writes (``cache.reserve``, which
+    checks the cache's capacity); ``real`` (b, 1) bool marks the rows that bring a token."""
+    positions = model.decoder.check_positions(cache.next_positions()[:, None])  # (b, 1)
+    return positions, cache.reserve(real, positions)
 
 
 def compiled_row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Slots, key_valid: Tensor,

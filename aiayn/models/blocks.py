@@ -236,8 +236,19 @@ class TransformerStack(nn.Module):
                 memory: Tensor | None = None, memory_valid: Tensor | None = None,
                 memory_packing: Packing | None = None, cache: BaseKVCache | None = None,
                 need_weights: bool = False, pack: bool = False) -> StackOutput:
-        """tokens (b, t) -> hidden (b, t, d): the checks and bookkeeping (validity, positions, the
-        cache's new slots, masks, positional bias or rotation, packing), then ``run``.
+        """tokens (b, t) -> hidden (b, t, d): ``prepare`` (its arguments), then ``run``."""
+        inputs = self.prepare(tokens, valid=valid, positions=positions, segments=segments, memory=memory,
+                              memory_valid=memory_valid, memory_packing=memory_packing, cache=cache,
+                              need_weights=need_weights, pack=pack)
+        return self.run(tokens, inputs, cache=cache, need_weights=need_weights)
+
+    def prepare(self, tokens: Tensor, *, valid: Tensor | None = None,
+                positions: Tensor | None = None, segments: Tensor | None = None,
+                memory: Tensor | None = None, memory_valid: Tensor | None = None,
+                memory_packing: Packing | None = None, cache: BaseKVCache | None = None,
+                need_weights: bool = False, pack: bool = False) -> StackInputs:
+        """The inputs ``run`` takes for tokens (b, t): the checks and bookkeeping (validity,
+        positions, the cache's new slots, masks, positional bias or rotation, packing).
 
         Args:
             valid: (b, t) bool, True at real tokens; default ``tokens != pad_id`` (or all True when
@@ -275,9 +286,8 @@ class TransformerStack(nn.Module):
             cross_attn = AttentionInputs(mask=memory_mask, packing=packing, memory_packing=memory_packing)
         if memory_packing is not None and memory is None:
             raise ValueError("memory_packing= needs the packed memory=")
-        inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn, segments=segments,
-                             memory=memory, cross_attn=cross_attn)
-        return self.run(tokens, inputs, cache=cache, need_weights=need_weights)
+        return StackInputs(positions=positions, valid=valid, self_attn=self_attn, segments=segments,
+                           memory=memory, cross_attn=cross_attn)
 
     def forward_ragged(self, batches: Sequence[RaggedBatch]) -> tuple[Tensor, list[Packing]]:
         """Several batches through the stack in one pass -> (hidden (n, d), each batch's packing).
@@ -326,6 +336,11 @@ class TransformerStack(nn.Module):
         elif positions.shape != valid.shape:
             raise ValueError(f"positions must have the tokens' shape {tuple(valid.shape)}, "
                              f"got {tuple(positions.shape)}")
+        return self.check_positions(positions)
+
+    def check_positions(self, positions: Tensor) -> Tensor:
+        """``positions`` (b, t), checked against ``max_seq_len``: here where the data may be read
+        (``aiayn.nn.data_checks.reads_data``), else by the device without waiting for it."""
         if not data_checks.reads_data(positions):
             if not torch.compiler.is_compiling():
                 torch._assert_async((positions < self.config.max_seq_len).all(),

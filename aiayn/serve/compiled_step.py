@@ -12,9 +12,9 @@ whatever joins, leaves or grows (and on CUDA replays it as a CUDA graph, the cac
 static). The padding rows can never be the cache's last rows beyond ``max_batch``: the largest
 bucket is the cache's row count.
 
-The bookkeeping outside the graph is the eager path's own: ``RowKVCache.reserve`` records the new
-slots (told each row's real-token count, ``expect``: nothing read back from the device), then the
-graph runs the stack. Its results are the eager engine's up to float rounding (attention over
+The bookkeeping outside the graph is the compiled decode step's own (``next_token_slots``: each
+row's position, checked, and ``RowKVCache.reserve``'s slots, told each row's real-token count by
+``expect``: nothing read back from the device), then the graph runs the stack. Its results are the eager engine's up to float rounding (attention over
 more masked keys): tests/serve/test_compiled_engine.py.
 """
 
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from aiayn.device import to_device
-from aiayn.fast.compiled_decode import compiled_row_step, mark_static
+from aiayn.fast.compiled_decode import compiled_row_step, mark_static, next_token_slots
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.row_kv_cache import RowKVCache
 
@@ -97,9 +97,8 @@ class CompiledRows:
         host_tokens = torch.zeros(size, 1, dtype=torch.long)  # (size, 1): padding rows feed token 0
         host_tokens[:n, 0] = torch.tensor(last_tokens, dtype=torch.long)
         tokens, live = to_device((host_tokens, torch.arange(size) < n), view.valid.device)  # (size, 1), (size,)
-        positions = view.lengths[:, None].clone()  # (size, 1): each row's real tokens so far
         # Rows [0, n) bring one real token each, the padding rows none (their slot recorded invalid).
-        slots = view.expect([1] * n + [0] * (size - n)).reserve(live[:, None], positions)  # (size, 1)
+        positions, slots = next_token_slots(self.model, view.expect([1] * n + [0] * (size - n)), live[:, None])
         if size not in self.compiled_buckets:
             logger.info("compiling the decode step for %d row(s) (once per batch-size bucket)", size)
             self.compiled_buckets.add(size)
