@@ -104,12 +104,12 @@ class TransformerBlock(nn.Module):
 
 @dataclass
 class StackInputs:
-    """One forward's inputs besides the token ids, computed once by ``TransformerStack.forward``
+    """One forward's inputs besides the token ids, computed once by ``TransformerStack.prepare``
     (or by the compiled decode step, ``aiayn.fast.compiled_decode``) and shared by every block."""
 
     positions: Tensor  # (b, t) long position ids of the new tokens
     valid: Tensor  # (b, t) bool, True at real tokens
-    self_attn: AttentionInputs  # key mask over cached + new keys, causal, rotary/bias, cache slot
+    self_attn: AttentionInputs  # key mask over cached + new keys, causal, rotary/bias, cache slots
     segments: Tensor | None = None  # (b, t) segment ids (BERT token types)
     memory: Tensor | None = None  # encoder output (b, s, d) or packed (n_s, d), for cross-attention
     cross_attn: AttentionInputs | None = None  # memory mask, packing (a decoder of an encoder-decoder)

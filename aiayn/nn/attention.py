@@ -143,7 +143,7 @@ CacheAttentionKernel = Callable[..., Tensor | None]
 @dataclass
 class AttentionInputs:
     """What a stack's forward computes once and hands every attention layer (the self-attention and
-    the cross-attention ones get one each): masks, positions, the cache slot, the packing."""
+    the cross-attention ones get one each): masks, positions, the cache slots, the packing."""
 
     mask: Tensor | None = None  # bool (b, 1, 1 or t, t_k), True = may attend
     bias: Tensor | None = None  # float (b or 1, h, t, t_k), added to the scores (ALiBi, T5)
@@ -225,7 +225,7 @@ class MultiHeadAttention(nn.Module):
         """Attend from x (b, t, d) to itself (self-attention) or to ``memory`` (b, s, d) (cross).
 
         Args:
-            inputs: masks, bias, rotation, cache slot and packing (``AttentionInputs``; default none).
+            inputs: masks, bias, rotation, cache slots and packing (``AttentionInputs``; default none).
                 Masks and bias cover the keys *including* cached ones: (b, h, t, t_k) broadcast; a
                 3-D one is (b, t, t_k), shared by the heads.
             cache: self-attention: a ``LayerCache``; the new keys and values are written at

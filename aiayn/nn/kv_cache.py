@@ -14,6 +14,7 @@ quantised on write, dequantised when the attention reads them back.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,6 +91,10 @@ class LayerCache(ABC):
         """Store new k, v (b, h_kv, t, d_h) at ``slots``; return every row's keys and values over
         slots [0, slots.end): 2 x (b, h_kv, end, d_h)."""
 
+    @abstractmethod
+    def rows(self, start: int, stop: int) -> LayerCache:
+        """This layer as a per-row cache view of rows [start, stop) sees it (``RowCache.rows``)."""
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -154,6 +159,13 @@ class LayerKVCache(LayerCache):
 
     # Per-row buffers a reorder must carry along (a quantised cache adds its scales).
     _row_buffers: tuple[str, ...] = ("k", "v")
+
+    def rows(self, start: int, stop: int) -> LayerKVCache:
+        """A shallow copy whose buffers are views of rows [start, stop)."""
+        view = copy.copy(self)
+        for name in self._row_buffers:
+            setattr(view, name, getattr(self, name)[start:stop])
+        return view
 
     def reorder(self, indices: Tensor, length: int) -> None:
         """Row i becomes old row ``indices[i]`` (b_new,); only the first ``length`` slots are copied."""

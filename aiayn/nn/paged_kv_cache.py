@@ -44,7 +44,7 @@ from torch import Tensor
 from aiayn.device import to_device
 from aiayn.nn.block_pool import NULL_BLOCK, BlockPool
 from aiayn.nn.kv_cache import ROWS, LayerCache, Slots
-from aiayn.nn.row_kv_cache import RowCache, _swap, row_view
+from aiayn.nn.row_kv_cache import RowCache, _swap
 
 
 class PagedLayerKVCache(LayerCache):
@@ -64,6 +64,11 @@ class PagedLayerKVCache(LayerCache):
         # One row whose blocks are consecutive in the pool: their first id, and the keys are a view
         # of the pool (no gather). None: gather by ``read_blocks``.
         self.read_run: int | None = None
+
+    def rows(self, start: int, stop: int) -> PagedLayerKVCache:
+        """A per-row view's layer: a shallow copy (the same pools), whose block table and extent a
+        forward through the view sets."""
+        return copy.copy(self)
 
     def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
         """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``slots.index`` (b, t); return every
@@ -164,14 +169,6 @@ class PagedKVCache(RowCache):
         for layer in self.layers:
             layer.read_blocks, layer.read_end, layer.read_run = read_blocks, end, run
         return Slots.rows(write_slots, end)
-
-    def rows(self, start: int, stop: int) -> PagedKVCache:
-        """A view of rows [start, stop): the same pool and tables (writes through it land here). Its
-        layers are its own shallow copies (the same pools): a forward's block table and extent are
-        set on them, so two views can be reserved for one step (a ragged forward) without clobbering."""
-        view = row_view(self, start, stop)
-        view.layers = [copy.copy(layer) for layer in self.layers]
-        return view
 
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s tokens and give its blocks back to the pool at once."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Self
 
 import torch
 from torch import Tensor
@@ -50,8 +50,6 @@ from aiayn.nn.kv_cache import (
     Slots,
     float_or_quantized_layers,
 )
-
-C = TypeVar("C", bound=Any)  # a per-row cache class (row_view)
 
 
 def _real_counts(new_valid: Tensor, steps: Tensor, counts: Sequence[int] | None) -> list[int]:
@@ -114,6 +112,21 @@ class RowCache(BaseKVCache):
         """(b,) the position of each row's next token: its length (a row holds real tokens only)."""
         return self.lengths.clone()
 
+    def rows(self, start: int, stop: int) -> Self:
+        """A view of rows [start, stop): the same buffers (writes through it land here), no copy;
+        its masks, positions and lengths sliced, its layers' ``rows`` (each its own object, so two
+        views can be reserved for one step, a ragged forward, without clobbering)."""
+        if not 0 <= start < stop <= self.batch_size:
+            raise ValueError(f"rows({start}, {stop}): need 0 <= start < stop <= {self.batch_size}")
+        view = copy.copy(self)
+        view.valid, view.positions = self.valid[start:stop], self.positions[start:stop]
+        view.lengths = self.lengths[start:stop]
+        view._first, view._expected = self._first + start, None
+        view.batch_size = stop - start
+        view.length = max(view.host_lengths)
+        view.layers = [layer.rows(start, stop) for layer in self.layers]
+        return view
+
     def _plan(self, new_valid: Tensor, counts: Sequence[int] | None) -> tuple[list[int], int]:
         """Check a forward of new tokens ``new_valid`` (b, t) against this cache: (each row's real
         tokens as ints, the slots attention reads [0, end)). ``counts`` default to ``expect``'s;
@@ -173,12 +186,6 @@ class RowKVCache(RowCache):
         without them the validity is read back (free eager on the CPU; a wait on a GPU)."""
         real, end = self._plan(new_valid, counts)
         return Slots.rows(self._record(new_valid, new_positions, real, end), end)
-
-    def rows(self, start: int, stop: int) -> RowKVCache:
-        """A view of rows [start, stop): the same buffers (writes through it land here), no copy."""
-        view = row_view(self, start, stop)
-        view.layers = [_layer_rows(layer, start, stop) for layer in self.layers]
-        return view
 
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s tokens: the row is free for a new sequence (buffers stay allocated)."""
@@ -240,26 +247,3 @@ def _swap(a: Tensor, b: Tensor) -> None:
     kept = a.clone()
     a.copy_(b)
     b.copy_(kept)
-
-
-def _layer_rows(layer: LayerKVCache, start: int, stop: int) -> LayerKVCache:
-    """A shallow copy of ``layer`` whose buffers are views of rows [start, stop)."""
-    view = copy.copy(layer)
-    for name in layer._row_buffers:
-        setattr(view, name, getattr(layer, name)[start:stop])
-    return view
-
-
-def row_view(cache: C, start: int, stop: int) -> C:
-    """A shallow copy of a per-row cache (``RowKVCache``, ``PagedKVCache``) that sees rows [start,
-    stop) only: its masks, positions and lengths sliced (views: writes land in ``cache``), its
-    first row's index and its extent; the caller slices what its layout keeps per row."""
-    if not 0 <= start < stop <= cache.batch_size:
-        raise ValueError(f"rows({start}, {stop}): need 0 <= start < stop <= {cache.batch_size}")
-    view = copy.copy(cache)
-    view.valid, view.positions = cache.valid[start:stop], cache.positions[start:stop]
-    view.lengths = cache.lengths[start:stop]
-    view._first, view._expected = cache._first + start, None
-    view.batch_size = stop - start
-    view.length = max(view.host_lengths)
-    return view
