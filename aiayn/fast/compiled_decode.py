@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -31,58 +30,65 @@ from aiayn.fast.matvec import MatvecLinears
 from aiayn.models.blocks import StackInputs, check_tokens
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
-from aiayn.nn import data_checks
+from aiayn.models.step import StepInput, run_step
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
+from aiayn.nn.kv_cache import BaseKVCache, KVCache, Slots
 from aiayn.nn.masks import key_mask
 
 
 def _static_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions: Tensor, slot: Tensor,
-                 key_valid: Tensor, key_positions: Tensor, cache: KVCache,
+                 key_valid: Tensor, key_positions: Tensor, cache: BaseKVCache,
                  memory_valid: Tensor | None = None) -> Tensor:
-    """tokens, positions (b, 1) long, ``slot`` (1,) long (the cache slot the new token fills; or
-    (b, 1), each row's own slot: a ``RowKVCache``'s rows, ``compiled_row_step``),
+    """tokens, positions (b, 1) long, ``slot`` (1,) long (the cache slot the new token fills),
     ``key_valid`` (b, n) bool and ``key_positions`` (b, n) long (the cache's first n = slot + 1
     slots, n symbolic, or all of its slots, n = max_len; the new one's already set) -> next-token
     logits (b, v): the graph torch.compile traces. ``memory_valid`` (b, s) bool: an
     encoder-decoder's real source tokens, the keys of its cross-attention (their keys and values
-    are in ``cache.cross``).
-
-    The decoder's own ``TransformerStack.run`` on inputs built here without reading a tensor into
-    Python: attention covers the n filled slots (the key mask's width), the new keys go to
-    ``slot``. Linear layers on a few rows run the ways measured fastest compiled
-    (``MatvecLinears``): at batch 1 a fused multiply + sum that reads the weights about twice as
-    fast as the matmul."""
-    stack = model.decoder
-    self_attn = stack.attention_inputs(positions, key_positions, key_mask(key_valid), cache_pos=slot)
-    valid = torch.ones_like(tokens, dtype=torch.bool)  # (b, 1): every new token is real
-    # (b, 1, 1, s): always a mask (an all-real source is not looked for: that reads the data)
-    cross_attn = AttentionInputs(mask=key_mask(memory_valid)) if memory_valid is not None else None
-    inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn, cross_attn=cross_attn)
-    with MatvecLinears():
-        hidden = stack.run(tokens, inputs, cache=cache).hidden  # (b, 1, d)
-        return model.lm_head(hidden[:, -1])
+    are in ``cache.cross``)."""
+    slots = Slots.slot(slot, key_valid.shape[1])
+    return _graph_step(model, tokens, positions, slots, key_valid, key_positions, cache, memory_valid)
 
 
-def _row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Tensor, key_valid: Tensor,
-              key_positions: Tensor, cache: RowLayers) -> Tensor:
-    """``_static_step`` over a per-row cache's whole buffer: tokens, positions, slots (b, 1) long
-    (each row's new slot), key_valid (b, s_max) bool and key_positions (b, s_max) long (the new
-    slots already recorded), the layers' writes scattered per row -> logits (b, v).
+def _row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Slots, key_valid: Tensor,
+              key_positions: Tensor, cache: BaseKVCache) -> Tensor:
+    """``_static_step`` over a per-row cache's whole buffer: tokens, positions (b, 1) long,
+    ``slots`` (``RowKVCache.reserve``'s: each row's new slot, (b, 1)), key_valid (b, s_max) bool
+    and key_positions (b, s_max) long (the new slots already recorded) -> logits (b, v). Each row's
+    new key is stored in place at its slot (``Slots.row_slot``).
 
     Every row also attends to its own new key: a row that only pads the batch up to its graph's
     size (recorded invalid, ``CompiledRows``) may hold no valid key, and a softmax over no key is
     NaN in some kernels (torch's CPU SDPA gives zeros, a plain softmax NaN); its next layers would
     write those NaNs into its slots, and a masked NaN value still poisons a later read (0 x NaN).
     A real row's new slot is valid already: no change."""
-    attend = key_valid.scatter(1, slots, True)  # (b, s_max)
-    return _static_step(model, tokens, positions, slots, attend, key_positions, cache)  # type: ignore[arg-type]
+    index = slots.index
+    assert index is not None
+    attend = key_valid.scatter(1, index, True)  # (b, s_max)
+    return _graph_step(model, tokens, positions, Slots.row_slot(index, key_valid.shape[1]), attend, key_positions,
+                       cache)
+
+
+def _graph_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions: Tensor, slots: Slots,
+                key_valid: Tensor, key_positions: Tensor, cache: BaseKVCache,
+                memory_valid: Tensor | None = None) -> Tensor:
+    """The decoder's own ``TransformerStack.run`` on inputs built here without reading a tensor into
+    Python: attention covers the keys ``key_valid`` marks, the new keys go to ``slots``. Linear
+    layers on a few rows run the ways fastest compiled (``MatvecLinears``): at batch 1 a fused
+    multiply + sum that reads the weights faster than the matmul."""
+    stack = model.decoder
+    self_attn = stack.attention_inputs(positions, key_positions, key_mask(key_valid), slots=slots)
+    valid = torch.ones_like(tokens, dtype=torch.bool)  # (b, 1): every new token is real
+    # (b, 1, 1, s): always a mask (an all-real source is not looked for: that reads the data)
+    cross_attn = AttentionInputs(mask=key_mask(memory_valid)) if memory_valid is not None else None
+    inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn, cross_attn=cross_attn)
+    with MatvecLinears():
+        return run_step(model, StepInput(tokens, inputs), cache)  # (b, v)
 
 
 # One compiled step per model and layout, its graphs kept apart from other models'
 # (``isolate_recompiles``) and dropped with the model (a weak key), instead of one step for all
-# told apart by Dynamo's guards on every submodule: those are ~6,000 checks per call (~0.6 ms of
-# SmolLM2's ~6 ms step, measured), so the graphs are guarded on the step's inputs only
+# told apart by Dynamo's guards on every submodule: those are thousands of checks per call, a
+# visible part of a small model's step, so the graphs are guarded on the step's inputs only
 # (``_inputs_only``). Layouts: "prefix", "whole" (``compiled_decode_step``), "rows" (``compiled_row_step``).
 _compiled_steps: weakref.WeakKeyDictionary[nn.Module, dict[str, Callable[..., Tensor]]] = weakref.WeakKeyDictionary()
 # The devices whose compiled step attends over the whole cache buffer (static shapes, CUDA graphs);
@@ -140,75 +146,42 @@ def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, ca
     if tokens.shape != (cache.batch_size, 1):
         raise ValueError(f"a compiled decode step takes one token per row, shape ({cache.batch_size}, 1), "
                          f"got {tuple(tokens.shape)}")
-    if cache.length >= cache.max_len:
-        raise ValueError(f"KV cache is full: {cache.length} slot(s) used of max_len={cache.max_len}; "
-                         f"create the cache with a larger max_len")
-    positions = cache.next_positions()[:, None]  # (b, 1): real tokens so far
-    if data_checks.reads_data(positions):
-        top = int(positions.max())
-        if top >= model.config.max_seq_len:
-            raise ValueError(f"sequence too long: position {top} needs max_seq_len > {top}, but the model has "
-                             f"max_seq_len={model.config.max_seq_len}; ask for fewer tokens")
-    else:  # checked by the device, without waiting for it (the decode loops check lengths up front)
-        torch._assert_async((positions < model.config.max_seq_len).all(), "sequence too long for max_seq_len")
+    # One layout for the ids: a view of a growing target (b, i) would carry another stride every
+    # step, and the graph, guarded on strides, would compile again each time.
+    tokens = tokens.contiguous()  # (b, 1)
+    positions, slots = next_token_slots(model, cache, torch.ones_like(tokens, dtype=torch.bool))
     whole = cache.valid.device.type in WHOLE_BUFFER_DEVICES
     step = _compiled(model, "whole" if whole else "prefix", cache.valid.device)
     if memory_valid is not None:  # the source length: symbolic, one graph for every length
         for tensor in (memory_valid, *[t for kv in cache.cross for t in (kv.k, kv.v)]):
             torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1 if tensor is memory_valid else 2)
-    # One layout for the ids: a view of a growing target (b, i) would carry another stride every
-    # step, and the graph, guarded on strides, would compile again each time.
-    tokens = tokens.contiguous()  # (b, 1)
-    # The new slot's bookkeeping, here in Python (a Python counter: no read of the device).
-    start = cache.reserve(torch.ones_like(tokens, dtype=torch.bool), positions)  # the new slot
-    slot = torch.full((1,), start, dtype=torch.long, device=tokens.device)  # made on the device: no copy
+    slot = torch.full((1,), slots.start, dtype=torch.long, device=tokens.device)  # made on the device: no copy
     if whole:  # every slot, under the validity mask: static shapes for a CUDA graph
         if cache.valid.device.type == "cuda":  # (on the CPU, freezing would fold static inputs as constants)
             _mark_static(cache)
         return step(model, tokens, positions, slot, cache.valid, cache.positions, cache, memory_valid)
     # The filled prefix [0, n) only, its length n marked dynamic: one graph serves every step
-    # (attending over the whole buffer instead cost batch 16 about a third more time per step on
-    # the CPU).
-    key_valid, key_positions = cache.valid[:, : start + 1], cache.positions[:, : start + 1]  # (b, n)
+    # (over the whole buffer the CPU would also compute the unfilled, masked slots).
+    key_valid, key_positions = cache.valid[:, : slots.end], cache.positions[:, : slots.end]  # (b, n)
     torch._dynamo.maybe_mark_dynamic(key_valid, 1)
     torch._dynamo.maybe_mark_dynamic(key_positions, 1)
     return step(model, tokens, positions, slot, key_valid, key_positions, cache, memory_valid)
 
 
-class WholeRowsLayer(LayerKVCache):
-    """One layer's keys and values for the compiled per-row step: views k, v (b, h_kv, s_max, d_h)
-    of a ``RowKVCache``'s rows. Each row's new key and value go to its own slot through an indexed
-    store, in place (``LayerKVCache``'s per-row ``scatter_`` into a graph input compiles to a copy of
-    the whole buffer and back, every layer and step: measured 2x slower than eager on SmolLM2), and
-    the whole buffers come back (the same shapes at every step)."""
-
-    def __init__(self, k: Tensor, v: Tensor) -> None:  # (no allocation: the cache's own buffers)
-        self.k, self.v, self.max_len = k, v, k.shape[2]
-
-    def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
-        """k, v (b, h_kv, 1, d_h) at each row's slot ``pos`` (b, 1) -> the whole buffers."""
-        if not isinstance(pos, Tensor) or pos.shape != (k.shape[0], 1) or k.shape[2] != 1:
-            raise ValueError("the compiled per-row step writes one token per row at its (b, 1) slots")
-        rows = torch.arange(k.shape[0], device=k.device)  # (b,)
-        self.k[rows, :, pos[:, 0]] = k[:, :, 0].to(self.k.dtype)  # (b, h_kv, d_h) into (b, h_kv, s_max, d_h)
-        self.v[rows, :, pos[:, 0]] = v[:, :, 0].to(self.v.dtype)
-        return self.k, self.v
+def next_token_slots(model: DecoderOnly | EncoderDecoder, cache: BaseKVCache, real: Tensor
+                     ) -> tuple[Tensor, Slots]:
+    """The host half of a one-token-per-row step: each row's position (its real tokens so far,
+    checked against ``max_seq_len``), (b, 1), and the slots its token writes (``cache.reserve``, which
+    checks the cache's capacity); ``real`` (b, 1) bool marks the rows that bring a token."""
+    positions = model.decoder.check_positions(cache.next_positions()[:, None])  # (b, 1)
+    return positions, cache.reserve(real, positions)
 
 
-@dataclass
-class RowLayers:
-    """The per-layer caches a compiled per-row step writes (``WholeRowsLayer``s over a
-    ``RowKVCache``'s rows); what ``TransformerStack.run`` reads of a cache."""
-
-    layers: list[WholeRowsLayer]
-    cross: list[StaticKV] = field(default_factory=list)
-
-
-def compiled_row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Tensor, key_valid: Tensor,
-                      key_positions: Tensor, layers: RowLayers) -> Tensor:
+def compiled_row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Slots, key_valid: Tensor,
+                      key_positions: Tensor, cache: BaseKVCache) -> Tensor:
     """One decode step of a decoder-only model over rows of a ``RowKVCache`` that are each at their
-    own length, through a compiled graph (``_row_step``): tokens, positions, slots (b, 1) long,
-    key_valid, key_positions (b, s_max) (the rows' ``valid`` and ``positions``, the new slots
+    own length, through a compiled graph (``_row_step``): tokens, positions (b, 1) long, ``slots``
+    (``reserve``'s, one per row), key_valid, key_positions (b, s_max) (the rows' ``valid`` and ``positions``, the new slots
     recorded by ``RowKVCache.reserve`` beforehand) -> logits (b, v). Every shape is static (the
     whole buffer under the mask): one graph per batch size, whatever the rows' lengths; on CUDA
     replayed as a CUDA graph, the buffers marked static by the caller (``mark_static``).
@@ -216,7 +189,7 @@ def compiled_row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slo
     if model.training:
         raise ValueError("compiled decoding runs the eval-mode model; call model.eval() first")
     return _compiled(model, "rows", key_valid.device)(model, tokens, positions, slots, key_valid, key_positions,
-                                                       layers)
+                                                       cache)
 
 
 def _compiled(model: nn.Module, layout: str, device: torch.device) -> Callable[..., Tensor]:

@@ -39,7 +39,7 @@ from torch import Tensor
 from aiayn.fast import prefill_attention, switch
 from aiayn.fast.paged_attention_build import kernel_ops
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import LayerKVCache, StaticKV
+from aiayn.nn.kv_cache import ROWS, LayerKVCache, StaticKV
 from aiayn.nn.paged_kv_cache import PagedLayerKVCache
 
 # Queries per row up to which the kernel replaces the gather + SDPA. It computes one query at a
@@ -56,7 +56,7 @@ def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionI
             and cache.k.dtype == torch.float32 and q.dim() == 4 and q.shape[2] <= MAX_QUERIES
             and not q.requires_grad  # (the op has no backward: decoding runs without gradients)
             and inputs.bias is None and not inputs.causal
-            and isinstance(inputs.cache_pos, Tensor) and inputs.cache_pos.dim() == 2
+            and inputs.slots is not None and inputs.slots.kind == ROWS
             and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1
                                   and mask.shape[0] in (1, q.shape[0]) and mask.shape[2] in (1, q.shape[2])
                                   and mask.shape[3] == cache.read_end)))
@@ -77,6 +77,7 @@ def paged_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache |
     if ops is None:
         return None
     assert isinstance(cache, PagedLayerKVCache) and cache.read_blocks is not None  # (applies)
-    cache.store(k, v, inputs.cache_pos)
+    assert inputs.slots is not None  # (applies)
+    cache.store(k, v, inputs.slots)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return ops.attention(q, cache.k, cache.v, cache.read_blocks, cache.read_end, inputs.mask, scale)

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from aiayn.fast import switch
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import LayerKVCache, StaticKV
+from aiayn.nn.kv_cache import ROWS, LayerKVCache, StaticKV
 from aiayn.nn.paged_kv_cache import PagedLayerKVCache
 
 
@@ -89,7 +89,7 @@ def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionI
             and switch.kernel_enabled("prefill_attention") and q.device.type == "cpu" and q.is_floating_point()
             and q.dim() == 4 and q.shape[2] > max_queries
             and inputs.bias is None and not inputs.causal
-            and isinstance(inputs.cache_pos, Tensor) and inputs.cache_pos.dim() == 2
+            and inputs.slots is not None and inputs.slots.kind == ROWS
             and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1
                                   and mask.shape[0] in (1, q.shape[0]) and mask.shape[2] == q.shape[2]
                                   and mask.shape[3] == cache.read_end)))
@@ -99,7 +99,8 @@ def prefill_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: PagedLayerKV
                             scale: float | None = None) -> Tensor:
     """Write k, v (b, h_kv, t_q, d_h) into ``cache`` and attend q (b, h, t_q, d_h) over the rows' keys
     (cached + new) under ``inputs.mask``: (b, h, t_q, d_h). Check ``applies`` first."""
-    keys, values = cache.write(k, v, inputs.cache_pos)  # (b, h_kv, t_k, d_h) each
+    assert inputs.slots is not None  # (applies)
+    keys, values = cache.write(k, v, inputs.slots)  # (b, h_kv, t_k, d_h) each
     gqa = q.shape[1] != keys.shape[1]
     if inputs.mask is None:
         return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=gqa)

@@ -1,8 +1,8 @@
 """THE decode step: new tokens in, next-token logits out.
 
 ``decode_step`` runs a model's decoder on the new tokens of each row into its KV cache and applies
-the output layer at the positions whose next token is wanted (each row's last, by default) — the
-output projection is the largest matmul of a small model's step, so it runs on those rows only.
+the output layer at the positions whose next token is wanted (each row's last, by default): it
+builds the step's input (``TransformerStack.prepare``) and runs ``aiayn.models.step.run_step``.
 Greedy decoding, sampling and beam search (both architectures), ``aiayn serve``'s engine (its
 prefill chunks and decode steps over a per-row cache) and ``aiayn explore`` all call it;
 ``compile=True`` runs the same step through ``aiayn.fast.compiled_decode`` (one token per row over a
@@ -26,6 +26,7 @@ from aiayn.generate.ensemble import Ensemble, EnsembleCache, mean_log_probs
 from aiayn.models.blocks import RaggedBatch
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
+from aiayn.models.step import StepInput, logits_at, run_step
 from aiayn.nn.kv_cache import KVCache
 
 
@@ -70,11 +71,10 @@ def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache | EnsembleCache
     if isinstance(model, EncoderDecoder):
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
-        out = model.decoder(tokens, valid=valid, memory=memory, memory_valid=memory_valid, cache=cache)
+        inputs = model.decoder.prepare(tokens, valid=valid, memory=memory, memory_valid=memory_valid, cache=cache)
     else:
-        out = model.decoder(tokens, valid=valid, cache=cache)
-    hidden = out.hidden  # (b, t, d)
-    return model.lm_head(hidden[:, -1] if at is None else hidden[at])  # (b, v) or (m, v)
+        inputs = model.decoder.prepare(tokens, valid=valid, cache=cache)
+    return run_step(model, StepInput(tokens, inputs, at), cache)  # (b, v) or (m, v)
 
 
 def decode_ragged(model: nn.Module, batches: Sequence[RaggedBatch], at: Tensor) -> Tensor:
@@ -86,4 +86,4 @@ def decode_ragged(model: nn.Module, batches: Sequence[RaggedBatch], at: Tensor) 
     if not isinstance(model, DecoderOnly):
         raise TypeError("decode_ragged runs a decoder-only model (the serve engine's)")
     hidden, _ = model.decoder.forward_ragged(batches)  # (n, d)
-    return model.lm_head(hidden[at])  # (m, v)
+    return logits_at(model, hidden, at)  # (m, v)

@@ -24,7 +24,7 @@ from aiayn.config import ModelConfig
 from aiayn.device import to_device
 from aiayn.nn import data_checks
 from aiayn.nn.attention import AttentionInputs, MultiHeadAttention
-from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
+from aiayn.nn.kv_cache import BaseKVCache, LayerCache, Slots, StaticKV
 from aiayn.nn.masks import combine_masks, key_mask, position_causal_mask, valid_tokens
 from aiayn.nn.mlp import FeedForward
 from aiayn.nn.norm import make_norm
@@ -36,6 +36,7 @@ from aiayn.nn.positional import (
     SinusoidalPositionalEncoding,
     T5RelativeBias,
 )
+from aiayn.nn.row_kv_cache import RowCache
 
 
 class TransformerBlock(nn.Module):
@@ -60,7 +61,7 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(c.dropout)  # residual dropout, P_drop in the paper
 
     def forward(self, x: Tensor, inputs: StackInputs | None = None, *,
-                cache: LayerKVCache | None = None, cross_cache: StaticKV | None = None,
+                cache: LayerCache | None = None, cross_cache: StaticKV | None = None,
                 need_weights: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights).
 
@@ -82,7 +83,7 @@ class TransformerBlock(nn.Module):
             x = self._add(x, h, self.cross_attn_norm)
         return self._feed_forward(x), self_weights, cross_weights
 
-    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
+    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerCache]]) -> Tensor:
         """Several batches' real tokens in one pass, x (n, d) packed batch after batch
         (``TransformerStack.forward_ragged``): every sublayer but the attention core runs once over
         all of them; the core per batch, over its own cache (``MultiHeadAttention.forward_ragged``)."""
@@ -103,12 +104,12 @@ class TransformerBlock(nn.Module):
 
 @dataclass
 class StackInputs:
-    """One forward's inputs besides the token ids, computed once by ``TransformerStack.forward``
+    """One forward's inputs besides the token ids, computed once by ``TransformerStack.prepare``
     (or by the compiled decode step, ``aiayn.fast.compiled_decode``) and shared by every block."""
 
     positions: Tensor  # (b, t) long position ids of the new tokens
     valid: Tensor  # (b, t) bool, True at real tokens
-    self_attn: AttentionInputs  # key mask over cached + new keys, causal, rotary/bias, cache slot
+    self_attn: AttentionInputs  # key mask over cached + new keys, causal, rotary/bias, cache slots
     segments: Tensor | None = None  # (b, t) segment ids (BERT token types)
     memory: Tensor | None = None  # encoder output (b, s, d) or packed (n_s, d), for cross-attention
     cross_attn: AttentionInputs | None = None  # memory mask, packing (a decoder of an encoder-decoder)
@@ -127,7 +128,7 @@ class RaggedBatch:
 
     tokens: Tensor  # (b, t) long
     counts: list[int]  # b ints, each in [1, t]
-    cache: KVCache
+    cache: RowCache
 
 
 @dataclass
@@ -233,10 +234,21 @@ class TransformerStack(nn.Module):
     def forward(self, tokens: Tensor, *, valid: Tensor | None = None,
                 positions: Tensor | None = None, segments: Tensor | None = None,
                 memory: Tensor | None = None, memory_valid: Tensor | None = None,
-                memory_packing: Packing | None = None, cache: KVCache | None = None,
+                memory_packing: Packing | None = None, cache: BaseKVCache | None = None,
                 need_weights: bool = False, pack: bool = False) -> StackOutput:
-        """tokens (b, t) -> hidden (b, t, d): the checks and bookkeeping (validity, positions, the
-        cache's new slots, masks, positional bias or rotation, packing), then ``run``.
+        """tokens (b, t) -> hidden (b, t, d): ``prepare`` (its arguments), then ``run``."""
+        inputs = self.prepare(tokens, valid=valid, positions=positions, segments=segments, memory=memory,
+                              memory_valid=memory_valid, memory_packing=memory_packing, cache=cache,
+                              need_weights=need_weights, pack=pack)
+        return self.run(tokens, inputs, cache=cache, need_weights=need_weights)
+
+    def prepare(self, tokens: Tensor, *, valid: Tensor | None = None,
+                positions: Tensor | None = None, segments: Tensor | None = None,
+                memory: Tensor | None = None, memory_valid: Tensor | None = None,
+                memory_packing: Packing | None = None, cache: BaseKVCache | None = None,
+                need_weights: bool = False, pack: bool = False) -> StackInputs:
+        """The inputs ``run`` takes for tokens (b, t): the checks and bookkeeping (validity,
+        positions, the cache's new slots, masks, positional bias or rotation, packing).
 
         Args:
             valid: (b, t) bool, True at real tokens; default ``tokens != pad_id`` (or all True when
@@ -274,9 +286,8 @@ class TransformerStack(nn.Module):
             cross_attn = AttentionInputs(mask=memory_mask, packing=packing, memory_packing=memory_packing)
         if memory_packing is not None and memory is None:
             raise ValueError("memory_packing= needs the packed memory=")
-        inputs = StackInputs(positions=positions, valid=valid, self_attn=self_attn, segments=segments,
-                             memory=memory, cross_attn=cross_attn)
-        return self.run(tokens, inputs, cache=cache, need_weights=need_weights)
+        return StackInputs(positions=positions, valid=valid, self_attn=self_attn, segments=segments,
+                           memory=memory, cross_attn=cross_attn)
 
     def forward_ragged(self, batches: Sequence[RaggedBatch]) -> tuple[Tensor, list[Packing]]:
         """Several batches through the stack in one pass -> (hidden (n, d), each batch's packing).
@@ -295,7 +306,7 @@ class TransformerStack(nn.Module):
         for batch in batches:
             check_tokens("tokens", batch.tokens, self.embedding.num_embeddings)
             b, t = batch.tokens.shape
-            if not hasattr(batch.cache, "expect"):
+            if not isinstance(batch.cache, RowCache):
                 raise TypeError("forward_ragged needs per-row caches (RowKVCache or PagedKVCache, or views of "
                                 f"their rows), got {type(batch.cache).__name__}")
             if len(batch.counts) != b or min(batch.counts, default=1) < 1:
@@ -305,7 +316,7 @@ class TransformerStack(nn.Module):
             steps = torch.arange(t)[None, :] < torch.tensor(batch.counts)[:, None]  # (b, t), on the host
             valid = to_device(steps, device)
             positions = self._positions(valid, None, batch.cache)  # (b, t)
-            batch.cache.expect(batch.counts)  # type: ignore[attr-defined]  # (checked above)
+            batch.cache.expect(batch.counts)
             inputs = self._self_attention_inputs(valid, positions, batch.cache, packing=packing)
             xs.append(packing.pack(self.dropout(self.embed(batch.tokens, positions))))  # (n_i, d)
             parts.append(inputs)
@@ -316,7 +327,7 @@ class TransformerStack(nn.Module):
         hidden = self.final_norm(x) if self.final_norm is not None else x
         return hidden, [inputs.packing for inputs in parts]  # type: ignore[misc]
 
-    def _positions(self, valid: Tensor, positions: Tensor | None, cache: KVCache | None) -> Tensor:
+    def _positions(self, valid: Tensor, positions: Tensor | None, cache: BaseKVCache | None) -> Tensor:
         """(b, t) position ids: ``positions`` if given, else real tokens counted (left padding and
         earlier cached tokens do not shift them); checked against ``max_seq_len``."""
         if positions is None:
@@ -325,6 +336,11 @@ class TransformerStack(nn.Module):
         elif positions.shape != valid.shape:
             raise ValueError(f"positions must have the tokens' shape {tuple(valid.shape)}, "
                              f"got {tuple(positions.shape)}")
+        return self.check_positions(positions)
+
+    def check_positions(self, positions: Tensor) -> Tensor:
+        """``positions`` (b, t), checked against ``max_seq_len``: here where the data may be read
+        (``aiayn.nn.data_checks.reads_data``), else by the device without waiting for it."""
         if not data_checks.reads_data(positions):
             if not torch.compiler.is_compiling():
                 torch._assert_async((positions < self.config.max_seq_len).all(),
@@ -337,34 +353,34 @@ class TransformerStack(nn.Module):
                              f"truncate it) or use a model with a larger max_seq_len")
         return positions
 
-    def _self_attention_inputs(self, valid: Tensor, positions: Tensor, cache: KVCache | None, *,
+    def _self_attention_inputs(self, valid: Tensor, positions: Tensor, cache: BaseKVCache | None, *,
                                pack: bool = False, packing: Packing | None = None) -> AttentionInputs:
         """The self-attention inputs of new tokens ``valid``/``positions`` (b, t): their slots in
         ``cache`` (reserved here), the key mask over cached + new keys, causality, the positional
         rotation or bias, the packing (``pack``: found from ``valid`` when there is padding, eager
         on the CPU only; or ``packing`` as given)."""
         # Keys: the cached slots plus the new tokens.
-        cache_pos: int | Tensor = 0
+        slots = None
         if cache is not None:
-            cache_pos = cache.reserve(valid, positions)  # a slot, or (b, t) slots per row (RowKVCache)
+            slots = cache.reserve(valid, positions)
             keys_valid, key_positions = cache.valid[:, : cache.length], cache.positions[:, : cache.length]
         else:
             keys_valid, key_positions = valid, positions  # (b, t_k)
         mask = padding_mask(keys_valid)  # (b, 1, 1, t_k), or None: no padding
-        # Rows of a RowKVCache sit at their own slots: causality from positions, not slot order
+        # Rows of a per-row cache sit at their own slots: causality from positions, not slot order
         # (a single new token per row may see every valid key of its row: no causal mask needed).
-        per_row = isinstance(cache_pos, Tensor)
+        per_row = slots is not None and slots.per_row
         if per_row and self.causal and valid.shape[1] > 1:
             mask = combine_masks(mask, position_causal_mask(positions, key_positions))  # (b, 1, t, t_k)
         # Only with padding to skip, and only eager on the CPU: the real tokens' count sets the
         # packed shapes, which a compiled graph or a GPU stream cannot learn without waiting.
         if packing is None and pack and mask is not None and data_checks.reads_data(valid):
             packing = Packing.of(valid)
-        return self.attention_inputs(positions, key_positions, mask, cache_pos=cache_pos,
+        return self.attention_inputs(positions, key_positions, mask, slots=slots,
                                      packing=packing, causal=self.causal and not per_row)
 
     def attention_inputs(self, positions: Tensor, key_positions: Tensor, mask: Tensor | None, *,
-                         cache_pos: int | Tensor = 0, packing: Packing | None = None,
+                         slots: Slots | None = None, packing: Packing | None = None,
                          causal: bool | None = None) -> AttentionInputs:
         """Self-attention inputs for queries at ``positions`` (b, t) over keys at ``key_positions``
         (b, t_k) (cached + new) under ``mask`` (b, 1, 1, t_k): the positional scheme's bias or
@@ -374,10 +390,10 @@ class TransformerStack(nn.Module):
         bias = self.relative(positions, key_positions) if self.relative is not None else None
         rotary = self.rotary(positions) if self.rotary is not None else None
         causal = self.causal if causal is None else causal
-        return AttentionInputs(mask=mask, bias=bias, causal=causal, rotary=rotary, cache_pos=cache_pos,
+        return AttentionInputs(mask=mask, bias=bias, causal=causal, rotary=rotary, slots=slots,
                                packing=packing)
 
-    def run(self, tokens: Tensor, inputs: StackInputs, *, cache: KVCache | None = None,
+    def run(self, tokens: Tensor, inputs: StackInputs, *, cache: BaseKVCache | None = None,
             need_weights: bool = False) -> StackOutput:
         """Embeddings -> blocks -> final norm, on prepared inputs: tensor work only (nothing read
         back into Python), so ``torch.compile`` traces it whole (``aiayn.fast.compiled_decode``)."""

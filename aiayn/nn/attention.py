@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.nn.kv_cache import LayerKVCache, StaticKV
+from aiayn.nn.kv_cache import LayerCache, Slots, StaticKV
 from aiayn.nn.masks import causal_mask, combine_masks, scores_shaped
 from aiayn.nn.packing import Packing
 from aiayn.nn.positional import apply_rotary
@@ -143,22 +143,19 @@ CacheAttentionKernel = Callable[..., Tensor | None]
 @dataclass
 class AttentionInputs:
     """What a stack's forward computes once and hands every attention layer (the self-attention and
-    the cross-attention ones get one each): masks, positions, the cache slot, the packing."""
+    the cross-attention ones get one each): masks, positions, the cache slots, the packing."""
 
     mask: Tensor | None = None  # bool (b, 1, 1 or t, t_k), True = may attend
     bias: Tensor | None = None  # float (b or 1, h, t, t_k), added to the scores (ALiBi, T5)
     causal: bool = False  # right-aligned causal masking on top of ``mask``
     rotary: tuple[Tensor, Tensor] | None = None  # RoPE (cos, sin), each (b or 1, t, d_h)
-    # Self-attention with a KV cache: the slot of the first new key. A (t,) long tensor of slots in
-    # the compiled decode step (``aiayn.fast.compiled_decode``): attention then runs over the
-    # buffer's first t_k slots, t_k = ``mask``'s last dimension. A (b, t) long tensor: each row's
-    # own slots (``aiayn.nn.row_kv_cache.RowKVCache``, continuous batching).
-    cache_pos: int | Tensor = 0
+    # Self-attention with a KV cache: where the new keys go and which come back (the cache's ``reserve``).
+    slots: Slots | None = None
     packing: Packing | None = None  # x is packed: (n, d), its real tokens only (aiayn.nn.packing)
     memory_packing: Packing | None = None  # cross-attention: the memory is packed, (n_s, d)
 
 
-_NO_INPUTS = AttentionInputs()  # no mask, bias, rotation, cache slot or packing (never modified)
+_NO_INPUTS = AttentionInputs()  # no mask, bias, rotation, cache slots or packing (never modified)
 
 
 class MultiHeadAttention(nn.Module):
@@ -223,16 +220,16 @@ class MultiHeadAttention(nn.Module):
         return self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *,
-                inputs: AttentionInputs | None = None, cache: LayerKVCache | StaticKV | None = None,
+                inputs: AttentionInputs | None = None, cache: LayerCache | StaticKV | None = None,
                 need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         """Attend from x (b, t, d) to itself (self-attention) or to ``memory`` (b, s, d) (cross).
 
         Args:
-            inputs: masks, bias, rotation, cache slot and packing (``AttentionInputs``; default none).
+            inputs: masks, bias, rotation, cache slots and packing (``AttentionInputs``; default none).
                 Masks and bias cover the keys *including* cached ones: (b, h, t, t_k) broadcast; a
                 3-D one is (b, t, t_k), shared by the heads.
-            cache: self-attention: a ``LayerKVCache``; the new keys and values are written at
-                ``inputs.cache_pos`` and attention runs over slots [0, cache_pos + t).
+            cache: self-attention: a ``LayerCache``; the new keys and values are written at
+                ``inputs.slots`` and attention runs over the slots the write returns.
                 Cross-attention: a ``StaticKV``; memory's keys and values are computed on first
                 use and reused.
             need_weights: also return the (b, h, t, t_k) attention weights.
@@ -257,7 +254,7 @@ class MultiHeadAttention(nn.Module):
             out, weights = self._attend_self(self.qkv_proj(x), inputs, cache, need_weights)
         return self.out_proj(self._merge_heads(out, packing)), weights if need_weights else None
 
-    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
+    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerCache]]) -> Tensor:
         """Self-attention of several batches in one pass: x (n_1 + ... + n_g, d) holds batch i's real
         tokens packed by its ``inputs.packing``, one batch after another; each batch attends over its
         own cache (view) under its own inputs. The projections run once over all the tokens (one
@@ -276,7 +273,7 @@ class MultiHeadAttention(nn.Module):
                 for part, (inputs, cache) in zip(parts, batches, strict=True)]  # (n_i, h * d_h) each
         return self.out_proj(torch.cat(outs))  # (sum n_i, d)
 
-    def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerKVCache | StaticKV | None,
+    def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerCache | StaticKV | None,
                      need_weights: bool) -> tuple[Tensor, Tensor | None]:
         """Self-attention from the projected qkv (b, t, q + 2 kv), or packed (n, q + 2 kv): the
         heads, the rotation, the cache, the kernel -> (out (b, h, t, d_h), weights or None)."""
@@ -308,7 +305,7 @@ class MultiHeadAttention(nn.Module):
         return packing.pack(out) if packing is not None else out
 
     def _memory_kv(self, memory: Tensor | None, memory_packing: Packing | None,
-                   cache: LayerKVCache | StaticKV | None) -> tuple[Tensor, Tensor]:
+                   cache: LayerCache | StaticKV | None) -> tuple[Tensor, Tensor]:
         """Cross-attention keys and values, 2 x (b, h_kv, s, d_h): from the cache once filled."""
         if isinstance(cache, StaticKV) and cache.k is not None and cache.v is not None:
             return cache.k, cache.v
@@ -320,16 +317,11 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
     @staticmethod
-    def _cached_kv(cache: LayerKVCache | StaticKV, k: Tensor, v: Tensor,
+    def _cached_kv(cache: LayerCache | StaticKV, k: Tensor, v: Tensor,
                    inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
         """Write the new k, v (b, h_kv, t, d_h) into the cache; the keys attention runs over."""
-        if not isinstance(cache, LayerKVCache):
+        if not isinstance(cache, LayerCache):
             raise ValueError("self-attention takes a LayerKVCache (a StaticKV is for cross-attention)")
-        k, v = cache.write(k, v, inputs.cache_pos)  # (b, h_kv, cache_pos + t, d_h)
-        if isinstance(inputs.cache_pos, Tensor) and inputs.cache_pos.dim() == 1:
-            # the compiled step: the prefix the mask covers (per-row slots return theirs already)
-            if inputs.mask is None:
-                raise ValueError("a tensor cache_pos (the compiled decode step) needs a mask over the "
-                                 "filled cache slots")
-            k, v = k[:, :, : inputs.mask.shape[-1]], v[:, :, : inputs.mask.shape[-1]]
-        return k, v
+        if inputs.slots is None:
+            raise ValueError("self-attention over a cache needs inputs.slots (the cache's reserve)")
+        return cache.write(k, v, inputs.slots)  # (b, h_kv, slots.end, d_h)

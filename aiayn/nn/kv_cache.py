@@ -14,89 +14,93 @@ quantised on write, dequantised when the attention reads them back.
 
 from __future__ import annotations
 
+import copy
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from aiayn.config import ModelConfig
+from aiayn.nn.kv_memory import (  # noqa: F401  (the estimate, importable from here too)
+    QUANTIZED,
+    SCALE_DTYPE,
+    _check_group,
+    cache_sizes,
+    describe_kv_cache,
+    dtype_bytes,
+    format_bytes,
+    kv_cache_bytes,
+)
 
-_BYTES = {"float32": 4, "float": 4, "fp32": 4, "float16": 2, "half": 2, "fp16": 2,
-          "bfloat16": 2, "bf16": 2, "float64": 8, "int8": 1}
-
-
-def dtype_bytes(dtype: torch.dtype | str) -> int:
-    """Bytes per element of a dtype given as ``torch.float32`` or a name like "float32"/"bf16"."""
-    if isinstance(dtype, torch.dtype):
-        return torch.empty((), dtype=dtype).element_size()
-    try:
-        return _BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_BYTES))}") from None
+# The layouts a forward's new keys and values are written in (``Slots.kind``).
+RUN, ROWS, SLOT, ROW_SLOT = "run", "rows", "slot", "row_slot"
 
 
-QUANTIZED = ("int8", "int4")  # cache element types stored with per-group scales
-SCALE_DTYPE = torch.float16  # the scales' type: 2 bytes per token, head and group
+@dataclass(frozen=True)
+class Slots:
+    """Where one forward's new keys and values go in every layer's cache, and which slots the write
+    returns: [0, ``end``). Made by the cache's ``reserve`` (the compiled steps make theirs in their
+    graph, ``end`` then symbolic); ``kind`` names the layout, the one thing a write dispatches on:
 
-
-def kv_cache_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, batch_size: int,
-                   dtype: torch.dtype | str = torch.float32, group_size: int | None = None,
-                   src_len: int = 0, cross_dtype: torch.dtype | str | None = None) -> int:
-    """Memory of a KV cache: 2 (k and v) x layers x kv_heads x head_dim x seq_len x batch x bytes.
-
-    Example (the seeds'): batch 32, 32 layers, 32 heads of 128 (d_model 4096), 2048 tokens,
-    float32 -> 68,719,476,736 bytes = 64 GiB.
-
-    ``dtype="int8"``/``"int4"`` is the quantised cache: 1 byte (int8) or half a byte (int4, two per
-    byte) per element, plus a float16 scale per token, head and ``group_size`` channels (default:
-    one per head) -- exactly what ``KVCache(quantize=...).nbytes`` holds.
-
-    ``src_len`` > 0: a decoder of an encoder-decoder, whose every layer also keeps the
-    cross-attention keys and values of the ``src_len`` source tokens (computed once from the
-    encoder output): plus 2 x layers x kv_heads x head_dim x src_len x batch x bytes of
-    ``cross_dtype`` (default: ``dtype``, or float32 for a quantised cache: they stay in float).
+    * ``run``: every row's t new tokens at [start, start + t), a host int (``KVCache``: slices);
+    * ``rows``: row i's at ``index[i]``, (b, t) long, each row at its own length (``RowKVCache``'s
+      slots; ``PagedKVCache``'s flat pool slots);
+    * ``slot``: every row's one new token at ``index``, (1,) long (the compiled step);
+    * ``row_slot``: row i's one new token at ``index[i, 0]``, (b, 1) long (the compiled per-row step:
+      an indexed store in place, where a ``scatter_`` into a graph input compiles to a copy of the
+      whole buffer and back).
     """
-    for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
-                        ("seq_len", seq_len), ("batch_size", batch_size)):
-        if value <= 0:
-            raise ValueError(f"kv_cache_bytes: {name} must be positive, got {value}")
-    if src_len < 0:
-        raise ValueError(f"kv_cache_bytes: src_len must be >= 0, got {src_len}")
-    vectors = 2 * n_layers * n_kv_heads * seq_len * batch_size  # (k or v) x token x head
-    quantized = isinstance(dtype, str) and dtype in QUANTIZED
-    if cross_dtype is None:
-        cross_dtype = "float32" if quantized else dtype
-    cross = 2 * n_layers * n_kv_heads * src_len * batch_size * head_dim * dtype_bytes(cross_dtype)
-    if quantized:
-        group = _check_group(head_dim, group_size, str(dtype))
-        data = head_dim if dtype == "int8" else head_dim // 2
-        return vectors * (data + (head_dim // group) * dtype_bytes(SCALE_DTYPE)) + cross
-    return vectors * head_dim * dtype_bytes(dtype) + cross
+
+    kind: str
+    end: int
+    start: int = 0
+    index: Tensor | None = None
+
+    @staticmethod
+    def run(start: int, t: int) -> Slots:
+        return Slots(RUN, start + t, start=start)
+
+    @staticmethod
+    def rows(index: Tensor, end: int) -> Slots:
+        return Slots(ROWS, end, index=index)
+
+    @staticmethod
+    def slot(index: Tensor, end: int) -> Slots:
+        return Slots(SLOT, end, index=index)
+
+    @staticmethod
+    def row_slot(index: Tensor, end: int) -> Slots:
+        return Slots(ROW_SLOT, end, index=index)
+
+    @property
+    def per_row(self) -> bool:
+        """Each row at its own slots: causality comes from positions, not slot order."""
+        return self.kind != RUN and self.kind != SLOT
 
 
-def _check_group(head_dim: int, group_size: int | None, quantize: str) -> int:
-    group = head_dim if group_size is None else group_size
-    if group <= 0 or head_dim % group != 0:
-        raise ValueError(f"group_size={group_size} must divide head_dim={head_dim}")
-    if quantize == "int4" and head_dim % 2 != 0:
-        raise ValueError(f"an int4 KV cache packs two values per byte and needs an even head_dim, "
-                         f"got {head_dim}; use quantize='int8'")
-    return group
+class LayerCache(ABC):
+    """One self-attention layer's keys and values, ``k`` and ``v``: what attention writes and reads."""
+
+    k: Tensor
+    v: Tensor
+    max_len: int
+
+    @abstractmethod
+    def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
+        """Store new k, v (b, h_kv, t, d_h) at ``slots``; return every row's keys and values over
+        slots [0, slots.end): 2 x (b, h_kv, end, d_h)."""
+
+    @abstractmethod
+    def rows(self, start: int, stop: int) -> LayerCache:
+        """This layer as a per-row cache view of rows [start, stop) sees it (``RowCache.rows``)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
 
 
-def format_bytes(n: int) -> str:
-    """1024-based human size: 68719476736 -> '64 GiB', 1536 -> '1.50 KiB'."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if value == int(value) else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-class LayerKVCache:
+class LayerKVCache(LayerCache):
     """One self-attention layer's preallocated keys and values, (b, h_kv, s_max, d_h) each."""
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, *,
@@ -107,35 +111,29 @@ class LayerKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
 
-    # Per-row writes (a (b, t) ``pos``) return slots [0, row_extent): ``RowKVCache.reserve`` sets it
-    # from its host lengths before the layers write. None: the extent is read from ``pos`` (a read
-    # of a device value: a wait on a GPU, a graph break under torch.compile).
-    row_extent: int | None = None
-
-    def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
-        """Store new k, v (b, h_kv, t, d_h) at [pos, pos + t); return views of [0, pos + t).
-
-        ``pos`` may be a (t,) long tensor of slots instead (the decode step that ``torch.compile``
-        runs, see ``aiayn.fast.compiled_decode``): k, v go there and the whole buffers come back,
-        (b, h_kv, s_max, d_h); the caller attends over the filled prefix its key mask covers.
-        A (b, t) tensor gives each row its own slots (``RowKVCache``): views of
-        [0, the highest slot + 1) come back (``row_extent`` when set: the same number, known on
-        the host).
-        """
-        if isinstance(pos, Tensor) and pos.dim() == 2:
-            index = self._row_index(k, pos, self.k.shape[3])  # (b, h_kv, t, d_h)
-            self.k.scatter_(2, index, k.to(self.k.dtype))
-            self.v.scatter_(2, index, v.to(self.v.dtype))
-            end = self._extent(pos)
-            return self.k[:, :, :end], self.v[:, :, :end]
-        if isinstance(pos, Tensor):
-            self.k.index_copy_(2, pos, k.to(self.k.dtype))
-            self.v.index_copy_(2, pos, v.to(self.v.dtype))
-            return self.k, self.v
-        t = self._check_write(k, pos, head_dim=self.k.shape[3])
-        self.k[:, :, pos : pos + t] = k
-        self.v[:, :, pos : pos + t] = v
-        return self.k[:, :, : pos + t], self.v[:, :, : pos + t]
+    def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
+        """Store new k, v (b, h_kv, t, d_h) at ``slots`` (any kind); return views of [0, slots.end)."""
+        index = slots.index
+        if slots.kind == RUN:
+            self._check_write(k, slots.start, head_dim=self.k.shape[3])
+            self.k[:, :, slots.start: slots.end] = k
+            self.v[:, :, slots.start: slots.end] = v
+        elif slots.kind == ROWS:
+            assert index is not None
+            scatter = self._row_index(k, index, self.k.shape[3])  # (b, h_kv, t, d_h)
+            self.k.scatter_(2, scatter, k.to(self.k.dtype))
+            self.v.scatter_(2, scatter, v.to(self.v.dtype))
+        elif slots.kind == SLOT:
+            self.k.index_copy_(2, index, k.to(self.k.dtype))
+            self.v.index_copy_(2, index, v.to(self.v.dtype))
+        else:  # ROW_SLOT
+            assert index is not None
+            if index.shape != (k.shape[0], 1) or k.shape[2] != 1:
+                raise ValueError("the compiled per-row step writes one token per row at its (b, 1) slots")
+            rows = torch.arange(k.shape[0], device=k.device)  # (b,)
+            self.k[rows, :, index[:, 0]] = k[:, :, 0].to(self.k.dtype)  # (b, h_kv, d_h) into (b, h_kv, s_max, d_h)
+            self.v[rows, :, index[:, 0]] = v[:, :, 0].to(self.v.dtype)
+        return self.k[:, :, : slots.end], self.v[:, :, : slots.end]
 
     def _check_write(self, k: Tensor, pos: int, *, head_dim: int) -> int:
         """Raise a clear error unless k (b, h_kv, t, d_h) fits at ``pos``; return t."""
@@ -152,10 +150,6 @@ class LayerKVCache:
             )
         return t
 
-    def _extent(self, slots: Tensor) -> int:
-        """The slots [0, extent) a per-row write of ``slots`` (b, t) returns: the highest slot + 1."""
-        return self.row_extent if self.row_extent is not None else int(slots.max()) + 1
-
     def _row_index(self, k: Tensor, slots: Tensor, width: int) -> Tensor:
         """Per-row slots (b, t) -> the scatter index (b, h_kv, t, width) of new keys k (b, h_kv, t, d_h)."""
         if slots.shape != (k.shape[0], k.shape[2]) or k.shape[0] != self.k.shape[0]:
@@ -166,6 +160,13 @@ class LayerKVCache:
     # Per-row buffers a reorder must carry along (a quantised cache adds its scales).
     _row_buffers: tuple[str, ...] = ("k", "v")
 
+    def rows(self, start: int, stop: int) -> LayerKVCache:
+        """A shallow copy whose buffers are views of rows [start, stop)."""
+        view = copy.copy(self)
+        for name in self._row_buffers:
+            setattr(view, name, getattr(self, name)[start:stop])
+        return view
+
     def reorder(self, indices: Tensor, length: int) -> None:
         """Row i becomes old row ``indices[i]`` (b_new,); only the first ``length`` slots are copied."""
         b_new = indices.shape[0]
@@ -174,10 +175,6 @@ class LayerKVCache:
             new = old.new_zeros((b_new, *old.shape[1:]))  # (b_new, h_kv, s_max, d_h)
             new[:, :, :length] = old[:, :, :length].index_select(0, indices)
             setattr(self, name, new)
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
 
 
 def quantize_absmax(x: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor]:
@@ -252,27 +249,27 @@ class QuantizedLayerKVCache(LayerKVCache):
         q = data if self.bits == 8 else _unpack_int4(data)
         return dequantize_absmax(q, scale, self.group_size, self.dtype)
 
-    def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
-        """Quantise new k, v (b, h_kv, t, d_h) into [pos, pos + t); return [0, pos + t) dequantised."""
-        if isinstance(pos, Tensor) and pos.dim() == 2:  # per-row slots (b, t), see LayerKVCache.write
-            self.dtype = k.dtype
-            data_index = self._row_index(k, pos, self.k.shape[3])  # (b, h_kv, t, d_h or d_h / 2)
-            scale_index = self._row_index(k, pos, self.k_scale.shape[3])  # (b, h_kv, t, groups)
+    def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
+        """Quantise new k, v (b, h_kv, t, d_h) into ``slots`` (a run or per-row slots); return
+        [0, slots.end) dequantised."""
+        end = slots.end
+        if slots.kind == ROWS:
+            assert slots.index is not None
+            data_index = self._row_index(k, slots.index, self.k.shape[3])  # (b, h_kv, t, d_h or d_h / 2)
+            scale_index = self._row_index(k, slots.index, self.k_scale.shape[3])  # (b, h_kv, t, groups)
             for data, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
                 q, scale = self._store(x)
                 data.scatter_(2, data_index, q)
                 scales.scatter_(2, scale_index, scale)
-            end = self._extent(pos)
-            return (self._load(self.k[:, :, :end], self.k_scale[:, :, :end]),
-                    self._load(self.v[:, :, :end], self.v_scale[:, :, :end]))
-        if isinstance(pos, Tensor):
+        elif slots.kind == RUN:
+            self._check_write(k, slots.start, head_dim=self.head_dim)
+            start = slots.start
+            self.k[:, :, start:end], self.k_scale[:, :, start:end] = self._store(k)
+            self.v[:, :, start:end], self.v_scale[:, :, start:end] = self._store(v)
+        else:
             raise ValueError("the static-shape (compiled) decode step needs a float KV cache; "
                              "decode a quantised cache without compile")
-        t = self._check_write(k, pos, head_dim=self.head_dim)
         self.dtype = k.dtype  # read back in the compute dtype
-        end = pos + t
-        self.k[:, :, pos:end], self.k_scale[:, :, pos:end] = self._store(k)
-        self.v[:, :, pos:end], self.v_scale[:, :, pos:end] = self._store(v)
         return (self._load(self.k[:, :, :end], self.k_scale[:, :, :end]),
                 self._load(self.v[:, :, :end], self.v_scale[:, :, :end]))
 
@@ -293,14 +290,56 @@ class StaticKV:
         return 0 if self.k is None or self.v is None else self.k.nbytes + self.v.nbytes
 
 
-class KVCache:
-    """A whole model's decoding state: per-layer buffers plus what every layer shares.
+def float_or_quantized_layers(*, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int,
+                              max_len: int, dtype: torch.dtype, device: torch.device | str | None,
+                              quantize: str | None, group_size: int | None) -> list[LayerKVCache]:
+    """``n_layers`` layer caches of (b, h_kv, max_len, d_h): float, or quantised (``quantize``)."""
+    if quantize is None:
+        return [LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
+                for _ in range(n_layers)]
+    return [QuantizedLayerKVCache(batch_size, n_kv_heads, head_dim, max_len, quantize=quantize,
+                                  group_size=group_size, dtype=dtype, device=device)
+            for _ in range(n_layers)]
 
-    ``length`` counts the slots filled so far (prompt + generated, padding included).
-    ``valid`` (b, s_max) marks slots holding real tokens (False for padding), and ``positions``
-    (b, s_max) the position id of each slot, so later steps can mask padded keys and compute
-    relative-position biases without the earlier tokens. ``cross`` holds one ``StaticKV`` per
-    decoder layer of an encoder-decoder.
+
+class BaseKVCache:
+    """What every model-wide cache holds: its layers' caches, and per slot (b, s_max) ``valid``
+    (a real token, not padding) and ``positions`` (its position id), so later steps can mask padded
+    keys and compute relative-position biases without the earlier tokens. ``length``: the slots
+    the last forward attended over. ``cross``: one ``StaticKV`` per decoder layer of an
+    encoder-decoder. Subclasses add how a forward's new slots are reserved (``reserve``)."""
+
+    def __init__(self, layers: Sequence[LayerCache], *, batch_size: int, max_len: int,
+                 device: torch.device | str | None, quantize: str | None, cross_attention: bool) -> None:
+        self.layers = list(layers)
+        self.quantize = quantize
+        self.cross = [StaticKV() for _ in self.layers] if cross_attention else []
+        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+        self.length = 0
+        self.batch_size, self.max_len = batch_size, max_len
+
+    @property
+    def self_nbytes(self) -> int:
+        """Bytes of the self-attention key/value buffers (allocated at creation)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def cross_nbytes(self) -> int:
+        """Bytes of the cross-attention keys/values (encoder-decoder; 0 until the first decode step
+        computes them from the encoder output)."""
+        return sum(kv.nbytes for kv in self.cross)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now: self-attention buffers plus any cross-attention keys/values (what
+        ``kv_cache_bytes`` estimates, with ``src_len`` the source length)."""
+        return self.self_nbytes + self.cross_nbytes
+
+
+class KVCache(BaseKVCache):
+    """A whole model's decoding state, its rows aligned: every forward appends t slots to every
+    row (``length`` counts them, prompt + generated, padding included).
 
     ``quantize="int8"`` or ``"int4"`` stores the self-attention keys and values quantised
     (``QuantizedLayerKVCache``; scales per token, head and ``group_size`` channels); the
@@ -315,27 +354,15 @@ class KVCache:
             raise ValueError(
                 f"KVCache needs positive batch_size and max_len, got {batch_size} and {max_len}"
             )
-        self.layers: list[LayerKVCache]
-        if quantize is None:
-            self.layers = [
-                LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
-                for _ in range(n_layers)
-            ]
-        else:
-            self.layers = [
-                QuantizedLayerKVCache(batch_size, n_kv_heads, head_dim, max_len, quantize=quantize,
-                                      group_size=group_size, dtype=dtype, device=device)
-                for _ in range(n_layers)
-            ]
-        self.quantize = quantize
-        self.cross = [StaticKV() for _ in range(n_layers)] if cross_attention else []
-        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
-        self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
-        self.length = 0
-        self.batch_size, self.max_len = batch_size, max_len
+        layers = float_or_quantized_layers(n_layers=n_layers, batch_size=batch_size, n_kv_heads=n_kv_heads,
+                                           head_dim=head_dim, max_len=max_len, dtype=dtype, device=device,
+                                           quantize=quantize, group_size=group_size)
+        super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize,
+                         cross_attention=cross_attention)
 
-    def reserve(self, new_valid: Tensor, new_positions: Tensor) -> int:
-        """Record t new slots (their validity and positions, (b, t)); return their start slot.
+    def reserve(self, new_valid: Tensor, new_positions: Tensor) -> Slots:
+        """Record t new slots (their validity and positions, (b, t)); return them, a run from
+        ``length`` on.
 
         The model calls this once per forward, before its layers write their keys and values.
         """
@@ -352,7 +379,7 @@ class KVCache:
         self.valid[:, start : start + t] = new_valid
         self.positions[:, start : start + t] = new_positions
         self.length = start + t
-        return start
+        return Slots.run(start, t)
 
     def next_positions(self) -> Tensor:
         """(b,) the position id the next real token of each row gets (real tokens so far)."""
@@ -395,69 +422,3 @@ class KVCache:
         self.valid.zero_()
         for cross in self.cross:
             cross.k = cross.v = None
-
-    @property
-    def self_nbytes(self) -> int:
-        """Bytes of the self-attention key/value buffers (allocated at creation)."""
-        return sum(layer.nbytes for layer in self.layers)
-
-    @property
-    def cross_nbytes(self) -> int:
-        """Bytes of the cross-attention keys/values (encoder-decoder; 0 until the first decode step
-        computes them from the encoder output)."""
-        return sum(kv.nbytes for kv in self.cross)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held now: self-attention buffers plus any cross-attention keys/values (what
-        ``kv_cache_bytes`` estimates, with ``src_len`` the source length)."""
-        return self.self_nbytes + self.cross_nbytes
-
-
-# ---- the memory estimate, described (``aiayn kv-cache``) ----------------------------------------
-def cache_sizes(config: ModelConfig) -> dict[str, int]:
-    """The sizes a model's KV cache is made of: n_layers (its decoder's), n_heads, n_kv_heads,
-    d_model, head_dim, seq_len (the model's max_seq_len) and src_len (an encoder-decoder's source
-    length for the cross-attention keys/values: max_seq_len too; 0 for other models)."""
-    n_layers = config.n_decoder_layers if config.arch != "encoder-only" else config.n_layers
-    return {"n_layers": n_layers, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
-            "d_model": config.d_model, "head_dim": config.head_dim, "seq_len": config.max_seq_len,
-            "src_len": config.max_seq_len if config.arch == "encoder-decoder" else 0}
-
-
-def describe_kv_cache(*, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int,
-                      batch_size: int, dtype: str = "float32", group_size: int | None = None,
-                      src_len: int = 0) -> list[str]:
-    """``kv_cache_bytes`` as lines to print: the total, the product it comes from (self-attention,
-    and cross-attention when ``src_len`` > 0), and what float32 (for a quantised cache) or
-    multi-head attention (for GQA/MQA) would need instead.
-    ValueError (from ``kv_cache_bytes``) for a group_size that does not fit."""
-    sizes = dict(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, seq_len=seq_len,
-                 batch_size=batch_size)
-    total = kv_cache_bytes(**sizes, dtype=dtype, group_size=group_size, src_len=src_len)
-    own = kv_cache_bytes(**sizes, dtype=dtype, group_size=group_size)  # self-attention only
-    lines = [f"KV cache: {format_bytes(total)} ({total:,} bytes)"]
-    if src_len:
-        lines.append(f"  self-attention: {format_bytes(own)} ({own:,} bytes)")
-    vectors = f"2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {seq_len} tokens x {batch_size} batch"
-    if dtype in QUANTIZED:
-        groups = head_dim // (group_size or head_dim)
-        data = f"{head_dim}" if dtype == "int8" else f"{head_dim} / 2"
-        lines.append(f"  = {vectors} x ({data} bytes of {dtype} + {groups} x 2 bytes of float16 scales)")
-    else:
-        lines.append(f"  = 2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {head_dim} head_dim "
-                     f"x {seq_len} tokens x {batch_size} batch x {dtype_bytes(dtype)} bytes ({dtype})")
-    if src_len:
-        cross_dtype = "float32" if dtype in QUANTIZED else dtype
-        cross = total - own
-        lines.append(f"  cross-attention (encoder-decoder): {format_bytes(cross)} ({cross:,} bytes)")
-        lines.append(f"  = 2 (k, v) x {n_layers} layers x {n_kv_heads} kv heads x {head_dim} head_dim "
-                     f"x {src_len} source tokens x {batch_size} batch x {dtype_bytes(cross_dtype)} bytes "
-                     f"({cross_dtype}, computed once from the encoder output)")
-    if dtype in QUANTIZED:
-        full = kv_cache_bytes(**sizes, dtype="float32", src_len=src_len)
-        lines.append(f"  float32 would need {format_bytes(full)} ({full / total:.2f}x)")
-    if n_kv_heads != n_heads:
-        lines.append(f"  multi-head attention with {n_heads} kv heads would need "
-                     f"{format_bytes(total * n_heads // n_kv_heads)}")
-    return lines

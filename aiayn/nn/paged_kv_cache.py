@@ -43,11 +43,11 @@ from torch import Tensor
 
 from aiayn.device import to_device
 from aiayn.nn.block_pool import NULL_BLOCK, BlockPool
-from aiayn.nn.kv_cache import KVCache, LayerKVCache
-from aiayn.nn.row_kv_cache import RowKVCache, _swap, row_view
+from aiayn.nn.kv_cache import ROWS, LayerCache, Slots
+from aiayn.nn.row_kv_cache import RowCache, _swap
 
 
-class PagedLayerKVCache(LayerKVCache):
+class PagedLayerKVCache(LayerCache):
     """One layer's pool: k, v (n_blocks, B, h_kv, d_h). ``PagedKVCache.reserve`` sets the forward's
     block table (``read_blocks``, (b, n) on the device) and key extent (``read_end``) before the
     layers write."""
@@ -65,23 +65,26 @@ class PagedLayerKVCache(LayerKVCache):
         # of the pool (no gather). None: gather by ``read_blocks``.
         self.read_run: int | None = None
 
-    _row_buffers = ()  # rows hold no buffers of their own: a row is its block table
+    def rows(self, start: int, stop: int) -> PagedLayerKVCache:
+        """A per-row view's layer: a shallow copy (the same pools), whose block table and extent a
+        forward through the view sets."""
+        return copy.copy(self)
 
-    def write(self, k: Tensor, v: Tensor, pos: int | Tensor) -> tuple[Tensor, Tensor]:
-        """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``pos`` (b, t); return every row's keys
-        and values over logical slots [0, read_end): 2 x (b, h_kv, read_end, d_h)."""
-        self.store(k, v, pos)
+    def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
+        """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``slots.index`` (b, t); return every
+        row's keys and values over logical slots [0, read_end): 2 x (b, h_kv, read_end, d_h)."""
+        self.store(k, v, slots)
         return self.gather()
 
-    def store(self, k: Tensor, v: Tensor, pos: int | Tensor) -> None:
-        """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``pos`` (b, t) only (a kernel that
-        reads the pool through ``read_blocks`` follows: ``aiayn.fast.paged_attention``)."""
-        if not isinstance(pos, Tensor) or pos.dim() != 2 or self.read_blocks is None:
+    def store(self, k: Tensor, v: Tensor, slots: Slots) -> None:
+        """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``slots.index`` (b, t) only (a kernel
+        that reads the pool through ``read_blocks`` follows: ``aiayn.fast.paged_attention``)."""
+        if slots.kind != ROWS or slots.index is None or self.read_blocks is None:
             raise ValueError("a paged KV cache layer is written through PagedKVCache.reserve's slots")
         b, h_kv, t, d_h = k.shape
         for pool, new in ((self.k, k), (self.v, v)):
             flat = pool.view(-1, h_kv, d_h)  # (n_blocks * B, h_kv, d_h)
-            flat.index_copy_(0, pos.reshape(-1), new.transpose(1, 2).reshape(b * t, h_kv, d_h).to(pool.dtype))
+            flat.index_copy_(0, slots.index.reshape(-1), new.transpose(1, 2).reshape(b * t, h_kv, d_h).to(pool.dtype))
 
     def gather(self) -> tuple[Tensor, Tensor]:
         """Every row's keys and values over logical slots [0, read_end), contiguous as SDPA wants
@@ -98,15 +101,8 @@ class PagedLayerKVCache(LayerKVCache):
                         for pool in (self.k, self.v))  # (b, read_end, h_kv, d_h) each
         return keys.transpose(1, 2), values.transpose(1, 2)  # (b, h_kv, read_end, d_h)
 
-    def reorder(self, indices: Tensor, length: int) -> None:
-        raise ValueError("a paged KV cache reorders its rows by their block tables (PagedKVCache.swap_rows)")
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-
-class PagedKVCache(KVCache):
+class PagedKVCache(RowCache):
     """``rows`` sequences over a pool of ``n_blocks`` blocks of ``block_size`` tokens per layer (block 0
     the null block); each row holds up to ``max_len`` tokens. Decoder self-attention only.
 
@@ -127,60 +123,28 @@ class PagedKVCache(KVCache):
             raise ValueError(f"PagedKVCache needs positive batch_size and max_len, got {batch_size} and {max_len}")
         self.pool = BlockPool(n_blocks, block_size)
         self.block_size = block_size
-        self.layers: list[LayerKVCache] = [
-            PagedLayerKVCache(n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(n_layers)]
-        self.quantize, self.cross = None, []
-        self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
-        self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.valid.device)
-        self.length = 0
-        self.batch_size, self.max_len = batch_size, max_len
-        # Host state shared by the views (a view sees its rows from ``_first`` on).
-        self._host: list[int] = [0] * batch_size
-        self._tables: list[list[int]] = [[] for _ in range(batch_size)]
-        self._first = 0
-        self._expected: list[int] | None = None
-
-    # ---- RowKVCache's contract ---------------------------------------------------------------
-    @property
-    def host_lengths(self) -> list[int]:
-        """Tokens held per row of this cache (view), as ints."""
-        return self._host[self._first: self._first + self.batch_size]
+        layers = [PagedLayerKVCache(n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+                  for _ in range(n_layers)]
+        super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=None)
+        self.layers: list[PagedLayerKVCache] = layers
+        self._tables: list[list[int]] = [[] for _ in range(batch_size)]  # per row, shared by the views
 
     def table(self, row: int) -> list[int]:
         """Row ``row``'s block table (a copy)."""
         return list(self._tables[self._first + row])
-
-    def expect(self, counts: Sequence[int]) -> PagedKVCache:
-        """As ``RowKVCache.expect``: the next forward's real-token counts per row, known on the host."""
-        self._expected = [int(n) for n in counts]
-        return self
 
     def blocks_for(self, row: int, n_tokens: int) -> int:
         """New blocks row ``row`` needs to hold ``n_tokens`` more tokens."""
         held = len(self._tables[self._first + row])
         return max(0, -(-(self._host[self._first + row] + n_tokens) // self.block_size) - held)
 
-    def reserve(self, new_valid: Tensor, new_positions: Tensor, counts: Sequence[int] | None = None,
-                ) -> Tensor:
+    def reserve(self, new_valid: Tensor, new_positions: Tensor, counts: Sequence[int] | None = None) -> Slots:
         """Record each row's t new tokens (validity and positions, (b, t), real tokens first), taking
         the blocks they need from the pool; return their flat pool slots (b, t) (padding: the null
         block's). ValueError when a row would pass ``max_len`` or the pool has too few blocks."""
         b, t = new_valid.shape
-        if b != self.batch_size:
-            raise ValueError(f"this cache (view) has {self.batch_size} rows, got a batch of {b}")
-        if counts is None:
-            counts = self._expected
-        self._expected = None
-        steps = torch.arange(t, device=new_valid.device)  # (t,)
-        real = RowKVCache._real_counts(self, new_valid, steps, counts)  # type: ignore[arg-type]  # b ints, checked
+        real, end = self._plan(new_valid, counts)  # b ints, checked; logical slots read: [0, end)
         lengths = self.host_lengths
-        end = max(lengths) + t  # logical slots attention reads: [0, end)
-        if end > self.max_len:
-            row = max(range(b), key=lengths.__getitem__)
-            raise ValueError(f"KV cache row {row} is full: it holds {lengths[row]} token(s), {t} more need "
-                             f"{end} slots, but a row holds {self.max_len}; send fewer tokens")
         needed = sum(self.blocks_for(i, n) for i, n in enumerate(real))
         if needed > self.pool.available:
             raise ValueError(f"the paged KV cache is out of blocks: this forward needs {needed} more, "
@@ -201,29 +165,10 @@ class PagedKVCache(KVCache):
         first = tables[0][0]
         run = first if b == 1 and tables[0] == list(range(first, first + width)) and first != NULL_BLOCK else None
         read_blocks = to_device(torch.tensor(tables, dtype=torch.long).reshape(b, width), new_valid.device)
-        logical = self.lengths[:, None] + steps  # (b, t) logical slots, on the device
-        self.valid.scatter_(1, logical, new_valid)
-        self.positions.scatter_(1, logical, new_positions)
-        self.lengths += new_valid.sum(dim=1)
-        for i, n in enumerate(real):
-            self._host[self._first + i] += n
-        self.length = end
+        self._record(new_valid, new_positions, real, end)
         for layer in self.layers:
-            assert isinstance(layer, PagedLayerKVCache)
             layer.read_blocks, layer.read_end, layer.read_run = read_blocks, end, run
-        return write_slots
-
-    def next_positions(self) -> Tensor:
-        """(b,) the position of each row's next token: its length (a row holds real tokens only)."""
-        return self.lengths.clone()
-
-    def rows(self, start: int, stop: int) -> PagedKVCache:
-        """A view of rows [start, stop): the same pool and tables (writes through it land here). Its
-        layers are its own shallow copies (the same pools): a forward's block table and extent are
-        set on them, so two views can be reserved for one step (a ragged forward) without clobbering."""
-        view = row_view(self, start, stop)
-        view.layers = [copy.copy(layer) for layer in self.layers]
-        return view
+        return Slots.rows(write_slots, end)
 
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s tokens and give its blocks back to the pool at once."""
@@ -246,9 +191,6 @@ class PagedKVCache(KVCache):
             if n:
                 _swap(buffer[i, :n], buffer[j, :n])
         _swap(self.lengths[i], self.lengths[j])
-
-    def reorder(self, indices: Tensor | Sequence[int], *, cross: bool = True) -> None:
-        raise ValueError("a PagedKVCache does not reorder its rows: use swap_rows, clear_row and adopt")
 
     def reset(self) -> None:
         for row in range(self.batch_size):
@@ -281,8 +223,3 @@ class PagedKVCache(KVCache):
         table = self._tables[self._first + row]
         for k in range(full):
             self.pool.register(table[k], digests[k])
-
-    @property
-    def self_nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
-

@@ -12,9 +12,9 @@ whatever joins, leaves or grows (and on CUDA replays it as a CUDA graph, the cac
 static). The padding rows can never be the cache's last rows beyond ``max_batch``: the largest
 bucket is the cache's row count.
 
-The bookkeeping outside the graph is the eager path's own: ``RowKVCache.reserve`` records the new
-slots (told each row's real-token count, ``expect``: nothing read back from the device), then the
-graph runs the stack. Its results are the eager engine's up to float rounding (attention over
+The bookkeeping outside the graph is the compiled decode step's own (``next_token_slots``: each
+row's position, checked, and ``RowKVCache.reserve``'s slots, told each row's real-token count by
+``expect``: nothing read back from the device), then the graph runs the stack. Its results are the eager engine's up to float rounding (attention over
 more masked keys): tests/serve/test_compiled_engine.py.
 """
 
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from aiayn.device import to_device
-from aiayn.fast.compiled_decode import RowLayers, WholeRowsLayer, compiled_row_step, mark_static
+from aiayn.fast.compiled_decode import compiled_row_step, mark_static, next_token_slots
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.row_kv_cache import RowKVCache
 from aiayn.serve.blocks import PAGED_COMPILE
@@ -65,10 +65,10 @@ class CompiledRows:
             raise ValueError(COMPILE_NEEDS_FLOAT)
         self.model, self.cache = model, cache
         self.buckets = bucket_sizes(cache.batch_size)
-        # Per bucket: a view of the cache's first rows and its layers returning whole buffers. Made
-        # once and kept, so a CUDA graph sees the same buffers at every replay (the views share
-        # the cache's storage: swaps, clears and the prefill's writes land in them).
-        self._views: dict[int, tuple[RowKVCache, RowLayers]] = {}
+        # Per bucket: a view of the cache's first rows. Made once and kept, so a CUDA graph sees the
+        # same buffers at every replay (the views share the cache's storage: swaps, clears and the
+        # prefill's writes land in them).
+        self._views: dict[int, RowKVCache] = {}
         self.compiled_buckets: set[int] = set()
 
     def bucket(self, n: int) -> int:
@@ -78,30 +78,30 @@ class CompiledRows:
                 return size
         raise ValueError(f"{n} rows exceed the cache's {self.buckets[-1]}")
 
-    def _view(self, size: int) -> tuple[RowKVCache, RowLayers]:
+    def _view(self, size: int) -> tuple[RowKVCache, RowKVCache]:
+        """Rows [0, size) of the cache: the view whose masks the graph reads, and the cache its
+        layers write (the same view: its layers store each row's new key in place, ``Slots.row_slot``)."""
         if size not in self._views:
             view = self.cache.rows(0, size)
-            layers = [WholeRowsLayer(layer.k, layer.v) for layer in view.layers]  # the same buffers
             if view.valid.device.type == "cuda":
-                mark_static(view.valid, view.positions, *[t for layer in layers for t in (layer.k, layer.v)])
-            self._views[size] = (view, RowLayers(layers))
-        return self._views[size]
+                mark_static(view.valid, view.positions, *[t for layer in view.layers for t in (layer.k, layer.v)])
+            self._views[size] = view
+        return self._views[size], self._views[size]
 
     def step(self, last_tokens: list[int]) -> Tensor:
         """Rows [0, n) feed their last tokens, ``last_tokens`` (n ints) -> their next-token logits (n, v)."""
         n = len(last_tokens)
         size = self.bucket(n)
-        view, layers = self._view(size)
+        view, _ = self._view(size)
         host_tokens = torch.zeros(size, 1, dtype=torch.long)  # (size, 1): padding rows feed token 0
         host_tokens[:n, 0] = torch.tensor(last_tokens, dtype=torch.long)
         tokens, live = to_device((host_tokens, torch.arange(size) < n), view.valid.device)  # (size, 1), (size,)
-        positions = view.lengths[:, None].clone()  # (size, 1): each row's real tokens so far
         # Rows [0, n) bring one real token each, the padding rows none (their slot recorded invalid).
-        slots = view.expect([1] * n + [0] * (size - n)).reserve(live[:, None], positions)  # (size, 1)
+        positions, slots = next_token_slots(self.model, view.expect([1] * n + [0] * (size - n)), live[:, None])
         if size not in self.compiled_buckets:
             logger.info("compiling the decode step for %d row(s) (once per batch-size bucket)", size)
             self.compiled_buckets.add(size)
         if view.valid.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: reuse them
-        logits = compiled_row_step(self.model, tokens, positions, slots, view.valid, view.positions, layers)
+        logits = compiled_row_step(self.model, tokens, positions, slots, view.valid, view.positions, view)
         return logits[:n]  # (n, v)

@@ -77,9 +77,9 @@ def test_kv_cache_reorder_selects_rows_of_every_buffer(device: torch.device) -> 
     cache = KVCache(n_layers=2, batch_size=3, n_kv_heads=2, head_dim=5, max_len=7, cross_attention=True,
                     device=device)
     valid = (torch.rand(3, 4, generator=g) > 0.3).to(device)
-    cache.reserve(valid, torch.arange(4, device=device).expand(3, 4) * 10 + torch.arange(3, device=device)[:, None])
+    slots = cache.reserve(valid, torch.arange(4, device=device).expand(3, 4) * 10 + torch.arange(3, device=device)[:, None])
     for layer, cross in zip(cache.layers, cache.cross, strict=True):
-        layer.write(randn(3, 2, 4, 5), randn(3, 2, 4, 5), 0)
+        layer.write(randn(3, 2, 4, 5), randn(3, 2, 4, 5), slots)
         cross.k, cross.v = randn(3, 2, 6, 5), randn(3, 2, 6, 5)
     before = ([(la.k.clone(), la.v.clone()) for la in cache.layers],
               [(c.k.clone(), c.v.clone()) for c in cache.cross], cache.valid.clone(), cache.positions.clone())
@@ -97,8 +97,9 @@ def test_kv_cache_reorder_selects_rows_of_every_buffer(device: torch.device) -> 
     assert cache.batch_size == 2 and cache.cross[0].k.shape[0] == 5
     assert torch.equal(cache.valid, before[2][[2, 1]])
     # The cache keeps working at its new batch size.
-    cache.reserve(torch.ones(2, 1, dtype=torch.bool, device=device), torch.zeros(2, 1, dtype=torch.long, device=device))
-    cache.layers[0].write(torch.ones(2, 2, 1, 5, device=device), torch.ones(2, 2, 1, 5, device=device), 4)
+    slots = cache.reserve(torch.ones(2, 1, dtype=torch.bool, device=device),
+                          torch.zeros(2, 1, dtype=torch.long, device=device))
+    cache.layers[0].write(torch.ones(2, 2, 1, 5, device=device), torch.ones(2, 2, 1, 5, device=device), slots)
     with pytest.raises(ValueError, match="out of range"):
         cache.reorder(torch.tensor([2], device=device))
 

@@ -150,7 +150,7 @@ def test_the_compiled_step_of_an_encoder_decoder_is_one_graph(device: torch.devi
         bos = torch.full((src.shape[0], 1), BOS, device=device)
         decode_step(model, bos, cache, memory=encoded.memory, memory_valid=encoded.valid)  # fills cross k/v
         positions = cache.next_positions()[:, None]  # (b, 1)
-        slot = torch.tensor([cache.reserve(torch.ones_like(bos, dtype=torch.bool), positions)], device=device)
+        slot = torch.tensor([cache.reserve(torch.ones_like(bos, dtype=torch.bool), positions).start], device=device)
         n = cache.length
         dynamo.reset()
         explained = dynamo.explain(compiled_decode._static_step)(

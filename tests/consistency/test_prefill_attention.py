@@ -58,12 +58,12 @@ def chunk_over_cache(held: list[int], new: list[int], *, h_kv: int, d_h: int, se
     keys_valid, key_positions = cache.valid[:, : cache.length], cache.positions[:, : cache.length]
     mask = key_mask(keys_valid) & position_causal_mask(positions, key_positions)  # (b, 1, t, t_k)
     k, v = (torch.randn(b, h_kv, t, d_h, generator=g) for _ in range(2))
-    return layer, k, v, AttentionInputs(mask=mask, cache_pos=slots)
+    return layer, k, v, AttentionInputs(mask=mask, slots=slots)
 
 
 def plain(q, k, v, layer, inputs):
     """The plain path of ``MultiHeadAttention``: write, then the attention function."""
-    keys, values = layer.write(k, v, inputs.cache_pos)
+    keys, values = layer.write(k, v, inputs.slots)
     return scaled_dot_product_attention(q, keys, values, mask=inputs.mask)[0]
 
 
@@ -86,7 +86,7 @@ def test_a_query_that_sees_no_key_gives_zeros_and_the_mask_is_prepared_once_per_
     layer, k, v, inputs = chunk_over_cache([3, 6], [4, 4], h_kv=2, d_h=16, seed=2)
     mask = inputs.mask.clone()
     mask[1] = False
-    inputs = AttentionInputs(mask=mask, cache_pos=inputs.cache_pos)
+    inputs = AttentionInputs(mask=mask, slots=inputs.slots)
     q = torch.randn(2, 4, 4, 16, generator=torch.Generator().manual_seed(3))
     twin = copy.deepcopy(layer)
     calls = count_calls(monkeypatch, torch.Tensor, "masked_fill_")  # one per preparation
@@ -97,7 +97,7 @@ def test_a_query_that_sees_no_key_gives_zeros_and_the_mask_is_prepared_once_per_
     again = prefill_attention.prefill_cache_attention(q, k, v, copy.deepcopy(twin), inputs)
     assert len(calls) == 1  # the same mask tensor: prepared once
     assert torch.equal(again, got)
-    other = AttentionInputs(mask=inputs.mask.clone(), cache_pos=inputs.cache_pos)
+    other = AttentionInputs(mask=inputs.mask.clone(), slots=inputs.slots)
     other.mask[1, :, :, 0] = True  # a new tensor with row 1 seeing its first key
     got = prefill_attention.prefill_cache_attention(q, k, v, copy.deepcopy(twin), other)
     assert len(calls) == 2
@@ -117,7 +117,7 @@ def test_a_lone_row_of_consecutive_blocks_and_no_mask() -> None:
     q = torch.randn(1, 6, 5, 32, generator=torch.Generator().manual_seed(5))
     twin = copy.deepcopy(layer)
     assert_close(prefill_attention.prefill_cache_attention(q, k, v, layer, inputs), plain(q, k, v, twin, inputs))
-    bare = AttentionInputs(mask=None, cache_pos=inputs.cache_pos)
+    bare = AttentionInputs(mask=None, slots=inputs.slots)
     assert_close(prefill_attention.prefill_cache_attention(q, k, v, copy.deepcopy(twin), bare),
                  plain(q, k, v, copy.deepcopy(twin), bare))
 
@@ -128,7 +128,7 @@ def test_it_stays_out_of_decode_steps_bias_plain_torch_and_when_turned_off() -> 
     assert prefill_attention.applies(q, layer, inputs, MAX_QUERIES)
     assert not prefill_attention.applies(q[:, :, :1], layer, inputs, MAX_QUERIES)  # one query: the kernel's
     bias = AttentionInputs(mask=inputs.mask, bias=torch.zeros(1, 4, 3, inputs.mask.shape[-1]),
-                           cache_pos=inputs.cache_pos)
+                           slots=inputs.slots)
     assert not prefill_attention.applies(q, layer, bias, MAX_QUERIES)
     with plain_torch():
         assert not prefill_attention.applies(q, layer, inputs, MAX_QUERIES)

@@ -10,6 +10,7 @@ from aiayn.generate import greedy_decoder_only
 from aiayn.nn.kv_cache import (
     KVCache,
     QuantizedLayerKVCache,
+    Slots,
     dequantize_absmax,
     kv_cache_bytes,
     quantize_absmax,
@@ -41,14 +42,14 @@ def test_layer_cache_returns_the_dequantised_prefix(quantize: str) -> None:
     layer = QuantizedLayerKVCache(2, 3, 8, 10, quantize=quantize)
     k1, v1 = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)
     k2, v2 = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)
-    layer.write(k1, v1, 0)
-    k, v = layer.write(k2, v2, 4)
+    layer.write(k1, v1, Slots.run(0, 4))
+    k, v = layer.write(k2, v2, Slots.run(4, 1))
     assert k.shape == (2, 3, 5, 8) and k.dtype == torch.float32
     expect_k, expect_v = torch.cat([k1, k2], 2), torch.cat([v1, v2], 2)
     tol = {"int8": 0.02, "int4": 0.3}[quantize]  # |x| of N(0,1) over 8 channels stays below ~3
     assert (k - expect_k).abs().max() < tol and (v - expect_v).abs().max() < tol
     with pytest.raises(ValueError, match="KV cache is full"):
-        layer.write(torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8), 5)
+        layer.write(torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8), Slots.run(5, 6))
 
 
 def test_int4_needs_an_even_head_dim_and_group_must_divide() -> None:
@@ -132,7 +133,7 @@ def test_quantized_cache_reorder_moves_the_scales_with_the_codes(quantize):
     cache = QuantizedLayerKVCache(3, 2, 8, 6, quantize=quantize)
     k = torch.randn(3, 2, 4, 8, generator=g) * torch.tensor([1.0, 10.0, 100.0])[:, None, None, None]
     v = torch.randn(3, 2, 4, 8, generator=g)
-    before_k, before_v = cache.write(k, v, 0)
+    before_k, before_v = cache.write(k, v, Slots.run(0, 4))
     order = torch.tensor([2, 0, 0, 1])
     cache.reorder(order, 4)
     after_k, after_v = cache._load(cache.k[:, :, :4], cache.k_scale[:, :, :4]), \
