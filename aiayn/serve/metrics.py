@@ -1,7 +1,4 @@
-"""The server's Prometheus metrics (``GET /metrics``, text format), with ``prometheus_client``.
-
-Each server has its own registry, so that several can live in one process (the tests).
-"""
+"""The server's Prometheus metrics (``GET /metrics``), a registry per server (several may share a process)."""
 
 from __future__ import annotations
 
