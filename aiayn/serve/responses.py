@@ -140,13 +140,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
 def chat_logprobs(entries: list[Any]) -> dict[str, Any]:
-    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": _bytes(e.token),
-                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, lp in e.top]}
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]}
                         for e in entries], "refusal": None}
 
 

@@ -8,7 +8,6 @@ The answer's side: ``aiayn.serve.tool_calls``.
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -147,8 +146,7 @@ _PROBE_TOOL = {"type": "function", "function": {
         "aiayn_probe_argument": {"type": "string"}}, "required": ["aiayn_probe_argument"]}}}
 _PROBE_CALL = {"id": "call_aiayn_probe_id", "type": "function", "function": {
     "name": "aiayn_probe_call", "arguments": {"aiayn_probe_argument": "aiayn_probe_value"}}}
-_supports: dict[str, TemplateSupport] = {}
-_supports_lock = threading.Lock()
+_supports: dict[str, TemplateSupport] = {}  # (two threads may probe one template at once: the same answer)
 
 
 def _renders(template: Any, messages: list[dict[str, Any]], needle: str, **variables: Any) -> bool:
@@ -161,20 +159,17 @@ def _renders(template: Any, messages: list[dict[str, Any]], needle: str, **varia
 def template_support(template: Any) -> TemplateSupport:
     """What ``template`` (a ``ChatTemplate``) supports, probed once per template source."""
     key = str(template)
-    with _supports_lock:
-        if key in _supports:
-            return _supports[key]
+    if key in _supports:
+        return _supports[key]
     user = {"role": "user", "content": "hi"}
     calling = {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]}
     answer = {"role": "tool", "tool_call_id": _PROBE_CALL["id"], "content": "aiayn_probe_result"}
     tools = _renders(template, [user], "aiayn_probe_tool", tools=[_PROBE_TOOL])
-    support = TemplateSupport(
+    support = _supports[key] = TemplateSupport(
         tools=tools,
         tool_calls=_renders(template, [user, calling], "aiayn_probe_call"),
         tool_responses=_renders(template, [user, calling, answer], "aiayn_probe_result"),
         hermes=tools and "<tool_call>" in key)
-    with _supports_lock:
-        _supports[key] = support
     return support
 
 
