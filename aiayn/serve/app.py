@@ -1,11 +1,8 @@
 """The OpenAI-compatible HTTP API of ``aiayn serve``: FastAPI routes over the engine.
 
-Routes: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``POST /v1/embeddings``, ``GET /health``, ``GET /metrics``.
-Every error is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for
-anything the client can fix (400 bad input, 401 no or wrong API key, 404 unknown model or route,
-413 a body over 16 MiB, 429 busy now (queue full) with ``Retry-After``, 503 shutting down); never a
-traceback. A request larger than the server ever takes (``aiayn.serve.limits``) is a 400, not a 429.
+Every error is OpenAI's ``{"error": {...}}``, never a traceback: 400 bad input (also a request
+larger than the server ever takes: ``aiayn.serve.limits``), 401 no or wrong API key, 404 unknown
+model or route, 413 a body over 16 MiB, 429 busy now (with ``Retry-After``), 503 shutting down.
 """
 
 from __future__ import annotations
@@ -48,6 +45,7 @@ from aiayn.serve.responses import (
     collect,
     completion_answer,
     completion_stream,
+    shutting_down,
 )
 from aiayn.serve.schemas import (
     ChatCompletionRequest,
@@ -102,8 +100,8 @@ MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413) be
 
 class ServerMiddleware:
     """Pure ASGI (streams pass through untouched): the API key on /v1 and /metrics, 503 for new API
-    requests once a shutdown began, bodies over ``MAX_BODY_BYTES`` refused (413, by their declared
-    length or as they arrive), and each answer's status counted per route."""
+    requests once a shutdown began, 413 for bodies over ``MAX_BODY_BYTES`` (declared or as they
+    arrive), and each answer's status counted per route."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -144,8 +142,7 @@ class ServerMiddleware:
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             return _too_large()
         if path.startswith("/v1/") and self.state.draining_since is not None:
-            return APIError(503, "the server is shutting down and takes no new requests", kind="server_error",
-                            code="shutting_down")
+            return shutting_down()
         return None
 
 
@@ -170,9 +167,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        message = {404: f"no route {request.method} {preview(request.url.path, quote=False)}; see /v1/models, "
-                        f"/v1/chat/completions, "
-                        f"/v1/completions, /v1/embeddings, /health, /metrics",
+        message = {404: f"no route {request.method} {preview(request.url.path, quote=False)}; see {', '.join(ROUTES)}",
                    405: f"{request.method} is not allowed on {preview(request.url.path, quote=False)}"
                    }.get(exc.status_code, str(exc.detail))
         return _error_response(APIError(exc.status_code, message, headers=dict(exc.headers or {})))
@@ -186,8 +181,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 # ---- turning a request into engine work -------------------------------------------------------
 def chat_message(message: Any) -> dict[str, Any]:
-    """A request message as the chat template reads it; OpenAI's "developer" role is the system
-    role of the templates models ship with (many refuse roles they do not know)."""
+    """A request message as the chat template reads it; OpenAI's "developer" role becomes "system"
+    (many templates refuse roles they do not know)."""
     data = message.model_dump(exclude_none=True, exclude={"refusal"})
     if data["role"] == "developer":
         data["role"] = "system"
@@ -221,9 +216,8 @@ def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: 
 
 
 def response_constraint(lm: TextModel, body: Any) -> GrammarConstraint | None:
-    """The grammar of ``body.response_format`` (None for text or none given), compiled (call it
-    off the event loop: a new schema takes milliseconds, the tokenizer's description a second
-    once). 400 naming what is wrong with an invalid schema or a model that cannot follow one."""
+    """The compiled grammar of ``body.response_format`` (None: free text); call it off the event
+    loop. 400 for an invalid schema or a model that cannot follow one."""
     if body.response_format is None or body.response_format.type == "text":
         return None
     try:
@@ -234,11 +228,9 @@ def response_constraint(lm: TextModel, body: Any) -> GrammarConstraint | None:
 
 
 def check_prompt_count(engine: Engine, limits: Limits, n: int, choices: int = 1) -> None:
-    """400 for more prompts than the server takes in one request (before they are tokenised), or
-    more answers (prompts x ``choices``, the request's n) than it holds at once."""
+    """400 for more prompts than the server takes in one request, or more answers (prompts x
+    ``choices``) than it ever holds at once (a 429 would never clear)."""
     limits.check_count(n, "prompt")
-    # More answers than the server can ever hold at once (every slot and the whole queue) would get
-    # 429 forever: a retry cannot succeed, so it is a 400 naming the limit.
     most = engine.max_queue + engine.max_batch
     if n * choices > most:
         what = f"{n} prompts" if choices == 1 else f"{n} prompt{'s' if n > 1 else ''} x n={choices} answers"
@@ -249,32 +241,40 @@ def check_prompt_count(engine: Engine, limits: Limits, n: int, choices: int = 1)
                             f"per request", param=param, code="too_many_prompts")
 
 
+def busy(exc: QueueFull, waiting: str) -> APIError:
+    return APIError(429, f"the server is busy ({waiting} waiting); retry after {exc.retry_after} s",
+                    kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)})
+
+
 def start_generation(engine: Engine, prompts: list[list[int]], params: SamplingParams, *, n: int = 1,
                      constraint: GrammarConstraint | None = None) -> Generation:
     try:
         return Generation(engine, prompts, params, n=n, constraint=constraint)
     except QueueFull as exc:
-        raise APIError(429, f"the server is busy ({engine.max_queue} requests waiting); retry after "
-                            f"{exc.retry_after} s", kind="rate_limit_error", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(exc.retry_after)}) from None
+        raise busy(exc, f"{engine.max_queue} requests") from None
     except ShuttingDown:
-        raise APIError(503, "the server is shutting down and takes no new requests", kind="server_error",
-                       code="shutting_down") from None
+        raise shutting_down() from None
 
 
-async def answer(state: ServerState, request: Request, generation: Generation, meta: Meta, stream: bool,
-                 include_usage: bool) -> Any:
-    """A streamed (server-sent events) or whole answer."""
-    if stream:
-        events = (chat_stream if meta.object == "chat.completion" else completion_stream)(
-            meta, generation, include_usage, state.past_grace)
+async def generate(state: ServerState, request: Request, lm: TextModel, engine: Engine, body: Any,
+                   prompts: list[list[int]], limit: int | None, logprobs: int | None, meta: Meta,
+                   tools: ToolSettings | None = None) -> Any:
+    """The request's generation, answered whole or streamed (server-sent events)."""
+    params = sampling_params(body, engine, prompts, limit, logprobs)
+    constraint = await asyncio.to_thread(response_constraint, lm, body)
+    if tools is not None:  # (a response_format is then the text answer's, checked just above)
+        meta.tools, constraint = await asyncio.to_thread(tool_constraint, lm, tools, body.response_format)
+    generation = start_generation(engine, prompts, params, n=body.n, constraint=constraint)
+    chat = meta.object == "chat.completion"
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = (chat_stream if chat else completion_stream)(meta, generation, include_usage, state.past_grace)
         return EventSourceResponse(events, shutdown_grace_period=state.shutdown_grace + 1.0)
     try:
         choices = await collect(generation, request.is_disconnected, state.past_grace)
     except ClientGone:
         return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-    build = chat_answer if meta.object == "chat.completion" else completion_answer
-    return build(meta, generation, choices)
+    return (chat_answer if chat else completion_answer)(meta, generation, choices)
 
 
 # ---- the app -----------------------------------------------------------------------------------
@@ -345,29 +345,17 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         messages = [chat_message(m) for m in body.messages]
         prompts = [await asyncio.to_thread(chat_ids, state, lm, engine, messages, tools)]
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, engine, prompts, body.token_limit, top)
-        constraint = await asyncio.to_thread(response_constraint, lm, body)
-        fmt = None
-        if tools is not None:  # (a response_format is then the text answer's, checked just above)
-            fmt, constraint = await asyncio.to_thread(tool_constraint, lm, tools, body.response_format)
-        generation = start_generation(engine, prompts, params, n=body.n, constraint=constraint)
-        meta = Meta(state.served.name, "chat.completion", logprobs=body.logprobs, tools=fmt)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return await answer(state, request, generation, meta, body.stream, include_usage)
+        meta = Meta(state.served.name, "chat.completion", logprobs=body.logprobs)
+        return await generate(state, request, lm, engine, body, prompts, body.token_limit, top, meta, tools)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         lm, engine = state.generator(body.model)
         check_prompt_count(engine, state.limits, len(body.prompt), body.n)
-        # Off the event loop (a long text takes a while to tokenise; streams are sent from the loop).
         per_prompt = state.limits.input_tokens if state.limits.input_tokens < engine.context else None
         prompts = await asyncio.to_thread(token_ids, lm, body.prompt, "prompt", state.limits, per_prompt)
-        params = sampling_params(body, engine, prompts, body.max_tokens, body.logprobs)
-        constraint = await asyncio.to_thread(response_constraint, lm, body)
-        generation = start_generation(engine, prompts, params, n=body.n, constraint=constraint)
         meta = Meta(state.served.name, "text_completion", logprobs=body.logprobs is not None)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return await answer(state, request, generation, meta, body.stream, include_usage)
+        return await generate(state, request, lm, engine, body, prompts, body.max_tokens, body.logprobs, meta)
 
 
 def add_embedding_route(app: FastAPI, state: ServerState) -> None:
@@ -390,9 +378,8 @@ def add_embedding_route(app: FastAPI, state: ServerState) -> None:
 
 
 def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any) -> tuple[ToolFormat, GrammarConstraint]:
-    """The tool-call format and grammar of a chat request (``aiayn.serve.tool_calls``; a JSON
-    ``response_format`` holds its text answer); 400 naming what is wrong with a function's
-    parameters schema, or a model that cannot follow one."""
+    """The tool-call format and grammar of a chat request (a JSON ``response_format`` holds its
+    text answer); 400 for a bad parameters schema or a model that cannot follow one."""
     kind = None if response_format is None else response_format.type
     schema = None  # free text
     if kind == "json_object":
@@ -407,9 +394,8 @@ def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any) ->
 
 def chat_ids(state: ServerState, lm: TextModel, engine: Engine, messages: list[dict[str, Any]],
              tools: ToolSettings | None = None) -> list[int]:
-    """The token ids of the chat template's prompt for ``messages`` (and the request's ``tools``:
-    ``aiayn.serve.tools.render_chat``); 400 if the template refuses them (a message too long for it
-    is named) or the prompt is over the per-input limit."""
+    """The token ids of the chat template's prompt for ``messages`` and ``tools``; 400 if the
+    template refuses them or the prompt is over the per-input limit."""
     assert lm.chat_template is not None
     try:
         text = render_chat(lm.chat_template, messages, tools)
@@ -422,9 +408,8 @@ def chat_ids(state: ServerState, lm: TextModel, engine: Engine, messages: list[d
 
 
 def embeddings_json(vectors: torch.Tensor, encoding: str, model: str, tokens: int) -> bytes:
-    """The answer's JSON, written a vector at a time on a worker thread: 2,048 vectors of floats are
-    megabytes, and one json.dumps call would hold the interpreter (and the event loop, which sends
-    the streams' tokens) for all of it."""
+    """The answer's JSON, a vector at a time (call it on a worker thread: one json.dumps of megabytes
+    would hold the interpreter, and so the event loop, for all of it)."""
     def item(i: int, v: torch.Tensor) -> str:
         vector = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii") if encoding == "base64"
                   else v.tolist())
@@ -441,8 +426,8 @@ ENCODER_BATCH = 32  # texts an encoder reads per forward (SentenceEncoder.encode
 async def embed(state: ServerState, inputs: list[str | list[int]],
                 is_disconnected: Callable[[], Awaitable[bool]]) -> tuple[torch.Tensor, int]:
     """(n, d) vectors of the inputs and the tokens read: an encoder on a worker thread, a batch at
-    a time (requests take turns at the lock between batches); a decoder on the engine's thread, in
-    slices between its decode steps (``Engine.embed``). ClientGone if the client leaves meanwhile."""
+    a time (requests take turns between batches); a decoder on the engine thread (``Engine.embed``).
+    ClientGone if the client leaves meanwhile."""
     served, limits = state.served, state.limits
     if served.encoder is not None:
         encoder = served.encoder
@@ -466,11 +451,9 @@ async def embed(state: ServerState, inputs: list[str | list[int]],
     try:
         job = engine.embed(prompts)
     except QueueFull as exc:
-        raise APIError(429, f"the server is busy ({len(engine.embeddings)} embedding requests waiting); retry after "
-                            f"{exc.retry_after} s", kind="rate_limit_error", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(exc.retry_after)}) from None
+        raise busy(exc, f"{len(engine.embeddings)} embedding requests") from None
     except ShuttingDown:
-        raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down") from None
+        raise shutting_down("the server is shutting down") from None
     waiting = asyncio.wrap_future(job.future)
     try:
         while not waiting.done():
@@ -478,11 +461,10 @@ async def embed(state: ServerState, inputs: list[str | list[int]],
             if not waiting.done() and await is_disconnected():
                 raise ClientGone
             if not waiting.done() and state.past_grace():
-                raise APIError(503, "the server is shutting down; the request was stopped before it finished",
-                               kind="server_error", code="shutting_down")
+                raise shutting_down("the server is shutting down; the request was stopped before it finished")
         return waiting.result(), job.tokens
     except ShuttingDown:
-        raise APIError(503, "the server is shutting down", kind="server_error", code="shutting_down") from None
+        raise shutting_down("the server is shutting down") from None
     except EngineFailed as exc:
         raise APIError(500, str(exc), kind="server_error", code="internal_error") from None
     finally:

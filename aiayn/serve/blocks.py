@@ -1,26 +1,15 @@
-"""The serve engine's paged KV cache: its memory plan, and the bookkeeping behind admission by
-free blocks, the prefix cache and preemption (``aiayn.serve.scheduler`` decides with it).
+"""The serve engine's KV-cache plans (``slot_plan``: fixed slots; ``block_plan``: a pool of blocks
+from ``--kv-budget``) and the paged cache's bookkeeping (``BlockScheduler``).
 
-* **Plan** (``block_plan``; ``slot_plan`` is the fixed slots' of ``--kv-layout slots``): ``--kv-budget`` bytes become a pool of blocks of ``--block-size``
-  tokens (block 0 the null block), at most what ``--max-batch`` rows of ``--context`` tokens could
-  ever hold. A request holds the blocks its tokens fill, so many short requests and a few long ones
-  share the same memory; ``--max-batch`` only caps how many run at once.
-* **Admission**: a waiting request starts when a row is free and the pool can hold its whole prompt
-  (after its prefix-cache hits) beside what the prompts already admitted still need; in arrival
-  order (a request that does not fit waits, and so do the ones behind it). A request that could
-  never fit (prompt + max_tokens over the pool) is refused at ``submit``, the limit named.
-* **Prefix cache** (vLLM's automatic prefix caching): each full block of a prompt is indexed, after
-  the forward that fills it, under the chained digest of the prompt up to its end
-  (``aiayn.nn.block_pool``); an admitted request holds the longest indexed prefix of its prompt
-  instead of recomputing it (never its last token's block: the first answer token needs that
-  token's logits). Rows of one request with ``n > 1`` (the same prompt, submitted together) share
-  one prefill: a request whose next block is being computed by a prefilling row waits for it, then
-  finds it in the index. Blocks nobody holds stay cached until the pool needs them (LRU).
-* **Preemption** (recompute, as vLLM does by default): when the running rows' next forward needs
-  more blocks than are free, the newest request gives its blocks back and goes to the front of the
-  queue; when it is admitted again it prefills its prompt and the tokens it had generated (mostly
-  prefix-cache hits) and carries on from its last token, its sampler state untouched. The oldest
-  request always fits alone (the ``submit`` check), so the engine never deadlocks.
+* **Admission**: a request starts when a row is free and the pool holds its whole prompt (after
+  prefix hits) beside what admitted prompts still need. One that could never fit is refused at
+  ``submit``.
+* **Prefix cache** (vLLM's): each full prompt block is indexed under the chained digest of the
+  prompt up to its end (``aiayn.nn.block_pool``); a new request holds the longest indexed prefix
+  (never its last token's block). Choices of one request (n > 1) share one prefill.
+* **Preemption** (recompute): when the next forward needs more blocks than are free, the newest
+  request gives its blocks back and returns to the front of the queue. The oldest request always
+  fits alone, so the engine never deadlocks.
 """
 
 from __future__ import annotations
@@ -57,15 +46,21 @@ class SlotPlan:
                 f"({format_bytes(self.bytes_per_row)} per slot) -> up to {self.rows} concurrent requests")
 
 
-def slot_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_cache: str | None) -> SlotPlan:
-    """The cache's slots: ``max_batch`` rows of ``context`` tokens, fewer if ``budget`` bytes do not
-    hold them. ValueError if not even one fits or ``context`` exceeds the model's."""
+def _bytes_per(lm: TextModel, context: int, kv_cache: str | None, tokens: int) -> tuple[str, int]:
+    """The cache's dtype and the bytes ``tokens`` tokens of one row take; ValueError for a context
+    over the model's."""
     config = lm.model.config
     if context > lm.context:
         raise ValueError(f"a context of {context} tokens is more than the model's {lm.context}; give at most that")
     dtype = kv_cache or str(lm.model.float_dtype).removeprefix("torch.")
-    per_row = kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-                             seq_len=context, batch_size=1, dtype=dtype)
+    return dtype, kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+                                 seq_len=tokens, batch_size=1, dtype=dtype)
+
+
+def slot_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_cache: str | None) -> SlotPlan:
+    """``max_batch`` slots of ``context`` tokens, fewer if ``budget`` bytes do not hold them.
+    ValueError if not even one fits or ``context`` exceeds the model's."""
+    dtype, per_row = _bytes_per(lm, context, kv_cache, context)
     rows = min(max_batch, budget // per_row)
     if rows < 1:
         raise ValueError(f"one request of {context} tokens needs {format_bytes(per_row)} of KV cache, more than "
@@ -103,17 +98,12 @@ def block_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_c
     """A pool of blocks in ``budget`` bytes for ``max_batch`` rows of up to ``context`` tokens.
     ValueError for a quantised cache (the paged cache holds floats), a context over the model's, or
     a budget that holds fewer than two blocks."""
-    config = lm.model.config
     if kv_cache in QUANTIZED:
         raise ValueError(f"--kv-cache {kv_cache} needs --kv-layout slots: the paged KV cache holds float keys "
                          f"and values")
     if block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {block_size}")
-    if context > lm.context:
-        raise ValueError(f"a context of {context} tokens is more than the model's {lm.context}; give at most that")
-    dtype = kv_cache or str(lm.model.float_dtype).removeprefix("torch.")
-    per_block = kv_cache_bytes(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-                               seq_len=block_size, batch_size=1, dtype=dtype)
+    dtype, per_block = _bytes_per(lm, context, kv_cache, block_size)
     most = 1 + max_batch * -(-context // block_size)  # what max_batch full rows could hold, + the null block
     n_blocks = min(most, budget // per_block)
     if n_blocks < 2:
@@ -124,14 +114,11 @@ def block_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_c
 
 
 class BlockScheduler:
-    """The engine's paged-cache bookkeeping per request: what its row must hold (its prompt, or its
-    prompt and answer so far after a preemption), its prompt's digests, prefix hits, the order of
-    admission (preemption takes the newest) and the hit counters for /metrics.
+    """The paged cache's bookkeeping per request: what its row must hold, its prompt's digests,
+    prefix hits, the order of admission (preemption takes the newest) and the hit counters.
 
-    It reads the cache's host bookkeeping only (its pool, row lengths and block tables) and writes
-    nothing there: within a step, the rows it admits and frees are counted in a ledger of its own
-    (``snapshot``: each request's tokens and blocks; the pool's reference counts these changes
-    will make), which the runner's cache operations then make true."""
+    It reads the cache's host state and writes nothing there: a step's admissions and frees go to a
+    ledger of its own (``snapshot``), which the runner's cache operations then make true."""
 
     def __init__(self, cache: PagedKVCache, plan: BlockPlan) -> None:
         self.cache, self.plan = cache, plan
@@ -187,8 +174,7 @@ class BlockScheduler:
                              f"{self.block_size}; raise --kv-budget)")
 
     def sequence(self, request: Request) -> list[int]:
-        """The tokens ``request``'s row must hold before it samples: its prompt, or after a
-        preemption its prompt and every token it had generated."""
+        """The tokens ``request``'s row must hold before it samples (after a preemption: also its answer)."""
         return self._sequence.get(request.id, request.prompt)
 
     def _hits(self, request: Request) -> tuple[list[bytes], list[int]]:
@@ -202,9 +188,8 @@ class BlockScheduler:
         return digests, self.cache.pool.lookup(digests)[: (len(sequence) - 1) // self.block_size]
 
     def admission(self, request: Request, prefilling: Sequence[Request], decoding: Sequence[Request] = ()) -> str:
-        """"admit", "wait" (its next block is being computed by a prefilling row: the n > 1 case) or
-        "full" (the pool cannot hold its prompt beside what the admitted prompts still need and the
-        blocks the ``decoding`` rows' next tokens take: admitted, it would be preempted at once)."""
+        """"admit", "wait" (a prefilling row computes its next block: n > 1) or "full" (the pool
+        cannot hold its prompt beside what the ``prefilling`` and ``decoding`` rows still need)."""
         digests, hits = self._hits(request)
         if len(hits) < len(digests):
             upcoming = digests[len(hits)]
@@ -217,8 +202,7 @@ class BlockScheduler:
         return "admit" if own + still_needed <= self.available - cached_hits else "full"
 
     def start(self, request: Request) -> list[int]:
-        """``request`` takes an empty row: the prefix hits it holds (the runner's ``adopt``), and
-        ``request.fed`` skips them."""
+        """``request`` takes an empty row: the prefix hits it holds (the runner's ``adopt``)."""
         digests, hits = self._hits(request)
         if self.plan.prefix_caching:
             self._digests[request.id] = digests
@@ -246,8 +230,7 @@ class BlockScheduler:
         return max(requests, key=lambda r: self._admitted.get(r.id, 0))
 
     def preempted(self, request: Request, decoding: bool) -> None:
-        """``request`` gave its row back: next time its row must hold everything it has so far (a
-        decoding row: its sequence, the tokens it fed since and the last one it sampled)."""
+        """``request`` gave its row back: next time its row must hold everything it has so far."""
         if decoding:
             self._sequence[request.id] = [*self.sequence(request), *self._decoded.pop(request.id, []),
                                           request.last_token]
@@ -263,10 +246,9 @@ class BlockScheduler:
         self.resumed.discard(request.id)
 
     def prune(self, live: set[int]) -> None:
-        """Drop what is kept for requests no longer waiting or running (cancelled while preempted, or
-        failed): ``live`` are the ids of those that are."""
+        """Drop what is kept for requests not in ``live`` (ids of those waiting or running)."""
         if len(self.resumed) + len(self._admitted) <= len(live):
-            return  # (every id kept belongs to a live request: nothing to look for)
+            return
         for table in (self._sequence, self._digests, self._decoded, self._admitted):
             for gone in [key for key in table if key not in live]:
                 del table[gone]

@@ -1,14 +1,10 @@
 """Sentence vectors from a decoder-only model, read one forward at a time (``EmbeddingJob``).
 
 A vector is the mean of the model's last hidden states (after its final norm) over an input's
-tokens, L2-normalised. One input is one forward, with no padding to mask; an input longer than
-``chunk`` tokens is read in pieces of ``chunk`` over a KV cache of its own length (as a prompt is
-prefilled), the hidden states summed as they come. The pieces are fixed by ``chunk`` alone, so the
-vectors do not depend on how the engine spreads the forwards over its steps: a job run to the end
-at once (``decoder_embeddings``) gives the same bits as one sliced between decode steps.
-
-The engine (``aiayn.serve.engine``) runs a job's forwards between its decode steps, so that a large
-``/v1/embeddings`` request cannot stall the streams being generated.
+tokens, L2-normalised. An input longer than ``chunk`` tokens is read in pieces over a KV cache of
+its own, the hidden states summed as they come. The pieces depend on ``chunk`` alone, so a job
+run at once (``decoder_embeddings``) gives the same bits as one the engine slices between its
+decode steps (``EmbeddingQueue``), which it does so that a large request cannot stall the streams.
 """
 
 from __future__ import annotations
@@ -33,15 +29,14 @@ DEFAULT_CHUNK = 64  # tokens per forward: SmolLM2 on 2 idle cores, about two dec
 
 
 class EmbeddingJob:
-    """The inputs of one embeddings request (token ids), their vectors computed by ``forward``
-    calls; ``future`` gets the (n, d) float32 CPU tensor once the last input is read."""
+    """One embeddings request's inputs (token ids), read by ``forward`` calls; ``future`` gets the
+    (n, d) float32 CPU vectors once the last is read."""
 
     def __init__(self, lm: TextModel, prompts: list[list[int]], chunk: int = DEFAULT_CHUNK) -> None:
         if chunk < 1 or not prompts or not all(prompts):
             raise ValueError("an embedding job needs inputs of at least one token, and chunk >= 1")
         self.lm, self.chunk = lm, chunk
         self.device = model_device(lm.model)
-        # int64 tensors rather than lists of ints: a queued request of 300,000 tokens holds 2.4 MB.
         self.inputs = [torch.tensor(ids, dtype=torch.long) for ids in prompts]
         self.tokens = sum(len(ids) for ids in prompts)
         self.future: concurrent.futures.Future[Tensor] = concurrent.futures.Future()
@@ -64,9 +59,8 @@ class EmbeddingJob:
         return n if n <= self.chunk else min(self.chunk, n - self.fed)
 
     def forward(self) -> int:
-        """Read the next piece: a whole input of up to ``chunk`` tokens, or the next ``chunk`` of a
-        longer one; returns its tokens. Runs under the caller's inference mode and autocast (the
-        engine's step)."""
+        """Read the next piece (an input of up to ``chunk`` tokens, or the next ``chunk`` of a longer
+        one) under the caller's inference mode and autocast; returns its tokens."""
         ids = self.inputs[self.index]
         n = len(ids)
         self.forwards += 1
@@ -100,20 +94,20 @@ class EmbeddingJob:
 
     def run(self) -> Tensor:
         """Every forward at once (no engine): what a sliced run gives, bit for bit."""
-        with torch.inference_mode(), autocast(self.device):  # bfloat16 on CUDA; nothing on the CPU
+        with torch.inference_mode(), autocast(self.device):
             while not self.done:
                 self.forward()
         return self.result()
 
 
 def decoder_embeddings(lm: TextModel, prompts: list[list[int]], chunk: int = DEFAULT_CHUNK) -> Tensor:
-    """(n, d) float32 CPU vectors of ``prompts`` (see the module docstring), computed at once."""
+    """(n, d) float32 CPU vectors of ``prompts``, computed at once."""
     return EmbeddingJob(lm, prompts, chunk).run()
 
 
 class ForwardCost:
     """Seconds a forward of n tokens takes, a + b n, fitted by least squares to the recent forwards
-    (each older one weighs ``decay`` times less); proportional to n while one size was seen."""
+    (each older one ``decay`` times lighter); proportional to n while one size was seen."""
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
@@ -135,26 +129,20 @@ class ForwardCost:
 
 
 class EmbeddingQueue:
-    """The engine's embedding jobs and their share of its time (its step's last part).
+    """The engine's embedding jobs and their share of its time.
 
-    After each step's stream forwards (prefill and decode) took ``streams`` seconds, ``run`` does
-    embedding forwards, one job's at a time in turn (round robin: a small request is not held
-    behind a large one), while a credit covers them: each step adds ``streams * share / (1 -
-    share)`` seconds, and a forward starts only when the credit holds its expected time (a fit of
-    the recent forwards' times, ``ForwardCost``) and takes its real time off. A forward longer than
-    a decode step thus waits for the steps that pay for it, and embeddings take at most ``share`` of
-    the engine's time while streams run, over any stretch, whatever a forward costs (up to the
-    error of one estimate). With no stream, one forward a step (the engine looks for new requests
-    between them). ``clock`` times the forwards; on a GPU a job waits for its forward before the
-    clock is read (``EmbeddingJob.forward``)."""
+    After a step's stream forwards took ``streams`` seconds, ``run`` does embedding forwards, the
+    jobs in turn (round robin), while a credit covers them: each step adds ``streams * share / (1 -
+    share)`` seconds; a forward starts when the credit holds its expected time (``ForwardCost``)
+    and takes its real time off. So embeddings take at most ``share`` of the engine's time while
+    streams run, whatever a forward costs. With no stream, one forward a step."""
 
     def __init__(self, share: float, clock: Callable[[], float], lock: threading.Condition,
                  read: Callable[[int], None] = lambda tokens: None) -> None:
         self.share, self.clock, self.lock = share, clock, lock
         self.read = read  # told the tokens of each forward (the metrics)
         self.jobs: deque[EmbeddingJob] = deque()  # the next forward's job first
-        # The job whose forward runs now (out of ``jobs`` meanwhile, back at their end after it):
-        # still a job the server holds, so it counts in ``len`` (the 429 admission reads that).
+        # The job whose forward runs now (out of ``jobs`` meanwhile): it still counts in ``len``.
         self.active: EmbeddingJob | None = None
         self.credit = 0.0  # seconds of forwards the streams' share allows now
         # Seconds of stream and embedding forwards in the steps that had both: the share, measured.
@@ -208,8 +196,8 @@ class EmbeddingQueue:
             self.credit = 0.0
 
     def _turn(self, job: EmbeddingJob, streams: float | None) -> bool:
-        """One forward of ``job`` (taken off ``jobs``; ``streams`` as ``run``'s), or its turn kept
-        when the credit is short -> whether another forward may follow in this step."""
+        """One forward of ``job``, or its turn kept when the credit is short -> whether another
+        forward may follow in this step."""
         if job.cancelled or job.future.done():
             return True
         tokens = job.next_tokens

@@ -1,42 +1,23 @@
 """The engine behind ``aiayn serve``: continuous batching of decoder-only generation.
 
-One thread owns the model and a KV cache of ``max_batch`` rows: fixed slots (``SlotPlan``, each as
-long as the served context) or, with a ``BlockPlan`` (``--kv-layout paged``), rows holding blocks
-of one pool (``aiayn.serve.blocks``). Each step, vLLM's shape:
+One thread owns the model and a KV cache of ``max_batch`` rows (``SlotPlan``: fixed slots;
+``BlockPlan``: a paged pool). Each step: ``Scheduler.schedule`` plans who holds a row and what the
+forward feeds; ``Runner`` applies the cache operations and runs the forward; ``choose`` picks each
+row's token; ``Output.emit`` turns tokens into events; ``Scheduler.update`` moves rows that finished
+their prompt to decoding and drops finished requests. Then queued embeddings run, at most
+``embed_share`` of the engine's time while streams run.
 
-1. ``Scheduler.schedule`` (``aiayn.serve.scheduler``, host numbers only): cancelled requests
-   leave, waiting ones are admitted, the paged cache preempts, and the step's forward is planned
-   (the decoding rows and a prefill chunk, in one forward when both exist);
-2. ``Runner`` (``aiayn.serve.runner``): the plan's cache operations, then the forward -> logits;
-3. ``choose`` (``aiayn.serve.sampler``): each row's token id (and the log-probabilities asked for);
-4. ``Output.emit`` (``aiayn.serve.output``): text, stop strings, grammar, events and metrics; then
-   ``Scheduler.update``: the rows whose prompt is done decode from now on, finished ones leave;
-5. **embeddings**, in slices: the queued ``/v1/embeddings`` jobs (``aiayn.serve.embedding``) run
-   forwards of at most ``embed_chunk`` tokens, in turn (one forward per job, round robin), for as
-   long as the step's stream forwards took, times ``embed_share / (1 - embed_share)`` (a credit
-   carried from step to step: a forward longer than a decode step is paid back over the next
-   steps). So embeddings take at most ``embed_share`` of the engine's time while streams run (at
-   0.5 a stream's tokens come at most twice as far apart), and all of it when none does.
-
-Requests talk to the engine through ``submit`` and a ``sink``: a callable the engine thread calls
-with an ``Event`` per generated token (the app hands each to its event loop).
-
-The engine runs where its model is (``aiayn.device.model_device``): the cache, each step's tokens
-and every request's generator are there, and the forwards run under ``aiayn.device.autocast``
-(bfloat16 on CUDA, nothing on the CPU). Nothing is read back from the device but the chosen ids
-(with the log-probabilities asked for), once per forward in ``choose``: on a GPU a step queues its
-work and waits only for its tokens (tests/serve/test_no_device_reads.py).
+Requests get an ``Event`` per token through their ``sink``, called on the engine thread. The only
+read from the device is the chosen ids, once per forward in ``choose``
+(tests/serve/test_no_device_reads.py).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -75,9 +56,8 @@ class EngineFailed(RuntimeError):
 
 
 class Engine:
-    """Continuous batching over ``lm`` (see the module docstring): a scheduler, a runner and an
-    output stage. ``start()`` runs it on a thread; ``submit`` queues a request (``QueueFull`` past
-    ``max_queue`` waiting)."""
+    """Continuous batching over ``lm``. ``start()`` runs it on a thread; ``submit`` queues a request
+    (``QueueFull`` past ``max_queue`` waiting)."""
 
     def __init__(self, lm: TextModel, plan: SlotPlan | BlockPlan, *, kv_cache: str | None = None, prefill_chunk: int = 512,
                  max_queue: int = 64, metrics: Metrics | None = None, threads: int | None = None,
@@ -92,7 +72,6 @@ class Engine:
         self.context, self.max_batch = plan.context, plan.rows
         self.runner = Runner(lm.model, plan, kv_cache=kv_cache, compile=compile)
         self.model, self.device, self.cache, self.compiled = lm.model, self.runner.device, self.runner.cache, self.runner.compiled
-        # The paged cache's bookkeeping (None: fixed slots)
         self.blocks = BlockScheduler(self.cache, plan) if isinstance(plan, BlockPlan) else None  # type: ignore[arg-type]
         self.scheduler = Scheduler(plan.rows, prefill_chunk, self._cv, self.blocks, compiled=compile)
         self.rows, self.waiting = self.scheduler.rows, self.scheduler.waiting  # (the scheduler's, read here)
@@ -100,7 +79,6 @@ class Engine:
         self.threads = threads  # torch threads of the engine thread (None: as it finds them)
         self.metrics = metrics or Metrics()
         self.output = Output(lm.decode, lm.eos_id, self.metrics)
-        self.jobs: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self.embed_chunk = embed_chunk
         self.embeddings = EmbeddingQueue(embed_share, clock, self._cv, self.metrics.embedding_tokens.inc)
         self._running = 0  # rows in use, counted once the cache has followed the scheduler
@@ -128,8 +106,8 @@ class Engine:
             self._cv.notify()
 
     def embed(self, prompts: list[list[int]]) -> EmbeddingJob:
-        """Queue the vectors of ``prompts`` (``job.future`` gets them); ``QueueFull`` when as many
-        embedding jobs wait as the server holds requests (``max_batch + max_queue``)."""
+        """Queue the vectors of ``prompts`` (``job.future`` gets them); ``QueueFull`` past
+        ``max_batch + max_queue`` jobs."""
         job = EmbeddingJob(self.lm, prompts, self.embed_chunk)
         with self._cv:
             if self._stopping:
@@ -141,27 +119,15 @@ class Engine:
         return job
 
     def cancel(self, request: Request) -> None:
-        """Stop ``request``: out of the queue at once if it waits, else its row is freed at the
-        engine's next step (no more events)."""
+        """Stop ``request``: out of the queue now, or its row freed at the next step (no more events)."""
         request.cancelled = True
         with self._cv:
             if request in self.waiting:
                 self.waiting.remove(request)
             self._cv.notify()
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        """Run ``fn`` on the engine thread between two steps (one model user at a time)."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._cv:
-            if self._stopping:
-                raise ShuttingDown("the server is shutting down")
-            self.jobs.append((fn, future))
-            self._cv.notify()
-        return future
-
     def retry_after(self) -> int:
-        """Seconds until a queued request would likely start: the queue over the batch, times the
-        recent mean request time (at least 1)."""
+        """Seconds until a queued request would likely start (1 to 60)."""
         mean = self.metrics.mean_request_seconds() or 1.0
         return max(1, min(60, round(mean * (len(self.waiting) + 1) / self.max_batch)))
 
@@ -190,12 +156,12 @@ class Engine:
             torch.set_num_threads(self.threads)
         while True:
             with self._cv:
-                while not (self._stopping or self.waiting or self.rows or self.jobs or self.embeddings):
+                while not (self._stopping or self.waiting or self.rows or self.embeddings):
                     self._cv.wait()
                 if self._stopping:
                     return
             try:
-                share_cores()  # this server's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
+                share_cores()  # a fair share of the cores beside other aiayn jobs
                 self.step()
             except Exception as exc:  # a bug: fail what is running, keep serving
                 logger.exception("engine step failed")
@@ -203,24 +169,18 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         pending = self.scheduler.reset()
-        with self._cv:
-            jobs = list(self.jobs)
-            self.jobs.clear()
         self.embeddings.fail_all(ShuttingDown(message) if self._stopping else EngineFailed(message))
         for request in pending:
             if not request.finished:
                 request.finished = True
                 request.sink(Event("", finish_reason="error", error=message))
-        for _, future in jobs:
-            future.cancel()
         self.cache.reset()
         self._running = 0
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One step: schedule -> run -> sample -> output (the module docstring), then embeddings."""
-        with autocast(self.device):  # bfloat16 on CUDA; nothing on the CPU
-            self._run_jobs()
+        """One step: schedule -> run -> sample -> output, then embeddings."""
+        with autocast(self.device):
             plan = self.scheduler.schedule()
             self._apply(plan.ops)
             self._admitted(plan)
@@ -254,13 +214,3 @@ class Engine:
             self.metrics.prompt_tokens.inc(len(request.prompt))
         if plan.preempted:
             self.metrics.preemptions.inc(len(plan.preempted))
-
-    def _run_jobs(self) -> None:
-        while self.jobs:
-            with self._cv:
-                fn, future = self.jobs.popleft()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except Exception as exc:
-                    future.set_exception(exc)

@@ -1,11 +1,7 @@
-"""How much one request may ask of ``aiayn serve``, and reading its texts into token ids.
-
-A request larger than the server takes at all is a 400 naming the limit and the option that
-raises it (a retry cannot succeed, so it is not a 429): more inputs (embeddings) or prompts
-(completions) than ``--max-inputs``, an input with more tokens than ``--max-input-tokens``, more
-tokens in one request than ``--max-request-tokens``. The defaults are OpenAI's own limits for
-embeddings. Texts are counted as they are tokenised, so a request over a limit is refused at the
-first text that crosses it, without reading the rest.
+"""How much one request may ask of ``aiayn serve`` (``--max-inputs``, ``--max-input-tokens``,
+``--max-request-tokens``; the defaults are OpenAI's embeddings limits), and reading its texts into
+token ids. Past a limit is a 400 naming it (a retry cannot succeed): texts are counted as they are
+tokenised, so the first one that crosses it is refused without reading the rest.
 """
 
 from __future__ import annotations
@@ -22,8 +18,8 @@ MAX_REQUEST_TOKENS = 300_000  # OpenAI's: tokens of one embeddings request, all 
 
 @dataclass(frozen=True)
 class Limits:
-    """The most one request may hold: ``inputs`` texts (or prompts), ``input_tokens`` tokens
-    each, ``request_tokens`` tokens in all."""
+    """The most one request may hold: ``inputs`` texts or prompts, ``input_tokens`` tokens each,
+    ``request_tokens`` in all."""
 
     inputs: int = MAX_INPUTS
     input_tokens: int = MAX_INPUT_TOKENS
@@ -65,9 +61,8 @@ def prompt_ids(lm: TextModel, prompt: str | list[int], what: str) -> list[int]:
 
 def token_ids(lm: TextModel, texts: list[str | list[int]], param: str, limits: Limits,
               input_tokens: int | None) -> list[list[int]]:
-    """Each text's ids (``prompt_ids``), refused (400) at the first one with more than
-    ``input_tokens`` tokens (None: not checked here; a generation's context is, later) or that
-    takes the request past ``limits.request_tokens``. Call ``limits.check_count`` first."""
+    """Each text's ids, refused (400) at the first one over ``input_tokens`` (None: not checked)
+    or that takes the request past ``limits.request_tokens``."""
     out: list[list[int]] = []
     total = 0
     for i, text in enumerate(texts):

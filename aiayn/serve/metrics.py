@@ -1,7 +1,4 @@
-"""The server's Prometheus metrics (``GET /metrics``, text format), with ``prometheus_client``.
-
-Each server has its own registry, so that several can live in one process (the tests).
-"""
+"""The server's Prometheus metrics (``GET /metrics``), a registry per server (several may share a process)."""
 
 from __future__ import annotations
 
@@ -9,6 +6,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -24,41 +22,30 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("aiayn_requests", "HTTP requests answered, by route and status code",
-                                ["route", "status"], registry=registry)
-        self.prompt_tokens = Counter("aiayn_prompt_tokens", "Prompt tokens admitted", registry=registry)
-        self.generation_tokens = Counter("aiayn_generation_tokens", "Tokens generated", registry=registry)
-        self.steps = Counter("aiayn_engine_steps", "Engine steps run", registry=registry)
-        self.embedding_tokens = Counter("aiayn_embedding_tokens", "Embedding input tokens read (decoder models)",
-                                        registry=registry)
-        self.time_to_first_token = Histogram("aiayn_time_to_first_token_seconds",
-                                             "From arrival to the first generated token",
-                                             buckets=LATENCY_BUCKETS, registry=registry)
-        self.inter_token_latency = Histogram("aiayn_inter_token_latency_seconds",
-                                             "Between two tokens of one request", buckets=LATENCY_BUCKETS,
-                                             registry=registry)
-        self.request_seconds = Histogram("aiayn_request_seconds", "From arrival to the last token",
-                                         buckets=LATENCY_BUCKETS, registry=registry)
+        counter, gauge = partial(Counter, registry=registry), partial(Gauge, registry=registry)
+        latency = partial(Histogram, buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests = counter("aiayn_requests", "HTTP requests answered, by route and status code", ["route", "status"])
+        self.prompt_tokens = counter("aiayn_prompt_tokens", "Prompt tokens admitted")
+        self.generation_tokens = counter("aiayn_generation_tokens", "Tokens generated")
+        self.steps = counter("aiayn_engine_steps", "Engine steps run")
+        self.embedding_tokens = counter("aiayn_embedding_tokens", "Embedding input tokens read (decoder models)")
+        self.time_to_first_token = latency("aiayn_time_to_first_token_seconds", "From arrival to the first generated token")
+        self.inter_token_latency = latency("aiayn_inter_token_latency_seconds", "Between two tokens of one request")
+        self.request_seconds = latency("aiayn_request_seconds", "From arrival to the last token")
         self.batch_size = Histogram("aiayn_decode_batch_size", "Rows in a decode step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
-        self.queue_depth = Gauge("aiayn_queue_depth", "Requests waiting for a slot", registry=registry)
-        self.running = Gauge("aiayn_running_requests", "Requests holding a slot (prefilling or decoding)",
-                             registry=registry)
-        self.occupancy = Gauge("aiayn_batch_occupancy", "Share of the KV-cache slots in use (0 to 1)",
-                               registry=registry)
-        self.slots = Gauge("aiayn_kv_cache_slots", "KV-cache slots (the most concurrent requests)",
-                           registry=registry)
-        self.preemptions = Counter("aiayn_preemptions", "Requests preempted for KV-cache blocks (recomputed later)",
-                                   registry=registry)
-        self.kv_blocks_used = Gauge("aiayn_kv_cache_blocks_used", "Paged KV-cache blocks held by requests",
-                                    registry=registry)
-        self.kv_blocks_free = Gauge("aiayn_kv_cache_blocks_free",
-                                    "Paged KV-cache blocks free or holding an unused cached prefix", registry=registry)
-        self.prefix_hit_rate = Gauge("aiayn_prefix_cache_hit_rate",
-                                     "Share of admitted prompt tokens found in the prefix cache", registry=registry)
-        self.tokens_per_second = Gauge("aiayn_generation_tokens_per_second",
-                                       f"Tokens generated per second over the last {RATE_WINDOW:g} s",
-                                       registry=registry)
+        self.queue_depth = gauge("aiayn_queue_depth", "Requests waiting for a slot")
+        self.running = gauge("aiayn_running_requests", "Requests holding a slot (prefilling or decoding)")
+        self.occupancy = gauge("aiayn_batch_occupancy", "Share of the KV-cache slots in use (0 to 1)")
+        self.slots = gauge("aiayn_kv_cache_slots", "KV-cache slots (the most concurrent requests)")
+        self.preemptions = counter("aiayn_preemptions", "Requests preempted for KV-cache blocks (recomputed later)")
+        self.kv_blocks_used = gauge("aiayn_kv_cache_blocks_used", "Paged KV-cache blocks held by requests")
+        self.kv_blocks_free = gauge("aiayn_kv_cache_blocks_free",
+                                    "Paged KV-cache blocks free or holding an unused cached prefix")
+        self.prefix_hit_rate = gauge("aiayn_prefix_cache_hit_rate",
+                                     "Share of admitted prompt tokens found in the prefix cache")
+        self.tokens_per_second = gauge("aiayn_generation_tokens_per_second",
+                                       f"Tokens generated per second over the last {RATE_WINDOW:g} s")
         self.tokens_per_second.set_function(self._rate)
         self._lock = threading.Lock()
         self._recent: deque[float] = deque()  # when each recent token was generated

@@ -11,9 +11,6 @@ from typing import Any
 import torch
 
 from aiayn.embed import SentenceEncoder, load_sentence_encoder
-from aiayn.serve.embedding import (
-    decoder_embeddings as decoder_embeddings,  # (re-exported: its old home)
-)
 from aiayn.tasks.runs import load_text_model
 from aiayn.textgen import TextModel
 
@@ -25,10 +22,6 @@ class ServedModel:
     name: str
     lm: TextModel | None = None
     encoder: SentenceEncoder | None = None
-
-    @property
-    def kind(self) -> str:
-        return "decoder-only" if self.lm is not None else "encoder"
 
 
 def is_encoder_dir(path: Path) -> bool:
@@ -47,17 +40,14 @@ def is_encoder_dir(path: Path) -> bool:
 def load_served_model(model_path: Path | None = None, run_dir: Path | None = None, *, name: str | None = None,
                       quantize: str = "none", plain: bool = False,
                       device: torch.device | str | None = None) -> ServedModel:
-    """The model of ``--model`` (GGUF file, Hugging Face directory, sentence-transformers directory)
-    or ``--run``; its name defaults to the file or directory name. ``quantize`` ("bf16", "int8",
-    "q4", "auto": ``aiayn.fast.quantize.lower_precision``'s) lowers a decoder's weights; "q4" and
-    "auto" keep a GGUF file's blocks packed. ``device``: where it runs (None: the first CUDA GPU,
-    else the CPU; a decoder's int8 / q4 weights: the CPU, ``aiayn.textgen.placement``)."""
+    """The model of ``--model`` (GGUF file, Hugging Face or sentence-transformers directory) or
+    ``--run``, named after the file or directory by default. ``quantize`` lowers a decoder's
+    weights (``aiayn.fast.quantize``); ``device`` None: the first CUDA GPU, else the CPU."""
     source = model_path if model_path is not None else run_dir
     assert source is not None, "give a model path or a run directory"
     name = name or (source.stem if source.is_file() else source.resolve().name)
     if model_path is not None and is_encoder_dir(model_path):
         return ServedModel(name, encoder=load_sentence_encoder(model_path, device=device))
-    # "q4"/"auto" read a GGUF file's blocks packed (never a float copy); bf16/int8 lower the floats
     lm = load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device)
     return ServedModel(name, lm=lm)
 

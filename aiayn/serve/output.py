@@ -1,10 +1,7 @@
-"""The serve engine's output stage: from each row's chosen token to the event its request sees.
-
-Per token: the grammar of a structured-output request advances (and says when the answer is
-complete), the text grows (``IncrementalText``: held back while it may still become a stop string
-or an incomplete character), the finish reason is decided (end-of-text, a stop string, the
-grammar's end, ``max_tokens``), the log-probabilities get their texts, the request's sink gets an
-``Event`` (not once it is cancelled) and the token and latency metrics are reported.
+"""The serve engine's output stage: from each row's chosen token to its request's event. Per token
+the grammar advances, the text grows (``IncrementalText`` holds back a possible stop string or a
+partial character), the finish reason is decided, the sink gets an ``Event`` (not once cancelled)
+and the metrics are reported.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from aiayn.serve.sampler import Chosen
 
 
 class Output:
-    """Detokenising and events for the model whose tokenizer ``decode``s ids and ends at ``eos_id``."""
+    """Detokenising and events for a tokenizer's ``decode`` and ``eos_id``."""
 
     def __init__(self, decode: Callable[[list[int]], str], eos_id: int | None, metrics: Metrics) -> None:
         self.decode, self.eos_id, self.metrics = decode, eos_id, metrics

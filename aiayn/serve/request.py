@@ -1,9 +1,4 @@
-"""What a request to the serve engine is, and what the engine tells it: data types only.
-
-``SamplingParams``: one request's options; ``Request``: a prompt and its state while it waits and
-runs; ``Event``: a generated token (its text, log-probability and finish reason) or an error;
-``TokenLogprob``: a token's log-probability and its alternatives, as the API reports them.
-"""
+"""What a request to the serve engine is, and what the engine tells it: data types only."""
 
 from __future__ import annotations
 
@@ -23,11 +18,8 @@ from aiayn.generate.text import IncrementalText
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """When one request stops and what it reports, around how its tokens are chosen: the one
-    sampling config every decode loop takes (``aiayn.generate.SamplingConfig``: temperature 0 is
-    greedy; top-k, top-p, the repetition penalty and the seed as ``aiayn generate`` has them),
-    and OpenAI's ``logit_bias`` ((token id, added to its logit) pairs), ``presence_penalty`` and
-    ``frequency_penalty``."""
+    """One request's options: ``sampling`` (``aiayn.generate.SamplingConfig``), when it stops, what
+    it reports, and OpenAI's ``logit_bias`` ((token id, added value) pairs) and penalties."""
 
     max_tokens: int
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -39,7 +31,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a bias or a penalty changes this request's logits (``sampler.RowAdjustments``)."""
+        """Whether a bias or a penalty changes this request's logits."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
                     or self.sampling.repetition_penalty != 1.0)
 
@@ -56,8 +48,8 @@ class TokenLogprob:
 
 @dataclass
 class Event:
-    """What the engine tells a request: text to show (possibly empty: held back), the token's
-    log-probability when asked, and the finish reason ("stop", "length") or an error."""
+    """A generated token for a request: its text (possibly empty: held back), log-probability when
+    asked, finish reason ("stop", "length") or an error."""
 
     text: str
     logprob: TokenLogprob | None = None
@@ -71,7 +63,7 @@ _ids = itertools.count()
 
 class Request:
     """A prompt (token ids) to continue under ``params``; its events go to ``sink``. ``constraint``:
-    the grammar its answer must follow (structured output), this request's own state (not shared)."""
+    the grammar its answer follows (its own state, not shared)."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None],
                  constraint: GrammarConstraint | None = None) -> None:
@@ -81,8 +73,7 @@ class Request:
         self.prompt, self.params, self.sink = prompt, params, sink
         self.cancelled = False  # set from any thread; the engine frees the row at its next step
         self.arrived = time.monotonic()
-        # Where its time to first token goes (time.monotonic(); set once, kept over a preemption):
-        # arrived -> admitted (a row and blocks) -> its first prefill forward -> its first token.
+        # time.monotonic() of its admission, first prefill forward and first token (kept over a preemption)
         self.admitted_at: float | None = None
         self.prefill_at: float | None = None
         self.first_token_at: float | None = None
@@ -92,8 +83,7 @@ class Request:
         self.last_token = -1
         self.finished = False
         self.seed = params.sampling.seed if params.sampling.seed is not None else random.getrandbits(63)
-        # The draws' generator, made on the model's device when the engine admits the request.
-        self.generator: torch.Generator | None = None
+        self.generator: torch.Generator | None = None  # made on the model's device at admission
         self.text: IncrementalText | None = None  # set by the output stage (it knows the tokenizer)
         self.constraint = constraint  # advanced with each token on the engine thread
         self.adjustments: Any = None  # the sampler's bias / penalty tensors (RowAdjustments), made on the first token

@@ -1,10 +1,6 @@
-"""From engine events to OpenAI answers: a ``Generation`` bridges the engine thread to the event
-loop, ``collect`` builds a whole answer, ``chat_stream`` / ``completion_stream`` yield the
-server-sent events of a streamed one (ending in ``[DONE]``).
-
-The wire format is OpenAI's: ``chat.completion`` / ``chat.completion.chunk`` and
-``text_completion`` objects, ``usage`` counts, and log-probabilities as the chat API
-(``logprobs.content``) or the completions API (``tokens``, ``token_logprobs``, ...) gives them.
+"""From engine events to OpenAI answers, whole (``collect``) or streamed as server-sent events
+(``chat_stream``, ``completion_stream``), and OpenAI's error format (``APIError``).
+``Generation`` carries the engine thread's events to the event loop.
 """
 
 from __future__ import annotations
@@ -30,8 +26,8 @@ POLL_SECONDS = 0.2  # how often a waiting handler checks for a gone client or a 
 
 
 class APIError(HTTPException):
-    """An answer in OpenAI's error format: {"error": {"message", "type", "param", "code"}}. (An
-    HTTPException, so that FastAPI lets one raised while it reads the body through as it is.)"""
+    """OpenAI's error answer: {"error": {"message", "type", "param", "code"}}. An HTTPException, so
+    that FastAPI passes one raised while it reads the body through unchanged."""
 
     def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None, headers: dict[str, str] | None = None) -> None:
@@ -47,16 +43,20 @@ class ClientGone(Exception):
     """The client closed the connection before the answer was complete."""
 
 
+def shutting_down(message: str = "the server is shutting down and takes no new requests") -> APIError:
+    return APIError(503, message, kind="server_error", code="shutting_down")
+
+
 def event_error(message: str) -> APIError:
     """The APIError for an engine error event."""
     if "shutting down" in message:
-        return APIError(503, message, kind="server_error", code="shutting_down")
+        return shutting_down(message)
     return APIError(500, message, kind="server_error", code="internal_error")
 
 
 def choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """The ``i``-th of n choices' parameters: a given seed becomes seed + i (so n choices differ and
-    a rerun gives the same n); without one each request draws its own."""
+    """The ``i``-th of n choices' parameters: a given seed becomes seed + i, so the n choices
+    differ and a rerun repeats them."""
     seed = params.sampling.seed
     if i == 0 or seed is None:
         return params
@@ -64,10 +64,9 @@ def choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 
 class Generation:
-    """Engine requests for one HTTP request, their events on this event loop: ``n`` per prompt,
-    choice ``index = prompt * n + i`` (OpenAI's order), each with its own copy of ``constraint``
-    (structured output; None: free text). The prompt tokens are counted once per prompt, as
-    OpenAI's usage counts them."""
+    """The engine requests of one HTTP request, their events on this event loop: ``n`` per prompt,
+    choice ``index = prompt * n + i`` (OpenAI's order), each with its own copy of ``constraint``.
+    Prompt tokens count once per prompt, as in OpenAI's usage."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams, *, n: int = 1,
                  constraint: GrammarConstraint | None = None) -> None:
@@ -118,24 +117,11 @@ class Choice:
 
 async def collect(generation: Generation, is_disconnected: Callable[[], Any],
                   past_grace: Callable[[], bool]) -> list[Choice]:
-    """Wait for every prompt's whole answer. ClientGone when the client leaves, APIError(503) when a
+    """Wait for every choice's whole answer. ClientGone when the client leaves, APIError(503) when a
     shutdown's grace period ends first; either way the engine requests are cancelled."""
     choices = [Choice() for _ in generation.requests]
-    pending = len(choices)
-    checked = time.monotonic()
     try:
-        while pending:
-            item = await generation.next()
-            if item is None or time.monotonic() - checked > POLL_SECONDS:  # (tokens may never pause)
-                checked = time.monotonic()
-                if await is_disconnected():
-                    raise ClientGone
-                if past_grace():
-                    raise APIError(503, "the server is shutting down; the request was stopped before it finished",
-                                   kind="server_error", code="shutting_down")
-            if item is None:
-                continue
-            index, event = item
+        async for index, event in _events(generation, past_grace, is_disconnected):
             if event.error is not None:
                 raise event_error(event.error)
             choice = choices[index]
@@ -143,9 +129,7 @@ async def collect(generation: Generation, is_disconnected: Callable[[], Any],
             choice.text.append(event.text)
             if event.logprob is not None:
                 choice.logprobs.append(event.logprob)
-            if event.finish_reason is not None:
-                choice.finish_reason = event.finish_reason
-                pending -= 1
+            choice.finish_reason = event.finish_reason
     finally:
         generation.cancel()
     return choices
@@ -156,13 +140,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
 def chat_logprobs(entries: list[Any]) -> dict[str, Any]:
-    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": _bytes(e.token),
-                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, lp in e.top]}
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]}
                         for e in entries], "refusal": None}
 
 
@@ -197,31 +177,37 @@ def chat_answer(meta: Meta, generation: Generation, choices: list[Choice]) -> di
             return answer_message(meta.tools, "".join(c.text), c.finish_reason)
         return {"role": "assistant", "content": "".join(c.text), "refusal": None}, c.finish_reason
 
-    return {**meta.head("chat.completion"), "choices": [{
+    return _whole(meta, "chat.completion", generation, choices, [{
         "index": i, "message": message, "logprobs": chat_logprobs(c.logprobs) if meta.logprobs else None,
-        "finish_reason": finish} for i, c in enumerate(choices) for message, finish in [reply(c)]],
-        "usage": usage(generation.prompt_tokens, sum(c.tokens for c in choices)), "system_fingerprint": None}
+        "finish_reason": finish} for i, c in enumerate(choices) for message, finish in [reply(c)]])
 
 
 def completion_answer(meta: Meta, generation: Generation, choices: list[Choice]) -> dict[str, Any]:
-    return {**meta.head("text_completion"), "choices": [{
+    return _whole(meta, "text_completion", generation, choices, [{
         "index": i, "text": "".join(c.text), "finish_reason": c.finish_reason,
-        "logprobs": completion_logprobs(c.logprobs) if meta.logprobs else None} for i, c in enumerate(choices)],
-        "usage": usage(generation.prompt_tokens, sum(c.tokens for c in choices)), "system_fingerprint": None}
+        "logprobs": completion_logprobs(c.logprobs) if meta.logprobs else None} for i, c in enumerate(choices)])
 
 
-async def _events(generation: Generation, past_grace: Callable[[], bool]) -> AsyncIterator[tuple[int, Event]]:
-    """Every event until each prompt has finished; an error event ends it; so does a shutdown's
-    grace period running out (as an error event)."""
+def _whole(meta: Meta, name: str, generation: Generation, choices: list[Choice], items: list[Any]) -> dict[str, Any]:
+    return {**meta.head(name), "choices": items,
+            "usage": usage(generation.prompt_tokens, sum(c.tokens for c in choices)), "system_fingerprint": None}
+
+
+async def _events(generation: Generation, past_grace: Callable[[], bool],
+                  is_disconnected: Callable[[], Any] | None = None) -> AsyncIterator[tuple[int, Event]]:
+    """Every event until each choice has finished or one fails. A shutdown's grace period running
+    out ends it with an error event; a gone client (``is_disconnected``) raises ClientGone."""
     pending = len(generation.requests)
     checked = time.monotonic()
     while pending:
         item = await generation.next()
-        if item is None or time.monotonic() - checked > POLL_SECONDS:
+        if item is None or time.monotonic() - checked > POLL_SECONDS:  # (tokens may never pause)
             checked = time.monotonic()
+            if is_disconnected is not None and await is_disconnected():
+                raise ClientGone
             if past_grace():
-                yield 0, Event("", finish_reason="error",
-                               error="the server is shutting down; the answer was cut short")
+                cut = "the request was stopped before it finished" if is_disconnected else "the answer was cut short"
+                yield 0, Event("", finish_reason="error", error=f"the server is shutting down; {cut}")
                 return
         if item is None:
             continue
@@ -236,31 +222,47 @@ def _json(data: Any) -> str:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
 
-def _error_data(message: str) -> str:
-    return _json(event_error(message).body())
+def _chunk(meta: Meta, name: str, choices: list[Any], **rest: Any) -> str:
+    return _json({**meta.head(name), "system_fingerprint": None, "choices": choices, **rest})
 
 
-async def chat_stream(meta: Meta, generation: Generation, include_usage: bool,
-                      past_grace: Callable[[], bool]) -> AsyncIterator[str]:
-    """The server-sent events of a streamed chat answer: a role chunk per choice, content chunks (or
-    tool-call deltas, ``meta.tools``), a finish chunk per choice (each with its ``index``), the usage
-    chunk (``include_usage``), ``[DONE]``."""
+async def _stream(meta: Meta, name: str, generation: Generation, include_usage: bool,
+                  chunks: AsyncIterator[str | int]) -> AsyncIterator[str]:
+    """``chunks`` (an int: a token counted), then the usage chunk (``include_usage``) and
+    ``[DONE]``; the engine requests are cancelled when it ends."""
     tokens = 0
+    try:
+        async for item in chunks:
+            if isinstance(item, int):
+                tokens += item
+            else:
+                yield item
+        if include_usage:
+            yield _chunk(meta, name, [], usage=usage(generation.prompt_tokens, tokens))
+        yield "[DONE]"
+    finally:
+        generation.cancel()
+
+
+def chat_stream(meta: Meta, generation: Generation, include_usage: bool,
+                past_grace: Callable[[], bool]) -> AsyncIterator[str]:
+    """A streamed chat answer: a role chunk per choice, content chunks (or tool-call deltas,
+    ``meta.tools``), a finish chunk per choice, the usage chunk (``include_usage``), ``[DONE]``."""
     calls = [ToolStream(meta.tools) for _ in generation.requests] if meta.tools is not None else None
     extra = {"usage": None} if include_usage else {}
 
     def chunk(delta: dict[str, Any], logprobs: Any = None, finish: str | None = None, index: int = 0) -> str:
-        return _json({**meta.head("chat.completion.chunk"), "system_fingerprint": None, "choices": [
-            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra})
+        return _chunk(meta, "chat.completion.chunk",
+                      [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra)
 
-    try:
+    async def chunks() -> AsyncIterator[str | int]:
         for index in range(len(generation.requests)):
             yield chunk({"role": "assistant", "content": ""}, index=index)
         async for index, event in _events(generation, past_grace):
             if event.error is not None:
-                yield _error_data(event.error)
-                break
-            tokens += 1
+                yield _json(event_error(event.error).body())
+                return
+            yield 1
             logprobs = chat_logprobs([event.logprob]) if meta.logprobs and event.logprob else None
             finish = event.finish_reason
             if calls is not None:  # the text read as content and calls (logprobs with the first delta)
@@ -272,37 +274,28 @@ async def chat_stream(meta: Meta, generation: Generation, include_usage: bool,
                 yield chunk({"content": event.text}, logprobs, index=index)
             if finish is not None:
                 yield chunk({}, None, finish, index=index)
-        if include_usage:
-            yield _json({**meta.head("chat.completion.chunk"), "system_fingerprint": None, "choices": [],
-                              "usage": usage(generation.prompt_tokens, tokens)})
-        yield "[DONE]"
-    finally:
-        generation.cancel()
+
+    return _stream(meta, "chat.completion.chunk", generation, include_usage, chunks())
 
 
-async def completion_stream(meta: Meta, generation: Generation, include_usage: bool,
-                            past_grace: Callable[[], bool]) -> AsyncIterator[str]:
-    """The server-sent events of streamed completions (one ``index`` per prompt), then ``[DONE]``."""
-    tokens = 0
+def completion_stream(meta: Meta, generation: Generation, include_usage: bool,
+                      past_grace: Callable[[], bool]) -> AsyncIterator[str]:
+    """Streamed completions (one ``index`` per choice), then the usage chunk and ``[DONE]``."""
     offsets = [0] * len(generation.requests)
     extra = {"usage": None} if include_usage else {}
-    try:
+
+    async def chunks() -> AsyncIterator[str | int]:
         async for index, event in _events(generation, past_grace):
             if event.error is not None:
-                yield _error_data(event.error)
-                break
-            tokens += 1
+                yield _json(event_error(event.error).body())
+                return
+            yield 1
             logprobs = None
             if meta.logprobs and event.logprob is not None:
                 logprobs = completion_logprobs([event.logprob], offsets[index])
                 offsets[index] += len(event.logprob.token)
             if event.text or logprobs or event.finish_reason:
-                yield _json({**meta.head("text_completion"), "system_fingerprint": None, "choices": [
-                    {"index": index, "text": event.text, "logprobs": logprobs,
-                     "finish_reason": event.finish_reason}], **extra})
-        if include_usage:
-            yield _json({**meta.head("text_completion"), "system_fingerprint": None, "choices": [],
-                              "usage": usage(generation.prompt_tokens, tokens)})
-        yield "[DONE]"
-    finally:
-        generation.cancel()
+                yield _chunk(meta, "text_completion", [{"index": index, "text": event.text, "logprobs": logprobs,
+                                                        "finish_reason": event.finish_reason}], **extra)
+
+    return _stream(meta, "text_completion", generation, include_usage, chunks())

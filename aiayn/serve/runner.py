@@ -1,17 +1,9 @@
 """The serve engine's runner: the model, its KV cache and the forwards. It applies a step plan's
-cache operations (``aiayn.serve.scheduler``) and turns the plan into logits.
+cache operations and turns the plan into logits.
 
 A forward packs the decoding rows' last tokens, (d, 1), and a part per prefilling row, (1, take)
-over its own one-row view of the cache (no row padded to another's width), and runs them at once
-(``aiayn.generate.step.decode_ragged``: one read of the weights, each part attending over its own
-view). Each row is computed as if alone (``RowKVCache``: its own slots, positions and mask), so a
-request's greedy tokens do not depend on what else runs (up to float rounding of the batched
-matmuls). The token ids are built on the host, one copy each; the cache's extents are known on the
-host (each forward tells it its rows' real tokens), so on a GPU a forward queues its work and
-nothing is read back here.
-
-``compile=True`` (``--compile``, fixed slots only) runs the decode-only forwards through a
-compiled graph per batch-size bucket (``aiayn.serve.compiled_step``); prefill stays eager.
+over its own one-row view of the cache, into one ``decode_ragged`` call: one read of the weights,
+no padding, each row computed as if alone. Nothing is read back from the device here.
 
 Shape letters: d decoding rows, n tokens in the forward, m positions whose logits are wanted, v
 vocabulary.
@@ -47,7 +39,6 @@ class Runner:
                                          n_blocks=plan.n_blocks, block_size=plan.block_size)  # type: ignore[assignment]
         else:
             self.cache = model.new_cache(plan.rows, plan.context, per_row=True, quantize=kv_cache)  # type: ignore[assignment]
-        # --compile: the decode steps through a compiled graph per batch-size bucket (fixed slots only)
         self.compiled = CompiledRows(model, self.cache) if compile else None  # type: ignore[arg-type]
 
     def apply(self, ops: list[CacheOp]) -> None:
@@ -81,8 +72,7 @@ class Runner:
         return logits
 
     def _decode_batch(self, requests: list[Request]) -> RaggedBatch:
-        """The decoding rows (the first ``len(requests)``) feeding their last tokens: (d, 1). A
-        generated token is real whatever its id (also one equal to pad_id), as in the library's loops."""
+        """The decoding rows (the first ``len(requests)``) feeding their last tokens: (d, 1)."""
         tokens = to_device(torch.tensor([[r.last_token] for r in requests], dtype=torch.long), self.device)
         return RaggedBatch(tokens, [1] * len(requests), self.cache.rows(0, len(requests)))
 

@@ -1,22 +1,10 @@
 """How the serve engine chooses each row's next token: ``choose`` turns one forward's logits into
-each row's token id (and the log-probabilities asked for, as numbers; the output stage,
-``aiayn.serve.output``, turns ids into text). It makes the engine step's one read from the
-device: the chosen ids must reach the host to be detokenised (and fed back next step); with them,
-in the same copy, come the log-probabilities.
+token ids (and the log-probabilities asked for, from the raw logits as vLLM reports them), the
+step's one read from the device.
 
-Per row, in this order (vLLM's): the logit bias is added, the penalties subtract (CTRL's
-repetition penalty over the prompt and the answer so far; OpenAI's frequency and presence
-penalties over the answer so far), the grammar of a structured-output request masks what would
-break it (``aiayn.generate.constrain.mask_rows``), then the argmax or a draw (temperature, top-k,
-top-p). The penalties read per-request device tensors (``RowAdjustments``: the answer's ids,
-written on the device from the chosen ids), so they add no read; they touch only the ids concerned
-(the bias's, the prompt's, the answer's), not the whole vocabulary, every row of the batch in the
-same dozen kernels (``apply_adjustments``).
-
-Log-probabilities are the model's own (``log_softmax`` of the raw logits, before bias, penalties,
-grammar mask and temperature), as vLLM reports them by default: what the model thought of each
-token, not the distribution the token was drawn from (which under a grammar puts 1.0 on every
-forced token and says nothing).
+Per row, in vLLM's order: the logit bias, the penalties (``RowAdjustments``: device tensors, only
+the ids concerned), the grammar mask of a structured answer, then the argmax or a draw from the
+request's own generator.
 
 Shape letters: m rows of the forward, v vocabulary, k alternatives reported.
 """
@@ -42,8 +30,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Chosen:
-    """A chosen token's numbers when its request asks for log-probabilities: its own, and its
-    ``top`` alternatives as (token id, logprob) pairs, best first (the output stage names them)."""
+    """A chosen token's log-probability and its ``top`` alternatives as (token id, logprob), best first."""
 
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
@@ -51,9 +38,8 @@ class Chosen:
 
 class RowAdjustments:
     """One request's logit bias and penalties as device tensors, made on its first token: the bias's
-    ids and values, the prompt's distinct ids (for the repetition penalty) and the answer's ids so
-    far (a (max_tokens,) buffer written on the device by ``record``: nothing is read). Their lengths
-    are known on the host. ``apply_adjustments`` applies the rows of a batch together."""
+    ids and values, the prompt's distinct ids (repetition penalty) and the answer's ids so far,
+    written on the device by ``record`` (their lengths known on the host)."""
 
     def __init__(self, params: SamplingParams, prompt: list[int], vocab: int, device: torch.device) -> None:
         self.params = params
@@ -73,20 +59,16 @@ class RowAdjustments:
 
 
 def apply_adjustments(logits: Tensor, rows: list[tuple[int, RowAdjustments]]) -> None:
-    """logits (m, v) float32, in place, at the ids concerned only (a few hundred of a 49k vocabulary):
-    for each (row, adjustments), the bias is added; CTRL's repetition penalty divides a positive
-    logit of the prompt's and the answer's tokens by it, multiplies a negative one (once per
-    token); OpenAI's ``- frequency * c - presence * [c > 0]`` over the answer's tokens, c their
-    counts. Every row at once: a dozen kernels a step, whatever the batch; the positions they take
-    are built on the host from host lengths (one copy each to the device). An id listed twice
-    writes the same value twice."""
+    """logits (m, v) float32, in place, at the ids concerned only, every row at once: the bias is
+    added; CTRL's repetition penalty divides a positive logit of the prompt's and answer's tokens,
+    multiplies a negative one; OpenAI's ``- frequency * c - presence * [c > 0]`` over the answer's
+    tokens, c their counts. Positions are built on the host (one copy each to the device)."""
     v = logits.shape[-1]
     flat = logits.view(-1)  # (m v,): logits is contiguous
     device = logits.device
 
     def spread(values: list[Any], parts: list[tuple[int, Tensor, int]], dtype: Any = np.int64) -> Tensor:
-        """One value per part -> (K,) on the host, each repeated over its part's k ids (numpy: torch's
-        repeat_interleave takes a millisecond for this on a CPU)."""
+        """One value per part -> (K,) on the host, repeated over its part's k ids (numpy: faster here)."""
         return torch.from_numpy(np.repeat(np.asarray(values, dtype=dtype), [k for *_, k in parts]))
 
     def positions(parts: list[tuple[int, Tensor, int]]) -> tuple[Tensor, Tensor]:
@@ -114,7 +96,6 @@ def apply_adjustments(logits: Tensor, rows: list[tuple[int, RowAdjustments]]) ->
         parts = [(r, a.answer[: a.n], a.n) for r, a in penalised]
         rows_of, ids = positions(parts)
         local = spread(list(range(len(parts))), parts)  # (K,): each id's answer, 0 .. len(parts) - 1
-        # Each answer's token counts, in a scratch (len(penalised), v) counted from its ids.
         scratch = torch.zeros(len(parts) * v, dtype=torch.float32, device=device)
         at = local.to(device) * v + ids  # (K,) in the scratch
         scratch.index_add_(0, at, torch.ones_like(at, dtype=torch.float32))
@@ -126,11 +107,7 @@ def apply_adjustments(logits: Tensor, rows: list[tuple[int, RowAdjustments]]) ->
 
 
 def choose(logits: Tensor, requests: Sequence[Request]) -> list[tuple[int, Chosen | None]]:
-    """logits (m, v) of one forward -> each row's (token id, its log-probabilities or None).
-
-    Each row's bias and penalties, then its grammar (``Request.constraint``), then greedy rows take
-    the argmax and a sampling row draws from its own generator (``Request.generator``, seeded per
-    request)."""
+    """logits (m, v) of one forward -> each row's (token id, its log-probabilities or None)."""
     logits = logits.float().contiguous()  # (m, v), changed in place below
     asks = [r.params.logprobs for r in requests if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits, dim=-1) if asks else None  # (m, v): the raw model's
@@ -172,14 +149,9 @@ def choose(logits: Tensor, requests: Sequence[Request]) -> list[tuple[int, Chose
 
 @contextmanager
 def one_thread(device: torch.device) -> Iterator[None]:
-    """Run the block on one torch thread when ``device`` is the CPU (the count is given back after).
-
-    For the grammar mask: unpacking a vocabulary-wide bitmask and its masked fill are a few dozen
-    microseconds of work each, but over 32,768 elements torch opens an OpenMP parallel region for
-    each, and on cores shared with other jobs a region waits until every one of its threads has been
-    scheduled, which can cost far more than the work (docs/benchmarks.md has the figures). One
-    thread opens no region. (torch's thread count is the process's: this is for the engine
-    thread, the one that computes.)"""
+    """Run the block on one torch thread when ``device`` is the CPU. For the grammar mask: its small
+    vocabulary-wide ops would each open an OpenMP region, which on shared cores waits for every
+    thread and costs more than the work (docs/benchmarks.md)."""
     before = torch.get_num_threads()
     if device.type != "cpu" or before == 1:
         yield

@@ -1,29 +1,13 @@
-"""The serve engine's scheduler: which requests hold rows, and what each forward feeds. It keeps
-host numbers only and returns a plan (``StepPlan``); the runner (``aiayn.serve.runner``) applies
-the plan's cache operations and runs it.
+"""The serve engine's scheduler: which requests hold rows and what each forward feeds, as a plan
+(``StepPlan``) of host numbers that the runner applies and runs.
 
-Cache row i serves ``rows[i]``: the decoding rows first, then the prefilling ones, kept in that
-order by swapping rows as requests join and leave, so both parts run on contiguous views of the
-cache with no copy. Every step (``schedule``):
-
-1. cancelled requests (a client gone, a stop string seen) give their row back at once;
-2. waiting requests take free rows in arrival order (the paged cache: by free blocks, prefix
-   hits, and ``aiayn.serve.blocks`` for the rules);
-3. the paged cache: the newest requests are preempted (recomputed later) until the step's
-   forwards have the blocks they need;
-4. **prefill**, in chunks: the prefilling rows feed up to ``prefill_chunk`` prompt tokens between
-   them, fewest tokens left first (``aiayn.serve.schedule``), moved to the first prefilling rows
-   in that order. A long prompt thus takes several steps, the other streams get a token at each
-   of them, and a short prompt arriving meanwhile is not held behind it;
-5. **decode**: every decoding row feeds its last token. When a step has both, the decoding rows
-   and the prefill chunk go through **one forward** (the weights read once, as vLLM's chunked
-   prefill batches them); a row whose prompt ends in the chunk decodes from the next step. With
-   no row decoding yet (or ``compiled``: decode steps are compiled graphs, prefill is eager), the
-   chunk runs alone and the rows it finishes decode in a second forward of the same step
-   (``decode_plan``).
-
-After each forward (``update``) the rows whose prompt is done join the decoding rows and the
-finished requests leave.
+Cache row i serves ``rows[i]``: decoding rows first, then prefilling ones, kept so by swapping
+rows, so both parts are contiguous views of the cache. Each step cancelled requests leave,
+waiting ones take free rows in arrival order (paged: by free blocks, ``aiayn.serve.blocks``), the
+paged cache preempts the newest requests until the step has the blocks it needs, and the
+prefilling rows share a budget of ``prefill_chunk`` prompt tokens (``prefill_plan``). The decoding
+rows and the prefill chunk go through one forward; with no row decoding yet, or ``compiled``
+(compiled decode graphs), the chunk runs alone and a decode forward follows (``decode_plan``).
 """
 
 from __future__ import annotations
@@ -31,25 +15,39 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from aiayn.serve.blocks import BlockScheduler
 from aiayn.serve.request import Request
-from aiayn.serve.schedule import prefill_plan
 
 # What the runner does to the cache, in order: ("swap", i, j), ("clear", row), ("adopt", row,
 # blocks) before a forward; ("register", row, digests) after it (the prefix index).
 CacheOp = tuple
 
 
+def prefill_plan(remaining: Sequence[int], chunk: int) -> list[tuple[int, int]]:
+    """This step's prefill as ``(index into remaining, tokens it feeds)``: fewest tokens left first,
+    each row taking what is left of the ``chunk`` budget, so a short prompt beside a long one
+    starts at the next step. ``remaining``: each prefilling row's prompt tokens still to feed."""
+    if chunk < 1 or min(remaining, default=1) < 1:
+        raise ValueError(f"a prefill plan needs chunk >= 1 and rows with tokens to feed, got {chunk}, {list(remaining)}")
+    plan, budget = [], chunk
+    for i in sorted(range(len(remaining)), key=lambda i: (remaining[i], i)):  # fewest left first, then row order
+        if budget == 0:
+            break
+        take = min(remaining[i], budget)
+        plan.append((i, take))
+        budget -= take
+    return plan
+
+
 @dataclass
 class StepPlan:
-    """One forward: ``decode`` feed their last tokens (rows [0, d)); ``prefill`` rows [first,
-    first + k) feed (request, tokens, whether its prompt ends here); ``ops`` go to the cache
-    first, ``register`` after. ``admitted``: new requests (their text and draws to set up);
-    ``preempted``: back in the queue, their blocks given back; ``freed``: cancelled, their rows
-    freed; ``decode_next``: the chunk runs alone and the decoding rows decode in a second forward
-    of this step."""
+    """One forward: ``decode`` rows [0, d) feed their last tokens; ``prefill`` rows [first, first + k)
+    feed (request, tokens, whether its prompt ends here). ``ops`` go to the cache before the
+    forward, ``register`` after. ``admitted``: new requests; ``preempted``: back in the queue;
+    ``freed``: cancelled; ``decode_next``: a second, decode-only forward follows in this step."""
 
     decode: list[Request] = field(default_factory=list)
     prefill: list[tuple[Request, list[int], bool]] = field(default_factory=list)
@@ -72,8 +70,8 @@ class StepPlan:
 
 
 class Scheduler:
-    """Rows, queue and plans of the engine (see the module docstring). ``waiting`` is shared with
-    the threads that submit: it is read and changed under ``lock``."""
+    """The engine's rows, queue and plans. ``waiting`` is shared with the submitting threads:
+    read and changed under ``lock``."""
 
     def __init__(self, max_batch: int, prefill_chunk: int, lock: threading.Condition,
                  blocks: BlockScheduler | None = None, compiled: bool = False) -> None:
@@ -85,8 +83,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
 
     def sequence(self, request: Request) -> list[int]:
-        """What ``request``'s row must hold before it samples: its prompt (after a preemption, its
-        prompt and answer so far)."""
+        """What ``request``'s row must hold before it samples (after a preemption: also its answer so far)."""
         return self.blocks.sequence(request) if self.blocks is not None else request.prompt
 
     # ---- a step's plan --------------------------------------------------------------------------
@@ -145,8 +142,7 @@ class Scheduler:
         return requests
 
     def _chunk(self, plan: StepPlan) -> None:
-        """The prefill chunk (``prefill_plan``), moved to the first prefilling rows in its order;
-        its tokens counted as fed."""
+        """The prefill chunk, moved to the first prefilling rows in its order; its tokens counted as fed."""
         pending = self.rows[self.n_decode:]
         plan.first, now = self.n_decode, time.monotonic()
         for slot, (index, take) in enumerate(prefill_plan(self._remaining(pending), self.prefill_chunk)):
@@ -180,9 +176,8 @@ class Scheduler:
             request.admitted_at = time.monotonic()
 
     def _admit_by_blocks(self, blocks: BlockScheduler, plan: StepPlan) -> None:
-        """The paged cache's admission, in arrival order: a request starts when a row is free and the
-        pool holds its prompt (``BlockScheduler.admission``); one that waits for a prefilling row's
-        blocks (the same prompt: n > 1) lets the others pass."""
+        """Paged admission in arrival order (``BlockScheduler.admission``); a request waiting for a
+        prefilling row's blocks (the same prompt: n > 1) lets the others pass."""
         with self.lock:
             candidates = list(self.waiting)
         blocks.prune({r.id for r in [*candidates, *self.rows]})
@@ -213,9 +208,7 @@ class Scheduler:
         oldest request alone always fits: ``BlockScheduler.check_fits``)."""
         while self.rows:
             need = sum(blocks.blocks_for(r, 1) for r in self.rows[: self.n_decode])
-            # With no row decoding yet, a row whose prompt ends in this step's chunk decodes in the
-            # same step: its chunk and that one token. (Else the rows decoding now decode beside the
-            # chunk, and the ones it finishes start next step.)
+            # With no row decoding yet, a row whose prompt ends in the chunk also decodes this step.
             joins = not self.n_decode
             pending = self.rows[self.n_decode:]
             remaining = self._remaining(pending)
@@ -240,8 +233,8 @@ class Scheduler:
         request.finished = True
 
     def _free_row(self, request: Request, ops: list[CacheOp]) -> None:
-        """Free ``request``'s row: it moves to the end of the used rows (decoding rows stay first,
-        prefilling ones keep their order) and is cleared (a paged row's blocks go back at once)."""
+        """Free ``request``'s row: moved to the end of the used rows (keeping both parts' order) and
+        cleared (a paged row's blocks go back at once)."""
         row = self.rows.index(request)
         if row < self.n_decode:
             self._swap(row, self.n_decode - 1, ops)

@@ -1,9 +1,6 @@
-"""The OpenAI request bodies ``aiayn serve`` accepts, as strict pydantic models.
-
-Strict: a field of the wrong type ("0.5" for a number, "true" for a bool) is refused rather than
-converted, numbers must be finite and in range, unknown fields are refused (naming the field), and
-OpenAI options aiayn does not implement are refused with a message saying so, never silently
-ignored. ``validation_message`` turns pydantic's errors into the one line the 400 answer carries.
+"""The OpenAI request bodies ``aiayn serve`` accepts, as strict pydantic models: no type
+conversion, finite numbers in range, unknown fields and unimplemented OpenAI options refused by
+name. ``validation_message`` turns pydantic's errors into the one line of the 400 answer.
 """
 
 from __future__ import annotations
@@ -11,9 +8,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
-from aiayn.serve.tools import Tool, ToolCall, ToolChoice, tool_settings
+from aiayn.serve.tools import Strict, Tool, ToolCall, ToolChoice, tool_settings
 
 MAX_STOPS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20
@@ -39,8 +36,7 @@ def _strings(value: Any) -> Any:
 
 
 def _texts_or_token_lists(value: Any) -> Any:
-    """OpenAI's prompt / input: a string, a list of strings, a list of token ids or a list of such
-    lists -> a non-empty list whose items are strings or lists of ints."""
+    """OpenAI's prompt / input (a string, token ids, or a list of either) -> a non-empty list of them."""
     def is_ids(v: Any) -> bool:
         return isinstance(v, list) and bool(v) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
 
@@ -67,18 +63,13 @@ def _content(value: Any) -> Any:
     raise ValueError("must be a string or a list of text parts")
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
 class StreamOptions(Strict):
     include_usage: bool = False
 
 
 class Message(Strict):
-    """A chat message. An assistant message may carry ``tool_calls`` (its content then may be
-    null) and its ``refusal`` (ignored), as the client sends back an answer; a ``role: "tool"``
-    message is a call's result, naming it by ``tool_call_id``."""
+    """A chat message. An assistant's may carry ``tool_calls`` (content then may be null) and a
+    ``refusal`` (ignored); a ``role: "tool"`` message answers the call ``tool_call_id``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, BeforeValidator(_content)] | None = None
@@ -100,8 +91,7 @@ class Message(Strict):
 
 
 class JSONSchemaSpec(Strict):
-    """``response_format.json_schema``: the schema an answer must validate against (enforced
-    whatever ``strict`` says; none given: any JSON value)."""
+    """``response_format.json_schema``: enforced whatever ``strict`` says (none: any JSON value)."""
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
@@ -126,9 +116,8 @@ ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Fie
 
 
 class GenerationRequest(Strict):
-    """What chat and completion requests share. ``repetition_penalty`` (CTRL's, as ``aiayn
-    generate`` has it) and ``top_k`` are extensions (vLLM's names), and so is ``response_format``
-    on completions."""
+    """What chat and completion requests share; ``repetition_penalty``, ``top_k`` (vLLM's names) and
+    ``response_format`` on completions are extensions."""
 
     model: str
     temperature: Temperature | None = None

@@ -22,12 +22,8 @@ from aiayn.serve.metrics import Metrics
 from aiayn.serve.models import ServedModel
 
 DEFAULT_CONTEXT = 2048  # tokens per slot when the model allows more (SmolLM2: 8192)
-# Seconds an idle keep-alive connection stays open (`aiayn serve --keep-alive`). Longer than the
-# connection pools of common clients keep one idle (httpx's and so the openai client's 5 s,
-# aiohttp's 15 s), so such a client gives a connection up before the server closes it: at equal
-# timeouts a request sent on a connection idle just under them can meet the server closing it, and is
-# never read (httpx's ReadError or RemoteProtocolError; benchmarks/soak.py --keepalive-probe; uvicorn's
-# own default is 5 s). An idle connection costs a socket and no thread.
+# Seconds an idle keep-alive connection stays open (--keep-alive): longer than common clients' pools
+# keep one (httpx 5 s, aiohttp 15 s), so a client never sends on a connection the server is closing.
 KEEP_ALIVE_SECONDS = 20.0
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -45,9 +41,8 @@ def parse_size(text: str) -> int:
 
 
 def weights_summary(model: torch.nn.Module) -> str:
-    """'134,515,008 parameters, float32'. A model with lowered layers (``--quantize int8`` / ``q4`` /
-    ``auto``) holds their weights as buffers, not parameters: they are counted too (a tied table's
-    blocks once), so the total is the float model's, and their types are named."""
+    """'134,515,008 parameters, float32'. Lowered layers (``--quantize``) hold their weights as
+    buffers: counted too (a tied table once) and their types named."""
     from aiayn.fast.q4 import BlockEmbedding, BlockLinear  # lazily: the kernel's module
     from aiayn.fast.quantize import Int8Linear
 
@@ -79,13 +74,9 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
                 max_request_tokens: int = MAX_REQUEST_TOKENS, embed_chunk: int = DEFAULT_CHUNK,
                 embed_share: float = 0.5, kv_layout: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                 prefix_caching: bool = True, compile: bool = False) -> tuple[ServerState, list[str]]:
-    """The server's state and the lines that describe it at start-up (the model, the KV-cache
-    slots the budget allows, the limits on a request); ``threads``: the engine thread's torch
-    threads; ``max_input_tokens``: None for 8,192 or the model's context if smaller. ValueError
-    for settings that cannot work. ``kv_layout``: "paged" (blocks of ``block_size`` tokens, with
-    ``prefix_caching``) or "slots" (a fixed slot of ``context`` tokens per request); None: paged,
-    or slots for a quantised ``kv_cache`` (the paged cache holds floats) or with ``compile`` (the
-    decode steps through compiled graphs: ``aiayn.serve.compiled_step``)."""
+    """The server's state and its start-up lines; ValueError for settings that cannot work.
+    ``max_input_tokens``: None for 8,192 or the model's context if smaller. ``kv_layout``: "paged",
+    "slots" or None: paged, but slots for a quantised ``kv_cache`` or with ``compile``."""
     metrics = Metrics()
     engine = None
     model_context = served.lm.context if served.lm is not None else served.encoder.max_length  # type: ignore[union-attr]
@@ -107,7 +98,7 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
         if isinstance(plan, BlockPlan) and any(getattr(m, "cache_kernel", None) is not None for m in lm.model.modules()):
             from aiayn.fast.paged_attention_build import kernel_ops
 
-            kernel_ops()  # the paged-attention kernel built (first time, ~30 s) or loaded now, not at a request
+            kernel_ops()  # the paged-attention kernel built or loaded now, not at a request
         engine = Engine(lm, plan, kv_cache=kv_cache, prefill_chunk=prefill_chunk, max_queue=max_queue,
                         metrics=metrics, threads=threads, embed_chunk=embed_chunk, embed_share=embed_share,
                         compile=compile)
@@ -132,7 +123,7 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
         assert served.encoder is not None
         decoding = [option for option, given in (("--compile", compile), ("--kv-layout", kv_layout is not None),
                                                   ("--kv-cache", kv_cache is not None)) if given]
-        if decoding:  # options of the decode engine: refused rather than ignored, so no one thinks they took effect
+        if decoding:  # refused rather than silently ignored
             raise ValueError(f"{' and '.join(decoding)} {'sets' if len(decoding) == 1 else 'set'} how a decoder "
                              f"generates tokens; {served.name} is a sentence encoder (embeddings only): leave "
                              f"{'it' if len(decoding) == 1 else 'them'} out")
@@ -170,8 +161,7 @@ def check_port(host: str, port: int) -> None:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn, telling the app when a shutdown (SIGTERM, Ctrl-C) begins: new API requests get 503,
-    running ones get ``shutdown_grace`` seconds to finish, then are told they were cut short."""
+    """uvicorn, telling the app when a shutdown (SIGTERM, Ctrl-C) begins (``ServerState.begin_drain``)."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
@@ -184,8 +174,7 @@ class GracefulServer(uvicorn.Server):
 
 def server(state: ServerState, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
            keep_alive: float = KEEP_ALIVE_SECONDS) -> GracefulServer:
-    """A uvicorn server for ``state`` (``run()`` it, or ``serve()`` it on an event loop); an idle
-    connection is closed after ``keep_alive`` seconds."""
+    """A uvicorn server for ``state`` (``run()`` it, or ``serve()`` it on an event loop)."""
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                             timeout_keep_alive=keep_alive,
                             timeout_graceful_shutdown=int(state.shutdown_grace) + 3, access_log=False)

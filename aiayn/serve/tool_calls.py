@@ -1,23 +1,12 @@
-"""A tool-calling answer: how it is laid out, the grammar that holds the model to it, and how its
-text is read back into OpenAI's ``tool_calls`` (whole, or as streamed deltas).
+"""A tool-calling answer: its layout, the grammar that holds the model to it, and reading it back
+into OpenAI's ``tool_calls`` (whole, or as streamed deltas). Two layouts, as llama.cpp's:
 
-Two layouts, as llama.cpp's server has them (its docs/function-calling.md):
+* **Hermes** (``<tool_call>{...}</tool_call>`` blocks), for templates that write those tags. With
+  "auto" the model writes free text, then calls once it writes ``<tool_call>``.
+* **Generic**, for any other template: the answer is JSON, ``{"tool_call": {...}}`` (or
+  ``{"tool_calls": [...]}``) or, with "auto", ``{"response": "text"}``.
 
-* **Hermes** (``<tool_call>`` tags), for templates that write them (Qwen2.5, Hermes 2/3: the
-  model was trained to answer so): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
-  several separated by a newline. With ``tool_choice`` "auto" the model writes free text, and a
-  call once it writes ``<tool_call>`` (the trigger: a lazy lexeme, llguidance's tool-calling
-  pattern): from there the call must be one of the tools with arguments valid against its
-  schema. Text before the calls is the message's ``content``.
-* **Generic**, for any other template (SmolLM2's): the whole answer is JSON, ``{"tool_call":
-  {"name": ..., "arguments": {...}}}`` (``{"tool_calls": [...]}`` when several may come) or, with
-  "auto", ``{"response": "text"}``; the model chooses between them at the first key.
-
-"required" and a named function allow calls only (the named one: only it). The JSON is compact
-(``", "`` and ``": "``, as ``aiayn.generate.constrain`` writes it), the function's name comes first,
-so the answer is read back by position: a call's arguments are the text of its JSON object as the
-model wrote it (``json.JSONDecoder.raw_decode`` finds where it ends; until then all of the text
-after ``"arguments": `` is arguments, since an object is complete only at its last brace).
+The JSON is compact with the name first, so a call's arguments are read back by position.
 """
 
 from __future__ import annotations
@@ -28,15 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiayn.generate.constrain import JSON_OPTIONS, GrammarConstraint
-from aiayn.serve.tools import ToolSettings, call_id
+from aiayn.serve.tools import ToolSettings, call_id, template_support
 
 TRIGGER, CLOSE = "<tool_call>", "</tool_call>"  # Hermes: the text that starts a call, and ends it
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where the call objects sit: ``first`` before the first, ``between`` two (None: one call
-    only), ``last`` after the last."""
+    """What comes before the first call object, ``between`` two (None: one call only), after the last."""
 
     first: str
     between: str | None
@@ -72,16 +60,14 @@ def _lark(text: str) -> str:
 
 
 def _json(schema: dict[str, Any]) -> str:
-    """``%json {...}``: an inline JSON schema, compact JSON as the rest of aiayn writes it."""
+    """``%json {...}``: an inline JSON schema."""
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
 class ToolFormat:
-    """One request's tool-call format: its ``grammar`` (llguidance's Lark), the ``constraint``
-    a generation follows, and ``parse`` of what the model wrote. ``response_schema``: the JSON
-    schema a text answer follows (``response_format`` beside "auto"; None: free text): the
-    generic layout's ``"response"`` is then that JSON value, and Hermes' answer is that JSON or
-    calls (no text before calls), as llama.cpp's generic handling has it."""
+    """One request's tool-call format: its ``grammar`` (llguidance's Lark), the ``constraint`` a
+    generation follows, and ``parse`` of what the model wrote. ``response_schema``: the JSON schema
+    a text answer follows (None: free text); Hermes' answer is then that JSON or calls."""
 
     def __init__(self, settings: ToolSettings, *, hermes: bool, response_schema: dict[str, Any] | None = None) -> None:
         self.settings, self.hermes, self.response_schema = settings, hermes, response_schema
@@ -95,9 +81,8 @@ class ToolFormat:
         return options[0] if len(options) == 1 else {"anyOf": options}
 
     def grammar(self, tag_tokens: bool = False) -> str:
-        """The answer's grammar. ``tag_tokens``: the tokenizer has Hermes' tags as tokens of their
-        own (Qwen2.5's added tokens), which the model writes them with: the grammar names those
-        tokens (llguidance takes any added token for a special one: never part of text)."""
+        """The answer's grammar. ``tag_tokens``: the tokenizer has Hermes' tags as added tokens
+        (Qwen2.5), which the grammar then names."""
         layout = self.layout
         if self.hermes and tag_tokens:
             return self._hermes_token_grammar()
@@ -120,9 +105,8 @@ class ToolFormat:
         return "\n".join(lines) + "\n"
 
     def _hermes_token_grammar(self) -> str:
-        """Hermes with ``<tool_call>`` / ``</tool_call>`` as tokens: text ends where the token comes
-        (no lazy lexeme needed); text that spells the tag out is refused, so that reading the
-        answer back (which sees the same characters) is never fooled."""
+        """Hermes with its tags as tokens: text ends where the token comes; text spelling the tag out
+        is refused, so reading the answer back is never fooled."""
         block = f'{TRIGGER} "\\n" call "\\n" {CLOSE}'  # (<name> in Lark: the token)
         calls = f'{block} ("\\n" {block})*' if self.layout.between is not None else block
         if self.settings.choice == "required":
@@ -134,16 +118,14 @@ class ToolFormat:
         return "\n".join([f"start: {start}", f"calls: {calls}", f"call: {_json(self.call_schema())}", *text]) + "\n"
 
     def constraint(self, tokenizer: Any, eos_id: int | None) -> GrammarConstraint:
-        """A fresh grammar state for one answer; ValueError, one line, when llguidance refuses a
-        function's parameters schema."""
+        """A fresh grammar state for one answer; ValueError when llguidance refuses a schema."""
         return GrammarConstraint.from_lark(tokenizer, self.grammar(self.hermes and tags_are_tokens(tokenizer)),
                                            eos_id=eos_id)
 
     # ---- reading the answer ----------------------------------------------------------------------
     def parse(self, text: str, final: bool) -> Parsed:
-        """What ``text`` says so far. Not ``final`` (streaming), text that may yet turn out to start
-        a call is held back; a cut answer (the token limit) gives its calls so far, the last one's
-        arguments cut."""
+        """What ``text`` says so far. Not ``final`` (streaming): text that may yet start a call is held
+        back. A cut answer gives its calls so far."""
         layout = self.layout
         if self.hermes and self.response_schema is not None:  # JSON (which may hold the tag in a string) or calls
             if text.startswith(TRIGGER):
@@ -170,8 +152,7 @@ class ToolFormat:
 
 
 def tags_are_tokens(tokenizer: Any) -> bool:
-    """Whether ``tokenizer`` (a ``tokenizers.Tokenizer``) has both Hermes tags as added tokens
-    (False for any other tokenizer: the grammar's own check then says what it needs)."""
+    """Whether ``tokenizer`` (a ``tokenizers.Tokenizer``) has both Hermes tags as added tokens."""
     if not hasattr(tokenizer, "get_added_tokens_decoder"):
         return False
     added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
@@ -179,8 +160,7 @@ def tags_are_tokens(tokenizer: Any) -> bool:
 
 
 def _held_back(text: str) -> str:
-    """Streamed Hermes text without what may yet start a call: a tail that begins ``<tool_call>``,
-    and the whitespace before it (text before calls is the content without its trailing space)."""
+    """Streamed Hermes text without a tail that may yet start ``<tool_call>``, and trailing space."""
     for size in range(min(len(TRIGGER) - 1, len(text)), 0, -1):
         if TRIGGER.startswith(text[-size:]):
             text = text[:-size]
@@ -209,8 +189,7 @@ def _calls(text: str, start: int, layout: Layout) -> list[ParsedCall]:
 
 
 def _value_so_far(text: str, start: int) -> str:
-    """The text of the JSON value that starts at ``start``: up to its end once it is whole (what
-    follows is the envelope's brace), all of it until then."""
+    """The text of the JSON value that starts at ``start``: up to its end once whole, else all of it."""
     try:
         return text[start: _decoder.raw_decode(text, start)[1]]
     except ValueError:
@@ -218,8 +197,8 @@ def _value_so_far(text: str, start: int) -> str:
 
 
 def _string_so_far(text: str, start: int) -> str:
-    """The JSON string that starts at ``start``, decoded as far as it is written (an escape cut in
-    its middle left out, and a lone high surrogate whose pair is still to come)."""
+    """The JSON string that starts at ``start``, decoded as far as it is written (without a cut
+    escape or a lone high surrogate)."""
     try:
         value, _ = _decoder.raw_decode(text, start)
         return value if isinstance(value, str) else ""
@@ -243,10 +222,8 @@ def message(fmt: ToolFormat, text: str) -> tuple[str | None, list[dict[str, Any]
 
 
 class ToolStream:
-    """A streamed answer's deltas as OpenAI sends them: ``{"content": ...}`` for text, and per
-    call ``{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments": ""}}]}`` once
-    its name is known, then ``{"tool_calls": [{"index", "function": {"arguments": ...}}]}`` as its
-    arguments are written."""
+    """A streamed answer's deltas as OpenAI sends them: ``{"content": ...}`` for text; per call, its
+    id and name once known, then its arguments as they are written."""
 
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt = fmt
@@ -279,8 +256,8 @@ class ToolStream:
 
 
 def answer_message(fmt: ToolFormat, text: str, engine_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """A whole answer's assistant message (``tool_calls`` only where there are calls; content
-    null beside calls without text) and its finish reason."""
+    """A whole answer's assistant message (``tool_calls`` only where there are calls) and its
+    finish reason."""
     content, calls = message(fmt, text)
     reply: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if calls:
@@ -290,11 +267,8 @@ def answer_message(fmt: ToolFormat, text: str, engine_reason: str | None) -> tup
 
 def tool_format(lm: Any, settings: ToolSettings,
                 response_schema: dict[str, Any] | None = None) -> tuple[ToolFormat, GrammarConstraint]:
-    """The request's format for ``lm`` (a ``TextModel``: Hermes where its chat template writes
-    ``<tool_call>``, else generic) and the grammar its answers follow (compiled: call it off the
-    event loop). ValueError, one line, for a schema llguidance refuses or a model without a
-    ``tokenizers`` tokenizer."""
-    from aiayn.serve.tools import template_support
-
+    """The request's format for ``lm`` (Hermes where its chat template writes ``<tool_call>``, else
+    generic) and its compiled grammar: call it off the event loop. ValueError for a schema
+    llguidance refuses or a model without a ``tokenizers`` tokenizer."""
     fmt = ToolFormat(settings, hermes=template_support(lm.chat_template).hermes, response_schema=response_schema)
     return fmt, fmt.constraint(lm.tokenizer, lm.eos_id)

@@ -1,58 +1,46 @@
-"""Tool calls in ``aiayn serve``: OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``,
-and the prompt the model's own chat template makes of them.
-
-* The request's side: ``Tool`` (a function: name, description, parameters as a JSON schema,
-  strict), ``NamedToolChoice``, the ``ToolCall`` an assistant message carries back, strict pydantic
-  models as ``aiayn.serve.schemas``'; ``tool_settings`` checks them together (a named function
-  that is not among the tools, ``tool_choice`` without tools, ...) into one ``ToolSettings``.
-* The prompt: ``render_chat`` renders the messages through the model's chat template. A template
-  that uses ``tools`` (one that writes a tool's name given one) gets them as it expects them
-  (transformers' ``apply_chat_template(tools=...)``: OpenAI's tool objects). For a template
-  without tool support (SmolLM2's), the tool descriptions are injected as llama.cpp's "generic"
-  handling does (minja's polyfill): a system message listing the tools as JSON with an example
-  call and the answer's form; an assistant message's ``tool_calls`` become its content in that
-  form, a ``role: "tool"`` message becomes a user message ``{"tool_response": {...}}``. What a
-  template supports is found by rendering probes (as minja does), once per template.
-* How the answer is laid out and constrained, and read back into ``tool_calls``:
-  ``aiayn.serve.tool_calls``.
+"""Tool calls, the request's side: OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``
+as strict pydantic models, checked together by ``tool_settings``, and the prompt the model's chat
+template makes of them (``render_chat``). A template without tool support gets them as llama.cpp's
+"generic" handling writes them (a system message listing the tools; calls and results as JSON).
+The answer's side: ``aiayn.serve.tool_calls``.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# OpenAI's rule for function names (letters, digits, underscores and dashes, at most 64).
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_TOOLS = 128  # as OpenAI
 
 
-class _Strict(BaseModel):  # as aiayn.serve.schemas.Strict (which imports this module)
+class Strict(BaseModel):
+    """A request model: unknown fields are refused, and so are values of the wrong type."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object (None: no arguments)
     strict: bool | None = None  # the schema is always enforced, strict or not
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: FunctionName
 
@@ -60,12 +48,12 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str
     arguments: str  # the arguments object as JSON text
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     """A call in an assistant message sent back with the conversation."""
 
     id: str
@@ -74,16 +62,15 @@ class ToolCall(_Strict):
 
 
 def call_id() -> str:
-    """A new tool call's id, in OpenAI's form ("call_" and 24 letters and digits)."""
+    """A new tool call's id, in OpenAI's form."""
     return "call_" + uuid.uuid4().hex[:24]
 
 
 @dataclass(frozen=True)
 class ToolSettings:
-    """A request's tools as the answer uses them: ``tools`` (OpenAI's objects, as dicts), which of
-    them the answer may call (``choice``: "auto" text or calls, "required" at least one call;
-    ``names``: the callable ones, one for a named choice), and whether several calls may come in
-    one answer. Each function's ``parameters`` is an object schema."""
+    """A request's tools as the answer uses them: ``tools`` (OpenAI's objects, as dicts, each
+    ``parameters`` an object schema), ``choice`` ("auto": text or calls, "required": at least one
+    call), the callable ``names`` and whether one answer may hold several calls."""
 
     tools: tuple[dict[str, Any], ...]
     choice: Literal["auto", "required"]
@@ -98,9 +85,8 @@ class ToolSettings:
 
 
 def object_schema(parameters: dict[str, Any] | None, where: str) -> dict[str, Any]:
-    """A function's parameters as the object schema its arguments follow: None is no arguments
-    (``{"type": "object", "properties": {}}``, as OpenAI), a schema without a type gets "object";
-    ValueError for a schema of another type (OpenAI's arguments are always a JSON object)."""
+    """A function's parameters as an object schema (None: no arguments; no type: "object");
+    ValueError for another type (OpenAI's arguments are always a JSON object)."""
     if parameters is None:
         return {"type": "object", "properties": {}}
     kind = parameters.get("type", "object")
@@ -112,8 +98,8 @@ def object_schema(parameters: dict[str, Any] | None, where: str) -> dict[str, An
 
 def tool_settings(tools: list[Tool] | None, tool_choice: ToolChoice | None,
                   parallel_tool_calls: bool | None) -> ToolSettings | None:
-    """The request's tools checked together; None when the answer is plain text (no tools, or
-    ``tool_choice`` "none"). ValueError, one line naming the field, for a bad combination."""
+    """The request's tools checked together; None for a plain text answer. ValueError naming the
+    field for a bad combination."""
     if not tools:
         if tools is not None:
             raise ValueError("tools: give at least one tool, or leave tools out")
@@ -146,10 +132,8 @@ def tool_settings(tools: list[Tool] | None, tool_choice: ToolChoice | None,
 # ---- what a chat template supports ---------------------------------------------------------------
 @dataclass(frozen=True)
 class TemplateSupport:
-    """Which tool messages a chat template renders itself (found by probes, as minja does):
-    ``tools`` (it writes a tool it is given), ``tool_calls`` (an assistant message's calls),
-    ``tool_responses`` (``role: "tool"`` messages), and whether it writes Hermes' ``<tool_call>``
-    tags (Qwen2.5, Hermes 2/3: the model answers in them)."""
+    """What a chat template renders itself (found by probes, as minja does): tools, an assistant's
+    ``tool_calls``, ``role: "tool"`` messages, and whether it writes Hermes' ``<tool_call>`` tags."""
 
     tools: bool
     tool_calls: bool
@@ -162,8 +146,7 @@ _PROBE_TOOL = {"type": "function", "function": {
         "aiayn_probe_argument": {"type": "string"}}, "required": ["aiayn_probe_argument"]}}}
 _PROBE_CALL = {"id": "call_aiayn_probe_id", "type": "function", "function": {
     "name": "aiayn_probe_call", "arguments": {"aiayn_probe_argument": "aiayn_probe_value"}}}
-_supports: dict[str, TemplateSupport] = {}
-_supports_lock = threading.Lock()
+_supports: dict[str, TemplateSupport] = {}  # (two threads may probe one template at once: the same answer)
 
 
 def _renders(template: Any, messages: list[dict[str, Any]], needle: str, **variables: Any) -> bool:
@@ -176,27 +159,23 @@ def _renders(template: Any, messages: list[dict[str, Any]], needle: str, **varia
 def template_support(template: Any) -> TemplateSupport:
     """What ``template`` (a ``ChatTemplate``) supports, probed once per template source."""
     key = str(template)
-    with _supports_lock:
-        if key in _supports:
-            return _supports[key]
+    if key in _supports:
+        return _supports[key]
     user = {"role": "user", "content": "hi"}
     calling = {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]}
     answer = {"role": "tool", "tool_call_id": _PROBE_CALL["id"], "content": "aiayn_probe_result"}
     tools = _renders(template, [user], "aiayn_probe_tool", tools=[_PROBE_TOOL])
-    support = TemplateSupport(
+    support = _supports[key] = TemplateSupport(
         tools=tools,
         tool_calls=_renders(template, [user, calling], "aiayn_probe_call"),
         tool_responses=_renders(template, [user, calling, answer], "aiayn_probe_result"),
         hermes=tools and "<tool_call>" in key)
-    with _supports_lock:
-        _supports[key] = support
     return support
 
 
 # ---- rendering a conversation with tools ----------------------------------------------------------
 def _arguments_object(arguments: str) -> Any:
-    """A call's arguments as templates read them: the JSON object (as vLLM passes them), or the
-    text as it is when it is not JSON."""
+    """A call's arguments as templates read them: the JSON object (as vLLM), else the text."""
     try:
         return json.loads(arguments)
     except ValueError:
@@ -204,9 +183,8 @@ def _arguments_object(arguments: str) -> Any:
 
 
 def generic_calls_text(calls: list[dict[str, Any]], many: bool | None) -> str:
-    """Calls as the generic format writes them (what ``aiayn.serve.tool_calls`` asks the model
-    for): ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`` where several calls may come
-    (``many``; None: where there are several), else ``{"tool_call": {...}}``."""
+    """Calls in the generic format: ``{"tool_calls": [...]}`` where several may come (``many``;
+    None: where there are several), else ``{"tool_call": {...}}``."""
     items = [{"name": c["function"]["name"], "arguments": _arguments_object(c["function"]["arguments"])}
              for c in calls]
     many = len(items) > 1 if many is None else many or len(items) > 1
@@ -215,9 +193,8 @@ def generic_calls_text(calls: list[dict[str, Any]], many: bool | None) -> str:
 
 
 def generic_instructions(settings: ToolSettings) -> str:
-    """The system text that describes the tools to a template without tool support: llama.cpp's
-    generic handling's (the tools as indented JSON, an example call, the answer's form), with the
-    example in the exact form the grammar then asks for."""
+    """The system text describing the tools to a template without tool support (llama.cpp's
+    generic handling), its example in the exact form the grammar asks for."""
     example = {"name": "tool_name", "arguments": {"arg1": "some_value"}}
     key, sample = (("tool_calls", {"tool_calls": [example]}) if settings.parallel
                    else ("tool_call", {"tool_call": example}))
@@ -242,11 +219,9 @@ def _add_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any
 
 def template_messages(messages: list[dict[str, Any]], support: TemplateSupport,
                       many: bool | None = None) -> list[dict[str, Any]]:
-    """The request's messages (``model_dump``ed, OpenAI's shape) as the template reads them: null
-    content is "" (templates concatenate it), a call's arguments are its JSON object; for a
-    template without support for them, calls become the assistant's content and tool results user
-    messages, in the generic format (``many``: as ``generic_calls_text``; the tool's name found
-    from the call's id)."""
+    """The request's messages as the template reads them: null content is "", a call's arguments its
+    JSON object; where the template lacks support, calls become the assistant's content and tool
+    results user messages, in the generic format."""
     names = {}
     out = []
     for message in messages:
@@ -270,8 +245,8 @@ def template_messages(messages: list[dict[str, Any]], support: TemplateSupport,
 
 
 def render_chat(template: Any, messages: list[dict[str, Any]], settings: ToolSettings | None) -> str:
-    """The prompt for ``messages`` with the request's tools (None: a plain chat, any calls and tool
-    results in the history still rendered). Raises the template's InteropError when it refuses."""
+    """The prompt for ``messages`` with the request's tools (None: none). Raises the template's
+    InteropError when it refuses."""
     if settings is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         return template.render(messages)
     support = template_support(template)
@@ -281,6 +256,5 @@ def render_chat(template: Any, messages: list[dict[str, Any]], settings: ToolSet
     if support.hermes:
         return template.render(adapted, tools=list(settings.tools))
     adapted = _add_system(adapted, generic_instructions(settings))
-    # A template that lists tools its own way gets them too (llama.cpp passes them to any template).
     return template.render(adapted, **({"tools": list(settings.tools)} if support.tools else {}))
 

@@ -312,7 +312,7 @@ def test_load_sentence_encoder(device, bert_dir):
 
 def test_load_served_model_and_decoder_embeddings(device, bert_dir):
     from aiayn.serve import load_served_model
-    from aiayn.serve.models import decoder_embeddings
+    from aiayn.serve.embedding import decoder_embeddings
 
     served = load_served_model(shipped_path("shakespeare-char"), device=device)
     assert model_device(served.lm.model) == device

@@ -1,4 +1,4 @@
-"""The prefill schedule (``aiayn.serve.schedule``): fewest prompt tokens left first, each row taking
+"""The prefill schedule (``aiayn.serve.scheduler.prefill_plan``): fewest prompt tokens left first, each row taking
 what is left of the step's token budget. A short request that arrives while 14 rows decode and a
 long prompt prefills (16 rows) gets its first token at the next step (not after the long prompt's
 every chunk), on the fixed slots and on the paged cache; the long prompt still finishes while a
@@ -15,7 +15,7 @@ from test_engine import engine_for, prompt, submit
 from test_prefix_cache import paged_engine
 
 from aiayn.generate import greedy_decoder_only
-from aiayn.serve.schedule import prefill_plan
+from aiayn.serve.scheduler import prefill_plan
 
 
 @pytest.fixture(scope="module")

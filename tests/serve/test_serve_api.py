@@ -18,7 +18,7 @@ from serve_helpers import MODEL_NAME
 from torch.testing import assert_close
 
 from aiayn.generate import greedy_decoder_only
-from aiayn.serve.models import decoder_embeddings
+from aiayn.serve.embedding import decoder_embeddings
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, server!"}]
 
