@@ -9,6 +9,7 @@ functions (lazy imports) and under ``if TYPE_CHECKING``.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,22 +35,28 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def aiayn_imports(path: Path) -> set[str]:
-    """The aiayn modules ``path`` imports, anywhere in it: ``from aiayn import viz`` counts as
-    aiayn.viz, relative imports are resolved."""
+def resolved_imports(path: Path) -> Iterator[tuple[str, list[str]]]:
+    """Every import of ``path``, anywhere in it, as (module, the names imported from it; none for
+    ``import a.b``), relative imports resolved."""
     package = module_name(path).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
-    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            yield from ((alias.name, []) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
-            module = ".".join(p for p in (base, node.module or "") if p)
-            names.add(module)
-            if module == "aiayn":  # from aiayn import viz, tasks, ...
-                names.update(f"aiayn.{alias.name}" for alias in node.names)
+            yield ".".join(p for p in (base, node.module or "") if p), [alias.name for alias in node.names]
+
+
+def aiayn_imports(path: Path) -> set[str]:
+    """The aiayn modules ``path`` imports, anywhere in it: ``from aiayn import viz`` counts as
+    aiayn.viz, relative imports are resolved."""
+    names: set[str] = set()
+    for module, imported in resolved_imports(path):
+        names.add(module)
+        if module == "aiayn":  # from aiayn import viz, tasks, ...
+            names.update(f"aiayn.{name}" for name in imported)
     return {n for n in names if n == "aiayn" or n.startswith("aiayn.")}
 
 
@@ -148,18 +155,10 @@ def test_the_task_protocol_is_the_trainers():
 # ---- no import circles --------------------------------------------------------------------------
 def import_edges(path: Path) -> set[str]:
     """The aiayn modules ``path`` imports, anywhere in it: ``from a.b import c`` is an edge to the
-    module a.b.c if there is one, else to a.b; relative imports are resolved."""
-    package = module_name(path).split(".")
-    if path.name != "__init__.py":
-        package = package[:-1]
+    module a.b.c if there is one, else to a.b."""
     edges: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            edges.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
-            module = ".".join(p for p in (base, node.module or "") if p)
-            edges.update(f"{module}.{a.name}" if f"{module}.{a.name}" in MODULES else module for a in node.names)
+    for module, imported in resolved_imports(path):
+        edges.update([f"{module}.{name}" if f"{module}.{name}" in MODULES else module for name in imported] or [module])
     return edges & set(MODULES)
 
 
