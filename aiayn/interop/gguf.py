@@ -77,7 +77,7 @@ def _import_gguf() -> Any:
 
 
 def _reader_class(base: type) -> type:
-    """``GGUFReader``, or a subclass that parses 3x faster (reads slices of a plain ndarray view of
+    """``GGUFReader``, or a subclass that parses faster (reads slices of a plain ndarray view of
     the memory map instead of ``np.memmap`` slices, whose per-slice bookkeeping dominates parsing
     the ~100k vocabulary strings); the same arrays and fields. Used only where the private
     ``_get`` it overrides has the signature it was written for (gguf 0.10 - 0.19 at least)."""
