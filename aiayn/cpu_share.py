@@ -1,9 +1,9 @@
-"""Cooperative sharing of the CPU cores between aiayn processes on one machine (issue 34 point 6).
+"""Cooperative sharing of the CPU cores between aiayn processes on one machine.
 
 Two aiayn jobs that each run torch's default thread count (one per core) oversubscribe the cores,
 and libgomp's threads spin while they wait for one another, so each job gets far less than half
-the machine (a training beside a beam-search translation: 26x slower than alone on 2 cores).
-Sleeping threads (``OMP_WAIT_POLICY=PASSIVE``) share well but cost a job alone up to 2x. So
+the machine (a training beside a beam-search translation runs many times slower than alone).
+Sleeping threads (``OMP_WAIT_POLICY=PASSIVE``) share well but slow a job that runs alone. So
 instead each busy aiayn process takes its fair share of threads, and alone keeps torch's default:
 
 * a process that runs a model calls ``share_cores()`` at its safe points (a training step, a

@@ -144,7 +144,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 def fused_optimizer(device: torch.device) -> bool:
     """Whether Adam/AdamW take ``fused=True`` here: one kernel for all parameters on CUDA; the CPU
-    keeps the for-each implementation its measured runs used."""
+    keeps torch's default for-each implementation."""
     return device.type == "cuda"
 
 

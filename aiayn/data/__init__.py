@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-ENV_VAR = "AIAYN_DATA_DIR"
+from aiayn.data.root import ENV_VAR, data_dir
+
+__all__ = ["ENV_VAR", "data_dir", "dataset_file", "fetch_hint"]
 
 
 def fetch_hint(dataset: str) -> str:
@@ -16,17 +17,6 @@ def fetch_hint(dataset: str) -> str:
     if dataset in DATASETS:
         return f"get it with `aiayn fetch {dataset}` (or {where})"
     return where
-
-
-def data_dir() -> Path:
-    """The data root: $AIAYN_DATA_DIR, else ../shared/data from the working directory or the repo."""
-    if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR])
-    repo = Path(__file__).resolve().parents[2]
-    for candidate in (Path.cwd() / ".." / "shared" / "data", repo / ".." / "shared" / "data"):
-        if candidate.is_dir():
-            return candidate.resolve()
-    return Path("../shared/data")
 
 
 def dataset_file(*parts: str) -> Path:

@@ -23,6 +23,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiayn.data.root import data_dir
+
 URL_ENV_VAR = "AIAYN_DATA_URL"
 TIMEOUT_S = 60.0  # per connection and per read: a stalled server fails, it never hangs
 
@@ -169,8 +171,6 @@ def fetch_dataset(name: str, data_root: Path | None = None, *, base_url: str | N
                   timeout: float = TIMEOUT_S, echo: Callable[[str], None] | None = None) -> tuple[Path, list[str]]:
     """Fetch dataset ``name`` into ``data_root/name`` (default: the data root, where the tasks read
     it); returns (its folder, the files downloaded now)."""
-    from aiayn.data import data_dir
-
     if name not in DATASETS:
         raise ValueError(unknown_dataset(name))
     dataset = DATASETS[name]

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import difflib
 
+from aiayn.experiments import length_extrapolation, table3  # noqa: F401  (register themselves)
 from aiayn.experiments.base import (
+    EXPERIMENTS,
     Budget,
     Experiment,
     ExperimentError,
     ExperimentResult,
     Variant,
+    register,
     run_experiment,
     run_variant,
 )
@@ -26,18 +29,9 @@ from aiayn.experiments.base import (
 __all__ = ["EXPERIMENTS", "Budget", "Experiment", "ExperimentError", "ExperimentResult", "Variant",
            "get_experiment", "register", "run_experiment", "run_variant"]
 
-EXPERIMENTS: dict[str, type[Experiment]] = {}
-
-
-def register(cls: type[Experiment]) -> type[Experiment]:
-    EXPERIMENTS[cls.name] = cls
-    return cls
-
 
 def get_experiment(name: str) -> Experiment:
     """The experiment called ``name``; an unknown name is an ExperimentError naming the closest."""
-    from aiayn.experiments import length_extrapolation, table3  # noqa: F401  (register themselves)
-
     if name not in EXPERIMENTS:
         close = difflib.get_close_matches(str(name), EXPERIMENTS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
@@ -46,6 +40,4 @@ def get_experiment(name: str) -> Experiment:
 
 
 def experiment_names() -> list[str]:
-    from aiayn.experiments import length_extrapolation, table3  # noqa: F401
-
     return sorted(EXPERIMENTS)

@@ -108,6 +108,15 @@ class Experiment:
         raise NotImplementedError
 
 
+# The registry: an experiment module ``@register``s its class; the package's __init__ imports them.
+EXPERIMENTS: dict[str, type[Experiment]] = {}
+
+
+def register(cls: type[Experiment]) -> type[Experiment]:
+    EXPERIMENTS[cls.name] = cls
+    return cls
+
+
 # ---- running one variant ----------------------------------------------------------------------
 def run_configs(task: Task, model: ModelConfig, train: TrainConfig) -> dict[str, Any]:
     """What the trainer writes to a run's config.json (to compare an existing run against)."""
@@ -178,9 +187,7 @@ def _add_cost(run_dir: Path, cpu_s: float, wall_s: float) -> dict[str, float]:
 def _worker(name: str, variant: Variant, run_dir: str, budget_name: str, threads: int | None,
             device: str | None = None) -> dict[str, Any]:
     """One variant in a worker process (``jobs`` > 1): no progress bar, lines prefixed by its name."""
-    from aiayn.experiments import get_experiment
-
-    experiment = get_experiment(name)
+    experiment = EXPERIMENTS[name]()  # registered: importing this module ran the package's __init__
     return run_variant(experiment, variant, Path(run_dir), experiment.budget(budget_name), progress=False,
                        echo=lambda line: print(f"[{variant.name}] {line}", flush=True), threads=threads,
                        device=device)

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.experiments import register
 from aiayn.experiments.base import (
     Budget,
     Experiment,
@@ -33,6 +32,7 @@ from aiayn.experiments.base import (
     cost_line,
     made_by,
     markdown_table,
+    register,
     write_results,
 )
 

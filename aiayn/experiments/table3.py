@@ -27,7 +27,6 @@ import math
 from pathlib import Path
 from typing import Any, ClassVar
 
-from aiayn.experiments import register
 from aiayn.experiments.base import (
     Budget,
     Experiment,
@@ -35,6 +34,7 @@ from aiayn.experiments.base import (
     cost_line,
     made_by,
     markdown_table,
+    register,
     write_results,
 )
 

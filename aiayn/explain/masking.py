@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,16 +28,40 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
     q, k, v = (torch.randn(1, 1, T, D_H, generator=generator, dtype=torch.float64) for _ in range(3))
     valid = torch.tensor([[True, True, True, True, False, False]])  # (b, t): 2 padded tokens
     scores = (q @ k.transpose(-2, -1) / D_H**0.5)[0, 0]  # (t, t)
+    weights = _weights_under_masks(q, k, v, valid)
+    causal_table = Table("Causal mask: the weights of each query (rows) on each key (columns)",
+                         ["query", *[f"key {j}" for j in range(T)]],
+                         [[i, *weights["causal"][i].tolist()] for i in range(T)])
+    fully, all_masked = _all_keys_masked(q, k, v, scores)
+    tables = [_one_query_table(scores, valid), causal_table, fully]
+    plot = out_dir / "masks.png"
+    _plot(weights, plot)
+    pad_w = weights["padding"]
+    claims = {
+        "padded_weight_max": float(pad_w[:, 4:].abs().max()),
+        "row_sum_error": float((pad_w.sum(-1) - 1).abs().max()),
+        "causal_future_max": float(weights["causal"].triu(1).abs().max()),
+        **all_masked,
+    }
+    return Report(NAME, TITLE, tables, claims, [plot], _text(claims))
 
+
+def _weights_under_masks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         valid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The (t, t) attention weights under the padding mask, the causal mask and both."""
     padding = key_mask(valid)  # (1, 1, 1, t)
     causal = causal_mask(T)  # (1, 1, t, t)
     both = combine_masks(padding, causal)
     assert both is not None
-    tables, weights = [], {}
+    weights = {}
     for name, mask in (("padding", padding), ("causal", causal), ("causal + padding", both)):
         _, w = scaled_dot_product_attention(q, k, v, mask=mask, need_weights=True)
         assert w is not None
         weights[name] = w[0, 0]
+    return weights
+
+
+def _one_query_table(scores: torch.Tensor, valid: torch.Tensor) -> Table:
     row = Table("One query (token 0) over the 6 keys, keys 4 and 5 padded",
                 ["", *[f"key {j}" for j in range(T)], "sum"])
     masked_row = scores[0].masked_fill(~valid[0], float("-inf"))
@@ -44,14 +69,14 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
                 ["masked score", *masked_row.tolist(), "—"],
                 ["softmax", *torch.softmax(masked_row, -1).tolist(), float(torch.softmax(masked_row, -1).sum())],
                 ["softmax, unmasked", *torch.softmax(scores[0], -1).tolist(), float(torch.softmax(scores[0], -1).sum())]]
-    tables.append(row)
-    causal_table = Table("Causal mask: the weights of each query (rows) on each key (columns)",
-                         ["query", *[f"key {j}" for j in range(T)]],
-                         [[i, *weights["causal"][i].tolist()] for i in range(T)])
-    tables.append(causal_table)
+    return row
 
-    # A query that sees no key (a padded query under a mask that also hides padded query rows, or a
-    # causal mask combined with a left-padded prompt): one row whose every key is masked.
+
+def _all_keys_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scores: torch.Tensor) -> tuple[Table, dict[str, Any]]:
+    """A query that sees no key (a padded query under a mask that also hides padded query rows, or a
+    causal mask combined with a left-padded prompt): one row whose every key is masked, four ways.
+    Returns their table and claims."""
     none_visible = torch.zeros(1, 1, 1, T, dtype=torch.bool)
     row_scores = scores[4:5]
     naive = torch.softmax(row_scores.masked_fill(~none_visible[0, 0], float("-inf")), -1)[0]
@@ -72,30 +97,24 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
         ["aiayn scaled_dot_product_attention", _short(ours_w[0, 0, 0]), _short(ours_out[0, 0, 0]),
          bool(ours_out.isnan().any() or ours_fused.isnan().any())],
     ])
-    tables.append(fully)
     # the gradient through a padded row stays finite too
     qg = q[:, :, 4:5].clone().requires_grad_()
     scaled_dot_product_attention(qg, k, v, mask=none_visible)[0].sum().backward()
     assert qg.grad is not None
-
-    plot = out_dir / "masks.png"
-    _plot(weights, plot)
-    pad_w = weights["padding"]
-    claims = {
-        "padded_weight_max": float(pad_w[:, 4:].abs().max()),
-        "row_sum_error": float((pad_w.sum(-1) - 1).abs().max()),
-        "causal_future_max": float(weights["causal"].triu(1).abs().max()),
+    return fully, {
         "naive_nan": bool(naive.isnan().all()),
         "big_negative_uniform": float((big_negative - 1 / T).abs().max()),
         "sdpa_zero": float(sdpa.abs().max()),
         "ours_zero": float(ours_out.abs().max()) + float(ours_fused.abs().max()),
         "ours_grad_finite": bool(torch.isfinite(qg.grad).all()),
     }
+
+
+def _text(claims: dict[str, Any]) -> str:
     sdpa_says = ("returns NaN" if math.isnan(claims["sdpa_zero"]) else
                  f"returns zeros (largest |output| {claims['sdpa_zero']})" if claims["sdpa_zero"] == 0 else
                  f"returns a row of largest |output| {claims['sdpa_zero']:.3g}")
-    text = f"""
-**Question.** How does a mask act inside softmax(QKᵀ/√d_k)? And what happens to a query that may
+    return f"""**Question.** How does a mask act inside softmax(QKᵀ/√d_k)? And what happens to a query that may
 attend to nothing (a padded position, or a row that a combined mask empties)?
 
 **Measured.** Setting a masked score to −∞ makes its weight exactly zero (largest weight on a padded
@@ -115,7 +134,6 @@ bias of 0 / −∞, which is how aiayn combines masks with ALiBi or T5 biases.
 
 3-D masks are (batch, q_len, k_len), the same for every head (`aiayn/nn/masks.py`).
 """
-    return Report(NAME, TITLE, tables, claims, [plot], text)
 
 
 def _short(x: torch.Tensor) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -86,6 +87,22 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
     radius = 4 if quick else 16
     lengths = [16, 64, 256] if quick else [32, 64, 128, 256, 512, 1024, 2048]
     widths = [32, 128] if quick else [64, 256, 1024]
+    timings = _timings(lengths, widths, radius)
+    counted = {(kind, n, d): flops(kind, n, d, radius) for kind in LAYERS for n in lengths for d in widths}
+    n_path = 16 if quick else 64
+    paths = {kind: path_length(kind, n_path, radius) for kind in LAYERS}
+    paths["dilated convolution"] = path_length("convolution", n_path, radius, dilated=True)
+    summary = _summary(timings, counted, paths, radius, lengths, widths, n_path)
+    grid, cross_table, crossover = _grids(timings, counted, lengths, widths)
+    plot = out_dir / "table1.png"
+    _plot(timings, counted, lengths, widths, plot)
+    claims = {"timings": timings, "flops": counted, "paths": paths, "crossover": crossover, "radius": radius,
+              "lengths": lengths, "widths": widths}
+    return Report(NAME, TITLE, [summary, cross_table, grid], claims, [plot], _text(claims, n_path))
+
+
+def _timings(lengths: list[int], widths: list[int], radius: int) -> dict[tuple[str, int, int], float]:
+    """(layer type, n, d) -> ms of one forward of batch 1."""
     timings: dict[tuple[str, int, int], float] = {}
     for d in widths:
         for n in lengths:
@@ -94,11 +111,12 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
                 layer = make_layer(kind, d, radius)
                 with torch.no_grad():
                     timings[kind, n, d] = 1e3 * timed(lambda layer=layer, x=x: layer(x), repeat=5, warmup=2)
-    counted = {(kind, n, d): flops(kind, n, d, radius) for kind in LAYERS for n in lengths for d in widths}
+    return timings
 
-    n_path = 16 if quick else 64
-    paths = {kind: path_length(kind, n_path, radius) for kind in LAYERS}
-    paths["dilated convolution"] = path_length("convolution", n_path, radius, dilated=True)
+
+def _summary(timings: dict[tuple[str, int, int], float], counted: dict[tuple[str, int, int], float],
+             paths: dict[str, int], radius: int, lengths: list[int], widths: list[int], n_path: int) -> Table:
+    """Table 1 itself, the paper's columns beside the measured ones."""
     paper = {"self-attention": ("O(n² · d)", "O(1)", "O(1)"),
              "restricted": (f"O(r · n · d), r = {radius}", "O(1)", "O(n / r)"),
              "recurrent": ("O(n · d²)", "O(n)", "O(n)"),
@@ -114,6 +132,12 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
             measured += f" contiguous, {paths['dilated convolution']} dilated"
         summary.rows.append([kind, paper[kind][0], counted[kind, n_mid, d_mid], timings[kind, n_mid, d_mid],
                              "n" if kind == "recurrent" else "1", paper[kind][2], measured])
+    return summary
+
+
+def _grids(timings: dict[tuple[str, int, int], float], counted: dict[tuple[str, int, int], float],
+           lengths: list[int], widths: list[int]) -> tuple[Table, Table, list[dict[str, Any]]]:
+    """The time and FLOPs grid over n and d, and where attention becomes the costlier layer."""
     grid = Table("Time per layer (ms, forward, batch 1) and FLOPs, across n and d",
                  ["d", "n", *[f"{k} ms" for k in LAYERS], "attention ÷ recurrent FLOPs", "attention ÷ recurrent time"])
     for d in widths:
@@ -134,15 +158,16 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
                         ["d", "FLOPs of attention = recurrent at n =", "time: attention > recurrent from n =",
                          "time: attention > restricted from n ="],
                         [[c["d"], c["flops_equal"], _n(c["time"]), _n(c["restricted_time"])] for c in crossover])
-    plot = out_dir / "table1.png"
-    _plot(timings, counted, lengths, widths, plot)
-    claims = {"timings": timings, "flops": counted, "paths": paths, "crossover": crossover, "radius": radius,
-              "lengths": lengths, "widths": widths}
-    d_big = widths[-1]
+    return grid, cross_table, crossover
+
+
+def _text(claims: dict[str, Any], n_path: int) -> str:
+    crossover, lengths, radius, paths = claims["crossover"], claims["lengths"], claims["radius"], claims["paths"]
+    d_big = claims["widths"][-1]
     time_cross = "; ".join(f"n = {c['time']} at d = {c['d']}" if c["time"] else f"nowhere at d = {c['d']}"
                            for c in crossover)
     cross_big = crossover[-1]
-    text = f"""
+    return f"""
 **Question.** Table 1 of the paper compares layer types by complexity per layer, sequential
 operations (what cannot run in parallel) and maximum path length (how many steps a signal needs
 between two positions). Self-attention is O(n² d) against the recurrent layer's O(n d²), so it is
@@ -168,7 +193,6 @@ recurrent layer one layer but {paths['recurrent']} sequential steps.
 Short paths make long-range dependencies easier to learn (section 4). Measured on a shared, busy
 machine: the shapes of the curves, not the milliseconds.
 """
-    return Report(NAME, TITLE, [summary, cross_table, grid], claims, [plot], text)
 
 
 def _stays_above(lengths: list[int], ratio: Callable[[int], float]) -> int | None:

@@ -121,8 +121,19 @@ def create_app(ex: Explorable) -> FastAPI:
     """The application for one loaded model."""
     app = FastAPI(title="aiayn explore", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit)
-    probes = ProbeCache()
-    positions: dict[str, Any] = {}  # computed once, on first request
+    _add_error_handlers(app)
+
+    @app.get("/", include_in_schema=False)
+    def index() -> FileResponse:
+        return FileResponse(str(STATIC / "index.html"), headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
+    _add_api(app, ex)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every failure as one JSON shape, ``{"error": one line}``."""
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -146,11 +157,11 @@ def create_app(ex: Explorable) -> FastAPI:
     async def failure(request: Request, exc: Exception) -> JSONResponse:  # a bug: one line, not a page
         return _error(f"internal error: {type(exc).__name__}: {exc} (please report it)", 500)
 
-    @app.get("/", include_in_schema=False)
-    def index() -> FileResponse:
-        return FileResponse(str(STATIC / "index.html"), headers={"Cache-Control": "no-cache"})
 
-    app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
+def _add_api(app: FastAPI, ex: Explorable) -> None:
+    """The page's data, under /api/."""
+    probes = ProbeCache()
+    positions: dict[str, Any] = {}  # computed once, on first request
 
     @app.get("/api/model")
     def model_info() -> dict[str, Any]:
@@ -212,5 +223,3 @@ def create_app(ex: Explorable) -> FastAPI:
     @app.get("/api/run")
     def run() -> dict[str, Any]:
         return run_record(ex.run_dir)
-
-    return app

@@ -5,12 +5,11 @@ tests/consistency/test_fast_modules.py check it equals the plain function.
 
 * One query per row on the CPU (a decode step, compiled, or eager from ``MIN_DECODE_QUERIES``
   queries): the written-out equation's two batched matrix-vector products read the cached keys
-  and values once each, faster than SDPA's CPU kernels at that shape. Profiled in the decode loop
-  of ``python -m benchmarks.decode`` at batch 16 (4 heads, ~150 cached keys): ~195 us per layer
-  against ~250 us for SDPA's flash kernel and ~290 us for its math path. Compiled, 256 batch-16 steps took 0.75 s against 0.89 s.
+  and values once each, faster than SDPA's CPU kernels at that shape, eager and compiled (the
+  decode loop of ``python -m benchmarks.decode``; the figures are in docs/benchmarks.md).
 * One query under GQA: the h / h_kv query heads that share a key/value head become that head's
   queries, (b, h_kv, g, d_h), so k and v are never repeated.
-* Square causal training attention: query blocks (``aiayn.fast.block_causal``), 1.3-1.5x SDPA's
+* Square causal training attention: query blocks (``aiayn.fast.block_causal``), faster than SDPA's
   flash kernel forward + backward.
 * Dropout on the weights on the CPU: SDPA runs its unfused math path with a slow Bernoulli mask;
   the written-out equation with ``aiayn.fast.dropout``'s mask is the same computation, faster.
@@ -29,11 +28,9 @@ from aiayn.fast.dropout import dropout
 from aiayn.nn.attention import scaled_dot_product_attention
 
 # A single-query step takes the written-out path from this many queries (batch x heads) up, eager:
-# ``python -m benchmarks.fast --threads 1,2`` measured it at 1.15-1.18x SDPA at 144 (batch 16 x
-# SmolLM2's 9 heads) and 0.50-0.71x at batch 1 (4 and 9 heads). At 64 (batch 16 x 4 heads) it
-# ties in isolation (0.96-1.01x over two runs) but wins inside the decode loop: the batch-16 call
-# of ``benchmarks.decode`` took 7% longer with SDPA there (730 against 684 ms, 2 threads). Inside
-# the compiled decode step (Inductor fuses the written-out products) it is taken at every batch.
+# below it SDPA is faster (batch 1); at this size the two tie in isolation (``python -m
+# benchmarks.fast``) but the written-out path wins inside the decode loop (``benchmarks.decode``).
+# Inside the compiled decode step (Inductor fuses the written-out products) it is taken at every batch.
 MIN_DECODE_QUERIES = 64
 
 

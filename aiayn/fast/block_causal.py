@@ -4,11 +4,10 @@ A causal (t, t) score matrix is half empty. PyTorch's CPU flash kernel skips the
 but it runs its small per-(batch, head, block) matrix products and its online softmax one tile
 at a time; here each block of ``BLOCK`` queries is one batched product over every (batch, head)
 against the keys it can see, an ordinary softmax, and one product with the values, so nearly all
-the time is spent in large ``bmm`` calls (~160-210 GFLOP/s here, 2 threads). The blocks cover
-(t / BLOCK + 1) / (2 t / BLOCK) of the square (5/8 at t = 256): at the decoder benchmark's shape
-(16 x 4 heads x 256 x 64, float32, 2 threads) forward + backward take ~15-17 ms against ~22-24 ms
-for ``F.scaled_dot_product_attention(is_causal=True)`` (``python -m benchmarks.attention
---backward`` shows one paper-base layer's).
+the time is spent in large ``bmm`` calls. The blocks cover (t / BLOCK + 1) / (2 t / BLOCK) of the
+square (5/8 at t = 256): at the decoder benchmark's shape forward + backward beat
+``F.scaled_dot_product_attention(is_causal=True)`` (``python -m benchmarks.attention --backward``;
+the figures are in docs/benchmarks.md).
 
 The price is memory: the softmax weights of the visible blocks, ~(b h t^2 / 2) floats per layer,
 are kept for the backward (the flash kernel keeps only a log-sum-exp per row and recomputes), so
@@ -36,21 +35,19 @@ from torch.autograd.function import once_differentiable
 
 from aiayn.fast import switch
 
-BLOCK = 64  # queries per block: 32 and 64 ran alike at t = 256; larger blocks compute more of the square
+BLOCK = 64  # queries per block: smaller ones gain nothing; larger ones compute more of the square
 MAX_LENGTH = 1024  # longer: the kept weights grow as t^2 and the flash kernel's forward catches up
-# Less work (b h t^2 d_h) than this: per-call overhead wins, SDPA is as fast or faster. Forward +
-# backward, 2 threads: 1 x 8 heads x 64 positions x 64 (2.1M) 0.97x SDPA's speed, 1 x 4 x 128 x 64
-# (4.2M) 1.01x, 16 x 4 x 32 x 64 (4.2M) 1.44x, 1 x 8 x 128 x 64 (8.4M) 1.21x, 16 x 4 x 256 x 64 1.40x.
+# Less work (b h t^2 d_h) than this: per-call overhead wins, SDPA is as fast or faster (forward +
+# backward, ``python -m benchmarks.fast``; the figures are in docs/benchmarks.md).
 MIN_WORK = 1 << 22
-# On one thread the short sequences lose: ``python -m benchmarks.fast --threads 1,2`` measured 0.85x SDPA
-# at 32 positions (batch 32 x 4 heads) on one thread, 1.23x on two; 1.37x at 256 on one.
+# On one thread short sequences lose to SDPA (``python -m benchmarks.fast --threads 1,2``).
 MIN_LENGTH_ONE_THREAD = 64
 
 
 def use_block_causal(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
     """Whether ``block_causal_attention`` should run plain square causal attention of these inputs:
     a training forward (some input needs a gradient: the backward is where it gains most; a
-    forward alone ran 0.6-1.3x SDPA's speed), float32/float64 on the CPU, as many key heads as
+    forward alone does not reliably beat SDPA), float32/float64 on the CPU, as many key heads as
     query heads, no dropout, at least ``MIN_WORK`` multiply-adds per product and at most
     ``MAX_LENGTH`` positions, outside autocast and ``torch.compile`` (which keep their own SDPA
     handling), unless turned off (``aiayn.fast.switch``)."""

@@ -3,11 +3,11 @@
 A language model's last step is logits = h W^T + b over the whole vocabulary, then a softmax
 cross-entropy. Done in the usual two steps on a CPU, the (n, v) logits and their gradient are
 written and read back several times (log-softmax, its backward, the zero-filled NLL gradient):
-at n = 4096 tokens and v = 8000 those passes over 131 MB take over half as long as the output
-layer's three matmuls (fused here, its products through oneDNN (``aiayn.fast.onednn``) in float32
-on the CPU: ~166 ms for forward + backward against ~381 ms for ``F.linear`` +
-``F.cross_entropy``, and 68 against 375 MiB allocated, 2 threads: ``python -m benchmarks.loss``;
-``python -m benchmarks.train --suite decoder`` shows the whole step both ways). Here each chunk of rows (~16 MB of logits, in the last-level cache, or 256 rows for a
+at n = 4096 tokens and v = 8000 those passes take over half as long as the output layer's three
+matmuls. Fused here (its products through oneDNN, ``aiayn.fast.onednn``, in float32 on the CPU),
+forward + backward take less time and far less memory than ``F.linear`` + ``F.cross_entropy``
+(``python -m benchmarks.loss``; ``python -m benchmarks.train --suite decoder`` shows the whole step
+both ways). Here each chunk of rows (~16 MB of logits, in the last-level cache, or 256 rows for a
 large vocabulary) is turned into its softmax and multiplied into the gradients of h and
 W at once, so the logits are read from memory once: the approach of Liger Kernel's fused linear
 cross-entropy and Apple's Cut Cross-Entropy, in plain torch ops.
@@ -85,9 +85,8 @@ ARGMAX_BLOCK = 64
 
 
 def _max_and_argmax(z: Tensor) -> tuple[Tensor, Tensor]:
-    """``z.max(dim=1)`` of a (c, v) chunk, the same values and first-occurrence indices, ~3x faster
-    on the CPU (0.31 against 0.96 ms for 512 x 8,000, 2 threads): torch's max-with-index over a
-    long row is not vectorised, its amax is. The row is cut into blocks of ``ARGMAX_BLOCK``; amax
+    """``z.max(dim=1)`` of a (c, v) chunk, the same values and first-occurrence indices, faster on
+    the CPU: torch's max-with-index over a long row is not vectorised, its amax is. The row is cut into blocks of ``ARGMAX_BLOCK``; amax
     finds each block's max, the first block holding the row's max is searched for its index."""
     c, v = z.shape
     n_blocks = v // ARGMAX_BLOCK
@@ -105,9 +104,9 @@ def _max_and_argmax(z: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _transpose(m: Tensor, block: int = 256) -> Tensor:
-    """m (d, v) -> a contiguous (v, d) copy, ``block`` columns at a time: 4x faster than
-    ``m.t().contiguous()`` for a (512, 37,000) float32 matrix (8.6 against 36 ms, 2 threads),
-    whose strided reads otherwise miss the cache on every element."""
+    """m (d, v) -> a contiguous (v, d) copy, ``block`` columns at a time: faster than
+    ``m.t().contiguous()`` for a wide matrix, whose strided reads otherwise miss the cache on
+    every element."""
     out = m.new_empty(m.shape[1], m.shape[0])
     for start in range(0, m.shape[1], block):
         out[start:start + block].copy_(m[:, start:start + block].t())
@@ -125,7 +124,7 @@ def _head_loss_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
     h, w_t = hidden.to(dtype), weight.to(dtype).t()  # (n, d), (d, v)
     b = bias.to(dtype) if bias is not None else None
     n = h.shape[0]
-    # float32 on the CPU: the three products through oneDNN (aiayn.fast.onednn), ~2x MKL's speed here.
+    # float32 on the CPU: the three products through oneDNN (aiayn.fast.onednn), faster than MKL's.
     fast = onednn.use_onednn(h, weight)
     nll, uniform = h.new_empty(n, dtype=torch.float32), h.new_empty(n, dtype=torch.float32)
     predictions = targets.new_empty(n)
@@ -206,8 +205,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if need_w:
             h_c = hidden.to(ctx.compute_dtype).float()
             # (v, d): (g1 + g2) P_W - g2 / v sum_i w_i h_i (every row) + g2 sum_i w_i e_{t_i} h_i^T,
-            # one pass over the (v, d) matrix and a scatter of n rows (a 37,000-class head's
-            # gradient is 76 MB: each extra pass over it cost ~10 ms)
+            # one pass over the (v, d) matrix and a scatter of n rows (a large head's gradient is
+            # tens of MB: every extra pass over it costs)
             weighted = (g_uniform * w) * h_c  # (n, d)
             grad_w = torch.add(weighted.sum(dim=0) / -n_classes, p_w, alpha=float(scale))
             grad_w = grad_w.index_add_(0, targets, weighted).to(ctx.weight_dtype)

@@ -1,10 +1,9 @@
 """Linear layers through the fastest CPU product for their shape (``FastLinear``).
 
-Two measured cases beat ``F.linear`` (MKL sgemm) on this 2-core CPU: a few rows (a batched decode
-step) as the turned-around product (W x^T)^T (``aiayn.fast.matvec``: 1.2-3.3x from 2 to 64 float32
-rows, ``python -m benchmarks.matvec``), and large float32 products through oneDNN
-(``aiayn.fast.onednn``: ~2x MKL's rate here, ``python -m benchmarks.onednn``). Every other call
-is ``nn.Linear``'s.
+Two cases beat ``F.linear`` (MKL sgemm) on the CPU: a few rows (a batched decode step) as the
+turned-around product (W x^T)^T (``aiayn.fast.matvec``, ``python -m benchmarks.matvec``), and large
+float32 products through oneDNN (``aiayn.fast.onednn``, ``python -m benchmarks.onednn``). Every
+other call is ``nn.Linear``'s.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ class FastLinear(nn.Linear):
       2 to 64 float32 rows and two threads or more, runs as (W x^T)^T (``transposed_linear``) when no autograd
       graph is being built (generation runs under ``torch.inference_mode``);
     * float32 inputs of at least 64 rows and 16.8M multiply-adds (training, prefill) run through
-      oneDNN (``aiayn.fast.onednn``: ~2x MKL's matmul speed on this machine, float32 sums in
+      oneDNN (``aiayn.fast.onednn``: faster than MKL's matmul on AMD processors, float32 sums in
       another order; the parity tests against Hugging Face still hold at default tolerances).
 
     Every other call is ``nn.Linear``'s. Plain tensors only: sharded (DTensor) weights keep

@@ -29,21 +29,17 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 # Which way each linear layer of a compiled decode step runs, by rows (batch x tokens) and weight
-# dtype, from ``python -m benchmarks.matvec`` (2 threads, SmolLM2's projections, speed against the
-# compiled F.linear; two runs a day apart): float32 multiply + sum 1.9x at 1 row, 2.5x at 2,
-# 2.0x / 1.5x at 4, where (W x^T)^T was 2.1x / 2.5x; float32 (W x^T)^T 1.5x at 8, 1.3x at 16,
-# 1.1x at 64; bfloat16 multiply + sum 1.3x at 1 row, even at 2, and slower past that, where
-# (W x^T)^T is slower too (0.5-0.9x). Other cases (other dtypes, GPU tensors: not measured) keep
-# F.linear.
+# dtype: the fastest against the compiled F.linear in ``python -m benchmarks.matvec`` (SmolLM2's
+# projections; the figures are in docs/benchmarks.md). Multiply + sum wins at 1-2 rows (float32 and
+# bfloat16), (W x^T)^T for float32 up to 64 rows; bfloat16 past 2 rows keeps F.linear, as do the
+# cases not benchmarked (other dtypes, GPU tensors).
 MATVEC_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 2}
 TRANSPOSED_MAX_ROWS = {torch.float32: 64}
-# Eager (``FastLinear``), same benchmark, "eager (W x^T)^T" against "eager F.linear": float32 0.98x at
-# 1 row (F.linear's matrix-vector kernel is as fast), 3.3x at 2, 2.9x at 4, 1.3x at 8, 1.2x at 16,
-# 1.1x at 64.
+# Eager (``FastLinear``), same benchmark, "eager (W x^T)^T" against "eager F.linear": float32 from 2
+# to 64 rows (at 1 row F.linear's matrix-vector kernel is as fast).
 EAGER_TRANSPOSED_ROWS = {torch.float32: (2, 64)}
-# The turned-around product gains by splitting the output rows across threads: on one thread
-# ``python -m benchmarks.fast --threads 1,2`` measured it at 0.81-1.03x F.linear eager (2-64 rows) and
-# 0.92x compiled at 16 rows, against 1.21-1.68x and 1.32x on two. One thread keeps F.linear.
+# The turned-around product gains by splitting the output rows across threads: on one thread it
+# does not beat F.linear (``python -m benchmarks.fast --threads 1,2``), so one thread keeps F.linear.
 MIN_THREADS_TRANSPOSED = 2
 
 

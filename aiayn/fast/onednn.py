@@ -1,22 +1,20 @@
-"""float32 linear layers through oneDNN on the CPU: about twice the matmul speed of ``F.linear``
-on this AMD machine.
+"""float32 linear layers through oneDNN on the CPU, faster than ``F.linear`` on AMD processors.
 
-``F.linear`` and ``torch.mm`` on the CPU call MKL's sgemm: 2048^3 at ~230 GFLOP/s on this 2-core
-AVX-512 EPYC. oneDNN, which the same torch build ships for its mkldnn ops, runs the same product
-at ~460-500 GFLOP/s. (The likely reason: MKL chooses its code paths by CPU vendor and does not run
-its AVX-512 kernels on AMD processors; oneDNN chooses by instruction set.)
+``F.linear`` and ``torch.mm`` on the CPU call MKL's sgemm; oneDNN, which the same torch build ships
+for its mkldnn ops, runs the same product faster on an AVX-512 AMD EPYC (``python -m
+benchmarks.onednn``; the figures are in docs/benchmarks.md). The likely reason: MKL chooses its
+code paths by CPU vendor and does not run its AVX-512 kernels on AMD processors; oneDNN chooses by
+instruction set.
 ``torch.ops.mkldnn._linear_pointwise`` (the op Inductor's CPU backend uses for linear layers)
-takes ordinary dense tensors, so a linear layer can use it without converting anything. Measured
-on the decoder benchmark's shapes (4,096 rows, 2 threads, ``python -m benchmarks.onednn``): the
-forward and the input gradient ~2x ``F.linear``'s speed, the weight gradient 1.1-1.9x (it runs
-fastest with the smaller of the two weight dimensions as the result's rows, so the backward
-picks that way round).
+takes ordinary dense tensors, so a linear layer can use it without converting anything. The
+forward and both gradients gain; the weight gradient runs fastest with the smaller of the two
+weight dimensions as the result's rows, so the backward picks that way round.
 
 The op has no autograd formula: ``onednn_linear`` gives it one, as a ``torch.library`` custom op
 (forward x W^T + b; backward g W, the weight gradient, sum(g)), which ``torch.compile`` keeps as
 an opaque kernel. The results are float32 products summed in another order than MKL's: against
-float64, within default float32 tolerances on small layers, and within 1.0-2.4x MKL's largest
-error on 512-row layers with 256-1,024 inputs (tests/consistency/test_cpu_kernels.py). Used by
+float64, within default float32 tolerances on small layers and of the size of MKL's own error on
+larger ones (tests/consistency/test_cpu_kernels.py). Used by
 ``aiayn.fast.linear.FastLinear`` (every projection of an optimized model) and by the fused output layer
 (``aiayn.fast.fused_loss``), for plain float32 CPU tensors of at least ``MIN_ROWS`` rows
 and ``MIN_WORK`` multiply-adds, outside autocast; everything else keeps ``F.linear``.
@@ -35,12 +33,10 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from aiayn.fast import switch
 
-# Fewer rows: no faster than F.linear (8 rows 35 vs 35 us, 64 rows 86 vs 133 us, 256 -> 768).
+# Fewer rows: no faster than F.linear.
 MIN_ROWS = 64
-# Less work (rows x in x out multiply-adds) than this: the op's fixed cost (~80-100 us for forward
-# + backward through the custom op) outweighs the faster product. Forward + backward against
-# F.linear, 2 threads: 32 -> 32 x 4,096 rows (4.2M) 0.70x, 64 -> 64 x 1,024 (4.2M) 0.77x,
-# 64 -> 64 x 4,096 (16.8M) 1.11x, 128 -> 128 x 1,024 (16.8M) 1.26x, 128 -> 512 x 1,024 1.81x.
+# Less work (rows x in x out multiply-adds) than this: the op's fixed cost (forward + backward
+# through the custom op) outweighs the faster product (``python -m benchmarks.onednn``).
 MIN_WORK = 1 << 24
 
 

@@ -7,9 +7,8 @@ The plain path (``aiayn.nn.attention.scaled_dot_product_attention``) prepares it
 it finds the queries that see no key (``mask.any``: padding rows of a ragged chunk), lets them see
 every key (``mask | ~row_valid``) so the softmax stays finite, and zeroes their outputs after; and
 ``F.scaled_dot_product_attention`` turns the bool mask into an additive float one (0 / -inf)
-inside every call. Measured on SmolLM2-135M (9 heads, GQA 3), one chunk of 256 queries over 768
-keys, one thread: 7.8 ms per layer through the plain function against 6.6 ms for SDPA given the
-additive mask (``python -m benchmarks.prefill`` shows the whole 900-token prefill).
+inside every call. Both cost time in every layer of a chunked prefill (``python -m
+benchmarks.prefill``; the figures are in docs/benchmarks.md).
 
 ``prefill_cache_attention`` writes the new keys and values as the plain path does
 (``PagedLayerKVCache.write``: store, then the rows' keys gathered or viewed) and calls

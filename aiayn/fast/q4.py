@@ -21,8 +21,8 @@ integer products exactly with AVX-512 VNNI, and scales each block's sum in float
 against the dequantised matrix is bounded per output: |y - x W^T| <= sum_b (dx_b / 2) *
 sum_{k in b} |w_k - min_b| + float32 rounding, dx_b = max |x_k| / 127 over the block
 (``error_bound``; tests/parity/test_q4_kernel.py checks it on every supported type). The same
-kernel serves every number of rows: at 512 (a prefill) it ran ~2x faster than dequantising the
-matrix and multiplying in float32 through oneDNN (``python -m benchmarks.q4``).
+kernel serves every number of rows: even for a prefill it beats dequantising the matrix and
+multiplying in float32 through oneDNN (``python -m benchmarks.q4``).
 
 ``quantize_q4_(model)`` (``lower_precision(model, "q4")``) turns a float model's linear layers into
 4-bit ones (Q4_1's scheme: per 32 inputs, scale = (max - min) / 15, q = round((w - min) / scale));
@@ -171,7 +171,7 @@ class _BlockStorage(nn.Module):
         super().__init__()
         self.offset, self.block, self.nibbles, self.kind = weight.offset, weight.block, weight.nibbles, weight.kind
         # The format in one tuple attribute: a compiled graph guards on every attribute it reads,
-        # each checked again at every call (121 layers x 5 ints cost SmolLM2 ~10% of a step).
+        # each checked again at every call (five ints per layer cost a noticeable share of a step).
         self.spec = (weight.offset, weight.block, weight.nibbles, weight.n, weight.k)
         self.register_buffer("q", weight.q)
         self.register_buffer("scale", weight.scale)

@@ -91,7 +91,7 @@ def _one_builder(name: str) -> Iterator[None]:
         build_dir = Path(_get_build_directory(name, False))
         handle = open(build_dir / "aiayn-build.lock", "a", encoding="utf-8")  # noqa: SIM115 (closed below)
     except (ImportError, AttributeError, TypeError, OSError):  # no flock (Windows), another torch, read-only
-        yield  # torch's own lock alone, as before
+        yield  # torch's own lock alone
         return
     with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # waits for a live builder, never for a dead one

@@ -4,17 +4,17 @@
 
 Every source's ``beam`` open hypotheses run as rows of one (n * beam) batch (n: the sources still
 searching); each source keeps its ``beam`` best finished hypotheses in fixed-size tensors
-(``_Finished``). With ``compile=True`` the steps after the first run through the compiled decode
-step (``aiayn.fast.compiled_decode``) over static shapes: the batch keeps every source's rows to
-the end (a stopped source's beams are masked, not dropped) and the cache follows the kept beams in
-its own buffers, so one graph serves every step (a CUDA graph on a GPU). ``beam_search_encoder_decoder``'s docstring gives the rules; the tests check them
-against greedy decoding, an exhaustive search, a plain Python search and Hugging Face.
+(``aiayn.generate.hypotheses.Finished``). With ``compile=True`` the steps after the first run
+through the compiled decode step (``aiayn.fast.compiled_decode``) over static shapes: the batch
+keeps every source's rows to the end (a stopped source's beams are masked, not dropped) and the
+cache follows the kept beams in its own buffers, so one graph serves every step (a CUDA graph on a
+GPU). ``beam_search_encoder_decoder``'s docstring gives the rules; the tests check them against
+greedy decoding, an exhaustive search, a plain Python search and Hugging Face.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,160 +23,23 @@ from aiayn.cpu_share import share_cores
 from aiayn.generate.decoder_only import cache_slots, prompt_validity
 from aiayn.generate.encoder_decoder import greedy_encoder_decoder, max_target_lengths
 from aiayn.generate.ensemble import Ensemble, EnsembleCache
+from aiayn.generate.hypotheses import (
+    NEG_INF,
+    Beams,
+    BeamSearchResult,
+    BeamStep,
+    Finished,
+    Hypothesis,  # noqa: F401  (re-exported: aiayn.generate.beam.Hypothesis)
+    choose,
+    gnmt_length_penalty,
+    trace_step,
+)
 from aiayn.generate.static_search import follow_in_place, static_search
 from aiayn.generate.step import decode_step
 from aiayn.generate.steps import DoneCheck
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn.kv_cache import KVCache
-
-NEG_INF = float("-inf")
-
-
-def gnmt_length_penalty(length: Tensor, alpha: float) -> Tensor:
-    """GNMT's length penalty lp(Y) = ((5 + |Y|) / 6) ** alpha (Wu et al. 2016, eq. 14)."""
-    return ((5.0 + length.float()) / 6.0) ** alpha
-
-
-@dataclass
-class Hypothesis:
-    tokens: Tensor  # (n,) ids without bos; ends with eos unless the length limit was reached
-    score: float  # sum of the tokens' log-probabilities
-    normalized_score: float  # score / gnmt_length_penalty(n, alpha): what the search ranks by
-    token_scores: Tensor  # (n,) float32 log-probability of each token
-
-
-@dataclass
-class BeamSearchResult:
-    """The best hypothesis per source, padded into one tensor, and the n-best lists."""
-
-    tokens: Tensor  # (b, n) best hypothesis per source (no bos, eos included); then pad_id (or eos)
-    lengths: Tensor  # (b,) tokens in each best hypothesis, eos included
-    scores: Tensor  # (b,) float32 sum of log-probabilities of the best hypothesis
-    normalized_scores: Tensor  # (b,) scores / gnmt_length_penalty(lengths, alpha)
-    nbest: list[list[Hypothesis]]  # per source: up to n_best hypotheses, best first
-
-    def token_lists(self, *, eos_id: int | None = None) -> list[list[int]]:
-        """Best hypotheses as Python lists, without the trailing eos when eos_id is given."""
-        out = []
-        for row, n in zip(self.tokens.tolist(), self.lengths.tolist(), strict=True):
-            row = row[:n]
-            out.append(row[:-1] if eos_id is not None and row and row[-1] == eos_id else row)
-        return out
-
-
-@dataclass(frozen=True)
-class BeamStep:
-    """What one step of the search did, for an observer (``beam_search_encoder_decoder(trace=)``):
-    the 2 * beam candidates of every source still searching, best first by sum score.
-
-    t: the candidates' length (tokens without bos), 1 at the first step.
-    sources (n,) long: the source ids (rows of ``src``) still searching at this step.
-    parent (n, c) long: the beam slot (0 .. beam - 1, best first at step t - 1) each candidate
-        continues; at t = 1 every candidate continues slot 0 (bos).
-    token (n, c) long, score (n, c) float32: the candidate's last token and its sum of
-        log-probabilities (-inf: no candidate).
-    finished (n, c) bool: an eos candidate ranked within the first ``beam``: it joined the
-        source's finished hypotheses (ranked by ``score / lp(t)``), where it may still be beaten.
-    slot (n, c) long: the beam slot the candidate continues in at the next step, -1 when pruned
-        (or finished).
-    at_limit (n,) bool: the source reached its length limit (its open beams finished without eos).
-    done (n,) bool: the source stopped searching after this step.
-    """
-
-    t: int
-    sources: Tensor
-    parent: Tensor
-    token: Tensor
-    score: Tensor
-    finished: Tensor
-    slot: Tensor
-    at_limit: Tensor
-    done: Tensor
-
-
-@dataclass
-class _Beams:
-    """The open hypotheses of the n sources still searching, k per source, best first."""
-
-    scores: Tensor  # (n, k) sum of log-probabilities; -inf = no hypothesis in this slot
-    tokens: Tensor  # (n, k, L) ids so far, L = the longest limit; fill id after the last
-    token_scores: Tensor  # (n, k, L) float32 log-probability of each token
-
-    def extend(self, t: int, parent: Tensor, token: Tensor, token_lp: Tensor) -> tuple[Tensor, Tensor]:
-        """Histories of the chosen parents (n, m) continued by ``token`` (n, m) with log-prob
-        ``token_lp`` (n, m) at slot t - 1 -> new histories (n, m, L) of ids and of log-probs."""
-        idx = parent[:, :, None].expand(-1, -1, self.tokens.shape[2])  # (n, m, L)
-        new_tokens, new_scores = self.tokens.gather(1, idx), self.token_scores.gather(1, idx)
-        new_tokens[:, :, t - 1], new_scores[:, :, t - 1] = token, token_lp
-        return new_tokens, new_scores
-
-    def select(self, sources: Tensor) -> _Beams:
-        """The beams of the sources at local ids ``sources`` (n_new,)."""
-        return _Beams(self.scores[sources], self.tokens[sources], self.token_scores[sources])
-
-
-@dataclass
-class _Finished:
-    """The k best finished hypotheses of every source (all b of them), best first; a slot with
-    normalized score -inf is empty."""
-
-    norm: Tensor  # (b, k) score / gnmt_length_penalty(length, alpha): the ranking
-    score: Tensor  # (b, k) sum of log-probabilities
-    length: Tensor  # (b, k) long, eos included
-    tokens: Tensor  # (b, k, L) ids, fill id after the hypothesis
-    token_scores: Tensor  # (b, k, L) log-probability of each token
-
-    @classmethod
-    def empty(cls, b: int, k: int, n_max: int, fill_id: int, device: torch.device) -> _Finished:
-        return cls(norm=torch.full((b, k), NEG_INF, device=device),
-                   score=torch.full((b, k), NEG_INF, device=device),
-                   length=torch.zeros(b, k, dtype=torch.long, device=device),
-                   tokens=torch.full((b, k, n_max), fill_id, dtype=torch.long, device=device),
-                   token_scores=torch.zeros(b, k, n_max, device=device))
-
-    def merge(self, alive: Tensor, score: Tensor, length: Tensor, tokens: Tensor, token_scores: Tensor,
-              alpha: float) -> None:
-        """Merge candidates into the k best of the sources ``alive`` (n,): ``score`` (n, c) (-inf =
-        no candidate), ``length`` (n, c), ``tokens`` and ``token_scores`` (n, c, L). The kept
-        hypotheses come first on ties, then the candidates in their order."""
-        k, n_max = self.norm.shape[1], self.tokens.shape[2]
-        all_score = torch.cat([self.score[alive], score], dim=1)  # (n, k + c)
-        all_len = torch.cat([self.length[alive], length], dim=1)
-        all_norm = torch.where(torch.isfinite(all_score), all_score / gnmt_length_penalty(all_len, alpha),
-                               NEG_INF)
-        best = torch.sort(all_norm, dim=1, descending=True, stable=True).indices[:, :k]  # (n, k)
-        self.norm[alive] = all_norm.gather(1, best)
-        self.score[alive] = all_score.gather(1, best)
-        self.length[alive] = all_len.gather(1, best)
-        idx = best[:, :, None].expand(-1, -1, n_max)  # (n, k, L)
-        self.tokens[alive] = torch.cat([self.tokens[alive], tokens], 1).gather(1, idx)
-        self.token_scores[alive] = torch.cat([self.token_scores[alive], token_scores], 1).gather(1, idx)
-
-    def insert(self, i: int, slot: int, *, norm: float, score: float, tokens: Tensor, token_scores: Tensor,
-               fill_id: int) -> None:
-        """Put a hypothesis (tokens (n,), token_scores (n,)) at rank ``slot`` of source i, moving
-        the ones from there down one (the last drops out)."""
-        n = tokens.shape[0]
-        for buf in (self.norm, self.score, self.length, self.tokens, self.token_scores):
-            buf[i, slot + 1:] = buf[i, slot:-1].clone()
-        self.norm[i, slot], self.score[i, slot], self.length[i, slot] = norm, score, n
-        self.tokens[i, slot], self.token_scores[i, slot] = fill_id, 0.0
-        self.tokens[i, slot, :n], self.token_scores[i, slot, :n] = tokens, token_scores
-
-    def result(self, n_best: int) -> BeamSearchResult:
-        """The best hypothesis of every source and its ``n_best`` list."""
-        lengths, scores, norms = self.length[:, 0].clone(), self.score[:, 0].clone(), self.norm[:, 0].clone()
-        width = int(lengths.max())
-        nbest = [
-            [Hypothesis(tokens=self.tokens[i, j, : self.length[i, j]].clone(), score=float(self.score[i, j]),
-                        normalized_score=float(self.norm[i, j]),
-                        token_scores=self.token_scores[i, j, : self.length[i, j]].clone())
-             for j in range(n_best) if torch.isfinite(self.norm[i, j])]
-            for i in range(self.norm.shape[0])
-        ]
-        return BeamSearchResult(tokens=self.tokens[:, 0, :width].clone(), lengths=lengths, scores=scores,
-                                normalized_scores=norms, nbest=nbest)
 
 
 @torch.inference_mode()
@@ -343,7 +206,7 @@ def _check_search(beam_size: int, n_best: int, *, compile: bool, trace: Callable
 
 def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step: Callable[[Tensor, Tensor, bool], Tensor], *,
             k: int, eos_id: int, pad_id: int | None, fill_id: int, alpha: float, min_len: int,
-            early_stopping: bool, trace: Callable[[BeamStep], None] | None, static: bool = False) -> _Finished:
+            early_stopping: bool, trace: Callable[[BeamStep], None] | None, static: bool = False) -> Finished:
     """The search both architectures share: ``logits`` (b, v) of the first new token, ``cache``
     holding b rows (expanded here to b * k), ``limits`` (b,) most new tokens per source;
     ``step(tokens (m, 1), rows (m,), dropped)`` feeds the kept beams' tokens (after the loop has
@@ -352,7 +215,7 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
     ``static``: the batch keeps all b * k rows to the end, for a compiled step's fixed shapes (and
     on a GPU, ``aiayn.generate.static_search``, for a search without a host-device sync per step). A
     source that stops has its open beams' scores set to -inf: its candidates are then all -inf, so
-    its finished hypotheses stay as they are (``_Finished.merge`` keeps the old ones first on
+    its finished hypotheses stay as they are (``Finished.merge`` keeps the old ones first on
     ties) and it counts as stopped at every later step; its rows run on, unread. The cache follows
     the beams in its own buffers (``reorder_rows_in_place``), and the only read of the device per
     step is whether every source has stopped (on a GPU read a step late: ``DoneCheck``)."""
@@ -364,59 +227,23 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
 
     # Open beams of the sources still searching (n of them; `alive` maps them to source ids).
     alive = torch.arange(b, device=device)  # (n,)
-    beams = _Beams(scores=torch.full((b, k), NEG_INF, device=device),
-                   tokens=torch.full((b, k, n_max), fill_id, dtype=torch.long, device=device),
-                   token_scores=torch.zeros(b, k, n_max, device=device))
+    beams = Beams(scores=torch.full((b, k), NEG_INF, device=device),
+                  tokens=torch.full((b, k, n_max), fill_id, dtype=torch.long, device=device),
+                  token_scores=torch.zeros(b, k, n_max, device=device))
     beams.scores[:, 0] = 0.0  # at the first step only beam 0 is real (all beams are equal)
-    finished = _Finished.empty(b, k, n_max, fill_id, device)
+    finished = Finished.empty(b, k, n_max, fill_id, device)
 
-    n_cand = min(2 * k, k * v)
     # "Has every source stopped?": the static search reads it a step late on a GPU (no sync per
     # step; ``DoneCheck``), since one step past every source's stop merges only -inf candidates.
     check = DoneCheck(device)
     for t in range(1, n_max + 1):  # t: length of the hypotheses after this step
         share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
         n = alive.shape[0]
-        if pad_id is not None:
-            lprobs[:, :, pad_id] = NEG_INF
-        if t - 1 < min_len:
-            lprobs[:, :, eos_id] = NEG_INF
-        # The 2k best continuations of each source's beams, by sum score, best first: (n, 2k) each.
-        cand = (beams.scores[:, :, None] + lprobs).view(n, k * v)  # (n, k * v) sum scores
-        top_scores, top_idx = cand.topk(n_cand, dim=1)
-        top_beam, top_tok = top_idx // v, top_idx % v  # the parent beam and the token
-        top_lp = lprobs.view(n, k * v).gather(1, top_idx)  # this token's own log-prob
-        is_eos = top_tok == eos_id
-
-        # Finished now: eos continuations ranked within the first k.
-        eos_ok = is_eos[:, :k] & torch.isfinite(top_scores[:, :k])  # (n, k)
-        eos_tokens, eos_token_scores = beams.extend(t, top_beam[:, :k], top_tok[:, :k], top_lp[:, :k])
-        eos_score = torch.where(eos_ok, top_scores[:, :k], NEG_INF)  # (n, k)
-
-        # Next beams: the first k non-eos continuations (stable sort keeps the rank order).
-        keep = torch.sort(is_eos.to(torch.uint8), dim=1, stable=True).indices[:, :k]  # (n, k)
-        next_beam, next_tok = top_beam.gather(1, keep), top_tok.gather(1, keep)  # (n, k)
-        next_tokens, next_token_scores = beams.extend(t, next_beam, next_tok, top_lp.gather(1, keep))
-        beams = _Beams(top_scores.gather(1, keep), next_tokens, next_token_scores)  # scores best first
-
-        # At its length limit a source's open beams finish too (without eos).
-        at_limit = t >= limits[alive]  # (n,)
-        open_score = torch.where(at_limit[:, None], beams.scores, NEG_INF)  # (n, k)
-
-        # Into the source's k best finished hypotheses (old ones first on ties): (n, 2k) candidates.
-        length_t = torch.full((n, k), t, dtype=torch.long, device=device)
-        finished.merge(alive, torch.cat([eos_score, open_score], 1), torch.cat([length_t, length_t], 1),
-                       torch.cat([eos_tokens, beams.tokens], 1),
-                       torch.cat([eos_token_scores, beams.token_scores], 1), alpha)
-
-        done = _sources_done(finished.norm[alive][:, k - 1], beams.scores[:, 0], limits[alive], t=t,
-                             alpha=alpha, early_stopping=early_stopping) | at_limit  # (n,)
+        beams, c = choose(t, beams, finished, lprobs, alive, limits, k=k, eos_id=eos_id, pad_id=pad_id,
+                           min_len=min_len, alpha=alpha, early_stopping=early_stopping)
+        next_beam, next_tok, done = c.next_beam, c.next_tok, c.done
         if trace is not None:
-            slot = torch.full_like(top_tok, -1).scatter_(
-                1, keep, torch.arange(k, device=device).expand(n, k).contiguous())  # (n, 2k)
-            trace(BeamStep(t=t, sources=alive.clone(), parent=top_beam, token=top_tok, score=top_scores,
-                           finished=torch.cat([eos_ok, torch.zeros_like(is_eos[:, k:])], 1),
-                           slot=slot, at_limit=at_limit, done=done))
+            trace_step(trace, t, alive, c, k)
         if static:  # a stopped source changes nothing more, so the stop may be read a step late
             if t == n_max or check.stopped_before() or check.after(done):  # (at n_max every source is done)
                 break
@@ -443,26 +270,9 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
     return finished
 
 
-def _sources_done(worst_finished: Tensor, best_open: Tensor, limits: Tensor, *, t: int, alpha: float,
-                  early_stopping: bool) -> Tensor:
-    """(n,) bool: which sources stop searching after step t (the docstring's stopping rule, but
-    the length limit). worst_finished (n,): normalized score of each source's k-th finished
-    hypothesis (-inf while it has fewer than k); best_open (n,): sum score of its best open beam
-    (-inf: none open); limits (n,): its length limits."""
-    if early_stopping:
-        done = torch.isfinite(worst_finished)
-    else:
-        # The best any continuation of the best open beam can score (log-probs <= 0 only lower
-        # the sum): with alpha > 0 at the longest length, with alpha < 0 at the next.
-        bound_len = limits if alpha > 0 else torch.full_like(limits, t + 1)
-        bound = best_open / gnmt_length_penalty(bound_len, alpha) if alpha != 0 else best_open
-        done = worst_finished >= bound
-    return done | ~torch.isfinite(best_open)
-
-
 def _merge_greedy(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | None, limits: Tensor, *,
                   bos_id: int, eos_id: int, pad_id: int | None, fill_id: int, min_len: int, alpha: float,
-                  finished: _Finished) -> None:
+                  finished: Finished) -> None:
     """Insert each source's greedy hypothesis into its sorted finished hypotheses (in place), unless
     it is already there or ranks below all of them."""
     greedy = greedy_encoder_decoder(model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=limits,

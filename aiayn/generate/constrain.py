@@ -10,12 +10,11 @@ loops.
 
 The engine is llguidance (guidance-ai / Microsoft, MIT; Rust, abi3 wheels for Linux x86_64 and
 aarch64, macOS and Windows, no Python dependencies; the engine behind OpenAI's, vLLM's, SGLang's and
-llama.cpp's structured output). ``python -m benchmarks.constrain`` measured it against xgrammar and
-outlines-core on SmolLM2-135M at batch 1 (docs/structured-output.md has the table). Per step the
-three cost the same: 1.2-1.7% of the q4 decode step (mask, apply and advance, about 0.3 ms
-against 18 ms), all far under the 10% goal, so the choice rests on the rest:
+llama.cpp's structured output). ``python -m benchmarks.constrain`` compares it with xgrammar and
+outlines-core on SmolLM2-135M (docs/structured-output.md has the table). Per step the three cost
+about the same, a small share of the q4 decode step, so the choice rests on the rest:
 
-* compiling a new schema: llguidance 1-2 ms, xgrammar 5-8 ms, outlines-core 46 ms, and 6.6 s for
+* compiling a new schema: llguidance is the fastest; outlines-core is slowest, and far slower for
   "any JSON object" (its automaton unrolls JSON's nesting into a regular expression, to a fixed
   depth: it cannot express JSON of any depth, which ``{"type": "json_object"}`` asks for);
 * dependencies: llguidance none; xgrammar needs torch, transformers, triton and apache-tvm-ffi;
@@ -24,8 +23,7 @@ against 18 ms), all far under the 10% goal, so the choice rests on the rest:
   unless blanked by hand, and outlines-core needs the byte-level vocabulary decoded by hand;
 * where the grammar forces bytes (``{"`` at the start of an object), llguidance allows their
   canonical token only, so the model reads its usual tokenisation; the other two also allow
-  splits (``{`` then ``"``), which in the measured run sent SmolLM2 down a different, looping
-  answer;
+  splits (``{`` then ``"``), which can send SmolLM2 down a different, looping answer;
 * an invalid schema: llguidance names the problem in a line; xgrammar raises a RuntimeError
   carrying a C++ source path.
 

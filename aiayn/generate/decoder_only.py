@@ -15,7 +15,7 @@ output) mask each step's logits and end a row once its answer is complete.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -112,16 +112,10 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
             eos_id: int | None, fill_id: int | None, kv_cache: str | None, compile: bool,
             use_cache: bool, slide: bool, constraints: list[RowConstraint | None] | None) -> Iterator[DecodeStep]:
     """``stream_decoder_only``'s loop, on checked arguments: prompt, valid (b, t)."""
-    b, t = prompt.shape
+    b = prompt.shape[0]
     context = model.config.max_seq_len
-    # Slots the loop's tokens take at most: all of them, or, when they overflow the context (the
-    # loop slides), the context: no row's window holds more, and a slide compacts the padding away.
-    slides = slide and t + max_new_tokens > context
-    width = context if slides else t + max_new_tokens
-    # The ids fed so far, slot by slot (b, width): what the repetition penalty reads and where a
-    # slide takes its window from. Padded slots repeat their row's last prompt token.
-    history = (penalty_history(prompt, valid, width - t) if chooser.needs_history or (slides and use_cache)
-               else None)
+    slides, width, history = _slots(prompt, valid, max_new_tokens, context, slide=slide,
+                                    needs_history=chooser.needs_history, use_cache=use_cache)
     cache = model.new_cache(b, cache_slots(width, compile), quantize=kv_cache) if use_cache else None
     keep = keep_tokens(context)
     # Each row's real tokens at the last (pre)fill and the tokens fed to every row since, on the
@@ -135,10 +129,7 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
     one_real = torch.ones(b, 1, dtype=torch.bool, device=prompt.device)  # generated tokens are real
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
     fresh, slid = True, False  # fresh: this call prefills (eager, with validity); slid: after a slide
-    # The rows a grammar still steers (host-side: the grammar lives on the host).
-    steered = [i for i, c in enumerate(constraints or []) if c is not None]
-    for i in steered:
-        constraints[i].reset()  # type: ignore[index, union-attr]
+    steered = _steered_rows(constraints)
     # Whether every row is done: only eos or a grammar ends a row (without either the loop runs
     # to max_new_tokens and reads nothing); read a step late on a GPU, at once where a grammar
     # reads the tokens anyway.
@@ -152,9 +143,7 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
         else:
             logits = decode_step(model, inputs, cache, valid=inputs_valid)  # (b, v)
         if steered:
-            logits = logits.clone()  # (b, v) masked in place: the step's own buffer stays as the model wrote it
-            for row in steered:
-                constraints[row].mask_logits(logits[row])  # type: ignore[index, union-attr]
+            logits = _mask_steered(logits, constraints, steered)
         fed = inputs.shape[1] if cache is None else cache.length  # slots the model has seen
         ids_so_far = history[:, :fed] if history is not None else None  # (b, fed)
         token = fill_finished(chooser.choose(logits, ids_so_far), done, fill_id)  # (b,)
@@ -162,14 +151,7 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
         if eos_id is not None:
             done = done | (token == eos_id)
         if steered:
-            chosen = token.tolist()  # the grammar's read
-            for row in steered:
-                constraints[row].advance(chosen[row])  # type: ignore[index, union-attr]
-            ended = [row for row in steered if constraints[row].is_finished()]  # type: ignore[index, union-attr]
-            steered = [row for row in steered if row not in ended and chosen[row] != eos_id]
-            if ended:  # complete answers: done, as at end-of-text
-                done = done.clone()
-                done[ended] = True
+            steered, done = _advance_steered(constraints, steered, token, done, eos_id)
         if check is not None and check.stopped_before():
             return  # (lagged) the step before ended every row: this one is dropped
         yield DecodeStep(index=i, tokens=token, logits=logits, active=active, done=done, cache=cache, slid=slid)
@@ -199,6 +181,52 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
             inputs_valid = torch.cat([inputs_valid, one_real], dim=1)
         else:
             inputs, inputs_valid = token[:, None], one_real
+
+
+def _slots(prompt: Tensor, valid: Tensor, max_new_tokens: int, context: int, *, slide: bool,
+           needs_history: bool, use_cache: bool) -> tuple[bool, int, Tensor | None]:
+    """(whether the loop slides, the slots its tokens take, the history of ids fed or None)."""
+    t = prompt.shape[1]
+    # Slots the loop's tokens take at most: all of them, or, when they overflow the context (the
+    # loop slides), the context: no row's window holds more, and a slide compacts the padding away.
+    slides = slide and t + max_new_tokens > context
+    width = context if slides else t + max_new_tokens
+    # The ids fed so far, slot by slot (b, width): what the repetition penalty reads and where a
+    # slide takes its window from. Padded slots repeat their row's last prompt token.
+    history = penalty_history(prompt, valid, width - t) if needs_history or (slides and use_cache) else None
+    return slides, width, history
+
+
+def _steered_rows(constraints: list[RowConstraint | None] | None) -> list[int]:
+    """The rows a grammar steers (host-side: the grammar lives on the host), their grammars reset."""
+    steered = [i for i, c in enumerate(constraints or []) if c is not None]
+    for i in steered:
+        constraints[i].reset()  # type: ignore[index, union-attr]
+    return steered
+
+
+def _mask_steered(logits: Tensor, constraints: Any, steered: list[int]) -> Tensor:
+    """(b, v) logits with each steered row's forbidden tokens masked, in a copy: the step's own
+    buffer stays as the model wrote it."""
+    logits = logits.clone()
+    for row in steered:
+        constraints[row].mask_logits(logits[row])
+    return logits
+
+
+def _advance_steered(constraints: Any, steered: list[int], token: Tensor, done: Tensor,
+                     eos_id: int | None) -> tuple[list[int], Tensor]:
+    """Feed each steered row's token to its grammar: (the rows still steered, done with the rows
+    whose answer is complete marked, as at end-of-text)."""
+    chosen = token.tolist()  # the grammar's read
+    for row in steered:
+        constraints[row].advance(chosen[row])
+    ended = [row for row in steered if constraints[row].is_finished()]
+    steered = [row for row in steered if row not in ended and chosen[row] != eos_id]
+    if ended:
+        done = done.clone()
+        done[ended] = True
+    return steered, done
 
 
 @torch.inference_mode()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import mmap
-import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,15 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.interop.gguf_tensors import (
+    BLOCK_NAME,
+    IGNORED,
+    PER_BLOCK,
+    dequantize_tensor,
+    hf_name,
+    torch_shape,
+    unpermute_rope_rows,
+)
 from aiayn.interop.gguf_text import (
     ChatTemplate,
     GGUFError,
@@ -59,29 +67,6 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-# llama.cpp's tensor names -> Hugging Face LlamaForCausalLM's (gguf's tensor_mapping, LLaMA part).
-_TOP_LEVEL = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_PER_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Stored by some old converters, derived from the config (aiayn computes its own RoPE tables).
-_IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd")
-_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-
 # ---- reading ------------------------------------------------------------------------------------
 def _import_gguf() -> Any:
     try:
@@ -92,7 +77,7 @@ def _import_gguf() -> Any:
 
 
 def _reader_class(base: type) -> type:
-    """``GGUFReader``, or a subclass that parses 3x faster (reads slices of a plain ndarray view of
+    """``GGUFReader``, or a subclass that parses faster (reads slices of a plain ndarray view of
     the memory map instead of ``np.memmap`` slices, whose per-slice bookkeeping dominates parsing
     the ~100k vocabulary strings); the same arrays and fields. Used only where the private
     ``_get`` it overrides has the signature it was written for (gguf 0.10 - 0.19 at least)."""
@@ -238,39 +223,6 @@ def _check_types(tensors: Sequence[ReaderTensor], source: str) -> None:
         )
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> Tensor:
-    """One GGUF tensor as a float32 torch tensor in PyTorch's (row-major) shape.
-
-    GGUF lists dimensions fastest-first (ggml's ``ne``: a (out, in) weight is stored as [in, out]),
-    so the torch shape is the reverse. Quantised data comes as (rows, bytes per row) uint8 blocks;
-    ``gguf.quants.dequantize`` unpacks it to (rows, in) values.
-    """
-    from gguf.quants import dequantize
-
-    shape = _torch_shape(tensor)
-    values = dequantize(tensor.data, tensor.tensor_type)  # float32 (or a memory-mapped F32 view)
-    array = np.array(values, dtype=np.float32, copy=True).reshape(shape)  # own memory, not the mmap
-    return torch.from_numpy(array)
-
-
-def unpermute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
-    """Undo llama.cpp's per-head row permutation of a q or k projection (weight or bias).
-
-    Hugging Face's RoPE (and aiayn's) rotates the two *halves* of each head (rotate_half); ggml's
-    original LLaMA RoPE rotates *adjacent pairs*. llama.cpp's converter therefore reorders each
-    head's rows from [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] to [x_0, y_0, x_1, y_1, ...]
-    (``permute`` in convert_hf_to_gguf.py, with n_heads = the kv heads for k). This is its inverse.
-
-    weight (n_heads * d_h, ...) -> same shape, each head's rows back in half-split order.
-    """
-    rows = weight.shape[0]
-    if rows % (2 * n_heads):
-        raise GGUFError(f"a q/k projection with {rows} rows cannot be split into {n_heads} heads of even width")
-    half = rows // n_heads // 2
-    # (h, d_h/2, 2, ...) pairs -> (h, 2, d_h/2, ...) halves
-    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-
-
 # ---- LLaMA: metadata -> config.json, tensors -> Hugging Face names ------------------------------
 def llama_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int,
                     source: str) -> dict[str, Any]:
@@ -316,17 +268,6 @@ def llama_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: in
     }
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """Hugging Face's LLaMA name for a llama.cpp tensor name (None: not a LLaMA tensor)."""
-    base, _, kind = gguf_name.rpartition(".")
-    if base in _TOP_LEVEL and kind in ("weight", "bias"):
-        return f"{_TOP_LEVEL[base]}.{kind}"
-    m = _BLOCK_NAME.fullmatch(gguf_name)
-    if m and m[2] in _PER_BLOCK:
-        return f"model.layers.{m[1]}.{_PER_BLOCK[m[2]]}.{m[3]}"
-    return None
-
-
 def llama_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> its PyTorch shape, for every tensor a "llama" model of this config has."""
     d, f, v = hf_config["hidden_size"], hf_config["intermediate_size"], hf_config["vocab_size"]
@@ -347,21 +288,17 @@ def llama_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
-    return tuple(int(n) for n in reversed(tensor.shape))
-
-
 def check_llama_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], source: str) -> None:
     """Every tensor the metadata implies is present with its shape, and there are no others."""
     expected = llama_shapes(hf_config)
-    present = {t.name: _torch_shape(t) for t in tensors if not _IGNORED.fullmatch(t.name)}
+    present = {t.name: torch_shape(t) for t in tensors if not IGNORED.fullmatch(t.name)}
     unknown = sorted(n for n in present if n not in expected)
     if unknown:
         more = f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else ""
         raise GGUFError(
             f"{source}: tensor(s) {', '.join(unknown[:3])}{more} have no counterpart in a "
             f"{hf_config['num_hidden_layers']}-block LLaMA; aiayn reads token_embd, output_norm, output and "
-            f"blk.N.{{{','.join(_PER_BLOCK)}}}"
+            f"blk.N.{{{','.join(PER_BLOCK)}}}"
         )
     missing = [n for n in expected if n not in present]
     if missing:
@@ -388,7 +325,7 @@ def llama_hf_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any])
         if name is None:  # an ignored tensor (check_llama_tensors rejected the unknown ones)
             continue
         value = dequantize_tensor(t)
-        m = _BLOCK_NAME.fullmatch(t.name)
+        m = BLOCK_NAME.fullmatch(t.name)
         if m and m[2] in heads:
             value = unpermute_rope_rows(value, heads[m[2]])
         out[name] = value

@@ -30,6 +30,13 @@ from aiayn.config import ModelConfig
 from aiayn.fast.q4 import BlockEmbedding, BlockLinear, BlockWeight, quantize_blocks_q4
 from aiayn.interop.gguf_blocks import SUPPORTED as BLOCK_TYPES
 from aiayn.interop.gguf_blocks import unpack
+from aiayn.interop.gguf_tensors import (
+    BLOCK_NAME,
+    dequantize_tensor,
+    hf_name,
+    torch_shape,
+    unpermute_rope_rows,
+)
 from aiayn.interop.gguf_text import GGUFError
 from aiayn.interop.hf import family_for, from_hf_state
 from aiayn.interop.mapping import InteropError
@@ -45,9 +52,7 @@ FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")  # nibbles: kept as th
 
 def _blocks_of(tensor: ReaderTensor, rope_heads: int | None, mode: str) -> BlockWeight:
     """One GGUF matrix as a BlockWeight (rows in Hugging Face's order)."""
-    from aiayn.interop.gguf import _torch_shape, dequantize_tensor, unpermute_rope_rows
-
-    rows, k = _torch_shape(tensor)
+    rows, k = torch_shape(tensor)
     kind = tensor.tensor_type.name
     if kind in BLOCK_TYPES and (mode == "auto" or kind in FOUR_BIT_TYPES):
         data = np.asarray(tensor.data).reshape(rows, -1)
@@ -130,14 +135,6 @@ def _stack(parts: list[BlockWeight]) -> BlockWeight:
 def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], source: str,
                  mode: str) -> tuple[nn.Module, ModelConfig]:
     """The LLaMA of a GGUF file with its matrices in blocks (see the module docstring)."""
-    from aiayn.interop.gguf import (
-        _BLOCK_NAME,
-        _torch_shape,
-        dequantize_tensor,
-        hf_name,
-        unpermute_rope_rows,
-    )
-
     if mode not in MODES:
         raise ValueError(f"quantize={mode!r}; packed GGUF loading takes one of {', '.join(MODES)}")
     packed_bytes = sum(int(t.n_bytes) for t in tensors)  # what the blocks take (K-quants' integers a little more)
@@ -146,7 +143,7 @@ def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], sou
         raise GGUFError(f"{source}: its {packed_bytes / 2**30:,.1f} GiB of weights do not fit in the "
                         f"{available / 2**30:,.1f} GiB of memory available here")
     by_name = {hf_name(t.name): t for t in tensors if hf_name(t.name) is not None}
-    meta = {name: torch.empty(_torch_shape(t), device="meta") for name, t in by_name.items()}
+    meta = {name: torch.empty(torch_shape(t), device="meta") for name, t in by_name.items()}
     try:
         with torch.device("meta"):
             model, config = from_hf_state(hf_config, meta, source=source)
@@ -155,7 +152,7 @@ def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], sou
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
 
     def rope_heads(name: str) -> int | None:
-        m = _BLOCK_NAME.fullmatch(by_name[name].name)
+        m = BLOCK_NAME.fullmatch(by_name[name].name)
         return heads.get(m[2]) if m else None
 
     def float_value(name: str) -> Tensor:

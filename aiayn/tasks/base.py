@@ -27,8 +27,8 @@ class UnknownTaskError(ValueError):
 
 
 def get_task(name: str, **options: Any) -> Task:
-    from aiayn import tasks as _  # noqa: F401  (registers the built-in tasks)
-
+    # The built-in tasks are registered: importing this module first runs the package's __init__,
+    # which imports them.
     if name not in TASKS:
         close = difflib.get_close_matches(str(name), TASKS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""

@@ -140,10 +140,9 @@ class ShakespeareCharLongTask(ShakespeareCharTask):
     """A longer shakespeare-char recipe for an hour of 2 CPU cores, aiming at val loss <= 1.50
     (nanoGPT's GPU baby-GPT, 10.7M parameters and 256-character context, reaches 1.47): nanoGPT's
     context and dropout on a 3.2M-parameter model (4 layers, d_model 256), 8,000 steps of 24 x 256
-    characters (~49M characters, ~49 passes over the 1.0M-character training split), bfloat16 autocast (1.3x the
-    float32 speed on this AVX-512-BF16 CPU; master weights, optimiser and validation stay float32).
-    Measured here: val loss 1.459 in 55 minutes (README *Training*); an earlier 1.8M-parameter,
-    128-character, 4,500-step version reached 1.544 in 19 minutes."""
+    characters (~49 passes over the 1.0M-character training split), bfloat16 autocast (faster than
+    float32 on an AVX-512-BF16 CPU; master weights, optimiser and validation stay float32). Its
+    result is in the README (*Training*)."""
 
     name = "shakespeare-char-long"
     description = "character-level GPT on Tiny Shakespeare, the ~60-minute recipe (256-character context)"

@@ -26,14 +26,19 @@ from torch import nn
 
 from aiayn.config import ConfigError, ModelConfig, TrainConfig
 from aiayn.tasks.base import TASKS, get_task
-from aiayn.tasks.translation import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TranslationTask
-from aiayn.train.checkpoint import (
-    STATE_FILE,
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
+from aiayn.tasks.trained import (
+    LoadedRun,  # noqa: F401  (re-exported: aiayn.tasks.runs.LoadedRun)
+    RunInputError,
+    is_ensemble_release,
+    is_release,
+    load_run,  # noqa: F401  (re-exported: aiayn.tasks.runs.load_run)
+    load_run_or_release,
+    release_members,
+    resolve_checkpoint,  # noqa: F401  (re-exported: aiayn.tasks.runs.resolve_checkpoint)
+    shipped_name,
 )
-from aiayn.train.run_dir import RunDirError, read_run_config
+from aiayn.tasks.translation import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TranslationTask
+from aiayn.train.run_dir import read_run_config
 from aiayn.train.task import Task
 from aiayn.translate import Translator
 
@@ -52,59 +57,6 @@ class RunSetupError(ConfigError):
     def __init__(self, message: str, about: str) -> None:
         super().__init__(message)
         self.about = about
-
-
-class RunInputError(RunDirError):
-    """A run directory or checkpoint that cannot serve what was asked. ``about``: "run" or
-    "checkpoint" (the input at fault)."""
-
-    def __init__(self, message: str, about: str = "run") -> None:
-        super().__init__(message)
-        self.about = about
-
-
-# ---- loading a trained run --------------------------------------------------------------------
-@dataclass
-class LoadedRun:
-    task: Task
-    model: nn.Module
-    model_config: ModelConfig
-    train_config: TrainConfig
-    checkpoint: Path
-
-
-def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = True) -> LoadedRun:
-    """The task and trained model of a run directory (its latest checkpoint by default), in eval mode.
-
-    ``prepare=False`` skips building the task's data splits (enough for generation).
-    """
-    run_dir = Path(run_dir)
-    configs = read_run_config(run_dir)
-    task = get_task(configs["task"], **configs.get("task_options", {}))
-    model_config = ModelConfig.from_dict(configs["model"])
-    train_config = TrainConfig.from_dict(configs["train"])
-    path = checkpoint or latest_checkpoint(run_dir / "checkpoints")
-    if path is None:
-        raise CheckpointError(f"{run_dir} holds no checkpoint yet")
-    model = task.build_model(model_config)
-    load_checkpoint(path, model)
-    task.run_dir = run_dir
-    if prepare:
-        task.prepare(train_config.seed)
-    return LoadedRun(task=task, model=model.eval(), model_config=model_config,
-                     train_config=train_config, checkpoint=path)
-
-
-def resolve_checkpoint(checkpoint: Path | None) -> Path | None:
-    """A checkpoint directory, or a folder of them (its newest is taken); None stays None (the
-    run's latest)."""
-    if checkpoint is None or (checkpoint / STATE_FILE).is_file():
-        return checkpoint
-    found = latest_checkpoint(checkpoint) if checkpoint.is_dir() else None
-    if found is None:
-        raise RunInputError(f"{checkpoint} is not a checkpoint (no {STATE_FILE}) nor a folder of "
-                            f"checkpoints", about="checkpoint")
-    return found
 
 
 # ---- models for inference ---------------------------------------------------------------------
@@ -129,7 +81,6 @@ def load_translator(run_dir: Path, checkpoint: Path | None = None, *, plain: boo
     run's latest; ``device``: where the model runs (None: the first CUDA GPU, else the CPU;
     ``aiayn.device.DeviceError`` for one this machine lacks)."""
     from aiayn.device import resolve
-    from aiayn.tasks.shipped import is_ensemble_release, load_run_or_release
 
     where = resolve(device)  # before loading: a missing device fails at once
     if not run_dir.is_dir():
@@ -159,7 +110,6 @@ def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, pla
     direction. Either mismatch is a ``RunInputError`` with ``about="members"``. An ensemble release
     (``aiayn.tasks.shipped.release_members``) among them stands for its members."""
     from aiayn.generate import Ensemble
-    from aiayn.tasks.shipped import is_ensemble_release, release_members
 
     if not members:
         raise ValueError("an ensemble needs at least one member")
@@ -220,10 +170,7 @@ def _vocabulary_mismatch(first_name: str, first: TranslationTask, name: str, oth
 
 def _member_name(run_dir: Path, checkpoint: Path | None) -> str:
     """A member as a message names it: a shipped model by its name, a run by its path."""
-    from aiayn.tasks.shipped import SHIPPED_DIR
-
-    where = Path(run_dir).resolve()  # a shipped model (or a shipped ensemble's member) by its name
-    name = str(where.relative_to(SHIPPED_DIR.resolve())) if where.is_relative_to(SHIPPED_DIR.resolve()) else str(run_dir)
+    name = shipped_name(run_dir) or str(run_dir)
     return name if checkpoint is None else f"{name} (checkpoint {checkpoint})"
 
 
@@ -236,7 +183,6 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
     "q4" read a GGUF file's blocks without dequantising them. ``device``: where the model runs
     (``aiayn.textgen.placement``: None is the first CUDA GPU else the CPU, but the CPU for int8
     and q4, which are refused elsewhere with a ValueError; "auto" keeps floats off the CPU)."""
-    from aiayn.tasks.shipped import is_ensemble_release, is_release, load_run_or_release
     from aiayn.textgen import TextModel, placement, read_text_model
 
     if (run_dir is None) == (model_path is None):

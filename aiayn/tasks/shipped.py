@@ -33,167 +33,38 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from aiayn.config import ModelConfig, TrainConfig
-from aiayn.tasks.base import get_task
-from aiayn.tasks.runs import LoadedRun, RunInputError, load_run, resolve_checkpoint
-from aiayn.tasks.translation import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TOKENIZER_FILE
+from aiayn.tasks.runs import load_ensemble_translator
+from aiayn.tasks.trained import (
+    DEFAULT_TRANSLATION_MODEL,
+    LEFTOVER_SUFFIXES,
+    RECORD_FILES,
+    RELEASE_DTYPES,
+    RELEASE_FILE,
+    SHIPPED_DIR,
+    TOKENIZER_FILES,
+    WEIGHTS_FILE,
+    LoadedRun,
+    RunInputError,
+    is_ensemble_release,
+    is_release,
+    load_release,
+    load_run,
+    load_run_or_release,
+    release_members,
+    resolve_checkpoint,
+    resolve_model,
+    shipped_models,
+    shipped_path,
+    single_model,
+)
 from aiayn.train.checkpoint import atomic_write_text
-from aiayn.train.run_dir import read_run_config
 
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "pretrained"
-RELEASE_FILE, WEIGHTS_FILE = "release.json", "model.safetensors"
-# The tokenizer files a run may keep (a translation run: one joint, or a source and a target).
-TOKENIZER_FILES = (TOKENIZER_FILE, SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE)
-RECORD_FILES = ("metrics.csv", "summary.json", "curves.png")
-RELEASE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-DEFAULT_TRANSLATION_MODEL = "multi30k-en-de"  # what `aiayn translate` runs without --run/--model
+# Reading a release is aiayn.tasks.trained's; its names are re-exported here.
+__all__ = ["DEFAULT_TRANSLATION_MODEL", "LEFTOVER_SUFFIXES", "MAX_RELEASE_BYTES", "RECORD_FILES", "RELEASE_DTYPES", "RELEASE_FILE", "SHIPPED_DIR", "TOKENIZER_FILES", "WEIGHTS_FILE", "LoadedRun", "RunInputError", "is_ensemble_release", "is_release", "load_release", "load_run", "load_run_or_release", "release_members", "resolve_checkpoint", "resolve_model", "shipped_models", "shipped_path", "single_model", "write_ensemble_release", "write_release"]
+
 MAX_RELEASE_BYTES = 10 * 2**20  # a shipped model's weights stay under 10 MB (the repository carries them)
-LEFTOVER_SUFFIXES = (".tmp", ".old")  # NAME.tmp being built, NAME.old being replaced (_put_in_place)
-
-
-def shipped_models() -> dict[str, dict[str, Any]]:
-    """{name: its release.json} of every model shipped in the package, sorted by name."""
-    found = {}
-    if SHIPPED_DIR.is_dir():
-        for directory in sorted(SHIPPED_DIR.iterdir()):
-            if directory.suffix in LEFTOVER_SUFFIXES:  # an interrupted write's, not a release
-                continue
-            if (directory / RELEASE_FILE).is_file():
-                found[directory.name] = json.loads((directory / RELEASE_FILE).read_text(encoding="utf-8"))
-    return found
-
-
-def shipped_path(name: str) -> Path:
-    """The release directory of the shipped model ``name``; an unknown name lists the known ones."""
-    models = shipped_models()
-    if name not in models:
-        known = ", ".join(models) or "none (this installation ships no models)"
-        raise RunInputError(f"no shipped model is called {name!r}; the shipped models are: {known}",
-                            about="model")
-    return SHIPPED_DIR / name
-
-
-def is_release(path: Path) -> bool:
-    """A single model's release: release.json and the weights beside it."""
-    return path.is_dir() and (path / RELEASE_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
-
-
-def is_ensemble_release(path: Path) -> bool:
-    """An ensemble's release: release.json naming its ``members``, no weights of its own."""
-    if not (path.is_dir() and (path / RELEASE_FILE).is_file()) or (path / WEIGHTS_FILE).exists():
-        return False
-    try:
-        record = json.loads((path / RELEASE_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(record, dict) and "members" in record
-
-
-def release_members(release: Path) -> list[Path]:
-    """The member release directories of an ensemble release, in its order (the first is the
-    member that views of a single model show: ``single_model``). A ``RunInputError`` for a member
-    that is not a plain name or not a release."""
-    release = Path(release)
-    names = json.loads((release / RELEASE_FILE).read_text(encoding="utf-8")).get("members")
-    if not isinstance(names, list) or not names:
-        raise RunInputError(f"{release / RELEASE_FILE}: members must be a list of member folder names; "
-                            f"reinstall aiayn or rewrite the release", about="model")
-    members = []
-    for name in names:
-        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
-            raise RunInputError(f"{release / RELEASE_FILE}: member {name!r} is not a folder name inside "
-                                f"the release; reinstall aiayn or rewrite the release", about="model")
-        if not is_release(release / name):
-            raise RunInputError(f"{release}: member {name} is missing or has no {RELEASE_FILE} and "
-                                f"{WEIGHTS_FILE}; reinstall aiayn or rewrite the release", about="model")
-        members.append(release / name)
-    return members
-
-
-def single_model(path: Path) -> tuple[Path, str | None]:
-    """(``path``, None), or for an ensemble release (its first member, a note that says so): what
-    views of one model (attention maps, ``aiayn explore``) show of an ensemble."""
-    if not is_ensemble_release(path):
-        return path, None
-    members = release_members(path)
-    return members[0], (f"{path.name} is an ensemble of {len(members)} models; showing its first member, "
-                        f"{members[0].name}")
-
-
-def resolve_model(value: str | Path) -> Path:
-    """A ``--model`` argument as a path: an existing path as given (a release, a run directory, a
-    GGUF file, a Hugging Face directory), else a shipped model's name (``multi30k-en-de``). A bare
-    name that is neither is refused with the list of shipped models."""
-    path = Path(value)
-    if path.exists():
-        return path
-    text = str(value)
-    if text in shipped_models():
-        return shipped_path(text)
-    if "/" not in text and "." not in text:
-        known = ", ".join(shipped_models()) or "none in this installation"
-        raise RunInputError(f"{text!r} is neither a shipped model ({known}) nor an existing path",
-                            about="model")
-    return path
-
-
-def load_release(release: Path, *, prepare: bool = False) -> LoadedRun:
-    """The task and model of a release directory, float32 weights, in eval mode (like ``load_run``)."""
-    release = Path(release)
-    if not is_release(release):
-        raise RunInputError(f"{release} is not a shipped-model release (no {RELEASE_FILE} and "
-                            f"{WEIGHTS_FILE}); give a shipped name ({', '.join(shipped_models())}) or "
-                            f"a run directory")
-    configs = read_run_config(release)
-    task = get_task(configs["task"], **configs.get("task_options", {}))
-    model_config = ModelConfig.from_dict(configs["model"])
-    train_config = TrainConfig.from_dict(configs["train"])
-    model = task.build_model(model_config)
-    try:
-        weights = load_file(str(release / WEIGHTS_FILE))
-        with safe_open(str(release / WEIGHTS_FILE), framework="pt") as handle:
-            tied = json.loads((handle.metadata() or {}).get("tied", "{}"))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise RunInputError(f"{release / WEIGHTS_FILE} cannot be read ({exc}); reinstall aiayn or "
-                            f"rewrite the release") from None
-    for alias, source in tied.items():  # tied weights (shared embeddings, output layer) stored once
-        if source in weights:
-            weights[alias] = weights[source]
-    expected = model.state_dict()
-    if set(weights) != set(expected):
-        missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-        raise RunInputError(f"{release / WEIGHTS_FILE} does not fit its config.json: missing "
-                            f"{missing[:5]}, unexpected {extra[:5]}")
-    for key, tensor in weights.items():
-        if tensor.shape != expected[key].shape:
-            raise RunInputError(f"{release / WEIGHTS_FILE}: {key} has shape {tuple(tensor.shape)}, the "
-                                f"config gives {tuple(expected[key].shape)}")
-    # float16/bfloat16 on disk, float32 in the model: the model computes as it was trained.
-    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()}, strict=True)
-    task.run_dir = release
-    if prepare:
-        task.prepare(train_config.seed)
-    return LoadedRun(task=task, model=model.eval(), model_config=model_config,
-                     train_config=train_config, checkpoint=release)
-
-
-def load_run_or_release(path: Path, *, checkpoint: Path | None = None, prepare: bool = False) -> LoadedRun:
-    """``load_release`` for a release directory, else ``load_run`` (a run directory). An ensemble
-    release is refused (one model is asked for here): translate with it through
-    ``aiayn.tasks.runs.load_translator``, or take one member (``single_model``)."""
-    if is_ensemble_release(path):
-        members = release_members(path)
-        raise RunInputError(f"{path.name} is an ensemble of {len(members)} models, not one; translate with it, "
-                            f"or give one member ({members[0]})", about="model")
-    if is_release(path):
-        if checkpoint is not None:
-            raise RunInputError(f"{path} is a shipped model (one set of weights); drop --checkpoint",
-                                about="checkpoint")
-        return load_release(path, prepare=prepare)
-    return load_run(path, checkpoint=resolve_checkpoint(checkpoint), prepare=prepare)
 
 
 def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = None, dtype: str = "float16",
@@ -282,8 +153,6 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
     measured scores (its release.json's ``scores``), in the same order. The members must form an ensemble (one language pair and direction, one vocabulary:
     ``aiayn.tasks.runs.load_ensemble_translator``'s checks, a ``RunInputError`` otherwise). Built
     beside ``out_dir`` and renamed into place, as ``write_release``. Returns ``out_dir``."""
-    from aiayn.tasks.runs import load_ensemble_translator
-
     out_dir = Path(out_dir)
     names = [member_name for _, _, member_name in members]
     if len(members) < 2:

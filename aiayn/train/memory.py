@@ -14,7 +14,7 @@ The estimate (``estimate_training_memory``) counts, in bytes:
 
 A step's peak is not their sum: the forward keeps activations and the backward frees them while it
 fills the gradients, and the optimizer runs after both. So the peak is weights + moments +
-max(activations, gradients + the optimizer's temporary), measured within 25% on the CPU by
+max(activations, gradients + the optimizer's temporary), checked against the CPU's peak by
 tests/robustness/test_memory.py (torch's profiler records every allocation of a real step).
 
 ``check_training_memory`` refuses (``TrainingMemoryError``, one line) a run whose peak exceeds the

@@ -96,7 +96,7 @@ def worker(rank: int, world: int, port: int, run_dir: str, fsdp: bool, task_name
 # Every way a tensor's value gets into Python (on a GPU each waits for the device), and the
 # training loop's own files (the task's evaluation and the checkpoint files are not the step).
 READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
-TRAINER_FILES = ("trainer.py", "metrics.py", "distributed.py", "losses.py", "optim.py")
+TRAINER_FILES = ("trainer.py", "loop.py", "metrics.py", "distributed.py", "losses.py", "optim.py")
 
 
 @contextlib.contextmanager

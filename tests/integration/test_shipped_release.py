@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch.testing import assert_close
 
-from aiayn.tasks import shipped
+from aiayn.tasks import shipped, trained
 from aiayn.tasks.runs import RunInputError, load_run
 from aiayn.tasks.shipped import load_release, resolve_model, write_release
 
@@ -91,7 +91,7 @@ def test_an_interrupted_writes_leftovers_are_cleared_and_never_listed(runs: Path
     out = write_release(runs / "reverse", tmp_path / "release")
     shutil.copytree(out, tmp_path / "release.tmp")  # a write stopped before its rename: a release.json inside
     shutil.copytree(out, tmp_path / "release.old")  # a replacement stopped before removing the old one
-    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path)
+    monkeypatch.setattr(trained, "SHIPPED_DIR", tmp_path)
     assert list(shipped.shipped_models()) == ["release"]  # the leftovers are not models
     write_release(runs / "shakespeare", tmp_path / "release")
     assert json.loads((out / "release.json").read_text())["task"] == "shakespeare-char"

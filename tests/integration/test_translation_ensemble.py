@@ -185,9 +185,9 @@ def test_an_ensemble_release_translates_as_its_members_together(ensemble_release
 
 def test_aiayn_models_says_a_release_is_an_ensemble(ensemble_release: Path, capsys,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiayn.tasks import shipped
+    from aiayn.tasks import trained
 
-    monkeypatch.setattr(shipped, "SHIPPED_DIR", ensemble_release.parent)
+    monkeypatch.setattr(trained, "SHIPPED_DIR", ensemble_release.parent)
     code, out, err = run_main(["models"], capsys)
     assert code == 0, err
     line, usage = out.splitlines()

@@ -1,0 +1,87 @@
+"""A GGUF LLaMA's tensors one by one: llama.cpp's names in Hugging Face's, their PyTorch shapes and
+float values. Shared by the float loader (``aiayn.interop.gguf``) and the packed one
+(``aiayn.interop.gguf_packed``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from aiayn.interop.gguf_text import GGUFError
+
+if TYPE_CHECKING:
+    from gguf import ReaderTensor
+
+# llama.cpp's tensor names -> Hugging Face LlamaForCausalLM's (gguf's tensor_mapping, LLaMA part).
+TOP_LEVEL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+PER_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Stored by some old converters, derived from the config (aiayn computes its own RoPE tables).
+IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd")
+BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """Hugging Face's LLaMA name for a llama.cpp tensor name (None: not a LLaMA tensor)."""
+    base, _, kind = gguf_name.rpartition(".")
+    if base in TOP_LEVEL and kind in ("weight", "bias"):
+        return f"{TOP_LEVEL[base]}.{kind}"
+    m = BLOCK_NAME.fullmatch(gguf_name)
+    if m and m[2] in PER_BLOCK:
+        return f"model.layers.{m[1]}.{PER_BLOCK[m[2]]}.{m[3]}"
+    return None
+
+
+def torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> Tensor:
+    """One GGUF tensor as a float32 torch tensor in PyTorch's (row-major) shape.
+
+    GGUF lists dimensions fastest-first (ggml's ``ne``: a (out, in) weight is stored as [in, out]),
+    so the torch shape is the reverse. Quantised data comes as (rows, bytes per row) uint8 blocks;
+    ``gguf.quants.dequantize`` unpacks it to (rows, in) values.
+    """
+    from gguf.quants import dequantize
+
+    shape = torch_shape(tensor)
+    values = dequantize(tensor.data, tensor.tensor_type)  # float32 (or a memory-mapped F32 view)
+    array = np.array(values, dtype=np.float32, copy=True).reshape(shape)  # own memory, not the mmap
+    return torch.from_numpy(array)
+
+
+def unpermute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
+    """Undo llama.cpp's per-head row permutation of a q or k projection (weight or bias).
+
+    Hugging Face's RoPE (and aiayn's) rotates the two *halves* of each head (rotate_half); ggml's
+    original LLaMA RoPE rotates *adjacent pairs*. llama.cpp's converter therefore reorders each
+    head's rows from [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] to [x_0, y_0, x_1, y_1, ...]
+    (``permute`` in convert_hf_to_gguf.py, with n_heads = the kv heads for k). This is its inverse.
+
+    weight (n_heads * d_h, ...) -> same shape, each head's rows back in half-split order.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_heads):
+        raise GGUFError(f"a q/k projection with {rows} rows cannot be split into {n_heads} heads of even width")
+    half = rows // n_heads // 2
+    # (h, d_h/2, 2, ...) pairs -> (h, 2, d_h/2, ...) halves
+    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
