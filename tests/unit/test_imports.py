@@ -191,20 +191,10 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-# Known circles in packages this test does not own, as {package: reason}: each is an
-# xfail(strict=True), so the test turns red (asking to remove the entry) once the circle is gone.
-KNOWN_CYCLES = {"aiayn.serve": "aiayn.serve.engine <-> blocks, compiled_step, metrics, sampler, steps"}
-
-
-@pytest.mark.parametrize("package", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=KNOWN_CYCLES[p])) if p in KNOWN_CYCLES else p
-    for p in ["aiayn", *KNOWN_CYCLES]
-])
-def test_no_import_cycles(package):
+def test_no_import_cycles():
     """Each shared thing has one owner: no module imports, even lazily, one that imports it back."""
     graph = {module_name(path): import_edges(path) for path in sorted(PACKAGE.rglob("*.py"))}
-    cycles = [c for c in import_cycles(graph)
-              if (within(c[0], package) if package in KNOWN_CYCLES else not any(within(c[0], k) for k in KNOWN_CYCLES))]
+    cycles = import_cycles(graph)
     assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
