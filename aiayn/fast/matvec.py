@@ -1,12 +1,11 @@
 """Linear layers on a handful of rows (a decode step), the ways that run fastest compiled.
 
 A batch-1 decode step multiplies one row by every weight matrix: y = x W^T is a matrix-vector
-product whose cost is reading W. On this CPU (2 threads) the matmul libraries read W slowly at
-that shape: float32 ``F.linear`` at ~15 GB/s eager and ~20 GB/s with Inductor's frozen oneDNN
-weights. Written as an element-wise multiply and a sum over the input dimension, Inductor fuses it
-into one vectorised C++ loop over the output rows, split across the threads, that never
-materialises the product: it reads W at ~35-40 GB/s in float32 (bfloat16 ~30 vs ~25 GB/s).
-Measured on SmolLM2-135M's projections in one compiled graph: ``python -m benchmarks.matvec``.
+product whose cost is reading W. At that shape the CPU matmul libraries read W slowly, eager or
+with Inductor's frozen oneDNN weights. Written as an element-wise multiply and a sum over the
+input dimension, Inductor fuses it into one vectorised C++ loop over the output rows, split across
+the threads, that never materialises the product and reads W faster, in float32 and bfloat16
+(``python -m benchmarks.matvec`` measures both ways; docs/benchmarks.md has the figures).
 
 From 3 to 64 float32 rows the matmul itself is faster turned around, (W x^T)^T: the few rows
 become the narrow right-hand side (``transposed_linear``).
