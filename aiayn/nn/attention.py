@@ -4,6 +4,11 @@
 Shape letters: b batch, h query heads, h_kv key/value heads, t / t_q queries, t_k keys, s source
 length, d_h head width, d model width. Mask convention: see ``aiayn.nn.masks`` (True = may attend).
 
+Read in order: ``attention`` is equation (1) written out; ``attend`` prepares the masks and runs
+it, or the same equation in torch's fused kernel when no weights are asked for;
+``scaled_dot_product_attention`` checks its inputs, then calls ``attend``. ``MultiHeadAttention``
+runs ``attend`` unchecked in every layer: a model checks its inputs once, at its stack's entry.
+
 Plain PyTorch: ``aiayn.fast`` swaps in faster CPU kernels for a built model (``MultiHeadAttention.
 kernel``), each tested equal to ``scaled_dot_product_attention``.
 """
