@@ -1,5 +1,5 @@
 """Faster CPU paths of scaled dot-product attention, each for one measured case; every other call
-is ``aiayn.nn.attention.scaled_dot_product_attention`` itself. ``aiayn.fast.optimize`` sets
+is ``aiayn.nn.attention.attend`` itself. ``aiayn.fast.optimize`` sets
 ``fast_attention`` as a built model's attention kernel (``MultiHeadAttention.kernel``); tests in
 tests/consistency/test_fast_modules.py check it equals the plain function.
 
@@ -25,7 +25,7 @@ from torch import Tensor
 from aiayn.fast import switch
 from aiayn.fast.block_causal import block_causal_attention, use_block_causal
 from aiayn.fast.dropout import dropout
-from aiayn.nn.attention import scaled_dot_product_attention
+from aiayn.nn.attention import attend, scaled_dot_product_attention
 
 # A single-query step takes the written-out path from this many queries (batch x heads) up, eager:
 # below it SDPA is faster (batch 1); at this size the two tie in isolation (``python -m
@@ -38,14 +38,15 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = Non
                    bias: Tensor | None = None, causal: bool = False, dropout_p: float = 0.0,
                    scale: float | None = None,
                    need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """``scaled_dot_product_attention`` (same arguments, same result up to float rounding), by the
-    fastest measured path for the case."""
+    """``attend`` (same arguments, same result up to float rounding), by the fastest measured path
+    for the case. Like ``attend`` it trusts its inputs (``MultiHeadAttention`` checks them), except
+    a 3-D mask or bias, checked on the way to the plain function."""
     plain = dict(mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale,
                  need_weights=need_weights)
-    if q.device.type != "cpu" or need_weights or not switch.enabled():
-        return scaled_dot_product_attention(q, k, v, **plain)
     if (mask is not None and mask.dim() == 3) or (bias is not None and bias.dim() == 3):
         return scaled_dot_product_attention(q, k, v, **plain)  # checks, then reads it as (b, t_q, t_k)
+    if q.device.type != "cpu" or need_weights or not switch.enabled():
+        return attend(q, k, v, **plain)
     b, h, t_q, d_h = q.shape
     h_kv = k.shape[1]
     key_mask_only = mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))  # (b, 1, 1, t_k)
@@ -53,22 +54,22 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = Non
             and (b * h >= MIN_DECODE_QUERIES or torch.compiler.is_compiling())):
         if h != h_kv:  # GQA: fold each group of query heads into its key/value head, (b, h_kv, g, d_h)
             _check_heads(q, k)
-            out, _ = scaled_dot_product_attention(q.reshape(b, h_kv, h // h_kv, d_h), k, v, mask=mask,
+            out, _ = attend(q.reshape(b, h_kv, h // h_kv, d_h), k, v, mask=mask,
                                                   scale=scale, need_weights=True)
             return out.reshape(b, h, 1, d_h), None
         # A decode step: the written-out equation's two matrix-vector products (its weights discarded).
-        return scaled_dot_product_attention(q, k, v, mask=mask, scale=scale, need_weights=True)[0], None
+        return attend(q, k, v, mask=mask, scale=scale, need_weights=True)[0], None
     if (causal and mask is None and bias is None and t_q == k.shape[2]
             and use_block_causal(q, k, v, dropout_p)):  # training: see aiayn.fast.block_causal
         scale = d_h**-0.5 if scale is None else scale
         return block_causal_attention(q, k, v, scale), None
     if dropout_p > 0.0:  # the written-out equation with the faster dropout mask
         # The weights only (b, h, t_q, t_k): a zero-width v makes the function's own product free.
-        _, weights = scaled_dot_product_attention(q, k, v[..., :0], mask=mask, bias=bias, causal=causal,
+        _, weights = attend(q, k, v[..., :0], mask=mask, bias=bias, causal=causal,
                                                   scale=scale, need_weights=True)
         assert weights is not None
         return dropout(weights, dropout_p) @ _repeat_heads(v, h), None  # (b, h, t_q, d_h)
-    return scaled_dot_product_attention(q, k, v, **plain)
+    return attend(q, k, v, **plain)
 
 
 def _check_heads(q: Tensor, k: Tensor) -> None:

@@ -33,7 +33,7 @@ from aiayn.fast.dropout import FastDropout
 from aiayn.fast.fused_loss import FusedLossLinear
 from aiayn.fast.linear import FastLinear
 from aiayn.fast.paged_attention import paged_cache_attention
-from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
+from aiayn.nn.attention import MultiHeadAttention, attend
 
 MODES = ("train", "inference")
 _PLAIN_CLASS = {FastLinear: nn.Linear, FusedLossLinear: nn.Linear, FastDropout: nn.Dropout}
@@ -73,7 +73,7 @@ def plain(model: nn.Module) -> nn.Module:
         if type(module) in _PLAIN_CLASS:
             module.__class__ = _PLAIN_CLASS[type(module)]
         elif isinstance(module, MultiHeadAttention):
-            module.kernel = scaled_dot_product_attention
+            module.kernel = attend
             module.cache_kernel = None
     return model
 

@@ -67,11 +67,13 @@ class TransformerBlock(nn.Module):
 
         With ``inputs.packing`` x is packed, (n, d) real tokens only, and so is the result: every
         sublayer but the attention core is token-wise (``aiayn.nn.packing``). Without ``inputs``:
-        no mask, no positions (a set, say).
+        no mask, no positions (a set, say). The attention layers trust x and ``inputs``: a stack's
+        ``prepare`` checks them once for every block.
         """
         h = self.self_attn_norm(x) if self.pre_norm else x
         self_inputs = inputs.self_attn if inputs is not None else None
-        h, self_weights = self.self_attn(h, inputs=self_inputs, cache=cache, need_weights=need_weights)
+        h, self_weights = self.self_attn(h, inputs=self_inputs, cache=cache, need_weights=need_weights,
+                                         checked=True)
         x = self._add(x, h, self.self_attn_norm)
 
         cross_weights = None
@@ -79,7 +81,7 @@ class TransformerBlock(nn.Module):
             assert self.cross_attn_norm is not None and inputs is not None, "cross-attention needs inputs"
             h = self.cross_attn_norm(x) if self.pre_norm else x
             h, cross_weights = self.cross_attn(h, inputs.memory, inputs=inputs.cross_attn, cache=cross_cache,
-                                               need_weights=need_weights)
+                                               need_weights=need_weights, checked=True)
             x = self._add(x, h, self.cross_attn_norm)
         return self._feed_forward(x), self_weights, cross_weights
 
@@ -282,12 +284,29 @@ class TransformerStack(nn.Module):
         if self.has_cross:
             if memory is None and (cache is None or cache.cross[0].k is None):
                 raise ValueError("the decoder needs memory= (the encoder output) for cross-attention")
+            if memory is not None:  # once here: the blocks' cross-attention does not check it
+                self._check_memory(tokens, memory, memory_valid, memory_packing)
             memory_mask = None if memory_valid is None else padding_mask(memory_valid)  # (b, 1, 1, s)
             cross_attn = AttentionInputs(mask=memory_mask, packing=packing, memory_packing=memory_packing)
         if memory_packing is not None and memory is None:
             raise ValueError("memory_packing= needs the packed memory=")
         return StackInputs(positions=positions, valid=valid, self_attn=self_attn, segments=segments,
                            memory=memory, cross_attn=cross_attn)
+
+    def _check_memory(self, tokens: Tensor, memory: Tensor, memory_valid: Tensor | None,
+                      memory_packing: Packing | None) -> None:
+        """The encoder output (b, s, d), or packed (n_s, d), and its validity (b, s) against the
+        tokens (b, t): checked once here for every cross-attention layer."""
+        cross = self.blocks[0].cross_attn
+        assert isinstance(cross, MultiHeadAttention)
+        cross.check_input("memory", memory, memory_packing)
+        if memory_packing is None and memory.shape[0] != tokens.shape[0]:
+            raise ValueError(f"memory batch size {memory.shape[0]} differs from the tokens' {tokens.shape[0]}")
+        fits = memory_valid is None or (memory_valid.dim() == 2 and memory_valid.shape[0] in (1, memory.shape[0])
+                                        and memory_valid.shape[1] == memory.shape[1])
+        if memory_packing is None and not fits:
+            raise ValueError(f"memory_valid must be (batch, seq) = {tuple(memory.shape[:2])} like the memory, "
+                             f"got {tuple(memory_valid.shape)}")  # type: ignore[union-attr]
 
     def forward_ragged(self, batches: Sequence[RaggedBatch]) -> tuple[Tensor, list[Packing]]:
         """Several batches through the stack in one pass -> (hidden (n, d), each batch's packing).

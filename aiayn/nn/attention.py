@@ -4,6 +4,11 @@
 Shape letters: b batch, h query heads, h_kv key/value heads, t / t_q queries, t_k keys, s source
 length, d_h head width, d model width. Mask convention: see ``aiayn.nn.masks`` (True = may attend).
 
+Read in order: ``attention`` is equation (1) written out; ``attend`` prepares the masks and runs
+it, or the same equation in torch's fused kernel when no weights are asked for;
+``scaled_dot_product_attention`` checks its inputs, then calls ``attend``. ``MultiHeadAttention``
+runs ``attend`` unchecked in every layer: a model checks its inputs once, at its stack's entry.
+
 Plain PyTorch: ``aiayn.fast`` swaps in faster CPU kernels for a built model (``MultiHeadAttention.
 kernel``), each tested equal to ``scaled_dot_product_attention``.
 """
@@ -18,9 +23,87 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.nn.kv_cache import LayerCache, Slots, StaticKV
-from aiayn.nn.masks import causal_mask, combine_masks, scores_shaped
+from aiayn.nn.masks import AttentionMasks, attention_masks
 from aiayn.nn.packing import Packing
 from aiayn.nn.positional import apply_rotary
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, bias: Tensor | None = None,
+              scale: float | None = None, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Equation (1), written out: softmax(Q K^T / sqrt(d_k) + bias, masked) V.
+
+    q: (b, h, t_q, d_h); k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv. mask: bool, True = may
+    attend; bias: float, added to the scores; both broadcast to (b, h, t_q, t_k). No checks: a
+    query that sees no key gets NaN here (``scaled_dot_product_attention`` gives it zeros).
+    Returns (output (b, h, t_q, d_h), weights (b, h, t_q, t_k) before dropout).
+    """
+    if q.shape[1] != k.shape[1]:  # GQA: each group of h / h_kv query heads shares one k/v head
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale  # 1 / sqrt(d_k)
+    scores = q @ k.transpose(-2, -1) * scale  # (b, h, t_q, t_k)
+    if bias is not None:
+        scores = scores + bias
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # float32 softmax
+    return F.dropout(weights, dropout_p) @ v, weights  # (b, h, t_q, d_h), (b, h, t_q, t_k)
+
+
+def _dispatch(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, dropout_p: float,
+              scale: float | None, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """Equation (1) on prepared masks: ``attention`` when the weights are asked for, else the same
+    equation in torch's fused kernel (flash / memory-efficient), which never forms the weights."""
+    if need_weights:
+        return attention(q, k, v, masks.mask, masks.bias, scale, dropout_p)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks.combined, dropout_p=dropout_p,
+                                         is_causal=masks.is_causal, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out, None
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, bias: Tensor | None = None,
+           causal: bool = False, dropout_p: float = 0.0, scale: float | None = None,
+           need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+    """``scaled_dot_product_attention`` without the input checks: the kernel ``MultiHeadAttention``
+    runs in every layer, on inputs its caller has checked once."""
+    masks = attention_masks(mask, bias, causal, q.shape[2], k.shape[2], q.dtype, q.device,
+                            fused=not need_weights)
+    out, weights = _dispatch(q, k, v, masks, dropout_p, scale, need_weights)
+    return _zero_rows(out, masks.row_valid), _zero_rows(weights, masks.row_valid)
+
+
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
+                                 bias: Tensor | None = None, causal: bool = False,
+                                 dropout_p: float = 0.0, scale: float | None = None,
+                                 need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + bias, masked) V, equation (1), checked.
+
+    Args:
+        q: (b, h, t_q, d_h). k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv (GQA/MQA: each key/value
+            head serves h / h_kv query heads).
+        mask: bool, broadcastable to (b, h, t_q, t_k); True = may attend. A 3-D mask is (b, t_q, t_k),
+            one per batch element shared by the heads (``aiayn.nn.masks``).
+        bias: float, broadcastable to (b, h, t_q, t_k), added to the scores (ALiBi, T5); 3-D as mask.
+        causal: also mask the future, right-aligned: the t_q queries are the last t_q keys (a cached
+            decode step's queries see every earlier key).
+        dropout_p: dropout on the attention weights (pass 0.0 in eval).
+        scale: multiplies the scores; default 1 / sqrt(d_h).
+        need_weights: compute with ``attention`` (the equation written out) and return its softmax
+            weights (before dropout); otherwise ``F.scaled_dot_product_attention`` computes the same
+            thing in one kernel.
+
+    Returns:
+        (output (b, h, t_q, d_h), weights (b, h, t_q, t_k) or None). A query with no visible key
+        outputs zeros (and zero weights), never NaN.
+    """
+    _check_attention_inputs(q, k, v, mask, bias)
+    return attend(q, k, v, mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale,
+                  need_weights=need_weights)
+
+
+def _zero_rows(x: Tensor | None, row_valid: Tensor | None) -> Tensor | None:
+    """x (.., t_q, f) with the rows of queries that see no key (row_valid False) set to zero."""
+    return x if row_valid is None or x is None else x.masked_fill(~row_valid, 0.0)
 
 
 def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
@@ -77,64 +160,7 @@ def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
             )
 
 
-def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None,
-                                 bias: Tensor | None = None, causal: bool = False,
-                                 dropout_p: float = 0.0, scale: float | None = None,
-                                 need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + bias, masked) V, equation (1).
-
-    Args:
-        q: (b, h, t_q, d_h). k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv (GQA/MQA: each key/value
-            head serves h / h_kv query heads).
-        mask: bool, broadcastable to (b, h, t_q, t_k); True = may attend. A 3-D mask is (b, t_q, t_k),
-            one per batch element shared by the heads (``aiayn.nn.masks``).
-        bias: float, broadcastable to (b, h, t_q, t_k), added to the scores (ALiBi, T5); 3-D as mask.
-        causal: also mask the future, right-aligned: the t_q queries are the last t_q keys (a cached
-            decode step's queries see every earlier key).
-        dropout_p: dropout on the attention weights (pass 0.0 in eval).
-        scale: multiplies the scores; default 1 / sqrt(d_h).
-        need_weights: write the equation out and return the softmax weights (before dropout);
-            otherwise ``F.scaled_dot_product_attention`` computes the same thing in one kernel.
-
-    Returns:
-        (output (b, h, t_q, d_h), weights (b, h, t_q, t_k) or None). A query with no visible key
-        outputs zeros (and zero weights), never NaN.
-    """
-    _check_attention_inputs(q, k, v, mask, bias)
-    mask, bias = scores_shaped(mask), scores_shaped(bias)  # 3-D: (b, t_q, t_k) -> (b, 1, t_q, t_k)
-    t_q, t_k, gqa = q.shape[2], k.shape[2], q.shape[1] != k.shape[1]
-    plain_causal = causal and mask is None and bias is None and t_q == t_k and not need_weights
-    callers_mask = mask is not None  # may leave a query no key (a right-aligned causal mask never does)
-    if causal and t_q > 1 and not plain_causal:  # (plain square causal: the kernel's is_causal)
-        mask = combine_masks(mask, causal_mask(t_q, t_k, device=q.device))  # (.., t_q, t_k)
-    row_valid = mask.any(dim=-1, keepdim=True) if callers_mask else None  # (.., t_q, 1)
-    # A query that sees no key attends everywhere (a finite softmax), then outputs zeros.
-    mask = mask | ~row_valid if row_valid is not None else mask
-    if bias is not None:  # the additive form of mask + bias: -inf where masked
-        bias = bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, float("-inf"))
-    if not need_weights:  # the same equation in one fused kernel (flash / memory-efficient)
-        attn_mask = bias if bias is not None else mask
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                             is_causal=plain_causal, scale=scale, enable_gqa=gqa)
-        return _zero_rows(out, row_valid), None
-    if gqa:  # each group of h / h_kv query heads shares one key/value head
-        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)  # (b, h, t_q, t_k)
-    if bias is not None:
-        scores = scores + bias
-    elif mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = _zero_rows(torch.softmax(scores.float(), dim=-1).to(q.dtype), row_valid)  # float32 softmax
-    out = F.dropout(weights, dropout_p) @ v  # (b, h, t_q, d_h)
-    return _zero_rows(out, row_valid), weights
-
-
-def _zero_rows(x: Tensor, row_valid: Tensor | None) -> Tensor:
-    """x (.., t_q, f) with the rows of queries that see no key (row_valid False) set to zero."""
-    return x if row_valid is None else x.masked_fill(~row_valid, 0.0)
-
-
-AttentionKernel = Callable[..., tuple[Tensor, Tensor | None]]  # scaled_dot_product_attention's signature
+AttentionKernel = Callable[..., tuple[Tensor, Tensor | None]]  # ``attend``'s signature (checked inputs)
 # (q, k, v, cache, inputs) -> output, or None: attention read from the cache's own storage (it writes
 # k, v there itself); ``aiayn.fast.paged_attention.paged_cache_attention``.
 CacheAttentionKernel = Callable[..., Tensor | None]
@@ -186,8 +212,8 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(d_model, q_width + 2 * kv_width, bias=bias)
         self.out_proj = nn.Linear(q_width, d_model, bias=out_bias)
-        # Equation (1) itself; aiayn.fast may swap in a faster kernel with the same signature.
-        self.kernel: AttentionKernel = scaled_dot_product_attention
+        # Equation (1) on checked inputs; aiayn.fast may swap in a faster kernel with the same signature.
+        self.kernel: AttentionKernel = attend
 
     # None: a cache returns its keys and values (``LayerKVCache.write``) and ``kernel`` attends. aiayn.fast
     # may set a kernel that attends from the cache's storage itself where it can (a paged cache's blocks).
@@ -199,7 +225,7 @@ class MultiHeadAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, n, self.head_dim).transpose(1, 2)
 
-    def _check_input(self, name: str, x: Tensor, packing: Packing | None = None) -> None:
+    def check_input(self, name: str, x: Tensor, packing: Packing | None = None) -> None:
         if packing is not None:
             if x.dim() != 2 or x.shape != (packing.n_tokens, self.d_model):
                 raise ValueError(
@@ -215,13 +241,12 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, memory: Tensor, packing: Packing | None = None) -> tuple[Tensor, Tensor]:
         """Cross-attention keys and values of the encoder memory (b, s, d), or of its real tokens
         (n_s, d) packed by ``packing``, -> 2 x (b, h_kv, s, d_h) (zeros at padding if packed)."""
-        self._check_input("memory", memory, packing)
         k, v = self.kv_proj(memory).chunk(2, dim=-1)  # (b, s, kv) or packed (n_s, kv) each
         return self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *,
                 inputs: AttentionInputs | None = None, cache: LayerCache | StaticKV | None = None,
-                need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+                need_weights: bool = False, checked: bool = False) -> tuple[Tensor, Tensor | None]:
         """Attend from x (b, t, d) to itself (self-attention) or to ``memory`` (b, s, d) (cross).
 
         Args:
@@ -233,26 +258,42 @@ class MultiHeadAttention(nn.Module):
                 Cross-attention: a ``StaticKV``; memory's keys and values are computed on first
                 use and reused.
             need_weights: also return the (b, h, t, t_k) attention weights.
+            checked: the caller has checked x, memory and ``inputs`` (a stack: ``TransformerStack.
+                prepare`` checks a forward's inputs once, for every layer); skip the checks.
 
         Returns:
             (output (b, t, d), or (n, d) when ``inputs.packing`` packs x; weights or None)
         """
         inputs = inputs or _NO_INPUTS
         packing = inputs.packing
-        self._check_input("x", x, packing)
+        if not checked:
+            self._check_inputs(x, memory, inputs)
         if self.cross:
             q = self._heads(self.q_proj(x), self.n_heads, packing)  # (b, h, t, d_h)
             k, v = self._memory_kv(memory, inputs.memory_packing, cache)  # (b, h_kv, s, d_h) each
-            out, weights = self.kernel(
-                q, k, v, mask=inputs.mask, bias=inputs.bias, causal=inputs.causal,
-                dropout_p=self.dropout if self.training else 0.0,
-                need_weights=need_weights or self.impl == "reference",
-            )  # (b, h, t, d_h)
+            out, weights = self._kernel(q, k, v, inputs, need_weights, checked)  # (b, h, t, d_h)
         else:
-            if memory is not None:
-                raise ValueError("self-attention got memory=; build MultiHeadAttention(cross=True)")
-            out, weights = self._attend_self(self.qkv_proj(x), inputs, cache, need_weights)
+            out, weights = self._attend_self(self.qkv_proj(x), inputs, cache, need_weights, checked)
         return self.out_proj(self._merge_heads(out, packing)), weights if need_weights else None
+
+    def _check_inputs(self, x: Tensor, memory: Tensor | None, inputs: AttentionInputs) -> None:
+        """The checks of a direct call: x and memory of width d_model (or packed as ``inputs`` says)."""
+        self.check_input("x", x, inputs.packing)
+        if memory is not None and not self.cross:
+            raise ValueError("self-attention got memory=; build MultiHeadAttention(cross=True)")
+        if memory is not None:
+            self.check_input("memory", memory, inputs.memory_packing)
+
+    def _kernel(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, need_weights: bool,
+                checked: bool = True) -> tuple[Tensor, Tensor | None]:
+        """``kernel`` on the heads (its masks and bias checked against them unless ``checked``)."""
+        if not checked:
+            _check_attention_inputs(q, k, v, inputs.mask, inputs.bias)
+        return self.kernel(
+            q, k, v, mask=inputs.mask, bias=inputs.bias, causal=inputs.causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            need_weights=need_weights or self.impl == "reference",
+        )  # (b, h, t, d_h), weights
 
     def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerCache]]) -> Tensor:
         """Self-attention of several batches in one pass: x (n_1 + ... + n_g, d) holds batch i's real
@@ -274,7 +315,7 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(torch.cat(outs))  # (sum n_i, d)
 
     def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerCache | StaticKV | None,
-                     need_weights: bool) -> tuple[Tensor, Tensor | None]:
+                     need_weights: bool, checked: bool = True) -> tuple[Tensor, Tensor | None]:
         """Self-attention from the projected qkv (b, t, q + 2 kv), or packed (n, q + 2 kv): the
         heads, the rotation, the cache, the kernel -> (out (b, h, t, d_h), weights or None)."""
         packing = inputs.packing
@@ -291,11 +332,7 @@ class MultiHeadAttention(nn.Module):
                 return out, None
         if cache is not None:
             k, v = self._cached_kv(cache, k, v, inputs)  # (b, h_kv, t_k, d_h): cached + new
-        return self.kernel(
-            q, k, v, mask=inputs.mask, bias=inputs.bias, causal=inputs.causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights or self.impl == "reference",
-        )  # (b, h, t, d_h), weights
+        return self._kernel(q, k, v, inputs, need_weights, checked)  # (b, h, t, d_h), weights
 
     def _merge_heads(self, out: Tensor, packing: Packing | None) -> Tensor:
         """The heads' outputs (b, h, t, d_h) -> (b, t, h * d_h), or (n, h * d_h) packed: the output

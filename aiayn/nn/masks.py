@@ -24,6 +24,8 @@ Helpers here build the usual masks and combine them by logical AND.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -107,3 +109,38 @@ def combine_masks(*masks: Tensor | None) -> Tensor | None:
             continue
         out = mask if out is None else out & mask
     return out
+
+
+@dataclass
+class AttentionMasks:
+    """One attention call's masks, prepared by ``attention_masks`` for equation (1)."""
+
+    mask: Tensor | None  # bool (.., t_q, t_k), True = may attend; None when folded into ``bias``
+    bias: Tensor | None  # float (.., t_q, t_k) in the queries' dtype, -inf where masked
+    row_valid: Tensor | None  # bool (.., t_q, 1): False for a query that sees no key (outputs zeros)
+    is_causal: bool  # square causal and nothing else: the fused kernel masks the future itself
+
+    @property
+    def combined(self) -> Tensor | None:
+        """The one mask the fused kernel takes: the additive bias, else the bool mask."""
+        return self.bias if self.bias is not None else self.mask
+
+
+def attention_masks(mask: Tensor | None, bias: Tensor | None, causal: bool, t_q: int, t_k: int,
+                    dtype: torch.dtype, device: torch.device, *, fused: bool) -> AttentionMasks:
+    """The masks of attention from t_q queries to t_k keys: the caller's ``mask`` and ``bias``
+    (3-D ones shared by the heads), causal right-aligned (the t_q queries are the last t_q keys),
+    and a query that sees no key made to attend everywhere (a finite softmax; its output is then
+    set to zero by ``row_valid``). ``fused``: for the fused kernel, which masks a square causal
+    call itself."""
+    mask, bias = scores_shaped(mask), scores_shaped(bias)  # 3-D: (b, t_q, t_k) -> (b, 1, t_q, t_k)
+    is_causal = fused and causal and mask is None and bias is None and t_q == t_k
+    callers_mask = mask is not None  # may leave a query no key (a right-aligned causal mask never does)
+    if causal and t_q > 1 and not is_causal:
+        mask = combine_masks(mask, causal_mask(t_q, t_k, device=device))  # (.., t_q, t_k)
+    row_valid = mask.any(dim=-1, keepdim=True) if callers_mask else None  # (.., t_q, 1)
+    mask = mask | ~row_valid if row_valid is not None else mask
+    if bias is not None:  # the additive form of mask + bias: -inf where masked
+        bias = bias.to(dtype) if mask is None else bias.to(dtype).masked_fill(~mask, float("-inf"))
+        mask = None
+    return AttentionMasks(mask, bias, row_valid, is_causal)

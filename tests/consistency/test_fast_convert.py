@@ -33,7 +33,7 @@ from aiayn.fast.linear import FastLinear
 from aiayn.fast.matvec import EAGER_TRANSPOSED_ROWS
 from aiayn.generate import greedy_decoder_only, greedy_encoder_decoder
 from aiayn.models import build_model, get_preset
-from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
+from aiayn.nn.attention import MultiHeadAttention, attend
 from aiayn.train.losses import IGNORE, sequence_loss
 
 # aiayn.fast.optimize swaps in CPU kernels and leaves a model on another device as it is (the last
@@ -174,7 +174,7 @@ def test_cached_greedy_decoding_equals_plain(name, b, monkeypatch):
     model, fast = twins(case, "inference")
     model.eval(), fast.eval()
     batch = Case(case.preset, case.overrides, b=b, t=6).batch(seed=2)
-    attention = count_calls(monkeypatch, fast_attention_module, "scaled_dot_product_attention")
+    attention = count_calls(monkeypatch, fast_attention_module, "attend")
     transposed = count_calls(monkeypatch, fast_linear, "transposed_linear")
 
     def decode(m: nn.Module):
@@ -224,7 +224,7 @@ def test_plain_model_is_plain_and_optimize_swaps_every_module(name, mode):
     modules = dict(model.named_modules())
     assert all(type(modules[n]) is nn.Linear for n in linears)
     assert all(type(modules[n]) is nn.Dropout for n in drops)
-    assert all(modules[n].kernel is scaled_dot_product_attention for n in attentions)
+    assert all(modules[n].kernel is attend for n in attentions)
     assert optimize(model, mode=mode) is model  # in place
     head = "lm_head" if mode == "train" and hasattr(model, "lm_head") else None
     for n in linears:

@@ -44,13 +44,13 @@ def test_single_query_path_from_enough_queries(batch: int, heads: int, kv_heads:
     """The written-out single-query path (need_weights=True inside) from MIN_DECODE_QUERIES queries
     (batch x heads); below, the plain function as called."""
     calls: list[bool] = []
-    plain = fast_attention_module.scaled_dot_product_attention
+    plain = fast_attention_module.attend
 
     def spy(*args, **kwargs):
         calls.append(bool(kwargs.get("need_weights")))
         return plain(*args, **kwargs)
 
-    monkeypatch.setattr(fast_attention_module, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(fast_attention_module, "attend", spy)
     q = torch.randn(batch, heads, 1, 16)
     k, v = torch.randn(batch, kv_heads, 20, 16), torch.randn(batch, kv_heads, 20, 16)
     with torch.inference_mode():
