@@ -7,7 +7,7 @@ Each measure is counted the same way on any checkout, so two checkouts give a be
 - forward pass: a decoder-only forward (gpt-tiny, learned positions, batch 2 x 8 tokens, eval) traced
   with ``sys.settrace``: the aiayn functions it enters, their files, and their lines (def to end).
 - attention branches: ``if`` / ``elif`` / conditional expressions in the functions of that trace that
-  live in ``aiayn/nn/attention.py`` (the attention path).
+  live in ``aiayn/nn/attention.py`` and ``aiayn/nn/masks.py`` (the attention path).
 - cache classes: classes under aiayn/ that hold or wrap key/value storage (a method ``write`` taking
   keys and values, or a name ending in ``Cache``, ``KV`` or ``Layers`` in nn/, fast/, generate/, serve/).
 - decode-step builders: functions in generate/, fast/ and serve/ that build a stack's inputs
@@ -127,8 +127,9 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def cache_classes(root: Path) -> list[str]:
-    found = []
+def cache_classes(root: Path) -> tuple[list[str], list[str]]:
+    """(the cache classes, the ones among them that other cache classes derive from: their bases)."""
+    found: dict[str, list[str]] = {}
     for folder in ("aiayn/nn", "aiayn/fast", "aiayn/generate", "aiayn/serve", "aiayn/models"):
         for path in python_files(root, folder):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -138,8 +139,9 @@ def cache_classes(root: Path) -> list[str]:
                                 and [a.arg for a in f.args.args[1:3]] == ["k", "v"] for f in node.body)
                 named = node.name.endswith(("Cache", "KV", "Layers")) and "Plan" not in node.name
                 if writes_kv or named:
-                    found.append(node.name)
-    return sorted(set(found))
+                    found[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+    bases = {b for parents in found.values() for b in parents if b in found}
+    return sorted(found), sorted(bases)
 
 
 def decode_step_builders(root: Path) -> list[str]:
@@ -195,7 +197,7 @@ print(json.dumps(sorted(seen)))
                 decorated = min([node.lineno, *[d.lineno for d in node.decorator_list]])
                 if first in (node.lineno, decorated):
                     lines += node.end_lineno - node.lineno + 1  # type: ignore[operator]
-                    if filename.endswith("aiayn/nn/attention.py"):
+                    if filename.endswith(("aiayn/nn/attention.py", "aiayn/nn/masks.py")):
                         branches += sum(isinstance(n, (ast.If, ast.IfExp)) for n in ast.walk(node))
                     break
     return {"functions": len(seen), "files": len({f for f, _, _ in seen}), "lines": lines,
@@ -216,13 +218,13 @@ def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]).resolve()
     forward = trace_forward(root)
     cycles = import_cycles(import_graph(root))
-    caches, builders = cache_classes(root), decode_step_builders(root)
+    (caches, bases), builders = cache_classes(root), decode_step_builders(root)
     functions, files = long_functions(root), long_files(root)
     rows = [
         ("decoder-only forward: functions / files / lines",
          f"{forward['functions']} / {forward['files']} / {forward['lines']}"),
-        ("branches in the attention path (nn/attention.py)", str(forward["attention branches"])),
-        ("KV-cache classes", f"{len(caches)}: {', '.join(caches)}"),
+        ("branches in the attention path (nn/attention.py, nn/masks.py)", str(forward["attention branches"])),
+        ("KV-cache classes (of them bases of others)", f"{len(caches)} ({len(bases)}): {', '.join(caches)}"),
         ("decode-step builders (stack inputs, slots or output layer in generate/, fast/, serve/)",
          f"{len(builders)}: {', '.join(b.split(' ')[-1] for b in builders)}"),
         (f"functions over {LONG_FUNCTION} lines", f"{len(functions)}" + (f": {'; '.join(functions)}" if functions else "")),
