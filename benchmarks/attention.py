@@ -3,7 +3,7 @@
 Benchmark 4. ``aiayn.nn.attention.scaled_dot_product_attention`` (the plain function, equation
 (1)) on q, k, v of shape (batch 1, 8 heads, n, 64) (one paper-base layer), causal, float32, at
 n = 256 ... 4096: median time of a forward (and of forward + backward with ``--backward``) and the
-peak memory the call allocates (torch.profiler allocator events, see ``benchmarks/memory.py``).
+peak memory the call allocates (torch.profiler allocator events, ``benchmarks.common.peak_bytes``).
 The reference path (``need_weights=True``: the equation written out) materialises the
 (b, h, n, n) score and weight matrices, so its memory grows as n^2; the fused kernel
 (``F.scaled_dot_product_attention``, the function's path without ``need_weights``) works in

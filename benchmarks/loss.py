@@ -5,7 +5,7 @@
 Two output layers: the decoder-only training benchmark's (d 256 -> 8,000 classes) and
 SmolLM2-135M's (d 576 -> 49,152), each over 4,096 tokens (16 x 256), tied-style weight with
 gradients for both hidden states and weight. Peak memory: the bytes the call allocates beyond its
-inputs (torch.profiler allocator events, ``benchmarks/memory.py``).
+inputs (torch.profiler allocator events, ``benchmarks.common.peak_bytes``).
 """
 
 from __future__ import annotations

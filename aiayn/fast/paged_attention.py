@@ -26,7 +26,7 @@ A prefill chunk (more than ``MAX_QUERIES`` queries per row) keeps the gather + S
 rather than in every layer (the same computation; tests/consistency/test_prefill_attention.py).
 
 Equal to the plain path up to float32 rounding: tests/consistency/test_paged_attention_kernel.py.
-The step it speeds up: ``python -m benchmarks.paged_kv_cache`` (the "kernel" column).
+The step it speeds up: ``python -m benchmarks.kv_cache --paged`` (the "kernel" column).
 
 Shape letters: b rows, h query heads, h_kv key/value heads, t_q new tokens, t_k keys read, d_h head width.
 """
@@ -43,7 +43,8 @@ from aiayn.nn.kv_cache import ROWS, LayerKVCache, StaticKV
 from aiayn.nn.paged_kv_cache import PagedLayerKVCache
 
 # Queries per row up to which the kernel replaces the gather + SDPA. It computes one query at a
-# time (no matrix products), so it is for decode steps and short chunks; see benchmarks/paged_kv_cache.py.
+# time (no matrix products), so it is for decode steps and short chunks
+# (``python -m benchmarks.kv_cache --paged`` measures it).
 MAX_QUERIES = 1
 
 

@@ -18,7 +18,7 @@ blocks by the (b, n) block table, padded with the null block, viewed as (b, n * 
 d_h) and cut to the extent the rows need). That gather is the price of paging on top of
 ``RowKVCache``'s in-place read. On the CPU, a model converted by ``aiayn.fast.optimize`` skips it
 for decode steps: ``aiayn.fast.paged_attention`` stores the keys and reads the pool in place through
-``read_blocks`` (a C++ kernel; benchmarks/paged_kv_cache.py measures both).
+``read_blocks`` (a C++ kernel; ``python -m benchmarks.kv_cache --paged`` measures both).
 
 Everything else is ``RowKVCache``'s contract, so the stacks and the serve engine use it the same
 way: per-row logical ``valid``/``positions``/``lengths`` (causality from positions), views of row
