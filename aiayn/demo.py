@@ -9,7 +9,7 @@ import torch
 
 from aiayn.generate import greedy_decoder_only, greedy_encoder_decoder
 from aiayn.models import build_model, count_parameters, get_preset
-from aiayn.nn.kv_cache import format_bytes
+from aiayn.nn.kv_memory import format_bytes
 
 
 def run_demo(echo: Callable[[str], None] = print, *, seed: int = 0) -> bool:

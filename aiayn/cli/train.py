@@ -49,7 +49,7 @@ def kv_cache_cmd(preset: str | None, batch_size: int, dtype: str, group_size: in
     Example (the seeds'): aiayn kv-cache --batch-size 32 --n-layers 32 --n-heads 32
     --d-model 4096 --seq-len 2048  ->  64 GiB
     """
-    from aiayn.nn.kv_cache import describe_kv_cache
+    from aiayn.nn.kv_memory import describe_kv_cache
 
     sizes = _kv_sizes(preset, given)
     try:
@@ -63,7 +63,7 @@ def kv_cache_cmd(preset: str | None, batch_size: int, dtype: str, group_size: in
 def _kv_sizes(preset: str | None, given: dict[str, int | None]) -> dict[str, int]:
     """``kv-cache``'s sizes: those given, the rest from the preset; usage errors for what is missing
     or inconsistent."""
-    from aiayn.nn.kv_cache import cache_sizes
+    from aiayn.nn.kv_memory import cache_sizes
 
     if preset is not None:  # the preset fills in what is not given
         from_preset = cache_sizes(_preset(preset))

@@ -4,7 +4,7 @@ the KV cache as it fills, over ``aiayn.generate``'s decode loops (``stream_decod
 
 The cache figures: ``measured`` is the bytes held by the filled slots of the real cache tensors
 (each layer's k and v buffers sliced to the filled length: element size x elements), ``formula``
-the seeds' 2 x layers x kv-heads x head-dim x tokens x bytes (``aiayn.nn.kv_cache.kv_cache_bytes``),
+the seeds' 2 x layers x kv-heads x head-dim x tokens x bytes (``aiayn.nn.kv_memory.kv_cache_bytes``),
 which must agree; ``int8`` / ``int4`` what the quantised caches would hold for the same tokens
 (their data plus one float16 scale per token and head, the formula
 ``tests/unit/test_kv_cache_quant.py`` checks against the real quantised cache).
@@ -20,7 +20,8 @@ from torch import Tensor
 
 from aiayn.device import autocast
 from aiayn.explore.models import Explorable, ExploreInputError
-from aiayn.nn.kv_cache import KVCache, dtype_bytes, kv_cache_bytes
+from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.kv_memory import dtype_bytes, kv_cache_bytes
 
 MAX_STEPS = 64
 MAX_TOP_K = 20

@@ -1,7 +1,8 @@
 """Leaf building blocks; they depend only on torch (and aiayn.config)."""
 
 from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
-from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV, kv_cache_bytes
+from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
+from aiayn.nn.kv_memory import kv_cache_bytes
 from aiayn.nn.masks import causal_mask, combine_masks, key_mask, valid_tokens
 from aiayn.nn.mlp import FeedForward
 from aiayn.nn.norm import make_norm

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiayn.nn.block_pool import block_digests
-from aiayn.nn.kv_cache import QUANTIZED, format_bytes, kv_cache_bytes
+from aiayn.nn.kv_memory import QUANTIZED, format_bytes, kv_cache_bytes
 from aiayn.nn.paged_kv_cache import PagedKVCache
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import uvicorn
 
 from aiayn.device import model_device
 from aiayn.models.base import count_parameters
-from aiayn.nn.kv_cache import format_bytes
+from aiayn.nn.kv_memory import format_bytes
 from aiayn.serve.app import ServerState, create_app
 from aiayn.serve.blocks import DEFAULT_BLOCK_SIZE, BlockPlan, block_plan
 from aiayn.serve.compiled_step import bucket_sizes

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from aiayn.config import ConfigError, ModelConfig, TrainConfig
 from aiayn.models.size import available_memory, check_fits, estimated_values
-from aiayn.nn.kv_cache import format_bytes
+from aiayn.nn.kv_memory import format_bytes
 
 if TYPE_CHECKING:
     from aiayn.train.run_dir import RunLocation
@@ -113,7 +113,7 @@ class TrainingMemory:
 
 
 def readable(n: int) -> str:
-    """A size to read: '1.50 GiB', '12.25 MiB' (``aiayn.nn.kv_cache.format_bytes``, whole units bare)."""
+    """A size to read: '1.50 GiB', '12.25 MiB' (``aiayn.nn.kv_memory.format_bytes``, whole units bare)."""
     return format_bytes(int(n))
 
 
