@@ -13,8 +13,8 @@ weight dimensions as the result's rows, so the backward picks that way round.
 The op has no autograd formula: ``onednn_linear`` gives it one, as a ``torch.library`` custom op
 (forward x W^T + b; backward g W, the weight gradient, sum(g)), which ``torch.compile`` keeps as
 an opaque kernel. The results are float32 products summed in another order than MKL's: against
-float64, within default float32 tolerances on small layers and of the size of MKL's own error on
-larger ones (tests/consistency/test_cpu_kernels.py). Used by
+float64, within default float32 tolerances on small layers and within the rounding bound of each
+sum on larger ones, as MKL's are (tests/consistency/test_cpu_kernels.py). Used by
 ``aiayn.fast.linear.FastLinear`` (every projection of an optimized model) and by the fused output layer
 (``aiayn.fast.fused_loss``), for plain float32 CPU tensors of at least ``MIN_ROWS`` rows
 and ``MIN_WORK`` multiply-adds, outside autocast; everything else keeps ``F.linear``.

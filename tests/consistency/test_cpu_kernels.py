@@ -1,9 +1,10 @@
 """aiayn's own CPU kernels compute what the plain torch ops do: oneDNN linear layers
 (``aiayn.fast.onednn``), query-block causal attention (``aiayn.fast.block_causal``) and the fused
 loss's max/argmax. Each float32 result is compared with a float64 reference at ``assert_close``'s
-default float32 tolerances; at full layer sizes, and for whole training steps (of a model that
-``aiayn.fast.optimize`` converted), where no float32 path meets those, their errors against
-float64 are compared with the plain-op path's (``F.linear``, ``aiayn.fast.plain_torch``).
+default float32 tolerances; at full layer sizes, where no float32 path meets those, each element's
+error is held to the rounding bound of its sum, and for whole training steps (of a model that
+``aiayn.fast.optimize`` converted) the errors against float64 are compared with the plain-op
+path's (``aiayn.fast.plain_torch``).
 """
 
 from __future__ import annotations
@@ -58,13 +59,24 @@ def test_onednn_linear_equals_float64(shape, bias):
         assert_close(got, want.float())
 
 
+def _rounding_bounds(x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor]:
+    """The classical bound on a float32 inner product of n terms, |fl(a.b) - a.b| <= n u |a|.|b|
+    with u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.5, gamma_n ~ n u),
+    for the output, each gradient and the bias gradient (sums over i, o, m and m terms)."""
+    ax, aw, ag = (t.detach().double().abs() for t in (x, weight, grad_out))
+    (m, i), o = ax.shape, aw.shape[0]
+    u = 2.0**-24
+    return [i * u * (ax @ aw.T), o * u * (ag @ aw), m * u * (ag.T @ ax), m * u * ag.sum(0)]
+
+
 @needs_onednn
 @pytest.mark.parametrize("shape", [(512, 256, 1024), (512, 1024, 256)])  # over MIN_WORK, both ways round
-def test_onednn_linear_at_full_size_is_as_accurate_as_f_linear(shape):
+def test_onednn_linear_at_full_size_is_within_float32_rounding(shape):
     """At sizes the layer really runs at, sums over 256-1,024 terms, no float32 path stays within
-    float64's default tolerances (F.linear's weight gradient is off by ~5e-5 here): oneDNN's error
-    against float64 must stay within 3x F.linear's (measured 1.0-2.4x) in the output and every
-    gradient."""
+    float64's default tolerances, and how oneDNN's error compares with F.linear's (MKL's) depends on
+    the kernels each library picks for the CPU. What holds for a correct float32 product on every
+    CPU: each element of the output and of every gradient is within the rounding bound of its sum
+    (F.linear's too, checked alongside so the bound is known to be met by the reference)."""
     m, i, o = shape
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, i, generator=g).requires_grad_()
@@ -74,15 +86,17 @@ def test_onednn_linear_at_full_size_is_as_accurate_as_f_linear(shape):
     params64 = _float64_twins(x, weight, b)
     y64 = F.linear(*params64)
     want = [y64.detach(), *torch.autograd.grad(y64, params64, grad_out.double())]
+    bounds = _rounding_bounds(x, weight, grad_out)
 
-    def errors(fn) -> list[float]:
+    def worst(fn) -> list[float]:
         y = fn(x, weight, b)
         got = [y.detach(), *torch.autograd.grad(y, [x, weight, b], grad_out)]
-        return [float((a.double() - w).abs().max()) for a, w in zip(got, want, strict=True)]
+        return [float(((a.double() - w).abs() / bound).max()) for a, w, bound in zip(got, want, bounds, strict=True)]
 
     assert onednn.use_onednn(x, weight)
-    fast, plain = errors(onednn.onednn_linear), errors(F.linear)
-    assert all(f <= 3 * p for f, p in zip(fast, plain, strict=True)), (fast, plain)
+    fast, plain = worst(onednn.onednn_linear), worst(F.linear)
+    assert max(plain) <= 1, plain
+    assert max(fast) <= 1, (fast, plain)
 
 
 @needs_onednn
