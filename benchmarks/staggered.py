@@ -177,17 +177,8 @@ def run_stepped(engine, jobs: list[Job], threads: int) -> dict[str, float]:
 
 def hf_model():  # -> a transformers LlamaForCausalLM, float32, SmolLM2's GGUF weights
     """SmolLM2-135M-Instruct in transformers, from the GGUF file ``smollm2_text_model`` reads."""
-    import transformers
-    from transformers.utils import logging as hf_logging
-
-    from aiayn.interop.gguf import smollm2_path
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore")
-    path = smollm2_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    return common.hf_causal_lm(common.smollm2())
 
 
 def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threads: int,
