@@ -25,7 +25,6 @@ import contextlib
 import gc
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,9 +35,9 @@ from aiayn.device import prepare, resolve, synchronize
 from benchmarks import gpu_models
 from benchmarks.common import (
     Timed,
-    command,
     count_params,
     fmt_int,
+    header,
     not_installed,
     run_interleaved,
     table,
@@ -209,7 +208,7 @@ def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device)
 
     def reference(compiled: bool):
         torch.manual_seed(0)
-        model = gpu_models.TorchSeq2Seq(config).to(device).train()
+        model = gpu_models.torch_seq2seq(config).to(device).train()
         run = torch.compile(model) if compiled else model
         return gpu_models.logits_step(run, gpu_models.make_adamw(model, device), data, device), count_params(model)
 
@@ -347,11 +346,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_rows(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device) -> None:
     transformers = gpu_models.transformers_or_none()
-    print(f"# aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}\n")
-    print(f"{gpu_models.device_name(device)} ({device}); torch {torch.__version__}; transformers "
-          f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}; "
-          f"{args.repeats} interleaved rounds after {args.warmup} warm-up call(s); "
-          f"{time.strftime('%Y-%m-%d %H:%M')}; `{command()}`\n")
+    header(f"aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}: "
+           f"{gpu_models.device_name(device)} ({device}); transformers "
+           f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}", args,
+           dtype=f"bf16 autocast, decoding in {args.decode_dtype}")
     rows = {"a": lambda: row_a(args, plan, device, transformers), "b": lambda: row_b(args, plan, device),
             "c": lambda: row_c(args, plan, device, transformers)}
     with compile_backend("eager" if args.smoke else None):

@@ -118,13 +118,17 @@ async def one_request(client, model: str, prompt: list[int], new_tokens: int, ru
             last = now
 
 
+def openai_client(url: str):  # -> openai.AsyncOpenAI
+    import openai
+
+    return openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+
+
 async def serve_clients(url: str, model: str, prompts: list[list[int]], clients: int, new_tokens: int,
                         label: str, pid: int) -> Run:
     """``clients`` clients, each sending its share of ``prompts`` in turn, all at once."""
-    import openai
-
     run = Run(label)
-    client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+    client = openai_client(url)
     shares = [prompts[i::clients] for i in range(clients)]
 
     async def client_loop(share: list[list[int]]) -> None:
