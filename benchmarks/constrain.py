@@ -254,20 +254,17 @@ def run(lm: Any, *, rounds: int, max_new_tokens: int, compiles: int, names: list
 
 
 def report(runs: dict[tuple[str, str], Run], prepare: dict[str, float]) -> dict:
-    ms = 1e3
     rows, figures = [], {}
     for (name, case), r in runs.items():
         grammar = [m + a + d for m, a, d in zip(r.mask, r.apply, r.advance, strict=True)]
         share = sum(grammar) / sum(r.decode) if r.decode else float("nan")
-        verdicts = [check(a, CASES[case][1]) for a in r.answers]
-        valid = sum(v == "ok" for v in verdicts)
-        figures[name, case] = {"share": share, "compile_ms": statistics.median(r.compile) * ms,
-                               "valid": valid, "answers": len(r.answers)}
-        rows.append([name, case, f"{prepare[name]:.2f}", f"{statistics.median(r.compile) * ms:.1f}",
-                     f"{statistics.median(r.decode) * ms:.2f}", f"{statistics.median(r.mask) * ms:.3f}",
-                     f"{statistics.median(r.apply) * ms:.3f}", f"{statistics.median(r.advance) * ms:.3f}",
-                     f"{sorted(grammar)[int(0.95 * (len(grammar) - 1))] * ms:.3f}", f"**{share:.1%}**", f"{valid}/{len(r.answers)}",
-                     f"{len(r.mask) // max(len(r.answers), 1)}"])
+        valid = sum(check(a, CASES[case][1]) == "ok" for a in r.answers)
+        ms = {part: statistics.median(getattr(r, part)) * 1e3 for part in ("compile", "decode", "mask", "apply", "advance")}
+        figures[name, case] = {"share": share, "compile_ms": ms["compile"], "valid": valid, "answers": len(r.answers)}
+        rows.append([name, case, f"{prepare[name]:.2f}", f"{ms['compile']:.1f}", f"{ms['decode']:.2f}",
+                     *(f"{ms[part]:.3f}" for part in ("mask", "apply", "advance")),
+                     f"{sorted(grammar)[int(0.95 * (len(grammar) - 1))] * 1e3:.3f}", f"**{share:.1%}**",
+                     f"{valid}/{len(r.answers)}", f"{len(r.mask) // max(len(r.answers), 1)}"])
     print(table(["library", "case", "tokenizer s", "compile ms", "decode ms/step", "mask ms/step",
                  "apply ms/step", "advance ms/step", "grammar p95 ms", "grammar / decode", "valid",
                  "steps"], rows))
