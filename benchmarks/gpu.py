@@ -25,7 +25,6 @@ import contextlib
 import gc
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,9 +35,9 @@ from aiayn.device import prepare, resolve, synchronize
 from benchmarks import gpu_models
 from benchmarks.common import (
     Timed,
-    command,
     count_params,
     fmt_int,
+    header,
     not_installed,
     run_interleaved,
     table,
@@ -100,8 +99,13 @@ class Row:
         run_interleaved(self.timed, repeats=self.repeats, warmup=0, sync=lambda: synchronize(self.device))
         return {p.name: p.median for p in self.timed}
 
-    def report(self, headers: list[str], cells: Callable[[Timed], list[object]]) -> None:
-        rows = [[p.name, fmt_int(self.params[p.name]), *cells(p)] for p in self.timed]
+    def report(self, unit: str, tokens: int, extra: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
+        """The row's table (``extra``: more columns, by peer); -> tokens/s by peer."""
+        extra = extra or {}
+        headers = ["peer", "parameters", f"ms / {unit} (median)", "spread", "tokens/s", *extra]
+        rows = [[p.name, fmt_int(self.params[p.name]), f"{p.median * 1e3:.1f}", f"±{p.spread * 50:.0f}%",
+                 fmt_int(tokens / p.median), *(f"{c[p.name]:.3f}" if p.name in c else "-" for c in extra.values())]
+                for p in self.timed]
         rows += [[name, "-", f"failed: {why}", *["-"] * (len(headers) - 3)] for name, why in self.failed.items()]
         rows += [[name, "-", f"skipped: {why}", *["-"] * (len(headers) - 3)] for name, why in self.skipped.items()]
         print(table(headers, rows) + "\n")
@@ -109,6 +113,7 @@ class Row:
             for p in self.timed:
                 print(f"### {p.name}: torch.profiler, one call after the timed rounds\n\n```text\n"
                       f"{profile_table(p.fn, self.device)}\n```\n", flush=True)
+        return {p.name: tokens / p.median for p in self.timed}
 
 
 def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 15) -> str:
@@ -176,11 +181,8 @@ def row_a(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device,
     print(f"## (a) GPT-2 training, d {plan.gpt[1]}, {plan.gpt[3]} layers, vocab {vocab:,}, batch {batch} x {length}, "
           f"{gpu_models.device_name(device)}\n")
     mfu = {name: flops / s / peak for name, s in seconds.items()} if peak else {}
-    row.report(["peer", "parameters", "ms / step (median)", "spread", "tokens/s", "MFU"],
-               lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(batch * length / seconds[p.name]),
-                          f"{mfu[p.name]:.3f}" if p.name in mfu else "-"])
+    rates = row.report("step", batch * length, {"MFU": mfu})
     print(f"model FLOPs per step: {flops / 1e12:.2f} TFLOP (6 N + 12 L d T per token); peak: {peak_note}\n")
-    rates = {name: batch * length / s for name, s in seconds.items()}
     ratio("(a) training tokens/s, eager", rates, "aiayn", "transformers")
     ratio("(a) training tokens/s, compiled", rates, "aiayn compiled", "transformers compiled", GOALS["a"])
     if "aiayn compiled" in mfu:
@@ -209,7 +211,7 @@ def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device)
 
     def reference(compiled: bool):
         torch.manual_seed(0)
-        model = gpu_models.TorchSeq2Seq(config).to(device).train()
+        model = gpu_models.torch_seq2seq(config).to(device).train()
         run = torch.compile(model) if compiled else model
         return gpu_models.logits_step(run, gpu_models.make_adamw(model, device), data, device), count_params(model)
 
@@ -217,14 +219,12 @@ def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device)
     row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
     row.add("torch.nn.Transformer", lambda: reference(False), iters=args.iters)
     row.add("torch.nn.Transformer compiled", lambda: reference(True), iters=args.iters)
-    seconds = row.run()
+    row.run()
     tokens = batch * (src_len + tgt_len)
     print(f"## (b) encoder-decoder `{plan.seq2seq}` (d {config.d_model}, {config.n_layers}+{config.n_decoder_layers} "
           f"layers, vocab {config.vocab_size:,}), batch {batch} x ({src_len} + {tgt_len}) tokens, "
           f"{gpu_models.device_name(device)}\n")
-    row.report(["peer", "parameters", "ms / step (median)", "spread", "tokens/s"],
-               lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(tokens / seconds[p.name])])
-    rates = {name: tokens / s for name, s in seconds.items()}
+    rates = row.report("step", tokens)
     ratio("(b) training tokens/s, eager", rates, "aiayn", "torch.nn.Transformer")
     ratio("(b) training tokens/s, compiled", rates, "aiayn compiled", "torch.nn.Transformer compiled", GOALS["b"])
     free(row)
@@ -265,11 +265,9 @@ def decode_batch(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.
             row.skip(name, MISSING_TRANSFORMERS)
         else:
             row.add(name, lambda s=static: (gpu_models.hf_decode(transformers, hf, prompt, n, static=s), params))
-    seconds = row.run()
+    row.run()
     print(f"batch {b}:\n")
-    row.report(["peer", "parameters", "ms / call (median)", "spread", "tokens/s"],
-               lambda p: [f"{seconds[p.name] * 1e3:.1f}", f"±{p.spread * 50:.0f}%", fmt_int(b * n / seconds[p.name])])
-    rates = {name: b * n / s for name, s in seconds.items()}
+    rates = row.report("call", b * n)
     ratio(f"(c) decode tokens/s, batch {b}, eager", rates, "aiayn", "transformers")
     ratio(f"(c) decode tokens/s, batch {b}, compiled", rates, "aiayn compiled", "transformers static + compile",
           GOALS["c"] if b == 1 else None)
@@ -347,11 +345,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_rows(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device) -> None:
     transformers = gpu_models.transformers_or_none()
-    print(f"# aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}\n")
-    print(f"{gpu_models.device_name(device)} ({device}); torch {torch.__version__}; transformers "
-          f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}; "
-          f"{args.repeats} interleaved rounds after {args.warmup} warm-up call(s); "
-          f"{time.strftime('%Y-%m-%d %H:%M')}; `{command()}`\n")
+    header(f"aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}: "
+           f"{gpu_models.device_name(device)} ({device}); transformers "
+           f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}", args,
+           dtype=f"bf16 autocast, decoding in {args.decode_dtype}")
     rows = {"a": lambda: row_a(args, plan, device, transformers), "b": lambda: row_b(args, plan, device),
             "c": lambda: row_c(args, plan, device, transformers)}
     with compile_backend("eager" if args.smoke else None):

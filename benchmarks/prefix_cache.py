@@ -1,7 +1,7 @@
 """Time to first token of a repeated long prefix: SmolLM2-135M in ``aiayn serve``'s engine (in this
 process, fed ``Request``s directly), a request of a ``--prefix``-token shared prefix and a short
 question, then one with the same prefix and another question. With the prefix cache (the paged
-layout) the second computes only its question; ``--no-prefix-caching`` recomputes everything.
+layout) the second computes only its question; the engine without it recomputes everything.
 Each round takes a fresh prefix; the figure is the median over ``--repeats`` rounds. Goal: repeat
 TTFT <= 0.3x the first's.
 
@@ -12,27 +12,11 @@ TTFT <= 0.3x the first's.
 from __future__ import annotations
 
 import argparse
-import statistics
-import threading
 
 import torch
 
 from benchmarks import common
-
-
-def first_token_seconds(engine, prompt: list[int]) -> float:
-    """Submit ``prompt`` (one greedy token) and wait for it: seconds from arrival to the first token."""
-    from aiayn.generate import SamplingConfig
-    from aiayn.serve.engine import Request, SamplingParams
-
-    done = threading.Event()
-    request = Request(prompt, SamplingParams(max_tokens=1, sampling=SamplingConfig(temperature=0.0)),
-                      lambda event: done.set() if event.finish_reason else None)
-    engine.submit(request)
-    if not done.wait(600):
-        raise SystemExit("the engine gave no token in 10 minutes")
-    assert request.first_token_at is not None
-    return request.first_token_at - request.arrived
+from benchmarks.staggered import Job, run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def tokens(n: int) -> list[int]:
         return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+    def first_token_seconds(engine, prompt: list[int]) -> float:  # one greedy token, from its arrival
+        return run(engine, [Job(0.0, prompt, 1)])["ttft_p50"]
 
     common.mark_start(args)
     results: dict[str, dict[str, list[float]]] = {}
@@ -75,12 +62,10 @@ def main(argv: list[str] | None = None) -> None:
         results["on" if caching else "off"] = times
     common.header(f"Time to first token, SmolLM2-135M: a {args.prefix}-token shared prefix + {args.question} tokens, "
            f"first request and a repeat (blocks of {args.block_size})", args)
-    rows = []
-    for label, times in results.items():
-        first, repeat = statistics.median(times["first"]), statistics.median(times["repeat"])
-        rows.append([f"prefix caching {label}", f"{first:.2f}", f"{repeat:.2f}", f"{repeat / first:.2f}x"])
-    print(common.table(["engine", "first TTFT s", "repeat TTFT s", "repeat / first"], rows))
-    ratio = statistics.median(results["on"]["repeat"]) / statistics.median(results["on"]["first"])
+    print(common.table(["engine", "first TTFT s", "repeat TTFT s", "repeat / first"],
+                       [[f"prefix caching {label}", common.spread_text(t["first"], 2), common.spread_text(t["repeat"], 2),
+                         f"{common.median_ratio(t['repeat'], t['first']):.2f}x"] for label, t in results.items()]))
+    ratio = common.median_ratio(results["on"]["repeat"], results["on"]["first"])
     print(f"\nrepeat / first with the prefix cache: **{ratio:.2f}x** (goal <= 0.3x: "
           f"{'met' if ratio <= 0.3 else 'MISSED'})")
     common.footer()

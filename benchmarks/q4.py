@@ -7,7 +7,7 @@ in float32 through oneDNN.
 Per number of rows (1, 4, 16: decode batches; 512: a prefill) it prints each way's time for
 SmolLM2's four projection shapes x 30 layers and its 49,152-row output layer, i.e. the linear
 layers of one forward. The weights are reused call after call, so they sit in the caches: the
-figures are the kernels' compute cost, not the memory-bound cost of a real decode step (which
+figures (interleaved rounds of ~20 ms, medians) are the kernels' compute cost, not the memory-bound cost of a real decode step (which
 ``benchmarks/generate.py`` measures).
 
     python -m benchmarks.q4                     # 2 threads, wall clock
@@ -17,7 +17,6 @@ figures are the kernels' compute cost, not the memory-bound cost of a real decod
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
@@ -26,20 +25,9 @@ import torch.nn.functional as F
 from aiayn.fast.onednn import onednn_linear
 from aiayn.fast.q4 import BlockWeight, quantize_blocks_q4
 from aiayn.fast.q4_build import kernel_ops
-from benchmarks.common import footer, header
+from benchmarks import common
 
 SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]  # (out, in, count)
-
-
-def best(fn: Callable[[], object], clock: Callable[[], float], seconds: float = 0.3) -> float:
-    fn()
-    times, start = [], time.perf_counter()
-    while time.perf_counter() - start < seconds or len(times) < 3:
-        t = clock()
-        fn()
-        times.append(clock() - t)
-    times.sort()
-    return times[len(times) // 5]
 
 
 def ways(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -70,31 +58,31 @@ def ways(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.q4", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,16,512")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall")
-    parser.add_argument("--quick", action="store_true", help="Only the first projection shape (a smoke test).")
+    common.add_clock_arg(parser)
+    common.add_common_args(parser, repeats=5, warmup=1)  # --quick: only the first projection shape
     args = parser.parse_args(argv)
     if kernel_ops() is None:
         raise SystemExit("aiayn's 4-bit kernel could not be built here (a C++ compiler and ninja are needed)")
-    torch.set_num_threads(args.threads)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    common.setup(args)
     shapes = SHAPES[:1] if args.quick else SHAPES
-    header(f"Block-quantised matmul against the other ways, SmolLM2-135M's linear layers, {args.clock} clock", args)
-    torch.manual_seed(0)
+    common.header(f"Block-quantised matmul against the other ways, SmolLM2-135M's linear layers, {args.clock} clock",
+                  args)
     weights = [(torch.randn(n, k) * k ** -0.5, count) for n, k, count in shapes]
     for m in (int(r) for r in args.rows.split(",")):
         totals: dict[str, float] = {}
         with torch.inference_mode():
             for w, count in weights:
                 x = torch.randn(m, w.shape[1])
-                for name, fn in ways(x, w).items():
-                    totals[name] = totals.get(name, 0.0) + count * best(fn, clock)
+                timed = [common.Timed(name, fn) for name, fn in ways(x, w).items()]
+                common.measure(timed, args, round_seconds=0.02, clock=common.CLOCKS[args.clock])
+                for t in timed:
+                    totals[t.name] = totals.get(t.name, 0.0) + count * t.median
         base = totals["aiayn Q4_1"]
         print(f"| {m} rows | " + " | ".join(f"{name} {t * 1e3:.2f} ms ({t / base:.1f}x)" for name, t in totals.items())
               + " |", flush=True)
-    footer()
+    common.footer()
 
 
 if __name__ == "__main__":

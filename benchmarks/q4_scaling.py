@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import CLOCKS, best_of, decode_rate, footer, header
+from benchmarks import common
 from benchmarks.generate_q4 import packed_model, runner
-from benchmarks.llama_cpp import LlamaCpp, llama_cpp_cffi_library
+from benchmarks.llama_cpp import LLAMA_CPP_INSTALL, LlamaCpp, llama_cpp_cffi_library
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ def read_bandwidth(threads: int, *, gib: float = 1.5, repeats: int = 5, clock=ti
     torch.set_num_threads(threads)
     buf = torch.full((int(gib * 2**30),), 1, dtype=torch.uint8)  # written, so every page is real memory
     try:
-        best = min(best_of(lambda v=view: v.sum(), repeats, clock)
+        best = min(common.best_of(lambda v=view: v.sum(), repeats, clock)
                    for view in (buf.view(torch.float32), buf.view(torch.int64)))
     finally:
         del buf
@@ -204,10 +204,10 @@ def measure_size(name: str, shape: LlamaShape, out_dir: Path, args: argparse.Nam
           f"{streamed / 1e6:,.1f} MB; written in {time.perf_counter() - start:.0f} s", flush=True)
     row: dict[str, float] = {"bytes": streamed}
     for threads in sorted({1, args.threads}):
-        row[f"bandwidth {threads}"] = read_bandwidth(threads, repeats=args.repeats + 2, clock=CLOCKS[args.clock])
+        row[f"bandwidth {threads}"] = read_bandwidth(threads, repeats=args.repeats + 2, clock=common.CLOCKS[args.clock])
         print(f"  read bandwidth, {threads} thread(s): {row[f'bandwidth {threads}'] / 1e9:.1f} GB/s", flush=True)
     prompt = torch.randint(len(CONTROL), shape.vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
-    rate = lambda run: decode_rate(run, args.new_tokens, args.repeats, CLOCKS[args.clock])  # noqa: E731
+    rate = lambda run: common.decode_rate(run, args.new_tokens, args.repeats, common.CLOCKS[args.clock])  # noqa: E731
     model = packed_model(path, "auto")
     ours = {}
     for label, compile in (("aiayn q4 compiled", True), ("aiayn q4 eager", False)):
@@ -226,8 +226,8 @@ def measure_size(name: str, shape: LlamaShape, out_dir: Path, args: argparse.Nam
         theirs = greedy(args.new_tokens)
         print(f"  {'llama.cpp':20s} {row['llama.cpp']:7.1f} tokens/s ({time.perf_counter() - start:.0f} s)", flush=True)
         for label, tokens in ours.items():  # a check that both read the file as the same model
-            same = next((i for i, (a, b) in enumerate(zip(tokens, theirs, strict=True)) if a != b), len(tokens))
-            print(f"  greedy tokens, {label} vs llama.cpp: identical for the first {same} of {len(tokens)}")
+            print(f"  greedy tokens, {label} vs llama.cpp: identical for the first {common.same_prefix(tokens, theirs)} "
+                  f"of {len(tokens)}")
     if not args.keep:
         path.unlink()  # llama.cpp's mapping of it stays valid until the process ends
     return row
@@ -238,22 +238,17 @@ def report(rows: dict[str, dict[str, float]], threads: int) -> None:
     peers = [p for p in ("aiayn q4 compiled", "aiayn q4 eager", "llama.cpp") if any(p in r for r in rows.values())]
     print(f"\nbatch 1, {threads} thread(s); effective GB/s = bytes read per token x tokens/s; "
           f"% of the read bandwidth measured just before, at {threads} thread(s)\n")
-    head = ["size", "MB read / token", f"bandwidth GB/s ({threads} th)"]
-    for p in peers:
-        head += [f"{p} tokens/s", f"{p} GB/s (%)"]
-    head += [f"{p} / llama.cpp" for p in peers if p != "llama.cpp" and "llama.cpp" in peers]
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    ours = [p for p in peers if p != "llama.cpp" and "llama.cpp" in peers]  # the ratio columns
+    head = ["size", "MB read / token", f"bandwidth GB/s ({threads} th)",
+            *(f"{p} {what}" for p in peers for what in ("tokens/s", "GB/s (%)")), *(f"{p} / llama.cpp" for p in ours)]
+    cells = []
     for name, r in rows.items():
-        bw = r[f"bandwidth {threads}"]
-        cells = [name, f"{r['bytes'] / 1e6:,.1f}", f"{bw / 1e9:.1f}"]
-        for p in peers:
-            if p in r:
-                cells += [f"{r[p]:.1f}", f"{r[p] * r['bytes'] / 1e9:.1f} ({r[p] * r['bytes'] / bw:.0%})"]
-            else:
-                cells += ["-", "-"]
-        cells += [f"{r[p] / r['llama.cpp']:.0%}" if p in r and "llama.cpp" in r else "-"
-                  for p in peers if p != "llama.cpp" and "llama.cpp" in peers]
-        print("| " + " | ".join(cells) + " |")
+        bw, n = r[f"bandwidth {threads}"], r["bytes"]
+        cells.append([name, f"{n / 1e6:,.1f}", f"{bw / 1e9:.1f}",
+                      *(c for p in peers for c in ((f"{r[p]:.1f}", f"{r[p] * n / 1e9:.1f} ({r[p] * n / bw:.0%})")
+                                                   if p in r else ("-", "-"))),
+                      *(f"{r[p] / r['llama.cpp']:.0%}" if p in r and "llama.cpp" in r else "-" for p in ours)])
+    print(common.table(head, cells))
     if len(rows) >= 2:
         print()
         for p in peers:
@@ -281,9 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="each timing is the best of this many runs")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: this process's CPU time instead of wall time, for a machine shared with "
-                             "other jobs (meaningful with --threads 1 only)")
+    common.add_clock_arg(parser)
     parser.add_argument("--no-compiled", action="store_true", help="skip aiayn's compiled decode step")
     parser.add_argument("--no-eager", action="store_true", help="skip aiayn's eager decode step")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
@@ -296,11 +289,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         parser.error(f"unknown size(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     torch.set_num_threads(args.threads)
     llama = None if args.no_llama_cpp else llama_cpp_cffi_library()  # (lib, ffi) when installed
-    header(f"4-bit decoding against the bytes of weights: random LLaMA-shaped Q4_0 GGUF files, batch 1, greedy, "
+    common.header(f"4-bit decoding against the bytes of weights: random LLaMA-shaped Q4_0 GGUF files, batch 1, greedy, "
            f"{args.new_tokens} new tokens after {args.prompt_tokens}, best of {args.repeats}, {args.clock} clock", args,
            dtype="Q4_0")
     if llama is None and not args.no_llama_cpp:
-        print("* llama.cpp: not installed (pip install cffi && pip install --no-deps llama-cpp-cffi)")
+        print(f"* llama.cpp: not installed ({LLAMA_CPP_INSTALL})")
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="aiayn-q4-scaling-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = {}
@@ -313,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         elif args.keep:
             print(f"files kept in {out_dir}")
     report(rows, args.threads)
-    footer()
+    common.footer()
     return rows
 
 

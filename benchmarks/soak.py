@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from aiayn.serve.server import KEEP_ALIVE_SECONDS
-from benchmarks.common import free_port, percentile, serving
+from benchmarks.common import free_port, percentile, serving, table
 from benchmarks.tracked_http import (
     CURRENT,
     Attempt,
@@ -192,39 +192,34 @@ class Clients:
                 if limit is not None and chunks >= limit:
                     return  # hang up: closing the response closes the connection mid-stream
 
-    async def embeddings(self, rng: random.Random) -> None:
-        attempt = self.begin("embeddings", EMBEDDINGS)
-        inputs = [" ".join(rng.sample(WORDS, 2)) for _ in range(rng.randint(1, 32))]
+    async def post(self, kind: str, route: str, headers: dict[str, str] | None = None, **body) -> None:
+        """POST ``body`` (httpx's ``json=`` or ``content=``) to ``route``; its answer checked."""
+        attempt = self.begin(kind, route)
         try:
-            response = await self.client.post(f"{self.url}{EMBEDDINGS}", json={"model": "soak", "input": inputs},
-                                              headers=attempt.headers)
+            response = await self.client.post(f"{self.url}{route}", headers={**(headers or {}), **attempt.headers},
+                                              **body)
         except httpx.TransportError as exc:
             self.lost(attempt, exc)
             return
         self.answered(attempt, response)
-        self.check("embeddings", response, well_formed=True)
+        self.check(kind, response, well_formed=kind != "bad")
+        if kind == "bad" and "error" not in response.text:
+            self.tally.fail(f"bad: an error without an error body: {response.text[:80]!r}")
+
+    async def embeddings(self, rng: random.Random) -> None:
+        inputs = [" ".join(rng.sample(WORDS, 2)) for _ in range(rng.randint(1, 32))]
+        await self.post("embeddings", EMBEDDINGS, json={"model": "soak", "input": inputs})
 
     async def bad(self, rng: random.Random) -> None:
-        attempt = self.begin("bad", COMPLETIONS)
-        url = f"{self.url}{COMPLETIONS}"
         choice = rng.randrange(5)
-        try:
-            if choice == 0:
-                response = await self.client.post(url, content=b'{"model": "soak", "prompt": ',
-                                                  headers={"content-type": "application/json", **attempt.headers})
-            else:
-                body = [{"model": "no-such-model" * 20, "prompt": "hi"},
-                        {"model": "soak", "prompt": "hi", "max_tokens": -3},
-                        {"model": "soak", "prompt": "hi", "max_tokens": "many"},
-                        {"model": "soak", "prompt": [10**9, 5], "max_tokens": 2}][choice - 1]
-                response = await self.client.post(url, json=body, headers=attempt.headers)
-        except httpx.TransportError as exc:
-            self.lost(attempt, exc)
+        if choice == 0:
+            await self.post("bad", COMPLETIONS, {"content-type": "application/json"},
+                            content=b'{"model": "soak", "prompt": ')
             return
-        self.answered(attempt, response)
-        self.check("bad", response, well_formed=False)
-        if "error" not in response.text:
-            self.tally.fail(f"bad: an error without an error body: {response.text[:80]!r}")
+        body = [{"model": "no-such-model" * 20, "prompt": "hi"}, {"model": "soak", "prompt": "hi", "max_tokens": -3},
+                {"model": "soak", "prompt": "hi", "max_tokens": "many"},
+                {"model": "soak", "prompt": [10**9, 5], "max_tokens": 2}][choice - 1]
+        await self.post("bad", COMPLETIONS, json=body)
 
     async def burst(self, rng: random.Random) -> None:
         n = self.args.max_batch + self.args.max_queue + 4
@@ -358,9 +353,7 @@ def print_report(report: Report) -> None:
     tally = report.tally
     print(f"\n## soak: {report.seconds:.0f} s, {sum(tally.status.values())} requests, "
           f"{tally.chunks} streamed chunks; server log {report.log}\n")
-    print("| request | status | count |\n|---|---|---|")
-    for (kind, code), count in sorted(tally.status.items()):
-        print(f"| {kind} | {code} | {count} |")
+    print(table(["request", "status", "count"], [[*key, count] for key, count in sorted(tally.status.items())]))
     print(f"\nTTFT p50 / p99: {percentile(tally.ttft, 50) * 1e3:.0f} / {percentile(tally.ttft, 99) * 1e3:.0f} ms; "
           f"inter-token p50 / p99: {percentile(tally.itl, 50) * 1e3:.0f} / {percentile(tally.itl, 99) * 1e3:.0f} ms")
     print(f"RSS {report.rss_warm / 2**20:.0f} MiB after the warm-up, {report.rss_end / 2**20:.0f} MiB at the end "

@@ -95,11 +95,17 @@ def figures(tokens: int, seconds: float, ttft: list[float], most: int, failed: i
     return out
 
 
-def run(engine, jobs: list[Job]) -> dict[str, float]:
-    """Submit ``jobs`` to the engine on their schedule; wait for every answer. Figures of the run."""
+def greedy_request(job: Job, sink: Callable):  # -> aiayn.serve.engine.Request
+    """The engine request of ``job``: greedy, ``job.answer`` tokens at most. (min_tokens is not an
+    engine option: SmolLM2 on random token prompts rarely ends early; the tokens made are counted.)"""
     from aiayn.generate import SamplingConfig
     from aiayn.serve.engine import Request, SamplingParams
 
+    return Request(job.prompt, SamplingParams(max_tokens=job.answer, sampling=SamplingConfig(temperature=0.0)), sink)
+
+
+def run(engine, jobs: list[Job]) -> dict[str, float]:
+    """Submit ``jobs`` to the engine on their schedule; wait for every answer. Figures of the run."""
     done = threading.Semaphore(0)
     requests, tokens = [], [0] * len(jobs)
     most = 0
@@ -112,10 +118,7 @@ def run(engine, jobs: list[Job]) -> dict[str, float]:
             if event.finish_reason:
                 done.release()
 
-        # min_tokens is not an engine option: a long answer is what max_tokens asks, and SmolLM2 on
-        # random token prompts rarely ends early; the tokens actually generated are what is counted.
-        request = Request(job.prompt, SamplingParams(max_tokens=job.answer, sampling=SamplingConfig(temperature=0.0)),
-                          sink)
+        request = greedy_request(job, sink)
         engine.submit(request)
         requests.append(request)
         most = max(most, engine.running)
@@ -138,9 +141,6 @@ def run_stepped(engine, jobs: list[Job], threads: int) -> dict[str, float]:
     does it, and has its first token at that step's end. The figures do not depend on what else the
     machine runs (its load only stretches the wall time); with ``--threads 1`` they are the seconds
     of one quiet core."""
-    from aiayn.generate import SamplingConfig
-    from aiayn.serve.engine import Request, SamplingParams
-
     torch.set_num_threads(threads)
     tokens, requests, marks = [0] * len(jobs), [], []  # marks: [admitted, prefill, first token, last token]
     clock, most, arrived = 0.0, 0, 0
@@ -153,8 +153,7 @@ def run_stepped(engine, jobs: list[Job], threads: int) -> dict[str, float]:
             def sink(event, i=arrived) -> None:
                 tokens[i] += 1
 
-            requests.append(Request(job.prompt, SamplingParams(max_tokens=job.answer,
-                                                               sampling=SamplingConfig(temperature=0.0)), sink))
+            requests.append(greedy_request(job, sink))
             marks.append([None] * 4)
             engine.submit(requests[-1])
             arrived += 1
@@ -177,17 +176,8 @@ def run_stepped(engine, jobs: list[Job], threads: int) -> dict[str, float]:
 
 def hf_model():  # -> a transformers LlamaForCausalLM, float32, SmolLM2's GGUF weights
     """SmolLM2-135M-Instruct in transformers, from the GGUF file ``smollm2_text_model`` reads."""
-    import transformers
-    from transformers.utils import logging as hf_logging
-
-    from aiayn.interop.gguf import smollm2_path
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore")
-    path = smollm2_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    return common.hf_causal_lm(common.smollm2())
 
 
 def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threads: int,

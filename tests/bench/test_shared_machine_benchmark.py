@@ -30,7 +30,7 @@ def test_the_report_divides_the_medians_of_its_rounds(capsys):
                  b_alone=[3.6, 3.6, 3.6], b_shared=[2.0, 2.0, 2.0], a_shared_cut=False)
     old.a_shared_cut = True
     args = argparse.Namespace(steps=None, model="multi30k-en-de", repeats=3, goal=2.5)
-    report([old, fix], args, load_before=1.0)
+    report([old, fix], args)
     out = capsys.readouterr().out
     assert "| old | AIAYN_SHARE_CPUS=0 GOMP_SPINCOUNT=300000 | 11.0 (10.0-12.0) | >=250.0 (200.0-300.0) | **>=22.73x** |" in out
     assert "| aiayn | (the command's default) | 11.0 | 22.0 (21.0-23.0) | **2.00x** |" in out

@@ -1,8 +1,0 @@
-"""Kept for its command: ``python -m benchmarks.kv_cache --paged`` (the same options)."""
-
-import sys
-
-from benchmarks.kv_cache import main
-
-if __name__ == "__main__":
-    main(["--paged", *sys.argv[1:]])
