@@ -46,10 +46,11 @@ def prefill_plan(remaining: Sequence[int], chunk: int) -> list[tuple[int, int]]:
 @dataclass
 class StepPlan:
     """One forward: ``decode`` rows [0, d) feed their last tokens; ``prefill`` rows [first, first + k)
-    feed (request, tokens, whether its prompt ends here). ``ops`` go to the cache before the
-    forward; ``register``: (request, digests) its full prompt blocks are indexed under after it
-    (paged). ``admitted``: new requests; ``preempted``: back in the queue;
-    ``freed``: cancelled; ``decode_next``: a second, decode-only forward follows in this step."""
+    feed (request, tokens, whether its prompt ends here). ``ops``: the fixed slots' cache operations,
+    before the forward (a paged cache's rows move in its block tables as planned); ``register``:
+    (request, digests) its full prompt blocks are indexed under after the forward (paged).
+    ``admitted``: new requests; ``preempted``: back in the queue; ``freed``: cancelled;
+    ``decode_next``: a second, decode-only forward follows in this step."""
 
     decode: list[Request] = field(default_factory=list)
     prefill: list[tuple[Request, list[int], bool]] = field(default_factory=list)
