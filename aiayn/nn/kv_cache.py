@@ -100,83 +100,6 @@ class LayerCache(ABC):
         return self.k.nbytes + self.v.nbytes
 
 
-class LayerKVCache(LayerCache):
-    """One self-attention layer's preallocated keys and values, (b, h_kv, s_max, d_h) each."""
-
-    def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, *,
-                 dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-
-    def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
-        """Store new k, v (b, h_kv, t, d_h) at ``slots`` (any kind); return views of [0, slots.end)."""
-        index = slots.index
-        if slots.kind == RUN:
-            self._check_write(k, slots.start, head_dim=self.k.shape[3])
-            self.k[:, :, slots.start: slots.end] = k
-            self.v[:, :, slots.start: slots.end] = v
-        elif slots.kind == ROWS:
-            assert index is not None
-            scatter = self._row_index(k, index, self.k.shape[3])  # (b, h_kv, t, d_h)
-            self.k.scatter_(2, scatter, k.to(self.k.dtype))
-            self.v.scatter_(2, scatter, v.to(self.v.dtype))
-        elif slots.kind == SLOT:
-            self.k.index_copy_(2, index, k.to(self.k.dtype))
-            self.v.index_copy_(2, index, v.to(self.v.dtype))
-        else:  # ROW_SLOT
-            assert index is not None
-            if index.shape != (k.shape[0], 1) or k.shape[2] != 1:
-                raise ValueError("the compiled per-row step writes one token per row at its (b, 1) slots")
-            rows = torch.arange(k.shape[0], device=k.device)  # (b,)
-            self.k[rows, :, index[:, 0]] = k[:, :, 0].to(self.k.dtype)  # (b, h_kv, d_h) into (b, h_kv, s_max, d_h)
-            self.v[rows, :, index[:, 0]] = v[:, :, 0].to(self.v.dtype)
-        return self.k[:, :, : slots.end], self.v[:, :, : slots.end]
-
-    def _check_write(self, k: Tensor, pos: int, *, head_dim: int) -> int:
-        """Raise a clear error unless k (b, h_kv, t, d_h) fits at ``pos``; return t."""
-        t = k.shape[2]
-        if pos + t > self.max_len:
-            raise ValueError(
-                f"KV cache is full: writing {t} token(s) at position {pos} needs {pos + t} slots, "
-                f"but the cache holds {self.max_len}; create the cache with a larger max_len"
-            )
-        if k.shape[0] != self.k.shape[0] or k.shape[1] != self.k.shape[1] or k.shape[3] != head_dim:
-            raise ValueError(
-                f"KV cache was built for (batch, kv_heads, *, head_dim) = "
-                f"{(self.k.shape[0], self.k.shape[1], '*', head_dim)}, got k of shape {tuple(k.shape)}"
-            )
-        return t
-
-    def _row_index(self, k: Tensor, slots: Tensor, width: int) -> Tensor:
-        """Per-row slots (b, t) -> the scatter index (b, h_kv, t, width) of new keys k (b, h_kv, t, d_h)."""
-        if slots.shape != (k.shape[0], k.shape[2]) or k.shape[0] != self.k.shape[0]:
-            raise ValueError(f"per-row cache slots of shape {tuple(slots.shape)} do not fit k of shape "
-                             f"{tuple(k.shape)} and a cache of {self.k.shape[0]} rows")
-        return slots[:, None, :, None].expand(-1, k.shape[1], -1, width)
-
-    # Per-row buffers a reorder must carry along (a quantised cache adds its scales).
-    _row_buffers: tuple[str, ...] = ("k", "v")
-
-    def rows(self, start: int, stop: int) -> LayerKVCache:
-        """A shallow copy whose buffers are views of rows [start, stop)."""
-        view = copy.copy(self)
-        for name in self._row_buffers:
-            setattr(view, name, getattr(self, name)[start:stop])
-        return view
-
-    def reorder(self, indices: Tensor, length: int) -> None:
-        """Row i becomes old row ``indices[i]`` (b_new,); only the first ``length`` slots are copied."""
-        b_new = indices.shape[0]
-        for name in self._row_buffers:
-            old = getattr(self, name)
-            new = old.new_zeros((b_new, *old.shape[1:]))  # (b_new, h_kv, s_max, d_h)
-            new[:, :, :length] = old[:, :, :length].index_select(0, indices)
-            setattr(self, name, new)
-
-
 def quantize_absmax(x: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor]:
     """Symmetric absmax quantisation of (..., d) in groups of ``group_size`` channels.
 
@@ -212,70 +135,129 @@ def _unpack_int4(p: Tensor) -> Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2)
 
 
-class QuantizedLayerKVCache(LayerKVCache):
-    """A ``LayerKVCache`` holding int8 (or packed int4) keys and values with float16 absmax scales.
+class LayerKVCache(LayerCache):
+    """One self-attention layer's preallocated keys and values, (b, h_kv, s_max, d_h) each.
 
-    Keys and values are quantised as they are written (one scale per token, head and group of
-    ``group_size`` channels) and the prefix read back is dequantised to ``dtype``, so attention runs
-    in float on values that carry the quantisation error. Storage per token and head:
-    d_h (int8) or d_h / 2 (int4) bytes, plus 2 bytes per group.
+    ``quantize="int8"`` or ``"int4"``: k, v hold the integer codes (int8, or two int4 nibbles a byte:
+    (b, h_kv, s_max, d_h / 2) uint8) and ``k_scale``/``v_scale`` (b, h_kv, s_max, d_h / group_size)
+    their float16 absmax scales. Keys and values are quantised as they are written and the prefix
+    read back is dequantised to the compute dtype, so attention runs in float on values that carry
+    the quantisation error. Storage per token and head: d_h (int8) or d_h / 2 (int4) bytes, plus 2
+    bytes per group.
     """
 
+    k_scale: Tensor  # (quantised)
+    v_scale: Tensor
+    group_size: int
+    bits: int
+
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, *,
-                 quantize: str = "int8", group_size: int | None = None,
+                 quantize: str | None = None, group_size: int | None = None,
                  dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
+        self.quantize, self.dtype, self.max_len, self.head_dim = quantize, dtype, max_len, head_dim
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        if quantize is None:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            self._row_buffers: tuple[str, ...] = ("k", "v")  # what a reorder or a row swap carries along
+            return
         if quantize not in QUANTIZED:
             raise ValueError(f"unknown KV-cache quantisation {quantize!r}; use one of {', '.join(QUANTIZED)}")
         self.group_size = _check_group(head_dim, group_size, quantize)
-        self.quantize, self.bits, self.dtype = quantize, 8 if quantize == "int8" else 4, dtype
+        self.bits = 8 if quantize == "int8" else 4
         width = head_dim if quantize == "int8" else head_dim // 2
         data_dtype = torch.int8 if quantize == "int8" else torch.uint8
-        # k/v hold the integer codes; the shape checks of ``write`` read only dims 0, 1 (and 3 for int8).
-        self.k = torch.zeros((batch_size, n_kv_heads, max_len, width), dtype=data_dtype, device=device)
+        self.k = torch.zeros((*shape[:3], width), dtype=data_dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        scales = (batch_size, n_kv_heads, max_len, head_dim // self.group_size)
-        self.k_scale = torch.zeros(scales, dtype=SCALE_DTYPE, device=device)
+        self.k_scale = torch.zeros((*shape[:3], head_dim // self.group_size), dtype=SCALE_DTYPE, device=device)
         self.v_scale = torch.zeros_like(self.k_scale)
-        self.max_len, self.head_dim = max_len, head_dim
-
-    _row_buffers = ("k", "v", "k_scale", "v_scale")
-
-    def _store(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        q, scale = quantize_absmax(x, self.bits, self.group_size)
-        return (q if self.bits == 8 else _pack_int4(q)), scale
-
-    def _load(self, data: Tensor, scale: Tensor) -> Tensor:
-        q = data if self.bits == 8 else _unpack_int4(data)
-        return dequantize_absmax(q, scale, self.group_size, self.dtype)
+        self._row_buffers = ("k", "v", "k_scale", "v_scale")
 
     def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
-        """Quantise new k, v (b, h_kv, t, d_h) into ``slots`` (a run or per-row slots); return
-        [0, slots.end) dequantised."""
-        end = slots.end
-        if slots.kind == ROWS:
-            assert slots.index is not None
-            data_index = self._row_index(k, slots.index, self.k.shape[3])  # (b, h_kv, t, d_h or d_h / 2)
-            scale_index = self._row_index(k, slots.index, self.k_scale.shape[3])  # (b, h_kv, t, groups)
-            for data, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-                q, scale = self._store(x)
-                data.scatter_(2, data_index, q)
-                scales.scatter_(2, scale_index, scale)
-        elif slots.kind == RUN:
-            self._check_write(k, slots.start, head_dim=self.head_dim)
-            start = slots.start
-            self.k[:, :, start:end], self.k_scale[:, :, start:end] = self._store(k)
-            self.v[:, :, start:end], self.v_scale[:, :, start:end] = self._store(v)
-        else:
+        """Store new k, v (b, h_kv, t, d_h) at ``slots`` (any kind; quantised: a run or per-row
+        slots); return [0, slots.end): views of the buffers, or dequantised copies."""
+        if self.quantize is not None and slots.kind != RUN and slots.kind != ROWS:
             raise ValueError("the static-shape (compiled) decode step needs a float KV cache; "
                              "decode a quantised cache without compile")
+        if slots.kind == RUN:
+            self._check_write(k, slots.start)
+        elif slots.kind == ROW_SLOT and (slots.index is None or slots.index.shape != (k.shape[0], 1) or k.shape[2] != 1):
+            raise ValueError("the compiled per-row step writes one token per row at its (b, 1) slots")
+        end = slots.end
+        if self.quantize is None:
+            self._put(self.k, k, slots)
+            self._put(self.v, v, slots)
+            return self.k[:, :, :end], self.v[:, :, :end]
+        for data, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, scale = quantize_absmax(x, self.bits, self.group_size)
+            self._put(data, q if self.bits == 8 else _pack_int4(q), slots)
+            self._put(scales, scale, slots)
         self.dtype = k.dtype  # read back in the compute dtype
         return (self._load(self.k[:, :, :end], self.k_scale[:, :, :end]),
                 self._load(self.v[:, :, :end], self.v_scale[:, :, :end]))
 
+    def _put(self, buffer: Tensor, x: Tensor, slots: Slots) -> None:
+        """Store x (b, h_kv, t, w) into ``buffer`` (b, h_kv, s_max, w) at ``slots``."""
+        index = slots.index
+        if slots.kind == RUN:
+            buffer[:, :, slots.start: slots.end] = x
+        elif slots.kind == ROWS:
+            assert index is not None
+            buffer.scatter_(2, self._row_index(x, index, buffer.shape[3]), x.to(buffer.dtype))  # (b, h_kv, t, w)
+        elif slots.kind == SLOT:
+            buffer.index_copy_(2, index, x.to(buffer.dtype))
+        else:  # ROW_SLOT: an indexed store in place
+            assert index is not None
+            rows = torch.arange(x.shape[0], device=x.device)  # (b,)
+            buffer[rows, :, index[:, 0]] = x[:, :, 0].to(buffer.dtype)  # (b, h_kv, w) into (b, h_kv, s_max, w)
+
+    def _load(self, data: Tensor, scale: Tensor) -> Tensor:
+        """Quantised codes and scales of some slots -> their keys or values in ``dtype``."""
+        q = data if self.bits == 8 else _unpack_int4(data)
+        return dequantize_absmax(q, scale, self.group_size, self.dtype)
+
+    def _check_write(self, k: Tensor, pos: int) -> int:
+        """Raise a clear error unless k (b, h_kv, t, d_h) fits at ``pos``; return t."""
+        t = k.shape[2]
+        if pos + t > self.max_len:
+            raise ValueError(
+                f"KV cache is full: writing {t} token(s) at position {pos} needs {pos + t} slots, "
+                f"but the cache holds {self.max_len}; create the cache with a larger max_len"
+            )
+        if k.shape[0] != self.k.shape[0] or k.shape[1] != self.k.shape[1] or k.shape[3] != self.head_dim:
+            raise ValueError(
+                f"KV cache was built for (batch, kv_heads, *, head_dim) = "
+                f"{(self.k.shape[0], self.k.shape[1], '*', self.head_dim)}, got k of shape {tuple(k.shape)}"
+            )
+        return t
+
+    def _row_index(self, k: Tensor, slots: Tensor, width: int) -> Tensor:
+        """Per-row slots (b, t) -> the scatter index (b, h_kv, t, width) of new keys k (b, h_kv, t, d_h)."""
+        if slots.shape != (k.shape[0], k.shape[2]) or k.shape[0] != self.k.shape[0]:
+            raise ValueError(f"per-row cache slots of shape {tuple(slots.shape)} do not fit k of shape "
+                             f"{tuple(k.shape)} and a cache of {self.k.shape[0]} rows")
+        return slots[:, None, :, None].expand(-1, k.shape[1], -1, width)
+
+    def rows(self, start: int, stop: int) -> LayerKVCache:
+        """A shallow copy whose buffers are views of rows [start, stop)."""
+        view = copy.copy(self)
+        for name in self._row_buffers:
+            setattr(view, name, getattr(self, name)[start:stop])
+        return view
+
+    def reorder(self, indices: Tensor, length: int) -> None:
+        """Row i becomes old row ``indices[i]`` (b_new,); only the first ``length`` slots are copied."""
+        b_new = indices.shape[0]
+        for name in self._row_buffers:
+            old = getattr(self, name)
+            new = old.new_zeros((b_new, *old.shape[1:]))  # (b_new, h_kv, s_max, d_h)
+            new[:, :, :length] = old[:, :, :length].index_select(0, indices)
+            setattr(self, name, new)
+
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.k_scale.nbytes + self.v_scale.nbytes
+        return sum(getattr(self, name).nbytes for name in self._row_buffers)
 
 
 @dataclass
@@ -288,18 +270,6 @@ class StaticKV:
     @property
     def nbytes(self) -> int:
         return 0 if self.k is None or self.v is None else self.k.nbytes + self.v.nbytes
-
-
-def float_or_quantized_layers(*, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int,
-                              max_len: int, dtype: torch.dtype, device: torch.device | str | None,
-                              quantize: str | None, group_size: int | None) -> list[LayerKVCache]:
-    """``n_layers`` layer caches of (b, h_kv, max_len, d_h): float, or quantised (``quantize``)."""
-    if quantize is None:
-        return [LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
-                for _ in range(n_layers)]
-    return [QuantizedLayerKVCache(batch_size, n_kv_heads, head_dim, max_len, quantize=quantize,
-                                  group_size=group_size, dtype=dtype, device=device)
-            for _ in range(n_layers)]
 
 
 class BaseKVCache:
@@ -342,7 +312,7 @@ class KVCache(BaseKVCache):
     row (``length`` counts them, prompt + generated, padding included).
 
     ``quantize="int8"`` or ``"int4"`` stores the self-attention keys and values quantised
-    (``QuantizedLayerKVCache``; scales per token, head and ``group_size`` channels); the
+    (``LayerKVCache``'s codes and scales per token, head and ``group_size`` channels); the
     cross-attention keys and values, computed once, stay in float.
     """
 
@@ -354,9 +324,8 @@ class KVCache(BaseKVCache):
             raise ValueError(
                 f"KVCache needs positive batch_size and max_len, got {batch_size} and {max_len}"
             )
-        layers = float_or_quantized_layers(n_layers=n_layers, batch_size=batch_size, n_kv_heads=n_kv_heads,
-                                           head_dim=head_dim, max_len=max_len, dtype=dtype, device=device,
-                                           quantize=quantize, group_size=group_size)
+        layers = [LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, quantize=quantize, group_size=group_size,
+                               dtype=dtype, device=device) for _ in range(n_layers)]
         super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize,
                          cross_attention=cross_attention)
 

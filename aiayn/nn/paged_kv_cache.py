@@ -8,7 +8,9 @@ h_kv, d_h) each, and row i holds a block table, the ids of the blocks that hold 
 taken from the pool as a row grows (``reserve``) and go back at once when it leaves
 (``clear_row``); rows may share the full blocks of a common prompt prefix (``adopt``; see
 ``aiayn.nn.block_pool`` for the reference counts, the prefix index and why no copy-on-write is
-needed). The pool's bookkeeping is host ints only.
+needed). That bookkeeping (tables, lengths, pool) is host ints, held apart from the tensors by
+``aiayn.nn.block_tables.BlockTables``; a row operation changes it first, then the device state
+follows (``follow``).
 
 Attention over it, plain PyTorch (the reference, and the path everywhere but below): each layer
 writes the new keys and values into their pool slots (``store``: ``index_copy_`` at flat slot ids,
@@ -43,6 +45,7 @@ from torch import Tensor
 
 from aiayn.device import to_device
 from aiayn.nn.block_pool import NULL_BLOCK, BlockPool
+from aiayn.nn.block_tables import BlockTables
 from aiayn.nn.kv_cache import ROWS, LayerCache, Slots
 from aiayn.nn.row_kv_cache import RowCache, _swap
 
@@ -107,7 +110,9 @@ class PagedKVCache(RowCache):
     the null block); each row holds up to ``max_len`` tokens. Decoder self-attention only.
 
     ``lengths`` (b,) long on the device and ``host_lengths`` (ints): tokens held per row.
-    ``pool``: the blocks' reference counts and prefix index (``aiayn.nn.block_pool.BlockPool``).
+    ``tables``: the host bookkeeping (``aiayn.nn.block_tables.BlockTables``: block tables, lengths,
+    the pool's reference counts and prefix index); whoever moves its rows there directly (the serve
+    scheduler, as it plans) has the device state ``follow`` them before the next forward.
     """
 
     def __init__(self, *, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
@@ -121,27 +126,33 @@ class PagedKVCache(RowCache):
                              f"fixed slots (RowKVCache; aiayn serve --kv-layout slots)")
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(f"PagedKVCache needs positive batch_size and max_len, got {batch_size} and {max_len}")
-        self.pool = BlockPool(n_blocks, block_size)
+        self.tables = BlockTables(batch_size, max_len, n_blocks, block_size)
         self.block_size = block_size
         layers = [PagedLayerKVCache(n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
                   for _ in range(n_layers)]
         super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=None)
         self.layers: list[PagedLayerKVCache] = layers
-        self._tables: list[list[int]] = [[] for _ in range(batch_size)]  # per row, shared by the views
+        self._host = self.tables.lengths  # the host lengths are the tables' (shared with the views)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The blocks' reference counts and prefix index (``aiayn.nn.block_pool.BlockPool``)."""
+        return self.tables.pool
 
     def table(self, row: int) -> list[int]:
         """Row ``row``'s block table (a copy)."""
-        return list(self._tables[self._first + row])
+        return self.tables.table(self._first + row)
 
     def blocks_for(self, row: int, n_tokens: int) -> int:
         """New blocks row ``row`` needs to hold ``n_tokens`` more tokens."""
-        held = len(self._tables[self._first + row])
-        return max(0, -(-(self._host[self._first + row] + n_tokens) // self.block_size) - held)
+        return self.tables.blocks_for(self._first + row, n_tokens)
 
     def reserve(self, new_valid: Tensor, new_positions: Tensor, counts: Sequence[int] | None = None) -> Slots:
         """Record each row's t new tokens (validity and positions, (b, t), real tokens first), taking
         the blocks they need from the pool; return their flat pool slots (b, t) (padding: the null
         block's). ValueError when a row would pass ``max_len`` or the pool has too few blocks."""
+        if self.tables.moves:
+            raise RuntimeError("the block tables moved rows the device has not followed; call follow() first")
         b, t = new_valid.shape
         real, end = self._plan(new_valid, counts)  # b ints, checked; logical slots read: [0, end)
         lengths = self.host_lengths
@@ -151,14 +162,12 @@ class PagedKVCache(RowCache):
                              f"{self.pool.available} of {self.pool.capacity} are free; free rows first")
         B, slots = self.block_size, []
         for i, n in enumerate(real):
-            table = self._tables[self._first + i]
-            for _ in range(self.blocks_for(i, n)):
-                table.append(self.pool.allocate())
+            table = self.tables.grow(self._first + i, n)
             start = lengths[i]
             slots.append([table[(start + j) // B] * B + (start + j) % B if j < n else NULL_BLOCK * B
                           for j in range(t)])
         width = -(-end // B)  # blocks per row read, n
-        tables = [self._tables[self._first + i][:width] for i in range(b)]
+        tables = [self.tables.tables[self._first + i][:width] for i in range(b)]
         tables = [table + [NULL_BLOCK] * (width - len(table)) for table in tables]
         # Built on the host, one copy each (to_device pins and does not wait on CUDA).
         write_slots = to_device(torch.tensor(slots, dtype=torch.long).reshape(b, t), new_valid.device)
@@ -170,56 +179,51 @@ class PagedKVCache(RowCache):
             layer.read_blocks, layer.read_end, layer.read_run = read_blocks, end, run
         return Slots.rows(write_slots, end)
 
+    # ---- rows: the host tables move, then the device state follows -----------------------------------
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s tokens and give its blocks back to the pool at once."""
-        table = self._tables[self._first + row]
-        self.pool.release(table)
-        table.clear()
-        self.lengths[row].zero_()
-        self.valid[row].fill_(False)
-        self._host[self._first + row] = 0
+        self.tables.clear(self._first + row)
+        self.follow()
 
     def swap_rows(self, i: int, j: int) -> None:
         """Exchange rows i and j: their tables and per-row state (no keys or values move)."""
-        if i == j:
-            return
-        a, b = self._first + i, self._first + j
-        self._tables[a], self._tables[b] = self._tables[b], self._tables[a]
-        self._host[a], self._host[b] = self._host[b], self._host[a]
-        n = max(self._host[a], self._host[b])
-        for buffer in (self.valid, self.positions):  # (b, max_len): the slots worth copying
-            if n:
-                _swap(buffer[i, :n], buffer[j, :n])
-        _swap(self.lengths[i], self.lengths[j])
+        self.tables.swap(self._first + i, self._first + j)
+        self.follow()
 
-    def reset(self) -> None:
-        for row in range(self.batch_size):
-            self.clear_row(row)
-        self.length = 0
-
-    # ---- prefix sharing ----------------------------------------------------------------------
     def adopt(self, row: int, blocks: Sequence[int]) -> None:
         """Start empty row ``row`` with the full, computed ``blocks`` of a prompt prefix (a prefix-cache
         hit: ``pool.lookup``): the row holds them (shared) and continues after their tokens."""
-        if self._host[self._first + row]:
-            raise ValueError(f"row {row} is not empty; clear it before adopting a prefix")
-        for block in blocks:
-            self.pool.retain(block)
-        n = len(blocks) * self.block_size
-        if n > self.max_len:
-            raise ValueError(f"a prefix of {n} tokens does not fit a row of {self.max_len}")
-        self._tables[self._first + row] = list(blocks)
-        self._host[self._first + row] = n
-        if n:
-            self.lengths[row].fill_(n)
-            self.valid[row, :n].fill_(True)
-            # Right-padded rows: the token in logical slot s is at position s.
-            self.positions[row, :n].copy_(torch.arange(n, device=self.positions.device))
+        self.tables.adopt(self._first + row, blocks)
+        self.follow()
 
     def register(self, row: int, digests: Sequence[bytes]) -> None:
         """Index row ``row``'s full blocks under ``digests`` (``block_digests`` of its tokens), as far as
         the row holds them: its first min(len(digests), length // block_size) blocks."""
-        full = min(len(digests), self._host[self._first + row] // self.block_size)
-        table = self._tables[self._first + row]
-        for k in range(full):
-            self.pool.register(table[k], digests[k])
+        self.tables.register(self._first + row, digests)
+
+    def follow(self) -> None:
+        """Make the device's per-row state (validity, positions, lengths) follow the row moves the
+        host tables recorded, in order (device work only: nothing is read back)."""
+        for move in self.tables.take_moves():
+            rows = [r - self._first for r in move[1: 3 if move[0] == "swap" else 2]]
+            if not all(0 <= r < self.batch_size for r in rows):
+                raise ValueError(f"a move of rows {list(move[1:])} lies outside this view of the cache")
+            if move[0] == "swap":
+                for buffer in (self.valid, self.positions, self.lengths):  # (b, max_len), (b, max_len), (b,)
+                    _swap(buffer[rows[0]], buffer[rows[1]])
+            elif move[0] == "clear":
+                # In-place fills of views: a host scalar assigned would be a (synchronizing) copy.
+                self.lengths[rows[0]].zero_()
+                self.valid[rows[0]].fill_(False)
+            else:  # adopt: the row holds move[2] tokens, the token in logical slot s at position s
+                row, n = rows[0], move[2]
+                if n:
+                    self.lengths[row].fill_(n)
+                    self.valid[row, :n].fill_(True)
+                    self.positions[row, :n].copy_(torch.arange(n, device=self.positions.device))
+
+    def reset(self) -> None:
+        for row in range(self.batch_size):
+            self.tables.clear(self._first + row)
+        self.follow()
+        self.length = 0

@@ -48,7 +48,6 @@ from aiayn.nn.kv_cache import (
     LayerCache,
     LayerKVCache,
     Slots,
-    float_or_quantized_layers,
 )
 
 
@@ -172,9 +171,8 @@ class RowKVCache(RowCache):
             raise ValueError("RowKVCache is for decoder-only self-attention; it holds no cross-attention")
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(f"KVCache needs positive batch_size and max_len, got {batch_size} and {max_len}")
-        layers = float_or_quantized_layers(n_layers=n_layers, batch_size=batch_size, n_kv_heads=n_kv_heads,
-                                           head_dim=head_dim, max_len=max_len, dtype=dtype, device=device,
-                                           quantize=quantize, group_size=group_size)
+        layers = [LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, quantize=quantize, group_size=group_size,
+                               dtype=dtype, device=device) for _ in range(n_layers)]
         super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize)
         self.layers: list[LayerKVCache] = layers
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from aiayn.nn.block_pool import block_digests
+from aiayn.nn.block_tables import BlockTables
 from aiayn.nn.kv_memory import QUANTIZED, format_bytes, kv_cache_bytes
-from aiayn.nn.paged_kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
     from aiayn.serve.request import Request
@@ -117,11 +117,12 @@ class BlockScheduler:
     """The paged cache's bookkeeping per request: what its row must hold, its prompt's digests,
     prefix hits, the order of admission (preemption takes the newest) and the hit counters.
 
-    It reads the cache's host state and writes nothing there: a step's admissions and frees go to a
-    ledger of its own (``snapshot``), which the runner's cache operations then make true."""
+    ``tables``: the paged cache's host bookkeeping (``aiayn.nn.block_tables.BlockTables``), which the
+    scheduler changes as it plans (so every count read here is the step's as planned) and whose
+    row moves the cache's device state follows when the runner applies the plan."""
 
-    def __init__(self, cache: PagedKVCache, plan: BlockPlan) -> None:
-        self.cache, self.plan = cache, plan
+    def __init__(self, tables: BlockTables, plan: BlockPlan) -> None:
+        self.tables, self.plan = tables, plan
         self.block_size = plan.block_size
         self._sequence: dict[int, list[int]] = {}  # request id -> the tokens its row must hold
         self._digests: dict[int, list[bytes]] = {}
@@ -131,38 +132,6 @@ class BlockScheduler:
         self.resumed: set[int] = set()  # requests preempted at least once (back in the queue)
         self.hit_tokens = 0  # prompt tokens found in the prefix cache (not recomputed)
         self.looked_up_tokens = 0  # prompt tokens of admitted requests
-        self._held: dict[int, tuple[int, list[int]]] = {}  # request id -> (tokens, blocks) its row holds
-        self._refs: dict[int, int] = {}  # block -> references this step's planned operations add
-
-    # ---- the step's ledger ----------------------------------------------------------------------
-    def snapshot(self, rows: Sequence[Request]) -> None:
-        """Start a step: ``rows[i]`` holds cache row i's tokens and blocks."""
-        lengths = self.cache.host_lengths
-        self._held = {r.id: (lengths[i], self.cache.table(i)) for i, r in enumerate(rows)}
-        self._refs = {}
-
-    def blocks_for(self, request: Request, n_tokens: int) -> int:
-        """New blocks ``request``'s row needs to hold ``n_tokens`` more tokens."""
-        tokens, blocks = self._held[request.id]
-        return max(0, -(-(tokens + n_tokens) // self.block_size) - len(blocks))
-
-    def refs(self, block: int) -> int:
-        return self.cache.pool.refs(block) + self._refs.get(block, 0)
-
-    @property
-    def available(self) -> int:
-        """The pool's available blocks once this step's planned operations are applied."""
-        pool, n = self.cache.pool, self.cache.pool.available
-        for block, change in self._refs.items():
-            before = pool.refs(block)
-            n += (before > 0 and before + change == 0) - (before == 0 and before + change > 0)
-        return n
-
-    def let_go(self, request: Request) -> None:
-        """``request``'s row is cleared (planned): its blocks go back."""
-        _, blocks = self._held.pop(request.id, (0, []))
-        for block in blocks:
-            self._refs[block] = self._refs.get(block, 0) - 1
 
     # ---- admission ----------------------------------------------------------------------------
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
@@ -185,30 +154,31 @@ class BlockScheduler:
         digests = self._digests.get(request.id)  # kept from admission on (a waiting request may never come)
         if digests is None:
             digests = block_digests(sequence, self.block_size)
-        return digests, self.cache.pool.lookup(digests)[: (len(sequence) - 1) // self.block_size]
+        return digests, self.tables.pool.lookup(digests)[: (len(sequence) - 1) // self.block_size]
 
-    def admission(self, request: Request, prefilling: Sequence[Request], decoding: Sequence[Request] = ()) -> str:
+    def admission(self, request: Request, rows: Sequence[Request], n_decode: int) -> str:
         """"admit", "wait" (a prefilling row computes its next block: n > 1) or "full" (the pool
-        cannot hold its prompt beside what the ``prefilling`` and ``decoding`` rows still need)."""
+        cannot hold its prompt beside what the cache's ``rows`` still need: the first ``n_decode``
+        decoding, the others prefilling)."""
         digests, hits = self._hits(request)
+        prefilling = rows[n_decode:]
         if len(hits) < len(digests):
             upcoming = digests[len(hits)]
             if any(upcoming in self._digests.get(other.id, ()) for other in prefilling):
                 return "wait"
-        still_needed = sum(self.blocks_for(other, len(self.sequence(other)) - other.fed) for other in prefilling)
-        still_needed += sum(self.blocks_for(other, 1) for other in decoding)
+        tables, pool = self.tables, self.tables.pool
+        still_needed = sum(tables.blocks_for(n_decode + k, len(self.sequence(other)) - other.fed)
+                           for k, other in enumerate(prefilling))
+        still_needed += sum(tables.blocks_for(row, 1) for row in range(n_decode))
         own = -(-len(self.sequence(request)) // self.block_size) - len(hits)
-        cached_hits = sum(1 for block in hits if self.refs(block) == 0)  # evictable now, held once admitted
-        return "admit" if own + still_needed <= self.available - cached_hits else "full"
+        cached_hits = sum(1 for block in hits if pool.refs(block) == 0)  # evictable now, held once admitted
+        return "admit" if own + still_needed <= pool.available - cached_hits else "full"
 
     def start(self, request: Request) -> list[int]:
-        """``request`` takes an empty row: the prefix hits it holds (the runner's ``adopt``)."""
+        """``request`` takes an empty row: the prefix hits it holds (the scheduler has the row adopt them)."""
         digests, hits = self._hits(request)
         if self.plan.prefix_caching:
             self._digests[request.id] = digests
-        self._held[request.id] = (len(hits) * self.block_size, list(hits))
-        for block in hits:
-            self._refs[block] = self._refs.get(block, 0) + 1
         request.fed = len(hits) * self.block_size
         if request.id not in self.resumed:
             self.hit_tokens += request.fed
@@ -218,7 +188,7 @@ class BlockScheduler:
         return hits
 
     def digests(self, request: Request) -> list[bytes] | None:
-        """What the runner indexes ``request``'s full blocks under after a prefill forward (None: no prefix cache)."""
+        """What ``request``'s full blocks are indexed under after a prefill forward (None: no prefix cache)."""
         return list(self._digests.get(request.id, ())) if self.plan.prefix_caching else None
 
     # ---- running rows -------------------------------------------------------------------------

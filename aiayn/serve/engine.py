@@ -72,7 +72,7 @@ class Engine:
         self.context, self.max_batch = plan.context, plan.rows
         self.runner = Runner(lm.model, plan, kv_cache=kv_cache, compile=compile)
         self.model, self.device, self.cache, self.compiled = lm.model, self.runner.device, self.runner.cache, self.runner.compiled
-        self.blocks = BlockScheduler(self.cache, plan) if isinstance(plan, BlockPlan) else None  # type: ignore[arg-type]
+        self.blocks = BlockScheduler(self.cache.tables, plan) if isinstance(plan, BlockPlan) else None  # type: ignore[union-attr]
         self.scheduler = Scheduler(plan.rows, prefill_chunk, self._cv, self.blocks, compiled=compile)
         self.rows, self.waiting = self.scheduler.rows, self.scheduler.waiting  # (the scheduler's, read here)
         self.max_queue = max_queue
@@ -86,7 +86,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.metrics.watch_load(self.max_batch, lambda: len(self.waiting), lambda: self.running)
         if (blocks := self.blocks) is not None:
-            pool = blocks.cache.pool
+            pool = blocks.tables.pool
             self.metrics.watch_blocks(lambda: pool.used, lambda: pool.available, lambda: blocks.hit_rate)
 
     # ---- the outside: any thread ---------------------------------------------------------------

@@ -42,19 +42,16 @@ class Runner:
         self.compiled = CompiledRows(model, self.cache) if compile else None  # type: ignore[arg-type]
 
     def apply(self, ops: list[CacheOp]) -> None:
-        """Do the scheduler's cache operations, in order."""
+        """Do the scheduler's cache operations, in order: the fixed slots' ``ops``; a paged cache's
+        device state follows the row moves the scheduler made on its block tables."""
         cache = self.cache
+        if isinstance(cache, PagedKVCache):
+            cache.follow()
         for op in ops:
             if op[0] == "swap":
                 cache.swap_rows(op[1], op[2])
-            elif op[0] == "clear":
+            else:
                 cache.clear_row(op[1])
-            else:  # the paged cache's prefix sharing
-                assert isinstance(cache, PagedKVCache)
-                if op[0] == "adopt":
-                    cache.adopt(op[1], op[2])
-                else:
-                    cache.register(op[1], op[2])
 
     def forward(self, plan: StepPlan) -> Tensor:
         """``plan``'s forward -> the logits (m, v) of the rows that sample (``plan.sampled``)."""
@@ -67,9 +64,7 @@ class Runner:
             if ends:
                 at.append(offset - 1)  # its last token, in the packed tokens
         batches = [self._decode_batch(plan.decode), *parts] if plan.decode else parts
-        logits = decode_ragged(self.model, batches, to_device(torch.tensor(at, dtype=torch.long), self.device))
-        self.apply(plan.register)
-        return logits
+        return decode_ragged(self.model, batches, to_device(torch.tensor(at, dtype=torch.long), self.device))
 
     def _decode_batch(self, requests: list[Request]) -> RaggedBatch:
         """The decoding rows (the first ``len(requests)``) feeding their last tokens: (d, 1)."""

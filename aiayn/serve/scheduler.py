@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from aiayn.serve.blocks import BlockScheduler
 from aiayn.serve.request import Request
 
-# What the runner does to the cache, in order: ("swap", i, j), ("clear", row), ("adopt", row,
-# blocks) before a forward; ("register", row, digests) after it (the prefix index).
+# What the runner does to the fixed slots' cache, in order: ("swap", i, j), ("clear", row). A paged
+# cache's row operations (and its ("adopt", row, blocks)) go to its block tables as they are planned;
+# the runner has the device state follow them.
 CacheOp = tuple
 
 
@@ -45,15 +46,17 @@ def prefill_plan(remaining: Sequence[int], chunk: int) -> list[tuple[int, int]]:
 @dataclass
 class StepPlan:
     """One forward: ``decode`` rows [0, d) feed their last tokens; ``prefill`` rows [first, first + k)
-    feed (request, tokens, whether its prompt ends here). ``ops`` go to the cache before the
-    forward, ``register`` after. ``admitted``: new requests; ``preempted``: back in the queue;
-    ``freed``: cancelled; ``decode_next``: a second, decode-only forward follows in this step."""
+    feed (request, tokens, whether its prompt ends here). ``ops``: the fixed slots' cache operations,
+    before the forward (a paged cache's rows move in its block tables as planned); ``register``:
+    (request, digests) its full prompt blocks are indexed under after the forward (paged).
+    ``admitted``: new requests; ``preempted``: back in the queue; ``freed``: cancelled;
+    ``decode_next``: a second, decode-only forward follows in this step."""
 
     decode: list[Request] = field(default_factory=list)
     prefill: list[tuple[Request, list[int], bool]] = field(default_factory=list)
     first: int = 0
     ops: list[CacheOp] = field(default_factory=list)
-    register: list[CacheOp] = field(default_factory=list)
+    register: list[tuple[Request, list[bytes]]] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     freed: list[Request] = field(default_factory=list)
@@ -90,8 +93,6 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """This step's first forward, with the cache operations that make its rows."""
         plan = StepPlan()
-        if self.blocks is not None:
-            self.blocks.snapshot(self.rows)
         plan.freed = [r for r in self.rows if r.cancelled]
         for request in plan.freed:
             self._remove(request, plan.ops)
@@ -117,6 +118,9 @@ class Scheduler:
         """After ``plan``'s forward: the rows whose prompt it ended join the decoding rows, in
         order, and the ``finished`` requests leave. The cache operations that follow."""
         ops: list[CacheOp] = []
+        if self.blocks is not None:  # the full blocks of prompts are indexed as soon as they are computed
+            for request, digests in plan.register:
+                self.blocks.tables.register(self.rows.index(request), digests)
         for request, _, ends in plan.prefill:
             if ends:
                 self._swap(self.rows.index(request), self.n_decode, ops)
@@ -154,8 +158,8 @@ class Scheduler:
             request.fed += take
             plan.prefill.append((request, tokens, request.fed == len(sequence)))
             digests = self.blocks.digests(request) if self.blocks is not None else None
-            if digests is not None:  # the full blocks of prompts are indexed as soon as they are computed
-                plan.register.append(("register", self.n_decode + slot, digests))
+            if digests is not None:
+                plan.register.append((request, digests))
 
     def _remaining(self, requests: list[Request]) -> list[int]:
         return [len(self.sequence(r)) - r.fed for r in requests]
@@ -171,7 +175,7 @@ class Scheduler:
             if request.cancelled:
                 continue
             plan.admitted.append(request)
-            plan.ops.append(("clear", len(self.rows)))
+            self._do(("clear", len(self.rows)), plan.ops)
             self.rows.append(request)
             request.admitted_at = time.monotonic()
 
@@ -184,8 +188,7 @@ class Scheduler:
         for request in candidates:
             if len(self.rows) >= self.max_batch:
                 return
-            verdict = "skip" if request.cancelled else blocks.admission(
-                request, self.rows[self.n_decode:], self.rows[: self.n_decode])
+            verdict = "skip" if request.cancelled else blocks.admission(request, self.rows, self.n_decode)
             if verdict == "full":
                 return
             if verdict == "wait":
@@ -199,22 +202,23 @@ class Scheduler:
                 continue
             if request.id not in blocks.resumed:  # (a preempted request keeps its text and draws)
                 plan.admitted.append(request)
-            plan.ops += [("clear", len(self.rows)), ("adopt", len(self.rows), blocks.start(request))]
+            self._do(("clear", len(self.rows)), plan.ops)
+            self._do(("adopt", len(self.rows), blocks.start(request)), plan.ops)
             self.rows.append(request)
             request.admitted_at = request.admitted_at or time.monotonic()
 
     def _make_room(self, blocks: BlockScheduler, plan: StepPlan) -> None:
         """Preempt the newest requests until this step's forwards have the blocks they need (the
         oldest request alone always fits: ``BlockScheduler.check_fits``)."""
+        tables = blocks.tables
         while self.rows:
-            need = sum(blocks.blocks_for(r, 1) for r in self.rows[: self.n_decode])
+            need = sum(tables.blocks_for(row, 1) for row in range(self.n_decode))
             # With no row decoding yet, a row whose prompt ends in the chunk also decodes this step.
             joins = not self.n_decode
-            pending = self.rows[self.n_decode:]
-            remaining = self._remaining(pending)
-            need += sum(blocks.blocks_for(pending[i], take + (joins and take == remaining[i]))
+            remaining = self._remaining(self.rows[self.n_decode:])
+            need += sum(tables.blocks_for(self.n_decode + i, take + (joins and take == remaining[i]))
                         for i, take in prefill_plan(remaining, self.prefill_chunk))
-            if need <= blocks.available:
+            if need <= tables.pool.available:
                 return
             victim = blocks.newest(self.rows)
             decoding = self.rows.index(victim) < self.n_decode
@@ -241,12 +245,22 @@ class Scheduler:
             row = self.n_decode = self.n_decode - 1
         for k in range(row, len(self.rows) - 1):
             self._swap(k, k + 1, ops)
-        ops.append(("clear", len(self.rows) - 1))
-        if self.blocks is not None:
-            self.blocks.let_go(request)
+        self._do(("clear", len(self.rows) - 1), ops)
         self.rows.pop()
 
     def _swap(self, i: int, j: int, ops: list[CacheOp]) -> None:
         if i != j:
-            ops.append(("swap", i, j))
+            self._do(("swap", i, j), ops)
             self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
+
+    def _do(self, op: CacheOp, ops: list[CacheOp]) -> None:
+        """A cache operation, planned: for the fixed slots, listed in ``ops`` for the runner; for a
+        paged cache, done now on its host block tables (the runner has the device follow)."""
+        if self.blocks is None:
+            ops.append(op)
+        elif op[0] == "swap":
+            self.blocks.tables.swap(op[1], op[2])
+        elif op[0] == "clear":
+            self.blocks.tables.clear(op[1])
+        else:
+            self.blocks.tables.adopt(op[1], op[2])

@@ -186,3 +186,36 @@ def test_shared_blocks_need_no_host_reads(device: torch.device) -> None:
         logits = model(tokens, valid=valid, cache=cache.expect([1, 2])).logits
     assert_close(logits[0, 0], expected[9])
     assert_close(logits[1], expected[8:10])
+
+
+@torch.no_grad()
+def test_rows_moved_on_the_host_tables_then_followed_equal_rows_moved_through_the_cache(device: torch.device) -> None:
+    """The serve scheduler moves rows on the host block tables as it plans (``BlockTables``: clear,
+    swap, adopt) and the runner has the device follow them later: the cache then holds what the
+    cache's own row operations give, and a forward before it follows is refused."""
+    model = decoder_only("rope", 2, device=device)
+    caches = [model.new_cache(3, 16, per_row=True, n_blocks=16, block_size=BLOCK) for _ in range(2)]
+    prompts = sequences([9, 6], seed=3, device=device)
+    tokens = torch.stack([prompts[0], torch.cat([prompts[1], prompts[1][:3]])])  # row 1 right-padded
+    valid = torch.arange(9, device=device)[None] < torch.tensor([[9], [6]], device=device)
+    for cache in caches:
+        model(tokens, valid=valid, cache=cache.rows(0, 2).expect([9, 6]))
+    direct, planned = caches
+    shared = direct.table(0)[:2]
+    direct.swap_rows(0, 1)
+    direct.clear_row(0)
+    direct.adopt(2, shared)
+    tables = planned.tables
+    tables.swap(0, 1)
+    tables.clear(0)
+    tables.adopt(2, planned.table(1)[:2])
+    step = torch.stack([prompts[0][:1], prompts[0][:1], prompts[0][8:9]])
+    with pytest.raises(RuntimeError, match="call follow"):
+        model(step, cache=planned.expect([1, 1, 1]))
+    planned.follow()
+    assert planned.host_lengths == direct.host_lengths == [0, 9, 8]
+    assert [planned.table(r) for r in range(3)] == [direct.table(r) for r in range(3)]
+    assert planned.pool.available == direct.pool.available
+    for name in ("valid", "positions", "lengths"):
+        assert torch.equal(getattr(planned, name), getattr(direct, name)), name
+    assert_close(model(step, cache=planned.expect([1, 1, 1])).logits, model(step, cache=direct.expect([1, 1, 1])).logits)

@@ -2,7 +2,8 @@
 on the fixed slots; a prefix-cache hit changes no answer and skips the prompt's cached blocks; rows
 of one prompt submitted together are prefilled once; admission by free blocks runs more short
 requests than the same memory's fixed slots; a pool too small for every row preempts the newest
-and recomputes it, with the same answers, planned without writing the cache (the runner does); a
+and recomputes it, with the same answers, planned on the host block tables alone (the runner has
+the cache's device state follow them); a
 request that can never fit is refused, the limit named; and a step reads nothing back from the
 device but its tokens."""
 
@@ -12,6 +13,7 @@ import pytest
 from serve_helpers import step_until, tiny_text_model
 from test_engine import Collector, prompt, run_until_done, submit
 
+from aiayn.nn.block_tables import BlockTables
 from aiayn.nn.kv_cache import kv_cache_bytes
 from aiayn.nn.paged_kv_cache import PagedKVCache
 from aiayn.serve.blocks import block_plan
@@ -129,7 +131,7 @@ def test_admission_by_blocks_runs_more_short_requests_than_the_slots(lm):
     engine.step()
     assert engine.running == 8
     run_until_done(engine, sinks)
-    assert engine.blocks is not None and engine.blocks.cache.pool.used == 0
+    assert engine.blocks is not None and engine.blocks.tables.pool.used == 0
 
 
 def test_a_full_pool_preempts_the_newest_and_recomputes_it(lm):
@@ -143,7 +145,7 @@ def test_a_full_pool_preempts_the_newest_and_recomputes_it(lm):
         engine = paged_engine(lm, blocks=20)
         assert answers(engine, prompts, max_tokens=40, **params) == alone
         assert engine.metrics.preemptions._value.get() > 0
-        assert engine.blocks is not None and engine.blocks.cache.pool.used == 0
+        assert engine.blocks is not None and engine.blocks.tables.pool.used == 0
 
 
 def test_a_request_that_can_never_fit_is_refused_with_the_limit(lm):
@@ -167,9 +169,10 @@ def test_the_paged_engine_step_reads_only_its_tokens(lm):
     assert engine.metrics.preemptions._value.get() > 0 and engine.blocks.hit_tokens > 0
 
 
-def test_the_scheduler_plans_and_only_the_runner_writes_the_cache(lm, monkeypatch):
-    """Admission, prefix hits and preemption are planned on host numbers: while the scheduler plans,
-    no cache method that writes is called (the runner applies the plan's operations), and the
+def test_the_scheduler_plans_on_the_block_tables_and_only_the_runner_writes_the_cache(lm, monkeypatch):
+    """Admission, prefix hits and preemption are planned on host numbers: the scheduler moves rows
+    in the host block tables as it plans (no shadow ledger), no cache method that writes the device
+    is called while it plans (the runner has the device follow, then runs the forward), and the
     answers are those of a pool that never preempts."""
     prompts = [prompt(30, seed) for seed in range(3)] + [prompt(30, 0)[:24] + prompt(9, 9)]
     expected = answers(paged_engine(lm), prompts, every=1, max_tokens=30)
@@ -190,8 +193,10 @@ def test_the_scheduler_plans_and_only_the_runner_writes_the_cache(lm, monkeypatc
                 planning[0] = False
         return plan
 
-    for name in ("clear_row", "swap_rows", "adopt", "register", "reserve", "reset"):
-        monkeypatch.setattr(PagedKVCache, name, noted(name, getattr(PagedKVCache, name)))
+    for name in ("clear_row", "swap_rows", "adopt", "register", "reserve", "reset", "follow"):
+        monkeypatch.setattr(PagedKVCache, name, noted(f"cache.{name}", getattr(PagedKVCache, name)))
+    for name in ("clear", "swap", "adopt", "register", "grow"):
+        monkeypatch.setattr(BlockTables, name, noted(f"tables.{name}", getattr(BlockTables, name)))
     for name in ("schedule", "update", "decode_plan"):
         monkeypatch.setattr(Scheduler, name, flagged(getattr(Scheduler, name)))
     engine = paged_engine(lm, blocks=20)
@@ -199,7 +204,11 @@ def test_the_scheduler_plans_and_only_the_runner_writes_the_cache(lm, monkeypatc
     run_until_done(engine, sinks)
     assert [s.tokens for s in sinks] == expected
     assert engine.metrics.preemptions._value.get() > 0 and engine.blocks.hit_tokens > 0
-    assert writes and not any(while_planning for _, while_planning in writes)
+    cache_calls = {(name, planning) for name, planning in writes if name.startswith("cache.")}
+    assert cache_calls == {("cache.follow", False), ("cache.reserve", False)}
+    table_calls = {(name, planning) for name, planning in writes if name.startswith("tables.")}
+    assert table_calls == {("tables.clear", True), ("tables.swap", True), ("tables.adopt", True),
+                           ("tables.register", True), ("tables.grow", False)}  # grown by the forward's reserve
 
 
 def test_the_start_up_lines_say_what_the_budget_holds(lm):
@@ -231,7 +240,7 @@ def test_a_preempted_request_cancelled_while_it_waits_leaves_nothing_behind(lm):
     run_until_done(engine, [s for s, r in zip(sinks, prompts, strict=True) if r is not victim.prompt])
     engine.step()
     assert blocks.resumed == set() and not blocks._sequence and not blocks._admitted and not blocks._decoded
-    assert blocks.cache.pool.used == 0
+    assert blocks.tables.pool.used == 0
 
 
 def test_a_prompt_that_ends_on_a_block_boundary_gets_a_block_for_its_first_decode(lm):

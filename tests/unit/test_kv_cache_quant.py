@@ -9,7 +9,7 @@ from aiayn import ModelConfig, build_model
 from aiayn.generate import greedy_decoder_only
 from aiayn.nn.kv_cache import (
     KVCache,
-    QuantizedLayerKVCache,
+    LayerKVCache,
     Slots,
     dequantize_absmax,
     kv_cache_bytes,
@@ -39,7 +39,7 @@ def test_zero_vectors_round_trip_exactly() -> None:
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_layer_cache_returns_the_dequantised_prefix(quantize: str) -> None:
     torch.manual_seed(1)
-    layer = QuantizedLayerKVCache(2, 3, 8, 10, quantize=quantize)
+    layer = LayerKVCache(2, 3, 8, 10, quantize=quantize)
     k1, v1 = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)
     k2, v2 = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)
     layer.write(k1, v1, Slots.run(0, 4))
@@ -54,9 +54,9 @@ def test_layer_cache_returns_the_dequantised_prefix(quantize: str) -> None:
 
 def test_int4_needs_an_even_head_dim_and_group_must_divide() -> None:
     with pytest.raises(ValueError, match="even head_dim"):
-        QuantizedLayerKVCache(1, 1, 7, 4, quantize="int4")
+        LayerKVCache(1, 1, 7, 4, quantize="int4")
     with pytest.raises(ValueError, match="group_size=3 must divide head_dim=8"):
-        QuantizedLayerKVCache(1, 1, 8, 4, quantize="int8", group_size=3)
+        LayerKVCache(1, 1, 8, 4, quantize="int8", group_size=3)
     with pytest.raises(ValueError, match="unknown KV-cache quantisation 'int2'"):
         KVCache(n_layers=1, batch_size=1, n_kv_heads=1, head_dim=8, max_len=4, quantize="int2")
 
@@ -127,10 +127,8 @@ def test_cli_generate_with_an_int8_cache_still_answers_paris(run_aiayn) -> None:
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantized_cache_reorder_moves_the_scales_with_the_codes(quantize):
     """Beam search reorders cache rows: codes and scales must move together."""
-    from aiayn.nn.kv_cache import QuantizedLayerKVCache
-
     g = torch.Generator().manual_seed(0)
-    cache = QuantizedLayerKVCache(3, 2, 8, 6, quantize=quantize)
+    cache = LayerKVCache(3, 2, 8, 6, quantize=quantize)
     k = torch.randn(3, 2, 4, 8, generator=g) * torch.tensor([1.0, 10.0, 100.0])[:, None, None, None]
     v = torch.randn(3, 2, 4, 8, generator=g)
     before_k, before_v = cache.write(k, v, Slots.run(0, 4))
