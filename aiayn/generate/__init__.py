@@ -55,7 +55,7 @@ from aiayn.generate.sampling import (
     sample_next,
 )
 from aiayn.generate.step import decode_step
-from aiayn.generate.steps import DecodeStep, GreedyResult
+from aiayn.generate.results import DecodeStep, GreedyResult
 from aiayn.generate.text import IncrementalText
 
 __all__ = [

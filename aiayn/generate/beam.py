@@ -36,7 +36,7 @@ from aiayn.generate.hypotheses import (
 )
 from aiayn.generate.static_search import follow_in_place, static_search
 from aiayn.generate.step import decode_step
-from aiayn.generate.steps import DoneCheck
+from aiayn.generate.results import DoneCheck
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn.kv_cache import KVCache

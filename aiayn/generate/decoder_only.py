@@ -23,7 +23,7 @@ from torch import Tensor
 from aiayn.cpu_share import share_cores
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
-from aiayn.generate.steps import DecodeStep, DoneCheck, GreedyResult, default_fill_id, fill_finished
+from aiayn.generate.results import DecodeStep, DoneCheck, GreedyResult, default_fill_id, fill_finished
 from aiayn.generate.window import keep_tokens, slide_window
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.masks import valid_tokens

@@ -22,7 +22,7 @@ from aiayn.generate.decoder_only import cache_slots
 from aiayn.generate.ensemble import Ensemble
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
-from aiayn.generate.steps import DecodeStep, DoneCheck, GreedyResult, default_fill_id, fill_finished
+from aiayn.generate.results import DecodeStep, DoneCheck, GreedyResult, default_fill_id, fill_finished
 from aiayn.models.encoder_decoder import EncoderDecoder
 
 
