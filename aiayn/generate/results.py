@@ -17,26 +17,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """One step of a decode loop (``stream_decoder_only``, ``stream_encoder_decoder``): the next
-    token of every row of the batch.
+    """One step of a decode loop: the next token of every row of the batch.
 
     index: 0 for the first new token.
-    tokens (b,) long: this step's token per row; a row that finished at an earlier step holds the
-        loop's fill id (pad_id, else eos_id) instead of a generated token.
-    logits (b, v): the model's logits the tokens were chosen from (before any repetition penalty,
-        temperature or top-k / top-p filtering).
-    active (b,) bool: rows whose token was generated at this step (False: the row had finished,
-        its token is the fill id).
-    done (b,) bool: rows finished after this step (eos emitted, or the row's length limit reached);
-        the loop stops once every row is done.
-    cache: the loop's KV cache as this step left it (``cache.length`` slots filled: every token
-        fed so far; this step's token is fed at the next step), None without a cache. The loop
-        goes on writing into it: read it before taking the next step (``aiayn explore`` shows it
-        filling). After a slide (``slid``) it holds the window, not every token fed.
-    slid: True when the window slid just before this step (``stream_decoder_only`` past the
-        model's context, ``aiayn.generate.window``): the logits come from the rows' kept tokens,
-        recomputed.
-    """
+    tokens (b,) long: this step's token per row (a finished row holds the fill id).
+    logits (b, v): the logits the tokens were chosen from (before penalty, temperature, filtering).
+    active (b,) bool: rows whose token was generated at this step.
+    done (b,) bool: rows finished after this step (eos, or the row's length limit).
+    cache: the loop's KV cache as this step left it (None without one); read it before the next step.
+    slid: True when the window slid just before this step (``aiayn.generate.window``)."""
 
     index: int
     tokens: Tensor
@@ -48,14 +37,8 @@ class DecodeStep:
 
 
 class GreedyResult:
-    """What a greedy decoder returns.
-
-    tokens (b, n_new): the generated ids (after eos: pad_id, or eos repeated if no pad_id).
-    logits (b, n_new, v): the logits each token was chosen from, stacked from the per-step logits
-        on first access (a copy of b x n_new x v floats, 131 MB for 16 x 256 x 8,000, that a caller
-        wanting only the tokens never pays).
-    lengths (b,) or None: tokens generated per row, eos included (encoder-decoder).
-    """
+    """What a greedy decoder returns: tokens (b, n_new); logits (b, n_new, v), stacked on first access;
+    lengths (b,) tokens per row, eos included (encoder-decoder), else None."""
 
     def __init__(self, tokens: Tensor, step_logits: list[Tensor], lengths: Tensor | None = None) -> None:
         self.tokens, self.lengths = tokens, lengths
@@ -67,8 +50,7 @@ class GreedyResult:
 
     @classmethod
     def from_steps(cls, steps: Iterable[DecodeStep], *, with_lengths: bool = False) -> GreedyResult:
-        """Run a decode loop to its end and collect its steps; ``with_lengths``: count each row's
-        generated tokens (its active steps)."""
+        """Run a decode loop to its end and collect its steps; ``with_lengths``: count each row's tokens."""
         tokens: list[Tensor] = []
         logits: list[Tensor] = []
         lengths: Tensor | None = None
@@ -87,7 +69,7 @@ def fill_finished(tokens: Tensor, finished: Tensor, fill_id: int | None) -> Tens
     return torch.where(finished, torch.full_like(tokens, fill_id), tokens)
 
 
-def default_fill_id(pad_id: int | None, eos_id: int | None, fill_id: int | None) -> int | None:
+def fill_id_for(pad_id: int | None, eos_id: int | None, fill_id: int | None) -> int | None:
     """What a finished row holds: ``fill_id`` if given, else the model's pad_id, else eos_id."""
     if fill_id is not None:
         return fill_id
@@ -101,13 +83,9 @@ LAGGED_DONE_DEVICES: tuple[str, ...] = ("cuda",)
 class DoneCheck:
     """Whether every row of a decode loop is done, read without making a GPU wait for the host.
 
-    Read at once (``bool(done.all())``), the check is a host-device sync: the host waits for the
-    step to finish before it can queue the next one, so host and GPU take turns instead of
-    overlapping (a small model's step on a GPU costs about what its Python costs). On a device in
-    ``LAGGED_DONE_DEVICES`` the flag is copied to host memory without waiting (``after``) and read
-    at the next step, once that step is queued (``stopped_before``): a loop whose rows all finish
-    computes one step more and drops it, and yields exactly the steps it yields elsewhere.
-    Elsewhere (the CPU) ``after`` reads the flag at once, as the loops always did.
+    On a ``LAGGED_DONE_DEVICES`` device the flag is copied to the host without waiting (``after``)
+    and read at the next step (``stopped_before``): a loop computes one step more and drops it.
+    Elsewhere ``after`` reads the flag at once.
 
         check = DoneCheck(device)
         for i in ...:
@@ -116,8 +94,7 @@ class DoneCheck:
                 return  # the previous step ended every row: this one is dropped
             yield step
             if check.after(done):
-                return
-    """
+                return"""
 
     def __init__(self, device: torch.device) -> None:
         self.lagged = device.type in LAGGED_DONE_DEVICES
@@ -129,8 +106,7 @@ class DoneCheck:
             self._copied = torch.cuda.Event() if cuda else None  # set when the copy has landed
 
     def after(self, done: Tensor) -> bool:
-        """Once a step is yielded, its ``done`` (b,) bool: True to stop now (read at once), or
-        False with the flag on its way to the host (lagged: ``stopped_before`` reads it)."""
+        """Once a step is yielded, its ``done`` (b,): True to stop now, or False with the flag on its way."""
         if not self.lagged:
             return bool(done.all())
         self._host.copy_(done.all(), non_blocking=True)

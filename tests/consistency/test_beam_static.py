@@ -18,8 +18,8 @@ from test_beam_search import sources
 from test_compiled_beam import assert_same_search
 
 from aiayn.generate import Ensemble, beam_search_decoder_only, beam_search_encoder_decoder
-from aiayn.generate import static_search as static_module
 from aiayn.generate import results as results_module
+from aiayn.generate import static_search as static_module
 
 BOS, EOS = 1, 77
 SEARCH = dict(bos_id=BOS, eos_id=EOS, beam_size=3, n_best=3)
