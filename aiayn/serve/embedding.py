@@ -10,6 +10,7 @@ decode steps (``EmbeddingQueue``), which it does so that a large request cannot 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -161,9 +162,8 @@ class EmbeddingQueue:
     def cancel(self, job: EmbeddingJob) -> None:
         """Drop ``job`` (its client is gone): no more forwards for it."""
         job.cancelled = True
-        with self.lock:
-            if job in self.jobs:
-                self.jobs.remove(job)
+        with self.lock, contextlib.suppress(ValueError):  # (not queued: in its forward, or done)
+            self.jobs.remove(job)
         job.future.cancel()
 
     def fail_all(self, error: Exception) -> None:
