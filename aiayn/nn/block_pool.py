@@ -1,14 +1,7 @@
-"""The blocks of a paged KV cache: who holds which, and which hold a known prompt prefix (vLLM's
-block manager in miniature, host ints only).
-
-* Reference counts: a block is free again when the last row holding it lets go.
-* Prefix index (vLLM's automatic prefix caching): a full block of prompt tokens is registered
-  under its chained digest (``block_digests``), which names the whole prefix up to its end; a
-  later prompt with the same start holds those blocks instead of recomputing them. Rows write
-  only at their own end, never into a full block, so sharing needs no copy-on-write.
-* LRU eviction: a registered block nobody holds stays indexed until ``allocate`` runs out of
-  free blocks; a row releases tail first, so a prefix loses its end before its beginning.
-
+"""The blocks of a paged KV cache (vLLM's block manager in miniature, host ints only): reference
+counts; a prefix index, each full prompt block registered under its chained digest
+(``block_digests``) so a later prompt with the same start holds it (rows write only at their own
+end, so no copy-on-write); LRU eviction of indexed blocks nobody holds, a prefix's end first.
 Block 0 is the null block: never handed out, it pads block tables and takes padding's writes."""
 
 from __future__ import annotations
@@ -120,10 +113,3 @@ class BlockPool:
                 break
             blocks.append(block)
         return blocks
-
-    def clear_index(self) -> None:
-        """Forget every cached prefix (held blocks stay held; unheld ones become free)."""
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-        self._digest_of.clear()
-        self._by_digest.clear()
