@@ -1,12 +1,7 @@
-"""``aiayn.load``: a shipped model, a run directory, a GGUF file or a Hugging Face directory in one
-call, as the object that uses it; ``aiayn.generate_text`` and ``aiayn.train_run`` for the rest of
-a Python session (docs/python-api.md).
-
-``load`` returns a ``Translator`` (a translation run, release or shipped ensemble), a
-``TextModel`` (a language-model run or release, a GGUF file, a Hugging Face decoder-only
-directory), a ``SentenceEncoder`` (a sentence-transformers or BERT-family directory), a
-``LoadedRun`` (another task's run) or a ``LoadedModel`` (a Hugging Face encoder-decoder): the
-objects the command line uses, with its defaults, checks and one-line errors."""
+"""``aiayn.load``: a shipped model, a run, a GGUF file or a Hugging Face directory in one call, as the
+object the command line uses for it (``Translator``, ``TextModel``, ``SentenceEncoder``,
+``LoadedRun`` or ``LoadedModel``); ``generate_text`` and ``train_run`` for the rest of a Python
+session (docs/python-api.md)."""
 
 from __future__ import annotations
 

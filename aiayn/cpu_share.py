@@ -1,20 +1,12 @@
 """Cooperative sharing of the CPU cores between aiayn processes on one machine.
 
-Two jobs that each run one thread per core oversubscribe the cores, and libgomp's spinning
-threads make each far slower than half; passive waiting slows a job that runs alone. So each busy
-aiayn process takes its fair share of threads, and alone keeps torch's default:
-
-* at its safe points (a training, decode or serve step) a process calls ``share_cores()``: a
-  clock read, and at most every ``CHECK_EVERY`` seconds the real work;
-* it keeps a file ``<pid>`` in a per-user registry folder (mode 0700) whose modification time
-  says until when it counts as busy (now + ``BUSY_FOR``); an idle process stops renewing it;
-* it counts the live busy processes (a file records its process's start time, so a reused pid
-  is not taken for it) and sets ``torch.set_num_threads(max(1, cores // busy))``.
-
-A thread count someone chose is kept (``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, ``--threads``,
-``torch.set_num_threads``): such a process registers but never changes its count.
-``AIAYN_SHARE_CPUS=0`` turns sharing off. The thread count changes a training's floating-point
-order, so a training is reproducible for a given, kept count."""
+Jobs running one thread per core each oversubscribe the cores (libgomp's threads spin). So each
+busy aiayn process calls ``share_cores()`` at its safe points and, every ``CHECK_EVERY`` seconds,
+renews a file ``<pid>`` in a per-user registry folder (busy until its modification time), counts
+the live busy processes and sets ``torch.set_num_threads(max(1, cores // busy))``; alone it keeps
+torch's default. A thread count someone chose (``OMP_NUM_THREADS``, ``--threads``,
+``torch.set_num_threads``) is kept; ``AIAYN_SHARE_CPUS=0`` turns sharing off. A training is
+reproducible for a given, kept thread count."""
 
 from __future__ import annotations
 

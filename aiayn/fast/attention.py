@@ -1,11 +1,7 @@
-"""Faster CPU paths of scaled dot-product attention, each for one measured case; every other call
-is ``aiayn.nn.attention.attend`` itself (``aiayn.fast.optimize`` sets ``fast_attention`` as
-``MultiHeadAttention.kernel``).
-
-* One query per row: the written-out equation's two batched matrix-vector products; under GQA
-  the query heads sharing a key/value head become its queries, so k and v are never repeated.
-* Square causal training attention: query blocks (``aiayn.fast.block_causal``).
-* Dropout on the weights: the written-out equation with ``aiayn.fast.dropout``'s mask.
+"""Faster CPU paths of scaled dot-product attention, each for one measured case (one query per row,
+GQA included; square causal training attention in blocks; dropout on the weights), every other
+call ``aiayn.nn.attention.attend`` itself. ``aiayn.fast.optimize`` sets ``fast_attention`` as
+``MultiHeadAttention.kernel``.
 
 Shape letters: b batch, h query heads, h_kv key/value heads, t_q queries, t_k keys, d_h head width."""
 

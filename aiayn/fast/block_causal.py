@@ -1,16 +1,8 @@
-"""Causal self-attention on the CPU in query blocks: only the lower-triangular blocks are computed.
-
-Each block of ``BLOCK`` queries is one batched product over every (batch, head) against the keys it
-can see, an ordinary softmax and one product with the values: nearly all the time goes to large
-``bmm`` calls, where PyTorch's flash kernel runs small tiles. The price is memory (the blocks'
-softmax weights are kept for the backward), hence ``MAX_LENGTH`` and training only.
-
-The backward, per query block i (rows r, keys [0, stop)):
-
-    dP = dO_r V^T,   dS = P * (dP - rowsum(dO_r * O_r)),   dQ_r = scale dS K,
-    dK += scale dS^T Q_r,   dV += P^T dO_r
-
-with dK and dV accumulated per key block, so every product writes a contiguous tensor.
+"""Causal self-attention on the CPU in query blocks: only the lower-triangular blocks are computed,
+each as large batched products (PyTorch's flash kernel runs small tiles). The blocks' softmax
+weights are kept for the backward, hence ``MAX_LENGTH`` and training only. Backward per block
+(rows r, keys [0, stop)): dP = dO_r V^T, dS = P * (dP - rowsum(dO_r * O_r)), dQ_r = scale dS K,
+dK += scale dS^T Q_r, dV += P^T dO_r, dK and dV accumulated per key block.
 
 Shape letters: b batch, h heads, t positions, d_h head width, n = b h, r rows of a query block,
 s = the keys a block sees."""

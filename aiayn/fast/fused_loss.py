@@ -1,19 +1,11 @@
 """The output layer and the cross-entropy fused, chunk by chunk: the (n, v) logits never exist.
 
-Unfused on a CPU, the (n, v) logits and their gradient are written and read back several times.
-Here each chunk of rows (~16 MB of logits, in the last-level cache) is turned into its softmax and
-multiplied into the gradients of h and W at once (Liger Kernel's and Cut Cross-Entropy's approach,
-in torch ops; products through ``aiayn.fast.onednn``). Label smoothing is left to the caller:
-
-    nll_sum     = sum_i w_i (lse_i - z_i[t_i])          (the true negative log-likelihood)
-    uniform_sum = sum_i w_i (lse_i - mean_j z_ij)        (cross-entropy against the uniform)
-
-a smoothed loss being (1 - eps) nll_sum + eps uniform_sum. With incoming scales g1, g2,
-
-    grad z_i = (g1 + g2) w_i (p_i - e_{t_i}) + g2 w_i e_{t_i} - g2 w_i / v
-
-The forward multiplies w_i (p_i - e_{t_i}) into ``P_h = G W`` and ``P_W = G^T h`` while the chunk
-is in cache (the target subtracted before autocast rounds G); the backward adds the cheap parts.
+Each chunk of rows (~16 MB of logits, in cache) becomes its softmax and is multiplied into the
+gradients of h and W at once (Liger Kernel's and Cut Cross-Entropy's approach). Label smoothing
+is left to the caller: ``nll_sum = sum_i w_i (lse_i - z_i[t_i])`` and ``uniform_sum = sum_i w_i
+(lse_i - mean_j z_ij)``. With incoming scales g1, g2 the logits' gradient is
+``(g1 + g2) w_i (p_i - e_{t_i}) + g2 w_i e_{t_i} - g2 w_i / v``: the forward multiplies the first
+term into ``P_h = G W`` and ``P_W = G^T h``; the backward adds the cheap rest.
 
 Shape letters: n rows (tokens), d model width, v vocabulary, c rows in a chunk."""
 

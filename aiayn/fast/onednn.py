@@ -1,12 +1,7 @@
-"""float32 linear layers through oneDNN on the CPU, faster than ``F.linear`` on AMD processors.
-
-MKL (``F.linear``'s sgemm) chooses its kernels by CPU vendor; oneDNN, which torch ships, by
-instruction set. ``torch.ops.mkldnn._linear_pointwise`` takes dense tensors as they are;
-``onednn_linear`` gives it an autograd formula as a ``torch.library`` custom op. Used by
-``FastLinear`` and the fused output layer for plain float32 CPU tensors past ``MIN_ROWS`` and
-``MIN_WORK``, outside autocast; ``AIAYN_PLAIN_TORCH=1`` turns it off.
-
-Shape letters: m rows, i in_features, o out_features."""
+"""float32 linear layers through oneDNN on the CPU, faster than ``F.linear`` (MKL, which chooses its
+kernels by CPU vendor) on AMD processors. ``onednn_linear`` gives
+``torch.ops.mkldnn._linear_pointwise`` an autograd formula as a custom op; ``AIAYN_PLAIN_TORCH=1``
+turns it off. Shape letters: m rows, i in_features, o out_features."""
 
 from __future__ import annotations
 

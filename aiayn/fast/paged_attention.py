@@ -1,12 +1,8 @@
-"""Attention straight from a paged KV cache's blocks: the one place that chooses it.
-
-``paged_cache_attention`` stores the new keys and values (``PagedLayerKVCache.store``) and runs
-``paged_attention.cpp`` (vLLM's PagedAttention on the CPU, in miniature), reading them in place
-through the block table instead of gathering them. ``aiayn.fast.optimize`` sets it as
-``MultiHeadAttention.cache_kernel``; None sends the caller to the plain path. It applies to a
-block-table read, float32 on the CPU with the kernel built, at most ``MAX_QUERIES`` new tokens per
-row, the cache's masking only, no dropout, weights or gradient. Longer chunks go through
-``aiayn.fast.prefill_attention``.
+"""Attention straight from a paged KV cache's blocks: ``paged_attention.cpp`` (vLLM's PagedAttention
+on the CPU, in miniature) reads the keys and values in place through the block table instead of
+gathering them. ``aiayn.fast.optimize`` sets ``paged_cache_attention`` as
+``MultiHeadAttention.cache_kernel`` (None: the plain path) for float32 CPU block-table reads of
+at most ``MAX_QUERIES`` new tokens per row, the cache's masking only, no dropout or weights.
 
 Shape letters: b rows, h query heads, h_kv key/value heads, t_q new tokens, t_k keys read, d_h head width."""
 

@@ -1,12 +1,7 @@
 """A paged cache's prefill chunks: the chunk's mask turned into SDPA's form once per forward, not
-once per layer.
-
-The plain path prepares the same (b, 1, t_q, t_k) bool mask in every layer (queries that see no key
-let see every key, outputs zeroed after; SDPA's bool-to-additive conversion). Here
-``prepared_mask`` does it once per mask tensor, keeping the last ``RECENT`` (up to
-``RECENT_BYTES``): the stack builds a fresh mask per forward and never changes it in place.
-Applies to a ``PagedLayerKVCache`` chunk of more than ``MAX_QUERIES`` queries per row on the CPU,
-a bool mask or none, no bias, slot-causal flag, dropout or weights; equal to the plain path.
+once per layer (``prepared_mask`` keeps the last ``RECENT`` masks: the stack builds a fresh one
+per forward). For more than ``MAX_QUERIES`` queries per row on the CPU, a bool mask or none, no
+bias, dropout or weights; equal to the plain path.
 
 Shape letters: b rows, h query heads, h_kv key/value heads, t_q new tokens, t_k keys, d_h head width."""
 

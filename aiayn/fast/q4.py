@@ -1,15 +1,11 @@
-"""Block-quantised weights kept packed in memory: 4-bit (and 8-bit) linear layers and embeddings.
-
-One format holds every GGUF block type aiayn reads (``aiayn.interop.gguf_blocks``; docs/q4.md):
+"""Block-quantised weights kept packed in memory: 4-bit (and 8-bit) linear layers and embeddings, in
+one format for every GGUF block type aiayn reads (docs/q4.md):
 
     w[n, k] = scale[n, b] * (q[n, k] - offset) + min[n, b]        b = k // block
 
-``BlockLinear`` multiplies with a C++ kernel (``q4_kernel.cpp``) that reads the packed blocks,
-quantising activations per block to int8 (as llama.cpp does; ``error_bound``).
-``BlockEmbedding`` looks rows up in the same storage. ``quantize_q4_(model)`` turns a float
-model's linear layers into 4-bit ones (Q4_1's scheme).
-
-Shape letters: n out_features, k in_features, b blocks, m rows of activations."""
+``BlockLinear`` multiplies with ``q4_kernel.cpp`` (activations quantised per block to int8, as
+llama.cpp does); ``BlockEmbedding`` looks rows up in the same storage; ``quantize_q4_`` turns a
+float model's linear layers into 4-bit ones. Shape letters: n out, k in, b blocks, m rows."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Lower-precision weights for faster CPU inference: bfloat16, int8 and 4-bit Linear layers.
-
-A small model's decode speed is bound by reading its weights. ``Int8Linear`` stores each output
-row as int8 with one scale (symmetric, per output channel) and multiplies with ATen's weight-only
-int8 kernel (``_weight_int8pack_mm``) on bfloat16 activations. Activations are not quantised: one
-scale per call cannot hold LLaMA-style outlier channels. Embeddings and norms keep float32.
-``"q4"`` layers are ``aiayn.fast.q4``'s; ``"auto"`` keeps a model's weights as they are.
-
-Shape letters: o out_features, i in_features."""
+``Int8Linear``: per output channel int8 weights through ATen's weight-only int8 kernel on bfloat16
+activations (one activation scale per call cannot hold LLaMA's outlier channels). ``"q4"`` layers
+are ``aiayn.fast.q4``'s; embeddings and norms keep float32. Shape letters: o out, i in features."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Generation: greedy decoding, sampling and beam search, over the KV cache.
-
-* ``step.decode_step``: THE decode step every loop, ``aiayn serve`` and ``aiayn explore`` call.
-* ``stream_decoder_only`` / ``stream_encoder_decoder``: the one decode loop per architecture, an
-  iterator of ``DecodeStep``, shared by greedy decoding and sampling; ``greedy_*``,
-  ``generate_decoder_only`` and ``sample_encoder_decoder`` collect them.
-* ``sampling``: ``SamplingConfig``; ``beam``: beam search with GNMT's length penalty;
-  ``ensemble``: several encoder-decoders decoded as one model; ``text.IncrementalText``: the one
-  incremental detokeniser."""
+"""Generation: greedy decoding, sampling and beam search, over the KV cache. ``step.decode_step`` is
+THE decode step; ``stream_decoder_only`` / ``stream_encoder_decoder`` the one loop per
+architecture, which ``greedy_*``, ``generate_decoder_only`` and ``sample_encoder_decoder``
+collect; ``beam``, ``ensemble``, ``sampling`` and ``text`` the rest."""
 
 from __future__ import annotations
 

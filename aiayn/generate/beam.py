@@ -55,26 +55,19 @@ def beam_search_encoder_decoder(
     trace: Callable[[BeamStep], None] | None = None,
     compile: bool = False,
 ) -> BeamSearchResult:
-    """Beam search over the KV cache: every source's ``beam_size`` beams in one (b * beam) batch.
+    """Beam search over the KV cache: every source's ``beam_size`` beams in one (b * beam) batch, with
+    the paper's defaults (section 6.1): beam 4, alpha 0.6, at most source length + 50 tokens.
 
-    Defaults are the paper's (section 6.1): beam 4, alpha 0.6, at most source length + 50 tokens.
+    Hypotheses rank by float32 log-probability sums over GNMT's ``lp(n) = ((5 + n) / 6) ** alpha``, n
+    counting eos; at most ``floor(max_len_a * src_len + max_len_b)`` tokens (capped by max_seq_len);
+    ``min_len`` forbids an earlier eos; pad_id is never a candidate unless ``mask_pad=False``. Each
+    step, of the 2 * beam best continuations an eos one within the first ``beam`` finishes and the
+    first ``beam`` others go on (fairseq / Hugging Face); a source stops once no open beam can beat
+    its worst finished one, or, with ``early_stopping``, once it has ``beam`` finished.
 
-    * Scores: float32 log-probabilities summed over the hypothesis; a hypothesis of n tokens (eos
-      included) ranks by ``score / lp(n)``, GNMT's ``lp(n) = ((5 + n) / 6) ** alpha``.
-    * Length: at most ``floor(max_len_a * src_len + max_len_b)`` tokens, eos included, capped by
-      the model's max_seq_len; an open beam is finished there. ``min_len``: eos is forbidden while
-      fewer tokens precede it. pad_id is never a candidate (unless ``mask_pad=False``).
-    * Each step (fairseq / Hugging Face bookkeeping): of the 2 * beam best continuations, an eos one
-      ranked within the first ``beam`` finishes; the first ``beam`` others are the next beams.
-    * Stopping, per source: ``early_stopping=False`` once no future hypothesis can beat the worst
-      finished one; True as soon as it has ``beam`` finished. Finished sources leave the batch.
-
-    ``model`` may be an ``Ensemble``. ``keep_greedy``: the greedy hypothesis joins each source's
-    finished ones, so the best score is never below greedy's. ``trace``: called with a ``BeamStep``
-    after every step (what ``aiayn explore`` draws). ``compile``: the steps after the first run
-    through the compiled decode step over static shapes (not with ``trace``).
-
-    Returns the best hypothesis per source and up to ``n_best`` (<= beam_size) per source."""
+    ``model`` may be an ``Ensemble``. ``keep_greedy``: the greedy hypothesis joins the finished ones.
+    ``trace``: called with a ``BeamStep`` after every step. ``compile``: static shapes, compiled.
+    Returns the best hypothesis and up to ``n_best`` per source."""
     _check_search(beam_size, n_best, compile=compile, trace=trace)
     pad_id = model.config.pad_id if mask_pad else None
     fill_id = pad_id if pad_id is not None else eos_id

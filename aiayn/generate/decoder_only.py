@@ -58,24 +58,17 @@ def stream_decoder_only(
     slide: bool = True,
     constraints: Sequence[RowConstraint | None] | None = None,
 ) -> Iterator[DecodeStep]:
-    """Continue each row of ``prompt`` (b, t), yielding one ``DecodeStep`` per new token.
+    """Continue each row of ``prompt`` (b, t), yielding one ``DecodeStep`` per new token; the model
+    runs lazily, one step per item taken, on arguments checked at the call.
 
-    sampling: how each token is chosen; None = greedy (argmax).
-    prompt_valid (b, t) bool: the real tokens; rows may be left-padded. Default: the model's rule
-        (``aiayn.nn.masks.valid_tokens``). Every row needs a real token; padding changes nothing.
-    eos_id: a row that emits it is done and from then on holds ``fill_id`` (default: the model's
-        pad_id, else eos_id). The loop ends when every row is done or after ``max_new_tokens``.
-    kv_cache: "int8" / "int4" decodes over a quantised KV cache (default float).
-    compile: the steps after the prompt run through ``compiled_decode_step`` (float cache only).
+    sampling: None = greedy (argmax). prompt_valid (b, t) bool: the real tokens of left-padded rows
+        (default: ``aiayn.nn.masks.valid_tokens``); padding changes nothing.
+    eos_id: a row that emits it is done and holds ``fill_id`` (default: pad_id, else eos_id).
+    kv_cache: "int8" / "int4" quantised cache. compile: the steps after the prompt compiled.
     use_cache: False recomputes the whole sequence every step (the reference for the cache).
     slide: past the model's context a row keeps its last ``window.keep_tokens(context)`` tokens,
-        recomputed into the cleared cache (``DecodeStep.slid``). False: prompt + ``max_new_tokens``
-        must fit (ValueError otherwise).
-    constraints: one grammar per row (None: free), masking its logits; a row whose grammar is
-        finished is done, as at eos.
-
-    The arguments are checked on the call; the model runs lazily, one step per item taken. The
-    tensors yielded are inference tensors."""
+        recomputed; False: prompt + ``max_new_tokens`` must fit (ValueError otherwise).
+    constraints: one grammar per row (None: free) masking its logits; a finished grammar ends its row."""
     t, context = prompt.shape[1], model.config.max_seq_len
     if slide and t > context:
         raise ValueError(f"prompt of {t} tokens exceeds the model's context of {context}; shorten the prompt")

@@ -42,19 +42,13 @@ def stream_encoder_decoder(
     use_cache: bool = True,
     compile: bool = False,
 ) -> Iterator[DecodeStep]:
-    """Decode a target for each row of ``src`` (b, s), starting every target with ``bos_id``,
-    yielding one ``DecodeStep`` per new token.
+    """Decode a target for each row of ``src`` (b, s) from ``bos_id``, yielding one ``DecodeStep`` per
+    new token; the model runs lazily, from the encoder on.
 
-    max_new_tokens: one limit for all rows, or a (b,) tensor of per-source limits (e.g.
-        ``max_target_lengths``), eos included.
-    sampling: how each token is chosen; None = greedy. The repetition penalty sees the target so far.
-    src_valid (b, s) bool: the source's real tokens (default: the model's rule, ``src != pad_id``).
-    eos_id: a row that emits it, or reaches its limit, is done and from then on holds ``fill_id``
-        (default: the model's pad_id, else eos_id; None and no pad_id: no filling).
-    use_cache: False recomputes the whole target every step (the reference for the cache).
-    compile: the steps after the first (bos) run through the compiled decode step (float cache).
-
-    The model runs lazily, from the encoder on, one step per item taken."""
+    max_new_tokens: one limit, or (b,) per-source limits (``max_target_lengths``), eos included.
+    sampling: None = greedy. src_valid (b, s): the real source tokens (default: ``src != pad_id``).
+    eos_id: a row that emits it, or reaches its limit, is done and holds ``fill_id`` (default:
+        pad_id, else eos_id). use_cache, compile: as ``stream_decoder_only``'s."""
     if compile and not use_cache:
         raise ValueError("compile=True decodes through the KV cache; it needs use_cache=True")
     limit = torch.as_tensor(max_new_tokens, device=src.device).expand(src.shape[0])  # (b,)

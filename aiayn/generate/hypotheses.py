@@ -46,15 +46,10 @@ class BeamSearchResult:
 
 @dataclass(frozen=True)
 class BeamStep:
-    """What one step of the search did, for an observer (``trace=``): the 2 * beam candidates of every
-    source still searching, best first by sum score.
-
-    t: the candidates' length (no bos). sources (n,): the source ids still searching.
-    parent (n, c): the beam slot each candidate continues (slot 0 at t = 1).
-    token, score (n, c): the candidate's last token and sum of log-probabilities (-inf: none).
-    finished (n, c): an eos candidate that joined the source's finished hypotheses.
-    slot (n, c): its beam slot at the next step, -1 when pruned or finished.
-    at_limit (n,): the source reached its length limit. done (n,): the source stopped."""
+    """What one step of the search did (``trace=``): the 2 * beam candidates of every source still
+    searching, best first. sources (n,), at_limit (n,), done (n,) per source; per candidate (n, c):
+    ``parent`` beam slot, ``token``, sum ``score`` (-inf: none), ``finished`` (an eos candidate
+    kept), ``slot`` at the next step (-1: pruned or finished). t: the candidates' length."""
 
     t: int
     sources: Tensor

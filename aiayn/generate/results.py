@@ -17,15 +17,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """One step of a decode loop: the next token of every row of the batch.
+    """One step of a decode loop: the next token of every row.
 
-    index: 0 for the first new token.
-    tokens (b,) long: this step's token per row (a finished row holds the fill id).
-    logits (b, v): the logits the tokens were chosen from (before penalty, temperature, filtering).
-    active (b,) bool: rows whose token was generated at this step.
-    done (b,) bool: rows finished after this step (eos, or the row's length limit).
-    cache: the loop's KV cache as this step left it (None without one); read it before the next step.
-    slid: True when the window slid just before this step (``aiayn.generate.window``)."""
+    index: 0 for the first new token. tokens (b,): this step's token per row (a finished row: the
+    fill id). logits (b, v): what the tokens were chosen from (before sampling's changes).
+    active (b,): rows generated at this step. done (b,): rows finished after it.
+    cache: the loop's KV cache as this step left it (read it before the next step), None without.
+    slid: the window slid just before this step."""
 
     index: int
     tokens: Tensor
@@ -81,20 +79,9 @@ LAGGED_DONE_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 class DoneCheck:
-    """Whether every row of a decode loop is done, read without making a GPU wait for the host.
-
-    On a ``LAGGED_DONE_DEVICES`` device the flag is copied to the host without waiting (``after``)
-    and read at the next step (``stopped_before``): a loop computes one step more and drops it.
-    Elsewhere ``after`` reads the flag at once.
-
-        check = DoneCheck(device)
-        for i in ...:
-            ...  # queue this step's work: logits, token, done
-            if check.stopped_before():
-                return  # the previous step ended every row: this one is dropped
-            yield step
-            if check.after(done):
-                return"""
+    """Whether every row of a decode loop is done, read without making a GPU wait: on a
+    ``LAGGED_DONE_DEVICES`` device ``after`` copies the flag to the host and ``stopped_before`` reads
+    it at the next step (one step more computed and dropped); elsewhere ``after`` reads it at once."""
 
     def __init__(self, device: torch.device) -> None:
         self.lagged = device.type in LAGGED_DONE_DEVICES

@@ -25,14 +25,12 @@ def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache | EnsembleCache
                 memory: Tensor | tuple[Tensor, ...] | None = None, memory_valid: Tensor | None = None,
                 at: tuple[Tensor, Tensor] | None = None, compile: bool = False) -> Tensor:
     """tokens (b, t) continuing ``cache`` -> logits (b, v) of each row's last position, or (m, v) of
-    the positions ``at`` = (rows (m,), positions (m,)) names.
+    the positions ``at`` = (rows (m,), positions (m,)).
 
-    An encoder-decoder's decoder cross-attends to ``memory`` (b, s, d) on the first step (filling the
-    cache's cross-attention keys and values) and to those afterwards; ``memory_valid`` (b, s) marks
-    the real source tokens. valid (b, t): the real new tokens (default: the model's rule for a
-    decoder-only model, all real for an encoder-decoder's target). compile: one token per row
-    through ``compiled_decode_step`` (float cache, eval mode). An ``Ensemble`` returns the mean of
-    its members' log-probabilities, each on its own memory and cache."""
+    An encoder-decoder cross-attends to ``memory`` (b, s, d) on the first step (filling the cache's
+    cross-attention keys and values), ``memory_valid`` (b, s) marking its real tokens. valid (b, t):
+    the real new tokens (default: the model's rule). compile: one token per row, compiled. An
+    ``Ensemble`` returns its members' mean log-probabilities."""
     if isinstance(model, Ensemble):
         if not isinstance(cache, EnsembleCache) or isinstance(memory, Tensor):
             raise TypeError("an Ensemble decodes over its own new_cache() and encode().memory (one per member)")

@@ -68,16 +68,12 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tenso
                                  bias: Tensor | None = None, causal: bool = False,
                                  dropout_p: float = 0.0, scale: float | None = None,
                                  need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + bias, masked) V, equation (1), checked.
+    """Equation (1), checked: softmax(Q K^T / sqrt(d_k) + bias, masked) V.
 
-    q: (b, h, t_q, d_h). k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv (GQA/MQA).
-    mask: bool, broadcastable to (b, h, t_q, t_k), True = may attend; a 3-D mask is (b, t_q, t_k),
-        shared by the heads. bias: float, added to the scores (ALiBi, T5); 3-D as mask.
-    causal: also mask the future, right-aligned (the t_q queries are the last t_q keys).
-    dropout_p: dropout on the weights. scale: default 1 / sqrt(d_h).
-    need_weights: compute with ``attention`` and return its weights (before dropout).
-
-    Returns (output (b, h, t_q, d_h), weights or None); a query with no visible key outputs zeros."""
+    q: (b, h, t_q, d_h). k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv (GQA/MQA). mask (bool,
+    True = may attend) and bias (float: ALiBi, T5) broadcast to (b, h, t_q, t_k); 3-D ones are
+    (b, t_q, t_k), shared by the heads. causal: right-aligned. scale: default 1 / sqrt(d_h).
+    need_weights: return the weights (before dropout). A query with no visible key outputs zeros."""
     _check_attention_inputs(q, k, v, mask, bias)
     return attend(q, k, v, mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale,
                   need_weights=need_weights)
@@ -223,15 +219,12 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: Tensor, memory: Tensor | None = None, *,
                 inputs: AttentionInputs | None = None, cache: LayerCache | StaticKV | None = None,
                 need_weights: bool = False, checked: bool = False) -> tuple[Tensor, Tensor | None]:
-        """Attend from x (b, t, d) to itself or to ``memory`` (b, s, d) (cross-attention).
+        """Attend from x (b, t, d) to itself or to ``memory`` (b, s, d) -> (output (b, t, d), or (n, d)
+        packed; weights (b, h, t, t_k) with ``need_weights``, else None).
 
-        inputs: masks, bias, rotation, cache slots and packing; masks and bias cover the cached keys
-            too. cache: self-attention's ``LayerCache`` (new keys and values written at
-            ``inputs.slots``) or cross-attention's ``StaticKV`` (computed on first use).
-        need_weights: also return the (b, h, t, t_k) weights. checked: skip the input checks (a stack
-            checks once).
-
-        Returns (output (b, t, d), or (n, d) when ``inputs.packing`` packs x; weights or None)."""
+        inputs: masks, bias, rotation, cache slots and packing (masks cover the cached keys too).
+        cache: a ``LayerCache`` (self-attention: written at ``inputs.slots``) or ``StaticKV`` (cross).
+        checked: skip the input checks (a stack checks once)."""
         inputs = inputs or _NO_INPUTS
         packing = inputs.packing
         if not checked:
