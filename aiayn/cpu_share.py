@@ -95,8 +95,7 @@ def alive(pid: int, started: str | None) -> bool:
 
 @dataclass
 class _ThreadState:
-    """Per OS thread (torch's count is per thread for OpenMP): what sharing set, and whether the
-    count is the user's."""
+    """Per OS thread (torch's count is per thread): what sharing set, and whether the count is the user's."""
 
     full: int | None = None  # torch's default here when sharing first looked
     last_set: int | None = None  # what sharing last set (or found)
@@ -104,8 +103,7 @@ class _ThreadState:
 
 
 class CpuShare:
-    """The registry of busy aiayn processes, seen from this one (one instance per process:
-    ``SHARE``). ``folder``/``clock``/``pid`` are for tests."""
+    """The registry of busy aiayn processes, seen from this one (``SHARE``); the arguments are for tests."""
 
     def __init__(self, folder: Path | None = None, *, clock: Callable[[], float] = time.time, pid: int | None = None) -> None:
         self._folder = folder

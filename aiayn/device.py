@@ -61,8 +61,7 @@ def resolve(spec: str | torch.device | None = "auto") -> torch.device:
 
 
 def local_gpu(local_rank: int) -> torch.device:
-    """The GPU of a torchrun process on this machine (its ``LOCAL_RANK``), prepared; DeviceError when
-    the machine has fewer GPUs than processes."""
+    """The GPU of a torchrun process (its ``LOCAL_RANK``), prepared; DeviceError past this machine's GPUs."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if local_rank >= count:
         raise DeviceError(f"process {local_rank} of this machine has no GPU of its own ({count} GPU(s)); "
@@ -128,8 +127,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def fused_optimizer(device: torch.device) -> bool:
-    """Whether Adam/AdamW take ``fused=True`` here: one kernel for all parameters on CUDA; the CPU
-    keeps torch's default for-each implementation."""
+    """Whether Adam/AdamW take ``fused=True`` here: on CUDA."""
     return device.type == "cuda"
 
 

@@ -174,8 +174,7 @@ def hf_chat_settings(directory: Path, tok: Any) -> tuple[Any, int | None]:
 
 @dataclass
 class StreamStats:
-    """How a ``stream_text`` call went: tokens produced (end-of-text not counted), time taken and
-    why it stopped."""
+    """How a ``stream_text`` call went: tokens produced, time taken and why it stopped."""
 
     tokens: int
     seconds: float

@@ -44,8 +44,7 @@ class CharTokenizer:
         return "".join(self.vocab[i] if i < len(self.vocab) else self.specials[i - len(self.vocab)] for i in ids)
 
     def to_tokenizers(self) -> Any:
-        """The same ids as a ``tokenizers.Tokenizer`` (a word-level vocabulary of characters, decoded by
-        concatenation; no unknown token)."""
+        """The same ids as a ``tokenizers.Tokenizer`` (a word-level vocabulary of characters, no unknown token)."""
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
         vocab = {ch: i for i, ch in enumerate([*self.vocab, *self.specials])}

@@ -145,8 +145,7 @@ def read_metrics(csv_path: Path | str) -> list[dict[str, float]]:
 
 
 def _loss_axis(ax: plt.Axes, title: str, **legend: object) -> None:
-    """The loss panel's log scale, labels and title; a legend when a line has a label (a plot of runs
-    with no validation rows has none, and matplotlib warns at an empty legend)."""
+    """The loss panel's log scale, labels and title; a legend only when a line has a label."""
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
@@ -156,8 +155,7 @@ def _loss_axis(ax: plt.Axes, title: str, **legend: object) -> None:
 
 
 def plot_metrics(metrics: Path | str | list[dict[str, float]], path: Path | str) -> Path:
-    """Training loss, validation NLL and the learning rate of a run, from its metrics.csv (a path, or
-    the rows ``read_metrics`` returned)."""
+    """Training loss, validation NLL and learning rate of a run, from its metrics.csv (a path, or its rows)."""
     rows = metrics if isinstance(metrics, list) else read_metrics(metrics)
     train = [r for r in rows if "train_loss" in r]
     val = [r for r in rows if "val_nll" in r]

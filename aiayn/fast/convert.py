@@ -22,8 +22,7 @@ _PLAIN_CLASS = {FastLinear: nn.Linear, FusedLossLinear: nn.Linear, FastDropout: 
 
 
 def optimize(model: nn.Module, mode: str = "inference") -> nn.Module:
-    """Swap ``model``'s plain modules for the CPU kernels, in place; returns ``model``.
-    ``mode="train"`` also fuses the output layer with the loss; ``"inference"``: the same kernels."""
+    """Swap ``model``'s plain modules for the CPU kernels in place (``mode="train"``: the fused loss too)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not known; choose one of {', '.join(MODES)}")
     if any(p.device.type != "cpu" for p in model.parameters()):

@@ -37,8 +37,7 @@ def matvec_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 
 
 def transposed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., i), weight (o, i), bias (o,) or None -> (..., o) as (W x^T)^T, the few rows of x as the
-    narrow right-hand side."""
+    """x (..., i), weight (o, i), bias (o,) or None -> (..., o) as (W x^T)^T."""
     y = (weight @ x.reshape(_rows(x), x.shape[-1]).t()).t()  # (o, i) @ (i, rows) -> (rows, o)
     if bias is not None:
         y = y + bias
@@ -54,8 +53,7 @@ _marked = False
 
 
 def mark_for_compile() -> None:
-    """Let Dynamo trace ``_threads`` as a constant; called by the code that compiles, not at import
-    (it imports torch._dynamo)."""
+    """Let Dynamo trace ``_threads`` as a constant; called when compiling (it imports torch._dynamo)."""
     global _threads, _marked
     if not _marked:  # once: wrapping it again would only stack wrappers
         _threads = torch.compiler.assume_constant_result(_threads)

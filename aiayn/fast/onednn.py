@@ -138,8 +138,7 @@ def use_onednn(x: Tensor, weight: Tensor) -> bool:
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)`` for x (..., i), weight (o, i), bias (o,) | None, through
-    oneDNN; differentiable in all three. Check ``use_onednn`` first."""
+    """``F.linear(x, weight, bias)`` through oneDNN, differentiable in all three; check ``use_onednn`` first."""
     x2 = x.reshape(-1, x.shape[-1])  # (m, i), a view for contiguous x
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):

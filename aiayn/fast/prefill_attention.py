@@ -28,8 +28,8 @@ class PreparedMask:
     row_valid: Tensor | None  # bool (b or 1, 1, t_q, 1): False for queries that see no key; None: all see one
 
 
-# The masks of the current forward, newest last: a step's prefill parts (one per prompt row,
-# ``aiayn.serve.steps``) each have a mask, and every layer visits the parts in turn.
+# The masks of the current forward, newest last: each prefill part of a step has one, and every
+# layer visits the parts in turn.
 _recent: list[PreparedMask] = []
 RECENT, RECENT_BYTES = 32, 64 << 20  # entries kept, and their additive masks' bytes (the newest always)
 

@@ -32,8 +32,7 @@ OPS: Any | None = None  # torch.ops.aiayn_q4 once loaded (read by compiled graph
 
 @lru_cache(maxsize=1)
 def kernel_ops() -> Any | None:
-    """``torch.ops.aiayn_q4`` once built and loaded; None where it cannot be built. Call it before
-    compiling: the build is no part of a graph."""
+    """``torch.ops.aiayn_q4`` once built (None where it cannot be); call it before compiling."""
     global OPS
     if os.environ.get("AIAYN_Q4_KERNEL", "1").strip().lower() in ("0", "false", "no", "off"):
         return None

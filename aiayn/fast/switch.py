@@ -20,8 +20,7 @@ _off: set[str] = set()
 
 
 def enabled() -> bool:
-    """Whether aiayn's CPU kernels may be used: not when turned off, nor under a ``torch.func``
-    transform, which their autograd functions and custom ops do not support."""
+    """Whether aiayn's CPU kernels may be used: not when turned off, nor under a ``torch.func`` transform."""
     if torch.compiler.is_compiling():  # traced once; no functorch transform around a compiled graph
         return _enabled
     return _enabled and not torch._C._are_functorch_transforms_active()

@@ -216,8 +216,7 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
 def _merge_greedy(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | None, limits: Tensor, *,
                   bos_id: int, eos_id: int, pad_id: int | None, fill_id: int, min_len: int, alpha: float,
                   finished: Finished) -> None:
-    """Insert each source's greedy hypothesis into its sorted finished hypotheses (in place), unless
-    it is already there or ranks below all of them."""
+    """Insert each source's greedy hypothesis into its finished ones, unless there already or ranked below all."""
     greedy = greedy_encoder_decoder(model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=limits,
                                     src_valid=src_valid)
     assert greedy.lengths is not None

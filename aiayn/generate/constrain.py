@@ -158,9 +158,7 @@ def clear_caches() -> None:
 
 
 class GrammarConstraint:
-    """One request's grammar state (one row of a batch); not thread-safe.
-
-    Build one with ``from_schema``, ``from_lark``, ``json_object`` or ``from_response_format``."""
+    """One request's grammar state (one row of a batch); not thread-safe."""
 
     def __init__(self, matcher: llguidance.LLMatcher, info: TokenizerInfo) -> None:
         self._matcher = matcher
@@ -218,8 +216,7 @@ class GrammarConstraint:
         return words
 
     def mask_logits(self, logits: Tensor) -> Tensor:
-        """Set the logits (v,) or (b, v) of every token not allowed next (and past the tokenizer's
-        vocabulary) to -inf, in place, and return them."""
+        """Set the logits (v,) or (b, v) of every token not allowed next to -inf, in place, and return them."""
         apply_bitmask(logits, self.bitmask(), self.info.n_vocab)
         return logits
 

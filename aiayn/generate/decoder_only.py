@@ -206,8 +206,7 @@ def _advance_steered(constraints: Any, steered: list[int], token: Tensor, done: 
 @torch.inference_mode()
 def greedy_decoder_only(model: DecoderOnly, prompt: Tensor, *, max_new_tokens: int, use_cache: bool = True,
                         **options: Unpack[DecodeOptions]) -> GreedyResult:
-    """Continue each row of ``prompt`` (b, t) with the argmax at every step -> tokens
-    (b, n <= max_new_tokens) and their logits; the options are ``stream_decoder_only``'s."""
+    """The argmax continuation of each row of ``prompt`` (b, t); the options are ``stream_decoder_only``'s."""
     return GreedyResult.from_steps(stream_decoder_only(
         model, prompt, max_new_tokens=max_new_tokens, use_cache=use_cache, **options))
 

@@ -95,8 +95,7 @@ def _decode(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | N
 def greedy_encoder_decoder(model: EncoderDecoder | Ensemble, src: Tensor, *, bos_id: int,
                            max_new_tokens: int | Tensor, use_cache: bool = True,
                            **options: Unpack[DecodeOptions]) -> GreedyResult:
-    """Translate each row of ``src`` (b, s) greedily; ``lengths`` counts each row's tokens, eos
-    included. The options are ``stream_encoder_decoder``'s."""
+    """Translate each row of ``src`` (b, s) greedily; the options are ``stream_encoder_decoder``'s."""
     return GreedyResult.from_steps(stream_encoder_decoder(
         model, src, bos_id=bos_id, max_new_tokens=max_new_tokens, use_cache=use_cache, **options),
         with_lengths=True)
@@ -106,8 +105,7 @@ def greedy_encoder_decoder(model: EncoderDecoder | Ensemble, src: Tensor, *, bos
 def sample_encoder_decoder(model: EncoderDecoder | Ensemble, src: Tensor, *, bos_id: int,
                            max_new_tokens: int | Tensor, sampling: SamplingConfig | None = None,
                            **options: Unpack[DecodeOptions]) -> Tensor:
-    """Sample a target for each row of ``src`` (b, s) -> ids (b, n), with ``SamplingConfig()`` by
-    default. The options are ``stream_encoder_decoder``'s."""
+    """Sample a target for each row of ``src`` (b, s) -> ids (b, n); options as ``stream_encoder_decoder``."""
     steps = stream_encoder_decoder(model, src, bos_id=bos_id, max_new_tokens=max_new_tokens,
                                    sampling=sampling or SamplingConfig(), **options)
     return torch.stack([step.tokens for step in steps], dim=1)

@@ -162,8 +162,7 @@ class Choice:
 def choose(t: int, beams: Beams, finished: Finished, lprobs: Tensor, alive: Tensor, limits: Tensor, *, k: int,
             eos_id: int, pad_id: int | None, min_len: int, alpha: float,
             early_stopping: bool) -> tuple[Beams, Choice]:
-    """Step t of the search on the open beams' next-token log-probs (n, k, v): the next beams, the
-    hypotheses that finish merged into ``finished``."""
+    """Step t of the search over the open beams' log-probs (n, k, v): the next beams; finished ones merged."""
     n, v, device = alive.shape[0], lprobs.shape[-1], alive.device
     if pad_id is not None:
         lprobs[:, :, pad_id] = NEG_INF

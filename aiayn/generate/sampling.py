@@ -68,8 +68,7 @@ def sample_next(logits: Tensor, previous: Tensor, cfg: SamplingConfig,
 
 
 class TokenChooser:
-    """Each row's next token for a decode loop: the argmax without a ``SamplingConfig``, else
-    ``sample_next`` with a generator seeded by ``sampling.seed``."""
+    """Each row's next token: the argmax without a ``SamplingConfig``, else a seeded ``sample_next``."""
 
     def __init__(self, sampling: SamplingConfig | None, device: torch.device) -> None:
         self.sampling = sampling

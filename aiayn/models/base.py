@@ -102,8 +102,7 @@ def make_cache(config: ModelConfig, *, n_layers: int, batch_size: int, max_len: 
 
 
 def start_model(model: nn.Module, config: ModelConfig, arch: str) -> nn.Embedding:
-    """A model class's first step: check that ``config`` is of its ``arch``, keep the config, and
-    make its (source) embedding table."""
+    """A model class's first step: check its ``arch``, keep the config, make its (source) embedding table."""
     if config.arch != arch:
         raise ValueError(f"{type(model).__name__} needs config.arch={arch!r}, got {config.arch!r}; "
                          f"use aiayn.models.build_model(config) to pick the class")

@@ -52,8 +52,7 @@ class EncoderDecoder(nn.Module):
 
     def forward(self, src: Tensor, tgt: Tensor, *, src_valid: Tensor | None = None,
                 tgt_valid: Tensor | None = None, need_weights: bool = False) -> ModelOutput:
-        """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt); padding-free, both
-        stacks skip padding."""
+        """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt)."""
         if src.dim() == 2 and tgt.dim() == 2 and src.shape[0] != tgt.shape[0]:
             raise ValueError(f"src and tgt batch sizes differ: src {tuple(src.shape)}, "
                              f"tgt {tuple(tgt.shape)}")

@@ -45,8 +45,7 @@ def additive_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, *, mask: Tens
 
 
 class AdditiveAttentionKernel(nn.Module):
-    """The vector w of additive attention per head, called like ``scaled_dot_product_attention``
-    (``scale`` is ignored: the tanh bounds each term)."""
+    """Additive attention's w per head, called like ``scaled_dot_product_attention`` (``scale`` ignored)."""
 
     def __init__(self, n_heads: int, head_dim: int) -> None:
         super().__init__()

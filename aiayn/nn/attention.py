@@ -44,8 +44,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, bias:
 
 def _dispatch(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, dropout_p: float,
               scale: float | None, need_weights: bool) -> tuple[Tensor, Tensor | None]:
-    """Equation (1) on prepared masks: ``attention`` when the weights are asked for, else torch's
-    fused kernel, which never forms them."""
+    """Equation (1) on prepared masks: ``attention`` for the weights, else torch's fused kernel."""
     if need_weights:
         return attention(q, k, v, masks.mask, masks.bias, scale, dropout_p)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks.combined, dropout_p=dropout_p,
@@ -146,8 +145,7 @@ CacheAttentionKernel = Callable[..., Tensor | None]
 
 @dataclass
 class AttentionInputs:
-    """What a stack's forward computes once and hands every attention layer: masks, positions, the
-    cache slots, the packing."""
+    """What a stack's forward computes once for every attention layer: masks, positions, slots, packing."""
 
     mask: Tensor | None = None  # bool (b, 1, 1 or t, t_k), True = may attend
     bias: Tensor | None = None  # float (b or 1, h, t, t_k), added to the scores (ALiBi, T5)
@@ -275,8 +273,7 @@ class MultiHeadAttention(nn.Module):
 
     def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerCache | StaticKV | None,
                      need_weights: bool, checked: bool = True) -> tuple[Tensor, Tensor | None]:
-        """Self-attention from the projected qkv (b, t, q + 2 kv), or packed (n, q + 2 kv)
-        -> (out (b, h, t, d_h), weights or None)."""
+        """Self-attention from the projected qkv (b, t, q + 2 kv) or (n, q + 2 kv) -> (out, weights or None)."""
         packing = inputs.packing
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)  # (b, t, .) or (n, .)

@@ -371,8 +371,7 @@ def add_embedding_route(app: FastAPI, state: ServerState) -> None:
 
 
 def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any) -> tuple[ToolFormat, GrammarConstraint]:
-    """The tool-call format and grammar of a chat request; 400 for a bad schema or a model that cannot
-    follow one."""
+    """The tool-call format and grammar of a chat request; 400 for a schema the model cannot follow."""
     kind = None if response_format is None else response_format.type
     schema = None  # free text
     if kind == "json_object":
@@ -401,8 +400,7 @@ def chat_ids(state: ServerState, lm: TextModel, engine: Engine, messages: list[d
 
 
 def embeddings_json(vectors: torch.Tensor, encoding: str, model: str, tokens: int) -> bytes:
-    """The answer's JSON, a vector at a time (on a worker thread: one json.dumps of megabytes would hold
-    the event loop)."""
+    """The answer's JSON, a vector at a time (on a worker thread, not to hold the event loop)."""
     def item(i: int, v: torch.Tensor) -> str:
         vector = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii") if encoding == "base64"
                   else v.tolist())

@@ -65,8 +65,7 @@ def slot_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_ca
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """``n_blocks`` blocks (the null block included) of ``block_size`` tokens for up to ``rows``
-    requests of up to ``context`` tokens."""
+    """``n_blocks`` blocks (null block included) of ``block_size`` tokens for ``rows`` rows of ``context``."""
 
     rows: int
     context: int

@@ -191,8 +191,7 @@ class EmbeddingQueue:
             self.credit = 0.0
 
     def _turn(self, job: EmbeddingJob, streams: float | None) -> bool:
-        """One forward of ``job``, or its turn kept when the credit is short -> whether another
-        forward may follow in this step."""
+        """One forward of ``job``, or its turn kept when the credit is short -> whether another may follow."""
         if job.cancelled or job.future.done():
             return True
         tokens = job.next_tokens

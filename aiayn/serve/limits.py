@@ -15,8 +15,7 @@ MAX_REQUEST_TOKENS = 300_000  # OpenAI's: tokens of one embeddings request, all 
 
 @dataclass(frozen=True)
 class Limits:
-    """The most one request may hold: ``inputs`` texts or prompts, ``input_tokens`` tokens each,
-    ``request_tokens`` in all."""
+    """The most one request may hold: ``inputs`` texts, ``input_tokens`` each, ``request_tokens`` in all."""
 
     inputs: int = MAX_INPUTS
     input_tokens: int = MAX_INPUT_TOKENS

@@ -239,8 +239,7 @@ async def _stream(meta: Meta, name: str, generation: Generation, include_usage: 
 
 def chat_stream(meta: Meta, generation: Generation, include_usage: bool,
                 past_grace: Callable[[], bool]) -> AsyncIterator[str]:
-    """A streamed chat answer: a role chunk per choice, content or tool-call chunks, a finish chunk
-    per choice, the usage chunk, ``[DONE]``."""
+    """A streamed chat answer: role, content or tool-call, finish and usage chunks, then ``[DONE]``."""
     calls = [ToolStream(meta.tools) for _ in generation.requests] if meta.tools is not None else None
     extra = {"usage": None} if include_usage else {}
 

@@ -74,8 +74,7 @@ class ToolFormat:
         return options[0] if len(options) == 1 else {"anyOf": options}
 
     def grammar(self, tag_tokens: bool = False) -> str:
-        """The answer's grammar. ``tag_tokens``: the tokenizer has Hermes' tags as added tokens
-        (Qwen2.5), which the grammar then names."""
+        """The answer's grammar; ``tag_tokens``: the tokenizer has Hermes' tags as added tokens (Qwen2.5)."""
         layout = self.layout
         if self.hermes and tag_tokens:
             return self._hermes_token_grammar()
