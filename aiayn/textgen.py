@@ -102,10 +102,8 @@ def _read_text_model(path: Path, quantize: str) -> TextModel:
         from aiayn.interop import load_gguf
 
         loaded = load_gguf(path, quantize=quantize if quantize in ("auto", "q4") else "none")
-        tok, template = loaded.tokenizer, loaded.chat_template
-        return TextModel(loaded.model, lambda text: tok.encode(text, add_special_tokens=False).ids,
-                         lambda ids: tok.decode(ids), loaded.config.max_seq_len, loaded.eos_id,
-                         _user_chat(template), template, tok)
+        return _with_tokenizer(loaded.model, loaded.tokenizer, loaded.config.max_seq_len, loaded.eos_id,
+                               loaded.chat_template)
     if path.is_dir() and (path / "config.json").is_file():
         from tokenizers import Tokenizer
 
@@ -118,18 +116,16 @@ def _read_text_model(path: Path, quantize: str) -> TextModel:
             raise TextModelError(f"{path} has no tokenizer.json")
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
         template, eos_id = hf_chat_settings(path, tok)
-        return TextModel(model.eval(), lambda text: tok.encode(text, add_special_tokens=False).ids,
-                         lambda ids: tok.decode(ids), config.max_seq_len, eos_id, _user_chat(template),
-                         template, tok)
+        return _with_tokenizer(model.eval(), tok, config.max_seq_len, eos_id, template)
     raise TextModelError(f"{path} is neither a GGUF file nor a Hugging Face model directory "
                          f"(config.json + safetensors)")
 
 
-def _user_chat(template: Any) -> Callable[[str], str] | None:
-    """A user message -> the prompt in ``template`` (None without a template)."""
-    if template is None:
-        return None
-    return lambda text: template.render([{"role": "user", "content": text}])
+def _with_tokenizer(model: nn.Module, tok: Any, context: int, eos_id: int | None, template: Any) -> TextModel:
+    """A ``TextModel`` over a ``tokenizers.Tokenizer`` and its chat template (None: none)."""
+    chat = None if template is None else lambda text: template.render([{"role": "user", "content": text}])
+    return TextModel(model, lambda text: tok.encode(text, add_special_tokens=False).ids, lambda ids: tok.decode(ids),
+                     context, eos_id, chat, template, tok)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
