@@ -16,8 +16,7 @@ from aiayn.models import (
 
 __version__ = "0.1.0"
 
-# One call from a name or a path to a model in use, and training from Python (aiayn/api.py,
-# docs/python-api.md); imported on first use, so that ``import aiayn`` stays light.
+# aiayn/api.py, imported on first use so that ``import aiayn`` stays light.
 _API = ("load", "generate_text", "train_run")
 
 

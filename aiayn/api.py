@@ -1,26 +1,7 @@
-"""``aiayn.load``: a shipped model, a run directory, a GGUF file or a Hugging Face directory in one
-call, as the object that uses it; ``aiayn.generate_text`` and ``aiayn.train_run`` for the rest of
-a Python session (docs/python-api.md).
-
-What ``load`` returns follows from what the source holds:
-
-=====================================================  ===================  ===========================
-source                                                 returns              use
-=====================================================  ===================  ===========================
-a translation run or release (``"multi30k-en-de"``)    ``Translator``       ``.translate(["A dog."])``
-or a shipped ensemble of them (one Translator)
-a language-model run or release                        ``TextModel``        ``generate_text(lm, "To be")``
-(``"shakespeare-char"``), a GGUF file, a Hugging
-Face decoder-only directory (GPT-2, LLaMA, ...)
-a sentence-transformers or BERT-family directory       ``SentenceEncoder``  ``.encode(["a", "b"])``
-another task's run (reverse, copy, ...)                ``LoadedRun``        ``.model``, ``.task``
-a Hugging Face encoder-decoder (Marian, BART, T5)      ``LoadedModel``      ``.model``, ``.config``
-=====================================================  ===================  ===========================
-
-Each is the object the command line uses for the same job (``aiayn translate``, ``generate``,
-``embed``), so what the docs say of a verb holds here: the same defaults, checks and one-line
-errors (``aiayn.ConfigError`` and its kinds, ``aiayn.interop.InteropError``, ``ValueError``).
-"""
+"""``aiayn.load``: a shipped model, a run, a GGUF file or a Hugging Face directory in one call, as the
+object the command line uses for it (``Translator``, ``TextModel``, ``SentenceEncoder``,
+``LoadedRun`` or ``LoadedModel``); ``generate_text`` and ``train_run`` for the rest of a Python
+session (docs/python-api.md)."""
 
 from __future__ import annotations
 
@@ -49,8 +30,7 @@ class LoadError(ConfigError):
 
 @dataclass
 class LoadedModel:
-    """A model with no text front end here (a Hugging Face encoder-decoder): the aiayn model, eval
-    mode, on its device, and its config."""
+    """A model with no text front end here (a Hugging Face encoder-decoder), eval mode, and its config."""
 
     model: nn.Module
     config: ModelConfig
@@ -58,11 +38,9 @@ class LoadedModel:
 
 @dataclass
 class Generation:
-    """What ``generate_text`` produced: the new text (the prompt not included), how many tokens it
-    took, why it stopped ("length": ``max_new_tokens`` reached; "eos": the model's end-of-text;
-    "stop": a ``stop`` string, which is not in ``text``; "context": the context full, with
-    ``slide=False``), and how often the window slid past the model's context
-    (``aiayn.generate.window``)."""
+    """What ``generate_text`` produced: the new text, its tokens, why it stopped ("length", "eos",
+    "stop" (the stop string not in ``text``) or "context" with ``slide=False``), and how often the
+    window slid."""
 
     text: str
     tokens: int
@@ -71,8 +49,8 @@ class Generation:
 
 
 def source_kind(path: Path) -> str:
-    """What ``path`` holds: "gguf", "release", "run", "sentence-transformers" or "hf" (a Hugging
-    Face model directory), read from its files without loading weights; LoadError otherwise."""
+    """What ``path`` holds: "gguf", "release", "run", "sentence-transformers" or "hf", read from its
+    files without loading weights; LoadError otherwise."""
     from aiayn.tasks.shipped import is_ensemble_release, is_release
     from aiayn.textgen import is_gguf
 
@@ -101,18 +79,13 @@ def source_kind(path: Path) -> str:
 
 def load(source: str | Path, *, checkpoint: str | Path | None = None, device: torch.device | str | None = None,
          quantize: str = "none", plain: bool = False) -> Translator | TextModel | SentenceEncoder | LoadedRun | LoadedModel:
-    """The model at ``source``, ready to use (the table in this module's docstring).
+    """The model at ``source``, ready to use (see this module's docstring).
 
-    ``source``: a shipped model's name (``aiayn.tasks.shipped.shipped_models()``), a run directory
-    (its latest checkpoint, or ``checkpoint``: e.g. ``RUN/averaged-last5``), a GGUF file, or a
-    Hugging Face / sentence-transformers model directory. ``device``: where it runs (None or
-    "auto": the first CUDA GPU, else the CPU; ``aiayn.device.DeviceError`` for one this machine
-    lacks). ``quantize``: for text models only (a language-model run or release, a GGUF file, a
-    Hugging Face decoder-only directory), ``aiayn generate``'s ``--quantize`` ("none", "auto",
-    "bf16", "int8", "q4"; int8 and q4 run on the CPU); for any other model, a quantize other than
-    "none" is a LoadError (a ValueError), not a silently full-precision model. ``plain``: the plain
-    PyTorch modules instead of ``aiayn.fast``'s CPU kernels (the same function).
-    """
+    ``source``: a shipped model's name, a run directory (its latest checkpoint, or ``checkpoint``),
+    a GGUF file, or a Hugging Face / sentence-transformers directory. ``device``: None or "auto" is
+    the first CUDA GPU, else the CPU. ``quantize``: ``aiayn generate``'s ``--quantize``, for text
+    models only (a LoadError for any other model). ``plain``: the plain PyTorch modules instead of
+    ``aiayn.fast``'s CPU kernels."""
     from aiayn.tasks.runs import load_text_model
     from aiayn.tasks.shipped import resolve_model
 
@@ -134,8 +107,7 @@ def load(source: str | Path, *, checkpoint: str | Path | None = None, device: to
 
 
 def refuse_quantize(quantize: str, path: Path, what: str) -> None:
-    """A LoadError unless ``quantize`` is "none": only text models are quantized (``load_text_model``),
-    and a model loaded at full precision when 4 or 8 bits were asked for would mislead silently."""
+    """A LoadError unless ``quantize`` is "none": a model silently loaded at full precision would mislead."""
     if quantize != "none":
         raise LoadError(f"quantize={quantize!r} applies to text models only (a language-model run, a GGUF file, "
                         f"a Hugging Face decoder-only directory); {path} holds {what}: leave quantize='none'")
@@ -193,11 +165,10 @@ def generate_text(lm: TextModel, prompt: str, *, max_new_tokens: int = 64, tempe
                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
                   seed: int | None = None, chat: bool = False, stop: Sequence[str] = (),
                   compile: bool = False, slide: bool = True) -> Generation:
-    """Continue ``prompt`` with ``lm`` (from ``load``), as ``aiayn generate`` does: greedy at
-    ``temperature`` 0 (the default here: the same text every time), else sampled (``seed`` makes it
-    repeatable); ``chat`` wraps the prompt in the model's chat template; the text ends before the
-    first of ``stop``. Past the model's context the window slides (``slide=False``: stop there
-    instead). ValueError (one line) for a prompt the model cannot take."""
+    """Continue ``prompt`` with ``lm`` as ``aiayn generate`` does: greedy at ``temperature`` 0 (the
+    default here), else sampled (``seed`` makes it repeatable); ``chat`` wraps the prompt in the
+    chat template; the text ends before the first of ``stop``; ``slide=False`` stops at the context.
+    ValueError (one line) for a prompt the model cannot take."""
     from aiayn.generate.sampling import SamplingConfig
     from aiayn.textgen import stream_text
 
@@ -215,13 +186,10 @@ def train_run(task: str | None = None, run_dir: str | Path | None = None, *, rec
               model: dict[str, Any] | None = None, train: dict[str, Any] | None = None, resume: bool = False,
               overwrite: bool = False, device: torch.device | str | None = None, progress: bool = True,
               plots: bool = True, plain: bool = False) -> TrainResult:
-    """Train as ``aiayn train`` does, from Python: ``task`` (a name from ``aiayn tasks``; None: the
-    recipe's, else the default) into ``run_dir`` (None: ``runs/<task>-<date>-<time>``), its configs
-    from (lowest to highest precedence) the task's defaults, ``recipe`` (a YAML file) and ``model``
-    / ``train`` (``ModelConfig`` / ``TrainConfig`` fields: ``model={"d_model": 64}``,
-    ``train={"max_steps": 200}``). ``resume`` continues ``run_dir`` (its saved configs win);
-    ``overwrite`` replaces it; ``plots``: write the run's plots at the end. Returns the ``TrainResult`` (``run_dir``, ``step``, ``final_loss``,
-    ``test_metrics``); ``load(result.run_dir)`` then loads what it trained."""
+    """Train as ``aiayn train`` does: ``task`` (None: the recipe's, else the default) into ``run_dir``
+    (None: ``runs/<task>-<date>-<time>``), configured from the task's defaults, then ``recipe``
+    (YAML), then ``model`` / ``train`` fields. ``resume`` continues ``run_dir``; ``overwrite``
+    replaces it; ``plots`` writes the run's plots. Returns the ``TrainResult``."""
     from aiayn.device import resolve
     from aiayn.tasks.runs import default_run_dir, setup_run
     from aiayn.train.trainer import train as train_task

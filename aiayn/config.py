@@ -29,8 +29,7 @@ ATTENTION_IMPLS = ("fused", "reference")
 # ModelConfig fields that may be left None to be derived from the others (see their comments).
 DERIVED_FIELDS = ("tgt_vocab_size", "n_kv_heads", "head_dim", "n_decoder_layers", "final_norm",
                   "attn_bias", "attn_out_bias", "mlp_bias")
-# Names an older aiayn used for the same concepts (the derived values' property names): configs and
-# recipes written with them still load, with a warning.
+# Older names of the same fields: configs and recipes written with them still load, with a warning.
 OLD_FIELD_NAMES = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "decoder_layers": "n_decoder_layers",
                    "target_vocab_size": "tgt_vocab_size", "use_final_norm": "final_norm",
                    "qkv_bias": "attn_bias", "out_proj_bias": "attn_out_bias", "ffn_bias": "mlp_bias"}
@@ -156,9 +155,8 @@ class ModelConfig:
     activation_dropout: float = 0.0
     # Bias terms on the attention and feed-forward projections.
     bias: bool = True
-    # Finer bias switches, None = follow ``bias``: the q/k/v projections, the attention output
-    # projection (None = follow ``attn_bias``) and the feed-forward projections. LLaMA: none;
-    # Qwen2: q/k/v only (attn_bias=True, attn_out_bias=False, mlp_bias=False); GPT-2, BERT: all.
+    # Finer bias switches, None = follow ``bias`` (attn_out_bias: follow ``attn_bias``); Qwen2 has
+    # q/k/v biases only.
     attn_bias: bool | None = None
     attn_out_bias: bool | None = None
     mlp_bias: bool | None = None
@@ -176,9 +174,8 @@ class ModelConfig:
     # Encoder-only (BERT): a norm right after the embeddings.
     embedding_norm: bool = False
     attn_impl: str = "fused"
-    # Padding-free forward passes (aiayn.nn.packing): without a cache, the token-wise layers
-    # (projections, feed-forward, norms, output layer) run on the real tokens only, and logits and
-    # hidden states are zeros at padding. Same results at real tokens; less work with padding.
+    # Padding-free forward passes (aiayn.nn.packing): without a cache, the token-wise layers run on
+    # the real tokens only; logits and hidden states are zeros at padding.
     padding_free: bool = False
     # Free-form name (the preset it came from), kept in saved configs.
     name: str = field(default="custom")
@@ -349,10 +346,8 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation runs; 0 = once per epoch
     save_every: int = 0  # steps between checkpoints; 0 = once per epoch
     keep_checkpoints: int = 3
-    # At the end, average the weights of the last N checkpoints (the paper's trick, section 6.1;
-    # 0 = off) into RUN/averaged-lastK (K = those kept, at most N) and score the test split with
-    # the better of them and the last checkpoint on val (aiayn.train.averaging). Needs
-    # keep_checkpoints >= N.
+    # At the end, average the last N checkpoints (section 6.1; 0 = off) into RUN/averaged-lastK and
+    # score the test split with the better of them and the last on val. Needs keep_checkpoints >= N.
     average_last: int = 0
     log_every: int = 10
 

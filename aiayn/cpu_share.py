@@ -1,33 +1,12 @@
 """Cooperative sharing of the CPU cores between aiayn processes on one machine.
 
-Two aiayn jobs that each run torch's default thread count (one per core) oversubscribe the cores,
-and libgomp's threads spin while they wait for one another, so each job gets far less than half
-the machine (a training beside a beam-search translation runs many times slower than alone).
-Sleeping threads (``OMP_WAIT_POLICY=PASSIVE``) share well but slow a job that runs alone. So
-instead each busy aiayn process takes its fair share of threads, and alone keeps torch's default:
-
-* a process that runs a model calls ``share_cores()`` at its safe points (a training step, a
-  decode or beam step, the serve engine's step). The call costs a clock read; at most every
-  ``CHECK_EVERY`` seconds it does the real work:
-* it keeps a file ``<pid>`` in a per-user registry folder (mode 0700: ``$XDG_RUNTIME_DIR`` or the
-  temp folder; removed at exit) whose modification time says until when the process counts as
-  busy (now + ``BUSY_FOR``, longer when its safe points are far apart); an idle process (a server
-  with no request, a translation waiting for input) stops renewing it and no longer counts;
-* it counts the busy processes whose pid is alive (the file also records the process's start
-  time, so a reused pid is not taken for it; files of dead processes are removed) and sets
-  ``torch.set_num_threads(max(1, cores // busy))``, where cores is torch's default count capped by
-  the CPUs this process may run on (``os.sched_getaffinity``). Alone: torch's default, unchanged.
-
-A thread count someone chose is kept: ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` in the
-environment, ``--threads`` (``keep_thread_count()``, called by the command's option), or a count
-that is not torch's default when sharing first looks (``torch.set_num_threads`` in the user's
-code) or that changed since sharing last set it. Such a process still registers (it is busy and
-uses cores), but never changes its count. ``AIAYN_SHARE_CPUS=0`` turns sharing off entirely.
-
-The thread count changes a training's floating-point order (40 steps of the reverse task at 1
-and 2 threads end 1.7e-3 apart in their weights), so a training's numbers are reproducible for a
-given thread count: alone, with ``--threads`` or with ``AIAYN_SHARE_CPUS=0`` the count never moves.
-"""
+Jobs running one thread per core each oversubscribe the cores (libgomp's threads spin). So each
+busy aiayn process calls ``share_cores()`` at its safe points and, every ``CHECK_EVERY`` seconds,
+renews a file ``<pid>`` in a per-user registry folder (busy until its modification time), counts
+the live busy processes and sets ``torch.set_num_threads(max(1, cores // busy))``; alone it keeps
+torch's default. A thread count someone chose (``OMP_NUM_THREADS``, ``--threads``,
+``torch.set_num_threads``) is kept; ``AIAYN_SHARE_CPUS=0`` turns sharing off. A training is
+reproducible for a given, kept thread count."""
 
 from __future__ import annotations
 
@@ -59,8 +38,7 @@ def enabled() -> bool:
 
 
 def registry_folder() -> Path | None:
-    """The per-user, per-machine folder (created mode 0700), or None when none is safe to use (it
-    exists but is another user's, a link, or open to others: nothing is written there)."""
+    """The per-user, per-machine folder (created mode 0700), or None when none is safe to use."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     uid = os.getuid() if hasattr(os, "getuid") else 0
     folder = Path(base) / f"{FOLDER_NAME}-{uid}"
@@ -83,8 +61,8 @@ def usable_cores() -> int:
 
 
 def fair_share(full: int, busy: int, cores: int | None = None) -> int:
-    """Threads for one of ``busy`` busy processes: ``full`` (torch's default) alone, else the
-    cores split evenly, at least 1 and never more than ``full``."""
+    """Threads for one of ``busy`` busy processes: ``full`` alone, else the cores split evenly, at
+    least 1 and never more than ``full``."""
     if busy <= 1:
         return full
     cores = min(full, usable_cores() if cores is None else cores)
@@ -92,8 +70,7 @@ def fair_share(full: int, busy: int, cores: int | None = None) -> int:
 
 
 def start_time(pid: int) -> str | None:
-    """The process's start time as the kernel records it (Linux: field 22 of /proc/PID/stat, in
-    clock ticks since boot), None where there is no /proc: with the pid it names one process."""
+    """The process's start time as the kernel records it (/proc/PID/stat field 22), None without /proc."""
     try:
         stat_line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -118,8 +95,7 @@ def alive(pid: int, started: str | None) -> bool:
 
 @dataclass
 class _ThreadState:
-    """Per OS thread (torch's count is per thread for OpenMP): what sharing set, and whether the
-    count is the user's."""
+    """Per OS thread (torch's count is per thread): what sharing set, and whether the count is the user's."""
 
     full: int | None = None  # torch's default here when sharing first looked
     last_set: int | None = None  # what sharing last set (or found)
@@ -127,8 +103,7 @@ class _ThreadState:
 
 
 class CpuShare:
-    """The registry of busy aiayn processes, seen from this one (one instance per process:
-    ``SHARE``). ``folder``/``clock``/``pid`` are for tests."""
+    """The registry of busy aiayn processes, seen from this one (``SHARE``); the arguments are for tests."""
 
     def __init__(self, folder: Path | None = None, *, clock: Callable[[], float] = time.time, pid: int | None = None) -> None:
         self._folder = folder
@@ -161,8 +136,7 @@ class CpuShare:
         return path
 
     def forked(self) -> None:
-        """In a forked child (a data-loading worker): a process of its own, registered on its own
-        first safe point; its parent's file is the parent's."""
+        """In a forked child: a process of its own, registered at its own first safe point."""
         self.pid, self._file, self._next_check, self._last_call = os.getpid(), None, 0.0, None
         self._lock = threading.Lock()
 
@@ -184,8 +158,7 @@ class CpuShare:
                     os.utime(self._file, (busy_until, busy_until))
 
     def busy_processes(self, now: float) -> int:
-        """Live registered processes busy at ``now`` (this one included when it is); removes the
-        files of processes that ended."""
+        """Live registered processes busy at ``now``; removes the files of processes that ended."""
         count = 0
         if self._folder is None:
             return count
@@ -213,8 +186,8 @@ class CpuShare:
         return state
 
     def share_cores(self) -> None:
-        """The safe point: a clock read; every ``CHECK_EVERY`` s, renew this process's claim and
-        set this thread's count to its fair share (unless the count is kept)."""
+        """The safe point: every ``CHECK_EVERY`` s, renew this process's claim and set this thread's count
+        to its fair share (unless the count is kept)."""
         now = self._clock()
         gap = 0.0 if self._last_call is None else now - self._last_call
         self._last_call = now
@@ -254,8 +227,7 @@ class CpuShare:
 
 
 def default_threads() -> int:
-    """torch's own default intra-op count (its count of physical cores, what it starts with when
-    no variable sets one): the inter-op default is the same number, and nobody sets that one."""
+    """torch's own default intra-op count (its physical cores, when no variable sets one)."""
     import torch
 
     return torch.get_num_interop_threads()
@@ -268,8 +240,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def share_cores() -> None:
-    """The hook for a safe point (a training step, a decode step, a serve engine step); nothing
-    when ``AIAYN_SHARE_CPUS=0``."""
+    """The hook for a safe point; nothing when ``AIAYN_SHARE_CPUS=0``."""
     if enabled():
         SHARE.share_cores()
 

@@ -1,28 +1,18 @@
-"""Where a model runs and in what precision: the one place that decides it.
+"""Where a model runs and in what precision: the one place that decides it (no other code names a
+device by hand).
 
-Every verb and library entry point asks this module; no other code names a device by hand or calls
-``.cuda()``. The policy, in nanoGPT's spirit (a dozen lines that say it all):
-
-* ``resolve("auto")``: the first CUDA GPU if there is one, else the CPU. ``"cpu"``, ``"cuda"``,
-  ``"cuda:N"`` and ``"mps"`` name one; a device this machine lacks is a ``DeviceError`` (one line:
-  what is missing and what to give instead).
-* Precision: on CUDA, bfloat16 autocast over float32 weights (``autocast``) and TF32 matmuls
-  (``prepare``); on the CPU, today's behaviour: float32 unless bfloat16 is asked for (``--bf16``).
-* Batches go to an accelerator from pinned host memory with non-blocking copies (``to_device``);
-  on the CPU they are used where they are.
-* Training: fused AdamW and NCCL on CUDA, gloo elsewhere (``fused_optimizer``,
-  ``distributed_backend``); the CUDA generators' states join the CPU's in a checkpoint
-  (``rng_states`` / ``set_rng_states``).
-
-``aiayn.fast.optimize`` swaps in its CPU kernels only for a model on the CPU; on another device
-the plain modules run, which is what the device's own libraries are fast at.
-"""
+* ``resolve("auto")``: the first CUDA GPU, else the CPU; a named device this machine lacks is a
+  ``DeviceError``.
+* Precision: on CUDA, bfloat16 autocast over float32 weights and TF32 matmuls; on the CPU,
+  float32 unless bfloat16 is asked for.
+* Batches go to an accelerator from pinned memory without waiting (``to_device``).
+* Training: fused AdamW and NCCL on CUDA, gloo elsewhere; the CUDA generators' states join the
+  CPU's in a checkpoint."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -71,8 +61,7 @@ def resolve(spec: str | torch.device | None = "auto") -> torch.device:
 
 
 def local_gpu(local_rank: int) -> torch.device:
-    """The GPU of a torchrun process on this machine (its ``LOCAL_RANK``), prepared; DeviceError when
-    the machine has fewer GPUs than processes."""
+    """The GPU of a torchrun process (its ``LOCAL_RANK``), prepared; DeviceError past this machine's GPUs."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if local_rank >= count:
         raise DeviceError(f"process {local_rank} of this machine has no GPU of its own ({count} GPU(s)); "
@@ -106,14 +95,9 @@ def autocast(device: torch.device, *, bf16: bool | None = None) -> contextlib.Ab
     return torch.autocast(device.type, dtype=dtype)
 
 
-def is_accelerator(device: torch.device) -> bool:
-    return device.type != "cpu"
-
-
 def to_device(value: T, device: torch.device) -> T:
     """``value`` with its tensors on ``device`` (tensors, and tuples, lists, dicts and dataclasses of
-    them, rebuilt; anything else as it is). CPU tensors bound for CUDA are pinned and copied without
-    waiting (the copy overlaps the GPU's work); on the CPU nothing is copied."""
+    them, rebuilt); CPU tensors bound for CUDA are pinned and copied without waiting."""
     if isinstance(value, torch.Tensor):
         if value.device == device:
             return value  # type: ignore[return-value]
@@ -143,8 +127,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def fused_optimizer(device: torch.device) -> bool:
-    """Whether Adam/AdamW take ``fused=True`` here: one kernel for all parameters on CUDA; the CPU
-    keeps torch's default for-each implementation."""
+    """Whether Adam/AdamW take ``fused=True`` here: on CUDA."""
     return device.type == "cuda"
 
 
@@ -161,8 +144,7 @@ def rng_states() -> dict[str, torch.Tensor]:
 
 
 def set_rng_states(tensors: dict[str, torch.Tensor]) -> None:
-    """Restore what ``rng_states`` saved, for the GPUs this machine has (a run saved on a GPU and
-    resumed on the CPU has nothing to restore them into, and a CPU run saved none)."""
+    """Restore what ``rng_states`` saved, for the GPUs this machine has."""
     if not torch.cuda.is_available():
         return
     for i in range(torch.cuda.device_count()):
@@ -177,18 +159,3 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
-
-
-@contextlib.contextmanager
-def sync_debug(mode: str = "error") -> Iterator[None]:
-    """On CUDA, make every host-device synchronisation an error (``mode="error"``) or a warning in
-    the block: how the GPU check proves a step sync-free. Nothing on other devices."""
-    if not torch.cuda.is_available():
-        yield
-        return
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)

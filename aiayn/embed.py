@@ -1,19 +1,9 @@
 """Sentence embeddings from a BERT-family model: token vectors pooled into one vector per text.
 
-``load_sentence_encoder(dir)`` reads a Hugging Face BERT directory (config.json, weights,
-tokenizer.json or vocab.txt). When the directory is laid out as sentence-transformers saves models,
-its modules say how to pool and whether to normalise:
-
-* ``modules.json``: the pipeline, e.g. Transformer (path "") -> Pooling ("1_Pooling") -> Normalize;
-* ``1_Pooling/config.json``: ``pooling_mode_mean_tokens`` / ``pooling_mode_cls_token`` /
-  ``pooling_mode_max_tokens`` (one of them true);
-* ``sentence_bert_config.json`` (optional): ``max_seq_length``, ``do_lower_case``.
-
-A directory without ``modules.json`` gets mean pooling and L2 normalisation (the usual choice of
-sentence-embedding models). Errors a user can fix raise ``EmbedError`` with one-line messages.
-The model runs on the device it is loaded to (``device``; the first CUDA GPU by default, else the
-CPU); the vectors come back on the CPU. Shape letters: b batch, t tokens, d d_model.
-"""
+``load_sentence_encoder(dir)`` reads a Hugging Face BERT directory; a sentence-transformers layout
+says how to pool (``modules.json``, ``1_Pooling/config.json``, ``sentence_bert_config.json``),
+else mean pooling and L2 normalisation. Errors a user can fix raise ``EmbedError`` (one line).
+The vectors come back on the CPU. Shape letters: b batch, t tokens, d d_model."""
 
 from __future__ import annotations
 
@@ -44,11 +34,8 @@ class EmbedError(InteropError):
 
 
 def pool(hidden: Tensor, valid: Tensor, mode: str) -> Tensor:
-    """hidden (b, t, d), valid (b, t) bool -> (b, d) pooled over the real tokens.
-
-    mean: average of the real tokens' vectors; cls: the first token's; max: element-wise maximum
-    over the real tokens (sentence-transformers' three pooling modes).
-    """
+    """hidden (b, t, d), valid (b, t) bool -> (b, d) pooled over the real tokens: sentence-transformers'
+    mean, cls (the first token) or max."""
     if mode == "cls":
         return hidden[:, 0]
     keep = valid[..., None]  # (b, t, 1)
@@ -156,10 +143,8 @@ def _load_tokenizer(directory: Path, lowercase: bool | None) -> Any:
 
 def load_sentence_encoder(directory: str | Path, *, pooling: str | None = None, normalize: bool | None = None,
                           device: torch.device | str | None = None) -> SentenceEncoder:
-    """A ``SentenceEncoder`` from a BERT-family model directory (sentence-transformers layout or a
-    plain Hugging Face one). ``pooling`` / ``normalize`` override what the directory says.
-    ``device``: where the model runs (None: the first CUDA GPU, else the CPU; a device this machine
-    lacks is an ``aiayn.device.DeviceError``)."""
+    """A ``SentenceEncoder`` from a BERT-family model directory; ``pooling`` / ``normalize`` override
+    what the directory says. ``device`` None: the first CUDA GPU, else the CPU."""
     where = resolve(device)  # before loading: a missing device fails at once
     path = Path(directory)
     if not path.is_dir():

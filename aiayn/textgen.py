@@ -1,22 +1,11 @@
 """Text in, text out with a decoder-only model: what ``aiayn generate`` runs.
 
-``TextModel`` is a model with its tokenizer's encode/decode, its context length, its end-of-text id
-and chat template. ``read_text_model(path)`` reads one from a GGUF file (llama.cpp) or a Hugging Face
-model directory (config.json + safetensors + tokenizer.json), telling the two apart by their
-contents; ``aiayn.tasks.runs.load_text_model`` also reads one from a run directory of a
-language-model task. ``stream_text`` generates, handing out text as it is produced through the one
-incremental detokeniser (``aiayn.generate.text.IncrementalText``, as ``aiayn serve`` does): a
-multi-byte character is held back until complete, and it stops at end-of-text or just before a stop
-string, which is never shown.
-
-Like ``aiayn.embed`` (sentence encoders) and ``aiayn.translate`` (translators), this is an
-application of ``aiayn.interop`` and ``aiayn.generate``, beside them rather than inside either.
-Errors a user can fix raise ``TextModelError`` with one-line messages.
-
-Devices: a text model is loaded on the CPU and moved to where it runs (``placement``: the device
-asked for, ``aiayn.device.resolve``'s choice by default); its prompts are made there and the text
-comes back to the CPU.
-"""
+``TextModel`` is a model with its tokenizer, context length, end-of-text id and chat template.
+``read_text_model(path)`` reads one from a GGUF file or a Hugging Face model directory (told apart
+by their contents). ``stream_text`` generates, handing out text through the one incremental
+detokeniser (``aiayn.generate.text.IncrementalText``, as ``aiayn serve`` does). Errors a user can
+fix raise ``TextModelError`` with one-line messages. A text model is loaded on the CPU and moved
+to where it runs (``placement``)."""
 
 from __future__ import annotations
 
@@ -59,8 +48,8 @@ class TextModel:
     tokenizer: Any = None  # the ``tokenizers.Tokenizer`` encode/decode use, when there is one
 
     def prompt_ids(self, prompt: str, *, chat: bool = False) -> Tensor:
-        """(1, t) token ids of ``prompt`` on the model's device (a user message wrapped in the chat template with
-        ``chat``). ValueError when the tokenizer refuses it or it leaves no room in the context."""
+        """(1, t) token ids of ``prompt`` on the model's device (in the chat template with ``chat``).
+        ValueError when the tokenizer refuses it or it leaves no room in the context."""
         text = self.chat(prompt) if chat and self.chat else prompt
         tokens = self.encode(text)
         if not tokens:  # e.g. only characters a character-level vocabulary lacks
@@ -84,10 +73,9 @@ def is_gguf(path: Path) -> bool:
 def placement(device: torch.device | str | None = None, quantize: str = "none") -> tuple[torch.device, str]:
     """(where a text model loaded with ``quantize`` runs, the quantisation it gets there).
 
-    ``device``: None or "auto" is ``aiayn.device.resolve``'s choice (the first CUDA GPU, else the
-    CPU), except that int8 and q4 weights choose the CPU (their kernels are the CPU's). Off the
-    CPU, "auto" keeps float weights (a GGUF file's blocks dequantised: the device's own matmuls
-    are its fast path) and int8 / q4 are refused: ValueError, one line."""
+    ``device`` None or "auto": ``aiayn.device.resolve``'s choice, but int8 and q4 choose the CPU
+    (their kernels are the CPU's). Off the CPU, "auto" keeps float weights and int8 / q4 are
+    refused: ValueError, one line."""
     auto = device is None or (isinstance(device, str) and device.strip().lower() == "auto")
     where = torch.device("cpu") if auto and quantize in CPU_QUANTIZE else resolve(device)
     if where.type == "cpu":
@@ -99,11 +87,9 @@ def placement(device: torch.device | str | None = None, quantize: str = "none") 
 
 
 def read_text_model(path: Path, *, quantize: str = "none", device: torch.device | str | None = None) -> TextModel:
-    """The text model in a GGUF file or a Hugging Face model directory (a decoder-only model with a
-    tokenizer.json), as stored: float32, eval mode, on ``device`` (``placement``: None is the
-    first CUDA GPU, else the CPU). ``quantize="auto"`` or ``"q4"`` loads a GGUF file's matrices in
-    blocks on the CPU (``load_gguf``); other models ignore it here (see
-    ``aiayn.fast.quantize.lower_precision``)."""
+    """The text model in a GGUF file or a Hugging Face model directory, as stored: float32, eval mode,
+    on ``device`` (``placement``). ``quantize="auto"`` or ``"q4"`` loads a GGUF file's matrices in
+    blocks on the CPU; other models ignore it here."""
     where, quantize = placement(device, quantize)
     lm = _read_text_model(path, quantize)
     lm.model = lm.model.to(where)  # loaded on the CPU; moved whole (tied weights stay tied)
@@ -116,10 +102,8 @@ def _read_text_model(path: Path, quantize: str) -> TextModel:
         from aiayn.interop import load_gguf
 
         loaded = load_gguf(path, quantize=quantize if quantize in ("auto", "q4") else "none")
-        tok, template = loaded.tokenizer, loaded.chat_template
-        return TextModel(loaded.model, lambda text: tok.encode(text, add_special_tokens=False).ids,
-                         lambda ids: tok.decode(ids), loaded.config.max_seq_len, loaded.eos_id,
-                         _user_chat(template), template, tok)
+        return _with_tokenizer(loaded.model, loaded.tokenizer, loaded.config.max_seq_len, loaded.eos_id,
+                               loaded.chat_template)
     if path.is_dir() and (path / "config.json").is_file():
         from tokenizers import Tokenizer
 
@@ -132,18 +116,16 @@ def _read_text_model(path: Path, quantize: str) -> TextModel:
             raise TextModelError(f"{path} has no tokenizer.json")
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
         template, eos_id = hf_chat_settings(path, tok)
-        return TextModel(model.eval(), lambda text: tok.encode(text, add_special_tokens=False).ids,
-                         lambda ids: tok.decode(ids), config.max_seq_len, eos_id, _user_chat(template),
-                         template, tok)
+        return _with_tokenizer(model.eval(), tok, config.max_seq_len, eos_id, template)
     raise TextModelError(f"{path} is neither a GGUF file nor a Hugging Face model directory "
                          f"(config.json + safetensors)")
 
 
-def _user_chat(template: Any) -> Callable[[str], str] | None:
-    """A user message -> the prompt in ``template`` (None without a template)."""
-    if template is None:
-        return None
-    return lambda text: template.render([{"role": "user", "content": text}])
+def _with_tokenizer(model: nn.Module, tok: Any, context: int, eos_id: int | None, template: Any) -> TextModel:
+    """A ``TextModel`` over a ``tokenizers.Tokenizer`` and its chat template (None: none)."""
+    chat = None if template is None else lambda text: template.render([{"role": "user", "content": text}])
+    return TextModel(model, lambda text: tok.encode(text, add_special_tokens=False).ids, lambda ids: tok.decode(ids),
+                     context, eos_id, chat, template, tok)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -159,9 +141,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def hf_chat_settings(directory: Path, tok: Any) -> tuple[Any, int | None]:
-    """A Hugging Face directory's chat template (tokenizer_config.json's ``chat_template``, with
-    its special tokens) and end-of-text id (generation_config.json's ``eos_token_id``, else
-    config.json's, else tokenizer_config.json's ``eos_token``); None where absent."""
+    """A Hugging Face directory's chat template (with its special tokens) and end-of-text id
+    (generation_config.json, else config.json, else tokenizer_config.json); None where absent."""
     from aiayn.interop.gguf_text import ChatTemplate
 
     files = {name: _read_json(directory / name) if (directory / name).is_file() else {}
@@ -189,25 +170,22 @@ def hf_chat_settings(directory: Path, tok: Any) -> tuple[Any, int | None]:
 
 @dataclass
 class StreamStats:
-    """How a ``stream_text`` call went: tokens produced (end-of-text not counted), time taken and
-    why it stopped."""
+    """How a ``stream_text`` call went: tokens produced, time taken and why it stopped."""
 
     tokens: int
     seconds: float
     # With a compiled decode step: seconds from the second token on (the first step compiles).
     seconds_after_compile: float | None = None
-    # The model's context (tokens) when generation stopped because the context was full, before
-    # max_new_tokens (only with slide=False: otherwise the window slides past it).
+    # The model's context when generation stopped because it was full (slide=False only).
     context_full: int | None = None
-    # Why it stopped: "length" (max_new_tokens), "eos" (the model's end-of-text), "stop" (a stop
-    # string), "context" (the context full, slide=False) or "complete" (the constraint's answer is).
+    # Why it stopped: "length", "eos", "stop", "context" (slide=False) or "complete" (the constraint).
     stop: str = "length"
     slides: int = 0  # times the window slid past the model's context (``aiayn.generate.window``)
     context: int | None = None  # the model's context, for the summary of the slides
 
     def summary(self) -> str:
-        """'N tokens in S s, R tokens/s; stopped: WHY' (the rate after the compiling step, when
-        compiled; how often the window slid, when it did)."""
+        """'N tokens in S s, R tokens/s; stopped: WHY' (the rate after the compiling step, when compiled;
+        how often the window slid, when it did)."""
         from aiayn.generate.window import keep_tokens
 
         rate = f"{self.tokens / self.seconds:.1f} tokens/s"
@@ -229,15 +207,10 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
                 constraint: RowConstraint | None = None) -> StreamStats:
     """Continue ``ids`` (1, t), calling ``on_text`` with each new piece of text as it is decoded.
 
-    Stops after ``max_new_tokens``, at the model's end-of-text id, or once the text holds one of
-    ``stops`` (the text ends just before it: the stop is not shown). Past the model's context the
-    window slides (``stream_decoder_only``'s ``slide``: the last 3/4 of the context kept,
-    recomputed); ``slide=False`` cuts ``max_new_tokens`` to what the context leaves instead.
-    ``kv_cache`` ("int8"/"int4") and ``compile`` are ``stream_decoder_only``'s. The model runs
-    where it is (``ids`` are moved there), under ``aiayn.device.autocast`` (bfloat16 on CUDA,
-    nothing on the CPU). ``constraint``: a grammar the answer follows (``aiayn.generate.constrain.
-    GrammarConstraint``; ``stream_decoder_only``'s ``constraints``), which ends it once complete.
-    """
+    Stops after ``max_new_tokens``, at end-of-text, or just before one of ``stops`` (not shown).
+    Past the context the window slides; ``slide=False`` cuts ``max_new_tokens`` to what the context
+    leaves instead. ``kv_cache``, ``compile`` and ``constraint`` are ``stream_decoder_only``'s. The
+    model runs where it is, under ``aiayn.device.autocast``."""
     from aiayn.generate import stream_decoder_only
 
     device = model_device(lm.model)
@@ -284,11 +257,9 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
 
 def export_text_model(lm: TextModel, out_dir: Path) -> Path:
     """Write ``lm`` as a Hugging Face model directory another server can load (vLLM, TGI,
-    transformers): config.json + model.safetensors (``aiayn.interop.export_hf``: the LLaMA or GPT-2
-    layout), tokenizer.json, tokenizer_config.json (with the chat template and special tokens) and
-    generation_config.json (the end-of-text id). ``lm.model`` should be the plain model (loaded with
-    ``plain=True``). TextModelError if there is no ``tokenizers`` tokenizer to write (a
-    character-level run) or ``out_dir`` is a file or a non-empty directory."""
+    transformers): config.json, model.safetensors, the tokenizer files with the chat template, and
+    generation_config.json. ``lm.model`` should be the plain model. TextModelError without a
+    ``tokenizers`` tokenizer, or when ``out_dir`` is a file or a non-empty directory."""
     import json
 
     from aiayn.interop import export_hf

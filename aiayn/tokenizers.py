@@ -44,9 +44,7 @@ class CharTokenizer:
         return "".join(self.vocab[i] if i < len(self.vocab) else self.specials[i - len(self.vocab)] for i in ids)
 
     def to_tokenizers(self) -> Any:
-        """The same ids as a ``tokenizers.Tokenizer`` (what a Hugging Face directory's tokenizer.json
-        holds): every character its own word of a word-level vocabulary, decoded by concatenation.
-        A character outside the vocabulary is an error there too (there is no unknown token)."""
+        """The same ids as a ``tokenizers.Tokenizer`` (a word-level vocabulary of characters, no unknown token)."""
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
         vocab = {ch: i for i, ch in enumerate([*self.vocab, *self.specials])}
@@ -62,13 +60,9 @@ BPE_SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0, 1, 2, 3 in every BPET
 
 
 class BPETokenizer:
-    """Byte-pair encoding (Sennrich et al., 2016) through Hugging Face ``tokenizers``.
-
-    Text is NFC-normalised; spaces become the "▁" marker (SentencePiece's Metaspace) and
-    punctuation is split off words, so decoding puts back exactly the input text (casing, German
-    umlauts, punctuation spacing) for any NFC text whose characters were seen in training.
-    Ids 0-3 are <pad>, <s>, </s>, <unk>.
-    """
+    """Byte-pair encoding (Sennrich et al., 2016) through Hugging Face ``tokenizers``: NFC text, spaces
+    as the "▁" marker and punctuation split off, so decoding gives back the input text exactly.
+    Ids 0-3 are <pad>, <s>, </s>, <unk>."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

@@ -1,12 +1,9 @@
 """Translating text with a trained encoder-decoder: tokenise, batch by length, decode, detokenise.
 
 ``Translator`` is what ``aiayn translate`` / ``aiayn evaluate`` and the translation task call.
-Sources get ``</s>`` appended (as in training); a source longer than the model's ``max_seq_len`` is
-truncated to fit, with a warning naming the sentence (documented behaviour, not an error).
-The target may run to ``max_len_a * source_length + max_len_b`` tokens (fairseq's convention),
-never past the model's maximum. The model runs where it is (its sources are made there, under
-``aiayn.device.autocast``: bfloat16 on CUDA, nothing on the CPU); the text comes back to the CPU.
-"""
+Sources get ``</s>`` appended; a source longer than the model's ``max_seq_len`` is truncated, with
+a warning naming the sentence. The target may run to ``max_len_a * source_length + max_len_b``
+tokens (fairseq's convention), never past the model's maximum."""
 
 from __future__ import annotations
 
@@ -47,8 +44,7 @@ class DecodeOptions:
     # Beam search also keeps the greedy hypothesis, so it never returns a lower score than greedy
     # (see beam_search_encoder_decoder); costs one greedy pass.
     keep_greedy: bool = True
-    # Greedy and beam search run their steps after the first through the compiled decode step
-    # (aiayn.fast.compiled_decode: one graph per batch size; the first batch compiles).
+    # Greedy and beam search run their steps after the first through the compiled decode step.
     compile: bool = False
 
     def __post_init__(self) -> None:
@@ -62,19 +58,14 @@ class DecodeOptions:
 
 
 class Translator:
-    """A trained ``EncoderDecoder`` and its BPE tokenizer(s), ready to translate sentences; or an
-    ``Ensemble`` of them sharing the tokenizers (``aiayn.tasks.runs.load_ensemble_translator``),
-    searched over the mean of their log-probabilities.
-
-    ``tokenizer`` encodes the sources; ``target_tokenizer`` (a run of separate vocabularies)
-    decodes the targets, else ``tokenizer`` does both (one joint vocabulary)."""
+    """A trained ``EncoderDecoder`` (or an ``Ensemble`` of them) and its BPE tokenizer(s), ready to
+    translate sentences; ``target_tokenizer`` decodes the targets of a run of separate vocabularies."""
 
     def __init__(self, model: EncoderDecoder | Ensemble, tokenizer: BPETokenizer, *,
                  target_tokenizer: BPETokenizer | None = None, max_tokens: int = 4096,
                  max_sentences: int = 128, options: DecodeOptions | None = None) -> None:
         self.model = model.eval()
-        # The special ids (<pad> 0, <s> 1, </s> 2) are the same in every BPETokenizer, so the
-        # search reads them from the source tokenizer whichever side it works on.
+        # The special ids are the same in every BPETokenizer: the source tokenizer's serve both sides.
         self.tokenizer = tokenizer
         self.target_tokenizer = target_tokenizer or tokenizer
         # How ``translate`` searches when it is not told: a run's own beam size and length penalty
@@ -162,8 +153,7 @@ def decode_options(defaults: DecodeOptions, *, beam_size: int | None = None,
                    length_penalty: float | None = None, temperature: float | None = None,
                    top_k: int | None = None, top_p: float | None = None,
                    seed: int | None = None, compile: bool = False) -> DecodeOptions:
-    """Decoding options given on top of ``defaults`` (a run's recipe: the beam size and length
-    penalty its test score was computed with, e.g. an alpha tuned on val). Any of ``temperature``,
+    """Decoding options given on top of ``defaults`` (a run's recipe); any of ``temperature``,
     ``top_k``, ``top_p`` samples instead of searching (temperature 1 unless given)."""
     sampling = None
     if temperature is not None or top_k is not None or top_p is not None:

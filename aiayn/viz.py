@@ -38,12 +38,8 @@ def attention_figure(
     *,
     title: str = "attention",
 ) -> plt.Figure:
-    """A grid of heatmaps, one row per layer and one column per head, each with its own colour
-    bar from 0 to its largest weight (a fixed 0-1 scale would flatten a diffuse head into one
-    colour); the title is wrapped to the figure's width.
-
-    weights: per layer, (h, t_q, t_k) attention weights of one example.
-    """
+    """A grid of heatmaps, one row per layer and one column per head, each with its own colour bar
+    (a fixed 0-1 scale would flatten a diffuse head); weights: per layer, (h, t_q, t_k) of one example."""
     n_layers, n_heads = len(weights), weights[0].shape[0]
     width = max(PANEL_INCHES * n_heads + 0.4, MIN_WIDTH_INCHES)
     fig, axes = plt.subplots(n_layers, n_heads, figsize=(width, PANEL_INCHES * n_layers + 0.9),
@@ -149,8 +145,7 @@ def read_metrics(csv_path: Path | str) -> list[dict[str, float]]:
 
 
 def _loss_axis(ax: plt.Axes, title: str, **legend: object) -> None:
-    """The loss panel's log scale, labels and title; a legend when a line has a label (a plot of runs
-    with no validation rows has none, and matplotlib warns at an empty legend)."""
+    """The loss panel's log scale, labels and title; a legend only when a line has a label."""
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
@@ -160,8 +155,7 @@ def _loss_axis(ax: plt.Axes, title: str, **legend: object) -> None:
 
 
 def plot_metrics(metrics: Path | str | list[dict[str, float]], path: Path | str) -> Path:
-    """Training loss, validation NLL and the learning rate of a run, from its metrics.csv (a path, or
-    the rows ``read_metrics`` returned)."""
+    """Training loss, validation NLL and learning rate of a run, from its metrics.csv (a path, or its rows)."""
     rows = metrics if isinstance(metrics, list) else read_metrics(metrics)
     train = [r for r in rows if "train_loss" in r]
     val = [r for r in rows if "val_nll" in r]
@@ -185,9 +179,8 @@ SCORE_COLUMNS = (("val_bleu", "val BLEU (greedy)"), ("val_acc", "val accuracy"))
 
 
 def plot_runs(runs: dict[str, list[dict[str, float]]], path: Path | str) -> Path:
-    """Several runs side by side, from their metrics.csv rows ({label: rows}): validation NLL
-    (each run's training loss faint behind it) and, where the runs log one, a validation score
-    against the step: where one run stalls or over-fits beside another."""
+    """Several runs side by side, from their metrics.csv rows ({label: rows}): validation NLL (each
+    run's training loss faint behind it) and, where logged, a validation score against the step."""
     column, label = next(((c, name) for c, name in SCORE_COLUMNS
                           if any(c in r for rows in runs.values() for r in rows)), (None, None))
     fig, axes = plt.subplots(1, 2 if column else 1, figsize=(11 if column else 6, 4), squeeze=False)

@@ -1,21 +1,9 @@
-"""Faster CPU paths of scaled dot-product attention, each for one measured case; every other call
-is ``aiayn.nn.attention.attend`` itself. ``aiayn.fast.optimize`` sets
-``fast_attention`` as a built model's attention kernel (``MultiHeadAttention.kernel``); tests in
-tests/consistency/test_fast_modules.py check it equals the plain function.
+"""Faster CPU paths of scaled dot-product attention, each for one measured case (one query per row,
+GQA included; square causal training attention in blocks; dropout on the weights), every other
+call ``aiayn.nn.attention.attend`` itself. ``aiayn.fast.optimize`` sets ``fast_attention`` as
+``MultiHeadAttention.kernel``.
 
-* One query per row on the CPU (a decode step, compiled, or eager from ``MIN_DECODE_QUERIES``
-  queries): the written-out equation's two batched matrix-vector products read the cached keys
-  and values once each, faster than SDPA's CPU kernels at that shape, eager and compiled (the
-  decode loop of ``python -m benchmarks.decode``; the figures are in docs/benchmarks.md).
-* One query under GQA: the h / h_kv query heads that share a key/value head become that head's
-  queries, (b, h_kv, g, d_h), so k and v are never repeated.
-* Square causal training attention: query blocks (``aiayn.fast.block_causal``), faster than SDPA's
-  flash kernel forward + backward.
-* Dropout on the weights on the CPU: SDPA runs its unfused math path with a slow Bernoulli mask;
-  the written-out equation with ``aiayn.fast.dropout``'s mask is the same computation, faster.
-
-Shape letters: b batch, h query heads, h_kv key/value heads, t_q queries, t_k keys, d_h head width.
-"""
+Shape letters: b batch, h query heads, h_kv key/value heads, t_q queries, t_k keys, d_h head width."""
 
 from __future__ import annotations
 
@@ -27,10 +15,8 @@ from aiayn.fast.block_causal import block_causal_attention, use_block_causal
 from aiayn.fast.dropout import dropout
 from aiayn.nn.attention import attend, scaled_dot_product_attention
 
-# A single-query step takes the written-out path from this many queries (batch x heads) up, eager:
-# below it SDPA is faster (batch 1); at this size the two tie in isolation (``python -m
-# benchmarks.fast``) but the written-out path wins inside the decode loop (``benchmarks.decode``).
-# Inside the compiled decode step (Inductor fuses the written-out products) it is taken at every batch.
+# A single-query step takes the written-out path, eager, from this many queries (batch x heads)
+# up (below it SDPA is faster); compiled, at every batch.
 MIN_DECODE_QUERIES = 64
 
 
@@ -38,9 +24,8 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = Non
                    bias: Tensor | None = None, causal: bool = False, dropout_p: float = 0.0,
                    scale: float | None = None,
                    need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """``attend`` (same arguments, same result up to float rounding), by the fastest measured path
-    for the case. Like ``attend`` it trusts its inputs (``MultiHeadAttention`` checks them), except
-    a 3-D mask or bias, checked on the way to the plain function."""
+    """``attend`` (same arguments, same result up to float rounding) by the fastest measured path;
+    it trusts its inputs as ``attend`` does, but a 3-D mask or bias."""
     plain = dict(mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale,
                  need_weights=need_weights)
     if (mask is not None and mask.dim() == 3) or (bias is not None and bias.dim() == 3):

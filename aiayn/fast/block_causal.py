@@ -1,29 +1,11 @@
-"""Causal self-attention on the CPU in query blocks: only the lower-triangular blocks are computed.
+"""Causal self-attention on the CPU in query blocks: only the lower-triangular blocks are computed,
+each as large batched products (PyTorch's flash kernel runs small tiles). The blocks' softmax
+weights are kept for the backward, hence ``MAX_LENGTH`` and training only. Backward per block
+(rows r, keys [0, stop)): dP = dO_r V^T, dS = P * (dP - rowsum(dO_r * O_r)), dQ_r = scale dS K,
+dK += scale dS^T Q_r, dV += P^T dO_r, dK and dV accumulated per key block.
 
-A causal (t, t) score matrix is half empty. PyTorch's CPU flash kernel skips the empty half too,
-but it runs its small per-(batch, head, block) matrix products and its online softmax one tile
-at a time; here each block of ``BLOCK`` queries is one batched product over every (batch, head)
-against the keys it can see, an ordinary softmax, and one product with the values, so nearly all
-the time is spent in large ``bmm`` calls. The blocks cover (t / BLOCK + 1) / (2 t / BLOCK) of the
-square (5/8 at t = 256): at the decoder benchmark's shape forward + backward beat
-``F.scaled_dot_product_attention(is_causal=True)`` (``python -m benchmarks.attention --backward``;
-the figures are in docs/benchmarks.md).
-
-The price is memory: the softmax weights of the visible blocks, ~(b h t^2 / 2) floats per layer,
-are kept for the backward (the flash kernel keeps only a log-sum-exp per row and recomputes), so
-``use_block_causal`` takes this path only up to ``MAX_LENGTH`` keys, and only for training.
-
-The backward is the softmax attention gradient, per query block i (rows r, keys [0, stop)):
-
-    dP = dO_r V^T,   dS = P * (dP - rowsum(dO_r * O_r)),   dQ_r = scale dS K,
-    dK += scale dS^T Q_r,   dV += P^T dO_r
-
-with dK and dV accumulated per key block, so every product writes a contiguous tensor (a batched
-product into a strided slice falls back to one small product per matrix).
-
-Shape letters: b batch, h heads, t positions (queries = keys), d_h head width, n = b h,
-r rows of a query block, s = the keys a block sees (its stop).
-"""
+Shape letters: b batch, h heads, t positions, d_h head width, n = b h, r rows of a query block,
+s = the keys a block sees."""
 
 from __future__ import annotations
 
@@ -37,20 +19,16 @@ from aiayn.fast import switch
 
 BLOCK = 64  # queries per block: smaller ones gain nothing; larger ones compute more of the square
 MAX_LENGTH = 1024  # longer: the kept weights grow as t^2 and the flash kernel's forward catches up
-# Less work (b h t^2 d_h) than this: per-call overhead wins, SDPA is as fast or faster (forward +
-# backward, ``python -m benchmarks.fast``; the figures are in docs/benchmarks.md).
+# Less work (b h t^2 d_h) than this: per-call overhead wins, SDPA is as fast or faster.
 MIN_WORK = 1 << 22
 # On one thread short sequences lose to SDPA (``python -m benchmarks.fast --threads 1,2``).
 MIN_LENGTH_ONE_THREAD = 64
 
 
 def use_block_causal(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
-    """Whether ``block_causal_attention`` should run plain square causal attention of these inputs:
-    a training forward (some input needs a gradient: the backward is where it gains most; a
-    forward alone does not reliably beat SDPA), float32/float64 on the CPU, as many key heads as
-    query heads, no dropout, at least ``MIN_WORK`` multiply-adds per product and at most
-    ``MAX_LENGTH`` positions, outside autocast and ``torch.compile`` (which keep their own SDPA
-    handling), unless turned off (``aiayn.fast.switch``)."""
+    """Whether ``block_causal_attention`` should run this plain square causal attention: a training
+    forward in float32/float64 on the CPU, as many key heads as query heads, no dropout, between
+    ``MIN_WORK`` and ``MAX_LENGTH``, outside autocast and ``torch.compile``, kernels on."""
     b, h, t, d_h = q.shape
     return (
         q.device.type == "cpu"
@@ -84,9 +62,8 @@ def _blocks(t: int) -> list[tuple[int, int]]:
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
              keep_weights: bool) -> tuple[Tensor, list[Tensor], tuple[Tensor, Tensor, Tensor]]:
-    """q, k, v (b, h, t, d_h) -> (output (b, t, h, d_h), the blocks' softmax weights [(n, r, s)]
-    if ``keep_weights``, q, k, v as (n, t, d_h)). The output is laid out as the output projection
-    reads it, so the caller's transpose + reshape to (b, t, h d_h) is a view, not another copy."""
+    """q, k, v (b, h, t, d_h) -> (output (b, t, h, d_h), the blocks' softmax weights [(n, r, s)] if
+    ``keep_weights``, q, k, v as (n, t, d_h)); the output laid out as the projection reads it."""
     b, h, t, d_h = q.shape
     n = b * h
     q, k, v = (x.reshape(n, t, d_h) for x in (q, k, v))  # (n, t, d_h), copies of strided head views
@@ -94,8 +71,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
     weights: list[Tensor] = []
     for start, stop in _blocks(t):
         r = stop - start
-        # (n, r, s) scores against every key up to the block's last query; beta=0 ignores the
-        # (empty) input, and alpha applies the scale inside the product.
+        # (n, r, s) scores against every key up to the block's last query, scaled inside the product.
         scores = torch.baddbmm(q.new_empty(()), q[:, start:stop], k[:, :stop].transpose(1, 2),
                                beta=0, alpha=scale)
         scores[:, :, start:].masked_fill_(_strictly_upper(r), float("-inf"))
@@ -147,9 +123,8 @@ class _BlockCausalAttention(torch.autograd.Function):
 
 
 def block_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """softmax(q k^T * scale, causal) v for q, k, v (b, h, t, d_h): the same as
-    ``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)``. Returns (b, h, t, d_h),
-    a transposed view of a (b, t, h, d_h) tensor. Check ``use_block_causal`` first."""
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)`` for q, k, v
+    (b, h, t, d_h) -> (b, h, t, d_h). Check ``use_block_causal`` first."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _BlockCausalAttention.apply(q, k, v, scale)
     out, _, _ = _forward(q, k, v, scale, keep_weights=False)

@@ -1,28 +1,10 @@
 """The converter: ``optimize(model, mode)`` swaps a built model's plain modules for aiayn's CPU
-kernels, in place, the way torchao's ``quantize_`` and torchtitan's converters work on a model
-that was built plain. ``plain(model)`` swaps them back.
+kernels in place (as torchao's ``quantize_`` does); ``plain(model)`` swaps them back.
 
-What it swaps (each one tested equal to the plain module it replaces, tests/consistency/
-test_fast_modules.py and test_cpu_kernels.py; whole converted models: test_fast_convert.py; each
-kernel's measurement sits beside it in its module):
-
-=====================  =============================  ==========================================
-plain module           fast module                    when it is faster
-=====================  =============================  ==========================================
-``nn.Linear``          ``FastLinear``                 oneDNN products (training, prefill); the
-                                                      turned-around product on a few rows (decode)
-output layer (train)   ``FusedLossLinear``            output layer + cross-entropy fused
-``nn.Dropout``         ``FastDropout``                a cheaper CPU mask
-attention kernel       ``fast_attention``             single-query decode, GQA decode,
-                                                      block-causal training, CPU weight dropout
-attention over a       ``paged_cache_attention``      decode over a paged KV cache: reads the
-paged KV cache         (``cache_kernel``)             blocks in place instead of gathering them
-=====================  =============================  ==========================================
-
-The swap keeps every parameter, buffer and state-dict key (a class change, or a kernel function
-set on ``MultiHeadAttention.kernel`` / ``cache_kernel``): checkpoints, tied weights and optimisers are unaffected.
-Models on a device without these kernels (a GPU) are left as they are.
-"""
+``nn.Linear`` -> ``FastLinear`` (oneDNN; the turned-around product on a few rows), the training
+output layer -> ``FusedLossLinear``, ``nn.Dropout`` -> ``FastDropout``, the attention kernel ->
+``fast_attention``, attention over a paged KV cache -> ``paged_cache_attention``. Every
+parameter, buffer and state-dict key is kept; a model off the CPU is left as it is."""
 
 from __future__ import annotations
 
@@ -40,12 +22,7 @@ _PLAIN_CLASS = {FastLinear: nn.Linear, FusedLossLinear: nn.Linear, FastDropout: 
 
 
 def optimize(model: nn.Module, mode: str = "inference") -> nn.Module:
-    """Swap ``model``'s plain modules for the CPU kernels (in place; returns ``model``).
-
-    ``mode="train"``: also fuse the output layer with the loss (``lm_head``: the training loss
-    finds it there). ``"inference"``: the same kernels, each choosing its decode paths itself.
-    A model whose parameters are not on the CPU is returned unchanged (there are no kernels for it).
-    """
+    """Swap ``model``'s plain modules for the CPU kernels in place (``mode="train"``: the fused loss too)."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not known; choose one of {', '.join(MODES)}")
     if any(p.device.type != "cpu" for p in model.parameters()):

@@ -1,13 +1,8 @@
 """Dropout (Srivastava et al. 2014; paper section 5.4) with a faster mask on the CPU.
 
-``torch.nn.functional.dropout`` on the CPU draws one Bernoulli sample per element (``bernoulli_``)
-and then rescales: a noticeable share of a small Transformer's training step (profiled on the
-translation recipe's model). Here the keep-mask comes from 16-bit slices of 64-bit random integers
-(four elements per draw from torch's generator, so seeds, ``torch.get_rng_state`` and exact resume
-still hold): an element is kept when its 16-bit value is at least ``round(p * 65536)``, so it
-is dropped with probability ``p`` rounded to a multiple of 1/65536. Forward plus backward runs
-several times faster than ``F.dropout``. Other devices use ``F.dropout``.
-"""
+Instead of one Bernoulli draw per element, the keep-mask comes from 16-bit slices of 64-bit random
+integers from torch's generator (seeds and exact resume hold): an element is dropped when its
+value is below ``round(p * 65536)``. Other devices use ``F.dropout``."""
 
 from __future__ import annotations
 
@@ -45,8 +40,7 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
 
 
 class FastDropout(nn.Dropout):
-    """``nn.Dropout`` (same arguments, no parameters) that uses :func:`dropout`; ``aiayn.fast.optimize``
-    swaps it in for a built model's ``nn.Dropout`` layers."""
+    """``nn.Dropout`` (same arguments, no parameters) that uses :func:`dropout`."""
 
     def forward(self, x: Tensor) -> Tensor:
         if self.inplace or not switch.enabled():

@@ -1,36 +1,13 @@
 """The output layer and the cross-entropy fused, chunk by chunk: the (n, v) logits never exist.
 
-A language model's last step is logits = h W^T + b over the whole vocabulary, then a softmax
-cross-entropy. Done in the usual two steps on a CPU, the (n, v) logits and their gradient are
-written and read back several times (log-softmax, its backward, the zero-filled NLL gradient):
-at n = 4096 tokens and v = 8000 those passes take over half as long as the output layer's three
-matmuls. Fused here (its products through oneDNN, ``aiayn.fast.onednn``, in float32 on the CPU),
-forward + backward take less time and far less memory than ``F.linear`` + ``F.cross_entropy``
-(``python -m benchmarks.loss``; ``python -m benchmarks.train --suite decoder`` shows the whole step
-both ways). Here each chunk of rows (~16 MB of logits, in the last-level cache, or 256 rows for a
-large vocabulary) is turned into its softmax and multiplied into the gradients of h and
-W at once, so the logits are read from memory once: the approach of Liger Kernel's fused linear
-cross-entropy and Apple's Cut Cross-Entropy, in plain torch ops.
+Each chunk of rows (~16 MB of logits, in cache) becomes its softmax and is multiplied into the
+gradients of h and W at once (Liger Kernel's and Cut Cross-Entropy's approach). Label smoothing
+is left to the caller: ``nll_sum = sum_i w_i (lse_i - z_i[t_i])`` and ``uniform_sum = sum_i w_i
+(lse_i - mean_j z_ij)``. With incoming scales g1, g2 the logits' gradient is
+``(g1 + g2) w_i (p_i - e_{t_i}) + g2 w_i e_{t_i} - g2 w_i / v``: the forward multiplies the first
+term into ``P_h = G W`` and ``P_W = G^T h``; the backward adds the cheap rest.
 
-Label smoothing is left to the caller: the loss is returned as two weighted sums,
-
-    nll_sum     = sum_i w_i (lse_i - z_i[t_i])          (the true negative log-likelihood)
-    uniform_sum = sum_i w_i (lse_i - mean_j z_ij)        (cross-entropy against the uniform)
-
-and a smoothed loss is (1 - eps) nll_sum + eps uniform_sum. With incoming scales g1, g2 the
-gradient with respect to the logits is
-
-    grad z_i = (g1 + g2) w_i (p_i - e_{t_i}) + g2 w_i e_{t_i} - g2 w_i / v
-
-(p the softmax, e the one-hot target). The forward multiplies the expensive part, w_i (p_i -
-e_{t_i}), into ``P_h = G W`` and ``P_W = G^T h`` while the chunk is in cache (during the forward,
-when any input needs a gradient, as the fused kernels do); the backward adds the cheap one-hot
-and uniform parts, a handful of (n, d) and (v, d) operations. (The target is subtracted before
-a bfloat16 autocast rounds G, as the unfused path rounds its finished gradient: rounding p first
-would lose p_t - 1 of a confident prediction.)
-
-Shape letters: n rows (tokens), d model width, v vocabulary, c rows in a chunk.
-"""
+Shape letters: n rows (tokens), d model width, v vocabulary, c rows in a chunk."""
 
 from __future__ import annotations
 
@@ -45,8 +22,7 @@ from aiayn.fast.linear import FastLinear
 from aiayn.nn.packing import Packing
 
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MB in float32): in the L3 cache, big matmuls
-# ...but never fewer rows than this: on fewer, the matmuls lose more than the cache saves (SmolLM2's
-# 49,152-class head, 4,096 x 576: 85-row chunks 4.4 s fwd + bwd, 128-512 rows 3.8-4.0 s, 2 threads).
+# ...but never fewer rows than this: on fewer, the matmuls lose more than the cache saves.
 MIN_CHUNK_ROWS = 256
 
 
@@ -54,11 +30,9 @@ MIN_CHUNK_ROWS = 256
 class HeadLoss:
     """A fused output layer + cross-entropy over n rows, for ``aiayn.train.losses.sequence_loss``.
 
-    ``nll_sum`` and ``uniform_sum`` are differentiable scalars (weighted as above, the weights
-    1 / counted rows, 0 at ``ignore_index``); ``token_nll`` and ``predictions`` (argmax ids) are
-    per row, not differentiable; ``targets`` (n,) are the rows' targets with ``ignore_index`` kept.
-    The rows are the (b, t) = ``batch_shape`` batch's positions in row-major order, or, with
-    ``packing``, its real tokens only (a padding-free forward)."""
+    ``nll_sum`` and ``uniform_sum`` are differentiable scalars (rows weighted 1 / counted rows);
+    ``token_nll``, ``predictions`` and ``targets`` (ignore_index kept) are per row. The rows are the
+    ``batch_shape`` batch's positions in row-major order, or its real tokens with ``packing``."""
 
     nll_sum: Tensor
     uniform_sum: Tensor
@@ -85,9 +59,8 @@ ARGMAX_BLOCK = 64
 
 
 def _max_and_argmax(z: Tensor) -> tuple[Tensor, Tensor]:
-    """``z.max(dim=1)`` of a (c, v) chunk, the same values and first-occurrence indices, faster on
-    the CPU: torch's max-with-index over a long row is not vectorised, its amax is. The row is cut into blocks of ``ARGMAX_BLOCK``; amax
-    finds each block's max, the first block holding the row's max is searched for its index."""
+    """``z.max(dim=1)`` of a (c, v) chunk, faster on the CPU: amax (vectorised) per block of
+    ``ARGMAX_BLOCK``, then the index searched in the first block holding the max."""
     c, v = z.shape
     n_blocks = v // ARGMAX_BLOCK
     if n_blocks < 2:
@@ -104,9 +77,7 @@ def _max_and_argmax(z: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _transpose(m: Tensor, block: int = 256) -> Tensor:
-    """m (d, v) -> a contiguous (v, d) copy, ``block`` columns at a time: faster than
-    ``m.t().contiguous()`` for a wide matrix, whose strided reads otherwise miss the cache on
-    every element."""
+    """m (d, v) -> a contiguous (v, d) copy, ``block`` columns at a time (cache-friendly for a wide m)."""
     out = m.new_empty(m.shape[1], m.shape[0])
     for start in range(0, m.shape[1], block):
         out[start:start + block].copy_(m[:, start:start + block].t())
@@ -115,11 +86,8 @@ def _transpose(m: Tensor, block: int = 256) -> Tensor:
 
 def _head_loss_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, weights: Tensor,
                     chunk_rows: int, grads: tuple[bool, bool, bool]) -> tuple[Tensor, ...]:
-    """The forward (and, for ``grads`` (hidden, weight, bias), the softmax part of the gradients).
-
-    hidden (n, d), weight (v, d), bias (v,) | None, targets (n,) valid ids, weights (n,) float32.
-    Returns nll (n,), uniform (n,), predictions (n,), P_h (n, d) | None, P_W (v, d) | None,
-    P_b (v,) | None, all float32 but predictions."""
+    """The forward (and, for ``grads`` (hidden, weight, bias), the softmax part of the gradients) ->
+    nll (n,), uniform (n,), predictions (n,), P_h (n, d) | None, P_W (v, d) | None, P_b (v,) | None."""
     dtype = _compute_dtype(hidden)
     h, w_t = hidden.to(dtype), weight.to(dtype).t()  # (n, d), (d, v)
     b = bias.to(dtype) if bias is not None else None
@@ -139,9 +107,7 @@ def _head_loss_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
             z = onednn.linear_product(h_c, weight, b)  # (c, v) logits
         else:
             z = (torch.addmm(b, h_c, w_t) if b is not None else h_c @ w_t).float()
-        # Few passes over the chunk: the max and its argmax, then torch's softmax (one vectorised
-        # pass of exp and sum, faster than exp_ alone). The log-sum-exp comes from the softmax
-        # at the argmax, p = exp(max - lse) >= 1 / v, so its log is as exact as the sum's.
+        # The log-sum-exp comes from the softmax at the argmax: p = exp(max - lse) >= 1 / v.
         top, top_ids = _max_and_argmax(z)  # (c,), (c,)
         predictions[rows] = top_ids
         target_logit, mean_logit = z.gather(1, targets[rows, None]).squeeze(1), z.mean(dim=1)
@@ -204,9 +170,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = grad_h.to(ctx.hidden_dtype)
         if need_w:
             h_c = hidden.to(ctx.compute_dtype).float()
-            # (v, d): (g1 + g2) P_W - g2 / v sum_i w_i h_i (every row) + g2 sum_i w_i e_{t_i} h_i^T,
-            # one pass over the (v, d) matrix and a scatter of n rows (a large head's gradient is
-            # tens of MB: every extra pass over it costs)
+            # (v, d): (g1 + g2) P_W - g2 / v sum_i w_i h_i + g2 sum_i w_i e_{t_i} h_i^T, in one pass
             weighted = (g_uniform * w) * h_c  # (n, d)
             grad_w = torch.add(weighted.sum(dim=0) / -n_classes, p_w, alpha=float(scale))
             grad_w = grad_w.index_add_(0, targets, weighted).to(ctx.weight_dtype)
@@ -216,21 +180,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None
 
 
-# Eager inside a compiled model (a data-dependent loop of in-place chunks): torch.compiler.disable,
-# through torch's own lazy form of it, which imports torch._dynamo at the first call, not at import
-# (~70 MiB of resident memory that an eager process need not pay).
+# Eager inside a compiled model, through torch's lazy disable (torch._dynamo imported at first call).
 @torch._disable_dynamo
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *,
                          ignore_index: int = -100, packing: Packing | None = None,
                          batch_shape: tuple[int, int] | None = None,
                          chunk_rows: int | None = None) -> HeadLoss:
-    """Cross-entropy of the logits ``hidden @ weight.T + bias`` against ``targets``, never
-    materialising them: hidden (n, d), weight (v, d), bias (v,) | None, targets (n,) class ids or
-    ``ignore_index``. Rows are weighted 1 / (counted rows), as ``F.cross_entropy``'s mean (when
-    nothing counts, the sums are 0 with zero gradients, where ``F.cross_entropy`` gives NaN).
-    ``batch_shape``/``packing`` say where the rows sit in a (b, t) batch (default: all of an
-    (n, 1) one; see ``HeadLoss``); ``chunk_rows`` overrides the chunk (~16 MB of logits, at least
-    256 rows)."""
+    """Cross-entropy of the logits ``hidden @ weight.T + bias`` (n, v) against ``targets`` (n,), never
+    materialising them. Rows weighted as ``F.cross_entropy``'s mean (nothing counted: 0, not NaN).
+    ``batch_shape``/``packing``: see ``HeadLoss``; ``chunk_rows`` overrides the chunk."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden (n, d) and weight (v, d) must share d; got hidden {tuple(hidden.shape)}, "
                          f"weight {tuple(weight.shape)}")
@@ -266,15 +224,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
 
 
 class FusedLossLinear(FastLinear):
-    """A model's output layer while it trains (``aiayn.fast.optimize(model, mode="train")``): a
-    ``FastLinear`` whose ``cross_entropy`` also runs it fused with the loss, for
-    ``aiayn.train.losses.sequence_loss``, which looks for that method on a model's output layer."""
+    """A model's output layer while it trains: a ``FastLinear`` whose ``cross_entropy`` runs it fused
+    with the loss (``aiayn.train.losses.sequence_loss`` looks for that method)."""
 
     def cross_entropy(self, hidden: Tensor, targets: Tensor, *, ignore_index: int) -> HeadLoss | None:
-        """hidden rows (n, d), their targets (n,) -> the fused loss, or None when this layer's
-        weight is not a plain tensor (sharded or quantised), or inside ``torch.compile``, where the
-        fused loss's chunk loop would be an eager island (a graph break) and Inductor fuses the
-        plain output layer + cross-entropy itself: the caller then computes logits."""
+        """hidden rows (n, d), targets (n,) -> the fused loss, or None (the caller computes logits) when
+        the weight is not a plain tensor or inside ``torch.compile`` (Inductor fuses the plain pair)."""
         if type(self.weight.data) is not Tensor or torch.compiler.is_compiling():
             return None
         return linear_cross_entropy(hidden, self.weight, self.bias, targets, ignore_index=ignore_index)

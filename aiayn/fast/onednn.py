@@ -1,27 +1,7 @@
-"""float32 linear layers through oneDNN on the CPU, faster than ``F.linear`` on AMD processors.
-
-``F.linear`` and ``torch.mm`` on the CPU call MKL's sgemm; oneDNN, which the same torch build ships
-for its mkldnn ops, runs the same product faster on an AVX-512 AMD EPYC (``python -m
-benchmarks.onednn``; the figures are in docs/benchmarks.md). The likely reason: MKL chooses its
-code paths by CPU vendor and does not run its AVX-512 kernels on AMD processors; oneDNN chooses by
-instruction set.
-``torch.ops.mkldnn._linear_pointwise`` (the op Inductor's CPU backend uses for linear layers)
-takes ordinary dense tensors, so a linear layer can use it without converting anything. The
-forward and both gradients gain; the weight gradient runs fastest with the smaller of the two
-weight dimensions as the result's rows, so the backward picks that way round.
-
-The op has no autograd formula: ``onednn_linear`` gives it one, as a ``torch.library`` custom op
-(forward x W^T + b; backward g W, the weight gradient, sum(g)), which ``torch.compile`` keeps as
-an opaque kernel. The results are float32 products summed in another order than MKL's: against
-float64, within default float32 tolerances on small layers and within the rounding bound of each
-sum on larger ones, as MKL's are (tests/consistency/test_cpu_kernels.py). Used by
-``aiayn.fast.linear.FastLinear`` (every projection of an optimized model) and by the fused output layer
-(``aiayn.fast.fused_loss``), for plain float32 CPU tensors of at least ``MIN_ROWS`` rows
-and ``MIN_WORK`` multiply-adds, outside autocast; everything else keeps ``F.linear``.
-``AIAYN_PLAIN_TORCH=1`` turns it off (``aiayn.fast.switch``).
-
-Shape letters: m rows, i in_features, o out_features.
-"""
+"""float32 linear layers through oneDNN on the CPU, faster than ``F.linear`` (MKL, which chooses its
+kernels by CPU vendor) on AMD processors. ``onednn_linear`` gives
+``torch.ops.mkldnn._linear_pointwise`` an autograd formula as a custom op; ``AIAYN_PLAIN_TORCH=1``
+turns it off. Shape letters: m rows, i in_features, o out_features."""
 
 from __future__ import annotations
 
@@ -35,8 +15,7 @@ from aiayn.fast import switch
 
 # Fewer rows: no faster than F.linear.
 MIN_ROWS = 64
-# Less work (rows x in x out multiply-adds) than this: the op's fixed cost (forward + backward
-# through the custom op) outweighs the faster product (``python -m benchmarks.onednn``).
+# Less work (rows x in x out multiply-adds) than this: the op's fixed cost outweighs the gain.
 MIN_WORK = 1 << 24
 
 
@@ -69,8 +48,7 @@ if _LINEAR is not None and _LINEAR not in flop_registry:  # a later torch may co
 
 
 def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (m, i) @ weight (o, i)^T + bias -> (m, o), no autograd; either operand may be a
-    transposed view. Callers check ``use_onednn`` (or ``available``) first."""
+    """x (m, i) @ weight (o, i)^T + bias -> (m, o), no autograd; either operand may be transposed."""
     return _LINEAR(x, weight, bias, "none", [], "")
 
 
@@ -80,16 +58,13 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def weight_gradient(grad: Tensor, x: Tensor) -> Tensor:
-    """grad (m, o)^T @ x (m, i) -> (o, i), contiguous, computed the faster way round: with the
-    smaller weight dimension as the product's rows (x^T grad, transposed, when i < o)."""
+    """grad (m, o)^T @ x (m, i) -> (o, i), contiguous, with the smaller weight dimension as the rows."""
     if x.shape[1] < grad.shape[1]:
         return linear_product(x.t(), grad.t()).t().contiguous()  # (i, o) -> (o, i)
     return linear_product(grad.t(), x.t())
 
 
-# The layer as a custom op with its own autograd formula: eager it costs one dispatch more than a
-# call of the product; under torch.compile Inductor calls it as an opaque kernel (it cannot lower
-# the mkldnn op with plain weights itself), so a compiled model keeps oneDNN's speed.
+# A custom op with its own autograd formula, which Inductor calls as an opaque kernel.
 @torch.library.custom_op("aiayn::onednn_linear", mutates_args=())
 def _linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return linear_product(x, weight, bias)  # (m, o)
@@ -145,9 +120,8 @@ def _layer_backward_flops(grad_shape: torch.Size, x_shape: torch.Size, w_shape: 
 
 
 def use_onednn(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``onednn_linear`` should compute F.linear(x, weight): plain float32 CPU tensors,
-    at least ``MIN_ROWS`` rows and ``MIN_WORK`` multiply-adds, outside autocast (which would run
-    F.linear in bfloat16)."""
+    """Whether ``onednn_linear`` should compute F.linear(x, weight): plain float32 CPU tensors, at
+    least ``MIN_ROWS`` rows and ``MIN_WORK`` multiply-adds, outside autocast."""
     return (
         _LINEAR is not None
         and x.dtype == torch.float32
@@ -164,8 +138,7 @@ def use_onednn(x: Tensor, weight: Tensor) -> bool:
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)`` for x (..., i), weight (o, i), bias (o,) | None, through
-    oneDNN; differentiable in all three. Check ``use_onednn`` first."""
+    """``F.linear(x, weight, bias)`` through oneDNN, differentiable in all three; check ``use_onednn`` first."""
     x2 = x.reshape(-1, x.shape[-1])  # (m, i), a view for contiguous x
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):

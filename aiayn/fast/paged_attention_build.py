@@ -1,15 +1,6 @@
-"""Builds and loads ``paged_attention.cpp`` (attention read through a paged cache's block table) on
-first use, the way ``aiayn.fast.q4_build`` builds the 4-bit kernel: ``load_inline`` with the system
-C++ compiler for this CPU (``-march=native``) into torch's extension cache, named by a hash of the
-source, flags, torch version and CPU (a later process loads it in milliseconds; the first build takes
-~20-40 s), under q4_build's OS lock (a build that was killed never blocks the next one).
-The op lands in ``torch.ops.aiayn_paged`` (``attention``, ``parallel``), with a shape function
-registered so that ``torch.compile`` can trace it.
-
-Without a compiler (or ``ninja``), ``kernel_ops()`` warns once and returns None: a paged cache is
-then read by the plain gather + SDPA (correct, slower at large batches). ``AIAYN_PAGED_KERNEL=0``
-skips the build.
-"""
+"""Builds and loads ``paged_attention.cpp`` on first use, as ``aiayn.fast.q4_build`` builds the
+4-bit kernel, into ``torch.ops.aiayn_paged``. Without a compiler ``kernel_ops()`` warns once and
+returns None (the plain gather + SDPA then reads the cache); ``AIAYN_PAGED_KERNEL=0`` skips it."""
 
 from __future__ import annotations
 
@@ -28,8 +19,7 @@ FLAGS = ["-O3", "-march=native", "-std=c++17"]
 
 @lru_cache(maxsize=1)
 def kernel_ops() -> Any | None:
-    """``torch.ops.aiayn_paged`` once built and loaded; None where it cannot be built (or is turned
-    off by ``AIAYN_PAGED_KERNEL=0``)."""
+    """``torch.ops.aiayn_paged`` once built and loaded; None where it cannot be built or is turned off."""
     if os.environ.get("AIAYN_PAGED_KERNEL", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     if hasattr(torch.ops.aiayn_paged, "attention"):  # loaded by an earlier call in this process
@@ -49,8 +39,7 @@ def _build() -> Any | None:
 
 
 def _register_fake() -> None:
-    """The output's shape and layout for torch.compile's tracing: (b, h, t_q, d_h), laid out
-    (b, t_q, h, d_h) as the kernel writes it."""
+    """The output's shape for tracing: (b, h, t_q, d_h), laid out (b, t_q, h, d_h) as the kernel writes."""
 
     @torch.library.register_fake("aiayn_paged::attention")
     def _attention(q, k, v, table, t_k, mask, scale):  # type: ignore[no-untyped-def]

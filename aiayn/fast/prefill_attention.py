@@ -1,37 +1,9 @@
 """A paged cache's prefill chunks: the chunk's mask turned into SDPA's form once per forward, not
-once per layer.
+once per layer (``prepared_mask`` keeps the last ``RECENT`` masks: the stack builds a fresh one
+per forward). For more than ``MAX_QUERIES`` queries per row on the CPU, a bool mask or none, no
+bias, dropout or weights; equal to the plain path.
 
-A prefill chunk (t_q > 1 new tokens per row) over a ``PagedKVCache`` attends under the stack's
-position-causal key mask, (b, 1, t_q, t_k) bool, the same tensor for every layer of the forward.
-The plain path (``aiayn.nn.attention.scaled_dot_product_attention``) prepares it in every layer:
-it finds the queries that see no key (``mask.any``: padding rows of a ragged chunk), lets them see
-every key (``mask | ~row_valid``) so the softmax stays finite, and zeroes their outputs after; and
-``F.scaled_dot_product_attention`` turns the bool mask into an additive float one (0 / -inf)
-inside every call. Both cost time in every layer of a chunked prefill (``python -m
-benchmarks.prefill``; the figures are in docs/benchmarks.md).
-
-``prefill_cache_attention`` writes the new keys and values as the plain path does
-(``PagedLayerKVCache.write``: store, then the rows' keys gathered or viewed) and calls
-``F.scaled_dot_product_attention`` with the additive mask that ``prepared_mask`` computed for this
-mask tensor, zeroing the outputs of queries that see no key (only when some exist). The same
-computation as the plain path: SDPA's own conversion of a bool mask is ``where(mask, 0, -inf)``.
-
-``prepared_mask`` keeps the last ``RECENT`` mask tensors it saw, up to ``RECENT_BYTES`` of
-prepared masks (strong references, so that an identity cannot be reused by another tensor while
-it is kept) and what it computed from each. The stack builds a fresh mask tensor for each
-forward, or each part of a ragged forward, and never changes it in place
-(``aiayn.models.blocks.TransformerStack``), so an entry is reused by the forward's layers (a
-ragged forward's parts take turns in every layer: one entry each) and falls out as later
-forwards' masks come.
-
-It applies to a ``PagedLayerKVCache`` chunk of more than ``aiayn.fast.paged_attention.MAX_QUERIES``
-queries per row on the CPU, a bool (b or 1, 1, t_q, t_k) mask or none, no additive bias, no slot
-causal flag (a packed batch's queries arrive unpacked, as every kernel gets them), no dropout or
-weights (the caller, ``MultiHeadAttention``, takes the plain path for those), aiayn's kernels on
-(``aiayn.fast.switch``). Equal to the plain path: tests/consistency/test_prefill_attention.py.
-
-Shape letters: b rows, h query heads, h_kv key/value heads, t_q new tokens, t_k keys, d_h head width.
-"""
+Shape letters: b rows, h query heads, h_kv key/value heads, t_q new tokens, t_k keys, d_h head width."""
 
 from __future__ import annotations
 
@@ -56,17 +28,15 @@ class PreparedMask:
     row_valid: Tensor | None  # bool (b or 1, 1, t_q, 1): False for queries that see no key; None: all see one
 
 
-# The masks of the current forward, newest last: a step's prefill parts (one per prompt row,
-# ``aiayn.serve.steps``) each have a mask, and every layer visits the parts in turn.
+# The masks of the current forward, newest last: each prefill part of a step has one, and every
+# layer visits the parts in turn.
 _recent: list[PreparedMask] = []
 RECENT, RECENT_BYTES = 32, 64 << 20  # entries kept, and their additive masks' bytes (the newest always)
 
 
 def prepared_mask(mask: Tensor, dtype: torch.dtype) -> PreparedMask:
-    """``mask`` (bool, (b or 1, 1, t_q, t_k), True = may attend) in SDPA's additive form of ``dtype``:
-    queries that see no key see every key instead (a finite softmax; their outputs are zeroed by
-    the caller with ``row_valid``), as ``aiayn.nn.attention.scaled_dot_product_attention`` does.
-    Computed once per mask tensor (see the module docstring)."""
+    """``mask`` (bool, (b or 1, 1, t_q, t_k)) in SDPA's additive form of ``dtype``, queries that see no
+    key seeing every key (their outputs zeroed by the caller); computed once per mask tensor."""
     for entry in reversed(_recent):
         if entry.mask is mask and entry.additive.dtype == dtype and entry.additive.device == mask.device:
             return entry

@@ -1,34 +1,11 @@
-"""Block-quantised weights kept packed in memory: 4-bit (and 8-bit) linear layers and embeddings.
-
-A GGUF file (llama.cpp) stores its weight matrices in blocks along the input dimension: Q4_1
-keeps, for every 32 inputs of a row, a scale d, a minimum m and 32 four-bit integers q, meaning
-w = d * q + m. ``BlockLinear`` keeps such a matrix in that form (Q4_1: 5 bits per weight instead
-of float32's 32) and multiplies with a C++ kernel (``q4_kernel.cpp``) that reads the packed blocks
-directly; ``BlockEmbedding`` looks rows up in the same storage (a tied output layer shares it).
-
-One format holds every GGUF block type aiayn reads (``aiayn.interop.gguf_blocks`` converts them
-exactly: ggml's integers and scales, no rounding; docs/q4.md):
+"""Block-quantised weights kept packed in memory: 4-bit (and 8-bit) linear layers and embeddings, in
+one format for every GGUF block type aiayn reads (docs/q4.md):
 
     w[n, k] = scale[n, b] * (q[n, k] - offset) + min[n, b]        b = k // block
 
-* ``q`` unsigned integers, two per byte ("nibbles", values < 16) or one per byte;
-* ``block`` 32 or 16 inputs; ``offset`` an integer zero point (Q4_0: 8, Q8_0: 128, Q6_K: 32);
-* ``scale``, ``min`` per block (``min`` absent where the format has none), float16 where every
-  value is exactly a float16 (GGUF's legacy types), else float32.
-
-The kernel quantises each row of activations per block to int8 (as llama.cpp does), sums the
-integer products exactly with AVX-512 VNNI, and scales each block's sum in float32. Its error
-against the dequantised matrix is bounded per output: |y - x W^T| <= sum_b (dx_b / 2) *
-sum_{k in b} |w_k - min_b| + float32 rounding, dx_b = max |x_k| / 127 over the block
-(``error_bound``; tests/parity/test_q4_kernel.py checks it on every supported type). The same
-kernel serves every number of rows: even for a prefill it beats dequantising the matrix and
-multiplying in float32 through oneDNN (``python -m benchmarks.q4``).
-
-``quantize_q4_(model)`` (``lower_precision(model, "q4")``) turns a float model's linear layers into
-4-bit ones (Q4_1's scheme: per 32 inputs, scale = (max - min) / 15, q = round((w - min) / scale));
-``aiayn.interop.load_gguf(path, quantize="auto" | "q4")`` builds them from a file's blocks without
-dequantising. Shape letters: n out_features, k in_features, b blocks, m rows of activations.
-"""
+``BlockLinear`` multiplies with ``q4_kernel.cpp`` (activations quantised per block to int8, as
+llama.cpp does); ``BlockEmbedding`` looks rows up in the same storage; ``quantize_q4_`` turns a
+float model's linear layers into 4-bit ones. Shape letters: n out, k in, b blocks, m rows."""
 
 from __future__ import annotations
 
@@ -47,14 +24,11 @@ Q4_BLOCK = 32  # the block of quantize_q4_ (Q4_1's)
 
 @dataclass
 class BlockWeight:
-    """An (n, k) matrix in blocks: see the module docstring. ``kind`` names its source (e.g. "Q4_1").
+    """An (n, k) matrix in blocks. ``kind`` names its source (e.g. "Q4_1").
 
-    Memory layout (what the kernel reads; rows interleaved by 16, n padded to a multiple of 16):
-    ``q`` (n/16, k/block * block/2 * 16) uint8 for nibbles, (n/16, k/block * block * 16) for bytes,
-    unit by unit of 64 bytes = 16 rows x 4 consecutive inputs (a nibble unit u holds inputs 4u..4u+3
-    in its low nibbles and 4(u + block/8).. in its high ones); ``scale``, ``mins`` (n/16, k/block * 16),
-    float16 where every value is exactly one (the GGUF legacy types), else float32.
-    """
+    Layout (what the kernel reads): rows interleaved by 16, n padded to a multiple of 16; ``q``
+    unit by unit of 64 bytes = 16 rows x 4 inputs (a nibble unit u holds inputs 4u..4u+3 in its low
+    nibbles and 4(u + block/8).. in its high ones); ``scale``, ``mins`` (n/16, k/block * 16)."""
 
     q: Tensor
     scale: Tensor
@@ -77,8 +51,7 @@ class BlockWeight:
     @classmethod
     def from_values(cls, values: Tensor, scale: Tensor, mins: Tensor | None, *, offset: int, block: int,
                     kind: str, nibbles: bool | None = None) -> BlockWeight:
-        """values (n, k) integers in [0, 256) (in [0, 16) for nibbles), scale and mins (n, k / block),
-        laid out as the class docstring says."""
+        """values (n, k) integers in [0, 256) ([0, 16) for nibbles), scale and mins (n, k / block)."""
         n, k = values.shape
         if block not in (16, 32) or k % block or k == 0:
             raise ValueError(f"blocks of {block} inputs cannot tile rows of {k}; aiayn packs blocks of 16 or 32")
@@ -96,8 +69,7 @@ class BlockWeight:
         if nibbles:
             v = v[:, :, : quads // 2] | (v[:, :, quads // 2:] << 4)
 
-        # float16 where every scale and min is one exactly (GGUF's legacy types store them so): a
-        # quarter fewer bytes to read per weight for Q4_1; float32 otherwise (K-quants' products).
+        # float16 where every scale and min is one exactly (fewer bytes to read), else float32.
         exact16 = all(torch.equal(t.float().half().float(), t.float()) for t in (scale, mins) if t is not None)
         kept = torch.float16 if exact16 else torch.float32
 
@@ -127,8 +99,8 @@ class BlockWeight:
         return rows(self.scale), None if self.mins is None else rows(self.mins)
 
     def dequantize_rows(self, rows: Tensor | None = None) -> Tensor:
-        """Float32 w (n, k) (or the given rows, (r,) long -> (r, k)), computed as scale * (q - offset)
-        + min in float32, the order the ``gguf`` package uses, so that both give the same floats."""
+        """Float32 w (n, k) (or the given rows (r,) -> (r, k)), as scale * (q - offset) + min in the
+        order the ``gguf`` package uses (the same floats)."""
         ops = q4_build.OPS if switch.enabled() else None
         if ops is not None and self.q.device.type == "cpu":
             return ops.dequantize(self.q, self.scale, self.mins, self.offset, self.block, self.nibbles, self.n,
@@ -143,10 +115,8 @@ class BlockWeight:
 
 
 def error_bound(x: Tensor, weight: BlockWeight) -> Tensor:
-    """The bound on |kernel(x) - x W^T| from quantising x per block, (m, k) -> (m, n): the kernel
-    computes W x^ exactly but for float32 rounding, with each x^ within half a step dx / 2 of x
-    (dx = max |x| / 127 over the block), so the bound is sum over blocks of dx / 2 * sum |w|.
-    Float32 rounding comes on top."""
+    """The bound on |kernel(x) - x W^T| (m, n) from quantising x per block: sum over blocks of
+    dx / 2 * sum |w|, dx = max |x| / 127 over the block; float32 rounding comes on top."""
     m, k, block = x.shape[0], weight.k, weight.block
     dx = x.reshape(m, k // block, block).abs().amax(-1) / 127  # (m, b)
     absw = weight.dequantize_rows().abs().reshape(weight.n, k // block, block).sum(-1)  # (n, b)
@@ -154,8 +124,7 @@ def error_bound(x: Tensor, weight: BlockWeight) -> Tensor:
 
 
 def block_matmul(x: Tensor, weight: BlockWeight) -> Tensor:
-    """x (m, k) float32 -> (m, n) float32: the C++ kernel, or (no kernel, ``plain_torch``) the
-    dequantised matrix through F.linear."""
+    """x (m, k) float32 -> (m, n) float32: the C++ kernel, or the dequantised matrix (``plain_torch``)."""
     ops = q4_build.OPS if switch.enabled() else None
     if ops is None or x.device.type != "cpu":
         w = weight.dequantize_rows().to(x.device)
@@ -170,8 +139,7 @@ class _BlockStorage(nn.Module):
     def __init__(self, weight: BlockWeight) -> None:
         super().__init__()
         self.offset, self.block, self.nibbles, self.kind = weight.offset, weight.block, weight.nibbles, weight.kind
-        # The format in one tuple attribute: a compiled graph guards on every attribute it reads,
-        # each checked again at every call (five ints per layer cost a noticeable share of a step).
+        # The format in one tuple attribute: a compiled graph guards on every attribute it reads.
         self.spec = (weight.offset, weight.block, weight.nibbles, weight.n, weight.k)
         self.register_buffer("q", weight.q)
         self.register_buffer("scale", weight.scale)
@@ -243,9 +211,8 @@ class BlockEmbedding(_BlockStorage):
 
 
 def quantize_blocks_q4(weight: Tensor, block: int = Q4_BLOCK) -> BlockWeight:
-    """A float matrix (n, k) in 4-bit blocks, Q4_1's scheme with float32 scales: per block of 32
-    inputs, min = the smallest weight, scale = (max - min) / 15, q = round((w - min) / scale) in
-    [0, 15]; the rounding error is at most scale / 2 per weight."""
+    """A float matrix (n, k) in 4-bit blocks, Q4_1's scheme: per 32 inputs, scale = (max - min) / 15,
+    q = round((w - min) / scale)."""
     n, k = weight.shape
     if k % block:
         raise ValueError(f"a {k}-input layer cannot be cut into 4-bit blocks of {block}")
@@ -258,9 +225,8 @@ def quantize_blocks_q4(weight: Tensor, block: int = Q4_BLOCK) -> BlockWeight:
 
 
 def quantize_q4_(model: nn.Module) -> nn.Module:
-    """Replace every ``nn.Linear`` whose input width is a multiple of 32 by a 4-bit ``BlockLinear``
-    (in place; returns the model). A tied output layer gets its own 4-bit copy; the embedding table
-    keeps its float weights. Layers of other widths stay as they are."""
+    """Replace every ``nn.Linear`` whose input width is a multiple of 32 by a 4-bit ``BlockLinear``,
+    in place (a tied output layer gets its own copy); returns the model."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear) and child.in_features % Q4_BLOCK == 0:
             setattr(model, name, BlockLinear.from_linear(child))

@@ -1,16 +1,10 @@
-"""Builds and loads ``q4_kernel.cpp`` (aiayn's block-quantised matmul) on first use.
+"""Builds and loads aiayn's C++ kernels (``q4_kernel.cpp`` and others) on first use.
 
-``torch.utils.cpp_extension.load_inline`` compiles it with the system C++ compiler for this CPU
-(``-march=native``: AVX-512 VNNI where the CPU has it, plain C++ loops elsewhere) into torch's
-extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), named by a
-hash of the source and flags: a later process loads the cached library in milliseconds; the first
-build takes ~20-60 s, and a build that was killed never blocks the next one (``_one_builder``).
-The ops land in ``torch.ops.aiayn_q4`` (``matmul``, ``dequantize``, ``has_vnni``, ``parallel``),
-with shape functions registered so that ``torch.compile`` can trace them.
-
-Without a compiler (or ``ninja``), ``kernel_ops()`` warns once and returns None: ``BlockLinear``
-then dequantises its matrix for every call (correct, slow). ``AIAYN_Q4_KERNEL=0`` skips the build.
-"""
+``load_inline`` compiles with ``-march=native`` into torch's extension cache, named by a hash of
+the source, flags and CPU, so a later process loads it in milliseconds. The ops land in
+``torch.ops.aiayn_q4`` with shape functions for ``torch.compile``. Without a compiler
+``kernel_ops()`` warns once and returns None (``BlockLinear`` dequantises instead);
+``AIAYN_Q4_KERNEL=0`` skips the build."""
 
 from __future__ import annotations
 
@@ -28,10 +22,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("q4_kernel.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
-# at::parallel_for is OpenMP in torch's CPU builds and runs serially in code compiled without it
-# (ATen/Parallel-inl.h): the kernel is built with -fopenmp, which links it to the libgomp.so.1 torch
-# already loaded (one thread pool, sized by torch.set_num_threads). A compiler without OpenMP gets
-# the serial build rather than none (``parallel()`` then says False).
+# at::parallel_for runs serially in code compiled without OpenMP: -fopenmp links torch's libgomp
+# (one thread pool); a compiler without OpenMP gets the serial build (``parallel()`` says False).
 OPENMP = "-fopenmp"
 
 
@@ -40,8 +32,7 @@ OPS: Any | None = None  # torch.ops.aiayn_q4 once loaded (read by compiled graph
 
 @lru_cache(maxsize=1)
 def kernel_ops() -> Any | None:
-    """``torch.ops.aiayn_q4`` once built and loaded; None where it cannot be built. Call it before
-    compiling (``BlockLinear`` does, when built): the build is no part of a graph."""
+    """``torch.ops.aiayn_q4`` once built (None where it cannot be); call it before compiling."""
     global OPS
     if os.environ.get("AIAYN_Q4_KERNEL", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
@@ -56,17 +47,15 @@ def build_name(flags: list[str]) -> str:
 
 
 def kernel_name(source: Path, prefix: str, flags: list[str]) -> str:
-    """An extension's name in torch's cache: a hash of the source, the flags, torch's version and the
-    CPU (``-march=native`` code built on one CPU may not run on another sharing the cache)."""
+    """An extension's name in torch's cache: a hash of the source, the flags, torch's version and the CPU."""
     key = source.read_text(encoding="utf-8") + " ".join(flags) + torch.__version__ + cpu_identity()
     return prefix + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 @lru_cache(maxsize=1)
 def cpu_identity() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and feature flags (Linux's /proc/cpuinfo),
-    else the platform's machine and processor names. A home folder (and its torch extension cache)
-    shared by machines with different CPUs then keeps one build per CPU."""
+    """What ``-march=native`` compiles for (/proc/cpuinfo's model and flags, else the platform's), so
+    a cache shared by different CPUs keeps one build per CPU."""
     try:
         info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -78,11 +67,8 @@ def cpu_identity() -> str:
 
 @contextlib.contextmanager
 def _one_builder(name: str) -> Iterator[None]:
-    """Torch guards a build with a file (``lock`` in the build directory) that a process killed
-    mid-build (Ctrl-C, a timeout, the OOM killer) leaves behind, and every later process then waits
-    for it forever. aiayn's builds first take an OS lock (``flock``: released when its holder dies,
-    however it dies); whoever holds it is the only aiayn builder alive, so a ``lock`` file found
-    there was left by a dead one and is removed."""
+    """An OS lock (``flock``, released however its holder dies) around a build: its holder removes a
+    ``lock`` file that a killed build left, which torch would otherwise wait on forever."""
     try:
         import fcntl
 
@@ -109,10 +95,9 @@ def _build() -> Any | None:
 
 def build_kernel(source: Path, prefix: str, base_flags: list[str], what: str, register_fakes: Callable[[], None],
                  ops: Callable[[], Any], *, fallback: str) -> Any | None:
-    """Build and load one of aiayn's C++ kernels (``source``, ``base_flags``) with OpenMP, else serially, under
-    ``_one_builder``'s lock; register its fake shapes and return ``ops()`` (its ``torch.ops``
-    namespace). Where it cannot be built: one warning naming the compiler's last line and what runs
-    instead (``fallback``), and None."""
+    """Build and load one of aiayn's C++ kernels with OpenMP, else serially, under ``_one_builder``'s
+    lock; register its fake shapes and return ``ops()``. Where it cannot be built: one warning naming
+    the compiler's last line and ``fallback``, and None."""
     text = source.read_text(encoding="utf-8")
     error: Exception | None = None
     for extra in ([OPENMP], []):  # with OpenMP (threads), else serial

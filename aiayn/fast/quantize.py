@@ -1,23 +1,7 @@
 """Lower-precision weights for faster CPU inference: bfloat16, int8 and 4-bit Linear layers.
-
-Decoding one token at a time reads every weight once per token, so a small model's decode speed is
-bound by memory traffic: float32 -> bfloat16 halves it, int8 quarters it.
-
-``Int8Linear`` stores each output row as int8 with one scale (symmetric, per output channel:
-w ~= scale[o] * q[o, :], |q| <= 127) and multiplies with ATen's weight-only int8 kernel
-(``_weight_int8pack_mm``, the one gpt-fast uses), with bfloat16 activations (the kernel's
-vectorised path; float32 activations take a slow scalar one). Activations are not quantised:
-dynamic int8 activation quantisation (``torch.ao.quantization.quantize_dynamic``, fbgemm) is
-faster still, but one scale per call cannot hold LLaMA-style activations, whose few outlier
-channels are ~100x the rest: on SmolLM2 it turned every greedy answer into noise. Embedding tables
-and norms keep float32 (a tied output projection gets its own int8 copy).
-
-4-bit layers (``"q4"``) are ``aiayn.fast.q4``'s: blocks of 32 weights with a scale and a minimum
-each (GGUF's Q4_1 scheme), multiplied by a C++ kernel; ``"auto"`` keeps a model's weights as they
-are (a GGUF file loaded with ``load_gguf(path, quantize="auto")`` already holds its own blocks).
-
-Shape letters: o out_features, i in_features.
-"""
+``Int8Linear``: per output channel int8 weights through ATen's weight-only int8 kernel on bfloat16
+activations (one activation scale per call cannot hold LLaMA's outlier channels). ``"q4"`` layers
+are ``aiayn.fast.q4``'s; embeddings and norms keep float32. Shape letters: o out, i in features."""
 
 from __future__ import annotations
 
@@ -83,10 +67,9 @@ def quantize_int8_(model: nn.Module) -> nn.Module:
 
 
 def lower_precision(model: nn.Module, quantize: str) -> nn.Module:
-    """``quantize`` in QUANTIZE_CHOICES: "none" or "auto" (as is: a packed GGUF model keeps its
-    blocks, a float model its floats), "bf16" (all weights bfloat16), "int8" (Linear weights int8,
-    the rest float32), "q4" (Linear weights 4-bit blocks, the rest float32). Returns the model
-    (modified in place). The function a serving engine calls on a loaded model."""
+    """``quantize`` in QUANTIZE_CHOICES: "none" or "auto" (as is), "bf16" (all weights bfloat16),
+    "int8" or "q4" (Linear weights int8 or 4-bit blocks, the rest float32). Returns the model,
+    modified in place."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
     from aiayn.fast.compiled_decode import forget_compiled

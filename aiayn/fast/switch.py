@@ -1,15 +1,6 @@
-"""One switch for every aiayn CPU kernel an optimized model holds (``aiayn.fast.optimize``: its
-linear layers, attention kernel and dropout), so they can be compared with plain torch ops
-without converting the model back (``aiayn.fast.plain`` does that).
-
-They compute the same functions as ``F.linear``, ``F.scaled_dot_product_attention`` and
-``F.dropout`` (tests/consistency/test_fast_modules.py, test_cpu_kernels.py), only faster on a
-CPU. Turn them off for a whole process with ``AIAYN_PLAIN_TORCH=1`` in the environment, or for a block of code with ``plain_torch()``.
-
-One kernel alone can be turned off for a block of code, the others staying on, with
-``without("prefill_attention")`` (its name in ``KERNELS``): what a benchmark's A/B of that kernel
-needs. A kernel that has a name asks ``kernel_enabled(name)`` instead of ``enabled()``.
-"""
+"""One switch for every aiayn CPU kernel an optimized model holds, to compare them with plain torch
+ops without converting the model back: ``AIAYN_PLAIN_TORCH=1`` for a process, ``plain_torch()``
+for a block of code, ``without(name)`` for one kernel of ``KERNELS`` (a benchmark's A/B)."""
 
 from __future__ import annotations
 
@@ -29,9 +20,7 @@ _off: set[str] = set()
 
 
 def enabled() -> bool:
-    """Whether aiayn's CPU kernels may be used (each also checks its own conditions): not when
-    turned off, nor under a ``torch.func`` transform (vmap, grad, jacrev, ...), which the kernels'
-    autograd functions and custom ops do not support: plain torch ops do."""
+    """Whether aiayn's CPU kernels may be used: not when turned off, nor under a ``torch.func`` transform."""
     if torch.compiler.is_compiling():  # traced once; no functorch transform around a compiled graph
         return _enabled
     return _enabled and not torch._C._are_functorch_transforms_active()
@@ -49,16 +38,13 @@ def plain_torch() -> Iterator[None]:
 
 
 def kernel_enabled(name: str) -> bool:
-    """Whether the kernel ``name`` (one of ``KERNELS``) may be used: the kernels are on
-    (``enabled``) and this one is not turned off alone (``without``)."""
+    """Whether the kernel ``name`` (of ``KERNELS``) may be used: ``enabled`` and not turned off alone."""
     return enabled() and name not in _off
 
 
 @contextmanager
 def without(*names: str) -> Iterator[None]:
-    """Within this block, the named kernels (of ``KERNELS``) are off, every other one as it was.
-    For every thread of the process (an engine's thread too): a benchmark's switch, not a per-call
-    option."""
+    """Within this block the named kernels are off, for every thread of the process."""
     unknown = [name for name in names if name not in KERNELS]
     if unknown:
         raise ValueError(f"no kernel named {', '.join(unknown)}; the ones that turn off alone: {', '.join(KERNELS)}")

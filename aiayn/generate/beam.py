@@ -1,16 +1,9 @@
-"""Beam search over the KV cache with GNMT's length penalty: for encoder-decoder models
-(``beam_search_encoder_decoder``, the paper's translation search) and for decoder-only ones
-(``beam_search_decoder_only``), one search loop (``_search``) for both.
+"""Beam search over the KV cache with GNMT's length penalty, for encoder-decoder models (the paper's
+translation search) and decoder-only ones: one search loop, ``_search``, for both.
 
-Every source's ``beam`` open hypotheses run as rows of one (n * beam) batch (n: the sources still
-searching); each source keeps its ``beam`` best finished hypotheses in fixed-size tensors
-(``aiayn.generate.hypotheses.Finished``). With ``compile=True`` the steps after the first run
-through the compiled decode step (``aiayn.fast.compiled_decode``) over static shapes: the batch
-keeps every source's rows to the end (a stopped source's beams are masked, not dropped) and the
-cache follows the kept beams in its own buffers, so one graph serves every step (a CUDA graph on a
-GPU). ``beam_search_encoder_decoder``'s docstring gives the rules; the tests check them against
-greedy decoding, an exhaustive search, a plain Python search and Hugging Face.
-"""
+Every source's open beams run as rows of one batch; each source keeps its ``beam`` best finished
+hypotheses in fixed-size tensors (``aiayn.generate.hypotheses.Finished``). ``compile=True`` runs
+over static shapes (``aiayn.generate.static_search``)."""
 
 from __future__ import annotations
 
@@ -34,9 +27,9 @@ from aiayn.generate.hypotheses import (
     gnmt_length_penalty,
     trace_step,
 )
+from aiayn.generate.results import DoneCheck
 from aiayn.generate.static_search import follow_in_place, static_search
 from aiayn.generate.step import decode_step
-from aiayn.generate.steps import DoneCheck
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.nn.kv_cache import KVCache
@@ -62,55 +55,19 @@ def beam_search_encoder_decoder(
     trace: Callable[[BeamStep], None] | None = None,
     compile: bool = False,
 ) -> BeamSearchResult:
-    """Beam search over the KV cache: every source's ``beam_size`` beams in one (b * beam) batch.
+    """Beam search over the KV cache: every source's ``beam_size`` beams in one (b * beam) batch, with
+    the paper's defaults (section 6.1): beam 4, alpha 0.6, at most source length + 50 tokens.
 
-    Defaults are the paper's (section 6.1): beam 4, alpha 0.6, at most source length + 50 tokens.
+    Hypotheses rank by float32 log-probability sums over GNMT's ``lp(n) = ((5 + n) / 6) ** alpha``, n
+    counting eos; at most ``floor(max_len_a * src_len + max_len_b)`` tokens (capped by max_seq_len);
+    ``min_len`` forbids an earlier eos; pad_id is never a candidate unless ``mask_pad=False``. Each
+    step, of the 2 * beam best continuations an eos one within the first ``beam`` finishes and the
+    first ``beam`` others go on (fairseq / Hugging Face); a source stops once no open beam can beat
+    its worst finished one, or, with ``early_stopping``, once it has ``beam`` finished.
 
-    * Scores: log-probabilities in float32 (``log_softmax``), summed over the hypothesis. A
-      hypothesis of n tokens (eos included, bos not) is ranked by its normalized score
-      ``score / lp(n)`` with GNMT's ``lp(n) = ((5 + n) / 6) ** alpha``; alpha 0 ranks by the sum.
-    * Length: at most ``floor(max_len_a * src_len + max_len_b)`` tokens, eos included, with
-      src_len the source's real (unpadded) tokens, capped by the model's max_seq_len. A beam still
-      open at its limit is finished there without eos. ``min_len``: eos is forbidden while fewer
-      than ``min_len`` tokens precede it. The model's pad_id is never a candidate (unless
-      ``mask_pad=False``).
-    * Each step (fairseq / Hugging Face bookkeeping): the 2 * beam best continuations of the
-      source's beams are ranked by sum score; an eos continuation ranked within the first ``beam``
-      finishes (it is scored with the length penalty now and joins the source's ``beam`` best
-      finished hypotheses); the first ``beam`` non-eos continuations are the next beams. So beam 1
-      is greedy decoding.
-    * Stopping rule, per source: with ``early_stopping=False`` (default; Hugging Face's "never")
-      a source stops once its ``beam`` finished hypotheses cannot be beaten: the worst of them
-      scores >= an upper bound of any future hypothesis, best_open_sum / lp(n) with n the limit
-      for alpha > 0, n the next length for alpha < 0 (log-probs are <= 0, so sums only fall);
-      with ``early_stopping=True`` (fairseq, Hugging Face's True) as soon as it has ``beam``
-      finished hypotheses. A source also stops at its length limit or when no beam is open.
-      Finished sources leave the batch (``KVCache.reorder``).
-
-    The encoder and the cross-attention keys/values run once per source (first step at batch b),
-    then the cache is expanded to b * beam rows.
-
-    ``model`` may be an ``Ensemble`` (``aiayn.generate.ensemble``): every member's encoder and
-    cache, one search over the log_softmax of the members' mean log-probabilities.
-
-    ``keep_greedy``: beam search may prune the greedy path and end with a lower normalized score
-    than greedy decoding (a search error; the tests record one at beam 2). With ``keep_greedy`` the
-    greedy hypothesis (one greedy pass, about 1/beam of the search's work) joins each source's
-    finished hypotheses before they are ranked, so the best returned normalized score is never
-    below greedy's. A greedy hypothesis the search could not have produced (pad, or eos before
-    ``min_len``) is not added.
-
-    ``trace``: called with a ``BeamStep`` after every step (every candidate, where it went, which
-    were pruned): what ``aiayn explore`` draws the search tree from. It changes nothing in the
-    search, and costs nothing when None.
-
-    ``compile``: the steps after the first run through the compiled decode step (float cache, eval
-    mode; the first call of a model and shape compiles, seconds to a minute) over static shapes:
-    stopped sources stay in the batch, masked, and the cache follows the beams in place. The same
-    hypotheses as the eager search, their scores equal up to float rounding. Not with ``trace``.
-
-    Returns the best hypothesis per source and up to ``n_best`` (<= beam_size) per source.
-    """
+    ``model`` may be an ``Ensemble``. ``keep_greedy``: the greedy hypothesis joins the finished ones.
+    ``trace``: called with a ``BeamStep`` after every step. ``compile``: static shapes, compiled.
+    Returns the best hypothesis and up to ``n_best`` per source."""
     _check_search(beam_size, n_best, compile=compile, trace=trace)
     pad_id = model.config.pad_id if mask_pad else None
     fill_id = pad_id if pad_id is not None else eos_id
@@ -157,18 +114,11 @@ def beam_search_decoder_only(
     trace: Callable[[BeamStep], None] | None = None,
     compile: bool = False,
 ) -> BeamSearchResult:
-    """Beam search continuing each row of ``prompt`` (b, t) with a decoder-only model, over the KV
-    cache: ``beam_search_encoder_decoder``'s rules (scores, GNMT length penalty, candidates, the
-    stopping rule, ``trace``) for the new tokens, the prompt run once and its cache expanded to
-    the beams. At most ``max_new_tokens`` new tokens (eos included), within the model's context.
+    """Beam search continuing each row of ``prompt`` (b, t) with a decoder-only model:
+    ``beam_search_encoder_decoder``'s rules for at most ``max_new_tokens`` new tokens.
 
-    ``prompt_valid`` (b, t) bool: rows may be left-padded (default: the model's rule, as in
-    ``stream_decoder_only``); padding changes nothing. Hypotheses hold the new tokens only.
-    ``eos_id`` None: a model without an end-of-text token (a character-level one): every hypothesis
-    runs to the limit (``min_len`` is moot; after a hypothesis ``tokens`` holds pad_id, else 0).
-    ``compile``: the steps after the prompt through the compiled decode step, as in
-    ``beam_search_encoder_decoder``.
-    """
+    ``prompt_valid``: rows may be left-padded (as in ``stream_decoder_only``). Hypotheses hold the
+    new tokens only. ``eos_id`` None: every hypothesis runs to the limit."""
     _check_search(beam_size, n_best, compile=compile, trace=trace)
     b, t = prompt.shape
     if max_new_tokens < 1 or t + max_new_tokens > model.config.max_seq_len:
@@ -209,16 +159,10 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
             early_stopping: bool, trace: Callable[[BeamStep], None] | None, static: bool = False) -> Finished:
     """The search both architectures share: ``logits`` (b, v) of the first new token, ``cache``
     holding b rows (expanded here to b * k), ``limits`` (b,) most new tokens per source;
-    ``step(tokens (m, 1), rows (m,), dropped)`` feeds the kept beams' tokens (after the loop has
-    reordered the cache to their parent ``rows``; ``dropped``: a source left) -> logits (m, v).
+    ``step(tokens (m, 1), rows (m,), dropped)`` feeds the kept beams' tokens -> logits (m, v).
 
-    ``static``: the batch keeps all b * k rows to the end, for a compiled step's fixed shapes (and
-    on a GPU, ``aiayn.generate.static_search``, for a search without a host-device sync per step). A
-    source that stops has its open beams' scores set to -inf: its candidates are then all -inf, so
-    its finished hypotheses stay as they are (``Finished.merge`` keeps the old ones first on
-    ties) and it counts as stopped at every later step; its rows run on, unread. The cache follows
-    the beams in its own buffers (``reorder_rows_in_place``), and the only read of the device per
-    step is whether every source has stopped (on a GPU read a step late: ``DoneCheck``)."""
+    ``static``: the batch keeps all b * k rows to the end (a stopped source's beams scored -inf) and
+    the cache follows the beams in its own buffers: fixed shapes, no host-device sync per step."""
     device, b = logits.device, logits.shape[0]
     n_max = int(limits.max())
     v = logits.shape[-1]
@@ -233,8 +177,7 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
     beams.scores[:, 0] = 0.0  # at the first step only beam 0 is real (all beams are equal)
     finished = Finished.empty(b, k, n_max, fill_id, device)
 
-    # "Has every source stopped?": the static search reads it a step late on a GPU (no sync per
-    # step; ``DoneCheck``), since one step past every source's stop merges only -inf candidates.
+    # The static search reads "has every source stopped?" a step late on a GPU (``DoneCheck``).
     check = DoneCheck(device)
     for t in range(1, n_max + 1):  # t: length of the hypotheses after this step
         share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
@@ -273,8 +216,7 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
 def _merge_greedy(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | None, limits: Tensor, *,
                   bos_id: int, eos_id: int, pad_id: int | None, fill_id: int, min_len: int, alpha: float,
                   finished: Finished) -> None:
-    """Insert each source's greedy hypothesis into its sorted finished hypotheses (in place), unless
-    it is already there or ranks below all of them."""
+    """Insert each source's greedy hypothesis into its finished ones, unless there already or ranked below all."""
     greedy = greedy_encoder_decoder(model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=limits,
                                     src_valid=src_valid)
     assert greedy.lengths is not None

@@ -1,53 +1,14 @@
 """Constrained decoding: every answer parses as JSON and validates against a JSON schema.
 
-A ``GrammarConstraint`` is one request's grammar state. Each step it masks the next-token logits
-(``mask_logits``: -inf wherever the token would leave the grammar), is advanced with the token
-chosen (``advance``), says when the answer is complete (``is_finished``) and starts over
-(``reset``). ``mask_rows`` masks the rows of a batch with one constraint per row (None: free).
-``generate_constrained`` / ``generate_json`` are a small decode loop over ``decode_step`` that uses
-it from Python; ``aiayn serve`` and ``aiayn generate`` call the same four methods around their own
-loops.
+A ``GrammarConstraint`` is one request's grammar state: ``mask_logits`` before each choice,
+``advance`` with the token chosen, ``is_finished`` to stop, ``reset`` to start over.
+``mask_rows`` masks a batch with one constraint per row. The engine is llguidance (why:
+docs/structured-output.md). JSON is written compactly (as ``json.dumps``: a small model given free
+whitespace may emit newlines for ever); end-of-text is allowed only once the answer is complete,
+other special tokens never. Tokenizer descriptions and compiled schemas are cached.
 
-The engine is llguidance (guidance-ai / Microsoft, MIT; Rust, abi3 wheels for Linux x86_64 and
-aarch64, macOS and Windows, no Python dependencies; the engine behind OpenAI's, vLLM's, SGLang's and
-llama.cpp's structured output). ``python -m benchmarks.constrain`` compares it with xgrammar and
-outlines-core on SmolLM2-135M (docs/structured-output.md has the table). Per step the three cost
-about the same, a small share of the q4 decode step, so the choice rests on the rest:
-
-* compiling a new schema: llguidance is the fastest; outlines-core is slowest, and far slower for
-  "any JSON object" (its automaton unrolls JSON's nesting into a regular expression, to a fixed
-  depth: it cannot express JSON of any depth, which ``{"type": "json_object"}`` asks for);
-* dependencies: llguidance none; xgrammar needs torch, transformers, triton and apache-tvm-ffi;
-* the tokenizer: llguidance reads a ``tokenizers`` tokenizer's JSON as it is (special tokens
-  known as such); xgrammar, built from the vocabulary list, reads ``<|im_start|>`` as plain text
-  unless blanked by hand, and outlines-core needs the byte-level vocabulary decoded by hand;
-* where the grammar forces bytes (``{"`` at the start of an object), llguidance allows their
-  canonical token only, so the model reads its usual tokenisation; the other two also allow
-  splits (``{`` then ``"``), which can send SmolLM2 down a different, looping answer;
-* an invalid schema: llguidance names the problem in a line; xgrammar raises a RuntimeError
-  carrying a C++ source path.
-
-Choices:
-
-* JSON is written compactly: ``", "`` between items, ``": "`` after keys, no other whitespace
-  (llguidance's ``whitespace_flexible`` off). A small model given free whitespace may emit
-  newlines for ever; this way every answer is one line, as ``json.dumps`` writes it.
-* The end-of-text token is allowed only once the text is a complete answer; once nothing else
-  can follow (the closing brace of the top-level object), ``is_finished()`` is True and a loop
-  stops without asking the model for it. Other special tokens (``<|im_start|>``, ...) are never
-  allowed: they are not text.
-* A model whose vocabulary is larger than the tokenizer's (rows padded to a multiple of 64, say)
-  gets those extra rows masked.
-* Schemas are checked by llguidance: an invalid or unsatisfiable one, or one that uses a keyword
-  it does not implement (so that an answer could break it), is one ``ValueError`` naming why.
-
-Cached, since building them costs: the tokenizer's description (about a second for a 49k
-vocabulary) per tokenizer and end-of-text id, and each schema's compiled grammar (a template
-matcher, copied per request), the last ``GRAMMAR_CACHE`` schemas.
-
-Shape letters: b rows, v the model's vocabulary (logits), n the tokenizer's vocabulary, w = ceil(n
-/ 32) words of a packed bitmask (bit j of word i allows token 32 i + j).
-"""
+Shape letters: b rows, v the model's vocabulary, n the tokenizer's, w = ceil(n / 32) words of a
+packed bitmask (bit j of word i allows token 32 i + j)."""
 
 from __future__ import annotations
 
@@ -70,8 +31,7 @@ if TYPE_CHECKING:
 
 
 class TextModel(Protocol):
-    """What ``generate_constrained`` reads of a text model (``aiayn.textgen.TextModel``, a layer
-    above this one: named here by its shape, not imported)."""
+    """What ``generate_constrained`` reads of a text model (``aiayn.textgen.TextModel``, a layer above)."""
 
     model: Any  # a DecoderOnly
     tokenizer: Any  # a tokenizers.Tokenizer
@@ -84,13 +44,12 @@ class TextModel(Protocol):
 
 TOKENIZER_CACHE = 4  # tokenizer descriptions kept (one per served model, in practice)
 GRAMMAR_CACHE = 64  # compiled schemas kept, least recently used dropped
-# Compact JSON (see the module docstring): what llguidance's JSON compiler is told for every schema.
+# Compact JSON: what llguidance's JSON compiler is told for every schema.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _lock = threading.Lock()  # the caches are shared by a server's request threads
 _tokenizers: OrderedDict[tuple[int, int | None], tuple[Any, TokenizerInfo]] = OrderedDict()
-# Keyed by the TokenizerInfo's id, which the entry keeps alive (so the id is not reused): a tokenizer
-# described anew after being dropped from _tokenizers compiles its schemas anew.
+# Keyed by the TokenizerInfo's id, which the entry keeps alive (so the id is not reused).
 _grammars: OrderedDict[tuple[int, str], tuple[TokenizerInfo, llguidance.LLMatcher]] = OrderedDict()
 _executor: list[Any] = []  # one llguidance.LLExecutor, made on first batched use
 # 1 << j for the bits of an int32 word (1 << 31 wraps to the sign bit, as the packed words have it).
@@ -111,9 +70,8 @@ def _llguidance() -> Any:
 
 @dataclass(frozen=True)
 class TokenizerInfo:
-    """A tokenizer as llguidance sees it: ``llg`` (an ``LLTokenizer``), the tokenizer's vocabulary
-    size n, and the end-of-text id the grammar allows at the end (None: the model has none; the
-    tokenizer's own then stands in, and is never allowed)."""
+    """A tokenizer as llguidance sees it, its vocabulary size n and the end-of-text id the grammar
+    allows (None: the tokenizer's own stands in, never allowed)."""
 
     llg: Any
     n_vocab: int
@@ -121,9 +79,8 @@ class TokenizerInfo:
 
 
 def tokenizer_info(tokenizer: Any, eos_id: int | None) -> TokenizerInfo:
-    """The (cached) llguidance description of a ``tokenizers.Tokenizer``: built from its JSON
-    (``to_str``), nothing downloaded. ValueError for a tokenizer without one (a character-level
-    model's) or an end-of-text id outside its vocabulary."""
+    """The (cached) llguidance description of a ``tokenizers.Tokenizer``, built from its JSON.
+    ValueError for a tokenizer without one or an end-of-text id outside its vocabulary."""
     key = (id(tokenizer), eos_id)
     with _lock:
         if key in _tokenizers:
@@ -149,8 +106,7 @@ def tokenizer_info(tokenizer: Any, eos_id: int | None) -> TokenizerInfo:
 
 
 def schema_text(schema: Any) -> str:
-    """The JSON text of a JSON schema (a dict) or, for None, of any JSON object's schema.
-    ValueError, one line, when the schema is not a JSON object or not JSON at all."""
+    """The JSON text of a JSON schema (None: any JSON object's); ValueError, one line, otherwise."""
     if schema is None:
         schema = {"type": "object"}
     elif not isinstance(schema, dict):
@@ -162,16 +118,15 @@ def schema_text(schema: Any) -> str:
 
 
 def _template(info: TokenizerInfo, schema: Any) -> llguidance.LLMatcher:
-    """The compiled grammar of ``schema`` (None: any JSON object; compact JSON), cached: a fresh
-    matcher that requests copy. ValueError naming what is wrong with an invalid schema."""
+    """The compiled, cached grammar of ``schema`` (None: any JSON object), a matcher to copy."""
     text = schema_text(schema)
     return _compiled(info, text, lambda llg: llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS),
                      "invalid JSON schema")
 
 
 def _compiled(info: TokenizerInfo, key_text: str, build: Any, what: str) -> llguidance.LLMatcher:
-    """The matcher of the grammar ``build(llguidance)`` makes (keyed by ``key_text``), cached.
-    ValueError "{what}: why" when llguidance refuses it."""
+    """The matcher of the grammar ``build(llguidance)`` makes, cached by ``key_text``; ValueError
+    "{what}: why" when llguidance refuses it."""
     key = (id(info), key_text)
     with _lock:
         if key in _grammars:
@@ -203,12 +158,7 @@ def clear_caches() -> None:
 
 
 class GrammarConstraint:
-    """One request's grammar state (one row of a batch): ``mask_logits`` before choosing a token,
-    ``advance`` with the token chosen, ``is_finished`` to stop, ``reset`` to start over.
-
-    Build one with ``from_schema`` (a JSON schema), ``json_object`` (any JSON object) or
-    ``from_response_format`` (OpenAI's ``response_format``). Not thread-safe: one per request.
-    """
+    """One request's grammar state (one row of a batch); not thread-safe."""
 
     def __init__(self, matcher: llguidance.LLMatcher, info: TokenizerInfo) -> None:
         self._matcher = matcher
@@ -217,18 +167,15 @@ class GrammarConstraint:
 
     @classmethod
     def from_schema(cls, tokenizer: Any, schema: dict[str, Any], *, eos_id: int | None) -> GrammarConstraint:
-        """Answers that validate against the JSON schema ``schema``. ``tokenizer``: the model's
-        ``tokenizers.Tokenizer``; ``eos_id``: its end-of-text id (allowed once the answer is
-        complete), None if it has none. ValueError, one line, for an invalid schema."""
+        """Answers that validate against the JSON schema ``schema``; ``eos_id``: the model's end-of-text
+        id, None if it has none. ValueError, one line, for an invalid schema."""
         info = tokenizer_info(tokenizer, eos_id)
         return cls(_template(info, schema).deep_copy(), info)
 
     @classmethod
     def from_lark(cls, tokenizer: Any, grammar: str, *, eos_id: int | None) -> GrammarConstraint:
-        """Answers in the language of ``grammar``, in llguidance's Lark dialect (``%json {...}``
-        inlines a JSON schema, ``[lazy]`` lexemes end at their first match: its docs/syntax.md);
-        tool calls are built so (``aiayn.serve.tool_calls``). ValueError, one line, for an invalid
-        grammar."""
+        """Answers in the language of ``grammar``, in llguidance's Lark dialect (tool calls are built so:
+        ``aiayn.serve.tool_calls``). ValueError, one line, for an invalid grammar."""
         info = tokenizer_info(tokenizer, eos_id)
         return cls(_compiled(info, "lark:" + grammar, lambda llg: llg.LLMatcher.grammar_from_lark(grammar),
                              "invalid grammar").deep_copy(), info)
@@ -242,10 +189,8 @@ class GrammarConstraint:
     @classmethod
     def from_response_format(cls, tokenizer: Any, response_format: Any, *,
                              eos_id: int | None) -> GrammarConstraint | None:
-        """OpenAI's ``response_format``: ``{"type": "text"}`` (or None) -> None (no constraint),
-        ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ...,
-        "schema": {...}, "strict": ...}}``. The schema is always enforced, strict or not (none
-        given: any JSON value). ValueError, one line, for anything else."""
+        """OpenAI's ``response_format``: ``{"type": "text"}`` or None -> None, ``{"type": "json_object"}``
+        or ``{"type": "json_schema", ...}`` (enforced, strict or not). ValueError for anything else."""
         if response_format is None:
             return None
         kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -264,38 +209,29 @@ class GrammarConstraint:
     # -- the four calls of a decode loop -----------------------------------------------------------
 
     def bitmask(self) -> Tensor:
-        """The tokens allowed next, packed (w,) int32 on the CPU (this state's buffer, overwritten by
-        the next call): bit j of word i allows token 32 i + j of the tokenizer's vocabulary. Once
-        ``is_finished``, only end-of-text (none when the model has none)."""
+        """The tokens allowed next, packed (w,) int32 on the CPU, in this state's buffer."""
         words = self._words
         self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
-        if self.info.eos_id is None:  # the stand-in end-of-text is never the model's to emit
-            eos = self.info.llg.eos_token
-            words[eos // 32] &= ~int(_BITS[eos % 32])
+        _block_standin_eos(words, self.info)
         return words
 
     def mask_logits(self, logits: Tensor) -> Tensor:
-        """Set the logits of every token the grammar does not allow next to -inf, in place, and
-        return them. logits (v,) or (b, v), any float dtype and device; every row gets this
-        state's mask. Rows past the tokenizer's vocabulary (v > n: a padded output layer) are
-        masked too."""
+        """Set the logits (v,) or (b, v) of every token not allowed next to -inf, in place, and return them."""
         apply_bitmask(logits, self.bitmask(), self.info.n_vocab)
         return logits
 
     def advance(self, token: int) -> None:
-        """Move past ``token``, the one chosen from the masked logits. ConstraintError when the
-        grammar does not allow it (the logits were not masked, or the row had finished)."""
+        """Move past ``token``; ConstraintError when the grammar does not allow it."""
         if not self._matcher.consume_token(int(token)):
             error = self._matcher.get_error() or "no token can follow"
             raise ConstraintError(f"token {int(token)} does not fit the grammar ({' '.join(error.split())})")
 
     def is_finished(self) -> bool:
-        """True once nothing can follow: the answer is complete and only end-of-text would fit, or
-        end-of-text was given. A loop stops here (the answer is ``is_complete``)."""
+        """True once nothing can follow but end-of-text, or end-of-text was given."""
         return bool(self._matcher.is_stopped())
 
     def is_complete(self) -> bool:
-        """True when the tokens so far are a whole valid answer (end-of-text is allowed now)."""
+        """True when the tokens so far are a whole valid answer."""
         return bool(self._matcher.is_accepting())
 
     def reset(self) -> None:
@@ -307,14 +243,20 @@ class GrammarConstraint:
         return GrammarConstraint(self._matcher.deep_copy(), self.info)
 
     def allowed(self) -> Tensor:
-        """(n,) bool: the tokens allowed next (tests and debugging; loops use ``mask_logits``)."""
+        """(n,) bool: the tokens allowed next (tests and debugging)."""
         return unpack_bitmask(self.bitmask()[None], self.info.n_vocab)[0]
 
 
+def _block_standin_eos(words: Tensor, info: TokenizerInfo) -> None:
+    """Clear the stand-in end-of-text's bit in ``words`` (w,): it is never the model's to emit."""
+    if info.eos_id is None:
+        eos = info.llg.eos_token
+        words[eos // 32] &= ~int(_BITS[eos % 32])
+
+
 def unpack_bitmask(words: Tensor, n: int, *, invert: bool = False) -> Tensor:
-    """Packed (b, w) int32 -> (b, n) bool, True where the bit is set (``invert``: where it is not),
-    on the words' device. On the CPU numpy's unpackbits does it (a few microseconds for 49k tokens,
-    against tens for the shifts below, which a GPU runs instead)."""
+    """Packed (b, w) int32 -> (b, n) bool, True where the bit is set (``invert``: where it is not);
+    numpy's unpackbits on the CPU, shifts elsewhere."""
     if words.device.type == "cpu" and sys.byteorder == "little":  # bit j of word i = bit j % 8 of byte 4 i + j // 8
         packed = words.contiguous().numpy().view(np.uint8)  # (b, 4 w)
         bits = np.unpackbits(~packed if invert else packed, axis=-1, count=n, bitorder="little")  # (b, n) 0/1
@@ -329,8 +271,8 @@ def unpack_by_shifts(words: Tensor, n: int) -> Tensor:
 
 
 def apply_bitmask(logits: Tensor, words: Tensor, n: int) -> None:
-    """logits (v,) or (b, v) in place: -inf where the packed mask (w,) or (b, w) has a 0 bit, and
-    at every position >= n (a (w,) mask applies to every row)."""
+    """logits (v,) or (b, v) in place: -inf where the packed mask (w,) or (b, w) has a 0 bit, and at
+    every position >= n."""
     rows = logits if logits.dim() == 2 else logits.unsqueeze(0)  # (b, v), a view
     words = words if words.dim() == 2 else words.unsqueeze(0)  # (1 or b, w)
     v = rows.shape[-1]
@@ -345,9 +287,8 @@ def apply_bitmask(logits: Tensor, words: Tensor, n: int) -> None:
 
 
 def mask_rows(logits: Tensor, constraints: Sequence[GrammarConstraint | None]) -> Tensor:
-    """Mask each row of logits (b, v) in place with its own constraint (None: the row is left
-    free), and return them. All constraints share one tokenizer. With several constrained rows
-    their masks are computed in parallel (llguidance's executor, the GIL released)."""
+    """Mask each row of logits (b, v) in place with its own constraint (None: free) and return them;
+    several constrained rows are masked in parallel (llguidance's executor)."""
     if len(constraints) != logits.shape[0]:
         raise ValueError(f"{len(constraints)} constraints for {logits.shape[0]} rows of logits")
     rows = [i for i, c in enumerate(constraints) if c is not None]
@@ -365,9 +306,7 @@ def mask_rows(logits: Tensor, constraints: Sequence[GrammarConstraint | None]) -
     _executor[0].unsafe_compute_mask_ptr([(c._matcher, k) for k, c in enumerate(chosen)],  # type: ignore[union-attr]
                                          words.data_ptr(), words.shape[1] * 4, len(rows))
     for k, c in enumerate(chosen):
-        if c.info.eos_id is None:  # type: ignore[union-attr]
-            eos = c.info.llg.eos_token  # type: ignore[union-attr]
-            words[k, eos // 32] &= ~int(_BITS[eos % 32])
+        _block_standin_eos(words[k], c.info)  # type: ignore[union-attr]
     index = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, index)  # (r, v)
     apply_bitmask(sub, words, first.info.n_vocab)
@@ -380,10 +319,8 @@ def mask_rows(logits: Tensor, constraints: Sequence[GrammarConstraint | None]) -
 
 @dataclass
 class ConstrainedResult:
-    """What ``generate_constrained`` made: the answer's text and token ids (end-of-text not
-    included) and why it stopped: "finished" (the grammar's answer is complete), "eos" (the model
-    ended a complete answer) or "length" (``max_new_tokens`` or the context ran out first: the
-    text is then a cut answer, not valid)."""
+    """What ``generate_constrained`` made: the answer's text and ids and why it stopped: "finished",
+    "eos" or "length" (the answer is cut, not valid)."""
 
     text: str
     tokens: list[int]
@@ -396,12 +333,9 @@ class ConstrainedResult:
 
 def generate_constrained(lm: TextModel, prompt: str, constraint: GrammarConstraint, *, max_new_tokens: int,
                          sampling: SamplingConfig | None = None, chat: bool = True) -> ConstrainedResult:
-    """Continue ``prompt`` (a user message in the model's chat template with ``chat``, when it has
-    one) under ``constraint``, from its start: each step masks the logits, chooses a token
-    (``sampling``: None is greedy, as ``TokenChooser``), advances the constraint, and stops when
-    it is finished, at end-of-text, or after ``max_new_tokens`` (cut to what the context leaves:
-    the window never slides, which would drop the instructions). One row, on the model's device
-    under ``aiayn.device.autocast``."""
+    """Continue ``prompt`` (in the chat template with ``chat``) under ``constraint``, from its start,
+    for one row, until the grammar is finished, end-of-text or ``max_new_tokens`` (cut to the
+    context: the window never slides, which would drop the instructions)."""
     from aiayn.device import autocast, model_device
     from aiayn.generate.sampling import TokenChooser
     from aiayn.generate.step import decode_step
@@ -440,9 +374,8 @@ def generate_constrained(lm: TextModel, prompt: str, constraint: GrammarConstrai
 
 def generate_json(lm: TextModel, prompt: str, schema: dict[str, Any] | None = None, *, max_new_tokens: int = 256,
                   sampling: SamplingConfig | None = None, chat: bool = True) -> Any:
-    """The JSON value the model answers ``prompt`` with: one that validates against ``schema``
-    (None: any JSON object), parsed. ValueError for an invalid schema, or when ``max_new_tokens``
-    (or the context) ran out before the answer was complete."""
+    """The JSON value the model answers ``prompt`` with, validating against ``schema`` (None: any
+    JSON object). ValueError for an invalid schema or an answer cut before it was complete."""
     tokenizer = lm.tokenizer
     constraint = (GrammarConstraint.json_object(tokenizer, eos_id=lm.eos_id) if schema is None
                   else GrammarConstraint.from_schema(tokenizer, schema, eos_id=lm.eos_id))

@@ -1,38 +1,38 @@
 """Decoder-only generation: one decode loop, ``stream_decoder_only``, that greedy decoding and
 sampling share, and the functions that collect it.
 
-The loop runs the prompt once into a KV cache, then one token per row per step, and computes the
-output projection at the last position only (for a small model the largest matmul of a step).
-``use_cache=False`` recomputes the whole sequence every step instead: the reference the cached
-path is tested against. ``compile=True`` runs the steps after the prompt through
-``aiayn.fast.compiled_decode`` (imported only then). Past the model's context (``max_seq_len``)
-the loop slides its window (``aiayn.generate.window``): a row keeps its last 3/4 of the context,
-recomputed into the cleared cache, and goes on; ``slide=False`` refuses more tokens than fit.
-``constraints`` (a grammar per row, ``aiayn.generate.constrain.GrammarConstraint``: structured
-output) mask each step's logits and end a row once its answer is complete.
-"""
+The prompt runs once into a KV cache, then one token per row per step, projecting only the last
+position. Past the model's context the loop slides its window (``aiayn.generate.window``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, Unpack
 
 import torch
 from torch import Tensor
 
 from aiayn.cpu_share import share_cores
+from aiayn.generate.results import DecodeStep, DoneCheck, GreedyResult, fill_finished, fill_id_for
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
-from aiayn.generate.steps import DecodeStep, DoneCheck, GreedyResult, default_fill_id, fill_finished
 from aiayn.generate.window import keep_tokens, slide_window
 from aiayn.models.decoder_only import DecoderOnly
 from aiayn.nn.masks import valid_tokens
 
 
+class DecodeOptions(TypedDict, total=False):
+    """The options of ``stream_decoder_only`` that the functions collecting it pass on."""
+
+    prompt_valid: Tensor | None
+    eos_id: int | None
+    kv_cache: str | None
+    compile: bool
+    slide: bool
+
+
 class RowConstraint(Protocol):
-    """What the loop asks of a row's grammar (``aiayn.generate.constrain.GrammarConstraint`` is one):
-    ``reset`` at the start, ``mask_logits`` (in place) before each choice, ``advance`` with the
-    token chosen, ``is_finished`` when nothing but end-of-text could follow."""
+    """What the loop asks of a row's grammar (``aiayn.generate.constrain.GrammarConstraint`` is one)."""
 
     def reset(self) -> None: ...
 
@@ -58,35 +58,17 @@ def stream_decoder_only(
     slide: bool = True,
     constraints: Sequence[RowConstraint | None] | None = None,
 ) -> Iterator[DecodeStep]:
-    """Continue each row of ``prompt`` (b, t), yielding one ``DecodeStep`` per new token.
+    """Continue each row of ``prompt`` (b, t), yielding one ``DecodeStep`` per new token; the model
+    runs lazily, one step per item taken, on arguments checked at the call.
 
-    sampling: how each token is chosen; None = greedy (argmax). A ``SamplingConfig`` with a seed
-        draws the same tokens every run.
-    prompt_valid (b, t) bool: the real tokens; rows may be left-padded. Default: the model's rule
-        (``aiayn.nn.masks.valid_tokens``: ``prompt != pad_id`` when the config has a pad_id, else
-        all real). Every row needs a real token. Padding changes nothing: each row gets the tokens
-        it would get alone, since padded keys are masked and positions count real tokens only.
-        Generated tokens always count as real.
-    eos_id: a row that emits it is done; from then on it holds ``fill_id`` (default: the model's
-        pad_id, else eos_id). The loop ends when every row is done or after ``max_new_tokens``.
-    kv_cache: "int8" / "int4" decodes over a quantised KV cache (default float).
-    compile: the steps after the prompt run through ``compiled_decode_step`` (float cache only).
+    sampling: None = greedy (argmax). prompt_valid (b, t) bool: the real tokens of left-padded rows
+        (default: ``aiayn.nn.masks.valid_tokens``); padding changes nothing.
+    eos_id: a row that emits it is done and holds ``fill_id`` (default: pad_id, else eos_id).
+    kv_cache: "int8" / "int4" quantised cache. compile: the steps after the prompt compiled.
     use_cache: False recomputes the whole sequence every step (the reference for the cache).
-    slide: past the model's context (``config.max_seq_len``) a row keeps its last
-        ``window.keep_tokens(context)`` tokens (3/4 of the context), recomputes them into the
-        cleared cache and goes on, so the loop always makes ``max_new_tokens`` steps (unless every
-        row is done); that step's ``DecodeStep.slid`` is True. The prompt must fit the context.
-        False: prompt + ``max_new_tokens`` must fit (ValueError otherwise).
-    constraints: one per row (None: that row is free), reset when the loop starts. Each step
-        masks its row's logits (the ``DecodeStep.logits`` are the masked ones), advances it with
-        the token chosen, and a row whose grammar is finished (its answer complete: only
-        end-of-text could follow) is done, as at eos. The grammar reads each step's tokens on the
-        host (one read a step).
-
-    The arguments are checked on the call; the model runs lazily, one step per item taken: a
-    caller that stops early (``break``, or closing the iterator) costs no further step. The
-    tokens and logits yielded are inference tensors (``torch.inference_mode``).
-    """
+    slide: past the model's context a row keeps its last ``window.keep_tokens(context)`` tokens,
+        recomputed; False: prompt + ``max_new_tokens`` must fit (ValueError otherwise).
+    constraints: one grammar per row (None: free) masking its logits; a finished grammar ends its row."""
     t, context = prompt.shape[1], model.config.max_seq_len
     if slide and t > context:
         raise ValueError(f"prompt of {t} tokens exceeds the model's context of {context}; shorten the prompt")
@@ -101,7 +83,7 @@ def stream_decoder_only(
         raise ValueError(f"{len(constraints)} constraints for {prompt.shape[0]} prompt rows; give one per row "
                          f"(None for a free row)")
     valid = prompt_validity(model, prompt, prompt_valid)  # (b, t)
-    fill_id = default_fill_id(model.config.pad_id, eos_id, fill_id) if eos_id is not None else None
+    fill_id = fill_id_for(model.config.pad_id, eos_id, fill_id) if eos_id is not None else None
     return _decode(model, prompt, valid, max_new_tokens=max_new_tokens, chooser=TokenChooser(sampling, prompt.device),
                    eos_id=eos_id, fill_id=fill_id, kv_cache=kv_cache, compile=compile, use_cache=use_cache,
                    slide=slide, constraints=list(constraints) if constraints is not None else None)
@@ -118,21 +100,17 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
                                     needs_history=chooser.needs_history, use_cache=use_cache)
     cache = model.new_cache(b, cache_slots(width, compile), quantize=kv_cache) if use_cache else None
     keep = keep_tokens(context)
-    # Each row's real tokens at the last (pre)fill and the tokens fed to every row since, on the
-    # host: deciding to slide reads nothing from the device (this one read, and only when sliding).
+    # Each row's real tokens at the last (pre)fill and the tokens fed since, on the host.
     filled = valid.sum(dim=1).tolist() if slides else [0]
     longest, grown = max(filled), 0
-
-    # What the next model call reads: the prompt first (or a window after a slide); then, with the
-    # cache, the last token of each row (b, 1), without it the whole sequence so far (b, fed + 1).
+    # What the next call reads: the prompt (or a window after a slide), then the last token (cache)
+    # or the whole sequence so far (no cache).
     inputs, inputs_valid = prompt, valid
     one_real = torch.ones(b, 1, dtype=torch.bool, device=prompt.device)  # generated tokens are real
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
     fresh, slid = True, False  # fresh: this call prefills (eager, with validity); slid: after a slide
     steered = _steered_rows(constraints)
-    # Whether every row is done: only eos or a grammar ends a row (without either the loop runs
-    # to max_new_tokens and reads nothing); read a step late on a GPU, at once where a grammar
-    # reads the tokens anyway.
+    # Only eos or a grammar ends a row; read at once where a grammar reads the tokens anyway.
     check = DoneCheck(prompt.device if not steered else torch.device("cpu")) if eos_id is not None or steered else None
     for i in range(max_new_tokens):
         share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
@@ -187,18 +165,16 @@ def _slots(prompt: Tensor, valid: Tensor, max_new_tokens: int, context: int, *, 
            needs_history: bool, use_cache: bool) -> tuple[bool, int, Tensor | None]:
     """(whether the loop slides, the slots its tokens take, the history of ids fed or None)."""
     t = prompt.shape[1]
-    # Slots the loop's tokens take at most: all of them, or, when they overflow the context (the
-    # loop slides), the context: no row's window holds more, and a slide compacts the padding away.
+    # When the tokens overflow the context the loop slides and a row's window holds at most it.
     slides = slide and t + max_new_tokens > context
     width = context if slides else t + max_new_tokens
-    # The ids fed so far, slot by slot (b, width): what the repetition penalty reads and where a
-    # slide takes its window from. Padded slots repeat their row's last prompt token.
+    # The ids fed so far (b, width): the repetition penalty's input and a slide's source.
     history = penalty_history(prompt, valid, width - t) if needs_history or (slides and use_cache) else None
     return slides, width, history
 
 
 def _steered_rows(constraints: list[RowConstraint | None] | None) -> list[int]:
-    """The rows a grammar steers (host-side: the grammar lives on the host), their grammars reset."""
+    """The rows a grammar steers, their grammars reset."""
     steered = [i for i, c in enumerate(constraints or []) if c is not None]
     for i in steered:
         constraints[i].reset()  # type: ignore[index, union-attr]
@@ -206,8 +182,7 @@ def _steered_rows(constraints: list[RowConstraint | None] | None) -> list[int]:
 
 
 def _mask_steered(logits: Tensor, constraints: Any, steered: list[int]) -> Tensor:
-    """(b, v) logits with each steered row's forbidden tokens masked, in a copy: the step's own
-    buffer stays as the model wrote it."""
+    """(b, v) logits with each steered row's forbidden tokens masked, in a copy."""
     logits = logits.clone()
     for row in steered:
         constraints[row].mask_logits(logits[row])
@@ -216,8 +191,7 @@ def _mask_steered(logits: Tensor, constraints: Any, steered: list[int]) -> Tenso
 
 def _advance_steered(constraints: Any, steered: list[int], token: Tensor, done: Tensor,
                      eos_id: int | None) -> tuple[list[int], Tensor]:
-    """Feed each steered row's token to its grammar: (the rows still steered, done with the rows
-    whose answer is complete marked, as at end-of-text)."""
+    """Feed each steered row's token to its grammar: (the rows still steered, done updated)."""
     chosen = token.tolist()  # the grammar's read
     for row in steered:
         constraints[row].advance(chosen[row])
@@ -230,69 +204,26 @@ def _advance_steered(constraints: Any, steered: list[int], token: Tensor, done: 
 
 
 @torch.inference_mode()
-def greedy_decoder_only(
-    model: DecoderOnly,
-    prompt: Tensor,
-    *,
-    max_new_tokens: int,
-    prompt_valid: Tensor | None = None,
-    eos_id: int | None = None,
-    use_cache: bool = True,
-    kv_cache: str | None = None,
-    compile: bool = False,
-    slide: bool = True,
-) -> GreedyResult:
-    """Continue each row of ``prompt`` (b, t), left-padded where ``prompt_valid`` is False, with
-    the argmax at every step -> tokens (b, n <= max_new_tokens) and their logits.
-
-    ``kv_cache="int8"``/``"int4"`` decodes over a quantised KV cache (float by default).
-    ``compile=True`` runs the steps after the prompt through ``compiled_decode_step``.
-    ``use_cache=False`` recomputes the whole sequence every step. Past the model's context the
-    window slides (``slide``, as ``stream_decoder_only``): n is max_new_tokens unless eos ends every row.
-
-    Without ``prompt_valid`` the model's default applies: ``prompt != pad_id`` when the config has
-    a pad_id, else every prompt token is real. Generated tokens always count as real. After eos a
-    row holds pad_id (eos_id if the model has no pad_id); decoding stops once every row is done.
-    """
+def greedy_decoder_only(model: DecoderOnly, prompt: Tensor, *, max_new_tokens: int, use_cache: bool = True,
+                        **options: Unpack[DecodeOptions]) -> GreedyResult:
+    """The argmax continuation of each row of ``prompt`` (b, t); the options are ``stream_decoder_only``'s."""
     return GreedyResult.from_steps(stream_decoder_only(
-        model, prompt, max_new_tokens=max_new_tokens, prompt_valid=prompt_valid, eos_id=eos_id,
-        kv_cache=kv_cache, compile=compile, use_cache=use_cache, slide=slide))
+        model, prompt, max_new_tokens=max_new_tokens, use_cache=use_cache, **options))
 
 
 @torch.inference_mode()
-def generate_decoder_only(
-    model: DecoderOnly,
-    prompt: Tensor,
-    *,
-    max_new_tokens: int,
-    sampling: SamplingConfig | None = None,
-    prompt_valid: Tensor | None = None,
-    eos_id: int | None = None,
-    on_token: Callable[[Tensor], bool | None] | None = None,
-    kv_cache: str | None = None,
-    compile: bool = False,
-    slide: bool = True,
-) -> Tensor:
-    """Sample a continuation of ``prompt`` (b, t) through the KV cache -> new ids (b, n <= max_new_tokens).
+def generate_decoder_only(model: DecoderOnly, prompt: Tensor, *, max_new_tokens: int,
+                          sampling: SamplingConfig | None = None,
+                          on_token: Callable[[Tensor], bool | None] | None = None,
+                          **options: Unpack[DecodeOptions]) -> Tensor:
+    """Sample a continuation of ``prompt`` (b, t) -> new ids (b, n <= max_new_tokens).
 
-    ``sampling``: default ``SamplingConfig()`` (temperature 1, no filtering). Rows may be
-    left-padded: ``prompt_valid`` (b, t) bool marks the real tokens (default: the model's,
-    ``prompt != pad_id`` when the config has a pad_id). Padding changes nothing: each row gets the
-    tokens it would get alone (greedy). After eos a row repeats eos; decoding stops once every row
-    is done. ``on_token`` receives each step's (b,) ids as they are produced (for streaming);
-    returning True stops early (e.g. a stop string). ``stream_decoder_only`` is the same loop as an
-    iterator.
-
-    The loop allocates once: the KV cache and a (b, t + max_new_tokens) id buffer for the
-    repetition penalty (the context's width when it slides). ``kv_cache="int8"``/``"int4"``: a
-    quantised cache. ``compile=True``: the steps after the prompt run through
-    ``compiled_decode_step`` (float cache only). ``slide``: past the model's context the window
-    slides, as ``stream_decoder_only`` says.
-    """
+    ``sampling``: default ``SamplingConfig()``. After eos a row repeats eos. ``on_token`` receives
+    each step's (b,) ids as they are produced; returning True stops early. The other options are
+    ``stream_decoder_only``'s."""
     generated: list[Tensor] = []
     steps = stream_decoder_only(model, prompt, max_new_tokens=max_new_tokens, sampling=sampling or SamplingConfig(),
-                                prompt_valid=prompt_valid, eos_id=eos_id, fill_id=eos_id, kv_cache=kv_cache,
-                                compile=compile, slide=slide)
+                                fill_id=options.get("eos_id"), **options)
     for step in steps:
         generated.append(step.tokens)
         if on_token is not None and on_token(step.tokens):
@@ -302,8 +233,7 @@ def generate_decoder_only(
 
 
 def prompt_validity(model: DecoderOnly, prompt: Tensor, prompt_valid: Tensor | None) -> Tensor:
-    """(b, t) bool, True at the prompt's real tokens: ``prompt_valid``, else the model's default
-    (``aiayn.nn.masks.valid_tokens``). Raises ValueError if a row has no real token."""
+    """(b, t) bool, True at the prompt's real tokens; ValueError if a row has no real token."""
     try:
         valid = valid_tokens(prompt, model.config.pad_id, prompt_valid)
     except (TypeError, ValueError) as exc:  # only a given prompt_valid can be wrong
@@ -317,9 +247,8 @@ def prompt_validity(model: DecoderOnly, prompt: Tensor, prompt_valid: Tensor | N
 
 
 def penalty_history(prompt: Tensor, valid: Tensor, max_new_tokens: int) -> Tensor:
-    """The id buffer the repetition penalty reads, (b, t + max_new_tokens): the prompt, where a
-    padded slot repeats its row's last prompt token (so padding penalises nothing extra); the loop
-    writes each new token after it."""
+    """The repetition penalty's id buffer (b, t + max_new_tokens): the prompt, a padded slot repeating
+    its row's last prompt token."""
     b, t = prompt.shape
     history = torch.empty(b, t + max_new_tokens, dtype=prompt.dtype, device=prompt.device)
     history[:, :t] = torch.where(valid, prompt, prompt[:, -1:])

@@ -2,17 +2,12 @@
 and sampling share, the functions that collect it, and the per-source length limits.
 
 The source is encoded once; the first step runs bos and fills the cross-attention keys and values
-of the KV cache, every later step runs one token per row over the cache. ``use_cache=False``
-recomputes the whole target every step instead: the reference the cached path is tested against;
-``compile=True`` runs the steps after the first through the compiled decode step
-(``aiayn.fast.compiled_decode``).
-Every function here takes an ``Ensemble`` (``aiayn.generate.ensemble``) as its model too: the
-members' mean log-probabilities are the logits it chooses from.
-"""
+of the KV cache. Every function here also takes an ``Ensemble`` (``aiayn.generate.ensemble``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypedDict, Unpack
 
 import torch
 from torch import Tensor
@@ -20,10 +15,18 @@ from torch import Tensor
 from aiayn.cpu_share import share_cores
 from aiayn.generate.decoder_only import cache_slots
 from aiayn.generate.ensemble import Ensemble
+from aiayn.generate.results import DecodeStep, DoneCheck, GreedyResult, fill_finished, fill_id_for
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
-from aiayn.generate.steps import DecodeStep, DoneCheck, GreedyResult, default_fill_id, fill_finished
 from aiayn.models.encoder_decoder import EncoderDecoder
+
+
+class DecodeOptions(TypedDict, total=False):
+    """The options of ``stream_encoder_decoder`` that the functions collecting it pass on."""
+
+    src_valid: Tensor | None
+    eos_id: int | None
+    compile: bool
 
 
 def stream_encoder_decoder(
@@ -39,30 +42,18 @@ def stream_encoder_decoder(
     use_cache: bool = True,
     compile: bool = False,
 ) -> Iterator[DecodeStep]:
-    """Decode a target for each row of ``src`` (b, s), starting every target with ``bos_id``,
-    yielding one ``DecodeStep`` per new token.
+    """Decode a target for each row of ``src`` (b, s) from ``bos_id``, yielding one ``DecodeStep`` per
+    new token; the model runs lazily, from the encoder on.
 
-    max_new_tokens: one limit for all rows, or a (b,) tensor of per-source limits (e.g.
-        ``max_target_lengths``), eos included.
-    sampling: how each token is chosen; None = greedy (argmax). The repetition penalty sees the
-        target so far, bos included.
-    src_valid (b, s) bool: the source's real tokens (default: the model's rule, ``src != pad_id``).
-    eos_id: a row that emits it is done; so is a row at its limit. From then on it holds
-        ``fill_id`` (default: the model's pad_id, else eos_id; None and no pad_id: no filling).
-        The loop ends when every row is done.
-    use_cache: False recomputes the whole target every step (the reference for the cache).
-    compile: the steps after the first (bos) run through the compiled decode step (float cache,
-        eval mode; the first call of a model and shape compiles). Rows keep their place to the end,
-        so its shapes stay fixed.
-
-    The model runs lazily, from the encoder on, one step per item taken: stopping early (``break``,
-    or closing the iterator) costs no further step.
-    """
+    max_new_tokens: one limit, or (b,) per-source limits (``max_target_lengths``), eos included.
+    sampling: None = greedy. src_valid (b, s): the real source tokens (default: ``src != pad_id``).
+    eos_id: a row that emits it, or reaches its limit, is done and holds ``fill_id`` (default:
+        pad_id, else eos_id). use_cache, compile: as ``stream_decoder_only``'s."""
     if compile and not use_cache:
         raise ValueError("compile=True decodes through the KV cache; it needs use_cache=True")
     limit = torch.as_tensor(max_new_tokens, device=src.device).expand(src.shape[0])  # (b,)
     return _decode(model, src, src_valid, bos_id=bos_id, limit=limit, chooser=TokenChooser(sampling, src.device),
-                   eos_id=eos_id, fill_id=default_fill_id(model.config.pad_id, eos_id, fill_id), use_cache=use_cache,
+                   eos_id=eos_id, fill_id=fill_id_for(model.config.pad_id, eos_id, fill_id), use_cache=use_cache,
                    compile=compile)
 
 
@@ -76,7 +67,6 @@ def _decode(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | N
     encoded = model.encode(src, src_valid=src_valid)  # once per source: memory (b, s, d)
     # bos + at most n_steps - 1 fed tokens (compiled: rounded up, so lengths share a graph)
     cache = model.new_cache(b, cache_slots(n_steps, compile)) if use_cache else None
-
     # bos and the tokens so far (b, 1 + i): what the recomputing path reads, and the penalty's history.
     target = torch.full((b, 1), bos_id, dtype=torch.long, device=device)
     done = limit <= 0  # (b,) a row with no token to generate is done from the start
@@ -102,52 +92,22 @@ def _decode(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | N
 
 
 @torch.inference_mode()
-def greedy_encoder_decoder(
-    model: EncoderDecoder | Ensemble,
-    src: Tensor,
-    *,
-    bos_id: int,
-    max_new_tokens: int | Tensor,
-    src_valid: Tensor | None = None,
-    eos_id: int | None = None,
-    use_cache: bool = True,
-    compile: bool = False,
-) -> GreedyResult:
-    """Translate each row of ``src`` (b, s) greedily, starting every target with ``bos_id``.
-
-    ``max_new_tokens`` is one limit for all rows or a (b,) tensor of per-source limits (e.g.
-    ``max_target_lengths``); after its eos or its limit a row holds pad_id (eos_id if the model
-    has no pad_id) and ``lengths`` says how many tokens each row generated (up to and including
-    eos). ``compile``: the steps after the first through the compiled decode step.
-    """
+def greedy_encoder_decoder(model: EncoderDecoder | Ensemble, src: Tensor, *, bos_id: int,
+                           max_new_tokens: int | Tensor, use_cache: bool = True,
+                           **options: Unpack[DecodeOptions]) -> GreedyResult:
+    """Translate each row of ``src`` (b, s) greedily; the options are ``stream_encoder_decoder``'s."""
     return GreedyResult.from_steps(stream_encoder_decoder(
-        model, src, bos_id=bos_id, max_new_tokens=max_new_tokens, src_valid=src_valid, eos_id=eos_id,
-        use_cache=use_cache, compile=compile), with_lengths=True)
+        model, src, bos_id=bos_id, max_new_tokens=max_new_tokens, use_cache=use_cache, **options),
+        with_lengths=True)
 
 
 @torch.inference_mode()
-def sample_encoder_decoder(
-    model: EncoderDecoder | Ensemble,
-    src: Tensor,
-    *,
-    bos_id: int,
-    max_new_tokens: int | Tensor,
-    sampling: SamplingConfig | None = None,
-    src_valid: Tensor | None = None,
-    eos_id: int | None = None,
-    compile: bool = False,
-) -> Tensor:
-    """Sample a target for each row of ``src`` (b, s) through the KV cache -> ids (b, n).
-
-    Temperature / top-k / top-p / repetition penalty as in ``SamplingConfig`` (default
-    ``SamplingConfig()``; temperature 0 = greedy); the repetition penalty sees the target so far,
-    bos included. ``max_new_tokens``: one limit or (b,) per-source limits. After a row's eos or its
-    limit the row holds pad_id (eos_id if the model has no pad_id). ``compile``: the steps after the
-    first through the compiled decode step.
-    """
+def sample_encoder_decoder(model: EncoderDecoder | Ensemble, src: Tensor, *, bos_id: int,
+                           max_new_tokens: int | Tensor, sampling: SamplingConfig | None = None,
+                           **options: Unpack[DecodeOptions]) -> Tensor:
+    """Sample a target for each row of ``src`` (b, s) -> ids (b, n); options as ``stream_encoder_decoder``."""
     steps = stream_encoder_decoder(model, src, bos_id=bos_id, max_new_tokens=max_new_tokens,
-                                   sampling=sampling or SamplingConfig(), src_valid=src_valid, eos_id=eos_id,
-                                   compile=compile)
+                                   sampling=sampling or SamplingConfig(), **options)
     return torch.stack([step.tokens for step in steps], dim=1)
 
 

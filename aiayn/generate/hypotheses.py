@@ -1,8 +1,5 @@
-"""Beam search's hypotheses: what the search returns (``Hypothesis``, ``BeamSearchResult``), what
-it shows an observer (``BeamStep``), and its state from step to step: the open beams (``Beams``), the
-k best finished hypotheses of every source (``Finished``) and one step's choice (``choose``).
-``aiayn.generate.beam`` runs the search over a model's cache.
-"""
+"""Beam search's hypotheses: what the search returns and shows an observer, and its state from step
+to step (open ``Beams``, each source's ``Finished`` best, one step's ``choose``)."""
 
 from __future__ import annotations
 
@@ -49,22 +46,10 @@ class BeamSearchResult:
 
 @dataclass(frozen=True)
 class BeamStep:
-    """What one step of the search did, for an observer (``beam_search_encoder_decoder(trace=)``):
-    the 2 * beam candidates of every source still searching, best first by sum score.
-
-    t: the candidates' length (tokens without bos), 1 at the first step.
-    sources (n,) long: the source ids (rows of ``src``) still searching at this step.
-    parent (n, c) long: the beam slot (0 .. beam - 1, best first at step t - 1) each candidate
-        continues; at t = 1 every candidate continues slot 0 (bos).
-    token (n, c) long, score (n, c) float32: the candidate's last token and its sum of
-        log-probabilities (-inf: no candidate).
-    finished (n, c) bool: an eos candidate ranked within the first ``beam``: it joined the
-        source's finished hypotheses (ranked by ``score / lp(t)``), where it may still be beaten.
-    slot (n, c) long: the beam slot the candidate continues in at the next step, -1 when pruned
-        (or finished).
-    at_limit (n,) bool: the source reached its length limit (its open beams finished without eos).
-    done (n,) bool: the source stopped searching after this step.
-    """
+    """What one step of the search did (``trace=``): the 2 * beam candidates of every source still
+    searching, best first. sources (n,), at_limit (n,), done (n,) per source; per candidate (n, c):
+    ``parent`` beam slot, ``token``, sum ``score`` (-inf: none), ``finished`` (an eos candidate
+    kept), ``slot`` at the next step (-1: pruned or finished). t: the candidates' length."""
 
     t: int
     sources: Tensor
@@ -86,8 +71,8 @@ class Beams:
     token_scores: Tensor  # (n, k, L) float32 log-probability of each token
 
     def extend(self, t: int, parent: Tensor, token: Tensor, token_lp: Tensor) -> tuple[Tensor, Tensor]:
-        """Histories of the chosen parents (n, m) continued by ``token`` (n, m) with log-prob
-        ``token_lp`` (n, m) at slot t - 1 -> new histories (n, m, L) of ids and of log-probs."""
+        """Histories of the chosen parents (n, m) continued by ``token`` (n, m) with log-prob ``token_lp``
+        at slot t - 1 -> new histories (n, m, L) of ids and of log-probs."""
         idx = parent[:, :, None].expand(-1, -1, self.tokens.shape[2])  # (n, m, L)
         new_tokens, new_scores = self.tokens.gather(1, idx), self.token_scores.gather(1, idx)
         new_tokens[:, :, t - 1], new_scores[:, :, t - 1] = token, token_lp
@@ -100,8 +85,7 @@ class Beams:
 
 @dataclass
 class Finished:
-    """The k best finished hypotheses of every source (all b of them), best first; a slot with
-    normalized score -inf is empty."""
+    """The k best finished hypotheses of every source, best first; -inf normalized score: empty slot."""
 
     norm: Tensor  # (b, k) score / gnmt_length_penalty(length, alpha): the ranking
     score: Tensor  # (b, k) sum of log-probabilities
@@ -119,9 +103,8 @@ class Finished:
 
     def merge(self, alive: Tensor, score: Tensor, length: Tensor, tokens: Tensor, token_scores: Tensor,
               alpha: float) -> None:
-        """Merge candidates into the k best of the sources ``alive`` (n,): ``score`` (n, c) (-inf =
-        no candidate), ``length`` (n, c), ``tokens`` and ``token_scores`` (n, c, L). The kept
-        hypotheses come first on ties, then the candidates in their order."""
+        """Merge candidates (n, c) into the k best of the sources ``alive`` (n,), score -inf = none; the
+        kept hypotheses come first on ties."""
         k, n_max = self.norm.shape[1], self.tokens.shape[2]
         all_score = torch.cat([self.score[alive], score], dim=1)  # (n, k + c)
         all_len = torch.cat([self.length[alive], length], dim=1)
@@ -137,8 +120,7 @@ class Finished:
 
     def insert(self, i: int, slot: int, *, norm: float, score: float, tokens: Tensor, token_scores: Tensor,
                fill_id: int) -> None:
-        """Put a hypothesis (tokens (n,), token_scores (n,)) at rank ``slot`` of source i, moving
-        the ones from there down one (the last drops out)."""
+        """Put a hypothesis at rank ``slot`` of source i, moving the ones below down (the last drops out)."""
         n = tokens.shape[0]
         for buf in (self.norm, self.score, self.length, self.tokens, self.token_scores):
             buf[i, slot + 1:] = buf[i, slot:-1].clone()
@@ -163,8 +145,7 @@ class Finished:
 
 @dataclass
 class Choice:
-    """One step of the search for the n sources still searching: the 2k best continuations of their
-    beams, (n, 2k) each, best first, and what became of them."""
+    """One step's 2k best continuations per source, (n, 2k) each, best first, and what became of them."""
 
     top_scores: Tensor  # sum scores
     top_beam: Tensor  # the parent beam
@@ -181,8 +162,7 @@ class Choice:
 def choose(t: int, beams: Beams, finished: Finished, lprobs: Tensor, alive: Tensor, limits: Tensor, *, k: int,
             eos_id: int, pad_id: int | None, min_len: int, alpha: float,
             early_stopping: bool) -> tuple[Beams, Choice]:
-    """Step t of the search on the log-probs (n, k, v) of the open beams' next tokens: the next
-    beams, and the hypotheses that finish merged into ``finished``."""
+    """Step t of the search over the open beams' log-probs (n, k, v): the next beams; finished ones merged."""
     n, v, device = alive.shape[0], lprobs.shape[-1], alive.device
     if pad_id is not None:
         lprobs[:, :, pad_id] = NEG_INF
@@ -233,15 +213,12 @@ def trace_step(trace: Callable[[BeamStep], None], t: int, alive: Tensor, c: Choi
 
 def sources_done(worst_finished: Tensor, best_open: Tensor, limits: Tensor, *, t: int, alpha: float,
                   early_stopping: bool) -> Tensor:
-    """(n,) bool: which sources stop searching after step t (the docstring's stopping rule, but
-    the length limit). worst_finished (n,): normalized score of each source's k-th finished
-    hypothesis (-inf while it has fewer than k); best_open (n,): sum score of its best open beam
-    (-inf: none open); limits (n,): its length limits."""
+    """(n,) bool: which sources stop after step t (the stopping rule, but the length limit), from the
+    normalized score of each one's k-th finished hypothesis and its best open sum score."""
     if early_stopping:
         done = torch.isfinite(worst_finished)
     else:
-        # The best any continuation of the best open beam can score (log-probs <= 0 only lower
-        # the sum): with alpha > 0 at the longest length, with alpha < 0 at the next.
+        # The best any continuation of the best open beam can score (log-probs <= 0).
         bound_len = limits if alpha > 0 else torch.full_like(limits, t + 1)
         bound = best_open / gnmt_length_penalty(bound_len, alpha) if alpha != 0 else best_open
         done = worst_finished >= bound

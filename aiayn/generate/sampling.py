@@ -1,9 +1,5 @@
 """How the next token is chosen: argmax, or a draw with temperature / top-k / top-p and CTRL's
-repetition penalty.
-
-``TokenChooser`` is what the decode loops hold: one per decode, with the generator a seed starts,
-so that a seeded decode reproduces its whole sequence (the draws come in the same order each run).
-"""
+repetition penalty. A seeded ``TokenChooser`` reproduces its whole sequence."""
 
 from __future__ import annotations
 
@@ -35,11 +31,8 @@ class SamplingConfig:
 
 
 def apply_repetition_penalty(logits: Tensor, previous: Tensor, penalty: float) -> Tensor:
-    """CTRL's penalty: logits of tokens already present are divided (if > 0) or multiplied by it.
-
-    logits (b, v), previous (b, t) token ids -> (b, v). An id present several times is penalised
-    once.
-    """
+    """CTRL's penalty: logits (b, v) of the ids in ``previous`` (b, t) divided (if > 0) or multiplied
+    by it, once per id."""
     if penalty == 1.0:
         return logits
     seen = torch.gather(logits, 1, previous)  # (b, t)
@@ -48,10 +41,7 @@ def apply_repetition_penalty(logits: Tensor, previous: Tensor, penalty: float) -
 
 
 def filter_logits(logits: Tensor, *, top_k: int | None, top_p: float | None) -> Tensor:
-    """Keep the top-k logits and/or the smallest set whose probability reaches top_p; -inf elsewhere.
-
-    logits (b, v) -> (b, v)
-    """
+    """Keep the top-k logits (b, v) and/or the smallest set whose probability reaches top_p; -inf elsewhere."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (b, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -67,11 +57,8 @@ def filter_logits(logits: Tensor, *, top_k: int | None, top_p: float | None) -> 
 
 def sample_next(logits: Tensor, previous: Tensor, cfg: SamplingConfig,
                 generator: torch.Generator | None = None) -> Tensor:
-    """logits (b, v) of the next token, previous (b, t) ids -> next ids (b,)
-
-    In float32 whatever the model's dtype: the penalty, then (temperature > 0) temperature,
-    top-k / top-p filtering and one draw per row from ``generator`` (the global one if None).
-    """
+    """logits (b, v), previous (b, t) ids -> next ids (b,), in float32: the penalty, then (temperature
+    > 0) temperature, top-k / top-p and one draw per row from ``generator``."""
     logits = apply_repetition_penalty(logits.float(), previous, cfg.repetition_penalty)
     if cfg.temperature == 0:
         return logits.argmax(-1)
@@ -81,9 +68,7 @@ def sample_next(logits: Tensor, previous: Tensor, cfg: SamplingConfig,
 
 
 class TokenChooser:
-    """Each row's next token for a decode loop: the argmax of the logits without a
-    ``SamplingConfig``, else ``sample_next`` (temperature 0 included: it still applies the
-    repetition penalty) with a generator seeded by ``sampling.seed`` (the global one if None)."""
+    """Each row's next token: the argmax without a ``SamplingConfig``, else a seeded ``sample_next``."""
 
     def __init__(self, sampling: SamplingConfig | None, device: torch.device) -> None:
         self.sampling = sampling

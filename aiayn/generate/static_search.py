@@ -1,10 +1,5 @@
-"""Beam search over static shapes (``aiayn.generate.beam``'s ``static`` search): when it is used,
-and how its cache follows the kept beams without changing the batch.
-
-Static shapes serve the compiled decode step (one graph for every step, a CUDA graph on a GPU), and
-on a GPU the eager search too: dropping stopped sources reads the device every step (which sources
-stay), a host-device sync the GPU waits on, while a masked source's rows cost a GPU next to nothing.
-"""
+"""Beam search over static shapes: when it is used, and how its cache follows the kept beams. They
+serve the compiled step, and on a GPU the eager search too (dropping sources syncs every step)."""
 
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ STATIC_SEARCH_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 def static_search(compile: bool, device: torch.device, traced: bool) -> bool:
-    """Whether the search keeps static shapes: compiled, or untraced on a ``STATIC_SEARCH_DEVICES``
-    device (a trace names the sources still searching, which the dropping search's bookkeeping gives)."""
+    """Whether the search keeps static shapes: compiled, or untraced on a ``STATIC_SEARCH_DEVICES`` device."""
     return compile or (not traced and device.type in STATIC_SEARCH_DEVICES)
 
 

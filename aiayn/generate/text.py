@@ -1,12 +1,6 @@
-"""Token ids to text as they come: what a streamed answer may show after each token. The one
-incremental detokeniser: ``aiayn generate`` (``aiayn.textgen.stream_text``) and ``aiayn serve``'s
-engine both release text through it, so a stop string behaves the same in both (never shown).
-
-A byte-level tokenizer splits a multi-byte character over tokens, so the text of the ids so far can
-end in half a character (decoded as U+FFFD): that tail waits for the next token. A stop string can
-also span tokens ("###" as "#" + "##"): the text that could still grow into a stop string waits
-too, and once a stop string is complete the answer ends just before it, never showing it.
-"""
+"""Token ids to text as they come: the one incremental detokeniser, shared by ``aiayn generate`` and
+``aiayn serve``. Half a character (a byte-level tokenizer's U+FFFD) waits for the next token, and
+so does text that could still grow into a stop string; a stop string is never shown."""
 
 from __future__ import annotations
 
@@ -14,11 +8,8 @@ from collections.abc import Callable, Sequence
 
 
 class IncrementalText:
-    """The text of a growing list of token ids, released piece by piece.
-
-    ``add(token)`` returns (the new text that is safe to show, whether a stop string ended the
-    answer); ``finish()`` returns what was held back when the answer ends for another reason.
-    """
+    """The text of a growing list of token ids, released piece by piece: ``add(token)`` -> (the new
+    text safe to show, whether a stop string ended the answer); ``finish()`` -> what was held back."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
         self.decode = decode
@@ -43,8 +34,7 @@ class IncrementalText:
         return self._release(self.decode(self.ids) if self.ids else "")
 
     def _first_stop(self, text: str) -> int | None:
-        """Where the earliest stop string in ``text`` starts (searched from where one could first
-        overlap the unreleased text), or None."""
+        """Where the earliest stop string in ``text`` starts, or None."""
         found = [i for stop in self.stops
                  if (i := text.find(stop, max(0, len(self.shown) - len(stop) + 1))) >= 0]
         return min(found) if found else None

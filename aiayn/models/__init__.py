@@ -22,9 +22,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def build_model(config: ModelConfig) -> nn.Module:
-    """The model class for ``config.arch``, freshly initialised; a config too large for this
-    machine's memory is refused first (``aiayn.models.size``), unless it is built on the meta
-    device (shapes only: a loader that fills it with packed weights checks its own size)."""
+    """The model class for ``config.arch``, freshly initialised; too large a config is refused first."""
     if torch.get_default_device().type != "meta":
         check_fits(config)
     return MODEL_CLASSES[config.arch](config)

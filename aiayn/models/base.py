@@ -18,15 +18,12 @@ from aiayn.nn.row_kv_cache import RowKVCache
 
 @dataclass
 class ModelOutput:
-    """What every model of the family returns: the last stack's hidden states and, through the
-    output layer, the logits.
+    """What every model of the family returns: the last stack's hidden states and the logits.
 
-    ``logits`` (b, t, v) are ``head(hidden)``, computed on first access: a caller that wants only
-    the hidden states (an embedding) never pays for them, and a training loss takes the hidden
-    rows and the output layer ``head`` (``aiayn.train.losses.sequence_loss``: over the real tokens
-    only, or fused with the cross-entropy). A padding-free forward (``ModelConfig.padding_free``)
-    computes its real tokens only: ``hidden_rows`` are those, (n, d), placed by ``packing``;
-    ``hidden`` and ``logits`` are (b, t, ...) all the same, zeros at padding.
+    ``logits`` (b, t, v) = ``head(hidden)``, computed on first access (an embedding never pays for
+    them; a training loss takes the hidden rows and ``head``). A padding-free forward's
+    ``hidden_rows`` are its real tokens (n, d), placed by ``packing``; ``hidden`` and ``logits``
+    are (b, t, ...) all the same, zeros at padding.
     """
 
     hidden_rows: Tensor  # the last stack's output (after its final norm): (b, t, d), or packed (n, d)
@@ -36,8 +33,7 @@ class ModelOutput:
     cross_attentions: list[Tensor] = field(default_factory=list)  # decoder cross-attention, per layer
     encoder_attentions: list[Tensor] = field(default_factory=list)  # encoder self-attention (enc-dec)
     pooled: Tensor | None = None  # (b, d) an encoder's sentence vector (BERT's pooler)
-    # hidden and logits once computed (plain attributes, not functools.cached_property, which
-    # torch.compile cannot trace: a graph break in every step that reads the logits)
+    # hidden and logits once computed (plain attributes: torch.compile cannot trace cached_property)
     _hidden: Tensor | None = field(default=None, repr=False, compare=False)
     _logits: Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -105,9 +101,19 @@ def make_cache(config: ModelConfig, *, n_layers: int, batch_size: int, max_len: 
                cross_attention=cross_attention, quantize=quantize, group_size=group_size)
 
 
-def check_arch(config: ModelConfig, expected: str, cls: str) -> None:
-    if config.arch != expected:
-        raise ValueError(f"{cls} needs config.arch={expected!r}, got {config.arch!r}; "
+def start_model(model: nn.Module, config: ModelConfig, arch: str) -> nn.Embedding:
+    """A model class's first step: check its ``arch``, keep the config, make its (source) embedding table."""
+    if config.arch != arch:
+        raise ValueError(f"{type(model).__name__} needs config.arch={arch!r}, got {config.arch!r}; "
                          f"use aiayn.models.build_model(config) to pick the class")
+    model.config = config
+    return nn.Embedding(config.vocab_size, config.d_model)
+
+
+def finish_model(model: nn.Module, config: ModelConfig, head: nn.Linear, embedding: nn.Embedding) -> None:
+    """A model class's last step: initialise its weights, then tie its output layer (``tie_output``)."""
+    init_weights(model, config)
+    if config.tie_output:
+        head.weight = embedding.weight
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache, model_output
+from aiayn.models.base import ModelOutput, finish_model, make_cache, model_output, start_model
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.kv_cache import KVCache
 
@@ -16,14 +16,10 @@ class DecoderOnly(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        check_arch(config, "decoder-only", "DecoderOnly")
-        self.config = config
-        embedding = nn.Embedding(config.vocab_size, config.d_model)
+        embedding = start_model(self, config, "decoder-only")
         self.decoder = TransformerStack(config, n_layers=config.n_layers, embedding=embedding, causal=True)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
-        init_weights(self, config)
-        if config.tie_output:
-            self.lm_head.weight = embedding.weight
+        finish_model(self, config, self.lm_head, embedding)
 
     @property
     def embedding(self) -> nn.Embedding:
@@ -32,18 +28,15 @@ class DecoderOnly(nn.Module):
     def forward(self, tokens: Tensor, *, valid: Tensor | None = None,
                 positions: Tensor | None = None, cache: KVCache | None = None,
                 need_weights: bool = False) -> ModelOutput:
-        """tokens (b, t) -> logits (b, t, v). With ``cache``, tokens continue the cached ones.
-
-        With ``config.padding_free`` (no cache, no ``need_weights``) the stack skips padding;
-        logits and hidden are zeros at padded positions."""
+        """tokens (b, t) -> logits (b, t, v). With ``cache``, tokens continue the cached ones; with
+        ``config.padding_free`` (no cache or weights) logits and hidden are zeros at padding."""
         pack = self.config.padding_free and cache is None and not need_weights
         out = self.decoder(tokens, valid=valid, positions=positions, cache=cache, need_weights=need_weights,
                            pack=pack)
         return model_output(out, self.lm_head)
 
     def _first_float_parameter(self) -> torch.Tensor | None:
-        # The model's float type and device: its first float parameter's, the embedding table's in a
-        # float model (a packed model's first is a norm's: its linear layers and table hold integer blocks).
+        # The model's float type and device (a packed model's first float parameter is a norm's).
         return next((p for p in self.parameters() if p.is_floating_point()), None)
 
     @property
@@ -56,12 +49,9 @@ class DecoderOnly(nn.Module):
                   dtype: torch.dtype | None = None, quantize: str | None = None,
                   group_size: int | None = None, per_row: bool = False, n_blocks: int | None = None,
                   block_size: int = 16) -> KVCache:
-        """A preallocated KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len) tokens.
-
-        ``quantize="int8"``/``"int4"``: keys and values stored quantised (see ``aiayn.nn.kv_cache``).
-        ``per_row``: a ``RowKVCache``, whose rows fill independently (continuous batching).
-        ``n_blocks``: a ``PagedKVCache`` instead: the rows over a pool of ``n_blocks`` blocks of
-        ``block_size`` tokens (``aiayn.nn.paged_kv_cache``)."""
+        """A preallocated KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len)
+        tokens; ``quantize``: "int8"/"int4" keys and values. ``per_row``: a ``RowKVCache`` (rows fill
+        independently); ``n_blocks``: a ``PagedKVCache`` of that many ``block_size`` blocks."""
         weight = self._first_float_parameter()
         return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size, max_len=max_len,
                           dtype=dtype or self.float_dtype,

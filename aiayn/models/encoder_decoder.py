@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import ModelOutput, check_arch, init_weights, make_cache, model_output
+from aiayn.models.base import ModelOutput, finish_model, make_cache, model_output, start_model
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.kv_cache import KVCache
 
@@ -21,17 +21,12 @@ class Encoded:
 
 
 class EncoderDecoder(nn.Module):
-    """source (b, s), target (b, t) -> logits (b, t, v_tgt) for the next target token.
-
-    With ``share_embeddings`` source and target use one embedding matrix (one vocabulary); with
-    ``tie_output`` the output projection reuses the target embedding (paper section 3.4).
-    """
+    """source (b, s), target (b, t) -> logits (b, t, v_tgt) for the next target token;
+    ``share_embeddings`` and ``tie_output`` share the embedding matrices (paper section 3.4)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        check_arch(config, "encoder-decoder", "EncoderDecoder")
-        self.config = config
-        src_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        src_embedding = start_model(self, config, "encoder-decoder")
         tgt_embedding = (src_embedding if config.share_embeddings
                          else nn.Embedding(config.tgt_vocab_size, config.d_model))
         self.encoder = TransformerStack(config, n_layers=config.n_layers, embedding=src_embedding,
@@ -39,9 +34,7 @@ class EncoderDecoder(nn.Module):
         self.decoder = TransformerStack(config, n_layers=config.n_decoder_layers,
                                         embedding=tgt_embedding, causal=True, cross_attention=True)
         self.lm_head = nn.Linear(config.d_model, config.tgt_vocab_size, bias=config.lm_head_bias)
-        init_weights(self, config)
-        if config.tie_output:
-            self.lm_head.weight = tgt_embedding.weight
+        finish_model(self, config, self.lm_head, tgt_embedding)
 
     def encode(self, src: Tensor, *, src_valid: Tensor | None = None,
                need_weights: bool = False) -> Encoded:
@@ -51,27 +44,20 @@ class EncoderDecoder(nn.Module):
 
     def decode(self, tgt: Tensor, encoded: Encoded, *, tgt_valid: Tensor | None = None,
                cache: KVCache | None = None, need_weights: bool = False) -> ModelOutput:
-        """tgt (b, t) -> logits (b, t, v_tgt), attending to the encoded source.
-
-        With ``cache`` the target tokens continue the cached ones and the cross-attention keys and
-        values of ``encoded`` are computed on the first call only.
-        """
+        """tgt (b, t) -> logits (b, t, v_tgt), attending to the encoded source; with ``cache`` the
+        tokens continue the cached ones (cross-attention keys and values computed on the first call)."""
         out = self.decoder(tgt, valid=tgt_valid, memory=encoded.memory, memory_valid=encoded.valid,
                            cache=cache, need_weights=need_weights)
         return model_output(out, self.lm_head, encoder_attentions=encoded.attentions)
 
     def forward(self, src: Tensor, tgt: Tensor, *, src_valid: Tensor | None = None,
                 tgt_valid: Tensor | None = None, need_weights: bool = False) -> ModelOutput:
-        """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt).
-
-        With ``config.padding_free`` (and no ``need_weights``) both stacks skip padding; logits and
-        hidden are zeros at padded target positions."""
+        """Teacher-forced pass: src (b, s), tgt (b, t) -> logits (b, t, v_tgt)."""
         if src.dim() == 2 and tgt.dim() == 2 and src.shape[0] != tgt.shape[0]:
             raise ValueError(f"src and tgt batch sizes differ: src {tuple(src.shape)}, "
                              f"tgt {tuple(tgt.shape)}")
         if self.config.padding_free and not need_weights:
-            # Both stacks packed: the source's real tokens feed the cross-attention projections,
-            # the target's the output layer (aiayn.nn.packing).
+            # Both stacks packed: the source's real tokens feed the cross-attention projections.
             enc = self.encoder(src, valid=src_valid, pack=True)
             out = self.decoder(tgt, valid=tgt_valid, memory=enc.hidden, memory_valid=enc.valid,
                                memory_packing=enc.packing, pack=True)

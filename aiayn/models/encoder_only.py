@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.models.base import ModelOutput, check_arch, init_weights, model_output
+from aiayn.models.base import ModelOutput, finish_model, model_output, start_model
 from aiayn.models.blocks import TransformerStack
 from aiayn.nn.mlp import activation_function
 from aiayn.nn.norm import make_norm
@@ -17,9 +17,7 @@ class EncoderOnly(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        check_arch(config, "encoder-only", "EncoderOnly")
-        self.config = config
-        embedding = nn.Embedding(config.vocab_size, config.d_model)
+        embedding = start_model(self, config, "encoder-only")
         self.encoder = TransformerStack(config, n_layers=config.n_layers, embedding=embedding,
                                         causal=False, segments=True)
         self.pooler = nn.Linear(config.d_model, config.d_model)
@@ -28,9 +26,7 @@ class EncoderOnly(nn.Module):
         self.mlm_act = activation_function(config.activation)  # a gated unit's own function (gelu, silu)
         self.mlm_norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.mlm_head = nn.Linear(config.d_model, config.vocab_size, bias=True)
-        init_weights(self, config)
-        if config.tie_output:
-            self.mlm_head.weight = embedding.weight
+        finish_model(self, config, self.mlm_head, embedding)
 
     @property
     def embedding(self) -> nn.Embedding:
@@ -42,10 +38,8 @@ class EncoderOnly(nn.Module):
 
     def forward(self, tokens: Tensor, *, valid: Tensor | None = None,
                 segments: Tensor | None = None, need_weights: bool = False) -> ModelOutput:
-        """tokens (b, t) -> hidden (b, t, d), pooled (b, d) and the MLM head's logits (b, t, v).
-
-        Padding-free (``config.padding_free``): the stack and the MLM head run on the real tokens
-        only; hidden and logits come back padded, zeros at padding."""
+        """tokens (b, t) -> hidden (b, t, d), pooled (b, d) and the MLM head's logits (b, t, v);
+        padding-free, hidden and logits are zeros at padding."""
         pack = self.config.padding_free and not need_weights
         out = self.encoder(tokens, valid=valid, segments=segments, need_weights=need_weights, pack=pack)
         first = out.packing.unpack(out.hidden)[:, 0] if out.packing is not None else out.hidden[:, 0]

@@ -7,9 +7,8 @@ from typing import Any
 from aiayn.config import ConfigError, ModelConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Vaswani et al. 2017, Table 3: the base and big models (shared 37k BPE vocabulary en-de).
-    # paper-base counts 63.1M parameters, Table 3 says 65M: the layers agree, Table 3's counts fit
-    # a vocabulary of ~41k tokens (`aiayn explain parameters`, docs/explain/parameters.md).
+    # Vaswani et al. 2017, Table 3: the base and big models (shared 37k BPE vocabulary en-de);
+    # why paper-base counts fewer parameters than Table 3: `aiayn explain parameters`.
     "paper-base": dict(arch="encoder-decoder", vocab_size=37000, d_model=512, n_heads=8,
                        n_layers=6, d_ff=2048, dropout=0.1, positional="sinusoidal",
                        norm_position="post", share_embeddings=True, tie_output=True, max_seq_len=1024),

@@ -1,6 +1,5 @@
-"""How much memory a model will take, from its config alone: checked before anything is built, so
-that an absurd size (a typo, a hostile config file) fails fast with a message instead of
-allocating gigabytes or hanging."""
+"""How much memory a model will take, from its config alone: an absurd size fails fast, before
+anything is built."""
 
 from __future__ import annotations
 
@@ -12,9 +11,8 @@ BYTES_PER_VALUE = 4  # float32, as built
 
 
 def estimated_values(config: ModelConfig) -> int:
-    """An upper estimate of the values (parameters and position tables) ``build_model`` allocates:
-    embeddings, position tables, attention and feed-forward weights, norms. Exact counts live in
-    ``count_parameters``; this needs no model, and errs high (biases, position tables)."""
+    """An upper estimate of the values ``build_model`` allocates, without a model (exact counts:
+    ``count_parameters``)."""
     d, d_ff = config.d_model, config.d_ff
     attention = d * config.head_dim * (2 * config.n_heads + 2 * config.n_kv_heads) + 4 * d
     ffn = (3 if config.activation.startswith(("swi", "ge", "reg")) else 2) * d * d_ff + d_ff + d

@@ -1,17 +1,8 @@
-"""Additive attention (Bahdanau, Cho and Bengio 2015), the alternative the paper compares its
-dot-product attention with in section 3.2.1: score(q, k) = wᵀ tanh(q + k), a one-hidden-layer
-network over each query-key pair, with q = W_q x and k = W_k y already projected.
+"""Additive attention (Bahdanau et al. 2015), the alternative of the paper's section 3.2.1:
+score(q, k) = wᵀ tanh(q + k) with q, k already projected. Its FLOPs are of the same order as
+dot-product attention's, but elementwise work over (b, h, t_q, t_k, d_h) instead of a matmul.
 
-``additive_attention`` takes the arguments of ``aiayn.nn.attention.scaled_dot_product_attention``
-(same masks, same zero output for a query that sees no key) plus the vector w per head.
-``AdditiveAttentionKernel`` holds w and stands in for ``MultiHeadAttention.kernel``;
-``use_additive_attention(model)`` puts one in every attention layer of a built model.
-
-Cost: the scores need the (b, h, t_q, t_k, d_h) tensor tanh(q_i + k_j), where dot-product
-attention needs one matrix product; the FLOPs are of the same order (t_q t_k d_h per head), but
-they are elementwise work and memory traffic instead of a matrix product.
-Shape letters: b batch, h heads, h_kv key/value heads, t_q queries, t_k keys, d_h head width.
-"""
+Shape letters: b batch, h heads, h_kv key/value heads, t_q queries, t_k keys, d_h head width."""
 
 from __future__ import annotations
 
@@ -26,11 +17,8 @@ from aiayn.nn.masks import causal_mask, combine_masks, scores_shaped
 def additive_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, *, mask: Tensor | None = None,
                        bias: Tensor | None = None, causal: bool = False, dropout_p: float = 0.0,
                        need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """softmax(wᵀ tanh(q_i + k_j) + bias, masked) V.
-
-    q: (b, h, t_q, d_h); k, v: (b, h_kv, t_k, d_h); w: (h, d_h). mask, bias, causal, dropout_p:
-    as in ``scaled_dot_product_attention``. Returns (output (b, h, t_q, d_h), weights or None).
-    """
+    """softmax(wᵀ tanh(q_i + k_j) + bias, masked) V; w: (h, d_h), the rest as in
+    ``scaled_dot_product_attention``. Returns (output (b, h, t_q, d_h), weights or None)."""
     _check_attention_inputs(q, k, v, mask, bias)
     if w.shape != (q.shape[1], q.shape[3]):
         raise ValueError(f"additive attention: w must be (heads, head_dim) = {(q.shape[1], q.shape[3])}, "
@@ -57,8 +45,7 @@ def additive_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, *, mask: Tens
 
 
 class AdditiveAttentionKernel(nn.Module):
-    """The vector w of additive attention per head, called like ``scaled_dot_product_attention``
-    (``scale`` is ignored: the tanh bounds each term, nothing to scale)."""
+    """Additive attention's w per head, called like ``scaled_dot_product_attention`` (``scale`` ignored)."""
 
     def __init__(self, n_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -72,9 +59,8 @@ class AdditiveAttentionKernel(nn.Module):
 
 
 def use_additive_attention(model: nn.Module) -> nn.Module:
-    """Give every ``MultiHeadAttention`` of ``model`` an additive kernel (new parameters w; the
-    projections are kept as W_q and W_k). In place; returns the model. Do not apply
-    ``aiayn.fast.optimize`` afterwards: it would set its dot-product kernel again."""
+    """Give every ``MultiHeadAttention`` of ``model`` an additive kernel, in place; returns the model.
+    Do not apply ``aiayn.fast.optimize`` afterwards: it would set its own kernel again."""
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
             module.kernel = AdditiveAttentionKernel(module.n_heads, module.head_dim)

@@ -2,16 +2,11 @@
 (section 3.2.2).
 
 Shape letters: b batch, h query heads, h_kv key/value heads, t / t_q queries, t_k keys, s source
-length, d_h head width, d model width. Mask convention: see ``aiayn.nn.masks`` (True = may attend).
+length, d_h head width, d model width. Masks: ``aiayn.nn.masks`` (True = may attend).
 
-Read in order: ``attention`` is equation (1) written out; ``attend`` prepares the masks and runs
-it, or the same equation in torch's fused kernel when no weights are asked for;
-``scaled_dot_product_attention`` checks its inputs, then calls ``attend``. ``MultiHeadAttention``
-runs ``attend`` unchecked in every layer: a model checks its inputs once, at its stack's entry.
-
-Plain PyTorch: ``aiayn.fast`` swaps in faster CPU kernels for a built model (``MultiHeadAttention.
-kernel``), each tested equal to ``scaled_dot_product_attention``.
-"""
+``attention`` is equation (1) written out; ``attend`` prepares the masks and runs it (or torch's
+fused kernel when no weights are asked for); ``scaled_dot_product_attention`` checks its inputs,
+then calls ``attend``, which ``MultiHeadAttention`` runs unchecked in every layer."""
 
 from __future__ import annotations
 
@@ -32,11 +27,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, bias:
               scale: float | None = None, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
     """Equation (1), written out: softmax(Q K^T / sqrt(d_k) + bias, masked) V.
 
-    q: (b, h, t_q, d_h); k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv. mask: bool, True = may
-    attend; bias: float, added to the scores; both broadcast to (b, h, t_q, t_k). No checks: a
-    query that sees no key gets NaN here (``scaled_dot_product_attention`` gives it zeros).
-    Returns (output (b, h, t_q, d_h), weights (b, h, t_q, t_k) before dropout).
-    """
+    q: (b, h, t_q, d_h); k, v: (b, h_kv, t_k, d_h). mask (True = may attend) and bias broadcast to
+    (b, h, t_q, t_k). No checks: a query that sees no key gets NaN here.
+    Returns (output (b, h, t_q, d_h), weights (b, h, t_q, t_k) before dropout)."""
     if q.shape[1] != k.shape[1]:  # GQA: each group of h / h_kv query heads shares one k/v head
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     scale = q.shape[-1] ** -0.5 if scale is None else scale  # 1 / sqrt(d_k)
@@ -51,8 +44,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, bias:
 
 def _dispatch(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, dropout_p: float,
               scale: float | None, need_weights: bool) -> tuple[Tensor, Tensor | None]:
-    """Equation (1) on prepared masks: ``attention`` when the weights are asked for, else the same
-    equation in torch's fused kernel (flash / memory-efficient), which never forms the weights."""
+    """Equation (1) on prepared masks: ``attention`` for the weights, else torch's fused kernel."""
     if need_weights:
         return attention(q, k, v, masks.mask, masks.bias, scale, dropout_p)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks.combined, dropout_p=dropout_p,
@@ -64,8 +56,7 @@ def _dispatch(q: Tensor, k: Tensor, v: Tensor, masks: AttentionMasks, dropout_p:
 def attend(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = None, bias: Tensor | None = None,
            causal: bool = False, dropout_p: float = 0.0, scale: float | None = None,
            need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """``scaled_dot_product_attention`` without the input checks: the kernel ``MultiHeadAttention``
-    runs in every layer, on inputs its caller has checked once."""
+    """``scaled_dot_product_attention`` without the input checks (its caller has checked once)."""
     masks = attention_masks(mask, bias, causal, q.shape[2], k.shape[2], q.dtype, q.device,
                             fused=not need_weights)
     out, weights = _dispatch(q, k, v, masks, dropout_p, scale, need_weights)
@@ -76,26 +67,12 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tenso
                                  bias: Tensor | None = None, causal: bool = False,
                                  dropout_p: float = 0.0, scale: float | None = None,
                                  need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k) + bias, masked) V, equation (1), checked.
+    """Equation (1), checked: softmax(Q K^T / sqrt(d_k) + bias, masked) V.
 
-    Args:
-        q: (b, h, t_q, d_h). k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv (GQA/MQA: each key/value
-            head serves h / h_kv query heads).
-        mask: bool, broadcastable to (b, h, t_q, t_k); True = may attend. A 3-D mask is (b, t_q, t_k),
-            one per batch element shared by the heads (``aiayn.nn.masks``).
-        bias: float, broadcastable to (b, h, t_q, t_k), added to the scores (ALiBi, T5); 3-D as mask.
-        causal: also mask the future, right-aligned: the t_q queries are the last t_q keys (a cached
-            decode step's queries see every earlier key).
-        dropout_p: dropout on the attention weights (pass 0.0 in eval).
-        scale: multiplies the scores; default 1 / sqrt(d_h).
-        need_weights: compute with ``attention`` (the equation written out) and return its softmax
-            weights (before dropout); otherwise ``F.scaled_dot_product_attention`` computes the same
-            thing in one kernel.
-
-    Returns:
-        (output (b, h, t_q, d_h), weights (b, h, t_q, t_k) or None). A query with no visible key
-        outputs zeros (and zero weights), never NaN.
-    """
+    q: (b, h, t_q, d_h). k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv (GQA/MQA). mask (bool,
+    True = may attend) and bias (float: ALiBi, T5) broadcast to (b, h, t_q, t_k); 3-D ones are
+    (b, t_q, t_k), shared by the heads. causal: right-aligned. scale: default 1 / sqrt(d_h).
+    need_weights: return the weights (before dropout). A query with no visible key outputs zeros."""
     _check_attention_inputs(q, k, v, mask, bias)
     return attend(q, k, v, mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale,
                   need_weights=need_weights)
@@ -168,8 +145,7 @@ CacheAttentionKernel = Callable[..., Tensor | None]
 
 @dataclass
 class AttentionInputs:
-    """What a stack's forward computes once and hands every attention layer (the self-attention and
-    the cross-attention ones get one each): masks, positions, the cache slots, the packing."""
+    """What a stack's forward computes once for every attention layer: masks, positions, slots, packing."""
 
     mask: Tensor | None = None  # bool (b, 1, 1 or t, t_k), True = may attend
     bias: Tensor | None = None  # float (b or 1, h, t, t_k), added to the scores (ALiBi, T5)
@@ -185,18 +161,13 @@ _NO_INPUTS = AttentionInputs()  # no mask, bias, rotation, cache slots or packin
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention (paper section 3.2.2), self or cross, MHA / GQA / MQA.
-
-    Self-attention projects q, k, v with one fused matrix; cross-attention projects q from the
-    decoder stream and k, v (fused) from the encoder memory. ``n_kv_heads`` < ``n_heads`` shares
-    each key/value head among ``n_heads / n_kv_heads`` query heads (GQA; 1 = MQA).
-    """
+    """Multi-head attention (paper section 3.2.2), self or cross, MHA / GQA / MQA (``n_kv_heads`` <
+    ``n_heads`` shares each key/value head among ``n_heads / n_kv_heads`` query heads)."""
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
                  head_dim: int | None = None, cross: bool = False, bias: bool = True,
                  out_bias: bool | None = None, dropout: float = 0.0, impl: str = "fused") -> None:
-        """``bias`` switches the biases of the q/k/v projections, ``out_bias`` that of the output
-        projection (None = same as ``bias``; Qwen2 has q/k/v biases but none on the output)."""
+        """``bias``: the q/k/v projections' biases; ``out_bias``: the output projection's (None = ``bias``)."""
         super().__init__()
         out_bias = bias if out_bias is None else out_bias
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -215,8 +186,7 @@ class MultiHeadAttention(nn.Module):
         # Equation (1) on checked inputs; aiayn.fast may swap in a faster kernel with the same signature.
         self.kernel: AttentionKernel = attend
 
-    # None: a cache returns its keys and values (``LayerKVCache.write``) and ``kernel`` attends. aiayn.fast
-    # may set a kernel that attends from the cache's storage itself where it can (a paged cache's blocks).
+    # None: the cache returns its keys and values and ``kernel`` attends; aiayn.fast may set one.
     cache_kernel: CacheAttentionKernel | None = None
 
     def _heads(self, x: Tensor, n: int, packing: Packing | None = None) -> Tensor:
@@ -239,31 +209,20 @@ class MultiHeadAttention(nn.Module):
             )
 
     def project_kv(self, memory: Tensor, packing: Packing | None = None) -> tuple[Tensor, Tensor]:
-        """Cross-attention keys and values of the encoder memory (b, s, d), or of its real tokens
-        (n_s, d) packed by ``packing``, -> 2 x (b, h_kv, s, d_h) (zeros at padding if packed)."""
+        """Cross-attention keys and values of the encoder memory (b, s, d), or of its real tokens (n_s, d)
+        packed by ``packing``, -> 2 x (b, h_kv, s, d_h)."""
         k, v = self.kv_proj(memory).chunk(2, dim=-1)  # (b, s, kv) or packed (n_s, kv) each
         return self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *,
                 inputs: AttentionInputs | None = None, cache: LayerCache | StaticKV | None = None,
                 need_weights: bool = False, checked: bool = False) -> tuple[Tensor, Tensor | None]:
-        """Attend from x (b, t, d) to itself (self-attention) or to ``memory`` (b, s, d) (cross).
+        """Attend from x (b, t, d) to itself or to ``memory`` (b, s, d) -> (output (b, t, d), or (n, d)
+        packed; weights (b, h, t, t_k) with ``need_weights``, else None).
 
-        Args:
-            inputs: masks, bias, rotation, cache slots and packing (``AttentionInputs``; default none).
-                Masks and bias cover the keys *including* cached ones: (b, h, t, t_k) broadcast; a
-                3-D one is (b, t, t_k), shared by the heads.
-            cache: self-attention: a ``LayerCache``; the new keys and values are written at
-                ``inputs.slots`` and attention runs over the slots the write returns.
-                Cross-attention: a ``StaticKV``; memory's keys and values are computed on first
-                use and reused.
-            need_weights: also return the (b, h, t, t_k) attention weights.
-            checked: the caller has checked x, memory and ``inputs`` (a stack: ``TransformerStack.
-                prepare`` checks a forward's inputs once, for every layer); skip the checks.
-
-        Returns:
-            (output (b, t, d), or (n, d) when ``inputs.packing`` packs x; weights or None)
-        """
+        inputs: masks, bias, rotation, cache slots and packing (masks cover the cached keys too).
+        cache: a ``LayerCache`` (self-attention: written at ``inputs.slots``) or ``StaticKV`` (cross).
+        checked: skip the input checks (a stack checks once)."""
         inputs = inputs or _NO_INPUTS
         packing = inputs.packing
         if not checked:
@@ -296,11 +255,9 @@ class MultiHeadAttention(nn.Module):
         )  # (b, h, t, d_h), weights
 
     def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerCache]]) -> Tensor:
-        """Self-attention of several batches in one pass: x (n_1 + ... + n_g, d) holds batch i's real
-        tokens packed by its ``inputs.packing``, one batch after another; each batch attends over its
-        own cache (view) under its own inputs. The projections run once over all the tokens (one
-        read of their weights: what a step of a few tokens per row costs), the attention core once
-        per batch. Returns (n_1 + ... + n_g, d) in the same order. No weights, no dropout (decoding)."""
+        """Self-attention of several batches in one pass: x (n_1 + ... + n_g, d) holds each batch's real
+        tokens packed; the projections run once over all of them (one read of the weights), the
+        attention core once per batch over its own cache. No weights, no dropout."""
         if self.cross:
             raise ValueError("forward_ragged is self-attention (a decoder-only model's serve steps)")
         if any(inputs.packing is None for inputs, _ in batches):
@@ -316,8 +273,7 @@ class MultiHeadAttention(nn.Module):
 
     def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerCache | StaticKV | None,
                      need_weights: bool, checked: bool = True) -> tuple[Tensor, Tensor | None]:
-        """Self-attention from the projected qkv (b, t, q + 2 kv), or packed (n, q + 2 kv): the
-        heads, the rotation, the cache, the kernel -> (out (b, h, t, d_h), weights or None)."""
+        """Self-attention from the projected qkv (b, t, q + 2 kv) or (n, q + 2 kv) -> (out, weights or None)."""
         packing = inputs.packing
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)  # (b, t, .) or (n, .)
@@ -335,8 +291,7 @@ class MultiHeadAttention(nn.Module):
         return self._kernel(q, k, v, inputs, need_weights, checked)  # (b, h, t, d_h), weights
 
     def _merge_heads(self, out: Tensor, packing: Packing | None) -> Tensor:
-        """The heads' outputs (b, h, t, d_h) -> (b, t, h * d_h), or (n, h * d_h) packed: the output
-        projection then runs on real tokens only."""
+        """The heads' outputs (b, h, t, d_h) -> (b, t, h * d_h), or (n, h * d_h) packed."""
         b, t = out.shape[0], out.shape[2]
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h * d_h)
         return packing.pack(out) if packing is not None else out

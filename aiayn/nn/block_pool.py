@@ -1,28 +1,8 @@
-"""The blocks of a paged KV cache: who holds which, and which hold a known prompt prefix.
-
-A paged cache (``aiayn.nn.paged_kv_cache``) keeps every layer's keys and values in one pool of
-fixed-size blocks of ``block_size`` tokens; a row (a sequence) holds a list of block ids, its block
-table. This module is the host-side bookkeeping of that pool, vLLM's block manager in miniature:
-
-* **reference counts**: a block is held by every row whose table names it; it is free again when
-  the last one lets go (``release``), at once, whatever the row's length was.
-* **prefix index** (vLLM's automatic prefix caching): a *full* block of prompt tokens can be
-  registered under the digest of its tokens chained with the digest of every block before it
-  (``block_digests``: sha256 over the parent's digest and the block's token ids, so a digest names
-  the whole prefix up to the block's end, not just the block). A later prompt that starts with the
-  same tokens finds those blocks (``lookup``) and holds them (``retain``) instead of recomputing
-  them. Only full blocks are shared, and nobody writes into a full block: a row only ever writes
-  at its own end, in a block it holds alone (the row that filled a shared block had it to itself
-  then). So sharing needs no copy-on-write.
-* **LRU eviction**: a registered block that nobody holds stays in the index (a cache hit for the
-  next request), on an evictable list in least-recently-released order; ``allocate`` takes free
-  blocks first and evicts only when none is left. A row's blocks are released tail first, so the
-  end of a prefix is evicted before its beginning (a beginning alone still hits).
-
-Block 0 is the *null block*: never handed out, it pads block tables to a common width and takes
-the writes of padding tokens (what it holds is never attended to: those keys are masked).
-Nothing here touches a tensor: everything is host ints, so it costs the device nothing.
-"""
+"""The blocks of a paged KV cache (vLLM's block manager in miniature, host ints only): reference
+counts; a prefix index, each full prompt block registered under its chained digest
+(``block_digests``) so a later prompt with the same start holds it (rows write only at their own
+end, so no copy-on-write); LRU eviction of indexed blocks nobody holds, a prefix's end first.
+Block 0 is the null block: never handed out, it pads block tables and takes padding's writes."""
 
 from __future__ import annotations
 
@@ -38,8 +18,8 @@ class OutOfBlocks(RuntimeError):
 
 
 def block_digests(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained digest of each full block of ``tokens``: digest i names tokens[: (i + 1) * block_size]
-    (sha256 of digest i - 1 and block i's token ids). A last partial block gets none."""
+    """The chained digest of each full block of ``tokens``: digest i (sha256 of digest i - 1 and block
+    i's ids) names tokens[: (i + 1) * block_size]. A last partial block gets none."""
     digests, parent = [], b""
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = tokens[start: start + block_size]
@@ -103,8 +83,7 @@ class BlockPool:
         self._refs[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
-        """A row lets go of ``blocks`` (its table, in order): released tail first, so that a cached
-        prefix loses its end before its beginning."""
+        """A row lets go of ``blocks`` (its table, in order), tail first."""
         for block in reversed(blocks):
             if self._refs[block] <= 0:
                 raise ValueError(f"block {block} released more often than held")
@@ -119,8 +98,7 @@ class BlockPool:
         return self._refs[block]
 
     def register(self, block: int, digest: bytes) -> None:
-        """Index a full block (held now) under its prefix digest. A digest already indexed keeps its
-        block (this one stays private and is freed as usual); a block already indexed stays so."""
+        """Index a full block under its prefix digest; a digest or block already indexed stays as it is."""
         if block in self._digest_of or digest in self._by_digest:
             return
         self._digest_of[block] = digest
@@ -135,10 +113,3 @@ class BlockPool:
                 break
             blocks.append(block)
         return blocks
-
-    def clear_index(self) -> None:
-        """Forget every cached prefix (held blocks stay held; unheld ones become free)."""
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-        self._digest_of.clear()
-        self._by_digest.clear()

@@ -1,12 +1,6 @@
-"""When a forward may read a tensor's values back into Python.
-
-``int(t.max())`` or ``bool(mask.all())`` inside a forward is free eager on the CPU, a graph break
-inside ``torch.compile`` and, on a GPU, a host-device sync that stalls the stream. So the spine
-reads data only where ``reads_data`` says it may; elsewhere the checks are made at the batch
-boundary, asserted by the device without waiting (``torch._assert_async``), or left to an index
-bound, and masks are always built. Callers use it through this module (``data_checks.reads_data``)
-so that a test can take the GPU's path on a CPU by patching this one name.
-"""
+"""When a forward may read a tensor's values back into Python: free eager on the CPU, a graph break
+compiled and a sync on a GPU. Elsewhere checks happen at the batch boundary or on the device.
+Callers go through this module's ``reads_data`` so that a test can patch this one name."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Restricted self-attention (the paper's Table 1, "Self-Attention (restricted)"): each query sees
-only the keys within ``radius`` positions, so a layer costs O(t · r · d) instead of O(t² · d), at
-the price of a path length of O(t / r) between distant positions.
+"""Restricted self-attention (the paper's Table 1): each query sees the keys within ``radius``
+positions, O(t · r · d) per layer. ``local_attention`` computes only those 2r + 1 scores; it
+equals ``scaled_dot_product_attention`` with ``sliding_window_mask``.
 
-``local_attention`` computes only the 2r + 1 scores of each query (keys gathered as a sliding
-window, ``Tensor.unfold``); it equals ``scaled_dot_product_attention`` with
-``sliding_window_mask`` (tests/unit/test_local_attention.py), which computes all t² scores and
-masks most of them. Shape letters: b batch, h heads, t length, d_h head width, w = 2r + 1.
-"""
+Shape letters: b batch, h heads, t length, d_h head width, w = 2r + 1."""
 
 from __future__ import annotations
 
@@ -17,10 +13,8 @@ from torch import Tensor
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, radius: int, causal: bool = False,
                     scale: float | None = None) -> Tensor:
-    """softmax over the keys j with |i − j| <= radius (j <= i with ``causal``) of q_i·k_j · scale, times V.
-
-    q, k, v: (b, h, t, d_h), the same t (self-attention). Returns (b, h, t, d_h).
-    """
+    """softmax over the keys j with |i − j| <= radius (j <= i with ``causal``) of q_i·k_j · scale,
+    times V; q, k, v (b, h, t, d_h) -> (b, h, t, d_h)."""
     if q.dim() != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"local_attention: q, k, v must share one (batch, heads, t, head_dim) shape, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")

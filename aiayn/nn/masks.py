@@ -1,26 +1,16 @@
 """The one mask convention of aiayn.
 
-**A mask is a boolean tensor in which True means "this query may attend to this key".**
-It broadcasts against attention scores of shape (b, h, t_q, t_k). This is the convention of
-``torch.nn.functional.scaled_dot_product_attention``; note it is the *opposite* of
-``torch.nn.MultiheadAttention``'s ``key_padding_mask`` (True = ignore).
-
-Its dimensions, by count (``scores_shaped``):
+**A mask is a boolean tensor in which True means "this query may attend to this key".** It
+broadcasts against scores of shape (b, h, t_q, t_k), as ``F.scaled_dot_product_attention``'s (the
+opposite of ``nn.MultiheadAttention``'s ``key_padding_mask``). By dimension count:
 
 * 4-D (b or 1, h or 1, t_q or 1, t_k): as it stands;
-* **3-D (b or 1, t_q or 1, t_k): one mask per batch element, the same for every head** (read as
-  (b, 1, t_q, t_k), as the Annotated Transformer and most tutorials build it). Plain broadcasting
-  would read it as (h, t_q, t_k) and, when the batch size equals the number of heads, silently
-  give batch element i's mask to head i. ``torch.nn.MultiheadAttention``'s 3-D ``attn_mask``, (b·h,
-  t_q, t_k), is a third convention: reshape it to (b, h, t_q, t_k) first;
+* **3-D (b or 1, t_q or 1, t_k): one mask per batch element, shared by the heads** (read as
+  (b, 1, t_q, t_k); plain broadcasting would give batch element i's mask to head i);
 * 2-D (t_q or 1, t_k) and 1-D (t_k,): the same for every batch element and head.
 
-Additive biases (ALiBi, T5 relative bias, or a user's float mask) are float tensors of the same
-broadcast shape, added to the scores before the softmax. A query whose keys are all masked
-attends to nothing: its output is zero (never NaN).
-
-Helpers here build the usual masks and combine them by logical AND.
-"""
+Additive biases (ALiBi, T5, a float mask) have the same shapes. A query whose keys are all masked
+outputs zero, never NaN."""
 
 from __future__ import annotations
 
@@ -31,10 +21,8 @@ from torch import Tensor
 
 
 def valid_tokens(tokens: Tensor, pad_id: int | None, valid: Tensor | None = None) -> Tensor:
-    """(b, t) bool, True at real tokens: ``valid`` when given (checked: a bool tensor of the
-    tokens' shape), else ``tokens != pad_id``, or all True when the model has no pad_id.
-
-    The one rule for which tokens are real, used by the stacks and by every decoder."""
+    """(b, t) bool, True at real tokens: ``valid`` when given (checked), else ``tokens != pad_id``, or
+    all True without a pad_id. The one rule for which tokens are real."""
     if valid is None:
         return tokens != pad_id if pad_id is not None else torch.ones_like(tokens, dtype=torch.bool)
     if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
@@ -51,13 +39,8 @@ def key_mask(valid: Tensor) -> Tensor:
 
 
 def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | None = None) -> Tensor:
-    """Right-aligned causal mask, (1, 1, t_q, t_k).
-
-    The t_q queries are the *last* t_q positions of the t_k keys: query i sits at key position
-    ``t_k - t_q + i`` and may see keys 0..that position. With t_q == t_k this is the usual lower
-    triangle; with t_q < t_k it is what a cached decode step with several new tokens needs
-    (a top-left aligned triangle would hide keys the new tokens are allowed to see).
-    """
+    """Right-aligned causal mask, (1, 1, t_q, t_k): query i sits at key position ``t_k - t_q + i``
+    (a cached step's several new tokens see every earlier key)."""
     k_len = q_len if k_len is None else k_len
     if k_len < q_len:
         raise ValueError(
@@ -71,9 +54,8 @@ def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | 
 
 def sliding_window_mask(q_len: int, k_len: int | None = None, *, radius: int,
                         causal: bool = False, device: torch.device | None = None) -> Tensor:
-    """Restricted (local) attention, the paper's Table 1: query i may see the keys within ``radius``
-    positions of it (only the earlier ones with ``causal``), (1, 1, t_q, t_k). Right-aligned like
-    ``causal_mask``: the t_q queries are the last t_q positions of the t_k keys."""
+    """Restricted (local) attention, the paper's Table 1: query i sees the keys within ``radius`` of it
+    (only earlier ones with ``causal``), (1, 1, t_q, t_k), right-aligned like ``causal_mask``."""
     k_len = q_len if k_len is None else k_len
     if radius < 0 or k_len < q_len:
         raise ValueError(f"sliding_window_mask: need radius >= 0 and k_len >= q_len, got radius {radius}, "
@@ -85,19 +67,13 @@ def sliding_window_mask(q_len: int, k_len: int | None = None, *, radius: int,
 
 
 def scores_shaped(mask: Tensor | None) -> Tensor | None:
-    """A mask or additive bias with the scores' 4 dimensions: a 3-D (b, t_q, t_k) one becomes
-    (b, 1, t_q, t_k), shared by the heads (see the module doc); others are left as they are."""
+    """A mask or bias with the scores' 4 dimensions: a 3-D (b, t_q, t_k) one becomes (b, 1, t_q, t_k)."""
     return mask[:, None] if mask is not None and mask.dim() == 3 else mask
 
 
 def position_causal_mask(q_positions: Tensor, k_positions: Tensor) -> Tensor:
-    """(b, t_q) query and (b, t_k) key position ids -> (b, 1, t_q, t_k): True where the key's
-    position is at most the query's.
-
-    Causality by position rather than by slot order: for a cache whose rows fill independently
-    (``aiayn.nn.row_kv_cache``) the rows' slots do not line up, so the right-aligned slot mask
-    does not apply; within a row positions grow with the slots, so this is the same mask there.
-    """
+    """(b, t_q) query and (b, t_k) key position ids -> (b, 1, t_q, t_k), True where the key's position
+    is at most the query's: causality for a cache whose rows' slots do not line up."""
     return (k_positions[:, None, :] <= q_positions[:, :, None])[:, None]
 
 
@@ -128,11 +104,9 @@ class AttentionMasks:
 
 def attention_masks(mask: Tensor | None, bias: Tensor | None, causal: bool, t_q: int, t_k: int,
                     dtype: torch.dtype, device: torch.device, *, fused: bool) -> AttentionMasks:
-    """The masks of attention from t_q queries to t_k keys: the caller's ``mask`` and ``bias``
-    (3-D ones shared by the heads), causal right-aligned (the t_q queries are the last t_q keys),
-    and a query that sees no key made to attend everywhere (a finite softmax; its output is then
-    set to zero by ``row_valid``). ``fused``: for the fused kernel, which masks a square causal
-    call itself."""
+    """The masks of attention from t_q queries to t_k keys: ``mask`` and ``bias`` (3-D shared by the
+    heads), right-aligned causal, and a query that sees no key made to see every key (its output
+    zeroed by ``row_valid``). ``fused``: the fused kernel masks a square causal call itself."""
     mask, bias = scores_shaped(mask), scores_shaped(bias)  # 3-D: (b, t_q, t_k) -> (b, 1, t_q, t_k)
     is_causal = fused and causal and mask is None and bias is None and t_q == t_k
     callers_mask = mask is not None  # may leave a query no key (a right-aligned causal mask never does)

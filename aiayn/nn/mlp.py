@@ -1,9 +1,5 @@
-"""Position-wise feed-forward network (paper section 3.3) and its gated descendants.
-
-FFN(x) = W_2 act(W_1 x + b_1) + b_2, applied to every position independently. Gated variants
-(Shazeer 2020) multiply the activation by a second projection: SwiGLU = (silu(x W) * x V) W_2
-(LLaMA), GeGLU with gelu.
-"""
+"""Position-wise feed-forward network (paper section 3.3), FFN(x) = W_2 act(W_1 x + b_1) + b_2, and
+its gated variants (Shazeer 2020): SwiGLU = (silu(x W) * x V) W_2 (LLaMA), GeGLU."""
 
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ from torch import Tensor, nn
 
 from aiayn.config import ACTIVATIONS, GATED_ACTIVATIONS
 
-# The element-wise function of each activation; a gated unit (config.GATED_ACTIVATIONS) uses its
-# base function on the gate. The names, and which are gated, are config.ACTIVATIONS'.
+# The element-wise function of each activation (a gated unit's, on its gate; names: config.ACTIVATIONS).
 _FUNCTIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
@@ -32,11 +27,7 @@ def activation_function(name: str) -> Callable[[Tensor], Tensor]:
 
 
 class FeedForward(nn.Module):
-    """d -> d_ff -> d, with ReLU/GELU/SiLU or a gated SwiGLU/GeGLU unit.
-
-    Gated units project to 2 x d_ff at once (``fc_in``): the first half is the gate (through the
-    activation), the second the value.
-    """
+    """d -> d_ff -> d; a gated unit projects to 2 x d_ff at once, the gate first, then the value."""
 
     def __init__(self, d_model: int, d_ff: int, *, activation: str = "relu", bias: bool = True,
                  dropout: float = 0.0) -> None:

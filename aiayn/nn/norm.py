@@ -1,9 +1,5 @@
-"""Normalisation layers: LayerNorm (paper, BERT, GPT-2) and RMSNorm (T5, LLaMA).
-
-Both are torch's own modules (``nn.LayerNorm`` normalises with the biased variance and eps inside
-the square root, the standard definition; the Annotated Transformer's hand-written version differs).
-RMSNorm drops the mean subtraction and the bias: y = x / sqrt(mean(x^2) + eps) * g.
-"""
+"""Normalisation layers: LayerNorm (paper, BERT, GPT-2) and RMSNorm (T5, LLaMA), torch's own;
+RMSNorm drops the mean and the bias: y = x / sqrt(mean(x^2) + eps) * g."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """Padding-free ("packed") token-wise layers: compute only the real tokens of a padded batch.
 
-A padded batch (b, t) spends every token-wise layer (the q/k/v and output projections, the
-feed-forward network, norms, the output layer) on its padding too, a quarter of the work when
-lengths are spread evenly between half and full length. None of that work reaches a real token:
-only attention mixes positions, and it never attends to a padded key. So the residual stream can
-live *packed*, (n, d) with n the number of real tokens, and only the attention core sees the
-padded (b, t) layout: q/k/v are unpacked after their projection (zeros at padding, which the key
-mask hides) and the attention output is packed again before the output projection.
+Only attention mixes positions, and it never attends to a padded key, so the residual stream can
+live packed, (n, d), and only the attention core sees the padded (b, t) layout. The real tokens'
+results are the padded computation's; only padded positions differ.
 
-The real tokens' results are the padded computation's (tests/consistency/test_padding_free.py:
-outputs, loss and gradients); only the values at padded positions differ (zeros here, ignored in
-either case).
-
-Shape letters: b batch, t padded length, n real tokens, f any trailing feature dimensions.
-"""
+Shape letters: b batch, t padded length, n real tokens, f any trailing feature dimensions."""
 
 from __future__ import annotations
 
@@ -42,8 +33,7 @@ class Packing:
 
     @classmethod
     def of_counts(cls, counts: Sequence[int], length: int, device: torch.device) -> Packing:
-        """Right-padded rows whose real tokens are each row's first ``counts[i]`` of ``length``,
-        known on the host: the index is built there and copied (nothing read from the device)."""
+        """Right-padded rows whose real tokens are each row's first ``counts[i]``, known on the host."""
         if any(not 0 <= n <= length for n in counts):
             raise ValueError(f"counts {list(counts)} must lie in [0, {length}]")
         index = torch.tensor([i * length + j for i, n in enumerate(counts) for j in range(n)], dtype=torch.long)

@@ -1,14 +1,6 @@
-"""Positional schemes: how a permutation-invariant attention stack learns word order.
-
-* Absolute, added to the embeddings: ``sinusoidal_encoding`` / ``SinusoidalPositionalEncoding``
-  (paper section 3.5) and ``LearnedPositionalEmbedding`` (BERT, GPT-2).
-* Rotated into q and k: ``RotaryEmbedding`` + ``apply_rotary`` (RoPE, Su et al. 2021; LLaMA).
-* Added to the attention scores: ``ALiBi`` (Press et al. 2021) and ``T5RelativeBias``
-  (Raffel et al. 2020, bucketed relative positions).
-
-All take explicit position ids (b, t) or (t,), so padded and cached sequences get the same
-positions as unpadded, uncached ones.
-"""
+"""Positional schemes: sinusoidal (paper section 3.5) and learned absolute embeddings, RoPE
+(``RotaryEmbedding`` + ``apply_rotary``), and score biases (``ALiBi``, ``T5RelativeBias``).
+All take explicit position ids, so padded and cached sequences get the positions of unpadded ones."""
 
 from __future__ import annotations
 
@@ -25,11 +17,8 @@ SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 def sinusoidal_encoding(positions: Tensor, d_model: int, *, layout: str = "interleaved") -> Tensor:
     """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)).
 
-    ``layout="split"`` puts the same sines in the first half and the cosines in the second
-    (Marian / fairseq): PE(pos, i) = sin(.. i ..), PE(pos, d/2 + i) = cos(.. i ..), i < d/2.
-    positions: any shape (...) of integer or float positions -> (..., d_model), float32. The
-    angles are computed in float64 (as Marian's table is) and rounded once.
-    """
+    ``layout="split"``: the sines in the first half, the cosines in the second (Marian / fairseq).
+    positions (...) -> (..., d_model) float32, the angles computed in float64 and rounded once."""
     if d_model % 2 != 0:
         raise ValueError(f"sinusoidal_encoding needs an even d_model, got {d_model}")
     if layout not in SINUSOIDAL_LAYOUTS:
@@ -46,9 +35,7 @@ def sinusoidal_encoding(positions: Tensor, d_model: int, *, layout: str = "inter
 
 
 def _check_positions(positions: Tensor, max_len: int, what: str) -> None:
-    # Read only eager on the CPU: under torch.compile the read would break the graph, and on a GPU
-    # it would wait for the device; there the stack asserts the range on the device
-    # (aiayn.models.blocks.TransformerStack._positions) and the compiled step's caller checks it.
+    # Read only eager on the CPU (no graph break, no device wait); elsewhere the stack checks.
     if not data_checks.reads_data(positions):
         return
     if positions.numel() and int(positions.max()) >= max_len:
@@ -74,11 +61,8 @@ class SinusoidalPositionalEncoding(nn.Module):
 
 
 class LearnedPositionalEmbedding(nn.Embedding):
-    """A trained vector per position (BERT, GPT-2).
-
-    With ``offset`` the table has ``max_len + offset`` rows and position p reads row p + offset
-    (BART's learned positions keep 2 rows in front, a fairseq legacy).
-    """
+    """A trained vector per position (BERT, GPT-2); with ``offset``, position p reads row p + offset
+    (BART's 2 rows in front)."""
 
     def __init__(self, max_len: int, d_model: int, *, offset: int = 0) -> None:
         super().__init__(max_len + offset, d_model)
@@ -97,11 +81,8 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x_i, x_{i + d/2}) by angle pos * theta_i.
-
-    x: (b, h, t, d_h); cos, sin: (b or 1, t, d_h). The half-split pairing is the one Hugging Face
-    LLaMA checkpoints use, so their weights load without permutation.
-    """
+    """Rotate pairs (x_i, x_{i + d/2}) by angle pos * theta_i; x (b, h, t, d_h), cos, sin (b or 1, t,
+    d_h). The half-split pairing is Hugging Face LLaMA's."""
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # (b, 1, t, d_h)
     return x * cos + rotate_half(x) * sin
 
@@ -128,11 +109,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class ALiBi(nn.Module):
-    """Attention with linear biases: score(i, j) -= m_h * |i - j|, one slope m_h per head.
-
-    Slopes are the geometric sequence 2^(-8/h), 2^(-16/h), ... (paper's recipe, with its rule for
-    head counts that are not powers of two).
-    """
+    """Attention with linear biases: score(i, j) -= m_h * |i - j|, slopes 2^(-8/h), 2^(-16/h), ..."""
 
     def __init__(self, n_heads: int) -> None:
         super().__init__()
@@ -159,11 +136,8 @@ class ALiBi(nn.Module):
 
 
 class T5RelativeBias(nn.Module):
-    """T5's learned bias per (head, bucket of relative position j - i).
-
-    Half the buckets hold exact small distances, the rest grow logarithmically up to
-    ``max_distance``; bidirectional (encoder) attention splits buckets by sign.
-    """
+    """T5's learned bias per (head, bucket of relative position j - i): exact small distances, then
+    logarithmic up to ``max_distance``; bidirectional attention splits buckets by sign."""
 
     def __init__(self, n_heads: int, *, num_buckets: int = 32, max_distance: int = 128,
                  bidirectional: bool = True) -> None:

@@ -1,9 +1,5 @@
-"""``aiayn serve``: an OpenAI-compatible HTTP server over a continuous-batching engine.
-
-The engine (``engine``) composes ``scheduler``, ``runner``, ``sampler`` and ``output`` over the
-types of ``request``; ``app`` has the routes. docs/architecture.md lists every module, docs/serve.md
-explains them.
-"""
+"""``aiayn serve``: an OpenAI-compatible HTTP server over a continuous-batching engine (``engine``;
+routes in ``app``; docs/serve.md)."""
 
 from aiayn.serve.engine import Engine, Event, Request, SamplingParams, slot_plan
 from aiayn.serve.models import ServedModel, load_served_model

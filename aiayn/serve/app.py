@@ -1,9 +1,5 @@
-"""The OpenAI-compatible HTTP API of ``aiayn serve``: FastAPI routes over the engine.
-
-Every error is OpenAI's ``{"error": {...}}``, never a traceback: 400 bad input (also a request
-larger than the server ever takes: ``aiayn.serve.limits``), 401 no or wrong API key, 404 unknown
-model or route, 413 a body over 16 MiB, 429 busy now (with ``Retry-After``), 503 shutting down.
-"""
+"""The OpenAI-compatible HTTP API of ``aiayn serve``: FastAPI routes over the engine. Every error is
+OpenAI's ``{"error": {...}}``, never a traceback (400, 401, 404, 413, 429 with ``Retry-After``, 503)."""
 
 from __future__ import annotations
 
@@ -99,9 +95,8 @@ MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413) be
 
 
 class ServerMiddleware:
-    """Pure ASGI (streams pass through untouched): the API key on /v1 and /metrics, 503 for new API
-    requests once a shutdown began, 413 for bodies over ``MAX_BODY_BYTES`` (declared or as they
-    arrive), and each answer's status counted per route."""
+    """Pure ASGI (streams pass through untouched): the API key on /v1 and /metrics, 503 once a shutdown
+    began, 413 for bodies over ``MAX_BODY_BYTES``, and each answer's status counted per route."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -181,8 +176,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 # ---- turning a request into engine work -------------------------------------------------------
 def chat_message(message: Any) -> dict[str, Any]:
-    """A request message as the chat template reads it; OpenAI's "developer" role becomes "system"
-    (many templates refuse roles they do not know)."""
+    """A request message as the chat template reads it ("developer" becomes "system")."""
     data = message.model_dump(exclude_none=True, exclude={"refusal"})
     if data["role"] == "developer":
         data["role"] = "system"
@@ -191,8 +185,8 @@ def chat_message(message: Any) -> dict[str, Any]:
 
 def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: int | None,
                     logprobs: int | None) -> SamplingParams:
-    """The engine's parameters, after checking prompt + answer fit the context and ``logit_bias``'s
-    ids are in the model's vocabulary (400 if not)."""
+    """The engine's parameters; 400 unless prompt + answer fit the context and ``logit_bias``'s ids
+    are in the vocabulary."""
     longest = max(len(p) for p in prompts)
     room = engine.context - longest
     if room < 1 or (limit is not None and limit > room):
@@ -216,8 +210,8 @@ def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: 
 
 
 def response_constraint(lm: TextModel, body: Any) -> GrammarConstraint | None:
-    """The compiled grammar of ``body.response_format`` (None: free text); call it off the event
-    loop. 400 for an invalid schema or a model that cannot follow one."""
+    """The compiled grammar of ``body.response_format`` (None: free text), off the event loop; 400 for
+    an invalid schema or a model that cannot follow one."""
     if body.response_format is None or body.response_format.type == "text":
         return None
     try:
@@ -228,8 +222,7 @@ def response_constraint(lm: TextModel, body: Any) -> GrammarConstraint | None:
 
 
 def check_prompt_count(engine: Engine, limits: Limits, n: int, choices: int = 1) -> None:
-    """400 for more prompts than the server takes in one request, or more answers (prompts x
-    ``choices``) than it ever holds at once (a 429 would never clear)."""
+    """400 for more prompts than one request takes, or more answers than the server ever holds at once."""
     limits.check_count(n, "prompt")
     most = engine.max_queue + engine.max_batch
     if n * choices > most:
@@ -378,8 +371,7 @@ def add_embedding_route(app: FastAPI, state: ServerState) -> None:
 
 
 def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any) -> tuple[ToolFormat, GrammarConstraint]:
-    """The tool-call format and grammar of a chat request (a JSON ``response_format`` holds its
-    text answer); 400 for a bad parameters schema or a model that cannot follow one."""
+    """The tool-call format and grammar of a chat request; 400 for a schema the model cannot follow."""
     kind = None if response_format is None else response_format.type
     schema = None  # free text
     if kind == "json_object":
@@ -394,8 +386,8 @@ def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any) ->
 
 def chat_ids(state: ServerState, lm: TextModel, engine: Engine, messages: list[dict[str, Any]],
              tools: ToolSettings | None = None) -> list[int]:
-    """The token ids of the chat template's prompt for ``messages`` and ``tools``; 400 if the
-    template refuses them or the prompt is over the per-input limit."""
+    """The token ids of the chat prompt for ``messages`` and ``tools``; 400 if the template refuses
+    them or the prompt is over the per-input limit."""
     assert lm.chat_template is not None
     try:
         text = render_chat(lm.chat_template, messages, tools)
@@ -408,8 +400,7 @@ def chat_ids(state: ServerState, lm: TextModel, engine: Engine, messages: list[d
 
 
 def embeddings_json(vectors: torch.Tensor, encoding: str, model: str, tokens: int) -> bytes:
-    """The answer's JSON, a vector at a time (call it on a worker thread: one json.dumps of megabytes
-    would hold the interpreter, and so the event loop, for all of it)."""
+    """The answer's JSON, a vector at a time (on a worker thread, not to hold the event loop)."""
     def item(i: int, v: torch.Tensor) -> str:
         vector = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii") if encoding == "base64"
                   else v.tolist())
@@ -425,9 +416,8 @@ ENCODER_BATCH = 32  # texts an encoder reads per forward (SentenceEncoder.encode
 
 async def embed(state: ServerState, inputs: list[str | list[int]],
                 is_disconnected: Callable[[], Awaitable[bool]]) -> tuple[torch.Tensor, int]:
-    """(n, d) vectors of the inputs and the tokens read: an encoder on a worker thread, a batch at
-    a time (requests take turns between batches); a decoder on the engine thread (``Engine.embed``).
-    ClientGone if the client leaves meanwhile."""
+    """(n, d) vectors of the inputs and the tokens read: an encoder on a worker thread, a batch at a
+    time; a decoder on the engine thread. ClientGone if the client leaves meanwhile."""
     served, limits = state.served, state.limits
     if served.encoder is not None:
         encoder = served.encoder

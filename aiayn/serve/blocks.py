@@ -1,16 +1,12 @@
-"""The serve engine's KV-cache plans (``slot_plan``: fixed slots; ``block_plan``: a pool of blocks
-from ``--kv-budget``) and the paged cache's bookkeeping (``BlockScheduler``).
+"""The serve engine's KV-cache plans (``slot_plan``, ``block_plan`` from ``--kv-budget``) and the
+paged cache's bookkeeping (``BlockScheduler``).
 
-* **Admission**: a request starts when a row is free and the pool holds its whole prompt (after
-  prefix hits) beside what admitted prompts still need. One that could never fit is refused at
-  ``submit``.
-* **Prefix cache** (vLLM's): each full prompt block is indexed under the chained digest of the
-  prompt up to its end (``aiayn.nn.block_pool``); a new request holds the longest indexed prefix
-  (never its last token's block). Choices of one request (n > 1) share one prefill.
-* **Preemption** (recompute): when the next forward needs more blocks than are free, the newest
-  request gives its blocks back and returns to the front of the queue. The oldest request always
-  fits alone, so the engine never deadlocks.
-"""
+* Admission: a request starts when a row is free and the pool holds its whole prompt (after
+  prefix hits) beside what admitted prompts still need.
+* Prefix cache (vLLM's): a new request holds the longest indexed prefix (never its last
+  token's block); the choices of one request share one prefill.
+* Preemption (recompute): the newest request gives its blocks back when the next forward needs
+  more; the oldest always fits alone, so the engine never deadlocks."""
 
 from __future__ import annotations
 
@@ -47,8 +43,7 @@ class SlotPlan:
 
 
 def _bytes_per(lm: TextModel, context: int, kv_cache: str | None, tokens: int) -> tuple[str, int]:
-    """The cache's dtype and the bytes ``tokens`` tokens of one row take; ValueError for a context
-    over the model's."""
+    """The cache's dtype and the bytes ``tokens`` tokens of one row take; ValueError past the model's context."""
     config = lm.model.config
     if context > lm.context:
         raise ValueError(f"a context of {context} tokens is more than the model's {lm.context}; give at most that")
@@ -58,8 +53,8 @@ def _bytes_per(lm: TextModel, context: int, kv_cache: str | None, tokens: int) -
 
 
 def slot_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_cache: str | None) -> SlotPlan:
-    """``max_batch`` slots of ``context`` tokens, fewer if ``budget`` bytes do not hold them.
-    ValueError if not even one fits or ``context`` exceeds the model's."""
+    """``max_batch`` slots of ``context`` tokens, fewer if ``budget`` bytes do not hold them; ValueError
+    if not even one fits or ``context`` exceeds the model's."""
     dtype, per_row = _bytes_per(lm, context, kv_cache, context)
     rows = min(max_batch, budget // per_row)
     if rows < 1:
@@ -70,8 +65,7 @@ def slot_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_ca
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """The paged cache's memory: ``n_blocks`` blocks (the null block included) of ``block_size`` tokens
-    for up to ``rows`` concurrent requests of up to ``context`` tokens each."""
+    """``n_blocks`` blocks (null block included) of ``block_size`` tokens for ``rows`` rows of ``context``."""
 
     rows: int
     context: int
@@ -95,9 +89,8 @@ class BlockPlan:
 
 def block_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_cache: str | None,
                block_size: int = DEFAULT_BLOCK_SIZE, prefix_caching: bool = True) -> BlockPlan:
-    """A pool of blocks in ``budget`` bytes for ``max_batch`` rows of up to ``context`` tokens.
-    ValueError for a quantised cache (the paged cache holds floats), a context over the model's, or
-    a budget that holds fewer than two blocks."""
+    """A pool of blocks in ``budget`` bytes for ``max_batch`` rows of up to ``context`` tokens;
+    ValueError for a quantised cache, a context over the model's, or fewer than two blocks."""
     if kv_cache in QUANTIZED:
         raise ValueError(f"--kv-cache {kv_cache} needs --kv-layout slots: the paged KV cache holds float keys "
                          f"and values")
@@ -114,12 +107,9 @@ def block_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_c
 
 
 class BlockScheduler:
-    """The paged cache's bookkeeping per request: what its row must hold, its prompt's digests,
-    prefix hits, the order of admission (preemption takes the newest) and the hit counters.
-
-    ``tables``: the paged cache's host bookkeeping (``aiayn.nn.block_tables.BlockTables``), which the
-    scheduler changes as it plans (so every count read here is the step's as planned) and whose
-    row moves the cache's device state follows when the runner applies the plan."""
+    """The paged cache's bookkeeping per request: what its row must hold, its prompt's digests, prefix
+    hits, the order of admission (preemption takes the newest) and the hit counters. ``tables``
+    (``aiayn.nn.block_tables.BlockTables``) it changes as it plans; the cache's device state follows."""
 
     def __init__(self, tables: BlockTables, plan: BlockPlan) -> None:
         self.tables, self.plan = tables, plan

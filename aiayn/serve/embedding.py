@@ -1,15 +1,13 @@
 """Sentence vectors from a decoder-only model, read one forward at a time (``EmbeddingJob``).
 
-A vector is the mean of the model's last hidden states (after its final norm) over an input's
-tokens, L2-normalised. An input longer than ``chunk`` tokens is read in pieces over a KV cache of
-its own, the hidden states summed as they come. The pieces depend on ``chunk`` alone, so a job
-run at once (``decoder_embeddings``) gives the same bits as one the engine slices between its
-decode steps (``EmbeddingQueue``), which it does so that a large request cannot stall the streams.
-"""
+A vector is the mean of the last hidden states over an input's tokens, L2-normalised. An input
+longer than ``chunk`` tokens is read in pieces over a KV cache of its own, so a job run at once
+gives the same bits as one the engine slices between its decode steps (``EmbeddingQueue``)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -131,11 +129,9 @@ class ForwardCost:
 class EmbeddingQueue:
     """The engine's embedding jobs and their share of its time.
 
-    After a step's stream forwards took ``streams`` seconds, ``run`` does embedding forwards, the
-    jobs in turn (round robin), while a credit covers them: each step adds ``streams * share / (1 -
-    share)`` seconds; a forward starts when the credit holds its expected time (``ForwardCost``)
-    and takes its real time off. So embeddings take at most ``share`` of the engine's time while
-    streams run, whatever a forward costs. With no stream, one forward a step."""
+    ``run`` does forwards, the jobs in turn, while a credit covers them: each step adds ``streams *
+    share / (1 - share)`` seconds, a forward starts when the credit holds its expected time
+    (``ForwardCost``) and takes its real time off. With no stream, one forward a step."""
 
     def __init__(self, share: float, clock: Callable[[], float], lock: threading.Condition,
                  read: Callable[[int], None] = lambda tokens: None) -> None:
@@ -161,9 +157,8 @@ class EmbeddingQueue:
     def cancel(self, job: EmbeddingJob) -> None:
         """Drop ``job`` (its client is gone): no more forwards for it."""
         job.cancelled = True
-        with self.lock:
-            if job in self.jobs:
-                self.jobs.remove(job)
+        with self.lock, contextlib.suppress(ValueError):  # (not queued: in its forward, or done)
+            self.jobs.remove(job)
         job.future.cancel()
 
     def fail_all(self, error: Exception) -> None:
@@ -196,8 +191,7 @@ class EmbeddingQueue:
             self.credit = 0.0
 
     def _turn(self, job: EmbeddingJob, streams: float | None) -> bool:
-        """One forward of ``job``, or its turn kept when the credit is short -> whether another
-        forward may follow in this step."""
+        """One forward of ``job``, or its turn kept when the credit is short -> whether another may follow."""
         if job.cancelled or job.future.done():
             return True
         tokens = job.next_tokens

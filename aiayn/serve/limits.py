@@ -1,8 +1,5 @@
 """How much one request may ask of ``aiayn serve`` (``--max-inputs``, ``--max-input-tokens``,
-``--max-request-tokens``; the defaults are OpenAI's embeddings limits), and reading its texts into
-token ids. Past a limit is a 400 naming it (a retry cannot succeed): texts are counted as they are
-tokenised, so the first one that crosses it is refused without reading the rest.
-"""
+``--max-request-tokens``), and reading its texts into token ids; past a limit is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ MAX_REQUEST_TOKENS = 300_000  # OpenAI's: tokens of one embeddings request, all 
 
 @dataclass(frozen=True)
 class Limits:
-    """The most one request may hold: ``inputs`` texts or prompts, ``input_tokens`` tokens each,
-    ``request_tokens`` in all."""
+    """The most one request may hold: ``inputs`` texts, ``input_tokens`` each, ``request_tokens`` in all."""
 
     inputs: int = MAX_INPUTS
     input_tokens: int = MAX_INPUT_TOKENS
@@ -61,8 +57,7 @@ def prompt_ids(lm: TextModel, prompt: str | list[int], what: str) -> list[int]:
 
 def token_ids(lm: TextModel, texts: list[str | list[int]], param: str, limits: Limits,
               input_tokens: int | None) -> list[list[int]]:
-    """Each text's ids, refused (400) at the first one over ``input_tokens`` (None: not checked)
-    or that takes the request past ``limits.request_tokens``."""
+    """Each text's ids, refused (400) at the first one over ``input_tokens`` or past ``request_tokens``."""
     out: list[list[int]] = []
     total = 0
     for i, text in enumerate(texts):

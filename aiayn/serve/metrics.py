@@ -13,6 +13,26 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 RATE_WINDOW = 10.0  # seconds over which the tokens/s gauge counts
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# (kind, name, help) of the metrics ``Metrics`` holds as attributes, in the order /metrics lists them.
+METRICS = (
+    ("counter", "aiayn_prompt_tokens", "Prompt tokens admitted"),
+    ("counter", "aiayn_generation_tokens", "Tokens generated"),
+    ("counter", "aiayn_engine_steps", "Engine steps run"),
+    ("counter", "aiayn_embedding_tokens", "Embedding input tokens read (decoder models)"),
+    ("latency", "aiayn_time_to_first_token_seconds", "From arrival to the first generated token"),
+    ("latency", "aiayn_inter_token_latency_seconds", "Between two tokens of one request"),
+    ("latency", "aiayn_request_seconds", "From arrival to the last token"),
+    ("batch", "aiayn_decode_batch_size", "Rows in a decode step"),
+    ("gauge", "aiayn_queue_depth", "Requests waiting for a slot"),
+    ("gauge", "aiayn_running_requests", "Requests holding a slot (prefilling or decoding)"),
+    ("gauge", "aiayn_batch_occupancy", "Share of the KV-cache slots in use (0 to 1)"),
+    ("gauge", "aiayn_kv_cache_slots", "KV-cache slots (the most concurrent requests)"),
+    ("counter", "aiayn_preemptions", "Requests preempted for KV-cache blocks (recomputed later)"),
+    ("gauge", "aiayn_kv_cache_blocks_used", "Paged KV-cache blocks held by requests"),
+    ("gauge", "aiayn_kv_cache_blocks_free", "Paged KV-cache blocks free or holding an unused cached prefix"),
+    ("gauge", "aiayn_prefix_cache_hit_rate", "Share of admitted prompt tokens found in the prefix cache"),
+)
 
 
 class Metrics:
@@ -25,25 +45,12 @@ class Metrics:
         counter, gauge = partial(Counter, registry=registry), partial(Gauge, registry=registry)
         latency = partial(Histogram, buckets=LATENCY_BUCKETS, registry=registry)
         self.requests = counter("aiayn_requests", "HTTP requests answered, by route and status code", ["route", "status"])
-        self.prompt_tokens = counter("aiayn_prompt_tokens", "Prompt tokens admitted")
-        self.generation_tokens = counter("aiayn_generation_tokens", "Tokens generated")
-        self.steps = counter("aiayn_engine_steps", "Engine steps run")
-        self.embedding_tokens = counter("aiayn_embedding_tokens", "Embedding input tokens read (decoder models)")
-        self.time_to_first_token = latency("aiayn_time_to_first_token_seconds", "From arrival to the first generated token")
-        self.inter_token_latency = latency("aiayn_inter_token_latency_seconds", "Between two tokens of one request")
-        self.request_seconds = latency("aiayn_request_seconds", "From arrival to the last token")
-        self.batch_size = Histogram("aiayn_decode_batch_size", "Rows in a decode step",
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
-        self.queue_depth = gauge("aiayn_queue_depth", "Requests waiting for a slot")
-        self.running = gauge("aiayn_running_requests", "Requests holding a slot (prefilling or decoding)")
-        self.occupancy = gauge("aiayn_batch_occupancy", "Share of the KV-cache slots in use (0 to 1)")
-        self.slots = gauge("aiayn_kv_cache_slots", "KV-cache slots (the most concurrent requests)")
-        self.preemptions = counter("aiayn_preemptions", "Requests preempted for KV-cache blocks (recomputed later)")
-        self.kv_blocks_used = gauge("aiayn_kv_cache_blocks_used", "Paged KV-cache blocks held by requests")
-        self.kv_blocks_free = gauge("aiayn_kv_cache_blocks_free",
-                                    "Paged KV-cache blocks free or holding an unused cached prefix")
-        self.prefix_hit_rate = gauge("aiayn_prefix_cache_hit_rate",
-                                     "Share of admitted prompt tokens found in the prefix cache")
+        make = {"counter": counter, "gauge": gauge, "latency": latency,
+                "batch": partial(Histogram, buckets=BATCH_BUCKETS, registry=registry)}
+        (self.prompt_tokens, self.generation_tokens, self.steps, self.embedding_tokens, self.time_to_first_token,
+         self.inter_token_latency, self.request_seconds, self.batch_size, self.queue_depth, self.running,
+         self.occupancy, self.slots, self.preemptions, self.kv_blocks_used, self.kv_blocks_free,
+         self.prefix_hit_rate) = (make[kind](name, text) for kind, name, text in METRICS)
         self.tokens_per_second = gauge("aiayn_generation_tokens_per_second",
                                        f"Tokens generated per second over the last {RATE_WINDOW:g} s")
         self.tokens_per_second.set_function(self._rate)

@@ -41,8 +41,7 @@ def load_served_model(model_path: Path | None = None, run_dir: Path | None = Non
                       quantize: str = "none", plain: bool = False,
                       device: torch.device | str | None = None) -> ServedModel:
     """The model of ``--model`` (GGUF file, Hugging Face or sentence-transformers directory) or
-    ``--run``, named after the file or directory by default. ``quantize`` lowers a decoder's
-    weights (``aiayn.fast.quantize``); ``device`` None: the first CUDA GPU, else the CPU."""
+    ``--run``; ``quantize`` lowers a decoder's weights; ``device`` None: the first CUDA GPU, else the CPU."""
     source = model_path if model_path is not None else run_dir
     assert source is not None, "give a model path or a run directory"
     name = name or (source.stem if source.is_file() else source.resolve().name)

@@ -1,8 +1,5 @@
-"""The serve engine's output stage: from each row's chosen token to its request's event. Per token
-the grammar advances, the text grows (``IncrementalText`` holds back a possible stop string or a
-partial character), the finish reason is decided, the sink gets an ``Event`` (not once cancelled)
-and the metrics are reported.
-"""
+"""The serve engine's output stage: from each row's chosen token to its request's event (the
+grammar advanced, text released, finish reason, metrics)."""
 
 from __future__ import annotations
 

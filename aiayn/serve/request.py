@@ -38,8 +38,8 @@ class SamplingParams:
 
 @dataclass
 class TokenLogprob:
-    """A generated token's log-probability under the model (before bias, penalties, grammar,
-    temperature and top_p), and the ``top`` most likely alternatives as (text, logprob) pairs."""
+    """A generated token's log-probability (before bias, penalties, grammar and sampling), and the
+    ``top`` alternatives as (text, logprob) pairs."""
 
     token: str
     logprob: float
@@ -62,8 +62,7 @@ _ids = itertools.count()
 
 
 class Request:
-    """A prompt (token ids) to continue under ``params``; its events go to ``sink``. ``constraint``:
-    the grammar its answer follows (its own state, not shared)."""
+    """A prompt (token ids) to continue under ``params``; events go to ``sink``; ``constraint``: its grammar."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None],
                  constraint: GrammarConstraint | None = None) -> None:

@@ -1,7 +1,5 @@
-"""From engine events to OpenAI answers, whole (``collect``) or streamed as server-sent events
-(``chat_stream``, ``completion_stream``), and OpenAI's error format (``APIError``).
-``Generation`` carries the engine thread's events to the event loop.
-"""
+"""From engine events to OpenAI answers, whole (``collect``) or streamed as server-sent events, and
+OpenAI's error format (``APIError``)."""
 
 from __future__ import annotations
 
@@ -26,8 +24,8 @@ POLL_SECONDS = 0.2  # how often a waiting handler checks for a gone client or a 
 
 
 class APIError(HTTPException):
-    """OpenAI's error answer: {"error": {"message", "type", "param", "code"}}. An HTTPException, so
-    that FastAPI passes one raised while it reads the body through unchanged."""
+    """OpenAI's error answer: {"error": {"message", "type", "param", "code"}}; an HTTPException, so
+    FastAPI passes one raised while it reads the body through."""
 
     def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None, headers: dict[str, str] | None = None) -> None:
@@ -55,8 +53,7 @@ def event_error(message: str) -> APIError:
 
 
 def choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """The ``i``-th of n choices' parameters: a given seed becomes seed + i, so the n choices
-    differ and a rerun repeats them."""
+    """The ``i``-th of n choices' parameters: a given seed becomes seed + i."""
     seed = params.sampling.seed
     if i == 0 or seed is None:
         return params
@@ -65,8 +62,7 @@ def choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 class Generation:
     """The engine requests of one HTTP request, their events on this event loop: ``n`` per prompt,
-    choice ``index = prompt * n + i`` (OpenAI's order), each with its own copy of ``constraint``.
-    Prompt tokens count once per prompt, as in OpenAI's usage."""
+    choice ``index = prompt * n + i``, each with its own copy of ``constraint``."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams, *, n: int = 1,
                  constraint: GrammarConstraint | None = None) -> None:
@@ -117,8 +113,7 @@ class Choice:
 
 async def collect(generation: Generation, is_disconnected: Callable[[], Any],
                   past_grace: Callable[[], bool]) -> list[Choice]:
-    """Wait for every choice's whole answer. ClientGone when the client leaves, APIError(503) when a
-    shutdown's grace period ends first; either way the engine requests are cancelled."""
+    """Wait for every choice's whole answer; ClientGone or APIError(503) cancel the engine requests."""
     choices = [Choice() for _ in generation.requests]
     try:
         async for index, event in _events(generation, past_grace, is_disconnected):
@@ -195,8 +190,7 @@ def _whole(meta: Meta, name: str, generation: Generation, choices: list[Choice],
 
 async def _events(generation: Generation, past_grace: Callable[[], bool],
                   is_disconnected: Callable[[], Any] | None = None) -> AsyncIterator[tuple[int, Event]]:
-    """Every event until each choice has finished or one fails. A shutdown's grace period running
-    out ends it with an error event; a gone client (``is_disconnected``) raises ClientGone."""
+    """Every event until each choice has finished or one fails (a shutdown's end: an error event)."""
     pending = len(generation.requests)
     checked = time.monotonic()
     while pending:
@@ -228,8 +222,7 @@ def _chunk(meta: Meta, name: str, choices: list[Any], **rest: Any) -> str:
 
 async def _stream(meta: Meta, name: str, generation: Generation, include_usage: bool,
                   chunks: AsyncIterator[str | int]) -> AsyncIterator[str]:
-    """``chunks`` (an int: a token counted), then the usage chunk (``include_usage``) and
-    ``[DONE]``; the engine requests are cancelled when it ends."""
+    """``chunks``, then the usage chunk and ``[DONE]``; the engine requests are cancelled at the end."""
     tokens = 0
     try:
         async for item in chunks:
@@ -246,8 +239,7 @@ async def _stream(meta: Meta, name: str, generation: Generation, include_usage: 
 
 def chat_stream(meta: Meta, generation: Generation, include_usage: bool,
                 past_grace: Callable[[], bool]) -> AsyncIterator[str]:
-    """A streamed chat answer: a role chunk per choice, content chunks (or tool-call deltas,
-    ``meta.tools``), a finish chunk per choice, the usage chunk (``include_usage``), ``[DONE]``."""
+    """A streamed chat answer: role, content or tool-call, finish and usage chunks, then ``[DONE]``."""
     calls = [ToolStream(meta.tools) for _ in generation.requests] if meta.tools is not None else None
     extra = {"usage": None} if include_usage else {}
 

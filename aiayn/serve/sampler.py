@@ -1,13 +1,8 @@
 """How the serve engine chooses each row's next token: ``choose`` turns one forward's logits into
-token ids (and the log-probabilities asked for, from the raw logits as vLLM reports them), the
-step's one read from the device.
+token ids (and the log-probabilities asked for), the step's one read from the device. Per row, in
+vLLM's order: logit bias, penalties, grammar mask, then argmax or a draw.
 
-Per row, in vLLM's order: the logit bias, the penalties (``RowAdjustments``: device tensors, only
-the ids concerned), the grammar mask of a structured answer, then the argmax or a draw from the
-request's own generator.
-
-Shape letters: m rows of the forward, v vocabulary, k alternatives reported.
-"""
+Shape letters: m rows of the forward, v vocabulary, k alternatives reported."""
 
 from __future__ import annotations
 
@@ -37,9 +32,7 @@ class Chosen:
 
 
 class RowAdjustments:
-    """One request's logit bias and penalties as device tensors, made on its first token: the bias's
-    ids and values, the prompt's distinct ids (repetition penalty) and the answer's ids so far,
-    written on the device by ``record`` (their lengths known on the host)."""
+    """One request's logit bias and penalties as device tensors, made on its first token."""
 
     def __init__(self, params: SamplingParams, prompt: list[int], vocab: int, device: torch.device) -> None:
         self.params = params
@@ -59,10 +52,8 @@ class RowAdjustments:
 
 
 def apply_adjustments(logits: Tensor, rows: list[tuple[int, RowAdjustments]]) -> None:
-    """logits (m, v) float32, in place, at the ids concerned only, every row at once: the bias is
-    added; CTRL's repetition penalty divides a positive logit of the prompt's and answer's tokens,
-    multiplies a negative one; OpenAI's ``- frequency * c - presence * [c > 0]`` over the answer's
-    tokens, c their counts. Positions are built on the host (one copy each to the device)."""
+    """logits (m, v) float32 in place, at the ids concerned only: the bias added, CTRL's repetition
+    penalty, and OpenAI's ``- frequency * c - presence * [c > 0]`` over the answer's token counts."""
     v = logits.shape[-1]
     flat = logits.view(-1)  # (m v,): logits is contiguous
     device = logits.device
@@ -149,9 +140,8 @@ def choose(logits: Tensor, requests: Sequence[Request]) -> list[tuple[int, Chose
 
 @contextmanager
 def one_thread(device: torch.device) -> Iterator[None]:
-    """Run the block on one torch thread when ``device`` is the CPU. For the grammar mask: its small
-    vocabulary-wide ops would each open an OpenMP region, which on shared cores waits for every
-    thread and costs more than the work (docs/benchmarks.md)."""
+    """Run the block on one torch thread on the CPU: the grammar mask's small ops would each open an
+    OpenMP region, which on shared cores costs more than the work."""
     before = torch.get_num_threads()
     if device.type != "cpu" or before == 1:
         yield

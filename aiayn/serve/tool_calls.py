@@ -1,13 +1,7 @@
 """A tool-calling answer: its layout, the grammar that holds the model to it, and reading it back
-into OpenAI's ``tool_calls`` (whole, or as streamed deltas). Two layouts, as llama.cpp's:
-
-* **Hermes** (``<tool_call>{...}</tool_call>`` blocks), for templates that write those tags. With
-  "auto" the model writes free text, then calls once it writes ``<tool_call>``.
-* **Generic**, for any other template: the answer is JSON, ``{"tool_call": {...}}`` (or
-  ``{"tool_calls": [...]}``) or, with "auto", ``{"response": "text"}``.
-
-The JSON is compact with the name first, so a call's arguments are read back by position.
-"""
+into OpenAI's ``tool_calls``. Two layouts, as llama.cpp's: Hermes (``<tool_call>{...}</tool_call>``
+blocks, for templates that write them) and generic JSON (``{"tool_call": {...}}``,
+``{"tool_calls": [...]}`` or ``{"response": "text"}``), compact with the name first."""
 
 from __future__ import annotations
 
@@ -65,9 +59,8 @@ def _json(schema: dict[str, Any]) -> str:
 
 
 class ToolFormat:
-    """One request's tool-call format: its ``grammar`` (llguidance's Lark), the ``constraint`` a
-    generation follows, and ``parse`` of what the model wrote. ``response_schema``: the JSON schema
-    a text answer follows (None: free text); Hermes' answer is then that JSON or calls."""
+    """One request's tool-call format: its ``grammar``, the ``constraint`` a generation follows, and
+    ``parse`` of what the model wrote; ``response_schema``: the schema of a text answer."""
 
     def __init__(self, settings: ToolSettings, *, hermes: bool, response_schema: dict[str, Any] | None = None) -> None:
         self.settings, self.hermes, self.response_schema = settings, hermes, response_schema
@@ -81,8 +74,7 @@ class ToolFormat:
         return options[0] if len(options) == 1 else {"anyOf": options}
 
     def grammar(self, tag_tokens: bool = False) -> str:
-        """The answer's grammar. ``tag_tokens``: the tokenizer has Hermes' tags as added tokens
-        (Qwen2.5), which the grammar then names."""
+        """The answer's grammar; ``tag_tokens``: the tokenizer has Hermes' tags as added tokens (Qwen2.5)."""
         layout = self.layout
         if self.hermes and tag_tokens:
             return self._hermes_token_grammar()
@@ -105,8 +97,7 @@ class ToolFormat:
         return "\n".join(lines) + "\n"
 
     def _hermes_token_grammar(self) -> str:
-        """Hermes with its tags as tokens: text ends where the token comes; text spelling the tag out
-        is refused, so reading the answer back is never fooled."""
+        """Hermes with its tags as tokens: text spelling the tag out is refused."""
         block = f'{TRIGGER} "\\n" call "\\n" {CLOSE}'  # (<name> in Lark: the token)
         calls = f'{block} ("\\n" {block})*' if self.layout.between is not None else block
         if self.settings.choice == "required":
@@ -124,8 +115,7 @@ class ToolFormat:
 
     # ---- reading the answer ----------------------------------------------------------------------
     def parse(self, text: str, final: bool) -> Parsed:
-        """What ``text`` says so far. Not ``final`` (streaming): text that may yet start a call is held
-        back. A cut answer gives its calls so far."""
+        """What ``text`` says so far; not ``final`` (streaming), text that may yet start a call is held back."""
         layout = self.layout
         if self.hermes and self.response_schema is not None:  # JSON (which may hold the tag in a string) or calls
             if text.startswith(TRIGGER):
@@ -197,8 +187,7 @@ def _value_so_far(text: str, start: int) -> str:
 
 
 def _string_so_far(text: str, start: int) -> str:
-    """The JSON string that starts at ``start``, decoded as far as it is written (without a cut
-    escape or a lone high surrogate)."""
+    """The JSON string at ``start``, decoded as far as it is written."""
     try:
         value, _ = _decoder.raw_decode(text, start)
         return value if isinstance(value, str) else ""
@@ -222,8 +211,8 @@ def message(fmt: ToolFormat, text: str) -> tuple[str | None, list[dict[str, Any]
 
 
 class ToolStream:
-    """A streamed answer's deltas as OpenAI sends them: ``{"content": ...}`` for text; per call, its
-    id and name once known, then its arguments as they are written."""
+    """A streamed answer's deltas as OpenAI sends them: text content, then per call its id and name,
+    then its arguments as they are written."""
 
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt = fmt
@@ -256,8 +245,7 @@ class ToolStream:
 
 
 def answer_message(fmt: ToolFormat, text: str, engine_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """A whole answer's assistant message (``tool_calls`` only where there are calls) and its
-    finish reason."""
+    """A whole answer's assistant message and its finish reason."""
     content, calls = message(fmt, text)
     reply: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if calls:
@@ -267,8 +255,7 @@ def answer_message(fmt: ToolFormat, text: str, engine_reason: str | None) -> tup
 
 def tool_format(lm: Any, settings: ToolSettings,
                 response_schema: dict[str, Any] | None = None) -> tuple[ToolFormat, GrammarConstraint]:
-    """The request's format for ``lm`` (Hermes where its chat template writes ``<tool_call>``, else
-    generic) and its compiled grammar: call it off the event loop. ValueError for a schema
-    llguidance refuses or a model without a ``tokenizers`` tokenizer."""
+    """The request's format for ``lm`` (Hermes where the template writes ``<tool_call>``, else
+    generic) and its compiled grammar, off the event loop; ValueError for a refused schema."""
     fmt = ToolFormat(settings, hermes=template_support(lm.chat_template).hermes, response_schema=response_schema)
     return fmt, fmt.constraint(lm.tokenizer, lm.eos_id)

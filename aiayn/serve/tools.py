@@ -1,9 +1,6 @@
-"""Tool calls, the request's side: OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``
-as strict pydantic models, checked together by ``tool_settings``, and the prompt the model's chat
-template makes of them (``render_chat``). A template without tool support gets them as llama.cpp's
-"generic" handling writes them (a system message listing the tools; calls and results as JSON).
-The answer's side: ``aiayn.serve.tool_calls``.
-"""
+"""Tool calls, the request's side: OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as
+strict pydantic models, checked together by ``tool_settings``, and the prompt the chat template
+makes of them (``render_chat``; a template without tool support gets llama.cpp's "generic" text)."""
 
 from __future__ import annotations
 
@@ -68,9 +65,8 @@ def call_id() -> str:
 
 @dataclass(frozen=True)
 class ToolSettings:
-    """A request's tools as the answer uses them: ``tools`` (OpenAI's objects, as dicts, each
-    ``parameters`` an object schema), ``choice`` ("auto": text or calls, "required": at least one
-    call), the callable ``names`` and whether one answer may hold several calls."""
+    """A request's tools as the answer uses them: ``tools`` (dicts), ``choice`` ("auto" or
+    "required"), the callable ``names`` and whether one answer may hold several calls."""
 
     tools: tuple[dict[str, Any], ...]
     choice: Literal["auto", "required"]
@@ -85,8 +81,7 @@ class ToolSettings:
 
 
 def object_schema(parameters: dict[str, Any] | None, where: str) -> dict[str, Any]:
-    """A function's parameters as an object schema (None: no arguments; no type: "object");
-    ValueError for another type (OpenAI's arguments are always a JSON object)."""
+    """A function's parameters as an object schema (None: no arguments); ValueError for another type."""
     if parameters is None:
         return {"type": "object", "properties": {}}
     kind = parameters.get("type", "object")
@@ -98,8 +93,7 @@ def object_schema(parameters: dict[str, Any] | None, where: str) -> dict[str, An
 
 def tool_settings(tools: list[Tool] | None, tool_choice: ToolChoice | None,
                   parallel_tool_calls: bool | None) -> ToolSettings | None:
-    """The request's tools checked together; None for a plain text answer. ValueError naming the
-    field for a bad combination."""
+    """The request's tools checked together (None: a plain text answer); ValueError naming the field."""
     if not tools:
         if tools is not None:
             raise ValueError("tools: give at least one tool, or leave tools out")
@@ -132,8 +126,7 @@ def tool_settings(tools: list[Tool] | None, tool_choice: ToolChoice | None,
 # ---- what a chat template supports ---------------------------------------------------------------
 @dataclass(frozen=True)
 class TemplateSupport:
-    """What a chat template renders itself (found by probes, as minja does): tools, an assistant's
-    ``tool_calls``, ``role: "tool"`` messages, and whether it writes Hermes' ``<tool_call>`` tags."""
+    """What a chat template renders itself (found by probes, as minja does)."""
 
     tools: bool
     tool_calls: bool
@@ -183,8 +176,7 @@ def _arguments_object(arguments: str) -> Any:
 
 
 def generic_calls_text(calls: list[dict[str, Any]], many: bool | None) -> str:
-    """Calls in the generic format: ``{"tool_calls": [...]}`` where several may come (``many``;
-    None: where there are several), else ``{"tool_call": {...}}``."""
+    """Calls in the generic format: ``{"tool_calls": [...]}`` where several may come, else ``{"tool_call": {...}}``."""
     items = [{"name": c["function"]["name"], "arguments": _arguments_object(c["function"]["arguments"])}
              for c in calls]
     many = len(items) > 1 if many is None else many or len(items) > 1
@@ -193,8 +185,7 @@ def generic_calls_text(calls: list[dict[str, Any]], many: bool | None) -> str:
 
 
 def generic_instructions(settings: ToolSettings) -> str:
-    """The system text describing the tools to a template without tool support (llama.cpp's
-    generic handling), its example in the exact form the grammar asks for."""
+    """The system text describing the tools to a template without tool support."""
     example = {"name": "tool_name", "arguments": {"arg1": "some_value"}}
     key, sample = (("tool_calls", {"tool_calls": [example]}) if settings.parallel
                    else ("tool_call", {"tool_call": example}))
@@ -219,9 +210,8 @@ def _add_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any
 
 def template_messages(messages: list[dict[str, Any]], support: TemplateSupport,
                       many: bool | None = None) -> list[dict[str, Any]]:
-    """The request's messages as the template reads them: null content is "", a call's arguments its
-    JSON object; where the template lacks support, calls become the assistant's content and tool
-    results user messages, in the generic format."""
+    """The messages as the template reads them; where it lacks support, calls become the assistant's
+    content and tool results user messages, in the generic format."""
     names = {}
     out = []
     for message in messages:
@@ -245,8 +235,7 @@ def template_messages(messages: list[dict[str, Any]], support: TemplateSupport,
 
 
 def render_chat(template: Any, messages: list[dict[str, Any]], settings: ToolSettings | None) -> str:
-    """The prompt for ``messages`` with the request's tools (None: none). Raises the template's
-    InteropError when it refuses."""
+    """The prompt for ``messages`` with the request's tools; the template's InteropError when it refuses."""
     if settings is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         return template.render(messages)
     support = template_support(template)

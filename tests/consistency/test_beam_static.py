@@ -18,8 +18,8 @@ from test_beam_search import sources
 from test_compiled_beam import assert_same_search
 
 from aiayn.generate import Ensemble, beam_search_decoder_only, beam_search_encoder_decoder
+from aiayn.generate import results as results_module
 from aiayn.generate import static_search as static_module
-from aiayn.generate import steps as steps_module
 
 BOS, EOS = 1, 77
 SEARCH = dict(bos_id=BOS, eos_id=EOS, beam_size=3, n_best=3)
@@ -28,7 +28,7 @@ SEARCH = dict(bos_id=BOS, eos_id=EOS, beam_size=3, n_best=3)
 def on_gpu_terms(monkeypatch: pytest.MonkeyPatch, device: torch.device, static: bool) -> None:
     """The search as a GPU runs it (``static``) on ``device``, or as the CPU does."""
     monkeypatch.setattr(static_module, "STATIC_SEARCH_DEVICES", (device.type,) if static else ())
-    monkeypatch.setattr(steps_module, "LAGGED_DONE_DEVICES", (device.type,) if static else ())
+    monkeypatch.setattr(results_module, "LAGGED_DONE_DEVICES", (device.type,) if static else ())
 
 
 @pytest.mark.parametrize("setting", [dict(length_penalty=0.6), dict(length_penalty=0.0, early_stopping=True),

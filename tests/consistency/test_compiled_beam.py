@@ -71,7 +71,7 @@ def test_compiled_translation_search_equals_eager_with_one_graph(device: torch.d
     different steps) under several stopping rules and length penalties; the first search compiles
     at most one graph, and the later ones (other source lengths, other step counts) none. With the
     stop read a step late (a GPU's ``DoneCheck``, forced here), the same search."""
-    from aiayn.generate import steps as steps_module
+    from aiayn.generate import results as results_module
 
     model = translation_model(device)
     settings = [dict(length_penalty=0.6), dict(length_penalty=0.0, early_stopping=True),
@@ -82,9 +82,9 @@ def test_compiled_translation_search_equals_eager_with_one_graph(device: torch.d
         eager = beam_search_encoder_decoder(model, src, **SEARCH, **setting)
         compiled = beam_search_encoder_decoder(model, src, **SEARCH, **setting, compile=True)
         assert_same_search(compiled, eager)
-        monkeypatch.setattr(steps_module, "LAGGED_DONE_DEVICES", (device.type,))
+        monkeypatch.setattr(results_module, "LAGGED_DONE_DEVICES", (device.type,))
         assert_same_search(beam_search_encoder_decoder(model, src, **SEARCH, **setting, compile=True), eager)
-        monkeypatch.setattr(steps_module, "LAGGED_DONE_DEVICES", ())
+        monkeypatch.setattr(results_module, "LAGGED_DONE_DEVICES", ())
         if i == 0:
             after_first = counters["stats"]["unique_graphs"]
             assert after_first - before <= 1

@@ -215,14 +215,14 @@ def test_the_lagged_done_check_yields_the_same_steps(arch: str, sampling: Sampli
     """On a GPU "is every row done?" is read one step late (``DoneCheck``: no host-device sync per
     step): the loop yields the same steps, tokens, logits and flags, and computes one step more,
     which it drops. Here the lag is forced on the test's device (on CUDA it is the default)."""
-    from aiayn.generate import steps as steps_module
+    from aiayn.generate import results as results_module
 
     model = (language_model(eos_boost=2.5, device=device) if arch == "decoder-only"
              else translation_model(eos_boost=2.5, device=device))
     calls = count_output_calls(model)
 
     def run(lagged: bool) -> list[DecodeStep]:
-        monkeypatch.setattr(steps_module, "LAGGED_DONE_DEVICES", (device.type,) if lagged else ())
+        monkeypatch.setattr(results_module, "LAGGED_DONE_DEVICES", (device.type,) if lagged else ())
         calls[0] = 0
         if arch == "decoder-only":
             return list(stream_decoder_only(model, ids(4, 5, seed=1, device=device), max_new_tokens=30, eos_id=EOS,
@@ -267,12 +267,12 @@ def test_on_cuda_the_steps_after_the_first_read_nothing_back(arch: str, device: 
 def test_without_eos_the_loop_reads_no_done_flag(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """No eos and no grammar: no row can finish early, so the loop runs to max_new_tokens without
     a done check (on a GPU, without a read of the device between steps)."""
-    from aiayn.generate import steps as steps_module
+    from aiayn.generate import results as results_module
 
     def refuse(*_: object) -> None:
         raise AssertionError("a done check was made")
 
-    monkeypatch.setattr(steps_module.DoneCheck, "__init__", refuse)
+    monkeypatch.setattr(results_module.DoneCheck, "__init__", refuse)
     steps = list(stream_decoder_only(language_model(eos_boost=2.5, device=device), ids(2, 5, seed=1, device=device),
                                      max_new_tokens=12))
     assert len(steps) == 12
