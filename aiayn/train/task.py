@@ -47,6 +47,12 @@ def encoder_decoder_example(out: Any, kind: str, src_labels: list[str], tgt_labe
                             title=f"{title}: {what}")
 
 
+def self_attention_example(out: Any, labels: list[str], title: str) -> AttentionExample:
+    """The self-attention maps of a one-example forward (``need_weights=True``) over ``labels``."""
+    return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels, key_labels=labels,
+                            title=title)
+
+
 class Task:
     """Base class. Subclasses fill ``splits`` in ``prepare`` and implement ``forward``."""
 
@@ -135,10 +141,20 @@ class Task:
         """A few test inputs with the model's predictions, for the end-of-run summary."""
         return []
 
+    @torch.no_grad()
     def attention_example(self, model: nn.Module, text: str | None = None,
                           kind: str | None = None) -> AttentionExample | None:
-        """Attention maps of the model on ``text`` (ValueError if it does not parse) or a test example."""
-        return None
+        """Attention maps of the model on ``text`` (ValueError if it does not parse) or a test example;
+        None for a task without ``attention_kinds``."""
+        if not self.attention_kinds:
+            return None
+        kind = self.attention_kind(kind)
+        model.eval()
+        return self.attention_maps(model, text, kind)
+
+    def attention_maps(self, model: nn.Module, text: str | None, kind: str) -> AttentionExample:
+        """``attention_example``'s maps of a checked ``kind``, the model in eval mode, without gradients."""
+        raise NotImplementedError
 
     def attention_kind(self, kind: str | None) -> str:
         """``kind``, or the task's default; ValueError naming the kinds the task has."""
