@@ -1,22 +1,11 @@
 """The ``aiayn`` command line: parse arguments, call the library, print.
 
-Every failure a user sees is one line on stderr, ``Error: what is wrong; what to do``, and no
-traceback (``AIAYN_DEBUG=1`` or ``aiayn --debug ...`` shows it); a warning is one line,
-``warning: ...``. Exit codes:
-
-* 2: a usage error, fixed by changing the command or its inputs: bad options (click's), configs,
-  run directories, tasks, model files that are not what they claim (``ConfigError``,
-  ``RunDirError``, ``UnknownTaskError``, ``InteropError``, ``CheckpointError``, ...);
-* 1: a failure of the work itself: training diverged, out of memory, an I/O error, and anything
-  unforeseen (the last-resort handler: "internal error", please report it);
-* 130: interrupted (Ctrl-C). A closed output pipe (``aiayn generate ... | head -1``) ends quietly.
-
-The commands live by subject: ``train`` (train, tasks, average, presets, kv-cache), ``generate``
-(generate, embed, models), ``translate`` (translate, evaluate, the old fetch-multi30k), ``data`` (fetch), ``plots`` (plot ..., demo),
-``explain`` (the classic questions, measured), ``experiments`` (experiment: the paper's tables, small),
-``serve`` (the OpenAI API of ``aiayn.serve``, export), ``explore`` (the web page of ``aiayn.explore``);
-``app`` holds the command group. No module of the library imports this package.
-"""
+Every failure is one line on stderr, ``Error: what is wrong; what to do``, with no traceback unless
+``AIAYN_DEBUG=1`` or ``--debug``; a warning is one line, ``warning: ...``. Exit codes: 2 for a usage error
+(options, configs, run directories, model files: ``ConfigError``, ``RunDirError``, ``InteropError``, ...); 1
+for a failure of the work itself (divergence, out of memory, I/O, an internal error); 130 when interrupted. A
+closed output pipe ends quietly. The commands live in one module per subject; ``app`` holds the command group.
+No module of the library imports this package."""
 
 from __future__ import annotations
 
@@ -56,11 +45,9 @@ RANK_REPORT_GRACE_S = 5.0
 
 
 def _fail(message: str, code: int) -> None:
-    """Say ``Error: message`` once and exit. Under torchrun the ranks usually fail alike, and
-    torchrun stops every worker (within its 0.1 s monitor interval) as soon as one exits: rank 0
-    says it at once, and a rank > 0 first waits, so that the job ends on rank 0's line. A rank
-    > 0 that is still alive after the wait failed alone (rank 0 runs on, or waits for it in a
-    collective): it says its own line, named, rather than ending the job in silence."""
+    """Say ``Error: message`` once and exit. Under torchrun rank 0 says it at once and a rank > 0 first waits,
+    so the job ends on rank 0's line; a rank > 0 still alive after the wait failed alone and says its own
+    line, named."""
     if is_main_process():
         click.echo(f"Error: {message}", err=True)
     else:

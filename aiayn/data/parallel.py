@@ -1,10 +1,5 @@
-"""Parallel text: aligned sentence files, their checks, and length-bucketed token-count batches.
-
-A corpus directory holds ``{split}.{lang}`` files (``train.en``, ``train.de``, ``val.en`` ...), one
-sentence per line, line *i* of the source file translating line *i* of the target file. Every
-problem a user can fix (a missing file, different line counts, an empty line, bytes that are not
-UTF-8) raises ``DataError`` naming the file and line.
-"""
+"""Parallel text: aligned ``{split}.{lang}`` sentence files, their checks, and length-bucketed token-count
+batches; every fixable problem raises ``DataError`` naming the file and line."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ class DataError(ValueError):
 
 
 class MissingDataError(DataError, FileNotFoundError):
-    """A dataset file that is not there: a DataError (the CLI's exit code 2, one line naming the
-    fetch command) that is still the FileNotFoundError ``dataset_file`` always raised."""
+    """A dataset file that is not there: a DataError that is still a FileNotFoundError."""
 
 
 def read_lines(path: str | Path, *, allow_empty: bool = False) -> list[str]:
@@ -64,7 +58,6 @@ def split_paths(corpus_dir: str | Path, split: str, src_lang: str, tgt_lang: str
     return corpus_dir / f"{split}.{src_lang}", corpus_dir / f"{split}.{tgt_lang}"
 
 
-# ---- Multi30k from its public source (for users with a network; tests never fetch) -----------------
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/a3d2e0d26b56f3846f66a952536ffed4e401d05a/data/task1/raw"
 MULTI30K_FILES = {"train": "train", "val": "val", "test2016": "test_2016_flickr"}
@@ -72,13 +65,8 @@ MULTI30K_FILES = {"train": "train", "val": "val", "test2016": "test_2016_flickr"
 
 def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None, langs: tuple[str, ...] = ("en", "de"),
                    sha256: Mapping[str, str] | None = None) -> Path:
-    """Download Multi30k task 1 (train, val, test2016) into ``cache_dir`` as ``{split}.{lang}``: the
-    folder itself, unlike ``aiayn fetch multi30k`` (``aiayn.data.fetch``), which fills
-    ``<data root>/multi30k``. Each file's SHA-256 is checked (``sha256``: local name -> hash,
-    default the constants of ``aiayn.data.fetch``) before it is renamed into place; a verified file
-    already there is kept. Failures raise ``aiayn.data.fetch.FetchError`` (one line). ``base_url``
-    defaults to a mirror in $AIAYN_DATA_URL (``<mirror>/multi30k``), else the public source.
-    """
+    """Download Multi30k task 1 into ``cache_dir`` itself as ``{split}.{lang}``, checked as
+    ``aiayn.data.fetch`` does; ``base_url`` defaults to ``$AIAYN_DATA_URL``, else the public source."""
     from aiayn.data.fetch import DATASETS, URL_ENV_VAR, fetch_files
 
     if base_url is None:
@@ -94,7 +82,6 @@ def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None, langs:
     return cache_dir
 
 
-# ---- batches by token count ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class BucketSpec:
@@ -104,13 +91,8 @@ class BucketSpec:
 
 def token_batches(src_lengths: Tensor, tgt_lengths: Tensor, spec: BucketSpec, *, seed: int | None,
                   epoch: int = 0) -> list[Tensor]:
-    """Index batches of similar-length pairs, each within ``spec.max_tokens`` padded tokens.
-
-    Pairs are sorted by (longer side, target length) with ties broken by a permutation fixed by
-    (seed, epoch); consecutive pairs fill a batch while n x max(longest source, longest target)
-    stays within the budget; the batch order is then shuffled. Every pair lands in exactly one
-    batch per epoch. ``seed=None`` keeps sorted order (evaluation).
-    """
+    """Index batches of similar-length pairs, each within ``spec.max_tokens`` padded tokens, in an order
+    shuffled by (seed, epoch); ``seed=None`` keeps sorted order (evaluation)."""
     n = src_lengths.shape[0]
     if seed is None:
         order = torch.arange(n)

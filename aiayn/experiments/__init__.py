@@ -1,13 +1,9 @@
 """The paper's experiments, small enough for a CPU: ``aiayn experiment NAME``.
 
-Each experiment trains its variants with aiayn's own trainer (one run directory each, resumable),
-measures them and writes a results table (markdown, CSV, JSON) and a plot. The registry maps a
-name to its ``Experiment`` class; a new experiment is one module with an ``@register``ed subclass.
-
-* ``table3`` (``aiayn/experiments/table3.py``): the paper's Table 3 rows (A)-(E) on Multi30k en->de.
-* ``length-extrapolation`` (``aiayn/experiments/length_extrapolation.py``): sinusoidal, learned,
-  RoPE and ALiBi positions trained on 64 characters, scored at 64 ... 1024.
-"""
+Each experiment trains its variants with aiayn's own trainer, measures them and writes a results table and a
+plot; a new experiment is one module with an ``@register``ed ``Experiment``: ``table3`` (the paper's Table 3
+rows (A)-(E)) and ``length-extrapolation`` (four positional schemes trained on 64 characters, scored at 64 ...
+1024)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What every experiment shares: variants trained by aiayn's own trainer into one run directory
-each, resumable, then measured and reported (a markdown table, CSV, JSON and a plot).
+"""What every experiment shares: variants trained by aiayn's own trainer into one run directory each,
+resumable, then measured and reported.
 
 An experiment's output folder::
 
@@ -8,11 +8,8 @@ An experiment's output folder::
     OUT/<variant>/          an ordinary run directory (``aiayn train`` layout) + result.json
     OUT/results.md, results.csv, results.json, <plot>.png   written at the end
 
-Resuming (``resume=True``) skips every variant whose ``result.json`` exists, measures a trained
-one that has not been measured yet, continues an interrupted one from its latest checkpoint, and
-starts the others. A variant folder whose config differs from the variant's (the code changed, or
-another budget) is refused rather than mixed in.
-"""
+Resuming skips measured variants, measures trained ones, continues interrupted ones and starts the others; a
+variant folder with another config is refused."""
 
 from __future__ import annotations
 
@@ -72,9 +69,7 @@ class Variant:
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields
 
     def build(self) -> tuple[Task, ModelConfig, TrainConfig]:
-        """The task and the two configs this variant trains with (task defaults, then the variant's).
-        Float32 on every device unless a task or variant says otherwise (bf16 False, not the
-        device's default): the experiments' tables compare variants, and were made in float32."""
+        """The task and configs this variant trains with, float32 unless a task or variant says otherwise."""
         task = get_task(self.task, **self.task_options)
         model = ModelConfig.from_dict({**task.model_config().to_dict(), **self.model})
         train = TrainConfig.from_dict({**TrainConfig(task=self.task).to_dict(), "bf16": False,
@@ -117,7 +112,6 @@ def register(cls: type[Experiment]) -> type[Experiment]:
     return cls
 
 
-# ---- running one variant ----------------------------------------------------------------------
 def run_configs(task: Task, model: ModelConfig, train: TrainConfig) -> dict[str, Any]:
     """What the trainer writes to a run's config.json (to compare an existing run against)."""
     return json.loads(json.dumps({"task": task.name, "task_options": task.options, "model": model.to_dict(),
@@ -125,8 +119,7 @@ def run_configs(task: Task, model: ModelConfig, train: TrainConfig) -> dict[str,
 
 
 def variant_state(variant: Variant, run_dir: Path) -> str:
-    """"measured", "trained" (summary.json, no result yet), "interrupted" (a checkpoint), or "new";
-    a run there with another config is a RunDirError."""
+    """"measured", "trained", "interrupted" or "new"; a run there with another config is a RunDirError."""
     if not (run_dir / "config.json").is_file():
         return "new"
     task, model, train = variant.build()
@@ -145,9 +138,7 @@ def variant_state(variant: Variant, run_dir: Path) -> str:
 def run_variant(experiment: Experiment, variant: Variant, run_dir: Path, budget: Budget, *,
                 progress: bool = True, echo: Callable[[str], None] = print,
                 threads: int | None = None, device: str | None = None) -> dict[str, Any]:
-    """Train (or resume) one variant, measure it once, return its row (with ``interrupted`` when
-    Ctrl-C stopped the training: the checkpoint is saved, the row is not). ``device``: where it
-    trains (``aiayn.device.resolve``; None: auto)."""
+    """Train (or resume) one variant, measure it once, return its row (``interrupted`` after Ctrl-C)."""
     import torch
 
     from aiayn.train.trainer import train
@@ -193,7 +184,6 @@ def _worker(name: str, variant: Variant, run_dir: str, budget_name: str, threads
                        device=device)
 
 
-# ---- running an experiment --------------------------------------------------------------------
 @dataclass
 class ExperimentResult:
     out_dir: Path
@@ -204,8 +194,7 @@ class ExperimentResult:
 
 def prepare_out_dir(experiment: Experiment, out_dir: Path, budget: Budget, *, resume: bool,
                     variants: Sequence[Variant], command: str) -> None:
-    """Claim ``out_dir`` for this experiment, or refuse: another experiment's or budget's results,
-    results without ``resume``, a folder aiayn did not make."""
+    """Claim ``out_dir`` for this experiment, or refuse another's results or a folder aiayn did not make."""
     manifest_path = out_dir / MANIFEST
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -237,9 +226,8 @@ def run_experiment(experiment: Experiment, out_dir: Path, *, budget: str | None 
                    jobs: int = 1, threads: int | None = None, progress: bool = True,
                    echo: Callable[[str], None] = print, command: str = "",
                    device: str | None = None) -> ExperimentResult:
-    """Train, measure and report every variant of ``experiment`` under ``out_dir`` (see the module
-    docstring). ``jobs`` > 1 trains that many variants at once, each in its own process.
-    ``device``: where the variants train (``aiayn.device.resolve``; None: auto)."""
+    """Train, measure and report every variant of ``experiment`` under ``out_dir``; ``jobs`` > 1 trains that
+    many at once, each in its own process."""
     chosen = experiment.budget(budget or experiment.default_budget)
     variants = experiment.variants(chosen)
     out_dir = Path(out_dir)
@@ -307,7 +295,6 @@ def _brief(row: dict[str, Any]) -> str:
     return ", ".join(shown) + f" ({row.get('cpu_s', 0):.0f} s CPU, {row.get('wall_s', 0):.0f} s wall)"
 
 
-# ---- writing the results ----------------------------------------------------------------------
 def fmt(value: Any, digits: int = 2) -> str:
     """A table cell: numbers rounded, None as an en dash."""
     if value is None:
@@ -326,13 +313,14 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def write_results(out_dir: Path, *, markdown: str, columns: Sequence[str], rows: list[dict[str, Any]],
                   extra: dict[str, Any] | None = None) -> list[Path]:
-    """results.md (given), results.csv (``columns`` of every row) and results.json (rows + extra)."""
+    """results.md (``markdown``, then the cost and the commands that made it), results.csv (``columns``
+    of every row) and results.json (rows + extra)."""
     import csv
     import io
 
     manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
     md = out_dir / "results.md"
-    atomic_write_text(md, markdown)
+    atomic_write_text(md, f"{markdown}Cost: {cost_line(rows)}.\n\n" + made_by(out_dir))
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()

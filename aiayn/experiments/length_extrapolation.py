@@ -1,18 +1,8 @@
 """Length extrapolation: train on short sequences, test on longer ones.
 
-Four character-level decoders on Tiny Shakespeare (the ``shakespeare-char`` task), identical but
-for their positions: the paper's sinusoids (section 3.5), learned positions (its Table 3 row E),
-RoPE (Su et al. 2021) and ALiBi (Press et al. 2022). Each trains on windows of ``train_len``
-characters and is then scored on the validation text cut into windows of 64, 128, ... characters:
-the same characters every time (the first ``eval_chars`` of the validation split), so only the
-window length changes. The perplexity is the mean over every position of every window.
-
-A learned table has rows for the training positions only: past them there is nothing to look up,
-which aiayn refuses ("position 64 is beyond the model's maximum"); the table shows that limit as
-"–" rather than a number. The other three are built with ``max_seq_len`` = the longest test length
-(their tables are fixed functions, so that changes nothing they learn) and never see a position past
-``train_len`` while training.
-"""
+Four character-level decoders on Tiny Shakespeare, identical but for their positions (sinusoidal, learned,
+RoPE, ALiBi), train on ``train_len`` characters and are scored on the same validation characters cut into
+longer and longer windows. Learned positions cannot go past their table ("–" in the table)."""
 
 from __future__ import annotations
 
@@ -29,8 +19,7 @@ from aiayn.experiments.base import (
     Budget,
     Experiment,
     Variant,
-    cost_line,
-    made_by,
+    fmt,
     markdown_table,
     register,
     write_results,
@@ -42,11 +31,8 @@ SCHEMES = ("sinusoidal", "learned", "rope", "alibi")
 @torch.no_grad()
 def loss_by_position(model: nn.Module, tokens: Tensor, length: int, *, n_chars: int,
                      batch_tokens: int = 16384) -> Tensor:
-    """Mean next-token loss (nats) at each position 0 .. length-1 of the model's input, over the
-    non-overlapping windows of ``length`` + 1 tokens that fit in the first ``n_chars`` + 1 tokens.
-
-    tokens (n,) -> (length,) float64
-    """
+    """Mean next-token loss (nats) at each position of non-overlapping windows of ``length`` + 1 tokens in the
+    first ``n_chars`` + 1: tokens (n,) -> (length,) float64."""
     n_windows = min(n_chars, len(tokens) - 1) // length
     if n_windows == 0:
         raise ValueError(f"{len(tokens)} tokens hold no window of {length + 1}; lower the test length")
@@ -134,8 +120,7 @@ class LengthExtrapolation(Experiment):
             f"validation characters cut into windows of each length (mean over all positions). "
             f"\"–\": learned positions have no row past position {s['train_len'] - 1}, so those lengths cannot "
             f"be scored (aiayn refuses them).\n\n{table}\n"
-            f"Best at each length: " + ", ".join(f"{n}: {fmt_best(v)}" for n, v in best.items()) + ".\n\n"
-            f"Cost: {cost_line(rows)}.\n\n" + made_by(out_dir))
+            f"Best at each length: " + ", ".join(f"{n}: {fmt(v)}" for n, v in best.items()) + ".\n\n")
         columns = ["variant", "positional", "params", "train_len", "max_seq_len", *[f"ppl@{n}" for n in lengths],
                    "cpu_s", "wall_s"]
         files = write_results(out_dir, markdown=markdown, columns=columns, rows=rows)
@@ -143,13 +128,8 @@ class LengthExtrapolation(Experiment):
         return files
 
 
-def fmt_best(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}"
-
-
 def plot_extrapolation(rows: list[dict[str, Any]], lengths: list[int], train_len: int, path: Path) -> Path:
-    """Left: perplexity against test length (learned positions end at their table). Right: the loss
-    at each position of the longest windows each scheme could read (half-octave bins)."""
+    """Perplexity against test length, and loss by position of the longest windows each scheme reads."""
     import matplotlib
     import matplotlib.ticker
 

@@ -1,11 +1,8 @@
-"""``aiayn explain TOPIC``: the classic questions about the Transformer answered by small
-experiments (seconds to a minute on 2 cores), each printing its tables and writing a plot and a
-markdown page whose every number comes from the run (``docs/explain/``).
+"""``aiayn explain TOPIC``: the classic questions about the Transformer answered by small experiments, each
+printing its tables and writing a plot and a markdown page (``docs/explain/``).
 
-One module per topic (``NAME``, ``TITLE``, ``QUESTION``, ``run(out_dir, quick=False)``, and
-``device=`` when the topic trains models); the
-registry below maps a topic's name to its module, imported when the topic runs.
-"""
+One module per topic (``NAME``, ``TITLE``, ``QUESTION``, ``run(out_dir, quick=False)``, and ``device=`` when
+it trains), imported when the topic runs."""
 
 from __future__ import annotations
 
@@ -40,15 +37,14 @@ def topic(name: str) -> ModuleType:
 
 
 def trains(name: str) -> bool:
-    """Whether topic ``name`` trains models (and so runs on a chosen device; the others measure
-    functions on the CPU)."""
+    """Whether topic ``name`` trains models (and so runs on a chosen device)."""
     return "device" in inspect.signature(topic(name).run).parameters
 
 
 def run_topic(name: str, out_dir: Path, *, quick: bool = False, command: str | None = None,
               device: torch.device | None = None) -> Report:
-    """Run a topic: its report, with its plots in ``out_dir`` and its page as ``out_dir/NAME.md``.
-    ``device``: where a topic that trains trains (default: the CPU, where the pages were made)."""
+    """Run a topic: its report, plots in ``out_dir`` and page ``out_dir/NAME.md``; ``device``: where a topic
+    that trains trains (default: the CPU)."""
     module = topic(name)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

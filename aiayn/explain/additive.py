@@ -1,9 +1,6 @@
-"""Dot-product against additive attention (section 3.2.1): "the two are similar in theoretical
-complexity, dot-product attention is much faster and more space-efficient in practice, since it can
-be implemented using highly optimized matrix multiplication code". Measured: the attention function
-alone across sequence lengths, and both kinds trained briefly on the reverse and copy tasks with
-everything else equal (``aiayn.nn.additive``).
-"""
+"""Dot-product against additive attention (section 3.2.1): similar in theory, dot-product much faster in
+practice. Measured: the attention function alone across lengths, and both trained briefly on the reverse and
+copy tasks (``aiayn.nn.additive``)."""
 
 from __future__ import annotations
 

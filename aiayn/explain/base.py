@@ -1,10 +1,5 @@
-"""What every topic of ``aiayn explain`` shares: its report (tables, claims, plots, a page of text),
-the markdown page written from it, and a brief training loop for the topics that train.
-
-A topic is a module with ``NAME``, ``TITLE``, ``QUESTION`` and ``run(out_dir, quick=False) ->
-Report``; ``quick`` is the reduced size the tests run. Every number on a topic's page comes from
-its ``run``: the page is a template filled from the measured values.
-"""
+"""What every topic of ``aiayn explain`` shares: its report, the markdown page written from it, and a brief
+training loop. Every number on a page comes from the topic's ``run``."""
 
 from __future__ import annotations
 
@@ -61,8 +56,7 @@ def cell(value: Any) -> str:
 
 @dataclass
 class Report:
-    """A topic's results: its tables, the numbers its claims rest on, its plots and its page text
-    (markdown, written from the numbers)."""
+    """A topic's results: tables, the numbers its claims rest on, plots and page text."""
 
     name: str
     title: str
@@ -78,9 +72,8 @@ class Report:
         return "\n".join(parts)
 
     def markdown(self, command: str, source: str | None = None) -> str:
-        """The topic's page: title, the command that made it, its text, tables and plots.
-        ``source``: the module that made it (default: the topic's name as a module of this package;
-        a topic whose module has another name, masks in masking.py, must say so)."""
+        """The topic's page: title, command, text, tables and plots. ``source``: the module that made it
+        (default: the topic's name)."""
         plots = "\n\n".join(f"![{p.stem}]({p.name})" for p in self.plots)
         source = source or f"aiayn/explain/{self.name.replace('-', '_')}.py"
         return "\n\n".join(part for part in (
@@ -113,9 +106,8 @@ def timed(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1) -> float:
 
 def train_briefly(task: Task, model: nn.Module, *, steps: int, batch_size: int, lr: float,
                   warmup: int = 20, seed: int = 0) -> dict[str, float]:
-    """A short plain training run (Adam, warmup + cosine, gradient clipping at 1) of ``model`` on
-    ``task`` (prepared), on the model's device; returns the test metrics, the last loss and the
-    seconds per step."""
+    """A short plain training run (Adam, warmup + cosine, clipping at 1) of ``model`` on the prepared
+    ``task``; returns the test metrics, the last loss and the seconds per step."""
     device = model_device(model)
     torch.manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)

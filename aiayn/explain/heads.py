@@ -1,9 +1,6 @@
-"""Why several heads, and what they cost (section 3.2.2): h heads of width d_model / h against one
-head of width d_model. A common belief is that h heads cost h times as much; the projections are
-the same d_model x d_model matrices cut into h slices, and the score and value products shrink by
-h per head while their number grows by h. Counted with torch's FlopCounterMode on aiayn's
-MultiHeadAttention (the written-out path: the fused CPU kernel is not counted by FlopCounterMode).
-"""
+"""Why several heads, and what they cost (section 3.2.2): h heads of width d_model / h against one of width
+d_model, counted with torch's FlopCounterMode on the written-out MultiHeadAttention. The projections are the
+same matrices cut into slices, so h heads do not cost h times as much."""
 
 from __future__ import annotations
 

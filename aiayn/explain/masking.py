@@ -1,7 +1,5 @@
-"""What a mask does to the softmax (sections 3.2.1 and 3.2.3): a masked key gets a score of −∞, so
-exp(−∞) = 0 and its weight is exactly zero, and the weights of the visible keys still sum to 1. A
-query that sees no key at all is the trap: softmax of a row of −∞ is 0/0.
-"""
+"""What a mask does to the softmax (sections 3.2.1 and 3.2.3): a masked key's weight is exactly zero and the
+visible weights still sum to 1; a query that sees no key at all is the trap (0/0)."""
 
 from __future__ import annotations
 
@@ -74,9 +72,7 @@ def _one_query_table(scores: torch.Tensor, valid: torch.Tensor) -> Table:
 
 def _all_keys_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scores: torch.Tensor) -> tuple[Table, dict[str, Any]]:
-    """A query that sees no key (a padded query under a mask that also hides padded query rows, or a
-    causal mask combined with a left-padded prompt): one row whose every key is masked, four ways.
-    Returns their table and claims."""
+    """A query that sees no key: one row whose every key is masked, four ways; their table and claims."""
     none_visible = torch.zeros(1, 1, 1, T, dtype=torch.bool)
     row_scores = scores[4:5]
     naive = torch.softmax(row_scores.masked_fill(~none_visible[0, 0], float("-inf")), -1)[0]

@@ -1,11 +1,8 @@
 """paper-base has 63.1M parameters here and 65M in the paper's Table 3: where the gap comes from.
 
-Every row of Table 3 that lists a parameter count is counted here two ways: by building the model
-(``count_parameters``) where aiayn can build it, and by a formula that is checked equal to the built
-count and also covers row (B) (d_k != d_v, which aiayn's config cannot express). The difference
-to the paper's number, divided by the row's d_model, is the number of extra embedding-sized rows
-the paper's count would need.
-"""
+Each row of Table 3 with a parameter count is counted by building the model and by a formula (checked equal,
+and covering row (B)); the difference over d_model is the number of extra embedding-sized rows the paper's
+count would need."""
 
 from __future__ import annotations
 
@@ -53,8 +50,7 @@ ROWS = [
 
 def formula(row: Row, *, vocab: int = VOCAB, biases: bool = True, norms: bool = True,
             separate_target_embedding: bool = False) -> dict[str, int]:
-    """Parameters of the paper's encoder-decoder by component (post-norm, shared embedding tied to
-    the output layer, biases on every linear layer)."""
+    """Parameters of the paper's encoder-decoder by component (post-norm, tied embeddings, biases)."""
     d, h, n = row.d_model, row.n_heads, row.n_layers
     b = 1 if biases else 0
     attention = 2 * (d * h * row.d_k + b * h * row.d_k) + d * h * row.d_v + b * h * row.d_v + h * row.d_v * d + b * d

@@ -1,8 +1,5 @@
-"""The sinusoidal positional encoding (section 3.5): PE(t, 2i) = sin(t ω_i), PE(t, 2i+1) =
-cos(t ω_i), ω_i = 10000^(−2i/d). Its curves, its wavelengths, the paper's claim that PE(t+k) is a
-linear function of PE(t) (fitted here, and compared with the rotation it must be), and the dot
-product PE(t)·PE(t+k), a function of k alone.
-"""
+"""The sinusoidal positional encoding (section 3.5): its curves, wavelengths, the claim that PE(t+k) is a
+linear function of PE(t) (fitted, against the rotation it must be), and PE(t)·PE(t+k)."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ QUESTION = "its curves and wavelengths; PE(t+k) as a fixed linear map of PE(t); 
 
 
 def rotation(d_model: int, k: int) -> torch.Tensor:
-    """The map with PE(t+k) = R_k PE(t) for aiayn's interleaved layout: a 2x2 rotation by k ω_i per
-    (sin, cos) pair, (d, d) float64."""
+    """The (d, d) float64 rotation R_k with PE(t+k) = R_k PE(t) in aiayn's interleaved layout."""
     omega = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
     r = torch.zeros(d_model, d_model, dtype=torch.float64)
     c, s = torch.cos(k * omega), torch.sin(k * omega)
@@ -33,9 +29,8 @@ def rotation(d_model: int, k: int) -> torch.Tensor:
 
 
 def fit_shift(d_model: int, k: int, fit: torch.Tensor, test: torch.Tensor) -> dict[str, float]:
-    """Least squares M_k with PE(t+k) ≈ M_k PE(t) over the positions ``fit``; its largest error
-    there and on the positions ``test``, the rotation R_k's error on ``test``, |M_k − R_k|, and the
-    condition number of the fitted PE(t) matrix."""
+    """Least squares M_k with PE(t+k) ≈ M_k PE(t) over ``fit``: its errors on ``fit`` and ``test``, R_k's
+    error, |M_k − R_k| and the condition number."""
     x, y = (sinusoidal_encoding(fit + shift, d_model).double() for shift in (0, k))  # the model's table
     m = torch.linalg.lstsq(x, y).solution.T  # (d, d): y ≈ x M^T
     held_x, held_y = (sinusoidal_encoding(test + shift, d_model).double() for shift in (0, k))

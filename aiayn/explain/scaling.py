@@ -1,10 +1,5 @@
-"""Why scale the scores by 1/sqrt(d_k) (paper section 3.2.1, footnote 4).
-
-If the components of q and k are independent with mean 0 and variance 1, q·k = sum of d_k such
-products has mean 0 and variance d_k. Unscaled, the scores of a row spread over a range that grows
-like sqrt(d_k); the softmax then puts nearly all its weight on the largest score, and its gradient
-(p ⊙ (g - p·g) for an upstream gradient g) vanishes. Measured here on random vectors.
-"""
+"""Why scale the scores by 1/sqrt(d_k) (section 3.2.1, footnote 4): unit-variance q·k has variance d_k, so
+unscaled softmax rows saturate and their gradient vanishes. Measured on random vectors."""
 
 from __future__ import annotations
 
@@ -22,8 +17,8 @@ KEYS = 64  # keys per softmax row
 
 
 def measure(d_k: int, *, pairs: int, rows: int, generator: torch.Generator) -> dict[str, float]:
-    """Variance of q·k before and after scaling; max weight, entropy and gradient norm of softmax
-    rows over ``KEYS`` random keys, unscaled and scaled."""
+    """Variance of q·k before and after scaling; max weight, entropy and gradient norm of softmax rows over
+    ``KEYS`` random keys, unscaled and scaled."""
     q, k = torch.randn(2, pairs, d_k, generator=generator, dtype=torch.float64)
     dots = (q * k).sum(-1)  # (pairs,)
     out = {"d_k": d_k, "var": float(dots.var()), "var_scaled": float((dots / d_k**0.5).var())}

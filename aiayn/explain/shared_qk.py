@@ -1,8 +1,5 @@
-"""Sharing one projection for queries and keys (W_Q = W_K): the scores q_i·q_j become symmetric,
-and since q_i·q_j <= |q_i| |q_j| <= max(|q_i|², |q_j|²), of any two positions at least one scores
-itself at least as high as the other: self-attention dominates. Measured on the reverse task, whose
-answer for position i sits at position t−1−i.
-"""
+"""Sharing one projection for queries and keys (W_Q = W_K): symmetric scores, so of any two positions at least
+one scores itself highest and self-attention dominates. Measured on the reverse task."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ QUESTION = "what W_Q = W_K does to the attention pattern (symmetric, self-domina
 
 
 class _KeysAreQueries(nn.Module):
-    """A parametrization of the fused q/k/v projection's weight (or bias): the key rows are the
-    query rows, (q + 2 kv, ...) -> (q + 2 kv, ...)."""
+    """A parametrization of the fused q/k/v weight (or bias) whose key rows are the query rows."""
 
     def __init__(self, q_width: int) -> None:
         super().__init__()
@@ -35,8 +31,7 @@ class _KeysAreQueries(nn.Module):
 
 
 def share_query_key(model: nn.Module) -> int:
-    """Tie every self-attention's key projection to its query projection (in place); returns the
-    number of parameters left unused (the key rows)."""
+    """Tie every self-attention's key projection to its query projection; returns the parameters unused."""
     unused = 0
     for module in model.modules():
         if isinstance(module, MultiHeadAttention) and not module.cross:

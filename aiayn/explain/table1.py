@@ -1,13 +1,8 @@
 """The paper's Table 1, measured: per-layer cost, sequential operations and maximum path length of
 self-attention, restricted self-attention, a recurrent layer and a convolution.
 
-Each layer maps a sequence of n vectors of width d to another: self-attention (one head, q = k = v
-= x: the n² d of the table, without the projections every layer type could add), restricted
-self-attention over 2r + 1 neighbours (``aiayn.nn.local_attention``), an Elman RNN (``nn.RNN``,
-tanh) and a 1-D convolution of kernel k (``nn.Conv1d``). FLOPs by torch's FlopCounterMode where it
-counts the operation (the written-out attention, the banded einsum, the convolution), by the
-formula for the RNN (torch's fused RNN kernel is not counted); time by the median of a few runs.
-"""
+FLOPs by torch's FlopCounterMode where it counts the operation, by formula for the RNN; time by the median of
+a few runs."""
 
 from __future__ import annotations
 
@@ -58,8 +53,7 @@ def flops(kind: str, n: int, d: int, radius: int, batch: int = 1) -> int:
 
 
 def path_length(kind: str, n: int, radius: int, *, dilated: bool = False) -> int:
-    """The fewest stacked layers through which output n−1 depends on input 0 (its gradient is not
-    zero); for the RNN, the sequential steps between them within its one layer."""
+    """The fewest stacked layers through which output n−1 depends on input 0 (for the RNN, its steps)."""
     if kind == "recurrent":
         return n - 1  # h_{n-1} = tanh(W x_{n-1} + U h_{n-2}): n−1 applications of U back to x_0
     torch.manual_seed(0)
@@ -196,8 +190,7 @@ machine: the shapes of the curves, not the milliseconds.
 
 
 def _stays_above(lengths: list[int], ratio: Callable[[int], float]) -> int | None:
-    """The smallest n of the grid from which ``ratio(n)`` > 1 for every larger n too (one noisy
-    small-n timing does not make a crossover)."""
+    """The smallest n from which ``ratio(n)`` > 1 for every larger n of the grid."""
     found = None
     for n in reversed(lengths):
         if ratio(n) <= 1:

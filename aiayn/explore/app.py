@@ -1,21 +1,10 @@
-"""The explorer's ASGI application (FastAPI): the page, its static files, and JSON routes over one
-model chosen at start-up.
+"""The explorer's ASGI application (FastAPI): the page, its static files, and JSON routes over one model
+chosen at start-up.
 
-Routes (every error is ``{"error": "one short message"}`` with a 4xx status, the framework's own
-404/405/422 included; a body over ``MAX_BODY_BYTES`` is refused with 413 before it is read):
-
-* ``GET /api/model``: the model, its sizes and which views it has;
-* ``POST /api/tokenize`` ``{text, side}``: the tokens as the page previews them (a text the model
-  cannot take: ``error`` set, status 200);
-* ``POST /api/attention`` ``{text, target?}``: tokenise, run the model once with
-  ``need_weights=True``, keep its weights; returns the tokens and the stacks (no weights);
-* ``GET /api/attention/{key}/{stack}/{layer}``: one layer's weights, (h, t_q, t_k) float32
-  (base64): the page fetches layers one at a time, as they come into view;
-* ``POST /api/generate`` ``{text, steps, top_k, temperature, seed, chat}``: decoding step by step,
-  with the KV cache's figures;
-* ``POST /api/beam`` ``{text, beam, length_penalty, steps}``: the beam-search tree;
-* ``GET /api/positions``; ``GET /api/run``: positional encodings; the training run.
-"""
+Every error is ``{"error": "one short message"}`` with a 4xx status; a body over ``MAX_BODY_BYTES`` gets 413
+before it is read. Routes: ``GET /api/model``, ``POST /api/tokenize``, ``POST /api/attention`` then ``GET
+/api/attention/{key}/{stack}/{layer}`` (one layer's weights, base64 float32), ``POST /api/generate``, ``POST
+/api/beam``, ``GET /api/positions``, ``GET /api/run``."""
 
 from __future__ import annotations
 
@@ -77,16 +66,14 @@ def _error(message: str, status: int) -> JSONResponse:
 
 
 class _BodyTooLarge(HTTPException):
-    """Raised by the bounded receive; an HTTPException so that FastAPI's body parsing passes it on
-    (any other exception there becomes its generic 400) to ``framework_error``."""
+    """Raised by the bounded receive; an HTTPException so FastAPI's body parsing passes it on."""
 
     def __init__(self) -> None:
         super().__init__(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB; send less text at once")
 
 
 class BodyLimit:
-    """Pure ASGI: a request body over ``MAX_BODY_BYTES`` gets 413 ``{"error": ...}``, by its declared
-    Content-Length before anything is read, or as its chunks arrive (no length declared)."""
+    """Pure ASGI: a request body over ``MAX_BODY_BYTES`` gets 413, by Content-Length or as it arrives."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -169,8 +156,8 @@ def _add_api(app: FastAPI, ex: Explorable) -> None:
 
     @app.post("/api/tokenize")
     def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        """The text's tokens as the page previews them while typing; a text the model cannot
-        take comes back with ``error`` set (and status 200: the page shows it, it is no failure)."""
+        """The text's tokens as the page previews them; a text the model cannot take comes back with ``error``
+        set (status 200)."""
         what = "the target" if req.side == "target" else "the text"
         if req.side == "target" and not req.text.strip():  # no target: the model's own translation
             return {"ids": [], "labels": [], "count": 0, "limit": ex.limit, "error": None}

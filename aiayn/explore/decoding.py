@@ -1,14 +1,9 @@
-"""Decoding step by step, for the page: each step's token, its top-k next-token probabilities and
-the KV cache as it fills, over ``aiayn.generate``'s decode loops (``stream_decoder_only``,
-``stream_encoder_decoder``: the loops ``aiayn generate`` and ``aiayn translate`` run).
+"""Decoding step by step, for the page: each step's token, its top-k probabilities and the KV cache as it
+fills, over ``aiayn.generate``'s decode loops.
 
-The cache figures: ``measured`` is the bytes held by the filled slots of the real cache tensors
-(each layer's k and v buffers sliced to the filled length: element size x elements), ``formula``
-the seeds' 2 x layers x kv-heads x head-dim x tokens x bytes (``aiayn.nn.kv_memory.kv_cache_bytes``),
-which must agree; ``int8`` / ``int4`` what the quantised caches would hold for the same tokens
-(their data plus one float16 scale per token and head, the formula
-``tests/unit/test_kv_cache_quant.py`` checks against the real quantised cache).
-"""
+The cache figures: ``measured`` (bytes of the filled slots of the real cache), ``formula``
+(``aiayn.nn.kv_memory.kv_cache_bytes``, which must agree), and ``int8`` / ``int4`` (what the quantised caches
+would hold)."""
 
 from __future__ import annotations
 
@@ -20,6 +15,12 @@ from torch import Tensor
 
 from aiayn.device import autocast
 from aiayn.explore.models import Explorable, ExploreInputError
+from aiayn.generate import (
+    SamplingConfig,
+    max_target_lengths,
+    stream_decoder_only,
+    stream_encoder_decoder,
+)
 from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.kv_memory import dtype_bytes, kv_cache_bytes
 
@@ -40,8 +41,7 @@ def _cache_figures(cache: KVCache, sizes: dict[str, int]) -> dict[str, int]:
 
 
 def _slot_norms(cache: KVCache) -> list[list[float]]:
-    """(layers, filled) the length of each slot's key, averaged over the kv heads: what the page
-    colours the filled slots with (a slot's keys never change once written)."""
+    """(layers, filled) each slot's key length, averaged over kv heads: the page's colours."""
     n = cache.length
     return [layer.k[0, :, :n].float().norm(dim=-1).mean(dim=0).tolist() for layer in cache.layers]
 
@@ -49,17 +49,10 @@ def _slot_norms(cache: KVCache) -> list[list[float]]:
 @torch.inference_mode()
 def decode_steps(ex: Explorable, text: str, *, steps: int = 16, top_k: int = 5, temperature: float = 0.0,
                  seed: int = 0, chat: bool = False) -> dict[str, Any]:
-    """Decode up to ``steps`` tokens after ``text`` (translation: of the source ``text``), greedy
-    (``temperature`` 0) or sampled with ``seed``; every step's token, top-k and cache figures."""
-    from aiayn.generate import (
-        SamplingConfig,
-        max_target_lengths,
-        stream_decoder_only,
-        stream_encoder_decoder,
-    )
-
-    if ex.kind not in ("translation", "decoder"):
-        raise ExploreInputError(f"{ex.an_arch} model does not generate text")
+    """Decode up to ``steps`` tokens after ``text``, greedy (``temperature`` 0) or sampled with ``seed``;
+    every step's token, top-k and cache figures."""
+    if (why := ex.unavailable("generate")) is not None:
+        raise ExploreInputError(why)
     if not 1 <= steps <= MAX_STEPS or not 1 <= top_k <= MAX_TOP_K:
         raise ExploreInputError(f"steps must be 1 to {MAX_STEPS} and top-k 1 to {MAX_TOP_K}")
     sampling = SamplingConfig(temperature=temperature, seed=seed) if temperature > 0 else None

@@ -1,21 +1,9 @@
 """The model an explorer looks inside, chosen once at start-up (never by the browser).
 
-Four kinds, each with its text functions:
-
-* ``translation``: an encoder-decoder translation run (BPE, ``<s>``/``</s>``): encoder
-  self-attention, causal decoder self-attention, cross-attention; decoding; beam search.
-* ``decoder``: a decoder-only language model: a run of a language-model task (shakespeare-char,
-  shakespeare-bpe) or a GGUF file / Hugging Face directory (SmolLM2).
-* ``encoder``: an encoder-only model: a BERT-family Hugging Face directory (all-MiniLM-L6-v2) or
-  an ``mlm`` run. Attention and positions only (nothing to generate).
-* ``task``: a run of any other task (reverse, copy, set-anomaly): its attention example only, in
-  the task's own input syntax.
-
-The models run plain (no ``aiayn.fast`` kernels): what is shown is the paper's computation, on the
-device given at start-up (``device``; the first CUDA GPU by default, else the CPU), under
-``aiayn.device.autocast`` (bfloat16 on CUDA, nothing on the CPU); a ``task`` run's attention example
-moves its inputs to the model (``Task.on_model``).
-"""
+Four kinds: ``translation`` (an encoder-decoder run), ``decoder`` (a language-model run, a GGUF file or a
+Hugging Face directory), ``encoder`` (a BERT-family directory or an ``mlm`` run: attention and positions only)
+and ``task`` (any other run: its attention example). The models run plain on the device given at start-up,
+under ``aiayn.device.autocast``."""
 
 from __future__ import annotations
 
@@ -42,13 +30,11 @@ _DISPLAY = str.maketrans({"Ġ": "␣", "▁": "␣", " ": "␣", "Ċ": "⏎", "\
 
 
 class ExploreInputError(ValueError):
-    """Input the page sent that the model cannot take (too long, empty, unknown characters); the
-    message says what to change and is shown in the page."""
+    """Input the page sent that the model cannot take; the message says what to change."""
 
 
 def display_token(piece: str) -> str:
-    """A token as the page shows it: spaces and newlines made visible (␣ ⏎), byte-level BPE's
-    and SentencePiece's space markers (Ġ ▁) alike."""
+    """A token as the page shows it: spaces, newlines and BPE space markers made visible."""
     return piece.translate(_DISPLAY) or "∅"
 
 
@@ -101,8 +87,7 @@ class Explorable:
         return display_token((self.source_piece or self.piece)(token_id))
 
     def tokens(self, text: str, what: str = "the text", *, target: bool = False) -> list[int]:
-        """Ids of ``text`` (``target``: a translation's target side), refused with a message the
-        page shows when empty or too long."""
+        """Ids of ``text`` (``target``: a translation's target side), refused when empty or too long."""
         if not text.strip():
             raise ExploreInputError(f"{what} is empty; type something")
         try:
@@ -117,18 +102,18 @@ class Explorable:
             raise ExploreInputError(f"{what} is {len(ids)} tokens; {why}. Shorten it.")
         return ids
 
+    def unavailable(self, view: str) -> str | None:
+        """Why the page's ``view`` cannot show this model (None: it can)."""
+        generates = self.kind in ("translation", "decoder")
+        return {"generate": None if generates else f"{self.an_arch} model does not generate text",
+                "beam": None if generates else f"{self.an_arch} model does not generate text: no beam search",
+                "training": None if self.run_dir is not None else
+                "this model was loaded from a file, not trained here: it has no run to show"}.get(view)
+
     def summary(self) -> dict[str, Any]:
         """What the page shows about the model, and which views it has."""
         c = self.config
-        generates = self.kind in ("translation", "decoder")
-        views = {
-            "attention": None,
-            "generate": None if generates else f"{self.an_arch} model does not generate text",
-            "beam": None if generates else f"{self.an_arch} model does not generate text: no beam search",
-            "positions": None,
-            "training": None if self.run_dir is not None else
-            "this model was loaded from a file, not trained here: it has no run to show",
-        }
+        views = {view: self.unavailable(view) for view in ("attention", "generate", "beam", "positions", "training")}
         return {"kind": self.kind, "name": self.name, "origin": self.origin, "arch": c.arch,
                 "config": c.to_dict(), "layers": c.n_layers, "decoder_layers": c.n_decoder_layers,
                 "heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
@@ -138,11 +123,9 @@ class Explorable:
                 "parameters": sum(p.numel() for p in self.model.parameters()), "views": views}
 
 
-# ---- loading ----------------------------------------------------------------------------------
 def load_explorable(run_dir: Path | None = None, model_path: Path | None = None, *,
                     device: torch.device | str | None = None) -> Explorable:
-    """The model of a run directory or of a file/directory (GGUF, Hugging Face); exactly one.
-    ``device``: where it runs (None: the first CUDA GPU, else the CPU)."""
+    """The model of a run directory or of a file/directory (GGUF, Hugging Face); exactly one."""
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_explorable takes one of run_dir and model_path")
     from aiayn.tasks.shipped import is_ensemble_release, is_release, single_model

@@ -1,12 +1,7 @@
-"""Attention as the model computes it: one forward with ``need_weights=True`` per text, its
-weights kept so that the page can fetch them one layer at a time.
+"""Attention as the model computes it: one forward with ``need_weights=True`` per text, its float32 weights
+kept so the page can fetch them one layer at a time (``pack_matrix``).
 
-The weights served are the model's own: ``model(..., need_weights=True)`` returns them per layer
-(``aiayn.nn.attention.scaled_dot_product_attention`` written out: scores, mask, float32 softmax),
-and the page receives exactly those float32 values (base64 of their bytes, ``pack_matrix``).
-
-Shape letters: h heads, t_q queries, t_k keys, s source tokens, t target tokens.
-"""
+Shape letters: h heads, t_q queries, t_k keys, s source tokens, t target tokens."""
 
 from __future__ import annotations
 
@@ -82,8 +77,7 @@ class AttentionProbe:
 
 
 def kept(weights: Tensor) -> Tensor:
-    """Attention weights as the cache keeps them: a float32 copy on the CPU (not a view into the
-    forward's output, nor device memory)."""
+    """Attention weights as the cache keeps them: a float32 copy on the CPU."""
     return weights.float().to("cpu", copy=True)
 
 
@@ -93,8 +87,8 @@ def probe_key(*parts: str) -> str:
 
 @torch.inference_mode()
 def compute_attention(ex: Explorable, text: str, target: str | None = None) -> AttentionProbe:
-    """The model's attention on ``text`` (translation: the source; ``target`` the target, default
-    the model's greedy translation). ExploreInputError for input the model cannot take."""
+    """The model's attention on ``text`` (translation: the source; ``target`` default the greedy translation);
+    ExploreInputError for input the model cannot take."""
     key = probe_key(ex.kind, text, target or "")
     if ex.kind == "task":
         return _task_attention(ex, text, key)

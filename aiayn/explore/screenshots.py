@@ -1,11 +1,8 @@
 """Screenshots of every view, for the docs: ``python -m aiayn.explore.screenshots --out docs/explore
 --translation RUN --char RUN [--minilm DIR] [--smollm2 FILE]``.
 
-Each model is served on 127.0.0.1 (uvicorn in a thread, as ``aiayn explore`` does) and its views are
-opened in Debian's chromium through Playwright (the test extra; no browser download), with a few
-clicks so that each picture shows something: a hovered attention cell, a few decode steps. A view
-a model does not have is skipped. Console errors abort the run.
-"""
+Each model is served on 127.0.0.1 and its views opened in Debian's chromium through Playwright; a view a model
+does not have is skipped, and console errors abort the run."""
 
 from __future__ import annotations
 
@@ -61,8 +58,7 @@ ACTIONS: dict[str, Callable[[Any, Explorable], None]] = {
 
 
 def _palette(path: Path) -> None:
-    """Re-save a screenshot with a 256-colour palette (a third of the bytes; the page's flat colours
-    and colour maps survive it) so the docs stay small."""
+    """Re-save a screenshot with a 256-colour palette so the docs stay small."""
     from PIL import Image
 
     with Image.open(path) as image:

@@ -1,12 +1,6 @@
-"""The beam-search tree of one source (or prompt): every candidate of every step, where it went
-(kept in a beam slot, finished with end-of-text, pruned), and the final n-best, from the search's
-own trace (``beam_search_encoder_decoder(trace=)`` / ``beam_search_decoder_only(trace=)``,
-``aiayn.generate.beam.BeamStep``).
-
-For a translation model the search is the one ``aiayn translate`` runs, without ``keep_greedy``
-(the tree shows the search alone; the translator also adds the greedy hypothesis to the finished
-ones). A decoder-only model continues the prompt for at most ``steps`` tokens.
-"""
+"""The beam-search tree of one source (or prompt): every candidate of every step, where it went, and the final
+n-best, from the search's own trace (``aiayn.generate.beam.BeamStep``); the search is ``aiayn translate``'s
+without ``keep_greedy``."""
 
 from __future__ import annotations
 
@@ -17,6 +11,12 @@ import torch
 
 from aiayn.device import autocast, to_device
 from aiayn.explore.models import Explorable, ExploreInputError
+from aiayn.generate import (
+    BeamStep,
+    beam_search_decoder_only,
+    beam_search_encoder_decoder,
+    gnmt_length_penalty,
+)
 
 MAX_BEAM = 8
 MAX_STEPS = 64  # new tokens of a decoder-only model's search
@@ -25,17 +25,9 @@ MAX_STEPS = 64  # new tokens of a decoder-only model's search
 @torch.inference_mode()
 def beam_tree(ex: Explorable, text: str, *, beam: int = 4, length_penalty: float = 0.6,
               steps: int = 16) -> dict[str, Any]:
-    """Nodes (one per candidate) and the n-best of searching ``text``'s translation (or, for a
-    decoder-only model, its continuation of at most ``steps`` tokens)."""
-    from aiayn.generate import (
-        BeamStep,
-        beam_search_decoder_only,
-        beam_search_encoder_decoder,
-        gnmt_length_penalty,
-    )
-
-    if ex.kind not in ("translation", "decoder"):
-        raise ExploreInputError(f"{ex.an_arch} model does not generate text: no beam search")
+    """Nodes (one per candidate) and the n-best of searching ``text``'s translation or continuation."""
+    if (why := ex.unavailable("beam")) is not None:
+        raise ExploreInputError(why)
     if not 1 <= beam <= MAX_BEAM or not 0.0 <= length_penalty <= 3.0 or math.isnan(length_penalty):
         raise ExploreInputError(f"beam must be 1 to {MAX_BEAM} and the length penalty 0 to 3")
     if not 1 <= steps <= MAX_STEPS:

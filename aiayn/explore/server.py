@@ -1,8 +1,5 @@
-"""Running the explorer: uvicorn on 127.0.0.1 by default, the URL printed, the browser opened.
-
-Binding any other address serves the model to the network: ``serve`` warns (the page has no
-authentication; it runs a model on whatever text it is sent, within the input limits).
-"""
+"""Running the explorer: uvicorn on 127.0.0.1 by default, the URL printed, the browser opened; any other
+address gets a warning (the page has no authentication)."""
 
 from __future__ import annotations
 
@@ -30,16 +27,10 @@ def is_loopback(host: str) -> bool:
 
 
 def check_port(host: str, port: int) -> None:
-    """Raise ServeError unless ``host:port`` can be bound now (a clear message instead of
-    uvicorn's log line and exit)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise ServeError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); give another --port "
-                             f"(or --port 0 for any free one)") from None
+    """Raise ServeError unless ``host:port`` can be bound now (the server's check, this advice)."""
+    from aiayn.serve.server import check_port as probe
+
+    probe(host, port, advice="give another --port (or --port 0 for any free one)", error=ServeError)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

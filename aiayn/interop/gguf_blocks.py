@@ -2,30 +2,18 @@
 
     w = scale * (q - offset) + min        per block of 16 or 32 inputs, q unsigned integers
 
-Every type below maps onto it exactly: the integers are ggml's own, the scales and minimums are
-float32 values that ggml's dequantisation computes first (fp16 d and m widen exactly; a K-quant's
-d * sub-scale is a product of an 11-bit and a 6- or 8-bit significand, exact in float32), so
-``BlockWeight.dequantize_rows()`` gives the floats ``gguf.quants.dequantize`` gives, bit for bit
-(tests/unit/test_q4.py checks each type).
+Every type maps onto it exactly (float32 scales as ggml computes them), so ``BlockWeight.dequantize_rows()``
+equals ``gguf.quants.dequantize`` bit for bit:
 
-====== ===================================== ========== ====== ======== ====================
-type   ggml's formula (per block)            q          offset block    aiayn storage
-====== ===================================== ========== ====== ======== ====================
-Q4_0   d * (q - 8)                           0..15      8      32       4 bits
-Q4_1   d * q + m                             0..15      0      32       4 bits, min
-Q5_0   d * (q - 16)                          0..31      16     32       8 bits
-Q5_1   d * q + m                             0..31      0      32       8 bits, min
-Q8_0   d * q, q signed                       q + 128    128    32       8 bits
-Q2_K   d*sc * q - dmin*m                     0..3       0      16       4 bits, min
-Q3_K   d*(sc - 32) * (q - 4)                 0..7       4      16       4 bits
-Q4_K   d*sc * q - dmin*m                     0..15      0      32       4 bits, min
-Q5_K   d*sc * q - dmin*m                     0..31      0      32       8 bits, min
-Q6_K   d*sc * (q - 32)                       0..63      32     16       8 bits
-====== ===================================== ========== ====== ======== ====================
+====== ===================================== ========== ====== ======== ==================== type ggml's
+formula (per block) q offset block aiayn storage ====== ===================================== ==========
+====== ======== ==================== Q4_0 d * (q - 8) 0..15 8 32 4 bits Q4_1 d * q + m 0..15 0 32 4 bits, min
+Q5_0 d * (q - 16) 0..31 16 32 8 bits Q5_1 d * q + m 0..31 0 32 8 bits, min Q8_0 d * q, q signed q + 128 128 32
+8 bits Q2_K d*sc * q - dmin*m 0..3 0 16 4 bits, min Q3_K d*(sc - 32) * (q - 4) 0..7 4 16 4 bits Q4_K d*sc * q
+- dmin*m 0..15 0 32 4 bits, min Q5_K d*sc * q - dmin*m 0..31 0 32 8 bits, min Q6_K d*sc * (q - 32) 0..63 32 16
+8 bits ====== ===================================== ========== ====== ======== ====================
 
-The bit layouts follow ``gguf.quants`` (which mirrors ggml-quants.c). Shape letters: r rows,
-n blocks per row (of the GGUF type), k inputs.
-"""
+Bit layouts follow ``gguf.quants``. Shape letters: r rows, n blocks per row, k inputs."""
 
 from __future__ import annotations
 
@@ -79,8 +67,7 @@ def _blocks(data: np.ndarray, rows: int, k: int, block_elems: int, block_bytes: 
 
 
 def unpack(kind: str, data: np.ndarray, rows: int, k: int) -> Unpacked:
-    """GGUF blocks of ``kind`` (a ``GGMLQuantizationType`` name), raw bytes (rows, bytes per row),
-    as integers and float32 scales; ValueError for a type not in ``SUPPORTED``."""
+    """GGUF blocks of ``kind``, raw bytes (rows, bytes per row), as integers and float32 scales."""
     data = np.asarray(data, dtype=np.uint8)
     if kind not in SUPPORTED:
         raise ValueError(f"{kind} blocks are not supported; aiayn packs {', '.join(SUPPORTED)}")

@@ -1,21 +1,9 @@
 """A GGUF LLaMA loaded with its weight matrices still in blocks (``load_gguf(path, quantize=...)``).
 
-The model is built on PyTorch's "meta" device (shapes only, no memory) through the same
-``from_hf_state`` as the float loader, so the same names, checks and LLaMA mapping apply. Then,
-rule by rule of the family's mapping, each aiayn parameter is filled from the file:
-
-* a linear layer's or the embedding's matrix whose tensors are block-quantised becomes a
-  ``BlockLinear`` / ``BlockEmbedding`` (``aiayn.fast.q4``) holding the file's integers and scales
-  (``aiayn.interop.gguf_blocks``: exact); a fused projection (q/k/v, gate/up) stacks the rows of its
-  parts, after undoing llama.cpp's q/k row order (rows move whole: exact);
-* everything else (norms, float matrices) is dequantised as the float loader does.
-
-``mode``: ``"auto"`` keeps every block type as the file stores it (Q8_0 stays 8-bit, Q4_1 4-bit);
-``"q4"`` makes every matrix 4-bit: the 4-bit-or-less types (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K) as they
-are, the others (Q5_*, Q6_K, Q8_0, F16, F32) dequantised and re-quantised with Q4_1's scheme
-(``quantize_blocks_q4``; that step rounds, by at most half a 4-bit step per weight). A tied output
-layer shares the embedding's blocks. No float copy of a packed matrix is ever made.
-"""
+The model is built on the meta device through ``from_hf_state``; each block-quantised matrix becomes a
+``BlockLinear`` / ``BlockEmbedding`` holding the file's integers and scales (fused projections stack their
+parts' rows), everything else is dequantised. ``mode="auto"`` keeps each block type; ``"q4"`` makes every
+matrix 4-bit, re-quantising wider types with Q4_1's scheme. No float copy of a packed matrix is ever made."""
 
 from __future__ import annotations
 
@@ -56,8 +44,7 @@ def _blocks_of(tensor: ReaderTensor, rope_heads: int | None, mode: str) -> Block
     kind = tensor.tensor_type.name
     if kind in BLOCK_TYPES and (mode == "auto" or kind in FOUR_BIT_TYPES):
         data = np.asarray(tensor.data).reshape(rows, -1)
-        # Unpacked a slice of rows at a time into the final buffers: the integers take a byte per
-        # weight while unpacking, so a whole 49k-row table at once would briefly take ~3x its size.
+        # Unpacked a slice of rows at a time: a whole table at once would briefly take ~3x its size.
         step = rows if rope_heads is not None else max(16, (1 << 22) // k // 16 * 16)  # whole 16-row groups
         out: BlockWeight | None = None
         for r0 in range(0, rows, step):
@@ -85,10 +72,8 @@ def _blocks_of(tensor: ReaderTensor, rope_heads: int | None, mode: str) -> Block
 
 
 def _release_pages(tensor: ReaderTensor) -> None:
-    """Drop the file pages a tensor was read through from this process's resident memory (the
-    file is memory-mapped read-only: ``MADV_DONTNEED`` only forgets them; touched again, they are
-    read again). Without this the whole file would sit in the peak resident memory beside its
-    packed copy. Best effort: a reader without a memory map is left alone."""
+    """Drop the file pages a tensor was read through from resident memory (``MADV_DONTNEED`` on a read-only
+    map); best effort."""
     import mmap
 
     array, base = tensor.data, tensor.data
@@ -113,8 +98,7 @@ def _empty_like_rows(part: BlockWeight, rows: int) -> BlockWeight:
 
 
 def _stack(parts: list[BlockWeight]) -> BlockWeight:
-    """Row-wise concatenation; parts of different formats meet in one that holds each exactly
-    (bytes, the smallest block, the largest offset with values shifted to it, zero mins where absent)."""
+    """Row-wise concatenation; parts of different formats meet in one that holds each exactly."""
     if len(parts) == 1:
         return parts[0]
     block, offset = min(p.block for p in parts), max(p.offset for p in parts)
@@ -186,8 +170,7 @@ def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], sou
 
 
 def _packable(module: nn.Module, parts: list[ReaderTensor], mode: str) -> bool:
-    """Whether a matrix goes into blocks: "auto" when every part is block-quantised, "q4" always
-    (float parts are quantised), provided the input width splits into blocks of 32."""
+    """Whether a matrix goes into blocks ("auto": all parts quantised; "q4": always), given blocks of 32."""
     width = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim
     if width % 32:
         return False

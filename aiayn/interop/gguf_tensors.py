@@ -1,7 +1,5 @@
-"""A GGUF LLaMA's tensors one by one: llama.cpp's names in Hugging Face's, their PyTorch shapes and
-float values. Shared by the float loader (``aiayn.interop.gguf``) and the packed one
-(``aiayn.interop.gguf_packed``).
-"""
+"""A GGUF LLaMA's tensors one by one: Hugging Face names, PyTorch shapes and float values, for the float and
+the packed loaders."""
 
 from __future__ import annotations
 
@@ -55,12 +53,8 @@ def torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
 
 
 def dequantize_tensor(tensor: ReaderTensor) -> Tensor:
-    """One GGUF tensor as a float32 torch tensor in PyTorch's (row-major) shape.
-
-    GGUF lists dimensions fastest-first (ggml's ``ne``: a (out, in) weight is stored as [in, out]),
-    so the torch shape is the reverse. Quantised data comes as (rows, bytes per row) uint8 blocks;
-    ``gguf.quants.dequantize`` unpacks it to (rows, in) values.
-    """
+    """One GGUF tensor as a float32 torch tensor; GGUF lists dimensions fastest-first, so the shape is
+    reversed."""
     from gguf.quants import dequantize
 
     shape = torch_shape(tensor)
@@ -72,13 +66,8 @@ def dequantize_tensor(tensor: ReaderTensor) -> Tensor:
 def unpermute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
     """Undo llama.cpp's per-head row permutation of a q or k projection (weight or bias).
 
-    Hugging Face's RoPE (and aiayn's) rotates the two *halves* of each head (rotate_half); ggml's
-    original LLaMA RoPE rotates *adjacent pairs*. llama.cpp's converter therefore reorders each
-    head's rows from [x_0 .. x_{d/2-1}, y_0 .. y_{d/2-1}] to [x_0, y_0, x_1, y_1, ...]
-    (``permute`` in convert_hf_to_gguf.py, with n_heads = the kv heads for k). This is its inverse.
-
-    weight (n_heads * d_h, ...) -> same shape, each head's rows back in half-split order.
-    """
+    llama.cpp's converter interleaves each head's two halves for ggml's adjacent-pair RoPE; aiayn, like
+    Hugging Face, rotates halves. weight (n_heads * d_h, ...) -> same shape."""
     rows = weight.shape[0]
     if rows % (2 * n_heads):
         raise GGUFError(f"a q/k projection with {rows} rows cannot be split into {n_heads} heads of even width")

@@ -1,9 +1,5 @@
-"""A GGUF file's text side: its tokenizer (llama.cpp's BPE vocabulary and pre-tokenizer, as a
-``tokenizers.Tokenizer``) and its chat template (Jinja, rendered in a sandbox).
-
-``aiayn.interop.gguf`` reads the tensors and builds the model; this module reads the metadata a
-text model needs around it.
-"""
+"""A GGUF file's text side: its tokenizer (as a ``tokenizers.Tokenizer``) and its chat template (Jinja,
+rendered in a sandbox)."""
 
 from __future__ import annotations
 
@@ -37,7 +33,6 @@ def need_key(meta: dict[str, Any], key: str, source: str) -> Any:
     return meta[key]
 
 
-# ---- tokenizer ----------------------------------------------------------------------------------
 # llama.cpp's pre-tokenizers (llama-vocab.cpp, by tokenizer.ggml.pre), as `tokenizers` pieces.
 _GPT2_REGEX_PRE = ("gpt2", "default", "mpt", "olmo", "jais", "trillion", "granite-docling")
 _DIGITS_THEN_GPT2_PRE = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva")
@@ -75,12 +70,8 @@ def _pre_tokenizer(pre: str | None, source: str) -> Any:
 
 
 def gguf_tokenizer(meta: dict[str, Any], source: str) -> Tokenizer:
-    """A ``tokenizers.Tokenizer`` equal to the one the metadata describes (byte-level BPE).
-
-    Control tokens (type 3, e.g. ``<|im_start|>``) are special added tokens, user-defined ones (4)
-    plain added tokens: both are matched whole in the text, as llama.cpp does. BOS/EOS are added by
-    ``encode`` when ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say so.
-    """
+    """A byte-level BPE ``tokenizers.Tokenizer`` equal to the one the metadata describes: control and
+    user-defined tokens matched whole, BOS/EOS added as the metadata says."""
     model_kind = meta.get("tokenizer.ggml.model")
     if model_kind is None:
         raise GGUFError(f"{source}: the metadata holds no tokenizer (tokenizer.ggml.model); pass "
@@ -126,7 +117,6 @@ def gguf_tokenizer(meta: dict[str, Any], source: str) -> Tokenizer:
     return tokenizer
 
 
-# ---- chat template ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ChatTemplate:
     """A Jinja chat template and the special tokens it may refer to (``bos_token``, ...)."""
@@ -139,14 +129,8 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
                **kwargs: Any) -> str:
-        """The prompt text for ``messages`` ([{"role": ..., "content": ...}, ...]).
-
-        Rendered as transformers' ``apply_chat_template(tokenize=False)`` does: a sandboxed Jinja
-        environment with trim_blocks / lstrip_blocks and loop controls, a ``tojson`` that does not
-        escape HTML, ``raise_exception`` and ``strftime_now``; the special tokens and ``kwargs``
-        are template variables. Encode the result without adding special tokens (the template
-        writes them).
-        """
+        """The prompt text for ``messages``, as transformers' ``apply_chat_template(tokenize=False)`` renders
+        it; encode it without adding special tokens."""
         import jinja2
 
         _check_message_sizes(messages)
@@ -161,10 +145,8 @@ class ChatTemplate:
             raise GGUFError(f"the model's chat template exceeds a limit ({exc}); it is refused") from None
 
 
-# A chat template is code from a model file: it renders in Jinja's immutable sandbox (no attribute
-# access to Python internals, no mutation), and within these budgets, so that a hostile or broken
-# one fails fast instead of hanging or filling memory. Real templates render in milliseconds into
-# a few kilobytes.
+# A chat template is code from a model file: it renders in Jinja's immutable sandbox within these
+# budgets, so a hostile or broken one fails fast.
 TEMPLATE_SECONDS = 2.0
 TEMPLATE_MAX_CHARS = 1_000_000
 TEMPLATE_MAX_MEMORY = 256 << 20  # bytes the process may grow by while rendering
@@ -174,8 +156,7 @@ MESSAGES_MAX_CHARS = TEMPLATE_MAX_CHARS // 2  # the rest is the template's own t
 
 
 def _check_message_sizes(messages: Sequence[dict[str, Any]]) -> None:
-    """Messages too long for the template's output budget are refused as what they are (a 5 MB
-    message is too long, not the template at fault), naming the longest message."""
+    """Refuse messages too long for the template's output budget, naming the longest."""
     sizes = [len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages]
     if sum(sizes) <= MESSAGES_MAX_CHARS:
         return
@@ -201,10 +182,8 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _render_bounded(template: Any, context: dict[str, Any]) -> str:
-    """Render chunk by chunk: stop past ``TEMPLATE_MAX_CHARS`` of output, past ``TEMPLATE_SECONDS``
-    or once the process has grown by ``TEMPLATE_MAX_MEMORY`` (both checked on every line the
-    template's compiled code runs, through a trace function confined to the template's own frames,
-    so loops that print nothing, or that double a string in a namespace, are caught too)."""
+    """Render chunk by chunk, stopping past ``TEMPLATE_MAX_CHARS``, ``TEMPLATE_SECONDS`` or
+    ``TEMPLATE_MAX_MEMORY`` (checked line by line by a trace function on the template's frames)."""
     deadline = time.monotonic() + TEMPLATE_SECONDS
     start = _resident_bytes()
 
@@ -267,8 +246,7 @@ def _compiled(source: str) -> Any:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     class BoundedSandbox(ImmutableSandboxedEnvironment):
-        """The sandbox, with ``*``, ``**`` and ``+`` checked before they run: ``'a' * 10**10``
-        would allocate 10 GB in one operation, before any other budget could stop it."""
+        """The sandbox, with ``*``, ``**`` and ``+`` checked before they run (``'a' * 10**10``)."""
 
         intercepted_binops = frozenset({"*", "**", "+"})
 

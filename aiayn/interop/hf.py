@@ -1,20 +1,9 @@
 """Hugging Face checkpoints in and out: ``load_hf``, ``from_hf_model``, ``export_hf``.
 
-Supported families (see each class in ``aiayn.interop.hf_families`` for its quirks):
-
-* LLaMA-style decoders: ``llama``, ``mistral``, ``qwen2`` (GQA, RoPE, RMSNorm, SwiGLU) -> ``DecoderOnly``
-* ``gpt2`` (GPT2LMHeadModel) -> ``DecoderOnly``
-* ``bert`` (BertModel / BertForMaskedLM / BertForPreTraining) -> ``EncoderOnly``
-* ``bart`` and ``marian`` (BartForConditionalGeneration, MarianMTModel) -> ``EncoderDecoder``
-
-A model directory holds ``config.json`` and the weights: ``model.safetensors``, sharded
-``model.safetensors.index.json`` + shards, or (read only through ``torch.load(weights_only=True)``,
-which refuses arbitrary pickled objects) ``pytorch_model.bin`` / its sharded index. Nothing is
-downloaded and transformers is not needed to load or export; the tests use it as the reference.
-
-Conversion is checked: every source tensor is used exactly once (the few non-weights a family
-names are ignored, e.g. GPT-2's mask buffers), every aiayn parameter is written, every shape
-matches; otherwise ``InteropError`` names the tensors. Converted models are returned in eval mode.
+Families (``aiayn.interop.hf_families``): ``llama``, ``mistral``, ``qwen2`` and ``gpt2`` -> ``DecoderOnly``;
+``bert`` -> ``EncoderOnly``; ``bart``, ``marian`` -> ``EncoderDecoder``. Weights come from safetensors
+(sharded or not) or ``pytorch_model.bin`` read with ``weights_only=True``; nothing is downloaded. Every source
+tensor must be used once and every parameter written with its shape, else ``InteropError`` names the tensors.
 """
 
 from __future__ import annotations
@@ -67,7 +56,6 @@ def family_for(hf_config: dict[str, Any], *, source: str = "checkpoint") -> Fami
     return family
 
 
-# ---- reading files ------------------------------------------------------------------------------
 def _read_bin(path: Path) -> dict[str, Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -116,11 +104,8 @@ def _read_weight_file(path: Path) -> dict[str, Tensor]:
 
 
 def read_hf_checkpoint(path_or_dir: str | Path) -> tuple[dict[str, Any], dict[str, Tensor], str]:
-    """(config.json as a dict, name -> tensor, a name for messages) of a model directory.
-
-    ``path_or_dir`` is the directory, or one weights file in it (config.json next to it).
-    Safetensors files are preferred over ``pytorch_model.bin`` when both are present.
-    """
+    """(config.json as a dict, name -> tensor, a name for messages) of a model directory or one weights file
+    in it; safetensors preferred."""
     path = Path(path_or_dir)
     weights = path if path.is_file() else None
     directory = path.parent if path.is_file() else path
@@ -141,7 +126,6 @@ def read_hf_checkpoint(path_or_dir: str | Path) -> tuple[dict[str, Any], dict[st
     return config, _read_weight_file(weights), str(directory)
 
 
-# ---- converting ---------------------------------------------------------------------------------
 def _canonical_tensors(family: Family, tensors: dict[str, Tensor], hf: HFConfig,
                        config: ModelConfig) -> dict[str, Tensor]:
     """Normalise names, fold tied copies onto one name (checking they are equal), prepare."""
@@ -174,8 +158,7 @@ def _canonical_tensors(family: Family, tensors: dict[str, Tensor], hf: HFConfig,
     return out
 
 
-# config.json keys the families read, by the type they must have: a string "false" where a bool
-# belongs is truthy in Python and would silently tie weights that are separate.
+# config.json keys the families read, by the type they must have (a string "false" is truthy).
 _BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "scale_embedding", "normalize_before",
               "add_final_layer_norm", "add_cross_attention", "is_decoder", "scale_attn_weights",
               "scale_attn_by_inverse_layer_idx", "use_sliding_window", "share_encoder_decoder_embeddings")
@@ -210,11 +193,7 @@ def check_config_types(config: Any, where: Path | str) -> None:
 
 def from_hf_state(hf_config: dict[str, Any], tensors: dict[str, Tensor], *,
                   source: str = "checkpoint") -> tuple[nn.Module, ModelConfig]:
-    """An aiayn model (eval mode, float32) from a config.json dict and its tensors.
-
-    The building block of ``load_hf`` and ``from_hf_model``; other converters (e.g. from GGUF)
-    can map their names to Hugging Face's and call it.
-    """
+    """An aiayn model (eval mode, float32) from a config.json dict and its tensors."""
     family = family_for(hf_config, source=source)
     hf = HFConfig(hf_config, source)
     config = family.to_config(hf)
@@ -225,11 +204,7 @@ def from_hf_state(hf_config: dict[str, Any], tensors: dict[str, Tensor], *,
 
 
 def load_hf(path_or_dir: str | Path, *, dtype: torch.dtype | None = None) -> tuple[nn.Module, ModelConfig]:
-    """Load a Hugging Face model directory (config.json + weights) as an aiayn model.
-
-    Returns ``(model, config)``: a ``DecoderOnly`` / ``EncoderOnly`` / ``EncoderDecoder`` in eval
-    mode, in float32 unless ``dtype`` is given, and its ``ModelConfig``.
-    """
+    """Load a Hugging Face model directory as ``(model, config)`` in eval mode, float32 unless ``dtype``."""
     hf_config, tensors, source = read_hf_checkpoint(path_or_dir)
     model, config = from_hf_state(hf_config, tensors, source=source)
     return (model if dtype is None else model.to(dtype)), config
@@ -245,12 +220,8 @@ def from_hf_model(hf_model: nn.Module) -> tuple[nn.Module, ModelConfig]:
 
 def export_hf(model: nn.Module, config: ModelConfig, out_dir: str | Path, *,
               family: str | None = None) -> Path:
-    """Write ``model`` as a Hugging Face directory (config.json + model.safetensors).
-
-    The family is the first of LLaMA/Qwen2, GPT-2, BERT, BART, Marian that can represent
-    ``config`` (or the one named by ``family``); transformers' ``AutoModel*.from_pretrained``
-    loads the result. Raises ``InteropError`` listing what no family can hold.
-    """
+    """Write ``model`` as a Hugging Face directory (config.json + model.safetensors) of the first family that
+    can represent ``config`` (or ``family``); ``InteropError`` lists what none can hold."""
     candidates = [f for f in FAMILIES if family in (None, f.name)]
     if not candidates:
         raise InteropError(f"unknown family {family!r}; choose one of {', '.join(f.name for f in FAMILIES)}")

@@ -1,47 +1,23 @@
-"""Hugging Face decoder-only families: LLaMA (Mistral, Qwen2) and GPT-2 (see ``hf_families``).
-
-Shape letters: d hidden size, h/h_kv query/key-value heads, d_h head width, f intermediate size,
-v vocabulary.
-"""
+"""Hugging Face decoder-only families: LLaMA (Mistral, Qwen2) and GPT-2."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from aiayn.config import ModelConfig
-from aiayn.interop.hf_families import (
-    Family,
-    HFConfig,
-    build_config,
-    check_export,
-    hf_activation,
-)
-from aiayn.interop.mapping import (
-    InteropError,
-    Rule,
-    copy_rule,
-    fused_linear_rules,
-    linear_rules,
-    norm_rules,
-)
+from aiayn.interop.hf_families import Family, HFConfig, build_config, check_export, hf_activation
+from aiayn.interop.mapping import InteropError, Rule, copy_rule, norm_rules, sublayer_rules
 
 
-# ---- LLaMA, Mistral, Qwen2 ----------------------------------------------------------------------
 class LlamaFamily(Family):
     """LLaMA-style decoders: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
 
-    Pre-norm RMSNorm blocks, RoPE in the half-split (rotate_half) layout that aiayn uses, SwiGLU
-    MLP ``down(silu(gate(x)) * up(x))`` -> ``fc_in`` rows [gate; up], grouped-query attention
-    (q/k/v projections stacked into ``qkv_proj``), no embedding scale, a final RMSNorm.
-    Quirks: LLaMA has no biases unless ``attention_bias`` (q, k, v and o) / ``mlp_bias``; Qwen2
-    always has q/k/v biases and never an o_proj or MLP bias; Mistral has none. Mistral (and Qwen2
-    with ``use_sliding_window``) use sliding-window attention, which equals full attention up to
-    the window, so ``max_seq_len`` is capped at the window. Only the default RoPE is supported
-    (no llama3 / linear / dynamic / yarn scaling). ``pad_id`` is None: Hugging Face decoders never
-    infer padding from the token ids (pad is often eos); pass ``valid=`` for padded batches.
-    """
+    RMSNorm, half-split RoPE, SwiGLU (``fc_in`` rows [gate; up]), grouped-query attention. Biases: LLaMA's per
+    ``attention_bias``/``mlp_bias``, Qwen2's on q/k/v only. Sliding windows cap ``max_seq_len``; only the
+    default RoPE; ``pad_id`` is None (pass ``valid=`` for padded batches)."""
 
     name = "llama"
+    tied_head = "model.embed_tokens.weight"
     model_types = ("llama", "mistral", "qwen2")
     architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                      "LlamaModel", "MistralModel", "Qwen2Model")
@@ -99,22 +75,14 @@ class LlamaFamily(Family):
         for i in range(cfg.n_layers):
             ours, theirs = f"decoder.blocks.{i}", f"model.layers.{i}"
             a, m = f"{theirs}.self_attn", f"{theirs}.mlp"
-            rules += fused_linear_rules(f"{ours}.self_attn.qkv_proj",
-                                        [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], [q, kv, kv],
-                                        bias=cfg.attn_bias)
-            rules += linear_rules(f"{ours}.self_attn.out_proj", f"{a}.o_proj", bias=cfg.attn_out_bias)
-            rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.input_layernorm", bias=False)
-            rules += fused_linear_rules(f"{ours}.ffn.fc_in", [f"{m}.gate_proj", f"{m}.up_proj"],
-                                        [f, f], bias=cfg.mlp_bias)
-            rules += linear_rules(f"{ours}.ffn.fc_out", f"{m}.down_proj", bias=cfg.mlp_bias)
-            rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.post_attention_layernorm", bias=False)
+            rules += sublayer_rules(f"{ours}.self_attn", [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"],
+                                    f"{a}.o_proj", f"{theirs}.input_layernorm", sizes=[q, kv, kv],
+                                    bias=cfg.attn_bias, second_bias=cfg.attn_out_bias, norm_bias=False)
+            rules += sublayer_rules(f"{ours}.ffn", [f"{m}.gate_proj", f"{m}.up_proj"],
+                                    f"{m}.down_proj", f"{theirs}.post_attention_layernorm", sizes=[f, f],
+                                    bias=cfg.mlp_bias, norm_bias=False)
         rules += norm_rules("decoder.final_norm", "model.norm", bias=False)
-        if not cfg.tie_output:  # LlamaModel / GPT2Model checkpoints have no head
-            rules.append(copy_rule("lm_head.weight", "lm_head.weight", group="the LM head (lm_head)"))
-        return rules
-
-    def aliases(self, cfg: ModelConfig) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_output else {}
+        return rules + self.head_rules(cfg)
 
     def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
         check_export(cfg, "LLaMA/Qwen2", arch="decoder-only", positional="rope", norm="rmsnorm",
@@ -149,19 +117,14 @@ class LlamaFamily(Family):
         return out
 
 
-# ---- GPT-2 --------------------------------------------------------------------------------------
 class GPT2Family(Family):
-    """GPT2LMHeadModel / GPT2Model.
+    """GPT2LMHeadModel / GPT2Model: learned positions, "gelu_new", biases, output tied to ``wte``.
 
-    Pre-norm LayerNorm blocks, learned positions, tanh-approximated GELU ("gelu_new"), biases
-    everywhere, a final LayerNorm ``ln_f``, output tied to ``wte``. Quirks: every projection is
-    a ``Conv1D`` whose weight is stored (in, out), the transpose of ``nn.Linear``; ``c_attn`` is
-    already the fused [q; k; v] projection. Old checkpoints omit the ``transformer.`` prefix and
-    store the causal-mask buffers ``attn.bias`` / ``attn.masked_bias`` (ignored).
-    ``scale_attn_by_inverse_layer_idx`` and unscaled attention are not supported.
-    """
+    Projections are ``Conv1D`` (weight stored (in, out)); ``c_attn`` is already [q; k; v]. Old checkpoints
+    lack the ``transformer.`` prefix and store ignored mask buffers."""
 
     name = "gpt2"
+    tied_head = "transformer.wte.weight"
     model_types = ("gpt2",)
     architectures = ("GPT2LMHeadModel", "GPT2Model")
     ignore = (r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",)
@@ -193,19 +156,12 @@ class GPT2Family(Family):
         for i in range(cfg.n_layers):
             ours, theirs = f"decoder.blocks.{i}", f"transformer.h.{i}"
             # Conv1D weights are (in, out): transpose. c_attn's columns are [q | k | v] already.
-            rules += linear_rules(f"{ours}.self_attn.qkv_proj", f"{theirs}.attn.c_attn", bias=True, transpose=True)
-            rules += linear_rules(f"{ours}.self_attn.out_proj", f"{theirs}.attn.c_proj", bias=True, transpose=True)
-            rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.ln_1", bias=True)
-            rules += linear_rules(f"{ours}.ffn.fc_in", f"{theirs}.mlp.c_fc", bias=True, transpose=True)
-            rules += linear_rules(f"{ours}.ffn.fc_out", f"{theirs}.mlp.c_proj", bias=True, transpose=True)
-            rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.ln_2", bias=True)
+            rules += sublayer_rules(f"{ours}.self_attn", f"{theirs}.attn.c_attn", f"{theirs}.attn.c_proj",
+                                    f"{theirs}.ln_1", transpose=True)
+            rules += sublayer_rules(f"{ours}.ffn", f"{theirs}.mlp.c_fc", f"{theirs}.mlp.c_proj",
+                                    f"{theirs}.ln_2", transpose=True)
         rules += norm_rules("decoder.final_norm", "transformer.ln_f", bias=True)
-        if not cfg.tie_output:  # LlamaModel / GPT2Model checkpoints have no head
-            rules.append(copy_rule("lm_head.weight", "lm_head.weight", group="the LM head (lm_head)"))
-        return rules
-
-    def aliases(self, cfg: ModelConfig) -> dict[str, str]:
-        return {"lm_head.weight": "transformer.wte.weight"} if cfg.tie_output else {}
+        return rules + self.head_rules(cfg)
 
     def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
         check_export(cfg, "GPT-2", arch="decoder-only", positional="learned", position_offset=0,

@@ -1,7 +1,4 @@
-"""Hugging Face families with an encoder: BERT, BART and Marian (see ``hf_families``).
-
-Shape letters: d hidden size, h heads, d_h head width, f intermediate size, v vocabulary.
-"""
+"""Hugging Face families with an encoder: BERT, BART and Marian."""
 
 from __future__ import annotations
 
@@ -28,24 +25,17 @@ from aiayn.interop.mapping import (
     fused_linear_rules,
     linear_rules,
     norm_rules,
+    sublayer_rules,
 )
 from aiayn.nn.positional import sinusoidal_encoding
 
 
-# ---- BERT ---------------------------------------------------------------------------------------
 class BertFamily(Family):
-    """BertModel, BertForMaskedLM, BertForPreTraining (names with or without the ``bert.`` prefix).
+    """BertModel, BertForMaskedLM, BertForPreTraining (with or without the ``bert.`` prefix).
 
-    Post-norm LayerNorm blocks, learned absolute positions + token-type (segment) embeddings, a
-    LayerNorm on the embeddings, erf GELU, biases everywhere, no final norm. Quirks: the pooler
-    (absent from BertForMaskedLM) and the MLM head ``cls.predictions`` (absent from BertModel)
-    are optional: aiayn's modules keep their initial weights, with a warning. The MLM decoder is
-    tied to the word embeddings and its bias is stored as ``cls.predictions.bias`` (also as
-    ``...decoder.bias``); BertForPreTraining's next-sentence head ``cls.seq_relationship`` has no
-    aiayn module and is dropped with a warning. Old TF conversions name LayerNorm ``gamma``/``beta``.
-    Hugging Face counts positions 0..t-1 including padding, aiayn counts real tokens: with right
-    padding the real tokens agree. Export writes BertForMaskedLM with the pooler.
-    """
+    Post-norm, learned positions and token types, erf GELU. The pooler and MLM head are optional (kept at
+    their initial weights, with a warning); the next-sentence head is dropped with a warning; old
+    ``gamma``/``beta`` names are read. Export writes BertForMaskedLM with the pooler."""
 
     name = "bert"
     model_types = ("bert",)
@@ -85,14 +75,11 @@ class BertFamily(Family):
         rules += norm_rules("encoder.embedding_norm", "embeddings.LayerNorm", bias=True)
         for i in range(cfg.n_layers):
             ours, theirs = f"encoder.blocks.{i}", f"encoder.layer.{i}"
-            s = f"{theirs}.attention.self"
-            rules += fused_linear_rules(f"{ours}.self_attn.qkv_proj",
-                                        [f"{s}.query", f"{s}.key", f"{s}.value"], [d, d, d], bias=True)
-            rules += linear_rules(f"{ours}.self_attn.out_proj", f"{theirs}.attention.output.dense", bias=True)
-            rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.attention.output.LayerNorm", bias=True)
-            rules += linear_rules(f"{ours}.ffn.fc_in", f"{theirs}.intermediate.dense", bias=True)
-            rules += linear_rules(f"{ours}.ffn.fc_out", f"{theirs}.output.dense", bias=True)
-            rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.output.LayerNorm", bias=True)
+            s, o = f"{theirs}.attention.self", f"{theirs}.attention.output"
+            rules += sublayer_rules(f"{ours}.self_attn", [f"{s}.query", f"{s}.key", f"{s}.value"],
+                                    f"{o}.dense", f"{o}.LayerNorm", sizes=[d, d, d])
+            rules += sublayer_rules(f"{ours}.ffn", f"{theirs}.intermediate.dense",
+                                    f"{theirs}.output.dense", f"{theirs}.output.LayerNorm")
         rules += linear_rules("pooler", "pooler.dense", bias=True, group="the pooler (pooler.dense)")
         mlm = "the MLM head (cls.predictions)"
         rules += linear_rules("mlm_dense", "cls.predictions.transform.dense", bias=True, group=mlm)
@@ -138,23 +125,12 @@ class BertFamily(Family):
         return name if name.startswith("cls.") else f"bert.{name}"
 
 
-# ---- BART and Marian ----------------------------------------------------------------------------
 class BartFamily(Family):
     """BartForConditionalGeneration / BartModel.
 
-    Post-norm LayerNorm encoder-decoder, GELU, biases everywhere, one shared embedding
-    ``model.shared`` (also stored as the encoder's, the decoder's and the tied ``lm_head``), a
-    LayerNorm on the embeddings of each stack (``layernorm_embedding``), no final norms.
-    Quirks: learned positions with 2 unused rows in front (``position_offset=2``, a fairseq
-    legacy), separate tables for encoder and decoder; embeddings scaled by sqrt(d) only if
-    ``scale_embedding``; the logits get ``final_logits_bias`` (1, v) -> aiayn ``lm_head.bias``
-    (BartModel has neither it nor an LM head: the bias stays zero, with a warning).
-    ``tie_word_embeddings=False`` unties everything in transformers 5: encoder and decoder
-    embeddings and lm_head are separate (``share_embeddings=False``) and ``model.shared`` is
-    unused by the forward pass; a file that stores only ``model.shared`` (transformers 4) gives
-    both stacks a copy of it. Encoder and decoder must share head count and FFN width. Hugging
-    Face counts positions 0..t-1 including padding: right-pad the source and the real tokens agree.
-    """
+    Post-norm encoder-decoder with ``layernorm_embedding``, positions offset by 2, ``model.shared`` tied
+    everywhere unless ``tie_word_embeddings=False`` (then separate), ``final_logits_bias`` ->
+    ``lm_head.bias``. Encoder and decoder must share head count and FFN width."""
 
     name = "bart"
     model_types = ("bart",)
@@ -210,10 +186,8 @@ class BartFamily(Family):
             for i in range(n):
                 ours, theirs = f"{stack}.blocks.{i}", f"model.{stack}.layers.{i}"
                 a = f"{theirs}.self_attn"
-                rules += fused_linear_rules(f"{ours}.self_attn.qkv_proj",
-                                            [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], [d, d, d], bias=True)
-                rules += linear_rules(f"{ours}.self_attn.out_proj", f"{a}.out_proj", bias=True)
-                rules += norm_rules(f"{ours}.self_attn_norm", f"{theirs}.self_attn_layer_norm", bias=True)
+                rules += sublayer_rules(f"{ours}.self_attn", [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"],
+                                        f"{a}.out_proj", f"{theirs}.self_attn_layer_norm", sizes=[d, d, d])
                 if stack == "decoder":
                     c = f"{theirs}.encoder_attn"
                     rules += linear_rules(f"{ours}.cross_attn.q_proj", f"{c}.q_proj", bias=True)
@@ -221,14 +195,11 @@ class BartFamily(Family):
                                                 [f"{c}.k_proj", f"{c}.v_proj"], [d, d], bias=True)
                     rules += linear_rules(f"{ours}.cross_attn.out_proj", f"{c}.out_proj", bias=True)
                     rules += norm_rules(f"{ours}.cross_attn_norm", f"{theirs}.encoder_attn_layer_norm", bias=True)
-                rules += linear_rules(f"{ours}.ffn.fc_in", f"{theirs}.fc1", bias=True)
-                rules += linear_rules(f"{ours}.ffn.fc_out", f"{theirs}.fc2", bias=True)
-                rules += norm_rules(f"{ours}.ffn_norm", f"{theirs}.final_layer_norm", bias=True)
+                rules += sublayer_rules(f"{ours}.ffn", f"{theirs}.fc1", f"{theirs}.fc2",
+                                        f"{theirs}.final_layer_norm")
         # (1, v) in the checkpoint; prepare() makes it (v,). BartModel has no LM head at all.
         rules.append(copy_rule("lm_head.bias", "final_logits_bias", group="the logits bias (final_logits_bias)"))
-        if not cfg.tie_output:  # LlamaModel / GPT2Model checkpoints have no head
-            rules.append(copy_rule("lm_head.weight", "lm_head.weight", group="the LM head (lm_head)"))
-        return rules
+        return rules + self.head_rules(cfg)
 
     def normalize(self, name: str) -> str:
         # BartModel / MarianModel store the body without the "model." prefix.
@@ -293,16 +264,8 @@ class BartFamily(Family):
 
 
 class MarianFamily(BartFamily):
-    """MarianMTModel / MarianModel (OPUS-MT translation models).
-
-    BART's block layout (post-norm, biases, ``final_logits_bias``) with these differences: fixed
-    sinusoidal positions in the *split* layout (sines in the first half of the vector, cosines in
-    the second; ``sinusoidal_layout="split"``), counted from 0; no embedding LayerNorm; usually
-    ``scale_embedding=True`` and activation "swish" (silu). The position tables, when a checkpoint
-    stores them, are checked against the formula and not loaded. With
-    ``share_encoder_decoder_embeddings=False`` the target has its own vocabulary
-    (``decoder_vocab_size``) and embedding, to which the output is tied.
-    """
+    """MarianMTModel / MarianModel (OPUS-MT): BART's layout with split sinusoidal positions (checked, not
+    loaded), no embedding LayerNorm, and optionally a separate target vocabulary."""
 
     name = "marian"
     model_types = ("marian",)

@@ -1,14 +1,8 @@
 """Hugging Face model families: config.json <-> ModelConfig, and tensor-name rules.
 
-What every family shares (``Family``, ``HFConfig`` and the config helpers); the families
-themselves live in ``hf_decoders`` (LLaMA, GPT-2) and ``hf_encoders`` (BERT, BART, Marian). One
-class per family; each says how its config maps onto aiayn's ``ModelConfig``, which tensors make
-which aiayn parameter (``Rule``\\ s, see ``aiayn.interop.mapping``), and the family's quirks in
-its docstring. ``hf.py`` runs them; nothing here reads files.
-
-Shape letters: d hidden size, h/h_kv query/key-value heads, d_h head width, f intermediate size,
-v vocabulary.
-"""
+``Family`` and the config helpers; the families live in ``hf_decoders`` and ``hf_encoders``, one class each,
+and ``hf.py`` runs them. Shape letters: d hidden size, h/h_kv query/key-value heads, d_h head width, f
+intermediate size, v vocabulary."""
 
 from __future__ import annotations
 
@@ -17,10 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from aiayn.config import ConfigError, ModelConfig
-from aiayn.interop.mapping import (
-    InteropError,
-    Rule,
-)
+from aiayn.interop.mapping import InteropError, Rule, copy_rule
 
 # Hugging Face activation names -> aiayn's.
 _HF_ACTIVATION_NAMES = {
@@ -94,6 +85,8 @@ class Family:
     architectures: tuple[str, ...] = ()
     # Source tensors that are deliberately not loaded: buffers that are not weights.
     ignore: tuple[str, ...] = ()
+    # The embedding a tied output layer is stored as.
+    tied_head: str = ""
 
     def to_config(self, hf: HFConfig) -> ModelConfig:
         raise NotImplementedError
@@ -105,13 +98,16 @@ class Family:
         """A source tensor name in the canonical spelling the rules use."""
         return name
 
+    def head_rules(self, cfg: ModelConfig) -> list[Rule]:
+        """The untied LM head, which a bare body (LlamaModel, GPT2Model, BartModel) lacks."""
+        return [] if cfg.tie_output else [copy_rule("lm_head.weight", "lm_head.weight", group="the LM head (lm_head)")]
+
     def aliases(self, cfg: ModelConfig) -> dict[str, str]:
         """Other names of tied tensors -> their canonical name (both may be stored)."""
-        return {}
+        return {"lm_head.weight": self.tied_head} if cfg.tie_output and self.tied_head else {}
 
     def prepare(self, tensors: dict[str, Tensor], config: ModelConfig, source: str) -> None:
-        """Adjust the (normalised) tensors in place before mapping: reshape, or remove (after a
-        check or with a warning) tensors that have no aiayn parameter."""
+        """Adjust the normalised tensors in place before mapping (reshape, or drop non-parameters)."""
 
     def finish_export(self, tensors: dict[str, Tensor], config: ModelConfig) -> None:
         """The inverse of ``prepare`` for exported tensors (in place)."""

@@ -1,17 +1,8 @@
 """The generic part of checkpoint conversion: name rules, and copying tensors through them.
 
-A converter for one family of checkpoints is a list of ``Rule``\\ s, each saying which source
-tensors make one aiayn parameter: copied as is, transposed (GPT-2's ``Conv1D`` stores (in, out)),
-or several stacked along dim 0 (separate q, k, v projections -> our fused ``qkv_proj`` rows
-[q; k; v]; gate and up projections -> ``fc_in`` rows [gate; value]). The same rules run in reverse
-to export.
-
-``load_tensors`` checks what nanoGPT's import asserts and more: every source tensor is used exactly
-once (or named as deliberately ignored), every aiayn parameter is written exactly once, and every
-shape matches; each failure raises ``InteropError`` naming the tensors.
-
-Shape letters: d d_model, h/h_kv query/key-value heads, d_h head width, f d_ff, v vocabulary.
-"""
+A family's converter is a list of ``Rule``\\ s, each making one aiayn parameter from source tensors (copied,
+transposed or stacked); the same rules export. ``load_tensors`` checks every source tensor is used once, every
+parameter written once, every shape matches (``InteropError``)."""
 
 from __future__ import annotations
 
@@ -32,10 +23,7 @@ class InteropError(ValueError):
 class Rule:
     """aiayn parameter ``ours`` = cat([t(s) for s in ``theirs``], dim 0), t = transpose or identity.
 
-    ``split`` holds the dim-0 sizes of the parts when there are several (needed to export).
-    ``group`` names an optional block of parameters (e.g. BERT's pooler) that a checkpoint may
-    lack as a whole; rules without a group are required.
-    """
+    ``split``: the parts' dim-0 sizes (to export); ``group``: an optional block a checkpoint may lack."""
 
     ours: str
     theirs: tuple[str, ...]
@@ -79,9 +67,23 @@ def norm_rules(ours: str, theirs: str, *, bias: bool, group: str | None = None) 
     return linear_rules(ours, theirs, bias=bias, group=group)
 
 
+def sublayer_rules(module: str, first: str | list[str], second: str, norm: str, *,
+                   sizes: list[int] | None = None, bias: bool = True, second_bias: bool | None = None,
+                   norm_bias: bool = True, transpose: bool = False) -> list[Rule]:
+    """A block's sublayer ``module`` (``...self_attn`` or ``...ffn``): its two projections (the first
+    stacked from parts when ``first`` is a list) and its norm ``{module}_norm``."""
+    into, out = ("qkv_proj", "out_proj") if module.endswith("attn") else ("fc_in", "fc_out")
+    if isinstance(first, list):
+        rules = fused_linear_rules(f"{module}.{into}", first, sizes or [], bias=bias)
+    else:
+        rules = linear_rules(f"{module}.{into}", first, bias=bias, transpose=transpose)
+    rules += linear_rules(f"{module}.{out}", second, bias=bias if second_bias is None else second_bias,
+                          transpose=transpose)
+    return rules + norm_rules(f"{module}_norm", norm, bias=norm_bias)
+
+
 def model_parameters(model: nn.Module) -> dict[str, Tensor]:
-    """Name -> tensor of every distinct parameter and persistent buffer (tied weights once,
-    under the name registered first)."""
+    """Name -> tensor of every distinct parameter and persistent buffer (tied weights once)."""
     out: dict[str, Tensor] = dict(model.named_parameters())
     seen = {id(t) for t in out.values()}
     for name, buf in model.named_buffers():
@@ -124,16 +126,8 @@ def load_tensors(
 ) -> list[str]:
     """Copy ``tensors`` into ``model`` through ``rules``; return the optional groups left out.
 
-    Args:
-        tensors: source name -> tensor (names already normalised by the family).
-        ignore: regular expressions of source names that are deliberately not loaded (buffers
-            such as GPT-2's causal-mask ``attn.bias``, heads aiayn has no module for).
-        source: what to call the checkpoint in error messages.
-
-    Raises:
-        InteropError: a required tensor is missing, a shape differs, or a source tensor is left
-            over (the converter does not know where it goes).
-    """
+    ``ignore``: regular expressions of source names not loaded; ``source``: the checkpoint's name in messages.
+    Raises ``InteropError`` for a missing tensor, a shape mismatch or a leftover tensor."""
     params = model_parameters(model)
     _check_rules(rules, params)
     patterns = [re.compile(p) for p in ignore]

@@ -148,16 +148,17 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             f"model; give --api-key or --host 127.0.0.1")
 
 
-def check_port(host: str, port: int) -> None:
-    """OSError with a clear message if ``host:port`` cannot be bound (in use, no such address)."""
+def check_port(host: str, port: int, *, advice: str = "choose another --port or --host",
+               error: type[OSError] = OSError) -> None:
+    """``error`` with a clear message, ending in ``advice``, if ``host:port`` cannot be bound (in use, no
+    such address); the explorer's check too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise OSError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or "
-                          f"--host") from None
+            raise error(f"cannot listen on {host}:{port} ({exc.strerror or exc}); {advice}") from None
 
 
 class GracefulServer(uvicorn.Server):

@@ -1,8 +1,5 @@
-"""The task registry: ``@register`` a ``Task`` subclass, ``get_task(name, **options)`` builds one.
-
-The ``Task`` protocol itself (with ``Batch`` and ``AttentionExample``) is the trainer's and lives in
-``aiayn.train.task``; it is re-exported here and from ``aiayn.tasks``.
-"""
+"""The task registry: ``@register`` a ``Task`` subclass, ``get_task(name, **options)`` builds one. The
+``Task`` protocol itself lives in ``aiayn.train.task`` and is re-exported here."""
 
 from __future__ import annotations
 
@@ -10,9 +7,12 @@ import difflib
 import inspect
 from typing import Any
 
+import torch
+
 from aiayn.train.task import AttentionExample, Batch, Task
 
-__all__ = ["TASKS", "AttentionExample", "Batch", "Task", "UnknownTaskError", "get_task", "register", "task_options"]
+__all__ = ["TASKS", "AttentionExample", "Batch", "GeneratedTask", "Task", "UnknownTaskError", "get_task", "register",
+           "task_options"]
 
 TASKS: dict[str, type[Task]] = {}
 
@@ -27,8 +27,7 @@ class UnknownTaskError(ValueError):
 
 
 def get_task(name: str, **options: Any) -> Task:
-    # The built-in tasks are registered: importing this module first runs the package's __init__,
-    # which imports them.
+    # Importing this module runs the package's __init__, which registers the built-in tasks.
     if name not in TASKS:
         close = difflib.get_close_matches(str(name), TASKS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
@@ -46,9 +45,8 @@ def get_task(name: str, **options: Any) -> Task:
 
 
 def task_options(cls: type[Task]) -> set[str]:
-    """The keyword options a task class takes: the named parameters of the ``__init__`` methods
-    along its class hierarchy (each passes the rest up with ``**options``), and the options it
-    records for its run (``Task.recorded_options``)."""
+    """The keyword options a task class takes: its ``__init__`` parameters along the class hierarchy, and
+    ``Task.recorded_options``."""
     names: set[str] = set(cls.recorded_options)
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
@@ -58,3 +56,21 @@ def task_options(cls: type[Task]) -> set[str]:
             if parameter.name != "self" and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
                 names.add(parameter.name)
     return names
+
+
+class GeneratedTask(Task):
+    """A task whose examples are drawn from the seed: ``sizes`` of each split, made by ``generate``."""
+
+    def __init__(self, *, seq_len: int, n_train: int = 50_000, n_val: int = 1_000, n_test: int = 10_000,
+                 **options: Any) -> None:
+        super().__init__(**options)
+        self.seq_len = seq_len
+        self.sizes = {"train": n_train, "val": n_val, "test": n_test}
+
+    def generate(self, n: int, generator: torch.Generator) -> Batch:
+        raise NotImplementedError
+
+    def prepare(self, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for split, n in self.sizes.items():
+            self.splits[split] = self.generate(n, generator)

@@ -1,9 +1,5 @@
-"""Copy a sequence (The Annotated Transformer's first example).
-
-Vocabulary of 11: 0 = padding, 1 = start symbol, 2..10 = the symbols copied. An encoder-decoder
-learns to reproduce a random source of 10 symbols; it is evaluated by greedy decoding through
-the KV cache, counting exact copies.
-"""
+"""Copy a sequence (The Annotated Transformer's first example): an encoder-decoder reproduces 10 random
+symbols (ids 2..10; 0 padding, 1 start), scored by exact greedy copies."""
 
 from __future__ import annotations
 
@@ -14,24 +10,25 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.generate import greedy_encoder_decoder
-from aiayn.tasks.base import register
+from aiayn.tasks.base import GeneratedTask, register
 from aiayn.train.losses import IGNORE, LossInput
-from aiayn.train.task import AttentionExample, Batch, Task, encoder_decoder_example
+from aiayn.train.task import AttentionExample, Batch, encoder_decoder_example
 
 PAD, BOS = 0, 1
 
 
 @register
-class CopyTask(Task):
+class CopyTask(GeneratedTask):
     name = "copy"
     attention_kinds = ("cross", "encoder", "decoder")
     description = "copy 10 symbols (Annotated Transformer); encoder-decoder, greedy decoding"
 
-    def __init__(self, *, vocab_size: int = 11, seq_len: int = 10, n_train: int = 50_000,
-                 n_val: int = 1_000, n_test: int = 10_000, **options: Any) -> None:
-        super().__init__(**options)
-        self.vocab_size, self.seq_len = vocab_size, seq_len
-        self.sizes = {"train": n_train, "val": n_val, "test": n_test}
+    def __init__(self, *, vocab_size: int = 11, seq_len: int = 10, **options: Any) -> None:
+        super().__init__(seq_len=seq_len, **options)
+        self.vocab_size = vocab_size
+
+    def generate(self, n: int, generator: torch.Generator) -> Batch:
+        return {"src": torch.randint(2, self.vocab_size, (n, self.seq_len), generator=generator)}
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(arch="encoder-decoder", vocab_size=self.vocab_size, d_model=64, n_heads=4,
@@ -41,12 +38,6 @@ class CopyTask(Task):
     def train_overrides(self) -> dict[str, Any]:
         return dict(epochs=2, batch_size=64, lr=2e-3, schedule="cosine", warmup_steps=100,
                     optimizer="adam", label_smoothing=0.0, clip_grad_norm=1.0)
-
-    def prepare(self, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        for split, n in self.sizes.items():
-            src = torch.randint(2, self.vocab_size, (n, self.seq_len), generator=generator)
-            self.splits[split] = {"src": src}
 
     def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
         src = batch["src"]
@@ -75,11 +66,7 @@ class CopyTask(Task):
         return [f"{' '.join(map(str, s))}  ->  {' '.join(map(str, o))}"
                 for s, o in zip(src.tolist(), out.tokens.tolist(), strict=True)]
 
-    @torch.no_grad()
-    def attention_example(self, model: nn.Module, text: str | None = None,
-                          kind: str | None = None) -> AttentionExample:
-        kind = self.attention_kind(kind)
-        model.eval()
+    def attention_maps(self, model: nn.Module, text: str | None, kind: str) -> AttentionExample:
         src = (self.collate("test", torch.arange(1))["src"] if text is None
                else self.parse_ids(text, low=2, high=self.vocab_size, length=self.seq_len))
         src = self.on_model(model, {"src": src})["src"]

@@ -1,10 +1,8 @@
-"""Language modelling on Tiny Shakespeare: next-character prediction (GPT) and masked-character
-prediction (BERT's 80/10/10 masking).
+"""Language modelling on Tiny Shakespeare: next-character prediction (GPT) and masked-character prediction
+(BERT's 80/10/10 masking).
 
-The corpus is ``$AIAYN_DATA_DIR/tinyshakespeare/input.txt`` (default ``../shared/data``); the first
-90% of characters train, the last 10% validate (nanoGPT's convention). Training draws random
-windows; validation covers the validation text once in non-overlapping windows.
-"""
+The corpus is ``$AIAYN_DATA_DIR/tinyshakespeare/input.txt``; the first 90% trains, the last 10% validates in
+non-overlapping windows."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from aiayn.generate import SamplingConfig, generate_decoder_only
 from aiayn.tasks.base import register
 from aiayn.tokenizers import CharTokenizer
 from aiayn.train.losses import IGNORE, LossInput
-from aiayn.train.task import AttentionExample, Batch, Task
+from aiayn.train.task import AttentionExample, Batch, Task, self_attention_example
 
 CORPUS = ("tinyshakespeare", "input.txt")
 ATTENTION_TOKENS = 48  # tokens an attention plot shows at most
@@ -74,13 +72,8 @@ class TextWindowsTask(Task):
     def count_tokens(self, batch: Batch) -> int:
         return batch["tokens"].numel()
 
-    @torch.no_grad()
-    def attention_example(self, model: nn.Module, text: str | None = None,
-                          kind: str | None = None) -> AttentionExample:
-        """Self-attention over ``text`` or the start of the validation text, at most
-        ``ATTENTION_TOKENS`` tokens (more would not be readable)."""
-        self.attention_kind(kind)
-        model.eval()
+    def attention_maps(self, model: nn.Module, text: str | None, kind: str) -> AttentionExample:
+        """Self-attention over ``text`` or the start of the validation text (``ATTENTION_TOKENS`` at most)."""
         if text is None:  # the start of the validation text (no need to encode the whole corpus)
             corpus = dataset_file(*CORPUS).read_text(encoding="utf-8")
             ids = self.tokenizer.encode(corpus[int(0.9 * len(corpus)):][: 4 * ATTENTION_TOKENS])[:ATTENTION_TOKENS]
@@ -92,8 +85,7 @@ class TextWindowsTask(Task):
         out = model(self.on_model(model, {"ids": ids[None]})["ids"], need_weights=True)
         labels = [repr(self.tokenizer.decode(ids[i : i + 1]))[1:-1] for i in range(ids.numel())]
         what = "causal self-attention" if self.attention_kinds == ("decoder",) else "self-attention"
-        return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels,
-                                key_labels=labels, title=f"{self.name}: {what}")
+        return self_attention_example(out, labels, f"{self.name}: {what}")
 
 
 @register
@@ -137,12 +129,8 @@ class ShakespeareCharTask(TextWindowsTask):
 
 @register
 class ShakespeareCharLongTask(ShakespeareCharTask):
-    """A longer shakespeare-char recipe for an hour of 2 CPU cores, aiming at val loss <= 1.50
-    (nanoGPT's GPU baby-GPT, 10.7M parameters and 256-character context, reaches 1.47): nanoGPT's
-    context and dropout on a 3.2M-parameter model (4 layers, d_model 256), 8,000 steps of 24 x 256
-    characters (~49 passes over the 1.0M-character training split), bfloat16 autocast (faster than
-    float32 on an AVX-512-BF16 CPU; master weights, optimiser and validation stay float32). Its
-    result is in the README (*Training*)."""
+    """A longer shakespeare-char recipe for an hour of 2 CPU cores aiming at val loss <= 1.50: nanoGPT's
+    context and dropout on a 4-layer, d_model 256 model, under bfloat16 autocast."""
 
     name = "shakespeare-char-long"
     description = "character-level GPT on Tiny Shakespeare, the ~60-minute recipe (256-character context)"
@@ -161,8 +149,8 @@ class ShakespeareCharLongTask(ShakespeareCharTask):
 
 @register
 class MaskedCharTask(TextWindowsTask):
-    """BERT's masked-language-model objective on characters: 15% of positions are chosen; of those
-    80% become [MASK], 10% a random character, 10% stay; the model predicts the originals."""
+    """BERT's masked-language-model objective on characters: 15% of positions chosen, 80% of those masked, 10%
+    randomised, 10% kept; the model predicts the originals."""
 
     name = "mlm"
     attention_kinds = ("encoder",)
@@ -171,10 +159,8 @@ class MaskedCharTask(TextWindowsTask):
     mask_rate = 0.15
 
     def model_config(self) -> ModelConfig:
-        # RoPE rather than BERT's learned positions: a masked character carries no information of
-        # its own, so everything must come from attending to its neighbours; with learned absolute
-        # positions that stays stuck at the unigram loss (~3.1) for over 900 steps here, with RoPE
-        # it passes 40% accuracy within 200.
+        # RoPE rather than BERT's learned positions: with those, a masked character's model stays stuck
+        # at the unigram loss far longer.
         return ModelConfig(arch="encoder-only", vocab_size=self.tokenizer.vocab_size, d_model=128,
                            n_heads=4, n_layers=4, d_ff=512, activation="gelu", norm_position="post",
                            positional="rope", scale_embeddings=False, embedding_norm=True,
@@ -248,10 +234,8 @@ class BPETokenizer:
 
 @register
 class ShakespeareBPETask(ShakespeareCharTask):
-    """GPT on Tiny Shakespeare with a byte-level BPE vocabulary trained on the training split (the
-    first 90% of the characters). The tokenizer is part of the task's options, so it is saved in the
-    run's config.json and ``aiayn generate --run DIR`` uses it. Validation reports the loss per token
-    and per character (``nll_per_char``, ``bits_per_char``), comparable with shakespeare-char's."""
+    """GPT on Tiny Shakespeare with a byte-level BPE learned on the training split and saved in the run's
+    options; validation also reports loss per character (``nll_per_char``, ``bits_per_char``)."""
 
     name = "shakespeare-bpe"
     description = "GPT on Tiny Shakespeare with a byte-level BPE vocabulary (loss per token and per character)"
@@ -279,8 +263,7 @@ class ShakespeareBPETask(ShakespeareCharTask):
         return super().model_config().replace(name="shakespeare-bpe")
 
     def unigram_nll(self, split: str = "val") -> float:
-        """Loss per token of the training split's token frequencies (add-one smoothed) on ``split``:
-        the baseline a model that ignores context reaches."""
+        """Loss per token of add-one smoothed unigram frequencies on ``split``: the context-free baseline."""
         counts = torch.bincount(self.tokens["train"], minlength=self.tokenizer.vocab_size).double() + 1
         logp = (counts / counts.sum()).log()
         return float(-logp[self.tokens[split]].mean())

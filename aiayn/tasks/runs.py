@@ -1,15 +1,8 @@
-"""Run directories as the commands use them: set up a run's configs (task defaults, a YAML recipe,
-the saved configs of a run being resumed, options given on top), load a trained run back
-(``load_run``), and the models the commands run from a run or a file: a translator, a text model.
+"""Run directories as the commands use them: set up a run's configs (``setup_run``), load a trained run, and
+the models the commands run: a translator, a text model.
 
-These need the task registry (``get_task``), so they live here, above ``aiayn.train``: the trainer
-takes a built ``Task`` and configs and never looks a task up by name.
-
-The models loaded for inference (``load_text_model``, ``load_translator``) run through
-``aiayn.fast``'s CPU kernels unless ``plain=True`` (the plain PyTorch model; the same function),
-on the device given (``device``: None is ``aiayn.device.resolve("auto")``, the first CUDA GPU else
-the CPU). A model off the CPU runs plain: ``aiayn.fast.optimize`` leaves it as it is.
-"""
+They need the task registry, so they live above ``aiayn.train``. Models load on ``device`` (None: the first
+CUDA GPU, else the CPU) through ``aiayn.fast``'s CPU kernels unless ``plain=True``."""
 
 from __future__ import annotations
 
@@ -50,20 +43,17 @@ RECIPE_KEYS = frozenset({"task", "task_options", "model", "train", "description"
 
 
 class RunSetupError(ConfigError):
-    """Options a run cannot be set up with. ``about`` names the input at fault, for a front end to
-    point at: "recipe" (the recipe file), "task_options" (an option the task does not take) or
-    "max_tokens" (token-count batching asked of a task that batches by examples)."""
+    """Options a run cannot be set up with; ``about`` names the input at fault ("recipe", "task_options" or
+    "max_tokens")."""
 
     def __init__(self, message: str, about: str) -> None:
         super().__init__(message)
         self.about = about
 
 
-# ---- models for inference ---------------------------------------------------------------------
 def for_inference(model: nn.Module, *, plain: bool = False,
                   device: torch.device | str | None = None) -> nn.Module:
-    """``model`` in eval mode, moved to ``device`` (None: where it is), then through aiayn.fast's
-    CPU kernels unless ``plain`` (in place; a model off the CPU keeps its plain modules)."""
+    """``model`` in eval mode on ``device`` (None: where it is), through aiayn.fast unless ``plain``."""
     if device is not None:
         model.to(device)  # before optimize: it swaps in its CPU kernels only for a CPU model
     model.eval()
@@ -76,10 +66,8 @@ def for_inference(model: nn.Module, *, plain: bool = False,
 
 def load_translator(run_dir: Path, checkpoint: Path | None = None, *, plain: bool = False,
                     device: torch.device | str | None = None) -> tuple[TranslationTask, Translator]:
-    """(the translation task, a ``Translator`` of its trained model) from a run directory;
-    ``checkpoint``: a checkpoint (e.g. RUN/averaged-last5) or a folder of them instead of the
-    run's latest; ``device``: where the model runs (None: the first CUDA GPU, else the CPU;
-    ``aiayn.device.DeviceError`` for one this machine lacks)."""
+    """(the translation task, a ``Translator`` of its trained model) from a run directory; ``checkpoint``: one
+    (or a folder of them) instead of the run's latest."""
     from aiayn.device import resolve
 
     where = resolve(device)  # before loading: a missing device fails at once
@@ -97,18 +85,11 @@ def load_translator(run_dir: Path, checkpoint: Path | None = None, *, plain: boo
 
 def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, plain: bool = False,
                              device: torch.device | str | None = None) -> tuple[TranslationTask, Translator]:
-    """(the first member's task, a ``Translator`` of an ``aiayn.generate.Ensemble``) from several
-    (run or release directory, checkpoint or None) pairs, each loaded as ``load_translator`` loads
-    one; a single pair is ``load_translator``'s translator itself. The first member's recipe gives
-    the default beam size and length penalty.
+    """(the first member's task, a ``Translator`` of an ``aiayn.generate.Ensemble``) from (run or release,
+    checkpoint or None) pairs; one pair is ``load_translator``'s. The first member's recipe sets the search.
 
-    The members must share their vocabularies, so that every token id means the same to all of
-    them: the same source and target tokenizers (the whole tokenizer.json of a joint vocabulary,
-    or tokenizer.src.json and tokenizer.tgt.json of separate ones: vocabulary, merges,
-    normalisation; a joint run and a separate one never share them) and output layer width. The shipped en->de and de->en models share one joint BPE, so a vocabulary check
-    alone would let them through: they must also translate the same language pair in the same
-    direction. Either mismatch is a ``RunInputError`` with ``about="members"``. An ensemble release
-    (``aiayn.tasks.shipped.release_members``) among them stands for its members."""
+    The members must share tokenizers, output width and language pair and direction, else a ``RunInputError``
+    with ``about="members"``; an ensemble release stands for its members."""
     from aiayn.generate import Ensemble
 
     if not members:
@@ -148,8 +129,7 @@ def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, pla
 
 
 def _vocabularies(translator: Translator) -> tuple[str, str]:
-    """(source, target) tokenizers of a translator as their whole JSON (the same string twice
-    for a joint vocabulary): equal pairs give every token id the same meaning."""
+    """(source, target) tokenizers of a translator as their whole JSON."""
     return translator.tokenizer.tokenizer.to_str(), translator.target_tokenizer.tokenizer.to_str()
 
 
@@ -177,12 +157,9 @@ def _member_name(run_dir: Path, checkpoint: Path | None) -> str:
 def load_text_model(run_dir: Path | None = None, model_path: Path | None = None, *,
                     plain: bool = False, quantize: str = "none",
                     device: torch.device | str | None = None) -> TextModel:
-    """A decoder-only model with its text functions, from a run directory of a language-model task
-    or a shipped model's release (``run_dir``), or a GGUF file / Hugging Face model directory
-    (``model_path``). ``quantize``: ``aiayn.fast.quantize.lower_precision``'s choices; "auto" and
-    "q4" read a GGUF file's blocks without dequantising them. ``device``: where the model runs
-    (``aiayn.textgen.placement``: None is the first CUDA GPU else the CPU, but the CPU for int8
-    and q4, which are refused elsewhere with a ValueError; "auto" keeps floats off the CPU)."""
+    """A decoder-only model with its text functions, from a language-model run or a shipped release
+    (``run_dir``), or a GGUF file / Hugging Face directory (``model_path``). ``quantize``:
+    ``aiayn.fast.quantize.lower_precision``'s choices; ``device``: as ``aiayn.textgen.placement``."""
     from aiayn.textgen import TextModel, placement, read_text_model
 
     if (run_dir is None) == (model_path is None):
@@ -209,8 +186,7 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
 
 
 def _tokenizers_object(tokenizer: Any) -> Any:
-    """A run's tokenizer as a ``tokenizers.Tokenizer`` (what a Hugging Face export writes): a BPE
-    run's own, a character-level run's rebuilt (``CharTokenizer.to_tokenizers``)."""
+    """A run's tokenizer as a ``tokenizers.Tokenizer`` (what a Hugging Face export writes)."""
     if hasattr(tokenizer, "to_tokenizers"):
         return tokenizer.to_tokenizers()
     return getattr(tokenizer, "tokenizer", None)
@@ -224,7 +200,6 @@ def _lower(model: nn.Module, quantize: str) -> nn.Module:
     return lower_precision(model, quantize)
 
 
-# ---- setting up a run -------------------------------------------------------------------------
 def read_recipe(path: Path) -> dict[str, Any]:
     """A recipe file: YAML with ``task``, ``task_options``, ``model`` and ``train`` mappings."""
     import yaml
@@ -262,15 +237,11 @@ class RunSetup:
 def setup_run(task: str | None = None, *, resume_dir: Path | None = None, recipe: Path | None = None,
               max_tokens: int | None = None, model_options: Mapping[str, Any] | None = None,
               train_options: Mapping[str, Any] | None = None) -> RunSetup:
-    """The task and configs of a run, from (lowest to highest precedence) the task's defaults, a
-    recipe file, and ``model_options`` / ``train_options`` (ModelConfig / TrainConfig fields given
-    explicitly).
+    """The task and configs of a run, from (lowest precedence first) the task's defaults, a recipe file, and
+    ``model_options`` / ``train_options``.
 
-    ``task``: a task name; None takes the recipe's (or the resumed run's), else ``DEFAULT_TASK``.
-    ``resume_dir``: a run being resumed: when it holds a config.json, its saved task, task options
-    and configs replace the defaults and the recipe. ``max_tokens``: token-count batching (a task
-    option of tasks that take it, e.g. translation).
-    """
+    ``task``: None takes the recipe's (or the resumed run's), else ``DEFAULT_TASK``. ``resume_dir``: its saved
+    configs replace the defaults and the recipe. ``max_tokens``: token-count batching."""
     saved = None
     if resume_dir is not None and (resume_dir / "config.json").is_file():
         saved = read_run_config(resume_dir, hint="cannot resume it")

@@ -1,17 +1,10 @@
 """Find the odd one out in a set of images (UvA Deep Learning tutorial 6, set anomaly detection).
 
-A set holds 10 images: 9 of one class and 1 of another. The model scores every element and the
-anomaly should get the highest score. UvA used ResNet features of CIFAR-100; here the images are
-scikit-learn's bundled handwritten digits (1,797 real 8x8 images, 10 classes, no download), as raw
-64-pixel vectors scaled to [0, 1].
+A set holds 9 images of one class and 1 of another, from scikit-learn's bundled 8x8 digits (raw pixels in [0,
+1]) split into disjoint train/val/test pools. The model scores every element with no positional encoding and
+no mask, so it is permutation-equivariant.
 
-The images are split into disjoint train/val/test pools (stratified per class), so the test sets
-hold only images never seen in training. The model has no positional encoding: input projection,
-N ``TransformerBlock`` without a mask, a score per element. It is therefore permutation-equivariant:
-permuting the set permutes the scores the same way.
-
-Shape letters: b sets, n elements per set (10), f pixels per image (64), d d_model, h heads.
-"""
+Shape letters: b sets, n elements per set (10), f pixels per image (64), d d_model, h heads."""
 
 from __future__ import annotations
 
@@ -26,7 +19,7 @@ from aiayn.models.base import init_weights
 from aiayn.models.blocks import TransformerBlock
 from aiayn.nn.norm import make_norm
 from aiayn.tasks.base import register
-from aiayn.train.task import AttentionExample, Batch, Task
+from aiayn.train.task import AttentionExample, Batch, Task, self_attention_example
 
 N_FEATURES = 64  # 8x8 pixels
 
@@ -102,11 +95,7 @@ def split_pools(classes: Tensor, fractions: tuple[float, float], generator: torc
 
 def sample_sets(pool: Tensor, classes: Tensor, n_sets: int, set_size: int, num_classes: int,
                 generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Sets drawn from one pool: image ids (n_sets, set_size) and the anomaly's slot (n_sets,).
-
-    Each set: a normal class, set_size - 1 distinct images of it, one image of another class, and
-    the elements in random order (so the anomaly's slot is uniform).
-    """
+    """Sets drawn from one pool: image ids (n_sets, set_size), in random order, and the anomaly's slot."""
     normal = torch.randint(num_classes, (n_sets,), generator=generator)
     # Another class, uniform over the other num_classes - 1.
     odd = (normal + torch.randint(1, num_classes, (n_sets,), generator=generator)) % num_classes
@@ -149,17 +138,14 @@ class SetAnomalyTask(Task):
                            type_vocab_size=0, tie_output=False, dropout=0.0, name="set-anomaly")
 
     def train_overrides(self) -> dict[str, Any]:
-        # One pass over 25,600 sets (200 steps): val accuracy 0.987-0.995 over seeds 0-5 (d_model
-        # 64: 0.975-0.988; 2 epochs or 51,200 sets at d_model 64 did no better than d_model 128).
-        # A short warmup matters. UvA's recipe (Adam 5e-4, warmup 100, 100 epochs) is far longer
-        # than this small problem needs.
+        # One pass over 25,600 sets with a short warmup: far shorter than UvA's recipe, which this small
+        # problem does not need.
         return dict(epochs=1, batch_size=128, lr=2e-3, warmup_steps=30, schedule="cosine",
                     optimizer="adam", clip_grad_norm=5.0, eval_every=50)
 
     def build_model(self, config: ModelConfig) -> nn.Module:
         return SetAnomalyModel(config)
 
-    # ---- data -------------------------------------------------------------------------------
     def prepare(self, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.images, self.classes = load_digit_images()
@@ -175,7 +161,6 @@ class SetAnomalyTask(Task):
         batch["inputs"] = self.images[batch["image_ids"]]  # (b, n, 64)
         return batch
 
-    # ---- model I/O --------------------------------------------------------------------------
     def forward(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
         scores = model(batch["inputs"]).scores  # (b, n)
         return scores.unsqueeze(1), batch["labels"].unsqueeze(1)  # (b, 1, n), (b, 1)
@@ -199,12 +184,8 @@ class SetAnomalyTask(Task):
                          f"true {true} (class {self.classes[ids[true]]})")
         return lines
 
-    @torch.no_grad()
-    def attention_example(self, model: nn.Module, text: str | None = None,
-                          kind: str | None = None) -> AttentionExample:
+    def attention_maps(self, model: nn.Module, text: str | None, kind: str) -> AttentionExample:
         """The attention on one test set: the first, or the set numbered ``text`` (0-based)."""
-        self.attention_kind(kind)
-        model.eval()
         n_test = self.split_size("test")
         if text is None:
             index = 0
@@ -216,6 +197,4 @@ class SetAnomalyTask(Task):
         batch = self.collate("test", torch.tensor([index]))
         out = model(self.on_model(model, batch)["inputs"], need_weights=True)
         labels = self._labels(batch["image_ids"][0], int(batch["labels"][0]))
-        return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels,
-                                key_labels=labels,
-                                title=f"set-anomaly: attention on test set {index} (* = odd one)")
+        return self_attention_example(out, labels, f"set-anomaly: attention on test set {index} (* = odd one)")

@@ -1,27 +1,10 @@
-"""Trained models shipped inside the package: a new user translates or generates in the first
-minute, with no training run of their own.
+"""Trained models shipped inside the package, so a new user translates or generates at once.
 
-A shipped model is a *release* directory, ``aiayn/pretrained/<name>/``:
-
-    release.json        what it is: name, task, the run it came from (step, checkpoint), dtype,
-                        parameter count, scores (the record of the run that made it)
-    config.json         the run's configs (task, task_options, model, train) as training wrote them
-    model.safetensors   the weights, float16 or bfloat16 (loaded back as float32)
-    tokenizer.json      the run's tokenizer, for tasks that keep one in the run directory (a
-                        translation run of separate vocabularies: tokenizer.src.json and
-                        tokenizer.tgt.json instead)
-    record/             the run's recipe, metrics.csv, summary.json and scores
-
-An *ensemble release* ships several models that translate as one (``aiayn.generate.Ensemble``):
-its release.json names its ``members``, each a release directory of its own inside it
-(``aiayn/pretrained/<name>/<member>/``, with its run's record), and it has no weights of its own.
-
-``write_release`` makes one from a finished run and ``write_ensemble_release`` one from several
-(``scripts/ship_model.py`` calls them); ``load_release`` loads a single release as a
-``LoadedRun``, ``release_members`` lists an ensemble's members (``aiayn.tasks.runs.load_translator``
-loads them as one translator); ``resolve_model`` turns a ``--model`` argument (a shipped name or a
-path) into a release, a run directory or a file.
-"""
+A release directory, ``aiayn/pretrained/<name>/``, holds ``release.json`` (name, task, source run, dtype,
+parameters, scores), ``config.json``, ``model.safetensors`` (float16 or bfloat16), the run's tokenizer file(s)
+and ``record/`` (recipe, metrics, summary, scores). An ensemble release names its ``members``, each a release
+inside it, and has no weights of its own. ``write_release`` and ``write_ensemble_release`` make them
+(``scripts/ship_model.py``)."""
 
 from __future__ import annotations
 
@@ -70,11 +53,9 @@ MAX_RELEASE_BYTES = 10 * 2**20  # a shipped model's weights stay under 10 MB (th
 def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = None, dtype: str = "float16",
                   name: str | None = None, recipe: Path | None = None,
                   extra: dict[str, Any] | None = None) -> Path:
-    """Write the release of a finished run: its (averaged) checkpoint's weights in ``dtype``, its
-    configs, tokenizer and record. ``out_dir`` is built beside itself and renamed into place, so an
-    existing release is replaced whole or not at all. ``run_dir`` may be a release instead (one kept
-    in results/, or a shipped one): it is copied byte for byte, its release.json given ``name`` and
-    ``extra`` (``_copy_release``). Returns ``out_dir``."""
+    """Write the release of a finished run (weights in ``dtype``, configs, tokenizer, record), built beside
+    ``out_dir`` and renamed into place; a release given as ``run_dir`` is copied as it is. Returns
+    ``out_dir``."""
     if dtype not in RELEASE_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(RELEASE_DTYPES)}")
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -146,13 +127,9 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
                            dtype: str = "float16", name: str | None = None, recipe: Path | None = None,
                            extra: dict[str, Any] | None = None,
                            member_scores: Sequence[dict[str, Any]] | None = None) -> Path:
-    """Write an ensemble release: each (run directory, checkpoint or None, member name) as a
-    release of its own in ``out_dir/<member name>`` (``write_release``: its weights, configs,
-    tokenizer and record; each under the size limit; a member given as a release is copied as it
-    is), and a release.json that names them in order; ``member_scores``: each member's own
-    measured scores (its release.json's ``scores``), in the same order. The members must form an ensemble (one language pair and direction, one vocabulary:
-    ``aiayn.tasks.runs.load_ensemble_translator``'s checks, a ``RunInputError`` otherwise). Built
-    beside ``out_dir`` and renamed into place, as ``write_release``. Returns ``out_dir``."""
+    """Write an ensemble release: each (run, checkpoint or None, member name) as a release in
+    ``out_dir/<member name>``, and a release.json naming them in order with ``member_scores``. The members
+    must form an ensemble (``RunInputError`` otherwise). Returns ``out_dir``."""
     out_dir = Path(out_dir)
     names = [member_name for _, _, member_name in members]
     if len(members) < 2:
@@ -190,11 +167,8 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
 
 def _copy_release(source: Path, target: Path, *, checkpoint: Path | None, dtype: str, name: str,
                   extra: dict[str, Any] | None) -> None:
-    """Copy the release ``source`` into ``target`` (absent or empty) byte for byte, its
-    release.json updated with ``name`` and ``extra`` (a new ``scores`` replaces the old): a kept
-    release becomes a shipped model or an ensemble's member without a second rounding of its
-    weights. A release has one set of weights, so ``checkpoint`` must be None, and ``dtype`` must be
-    the one it is stored in (float16 weights are not rounded again to bfloat16)."""
+    """Copy the release ``source`` into ``target`` byte for byte, its release.json given ``name`` and
+    ``extra``; ``checkpoint`` must be None and ``dtype`` the one it is stored in."""
     record = json.loads((source / RELEASE_FILE).read_text(encoding="utf-8"))
     record.pop("member_of", None)  # a former member shipped alone is no one's member (extra may say again)
     if checkpoint is not None:

@@ -1,7 +1,5 @@
-"""Trained models read back from disk: a training run's directory (``load_run``, its latest
-checkpoint by default) or a shipped release (``load_release``; ``aiayn.tasks.shipped`` writes them
-and describes their layout), and the names and paths that find them (``resolve_model``).
-"""
+"""Trained models read back from disk: a run directory (``load_run``) or a shipped release (``load_release``),
+and ``resolve_model`` that finds them."""
 
 from __future__ import annotations
 
@@ -33,15 +31,13 @@ LEFTOVER_SUFFIXES = (".tmp", ".old")  # NAME.tmp being built, NAME.old being rep
 
 
 class RunInputError(RunDirError):
-    """A run directory or checkpoint that cannot serve what was asked. ``about``: "run" or
-    "checkpoint" (the input at fault)."""
+    """A run directory or checkpoint that cannot serve what was asked; ``about``: "run" or "checkpoint"."""
 
     def __init__(self, message: str, about: str = "run") -> None:
         super().__init__(message)
         self.about = about
 
 
-# ---- a run directory --------------------------------------------------------------------
 @dataclass
 class LoadedRun:
     task: Task
@@ -52,10 +48,7 @@ class LoadedRun:
 
 
 def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = True) -> LoadedRun:
-    """The task and trained model of a run directory (its latest checkpoint by default), in eval mode.
-
-    ``prepare=False`` skips building the task's data splits (enough for generation).
-    """
+    """The task and trained model of a run directory, in eval mode; ``prepare=False`` skips the data."""
     run_dir = Path(run_dir)
     configs = read_run_config(run_dir)
     task = get_task(configs["task"], **configs.get("task_options", {}))
@@ -74,8 +67,7 @@ def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = T
 
 
 def resolve_checkpoint(checkpoint: Path | None) -> Path | None:
-    """A checkpoint directory, or a folder of them (its newest is taken); None stays None (the
-    run's latest)."""
+    """A checkpoint directory, or a folder of them (its newest); None stays None."""
     if checkpoint is None or (checkpoint / STATE_FILE).is_file():
         return checkpoint
     found = latest_checkpoint(checkpoint) if checkpoint.is_dir() else None
@@ -131,9 +123,7 @@ def is_ensemble_release(path: Path) -> bool:
 
 
 def release_members(release: Path) -> list[Path]:
-    """The member release directories of an ensemble release, in its order (the first is the
-    member that views of a single model show: ``single_model``). A ``RunInputError`` for a member
-    that is not a plain name or not a release."""
+    """The member releases of an ensemble release, in order; a ``RunInputError`` for a bad member."""
     release = Path(release)
     names = json.loads((release / RELEASE_FILE).read_text(encoding="utf-8")).get("members")
     if not isinstance(names, list) or not names:
@@ -152,8 +142,7 @@ def release_members(release: Path) -> list[Path]:
 
 
 def single_model(path: Path) -> tuple[Path, str | None]:
-    """(``path``, None), or for an ensemble release (its first member, a note that says so): what
-    views of one model (attention maps, ``aiayn explore``) show of an ensemble."""
+    """(``path``, None), or for an ensemble release (its first member, a note saying so)."""
     if not is_ensemble_release(path):
         return path, None
     members = release_members(path)
@@ -162,9 +151,8 @@ def single_model(path: Path) -> tuple[Path, str | None]:
 
 
 def resolve_model(value: str | Path) -> Path:
-    """A ``--model`` argument as a path: an existing path as given (a release, a run directory, a
-    GGUF file, a Hugging Face directory), else a shipped model's name (``multi30k-en-de``). A bare
-    name that is neither is refused with the list of shipped models."""
+    """A ``--model`` argument as a path: an existing path, else a shipped model's name; anything else is
+    refused with the list of shipped models."""
     path = Path(value)
     if path.exists():
         return path
@@ -219,9 +207,7 @@ def load_release(release: Path, *, prepare: bool = False) -> LoadedRun:
 
 
 def load_run_or_release(path: Path, *, checkpoint: Path | None = None, prepare: bool = False) -> LoadedRun:
-    """``load_release`` for a release directory, else ``load_run`` (a run directory). An ensemble
-    release is refused (one model is asked for here): translate with it through
-    ``aiayn.tasks.runs.load_translator``, or take one member (``single_model``)."""
+    """``load_release`` for a release directory, else ``load_run``; an ensemble release is refused."""
     if is_ensemble_release(path):
         members = release_members(path)
         raise RunInputError(f"{path.name} is an ensemble of {len(members)} models, not one; translate with it, "

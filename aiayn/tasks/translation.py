@@ -1,17 +1,10 @@
 """Machine translation, the paper's own job: parallel text -> BPE -> encoder-decoder -> sacreBLEU.
 
-The corpus is a directory of ``{split}.{lang}`` files (default ``$AIAYN_DATA_DIR/multi30k``:
-Multi30k task 1, train / val / test2016). The BPE is learned on the training split with the
-``tokenizers`` library and saved in the run directory (a resumed run or ``aiayn translate`` reads
-it back): by default (``vocabulary="joint"``) one source+target vocabulary in ``tokenizer.json``,
-which shared embeddings need; with ``vocabulary="separate"`` a source BPE learned on the source
-side only (``tokenizer.src.json``, ``vocab_size`` tokens) and a target BPE on the target side only
-(``tokenizer.tgt.json``, ``tgt_vocab_size`` tokens), for a model whose encoder and decoder
-embeddings are apart (``share_embeddings=False``; ``tie_output`` ties the output layer to the
-target embedding). Training batches hold up to
-``max_tokens`` padded tokens of similar-length pairs. Validation reports teacher-forced loss and
-greedy BLEU; the test split is scored with beam search, sacreBLEU BLEU (with its signature) and chrF.
-"""
+The corpus is a directory of ``{split}.{lang}`` files (default ``$AIAYN_DATA_DIR/multi30k``). The BPE is
+learned on the training split and saved in the run: one joint vocabulary (``tokenizer.json``) by default, or
+with ``vocabulary="separate"`` a source and a target one (``tokenizer.src.json``, ``tokenizer.tgt.json``) for
+``share_embeddings=False``. Training batches hold up to ``max_tokens`` tokens; validation reports loss and
+greedy BLEU, the test split beam search BLEU and chrF."""
 
 from __future__ import annotations
 
@@ -46,17 +39,14 @@ VOCABULARIES = ("joint", "separate")
 
 
 def tokenizer_files(vocabulary: str) -> tuple[str, str]:
-    """(source, target) tokenizer file names in a run directory of this ``vocabulary`` kind (a
-    joint vocabulary is one file on both sides)."""
+    """(source, target) tokenizer file names of this ``vocabulary`` kind."""
     if vocabulary == "joint":
         return TOKENIZER_FILE, TOKENIZER_FILE
     return SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE
 
 
 def corpus_score(hypotheses: list[str], references: list[str]) -> dict[str, Any]:
-    """sacreBLEU BLEU and chrF of detokenised hypotheses against one reference each, and the
-    lower-cased BLEU (``bleu_lc``): sacreBLEU's 13a tokenisation of lower-cased text, the figure
-    comparable with papers that report lower-cased *tokenised* BLEU (Wu et al. 2021 on Multi30k)."""
+    """sacreBLEU BLEU and chrF against one reference each, and lower-cased BLEU (``bleu_lc``)."""
     from sacrebleu.metrics import BLEU, CHRF
 
     bleu, bleu_lc, chrf = BLEU(), BLEU(lowercase=True), CHRF()
@@ -80,8 +70,7 @@ class TranslationTask(Task):
                  test_split: str = "test2016", val_bleu: bool = True, beam_size: int = 5,
                  length_penalty: float = 0.6, vocabulary: str = "joint", tgt_vocab_size: int | None = None,
                  **options: Any) -> None:
-        # A joint run records no vocabulary options: a config.json without them is a joint run's,
-        # whichever aiayn wrote it.
+        # A joint run records no vocabulary options.
         separate_options = ({} if vocabulary == "joint" and tgt_vocab_size is None
                             else dict(vocabulary=vocabulary, tgt_vocab_size=tgt_vocab_size))
         super().__init__(src_lang=src_lang, tgt_lang=tgt_lang, corpus=corpus, corpus_dir=corpus_dir,
@@ -111,10 +100,8 @@ class TranslationTask(Task):
         self.ids: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
         self.text: dict[str, tuple[list[str], list[str]]] = {}
 
-    # ---- recipe ---------------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
-        """The model of ``recipes/multi30k-en-de.yaml`` (Transformer-tiny, Wu et al. 2021: 4 + 4
-        layers, d_model 128, 4 heads, d_ff 256); a recipe overrides any field. tests/integration/test_translation_defaults.py keeps the two equal."""
+        """The model of ``recipes/multi30k-en-de.yaml`` (Transformer-tiny, Wu et al. 2021)."""
         return ModelConfig(
             arch="encoder-decoder", vocab_size=self.vocab_size, tgt_vocab_size=self.tgt_vocab_size, d_model=128,
             n_heads=4, n_layers=4, n_decoder_layers=4, d_ff=256, activation="relu", norm_position="post",
@@ -133,9 +120,7 @@ class TranslationTask(Task):
         return self.vocabulary == "separate"
 
     def check_model_config(self, config: ModelConfig) -> None:
-        """A ``ConfigError`` (one line) for a model that cannot take this task's vocabularies:
-        shared embeddings over two vocabularies, or an embedding smaller than its BPE. (A joint
-        vocabulary is checked as it always was: by the tokenizer's size in ``prepare``.)"""
+        """A one-line ``ConfigError`` for a model that cannot take this task's vocabularies."""
         if not self.separate:
             return
         if config.share_embeddings:
@@ -154,25 +139,22 @@ class TranslationTask(Task):
         return super().build_model(config)
 
     def train_overrides(self) -> dict[str, Any]:
-        """The training settings of ``recipes/multi30k-en-de.yaml``: a peak learning rate of 3e-3
-        after 600 warmup steps, then a cosine decay (not the Noam schedule: it reads ``lr`` as a
-        factor of d_model^-0.5 * warmup^-0.5, a peak far too small for this model to learn)."""
+        """The training settings of ``recipes/multi30k-en-de.yaml``: peak 3e-3 after 600 warmup steps, then
+        cosine (the Noam schedule's peak would be far too small here)."""
         return dict(epochs=80, lr=3e-3, schedule="cosine", warmup_steps=600, optimizer="adam",
                     label_smoothing=0.1, clip_grad_norm=1.0, keep_checkpoints=5, average_last=5)
 
-    # ---- data -----------------------------------------------------------------------------------
     def root(self) -> Path:
         return Path(self.corpus_dir) if self.corpus_dir else data_dir() / self.options["corpus"]
 
     @property
     def tokenizer(self) -> BPETokenizer | None:
-        """The source tokenizer (the joint one of a joint vocabulary); None before it is loaded.
-        Its special ids (<pad>, <s>, </s>) are the target's too: every BPETokenizer has 0-3."""
+        """The source tokenizer (the joint one); None before it is loaded. Its special ids are the target's.
+        """
         return self.tokenizers[0] if self.tokenizers is not None else None
 
     def load_tokenizers(self) -> tuple[BPETokenizer, BPETokenizer]:
-        """(source, target) tokenizers of the run (needs ``run_dir``): its tokenizer.json twice for
-        a joint vocabulary, tokenizer.src.json and tokenizer.tgt.json for separate ones."""
+        """(source, target) tokenizers of the run (needs ``run_dir``)."""
         if self.tokenizers is None:
             names = tokenizer_files(self.vocabulary)
             missing = [name for name in dict.fromkeys(names)
@@ -228,8 +210,7 @@ class TranslationTask(Task):
             self.ids[split] = ([[*s[:cut], eos] for s in src_ids], [[*t[:cut], eos] for t in tgt_ids])
 
     def _check_present(self, paths: tuple[Path, Path]) -> None:
-        """A missing corpus file names the command that fetches the corpus (the default root only:
-        a corpus_dir of the user's own is theirs to fill)."""
+        """A missing corpus file names the command that fetches it (default root only)."""
         for path in paths:
             if not path.is_file():
                 hint = ("give the task option corpus_dir the folder that holds it" if self.corpus_dir
@@ -248,8 +229,7 @@ class TranslationTask(Task):
         return token_batches(*self.lengths("train"), BucketSpec(self.max_tokens), seed=seed, epoch=epoch)
 
     def memory_batches(self, batches: list[Tensor]) -> list[Tensor]:
-        """The batch of the most pairs and the one of the longest pair: each holds up to
-        ``max_tokens`` padded tokens, the longest pair's the largest attention masks."""
+        """The batch of the most pairs and the one of the longest pair."""
         if not batches:
             return []
         longest_side = torch.maximum(*self.lengths("train"))  # (pairs,)
@@ -275,16 +255,13 @@ class TranslationTask(Task):
         pad = self.tokenizer.pad_id if self.tokenizer else 0
         return int((batch["src"] != pad).sum() + (batch["tgt_out"] != pad).sum())
 
-    # ---- model I/O ------------------------------------------------------------------------------
     def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
         targets = batch["tgt_out"].masked_fill(batch["tgt_out"] == self.tokenizer.pad_id, IGNORE)
-        # The model's output, not its logits: the loss runs the output layer over the real target
-        # tokens only when the model skips padding, fused with the cross-entropy under aiayn.fast.
+        # The model's output, not its logits: the loss applies the output layer.
         return model(batch["src"], batch["tgt_in"]), targets
 
     def translator(self, model: nn.Module) -> Translator:
-        """A ``Translator`` of ``model`` that searches as this run's test split is scored (its beam
-        size and length penalty) unless told otherwise."""
+        """A ``Translator`` of ``model`` that searches as this run's test split is scored."""
         source, target = self.load_tokenizers()
         return Translator(model, source, target_tokenizer=target, max_tokens=self.max_tokens, options=self.decode)
 
@@ -314,12 +291,8 @@ class TranslationTask(Task):
         return [f"{s}  ->  {h}  (reference: {r})"
                 for s, h, r in zip(sources[:n], hypotheses, references[:n], strict=True)]
 
-    @torch.no_grad()
-    def attention_example(self, model: nn.Module, text: str | None = None,
-                          kind: str | None = None) -> AttentionExample:
+    def attention_maps(self, model: nn.Module, text: str | None, kind: str) -> AttentionExample:
         """The maps of one sentence (``text``, or the first test source) and its greedy translation."""
-        kind = self.attention_kind(kind)
-        model.eval()
         source_tok, target_tok = self.load_tokenizers()
         source = text if text is not None else self.text["test"][0][0]
         translator = self.translator(model)

@@ -1,14 +1,8 @@
-"""Checkpoint averaging (the paper's section 6.1) at the end of a run and in ``aiayn average``: one rule
-for both, and the end-of-run choice of the weights that score the test split.
+"""Checkpoint averaging (the paper's section 6.1) at the end of a run and in ``aiayn average``.
 
-The rule (``plan_average``): average the newest min(N, found) checkpoints into ``averaged-lastK``,
-named for the K it really holds; fewer than N found is a one-line warning with both numbers, and a
-single checkpoint is not averaged at all (the mean of one is that checkpoint: no folder is written).
-
-The choice (``choose_test_checkpoint``): the test split is scored with the better of the last
-checkpoint and the averaged one *on val* (val BLEU where the task computes it, else val loss), never
-on test; summary.json's ``test_checkpoint`` records which was used and both val numbers.
-"""
+``plan_average``: the newest min(N, found) checkpoints into ``averaged-lastK`` (a warning when fewer; one
+checkpoint is not averaged). ``choose_test_checkpoint``: test is scored with the better of the last and
+averaged weights on val, recorded in summary.json's ``test_checkpoint``."""
 
 from __future__ import annotations
 
@@ -69,8 +63,7 @@ class AveragePlan:
 
 
 def plan_average(checkpoint_dir: Path, asked: int) -> AveragePlan:
-    """The averaging of the newest ``asked`` checkpoints (see the module docstring); CheckpointError
-    if ``checkpoint_dir`` holds none."""
+    """The averaging of the newest ``asked`` checkpoints; CheckpointError if there are none."""
     found = list_checkpoints(checkpoint_dir)
     if not found:
         raise CheckpointError(f"{checkpoint_dir} holds no checkpoints to average")
@@ -78,8 +71,7 @@ def plan_average(checkpoint_dir: Path, asked: int) -> AveragePlan:
 
 
 def val_key(last: dict[str, float], averaged: dict[str, float]) -> tuple[str, bool]:
-    """The val metric that chooses, and whether higher is better: BLEU where both have it (the
-    translation task's), else the loss (every task computes ``nll``)."""
+    """The val metric that chooses, and whether higher is better: BLEU where both have it, else loss."""
     return ("bleu", True) if "bleu" in last and "bleu" in averaged else ("nll", False)
 
 
@@ -90,13 +82,9 @@ def _fmt(value: float) -> str:
 def choose_test_checkpoint(task: Task, model: nn.Module, run_path: Path, asked: int, *,
                            last_val: dict[str, float] | None, ctx: distributed.DistContext,
                            echo: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Average the run's last checkpoints (``asked``: ``average_last``; 0 = off) and leave in
-    ``model`` the better of the last and the averaged weights on val -> (the ``test_checkpoint``
-    record, the ``averaged`` record or {}), both for summary.json.
-
-    ``model`` holds the last checkpoint's weights on entry; ``last_val``: their val metrics if the
-    loop scored them at the last step (None: scored here, only when there is something to compare).
-    """
+    """Average the run's last checkpoints (``asked``; 0 = off) and leave in ``model`` the better of last and
+    averaged on val -> (the ``test_checkpoint`` record, the ``averaged`` record or {}). ``last_val``: the last
+    weights' val metrics if already scored."""
     ckpt_dir = run_path / "checkpoints"
     last_path = latest_checkpoint(ckpt_dir)
     record: dict[str, Any] = {"used": "last", "checkpoint": str(last_path) if last_path else None}
@@ -131,8 +119,7 @@ def choose_test_checkpoint(task: Task, model: nn.Module, run_path: Path, asked: 
 
 
 def describe_choice(record: dict[str, Any]) -> str | None:
-    """Which weights scored the test split and why, for the end-of-run lines: 'the averaged checkpoint
-    averaged-last3, better on val bleu (12.3 vs 11.9 for the last)'; None when averaging was off."""
+    """Which weights scored the test split and why, for the end-of-run lines; None when averaging was off."""
     if "val" not in record:
         return f"the last checkpoint ({record['reason']})" if "reason" in record else None
     val, key = record["val"], record["chosen_by"]

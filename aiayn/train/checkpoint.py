@@ -7,10 +7,8 @@ Layout of ``<run>/checkpoints/``::
     step-00000100/state.json             step, data position, optimiser hyper-parameters, RNG
     latest                               name of the newest complete checkpoint
 
-Each checkpoint is written into a temporary directory, flushed, and renamed into place; ``latest``
-is replaced atomically afterwards. A kill at any moment leaves the previous checkpoint whole.
-Everything is loaded without unpickling (safetensors + JSON).
-"""
+Each checkpoint is written into a temporary directory and renamed into place, then ``latest`` is replaced
+atomically. Nothing is unpickled on load."""
 
 from __future__ import annotations
 
@@ -77,11 +75,8 @@ def save_checkpoint(
     model_state: dict[str, torch.Tensor] | None = None,
     optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``directory/step-XXXXXXXX`` atomically and point ``latest`` at it.
-
-    ``model_state``/``optimizer_state``: full state dicts to save instead of ``model.state_dict()``
-    and ``optimizer.state_dict()`` (sharded training gathers them first; tied weights stored once).
-    """
+    """Write ``directory/step-XXXXXXXX`` atomically and point ``latest`` at it; ``model_state`` and
+    ``optimizer_state``: full state dicts to save instead (sharded training gathers them)."""
     directory.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
     final, tmp = directory / name, directory / f".tmp-{name}-{os.getpid()}"
@@ -134,9 +129,8 @@ def _written_by_us(path: Path) -> bool:
 
 
 def _prune(directory: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and leftovers of a kill mid-save: only
-    ``step-XXXXXXXX`` directories this module wrote (a folder a user put there, or a checkpoint
-    holding a file of theirs, is left alone)."""
+    """Delete all but the newest ``keep`` checkpoints and leftovers of a kill mid-save: only ``step-XXXXXXXX``
+    directories this module wrote."""
     for old in list_checkpoints(directory)[:-keep]:
         if _written_by_us(old):
             shutil.rmtree(old, ignore_errors=True)
@@ -244,13 +238,8 @@ def restore_rng(loaded: LoadedCheckpoint) -> None:
 
 
 def average_last_checkpoints(checkpoint_dir: Path, last: int, model: nn.Module, out_dir: Path) -> Path:
-    """Average the newest ``last`` checkpoints of ``checkpoint_dir`` into ``model`` and save the result
-    as a weights-only checkpoint in ``out_dir`` (what ``aiayn average`` and ``average_last`` do).
-
-    ``out_dir`` must be new, empty or an earlier output of this function (it is marked as such): a
-    run's checkpoints/ or a folder of other files is refused (``run_dir.RunDirError``) before
-    anything is computed, since saving prunes what it finds there.
-    """
+    """Average the newest ``last`` checkpoints into ``model`` and save a weights-only checkpoint in
+    ``out_dir`` (new, empty or an earlier output; anything else is refused before any work)."""
     found = list_checkpoints(checkpoint_dir)
     if not found:
         raise CheckpointError(f"{checkpoint_dir} holds no checkpoints to average")
@@ -271,10 +260,7 @@ def load_weights(path: Path, model: nn.Module) -> None:
 
 
 def average_checkpoints(paths: list[Path], model: nn.Module) -> nn.Module:
-    """Load the mean of several checkpoints' weights into ``model`` (Vaswani et al. 2017, sec. 6.1).
-
-    Every checkpoint must fit ``model`` exactly; the mean is taken in float64 and cast back.
-    """
+    """Load the float64 mean of checkpoints' weights into ``model`` (Vaswani et al. 2017, sec. 6.1)."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}

@@ -1,32 +1,11 @@
-"""Data-parallel (DDP) and sharded (FSDP2) training: process group, batch sharding, wrapping,
-full-state checkpoints.
+"""Data-parallel (DDP) and sharded (FSDP2) training: process group, batch sharding, wrapping, full-state
+checkpoints.
 
-Launch with ``torchrun --nproc_per_node=N -m aiayn train ...``; torchrun sets ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous, ``setup()`` reads them. The backend follows the
-device (``aiayn.device.distributed_backend``): NCCL when the processes train on CUDA GPUs (each on
-the GPU of its ``LOCAL_RANK``), gloo on CPUs, through the same code (``AIAYN_DIST_BACKEND``
-overrides it).
-
-How a step is split: the task's list of batches for the epoch is cut into windows of
-``world_size x grad_accum`` consecutive batches; rank r takes ``window[r::world_size]``. Every rank
-gets the same number of batches, no batch is seen twice, and the global batch of a step is the
-union of the ranks' batches. A last window shorter than ``world_size x grad_accum`` is dropped
-(as a single process drops an incomplete accumulation group). ``batch_size`` is per rank: the
-global batch is ``world_size x batch_size``.
-
-Loss normalisation: each rank's loss is weighted by its share of the step's counted target tokens
-(one all-reduce of the token count per micro-batch, on the device), so DDP's gradient average
-equals the gradient of the token-mean loss over the union of the ranks' batches, even when the
-ranks' batches hold different numbers of tokens (length-bucketed batches, a short last batch).
-
-What the host reads: nothing per step. The counts, the weights and the step's loss (summed over
-the ranks by a collective per step) stay on the device until the metrics row reads them; the ranks
-agree on stopping (a signal to one of them) at metrics rows and checkpoints (``any_rank``).
-
-Checkpoints hold full (unsharded) state dicts in the single-process format, written by rank 0
-only, so a checkpoint saved under one world size (or with FSDP) loads under any other, and into a
-plain single-process model.
-"""
+Launch with ``torchrun --nproc_per_node=N -m aiayn train ...``; NCCL on CUDA, gloo on CPUs
+(``AIAYN_DIST_BACKEND`` overrides it). Each window of ``world_size x grad_accum`` batches is dealt out rank by
+rank (a short last window is dropped); ``batch_size`` is per rank. Each rank's loss is weighted by its share
+of the step's target tokens, so the gradient is the token-mean over all ranks. Checkpoints hold full state
+dicts written by rank 0, loadable under any world size."""
 
 from __future__ import annotations
 
@@ -46,16 +25,15 @@ T = TypeVar("T")
 
 
 class DistributedError(ValueError):
-    """Options that cannot work together, or a world size the data cannot feed. ``reported``: rank
-    0 has printed it already (the command line then exits without saying it again)."""
+    """Options that cannot work together, or a world size the data cannot feed. ``reported``: rank 0 has
+    printed it already."""
 
     reported: bool = False
 
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """How to spread training over processes (never stored in the run's config: a run may resume
-    under another world size or strategy)."""
+    """How to spread training over processes (never stored: a run may resume under another world size)."""
 
     fsdp: bool = False  # shard parameters, gradients and optimiser state (FSDP2) instead of DDP
 
@@ -83,11 +61,8 @@ def env_world_size() -> int:
 
 
 def setup(options: ParallelOptions | None = None, device: torch.device | None = None) -> DistContext:
-    """The process's place in the job: from torchrun's environment; one process without it.
-
-    ``device``: where training runs (``aiayn.device.resolve``); under torchrun a CUDA device means
-    the GPU of this process's ``LOCAL_RANK``. Initialises the default process group (NCCL on CUDA,
-    gloo otherwise) when ``WORLD_SIZE`` > 1 and none exists yet.
+    """The process's place in the job, from torchrun's environment (one process without it); initialises the
+    process group when ``WORLD_SIZE`` > 1. Under torchrun a CUDA ``device`` means this ``LOCAL_RANK``'s GPU.
     """
     from aiayn import device as devices
 
@@ -159,8 +134,7 @@ def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
 
 
 def all_reduce_tensor(value: Tensor, ctx: DistContext) -> Tensor:
-    """A 0-dim float64 sum of ``value`` over all ranks, on the device (one collective, nothing read
-    back: under NCCL the stream does not wait for the host)."""
+    """A 0-dim float64 sum of ``value`` over all ranks, on the device (nothing read back)."""
     total = value.detach().to(torch.float64, copy=True)
     if ctx.enabled:
         dist.all_reduce(total)
@@ -168,9 +142,8 @@ def all_reduce_tensor(value: Tensor, ctx: DistContext) -> Tensor:
 
 
 def token_share(n_tokens: Tensor, ctx: DistContext) -> Tensor:
-    """This rank's micro-batch weight, world_size x its counted tokens / all ranks' (0-dim float64 on
-    the device; 0 for a rank without any): the union's token-mean gradient is the ranks' mean of
-    their weighted losses. One collective, nothing read back."""
+    """This rank's micro-batch weight, world_size x its counted tokens / all ranks' (0-dim float64 on the
+    device), so the ranks' mean of weighted losses is the token-mean."""
     local = n_tokens.to(torch.float64)
     return local * ctx.world_size / all_reduce_tensor(local, ctx).clamp(min=1.0)
 
@@ -200,10 +173,7 @@ def run_on_main(ctx: DistContext, fn: Callable[[], T]) -> T | None:
 
 
 def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """DDP around the model, or FSDP2 applied in place (each block, then the root).
-
-    Call ``freeze_unused`` first: DDP needs every trainable parameter to get a gradient.
-    """
+    """DDP around the model, or FSDP2 applied in place; call ``freeze_unused`` first."""
     if not ctx.enabled:
         return model
     if ctx.fsdp:
@@ -228,14 +198,8 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
 def freeze_unused(model: nn.Module, loss_of_one_batch: Callable[[], torch.Tensor]) -> list[str]:
     """Set ``requires_grad=False`` on parameters the task's loss never reaches; return their names.
 
-    Some tasks leave parameters out of the loss: EncoderOnly computes its pooled vector on every
-    forward and the token-level tasks ignore it. One process never updates them (their gradient
-    stays None and Adam skips them); DDP would wait for their gradients forever, and
-    ``find_unused_parameters`` does not help, since it walks back from the outputs and the pooled
-    vector *is* an output. One forward/backward on a batch finds them (the RNG state is restored,
-    so the training run's random stream is the one a single process sees). Every rank must pass
-    the same batch, so all freeze the same set.
-    """
+    DDP would wait forever for their gradients (e.g. EncoderOnly's pooled vector under token-level tasks). One
+    forward/backward finds them, with the RNG state restored; every rank must pass the same batch."""
     from aiayn import device as devices
 
     rng, cuda_rng = torch.get_rng_state(), devices.rng_states()
@@ -253,8 +217,8 @@ def freeze_unused(model: nn.Module, loss_of_one_batch: Callable[[], torch.Tensor
 
 @contextlib.contextmanager
 def thawed(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
-    """Parameters frozen by ``freeze_unused`` count as trainable inside the block: the optimiser
-    built there has the single-process parameter groups (so checkpoints match one process's)."""
+    """Parameters frozen by ``freeze_unused`` count as trainable inside the block, so the optimiser has the
+    single-process parameter groups."""
     params = [p for n, p in model.named_parameters() if n in set(names)]
     for p in params:
         p.requires_grad_(True)
@@ -283,12 +247,8 @@ def _param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Full model and optimiser state dicts of an FSDP model (a collective: call on every rank;
-    rank 0 gets them, the others empty dicts).
-
-    The optimiser state comes back in ``optimizer.state_dict()``'s single-process format (integer
-    parameter ids in param_groups order), so the checkpoint equals a one-process one.
-    """
+    """Full model and optimiser state dicts of an FSDP model in the single-process format (a collective: rank
+    0 gets them, the others empty dicts)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,

@@ -1,12 +1,9 @@
-"""What a killed replacement (``aiayn train --overwrite``) leaves behind, and how the next start in
-that run directory deals with it without losing anything.
+"""What a killed replacement (``aiayn train --overwrite``) leaves behind, and how the next start in that run
+directory deals with it without losing anything.
 
-A replacement writes its new run in a temporary sibling ``RUN.tmp-<hex>`` that holds an owner lock
-(``_own``: a flock the kernel drops when the process dies, however it dies) and swaps it in after
-its first checkpoint (``RunLocation.swap_in`` in ``aiayn.train.run_dir``: old renamed to
-``RUN.old-<hex>``, new renamed in, old deleted). ``clear_leftovers`` removes a sibling that is
-clearly dead and worthless, names the rest with the command that removes them, and finishes a swap
-killed between its two renames (``_finish_swaps``)."""
+The sibling ``RUN.tmp-<hex>`` holds an owner lock (a flock the kernel drops when its process dies);
+``clear_leftovers`` removes a sibling clearly dead and worthless, names the rest with the command that removes
+them, and finishes a swap killed between its renames."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ except ImportError:  # not POSIX: no owner locks; leftovers are named, never rem
 
 from aiayn.train.run_files import CHECKPOINT_NAME, KIND_RUN, fsync_dir, read_marker
 
-# A replacement's temporary sibling holds this file, locked (flock) by the process that writes it
-# for as long as it lives: the kernel drops the lock when that process dies, however it dies.
+# A replacement's sibling holds this file, flocked by the process that writes it.
 OWNER_LOCK = ".aiayn-owner"
 # A free lock younger than this may be one its owner has created and not yet locked.
 LEFTOVER_AGE_S = 60.0
@@ -36,9 +32,7 @@ _OWNED: dict[Path, int] = {}  # temporary siblings this process writes -> its lo
 
 
 def _own(directory: Path) -> None:
-    """Lock ``directory/OWNER_LOCK`` for as long as this process lives (or until ``_disown``). Where
-    locks are not to be had (no fcntl, a filesystem without them) the file is not left behind: a
-    sibling without one is only ever named, never removed."""
+    """Lock ``directory/OWNER_LOCK`` while this process lives; without locks no file is left."""
     if fcntl is None:
         return
     lock = directory / OWNER_LOCK
@@ -68,8 +62,7 @@ def _disown(directory: Path, *, now_at: Path | None) -> None:
 
 
 def _owner_alive(directory: Path) -> bool | None:
-    """True when a live process holds ``directory``'s owner lock, False when its lock is free (the
-    process that took it is gone), None when it has no lock file (or locks are not to be had)."""
+    """True when a live process holds the owner lock, False when it is free, None without a lock file."""
     if fcntl is None:
         return None
     try:
@@ -88,18 +81,12 @@ def _owner_alive(directory: Path) -> bool | None:
 
 
 def clear_leftovers(run_dir: Path, echo: Callable[[str], None] = print) -> None:
-    """Remove, or name with the command that removes it, each temporary sibling ``RUN.tmp-<hex>``
-    that a replacement (``--overwrite``) of ``run_dir`` left when it was killed before its first
-    checkpoint. The rule, so that nothing another process is writing or anything of value is lost:
+    """Remove, or name with the command that removes it, each ``RUN.tmp-<hex>`` a killed replacement of
+    ``run_dir`` left.
 
-    * removed: an aiayn run (its marker) holding no checkpoint, whose owner lock is free (the
-      process that wrote it is dead: the kernel drops a flock when its holder dies) and which has
-      not changed for ``LEFTOVER_AGE_S`` (a lock file just created is not locked yet);
-    * named, with ``rm -r ...``: one unchanged for as long that holds a checkpoint, or has no owner
-      lock (written by an older aiayn, or by a process killed while creating it);
-    * left alone: one whose owner lives (a replacement in progress), one that changed recently,
-      and anything that is not a directory of that name.
-    """
+    * removed: an aiayn run without a checkpoint, owner lock free, unchanged for ``LEFTOVER_AGE_S``;
+    * named, with ``rm -r ...``: one that holds a checkpoint or has no owner lock;
+    * left alone: one whose owner lives or that changed recently, and anything else."""
     real = run_dir.resolve()  # the sibling sits next to the resolved run (check_replaceable)
     pattern = re.compile(re.escape(real.name) + r"\.tmp-[0-9a-f]{8}")
     try:
@@ -132,12 +119,9 @@ def clear_leftovers(run_dir: Path, echo: Callable[[str], None] = print) -> None:
 
 def _finish_swaps(real: Path, entries: list[Path], tmp_pattern: re.Pattern[str],
                   echo: Callable[[str], None]) -> list[Path]:
-    """Handle the ``RUN.old-<hex>`` a replacement killed in ``RunLocation.swap_in`` left; return the
-    other ``entries``. Killed between the two renames (``real`` missing): the new run's sibling holds
-    its first checkpoint (the swap starts only then), so it is renamed in, as the swap would have
-    done, when that is unambiguous (one such sibling, owner dead, unchanged for ``LEFTOVER_AGE_S``);
-    else both are named with the commands. Killed before deleting the old run: it is named with
-    ``rm -r`` (not deleted unasked). A swap in progress (owner alive, recent change) is left alone."""
+    """Handle the ``RUN.old-<hex>`` a killed ``swap_in`` left; return the other ``entries``. Killed between
+    the renames, the new run is renamed in when unambiguous, else both are named; an old run left undeleted is
+    named with ``rm -r``; a swap in progress is left alone."""
     def stale(entry: Path) -> bool:
         with suppress(OSError):
             return time.time() - entry.stat().st_mtime >= LEFTOVER_AGE_S

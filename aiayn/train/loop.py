@@ -1,8 +1,5 @@
-"""The training loop's steps: ``loop`` runs a set-up ``TrainingRun`` (``aiayn.train.trainer``) from
-its position to its last step, or until a stop request: per step forward/backward, clip, step, then
-log, evaluate and save when due. Nothing reads a tensor's value between metrics rows and
-checkpoints, so a GPU never waits inside a step.
-"""
+"""The training loop's steps: ``loop`` runs a set-up ``TrainingRun`` to its last step or a stop request.
+Nothing reads a tensor between metrics rows and checkpoints, so a GPU never waits."""
 
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ from aiayn.train.task import Task
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss, gradient norm or weights became non-finite (NaN or infinite). Training stopped at
-    that step and saved nothing after it: the run's latest checkpoint is the last good one."""
+    """The loss, gradient norm or weights became non-finite; nothing was saved after that step."""
 
     def __init__(self, message: str, step: int) -> None:
         super().__init__(message)
@@ -69,8 +65,7 @@ class StopRequest:
 
 @dataclass
 class TrainingRun:
-    """One run's state, phase to phase: what setup fixed (task, configs, model, schedule, optimiser)
-    and what the loop moves (its position, the metrics window, the device's running sums)."""
+    """One run's state: what setup fixed and what the loop moves (position, metrics window, sums)."""
 
     task: Task
     cfg: TrainConfig
@@ -121,8 +116,7 @@ def loop(run: TrainingRun, stop: StopRequest) -> None:
 
 
 def _train_step(run: TrainingRun, group: list[Any]) -> float:
-    """One optimiser step over ``group`` (this step's batches of the task's list): forward and
-    backward per micro-batch, clip, step. Returns the step's learning rate."""
+    """One optimiser step over ``group``: forward and backward per micro-batch, clip, step; returns the lr."""
     ctx, optimizer = run.ctx, run.optimizer
     share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
     run.model.train()
@@ -144,9 +138,7 @@ def _train_step(run: TrainingRun, group: list[Any]) -> float:
     run.batch_in_epoch += run.per_step
     if ctx.enabled:  # the union's loss, summed on the device (a collective, nothing read)
         loss_of_step = distributed.all_reduce_tensor(loss_of_step, ctx)
-    # The divergence guard watches the loss (the union's, so every rank stops alike) and, when
-    # clipping, the gradient norm, on the device; it is read with the metrics, before any
-    # evaluation or save: nothing is logged or saved for a diverged step or after it.
+    # The divergence guard reads the loss and gradient norm with the metrics, before any save.
     assert isinstance(loss_of_step, Tensor)
     run.totals.add_step(run.step, loss_of_step, grad_norm)
     run.last_loss = loss_of_step
@@ -156,8 +148,7 @@ def _train_step(run: TrainingRun, group: list[Any]) -> float:
 
 
 def _forward_backward(run: TrainingRun, batch: Any, n: int, *, last: bool) -> Tensor:
-    """One micro-batch of ``n``: forward, backward of its share of the step's loss, its sums added
-    to the device's; returns its share of the step's loss (float64, on the device)."""
+    """One micro-batch of ``n``: forward, backward of its share of the step's loss; returns that share."""
     ctx, cfg = run.ctx, run.cfg
     if not ctx.enabled:
         assert run.step_forward is not None
@@ -170,9 +161,7 @@ def _forward_backward(run: TrainingRun, batch: Any, n: int, *, last: bool) -> Te
         with devices.autocast(ctx.device, bf16=cfg.bf16):
             output, targets = run.task.forward(run.forward_model, batch)
             out = sequence_loss(output, targets, label_smoothing=cfg.label_smoothing)
-        # Weight by this rank's share of the micro-batch's tokens over all ranks: the gradient
-        # average is then that of the union's token-mean loss. The counts stay on the device (a
-        # collective per micro-batch, nothing read).
+        # Weighted by this rank's share of the tokens: the gradient average is the token-mean's.
         weight = distributed.token_share(out.n_tokens, ctx)  # () float64
         # A rank without counted tokens adds 0 (its loss is NaN, its gradients 0).
         counted = out.n_tokens > 0
@@ -184,9 +173,8 @@ def _forward_backward(run: TrainingRun, batch: Any, n: int, *, last: bool) -> Te
 
 
 def _after_step(run: TrainingRun, stop: StopRequest, lr: float) -> bool:
-    """Log, evaluate and save when due; whether to stop now. One process stops as soon as it is
-    asked (a signal); several stop together at the first metrics row or checkpoint after any of
-    them was asked (their vote is a collective and a read of the device, so it is not every step)."""
+    """Log, evaluate and save when due; whether to stop now. Several processes stop together at the first
+    metrics row or checkpoint after any was asked."""
     cfg, ctx, step = run.cfg, run.ctx, run.step
     at_row = step % cfg.log_every == 0 or step == run.total_steps
     stopping = False
@@ -251,15 +239,13 @@ def _read_totals(run: TrainingRun) -> None:
 
 
 def _checkpoint(run: TrainingRun) -> None:
-    """Save the weights, optimiser and position (never non-finite weights); a run that replaces
-    another takes its place at its first checkpoint."""
+    """Save weights, optimiser and position (never non-finite weights); a replacing run swaps in."""
     ctx, location, model, optimizer = run.ctx, run.location, run.model, run.optimizer
     _read_totals(run)  # the divergence guard first: a diverged step is named as such
     model_state = optimizer_state = None
     if ctx.fsdp:  # gather the full state on every rank (a collective); rank 0 writes it
         model_state, optimizer_state = distributed.full_state(model, optimizer, ctx)
-    # Never save non-finite weights (without clipping a gradient is not measured, so an
-    # overflow can reach the weights with the loss still finite); every rank sees the same.
+    # Never save non-finite weights (an overflow can reach them with the loss still finite).
     if not all_finite(model_state.values() if model_state is not None else model.parameters()):
         raise _diverged(run, "the weights hold NaN or infinite values")
 

@@ -1,10 +1,5 @@
-"""Cross-entropy with label smoothing, the true NLL beside it, and accuracy.
-
-``sequence_loss`` takes logits, or a model's output (``aiayn.models.ModelOutput``): then the loss
-runs over the rows the model computed (only the real tokens of a padding-free forward) and, when
-the output layer offers it (``aiayn.fast``'s ``FusedLossLinear.cross_entropy``), fused with the
-output layer so that the (n, v) logits never exist.
-"""
+"""Cross-entropy with label smoothing, the true NLL beside it, and accuracy; fused with the output layer when
+it offers it (``aiayn.fast``), so the (n, v) logits never exist."""
 
 from __future__ import annotations
 
@@ -30,9 +25,7 @@ def graph_tensor(out: LossInput) -> Tensor:
 
 @dataclass
 class LossOutput:
-    """The loss and its counts. The counts are 0-dim tensors on the loss's device, not Python
-    numbers: reading them is a host-device sync on a GPU (and a graph break when compiled), so the
-    trainer sums them where they are and reads them once per logging interval (``int(...)``)."""
+    """The loss and its counts, 0-dim tensors on the loss's device (reading one is a host sync)."""
 
     loss: Tensor  # scalar, smoothed cross-entropy averaged over counted positions (backprop this)
     nll_sum: Tensor  # scalar, summed true negative log-likelihood (no smoothing), detached
@@ -43,11 +36,8 @@ class LossOutput:
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
-    """Label-smoothed cross-entropy summed with per-row weights, and the true per-row NLL, from one
-    log-softmax. The backward is written out, ``(softmax - q) * weight`` with q the smoothed target
-    distribution, in one pass over the (n, c) probabilities: autograd's version of the same
-    formula (log-softmax, gather, mean, weighted sum) makes five (n, c) passes and allocations,
-    which cost about as much as the output layer's matmul at an 8k vocabulary on a CPU."""
+    """Label-smoothed cross-entropy with per-row weights and the true per-row NLL, from one log-softmax, with
+    a one-pass backward ``(softmax - q) * weight``."""
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, targets: Tensor, weights: Tensor,
@@ -78,12 +68,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 def sequence_loss(out: LossInput, targets: Tensor, *, label_smoothing: float = 0.0) -> LossOutput:
     """logits (b, t, c) or a model's output, against targets (b, t) with ``IGNORE`` at padding.
 
-    Label smoothing (paper section 5.4) puts ``eps / c`` of the target mass on every class; the
-    reported NLL is the plain cross-entropy, so perplexity = exp(nll_sum / n_tokens).
-    Equal to ``F.cross_entropy(label_smoothing=eps, ignore_index=IGNORE)`` in value and gradient
-    (``tests/parity/test_losses_vs_torch.py``): (1 - eps) * -log p(target) + eps * mean over
-    classes of -log p(class), averaged over the counted positions.
-    """
+    Equal to ``F.cross_entropy(label_smoothing=eps, ignore_index=IGNORE)`` in value and gradient; the reported
+    NLL is the plain cross-entropy (perplexity = exp(nll_sum / n_tokens))."""
     if isinstance(out, Tensor):
         if out.shape[:-1] != targets.shape:
             raise ValueError(f"logits {tuple(out.shape)} and targets {tuple(targets.shape)} disagree "
@@ -116,16 +102,14 @@ def _logits_loss(rows: Tensor, flat_targets: Tensor, targets: Tensor, packing: P
     safe_targets = flat_targets.masked_fill(~counted_flat, 0)
     weights = counted_flat.float() / counted_flat.sum().clamp(min=1)  # all 0 with nothing counted
     loss, token_nll = _SmoothedCrossEntropy.apply(rows, safe_targets, weights, label_smoothing)
-    # NaN with nothing counted, as F.cross_entropy, and zero gradients (the weights are 0, not
-    # 0 / 0): a multi-process rank's empty micro-batch then adds nothing. Chosen on the device.
+    # NaN with nothing counted, as F.cross_entropy, and zero gradients; chosen on the device.
     loss = torch.where(counted_flat.any(), loss, loss + float("nan"))
     return _loss_output(loss, token_nll, rows.detach().argmax(-1), flat_targets, targets, packing)
 
 
 def _loss_output(loss: Tensor, token_nll: Tensor, predictions: Tensor, flat_targets: Tensor, targets: Tensor,
                  packing: Packing | None) -> LossOutput:
-    """The loss with its counts: token_nll, predictions, flat_targets (n,) of the computed rows (all
-    (b, t) positions, or the real tokens of ``packing``); targets (b, t)."""
+    """The loss with its counts over the computed rows; targets (b, t)."""
     counted = targets != IGNORE  # (b, t)
     counted_flat = flat_targets != IGNORE  # (n,)
     n_tokens = counted.sum()

@@ -1,30 +1,10 @@
-"""How much memory a training step takes, checked before anything is allocated; and the one line a
-step that runs out of memory anyway ends with.
+"""How much memory a training step takes, checked before anything is allocated, and the one line a step that
+runs out of memory anyway ends with.
 
-The estimate (``estimate_training_memory``) counts, in bytes:
-
-* weights: every parameter and buffer, float32 as built;
-* gradients: one float32 value per trainable parameter;
-* optimizer: Adam/AdamW's two float32 moments per trainable parameter, and the step's
-  temporaries, about two copies of the largest parameter (a tied embedding's two gradients are
-  summed at the end of the backward; torch's for-each Adam runs tensor by tensor on the CPU, with
-  a square root and a quotient of each);
-* activations: what the forward keeps for the backward, layer by layer, for the largest batch's
-  b sequences of t positions (n = b t tokens), plus the loss's logits (``activation_bytes``).
-
-A step's peak is not their sum: the forward keeps activations and the backward frees them while it
-fills the gradients, and the optimizer runs after both. So the peak is weights + moments +
-max(activations, gradients + the optimizer's temporary), checked against the CPU's peak by
-tests/robustness/test_memory.py (torch's profiler records every allocation of a real step).
-
-``check_training_memory`` refuses (``TrainingMemoryError``, one line) a run whose peak exceeds the
-memory available now: ``torch.cuda.mem_get_info`` on a GPU, MemAvailable (``aiayn.models.size``)
-on the CPU, shared by the processes of this machine. ``out_of_memory`` turns an out-of-memory
-error during training into a ``TrainingOutOfMemory`` line with the same advice.
-
-Shape letters: b sequences, t positions (s of an encoder-decoder's source), n = b t tokens (n_s = b
-s), d ``d_model``, f ``d_ff``, h heads, h_kv key/value heads, d_h head width, v vocabulary.
-"""
+The peak is weights + Adam's moments + max(activations, gradients + the optimizer's temporaries): the backward
+frees activations while it fills the gradients (checked against a measured peak by
+tests/robustness/test_memory.py). Shape letters: b sequences, t positions (s: a source), n = b t, d
+``d_model``, f ``d_ff``, h heads, h_kv key/value heads, d_h head width, v vocabulary."""
 
 from __future__ import annotations
 
@@ -66,9 +46,8 @@ class BatchShape:
 
 @dataclass(frozen=True)
 class ModelCounts:
-    """What the estimate needs of a built model: values of parameters and buffers, trainable values,
-    values in matmul weights (which bfloat16 autocast copies), the largest trainable tensor, and
-    whether a fused loss applies."""
+    """What the estimate needs of a built model: bytes of weights, of trainable ones, of matmul weights (which
+    autocast copies), the largest trainable tensor, whether a fused loss applies."""
 
     weights: int
     trainable: int
@@ -79,8 +58,7 @@ class ModelCounts:
 
 @dataclass(frozen=True)
 class Execution:
-    """How the step runs: bfloat16 autocast; aiayn.fast's CPU kernels (block-causal attention, the
-    fused output layer + loss, their dropout); the device's type; torch's threads."""
+    """How the step runs: bfloat16 autocast, aiayn.fast's CPU kernels, the device's type, torch's threads."""
 
     autocast: bool = False
     fast: bool = False
@@ -100,61 +78,34 @@ class TrainingMemory:
 
     @property
     def peak(self) -> int:
-        """Weights and moments live throughout; activations peak at the end of the forward,
-        gradients (and the optimizer's temporaries) after the backward."""
         return self.weights + self.optimizer + max(self.activations, self.gradients + self.step_temporary)
 
     def describe(self) -> str:
-        """'2.10 GiB (weights 300 MiB + Adam's moments 600 MiB + the larger of activations 1.20 GiB
-        and gradients 600 MiB)': the gradients with the step's temporaries."""
+        """'2.10 GiB (weights ... + Adam's moments ... + the larger of activations ... and gradients ...)'."""
         return (f"{readable(self.peak)} (weights {readable(self.weights)} + Adam's moments "
                 f"{readable(self.optimizer)} + the larger of activations {readable(self.activations)} and "
                 f"gradients {readable(self.gradients + self.step_temporary)})")
 
 
 def readable(n: int) -> str:
-    """A size to read: '1.50 GiB', '12.25 MiB' (``aiayn.nn.kv_memory.format_bytes``, whole units bare)."""
+    """A size to read: '1.50 GiB', '12.25 MiB'."""
     return format_bytes(int(n))
 
 
-# ---- activations --------------------------------------------------------------------------------
 def activation_bytes(c: ModelConfig, shape: BatchShape, path: Execution, *, fused_head: bool = False) -> int:
-    """What one forward keeps for its backward, and the loss's logits, in bytes (see the module doc).
+    """What one forward keeps for its backward, and the loss's logits, in bytes.
 
-    Per layer, in units of n tokens (a: 2 bytes under bfloat16 autocast, else 4, for what a matmul
-    outputs; the residual stream stays float32 either way):
-
-    * each sublayer: its input, the residual (4 n d, the norm saves it), and the norm's output
-      that the next projection reads (a n d);
-    * self-attention: q, k, v (a n (h + 2 h_kv) d_h), kept by the attention kernel, and its output
-      (a n h d_h) for the output projection; rotated q, k with RoPE (a n (h + h_kv) d_h); and the
-      (b, h, t, t) weights where the path writes them out (``_scores_bytes``);
-    * cross-attention: q (a n h d_h), k and v of the source (a n_s 2 h_kv d_h), the output;
-    * feed-forward: the first projection's output through the activation (a n f for ReLU, which
-      keeps only its output; 2 a n f for GELU/SiLU, input and output; 4 a n f for a gated unit,
-      the (n, 2 f) projection, the gate's activation and the product);
-    * dropout: a mask per dropped tensor (CUDA's a byte per value; the CPU's, torch's and
-      aiayn.fast's, a scale of the tensor's dtype);
-    * RMSNorm: torch's, written out off CUDA, also keeps x / rms (4 n d);
-    * masks and biases: a causal mask with padding becomes a (b, 1, t, t) float mask that SDPA
-      keeps; ALiBi's and T5's (b, h, t, t) bias is filled with the causal mask anew in each layer;
-    * an encoder-only model's MLM transform (dense, activation, norm: 3 a n d), and the loss's
-      logits (``_logits_bytes``);
-    * autocast: the bfloat16 copies of the matmul weights, kept for the backward (counted by the
-      caller, which knows them).
-
-    Checked against the CPU's measured peak for decoder-only, encoder-decoder and encoder-only
-    models, plain and with aiayn.fast's kernels, float32 and bfloat16 (tests/robustness/
-    test_memory.py); the CUDA paths (flash attention, fused dropout) follow the same counts.
-    """
+    Per layer and token: each sublayer's residual input and norm output; q, k, v and the attention output
+    (rotated q, k with RoPE, the weights where the path writes them out); the feed-forward's hidden
+    activations (1, 2 or 4 f wide for ReLU, GELU/SiLU, gated); dropout masks; an encoder-only model's MLM
+    transform. Matmul outputs are bfloat16 under autocast, the residual stream float32."""
     a = 2 if path.autocast else F32
     b, t = shape.sequences, shape.length
     s = shape.source_length or t
     n, n_s = b * t, b * s
     d, f = c.d_model, c.d_ff
     h, h_kv, d_h = c.n_heads, c.n_kv_heads, c.head_dim
-    # A dropout mask: CUDA's fused kernel keeps bool; the CPU's (torch's and aiayn.fast's) a scale
-    # of the tensor's dtype.
+    # A dropout mask: bool on CUDA, a scale of the tensor's dtype on the CPU.
     mask_bytes = 1 if path.device_type == "cuda" else a
     cpu_fast = path.fast and path.device_type == "cpu"
     # torch's RMSNorm off CUDA is written out: it also keeps x / rms (n, d) for the gain's gradient.
@@ -173,8 +124,7 @@ def activation_bytes(c: ModelConfig, shape: BatchShape, path: Execution, *, fuse
             kept += a * tokens * (h + h_kv) * d_h  # (block-causal copies q, k, v and lets it go)
         scores = _scores_bytes(c, b, length, length, path, block_causal=block_causal)
         if causal and c.pad_id is not None:
-            # With padding the causal mask is a (b, 1, t, t) bool tensor, which SDPA keeps as float
-            # (and aiayn.fast leaves to SDPA): the larger of the two, as a batch may have padding.
+            # With padding, SDPA keeps the (b, 1, t, t) causal mask as float.
             scores = max(scores, F32 * b * length * length)
         if c.positional in ("alibi", "t5") and causal:  # the bias with the causal mask filled in,
             scores += F32 * b * h * length * length  # (b, h, t, t), a new tensor per layer
@@ -209,12 +159,8 @@ def activation_bytes(c: ModelConfig, shape: BatchShape, path: Execution, *, fuse
 
 
 def _logits_bytes(n: int, d: int, v: int, path: Execution, *, fused: bool) -> int:
-    """The loss's share: (n, v) float32 log-probabilities kept for the backward and, at its start,
-    their gradient (``aiayn.train.losses``: 8 bytes per logit; autocast adds the bfloat16 logits
-    in front, 10). aiayn.fast's fused output layer + loss (``aiayn.fast.fused_loss``) holds chunks
-    of c rows instead: while a chunk's logits and softmax, (c, v) each, are computed, the previous
-    chunk's softmax is still referenced, and P_W^T (d, v) with the newest product beside it; at
-    the end P_W^T, its transposed copy and the last product; throughout, the (n, d) P_h."""
+    """The loss's share: (n, v) float32 log-probabilities and their gradient; aiayn.fast's fused output layer
+    + loss holds chunks of rows instead."""
     if not fused:
         return (10 if path.autocast else 8) * n * v
     from aiayn.fast.fused_loss import _chunk_rows
@@ -228,11 +174,8 @@ def _logits_bytes(n: int, d: int, v: int, path: Execution, *, fused: bool) -> in
 
 
 def _scores_bytes(c: ModelConfig, b: int, t_q: int, t_k: int, path: Execution, *, block_causal: bool) -> int:
-    """The (b, h, t_q, t_k) attention weights a path keeps for its backward: none for SDPA's fused
-    kernels (flash, memory-efficient: a log-sum-exp per row); the written-out equation's float32
-    softmax, and with attention dropout its mask and output, with ``attn_impl="reference"`` or
-    attention dropout on the CPU (SDPA's math path, aiayn.fast's dropout path); aiayn.fast's
-    block-causal kernel keeps the blocks it computes, (m + 1) / 2m of the square for m query blocks."""
+    """The (b, h, t_q, t_k) attention weights a path keeps for its backward: none for SDPA's fused kernels,
+    the written-out softmax (and dropout) otherwise, part of the square for block-causal."""
     square = b * c.n_heads * t_q * t_k
     if c.attn_impl == "reference" or (c.attention_dropout > 0 and path.device_type != "cuda"):
         a = 2 if path.autocast else F32
@@ -247,8 +190,7 @@ def _scores_bytes(c: ModelConfig, b: int, t_q: int, t_k: int, path: Execution, *
 
 
 def _block_causal(c: ModelConfig, b: int, t: int, path: Execution) -> bool:
-    """Whether aiayn.fast's block-causal attention runs this training attention
-    (``aiayn.fast.block_causal.use_block_causal``, from the config: no padding assumed)."""
+    """Whether aiayn.fast's block-causal attention runs this training attention (no padding assumed)."""
     from aiayn.fast.block_causal import MAX_LENGTH, MIN_LENGTH_ONE_THREAD, MIN_WORK
 
     return (not path.autocast and c.n_kv_heads == c.n_heads and c.attention_dropout == 0
@@ -257,11 +199,9 @@ def _block_causal(c: ModelConfig, b: int, t: int, path: Execution) -> bool:
             and b * c.n_heads * t * t * c.head_dim >= MIN_WORK)
 
 
-# ---- the estimate -------------------------------------------------------------------------------
 def model_counts(task: Task | None, config: ModelConfig) -> ModelCounts:
-    """The bytes of the model ``task`` builds for ``config``, counted on the meta device (nothing
-    allocated; parameters tied to each other once); from the config alone
-    (``aiayn.models.size.estimated_values``, which errs high) if that build fails."""
+    """The bytes of the model ``task`` builds for ``config``, counted on the meta device; from the config
+    alone (which errs high) if that build fails."""
     try:
         with torch.device("meta"):
             model = task.build_model(config) if task is not None else _build(config)
@@ -291,10 +231,8 @@ def _nbytes(t: Tensor) -> int:
 def estimate_training_memory(config: ModelConfig, shape: BatchShape, path: Execution, *,
                              counts: ModelCounts | None = None, ddp: bool = False,
                              shards: int = 1) -> TrainingMemory:
-    """The memory of a training step (see the module doc); ``counts`` default to the config's
-    model. ``ddp``: DDP's gradient
-    buckets, a second copy of the gradients. ``shards``: FSDP shards weights, gradients and
-    moments over this many processes."""
+    """The memory of a training step. ``ddp``: DDP's gradient buckets, a second copy of the gradients;
+    ``shards``: FSDP shards weights, gradients and moments over this many processes."""
     counts = counts or model_counts(None, config)
     activations = activation_bytes(config, shape, path, fused_head=counts.fused_head)
     if path.autocast:  # bfloat16 copies of the matmul weights, kept for the backward
@@ -306,11 +244,8 @@ def estimate_training_memory(config: ModelConfig, shape: BatchShape, path: Execu
                           activations=activations)
 
 
-# ---- the check before training -----------------------------------------------------------------
 def batch_shape(batch: Any) -> BatchShape:
-    """A collated batch's b sequences and its longest t positions, over its tensors (token ids
-    (b, t), a set's features (b, t, f), ...); an encoder-decoder's source is taken as long (errs
-    high where it is shorter)."""
+    """A collated batch's b sequences and its longest t positions; a source is taken as long (errs high)."""
     tensors = [v for v in (batch.values() if isinstance(batch, dict) else [batch])
                if isinstance(v, Tensor) and v.dim() >= 1]
     b = max((v.shape[0] for v in tensors), default=1)
@@ -327,8 +262,7 @@ def training_execution(device: torch.device, cfg: TrainConfig, *, fast: bool) ->
 
 
 def available_bytes(device: torch.device, *, local_processes: int = 1) -> tuple[int | None, str]:
-    """Bytes free for training on ``device`` now, and where: the GPU's free memory, or this
-    machine's available memory shared by its ``local_processes`` (None: unknown)."""
+    """Bytes free for training on ``device`` now, and where (None: unknown)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free, f"free on {device}"
@@ -345,9 +279,8 @@ def available_bytes(device: torch.device, *, local_processes: int = 1) -> tuple[
 def check_training_memory(task: Task, model_config: ModelConfig, cfg: TrainConfig, device: torch.device, *,
                           fast: bool, resume: bool = False, world_size: int = 1,
                           fsdp: bool = False) -> TrainingMemory | None:
-    """Refuse a run whose training step would not fit (``TrainingMemoryError``, one line with the
-    numbers and the fix); call it after ``task.prepare`` and before the model is built. Returns the
-    estimate of the largest batch (None when the memory available is unknown)."""
+    """Refuse a run whose training step would not fit (``TrainingMemoryError``); call it after
+    ``task.prepare``. Returns the largest batch's estimate (None when the memory available is unknown)."""
     check_fits(model_config)  # an absurd config fails fast, before even a meta build of it
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     available, where = available_bytes(device, local_processes=local)
@@ -373,8 +306,7 @@ def check_training_memory(task: Task, model_config: ModelConfig, cfg: TrainConfi
 
 def _advice(estimate: TrainingMemory, available: int, cfg: TrainConfig, path: Execution, max_tokens: Any, *,
             resume: bool) -> str:
-    """What to change: batches k times smaller with k times the accumulation (the same batch per
-    step; activations shrink with the batch, the rest does not), bfloat16 on a GPU, a smaller
+    """What to change: k times smaller batches with k times the accumulation, bfloat16 on a GPU, a smaller
     model. A resumed run keeps its batch and precision."""
     if resume:
         return ("a resumed run keeps its batch and precision, so free memory (other processes), or "
@@ -396,7 +328,6 @@ def _advice(estimate: TrainingMemory, available: int, cfg: TrainConfig, path: Ex
     return "try " + ", or ".join(fixes)
 
 
-# ---- out of memory anyway -----------------------------------------------------------------------
 # What torch's allocators say in the RuntimeError they raise off CUDA (CUDA's is OutOfMemoryError).
 ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory")
 
@@ -410,9 +341,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def out_of_memory(exc: BaseException, location: RunLocation, task: Task, cfg: TrainConfig,
                   device: torch.device) -> TrainingOutOfMemory:
-    """The one line an out-of-memory error during training becomes: how much was asked and free,
-    what is kept (the latest checkpoint, never touched by the failure; before the first one, the
-    run it was to replace, or nothing), and the fix. Call it before ``location.abandon()``."""
+    """The one line an out-of-memory error during training becomes: what was asked and free, what is kept, and
+    the fix. Call it before ``location.abandon()``."""
     from aiayn.train.checkpoint import latest_checkpoint
 
     text = str(exc)

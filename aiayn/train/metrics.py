@@ -1,6 +1,5 @@
-"""What the trainer records: metrics.csv (``MetricsLog``), the statistics of the steps since its last
-row (``MetricsWindow``, saved in a checkpoint for exact resume) and their sums on the training
-device (``DeviceTotals``: read once per row, evaluation or checkpoint, not once per step)."""
+"""What the trainer records: metrics.csv (``MetricsLog``), the steps since its last row (``MetricsWindow``)
+and their sums on the device (``DeviceTotals``)."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ class MetricsLog:
 
 @dataclass
 class MetricsWindow:
-    """The training statistics since the last metrics.csv row. A checkpoint saves them, so the first
-    row after ``--resume`` averages the same steps as an uninterrupted run's row does."""
+    """The training statistics since the last metrics.csv row, saved in a checkpoint for exact resume."""
 
     loss: float = 0.0  # sum of the steps' losses (the union's, in a distributed run)
     steps: int = 0
@@ -65,8 +63,7 @@ class MetricsWindow:
                 setattr(self, name, value)
 
     def saved(self, ctx: distributed.DistContext) -> dict[str, float]:
-        """The window for a checkpoint (a collective): the union's counts, which rank 0 keeps and
-        the other ranks drop, so the next row's sums over ranks are unchanged."""
+        """The window for a checkpoint (a collective): the union's counts, kept by rank 0."""
         self.reduce(ctx)
         state = {name: getattr(self, name) for name in self.SAVED}
         if not ctx.is_main:
@@ -76,8 +73,7 @@ class MetricsWindow:
 
     @classmethod
     def restored(cls, state: dict[str, Any], ctx: distributed.DistContext) -> MetricsWindow:
-        """The window a checkpoint saved (empty in one saved before windows were: the first row
-        after resuming it then averages the steps since the checkpoint)."""
+        """The window a checkpoint saved (empty in an older one)."""
 
         def number(name: str) -> float:  # state.json is a file: anything but a finite number counts 0
             value = state.get(name, 0) if isinstance(state, dict) else 0
@@ -93,11 +89,8 @@ class MetricsWindow:
 
 
 class DeviceTotals:
-    """The training statistics of the steps since the last read, summed where they were computed
-    (0-dim tensors on the training device): adding them up costs no host-device sync, and
-    ``fold`` reads them into the ``MetricsWindow`` once per metrics row, evaluation or checkpoint.
-    The divergence guard rides along: the first step whose loss or gradient norm was not finite,
-    with those values, kept on the device until the same read."""
+    """The statistics since the last read, summed on the device and read by ``fold``; also the first
+    non-finite step, for the divergence guard."""
 
     def __init__(self, device: torch.device) -> None:
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -126,8 +119,8 @@ class DeviceTotals:
         self.loss += loss
 
     def fold(self, window: MetricsWindow) -> tuple[int, float, float] | None:
-        """Move the sums into ``window`` (one read of the device) and start again from zero.
-        Returns (step, loss, gradient norm) of the first non-finite step since the last fold, else None."""
+        """Move the sums into ``window`` (one read) and reset; return the first non-finite step's (step, loss,
+        gradient norm), else None."""
         loss, nll, tokens, correct, bad_step, bad_loss, bad_norm = torch.stack([
             self.loss, self.nll, self.tokens.double(), self.correct.double(), self.bad_step.double(),
             self.bad_loss, self.bad_norm]).tolist()

@@ -1,8 +1,5 @@
-"""Optimisers and learning-rate schedules.
-
-Schedules are pure functions of the step (1-based), so the learning rate after a resume is exactly
-the one an uninterrupted run would use, with no scheduler state to save.
-"""
+"""Optimisers and learning-rate schedules: pure functions of the (1-based) step, so a resume needs no
+scheduler state."""
 
 from __future__ import annotations
 
@@ -52,8 +49,7 @@ def make_schedule(cfg: TrainConfig, *, total_steps: int, d_model: int) -> Callab
     return lambda s: constant_lr(s, peak=cfg.lr, warmup=cfg.warmup_steps)
 
 
-# A Noam schedule whose peak learning rate is below this learns nothing in any sensible run
-# (``lr`` is the factor in front of the formula: 1e-3 at d_model 256, warmup 4000 peaks at 1e-6).
+# A Noam schedule whose peak learning rate is below this learns nothing.
 NOAM_TINY_PEAK = 1e-5
 
 
@@ -69,15 +65,13 @@ def schedule_warning(cfg: TrainConfig, *, d_model: int) -> str | None:
 
 
 def warmup_warning(cfg: TrainConfig, *, total_steps: int, d_model: int) -> str | None:
-    """A one-line warning for a run shorter than its warm-up: the learning rate never reaches its
-    peak (a short trial of a long recipe, ``--max-steps 150`` under a 600-step warm-up)."""
+    """A one-line warning for a run shorter than its warm-up: the learning rate never reaches its peak."""
     if total_steps >= cfg.warmup_steps:
         return None
     schedule = make_schedule(cfg, total_steps=total_steps, d_model=d_model)
     peak = noam_lr(cfg.warmup_steps, d_model=d_model, warmup=cfg.warmup_steps, factor=cfg.lr) \
         if cfg.schedule == "noam" else cfg.lr
-    # The highest rate the run does reach (cosine decays while still warming up); total_steps is
-    # below warmup_steps here, so this loop is as short as the run.
+    # The highest rate the run does reach (cosine decays while still warming up).
     reached = max(schedule(s) for s in range(1, total_steps + 1))
     return (f"warning: the run's {total_steps} steps are fewer than its {cfg.warmup_steps} warm-up steps: the "
             f"learning rate never reaches its peak {peak:.3g} (at most {reached:.3g}); give --warmup-steps "
@@ -103,8 +97,7 @@ def parameter_groups(model: nn.Module, weight_decay: float, *, decay_all: bool =
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, *, fused: bool = False) -> torch.optim.Optimizer:
-    """Adam with the paper's betas/eps, or AdamW with decoupled weight decay. ``fused``: one kernel
-    for every parameter (``aiayn.device.fused_optimizer``: on CUDA); else torch's default."""
+    """Adam with the paper's betas/eps, or AdamW. ``fused``: one kernel for every parameter (CUDA)."""
     kind = {"fused": True} if fused else {}
     if cfg.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
@@ -114,22 +107,16 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig, *, fused: bool = False) -
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """``optimizer.load_state_dict(state)``, keeping this optimizer's implementation: a checkpoint
-    saved with fused Adam on a GPU resumes with the CPU's, and back (the moments move to the
-    parameters' device; the saved groups would otherwise switch the implementation too)."""
+    """``optimizer.load_state_dict(state)`` keeping this optimizer's implementation (fused or not)."""
     kinds = [{key: group.get(key) for key in ("fused", "foreach", "capturable")} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, kind in zip(optimizer.param_groups, kinds, strict=True):
         group.update(kind)
 
 
-# ---- the divergence guard's measurements ------------------------------------------------------
 def clip_and_measure(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor | None:
-    """Clip the gradients' total 2-norm to ``max_norm`` and return the norm before clipping, a 0-dim
-    tensor on the gradients' device that the trainer checks for NaN/inf without waiting for it.
-    None when not clipping: the norm is then not computed (one more pass over the gradients every
-    step); the weights are checked before each save instead.
-    """
+    """Clip the gradients' total 2-norm to ``max_norm``; return the norm before clipping as a 0-dim tensor on
+    the device, or None when not clipping."""
     if max_norm is None:
         return None
     total = nn.utils.clip_grad_norm_(parameters, max_norm)

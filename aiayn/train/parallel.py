@@ -1,25 +1,9 @@
 """Tensor parallelism (Megatron-style) of attention heads and feed-forward, via ``torch.distributed.tensor``.
 
-Each ``TransformerBlock`` is split over a 1-D device mesh of ``tp`` ranks:
-
-* attention: the q/k/v projection column-wise (rank r computes heads r*h/tp .. (r+1)*h/tp - 1 and
-  their key/value heads), the output projection row-wise (partial sums all-reduced). The module's
-  head counts become the local ones (``n_heads / tp``, ``n_kv_heads / tp``), so its reshapes and
-  the attention kernel run unchanged on the local heads;
-* feed-forward: ``fc_in`` column-wise, ``fc_out`` row-wise.
-
-Embeddings, norms and the output projection stay replicated: every rank sees the full hidden
-state between blocks (one all-reduce after attention, one after the feed-forward).
-
-aiayn fuses q, k and v into one matrix (and a gated unit's gate and value into one), while
-``ColwiseParallel`` gives rank r the r-th contiguous block of output rows. So the rows are first
-reordered to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], rank r's block holding its heads' q, k and v.
-The model's state dict is then in that reordered, sharded layout: parallelise a model for
-forward/backward after loading its weights, and save weights from an unparallelised copy.
-
-Limits (checked, with a message): heads, kv heads and d_ff divisible by tp; positional schemes
-with per-head biases (ALiBi, T5) are not split (their bias is built for all heads); no KV cache.
-"""
+Each ``TransformerBlock`` is split over a 1-D mesh of ``tp`` ranks: q/k/v and ``fc_in`` column-wise, the
+output projections row-wise; embeddings, norms and the output layer stay replicated. Fused q/k/v rows are
+first reordered so rank r's block holds its heads' q, k and v: parallelise after loading weights, save from an
+unparallelised copy. Heads, kv heads and d_ff must divide by tp; ALiBi, T5 and the KV cache are refused."""
 
 from __future__ import annotations
 
@@ -36,8 +20,7 @@ class TensorParallelError(ValueError):
 
 
 def _interleave_rows(linear: nn.Linear, sizes: list[int], tp: int) -> None:
-    """Reorder the output rows of a fused projection [A | B | ...] (sizes of each part) to
-    [A_0 B_0 ... | A_1 B_1 ... | ...], where X_r is the r-th of tp equal slices of part X."""
+    """Reorder a fused projection's rows [A | B | ...] to [A_0 B_0 ... | A_1 B_1 ... | ...]."""
     index, offset = [], 0
     starts = []
     for size in sizes:
@@ -97,10 +80,8 @@ def tensor_parallel_plan(block: TransformerBlock, tp: int) -> dict[str, object]:
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: object) -> nn.Module:
-    """Split every ``TransformerBlock`` of ``model`` over the 1-D ``mesh`` (in place; returns it).
-
-    Every rank must hold the same full weights beforehand (same seed, or the same checkpoint).
-    """
+    """Split every ``TransformerBlock`` of ``model`` over ``mesh`` in place; every rank must hold the same
+    full weights beforehand."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()  # type: ignore[attr-defined]

@@ -1,19 +1,10 @@
 """Run directories that know they are one, and the only ways aiayn creates, replaces or writes into a
 directory: nothing it did not create is ever deleted or written over.
 
-A directory aiayn creates holds a marker, ``.aiayn-run``: a small JSON object naming what it is
-(``"kind": "run"`` for a training run, ``"averaged"`` for averaged checkpoints), its format
-version and when it was created. Runs written before markers existed are recognised by their
-``config.json`` (it parses as an aiayn run config) and get their marker when resumed.
-
-Replacing a run (``--overwrite``) never deletes first. The new run is validated and started in a
-temporary sibling, ``RUN.tmp-<random>``, and swapped in when its first checkpoint is on disk (the
-old run is renamed away, the new one renamed in, then the old deleted). A failure before that (a
-typo in a task name, a diverging first step) removes the sibling and leaves the old run as it was.
-A process killed before that leaves the sibling behind: the next start in that run directory
-removes it when it is clearly dead, or names it with the command to remove it; one killed during
-the swap is finished then, or its two copies named (``aiayn.train.leftovers``).
-"""
+A directory aiayn creates holds a marker, ``.aiayn-run`` (its kind, format version, creation time); older runs
+are recognised by their ``config.json``. ``--overwrite`` never deletes first: the new run starts in a
+temporary sibling, ``RUN.tmp-<random>``, swapped in after its first checkpoint; a failure before that leaves
+the old run as it was (``aiayn.train.leftovers`` clears what killed processes leave)."""
 
 from __future__ import annotations
 
@@ -28,9 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiayn.config import ModelConfig, TrainConfig
-
-# The marker and crash-safe writes (run_files) and the leftovers of killed replacements (leftovers)
-# live beside this module; their names are imported from here too.
 from aiayn.train.leftovers import OWNER_LOCK, _disown, _own, clear_leftovers
 from aiayn.train.run_files import (
     CHECKPOINT_NAME,
@@ -62,8 +50,7 @@ class RunDirError(ValueError):
 
 
 def read_run_config(run_dir: Path, *, hint: str = "train one with aiayn train") -> dict[str, Any]:
-    """The saved configs of a run (``config.json``: task, task_options, model, train), checked for
-    shape; a missing, unreadable or foreign file is a RunDirError that says so."""
+    """A run's saved configs (``config.json``), checked for shape; a RunDirError otherwise."""
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise RunDirError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); {hint}")
@@ -93,8 +80,8 @@ def is_run_dir(directory: Path) -> bool:
 
 
 def is_averaged_dir(directory: Path) -> bool:
-    """Averaged checkpoints aiayn wrote: its marker says so, or (written before markers) it holds
-    only checkpoints whose state.json records what was averaged, and their ``latest`` pointer."""
+    """Averaged checkpoints aiayn wrote: by its marker, or (older) only checkpoints recording what was
+    averaged and their ``latest`` pointer."""
     marker = read_marker(directory)
     if marker is not None:
         return marker["kind"] == KIND_AVERAGED
@@ -112,7 +99,6 @@ def is_averaged_dir(directory: Path) -> bool:
     return True
 
 
-# ---- what may be replaced or written into -----------------------------------------------------
 def _what_it_is(real: Path) -> str | None:
     """Why ``real`` (a resolved path) must never be deleted, or None."""
     cwd = Path.cwd().resolve()
@@ -131,9 +117,8 @@ def _what_it_is(real: Path) -> str | None:
 
 
 def check_replaceable(run_dir: Path) -> Path:
-    """The real path of a run that ``--overwrite`` may replace, or a RunDirError saying why not:
-    the root, the home directory, the current directory and its parents are never replaced, and
-    nothing that is not an aiayn run (a folder of unrelated files) is."""
+    """The real path of a run ``--overwrite`` may replace, or a RunDirError: never the root, home, the current
+    directory or its parents, nor anything that is not an aiayn run."""
     real = run_dir.resolve()
     what = _what_it_is(real)
     if what is not None:
@@ -148,9 +133,8 @@ def check_replaceable(run_dir: Path) -> Path:
 
 
 def claim_output_dir(out_dir: Path, *, kind: str = KIND_AVERAGED, **extra: Any) -> None:
-    """Make ``out_dir`` ready for aiayn to write ``kind`` into, or refuse with a RunDirError: never a
-    run's ``checkpoints/`` (training resumes from it and prunes it) or anything inside one, never a
-    run, never a non-empty directory aiayn did not create as ``kind``."""
+    """Make ``out_dir`` ready for aiayn to write ``kind`` into, or refuse with a RunDirError: never inside a
+    run, never a run, never a non-empty directory aiayn did not create as ``kind``."""
     real = out_dir.resolve()
     for folder in (real, *real.parents):
         if folder.name == "checkpoints" and is_run_dir(folder.parent):
@@ -176,17 +160,15 @@ def claim_output_dir(out_dir: Path, *, kind: str = KIND_AVERAGED, **extra: Any) 
         raise RunDirError(f"cannot write {out_dir}: {exc.strerror or exc}") from None
 
 
-# ---- setting up a run directory ---------------------------------------------------------------
 @dataclass
 class RunLocation:
-    """Where a run is being written (``path``) and where it ends up (``final``): the same folder,
-    except for a replaced run, which is written in a temporary sibling until ``swap_in``."""
+    """Where a run is being written (``path``) and where it ends up (``final``): differ for a replaced run
+    until ``swap_in``."""
 
     final: Path
     path: Path
-    # A new run in place that this start found missing or empty: until its first checkpoint,
-    # everything in it is this start's, so a failure empties it (``abandon``). ``made`` lists the
-    # folders this start created (the run's own and missing parents, deepest first).
+    # A new run found missing or empty is this start's until its first checkpoint; ``made``: the
+    # folders this start created, deepest first.
     fresh: bool = False
     made: tuple[Path, ...] = ()
 
@@ -196,8 +178,7 @@ class RunLocation:
         return self.path != self.final
 
     def swap_in(self) -> None:
-        """Rename the old run away, the new one in, then delete the old (rank 0, after the first
-        checkpoint). A failure between the renames puts the old run back."""
+        """Rename the old run away, the new one in, then delete the old; a failure between puts it back."""
         self.fresh = False  # it holds a checkpoint now: a run to resume, never removed
         if not self.pending:
             return
@@ -222,10 +203,8 @@ class RunLocation:
         self.path = self.final
 
     def abandon(self) -> None:
-        """Undo a start that failed before its first checkpoint (``swap_in``): remove the temporary
-        sibling of a replacement; empty a fresh run's folder and remove the folders this start
-        created, so that the same command works again without --overwrite. A folder the user made
-        stays (emptied of what this start wrote into it); an existing run is never touched."""
+        """Undo a start that failed before its first checkpoint, so the same command works again: remove a
+        replacement's sibling, or empty a fresh run and remove the folders this start created."""
         if self.pending:
             shutil.rmtree(self.path, ignore_errors=True)
             _disown(self.path, now_at=None)
@@ -257,8 +236,7 @@ def _check_resumable(run_dir: Path, configs: dict[str, Any]) -> None:
     with suppress(Exception):  # fields added since the run was saved take their defaults
         saved["model"] = ModelConfig.from_dict(saved["model"]).to_dict()
         saved["train"] = TrainConfig.from_dict(saved["train"]).to_dict()
-    # Lengths of training may be extended on resume, and what happens after the last step
-    # (checkpoint averaging) changed; everything else must match.
+    # Training may be extended and averaging changed on resume; everything else must match.
     ignore = {"epochs", "max_steps", "average_last"}
     current = json.loads(json.dumps(configs))
     for key in ignore:
@@ -277,11 +255,8 @@ def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, ove
                     echo: Callable[[str], None] = print) -> RunLocation:
     """Check ``run_dir`` against what was asked and write the run's marker and config.json.
 
-    Resume: the saved configs must match (training may be extended); a run older than markers gets
-    one. New run: a missing or empty folder is used in place; an existing run needs ``overwrite``
-    and is replaced through a temporary sibling (see the module docstring). First, the siblings a
-    killed replacement left are removed or named through ``echo`` (``clear_leftovers``).
-    """
+    Resume: the saved configs must match. New run: a missing or empty folder is used in place; an existing run
+    needs ``overwrite`` and is replaced through a temporary sibling."""
     run_dir = Path(run_dir)
     if str(run_dir).startswith("~"):  # a quoted ~ reaches us unexpanded: it would make a folder "~"
         raise RunDirError(f"run directory {run_dir}: '~' is not expanded here, so it would name a folder "

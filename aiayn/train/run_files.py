@@ -1,7 +1,5 @@
-"""The small files a run directory is known by, written so a crash never leaves half of one: the
-marker ``.aiayn-run`` (what aiayn made the folder for), crash-safe text writes, and the names
-(``config.json``, ``step-NNNNNNNN``) the rest of ``aiayn.train`` recognises. See
-``aiayn.train.run_dir`` for the rules that use them."""
+"""The small files a run directory is known by, written so a crash never leaves half of one: the marker
+``.aiayn-run``, crash-safe text writes, and the names the rest of ``aiayn.train`` recognises."""
 
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ CONFIG_FILE = "config.json"
 CHECKPOINT_NAME = re.compile(r"step-\d{8}")
 
 
-# ---- small, crash-safe writes -----------------------------------------------------------------
 def fsync_dir(path: Path) -> None:
     """Make a rename inside ``path`` durable (best effort: some filesystems refuse)."""
     try:
@@ -45,7 +42,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# ---- markers ----------------------------------------------------------------------------------
 def write_marker(directory: Path, kind: str, **extra: Any) -> None:
     """Mark ``directory`` as aiayn's (a run or averaged checkpoints)."""
     marker = {"kind": kind, "format_version": MARKER_VERSION,

@@ -1,7 +1,5 @@
-"""The Task protocol the trainer drives: data splits, a default model and recipe, a forward that
-yields the loss's input and targets, and an evaluation. Concrete tasks and their registry live in
-``aiayn.tasks`` (a new task = one module there with a ``Task`` subclass and ``@register``).
-"""
+"""The Task protocol the trainer drives: data splits, a default model and recipe, a forward that yields the
+loss's input and targets, and an evaluation. Tasks register in ``aiayn.tasks``."""
 
 from __future__ import annotations
 
@@ -33,17 +31,13 @@ class AttentionExample:
         self.weights = [w.detach().cpu() for w in self.weights]
 
 
-# The attention an ``aiayn plot attention --kind`` can show: an encoder's self-attention, a
-# decoder's (masked) self-attention, and an encoder-decoder's cross-attention (decoder queries,
-# source keys).
+# The attention an ``aiayn plot attention --kind`` can show.
 ATTENTION_KINDS = ("encoder", "decoder", "cross")
 
 
 def encoder_decoder_example(out: Any, kind: str, src_labels: list[str], tgt_labels: list[str],
                             title: str) -> AttentionExample:
-    """The ``kind`` maps of an encoder-decoder's ``ModelOutput`` (forward with ``need_weights``)
-    for one example: encoder (source x source), decoder (target x target) or cross (target x
-    source). ``title`` names the example; the kind is appended."""
+    """The ``kind`` maps (encoder, decoder or cross) of an encoder-decoder's output for one example."""
     weights, queries, keys = {"encoder": (out.encoder_attentions, src_labels, src_labels),
                               "decoder": (out.attentions, tgt_labels, tgt_labels),
                               "cross": (out.cross_attentions, tgt_labels, src_labels)}[kind]
@@ -53,6 +47,12 @@ def encoder_decoder_example(out: Any, kind: str, src_labels: list[str], tgt_labe
                             title=f"{title}: {what}")
 
 
+def self_attention_example(out: Any, labels: list[str], title: str) -> AttentionExample:
+    """The self-attention maps of a one-example forward (``need_weights=True``) over ``labels``."""
+    return AttentionExample(weights=[w[0] for w in out.attentions], query_labels=labels, key_labels=labels,
+                            title=title)
+
+
 class Task:
     """Base class. Subclasses fill ``splits`` in ``prepare`` and implement ``forward``."""
 
@@ -60,11 +60,9 @@ class Task:
     description: ClassVar[str] = ""
     # The split reported at the end of training.
     test_split: ClassVar[str] = "test"
-    # Options a task writes into its own options for the run's config (a learned vocabulary), read
-    # back when the run is loaded; accepted besides its ``__init__`` parameters.
+    # Options a task writes into the run's config (a learned vocabulary), accepted when loaded.
     recorded_options: ClassVar[tuple[str, ...]] = ()
-    # The attention maps ``attention_example`` draws (ATTENTION_KINDS), the first by default;
-    # empty: the task has none.
+    # The attention maps ``attention_example`` draws, the first by default.
     attention_kinds: ClassVar[tuple[str, ...]] = ()
     # Whether ``attention_example`` needs ``prepare``'s splits (False: it reads what it needs itself).
     attention_needs_splits: ClassVar[bool] = True
@@ -72,11 +70,9 @@ class Task:
     def __init__(self, **options: Any) -> None:
         self.options = options
         self.splits: dict[str, Batch] = {}
-        # The run directory, set by the trainer before ``prepare`` (tasks that keep files there,
-        # like a learned tokenizer, read and write them through it); None outside a run.
+        # The run directory, set by the trainer before ``prepare``; None outside a run.
         self.run_dir: Path | None = None
 
-    # ---- what to train ----------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
         raise NotImplementedError
 
@@ -87,7 +83,6 @@ class Task:
     def build_model(self, config: ModelConfig) -> nn.Module:
         return build_model(config)
 
-    # ---- data -------------------------------------------------------------------------------
     def prepare(self, seed: int) -> None:
         """Build ``self.splits`` deterministically from ``seed``."""
         raise NotImplementedError
@@ -96,16 +91,13 @@ class Task:
         return next(iter(self.splits[split].values())).shape[0]
 
     def train_batches(self, epoch: int, batch_size: int, seed: int) -> list[Tensor]:
-        """Index batches of one epoch: a permutation fixed by (seed, epoch), so a resumed run
-        sees exactly the batches an uninterrupted one would."""
+        """Index batches of one epoch, fixed by (seed, epoch) so a resumed run sees the same ones."""
         generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
         order = torch.randperm(self.split_size("train"), generator=generator)
         return list(order.split(batch_size))
 
     def memory_batches(self, batches: list[Tensor]) -> list[Tensor]:
-        """The index batches among ``batches`` whose collated shapes bound a training step's memory
-        (``aiayn.train.memory``): by default the one with the most examples; a task whose batches
-        differ in length names its longest too."""
+        """The index batches whose shapes bound a step's memory: by default the one with the most examples."""
         return [max(batches, key=len)] if batches else []
 
     def collate(self, split: str, indices: Tensor) -> Batch:
@@ -115,11 +107,8 @@ class Task:
         n = self.split_size(split)
         return [self.collate(split, torch.arange(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
 
-    # ---- model I/O --------------------------------------------------------------------------
     def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
-        """(the model's output (``ModelOutput``; the loss applies its output layer) or logits
-        (b, t, c), targets (b, t) with IGNORE at positions that do not count): what
-        ``sequence_loss`` takes."""
+        """(the model's output or logits (b, t, c), targets (b, t) with IGNORE where nothing counts)."""
         raise NotImplementedError
 
     def count_tokens(self, batch: Batch) -> int:
@@ -152,11 +141,20 @@ class Task:
         """A few test inputs with the model's predictions, for the end-of-run summary."""
         return []
 
+    @torch.no_grad()
     def attention_example(self, model: nn.Module, text: str | None = None,
                           kind: str | None = None) -> AttentionExample | None:
-        """Attention maps of the model on ``text`` (task-specific input syntax; ValueError if it
-        does not parse) or a test example: the ``kind`` of ``attention_kinds`` (default the first)."""
-        return None
+        """Attention maps of the model on ``text`` (ValueError if it does not parse) or a test example;
+        None for a task without ``attention_kinds``."""
+        if not self.attention_kinds:
+            return None
+        kind = self.attention_kind(kind)
+        model.eval()
+        return self.attention_maps(model, text, kind)
+
+    def attention_maps(self, model: nn.Module, text: str | None, kind: str) -> AttentionExample:
+        """``attention_example``'s maps of a checked ``kind``, the model in eval mode, without gradients."""
+        raise NotImplementedError
 
     def attention_kind(self, kind: str | None) -> str:
         """``kind``, or the task's default; ValueError naming the kinds the task has."""

@@ -1,14 +1,9 @@
 """The training loop: run directory, progress bar, metrics, checkpoints, exact resume, Ctrl-C.
 
-A run directory holds its marker ``.aiayn-run``, ``config.json`` (task, model and training configs),
-``checkpoints/``, ``metrics.csv``, ``summary.json`` and the plots (``aiayn.train.run_dir``: how a run
-is created, or replaced only once the new one holds a checkpoint). A NaN or infinite loss, gradient
-norm or weight stops training with ``TrainingDiverged``; nothing is saved after it. ``train(..., resume=True)`` continues from the
-latest checkpoint and ends with the same weights and losses as an uninterrupted run: the data order
-is a function of (seed, epoch), the learning rate a function of the step, and the RNG, optimiser,
-data position and the partial metrics window are restored from the checkpoint (only the timing
-columns of metrics.csv differ).
-"""
+A run directory holds its marker, ``config.json``, ``checkpoints/``, ``metrics.csv``, ``summary.json`` and the
+plots. A non-finite loss, gradient norm or weight stops training with ``TrainingDiverged``. ``resume=True``
+continues from the latest checkpoint and ends with the same weights and losses as an uninterrupted run (data
+order, learning rate, RNG, optimiser and metrics window are restored; only timings differ)."""
 
 from __future__ import annotations
 
@@ -92,25 +87,17 @@ def train(
 ) -> TrainResult:
     """Train ``task`` into ``run_dir``; see the module docstring.
 
-    ``fast``: train through aiayn's CPU kernels (``aiayn.fast.optimize(model, "train")``: the same
-    function, faster); False trains the plain PyTorch model. On another device the plain model runs.
-
-    ``device``: where to train (``aiayn.device.resolve``: "auto" or None takes the first CUDA GPU,
-    else the CPU). The model, optimiser state and batches live there; on CUDA the forward runs
-    under bfloat16 autocast unless ``train_config.bf16`` is False, and Adam is fused. Checkpoints
-    are device-free: a run saved on a GPU resumes on the CPU and back.
-
-    Under torchrun (``WORLD_SIZE`` > 1) it trains data-parallel (DDP) or sharded
-    (``parallel.fsdp``); see ``aiayn.train.distributed`` for how batches and the loss are split.
-    """
+    ``fast``: through aiayn's CPU kernels (the same function, faster). ``device``: where to train
+    (``aiayn.device.resolve``); on CUDA the forward runs under bfloat16 autocast unless ``train_config.bf16``
+    is False. Checkpoints are device-free. Under torchrun it trains with DDP or FSDP
+    (``aiayn.train.distributed``)."""
     distributed.check_options(parallel, world_size=distributed.env_world_size(), compile=train_config.compile,
                               average_last=train_config.average_last)
     ctx = distributed.setup(parallel, devices.prepare(devices.resolve(device)))
     try:
         configs = {"task": task.name, "task_options": task.options, "model": model_config.to_dict(),
                    "train": train_config.to_dict()}
-        # Rank 0 checks and writes the directory (a replaced run goes to a temporary sibling, whose
-        # name the other ranks learn from it); an error there is raised on every rank.
+        # Rank 0 checks and writes the directory; an error there is raised on every rank.
         location = distributed.run_on_main(
             ctx, lambda: prepare_run_dir(Path(run_dir), configs, resume=resume, overwrite=overwrite, echo=echo))
         location = from_main(ctx, location)
@@ -135,10 +122,8 @@ def train(
 
 def step_loss(task: Task, model: Any, batch: Any, *, device: torch.device, bf16: bool | None = None,
               label_smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One micro-batch's forward and loss on ``device`` -> (loss, summed NLL, counted tokens,
-    correct tokens), 0-dim tensors: the step that ``--compile`` compiles whole. Neither the model
-    nor the loss reads a value back into Python, so the graph has no break and a GPU never waits
-    in it (tests/unit/test_compiled_step.py counts the breaks with ``torch._dynamo.explain``)."""
+    """One micro-batch's forward and loss on ``device`` -> (loss, summed NLL, counted tokens, correct tokens),
+    0-dim tensors: the step ``--compile`` compiles whole, with no read back into Python."""
     with devices.autocast(device, bf16=bf16):
         output, targets = task.forward(model, batch)
         out = sequence_loss(output, targets, label_smoothing=label_smoothing)
@@ -162,8 +147,7 @@ def _train(
     make_plots: bool,
     fast: bool,
 ) -> TrainResult:
-    """The phases, top to bottom: setup and model, the schedule, resume, the optimiser, the
-    records, the loop (forward/backward, clip, step, log, evaluate, checkpoint), the end."""
+    """The phases: setup, schedule, resume, optimiser, records, the loop, the end."""
     model = _setup(task, model_config, train_config, location, ctx, fast=fast, resume=resume)
     run = TrainingRun(task, train_config, location, ctx, echo, model)
     _plan(run, model_config)
@@ -179,12 +163,10 @@ def _train(
 
 def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: RunLocation,
            ctx: distributed.DistContext, *, fast: bool, resume: bool) -> Any:
-    """Seed, prepare the task's data, check the memory, build the model (on the CPU: the same
-    initial weights everywhere) and move it to the device."""
+    """Seed, prepare the task's data, check the memory, build the model on the CPU, move it."""
     torch.manual_seed(cfg.seed)  # (seeds the CUDA generators too)
     task.run_dir = location.path
-    # Rank 0 prepares first: a task may write files into the run (a learned tokenizer) that the
-    # other ranks then read instead of learning their own.
+    # Rank 0 prepares first: the others read what it writes (a learned tokenizer).
     distributed.run_on_main(ctx, lambda: task.prepare(cfg.seed))
     if ctx.enabled and not ctx.is_main:
         task.prepare(cfg.seed)
@@ -200,8 +182,7 @@ def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: Ru
 
 
 def _plan(run: TrainingRun, model_config: ModelConfig) -> None:
-    """The schedule: steps per epoch and in all, the learning rate of each step, when to evaluate
-    and save."""
+    """The schedule: steps per epoch and in all, each step's learning rate, when to evaluate and save."""
     task, cfg, ctx = run.task, run.cfg, run.ctx
     # Tasks may batch by token count, so ask for an epoch's batches rather than divide.
     batches_per_epoch = len(task.train_batches(0, cfg.batch_size, cfg.seed))
@@ -235,8 +216,8 @@ def _resume(run: TrainingRun) -> None:
 
 
 def _optimizer(run: TrainingRun) -> None:
-    """Wrap the model for DDP/FSDP, compile the step if asked, make the optimiser and restore its
-    state and the RNG of a resumed run."""
+    """Wrap the model for DDP/FSDP, compile the step if asked, make the optimiser, restore a resumed run's
+    state and RNG."""
     task, cfg, ctx, model = run.task, run.cfg, run.ctx, run.model
     frozen: list[str] = []  # parameters the loss never reaches, frozen for DDP/FSDP
     if ctx.enabled:
@@ -273,10 +254,8 @@ def _records(run: TrainingRun, *, resume: bool, progress: bool) -> None:
     loaded = run.loaded
     run.metrics = distributed.run_on_main(
         run.ctx, lambda: MetricsLog(run.location.path / "metrics.csv", resume_step=run.step if resume else None))
-    # The run's training time along its saved path: a resumed run goes on from its checkpoint's
-    # count (elapsed_s in metrics.csv, "seconds" in summary.json), so the time after that checkpoint
-    # that a kill threw away is not counted, and what is done again is. A checkpoint without the
-    # count gives None: then the count starts at the resume.
+    # Training time along the saved path: a resumed run goes on from its checkpoint's count (None:
+    # from the resume).
     run.resumed_at = (run.saved_step, _seconds_of(loaded.state)) if loaded is not None else None
     seconds_before = (run.resumed_at[1] or 0.0) if run.resumed_at is not None else 0.0
     run.start_time = time.perf_counter() - seconds_before
@@ -296,8 +275,7 @@ def _finish(run: TrainingRun, *, make_plots: bool) -> TrainResult:
         echo(f"interrupted at step {step}; checkpoint saved. Continue with: aiayn train --resume "
              f"--run-dir {run_dir}")
         return result
-    # The paper's checkpoint averaging (section 6.1, aiayn.train.averaging): the test split is
-    # scored with the better of the last and the averaged weights on val (the model holds them).
+    # Checkpoint averaging (section 6.1): test is scored with the better of last and averaged on val.
     last_val = run.last_val
     result.test_checkpoint, averaged = choose_test_checkpoint(
         task, model, location.path, run.cfg.average_last, ctx=ctx, echo=echo,
