@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from aiayn.cpu_share import share_cores
+from aiayn.generate import results
 from aiayn.generate.results import DecodeStep, DoneCheck, GreedyResult, fill_finished, fill_id_for
 from aiayn.generate.sampling import SamplingConfig, TokenChooser
 from aiayn.generate.step import decode_step
@@ -207,6 +208,7 @@ def _advance_steered(constraints: Any, steered: list[int], token: Tensor, done: 
 def greedy_decoder_only(model: DecoderOnly, prompt: Tensor, *, max_new_tokens: int, use_cache: bool = True,
                         **options: Unpack[DecodeOptions]) -> GreedyResult:
     """The argmax continuation of each row of ``prompt`` (b, t); the options are ``stream_decoder_only``'s."""
+    results.known_options("greedy_decoder_only", options, DecodeOptions)
     return GreedyResult.from_steps(stream_decoder_only(
         model, prompt, max_new_tokens=max_new_tokens, use_cache=use_cache, **options))
 
@@ -221,6 +223,7 @@ def generate_decoder_only(model: DecoderOnly, prompt: Tensor, *, max_new_tokens:
     ``sampling``: default ``SamplingConfig()``. After eos a row repeats eos. ``on_token`` receives
     each step's (b,) ids as they are produced; returning True stops early. The other options are
     ``stream_decoder_only``'s."""
+    results.known_options("generate_decoder_only", options, DecodeOptions)
     generated: list[Tensor] = []
     steps = stream_decoder_only(model, prompt, max_new_tokens=max_new_tokens, sampling=sampling or SamplingConfig(),
                                 fill_id=options.get("eos_id"), **options)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from aiayn.cpu_share import share_cores
+from aiayn.generate import results
 from aiayn.generate.decoder_only import cache_slots
 from aiayn.generate.ensemble import Ensemble
 from aiayn.generate.results import DecodeStep, DoneCheck, GreedyResult, fill_finished, fill_id_for
@@ -96,6 +97,7 @@ def greedy_encoder_decoder(model: EncoderDecoder | Ensemble, src: Tensor, *, bos
                            max_new_tokens: int | Tensor, use_cache: bool = True,
                            **options: Unpack[DecodeOptions]) -> GreedyResult:
     """Translate each row of ``src`` (b, s) greedily; the options are ``stream_encoder_decoder``'s."""
+    results.known_options("greedy_encoder_decoder", options, DecodeOptions)
     return GreedyResult.from_steps(stream_encoder_decoder(
         model, src, bos_id=bos_id, max_new_tokens=max_new_tokens, use_cache=use_cache, **options),
         with_lengths=True)
@@ -106,6 +108,7 @@ def sample_encoder_decoder(model: EncoderDecoder | Ensemble, src: Tensor, *, bos
                            max_new_tokens: int | Tensor, sampling: SamplingConfig | None = None,
                            **options: Unpack[DecodeOptions]) -> Tensor:
     """Sample a target for each row of ``src`` (b, s) -> ids (b, n); options as ``stream_encoder_decoder``."""
+    results.known_options("sample_encoder_decoder", options, DecodeOptions)
     steps = stream_encoder_decoder(model, src, bos_id=bos_id, max_new_tokens=max_new_tokens,
                                    sampling=sampling or SamplingConfig(), **options)
     return torch.stack([step.tokens for step in steps], dim=1)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,3 +110,12 @@ class DoneCheck:
             self._copied.synchronize()  # the previous step's flag: the current step stays queued
         self._pending = False
         return bool(self._host)
+
+
+def known_options(caller: str, options: Mapping[str, object], allowed: type) -> None:
+    """The TypeError Python raises for an unexpected keyword, for a wrapper that passes ``options``
+    on as ``**options: Unpack[allowed]`` (a TypedDict): a greedy call given ``sampling=`` must not
+    sample."""
+    unknown = [name for name in options if name not in allowed.__annotations__]
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")

@@ -340,6 +340,21 @@ def test_bad_arguments_raise_on_the_call_not_at_the_first_step(device: torch.dev
     assert calls[0] == 0
 
 
+
+def test_the_collecting_wrappers_refuse_an_option_they_do_not_pass_on(device: torch.device) -> None:
+    """A greedy call given ``sampling=`` raises Python's TypeError for an unexpected keyword, as a
+    signature without ``**options`` would, instead of sampling."""
+    model, prompt = language_model(device=device), ids(2, 5, seed=3, device=device)
+    with pytest.raises(TypeError, match=r"greedy_decoder_only\(\) got an unexpected keyword argument 'sampling'"):
+        greedy_decoder_only(model, prompt, max_new_tokens=2, sampling=SamplingConfig())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'beam_size'"):
+        generate_decoder_only(model, prompt, max_new_tokens=2, beam_size=2)
+    kwargs = {"sampling": SamplingConfig()}
+    with pytest.raises(TypeError, match=r"greedy_encoder_decoder\(\) got an unexpected keyword argument 'sampling'"):
+        greedy_encoder_decoder(translation_model(device=device), prompt, bos_id=1, max_new_tokens=2, **kwargs)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'slide'"):
+        sample_encoder_decoder(translation_model(device=device), prompt, bos_id=1, max_new_tokens=2, slide=True)
+
 # ---- imports ----------------------------------------------------------------------------------------
 @pytest.mark.cpu_only  # which modules an import loads: no device involved
 def test_importing_generate_leaves_aiayn_fast_unimported() -> None:
