@@ -308,6 +308,19 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's 256 byte-level characters (``bytes_to_unicode``), in byte order: byte-level BPE
+    vocabularies (GPT-2's, SmolLM2's, llama.cpp's) spell every token in them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b], extra = chr(256 + extra), extra + 1
+    return [out[b] for b in range(256)]
+
+
 def fmt_int(n: float) -> str:
     return f"{n:,.0f}"
 
