@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from aiayn.device import synchronize
 from aiayn.fast import onednn
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: the server subprocess imports aiayn from it
@@ -203,11 +204,7 @@ def same_prefix(a: object, b: object) -> int:
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
     """(median wall seconds of ``repeats`` calls of ``fn``, the last call's result)."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
+    times, result = timings(fn, repeats)
     return statistics.median(times), result
 
 
@@ -230,12 +227,18 @@ def add_clock_arg(parser: argparse.ArgumentParser) -> None:
 
 def best_of(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """The least time of ``repeats`` calls of ``fn`` (the run least disturbed by other jobs)."""
-    times = []
+    return min(timings(fn, repeats, clock)[0])
+
+
+def timings(fn: Callable[[], object], repeats: int, clock: Callable[[], float] = time.perf_counter
+            ) -> tuple[list[float], object]:
+    """(the ``clock`` seconds of each of ``repeats`` calls of ``fn``, the last call's result)."""
+    times, result = [], None
     for _ in range(repeats):
         start = clock()
-        fn()
+        result = fn()
         times.append(clock() - start)
-    return min(times)
+    return times, result
 
 
 def decode_rate(run: Callable[[int], object], n: int, repeats: int,
@@ -259,12 +262,7 @@ def matmul_peak(*, n: int = 2048, repeats: int = 7, backend: str = "torch.mm") -
     else:
         product = torch.mm
     product(a, b)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        product(a, b)
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times)
+    return 2 * n**3 / median_seconds(lambda: product(a, b), repeats)[0]
 
 
 def matmul_peaks(repeats: int) -> dict[str, float]:
@@ -310,6 +308,19 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
 
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's 256 byte-level characters (``bytes_to_unicode``), in byte order: byte-level BPE
+    vocabularies (GPT-2's, SmolLM2's, llama.cpp's) spell every token in them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b], extra = chr(256 + extra), extra + 1
+    return [out[b] for b in range(256)]
+
+
 def fmt_int(n: float) -> str:
     return f"{n:,.0f}"
 
@@ -335,15 +346,20 @@ def ratio_line(label: str, ours: float, peers: dict[str, float], *, higher_is_be
     return line
 
 
-def top_ops(fn: Callable[[], object], *, steps: int = 3, rows: int = 15) -> str:
-    """torch.profiler key_averages of ``steps`` calls, sorted by self CPU time."""
+def top_ops(fn: Callable[[], object], *, steps: int = 3, rows: int = 15, device: torch.device | None = None) -> str:
+    """torch.profiler key_averages of ``steps`` calls after an untimed one, by their self time on
+    ``device`` (default the CPU; on a GPU its kernels too: a CUDA graph replayed is one launch)."""
     from torch.profiler import ProfilerActivity, profile
 
+    device = device or torch.device("cpu")
     fn()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             fn()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+        synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def free_port() -> int:
@@ -433,6 +449,14 @@ def quiet_transformers():  # -> the transformers module; ImportError where it is
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     return transformers
+
+
+def hf_greedy(model: nn.Module, prompt: torch.Tensor, new_tokens: int, **options) -> torch.Tensor:
+    """transformers' greedy ``generate`` after ``prompt`` (b, t), no padding: the new tokens (b, n)."""
+    with torch.inference_mode():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, **options)
+    return out[:, prompt.shape[1]:]
 
 
 def hf_causal_lm(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:

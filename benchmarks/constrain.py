@@ -24,6 +24,7 @@ import torch
 
 from aiayn.generate import constrain
 from aiayn.generate.step import decode_step
+from benchmarks import common
 from benchmarks.common import footer, header, load_peer, mark_start, smollm2, table
 
 SCHEMA = {
@@ -113,9 +114,7 @@ class OutlinesCore(Library):
         import outlines_core
 
         # Byte-level BPE: each token's characters stand for bytes (GPT-2's table); specials left out.
-        printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-        to_byte = {chr(b): b for b in printable}
-        to_byte.update({chr(256 + k): b for k, b in enumerate(b for b in range(256) if b not in printable)})
+        to_byte = {c: b for b, c in enumerate(common.byte_level_alphabet())}
         special = {a["id"] for a in json.loads(tokenizer.to_str()).get("added_tokens", []) if a.get("special")}
         tokens: dict[bytes, list[int]] = {}
         for text, i in tokenizer.get_vocab(with_added_tokens=True).items():

@@ -76,12 +76,8 @@ def decoder(name: str, model: nn.Module, prompt: Tensor, new: int, use_cache: bo
             return greedy_decoder_only(model, prompt, max_new_tokens=new, use_cache=use_cache,
                                        compile=compile).tokens
     elif name == "HF GPT-2":
-        mask = torch.ones_like(prompt)
-
         def run() -> Tensor:
-            out = model.generate(prompt, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                                 use_cache=use_cache, pad_token_id=0, eos_token_id=None)
-            return out[:, prompt.shape[1]:]
+            return common.hf_greedy(model, prompt, new, use_cache=use_cache, eos_token_id=None)
     else:
         from x_transformers import AutoregressiveWrapper
 

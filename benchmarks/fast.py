@@ -1,6 +1,6 @@
 """aiayn.fast's kernels one by one: each fast module against the plain module it replaces, on the
 same inputs, in the same run, at 1 and at 2 threads: the measurement a kernel of ``aiayn/fast``
-must pass to stay. The kernels (``KERNELS``; their cases in ``benchmarks/fast_cases.py``):
+must pass to stay. The kernels (``KERNELS``; each a factory of ``Case``s in ``FACTORIES``):
 ``linear-onednn`` (``FastLinear``'s oneDNN path, forward + backward), ``linear-transposed`` (the
 turned-around (W x^T)^T on a decode step's few rows), ``attention-decode`` (single-query and GQA
 fold), ``attention-block-causal`` and ``attention-dropout`` (training attention, forward +
@@ -21,15 +21,336 @@ function behind its dispatch.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
+from aiayn import ModelConfig, build_model
+from aiayn.fast import onednn
+from aiayn.fast.attention import MIN_DECODE_QUERIES, fast_attention
+from aiayn.fast.block_causal import use_block_causal
+from aiayn.fast.dropout import FastDropout
+from aiayn.fast.fused_loss import FusedLossLinear
+from aiayn.fast.linear import FastLinear
+from aiayn.fast.matvec import MatvecLinears, use_eager_transposed, use_matvec, use_transposed
+from aiayn.models import ModelOutput
+from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
+from aiayn.train.losses import sequence_loss
 from benchmarks.common import Timed, footer, header, run_interleaved, table
-from benchmarks.fast_cases import FACTORIES, FALLS_BACK, Case, Options
+
+FALLS_BACK = "falls back"  # a "fast path" label starting so: the fast module runs the plain function
+
+
+@dataclass
+class Case:
+    """One measurement: ``plain()`` and ``fast()`` compute the same thing on the same inputs."""
+
+    name: str
+    path: str  # the fast module's path on these inputs
+    plain: Callable[[], object]
+    fast: Callable[[], object]
+
+
+@dataclass
+class Options:
+    quick: bool
+    seed: int
+    compiled_rows: list[int] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _fast_copy(module: nn.Module, cls: type[nn.Module]) -> nn.Module:
+    """A copy of ``module`` (the same weights, its own tensors and gradients) as class ``cls``,
+    the swap ``aiayn.fast.optimize`` makes."""
+    twin = copy.deepcopy(module)
+    twin.__class__ = cls
+    return twin
+
+
+def _clear_grads(*tensors: Tensor | nn.Module) -> None:
+    for t in tensors:
+        if isinstance(t, nn.Module):
+            t.zero_grad(set_to_none=True)
+        else:
+            t.grad = None
+
+
+def _inference(fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        with torch.inference_mode():
+            return fn()
+    return run
+
+
+# ---------------------------------------------------------------- FastLinear
+
+
+def linear_onednn_cases(opt: Options) -> Iterator[Case]:
+    """FastLinear's oneDNN path, forward + backward, against nn.Linear on the same weights."""
+    if opt.quick:
+        shapes = [("d256 qkv", 256, 256, 768), ("d256 FFN down", 256, 1024, 256)]
+    else:
+        shapes = [("decoder bench qkv", 4096, 256, 768), ("decoder bench attn out", 4096, 256, 256),
+                  ("decoder bench FFN up", 4096, 256, 1024), ("decoder bench FFN down", 4096, 1024, 256),
+                  ("paper-base qkv", 768, 512, 1536), ("paper-base FFN up", 768, 512, 2048),
+                  ("paper-base FFN down", 768, 2048, 512)]
+    for label, rows, i, o in shapes:
+        gen = _generator(opt.seed)
+        plain = nn.Linear(i, o)
+        fast = _fast_copy(plain, FastLinear)
+        x = torch.randn(rows, i, generator=gen).requires_grad_()
+        g = torch.randn(rows, o, generator=gen)
+        path = "oneDNN" if onednn.use_onednn(x, plain.weight) else f"{FALLS_BACK} (F.linear)"
+
+        def step(layer: nn.Module, x: Tensor = x, g: Tensor = g) -> None:
+            layer(x).backward(g)
+            _clear_grads(layer, x)
+
+        yield Case(f"{label}: {rows:,} x {i} -> {o}", path,
+                   lambda step=step, m=plain: step(m), lambda step=step, m=fast: step(m))
+
+
+def _decode_layers(opt: Options) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(label, [(in, out), ...]): one pass over a model's distinct projections."""
+    if opt.quick:
+        return [("d256 decoder layer", [(256, 768), (1024, 256)])]
+    return [("decode bench model: qkv, out, FFN up, down, head", [(256, 768), (256, 256), (256, 1024),
+                                                                 (1024, 256), (256, 8000)]),
+            ("SmolLM2 layer: qkv, out, gate+up, down", [(576, 960), (576, 576), (576, 3072), (1536, 576)])]
+
+
+def linear_transposed_cases(opt: Options) -> Iterator[Case]:
+    """FastLinear on a decode step's (rows, 1, i) inputs, no grad, against nn.Linear."""
+    rows_list = [1, 2, 16] if opt.quick else [1, 2, 4, 16, 64]
+    for label, shapes in _decode_layers(opt):
+        gen = _generator(opt.seed)
+        plain = [nn.Linear(i, o) for i, o in shapes]
+        fast = [_fast_copy(m, FastLinear) for m in plain]
+        n_weights = sum(i * o for i, o in shapes)
+        for rows in rows_list:
+            xs = [torch.randn(rows, 1, i, generator=gen) for i, _ in shapes]
+            taken = use_eager_transposed(xs[0], plain[0].weight)
+            path = "(W x^T)^T" if taken else f"{FALLS_BACK} (F.linear)"
+
+            def one_pass(layers: list[nn.Module], xs: list[Tensor] = xs) -> list[Tensor]:
+                return [layer(x) for layer, x in zip(layers, xs, strict=True)]
+
+            yield Case(f"{label} ({n_weights / 1e6:.1f}M weights), {rows} row{'s' * (rows > 1)}", path,
+                       _inference(lambda f=one_pass, m=plain: f(m)), _inference(lambda f=one_pass, m=fast: f(m)))
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _decode_inputs(config: ModelConfig, batch: int, keys: int, seed: int) -> tuple[Tensor, Tensor, Tensor, dict]:
+    """The (q, k, v, keyword arguments) a decode step hands its first layer's attention kernel:
+    ``keys - 1`` cached tokens, one new one (a model of ``config`` with random weights)."""
+    torch.manual_seed(seed)
+    model = build_model(config).eval()
+    attention = next(m for m in model.modules() if isinstance(m, MultiHeadAttention))
+    captured: list[tuple] = []
+
+    def record(q: Tensor, k: Tensor, v: Tensor, **kwargs: object) -> tuple[Tensor, Tensor | None]:
+        if q.shape[2] == 1:
+            captured.append((q, k, v, kwargs))
+        return scaled_dot_product_attention(q, k, v, **kwargs)
+
+    gen = _generator(seed)
+    tokens = torch.randint(1, config.vocab_size, (batch, keys), generator=gen)
+    with torch.inference_mode():
+        cache = model.new_cache(batch, config.max_seq_len)
+        model(tokens[:, :-1], cache=cache)
+        attention.kernel = record
+        model(tokens[:, -1:], cache=cache)
+    q, k, v, kwargs = captured[0]
+    return q, k, v, kwargs
+
+
+def _attention_path(q: Tensor, k: Tensor, kwargs: dict) -> str:
+    """Which of ``fast_attention``'s decode paths these inputs take (its own conditions, in order)."""
+    mask = kwargs.get("mask")
+    single = (q.shape[2] == 1 and kwargs.get("bias") is None and not kwargs.get("dropout_p")
+              and not kwargs.get("need_weights")
+              and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))))
+    if not single or q.shape[0] * q.shape[1] < MIN_DECODE_QUERIES:
+        return f"{FALLS_BACK} (plain function)"
+    return "GQA fold + written-out" if q.shape[1] != k.shape[1] else "single query, written-out"
+
+
+def attention_decode_cases(opt: Options) -> Iterator[Case]:
+    mha = ModelConfig(arch="decoder-only", vocab_size=8000, d_model=256, n_heads=4, n_layers=1, d_ff=1024,
+                      activation="gelu", norm_position="pre", positional="learned", scale_embeddings=False,
+                      tie_output=True, pad_id=None, max_seq_len=512)  # the decode benchmark's layout
+    gqa = ModelConfig(arch="decoder-only", vocab_size=1000, d_model=576, n_heads=9, n_kv_heads=3, n_layers=1,
+                      d_ff=1536, activation="swiglu", norm="rmsnorm", norm_position="pre", positional="rope",
+                      bias=False, scale_embeddings=False, tie_output=True, pad_id=None,
+                      max_seq_len=512)  # SmolLM2-135M's attention
+    if opt.quick:
+        settings = [("MHA 4 heads", mha, 16, 64), ("GQA 9/3 heads", gqa, 16, 64)]  # >= MIN_DECODE_QUERIES
+    else:  # ~144 keys: the decode benchmark's average (16 + 256 new tokens)
+        settings = [("MHA 4 heads (decode bench)", mha, 1, 144), ("MHA 4 heads (decode bench)", mha, 16, 144),
+                    ("GQA 9/3 heads (SmolLM2)", gqa, 1, 160), ("GQA 9/3 heads (SmolLM2)", gqa, 16, 160)]
+    for label, config, batch, keys in settings:
+        q, k, v, kwargs = _decode_inputs(config, batch, keys, opt.seed)
+        yield Case(f"{label}, batch {batch}, {keys} keys", _attention_path(q, k, kwargs),
+                   _inference(lambda q=q, k=k, v=v, kw=kwargs: scaled_dot_product_attention(q, k, v, **kw)),
+                   _inference(lambda q=q, k=k, v=v, kw=kwargs: fast_attention(q, k, v, **kw)))
+
+
+def _projected_heads(b: int, t: int, h: int, d_h: int, gen: torch.Generator) -> tuple[Tensor, Callable]:
+    """A leaf (b, t, 3 h d_h) fused q/k/v projection output and a function making q, k, v
+    (b, h, t, d_h) of it as ``MultiHeadAttention`` does (split, view, transpose)."""
+    qkv = torch.randn(b, t, 3 * h * d_h, generator=gen).requires_grad_()
+
+    def heads() -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = (x.view(b, t, h, d_h).transpose(1, 2) for x in qkv.split(h * d_h, dim=-1))
+        return q, k, v
+
+    return qkv, heads
+
+
+def _training_attention_cases(opt: Options, shapes: list[tuple[str, int, int, int, int]],
+                              dropout_p: float) -> Iterator[Case]:
+    for label, b, h, t, d_h in shapes:
+        gen = _generator(opt.seed)
+        qkv, heads = _projected_heads(b, t, h, d_h, gen)
+        grad = torch.randn(b, h, t, d_h, generator=gen)
+        q, k, v = heads()
+        if dropout_p:
+            path = "written-out + 16-bit dropout mask"
+        else:
+            path = "block causal" if use_block_causal(q, k, v, 0.0) else f"{FALLS_BACK} (SDPA)"
+
+        def step(kernel: Callable, heads: Callable = heads, grad: Tensor = grad, qkv: Tensor = qkv) -> None:
+            q, k, v = heads()
+            kernel(q, k, v, causal=True, dropout_p=dropout_p)[0].backward(grad)
+            qkv.grad = None
+
+        yield Case(f"{label}: {b} x {h} heads x {t} x {d_h}", path,
+                   lambda s=step: s(scaled_dot_product_attention), lambda s=step: s(fast_attention))
+
+
+def attention_block_causal_cases(opt: Options) -> Iterator[Case]:
+    shapes = ([("small", 4, 4, 128, 64)] if opt.quick else
+              [("decoder bench", 16, 4, 256, 64), ("seq2seq small decoder", 32, 4, 32, 64),
+               ("paper-base layer", 1, 8, 512, 64)])
+    return _training_attention_cases(opt, shapes, 0.0)
+
+
+def attention_dropout_cases(opt: Options) -> Iterator[Case]:
+    shapes = ([("small", 4, 4, 64, 64)] if opt.quick else
+              [("decoder bench", 16, 4, 256, 64), ("seq2seq small decoder", 32, 4, 32, 64)])
+    return _training_attention_cases(opt, shapes, 0.1)
+
+
+# ---------------------------------------------------------------- dropout
+
+
+def dropout_cases(opt: Options) -> Iterator[Case]:
+    shapes = ([(70, 20, 256)] if opt.quick else [(70, 20, 256), (16, 256, 256), (16, 256, 1024)])
+    plain = nn.Dropout(0.1).train()
+    fast = FastDropout(0.1).train()
+    for shape in shapes:
+        gen = _generator(opt.seed)
+        x = torch.randn(shape, generator=gen).requires_grad_()
+        g = torch.randn(shape, generator=gen)
+
+        def step(layer: nn.Module, x: Tensor = x, g: Tensor = g) -> None:
+            layer(x).backward(g)
+            x.grad = None
+
+        yield Case(" x ".join(str(s) for s in shape), "16-bit mask",
+                   lambda s=step: s(plain), lambda s=step: s(fast))
+
+
+# ---------------------------------------------------------------- fused output layer + loss
+
+
+def fused_loss_cases(opt: Options) -> Iterator[Case]:
+    shapes = ([("small", 8, 64, 64, 1000)] if opt.quick else
+              [("decoder bench", 16, 256, 256, 8000), ("paper-base, 768 real target tokens", 32, 24, 512, 37000)])
+    for label, b, t, d, vocab in shapes:
+        gen = _generator(opt.seed)
+        plain = nn.Linear(d, vocab, bias=False)
+        with torch.no_grad():
+            plain.weight.normal_(0.0, 0.02, generator=gen)
+        fast = _fast_copy(plain, FusedLossLinear)
+        hidden = torch.randn(b, t, d, generator=gen).requires_grad_()  # the final norm's output
+        targets = torch.randint(0, vocab, (b, t), generator=gen)
+        flat = targets.view(-1)
+        size = f"{b * t:,} x {d} -> {vocab:,}"
+
+        def core_plain(plain: nn.Linear = plain, hidden: Tensor = hidden, flat: Tensor = flat) -> None:
+            F.cross_entropy(F.linear(hidden.view(-1, hidden.shape[-1]), plain.weight), flat).backward()
+            _clear_grads(plain, hidden)
+
+        def core_fast(fast: nn.Module = fast, hidden: Tensor = hidden, flat: Tensor = flat) -> None:
+            fast.cross_entropy(hidden.view(-1, hidden.shape[-1]), flat, ignore_index=-100).nll_sum.backward()
+            _clear_grads(fast, hidden)
+
+        def trainer(head: nn.Module, hidden: Tensor = hidden, targets: Tensor = targets) -> None:
+            sequence_loss(ModelOutput(hidden_rows=hidden, head=head), targets).loss.backward()
+            _clear_grads(head, hidden)
+
+        yield Case(f"{label} {size}: cross_entropy vs F.linear + F.cross_entropy", "fused", core_plain, core_fast)
+        yield Case(f"{label} {size}: sequence_loss, fused head vs nn.Linear head", "fused",
+                   lambda f=trainer, m=plain: f(m), lambda f=trainer, m=fast: f(m))
+
+
+# ---------------------------------------------------------------- compiled decode step's products
+
+
+def compiled_matvec_cases(opt: Options) -> Iterator[Case]:
+    """Compiled afresh for every call of this function (once per thread count: Inductor's C++
+    kernels are generated for the thread count they were compiled under)."""
+    from benchmarks.matvec import Projections, compiled
+
+    layers = 4
+    torch.manual_seed(opt.seed)
+    model = Projections(d_model=576, d_ff=1536, kv_width=192, n_layers=layers, vocab=None).eval()  # SmolLM2's
+    n_weights = sum(lin.weight.numel() for lin in model.linears)
+
+    def with_matvec(xs: list[Tensor]) -> list[Tensor]:
+        with MatvecLinears():
+            return model(xs)
+
+    for rows in opt.compiled_rows:
+        torch._dynamo.reset()  # fresh graphs for this thread count and shape
+        gen = _generator(opt.seed)
+        xs = [torch.randn(rows, lin.in_features, generator=gen) for lin in model.linears]
+        x, w = xs[0], model.linears[0].weight
+        path = ("multiply + sum" if use_matvec(x, w) else "(W x^T)^T" if use_transposed(x, w)
+                else f"{FALLS_BACK} (F.linear)")
+        plain_fn, fast_fn = compiled(model), compiled(with_matvec)
+        yield Case(f"SmolLM2 projections x {layers} layers ({n_weights / 1e6:.1f}M weights), "
+                   f"{rows} row{'s' * (rows > 1)}", path,
+                   lambda f=plain_fn, xs=xs: f(xs), lambda f=fast_fn, xs=xs: f(xs))
+
+
+FACTORIES: dict[str, Callable[[Options], Iterator[Case]]] = {
+    "linear-onednn": linear_onednn_cases,
+    "linear-transposed": linear_transposed_cases,
+    "attention-decode": attention_decode_cases,
+    "attention-block-causal": attention_block_causal_cases,
+    "attention-dropout": attention_dropout_cases,
+    "dropout": dropout_cases,
+    "fused-loss": fused_loss_cases,
+    "compiled-matvec": compiled_matvec_cases,
+}
+
 
 KERNELS = tuple(FACTORIES)  # in the order the benchmark runs them
 TITLES = {

@@ -51,12 +51,7 @@ def aiayn_model(path, quantize: str) -> torch.nn.Module:
 
 
 def hf_runner(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[int], torch.Tensor]:
-    def run(n: int) -> torch.Tensor:
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0)
-        return out[:, ids.shape[1]:]
-    return run
+    return lambda n: common.hf_greedy(model, ids, n, min_new_tokens=n)
 
 
 def llama_python_runner(llm, ids: list[int]) -> Callable[[int], list[int]]:

@@ -54,12 +54,12 @@ def batch_rows(path: Path, ids: torch.Tensor, batches: list[int], new_tokens: in
 def peak_memory(path: Path, threads: int) -> dict[str, float]:
     """Peak resident MiB of a fresh process per peer (see the module docstring)."""
     out = {}
-    jobs = {"python + torch + aiayn, no model": [sys.executable, "-m", "benchmarks.generate_q4", "--rss", "none"],
-            "aiayn q4 (auto)": [sys.executable, "-m", "benchmarks.generate_q4", "--rss", "auto", str(path)],
-            "aiayn float32": [sys.executable, "-m", "benchmarks.generate_q4", "--rss", "float32", str(path)],
-            "llama.cpp": [sys.executable, "-m", "benchmarks.llama_cpp", "--rss", str(path)]}
-    for name, cmd in jobs.items():
-        done = subprocess.run([*cmd, "--threads", str(threads)], capture_output=True, text=True, timeout=1800)
+    jobs = {"python + torch + aiayn, no model": ("generate_q4", ("none", None)),
+            "aiayn q4 (auto)": ("generate_q4", ("auto", str(path))),
+            "aiayn float32": ("generate_q4", ("float32", str(path))), "llama.cpp": ("llama_cpp", (str(path),))}
+    for name, (module, child_args) in jobs.items():
+        child = f"from benchmarks.{module} import rss_child; rss_child(*{child_args!r}, threads={threads})"
+        done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=1800)
         lines = [line for line in done.stdout.splitlines() if line.startswith("peak_rss_mib")]
         if done.returncode != 0 or not lines:
             print(f"  {name}: failed ({done.stderr.strip().splitlines()[-1:]})")
@@ -74,8 +74,8 @@ def peak_memory(path: Path, threads: int) -> dict[str, float]:
     return out
 
 
-def _rss_child(mode: str, path: str | None, threads: int) -> None:
-    """The measured process: load, prefill 512 tokens, decode 128, print the peak."""
+def rss_child(mode: str, path: str | None, threads: int) -> None:
+    """The measured process of ``peak_memory``: load, prefill 512 tokens, decode 128, print the peak."""
     torch.set_num_threads(threads)
     if mode != "none":
         model = (packed_model(Path(path), "auto") if mode == "auto" else
@@ -134,12 +134,3 @@ def perplexity(path: Path, tokenizer, windows: int, threads: int) -> dict[str, f
             print(f"  {name} / llama.cpp perplexity = {out[name] / out['llama.cpp']:.4f}")
     return out
 
-
-if __name__ == "__main__":  # the child process of peak_memory
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rss", nargs="+", metavar=("MODE", "MODEL"), required=True)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    _rss_child(args.rss[0], args.rss[1] if len(args.rss) > 1 else None, args.threads)

@@ -32,18 +32,9 @@ import torch
 
 from aiayn import build_model
 from aiayn.device import prepare, resolve, synchronize
-from benchmarks import gpu_models
-from benchmarks.common import (
-    Timed,
-    count_params,
-    fmt_int,
-    header,
-    not_installed,
-    run_interleaved,
-    table,
-)
+from benchmarks import common, gpu_models
 
-MISSING_TRANSFORMERS = not_installed("transformers", ImportError(name="transformers"))
+MISSING_TRANSFORMERS = common.not_installed("transformers", ImportError(name="transformers"))
 GOALS = {"a": 1.3, "a_mfu": 0.45, "b": 1.2, "c_rate": 2000.0, "c": 1.5}  # the issue's targets
 
 
@@ -73,7 +64,7 @@ class Row:
 
     def __init__(self, device: torch.device, repeats: int, warmup: int, *, profile: bool = False) -> None:
         self.device, self.repeats, self.warmup, self.profile = device, repeats, warmup, profile
-        self.timed: list[Timed] = []
+        self.timed: list[common.Timed] = []
         self.failed: dict[str, str] = {}
         self.skipped: dict[str, str] = {}
         self.params: dict[str, int] = {}
@@ -88,7 +79,7 @@ class Row:
         except Exception as exc:  # a peer that cannot run here: say so, measure the others
             self.failed[name] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             return
-        self.timed.append(Timed(name, fn, iters=iters))
+        self.timed.append(common.Timed(name, fn, iters=iters))
         self.params[name] = params
 
     def skip(self, name: str, why: str) -> None:
@@ -96,37 +87,24 @@ class Row:
 
     def run(self) -> dict[str, float]:
         """Interleaved rounds (the device synchronised around each) -> median seconds per call, by peer."""
-        run_interleaved(self.timed, repeats=self.repeats, warmup=0, sync=lambda: synchronize(self.device))
+        common.run_interleaved(self.timed, repeats=self.repeats, warmup=0, sync=lambda: synchronize(self.device))
         return {p.name: p.median for p in self.timed}
 
     def report(self, unit: str, tokens: int, extra: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
         """The row's table (``extra``: more columns, by peer); -> tokens/s by peer."""
         extra = extra or {}
         headers = ["peer", "parameters", f"ms / {unit} (median)", "spread", "tokens/s", *extra]
-        rows = [[p.name, fmt_int(self.params[p.name]), f"{p.median * 1e3:.1f}", f"±{p.spread * 50:.0f}%",
-                 fmt_int(tokens / p.median), *(f"{c[p.name]:.3f}" if p.name in c else "-" for c in extra.values())]
+        rows = [[p.name, common.fmt_int(self.params[p.name]), f"{p.median * 1e3:.1f}", f"±{p.spread * 50:.0f}%",
+                 common.fmt_int(tokens / p.median), *(f"{c[p.name]:.3f}" if p.name in c else "-" for c in extra.values())]
                 for p in self.timed]
         rows += [[name, "-", f"failed: {why}", *["-"] * (len(headers) - 3)] for name, why in self.failed.items()]
         rows += [[name, "-", f"skipped: {why}", *["-"] * (len(headers) - 3)] for name, why in self.skipped.items()]
-        print(table(headers, rows) + "\n")
+        print(common.table(headers, rows) + "\n")
         if self.profile:
             for p in self.timed:
                 print(f"### {p.name}: torch.profiler, one call after the timed rounds\n\n```text\n"
-                      f"{profile_table(p.fn, self.device)}\n```\n", flush=True)
+                      f"{common.top_ops(p.fn, steps=1, device=self.device)}\n```\n", flush=True)
         return {p.name: tokens / p.median for p in self.timed}
-
-
-def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 15) -> str:
-    """The ops (kernels on a GPU) of one call of ``fn``, by the time they took on the device: where
-    a step's time goes, and whether a CUDA graph replayed (one graph launch instead of kernels)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        fn()
-        synchronize(device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def ratio(label: str, rates: dict[str, float], ours: str, theirs: str, target: float | None = None) -> None:
@@ -159,14 +137,14 @@ def row_a(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device,
         torch.manual_seed(0)
         model = build_model(gpu_models.gpt2_config(plan)).to(device).train()
         step = gpu_models.aiayn_step(model, gpu_models.make_adamw(model, device), (inputs,), targets, device, compiled=compiled)
-        return step, count_params(model)
+        return step, common.count_params(model)
 
     def hf(compiled: bool):
         torch.manual_seed(0)
         model = gpu_models.hf_gpt2(transformers, plan).to(device).train()
         run = torch.compile(model) if compiled else model
         forward = lambda x: run(input_ids=x, use_cache=False).logits  # noqa: E731
-        return gpu_models.logits_step(forward, gpu_models.make_adamw(model, device), (inputs, targets), device), count_params(model)
+        return gpu_models.logits_step(forward, gpu_models.make_adamw(model, device), (inputs, targets), device), common.count_params(model)
 
     row.add("aiayn", lambda: aiayn(False), iters=args.iters)
     row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
@@ -207,13 +185,13 @@ def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device)
         torch.manual_seed(0)
         model = build_model(config).to(device).train()
         step = gpu_models.aiayn_step(model, gpu_models.make_adamw(model, device), data[:2], data[2], device, compiled=compiled)
-        return step, count_params(model)
+        return step, common.count_params(model)
 
     def reference(compiled: bool):
         torch.manual_seed(0)
         model = gpu_models.torch_seq2seq(config).to(device).train()
         run = torch.compile(model) if compiled else model
-        return gpu_models.logits_step(run, gpu_models.make_adamw(model, device), data, device), count_params(model)
+        return gpu_models.logits_step(run, gpu_models.make_adamw(model, device), data, device), common.count_params(model)
 
     row.add("aiayn", lambda: aiayn(False), iters=args.iters)
     row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
@@ -257,7 +235,7 @@ def decode_batch(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.
     prompt = torch.randint(0, plan.gpt[0], (b, plan.prompt_len), generator=torch.Generator().manual_seed(b))
     prompt = prompt.to(device)
     row = Row(device, args.repeats, args.warmup, profile=args.profile)
-    params = count_params(model)
+    params = common.count_params(model)
     row.add("aiayn", lambda: (gpu_models.aiayn_decode(model, prompt, n, compile=False), params))
     row.add("aiayn compiled", lambda: (gpu_models.aiayn_decode(model, prompt, n, compile=True), params))
     for static, name in ((False, "transformers"), (True, "transformers static + compile")):
@@ -274,7 +252,7 @@ def decode_batch(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.
     if b == 1:
         best = max((rates[k] for k in ("aiayn", "aiayn compiled") if k in rates), default=None)
         verdict = "not measured" if best is None else ("met" if best >= GOALS["c_rate"] else "MISSED")
-        shown = "-" if best is None else fmt_int(best)
+        shown = "-" if best is None else common.fmt_int(best)
         print(f"* (c) aiayn batch 1 = **{shown}** tokens/s (goal >= {GOALS['c_rate']:,.0f}: {verdict})")
     if "aiayn" in rates and "transformers" in rates:
         calls = {p.name: p.fn for p in row.timed}
@@ -345,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_rows(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device) -> None:
     transformers = gpu_models.transformers_or_none()
-    header(f"aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}: "
+    common.header(f"aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}: "
            f"{gpu_models.device_name(device)} ({device}); transformers "
            f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}", args,
            dtype=f"bf16 autocast, decoding in {args.decode_dtype}")

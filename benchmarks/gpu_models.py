@@ -23,7 +23,7 @@ from aiayn.device import autocast, fused_optimizer
 from aiayn.generate import greedy_decoder_only
 from aiayn.models import get_preset
 from aiayn.train.losses import sequence_loss
-from benchmarks.common import quiet_transformers
+from benchmarks.common import hf_greedy, quiet_transformers
 from benchmarks.peers import TorchTransformerLM
 
 
@@ -172,15 +172,7 @@ def hf_decode(transformers, model: nn.Module, prompt: Tensor, new_tokens: int, *
     """transformers' greedy generate: its dynamic cache, or its static cache, whose decode step
     generate compiles (torch.compile, mode reduce-overhead: CUDA graphs) on CUDA."""
     extra = {"cache_implementation": "static", "compile_config": transformers.CompileConfig()} if static else {}
-    mask = torch.ones_like(prompt)
-
-    def run() -> Tensor:
-        with torch.inference_mode():
-            out = model.generate(prompt, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
-        return out[:, prompt.shape[1]:]
-
-    return run
+    return lambda: hf_greedy(model, prompt, new_tokens, min_new_tokens=new_tokens, eos_token_id=None, **extra)
 
 
 # ---- (d): the Multi30k recipe ---------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """llama.cpp as a peer, through the prebuilt CPU library of ``llama-cpp-cffi`` (its C API, without
 its Python package, which pins transformers < 5) -- imported without torch, so that a process can
-measure llama.cpp's own memory: ``python -m benchmarks.llama_cpp --rss MODEL.gguf`` loads the file,
-prefills a prompt, decodes greedily and prints its peak resident memory (``peak_rss_mib``).
+measure llama.cpp's own memory (``rss_child``: load the file, prefill a prompt, decode greedily,
+print the peak resident memory).
 
 ``LlamaCpp`` wraps a loaded model: greedy decoding of one prompt or of several in one batch (each
 prompt its own sequence, one token per sequence per ``llama_decode``), and the negative
@@ -10,7 +10,6 @@ log-likelihood of token windows from logits llama.cpp returns for every position
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -164,16 +163,8 @@ class LlamaCpp:
         return total, len(window) - 1
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="llama.cpp's peak resident memory for a greedy decode")
-    parser.add_argument("--rss", metavar="MODEL", required=True, help="A GGUF file.")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    args = parser.parse_args(argv)
-    LlamaCpp(args.rss, args.threads).greedy(list(range(100, 100 + args.prompt_tokens)))(args.new_tokens)
+def rss_child(path: str, threads: int) -> None:
+    """The measured process of ``generate_q4.peak_memory``: load, prefill 512 tokens, decode 128
+    greedily, print the peak resident memory."""
+    LlamaCpp(path, threads).greedy(list(range(100, 612)))(128)
     print(f"peak_rss_mib {peak_rss_mib():.1f}")
-
-
-if __name__ == "__main__":
-    main()

@@ -81,25 +81,12 @@ SHAPES = {
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0-2; bos = eos = 0
 
 
-def byte_level_alphabet() -> list[str]:
-    """GPT-2's 256 byte-level characters (``bytes_to_unicode``), in byte order: llama.cpp's BPE
-    vocabularies spell every token in them."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b], extra = chr(256 + extra), extra + 1
-    return [out[b] for b in range(256)]
-
-
 def tokenizer_metadata(vocab: int) -> dict[str, object]:
     """A minimal byte-level BPE of ``vocab`` tokens: 3 control tokens, the 256 byte tokens, one
     merge ("a b" -> "ab": ``tokenizers`` refuses a merge whose parts or result are missing, and
     llama.cpp refuses a BPE vocabulary without merges) and numbered fillers ("x0", "x1", ...: plain
     ASCII, spelt in the byte alphabet) up to the vocabulary size the shape asks for."""
-    tokens = [*CONTROL, *byte_level_alphabet(), "ab"]
+    tokens = [*CONTROL, *common.byte_level_alphabet(), "ab"]
     if vocab < len(tokens):
         raise ValueError(f"vocab {vocab} < the {len(tokens)} tokens a byte-level BPE needs")
     tokens += [f"x{i}" for i in range(vocab - len(tokens))]

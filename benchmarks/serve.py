@@ -30,16 +30,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import (
-    ROOT,
-    footer,
-    header,
-    hf_causal_lm,
-    load_peer,
-    percentile,
-    serving,
-    smollm2,
-)
+from benchmarks import common
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
@@ -79,7 +70,7 @@ def cpu_seconds(pid: int) -> float:
 
 def make_prompts(encode, n: int, length: int) -> list[list[int]]:
     """``n`` different prompts of exactly ``length`` token ids: windows of Tiny Shakespeare."""
-    corpus = Path(os.environ.get("AIAYN_DATA_DIR", ROOT.parent / "shared" / "data")) / "tinyshakespeare" / "input.txt"
+    corpus = Path(os.environ.get("AIAYN_DATA_DIR", common.ROOT.parent / "shared" / "data")) / "tinyshakespeare" / "input.txt"
     text = corpus.read_text(encoding="utf-8")[:200_000] if corpus.is_file() else PASSAGE * 200
     ids = encode(text)
     step = max(length, (len(ids) - length) // n)
@@ -161,14 +152,12 @@ def hf_static(model_path: Path, prompts: list[list[int]], new_tokens: int, threa
     import torch
 
     torch.set_num_threads(threads)
-    model = hf_causal_lm(model_path)
+    model = common.hf_causal_lm(model_path)
     ids = torch.tensor(prompts)
 
     def generate(n: int) -> tuple[float, float]:
         start, cpu = time.perf_counter(), time.process_time()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
+        common.hf_greedy(model, ids, n, min_new_tokens=n)
         return time.perf_counter() - start, time.process_time() - cpu
 
     generate(2)  # warm-up
@@ -182,8 +171,8 @@ def hf_static(model_path: Path, prompts: list[list[int]], new_tokens: int, threa
 
 
 def row(run: Run, clients: int | str, requests: int) -> str:
-    ttft = f"{percentile(run.ttft, 50):.2f} / {percentile(run.ttft, 99):.2f}" if run.ttft else "-"
-    itl = f"{1000 * percentile(run.itl, 50):.0f} / {1000 * percentile(run.itl, 99):.0f}" if run.itl else "-"
+    ttft = f"{common.percentile(run.ttft, 50):.2f} / {common.percentile(run.ttft, 99):.2f}" if run.ttft else "-"
+    itl = f"{1000 * common.percentile(run.itl, 50):.0f} / {1000 * common.percentile(run.itl, 99):.0f}" if run.itl else "-"
     return (f"| {run.label} | {clients} | {requests} | {run.tokens:,} | {run.wall:.1f} | {run.rate:.1f} | {ttft} | "
             f"{itl} | {run.cpu:.1f} | {run.cpu_rate:.1f} | {run.load[0]:.1f} -> {run.load[1]:.1f} |")
 
@@ -226,7 +215,7 @@ def serve_layout(args: argparse.Namespace, model_path: Path, layout: str, prompt
         print(row(*runs[-1]), flush=True)
         return run
 
-    with serving(serve_args(args, model_path, layout), port=args.port) as proc:
+    with common.serving(serve_args(args, model_path, layout), port=args.port) as proc:
         asyncio.run(serve_clients(url, "bench", warm_up, 1, 8, "warm-up", proc.pid))
         sequential = measure("one at a time", sequential_prompts, 1)
         by_clients = {n: measure("continuous batching", prompts_for[n], n) for n in args.clients}
@@ -237,18 +226,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from aiayn.textgen import read_text_model
 
-    model_path = smollm2(args.model)
+    model_path = common.smollm2(args.model)
     pool = make_prompts(read_text_model(model_path).encode, args.sequential + sum(args.clients) + 1,
                         args.prompt_tokens)
     prompts = prompt_sets(pool, args.sequential, args.clients)
     top = max(args.clients)
     weights = "float32" if args.quantize == "none" else f"--quantize {args.quantize}"
-    header(f"aiayn serve: {model_path.name} ({weights}), {args.prompt_tokens}-token prompts, {args.new_tokens} new "
+    common.header(f"aiayn serve: {model_path.name} ({weights}), {args.prompt_tokens}-token prompts, {args.new_tokens} new "
            "tokens, greedy", args, dtype=weights)
     runs: list[tuple[Run, int | str, int]] = []
     layouts = {layout: serve_layout(args, model_path, layout, prompts, runs) for layout in args.kv_layout}
     hf = None
-    if not args.no_hf and (loaded := load_peer("transformers", hf_static, model_path, prompts[2][top],
+    if not args.no_hf and (loaded := common.load_peer("transformers", hf_static, model_path, prompts[2][top],
                                                 args.new_tokens, args.threads)) is not None:
         hf, hf_first = loaded
         hf.ttft = [hf_first]
@@ -260,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         print(row(*run))
     print()
     summary(args, layouts, hf)
-    footer()
+    common.footer()
 
 
 def summary(args: argparse.Namespace, layouts: dict[str, tuple[Run, dict[int, Run], Run]], hf: Run | None) -> None:
@@ -273,9 +262,9 @@ def summary(args: argparse.Namespace, layouts: dict[str, tuple[Run, dict[int, Ru
         if hf is not None:
             print(f"* {top} clients / transformers static batch of {top}{which}: **{best.rate / hf.rate:.2f}x** "
                   f"(target >= 1.5x)")
-        print(f"* TTFT p99 at {top} clients{which}: **{percentile(best.ttft, 99):.2f} s** (target <= 2 s); the same "
+        print(f"* TTFT p99 at {top} clients{which}: **{common.percentile(best.ttft, 99):.2f} s** (target <= 2 s); the same "
               f"prompts served again (prefix-cache hits where the layout has a cache): "
-              f"{percentile(repeat.ttft, 99):.2f} s")
+              f"{common.percentile(repeat.ttft, 99):.2f} s")
         print(f"* by CPU time{which} (tokens per CPU second; less sensitive to other jobs, but spinning worker "
               f"threads count too): {top} clients / one at a time {best.cpu_rate / sequential.cpu_rate:.2f}x"
               + (f", / transformers {best.cpu_rate / hf.cpu_rate:.2f}x" if hf is not None else ""))

@@ -61,13 +61,9 @@ MFU_TARGET = 0.6
 BF16 = False  # aiayn train's autocast setting (TrainConfig.bf16) for the aiayn rows: off, float32 as every peer
 
 
-FUSED_ADAM = True  # set from --adam
-
-
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """The same Adam for every peer: torch's fused kernel (``--adam fused``) or its for-loop one."""
-    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                            fused=FUSED_ADAM or None)
+    """The same Adam for every peer: torch's fused kernel, its fastest on CPU."""
+    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
 
 
 def padded_batch(batch: int, length: int, vocab: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -241,9 +237,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="residual/embedding, attention and activation dropout of every peer (default 0)")
     parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
-    parser.add_argument("--adam", choices=["fused", "for-loop"], default="fused",
-                        help="torch Adam implementation, the same for every peer (default fused: "
-                             "torch's fastest on CPU)")
     parser.add_argument("--no-plain", action="store_true",
                         help=f"skip the '{PLAIN}' row (the same model without aiayn.fast.optimize: "
                              "MKL matmuls, SDPA attention, logits then the loss; aiayn train --plain)")
@@ -253,8 +246,6 @@ def main(argv: list[str] | None = None) -> None:
     common.add_common_args(parser, repeats=7, warmup=3)
     args = parser.parse_args(argv)
     common.setup(args)
-    global FUSED_ADAM
-    FUSED_ADAM = args.adam == "fused"
     quiet()
     drop = Dropouts(args.dropout, args.dropout, args.dropout)
     suites = ["small", "paper-base", "decoder"] if args.suite == "all" else [args.suite]
