@@ -153,7 +153,7 @@ def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, ca
     whole = cache.valid.device.type in WHOLE_BUFFER_DEVICES
     step = _compiled(model, "whole" if whole else "prefix", cache.valid.device)
     if memory_valid is not None:  # the source length: symbolic, one graph for every length
-        for tensor in (memory_valid, *[t for kv in cache.cross for t in (kv.k, kv.v)]):
+        for tensor in (memory_valid, *[t for kv in cache.cross or [] for t in kv]):
             torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1 if tensor is memory_valid else 2)
     slot = torch.full((1,), slots.start, dtype=torch.long, device=tokens.device)  # made on the device: no copy
     if whole:  # every slot, under the validity mask: static shapes for a CUDA graph
@@ -210,12 +210,12 @@ def _check_memory(model: DecoderOnly | EncoderDecoder, cache: KVCache, memory_va
         return
     if memory_valid is None:
         raise ValueError("an encoder-decoder's compiled step needs memory_valid (batch, source length)")
-    if not cache.cross or cache.cross[0].k is None:
+    if cache.cross is None:
         raise ValueError("the compiled step continues a cache whose cross-attention keys and values are "
                          "filled: run the first step (bos, with the encoder's memory) without compile")
-    if memory_valid.shape != (cache.batch_size, cache.cross[0].k.shape[2]):
+    if memory_valid.shape != (cache.batch_size, cache.cross[0][0].shape[2]):
         raise ValueError(f"memory_valid must be (batch, source length) = "
-                         f"{(cache.batch_size, cache.cross[0].k.shape[2])}, got {tuple(memory_valid.shape)}")
+                         f"{(cache.batch_size, cache.cross[0][0].shape[2])}, got {tuple(memory_valid.shape)}")
 
 
 def reorder_rows_in_place(cache: KVCache, rows: Tensor) -> None:
@@ -240,7 +240,7 @@ def _mark_static(cache: KVCache) -> None:
     graph then reads and writes them in place instead of copying them in at every replay."""
     if getattr(cache, "_static_marked", False):
         return
-    cross = [t for kv in cache.cross if kv.k is not None and kv.v is not None for t in (kv.k, kv.v)]
+    cross = [t for kv in cache.cross or [] for t in kv]
     mark_static(cache.valid, cache.positions, *[t for layer in cache.layers for t in (layer.k, layer.v)], *cross)
     cache._static_marked = True  # type: ignore[attr-defined]
 

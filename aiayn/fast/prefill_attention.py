@@ -15,7 +15,7 @@ from torch import Tensor
 
 from aiayn.fast import switch
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import ROWS, LayerKVCache, StaticKV
+from aiayn.nn.kv_cache import ROWS, LayerKVCache
 from aiayn.nn.paged_kv_cache import PagedLayerKVCache
 
 
@@ -51,7 +51,7 @@ def prepared_mask(mask: Tensor, dtype: torch.dtype) -> PreparedMask:
     return entry
 
 
-def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionInputs, max_queries: int) -> bool:
+def applies(q: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None, inputs: AttentionInputs, max_queries: int) -> bool:
     """Whether ``prefill_cache_attention`` takes this call (the module docstring's conditions)."""
     mask = inputs.mask
     return (isinstance(cache, PagedLayerKVCache) and cache.read_blocks is not None

@@ -24,7 +24,7 @@ from aiayn.config import ModelConfig
 from aiayn.device import to_device
 from aiayn.nn import data_checks
 from aiayn.nn.attention import AttentionInputs, MultiHeadAttention
-from aiayn.nn.kv_cache import BaseKVCache, LayerCache, Slots, StaticKV
+from aiayn.nn.kv_cache import BaseKVCache, LayerCache, Slots
 from aiayn.nn.masks import combine_masks, key_mask, position_causal_mask, valid_tokens
 from aiayn.nn.mlp import FeedForward
 from aiayn.nn.norm import make_norm
@@ -61,7 +61,7 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(c.dropout)  # residual dropout, P_drop in the paper
 
     def forward(self, x: Tensor, inputs: StackInputs | None = None, *,
-                cache: LayerCache | None = None, cross_cache: StaticKV | None = None,
+                cache: LayerCache | None = None, cross_cache: tuple[Tensor, Tensor] | None = None,
                 need_weights: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights).
 
@@ -282,7 +282,7 @@ class TransformerStack(nn.Module):
 
         cross_attn = None
         if self.has_cross:
-            if memory is None and (cache is None or cache.cross[0].k is None):
+            if memory is None and (cache is None or cache.cross is None):
                 raise ValueError("the decoder needs memory= (the encoder output) for cross-attention")
             if memory is not None:  # once here: the blocks' cross-attention does not check it
                 self._check_memory(tokens, memory, memory_valid, memory_packing)
@@ -420,10 +420,11 @@ class TransformerStack(nn.Module):
         if inputs.packing is not None:
             x = inputs.packing.pack(x)  # (n, d): the real tokens only
         out = StackOutput(hidden=x, valid=inputs.valid, packing=inputs.packing)
+        cross = self._cross_kv(inputs, cache) if cache is not None and self.has_cross else None
         for i, block in enumerate(self.blocks):
             x, self_weights, cross_weights = block(
                 x, inputs, cache=cache.layers[i] if cache is not None else None,
-                cross_cache=cache.cross[i] if cache is not None and self.has_cross else None,
+                cross_cache=cross[i] if cross is not None else None,
                 need_weights=need_weights)
             if need_weights:
                 out.attentions.append(self_weights)
@@ -431,3 +432,12 @@ class TransformerStack(nn.Module):
                     out.cross_attentions.append(cross_weights)
         out.hidden = self.final_norm(x) if self.final_norm is not None else x
         return out
+
+    def _cross_kv(self, inputs: StackInputs, cache: BaseKVCache) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's cross-attention keys and values, kept in ``cache``: projected from the encoder
+        output by the first forward over the cache, reused by the later ones."""
+        if cache.cross is None:
+            packing = inputs.cross_attn.memory_packing if inputs.cross_attn is not None else None
+            cache.cross = [block.cross_attn.project_kv(inputs.memory, packing)  # type: ignore[union-attr, arg-type]
+                           for block in self.blocks]
+        return cache.cross

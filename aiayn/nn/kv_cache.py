@@ -260,30 +260,19 @@ class LayerKVCache(LayerCache):
         return sum(getattr(self, name).nbytes for name in self._row_buffers)
 
 
-@dataclass
-class StaticKV:
-    """Cross-attention keys and values of one layer: computed once from the encoder output."""
-
-    k: Tensor | None = None
-    v: Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.k is None or self.v is None else self.k.nbytes + self.v.nbytes
-
-
 class BaseKVCache:
     """What every model-wide cache holds: its layers' caches, and per slot (b, s_max) ``valid``
     (a real token, not padding) and ``positions`` (its position id), so later steps can mask padded
     keys and compute relative-position biases without the earlier tokens. ``length``: the slots
-    the last forward attended over. ``cross``: one ``StaticKV`` per decoder layer of an
-    encoder-decoder. Subclasses add how a forward's new slots are reserved (``reserve``)."""
+    the last forward attended over. ``cross``: an encoder-decoder's cross-attention keys and values,
+    one (k, v) pair (b, h_kv, s, d_h) each per decoder layer, computed from the encoder output by
+    the first forward (None until then). Subclasses add how a forward's new slots are reserved (``reserve``)."""
 
     def __init__(self, layers: Sequence[LayerCache], *, batch_size: int, max_len: int,
-                 device: torch.device | str | None, quantize: str | None, cross_attention: bool) -> None:
+                 device: torch.device | str | None, quantize: str | None) -> None:
         self.layers = list(layers)
         self.quantize = quantize
-        self.cross = [StaticKV() for _ in self.layers] if cross_attention else []
+        self.cross: list[tuple[Tensor, Tensor]] | None = None
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.length = 0
@@ -298,7 +287,7 @@ class BaseKVCache:
     def cross_nbytes(self) -> int:
         """Bytes of the cross-attention keys/values (encoder-decoder; 0 until the first decode step
         computes them from the encoder output)."""
-        return sum(kv.nbytes for kv in self.cross)
+        return sum(k.nbytes + v.nbytes for k, v in self.cross or [])
 
     @property
     def nbytes(self) -> int:
@@ -326,8 +315,7 @@ class KVCache(BaseKVCache):
             )
         layers = [LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, quantize=quantize, group_size=group_size,
                                dtype=dtype, device=device) for _ in range(n_layers)]
-        super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize,
-                         cross_attention=cross_attention)
+        super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize)
 
     def reserve(self, new_valid: Tensor, new_positions: Tensor) -> Slots:
         """Record t new slots (their validity and positions, (b, t)); return them, a run from
@@ -375,10 +363,8 @@ class KVCache(BaseKVCache):
             layer.reorder(indices, self.length)
         self.valid = self.valid.index_select(0, indices)
         self.positions = self.positions.index_select(0, indices)
-        if cross:
-            for kv in self.cross:
-                if kv.k is not None and kv.v is not None:
-                    kv.k, kv.v = kv.k.index_select(0, indices), kv.v.index_select(0, indices)
+        if cross and self.cross is not None:
+            self.cross = [(k.index_select(0, indices), v.index_select(0, indices)) for k, v in self.cross]
         self.batch_size = indices.shape[0]
 
     def repeat_interleave(self, n: int) -> None:
@@ -389,5 +375,4 @@ class KVCache(BaseKVCache):
         """Forget all tokens (buffers stay allocated)."""
         self.length = 0
         self.valid.zero_()
-        for cross in self.cross:
-            cross.k = cross.v = None
+        self.cross = None

@@ -86,8 +86,7 @@ class RowCache(BaseKVCache):
 
     def __init__(self, layers: Sequence[LayerCache], *, batch_size: int, max_len: int,
                  device: torch.device | str | None, quantize: str | None) -> None:
-        super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize,
-                         cross_attention=False)
+        super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.valid.device)
         # The host mirror of ``lengths``: one list for the whole cache, shared by its views (a view
         # sees its rows from ``_first`` on), so a write through a view is seen by the cache.
