@@ -14,7 +14,7 @@ from torch import Tensor
 from aiayn.fast import prefill_attention, switch
 from aiayn.fast.paged_attention_build import kernel_ops
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import ROWS, LayerKVCache
+from aiayn.nn.kv_layer import ROWS, LayerKVCache
 from aiayn.nn.paged_kv_cache import PagedLayerKVCache
 
 # Queries per row up to which the kernel (one query at a time, no matrix products) replaces SDPA.

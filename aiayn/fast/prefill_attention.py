@@ -15,7 +15,7 @@ from torch import Tensor
 
 from aiayn.fast import switch
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import ROWS, LayerKVCache
+from aiayn.nn.kv_layer import ROWS, LayerKVCache
 from aiayn.nn.paged_kv_cache import PagedLayerKVCache
 
 

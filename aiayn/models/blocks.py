@@ -24,7 +24,8 @@ from aiayn.config import ModelConfig
 from aiayn.device import to_device
 from aiayn.nn import data_checks
 from aiayn.nn.attention import AttentionInputs, MultiHeadAttention
-from aiayn.nn.kv_cache import BaseKVCache, LayerCache, Slots
+from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.kv_layer import LayerCache, Slots
 from aiayn.nn.masks import combine_masks, key_mask, position_causal_mask, valid_tokens
 from aiayn.nn.mlp import FeedForward
 from aiayn.nn.norm import make_norm
@@ -36,7 +37,6 @@ from aiayn.nn.positional import (
     SinusoidalPositionalEncoding,
     T5RelativeBias,
 )
-from aiayn.nn.row_kv_cache import RowCache
 
 
 class TransformerBlock(nn.Module):
@@ -130,7 +130,7 @@ class RaggedBatch:
 
     tokens: Tensor  # (b, t) long
     counts: list[int]  # b ints, each in [1, t]
-    cache: RowCache
+    cache: KVCache  # per row
 
 
 @dataclass
@@ -236,7 +236,7 @@ class TransformerStack(nn.Module):
     def forward(self, tokens: Tensor, *, valid: Tensor | None = None,
                 positions: Tensor | None = None, segments: Tensor | None = None,
                 memory: Tensor | None = None, memory_valid: Tensor | None = None,
-                memory_packing: Packing | None = None, cache: BaseKVCache | None = None,
+                memory_packing: Packing | None = None, cache: KVCache | None = None,
                 need_weights: bool = False, pack: bool = False) -> StackOutput:
         """tokens (b, t) -> hidden (b, t, d): ``prepare`` (its arguments), then ``run``."""
         inputs = self.prepare(tokens, valid=valid, positions=positions, segments=segments, memory=memory,
@@ -247,7 +247,7 @@ class TransformerStack(nn.Module):
     def prepare(self, tokens: Tensor, *, valid: Tensor | None = None,
                 positions: Tensor | None = None, segments: Tensor | None = None,
                 memory: Tensor | None = None, memory_valid: Tensor | None = None,
-                memory_packing: Packing | None = None, cache: BaseKVCache | None = None,
+                memory_packing: Packing | None = None, cache: KVCache | None = None,
                 need_weights: bool = False, pack: bool = False) -> StackInputs:
         """The inputs ``run`` takes for tokens (b, t): the checks and bookkeeping (validity,
         positions, the cache's new slots, masks, positional bias or rotation, packing).
@@ -316,7 +316,7 @@ class TransformerStack(nn.Module):
         so a step that decodes some rows and prefills others reads the weights once, not once per
         batch (vLLM's mixed prefill/decode step); each batch's attention runs over its own cache
         and masks as ``forward`` would build them. Decoder-only stacks, per-row caches
-        (``RowKVCache``, ``PagedKVCache``, or views of their rows), no weights. Each batch's results
+        (``KVCache(per_row=True)``, ``PagedKVCache``, or views of their rows), no weights. Each batch's results
         equal ``forward`` on it alone with ``cache`` (tests/consistency/test_ragged_forward.py).
         """
         if self.has_cross or self.segment_embedding is not None:
@@ -325,8 +325,8 @@ class TransformerStack(nn.Module):
         for batch in batches:
             check_tokens("tokens", batch.tokens, self.embedding.num_embeddings)
             b, t = batch.tokens.shape
-            if not isinstance(batch.cache, RowCache):
-                raise TypeError("forward_ragged needs per-row caches (RowKVCache or PagedKVCache, or views of "
+            if not batch.cache.per_row:
+                raise TypeError("forward_ragged needs per-row caches (per_row=True or PagedKVCache, or views of "
                                 f"their rows), got {type(batch.cache).__name__}")
             if len(batch.counts) != b or min(batch.counts, default=1) < 1:
                 raise ValueError(f"a ragged batch of {b} rows needs {b} counts, each in [1, {t}], got {batch.counts}")
@@ -346,7 +346,7 @@ class TransformerStack(nn.Module):
         hidden = self.final_norm(x) if self.final_norm is not None else x
         return hidden, [inputs.packing for inputs in parts]  # type: ignore[misc]
 
-    def _positions(self, valid: Tensor, positions: Tensor | None, cache: BaseKVCache | None) -> Tensor:
+    def _positions(self, valid: Tensor, positions: Tensor | None, cache: KVCache | None) -> Tensor:
         """(b, t) position ids: ``positions`` if given, else real tokens counted (left padding and
         earlier cached tokens do not shift them); checked against ``max_seq_len``."""
         if positions is None:
@@ -372,7 +372,7 @@ class TransformerStack(nn.Module):
                              f"truncate it) or use a model with a larger max_seq_len")
         return positions
 
-    def _self_attention_inputs(self, valid: Tensor, positions: Tensor, cache: BaseKVCache | None, *,
+    def _self_attention_inputs(self, valid: Tensor, positions: Tensor, cache: KVCache | None, *,
                                pack: bool = False, packing: Packing | None = None) -> AttentionInputs:
         """The self-attention inputs of new tokens ``valid``/``positions`` (b, t): their slots in
         ``cache`` (reserved here), the key mask over cached + new keys, causality, the positional
@@ -412,7 +412,7 @@ class TransformerStack(nn.Module):
         return AttentionInputs(mask=mask, bias=bias, causal=causal, rotary=rotary, slots=slots,
                                packing=packing)
 
-    def run(self, tokens: Tensor, inputs: StackInputs, *, cache: BaseKVCache | None = None,
+    def run(self, tokens: Tensor, inputs: StackInputs, *, cache: KVCache | None = None,
             need_weights: bool = False) -> StackOutput:
         """Embeddings -> blocks -> final norm, on prepared inputs: tensor work only (nothing read
         back into Python), so ``torch.compile`` traces it whole (``aiayn.fast.compiled_decode``)."""
@@ -433,7 +433,7 @@ class TransformerStack(nn.Module):
         out.hidden = self.final_norm(x) if self.final_norm is not None else x
         return out
 
-    def _cross_kv(self, inputs: StackInputs, cache: BaseKVCache) -> list[tuple[Tensor, Tensor]]:
+    def _cross_kv(self, inputs: StackInputs, cache: KVCache) -> list[tuple[Tensor, Tensor]]:
         """Every layer's cross-attention keys and values, kept in ``cache``: projected from the encoder
         output by the first forward over the cache, reused by the later ones."""
         if cache.cross is None:

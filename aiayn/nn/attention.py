@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.nn.kv_cache import LayerCache, Slots
+from aiayn.nn.kv_layer import LayerCache, Slots
 from aiayn.nn.masks import AttentionMasks, attention_masks
 from aiayn.nn.packing import Packing
 from aiayn.nn.positional import apply_rotary

@@ -1,6 +1,6 @@
 """A paged KV cache: keys and values in a pool of fixed-size blocks, a block table per row.
 
-``RowKVCache`` gives each row a slot of ``max_len`` tokens: memory follows the longest possible
+A per-row ``KVCache`` gives each row a slot of ``max_len`` tokens: memory follows the longest possible
 request. ``PagedKVCache`` follows vLLM's PagedAttention (Kwon et al., 2023): every layer keeps its
 keys and values in one pool of ``n_blocks`` blocks of ``block_size`` tokens, (n_blocks, block_size,
 h_kv, d_h) each, and row i holds a block table, the ids of the blocks that hold its tokens in order
@@ -18,11 +18,11 @@ writes the new keys and values into their pool slots (``store``: ``index_copy_``
 contiguous layout ``F.scaled_dot_product_attention`` wants (``gather``: ``index_select`` of whole
 blocks by the (b, n) block table, padded with the null block, viewed as (b, n * block_size, h_kv,
 d_h) and cut to the extent the rows need). That gather is the price of paging on top of
-``RowKVCache``'s in-place read. On the CPU, a model converted by ``aiayn.fast.optimize`` skips it
+the per-row ``KVCache``'s in-place read. On the CPU, a model converted by ``aiayn.fast.optimize`` skips it
 for decode steps: ``aiayn.fast.paged_attention`` stores the keys and reads the pool in place through
 ``read_blocks`` (a C++ kernel; ``python -m benchmarks.kv_cache --paged`` measures both).
 
-Everything else is ``RowKVCache``'s contract, so the stacks and the serve engine use it the same
+Everything else is the per-row ``KVCache``'s contract (``PagedKVCache`` derives from it), so the stacks and the serve engine use it the same
 way: per-row logical ``valid``/``positions``/``lengths`` (causality from positions), views of row
 ranges (``rows``), ``swap_rows`` (here a swap of two tables: no keys move), ``clear_row``,
 ``expect`` and ``host_lengths``: **nothing is read back from the device** (the slots and tables
@@ -30,7 +30,7 @@ are built from host numbers and copied to the device; tests/serve/test_no_device
 Padding tokens of a right-padded forward write into the null block and are masked.
 
 Quantised keys and values (int8/int4) are not supported here: a quantised cache is refused with
-a clear error (use ``RowKVCache``, the fixed slots, for them).
+a clear error (use a per-row ``KVCache``, the fixed slots, for them).
 
 Shape letters: b rows, t new tokens, n blocks per row, B block_size, h_kv key/value heads, d_h head width.
 """
@@ -46,8 +46,8 @@ from torch import Tensor
 from aiayn.device import to_device
 from aiayn.nn.block_pool import NULL_BLOCK, BlockPool
 from aiayn.nn.block_tables import BlockTables
-from aiayn.nn.kv_cache import ROWS, LayerCache, Slots
-from aiayn.nn.row_kv_cache import RowCache, _swap
+from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.kv_layer import ROWS, LayerCache, Slots
 
 
 class PagedLayerKVCache(LayerCache):
@@ -105,7 +105,7 @@ class PagedLayerKVCache(LayerCache):
         return keys.transpose(1, 2), values.transpose(1, 2)  # (b, h_kv, read_end, d_h)
 
 
-class PagedKVCache(RowCache):
+class PagedKVCache(KVCache):
     """``rows`` sequences over a pool of ``n_blocks`` blocks of ``block_size`` tokens per layer (block 0
     the null block); each row holds up to ``max_len`` tokens. Decoder self-attention only.
 
@@ -115,6 +115,8 @@ class PagedKVCache(RowCache):
     scheduler, as it plans) has the device state ``follow`` them before the next forward.
     """
 
+    _full_hint = "send fewer tokens"
+
     def __init__(self, *, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
                  n_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, cross_attention: bool = False,
@@ -123,14 +125,14 @@ class PagedKVCache(RowCache):
             raise ValueError("PagedKVCache is for decoder-only self-attention; it holds no cross-attention")
         if quantize is not None:
             raise ValueError(f"the paged KV cache holds float keys and values; a {quantize} cache needs the "
-                             f"fixed slots (RowKVCache; aiayn serve --kv-layout slots)")
+                             f"fixed slots (a per-row KVCache; aiayn serve --kv-layout slots)")
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(f"PagedKVCache needs positive batch_size and max_len, got {batch_size} and {max_len}")
         self.tables = BlockTables(batch_size, max_len, n_blocks, block_size)
         self.block_size = block_size
         layers = [PagedLayerKVCache(n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
                   for _ in range(n_layers)]
-        super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=None)
+        self._start(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=None, per_row=True)
         self.layers: list[PagedLayerKVCache] = layers
         self._host = self.tables.lengths  # the host lengths are the tables' (shared with the views)
 
@@ -209,8 +211,7 @@ class PagedKVCache(RowCache):
             if not all(0 <= r < self.batch_size for r in rows):
                 raise ValueError(f"a move of rows {list(move[1:])} lies outside this view of the cache")
             if move[0] == "swap":
-                for buffer in (self.valid, self.positions, self.lengths):  # (b, max_len), (b, max_len), (b,)
-                    _swap(buffer[rows[0]], buffer[rows[1]])
+                self._swap_row_state(rows[0], rows[1])
             elif move[0] == "clear":
                 # In-place fills of views: a host scalar assigned would be a (synchronizing) copy.
                 self.lengths[rows[0]].zero_()
