@@ -25,7 +25,7 @@ from aiayn.device import to_device
 from aiayn.nn import data_checks
 from aiayn.nn.attention import AttentionInputs, MultiHeadAttention
 from aiayn.nn.kv_cache import KVCache
-from aiayn.nn.kv_layer import LayerCache, Slots
+from aiayn.nn.kv_layer import LayerKVCache, Slots
 from aiayn.nn.masks import combine_masks, key_mask, position_causal_mask, valid_tokens
 from aiayn.nn.mlp import FeedForward
 from aiayn.nn.norm import make_norm
@@ -61,7 +61,7 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(c.dropout)  # residual dropout, P_drop in the paper
 
     def forward(self, x: Tensor, inputs: StackInputs | None = None, *,
-                cache: LayerCache | None = None, cross_cache: tuple[Tensor, Tensor] | None = None,
+                cache: LayerKVCache | None = None, cross_cache: tuple[Tensor, Tensor] | None = None,
                 need_weights: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights).
 
@@ -85,7 +85,7 @@ class TransformerBlock(nn.Module):
             x = self._add(x, h, self.cross_attn_norm)
         return self._feed_forward(x), self_weights, cross_weights
 
-    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerCache]]) -> Tensor:
+    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
         """Several batches' real tokens in one pass, x (n, d) packed batch after batch
         (``TransformerStack.forward_ragged``): every sublayer but the attention core runs once over
         all of them; the core per batch, over its own cache (``MultiHeadAttention.forward_ragged``)."""

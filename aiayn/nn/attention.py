@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.nn.kv_layer import LayerCache, Slots
+from aiayn.nn.kv_layer import LayerKVCache, Slots
 from aiayn.nn.masks import AttentionMasks, attention_masks
 from aiayn.nn.packing import Packing
 from aiayn.nn.positional import apply_rotary
@@ -215,14 +215,13 @@ class MultiHeadAttention(nn.Module):
         return self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *,
-                inputs: AttentionInputs | None = None, cache: LayerCache | tuple[Tensor, Tensor] | None = None,
+                inputs: AttentionInputs | None = None, cache: LayerKVCache | tuple[Tensor, Tensor] | None = None,
                 need_weights: bool = False, checked: bool = False) -> tuple[Tensor, Tensor | None]:
         """Attend from x (b, t, d) to itself or to ``memory`` (b, s, d) -> (output (b, t, d), or (n, d)
         packed; weights (b, h, t, t_k) with ``need_weights``, else None).
 
         inputs: masks, bias, rotation, cache slots and packing (masks cover the cached keys too).
-        cache: a ``LayerCache`` (self-attention: written at ``inputs.slots``), or the memory's keys and
-            values (cross-attention: a (k, v) pair kept by the model-wide cache, used instead of ``memory``).
+        cache: a ``LayerKVCache`` (self-attention: written at ``inputs.slots``) or a (k, v) pair (cross).
         checked: skip the input checks (a stack checks once)."""
         inputs = inputs or _NO_INPUTS
         packing = inputs.packing
@@ -230,7 +229,7 @@ class MultiHeadAttention(nn.Module):
             self._check_inputs(x, memory, inputs)
         if self.cross:
             q = self._heads(self.q_proj(x), self.n_heads, packing)  # (b, h, t, d_h)
-            k, v = cache if isinstance(cache, tuple) else self._memory_kv(memory, inputs.memory_packing)
+            k, v = self._memory_kv(memory, inputs.memory_packing, cache)  # (b, h_kv, s, d_h) each
             out, weights = self._kernel(q, k, v, inputs, need_weights, checked)  # (b, h, t, d_h)
         else:
             out, weights = self._attend_self(self.qkv_proj(x), inputs, cache, need_weights, checked)
@@ -255,7 +254,7 @@ class MultiHeadAttention(nn.Module):
             need_weights=need_weights or self.impl == "reference",
         )  # (b, h, t, d_h), weights
 
-    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerCache]]) -> Tensor:
+    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
         """Self-attention of several batches in one pass: x (n_1 + ... + n_g, d) holds each batch's real
         tokens packed; the projections run once over all of them (one read of the weights), the
         attention core once per batch over its own cache. No weights, no dropout."""
@@ -272,7 +271,7 @@ class MultiHeadAttention(nn.Module):
                 for part, (inputs, cache) in zip(parts, batches, strict=True)]  # (n_i, h * d_h) each
         return self.out_proj(torch.cat(outs))  # (sum n_i, d)
 
-    def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerCache | tuple[Tensor, Tensor] | None,
+    def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerKVCache | tuple[Tensor, Tensor] | None,
                      need_weights: bool, checked: bool = True) -> tuple[Tensor, Tensor | None]:
         """Self-attention from the projected qkv (b, t, q + 2 kv) or (n, q + 2 kv) -> (out, weights or None)."""
         packing = inputs.packing
@@ -297,17 +296,20 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h * d_h)
         return packing.pack(out) if packing is not None else out
 
-    def _memory_kv(self, memory: Tensor | None, memory_packing: Packing | None) -> tuple[Tensor, Tensor]:
-        """Cross-attention keys and values of ``memory``, 2 x (b, h_kv, s, d_h)."""
+    def _memory_kv(self, memory: Tensor | None, memory_packing: Packing | None,
+                   cache: LayerKVCache | tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys and values, 2 x (b, h_kv, s, d_h): the cache's pair, or projected from ``memory``."""
+        if isinstance(cache, tuple):
+            return cache
         if memory is None:
             raise ValueError("MultiHeadAttention(cross=True) needs memory= (the encoder output)")
         return self.project_kv(memory, memory_packing)
 
     @staticmethod
-    def _cached_kv(cache: LayerCache | tuple[Tensor, Tensor], k: Tensor, v: Tensor,
+    def _cached_kv(cache: LayerKVCache | tuple[Tensor, Tensor], k: Tensor, v: Tensor,
                    inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
         """Write the new k, v (b, h_kv, t, d_h) into the cache; the keys attention runs over."""
-        if not isinstance(cache, LayerCache):
+        if not isinstance(cache, LayerKVCache):
             raise ValueError("self-attention takes a LayerKVCache (a (k, v) pair is for cross-attention)")
         if inputs.slots is None:
             raise ValueError("self-attention over a cache needs inputs.slots (the cache's reserve)")

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from aiayn.device import to_device
 from aiayn.nn import data_checks
-from aiayn.nn.kv_layer import LayerCache, LayerKVCache, Slots
+from aiayn.nn.kv_layer import LayerKVCache, Slots
 from aiayn.nn.kv_memory import (  # noqa: F401  (the estimate, importable from here too)
     cache_sizes,
     describe_kv_cache,
@@ -93,7 +93,7 @@ class KVCache:
         self._start(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize,
                     per_row=per_row)
 
-    def _start(self, layers: Sequence[LayerCache], *, batch_size: int, max_len: int,
+    def _start(self, layers: Sequence[LayerKVCache], *, batch_size: int, max_len: int,
                device: torch.device | str | None, quantize: str | None, per_row: bool) -> None:
         """The state every cache holds, whatever its layers' layout."""
         self.layers = list(layers)

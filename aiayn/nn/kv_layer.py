@@ -16,7 +16,6 @@ quantised on write, dequantised when the attention reads them back.
 from __future__ import annotations
 
 import copy
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -69,27 +68,6 @@ class Slots:
         return self.kind != RUN and self.kind != SLOT
 
 
-class LayerCache(ABC):
-    """One self-attention layer's keys and values, ``k`` and ``v``: what attention writes and reads."""
-
-    k: Tensor
-    v: Tensor
-    max_len: int
-
-    @abstractmethod
-    def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
-        """Store new k, v (b, h_kv, t, d_h) at ``slots``; return every row's keys and values over
-        slots [0, slots.end): 2 x (b, h_kv, end, d_h)."""
-
-    @abstractmethod
-    def rows(self, start: int, stop: int) -> LayerCache:
-        """This layer as a per-row cache view of rows [start, stop) sees it (``KVCache.rows``)."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-
 def quantize_absmax(x: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor]:
     """Symmetric absmax quantisation of (..., d) in groups of ``group_size`` channels.
 
@@ -125,8 +103,16 @@ def _unpack_int4(p: Tensor) -> Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2)
 
 
-class LayerKVCache(LayerCache):
-    """One self-attention layer's preallocated keys and values, (b, h_kv, s_max, d_h) each.
+class LayerKVCache:
+    """One self-attention layer's preallocated keys and values, ``k`` and ``v``: what attention writes
+    (``write``) and reads. Two layouts:
+
+    * **rows** (the constructor): (b, h_kv, s_max, d_h) each, row i's slot s at ``[i, :, s]``;
+    * **a block pool** (``pool``, the paged cache's): (n_blocks, B, h_kv, d_h) each, ``block_size``
+      B. The paged cache's ``reserve`` sets the forward's block table (``read_blocks``, (b, n) on the
+      device) and key extent (``read_end``) before the layers write; ``write`` stores the new keys
+      at their flat pool slots and gathers every row's blocks into the contiguous layout SDPA wants
+      (``aiayn.nn.paged_kv_cache``), or a kernel reads the pool in place after ``store``.
 
     ``quantize="int8"`` or ``"int4"``: k, v hold the integer codes (int8, or two int4 nibbles a byte:
     (b, h_kv, s_max, d_h / 2) uint8) and ``k_scale``/``v_scale`` (b, h_kv, s_max, d_h / group_size)
@@ -140,6 +126,13 @@ class LayerKVCache(LayerCache):
     v_scale: Tensor
     group_size: int
     bits: int
+    # A block pool's (``pool``): block size, the forward's block table and key extent, and for one
+    # row whose blocks are consecutive their first id (its keys are then a view of the pool, no
+    # gather). Rows: block_size 0, no table.
+    block_size = 0
+    read_blocks: Tensor | None = None
+    read_end = 0
+    read_run: int | None = None
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, *,
                  quantize: str | None = None, group_size: int | None = None,
@@ -164,9 +157,26 @@ class LayerKVCache(LayerCache):
         self.v_scale = torch.zeros_like(self.k_scale)
         self._row_buffers = ("k", "v", "k_scale", "v_scale")
 
+    @classmethod
+    def pool(cls, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, *,
+             dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> LayerKVCache:
+        """A block-pool layer: k, v (n_blocks, block_size, h_kv, d_h), float."""
+        layer = cls.__new__(cls)
+        shape = (n_blocks, block_size, n_kv_heads, head_dim)
+        layer.k = torch.zeros(shape, dtype=dtype, device=device)
+        layer.v = torch.zeros(shape, dtype=dtype, device=device)
+        layer.quantize, layer.dtype, layer.head_dim = None, dtype, head_dim
+        layer.block_size, layer.max_len = block_size, n_blocks * block_size
+        layer._row_buffers = ()  # no buffer is indexed by row: a view shares the pool
+        return layer
+
     def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
         """Store new k, v (b, h_kv, t, d_h) at ``slots`` (any kind; quantised: a run or per-row
-        slots); return [0, slots.end): views of the buffers, or dequantised copies."""
+        slots; a block pool: the paged cache's flat pool slots); return [0, slots.end): views of
+        the buffers, or dequantised copies (a block pool: the rows' blocks gathered)."""
+        if self.block_size:
+            self.store(k, v, slots)
+            return self.gather()
         if self.quantize is not None and slots.kind != RUN and slots.kind != ROWS:
             raise ValueError("the static-shape (compiled) decode step needs a float KV cache; "
                              "decode a quantised cache without compile")
@@ -229,8 +239,36 @@ class LayerKVCache(LayerCache):
                              f"{tuple(k.shape)} and a cache of {self.k.shape[0]} rows")
         return slots[:, None, :, None].expand(-1, k.shape[1], -1, width)
 
+    def store(self, k: Tensor, v: Tensor, slots: Slots) -> None:
+        """A block pool's half of ``write``: store new k, v (b, h_kv, t, d_h) at flat pool slots
+        ``slots.index`` (b, t) only (a kernel that reads the pool through ``read_blocks`` follows:
+        ``aiayn.fast.paged_attention``)."""
+        if slots.kind != ROWS or slots.index is None or self.read_blocks is None:
+            raise ValueError("a paged KV cache layer is written through PagedKVCache.reserve's slots")
+        b, h_kv, t, d_h = k.shape
+        for pool, new in ((self.k, k), (self.v, v)):
+            flat = pool.view(-1, h_kv, d_h)  # (n_blocks * B, h_kv, d_h)
+            flat.index_copy_(0, slots.index.reshape(-1), new.transpose(1, 2).reshape(b * t, h_kv, d_h).to(pool.dtype))
+
+    def gather(self) -> tuple[Tensor, Tensor]:
+        """A block pool's rows' keys and values over logical slots [0, read_end), contiguous as SDPA
+        wants them: 2 x (b, h_kv, read_end, d_h) (a view of the pool for one row of consecutive blocks)."""
+        assert self.read_blocks is not None, "gather() follows PagedKVCache.reserve"
+        _, _, h_kv, d_h = self.k.shape
+        b, n = self.read_blocks.shape
+        if self.read_run is not None:  # b = 1, blocks [read_run, read_run + n): a view, no copy
+            keys, values = (pool[self.read_run: self.read_run + n].view(1, n * self.block_size, h_kv, d_h)
+                            [:, : self.read_end] for pool in (self.k, self.v))
+            return keys.transpose(1, 2), values.transpose(1, 2)
+        index = self.read_blocks.reshape(-1)  # (b * n,)
+        keys, values = (pool.index_select(0, index).view(b, n * self.block_size, h_kv, d_h)[:, : self.read_end]
+                        for pool in (self.k, self.v))  # (b, read_end, h_kv, d_h) each
+        return keys.transpose(1, 2), values.transpose(1, 2)  # (b, h_kv, read_end, d_h)
+
     def rows(self, start: int, stop: int) -> LayerKVCache:
-        """A shallow copy whose buffers are views of rows [start, stop)."""
+        """This layer as a per-row cache view of rows [start, stop) sees it (``KVCache.rows``): a
+        shallow copy whose buffers are views of those rows (a block pool: the same pool, whose block
+        table and extent a forward through the view sets)."""
         view = copy.copy(self)
         for name in self._row_buffers:
             setattr(view, name, getattr(self, name)[start:stop])
@@ -247,4 +285,5 @@ class LayerKVCache(LayerCache):
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, name).nbytes for name in self._row_buffers)
+        scales = (self.k_scale, self.v_scale) if self.quantize is not None else ()
+        return sum(t.nbytes for t in (self.k, self.v, *scales))

@@ -37,7 +37,6 @@ Shape letters: b rows, t new tokens, n blocks per row, B block_size, h_kv key/va
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -47,62 +46,7 @@ from aiayn.device import to_device
 from aiayn.nn.block_pool import NULL_BLOCK, BlockPool
 from aiayn.nn.block_tables import BlockTables
 from aiayn.nn.kv_cache import KVCache
-from aiayn.nn.kv_layer import ROWS, LayerCache, Slots
-
-
-class PagedLayerKVCache(LayerCache):
-    """One layer's pool: k, v (n_blocks, B, h_kv, d_h). ``PagedKVCache.reserve`` sets the forward's
-    block table (``read_blocks``, (b, n) on the device) and key extent (``read_end``) before the
-    layers write."""
-
-    def __init__(self, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        shape = (n_blocks, block_size, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_size = block_size
-        self.max_len = n_blocks * block_size
-        self.read_blocks: Tensor | None = None
-        self.read_end = 0
-        # One row whose blocks are consecutive in the pool: their first id, and the keys are a view
-        # of the pool (no gather). None: gather by ``read_blocks``.
-        self.read_run: int | None = None
-
-    def rows(self, start: int, stop: int) -> PagedLayerKVCache:
-        """A per-row view's layer: a shallow copy (the same pools), whose block table and extent a
-        forward through the view sets."""
-        return copy.copy(self)
-
-    def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
-        """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``slots.index`` (b, t); return every
-        row's keys and values over logical slots [0, read_end): 2 x (b, h_kv, read_end, d_h)."""
-        self.store(k, v, slots)
-        return self.gather()
-
-    def store(self, k: Tensor, v: Tensor, slots: Slots) -> None:
-        """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``slots.index`` (b, t) only (a kernel
-        that reads the pool through ``read_blocks`` follows: ``aiayn.fast.paged_attention``)."""
-        if slots.kind != ROWS or slots.index is None or self.read_blocks is None:
-            raise ValueError("a paged KV cache layer is written through PagedKVCache.reserve's slots")
-        b, h_kv, t, d_h = k.shape
-        for pool, new in ((self.k, k), (self.v, v)):
-            flat = pool.view(-1, h_kv, d_h)  # (n_blocks * B, h_kv, d_h)
-            flat.index_copy_(0, slots.index.reshape(-1), new.transpose(1, 2).reshape(b * t, h_kv, d_h).to(pool.dtype))
-
-    def gather(self) -> tuple[Tensor, Tensor]:
-        """Every row's keys and values over logical slots [0, read_end), contiguous as SDPA wants
-        them: 2 x (b, h_kv, read_end, d_h) (a view of the pool for one row of consecutive blocks)."""
-        assert self.read_blocks is not None, "gather() follows PagedKVCache.reserve"
-        _, _, h_kv, d_h = self.k.shape
-        b, n = self.read_blocks.shape
-        if self.read_run is not None:  # b = 1, blocks [read_run, read_run + n): a view, no copy
-            keys, values = (pool[self.read_run: self.read_run + n].view(1, n * self.block_size, h_kv, d_h)
-                            [:, : self.read_end] for pool in (self.k, self.v))
-            return keys.transpose(1, 2), values.transpose(1, 2)
-        index = self.read_blocks.reshape(-1)  # (b * n,)
-        keys, values = (pool.index_select(0, index).view(b, n * self.block_size, h_kv, d_h)[:, : self.read_end]
-                        for pool in (self.k, self.v))  # (b, read_end, h_kv, d_h) each
-        return keys.transpose(1, 2), values.transpose(1, 2)  # (b, h_kv, read_end, d_h)
+from aiayn.nn.kv_layer import LayerKVCache, Slots
 
 
 class PagedKVCache(KVCache):
@@ -130,10 +74,9 @@ class PagedKVCache(KVCache):
             raise ValueError(f"PagedKVCache needs positive batch_size and max_len, got {batch_size} and {max_len}")
         self.tables = BlockTables(batch_size, max_len, n_blocks, block_size)
         self.block_size = block_size
-        layers = [PagedLayerKVCache(n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+        layers = [LayerKVCache.pool(n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
                   for _ in range(n_layers)]
         self._start(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=None, per_row=True)
-        self.layers: list[PagedLayerKVCache] = layers
         self._host = self.tables.lengths  # the host lengths are the tables' (shared with the views)
 
     @property
@@ -191,6 +134,13 @@ class PagedKVCache(KVCache):
         """Exchange rows i and j: their tables and per-row state (no keys or values move)."""
         self.tables.swap(self._first + i, self._first + j)
         self.follow()
+
+    def reorder(self, indices: Tensor | Sequence[int], *, cross: bool = True) -> None:
+        """Refused: a repeated row would share its last, partly filled block with its copy, which
+        both would then write (there is no copy-on-write); rows move by ``swap_rows``, ``clear_row``
+        and ``adopt``."""
+        raise ValueError("a paged KV cache moves rows by their block tables (swap_rows, clear_row, adopt), "
+                         "not by reorder; use a per-row KVCache for beam search")
 
     def adopt(self, row: int, blocks: Sequence[int]) -> None:
         """Start empty row ``row`` with the full, computed ``blocks`` of a prompt prefix (a prefix-cache
