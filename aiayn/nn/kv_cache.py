@@ -48,7 +48,7 @@ from torch import Tensor
 
 from aiayn.device import to_device
 from aiayn.nn import data_checks
-from aiayn.nn.kv_layer import LayerKVCache, Slots
+from aiayn.nn.kv_layer import LayerKVCache, Slots, swap_in_place
 from aiayn.nn.kv_memory import (  # noqa: F401  (the estimate, importable from here too)
     cache_sizes,
     describe_kv_cache,
@@ -260,19 +260,16 @@ class KVCache:
             return
         host = self._host
         n = max(host[self._first + i], host[self._first + j])  # slots worth copying
-        # Plain integer indexing (no index tensor: a list index would be a host-to-device copy).
         if n:
             for layer in self.layers:
-                for name in layer._row_buffers:
-                    buffer = getattr(layer, name)  # (b, h_kv, s_max, d_h) or its scales
-                    _swap(buffer[i, :, :n], buffer[j, :, :n])  # (h_kv, n, d_h) each
+                layer.swap_rows(i, j, n)
         self._swap_row_state(i, j)
         host[self._first + i], host[self._first + j] = host[self._first + j], host[self._first + i]
 
     def _swap_row_state(self, i: int, j: int) -> None:
         """Exchange rows i and j of ``valid``, ``positions`` and ``lengths`` on the device."""
         for buffer in (self.valid, self.positions, self.lengths):  # (b, s_max), (b, s_max), (b,)
-            _swap(buffer[i], buffer[j])
+            swap_in_place(buffer[i], buffer[j])
 
     def _plan(self, new_valid: Tensor, counts: Sequence[int] | None) -> tuple[list[int], int]:
         """Check a per-row forward of new tokens ``new_valid`` (b, t) against this cache: (each row's
@@ -328,10 +325,3 @@ def _real_counts(new_valid: Tensor, steps: Tensor, counts: Sequence[int] | None)
     if counts is not None and list(counts) != real:
         raise ValueError(f"the rows hold {real} real token(s), but counts says {list(counts)}")
     return real
-
-
-def _swap(a: Tensor, b: Tensor) -> None:
-    """Exchange the contents of two same-shaped views, in place (device copies only)."""
-    kept = a.clone()
-    a.copy_(b)
-    b.copy_(kept)

@@ -274,6 +274,13 @@ class LayerKVCache:
             setattr(view, name, getattr(self, name)[start:stop])
         return view
 
+    def swap_rows(self, i: int, j: int, n: int) -> None:
+        """Exchange the first n slots of rows i and j, in place."""
+        # Plain integer indexing (no index tensor: a list index would be a host-to-device copy).
+        for name in self._row_buffers:
+            buffer = getattr(self, name)  # (b, h_kv, s_max, d_h) or its scales
+            swap_in_place(buffer[i, :, :n], buffer[j, :, :n])  # (h_kv, n, d_h) each
+
     def reorder(self, indices: Tensor, length: int) -> None:
         """Row i becomes old row ``indices[i]`` (b_new,); only the first ``length`` slots are copied."""
         b_new = indices.shape[0]
@@ -287,3 +294,10 @@ class LayerKVCache:
     def nbytes(self) -> int:
         scales = (self.k_scale, self.v_scale) if self.quantize is not None else ()
         return sum(t.nbytes for t in (self.k, self.v, *scales))
+
+
+def swap_in_place(a: Tensor, b: Tensor) -> None:
+    """Exchange the contents of two same-shaped views, in place (device copies only)."""
+    kept = a.clone()
+    a.copy_(b)
+    b.copy_(kept)
