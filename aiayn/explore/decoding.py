@@ -121,8 +121,8 @@ def _step(ex: Explorable, index: int, token: int, logits: Tensor, top_k: int, se
 
 def _cross_figures(cache: KVCache, sizes: dict[str, int]) -> dict[str, int]:
     """The cross-attention keys and values: computed once from the encoder output at the first step."""
-    kv = cache.cross[0]
-    assert kv.k is not None
-    s = kv.k.shape[2]
-    return {"slots": s, "measured": sum(x.nbytes for x in cache.cross),
-            "formula": kv_cache_bytes(**sizes, seq_len=s, batch_size=1, dtype=kv.k.dtype)}
+    assert cache.cross is not None
+    k = cache.cross[0][0]  # (1, h_kv, s, d_h)
+    s = k.shape[2]
+    return {"slots": s, "measured": cache.cross_nbytes,
+            "formula": kv_cache_bytes(**sizes, seq_len=s, batch_size=1, dtype=k.dtype)}

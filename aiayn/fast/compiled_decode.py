@@ -32,12 +32,13 @@ from aiayn.models.decoder_only import DecoderOnly
 from aiayn.models.encoder_decoder import EncoderDecoder
 from aiayn.models.step import StepInput, run_step
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import BaseKVCache, KVCache, Slots
+from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.kv_layer import Slots
 from aiayn.nn.masks import key_mask
 
 
 def _static_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions: Tensor, slot: Tensor,
-                 key_valid: Tensor, key_positions: Tensor, cache: BaseKVCache,
+                 key_valid: Tensor, key_positions: Tensor, cache: KVCache,
                  memory_valid: Tensor | None = None) -> Tensor:
     """tokens, positions (b, 1) long, ``slot`` (1,) long (the cache slot the new token fills),
     ``key_valid`` (b, n) bool and ``key_positions`` (b, n) long (the cache's first n = slot + 1
@@ -50,9 +51,9 @@ def _static_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions:
 
 
 def _row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Slots, key_valid: Tensor,
-              key_positions: Tensor, cache: BaseKVCache) -> Tensor:
+              key_positions: Tensor, cache: KVCache) -> Tensor:
     """``_static_step`` over a per-row cache's whole buffer: tokens, positions (b, 1) long,
-    ``slots`` (``RowKVCache.reserve``'s: each row's new slot, (b, 1)), key_valid (b, s_max) bool
+    ``slots`` (a per-row ``KVCache.reserve``'s: each row's new slot, (b, 1)), key_valid (b, s_max) bool
     and key_positions (b, s_max) long (the new slots already recorded) -> logits (b, v). Each row's
     new key is stored in place at its slot (``Slots.row_slot``).
 
@@ -69,7 +70,7 @@ def _row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Slot
 
 
 def _graph_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, positions: Tensor, slots: Slots,
-                key_valid: Tensor, key_positions: Tensor, cache: BaseKVCache,
+                key_valid: Tensor, key_positions: Tensor, cache: KVCache,
                 memory_valid: Tensor | None = None) -> Tensor:
     """The decoder's own ``TransformerStack.run`` on inputs built here without reading a tensor into
     Python: attention covers the keys ``key_valid`` marks, the new keys go to ``slots``. Linear
@@ -153,7 +154,7 @@ def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, ca
     whole = cache.valid.device.type in WHOLE_BUFFER_DEVICES
     step = _compiled(model, "whole" if whole else "prefix", cache.valid.device)
     if memory_valid is not None:  # the source length: symbolic, one graph for every length
-        for tensor in (memory_valid, *[t for kv in cache.cross for t in (kv.k, kv.v)]):
+        for tensor in (memory_valid, *[t for kv in cache.cross or [] for t in kv]):
             torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1 if tensor is memory_valid else 2)
     slot = torch.full((1,), slots.start, dtype=torch.long, device=tokens.device)  # made on the device: no copy
     if whole:  # every slot, under the validity mask: static shapes for a CUDA graph
@@ -168,7 +169,7 @@ def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, ca
     return step(model, tokens, positions, slot, key_valid, key_positions, cache, memory_valid)
 
 
-def next_token_slots(model: DecoderOnly | EncoderDecoder, cache: BaseKVCache, real: Tensor
+def next_token_slots(model: DecoderOnly | EncoderDecoder, cache: KVCache, real: Tensor
                      ) -> tuple[Tensor, Slots]:
     """The host half of a one-token-per-row step: each row's position (its real tokens so far,
     checked against ``max_seq_len``), (b, 1), and the slots its token writes (``cache.reserve``, which
@@ -178,11 +179,11 @@ def next_token_slots(model: DecoderOnly | EncoderDecoder, cache: BaseKVCache, re
 
 
 def compiled_row_step(model: DecoderOnly, tokens: Tensor, positions: Tensor, slots: Slots, key_valid: Tensor,
-                      key_positions: Tensor, cache: BaseKVCache) -> Tensor:
-    """One decode step of a decoder-only model over rows of a ``RowKVCache`` that are each at their
+                      key_positions: Tensor, cache: KVCache) -> Tensor:
+    """One decode step of a decoder-only model over rows of a per-row ``KVCache`` that are each at their
     own length, through a compiled graph (``_row_step``): tokens, positions (b, 1) long, ``slots``
     (``reserve``'s, one per row), key_valid, key_positions (b, s_max) (the rows' ``valid`` and ``positions``, the new slots
-    recorded by ``RowKVCache.reserve`` beforehand) -> logits (b, v). Every shape is static (the
+    recorded by ``KVCache.reserve`` beforehand) -> logits (b, v). Every shape is static (the
     whole buffer under the mask): one graph per batch size, whatever the rows' lengths; on CUDA
     replayed as a CUDA graph, the buffers marked static by the caller (``mark_static``).
     ``aiayn.serve.compiled_step`` calls it for the serve engine's decode steps."""
@@ -210,12 +211,12 @@ def _check_memory(model: DecoderOnly | EncoderDecoder, cache: KVCache, memory_va
         return
     if memory_valid is None:
         raise ValueError("an encoder-decoder's compiled step needs memory_valid (batch, source length)")
-    if not cache.cross or cache.cross[0].k is None:
+    if cache.cross is None:
         raise ValueError("the compiled step continues a cache whose cross-attention keys and values are "
                          "filled: run the first step (bos, with the encoder's memory) without compile")
-    if memory_valid.shape != (cache.batch_size, cache.cross[0].k.shape[2]):
+    if memory_valid.shape != (cache.batch_size, cache.cross[0][0].shape[2]):
         raise ValueError(f"memory_valid must be (batch, source length) = "
-                         f"{(cache.batch_size, cache.cross[0].k.shape[2])}, got {tuple(memory_valid.shape)}")
+                         f"{(cache.batch_size, cache.cross[0][0].shape[2])}, got {tuple(memory_valid.shape)}")
 
 
 def reorder_rows_in_place(cache: KVCache, rows: Tensor) -> None:
@@ -240,7 +241,7 @@ def _mark_static(cache: KVCache) -> None:
     graph then reads and writes them in place instead of copying them in at every replay."""
     if getattr(cache, "_static_marked", False):
         return
-    cross = [t for kv in cache.cross if kv.k is not None and kv.v is not None for t in (kv.k, kv.v)]
+    cross = [t for kv in cache.cross or [] for t in kv]
     mark_static(cache.valid, cache.positions, *[t for layer in cache.layers for t in (layer.k, layer.v)], *cross)
     cache._static_marked = True  # type: ignore[attr-defined]
 

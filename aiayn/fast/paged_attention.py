@@ -14,16 +14,15 @@ from torch import Tensor
 from aiayn.fast import prefill_attention, switch
 from aiayn.fast.paged_attention_build import kernel_ops
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import ROWS, LayerKVCache, StaticKV
-from aiayn.nn.paged_kv_cache import PagedLayerKVCache
+from aiayn.nn.kv_layer import ROWS, LayerKVCache
 
 # Queries per row up to which the kernel (one query at a time, no matrix products) replaces SDPA.
 MAX_QUERIES = 1
 
 
-def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionInputs) -> bool:
+def applies(q: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None, inputs: AttentionInputs) -> bool:
     """Whether ``paged_cache_attention`` takes this call (the conditions of the module docstring)."""
-    if not isinstance(cache, PagedLayerKVCache) or cache.read_blocks is None or cache.read_run is not None:
+    if not isinstance(cache, LayerKVCache) or cache.read_blocks is None or cache.read_run is not None:
         return False
     mask = inputs.mask
     return (switch.kernel_enabled("paged_attention") and q.device.type == "cpu" and q.dtype == torch.float32
@@ -36,19 +35,19 @@ def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionI
                                   and mask.shape[3] == cache.read_end)))
 
 
-def paged_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache | StaticKV | None,
+def paged_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None,
                           inputs: AttentionInputs, scale: float | None = None) -> Tensor | None:
     """Write k, v (b, h_kv, t_q, d_h) into ``cache`` and attend q (b, h, t_q, d_h) over its rows' keys
     in place (a longer chunk: ``prefill_attention``). None, nothing written, where neither applies."""
     if prefill_attention.applies(q, cache, inputs, MAX_QUERIES):
-        assert isinstance(cache, PagedLayerKVCache)  # (applies)
+        assert isinstance(cache, LayerKVCache)  # (applies)
         return prefill_attention.prefill_cache_attention(q, k, v, cache, inputs, scale)
     if not applies(q, cache, inputs):
         return None
     ops = kernel_ops()
     if ops is None:
         return None
-    assert isinstance(cache, PagedLayerKVCache) and cache.read_blocks is not None  # (applies)
+    assert isinstance(cache, LayerKVCache) and cache.read_blocks is not None  # (applies)
     assert inputs.slots is not None  # (applies)
     cache.store(k, v, inputs.slots)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -15,8 +15,7 @@ from torch import Tensor
 
 from aiayn.fast import switch
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_cache import ROWS, LayerKVCache, StaticKV
-from aiayn.nn.paged_kv_cache import PagedLayerKVCache
+from aiayn.nn.kv_layer import ROWS, LayerKVCache
 
 
 @dataclass
@@ -51,10 +50,10 @@ def prepared_mask(mask: Tensor, dtype: torch.dtype) -> PreparedMask:
     return entry
 
 
-def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionInputs, max_queries: int) -> bool:
+def applies(q: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None, inputs: AttentionInputs, max_queries: int) -> bool:
     """Whether ``prefill_cache_attention`` takes this call (the module docstring's conditions)."""
     mask = inputs.mask
-    return (isinstance(cache, PagedLayerKVCache) and cache.read_blocks is not None
+    return (isinstance(cache, LayerKVCache) and cache.read_blocks is not None
             and switch.kernel_enabled("prefill_attention") and q.device.type == "cpu" and q.is_floating_point()
             and q.dim() == 4 and q.shape[2] > max_queries
             and inputs.bias is None and not inputs.causal
@@ -64,7 +63,7 @@ def applies(q: Tensor, cache: LayerKVCache | StaticKV | None, inputs: AttentionI
                                   and mask.shape[3] == cache.read_end)))
 
 
-def prefill_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: PagedLayerKVCache, inputs: AttentionInputs,
+def prefill_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache, inputs: AttentionInputs,
                             scale: float | None = None) -> Tensor:
     """Write k, v (b, h_kv, t_q, d_h) into ``cache`` and attend q (b, h, t_q, d_h) over the rows' keys
     (cached + new) under ``inputs.mask``: (b, h, t_q, d_h). Check ``applies`` first."""

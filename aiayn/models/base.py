@@ -13,7 +13,6 @@ from aiayn.models.blocks import StackOutput
 from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.packing import Packing
 from aiayn.nn.paged_kv_cache import PagedKVCache
-from aiayn.nn.row_kv_cache import RowKVCache
 
 
 @dataclass
@@ -95,10 +94,10 @@ def make_cache(config: ModelConfig, *, n_layers: int, batch_size: int, max_len: 
         return PagedKVCache(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
                             head_dim=config.head_dim, max_len=max_len, n_blocks=n_blocks, block_size=block_size,
                             dtype=dtype, device=device, cross_attention=cross_attention, quantize=quantize)
-    cls = RowKVCache if per_row else KVCache  # per_row: each row at its own length (continuous batching)
-    return cls(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
-               head_dim=config.head_dim, max_len=max_len, dtype=dtype, device=device,
-               cross_attention=cross_attention, quantize=quantize, group_size=group_size)
+    # per_row: each row at its own length (continuous batching)
+    return KVCache(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
+                   head_dim=config.head_dim, max_len=max_len, dtype=dtype, device=device,
+                   cross_attention=cross_attention, quantize=quantize, group_size=group_size, per_row=per_row)
 
 
 def start_model(model: nn.Module, config: ModelConfig, arch: str) -> nn.Embedding:

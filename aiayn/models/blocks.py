@@ -24,7 +24,8 @@ from aiayn.config import ModelConfig
 from aiayn.device import to_device
 from aiayn.nn import data_checks
 from aiayn.nn.attention import AttentionInputs, MultiHeadAttention
-from aiayn.nn.kv_cache import BaseKVCache, LayerCache, Slots, StaticKV
+from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.kv_layer import LayerKVCache, Slots
 from aiayn.nn.masks import combine_masks, key_mask, position_causal_mask, valid_tokens
 from aiayn.nn.mlp import FeedForward
 from aiayn.nn.norm import make_norm
@@ -36,7 +37,6 @@ from aiayn.nn.positional import (
     SinusoidalPositionalEncoding,
     T5RelativeBias,
 )
-from aiayn.nn.row_kv_cache import RowCache
 
 
 class TransformerBlock(nn.Module):
@@ -61,7 +61,7 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(c.dropout)  # residual dropout, P_drop in the paper
 
     def forward(self, x: Tensor, inputs: StackInputs | None = None, *,
-                cache: LayerCache | None = None, cross_cache: StaticKV | None = None,
+                cache: LayerKVCache | None = None, cross_cache: tuple[Tensor, Tensor] | None = None,
                 need_weights: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights).
 
@@ -85,7 +85,7 @@ class TransformerBlock(nn.Module):
             x = self._add(x, h, self.cross_attn_norm)
         return self._feed_forward(x), self_weights, cross_weights
 
-    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerCache]]) -> Tensor:
+    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
         """Several batches' real tokens in one pass, x (n, d) packed batch after batch
         (``TransformerStack.forward_ragged``): every sublayer but the attention core runs once over
         all of them; the core per batch, over its own cache (``MultiHeadAttention.forward_ragged``)."""
@@ -130,7 +130,7 @@ class RaggedBatch:
 
     tokens: Tensor  # (b, t) long
     counts: list[int]  # b ints, each in [1, t]
-    cache: RowCache
+    cache: KVCache  # per row
 
 
 @dataclass
@@ -236,7 +236,7 @@ class TransformerStack(nn.Module):
     def forward(self, tokens: Tensor, *, valid: Tensor | None = None,
                 positions: Tensor | None = None, segments: Tensor | None = None,
                 memory: Tensor | None = None, memory_valid: Tensor | None = None,
-                memory_packing: Packing | None = None, cache: BaseKVCache | None = None,
+                memory_packing: Packing | None = None, cache: KVCache | None = None,
                 need_weights: bool = False, pack: bool = False) -> StackOutput:
         """tokens (b, t) -> hidden (b, t, d): ``prepare`` (its arguments), then ``run``."""
         inputs = self.prepare(tokens, valid=valid, positions=positions, segments=segments, memory=memory,
@@ -247,7 +247,7 @@ class TransformerStack(nn.Module):
     def prepare(self, tokens: Tensor, *, valid: Tensor | None = None,
                 positions: Tensor | None = None, segments: Tensor | None = None,
                 memory: Tensor | None = None, memory_valid: Tensor | None = None,
-                memory_packing: Packing | None = None, cache: BaseKVCache | None = None,
+                memory_packing: Packing | None = None, cache: KVCache | None = None,
                 need_weights: bool = False, pack: bool = False) -> StackInputs:
         """The inputs ``run`` takes for tokens (b, t): the checks and bookkeeping (validity,
         positions, the cache's new slots, masks, positional bias or rotation, packing).
@@ -282,7 +282,7 @@ class TransformerStack(nn.Module):
 
         cross_attn = None
         if self.has_cross:
-            if memory is None and (cache is None or cache.cross[0].k is None):
+            if memory is None and (cache is None or cache.cross is None):
                 raise ValueError("the decoder needs memory= (the encoder output) for cross-attention")
             if memory is not None:  # once here: the blocks' cross-attention does not check it
                 self._check_memory(tokens, memory, memory_valid, memory_packing)
@@ -316,7 +316,7 @@ class TransformerStack(nn.Module):
         so a step that decodes some rows and prefills others reads the weights once, not once per
         batch (vLLM's mixed prefill/decode step); each batch's attention runs over its own cache
         and masks as ``forward`` would build them. Decoder-only stacks, per-row caches
-        (``RowKVCache``, ``PagedKVCache``, or views of their rows), no weights. Each batch's results
+        (``KVCache(per_row=True)``, ``PagedKVCache``, or views of their rows), no weights. Each batch's results
         equal ``forward`` on it alone with ``cache`` (tests/consistency/test_ragged_forward.py).
         """
         if self.has_cross or self.segment_embedding is not None:
@@ -325,8 +325,8 @@ class TransformerStack(nn.Module):
         for batch in batches:
             check_tokens("tokens", batch.tokens, self.embedding.num_embeddings)
             b, t = batch.tokens.shape
-            if not isinstance(batch.cache, RowCache):
-                raise TypeError("forward_ragged needs per-row caches (RowKVCache or PagedKVCache, or views of "
+            if not batch.cache.per_row:
+                raise TypeError("forward_ragged needs per-row caches (per_row=True or PagedKVCache, or views of "
                                 f"their rows), got {type(batch.cache).__name__}")
             if len(batch.counts) != b or min(batch.counts, default=1) < 1:
                 raise ValueError(f"a ragged batch of {b} rows needs {b} counts, each in [1, {t}], got {batch.counts}")
@@ -346,7 +346,7 @@ class TransformerStack(nn.Module):
         hidden = self.final_norm(x) if self.final_norm is not None else x
         return hidden, [inputs.packing for inputs in parts]  # type: ignore[misc]
 
-    def _positions(self, valid: Tensor, positions: Tensor | None, cache: BaseKVCache | None) -> Tensor:
+    def _positions(self, valid: Tensor, positions: Tensor | None, cache: KVCache | None) -> Tensor:
         """(b, t) position ids: ``positions`` if given, else real tokens counted (left padding and
         earlier cached tokens do not shift them); checked against ``max_seq_len``."""
         if positions is None:
@@ -372,7 +372,7 @@ class TransformerStack(nn.Module):
                              f"truncate it) or use a model with a larger max_seq_len")
         return positions
 
-    def _self_attention_inputs(self, valid: Tensor, positions: Tensor, cache: BaseKVCache | None, *,
+    def _self_attention_inputs(self, valid: Tensor, positions: Tensor, cache: KVCache | None, *,
                                pack: bool = False, packing: Packing | None = None) -> AttentionInputs:
         """The self-attention inputs of new tokens ``valid``/``positions`` (b, t): their slots in
         ``cache`` (reserved here), the key mask over cached + new keys, causality, the positional
@@ -412,7 +412,7 @@ class TransformerStack(nn.Module):
         return AttentionInputs(mask=mask, bias=bias, causal=causal, rotary=rotary, slots=slots,
                                packing=packing)
 
-    def run(self, tokens: Tensor, inputs: StackInputs, *, cache: BaseKVCache | None = None,
+    def run(self, tokens: Tensor, inputs: StackInputs, *, cache: KVCache | None = None,
             need_weights: bool = False) -> StackOutput:
         """Embeddings -> blocks -> final norm, on prepared inputs: tensor work only (nothing read
         back into Python), so ``torch.compile`` traces it whole (``aiayn.fast.compiled_decode``)."""
@@ -420,10 +420,11 @@ class TransformerStack(nn.Module):
         if inputs.packing is not None:
             x = inputs.packing.pack(x)  # (n, d): the real tokens only
         out = StackOutput(hidden=x, valid=inputs.valid, packing=inputs.packing)
+        cross = self._cross_kv(inputs, cache) if cache is not None and self.has_cross else None
         for i, block in enumerate(self.blocks):
             x, self_weights, cross_weights = block(
                 x, inputs, cache=cache.layers[i] if cache is not None else None,
-                cross_cache=cache.cross[i] if cache is not None and self.has_cross else None,
+                cross_cache=cross[i] if cross is not None else None,
                 need_weights=need_weights)
             if need_weights:
                 out.attentions.append(self_weights)
@@ -431,3 +432,12 @@ class TransformerStack(nn.Module):
                     out.cross_attentions.append(cross_weights)
         out.hidden = self.final_norm(x) if self.final_norm is not None else x
         return out
+
+    def _cross_kv(self, inputs: StackInputs, cache: KVCache) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's cross-attention keys and values, kept in ``cache``: projected from the encoder
+        output by the first forward over the cache, reused by the later ones."""
+        if cache.cross is None:
+            packing = inputs.cross_attn.memory_packing if inputs.cross_attn is not None else None
+            cache.cross = [block.cross_attn.project_kv(inputs.memory, packing)  # type: ignore[union-attr, arg-type]
+                           for block in self.blocks]
+        return cache.cross

@@ -50,8 +50,8 @@ class DecoderOnly(nn.Module):
                   group_size: int | None = None, per_row: bool = False, n_blocks: int | None = None,
                   block_size: int = 16) -> KVCache:
         """A preallocated KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len)
-        tokens; ``quantize``: "int8"/"int4" keys and values. ``per_row``: a ``RowKVCache`` (rows fill
-        independently); ``n_blocks``: a ``PagedKVCache`` of that many ``block_size`` blocks."""
+        tokens; ``quantize``: "int8"/"int4" keys and values. ``per_row``: each row at its own length
+        (rows fill independently); ``n_blocks``: a ``PagedKVCache`` of that many ``block_size`` blocks."""
         weight = self._first_float_parameter()
         return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size, max_len=max_len,
                           dtype=dtype or self.float_dtype,

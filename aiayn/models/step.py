@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from aiayn.models.blocks import StackInputs
-from aiayn.nn.kv_cache import BaseKVCache
+from aiayn.nn.kv_cache import KVCache
 
 if TYPE_CHECKING:
     from aiayn.models.decoder_only import DecoderOnly
@@ -41,7 +41,7 @@ class StepInput:
     at: At = None  # the positions whose logits are wanted
 
 
-def run_step(model: DecoderOnly | EncoderDecoder, step: StepInput, cache: BaseKVCache | None) -> Tensor:
+def run_step(model: DecoderOnly | EncoderDecoder, step: StepInput, cache: KVCache | None) -> Tensor:
     """The decoder's stack on ``step`` into ``cache``, then the output layer on the positions
     ``step.at`` names -> logits (b, v) or (m, v)."""
     hidden = model.decoder.run(step.tokens, step.inputs, cache=cache).hidden  # (b, t, d)

@@ -1,7 +1,7 @@
 """Leaf building blocks; they depend only on torch (and aiayn.config)."""
 
 from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
-from aiayn.nn.kv_cache import KVCache, LayerKVCache, StaticKV
+from aiayn.nn.kv_cache import KVCache, LayerKVCache
 from aiayn.nn.kv_memory import kv_cache_bytes
 from aiayn.nn.masks import causal_mask, combine_masks, key_mask, valid_tokens
 from aiayn.nn.mlp import FeedForward
@@ -25,7 +25,6 @@ __all__ = [
     "MultiHeadAttention",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
-    "StaticKV",
     "T5RelativeBias",
     "apply_rotary",
     "causal_mask",

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.nn.kv_cache import LayerCache, Slots, StaticKV
+from aiayn.nn.kv_layer import LayerKVCache, Slots
 from aiayn.nn.masks import AttentionMasks, attention_masks
 from aiayn.nn.packing import Packing
 from aiayn.nn.positional import apply_rotary
@@ -215,13 +215,13 @@ class MultiHeadAttention(nn.Module):
         return self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *,
-                inputs: AttentionInputs | None = None, cache: LayerCache | StaticKV | None = None,
+                inputs: AttentionInputs | None = None, cache: LayerKVCache | tuple[Tensor, Tensor] | None = None,
                 need_weights: bool = False, checked: bool = False) -> tuple[Tensor, Tensor | None]:
         """Attend from x (b, t, d) to itself or to ``memory`` (b, s, d) -> (output (b, t, d), or (n, d)
         packed; weights (b, h, t, t_k) with ``need_weights``, else None).
 
         inputs: masks, bias, rotation, cache slots and packing (masks cover the cached keys too).
-        cache: a ``LayerCache`` (self-attention: written at ``inputs.slots``) or ``StaticKV`` (cross).
+        cache: a ``LayerKVCache`` (self-attention: written at ``inputs.slots``) or a (k, v) pair (cross).
         checked: skip the input checks (a stack checks once)."""
         inputs = inputs or _NO_INPUTS
         packing = inputs.packing
@@ -254,7 +254,7 @@ class MultiHeadAttention(nn.Module):
             need_weights=need_weights or self.impl == "reference",
         )  # (b, h, t, d_h), weights
 
-    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerCache]]) -> Tensor:
+    def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
         """Self-attention of several batches in one pass: x (n_1 + ... + n_g, d) holds each batch's real
         tokens packed; the projections run once over all of them (one read of the weights), the
         attention core once per batch over its own cache. No weights, no dropout."""
@@ -271,7 +271,7 @@ class MultiHeadAttention(nn.Module):
                 for part, (inputs, cache) in zip(parts, batches, strict=True)]  # (n_i, h * d_h) each
         return self.out_proj(torch.cat(outs))  # (sum n_i, d)
 
-    def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerCache | StaticKV | None,
+    def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerKVCache | tuple[Tensor, Tensor] | None,
                      need_weights: bool, checked: bool = True) -> tuple[Tensor, Tensor | None]:
         """Self-attention from the projected qkv (b, t, q + 2 kv) or (n, q + 2 kv) -> (out, weights or None)."""
         packing = inputs.packing
@@ -297,23 +297,20 @@ class MultiHeadAttention(nn.Module):
         return packing.pack(out) if packing is not None else out
 
     def _memory_kv(self, memory: Tensor | None, memory_packing: Packing | None,
-                   cache: LayerCache | StaticKV | None) -> tuple[Tensor, Tensor]:
-        """Cross-attention keys and values, 2 x (b, h_kv, s, d_h): from the cache once filled."""
-        if isinstance(cache, StaticKV) and cache.k is not None and cache.v is not None:
-            return cache.k, cache.v
+                   cache: LayerKVCache | tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys and values, 2 x (b, h_kv, s, d_h): the cache's pair, or projected from ``memory``."""
+        if isinstance(cache, tuple):
+            return cache
         if memory is None:
             raise ValueError("MultiHeadAttention(cross=True) needs memory= (the encoder output)")
-        k, v = self.project_kv(memory, memory_packing)
-        if isinstance(cache, StaticKV):
-            cache.k, cache.v = k, v
-        return k, v
+        return self.project_kv(memory, memory_packing)
 
     @staticmethod
-    def _cached_kv(cache: LayerCache | StaticKV, k: Tensor, v: Tensor,
+    def _cached_kv(cache: LayerKVCache | tuple[Tensor, Tensor], k: Tensor, v: Tensor,
                    inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
         """Write the new k, v (b, h_kv, t, d_h) into the cache; the keys attention runs over."""
-        if not isinstance(cache, LayerCache):
-            raise ValueError("self-attention takes a LayerKVCache (a StaticKV is for cross-attention)")
+        if not isinstance(cache, LayerKVCache):
+            raise ValueError("self-attention takes a LayerKVCache (a (k, v) pair is for cross-attention)")
         if inputs.slots is None:
             raise ValueError("self-attention over a cache needs inputs.slots (the cache's reserve)")
         return cache.write(k, v, inputs.slots)  # (b, h_kv, slots.end, d_h)

@@ -1,31 +1,55 @@
-"""Key/value caches for incremental decoding.
+"""The model-wide key/value cache for incremental decoding: every layer's storage
+(``aiayn.nn.kv_layer.LayerKVCache``) and the bookkeeping that says where a forward's new keys go.
 
-Self-attention keys and values of past tokens never change, so a decoder stores them instead of
-recomputing them for every new token. The buffers here are allocated once at their full size and
-written at a position: a decode step costs O(t_new) projections, with no ``torch.cat`` growth.
+Two ways to fill the rows:
 
-Shape letters: b batch, h_kv key/value heads (GQA/MQA cache only these), s_max capacity, d_h
-head width.
+* **aligned** (the default): one slot counter for the whole batch. Every forward appends t slots
+  to every row (``length`` counts them, prompt + generated, padding included), so rows stay
+  aligned and a row with nothing to add gets padding. That suits one batch decoded together
+  (greedy, sampling, beam search, which ``reorder`` serves).
+* **per row** (``per_row=True``): what continuous batching needs. A server's rows join at any step
+  with prompts of any length and leave when they finish, so each row is at its own position:
 
-Quantised caches (``quantize="int8"`` or ``"int4"``) store keys and values as integers with one
-absmax scale per token, head and group of ``group_size`` channels (default: the whole head):
-quantised on write, dequantised when the attention reads them back.
+  - row i holds its tokens in slots [0, lengths[i]); a forward writes row i's t new tokens at
+    [lengths[i], lengths[i] + t) (``reserve`` returns these slots, (b, t), and every layer scatters
+    its keys and values there), then advances lengths[i] by the row's *real* tokens. Rows are
+    right-padded (real tokens first): the padding's keys land after the row's end, marked invalid,
+    and are overwritten by the row's next tokens.
+  - attention reads slots [0, max over rows of lengths[i] + t) under a key mask (``valid``); since
+    the rows' slots do not line up, the stack builds the causal mask from positions instead of
+    slot order (``aiayn.nn.masks.position_causal_mask``).
+  - ``rows(start, stop)`` is a view of a range of rows sharing the buffers: a forward over the view
+    reads and writes those rows only, with no copy (a server runs its decoding rows and its
+    prefilling rows as two such views). ``clear_row`` frees a row at once; ``swap_rows`` reorders.
+
+**A per-row cache reads nothing back from the device.** The lengths live twice: ``lengths``, a (b,)
+tensor on the cache's device (the slots and masks are computed from it there), and
+``host_lengths``, the same numbers as Python ints, from which every extent is known on the host.
+``reserve`` learns each row's real-token count from the caller (``expect``; the engine builds its
+rows on the host and knows them) and has the device check them against the data without waiting
+(``torch._assert_async``); only eager on the CPU (``aiayn.nn.data_checks.reads_data``), or when the
+caller says nothing, does it read the validity back, and then it checks the right-padding itself
+with a clear error (tests/serve/test_no_device_reads.py). Each row's results equal the model run
+on that row alone (tests/consistency/test_row_kv_cache.py).
+
+Quantised caches (``quantize="int8"`` or ``"int4"``) store the self-attention keys and values as
+integers with absmax scales (``aiayn.nn.kv_layer``). Shape letters: b batch, h_kv key/value heads,
+s_max capacity, d_h head width.
 """
 
 from __future__ import annotations
 
 import copy
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Self
 
 import torch
 from torch import Tensor
 
+from aiayn.device import to_device
+from aiayn.nn import data_checks
+from aiayn.nn.kv_layer import LayerKVCache, Slots, swap_in_place
 from aiayn.nn.kv_memory import (  # noqa: F401  (the estimate, importable from here too)
-    QUANTIZED,
-    SCALE_DTYPE,
-    _check_group,
     cache_sizes,
     describe_kv_cache,
     dtype_bytes,
@@ -33,261 +57,59 @@ from aiayn.nn.kv_memory import (  # noqa: F401  (the estimate, importable from h
     kv_cache_bytes,
 )
 
-# The layouts a forward's new keys and values are written in (``Slots.kind``).
-RUN, ROWS, SLOT, ROW_SLOT = "run", "rows", "slot", "row_slot"
 
+class KVCache:
+    """A whole model's decoding state: its layers' storage (``layers``), and per slot (b, s_max)
+    ``valid`` (a real token, not padding) and ``positions`` (its position id), so later steps can
+    mask padded keys and compute relative-position biases without the earlier tokens. ``length``:
+    the slots the last forward attended over. ``cross``: an encoder-decoder's cross-attention keys
+    and values, one (k, v) pair (b, h_kv, s, d_h) per decoder layer, computed from the encoder output
+    by the first forward (None until then; they stay in float in a quantised cache).
 
-@dataclass(frozen=True)
-class Slots:
-    """Where one forward's new keys and values go in every layer's cache, and which slots the write
-    returns: [0, ``end``). Made by the cache's ``reserve`` (the compiled steps make theirs in their
-    graph, ``end`` then symbolic); ``kind`` names the layout, the one thing a write dispatches on:
+    Rows aligned, or with ``per_row=True`` a length per row (module docstring): ``lengths`` (b,) on
+    the device, ``host_lengths`` the same as ints, ``expect`` the next forward's real-token counts,
+    views of row ranges (``rows``), ``clear_row`` and ``swap_rows``. A per-row cache is for
+    decoder-only self-attention.
 
-    * ``run``: every row's t new tokens at [start, start + t), a host int (``KVCache``: slices);
-    * ``rows``: row i's at ``index[i]``, (b, t) long, each row at its own length (``RowKVCache``'s
-      slots; ``PagedKVCache``'s flat pool slots);
-    * ``slot``: every row's one new token at ``index``, (1,) long (the compiled step);
-    * ``row_slot``: row i's one new token at ``index[i, 0]``, (b, 1) long (the compiled per-row step:
-      an indexed store in place, where a ``scatter_`` into a graph input compiles to a copy of the
-      whole buffer and back).
+    ``quantize="int8"`` or ``"int4"`` stores the self-attention keys and values quantised
+    (``LayerKVCache``'s codes and scales per token, head and ``group_size`` channels).
     """
 
-    kind: str
-    end: int
-    start: int = 0
-    index: Tensor | None = None
+    # What a full row's error suggests (per row).
+    _full_hint = "create the cache with a larger max_len or send fewer tokens"
 
-    @staticmethod
-    def run(start: int, t: int) -> Slots:
-        return Slots(RUN, start + t, start=start)
-
-    @staticmethod
-    def rows(index: Tensor, end: int) -> Slots:
-        return Slots(ROWS, end, index=index)
-
-    @staticmethod
-    def slot(index: Tensor, end: int) -> Slots:
-        return Slots(SLOT, end, index=index)
-
-    @staticmethod
-    def row_slot(index: Tensor, end: int) -> Slots:
-        return Slots(ROW_SLOT, end, index=index)
-
-    @property
-    def per_row(self) -> bool:
-        """Each row at its own slots: causality comes from positions, not slot order."""
-        return self.kind != RUN and self.kind != SLOT
-
-
-class LayerCache(ABC):
-    """One self-attention layer's keys and values, ``k`` and ``v``: what attention writes and reads."""
-
-    k: Tensor
-    v: Tensor
-    max_len: int
-
-    @abstractmethod
-    def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
-        """Store new k, v (b, h_kv, t, d_h) at ``slots``; return every row's keys and values over
-        slots [0, slots.end): 2 x (b, h_kv, end, d_h)."""
-
-    @abstractmethod
-    def rows(self, start: int, stop: int) -> LayerCache:
-        """This layer as a per-row cache view of rows [start, stop) sees it (``RowCache.rows``)."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-
-def quantize_absmax(x: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor]:
-    """Symmetric absmax quantisation of (..., d) in groups of ``group_size`` channels.
-
-    Returns (q int8 (..., d) in [-qmax, qmax], scale float16 (..., d / group_size)) with
-    qmax = 2^(bits-1) - 1, so that x ~ q * scale; the error per element is at most scale / 2
-    (plus the float16 rounding of the scale, relative 2^-11 while the scale is a normal float16,
-    i.e. for groups whose absmax exceeds about 0.008 (int8); smaller ones are still bounded by
-    half a step of the rounded scale plus 6e-8 * qmax).
-    """
-    qmax = 2 ** (bits - 1) - 1
-    groups = x.float().unflatten(-1, (-1, group_size))  # (..., n_groups, group)
-    scale = (groups.abs().amax(dim=-1) / qmax).to(SCALE_DTYPE)  # (..., n_groups)
-    safe = torch.where(scale == 0, 1.0, scale.float())[..., None]  # all-zero groups: q = 0
-    q = torch.round(groups / safe).clamp_(-qmax, qmax).to(torch.int8).flatten(-2)
-    return q, scale
-
-
-def dequantize_absmax(q: Tensor, scale: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
-    """Inverse of ``quantize_absmax``: (..., d) int8, (..., d / group_size) -> (..., d) ``dtype``."""
-    groups = q.unflatten(-1, (-1, group_size)).float() * scale.float()[..., None]
-    return groups.flatten(-2).to(dtype)
-
-
-def _pack_int4(q: Tensor) -> Tensor:
-    """(..., d) int8 in [-7, 7] -> (..., d / 2) uint8, two offset-by-8 nibbles per byte."""
-    u = (q + 8).to(torch.uint8)
-    return u[..., 0::2] | (u[..., 1::2] << 4)
-
-
-def _unpack_int4(p: Tensor) -> Tensor:
-    """(..., d / 2) uint8 -> (..., d) int8"""
-    low, high = (p & 0x0F).to(torch.int8) - 8, (p >> 4).to(torch.int8) - 8
-    return torch.stack([low, high], dim=-1).flatten(-2)
-
-
-class LayerKVCache(LayerCache):
-    """One self-attention layer's preallocated keys and values, (b, h_kv, s_max, d_h) each.
-
-    ``quantize="int8"`` or ``"int4"``: k, v hold the integer codes (int8, or two int4 nibbles a byte:
-    (b, h_kv, s_max, d_h / 2) uint8) and ``k_scale``/``v_scale`` (b, h_kv, s_max, d_h / group_size)
-    their float16 absmax scales. Keys and values are quantised as they are written and the prefix
-    read back is dequantised to the compute dtype, so attention runs in float on values that carry
-    the quantisation error. Storage per token and head: d_h (int8) or d_h / 2 (int4) bytes, plus 2
-    bytes per group.
-    """
-
-    k_scale: Tensor  # (quantised)
-    v_scale: Tensor
-    group_size: int
-    bits: int
-
-    def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, *,
-                 quantize: str | None = None, group_size: int | None = None,
-                 dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
-        self.quantize, self.dtype, self.max_len, self.head_dim = quantize, dtype, max_len, head_dim
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        if quantize is None:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
-            self._row_buffers: tuple[str, ...] = ("k", "v")  # what a reorder or a row swap carries along
-            return
-        if quantize not in QUANTIZED:
-            raise ValueError(f"unknown KV-cache quantisation {quantize!r}; use one of {', '.join(QUANTIZED)}")
-        self.group_size = _check_group(head_dim, group_size, quantize)
-        self.bits = 8 if quantize == "int8" else 4
-        width = head_dim if quantize == "int8" else head_dim // 2
-        data_dtype = torch.int8 if quantize == "int8" else torch.uint8
-        self.k = torch.zeros((*shape[:3], width), dtype=data_dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.k_scale = torch.zeros((*shape[:3], head_dim // self.group_size), dtype=SCALE_DTYPE, device=device)
-        self.v_scale = torch.zeros_like(self.k_scale)
-        self._row_buffers = ("k", "v", "k_scale", "v_scale")
-
-    def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
-        """Store new k, v (b, h_kv, t, d_h) at ``slots`` (any kind; quantised: a run or per-row
-        slots); return [0, slots.end): views of the buffers, or dequantised copies."""
-        if self.quantize is not None and slots.kind != RUN and slots.kind != ROWS:
-            raise ValueError("the static-shape (compiled) decode step needs a float KV cache; "
-                             "decode a quantised cache without compile")
-        if slots.kind == RUN:
-            self._check_write(k, slots.start)
-        elif slots.kind == ROW_SLOT and (slots.index is None or slots.index.shape != (k.shape[0], 1) or k.shape[2] != 1):
-            raise ValueError("the compiled per-row step writes one token per row at its (b, 1) slots")
-        end = slots.end
-        if self.quantize is None:
-            self._put(self.k, k, slots)
-            self._put(self.v, v, slots)
-            return self.k[:, :, :end], self.v[:, :, :end]
-        for data, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            q, scale = quantize_absmax(x, self.bits, self.group_size)
-            self._put(data, q if self.bits == 8 else _pack_int4(q), slots)
-            self._put(scales, scale, slots)
-        self.dtype = k.dtype  # read back in the compute dtype
-        return (self._load(self.k[:, :, :end], self.k_scale[:, :, :end]),
-                self._load(self.v[:, :, :end], self.v_scale[:, :, :end]))
-
-    def _put(self, buffer: Tensor, x: Tensor, slots: Slots) -> None:
-        """Store x (b, h_kv, t, w) into ``buffer`` (b, h_kv, s_max, w) at ``slots``."""
-        index = slots.index
-        if slots.kind == RUN:
-            buffer[:, :, slots.start: slots.end] = x
-        elif slots.kind == ROWS:
-            assert index is not None
-            buffer.scatter_(2, self._row_index(x, index, buffer.shape[3]), x.to(buffer.dtype))  # (b, h_kv, t, w)
-        elif slots.kind == SLOT:
-            buffer.index_copy_(2, index, x.to(buffer.dtype))
-        else:  # ROW_SLOT: an indexed store in place
-            assert index is not None
-            rows = torch.arange(x.shape[0], device=x.device)  # (b,)
-            buffer[rows, :, index[:, 0]] = x[:, :, 0].to(buffer.dtype)  # (b, h_kv, w) into (b, h_kv, s_max, w)
-
-    def _load(self, data: Tensor, scale: Tensor) -> Tensor:
-        """Quantised codes and scales of some slots -> their keys or values in ``dtype``."""
-        q = data if self.bits == 8 else _unpack_int4(data)
-        return dequantize_absmax(q, scale, self.group_size, self.dtype)
-
-    def _check_write(self, k: Tensor, pos: int) -> int:
-        """Raise a clear error unless k (b, h_kv, t, d_h) fits at ``pos``; return t."""
-        t = k.shape[2]
-        if pos + t > self.max_len:
+    def __init__(self, *, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int,
+                 max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, cross_attention: bool = False,
+                 quantize: str | None = None, group_size: int | None = None, per_row: bool = False) -> None:
+        if per_row and cross_attention:
+            raise ValueError("a per-row KVCache is for decoder-only self-attention; it holds no cross-attention")
+        if batch_size <= 0 or max_len <= 0:
             raise ValueError(
-                f"KV cache is full: writing {t} token(s) at position {pos} needs {pos + t} slots, "
-                f"but the cache holds {self.max_len}; create the cache with a larger max_len"
+                f"KVCache needs positive batch_size and max_len, got {batch_size} and {max_len}"
             )
-        if k.shape[0] != self.k.shape[0] or k.shape[1] != self.k.shape[1] or k.shape[3] != self.head_dim:
-            raise ValueError(
-                f"KV cache was built for (batch, kv_heads, *, head_dim) = "
-                f"{(self.k.shape[0], self.k.shape[1], '*', self.head_dim)}, got k of shape {tuple(k.shape)}"
-            )
-        return t
+        layers = [LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, quantize=quantize, group_size=group_size,
+                               dtype=dtype, device=device) for _ in range(n_layers)]
+        self._start(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize,
+                    per_row=per_row)
 
-    def _row_index(self, k: Tensor, slots: Tensor, width: int) -> Tensor:
-        """Per-row slots (b, t) -> the scatter index (b, h_kv, t, width) of new keys k (b, h_kv, t, d_h)."""
-        if slots.shape != (k.shape[0], k.shape[2]) or k.shape[0] != self.k.shape[0]:
-            raise ValueError(f"per-row cache slots of shape {tuple(slots.shape)} do not fit k of shape "
-                             f"{tuple(k.shape)} and a cache of {self.k.shape[0]} rows")
-        return slots[:, None, :, None].expand(-1, k.shape[1], -1, width)
-
-    def rows(self, start: int, stop: int) -> LayerKVCache:
-        """A shallow copy whose buffers are views of rows [start, stop)."""
-        view = copy.copy(self)
-        for name in self._row_buffers:
-            setattr(view, name, getattr(self, name)[start:stop])
-        return view
-
-    def reorder(self, indices: Tensor, length: int) -> None:
-        """Row i becomes old row ``indices[i]`` (b_new,); only the first ``length`` slots are copied."""
-        b_new = indices.shape[0]
-        for name in self._row_buffers:
-            old = getattr(self, name)
-            new = old.new_zeros((b_new, *old.shape[1:]))  # (b_new, h_kv, s_max, d_h)
-            new[:, :, :length] = old[:, :, :length].index_select(0, indices)
-            setattr(self, name, new)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(getattr(self, name).nbytes for name in self._row_buffers)
-
-
-@dataclass
-class StaticKV:
-    """Cross-attention keys and values of one layer: computed once from the encoder output."""
-
-    k: Tensor | None = None
-    v: Tensor | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.k is None or self.v is None else self.k.nbytes + self.v.nbytes
-
-
-class BaseKVCache:
-    """What every model-wide cache holds: its layers' caches, and per slot (b, s_max) ``valid``
-    (a real token, not padding) and ``positions`` (its position id), so later steps can mask padded
-    keys and compute relative-position biases without the earlier tokens. ``length``: the slots
-    the last forward attended over. ``cross``: one ``StaticKV`` per decoder layer of an
-    encoder-decoder. Subclasses add how a forward's new slots are reserved (``reserve``)."""
-
-    def __init__(self, layers: Sequence[LayerCache], *, batch_size: int, max_len: int,
-                 device: torch.device | str | None, quantize: str | None, cross_attention: bool) -> None:
+    def _start(self, layers: Sequence[LayerKVCache], *, batch_size: int, max_len: int,
+               device: torch.device | str | None, quantize: str | None, per_row: bool) -> None:
+        """The state every cache holds, whatever its layers' layout."""
         self.layers = list(layers)
-        self.quantize = quantize
-        self.cross = [StaticKV() for _ in self.layers] if cross_attention else []
+        self.quantize, self.per_row = quantize, per_row
+        self.cross: list[tuple[Tensor, Tensor]] | None = None
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.length = 0
         self.batch_size, self.max_len = batch_size, max_len
+        # Per row: the tokens each row holds, on the device and on the host. The host list is one
+        # for the whole cache, shared by its views (a view sees its rows from ``_first`` on), so a
+        # write through a view is seen by the cache.
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.valid.device)
+        self._host: list[int] = [0] * batch_size
+        self._first = 0
+        self._expected: list[int] | None = None  # the next reserve's real-token counts (``expect``)
 
     @property
     def self_nbytes(self) -> int:
@@ -298,7 +120,7 @@ class BaseKVCache:
     def cross_nbytes(self) -> int:
         """Bytes of the cross-attention keys/values (encoder-decoder; 0 until the first decode step
         computes them from the encoder output)."""
-        return sum(kv.nbytes for kv in self.cross)
+        return sum(k.nbytes + v.nbytes for k, v in self.cross or [])
 
     @property
     def nbytes(self) -> int:
@@ -306,35 +128,16 @@ class BaseKVCache:
         ``kv_cache_bytes`` estimates, with ``src_len`` the source length)."""
         return self.self_nbytes + self.cross_nbytes
 
+    def reserve(self, new_valid: Tensor, new_positions: Tensor, counts: Sequence[int] | None = None) -> Slots:
+        """Record t new slots (their validity and positions, (b, t)); return them: a run from
+        ``length`` on, or per row row i's [lengths[i], lengths[i] + t) (real tokens first; attention
+        reads [0, max + t)). The model calls this once per forward, before its layers write.
 
-class KVCache(BaseKVCache):
-    """A whole model's decoding state, its rows aligned: every forward appends t slots to every
-    row (``length`` counts them, prompt + generated, padding included).
-
-    ``quantize="int8"`` or ``"int4"`` stores the self-attention keys and values quantised
-    (``LayerKVCache``'s codes and scales per token, head and ``group_size`` channels); the
-    cross-attention keys and values, computed once, stay in float.
-    """
-
-    def __init__(self, *, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int,
-                 max_len: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, cross_attention: bool = False,
-                 quantize: str | None = None, group_size: int | None = None) -> None:
-        if batch_size <= 0 or max_len <= 0:
-            raise ValueError(
-                f"KVCache needs positive batch_size and max_len, got {batch_size} and {max_len}"
-            )
-        layers = [LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, quantize=quantize, group_size=group_size,
-                               dtype=dtype, device=device) for _ in range(n_layers)]
-        super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize,
-                         cross_attention=cross_attention)
-
-    def reserve(self, new_valid: Tensor, new_positions: Tensor) -> Slots:
-        """Record t new slots (their validity and positions, (b, t)); return them, a run from
-        ``length`` on.
-
-        The model calls this once per forward, before its layers write their keys and values.
-        """
+        ``counts`` (per row; default: what ``expect`` announced) are each row's real tokens as host
+        ints; without them the validity is read back (free eager on the CPU; a wait on a GPU)."""
+        if self.per_row:
+            real, end = self._plan(new_valid, counts)
+            return Slots.rows(self._record(new_valid, new_positions, real, end), end)
         start, t = self.length, new_valid.shape[1]
         if start + t > self.max_len:
             raise ValueError(
@@ -351,10 +154,11 @@ class KVCache(BaseKVCache):
         return Slots.run(start, t)
 
     def next_positions(self) -> Tensor:
-        """(b,) the position id the next real token of each row gets (real tokens so far)."""
-        return self.valid[:, : self.length].sum(dim=1)
+        """(b,) the position id the next real token of each row gets: its real tokens so far (per row,
+        its length: a row holds real tokens only)."""
+        return self.lengths.clone() if self.per_row else self.valid[:, : self.length].sum(dim=1)
 
-    def reorder(self, indices: Tensor, *, cross: bool = True) -> None:
+    def reorder(self, indices: Tensor | Sequence[int], *, cross: bool = True) -> None:
         """Select, reorder or repeat batch rows: new row i is old row ``indices[i]``.
 
         ``indices`` (b_new,) long, any b_new >= 1, repeats allowed. Applies to every layer's
@@ -363,23 +167,44 @@ class KVCache(BaseKVCache):
         (``repeat_interleave``), to follow the beams it keeps at every step and to drop finished
         sources. ``cross=False`` leaves the cross-attention keys/values as they are: correct only
         when every row is replaced by a row with the same source (beams of one source share them),
-        and it saves copying them.
+        and it saves copying them. A per-row cache also takes ``indices`` as ints (known on the host:
+        nothing read back; a tensor is read as ints first) and becomes a cache of its own, even from
+        a view.
         """
-        if indices.dim() != 1 or indices.dtype != torch.long or indices.numel() == 0:
-            raise ValueError(f"reorder needs a non-empty 1-D long tensor of row indices, got "
-                             f"{indices.dtype} of shape {tuple(indices.shape)}")
-        if int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
-            raise ValueError(f"reorder: row index out of range for a cache of batch_size={self.batch_size}")
-        indices = indices.to(self.valid.device)
+        if self.per_row:
+            order, index, filled = self._row_order(indices)
+        else:
+            assert isinstance(indices, Tensor)
+            if indices.dim() != 1 or indices.dtype != torch.long or indices.numel() == 0:
+                raise ValueError(f"reorder needs a non-empty 1-D long tensor of row indices, got "
+                                 f"{indices.dtype} of shape {tuple(indices.shape)}")
+            if int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
+                raise ValueError(f"reorder: row index out of range for a cache of batch_size={self.batch_size}")
+            index, filled = indices.to(self.valid.device), self.length
         for layer in self.layers:
-            layer.reorder(indices, self.length)
-        self.valid = self.valid.index_select(0, indices)
-        self.positions = self.positions.index_select(0, indices)
-        if cross:
-            for kv in self.cross:
-                if kv.k is not None and kv.v is not None:
-                    kv.k, kv.v = kv.k.index_select(0, indices), kv.v.index_select(0, indices)
-        self.batch_size = indices.shape[0]
+            layer.reorder(index, filled)  # copies the first ``filled`` slots: all a row holds
+        self.valid = self.valid.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        self.lengths = self.lengths.index_select(0, index)
+        if self.per_row:
+            host = self.host_lengths
+            self._host, self._first, self.length = [host[i] for i in order], 0, filled
+        if cross and self.cross is not None:
+            self.cross = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross]
+        self.batch_size = index.shape[0]
+
+    def _row_order(self, indices: Tensor | Sequence[int]) -> tuple[list[int], Tensor, int]:
+        """A per-row reorder's rows, checked: (as ints, as a tensor on the device, the slots filled)."""
+        if isinstance(indices, Tensor):
+            if indices.dim() != 1 or indices.dtype != torch.long:
+                raise ValueError(f"reorder needs a non-empty 1-D long tensor of row indices, got "
+                                 f"{indices.dtype} of shape {tuple(indices.shape)}")
+            indices = indices.tolist()
+        order = [int(i) for i in indices]
+        if not order or not all(0 <= i < self.batch_size for i in order):
+            raise ValueError(f"reorder needs row indices in [0, {self.batch_size}), got {order}")
+        index = to_device(torch.tensor(order, dtype=torch.long), self.valid.device)  # (b_new,)
+        return order, index, max(self.host_lengths)
 
     def repeat_interleave(self, n: int) -> None:
         """Each row repeated n times in place (b -> b * n rows, copies of one row adjacent)."""
@@ -389,5 +214,114 @@ class KVCache(BaseKVCache):
         """Forget all tokens (buffers stay allocated)."""
         self.length = 0
         self.valid.zero_()
-        for cross in self.cross:
-            cross.k = cross.v = None
+        self.lengths.zero_()
+        self._host[self._first: self._first + self.batch_size] = [0] * self.batch_size
+        self.cross = None
+
+    # ---- per row ------------------------------------------------------------------------------------
+    @property
+    def host_lengths(self) -> list[int]:
+        """Tokens held per row of this cache (view), as ints: ``lengths`` without asking the device."""
+        return self._host[self._first: self._first + self.batch_size]
+
+    def expect(self, counts: Sequence[int]) -> Self:
+        """Tell the next ``reserve`` (the next forward through this per-row cache) that row i brings
+        ``counts[i]`` real tokens, its first ones: it then reads nothing back from the device to
+        learn them. Returns this cache, to hand on: ``decode_step(model, x, view.expect(counts))``."""
+        self._expected = [int(n) for n in counts]
+        return self
+
+    def rows(self, start: int, stop: int) -> Self:
+        """A view of rows [start, stop) of a per-row cache: the same buffers (writes through it land
+        here), no copy; its masks, positions and lengths sliced, its layers' ``rows`` (each its own
+        object, so two views can be reserved for one step, a ragged forward, without clobbering)."""
+        if not 0 <= start < stop <= self.batch_size:
+            raise ValueError(f"rows({start}, {stop}): need 0 <= start < stop <= {self.batch_size}")
+        view = copy.copy(self)
+        view.valid, view.positions = self.valid[start:stop], self.positions[start:stop]
+        view.lengths = self.lengths[start:stop]
+        view._first, view._expected = self._first + start, None
+        view.batch_size = stop - start
+        view.length = max(view.host_lengths)
+        view.layers = [layer.rows(start, stop) for layer in self.layers]
+        return view
+
+    def clear_row(self, row: int) -> None:
+        """Forget row ``row``'s tokens: the row is free for a new sequence (buffers stay allocated)."""
+        # In-place fills of views: ``lengths[row] = 0`` would copy a host scalar to the device (a
+        # synchronizing copy on CUDA); ``fill_`` passes the value as a kernel argument.
+        self.lengths[row].zero_()
+        self.valid[row].fill_(False)
+        self._host[self._first + row] = 0
+
+    def swap_rows(self, i: int, j: int) -> None:
+        """Exchange rows i and j (their keys, values, validity, positions and lengths)."""
+        if i == j:
+            return
+        host = self._host
+        n = max(host[self._first + i], host[self._first + j])  # slots worth copying
+        if n:
+            for layer in self.layers:
+                layer.swap_rows(i, j, n)
+        self._swap_row_state(i, j)
+        host[self._first + i], host[self._first + j] = host[self._first + j], host[self._first + i]
+
+    def _swap_row_state(self, i: int, j: int) -> None:
+        """Exchange rows i and j of ``valid``, ``positions`` and ``lengths`` on the device."""
+        for buffer in (self.valid, self.positions, self.lengths):  # (b, s_max), (b, s_max), (b,)
+            swap_in_place(buffer[i], buffer[j])
+
+    def _plan(self, new_valid: Tensor, counts: Sequence[int] | None) -> tuple[list[int], int]:
+        """Check a per-row forward of new tokens ``new_valid`` (b, t) against this cache: (each row's
+        real tokens as ints, the slots attention reads [0, end)). ``counts`` default to ``expect``'s;
+        without either the validity is read back (free eager on the CPU; a wait on a GPU)."""
+        b, t = new_valid.shape
+        if b != self.batch_size:
+            raise ValueError(f"this cache (view) has {self.batch_size} rows, got a batch of {b}")
+        if counts is None:
+            counts = self._expected
+        self._expected = None  # an announcement is for one forward
+        real = _real_counts(new_valid, torch.arange(t, device=new_valid.device), counts)  # b ints
+        lengths = self.host_lengths
+        end = max(lengths) + t  # the slots attention reads: [0, end)
+        if end > self.max_len:
+            row = max(range(b), key=lengths.__getitem__)
+            raise ValueError(f"KV cache row {row} is full: it holds {lengths[row]} token(s), "
+                             f"{t} more need {end} slots, but a row holds {self.max_len}; {self._full_hint}")
+        return real, end
+
+    def _record(self, new_valid: Tensor, new_positions: Tensor, real: list[int], end: int) -> Tensor:
+        """Record the new tokens' validity and positions (b, t) at each row's next logical slots,
+        advance the lengths (device and host); return those slots (b, t), on the device."""
+        slots = self.lengths[:, None] + torch.arange(new_valid.shape[1], device=new_valid.device)  # (b, t)
+        self.valid.scatter_(1, slots, new_valid)
+        self.positions.scatter_(1, slots, new_positions)
+        self.lengths += new_valid.sum(dim=1)  # (b,): the device's own count (checked equal to ``real``)
+        for i, n in enumerate(real):
+            self._host[self._first + i] += n
+        self.length = end
+        return slots
+
+
+def _real_counts(new_valid: Tensor, steps: Tensor, counts: Sequence[int] | None) -> list[int]:
+    """Each row's real tokens (ints), checked: new_valid (b, t) must be right-padded and, when
+    ``counts`` are given, hold exactly that many real tokens per row."""
+    b = new_valid.shape[0]
+    if counts is not None and len(counts) != b:
+        raise ValueError(f"counts gives {len(counts)} rows, the batch has {b}")
+    if counts is not None and not data_checks.reads_data(new_valid):
+        # Trusted host numbers: the device compares them with the data when it gets there (a
+        # mismatch is a device-side assert), and the host does not wait.
+        expected = steps < to_device(torch.tensor(counts, dtype=torch.long), new_valid.device)[:, None]
+        torch._assert_async((new_valid == expected).all(),  # (b, t) vs (b, t)
+                            "KVCache.reserve (per row): the rows are not right-padded to the announced counts")
+        return [int(n) for n in counts]
+    host = new_valid.cpu()  # eager on the CPU: the tensor itself; elsewhere the one read
+    found = host.sum(dim=1)  # (b,)
+    if not bool((host == (torch.arange(host.shape[1]) < found[:, None])).all()):
+        raise ValueError("a per-row KV cache takes right-padded rows (each row's real tokens first, "
+                         "then padding); left padding would leave gaps in a row")
+    real = found.tolist()
+    if counts is not None and list(counts) != real:
+        raise ValueError(f"the rows hold {real} real token(s), but counts says {list(counts)}")
+    return real

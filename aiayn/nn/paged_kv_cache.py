@@ -1,6 +1,6 @@
 """A paged KV cache: keys and values in a pool of fixed-size blocks, a block table per row.
 
-``RowKVCache`` gives each row a slot of ``max_len`` tokens: memory follows the longest possible
+A per-row ``KVCache`` gives each row a slot of ``max_len`` tokens: memory follows the longest possible
 request. ``PagedKVCache`` follows vLLM's PagedAttention (Kwon et al., 2023): every layer keeps its
 keys and values in one pool of ``n_blocks`` blocks of ``block_size`` tokens, (n_blocks, block_size,
 h_kv, d_h) each, and row i holds a block table, the ids of the blocks that hold its tokens in order
@@ -18,11 +18,11 @@ writes the new keys and values into their pool slots (``store``: ``index_copy_``
 contiguous layout ``F.scaled_dot_product_attention`` wants (``gather``: ``index_select`` of whole
 blocks by the (b, n) block table, padded with the null block, viewed as (b, n * block_size, h_kv,
 d_h) and cut to the extent the rows need). That gather is the price of paging on top of
-``RowKVCache``'s in-place read. On the CPU, a model converted by ``aiayn.fast.optimize`` skips it
+the per-row ``KVCache``'s in-place read. On the CPU, a model converted by ``aiayn.fast.optimize`` skips it
 for decode steps: ``aiayn.fast.paged_attention`` stores the keys and reads the pool in place through
 ``read_blocks`` (a C++ kernel; ``python -m benchmarks.kv_cache --paged`` measures both).
 
-Everything else is ``RowKVCache``'s contract, so the stacks and the serve engine use it the same
+Everything else is the per-row ``KVCache``'s contract (``PagedKVCache`` derives from it), so the stacks and the serve engine use it the same
 way: per-row logical ``valid``/``positions``/``lengths`` (causality from positions), views of row
 ranges (``rows``), ``swap_rows`` (here a swap of two tables: no keys move), ``clear_row``,
 ``expect`` and ``host_lengths``: **nothing is read back from the device** (the slots and tables
@@ -30,14 +30,13 @@ are built from host numbers and copied to the device; tests/serve/test_no_device
 Padding tokens of a right-padded forward write into the null block and are masked.
 
 Quantised keys and values (int8/int4) are not supported here: a quantised cache is refused with
-a clear error (use ``RowKVCache``, the fixed slots, for them).
+a clear error (use a per-row ``KVCache``, the fixed slots, for them).
 
 Shape letters: b rows, t new tokens, n blocks per row, B block_size, h_kv key/value heads, d_h head width.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -46,66 +45,11 @@ from torch import Tensor
 from aiayn.device import to_device
 from aiayn.nn.block_pool import NULL_BLOCK, BlockPool
 from aiayn.nn.block_tables import BlockTables
-from aiayn.nn.kv_cache import ROWS, LayerCache, Slots
-from aiayn.nn.row_kv_cache import RowCache, _swap
+from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.kv_layer import LayerKVCache, Slots
 
 
-class PagedLayerKVCache(LayerCache):
-    """One layer's pool: k, v (n_blocks, B, h_kv, d_h). ``PagedKVCache.reserve`` sets the forward's
-    block table (``read_blocks``, (b, n) on the device) and key extent (``read_end``) before the
-    layers write."""
-
-    def __init__(self, n_blocks: int, block_size: int, n_kv_heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        shape = (n_blocks, block_size, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_size = block_size
-        self.max_len = n_blocks * block_size
-        self.read_blocks: Tensor | None = None
-        self.read_end = 0
-        # One row whose blocks are consecutive in the pool: their first id, and the keys are a view
-        # of the pool (no gather). None: gather by ``read_blocks``.
-        self.read_run: int | None = None
-
-    def rows(self, start: int, stop: int) -> PagedLayerKVCache:
-        """A per-row view's layer: a shallow copy (the same pools), whose block table and extent a
-        forward through the view sets."""
-        return copy.copy(self)
-
-    def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
-        """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``slots.index`` (b, t); return every
-        row's keys and values over logical slots [0, read_end): 2 x (b, h_kv, read_end, d_h)."""
-        self.store(k, v, slots)
-        return self.gather()
-
-    def store(self, k: Tensor, v: Tensor, slots: Slots) -> None:
-        """Store new k, v (b, h_kv, t, d_h) at flat pool slots ``slots.index`` (b, t) only (a kernel
-        that reads the pool through ``read_blocks`` follows: ``aiayn.fast.paged_attention``)."""
-        if slots.kind != ROWS or slots.index is None or self.read_blocks is None:
-            raise ValueError("a paged KV cache layer is written through PagedKVCache.reserve's slots")
-        b, h_kv, t, d_h = k.shape
-        for pool, new in ((self.k, k), (self.v, v)):
-            flat = pool.view(-1, h_kv, d_h)  # (n_blocks * B, h_kv, d_h)
-            flat.index_copy_(0, slots.index.reshape(-1), new.transpose(1, 2).reshape(b * t, h_kv, d_h).to(pool.dtype))
-
-    def gather(self) -> tuple[Tensor, Tensor]:
-        """Every row's keys and values over logical slots [0, read_end), contiguous as SDPA wants
-        them: 2 x (b, h_kv, read_end, d_h) (a view of the pool for one row of consecutive blocks)."""
-        assert self.read_blocks is not None, "gather() follows PagedKVCache.reserve"
-        _, _, h_kv, d_h = self.k.shape
-        b, n = self.read_blocks.shape
-        if self.read_run is not None:  # b = 1, blocks [read_run, read_run + n): a view, no copy
-            keys, values = (pool[self.read_run: self.read_run + n].view(1, n * self.block_size, h_kv, d_h)
-                            [:, : self.read_end] for pool in (self.k, self.v))
-            return keys.transpose(1, 2), values.transpose(1, 2)
-        index = self.read_blocks.reshape(-1)  # (b * n,)
-        keys, values = (pool.index_select(0, index).view(b, n * self.block_size, h_kv, d_h)[:, : self.read_end]
-                        for pool in (self.k, self.v))  # (b, read_end, h_kv, d_h) each
-        return keys.transpose(1, 2), values.transpose(1, 2)  # (b, h_kv, read_end, d_h)
-
-
-class PagedKVCache(RowCache):
+class PagedKVCache(KVCache):
     """``rows`` sequences over a pool of ``n_blocks`` blocks of ``block_size`` tokens per layer (block 0
     the null block); each row holds up to ``max_len`` tokens. Decoder self-attention only.
 
@@ -115,6 +59,8 @@ class PagedKVCache(RowCache):
     scheduler, as it plans) has the device state ``follow`` them before the next forward.
     """
 
+    _full_hint = "send fewer tokens"
+
     def __init__(self, *, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
                  n_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, cross_attention: bool = False,
@@ -123,15 +69,14 @@ class PagedKVCache(RowCache):
             raise ValueError("PagedKVCache is for decoder-only self-attention; it holds no cross-attention")
         if quantize is not None:
             raise ValueError(f"the paged KV cache holds float keys and values; a {quantize} cache needs the "
-                             f"fixed slots (RowKVCache; aiayn serve --kv-layout slots)")
+                             f"fixed slots (a per-row KVCache; aiayn serve --kv-layout slots)")
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(f"PagedKVCache needs positive batch_size and max_len, got {batch_size} and {max_len}")
         self.tables = BlockTables(batch_size, max_len, n_blocks, block_size)
         self.block_size = block_size
-        layers = [PagedLayerKVCache(n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+        layers = [LayerKVCache.pool(n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
                   for _ in range(n_layers)]
-        super().__init__(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=None)
-        self.layers: list[PagedLayerKVCache] = layers
+        self._start(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=None, per_row=True)
         self._host = self.tables.lengths  # the host lengths are the tables' (shared with the views)
 
     @property
@@ -190,6 +135,13 @@ class PagedKVCache(RowCache):
         self.tables.swap(self._first + i, self._first + j)
         self.follow()
 
+    def reorder(self, indices: Tensor | Sequence[int], *, cross: bool = True) -> None:
+        """Refused: a repeated row would share its last, partly filled block with its copy, which
+        both would then write (there is no copy-on-write); rows move by ``swap_rows``, ``clear_row``
+        and ``adopt``."""
+        raise ValueError("a paged KV cache moves rows by their block tables (swap_rows, clear_row, adopt), "
+                         "not by reorder; use a per-row KVCache for beam search")
+
     def adopt(self, row: int, blocks: Sequence[int]) -> None:
         """Start empty row ``row`` with the full, computed ``blocks`` of a prompt prefix (a prefix-cache
         hit: ``pool.lookup``): the row holds them (shared) and continues after their tokens."""
@@ -209,8 +161,7 @@ class PagedKVCache(RowCache):
             if not all(0 <= r < self.batch_size for r in rows):
                 raise ValueError(f"a move of rows {list(move[1:])} lies outside this view of the cache")
             if move[0] == "swap":
-                for buffer in (self.valid, self.positions, self.lengths):  # (b, max_len), (b, max_len), (b,)
-                    _swap(buffer[rows[0]], buffer[rows[1]])
+                self._swap_row_state(rows[0], rows[1])
             elif move[0] == "clear":
                 # In-place fills of views: a host scalar assigned would be a (synchronizing) copy.
                 self.lengths[rows[0]].zero_()

@@ -13,7 +13,7 @@ static). The padding rows can never be the cache's last rows beyond ``max_batch`
 bucket is the cache's row count.
 
 The bookkeeping outside the graph is the compiled decode step's own (``next_token_slots``: each
-row's position, checked, and ``RowKVCache.reserve``'s slots, told each row's real-token count by
+row's position, checked, and the per-row ``KVCache.reserve``'s slots, told each row's real-token count by
 ``expect``: nothing read back from the device), then the graph runs the stack. Its results are the eager engine's up to float rounding (attention over
 more masked keys): tests/serve/test_compiled_engine.py.
 """
@@ -28,7 +28,8 @@ from torch import Tensor
 from aiayn.device import to_device
 from aiayn.fast.compiled_decode import compiled_row_step, mark_static, next_token_slots
 from aiayn.models.decoder_only import DecoderOnly
-from aiayn.nn.row_kv_cache import RowKVCache
+from aiayn.nn.kv_cache import KVCache
+from aiayn.nn.paged_kv_cache import PagedKVCache
 from aiayn.serve.blocks import PAGED_COMPILE
 
 logger = logging.getLogger("aiayn.serve")
@@ -60,15 +61,15 @@ class CompiledRows:
     """Decode steps of ``model`` over the first rows of ``cache`` through one compiled graph per
     bucket (see the module docstring). ``compiled_buckets``: the buckets that have run."""
 
-    def __init__(self, model: DecoderOnly, cache: RowKVCache) -> None:
-        if not isinstance(cache, RowKVCache) or cache.quantize is not None:
+    def __init__(self, model: DecoderOnly, cache: KVCache) -> None:
+        if not cache.per_row or isinstance(cache, PagedKVCache) or cache.quantize is not None:
             raise ValueError(COMPILE_NEEDS_FLOAT)
         self.model, self.cache = model, cache
         self.buckets = bucket_sizes(cache.batch_size)
         # Per bucket: a view of the cache's first rows. Made once and kept, so a CUDA graph sees the
         # same buffers at every replay (the views share the cache's storage: swaps, clears and the
         # prefill's writes land in them).
-        self._views: dict[int, RowKVCache] = {}
+        self._views: dict[int, KVCache] = {}
         self.compiled_buckets: set[int] = set()
 
     def bucket(self, n: int) -> int:
@@ -78,7 +79,7 @@ class CompiledRows:
                 return size
         raise ValueError(f"{n} rows exceed the cache's {self.buckets[-1]}")
 
-    def _view(self, size: int) -> tuple[RowKVCache, RowKVCache]:
+    def _view(self, size: int) -> tuple[KVCache, KVCache]:
         """Rows [0, size) of the cache: the view whose masks the graph reads, and the cache its
         layers write (the same view: its layers store each row's new key in place, ``Slots.row_slot``)."""
         if size not in self._views:

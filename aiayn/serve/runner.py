@@ -18,8 +18,8 @@ from aiayn.device import model_device, to_device
 from aiayn.generate.step import decode_ragged
 from aiayn.models.blocks import RaggedBatch
 from aiayn.models.decoder_only import DecoderOnly
+from aiayn.nn.kv_cache import KVCache
 from aiayn.nn.paged_kv_cache import PagedKVCache
-from aiayn.nn.row_kv_cache import RowKVCache
 from aiayn.serve.blocks import BlockPlan, SlotPlan
 from aiayn.serve.compiled_step import CompiledRows
 from aiayn.serve.request import Request
@@ -33,7 +33,7 @@ class Runner:
                  compile: bool = False) -> None:
         self.model = model
         self.device = model_device(model)
-        self.cache: RowKVCache | PagedKVCache
+        self.cache: KVCache  # per row, or a PagedKVCache
         if isinstance(plan, BlockPlan):
             self.cache = model.new_cache(plan.rows, plan.context, per_row=True, quantize=kv_cache,
                                          n_blocks=plan.n_blocks, block_size=plan.block_size)  # type: ignore[assignment]

@@ -78,23 +78,23 @@ def test_kv_cache_reorder_selects_rows_of_every_buffer(device: torch.device) -> 
                     device=device)
     valid = (torch.rand(3, 4, generator=g) > 0.3).to(device)
     slots = cache.reserve(valid, torch.arange(4, device=device).expand(3, 4) * 10 + torch.arange(3, device=device)[:, None])
-    for layer, cross in zip(cache.layers, cache.cross, strict=True):
+    for layer in cache.layers:
         layer.write(randn(3, 2, 4, 5), randn(3, 2, 4, 5), slots)
-        cross.k, cross.v = randn(3, 2, 6, 5), randn(3, 2, 6, 5)
+    cache.cross = [(randn(3, 2, 6, 5), randn(3, 2, 6, 5)) for _ in cache.layers]
     before = ([(la.k.clone(), la.v.clone()) for la in cache.layers],
-              [(c.k.clone(), c.v.clone()) for c in cache.cross], cache.valid.clone(), cache.positions.clone())
+              [(k.clone(), v.clone()) for k, v in cache.cross], cache.valid.clone(), cache.positions.clone())
     idx = torch.tensor([2, 0, 0, 1, 2], device=device)  # reorder, repeat and grow the batch
     cache.reorder(idx)
     assert cache.batch_size == 5 and cache.length == 4
     for layer, (k, v) in zip(cache.layers, before[0], strict=True):
         assert layer.k.shape == (5, 2, 7, 5)
         assert torch.equal(layer.k[:, :, :4], k[idx, :, :4]) and torch.equal(layer.v[:, :, :4], v[idx, :, :4])
-    for cross, (k, v) in zip(cache.cross, before[1], strict=True):
-        assert torch.equal(cross.k, k[idx]) and torch.equal(cross.v, v[idx])
+    for (cross_k, cross_v), (k, v) in zip(cache.cross, before[1], strict=True):
+        assert torch.equal(cross_k, k[idx]) and torch.equal(cross_v, v[idx])
     assert torch.equal(cache.valid, before[2][idx]) and torch.equal(cache.positions, before[3][idx])
     # cross=False leaves the cross-attention keys/values alone; shrinking works too.
     cache.reorder(torch.tensor([4, 3], device=device), cross=False)
-    assert cache.batch_size == 2 and cache.cross[0].k.shape[0] == 5
+    assert cache.batch_size == 2 and cache.cross[0][0].shape[0] == 5
     assert torch.equal(cache.valid, before[2][[2, 1]])
     # The cache keeps working at its new batch size.
     slots = cache.reserve(torch.ones(2, 1, dtype=torch.bool, device=device),

@@ -343,8 +343,9 @@ def test_encoder_decoder_cache_preallocated_through_greedy(device: torch.device)
             assert [(la.k.data_ptr(), la.v.data_ptr()) for la in cache.layers] == ptrs
             assert all(tuple(la.k.shape) == shape for la in cache.layers)
     # Cross-attention keeps one (b, h_kv, s, d_h) pair per layer, computed from the source.
-    for cross in cache.cross:
-        assert tuple(cross.k.shape) == (3, 2, src.shape[1], model.config.head_dim)
+    assert len(cache.cross) == len(cache.layers)
+    for k, v in cache.cross:
+        assert tuple(k.shape) == tuple(v.shape) == (3, 2, src.shape[1], model.config.head_dim)
 
 
 def test_cache_overflow_raises(device: torch.device) -> None:
@@ -424,10 +425,10 @@ def test_encoder_decoder_estimate_counts_the_cross_attention_keys_and_values(mod
     assert cache.nbytes == cache.self_nbytes == kv_cache_bytes(**sizes)  # nothing computed yet
     with torch.no_grad():
         model.decode(torch.ones(batch, 1, dtype=torch.long, device=device), model.encode(src), cache=cache)
-    cross = sum(t.numel() * t.element_size() for kv in cache.cross for t in (kv.k, kv.v))
+    cross = sum(t.numel() * t.element_size() for kv in cache.cross for t in kv)
     assert cross == cache.cross_nbytes > 0
     assert cache.nbytes == kv_cache_bytes(**sizes, src_len=src_len) == cache.self_nbytes + cross
     if quantize:  # the cross-attention keys/values stay in the model's float dtype
-        assert all(kv.k.dtype == model_dtype for kv in cache.cross)
+        assert all(k.dtype == v.dtype == model_dtype for k, v in cache.cross)
     assert kv_cache_bytes(**sizes, src_len=src_len) - kv_cache_bytes(**sizes) == (
         2 * config.n_decoder_layers * 3 * config.head_dim * src_len * batch * (2 if model_dtype == torch.bfloat16 else 4))

@@ -2,7 +2,7 @@
 cache's block table, no gathered copy) equals the plain path it replaces.
 
 * The op itself against the plain gather (``index_select`` of whole blocks, as
-  ``PagedLayerKVCache.gather``) + ``aiayn.nn.attention.scaled_dot_product_attention``, and against
+  ``LayerKVCache.gather`` of a block pool) + ``aiayn.nn.attention.scaled_dot_product_attention``, and against
   the same keys laid out in fixed slots as ``RowKVCache`` holds them: random pools, ragged row
   lengths, rows sharing prefix blocks, rows with no key (padding rows: zeros), GQA and MQA, one
   query or several under a position-causal mask, masks broadcast or not.
@@ -61,7 +61,7 @@ def random_pool(lengths: list[int], *, h_kv: int, d_h: int, block: int, share: i
 
 
 def gathered(pool: torch.Tensor, table: torch.Tensor, t_k: int) -> torch.Tensor:
-    """The plain path's copy: (b, h_kv, t_k, d_h), as ``PagedLayerKVCache.gather``."""
+    """The plain path's copy: (b, h_kv, t_k, d_h), as ``LayerKVCache.gather`` of a block pool."""
     b, n = table.shape
     _, block, h_kv, d_h = pool.shape
     return pool.index_select(0, table.reshape(-1)).view(b, n * block, h_kv, d_h)[:, :t_k].transpose(1, 2)

@@ -149,7 +149,8 @@ def test_refusals(device: torch.device) -> None:
             model(torch.tensor([[1] * 6, [2] * 6], device=device), cache=cache)
     with pytest.raises(ValueError, match="not empty"):
         cache.adopt(0, [])
-    assert not hasattr(cache, "reorder")  # rows move by their block tables: swap_rows, clear_row, adopt
+    with pytest.raises(ValueError, match="moves rows by their block tables"):  # swap_rows, clear_row, adopt
+        cache.reorder([1, 0])
 
 
 @pytest.mark.cpu_only  # host bookkeeping: no tensors

@@ -1,4 +1,4 @@
-"""A cache whose rows fill independently (``RowKVCache``, continuous batching) gives every row what
+"""A cache whose rows fill independently (``KVCache(per_row=True)``, continuous batching) gives every row what
 the model computes for that row alone.
 
 Rows join at different steps, prefill in chunks of different widths in one right-padded forward,
@@ -20,7 +20,7 @@ from torch.testing import assert_close
 
 from aiayn.device import model_device
 from aiayn.models import DecoderOnly, get_preset
-from aiayn.nn.row_kv_cache import RowKVCache
+from aiayn.nn.kv_cache import KVCache
 
 VOCAB = 99
 SCHEMES = ["learned", "rope", "alibi", "t5", "sinusoidal"]
@@ -40,18 +40,18 @@ def sequences(lengths: list[int], seed: int = 3, *, device: torch.device) -> lis
 
 
 class Driver:
-    """Feeds chunks of per-row sequences through views of a RowKVCache and checks each real token's
+    """Feeds chunks of per-row sequences through views of a per-row KVCache and checks each real token's
     logits against the row alone."""
 
     def __init__(self, model: DecoderOnly, rows: int, max_len: int, *, quantize: str | None = None,
                  tell: bool = False, no_sync: bool = False) -> None:
-        """``tell``: each forward's counts are told to the cache (``RowKVCache.expect``, as the serve
+        """``tell``: each forward's counts are told to the cache (``KVCache.expect``, as the serve
         engine does), which then reads nothing back. ``no_sync`` (with ``tell``, on CUDA): the
         forwards run under ``torch.cuda.set_sync_debug_mode("error")``: a host-device sync fails."""
         self.model = model
         self.tell, self.no_sync = tell, no_sync
         self.cache = model.new_cache(rows, max_len, per_row=True, quantize=quantize)
-        assert isinstance(self.cache, RowKVCache)
+        assert type(self.cache) is KVCache and self.cache.per_row
         self.seqs: list[torch.Tensor | None] = [None] * rows
         self.fed = [0] * rows  # tokens of each row's sequence already in the cache
         self.quantize = quantize

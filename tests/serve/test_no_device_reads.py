@@ -6,7 +6,7 @@ tests take the GPU's code path on the CPU (``serve_helpers.device_path``):
 ``aiayn.nn.data_checks.reads_data`` is patched to say False (as it does for a CUDA tensor: no
 data-dependent checks, masks always built), and every way a tensor's value reaches Python is
 patched to note where it was called from. The engine's prefill
-and decode steps, and the per-row cache's own operations (``RowKVCache.reserve``, ``rows``,
+and decode steps, and the per-row cache's own operations (``KVCache.reserve``, ``rows``,
 ``swap_rows``, ``clear_row``, ``reorder`` and the layers' writes), then read nothing, except the one
 read the engine must make: the chosen token ids (with the log-probabilities asked for), once per
 forward in ``aiayn.serve.sampler.choose`` (before ``Output.emit``), to detokenise them. And the results equal the ordinary
@@ -22,12 +22,12 @@ from torch.testing import assert_close
 
 from aiayn.generate import SamplingConfig
 from aiayn.models import DecoderOnly, get_preset
-from aiayn.nn.row_kv_cache import RowKVCache
+from aiayn.nn.kv_cache import KVCache
 from aiayn.serve.engine import Engine, Request, SamplingParams, slot_plan
 
 
 # ---- the cache on its own ----------------------------------------------------------------------
-def schedule(model: DecoderOnly, cache: RowKVCache) -> list[torch.Tensor]:
+def schedule(model: DecoderOnly, cache: KVCache) -> list[torch.Tensor]:
     """Rows join, prefill right-padded chunks beside decoding rows through views, swap, leave and are
     reused; each forward's counts are told to the cache (``expect``). The logits of every forward."""
     g = torch.Generator().manual_seed(0)
@@ -73,7 +73,7 @@ def test_the_row_cache_reads_nothing_and_computes_the_same(quantize: str | None)
 def test_the_harness_sees_a_read_and_the_device_checks_the_counts() -> None:
     """Without counts the cache must read the validity back (once, and the spy sees it); with counts
     that the data contradicts, the device's own assert fails (on the CPU at once)."""
-    cache = RowKVCache(n_layers=1, batch_size=2, n_kv_heads=1, head_dim=4, max_len=8)
+    cache = KVCache(n_layers=1, batch_size=2, n_kv_heads=1, head_dim=4, max_len=8, per_row=True)
     valid = torch.tensor([[True, True], [True, False]])
     with device_path() as reads:
         cache.reserve(valid, torch.zeros(2, 2, dtype=torch.long))

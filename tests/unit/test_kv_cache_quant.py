@@ -7,14 +7,8 @@ import torch
 
 from aiayn import ModelConfig, build_model
 from aiayn.generate import greedy_decoder_only
-from aiayn.nn.kv_cache import (
-    KVCache,
-    LayerKVCache,
-    Slots,
-    dequantize_absmax,
-    kv_cache_bytes,
-    quantize_absmax,
-)
+from aiayn.nn.kv_cache import KVCache, kv_cache_bytes
+from aiayn.nn.kv_layer import LayerKVCache, Slots, dequantize_absmax, quantize_absmax
 
 
 @pytest.mark.parametrize(("bits", "group"), [(8, 16), (8, 4), (4, 16), (4, 4)])
