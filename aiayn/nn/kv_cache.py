@@ -228,6 +228,7 @@ class KVCache:
         """Tell the next ``reserve`` (the next forward through this per-row cache) that row i brings
         ``counts[i]`` real tokens, its first ones: it then reads nothing back from the device to
         learn them. Returns this cache, to hand on: ``decode_step(model, x, view.expect(counts))``."""
+        self._per_row_only("expect")
         self._expected = [int(n) for n in counts]
         return self
 
@@ -235,6 +236,7 @@ class KVCache:
         """A view of rows [start, stop) of a per-row cache: the same buffers (writes through it land
         here), no copy; its masks, positions and lengths sliced, its layers' ``rows`` (each its own
         object, so two views can be reserved for one step, a ragged forward, without clobbering)."""
+        self._per_row_only("rows")
         if not 0 <= start < stop <= self.batch_size:
             raise ValueError(f"rows({start}, {stop}): need 0 <= start < stop <= {self.batch_size}")
         view = copy.copy(self)
@@ -248,6 +250,7 @@ class KVCache:
 
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s tokens: the row is free for a new sequence (buffers stay allocated)."""
+        self._per_row_only("clear_row")
         # In-place fills of views: ``lengths[row] = 0`` would copy a host scalar to the device (a
         # synchronizing copy on CUDA); ``fill_`` passes the value as a kernel argument.
         self.lengths[row].zero_()
@@ -256,6 +259,7 @@ class KVCache:
 
     def swap_rows(self, i: int, j: int) -> None:
         """Exchange rows i and j (their keys, values, validity, positions and lengths)."""
+        self._per_row_only("swap_rows")
         if i == j:
             return
         host = self._host
@@ -265,6 +269,11 @@ class KVCache:
                 layer.swap_rows(i, j, n)
         self._swap_row_state(i, j)
         host[self._first + i], host[self._first + j] = host[self._first + j], host[self._first + i]
+
+    def _per_row_only(self, method: str) -> None:
+        """Refuse a per-row operation on an aligned cache (its rows share one length)."""
+        if not self.per_row:
+            raise ValueError(f"KVCache.{method} needs a length per row: create the cache with per_row=True")
 
     def _swap_row_state(self, i: int, j: int) -> None:
         """Exchange rows i and j of ``valid``, ``positions`` and ``lengths`` on the device."""

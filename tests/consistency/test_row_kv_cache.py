@@ -196,3 +196,14 @@ def test_refuses_left_padding_and_overflow(device: torch.device) -> None:
         with pytest.raises(ValueError, match="row 0 is full"):
             model(torch.tensor([[1, 2], [3, 4]], device=device),
                   valid=torch.tensor([[True, True], [False, False]], device=device), cache=cache)
+
+
+@pytest.mark.cpu_only
+def test_an_aligned_cache_refuses_the_per_row_operations() -> None:
+    """An aligned cache's rows share one length: a view of some rows, a cleared or swapped row, or
+    announced per-row counts would desynchronise them, so each is refused in one line."""
+    cache = KVCache(n_layers=1, batch_size=2, n_kv_heads=1, head_dim=4, max_len=8)
+    for call in (lambda: cache.rows(0, 1), lambda: cache.clear_row(0), lambda: cache.swap_rows(0, 1),
+                 lambda: cache.expect([1, 1])):
+        with pytest.raises(ValueError, match="needs a length per row: create the cache with per_row=True"):
+            call()
