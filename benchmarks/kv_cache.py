@@ -8,7 +8,7 @@
   greedy agreement with the float cache (up to each prompt's first divergence) and the perplexity
   of a Tiny Shakespeare passage fed through the cache in chunks of ``--chunk``.
 * ``--paged``: what paging costs a SmolLM2-135M decode step: ``PagedKVCache`` read by the plain
-  gather and by ``aiayn.fast.paged_attention``'s kernel against ``RowKVCache``'s fixed slots, at
+  gather and by ``aiayn.fast.paged_attention``'s kernel against the per-row ``KVCache``'s fixed slots, at
   ``--batches`` x ``--contexts`` (each row holds ``context`` tokens), interleaved. At batch 1 the
   blocks are consecutive and both paged columns run the same code.
 
@@ -172,7 +172,7 @@ def greedy(model, prompt: torch.Tensor, n: int, quantize: str | None, group: int
 
 
 def filled_caches(model: torch.nn.Module, batch: int, context: int, block_size: int, steps: int):
-    """A RowKVCache and two PagedKVCaches of ``batch`` rows each holding ``context`` tokens, with
+    """A per-row KVCache and two PagedKVCaches of ``batch`` rows each holding ``context`` tokens, with
     room for ``steps`` more per row."""
     prompt = torch.randint(3, 40000, (1, context), generator=torch.Generator().manual_seed(0))
     max_len = context + steps

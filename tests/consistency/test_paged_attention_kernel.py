@@ -3,10 +3,10 @@ cache's block table, no gathered copy) equals the plain path it replaces.
 
 * The op itself against the plain gather (``index_select`` of whole blocks, as
   ``LayerKVCache.gather`` of a block pool) + ``aiayn.nn.attention.scaled_dot_product_attention``, and against
-  the same keys laid out in fixed slots as ``RowKVCache`` holds them: random pools, ragged row
+  the same keys laid out in fixed slots as the per-row ``KVCache`` holds them: random pools, ragged row
   lengths, rows sharing prefix blocks, rows with no key (padding rows: zeros), GQA and MQA, one
   query or several under a position-causal mask, masks broadcast or not.
-* A model over ``PagedKVCache`` with the kernel equals the same model over ``RowKVCache`` (the
+* A model over ``PagedKVCache`` with the kernel equals the same model over the per-row ``KVCache`` (the
   staggered schedules of test_row_kv_cache.py, step by step) and each row equals the row alone.
 * The serve engine over the paged cache gives the same greedy tokens with the kernel as without
   it, and as over the fixed slots.
@@ -68,7 +68,7 @@ def gathered(pool: torch.Tensor, table: torch.Tensor, t_k: int) -> torch.Tensor:
 
 
 def in_slots(pool: torch.Tensor, table: torch.Tensor, lengths: list[int], t_k: int) -> torch.Tensor:
-    """The same keys as ``RowKVCache`` holds them, (b, h_kv, t_k, d_h): row i's slot s is its token s,
+    """The same keys as the per-row ``KVCache`` holds them, (b, h_kv, t_k, d_h): row i's slot s is its token s,
     written token by token from the pool (zeros past its length)."""
     _, block, h_kv, d_h = pool.shape
     slots = torch.zeros(len(lengths), h_kv, t_k, d_h)
@@ -182,7 +182,7 @@ def kernel_model(positional: str = "rope", n_kv_heads: int | None = 2, head_dim:
 
 
 class TwinDriver(PagedDriver):
-    """``PagedDriver`` that also feeds every forward's tokens to a ``RowKVCache`` read by the plain
+    """``PagedDriver`` that also feeds every forward's tokens to a per-row ``KVCache`` read by the plain
     path: each paged forward's logits (the kernel's) equal the fixed slots' and the row alone's."""
 
     def __init__(self, model, rows: int, max_len: int) -> None:

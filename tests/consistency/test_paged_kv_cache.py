@@ -1,5 +1,5 @@
 """The paged KV cache (``PagedKVCache``: a pool of blocks, a block table per row) gives every row what
-the model computes for that row alone, as ``RowKVCache`` does, also when rows share the blocks of a
+the model computes for that row alone, as the per-row ``KVCache`` does, also when rows share the blocks of a
 common prefix.
 
 The schedules are test_row_kv_cache.py's (rows join, prefill in right-padded chunks of different
