@@ -87,17 +87,19 @@ def response_format(text: TextOptions | None) -> dict[str, Any] | None:
 def chat_request(body: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
     """The chat request that answers ``body``, and the conversation it continues (with the new
     input, without the instructions); 400 as the chat route's checks say, 404 for an unknown
-    ``previous_response_id``."""
+    ``previous_response_id``. No tools (``[]`` too) is a text answer."""
     history = [] if body.previous_response_id is None else store.get(body.previous_response_id)
     conversation = [*history, *input_messages(body.input)]
     system = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
     choice = body.tool_choice
+    if not body.tools and choice in ("auto", "none"):  # (no tools: an empty list, as the Agents SDK sends)
+        choice = None
     fields = {
         "model": body.model, "messages": [*system, *conversation], "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream, "user": body.user,
         "stream_options": {"include_usage": True} if body.stream else None,
         "response_format": response_format(body.text),
-        "tools": None if body.tools is None else [
+        "tools": None if not body.tools else [
             {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in body.tools],
         "tool_choice": {"type": "function", "function": {"name": choice.name}} if hasattr(choice, "name") else choice,
         "parallel_tool_calls": body.parallel_tool_calls,

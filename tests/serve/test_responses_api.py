@@ -89,7 +89,7 @@ def call_of(answer) -> tuple[str, str, str]:
 def test_a_call_continued_by_previous_response_id_and_by_the_whole_conversation(client):
     question = "What is 2 + 3?"
     answer = client.responses.create(model="tiny", input=question, tools=[ADD], tool_choice="required",
-                                     max_output_tokens=60)
+                                     parallel_tool_calls=False, max_output_tokens=60)
     call_id, name, arguments = call_of(answer)
     assert name == "add" and answer.status == "completed" and answer.tool_choice == "required"
     result = {"type": "function_call_output", "call_id": call_id, "output": "5"}
@@ -170,34 +170,34 @@ def smollm2_url(smollm2_text_model):
 @pytest.mark.slow
 def test_smollm2_answers_by_instructions(smollm2_url):
     client = openai.OpenAI(base_url=smollm2_url, api_key="unused", max_retries=0, timeout=TIMEOUT)
-    answer = client.responses.create(model="smollm2", instructions="You are a geography teacher.",
-                                     input="What is the capital of France?", max_output_tokens=30, temperature=0)
+    answer = client.responses.create(model="smollm2", instructions="Answer in one short sentence.",
+                                     input="What is the capital of France?", max_output_tokens=40, temperature=0)
     assert answer.status == "completed" and "Paris" in answer.output_text, answer.output_text
 
 
 @pytest.mark.slow
-def test_the_agents_sdk_default_model_runs_a_tool_on_smollm2(smollm2_url):
+def test_the_agents_sdk_default_model_runs_a_tool_on_smollm2_to_a_text_answer(smollm2_url):
     """The SDK's default model (``OpenAIResponsesModel``) asks, the server answers with a function
-    call, the SDK runs the tool on the model's arguments. The agent stops at the tool's result:
-    SmolLM2-135M, untrained for tools, calls the tool again rather than answering from its result."""
+    call, the SDK runs the tool and sends its output back with the whole conversation, and the model
+    answers in text. The tool is offered once: SmolLM2-135M, untrained for tools, calls an offered
+    tool again rather than answer from its result (its template has no tool support, so the earlier
+    call is JSON text in the prompt, and the model repeats it)."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     cities = []
 
-    @agents.function_tool
+    @agents.function_tool(is_enabled=lambda context, agent: not cities)
     def get_weather(city: str) -> str:
         """The current weather in a city."""
         cities.append(city)
-        return f"It is sunny and 22 degrees in {city}."
+        return '{"temperature": 22, "sky": "sunny"}'
 
     async def run() -> str:
         async with openai.AsyncOpenAI(base_url=smollm2_url, api_key="unused", max_retries=0, timeout=TIMEOUT) as aio:
-            agent = agents.Agent(name="weather", instructions="You answer questions about the weather.",
-                                 model=agents.OpenAIResponsesModel(model="smollm2", openai_client=aio),
-                                 tools=[get_weather], tool_use_behavior="stop_on_first_tool",
-                                 model_settings=agents.ModelSettings(temperature=0, max_tokens=60))
-            result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=2)
+            agent = agents.Agent(name="weather", model=agents.OpenAIResponsesModel(model="smollm2", openai_client=aio),
+                                 tools=[get_weather], model_settings=agents.ModelSettings(temperature=0, max_tokens=60))
+            result = await agents.Runner.run(agent, "What is the weather like in Paris today?", max_turns=3)
             return result.final_output
 
-    final = asyncio.run(asyncio.wait_for(run(), 2 * TIMEOUT))
-    assert cities == ["Paris"] and final == "It is sunny and 22 degrees in Paris."
+    final = asyncio.run(asyncio.wait_for(run(), 3 * TIMEOUT))
+    assert cities == ["Paris"] and "Paris" in final and "tool_call" not in final, final
