@@ -43,7 +43,7 @@ from aiayn.serve.responses import (
     completion_stream,
     shutting_down,
 )
-from aiayn.serve.responses_api import ResponseStore, ResponsesWire, chat_request
+from aiayn.serve.responses_api import ResponseStore, ResponsesWire, chat_request, responses_names
 from aiayn.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -342,7 +342,8 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Any:
         chat, conversation = chat_request(body, state.responses)
-        return await chat_generation(state, request, chat, ResponsesWire(body, conversation, state.responses))
+        with responses_names():
+            return await chat_generation(state, request, chat, ResponsesWire(body, conversation, state.responses))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:

@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -110,6 +110,23 @@ def chat_request(body: ResponsesRequest, store: ResponseStore) -> tuple[ChatComp
         message, param = validation_message(list(exc.errors()))
         raise APIError(400, message, param=param) from None
     return chat, conversation
+
+
+RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+@contextlib.contextmanager
+def responses_names() -> Iterator[None]:
+    """The chat route's errors naming the Responses API's fields (``input``, not ``messages``)."""
+    try:
+        yield
+    except APIError as error:
+        if error.param in RESPONSES_NAMES:
+            name = RESPONSES_NAMES[error.param]
+            error.message = error.message.replace(f"{error.param}: ", f"{name}: ", 1)
+            error.message = error.message.replace(" + max_tokens ", " + max_output_tokens ", 1)
+            error.param = name
+        raise
 
 
 # ---- the answer: a Response object -------------------------------------------------------------

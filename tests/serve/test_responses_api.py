@@ -124,6 +124,8 @@ def test_a_streamed_call_sends_its_arguments_as_they_come(client):
     (dict(include=["reasoning.encrypted_content"]), 400, "include: aiayn serve adds no optional parts"),
     (dict(tools=[ADD, ADD]), 400, "tools: each function needs its own name"),
     (dict(model="other"), 404, "the model 'other' does not exist"),
+    (dict(max_output_tokens=5000), 400, "tokens + max_output_tokens 5000 = "),
+    (dict(input="hi " * 3000), 400, "tokens + max_output_tokens 2 = "),
 ])
 def test_bad_requests_are_openai_errors(client, kwargs, status, says):
     with pytest.raises(openai.APIStatusError) as error:
@@ -131,6 +133,7 @@ def test_bad_requests_are_openai_errors(client, kwargs, status, says):
     assert error.value.status_code == status
     body = error.value.body
     assert set(body) == {"message", "type", "param", "code"} and says in body["message"], body
+    assert "messages" not in body["message"] and body["param"] != "messages"
 
 
 def test_an_answer_not_stored_cannot_be_continued(client):
