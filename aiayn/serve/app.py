@@ -43,10 +43,12 @@ from aiayn.serve.responses import (
     completion_stream,
     shutting_down,
 )
+from aiayn.serve.responses_api import ResponseStore, ResponsesWire, chat_request, responses_names
 from aiayn.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    ResponsesRequest,
     validation_message,
 )
 from aiayn.serve.tool_calls import ToolFormat, tool_format
@@ -69,6 +71,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     encoder_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     limits: Limits = field(default_factory=Limits)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # kept for previous_response_id
 
     def begin_drain(self) -> None:
         if self.draining_since is None:
@@ -251,8 +254,9 @@ def start_generation(engine: Engine, prompts: list[list[int]], params: SamplingP
 
 async def generate(state: ServerState, request: Request, lm: TextModel, engine: Engine, body: Any,
                    prompts: list[list[int]], limit: int | None, logprobs: int | None, meta: Meta,
-                   tools: ToolSettings | None = None) -> Any:
-    """The request's generation, answered whole or streamed (server-sent events)."""
+                   tools: ToolSettings | None = None, wire: ResponsesWire | None = None) -> Any:
+    """The request's generation, answered whole or streamed (server-sent events); ``wire``: a chat
+    answer written in the Responses API's format."""
     params = sampling_params(body, engine, prompts, limit, logprobs)
     constraint = await asyncio.to_thread(response_constraint, lm, body)
     if tools is not None:  # (a response_format is then the text answer's, checked just above)
@@ -262,16 +266,19 @@ async def generate(state: ServerState, request: Request, lm: TextModel, engine: 
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = (chat_stream if chat else completion_stream)(meta, generation, include_usage, state.past_grace)
-        return EventSourceResponse(events, shutdown_grace_period=state.shutdown_grace + 1.0)
+        return EventSourceResponse(events if wire is None else wire.stream(events),
+                                   shutdown_grace_period=state.shutdown_grace + 1.0)
     try:
         choices = await collect(generation, request.is_disconnected, state.past_grace)
     except ClientGone:
         return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-    return (chat_answer if chat else completion_answer)(meta, generation, choices)
+    answer = (chat_answer if chat else completion_answer)(meta, generation, choices)
+    return answer if wire is None else wire.answer(answer)
 
 
 # ---- the app -----------------------------------------------------------------------------------
-ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/health", "/metrics")
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/health",
+          "/metrics")
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -325,21 +332,18 @@ def add_status_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    """``/v1/chat/completions`` and ``/v1/completions``."""
+    """``/v1/chat/completions``, ``/v1/responses`` (a chat request in another wire format) and
+    ``/v1/completions``."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        lm, engine = state.generator(body.model)
-        if lm.chat_template is None:
-            raise APIError(400, f"{state.served.name} has no chat template; use /v1/completions with a plain prompt",
-                           param="messages")
-        check_prompt_count(engine, state.limits, 1, body.n)
-        tools = tool_settings(body.tools, body.tool_choice, body.parallel_tool_calls)  # (checked by the schema)
-        messages = [chat_message(m) for m in body.messages]
-        prompts = [await asyncio.to_thread(chat_ids, state, lm, engine, messages, tools)]
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        meta = Meta(state.served.name, "chat.completion", logprobs=body.logprobs)
-        return await generate(state, request, lm, engine, body, prompts, body.token_limit, top, meta, tools)
+        return await chat_generation(state, request, body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Any:
+        chat, conversation = chat_request(body, state.responses)
+        with responses_names():
+            return await chat_generation(state, request, chat, ResponsesWire(body, conversation, state.responses))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -349,6 +353,22 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         prompts = await asyncio.to_thread(token_ids, lm, body.prompt, "prompt", state.limits, per_prompt)
         meta = Meta(state.served.name, "text_completion", logprobs=body.logprobs is not None)
         return await generate(state, request, lm, engine, body, prompts, body.max_tokens, body.logprobs, meta)
+
+
+async def chat_generation(state: ServerState, request: Request, body: ChatCompletionRequest,
+                          wire: ResponsesWire | None = None) -> Any:
+    """A chat request's answer (``wire``: written in the Responses API's format)."""
+    lm, engine = state.generator(body.model)
+    if lm.chat_template is None:
+        raise APIError(400, f"{state.served.name} has no chat template; use /v1/completions with a plain prompt",
+                       param="messages")
+    check_prompt_count(engine, state.limits, 1, body.n)
+    tools = tool_settings(body.tools, body.tool_choice, body.parallel_tool_calls)  # (checked by the schema)
+    messages = [chat_message(m) for m in body.messages]
+    prompts = [await asyncio.to_thread(chat_ids, state, lm, engine, messages, tools)]
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    meta = Meta(state.served.name, "chat.completion", logprobs=body.logprobs)
+    return await generate(state, request, lm, engine, body, prompts, body.token_limit, top, meta, tools, wire)
 
 
 def add_embedding_route(app: FastAPI, state: ServerState) -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, Tag, model_validator
 
-from aiayn.serve.tools import Strict, Tool, ToolCall, ToolChoice, tool_settings
+from aiayn.serve.tools import FUNCTION_NAME, Strict, Tool, ToolCall, ToolChoice, tool_settings
 
 MAX_STOPS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20
@@ -200,6 +200,7 @@ class EmbeddingRequest(Strict):
 
 
 MAX_MESSAGE_ERRORS = 3
+ITEM_KINDS = ("message", "function_call", "function_call_output")  # the tags of the Responses API's input items
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -207,6 +208,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     parts, first = [], None
     for error in errors[:MAX_MESSAGE_ERRORS]:
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        loc = [p for i, p in enumerate(loc) if not (i and loc[i - 1].isdigit() and p in ITEM_KINDS)]  # (union tags)
         field = ".".join(loc)
         message = str(error.get("msg", "is not valid")).removeprefix("Value error, ")
         kind = error.get("type", "")
@@ -233,3 +235,133 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         first = first or field or None
     more = len(errors) - MAX_MESSAGE_ERRORS
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else ""), first
+
+
+# ---- the Responses API (/v1/responses): its request, read into a chat request by responses_api ----
+def _item_text(value: Any) -> Any:
+    """An input item's text: a string, or a list of input_text / output_text parts (joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        texts = []
+        for part in value:
+            if part.get("type") not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text parts ({{'type': 'input_text', 'text': '...'}}) are supported, got a "
+                                 f"part of type {part.get('type')!r}")
+            if set(part) - {"type", "text", "annotations", "logprobs"}:
+                raise ValueError(f"a text part has only type and text, got {sorted(part)}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError("must be a string or a list of input_text parts")
+
+
+ItemText = Annotated[str, BeforeValidator(_item_text)]
+
+
+class InputMessage(Strict):
+    """A message item (``type`` may be left out): the user's, the instructions', or an earlier answer."""
+
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: ItemText
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(Strict):
+    """A call the model made, sent back with the conversation."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    """The result of the call ``call_id``."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: ItemText
+    id: str | None = None
+    status: str | None = None
+
+
+def _input_items(value: Any) -> Any:
+    """``input``: a string is one user message."""
+    return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
+def _item_kind(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("type", "message")
+    return getattr(value, "type", None) or "message"
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_kind, custom_error_type="input_item",
+                  custom_error_message="an input item is a message (role and content), a function_call or a "
+                                       "function_call_output; other item types are not supported by aiayn serve")]
+
+
+class FunctionTool(Strict):
+    """A function tool in the Responses API's flat form."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class FunctionChoice(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class JSONSchemaText(Strict):
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+TextFormatParam = Annotated[TextFormat | JSONObjectFormat | JSONSchemaText, Field(discriminator="type")]
+
+
+class TextOptions(Strict):
+    format: TextFormatParam | None = None
+    verbosity: Literal["medium"] | None = None  # the only one a model without that training has
+
+
+class ResponsesRequest(Strict):
+    """``POST /v1/responses``; ``include`` may only be empty (the answer has no optional parts)."""
+
+    model: str
+    input: Annotated[list[InputItem], Field(min_length=1), BeforeValidator(_input_items)]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    include: list[str] | None = None
+    truncation: Literal["disabled"] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _nothing_to_include(self) -> ResponsesRequest:
+        if self.include:
+            raise ValueError("include: aiayn serve adds no optional parts to an answer; leave include out or give []")
+        return self
