@@ -184,8 +184,13 @@ def generic_calls_text(calls: list[dict[str, Any]], many: bool | None) -> str:
     return json.dumps(body, ensure_ascii=False)
 
 
+RESPONSE_EXAMPLE = '{"response": "..."}'  # the generic layout's text answer, shown beside the call
+
+
 def generic_instructions(settings: ToolSettings) -> str:
-    """The system text describing the tools to a template without tool support."""
+    """The system text describing the tools to a template without tool support (llama.cpp's). With
+    "auto" it shows the text answer's syntax too: shown only the call's, a small model (SmolLM2-135M)
+    never writes ``{"response": ...}`` and, after a tool's result, calls the tool again."""
     example = {"name": "tool_name", "arguments": {"arg1": "some_value"}}
     key, sample = (("tool_calls", {"tool_calls": [example]}) if settings.parallel
                    else ("tool_call", {"tool_call": example}))
@@ -197,8 +202,9 @@ def generic_instructions(settings: ToolSettings) -> str:
     else:
         form = f"Respond in JSON format with {what}"
     listed = json.dumps(list(settings.tools), indent=2, ensure_ascii=False)
+    answer = f"\n\nExample response syntax:\n\n{RESPONSE_EXAMPLE}" if settings.choice == "auto" else ""
     return (f"{form}\n\nYou can call any of the following tools to satisfy the user's requests: {listed}\n\n"
-            f"Example tool call syntax:\n\n{json.dumps(sample, ensure_ascii=False)}")
+            f"Example tool call syntax:\n\n{json.dumps(sample, ensure_ascii=False)}{answer}")
 
 
 def _add_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
