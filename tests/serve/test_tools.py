@@ -135,6 +135,8 @@ def test_a_template_without_tools_gets_them_as_llama_cpp_generic_handling_inject
     many = render_chat(ChatTemplate(SMOLLM2_TEMPLATE), HISTORY, tool_settings(tools(WEATHER, ADD), "required", True))
     assert "Respond in JSON format with `tool_calls` (a request to call tools)\n" in many
     assert "Example response syntax" not in many  # "required": no text answer to show
+    first = render_chat(ChatTemplate(SMOLLM2_TEMPLATE), HISTORY[:1], settings)  # no tool result yet: llama.cpp's text
+    assert first.startswith(expected.split("\n\nExample response")[0] + "<|im_end|>\n<|im_start|>user\n")
     assert f'<|im_start|>assistant\n{{"tool_calls": [{CALL_WEATHER}]}}<|im_end|>' in many
     # A system message keeps its text first; tool_choice "none": no tools, the history still rendered.
     system = render_chat(ChatTemplate(SMOLLM2_TEMPLATE), [{"role": "system", "content": "Be brief."}, *HISTORY],
