@@ -5,7 +5,8 @@ A ``GrammarConstraint`` is one request's grammar state: ``mask_logits`` before e
 ``mask_rows`` masks a batch with one constraint per row. The engine is llguidance (why:
 docs/structured-output.md). JSON is written compactly (as ``json.dumps``: a small model given free
 whitespace may emit newlines for ever); end-of-text is allowed only once the answer is complete,
-other special tokens never. Tokenizer descriptions and compiled schemas are cached.
+other special tokens never. A schema's open-ended numbers, strings and arrays get caps
+(``JsonBounds``) so that an answer ends. Tokenizer descriptions and compiled schemas are cached.
 
 Shape letters: b rows, v the model's vocabulary, n the tokenizer's, w = ceil(n / 32) words of a
 packed bitmask (bit j of word i allows token 32 i + j)."""
@@ -46,6 +47,65 @@ TOKENIZER_CACHE = 4  # tokenizer descriptions kept (one per served model, in pra
 GRAMMAR_CACHE = 64  # compiled schemas kept, least recently used dropped
 # Compact JSON: what llguidance's JSON compiler is told for every schema.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+
+@dataclass(frozen=True)
+class JsonBounds:
+    """Caps on what a schema leaves open, so that a model that would write a number, a string or a
+    list for ever still ends its answer (a schema's own bounds win, each kept as given).
+
+    A number or integer without ``minimum``/``exclusiveMinimum`` (or without a maximum) gets
+    ``|x| < 10**integer_digits``: at most that many digits before the point, and no exponent; a
+    number without ``multipleOf`` gets ``multipleOf 10**-decimals``: at most ``decimals`` digits
+    after the point. A string without ``maxLength`` (and without ``format``) gets ``string_chars``;
+    an array without ``maxItems`` gets ``array_items``. Values with ``enum`` or ``const`` are left
+    as they are, and so are untyped values (``{}``, ``json_object``'s members)."""
+
+    integer_digits: int = 15
+    decimals: int = 6
+    string_chars: int = 1000
+    array_items: int = 100
+
+
+BOUNDS = JsonBounds()  # the caps every schema gets unless a caller passes its own (or None: none)
+# Keywords whose value is a subschema, a list of them or a name -> subschema map ("not" and "if"
+# are left alone: a cap there would widen or change what the schema allows).
+_ONE_SCHEMA = ("items", "additionalItems", "additionalProperties", "then", "else")
+_SCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def bounded_schema(schema: Any, bounds: JsonBounds | None = BOUNDS) -> Any:
+    """``schema`` with ``bounds``' caps where it leaves a value open (a copy; None: unchanged)."""
+    if bounds is None or not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: bounded_schema(sub, bounds) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [bounded_schema(sub, bounds) for sub in value]
+        elif key in _ONE_SCHEMA:
+            out[key] = bounded_schema(value, bounds)
+    if "enum" in schema or "const" in schema:
+        return out
+    kind = schema.get("type")
+    types = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    if types & {"number", "integer"}:
+        limit = 10 ** bounds.integer_digits
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["exclusiveMinimum"] = -limit
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["exclusiveMaximum"] = limit
+    if "number" in types and "multipleOf" not in schema:
+        out["multipleOf"] = 10.0 ** -bounds.decimals
+    if "string" in types and "maxLength" not in schema and "format" not in schema:
+        out["maxLength"] = bounds.string_chars
+    if "array" in types and "maxItems" not in schema:
+        out["maxItems"] = bounds.array_items
+    return out
+
 
 _lock = threading.Lock()  # the caches are shared by a server's request threads
 _tokenizers: OrderedDict[tuple[int, int | None], tuple[Any, TokenizerInfo]] = OrderedDict()
@@ -117,9 +177,11 @@ def schema_text(schema: Any) -> str:
         raise ValueError(f"the JSON schema is not JSON: {exc}") from None
 
 
-def _template(info: TokenizerInfo, schema: Any) -> llguidance.LLMatcher:
-    """The compiled, cached grammar of ``schema`` (None: any JSON object), a matcher to copy."""
-    text = schema_text(schema)
+def _template(info: TokenizerInfo, schema: Any, bounds: JsonBounds | None = None) -> llguidance.LLMatcher:
+    """The compiled, cached grammar of ``schema`` (None: any JSON object) under ``bounds``' caps, a
+    matcher to copy."""
+    schema_text(schema)  # (a schema that is not one is refused before it is bounded)
+    text = schema_text(bounded_schema(schema, bounds))
     return _compiled(info, text, lambda llg: llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS),
                      "invalid JSON schema")
 
@@ -166,11 +228,13 @@ class GrammarConstraint:
         self._words = torch.empty((info.n_vocab + 31) // 32, dtype=torch.int32)  # (w,) this state's mask
 
     @classmethod
-    def from_schema(cls, tokenizer: Any, schema: dict[str, Any], *, eos_id: int | None) -> GrammarConstraint:
-        """Answers that validate against the JSON schema ``schema``; ``eos_id``: the model's end-of-text
-        id, None if it has none. ValueError, one line, for an invalid schema."""
+    def from_schema(cls, tokenizer: Any, schema: dict[str, Any], *, eos_id: int | None,
+                    bounds: JsonBounds | None = BOUNDS) -> GrammarConstraint:
+        """Answers that validate against the JSON schema ``schema``, within ``bounds`` where it leaves a
+        value open (None: as given); ``eos_id``: the model's end-of-text id, None if it has none.
+        ValueError, one line, for an invalid schema."""
         info = tokenizer_info(tokenizer, eos_id)
-        return cls(_template(info, schema).deep_copy(), info)
+        return cls(_template(info, schema, bounds).deep_copy(), info)
 
     @classmethod
     def from_lark(cls, tokenizer: Any, grammar: str, *, eos_id: int | None) -> GrammarConstraint:
@@ -187,10 +251,11 @@ class GrammarConstraint:
         return cls(_template(info, None).deep_copy(), info)
 
     @classmethod
-    def from_response_format(cls, tokenizer: Any, response_format: Any, *,
-                             eos_id: int | None) -> GrammarConstraint | None:
+    def from_response_format(cls, tokenizer: Any, response_format: Any, *, eos_id: int | None,
+                             bounds: JsonBounds | None = BOUNDS) -> GrammarConstraint | None:
         """OpenAI's ``response_format``: ``{"type": "text"}`` or None -> None, ``{"type": "json_object"}``
-        or ``{"type": "json_schema", ...}`` (enforced, strict or not). ValueError for anything else."""
+        or ``{"type": "json_schema", ...}`` (enforced, strict or not, within ``bounds``). ValueError for
+        anything else."""
         if response_format is None:
             return None
         kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -203,7 +268,7 @@ class GrammarConstraint:
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
                 raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": '
                                  '{...}}}')
-            return cls.from_schema(tokenizer, spec.get("schema", {}), eos_id=eos_id)
+            return cls.from_schema(tokenizer, spec.get("schema", {}), eos_id=eos_id, bounds=bounds)
         raise ValueError(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}')
 
     # -- the four calls of a decode loop -----------------------------------------------------------

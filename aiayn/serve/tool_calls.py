@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiayn.generate.constrain import JSON_OPTIONS, GrammarConstraint
+from aiayn.generate.constrain import JSON_OPTIONS, GrammarConstraint, bounded_schema
 from aiayn.serve.tools import ToolSettings, call_id, template_support
 
 TRIGGER, CLOSE = "<tool_call>", "</tool_call>"  # Hermes: the text that starts a call, and ends it
@@ -68,8 +68,10 @@ class ToolFormat:
         self.layout = layout if settings.parallel else Layout(layout.first, None, layout.last)
 
     def call_schema(self) -> dict[str, Any]:
-        """One call object: ``{"name": <a callable function>, "arguments": <its parameters>}``."""
-        options = [{"type": "object", "properties": {"name": {"const": name}, "arguments": self.settings.parameters(name)},
+        """One call object: ``{"name": <a callable function>, "arguments": <its parameters>}``, the
+        parameters within ``constrain.BOUNDS`` where they leave a value open."""
+        options = [{"type": "object", "properties": {"name": {"const": name},
+                                                     "arguments": bounded_schema(self.settings.parameters(name))},
                     "required": ["name", "arguments"], "additionalProperties": False} for name in self.settings.names]
         return options[0] if len(options) == 1 else {"anyOf": options}
 
@@ -81,7 +83,7 @@ class ToolFormat:
         more = f" ({_lark(layout.between)} call)*" if layout.between is not None else ""
         lines = [f"call: {_json(self.call_schema())}"]
         calls = f"{_lark(layout.first)} call{more} {_lark(layout.last)}"
-        answer = None if self.response_schema is None else f"answer: {_json(self.response_schema)}"
+        answer = None if self.response_schema is None else f"answer: {_json(bounded_schema(self.response_schema))}"
         if self.settings.choice == "required":
             lines.insert(0, f"start: {calls}")
         elif self.hermes and answer is not None:  # a JSON answer or calls
@@ -103,7 +105,7 @@ class ToolFormat:
         if self.settings.choice == "required":
             start, text = "calls", []
         elif self.response_schema is not None:
-            start, text = "answer | calls", [f"answer: {_json(self.response_schema)}"]
+            start, text = "answer | calls", [f"answer: {_json(bounded_schema(self.response_schema))}"]
         else:
             start, text = "TEXT | TEXT calls | calls", ["TEXT: /(?s:.+)/ & ~/(?s:.*)<tool_call>(?s:.*)/"]
         return "\n".join([f"start: {start}", f"calls: {calls}", f"call: {_json(self.call_schema())}", *text]) + "\n"

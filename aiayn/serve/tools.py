@@ -184,8 +184,14 @@ def generic_calls_text(calls: list[dict[str, Any]], many: bool | None) -> str:
     return json.dumps(body, ensure_ascii=False)
 
 
-def generic_instructions(settings: ToolSettings) -> str:
-    """The system text describing the tools to a template without tool support."""
+RESPONSE_EXAMPLE = '{"response": "..."}'  # the generic layout's text answer, shown beside the call
+
+
+def generic_instructions(settings: ToolSettings, results: bool = False) -> str:
+    """The system text describing the tools to a template without tool support (llama.cpp's). With
+    "auto" and tool ``results`` in the conversation it shows the text answer's syntax too: shown
+    only the call's, a small model (SmolLM2-135M) never writes ``{"response": ...}`` and calls the
+    tool again after each result (shown before any result, it answers without calling)."""
     example = {"name": "tool_name", "arguments": {"arg1": "some_value"}}
     key, sample = (("tool_calls", {"tool_calls": [example]}) if settings.parallel
                    else ("tool_call", {"tool_call": example}))
@@ -197,8 +203,9 @@ def generic_instructions(settings: ToolSettings) -> str:
     else:
         form = f"Respond in JSON format with {what}"
     listed = json.dumps(list(settings.tools), indent=2, ensure_ascii=False)
+    answer = f"\n\nExample response syntax:\n\n{RESPONSE_EXAMPLE}" if settings.choice == "auto" and results else ""
     return (f"{form}\n\nYou can call any of the following tools to satisfy the user's requests: {listed}\n\n"
-            f"Example tool call syntax:\n\n{json.dumps(sample, ensure_ascii=False)}")
+            f"Example tool call syntax:\n\n{json.dumps(sample, ensure_ascii=False)}{answer}")
 
 
 def _add_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
@@ -244,6 +251,6 @@ def render_chat(template: Any, messages: list[dict[str, Any]], settings: ToolSet
         return template.render(adapted)
     if support.hermes:
         return template.render(adapted, tools=list(settings.tools))
-    adapted = _add_system(adapted, generic_instructions(settings))
+    adapted = _add_system(adapted, generic_instructions(settings, any(m["role"] == "tool" for m in messages)))
     return template.render(adapted, **({"tools": list(settings.tools)} if support.tools else {}))
 

@@ -394,3 +394,64 @@ def test_smollm2_answers_validate(smollm2_text_model):
     jsonschema.validate(value, schema)
     city = generate_json(lm, "Give the city, country and population of Paris as a JSON object.", max_new_tokens=96)
     assert isinstance(city, dict) and city
+
+
+def _accepts(constraint: GrammarConstraint, tok, text: str) -> bool:
+    """Whether ``text`` is a whole answer under ``constraint`` (from its start)."""
+    constraint.reset()
+    for token in tok.encode(text, add_special_tokens=False).ids:
+        try:
+            constraint.advance(token)
+        except ConstraintError:
+            return False
+    return constraint.is_complete()
+
+
+@pytest.mark.cpu_only
+def test_open_numbers_strings_and_arrays_get_the_default_caps(tok):
+    """``constrain.BOUNDS``: 15 digits before the point, 6 after, no exponent; 1000 characters a
+    string; 100 items an array. The schema's own bounds win; ``bounds=None`` leaves it as given."""
+    eos = tok.token_to_id("<|im_end|>")
+    caps = c.BOUNDS
+    number = GrammarConstraint.from_schema(tok, {"type": "number"}, eos_id=eos)
+    digits = "9" * caps.integer_digits
+    assert _accepts(number, tok, f"-{digits}.{'1' * caps.decimals}") and _accepts(number, tok, "11.5")
+    for cut in (f"1{digits}", f"11.{'1' * (caps.decimals + 1)}", "1e5"):
+        assert not _accepts(number, tok, cut), cut
+    integer = GrammarConstraint.from_schema(tok, {"type": "integer"}, eos_id=eos)
+    assert _accepts(integer, tok, digits) and not _accepts(integer, tok, f"-1{digits}")
+    string = GrammarConstraint.from_schema(tok, {"type": "string"}, eos_id=eos)
+    assert _accepts(string, tok, json.dumps("a" * caps.string_chars))
+    assert not _accepts(string, tok, json.dumps("a" * (caps.string_chars + 1)))
+    array = GrammarConstraint.from_schema(tok, {"type": "array", "items": {"type": "integer"}}, eos_id=eos)
+    assert _accepts(array, tok, json.dumps([1] * caps.array_items))
+    assert not _accepts(array, tok, json.dumps([1] * (caps.array_items + 1)))
+    own = GrammarConstraint.from_schema(tok, {"type": "object", "properties": {
+        "x": {"type": "number", "maximum": 1e17, "multipleOf": 1e-9}, "s": {"type": "string", "maxLength": 1500}},
+        "required": ["x", "s"], "additionalProperties": False}, eos_id=eos)
+    assert _accepts(own, tok, json.dumps({"x": 12345678901234567, "s": "b" * 1200}))
+    assert _accepts(own, tok, '{"x": 0.123456789, "s": ""}') and not _accepts(own, tok, '{"x": 0.1234567891, "s": ""}')
+    free = GrammarConstraint.from_schema(tok, {"type": "number"}, eos_id=eos, bounds=None)
+    assert _accepts(free, tok, f"1{digits}.{'1' * 12}e5")
+
+
+@pytest.mark.cpu_only
+def test_bounded_schema_reaches_nested_values_and_leaves_the_given_schema_alone():
+    bounds = c.JsonBounds(integer_digits=3, decimals=2, string_chars=10, array_items=4)
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": ["string", "null"]}},
+        "pick": {"anyOf": [{"$ref": "#/$defs/n"}, {"enum": ["a" * 50]}, {"type": "integer", "minimum": 0}]},
+        "fixed": {"type": "string", "const": "x"}, "when": {"type": "string", "format": "date"}},
+        "$defs": {"n": {"type": "number"}}}
+    given = copy.deepcopy(schema)
+    out = c.bounded_schema(schema, bounds)
+    assert schema == given  # a copy is bounded
+    assert out["properties"]["tags"]["maxItems"] == 4 and out["properties"]["tags"]["items"]["maxLength"] == 10
+    assert out["$defs"]["n"] == {"type": "number", "exclusiveMinimum": -1000, "exclusiveMaximum": 1000,
+                                 "multipleOf": 0.01}
+    choices = out["properties"]["pick"]["anyOf"]
+    assert choices[1] == {"enum": ["a" * 50]} and choices[2] == {"type": "integer", "minimum": 0,
+                                                                  "exclusiveMaximum": 1000}
+    assert out["properties"]["fixed"] == given["properties"]["fixed"]
+    assert out["properties"]["when"] == given["properties"]["when"]
+    assert c.bounded_schema(schema, None) is schema

@@ -124,7 +124,8 @@ def test_a_template_without_tools_gets_them_as_llama_cpp_generic_handling_inject
         "<|im_start|>system\nRespond in JSON format, either with `tool_call` (a request to call tools) or with "
         f"`response` reply to the user's request\n\nYou can call any of the following tools to satisfy the user's "
         f"requests: {listed}\n\nExample tool call syntax:\n\n"
-        '{"tool_call": {"name": "tool_name", "arguments": {"arg1": "some_value"}}}<|im_end|>\n'
+        '{"tool_call": {"name": "tool_name", "arguments": {"arg1": "some_value"}}}\n\n'
+        'Example response syntax:\n\n{"response": "..."}<|im_end|>\n'
         "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
         f'<|im_start|>assistant\n{{"tool_call": {CALL_WEATHER}}}<|im_end|>\n'
         '<|im_start|>tool\n{"temperature": 21}<|im_end|>\n'
@@ -133,6 +134,9 @@ def test_a_template_without_tools_gets_them_as_llama_cpp_generic_handling_inject
     # "required", several calls: the instruction and the history's calls take the tool_calls form.
     many = render_chat(ChatTemplate(SMOLLM2_TEMPLATE), HISTORY, tool_settings(tools(WEATHER, ADD), "required", True))
     assert "Respond in JSON format with `tool_calls` (a request to call tools)\n" in many
+    assert "Example response syntax" not in many  # "required": no text answer to show
+    first = render_chat(ChatTemplate(SMOLLM2_TEMPLATE), HISTORY[:1], settings)  # no tool result yet: llama.cpp's text
+    assert first.startswith(expected.split("\n\nExample response")[0] + "<|im_end|>\n<|im_start|>user\n")
     assert f'<|im_start|>assistant\n{{"tool_calls": [{CALL_WEATHER}]}}<|im_end|>' in many
     # A system message keeps its text first; tool_choice "none": no tools, the history still rendered.
     system = render_chat(ChatTemplate(SMOLLM2_TEMPLATE), [{"role": "system", "content": "Be brief."}, *HISTORY],
