@@ -20,7 +20,7 @@ class MissingDataError(DataError, FileNotFoundError):
     """A dataset file that is not there: a DataError that is still a FileNotFoundError."""
 
 
-def read_lines(path: str | Path, *, allow_empty: bool = False) -> list[str]:
+def read_lines(path: str | Path) -> list[str]:
     """The stripped lines of a UTF-8 text file; an error names the file and line of any problem."""
     path = Path(path)
     if not path.is_file():
@@ -34,7 +34,7 @@ def read_lines(path: str | Path, *, allow_empty: bool = False) -> list[str]:
         except UnicodeDecodeError as exc:
             raise DataError(f"{path}, line {number}: not UTF-8 (byte 0x{line[exc.start]:02x} at column "
                             f"{exc.start + 1}); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
-        if not text and not allow_empty:
+        if not text:
             raise DataError(f"{path}, line {number}: empty line; every line must hold a sentence "
                             f"(remove the line from both sides of the pair)")
         lines.append(text.removeprefix("\ufeff") if number == 1 else text)

@@ -286,11 +286,6 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-def barrier(ctx: DistContext) -> None:
-    if ctx.enabled:
-        dist.barrier()
-
-
 def shutdown(ctx: DistContext) -> None:
     if ctx.enabled and dist.is_initialized():
         dist.destroy_process_group()

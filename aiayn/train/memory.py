@@ -352,14 +352,8 @@ def out_of_memory(exc: BaseException, location: RunLocation, task: Task, cfg: Tr
         f"tried to allocate {_bytes_text(asked.group(1))}" if asked else "",
         f"{free.group(1)} free" if free else "") if part)
     latest = latest_checkpoint(location.path / "checkpoints")
-    if latest is not None:
-        kept = f"the latest checkpoint, {latest.name} in {latest.parent}, is intact"
-    elif location.pending:
-        kept = f"no checkpoint had been saved, and the run it was to replace, {location.final}, is untouched"
-    elif location.fresh:
-        kept = f"no checkpoint had been saved, so {location.final} was left as it was before this start"
-    else:
-        kept = "no checkpoint had been saved"
+    kept = (f"the latest checkpoint, {latest.name} in {latest.parent}, is intact" if latest is not None
+            else location.nothing_saved())
     max_tokens = task.options.get("max_tokens")
     smaller = (f"--max-tokens {max(1, max_tokens // 2)}" if isinstance(max_tokens, int)
                else f"--batch-size {max(1, cfg.batch_size // 2)}")

@@ -177,6 +177,14 @@ class RunLocation:
         """True while the run lives in its temporary sibling (the old run still in place)."""
         return self.path != self.final
 
+    def nothing_saved(self) -> str:
+        """What became of the run directory when a start ends before its first checkpoint."""
+        if self.pending:
+            return f"no checkpoint had been saved, and the run it was to replace, {self.final}, is untouched"
+        if self.fresh:  # abandon() empties it: the same command can start again
+            return f"no checkpoint had been saved, so {self.final} was left as it was before this start"
+        return "no checkpoint had been saved"
+
     def swap_in(self) -> None:
         """Rename the old run away, the new one in, then delete the old; a failure between puts it back."""
         self.fresh = False  # it holds a checkpoint now: a run to resume, never removed
