@@ -3,7 +3,6 @@ batches; every fixable problem raises ``DataError`` naming the file and line."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,28 +58,20 @@ def split_paths(corpus_dir: str | Path, split: str, src_lang: str, tgt_lang: str
 
 
 
-MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/a3d2e0d26b56f3846f66a952536ffed4e401d05a/data/task1/raw"
-MULTI30K_FILES = {"train": "train", "val": "val", "test2016": "test_2016_flickr"}
-
-
 def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None, langs: tuple[str, ...] = ("en", "de"),
                    sha256: Mapping[str, str] | None = None) -> Path:
     """Download Multi30k task 1 into ``cache_dir`` itself as ``{split}.{lang}``, checked as
-    ``aiayn.data.fetch`` does; ``base_url`` defaults to ``$AIAYN_DATA_URL``, else the public source."""
-    from aiayn.data.fetch import DATASETS, URL_ENV_VAR, fetch_files
+    ``aiayn.data.fetch`` does; ``base_url`` (the folder of its files) defaults to ``$AIAYN_DATA_URL``, else
+    the public source."""
+    from aiayn.data.fetch import DATASETS, dataset_sources, fetch_files
 
-    if base_url is None:
-        mirror = os.environ.get(URL_ENV_VAR)
-        base_url = f"{mirror.rstrip('/')}/multi30k" if mirror else MULTI30K_URL
-
-    cache_dir = Path(cache_dir)
-    known = DATASETS["multi30k"].files
-    hashes = sha256 if sha256 is not None else {name: remote.sha256 for name, remote in known.items()}
-    files = {f"{split}.{lang}": (f"{base_url}/{remote}.{lang}.gz", hashes[f"{split}.{lang}"], True)
-             for split, remote in MULTI30K_FILES.items() for lang in langs}
-    fetch_files(cache_dir, files)
-    return cache_dir
-
+    remotes = DATASETS["multi30k"].files
+    files = {name: (f"{base_url}/{remotes[name].name}" if base_url else url,
+                    sha256[name] if sha256 is not None else digest, gzipped)
+             for name, (url, digest, gzipped) in dataset_sources(DATASETS["multi30k"]).items()
+             if name.rsplit(".", 1)[1] in langs}
+    fetch_files(Path(cache_dir), files)
+    return Path(cache_dir)
 
 
 @dataclass(frozen=True)

@@ -319,8 +319,13 @@ def write_results(out_dir: Path, *, markdown: str, columns: Sequence[str], rows:
     import io
 
     manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    commands = [f"Made by: `{manifest.get('command', '')}`",
+                *(f"continued with: `{command}`" for command in manifest.get("resumed_with", []))]
+    cpu, wall = (sum(r.get(key, 0.0) for r in rows) for key in ("cpu_s", "wall_s"))
     md = out_dir / "results.md"
-    atomic_write_text(md, f"{markdown}Cost: {cost_line(rows)}.\n\n" + made_by(out_dir))
+    atomic_write_text(md, f"{markdown}Cost: {len(rows)} variants, {cpu / 60:.1f} min of CPU time and "
+                          f"{wall / 60:.1f} min of wall time in all (summed over the variants and their "
+                          f"sessions).\n\n" + ";\n".join(commands) + "\n")
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
@@ -333,19 +338,3 @@ def write_results(out_dir: Path, *, markdown: str, columns: Sequence[str], rows:
                                              "load_average_at_end": load, "rows": rows, **(extra or {})},
                                             indent=2) + "\n")
     return [md, csv_path, json_path]
-
-
-def made_by(out_dir: Path) -> str:
-    """The commands that made an experiment's results: the first, then each --resume."""
-    manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
-    lines = [f"Made by: `{manifest.get('command', '')}`"]
-    lines += [f"continued with: `{command}`" for command in manifest.get("resumed_with", [])]
-    return ";\n".join(lines) + "\n"
-
-
-def cost_line(rows: list[dict[str, Any]]) -> str:
-    """The measured cost of the rows, in words (CPU and wall time summed over the variants)."""
-    cpu = sum(r.get("cpu_s", 0.0) for r in rows)
-    wall = sum(r.get("wall_s", 0.0) for r in rows)
-    return (f"{len(rows)} variants, {cpu / 60:.1f} min of CPU time and {wall / 60:.1f} min of wall time "
-            f"in all (summed over the variants and their sessions)")
