@@ -58,7 +58,7 @@ def split_paths(corpus_dir: str | Path, split: str, src_lang: str, tgt_lang: str
 
 
 
-def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None, langs: tuple[str, ...] = ("en", "de"),
+def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None,
                    sha256: Mapping[str, str] | None = None) -> Path:
     """Download Multi30k task 1 into ``cache_dir`` itself as ``{split}.{lang}``, checked as
     ``aiayn.data.fetch`` does; ``base_url`` (the folder of its files) defaults to ``$AIAYN_DATA_URL``, else
@@ -68,8 +68,7 @@ def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None, langs:
     remotes = DATASETS["multi30k"].files
     files = {name: (f"{base_url}/{remotes[name].name}" if base_url else url,
                     sha256[name] if sha256 is not None else digest, gzipped)
-             for name, (url, digest, gzipped) in dataset_sources(DATASETS["multi30k"]).items()
-             if name.rsplit(".", 1)[1] in langs}
+             for name, (url, digest, gzipped) in dataset_sources(DATASETS["multi30k"]).items()}
     fetch_files(Path(cache_dir), files)
     return Path(cache_dir)
 
