@@ -196,16 +196,16 @@ def prepare_out_dir(experiment: Experiment, out_dir: Path, budget: Budget, *, re
                     variants: Sequence[Variant], command: str) -> None:
     """Claim ``out_dir`` for this experiment, or refuse another's results or a folder aiayn did not make."""
     manifest_path = out_dir / MANIFEST
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        if manifest.get("experiment") != experiment.name:
-            raise ExperimentError(f"{out_dir} holds the results of experiment {manifest.get('experiment')!r}; "
+    first = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.is_file() else None
+    if first is not None:
+        if first.get("experiment") != experiment.name:
+            raise ExperimentError(f"{out_dir} holds the results of experiment {first.get('experiment')!r}; "
                                   f"choose another --out")
         if not resume:
             raise ExperimentError(f"{out_dir} already holds {experiment.name} results; pass --resume to "
                                   f"continue it (finished variants are skipped) or choose another --out")
-        if manifest.get("budget") != budget.name:
-            raise ExperimentError(f"{out_dir} was started with --budget {manifest.get('budget')}, not "
+        if first.get("budget") != budget.name:
+            raise ExperimentError(f"{out_dir} was started with --budget {first.get('budget')}, not "
                                   f"{budget.name}; resume it with that budget or choose another --out")
     elif out_dir.is_dir() and any(out_dir.iterdir()) and (read_marker(out_dir) or {}).get("kind") != KIND_EXPERIMENT:
         raise ExperimentError(f"refusing to write into {out_dir}: it is not empty and aiayn did not create "
@@ -214,8 +214,7 @@ def prepare_out_dir(experiment: Experiment, out_dir: Path, budget: Budget, *, re
     manifest = {"experiment": experiment.name, "budget": budget.name, "budget_summary": budget.summary,
                 "variants": [v.name for v in variants], "command": command,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if manifest_path.is_file():  # keep when and how it was first started; list the resumptions
-        first = json.loads(manifest_path.read_text(encoding="utf-8"))
+    if first is not None:  # keep when and how it was first started; list the resumptions
         resumed = first.get("resumed_with", [])
         manifest.update(started=first.get("started"), command=first.get("command", command),
                         resumed_with=resumed if command in resumed else [*resumed, command])

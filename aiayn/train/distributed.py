@@ -172,6 +172,15 @@ def run_on_main(ctx: DistContext, fn: Callable[[], T]) -> T | None:
     return result
 
 
+def from_main(ctx: DistContext, value: T) -> T:
+    """``value`` as rank 0 has it, on every rank (a broadcast; itself when not distributed)."""
+    if not ctx.enabled:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
     """DDP around the model, or FSDP2 applied in place; call ``freeze_unused`` first."""
     if not ctx.enabled:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.train.leftovers import OWNER_LOCK, _disown, _own, clear_leftovers
@@ -35,14 +35,9 @@ from aiayn.train.run_files import (
 __all__ = [
     "CHECKPOINT_NAME", "CONFIG_FILE", "KIND_AVERAGED", "KIND_RUN", "MARKER", "OWNER_LOCK", "RunDirError",
     "RunLocation", "atomic_write_text", "check_replaceable", "claim_output_dir", "clear_leftovers",
-    "config_diff", "from_main", "fsync_dir", "is_averaged_dir", "is_run_dir", "prepare_run_dir",
+    "config_diff", "fsync_dir", "is_averaged_dir", "is_run_dir", "prepare_run_dir",
     "read_marker", "read_run_config", "write_marker",
 ]
-
-if TYPE_CHECKING:
-    from aiayn.train.distributed import DistContext
-
-T = TypeVar("T")
 
 
 class RunDirError(ValueError):
@@ -303,14 +298,3 @@ def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, ove
             raise RunDirError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
         raise
     return location
-
-
-def from_main(ctx: DistContext, value: T) -> T:
-    """``value`` as rank 0 has it, on every rank (a broadcast; itself when not distributed)."""
-    if not ctx.enabled:
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -49,7 +49,6 @@ from aiayn.train.run_dir import (  # noqa: F401  (RunDirError, config_diff: impo
     RunLocation,
     atomic_write_text,
     config_diff,
-    from_main,
     prepare_run_dir,
 )
 from aiayn.train.task import Task
@@ -105,7 +104,7 @@ def train(
         # Rank 0 checks and writes the directory; an error there is raised on every rank.
         location = distributed.run_on_main(
             ctx, lambda: prepare_run_dir(Path(run_dir), configs, resume=resume, overwrite=overwrite, echo=echo))
-        location = from_main(ctx, location)
+        location = distributed.from_main(ctx, location)
         assert location is not None
         try:
             return _train(task, model_config, train_config, location, ctx, resume=resume,
