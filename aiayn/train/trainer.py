@@ -108,7 +108,7 @@ def train(
         assert location is not None
         try:
             return _train(task, model_config, train_config, location, ctx, resume=resume,
-                          progress=progress and ctx.is_main, echo=echo if ctx.is_main else _quiet,
+                          progress=progress and ctx.is_main, echo=echo if ctx.is_main else lambda _: None,
                           make_plots=make_plots, fast=fast)
         except BaseException as exc:
             # Out of memory: one line naming what is kept and the fix (written before abandon()).
@@ -122,10 +122,6 @@ def train(
     finally:
         if ctx.owns_group:
             distributed.shutdown(ctx)
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 def _train(
