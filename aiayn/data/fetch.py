@@ -2,7 +2,7 @@
 
 Files are pinned to the commits in ``../shared/data/<name>/README.md``, written to a temporary name, SHA-256
 checked and only then renamed into place; a present file is skipped when it verifies and never written over.
-``base_url=`` or ``$AIAYN_DATA_URL`` names a mirror."""
+``$AIAYN_DATA_URL`` names a mirror."""
 
 from __future__ import annotations
 
@@ -146,18 +146,18 @@ def _download(url: str, target: Path, sha256: str, *, gzipped: bool, timeout: fl
         tmp.unlink(missing_ok=True)
 
 
-def dataset_sources(dataset: Dataset, base_url: str | None = None) -> dict[str, tuple[str, str, bool]]:
+def dataset_sources(dataset: Dataset) -> dict[str, tuple[str, str, bool]]:
     """Local name -> (url, sha256, gzipped) for ``dataset``, from its source or a mirror."""
-    base = base_url or os.environ.get(URL_ENV_VAR)
+    base = os.environ.get(URL_ENV_VAR)
     root = f"{base.rstrip('/')}/{dataset.name}" if base else dataset.base_url
     return {name: (f"{root}/{remote.name}", remote.sha256, remote.gzipped) for name, remote in dataset.files.items()}
 
 
-def fetch_dataset(name: str, data_root: Path | None = None, *, base_url: str | None = None,
-                  timeout: float = TIMEOUT_S, echo: Callable[[str], None] | None = None) -> tuple[Path, list[str]]:
+def fetch_dataset(name: str, data_root: Path | None = None, *,
+                  echo: Callable[[str], None] | None = None) -> tuple[Path, list[str]]:
     """Fetch dataset ``name`` into ``data_root/name``; returns (its folder, the files downloaded now)."""
     if name not in DATASETS:
         raise ValueError(unknown_dataset(name))
     dataset = DATASETS[name]
     folder = Path(data_root if data_root is not None else data_dir()) / name
-    return folder, fetch_files(folder, dataset_sources(dataset, base_url), timeout=timeout, echo=echo)
+    return folder, fetch_files(folder, dataset_sources(dataset), echo=echo)

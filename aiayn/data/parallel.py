@@ -3,7 +3,6 @@ batches; every fixable problem raises ``DataError`` naming the file and line."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ class MissingDataError(DataError, FileNotFoundError):
     """A dataset file that is not there: a DataError that is still a FileNotFoundError."""
 
 
-def read_lines(path: str | Path, *, allow_empty: bool = False) -> list[str]:
+def read_lines(path: str | Path) -> list[str]:
     """The stripped lines of a UTF-8 text file; an error names the file and line of any problem."""
     path = Path(path)
     if not path.is_file():
@@ -34,7 +33,7 @@ def read_lines(path: str | Path, *, allow_empty: bool = False) -> list[str]:
         except UnicodeDecodeError as exc:
             raise DataError(f"{path}, line {number}: not UTF-8 (byte 0x{line[exc.start]:02x} at column "
                             f"{exc.start + 1}); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
-        if not text and not allow_empty:
+        if not text:
             raise DataError(f"{path}, line {number}: empty line; every line must hold a sentence "
                             f"(remove the line from both sides of the pair)")
         lines.append(text.removeprefix("\ufeff") if number == 1 else text)
@@ -59,28 +58,19 @@ def split_paths(corpus_dir: str | Path, split: str, src_lang: str, tgt_lang: str
 
 
 
-MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/a3d2e0d26b56f3846f66a952536ffed4e401d05a/data/task1/raw"
-MULTI30K_FILES = {"train": "train", "val": "val", "test2016": "test_2016_flickr"}
-
-
-def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None, langs: tuple[str, ...] = ("en", "de"),
+def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None,
                    sha256: Mapping[str, str] | None = None) -> Path:
     """Download Multi30k task 1 into ``cache_dir`` itself as ``{split}.{lang}``, checked as
-    ``aiayn.data.fetch`` does; ``base_url`` defaults to ``$AIAYN_DATA_URL``, else the public source."""
-    from aiayn.data.fetch import DATASETS, URL_ENV_VAR, fetch_files
+    ``aiayn.data.fetch`` does; ``base_url`` (the folder of its files) defaults to ``$AIAYN_DATA_URL``, else
+    the public source."""
+    from aiayn.data.fetch import DATASETS, dataset_sources, fetch_files
 
-    if base_url is None:
-        mirror = os.environ.get(URL_ENV_VAR)
-        base_url = f"{mirror.rstrip('/')}/multi30k" if mirror else MULTI30K_URL
-
-    cache_dir = Path(cache_dir)
-    known = DATASETS["multi30k"].files
-    hashes = sha256 if sha256 is not None else {name: remote.sha256 for name, remote in known.items()}
-    files = {f"{split}.{lang}": (f"{base_url}/{remote}.{lang}.gz", hashes[f"{split}.{lang}"], True)
-             for split, remote in MULTI30K_FILES.items() for lang in langs}
-    fetch_files(cache_dir, files)
-    return cache_dir
-
+    remotes = DATASETS["multi30k"].files
+    files = {name: (f"{base_url}/{remotes[name].name}" if base_url else url,
+                    sha256[name] if sha256 is not None else digest, gzipped)
+             for name, (url, digest, gzipped) in dataset_sources(DATASETS["multi30k"]).items()}
+    fetch_files(Path(cache_dir), files)
+    return Path(cache_dir)
 
 
 @dataclass(frozen=True)

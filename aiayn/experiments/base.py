@@ -196,16 +196,16 @@ def prepare_out_dir(experiment: Experiment, out_dir: Path, budget: Budget, *, re
                     variants: Sequence[Variant], command: str) -> None:
     """Claim ``out_dir`` for this experiment, or refuse another's results or a folder aiayn did not make."""
     manifest_path = out_dir / MANIFEST
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        if manifest.get("experiment") != experiment.name:
-            raise ExperimentError(f"{out_dir} holds the results of experiment {manifest.get('experiment')!r}; "
+    first = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.is_file() else None
+    if first is not None:
+        if first.get("experiment") != experiment.name:
+            raise ExperimentError(f"{out_dir} holds the results of experiment {first.get('experiment')!r}; "
                                   f"choose another --out")
         if not resume:
             raise ExperimentError(f"{out_dir} already holds {experiment.name} results; pass --resume to "
                                   f"continue it (finished variants are skipped) or choose another --out")
-        if manifest.get("budget") != budget.name:
-            raise ExperimentError(f"{out_dir} was started with --budget {manifest.get('budget')}, not "
+        if first.get("budget") != budget.name:
+            raise ExperimentError(f"{out_dir} was started with --budget {first.get('budget')}, not "
                                   f"{budget.name}; resume it with that budget or choose another --out")
     elif out_dir.is_dir() and any(out_dir.iterdir()) and (read_marker(out_dir) or {}).get("kind") != KIND_EXPERIMENT:
         raise ExperimentError(f"refusing to write into {out_dir}: it is not empty and aiayn did not create "
@@ -214,8 +214,7 @@ def prepare_out_dir(experiment: Experiment, out_dir: Path, budget: Budget, *, re
     manifest = {"experiment": experiment.name, "budget": budget.name, "budget_summary": budget.summary,
                 "variants": [v.name for v in variants], "command": command,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if manifest_path.is_file():  # keep when and how it was first started; list the resumptions
-        first = json.loads(manifest_path.read_text(encoding="utf-8"))
+    if first is not None:  # keep when and how it was first started; list the resumptions
         resumed = first.get("resumed_with", [])
         manifest.update(started=first.get("started"), command=first.get("command", command),
                         resumed_with=resumed if command in resumed else [*resumed, command])
@@ -319,8 +318,13 @@ def write_results(out_dir: Path, *, markdown: str, columns: Sequence[str], rows:
     import io
 
     manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    commands = [f"Made by: `{manifest.get('command', '')}`",
+                *(f"continued with: `{command}`" for command in manifest.get("resumed_with", []))]
+    cpu, wall = (sum(r.get(key, 0.0) for r in rows) for key in ("cpu_s", "wall_s"))
     md = out_dir / "results.md"
-    atomic_write_text(md, f"{markdown}Cost: {cost_line(rows)}.\n\n" + made_by(out_dir))
+    atomic_write_text(md, f"{markdown}Cost: {len(rows)} variants, {cpu / 60:.1f} min of CPU time and "
+                          f"{wall / 60:.1f} min of wall time in all (summed over the variants and their "
+                          f"sessions).\n\n" + ";\n".join(commands) + "\n")
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
@@ -333,19 +337,3 @@ def write_results(out_dir: Path, *, markdown: str, columns: Sequence[str], rows:
                                              "load_average_at_end": load, "rows": rows, **(extra or {})},
                                             indent=2) + "\n")
     return [md, csv_path, json_path]
-
-
-def made_by(out_dir: Path) -> str:
-    """The commands that made an experiment's results: the first, then each --resume."""
-    manifest = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
-    lines = [f"Made by: `{manifest.get('command', '')}`"]
-    lines += [f"continued with: `{command}`" for command in manifest.get("resumed_with", [])]
-    return ";\n".join(lines) + "\n"
-
-
-def cost_line(rows: list[dict[str, Any]]) -> str:
-    """The measured cost of the rows, in words (CPU and wall time summed over the variants)."""
-    cpu = sum(r.get("cpu_s", 0.0) for r in rows)
-    wall = sum(r.get("wall_s", 0.0) for r in rows)
-    return (f"{len(rows)} variants, {cpu / 60:.1f} min of CPU time and {wall / 60:.1f} min of wall time "
-            f"in all (summed over the variants and their sessions)")

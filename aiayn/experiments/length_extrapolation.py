@@ -130,13 +130,11 @@ class LengthExtrapolation(Experiment):
 
 def plot_extrapolation(rows: list[dict[str, Any]], lengths: list[int], train_len: int, path: Path) -> Path:
     """Perplexity against test length, and loss by position of the longest windows each scheme reads."""
-    import matplotlib
     import matplotlib.ticker
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from aiayn import viz
 
-    fig, (ax_len, ax_pos) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_len, ax_pos) = viz.plt.subplots(1, 2, figsize=(12, 4.5))
     for r in rows:
         scored = [(n, r[f"ppl@{n}"]) for n in lengths if r[f"ppl@{n}"] is not None]
         (line,) = ax_len.plot(*zip(*scored, strict=True), "o-", label=r["positional"])
@@ -163,7 +161,4 @@ def plot_extrapolation(rows: list[dict[str, Any]], lengths: list[int], train_len
     ax_pos.set(xlabel="position in the window (1 = first)", ylabel="loss at that position (nats)",
                title="loss by position (half-octave bins), longest window each reads")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return viz._save(fig, path)

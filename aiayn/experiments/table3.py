@@ -183,10 +183,7 @@ def _same_direction(ours: float, paper: float, noise: float) -> bool:
 
 def plot_table3(rows: list[dict[str, Any]], path: Path) -> Path:
     """Each variant's change from the base, ours beside the paper's, with the base runs' spread."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from aiayn import viz
 
     base = rows[0]
     seed = next((r for r in rows if r["variant"] == "base-seed1"), None)
@@ -194,7 +191,7 @@ def plot_table3(rows: list[dict[str, Any]], path: Path) -> Path:
     labels = [f"({r['group']}) {r['label']}" + (f"  [paper: {r['paper_row']}]" if r["group"] in "ABC" else "")
               for r in shown]
     y = list(range(len(shown)))
-    fig, (ax_ppl, ax_bleu) = plt.subplots(1, 2, figsize=(14, 0.38 * len(shown) + 1.6), sharey=True)
+    fig, (ax_ppl, ax_bleu) = viz.plt.subplots(1, 2, figsize=(14, 0.38 * len(shown) + 1.6), sharey=True)
     for ax, key, paper_key, relative in ((ax_ppl, "val_ppl", "paper_ppl", True),
                                          (ax_bleu, "val_bleu", "paper_bleu", False)):
         def change(value: float | None, reference: float, relative: bool = relative) -> float:
@@ -217,7 +214,4 @@ def plot_table3(rows: list[dict[str, Any]], path: Path) -> Path:
     ax_ppl.invert_yaxis()
     fig.suptitle("Table 3 variations: change from the base model")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return viz._save(fig, path)

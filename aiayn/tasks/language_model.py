@@ -36,13 +36,15 @@ class TextWindowsTask(Task):
         super().__init__(block_size=block_size, **options)
         self.block_size = block_size
         self.tokens: dict[str, Tensor] = {}
-        # The vocabulary is part of the run's config, so a trained model can generate without the corpus.
-        vocab = options.get("vocab")
-        if vocab is None:
-            vocab = CharTokenizer.from_text(dataset_file(*CORPUS).read_text(encoding="utf-8")).vocab
-            self.options["vocab"] = vocab
-        self.tokenizer = CharTokenizer(vocab, specials=self.specials)
+        self.tokenizer: Any = self.make_tokenizer()
         self.test_split = "val"  # Tiny Shakespeare has no test split; val is reported
+
+    def make_tokenizer(self) -> Any:
+        """The tokenizer the run's config records (learned from the corpus the first time), so a trained
+        model can generate without the corpus."""
+        if self.options.get("vocab") is None:
+            self.options["vocab"] = CharTokenizer.from_text(dataset_file(*CORPUS).read_text(encoding="utf-8")).vocab
+        return CharTokenizer(self.options["vocab"], specials=self.specials)
 
     def prepare(self, seed: int) -> None:
         ids = self.tokenizer.encode(dataset_file(*CORPUS).read_text(encoding="utf-8"))
@@ -243,16 +245,13 @@ class ShakespeareBPETask(ShakespeareCharTask):
     recorded_options = ("tokenizer",)  # the learned BPE tokenizer's JSON, kept in the run's config
 
     def __init__(self, *, block_size: int = 64, vocab_size: int = 1024, **options: Any) -> None:
-        Task.__init__(self, block_size=block_size, vocab_size=vocab_size, **options)
-        self.block_size = block_size
-        self.tokens = {}
-        self.test_split = "val"
-        tokenizer_json = options.get("tokenizer")
-        if tokenizer_json is None:
+        super().__init__(block_size=block_size, vocab_size=vocab_size, **options)
+
+    def make_tokenizer(self) -> BPETokenizer:
+        if self.options.get("tokenizer") is None:
             text = dataset_file(*CORPUS).read_text(encoding="utf-8")
-            tokenizer_json = BPETokenizer.train(text[: int(0.9 * len(text))], vocab_size).json
-            self.options["tokenizer"] = tokenizer_json
-        self.tokenizer = BPETokenizer(tokenizer_json)  # type: ignore[assignment]
+            self.options["tokenizer"] = BPETokenizer.train(text[: int(0.9 * len(text))], self.options["vocab_size"]).json
+        return BPETokenizer(self.options["tokenizer"])
 
     def prepare(self, seed: int) -> None:
         text = dataset_file(*CORPUS).read_text(encoding="utf-8")
@@ -273,7 +272,7 @@ class ShakespeareBPETask(ShakespeareCharTask):
         metrics = super().evaluate(model, split, batch_size)
         n_tokens = self.split_size(split) * self.block_size  # the targets evaluate() scored
         targets = self.tokens[split][1 : n_tokens + 1]
-        chars = int(self.tokenizer.chars_per_id[targets].sum())  # type: ignore[attr-defined]
+        chars = int(self.tokenizer.chars_per_id[targets].sum())
         metrics["nll_per_char"] = metrics["nll"] * n_tokens / chars
         metrics["bits_per_char"] = metrics["nll_per_char"] / math.log(2)
         return metrics

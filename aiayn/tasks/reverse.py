@@ -45,10 +45,8 @@ class ReverseTask(GeneratedTask):
         model.eval()
         batch = self.on_model(model, self.collate("test", torch.arange(n)))
         predicted = model(batch["inputs"]).logits.argmax(-1)
-        lines = []
-        for x, y in zip(batch["inputs"].tolist(), predicted.tolist(), strict=True):
-            lines.append(f"{' '.join(map(str, x))}  ->  {' '.join(map(str, y))}")
-        return lines
+        return [f"{' '.join(map(str, x))}  ->  {' '.join(map(str, y))}"
+                for x, y in zip(batch["inputs"].tolist(), predicted.tolist(), strict=True)]
 
     def attention_maps(self, model: nn.Module, text: str | None, kind: str) -> AttentionExample:
         inputs = (self.collate("test", torch.arange(1))["inputs"] if text is None

@@ -70,15 +70,6 @@ def plan_average(checkpoint_dir: Path, asked: int) -> AveragePlan:
     return AveragePlan(checkpoint_dir=checkpoint_dir, asked=asked, found=found)
 
 
-def val_key(last: dict[str, float], averaged: dict[str, float]) -> tuple[str, bool]:
-    """The val metric that chooses, and whether higher is better: BLEU where both have it, else loss."""
-    return ("bleu", True) if "bleu" in last and "bleu" in averaged else ("nll", False)
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.4g}"
-
-
 def choose_test_checkpoint(task: Task, model: nn.Module, run_path: Path, asked: int, *,
                            last_val: dict[str, float] | None, ctx: distributed.DistContext,
                            echo: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -105,9 +96,10 @@ def choose_test_checkpoint(task: Task, model: nn.Module, run_path: Path, asked: 
     averaged_val = task.evaluate(model, "val")
     averaged = {"checkpoint": str(saved or out_dir), "checkpoints_averaged": plan.count, "asked": asked,
                 "val": averaged_val}
-    key, higher = val_key(last_val, averaged_val)
+    # The val metric that chooses: BLEU (higher is better) where both have it, else the loss.
+    key = "bleu" if "bleu" in last_val and "bleu" in averaged_val else "nll"
     a, b = averaged_val[key], last_val[key]
-    use_averaged = a > b if higher else a < b  # a tie keeps the last checkpoint: it was trained, not made
+    use_averaged = a > b if key == "bleu" else a < b  # a tie keeps the last checkpoint: it was trained, not made
     if not use_averaged:  # every rank reads the same file back (the model holds the average now)
         load_checkpoint(last_path or plan.last, model)
     record = {"used": "averaged" if use_averaged else "last",
@@ -125,6 +117,6 @@ def describe_choice(record: dict[str, Any]) -> str | None:
     val, key = record["val"], record["chosen_by"]
     if record["used"] == "averaged":  # its folder, averaged-lastK (rank 0 records the step inside it)
         name = next((p for p in reversed(Path(record["checkpoint"]).parts) if p.startswith("averaged-")), "")
-        return (f"the averaged checkpoint {name}, better on {key} ({_fmt(val['averaged'])} vs "
-                f"{_fmt(val['last'])} for the last)")
-    return f"the last checkpoint, better on {key} ({_fmt(val['last'])} vs {_fmt(val['averaged'])} averaged)"
+        return (f"the averaged checkpoint {name}, better on {key} ({val['averaged']:.4g} vs "
+                f"{val['last']:.4g} for the last)")
+    return f"the last checkpoint, better on {key} ({val['last']:.4g} vs {val['averaged']:.4g} averaged)"

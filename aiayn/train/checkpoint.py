@@ -30,7 +30,7 @@ from aiayn.train.run_dir import CHECKPOINT_NAME, atomic_write_text, claim_output
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "atomic_write_text", "average_checkpoints",
            "average_last_checkpoints", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
-           "load_weights", "restore_rng", "save_checkpoint"]
+           "restore_rng", "save_checkpoint"]
 
 FORMAT_VERSION = 1
 MODEL_FILE, OPTIM_FILE, STATE_FILE, LATEST = "model.safetensors", "optimizer.safetensors", "state.json", "latest"
@@ -252,11 +252,6 @@ def average_last_checkpoints(checkpoint_dir: Path, last: int, model: nn.Module, 
     step = int(chosen[-1].name.removeprefix("step-"))
     return save_checkpoint(out_dir, step=step, model=model, optimizer=None, keep=1,
                            state={"averaged": [p.name for p in chosen]})
-
-
-def load_weights(path: Path, model: nn.Module) -> None:
-    """Load only the weights of a checkpoint directory (or a run's latest checkpoint)."""
-    load_checkpoint(path, model)
 
 
 def average_checkpoints(paths: list[Path], model: nn.Module) -> nn.Module:

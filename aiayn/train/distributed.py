@@ -172,6 +172,15 @@ def run_on_main(ctx: DistContext, fn: Callable[[], T]) -> T | None:
     return result
 
 
+def from_main(ctx: DistContext, value: T) -> T:
+    """``value`` as rank 0 has it, on every rank (a broadcast; itself when not distributed)."""
+    if not ctx.enabled:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
     """DDP around the model, or FSDP2 applied in place; call ``freeze_unused`` first."""
     if not ctx.enabled:
@@ -284,11 +293,6 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                 for g in state_dict["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
-
-
-def barrier(ctx: DistContext) -> None:
-    if ctx.enabled:
-        dist.barrier()
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -147,6 +147,16 @@ def _train_step(run: TrainingRun, group: list[Any]) -> float:
     return lr
 
 
+def step_loss(task: Task, model: Any, batch: Any, *, device: torch.device, bf16: bool | None = None,
+              label_smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One micro-batch's forward and loss on ``device`` -> (loss, summed NLL, counted tokens, correct tokens),
+    0-dim tensors: the step ``--compile`` compiles whole, with no read back into Python."""
+    with devices.autocast(device, bf16=bf16):
+        output, targets = task.forward(model, batch)
+        out = sequence_loss(output, targets, label_smoothing=label_smoothing)
+    return out.loss, out.nll_sum, out.n_tokens, out.n_correct
+
+
 def _forward_backward(run: TrainingRun, batch: Any, n: int, *, last: bool) -> Tensor:
     """One micro-batch of ``n``: forward, backward of its share of the step's loss; returns that share."""
     ctx, cfg = run.ctx, run.cfg
@@ -158,17 +168,15 @@ def _forward_backward(run: TrainingRun, batch: Any, n: int, *, last: bool) -> Te
         run.totals.add_batch(nll_sum, n_tokens, n_correct)
         return share
     with distributed.no_sync(run.forward_model, last=last):
-        with devices.autocast(ctx.device, bf16=cfg.bf16):
-            output, targets = run.task.forward(run.forward_model, batch)
-            out = sequence_loss(output, targets, label_smoothing=cfg.label_smoothing)
+        loss, nll_sum, n_tokens, n_correct = step_loss(run.task, run.forward_model, batch, device=ctx.device,
+                                                       bf16=cfg.bf16, label_smoothing=cfg.label_smoothing)
         # Weighted by this rank's share of the tokens: the gradient average is the token-mean's.
-        weight = distributed.token_share(out.n_tokens, ctx)  # () float64
+        weight = distributed.token_share(n_tokens, ctx)  # () float64
         # A rank without counted tokens adds 0 (its loss is NaN, its gradients 0).
-        counted = out.n_tokens > 0
-        loss = torch.where(counted, out.loss * weight.to(out.loss.dtype), 0.0)
-        (loss / n).backward()
-    share = torch.where(counted, out.loss.detach().double() * weight, 0.0) / ctx.world_size / n
-    run.totals.add_batch(out.nll_sum, out.n_tokens, out.n_correct)
+        counted = n_tokens > 0
+        (torch.where(counted, loss * weight.to(loss.dtype), 0.0) / n).backward()
+    share = torch.where(counted, loss.detach().double() * weight, 0.0) / ctx.world_size / n
+    run.totals.add_batch(nll_sum, n_tokens, n_correct)
     return share
 
 
@@ -269,14 +277,8 @@ def _checkpoint(run: TrainingRun) -> None:
 
 
 def diverged_message(step: int, what: str, saved_step: int | None, location: RunLocation, *, clipping: bool) -> str:
-    if saved_step is not None:
-        kept = (f"nothing was saved after it: the latest checkpoint is still step-{saved_step:08d} in "
-                f"{location.path / 'checkpoints'}")
-    elif location.pending:
-        kept = f"no checkpoint had been saved, and the run it was to replace, {location.final}, is untouched"
-    elif location.fresh:  # abandon() empties it: the same command can start again
-        kept = f"no checkpoint had been saved, so {location.final} was left as it was before this start"
-    else:
-        kept = "no checkpoint had been saved"
+    kept = location.nothing_saved() if saved_step is None else (
+        f"nothing was saved after it: the latest checkpoint is still step-{saved_step:08d} in "
+        f"{location.path / 'checkpoints'}")
     fix = "a lower --lr" if clipping else "a lower --lr, or clip gradients with --clip-grad-norm"
     return f"training diverged at step {step} ({what}); {kept}. Start again with {fix}"

@@ -82,14 +82,9 @@ class TrainingMemory:
 
     def describe(self) -> str:
         """'2.10 GiB (weights ... + Adam's moments ... + the larger of activations ... and gradients ...)'."""
-        return (f"{readable(self.peak)} (weights {readable(self.weights)} + Adam's moments "
-                f"{readable(self.optimizer)} + the larger of activations {readable(self.activations)} and "
-                f"gradients {readable(self.gradients + self.step_temporary)})")
-
-
-def readable(n: int) -> str:
-    """A size to read: '1.50 GiB', '12.25 MiB'."""
-    return format_bytes(int(n))
+        return (f"{format_bytes(self.peak)} (weights {format_bytes(self.weights)} + Adam's moments "
+                f"{format_bytes(self.optimizer)} + the larger of activations {format_bytes(self.activations)} and "
+                f"gradients {format_bytes(self.gradients + self.step_temporary)})")
 
 
 def activation_bytes(c: ModelConfig, shape: BatchShape, path: Execution, *, fused_head: bool = False) -> int:
@@ -300,7 +295,7 @@ def check_training_memory(task: Task, model_config: ModelConfig, cfg: TrainConfi
         return estimate
     raise TrainingMemoryError(
         f"training would need about {estimate.describe()} for batches of {shape.sequences} x "
-        f"{shape.length} tokens, more than the {readable(available)} {where}; "
+        f"{shape.length} tokens, more than the {format_bytes(available)} {where}; "
         f"{_advice(estimate, available, cfg, path, task.options.get('max_tokens'), resume=resume)}")
 
 
@@ -352,14 +347,8 @@ def out_of_memory(exc: BaseException, location: RunLocation, task: Task, cfg: Tr
         f"tried to allocate {_bytes_text(asked.group(1))}" if asked else "",
         f"{free.group(1)} free" if free else "") if part)
     latest = latest_checkpoint(location.path / "checkpoints")
-    if latest is not None:
-        kept = f"the latest checkpoint, {latest.name} in {latest.parent}, is intact"
-    elif location.pending:
-        kept = f"no checkpoint had been saved, and the run it was to replace, {location.final}, is untouched"
-    elif location.fresh:
-        kept = f"no checkpoint had been saved, so {location.final} was left as it was before this start"
-    else:
-        kept = "no checkpoint had been saved"
+    kept = (f"the latest checkpoint, {latest.name} in {latest.parent}, is intact" if latest is not None
+            else location.nothing_saved())
     max_tokens = task.options.get("max_tokens")
     smaller = (f"--max-tokens {max(1, max_tokens // 2)}" if isinstance(max_tokens, int)
                else f"--batch-size {max(1, cfg.batch_size // 2)}")
@@ -374,5 +363,5 @@ def out_of_memory(exc: BaseException, location: RunLocation, task: Task, cfg: Tr
 def _bytes_text(amount: str) -> str:
     """'2.00 GiB' as it is; '140737488355328 bytes' (the CPU allocator's) readable."""
     if amount.endswith(" bytes"):
-        return readable(int(amount.split()[0]))
+        return format_bytes(int(amount.split()[0]))
     return amount

@@ -21,16 +21,8 @@ class TensorParallelError(ValueError):
 
 def _interleave_rows(linear: nn.Linear, sizes: list[int], tp: int) -> None:
     """Reorder a fused projection's rows [A | B | ...] to [A_0 B_0 ... | A_1 B_1 ... | ...]."""
-    index, offset = [], 0
-    starts = []
-    for size in sizes:
-        starts.append(offset)
-        offset += size
-    for r in range(tp):
-        for start, size in zip(starts, sizes, strict=True):
-            part = size // tp
-            index.append(torch.arange(start + r * part, start + (r + 1) * part))
-    order = torch.cat(index)
+    parts = [rows.chunk(tp) for rows in torch.arange(sum(sizes)).split(sizes)]  # each projection's, per rank
+    order = torch.cat([projection[r] for r in range(tp) for projection in parts])
     with torch.no_grad():
         linear.weight.copy_(linear.weight[order])
         if linear.bias is not None:

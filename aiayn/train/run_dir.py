@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.train.leftovers import OWNER_LOCK, _disown, _own, clear_leftovers
@@ -35,14 +35,9 @@ from aiayn.train.run_files import (
 __all__ = [
     "CHECKPOINT_NAME", "CONFIG_FILE", "KIND_AVERAGED", "KIND_RUN", "MARKER", "OWNER_LOCK", "RunDirError",
     "RunLocation", "atomic_write_text", "check_replaceable", "claim_output_dir", "clear_leftovers",
-    "config_diff", "from_main", "fsync_dir", "is_averaged_dir", "is_run_dir", "prepare_run_dir",
+    "config_diff", "fsync_dir", "is_averaged_dir", "is_run_dir", "prepare_run_dir",
     "read_marker", "read_run_config", "write_marker",
 ]
-
-if TYPE_CHECKING:
-    from aiayn.train.distributed import DistContext
-
-T = TypeVar("T")
 
 
 class RunDirError(ValueError):
@@ -177,6 +172,14 @@ class RunLocation:
         """True while the run lives in its temporary sibling (the old run still in place)."""
         return self.path != self.final
 
+    def nothing_saved(self) -> str:
+        """What became of the run directory when a start ends before its first checkpoint."""
+        if self.pending:
+            return f"no checkpoint had been saved, and the run it was to replace, {self.final}, is untouched"
+        if self.fresh:  # abandon() empties it: the same command can start again
+            return f"no checkpoint had been saved, so {self.final} was left as it was before this start"
+        return "no checkpoint had been saved"
+
     def swap_in(self) -> None:
         """Rename the old run away, the new one in, then delete the old; a failure between puts it back."""
         self.fresh = False  # it holds a checkpoint now: a run to resume, never removed
@@ -295,14 +298,3 @@ def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, ove
             raise RunDirError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
         raise
     return location
-
-
-def from_main(ctx: DistContext, value: T) -> T:
-    """``value`` as rank 0 has it, on every rank (a broadcast; itself when not distributed)."""
-    if not ctx.enabled:
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -38,11 +38,10 @@ ATTENTION_KINDS = ("encoder", "decoder", "cross")
 def encoder_decoder_example(out: Any, kind: str, src_labels: list[str], tgt_labels: list[str],
                             title: str) -> AttentionExample:
     """The ``kind`` maps (encoder, decoder or cross) of an encoder-decoder's output for one example."""
-    weights, queries, keys = {"encoder": (out.encoder_attentions, src_labels, src_labels),
-                              "decoder": (out.attentions, tgt_labels, tgt_labels),
-                              "cross": (out.cross_attentions, tgt_labels, src_labels)}[kind]
-    what = {"encoder": "encoder self-attention", "decoder": "decoder self-attention (causal)",
-            "cross": "decoder cross-attention"}[kind]
+    weights, queries, keys, what = {
+        "encoder": (out.encoder_attentions, src_labels, src_labels, "encoder self-attention"),
+        "decoder": (out.attentions, tgt_labels, tgt_labels, "decoder self-attention (causal)"),
+        "cross": (out.cross_attentions, tgt_labels, src_labels, "decoder cross-attention")}[kind]
     return AttentionExample(weights=[w[0] for w in weights], query_labels=queries, key_labels=keys,
                             title=f"{title}: {what}")
 

@@ -29,8 +29,13 @@ from aiayn.train.checkpoint import (
     load_checkpoint,
     restore_rng,
 )
-from aiayn.train.loop import StopRequest, TrainingDiverged, TrainingRun, loop  # noqa: F401  (TrainingDiverged: imported from here too)
-from aiayn.train.losses import sequence_loss
+from aiayn.train.loop import (  # noqa: F401  (TrainingDiverged: imported from here too)
+    StopRequest,
+    TrainingDiverged,
+    TrainingRun,
+    loop,
+    step_loss,
+)
 from aiayn.train.metrics import METRIC_FIELDS, DeviceTotals, MetricsLog, MetricsWindow  # noqa: F401
 from aiayn.train.optim import (
     load_optimizer_state,
@@ -44,7 +49,6 @@ from aiayn.train.run_dir import (  # noqa: F401  (RunDirError, config_diff: impo
     RunLocation,
     atomic_write_text,
     config_diff,
-    from_main,
     prepare_run_dir,
 )
 from aiayn.train.task import Task
@@ -100,11 +104,11 @@ def train(
         # Rank 0 checks and writes the directory; an error there is raised on every rank.
         location = distributed.run_on_main(
             ctx, lambda: prepare_run_dir(Path(run_dir), configs, resume=resume, overwrite=overwrite, echo=echo))
-        location = from_main(ctx, location)
+        location = distributed.from_main(ctx, location)
         assert location is not None
         try:
             return _train(task, model_config, train_config, location, ctx, resume=resume,
-                          progress=progress and ctx.is_main, echo=echo if ctx.is_main else _quiet,
+                          progress=progress and ctx.is_main, echo=echo if ctx.is_main else lambda _: None,
                           make_plots=make_plots, fast=fast)
         except BaseException as exc:
             # Out of memory: one line naming what is kept and the fix (written before abandon()).
@@ -118,20 +122,6 @@ def train(
     finally:
         if ctx.owns_group:
             distributed.shutdown(ctx)
-
-
-def step_loss(task: Task, model: Any, batch: Any, *, device: torch.device, bf16: bool | None = None,
-              label_smoothing: float = 0.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One micro-batch's forward and loss on ``device`` -> (loss, summed NLL, counted tokens, correct tokens),
-    0-dim tensors: the step ``--compile`` compiles whole, with no read back into Python."""
-    with devices.autocast(device, bf16=bf16):
-        output, targets = task.forward(model, batch)
-        out = sequence_loss(output, targets, label_smoothing=label_smoothing)
-    return out.loss, out.nll_sum, out.n_tokens, out.n_correct
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 def _train(
@@ -189,9 +179,8 @@ def _plan(run: TrainingRun, model_config: ModelConfig) -> None:
     steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
     run.per_step = cfg.grad_accum * ctx.world_size
     if ctx.enabled:
-        n_batches = len(task.train_batches(0, cfg.batch_size, cfg.seed))
-        distributed.check_world_size(ctx, batches_per_epoch=n_batches, grad_accum=cfg.grad_accum)
-        steps_per_epoch = max(1, n_batches // run.per_step)
+        distributed.check_world_size(ctx, batches_per_epoch=batches_per_epoch, grad_accum=cfg.grad_accum)
+        steps_per_epoch = max(1, batches_per_epoch // run.per_step)
     run.total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     run.lr_at = make_schedule(cfg, total_steps=run.total_steps, d_model=model_config.d_model)
     if (warning := schedule_warning(cfg, d_model=model_config.d_model)) is not None:
@@ -225,9 +214,8 @@ def _optimizer(run: TrainingRun) -> None:
             model.train()
             batch = devices.to_device(task.collate("train", task.train_batches(0, cfg.batch_size, cfg.seed)[0]),
                                       ctx.device)
-            with devices.autocast(ctx.device, bf16=cfg.bf16):
-                output, targets = task.forward(model, batch)
-                return sequence_loss(output, targets, label_smoothing=cfg.label_smoothing).loss
+            return step_loss(task, model, batch, device=ctx.device, bf16=cfg.bf16,
+                             label_smoothing=cfg.label_smoothing)[0]
 
         frozen = distributed.freeze_unused(model, first_batch_loss)
     forward_model = run.forward_model = distributed.wrap(model, ctx)

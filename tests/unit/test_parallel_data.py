@@ -116,22 +116,21 @@ def test_fetch_multi30k_from_a_mirror_without_network(tmp_path):
     import gzip
     import hashlib
 
-    from aiayn.data.fetch import FetchError
-    from aiayn.data.parallel import MULTI30K_FILES, fetch_multi30k
+    from aiayn.data.fetch import DATASETS, FetchError
+    from aiayn.data.parallel import fetch_multi30k
 
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     hashes = {}
-    for split, remote in MULTI30K_FILES.items():
-        for lang in ("en", "de"):
-            text = f"{remote} {lang} Straße\nzwei\n".encode()
-            with gzip.open(mirror / f"{remote}.{lang}.gz", "wb") as handle:
-                handle.write(text)
-            hashes[f"{split}.{lang}"] = hashlib.sha256(text).hexdigest()
+    for name, remote in DATASETS["multi30k"].files.items():
+        text = f"{remote.name.removesuffix('.gz').replace('.', ' ')} Straße\nzwei\n".encode()
+        with gzip.open(mirror / remote.name, "wb") as handle:
+            handle.write(text)
+        hashes[name] = hashlib.sha256(text).hexdigest()
     cache = fetch_multi30k(tmp_path / "cache", base_url=mirror.as_uri(), sha256=hashes)
     assert read_lines(cache / "test2016.de") == ["test_2016_flickr de Straße", "zwei"]
     assert sorted(p.name for p in cache.iterdir()) == sorted(
-        f"{split}.{lang}" for split in MULTI30K_FILES for lang in ("en", "de"))
+        DATASETS["multi30k"].files)
     with pytest.raises(FetchError, match="cannot download"):
         fetch_multi30k(tmp_path / "other", base_url=(tmp_path / "nowhere").as_uri(), sha256=hashes)
     assert not (tmp_path / "other").exists()  # nothing half-written, not even the folder
