@@ -133,12 +133,3 @@ def train_briefly(task: Task, model: nn.Module, *, steps: int, batch_size: int, 
     metrics = task.evaluate(model, "test")
     model.eval()
     return {**metrics, "loss": float(last), "s_per_step": per_step}
-
-
-def save_figure(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
