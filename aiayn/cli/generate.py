@@ -19,10 +19,10 @@ from aiayn.cli.app import (
     device_option,
     model_options,
     one_model,
+    place,
     plain_option,
     resolve_device,
     threads_option,
-    use_threads,
     utf8_text,
 )
 
@@ -230,9 +230,7 @@ def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batc
     """Print one JSON line {"text", "embedding"} per TEXT (use '-' to read lines from stdin)."""
     from aiayn.embed import load_sentence_encoder
 
-    where = resolve_device(device)
-    use_threads(threads)
-
+    where = place(device, threads)
     if texts == ("-",):
         texts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
     empty = [i for i, text in enumerate(texts) if not text.strip()]

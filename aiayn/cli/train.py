@@ -16,10 +16,9 @@ from aiayn.cli.app import (
     cli,
     device_option,
     is_main_process,
+    place,
     plain_option,
-    resolve_device,
     threads_option,
-    use_threads,
 )
 from aiayn.config import ConfigError
 
@@ -194,8 +193,7 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
         raise click.UsageError("--resume needs --run-dir (the run to continue)")
     if resume and max_tokens is not None:
         raise click.UsageError("--max-tokens cannot change when resuming (the batches would differ)")
-    where = resolve_device(device)
-    use_threads(threads)
+    where = place(device, threads)
     setup = _setup_run(ctx, task, run_dir if resume else None, recipe, max_tokens, options)
     run_dir = run_dir or default_run_dir(setup.task_name)
     if is_main_process():
