@@ -33,18 +33,14 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 FAMILIES: tuple[Family, ...] = (LlamaFamily(), GPT2Family(), BertFamily(), BartFamily(), MarianFamily())
 
 
-def supported() -> str:
-    """One line per family: its model types and architectures."""
-    return "; ".join(f"{'/'.join(f.model_types)} ({', '.join(f.architectures)})" for f in FAMILIES)
-
-
 def family_for(hf_config: dict[str, Any], *, source: str = "checkpoint") -> Family:
     """The family that converts this config.json, from ``model_type`` and ``architectures``."""
     model_type = hf_config.get("model_type")
     family = next((f for f in FAMILIES if model_type in f.model_types), None)
     if family is None:
+        supported = "; ".join(f"{'/'.join(f.model_types)} ({', '.join(f.architectures)})" for f in FAMILIES)
         raise InteropError(f"{source}: model_type {model_type!r} (architectures {hf_config.get('architectures')}) "
-                           f"is not supported; aiayn.interop converts {supported()}")
+                           f"is not supported; aiayn.interop converts {supported}")
     bad = [a for a in hf_config.get("architectures") or [] if a not in family.architectures]
     if bad:
         raise InteropError(f"{source}: architecture {', '.join(bad)} is not supported for model_type "
