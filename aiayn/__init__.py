@@ -27,17 +27,5 @@ def __getattr__(name: str):
         return getattr(api, name)
     raise AttributeError(f"module 'aiayn' has no attribute {name!r}")
 
-__all__ = [
-    "ConfigError",
-    "DecoderOnly",
-    "EncoderDecoder",
-    "EncoderOnly",
-    "ModelConfig",
-    "__version__",
-    "build_model",
-    "count_parameters",
-    "generate_text",
-    "get_preset",
-    "load",
-    "train_run",
-]
+__all__ = ["ConfigError", "DecoderOnly", "EncoderDecoder", "EncoderOnly", "ModelConfig", "__version__",
+           "build_model", "count_parameters", "generate_text", "get_preset", "load", "train_run"]

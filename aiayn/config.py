@@ -100,10 +100,8 @@ def _check_known_fields(cls: type, data: dict[str, Any]) -> None:
         for key in unknown:
             close = difflib.get_close_matches(key, known, n=1)
             guesses.append(f"{key} (did you mean {close[0]}?)" if close else key)
-        raise ConfigError(
-            f"unknown {cls.__name__} field(s): {', '.join(guesses)}; known fields are "
-            f"{', '.join(sorted(known))}"
-        )
+        raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(guesses)}; known fields are "
+                          f"{', '.join(sorted(known))}")
 
 
 @dataclass
@@ -200,10 +198,8 @@ class ModelConfig:
                 or self.position_offset < 0):
             raise ConfigError(f"position_offset must be an integer >= 0, got {self.position_offset!r}")
         if self.position_offset and self.positional != "learned":
-            raise ConfigError(
-                f"position_offset={self.position_offset} only applies to positional='learned' "
-                f"(got positional={self.positional!r}); set position_offset=0"
-            )
+            raise ConfigError(f"position_offset={self.position_offset} only applies to positional='learned' "
+                              f"(got positional={self.positional!r}); set position_offset=0")
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "max_seq_len",
                      "relative_buckets", "relative_max_distance"):
             _positive(name, getattr(self, name))
@@ -213,43 +209,28 @@ class ModelConfig:
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             _probability(name, getattr(self, name))
         if self.head_dim is None and self.d_model % self.n_heads != 0:
-            raise ConfigError(
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; choose "
-                f"n_heads among the divisors of d_model or set head_dim explicitly"
-            )
+            raise ConfigError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; choose "
+                              f"n_heads among the divisors of d_model or set head_dim explicitly")
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads != 0:
-            raise ConfigError(
-                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
-                f"n_kv_heads must divide n_heads (1 = multi-query, n_heads = multi-head)"
-            )
+            raise ConfigError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
+                              f"n_kv_heads must divide n_heads (1 = multi-query, n_heads = multi-head)")
         head_dim = self.d_model // self.n_heads if self.head_dim is None else self.head_dim
         if self.positional == "rope" and head_dim % 2 != 0:
-            raise ConfigError(
-                f"positional='rope' needs an even head_dim, got {head_dim}; "
-                f"change d_model/n_heads or head_dim"
-            )
+            raise ConfigError(f"positional='rope' needs an even head_dim, got {head_dim}; "
+                              f"change d_model/n_heads or head_dim")
         if self.positional == "sinusoidal" and self.d_model % 2 != 0:
-            raise ConfigError(
-                f"positional='sinusoidal' needs an even d_model (sin/cos pairs), got {self.d_model}"
-            )
+            raise ConfigError(f"positional='sinusoidal' needs an even d_model (sin/cos pairs), got {self.d_model}")
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps!r}")
         if self.rope_base <= 1:
             raise ConfigError(f"rope_base must be greater than 1, got {self.rope_base!r}")
         if self.pad_id is not None and not 0 <= self.pad_id < self.vocab_size:
-            raise ConfigError(
-                f"pad_id={self.pad_id} is outside the vocabulary [0, {self.vocab_size}); "
-                f"use an id below vocab_size or pad_id=None"
-            )
-        if (
-            self.arch == "encoder-decoder"
-            and self.share_embeddings
-            and self.tgt_vocab_size not in (None, self.vocab_size)
-        ):
-            raise ConfigError(
-                f"share_embeddings=True needs one vocabulary, but vocab_size={self.vocab_size} and "
-                f"tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False or equal sizes"
-            )
+            raise ConfigError(f"pad_id={self.pad_id} is outside the vocabulary [0, {self.vocab_size}); "
+                              f"use an id below vocab_size or pad_id=None")
+        if (self.arch == "encoder-decoder" and self.share_embeddings
+                and self.tgt_vocab_size not in (None, self.vocab_size)):
+            raise ConfigError(f"share_embeddings=True needs one vocabulary, but vocab_size={self.vocab_size} and "
+                              f"tgt_vocab_size={self.tgt_vocab_size}; set share_embeddings=False or equal sizes")
         if self.type_vocab_size < 0:
             raise ConfigError(f"type_vocab_size must be >= 0, got {self.type_vocab_size}")
         self._resolve_derived()

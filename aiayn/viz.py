@@ -23,7 +23,8 @@ PANEL_INCHES = 3.2  # one attention heatmap with its colour bar
 MIN_WIDTH_INCHES = 5.0  # room for a title even on a 1 x 1 grid
 
 
-def _save(fig: plt.Figure, path: Path | str) -> Path:
+def save_figure(fig: plt.Figure, path: Path | str) -> Path:
+    """Write ``fig`` as a PNG (its folder made) and close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -31,13 +32,8 @@ def _save(fig: plt.Figure, path: Path | str) -> Path:
     return path
 
 
-def attention_figure(
-    weights: Sequence[Tensor],
-    query_labels: Sequence[str],
-    key_labels: Sequence[str],
-    *,
-    title: str = "attention",
-) -> plt.Figure:
+def attention_figure(weights: Sequence[Tensor], query_labels: Sequence[str], key_labels: Sequence[str], *,
+                     title: str = "attention") -> plt.Figure:
     """A grid of heatmaps, one row per layer and one column per head, each with its own colour bar
     (a fixed 0-1 scale would flatten a diffuse head); weights: per layer, (h, t_q, t_k) of one example."""
     n_layers, n_heads = len(weights), weights[0].shape[0]
@@ -60,16 +56,10 @@ def attention_figure(
     return fig
 
 
-def plot_attention(
-    weights: Sequence[Tensor],
-    query_labels: Sequence[str],
-    key_labels: Sequence[str],
-    path: Path | str,
-    *,
-    title: str = "attention",
-) -> Path:
+def plot_attention(weights: Sequence[Tensor], query_labels: Sequence[str], key_labels: Sequence[str],
+                   path: Path | str, *, title: str = "attention") -> Path:
     """``attention_figure`` written to ``path``."""
-    return _save(attention_figure(weights, query_labels, key_labels, title=title), path)
+    return save_figure(attention_figure(weights, query_labels, key_labels, title=title), path)
 
 
 def plot_positional_encoding(path: Path | str, *, d_model: int = 48, max_len: int = 96) -> Path:
@@ -77,12 +67,10 @@ def plot_positional_encoding(path: Path | str, *, d_model: int = 48, max_len: in
     pe = sinusoidal_encoding(torch.arange(max_len), d_model)  # (max_len, d)
     fig, ax = plt.subplots(figsize=(9, 4))
     image = ax.imshow(pe.T.numpy(), aspect="auto", cmap="RdGy", vmin=-1, vmax=1, origin="lower")
-    ax.set_xlabel("position")
-    ax.set_ylabel("dimension")
-    ax.set_title(f"sinusoidal positional encoding (d_model={d_model})")
+    ax.set(xlabel="position", ylabel="dimension", title=f"sinusoidal positional encoding (d_model={d_model})")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_pe_dot_products(path: Path | str, *, d_model: int = 128, max_offset: int = 100,
@@ -95,12 +83,11 @@ def plot_pe_dot_products(path: Path | str, *, d_model: int = 128, max_offset: in
     for t in starts:
         dots = (pe[t] * pe[t + offsets]).sum(-1)
         ax.plot(offsets.numpy(), dots.numpy(), label=f"t = {t}", linestyle="-" if t == starts[0] else "--")
-    ax.set_xlabel("offset k")
-    ax.set_ylabel("PE(t) · PE(t + k)")
-    ax.set_title("the dot product of sinusoidal encodings depends only on the offset")
+    ax.set(xlabel="offset k", ylabel="PE(t) · PE(t + k)",
+           title="the dot product of sinusoidal encodings depends only on the offset")
     ax.legend()
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_lr_schedules(schedules: dict[str, Callable[[int], float]], total_steps: int,
@@ -110,12 +97,10 @@ def plot_lr_schedules(schedules: dict[str, Callable[[int], float]], total_steps:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, fn in schedules.items():
         ax.plot(steps, [fn(s) for s in steps], label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("learning rate")
-    ax.set_title(title)
+    ax.set(xlabel="step", ylabel="learning rate", title=title)
     ax.legend()
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 class MetricsError(ValueError):
@@ -146,10 +131,7 @@ def read_metrics(csv_path: Path | str) -> list[dict[str, float]]:
 
 def _loss_axis(ax: plt.Axes, title: str, **legend: object) -> None:
     """The loss panel's log scale, labels and title; a legend only when a line has a label."""
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title)
+    ax.set(yscale="log", xlabel="step", ylabel="loss (nats/token)", title=title)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(**legend)
 
@@ -167,11 +149,9 @@ def plot_metrics(metrics: Path | str | list[dict[str, float]], path: Path | str)
     _loss_axis(ax_loss, "loss")
     if train:
         ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:green")
-    ax_lr.set_xlabel("step")
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.set_title("learning rate")
+    ax_lr.set(xlabel="step", ylabel="learning rate", title="learning rate")
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # The per-run score a comparison plots beside the loss, the first a run has: translation BLEU, else accuracy.
@@ -200,9 +180,7 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], path: Path | str) -> Path
                             markersize=3, label=name)
     _loss_axis(ax_loss, "val NLL (lines), train loss (faint)", fontsize="small")
     if column:
-        axes[0][1].set_xlabel("step")
-        axes[0][1].set_ylabel(label)
-        axes[0][1].set_title(label)
+        axes[0][1].set(xlabel="step", ylabel=label, title=label)
         axes[0][1].legend(fontsize="small")
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -58,16 +58,6 @@ def _fail(message: str, code: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the command; every failure is one line on stderr (see the module doc)."""
-    import torch
-
-    from aiayn.data.parallel import DataError
-    from aiayn.interop.mapping import InteropError
-    from aiayn.tasks.base import UnknownTaskError
-    from aiayn.train.checkpoint import CheckpointError
-    from aiayn.train.distributed import DistributedError
-    from aiayn.train.memory import TrainingOutOfMemory
-    from aiayn.train.trainer import RunDirError, TrainingDiverged
-
     debug = _debug(argv)
     if not debug:  # a library warning is one line too: "warning: ...", not file:line and source
         warnings.showwarning = _one_line_warning
@@ -89,33 +79,41 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # the reader went away (`| head`): nothing to say, nowhere to say it
         _quiet_stdout()
         sys.exit(1)
-    except (ConfigError, UnknownTaskError, RunDirError, CheckpointError, InteropError,
-            DistributedError, DataError) as exc:
+    except Exception as exc:
         if debug:
             raise
-        if getattr(exc, "reported", False):  # rank 0 said it before every rank stopped
+        message, status = _failure(exc)
+        if status == 2 and getattr(exc, "reported", False):  # rank 0 said it before every rank stopped
             sys.exit(2)
-        _fail(str(exc), 2)  # problems a user can fix; nothing saved is touched
-    except TrainingDiverged as exc:
-        if debug:
-            raise
-        _fail(str(exc), 1)
-    except (MemoryError, torch.OutOfMemoryError) as exc:  # training's says what is kept and the fix
-        if debug:
-            raise
-        _fail(str(exc) if isinstance(exc, TrainingOutOfMemory) else "out of memory: the model or batch "
-              "does not fit; try a smaller model, batch or --max-new-tokens", 1)
-    except OSError as exc:  # a file that cannot be read or written: name it
-        if debug:
-            raise
-        where = f": {exc.filename}" if exc.filename else ""
-        _fail(f"{exc.strerror or exc}{where}", 1)
-    except Exception as exc:  # the last resort: one line, not a traceback
-        if debug:
-            raise
-        _fail(f"internal error: {type(exc).__name__}: {exc} (run again with AIAYN_DEBUG=1 for the "
-              f"traceback; please report it)", 1)
+        _fail(message, status)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _failure(exc: Exception) -> tuple[str, int]:
+    """The line and exit code of a failure: 2 for problems a user can fix (nothing saved is touched), 1
+    for the work failing, the last resort an internal error."""
+    import torch
+
+    from aiayn.data.parallel import DataError
+    from aiayn.interop.mapping import InteropError
+    from aiayn.tasks.base import UnknownTaskError
+    from aiayn.train.checkpoint import CheckpointError
+    from aiayn.train.distributed import DistributedError
+    from aiayn.train.memory import TrainingOutOfMemory
+    from aiayn.train.trainer import RunDirError, TrainingDiverged
+
+    if isinstance(exc, ConfigError | UnknownTaskError | RunDirError | CheckpointError | InteropError
+                  | DistributedError | DataError):
+        return str(exc), 2
+    if isinstance(exc, TrainingDiverged | TrainingOutOfMemory):  # training's OOM says what is kept and the fix
+        return str(exc), 1
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        return "out of memory: the model or batch does not fit; try a smaller model, batch or --max-new-tokens", 1
+    if isinstance(exc, OSError):  # a file that cannot be read or written: name it
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror or exc}{where}", 1
+    return (f"internal error: {type(exc).__name__}: {exc} (run again with AIAYN_DEBUG=1 for the traceback; "
+            f"please report it)", 1)
 
 
 def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:

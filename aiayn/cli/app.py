@@ -97,6 +97,13 @@ def use_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def place(device: str, threads: int | None) -> Any:
+    """``resolve_device(device)``, with ``--threads`` applied."""
+    where = resolve_device(device)
+    use_threads(threads)
+    return where
+
+
 class FiniteFloatRange(click.FloatRange):
     """click's FloatRange that also refuses NaN and the infinities (which pass its range checks)."""
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from aiayn.cli.app import cli, resolve_device, threads_option, use_threads
+from aiayn.cli.app import cli, place, threads_option
 
 
 @cli.command("explain")
@@ -34,8 +34,7 @@ def explain_cmd(topic: str | None, run_all: bool, out: Path, quick: bool, device
         raise click.UsageError("give a TOPIC or --all, not both")
     if topic is not None and topic not in TOPICS:
         raise click.BadParameter(f"unknown topic {topic!r}; topics: {', '.join(TOPICS)}", param_hint="TOPIC")
-    where = resolve_device(device)
-    use_threads(threads)  # the timed topics' figures are for this thread count (each page names it)
+    where = place(device, threads)  # the timed topics' figures are for this thread count
     for name in TOPICS if run_all else [topic]:
         command = f"aiayn explain {name} --out {out}" + (" --quick" if quick else "")
         report = run_topic(name, out, quick=quick, command=command, device=where)

@@ -12,9 +12,8 @@ from aiayn.cli.app import (
     device_option,
     model_options,
     one_model,
-    resolve_device,
+    place,
     threads_option,
-    use_threads,
 )
 
 
@@ -40,8 +39,7 @@ def explore_cmd(run_dir: Path | None, model_path: Path | None, host: str, port: 
     from aiayn.explore import load_explorable
     from aiayn.explore.server import ServeError, check_port, serve
 
-    where = resolve_device(device)
-    use_threads(threads)
+    where = place(device, threads)
     one_model(run_dir, model_path)
     model_path = resolve_model(run_dir, model_path)  # a shipped name, or SmolLM2 by default
     try:

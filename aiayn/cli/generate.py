@@ -19,6 +19,7 @@ from aiayn.cli.app import (
     device_option,
     model_options,
     one_model,
+    place,
     plain_option,
     resolve_device,
     threads_option,
@@ -94,8 +95,6 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
                  compiled: bool = False, json_schema: Any = None, json_object: bool = False, plain: bool = False,
                  device: str = "auto", slide: bool = True) -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
-    import torch
-
     from aiayn.generate import SamplingConfig
     from aiayn.textgen import stream_text
 
@@ -109,8 +108,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
         raise click.BadParameter("--compile needs the float KV cache; drop --kv-cache or --compile",
                                  param_hint="--kv-cache")
     schema = read_schema(json_schema, json_object)
-    if threads is not None:
-        torch.set_num_threads(check_threads(threads))
+    use_threads(None if threads is None else check_threads(threads))  # this --threads has no callback
     lm = _text_model(run_dir, model_path, plain=plain, quantize=quantize, device=where)
     if kv_cache == "int4" and lm.model.config.head_dim % 2:
         raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
@@ -230,9 +228,7 @@ def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batc
     """Print one JSON line {"text", "embedding"} per TEXT (use '-' to read lines from stdin)."""
     from aiayn.embed import load_sentence_encoder
 
-    where = resolve_device(device)
-    use_threads(threads)
-
+    where = place(device, threads)
     if texts == ("-",):
         texts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
     empty = [i for i, text in enumerate(texts) if not text.strip()]

@@ -14,7 +14,7 @@ from aiayn.cli.app import (
     cli,
     device_option,
     one_model,
-    resolve_device,
+    place,
     threads_option,
     use_threads,
 )
@@ -55,8 +55,7 @@ def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str |
     from aiayn.tasks.shipped import load_run_or_release, resolve_model, single_model
 
     one_model(run_dir, model_name, required=True)
-    where = resolve_device(device)
-    use_threads(threads)
+    where = place(device, threads)
     try:
         path, note = single_model(run_dir if run_dir is not None else resolve_model(model_name or ""))
         if note is not None:  # a map is one model's: an ensemble shows its first member

@@ -16,10 +16,9 @@ from aiayn.cli.app import (
     cli,
     device_option,
     is_main_process,
+    place,
     plain_option,
-    resolve_device,
     threads_option,
-    use_threads,
 )
 from aiayn.config import ConfigError
 
@@ -63,10 +62,14 @@ def kv_cache_cmd(preset: str | None, batch_size: int, dtype: str, group_size: in
 
 def _kv_sizes(preset: str | None, given: dict[str, int | None]) -> dict[str, int]:
     """``kv-cache``'s sizes: those given, the rest from the preset; usage errors otherwise."""
+    from aiayn.models.presets import get_preset
     from aiayn.nn.kv_memory import cache_sizes
 
     if preset is not None:  # the preset fills in what is not given
-        from_preset = cache_sizes(_preset(preset))
+        try:
+            from_preset = cache_sizes(get_preset(preset))
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--preset") from None
         if from_preset["src_len"] and given["src_len"] is None:  # encoder-decoder: as long as the target
             from_preset["src_len"] = given["seq_len"] or from_preset["seq_len"]
         given = {k: from_preset[k] if v is None and k in from_preset else v for k, v in given.items()}
@@ -89,15 +92,6 @@ def _kv_sizes(preset: str | None, given: dict[str, int | None]) -> dict[str, int
         head_dim = d_model // n_heads
     return dict(n_layers=given["n_layers"], n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                 seq_len=given["seq_len"], src_len=given["src_len"] or 0)  # type: ignore[dict-item]
-
-
-def _preset(name: str) -> Any:
-    from aiayn.models.presets import get_preset
-
-    try:
-        return get_preset(name)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="--preset") from None
 
 
 # ``--name`` options of TrainConfig and ModelConfig fields, given or left to the task and recipe (None);
@@ -194,8 +188,7 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
         raise click.UsageError("--resume needs --run-dir (the run to continue)")
     if resume and max_tokens is not None:
         raise click.UsageError("--max-tokens cannot change when resuming (the batches would differ)")
-    where = resolve_device(device)
-    use_threads(threads)
+    where = place(device, threads)
     setup = _setup_run(ctx, task, run_dir if resume else None, recipe, max_tokens, options)
     run_dir = run_dir or default_run_dir(setup.task_name)
     if is_main_process():

@@ -17,10 +17,9 @@ from aiayn.cli.app import (
     check_writable,
     cli,
     device_option,
+    place,
     plain_option,
-    resolve_device,
     threads_option,
-    use_threads,
     utf8_text,
 )
 
@@ -64,8 +63,9 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _translator(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...],
-                plain: bool, device: Any, **decoding: Any) -> tuple[Any, Any]:
+def _translator(device: Any, run_dirs: tuple[Path, ...], model_names: tuple[str, ...],
+                checkpoints: tuple[Path, ...], plain: bool, beam: int | None, compiled: bool,
+                **decoding: Any) -> tuple[Any, Any]:
     """(``Translator``, ``DecodeOptions``) of --run / --model / --checkpoint on ``device``; beam size and
     length penalty default to the first run's recipe; several models make an ensemble."""
     from aiayn.tasks.runs import RunInputError, load_ensemble_translator
@@ -89,15 +89,13 @@ def _translator(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkp
         if exc.about == "members":  # about the models together, not one option
             raise click.UsageError(str(exc)) from None
         raise click.BadParameter(str(exc), param_hint=f"--{exc.about}") from None
-    return translator, decode_options(task.decode, **decoding)
+    return translator, decode_options(task.decode, beam_size=beam, compile=compiled, **decoding)
 
 
 @cli.command("translate")
 @_decoding_options
 @click.argument("texts", nargs=-1, callback=utf8_text)
-def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...], beam: int | None, length_penalty: float | None,
-                  temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
-                  compiled: bool, plain: bool, device: str, threads: int | None, texts: tuple[str, ...]) -> None:
+def translate_cmd(device: str, threads: int | None, texts: tuple[str, ...], **options: Any) -> None:
     """Translate TEXTS, or each line of standard input as it arrives (one output line per input line;
     TEXTS "-" reads standard input too).
 
@@ -108,11 +106,7 @@ def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], chec
 
     from aiayn.translate import InputTooLongWarning
 
-    where = resolve_device(device)
-    use_threads(threads)
-    translator, options = _translator(run_dirs, model_names, checkpoints, plain, where, beam_size=beam, length_penalty=length_penalty,
-                                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                      compile=compiled)
+    translator, decoding = _translator(place(device, threads), **options)
     if texts == ("-",):  # "-" is standard input, as for aiayn embed
         texts = ()
 
@@ -123,7 +117,7 @@ def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], chec
         warnings.simplefilter("always", InputTooLongWarning)
         warnings.showwarning = show
         if texts:
-            for line in translator.translate(list(texts), options):
+            for line in translator.translate(list(texts), decoding):
                 click.echo(line)
             return
         for number, raw in enumerate(sys.stdin.buffer, start=1):  # streamed: translated as read
@@ -132,7 +126,7 @@ def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], chec
             except UnicodeDecodeError as exc:
                 raise click.UsageError(f"standard input, line {number}: not UTF-8 (byte 0x{raw[exc.start]:02x} at "
                                        f"column {exc.start + 1}); give UTF-8 text") from None
-            click.echo(translator.translate([line], options)[0])
+            click.echo(translator.translate([line], decoding)[0])
             sys.stdout.flush()
 
 
@@ -142,10 +136,8 @@ def translate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], chec
 @click.option("--ref", "ref_path", required=True, type=click.Path(path_type=Path), help="Reference translations, aligned.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the hypotheses (detokenised, one per line) here.")
-def evaluate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], checkpoints: tuple[Path, ...], beam: int | None, length_penalty: float | None,
-                 temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None,
-                 compiled: bool, plain: bool, device: str, threads: int | None, src_path: Path, ref_path: Path,
-                 out_path: Path | None) -> None:
+def evaluate_cmd(device: str, threads: int | None, src_path: Path, ref_path: Path, out_path: Path | None,
+                 **options: Any) -> None:
     """Translate --src and score it against --ref: sacreBLEU BLEU (with its signature) and chrF.
 
     Several --model / --run / --checkpoint score an ensemble of them."""
@@ -154,16 +146,13 @@ def evaluate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], check
     from aiayn.tasks.translation import corpus_score
     from aiayn.train.checkpoint import atomic_write_text
 
-    where = resolve_device(device)
-    use_threads(threads)
+    where = place(device, threads)
     sources, references = read_parallel(src_path, ref_path)
     if out_path is not None:  # fail now, not after the whole decode
         check_writable(out_path, "--out")
-    translator, options = _translator(run_dirs, model_names, checkpoints, plain, where, beam_size=beam, length_penalty=length_penalty,
-                                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                      compile=compiled)
+    translator, decoding = _translator(where, **options)
     start = time.perf_counter()
-    hypotheses = translator.translate(sources, options)
+    hypotheses = translator.translate(sources, decoding)
     seconds = time.perf_counter() - start
     scores = corpus_score(hypotheses, references)
     if out_path is not None:
@@ -173,7 +162,7 @@ def evaluate_cmd(run_dirs: tuple[Path, ...], model_names: tuple[str, ...], check
     click.echo(f"chrF2 = {scores['chrf']:.2f}  (signature: {scores['chrf_signature']})")
     click.echo(f"lower-cased BLEU = {scores['bleu_lc']:.2f}  (signature: {scores['bleu_lc_signature']})")
     click.echo(f"{len(sources)} sentences in {seconds:.1f} s ({len(sources) / seconds:.1f} sentences/s), "
-               f"beam {options.beam_size}, length penalty {options.length_penalty}"
+               f"beam {decoding.beam_size}, length penalty {decoding.length_penalty}"
                + (f", an ensemble of {len(translator.model)} models" if isinstance(translator.model, Ensemble) else "")
                + (f"; hypotheses written to {out_path}" if out_path else ""))
 

@@ -36,11 +36,6 @@ def topic(name: str) -> ModuleType:
     return importlib.import_module(f"aiayn.explain.{TOPICS[name]}")
 
 
-def trains(name: str) -> bool:
-    """Whether topic ``name`` trains models (and so runs on a chosen device)."""
-    return "device" in inspect.signature(topic(name).run).parameters
-
-
 def run_topic(name: str, out_dir: Path, *, quick: bool = False, command: str | None = None,
               device: torch.device | None = None) -> Report:
     """Run a topic: its report, plots in ``out_dir`` and page ``out_dir/NAME.md``; ``device``: where a topic
@@ -48,7 +43,8 @@ def run_topic(name: str, out_dir: Path, *, quick: bool = False, command: str | N
     module = topic(name)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    extra = {"device": device} if device is not None and trains(name) else {}
+    trains = "device" in inspect.signature(module.run).parameters  # the topics that train take a device
+    extra = {"device": device} if device is not None and trains else {}
     report = module.run(out_dir, quick=quick, **extra)
     report.seconds = time.perf_counter() - start
     command = command or f"aiayn explain {name}" + (" --quick" if quick else "")

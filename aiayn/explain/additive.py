@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from aiayn.explain.base import Report, Table, save_figure, timed, train_briefly
+from aiayn.explain.base import Report, Table, timed, train_briefly
 from aiayn.nn.additive import additive_attention, use_additive_attention
 from aiayn.nn.attention import scaled_dot_product_attention
 from aiayn.tasks import get_task
+from aiayn.viz import save_figure
 
 NAME = "additive"
 TITLE = "Dot-product or additive attention"
@@ -114,15 +115,12 @@ def _plot(timings: list[dict[str, float]], results: list[dict[str, float]], path
         ax_time.loglog(lengths, [r[name] for r in timings], "o-", label=name)
     ax_time.set_xticks(lengths, [str(t) for t in lengths])
     ax_time.minorticks_off()
-    ax_time.set_xlabel("sequence length t")
-    ax_time.set_ylabel("ms, forward + backward")
-    ax_time.set_title("attention function")
+    ax_time.set(xlabel="sequence length t", ylabel="ms, forward + backward", title="attention function")
     ax_time.legend()
     labels = [f"{r['task']}\n{r['kind']}" for r in results]
     ax_acc.bar(range(len(results)), [r["acc"] for r in results],
                color=["tab:blue" if r["kind"] == "dot-product" else "tab:orange" for r in results])
     ax_acc.set_xticks(range(len(results)), labels, fontsize=8)
     ax_acc.set_ylim(0, 1)
-    ax_acc.set_ylabel("test token accuracy")
-    ax_acc.set_title("trained briefly")
+    ax_acc.set(ylabel="test token accuracy", title="trained briefly")
     save_figure(fig, path)

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from aiayn.explain.base import Report, Table, save_figure, timed
+from aiayn.explain.base import Report, Table, timed
 from aiayn.models import count_parameters
 from aiayn.nn.attention import MultiHeadAttention
+from aiayn.viz import save_figure
 
 NAME = "heads"
 TITLE = "One head or h heads: the same parameters and FLOPs"
@@ -93,14 +94,10 @@ def _plot(results: list[dict[str, float]], path: Path) -> None:
     ax_cost.semilogx(heads, [r["params"] / results[0]["params"] for r in results], "s--", base=2,
                      label="parameters")
     ax_cost.set_ylim(0, 2)
-    ax_cost.set_xlabel("heads h (d_k = d_model / h)")
-    ax_cost.set_ylabel("relative to one head")
-    ax_cost.set_title("cost of h heads: flat")
+    ax_cost.set(xlabel="heads h (d_k = d_model / h)", ylabel="relative to one head", title="cost of h heads: flat")
     ax_cost.legend()
     ax_time.semilogx(heads, [r["ms"] for r in results], "o-", base=2, label="written out")
     ax_time.semilogx(heads, [r["ms_fused"] for r in results], "s-", base=2, label="fused kernel")
-    ax_time.set_xlabel("heads h")
-    ax_time.set_ylabel("ms per forward")
-    ax_time.set_title("wall time (CPU, shared machine)")
+    ax_time.set(xlabel="heads h", ylabel="ms per forward", title="wall time (CPU, shared machine)")
     ax_time.legend()
     save_figure(fig, path)

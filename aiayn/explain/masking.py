@@ -10,9 +10,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from aiayn.explain.base import Report, Table, save_figure
+from aiayn.explain.base import Report, Table
 from aiayn.nn.attention import scaled_dot_product_attention
 from aiayn.nn.masks import causal_mask, combine_masks, key_mask
+from aiayn.viz import save_figure
 
 NAME = "masks"
 TITLE = "What the mask does to the softmax"
@@ -143,7 +144,5 @@ def _plot(weights: dict[str, torch.Tensor], path: Path) -> None:
     for ax, (name, w) in zip(axes, weights.items(), strict=True):
         image = ax.imshow(w.numpy(), vmin=0, vmax=float(w.max()), cmap="viridis")
         fig.colorbar(image, ax=ax, shrink=0.8)
-        ax.set_title(f"{name} mask: weights")
-        ax.set_xlabel("key (4, 5: padding)")
-        ax.set_ylabel("query")
+        ax.set(title=f"{name} mask: weights", xlabel="key (4, 5: padding)", ylabel="query")
     save_figure(fig, path)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from aiayn.explain.base import Report, Table, save_figure
+from aiayn.explain.base import Report, Table
 from aiayn.models import build_model, count_parameters, get_preset
+from aiayn.viz import save_figure
 
 NAME = "parameters"
 TITLE = "paper-base: 63.1M parameters here, 65M in Table 3"
@@ -153,6 +154,6 @@ def _plot(results: list[dict], path: Path) -> None:
     ax.bar(range(len(results)), [r["gap_rows"] for r in results], color="tab:blue")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(results)), labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("(paper − aiayn) / d_model")
-    ax.set_title("Table 3's count minus aiayn's, in embedding rows of width d_model")
+    ax.set(ylabel="(paper − aiayn) / d_model",
+           title="Table 3's count minus aiayn's, in embedding rows of width d_model")
     save_figure(fig, path)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from aiayn.explain.base import Report, Table, save_figure
+from aiayn.explain.base import Report, Table
 from aiayn.nn.positional import sinusoidal_encoding
+from aiayn.viz import save_figure
 
 NAME = "positional"
 TITLE = "The sinusoidal encoding"
@@ -127,22 +128,19 @@ def _plot(d_model: int, wavelength: list[float], pe: torch.Tensor, offsets: list
     curves = sinusoidal_encoding(t, d_model)
     for dim in (0, 1, d_model // 4, d_model // 2):  # wavelengths 2π, 2π, 2π·10000^(1/4), 2π·100
         axes[0][0].plot(t.numpy(), curves[:, dim].numpy(), label=f"dim {dim}")
-    axes[0][0].set_xlabel("position t")
-    axes[0][0].set_title("PE(t, dim): sines and cosines of falling frequency")
+    axes[0][0].set(xlabel="position t", title="PE(t, dim): sines and cosines of falling frequency")
     axes[0][0].legend(fontsize=8)
     axes[0][1].semilogy(range(len(wavelength)), wavelength, ".")
     axes[0][1].axhline(2 * math.pi * 10000, linestyle=":", color="grey", label="10000 · 2π")
     axes[0][1].axhline(2 * math.pi, linestyle="--", color="grey", label="2π")
-    axes[0][1].set_xlabel("pair i (dimensions 2i, 2i+1)")
-    axes[0][1].set_ylabel("wavelength")
-    axes[0][1].set_title("wavelengths: a geometric progression")
+    axes[0][1].set(xlabel="pair i (dimensions 2i, 2i+1)", ylabel="wavelength",
+                   title="wavelengths: a geometric progression")
     axes[0][1].legend()
     ks = torch.arange(-max(offsets), max(offsets) + 1)
     for start in (max(offsets), starts[-1]):  # t >= the largest offset: t + k >= 0
         axes[1][0].plot(ks.numpy(), (pe[start] * pe[start + ks]).sum(-1).numpy(), label=f"t = {start}",
                         linestyle="-" if start == max(offsets) else "--")
-    axes[1][0].set_xlabel("offset k")
-    axes[1][0].set_title("PE(t)·PE(t+k): a function of k alone, symmetric")
+    axes[1][0].set(xlabel="offset k", title="PE(t)·PE(t+k): a function of k alone, symmetric")
     axes[1][0].legend()
     image = axes[1][1].imshow(rotation(d_model, 10)[:16, :16].numpy(), cmap="RdBu", vmin=-1, vmax=1)
     fig.colorbar(image, ax=axes[1][1], shrink=0.8)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from aiayn.explain.base import Report, Table, save_figure
+from aiayn.explain.base import Report, Table
+from aiayn.viz import save_figure
 
 NAME = "scaling"
 TITLE = "Why scale by √d_k"
@@ -92,15 +93,12 @@ def _plot(results: list[dict[str, float]], path: Path) -> None:
     ax_var.loglog(dims, [r["var"] for r in results], "o-", label="var(q·k)")
     ax_var.loglog(dims, [r["var_scaled"] for r in results], "s-", label="var(q·k / √d_k)")
     ax_var.loglog(dims, dims, ":", color="grey", label="d_k")
-    ax_var.set_xlabel("d_k")
-    ax_var.set_ylabel("variance")
-    ax_var.set_title("q·k has variance d_k; scaled, 1")
+    ax_var.set(xlabel="d_k", ylabel="variance", title="q·k has variance d_k; scaled, 1")
     ax_var.legend()
     ax_soft.semilogx(dims, [r["max_weight"] for r in results], "o-", label="max weight, unscaled")
     ax_soft.semilogx(dims, [r["max_weight_scaled"] for r in results], "s-", label="max weight, scaled")
     ax_soft.semilogx(dims, [r["grad_median"] for r in results], "o--", label="median ‖gradient‖, unscaled")
     ax_soft.semilogx(dims, [r["grad_median_scaled"] for r in results], "s--", label="median ‖gradient‖, scaled")
-    ax_soft.set_xlabel("d_k")
-    ax_soft.set_title(f"softmax over {KEYS} keys: saturation and gradient")
+    ax_soft.set(xlabel="d_k", title=f"softmax over {KEYS} keys: saturation and gradient")
     ax_soft.legend()
     save_figure(fig, path)

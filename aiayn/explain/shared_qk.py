@@ -9,9 +9,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from aiayn.explain.base import Report, Table, save_figure, train_briefly
+from aiayn.explain.base import Report, Table, train_briefly
 from aiayn.nn.attention import MultiHeadAttention
 from aiayn.tasks import get_task
+from aiayn.viz import save_figure
 
 NAME = "shared-qk"
 TITLE = "One projection for queries and keys"
@@ -139,6 +140,5 @@ def _plot(results: list[dict], path: Path) -> None:
         image = ax.imshow(weights, vmin=0, vmax=float(weights.max()), cmap="viridis")
         fig.colorbar(image, ax=ax, shrink=0.8)
         ax.set_title(f"{r['kind']}: accuracy {r['acc']:.1%}", fontsize=10)
-        ax.set_xlabel("key position")
-        ax.set_ylabel("query position")
+        ax.set(xlabel="key position", ylabel="query position")
     save_figure(fig, path)

@@ -15,9 +15,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from aiayn.explain.base import Report, Table, save_figure, timed
+from aiayn.explain.base import Report, Table, timed
 from aiayn.nn.attention import scaled_dot_product_attention
 from aiayn.nn.local_attention import local_attention
+from aiayn.viz import save_figure
 
 NAME = "table1"
 TITLE = "Table 1, measured: self-attention, restricted attention, recurrent, convolutional layers"
@@ -211,9 +212,7 @@ def _plot(timings: dict, counted: dict, lengths: list[int], widths: list[int], p
         for kind in LAYERS:
             ax.loglog(lengths, [timings[kind, n, d] for n in lengths], "o-", label=kind)
         ax.axvline(d, color="grey", linestyle=":", label="n = d")
-        ax.set_xlabel("sequence length n")
-        ax.set_ylabel("ms per layer (forward)")
-        ax.set_title(f"d = {d}")
+        ax.set(xlabel="sequence length n", ylabel="ms per layer (forward)", title=f"d = {d}")
         ax.legend(fontsize=8)
     save_figure(fig, path)
 

@@ -190,19 +190,14 @@ def _from_run(run_dir: Path) -> Explorable:
 
 
 def _from_path(path: Path, device: torch.device) -> Explorable:
-    from aiayn.textgen import TextModelError, is_gguf
+    from aiayn.textgen import TextModelError, is_gguf, read_text_model
 
     if is_gguf(path):
-        from aiayn.interop import load_gguf
-
-        loaded = load_gguf(path)
-        tok, template = loaded.tokenizer, loaded.chat_template
-        assert tok is not None
-        chat = (lambda text: template.render([{"role": "user", "content": text}])) if template else None
-        return Explorable(kind="decoder", name=path.name, origin=f"file {path}", model=loaded.model.eval(),
-                          config=loaded.config, encode=lambda text: tok.encode(text, add_special_tokens=False).ids,
-                          piece=tok.id_to_token, decode=tok.decode, context=loaded.config.max_seq_len,
-                          eos_id=loaded.eos_id, chat=chat, default_text="The capital of France is Paris. The capital of Germany is")
+        lm = read_text_model(path, device=device)
+        return Explorable(kind="decoder", name=path.name, origin=f"file {path}", model=lm.model.eval(),
+                          config=lm.model.config, encode=lm.encode, piece=lm.tokenizer.id_to_token, decode=lm.decode,
+                          context=lm.context, eos_id=lm.eos_id, chat=lm.chat,
+                          default_text="The capital of France is Paris. The capital of Germany is")
     if not (path.is_dir() and (path / "config.json").is_file()):
         raise TextModelError(f"{path} is neither a GGUF file nor a Hugging Face model directory "
                              f"(config.json + weights + tokenizer)")

@@ -64,17 +64,12 @@ def positions_view(ex: Explorable) -> dict[str, Any]:
     }
 
 
-def _stacks(ex: Explorable) -> list[tuple[str, Any]]:
-    model = ex.model
-    names = ("encoder", "decoder")
-    return [(name, getattr(model, name)) for name in names if hasattr(model, name)]
-
-
 @torch.inference_mode()
 def model_positions(ex: Explorable) -> dict[str, Any]:
     """The loaded model's own positional scheme, read from its modules."""
     c = ex.config
-    name, stack = _stacks(ex)[0]
+    name = "encoder" if hasattr(ex.model, "encoder") else "decoder"  # the first stack the model has
+    stack = getattr(ex.model, name)
     n = min(MAX_POSITIONS, c.max_seq_len)
     if isinstance(stack.absolute, positional.SinusoidalPositionalEncoding):
         table = stack.absolute.pe[:n]

@@ -21,15 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.interop.gguf_tensors import (
-    BLOCK_NAME,
-    IGNORED,
-    PER_BLOCK,
-    dequantize_tensor,
-    hf_name,
-    torch_shape,
-    unpermute_rope_rows,
-)
+from aiayn.interop.gguf_tensors import IGNORED, PER_BLOCK, float_tensor, hf_name, torch_shape
 from aiayn.interop.gguf_text import (
     ChatTemplate,
     GGUFError,
@@ -182,23 +174,17 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def _type_name(tensor: ReaderTensor) -> str:
-    return tensor.tensor_type.name
-
-
 def _check_types(tensors: Sequence[ReaderTensor], source: str) -> None:
     bad: dict[str, list[str]] = {}
     for t in tensors:
-        if _type_name(t) not in SUPPORTED_TYPES:
-            bad.setdefault(_type_name(t), []).append(t.name)
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            bad.setdefault(t.tensor_type.name, []).append(t.name)
     if bad:
         kind, names = next(iter(bad.items()))
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
         others = f"; also {', '.join(sorted(set(bad) - {kind}))}" if len(bad) > 1 else ""
-        raise GGUFError(
-            f"{source}: tensor {names[0]}{more} is stored as {kind}, which aiayn cannot dequantise"
-            f"{others}; supported types: {', '.join(SUPPORTED_TYPES)}"
-        )
+        raise GGUFError(f"{source}: tensor {names[0]}{more} is stored as {kind}, which aiayn cannot dequantise"
+                        f"{others}; supported types: {', '.join(SUPPORTED_TYPES)}")
 
 
 def llama_hf_config(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int,
@@ -285,28 +271,16 @@ def check_llama_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, An
     for name, shape in present.items():
         if shape != expected[name]:
             a = "llama"
-            raise GGUFError(
-                f"{source}: tensor {name} has shape {shape}, but the metadata ({a}.embedding_length="
-                f"{hf_config['hidden_size']}, {a}.feed_forward_length={hf_config['intermediate_size']}, "
-                f"heads {hf_config['num_attention_heads']}/{hf_config['num_key_value_heads']} of width "
-                f"{hf_config['head_dim']}, vocab {hf_config['vocab_size']}) implies {expected[name]}"
-            )
+            raise GGUFError(f"{source}: tensor {name} has shape {shape}, but the metadata ({a}.embedding_length="
+                            f"{hf_config['hidden_size']}, {a}.feed_forward_length={hf_config['intermediate_size']}, "
+                            f"heads {hf_config['num_attention_heads']}/{hf_config['num_key_value_heads']} of width "
+                            f"{hf_config['head_dim']}, vocab {hf_config['vocab_size']}) implies {expected[name]}")
 
 
 def llama_hf_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any]) -> dict[str, Tensor]:
-    """Hugging Face name -> float32 tensor, q/k rows back in Hugging Face's RoPE order."""
-    heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
-    out: dict[str, Tensor] = {}
-    for t in tensors:
-        name = hf_name(t.name)
-        if name is None:  # an ignored tensor (check_llama_tensors rejected the unknown ones)
-            continue
-        value = dequantize_tensor(t)
-        m = BLOCK_NAME.fullmatch(t.name)
-        if m and m[2] in heads:
-            value = unpermute_rope_rows(value, heads[m[2]])
-        out[name] = value
-    return out
+    """Hugging Face name -> float32 tensor, q/k rows back in Hugging Face's RoPE order (ignored tensors
+    left out: check_llama_tensors rejected the unknown ones)."""
+    return {hf_name(t.name): float_tensor(t, hf_config) for t in tensors if hf_name(t.name) is not None}
 
 
 @dataclass
@@ -390,7 +364,7 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: 
     if dtype is not None:
         model = model.to(dtype)
     scalars = {k: v for k, v in meta.items() if not isinstance(v, list) or len(v) <= 64}
-    types = Counter(_type_name(t) for t in reader.tensors)
+    types = Counter(t.tensor_type.name for t in reader.tensors)
     return GGUFModel(model, config, tok, chat_template(meta), bos_id=meta.get("tokenizer.ggml.bos_token_id"),
                      eos_id=meta.get("tokenizer.ggml.eos_token_id"), metadata=scalars,
                      tensor_types=dict(types.most_common()))

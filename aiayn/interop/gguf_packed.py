@@ -19,9 +19,9 @@ from aiayn.fast.q4 import BlockEmbedding, BlockLinear, BlockWeight, quantize_blo
 from aiayn.interop.gguf_blocks import SUPPORTED as BLOCK_TYPES
 from aiayn.interop.gguf_blocks import unpack
 from aiayn.interop.gguf_tensors import (
-    BLOCK_NAME,
-    dequantize_tensor,
+    float_tensor,
     hf_name,
+    rope_heads,
     torch_shape,
     unpermute_rope_rows,
 )
@@ -38,22 +38,23 @@ MODES = ("auto", "q4")
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K")  # nibbles: kept as they are by "q4"
 
 
-def _blocks_of(tensor: ReaderTensor, rope_heads: int | None, mode: str) -> BlockWeight:
+def _blocks_of(tensor: ReaderTensor, hf_config: dict[str, Any], mode: str) -> BlockWeight:
     """One GGUF matrix as a BlockWeight (rows in Hugging Face's order)."""
     rows, k = torch_shape(tensor)
+    heads = rope_heads(tensor.name, hf_config)
     kind = tensor.tensor_type.name
     if kind in BLOCK_TYPES and (mode == "auto" or kind in FOUR_BIT_TYPES):
         data = np.asarray(tensor.data).reshape(rows, -1)
         # Unpacked a slice of rows at a time: a whole table at once would briefly take ~3x its size.
-        step = rows if rope_heads is not None else max(16, (1 << 22) // k // 16 * 16)  # whole 16-row groups
+        step = rows if heads is not None else max(16, (1 << 22) // k // 16 * 16)  # whole 16-row groups
         out: BlockWeight | None = None
         for r0 in range(0, rows, step):
             u = unpack(kind, data[r0:r0 + step], min(step, rows - r0), k)
             values, scale = torch.from_numpy(np.ascontiguousarray(u.values)), torch.from_numpy(u.scale.copy())
             mins = None if u.mins is None else torch.from_numpy(u.mins.copy())
-            if rope_heads is not None:
-                values, scale = unpermute_rope_rows(values, rope_heads), unpermute_rope_rows(scale, rope_heads)
-                mins = None if mins is None else unpermute_rope_rows(mins, rope_heads)
+            if heads is not None:
+                values, scale = unpermute_rope_rows(values, heads), unpermute_rope_rows(scale, heads)
+                mins = None if mins is None else unpermute_rope_rows(mins, heads)
             part = BlockWeight.from_values(values, scale, mins, offset=u.offset, block=u.block, kind=kind)
             if out is None:
                 if step >= rows:
@@ -65,10 +66,7 @@ def _blocks_of(tensor: ReaderTensor, rope_heads: int | None, mode: str) -> Block
                     dst[g0:g0 + src.shape[0]] = src
         assert out is not None
         return out
-    weight = dequantize_tensor(tensor)
-    if rope_heads is not None:
-        weight = unpermute_rope_rows(weight, rope_heads)
-    return quantize_blocks_q4(weight)
+    return quantize_blocks_q4(float_tensor(tensor, hf_config))
 
 
 def _release_pages(tensor: ReaderTensor) -> None:
@@ -133,16 +131,6 @@ def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], sou
             model, config = from_hf_state(hf_config, meta, source=source)
     except InteropError as exc:
         raise GGUFError(str(exc)) from exc
-    heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
-
-    def rope_heads(name: str) -> int | None:
-        m = BLOCK_NAME.fullmatch(by_name[name].name)
-        return heads.get(m[2]) if m else None
-
-    def float_value(name: str) -> Tensor:
-        value = dequantize_tensor(by_name[name])
-        h = rope_heads(name)
-        return value if h is None else unpermute_rope_rows(value, h)
 
     family = family_for(hf_config, source=source)
     for rule in family.rules(config):
@@ -152,14 +140,14 @@ def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], sou
         parent = model.get_submodule(parent_path) if parent_path else model
         is_matrix = attr == "weight" and isinstance(module, (nn.Linear, nn.Embedding))
         if is_matrix and _packable(module, [by_name[s] for s in rule.theirs], mode):
-            weight = _stack([_blocks_of(by_name[s], rope_heads(s), mode) for s in rule.theirs])
+            weight = _stack([_blocks_of(by_name[s], hf_config, mode) for s in rule.theirs])
             for s in rule.theirs:
                 _release_pages(by_name[s])
             setattr(parent, child, BlockEmbedding(weight) if isinstance(module, nn.Embedding) else BlockLinear(weight))
         elif isinstance(module, BlockLinear) and attr == "bias":
-            module.bias = torch.cat([float_value(s) for s in rule.theirs])
+            module.bias = torch.cat([float_tensor(by_name[s], hf_config) for s in rule.theirs])
         else:
-            value = torch.cat([float_value(s) for s in rule.theirs])
+            value = torch.cat([float_tensor(by_name[s], hf_config) for s in rule.theirs])
             module._parameters[attr] = nn.Parameter(value)
     _tie_output(model, config)
     _rebuild_rotary(model, config)

@@ -4,7 +4,7 @@ the packed loaders."""
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -61,6 +61,20 @@ def dequantize_tensor(tensor: ReaderTensor) -> Tensor:
     values = dequantize(tensor.data, tensor.tensor_type)  # float32 (or a memory-mapped F32 view)
     array = np.array(values, dtype=np.float32, copy=True).reshape(shape)  # own memory, not the mmap
     return torch.from_numpy(array)
+
+
+def rope_heads(gguf_name: str, hf_config: dict[str, Any]) -> int | None:
+    """The heads of a q or k projection (whose rows llama.cpp permuted for RoPE); None for other tensors."""
+    m = BLOCK_NAME.fullmatch(gguf_name)
+    heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
+    return heads.get(m[2]) if m else None
+
+
+def float_tensor(tensor: ReaderTensor, hf_config: dict[str, Any]) -> Tensor:
+    """``dequantize_tensor``, with q/k rows back in Hugging Face's RoPE order."""
+    heads = rope_heads(tensor.name, hf_config)
+    value = dequantize_tensor(tensor)
+    return value if heads is None else unpermute_rope_rows(value, heads)
 
 
 def unpermute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:

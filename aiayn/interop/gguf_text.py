@@ -77,11 +77,9 @@ def gguf_tokenizer(meta: dict[str, Any], source: str) -> Tokenizer:
         raise GGUFError(f"{source}: the metadata holds no tokenizer (tokenizer.ggml.model); pass "
                         f"tokenizer=False to load the model alone")
     if model_kind not in SUPPORTED_TOKENIZERS:
-        raise GGUFError(
-            f"{source}: tokenizer.ggml.model={model_kind!r} is not supported; aiayn rebuilds "
-            f"{', '.join(SUPPORTED_TOKENIZERS)} (byte-level BPE) tokenizers — pass tokenizer=False "
-            f"to load the model alone"
-        )
+        raise GGUFError(f"{source}: tokenizer.ggml.model={model_kind!r} is not supported; aiayn rebuilds "
+                        f"{', '.join(SUPPORTED_TOKENIZERS)} (byte-level BPE) tokenizers — pass tokenizer=False "
+                        f"to load the model alone")
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     tokens: list[str] = list(need_key(meta, "tokenizer.ggml.tokens", source))

@@ -33,26 +33,18 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 FAMILIES: tuple[Family, ...] = (LlamaFamily(), GPT2Family(), BertFamily(), BartFamily(), MarianFamily())
 
 
-def supported() -> str:
-    """One line per family: its model types and architectures."""
-    return "; ".join(f"{'/'.join(f.model_types)} ({', '.join(f.architectures)})" for f in FAMILIES)
-
-
 def family_for(hf_config: dict[str, Any], *, source: str = "checkpoint") -> Family:
     """The family that converts this config.json, from ``model_type`` and ``architectures``."""
     model_type = hf_config.get("model_type")
     family = next((f for f in FAMILIES if model_type in f.model_types), None)
     if family is None:
-        raise InteropError(
-            f"{source}: model_type {model_type!r} (architectures {hf_config.get('architectures')}) "
-            f"is not supported; aiayn.interop converts {supported()}"
-        )
+        supported = "; ".join(f"{'/'.join(f.model_types)} ({', '.join(f.architectures)})" for f in FAMILIES)
+        raise InteropError(f"{source}: model_type {model_type!r} (architectures {hf_config.get('architectures')}) "
+                           f"is not supported; aiayn.interop converts {supported}")
     bad = [a for a in hf_config.get("architectures") or [] if a not in family.architectures]
     if bad:
-        raise InteropError(
-            f"{source}: architecture {', '.join(bad)} is not supported for model_type "
-            f"{model_type!r}; supported: {', '.join(family.architectures)}"
-        )
+        raise InteropError(f"{source}: architecture {', '.join(bad)} is not supported for model_type "
+                           f"{model_type!r}; supported: {', '.join(family.architectures)}")
     return family
 
 
@@ -143,10 +135,8 @@ def _canonical_tensors(family: Family, tensors: dict[str, Tensor], hf: HFConfig,
         if canon not in out:
             out[canon] = tensor
         elif out[canon].shape != tensor.shape or not torch.equal(out[canon], tensor):
-            raise InteropError(
-                f"{hf.source}: {alias} differs from {canon}, but the config ties them "
-                f"(tie_word_embeddings); set it to false in config.json if they are separate"
-            )
+            raise InteropError(f"{hf.source}: {alias} differs from {canon}, but the config ties them "
+                               f"(tie_word_embeddings); set it to false in config.json if they are separate")
     family.prepare(out, config, hf.source)
     ignored = [re.compile(pattern) for pattern in family.ignore]  # buffers such as position_ids
     not_float = sorted(name for name, tensor in out.items() if not tensor.is_floating_point()

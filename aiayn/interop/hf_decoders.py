@@ -32,10 +32,8 @@ class LlamaFamily(Family):
         params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
-            raise InteropError(
-                f"{hf.source}: RoPE scaling {rope_type!r} is not supported; aiayn implements the "
-                f"default RoPE only (rope_type 'default')"
-            )
+            raise InteropError(f"{hf.source}: RoPE scaling {rope_type!r} is not supported; aiayn implements the "
+                               f"default RoPE only (rope_type 'default')")
         return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
     def to_config(self, hf: HFConfig) -> ModelConfig:
@@ -55,19 +53,17 @@ class LlamaFamily(Family):
         window = hf.get("sliding_window")
         if window is not None and (kind == "mistral" or hf.get("use_sliding_window", False)):
             max_len = min(max_len, window)  # full attention == sliding window up to the window
-        return build_config(
-            hf, arch="decoder-only", name=f"hf-{kind}",
-            vocab_size=hf.need("vocab_size"), d_model=d, n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads", n_heads),
-            head_dim=hf.get("head_dim", d // n_heads), n_layers=hf.need("num_hidden_layers"),
-            d_ff=hf.need("intermediate_size"), activation="swiglu", norm="rmsnorm",
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm_position="pre", final_norm=True,
-            positional="rope", rope_base=self._rope_theta(hf), max_seq_len=max_len,
-            attention_dropout=float(hf.get("attention_dropout", 0.0)),
-            bias=False, attn_bias=qkv_bias, attn_out_bias=out_bias, mlp_bias=mlp_bias,
-            scale_embeddings=False, tie_output=bool(hf.get("tie_word_embeddings", False)),
-            pad_id=None,
-        )
+        return build_config(hf, arch="decoder-only", name=f"hf-{kind}",
+                            vocab_size=hf.need("vocab_size"), d_model=d, n_heads=n_heads,
+                            n_kv_heads=hf.get("num_key_value_heads", n_heads),
+                            head_dim=hf.get("head_dim", d // n_heads), n_layers=hf.need("num_hidden_layers"),
+                            d_ff=hf.need("intermediate_size"), activation="swiglu", norm="rmsnorm",
+                            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm_position="pre", final_norm=True,
+                            positional="rope", rope_base=self._rope_theta(hf), max_seq_len=max_len,
+                            attention_dropout=float(hf.get("attention_dropout", 0.0)),
+                            bias=False, attn_bias=qkv_bias, attn_out_bias=out_bias, mlp_bias=mlp_bias,
+                            scale_embeddings=False, tie_output=bool(hf.get("tie_word_embeddings", False)),
+                            pad_id=None)
 
     def rules(self, cfg: ModelConfig) -> list[Rule]:
         q, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_ff
@@ -90,11 +86,9 @@ class LlamaFamily(Family):
                       final_norm=True, lm_head_bias=False, embedding_norm=False)
         qwen2 = cfg.attn_bias and not cfg.attn_out_bias and not cfg.mlp_bias
         if not qwen2 and cfg.attn_bias != cfg.attn_out_bias:
-            raise InteropError(
-                f"a LLaMA checkpoint has biases on all of q, k, v, o or on none, and Qwen2 on q, k, "
-                f"v only (no MLP bias); this model has attn_bias={cfg.attn_bias}, "
-                f"attn_out_bias={cfg.attn_out_bias}, mlp_bias={cfg.mlp_bias}"
-            )
+            raise InteropError(f"a LLaMA checkpoint has biases on all of q, k, v, o or on none, and Qwen2 on q, k, "
+                               f"v only (no MLP bias); this model has attn_bias={cfg.attn_bias}, "
+                               f"attn_out_bias={cfg.attn_out_bias}, mlp_bias={cfg.mlp_bias}")
         out: dict[str, Any] = {
             "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
             "model_type": "qwen2" if qwen2 else "llama",

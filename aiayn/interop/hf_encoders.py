@@ -53,18 +53,16 @@ class BertFamily(Family):
         if hf.get("is_decoder", False) or hf.get("add_cross_attention", False):
             raise InteropError(f"{hf.source}: BERT as a decoder (is_decoder / add_cross_attention) is not supported")
         vocab = hf.need("vocab_size")
-        return build_config(
-            hf, arch="encoder-only", name="hf-bert", vocab_size=vocab, d_model=hf.need("hidden_size"),
-            n_heads=hf.need("num_attention_heads"), n_layers=hf.need("num_hidden_layers"),
-            d_ff=hf.need("intermediate_size"), activation=hf_activation(hf, "hidden_act", "gelu"),
-            norm="layernorm", norm_eps=float(hf.get("layer_norm_eps", 1e-12)), norm_position="post",
-            final_norm=False, positional="learned", max_seq_len=hf.get("max_position_embeddings", 512),
-            type_vocab_size=hf.get("type_vocab_size", 2), embedding_norm=True,
-            dropout=float(hf.get("hidden_dropout_prob", 0.0)),
-            attention_dropout=float(hf.get("attention_probs_dropout_prob", 0.0)),
-            bias=True, scale_embeddings=False, tie_output=bool(hf.get("tie_word_embeddings", True)),
-            pad_id=hf_pad_id(hf, vocab),
-        )
+        return build_config(hf, arch="encoder-only", name="hf-bert", vocab_size=vocab, d_model=hf.need("hidden_size"),
+                            n_heads=hf.need("num_attention_heads"), n_layers=hf.need("num_hidden_layers"),
+                            d_ff=hf.need("intermediate_size"), activation=hf_activation(hf, "hidden_act", "gelu"),
+                            norm="layernorm", norm_eps=float(hf.get("layer_norm_eps", 1e-12)), norm_position="post",
+                            final_norm=False, positional="learned", max_seq_len=hf.get("max_position_embeddings", 512),
+                            type_vocab_size=hf.get("type_vocab_size", 2), embedding_norm=True,
+                            dropout=float(hf.get("hidden_dropout_prob", 0.0)),
+                            attention_dropout=float(hf.get("attention_probs_dropout_prob", 0.0)),
+                            bias=True, scale_embeddings=False, tie_output=bool(hf.get("tie_word_embeddings", True)),
+                            pad_id=hf_pad_id(hf, vocab))
 
     def rules(self, cfg: ModelConfig) -> list[Rule]:
         d = cfg.d_model
@@ -140,11 +138,9 @@ class BartFamily(Family):
         heads = hf.need("encoder_attention_heads")
         ffn = hf.need("encoder_ffn_dim")
         if hf.get("decoder_attention_heads", heads) != heads or hf.get("decoder_ffn_dim", ffn) != ffn:
-            raise InteropError(
-                f"{hf.source}: encoder and decoder differ in attention heads or FFN width "
-                f"({heads}/{hf.get('decoder_attention_heads')}, {ffn}/{hf.get('decoder_ffn_dim')}); "
-                f"aiayn's EncoderDecoder uses one n_heads and one d_ff"
-            )
+            raise InteropError(f"{hf.source}: encoder and decoder differ in attention heads or FFN width "
+                               f"({heads}/{hf.get('decoder_attention_heads')}, {ffn}/{hf.get('decoder_ffn_dim')}); "
+                               f"aiayn's EncoderDecoder uses one n_heads and one d_ff")
         if hf.get("normalize_before", False) or hf.get("add_final_layer_norm", False):
             raise InteropError(f"{hf.source}: pre-norm variants (normalize_before / add_final_layer_norm, "
                                f"mBART-style) are not supported by the {self.name} converter")
@@ -294,10 +290,8 @@ class MarianFamily(BartFamily):
             expected = sinusoidal_encoding(torch.arange(table.shape[0]), table.shape[1], layout="split")
             # On the CPU, where ``expected`` is: an in-memory model's table may be on a GPU.
             if not torch.allclose(table.detach().float().cpu(), expected, atol=1e-5, rtol=0):
-                raise InteropError(
-                    f"{source}: {name} is not Marian's sinusoidal table (sin | cos halves); "
-                    f"this converter only supports the fixed sinusoidal positions"
-                )
+                raise InteropError(f"{source}: {name} is not Marian's sinusoidal table (sin | cos halves); "
+                                   f"this converter only supports the fixed sinusoidal positions")
 
     def export_config(self, cfg: ModelConfig) -> dict[str, Any]:
         out = self._export_common(cfg, "Marian", positional="sinusoidal", sinusoidal_layout="split",

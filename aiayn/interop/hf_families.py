@@ -59,17 +59,6 @@ def hf_pad_id(hf: HFConfig, vocab: int) -> int | None:
     return pad if isinstance(pad, int) and 0 <= pad < vocab else None
 
 
-def mismatches(cfg: ModelConfig, **expected: Any) -> list[str]:
-    """Fields of ``cfg`` that differ from what a family needs, as 'field=value (needs X)'."""
-    out = []
-    for key, want in expected.items():
-        have = getattr(cfg, key)
-        ok = have in want if isinstance(want, tuple) else have == want
-        if not ok:
-            out.append(f"{key}={have!r} (needs {want!r})")
-    return out
-
-
 def build_config(hf: HFConfig, **fields: Any) -> ModelConfig:
     try:
         return ModelConfig(**fields)
@@ -122,6 +111,9 @@ class Family:
 
 
 def check_export(cfg: ModelConfig, family: str, **expected: Any) -> None:
-    bad = mismatches(cfg, **expected)
+    """InteropError naming each field of ``cfg`` that differs from what ``family`` needs (a value, or one of a
+    tuple's), as 'field=value (needs X)'."""
+    bad = [f"{key}={getattr(cfg, key)!r} (needs {want!r})" for key, want in expected.items()
+           if not (getattr(cfg, key) in want if isinstance(want, tuple) else getattr(cfg, key) == want)]
     if bad:
         raise InteropError(f"a {family} checkpoint cannot hold this model: {', '.join(bad)}")

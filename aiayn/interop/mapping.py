@@ -116,14 +116,8 @@ def _short_list(names: Iterable[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_tensors(
-    model: nn.Module,
-    tensors: dict[str, Tensor],
-    rules: list[Rule],
-    *,
-    source: str,
-    ignore: Iterable[str] = (),
-) -> list[str]:
+def load_tensors(model: nn.Module, tensors: dict[str, Tensor], rules: list[Rule], *, source: str,
+                 ignore: Iterable[str] = ()) -> list[str]:
     """Copy ``tensors`` into ``model`` through ``rules``; return the optional groups left out.
 
     ``ignore``: regular expressions of source names not loaded; ``source``: the checkpoint's name in messages.
@@ -146,10 +140,8 @@ def load_tensors(
         elif absent:
             missing.extend(absent)
     if missing:
-        raise InteropError(
-            f"{source}: missing tensor(s) {_short_list(missing)}; the checkpoint does not match "
-            f"its config.json (wrong architecture, or a truncated / partial download?)"
-        )
+        raise InteropError(f"{source}: missing tensor(s) {_short_list(missing)}; the checkpoint does not match "
+                           f"its config.json (wrong architecture, or a truncated / partial download?)")
 
     used: set[str] = set()
     with torch.no_grad():
@@ -165,20 +157,16 @@ def load_tensors(
             target = params[rule.ours]
             if value is None or value.shape != target.shape:
                 got = shapes[0] if len(shapes) == 1 else " + ".join(map(str, shapes))
-                raise InteropError(
-                    f"{source}: tensor {' + '.join(rule.theirs)} has shape {got}"
-                    f"{' (transposed)' if rule.transpose else ''}, but aiayn's {rule.ours} needs "
-                    f"{tuple(target.shape)}; config.json and the weights disagree"
-                )
+                raise InteropError(f"{source}: tensor {' + '.join(rule.theirs)} has shape {got}"
+                                   f"{' (transposed)' if rule.transpose else ''}, but aiayn's {rule.ours} needs "
+                                   f"{tuple(target.shape)}; config.json and the weights disagree")
             target.copy_(value)
             used.update(rule.theirs)
     left = available - used
     if left:
-        raise InteropError(
-            f"{source}: unexpected tensor(s) {_short_list(left)}; the converter does not know "
-            f"where they go (an unsupported variant of the architecture, or a task head aiayn "
-            f"has no module for)"
-        )
+        raise InteropError(f"{source}: unexpected tensor(s) {_short_list(left)}; the converter does not know "
+                           f"where they go (an unsupported variant of the architecture, or a task head aiayn "
+                           f"has no module for)")
     if skipped:
         warnings.warn(
             f"{source}: no tensors for {', '.join(skipped)}; those aiayn modules keep their "
