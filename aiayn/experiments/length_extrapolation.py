@@ -161,4 +161,4 @@ def plot_extrapolation(rows: list[dict[str, Any]], lengths: list[int], train_len
     ax_pos.set(xlabel="position in the window (1 = first)", ylabel="loss at that position (nats)",
                title="loss by position (half-octave bins), longest window each reads")
     fig.tight_layout()
-    return viz._save(fig, path)
+    return viz.save_figure(fig, path)

@@ -214,4 +214,4 @@ def plot_table3(rows: list[dict[str, Any]], path: Path) -> Path:
     ax_ppl.invert_yaxis()
     fig.suptitle("Table 3 variations: change from the base model")
     fig.tight_layout()
-    return viz._save(fig, path)
+    return viz.save_figure(fig, path)
