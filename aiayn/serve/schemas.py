@@ -258,35 +258,36 @@ def _item_text(value: Any) -> Any:
 ItemText = Annotated[str, BeforeValidator(_item_text)]
 
 
-class InputMessage(Strict):
+class ItemFields(Strict):
+    """What every input item may carry back from an earlier answer: its id and status."""
+
+    id: str | None = None
+    status: str | None = None
+
+
+class InputMessage(ItemFields):
     """A message item (``type`` may be left out): the user's, the instructions', or an earlier answer."""
 
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: ItemText
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallItem(Strict):
+class FunctionCallItem(ItemFields):
     """A call the model made, sent back with the conversation."""
 
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(Strict):
+class FunctionCallOutputItem(ItemFields):
     """The result of the call ``call_id``."""
 
     type: Literal["function_call_output"]
     call_id: str
     output: ItemText
-    id: str | None = None
-    status: str | None = None
 
 
 def _input_items(value: Any) -> Any:
