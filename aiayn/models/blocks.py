@@ -61,7 +61,7 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(c.dropout)  # residual dropout, P_drop in the paper
 
     def forward(self, x: Tensor, inputs: StackInputs | None = None, *,
-                cache: LayerKVCache | None = None, cross_cache: tuple[Tensor, Tensor] | None = None,
+                cache: LayerKVCache | None = None,
                 need_weights: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights).
 
@@ -80,7 +80,7 @@ class TransformerBlock(nn.Module):
         if self.cross_attn is not None:
             assert self.cross_attn_norm is not None and inputs is not None, "cross-attention needs inputs"
             h = self.cross_attn_norm(x) if self.pre_norm else x
-            h, cross_weights = self.cross_attn(h, inputs.memory, inputs=inputs.cross_attn, cache=cross_cache,
+            h, cross_weights = self.cross_attn(h, inputs.memory, inputs=inputs.cross_attn, cache=cache,
                                                need_weights=need_weights, checked=True)
             x = self._add(x, h, self.cross_attn_norm)
         return self._feed_forward(x), self_weights, cross_weights
@@ -420,24 +420,12 @@ class TransformerStack(nn.Module):
         if inputs.packing is not None:
             x = inputs.packing.pack(x)  # (n, d): the real tokens only
         out = StackOutput(hidden=x, valid=inputs.valid, packing=inputs.packing)
-        cross = self._cross_kv(inputs, cache) if cache is not None and self.has_cross else None
         for i, block in enumerate(self.blocks):
             x, self_weights, cross_weights = block(
-                x, inputs, cache=cache.layers[i] if cache is not None else None,
-                cross_cache=cross[i] if cross is not None else None,
-                need_weights=need_weights)
+                x, inputs, cache=cache.layers[i] if cache is not None else None, need_weights=need_weights)
             if need_weights:
                 out.attentions.append(self_weights)
                 if cross_weights is not None:
                     out.cross_attentions.append(cross_weights)
         out.hidden = self.final_norm(x) if self.final_norm is not None else x
         return out
-
-    def _cross_kv(self, inputs: StackInputs, cache: KVCache) -> list[tuple[Tensor, Tensor]]:
-        """Every layer's cross-attention keys and values, kept in ``cache``: projected from the encoder
-        output by the first forward over the cache, reused by the later ones."""
-        if cache.cross is None:
-            packing = inputs.cross_attn.memory_packing if inputs.cross_attn is not None else None
-            cache.cross = [block.cross_attn.project_kv(inputs.memory, packing)  # type: ignore[union-attr, arg-type]
-                           for block in self.blocks]
-        return cache.cross

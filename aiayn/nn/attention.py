@@ -298,12 +298,18 @@ class MultiHeadAttention(nn.Module):
 
     def _memory_kv(self, memory: Tensor | None, memory_packing: Packing | None,
                    cache: LayerKVCache | tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
-        """Cross-attention keys and values, 2 x (b, h_kv, s, d_h): the cache's pair, or projected from ``memory``."""
+        """Cross-attention keys and values, 2 x (b, h_kv, s, d_h): a given pair, the cache layer's, or
+        projected from ``memory`` (and kept in the cache layer for the next steps)."""
         if isinstance(cache, tuple):
             return cache
+        if cache is not None and cache.cross is not None:
+            return cache.cross
         if memory is None:
             raise ValueError("MultiHeadAttention(cross=True) needs memory= (the encoder output)")
-        return self.project_kv(memory, memory_packing)
+        kv = self.project_kv(memory, memory_packing)
+        if cache is not None:
+            cache.cross = kv
+        return kv
 
     @staticmethod
     def _cached_kv(cache: LayerKVCache | tuple[Tensor, Tensor], k: Tensor, v: Tensor,

@@ -98,7 +98,6 @@ class KVCache:
         """The state every cache holds, whatever its layers' layout."""
         self.layers = list(layers)
         self.quantize, self.per_row = quantize, per_row
-        self.cross: list[tuple[Tensor, Tensor]] | None = None
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.length = 0
@@ -115,6 +114,18 @@ class KVCache:
     def self_nbytes(self) -> int:
         """Bytes of the self-attention key/value buffers (allocated at creation)."""
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def cross(self) -> list[tuple[Tensor, Tensor]] | None:
+        """Each decoder layer's cross-attention (k, v) (an encoder-decoder; ``LayerKVCache.cross``),
+        or None until the first forward over the cache has projected them all."""
+        pairs = [layer.cross for layer in self.layers]
+        return None if any(pair is None for pair in pairs) else pairs  # type: ignore[return-value]
+
+    @cross.setter
+    def cross(self, pairs: Sequence[tuple[Tensor, Tensor]] | None) -> None:
+        for layer, pair in zip(self.layers, pairs if pairs is not None else [None] * len(self.layers), strict=True):
+            layer.cross = pair
 
     @property
     def cross_nbytes(self) -> int:

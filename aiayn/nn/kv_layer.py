@@ -133,6 +133,9 @@ class LayerKVCache:
     read_blocks: Tensor | None = None
     read_end = 0
     read_run: int | None = None
+    # A decoder layer's cross-attention keys and values, 2 x (b, h_kv, s, d_h) (an encoder-decoder):
+    # projected from the encoder output by the first forward over the cache, inside the block.
+    cross: tuple[Tensor, Tensor] | None = None
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, *,
                  quantize: str | None = None, group_size: int | None = None,

@@ -32,7 +32,7 @@ def test_unscaled_softmax_saturates_and_loses_its_gradient(report):
 
 
 def test_page_and_plot(report, tmp_path_factory):
-    page = report.markdown("aiayn explain scaling --quick")
+    page = report.markdown("aiayn explain scaling --quick", "aiayn/explain/scaling.py")
     assert "| d_k | var(q·k) |" in page and "![scaling](scaling.png)" in page
     assert f"{report.claims['largest']['max_weight']:.3f}" in page  # the text quotes the measured numbers
     assert report.plots[0].read_bytes()[:4] == b"\x89PNG"
