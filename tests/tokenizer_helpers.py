@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
+from aiayn.generate.constrain import ConstraintError, GrammarConstraint
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -26,3 +28,14 @@ def train_tokenizer(text: str, *, vocab_size: int = 320) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([text], trainer=trainer)
     return tok
+
+
+def grammar_accepts(constraint: GrammarConstraint, tokenizer, text: str) -> bool:
+    """Whether ``text``, encoded by ``tokenizer``, is a whole answer under ``constraint`` (from its start)."""
+    constraint.reset()
+    for token in tokenizer.encode(text, add_special_tokens=False).ids:
+        try:
+            constraint.advance(token)
+        except ConstraintError:
+            return False
+    return constraint.is_complete()

@@ -24,7 +24,7 @@ import random
 import jsonschema
 import pytest
 import torch
-from tokenizer_helpers import CHAT_TEMPLATE, SPECIALS, train_tokenizer
+from tokenizer_helpers import CHAT_TEMPLATE, SPECIALS, grammar_accepts, train_tokenizer
 from torch import nn
 
 from aiayn.generate import SamplingConfig, stream_decoder_only
@@ -396,17 +396,6 @@ def test_smollm2_answers_validate(smollm2_text_model):
     assert isinstance(city, dict) and city
 
 
-def _accepts(constraint: GrammarConstraint, tok, text: str) -> bool:
-    """Whether ``text`` is a whole answer under ``constraint`` (from its start)."""
-    constraint.reset()
-    for token in tok.encode(text, add_special_tokens=False).ids:
-        try:
-            constraint.advance(token)
-        except ConstraintError:
-            return False
-    return constraint.is_complete()
-
-
 @pytest.mark.cpu_only
 def test_open_numbers_strings_and_arrays_get_the_default_caps(tok):
     """``constrain.BOUNDS``: 15 digits before the point, 6 after, no exponent; 1000 characters a
@@ -415,24 +404,24 @@ def test_open_numbers_strings_and_arrays_get_the_default_caps(tok):
     caps = c.BOUNDS
     number = GrammarConstraint.from_schema(tok, {"type": "number"}, eos_id=eos)
     digits = "9" * caps.integer_digits
-    assert _accepts(number, tok, f"-{digits}.{'1' * caps.decimals}") and _accepts(number, tok, "11.5")
+    assert grammar_accepts(number, tok, f"-{digits}.{'1' * caps.decimals}") and grammar_accepts(number, tok, "11.5")
     for cut in (f"1{digits}", f"11.{'1' * (caps.decimals + 1)}", "1e5"):
-        assert not _accepts(number, tok, cut), cut
+        assert not grammar_accepts(number, tok, cut), cut
     integer = GrammarConstraint.from_schema(tok, {"type": "integer"}, eos_id=eos)
-    assert _accepts(integer, tok, digits) and not _accepts(integer, tok, f"-1{digits}")
+    assert grammar_accepts(integer, tok, digits) and not grammar_accepts(integer, tok, f"-1{digits}")
     string = GrammarConstraint.from_schema(tok, {"type": "string"}, eos_id=eos)
-    assert _accepts(string, tok, json.dumps("a" * caps.string_chars))
-    assert not _accepts(string, tok, json.dumps("a" * (caps.string_chars + 1)))
+    assert grammar_accepts(string, tok, json.dumps("a" * caps.string_chars))
+    assert not grammar_accepts(string, tok, json.dumps("a" * (caps.string_chars + 1)))
     array = GrammarConstraint.from_schema(tok, {"type": "array", "items": {"type": "integer"}}, eos_id=eos)
-    assert _accepts(array, tok, json.dumps([1] * caps.array_items))
-    assert not _accepts(array, tok, json.dumps([1] * (caps.array_items + 1)))
+    assert grammar_accepts(array, tok, json.dumps([1] * caps.array_items))
+    assert not grammar_accepts(array, tok, json.dumps([1] * (caps.array_items + 1)))
     own = GrammarConstraint.from_schema(tok, {"type": "object", "properties": {
         "x": {"type": "number", "maximum": 1e17, "multipleOf": 1e-9}, "s": {"type": "string", "maxLength": 1500}},
         "required": ["x", "s"], "additionalProperties": False}, eos_id=eos)
-    assert _accepts(own, tok, json.dumps({"x": 12345678901234567, "s": "b" * 1200}))
-    assert _accepts(own, tok, '{"x": 0.123456789, "s": ""}') and not _accepts(own, tok, '{"x": 0.1234567891, "s": ""}')
+    assert grammar_accepts(own, tok, json.dumps({"x": 12345678901234567, "s": "b" * 1200}))
+    assert grammar_accepts(own, tok, '{"x": 0.123456789, "s": ""}') and not grammar_accepts(own, tok, '{"x": 0.1234567891, "s": ""}')
     free = GrammarConstraint.from_schema(tok, {"type": "number"}, eos_id=eos, bounds=None)
-    assert _accepts(free, tok, f"1{digits}.{'1' * 12}e5")
+    assert grammar_accepts(free, tok, f"1{digits}.{'1' * 12}e5")
 
 
 @pytest.mark.cpu_only

@@ -16,8 +16,8 @@ import openai
 import pytest
 import torch
 from serve_helpers import live_server
+from tokenizer_helpers import grammar_accepts
 
-from aiayn.generate.constrain import ConstraintError, GrammarConstraint
 from aiayn.serve import ServedModel, build_state
 from aiayn.serve.tool_calls import tool_format
 from aiayn.serve.tools import (
@@ -69,16 +69,6 @@ def served_float32(smollm2_text_model):
         yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
 
 
-def _accepts(constraint: GrammarConstraint, tokenizer, text: str) -> bool:
-    constraint.reset()
-    for token in tokenizer.encode(text, add_special_tokens=False).ids:
-        try:
-            constraint.advance(token)
-        except ConstraintError:
-            return False
-    return constraint.is_complete()
-
-
 def test_city_schema_ends_as_json_within_80_tokens_through_the_openai_client(served):
     """Unbounded, this model writes 3.8288888... until max_tokens; capped, the answer is whole."""
     _, client = served
@@ -124,9 +114,9 @@ def test_after_a_tool_result_auto_allows_text_and_the_prompt_is_the_templates_ow
     messages = [QUESTION, {"role": "assistant", "content": None, "tool_calls": [CALL]}, RESULT]
     _, constraint = tool_format(smollm2, settings)
     tokenizer = smollm2.tokenizer
-    assert _accepts(constraint, tokenizer, '{"response": "It is sunny in Quito."}')
-    assert _accepts(constraint, tokenizer, '{"tool_calls": [{"name": "weather", "arguments": {"city": "Quito"}}]}')
-    assert not _accepts(constraint, tokenizer, "It is sunny in Quito.")  # the generic layout: text is JSON too
+    assert grammar_accepts(constraint, tokenizer, '{"response": "It is sunny in Quito."}')
+    assert grammar_accepts(constraint, tokenizer, '{"tool_calls": [{"name": "weather", "arguments": {"city": "Quito"}}]}')
+    assert not grammar_accepts(constraint, tokenizer, "It is sunny in Quito.")  # the generic layout: text is JSON too
     prompt = render_chat(smollm2.chat_template, messages, settings)
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
