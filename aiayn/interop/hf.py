@@ -208,27 +208,32 @@ def from_hf_model(hf_model: nn.Module) -> tuple[nn.Module, ModelConfig]:
     return from_hf_state(hf_config, dict(hf_model.state_dict()), source=f"{architecture} (in memory)")
 
 
-def export_hf(model: nn.Module, config: ModelConfig, out_dir: str | Path, *,
-              family: str | None = None) -> Path:
-    """Write ``model`` as a Hugging Face directory (config.json + model.safetensors) of the first family that
-    can represent ``config`` (or ``family``); ``InteropError`` lists what none can hold."""
+def export_family(config: ModelConfig, family: str | None = None) -> tuple[Family, dict[str, Any]]:
+    """(the first family that can represent ``config`` (or ``family``), its config.json); ``InteropError``
+    lists what none can hold."""
     candidates = [f for f in FAMILIES if family in (None, f.name)]
     if not candidates:
         raise InteropError(f"unknown family {family!r}; choose one of {', '.join(f.name for f in FAMILIES)}")
     reasons = []
     for fam in candidates:
         try:
-            hf_config = fam.export_config(config)
+            return fam, fam.export_config(config)
         except InteropError as exc:
             reasons.append(str(exc))
-            continue
-        tensors = {fam.export_name(k): v for k, v in export_tensors(model, fam.rules(config)).items()}
-        fam.finish_export(tensors, config)
-        dtype = next(iter(tensors.values())).dtype
-        hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype).removeprefix("torch.")
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
-        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-        return out
     raise InteropError("no Hugging Face family can hold this model: " + "; ".join(reasons))
+
+
+def export_hf(model: nn.Module, config: ModelConfig, out_dir: str | Path, *,
+              family: str | None = None) -> Path:
+    """Write ``model`` as a Hugging Face directory (config.json + model.safetensors) of the first family that
+    can represent ``config`` (or ``family``); ``InteropError`` lists what none can hold."""
+    fam, hf_config = export_family(config, family)
+    tensors = {fam.export_name(k): v for k, v in export_tensors(model, fam.rules(config)).items()}
+    fam.finish_export(tensors, config)
+    dtype = next(iter(tensors.values())).dtype
+    hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype).removeprefix("torch.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
