@@ -331,6 +331,9 @@ class TrainConfig:
     # score the test split with the better of them and the last on val. Needs keep_checkpoints >= N.
     average_last: int = 0
     log_every: int = 10
+    # LoRA adapters on the frozen model (aiayn.finetune.lora.LoraConfig's fields: rank, alpha, dropout,
+    # targets); None: every weight trains.
+    lora: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -368,6 +371,8 @@ class TrainConfig:
                               f"kept, but keep_checkpoints={self.keep_checkpoints}; raise keep_checkpoints")
         if self.schedule == "noam" and self.warmup_steps == 0:
             raise ConfigError("schedule='noam' needs warmup_steps > 0 (the formula divides by it)")
+        if self.lora is not None and not isinstance(self.lora, dict):
+            raise ConfigError(f"lora must be a mapping (rank, alpha, dropout, targets) or null, got {self.lora!r}")
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

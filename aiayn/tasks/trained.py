@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from aiayn.config import ModelConfig, TrainConfig
+from aiayn.finetune.lora import LoraConfig, apply_lora
 from aiayn.tasks.base import get_task
 from aiayn.tasks.translation import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TOKENIZER_FILE
 from aiayn.train.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, load_checkpoint
@@ -58,6 +59,8 @@ def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = T
     if path is None:
         raise CheckpointError(f"{run_dir} holds no checkpoint yet")
     model = task.build_model(model_config)
+    if train_config.lora is not None:  # a LoRA run: its adapters on the task's model
+        apply_lora(model, LoraConfig.from_dict(train_config.lora))
     load_checkpoint(path, model)
     task.run_dir = run_dir
     if prepare:

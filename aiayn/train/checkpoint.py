@@ -5,6 +5,8 @@ Layout of ``<run>/checkpoints/``::
     step-00000100/model.safetensors      weights (tied tensors stored once)
     step-00000100/optimizer.safetensors  optimiser moments + RNG state, as tensors
     step-00000100/state.json             step, data position, optimiser hyper-parameters, RNG
+                                         (``"weights": "adapters"``: model.safetensors holds only
+                                         LoRA adapters, for a base the run's task loads again)
     latest                               name of the newest complete checkpoint
 
 Each checkpoint is written into a temporary directory and renamed into place, then ``latest`` is replaced
@@ -26,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
+from aiayn.finetune.lora import is_adapter_key
 from aiayn.train.run_dir import CHECKPOINT_NAME, atomic_write_text, claim_output_dir, fsync_dir
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "atomic_write_text", "average_checkpoints",
@@ -34,6 +37,7 @@ __all__ = ["CheckpointError", "LoadedCheckpoint", "atomic_write_text", "average_
 
 FORMAT_VERSION = 1
 MODEL_FILE, OPTIM_FILE, STATE_FILE, LATEST = "model.safetensors", "optimizer.safetensors", "state.json", "latest"
+ADAPTER_WEIGHTS = "adapters"  # state.json's "weights" when model.safetensors holds only the adapters
 STALE_TMP = re.compile(r"\.tmp-step-\d{8}-\d+")  # what save_checkpoint writes before its rename
 
 
@@ -199,6 +203,8 @@ def load_checkpoint(path: Path, model: nn.Module) -> LoadedCheckpoint:
         raise _corrupt(path, MODEL_FILE, exc) from None
     except RuntimeError as exc:  # shape mismatch
         raise CheckpointError(f"checkpoint {path} does not fit this model: {exc}") from None
+    if state.get("weights") == ADAPTER_WEIGHTS:  # the frozen base is the model's own
+        missing = [name for name in missing if is_adapter_key(name)]
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, unexpected "

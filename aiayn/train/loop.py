@@ -19,8 +19,9 @@ from tqdm import tqdm
 from aiayn import device as devices
 from aiayn.config import TrainConfig
 from aiayn.cpu_share import share_cores
+from aiayn.finetune.lora import is_adapter_key
 from aiayn.train import distributed
-from aiayn.train.checkpoint import save_checkpoint
+from aiayn.train.checkpoint import ADAPTER_WEIGHTS, save_checkpoint
 from aiayn.train.losses import sequence_loss
 from aiayn.train.metrics import MetricsLog, MetricsWindow
 from aiayn.train.optim import all_finite, clip_and_measure
@@ -78,6 +79,7 @@ class TrainingRun:
     per_step: int = 1  # batches of the task's list consumed per step
     eval_every: int = 1
     save_every: int = 1
+    adapters_only: bool = False  # checkpoints hold only the LoRA adapters (the task rebuilds the base)
     lr_at: Callable[[int], float] = float
     # the position; batch_in_epoch counts batches of the task's list, whatever the world size
     step: int = 0
@@ -253,6 +255,9 @@ def _checkpoint(run: TrainingRun) -> None:
     model_state = optimizer_state = None
     if ctx.fsdp:  # gather the full state on every rank (a collective); rank 0 writes it
         model_state, optimizer_state = distributed.full_state(model, optimizer, ctx)
+    marks = {"weights": ADAPTER_WEIGHTS} if run.adapters_only else {}
+    if run.adapters_only:
+        model_state = {k: v for k, v in (model_state or model.state_dict()).items() if is_adapter_key(k)}
     # Never save non-finite weights (an overflow can reach them with the loss still finite).
     if not all_finite(model_state.values() if model_state is not None else model.parameters()):
         raise _diverged(run, "the weights hold NaN or infinite values")
@@ -261,7 +266,8 @@ def _checkpoint(run: TrainingRun) -> None:
         save_checkpoint(location.path / "checkpoints", step=run.step, model=model, optimizer=optimizer,
                         keep=run.cfg.keep_checkpoints,
                         state={"epoch": run.epoch, "batch_in_epoch": run.batch_in_epoch,
-                               "metrics_window": window_state, "elapsed_s": time.perf_counter() - run.start_time},
+                               "metrics_window": window_state, "elapsed_s": time.perf_counter() - run.start_time,
+                               **marks},
                         model_state=model_state, optimizer_state=optimizer_state)
         location.swap_in()  # a replaced run: the new one takes its place once it holds a checkpoint
 

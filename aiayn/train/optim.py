@@ -97,10 +97,11 @@ def parameter_groups(model: nn.Module, weight_decay: float, *, decay_all: bool =
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, *, fused: bool = False) -> torch.optim.Optimizer:
-    """Adam with the paper's betas/eps, or AdamW. ``fused``: one kernel for every parameter (CUDA)."""
+    """Adam with the paper's betas/eps, or AdamW, over the trainable parameters (a frozen base's are
+    left out). ``fused``: one kernel for every parameter (CUDA)."""
     kind = {"fused": True} if fused else {}
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        return torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                 weight_decay=cfg.weight_decay, **kind)
     groups = parameter_groups(model, cfg.weight_decay, decay_all=cfg.decay_all)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kind)

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from aiayn import device as devices
 from aiayn.config import ModelConfig, TrainConfig
+from aiayn.finetune.lora import LoraConfig, apply_lora
 from aiayn.train import distributed, memory
 from aiayn.train.averaging import choose_test_checkpoint
 from aiayn.train.checkpoint import (
@@ -97,6 +98,8 @@ def train(
     (``aiayn.train.distributed``)."""
     distributed.check_options(parallel, world_size=distributed.env_world_size(), compile=train_config.compile,
                               average_last=train_config.average_last)
+    if train_config.lora is not None:  # a LoRA config that cannot work fails before any run directory
+        LoraConfig.from_dict(train_config.lora)
     ctx = distributed.setup(parallel, devices.prepare(devices.resolve(device)))
     try:
         configs = {"task": task.name, "task_options": task.options, "model": model_config.to_dict(),
@@ -140,6 +143,8 @@ def _train(
     """The phases: setup, schedule, resume, optimiser, records, the loop, the end."""
     model = _setup(task, model_config, train_config, location, ctx, fast=fast, resume=resume)
     run = TrainingRun(task, train_config, location, ctx, echo, model)
+    # A LoRA run on a model the task loads again (its init_from) saves only the adapters.
+    run.adapters_only = train_config.lora is not None and bool(task.options.get("init_from"))
     _plan(run, model_config)
     if resume:  # weights go in before the model is wrapped or sharded (checkpoints hold full states)
         _resume(run)
@@ -163,7 +168,10 @@ def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: Ru
     # Refuse a step that cannot fit (weights, gradients, Adam, activations) before allocating any.
     memory.check_training_memory(task, model_config, cfg, ctx.device, fast=fast, resume=resume,
                                  world_size=ctx.world_size, fsdp=ctx.fsdp)
-    model = task.build_model(model_config).to(ctx.device)
+    model = task.build_model(model_config)
+    if cfg.lora is not None:  # trainable adapters on the frozen model (aiayn.finetune.lora)
+        apply_lora(model, LoraConfig.from_dict(cfg.lora))
+    model = model.to(ctx.device)
     if fast:  # the CPU kernels: same parameters and state dict, same function (aiayn.fast)
         from aiayn.fast import optimize
 
