@@ -22,6 +22,7 @@ from aiayn.cli import (  # noqa: F401  (registers the commands)
     experiments,
     explain,
     explore,
+    finetune,
     generate,
     plots,
     serve,

@@ -26,6 +26,7 @@ from aiayn.cli.app import (
     use_threads,
     utf8_text,
 )
+from aiayn.cli.finetune import adapter_base, adapter_option
 
 QUANTIZE_HELP = ("Lower-precision weights for speed: bf16 (all weights bfloat16), int8 (Linear weights "
                  "int8 per row), q4 (Linear weights in 4-bit blocks), auto (a GGUF file's own blocks, "
@@ -86,6 +87,7 @@ def text_device(name: str, quantize: str = "none") -> Any:
                    "by constrained decoding (docs/structured-output.md); best with --chat.")
 @click.option("--json", "json_object", is_flag=True,
               help="Answer with a JSON object (any keys), by constrained decoding; best with --chat.")
+@adapter_option
 @plain_option
 @device_option
 def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
@@ -93,7 +95,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
                  repetition_penalty: float, seed: int | None, stops: tuple[str, ...],
                  quantize: str = "none", threads: int | None = None, kv_cache: str = "float",
                  compiled: bool = False, json_schema: Any = None, json_object: bool = False, plain: bool = False,
-                 device: str = "auto", slide: bool = True) -> None:
+                 device: str = "auto", slide: bool = True, adapter: Path | None = None) -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     from aiayn.generate import SamplingConfig
     from aiayn.textgen import stream_text
@@ -109,7 +111,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
                                  param_hint="--kv-cache")
     schema = read_schema(json_schema, json_object)
     use_threads(None if threads is None else check_threads(threads))  # this --threads has no callback
-    lm = _text_model(run_dir, model_path, plain=plain, quantize=quantize, device=where)
+    lm = _text_model(run_dir, model_path, plain=plain, quantize=quantize, device=where, adapter=adapter)
     if kv_cache == "int4" and lm.model.config.head_dim % 2:
         raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
                                  f"{lm.model.config.head_dim} is odd; use int8", param_hint="--kv-cache")
@@ -197,14 +199,15 @@ def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
 
 
 def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool, quantize: str = "none",
-                device: Any = None) -> Any:
-    """``load_text_model`` of --run or --model on ``device`` (a ``torch.device`` or a name)."""
+                device: Any = None, adapter: Path | None = None) -> Any:
+    """``load_text_model`` of --run or --model (with --adapter) on ``device`` (a ``torch.device`` or a name)."""
     from aiayn.tasks.runs import RunInputError, load_text_model
     from aiayn.textgen import TextModelError
 
-    model_path = resolve_model(run_dir, model_path)
+    model_path = resolve_model(run_dir, adapter_base(adapter, run_dir, model_path))
     try:
-        return load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device)
+        return load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device,
+                               adapter=adapter)
     except RunInputError as exc:
         raise click.UsageError(str(exc)) from None
     except TextModelError as exc:

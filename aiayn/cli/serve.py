@@ -14,6 +14,7 @@ from aiayn.cli.app import (
     one_model,
     plain_option,
 )
+from aiayn.cli.finetune import adapter_base, adapter_option
 
 
 @cli.command("serve")
@@ -79,6 +80,7 @@ from aiayn.cli.app import (
                    "the first time the running requests reach it: seconds on a GPU, about a minute on the CPU "
                    "(with a C++ compiler), so it pays off for a long-running server. Needs --kv-layout slots "
                    "(the default with --compile) and a float --kv-cache.")
+@adapter_option
 @plain_option
 @device_option
 def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, host: str, port: int,
@@ -87,7 +89,7 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
               threads: int | None, max_inputs: int, max_input_tokens: int | None, max_request_tokens: int,
               embed_chunk: int, embed_share: float, kv_layout: str | None = None, block_size: int = 16,
               prefix_caching: bool = True, plain: bool = False, device: str = "auto", compiled: bool = False,
-              keep_alive: float = 20.0) -> None:
+              keep_alive: float = 20.0, adapter: Path | None = None) -> None:
     """Serve a model over the OpenAI API (chat, completions, embeddings) with continuous batching."""
     import torch
 
@@ -106,12 +108,12 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
         raise click.BadParameter(str(exc), param_hint="--kv-budget") from None
     wanted = check_threads(threads) if threads is not None else torch.get_num_threads()
     check_port(host, port)
-    model_path = resolve_model(run_dir, model_path)
+    model_path = resolve_model(run_dir, adapter_base(adapter, run_dir, model_path))
     # The main thread loads on one thread, the engine thread computes on the threads asked for: a
     # second OpenMP pool would outnumber the CPUs and stop workers spinning (docs/serve.md: "the
     # engine thread's own OpenMP pool").
     torch.set_num_threads(1)
-    served = load_served_model(model_path, run_dir, name=name, quantize=quantize, plain=plain, device=where)
+    served = load_served_model(model_path, run_dir, name=name, quantize=quantize, plain=plain, device=where, adapter=adapter)
     if served.lm is None:  # an encoder answers on the server's threads: no engine thread to leave them to
         torch.set_num_threads(wanted)
     try:

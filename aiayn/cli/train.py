@@ -20,6 +20,7 @@ from aiayn.cli.app import (
     plain_option,
     threads_option,
 )
+from aiayn.cli.finetune import lora_options, lora_train_options
 from aiayn.config import ConfigError
 
 
@@ -160,6 +161,7 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
                    "new one has saved its first checkpoint; folders that are not aiayn runs are refused).")
 @_config_options(_TRAIN_OPTIONS)
 @_config_options(_MODEL_OPTIONS)
+@lora_options
 @click.option("--max-tokens", type=click.IntRange(min=1),
               help="Token-count batching (translation): padded tokens per batch, e.g. 4096.")
 @click.option("--recipe", type=click.Path(dir_okay=False, path_type=Path),
@@ -221,7 +223,8 @@ def _setup_run(ctx: click.Context, task: str, resume_dir: Path | None, recipe: P
         return setup_run(task if given("task") else None, resume_dir=resume_dir, recipe=recipe,
                          max_tokens=max_tokens,
                          model_options={k: v for k, v in chosen.items() if k in _MODEL_OPTIONS},
-                         train_options={k: v for k, v in chosen.items() if k in _TRAIN_OPTIONS})
+                         train_options={**{k: v for k, v in chosen.items() if k in _TRAIN_OPTIONS},
+                                        **lora_train_options(chosen)})
     except RunSetupError as exc:
         if exc.about not in _SETUP_HINTS:
             raise click.UsageError(str(exc)) from None

@@ -39,15 +39,16 @@ def is_encoder_dir(path: Path) -> bool:
 
 def load_served_model(model_path: Path | None = None, run_dir: Path | None = None, *, name: str | None = None,
                       quantize: str = "none", plain: bool = False,
-                      device: torch.device | str | None = None) -> ServedModel:
+                      device: torch.device | str | None = None, adapter: Path | None = None) -> ServedModel:
     """The model of ``--model`` (GGUF file, Hugging Face or sentence-transformers directory) or
-    ``--run``; ``quantize`` lowers a decoder's weights; ``device`` None: the first CUDA GPU, else the CPU."""
+    ``--run``; ``quantize`` lowers a decoder's weights; ``device`` None: the first CUDA GPU, else the CPU;
+    ``adapter``: a LoRA adapter directory merged into a decoder (``load_text_model``)."""
     source = model_path if model_path is not None else run_dir
     assert source is not None, "give a model path or a run directory"
     name = name or (source.stem if source.is_file() else source.resolve().name)
     if model_path is not None and is_encoder_dir(model_path):
         return ServedModel(name, encoder=load_sentence_encoder(model_path, device=device))
-    lm = load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device)
+    lm = load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device, adapter=adapter)
     return ServedModel(name, lm=lm)
 
 

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from aiayn.config import ConfigError, ModelConfig, TrainConfig
+from aiayn.finetune.lora import merge_lora
+from aiayn.finetune.peft_format import load_adapter
 from aiayn.tasks.base import TASKS, get_task
 from aiayn.tasks.trained import (
     LoadedRun,  # noqa: F401  (re-exported: aiayn.tasks.runs.LoadedRun)
@@ -156,10 +158,12 @@ def _member_name(run_dir: Path, checkpoint: Path | None) -> str:
 
 def load_text_model(run_dir: Path | None = None, model_path: Path | None = None, *,
                     plain: bool = False, quantize: str = "none",
-                    device: torch.device | str | None = None) -> TextModel:
+                    device: torch.device | str | None = None, adapter: Path | None = None) -> TextModel:
     """A decoder-only model with its text functions, from a language-model run or a shipped release
     (``run_dir``), or a GGUF file / Hugging Face directory (``model_path``). ``quantize``:
-    ``aiayn.fast.quantize.lower_precision``'s choices; ``device``: as ``aiayn.textgen.placement``."""
+    ``aiayn.fast.quantize.lower_precision``'s choices; ``device``: as ``aiayn.textgen.placement``.
+    ``adapter``: a LoRA adapter directory (PEFT's layout) merged into the weights before any
+    quantisation; a LoRA run's own adapters are merged too."""
     from aiayn.textgen import TextModel, placement, read_text_model
 
     if (run_dir is None) == (model_path is None):
@@ -171,7 +175,9 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
     if model_path is not None and is_release(model_path):
         run_dir, model_path = model_path, None
     if model_path is not None:
-        lm = read_text_model(model_path, quantize=quantize, device=where)
+        # Float weights to merge an adapter into; quantised after.
+        lm = read_text_model(model_path, quantize=quantize if adapter is None else "none", device=where)
+        _merge_adapter(lm.model, adapter)
         lm.model = _lower(for_inference(lm.model, plain=plain, device=where), quantize)
         return lm
     assert run_dir is not None
@@ -180,9 +186,17 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
     if run.model_config.arch != "decoder-only" or tokenizer is None:
         raise RunInputError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
                             f"generation needs a decoder-only language model such as shakespeare-char")
+    _merge_adapter(merge_lora(run.model), adapter)
     return TextModel(_lower(for_inference(run.model, plain=plain, device=where), quantize),
                      lambda text: tokenizer.encode(text).tolist(), tokenizer.decode, run.model_config.max_seq_len,
                      tokenizer=_tokenizers_object(tokenizer))
+
+
+def _merge_adapter(model: nn.Module, adapter: Path | None) -> None:
+    """Fold the LoRA adapter in ``adapter`` (if any) into ``model``'s weights."""
+    if adapter is not None:
+        load_adapter(model, model.config, adapter)
+        merge_lora(model)
 
 
 def _tokenizers_object(tokenizer: Any) -> Any:

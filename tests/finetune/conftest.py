@@ -36,10 +36,16 @@ def _randomize(model: nn.Module, seed: int) -> nn.Module:
 
 
 def _saved(name: str, hf_model: nn.Module, tmp_path_factory) -> tuple:
+    """Saved with a word-level tokenizer (words w0 ... w60), so the text commands can run it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     path = tmp_path_factory.mktemp(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
     model, config = load_hf(path)
     return hf_model, path, model, config
 

@@ -1,0 +1,112 @@
+"""Fine-tuning options and commands: ``--lora-*`` of ``aiayn train``, ``--adapter`` of the commands that
+run a text model, and ``aiayn merge`` (an adapter folded into its base, written as a Hugging Face
+directory)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from aiayn.cli.app import FiniteFloatRange, cli
+
+LORA_TARGETS_HELP = ("Projections to adapt, comma-separated: q, k, v, o (attention), gate, up, down (MLP); "
+                     "qkv for GPT-2's fused c_attn.")
+
+
+def _targets(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    from aiayn.finetune.lora import TARGET_NAMES
+
+    if value is None:
+        return None
+    targets = tuple(t.strip() for t in value.split(",") if t.strip())
+    unknown = [t for t in targets if t not in TARGET_NAMES]
+    if not targets or unknown:
+        raise click.BadParameter(f"{', '.join(unknown) or 'no target'}: choose from {', '.join(TARGET_NAMES)}")
+    return targets
+
+
+def lora_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets`` (keywords ``lora_*``; turn
+    them into train options with ``lora_train_options``)."""
+    options = [
+        click.option("--lora-rank", type=click.IntRange(min=1),
+                     help="Train LoRA adapters of this rank on the frozen model instead of the model itself."),
+        click.option("--lora-alpha", type=FiniteFloatRange(min=0, min_open=True),
+                     help="LoRA scale numerator: updates are scaled by alpha / rank.  [default: 16]"),
+        click.option("--lora-dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
+                     help="Dropout on the adapters' input.  [default: 0]"),
+        click.option("--lora-targets", callback=_targets, help=LORA_TARGETS_HELP + "  [default: q,v]"),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def lora_train_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``{"lora": {...}}`` (a TrainConfig field) from the ``lora_*`` options given, or ``{}`` without
+    ``--lora-rank``; the other ``--lora-*`` options alone are a usage error."""
+    given = {key.removeprefix("lora_"): value for key, value in options.items()
+             if key.startswith("lora_") and value is not None}
+    if not given:
+        return {}
+    if "rank" not in given:
+        raise click.UsageError(f"--lora-{next(iter(given))} needs --lora-rank (LoRA is off without it)")
+    if "targets" in given:
+        given["targets"] = list(given["targets"])
+    return {"lora": given}
+
+
+def adapter_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--adapter DIR`` (a keyword ``adapter``)."""
+    return click.option(
+        "--adapter", type=click.Path(exists=True, file_okay=False, path_type=Path),
+        help="A LoRA adapter directory (PEFT's adapter_config.json + adapter_model.safetensors) merged into "
+             "the model; without --model/--run, the model is the adapter's base_model_name_or_path.")(func)
+
+
+def adapter_base(adapter: Path | None, run_dir: Path | None, model_path: Path | None) -> Path | None:
+    """The model an adapter goes on: --model, or (without --run and --model) the base the adapter names."""
+    from aiayn.finetune.peft_format import read_adapter_config
+
+    if adapter is None or run_dir is not None or model_path is not None:
+        return model_path
+    base = read_adapter_config(adapter).get("base_model_name_or_path")
+    if not base:
+        raise click.UsageError(f"{adapter} names no base model (base_model_name_or_path); give --model")
+    return Path(base)
+
+
+@cli.command("merge")
+@click.option("--adapter", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The LoRA adapter directory (PEFT's layout).")
+@click.option("--base", "base", type=click.Path(path_type=Path),
+              help="The model it adapts: a Hugging Face directory, a GGUF file or a shipped model "
+                   "(default: the adapter's base_model_name_or_path).")
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
+              help="A new directory for the merged model (Hugging Face layout, as `aiayn export --to hf`).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+              show_default=True, help="Weight type of the written model.")
+def merge_cmd(adapter: Path, base: Path | None, out_dir: Path, dtype: str) -> None:
+    """Fold a LoRA adapter into its base model's weights and write the result as a Hugging Face
+    directory (config.json, model.safetensors, tokenizer files) that needs no PEFT."""
+    import torch
+
+    from aiayn.tasks.runs import RunInputError, load_text_model
+    from aiayn.tasks.shipped import resolve_model
+    from aiayn.textgen import TextModelError, export_text_model
+
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise click.BadParameter(f"{out_dir} exists and is not an empty directory; give a new one",
+                                 param_hint="--out")
+    base = adapter_base(adapter, None, base)
+    assert base is not None
+    try:
+        lm = load_text_model(model_path=resolve_model(base), plain=True, device="cpu", adapter=adapter)
+        lm.model = lm.model.to(getattr(torch, dtype))
+        out = export_text_model(lm, out_dir)
+    except (RunInputError, TextModelError) as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"merged {adapter} into {base} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
