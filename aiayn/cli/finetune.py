@@ -110,3 +110,22 @@ def merge_cmd(adapter: Path, base: Path | None, out_dir: Path, dtype: str) -> No
     except (RunInputError, TextModelError) as exc:
         raise click.UsageError(str(exc)) from None
     click.echo(f"merged {adapter} into {base} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+
+
+@cli.command("adapter")
+@click.option("--run", "run_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A LoRA run directory (trained with --lora-rank).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Where the adapter goes (adapter_config.json + adapter_model.safetensors are replaced).")
+def adapter_cmd(run_dir: Path, out_dir: Path) -> None:
+    """Write a LoRA run's adapters in PEFT's layout, for PEFT (PeftModel.from_pretrained) or for
+    `aiayn generate --adapter` on the run's base model."""
+    from aiayn.finetune.peft_format import save_adapter
+    from aiayn.tasks.runs import load_run
+
+    run = load_run(run_dir, prepare=False)
+    if run.train_config.lora is None:
+        raise click.BadParameter(f"{run_dir} is not a LoRA run (it trained every weight); export it with "
+                                 f"`aiayn export --to hf --run {run_dir}`", param_hint="--run")
+    out = save_adapter(run.model, run.model_config, out_dir, base=run.task.options.get("init_from"))
+    click.echo(f"wrote {out} (adapter_config.json, adapter_model.safetensors)")

@@ -99,3 +99,33 @@ def test_a_bad_lora_config_fails_before_the_run_directory(tmp_path):
     with pytest.raises(ConfigError, match="lora rank"):
         train(task, task.model_config(), _config(2).replace(lora={"rank": 0}), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_lora_run_s_adapter_loads_in_peft(tmp_path, monkeypatch, run_aiayn, tiny_gpt2):
+    """``aiayn adapter --run``: the run's adapters in PEFT's layout give PEFT the run's logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from aiayn.interop import export_hf
+
+    class Gpt2BaseTask(LoadedBaseTask):
+        name = "reverse-gpt2-base"
+
+        def model_config(self):
+            return tiny_gpt2[3]
+
+    monkeypatch.setitem(TASKS, Gpt2BaseTask.name, Gpt2BaseTask)
+    task = get_task(Gpt2BaseTask.name, init_from="a-gpt2", n_train=256, n_val=64, n_test=64)
+    train(task, task.model_config(), _config(4).replace(lora={"rank": 2, "targets": ["qkv", "down"]}),
+          tmp_path / "run", progress=False, make_plots=False, echo=lambda _: None)
+    code, out, _ = run_aiayn("adapter", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "adapter"))
+    assert code == 0 and "adapter_model.safetensors" in out
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == "a-gpt2"
+    hf = transformers.GPT2LMHeadModel.from_pretrained(
+        export_hf(task.build_model(task.model_config()), task.model_config(), tmp_path / "base")).eval()
+    tokens = torch.randint(0, 10, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = load_run(tmp_path / "run", prepare=False).model(tokens).logits
+        theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+        torch.testing.assert_close(theirs(tokens).logits, expected)
+    code, _, err = run_aiayn("adapter", "--run", str(tmp_path / "base"), "--out", str(tmp_path / "x"))
+    assert code == 2 and "is not an aiayn run config" in err  # a Hugging Face directory is not a run
