@@ -5,9 +5,9 @@ The peak is weights + Adam's moments + the largest of activations, gradients + t
 what a checkpoint save adds: the backward frees activations while it fills the gradients, and a save comes after
 the step freed them (checked against a measured peak by tests/robustness/test_memory.py). Only parameters that
 train (``requires_grad``) have gradients and moments: a LoRA run's frozen base has neither. A run is refused
-unless the estimate with its allowed error (``MARGIN``) and, on the CPU, what the process adds besides its tensors
-(``PROCESS_OVERHEAD``) fits in the memory available: the smallest of MemAvailable, the room the cgroup's
-memory.max leaves and the room the process's RLIMIT_AS/RLIMIT_DATA leave. Shape letters: b sequences, t positions (s: a source), n = b t, d
+unless the estimate with its allowed error (``MARGIN``) and, on the CPU, the process's own (``PROCESS_OVERHEAD``)
+fit in the memory available: the least of MemAvailable and the room the cgroup's memory.max and the process's
+RLIMIT_AS/RLIMIT_DATA leave. Shape letters: b sequences, t positions (s: a source), n = b t, d
 ``d_model``, f ``d_ff``, h heads, h_kv key/value heads, d_h head width, v vocabulary."""
 
 from __future__ import annotations

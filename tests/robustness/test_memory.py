@@ -211,7 +211,8 @@ def test_cpu_allocator_failure_reads_as_out_of_memory():
 def test_the_advice_fits_what_does_not_fit():
     """Activations too large: batches k times smaller with k times the accumulation (--max-tokens
     for token batches), --bf16 on a GPU without it; weights, gradients and moments too large: only
-    a smaller model; a resume: free memory (its batch and precision are the run's)."""
+    a smaller model (or LoRA for a loaded model); a resume: free memory (its batch and precision are
+    the run's)."""
     cfg = TrainConfig(batch_size=64, grad_accum=2, bf16=False)
     mib = 2**20
     estimate = memory.TrainingMemory(weights=10 * mib, gradients=10 * mib, optimizer=20 * mib, step_temporary=0,
@@ -222,4 +223,7 @@ def test_the_advice_fits_what_does_not_fit():
     assert memory._advice(estimate, 60 * mib, cfg, cuda, 4096, resume=False) == \
         "try --max-tokens 1024 --grad-accum 8, or --bf16, or a smaller model"
     assert memory._advice(estimate, 35 * mib, cfg, cuda, None, resume=False) == "try a smaller model"
+    # a loaded model trained whole: LoRA trains adapters only (no gradients or moments for the base)
+    assert memory._advice(estimate, 35 * mib, cfg, cpu, None, resume=False, lora=True) == \
+        "try --lora-rank 8, or a smaller model"
     assert "resumed run keeps its batch" in memory._advice(estimate, 60 * mib, cfg, cpu, None, resume=True)

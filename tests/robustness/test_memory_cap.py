@@ -8,6 +8,7 @@ weights (LoRA's base) without gradients or moments, and a 1.4B-parameter model r
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ GiB, MiB = 2**30, 2**20
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA and /proc are Linux's")
 
 # The child: estimate the reverse task's job with no cap, cap its private data at FACTOR times what the
-# check allows for (measured from the data it has mapped now), then train 2 steps, saving after each.
+# check allows for (measured from the data it has mapped now, its 2 threads started), then train 2 steps,
+# saving after each.
 CHILD = """
 import json, resource, sys
 from pathlib import Path
@@ -45,6 +47,7 @@ cfg = TrainConfig(**{**task.train_overrides(), "max_steps": 2, "save_every": 1, 
                      "warmup_steps": 1})
 cpu = torch.device("cpu")
 estimate = memory.check_training_memory(task, config, cfg, cpu, fast=True)
+torch.randn(256, 256) @ torch.randn(256, 256)  # the thread pool's stacks are mapped before the cap
 status = lambda: dict(line.split(":", 1) for line in open("/proc/self/status"))
 kib = lambda key: int(status()[key].split()[0]) * 1024
 cap = kib("VmData") + int(factor * memory.needed_bytes(estimate, cpu))
@@ -63,7 +66,7 @@ print(json.dumps({"step": step, "error": error, "said": said, "activations": est
 
 def capped_run(factor: float, run_dir: Path) -> dict:
     done = subprocess.run([sys.executable, "-c", CHILD, str(factor), str(run_dir)], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
