@@ -138,7 +138,7 @@ def _train(
     fast: bool,
 ) -> TrainResult:
     """The phases: setup, schedule, resume, optimiser, records, the loop, the end."""
-    model = _setup(task, model_config, train_config, location, ctx, fast=fast, resume=resume)
+    model = _setup(task, model_config, train_config, location, ctx, fast=fast, resume=resume, echo=echo)
     run = TrainingRun(task, train_config, location, ctx, echo, model)
     _plan(run, model_config)
     if resume:  # weights go in before the model is wrapped or sharded (checkpoints hold full states)
@@ -152,7 +152,7 @@ def _train(
 
 
 def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: RunLocation,
-           ctx: distributed.DistContext, *, fast: bool, resume: bool) -> Any:
+           ctx: distributed.DistContext, *, fast: bool, resume: bool, echo: Callable[[str], None]) -> Any:
     """Seed, prepare the task's data, check the memory, build the model on the CPU, move it."""
     torch.manual_seed(cfg.seed)  # (seeds the CUDA generators too)
     task.run_dir = location.path
@@ -160,9 +160,9 @@ def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: Ru
     distributed.run_on_main(ctx, lambda: task.prepare(cfg.seed))
     if ctx.enabled and not ctx.is_main:
         task.prepare(cfg.seed)
-    # Refuse a step that cannot fit (weights, gradients, Adam, activations) before allocating any.
+    # Refuse a step or save that cannot fit (weights, gradients, Adam, activations) before allocating any.
     memory.check_training_memory(task, model_config, cfg, ctx.device, fast=fast, resume=resume,
-                                 world_size=ctx.world_size, fsdp=ctx.fsdp)
+                                 world_size=ctx.world_size, fsdp=ctx.fsdp, echo=echo)
     model = task.build_model(model_config).to(ctx.device)
     if fast:  # the CPU kernels: same parameters and state dict, same function (aiayn.fast)
         from aiayn.fast import optimize
