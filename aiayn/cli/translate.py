@@ -54,6 +54,10 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
                           "on a GPU). The same translations; each batch size compiles once (about a minute "
                           "on the CPU, with a C++ compiler), so it pays for many sentences, not a few "
                           "(docs/gpu.md)."),
+        click.option("--prompt", help="Translate with a chat model (--model: a GGUF file, a Hugging Face "
+                                      "directory or a language-model run) asked this, where {src} stands for "
+                                      "the sentence, e.g. 'Translate to German: {src}'; greedy, the answer's "
+                                      "first line."),
         plain_option,
         device_option,
         threads_option,
@@ -65,13 +69,17 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _translator(device: Any, run_dirs: tuple[Path, ...], model_names: tuple[str, ...],
                 checkpoints: tuple[Path, ...], plain: bool, beam: int | None, compiled: bool,
-                **decoding: Any) -> tuple[Any, Any]:
+                prompt: str | None, **decoding: Any) -> tuple[Any, Any]:
     """(``Translator``, ``DecodeOptions``) of --run / --model / --checkpoint on ``device``; beam size and
-    length penalty default to the first run's recipe; several models make an ensemble."""
+    length penalty default to the first run's recipe; several models make an ensemble. With --prompt:
+    (``PromptTranslator``, None)."""
     from aiayn.tasks.runs import RunInputError, load_ensemble_translator
     from aiayn.tasks.shipped import DEFAULT_TRANSLATION_MODEL, resolve_model
     from aiayn.translate import decode_options
 
+    if prompt is not None:
+        return _prompt_translator(device, [*run_dirs, *model_names], checkpoints, plain, prompt,
+                                  beam=beam, compile=compiled, **decoding), None
     try:
         sources = [*run_dirs, *(resolve_model(name) for name in model_names)]
         sources = sources or [resolve_model(DEFAULT_TRANSLATION_MODEL)]
@@ -90,6 +98,29 @@ def _translator(device: Any, run_dirs: tuple[Path, ...], model_names: tuple[str,
             raise click.UsageError(str(exc)) from None
         raise click.BadParameter(str(exc), param_hint=f"--{exc.about}") from None
     return translator, decode_options(task.decode, beam_size=beam, compile=compiled, **decoding)
+
+
+def _prompt_translator(device: Any, models: list[Any], checkpoints: tuple[Path, ...], plain: bool, prompt: str,
+                       **decoding: Any) -> Any:
+    """--prompt's ``PromptTranslator`` over the one chat model given; what it does not take refused."""
+    from aiayn.api import load
+    from aiayn.serve.offline import PromptTranslator
+    from aiayn.textgen import TextModel
+
+    refused = [f"--{k.replace('_', '-')}" for k, v in decoding.items() if v not in (None, False)]
+    if checkpoints:
+        refused.append("--checkpoint")
+    if refused or len(models) != 1:
+        what = f"{', '.join(refused)}" if refused else f"{len(models)} models"
+        raise click.UsageError(f"--prompt translates greedily with one chat model (--model or --run); drop {what}")
+    lm = load(models[0], device=device, plain=plain)
+    if not isinstance(lm, TextModel):
+        raise click.BadParameter(f"{models[0]} is not a text model; --prompt needs a chat model such as a "
+                                 f"GGUF file or a Hugging Face decoder-only directory", param_hint="--model")
+    try:
+        return PromptTranslator(lm, prompt)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--prompt") from None
 
 
 @cli.command("translate")
@@ -161,9 +192,11 @@ def evaluate_cmd(device: str, threads: int | None, src_path: Path, ref_path: Pat
     click.echo(f"BLEU signature: {scores['bleu_signature']}")
     click.echo(f"chrF2 = {scores['chrf']:.2f}  (signature: {scores['chrf_signature']})")
     click.echo(f"lower-cased BLEU = {scores['bleu_lc']:.2f}  (signature: {scores['bleu_lc_signature']})")
-    click.echo(f"{len(sources)} sentences in {seconds:.1f} s ({len(sources) / seconds:.1f} sentences/s), "
-               f"beam {decoding.beam_size}, length penalty {decoding.length_penalty}"
-               + (f", an ensemble of {len(translator.model)} models" if isinstance(translator.model, Ensemble) else "")
+    how = ("greedy, the answer's first line" if decoding is None
+           else f"beam {decoding.beam_size}, length penalty {decoding.length_penalty}")
+    model = getattr(translator, "model", None)  # (a PromptTranslator has a text model instead)
+    click.echo(f"{len(sources)} sentences in {seconds:.1f} s ({len(sources) / seconds:.1f} sentences/s), {how}"
+               + (f", an ensemble of {len(model)} models" if isinstance(model, Ensemble) else "")
                + (f"; hypotheses written to {out_path}" if out_path else ""))
 
 

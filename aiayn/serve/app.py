@@ -97,6 +97,16 @@ class ServerState:
 MAX_BODY_BYTES = 16 << 20  # a request body larger than this is refused (413) before it is read
 
 
+def _route_label(path: str) -> str:
+    """The route a request path is counted under in /metrics (ids collapsed to ``{id}``)."""
+    if path in ROUTES:
+        return path
+    for route in ("/v1/models/", "/v1/responses/"):
+        if path.startswith(route):
+            return route + "{id}"
+    return "other"
+
+
 class ServerMiddleware:
     """Pure ASGI (streams pass through untouched): the API key on /v1 and /metrics, 503 once a shutdown
     began, 413 for bodies over ``MAX_BODY_BYTES``, and each answer's status counted per route."""
@@ -109,7 +119,7 @@ class ServerMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        route = path if path in ROUTES else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        route = _route_label(path)
         status = {"code": 500}
 
         async def counting_send(message: Message) -> None:
@@ -344,6 +354,14 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         chat, conversation = chat_request(body, state.responses)
         with responses_names():
             return await chat_generation(state, request, chat, ResponsesWire(body, conversation, state.responses))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Any:
+        return state.responses.response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Any:
+        return state.responses.delete(response_id)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:

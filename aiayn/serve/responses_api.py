@@ -30,27 +30,44 @@ MAX_STORED = 256  # responses kept for previous_response_id, the least recently 
 
 
 class ResponseStore:
-    """The conversations of stored responses (chat messages without the instructions, which OpenAI
-    does not carry over to the next turn), the last ``size`` of them."""
+    """Stored responses, the last ``size`` of them: each one's Response object (``GET``) and its
+    conversation (chat messages without the instructions, which OpenAI does not carry over to the
+    next turn)."""
 
     def __init__(self, size: int = MAX_STORED) -> None:
         self.size = size
-        self._conversations: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._kept: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
 
     def get(self, response_id: str) -> list[dict[str, Any]]:
         """The conversation up to and with the answer ``response_id``; 404 when it is not kept."""
-        if response_id not in self._conversations:
+        if response_id not in self._kept:
             raise APIError(404, f"previous_response_id: no response {json.dumps(response_id)} is stored on this "
                                 f"server (an unknown id, an answer given with store=false, or one of more than the "
                                 f"{self.size} latest, which are all it keeps); send the whole conversation as input",
                            code="previous_response_not_found", param="previous_response_id")
-        self._conversations.move_to_end(response_id)
-        return self._conversations[response_id]
+        self._kept.move_to_end(response_id)
+        return self._kept[response_id][0]
 
-    def put(self, response_id: str, conversation: list[dict[str, Any]]) -> None:
-        self._conversations[response_id] = conversation
-        while len(self._conversations) > self.size:
-            self._conversations.popitem(last=False)
+    def response(self, response_id: str) -> dict[str, Any]:
+        """The stored Response object ``response_id``; 404 when it is not kept."""
+        return self._kept[self._known(response_id)][1]
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        """Forget ``response_id``: what ``DELETE /v1/responses/{id}`` answers; 404 when it is not kept."""
+        del self._kept[self._known(response_id)]
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def _known(self, response_id: str) -> str:
+        if response_id not in self._kept:
+            raise APIError(404, f"no response {json.dumps(response_id)} is stored on this server (an unknown id, "
+                                f"an answer given with store=false, a deleted one, or one of more than the "
+                                f"{self.size} latest, which are all it keeps)", code="not_found")
+        return response_id
+
+    def put(self, response_id: str, conversation: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        self._kept[response_id] = (conversation, response)
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
 
 
 # ---- the request: a chat request -------------------------------------------------------------
@@ -193,15 +210,16 @@ class ResponsesWire:
             "text": {"format": {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)},
             "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user, **rest}
 
-    def keep(self, content: str | None, calls: list[dict[str, Any]]) -> None:
-        """Store the conversation with this answer (as an assistant chat message)."""
+    def keep(self, content: str | None, calls: list[dict[str, Any]], response: dict[str, Any]) -> dict[str, Any]:
+        """``response``, stored with the conversation and this answer (an assistant chat message)."""
         if not self.body.store:
-            return
+            return response
         message: dict[str, Any] = {"role": "assistant", "content": content if content or calls else ""}
         if calls:
             message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
                 "name": c["function"]["name"], "arguments": c["function"]["arguments"]}} for c in calls]
-        self.store.put(self.id, [*self.conversation, message])
+        self.store.put(self.id, [*self.conversation, message], response)
+        return response
 
     def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
         """The Response object of a whole chat answer."""
@@ -209,9 +227,9 @@ class ResponsesWire:
         content, calls = choice["message"].get("content"), choice["message"].get("tool_calls") or []
         output = [text_item(content or "")] if content or not calls else []
         output += [call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
-        self.keep(content, calls)
         status, details = _ending(choice["finish_reason"])
-        return self.response(status, output, responses_usage(chat["usage"]), incomplete_details=details)
+        return self.keep(content, calls, self.response(status, output, responses_usage(chat["usage"]),
+                                                       incomplete_details=details))
 
     async def stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[dict[str, str]]:
         """Responses' server-sent events of a streamed chat answer (its chunks, with usage, then ``[DONE]``)."""
@@ -329,10 +347,10 @@ class EventWriter:
             events += [*self.add_text(""), *self.close()]
         content = "".join(part["text"] for item in self.output if item["type"] == "message"
                           for part in item["content"]) or None
-        self.wire.keep(content, self.calls)
         status, details = _ending(self.finish_reason)
         self.ended = True
-        response = self.wire.response(status, self.output, self.usage, incomplete_details=details)
+        response = self.wire.keep(content, self.calls, self.wire.response(status, self.output, self.usage,
+                                                                          incomplete_details=details))
         return [*events, self.event(f"response.{status}", response=response)]
 
     def fail(self, error: dict[str, Any]) -> list[dict[str, str]]:

@@ -1,18 +1,27 @@
 """How much memory a training step takes, checked before anything is allocated, and the one line a step that
 runs out of memory anyway ends with.
 
-The peak is weights + Adam's moments + max(activations, gradients + the optimizer's temporaries): the backward
-frees activations while it fills the gradients (checked against a measured peak by
-tests/robustness/test_memory.py). Shape letters: b sequences, t positions (s: a source), n = b t, d
+The peak is weights + Adam's moments + the largest of activations, gradients + the optimizer's temporaries, and
+what a checkpoint save adds: the backward frees activations while it fills the gradients, and a save comes after
+the step freed them (checked against a measured peak by tests/robustness/test_memory.py). Only parameters that
+train (``requires_grad``) have gradients and moments: a LoRA run's frozen base has neither. A run is refused
+unless the estimate with its allowed error (``MARGIN``) and, on the CPU, the process's own (``PROCESS_OVERHEAD``)
+fit in the memory available: the least of MemAvailable and the room the cgroup's memory.max and the process's
+RLIMIT_AS/RLIMIT_DATA leave. Shape letters: b sequences, t positions (s: a source), n = b t, d
 ``d_model``, f ``d_ff``, h heads, h_kv key/value heads, d_h head width, v vocabulary."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import safetensors
 import torch
 from torch import Tensor, nn
 
@@ -24,7 +33,19 @@ if TYPE_CHECKING:
     from aiayn.train.run_dir import RunLocation
     from aiayn.train.task import Task
 
+try:
+    import resource
+except ImportError:  # not POSIX: no process limits to read
+    resource = None  # type: ignore[assignment]
+
 F32 = 4  # bytes of a float32: weights, gradients, moments, the loss's logits, norms' statistics
+# How far under the measured peak of tensors the estimate may be (its test's bound): a run may need the
+# estimate / (1 - MARGIN).
+MARGIN = 0.25
+# What a training process holds on the CPU besides its tensors and grows while it trains: thread stacks, the
+# kernels' buffers, the allocator's free lists (tests/robustness/test_memory_cap.py trains at the edge).
+PROCESS_OVERHEAD = 128 * 2**20
+CGROUP_ROOT, PROC_CGROUP = Path("/sys/fs/cgroup"), Path("/proc/self/cgroup")  # cgroup v2's tree; ours in it
 
 
 class TrainingMemoryError(ConfigError):
@@ -47,13 +68,16 @@ class BatchShape:
 @dataclass(frozen=True)
 class ModelCounts:
     """What the estimate needs of a built model: bytes of weights, of trainable ones, of matmul weights (which
-    autocast copies), the largest trainable tensor, whether a fused loss applies."""
+    autocast copies), the largest trainable tensor, whether a fused loss applies, the largest tensor of all,
+    whether some weights are frozen (a checkpoint then holds only the trainable ones)."""
 
     weights: int
     trainable: int
     matmul: int
     largest: int
     fused_head: bool
+    largest_weight: int
+    frozen: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,16 +99,23 @@ class TrainingMemory:
     optimizer: int  # the moments
     step_temporary: int  # after the backward: two copies of the largest parameter
     activations: int
+    checkpoint: int = 0  # what a save adds, once the step has freed the gradients
 
     @property
     def peak(self) -> int:
-        return self.weights + self.optimizer + max(self.activations, self.gradients + self.step_temporary)
+        return self.weights + self.optimizer + max(self.activations, self.gradients + self.step_temporary,
+                                                   self.checkpoint)
 
     def describe(self) -> str:
-        """'2.10 GiB (weights ... + Adam's moments ... + the larger of activations ... and gradients ...)'."""
+        """'2.10 GiB (weights ... + Adam's moments ... + the larger of activations ... and gradients ...)'; a
+        save's copy is named where it is the largest."""
+        activations, gradients = format_bytes(self.activations), format_bytes(self.gradients + self.step_temporary)
+        rest = f"the larger of activations {activations} and gradients {gradients}"
+        if self.checkpoint > max(self.activations, self.gradients + self.step_temporary):
+            rest = (f"the largest of activations {activations}, gradients {gradients} and a checkpoint save's "
+                    f"copy {format_bytes(self.checkpoint)}")
         return (f"{format_bytes(self.peak)} (weights {format_bytes(self.weights)} + Adam's moments "
-                f"{format_bytes(self.optimizer)} + the larger of activations {format_bytes(self.activations)} and "
-                f"gradients {format_bytes(self.gradients + self.step_temporary)})")
+                f"{format_bytes(self.optimizer)} + {rest})")
 
 
 def activation_bytes(c: ModelConfig, shape: BatchShape, path: Execution, *, fused_head: bool = False) -> int:
@@ -194,23 +225,40 @@ def _block_causal(c: ModelConfig, b: int, t: int, path: Execution) -> bool:
             and b * c.n_heads * t * t * c.head_dim >= MIN_WORK)
 
 
-def model_counts(task: Task | None, config: ModelConfig) -> ModelCounts:
+def model_counts(task: Task | None, config: ModelConfig, *,
+                 adapt: Callable[[nn.Module], Any] | None = None) -> ModelCounts:
     """The bytes of the model ``task`` builds for ``config``, counted on the meta device; from the config
-    alone (which errs high) if that build fails."""
+    alone (which errs high) if that build fails. ``adapt``: what the trainer does to the built model in place
+    before training (LoRA: freeze the base, attach adapters), applied to a meta copy of it."""
     try:
         with torch.device("meta"):
             model = task.build_model(config) if task is not None else _build(config)
+            if adapt is not None:  # a copy: a task's model, loaded once and kept, stays as it is
+                model = _meta_copy(model)
+                adapt(model)
     except Exception:  # a task whose model cannot be built on the meta device
         values = estimated_values(config) * F32
         largest = F32 * config.d_model * max(config.vocab_size, config.tgt_vocab_size or 0, config.d_ff)
-        return ModelCounts(values, values, values, largest, fused_head=False)
+        return ModelCounts(values, values, values, largest, fused_head=False, largest_weight=largest)
     params = list(model.parameters())
     weights = sum(_nbytes(p) for p in params) + sum(_nbytes(b) for b in model.buffers())
     trainable = sum(_nbytes(p) for p in params if p.requires_grad)
     matmul = sum(_nbytes(m.weight) for m in model.modules() if isinstance(m, nn.Linear))
     largest = max((_nbytes(p) for p in params if p.requires_grad), default=0)
     fused_head = isinstance(getattr(model, "lm_head", None), nn.Linear) and config.arch != "encoder-only"
-    return ModelCounts(weights, trainable, matmul, largest, fused_head)
+    return ModelCounts(weights, trainable, matmul, largest, fused_head,
+                       largest_weight=max((_nbytes(p) for p in params), default=0),
+                       frozen=any(not p.requires_grad for p in params))
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """``model`` with its parameters and buffers on the meta device (nothing allocated, tied weights kept)."""
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        meta = tensor.detach().to("meta")
+        memo[id(tensor)] = (nn.Parameter(meta, requires_grad=tensor.requires_grad)
+                            if isinstance(tensor, nn.Parameter) else meta)
+    return copy.deepcopy(model, memo)
 
 
 def _build(config: ModelConfig) -> nn.Module:
@@ -236,7 +284,19 @@ def estimate_training_memory(config: ModelConfig, shape: BatchShape, path: Execu
     return TrainingMemory(weights=counts.weights // shards, gradients=gradients // shards,
                           optimizer=2 * counts.trainable // shards,
                           step_temporary=2 * counts.largest,
-                          activations=activations)
+                          activations=activations, checkpoint=checkpoint_bytes(counts, path))
+
+
+def checkpoint_bytes(counts: ModelCounts, path: Execution) -> int:
+    """What a save (aiayn.train.checkpoint) adds on the device: the finiteness check's mask of the largest
+    tensor (one byte a value); on the CPU, with a safetensors that copies each file's tensors into bytes to
+    write them (one without ``TensorSpec``, its zero-copy writer), the larger file: weights (only the trainable
+    ones when some are frozen) or Adam's moments. Off the CPU, safetensors copies to the host."""
+    mask = counts.largest_weight // F32
+    if path.device_type != "cpu" or hasattr(safetensors, "TensorSpec"):
+        return mask
+    saved = counts.trainable if counts.frozen else counts.weights
+    return mask + max(saved, 2 * counts.trainable)
 
 
 def batch_shape(batch: Any) -> BatchShape:
@@ -257,25 +317,74 @@ def training_execution(device: torch.device, cfg: TrainConfig, *, fast: bool) ->
 
 
 def available_bytes(device: torch.device, *, local_processes: int = 1) -> tuple[int | None, str]:
-    """Bytes free for training on ``device`` now, and where (None: unknown)."""
+    """Bytes free for training on ``device`` now, and where (None: unknown). On the CPU the smallest of the
+    machine's MemAvailable, the room its cgroup's memory.max leaves (both shared by this machine's training
+    processes) and the room the process's RLIMIT_AS/RLIMIT_DATA leave."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free, f"free on {device}"
     if device.type != "cpu":  # MPS shares the host's memory; its own limit is not known here
         return None, str(device)
-    available = available_memory()
-    if available is None:
-        return None, "here"
-    if local_processes > 1:
-        return available // local_processes, f"available to each of this machine's {local_processes} processes"
-    return available, "available here"
+    host, group = available_memory(), cgroup_room()
+    each = f" to each of this machine's {local_processes} processes" if local_processes > 1 else ""
+    found = list(rlimit_rooms())
+    if host is not None:
+        found.append((host // local_processes, "available" + (each or " here")))
+    if group is not None:
+        found.append((group // local_processes, f"left{each} under this cgroup's memory.max"))
+    return min(found) if found else (None, "here")
+
+
+def cgroup_room() -> int | None:
+    """The least room cgroup v2's memory.max leaves in this process's group or one above it: the limit less
+    what the group holds, its inactive page cache counted as free (the kernel reclaims it first)."""
+    try:
+        lines = PROC_CGROUP.read_text(encoding="ascii").splitlines()
+    except OSError:
+        return None
+    path = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if path is None:
+        return None
+    group, rooms = CGROUP_ROOT / path.lstrip("/"), []
+    while True:
+        try:
+            limit = (group / "memory.max").read_text(encoding="ascii").strip()
+            if limit != "max":
+                used = int((group / "memory.current").read_text(encoding="ascii"))
+                stat = dict(line.split() for line in (group / "memory.stat").read_text(encoding="ascii").splitlines())
+                rooms.append(int(limit) - used + int(stat.get("inactive_file", 0)))
+        except (OSError, ValueError):
+            pass
+        if group in (CGROUP_ROOT, group.parent):
+            return min(rooms, default=None)
+        group = group.parent
+
+
+def rlimit_rooms() -> Iterator[tuple[int, str]]:
+    """The room under each of the process's RLIMIT_AS and RLIMIT_DATA that is set: the limit less the address
+    space (VmSize) or private data (VmData) already mapped."""
+    if resource is None:
+        return
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            mapped = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in status)
+                      if k in ("VmSize", "VmData")}
+    except (OSError, ValueError):
+        return
+    for name, field in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
+        soft, _hard = resource.getrlimit(getattr(resource, name))
+        if soft != resource.RLIM_INFINITY and field in mapped:
+            yield max(0, soft - mapped[field]), f"left under this process's {name}"
 
 
 def check_training_memory(task: Task, model_config: ModelConfig, cfg: TrainConfig, device: torch.device, *,
-                          fast: bool, resume: bool = False, world_size: int = 1,
-                          fsdp: bool = False) -> TrainingMemory | None:
-    """Refuse a run whose training step would not fit (``TrainingMemoryError``); call it after
-    ``task.prepare``. Returns the largest batch's estimate (None when the memory available is unknown)."""
+                          fast: bool, resume: bool = False, world_size: int = 1, fsdp: bool = False,
+                          adapt: Callable[[nn.Module], Any] | None = None,
+                          echo: Callable[[str], None] | None = None) -> TrainingMemory | None:
+    """Refuse a run whose training step or checkpoint save would not fit with the estimate's margin
+    (``TrainingMemoryError``), warn through ``echo`` about one near that; call it after ``task.prepare``.
+    ``adapt``: as for ``model_counts``. Returns the largest batch's estimate (None when the memory available
+    is unknown)."""
     check_fits(model_config)  # an absurd config fails fast, before even a meta build of it
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     available, where = available_bytes(device, local_processes=local)
@@ -285,30 +394,44 @@ def check_training_memory(task: Task, model_config: ModelConfig, cfg: TrainConfi
     shapes = [batch_shape(task.collate("train", indices)) for indices in task.memory_batches(batches)]
     if not shapes:
         return None
-    counts = model_counts(task, model_config)
+    counts = model_counts(task, model_config, adapt=adapt)
     path = training_execution(device, cfg, fast=fast and device.type == "cpu")
     ddp = world_size > 1 and not fsdp
     estimates = [(estimate_training_memory(model_config, shape, path, counts=counts, ddp=ddp,
                                            shards=world_size if fsdp else 1), shape) for shape in shapes]
     estimate, shape = max(estimates, key=lambda pair: pair[0].peak)
-    if estimate.peak <= available:
-        return estimate
-    raise TrainingMemoryError(
-        f"training would need about {estimate.describe()} for batches of {shape.sequences} x "
-        f"{shape.length} tokens, more than the {format_bytes(available)} {where}; "
-        f"{_advice(estimate, available, cfg, path, task.options.get('max_tokens'), resume=resume)}")
+    overhead = PROCESS_OVERHEAD if device.type == "cpu" else 0
+    needed = needed_bytes(estimate, device)
+    allowing = f"up to {format_bytes(needed)} with the estimate's {MARGIN:.0%} margin" + (
+        f" and the process's own {format_bytes(overhead)}" if overhead else "")
+    if needed > available:
+        usable = int((available - overhead) * (1 - MARGIN))  # what the estimate may reach
+        lora = bool(task.options.get("init_from")) and not counts.frozen
+        raise TrainingMemoryError(
+            f"training would need about {estimate.describe()} for batches of {shape.sequences} x "
+            f"{shape.length} tokens, {allowing}, more than the {format_bytes(available)} {where}; "
+            f"{_advice(estimate, usable, cfg, path, task.options.get('max_tokens'), resume=resume, lora=lora)}")
+    if echo is not None and available - needed < (needed - estimate.peak) // 2:  # within half a margin
+        echo(f"warning: training may need about {format_bytes(estimate.peak)}, {allowing}, close to the "
+             f"{format_bytes(available)} {where}; memory other processes take meanwhile can stop it")
+    return estimate
+
+
+def needed_bytes(estimate: TrainingMemory, device: torch.device) -> int:
+    """The most a run of this estimate may take: the estimate's allowed error, and the process's own on the CPU."""
+    return int(estimate.peak / (1 - MARGIN)) + (PROCESS_OVERHEAD if device.type == "cpu" else 0)
 
 
 def _advice(estimate: TrainingMemory, available: int, cfg: TrainConfig, path: Execution, max_tokens: Any, *,
-            resume: bool) -> str:
-    """What to change: k times smaller batches with k times the accumulation, bfloat16 on a GPU, a smaller
-    model. A resumed run keeps its batch and precision."""
+            resume: bool, lora: bool = False) -> str:
+    """What to change: k times smaller batches with k times the accumulation, bfloat16 on a GPU, LoRA for a
+    loaded model trained whole (``lora``), a smaller model. A resumed run keeps its batch and precision."""
     if resume:
         return ("a resumed run keeps its batch and precision, so free memory (other processes), or "
                 "resume on a machine with more")
     fixes = []
     room = available - estimate.weights - estimate.optimizer  # for activations, at any batch
-    if room > estimate.gradients + estimate.step_temporary:
+    if room > max(estimate.gradients + estimate.step_temporary, estimate.checkpoint):
         k = -(-estimate.activations // room)
         accum = f"--grad-accum {cfg.grad_accum * k}"
         if isinstance(max_tokens, int):
@@ -319,6 +442,8 @@ def _advice(estimate: TrainingMemory, available: int, cfg: TrainConfig, path: Ex
             fixes.append("shorter sequences")
         if path.device_type == "cuda" and not path.autocast:  # halves most activations
             fixes.append("--bf16")
+    if lora:  # only the adapters have gradients and moments
+        fixes.append("--lora-rank 8")
     fixes.append("a smaller model")
     return "try " + ", or ".join(fixes)
 

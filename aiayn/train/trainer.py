@@ -141,7 +141,7 @@ def _train(
     fast: bool,
 ) -> TrainResult:
     """The phases: setup, schedule, resume, optimiser, records, the loop, the end."""
-    model = _setup(task, model_config, train_config, location, ctx, fast=fast, resume=resume)
+    model = _setup(task, model_config, train_config, location, ctx, fast=fast, resume=resume, echo=echo)
     run = TrainingRun(task, train_config, location, ctx, echo, model)
     # A LoRA run on a model the task loads again (its init_from) saves only the adapters.
     run.adapters_only = train_config.lora is not None and bool(task.options.get("init_from"))
@@ -157,7 +157,7 @@ def _train(
 
 
 def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: RunLocation,
-           ctx: distributed.DistContext, *, fast: bool, resume: bool) -> Any:
+           ctx: distributed.DistContext, *, fast: bool, resume: bool, echo: Callable[[str], None]) -> Any:
     """Seed, prepare the task's data, check the memory, build the model on the CPU, move it."""
     torch.manual_seed(cfg.seed)  # (seeds the CUDA generators too)
     task.run_dir = location.path
@@ -165,12 +165,15 @@ def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: Ru
     distributed.run_on_main(ctx, lambda: task.prepare(cfg.seed))
     if ctx.enabled and not ctx.is_main:
         task.prepare(cfg.seed)
-    # Refuse a step that cannot fit (weights, gradients, Adam, activations) before allocating any.
+    # LoRA: trainable adapters on the frozen model (aiayn.finetune.lora); the memory check counts them too.
+    lora = LoraConfig.from_dict(cfg.lora) if cfg.lora is not None else None
+    adapt = None if lora is None else (lambda model: apply_lora(model, lora))
+    # Refuse a step or save that cannot fit (weights, gradients, Adam, activations) before allocating any.
     memory.check_training_memory(task, model_config, cfg, ctx.device, fast=fast, resume=resume,
-                                 world_size=ctx.world_size, fsdp=ctx.fsdp)
+                                 world_size=ctx.world_size, fsdp=ctx.fsdp, echo=echo, adapt=adapt)
     model = task.build_model(model_config)
-    if cfg.lora is not None:  # trainable adapters on the frozen model (aiayn.finetune.lora)
-        apply_lora(model, LoraConfig.from_dict(cfg.lora))
+    if adapt is not None:
+        adapt(model)
     model = model.to(ctx.device)
     if fast:  # the CPU kernels: same parameters and state dict, same function (aiayn.fast)
         from aiayn.fast import optimize

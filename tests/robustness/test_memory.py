@@ -133,21 +133,25 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_a_run_that_cannot_fit_is_refused_with_a_fix_that_fits(work, run_aiayn, monkeypatch):
-    """Reverse's default batch (128) in a machine with memory for about half its activations: one
-    line with the numbers (exit 2, nothing left behind), whose suggested batch then trains."""
+    """Reverse's default batch (128) in a machine with memory for about half its activations once the
+    estimate's margin and the process's own are set aside: one line with the numbers (exit 2, nothing
+    left behind), whose suggested batch then trains."""
     task = ReverseTask(n_train=512, n_val=32, n_test=32)
     config, train = task.model_config(), TrainConfig(**task.train_overrides())
     needed = memory.estimate_training_memory(config, memory.BatchShape(128, 16, 16),
                                              memory.training_execution(torch.device("cpu"), train, fast=True),
                                              counts=memory.model_counts(task, config))
     fixed = needed.weights + needed.optimizer
-    monkeypatch.setattr(memory, "available_memory", lambda: fixed + needed.activations * 6 // 10)
+    usable = fixed + needed.activations * 6 // 10
+    monkeypatch.setattr(memory, "available_memory",
+                        lambda: int(usable / (1 - memory.MARGIN)) + memory.PROCESS_OVERHEAD)
     code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--max-steps", "1", *QUICK)
     assert code == 2 and err.count("\n") == 1, err
     assert re.search(r"training would need about [\d.]+ [KM]iB \(weights [\d.]+ KiB \+ Adam's moments "
                      r"[\d.]+ KiB \+ the larger of activations [\d.]+ MiB and gradients [\d.]+ KiB\) for batches "
-                     r"of 128 x 16 tokens, more than the [\d.]+ [KM]iB available here; try --batch-size 64 "
-                     r"--grad-accum 2, or a smaller model", err), err
+                     r"of 128 x 16 tokens, up to [\d.]+ MiB with the estimate's 25% margin and the process's own "
+                     r"128 MiB, more than the [\d.]+ MiB available here; try --batch-size 64 --grad-accum 2, or "
+                     r"a smaller model", err), err
     assert not (work / "run").exists()
     code, _, err = run_aiayn("train", "--recipe", "recipe.yaml", "--run-dir", "run", "--max-steps", "1",
                          "--batch-size", "64", "--grad-accum", "2", *QUICK)
@@ -207,7 +211,8 @@ def test_cpu_allocator_failure_reads_as_out_of_memory():
 def test_the_advice_fits_what_does_not_fit():
     """Activations too large: batches k times smaller with k times the accumulation (--max-tokens
     for token batches), --bf16 on a GPU without it; weights, gradients and moments too large: only
-    a smaller model; a resume: free memory (its batch and precision are the run's)."""
+    a smaller model (or LoRA for a loaded model); a resume: free memory (its batch and precision are
+    the run's)."""
     cfg = TrainConfig(batch_size=64, grad_accum=2, bf16=False)
     mib = 2**20
     estimate = memory.TrainingMemory(weights=10 * mib, gradients=10 * mib, optimizer=20 * mib, step_temporary=0,
@@ -218,4 +223,7 @@ def test_the_advice_fits_what_does_not_fit():
     assert memory._advice(estimate, 60 * mib, cfg, cuda, 4096, resume=False) == \
         "try --max-tokens 1024 --grad-accum 8, or --bf16, or a smaller model"
     assert memory._advice(estimate, 35 * mib, cfg, cuda, None, resume=False) == "try a smaller model"
+    # a loaded model trained whole: LoRA trains adapters only (no gradients or moments for the base)
+    assert memory._advice(estimate, 35 * mib, cfg, cpu, None, resume=False, lora=True) == \
+        "try --lora-rank 8, or a smaller model"
     assert "resumed run keeps its batch" in memory._advice(estimate, 60 * mib, cfg, cpu, None, resume=True)

@@ -144,19 +144,45 @@ def test_an_answer_not_stored_cannot_be_continued(client):
     assert error.value.body["code"] == "previous_response_not_found"
 
 
+def test_a_stored_response_is_read_back_and_deleted(client):
+    answer = client.responses.create(model="tiny", input="hi", max_output_tokens=3, temperature=0)
+    again = client.responses.retrieve(answer.id)
+    assert again.model_dump() == answer.model_dump()
+    streamed = client.responses.create(model="tiny", input="hi", max_output_tokens=3, temperature=0, stream=True)
+    completed = [event.response for event in streamed if event.type == "response.incomplete"]
+    assert len(completed) == 1
+    assert client.responses.retrieve(completed[0].id).model_dump() == completed[0].model_dump()
+    client.responses.delete(answer.id)
+    for read in (lambda: client.responses.retrieve(answer.id), lambda: client.responses.delete(answer.id),
+                 lambda: client.responses.create(model="tiny", input="more", max_output_tokens=2,
+                                                 previous_response_id=answer.id)):
+        with pytest.raises(openai.NotFoundError) as error:
+            read()
+        assert f'no response "{answer.id}" is stored' in error.value.body["message"]
+
+
+def test_an_answer_not_stored_cannot_be_read_back(client):
+    answer = client.responses.create(model="tiny", input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError) as error:
+        client.responses.retrieve(answer.id)
+    assert error.value.body["code"] == "not_found" and "store=false" in error.value.body["message"]
+
+
 def test_the_api_key_is_required(url):
     stranger = openai.OpenAI(base_url=url, api_key="wrong", max_retries=0, timeout=TIMEOUT)
-    with pytest.raises(openai.AuthenticationError) as error:
-        stranger.responses.create(model="tiny", input="hi", max_output_tokens=2)
-    assert error.value.body["code"] == "invalid_api_key"
+    for call in (lambda: stranger.responses.create(model="tiny", input="hi", max_output_tokens=2),
+                 lambda: stranger.responses.retrieve("resp_x"), lambda: stranger.responses.delete("resp_x")):
+        with pytest.raises(openai.AuthenticationError) as error:
+            call()
+        assert error.value.body["code"] == "invalid_api_key"
 
 
 def test_the_store_keeps_the_latest_responses_used():
     store = ResponseStore(size=2)
     for name in ("a", "b"):
-        store.put(name, [{"role": "user", "content": name}])
+        store.put(name, [{"role": "user", "content": name}], {"id": name})
     store.get("a")  # a is now the latest used: b goes first
-    store.put("c", [])
+    store.put("c", [], {"id": "c"})
     assert store.get("a") == [{"role": "user", "content": "a"}] and store.get("c") == []
     with pytest.raises(APIError) as error:
         store.get("b")
