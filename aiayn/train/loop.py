@@ -255,8 +255,9 @@ def _checkpoint(run: TrainingRun) -> None:
     model_state = optimizer_state = None
     if ctx.fsdp:  # gather the full state on every rank (a collective); rank 0 writes it
         model_state, optimizer_state = distributed.full_state(model, optimizer, ctx)
-    marks = {"weights": ADAPTER_WEIGHTS} if run.adapters_only else {}
-    if run.adapters_only:
+    marks: dict[str, Any] = {}
+    if run.adapters_only:  # what the run learned; its task loads the frozen base again
+        marks["weights"] = ADAPTER_WEIGHTS
         model_state = {k: v for k, v in (model_state or model.state_dict()).items() if is_adapter_key(k)}
     # Never save non-finite weights (an overflow can reach them with the loss still finite).
     if not all_finite(model_state.values() if model_state is not None else model.parameters()):
