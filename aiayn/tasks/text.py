@@ -109,10 +109,10 @@ class TextTask(CausalTextTask):
             raise ConfigError(f"task text: val_share must be between 0 and 1, got {val_share}")
         self.source = SourceOption(init_from)
         self._tokenizer: Any = None
-        options = {key: value for key, value in dict(
+        given = {key: value for key, value in dict(
             init_from=init_from, val_data=val_data, tokenizer=tokenizer, vocab_size=vocab_size).items()
             if value is not None}
-        super().__init__(block_size=block_size, data=list(data), val_share=val_share, **options)
+        super().__init__(block_size=block_size, data=list(data), val_share=val_share, **given, **options)
 
     @property
     def tokenizer(self) -> Any:

@@ -13,6 +13,7 @@ import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar in a test's captured output
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "cats", "sit", "on", "warm", "mats", "and", "sing"]
 EOS = "<|endoftext|>"
