@@ -109,6 +109,7 @@ class TextTask(CausalTextTask):
             raise ConfigError(f"task text: val_share must be between 0 and 1, got {val_share}")
         self.source = SourceOption(init_from)
         self._tokenizer: Any = None
+        self._kept_front: tuple[Path | None, tuple[Any, Any, int | None]] | None = None
         given = {key: value for key, value in dict(
             init_from=init_from, val_data=val_data, tokenizer=tokenizer, vocab_size=vocab_size).items()
             if value is not None}
@@ -135,18 +136,20 @@ class TextTask(CausalTextTask):
 
     def _front(self) -> tuple[Any, Any, int | None]:
         """The loaded model's (tokenizer, chat template, end-of-text id): kept in the run directory, else
-        the source's."""
-        kept = read_text_front(self.run_dir) if self.run_dir is not None else None
-        if kept is not None:
-            return kept
-        text = self._source_text()
-        return text.tokenizer, text.chat_template, text.eos_id
+        the source's; read once per run directory."""
+        if self._kept_front is None or self._kept_front[0] != self.run_dir:
+            kept = read_text_front(self.run_dir) if self.run_dir is not None else None
+            if kept is None:
+                text = self._source_text()
+                kept = text.tokenizer, text.chat_template, text.eos_id
+            self._kept_front = self.run_dir, kept
+        return self._kept_front[1]
 
     def _source_text(self) -> Any:
         source = self.source.get()
         if source.text is None or source.text.tokenizer is None:
             raise ConfigError(f"task text needs a decoder-only language model with a tokenizer; {source.name} "
-                              f"is a {source.config.arch} model")
+                              f"is not one (its architecture: {source.config.arch})")
         return source.text
 
     def make_tokenizer(self) -> Any:
