@@ -165,7 +165,7 @@ def _task_options(func: Callable[..., Any]) -> Callable[..., Any]:
                                "line i of --src."),
     )):
         func = click.option(declared, type=kind, multiple=multiple, default=() if multiple else None,
-                            help=text)(func)
+                            metavar="SOURCE" if kind is str else None, help=text)(func)
     return func
 
 
