@@ -148,6 +148,26 @@ def _config_options(options: dict[str, tuple[Any, str]]) -> Callable[[Callable[.
 
 
 _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}  # RunSetupError.about
+# Task options given on the command line: what to start from and the data (files, as lists where repeatable).
+_TASK_OPTIONS = ("init_from", "data", "val_data", "src", "tgt")
+
+
+def _task_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--init-from`` and the data files, passed to the task as its options of the same names."""
+    file = click.Path(dir_okay=False)
+    for declared, kind, multiple, text in reversed((
+        ("--init-from", str, False, "Start from this model and continue training it, with its tokenizer: a shipped "
+                                    "model, a run directory, a GGUF file (dequantised) or a Hugging Face directory."),
+        ("--data", file, True, "Training data file (repeat for several); the format is the task's (--task text: "
+                               "plain text)."),
+        ("--val-data", file, True, "Validation data file (repeat for several). Default: a seeded share of --data."),
+        ("--src", file, False, "Source-side file of your own parallel data (translation)."),
+        ("--tgt", file, False, "Target-side file of your own parallel data (translation), line i translating "
+                               "line i of --src."),
+    )):
+        func = click.option(declared, type=kind, multiple=multiple, default=() if multiple else None,
+                            metavar="SOURCE" if kind is str else None, help=text)(func)
+    return func
 
 
 @cli.command("train")
@@ -161,6 +181,7 @@ _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}
                    "new one has saved its first checkpoint; folders that are not aiayn runs are refused).")
 @_config_options(_TRAIN_OPTIONS)
 @_config_options(_MODEL_OPTIONS)
+@_task_options
 @lora_options
 @click.option("--max-tokens", type=click.IntRange(min=1),
               help="Token-count batching (translation): padded tokens per batch, e.g. 4096.")
@@ -195,6 +216,8 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
     run_dir = run_dir or default_run_dir(setup.task_name)
     if is_main_process():
         click.echo(f"task {setup.task_name}: {setup.task.description}")
+        for note in _setup_notes(setup.task, setup.train_config.seed):
+            click.echo(note)
         click.echo(f"run directory: {run_dir}")
     try:
         result = train(setup.task, setup.model_config, setup.train_config, run_dir, resume=resume,
@@ -219,16 +242,24 @@ def _setup_run(ctx: click.Context, task: str, resume_dir: Path | None, recipe: P
         return ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
 
     chosen = {k: v for k, v in options.items() if v is not None and given(k)}
+    task_options = {k: list(v) if isinstance(v, tuple) else v for k, v in chosen.items() if k in _TASK_OPTIONS}
     try:
         return setup_run(task if given("task") else None, resume_dir=resume_dir, recipe=recipe,
                          max_tokens=max_tokens,
                          model_options={k: v for k, v in chosen.items() if k in _MODEL_OPTIONS},
                          train_options={**{k: v for k, v in chosen.items() if k in _TRAIN_OPTIONS},
-                                        **lora_train_options(chosen)})
+                                        **lora_train_options(chosen)},
+                         task_options=task_options)
     except RunSetupError as exc:
         if exc.about not in _SETUP_HINTS:
             raise click.UsageError(str(exc)) from None
         raise click.BadParameter(str(exc), param_hint=_SETUP_HINTS[exc.about]) from None
+
+
+def _setup_notes(task: Any, seed: int) -> list[str]:
+    """What a task says it will do that the options did not spell out (a validation split it makes)."""
+    notes = getattr(task, "setup_notes", None)
+    return notes(seed) if notes is not None else []
 
 
 def _report(result: Any, run_dir: Path) -> None:

@@ -74,11 +74,16 @@ class TextWindowsTask(Task):
     def count_tokens(self, batch: Batch) -> int:
         return batch["tokens"].numel()
 
+    def validation_start(self) -> Tensor:
+        """The first ``ATTENTION_TOKENS`` tokens of the validation text (the corpus's last 10%, read without
+        encoding the whole corpus)."""
+        corpus = dataset_file(*CORPUS).read_text(encoding="utf-8")
+        return self.tokenizer.encode(corpus[int(0.9 * len(corpus)):][: 4 * ATTENTION_TOKENS])[:ATTENTION_TOKENS]
+
     def attention_maps(self, model: nn.Module, text: str | None, kind: str) -> AttentionExample:
         """Self-attention over ``text`` or the start of the validation text (``ATTENTION_TOKENS`` at most)."""
-        if text is None:  # the start of the validation text (no need to encode the whole corpus)
-            corpus = dataset_file(*CORPUS).read_text(encoding="utf-8")
-            ids = self.tokenizer.encode(corpus[int(0.9 * len(corpus)):][: 4 * ATTENTION_TOKENS])[:ATTENTION_TOKENS]
+        if text is None:
+            ids = self.validation_start()
         else:
             ids = self.tokenizer.encode(text)[:ATTENTION_TOKENS]
             if ids.numel() == 0:
@@ -90,18 +95,18 @@ class TextWindowsTask(Task):
         return self_attention_example(out, labels, f"{self.name}: {what}")
 
 
-@register
-class ShakespeareCharTask(TextWindowsTask):
-    name = "shakespeare-char"
+class CausalTextTask(TextWindowsTask):
+    """Next-token prediction over windows of a text (GPT), with nanoGPT's shakespeare-char recipe as the
+    default model and training: shared by the Tiny Shakespeare tasks and ``text`` on your own files."""
+
     attention_kinds = ("decoder",)
-    description = "character-level GPT on Tiny Shakespeare (nanoGPT's shakespeare-char)"
 
     def model_config(self) -> ModelConfig:
         # nanoGPT's CPU recipe for shakespeare-char: 4 layers, 4 heads, 128 wide, 64 characters of context.
         return ModelConfig(arch="decoder-only", vocab_size=self.tokenizer.vocab_size, d_model=128,
                            n_heads=4, n_layers=4, d_ff=512, activation="gelu", norm_position="pre",
                            positional="learned", scale_embeddings=False, max_seq_len=self.block_size,
-                           pad_id=None, dropout=0.0, name="shakespeare-char")
+                           pad_id=None, dropout=0.0, name=self.name)
 
     def train_overrides(self) -> dict[str, Any]:
         return dict(max_steps=3600, batch_size=12, lr=1e-3, schedule="cosine", warmup_steps=100,
@@ -130,6 +135,12 @@ class ShakespeareCharTask(TextWindowsTask):
 
 
 @register
+class ShakespeareCharTask(CausalTextTask):
+    name = "shakespeare-char"
+    description = "character-level GPT on Tiny Shakespeare (nanoGPT's shakespeare-char)"
+
+
+@register
 class ShakespeareCharLongTask(ShakespeareCharTask):
     """A longer shakespeare-char recipe for an hour of 2 CPU cores aiming at val loss <= 1.50: nanoGPT's
     context and dropout on a 4-layer, d_model 256 model, under bfloat16 autocast."""
@@ -141,8 +152,7 @@ class ShakespeareCharLongTask(ShakespeareCharTask):
         super().__init__(block_size=block_size, **options)
 
     def model_config(self) -> ModelConfig:
-        return super().model_config().replace(d_model=256, n_heads=4, n_layers=4, d_ff=1024, dropout=0.2,
-                                              name="shakespeare-char-long")
+        return super().model_config().replace(d_model=256, n_heads=4, n_layers=4, d_ff=1024, dropout=0.2)
 
     def train_overrides(self) -> dict[str, Any]:
         return {**super().train_overrides(), "max_steps": 8000, "batch_size": 24, "warmup_steps": 200,
@@ -257,9 +267,6 @@ class ShakespeareBPETask(ShakespeareCharTask):
         text = dataset_file(*CORPUS).read_text(encoding="utf-8")
         cut = int(0.9 * len(text))  # the same character split as shakespeare-char
         self.tokens = {"train": self.tokenizer.encode(text[:cut]), "val": self.tokenizer.encode(text[cut:])}
-
-    def model_config(self) -> ModelConfig:
-        return super().model_config().replace(name="shakespeare-bpe")
 
     def unigram_nll(self, split: str = "val") -> float:
         """Loss per token of add-one smoothed unigram frequencies on ``split``: the context-free baseline."""

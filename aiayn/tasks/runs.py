@@ -21,8 +21,9 @@ from aiayn.config import ConfigError, ModelConfig, TrainConfig
 from aiayn.finetune.lora import merge_lora
 from aiayn.finetune.peft_format import load_adapter
 from aiayn.tasks.base import TASKS, get_task
+from aiayn.tasks.base import task_options as task_options_of
 from aiayn.tasks.trained import (
-    LoadedRun,  # noqa: F401  (re-exported: aiayn.tasks.runs.LoadedRun)
+    LoadedRun,  # re-exported: aiayn.tasks.runs.LoadedRun
     RunInputError,
     is_ensemble_release,
     is_release,
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
 
 DEFAULT_TASK = "reverse"
 RECIPE_KEYS = frozenset({"task", "task_options", "model", "train", "description"})
+# Model options that leave the shapes of a loaded model's weights as they are (allowed with init_from).
+SHAPE_FREE = frozenset({"dropout", "attention_dropout", "padding_free"})
 
 
 class RunSetupError(ConfigError):
@@ -164,7 +167,7 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
     ``aiayn.fast.quantize.lower_precision``'s choices; ``device``: as ``aiayn.textgen.placement``.
     ``adapter``: a LoRA adapter directory (PEFT's layout) merged into the weights before any
     quantisation; a LoRA run's own adapters are merged too."""
-    from aiayn.textgen import TextModel, placement, read_text_model
+    from aiayn.textgen import placement, read_text_model
 
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_text_model takes one of run_dir and model_path")
@@ -182,14 +185,26 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
         return lm
     assert run_dir is not None
     run = load_run_or_release(run_dir)
-    tokenizer = getattr(run.task, "tokenizer", None)
-    if run.model_config.arch != "decoder-only" or tokenizer is None:
+    if run.model_config.arch != "decoder-only" or getattr(run.task, "tokenizer", None) is None:
         raise RunInputError(f"{run_dir} holds a {run.task.name} run ({run.model_config.arch}); "
                             f"generation needs a decoder-only language model such as shakespeare-char")
     _merge_adapter(merge_lora(run.model), adapter)
-    return TextModel(_lower(for_inference(run.model, plain=plain, device=where), quantize),
-                     lambda text: tokenizer.encode(text).tolist(), tokenizer.decode, run.model_config.max_seq_len,
-                     tokenizer=_tokenizers_object(tokenizer))
+    lm = run_text_model(run)
+    lm.model = _lower(for_inference(run.model, plain=plain, device=where), quantize)
+    return lm
+
+
+def run_text_model(run: LoadedRun) -> TextModel:
+    """A decoder-only run's model (as loaded) with its task's text functions: its tokenizer, and the
+    end-of-text id and chat template of a task that keeps them (one fine-tuned from a chat model)."""
+    from aiayn.textgen import TextModel
+
+    tokenizer = run.task.tokenizer  # type: ignore[attr-defined]
+    template = getattr(run.task, "chat_template", None)
+    chat = None if template is None else lambda text: template.render([{"role": "user", "content": text}])
+    return TextModel(run.model, lambda text: tokenizer.encode(text).tolist(), tokenizer.decode,
+                     run.model_config.max_seq_len, eos_id=getattr(run.task, "eos_id", None), chat=chat,
+                     chat_template=template, tokenizer=_tokenizers_object(tokenizer))
 
 
 def _merge_adapter(model: nn.Module, adapter: Path | None) -> None:
@@ -250,23 +265,29 @@ class RunSetup:
 
 def setup_run(task: str | None = None, *, resume_dir: Path | None = None, recipe: Path | None = None,
               max_tokens: int | None = None, model_options: Mapping[str, Any] | None = None,
-              train_options: Mapping[str, Any] | None = None) -> RunSetup:
+              train_options: Mapping[str, Any] | None = None,
+              task_options: Mapping[str, Any] | None = None) -> RunSetup:
     """The task and configs of a run, from (lowest precedence first) the task's defaults, a recipe file, and
-    ``model_options`` / ``train_options``.
+    ``model_options`` / ``train_options`` / ``task_options``.
 
     ``task``: None takes the recipe's (or the resumed run's), else ``DEFAULT_TASK``. ``resume_dir``: its saved
-    configs replace the defaults and the recipe. ``max_tokens``: token-count batching."""
+    configs replace the defaults and the recipe. ``max_tokens``: token-count batching. ``task_options``: the
+    command line's task options (``init_from``, ``data``, ...): refused, in one line, by a task that does not
+    take them or when resuming; with ``init_from`` the model's shape is the loaded model's (``SHAPE_FREE``)."""
     saved = None
     if resume_dir is not None and (resume_dir / "config.json").is_file():
         saved = read_run_config(resume_dir, hint="cannot resume it")
     recipe_fields = read_recipe(recipe) if recipe is not None and saved is None else {}
     name = task or (saved or recipe_fields).get("task") or DEFAULT_TASK
-    task_options = (saved or recipe_fields).get("task_options", {})
+    given_options = _command_line_options(name, task_options or {}, resuming=resume_dir is not None)
+    task_options = {**(saved or recipe_fields).get("task_options", {}), **given_options}
     if max_tokens is not None:
         if name in TASKS and "max_tokens" not in inspect.signature(TASKS[name].__init__).parameters:
             raise RunSetupError(f"task {name!r} batches by examples (--batch-size); --max-tokens is "
                                 f"for token-count batching (translation)", about="max_tokens")
         task_options = {**task_options, "max_tokens": max_tokens}
+    if saved is None and task_options.get("init_from") is not None:
+        _refuse_shape_changes(task_options["init_from"], recipe_fields.get("model", {}), model_options or {})
     try:
         task_obj = get_task(name, **task_options)
     except TypeError as exc:  # an option the task does not take
@@ -283,6 +304,39 @@ def setup_run(task: str | None = None, *, resume_dir: Path | None = None, recipe
     if isinstance(task_obj, TranslationTask):  # e.g. shared embeddings asked of separate vocabularies: now,
         task_obj.check_model_config(model_config)  # not after the BPE is learned
     return RunSetup(name, task_obj, model_config, TrainConfig.from_dict(train_fields))
+
+
+def _flag(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def _command_line_options(name: str, options: Mapping[str, Any], *, resuming: bool) -> dict[str, Any]:
+    """``options`` if task ``name`` takes each of them and the run is new; a RunSetupError otherwise."""
+    if options and resuming:
+        raise RunSetupError(f"{_flag(next(iter(options)))} cannot change when resuming (the run keeps its "
+                            f"task options); drop it", about="option")
+    for option in options:
+        if name in TASKS and option not in task_options_of(TASKS[name]):
+            takers = sorted(task for task, cls in TASKS.items() if option in task_options_of(cls))
+            raise RunSetupError(f"task {name!r} does not take {_flag(option)}; tasks that do: "
+                                f"{', '.join(takers) or 'none'}", about="option")
+    return dict(options)
+
+
+def _refuse_shape_changes(source: str, recipe_model: Mapping[str, Any], model_options: Mapping[str, Any]) -> None:
+    """A RunSetupError naming the first model option that would change the shape of the model ``source``
+    names: its weights set the shape; only ``SHAPE_FREE`` options may change."""
+    free = ", ".join(_flag(option) for option in sorted(SHAPE_FREE))
+    for option in model_options:
+        if option not in SHAPE_FREE:
+            raise RunSetupError(f"{_flag(option)} would change the shape of the model --init-from {source} "
+                                f"loads (its weights set it); drop it (with --init-from only {free} may "
+                                f"change)", about="option")
+    for option in recipe_model:
+        if option not in SHAPE_FREE:
+            raise RunSetupError(f"the recipe's model.{option} would change the shape of the model --init-from "
+                                f"{source} loads (its weights set it); remove it from the recipe (with "
+                                f"--init-from only {free} may change)", about="recipe")
 
 
 def default_run_dir(task: str) -> Path:

@@ -1,14 +1,19 @@
-"""Tiny random Hugging Face decoders for the LoRA tests: a LLaMA (grouped-query attention, SwiGLU)
-and a GPT-2 (fused c_attn), saved with ``save_pretrained`` and loaded into aiayn with ``load_hf``."""
+"""Fixtures of the fine-tuning tests: tiny random Hugging Face decoders for the LoRA tests (a LLaMA
+with grouped-query attention and SwiGLU, a GPT-2 with its fused c_attn, saved with
+``save_pretrained`` and loaded into aiayn with ``load_hf``), a small text file and tiny model
+directories for the training tests."""
 
 from __future__ import annotations
 
 import math
 import os
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from finetune_helpers import save_hf_dir, write_text
 from torch import nn
 
 from aiayn.interop import load_hf
@@ -72,3 +77,16 @@ def tiny_gpt2(tmp_path_factory):
 @pytest.fixture
 def tokens():
     return torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    return write_text(tmp_path / "text.txt")
+
+
+@pytest.fixture
+def hf_dir(tmp_path: Path, text_file: Path) -> Callable[[str], Path]:
+    """``hf_dir("llama" | "gpt2")``: a tiny random model of that family saved in tmp_path."""
+    def make(kind: str) -> Path:
+        return save_hf_dir(tmp_path / f"hf-{kind}", kind, text_file.read_text(encoding="utf-8"))
+    return make

@@ -24,10 +24,10 @@ SMALL = dict(n_train=64, n_val=16, n_test=16)
 TASK_OPTIONS = {"reverse": SMALL, "copy": SMALL, "set-anomaly": SMALL,
                 "translation": dict(vocab_size=300, val_bleu=False, beam_size=1, max_tokens=256),
                 "shakespeare-char": {}, "shakespeare-char-long": {}, "mlm": {},
-                "shakespeare-bpe": dict(vocab_size=300)}
+                "shakespeare-bpe": dict(vocab_size=300), "text": {}}
 KINDS = {"copy": ("cross", "encoder", "decoder"), "translation": ("cross", "encoder", "decoder"),
          "shakespeare-char": ("decoder",), "shakespeare-char-long": ("decoder",),
-         "shakespeare-bpe": ("decoder",)}
+         "shakespeare-bpe": ("decoder",), "text": ("decoder",)}
 MULTI30K = data_dir() / "multi30k"
 HAVE_DATA = (MULTI30K / "train.en").is_file() and (data_dir() / "tinyshakespeare" / "input.txt").is_file()
 
@@ -48,9 +48,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         lines = read_lines(MULTI30K / f"train.{lang}")[:30]
         for split in ("train", "val", "test2016"):
             (corpus / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    text = root / "text.txt"  # the text task's data: a few hundred lines of the Multi30k sentences
+    text.write_text("\n".join(read_lines(MULTI30K / "train.en")[:300]) + "\n", encoding="utf-8")
+    data = {"translation": {"corpus_dir": str(corpus)}, "text": {"data": [str(text)]}}
     out = {}
     for name, options in TASK_OPTIONS.items():
-        task = get_task(name, **options, **({"corpus_dir": str(corpus)} if name == "translation" else {}))
+        task = get_task(name, **options, **data.get(name, {}))
         model_config = task.model_config().replace(d_model=16, n_heads=2, n_layers=2, n_decoder_layers=2,
                                                    d_ff=24)
         train_config = TrainConfig(task=name, max_steps=1, batch_size=8, eval_every=1, save_every=1,

@@ -1,0 +1,223 @@
+"""Language modelling on your own text files: ``aiayn train --task text --data FILE...``.
+
+From scratch the vocabulary is learned from the files and kept in the run's options: characters
+(``tokenizer: char``, the default: nanoGPT's shakespeare-char recipe on any text) or a byte-level BPE
+(``tokenizer: bpe``, ``vocab_size`` tokens). With ``init_from`` (anything ``aiayn.load`` opens) the
+run continues that model with its tokenizer; the tokenizer, chat template and end-of-text id are
+kept in the run directory, so the run generates without its source. Every file is checked (UTF-8,
+no NUL byte) before training; without ``val_data`` a seeded share of the text validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from aiayn.config import ConfigError, ModelConfig
+from aiayn.data.parallel import DataError
+from aiayn.finetune.source import SourceOption, read_text_front, save_text_front
+from aiayn.generate import SamplingConfig
+from aiayn.tasks.base import register
+from aiayn.tasks.language_model import ATTENTION_TOKENS, BPETokenizer, CausalTextTask
+from aiayn.tokenizers import CharTokenizer
+
+TOKENIZERS = ("char", "bpe")
+SPLIT_PIECES = 100  # a text without --val-data is cut into this many runs of whole lines (fewer if short)
+
+
+class TokenizersText:
+    """A ``tokenizers.Tokenizer`` with ``CharTokenizer``'s interface: ids as tensors, no special tokens
+    added (windows of a running text)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> Tensor:
+        return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=torch.long)
+
+    def decode(self, ids: Tensor | list[int]) -> str:
+        return self.tokenizer.decode(ids.tolist() if isinstance(ids, Tensor) else list(ids))
+
+
+def read_text_files(paths: list[str]) -> str:
+    """The files' text, one after the other, each checked first: it exists, is UTF-8 and holds no NUL
+    byte; a ``DataError`` names the file and line of the first problem."""
+    texts = []
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise DataError(f"{path}: not found; give a text file")
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line, column = _position(raw, exc.start)
+            raise DataError(f"{path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {column}); convert "
+                            f"the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+        if (nul := raw.find(b"\0")) >= 0:
+            line, column = _position(raw, nul)
+            raise DataError(f"{path}:{line}: a NUL byte at column {column} (a binary file?); give plain text")
+        if not text.strip():
+            raise DataError(f"{path}:1: the file holds no text; give a file with some")
+        text = text.removeprefix("\ufeff")
+        texts.append(text if text.endswith("\n") else text + "\n")
+    return "".join(texts)
+
+
+def _position(raw: bytes, offset: int) -> tuple[int, int]:
+    """(line, column), counted from 1, of byte ``offset``."""
+    return raw.count(b"\n", 0, offset) + 1, offset - (raw.rfind(b"\n", 0, offset) + 1) + 1
+
+
+def split_text(text: str, share: float, seed: int) -> tuple[str, str]:
+    """(train, validation): the text cut into up to ``SPLIT_PIECES`` runs of whole lines, a ``share``
+    of them (at least one) chosen by ``seed`` to validate, each part kept in the text's order."""
+    lines = text.splitlines(keepends=True)
+    if len(lines) < 2:
+        raise DataError("the text is a single line, too little to hold some out for validation; give "
+                        "--val-data FILE")
+    n = min(SPLIT_PIECES, len(lines))
+    bounds = [round(i * len(lines) / n) for i in range(n + 1)]
+    pieces = ["".join(lines[bounds[i]:bounds[i + 1]]) for i in range(n)]
+    n_val = min(n - 1, max(1, round(share * n)))
+    chosen = set(torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:n_val].tolist())
+    train = "".join(p for i, p in enumerate(pieces) if i not in chosen)
+    return train, "".join(p for i, p in enumerate(pieces) if i in chosen)
+
+
+@register
+class TextTask(CausalTextTask):
+    name = "text"
+    description = "language modelling on your own text files (--data), from scratch or --init-from a model"
+    recorded_options = ("vocab", "bpe")  # a vocabulary learned from scratch (characters, or the BPE's JSON)
+    attention_needs_splits = True
+
+    def __init__(self, *, data: list[str] | None = None, val_data: list[str] | None = None,
+                 init_from: str | None = None, tokenizer: str | None = None, vocab_size: int | None = None,
+                 val_share: float = 0.1, block_size: int = 64, **options: Any) -> None:
+        if not data:
+            raise ConfigError("task text needs the text to learn from: give --data FILE (one or more)")
+        if tokenizer is not None and tokenizer not in TOKENIZERS:
+            raise ConfigError(f"task text: tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
+        if init_from is not None and (tokenizer is not None or vocab_size is not None):
+            raise ConfigError("task text: tokenizer and vocab_size are for a model from scratch; with --init-from "
+                              "the loaded model's tokenizer is used")
+        if not 0 < val_share < 1:
+            raise ConfigError(f"task text: val_share must be between 0 and 1, got {val_share}")
+        self.source = SourceOption(init_from)
+        self._tokenizer: Any = None
+        self._kept_front: tuple[Path | None, tuple[Any, Any, int | None]] | None = None
+        given = {key: value for key, value in dict(
+            init_from=init_from, val_data=val_data, tokenizer=tokenizer, vocab_size=vocab_size).items()
+            if value is not None}
+        super().__init__(block_size=block_size, data=list(data), val_share=val_share, **given, **options)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The run's tokenizer: learned from scratch, or the loaded model's (read back from the run)."""
+        if self._tokenizer is None and self.source.given:
+            self._tokenizer = TokenizersText(self._front()[0])
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value: Any) -> None:
+        self._tokenizer = value
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._front()[2] if self.source.given else None
+
+    @property
+    def chat_template(self) -> Any:
+        return self._front()[1] if self.source.given else None
+
+    def _front(self) -> tuple[Any, Any, int | None]:
+        """The loaded model's (tokenizer, chat template, end-of-text id): kept in the run directory, else
+        the source's; read once per run directory."""
+        if self._kept_front is None or self._kept_front[0] != self.run_dir:
+            kept = read_text_front(self.run_dir) if self.run_dir is not None else None
+            if kept is None:
+                text = self._source_text()
+                kept = text.tokenizer, text.chat_template, text.eos_id
+            self._kept_front = self.run_dir, kept
+        return self._kept_front[1]
+
+    def _source_text(self) -> Any:
+        source = self.source.get()
+        if source.text is None or source.text.tokenizer is None:
+            raise ConfigError(f"task text needs a decoder-only language model with a tokenizer; {source.name} "
+                              f"is not one (its architecture: {source.config.arch})")
+        return source.text
+
+    def make_tokenizer(self) -> Any:
+        """From scratch: the vocabulary the run's options record, learned from the files the first time.
+        With init_from: None here; the loaded model's comes on first use."""
+        if self.source.given:
+            return None
+        kind = self.options.get("tokenizer", "char")
+        if kind == "char":
+            if self.options.get("vocab") is None:
+                self.options["vocab"] = CharTokenizer.from_text(self._all_text()).vocab
+            return CharTokenizer(self.options["vocab"])
+        if self.options.get("bpe") is None:
+            self.options["bpe"] = BPETokenizer.train(self._all_text(), self.options.get("vocab_size", 1024)).json
+        return TokenizersText(BPETokenizer(self.options["bpe"]).tokenizer)
+
+    def _all_text(self) -> str:
+        return read_text_files([*self.options["data"], *self.options.get("val_data", [])])
+
+    def model_config(self) -> ModelConfig:
+        if not self.source.given:
+            return super().model_config()
+        config = self.source.get().config
+        self._source_text()  # refuses a model without a text front end now, before a run is made
+        if self.block_size > config.max_seq_len:
+            raise ConfigError(f"task text: block_size {self.block_size} is longer than the context of "
+                              f"{self.source.name} ({config.max_seq_len} tokens); give a smaller block_size")
+        return config
+
+    def train_overrides(self) -> dict[str, Any]:
+        if not self.source.given:
+            return super().train_overrides()
+        # Fine-tuning: transformers' Trainer defaults (AdamW 5e-5, linear decay, no warmup), one epoch.
+        return dict(epochs=1, batch_size=8, lr=5e-5, schedule="linear", warmup_steps=0, optimizer="adamw",
+                    weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad_norm=1.0, eval_every=0,
+                    save_every=0)
+
+    def build_model(self, config: ModelConfig) -> nn.Module:
+        if not self.source.given:
+            return super().build_model(config)
+        return self.source.build_model(config, self.run_dir)
+
+    def setup_notes(self, seed: int) -> list[str]:
+        """What the run will do that the user did not spell out: the validation split it makes."""
+        if self.options.get("val_data"):
+            return []
+        return [f"validation: {self.options['val_share']:.0%} of the text (runs of whole lines chosen with seed "
+                f"{seed}); give --val-data FILE to choose it yourself"]
+
+    def prepare(self, seed: int) -> None:
+        text = read_text_files(self.options["data"])
+        if self.options.get("val_data"):
+            train, val = text, read_text_files(self.options["val_data"])
+        else:
+            train, val = split_text(text, self.options["val_share"], seed)
+        if self.source.given and self.run_dir is not None and read_text_front(self.run_dir) is None:
+            save_text_front(self._source_text(), self.run_dir)
+        self.tokens = {"train": self.tokenizer.encode(train), "val": self.tokenizer.encode(val)}
+        for split, tokens in self.tokens.items():
+            if len(tokens) < self.block_size + 2:
+                raise DataError(f"the {split} text is {len(tokens)} tokens, too few for one window of "
+                                f"block_size {self.block_size} (+ 2); give more text or a smaller block_size")
+
+    def validation_start(self) -> Tensor:
+        return self.tokens["val"][:ATTENTION_TOKENS]
+
+    def examples(self, model: nn.Module, n: int = 1) -> list[str]:
+        prompt = self.tokenizer.decode(self.tokens["val"][:1])  # a token the vocabulary surely holds
+        text = self.sample(model, prompt, max_new_tokens=min(200, self.block_size - 1),
+                           sampling=SamplingConfig(temperature=0.8, top_k=40, seed=0))
+        return [f"sample: {text!r}"]
