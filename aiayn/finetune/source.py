@@ -19,7 +19,7 @@ from torch import nn
 
 from aiayn.config import ModelConfig
 from aiayn.models import build_model
-from aiayn.train.checkpoint import latest_checkpoint
+from aiayn.train.checkpoint import ADAPTER_WEIGHTS, STATE_FILE, latest_checkpoint
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF tensor types that hold floats, not quantised blocks
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE = (
@@ -132,10 +132,12 @@ class SourceOption:
 
     def build_model(self, config: ModelConfig, run_dir: Path | None) -> nn.Module:
         """The model a task trains from: the source's weights in a new run (``run_dir`` set, no
-        checkpoint yet); outside a run or when resuming, the architecture alone (a checkpoint or a
-        release fills it in next). ``config`` may differ from the source's only where the shapes do
-        not (dropout): then a model of ``config`` gets the source's weights."""
-        if run_dir is None or latest_checkpoint(run_dir / "checkpoints") is not None:
+        checkpoint yet) and under a LoRA run's checkpoints (they hold the adapters only); outside a
+        run or under full checkpoints, the architecture alone (a checkpoint or a release fills it in
+        next). ``config`` may differ from the source's only where the shapes do not (dropout): then a
+        model of ``config`` gets the source's weights."""
+        latest = None if run_dir is None else latest_checkpoint(run_dir / "checkpoints")
+        if run_dir is None or (latest is not None and not _adapters_only(latest)):
             return build_model(config)
         source = self.get()
         if config == source.config:
@@ -143,6 +145,15 @@ class SourceOption:
         model = build_model(config)
         model.load_state_dict(source.model.state_dict())
         return model.train()
+
+
+def _adapters_only(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` holds a LoRA run's adapters without the base they go on."""
+    try:
+        state = json.loads((checkpoint / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # (loading the checkpoint says what is wrong with it)
+    return isinstance(state, dict) and state.get("weights") == ADAPTER_WEIGHTS
 
 
 def save_text_front(text: Any, run_dir: Path) -> None:

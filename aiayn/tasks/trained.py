@@ -58,11 +58,11 @@ def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = T
     path = checkpoint or latest_checkpoint(run_dir / "checkpoints")
     if path is None:
         raise CheckpointError(f"{run_dir} holds no checkpoint yet")
+    task.run_dir = run_dir  # (a task that loads a base for its checkpoints looks there)
     model = task.build_model(model_config)
     if train_config.lora is not None:  # a LoRA run: its adapters on the task's model
         apply_lora(model, LoraConfig.from_dict(train_config.lora))
     load_checkpoint(path, model)
-    task.run_dir = run_dir
     if prepare:
         task.prepare(train_config.seed)
     return LoadedRun(task=task, model=model.eval(), model_config=model_config,
