@@ -15,7 +15,7 @@ from torch import nn
 
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.tasks.base import get_task
-from aiayn.tasks.translation import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TOKENIZER_FILE
+from aiayn.tokenizers import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TOKENIZER_FILE
 from aiayn.train.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, load_checkpoint
 from aiayn.train.run_dir import RunDirError, read_run_config
 from aiayn.train.task import Task
