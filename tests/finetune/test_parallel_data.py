@@ -61,7 +61,7 @@ def test_a_folder_gives_its_own_validation_and_test(tmp_path):
 ])
 def test_bad_parallel_files_are_refused_naming_file_and_line(tmp_path, src_lines, tgt_lines, message):
     src, tgt = write(tmp_path / "a.en", src_lines), write(tmp_path / "a.de", tgt_lines)
-    with pytest.raises(DataError, match="^" + re.escape(message.format(src=src, tgt=tgt))):
+    with pytest.raises(DataError, match=r"^" + re.escape(message.format(src=src, tgt=tgt))):
         corpus(src, tgt)
 
 
@@ -74,13 +74,13 @@ def test_a_file_not_utf8_is_refused_naming_its_line(tmp_path):
 
 def test_options_that_do_not_make_a_pair_are_refused(tmp_path):
     src = write(tmp_path / "a.en", EN)
-    with pytest.raises(ConfigError, match="^parallel files come in pairs; give both --src FILE and --tgt FILE$"):
+    with pytest.raises(ConfigError, match=r"^parallel files come in pairs; give both --src FILE and --tgt FILE$"):
         corpus(src=src)
-    with pytest.raises(ConfigError, match="^give the training pair either as --src/--tgt files or as a folder"):
+    with pytest.raises(ConfigError, match=r"^give the training pair either as --src/--tgt files or as a folder"):
         corpus(src, write(tmp_path / "a.de", DE), folder=str(tmp_path))
-    with pytest.raises(DataError, match="is not a folder; give --data a folder of train.en and train.de"):
+    with pytest.raises(DataError, match=r"is not a folder; give --data a folder of train.en and train.de"):
         corpus(folder=src)
-    with pytest.raises(ConfigError, match="^translation reads one data folder, got 2"):
+    with pytest.raises(ConfigError, match=r"^translation reads one data folder, got 2"):
         get_task("translation", data=[str(tmp_path), str(tmp_path)])
     with pytest.raises(DataError, match=r"too few sentence pairs to split off a validation set \(1; it takes at "
                                         r"least 2\); add sentence pairs, or give a folder with val.en and val.de$"):

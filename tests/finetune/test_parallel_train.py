@@ -51,16 +51,16 @@ def test_a_shipped_model_fine_tuned_on_your_files_moves_and_keeps_its_tokenizer(
 def test_a_bad_line_leaves_no_run_directory(tmp_path):
     task = adaptation(tmp_path)
     write(tmp_path / "d.en", [*EN[:4], "", *EN[5:]])
-    with pytest.raises(DataError, match="^" + re.escape(f"{tmp_path / 'd.en'}, line 5: empty line")):
+    with pytest.raises(DataError, match=r"^" + re.escape(f"{tmp_path / 'd.en'}, line 5: empty line")):
         fine_tune(task, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
 
 def test_a_starting_model_that_does_not_fit_the_options_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="^multi30k-de-en translates de->en but the task's languages are en->de; "
-                                          "give src_lang: de and tgt_lang: en$"):
+    with pytest.raises(ConfigError, match=r"^multi30k-de-en translates de->en but the task's languages are en->de; "
+                                          r"give src_lang: de and tgt_lang: en$"):
         get_task("translation", init_from=SHIPPED).model_config()
-    with pytest.raises(ConfigError, match="^multi30k-de-en has a joint vocabulary; give vocabulary: joint$"):
+    with pytest.raises(ConfigError, match=r"^multi30k-de-en has a joint vocabulary; give vocabulary: joint$"):
         get_task("translation", init_from=SHIPPED, src_lang="de", tgt_lang="en", vocabulary="separate").model_config()
-    with pytest.raises(RunInputError, match="is an ensemble of 2 models, not one"):
+    with pytest.raises(RunInputError, match=r"is an ensemble of 2 models, not one"):
         get_task("translation", init_from="multi30k-en-de").model_config()
