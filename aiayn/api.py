@@ -14,18 +14,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from aiayn.config import ConfigError, ModelConfig
+from aiayn.config import ModelConfig
 from aiayn.embed import SentenceEncoder
 from aiayn.tasks.runs import LoadedRun
+from aiayn.tasks.sources import LoadError, source_kind
 from aiayn.textgen import TextModel
 from aiayn.translate import Translator
 
 if TYPE_CHECKING:
     from aiayn.train.trainer import TrainResult
-
-
-class LoadError(ConfigError):
-    """A source ``aiayn.load`` cannot open: what it is, and what it takes instead."""
 
 
 @dataclass
@@ -46,35 +43,6 @@ class Generation:
     tokens: int
     stop_reason: str
     slides: int = 0
-
-
-def source_kind(path: Path) -> str:
-    """What ``path`` holds: "gguf", "release", "run", "sentence-transformers" or "hf", read from its
-    files without loading weights; LoadError otherwise."""
-    from aiayn.tasks.shipped import is_ensemble_release, is_release
-    from aiayn.textgen import is_gguf
-
-    if is_gguf(path):
-        return "gguf"
-    if is_release(path) or is_ensemble_release(path):
-        return "release"
-    if not path.is_dir():
-        what = "a file that is not GGUF" if path.is_file() else "not found"
-        raise LoadError(f"{path}: {what}; aiayn.load takes a shipped model's name, a run directory, a GGUF "
-                        f"file or a Hugging Face model directory")
-    if (path / "modules.json").is_file():
-        return "sentence-transformers"
-    config = path / "config.json"
-    try:
-        data = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LoadError(f"{config} cannot be read as JSON ({exc})") from None
-    if isinstance(data, dict) and isinstance(data.get("task"), str) and "model" in data:
-        return "run"
-    if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
-        return "hf"
-    raise LoadError(f"{path} holds neither an aiayn run (config.json with task, model, train) nor a Hugging "
-                    f"Face model (config.json with model_type)")
 
 
 def load(source: str | Path, *, checkpoint: str | Path | None = None, device: torch.device | str | None = None,

@@ -57,6 +57,9 @@ class CharTokenizer:
 # ---- BPE over the `tokenizers` library ----------------------------------------------------------
 
 BPE_SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0, 1, 2, 3 in every BPETokenizer
+# The files a translation run keeps its BPE in: one joint vocabulary, or a source and a target one.
+TOKENIZER_FILE = "tokenizer.json"  # a joint vocabulary (every run before separate ones existed)
+SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE = "tokenizer.src.json", "tokenizer.tgt.json"
 
 
 class BPETokenizer:

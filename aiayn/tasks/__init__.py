@@ -1,6 +1,14 @@
 """Built-in tasks; importing this package registers them. See ``base.Task``."""
 
-from aiayn.tasks import copy, language_model, reverse, set_anomaly, text, translation  # noqa: F401  (registration side effect)
+from aiayn.tasks import (  # noqa: F401  (registration side effect)
+    chat,
+    copy,
+    language_model,
+    reverse,
+    set_anomaly,
+    text,
+    translation,
+)
 from aiayn.tasks.base import TASKS, AttentionExample, Task, get_task, register
 
 __all__ = ["TASKS", "AttentionExample", "Task", "get_task", "register"]

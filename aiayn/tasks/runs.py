@@ -23,7 +23,7 @@ from aiayn.finetune.peft_format import load_adapter
 from aiayn.tasks.base import TASKS, get_task
 from aiayn.tasks.base import task_options as task_options_of
 from aiayn.tasks.trained import (
-    LoadedRun,  # re-exported: aiayn.tasks.runs.LoadedRun
+    LoadedRun,  # noqa: F401  (re-exported: aiayn.tasks.runs.LoadedRun)
     RunInputError,
     is_ensemble_release,
     is_release,
@@ -31,6 +31,7 @@ from aiayn.tasks.trained import (
     load_run_or_release,
     release_members,
     resolve_checkpoint,  # noqa: F401  (re-exported: aiayn.tasks.runs.resolve_checkpoint)
+    run_text_model,
     shipped_name,
 )
 from aiayn.tasks.translation import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TranslationTask
@@ -194,31 +195,11 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
     return lm
 
 
-def run_text_model(run: LoadedRun) -> TextModel:
-    """A decoder-only run's model (as loaded) with its task's text functions: its tokenizer, and the
-    end-of-text id and chat template of a task that keeps them (one fine-tuned from a chat model)."""
-    from aiayn.textgen import TextModel
-
-    tokenizer = run.task.tokenizer  # type: ignore[attr-defined]
-    template = getattr(run.task, "chat_template", None)
-    chat = None if template is None else lambda text: template.render([{"role": "user", "content": text}])
-    return TextModel(run.model, lambda text: tokenizer.encode(text).tolist(), tokenizer.decode,
-                     run.model_config.max_seq_len, eos_id=getattr(run.task, "eos_id", None), chat=chat,
-                     chat_template=template, tokenizer=_tokenizers_object(tokenizer))
-
-
 def _merge_adapter(model: nn.Module, adapter: Path | None) -> None:
     """Fold the LoRA adapter in ``adapter`` (if any) into ``model``'s weights."""
     if adapter is not None:
         load_adapter(model, model.config, adapter)
         merge_lora(model)
-
-
-def _tokenizers_object(tokenizer: Any) -> Any:
-    """A run's tokenizer as a ``tokenizers.Tokenizer`` (what a Hugging Face export writes)."""
-    if hasattr(tokenizer, "to_tokenizers"):
-        return tokenizer.to_tokenizers()
-    return getattr(tokenizer, "tokenizer", None)
 
 
 def _lower(model: nn.Module, quantize: str) -> nn.Module:

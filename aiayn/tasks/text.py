@@ -12,34 +12,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.data.parallel import DataError
-from aiayn.finetune.source import SourceOption, read_text_front, save_text_front
+from aiayn.finetune.source import TokenizersText
+from aiayn.finetune.split import split_examples
 from aiayn.generate import SamplingConfig
 from aiayn.tasks.base import register
 from aiayn.tasks.language_model import ATTENTION_TOKENS, BPETokenizer, CausalTextTask
+from aiayn.tasks.sources import SourceOption
 from aiayn.tokenizers import CharTokenizer
 
 TOKENIZERS = ("char", "bpe")
 SPLIT_PIECES = 100  # a text without --val-data is cut into this many runs of whole lines (fewer if short)
-
-
-class TokenizersText:
-    """A ``tokenizers.Tokenizer`` with ``CharTokenizer``'s interface: ids as tensors, no special tokens
-    added (windows of a running text)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = tokenizer.get_vocab_size()
-
-    def encode(self, text: str) -> Tensor:
-        return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=torch.long)
-
-    def decode(self, ids: Tensor | list[int]) -> str:
-        return self.tokenizer.decode(ids.tolist() if isinstance(ids, Tensor) else list(ids))
 
 
 def read_text_files(paths: list[str]) -> str:
@@ -82,10 +68,8 @@ def split_text(text: str, share: float, seed: int) -> tuple[str, str]:
     n = min(SPLIT_PIECES, len(lines))
     bounds = [round(i * len(lines) / n) for i in range(n + 1)]
     pieces = ["".join(lines[bounds[i]:bounds[i + 1]]) for i in range(n)]
-    n_val = min(n - 1, max(1, round(share * n)))
-    chosen = set(torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:n_val].tolist())
-    train = "".join(p for i, p in enumerate(pieces) if i not in chosen)
-    return train, "".join(p for i, p in enumerate(pieces) if i in chosen)
+    split = split_examples(n, seed=seed, fraction=share, what="runs of lines", instead="give --val-data FILE")
+    return "".join(pieces[i] for i in split.train), "".join(pieces[i] for i in split.val)
 
 
 @register
@@ -109,7 +93,6 @@ class TextTask(CausalTextTask):
             raise ConfigError(f"task text: val_share must be between 0 and 1, got {val_share}")
         self.source = SourceOption(init_from)
         self._tokenizer: Any = None
-        self._kept_front: tuple[Path | None, tuple[Any, Any, int | None]] | None = None
         given = {key: value for key, value in dict(
             init_from=init_from, val_data=val_data, tokenizer=tokenizer, vocab_size=vocab_size).items()
             if value is not None}
@@ -119,7 +102,7 @@ class TextTask(CausalTextTask):
     def tokenizer(self) -> Any:
         """The run's tokenizer: learned from scratch, or the loaded model's (read back from the run)."""
         if self._tokenizer is None and self.source.given:
-            self._tokenizer = TokenizersText(self._front()[0])
+            self._tokenizer = TokenizersText(self.source.front(self.run_dir).tokenizer)
         return self._tokenizer
 
     @tokenizer.setter
@@ -128,29 +111,11 @@ class TextTask(CausalTextTask):
 
     @property
     def eos_id(self) -> int | None:
-        return self._front()[2] if self.source.given else None
+        return self.source.front(self.run_dir).eos_id if self.source.given else None
 
     @property
     def chat_template(self) -> Any:
-        return self._front()[1] if self.source.given else None
-
-    def _front(self) -> tuple[Any, Any, int | None]:
-        """The loaded model's (tokenizer, chat template, end-of-text id): kept in the run directory, else
-        the source's; read once per run directory."""
-        if self._kept_front is None or self._kept_front[0] != self.run_dir:
-            kept = read_text_front(self.run_dir) if self.run_dir is not None else None
-            if kept is None:
-                text = self._source_text()
-                kept = text.tokenizer, text.chat_template, text.eos_id
-            self._kept_front = self.run_dir, kept
-        return self._kept_front[1]
-
-    def _source_text(self) -> Any:
-        source = self.source.get()
-        if source.text is None or source.text.tokenizer is None:
-            raise ConfigError(f"task text needs a decoder-only language model with a tokenizer; {source.name} "
-                              f"is not one (its architecture: {source.config.arch})")
-        return source.text
+        return self.source.front(self.run_dir).chat_template if self.source.given else None
 
     def make_tokenizer(self) -> Any:
         """From scratch: the vocabulary the run's options record, learned from the files the first time.
@@ -173,7 +138,7 @@ class TextTask(CausalTextTask):
         if not self.source.given:
             return super().model_config()
         config = self.source.get().config
-        self._source_text()  # refuses a model without a text front end now, before a run is made
+        self.source.text()  # refuses a model without a text front end now, before a run is made
         if self.block_size > config.max_seq_len:
             raise ConfigError(f"task text: block_size {self.block_size} is longer than the context of "
                               f"{self.source.name} ({config.max_seq_len} tokens); give a smaller block_size")
@@ -205,8 +170,8 @@ class TextTask(CausalTextTask):
             train, val = text, read_text_files(self.options["val_data"])
         else:
             train, val = split_text(text, self.options["val_share"], seed)
-        if self.source.given and self.run_dir is not None and read_text_front(self.run_dir) is None:
-            save_text_front(self._source_text(), self.run_dir)
+        if self.source.given and self.run_dir is not None:
+            self.source.keep_front(self.run_dir)
         self.tokens = {"train": self.tokenizer.encode(train), "val": self.tokenizer.encode(val)}
         for split, tokens in self.tokens.items():
             if len(tokens) < self.block_size + 2:

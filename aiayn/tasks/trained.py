@@ -16,7 +16,8 @@ from torch import nn
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.finetune.lora import LoraConfig, apply_lora
 from aiayn.tasks.base import get_task
-from aiayn.tasks.translation import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TOKENIZER_FILE
+from aiayn.textgen import TextModel
+from aiayn.tokenizers import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TOKENIZER_FILE
 from aiayn.train.checkpoint import STATE_FILE, CheckpointError, latest_checkpoint, load_checkpoint
 from aiayn.train.run_dir import RunDirError, read_run_config
 from aiayn.train.task import Task
@@ -221,3 +222,21 @@ def load_run_or_release(path: Path, *, checkpoint: Path | None = None, prepare: 
                                 about="checkpoint")
         return load_release(path, prepare=prepare)
     return load_run(path, checkpoint=resolve_checkpoint(checkpoint), prepare=prepare)
+
+
+def run_text_model(run: LoadedRun) -> TextModel:
+    """A decoder-only run's model (as loaded) with its task's text functions: its tokenizer, and the
+    end-of-text id and chat template of a task that keeps them (one fine-tuned from a chat model)."""
+    tokenizer = run.task.tokenizer  # type: ignore[attr-defined]
+    template = getattr(run.task, "chat_template", None)
+    chat = None if template is None else lambda text: template.render([{"role": "user", "content": text}])
+    return TextModel(run.model, lambda text: tokenizer.encode(text).tolist(), tokenizer.decode,
+                     run.model_config.max_seq_len, eos_id=getattr(run.task, "eos_id", None), chat=chat,
+                     chat_template=template, tokenizer=tokenizers_object(tokenizer))
+
+
+def tokenizers_object(tokenizer: Any) -> Any:
+    """A run's tokenizer as a ``tokenizers.Tokenizer`` (what a Hugging Face export writes)."""
+    if hasattr(tokenizer, "to_tokenizers"):
+        return tokenizer.to_tokenizers()
+    return getattr(tokenizer, "tokenizer", None)

@@ -1,6 +1,8 @@
 """Machine translation, the paper's own job: parallel text -> BPE -> encoder-decoder -> sacreBLEU.
 
-The corpus is a directory of ``{split}.{lang}`` files (default ``$AIAYN_DATA_DIR/multi30k``). The BPE is
+The corpus is a directory of ``{split}.{lang}`` files (default ``$AIAYN_DATA_DIR/multi30k``), or your
+own parallel text (``src``/``tgt`` files or a ``data`` folder, ``aiayn.finetune.parallel``), and
+``init_from`` a shipped translation model or run to fine-tune (its tokenizers and weights). The BPE is
 learned on the training split and saved in the run: one joint vocabulary (``tokenizer.json``) by default, or
 with ``vocabulary="separate"`` a source and a target one (``tokenizer.src.json``, ``tokenizer.tgt.json``) for
 ``share_embeddings=False``. Training batches hold up to ``max_tokens`` tokens; validation reports loss and
@@ -27,14 +29,21 @@ from aiayn.data.parallel import (
     split_paths,
     token_batches,
 )
+from aiayn.finetune.parallel import own_corpus
+from aiayn.finetune.source import Source
 from aiayn.tasks.base import register
-from aiayn.tokenizers import BPE_SPECIALS, BPETokenizer
+from aiayn.tasks.sources import load_source
+from aiayn.tokenizers import (
+    BPE_SPECIALS,
+    SOURCE_TOKENIZER_FILE,
+    TARGET_TOKENIZER_FILE,
+    TOKENIZER_FILE,
+    BPETokenizer,
+)
 from aiayn.train.losses import IGNORE, LossInput
 from aiayn.train.task import AttentionExample, Batch, Task, encoder_decoder_example
 from aiayn.translate import DecodeOptions, Translator
 
-TOKENIZER_FILE = "tokenizer.json"  # a joint vocabulary (every run before separate ones existed)
-SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE = "tokenizer.src.json", "tokenizer.tgt.json"
 VOCABULARIES = ("joint", "separate")
 
 
@@ -69,15 +78,17 @@ class TranslationTask(Task):
                  max_len: int = 128, train_split: str = "train", val_split: str = "val",
                  test_split: str = "test2016", val_bleu: bool = True, beam_size: int = 5,
                  length_penalty: float = 0.6, vocabulary: str = "joint", tgt_vocab_size: int | None = None,
-                 **options: Any) -> None:
-        # A joint run records no vocabulary options.
+                 src: str | None = None, tgt: str | None = None, data: str | list[str] | None = None,
+                 init_from: str | None = None, **options: Any) -> None:
+        # A joint run records no vocabulary options, a Multi30k run no options of your own data.
         separate_options = ({} if vocabulary == "joint" and tgt_vocab_size is None
                             else dict(vocabulary=vocabulary, tgt_vocab_size=tgt_vocab_size))
+        own = {k: v for k, v in dict(src=src, tgt=tgt, data=data, init_from=init_from).items() if v is not None}
         super().__init__(src_lang=src_lang, tgt_lang=tgt_lang, corpus=corpus, corpus_dir=corpus_dir,
                          vocab_size=vocab_size, max_tokens=max_tokens, max_len=max_len,
                          train_split=train_split, val_split=val_split, test_split=test_split,
                          val_bleu=val_bleu, beam_size=beam_size, length_penalty=length_penalty,
-                         **separate_options, **options)
+                         **separate_options, **own, **options)
         if options:
             known = sorted(inspect.signature(TranslationTask.__init__).parameters)
             raise ConfigError(f"unknown translation task option(s) {', '.join(sorted(options))}; known: "
@@ -86,6 +97,10 @@ class TranslationTask(Task):
             raise DataError(f"source and target language are both {src_lang!r}")
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.corpus_dir = corpus_dir
+        self.src, self.tgt, self.init_from = src, tgt, init_from
+        self.data = one_folder(data)
+        self.source: Source | None = None  # the starting point, loaded once (``starting_point``)
+        self.echo = print  # where the task states how it made the validation set
         self.vocabulary = check_vocabulary(vocabulary, vocab_size, tgt_vocab_size)
         # vocab_size: the joint BPE's size, or the source BPE's; tgt_vocab_size: the target BPE's
         # (None for a joint vocabulary; separate without it: as many as the source).
@@ -100,8 +115,18 @@ class TranslationTask(Task):
         self.ids: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
         self.text: dict[str, tuple[list[str], list[str]]] = {}
 
+    def starting_point(self) -> Source:
+        """The model ``init_from`` names, loaded once, checked against this task's options."""
+        if self.source is None:
+            self.source = translation_source(self.init_from)
+            check_starting_task(self, self.source.run.task)
+        return self.source
+
     def model_config(self) -> ModelConfig:
-        """The model of ``recipes/multi30k-en-de.yaml`` (Transformer-tiny, Wu et al. 2021)."""
+        """The model of ``recipes/multi30k-en-de.yaml`` (Transformer-tiny, Wu et al. 2021), or the starting
+        point's."""
+        if self.init_from is not None:
+            return self.starting_point().config
         return ModelConfig(
             arch="encoder-decoder", vocab_size=self.vocab_size, tgt_vocab_size=self.tgt_vocab_size, d_model=128,
             n_heads=4, n_layers=4, n_decoder_layers=4, d_ff=256, activation="relu", norm_position="post",
@@ -135,14 +160,18 @@ class TranslationTask(Task):
                                   f"{field} option)")
 
     def build_model(self, config: ModelConfig) -> nn.Module:
+        if self.init_from is not None:
+            return self.starting_point().model
         self.check_model_config(config)
         return super().build_model(config)
 
     def train_overrides(self) -> dict[str, Any]:
         """The training settings of ``recipes/multi30k-en-de.yaml``: peak 3e-3 after 600 warmup steps, then
         cosine (the Noam schedule's peak would be far too small here)."""
-        return dict(epochs=80, lr=3e-3, schedule="cosine", warmup_steps=600, optimizer="adam",
-                    label_smoothing=0.1, clip_grad_norm=1.0, keep_checkpoints=5, average_last=5)
+        recipe = dict(epochs=80, lr=3e-3, schedule="cosine", warmup_steps=600, optimizer="adam",
+                      label_smoothing=0.1, clip_grad_norm=1.0, keep_checkpoints=5, average_last=5)
+        # A fine-tune moves a trained model a little: fewer epochs at a tenth of the learning rate.
+        return recipe if self.init_from is None else {**recipe, "epochs": 10, "lr": 3e-4, "warmup_steps": 100}
 
     def root(self) -> Path:
         return Path(self.corpus_dir) if self.corpus_dir else data_dir() / self.options["corpus"]
@@ -177,7 +206,9 @@ class TranslationTask(Task):
         if self.run_dir is not None and all((self.run_dir / name).is_file() for name in names):
             return self._read_pair(self.run_dir, names)
         src, tgt = self.text["train"]
-        if self.separate:  # each side its own merges, learned on that side of train only
+        if self.init_from is not None:  # the starting point's
+            pair = self.starting_point().run.task.load_tokenizers()
+        elif self.separate:  # each side its own merges, learned on that side of train only
             pair = (BPETokenizer.train(src, vocab_size=self.vocab_size),
                     BPETokenizer.train(tgt, vocab_size=self.target_vocab_size))
         else:  # one joint vocabulary: shared embeddings need it
@@ -189,25 +220,41 @@ class TranslationTask(Task):
         return pair
 
     def prepare(self, seed: int) -> None:
-        root = self.root()
-        for split, name in self.split_names.items():
-            paths = split_paths(root, name, self.src_lang, self.tgt_lang)
-            self._check_present(paths)
-            self.text[split] = read_parallel(*paths)
+        self.text = self.read_text(seed)
         self.tokenizers = source, target = self._learn_tokenizers()
-        sides = ((("source", source, "vocab_size", self.vocab_size),
-                  ("target", target, "tgt_vocab_size", self.target_vocab_size)) if self.separate
-                 else (("joint", source, "vocab_size", self.vocab_size),))
-        for side, tokenizer, option, size in sides:  # a BPE cannot learn fewer tokens than its alphabet
-            if tokenizer.vocab_size > size:
-                raise DataError(f"the {side} BPE has {tokenizer.vocab_size} tokens (its alphabet and "
-                                f"special tokens) but {option} is {size}; raise {option}")
+        if self.init_from is None:
+            self._check_bpe_sizes(source, target)
         eos = source.eos_id
         for split, (src, tgt) in self.text.items():
             src_ids, tgt_ids = source.encode_batch(src), target.encode_batch(tgt)
             # + </s>; pairs longer than the model's maximum are cut (training) — rare by design.
             cut = self.max_len - 1
             self.ids[split] = ([[*s[:cut], eos] for s in src_ids], [[*t[:cut], eos] for t in tgt_ids])
+
+    def read_text(self, seed: int) -> dict[str, tuple[list[str], list[str]]]:
+        """{split: (sources, targets)}: the corpus folder's train/val/test splits, or your own data (no
+        test split: val is reported)."""
+        if self.src is None and self.tgt is None and self.data is None:
+            text = {}
+            for split, name in self.split_names.items():
+                paths = split_paths(self.root(), name, self.src_lang, self.tgt_lang)
+                self._check_present(paths)
+                text[split] = read_parallel(*paths)
+            return text
+        text = own_corpus(self.src, self.tgt, self.data, (self.src_lang, self.tgt_lang), self.split_names,
+                          seed=seed, echo=self.echo)
+        self.test_split = "test" if "test" in text else "val"
+        return text
+
+    def _check_bpe_sizes(self, source: BPETokenizer, target: BPETokenizer) -> None:
+        """A learned BPE cannot have fewer tokens than its alphabet: a one-line ``DataError`` naming the option."""
+        sides = ((("source", source, "vocab_size", self.vocab_size),
+                  ("target", target, "tgt_vocab_size", self.target_vocab_size)) if self.separate
+                 else (("joint", source, "vocab_size", self.vocab_size),))
+        for side, tokenizer, option, size in sides:
+            if tokenizer.vocab_size > size:
+                raise DataError(f"the {side} BPE has {tokenizer.vocab_size} tokens (its alphabet and "
+                                f"special tokens) but {option} is {size}; raise {option}")
 
     def _check_present(self, paths: tuple[Path, Path]) -> None:
         """A missing corpus file names the command that fetches it (default root only)."""
@@ -286,7 +333,7 @@ class TranslationTask(Task):
         return metrics
 
     def examples(self, model: nn.Module, n: int = 3) -> list[str]:
-        sources, references = self.text["test"]
+        sources, references = self.text[self.test_split]
         hypotheses = self.translator(model).translate(sources[:n], self.decode)
         return [f"{s}  ->  {h}  (reference: {r})"
                 for s, h, r in zip(sources[:n], hypotheses, references[:n], strict=True)]
@@ -294,7 +341,7 @@ class TranslationTask(Task):
     def attention_maps(self, model: nn.Module, text: str | None, kind: str) -> AttentionExample:
         """The maps of one sentence (``text``, or the first test source) and its greedy translation."""
         source_tok, target_tok = self.load_tokenizers()
-        source = text if text is not None else self.text["test"][0][0]
+        source = text if text is not None else self.text[self.test_split][0][0]
         translator = self.translator(model)
         src_ids = translator.source_ids(source)
         tgt_ids = translator.translate_ids([src_ids], DecodeOptions(beam_size=1))[0]
@@ -320,3 +367,34 @@ def check_vocabulary(vocabulary: str, vocab_size: int, tgt_vocab_size: int | Non
         raise ConfigError(f"tgt_vocab_size={tgt_vocab_size} sizes the target BPE of vocabulary: separate; a joint "
                           f"vocabulary has one size, vocab_size (set vocabulary: separate, or drop tgt_vocab_size)")
     return vocabulary
+
+
+def one_folder(data: str | list[str] | None) -> str | None:
+    """The ``data`` option of translation: one folder (given once; a list of one is what --data makes)."""
+    folders = [data] if isinstance(data, str) else list(data or [])
+    if len(folders) > 1:
+        raise ConfigError(f"translation reads one data folder, got {len(folders)} ({', '.join(folders)}); give "
+                          f"one folder of train/val/test files")
+    return folders[0] if folders else None
+
+
+def check_starting_task(task: TranslationTask, start: TranslationTask) -> None:
+    """A ``ConfigError`` (one line) where the starting model translates another way or keeps another
+    vocabulary than ``task``'s options say."""
+    if (start.src_lang, start.tgt_lang) != (task.src_lang, task.tgt_lang):
+        raise ConfigError(f"{task.init_from} translates {start.src_lang}->{start.tgt_lang} but the task's languages "
+                          f"are {task.src_lang}->{task.tgt_lang}; give src_lang: {start.src_lang} and tgt_lang: "
+                          f"{start.tgt_lang}")
+    if start.vocabulary != task.vocabulary:
+        raise ConfigError(f"{task.init_from} has a {start.vocabulary} vocabulary; give vocabulary: {start.vocabulary}")
+
+
+def translation_source(init_from: str) -> Source:
+    """A shipped translation model (one, not an ensemble) or a translation run as a starting point:
+    its weights (float32, train mode) and, through ``run.task``, its tokenizers."""
+    source = load_source(init_from)
+    if source.run is None or source.run.task.name != "translation":
+        what = source.kind if source.run is None else f"{source.run.task.name} model"
+        raise ConfigError(f"{init_from} is a {what}; the translation task starts from a translation model "
+                          f"(aiayn models lists the shipped ones)")
+    return source

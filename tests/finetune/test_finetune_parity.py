@@ -14,8 +14,8 @@ from finetune_helpers import transformers
 from torch.testing import assert_close
 
 from aiayn.config import TrainConfig
-from aiayn.finetune.source import load_source
 from aiayn.tasks import get_task
+from aiayn.tasks.sources import load_source
 from aiayn.tasks.trained import load_run
 from aiayn.train.trainer import train
 

@@ -9,8 +9,9 @@ import torch
 from finetune_helpers import CHAT_TEMPLATE, transformers
 from torch.testing import assert_close
 
-from aiayn.finetune.source import Source, SourceOption, load_source
+from aiayn.finetune.source import Source
 from aiayn.tasks import get_task
+from aiayn.tasks.sources import SourceOption, load_source
 from aiayn.tasks.trained import RunInputError
 
 SMALL = ("--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--d-ff", "64", "--batch-size", "4")

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from aiayn.api import generate_text
 from aiayn.finetune.lora import is_adapter_key
-from aiayn.finetune.source import load_source
 from aiayn.tasks.runs import load_text_model
+from aiayn.tasks.sources import load_source
 from aiayn.tasks.trained import load_run
 from aiayn.train.checkpoint import latest_checkpoint
 

@@ -16,9 +16,9 @@ from finetune_helpers import CHAT_TEMPLATE, write_text
 from aiayn.api import generate_text
 from aiayn.config import TrainConfig
 from aiayn.data.parallel import DataError
-from aiayn.finetune.source import load_source
 from aiayn.tasks import get_task
 from aiayn.tasks.runs import load_text_model
+from aiayn.tasks.sources import load_source
 from aiayn.tasks.text import read_text_files, split_text
 from aiayn.tasks.trained import load_run
 from aiayn.train.trainer import train
@@ -123,7 +123,7 @@ def test_refusals_are_one_line(tmp_path, text_file, hf_dir, run_aiayn):
          f"it); drop it (with --init-from only --attention-dropout, --dropout, --padding-free may change) "
          f"(see 'aiayn train --help')"),
         (("--task", "reverse", "--data", str(text_file)), "Error: task 'reverse' does not take --data; tasks "
-                                                          "that do: text (see 'aiayn train --help')"),
+                                                          "that do: chat, text, translation (see 'aiayn train --help')"),
         (("--task", "text",), "Error: task text needs the text to learn from: give --data FILE (one or more)"),
         (("--task", "text", "--run-dir", str(run), "--resume", "--init-from", source),
          "Error: --init-from cannot change when resuming (the run keeps its task options); drop it (see 'aiayn "

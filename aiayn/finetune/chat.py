@@ -1,0 +1,182 @@
+"""Conversations to fine-tune a chat model on: OpenAI's fine-tuning JSONL, checked line by line,
+rendered through the model's chat template, with a mask of the tokens the loss counts (the
+assistant turns), and packed into windows of whole conversations.
+
+A line is ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}``;
+roles are system, user, assistant and tool. Every problem is a ``DataError`` naming the file and
+line (``FILE:LINE: what is wrong; what to do``), raised before any training step."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiayn.data.parallel import DataError
+
+ROLES = ("system", "user", "assistant", "tool")
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class Conversation:
+    """One checked line: its messages and where it came from (``FILE:LINE``)."""
+
+    messages: Messages
+    where: str
+
+
+@dataclass
+class ChatExample:
+    """A rendered conversation: its token ids and, per token, whether the loss counts it (the
+    assistant turns: their content and end-of-turn token)."""
+
+    ids: list[int]
+    trained: list[bool]
+    where: str
+
+
+def read_conversations(path: str | Path) -> list[Conversation]:
+    """Every conversation of a JSONL file, each line checked (blank lines are skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path} not found; give a JSONL file of conversations")
+    conversations = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        where = f"{path}:{number}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                            f"convert the file to UTF-8") from None
+        if text.strip():
+            conversations.append(Conversation(check_line(text.removeprefix("\ufeff"), where), where))
+    if not conversations:
+        raise DataError(f"{path} holds no conversation; write one JSON object per line, "
+                        f'{{"messages": [...]}}')
+    return conversations
+
+
+def check_line(text: str, where: str) -> Messages:
+    """The messages of one JSONL line, or a ``DataError`` saying what is wrong with it."""
+    try:
+        line = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: not JSON ({exc.msg} at column {exc.colno}); write one JSON object "
+                        f"per line") from None
+    if not isinstance(line, dict) or "messages" not in line:
+        raise DataError(f'{where}: expected an object with "messages"; write {{"messages": '
+                        f'[{{"role": "user", "content": "..."}}, ...]}}')
+    if extra := sorted(set(line) - {"messages"}):
+        raise DataError(f"{where}: unknown key(s) {', '.join(map(json.dumps, extra))}; a line holds "
+                        f'only "messages"')
+    messages = line["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f'{where}: "messages" must be a non-empty list of messages')
+    for i, message in enumerate(messages):
+        check_message(message, f"{where}: message {i + 1}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: no assistant message; the loss counts the assistant turns, so give "
+                        f"at least one")
+    return messages
+
+
+def check_message(message: Any, where: str) -> None:
+    """One message: an object of a known ``role`` and a string ``content``, nothing else."""
+    if not isinstance(message, dict):
+        raise DataError(f'{where}: expected an object {{"role": ..., "content": ...}}')
+    if extra := sorted(set(message) - {"role", "content"}):
+        raise DataError(f"{where}: unknown key(s) {', '.join(map(json.dumps, extra))}; a message holds "
+                        f'only "role" and "content"')
+    if message.get("role") not in ROLES:
+        raise DataError(f"{where}: role {json.dumps(message.get('role'))} is not one of {', '.join(ROLES)}; "
+                        f"give one of them")
+    if not isinstance(message.get("content"), str):
+        raise DataError(f'{where}: "content" must be a string (the message text)')
+
+
+def render_spans(template: Any, messages: Messages) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text, and the (start, end) characters of each assistant turn in it.
+
+    A turn starts where the template's generation prompt for it ends (the text of the messages
+    before it, ``add_generation_prompt=True``) and ends where the text of the messages up to it
+    ends: each of those texts must be a prefix of the whole."""
+    text = template.render(messages, add_generation_prompt=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = template.render(messages[:i], add_generation_prompt=True)
+        upto = template.render(messages[: i + 1], add_generation_prompt=False)
+        if not (text.startswith(before) and text.startswith(upto) and len(before) <= len(upto)):
+            raise ValueError(f"the chat template does not render the conversation turn by turn (the text "
+                             f"of its first {i} messages is not a prefix of the whole); it cannot mark "
+                             f"the assistant turns")
+        spans.append((len(before), len(upto)))
+    return text, spans
+
+
+def encode_conversation(template: Any, encode: Callable[[str], list[int]], end_id: int | None,
+                        messages: Messages) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and the loss mask: True on each assistant turn's tokens
+    up to and including its first ``end_id`` (the end-of-turn token; what the template writes after it
+    the model never generates); the whole turn when it holds no ``end_id``.
+
+    The text is encoded piece by piece at the turns' edges, so every token lies on one side."""
+    text, spans = render_spans(template, messages)
+    ids: list[int] = []
+    trained: list[bool] = []
+    cursor = 0
+    for start, end in spans:
+        prompt = encode(text[cursor:start])
+        turn = encode(text[start:end])
+        stop = turn.index(end_id) + 1 if end_id in turn else len(turn)
+        ids += prompt + turn
+        trained += [False] * len(prompt) + [True] * stop + [False] * (len(turn) - stop)
+        cursor = end
+    rest = encode(text[cursor:])
+    return ids + rest, trained + [False] * len(rest)
+
+
+def encode_conversations(conversations: Sequence[Conversation], template: Any,
+                         encode: Callable[[str], list[int]], end_id: int | None) -> list[ChatExample]:
+    """``encode_conversation`` of each; a template failure names the line."""
+    examples = []
+    for conversation in conversations:
+        try:
+            ids, trained = encode_conversation(template, encode, end_id, conversation.messages)
+        except ValueError as exc:  # the template's own errors (GGUFError) are ValueErrors too
+            raise DataError(f"{conversation.where}: {exc}") from None
+        if not any(trained[1:]):
+            raise DataError(f"{conversation.where}: the assistant turns render to no token; give them "
+                            f"some content")
+        examples.append(ChatExample(ids, trained, conversation.where))
+    return examples
+
+
+def check_lengths(examples: Sequence[ChatExample], block: int, context: str) -> None:
+    """Refuse (one line) a conversation longer than a window: ``block`` predictions, ids + 1 tokens.
+    ``context`` says how to raise the limit."""
+    for example in examples:
+        if len(example.ids) - 1 > block:
+            raise DataError(f"{example.where}: the conversation is {len(example.ids)} tokens, more than a "
+                            f"window's {block + 1}; shorten or split it, or {context}")
+
+
+def pack_rows(lengths: Sequence[int], block: int) -> list[list[int]]:
+    """Rows of whole examples (their indices, in order) of at most ``block`` positions each: an example
+    of length n takes n - 1 positions (it predicts its tokens after the first). First fit in order."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, length in enumerate(lengths):
+        need = length - 1
+        fit = next((r for r, free in enumerate(room) if free >= need), None)
+        if fit is None:
+            rows.append([i])
+            room.append(block - need)
+        else:
+            rows[fit].append(i)
+            room[fit] -= need
+    return rows

@@ -1,0 +1,69 @@
+"""The chat task through the trainer: a tiny fine-tune moves the weights and its run loads back;
+refusals come before any run directory is made."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from chat_fixtures import CONVERSATIONS, chat_source, write_chat_model, write_jsonl
+
+from aiayn.config import ConfigError, TrainConfig
+from aiayn.data.parallel import DataError
+from aiayn.tasks import get_task
+from aiayn.tasks.sources import SourceOption
+from aiayn.tasks.trained import load_run
+from aiayn.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_chat_model(tmp_path_factory.mktemp("chat-model") / "model")
+
+
+def fine_tune(task, run_dir):
+    config = TrainConfig(task="chat", max_steps=3, batch_size=2, lr=1e-2, warmup_steps=0, eval_every=3,
+                         save_every=3, average_last=0)
+    return train(task, task.model_config(), config, run_dir, progress=False, make_plots=False,
+                 echo=lambda _: None)
+
+
+def test_a_tiny_fine_tune_moves_the_weights_and_loads_back(tmp_path, model_dir):
+    data = write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)
+    task = get_task("chat", data=str(data), init_from=str(model_dir), block_size=64)
+    before = {k: v.clone() for k, v in task.source.get().model.state_dict().items()}
+    result = fine_tune(task, tmp_path / "run")
+    assert result.step == 3 and torch.isfinite(torch.tensor(result.final_loss))
+    assert torch.isfinite(torch.tensor(result.test_metrics["nll"]))
+    tuned = load_run(tmp_path / "run", prepare=False).model.state_dict()
+    assert set(tuned) == set(before)
+    assert any(not torch.equal(tuned[k], before[k]) for k in before)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["task_options"]["init_from"] == str(model_dir)
+
+
+def test_a_bad_line_leaves_no_run_directory(tmp_path, model_dir):
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(CONVERSATIONS[0]) + "\n{oops\n", encoding="utf-8")
+    task = get_task("chat", data=str(data), init_from=str(model_dir))
+    with pytest.raises(DataError, match=rf"^{re.escape(str(data))}:2: not JSON"):
+        fine_tune(task, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_chat_task_needs_a_starting_model_with_a_chat_template(tmp_path, model_dir):
+    data = write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)
+    with pytest.raises(ConfigError, match=r"^the chat task fine-tunes a model that has a chat template; give --init-from"):
+        get_task("chat", data=str(data))
+    with pytest.raises(ConfigError, match=r"^the chat task trains on your conversations; give --data"):
+        get_task("chat", init_from=str(model_dir))
+    plain = chat_source(tmp_path / "plain")
+    plain.text.chat_template = None
+    task = get_task("chat", data=str(data), init_from=str(plain.path))
+    task.source = SourceOption(None, injected=plain)
+    with pytest.raises(ConfigError, match="has no chat template; the chat task renders conversations through it"):
+        task.prepare(0)
+    task = get_task("chat", data=str(data), init_from=str(model_dir), block_size=257)
+    with pytest.raises(ConfigError, match=r"^block_size is 257 but the model's context is 256 positions"):
+        task.prepare(0)

@@ -1,0 +1,66 @@
+"""Domain adaptation: a shipped translation model fine-tuned on parallel files of your own through the
+trainer; refusals come before any run directory is made."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from aiayn.config import ConfigError, TrainConfig
+from aiayn.data.parallel import DataError
+from aiayn.tasks import get_task
+from aiayn.tasks.trained import RunInputError, load_release, shipped_path
+from aiayn.train.trainer import train
+
+SHIPPED = "multi30k-de-en"
+DE = [f"Ein Mann mit {n} Hunden geht im Park spazieren." for n in range(2, 22)]
+EN = [f"A man with {n} dogs walks in the park." for n in range(2, 22)]
+
+
+def write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def fine_tune(task, run_dir):
+    config = TrainConfig(task="translation", max_steps=3, batch_size=8, lr=1e-3, warmup_steps=0, eval_every=3,
+                         save_every=3, average_last=0)
+    return train(task, task.model_config(), config, run_dir, progress=False, make_plots=False, echo=lambda _: None)
+
+
+def adaptation(tmp_path, **options):
+    task = get_task("translation", src=write(tmp_path / "d.de", DE), tgt=write(tmp_path / "d.en", EN),
+                    init_from=SHIPPED, src_lang="de", tgt_lang="en", beam_size=1, **options)
+    task.echo = lambda _: None
+    return task
+
+
+def test_a_shipped_model_fine_tuned_on_your_files_moves_and_keeps_its_tokenizer(tmp_path):
+    task = adaptation(tmp_path)
+    result = fine_tune(task, tmp_path / "run")
+    assert result.step == 3 and torch.isfinite(torch.tensor(result.final_loss))
+    assert set(result.test_metrics) >= {"nll", "bleu"} and task.test_split == "val"
+    shipped = load_release(shipped_path(SHIPPED)).model.state_dict()
+    tuned = task.source.model.state_dict()
+    assert any(not torch.equal(tuned[k], shipped[k]) for k in shipped)
+    assert (tmp_path / "run" / "tokenizer.json").read_bytes() == (shipped_path(SHIPPED) / "tokenizer.json").read_bytes()
+
+
+def test_a_bad_line_leaves_no_run_directory(tmp_path):
+    task = adaptation(tmp_path)
+    write(tmp_path / "d.en", [*EN[:4], "", *EN[5:]])
+    with pytest.raises(DataError, match=r"^" + re.escape(f"{tmp_path / 'd.en'}, line 5: empty line")):
+        fine_tune(task, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_starting_model_that_does_not_fit_the_options_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"^multi30k-de-en translates de->en but the task's languages are en->de; "
+                                          r"give src_lang: de and tgt_lang: en$"):
+        get_task("translation", init_from=SHIPPED).model_config()
+    with pytest.raises(ConfigError, match=r"^multi30k-de-en has a joint vocabulary; give vocabulary: joint$"):
+        get_task("translation", init_from=SHIPPED, src_lang="de", tgt_lang="en", vocabulary="separate").model_config()
+    with pytest.raises(RunInputError, match=r"is an ensemble of 2 models, not one"):
+        get_task("translation", init_from="multi30k-en-de").model_config()
