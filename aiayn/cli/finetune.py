@@ -129,3 +129,31 @@ def adapter_cmd(run_dir: Path, out_dir: Path) -> None:
                                  f"`aiayn export --to hf --run {run_dir}`", param_hint="--run")
     out = save_adapter(run.model, run.model_config, out_dir, base=run.task.options.get("init_from"))
     click.echo(f"wrote {out} (adapter_config.json, adapter_model.safetensors)")
+
+
+@cli.command("chat-data")
+@click.option("--src", "src_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Source sentences, one per line.")
+@click.option("--tgt", "tgt_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Their translations, aligned line by line.")
+@click.option("--prompt", required=True,
+              help="What the user asks, {src} standing for the sentence, e.g. 'Translate to German: {src}'.")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The JSONL file to write.")
+@click.option("--limit", type=click.IntRange(min=1), help="Only the first N pairs.")
+def chat_data_cmd(src_path: Path, tgt_path: Path, prompt: str, out_path: Path, limit: int | None) -> None:
+    """Write parallel text as chat JSONL (OpenAI's fine-tuning format) for `aiayn train --task chat`:
+    one conversation per pair, the user asking --prompt, the assistant answering with the translation."""
+    from aiayn.cli.app import check_writable
+    from aiayn.data.parallel import read_parallel
+    from aiayn.finetune.chat import conversations_jsonl, translation_conversations
+    from aiayn.train.checkpoint import atomic_write_text
+
+    check_writable(out_path, "--out")
+    sources, targets = read_parallel(src_path, tgt_path)
+    try:
+        conversations = translation_conversations(sources[:limit], targets[:limit], prompt)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--prompt") from None
+    atomic_write_text(out_path, conversations_jsonl(conversations))
+    click.echo(f"{len(conversations)} conversations -> {out_path}")

@@ -22,6 +22,7 @@ from aiayn.cli.app import (
     threads_option,
     utf8_text,
 )
+from aiayn.cli.finetune import adapter_base, adapter_option
 
 
 def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,6 +59,7 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
                                       "directory or a language-model run) asked this, where {src} stands for "
                                       "the sentence, e.g. 'Translate to German: {src}'; greedy, the answer's "
                                       "first line."),
+        adapter_option,
         plain_option,
         device_option,
         threads_option,
@@ -69,7 +71,7 @@ def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _translator(device: Any, run_dirs: tuple[Path, ...], model_names: tuple[str, ...],
                 checkpoints: tuple[Path, ...], plain: bool, beam: int | None, compiled: bool,
-                prompt: str | None, **decoding: Any) -> tuple[Any, Any]:
+                prompt: str | None, adapter: Path | None, **decoding: Any) -> tuple[Any, Any]:
     """(``Translator``, ``DecodeOptions``) of --run / --model / --checkpoint on ``device``; beam size and
     length penalty default to the first run's recipe; several models make an ensemble. With --prompt:
     (``PromptTranslator``, None)."""
@@ -78,8 +80,11 @@ def _translator(device: Any, run_dirs: tuple[Path, ...], model_names: tuple[str,
     from aiayn.translate import decode_options
 
     if prompt is not None:
-        return _prompt_translator(device, [*run_dirs, *model_names], checkpoints, plain, prompt,
+        return _prompt_translator(device, run_dirs, model_names, checkpoints, plain, prompt, adapter,
                                   beam=beam, compile=compiled, **decoding), None
+    if adapter is not None:
+        raise click.UsageError("--adapter goes with --prompt (a chat model with a LoRA adapter); a translation "
+                               "run keeps its own adapters")
     try:
         sources = [*run_dirs, *(resolve_model(name) for name in model_names)]
         sources = sources or [resolve_model(DEFAULT_TRANSLATION_MODEL)]
@@ -100,25 +105,31 @@ def _translator(device: Any, run_dirs: tuple[Path, ...], model_names: tuple[str,
     return translator, decode_options(task.decode, beam_size=beam, compile=compiled, **decoding)
 
 
-def _prompt_translator(device: Any, models: list[Any], checkpoints: tuple[Path, ...], plain: bool, prompt: str,
+def _prompt_translator(device: Any, run_dirs: tuple[Path, ...], model_names: tuple[str, ...],
+                       checkpoints: tuple[Path, ...], plain: bool, prompt: str, adapter: Path | None,
                        **decoding: Any) -> Any:
-    """--prompt's ``PromptTranslator`` over the one chat model given; what it does not take refused."""
-    from aiayn.api import load
+    """--prompt's ``PromptTranslator`` over the one chat model given (with --adapter); what it does not
+    take refused."""
     from aiayn.serve.offline import PromptTranslator
-    from aiayn.textgen import TextModel
+    from aiayn.tasks.runs import RunInputError, load_text_model
+    from aiayn.tasks.shipped import resolve_model
+    from aiayn.textgen import TextModelError
 
     refused = [f"--{k.replace('_', '-')}" for k, v in decoding.items() if v not in (None, False)]
-    if checkpoints:
-        refused.append("--checkpoint")
-    if refused or len(models) != 1:
-        what = f"{', '.join(refused)}" if refused else f"{len(models)} models"
-        raise click.UsageError(f"--prompt translates greedily with one chat model (--model or --run); drop {what}")
-    lm = load(models[0], device=device, plain=plain)
-    if not isinstance(lm, TextModel):
-        raise click.BadParameter(f"{models[0]} is not a text model; --prompt needs a chat model such as a "
-                                 f"GGUF file or a Hugging Face decoder-only directory", param_hint="--model")
+    refused += ["--checkpoint"] if checkpoints else []
+    given = len(run_dirs) + len(model_names)
+    problem = (f"drop {', '.join(refused)}" if refused else f"drop {given} models" if given > 1
+               else "give --model" if given == 0 and adapter is None else None)
+    if problem is not None:
+        raise click.UsageError(f"--prompt translates greedily with one chat model (--model or --run); {problem}")
+    run_dir = run_dirs[0] if run_dirs else None
     try:
+        name = model_names[0] if model_names else adapter_base(adapter, run_dir, None)
+        model_path = None if run_dir is not None else resolve_model(name)
+        lm = load_text_model(run_dir, model_path, plain=plain, device=device, adapter=adapter)
         return PromptTranslator(lm, prompt)
+    except (RunInputError, TextModelError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--prompt") from None
 

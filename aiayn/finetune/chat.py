@@ -180,3 +180,18 @@ def pack_rows(lengths: Sequence[int], block: int) -> list[list[int]]:
             rows[fit].append(i)
             room[fit] -= need
     return rows
+
+
+def translation_conversations(sources: Sequence[str], targets: Sequence[str], prompt: str) -> list[Messages]:
+    """Parallel sentences as chat conversations: the user asks ``prompt`` with ``{src}`` replaced by
+    the source, the assistant answers with the target (``aiayn evaluate --prompt`` asks the same)."""
+    if "{src}" not in prompt:
+        raise ValueError(f"the prompt {prompt!r} has no {{src}} where the source goes; e.g. "
+                         f"'Translate to German: {{src}}'")
+    return [[{"role": "user", "content": prompt.replace("{src}", src)}, {"role": "assistant", "content": tgt}]
+            for src, tgt in zip(sources, targets, strict=True)]
+
+
+def conversations_jsonl(conversations: Sequence[Messages]) -> str:
+    """``conversations`` in OpenAI's fine-tuning JSONL: one ``{"messages": [...]}`` per line."""
+    return "".join(json.dumps({"messages": messages}, ensure_ascii=False) + "\n" for messages in conversations)

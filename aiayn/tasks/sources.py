@@ -97,7 +97,7 @@ def _gguf_source(name: str, path: Path, echo: Callable[[str], None]) -> Source:
     text = read_text_model(path, quantize="none", device="cpu")
     if quantised:
         stored = ", ".join(f"{n} {kind}" for kind, n in quantised.items())
-        echo(f"{path.name}: quantised weights ({stored} tensors) dequantised to float32 for full fine-tuning")
+        echo(f"{path.name}: quantised weights ({stored} tensors) dequantised to float32 for training")
     return Source(name, path, "gguf", text.model, text.model.config, text=text)
 
 

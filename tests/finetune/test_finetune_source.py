@@ -44,7 +44,7 @@ def test_a_gguf_file_is_dequantised_and_said_so_once(tmp_path, text_file, run_ai
     option = SourceOption(str(path), echo=said.append)
     source = option.get()
     assert option.get() is source and source.kind == "gguf" and trainable(source)
-    assert said == ["tiny.gguf: quantised weights (8 Q8_0 tensors) dequantised to float32 for full fine-tuning"]
+    assert said == ["tiny.gguf: quantised weights (8 Q8_0 tensors) dequantised to float32 for training"]
 
     code, out, err = run_aiayn("train", "--task", "text", "--data", str(text_file), "--init-from", str(path),
                                "--max-steps", "2", "--batch-size", "2", "--run-dir", str(tmp_path / "run"),
