@@ -3,8 +3,8 @@ kernels in place (as torchao's ``quantize_`` does); ``plain(model)`` swaps them 
 
 ``nn.Linear`` -> ``FastLinear`` (oneDNN; the turned-around product on a few rows), the training
 output layer -> ``FusedLossLinear``, ``nn.Dropout`` -> ``FastDropout``, the attention kernel ->
-``fast_attention``, attention over a paged KV cache -> ``paged_cache_attention``, a LoRA layer's
-frozen product -> ``fast_linear``. Every
+``fast_attention``, attention over a paged KV cache -> ``paged_cache_attention``, the frozen product
+of a linear layer that runs it through its ``base_kernel`` (a LoRA layer's) -> ``fast_linear``. Every
 parameter, buffer and state-dict key is kept; a model off the CPU is left as it is."""
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from aiayn.fast.dropout import FastDropout
 from aiayn.fast.fused_loss import FusedLossLinear
 from aiayn.fast.linear import FastLinear, fast_linear
 from aiayn.fast.paged_attention import paged_cache_attention
-from aiayn.finetune.lora import LoraLinear
 from aiayn.nn.attention import MultiHeadAttention, attend
 
 MODES = ("train", "inference")
@@ -37,7 +36,7 @@ def optimize(model: nn.Module, mode: str = "inference") -> nn.Module:
             module.__class__ = FusedLossLinear if mode == "train" and module is head else FastLinear
         elif type(module) is nn.Dropout:
             module.__class__ = FastDropout
-        elif isinstance(module, LoraLinear):
+        elif isinstance(module, nn.Linear) and hasattr(module, "base_kernel"):
             module.base_kernel = fast_linear
         elif isinstance(module, MultiHeadAttention):
             module.kernel = fast_attention
@@ -54,7 +53,7 @@ def plain(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if type(module) in _PLAIN_CLASS:
             module.__class__ = _PLAIN_CLASS[type(module)]
-        elif isinstance(module, LoraLinear):
+        elif isinstance(module, nn.Linear) and hasattr(module, "base_kernel"):
             module.base_kernel = F.linear
         elif isinstance(module, MultiHeadAttention):
             module.kernel = attend
@@ -65,4 +64,4 @@ def plain(model: nn.Module) -> nn.Module:
 def is_optimized(model: nn.Module) -> bool:
     """Whether ``optimize`` swapped any module of ``model``."""
     return any(type(m) in _PLAIN_CLASS or (isinstance(m, MultiHeadAttention) and m.kernel is fast_attention)
-               or (isinstance(m, LoraLinear) and m.base_kernel is fast_linear) for m in model.modules())
+               or getattr(m, "base_kernel", None) is fast_linear for m in model.modules())
