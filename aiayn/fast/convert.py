@@ -3,17 +3,19 @@ kernels in place (as torchao's ``quantize_`` does); ``plain(model)`` swaps them 
 
 ``nn.Linear`` -> ``FastLinear`` (oneDNN; the turned-around product on a few rows), the training
 output layer -> ``FusedLossLinear``, ``nn.Dropout`` -> ``FastDropout``, the attention kernel ->
-``fast_attention``, attention over a paged KV cache -> ``paged_cache_attention``. Every
+``fast_attention``, attention over a paged KV cache -> ``paged_cache_attention``, the frozen product
+of a linear layer that runs it through its ``base_kernel`` (a LoRA layer's) -> ``fast_linear``. Every
 parameter, buffer and state-dict key is kept; a model off the CPU is left as it is."""
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import nn
 
 from aiayn.fast.attention import fast_attention
 from aiayn.fast.dropout import FastDropout
 from aiayn.fast.fused_loss import FusedLossLinear
-from aiayn.fast.linear import FastLinear
+from aiayn.fast.linear import FastLinear, fast_linear
 from aiayn.fast.paged_attention import paged_cache_attention
 from aiayn.nn.attention import MultiHeadAttention, attend
 
@@ -34,6 +36,8 @@ def optimize(model: nn.Module, mode: str = "inference") -> nn.Module:
             module.__class__ = FusedLossLinear if mode == "train" and module is head else FastLinear
         elif type(module) is nn.Dropout:
             module.__class__ = FastDropout
+        elif isinstance(module, nn.Linear) and hasattr(module, "base_kernel"):
+            module.base_kernel = fast_linear
         elif isinstance(module, MultiHeadAttention):
             module.kernel = fast_attention
             if not module.cross:
@@ -49,6 +53,8 @@ def plain(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if type(module) in _PLAIN_CLASS:
             module.__class__ = _PLAIN_CLASS[type(module)]
+        elif isinstance(module, nn.Linear) and hasattr(module, "base_kernel"):
+            module.base_kernel = F.linear
         elif isinstance(module, MultiHeadAttention):
             module.kernel = attend
             module.cache_kernel = None
@@ -58,4 +64,4 @@ def plain(model: nn.Module) -> nn.Module:
 def is_optimized(model: nn.Module) -> bool:
     """Whether ``optimize`` swapped any module of ``model``."""
     return any(type(m) in _PLAIN_CLASS or (isinstance(m, MultiHeadAttention) and m.kernel is fast_attention)
-               for m in model.modules())
+               or getattr(m, "base_kernel", None) is fast_linear for m in model.modules())

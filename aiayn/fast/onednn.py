@@ -86,19 +86,21 @@ def _linear_backward_op(grad: Tensor, x: Tensor, weight: Tensor, need_x: bool,
 
 @_linear_backward_op.register_fake
 def _(grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_weight: bool) -> tuple[Tensor, Tensor]:
-    return (x.new_empty(x.shape) if need_x else x.new_empty(0),
+    return (grad.new_empty(grad.shape[0], weight.shape[1]) if need_x else x.new_empty(0),
             weight.new_empty(weight.shape) if need_weight else weight.new_empty(0))
 
 
 def _setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
     x, weight, bias = inputs
-    ctx.save_for_backward(x, weight)
+    # x only for the weight's gradient: a frozen weight keeps no activation alive.
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
     ctx.has_bias = bias is not None
 
 
 def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     x, weight = ctx.saved_tensors
     need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    x = x if x is not None else weight.new_empty(0, weight.shape[1])  # (unused: no weight gradient)
     grad_x, grad_w = _linear_backward_op(grad, x, weight, need_x, need_weight)
     grad_b = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return grad_x if need_x else None, grad_w if need_weight else None, grad_b
@@ -116,7 +118,7 @@ def _layer_flops(x_shape: torch.Size, w_shape: torch.Size, *args: Any, **kwargs:
 @register_flop_formula(torch.ops.aiayn.onednn_linear_backward)
 def _layer_backward_flops(grad_shape: torch.Size, x_shape: torch.Size, w_shape: torch.Size, need_x: bool,
                           need_weight: bool, *args: Any, **kwargs: Any) -> int:
-    return (int(need_x) + int(need_weight)) * 2 * x_shape[0] * w_shape[0] * w_shape[1]
+    return (int(need_x) + int(need_weight)) * 2 * grad_shape[0] * w_shape[0] * w_shape[1]
 
 
 def use_onednn(x: Tensor, weight: Tensor) -> bool:

@@ -12,7 +12,7 @@ own A and B, exactly what a LoRA on a separate q projection does."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,29 +80,43 @@ class LoraConfig:
 class LoraLinear(nn.Linear):
     """An ``nn.Linear`` (the same frozen weight and bias, the same state-dict keys) plus one low-rank update
     per adapted part: rows ``lora_rows[name] = (start, size)`` of the output get
-    ``scaling * lora_B[name] @ lora_A[name] @ dropout(x)``. Made by ``apply_lora`` from an ``nn.Linear``."""
+    ``scaling * lora_B[name] @ lora_A[name] @ dropout(x)``. Made by ``apply_lora`` from an ``nn.Linear``.
+
+    The frozen product runs through ``base_kernel`` (``F.linear``; ``aiayn.fast.optimize`` swaps in its
+    kernel). The parts' updates are two products on the whole input: x by the stacked A's, then by the
+    B's laid out block-diagonally on their rows, added to the frozen product in one ``addmm``."""
 
     lora_rows: dict[str, tuple[int, int]]
     scaling: float
+    base_kernel: Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        updates = {name: F.linear(F.linear(self.lora_dropout(x), self.lora_A[name]), self.lora_B[name]) * self.scaling
-                   for name in self.lora_rows}
-        if len(updates) == 1 and next(iter(self.lora_rows.values())) == (0, self.out_features):
-            return out + next(iter(updates.values()))
-        pieces, at = [], 0
-        for name, (start, size) in sorted(self.lora_rows.items(), key=lambda item: item[1]):
-            pieces += [out[..., at:start], out[..., start:start + size] + updates[name]]
+        out = self.base_kernel(x, self.weight, self.bias)  # (..., o)
+        a, b = self.stacked()
+        low = F.linear(self.lora_dropout(x), a)  # (..., parts x r)
+        update = torch.addmm(out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), b.t(),
+                             alpha=self.scaling)  # (m, o): out + scaling * low B^T
+        return update.view(out.shape)
+
+    def stacked(self) -> tuple[Tensor, Tensor]:
+        """(A (parts x r, i): the parts' A's stacked, B (o, parts x r): their B's on their rows, zeros
+        elsewhere), parts in row order: B @ A is the update of the whole weight, before scaling."""
+        parts = sorted(self.lora_rows.items(), key=lambda item: item[1])
+        if len(parts) == 1 and parts[0][1] == (0, self.out_features):
+            return self.lora_A[parts[0][0]], self.lora_B[parts[0][0]]
+        a = torch.cat([self.lora_A[name] for name, _ in parts])
+        blocks, at = [], 0
+        for name, (start, size) in parts:
+            b = self.lora_B[name]
+            blocks += [b.new_zeros(start - at, 0), b]  # rows left alone: no columns
             at = start + size
-        return torch.cat([*pieces, out[..., at:]], dim=-1)
+        blocks.append(blocks[-1].new_zeros(self.out_features - at, 0))
+        return a, torch.block_diag(*blocks)
 
     def delta(self) -> Tensor:
         """The update folded into a weight the shape of ``weight``: scaling * B @ A on each part's rows."""
-        full = torch.zeros_like(self.weight)
-        for name, (start, size) in self.lora_rows.items():
-            full[start:start + size] = (self.lora_B[name] @ self.lora_A[name]) * self.scaling
-        return full
+        a, b = self.stacked()
+        return (b @ a) * self.scaling
 
 
 def _kind(module: nn.Module) -> str | None:
@@ -183,6 +197,7 @@ def _add_adapters(linear: nn.Linear, config: LoraConfig, rows: dict[str, tuple[i
     linear.lora_A, linear.lora_B = a, b
     linear.lora_dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
     linear.lora_rows, linear.scaling = rows, config.scaling
+    linear.base_kernel = F.linear
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
@@ -193,7 +208,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
                 module.weight += module.delta().to(module.weight.dtype)
             for name in (*ADAPTER_PARAMETERS, "lora_dropout"):
                 delattr(module, name)
-            del module.lora_rows, module.scaling
+            del module.lora_rows, module.scaling, module.base_kernel
             module.__class__ = nn.Linear
     return model
 

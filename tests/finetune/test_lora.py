@@ -11,19 +11,19 @@ import torch
 from torch.testing import assert_close
 
 from aiayn.config import ConfigError
-from aiayn.fast import optimize, plain
+from aiayn.fast import linear, onednn, optimize, plain
 from aiayn.finetune.lora import LoraConfig, LoraLinear, apply_lora, lora_state_dict, merge_lora
 from aiayn.nn.mlp import FeedForward
 
 peft = pytest.importorskip("peft")
 
 
-def _randomize_adapters(model, seed=7):
+def _randomize_adapters(model, seed=7, scale=0.2):
     """Nonzero B (a fresh adapter's is zero) so every adapter changes the output."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in lora_state_dict(model).values():
-            p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            p.copy_(scale * torch.randn(p.shape, generator=g))
 
 
 def test_layer_equals_peft_output_and_gradients():
@@ -83,7 +83,8 @@ def test_merged_equals_unmerged(tiny_llama, tokens, targets):
 
 
 def test_fast_kernels_equal_plain(tiny_gpt2, tokens):
-    """aiayn.fast leaves the adapted projections as they are and swaps the rest."""
+    """aiayn.fast keeps the adapted projections LoraLinear (only their frozen product's kernel changes) and
+    swaps the rest."""
     model = apply_lora(copy.deepcopy(tiny_gpt2[2]), LoraConfig(targets=("qkv", "down")))
     _randomize_adapters(model)
     with torch.no_grad():
@@ -93,6 +94,44 @@ def test_fast_kernels_equal_plain(tiny_gpt2, tokens):
         assert isinstance(model.decoder.blocks[0].self_attn.qkv_proj, LoraLinear)
         assert_close(model(tokens).logits, expected)
         plain(model)
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN linear op")
+def test_fast_frozen_product_asks_no_weight_gradient(monkeypatch):
+    """Optimized, an adapted projection's frozen product runs on the oneDNN kernel with the plain layer's
+    output and gradients, and its backward never computes the frozen weight's gradient."""
+    torch.manual_seed(0)
+    ffn = apply_lora(FeedForward(256, 512, activation="swiglu"), LoraConfig(rank=4, alpha=8, targets=("gate", "down")))
+    _randomize_adapters(ffn, scale=0.05)  # 128 rows x 512 x 256: oneDNN's smallest product (MIN_WORK)
+    fast = optimize(copy.deepcopy(ffn), "train")
+    assert fast.fc_in.base_kernel is linear.fast_linear
+    x, weights = torch.randn(2, 64, 256), torch.randn(2, 64, 256)
+    results = []
+    for model in (ffn, fast):
+        if model is fast:
+            kernels, backwards, weight_grads = (_calls(monkeypatch, module, name) for module, name in (
+                (linear, "onednn_linear"), (onednn, "_linear_backward_op"), (onednn, "weight_gradient")))
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        (out * weights).sum().backward()
+        results.append([out, xi.grad, *(p.grad for p in lora_state_dict(model).values())])
+    for got, expected in zip(results[1], results[0], strict=True):
+        assert_close(got, expected)
+    assert len(kernels) == 2 and len(backwards) == 2 and not weight_grads
+    assert [call[4] for call in backwards] == [False, False]  # need_weight
+    assert fast.fc_in.weight.grad is None and fast.fc_out.weight.grad is None
+
+
+def _calls(monkeypatch, module, name):
+    """The positional arguments of each call of ``module.name`` from now on (it still runs)."""
+    calls, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
 
 
 def test_targets_are_checked(tiny_gpt2, tiny_llama):
