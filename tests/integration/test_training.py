@@ -163,7 +163,7 @@ FAST = ["--max-steps", "4", "--save-every", "2", "--eval-every", "1000", "--no-p
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--task", "nope"], "unknown task 'nope'; known tasks: copy"),
+        (["--task", "nope"], "unknown task 'nope'; known tasks: chat, copy"),
         (["--lr", "0"], "Invalid value for '--lr'"),
         (["--batch-size", "-3"], "Invalid value for '--batch-size'"),
         (["--epochs", "0"], "Invalid value for '--epochs'"),
