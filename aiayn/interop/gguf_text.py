@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from aiayn.interop.mapping import InteropError
@@ -214,6 +215,7 @@ def _render_bounded(template: Any, context: dict[str, Any]) -> str:
     return "".join(pieces)
 
 
+@lru_cache(maxsize=16)  # compiling takes milliseconds; a chat task renders each conversation three times
 def _compiled(source: str) -> Any:
     try:
         import jinja2
