@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -114,6 +115,38 @@ class FiniteFloatRange(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number; give an ordinary number such as 0.001", param, ctx)
         return number
+
+
+# The caps that let a JSON answer end (docs/structured-output.md): (JsonBounds field, default, lowest,
+# highest, help). aiayn.generate.constrain owns them (JsonBounds, BOUND_RANGES); they are repeated
+# here so that the commands' help needs no torch, and tests/serve/test_json_caps.py holds
+# them equal.
+JSON_CAPS = (
+    ("integer_digits", 15, 1, 15, "Digits before the point, at most, of a number or integer that a JSON schema "
+                                  "leaves without a minimum or maximum (no exponent)."),
+    ("decimals", 6, 0, 10, "Digits after the point, at most, of a number that a JSON schema leaves without "
+                           "multipleOf."),
+    ("string_chars", 1000, 1, 1_000_000, "Characters, at most, of a string that a JSON schema leaves without "
+                                         "maxLength or format."),
+    ("array_items", 100, 1, 1_000_000, "Items, at most, of an array that a JSON schema leaves without maxItems."),
+)
+
+
+def json_caps_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--json-integer-digits``, ``--json-decimals``, ``--json-string-chars``, ``--json-array-items``,
+    given to the command as one keyword ``json_bounds`` (an ``aiayn.generate.constrain.JsonBounds``)."""
+
+    @functools.wraps(func)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        from aiayn.generate.constrain import JsonBounds
+
+        caps = {name: kwargs.pop(f"json_{name}") for name, *_ in JSON_CAPS}
+        return func(*args, json_bounds=JsonBounds(**caps), **kwargs)
+
+    for name, default, low, high, text in reversed(JSON_CAPS):  # (the last option added is listed first)
+        command = click.option(f"--json-{name.replace('_', '-')}", f"json_{name}", type=click.IntRange(low, high),
+                               default=default, show_default=True, help=text)(command)
+    return command
 
 
 # torch.manual_seed takes less than 2**64, and tasks derive further seeds from it by arithmetic

@@ -17,6 +17,7 @@ from aiayn.cli.app import (
     check_threads,
     cli,
     device_option,
+    json_caps_options,
     model_options,
     one_model,
     place,
@@ -87,12 +88,13 @@ def text_device(name: str, quantize: str = "none") -> Any:
                    "by constrained decoding (docs/structured-output.md); best with --chat.")
 @click.option("--json", "json_object", is_flag=True,
               help="Answer with a JSON object (any keys), by constrained decoding; best with --chat.")
+@json_caps_options
 @adapter_option
 @plain_option
 @device_option
 def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
                  max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...],
+                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...], json_bounds: Any,
                  quantize: str = "none", threads: int | None = None, kv_cache: str = "float",
                  compiled: bool = False, json_schema: Any = None, json_object: bool = False, plain: bool = False,
                  device: str = "auto", slide: bool = True, adapter: Path | None = None) -> None:
@@ -123,7 +125,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
         raise click.BadParameter(str(exc), param_hint="--prompt") from None
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed)
-    constraint = None if schema is None else json_constraint(lm, schema)
+    constraint = None if schema is None else json_constraint(lm, schema, json_bounds)
     if not chat and constraint is None:  # (with a grammar stdout is the JSON alone)
         click.echo(prompt, nl=False)
     stats = stream_text(lm, ids, on_text=lambda text: click.echo(text, nl=False), max_new_tokens=max_new_tokens,
@@ -167,12 +169,13 @@ def read_schema(source: Any, json_object: bool) -> dict[str, Any] | None:
     return schema
 
 
-def json_constraint(lm: Any, schema: dict[str, Any]) -> Any:
-    """The grammar of ``schema`` for ``lm``'s tokenizer; a usage line when it cannot be made."""
+def json_constraint(lm: Any, schema: dict[str, Any], bounds: Any) -> Any:
+    """The grammar of ``schema`` for ``lm``'s tokenizer within ``bounds`` (a ``JsonBounds``); a usage
+    line when it cannot be made."""
     from aiayn.generate.constrain import GrammarConstraint
 
     try:
-        return GrammarConstraint.from_schema(lm.tokenizer, schema, eos_id=lm.eos_id)
+        return GrammarConstraint.from_schema(lm.tokenizer, schema, eos_id=lm.eos_id, bounds=bounds)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--json-schema / --json") from None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -11,6 +12,7 @@ from aiayn.cli.app import (
     check_threads,
     cli,
     device_option,
+    json_caps_options,
     one_model,
     plain_option,
 )
@@ -80,6 +82,7 @@ from aiayn.cli.finetune import adapter_base, adapter_option
                    "the first time the running requests reach it: seconds on a GPU, about a minute on the CPU "
                    "(with a C++ compiler), so it pays off for a long-running server. Needs --kv-layout slots "
                    "(the default with --compile) and a float --kv-cache.")
+@json_caps_options
 @adapter_option
 @plain_option
 @device_option
@@ -87,9 +90,9 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
               max_batch: int, context: int | None, kv_budget: str, kv_cache: str, quantize: str,
               prefill_chunk: int, max_queue: int, api_key: str | None, shutdown_grace: float,
               threads: int | None, max_inputs: int, max_input_tokens: int | None, max_request_tokens: int,
-              embed_chunk: int, embed_share: float, kv_layout: str | None = None, block_size: int = 16,
-              prefix_caching: bool = True, plain: bool = False, device: str = "auto", compiled: bool = False,
-              keep_alive: float = 20.0, adapter: Path | None = None) -> None:
+              embed_chunk: int, embed_share: float, json_bounds: Any, kv_layout: str | None = None,
+              block_size: int = 16, prefix_caching: bool = True, plain: bool = False, device: str = "auto",
+              compiled: bool = False, keep_alive: float = 20.0, adapter: Path | None = None) -> None:
     """Serve a model over the OpenAI API (chat, completions, embeddings) with continuous batching."""
     import torch
 
@@ -123,7 +126,7 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
                                    threads=wanted, max_inputs=max_inputs, max_input_tokens=max_input_tokens,
                                    max_request_tokens=max_request_tokens, embed_chunk=embed_chunk,
                                    embed_share=embed_share, kv_layout=kv_layout, block_size=block_size,
-                                   prefix_caching=prefix_caching, compile=compiled)
+                                   prefix_caching=prefix_caching, compile=compiled, json_bounds=json_bounds)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     lines.append(f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}")

@@ -60,14 +60,25 @@ class JsonBounds:
     number without ``multipleOf`` gets ``multipleOf 10**-decimals``: at most ``decimals`` digits
     after the point. A string without ``maxLength`` (and without ``format``) gets ``string_chars``;
     an array without ``maxItems`` gets ``array_items``. Values with ``enum`` or ``const`` are left
-    as they are, and so are untyped values (``{}``, ``json_object``'s members)."""
+    as they are, and so are untyped values (``{}``, ``json_object``'s members). ValueError for a cap
+    outside ``BOUND_RANGES``."""
 
     integer_digits: int = 15
     decimals: int = 6
     string_chars: int = 1000
     array_items: int = 100
 
+    def __post_init__(self) -> None:
+        for name, (low, high) in BOUND_RANGES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name} must be a whole number from {low} to {high}, got {value!r}")
 
+
+# The values each cap may take. Past 15 digits a double no longer holds the number cap exactly, and
+# llguidance refuses a multipleOf finer than 10**-10; a million characters or items is past any answer.
+BOUND_RANGES = {"integer_digits": (1, 15), "decimals": (0, 10), "string_chars": (1, 1_000_000),
+                "array_items": (1, 1_000_000)}
 BOUNDS = JsonBounds()  # the caps every schema gets unless a caller passes its own (or None: none)
 # Keywords whose value is a subschema, a list of them or a name -> subschema map ("not" and "if"
 # are left alone: a cap there would widen or change what the schema allows).

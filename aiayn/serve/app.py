@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from aiayn.asgi import bounded_receive, preview
-from aiayn.generate.constrain import GrammarConstraint
+from aiayn.generate.constrain import BOUNDS, GrammarConstraint, JsonBounds
 from aiayn.generate.sampling import SamplingConfig
 from aiayn.interop.mapping import InteropError
 from aiayn.serve.engine import Engine, EngineFailed, QueueFull, SamplingParams, ShuttingDown
@@ -71,6 +71,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     encoder_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     limits: Limits = field(default_factory=Limits)
+    bounds: JsonBounds = BOUNDS  # the caps on what a response_format or tool schema leaves open
     responses: ResponseStore = field(default_factory=ResponseStore)  # kept for previous_response_id
 
     def begin_drain(self) -> None:
@@ -222,14 +223,12 @@ def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: 
                           frequency_penalty=body.frequency_penalty or 0.0)
 
 
-def response_constraint(lm: TextModel, body: Any) -> GrammarConstraint | None:
-    """The compiled grammar of ``body.response_format`` (None: free text), off the event loop; 400 for
-    an invalid schema or a model that cannot follow one."""
-    if body.response_format is None or body.response_format.type == "text":
-        return None
+def response_constraint(lm: TextModel, body: Any, bounds: JsonBounds) -> GrammarConstraint | None:
+    """The compiled grammar of ``body.response_format`` (None: free text) within ``bounds``, off the
+    event loop; 400 for an invalid schema or a model that cannot follow one."""
+    response_format = body.response_format and body.response_format.model_dump(by_alias=True)
     try:
-        return GrammarConstraint.from_response_format(lm.tokenizer, body.response_format.model_dump(by_alias=True),
-                                                      eos_id=lm.eos_id)
+        return GrammarConstraint.from_response_format(lm.tokenizer, response_format, eos_id=lm.eos_id, bounds=bounds)
     except ValueError as exc:
         raise APIError(400, f"response_format: {exc}", param="response_format") from None
 
@@ -268,9 +267,9 @@ async def generate(state: ServerState, request: Request, lm: TextModel, engine: 
     """The request's generation, answered whole or streamed (server-sent events); ``wire``: a chat
     answer written in the Responses API's format."""
     params = sampling_params(body, engine, prompts, limit, logprobs)
-    constraint = await asyncio.to_thread(response_constraint, lm, body)
+    constraint = await asyncio.to_thread(response_constraint, lm, body, state.bounds)
     if tools is not None:  # (a response_format is then the text answer's, checked just above)
-        meta.tools, constraint = await asyncio.to_thread(tool_constraint, lm, tools, body.response_format)
+        meta.tools, constraint = await asyncio.to_thread(tool_constraint, lm, tools, body.response_format, state.bounds)
     generation = start_generation(engine, prompts, params, n=body.n, constraint=constraint)
     chat = meta.object == "chat.completion"
     if body.stream:
@@ -408,8 +407,9 @@ def add_embedding_route(app: FastAPI, state: ServerState) -> None:
         return Response(content, media_type="application/json")
 
 
-def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any) -> tuple[ToolFormat, GrammarConstraint]:
-    """The tool-call format and grammar of a chat request; 400 for a schema the model cannot follow."""
+def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any,
+                    bounds: JsonBounds) -> tuple[ToolFormat, GrammarConstraint]:
+    """The tool-call format and grammar of a chat request, within ``bounds``; 400 for a schema the model cannot follow."""
     kind = None if response_format is None else response_format.type
     schema = None  # free text
     if kind == "json_object":
@@ -417,7 +417,7 @@ def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any) ->
     elif kind == "json_schema":
         schema = response_format.json_schema.schema_ or {}  # (none given: any JSON value)
     try:
-        return tool_format(lm, tools, schema)
+        return tool_format(lm, tools, schema, bounds)
     except ValueError as exc:
         raise APIError(400, f"tools: {exc}", param="tools") from None
 

@@ -10,6 +10,7 @@ import torch
 import uvicorn
 
 from aiayn.device import model_device
+from aiayn.generate.constrain import BOUNDS, JsonBounds
 from aiayn.models.base import count_parameters
 from aiayn.nn.kv_memory import format_bytes
 from aiayn.serve.app import ServerState, create_app
@@ -73,10 +74,12 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
                 threads: int | None = None, max_inputs: int = MAX_INPUTS, max_input_tokens: int | None = None,
                 max_request_tokens: int = MAX_REQUEST_TOKENS, embed_chunk: int = DEFAULT_CHUNK,
                 embed_share: float = 0.5, kv_layout: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                prefix_caching: bool = True, compile: bool = False) -> tuple[ServerState, list[str]]:
+                prefix_caching: bool = True, compile: bool = False,
+                json_bounds: JsonBounds = BOUNDS) -> tuple[ServerState, list[str]]:
     """The server's state and its start-up lines; ValueError for settings that cannot work.
     ``max_input_tokens``: None for 8,192 or the model's context if smaller. ``kv_layout``: "paged",
-    "slots" or None: paged, but slots for a quantised ``kv_cache`` or with ``compile``."""
+    "slots" or None: paged, but slots for a quantised ``kv_cache`` or with ``compile``.
+    ``json_bounds``: the caps on what a request's JSON schemas leave open."""
     metrics = Metrics()
     engine = None
     model_context = served.lm.context if served.lm is not None else served.encoder.max_length  # type: ignore[union-attr]
@@ -130,7 +133,8 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
         lines = [f"model {served.name}: sentence encoder ({served.encoder.pooling} pooling), "
                  f"{count_parameters(served.encoder.model):,} parameters, on {model_device(served.encoder.model)}; "
                  f"serves /v1/embeddings", limits.describe(why)]
-    state = ServerState(served, engine, metrics, api_key=api_key, shutdown_grace=shutdown_grace, limits=limits)
+    state = ServerState(served, engine, metrics, api_key=api_key, shutdown_grace=shutdown_grace, limits=limits,
+                        bounds=json_bounds)
     return state, lines
 
 

@@ -10,7 +10,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiayn.generate.constrain import JSON_OPTIONS, GrammarConstraint, bounded_schema
+from aiayn.generate.constrain import (
+    BOUNDS,
+    JSON_OPTIONS,
+    GrammarConstraint,
+    JsonBounds,
+    bounded_schema,
+)
 from aiayn.serve.tools import ToolSettings, call_id, template_support
 
 TRIGGER, CLOSE = "<tool_call>", "</tool_call>"  # Hermes: the text that starts a call, and ends it
@@ -60,18 +66,20 @@ def _json(schema: dict[str, Any]) -> str:
 
 class ToolFormat:
     """One request's tool-call format: its ``grammar``, the ``constraint`` a generation follows, and
-    ``parse`` of what the model wrote; ``response_schema``: the schema of a text answer."""
+    ``parse`` of what the model wrote; ``response_schema``: the schema of a text answer; ``bounds``:
+    the caps on what the schemas leave open (None: none)."""
 
-    def __init__(self, settings: ToolSettings, *, hermes: bool, response_schema: dict[str, Any] | None = None) -> None:
-        self.settings, self.hermes, self.response_schema = settings, hermes, response_schema
+    def __init__(self, settings: ToolSettings, *, hermes: bool, response_schema: dict[str, Any] | None = None,
+                 bounds: JsonBounds | None = BOUNDS) -> None:
+        self.settings, self.hermes, self.response_schema, self.bounds = settings, hermes, response_schema, bounds
         layout = HERMES if hermes else (GENERIC_MANY if settings.parallel else GENERIC_ONE)
         self.layout = layout if settings.parallel else Layout(layout.first, None, layout.last)
 
     def call_schema(self) -> dict[str, Any]:
         """One call object: ``{"name": <a callable function>, "arguments": <its parameters>}``, the
-        parameters within ``constrain.BOUNDS`` where they leave a value open."""
+        parameters within ``bounds`` where they leave a value open."""
         options = [{"type": "object", "properties": {"name": {"const": name},
-                                                     "arguments": bounded_schema(self.settings.parameters(name))},
+                                                     "arguments": bounded_schema(self.settings.parameters(name), self.bounds)},
                     "required": ["name", "arguments"], "additionalProperties": False} for name in self.settings.names]
         return options[0] if len(options) == 1 else {"anyOf": options}
 
@@ -83,7 +91,7 @@ class ToolFormat:
         more = f" ({_lark(layout.between)} call)*" if layout.between is not None else ""
         lines = [f"call: {_json(self.call_schema())}"]
         calls = f"{_lark(layout.first)} call{more} {_lark(layout.last)}"
-        answer = None if self.response_schema is None else f"answer: {_json(bounded_schema(self.response_schema))}"
+        answer = None if self.response_schema is None else f"answer: {_json(bounded_schema(self.response_schema, self.bounds))}"
         if self.settings.choice == "required":
             lines.insert(0, f"start: {calls}")
         elif self.hermes and answer is not None:  # a JSON answer or calls
@@ -105,7 +113,7 @@ class ToolFormat:
         if self.settings.choice == "required":
             start, text = "calls", []
         elif self.response_schema is not None:
-            start, text = "answer | calls", [f"answer: {_json(bounded_schema(self.response_schema))}"]
+            start, text = "answer | calls", [f"answer: {_json(bounded_schema(self.response_schema, self.bounds))}"]
         else:
             start, text = "TEXT | TEXT calls | calls", ["TEXT: /(?s:.+)/ & ~/(?s:.*)<tool_call>(?s:.*)/"]
         return "\n".join([f"start: {start}", f"calls: {calls}", f"call: {_json(self.call_schema())}", *text]) + "\n"
@@ -255,9 +263,10 @@ def answer_message(fmt: ToolFormat, text: str, engine_reason: str | None) -> tup
     return reply, fmt.finish_reason(fmt.parse(text, final=True), engine_reason)
 
 
-def tool_format(lm: Any, settings: ToolSettings,
-                response_schema: dict[str, Any] | None = None) -> tuple[ToolFormat, GrammarConstraint]:
+def tool_format(lm: Any, settings: ToolSettings, response_schema: dict[str, Any] | None = None,
+                bounds: JsonBounds | None = BOUNDS) -> tuple[ToolFormat, GrammarConstraint]:
     """The request's format for ``lm`` (Hermes where the template writes ``<tool_call>``, else
     generic) and its compiled grammar, off the event loop; ValueError for a refused schema."""
-    fmt = ToolFormat(settings, hermes=template_support(lm.chat_template).hermes, response_schema=response_schema)
+    fmt = ToolFormat(settings, hermes=template_support(lm.chat_template).hermes, response_schema=response_schema,
+                     bounds=bounds)
     return fmt, fmt.constraint(lm.tokenizer, lm.eos_id)
