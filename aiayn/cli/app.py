@@ -119,8 +119,8 @@ class FiniteFloatRange(click.FloatRange):
 
 # The caps that let a JSON answer end (docs/structured-output.md): (JsonBounds field, default, lowest,
 # highest, help). aiayn.generate.constrain owns them (JsonBounds, BOUND_RANGES); they are repeated
-# here so that the commands' help needs no torch, and tests/serve/test_json_caps.py holds
-# them equal.
+# here because the commands import the library only when they run. tests/serve/test_json_caps.py
+# holds them equal.
 JSON_CAPS = (
     ("integer_digits", 15, 1, 15, "Digits before the point, at most, of a number or integer that a JSON schema "
                                   "leaves without a minimum or maximum (no exponent)."),
