@@ -297,10 +297,15 @@ class GrammarConstraint:
         return logits
 
     def advance(self, token: int) -> None:
-        """Move past ``token``; ConstraintError when the grammar does not allow it."""
-        if not self._matcher.consume_token(int(token)):
-            error = self._matcher.get_error() or "no token can follow"
-            raise ConstraintError(f"token {int(token)} does not fit the grammar ({' '.join(error.split())})")
+        """Move past ``token``; ConstraintError when the grammar does not allow it. A refused token
+        leaves the state as it was (``consume_token`` would leave the matcher in an error that
+        ``reset`` does not clear)."""
+        token = int(token)
+        if self._matcher.is_stopped():  # only end-of-text may follow, any number of times
+            if token != self.info.eos_id:
+                raise ConstraintError(f"token {token} does not fit the grammar (nothing can follow)")
+        elif self._matcher.try_consume_tokens([token]) == 0:
+            raise ConstraintError(f"token {token} does not fit the grammar (not allowed here)")
 
     def is_finished(self) -> bool:
         """True once nothing can follow but end-of-text, or end-of-text was given."""

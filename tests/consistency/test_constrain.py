@@ -444,3 +444,28 @@ def test_bounded_schema_reaches_nested_values_and_leaves_the_given_schema_alone(
     assert out["properties"]["fixed"] == given["properties"]["fixed"]
     assert out["properties"]["when"] == given["properties"]["when"]
     assert c.bounded_schema(schema, None) is schema
+
+
+@pytest.mark.cpu_only
+def test_a_refused_token_leaves_the_state_usable(tok):
+    """A token the grammar refuses changes nothing: the same state still accepts the answer, and after
+    ``reset`` the grammar starts over."""
+    eos = tok.token_to_id("<|im_end|>")
+    constraint = GrammarConstraint.from_schema(tok, {"enum": ["ab"]}, eos_id=eos)
+    answer = tok.encode('"ab"', add_special_tokens=False).ids
+    constraint.advance(answer[0])
+    with pytest.raises(ConstraintError, match="not allowed here"):
+        constraint.advance(tok.encode("x", add_special_tokens=False).ids[0])
+    before = constraint.allowed().clone()
+    for token in answer[1:]:
+        constraint.advance(token)
+    assert constraint.is_complete()
+    constraint.reset()
+    assert constraint.allowed().equal(_fresh_allowed(tok, eos)) and not before.equal(_fresh_allowed(tok, eos))
+    for token in answer:
+        constraint.advance(token)
+    assert constraint.is_complete()
+
+
+def _fresh_allowed(tok, eos):
+    return GrammarConstraint.from_schema(tok, {"enum": ["ab"]}, eos_id=eos).allowed()
