@@ -52,7 +52,7 @@ def test_the_row_names_the_extra(monkeypatch, capsys):
     assert capsys.readouterr().out == "* x-transformers: not installed (pip install -e '.[bench]')\n"
 
 
-@pytest.mark.slow  # one training step of a small decoder and the measured matmul peaks: ~30 s on 2 cores
+@pytest.mark.slow  # training steps of a small decoder and the measured matmul peaks
 def test_the_training_benchmark_without_x_transformers(tmp_path):
     done = hidden(tmp_path, "x_transformers", "benchmarks.train", "--suite", "decoder", "--quick", "--peers",
                   "aiayn", "x-transformers", "--no-compiled", "--no-plain", "--repeats", "1", "--warmup", "0",
