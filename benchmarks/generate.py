@@ -34,7 +34,7 @@ from aiayn.fast.quantize import lower_precision  # noqa: E402
 from aiayn.interop import load_gguf  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.generate_q4 import batch_rows, packed_model, peak_memory, perplexity, runner  # noqa: E402
-from benchmarks.llama_cpp import LLAMA_CPP_INSTALL, LlamaCpp, llama_cpp_cffi_library  # noqa: E402
+from benchmarks.llama_cpp import LlamaCpp  # noqa: E402
 
 QUESTION = "Write a short story about a robot who learns to paint."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -159,11 +159,10 @@ def llama_rows(run: Run, q4_tokens: torch.Tensor | None) -> None:
     try:
         from llama_cpp import Llama
     except ImportError:
-        if llama_cpp_cffi_library() is None:
-            print(f"* llama.cpp: not installed ({LLAMA_CPP_INSTALL})")
+        llm = common.load_peer("llama.cpp", LlamaCpp, run.path, run.args.threads)
+        if llm is None:
             return
         print("llama.cpp (llama-cpp-cffi's prebuilt CPU library, the Q4_1 file as is):")
-        llm = LlamaCpp(run.path, run.args.threads)
         theirs = run.measure("llama.cpp", lambda ids: llm.greedy(ids[0].tolist()))
         if q4_tokens is not None:
             print(f"  greedy tokens vs aiayn q4: identical for the first {common.same_prefix(theirs, q4_tokens)} of "
@@ -226,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     q4_tokens = quantised_rows(run, reference)
     if not args.no_llama_cpp:
         llama_rows(run, q4_tokens)
-    if not args.no_q4 and not args.no_llama_cpp and args.batches:
+    if not args.no_q4 and not args.no_llama_cpp and args.batches and "llama.cpp" not in common.MISSING:
         print(f"batched decode ({args.new_tokens} new tokens per row, tokens/s of all rows):")
         batch_rows(path, run.ids, [int(b) for b in args.batches.split(",")], args.new_tokens, args.threads, run.rate)
     if not args.no_memory:

@@ -21,6 +21,7 @@ from aiayn.fast import optimize
 from aiayn.fast.quantize import lower_precision
 from aiayn.generate import SamplingConfig, generate_decoder_only
 from aiayn.interop import load_gguf
+from benchmarks.common import load_peer
 from benchmarks.llama_cpp import LlamaCpp, peak_rss_mib
 
 GREEDY = SamplingConfig(temperature=0)
@@ -38,8 +39,11 @@ def runner(model: torch.nn.Module, ids: torch.Tensor, *, compile: bool = False) 
 def batch_rows(path: Path, ids: torch.Tensor, batches: list[int], new_tokens: int, threads: int,
                rate: Callable[[Callable[[int], object], int], float]) -> dict[str, float]:
     """tokens/s of all rows together: b * (n - 1) / (t(n) - t(1)), aiayn q4 compiled and llama.cpp."""
+    llama = load_peer("llama.cpp", LlamaCpp, path, threads, n_ctx=max(batches) * (ids.shape[1] + new_tokens + 8),
+                      sequences=max(batches))
+    if llama is None:
+        return {}
     model = packed_model(path)
-    llama = LlamaCpp(path, threads, n_ctx=max(batches) * (ids.shape[1] + new_tokens + 8), sequences=max(batches))
     rates = {}
     for b in batches:
         rows = ids.repeat(b, 1)
@@ -117,11 +121,13 @@ def perplexity(path: Path, tokenizer, windows: int, threads: int) -> dict[str, f
         "aiayn int8": aiayn(lambda: lower_precision(floats(), "int8")),
         "aiayn q4 (auto)": aiayn(lambda: packed_model(path, "auto")),
         "aiayn q4 (all 4-bit)": aiayn(lambda: packed_model(path, "q4")),
-        "llama.cpp": lambda: LlamaCpp(path, threads, n_ctx=1024).nll,
+        "llama.cpp": lambda: getattr(load_peer("llama.cpp", LlamaCpp, path, threads, n_ctx=1024), "nll", None),
     }
     out = {}
     for name, make in peers.items():
         nll = make()
+        if nll is None:  # llama.cpp not installed: its row is printed
+            continue
         total = count = 0.0
         for window in data:
             t, c = nll(window)

@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_rows(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device) -> None:
-    transformers = gpu_models.transformers_or_none()
+    transformers = common.load_peer("transformers", common.quiet_transformers)  # None: its peers are skipped
     common.header(f"aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}: "
            f"{gpu_models.device_name(device)} ({device}); transformers "
            f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}", args,

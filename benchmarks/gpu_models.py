@@ -23,7 +23,7 @@ from aiayn.device import autocast, fused_optimizer
 from aiayn.generate import greedy_decoder_only
 from aiayn.models import get_preset
 from aiayn.train.losses import sequence_loss
-from benchmarks.common import hf_greedy, quiet_transformers
+from benchmarks.common import hf_greedy
 from benchmarks.peers import TorchTransformerLM
 
 
@@ -65,14 +65,6 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> tuple[flo
         if device.type == "cuda" and piece in name:
             return tflops * 1e12, f"{tflops:g} TFLOP/s dense bf16 ({name}, NVIDIA datasheet; --peak-tflops overrides)"
     return None, f"no known peak for {name}: give --peak-tflops for MFU"
-
-
-def transformers_or_none():
-    """The transformers module, or None where it is not installed (its rows are then skipped)."""
-    try:
-        return quiet_transformers()
-    except ImportError:
-        return None
 
 
 # ---- (a) and (c): GPT-2 124M ------------------------------------------------------------------

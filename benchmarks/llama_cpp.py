@@ -47,6 +47,15 @@ def llama_cpp_cffi_library():
     return module.lib, module.ffi
 
 
+def require_library():
+    """``llama_cpp_cffi_library()``; ModuleNotFoundError naming its module (``llama``) when it is
+    absent, so that ``benchmarks.common.load_peer`` prints the peer's not-installed row."""
+    loaded = llama_cpp_cffi_library()
+    if loaded is None:
+        raise ModuleNotFoundError(f"llama-cpp-cffi is not installed: {LLAMA_CPP_INSTALL}", name="llama")
+    return loaded
+
+
 def _load_cxa_call_terminate_shim() -> None:
     import ctypes
     import subprocess
@@ -84,10 +93,7 @@ class LlamaCpp:
     up to ``sequences`` sequences."""
 
     def __init__(self, path: str | os.PathLike, threads: int, *, n_ctx: int = 1024, sequences: int = 1) -> None:
-        loaded = llama_cpp_cffi_library()
-        if loaded is None:
-            raise RuntimeError(f"llama-cpp-cffi is not installed: {LLAMA_CPP_INSTALL}")
-        self.lib, self.ffi = lib, ffi = loaded
+        self.lib, self.ffi = lib, ffi = require_library()
         lib.llama_backend_init()
         lib.llama_log_set(_silent_log(ffi), ffi.NULL)
         self.model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())

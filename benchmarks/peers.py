@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,20 +82,19 @@ class Dropouts:
 # ---------------------------------------------------------------- encoder-decoder peers
 
 
-class AiaynSeq2Seq(nn.Module):
-    """An aiayn encoder-decoder (``.model``) called the way the benchmarks call every peer; returns
-    the model's ``ModelOutput`` (what ``aiayn train`` hands ``sequence_loss``)."""
+class Seq2SeqPeer(nn.Module):
+    """An encoder-decoder (``.model``) called the way the benchmarks call every peer:
+    ``(src, tgt, src_valid, tgt_valid)``, handed to ``call(model, ...)``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, model: nn.Module, call: Callable[..., Tensor | ModelOutput]) -> None:
         super().__init__()
-        self.model = build_model(config)
+        self.model, self.call = model, call
 
-    def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> ModelOutput:
-        return self.model(src, tgt, src_valid=src_valid, tgt_valid=tgt_valid)
+    def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor | ModelOutput:
+        return self.call(self.model, src, tgt, src_valid, tgt_valid)
 
 
-def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused",
-                  padding_free: bool = True) -> nn.Module:
+def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, padding_free: bool = True) -> nn.Module:
     """aiayn with ``ModelConfig.padding_free`` on (``aiayn train --padding-free``; off by default),
     plain PyTorch (``optimize_aiayn`` gives it the CPU kernels, as ``aiayn train`` does)."""
     cfg = ModelConfig(arch="encoder-decoder", vocab_size=s.vocab, d_model=s.d_model, n_heads=s.n_heads,
@@ -102,15 +102,16 @@ def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, attn_impl: str = "fused",
                       attention_dropout=drop.attention, activation_dropout=drop.activation,
                       positional="sinusoidal", norm_position="post", share_embeddings=True,
                       tie_output=True, max_seq_len=max(s.src_len, s.tgt_len) + 8, pad_id=0,
-                      attn_impl=attn_impl, padding_free=padding_free)
-    return AiaynSeq2Seq(cfg)
+                      padding_free=padding_free)
+    # The model's ModelOutput: what aiayn train hands sequence_loss.
+    return Seq2SeqPeer(build_model(cfg), lambda m, src, tgt, sv, tv: m(src, tgt, src_valid=sv, tgt_valid=tv))
 
 
 def optimize_aiayn(model: nn.Module, mode: str) -> nn.Module:
-    """``aiayn.fast.optimize`` of an aiayn peer (the model itself, or inside ``AiaynSeq2Seq``):
+    """``aiayn.fast.optimize`` of an aiayn peer (the model itself, or inside ``Seq2SeqPeer``):
     the CPU kernels, and in mode "train" the output layer fused with the loss (``optimize`` finds
     it as the model's ``lm_head``, so it is given the aiayn model, not the wrapper). In place."""
-    optimize(model.model if isinstance(model, AiaynSeq2Seq) else model, mode=mode)
+    optimize(model.model if isinstance(model, Seq2SeqPeer) else model, mode=mode)
     return model
 
 
@@ -159,18 +160,12 @@ def bart_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
                      pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
                      forced_eos_token_id=None, tie_word_embeddings=True)
     cfg._attn_implementation = "sdpa"
-    model = BartForConditionalGeneration(cfg)
 
-    class Wrapped(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
+    def call(m: nn.Module, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
+        return m(input_ids=src, attention_mask=src_valid.long(), decoder_input_ids=tgt,
+                 decoder_attention_mask=tgt_valid.long(), use_cache=False).logits
 
-        def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
-            return self.model(input_ids=src, attention_mask=src_valid.long(), decoder_input_ids=tgt,
-                              decoder_attention_mask=tgt_valid.long(), use_cache=False).logits
-
-    return Wrapped()
+    return Seq2SeqPeer(BartForConditionalGeneration(cfg), call)
 
 
 def xtransformers_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
@@ -186,16 +181,11 @@ def xtransformers_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
     # Tie the output projection to the shared embedding too (XTransformer ties only the embeddings).
     xt.decoder.net.to_logits.weight = xt.encoder.token_emb.emb.weight
 
-    class Wrapped(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = xt
+    def call(m: nn.Module, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
+        enc = m.encoder(src, mask=src_valid, return_embeddings=True)
+        return m.decoder.net(tgt, mask=tgt_valid, context=enc, context_mask=src_valid)
 
-        def forward(self, src: Tensor, tgt: Tensor, src_valid: Tensor, tgt_valid: Tensor) -> Tensor:
-            enc = self.model.encoder(src, mask=src_valid, return_embeddings=True)
-            return self.model.decoder.net(tgt, mask=tgt_valid, context=enc, context_mask=src_valid)
-
-    return Wrapped()
+    return Seq2SeqPeer(xt, call)
 
 
 def aiayn_padded_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
@@ -216,13 +206,13 @@ SEQ2SEQ_PEERS = {
 # ---------------------------------------------------------------- decoder-only peers
 
 
-def aiayn_lm_config(s: LMSize, drop: Dropouts, *, attn_impl: str = "fused") -> ModelConfig:
+def aiayn_lm_config(s: LMSize, drop: Dropouts) -> ModelConfig:
     """GPT-2's layout: pre-norm, learned positions, GELU, tied output, no padding id."""
     return ModelConfig(arch="decoder-only", vocab_size=s.vocab, d_model=s.d_model, n_heads=s.n_heads,
                        n_layers=s.n_layers, d_ff=s.d_ff, activation="gelu", norm_position="pre",
                        positional="learned", scale_embeddings=False, tie_output=True, pad_id=None,
                        max_seq_len=s.max_len, dropout=drop.residual, attention_dropout=drop.attention,
-                       activation_dropout=drop.activation, attn_impl=attn_impl)
+                       activation_dropout=drop.activation)
 
 
 def aiayn_lm(s: LMSize, drop: Dropouts) -> nn.Module:

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.generate_q4 import packed_model, runner
-from benchmarks.llama_cpp import LLAMA_CPP_INSTALL, LlamaCpp, llama_cpp_cffi_library
+from benchmarks.llama_cpp import LlamaCpp, require_library
 
 
 @dataclass(frozen=True)
@@ -271,16 +271,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser.add_argument("--keep", action="store_true", help="keep the written files")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    common.require("gguf")  # it writes the files
     sizes = args.sizes.split(",")
     if unknown := [s for s in sizes if s not in SHAPES]:
         parser.error(f"unknown size(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     torch.set_num_threads(args.threads)
-    llama = None if args.no_llama_cpp else llama_cpp_cffi_library()  # (lib, ffi) when installed
     common.header(f"4-bit decoding against the bytes of weights: random LLaMA-shaped Q4_0 GGUF files, batch 1, greedy, "
            f"{args.new_tokens} new tokens after {args.prompt_tokens}, best of {args.repeats}, {args.clock} clock", args,
            dtype="Q4_0")
-    if llama is None and not args.no_llama_cpp:
-        print(f"* llama.cpp: not installed ({LLAMA_CPP_INSTALL})")
+    llama = None if args.no_llama_cpp else common.load_peer("llama.cpp", require_library)  # its row when absent
     out_dir = args.out or Path(tempfile.mkdtemp(prefix="aiayn-q4-scaling-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = {}

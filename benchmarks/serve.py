@@ -224,6 +224,7 @@ def serve_layout(args: argparse.Namespace, model_path: Path, layout: str, prompt
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    common.require("openai")  # the clients
     from aiayn.textgen import read_text_model
 
     model_path = common.smollm2(args.model)

@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from benchmarks.common import footer, header, percentile, serving, smollm2
+from benchmarks.common import footer, header, percentile, require, serving, smollm2
 from benchmarks.serve import Run, make_prompts, one_request, openai_client
 
 
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8632)
     parser.add_argument("--model", type=Path, help="a GGUF file or Hugging Face directory (default: SmolLM2)")
     args = parser.parse_args(argv)
+    require("openai")  # the stream's client
     from aiayn.textgen import read_text_model
 
     model_path = smollm2(args.model)

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from aiayn.serve.server import KEEP_ALIVE_SECONDS
-from benchmarks.common import free_port, percentile, serving, table
+from benchmarks.common import footer, free_port, header, percentile, serving, table
 from benchmarks.tracked_http import (
     CURRENT,
     Attempt,
@@ -401,16 +401,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    what = "the keep-alive probe" if args.keepalive_probe else "a soak"
+    header(f"`aiayn serve` under {what}: {args.clients} clients for {args.seconds:.0f} s; threads: the server's", args)
     if args.keepalive_probe:
         tally = run_probe(args)
         print(f"\n## keep-alive probe: {args.clients} clients for {args.seconds:.0f} s, pooled connections kept "
               f"{args.keepalive_expiry or client_keepalive_expiry(args.server_keep_alive)} s; "
               f"{tally.answered['/health']} answers\n")
         print("\n".join(transport_lines(tally, args.server_keep_alive)))
-        return 0 if not tally.errors and not tally.failures else 1
-    report = run_soak(args)
-    print_report(report)
-    return 0 if all(report.goals().values()) else 1
+        passed = not tally.errors and not tally.failures
+    else:
+        report = run_soak(args)
+        print_report(report)
+        passed = all(report.goals().values())
+    footer()
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
