@@ -22,7 +22,6 @@ from aiayn.generate.hypotheses import (
     BeamSearchResult,
     BeamStep,
     Finished,
-    Hypothesis,  # noqa: F401  (re-exported: aiayn.generate.beam.Hypothesis)
     choose,
     gnmt_length_penalty,
     trace_step,
