@@ -28,11 +28,6 @@ def pack_matrix(x: Tensor) -> dict[str, Any]:
     return {"shape": list(array.shape), "dtype": "float32", "data": base64.b64encode(array.tobytes()).decode()}
 
 
-def unpack_matrix(packed: dict[str, Any]) -> np.ndarray:
-    """``pack_matrix``'s inverse (the tests read the API's values back with it)."""
-    return np.frombuffer(base64.b64decode(packed["data"]), dtype="<f4").reshape(packed["shape"])
-
-
 @dataclass
 class AttentionStack:
     """One kind of attention of a model: per layer (h, t_q, t_k) weights."""

@@ -10,7 +10,6 @@ from typing import Any
 from aiayn.generate.beam import (
     BeamSearchResult,
     BeamStep,
-    Hypothesis,
     beam_search_decoder_only,
     beam_search_encoder_decoder,
     gnmt_length_penalty,
@@ -27,6 +26,7 @@ from aiayn.generate.encoder_decoder import (
     stream_encoder_decoder,
 )
 from aiayn.generate.ensemble import Ensemble, mean_log_probs
+from aiayn.generate.hypotheses import Hypothesis
 from aiayn.generate.results import DecodeStep, GreedyResult
 from aiayn.generate.sampling import (
     SamplingConfig,

@@ -22,7 +22,6 @@ from aiayn.generate.hypotheses import (
     BeamSearchResult,
     BeamStep,
     Finished,
-    Hypothesis,  # noqa: F401  (re-exported: aiayn.generate.beam.Hypothesis)
     choose,
     gnmt_length_penalty,
     trace_step,
@@ -50,7 +49,6 @@ def beam_search_encoder_decoder(
     src_valid: Tensor | None = None,
     n_best: int = 1,
     early_stopping: bool = False,
-    mask_pad: bool = True,
     keep_greedy: bool = False,
     trace: Callable[[BeamStep], None] | None = None,
     compile: bool = False,
@@ -60,16 +58,16 @@ def beam_search_encoder_decoder(
 
     Hypotheses rank by float32 log-probability sums over GNMT's ``lp(n) = ((5 + n) / 6) ** alpha``, n
     counting eos; at most ``floor(max_len_a * src_len + max_len_b)`` tokens (capped by max_seq_len);
-    ``min_len`` forbids an earlier eos; pad_id is never a candidate unless ``mask_pad=False``. Each
-    step, of the 2 * beam best continuations an eos one within the first ``beam`` finishes and the
-    first ``beam`` others go on (fairseq / Hugging Face); a source stops once no open beam can beat
-    its worst finished one, or, with ``early_stopping``, once it has ``beam`` finished.
+    ``min_len`` forbids an earlier eos; pad_id is never a candidate. Each step, of the 2 * beam best
+    continuations an eos one within the first ``beam`` finishes and the first ``beam`` others go on
+    (fairseq / Hugging Face); a source stops once no open beam can beat its worst finished one, or,
+    with ``early_stopping``, once it has ``beam`` finished.
 
     ``model`` may be an ``Ensemble``. ``keep_greedy``: the greedy hypothesis joins the finished ones.
     ``trace``: called with a ``BeamStep`` after every step. ``compile``: static shapes, compiled.
     Returns the best hypothesis and up to ``n_best`` per source."""
     _check_search(beam_size, n_best, compile=compile, trace=trace)
-    pad_id = model.config.pad_id if mask_pad else None
+    pad_id = model.config.pad_id
     fill_id = pad_id if pad_id is not None else eos_id
     b, k = src.shape[0], beam_size
 
@@ -110,7 +108,6 @@ def beam_search_decoder_only(
     min_len: int = 0,
     n_best: int = 1,
     early_stopping: bool = False,
-    mask_pad: bool = True,
     trace: Callable[[BeamStep], None] | None = None,
     compile: bool = False,
 ) -> BeamSearchResult:
@@ -125,7 +122,7 @@ def beam_search_decoder_only(
         raise ValueError(f"prompt of {t} tokens + {max_new_tokens} new tokens must fit the model's context of "
                          f"{model.config.max_seq_len} (and max_new_tokens >= 1)")
     valid = prompt_validity(model, prompt, prompt_valid)  # (b, t)
-    pad_id = model.config.pad_id if mask_pad else None
+    pad_id = model.config.pad_id
     fill_id = pad_id if pad_id is not None else eos_id if eos_id is not None else 0
     if eos_id is None:  # no token ends a hypothesis: -1 is no candidate's id
         eos_id, min_len = -1, 0

@@ -49,13 +49,7 @@ from torch import Tensor
 from aiayn.device import to_device
 from aiayn.nn import data_checks
 from aiayn.nn.kv_layer import LayerKVCache, Slots, swap_in_place
-from aiayn.nn.kv_memory import (  # noqa: F401  (the estimate, importable from here too)
-    cache_sizes,
-    describe_kv_cache,
-    dtype_bytes,
-    format_bytes,
-    kv_cache_bytes,
-)
+from aiayn.nn.kv_memory import kv_cache_bytes  # noqa: F401  (the estimate, importable from here too)
 
 
 class KVCache:
@@ -64,16 +58,8 @@ class KVCache:
     mask padded keys and compute relative-position biases without the earlier tokens. ``length``:
     the slots the last forward attended over. ``cross``: an encoder-decoder's cross-attention keys
     and values, one (k, v) pair (b, h_kv, s, d_h) per decoder layer, computed from the encoder output
-    by the first forward (None until then; they stay in float in a quantised cache).
-
-    Rows aligned, or with ``per_row=True`` a length per row (module docstring): ``lengths`` (b,) on
-    the device, ``host_lengths`` the same as ints, ``expect`` the next forward's real-token counts,
-    views of row ranges (``rows``), ``clear_row`` and ``swap_rows``. A per-row cache is for
-    decoder-only self-attention.
-
-    ``quantize="int8"`` or ``"int4"`` stores the self-attention keys and values quantised
-    (``LayerKVCache``'s codes and scales per token, head and ``group_size`` channels).
-    """
+    by the first forward (None until then; they stay in float in a quantised cache). Aligned rows,
+    per-row rows and quantisation: the module docstring."""
 
     # What a full row's error suggests (per row).
     _full_hint = "create the cache with a larger max_len or send fewer tokens"
@@ -170,18 +156,12 @@ class KVCache:
         return self.lengths.clone() if self.per_row else self.valid[:, : self.length].sum(dim=1)
 
     def reorder(self, indices: Tensor | Sequence[int], *, cross: bool = True) -> None:
-        """Select, reorder or repeat batch rows: new row i is old row ``indices[i]``.
-
-        ``indices`` (b_new,) long, any b_new >= 1, repeats allowed. Applies to every layer's
-        self-attention keys/values, ``valid``, ``positions`` and (with ``cross``) the
-        cross-attention keys/values. Beam search uses it to expand each source to its beams
-        (``repeat_interleave``), to follow the beams it keeps at every step and to drop finished
-        sources. ``cross=False`` leaves the cross-attention keys/values as they are: correct only
-        when every row is replaced by a row with the same source (beams of one source share them),
-        and it saves copying them. A per-row cache also takes ``indices`` as ints (known on the host:
-        nothing read back; a tensor is read as ints first) and becomes a cache of its own, even from
-        a view.
-        """
+        """Select, reorder or repeat batch rows: new row i is old row ``indices[i]`` ((b_new,) long,
+        repeats allowed), in every buffer. Beam search expands sources to beams, follows the beams
+        it keeps and drops finished sources with it. ``cross=False`` keeps the cross-attention keys
+        and values: right only when each row is replaced by one of the same source, and no copy. A
+        per-row cache also takes host ints (nothing read back) and becomes a cache of its own, even
+        from a view."""
         if self.per_row:
             order, index, filled = self._row_order(indices)
         else:

@@ -220,8 +220,8 @@ class LayerKVCache:
         q = data if self.bits == 8 else _unpack_int4(data)
         return dequantize_absmax(q, scale, self.group_size, self.dtype)
 
-    def _check_write(self, k: Tensor, pos: int) -> int:
-        """Raise a clear error unless k (b, h_kv, t, d_h) fits at ``pos``; return t."""
+    def _check_write(self, k: Tensor, pos: int) -> None:
+        """Raise a clear error unless k (b, h_kv, t, d_h) fits at ``pos``."""
         t = k.shape[2]
         if pos + t > self.max_len:
             raise ValueError(
@@ -233,7 +233,6 @@ class LayerKVCache:
                 f"KV cache was built for (batch, kv_heads, *, head_dim) = "
                 f"{(self.k.shape[0], self.k.shape[1], '*', self.head_dim)}, got k of shape {tuple(k.shape)}"
             )
-        return t
 
     def _row_index(self, k: Tensor, slots: Tensor, width: int) -> Tensor:
         """Per-row slots (b, t) -> the scatter index (b, h_kv, t, width) of new keys k (b, h_kv, t, d_h)."""

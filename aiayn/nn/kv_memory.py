@@ -29,7 +29,7 @@ SCALE_DTYPE = torch.float16  # the scales' type: 2 bytes per token, head and gro
 
 def kv_cache_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, batch_size: int,
                    dtype: torch.dtype | str = torch.float32, group_size: int | None = None,
-                   src_len: int = 0, cross_dtype: torch.dtype | str | None = None) -> int:
+                   src_len: int = 0) -> int:
     """Memory of a KV cache: 2 (k and v) x layers x kv_heads x head_dim x seq_len x batch x bytes.
 
     Example (the seeds'): batch 32, 32 layers, 32 heads of 128 (d_model 4096), 2048 tokens,
@@ -41,8 +41,8 @@ def kv_cache_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: in
 
     ``src_len`` > 0: a decoder of an encoder-decoder, whose every layer also keeps the
     cross-attention keys and values of the ``src_len`` source tokens (computed once from the
-    encoder output): plus 2 x layers x kv_heads x head_dim x src_len x batch x bytes of
-    ``cross_dtype`` (default: ``dtype``, or float32 for a quantised cache: they stay in float).
+    encoder output): plus 2 x layers x kv_heads x head_dim x src_len x batch x bytes of ``dtype``
+    (float32 for a quantised cache: they stay in float).
     """
     for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                         ("seq_len", seq_len), ("batch_size", batch_size)):
@@ -52,8 +52,7 @@ def kv_cache_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: in
         raise ValueError(f"kv_cache_bytes: src_len must be >= 0, got {src_len}")
     vectors = 2 * n_layers * n_kv_heads * seq_len * batch_size  # (k or v) x token x head
     quantized = isinstance(dtype, str) and dtype in QUANTIZED
-    if cross_dtype is None:
-        cross_dtype = "float32" if quantized else dtype
+    cross_dtype = "float32" if quantized else dtype
     cross = 2 * n_layers * n_kv_heads * src_len * batch_size * head_dim * dtype_bytes(cross_dtype)
     if quantized:
         group = _check_group(head_dim, group_size, str(dtype))

@@ -22,15 +22,10 @@ the per-row ``KVCache``'s in-place read. On the CPU, a model converted by ``aiay
 for decode steps: ``aiayn.fast.paged_attention`` stores the keys and reads the pool in place through
 ``read_blocks`` (a C++ kernel; ``python -m benchmarks.kv_cache --paged`` measures both).
 
-Everything else is the per-row ``KVCache``'s contract (``PagedKVCache`` derives from it), so the stacks and the serve engine use it the same
-way: per-row logical ``valid``/``positions``/``lengths`` (causality from positions), views of row
-ranges (``rows``), ``swap_rows`` (here a swap of two tables: no keys move), ``clear_row``,
-``expect`` and ``host_lengths``: **nothing is read back from the device** (the slots and tables
-are built from host numbers and copied to the device; tests/serve/test_no_device_reads.py).
-Padding tokens of a right-padded forward write into the null block and are masked.
-
-Quantised keys and values (int8/int4) are not supported here: a quantised cache is refused with
-a clear error (use a per-row ``KVCache``, the fixed slots, for them).
+Everything else is the per-row ``KVCache``'s contract (``PagedKVCache`` derives from it), so the
+stacks and the serve engine use it the same way (``swap_rows`` here swaps two tables: no keys move),
+and **nothing is read back from the device**. Padding tokens of a right-padded forward write into
+the null block and are masked. Quantised keys and values are refused (use a per-row ``KVCache``).
 
 Shape letters: b rows, t new tokens, n blocks per row, B block_size, h_kv key/value heads, d_h head width.
 """
@@ -52,12 +47,8 @@ from aiayn.nn.kv_layer import LayerKVCache, Slots
 class PagedKVCache(KVCache):
     """``rows`` sequences over a pool of ``n_blocks`` blocks of ``block_size`` tokens per layer (block 0
     the null block); each row holds up to ``max_len`` tokens. Decoder self-attention only.
-
-    ``lengths`` (b,) long on the device and ``host_lengths`` (ints): tokens held per row.
-    ``tables``: the host bookkeeping (``aiayn.nn.block_tables.BlockTables``: block tables, lengths,
-    the pool's reference counts and prefix index); whoever moves its rows there directly (the serve
-    scheduler, as it plans) has the device state ``follow`` them before the next forward.
-    """
+    ``tables``: the host bookkeeping (``BlockTables``); whoever moves its rows there directly (the
+    serve scheduler, as it plans) has the device state ``follow`` them before the next forward."""
 
     _full_hint = "send fewer tokens"
 

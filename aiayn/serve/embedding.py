@@ -98,11 +98,6 @@ class EmbeddingJob:
         return self.result()
 
 
-def decoder_embeddings(lm: TextModel, prompts: list[list[int]], chunk: int = DEFAULT_CHUNK) -> Tensor:
-    """(n, d) float32 CPU vectors of ``prompts``, computed at once."""
-    return EmbeddingJob(lm, prompts, chunk).run()
-
-
 class ForwardCost:
     """Seconds a forward of n tokens takes, a + b n, fitted by least squares to the recent forwards
     (each older one ``decay`` times lighter); proportional to n while one size was seen."""

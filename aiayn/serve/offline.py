@@ -14,12 +14,11 @@ from aiayn.textgen import TextModel
 KV_BUDGET = 1 << 30  # bytes of KV cache; fewer rows than ``max_batch`` when they do not fit
 
 
-def complete_all(lm: TextModel, prompts: Sequence[list[int]], params: SamplingParams, *, max_batch: int = 16,
-                 on_done: Callable[[int], None] | None = None) -> list[str]:
-    """The text each of ``prompts`` (token ids) continues with under ``params``, in order.
-
-    ``on_done(i)`` is told as prompt ``i`` finishes (a progress bar). ValueError, one line, when a
-    prompt and ``params.max_tokens`` exceed the model's context; RuntimeError if the engine fails."""
+def complete_all(lm: TextModel, prompts: Sequence[list[int]], params: SamplingParams, *,
+                 max_batch: int = 16) -> list[str]:
+    """The text each of ``prompts`` (token ids) continues with under ``params``, in order. ValueError,
+    one line, when a prompt and ``params.max_tokens`` exceed the model's context; RuntimeError if the
+    engine fails."""
     if not prompts:
         return []
     longest = max(len(p) for p in prompts) + params.max_tokens
@@ -29,7 +28,7 @@ def complete_all(lm: TextModel, prompts: Sequence[list[int]], params: SamplingPa
     plan = slot_plan(lm, max_batch=min(max_batch, len(prompts)), context=longest, budget=KV_BUDGET, kv_cache=None)
     engine = Engine(lm, plan, max_queue=len(prompts))
     texts: list[list[str]] = [[] for _ in prompts]
-    requests = [Request(list(p), params, _collect(texts[i], i, on_done)) for i, p in enumerate(prompts)]
+    requests = [Request(list(p), params, _collect(texts[i])) for i, p in enumerate(prompts)]
     for request in requests:
         engine.submit(request)
     while not all(r.finished for r in requests):
@@ -37,14 +36,12 @@ def complete_all(lm: TextModel, prompts: Sequence[list[int]], params: SamplingPa
     return ["".join(parts) for parts in texts]
 
 
-def _collect(parts: list[str], index: int, on_done: Callable[[int], None] | None) -> Callable[[Event], None]:
+def _collect(parts: list[str]) -> Callable[[Event], None]:
     """A request's sink: its text pieces into ``parts``; an error raised."""
     def sink(event: Event) -> None:
         if event.error is not None:
             raise RuntimeError(event.error)
         parts.append(event.text)
-        if event.finish_reason is not None and on_done is not None:
-            on_done(index)
     return sink
 
 

@@ -120,11 +120,11 @@ def test_decoder_only_stream_yields_the_seeded_samples(device: torch.device) -> 
     assert torch.equal(again, tokens)  # the seed reproduces the draws
     greedy = greedy_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12).tokens
     assert not torch.equal(tokens, greedy)  # it did sample
-    # on_token sees the same steps as they come, and stopping it ends the result there.
-    seen: list[torch.Tensor] = []
-    early = generate_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12, sampling=SAMPLING,
-                                  on_token=lambda t: seen.append(t) or len(seen) == 4)
-    assert torch.equal(early, tokens[:, :4]) and torch.equal(torch.stack(seen, 1), early)
+    # The steps come as they are made: a caller that stops after 4 has the first 4 of the same draws.
+    steps = stream_decoder_only(model, prompt, prompt_valid=valid, max_new_tokens=12, sampling=SAMPLING)
+    early = torch.stack([step.tokens for step, _ in zip(steps, range(4), strict=False)], dim=1)
+    steps.close()
+    assert torch.equal(early, tokens[:, :4])
 
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cached", "recomputed"])

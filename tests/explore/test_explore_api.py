@@ -4,6 +4,7 @@ cache's real bytes, beam search's n-best), and bad input gets one short message.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,6 @@ import torch
 from fastapi.testclient import TestClient
 
 from aiayn.explore import create_app
-from aiayn.explore.probes import unpack_matrix
 from aiayn.generate import (
     beam_search_decoder_only,
     beam_search_encoder_decoder,
@@ -26,6 +26,11 @@ from aiayn.nn.kv_cache import kv_cache_bytes
 from aiayn.nn.positional import sinusoidal_encoding
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def unpack_matrix(packed: dict) -> np.ndarray:
+    """``aiayn.explore.probes.pack_matrix``'s inverse: the float32 values the page reads."""
+    return np.frombuffer(base64.b64decode(packed["data"]), dtype="<f4").reshape(packed["shape"])
 
 
 def client(ex) -> TestClient:

@@ -312,11 +312,11 @@ def test_load_sentence_encoder(device, bert_dir):
 
 def test_load_served_model_and_decoder_embeddings(device, bert_dir):
     from aiayn.serve import load_served_model
-    from aiayn.serve.embedding import decoder_embeddings
+    from aiayn.serve.embedding import EmbeddingJob
 
     served = load_served_model(shipped_path("shakespeare-char"), device=device)
     assert model_device(served.lm.model) == device
-    vectors = decoder_embeddings(served.lm, [served.lm.encode("To be")])
+    vectors = EmbeddingJob(served.lm, [served.lm.encode("To be")]).run()
     assert vectors.device.type == "cpu" and vectors.shape[0] == 1
     encoder = load_served_model(bert_dir, device=device).encoder
     assert encoder is not None and model_device(encoder.model) == device

@@ -14,7 +14,7 @@ from serve_helpers import tiny_text_model
 from test_engine import Collector, prompt, submit
 from torch.testing import assert_close
 
-from aiayn.serve.embedding import EmbeddingJob, decoder_embeddings
+from aiayn.serve.embedding import EmbeddingJob
 from aiayn.serve.engine import Engine, QueueFull, slot_plan
 
 
@@ -69,7 +69,7 @@ def test_sliced_embeddings_equal_the_one_batch_ones(lm):
     sliced = job.future.result()
     assert job.forwards == sum(-(-len(p) // 16) for p in prompts)  # one forward per piece of 16
     assert all(len(s.tokens) > 10 for s in streams)  # the streams went on meanwhile
-    at_once = decoder_embeddings(lm, prompts, chunk=16)
+    at_once = EmbeddingJob(lm, prompts, chunk=16).run()
     assert torch.equal(sliced, at_once)
     for ids, vector in zip(prompts, sliced, strict=True):
         if len(ids) <= 16:
@@ -160,7 +160,7 @@ def test_alone_the_embeddings_take_the_whole_engine_and_small_jobs_are_not_held_
     assert steps == 4 and large.forwards == 2  # one forward a step, the jobs in turn
     while not large.future.done():
         engine.step()
-    assert torch.equal(small.future.result(), decoder_embeddings(lm, inputs([4, 4], seed=100), chunk=16))
+    assert torch.equal(small.future.result(), EmbeddingJob(lm, inputs([4, 4], seed=100), chunk=16).run())
     metrics = engine.metrics.render().decode()
     assert f"aiayn_embedding_tokens_total {float(20 * 30 + 8)}" in metrics  # every token read, counted
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from serve_helpers import MODEL_NAME, live_server, tiny_state
 
-from aiayn.serve.embedding import decoder_embeddings
+from aiayn.serve.embedding import EmbeddingJob
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -184,7 +184,7 @@ def test_429_only_while_busy_and_a_stream_goes_on_beside_embeddings(busy_server)
     response = result["response"]
     assert response.status_code == 200, response.text[:300]
     got = torch.tensor([d["embedding"] for d in response.json()["data"]])
-    expected = decoder_embeddings(lm, [lm.encode(t) for t in texts], chunk=1)
+    expected = EmbeddingJob(lm, [lm.encode(t) for t in texts], chunk=1).run()
     assert torch.equal(got, expected)  # (float32 -> JSON -> float32: exact)
 
 

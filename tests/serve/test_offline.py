@@ -26,11 +26,7 @@ def test_prompts_batched_get_the_answers_each_gets_alone(lm):
     assert together == alone and all(together)
 
 
-def test_the_done_callback_and_the_context_check(lm):
-    done: list[int] = []
-    complete_all(lm, [lm.encode(p) for p in PROMPTS], SamplingParams(3, SamplingConfig(temperature=0.0)),
-                 on_done=done.append)
-    assert sorted(done) == [0, 1, 2, 3]
+def test_no_prompts_and_the_context_check(lm):
     assert complete_all(lm, [], SamplingParams(3)) == []
     with pytest.raises(ValueError, match="exceed the model's context of 256"):
         complete_all(lm, [[1] * 250], SamplingParams(10))

@@ -18,7 +18,7 @@ from serve_helpers import MODEL_NAME
 from torch.testing import assert_close
 
 from aiayn.generate import greedy_decoder_only
-from aiayn.serve.embedding import decoder_embeddings
+from aiayn.serve.embedding import EmbeddingJob
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, server!"}]
 
@@ -175,7 +175,7 @@ def test_concurrent_requests_get_what_they_get_alone(client):
 
 def test_embeddings_are_mean_pooled_hidden_states(client, lm, tiny_server):
     texts = ["hello world", "The quick brown fox jumps"]
-    expected = decoder_embeddings(lm, [lm.encode(t) for t in texts])
+    expected = EmbeddingJob(lm, [lm.encode(t) for t in texts]).run()
     default = client.embeddings.create(model=MODEL_NAME, input=texts)  # the client asks for base64
     as_float = client.embeddings.create(model=MODEL_NAME, input=texts, encoding_format="float")
     for result in (default, as_float):

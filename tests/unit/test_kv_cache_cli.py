@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import aiayn
-from aiayn.nn.kv_cache import format_bytes, kv_cache_bytes
+from aiayn.nn.kv_memory import format_bytes, kv_cache_bytes
 
 
 def test_seeds_example_is_64_gib():
