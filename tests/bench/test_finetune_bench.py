@@ -11,7 +11,7 @@ import pytest
 from benchmarks import finetune
 
 
-@pytest.mark.slow  # two children each load SmolLM2: ~20 s on an idle 2-core machine
+@pytest.mark.slow  # two children each load SmolLM2: about a minute of CPU, most of it transformers reading the GGUF
 def test_the_lora_rows_run_and_print_their_ratio(capsys):
     pytest.importorskip("peft")
     from aiayn.interop.gguf import smollm2_path
