@@ -6,7 +6,10 @@ up, down) and full fine-tuning, each library's own way: aiayn as ``aiayn train -
 ``sequence_loss`` on the model's output) and transformers' ``AutoModelForCausalLM`` of the same GGUF
 (its weights dequantised), ``peft.get_peft_model`` for LoRA, ``model(input_ids, labels=...).loss``.
 Same batch (``--batch`` windows of ``--seq-len`` tokens of Tiny Shakespeare, SmolLM2's tokenizer),
-same AdamW (lr 1e-4) over the trainable parameters, float32, no dropout.
+same AdamW settings (lr 1e-4, torch's defaults otherwise) over the trainable parameters, float32, no
+dropout, each library's own implementation of it: aiayn's rows ``aiayn.train.optim.make_optimizer``
+(what ``aiayn train`` steps), transformers' rows ``fused=True``, what transformers' ``Trainer`` uses by
+default (``TrainingArguments.optim`` is ``adamw_torch_fused`` with torch 2.8 or later).
 
 Each row runs in its own process, rows interleaved over ``--repeats`` rounds: a round loads the
 model, takes ``--warmup`` steps, then times ``--steps``. Peak memory is the process's peak resident
@@ -25,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from aiayn.config import TrainConfig
+from aiayn.train.optim import make_optimizer
 from benchmarks import common
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -92,7 +97,11 @@ def child(row: str, args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     model, loss = (aiayn_step if row.startswith("aiayn") else hf_step)("LoRA" in row, args)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    if row.startswith("aiayn"):
+        optimizer = make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4, betas=(0.9, 0.999), eps=1e-8,
+                                                      weight_decay=0.01, decay_all=True))
+    else:
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
@@ -113,9 +122,9 @@ def child(row: str, args: argparse.Namespace) -> dict[str, float]:
             "trainable": sum(p.numel() for p in trainable), "first_loss": first[0] if first else float("nan")}
 
 
-def run_round(row: str, args: argparse.Namespace) -> dict[str, float] | str:
-    """``row`` in a child process: its numbers, or the one line saying why it could not run."""
-    command = [sys.executable, "-m", "benchmarks.finetune", "--child", row, *sys.argv[1:]]
+def run_round(row: str, argv: list[str]) -> dict[str, float] | str:
+    """``row`` in a child process given ``argv``: its numbers, or the one line saying why it could not run."""
+    command = [sys.executable, "-m", "benchmarks.finetune", "--child", row, *argv]
     done = subprocess.run(command, capture_output=True, text=True, cwd=common.ROOT, timeout=1800)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -123,7 +132,8 @@ def run_round(row: str, args: argparse.Namespace) -> dict[str, float] | str:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(parser, repeats=3, warmup=2)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round (default 5)")
@@ -132,12 +142,12 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8; alpha is twice it)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"rows to run (default: {','.join(ROWS)})")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.quick:  # (in a child too: it times the windows the report names)
+        args.repeats, args.steps, args.seq_len = 1, 2, 64
     if args.child:
         print(json.dumps(child(args.child, args)))
         return
-    if args.quick:
-        args.repeats, args.steps, args.seq_len = 1, 2, 64
     rows = [r for r in args.rows.split(",") if r]
     common.mark_start(args)
     results: dict[str, list[dict[str, float]]] = {row: [] for row in rows}
@@ -146,7 +156,7 @@ def main() -> None:
         for row in rows:
             if row in failures:
                 continue
-            got = run_round(row, args)
+            got = run_round(row, argv)
             if isinstance(got, str):
                 failures[row] = got
             else:

@@ -108,9 +108,12 @@ class LoraLinear(nn.Linear):
         blocks, at = [], 0
         for name, (start, size) in parts:
             b = self.lora_B[name]
-            blocks += [b.new_zeros(start - at, 0), b]  # rows left alone: no columns
+            if start > at:  # rows left alone: no columns (none between adjacent parts: fewer ops)
+                blocks.append(b.new_zeros(start - at, 0))
+            blocks.append(b)
             at = start + size
-        blocks.append(blocks[-1].new_zeros(self.out_features - at, 0))
+        if at < self.out_features:
+            blocks.append(b.new_zeros(self.out_features - at, 0))
         return a, torch.block_diag(*blocks)
 
     def delta(self) -> Tensor:

@@ -98,8 +98,11 @@ def parameter_groups(model: nn.Module, weight_decay: float, *, decay_all: bool =
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, *, fused: bool = False) -> torch.optim.Optimizer:
     """Adam with the paper's betas/eps, or AdamW, over the trainable parameters (a frozen base's are
-    left out). ``fused``: one kernel for every parameter (CUDA)."""
-    kind = {"fused": True} if fused else {}
+    left out). ``fused``: one kernel for every parameter (CUDA). Beside a frozen base (LoRA: hundreds of
+    small adapters) the multi-tensor step, the same arithmetic without a Python loop over the tensors;
+    a whole model keeps the per-tensor step, whose temporaries are one tensor's, not the model's."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    kind = {"fused": True} if fused else {"foreach": True} if frozen else {}
     if cfg.optimizer == "adam":
         return torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                 weight_decay=cfg.weight_decay, **kind)

@@ -12,11 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 from aiayn.config import ConfigError, TrainConfig
-from aiayn.finetune.lora import LoraLinear, is_adapter_key
+from aiayn.finetune.lora import LoraConfig, LoraLinear, apply_lora, is_adapter_key
 from aiayn.tasks.base import TASKS, get_task
 from aiayn.tasks.reverse import ReverseTask
 from aiayn.tasks.trained import load_run
 from aiayn.train.checkpoint import latest_checkpoint
+from aiayn.train.optim import make_optimizer
 from aiayn.train.trainer import train
 
 LORA = {"rank": 2, "alpha": 4.0, "dropout": 0.1, "targets": ["q", "v", "o", "down"]}
@@ -92,6 +93,30 @@ def test_adapter_only_checkpoints_load_and_resume_exactly(tmp_path, loaded_base_
     assert resumed.keys() == saved.keys()
     for name in saved:
         torch.testing.assert_close(resumed[name], saved[name], rtol=0, atol=0)
+
+
+def test_adapters_take_the_multi_tensor_step_with_the_per_tensor_arithmetic():
+    """Beside a frozen base the optimiser steps all the adapters in one multi-tensor call, bit for bit
+    what the per-tensor step gives; a whole model keeps the per-tensor step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    cfg = TrainConfig(optimizer="adamw", lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    assert not make_optimizer(model, cfg).param_groups[0]["foreach"]
+    apply_lora(model, LoraConfig(rank=2, targets=("q", "v")), {"0": {"q": (0, 3), "v": (3, 3)}})
+    ours = make_optimizer(model, cfg)
+    assert ours.param_groups[0]["foreach"]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    copies = [p.detach().clone().requires_grad_() for p in trainable]
+    per_tensor = torch.optim.AdamW(copies, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                   foreach=False)
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in trainable]
+        for params, optimizer in ((trainable, ours), (copies, per_tensor)):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+            optimizer.step()
+    for p, q in zip(trainable, copies, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 def test_a_bad_lora_config_fails_before_the_run_directory(tmp_path):
