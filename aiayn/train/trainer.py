@@ -22,6 +22,7 @@ from tqdm import tqdm
 from aiayn import device as devices
 from aiayn.config import ModelConfig, TrainConfig
 from aiayn.finetune.lora import LoraConfig, apply_lora
+from aiayn.finetune.qlora import qlora_adapt
 from aiayn.train import distributed, memory
 from aiayn.train.averaging import choose_test_checkpoint
 from aiayn.train.checkpoint import (
@@ -168,6 +169,8 @@ def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: Ru
     # LoRA: trainable adapters on the frozen model (aiayn.finetune.lora); the memory check counts them too.
     lora = LoraConfig.from_dict(cfg.lora) if cfg.lora is not None else None
     adapt = None if lora is None else (lambda model: apply_lora(model, lora))
+    if lora is not None and cfg.quantize == "q4":  # QLoRA: the frozen projections in 4-bit blocks
+        adapt = qlora_adapt(lora, task.options.get("init_from"))
     # Refuse a step or save that cannot fit (weights, gradients, Adam, activations) before allocating any.
     memory.check_training_memory(task, model_config, cfg, ctx.device, fast=fast, resume=resume,
                                  world_size=ctx.world_size, fsdp=ctx.fsdp, echo=echo, adapt=adapt)
