@@ -7,6 +7,7 @@ cannot work in one line."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -17,7 +18,14 @@ from aiayn.fast import q4_build, switch
 from aiayn.fast.q4 import BlockWeight, error_bound
 from aiayn.finetune.lora import LoraConfig, LoraLinear, apply_lora, is_adapter_key, lora_state_dict
 from aiayn.finetune.peft_format import load_adapter
-from aiayn.finetune.qlora import FrozenBlockLinear, QLoraLinear, apply_qlora, four_bit, gguf_blocks, qlora_adapt
+from aiayn.finetune.qlora import (
+    FrozenBlockLinear,
+    QLoraLinear,
+    apply_qlora,
+    four_bit,
+    gguf_blocks,
+    qlora_adapt,
+)
 from aiayn.tasks.sources import load_source
 from aiayn.train.checkpoint import latest_checkpoint
 from aiayn.train.memory import model_counts
@@ -126,3 +134,44 @@ def test_a_gguf_files_4bit_blocks_are_kept_not_requantised(tmp_path):
         kept: BlockWeight = blocks[name]
         assert layer.kind == "Q4_0" and torch.equal(layer.q, kept.q) and torch.equal(layer.scale, kept.scale)
         torch.testing.assert_close(layer.dequantized(), floats[name], rtol=0, atol=0)  # the file's values
+
+
+LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q,k,v,o")
+QUIET = ("--batch-size", "4", "--no-progress", "--lr", "1e-2", "--schedule", "constant", "--save-every", "2")
+
+
+def _train(run_aiayn, run_dir, source_dir, text_file, steps, *extra):
+    code, _, err = run_aiayn("train", "--task", "text", "--data", str(text_file), "--init-from", str(source_dir),
+                             "--max-steps", str(steps), "--run-dir", str(run_dir), *LORA, *QUIET, *extra)
+    assert code == 0, err
+    return load_file(latest_checkpoint(run_dir / "checkpoints") / "model.safetensors")
+
+
+def test_a_qlora_run_keeps_adapters_that_load_into_the_float_model_and_resumes_exactly(
+        tmp_path, text_file, hf_dir, run_aiayn):
+    source_dir = hf_dir("llama")
+    straight = _train(run_aiayn, tmp_path / "straight", source_dir, text_file, 4, "--quantize", "q4")
+    assert straight and all(is_adapter_key(k) for k in straight)
+    assert json.loads((tmp_path / "straight" / "config.json").read_text())["train"]["quantize"] == "q4"
+
+    _train(run_aiayn, tmp_path / "resumed", source_dir, text_file, 2, "--quantize", "q4")
+    code, _, err = run_aiayn("train", "--resume", "--run-dir", str(tmp_path / "resumed"), "--max-steps", "4",
+                             "--no-progress")
+    assert code == 0, err
+    resumed = load_file(latest_checkpoint(tmp_path / "resumed" / "checkpoints") / "model.safetensors")
+    assert resumed.keys() == straight.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+    code, _, err = run_aiayn("adapter", "--run", str(tmp_path / "straight"), "--out", str(tmp_path / "adapter"))
+    assert code == 0, err
+    source = load_source(source_dir, echo=lambda _: None)
+    load_adapter(source.model, source.config, tmp_path / "adapter")  # PEFT's layout, on the float model
+    loaded = lora_state_dict(source.model)
+    assert loaded.keys() == straight.keys() and all(torch.equal(loaded[k], straight[k]) for k in straight)
+
+
+def test_quantize_without_lora_is_refused_in_one_line(tmp_path, text_file, hf_dir, run_aiayn):
+    code, _, err = run_aiayn("train", "--task", "text", "--data", str(text_file), "--init-from",
+                             str(hf_dir("llama")), "--quantize", "q4", "--run-dir", str(tmp_path / "run"))
+    assert code == 2 and "--quantize q4 needs --lora-rank" in err and not (tmp_path / "run").exists()
+    code, _, err = run_aiayn("train", "--quantize", "q8", "--lora-rank", "4", "--run-dir", str(tmp_path / "run"))
+    assert code == 2 and "'q8' is not 'q4'" in err
