@@ -122,10 +122,10 @@ def gguf_blocks(path: Path) -> dict[str, BlockWeight]:
     return {name: m.weight_blocks for name, m in packed.named_modules() if isinstance(m, BlockLinear)}
 
 
-def qlora_adapt(config: LoraConfig, init_from: str | None) -> Callable[[nn.Module], nn.Module]:
-    """The trainer's step that adapts a built model: ``apply_qlora``, with the blocks of ``init_from`` when it
-    names a GGUF file (read for a real model, not for the memory check's meta copy)."""
-    gguf = _gguf_file(init_from)
+def qlora_adapt(config: LoraConfig, source: Path | None) -> Callable[[nn.Module], nn.Module]:
+    """The trainer's step that adapts a built model: ``apply_qlora``, with the blocks of ``source`` (the file
+    the model was loaded from) when it is a GGUF file (read for a real model, not the memory check's meta copy)."""
+    gguf = _gguf_file(source)
 
     def adapt(model: nn.Module) -> nn.Module:
         real = not any(p.is_meta for p in model.parameters())
@@ -134,9 +134,8 @@ def qlora_adapt(config: LoraConfig, init_from: str | None) -> Callable[[nn.Modul
     return adapt
 
 
-def _gguf_file(name: str | None) -> Path | None:
-    """``name`` as a path when it is a GGUF file (its magic bytes), else None."""
-    path = Path(name) if name else None
+def _gguf_file(path: Path | None) -> Path | None:
+    """``path`` when it is a GGUF file (its magic bytes), else None."""
     if path is None or not path.is_file():
         return None
     with path.open("rb") as handle:

@@ -170,7 +170,8 @@ def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: Ru
     lora = LoraConfig.from_dict(cfg.lora) if cfg.lora is not None else None
     adapt = None if lora is None else (lambda model: apply_lora(model, lora))
     if lora is not None and cfg.quantize == "q4":  # QLoRA: the frozen projections in 4-bit blocks
-        adapt = qlora_adapt(lora, task.options.get("init_from"))
+        source = getattr(task, "source", None)  # a fine-tune's loaded init_from (aiayn.tasks.sources.SourceOption)
+        adapt = qlora_adapt(lora, source.get().path if source is not None and source.given else None)
     # Refuse a step or save that cannot fit (weights, gradients, Adam, activations) before allocating any.
     memory.check_training_memory(task, model_config, cfg, ctx.device, fast=fast, resume=resume,
                                  world_size=ctx.world_size, fsdp=ctx.fsdp, echo=echo, adapt=adapt)

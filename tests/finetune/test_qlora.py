@@ -16,6 +16,7 @@ from torch import nn
 
 from aiayn.fast import q4_build, switch
 from aiayn.fast.q4 import BlockWeight, error_bound
+from aiayn.finetune import qlora
 from aiayn.finetune.lora import LoraConfig, LoraLinear, apply_lora, is_adapter_key, lora_state_dict
 from aiayn.finetune.peft_format import load_adapter
 from aiayn.finetune.qlora import (
@@ -118,16 +119,21 @@ def test_the_memory_check_counts_the_4bit_base_in_its_bytes(tiny_llama):
     assert not any(isinstance(m, LoraLinear) for m in model.modules())  # the source model stays as it was
 
 
-def test_a_gguf_files_4bit_blocks_are_kept_not_requantised(tmp_path):
+def _q4_gguf(tmp_path):
+    """A random one-layer LLaMA GGUF, every matrix Q4_0, with a 300-token tokenizer."""
     pytest.importorskip("gguf")
     from benchmarks.q4_scaling import LlamaShape, write_random_llama
 
-    path = write_random_llama(tmp_path / "tiny.gguf", LlamaShape(d=64, layers=1, d_ff=64, heads=2, kv_heads=1,
+    return write_random_llama(tmp_path / "tiny.gguf", LlamaShape(d=64, layers=1, d_ff=64, heads=2, kv_heads=1,
                                                                  vocab=300, tied=True), kind="Q4_0")
+
+
+def test_a_gguf_files_4bit_blocks_are_kept_not_requantised(tmp_path):
+    path = _q4_gguf(tmp_path)
     source = load_source(path, echo=lambda _: None)
     floats = {n: m.weight.detach().clone() for n, m in source.model.named_modules() if isinstance(m, nn.Linear)}
     blocks = gguf_blocks(path)
-    qlora_adapt(LoraConfig(rank=2), str(path))(source.model)
+    qlora_adapt(LoraConfig(rank=2), source.path)(source.model)
     layers = {n: m for n, m in source.model.named_modules() if isinstance(m, FrozenBlockLinear)}
     assert len(layers) == 4  # qkv_proj, out_proj, fc_in (gate and up), fc_out
     for name, layer in layers.items():
@@ -148,11 +154,14 @@ def _train(run_aiayn, run_dir, source_dir, text_file, steps, *extra):
 
 
 def test_a_qlora_run_keeps_adapters_that_load_into_the_float_model_and_resumes_exactly(
-        tmp_path, text_file, hf_dir, run_aiayn):
-    source_dir = hf_dir("llama")
+        tmp_path, text_file, run_aiayn, monkeypatch):
+    source_dir = _q4_gguf(tmp_path)
+    read = []  # the GGUF files whose blocks the trainer kept
+    monkeypatch.setattr(qlora, "gguf_blocks", lambda path: read.append(path) or gguf_blocks(path))
     straight = _train(run_aiayn, tmp_path / "straight", source_dir, text_file, 4, "--quantize", "q4")
     assert straight and all(is_adapter_key(k) for k in straight)
     assert json.loads((tmp_path / "straight" / "config.json").read_text())["train"]["quantize"] == "q4"
+    assert read == [source_dir]
 
     _train(run_aiayn, tmp_path / "resumed", source_dir, text_file, 2, "--quantize", "q4")
     code, _, err = run_aiayn("train", "--resume", "--run-dir", str(tmp_path / "resumed"), "--max-steps", "4",
