@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from aiayn.config import ConfigError, TrainConfig
 from aiayn.fast import q4_build, switch
 from aiayn.fast.q4 import BlockWeight, error_bound
 from aiayn.finetune import qlora
@@ -176,6 +177,14 @@ def test_a_qlora_run_keeps_adapters_that_load_into_the_float_model_and_resumes_e
     load_adapter(source.model, source.config, tmp_path / "adapter")  # PEFT's layout, on the float model
     loaded = lora_state_dict(source.model)
     assert loaded.keys() == straight.keys() and all(torch.equal(loaded[k], straight[k]) for k in straight)
+
+
+def test_a_train_config_with_quantize_needs_lora_and_knows_only_q4():
+    with pytest.raises(ConfigError, match="quantize='q4' needs lora"):
+        TrainConfig(quantize="q4")
+    with pytest.raises(ConfigError, match="quantize='q8' is not known; choose one of q4"):
+        TrainConfig(quantize="q8", lora={"rank": 4})
+    assert TrainConfig.from_dict(TrainConfig(quantize="q4", lora={"rank": 4}).to_dict()).quantize == "q4"
 
 
 def test_quantize_without_lora_is_refused_in_one_line(tmp_path, text_file, hf_dir, run_aiayn):
