@@ -20,7 +20,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from aiayn import device as devices
-from aiayn.config import ModelConfig, TrainConfig
+from aiayn.config import ConfigError, ModelConfig, TrainConfig
 from aiayn.finetune.lora import LoraConfig, apply_lora
 from aiayn.finetune.qlora import qlora_adapt
 from aiayn.train import distributed, memory
@@ -101,6 +101,9 @@ def train(
                               average_last=train_config.average_last)
     if train_config.lora is not None:  # a LoRA config that cannot work fails before any run directory
         LoraConfig.from_dict(train_config.lora)
+    if train_config.quantize is not None and not task.options.get("init_from"):
+        raise ConfigError(f"quantize={train_config.quantize!r} keeps a loaded model's weights in 4 bits; give "
+                          f"init_from (--init-from) to fine-tune one")
     ctx = distributed.setup(parallel, devices.prepare(devices.resolve(device)))
     try:
         configs = {"task": task.name, "task_options": task.options, "model": model_config.to_dict(),

@@ -187,9 +187,11 @@ def test_a_train_config_with_quantize_needs_lora_and_knows_only_q4():
     assert TrainConfig.from_dict(TrainConfig(quantize="q4", lora={"rank": 4}).to_dict()).quantize == "q4"
 
 
-def test_quantize_without_lora_is_refused_in_one_line(tmp_path, text_file, hf_dir, run_aiayn):
+def test_quantize_without_lora_or_a_loaded_model_is_refused_in_one_line(tmp_path, text_file, hf_dir, run_aiayn):
     code, _, err = run_aiayn("train", "--task", "text", "--data", str(text_file), "--init-from",
                              str(hf_dir("llama")), "--quantize", "q4", "--run-dir", str(tmp_path / "run"))
     assert code == 2 and "--quantize q4 needs --lora-rank" in err and not (tmp_path / "run").exists()
+    code, _, err = run_aiayn("train", "--quantize", "q4", "--lora-rank", "4", "--run-dir", str(tmp_path / "run"))
+    assert code == 2 and "give init_from (--init-from)" in err and not (tmp_path / "run").exists()
     code, _, err = run_aiayn("train", "--quantize", "q8", "--lora-rank", "4", "--run-dir", str(tmp_path / "run"))
     assert code == 2 and "'q8' is not 'q4'" in err
