@@ -334,6 +334,8 @@ class TrainConfig:
     # LoRA adapters on the frozen model (aiayn.finetune.lora.LoraConfig's fields: rank, alpha, dropout,
     # targets); None: every weight trains.
     lora: dict[str, Any] | None = None
+    # QLoRA: "q4" keeps a LoRA run's frozen projections in 4-bit blocks (aiayn.finetune.qlora); None: float.
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -373,6 +375,10 @@ class TrainConfig:
             raise ConfigError("schedule='noam' needs warmup_steps > 0 (the formula divides by it)")
         if self.lora is not None and not isinstance(self.lora, dict):
             raise ConfigError(f"lora must be a mapping (rank, alpha, dropout, targets) or null, got {self.lora!r}")
+        if self.quantize is not None:
+            _choice("quantize", self.quantize, ("q4",))
+            if self.lora is None:
+                raise ConfigError("quantize='q4' needs lora: QLoRA trains adapters over the 4-bit base")
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

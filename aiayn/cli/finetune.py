@@ -29,8 +29,8 @@ def _targets(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 
 
 def lora_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets`` (keywords ``lora_*``; turn
-    them into train options with ``lora_train_options``)."""
+    """``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets`` (keywords ``lora_*``) and
+    ``--quantize`` (keyword ``quantize``); turn them into train options with ``lora_train_options``."""
     options = [
         click.option("--lora-rank", type=click.IntRange(min=1),
                      help="Train LoRA adapters of this rank on the frozen model instead of the model itself."),
@@ -39,6 +39,10 @@ def lora_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--lora-dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
                      help="Dropout on the adapters' input.  [default: 0]"),
         click.option("--lora-targets", callback=_targets, help=LORA_TARGETS_HELP + "  [default: q,v]"),
+        click.option("--quantize", type=click.Choice(["q4"]),
+                     help="QLoRA: keep the frozen attention and MLP weights in 4-bit blocks (a GGUF file's "
+                          "own 4-bit blocks as they are), the adapters float32; needs --lora-rank. Off the "
+                          "CPU each layer is dequantised when it runs."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -46,17 +50,22 @@ def lora_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def lora_train_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``{"lora": {...}}`` (a TrainConfig field) from the ``lora_*`` options given, or ``{}`` without
-    ``--lora-rank``; the other ``--lora-*`` options alone are a usage error."""
+    """``{"lora": {...}}`` (a TrainConfig field; with ``"quantize"`` when given) from the ``lora_*`` options
+    given, or ``{}`` without ``--lora-rank``; the other ``--lora-*`` options and ``--quantize`` alone are a
+    usage error."""
     given = {key.removeprefix("lora_"): value for key, value in options.items()
              if key.startswith("lora_") and value is not None}
+    quantize = options.get("quantize")
+    if "rank" not in given and quantize is not None:
+        raise click.UsageError(f"--quantize {quantize} needs --lora-rank (QLoRA trains adapters over the "
+                               f"4-bit base; the base itself cannot train in 4 bits)")
     if not given:
         return {}
     if "rank" not in given:
         raise click.UsageError(f"--lora-{next(iter(given))} needs --lora-rank (LoRA is off without it)")
     if "targets" in given:
         given["targets"] = list(given["targets"])
-    return {"lora": given}
+    return {"lora": given, **({"quantize": quantize} if quantize is not None else {})}
 
 
 def adapter_option(func: Callable[..., Any]) -> Callable[..., Any]:

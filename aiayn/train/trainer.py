@@ -20,8 +20,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from aiayn import device as devices
-from aiayn.config import ModelConfig, TrainConfig
+from aiayn.config import ConfigError, ModelConfig, TrainConfig
 from aiayn.finetune.lora import LoraConfig, apply_lora
+from aiayn.finetune.qlora import qlora_adapt
 from aiayn.train import distributed, memory
 from aiayn.train.averaging import choose_test_checkpoint
 from aiayn.train.checkpoint import (
@@ -100,6 +101,9 @@ def train(
                               average_last=train_config.average_last)
     if train_config.lora is not None:  # a LoRA config that cannot work fails before any run directory
         LoraConfig.from_dict(train_config.lora)
+    if train_config.quantize is not None and not task.options.get("init_from"):
+        raise ConfigError(f"quantize={train_config.quantize!r} keeps a loaded model's weights in 4 bits; give "
+                          f"init_from (--init-from) to fine-tune one")
     ctx = distributed.setup(parallel, devices.prepare(devices.resolve(device)))
     try:
         configs = {"task": task.name, "task_options": task.options, "model": model_config.to_dict(),
@@ -168,6 +172,9 @@ def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: Ru
     # LoRA: trainable adapters on the frozen model (aiayn.finetune.lora); the memory check counts them too.
     lora = LoraConfig.from_dict(cfg.lora) if cfg.lora is not None else None
     adapt = None if lora is None else (lambda model: apply_lora(model, lora))
+    if lora is not None and cfg.quantize == "q4":  # QLoRA: the frozen projections in 4-bit blocks
+        source = getattr(task, "source", None)  # a fine-tune's loaded init_from (aiayn.tasks.sources.SourceOption)
+        adapt = qlora_adapt(lora, source.get().path if source is not None and source.given else None)
     # Refuse a step or save that cannot fit (weights, gradients, Adam, activations) before allocating any.
     memory.check_training_memory(task, model_config, cfg, ctx.device, fast=fast, resume=resume,
                                  world_size=ctx.world_size, fsdp=ctx.fsdp, echo=echo, adapt=adapt)
