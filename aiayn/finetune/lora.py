@@ -91,35 +91,42 @@ class LoraLinear(nn.Linear):
     base_kernel: Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.base_kernel(x, self.weight, self.bias)  # (..., o)
-        a, b = self.stacked()
-        low = F.linear(self.lora_dropout(x), a)  # (..., parts x r)
-        update = torch.addmm(out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), b.t(),
-                             alpha=self.scaling)  # (m, o): out + scaling * low B^T
-        return update.view(out.shape)
-
-    def stacked(self) -> tuple[Tensor, Tensor]:
-        """(A (parts x r, i): the parts' A's stacked, B (o, parts x r): their B's on their rows, zeros
-        elsewhere), parts in row order: B @ A is the update of the whole weight, before scaling."""
-        parts = sorted(self.lora_rows.items(), key=lambda item: item[1])
-        if len(parts) == 1 and parts[0][1] == (0, self.out_features):
-            return self.lora_A[parts[0][0]], self.lora_B[parts[0][0]]
-        a = torch.cat([self.lora_A[name] for name, _ in parts])
-        blocks, at = [], 0
-        for name, (start, size) in parts:
-            b = self.lora_B[name]
-            if start > at:  # rows left alone: no columns (none between adjacent parts: fewer ops)
-                blocks.append(b.new_zeros(start - at, 0))
-            blocks.append(b)
-            at = start + size
-        if at < self.out_features:
-            blocks.append(b.new_zeros(self.out_features - at, 0))
-        return a, torch.block_diag(*blocks)
+        return add_update(self, self.base_kernel(x, self.weight, self.bias), x)
 
     def delta(self) -> Tensor:
         """The update folded into a weight the shape of ``weight``: scaling * B @ A on each part's rows."""
-        a, b = self.stacked()
+        a, b = stacked_adapters(self)
         return (b @ a) * self.scaling
+
+
+def stacked_adapters(layer: nn.Module) -> tuple[Tensor, Tensor]:
+    """(A (parts x r, i): the parts' A's stacked, B (o, parts x r): their B's on their rows, zeros
+    elsewhere), parts in row order: B @ A is the update of the whole weight, before scaling. ``layer``
+    holds adapters as ``LoraLinear`` does (``lora_A``, ``lora_B``, ``lora_rows``, ``out_features``)."""
+    parts = sorted(layer.lora_rows.items(), key=lambda item: item[1])
+    if len(parts) == 1 and parts[0][1] == (0, layer.out_features):
+        return layer.lora_A[parts[0][0]], layer.lora_B[parts[0][0]]
+    a = torch.cat([layer.lora_A[name] for name, _ in parts])
+    blocks, at = [], 0
+    for name, (start, size) in parts:
+        b = layer.lora_B[name]
+        if start > at:  # rows left alone: no columns (none between adjacent parts: fewer ops)
+            blocks.append(b.new_zeros(start - at, 0))
+        blocks.append(b)
+        at = start + size
+    if at < layer.out_features:
+        blocks.append(b.new_zeros(layer.out_features - at, 0))
+    return a, torch.block_diag(*blocks)
+
+
+def add_update(layer: nn.Module, out: Tensor, x: Tensor) -> Tensor:
+    """``out`` (..., o), the frozen product of ``x``, plus the adapters' update: two products on the whole
+    input (x by the stacked A's, then by the B's on their rows), added in one ``addmm``."""
+    a, b = stacked_adapters(layer)
+    low = F.linear(layer.lora_dropout(x), a)  # (..., parts x r)
+    update = torch.addmm(out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), b.t(),
+                         alpha=layer.scaling)  # (m, o): out + scaling * low B^T
+    return update.view(out.shape)
 
 
 def _kind(module: nn.Module) -> str | None:

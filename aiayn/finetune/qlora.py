@@ -26,7 +26,7 @@ from aiayn.fast.q4 import (
     block_matmul,
     quantize_blocks_q4,
 )
-from aiayn.finetune.lora import LoraConfig, LoraLinear, apply_lora, projection_sites
+from aiayn.finetune.lora import LoraConfig, LoraLinear, add_update, apply_lora, projection_sites
 from aiayn.interop.gguf import GGUF_MAGIC, load_gguf
 
 
@@ -59,18 +59,13 @@ class FrozenBlockLinear(BlockLinear):
 
 class QLoraLinear(FrozenBlockLinear):
     """A frozen 4-bit layer plus a ``LoraLinear``'s adapters (``lora_A``, ``lora_B``, ``lora_dropout``,
-    ``lora_rows``, ``scaling``): the same update, computed by ``LoraLinear.stacked``, on 4-bit base rows."""
+    ``lora_rows``, ``scaling``): the same update, computed by ``lora.add_update``, on 4-bit base rows."""
 
     lora_rows: dict[str, tuple[int, int]]
     scaling: float
 
     def forward(self, x: Tensor) -> Tensor:
-        out = super().forward(x)  # (..., n)
-        a, b = LoraLinear.stacked(self)  # type: ignore[arg-type]  # reads only the adapter attributes
-        low = nn.functional.linear(self.lora_dropout(x), a)  # (..., parts x r)
-        update = torch.addmm(out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), b.t(),
-                             alpha=self.scaling)
-        return update.view(out.shape)
+        return add_update(self, super().forward(x), x)
 
 
 def apply_qlora(model: nn.Module, config: LoraConfig, blocks: Mapping[str, BlockWeight] | None = None) -> nn.Module:
