@@ -129,14 +129,30 @@ def merge_cmd(adapter: Path, base: Path | None, out_dir: Path, dtype: str) -> No
 def adapter_cmd(run_dir: Path, out_dir: Path) -> None:
     """Write a LoRA run's adapters in PEFT's layout, for PEFT (PeftModel.from_pretrained) or for
     `aiayn generate --adapter` on the run's base model."""
-    from aiayn.finetune.peft_format import save_adapter
-    from aiayn.tasks.runs import load_run
+    import torch
 
-    run = load_run(run_dir, prepare=False)
-    if run.train_config.lora is None:
+    from aiayn.config import ModelConfig, TrainConfig
+    from aiayn.finetune.lora import LoraConfig, apply_lora
+    from aiayn.finetune.peft_format import save_adapter
+    from aiayn.tasks.base import get_task
+    from aiayn.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from aiayn.train.run_dir import read_run_config
+
+    configs = read_run_config(run_dir)
+    lora = TrainConfig.from_dict(configs["train"]).lora
+    if lora is None:
         raise click.BadParameter(f"{run_dir} is not a LoRA run (it trained every weight); export it with "
                                  f"`aiayn export --to hf --run {run_dir}`", param_hint="--run")
-    out = save_adapter(run.model, run.model_config, out_dir, base=run.task.options.get("init_from"))
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is None:
+        raise CheckpointError(f"{run_dir} holds no checkpoint yet")
+    config, options = ModelConfig.from_dict(configs["model"]), configs.get("task_options", {})
+    # The adapters are named by the model's modules, not its weights: outside its run a task builds the
+    # architecture alone (no base is loaded), on the meta device; only the checkpoint's tensors are read.
+    with torch.device("meta"):
+        model = apply_lora(get_task(configs["task"], **options).build_model(config), LoraConfig.from_dict(lora))
+    load_checkpoint(checkpoint, model.to_empty(device="cpu"))
+    out = save_adapter(model, config, out_dir, base=options.get("init_from"))
     click.echo(f"wrote {out} (adapter_config.json, adapter_model.safetensors)")
 
 

@@ -113,7 +113,7 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
                                  param_hint="--kv-cache")
     schema = read_schema(json_schema, json_object)
     use_threads(None if threads is None else check_threads(threads))  # this --threads has no callback
-    lm = _text_model(run_dir, model_path, plain=plain, quantize=quantize, device=where, adapter=adapter)
+    lm = text_model(run_dir, model_path, plain=plain, quantize=quantize, device=where, adapter=adapter)
     if kv_cache == "int4" and lm.model.config.head_dim % 2:
         raise click.BadParameter(f"int4 packs two values per byte and this model's head_dim "
                                  f"{lm.model.config.head_dim} is odd; use int8", param_hint="--kv-cache")
@@ -180,7 +180,7 @@ def json_constraint(lm: Any, schema: dict[str, Any], bounds: Any) -> Any:
         raise click.BadParameter(str(exc), param_hint="--json-schema / --json") from None
 
 
-def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
+def resolve_model(run_dir: Path | None, model_path: Path | str | None) -> Path | None:
     """--model as a path (a shipped name becomes its release), or the default model (SmolLM2, if
     installed) without --run and --model."""
     from aiayn.interop.gguf import smollm2_path
@@ -201,9 +201,12 @@ def resolve_model(run_dir: Path | None, model_path: Path | None) -> Path | None:
     return model_path
 
 
-def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool, quantize: str = "none",
-                device: Any = None, adapter: Path | None = None) -> Any:
-    """``load_text_model`` of --run or --model (with --adapter) on ``device`` (a ``torch.device`` or a name)."""
+def text_model(run_dir: Path | None, model_path: Path | str | None, *, plain: bool, quantize: str = "none",
+               device: Any = None, adapter: Path | None = None, run_error_names_model: bool = False) -> Any:
+    """``load_text_model`` of --run or --model (a shipped name resolved), with --adapter, on ``device`` (a
+    ``torch.device`` or a name); without either, the adapter's base or the default model. A model that
+    cannot generate is a bad --model value; a run (or release) that cannot is a usage error, or with
+    ``run_error_names_model`` a bad --model value too."""
     from aiayn.tasks.runs import RunInputError, load_text_model
     from aiayn.textgen import TextModelError
 
@@ -212,6 +215,8 @@ def _text_model(run_dir: Path | None, model_path: Path | None, *, plain: bool, q
         return load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device,
                                adapter=adapter)
     except RunInputError as exc:
+        if run_error_names_model:
+            raise click.BadParameter(str(exc), param_hint="--model") from None
         raise click.UsageError(str(exc)) from None
     except TextModelError as exc:
         raise click.BadParameter(str(exc), param_hint="--model") from None

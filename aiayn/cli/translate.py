@@ -22,7 +22,8 @@ from aiayn.cli.app import (
     threads_option,
     utf8_text,
 )
-from aiayn.cli.finetune import adapter_base, adapter_option
+from aiayn.cli.finetune import adapter_option
+from aiayn.cli.generate import text_model
 
 
 def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -111,9 +112,6 @@ def _prompt_translator(device: Any, run_dirs: tuple[Path, ...], model_names: tup
     """--prompt's ``PromptTranslator`` over the one chat model given (with --adapter); what it does not
     take refused."""
     from aiayn.serve.offline import PromptTranslator
-    from aiayn.tasks.runs import RunInputError, load_text_model
-    from aiayn.tasks.shipped import resolve_model
-    from aiayn.textgen import TextModelError
 
     refused = [f"--{k.replace('_', '-')}" for k, v in decoding.items() if v not in (None, False)]
     refused += ["--checkpoint"] if checkpoints else []
@@ -122,14 +120,10 @@ def _prompt_translator(device: Any, run_dirs: tuple[Path, ...], model_names: tup
                else "give --model" if given == 0 and adapter is None else None)
     if problem is not None:
         raise click.UsageError(f"--prompt translates greedily with one chat model (--model or --run); {problem}")
-    run_dir = run_dirs[0] if run_dirs else None
     try:
-        name = model_names[0] if model_names else adapter_base(adapter, run_dir, None)
-        model_path = None if run_dir is not None else resolve_model(name)
-        lm = load_text_model(run_dir, model_path, plain=plain, device=device, adapter=adapter)
+        lm = text_model(run_dirs[0] if run_dirs else None, model_names[0] if model_names else None, plain=plain,
+                        device=device, adapter=adapter, run_error_names_model=True)
         return PromptTranslator(lm, prompt)
-    except (RunInputError, TextModelError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--model") from None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--prompt") from None
 

@@ -9,6 +9,7 @@ line (``FILE:LINE: what is wrong; what to do``), raised before any training step
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,18 +168,35 @@ def check_lengths(examples: Sequence[ChatExample], block: int, context: str) -> 
 
 def pack_rows(lengths: Sequence[int], block: int) -> list[list[int]]:
     """Rows of whole examples (their indices, in order) of at most ``block`` positions each: an example
-    of length n takes n - 1 positions (it predicts its tokens after the first). First fit in order."""
+    of length n takes n - 1 positions (it predicts its tokens after the first). First fit in order: each
+    example goes into the lowest-numbered row with room for it, else into a new row.
+
+    The row is found in logarithmic time by a tournament tree over the rows: ``most[size + r]`` is the
+    room left in row r, each inner node ``most[k]`` the largest room of its children ``2k`` and ``2k + 1``;
+    from the root down, the left child is taken whenever it has room enough."""
+    size = 1
+    while size < len(lengths):
+        size *= 2
+    most = [-math.inf] * (2 * size)  # -inf: no row there yet
     rows: list[list[int]] = []
-    room: list[int] = []
     for i, length in enumerate(lengths):
         need = length - 1
-        fit = next((r for r, free in enumerate(room) if free >= need), None)
-        if fit is None:
-            rows.append([i])
-            room.append(block - need)
+        node = 1
+        if most[1] >= need:
+            while node < size:
+                node = 2 * node if most[2 * node] >= need else 2 * node + 1
+            rows[node - size].append(i)
         else:
-            rows[fit].append(i)
-            room[fit] -= need
+            node = size + len(rows)
+            rows.append([i])
+            most[node] = block
+        most[node] -= need
+        while node > 1:  # up to the root, while the largest room changes
+            node //= 2
+            largest = max(most[2 * node], most[2 * node + 1])
+            if most[node] == largest:
+                break
+            most[node] = largest
     return rows
 
 

@@ -149,6 +149,9 @@ class ChatTemplate:
 TEMPLATE_SECONDS = 2.0
 TEMPLATE_MAX_CHARS = 1_000_000
 TEMPLATE_MAX_MEMORY = 256 << 20  # bytes the process may grow by while rendering
+# How often the budgets are checked: a line that grows the memory by much (a string doubled) runs
+# longer than this, so each such line is checked; most short lines of an ordinary template are not.
+BUDGET_CHECK_SECONDS = 0.001
 
 
 MESSAGES_MAX_CHARS = TEMPLATE_MAX_CHARS // 2  # the rest is the template's own text around them
@@ -182,18 +185,26 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def _render_bounded(template: Any, context: dict[str, Any]) -> str:
     """Render chunk by chunk, stopping past ``TEMPLATE_MAX_CHARS``, ``TEMPLATE_SECONDS`` or
-    ``TEMPLATE_MAX_MEMORY`` (checked line by line by a trace function on the template's frames)."""
+    ``TEMPLATE_MAX_MEMORY``: a trace function on the template's frames checks the memory, then the
+    time, once every ``BUDGET_CHECK_SECONDS`` (reading the memory costs more than most lines do). The
+    memory goes first: a template that fills it is named for that even when it is slow too."""
     deadline = time.monotonic() + TEMPLATE_SECONDS
     start = _resident_bytes()
+    next_check = time.monotonic() + BUDGET_CHECK_SECONDS
 
     def in_template(frame: Any, event: str, arg: Any) -> Any:
-        if time.monotonic() > deadline:
-            raise GGUFError(f"the model's chat template ran for over {TEMPLATE_SECONDS:g} s and was "
-                            f"stopped (an endless or huge loop?); drop --chat, or fix the template")
-        now = _resident_bytes() if start is not None else None
-        if now is not None and start is not None and now - start > TEMPLATE_MAX_MEMORY:
+        nonlocal next_check
+        now = time.monotonic()
+        if now < next_check:
+            return in_template
+        next_check = now + BUDGET_CHECK_SECONDS
+        resident = _resident_bytes() if start is not None else None
+        if resident is not None and start is not None and resident - start > TEMPLATE_MAX_MEMORY:
             raise GGUFError(f"the model's chat template took over {TEMPLATE_MAX_MEMORY >> 20} MiB of memory "
                             f"and was stopped; drop --chat, or fix the template")
+        if now > deadline:
+            raise GGUFError(f"the model's chat template ran for over {TEMPLATE_SECONDS:g} s and was "
+                            f"stopped (an endless or huge loop?); drop --chat, or fix the template")
         return in_template
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:

@@ -248,7 +248,8 @@ def setup_run(task: str | None = None, *, resume_dir: Path | None = None, recipe
               max_tokens: int | None = None, model_options: Mapping[str, Any] | None = None,
               train_options: Mapping[str, Any] | None = None,
               task_options: Mapping[str, Any] | None = None) -> RunSetup:
-    """The task and configs of a run, from (lowest precedence first) the task's defaults, a recipe file, and
+    """The task and configs of a run, from (lowest precedence first) the task's defaults (its LoRA ones
+    over them when the recipe or ``train_options`` turn LoRA on), a recipe file, and
     ``model_options`` / ``train_options`` / ``task_options``.
 
     ``task``: None takes the recipe's (or the resumed run's), else ``DEFAULT_TASK``. ``resume_dir``: its saved
@@ -277,8 +278,9 @@ def setup_run(task: str | None = None, *, resume_dir: Path | None = None, recipe
         model_fields, train_fields = saved["model"], saved["train"]
     else:
         model_fields = {**task_obj.model_config().to_dict(), **recipe_fields.get("model", {})}
+        lora = {**recipe_fields.get("train", {}), **(train_options or {})}.get("lora") is not None
         train_fields = {**TrainConfig(task=name).to_dict(), **task_obj.train_overrides(),
-                        **recipe_fields.get("train", {}), "task": name}
+                        **(task_obj.lora_overrides() if lora else {}), **recipe_fields.get("train", {}), "task": name}
     model_fields.update(model_options or {})
     train_fields.update(train_options or {})
     model_config = ModelConfig.from_dict(model_fields)

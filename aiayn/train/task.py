@@ -79,6 +79,10 @@ class Task:
         """TrainConfig fields this task's default recipe sets."""
         return {}
 
+    def lora_overrides(self) -> dict[str, Any]:
+        """TrainConfig fields that replace ``train_overrides``' when the run trains LoRA adapters."""
+        return {}
+
     def build_model(self, config: ModelConfig) -> nn.Module:
         return build_model(config)
 

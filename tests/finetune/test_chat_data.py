@@ -117,6 +117,32 @@ def test_packing_puts_whole_examples_in_first_fitting_rows():
     # An example of n tokens takes n - 1 positions.
     assert pack_rows([5, 5, 5, 3, 9], 8) == [[0, 1], [2, 3], [4]]
     assert pack_rows([2, 2, 2], 100) == [[0, 1, 2]]
+    assert pack_rows([], 8) == []
+
+
+def first_fit_by_scan(lengths: list[int], block: int) -> list[list[int]]:
+    """First fit by its definition: each example into the lowest-numbered row with room, scanning them all."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, length in enumerate(lengths):
+        fit = next((r for r, free in enumerate(room) if free >= length - 1), None)
+        if fit is None:
+            rows.append([i])
+            room.append(block - (length - 1))
+        else:
+            rows[fit].append(i)
+            room[fit] -= length - 1
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packing_is_first_fit_by_its_definition(seed):
+    """On random lengths (one-token examples and ones past a window too): the rows the scan makes."""
+    g = torch.Generator().manual_seed(seed)
+    block = int(torch.randint(1, 64, (1,), generator=g))
+    count = int(torch.randint(1, 400, (1,), generator=g))
+    lengths = torch.randint(1, block + 3, (count,), generator=g).tolist()
+    assert pack_rows(lengths, block) == first_fit_by_scan(lengths, block)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from chat_fixtures import CONVERSATIONS, chat_source, write_chat_model, write_js
 from aiayn.config import ConfigError, TrainConfig
 from aiayn.data.parallel import DataError
 from aiayn.tasks import get_task
+from aiayn.tasks.runs import setup_run
 from aiayn.tasks.sources import SourceOption
 from aiayn.tasks.trained import load_run
 from aiayn.train.trainer import train
@@ -67,3 +68,23 @@ def test_the_chat_task_needs_a_starting_model_with_a_chat_template(tmp_path, mod
     task = get_task("chat", data=str(data), init_from=str(model_dir), block_size=257)
     with pytest.raises(ConfigError, match=r"^block_size is 257 but the model's context is 256 positions"):
         task.prepare(0)
+
+
+def test_lora_takes_the_chat_task_s_lora_learning_rate_unless_one_is_given(tmp_path, model_dir):
+    """Full fine-tuning 2e-5; with LoRA (from the command line or a recipe) 2e-4; an --lr or a recipe's lr wins."""
+    data = str(write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS))
+
+    def lr(train_options: dict, recipe: str | None = None) -> float:
+        path = None
+        if recipe is not None:
+            path = tmp_path / "recipe.yaml"
+            path.write_text(recipe, encoding="utf-8")
+        return setup_run("chat", recipe=path, train_options=train_options,
+                         task_options={"data": [data], "init_from": str(model_dir)}).train_config.lr
+
+    lora = {"lora": {"rank": 4}}
+    assert lr({}) == 2e-5
+    assert lr(lora) == 2e-4
+    assert lr({**lora, "lr": 1e-3}) == 1e-3
+    assert lr({}, "train:\n  lora: {rank: 4}\n") == 2e-4
+    assert lr(lora, "train:\n  lr: 0.003\n") == 3e-3

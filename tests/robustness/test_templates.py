@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from aiayn.interop.gguf_text import TEMPLATE_SECONDS, ChatTemplate, GGUFError
+from aiayn.interop import gguf_text
+from aiayn.interop.gguf_text import BUDGET_CHECK_SECONDS, TEMPLATE_SECONDS, ChatTemplate, GGUFError
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -54,3 +55,31 @@ def test_an_ordinary_template_still_renders() -> None:
               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     assert ChatTemplate(source).render(MESSAGES) == "<|user|>hi\n<|assistant|>"
     assert ChatTemplate("{{ 'ab' * 3 }}{{ [1] + [2] }}{{ 2 ** 10 }}").render(MESSAGES) == "ababab[1, 2]1024"
+
+
+def test_the_memory_is_read_once_per_check_not_every_line(monkeypatch) -> None:
+    """Reading the process's memory is a file read: an ordinary template's many short lines do not each pay it."""
+    reads = []
+    resident_bytes = gguf_text._resident_bytes
+
+    def counted() -> int | None:
+        reads.append(1)
+        return resident_bytes()
+
+    monkeypatch.setattr(gguf_text, "_resident_bytes", counted)
+    start = time.monotonic()
+    text = ChatTemplate("{% for i in range(20000) %}{{ i }}{% endfor %}").render(MESSAGES)
+    elapsed = time.monotonic() - start
+    assert text.endswith("19999")
+    assert len(reads) <= 2 + elapsed / BUDGET_CHECK_SECONDS  # the start, then at most one a check
+
+
+def test_memory_over_budget_is_named_before_time_over_budget(monkeypatch) -> None:
+    """Both budgets passed at one check: the memory is named (a slow machine makes a template that fills
+    the memory slow too)."""
+    if gguf_text._resident_bytes() is None:
+        pytest.skip("this system does not tell a process its resident memory")
+    monkeypatch.setattr(gguf_text, "TEMPLATE_SECONDS", 0.0)
+    monkeypatch.setattr(gguf_text, "TEMPLATE_MAX_MEMORY", -(1 << 40))  # passed from the start
+    with pytest.raises(GGUFError, match="MiB of memory"):
+        ChatTemplate("{% for i in range(100000) %}{% endfor %}").render(MESSAGES)
