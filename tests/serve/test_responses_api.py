@@ -205,12 +205,14 @@ def test_smollm2_answers_by_instructions(smollm2_url):
 
 
 @pytest.mark.slow
-def test_the_agents_sdk_default_model_runs_a_tool_on_smollm2_to_a_text_answer(smollm2_url):
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_the_agents_sdk_default_model_runs_a_tool_on_smollm2_to_a_text_answer(smollm2_url, streamed):
     """The SDK's default model (``OpenAIResponsesModel``) asks, the server answers with a function
     call, the SDK runs the tool and sends its output back with the whole conversation, and the model
-    answers in text. The tool is offered once: SmolLM2-135M, untrained for tools, calls an offered
-    tool again rather than answer from its result (its template has no tool support, so the earlier
-    call is JSON text in the prompt, and the model repeats it)."""
+    answers in text; streamed, the text deltas the SDK passes on make up that answer. The tool is
+    offered once: SmolLM2-135M, untrained for tools, calls an offered tool again rather than answer
+    from its result (its template has no tool support, so the earlier call is JSON text in the
+    prompt, and the model repeats it)."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     cities = []
@@ -225,8 +227,16 @@ def test_the_agents_sdk_default_model_runs_a_tool_on_smollm2_to_a_text_answer(sm
         async with openai.AsyncOpenAI(base_url=smollm2_url, api_key="unused", max_retries=0, timeout=TIMEOUT) as aio:
             agent = agents.Agent(name="weather", model=agents.OpenAIResponsesModel(model="smollm2", openai_client=aio),
                                  tools=[get_weather], model_settings=agents.ModelSettings(temperature=0, max_tokens=60))
-            result = await agents.Runner.run(agent, "What is the weather like in Paris today?", max_turns=3)
+            question = "What is the weather like in Paris today?"
+            if not streamed:
+                return (await agents.Runner.run(agent, question, max_turns=3)).final_output
+            result = agents.Runner.run_streamed(agent, question, max_turns=3)
+            async for event in result.stream_events():
+                if event.type == "raw_response_event" and event.data.type == "response.output_text.delta":
+                    deltas.append(event.data.delta)
             return result.final_output
 
+    deltas: list[str] = []
     final = asyncio.run(asyncio.wait_for(run(), 3 * TIMEOUT))
     assert cities == ["Paris"] and "Paris" in final and "tool_call" not in final, final
+    assert not streamed or "".join(deltas) == final, deltas
