@@ -6,7 +6,7 @@ position. Past the model's context the loop slides its window (``aiayn.generate.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypedDict, Unpack
 
 import torch
@@ -215,15 +215,24 @@ def greedy_decoder_only(model: DecoderOnly, prompt: Tensor, *, max_new_tokens: i
 
 @torch.inference_mode()
 def generate_decoder_only(model: DecoderOnly, prompt: Tensor, *, max_new_tokens: int,
-                          sampling: SamplingConfig | None = None, **options: Unpack[DecodeOptions]) -> Tensor:
+                          sampling: SamplingConfig | None = None,
+                          on_token: Callable[[Tensor], bool | None] | None = None,
+                          **options: Unpack[DecodeOptions]) -> Tensor:
     """Sample a continuation of ``prompt`` (b, t) -> new ids (b, n <= max_new_tokens).
 
-    ``sampling``: default ``SamplingConfig()``. After eos a row repeats eos. The other options are
+    ``sampling``: default ``SamplingConfig()``. After eos a row repeats eos. ``on_token`` receives
+    each step's (b,) ids as they are produced; returning True stops early. The other options are
     ``stream_decoder_only``'s (which yields the steps as they come)."""
     results.known_options("generate_decoder_only", options, DecodeOptions)
+    generated: list[Tensor] = []
     steps = stream_decoder_only(model, prompt, max_new_tokens=max_new_tokens, sampling=sampling or SamplingConfig(),
                                 fill_id=options.get("eos_id"), **options)
-    return torch.stack([step.tokens for step in steps], dim=1)
+    for step in steps:
+        generated.append(step.tokens)
+        if on_token is not None and on_token(step.tokens):
+            steps.close()
+            break
+    return torch.stack(generated, dim=1)
 
 
 def prompt_validity(model: DecoderOnly, prompt: Tensor, prompt_valid: Tensor | None) -> Tensor:
