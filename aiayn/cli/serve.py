@@ -151,14 +151,14 @@ def export_cmd(target: str, out_dir: Path, model_path: Path | None, run_dir: Pat
     model.safetensors, tokenizer.json, tokenizer_config.json (chat template), generation_config.json."""
     import torch
 
-    from aiayn.cli.generate import _text_model
+    from aiayn.cli.generate import text_model
     from aiayn.textgen import TextModelError, export_text_model
 
     one_model(run_dir, model_path)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise click.BadParameter(f"{out_dir} exists and is not an empty directory; give a new one",
                                  param_hint="OUT_DIR")
-    lm = _text_model(run_dir, model_path, plain=True, device="cpu")  # written from the CPU
+    lm = text_model(run_dir, model_path, plain=True, device="cpu")  # written from the CPU
     lm.model = lm.model.to(getattr(torch, dtype))
     try:
         out = export_text_model(lm, out_dir)
