@@ -181,14 +181,16 @@ def shared_text_models() -> Callable[..., TextModel]:
     loaded: dict[tuple[str, ...], TextModel] = {}
 
     def load(run_dir: Path | None = None, model_path: Path | None = None, *, plain: bool = False,
-             quantize: str = "none", device: torch.device | str | None = None) -> TextModel:
+             quantize: str = "none", device: torch.device | str | None = None,
+             adapter: Path | None = None) -> TextModel:
         try:
             where, how = placement(device, quantize)
         except ValueError:
-            return load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device)
-        key = (str(run_dir), str(model_path), str(plain), str(where), how)
+            return load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device, adapter=adapter)
+        key = (str(run_dir), str(model_path), str(plain), str(where), how, str(adapter))
         if key not in loaded:
-            loaded[key] = load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device)
+            loaded[key] = load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device,
+                                          adapter=adapter)
         return loaded[key]
 
     return load
