@@ -148,8 +148,8 @@ def test_the_4bit_answer_docs_q4_quotes(run_aiayn):
 @pytest.mark.parametrize(("system", "user", "answer"), QUOTED_4BIT)
 def test_the_quoted_4bit_answers_win_every_step_clearly(system, user, answer):
     """Each token of a quoted answer (and the end of text after it) is the packed model's top choice
-    by at least ``CLEAR_MARGIN`` in logits, so the quote does not hang on a near tie (the reason the
-    docs no longer quote its answer to "What is the capital of France?" alone: 0.04 at one step)."""
+    by at least ``CLEAR_MARGIN`` in logits, so the quote does not hang on a near tie (as its answer to
+    "What is the capital of France?" alone does, which the docs therefore do not quote)."""
     import aiayn
 
     path = smollm2_path()
