@@ -146,3 +146,25 @@ def test_a_tool_loop_with_auto_ends_with_a_text_answer(served_float32):
         messages += [{**RESULT, "tool_call_id": call.id} for call in answer.message.tool_calls]
     assert not answer.message.tool_calls and answer.finish_reason == "stop", messages
     assert answer.message.content and len(messages) == 3, messages
+
+
+def test_a_pydantic_ai_agent_with_one_tool_ends_with_a_text_answer(served_float32):
+    """pydantic-ai's own loop (it offers the tool on every turn, with tool_choice "auto"): SmolLM2 in
+    float32 calls the tool once, reads its result and answers in text."""
+    pydantic_ai = pytest.importorskip("pydantic_ai")
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel("smollm2", provider=OpenAIProvider(base_url=str(served_float32.base_url),
+                                                               api_key="unused"))
+    agent = pydantic_ai.Agent(model, model_settings={"max_tokens": 60, "temperature": 0, "timeout": 300})
+    cities: list[str] = []
+
+    @agent.tool_plain
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return RESULT["content"]
+
+    result = agent.run_sync(QUESTION["content"], usage_limits=pydantic_ai.UsageLimits(request_limit=ROUNDS))
+    assert cities == ["Quito"] and isinstance(result.output, str) and result.output, (cities, result.output)
