@@ -45,6 +45,8 @@ from aiayn.serve.responses import (
 )
 from aiayn.serve.responses_api import ResponseStore, ResponsesWire, chat_request, responses_names
 from aiayn.serve.schemas import (
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -214,8 +216,8 @@ def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: 
     if outside:
         raise APIError(400, f"logit_bias: token id {outside[0]} is outside the model's vocabulary of {vocab} "
                             f"(ids 0 to {vocab - 1})", param="logit_bias")
-    sampling = SamplingConfig(temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
+    sampling = SamplingConfig(temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+                              top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p, top_k=body.top_k,
                               repetition_penalty=body.repetition_penalty or 1.0, seed=body.seed)
     return SamplingParams(max_tokens=limit if limit is not None else room, sampling=sampling,
                           stop=tuple(body.stop or ()), logprobs=logprobs, logit_bias=bias,

@@ -17,6 +17,8 @@ from pydantic import ValidationError
 
 from aiayn.serve.responses import APIError
 from aiayn.serve.schemas import (
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
     ChatCompletionRequest,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -202,8 +204,8 @@ class ResponsesWire:
             "output": output, "usage": usage, "error": None, "incomplete_details": None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "previous_response_id": body.previous_response_id, "store": body.store,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "temperature": DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            "top_p": DEFAULT_TOP_P if body.top_p is None else body.top_p,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "tool_choice": choice.model_dump() if hasattr(choice, "name") else (choice or "auto"),
             "parallel_tool_calls": body.parallel_tool_calls is not False,

@@ -17,6 +17,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 128  # n, as OpenAI
 MAX_LOGIT_BIAS = 300  # entries of logit_bias
 SEED_LIMIT = 2**63  # seeds in [0, 2**63)
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's defaults when a request leaves them out
+DEFAULT_TOP_P = 1.0
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions
 
 Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 Temperature = Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)]
@@ -174,7 +177,7 @@ class ChatCompletionRequest(GenerationRequest):
 
 class CompletionRequest(GenerationRequest):
     prompt: Annotated[list[str | list[int]], BeforeValidator(_texts_or_token_lists)]
-    max_tokens: PositiveInt | None = 16  # OpenAI's default for completions
+    max_tokens: PositiveInt | None = COMPLETION_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None

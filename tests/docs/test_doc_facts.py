@@ -1,0 +1,140 @@
+"""Facts the pages repeat have one source, the code: each quote of one is checked against it.
+
+* docs/generation.md's table of generation defaults equals the defaults of `aiayn generate`,
+  ``generate_text``, ``generate_json`` and the server's request models;
+* a shipped model's score, wherever a page quotes it beside the model, is the score `aiayn models`
+  reports (aiayn/pretrained/*/release.json), and "missed by" the published goals is their
+  difference;
+* the limits the pages state: the server's keep-alive, the memory check's margin, the torch
+  version the set-up installs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from pathlib import Path
+
+import click
+import pytest
+from test_doc_shell_examples import REPO
+from test_doc_style import PAGES, name, prose
+
+from aiayn.api import generate_text
+from aiayn.cli import cli
+from aiayn.generate.constrain import generate_json
+from aiayn.serve import schemas
+from aiayn.train import memory
+
+GENERATION = REPO / "docs" / "generation.md"
+
+
+def option_default(verb: str, option: str):
+    command = cli.commands[verb]
+    assert isinstance(command, click.Command)
+    return next(p for p in command.params if f"--{option}" in p.opts).default
+
+
+def table(page: Path) -> dict[str, dict[str, str]]:
+    """The first markdown table of ``page``: {row name: {column name: cell}}."""
+    rows = [line for _, line in prose(page) if line.startswith("|")]
+    header = [cell.strip().strip("`") for cell in rows[0].strip("|").split("|")]
+    cells = {}
+    for row in rows[2:]:
+        values = [cell.strip() for cell in row.strip("|").split("|")]
+        cells[values[0]] = dict(zip(header[1:], values[1:], strict=True))
+    return cells
+
+
+def shown(value) -> str:
+    """How the table writes a default: a number, or "off" for None (or click's unset)."""
+    return "off" if value is None or "UNSET" in repr(value) else str(value)
+
+
+def test_the_generation_defaults_table_is_the_codes():
+    text = inspect.signature(generate_text).parameters
+    json_ = inspect.signature(generate_json).parameters
+    expected = {
+        "temperature": [option_default("generate", "temperature"), text["temperature"].default,
+                        "greedy" if json_["sampling"].default is None else None,
+                        schemas.DEFAULT_TEMPERATURE, schemas.DEFAULT_TEMPERATURE],
+        "top-p": [option_default("generate", "top-p"), text["top_p"].default, None,
+                  schemas.DEFAULT_TOP_P, schemas.DEFAULT_TOP_P],
+        "top-k": [option_default("generate", "top-k"), text["top_k"].default, None,
+                  schemas.GenerationRequest.model_fields["top_k"].default,
+                  schemas.CompletionRequest.model_fields["top_k"].default],
+        "repetition penalty": [option_default("generate", "repetition-penalty"), text["repetition_penalty"].default,
+                               None, 1.0, 1.0],
+        "tokens to generate": [option_default("generate", "max-new-tokens"), text["max_new_tokens"].default,
+                               json_["max_new_tokens"].default, "the rest of the context",
+                               schemas.CompletionRequest.model_fields["max_tokens"].default],
+        "chat template": ["on" if option_default("generate", "chat") is True else "off",
+                          "on" if text["chat"].default else "off", "on" if json_["chat"].default else "off",
+                          "on", "off"],
+    }
+    assert schemas.ChatCompletionRequest.model_fields["max_tokens"].default is None  # the rest of the context
+    assert schemas.ResponsesRequest.model_fields["max_output_tokens"].default is None
+    page = table(GENERATION)
+    for row, values in expected.items():
+        assert row in page, f"docs/generation.md has no row {row!r}"
+        got = list(page[row].values())
+        assert got == [shown(v) for v in values], f"docs/generation.md, {row}: the page says {got}, the code {values}"
+
+
+SHIPPED = {path.parent.name: json.loads(path.read_text())["scores"]
+           for path in (REPO / "aiayn" / "pretrained").glob("*/release.json")}
+NUMBER = re.compile(r"(?<![\w.])(\d{2}\.\d{2})(?![\w.])")  # scores are quoted with two decimals
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_a_shipped_score_is_the_released_one(page: Path):
+    """A line that names a shipped translation model and quotes a number within 0.3 of one of its
+    scores quotes that score (a float32 re-score is said to be one)."""
+    wrong = []
+    for number, line in prose(page):
+        if "float32" in line:
+            continue
+        for model, scores in SHIPPED.items():
+            if model not in line:
+                continue
+            released = [round(v, 2) for v in scores.values()]
+            for quoted in map(float, NUMBER.findall(line)):
+                near = [v for v in released if abs(v - quoted) <= 0.3]
+                if near and quoted not in released:
+                    wrong.append(f"{name(page)}:{number}: {quoted} beside {model} (released: {near[0]:.2f})")
+    assert not wrong, "\n".join(wrong)
+
+
+KEEP_ALIVE = re.compile(r"(?:keeps an idle connection|keep-alive default(?: is)?|`--keep-alive S?` \|)\s*(\d+(?:\.\d+)?)"
+                        r"|server's (\d+(?:\.\d+)?) s keep-alive")
+GOALS = {"multi30k-en-de": 41.0, "multi30k-de-en": 43.0}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_the_goals_are_missed_by_the_difference(page: Path):
+    misses = {f"{goal - SHIPPED[model]['test2016_bleu']:.2f}" for model, goal in GOALS.items()}
+    for number, line in prose(page):
+        for quoted in re.findall(r"missed[^.]*?\bby (\d\.\d\d)\b", line):
+            assert quoted in misses, f"{name(page)}:{number}: missed by {quoted}; the shipped scores miss by {misses}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_the_stated_limits_are_the_codes(page: Path):
+    keep_alive = option_default("serve", "keep-alive")
+    installed = re.search(r"torch==([\d.]+)", (REPO / "scripts" / "test.sh").read_text()).group(1)
+    text = page.read_text(encoding="utf-8")
+    for quoted in (a or b for a, b in KEEP_ALIVE.findall(text)):
+        assert float(quoted) == keep_alive, f"{name(page)}: keep-alive {quoted} s; the default is {keep_alive} s"
+    for quoted in re.findall(r"(?:estimate|memory check)[^.\n]*?within (\d+) ?%", text):
+        assert int(quoted) == round(memory.MARGIN * 100), f"{name(page)}: the estimate within {quoted}%"
+    for quoted in re.findall(r"torch==([\d.]+)", text):
+        assert quoted == installed, f"{name(page)}: torch=={quoted}; scripts/test.sh installs torch=={installed}"
+
+
+def test_the_installed_torch_is_in_the_packages_range():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    installed = re.search(r"torch==([\d.]+)", (REPO / "scripts" / "test.sh").read_text()).group(1)
+    low, high = re.search(r'"torch>=([\d.]+),<([\d.]+)"', pyproject).groups()
+    version = tuple(map(int, installed.split(".")))
+    assert tuple(map(int, low.split("."))) <= version < tuple(map(int, high.split(".")))
