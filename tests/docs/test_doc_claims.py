@@ -1,6 +1,6 @@
 """Claims of the pages' prose that the code can answer at once: the commands the README lists, the
-verbs that take ``--threads``, ``--prompt -`` as standard input, and the packages the README's
-layout names."""
+verbs that take ``--threads``, ``--prompt -`` as standard input, and the packages the layout in
+docs/architecture.md names."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from test_doc_shell_examples import REPO
 from aiayn.cli import cli
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
+ARCHITECTURE = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
 
 
 def test_the_readme_lists_every_command():
@@ -48,15 +49,15 @@ def test_every_verb_that_runs_a_model_takes_threads():
     assert not without, f"verbs with --device but no --threads: {without}"
 
 
-def test_the_readme_layout_names_every_package():
-    """The README's `aiayn/` tree names each subpackage of aiayn/, and each name it gives exists."""
-    tree = re.search(r"```\naiayn/\n(.*?)```", README, re.S)
-    assert tree, "the README's layout of aiayn/ was not found"
+def test_the_layout_names_every_package():
+    """docs/architecture.md's `aiayn/` tree names each subpackage of aiayn/, and each name it gives exists."""
+    tree = re.search(r"```\naiayn/\n(.*?)```", ARCHITECTURE, re.S)
+    assert tree, "the layout of aiayn/ in docs/architecture.md was not found"
     named = set(re.findall(r"^  ([\w.]+/?)\s", tree.group(1), re.M))
     packages = {f"{p.parent.name}/" for p in (REPO / "aiayn").glob("*/__init__.py")}
-    assert packages <= named, f"packages the README's layout leaves out: {sorted(packages - named)}"
+    assert packages <= named, f"packages the layout leaves out: {sorted(packages - named)}"
     missing = sorted(name for name in named if not (REPO / "aiayn" / name).exists())
-    assert not missing, f"named in the README's layout but not in aiayn/: {missing}"
+    assert not missing, f"named in the layout but not in aiayn/: {missing}"
 
 
 def test_a_dash_prompt_reads_standard_input(run_aiayn, monkeypatch):
