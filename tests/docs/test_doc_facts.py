@@ -138,3 +138,64 @@ def test_the_installed_torch_is_in_the_packages_range():
     low, high = re.search(r'"torch>=([\d.]+),<([\d.]+)"', pyproject).groups()
     version = tuple(map(int, installed.split(".")))
     assert tuple(map(int, low.split("."))) <= version < tuple(map(int, high.split(".")))
+
+
+def all_options() -> dict[str, list]:
+    """Every option of every command, by its long name: the defaults it has across the verbs."""
+    found: dict[str, list] = {}
+
+    def visit(group: click.Group) -> None:
+        for verb in group.commands.values():
+            if isinstance(verb, click.Group):
+                visit(verb)
+                continue
+            for param in verb.params:
+                for opt in param.opts:
+                    found.setdefault(opt, []).append(param.default)
+    visit(cli)
+    return found
+
+
+def same_default(cell: str, default) -> bool | None:
+    """Whether a table's default cell states ``default``; None when the cell describes it in words."""
+    text = re.sub(r"[`*]", "", cell).strip()
+    word = text.split(" ")[0].rstrip(",;")
+    if re.fullmatch(r"-?\d[\d,]*(?:\.\d+)?(?: s| seconds)?", text):
+        number = float(word.replace(",", ""))  # a bare number (a unit at most)
+        return isinstance(default, (int, float)) and not isinstance(default, bool) and float(default) == number
+    if re.match(r"-?\d", word):
+        return None  # a number with words: described
+    if word.lower() in {"none", "off", "-", "—"}:
+        return default is None or default is False or "UNSET" in repr(default) or str(default).lower() == word.lower()
+    if word.lower() in {"on", "true"}:
+        return default is True
+    if re.fullmatch(r"[\w.:-]+", word) and word.islower() and isinstance(default, str):
+        return word == default
+    return None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_an_options_table_gives_the_codes_defaults(page: Path):
+    """In a table with a "default" column, a row that starts with `--option` states a default that
+    option has (on at least one verb that takes it), unless the cell describes it in words."""
+    options = all_options()
+    wrong, header = [], None
+    for number, line in prose(page):
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if header is None:
+            header = [cell.lower() for cell in cells]
+            continue
+        if "default" not in header or set(line) <= set("|-: "):
+            continue
+        option = re.match(r"`(--[\w-]+)", cells[0])
+        if not option:
+            continue
+        assert option.group(1) in options, f"{name(page)}:{number}: {option.group(1)} is no option of aiayn"
+        cell = cells[header.index("default")]
+        verdicts = [same_default(cell, default) for default in options[option.group(1)]]
+        if None not in verdicts and not any(verdicts):
+            wrong.append(f"{name(page)}:{number}: {option.group(1)} default {cell!r}; the code: {options[option.group(1)]}")
+    assert not wrong, "\n".join(wrong)
