@@ -79,25 +79,26 @@ def run(out_dir: Path, *, quick: bool = False, device: torch.device | None = Non
     verdict = ("dot-product attention learned faster here" if dot_wins
                else "additive attention still learned as fast or faster here, at its higher cost per step")
     text = f"""
-**Question.** Section 3.2.1 compares the two common attention functions: additive attention
-(Bahdanau et al.), a feed-forward network with one hidden layer over each query-key pair,
-score = wᵀ tanh(W_q q + W_k k), and dot-product attention, score = q·k/√d_k. Same theoretical
-complexity; is dot-product really faster, and does it learn as well?
+**Question.** Section 3.2.1 compares the two common attention functions.
+Additive attention (Bahdanau et al.) is a feed-forward network with one hidden layer over each
+query-key pair: score = wᵀ tanh(W_q q + W_k k). Dot-product attention is score = q·k/√d_k.
+Both have the same theoretical complexity. Is dot-product really faster, and does it learn as well?
 
-**Speed.** At t = {longest['t']} the additive function took {longest['additive']:.1f} ms forward + backward,
-{longest['additive'] / longest['dot, fused']:.1f}x the fused dot-product kernel ({longest['dot, fused']:.1f} ms) and
-{longest['additive'] / longest['dot, written out']:.1f}x the written-out one ({longest['dot, written out']:.1f} ms). The reason is in
-the last two columns: dot-product attention is one matrix product into a t x t score matrix; additive
-attention first builds tanh(q_i + k_j) for every pair, a t x t x d_k tensor ({longest['additive_mb']:.0f} MB here
-against {longest['scores_mb']:.0f} MB), elementwise work that no matrix-multiply kernel can speed up, and
-that backward must store. (Measured on a shared, busy machine: the ratios, not the milliseconds.)
+**Speed.** At t = {longest['t']} the additive function took {longest['additive']:.1f} ms forward + backward.
+That is {longest['additive'] / longest['dot, fused']:.1f}x the fused dot-product kernel ({longest['dot, fused']:.1f} ms)
+and {longest['additive'] / longest['dot, written out']:.1f}x the written-out one ({longest['dot, written out']:.1f} ms).
+The reason is in the last two columns. Dot-product attention is one matrix product into a t x t
+score matrix. Additive attention first builds tanh(q_i + k_j) for every pair, a t x t x d_k tensor
+({longest['additive_mb']:.0f} MB here against {longest['scores_mb']:.0f} MB). No matrix-multiply kernel
+can speed up this elementwise work, and backward must store it. The machine was shared: read the
+ratios, not the milliseconds.
 
-**Quality.** On reverse ({steps_of['reverse']} steps, the task's 1-layer, 1-head, d_model 32 model)
-dot-product attention reached {reverse['dot-product']['acc']:.1%} token accuracy, additive
-{reverse['additive']['acc']:.1%}, at {reverse['additive']['s_per_step'] / reverse['dot-product']['s_per_step']:.1f}x
-the time per step. The paper notes additive attention *outperforms* unscaled dot-product attention
-for large d_k (see `aiayn explain scaling`); with the 1/√d_k scaling, {verdict}. One seed, a short
-budget: the ranking, not the decimals.
+**Quality.** On reverse ({steps_of['reverse']} steps, the task's 1-layer, 1-head, d_model 32 model),
+dot-product attention reached {reverse['dot-product']['acc']:.1%} token accuracy and additive
+{reverse['additive']['acc']:.1%}. Additive took {reverse['additive']['s_per_step'] / reverse['dot-product']['s_per_step']:.1f}x
+the time per step. The paper notes that additive attention *outperforms* unscaled dot-product
+attention for large d_k (see `aiayn explain scaling`). With the 1/√d_k scaling, {verdict}.
+One seed, a short budget: read the ranking, not the decimals.
 """
     if "copy" in steps_of:
         copy = {r["kind"]: r for r in results if r["task"] == "copy"}

@@ -59,28 +59,32 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
     _plot(results, plot)
     one, many = results[0], results[-1]
     claims = {"results": results}
-    timing = ("more, smaller matrix products and h softmax maps of t x t use the CPU less well"
-              if many["ms"] > one["ms"] else "here the split did not slow it down")
+    timing = ("More, smaller matrix products and h softmax maps of t x t use the CPU less well"
+              if many["ms"] > one["ms"] else "Here the split did not slow it down")
     text = f"""
 **Question.** Multi-head attention runs h attention functions in parallel. Does that cost h times
 one head's parameters or computation?
 
-**Measured.** No: with d_k = d_model / h, as in the paper, every h from {heads[0]} to {heads[-1]} has
-exactly {one['params']:,} parameters and {one['flops']:,} FLOPs for this input (FlopCounterMode:
-{one['projection_flops']:,} in the four projections, {one['attention_flops']:,} in QKᵀ and the weighted
-sum of values). The projections are the same d_model x d_model matrices, only read as h slices;
+**Measured.** No. With d_k = d_model / h, as in the paper, every h from {heads[0]} to {heads[-1]} has
+exactly {one['params']:,} parameters and {one['flops']:,} FLOPs for this input.
+FlopCounterMode puts {one['projection_flops']:,} of them in the four projections and
+{one['attention_flops']:,} in QKᵀ and the weighted sum of values.
+The projections are the same d_model x d_model matrices, only read as h slices.
 QKᵀ costs h x (t² d_k) = t² d_model whatever h is. The paper says it (section 3.2.2): "the total
 computational cost is similar to that of single-head attention with full dimensionality".
 
 FlopCounterMode counts matrix products only. The softmax is the one part that grows with h: h maps
-of t x t scores, {one['softmax_elements']:,} exponentials for one head and {many['softmax_elements']:,}
-for {many['h']} (elementwise work, small next to the products while t is below about d_model).
+of t x t scores. That is {one['softmax_elements']:,} exponentials for one head and
+{many['softmax_elements']:,} for {many['h']}. This elementwise work is small next to the products
+while t is below about d_model.
 
-Wall time is another matter: one head took {one['ms']:.2f} ms written out, {many['h']} heads
-{many['ms']:.2f} ms ({one['ms_fused']:.2f} and {many['ms_fused']:.2f} ms in the fused kernel): {timing}
-(measured on a shared, busy machine; the ratio, not the milliseconds, is the point). What heads buy is not cheaper compute but
-h different attention distributions per position: one head can only average, h heads can look at h
-places at once (Table 3 row (A): 1 head is 0.9 BLEU worse than 8).
+Wall time is another matter. One head took {one['ms']:.2f} ms written out, {many['h']} heads
+{many['ms']:.2f} ms. In the fused kernel they took {one['ms_fused']:.2f} and {many['ms_fused']:.2f} ms.
+{timing}. The machine was shared: the ratio, not the milliseconds, is the point.
+
+What heads buy is not cheaper compute but h different attention distributions per position.
+One head can only average; h heads can look at h places at once.
+In Table 3 row (A), 1 head is 0.9 BLEU worse than 8.
 """
     return Report(NAME, TITLE, [table], claims, [plot], text)
 

@@ -114,20 +114,21 @@ def _text(claims: dict[str, Any]) -> str:
     return f"""**Question.** How does a mask act inside softmax(QKᵀ/√d_k)? And what happens to a query that may
 attend to nothing (a padded position, or a row that a combined mask empties)?
 
-**Measured.** Setting a masked score to −∞ makes its weight exactly zero (largest weight on a padded
-key here: {claims['padded_weight_max']}), and the visible keys' weights still sum to 1 (largest error
-{claims['row_sum_error']:.1g}): masking renormalises over what is left, as if the masked keys did not
-exist. The causal mask leaves every query's future at exactly {claims['causal_future_max']}.
+**Measured.** Setting a masked score to −∞ makes its weight exactly zero. The largest weight on a
+padded key here is {claims['padded_weight_max']}. The visible keys' weights still sum to 1 (largest
+error {claims['row_sum_error']:.1g}). Masking renormalises over what is left, as if the masked keys did
+not exist. The causal mask leaves every query's future at exactly {claims['causal_future_max']}.
 
 A row with **no** visible key is where implementations differ. The plain recipe, masked_fill(−∞)
 then softmax, gives NaN (exp(−∞)/Σ = 0/0), and the NaN spreads through the next matmul into the
-loss. Filling with −1e9 instead (the Annotated Transformer) avoids the NaN but makes the row uniform
-(largest deviation from 1/{T}: {claims['big_negative_uniform']:.1g}): the query averages the values of
-keys it was told not to see. PyTorch {torch.__version__.split('+')[0]}'s fused kernel {sdpa_says}.
-aiayn defines it: a query that sees no key outputs zeros and
-zero weights, in both its paths, with a finite gradient (`aiayn/nn/attention.py`,
-`tests/unit/test_attention_properties.py`). With the −∞ convention a mask is also just an additive
-bias of 0 / −∞, which is how aiayn combines masks with ALiBi or T5 biases.
+loss. Filling with −1e9 instead (the Annotated Transformer) avoids the NaN but makes the row uniform.
+Its largest deviation from 1/{T} is {claims['big_negative_uniform']:.1g}: the query averages the
+values of keys it was told not to see. PyTorch {torch.__version__.split('+')[0]}'s fused kernel {sdpa_says}.
+
+In aiayn, a query that sees no key outputs zeros and zero weights, in both its paths, with a finite
+gradient (`aiayn/nn/attention.py`, `tests/unit/test_attention_properties.py`). With the −∞
+convention a mask is also just an additive bias of 0 / −∞. That is how aiayn combines masks with
+ALiBi or T5 biases.
 
 3-D masks are (batch, q_len, k_len), the same for every head (`aiayn/nn/masks.py`).
 """

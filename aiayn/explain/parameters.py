@@ -121,26 +121,27 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
               "mean_vocab": mean_vocab, "base_fit": fit}
     big = next((r for r in results if r["row"] == "big"), None)
     big_text = "" if big is None else (
-        f" The big model is the exception: Table 3 gives 213M, {big['gap'] / 1e6:+.2f}M from the count "
-        f"here ({big['gap_rows']:+,.0f} rows of 1,024), so no single vocabulary fits every row; the "
-        f"counts are rounded and the paper does not say how it made them.")
+        f"\n\nThe big model is the exception. Table 3 gives 213M, {big['gap'] / 1e6:+.2f}M from the count "
+        f"here ({big['gap_rows']:+,.0f} rows of 1,024), so no single vocabulary fits every row. The "
+        f"counts are rounded, and the paper does not say how it made them.")
     text = f"""
 **Question.** `aiayn presets` counts {total:,} parameters for paper-base; Table 3 says 65M. What does
 the paper's count include?
 
-**Measured.** The count here is exact: the formula (embedding, attention, feed-forward, norms) equals
-the built model's `count_parameters` wherever aiayn can build the row (d_k = d_v). Against Table 3,
-every d_model = 512 row misses between {lo / 1e3:.1f}k and {hi / 1e3:.1f}k rows of width d_model
-({lo * 512 / 1e6:.2f}M to {hi * 512 / 1e6:.2f}M): a gap that does not depend on N, d_ff or d_k, so it
-is not in the layers. Biases ({biases / 1e6:.2f}M in all), layer norms
-({parts['layer norms'] / 1e6:.2f}M) and a final norm (0.002M) are far too small; separate source and
-target embeddings (+{VOCAB * base.d_model / 1e6:.1f}M) far too large. A gap that scales with d_model
-is an embedding: the rows with d_model = 256 and 1024 miss a similar number of rows. Table 3's
-counts fit a shared vocabulary of about {mean_vocab:,.0f} tokens (the mean over these rows; the base
-model's 65M alone: {fit:,}) rather than 37,000 — section 5.1 says "about 37000" — with each count
-rounded to 1M (± 0.5M, the ± column).{big_text}
+**Measured.** The count here is exact. The formula (embedding, attention, feed-forward, norms) equals
+the built model's `count_parameters` wherever aiayn can build the row (d_k = d_v).
+Against Table 3, every d_model = 512 row misses between {lo / 1e3:.1f}k and {hi / 1e3:.1f}k rows of
+width d_model ({lo * 512 / 1e6:.2f}M to {hi * 512 / 1e6:.2f}M). The gap does not depend on N, d_ff or
+d_k, so it is not in the layers. Biases ({biases / 1e6:.2f}M in all), layer norms
+({parts['layer norms'] / 1e6:.2f}M) and a final norm (0.002M) are far too small. Separate source and
+target embeddings (+{VOCAB * base.d_model / 1e6:.1f}M) are far too large. A gap that scales with
+d_model is an embedding: the rows with d_model = 256 and 1024 miss a similar number of rows.
 
-So: 63.1M is the paper's base architecture with exactly 37,000 shared tokens; the paper's 65M most
+Table 3's counts fit a shared vocabulary of about {mean_vocab:,.0f} tokens, the mean over these rows.
+The base model's 65M alone fits {fit:,}. Section 5.1 says "about 37000". Each count is rounded to
+1M (± 0.5M, the ± column).{big_text}
+
+So: 63.1M is the paper's base architecture with exactly 37,000 shared tokens. The paper's 65M most
 likely counted its real, somewhat larger vocabulary.
 """
     return Report(NAME, TITLE, [counted, components, alternatives], claims, [plot], text)

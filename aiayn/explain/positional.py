@@ -88,33 +88,35 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
     window_worst = max(window_fits, key=lambda f: f["held_out_residual"])
     worst = max(fits, key=lambda f: f["held_out_residual"])
     text = f"""
-**Question.** Section 3.5: "we hypothesized it would allow the model to easily learn to attend by
-relative positions, since for any fixed offset k, PE(pos+k) can be represented as a linear function
-of PE(pos)". Is it so, and what do the sinusoids look like?
+**Question.** Section 3.5 says: "we hypothesized it would allow the model to easily learn to attend
+by relative positions, since for any fixed offset k, PE(pos+k) can be represented as a linear
+function of PE(pos)". Is it so, and what do the sinusoids look like?
 
 **Measured** (d_model = {d_model}, aiayn's table `sinusoidal_encoding`, float32). The wavelengths form a
-geometric progression with ratio 10000^(2/d) = {claims['ratio']:.5f}, from 2π = {wavelength[0]:.4f} to
-{wavelength[-1]:,.0f} = 2π · 10000^((d−2)/d): the paper's "from 2π to 10000 · 2π" is the limit the last
-pair approaches (2π · 10000 = {2 * math.pi * 10000:,.0f}). The first pairs turn once every few positions, the last ones
-barely move over thousands: each position gets a distinct code, like the digits of a clock.
+geometric progression with ratio 10000^(2/d) = {claims['ratio']:.5f}. They run from 2π = {wavelength[0]:.4f}
+to {wavelength[-1]:,.0f} = 2π · 10000^((d−2)/d). The paper's "from 2π to 10000 · 2π" is the limit the
+last pair approaches (2π · 10000 = {2 * math.pi * 10000:,.0f}). The first pairs turn once every few
+positions; the last ones barely move over thousands. Each position gets a distinct code, like the
+digits of a clock.
 
-The linear map exists and does not depend on t: fitted by least squares on {n_fit:,} random positions
-below 1,000,000, M_k predicts PE(t+k) from PE(t) on {n_fit:,} positions it never saw (between 1,000,000
-and 2,000,000) to within {worst['held_out_residual']:.1g} (largest error, at k = {worst['k']}): float32
-rounding of the table. It is the rotation R_k that the addition formulas give, a 2 x 2 rotation by
-k ω_i in each (sin, cos) pair (largest |M_k − R_k|: {max(f['distance_to_rotation'] for f in fits):.1g}). R_k depends
-on k only, so one fixed linear layer can shift a position by k.
+The linear map exists and does not depend on t. M_k is fitted by least squares on {n_fit:,} random
+positions below 1,000,000. It predicts PE(t+k) from PE(t) on {n_fit:,} positions it never saw
+(between 1,000,000 and 2,000,000). The largest error is {worst['held_out_residual']:.1g}, at
+k = {worst['k']}: float32 rounding of the table. M_k is the rotation R_k that the addition formulas
+give, a 2 x 2 rotation by k ω_i in each (sin, cos) pair (largest
+|M_k − R_k|: {max(f['distance_to_rotation'] for f in fits):.1g}). R_k depends on k only, so one fixed
+linear layer can shift a position by k.
 
-A trap when checking it: fitted on the first {n_fit:,} positions only, the slow pairs barely turn (the
-matrix of PE(t) has condition number {window_worst['condition']:.2g}), least squares finds *a* map that fits
-those positions ({window_worst['fit_residual']:.1g}) but not R_k, and it fails elsewhere (held-out error
-{window_worst['held_out_residual']:.2g}). The data must cover every wavelength to pin the map down.
+A trap when checking it: fit on the first {n_fit:,} positions only, and the slow pairs barely turn.
+The matrix of PE(t) then has condition number {window_worst['condition']:.2g}. Least squares finds
+*a* map that fits those positions ({window_worst['fit_residual']:.1g}) but not R_k. It fails
+elsewhere (held-out error {window_worst['held_out_residual']:.2g}). The data must cover every
+wavelength to pin the map down.
 
-The dot product PE(t)·PE(t+k) = Σ_i cos(k ω_i) depends on k alone (its largest spread over
-t = {', '.join(map(str, starts))}: {claims['dot_spread']:.1g}) and is the same for +k and −k (largest difference
-{claims['mirror']:.1g}): it says how far apart two
-positions are, not which comes first. It falls from d/2 = {d_model // 2} at k = 0 and oscillates: nearby
-positions look alike.
+The dot product PE(t)·PE(t+k) = Σ_i cos(k ω_i) depends on k alone. Its largest spread over
+t = {', '.join(map(str, starts))} is {claims['dot_spread']:.1g}. It is the same for +k and −k
+(largest difference {claims['mirror']:.1g}). So it says how far apart two positions are, not which
+comes first. It falls from d/2 = {d_model // 2} at k = 0 and oscillates: nearby positions look alike.
 """
     return Report(NAME, TITLE, [waves, linear, dot], claims, [plot], text)
 

@@ -65,20 +65,25 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
 **Question.** Equation (1) divides the scores by √d_k. Why? The paper's footnote: if q and k have
 independent components of mean 0 and variance 1, then q·k has mean 0 and variance d_k.
 
-**Measured.** The variance of q·k grows exactly like d_k (the ratio stays near 1 from d_k = {dims[0]} to
-{dims[-1]}); divided by √d_k it stays near 1. Unscaled, at d_k = {big['d_k']} the softmax over {KEYS}
-keys puts on average **{big['max_weight']:.3f}** of its weight on one key (entropy {big['entropy']:.3g}
-nats), and {big['one_hot']:.0%} of the rows are one-hot to within 1% (max weight > 0.99); the
-gradient reaching the scores has a median norm of **{big['grad_median']:.2g}** (mean
-{big['grad']:.3g}: the rows that are not saturated carry it). Scaled, the largest weight is
-{big['max_weight_scaled']:.3f} (entropy {big['entropy_scaled']:.3g} nats, of at most
-{torch.log(torch.tensor(float(KEYS))):.3g}; {big['one_hot_scaled']:.0%} of rows one-hot) and the
-median gradient norm **{big['grad_median_scaled']:.3g}**, {big['grad_median_scaled'] / big['grad_median']:.0f}x
-larger. A saturated softmax is nearly one-hot and passes almost no gradient to the queries and keys:
-that is the "extremely small gradients" of section 3.2.1. (At small d_k the unscaled scores are
-merely sharper, and their gradient is not yet smaller: the harm grows with d_k.)
-Scaling keeps the scores' spread independent of d_k, so the softmax stays in its sensitive range at
-any head width.
+**Measured.** The variance of q·k grows exactly like d_k: the ratio stays near 1 from d_k = {dims[0]}
+to {dims[-1]}. Divided by √d_k, the variance stays near 1.
+
+Unscaled, at d_k = {big['d_k']}, the softmax over {KEYS} keys puts on average
+**{big['max_weight']:.3f}** of its weight on one key (entropy {big['entropy']:.3g} nats).
+{big['one_hot']:.0%} of the rows are one-hot to within 1% (max weight > 0.99).
+The gradient reaching the scores has a median norm of **{big['grad_median']:.2g}**.
+Its mean is {big['grad']:.3g}: the rows that are not saturated carry it.
+
+Scaled, the largest weight is {big['max_weight_scaled']:.3f} (entropy {big['entropy_scaled']:.3g} nats,
+of at most {torch.log(torch.tensor(float(KEYS))):.3g}). {big['one_hot_scaled']:.0%} of rows are one-hot.
+The median gradient norm is **{big['grad_median_scaled']:.3g}**,
+{big['grad_median_scaled'] / big['grad_median']:.0f}x larger.
+
+A saturated softmax is nearly one-hot and passes almost no gradient to the queries and keys.
+That is the "extremely small gradients" of section 3.2.1. At small d_k the unscaled scores are
+merely sharper, and their gradient is not yet smaller: the harm grows with d_k.
+Scaling keeps the scores' spread independent of d_k. The softmax then stays in its sensitive range
+at any head width.
 
 Additive attention (`aiayn explain additive`) has no such problem: tanh bounds each term.
 """

@@ -113,20 +113,22 @@ def run(out_dir: Path, *, quick: bool = False, device: torch.device | None = Non
 **Question.** Why do queries and keys get separate projections? What if W_Q = W_K?
 
 **Why it matters.** With one projection the score matrix S = (XW)(XW)ᵀ is symmetric: i attends to j
-exactly as strongly as j to i (measured max |S − Sᵀ| / max |S|: {shared['after']['asymmetry']:.1g}, against
-{separate['after']['asymmetry']:.2g} with separate projections). And since q_i·q_j ≤ |q_i||q_j| ≤
-max(|q_i|², |q_j|²), in every pair of positions at least one scores itself at least as high as its
-partner: the diagonal, self-attention, tends to win.
+exactly as strongly as j to i. Measured max |S − Sᵀ| / max |S| is {shared['after']['asymmetry']:.1g},
+against {separate['after']['asymmetry']:.2g} with separate projections. And q_i·q_j ≤ |q_i||q_j| ≤
+max(|q_i|², |q_j|²). So in every pair of positions, at least one scores itself at least as high as
+its partner: the diagonal, self-attention, tends to win.
 
-**Measured on reverse**, where position i must read position t−1−i (a symmetric pattern, the friendliest
-case for a symmetric S): after {steps} steps, the separate projections put the first layer's largest weight
-on the answer's position for {separate['after']['mirror_argmax']:.0%} of the queries (on themselves
-{separate['after']['self_argmax']:.0%}) and reach {separate['acc']:.1%} token accuracy; shared, the largest
-weight lands on the answer for {shared['after']['mirror_argmax']:.0%} and on the query itself for
-{shared['after']['self_argmax']:.0%}, and accuracy is {shared['acc']:.1%}. At initialisation the
-shared model already attends to itself for {shared['before']['self_argmax']:.0%} of queries (separate:
-{separate['before']['self_argmax']:.0%}). Separate W_Q and W_K let "what I look for" differ from "what I
-am": an asymmetric relation, which most dependencies in language are. One seed, a short budget.
+**Measured on reverse**, where position i must read position t−1−i. That pattern is symmetric, the
+friendliest case for a symmetric S. After {steps} steps, the separate projections put the first
+layer's largest weight on the answer's position for {separate['after']['mirror_argmax']:.0%} of the
+queries (on themselves {separate['after']['self_argmax']:.0%}). They reach {separate['acc']:.1%} token
+accuracy. Shared, the largest weight lands on the answer for {shared['after']['mirror_argmax']:.0%} and
+on the query itself for {shared['after']['self_argmax']:.0%}. Accuracy is {shared['acc']:.1%}.
+
+At initialisation the shared model already attends to itself for
+{shared['before']['self_argmax']:.0%} of queries (separate: {separate['before']['self_argmax']:.0%}).
+Separate W_Q and W_K let "what I look for" differ from "what I am". That is an asymmetric relation,
+as most dependencies in language are. One seed, a short budget.
 """
     return Report(NAME, TITLE, [table], claims, [plot], text)
 

@@ -163,30 +163,36 @@ def _text(claims: dict[str, Any], n_path: int) -> str:
                            for c in crossover)
     cross_big = crossover[-1]
     return f"""
-**Question.** Table 1 of the paper compares layer types by complexity per layer, sequential
-operations (what cannot run in parallel) and maximum path length (how many steps a signal needs
-between two positions). Self-attention is O(n² d) against the recurrent layer's O(n d²), so it is
-cheaper "when the sequence length n is smaller than the representation dimensionality d". Measured.
+**Question.** Table 1 of the paper compares layer types on three counts. They are complexity per
+layer, sequential operations (what cannot run in parallel) and maximum path length (how many steps a
+signal needs between two positions). Self-attention is O(n² d) against the recurrent layer's
+O(n d²). So it is cheaper "when the sequence length n is smaller than the representation
+dimensionality d". Measured.
 
-**FLOPs** follow the formulas exactly (FlopCounterMode: attention 4n²d, restricted 4n(2r+1)d,
-convolution 2knd², recurrent 4nd²), so attention's FLOPs pass the recurrent layer's exactly when n
-exceeds d: their measured ratio puts the crossing at n = {', '.join(f"{c['flops_equal']:g}" for c in crossover)} for
-d = {', '.join(str(c['d']) for c in crossover)}.
+**FLOPs** follow the formulas exactly. FlopCounterMode counts attention 4n²d, restricted 4n(2r+1)d,
+convolution 2knd² and recurrent 4nd². So attention's FLOPs pass the recurrent layer's exactly when n
+exceeds d. Their measured ratio puts the crossing at n = {', '.join(f"{c['flops_equal']:g}" for c in crossover)}
+for d = {', '.join(str(c['d']) for c in crossover)}.
 
-**Time** is another story on a CPU: the recurrent layer's n sequential steps are n small
-matrix-vector products that cannot run in parallel, while attention is two large matrix products.
-Attention's time stays above the RNN's only from {time_cross} (grid: n up to {lengths[-1]}), far
-beyond n = d: the "sequential operations" column, O(n) against O(1), is worth more than the FLOP
-count suggests. Restricted attention (r = {radius}) grows linearly in n and is cheaper than full attention from
-n = {_n(cross_big['restricted_time'])} on at d = {d_big}.
+**Time** is another story on a CPU. The recurrent layer's n sequential steps are n small
+matrix-vector products that cannot run in parallel. Attention is two large matrix products.
+Attention's time stays above the RNN's only from {time_cross} (grid: n up to {lengths[-1]}).
+That is far beyond n = d. The "sequential operations" column, O(n) against O(1), is worth more than
+the FLOP count suggests. Restricted attention (r = {radius}) grows linearly in n. It is cheaper than
+full attention from n = {_n(cross_big['restricted_time'])} on at d = {d_big}.
 
-**Path length** measured by gradients (the fewest stacked layers through which output n−1 depends on
-input 0, n = {n_path}): self-attention {paths['self-attention']}, restricted attention (r = {radius}) {paths['restricted']}
-= ⌈(n−1)/r⌉, a contiguous convolution (k = {KERNEL}) {paths['convolution']} layers, a dilated one
-{paths['dilated convolution']} (dilations 1, 3, 9, … repeated: O(log_k n), log_3 {n_path} = {math.log(n_path, KERNEL):.1f}), and the
-recurrent layer one layer but {paths['recurrent']} sequential steps.
-Short paths make long-range dependencies easier to learn (section 4). Measured on a shared, busy
-machine: the shapes of the curves, not the milliseconds.
+**Path length** is measured by gradients: the fewest stacked layers through which output n−1
+depends on input 0, at n = {n_path}. The counts:
+
+* self-attention: {paths['self-attention']};
+* restricted attention (r = {radius}): {paths['restricted']} = ⌈(n−1)/r⌉;
+* a contiguous convolution (k = {KERNEL}): {paths['convolution']} layers;
+* a dilated convolution (dilations 1, 3, 9, … repeated): {paths['dilated convolution']}, that is
+  O(log_k n), with log_3 {n_path} = {math.log(n_path, KERNEL):.1f};
+* the recurrent layer: one layer, but {paths['recurrent']} sequential steps.
+
+Short paths make long-range dependencies easier to learn (section 4). The machine was shared: read
+the shapes of the curves, not the milliseconds.
 """
 
 
