@@ -1,6 +1,6 @@
 """The committed pages in docs/explain are what their scripts print: for the topics without
 timings or training, a fresh full-size run writes the same tables and text (everything but the
-header line, which names the machine and its load); every topic has its page and plot."""
+header line, which names the machine and the date); every topic has its page and plot."""
 
 from __future__ import annotations
 
