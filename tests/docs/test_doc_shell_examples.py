@@ -1,4 +1,4 @@
-"""Every shell example in README.md and docs/ runs and prints what the page shows, or says why not.
+"""Every shell example in README.md, CONTRIBUTING.md and docs/ runs and prints what the page shows, or says why not.
 
 The conventions, for whoever writes a page:
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+PAGES = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 NOT_RUN = re.compile(r"^\s*<!--\s*not run:\s*(.*?)\s*-->\s*$")
 RECIPE_LANGUAGES = {"bash", "sh", "shell"}
