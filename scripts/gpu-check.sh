@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check (issue 33; docs/gpu.md): what a session with a lent GPU runs in the repo root of the
-# working tree the device tool copied there (its own torch, no network). In order, each part under
+# The GPU check (CONTRIBUTING.md, docs/gpu.md): what to run on a machine with a CUDA GPU, in the repo
+# root of a copy of the working tree (its own torch, no network). In order, each part under
 # its own timeout so the whole stays inside one 600 s device call:
 #   1. the card (nvidia-smi), torch and the optional packages, the date;
 #   2. the parity and consistency tests on the GPU, and the device tests of training (resume on the
@@ -8,7 +8,7 @@
 #      -m "not cpu_only and not slow" (--slow: the slow ones too), the repo on PYTHONPATH;
 #   3. python -m benchmarks.gpu, rows (a), (b), (c), each in its own process.
 # Everything is printed and written to $OUT/gpu-check.log ($OUT: the folder the device tool brings
-# back; else $TMPDIR or /tmp). Missing pure-Python packages travel as wheels in .whl/ (docs/gpu.md):
+# back; else $TMPDIR or /tmp). Missing pure-Python packages travel as wheels in .whl/ (CONTRIBUTING.md):
 # they are installed from there, never from the network. Exit status: 0 when every part passed.
 #
 #   scripts/gpu-check.sh                 # on the GPU machine (device tool: timeout_s=600)

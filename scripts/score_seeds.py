@@ -1,5 +1,5 @@
 """Score several translation runs (seeds of one recipe) one by one and as an ensemble, on the
-splits asked for: the table issue 36's point 3 reports (docs/translation.md).
+splits asked for: the seed table (docs/translation.md).
 
     python scripts/score_seeds.py --run runs/de-en-seed0 --run runs/de-en-seed2 --model multi30k-de-en \
         --splits val test2016 --threads 1 --json scores.json

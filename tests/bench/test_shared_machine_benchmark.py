@@ -1,4 +1,4 @@
-"""``python -m benchmarks.shared_machine`` (issue 34 point 6): it runs its two jobs alone and
+"""``python -m benchmarks.shared_machine``: it runs its two jobs alone and
 together and prints its table (tiny sizes; the figures are not checked), and its report computes
 the ratios it prints from the rounds it was given."""
 

@@ -1,4 +1,4 @@
-"""Constrained decoding (``aiayn.generate.constrain``, issue 35): every answer is JSON that
+"""Constrained decoding (``aiayn.generate.constrain``): every answer is JSON that
 validates against its schema.
 
 Proofs: a tiny random LLaMA-style model with a real byte-level BPE tokenizer answers under several

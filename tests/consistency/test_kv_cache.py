@@ -415,7 +415,7 @@ def test_kv_cache_bytes_documented_example() -> None:
                                                        (torch.float32, "int8"), (torch.float32, "int4")])
 def test_encoder_decoder_estimate_counts_the_cross_attention_keys_and_values(model_dtype, quantize, device: torch.device):
     """After the first decode step every decoder layer holds the source's cross-attention keys and
-    values too (issue 23): the estimate with src_len equals the cache's real bytes then."""
+    values too: the estimate with src_len equals the cache's real bytes then."""
     model = encoder_decoder(n_kv_heads=3, device=device).to(model_dtype)
     config, batch, src_len, max_len = model.config, 2, 9, 11
     src = torch.randint(3, VOCAB, (batch, src_len), device=device)

@@ -42,7 +42,7 @@ def options(verb: click.Command) -> set[str]:
 
 def test_every_verb_that_runs_a_model_takes_threads():
     """The docs tie speed and reproducibility to the thread count (training.md, robustness.md), so
-    every verb that runs a model (it takes --device) takes --threads (issue 37, point 6)."""
+    every verb that runs a model (it takes --device) takes --threads."""
     running = {path: verb for path, verb in commands().items() if "--device" in options(verb)}
     assert {"train", "generate", "translate", "evaluate", "embed", "serve", "explore", "explain"} <= set(running)
     without = sorted(path for path, verb in running.items() if "--threads" not in options(verb))

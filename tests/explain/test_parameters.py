@@ -1,5 +1,5 @@
 """`aiayn explain parameters`: aiayn's count is exact (formula == built model), and the gap to
-Table 3 is embedding-sized, not in the layers (issue 23: 63.1M vs 65M explained)."""
+Table 3 is embedding-sized, not in the layers (63.1M vs 65M explained)."""
 
 from __future__ import annotations
 

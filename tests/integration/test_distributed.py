@@ -233,7 +233,7 @@ def test_torchrun_world_larger_than_the_epoch_is_one_clear_error(tmp_path):
     result = torchrun(*CLI_ARGS, "--batch-size", "40000", "--run-dir", str(tmp_path / "run"), nproc=3)
     assert result.returncode != 0
     assert result.stderr.count("Error: 3 processes x grad_accum 1 need 3 batches per step, but an epoch "
-                               "has only 2 batches") == 1, result.stderr[-3000:]  # (CI51 failed once under load)
+                               "has only 2 batches") == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr.split("Error: 3 processes")[0][-500:]
 
 

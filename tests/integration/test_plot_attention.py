@@ -1,4 +1,4 @@
-"""`aiayn plot attention` for every task and every kind of attention it has (issue 23): a run of
+"""`aiayn plot attention` for every task and every kind of attention it has: a run of
 each task (one training step of a small model), the command's PNG, its errors; the figure's colour
 scales follow the data and its title fits."""
 

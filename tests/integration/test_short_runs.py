@@ -1,4 +1,4 @@
-"""Honest short runs (issue 37, point 4): a warm-up longer than the run, or averaging fewer checkpoints
+"""Honest short runs: a warm-up longer than the run, or averaging fewer checkpoints
 than asked, is a one-line warning with the numbers; the averaged folder is named for the K
 checkpoints it holds (one is not averaged at all), as in ``aiayn average``; and the test split is
 scored with the better of the last and the averaged weights on val, recorded in summary.json and

@@ -1,4 +1,4 @@
-"""`aiayn train --task translation` without a recipe learns (issue 23): its default settings are the
+"""`aiayn train --task translation` without a recipe learns: its default settings are the
 committed en->de recipe's, and a short run of exactly those settings on a small slice lowers the loss."""
 
 from __future__ import annotations

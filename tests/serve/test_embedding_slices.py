@@ -1,4 +1,4 @@
-"""Embeddings on the engine thread in slices (issue 34, point 1): a large embeddings request runs
+"""Embeddings on the engine thread in slices: a large embeddings request runs
 one forward at a time between decode steps, takes at most ``embed_share`` of the engine's time
 while streams run (measured by the engine's own clock, which a test replaces to make the schedule
 exact), and its vectors are the same bits as computed at once."""

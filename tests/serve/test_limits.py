@@ -1,4 +1,4 @@
-"""How much one request may ask (issue 34, points 1 and 2): more inputs, tokens per input or tokens
+"""How much one request may ask: more inputs, tokens per input or tokens
 per request than the server takes are a 400 naming the limit and the option that raises it (never
 a 429, which says "busy, retry"), with at most a short prefix of the input in the message; a chat
 message too long for a prompt is named as such (not blamed on the template); 429 only while the

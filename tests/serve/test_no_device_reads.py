@@ -1,4 +1,4 @@
-"""The serve engine's step reads nothing back from the device but its tokens (issue 33, point 3).
+"""The serve engine's step reads nothing back from the device but its tokens.
 
 On a GPU every read of a device value into Python (``int(t)``, ``bool(t)``, ``t.item()``,
 ``t.tolist()``, ``t.cpu()``) makes the host wait for the stream. This machine has no GPU, so the

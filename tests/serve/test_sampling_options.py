@@ -1,4 +1,4 @@
-"""Sampling options of ``aiayn serve`` (issue 35, point 3): ``n``, ``logit_bias``, ``presence_penalty``,
+"""Sampling options of ``aiayn serve``: ``n``, ``logit_bias``, ``presence_penalty``,
 ``frequency_penalty``, and the extensions ``repetition_penalty`` (CTRL) and ``top_k``.
 
 Proofs: ``sampler.choose`` picks, step after step, the tokens a plain reference computes from the

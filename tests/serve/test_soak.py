@@ -1,4 +1,4 @@
-"""The soak of issue 34, point 7, for 60 seconds: ``python -m benchmarks.soak`` against a real
+"""The soak, for 60 seconds: ``python -m benchmarks.soak`` against a real
 ``aiayn serve`` subprocess (the shipped shakespeare-char model) on 127.0.0.1, every goal met; its
 clients' keep-alive pool against the server's keep-alive timeout; how it tells a transport error
 the server saw from one that never reached it."""

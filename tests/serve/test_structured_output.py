@@ -1,4 +1,4 @@
-"""Structured output in ``aiayn serve`` (issue 35, point 1): ``response_format`` ``json_object`` and
+"""Structured output in ``aiayn serve``: ``response_format`` ``json_object`` and
 ``json_schema`` on /v1/chat/completions (and /v1/completions, an extension), through the official
 ``openai`` client against a live server.
 

@@ -20,7 +20,7 @@ FILES = sorted(PACKAGE.rglob("*.py"))
 LONG_FUNCTION, LONG_FILE = 80, 500
 # History and frozen measurements: sessions, CI runs, issue numbers, "as before", dates, timings.
 HISTORY = re.compile(
-    r"\bsessions? \d|\bCI ?\d+\b|\bCI run|\bissue[ -]#?\d|load average|\bas before\b|superseded|"
+    r"\bsessions? \d|\bCI ?\d+\b|\bissue[ -]#?\d|load average|\bas before\b|superseded|"
     r"kept for the benchmark|\b20\d\d-\d\d-\d\d\b|\bwas \d|measured[^.]{0,40}\d|\d ?ms\b|"
     r"\d(\.\d+)?x (faster|slower)", re.IGNORECASE)
 
@@ -69,3 +69,19 @@ def test_comments_say_what_and_why_not_history(folder: Path) -> None:
     found = [hit for path in FILES if path.parent == folder for hit in history(path)]
     assert not found, ("comments or docstrings narrate history or freeze a figure (say what and why; "
                        f"figures go to docs/benchmarks.md with their command): {found}")
+
+
+# Outside the package, tests, scripts, benchmarks and recipes may quote figures, but never point
+# at the project's tracker or its working days: a reader has neither.
+TRACKER = re.compile(r"\bsessions? \d|\ba session with\b|\bCI ?\d+\b|\bissue[ -]#?\d", re.IGNORECASE)
+REPO = PACKAGE.parent
+OTHER_FILES = sorted(path for folder in ("tests", "scripts", "benchmarks", "recipes", ".ci")
+                     for path in (REPO / folder).rglob("*") if path.suffix in {".py", ".sh", ".yaml", ""}
+                     and path.is_file() and path.name not in {"test_design_rules.py", "test_doc_style.py"})
+
+
+def test_no_tracker_references_outside_the_package() -> None:
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()[:100]}" for path in OTHER_FILES
+             for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+             if TRACKER.search(line)]
+    assert not found, "say what a test or script checks, not which issue or session asked for it:\n" + "\n".join(found)

@@ -1,4 +1,4 @@
-"""A 3-D mask or bias is (batch, q_len, k_len), the same for every head (issue 23): never read as
+"""A 3-D mask or bias is (batch, q_len, k_len), the same for every head: never read as
 (heads, q_len, k_len), even when batch == heads, in every place that consumes one — the attention
 function (both paths, with causal masking on top), aiayn.fast's kernel and MultiHeadAttention."""
 
