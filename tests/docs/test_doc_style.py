@@ -131,3 +131,20 @@ def test_the_docs_index_links_every_page():
     pages = {page.resolve() for page in (REPO / "docs").glob("*.md") if page != index}
     missing = sorted(name(page) for page in pages - linked)
     assert not missing, f"docs/README.md does not link: {missing}"
+
+
+def test_every_benchmark_table_has_its_command_and_date():
+    """docs/benchmarks.md: a section with a results table names the command that makes it and the
+    date it was measured; the page says which machine, unless a section names its own."""
+    text = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert re.search(r"\*\*The machine\*\*", text), "docs/benchmarks.md does not say which machine it measured on"
+    missing = []
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        title = section.splitlines()[0]
+        if not re.search(r"^\|", section, re.M):
+            continue
+        if not re.search(r"python -m benchmarks", section):
+            missing.append(f"{title}: no `python -m benchmarks...` command")
+        if not re.search(r"\b20\d\d-\d\d-\d\d\b", section):
+            missing.append(f"{title}: no date")
+    assert not missing, "\n".join(missing)
