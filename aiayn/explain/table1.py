@@ -159,7 +159,7 @@ def _grids(timings: dict[tuple[str, int, int], float], counted: dict[tuple[str, 
 def _text(claims: dict[str, Any], n_path: int) -> str:
     crossover, lengths, radius, paths = claims["crossover"], claims["lengths"], claims["radius"], claims["paths"]
     d_big = claims["widths"][-1]
-    time_cross = "; ".join(f"n = {c['time']} at d = {c['d']}" if c["time"] else f"nowhere at d = {c['d']}"
+    time_cross = "; ".join(f"from n = {c['time']} on at d = {c['d']}" if c["time"] else f"nowhere in the grid at d = {c['d']}"
                            for c in crossover)
     cross_big = crossover[-1]
     return f"""
@@ -176,7 +176,7 @@ for d = {', '.join(str(c['d']) for c in crossover)}.
 
 **Time** is another story on a CPU. The recurrent layer's n sequential steps are n small
 matrix-vector products that cannot run in parallel. Attention is two large matrix products.
-Attention's time stays above the RNN's only from {time_cross} (grid: n up to {lengths[-1]}).
+Attention's time stays above the RNN's {time_cross} (grid: n up to {lengths[-1]}).
 That is far beyond n = d. The "sequential operations" column, O(n) against O(1), is worth more than
 the FLOP count suggests. Restricted attention (r = {radius}) grows linearly in n. It is cheaper than
 full attention from n = {_n(cross_big['restricted_time'])} on at d = {d_big}.
