@@ -33,8 +33,7 @@ def explore_cmd(run_dir: Path | None, model_path: Path | None, host: str, port: 
     """Look inside a model in the browser: attention (cross-attention too), decoding step by step
     with the KV cache, the beam-search tree, positional encodings, the training run.
 
-    A run of a task other than translation or a language model stays on the CPU (its attention
-    example is made there)."""
+    Every model runs on --device, a task run's too (its attention example follows the model)."""
     from aiayn.cli.generate import resolve_model
     from aiayn.explore import load_explorable
     from aiayn.explore.server import ServeError, check_port, serve

