@@ -1,4 +1,4 @@
-"""The devices the parity and consistency tests run on (DESIGN.md, "Tests name their devices").
+"""The devices the parity and consistency tests run on (CONTRIBUTING.md, "Tests on several devices").
 
 ``AIAYN_TEST_DEVICES`` lists them, comma-separated (default ``cpu``, what CI runs; ``cuda`` or
 ``cpu,cuda`` where a GPU is lent). A test that takes the ``device`` fixture runs once per device,
