@@ -73,7 +73,8 @@ def adapter_option(func: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--adapter", type=click.Path(exists=True, file_okay=False, path_type=Path),
         help="A LoRA adapter directory (PEFT's adapter_config.json + adapter_model.safetensors) merged into "
-             "the model; without --model/--run, the model is the adapter's base_model_name_or_path.")(func)
+             "the model; without --model/--run, the model is the adapter's base_model_name_or_path. translate and "
+             "evaluate take it with --prompt.")(func)
 
 
 def adapter_base(adapter: Path | None, run_dir: Path | None, model_path: Path | None) -> Path | None:

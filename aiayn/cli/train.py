@@ -112,7 +112,7 @@ _TRAIN_OPTIONS: dict[str, tuple[Any, str]] = {
     "clip_grad_norm": (FiniteFloatRange(min=0, min_open=True), "Gradient-norm clip."),
     "grad_accum": (click.IntRange(min=1), "Batches accumulated per optimiser step."),
     "seed": (SEED_RANGE, "Random seed (data, initialisation, dropout), 0 to 2**32 - 1."),
-    "bf16": (bool, "bfloat16 autocast over float32 weights.  [default: on with CUDA, off on the CPU]"),
+    "bf16": (bool, "bfloat16 autocast over float32 weights.  [default: on with CUDA, off on the CPU, unless the task sets it]"),
     "compile": (bool, "torch.compile each step's forward and loss as one graph (for GPUs; on a CPU the eager step "
                       "with aiayn.fast's kernels is faster: a graph cannot skip padding)."),
     "eval_every": (click.IntRange(min=0), "Steps between validations (0: each epoch)."),

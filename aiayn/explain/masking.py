@@ -126,7 +126,7 @@ Its largest deviation from 1/{T} is {claims['big_negative_uniform']:.1g}: the qu
 values of keys it was told not to see. PyTorch {torch.__version__.split('+')[0]}'s fused kernel {sdpa_says}.
 
 In aiayn, a query that sees no key outputs zeros and zero weights, in both its paths, with a finite
-gradient (`aiayn/nn/attention.py`, `tests/unit/test_attention_properties.py`). With the −∞
+gradient (`aiayn/nn/attention.py`, `tests/parity/test_attention_paths.py`). With the −∞
 convention a mask is also just an additive bias of 0 / −∞. That is how aiayn combines masks with
 ALiBi or T5 biases.
 

@@ -49,7 +49,7 @@ from torch import Tensor
 from aiayn.device import to_device
 from aiayn.nn import data_checks
 from aiayn.nn.kv_layer import LayerKVCache, Slots, swap_in_place
-from aiayn.nn.kv_memory import kv_cache_bytes  # noqa: F401  (the estimate, importable from here too)
+from aiayn.nn.kv_memory import describe_kv_cache, kv_cache_bytes  # noqa: F401  (importable from here too)
 
 
 class KVCache:
