@@ -92,7 +92,7 @@ class ChatTask(Task):
 
     def window(self) -> int:
         """Positions of a row: ``block_size``, else the model's context up to ``DEFAULT_BLOCK``."""
-        context = self.source.get().config.max_seq_len
+        context = self.source.context(self.run_dir)
         if self.block_size is None:
             return min(DEFAULT_BLOCK, context)
         if not 1 <= self.block_size <= context:
@@ -112,7 +112,7 @@ class ChatTask(Task):
             read = {"train": [read["train"][i] for i in split.train], "val": [read["train"][i] for i in split.val]}
             self.echo(split.statement)
         block = self.window()
-        context = self.source.get().config.max_seq_len
+        context = self.source.context(self.run_dir)
         hint = (f"raise block_size (up to the model's context, {context})" if block < context
                 else "the model's context cannot hold it")
         if self.run_dir is not None:  # the run keeps the tokenizer and template: it generates without its source

@@ -32,6 +32,7 @@ from aiayn.tasks.trained import (
 )
 from aiayn.textgen import hf_chat_settings, is_gguf, read_text_model
 from aiayn.train.checkpoint import ADAPTER_WEIGHTS, STATE_FILE, latest_checkpoint
+from aiayn.train.run_dir import CONFIG_FILE, read_run_config
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF tensor types that hold floats, not quantised blocks
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE = (
@@ -160,6 +161,15 @@ class SourceOption:
             self._front = run_dir, kept
         return self._front[1]
 
+    def context(self, run_dir: Path | None) -> int:
+        """The model's context in positions: the run's own model (a run resumes without its source),
+        else the source's."""
+        if run_dir is not None and (run_dir / CONFIG_FILE).is_file():
+            saved = read_run_config(run_dir)["model"].get("max_seq_len")
+            if isinstance(saved, int):
+                return saved
+        return self.get().config.max_seq_len
+
     def keep_front(self, run_dir: Path) -> None:
         """Write the source's text front end into a new run's directory (nothing when it is there)."""
         if read_text_front(run_dir) is None:
@@ -174,7 +184,13 @@ class SourceOption:
         latest = None if run_dir is None else latest_checkpoint(run_dir / "checkpoints")
         if run_dir is None or (latest is not None and not _adapters_only(latest)):
             return build_model(config)
-        source = self.get()
+        try:
+            source = self.get()
+        except LoadError as exc:
+            if latest is None:
+                raise
+            raise LoadError(f"{exc}. This run's checkpoints hold only its LoRA adapters: it resumes on the model "
+                            f"they go on, {self.name}; put it back there") from None
         if config == source.config:
             return source.model
         model = build_model(config)

@@ -88,3 +88,30 @@ def test_lora_takes_the_chat_task_s_lora_learning_rate_unless_one_is_given(tmp_p
     assert lr({**lora, "lr": 1e-3}) == 1e-3
     assert lr({}, "train:\n  lora: {rank: 4}\n") == 2e-4
     assert lr(lora, "train:\n  lr: 0.003\n") == 3e-3
+
+
+def _chat_run(run_aiayn, source, data, run_dir, steps, *extra):
+    return run_aiayn("train", "--task", "chat", "--init-from", str(source), "--data", str(data), "--val-data",
+                     str(data), "--batch-size", "2", "--max-steps", str(steps),
+                     "--run-dir", str(run_dir), "--no-progress", *extra)
+
+
+def test_a_full_fine_tune_resumes_without_its_source_and_a_lora_one_names_it(tmp_path, model_dir, run_aiayn):
+    """A full fine-tune's checkpoints hold every weight and the run keeps the tokenizer and template, so
+    it resumes after its source has moved; a LoRA run's hold only the adapters: one line names the base."""
+    import shutil
+
+    data = write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)
+    source = shutil.copytree(model_dir, tmp_path / "source")
+    for name, extra in (("full", ()), ("lora", ("--lora-rank", "2"))):
+        code, _, err = _chat_run(run_aiayn, source, data, tmp_path / name, 1, *extra)
+        assert code == 0, err
+    source.rename(tmp_path / "moved")
+    code, _, err = run_aiayn("train", "--resume", "--run-dir", str(tmp_path / "full"), "--max-steps", "2",
+                             "--no-progress")
+    assert code == 0, err
+    assert json.loads((tmp_path / "full" / "summary.json").read_text())["step"] == 2
+    code, _, err = run_aiayn("train", "--resume", "--run-dir", str(tmp_path / "lora"), "--max-steps", "2",
+                             "--no-progress")
+    assert code != 0 and "Traceback" not in err
+    assert f"hold only its LoRA adapters: it resumes on the model they go on, {source}; put it back there" in err
