@@ -90,7 +90,7 @@ and {longest['additive'] / longest['dot, written out']:.1f}x the written-out one
 The reason is in the last two columns. Dot-product attention is one matrix product into a t x t
 score matrix. Additive attention first builds tanh(q_i + k_j) for every pair, a t x t x d_k tensor
 ({longest['additive_mb']:.0f} MB here against {longest['scores_mb']:.0f} MB). No matrix-multiply kernel
-can speed up this elementwise work, and backward must store it. The machine was shared: read the
+can speed up this elementwise work, and backward must store it. Timings move between runs: read the
 ratios, not the milliseconds.
 
 **Quality.** On reverse ({steps_of['reverse']} steps, the task's 1-layer, 1-head, d_model 32 model),

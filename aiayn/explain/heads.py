@@ -80,7 +80,7 @@ while t is below about d_model.
 
 Wall time is another matter. One head took {one['ms']:.2f} ms written out, {many['h']} heads
 {many['ms']:.2f} ms. In the fused kernel they took {one['ms_fused']:.2f} and {many['ms_fused']:.2f} ms.
-{timing}. The machine was shared: the ratio, not the milliseconds, is the point.
+{timing}. Timings move between runs: the ratio, not the milliseconds, is the point.
 
 What heads buy is not cheaper compute but h different attention distributions per position.
 One head can only average; h heads can look at h places at once.

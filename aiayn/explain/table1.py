@@ -191,7 +191,7 @@ depends on input 0, at n = {n_path}. The counts:
   O(log_k n), with log_3 {n_path} = {math.log(n_path, KERNEL):.1f};
 * the recurrent layer: one layer, but {paths['recurrent']} sequential steps.
 
-Short paths make long-range dependencies easier to learn (section 4). The machine was shared: read
+Short paths make long-range dependencies easier to learn (section 4). Timings move between runs: read
 the shapes of the curves, not the milliseconds.
 """
 
