@@ -201,7 +201,7 @@ def chat_message(message: Any) -> dict[str, Any]:
 
 def sampling_params(body: Any, engine: Engine, prompts: list[list[int]], limit: int | None,
                     logprobs: int | None) -> SamplingParams:
-    """The engine's parameters; 400 unless prompt + answer fit the context and logit_bias's ids do the vocabulary."""
+    """The engine's parameters; 400 unless prompt + answer fit the context and logit_bias names ids of the vocabulary."""
     longest = max(len(p) for p in prompts)
     room = engine.context - longest
     if room < 1 or (limit is not None and limit > room):
