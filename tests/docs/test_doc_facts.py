@@ -18,8 +18,9 @@ from pathlib import Path
 
 import click
 import pytest
+from test_doc_links import prose_lines as prose
 from test_doc_shell_examples import REPO
-from test_doc_style import PAGES, name, prose
+from test_doc_style import PAGES, name
 
 from aiayn.api import generate_text
 from aiayn.cli import cli
@@ -36,15 +37,26 @@ def option_default(verb: str, option: str):
     return next(p for p in command.params if f"--{option}" in p.opts).default
 
 
+def table_rows(page: Path):
+    """(line number, header cells, cells) of each body row of each markdown table on ``page``."""
+    header = None
+    for number, line in prose(page):
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not set(line) <= set("|-: "):
+            yield number, header, cells
+
+
 def table(page: Path) -> dict[str, dict[str, str]]:
     """The first markdown table of ``page``: {row name: {column name: cell}}."""
-    rows = [line for _, line in prose(page) if line.startswith("|")]
-    header = [cell.strip().strip("`") for cell in rows[0].strip("|").split("|")]
-    cells = {}
-    for row in rows[2:]:
-        values = [cell.strip() for cell in row.strip("|").split("|")]
-        cells[values[0]] = dict(zip(header[1:], values[1:], strict=True))
-    return cells
+    rows = list(table_rows(page))
+    first = rows[0][1]
+    return {cells[0]: dict(zip([h.strip("`") for h in first[1:]], cells[1:], strict=True))
+            for _, header, cells in rows if header is first}
 
 
 def shown(value) -> str:
@@ -127,15 +139,8 @@ def test_a_shipped_models_row_gives_its_released_scores(page: Path):
     """In a table whose row starts with a shipped model's name, each score column (a header such as
     "BLEU", "chrF", "val BLEU", or "BLEU / chrF / lower-cased BLEU" with as many values) gives the
     released score."""
-    wrong, header = [], None
-    for number, line in prose(page):
-        if not line.startswith("|"):
-            header = None
-            continue
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if header is None:
-            header = cells
-            continue
+    wrong = []
+    for number, header, cells in table_rows(page):
         model = cells[0].strip("`")
         if model not in SHIPPED or len(cells) != len(header):
             continue
@@ -225,16 +230,10 @@ def test_an_options_table_gives_the_codes_defaults(page: Path):
     """In a table with a "default" column, a row that starts with `--option` states a default that
     option has (on at least one verb that takes it), unless the cell describes it in words."""
     options = all_options()
-    wrong, header = [], None
-    for number, line in prose(page):
-        if not line.startswith("|"):
-            header = None
-            continue
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if header is None:
-            header = [cell.lower() for cell in cells]
-            continue
-        if "default" not in header or set(line) <= set("|-: "):
+    wrong = []
+    for number, header, cells in table_rows(page):
+        header = [cell.lower() for cell in header]
+        if "default" not in header:
             continue
         option = re.match(r"`(--[\w-]+)", cells[0])
         if not option:

@@ -20,6 +20,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from test_doc_links import prose_lines as prose
 from test_doc_shell_examples import REPO
 
 DOCS = sorted((REPO / "docs").rglob("*.md"))
@@ -34,23 +35,11 @@ LOG_PHRASES = re.compile(
     r"\bsessions?\b|\bCI ?\d+\b|\bload average\b|\bissues? #?\d+|\bsuperseded\b|\(was\b[^)]*\)"
     r"|\bno longer\b|\bpreviously\b|\buntil now\b", re.I)
 ITEM = re.compile(r"^(?:[-*]|\d+\.)\s+")
-FENCE = re.compile(r"^\s*```")
 NOT_PROSE = ("#", "|", "<", "![")
 
 
 def name(page: Path) -> str:
     return page.relative_to(REPO).as_posix()
-
-
-def prose(page: Path) -> list[tuple[int, str]]:
-    """(line number, text) of ``page``'s lines outside fenced blocks."""
-    lines, inside = [], False
-    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
-        if FENCE.match(line):
-            inside = not inside
-        elif not inside:
-            lines.append((number, line))
-    return lines
 
 
 def paragraphs(page: Path) -> list[tuple[int, str]]:
