@@ -21,6 +21,7 @@ Each measure is counted the same way on any checkout, so two checkouts give a be
 
 from __future__ import annotations
 
+import argparse
 import ast
 import collections
 import subprocess
@@ -215,7 +216,12 @@ def duplicate_pairs(root: Path) -> str:
 
 
 def main() -> None:
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]).resolve()
+    parser = argparse.ArgumentParser(description="Print the design measures of docs/architecture.md's table.")
+    parser.add_argument("root", nargs="?", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="a checkout of aiayn (default: this one)")
+    root = parser.parse_args().root.resolve()
+    if not (root / "aiayn").is_dir():
+        parser.error(f"{root} is not a checkout of aiayn (no aiayn/ folder)")
     forward = trace_forward(root)
     cycles = import_cycles(import_graph(root))
     (caches, bases), builders = cache_classes(root), decode_step_builders(root)
