@@ -1,8 +1,6 @@
-"""Dropout (Srivastava et al. 2014; paper section 5.4) with a faster mask on the CPU.
-
-Instead of one Bernoulli draw per element, the keep-mask comes from 16-bit slices of 64-bit random
-integers from torch's generator (seeds and exact resume hold): an element is dropped when its
-value is below ``round(p * 65536)``. Other devices use ``F.dropout``."""
+"""Dropout (Srivastava et al. 2014; paper section 5.4) with a faster mask on the CPU: 16-bit slices of
+torch's 64-bit random integers (seeds and exact resume hold) instead of a Bernoulli draw per element;
+an element is dropped when its value is below ``round(p * 65536)``. Other devices use ``F.dropout``."""
 
 from __future__ import annotations
 
