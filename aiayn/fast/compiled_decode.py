@@ -84,15 +84,6 @@ def forget_compiled(model: nn.Module) -> None:
     _compiled_steps.pop(model, None)
 
 
-COMPILED_CACHE_MULTIPLE = 64  # compiled decoding rounds its cache up to this, so lengths share graphs
-
-
-def cache_len(n: int, compile: bool) -> int:
-    """Slots a decoder allocates for n tokens: n, or (compiled) n rounded up to a multiple of 64, so that
-    requests of similar length share a graph (the buffer size is part of its shapes)."""
-    return -(-n // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE if compile else n
-
-
 def compiled_decode_step(model: DecoderOnly | EncoderDecoder, tokens: Tensor, cache: KVCache, *,
                          memory_valid: Tensor | None = None) -> Tensor:
     """One decode step, tokens (b, 1) -> logits (b, v), through a graph compiled per model and shape

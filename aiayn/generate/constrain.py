@@ -222,7 +222,7 @@ class GrammarConstraint:
         self._words = torch.empty((info.n_vocab + 31) // 32, dtype=torch.int32)  # (w,) this state's mask
 
     @classmethod
-    def from_schema(cls, tokenizer: Any, schema: dict[str, Any], *, eos_id: int | None,
+    def from_schema(cls, tokenizer: Any, schema: dict[str, Any] | None, *, eos_id: int | None,
                     bounds: JsonBounds | None = BOUNDS) -> GrammarConstraint:
         """Answers that validate against ``schema``, within ``bounds`` where it leaves a value open; ``eos_id``:
         the model's end-of-text id (None: none). ValueError, one line, for an invalid schema."""
@@ -239,8 +239,7 @@ class GrammarConstraint:
     @classmethod
     def json_object(cls, tokenizer: Any, *, eos_id: int | None) -> GrammarConstraint:
         """Answers that are a JSON object (any keys and values)."""
-        info = tokenizer_info(tokenizer, eos_id)
-        return cls(_template(info, None).deep_copy(), info)
+        return cls.from_schema(tokenizer, None, eos_id=eos_id, bounds=None)
 
     @classmethod
     def from_response_format(cls, tokenizer: Any, response_format: Any, *, eos_id: int | None,
@@ -333,10 +332,8 @@ def apply_bitmask(logits: Tensor, words: Tensor, n: int) -> None:
     words = words if words.dim() == 2 else words.unsqueeze(0)  # (1 or b, w)
     v = rows.shape[-1]
     m = min(v, n)
-    if rows.device.type == "cpu":
-        blocked = unpack_bitmask(words, m, invert=True)  # (1 or b, m)
-    else:  # 4 bytes per 32 tokens cross to the device; the bits are unpacked there
-        blocked = unpack_bitmask(words.to(rows.device, non_blocking=True), m, invert=True)
+    # 4 bytes per 32 tokens cross to the device (none on the CPU); the bits are unpacked there.
+    blocked = unpack_bitmask(words.to(rows.device, non_blocking=True), m, invert=True)  # (1 or b, m)
     rows[:, :m].masked_fill_(blocked, float("-inf"))
     if v > n:
         rows[:, n:] = float("-inf")

@@ -248,10 +248,10 @@ def penalty_history(prompt: Tensor, valid: Tensor, max_new_tokens: int) -> Tenso
     return history
 
 
-def cache_slots(n: int, compile: bool) -> int:
-    """Cache slots for n tokens: n, or what compiled decoding rounds n up to (shared graphs)."""
-    if not compile:
-        return n
-    from aiayn.fast.compiled_decode import cache_len
+COMPILED_CACHE_MULTIPLE = 64  # compiled decoding rounds its cache up to this, so lengths share graphs
 
-    return cache_len(n, compile)
+
+def cache_slots(n: int, compile: bool) -> int:
+    """Cache slots for n tokens: n, or (compiled) n rounded up to a multiple of 64, so that requests of
+    similar length share a graph (the buffer size is part of its shapes)."""
+    return -(-n // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE if compile else n
