@@ -4,6 +4,7 @@ formula as a custom op. Shape letters: m rows, i in_features, o out_features."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -39,10 +40,7 @@ if _LINEAR is not None and _LINEAR not in flop_registry:  # a later torch may co
     @register_flop_formula(_LINEAR)
     def _linear_flops(x_shape: torch.Size, w_shape: torch.Size, *args: Any, **kwargs: Any) -> int:
         """So ``torch.utils.flop_counter`` counts these products like ``F.linear``'s."""
-        rows = 1
-        for size in x_shape[:-1]:
-            rows *= size
-        return 2 * rows * w_shape[0] * w_shape[1]
+        return 2 * math.prod(x_shape[:-1]) * w_shape[0] * w_shape[1]
 
 
 def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import takewhile
 
 NULL_BLOCK = 0
 
@@ -105,10 +106,4 @@ class BlockPool:
 
     def lookup(self, digests: Sequence[bytes]) -> list[int]:
         """The blocks of the longest indexed prefix of ``digests`` (not yet retained)."""
-        blocks = []
-        for digest in digests:
-            block = self._by_digest.get(digest)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        return list(takewhile(lambda block: block is not None, map(self._by_digest.get, digests)))

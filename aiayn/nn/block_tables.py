@@ -35,8 +35,7 @@ class BlockTables:
     def grow(self, row: int, n_tokens: int) -> list[int]:
         """Take from the pool the blocks row ``row`` needs for ``n_tokens`` more tokens; its table."""
         table = self.tables[row]
-        for _ in range(self.blocks_for(row, n_tokens)):
-            table.append(self.pool.allocate())
+        table.extend(self.pool.allocate() for _ in range(self.blocks_for(row, n_tokens)))
         return table
 
     def clear(self, row: int) -> None:
