@@ -1,7 +1,5 @@
-"""Faster CPU paths of scaled dot-product attention, each for one measured case (one query per row,
-GQA included; square causal training attention in blocks; dropout on the weights), every other
-call ``aiayn.nn.attention.attend`` itself. ``aiayn.fast.optimize`` sets ``fast_attention`` as
-``MultiHeadAttention.kernel``.
+"""Faster CPU paths of scaled dot-product attention for measured cases (one query per row, GQA
+included; square causal training attention; dropout on the weights), else ``attend`` itself.
 
 Shape letters: b batch, h query heads, h_kv key/value heads, t_q queries, t_k keys, d_h head width."""
 
@@ -24,8 +22,7 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = Non
                    bias: Tensor | None = None, causal: bool = False, dropout_p: float = 0.0,
                    scale: float | None = None,
                    need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """``attend`` (same arguments, same result up to float rounding) by the fastest measured path;
-    it trusts its inputs as ``attend`` does, but a 3-D mask or bias."""
+    """``attend`` (same arguments, same result up to float rounding) by the fastest measured path."""
     plain = dict(mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale,
                  need_weights=need_weights)
     if (mask is not None and mask.dim() == 3) or (bias is not None and bias.dim() == 3):
@@ -39,8 +36,7 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = Non
             and (b * h >= MIN_DECODE_QUERIES or torch.compiler.is_compiling())):
         if h != h_kv:  # GQA: fold each group of query heads into its key/value head, (b, h_kv, g, d_h)
             _check_heads(q, k)
-            out, _ = attend(q.reshape(b, h_kv, h // h_kv, d_h), k, v, mask=mask,
-                                                  scale=scale, need_weights=True)
+            out, _ = attend(q.reshape(b, h_kv, h // h_kv, d_h), k, v, mask=mask, scale=scale, need_weights=True)
             return out.reshape(b, h, 1, d_h), None
         # A decode step: the written-out equation's two matrix-vector products (its weights discarded).
         return attend(q, k, v, mask=mask, scale=scale, need_weights=True)[0], None
@@ -50,8 +46,7 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = Non
         return block_causal_attention(q, k, v, scale), None
     if dropout_p > 0.0:  # the written-out equation with the faster dropout mask
         # The weights only (b, h, t_q, t_k): a zero-width v makes the function's own product free.
-        _, weights = attend(q, k, v[..., :0], mask=mask, bias=bias, causal=causal,
-                                                  scale=scale, need_weights=True)
+        _, weights = attend(q, k, v[..., :0], mask=mask, bias=bias, causal=causal, scale=scale, need_weights=True)
         assert weights is not None
         return dropout(weights, dropout_p) @ _repeat_heads(v, h), None  # (b, h, t_q, d_h)
     return attend(q, k, v, **plain)

@@ -1,8 +1,7 @@
-"""Causal self-attention on the CPU in query blocks: only the lower-triangular blocks are computed,
-each as large batched products (PyTorch's flash kernel runs small tiles). The blocks' softmax
-weights are kept for the backward, hence ``MAX_LENGTH`` and training only. Backward per block
-(rows r, keys [0, stop)): dP = dO_r V^T, dS = P * (dP - rowsum(dO_r * O_r)), dQ_r = scale dS K,
-dK += scale dS^T Q_r, dV += P^T dO_r, dK and dV accumulated per key block.
+"""Causal self-attention on the CPU in query blocks: only the lower-triangular blocks, each as large
+batched products (PyTorch's flash kernel runs small tiles); their softmax weights are kept for the
+backward, hence ``MAX_LENGTH`` and training only. Backward per block (rows r, keys [0, stop)):
+dP = dO_r V^T, dS = P * (dP - rowsum(dO_r * O_r)), dQ_r = scale dS K, dK += scale dS^T Q_r, dV += P^T dO_r.
 
 Shape letters: b batch, h heads, t positions, d_h head width, n = b h, r rows of a query block,
 s = the keys a block sees."""
@@ -26,9 +25,8 @@ MIN_LENGTH_ONE_THREAD = 64
 
 
 def use_block_causal(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
-    """Whether ``block_causal_attention`` should run this plain square causal attention: a training
-    forward in float32/float64 on the CPU, as many key heads as query heads, no dropout, between
-    ``MIN_WORK`` and ``MAX_LENGTH``, outside autocast and ``torch.compile``, kernels on."""
+    """Whether ``block_causal_attention`` should run this square causal attention: a float32/64 CPU
+    training forward, no GQA or dropout, between ``MIN_WORK`` and ``MAX_LENGTH``, not autocast or compiled."""
     b, h, t, d_h = q.shape
     return (
         q.device.type == "cpu"
@@ -62,8 +60,8 @@ def _blocks(t: int) -> list[tuple[int, int]]:
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, scale: float,
              keep_weights: bool) -> tuple[Tensor, list[Tensor], tuple[Tensor, Tensor, Tensor]]:
-    """q, k, v (b, h, t, d_h) -> (output (b, t, h, d_h), the blocks' softmax weights [(n, r, s)] if
-    ``keep_weights``, q, k, v as (n, t, d_h)); the output laid out as the projection reads it."""
+    """q, k, v (b, h, t, d_h) -> (output (b, t, h, d_h), as the projection reads it; the blocks' softmax
+    weights [(n, r, s)] if ``keep_weights``; q, k, v as (n, t, d_h))."""
     b, h, t, d_h = q.shape
     n = b * h
     q, k, v = (x.reshape(n, t, d_h) for x in (q, k, v))  # (n, t, d_h), copies of strided head views
@@ -123,8 +121,7 @@ class _BlockCausalAttention(torch.autograd.Function):
 
 
 def block_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)`` for q, k, v
-    (b, h, t, d_h) -> (b, h, t, d_h). Check ``use_block_causal`` first."""
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)``, q, k, v (b, h, t, d_h)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _BlockCausalAttention.apply(q, k, v, scale)
     out, _, _ = _forward(q, k, v, scale, keep_weights=False)

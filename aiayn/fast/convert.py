@@ -1,11 +1,8 @@
-"""The converter: ``optimize(model, mode)`` swaps a built model's plain modules for aiayn's CPU
-kernels in place (as torchao's ``quantize_`` does); ``plain(model)`` swaps them back.
-
-``nn.Linear`` -> ``FastLinear`` (oneDNN; the turned-around product on a few rows), the training
-output layer -> ``FusedLossLinear``, ``nn.Dropout`` -> ``FastDropout``, the attention kernel ->
-``fast_attention``, attention over a paged KV cache -> ``paged_cache_attention``, the frozen product
-of a linear layer that runs it through its ``base_kernel`` (a LoRA layer's) -> ``fast_linear``. Every
-parameter, buffer and state-dict key is kept; a model off the CPU is left as it is."""
+"""The converter: ``optimize(model, mode)`` swaps a built model's plain modules for aiayn's CPU kernels
+in place (as torchao's ``quantize_``), ``plain(model)`` swaps them back: ``nn.Linear`` ->
+``FastLinear`` (a training output layer: ``FusedLossLinear``), ``nn.Dropout`` -> ``FastDropout``,
+attention -> ``fast_attention`` and ``paged_cache_attention``, a LoRA layer's ``base_kernel`` ->
+``fast_linear``. Parameters and state-dict keys are kept; a model off the CPU is left as it is."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Dropout (Srivastava et al. 2014; paper section 5.4) with a faster mask on the CPU.
-
-Instead of one Bernoulli draw per element, the keep-mask comes from 16-bit slices of 64-bit random
-integers from torch's generator (seeds and exact resume hold): an element is dropped when its
-value is below ``round(p * 65536)``. Other devices use ``F.dropout``."""
+"""Dropout (Srivastava et al. 2014; paper section 5.4) with a faster mask on the CPU: 16-bit slices of
+torch's 64-bit random integers (seeds and exact resume hold) instead of a Bernoulli draw per element;
+an element is dropped when its value is below ``round(p * 65536)``. Other devices use ``F.dropout``."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +17,7 @@ _LEVELS = 1 << 16  # a 16-bit slice of a random int64 is uniform over 65,536 val
 
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, *, device: torch.device | None = None) -> Tensor:
     """Bool tensor of ``shape``: True with probability 1 - p (p rounded to a multiple of 1/65536)."""
-    n = 1
-    for size in shape:
-        n *= size
+    n = math.prod(shape)
     draws = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64, device=device)
     values = draws.view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
     return values >= round(p * _LEVELS) - _LEVELS // 2

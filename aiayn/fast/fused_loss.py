@@ -1,11 +1,10 @@
 """The output layer and the cross-entropy fused, chunk by chunk: the (n, v) logits never exist.
 
-Each chunk of rows (~16 MB of logits, in cache) becomes its softmax and is multiplied into the
-gradients of h and W at once (Liger Kernel's and Cut Cross-Entropy's approach). Label smoothing
-is left to the caller: ``nll_sum = sum_i w_i (lse_i - z_i[t_i])`` and ``uniform_sum = sum_i w_i
-(lse_i - mean_j z_ij)``. With incoming scales g1, g2 the logits' gradient is
-``(g1 + g2) w_i (p_i - e_{t_i}) + g2 w_i e_{t_i} - g2 w_i / v``: the forward multiplies the first
-term into ``P_h = G W`` and ``P_W = G^T h``; the backward adds the cheap rest.
+Each chunk of rows (~16 MB of logits) becomes its softmax and is multiplied into the gradients of
+h and W at once (Liger Kernel's, Cut Cross-Entropy's approach). Label smoothing is the caller's:
+``nll_sum = sum_i w_i (lse_i - z_i[t_i])``, ``uniform_sum = sum_i w_i (lse_i - mean_j z_ij)``. With
+incoming scales g1, g2 the logits' gradient is ``(g1 + g2) w_i (p_i - e_{t_i}) + g2 w_i e_{t_i} -
+g2 w_i / v``: the forward computes the first term's ``P_h = G W``, ``P_W = G^T h``; the backward the rest.
 
 Shape letters: n rows (tokens), d model width, v vocabulary, c rows in a chunk."""
 
@@ -28,11 +27,9 @@ MIN_CHUNK_ROWS = 256
 
 @dataclass
 class HeadLoss:
-    """A fused output layer + cross-entropy over n rows, for ``aiayn.train.losses.sequence_loss``.
-
-    ``nll_sum`` and ``uniform_sum`` are differentiable scalars (rows weighted 1 / counted rows);
-    ``token_nll``, ``predictions`` and ``targets`` (ignore_index kept) are per row. The rows are the
-    ``batch_shape`` batch's positions in row-major order, or its real tokens with ``packing``."""
+    """A fused output layer + cross-entropy over n rows (``aiayn.train.losses.sequence_loss``): the
+    differentiable ``nll_sum``, ``uniform_sum`` (rows weighted 1 / counted rows), and per row (the
+    ``batch_shape`` batch's positions, or its real tokens with ``packing``) the rest."""
 
     nll_sum: Tensor
     uniform_sum: Tensor
@@ -44,7 +41,7 @@ class HeadLoss:
 
 
 def _compute_dtype(hidden: Tensor) -> torch.dtype:
-    """The matmuls' dtype: the autocast one when autocast is on (as ``nn.Linear`` would run)."""
+    """The matmuls' dtype: the autocast one when autocast is on (as ``nn.Linear``'s)."""
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
@@ -59,8 +56,8 @@ ARGMAX_BLOCK = 64
 
 
 def _max_and_argmax(z: Tensor) -> tuple[Tensor, Tensor]:
-    """``z.max(dim=1)`` of a (c, v) chunk, faster on the CPU: amax (vectorised) per block of
-    ``ARGMAX_BLOCK``, then the index searched in the first block holding the max."""
+    """``z.max(dim=1)`` of a (c, v) chunk, faster on the CPU: a vectorised amax per block, then the index
+    searched in the first block holding the max."""
     c, v = z.shape
     n_blocks = v // ARGMAX_BLOCK
     if n_blocks < 2:
@@ -86,8 +83,8 @@ def _transpose(m: Tensor, block: int = 256) -> Tensor:
 
 def _head_loss_rows(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, weights: Tensor,
                     chunk_rows: int, grads: tuple[bool, bool, bool]) -> tuple[Tensor, ...]:
-    """The forward (and, for ``grads`` (hidden, weight, bias), the softmax part of the gradients) ->
-    nll (n,), uniform (n,), predictions (n,), P_h (n, d) | None, P_W (v, d) | None, P_b (v,) | None."""
+    """The forward and, for ``grads`` (hidden, weight, bias), the softmax part of the gradients -> nll,
+    uniform, predictions (n,), P_h (n, d), P_W (v, d), P_b (v,) (None where not asked for)."""
     dtype = _compute_dtype(hidden)
     h, w_t = hidden.to(dtype), weight.to(dtype).t()  # (n, d), (d, v)
     b = bias.to(dtype) if bias is not None else None
@@ -186,9 +183,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
                          ignore_index: int = -100, packing: Packing | None = None,
                          batch_shape: tuple[int, int] | None = None,
                          chunk_rows: int | None = None) -> HeadLoss:
-    """Cross-entropy of the logits ``hidden @ weight.T + bias`` (n, v) against ``targets`` (n,), never
-    materialising them. Rows weighted as ``F.cross_entropy``'s mean (nothing counted: 0, not NaN).
-    ``batch_shape``/``packing``: see ``HeadLoss``; ``chunk_rows`` overrides the chunk."""
+    """Cross-entropy of the logits ``hidden @ weight.T + bias`` (n, v), never materialised, against
+    ``targets`` (n,), weighted as ``F.cross_entropy``'s mean (nothing counted: 0, not NaN)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden (n, d) and weight (v, d) must share d; got hidden {tuple(hidden.shape)}, "
                          f"weight {tuple(weight.shape)}")
@@ -224,12 +220,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
 
 
 class FusedLossLinear(FastLinear):
-    """A model's output layer while it trains: a ``FastLinear`` whose ``cross_entropy`` runs it fused
-    with the loss (``aiayn.train.losses.sequence_loss`` looks for that method)."""
+    """A training model's output layer: a ``FastLinear`` whose ``cross_entropy`` (which
+    ``aiayn.train.losses.sequence_loss`` looks for) runs it fused with the loss."""
 
     def cross_entropy(self, hidden: Tensor, targets: Tensor, *, ignore_index: int) -> HeadLoss | None:
-        """hidden rows (n, d), targets (n,) -> the fused loss, or None (the caller computes logits) when
-        the weight is not a plain tensor or inside ``torch.compile`` (Inductor fuses the plain pair)."""
+        """hidden (n, d), targets (n,) -> the fused loss, or None (the caller computes logits) for a weight
+        that is not a plain tensor or inside ``torch.compile`` (Inductor fuses the plain pair)."""
         if type(self.weight.data) is not Tensor or torch.compiler.is_compiling():
             return None
         return linear_cross_entropy(hidden, self.weight, self.bias, targets, ignore_index=ignore_index)

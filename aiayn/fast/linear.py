@@ -12,10 +12,8 @@ from aiayn.fast.onednn import onednn_linear, use_onednn
 
 
 class FastLinear(nn.Linear):
-    """``nn.Linear`` (the same parameters and state dict) with two faster ways on the CPU: a few
-    float32 rows (2 to 64, two threads or more, no autograd graph) as (W x^T)^T
-    (``transposed_linear``), and large float32 products through oneDNN (``aiayn.fast.onednn``).
-    Every other call, and sharded weights, are ``nn.Linear``'s."""
+    """``nn.Linear`` with two faster ways on the CPU: a few float32 rows (2 to 64, two threads or more, no
+    autograd) as (W x^T)^T (``transposed_linear``), and large float32 products through oneDNN."""
 
     def forward(self, x: Tensor) -> Tensor:
         return fast_linear(x, self.weight, self.bias)

@@ -1,9 +1,6 @@
-"""Linear layers on a handful of rows (a decode step), the ways that run fastest compiled.
-
-At batch 1, y = x W^T costs reading W, which the CPU matmul libraries do slowly. Written as a
-multiply and a sum, Inductor fuses it into one vectorised loop over the output rows
-(``matvec_linear``; only compiled: eager it builds the product in memory). From 3 to 64 float32
-rows, (W x^T)^T is faster (``transposed_linear``; eager too, in ``FastLinear``).
+"""Linear layers on a handful of rows (a decode step), the ways that run fastest compiled. At batch 1
+y = x W^T costs reading W: as a multiply and a sum Inductor fuses it into one vectorised loop
+(``matvec_linear``, compiled only). From 3 to 64 float32 rows (W x^T)^T is faster (``transposed_linear``).
 
 Shape letters: o out_features, i in_features."""
 
@@ -16,8 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-# Which way each linear layer of a compiled decode step runs, by rows and weight dtype: the fastest
-# in ``python -m benchmarks.matvec``; the cases not benchmarked keep F.linear.
+# The most rows each way is fastest for, by weight dtype (``python -m benchmarks.matvec``); else F.linear.
 MATVEC_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 2}
 TRANSPOSED_MAX_ROWS = {torch.float32: 64}
 # Eager (``FastLinear``), from the same benchmark.
@@ -53,7 +49,7 @@ _marked = False
 
 
 def mark_for_compile() -> None:
-    """Let Dynamo trace ``_threads`` as a constant; called when compiling (it imports torch._dynamo)."""
+    """Let Dynamo trace ``_threads`` as a constant (this imports torch._dynamo: call it when compiling)."""
     global _threads, _marked
     if not _marked:  # once: wrapping it again would only stack wrappers
         _threads = torch.compiler.assume_constant_result(_threads)
@@ -89,9 +85,8 @@ def use_eager_transposed(x: Tensor, weight: Tensor) -> bool:
 
 
 class MatvecLinears(TorchFunctionMode):
-    """Inside this mode, ``F.linear`` on few enough rows runs as ``matvec_linear`` or
-    ``transposed_linear``, whichever was measured faster for its rows and dtype; for a compiled
-    function, which makes the choice once, at trace time."""
+    """Inside this mode ``F.linear`` on few enough rows runs as ``matvec_linear`` or ``transposed_linear``,
+    whichever was measured faster (for a compiled function: chosen at trace time)."""
 
     def __torch_function__(self, func: Callable[..., object], types: tuple[type, ...], args: tuple = (),
                            kwargs: dict | None = None) -> object:

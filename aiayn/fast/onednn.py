@@ -1,10 +1,10 @@
-"""float32 linear layers through oneDNN on the CPU, faster than ``F.linear`` (MKL, which chooses its
-kernels by CPU vendor) on AMD processors. ``onednn_linear`` gives
-``torch.ops.mkldnn._linear_pointwise`` an autograd formula as a custom op; ``AIAYN_PLAIN_TORCH=1``
-turns it off. Shape letters: m rows, i in_features, o out_features."""
+"""float32 linear layers through oneDNN on the CPU, faster than ``F.linear`` (MKL, which picks kernels
+by CPU vendor) on AMD: ``onednn_linear`` gives ``torch.ops.mkldnn._linear_pointwise`` an autograd
+formula as a custom op. Shape letters: m rows, i in_features, o out_features."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -39,12 +39,8 @@ def available() -> bool:
 if _LINEAR is not None and _LINEAR not in flop_registry:  # a later torch may count it itself
     @register_flop_formula(_LINEAR)
     def _linear_flops(x_shape: torch.Size, w_shape: torch.Size, *args: Any, **kwargs: Any) -> int:
-        """So ``torch.utils.flop_counter`` counts these products like ``F.linear``'s (the op's
-        default overload, the one used here: input, weight, bias, ...)."""
-        rows = 1
-        for size in x_shape[:-1]:
-            rows *= size
-        return 2 * rows * w_shape[0] * w_shape[1]
+        """So ``torch.utils.flop_counter`` counts these products like ``F.linear``'s."""
+        return 2 * math.prod(x_shape[:-1]) * w_shape[0] * w_shape[1]
 
 
 def linear_product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -122,8 +118,8 @@ def _layer_backward_flops(grad_shape: torch.Size, x_shape: torch.Size, w_shape: 
 
 
 def use_onednn(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``onednn_linear`` should compute F.linear(x, weight): plain float32 CPU tensors, at
-    least ``MIN_ROWS`` rows and ``MIN_WORK`` multiply-adds, outside autocast."""
+    """Whether ``onednn_linear`` should compute F.linear(x, weight): plain float32 CPU tensors, at least
+    ``MIN_ROWS`` rows and ``MIN_WORK`` multiply-adds, outside autocast."""
     return (
         _LINEAR is not None
         and x.dtype == torch.float32

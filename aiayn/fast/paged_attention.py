@@ -1,8 +1,6 @@
-"""Attention straight from a paged KV cache's blocks: ``paged_attention.cpp`` (vLLM's PagedAttention
-on the CPU, in miniature) reads the keys and values in place through the block table instead of
-gathering them. ``aiayn.fast.optimize`` sets ``paged_cache_attention`` as
-``MultiHeadAttention.cache_kernel`` (None: the plain path) for float32 CPU block-table reads of
-at most ``MAX_QUERIES`` new tokens per row, the cache's masking only, no dropout or weights.
+"""Attention straight from a paged KV cache's blocks: ``paged_attention.cpp`` (vLLM's PagedAttention on
+the CPU, in miniature) reads the keys and values in place through the block table, for float32
+block-table reads of at most ``MAX_QUERIES`` new tokens per row, the cache's masking only.
 
 Shape letters: b rows, h query heads, h_kv key/value heads, t_q new tokens, t_k keys read, d_h head width."""
 
@@ -21,7 +19,7 @@ MAX_QUERIES = 1
 
 
 def applies(q: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None, inputs: AttentionInputs) -> bool:
-    """Whether ``paged_cache_attention`` takes this call (the conditions of the module docstring)."""
+    """Whether ``paged_cache_attention`` takes this call (the module docstring's conditions)."""
     if not isinstance(cache, LayerKVCache) or cache.read_blocks is None or cache.read_run is not None:
         return False
     mask = inputs.mask

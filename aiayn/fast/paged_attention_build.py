@@ -1,6 +1,5 @@
-"""Builds and loads ``paged_attention.cpp`` on first use, as ``aiayn.fast.q4_build`` builds the
-4-bit kernel, into ``torch.ops.aiayn_paged``. Without a compiler ``kernel_ops()`` warns once and
-returns None (the plain gather + SDPA then reads the cache); ``AIAYN_PAGED_KERNEL=0`` skips it."""
+"""Builds and loads ``paged_attention.cpp`` on first use into ``torch.ops.aiayn_paged`` (as ``q4_build``);
+without a compiler, or with ``AIAYN_PAGED_KERNEL=0``, ``kernel_ops()`` is None: the plain gather + SDPA."""
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ def kernel_ops() -> Any | None:
 
 
 def build_name(flags: list[str]) -> str:
-    """The extension's name in torch's cache (``q4_build.kernel_name``: source, flags, torch, CPU)."""
+    """The extension's name in torch's cache (``q4_build.kernel_name``)."""
     return kernel_name(SOURCE, "aiayn_paged_", flags)
 
 

@@ -1,7 +1,6 @@
-"""A paged cache's prefill chunks: the chunk's mask turned into SDPA's form once per forward, not
-once per layer (``prepared_mask`` keeps the last ``RECENT`` masks: the stack builds a fresh one
-per forward). For more than ``MAX_QUERIES`` queries per row on the CPU, a bool mask or none, no
-bias, dropout or weights; equal to the plain path.
+"""A paged cache's prefill chunks: the chunk's mask turned into SDPA's form once per forward, not once
+per layer (``prepared_mask`` keeps the last ``RECENT``). For more than ``MAX_QUERIES`` queries per row
+on the CPU, a bool mask or none; equal to the plain path.
 
 Shape letters: b rows, h query heads, h_kv key/value heads, t_q new tokens, t_k keys, d_h head width."""
 
@@ -27,15 +26,14 @@ class PreparedMask:
     row_valid: Tensor | None  # bool (b or 1, 1, t_q, 1): False for queries that see no key; None: all see one
 
 
-# The masks of the current forward, newest last: each prefill part of a step has one, and every
-# layer visits the parts in turn.
+# The masks of the current forward, newest last (one per prefill part; every layer visits them in turn).
 _recent: list[PreparedMask] = []
 RECENT, RECENT_BYTES = 32, 64 << 20  # entries kept, and their additive masks' bytes (the newest always)
 
 
 def prepared_mask(mask: Tensor, dtype: torch.dtype) -> PreparedMask:
-    """``mask`` (bool, (b or 1, 1, t_q, t_k)) in SDPA's additive form of ``dtype``, queries that see no
-    key seeing every key (their outputs zeroed by the caller); computed once per mask tensor."""
+    """``mask`` (b or 1, 1, t_q, t_k) in SDPA's additive form of ``dtype`` (queries that see no key see
+    every key, zeroed by the caller), computed once per mask tensor."""
     for entry in reversed(_recent):
         if entry.mask is mask and entry.additive.dtype == dtype and entry.additive.device == mask.device:
             return entry
@@ -65,8 +63,7 @@ def applies(q: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None, input
 
 def prefill_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache, inputs: AttentionInputs,
                             scale: float | None = None) -> Tensor:
-    """Write k, v (b, h_kv, t_q, d_h) into ``cache`` and attend q (b, h, t_q, d_h) over the rows' keys
-    (cached + new) under ``inputs.mask``: (b, h, t_q, d_h). Check ``applies`` first."""
+    """Write k, v (b, h_kv, t_q, d_h) into ``cache``; attend q (b, h, t_q, d_h) over the rows' keys."""
     assert inputs.slots is not None  # (applies)
     keys, values = cache.write(k, v, inputs.slots)  # (b, h_kv, t_k, d_h) each
     gqa = q.shape[1] != keys.shape[1]

@@ -1,11 +1,7 @@
-"""Block-quantised weights kept packed in memory: 4-bit (and 8-bit) linear layers and embeddings, in
-one format for every GGUF block type aiayn reads (docs/q4.md):
-
-    w[n, k] = scale[n, b] * (q[n, k] - offset) + min[n, b]        b = k // block
-
-``BlockLinear`` multiplies with ``q4_kernel.cpp`` (activations quantised per block to int8, as
-llama.cpp does); ``BlockEmbedding`` looks rows up in the same storage; ``quantize_q4_`` turns a
-float model's linear layers into 4-bit ones. Shape letters: n out, k in, b blocks, m rows."""
+"""Block-quantised weights kept packed: 4-bit (and 8-bit) linear layers and embeddings, one format for
+every GGUF block type aiayn reads (docs/q4.md): w[n, k] = scale[n, b] * (q[n, k] - offset) + min[n, b],
+b = k // block. ``BlockLinear`` multiplies with ``q4_kernel.cpp`` (activations quantised per block to
+int8, as llama.cpp does). Shape letters: n out, k in, b blocks, m rows."""
 
 from __future__ import annotations
 
@@ -24,11 +20,9 @@ Q4_BLOCK = 32  # the block of quantize_q4_ (Q4_1's)
 
 @dataclass
 class BlockWeight:
-    """An (n, k) matrix in blocks. ``kind`` names its source (e.g. "Q4_1").
-
-    Layout (what the kernel reads): rows interleaved by 16, n padded to a multiple of 16; ``q``
-    unit by unit of 64 bytes = 16 rows x 4 inputs (a nibble unit u holds inputs 4u..4u+3 in its low
-    nibbles and 4(u + block/8).. in its high ones); ``scale``, ``mins`` (n/16, k/block * 16)."""
+    """An (n, k) matrix in blocks (``kind``: its source, e.g. "Q4_1"), laid out for the kernel: rows
+    interleaved by 16 (n padded); ``q`` in units of 64 bytes = 16 rows x 4 inputs (a nibble unit u holds
+    inputs 4u..4u+3 low and 4(u + block/8).. high); ``scale``, ``mins`` (n/16, k/block * 16)."""
 
     q: Tensor
     scale: Tensor
@@ -99,8 +93,7 @@ class BlockWeight:
         return rows(self.scale), None if self.mins is None else rows(self.mins)
 
     def dequantize_rows(self, rows: Tensor | None = None) -> Tensor:
-        """Float32 w (n, k) (or the given rows (r,) -> (r, k)), as scale * (q - offset) + min in the
-        order the ``gguf`` package uses (the same floats)."""
+        """Float32 w (n, k) (or rows (r,) -> (r, k)), in the ``gguf`` package's order (the same floats)."""
         ops = q4_build.OPS if switch.enabled() else None
         if ops is not None and self.q.device.type == "cpu":
             return ops.dequantize(self.q, self.scale, self.mins, self.offset, self.block, self.nibbles, self.n,
@@ -115,8 +108,8 @@ class BlockWeight:
 
 
 def error_bound(x: Tensor, weight: BlockWeight) -> Tensor:
-    """The bound on |kernel(x) - x W^T| (m, n) from quantising x per block: sum over blocks of
-    dx / 2 * sum |w|, dx = max |x| / 127 over the block; float32 rounding comes on top."""
+    """The bound on |kernel(x) - x W^T| (m, n) from quantising x per block: sum over blocks of dx / 2 *
+    sum |w|, dx = max |x| / 127 over the block (float32 rounding on top)."""
     m, k, block = x.shape[0], weight.k, weight.block
     dx = x.reshape(m, k // block, block).abs().amax(-1) / 127  # (m, b)
     absw = weight.dequantize_rows().abs().reshape(weight.n, k // block, block).sum(-1)  # (n, b)
@@ -225,8 +218,7 @@ def quantize_blocks_q4(weight: Tensor, block: int = Q4_BLOCK) -> BlockWeight:
 
 
 def quantize_q4_(model: nn.Module) -> nn.Module:
-    """Replace every ``nn.Linear`` whose input width is a multiple of 32 by a 4-bit ``BlockLinear``,
-    in place (a tied output layer gets its own copy); returns the model."""
+    """Every ``nn.Linear`` whose input width is a multiple of 32 made a 4-bit ``BlockLinear``, in place."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear) and child.in_features % Q4_BLOCK == 0:
             setattr(model, name, BlockLinear.from_linear(child))

@@ -1,10 +1,7 @@
-"""Builds and loads aiayn's C++ kernels (``q4_kernel.cpp`` and others) on first use.
-
-``load_inline`` compiles with ``-march=native`` into torch's extension cache, named by a hash of
-the source, flags and CPU, so a later process loads it in milliseconds. The ops land in
-``torch.ops.aiayn_q4`` with shape functions for ``torch.compile``. Without a compiler
-``kernel_ops()`` warns once and returns None (``BlockLinear`` dequantises instead);
-``AIAYN_Q4_KERNEL=0`` skips the build."""
+"""Builds and loads aiayn's C++ kernels (``q4_kernel.cpp`` and others) on first use: ``load_inline``
+with ``-march=native`` into torch's extension cache, named by a hash of source, flags and CPU, so a
+later process loads it in milliseconds. Without a compiler, or with ``AIAYN_Q4_KERNEL=0``,
+``kernel_ops()`` is None (``BlockLinear`` dequantises instead)."""
 
 from __future__ import annotations
 
@@ -54,8 +51,7 @@ def kernel_name(source: Path, prefix: str, flags: list[str]) -> str:
 
 @lru_cache(maxsize=1)
 def cpu_identity() -> str:
-    """What ``-march=native`` compiles for (/proc/cpuinfo's model and flags, else the platform's), so
-    a cache shared by different CPUs keeps one build per CPU."""
+    """What ``-march=native`` compiles for (/proc/cpuinfo's model and flags, else the platform's)."""
     try:
         info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -67,8 +63,8 @@ def cpu_identity() -> str:
 
 @contextlib.contextmanager
 def _one_builder(name: str) -> Iterator[None]:
-    """An OS lock (``flock``, released however its holder dies) around a build: its holder removes a
-    ``lock`` file that a killed build left, which torch would otherwise wait on forever."""
+    """An OS lock (``flock``, released however its holder dies) around a build, whose holder removes a
+    ``lock`` file a killed build left (torch would wait on it forever)."""
     try:
         import fcntl
 
@@ -95,9 +91,8 @@ def _build() -> Any | None:
 
 def build_kernel(source: Path, prefix: str, base_flags: list[str], what: str, register_fakes: Callable[[], None],
                  ops: Callable[[], Any], *, fallback: str) -> Any | None:
-    """Build and load one of aiayn's C++ kernels with OpenMP, else serially, under ``_one_builder``'s
-    lock; register its fake shapes and return ``ops()``. Where it cannot be built: one warning naming
-    the compiler's last line and ``fallback``, and None."""
+    """Build and load a C++ kernel with OpenMP, else serially, register its fake shapes and return
+    ``ops()``; where it cannot be built, one warning naming the compiler's last line, and None."""
     text = source.read_text(encoding="utf-8")
     error: Exception | None = None
     for extra in ([OPENMP], []):  # with OpenMP (threads), else serial

@@ -1,7 +1,6 @@
-"""Lower-precision weights for faster CPU inference: bfloat16, int8 and 4-bit Linear layers.
-``Int8Linear``: per output channel int8 weights through ATen's weight-only int8 kernel on bfloat16
-activations (one activation scale per call cannot hold LLaMA's outlier channels). ``"q4"`` layers
-are ``aiayn.fast.q4``'s; embeddings and norms keep float32. Shape letters: o out, i in features."""
+"""Lower-precision weights for faster CPU inference: bfloat16, int8 and 4-bit (``aiayn.fast.q4``)
+Linear layers. ``Int8Linear``: int8 weights per output channel through ATen's weight-only kernel
+(one activation scale cannot hold LLaMA's outlier channels). Shape letters: o out, i in features."""
 
 from __future__ import annotations
 
@@ -67,9 +66,8 @@ def quantize_int8_(model: nn.Module) -> nn.Module:
 
 
 def lower_precision(model: nn.Module, quantize: str) -> nn.Module:
-    """``quantize`` in QUANTIZE_CHOICES: "none" or "auto" (as is), "bf16" (all weights bfloat16),
-    "int8" or "q4" (Linear weights int8 or 4-bit blocks, the rest float32). Returns the model,
-    modified in place."""
+    """``quantize``: "none" or "auto" (as is), "bf16" (all weights), "int8" or "q4" (Linear weights, the
+    rest float32). Returns the model, modified in place."""
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
     from aiayn.fast.compiled_decode import forget_compiled

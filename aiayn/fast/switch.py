@@ -1,6 +1,5 @@
-"""One switch for every aiayn CPU kernel an optimized model holds, to compare them with plain torch
-ops without converting the model back: ``AIAYN_PLAIN_TORCH=1`` for a process, ``plain_torch()``
-for a block of code, ``without(name)`` for one kernel of ``KERNELS`` (a benchmark's A/B)."""
+"""One switch for every aiayn CPU kernel, to compare with plain torch ops without converting the model
+back: ``AIAYN_PLAIN_TORCH=1`` for a process, ``plain_torch()`` for a block, ``without(name)`` for one."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ import torch
 # AIAYN_PLAIN_TORCH=1 (or true/yes/on) turns the kernels off; unset, empty, 0, false, no, off leave them on.
 _enabled = os.environ.get("AIAYN_PLAIN_TORCH", "").strip().lower() in ("", "0", "false", "no", "off")
 
-
-# The kernels that can be turned off one at a time (``without``): each one's module name in aiayn.fast.
+# The kernels that turn off one at a time (``without``): their module names in aiayn.fast.
 KERNELS = ("paged_attention", "prefill_attention")
 _off: set[str] = set()
 

@@ -1,7 +1,6 @@
-"""Generation: greedy decoding, sampling and beam search, over the KV cache. ``step.decode_step`` is
-THE decode step; ``stream_decoder_only`` / ``stream_encoder_decoder`` the one loop per
-architecture, which ``greedy_*``, ``generate_decoder_only`` and ``sample_encoder_decoder``
-collect; ``beam``, ``ensemble``, ``sampling`` and ``text`` the rest."""
+"""Generation over the KV cache: ``step.decode_step`` is THE decode step; ``stream_decoder_only`` and
+``stream_encoder_decoder`` the one loop per architecture, which ``greedy_*``, ``generate_decoder_only``
+and ``sample_encoder_decoder`` collect; beam search, ensembles, sampling and incremental text."""
 
 from __future__ import annotations
 

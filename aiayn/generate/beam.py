@@ -1,9 +1,6 @@
 """Beam search over the KV cache with GNMT's length penalty, for encoder-decoder models (the paper's
-translation search) and decoder-only ones: one search loop, ``_search``, for both.
-
-Every source's open beams run as rows of one batch; each source keeps its ``beam`` best finished
-hypotheses in fixed-size tensors (``aiayn.generate.hypotheses.Finished``). ``compile=True`` runs
-over static shapes (``aiayn.generate.static_search``)."""
+translation search) and decoder-only ones: one loop, ``_search``, runs every source's open beams as
+rows of one batch; each source keeps its ``beam`` best finished hypotheses (``hypotheses.Finished``)."""
 
 from __future__ import annotations
 
@@ -53,19 +50,15 @@ def beam_search_encoder_decoder(
     trace: Callable[[BeamStep], None] | None = None,
     compile: bool = False,
 ) -> BeamSearchResult:
-    """Beam search over the KV cache: every source's ``beam_size`` beams in one (b * beam) batch, with
-    the paper's defaults (section 6.1): beam 4, alpha 0.6, at most source length + 50 tokens.
+    """Beam search with the paper's defaults (section 6.1): beam 4, alpha 0.6, at most source length + 50.
 
     Hypotheses rank by float32 log-probability sums over GNMT's ``lp(n) = ((5 + n) / 6) ** alpha``, n
     counting eos; at most ``floor(max_len_a * src_len + max_len_b)`` tokens (capped by max_seq_len);
     ``min_len`` forbids an earlier eos; pad_id is never a candidate. Each step, of the 2 * beam best
     continuations an eos one within the first ``beam`` finishes and the first ``beam`` others go on
-    (fairseq / Hugging Face); a source stops once no open beam can beat its worst finished one, or,
-    with ``early_stopping``, once it has ``beam`` finished.
-
-    ``model`` may be an ``Ensemble``. ``keep_greedy``: the greedy hypothesis joins the finished ones.
-    ``trace``: called with a ``BeamStep`` after every step. ``compile``: static shapes, compiled.
-    Returns the best hypothesis and up to ``n_best`` per source."""
+    (fairseq, Hugging Face); a source stops once no open beam can beat its worst finished one (with
+    ``early_stopping``: once it has ``beam``). ``model`` may be an ``Ensemble``; ``keep_greedy``: the
+    greedy hypothesis joins the finished; ``trace``: a ``BeamStep`` per step; ``compile``: static shapes."""
     _check_search(beam_size, n_best, compile=compile, trace=trace)
     pad_id = model.config.pad_id
     fill_id = pad_id if pad_id is not None else eos_id
@@ -111,11 +104,9 @@ def beam_search_decoder_only(
     trace: Callable[[BeamStep], None] | None = None,
     compile: bool = False,
 ) -> BeamSearchResult:
-    """Beam search continuing each row of ``prompt`` (b, t) with a decoder-only model:
-    ``beam_search_encoder_decoder``'s rules for at most ``max_new_tokens`` new tokens.
-
-    ``prompt_valid``: rows may be left-padded (as in ``stream_decoder_only``). Hypotheses hold the
-    new tokens only. ``eos_id`` None: every hypothesis runs to the limit."""
+    """``beam_search_encoder_decoder``'s rules continuing each row of ``prompt`` (b, t), left-padded per
+    ``prompt_valid``, by at most ``max_new_tokens``; hypotheses hold the new tokens (``eos_id`` None:
+    all run to the limit)."""
     _check_search(beam_size, n_best, compile=compile, trace=trace)
     b, t = prompt.shape
     if max_new_tokens < 1 or t + max_new_tokens > model.config.max_seq_len:
@@ -154,12 +145,10 @@ def _check_search(beam_size: int, n_best: int, *, compile: bool, trace: Callable
 def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step: Callable[[Tensor, Tensor, bool], Tensor], *,
             k: int, eos_id: int, pad_id: int | None, fill_id: int, alpha: float, min_len: int,
             early_stopping: bool, trace: Callable[[BeamStep], None] | None, static: bool = False) -> Finished:
-    """The search both architectures share: ``logits`` (b, v) of the first new token, ``cache``
-    holding b rows (expanded here to b * k), ``limits`` (b,) most new tokens per source;
-    ``step(tokens (m, 1), rows (m,), dropped)`` feeds the kept beams' tokens -> logits (m, v).
-
-    ``static``: the batch keeps all b * k rows to the end (a stopped source's beams scored -inf) and
-    the cache follows the beams in its own buffers: fixed shapes, no host-device sync per step."""
+    """The search both architectures share: ``logits`` (b, v) of the first new token, ``cache`` of b rows
+    (expanded to b * k), ``limits`` (b,); ``step(tokens (m, 1), rows (m,), dropped)`` -> logits (m, v).
+    ``static``: all b * k rows kept to the end (stopped sources scored -inf), the cache following the
+    beams in its own buffers: fixed shapes, no host-device sync per step."""
     device, b = logits.device, logits.shape[0]
     n_max = int(limits.max())
     v = logits.shape[-1]
@@ -213,7 +202,7 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
 def _merge_greedy(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | None, limits: Tensor, *,
                   bos_id: int, eos_id: int, pad_id: int | None, fill_id: int, min_len: int, alpha: float,
                   finished: Finished) -> None:
-    """Insert each source's greedy hypothesis into its finished ones, unless there already or ranked below all."""
+    """Insert each source's greedy hypothesis into its finished ones (unless there or ranked below all)."""
     greedy = greedy_encoder_decoder(model, src, bos_id=bos_id, eos_id=eos_id, max_new_tokens=limits,
                                     src_valid=src_valid)
     assert greedy.lengths is not None

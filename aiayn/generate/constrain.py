@@ -1,12 +1,7 @@
-"""Constrained decoding: every answer parses as JSON and validates against a JSON schema.
-
-A ``GrammarConstraint`` is one request's grammar state: ``mask_logits`` before each choice,
-``advance`` with the token chosen, ``is_finished`` to stop, ``reset`` to start over.
-``mask_rows`` masks a batch with one constraint per row. The engine is llguidance (why:
-docs/structured-output.md). JSON is written compactly (as ``json.dumps``: a small model given free
-whitespace may emit newlines for ever); end-of-text is allowed only once the answer is complete,
-other special tokens never. A schema's open-ended numbers, strings and arrays get caps
-(``JsonBounds``) so that an answer ends. Tokenizer descriptions and compiled schemas are cached.
+"""Constrained decoding with llguidance (why: docs/structured-output.md): every answer parses as JSON
+and validates against a JSON schema. A ``GrammarConstraint`` is one request's state: ``mask_logits``
+before each choice, ``advance`` after. JSON is compact (a small model given free whitespace may emit
+newlines for ever); end-of-text only once complete; open-ended values get caps (``JsonBounds``).
 
 Shape letters: b rows, v the model's vocabulary, n the tokenizer's, w = ceil(n / 32) words of a
 packed bitmask (bit j of word i allows token 32 i + j)."""
@@ -43,25 +38,18 @@ class TextModel(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+
 TOKENIZER_CACHE = 4  # tokenizer descriptions kept (one per served model, in practice)
 GRAMMAR_CACHE = 64  # compiled schemas kept, least recently used dropped
-# Compact JSON: what llguidance's JSON compiler is told for every schema.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # compact
 
 
 @dataclass(frozen=True)
 class JsonBounds:
-    """Caps on what a schema leaves open, so that a model that would write a number, a string or a
-    list for ever still ends its answer (a schema's own bounds win, each kept as given).
-
-    A number or integer without ``minimum``/``exclusiveMinimum`` (or without a maximum) gets
-    ``|x| < 10**integer_digits``: at most that many digits before the point, and no exponent; a
-    number without ``multipleOf`` gets ``multipleOf 10**-decimals``: at most ``decimals`` digits
-    after the point. A string without ``maxLength`` (and without ``format``) gets ``string_chars``;
-    an array without ``maxItems`` gets ``array_items``. Values with ``enum`` or ``const`` are left
-    as they are, and so are untyped values (``{}``, ``json_object``'s members). ValueError for a cap
-    outside ``BOUND_RANGES``."""
+    """Caps on what a schema leaves open, so that an answer ends (a schema's own bounds win). A number
+    without a minimum or maximum gets ``|x| < 10**integer_digits``, one without ``multipleOf`` gets
+    ``10**-decimals``; a string without ``maxLength`` or ``format`` gets ``string_chars``, an array
+    without ``maxItems`` ``array_items``. ``enum``, ``const`` and untyped values are left as they are."""
 
     integer_digits: int = 15
     decimals: int = 6
@@ -75,13 +63,11 @@ class JsonBounds:
                 raise ValueError(f"{name} must be a whole number from {low} to {high}, got {value!r}")
 
 
-# The values each cap may take. Past 15 digits a double no longer holds the number cap exactly, and
-# llguidance refuses a multipleOf finer than 10**-10; a million characters or items is past any answer.
+# Past 15 digits a double no longer holds the cap exactly; llguidance refuses a multipleOf below 10**-10.
 BOUND_RANGES = {"integer_digits": (1, 15), "decimals": (0, 10), "string_chars": (1, 1_000_000),
                 "array_items": (1, 1_000_000)}
 BOUNDS = JsonBounds()  # the caps every schema gets unless a caller passes its own (or None: none)
-# Keywords whose value is a subschema, a list of them or a name -> subschema map ("not" and "if"
-# are left alone: a cap there would widen or change what the schema allows).
+# Keywords whose value is a subschema, a list or a map of them ("not", "if": a cap would change them).
 _ONE_SCHEMA = ("items", "additionalItems", "additionalProperties", "then", "else")
 _SCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
@@ -150,8 +136,7 @@ class TokenizerInfo:
 
 
 def tokenizer_info(tokenizer: Any, eos_id: int | None) -> TokenizerInfo:
-    """The (cached) llguidance description of a ``tokenizers.Tokenizer``, built from its JSON.
-    ValueError for a tokenizer without one or an end-of-text id outside its vocabulary."""
+    """The (cached) llguidance description of a ``tokenizers.Tokenizer``, built from its JSON."""
     key = (id(tokenizer), eos_id)
     with _lock:
         if key in _tokenizers:
@@ -189,8 +174,7 @@ def schema_text(schema: Any) -> str:
 
 
 def _template(info: TokenizerInfo, schema: Any, bounds: JsonBounds | None = None) -> llguidance.LLMatcher:
-    """The compiled, cached grammar of ``schema`` (None: any JSON object) under ``bounds``' caps, a
-    matcher to copy."""
+    """The compiled, cached grammar of ``schema`` (None: any JSON object) under ``bounds``, to copy."""
     schema_text(schema)  # (a schema that is not one is refused before it is bounded)
     text = schema_text(bounded_schema(schema, bounds))
     return _compiled(info, text, lambda llg: llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS),
@@ -198,8 +182,7 @@ def _template(info: TokenizerInfo, schema: Any, bounds: JsonBounds | None = None
 
 
 def _compiled(info: TokenizerInfo, key_text: str, build: Any, what: str) -> llguidance.LLMatcher:
-    """The matcher of the grammar ``build(llguidance)`` makes, cached by ``key_text``; ValueError
-    "{what}: why" when llguidance refuses it."""
+    """The matcher of ``build(llguidance)``'s grammar, cached by ``key_text``; ValueError "{what}: why"."""
     key = (id(info), key_text)
     with _lock:
         if key in _grammars:
@@ -239,18 +222,16 @@ class GrammarConstraint:
         self._words = torch.empty((info.n_vocab + 31) // 32, dtype=torch.int32)  # (w,) this state's mask
 
     @classmethod
-    def from_schema(cls, tokenizer: Any, schema: dict[str, Any], *, eos_id: int | None,
+    def from_schema(cls, tokenizer: Any, schema: dict[str, Any] | None, *, eos_id: int | None,
                     bounds: JsonBounds | None = BOUNDS) -> GrammarConstraint:
-        """Answers that validate against the JSON schema ``schema``, within ``bounds`` where it leaves a
-        value open (None: as given); ``eos_id``: the model's end-of-text id, None if it has none.
-        ValueError, one line, for an invalid schema."""
+        """Answers that validate against ``schema``, within ``bounds`` where it leaves a value open; ``eos_id``:
+        the model's end-of-text id (None: none). ValueError, one line, for an invalid schema."""
         info = tokenizer_info(tokenizer, eos_id)
         return cls(_template(info, schema, bounds).deep_copy(), info)
 
     @classmethod
     def from_lark(cls, tokenizer: Any, grammar: str, *, eos_id: int | None) -> GrammarConstraint:
-        """Answers in the language of ``grammar``, in llguidance's Lark dialect (tool calls are built so:
-        ``aiayn.serve.tool_calls``). ValueError, one line, for an invalid grammar."""
+        """Answers in the language of ``grammar``, in llguidance's Lark dialect (``aiayn.serve.tool_calls``)."""
         info = tokenizer_info(tokenizer, eos_id)
         return cls(_compiled(info, "lark:" + grammar, lambda llg: llg.LLMatcher.grammar_from_lark(grammar),
                              "invalid grammar").deep_copy(), info)
@@ -258,15 +239,13 @@ class GrammarConstraint:
     @classmethod
     def json_object(cls, tokenizer: Any, *, eos_id: int | None) -> GrammarConstraint:
         """Answers that are a JSON object (any keys and values)."""
-        info = tokenizer_info(tokenizer, eos_id)
-        return cls(_template(info, None).deep_copy(), info)
+        return cls.from_schema(tokenizer, None, eos_id=eos_id, bounds=None)
 
     @classmethod
     def from_response_format(cls, tokenizer: Any, response_format: Any, *, eos_id: int | None,
                              bounds: JsonBounds | None = BOUNDS) -> GrammarConstraint | None:
-        """OpenAI's ``response_format``: ``{"type": "text"}`` or None -> None, ``{"type": "json_object"}``
-        or ``{"type": "json_schema", ...}`` (enforced, strict or not, within ``bounds``). ValueError for
-        anything else."""
+        """OpenAI's ``response_format``: "text" or None -> None, "json_object", or "json_schema" (enforced,
+        strict or not, within ``bounds``); ValueError for anything else."""
         if response_format is None:
             return None
         kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -282,8 +261,6 @@ class GrammarConstraint:
             return cls.from_schema(tokenizer, spec.get("schema", {}), eos_id=eos_id, bounds=bounds)
         raise ValueError(f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}')
 
-    # -- the four calls of a decode loop -----------------------------------------------------------
-
     def bitmask(self) -> Tensor:
         """The tokens allowed next, packed (w,) int32 on the CPU, in this state's buffer."""
         words = self._words
@@ -297,9 +274,8 @@ class GrammarConstraint:
         return logits
 
     def advance(self, token: int) -> None:
-        """Move past ``token``; ConstraintError when the grammar does not allow it. A refused token
-        leaves the state as it was (``consume_token`` would leave the matcher in an error that
-        ``reset`` does not clear)."""
+        """Move past ``token``; ConstraintError when not allowed, the state left as it was
+        (``consume_token`` would leave an error that ``reset`` does not clear)."""
         token = int(token)
         if self._matcher.is_stopped():  # only end-of-text may follow, any number of times
             if token != self.info.eos_id:
@@ -336,8 +312,7 @@ def _block_standin_eos(words: Tensor, info: TokenizerInfo) -> None:
 
 
 def unpack_bitmask(words: Tensor, n: int, *, invert: bool = False) -> Tensor:
-    """Packed (b, w) int32 -> (b, n) bool, True where the bit is set (``invert``: where it is not);
-    numpy's unpackbits on the CPU, shifts elsewhere."""
+    """Packed (b, w) int32 -> (b, n) bool, True where the bit is set (``invert``: where it is not)."""
     if words.device.type == "cpu" and sys.byteorder == "little":  # bit j of word i = bit j % 8 of byte 4 i + j // 8
         packed = words.contiguous().numpy().view(np.uint8)  # (b, 4 w)
         bits = np.unpackbits(~packed if invert else packed, axis=-1, count=n, bitorder="little")  # (b, n) 0/1
@@ -352,24 +327,20 @@ def unpack_by_shifts(words: Tensor, n: int) -> Tensor:
 
 
 def apply_bitmask(logits: Tensor, words: Tensor, n: int) -> None:
-    """logits (v,) or (b, v) in place: -inf where the packed mask (w,) or (b, w) has a 0 bit, and at
-    every position >= n."""
+    """logits (v,) or (b, v) in place: -inf where the mask (w,) or (b, w) has a 0 bit, and from n on."""
     rows = logits if logits.dim() == 2 else logits.unsqueeze(0)  # (b, v), a view
     words = words if words.dim() == 2 else words.unsqueeze(0)  # (1 or b, w)
     v = rows.shape[-1]
     m = min(v, n)
-    if rows.device.type == "cpu":
-        blocked = unpack_bitmask(words, m, invert=True)  # (1 or b, m)
-    else:  # 4 bytes per 32 tokens cross to the device; the bits are unpacked there
-        blocked = unpack_bitmask(words.to(rows.device, non_blocking=True), m, invert=True)
+    # 4 bytes per 32 tokens cross to the device (none on the CPU); the bits are unpacked there.
+    blocked = unpack_bitmask(words.to(rows.device, non_blocking=True), m, invert=True)  # (1 or b, m)
     rows[:, :m].masked_fill_(blocked, float("-inf"))
     if v > n:
         rows[:, n:] = float("-inf")
 
 
 def mask_rows(logits: Tensor, constraints: Sequence[GrammarConstraint | None]) -> Tensor:
-    """Mask each row of logits (b, v) in place with its own constraint (None: free) and return them;
-    several constrained rows are masked in parallel (llguidance's executor)."""
+    """Mask each row of logits (b, v) in place with its constraint (None: free), in parallel; return them."""
     if len(constraints) != logits.shape[0]:
         raise ValueError(f"{len(constraints)} constraints for {logits.shape[0]} rows of logits")
     rows = [i for i, c in enumerate(constraints) if c is not None]
@@ -395,13 +366,9 @@ def mask_rows(logits: Tensor, constraints: Sequence[GrammarConstraint | None]) -
     return logits
 
 
-# -- a decode loop that uses it (from Python; aiayn serve and aiayn generate have their own loops) --
-
-
 @dataclass
 class ConstrainedResult:
-    """What ``generate_constrained`` made: the answer's text and ids and why it stopped: "finished",
-    "eos" or "length" (the answer is cut, not valid)."""
+    """What ``generate_constrained`` made, and why it stopped: "finished", "eos" or "length" (cut)."""
 
     text: str
     tokens: list[int]
@@ -414,9 +381,8 @@ class ConstrainedResult:
 
 def generate_constrained(lm: TextModel, prompt: str, constraint: GrammarConstraint, *, max_new_tokens: int,
                          sampling: SamplingConfig | None = None, chat: bool = True) -> ConstrainedResult:
-    """Continue ``prompt`` (in the chat template with ``chat``) under ``constraint``, from its start,
-    for one row, until the grammar is finished, end-of-text or ``max_new_tokens`` (cut to the
-    context: the window never slides, which would drop the instructions)."""
+    """Continue ``prompt`` (in the chat template with ``chat``) under ``constraint`` until it is finished,
+    end-of-text or ``max_new_tokens`` (cut to the context: sliding would drop the instructions)."""
     from aiayn.device import autocast, model_device
     from aiayn.generate.sampling import TokenChooser
     from aiayn.generate.step import decode_step
@@ -455,8 +421,8 @@ def generate_constrained(lm: TextModel, prompt: str, constraint: GrammarConstrai
 
 def generate_json(lm: TextModel, prompt: str, schema: dict[str, Any] | None = None, *, max_new_tokens: int = 256,
                   sampling: SamplingConfig | None = None, chat: bool = True) -> Any:
-    """The JSON value the model answers ``prompt`` with, validating against ``schema`` (None: any
-    JSON object). ValueError for an invalid schema or an answer cut before it was complete."""
+    """The JSON value the model answers ``prompt`` with, validating against ``schema`` (None: any object).
+    ValueError for an invalid schema or an answer cut before it was complete."""
     tokenizer = lm.tokenizer
     constraint = (GrammarConstraint.json_object(tokenizer, eos_id=lm.eos_id) if schema is None
                   else GrammarConstraint.from_schema(tokenizer, schema, eos_id=lm.eos_id))

@@ -1,8 +1,6 @@
-"""Decoder-only generation: one decode loop, ``stream_decoder_only``, that greedy decoding and
-sampling share, and the functions that collect it.
-
-The prompt runs once into a KV cache, then one token per row per step, projecting only the last
-position. Past the model's context the loop slides its window (``aiayn.generate.window``)."""
+"""Decoder-only generation: one decode loop, ``stream_decoder_only`` (the prompt once into a KV cache,
+then one token per row per step; past the context it slides, ``aiayn.generate.window``), and the
+functions that collect it."""
 
 from __future__ import annotations
 
@@ -59,17 +57,14 @@ def stream_decoder_only(
     slide: bool = True,
     constraints: Sequence[RowConstraint | None] | None = None,
 ) -> Iterator[DecodeStep]:
-    """Continue each row of ``prompt`` (b, t), yielding one ``DecodeStep`` per new token; the model
-    runs lazily, one step per item taken, on arguments checked at the call.
+    """Continue each row of ``prompt`` (b, t), yielding one ``DecodeStep`` per new token, lazily.
 
-    sampling: None = greedy (argmax). prompt_valid (b, t) bool: the real tokens of left-padded rows
-        (default: ``aiayn.nn.masks.valid_tokens``); padding changes nothing.
-    eos_id: a row that emits it is done and holds ``fill_id`` (default: pad_id, else eos_id).
-    kv_cache: "int8" / "int4" quantised cache. compile: the steps after the prompt compiled.
-    use_cache: False recomputes the whole sequence every step (the reference for the cache).
-    slide: past the model's context a row keeps its last ``window.keep_tokens(context)`` tokens,
-        recomputed; False: prompt + ``max_new_tokens`` must fit (ValueError otherwise).
-    constraints: one grammar per row (None: free) masking its logits; a finished grammar ends its row."""
+    sampling: None = greedy. prompt_valid (b, t): the real tokens of left-padded rows (default:
+    ``valid_tokens``). eos_id: a row that emits it is done and holds ``fill_id`` (default: pad_id,
+    else eos_id). kv_cache: "int8" / "int4". compile: the steps after the prompt compiled. use_cache:
+    False recomputes every step (the reference). slide: past the context a row keeps its last
+    ``keep_tokens(context)`` tokens; False: prompt + ``max_new_tokens`` must fit. constraints: one
+    grammar per row (None: free) masking its logits; a finished grammar ends its row."""
     t, context = prompt.shape[1], model.config.max_seq_len
     if slide and t > context:
         raise ValueError(f"prompt of {t} tokens exceeds the model's context of {context}; shorten the prompt")
@@ -94,7 +89,7 @@ def stream_decoder_only(
 def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens: int, chooser: TokenChooser,
             eos_id: int | None, fill_id: int | None, kv_cache: str | None, compile: bool,
             use_cache: bool, slide: bool, constraints: list[RowConstraint | None] | None) -> Iterator[DecodeStep]:
-    """``stream_decoder_only``'s loop, on checked arguments: prompt, valid (b, t)."""
+    """``stream_decoder_only``'s loop on checked arguments."""
     b = prompt.shape[0]
     context = model.config.max_seq_len
     slides, width, history = _slots(prompt, valid, max_new_tokens, context, slide=slide,
@@ -104,8 +99,7 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
     # Each row's real tokens at the last (pre)fill and the tokens fed since, on the host.
     filled = valid.sum(dim=1).tolist() if slides else [0]
     longest, grown = max(filled), 0
-    # What the next call reads: the prompt (or a window after a slide), then the last token (cache)
-    # or the whole sequence so far (no cache).
+    # What the next call reads: the prompt (or a slid window), then the last token or (no cache) all.
     inputs, inputs_valid = prompt, valid
     one_real = torch.ones(b, 1, dtype=torch.bool, device=prompt.device)  # generated tokens are real
     done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
@@ -218,11 +212,8 @@ def generate_decoder_only(model: DecoderOnly, prompt: Tensor, *, max_new_tokens:
                           sampling: SamplingConfig | None = None,
                           on_token: Callable[[Tensor], bool | None] | None = None,
                           **options: Unpack[DecodeOptions]) -> Tensor:
-    """Sample a continuation of ``prompt`` (b, t) -> new ids (b, n <= max_new_tokens).
-
-    ``sampling``: default ``SamplingConfig()``. After eos a row repeats eos. ``on_token`` receives
-    each step's (b,) ids as they are produced; returning True stops early. The other options are
-    ``stream_decoder_only``'s (which yields the steps as they come)."""
+    """Sample a continuation of ``prompt`` (b, t) -> new ids (b, n <= max_new_tokens); after eos a row
+    repeats eos. ``on_token`` gets each step's (b,) ids; returning True stops. Options: ``stream_decoder_only``'s."""
     results.known_options("generate_decoder_only", options, DecodeOptions)
     generated: list[Tensor] = []
     steps = stream_decoder_only(model, prompt, max_new_tokens=max_new_tokens, sampling=sampling or SamplingConfig(),
@@ -250,18 +241,17 @@ def prompt_validity(model: DecoderOnly, prompt: Tensor, prompt_valid: Tensor | N
 
 
 def penalty_history(prompt: Tensor, valid: Tensor, max_new_tokens: int) -> Tensor:
-    """The repetition penalty's id buffer (b, t + max_new_tokens): the prompt, a padded slot repeating
-    its row's last prompt token."""
+    """The repetition penalty's id buffer (b, t + max_new_tokens): the prompt, padding as the last token."""
     b, t = prompt.shape
     history = torch.empty(b, t + max_new_tokens, dtype=prompt.dtype, device=prompt.device)
     history[:, :t] = torch.where(valid, prompt, prompt[:, -1:])
     return history
 
 
-def cache_slots(n: int, compile: bool) -> int:
-    """Cache slots for n tokens: n, or what compiled decoding rounds n up to (shared graphs)."""
-    if not compile:
-        return n
-    from aiayn.fast.compiled_decode import cache_len
+COMPILED_CACHE_MULTIPLE = 64  # compiled decoding rounds its cache up to this, so lengths share graphs
 
-    return cache_len(n, compile)
+
+def cache_slots(n: int, compile: bool) -> int:
+    """Cache slots for n tokens: n, or (compiled) n rounded up to a multiple of 64, so that requests of
+    similar length share a graph (the buffer size is part of its shapes)."""
+    return -(-n // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE if compile else n

@@ -1,8 +1,6 @@
-"""Encoder-decoder generation: one decode loop, ``stream_encoder_decoder``, that greedy decoding
-and sampling share, the functions that collect it, and the per-source length limits.
-
-The source is encoded once; the first step runs bos and fills the cross-attention keys and values
-of the KV cache. Every function here also takes an ``Ensemble`` (``aiayn.generate.ensemble``)."""
+"""Encoder-decoder generation: one decode loop, ``stream_encoder_decoder`` (the source encoded once,
+the first step bos, filling the cache's cross-attention k/v), the functions that collect it and the
+per-source length limits. Each also takes an ``Ensemble``."""
 
 from __future__ import annotations
 
@@ -43,13 +41,9 @@ def stream_encoder_decoder(
     use_cache: bool = True,
     compile: bool = False,
 ) -> Iterator[DecodeStep]:
-    """Decode a target for each row of ``src`` (b, s) from ``bos_id``, yielding one ``DecodeStep`` per
-    new token; the model runs lazily, from the encoder on.
-
-    max_new_tokens: one limit, or (b,) per-source limits (``max_target_lengths``), eos included.
-    sampling: None = greedy. src_valid (b, s): the real source tokens (default: ``src != pad_id``).
-    eos_id: a row that emits it, or reaches its limit, is done and holds ``fill_id`` (default:
-        pad_id, else eos_id). use_cache, compile: as ``stream_decoder_only``'s."""
+    """Decode a target for each row of ``src`` (b, s) from ``bos_id``, one ``DecodeStep`` per new token,
+    lazily. max_new_tokens: one limit or (b,) (``max_target_lengths``), eos included. A row that emits
+    ``eos_id`` or reaches its limit holds ``fill_id``. The rest as ``stream_decoder_only``'s."""
     if compile and not use_cache:
         raise ValueError("compile=True decodes through the KV cache; it needs use_cache=True")
     limit = torch.as_tensor(max_new_tokens, device=src.device).expand(src.shape[0])  # (b,)
@@ -62,7 +56,7 @@ def stream_encoder_decoder(
 def _decode(model: EncoderDecoder | Ensemble, src: Tensor, src_valid: Tensor | None, *, bos_id: int, limit: Tensor,
             chooser: TokenChooser, eos_id: int | None, fill_id: int | None, use_cache: bool,
             compile: bool) -> Iterator[DecodeStep]:
-    """``stream_encoder_decoder``'s loop: src (b, s), limit (b,) most new tokens per row."""
+    """``stream_encoder_decoder``'s loop: limit (b,) most new tokens per row."""
     b, device = src.shape[0], src.device
     n_steps = int(limit.max())
     encoded = model.encode(src, src_valid=src_valid)  # once per source: memory (b, s, d)
@@ -116,8 +110,8 @@ def sample_encoder_decoder(model: EncoderDecoder | Ensemble, src: Tensor, *, bos
 
 def max_target_lengths(src_valid: Tensor, *, max_len_a: float, max_len_b: int,
                        cap: int | None = None) -> Tensor:
-    """(b,) most target tokens per source, eos included (fairseq's convention):
-    floor(max_len_a * real source tokens + max_len_b), at least 1 and at most ``cap``."""
+    """(b,) most target tokens per source, eos included (fairseq's): floor(max_len_a * real source tokens
+    + max_len_b), in [1, ``cap``]."""
     src_len = src_valid.sum(dim=1).double()  # (b,) padding does not count
     limit = torch.floor(max_len_a * src_len + max_len_b).long().clamp(min=1)
     return limit if cap is None else limit.clamp(max=cap)

@@ -1,23 +1,12 @@
 """Ensemble decoding: several encoder-decoders searched as one (fairseq's ``--path a.pt:b.pt``,
-Marian's ``--models``).
+Marian's ``--models``). An ``Ensemble`` has what the decode loops need of a model (``encode``,
+``new_cache``, ``decode``, ``config``); ``decode_step`` runs every member's step on its own encoder
+output and cache and returns ``mean_log_probs``.
 
-An ``Ensemble`` presents what the decode loops need of a model — ``encode``, ``new_cache``,
-``decode`` (the cache-free reference) and ``config`` (pad_id, max_seq_len) — so greedy decoding,
-sampling and beam search run on it unchanged: ``generate.step.decode_step`` sees an ``Ensemble``,
-runs the one decode step of every member on that member's own encoder output and KV cache, and
-returns the mean of the members' log-probabilities (``mean_log_probs``).
-
-The combination is the mean of log-probabilities, log p(y) = 1/M sum_m log p_m(y) up to a
-constant: a product of experts (Marian's default, with equal weights), which favours tokens every
-member finds likely; fairseq averages probabilities instead. The mean is not normalised, but the
-loops only need logits: greedy takes its argmax, sampling its softmax, and beam search its
-log_softmax — and log_softmax(mean) = mean - logsumexp(mean) is the normalised distribution, so
-feeding the mean as the logits is exact. Scores (beam search's, ``_merge_greedy``'s) are therefore
-log-probabilities of that normalised product.
-
-Members must agree on what a token id means: one source/target vocabulary (the translator checks
-the tokenizers: ``aiayn.tasks.runs.load_ensemble_translator``), here the output width and pad_id;
-the ensemble's max_seq_len is the smallest member's, so every member's cache and positions fit.
+The mean of log-probabilities is a product of experts (Marian's default; fairseq averages
+probabilities). Unnormalised, it still serves as logits: argmax and softmax ignore the constant,
+and beam search's log_softmax(mean) is the normalised product, whose log-probabilities it scores.
+Members share one vocabulary (checked: output width, pad_id); max_seq_len is the smallest member's.
 
 Shape letters: M members, b rows, s source tokens, t target tokens, v vocabulary, d_m member m's
 d_model.
@@ -37,10 +26,7 @@ from aiayn.nn.kv_cache import KVCache
 
 
 def mean_log_probs(logits: Sequence[Tensor]) -> Tensor:
-    """M members' logits (each (..., v)) -> the mean of their log_softmax (..., v), in float32
-    (a member under bfloat16 autocast gives bfloat16 logits; the log-probabilities are summed in
-    float32 as beam search scores them). Valid logits for argmax, sampling and beam search: see
-    the module docstring."""
+    """M members' logits (each (..., v)) -> the mean of their log_softmax (..., v), in float32."""
     return torch.stack([torch.log_softmax(x.float(), dim=-1) for x in logits]).mean(dim=0)
 
 
@@ -62,14 +48,12 @@ class EnsembleOutput:
 
 
 class EnsembleCache:
-    """One ``KVCache`` per member, moved together: what beam search does to a cache (expand rows
-    to beams, follow the kept beams, drop finished sources) happens to every member's."""
+    """One ``KVCache`` per member, moved together by beam search."""
 
     def __init__(self, members: list[KVCache]) -> None:
         self.members = members
 
     def reorder(self, indices: Tensor, *, cross: bool = True) -> None:
-        """``KVCache.reorder`` on every member: new row i is old row ``indices[i]``."""
         for cache in self.members:
             cache.reorder(indices, cross=cross)
 
@@ -83,7 +67,7 @@ class EnsembleCache:
 
     @property
     def length(self) -> int:
-        """Slots filled so far (every member is fed the same tokens, so all agree)."""
+        """Slots filled so far (the same in every member)."""
         return self.members[0].length
 
     @property
@@ -96,9 +80,8 @@ class EnsembleCache:
 
 
 class Ensemble(nn.Module):
-    """Encoder-decoders decoded as one model: the next-token distribution is the mean of their
-    log-probabilities (module docstring). ``ValueError`` when the members' output vocabularies or
-    pad ids differ, or when they are not all on one device."""
+    """Encoder-decoders decoded as one model; ValueError when their output vocabularies or pad ids
+    differ, or they are not on one device."""
 
     def __init__(self, members: Sequence[EncoderDecoder]) -> None:
         super().__init__()
@@ -133,9 +116,7 @@ class Ensemble(nn.Module):
         return EnsembleEncoded(memory=tuple(e.memory for e in encoded), valid=encoded[0].valid)
 
     def decode(self, tgt: Tensor, encoded: EnsembleEncoded, *, tgt_valid: Tensor | None = None) -> EnsembleOutput:
-        """tgt (b, t) -> the mean log-probabilities (b, t, v), each member recomputing the whole
-        target without a cache: the reference the cached step is tested against
-        (``stream_encoder_decoder(use_cache=False)``)."""
+        """tgt (b, t) -> the mean log-probabilities (b, t, v) without a cache (the cached step's reference)."""
         return EnsembleOutput(logits=mean_log_probs([
             model.decode(tgt, encoded.member(m), tgt_valid=tgt_valid).logits
             for m, model in enumerate(self.members)]))

@@ -1,5 +1,5 @@
-"""Beam search's hypotheses: what the search returns and shows an observer, and its state from step
-to step (open ``Beams``, each source's ``Finished`` best, one step's ``choose``)."""
+"""Beam search's hypotheses: what it returns and shows an observer, and its state (open ``Beams``,
+each source's ``Finished`` best, one step's ``choose``)."""
 
 from __future__ import annotations
 
@@ -46,10 +46,9 @@ class BeamSearchResult:
 
 @dataclass(frozen=True)
 class BeamStep:
-    """What one step of the search did (``trace=``): the 2 * beam candidates of every source still
-    searching, best first. sources (n,), at_limit (n,), done (n,) per source; per candidate (n, c):
-    ``parent`` beam slot, ``token``, sum ``score`` (-inf: none), ``finished`` (an eos candidate
-    kept), ``slot`` at the next step (-1: pruned or finished). t: the candidates' length."""
+    """One step of the search (``trace=``): the 2 * beam candidates of every source still searching,
+    best first. Per source (n,): sources, at_limit, done; per candidate (n, c): ``parent`` beam slot,
+    ``token``, sum ``score`` (-inf: none), ``finished``, ``slot`` next (-1: pruned or finished)."""
 
     t: int
     sources: Tensor
@@ -71,8 +70,7 @@ class Beams:
     token_scores: Tensor  # (n, k, L) float32 log-probability of each token
 
     def extend(self, t: int, parent: Tensor, token: Tensor, token_lp: Tensor) -> tuple[Tensor, Tensor]:
-        """Histories of the chosen parents (n, m) continued by ``token`` (n, m) with log-prob ``token_lp``
-        at slot t - 1 -> new histories (n, m, L) of ids and of log-probs."""
+        """The parents' (n, m) histories with ``token``, ``token_lp`` at slot t - 1 -> (n, m, L) each."""
         idx = parent[:, :, None].expand(-1, -1, self.tokens.shape[2])  # (n, m, L)
         new_tokens, new_scores = self.tokens.gather(1, idx), self.token_scores.gather(1, idx)
         new_tokens[:, :, t - 1], new_scores[:, :, t - 1] = token, token_lp
@@ -103,8 +101,7 @@ class Finished:
 
     def merge(self, alive: Tensor, score: Tensor, length: Tensor, tokens: Tensor, token_scores: Tensor,
               alpha: float) -> None:
-        """Merge candidates (n, c) into the k best of the sources ``alive`` (n,), score -inf = none; the
-        kept hypotheses come first on ties."""
+        """Merge candidates (n, c) (-inf: none) into the k best of the sources ``alive``; old ones win ties."""
         k, n_max = self.norm.shape[1], self.tokens.shape[2]
         all_score = torch.cat([self.score[alive], score], dim=1)  # (n, k + c)
         all_len = torch.cat([self.length[alive], length], dim=1)
@@ -213,8 +210,8 @@ def trace_step(trace: Callable[[BeamStep], None], t: int, alive: Tensor, c: Choi
 
 def sources_done(worst_finished: Tensor, best_open: Tensor, limits: Tensor, *, t: int, alpha: float,
                   early_stopping: bool) -> Tensor:
-    """(n,) bool: which sources stop after step t (the stopping rule, but the length limit), from the
-    normalized score of each one's k-th finished hypothesis and its best open sum score."""
+    """(n,) bool: the sources that stop after step t, from the k-th finished normalized score and the best
+    open sum score (the length limit aside)."""
     if early_stopping:
         done = torch.isfinite(worst_finished)
     else:

@@ -1,5 +1,4 @@
-"""What the decode loops produce: one ``DecodeStep`` per new token position, and the
-``GreedyResult`` the greedy functions collect from them."""
+"""What the decode loops produce: a ``DecodeStep`` per new token, collected into a ``GreedyResult``."""
 
 from __future__ import annotations
 
@@ -17,13 +16,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """One step of a decode loop: the next token of every row.
-
-    index: 0 for the first new token. tokens (b,): this step's token per row (a finished row: the
-    fill id). logits (b, v): what the tokens were chosen from (before sampling's changes).
-    active (b,): rows generated at this step. done (b,): rows finished after it.
-    cache: the loop's KV cache as this step left it (read it before the next step), None without.
-    slid: the window slid just before this step."""
+    """One step of a decode loop: tokens (b,) (a finished row: the fill id), the logits (b, v) they were
+    chosen from (before sampling's changes), the rows generated (``active``) and finished (``done``),
+    the KV cache as the step left it, and whether the window ``slid`` just before."""
 
     index: int
     tokens: Tensor
@@ -35,8 +30,8 @@ class DecodeStep:
 
 
 class GreedyResult:
-    """What a greedy decoder returns: tokens (b, n_new); logits (b, n_new, v), stacked on first access;
-    lengths (b,) tokens per row, eos included (encoder-decoder), else None."""
+    """What a greedy decoder returns: tokens (b, n_new), logits (b, n_new, v) (stacked on first access),
+    and (encoder-decoder) lengths (b,), eos included."""
 
     def __init__(self, tokens: Tensor, step_logits: list[Tensor], lengths: Tensor | None = None) -> None:
         self.tokens, self.lengths = tokens, lengths
@@ -48,7 +43,7 @@ class GreedyResult:
 
     @classmethod
     def from_steps(cls, steps: Iterable[DecodeStep], *, with_lengths: bool = False) -> GreedyResult:
-        """Run a decode loop to its end and collect its steps; ``with_lengths``: count each row's tokens."""
+        """Run a decode loop to its end and collect its steps (``with_lengths``: count each row's)."""
         tokens: list[Tensor] = []
         logits: list[Tensor] = []
         lengths: Tensor | None = None
@@ -79,9 +74,8 @@ LAGGED_DONE_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 class DoneCheck:
-    """Whether every row of a decode loop is done, read without making a GPU wait: on a
-    ``LAGGED_DONE_DEVICES`` device ``after`` copies the flag to the host and ``stopped_before`` reads
-    it at the next step (one step more computed and dropped); elsewhere ``after`` reads it at once."""
+    """Whether every row is done, read without making a GPU wait: on a ``LAGGED_DONE_DEVICES`` device
+    ``after`` copies the flag and ``stopped_before`` reads it a step later (one step dropped)."""
 
     def __init__(self, device: torch.device) -> None:
         self.lagged = device.type in LAGGED_DONE_DEVICES
@@ -113,9 +107,8 @@ class DoneCheck:
 
 
 def known_options(caller: str, options: Mapping[str, object], allowed: type) -> None:
-    """The TypeError Python raises for an unexpected keyword, for a wrapper that passes ``options``
-    on as ``**options: Unpack[allowed]`` (a TypedDict): a greedy call given ``sampling=`` must not
-    sample."""
+    """Python's TypeError for an unexpected keyword, for ``**options: Unpack[allowed]`` (a greedy call given
+    ``sampling=`` must not sample)."""
     unknown = [name for name in options if name not in allowed.__annotations__]
     if unknown:
         raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")

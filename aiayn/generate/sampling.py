@@ -57,8 +57,8 @@ def filter_logits(logits: Tensor, *, top_k: int | None, top_p: float | None) -> 
 
 def sample_next(logits: Tensor, previous: Tensor, cfg: SamplingConfig,
                 generator: torch.Generator | None = None) -> Tensor:
-    """logits (b, v), previous (b, t) ids -> next ids (b,), in float32: the penalty, then (temperature
-    > 0) temperature, top-k / top-p and one draw per row from ``generator``."""
+    """logits (b, v), previous (b, t) -> next ids (b,) in float32: the penalty, then (temperature > 0)
+    temperature, top-k / top-p and one draw per row."""
     logits = apply_repetition_penalty(logits.float(), previous, cfg.repetition_penalty)
     if cfg.temperature == 0:
         return logits.argmax(-1)

@@ -1,5 +1,5 @@
-"""Beam search over static shapes: when it is used, and how its cache follows the kept beams. They
-serve the compiled step, and on a GPU the eager search too (dropping sources syncs every step)."""
+"""Beam search over static shapes (compiled, and eager on a GPU, where dropping sources syncs every
+step): when it is used, and how its cache follows the kept beams."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""THE decode step: new tokens in, next-token logits out.
-
-``decode_step`` runs a model's decoder on each row's new tokens into its KV cache and applies the
-output layer where the next token is wanted; every decode loop, ``aiayn serve`` and ``aiayn
-explore`` call it. ``decode_ragged`` is the same step over several batches in one pass.
+"""THE decode step: new tokens in, next-token logits out, for every decode loop, ``aiayn serve`` and
+``aiayn explore``; ``decode_ragged`` is the same step over several batches in one pass.
 
 Shape letters: b rows, t new tokens per row, d d_model, v vocabulary, m positions asked for."""
 
@@ -24,13 +21,10 @@ from aiayn.nn.kv_cache import KVCache
 def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache | EnsembleCache, *, valid: Tensor | None = None,
                 memory: Tensor | tuple[Tensor, ...] | None = None, memory_valid: Tensor | None = None,
                 at: tuple[Tensor, Tensor] | None = None, compile: bool = False) -> Tensor:
-    """tokens (b, t) continuing ``cache`` -> logits (b, v) of each row's last position, or (m, v) of
-    the positions ``at`` = (rows (m,), positions (m,)).
-
-    An encoder-decoder cross-attends to ``memory`` (b, s, d) on the first step (filling the cache's
-    cross-attention keys and values), ``memory_valid`` (b, s) marking its real tokens. valid (b, t):
-    the real new tokens (default: the model's rule). compile: one token per row, compiled. An
-    ``Ensemble`` returns its members' mean log-probabilities."""
+    """tokens (b, t) continuing ``cache`` -> logits (b, v) of each row's last position, or (m, v) at
+    ``at`` = (rows (m,), positions (m,)). An encoder-decoder's first step takes ``memory`` (b, s, d),
+    filling the cache's cross-attention k/v; ``memory_valid`` (b, s) its real tokens. compile: one
+    token per row, compiled. An ``Ensemble`` returns its members' mean log-probabilities."""
     if isinstance(model, Ensemble):
         if not isinstance(cache, EnsembleCache) or isinstance(memory, Tensor):
             raise TypeError("an Ensemble decodes over its own new_cache() and encode().memory (one per member)")
@@ -56,9 +50,8 @@ def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache | EnsembleCache
 
 
 def decode_ragged(model: nn.Module, batches: Sequence[RaggedBatch], at: Tensor) -> Tensor:
-    """Several batches of new tokens, each right-padded over its own per-row cache, through a
-    decoder-only model in one pass -> logits (m, v) of the tokens ``at`` (m,) names (indices into
-    the batches' real tokens, packed batch after batch). Each batch's logits equal ``decode_step``'s."""
+    """Several right-padded batches over their own per-row caches, one decoder-only pass -> logits (m, v)
+    at ``at`` (m,) (indices into the real tokens, packed batch after batch), each as ``decode_step``'s."""
     if not isinstance(model, DecoderOnly):
         raise TypeError("decode_ragged runs a decoder-only model (the serve engine's)")
     hidden, _ = model.decoder.forward_ragged(batches)  # (n, d)

@@ -1,6 +1,5 @@
-"""Token ids to text as they come: the one incremental detokeniser, shared by ``aiayn generate`` and
-``aiayn serve``. Half a character (a byte-level tokenizer's U+FFFD) waits for the next token, and
-so does text that could still grow into a stop string; a stop string is never shown."""
+"""Token ids to text as they come, for ``aiayn generate`` and ``aiayn serve``: half a character (U+FFFD)
+and text that could still grow into a stop string wait; a stop string is never shown."""
 
 from __future__ import annotations
 

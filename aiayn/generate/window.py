@@ -1,10 +1,7 @@
-"""Generation past the model's context: the sliding window ``stream_decoder_only`` re-prefills.
-
-When a row's next token would need position ``max_seq_len``, the row keeps its last
-``keep_tokens(context)`` tokens and the loop recomputes them into its cleared KV cache. Recomputing
-is right for every positional scheme: a rolled cache (llama.cpp's context shift) only approximates
-the window, since every layer past the first still carries the dropped tokens. Rows slide
-independently, so each row gets the tokens it would get alone."""
+"""Generation past the model's context: a row whose next token would need position ``max_seq_len``
+keeps its last ``keep_tokens(context)`` tokens, recomputed into the cleared KV cache. Recomputing is
+right for every positional scheme (a rolled cache, llama.cpp's context shift, keeps the dropped
+tokens in every layer past the first); rows slide independently."""
 
 from __future__ import annotations
 
@@ -23,12 +20,9 @@ def keep_tokens(context: int) -> int:
 
 def slide_window(ids: Tensor, valid: Tensor, token: Tensor, real: list[int], *, context: int,
                  keep: int) -> tuple[Tensor, Tensor, list[int]]:
-    """The window to re-prefill when some row's ``token`` has no position (or the loop no slot) left.
-
-    ids, valid (b, n): the tokens fed so far and which are real. token (b,): each row's next token;
-    real: each row's real tokens, ``token`` counted. A row with more than ``context`` real tokens
-    keeps its last ``keep``, the others all. -> window (b, w) left-padded, its validity, and the
-    tokens each row kept."""
+    """The window to re-prefill: ids, valid (b, n) fed so far, token (b,) the next, real each row's real
+    tokens (``token`` counted). A row with more than ``context`` keeps its last ``keep``, the others all
+    -> window (b, w) left-padded, its validity, and the tokens each row kept."""
     kept = [keep if n > context else n for n in real]
     w = max(kept)
     seq = torch.cat([ids, token[:, None]], dim=1)  # (b, n + 1)

@@ -17,13 +17,9 @@ from aiayn.nn.paged_kv_cache import PagedKVCache
 
 @dataclass
 class ModelOutput:
-    """What every model of the family returns: the last stack's hidden states and the logits.
-
-    ``logits`` (b, t, v) = ``head(hidden)``, computed on first access (an embedding never pays for
-    them; a training loss takes the hidden rows and ``head``). A padding-free forward's
-    ``hidden_rows`` are its real tokens (n, d), placed by ``packing``; ``hidden`` and ``logits``
-    are (b, t, ...) all the same, zeros at padding.
-    """
+    """What every model of the family returns: the last stack's hidden states, and ``logits`` (b, t, v) =
+    ``head(hidden)`` computed on first access. Padding-free, ``hidden_rows`` are the real tokens (n, d)
+    placed by ``packing``; ``hidden`` and ``logits`` are (b, t, ...) all the same, zeros at padding."""
 
     hidden_rows: Tensor  # the last stack's output (after its final norm): (b, t, d), or packed (n, d)
     head: Callable[[Tensor], Tensor]  # the output layer: (..., d) -> (..., v)
@@ -62,10 +58,8 @@ def model_output(out: StackOutput, head: Callable[[Tensor], Tensor], **extra: ob
 
 
 def init_weights(model: nn.Module, config: ModelConfig) -> None:
-    """Post-norm models (the paper's): Xavier-uniform projections, as the reference implementations
-    do, and N(0, d^-1/2) embeddings, which the sqrt(d) embedding scale brings to unit size.
-    Pre-norm models (GPT-2 style): N(0, 0.02) everywhere. Biases start at zero, norms at identity.
-    """
+    """Post-norm (the paper's): Xavier-uniform projections and N(0, d^-1/2) embeddings, which the sqrt(d)
+    scale brings to unit size. Pre-norm (GPT-2): N(0, 0.02). Biases start at zero, norms at identity."""
     pre = config.norm_position == "pre"
     emb_std = 0.02 if pre or not config.scale_embeddings else config.d_model**-0.5
     for module in model.modules():
@@ -90,18 +84,17 @@ def make_cache(config: ModelConfig, *, n_layers: int, batch_size: int, max_len: 
                quantize: str | None = None, group_size: int | None = None, per_row: bool = False,
                n_blocks: int | None = None, block_size: int = 16) -> KVCache:
     max_len = config.max_seq_len if max_len is None else max_len
-    if n_blocks is not None:  # paged: rows over a pool of n_blocks blocks (continuous batching, prefix sharing)
+    if n_blocks is not None:  # paged: rows over a pool of n_blocks blocks
         return PagedKVCache(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
                             head_dim=config.head_dim, max_len=max_len, n_blocks=n_blocks, block_size=block_size,
                             dtype=dtype, device=device, cross_attention=cross_attention, quantize=quantize)
-    # per_row: each row at its own length (continuous batching)
     return KVCache(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
                    head_dim=config.head_dim, max_len=max_len, dtype=dtype, device=device,
                    cross_attention=cross_attention, quantize=quantize, group_size=group_size, per_row=per_row)
 
 
 def start_model(model: nn.Module, config: ModelConfig, arch: str) -> nn.Embedding:
-    """A model class's first step: check its ``arch``, keep the config, make its (source) embedding table."""
+    """A model class's first step: check ``arch``, keep the config, make the (source) embedding table."""
     if config.arch != arch:
         raise ValueError(f"{type(model).__name__} needs config.arch={arch!r}, got {config.arch!r}; "
                          f"use aiayn.models.build_model(config) to pick the class")

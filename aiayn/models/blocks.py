@@ -1,13 +1,10 @@
 """The one residual block and the one stack every model of the family is built from.
 
-A block is self-attention, optionally cross-attention (decoder of an encoder-decoder), and a
-feed-forward network, each wrapped in a residual sublayer:
+A block is self-attention, optional cross-attention and a feed-forward network, each a residual
+sublayer: post-norm (paper, section 3.1) x = Norm(x + Dropout(Sublayer(x))), or pre-norm (GPT-2,
+LLaMA) x = x + Dropout(Sublayer(Norm(x))). A stack is embeddings -> N blocks -> optional final norm;
+it turns token validity and the KV cache into masks, positions and biases.
 
-* post-norm (paper, section 3.1):  x = Norm(x + Dropout(Sublayer(x)))
-* pre-norm (GPT-2, LLaMA, Annotated Transformer): x = x + Dropout(Sublayer(Norm(x)))
-
-A stack is embeddings (token, positions, segments) -> N blocks -> optional final norm; it owns the
-positional scheme and turns token validity and the KV cache into masks, positions and biases.
 Shape letters: b batch, t new tokens, t_k keys (cached + new), s source length, d d_model.
 """
 
@@ -63,13 +60,8 @@ class TransformerBlock(nn.Module):
     def forward(self, x: Tensor, inputs: StackInputs | None = None, *,
                 cache: LayerKVCache | None = None,
                 need_weights: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """x (b, t, d) -> (x (b, t, d), self-attention weights, cross-attention weights).
-
-        With ``inputs.packing`` x is packed, (n, d) real tokens only, and so is the result: every
-        sublayer but the attention core is token-wise (``aiayn.nn.packing``). Without ``inputs``:
-        no mask, no positions (a set, say). The attention layers trust x and ``inputs``: a stack's
-        ``prepare`` checks them once for every block.
-        """
+        """x (b, t, d), or packed (n, d) with ``inputs.packing`` -> (x, self-attention weights, cross-attention
+        weights). The attention layers trust x and ``inputs``: the stack's ``prepare`` checked them."""
         h = self.self_attn_norm(x) if self.pre_norm else x
         self_inputs = inputs.self_attn if inputs is not None else None
         h, self_weights = self.self_attn(h, inputs=self_inputs, cache=cache, need_weights=need_weights,
@@ -86,9 +78,8 @@ class TransformerBlock(nn.Module):
         return self._feed_forward(x), self_weights, cross_weights
 
     def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
-        """Several batches' real tokens in one pass, x (n, d) packed batch after batch
-        (``TransformerStack.forward_ragged``): every sublayer but the attention core runs once over
-        all of them; the core per batch, over its own cache (``MultiHeadAttention.forward_ragged``)."""
+        """Several batches' real tokens packed in x (n, d) (``TransformerStack.forward_ragged``): every
+        sublayer but the attention core runs once over all of them."""
         if self.cross_attn is not None:
             raise ValueError("a ragged forward is for decoder-only blocks (no cross-attention)")
         h = self.self_attn_norm(x) if self.pre_norm else x
@@ -96,7 +87,6 @@ class TransformerBlock(nn.Module):
         return self._feed_forward(x)
 
     def _add(self, x: Tensor, h: Tensor, norm: nn.Module) -> Tensor:
-        """The residual connection of a sublayer's output h: pre-norm adds, post-norm adds and normalises."""
         return x + self.dropout(h) if self.pre_norm else norm(x + self.dropout(h))
 
     def _feed_forward(self, x: Tensor) -> Tensor:
@@ -106,8 +96,8 @@ class TransformerBlock(nn.Module):
 
 @dataclass
 class StackInputs:
-    """One forward's inputs besides the token ids, computed once by ``TransformerStack.prepare``
-    (or by the compiled decode step, ``aiayn.fast.compiled_decode``) and shared by every block."""
+    """One forward's inputs besides the token ids, computed once (``TransformerStack.prepare``, or the
+    compiled decode step) and shared by every block."""
 
     positions: Tensor  # (b, t) long position ids of the new tokens
     valid: Tensor  # (b, t) bool, True at real tokens
@@ -118,15 +108,13 @@ class StackInputs:
 
     @property
     def packing(self) -> Packing | None:
-        """Set when the blocks run on the real tokens only (padding-free)."""
         return self.self_attn.packing
 
 
 @dataclass
 class RaggedBatch:
-    """One batch of a ragged forward (``TransformerStack.forward_ragged``): rows right-padded to the
-    width of ``tokens``, row i's real tokens its first ``counts[i]`` (host ints: nothing is read
-    back from the device to learn them), continuing ``cache`` (a per-row cache or a view of its rows)."""
+    """One batch of a ragged forward: right-padded rows, row i's real tokens its first ``counts[i]`` (host
+    ints: nothing read back), continuing ``cache`` (per row, or a view of its rows)."""
 
     tokens: Tensor  # (b, t) long
     counts: list[int]  # b ints, each in [1, t]
@@ -143,10 +131,8 @@ class StackOutput:
 
 
 def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
-    """Token ids must be a (batch, seq) integer tensor with ids in [0, vocab_size). The shape and
-    type checks always run; the ids' range is read only where ``aiayn.nn.data_checks.reads_data``
-    allows (elsewhere the device asserts it without waiting, and a compiled graph's embedding
-    lookup bounds-checks it)."""
+    """Token ids must be a (batch, seq) integer tensor with ids in [0, vocab_size); the range is read only
+    where ``reads_data`` allows (elsewhere the device asserts it without waiting)."""
     if not isinstance(tokens, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
     if tokens.dim() != 2:
@@ -163,29 +149,22 @@ def check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise ValueError(
-            f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size}); "
-            f"check the tokenizer matches the model's vocab_size"
-        )
+        raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size}); "
+                         f"check the tokenizer matches the model's vocab_size")
 
 
 def padding_mask(valid: Tensor) -> Tensor | None:
-    """The key mask (b, 1, 1, t_k) of ``valid`` (b, t_k), or None when every key is real and the
-    data may be read (``aiayn.nn.data_checks.reads_data``: the mask-free attention paths are
-    faster). Where it may not be read the mask is always built: an all-True mask gives the same
-    attention."""
+    """The key mask (b, 1, 1, t_k) of ``valid`` (b, t_k), or None (the faster mask-free paths) when every
+    key is real and the data may be read (``reads_data``); elsewhere always the mask: the same attention."""
     if data_checks.reads_data(valid) and bool(valid.all()):
         return None
     return key_mask(valid)
 
 
 class TransformerStack(nn.Module):
-    """Embeddings -> N ``TransformerBlock`` -> optional final norm.
-
-    Used as the encoder (``causal=False``), the decoder of an encoder-decoder
-    (``causal=True, cross_attention=True``), a GPT/LLaMA decoder (``causal=True``) and a BERT
-    encoder (``segments=True``). ``embedding`` may be shared with another stack.
-    """
+    """Embeddings -> N ``TransformerBlock`` -> optional final norm: an encoder (``causal=False``), a
+    decoder (``causal=True``, with ``cross_attention`` an encoder-decoder's) or BERT (``segments=True``).
+    ``embedding`` may be shared with another stack."""
 
     def __init__(self, config: ModelConfig, *, n_layers: int, embedding: nn.Embedding, causal: bool,
                  cross_attention: bool = False, segments: bool = False) -> None:
@@ -222,8 +201,7 @@ class TransformerStack(nn.Module):
         self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.final_norm else None
 
     def embed(self, tokens: Tensor, positions: Tensor, segments: Tensor | None = None) -> Tensor:
-        """tokens, positions (b, t) [, segments (b, t)] -> the stack's input (b, t, d), before
-        dropout: token embedding x embed_scale [+ absolute positions] [+ segments] [-> norm]."""
+        """tokens, positions (b, t) -> token embedding x embed_scale [+ positions] [+ segments] [-> norm]."""
         x = self.embedding(tokens) * self.embed_scale
         if self.absolute is not None:
             x = x + self.absolute(positions).to(x.dtype)
@@ -249,24 +227,11 @@ class TransformerStack(nn.Module):
                 memory: Tensor | None = None, memory_valid: Tensor | None = None,
                 memory_packing: Packing | None = None, cache: KVCache | None = None,
                 need_weights: bool = False, pack: bool = False) -> StackInputs:
-        """The inputs ``run`` takes for tokens (b, t): the checks and bookkeeping (validity,
-        positions, the cache's new slots, masks, positional bias or rotation, packing).
-
-        Args:
-            valid: (b, t) bool, True at real tokens; default ``tokens != pad_id`` (or all True when
-                the config has no pad_id). Padded keys are never attended to.
-            positions: (b, t) position ids; default counts real tokens only (left padding and the
-                cache do not shift positions).
-            segments: (b, t) segment ids (BERT token types).
-            memory, memory_valid: encoder output (b, s, d) and its validity (b, s), for
-                cross-attention.
-            memory_packing: ``memory`` is packed, (n_s, d) real source tokens (``StackOutput.packing``
-                of a packed encoder).
-            cache: decoding state; the new tokens are appended after ``cache.length`` slots.
-            pack: padding-free: when some tokens are padding, run the blocks on the real tokens
-                only and return hidden packed, (n, d), with ``packing`` (``aiayn.nn.packing``).
-                Not with a cache or attention weights.
-        """
+        """The inputs ``run`` takes for tokens (b, t): checks, validity (``valid_tokens``), positions
+        (default: real tokens counted, after the cache's), the cache's new slots, masks, positional
+        bias or rotation. memory (b, s, d), or packed (n_s, d) with ``memory_packing``, and
+        memory_valid (b, s): cross-attention's. ``pack``: run the blocks on the real tokens only
+        (not with a cache or weights)."""
         if pack and (cache is not None or need_weights):
             raise ValueError("pack=True (padding-free) does not go with a cache or need_weights")
         c = self.config
@@ -295,8 +260,7 @@ class TransformerStack(nn.Module):
 
     def _check_memory(self, tokens: Tensor, memory: Tensor, memory_valid: Tensor | None,
                       memory_packing: Packing | None) -> None:
-        """The encoder output (b, s, d), or packed (n_s, d), and its validity (b, s) against the
-        tokens (b, t): checked once here for every cross-attention layer."""
+        """The memory (b, s, d) or packed (n_s, d) and its validity (b, s), checked once for every layer."""
         cross = self.blocks[0].cross_attn
         assert isinstance(cross, MultiHeadAttention)
         cross.check_input("memory", memory, memory_packing)
@@ -311,13 +275,10 @@ class TransformerStack(nn.Module):
     def forward_ragged(self, batches: Sequence[RaggedBatch]) -> tuple[Tensor, list[Packing]]:
         """Several batches through the stack in one pass -> (hidden (n, d), each batch's packing).
 
-        The batches' real tokens are packed one batch after another (n = every count added up):
-        the embeddings, norms, feed-forward networks and every projection run once over them all,
-        so a step that decodes some rows and prefills others reads the weights once, not once per
-        batch (vLLM's mixed prefill/decode step); each batch's attention runs over its own cache
-        and masks as ``forward`` would build them. Decoder-only stacks, per-row caches
-        (``KVCache(per_row=True)``, ``PagedKVCache``, or views of their rows), no weights. Each batch's results
-        equal ``forward`` on it alone with ``cache`` (tests/consistency/test_ragged_forward.py).
+        The batches' real tokens are packed one after another: everything but the attention core runs
+        once over them all, so a step that decodes some rows and prefills others reads the weights once
+        (vLLM's mixed prefill/decode step). Decoder-only stacks over per-row caches; each batch's results
+        equal ``forward`` on it alone (tests/consistency/test_ragged_forward.py).
         """
         if self.has_cross or self.segment_embedding is not None:
             raise ValueError("forward_ragged is for decoder-only stacks (no cross-attention, no segments)")
@@ -347,8 +308,7 @@ class TransformerStack(nn.Module):
         return hidden, [inputs.packing for inputs in parts]  # type: ignore[misc]
 
     def _positions(self, valid: Tensor, positions: Tensor | None, cache: KVCache | None) -> Tensor:
-        """(b, t) position ids: ``positions`` if given, else real tokens counted (left padding and
-        earlier cached tokens do not shift them); checked against ``max_seq_len``."""
+        """(b, t) position ids: ``positions``, else real tokens counted after the cache's; checked."""
         if positions is None:
             start = cache.next_positions()[:, None] if cache is not None else 0
             positions = (start + valid.long().cumsum(dim=1) - 1).clamp(min=0)
@@ -358,8 +318,7 @@ class TransformerStack(nn.Module):
         return self.check_positions(positions)
 
     def check_positions(self, positions: Tensor) -> Tensor:
-        """``positions`` (b, t), checked against ``max_seq_len``: here where the data may be read
-        (``aiayn.nn.data_checks.reads_data``), else by the device without waiting for it."""
+        """``positions`` (b, t) checked against ``max_seq_len``, here or (``reads_data`` False) on the device."""
         if not data_checks.reads_data(positions):
             if not torch.compiler.is_compiling():
                 torch._assert_async((positions < self.config.max_seq_len).all(),
@@ -374,11 +333,9 @@ class TransformerStack(nn.Module):
 
     def _self_attention_inputs(self, valid: Tensor, positions: Tensor, cache: KVCache | None, *,
                                pack: bool = False, packing: Packing | None = None) -> AttentionInputs:
-        """The self-attention inputs of new tokens ``valid``/``positions`` (b, t): their slots in
-        ``cache`` (reserved here), the key mask over cached + new keys, causality, the positional
-        rotation or bias, the packing (``pack``: found from ``valid`` when there is padding, eager
-        on the CPU only; or ``packing`` as given)."""
-        # Keys: the cached slots plus the new tokens.
+        """The self-attention inputs of new tokens (b, t): their slots in ``cache`` (reserved here), the key
+        mask over cached + new keys, causality, rotation or bias, and ``packing`` (or, with ``pack``,
+        found from ``valid`` where it may be read)."""
         slots = None
         if cache is not None:
             slots = cache.reserve(valid, positions)
@@ -386,13 +343,11 @@ class TransformerStack(nn.Module):
         else:
             keys_valid, key_positions = valid, positions  # (b, t_k)
         mask = padding_mask(keys_valid)  # (b, 1, 1, t_k), or None: no padding
-        # Rows of a per-row cache sit at their own slots: causality from positions, not slot order
-        # (a single new token per row may see every valid key of its row: no causal mask needed).
+        # Per-row slots do not line up: causality from positions (one new token per row needs none).
         per_row = slots is not None and slots.per_row
         if per_row and self.causal and valid.shape[1] > 1:
             mask = combine_masks(mask, position_causal_mask(positions, key_positions))  # (b, 1, t, t_k)
-        # Only with padding to skip, and only eager on the CPU: the real tokens' count sets the
-        # packed shapes, which a compiled graph or a GPU stream cannot learn without waiting.
+        # The real tokens' count sets the packed shapes: learnt only where the data may be read.
         if packing is None and pack and mask is not None and data_checks.reads_data(valid):
             packing = Packing.of(valid)
         return self.attention_inputs(positions, key_positions, mask, slots=slots,
@@ -401,11 +356,9 @@ class TransformerStack(nn.Module):
     def attention_inputs(self, positions: Tensor, key_positions: Tensor, mask: Tensor | None, *,
                          slots: Slots | None = None, packing: Packing | None = None,
                          causal: bool | None = None) -> AttentionInputs:
-        """Self-attention inputs for queries at ``positions`` (b, t) over keys at ``key_positions``
-        (b, t_k) (cached + new) under ``mask`` (b, 1, 1, t_k): the positional scheme's bias or
-        rotation, causal masking for a decoder (``causal``: the right-aligned slot mask; default
-        the stack's own, False when ``mask`` already holds causality)."""
-        # (b or 1, h, t, t_k) additive bias (ALiBi, T5), or RoPE's (cos, sin) of (b, t, d_h)
+        """Self-attention inputs for queries at ``positions`` (b, t) over keys at ``key_positions`` (b, t_k)
+        under ``mask``: the bias (ALiBi, T5: (b or 1, h, t, t_k)) or RoPE's (cos, sin), and ``causal``
+        (default the stack's own; False when ``mask`` holds causality)."""
         bias = self.relative(positions, key_positions) if self.relative is not None else None
         rotary = self.rotary(positions) if self.rotary is not None else None
         causal = self.causal if causal is None else causal
@@ -414,8 +367,8 @@ class TransformerStack(nn.Module):
 
     def run(self, tokens: Tensor, inputs: StackInputs, *, cache: KVCache | None = None,
             need_weights: bool = False) -> StackOutput:
-        """Embeddings -> blocks -> final norm, on prepared inputs: tensor work only (nothing read
-        back into Python), so ``torch.compile`` traces it whole (``aiayn.fast.compiled_decode``)."""
+        """Embeddings -> blocks -> final norm on prepared inputs: tensor work only, so ``torch.compile``
+        traces it whole."""
         x = self.dropout(self.embed(tokens, inputs.positions, inputs.segments))  # (b, t, d)
         if inputs.packing is not None:
             x = inputs.packing.pack(x)  # (n, d): the real tokens only

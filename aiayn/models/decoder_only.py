@@ -28,8 +28,7 @@ class DecoderOnly(nn.Module):
     def forward(self, tokens: Tensor, *, valid: Tensor | None = None,
                 positions: Tensor | None = None, cache: KVCache | None = None,
                 need_weights: bool = False) -> ModelOutput:
-        """tokens (b, t) -> logits (b, t, v). With ``cache``, tokens continue the cached ones; with
-        ``config.padding_free`` (no cache or weights) logits and hidden are zeros at padding."""
+        """tokens (b, t) -> logits (b, t, v), continuing ``cache`` if given (padding-free: zeros at padding)."""
         pack = self.config.padding_free and cache is None and not need_weights
         out = self.decoder(tokens, valid=valid, positions=positions, cache=cache, need_weights=need_weights,
                            pack=pack)
@@ -49,9 +48,8 @@ class DecoderOnly(nn.Module):
                   dtype: torch.dtype | None = None, quantize: str | None = None,
                   group_size: int | None = None, per_row: bool = False, n_blocks: int | None = None,
                   block_size: int = 16) -> KVCache:
-        """A preallocated KV cache for ``batch_size`` rows of up to ``max_len`` (default max_seq_len)
-        tokens; ``quantize``: "int8"/"int4" keys and values. ``per_row``: each row at its own length
-        (rows fill independently); ``n_blocks``: a ``PagedKVCache`` of that many ``block_size`` blocks."""
+        """A preallocated KV cache of ``batch_size`` rows of ``max_len`` (default max_seq_len) tokens:
+        ``quantize`` "int8"/"int4"; ``per_row``: rows at their own lengths; ``n_blocks``: a ``PagedKVCache``."""
         weight = self._first_float_parameter()
         return make_cache(self.config, n_layers=self.config.n_layers, batch_size=batch_size, max_len=max_len,
                           dtype=dtype or self.float_dtype,

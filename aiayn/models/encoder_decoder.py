@@ -44,8 +44,7 @@ class EncoderDecoder(nn.Module):
 
     def decode(self, tgt: Tensor, encoded: Encoded, *, tgt_valid: Tensor | None = None,
                cache: KVCache | None = None, need_weights: bool = False) -> ModelOutput:
-        """tgt (b, t) -> logits (b, t, v_tgt), attending to the encoded source; with ``cache`` the
-        tokens continue the cached ones (cross-attention keys and values computed on the first call)."""
+        """tgt (b, t) -> logits (b, t, v_tgt) over the encoded source, continuing ``cache`` if given."""
         out = self.decoder(tgt, valid=tgt_valid, memory=encoded.memory, memory_valid=encoded.valid,
                            cache=cache, need_weights=need_weights)
         return model_output(out, self.lm_head, encoder_attentions=encoded.attentions)

@@ -1,5 +1,4 @@
-"""How much memory a model will take, from its config alone: an absurd size fails fast, before
-anything is built."""
+"""How much memory a model will take, from its config alone: an absurd size fails before it is built."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ BYTES_PER_VALUE = 4  # float32, as built
 
 
 def estimated_values(config: ModelConfig) -> int:
-    """An upper estimate of the values ``build_model`` allocates, without a model (exact counts:
-    ``count_parameters``)."""
+    """An upper estimate of the values ``build_model`` allocates (exact: ``count_parameters``)."""
     d, d_ff = config.d_model, config.d_ff
     attention = d * config.head_dim * (2 * config.n_heads + 2 * config.n_kv_heads) + 4 * d
     ffn = (3 if config.activation.startswith(("swi", "ge", "reg")) else 2) * d * d_ff + d_ff + d

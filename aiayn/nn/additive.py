@@ -1,6 +1,5 @@
 """Additive attention (Bahdanau et al. 2015), the alternative of the paper's section 3.2.1:
-score(q, k) = wᵀ tanh(q + k) with q, k already projected. Its FLOPs are of the same order as
-dot-product attention's, but elementwise work over (b, h, t_q, t_k, d_h) instead of a matmul.
+score(q, k) = wᵀ tanh(q + k), q, k projected; elementwise work over (b, h, t_q, t_k, d_h), no matmul.
 
 Shape letters: b batch, h heads, h_kv key/value heads, t_q queries, t_k keys, d_h head width."""
 
@@ -17,8 +16,7 @@ from aiayn.nn.masks import causal_mask, combine_masks, scores_shaped
 def additive_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, *, mask: Tensor | None = None,
                        bias: Tensor | None = None, causal: bool = False, dropout_p: float = 0.0,
                        need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """softmax(wᵀ tanh(q_i + k_j) + bias, masked) V; w: (h, d_h), the rest as in
-    ``scaled_dot_product_attention``. Returns (output (b, h, t_q, d_h), weights or None)."""
+    """softmax(wᵀ tanh(q_i + k_j) + bias, masked) V, w (h, d_h), otherwise ``scaled_dot_product_attention``."""
     _check_attention_inputs(q, k, v, mask, bias)
     if w.shape != (q.shape[1], q.shape[3]):
         raise ValueError(f"additive attention: w must be (heads, head_dim) = {(q.shape[1], q.shape[3])}, "

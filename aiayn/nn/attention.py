@@ -1,12 +1,9 @@
-"""Scaled dot-product attention, the paper's equation (1), and the one multi-head attention module
-(section 3.2.2).
+"""Scaled dot-product attention, the paper's equation (1), and multi-head attention (section 3.2.2).
+``attention`` is equation (1) written out; ``attend`` prepares the masks and runs it (or torch's
+fused kernel when no weights are asked for); ``scaled_dot_product_attention`` checks, then attends.
 
 Shape letters: b batch, h query heads, h_kv key/value heads, t / t_q queries, t_k keys, s source
-length, d_h head width, d model width. Masks: ``aiayn.nn.masks`` (True = may attend).
-
-``attention`` is equation (1) written out; ``attend`` prepares the masks and runs it (or torch's
-fused kernel when no weights are asked for); ``scaled_dot_product_attention`` checks its inputs,
-then calls ``attend``, which ``MultiHeadAttention`` runs unchecked in every layer."""
+length, d_h head width, d model width. Masks: ``aiayn.nn.masks`` (True = may attend)."""
 
 from __future__ import annotations
 
@@ -25,11 +22,8 @@ from aiayn.nn.positional import apply_rotary
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, bias: Tensor | None = None,
               scale: float | None = None, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
-    """Equation (1), written out: softmax(Q K^T / sqrt(d_k) + bias, masked) V.
-
-    q: (b, h, t_q, d_h); k, v: (b, h_kv, t_k, d_h). mask (True = may attend) and bias broadcast to
-    (b, h, t_q, t_k). No checks: a query that sees no key gets NaN here.
-    Returns (output (b, h, t_q, d_h), weights (b, h, t_q, t_k) before dropout)."""
+    """Equation (1), written out: softmax(Q K^T / sqrt(d_k) + bias, masked) V -> (output (b, h, t_q, d_h),
+    weights (b, h, t_q, t_k) before dropout). Unchecked: a query that sees no key gets NaN here."""
     if q.shape[1] != k.shape[1]:  # GQA: each group of h / h_kv query heads shares one k/v head
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     scale = q.shape[-1] ** -0.5 if scale is None else scale  # 1 / sqrt(d_k)
@@ -67,12 +61,9 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tenso
                                  bias: Tensor | None = None, causal: bool = False,
                                  dropout_p: float = 0.0, scale: float | None = None,
                                  need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Equation (1), checked: softmax(Q K^T / sqrt(d_k) + bias, masked) V.
-
-    q: (b, h, t_q, d_h). k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv (GQA/MQA). mask (bool,
-    True = may attend) and bias (float: ALiBi, T5) broadcast to (b, h, t_q, t_k); 3-D ones are
-    (b, t_q, t_k), shared by the heads. causal: right-aligned. scale: default 1 / sqrt(d_h).
-    need_weights: return the weights (before dropout). A query with no visible key outputs zeros."""
+    """Equation (1), checked. q: (b, h, t_q, d_h); k, v: (b, h_kv, t_k, d_h), h a multiple of h_kv
+    (GQA/MQA). mask (bool) and bias (float: ALiBi, T5) broadcast to (b, h, t_q, t_k); 3-D ones are
+    (b, t_q, t_k), shared by the heads. causal: right-aligned. A query with no visible key outputs zeros."""
     _check_attention_inputs(q, k, v, mask, bias)
     return attend(q, k, v, mask=mask, bias=bias, causal=causal, dropout_p=dropout_p, scale=scale,
                   need_weights=need_weights)
@@ -87,36 +78,26 @@ def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
                             bias: Tensor | None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(
-                f"attention: {name} must have 4 dimensions (batch, heads, seq, head_dim), "
-                f"got shape {tuple(t.shape)}"
-            )
+            raise ValueError(f"attention: {name} must have 4 dimensions (batch, heads, seq, head_dim), "
+                             f"got shape {tuple(t.shape)}")
     b, h, t_q, d_h = q.shape
     if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(
-            f"attention: batch sizes differ: q has {b}, k has {k.shape[0]}, v has {v.shape[0]}"
-        )
+        raise ValueError(f"attention: batch sizes differ: q has {b}, k has {k.shape[0]}, v has {v.shape[0]}")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(
-            f"attention: k and v must agree in heads and length, got k {tuple(k.shape)} and "
-            f"v {tuple(v.shape)}"
-        )
+        raise ValueError(f"attention: k and v must agree in heads and length, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
     if k.shape[3] != d_h:
         raise ValueError(f"attention: q and k head_dim differ: q has {d_h}, k has {k.shape[3]}")
     if h % k.shape[1] != 0:
-        raise ValueError(
-            f"attention: q heads ({h}) must be a multiple of k/v heads ({k.shape[1]}) for "
-            f"grouped-query attention"
-        )
+        raise ValueError(f"attention: q heads ({h}) must be a multiple of k/v heads ({k.shape[1]}) for "
+                         f"grouped-query attention")
     scores_shape = (b, h, t_q, k.shape[2])
     for name, t in (("mask", mask), ("bias", bias)):
         if t is None:
             continue
         if name == "mask" and t.dtype != torch.bool:
-            raise TypeError(
-                f"attention: mask must be a bool tensor (True = may attend), got dtype {t.dtype}; "
-                f"for an additive float mask pass it as bias="
-            )
+            raise TypeError(f"attention: mask must be a bool tensor (True = may attend), got dtype {t.dtype}; "
+                            f"for an additive float mask pass it as bias=")
         if name == "bias" and not t.is_floating_point():
             raise TypeError(f"attention: bias must be a float tensor, got dtype {t.dtype}")
         shape = (t.shape[0], 1, *t.shape[1:]) if t.dim() == 3 else t.shape  # 3-D: (b, t_q, t_k)
@@ -125,34 +106,28 @@ def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
         except RuntimeError:
             ok = False
         if not ok and t.dim() == 3:
-            raise ValueError(
-                f"attention: a 3-D {name} is (batch, q_len, k_len), the same for every head; shape "
-                f"{tuple(t.shape)} does not fit batch {b}, q_len {t_q}, k_len {k.shape[2]} (for a "
-                f"mask per head give 4 dimensions: (batch or 1, heads, q_len, k_len))"
-            )
+            raise ValueError(f"attention: a 3-D {name} is (batch, q_len, k_len), the same for every head; shape "
+                             f"{tuple(t.shape)} does not fit batch {b}, q_len {t_q}, k_len {k.shape[2]} (for a "
+                             f"mask per head give 4 dimensions: (batch or 1, heads, q_len, k_len))")
         if not ok:
-            raise ValueError(
-                f"attention: {name} of shape {tuple(t.shape)} does not broadcast to the scores' "
-                f"shape (batch, heads, q_len, k_len) = {scores_shape}"
-            )
+            raise ValueError(f"attention: {name} of shape {tuple(t.shape)} does not broadcast to the scores' "
+                             f"shape (batch, heads, q_len, k_len) = {scores_shape}")
 
 
 AttentionKernel = Callable[..., tuple[Tensor, Tensor | None]]  # ``attend``'s signature (checked inputs)
-# (q, k, v, cache, inputs) -> output, or None: attention read from the cache's own storage (it writes
-# k, v there itself); ``aiayn.fast.paged_attention.paged_cache_attention``.
+# (q, k, v, cache, inputs) -> output read from the cache's own storage (k, v written there), or None.
 CacheAttentionKernel = Callable[..., Tensor | None]
 
 
 @dataclass
 class AttentionInputs:
-    """What a stack's forward computes once for every attention layer: masks, positions, slots, packing."""
+    """What a stack's forward computes once for every attention layer."""
 
     mask: Tensor | None = None  # bool (b, 1, 1 or t, t_k), True = may attend
     bias: Tensor | None = None  # float (b or 1, h, t, t_k), added to the scores (ALiBi, T5)
     causal: bool = False  # right-aligned causal masking on top of ``mask``
     rotary: tuple[Tensor, Tensor] | None = None  # RoPE (cos, sin), each (b or 1, t, d_h)
-    # Self-attention with a KV cache: where the new keys go and which come back (the cache's ``reserve``).
-    slots: Slots | None = None
+    slots: Slots | None = None  # self-attention over a KV cache: the cache's ``reserve``
     packing: Packing | None = None  # x is packed: (n, d), its real tokens only (aiayn.nn.packing)
     memory_packing: Packing | None = None  # cross-attention: the memory is packed, (n_s, d)
 
@@ -162,7 +137,7 @@ _NO_INPUTS = AttentionInputs()  # no mask, bias, rotation, cache slots or packin
 
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (paper section 3.2.2), self or cross, MHA / GQA / MQA (``n_kv_heads`` <
-    ``n_heads`` shares each key/value head among ``n_heads / n_kv_heads`` query heads)."""
+    ``n_heads``: each key/value head serves ``n_heads / n_kv_heads`` query heads)."""
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None,
                  head_dim: int | None = None, cross: bool = False, bias: bool = True,
@@ -198,31 +173,23 @@ class MultiHeadAttention(nn.Module):
     def check_input(self, name: str, x: Tensor, packing: Packing | None = None) -> None:
         if packing is not None:
             if x.dim() != 2 or x.shape != (packing.n_tokens, self.d_model):
-                raise ValueError(
-                    f"MultiHeadAttention: packed {name} must be (real tokens={packing.n_tokens}, "
-                    f"d_model={self.d_model}), got shape {tuple(x.shape)}"
-                )
+                raise ValueError(f"MultiHeadAttention: packed {name} must be (real tokens={packing.n_tokens}, "
+                                 f"d_model={self.d_model}), got shape {tuple(x.shape)}")
         elif x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(
-                f"MultiHeadAttention: {name} must be (batch, seq, d_model={self.d_model}), "
-                f"got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"MultiHeadAttention: {name} must be (batch, seq, d_model={self.d_model}), "
+                             f"got shape {tuple(x.shape)}")
 
     def project_kv(self, memory: Tensor, packing: Packing | None = None) -> tuple[Tensor, Tensor]:
-        """Cross-attention keys and values of the encoder memory (b, s, d), or of its real tokens (n_s, d)
-        packed by ``packing``, -> 2 x (b, h_kv, s, d_h)."""
+        """Cross-attention keys and values of the memory (b, s, d), or packed (n_s, d) -> 2 x (b, h_kv, s, d_h)."""
         k, v = self.kv_proj(memory).chunk(2, dim=-1)  # (b, s, kv) or packed (n_s, kv) each
         return self._heads(k, self.n_kv_heads, packing), self._heads(v, self.n_kv_heads, packing)
 
     def forward(self, x: Tensor, memory: Tensor | None = None, *,
                 inputs: AttentionInputs | None = None, cache: LayerKVCache | tuple[Tensor, Tensor] | None = None,
                 need_weights: bool = False, checked: bool = False) -> tuple[Tensor, Tensor | None]:
-        """Attend from x (b, t, d) to itself or to ``memory`` (b, s, d) -> (output (b, t, d), or (n, d)
-        packed; weights (b, h, t, t_k) with ``need_weights``, else None).
-
-        inputs: masks, bias, rotation, cache slots and packing (masks cover the cached keys too).
-        cache: a ``LayerKVCache`` (self-attention: written at ``inputs.slots``) or a (k, v) pair (cross).
-        checked: skip the input checks (a stack checks once)."""
+        """Attend from x (b, t, d), or packed (n, d), to itself or to ``memory`` (b, s, d) -> (output like
+        x, weights (b, h, t, t_k) or None). cache: a ``LayerKVCache`` (self-attention: written at
+        ``inputs.slots``) or a (k, v) pair (cross). checked: skip the input checks (a stack checks once)."""
         inputs = inputs or _NO_INPUTS
         packing = inputs.packing
         if not checked:
@@ -236,7 +203,6 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(self._merge_heads(out, packing)), weights if need_weights else None
 
     def _check_inputs(self, x: Tensor, memory: Tensor | None, inputs: AttentionInputs) -> None:
-        """The checks of a direct call: x and memory of width d_model (or packed as ``inputs`` says)."""
         self.check_input("x", x, inputs.packing)
         if memory is not None and not self.cross:
             raise ValueError("self-attention got memory=; build MultiHeadAttention(cross=True)")
@@ -245,7 +211,6 @@ class MultiHeadAttention(nn.Module):
 
     def _kernel(self, q: Tensor, k: Tensor, v: Tensor, inputs: AttentionInputs, need_weights: bool,
                 checked: bool = True) -> tuple[Tensor, Tensor | None]:
-        """``kernel`` on the heads (its masks and bias checked against them unless ``checked``)."""
         if not checked:
             _check_attention_inputs(q, k, v, inputs.mask, inputs.bias)
         return self.kernel(
@@ -255,9 +220,8 @@ class MultiHeadAttention(nn.Module):
         )  # (b, h, t, d_h), weights
 
     def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
-        """Self-attention of several batches in one pass: x (n_1 + ... + n_g, d) holds each batch's real
-        tokens packed; the projections run once over all of them (one read of the weights), the
-        attention core once per batch over its own cache. No weights, no dropout."""
+        """Self-attention of several batches' real tokens packed in x (n_1 + ... + n_g, d): the projections
+        once over all of them (one read of the weights), the core per batch over its own cache."""
         if self.cross:
             raise ValueError("forward_ragged is self-attention (a decoder-only model's serve steps)")
         if any(inputs.packing is None for inputs, _ in batches):
@@ -273,7 +237,7 @@ class MultiHeadAttention(nn.Module):
 
     def _attend_self(self, qkv: Tensor, inputs: AttentionInputs, cache: LayerKVCache | tuple[Tensor, Tensor] | None,
                      need_weights: bool, checked: bool = True) -> tuple[Tensor, Tensor | None]:
-        """Self-attention from the projected qkv (b, t, q + 2 kv) or (n, q + 2 kv) -> (out, weights or None)."""
+        """Self-attention from the projected qkv (b, t, q + 2 kv) or (n, q + 2 kv)."""
         packing = inputs.packing
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)  # (b, t, .) or (n, .)
@@ -298,8 +262,7 @@ class MultiHeadAttention(nn.Module):
 
     def _memory_kv(self, memory: Tensor | None, memory_packing: Packing | None,
                    cache: LayerKVCache | tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
-        """Cross-attention keys and values, 2 x (b, h_kv, s, d_h): a given pair, the cache layer's, or
-        projected from ``memory`` (and kept in the cache layer for the next steps)."""
+        """Cross-attention k, v (b, h_kv, s, d_h): a given pair, the cache layer's, or projected (and cached)."""
         if isinstance(cache, tuple):
             return cache
         if cache is not None and cache.cross is not None:

@@ -1,14 +1,14 @@
 """The blocks of a paged KV cache (vLLM's block manager in miniature, host ints only): reference
-counts; a prefix index, each full prompt block registered under its chained digest
-(``block_digests``) so a later prompt with the same start holds it (rows write only at their own
-end, so no copy-on-write); LRU eviction of indexed blocks nobody holds, a prefix's end first.
-Block 0 is the null block: never handed out, it pads block tables and takes padding's writes."""
+counts; a prefix index of full prompt blocks under chained digests (``block_digests``), shared by
+later prompts with the same start (rows write only at their own end: no copy-on-write); LRU eviction
+of indexed blocks nobody holds. Block 0, the null block, pads block tables and takes padding's writes."""
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import takewhile
 
 NULL_BLOCK = 0
 
@@ -19,7 +19,7 @@ class OutOfBlocks(RuntimeError):
 
 def block_digests(tokens: Sequence[int], block_size: int) -> list[bytes]:
     """The chained digest of each full block of ``tokens``: digest i (sha256 of digest i - 1 and block
-    i's ids) names tokens[: (i + 1) * block_size]. A last partial block gets none."""
+    i's ids) names tokens[: (i + 1) * block_size]."""
     digests, parent = [], b""
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = tokens[start: start + block_size]
@@ -63,7 +63,7 @@ class BlockPool:
         return len(self._by_digest)
 
     def allocate(self) -> int:
-        """A block for one row (reference count 1): a free one, else the least recently released cached one."""
+        """A block for one row: a free one, else the least recently released cached one."""
         if self._free:
             block = self._free.popleft()
         elif self._evictable:
@@ -106,10 +106,4 @@ class BlockPool:
 
     def lookup(self, digests: Sequence[bytes]) -> list[int]:
         """The blocks of the longest indexed prefix of ``digests`` (not yet retained)."""
-        blocks = []
-        for digest in digests:
-            block = self._by_digest.get(digest)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        return list(takewhile(lambda block: block is not None, map(self._by_digest.get, digests)))

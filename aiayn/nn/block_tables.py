@@ -1,13 +1,6 @@
-"""The host side of a paged KV cache: each row's block table and token count over one ``BlockPool``.
-
-A paged cache (``aiayn.nn.paged_kv_cache``) keeps keys and values on its device; which blocks a row
-holds, how many tokens it has, the blocks' reference counts and the prefix index are host ints,
-kept here, apart from the tensors, as vLLM keeps its block manager apart from its KV tensors. The
-serve scheduler changes them as it plans a step (admission, prefix hits, preemption, leaving) and
-reads the result back at once; the cache's device state (per-row validity, positions, lengths)
-follows the row moves recorded in ``moves`` when the runner calls ``PagedKVCache.follow``.
-
-Shape letters: B block_size.
+"""The host side of a paged KV cache: each row's block table and token count over one ``BlockPool``,
+host ints kept apart from the tensors (as vLLM's block manager). The serve scheduler changes them as
+it plans a step; the cache's device state follows the recorded ``moves`` (``PagedKVCache.follow``).
 """
 
 from __future__ import annotations
@@ -21,9 +14,8 @@ Move = tuple
 
 
 class BlockTables:
-    """``rows`` rows of up to ``max_len`` tokens over a pool of ``n_blocks`` blocks of ``block_size``
-    tokens (block 0 the null block). ``tables[r]``: row r's block ids in order (logical slot s is
-    slot s % B of block tables[r][s // B]); ``lengths[r]``: the tokens row r holds."""
+    """``rows`` rows of up to ``max_len`` tokens over ``n_blocks`` blocks of ``block_size`` tokens.
+    ``tables[r]``: row r's block ids in order; ``lengths[r]``: the tokens row r holds."""
 
     def __init__(self, rows: int, max_len: int, n_blocks: int, block_size: int) -> None:
         self.pool = BlockPool(n_blocks, block_size)
@@ -43,11 +35,9 @@ class BlockTables:
     def grow(self, row: int, n_tokens: int) -> list[int]:
         """Take from the pool the blocks row ``row`` needs for ``n_tokens`` more tokens; its table."""
         table = self.tables[row]
-        for _ in range(self.blocks_for(row, n_tokens)):
-            table.append(self.pool.allocate())
+        table.extend(self.pool.allocate() for _ in range(self.blocks_for(row, n_tokens)))
         return table
 
-    # ---- row moves: the host at once, the device when it follows ----------------------------------
     def clear(self, row: int) -> None:
         """Forget row ``row``'s tokens; its blocks go back to the pool at once."""
         self.pool.release(self.tables[row])
@@ -64,8 +54,7 @@ class BlockTables:
         self.moves.append(("swap", i, j))
 
     def adopt(self, row: int, blocks: Sequence[int]) -> None:
-        """Start empty row ``row`` with the full, computed ``blocks`` of a prompt prefix (a prefix-cache
-        hit: ``pool.lookup``): the row holds them (shared) and continues after their tokens."""
+        """Start empty row ``row`` with the shared, full ``blocks`` of a prompt prefix (``pool.lookup``)."""
         if self.lengths[row]:
             raise ValueError(f"row {row} is not empty; clear it before adopting a prefix")
         n = len(blocks) * self.block_size
@@ -77,8 +66,7 @@ class BlockTables:
         self.moves.append(("adopt", row, n))
 
     def register(self, row: int, digests: Sequence[bytes]) -> None:
-        """Index row ``row``'s full blocks under ``digests`` (``block_digests`` of its tokens), as far as
-        the row holds them: its first min(len(digests), length // B) blocks."""
+        """Index row ``row``'s full blocks under ``digests`` (``block_digests``), as far as it holds them."""
         table = self.tables[row]
         for k in range(min(len(digests), self.lengths[row] // self.block_size)):
             self.pool.register(table[k], digests[k])

@@ -1,5 +1,4 @@
-"""When a forward may read a tensor's values back into Python: free eager on the CPU, a graph break
-compiled and a sync on a GPU. Elsewhere checks happen at the batch boundary or on the device.
+"""When a forward may read a tensor's values back into Python (a graph break compiled, a sync on a GPU).
 Callers go through this module's ``reads_data`` so that a test can patch this one name."""
 
 from __future__ import annotations

@@ -1,40 +1,19 @@
 """The model-wide key/value cache for incremental decoding: every layer's storage
-(``aiayn.nn.kv_layer.LayerKVCache``) and the bookkeeping that says where a forward's new keys go.
+(``aiayn.nn.kv_layer.LayerKVCache``) and where a forward's new keys go. Two ways to fill the rows:
 
-Two ways to fill the rows:
+* **aligned** (the default): every forward appends t slots to every row (``length``, padding
+  included), as one batch decoded together wants (greedy, sampling, beam search's ``reorder``).
+* **per row** (``per_row=True``, continuous batching): row i holds slots [0, lengths[i]); a forward
+  writes its t new tokens at [lengths[i], lengths[i] + t) (``reserve``), right-padded, and advances
+  lengths[i] by its *real* tokens (the padding's keys are overwritten later). Attention reads
+  [0, max lengths + t) under ``valid``, causal by positions (``position_causal_mask``). ``rows``
+  is a view of some rows sharing the buffers; ``clear_row`` frees a row, ``swap_rows`` reorders.
 
-* **aligned** (the default): one slot counter for the whole batch. Every forward appends t slots
-  to every row (``length`` counts them, prompt + generated, padding included), so rows stay
-  aligned and a row with nothing to add gets padding. That suits one batch decoded together
-  (greedy, sampling, beam search, which ``reorder`` serves).
-* **per row** (``per_row=True``): what continuous batching needs. A server's rows join at any step
-  with prompts of any length and leave when they finish, so each row is at its own position:
-
-  - row i holds its tokens in slots [0, lengths[i]); a forward writes row i's t new tokens at
-    [lengths[i], lengths[i] + t) (``reserve`` returns these slots, (b, t), and every layer scatters
-    its keys and values there), then advances lengths[i] by the row's *real* tokens. Rows are
-    right-padded (real tokens first): the padding's keys land after the row's end, marked invalid,
-    and are overwritten by the row's next tokens.
-  - attention reads slots [0, max over rows of lengths[i] + t) under a key mask (``valid``); since
-    the rows' slots do not line up, the stack builds the causal mask from positions instead of
-    slot order (``aiayn.nn.masks.position_causal_mask``).
-  - ``rows(start, stop)`` is a view of a range of rows sharing the buffers: a forward over the view
-    reads and writes those rows only, with no copy (a server runs its decoding rows and its
-    prefilling rows as two such views). ``clear_row`` frees a row at once; ``swap_rows`` reorders.
-
-**A per-row cache reads nothing back from the device.** The lengths live twice: ``lengths``, a (b,)
-tensor on the cache's device (the slots and masks are computed from it there), and
-``host_lengths``, the same numbers as Python ints, from which every extent is known on the host.
-``reserve`` learns each row's real-token count from the caller (``expect``; the engine builds its
-rows on the host and knows them) and has the device check them against the data without waiting
-(``torch._assert_async``); only eager on the CPU (``aiayn.nn.data_checks.reads_data``), or when the
-caller says nothing, does it read the validity back, and then it checks the right-padding itself
-with a clear error (tests/serve/test_no_device_reads.py). Each row's results equal the model run
-on that row alone (tests/consistency/test_row_kv_cache.py).
-
-Quantised caches (``quantize="int8"`` or ``"int4"``) store the self-attention keys and values as
-integers with absmax scales (``aiayn.nn.kv_layer``). Shape letters: b batch, h_kv key/value heads,
-s_max capacity, d_h head width.
+A per-row cache reads nothing back from the device: the lengths live on the device (``lengths``)
+and the host (``host_lengths``), and ``reserve`` takes each row's real-token count from the caller
+(``expect``), checked on the device without waiting; only eager on the CPU, or when not told, does
+it read the validity back (tests/serve/test_no_device_reads.py). Quantised caches ("int8", "int4"):
+``aiayn.nn.kv_layer``. Shape letters: b batch, h_kv key/value heads, s_max capacity, d_h head width.
 """
 
 from __future__ import annotations
@@ -53,15 +32,11 @@ from aiayn.nn.kv_memory import describe_kv_cache, kv_cache_bytes  # noqa: F401  
 
 
 class KVCache:
-    """A whole model's decoding state: its layers' storage (``layers``), and per slot (b, s_max)
-    ``valid`` (a real token, not padding) and ``positions`` (its position id), so later steps can
-    mask padded keys and compute relative-position biases without the earlier tokens. ``length``:
-    the slots the last forward attended over. ``cross``: an encoder-decoder's cross-attention keys
-    and values, one (k, v) pair (b, h_kv, s, d_h) per decoder layer, computed from the encoder output
-    by the first forward (None until then; they stay in float in a quantised cache). Aligned rows,
-    per-row rows and quantisation: the module docstring."""
+    """A whole model's decoding state: its ``layers``' storage, and per slot (b, s_max) ``valid`` (a real
+    token) and ``positions`` (its position id), so later steps mask padded keys and compute relative
+    biases. ``length``: the slots the last forward attended over. ``cross``: an encoder-decoder's
+    cross-attention (k, v) per decoder layer (float even in a quantised cache)."""
 
-    # What a full row's error suggests (per row).
     _full_hint = "create the cache with a larger max_len or send fewer tokens"
 
     def __init__(self, *, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int,
@@ -71,9 +46,7 @@ class KVCache:
         if per_row and cross_attention:
             raise ValueError("a per-row KVCache is for decoder-only self-attention; it holds no cross-attention")
         if batch_size <= 0 or max_len <= 0:
-            raise ValueError(
-                f"KVCache needs positive batch_size and max_len, got {batch_size} and {max_len}"
-            )
+            raise ValueError(f"KVCache needs positive batch_size and max_len, got {batch_size} and {max_len}")
         layers = [LayerKVCache(batch_size, n_kv_heads, head_dim, max_len, quantize=quantize, group_size=group_size,
                                dtype=dtype, device=device) for _ in range(n_layers)]
         self._start(layers, batch_size=batch_size, max_len=max_len, device=device, quantize=quantize,
@@ -88,9 +61,8 @@ class KVCache:
         self.positions = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.length = 0
         self.batch_size, self.max_len = batch_size, max_len
-        # Per row: the tokens each row holds, on the device and on the host. The host list is one
-        # for the whole cache, shared by its views (a view sees its rows from ``_first`` on), so a
-        # write through a view is seen by the cache.
+        # Per row: the tokens each row holds, on the device and on the host; the host list is shared
+        # by the cache's views (a view's rows start at ``_first``).
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.valid.device)
         self._host: list[int] = [0] * batch_size
         self._first = 0
@@ -103,8 +75,7 @@ class KVCache:
 
     @property
     def cross(self) -> list[tuple[Tensor, Tensor]] | None:
-        """Each decoder layer's cross-attention (k, v) (an encoder-decoder; ``LayerKVCache.cross``),
-        or None until the first forward over the cache has projected them all."""
+        """Each decoder layer's cross-attention (k, v), or None until the first forward projected them."""
         pairs = [layer.cross for layer in self.layers]
         return None if any(pair is None for pair in pairs) else pairs  # type: ignore[return-value]
 
@@ -115,53 +86,40 @@ class KVCache:
 
     @property
     def cross_nbytes(self) -> int:
-        """Bytes of the cross-attention keys/values (encoder-decoder; 0 until the first decode step
-        computes them from the encoder output)."""
+        """Bytes of the cross-attention keys/values (0 until the first decode step computes them)."""
         return sum(k.nbytes + v.nbytes for k, v in self.cross or [])
 
     @property
     def nbytes(self) -> int:
-        """Bytes held now: self-attention buffers plus any cross-attention keys/values (what
-        ``kv_cache_bytes`` estimates, with ``src_len`` the source length)."""
+        """Bytes held now, self- and cross-attention (what ``kv_cache_bytes`` estimates)."""
         return self.self_nbytes + self.cross_nbytes
 
     def reserve(self, new_valid: Tensor, new_positions: Tensor, counts: Sequence[int] | None = None) -> Slots:
-        """Record t new slots (their validity and positions, (b, t)); return them: a run from
-        ``length`` on, or per row row i's [lengths[i], lengths[i] + t) (real tokens first; attention
-        reads [0, max + t)). The model calls this once per forward, before its layers write.
-
-        ``counts`` (per row; default: what ``expect`` announced) are each row's real tokens as host
-        ints; without them the validity is read back (free eager on the CPU; a wait on a GPU)."""
+        """Record t new slots (validity and positions, (b, t)) and return them: a run from ``length``, or
+        per row [lengths[i], lengths[i] + t). ``counts``: each row's real tokens as host ints (default:
+        ``expect``'s); without them the validity is read back. Called once per forward."""
         if self.per_row:
             real, end = self._plan(new_valid, counts)
             return Slots.rows(self._record(new_valid, new_positions, real, end), end)
         start, t = self.length, new_valid.shape[1]
         if start + t > self.max_len:
-            raise ValueError(
-                f"KV cache is full: {start} slot(s) used + {t} new token(s) > max_len={self.max_len}; "
-                f"create the cache with a larger max_len"
-            )
+            raise ValueError(f"KV cache is full: {start} slot(s) used + {t} new token(s) > max_len={self.max_len}; "
+                             f"create the cache with a larger max_len")
         if new_valid.shape[0] != self.batch_size:
-            raise ValueError(
-                f"KV cache was created for batch_size={self.batch_size}, got a batch of {new_valid.shape[0]}"
-            )
+            raise ValueError(f"KV cache was created for batch_size={self.batch_size}, got a batch of {new_valid.shape[0]}")
         self.valid[:, start : start + t] = new_valid
         self.positions[:, start : start + t] = new_positions
         self.length = start + t
         return Slots.run(start, t)
 
     def next_positions(self) -> Tensor:
-        """(b,) the position id the next real token of each row gets: its real tokens so far (per row,
-        its length: a row holds real tokens only)."""
+        """(b,) the position id of each row's next real token: its real tokens so far."""
         return self.lengths.clone() if self.per_row else self.valid[:, : self.length].sum(dim=1)
 
     def reorder(self, indices: Tensor | Sequence[int], *, cross: bool = True) -> None:
-        """Select, reorder or repeat batch rows: new row i is old row ``indices[i]`` ((b_new,) long,
-        repeats allowed), in every buffer. Beam search expands sources to beams, follows the beams
-        it keeps and drops finished sources with it. ``cross=False`` keeps the cross-attention keys
-        and values: right only when each row is replaced by one of the same source, and no copy. A
-        per-row cache also takes host ints (nothing read back) and becomes a cache of its own, even
-        from a view."""
+        """New row i is old row ``indices[i]`` ((b_new,) long, repeats allowed), in every buffer (beam
+        search). ``cross=False`` keeps the cross-attention k/v: right when each row is replaced by one
+        of the same source. A per-row cache also takes host ints and becomes a cache of its own."""
         if self.per_row:
             order, index, filled = self._row_order(indices)
         else:
@@ -185,7 +143,7 @@ class KVCache:
         self.batch_size = index.shape[0]
 
     def _row_order(self, indices: Tensor | Sequence[int]) -> tuple[list[int], Tensor, int]:
-        """A per-row reorder's rows, checked: (as ints, as a tensor on the device, the slots filled)."""
+        """A per-row reorder's rows, checked: (ints, a tensor on the device, the slots filled)."""
         if isinstance(indices, Tensor):
             if indices.dim() != 1 or indices.dtype != torch.long:
                 raise ValueError(f"reorder needs a non-empty 1-D long tensor of row indices, got "
@@ -212,21 +170,19 @@ class KVCache:
     # ---- per row ------------------------------------------------------------------------------------
     @property
     def host_lengths(self) -> list[int]:
-        """Tokens held per row of this cache (view), as ints: ``lengths`` without asking the device."""
+        """Tokens held per row of this cache (view): ``lengths`` as host ints."""
         return self._host[self._first: self._first + self.batch_size]
 
     def expect(self, counts: Sequence[int]) -> Self:
-        """Tell the next ``reserve`` (the next forward through this per-row cache) that row i brings
-        ``counts[i]`` real tokens, its first ones: it then reads nothing back from the device to
-        learn them. Returns this cache, to hand on: ``decode_step(model, x, view.expect(counts))``."""
+        """Tell the next ``reserve`` that row i brings ``counts[i]`` real tokens (its first), so nothing is
+        read back; returns this cache: ``decode_step(model, x, view.expect(counts))``."""
         self._per_row_only("expect")
         self._expected = [int(n) for n in counts]
         return self
 
     def rows(self, start: int, stop: int) -> Self:
-        """A view of rows [start, stop) of a per-row cache: the same buffers (writes through it land
-        here), no copy; its masks, positions and lengths sliced, its layers' ``rows`` (each its own
-        object, so two views can be reserved for one step, a ragged forward, without clobbering)."""
+        """A view of rows [start, stop) of a per-row cache sharing its buffers (no copy); its layers are
+        objects of their own, so two views can be reserved for one ragged step."""
         self._per_row_only("rows")
         if not 0 <= start < stop <= self.batch_size:
             raise ValueError(f"rows({start}, {stop}): need 0 <= start < stop <= {self.batch_size}")
@@ -242,8 +198,7 @@ class KVCache:
     def clear_row(self, row: int) -> None:
         """Forget row ``row``'s tokens: the row is free for a new sequence (buffers stay allocated)."""
         self._per_row_only("clear_row")
-        # In-place fills of views: ``lengths[row] = 0`` would copy a host scalar to the device (a
-        # synchronizing copy on CUDA); ``fill_`` passes the value as a kernel argument.
+        # In-place fills: ``lengths[row] = 0`` would be a synchronizing host-to-device copy on CUDA.
         self.lengths[row].zero_()
         self.valid[row].fill_(False)
         self._host[self._first + row] = 0
@@ -262,7 +217,6 @@ class KVCache:
         host[self._first + i], host[self._first + j] = host[self._first + j], host[self._first + i]
 
     def _per_row_only(self, method: str) -> None:
-        """Refuse a per-row operation on an aligned cache (its rows share one length)."""
         if not self.per_row:
             raise ValueError(f"KVCache.{method} needs a length per row: create the cache with per_row=True")
 
@@ -272,9 +226,7 @@ class KVCache:
             swap_in_place(buffer[i], buffer[j])
 
     def _plan(self, new_valid: Tensor, counts: Sequence[int] | None) -> tuple[list[int], int]:
-        """Check a per-row forward of new tokens ``new_valid`` (b, t) against this cache: (each row's
-        real tokens as ints, the slots attention reads [0, end)). ``counts`` default to ``expect``'s;
-        without either the validity is read back (free eager on the CPU; a wait on a GPU)."""
+        """Check a per-row forward of ``new_valid`` (b, t): (each row's real tokens, the slots read [0, end))."""
         b, t = new_valid.shape
         if b != self.batch_size:
             raise ValueError(f"this cache (view) has {self.batch_size} rows, got a batch of {b}")
@@ -291,8 +243,7 @@ class KVCache:
         return real, end
 
     def _record(self, new_valid: Tensor, new_positions: Tensor, real: list[int], end: int) -> Tensor:
-        """Record the new tokens' validity and positions (b, t) at each row's next logical slots,
-        advance the lengths (device and host); return those slots (b, t), on the device."""
+        """Record the new tokens (b, t) at each row's next slots, advance the lengths; return the slots."""
         slots = self.lengths[:, None] + torch.arange(new_valid.shape[1], device=new_valid.device)  # (b, t)
         self.valid.scatter_(1, slots, new_valid)
         self.positions.scatter_(1, slots, new_positions)
@@ -304,14 +255,12 @@ class KVCache:
 
 
 def _real_counts(new_valid: Tensor, steps: Tensor, counts: Sequence[int] | None) -> list[int]:
-    """Each row's real tokens (ints), checked: new_valid (b, t) must be right-padded and, when
-    ``counts`` are given, hold exactly that many real tokens per row."""
+    """Each row's real tokens (ints), checked: new_valid (b, t) right-padded, matching ``counts`` if given."""
     b = new_valid.shape[0]
     if counts is not None and len(counts) != b:
         raise ValueError(f"counts gives {len(counts)} rows, the batch has {b}")
     if counts is not None and not data_checks.reads_data(new_valid):
-        # Trusted host numbers: the device compares them with the data when it gets there (a
-        # mismatch is a device-side assert), and the host does not wait.
+        # Trusted host numbers, compared with the data on the device (the host does not wait).
         expected = steps < to_device(torch.tensor(counts, dtype=torch.long), new_valid.device)[:, None]
         torch._assert_async((new_valid == expected).all(),  # (b, t) vs (b, t)
                             "KVCache.reserve (per row): the rows are not right-padded to the announced counts")

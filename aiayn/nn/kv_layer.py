@@ -1,16 +1,11 @@
 """One attention layer's key/value storage, and where a forward writes into it (``Slots``).
 
-Self-attention keys and values of past tokens never change, so a decoder stores them instead of
-recomputing them for every new token. The buffers here are allocated once at their full size and
-written at a position: a decode step costs O(t_new) projections, with no ``torch.cat`` growth. The
-model-wide cache that reserves the slots and holds every layer's storage: ``aiayn.nn.kv_cache``.
+Past keys and values never change, so a decoder stores them in buffers allocated once at full size
+and written in place (no ``torch.cat`` growth); ``aiayn.nn.kv_cache`` reserves the slots. Quantised
+storage ("int8", "int4") keeps integers with an absmax scale per token, head and ``group_size``
+channels: quantised on write, dequantised on read.
 
-Shape letters: b batch, h_kv key/value heads (GQA/MQA cache only these), s_max capacity, d_h
-head width.
-
-Quantised storage (``quantize="int8"`` or ``"int4"``) keeps keys and values as integers with one
-absmax scale per token, head and group of ``group_size`` channels (default: the whole head):
-quantised on write, dequantised when the attention reads them back.
+Shape letters: b batch, h_kv key/value heads, s_max capacity, d_h head width.
 """
 
 from __future__ import annotations
@@ -28,17 +23,14 @@ RUN, ROWS, SLOT, ROW_SLOT = "run", "rows", "slot", "row_slot"
 
 @dataclass(frozen=True)
 class Slots:
-    """Where one forward's new keys and values go in every layer's cache, and which slots the write
-    returns: [0, ``end``). Made by the cache's ``reserve`` (the compiled steps make theirs in their
-    graph, ``end`` then symbolic); ``kind`` names the layout, the one thing a write dispatches on:
+    """Where one forward's new keys and values go in every layer, and which the write returns: [0, ``end``).
+    ``kind``, the one thing a write dispatches on:
 
-    * ``run``: every row's t new tokens at [start, start + t), a host int (an aligned ``KVCache``: slices);
-    * ``rows``: row i's at ``index[i]``, (b, t) long, each row at its own length (a per-row
-      ``KVCache``'s slots; ``PagedKVCache``'s flat pool slots);
+    * ``run``: every row's t new tokens at [start, start + t) (an aligned ``KVCache``: slices);
+    * ``rows``: row i's at ``index[i]``, (b, t) long (a per-row ``KVCache``; ``PagedKVCache``'s pool slots);
     * ``slot``: every row's one new token at ``index``, (1,) long (the compiled step);
-    * ``row_slot``: row i's one new token at ``index[i, 0]``, (b, 1) long (the compiled per-row step:
-      an indexed store in place, where a ``scatter_`` into a graph input compiles to a copy of the
-      whole buffer and back).
+    * ``row_slot``: row i's one token at ``index[i, 0]``, (b, 1) long (the compiled per-row step: an
+      indexed store, where a ``scatter_`` into a graph input compiles to a copy of the whole buffer).
     """
 
     kind: str
@@ -69,14 +61,9 @@ class Slots:
 
 
 def quantize_absmax(x: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor]:
-    """Symmetric absmax quantisation of (..., d) in groups of ``group_size`` channels.
-
-    Returns (q int8 (..., d) in [-qmax, qmax], scale float16 (..., d / group_size)) with
-    qmax = 2^(bits-1) - 1, so that x ~ q * scale; the error per element is at most scale / 2
-    (plus the float16 rounding of the scale, relative 2^-11 while the scale is a normal float16,
-    i.e. for groups whose absmax exceeds about 0.008 (int8); smaller ones are still bounded by
-    half a step of the rounded scale plus 6e-8 * qmax).
-    """
+    """Symmetric absmax quantisation of (..., d) in groups of ``group_size`` channels -> (q int8 (..., d)
+    in [-qmax, qmax], scale float16 (..., d / group_size)), qmax = 2^(bits-1) - 1, x ~ q * scale: the
+    error per element is at most scale / 2, plus the float16 rounding of the scale."""
     qmax = 2 ** (bits - 1) - 1
     groups = x.float().unflatten(-1, (-1, group_size))  # (..., n_groups, group)
     scale = (groups.abs().amax(dim=-1) / qmax).to(SCALE_DTYPE)  # (..., n_groups)
@@ -104,37 +91,29 @@ def _unpack_int4(p: Tensor) -> Tensor:
 
 
 class LayerKVCache:
-    """One self-attention layer's preallocated keys and values, ``k`` and ``v``: what attention writes
-    (``write``) and reads. Two layouts:
+    """One self-attention layer's preallocated keys and values ``k``, ``v``, written by ``write``. Layouts:
 
     * **rows** (the constructor): (b, h_kv, s_max, d_h) each, row i's slot s at ``[i, :, s]``;
-    * **a block pool** (``pool``, the paged cache's): (n_blocks, B, h_kv, d_h) each, ``block_size``
-      B. The paged cache's ``reserve`` sets the forward's block table (``read_blocks``, (b, n) on the
-      device) and key extent (``read_end``) before the layers write; ``write`` stores the new keys
-      at their flat pool slots and gathers every row's blocks into the contiguous layout SDPA wants
-      (``aiayn.nn.paged_kv_cache``), or a kernel reads the pool in place after ``store``.
+    * **a block pool** (``pool``): (n_blocks, B, h_kv, d_h) each. The paged cache's ``reserve`` sets the
+      block table (``read_blocks``, (b, n)) and key extent (``read_end``); ``write`` stores the keys
+      at their pool slots and gathers the rows' blocks (``aiayn.nn.paged_kv_cache``).
 
-    ``quantize="int8"`` or ``"int4"``: k, v hold the integer codes (int8, or two int4 nibbles a byte:
-    (b, h_kv, s_max, d_h / 2) uint8) and ``k_scale``/``v_scale`` (b, h_kv, s_max, d_h / group_size)
-    their float16 absmax scales. Keys and values are quantised as they are written and the prefix
-    read back is dequantised to the compute dtype, so attention runs in float on values that carry
-    the quantisation error. Storage per token and head: d_h (int8) or d_h / 2 (int4) bytes, plus 2
-    bytes per group.
+    Quantised: k, v hold int8 codes (int4: two nibbles a byte, (b, h_kv, s_max, d_h / 2) uint8) and
+    ``k_scale``/``v_scale`` (b, h_kv, s_max, d_h / group_size) float16 scales; what is read back is
+    dequantised to the compute dtype.
     """
 
     k_scale: Tensor  # (quantised)
     v_scale: Tensor
     group_size: int
     bits: int
-    # A block pool's (``pool``): block size, the forward's block table and key extent, and for one
-    # row whose blocks are consecutive their first id (its keys are then a view of the pool, no
-    # gather). Rows: block_size 0, no table.
+    # A block pool's: block size, the forward's block table and key extent, and for one row of
+    # consecutive blocks the first id (its keys are a view of the pool). Rows: block_size 0.
     block_size = 0
     read_blocks: Tensor | None = None
     read_end = 0
     read_run: int | None = None
-    # A decoder layer's cross-attention keys and values, 2 x (b, h_kv, s, d_h) (an encoder-decoder):
-    # projected from the encoder output by the first forward over the cache, inside the block.
+    # An encoder-decoder's cross-attention k, v (b, h_kv, s, d_h), projected by the first forward.
     cross: tuple[Tensor, Tensor] | None = None
 
     def __init__(self, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int, *,
@@ -174,9 +153,8 @@ class LayerKVCache:
         return layer
 
     def write(self, k: Tensor, v: Tensor, slots: Slots) -> tuple[Tensor, Tensor]:
-        """Store new k, v (b, h_kv, t, d_h) at ``slots`` (any kind; quantised: a run or per-row
-        slots; a block pool: the paged cache's flat pool slots); return [0, slots.end): views of
-        the buffers, or dequantised copies (a block pool: the rows' blocks gathered)."""
+        """Store new k, v (b, h_kv, t, d_h) at ``slots`` (quantised: a run or rows); return [0, slots.end):
+        views of the buffers, or dequantised copies (a block pool: the rows' blocks gathered)."""
         if self.block_size:
             self.store(k, v, slots)
             return self.gather()
@@ -224,15 +202,11 @@ class LayerKVCache:
         """Raise a clear error unless k (b, h_kv, t, d_h) fits at ``pos``."""
         t = k.shape[2]
         if pos + t > self.max_len:
-            raise ValueError(
-                f"KV cache is full: writing {t} token(s) at position {pos} needs {pos + t} slots, "
-                f"but the cache holds {self.max_len}; create the cache with a larger max_len"
-            )
+            raise ValueError(f"KV cache is full: writing {t} token(s) at position {pos} needs {pos + t} slots, "
+                             f"but the cache holds {self.max_len}; create the cache with a larger max_len")
         if k.shape[0] != self.k.shape[0] or k.shape[1] != self.k.shape[1] or k.shape[3] != self.head_dim:
-            raise ValueError(
-                f"KV cache was built for (batch, kv_heads, *, head_dim) = "
-                f"{(self.k.shape[0], self.k.shape[1], '*', self.head_dim)}, got k of shape {tuple(k.shape)}"
-            )
+            raise ValueError(f"KV cache was built for (batch, kv_heads, *, head_dim) = "
+                             f"{(self.k.shape[0], self.k.shape[1], '*', self.head_dim)}, got k of shape {tuple(k.shape)}")
 
     def _row_index(self, k: Tensor, slots: Tensor, width: int) -> Tensor:
         """Per-row slots (b, t) -> the scatter index (b, h_kv, t, width) of new keys k (b, h_kv, t, d_h)."""
@@ -242,9 +216,7 @@ class LayerKVCache:
         return slots[:, None, :, None].expand(-1, k.shape[1], -1, width)
 
     def store(self, k: Tensor, v: Tensor, slots: Slots) -> None:
-        """A block pool's half of ``write``: store new k, v (b, h_kv, t, d_h) at flat pool slots
-        ``slots.index`` (b, t) only (a kernel that reads the pool through ``read_blocks`` follows:
-        ``aiayn.fast.paged_attention``)."""
+        """A block pool's half of ``write``: store new k, v (b, h_kv, t, d_h) at pool slots ``slots.index``."""
         if slots.kind != ROWS or slots.index is None or self.read_blocks is None:
             raise ValueError("a paged KV cache layer is written through PagedKVCache.reserve's slots")
         b, h_kv, t, d_h = k.shape
@@ -253,8 +225,7 @@ class LayerKVCache:
             flat.index_copy_(0, slots.index.reshape(-1), new.transpose(1, 2).reshape(b * t, h_kv, d_h).to(pool.dtype))
 
     def gather(self) -> tuple[Tensor, Tensor]:
-        """A block pool's rows' keys and values over logical slots [0, read_end), contiguous as SDPA
-        wants them: 2 x (b, h_kv, read_end, d_h) (a view of the pool for one row of consecutive blocks)."""
+        """The rows' keys and values over slots [0, read_end), contiguous: 2 x (b, h_kv, read_end, d_h)."""
         assert self.read_blocks is not None, "gather() follows PagedKVCache.reserve"
         _, _, h_kv, d_h = self.k.shape
         b, n = self.read_blocks.shape
@@ -268,17 +239,14 @@ class LayerKVCache:
         return keys.transpose(1, 2), values.transpose(1, 2)  # (b, h_kv, read_end, d_h)
 
     def rows(self, start: int, stop: int) -> LayerKVCache:
-        """This layer as a per-row cache view of rows [start, stop) sees it (``KVCache.rows``): a
-        shallow copy whose buffers are views of those rows (a block pool: the same pool, whose block
-        table and extent a forward through the view sets)."""
+        """This layer as a view of rows [start, stop) sees it (``KVCache.rows``); a block pool: the same pool."""
         view = copy.copy(self)
         for name in self._row_buffers:
             setattr(view, name, getattr(self, name)[start:stop])
         return view
 
     def swap_rows(self, i: int, j: int, n: int) -> None:
-        """Exchange the first n slots of rows i and j, in place."""
-        # Plain integer indexing (no index tensor: a list index would be a host-to-device copy).
+        """Exchange the first n slots of rows i and j, in place (int indexing: no host-to-device copy)."""
         for name in self._row_buffers:
             buffer = getattr(self, name)  # (b, h_kv, s_max, d_h) or its scales
             swap_in_place(buffer[i, :, :n], buffer[j, :, :n])  # (h_kv, n, d_h) each

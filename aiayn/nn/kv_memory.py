@@ -30,20 +30,13 @@ SCALE_DTYPE = torch.float16  # the scales' type: 2 bytes per token, head and gro
 def kv_cache_bytes(*, n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, batch_size: int,
                    dtype: torch.dtype | str = torch.float32, group_size: int | None = None,
                    src_len: int = 0) -> int:
-    """Memory of a KV cache: 2 (k and v) x layers x kv_heads x head_dim x seq_len x batch x bytes.
+    """Memory of a KV cache: 2 (k and v) x layers x kv_heads x head_dim x seq_len x batch x bytes
+    (batch 32, 32 layers, 32 heads of 128, 2048 tokens, float32: 64 GiB).
 
-    Example (the seeds'): batch 32, 32 layers, 32 heads of 128 (d_model 4096), 2048 tokens,
-    float32 -> 68,719,476,736 bytes = 64 GiB.
-
-    ``dtype="int8"``/``"int4"`` is the quantised cache: 1 byte (int8) or half a byte (int4, two per
-    byte) per element, plus a float16 scale per token, head and ``group_size`` channels (default:
-    one per head) -- exactly what ``KVCache(quantize=...).nbytes`` holds.
-
-    ``src_len`` > 0: a decoder of an encoder-decoder, whose every layer also keeps the
-    cross-attention keys and values of the ``src_len`` source tokens (computed once from the
-    encoder output): plus 2 x layers x kv_heads x head_dim x src_len x batch x bytes of ``dtype``
-    (float32 for a quantised cache: they stay in float).
-    """
+    ``dtype="int8"``/``"int4"``: 1 or 1/2 byte per element plus a float16 scale per token, head and
+    ``group_size`` channels, as ``KVCache(quantize=...).nbytes``. ``src_len`` > 0: an encoder-decoder's
+    cross-attention keys and values too, 2 x layers x kv_heads x head_dim x src_len x batch (float32
+    for a quantised cache)."""
     for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
                         ("seq_len", seq_len), ("batch_size", batch_size)):
         if value <= 0:
@@ -81,11 +74,9 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-# ---- the memory estimate, described (``aiayn kv-cache``) ----------------------------------------
 def cache_sizes(config: ModelConfig) -> dict[str, int]:
-    """The sizes a model's KV cache is made of: n_layers (its decoder's), n_heads, n_kv_heads,
-    d_model, head_dim, seq_len (the model's max_seq_len) and src_len (an encoder-decoder's source
-    length for the cross-attention keys/values: max_seq_len too; 0 for other models)."""
+    """The sizes a model's KV cache is made of (``kv_cache_bytes``' arguments but the batch, and n_heads,
+    d_model); seq_len and an encoder-decoder's src_len are max_seq_len."""
     n_layers = config.n_decoder_layers if config.arch != "encoder-only" else config.n_layers
     return {"n_layers": n_layers, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
             "d_model": config.d_model, "head_dim": config.head_dim, "seq_len": config.max_seq_len,
@@ -95,10 +86,8 @@ def cache_sizes(config: ModelConfig) -> dict[str, int]:
 def describe_kv_cache(*, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int,
                       batch_size: int, dtype: str = "float32", group_size: int | None = None,
                       src_len: int = 0) -> list[str]:
-    """``kv_cache_bytes`` as lines to print: the total, the product it comes from (self-attention,
-    and cross-attention when ``src_len`` > 0), and what float32 (for a quantised cache) or
-    multi-head attention (for GQA/MQA) would need instead.
-    ValueError (from ``kv_cache_bytes``) for a group_size that does not fit."""
+    """``kv_cache_bytes`` as lines to print: the total, the products it comes from, and what float32 (for
+    a quantised cache) or multi-head attention (for GQA/MQA) would need instead."""
     sizes = dict(n_layers=n_layers, n_kv_heads=n_kv_heads, head_dim=head_dim, seq_len=seq_len,
                  batch_size=batch_size)
     total = kv_cache_bytes(**sizes, dtype=dtype, group_size=group_size, src_len=src_len)

@@ -1,6 +1,5 @@
-"""Restricted self-attention (the paper's Table 1): each query sees the keys within ``radius``
-positions, O(t · r · d) per layer. ``local_attention`` computes only those 2r + 1 scores; it
-equals ``scaled_dot_product_attention`` with ``sliding_window_mask``.
+"""Restricted self-attention (the paper's Table 1), O(t · r · d) per layer: only the 2r + 1 scores
+within ``radius``; equals ``scaled_dot_product_attention`` with ``sliding_window_mask``.
 
 Shape letters: b batch, h heads, t length, d_h head width, w = 2r + 1."""
 

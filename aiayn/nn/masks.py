@@ -1,16 +1,9 @@
-"""The one mask convention of aiayn.
-
-**A mask is a boolean tensor in which True means "this query may attend to this key".** It
-broadcasts against scores of shape (b, h, t_q, t_k), as ``F.scaled_dot_product_attention``'s (the
-opposite of ``nn.MultiheadAttention``'s ``key_padding_mask``). By dimension count:
-
-* 4-D (b or 1, h or 1, t_q or 1, t_k): as it stands;
-* **3-D (b or 1, t_q or 1, t_k): one mask per batch element, shared by the heads** (read as
-  (b, 1, t_q, t_k); plain broadcasting would give batch element i's mask to head i);
-* 2-D (t_q or 1, t_k) and 1-D (t_k,): the same for every batch element and head.
-
-Additive biases (ALiBi, T5, a float mask) have the same shapes. A query whose keys are all masked
-outputs zero, never NaN."""
+"""The one mask convention of aiayn: **a bool tensor, True = "this query may attend to this key"**
+(``F.scaled_dot_product_attention``'s; the opposite of ``nn.MultiheadAttention``'s
+``key_padding_mask``), broadcast against scores (b, h, t_q, t_k). 4-D as it stands; **3-D
+(b, t_q, t_k): one mask per batch element, shared by the heads**; 2-D and 1-D: the same for every
+batch element and head. Additive biases (ALiBi, T5) have the same shapes. A query whose keys are all
+masked outputs zero, never NaN."""
 
 from __future__ import annotations
 
@@ -21,8 +14,7 @@ from torch import Tensor
 
 
 def valid_tokens(tokens: Tensor, pad_id: int | None, valid: Tensor | None = None) -> Tensor:
-    """(b, t) bool, True at real tokens: ``valid`` when given (checked), else ``tokens != pad_id``, or
-    all True without a pad_id. The one rule for which tokens are real."""
+    """(b, t) bool, True at real tokens: ``valid`` (checked), else ``tokens != pad_id`` (all True without)."""
     if valid is None:
         return tokens != pad_id if pad_id is not None else torch.ones_like(tokens, dtype=torch.bool)
     if not isinstance(valid, Tensor) or valid.dtype != torch.bool:
@@ -39,14 +31,11 @@ def key_mask(valid: Tensor) -> Tensor:
 
 
 def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | None = None) -> Tensor:
-    """Right-aligned causal mask, (1, 1, t_q, t_k): query i sits at key position ``t_k - t_q + i``
-    (a cached step's several new tokens see every earlier key)."""
+    """Right-aligned causal mask (1, 1, t_q, t_k): query i sits at key position ``t_k - t_q + i``."""
     k_len = q_len if k_len is None else k_len
     if k_len < q_len:
-        raise ValueError(
-            f"causal_mask: k_len ({k_len}) must be >= q_len ({q_len}); the queries are the last "
-            f"q_len of the keys"
-        )
+        raise ValueError(f"causal_mask: k_len ({k_len}) must be >= q_len ({q_len}); the queries are the last "
+                         f"q_len of the keys")
     q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]  # (t_q, 1)
     k_pos = torch.arange(k_len, device=device)[None, :]  # (1, t_k)
     return (k_pos <= q_pos)[None, None]
@@ -54,8 +43,8 @@ def causal_mask(q_len: int, k_len: int | None = None, *, device: torch.device | 
 
 def sliding_window_mask(q_len: int, k_len: int | None = None, *, radius: int,
                         causal: bool = False, device: torch.device | None = None) -> Tensor:
-    """Restricted (local) attention, the paper's Table 1: query i sees the keys within ``radius`` of it
-    (only earlier ones with ``causal``), (1, 1, t_q, t_k), right-aligned like ``causal_mask``."""
+    """Restricted attention (the paper's Table 1): query i sees the keys within ``radius`` (only earlier
+    ones with ``causal``), (1, 1, t_q, t_k), right-aligned like ``causal_mask``."""
     k_len = q_len if k_len is None else k_len
     if radius < 0 or k_len < q_len:
         raise ValueError(f"sliding_window_mask: need radius >= 0 and k_len >= q_len, got radius {radius}, "
@@ -72,8 +61,7 @@ def scores_shaped(mask: Tensor | None) -> Tensor | None:
 
 
 def position_causal_mask(q_positions: Tensor, k_positions: Tensor) -> Tensor:
-    """(b, t_q) query and (b, t_k) key position ids -> (b, 1, t_q, t_k), True where the key's position
-    is at most the query's: causality for a cache whose rows' slots do not line up."""
+    """(b, t_q), (b, t_k) position ids -> (b, 1, t_q, t_k): causality for rows whose slots do not line up."""
     return (k_positions[:, None, :] <= q_positions[:, :, None])[:, None]
 
 
@@ -104,9 +92,8 @@ class AttentionMasks:
 
 def attention_masks(mask: Tensor | None, bias: Tensor | None, causal: bool, t_q: int, t_k: int,
                     dtype: torch.dtype, device: torch.device, *, fused: bool) -> AttentionMasks:
-    """The masks of attention from t_q queries to t_k keys: ``mask`` and ``bias`` (3-D shared by the
-    heads), right-aligned causal, and a query that sees no key made to see every key (its output
-    zeroed by ``row_valid``). ``fused``: the fused kernel masks a square causal call itself."""
+    """The masks of t_q queries over t_k keys: ``mask``, ``bias``, right-aligned causal, and a query that
+    sees no key made to see every key (zeroed by ``row_valid``). ``fused``: SDPA masks square causal itself."""
     mask, bias = scores_shaped(mask), scores_shaped(bias)  # 3-D: (b, t_q, t_k) -> (b, 1, t_q, t_k)
     is_causal = fused and causal and mask is None and bias is None and t_q == t_k
     callers_mask = mask is not None  # may leave a query no key (a right-aligned causal mask never does)

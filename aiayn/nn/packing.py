@@ -1,8 +1,5 @@
-"""Padding-free ("packed") token-wise layers: compute only the real tokens of a padded batch.
-
-Only attention mixes positions, and it never attends to a padded key, so the residual stream can
-live packed, (n, d), and only the attention core sees the padded (b, t) layout. The real tokens'
-results are the padded computation's; only padded positions differ.
+"""Padding-free ("packed") token-wise layers: only attention mixes positions and never attends to a
+padded key, so the residual stream can live packed, (n, d), and only the attention core sees (b, t).
 
 Shape letters: b batch, t padded length, n real tokens, f any trailing feature dimensions."""
 
@@ -27,7 +24,6 @@ class Packing:
 
     @classmethod
     def of(cls, valid: Tensor) -> Packing:
-        """valid (b, t) bool, True at real tokens."""
         b, t = valid.shape
         return cls(valid.reshape(-1).nonzero().squeeze(1), b, t)
 
@@ -57,7 +53,6 @@ class Packing:
         """(n, *f) -> (b, t, *f), zeros at padding."""
         if self.full:
             return x.view(self.batch, self.length, *x.shape[1:])
-        # In place into fresh zeros: out-of-place index_copy would copy the zeros once more.
         rows = x.new_zeros(self.batch * self.length, *x.shape[1:])
-        rows.index_copy_(0, self.index, x)  # autograd: the gradient of x is grad.index_select(index)
+        rows.index_copy_(0, self.index, x)  # in place: out of place would copy the zeros once more
         return rows.view(self.batch, self.length, *x.shape[1:])

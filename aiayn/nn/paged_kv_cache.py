@@ -1,31 +1,16 @@
-"""A paged KV cache: keys and values in a pool of fixed-size blocks, a block table per row.
+"""A paged KV cache (vLLM's PagedAttention, Kwon et al., 2023): keys and values in a pool of blocks.
 
-A per-row ``KVCache`` gives each row a slot of ``max_len`` tokens: memory follows the longest possible
-request. ``PagedKVCache`` follows vLLM's PagedAttention (Kwon et al., 2023): every layer keeps its
-keys and values in one pool of ``n_blocks`` blocks of ``block_size`` tokens, (n_blocks, block_size,
-h_kv, d_h) each, and row i holds a block table, the ids of the blocks that hold its tokens in order
-(logical slot s of the row is slot s % block_size of block table[s // block_size]). Blocks are
-taken from the pool as a row grows (``reserve``) and go back at once when it leaves
-(``clear_row``); rows may share the full blocks of a common prompt prefix (``adopt``; see
-``aiayn.nn.block_pool`` for the reference counts, the prefix index and why no copy-on-write is
-needed). That bookkeeping (tables, lengths, pool) is host ints, held apart from the tensors by
-``aiayn.nn.block_tables.BlockTables``; a row operation changes it first, then the device state
-follows (``follow``).
+Every layer keeps its keys and values in one pool of ``n_blocks`` blocks of ``block_size`` tokens,
+(n_blocks, B, h_kv, d_h); row i holds a block table (logical slot s is slot s % B of block
+table[s // B]), so memory follows the tokens held, not ``max_len`` per row. Blocks are taken as a
+row grows (``reserve``), given back when it leaves (``clear_row``), and shared by rows with a common
+prompt prefix (``adopt``; ``aiayn.nn.block_pool``). That bookkeeping is host ints
+(``aiayn.nn.block_tables.BlockTables``); the device state follows its row moves (``follow``).
 
-Attention over it, plain PyTorch (the reference, and the path everywhere but below): each layer
-writes the new keys and values into their pool slots (``store``: ``index_copy_`` at flat slot ids,
-(b * t,), computed on the host from the tables) and then gathers the rows' blocks into the
-contiguous layout ``F.scaled_dot_product_attention`` wants (``gather``: ``index_select`` of whole
-blocks by the (b, n) block table, padded with the null block, viewed as (b, n * block_size, h_kv,
-d_h) and cut to the extent the rows need). That gather is the price of paging on top of
-the per-row ``KVCache``'s in-place read. On the CPU, a model converted by ``aiayn.fast.optimize`` skips it
-for decode steps: ``aiayn.fast.paged_attention`` stores the keys and reads the pool in place through
-``read_blocks`` (a C++ kernel; ``python -m benchmarks.kv_cache --paged`` measures both).
-
-Everything else is the per-row ``KVCache``'s contract (``PagedKVCache`` derives from it), so the
-stacks and the serve engine use it the same way (``swap_rows`` here swaps two tables: no keys move),
-and **nothing is read back from the device**. Padding tokens of a right-padded forward write into
-the null block and are masked. Quantised keys and values are refused (use a per-row ``KVCache``).
+Plain PyTorch attention writes the new keys into their pool slots (``store``) and gathers the rows'
+blocks into the contiguous layout SDPA wants (``gather``); ``aiayn.fast.paged_attention`` reads the
+pool in place instead. Otherwise this is the per-row ``KVCache``'s contract (nothing read back from
+the device; padding writes into the null block); quantised keys are refused.
 
 Shape letters: b rows, t new tokens, n blocks per row, B block_size, h_kv key/value heads, d_h head width.
 """
@@ -45,10 +30,9 @@ from aiayn.nn.kv_layer import LayerKVCache, Slots
 
 
 class PagedKVCache(KVCache):
-    """``rows`` sequences over a pool of ``n_blocks`` blocks of ``block_size`` tokens per layer (block 0
-    the null block); each row holds up to ``max_len`` tokens. Decoder self-attention only.
-    ``tables``: the host bookkeeping (``BlockTables``); whoever moves its rows there directly (the
-    serve scheduler, as it plans) has the device state ``follow`` them before the next forward."""
+    """``batch_size`` rows of up to ``max_len`` tokens over ``n_blocks`` blocks per layer (block 0 the null
+    block); decoder self-attention only. Whoever moves rows in ``tables`` directly (the serve
+    scheduler) has the device state ``follow`` them before the next forward."""
 
     _full_hint = "send fewer tokens"
 
@@ -72,7 +56,6 @@ class PagedKVCache(KVCache):
 
     @property
     def pool(self) -> BlockPool:
-        """The blocks' reference counts and prefix index (``aiayn.nn.block_pool.BlockPool``)."""
         return self.tables.pool
 
     def table(self, row: int) -> list[int]:
@@ -84,9 +67,8 @@ class PagedKVCache(KVCache):
         return self.tables.blocks_for(self._first + row, n_tokens)
 
     def reserve(self, new_valid: Tensor, new_positions: Tensor, counts: Sequence[int] | None = None) -> Slots:
-        """Record each row's t new tokens (validity and positions, (b, t), real tokens first), taking
-        the blocks they need from the pool; return their flat pool slots (b, t) (padding: the null
-        block's). ValueError when a row would pass ``max_len`` or the pool has too few blocks."""
+        """Record each row's t new tokens (b, t), right-padded, taking the blocks they need; return their
+        flat pool slots (b, t) (padding: the null block's). ValueError past ``max_len`` or out of blocks."""
         if self.tables.moves:
             raise RuntimeError("the block tables moved rows the device has not followed; call follow() first")
         b, t = new_valid.shape
@@ -105,7 +87,6 @@ class PagedKVCache(KVCache):
         width = -(-end // B)  # blocks per row read, n
         tables = [self.tables.tables[self._first + i][:width] for i in range(b)]
         tables = [table + [NULL_BLOCK] * (width - len(table)) for table in tables]
-        # Built on the host, one copy each (to_device pins and does not wait on CUDA).
         write_slots = to_device(torch.tensor(slots, dtype=torch.long).reshape(b, t), new_valid.device)
         first = tables[0][0]
         run = first if b == 1 and tables[0] == list(range(first, first + width)) and first != NULL_BLOCK else None
@@ -127,26 +108,21 @@ class PagedKVCache(KVCache):
         self.follow()
 
     def reorder(self, indices: Tensor | Sequence[int], *, cross: bool = True) -> None:
-        """Refused: a repeated row would share its last, partly filled block with its copy, which
-        both would then write (there is no copy-on-write); rows move by ``swap_rows``, ``clear_row``
-        and ``adopt``."""
+        """Refused: a repeated row would share its partly filled last block with its copy (no copy-on-write)."""
         raise ValueError("a paged KV cache moves rows by their block tables (swap_rows, clear_row, adopt), "
                          "not by reorder; use a per-row KVCache for beam search")
 
     def adopt(self, row: int, blocks: Sequence[int]) -> None:
-        """Start empty row ``row`` with the full, computed ``blocks`` of a prompt prefix (a prefix-cache
-        hit: ``pool.lookup``): the row holds them (shared) and continues after their tokens."""
+        """Start empty row ``row`` with the shared, full ``blocks`` of a prompt prefix (``pool.lookup``)."""
         self.tables.adopt(self._first + row, blocks)
         self.follow()
 
     def register(self, row: int, digests: Sequence[bytes]) -> None:
-        """Index row ``row``'s full blocks under ``digests`` (``block_digests`` of its tokens), as far as
-        the row holds them: its first min(len(digests), length // block_size) blocks."""
+        """Index row ``row``'s full blocks under ``digests`` (``block_digests`` of its tokens)."""
         self.tables.register(self._first + row, digests)
 
     def follow(self) -> None:
-        """Make the device's per-row state (validity, positions, lengths) follow the row moves the
-        host tables recorded, in order (device work only: nothing is read back)."""
+        """Make the device's per-row state follow the row moves the host tables recorded, in order."""
         for move in self.tables.take_moves():
             rows = [r - self._first for r in move[1: 3 if move[0] == "swap" else 2]]
             if not all(0 <= r < self.batch_size for r in rows):
@@ -154,7 +130,6 @@ class PagedKVCache(KVCache):
             if move[0] == "swap":
                 self._swap_row_state(rows[0], rows[1])
             elif move[0] == "clear":
-                # In-place fills of views: a host scalar assigned would be a (synchronizing) copy.
                 self.lengths[rows[0]].zero_()
                 self.valid[rows[0]].fill_(False)
             else:  # adopt: the row holds move[2] tokens, the token in logical slot s at position s

@@ -15,10 +15,8 @@ SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 
 
 def sinusoidal_encoding(positions: Tensor, d_model: int, *, layout: str = "interleaved") -> Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)).
-
-    ``layout="split"``: the sines in the first half, the cosines in the second (Marian / fairseq).
-    positions (...) -> (..., d_model) float32, the angles computed in float64 and rounded once."""
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); positions (...) ->
+    (..., d_model) float32, computed in float64. ``layout="split"``: sines, then cosines (Marian, fairseq)."""
     if d_model % 2 != 0:
         raise ValueError(f"sinusoidal_encoding needs an even d_model, got {d_model}")
     if layout not in SINUSOIDAL_LAYOUTS:
@@ -39,10 +37,8 @@ def _check_positions(positions: Tensor, max_len: int, what: str) -> None:
     if not data_checks.reads_data(positions):
         return
     if positions.numel() and int(positions.max()) >= max_len:
-        raise ValueError(
-            f"{what}: position {int(positions.max())} is beyond the model's maximum "
-            f"(max_seq_len={max_len}); shorten the input or build the model with a larger max_seq_len"
-        )
+        raise ValueError(f"{what}: position {int(positions.max())} is beyond the model's maximum "
+                         f"(max_seq_len={max_len}); shorten the input or build the model with a larger max_seq_len")
 
 
 class SinusoidalPositionalEncoding(nn.Module):
@@ -61,8 +57,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 
 
 class LearnedPositionalEmbedding(nn.Embedding):
-    """A trained vector per position (BERT, GPT-2); with ``offset``, position p reads row p + offset
-    (BART's 2 rows in front)."""
+    """A trained vector per position (BERT, GPT-2); position p reads row p + ``offset`` (BART's 2)."""
 
     def __init__(self, max_len: int, d_model: int, *, offset: int = 0) -> None:
         super().__init__(max_len + offset, d_model)
@@ -81,8 +76,8 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (x_i, x_{i + d/2}) by angle pos * theta_i; x (b, h, t, d_h), cos, sin (b or 1, t,
-    d_h). The half-split pairing is Hugging Face LLaMA's."""
+    """Rotate pairs (x_i, x_{i + d/2}) (Hugging Face LLaMA's) by pos * theta_i; x (b, h, t, d_h), cos, sin
+    (b or 1, t, d_h)."""
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)  # (b, 1, t, d_h)
     return x * cos + rotate_half(x) * sin
 
