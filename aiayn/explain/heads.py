@@ -1,6 +1,5 @@
-"""Why several heads, and what they cost (section 3.2.2): h heads of width d_model / h against one of width
-d_model, counted with torch's FlopCounterMode on the written-out MultiHeadAttention. The projections are the
-same matrices cut into slices, so h heads do not cost h times as much."""
+"""What several heads cost (section 3.2.2): h heads of width d_model / h against one of width d_model,
+counted with FlopCounterMode on the written-out MultiHeadAttention."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Screenshots of every view, for the docs: ``python -m aiayn.explore.screenshots --out docs/explore
 --translation RUN --char RUN [--minilm DIR] [--smollm2 FILE]``.
 
-Each model is served on 127.0.0.1 and its views opened in Debian's chromium through Playwright; a view a model
-does not have is skipped, and console errors abort the run."""
+Each model's views are opened in chromium through Playwright; console errors abort the run."""
 
 from __future__ import annotations
 

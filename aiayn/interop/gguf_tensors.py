@@ -1,5 +1,4 @@
-"""A GGUF LLaMA's tensors one by one: Hugging Face names, PyTorch shapes and float values, for the float and
-the packed loaders."""
+"""A GGUF LLaMA's tensors one by one: Hugging Face names, PyTorch shapes and float values."""
 
 from __future__ import annotations
 
@@ -78,10 +77,8 @@ def float_tensor(tensor: ReaderTensor, hf_config: dict[str, Any]) -> Tensor:
 
 
 def unpermute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
-    """Undo llama.cpp's per-head row permutation of a q or k projection (weight or bias).
-
-    llama.cpp's converter interleaves each head's two halves for ggml's adjacent-pair RoPE; aiayn, like
-    Hugging Face, rotates halves. weight (n_heads * d_h, ...) -> same shape."""
+    """Undo llama.cpp's per-head row interleaving of a q or k projection (for ggml's adjacent-pair RoPE;
+    aiayn, like Hugging Face, rotates halves). weight (n_heads * d_h, ...) -> same shape."""
     rows = weight.shape[0]
     if rows % (2 * n_heads):
         raise GGUFError(f"a q/k projection with {rows} rows cannot be split into {n_heads} heads of even width")

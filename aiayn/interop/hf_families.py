@@ -1,8 +1,5 @@
-"""Hugging Face model families: config.json <-> ModelConfig, and tensor-name rules.
-
-``Family`` and the config helpers; the families live in ``hf_decoders`` and ``hf_encoders``, one class each,
-and ``hf.py`` runs them. Shape letters: d hidden size, h/h_kv query/key-value heads, d_h head width, f
-intermediate size, v vocabulary."""
+"""Hugging Face model families (config.json <-> ModelConfig, tensor-name rules): ``Family`` and its helpers;
+the families are in ``hf_decoders`` and ``hf_encoders``."""
 
 from __future__ import annotations
 
@@ -111,8 +108,7 @@ class Family:
 
 
 def check_export(cfg: ModelConfig, family: str, **expected: Any) -> None:
-    """InteropError naming each field of ``cfg`` that differs from what ``family`` needs (a value, or one of a
-    tuple's), as 'field=value (needs X)'."""
+    """InteropError naming each field of ``cfg`` that is not what ``family`` needs (a value, or a tuple's)."""
     bad = [f"{key}={getattr(cfg, key)!r} (needs {want!r})" for key, want in expected.items()
            if not (getattr(cfg, key) in want if isinstance(want, tuple) else getattr(cfg, key) == want)]
     if bad:

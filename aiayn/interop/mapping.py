@@ -1,8 +1,5 @@
-"""The generic part of checkpoint conversion: name rules, and copying tensors through them.
-
-A family's converter is a list of ``Rule``\\ s, each making one aiayn parameter from source tensors (copied,
-transposed or stacked); the same rules export. ``load_tensors`` checks every source tensor is used once, every
-parameter written once, every shape matches (``InteropError``)."""
+"""Checkpoint conversion by name rules: each ``Rule`` makes one aiayn parameter from source tensors (copied,
+transposed or stacked), and the same rules export."""
 
 from __future__ import annotations
 
@@ -118,10 +115,8 @@ def _short_list(names: Iterable[str], limit: int = 8) -> str:
 
 def load_tensors(model: nn.Module, tensors: dict[str, Tensor], rules: list[Rule], *, source: str,
                  ignore: Iterable[str] = ()) -> list[str]:
-    """Copy ``tensors`` into ``model`` through ``rules``; return the optional groups left out.
-
-    ``ignore``: regular expressions of source names not loaded; ``source``: the checkpoint's name in messages.
-    Raises ``InteropError`` for a missing tensor, a shape mismatch or a leftover tensor."""
+    """Copy ``tensors`` (but names ``ignore`` matches) into ``model`` through ``rules``; return the optional
+    groups left out. ``InteropError`` for a missing tensor, a shape mismatch or a leftover tensor."""
     params = model_parameters(model)
     _check_rules(rules, params)
     patterns = [re.compile(p) for p in ignore]
