@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime
 import math
 import platform
+import statistics
 import time
+import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,12 +94,7 @@ def timed(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1) -> float:
     """The median wall time of ``fn()`` in seconds over ``repeat`` calls (after ``warmup``)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return statistics.median_high(timeit.repeat(fn, number=1, repeat=repeat))
 
 
 def train_briefly(task: Task, model: nn.Module, *, steps: int, batch_size: int, lr: float,

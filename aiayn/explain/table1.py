@@ -194,12 +194,8 @@ the shapes of the curves, not the milliseconds.
 
 def _stays_above(lengths: list[int], ratio: Callable[[int], float]) -> int | None:
     """The smallest n from which ``ratio(n)`` > 1 for every larger n of the grid."""
-    found = None
-    for n in reversed(lengths):
-        if ratio(n) <= 1:
-            break
-        found = n
-    return found
+    above = [n for i, n in enumerate(lengths) if all(ratio(m) > 1 for m in lengths[i:])]
+    return above[0] if above else None
 
 
 def _n(value: int | None) -> str:

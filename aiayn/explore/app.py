@@ -114,7 +114,6 @@ def create_app(ex: Explorable) -> FastAPI:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}

@@ -160,19 +160,11 @@ def _from_run(run_dir: Path) -> Explorable:
                           **common)
     tokenizer = getattr(task, "tokenizer", None)
     if tokenizer is not None and config.arch in ("decoder-only", "encoder-only"):
-        if isinstance(tokenizer, CharTokenizer):
-            def encode(text: str) -> list[int]:
-                return tokenizer.encode(text).tolist()
-
-            def piece(i: int) -> str:
-                return tokenizer.decode([i])
-        else:  # BPETokenizer
-            def encode(text: str) -> list[int]:
-                return list(tokenizer.encode(text))
-
-            piece = tokenizer.tokenizer.id_to_token
+        char = isinstance(tokenizer, CharTokenizer)  # its encode gives a tensor; a BPETokenizer's a list
         kind = "decoder" if config.arch == "decoder-only" else "encoder"
-        return Explorable(kind=kind, encode=encode, piece=piece, decode=tokenizer.decode,
+        piece = (lambda i: tokenizer.decode([i])) if char else tokenizer.tokenizer.id_to_token
+        return Explorable(kind=kind, encode=(lambda text: tokenizer.encode(text).tolist()) if char else
+                          tokenizer.encode, piece=piece, decode=tokenizer.decode,
                           default_text="ROMEO:\nWhat light through yonder window breaks?", **common)
     # The task's test example is the default input; when its data is missing the page needs an input.
     with contextlib.suppress(Exception):

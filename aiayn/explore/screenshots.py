@@ -17,7 +17,6 @@ from aiayn.explore.models import Explorable, load_explorable
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]
-VIEWS = ("attention", "generate", "beam", "positions", "training")
 
 
 def _attention(page: Any, ex: Explorable) -> None:
@@ -44,16 +43,10 @@ def _beam(page: Any, ex: Explorable) -> None:
     page.wait_for_timeout(1500)
 
 
-def _positions(page: Any, ex: Explorable) -> None:
-    page.wait_for_selector("#pos-model")
-
-
-def _training(page: Any, ex: Explorable) -> None:
-    page.wait_for_selector("#train-charts")
-
-
 ACTIONS: dict[str, Callable[[Any, Explorable], None]] = {
-    "attention": _attention, "generate": _generate, "beam": _beam, "positions": _positions, "training": _training}
+    "attention": _attention, "generate": _generate, "beam": _beam,
+    "positions": lambda page, ex: page.wait_for_selector("#pos-model"),
+    "training": lambda page, ex: page.wait_for_selector("#train-charts")}
 
 
 def _palette(path: Path) -> None:
@@ -85,7 +78,7 @@ def shoot(ex: Explorable, name: str, out: Path, browser: Any) -> list[Path]:
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
         views = ex.summary()["views"]
-        for view in VIEWS:
+        for view in ACTIONS:
             if views[view] is not None:
                 continue
             page.goto(f"http://127.0.0.1:{port}/#{view}")

@@ -15,17 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from aiayn.config import ModelConfig
 from aiayn.interop.gguf_tensors import IGNORED, PER_BLOCK, float_tensor, hf_name, torch_shape
-from aiayn.interop.gguf_text import (
-    ChatTemplate,
-    GGUFError,
-    chat_template,
-    gguf_tokenizer,
-    need_key,
-)
+from aiayn.interop.gguf_text import ChatTemplate, GGUFError, chat_template, gguf_tokenizer, need_key
 from aiayn.interop.hf import from_hf_state
 from aiayn.interop.mapping import InteropError
 
@@ -38,13 +32,6 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 # ggml tensor types aiayn dequantises (names of gguf.GGMLQuantizationType members).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-
-def _import_gguf() -> Any:
-    try:
-        import gguf
-    except ImportError as exc:
-        raise GGUFError("loading GGUF files needs the 'gguf' package: pip install gguf") from exc
-    return gguf
 
 
 def _reader_class(base: type) -> type:
@@ -157,17 +144,15 @@ def open_gguf(path: str | Path) -> GGUFReader:
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r})")
     check_header(path)
-    gguf = _import_gguf()
+    try:
+        import gguf
+    except ImportError as exc:
+        raise GGUFError("loading GGUF files needs the 'gguf' package: pip install gguf") from exc
     try:
         return _reader_class(gguf.GGUFReader)(path)
     except Exception as exc:  # truncated or corrupt: ValueError, IndexError, struct errors, ...
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise GGUFError(f"{path}: a damaged GGUF file that cannot be read ({type(exc).__name__}: {first})") from exc
-
-
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Every key/value of the file (not the GGUF.* header fields): str, int, float, bool or lists."""
-    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
 
 
 def _check_types(tensors: Sequence[ReaderTensor], source: str) -> None:
@@ -273,11 +258,6 @@ def check_llama_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, An
                             f"{hf_config['head_dim']}, vocab {hf_config['vocab_size']}) implies {expected[name]}")
 
 
-def llama_hf_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any]) -> dict[str, Tensor]:
-    """Hugging Face name -> float32 tensor, q/k rows in Hugging Face's RoPE order."""
-    return {hf_name(t.name): float_tensor(t, hf_config) for t in tensors if hf_name(t.name) is not None}
-
-
 @dataclass
 class GGUFModel:
     """What ``load_gguf`` returns; unpacks as ``model, config, tokenizer, chat_template``."""
@@ -317,7 +297,7 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: 
     ``aiayn.fast.q4``), ``"none"`` dequantises; ``tokenizer=False`` skips the tokenizer."""
     source = str(path)
     reader = open_gguf(path)
-    meta = read_metadata(reader)
+    meta = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{source}: architecture {arch!r} is not supported; aiayn loads GGUF "
@@ -341,18 +321,18 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: 
     tok = gguf_tokenizer(meta, source) if tokenizer else None  # before the slow part: fail early
     # The reader's parsed fields are all in ``meta`` now: free them before the weights load.
     reader.fields.clear()
-    if quantize != "none":
-        from aiayn.interop.gguf_packed import packed_llama
+    if quantize != "none" and dtype is not None:
+        raise ValueError("dtype applies to a float model; drop it or quantize")
+    try:
+        if quantize != "none":
+            from aiayn.interop.gguf_packed import packed_llama
 
-        if dtype is not None:
-            raise ValueError("dtype applies to a float model; drop it or quantize")
-        model, config = packed_llama(reader.tensors, hf_config, source, quantize)
-    else:
-        tensors = llama_hf_tensors(reader.tensors, hf_config)
-        try:
+            model, config = packed_llama(reader.tensors, hf_config, source, quantize)
+        else:  # Hugging Face name -> float32 tensor
+            tensors = {hf_name(t.name): float_tensor(t, hf_config) for t in reader.tensors if hf_name(t.name)}
             model, config = from_hf_state(hf_config, tensors, source=source)
-        except InteropError as exc:  # the shared LLaMA checks, in Hugging Face's names
-            raise GGUFError(str(exc)) from exc
+    except InteropError as exc:  # the shared LLaMA checks, in Hugging Face's names
+        raise GGUFError(str(exc)) from exc
     if dtype is not None:
         model = model.to(dtype)
     scalars = {k: v for k, v in meta.items() if not isinstance(v, list) or len(v) <= 64}

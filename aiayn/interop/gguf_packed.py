@@ -24,7 +24,6 @@ from aiayn.interop.gguf_tensors import (
 )
 from aiayn.interop.gguf_text import GGUFError
 from aiayn.interop.hf import family_for, from_hf_state
-from aiayn.interop.mapping import InteropError
 from aiayn.models.size import available_memory
 from aiayn.nn.positional import RotaryEmbedding
 
@@ -121,11 +120,8 @@ def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], sou
                         f"{available / 2**30:,.1f} GiB of memory available here")
     by_name = {hf_name(t.name): t for t in tensors if hf_name(t.name) is not None}
     meta = {name: torch.empty(torch_shape(t), device="meta") for name, t in by_name.items()}
-    try:
-        with torch.device("meta"):
-            model, config = from_hf_state(hf_config, meta, source=source)
-    except InteropError as exc:
-        raise GGUFError(str(exc)) from exc
+    with torch.device("meta"):
+        model, config = from_hf_state(hf_config, meta, source=source)
 
     family = family_for(hf_config, source=source)
     for rule in family.rules(config):

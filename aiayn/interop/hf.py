@@ -45,20 +45,6 @@ def family_for(hf_config: dict[str, Any], *, source: str = "checkpoint") -> Fami
     return family
 
 
-def _read_bin(path: Path) -> dict[str, Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # UnpicklingError, RuntimeError, ...: all mean "not a plain state dict"
-        raise InteropError(
-            f"{path}: cannot be read as a plain tensor state dict with torch.load(weights_only=True) "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); aiayn never "
-            f"unpickles arbitrary objects — convert the checkpoint to safetensors"
-        ) from exc
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise InteropError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
-    return state
-
-
 def _read_weight_file(path: Path) -> dict[str, Tensor]:
     if path.name.endswith(".index.json"):
         try:
@@ -88,7 +74,17 @@ def _read_weight_file(path: Path) -> dict[str, Tensor]:
             return load_file(path)
         except (SafetensorError, OSError) as exc:
             raise InteropError(f"{path}: not a readable safetensors file ({exc})") from exc
-    return _read_bin(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError, RuntimeError, ...: all mean "not a plain state dict"
+        raise InteropError(
+            f"{path}: cannot be read as a plain tensor state dict with torch.load(weights_only=True) "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); aiayn never "
+            f"unpickles arbitrary objects — convert the checkpoint to safetensors"
+        ) from exc
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise InteropError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+    return state
 
 
 def read_hf_checkpoint(path_or_dir: str | Path) -> tuple[dict[str, Any], dict[str, Tensor], str]:
@@ -161,19 +157,14 @@ def check_config_types(config: Any, where: Path | str) -> None:
     """Type, then range, of every key above that ``config`` holds (null means "default")."""
     if not isinstance(config, dict):
         raise InteropError(f"{where}: must hold a JSON object, got {type(config).__name__}")
-    for key in _BOOL_KEYS:
-        value = config.get(key)
-        if value is not None and not isinstance(value, bool):
-            raise InteropError(f"{where}: {key} must be true or false, got {value!r}")
-    for key in _INT_KEYS:
-        value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise InteropError(f"{where}: {key} must be a whole number >= 0, got {value!r}")
-    for key in _FLOAT_KEYS:
-        value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                  or not math.isfinite(value) or value < 0):
-            raise InteropError(f"{where}: {key} must be a finite number >= 0, got {value!r}")
+    checks = ((_BOOL_KEYS, "true or false", lambda v: isinstance(v, bool)),  # JSON: bool, int, float only
+              (_INT_KEYS, "a whole number >= 0", lambda v: type(v) is int and v >= 0),
+              (_FLOAT_KEYS, "a finite number >= 0", lambda v: type(v) in (int, float) and 0 <= v < math.inf))
+    for keys, what, valid in checks:
+        for key in keys:
+            value = config.get(key)
+            if value is not None and not valid(value):
+                raise InteropError(f"{where}: {key} must be {what}, got {value!r}")
 
 
 def from_hf_state(hf_config: dict[str, Any], tensors: dict[str, Tensor], *,

@@ -10,16 +10,9 @@ from torch import Tensor
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.interop.mapping import InteropError, Rule, copy_rule
 
-# Hugging Face activation names -> aiayn's.
-_HF_ACTIVATION_NAMES = {
-    "gelu": "gelu",  # erf GELU
-    "gelu_new": "gelu_tanh",  # GPT-2's tanh approximation
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_fast": "gelu_tanh",
-    "relu": "relu",
-    "silu": "silu",
-    "swish": "silu",
-}
+# Hugging Face activation names -> aiayn's ("gelu" is erf GELU, "gelu_new" GPT-2's tanh approximation).
+_HF_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                        "gelu_fast": "gelu_tanh", "relu": "relu", "silu": "silu", "swish": "silu"}
 
 
 class HFConfig:
