@@ -1,8 +1,5 @@
-"""``aiayn explain TOPIC``: the classic questions about the Transformer answered by small experiments, each
-printing its tables and writing a plot and a markdown page (``docs/explain/``).
-
-One module per topic (``NAME``, ``TITLE``, ``QUESTION``, ``run(out_dir, quick=False)``, and ``device=`` when
-it trains), imported when the topic runs."""
+"""``aiayn explain TOPIC``: classic questions about the Transformer answered by small experiments, each
+writing tables, a plot and a markdown page. A module per topic: ``NAME``, ``TITLE``, ``QUESTION``, ``run``."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ def topic(name: str) -> ModuleType:
 
 def run_topic(name: str, out_dir: Path, *, quick: bool = False, command: str | None = None,
               device: torch.device | None = None) -> Report:
-    """Run a topic: its report, plots in ``out_dir`` and page ``out_dir/NAME.md``; ``device``: where a topic
-    that trains trains (default: the CPU)."""
+    """Run a topic: its report, plots and page ``out_dir/NAME.md``; ``device``: where it trains (or CPU)."""
     module = topic(name)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -54,7 +50,6 @@ def run_topic(name: str, out_dir: Path, *, quick: bool = False, command: str | N
 
 
 def index_page(out_dir: Path) -> Path:
-    """``out_dir/README.md``: the topics, their questions and their pages."""
     lines = ["# The classic questions, answered by experiments", "",
              "Each page is written by `aiayn explain TOPIC --out docs/explain` (all of them: "
              "`aiayn explain --all --out docs/explain`); its numbers are that run's.", ""]

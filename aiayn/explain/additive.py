@@ -1,6 +1,5 @@
-"""Dot-product against additive attention (section 3.2.1): similar in theory, dot-product much faster in
-practice. Measured: the attention function alone across lengths, and both trained briefly on the reverse and
-copy tasks (``aiayn.nn.additive``)."""
+"""Dot-product against additive attention (section 3.2.1): the functions timed across lengths, and both
+trained briefly on reverse and copy."""
 
 from __future__ import annotations
 
@@ -53,7 +52,6 @@ def quality(task_name: str, steps: int, n_test: int, device: torch.device | None
 
 
 def run(out_dir: Path, *, quick: bool = False, device: torch.device | None = None) -> Report:
-    """The speed table (the CPU) and the brief trainings (on ``device``; default the CPU)."""
     lengths = [16, 64] if quick else [16, 64, 256]
     timings = [speed(t) for t in lengths]
     speed_table = Table("Attention function, forward + backward, batch 8 x 4 heads x d_k 32 (ms; memory of the "

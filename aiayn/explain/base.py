@@ -1,12 +1,13 @@
-"""What every topic of ``aiayn explain`` shares: its report, the markdown page written from it, and a brief
-training loop. Every number on a page comes from the topic's ``run``."""
+"""What every topic of ``aiayn explain`` shares: its report, the page made from it, a brief training loop."""
 
 from __future__ import annotations
 
 import datetime
 import math
 import platform
+import statistics
 import time
+import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from aiayn.train.task import Task
 
 @dataclass
 class Table:
-    """A titled table: a header and rows of cells (numbers formatted by ``cell``)."""
+    """A titled table of cells (numbers formatted by ``cell``)."""
 
     title: str
     header: Sequence[str]
@@ -72,7 +73,6 @@ class Report:
         return "\n".join(parts)
 
     def markdown(self, command: str, source: str) -> str:
-        """The topic's page: title, command, text, tables and plots; ``source``: the module that made it."""
         plots = "\n\n".join(f"![{p.stem}]({p.name})" for p in self.plots)
         return "\n\n".join(part for part in (
             f"# {self.title}",
@@ -85,7 +85,7 @@ class Report:
 
 
 def machine() -> str:
-    """Where and when a page was made: the date, the CPU architecture, torch's threads and version."""
+    """Where and when a page was made."""
     return (f"{datetime.date.today().isoformat()}, {platform.machine()} with {torch.get_num_threads()} threads "
             f"and torch {torch.__version__.split('+')[0]}")
 
@@ -94,18 +94,13 @@ def timed(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1) -> float:
     """The median wall time of ``fn()`` in seconds over ``repeat`` calls (after ``warmup``)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return statistics.median_high(timeit.repeat(fn, number=1, repeat=repeat))
 
 
 def train_briefly(task: Task, model: nn.Module, *, steps: int, batch_size: int, lr: float,
                   warmup: int = 20, seed: int = 0) -> dict[str, float]:
-    """A short plain training run (Adam, warmup + cosine, clipping at 1) of ``model`` on the prepared
-    ``task``; returns the test metrics, the last loss and the seconds per step."""
+    """A short training run (Adam, warmup + cosine, clipping at 1) on the prepared ``task``: the test metrics,
+    the last loss and the seconds per step."""
     device = model_device(model)
     torch.manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)

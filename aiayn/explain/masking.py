@@ -73,7 +73,7 @@ def _one_query_table(scores: torch.Tensor, valid: torch.Tensor) -> Table:
 
 def _all_keys_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scores: torch.Tensor) -> tuple[Table, dict[str, Any]]:
-    """A query that sees no key: one row whose every key is masked, four ways; their table and claims."""
+    """A query that sees no key, four ways: the table and claims."""
     none_visible = torch.zeros(1, 1, 1, T, dtype=torch.bool)
     row_scores = scores[4:5]
     naive = torch.softmax(row_scores.masked_fill(~none_visible[0, 0], float("-inf")), -1)[0]

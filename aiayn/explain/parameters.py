@@ -1,8 +1,5 @@
-"""paper-base has 63.1M parameters here and 65M in the paper's Table 3: where the gap comes from.
-
-Each row of Table 3 with a parameter count is counted by building the model and by a formula (checked equal,
-and covering row (B)); the difference over d_model is the number of extra embedding-sized rows the paper's
-count would need."""
+"""paper-base has 63.1M parameters here and 65M in Table 3: each counted row of Table 3 is built and counted
+by a formula; the gap over d_model is the extra embedding rows the paper's count would need."""
 
 from __future__ import annotations
 
@@ -64,7 +61,7 @@ def formula(row: Row, *, vocab: int = VOCAB, biases: bool = True, norms: bool = 
 
 
 def built(row: Row) -> int | None:
-    """count_parameters of the model aiayn builds for the row (None: d_k != d_v, not expressible)."""
+    """count_parameters of aiayn's model for the row (None: d_k != d_v)."""
     if row.d_k != row.d_v:
         return None
     config = get_preset("paper-base", n_layers=row.n_layers, d_model=row.d_model, d_ff=row.d_ff,

@@ -30,8 +30,7 @@ def rotation(d_model: int, k: int) -> torch.Tensor:
 
 
 def fit_shift(d_model: int, k: int, fit: torch.Tensor, test: torch.Tensor) -> dict[str, float]:
-    """Least squares M_k with PE(t+k) ≈ M_k PE(t) over ``fit``: its errors on ``fit`` and ``test``, R_k's
-    error, |M_k − R_k| and the condition number."""
+    """Least squares M_k with PE(t+k) ≈ M_k PE(t) over ``fit``: its errors, R_k's, |M_k − R_k| and cond."""
     x, y = (sinusoidal_encoding(fit + shift, d_model).double() for shift in (0, k))  # the model's table
     m = torch.linalg.lstsq(x, y).solution.T  # (d, d): y ≈ x M^T
     held_x, held_y = (sinusoidal_encoding(test + shift, d_model).double() for shift in (0, k))

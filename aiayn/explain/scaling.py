@@ -18,8 +18,7 @@ KEYS = 64  # keys per softmax row
 
 
 def measure(d_k: int, *, pairs: int, rows: int, generator: torch.Generator) -> dict[str, float]:
-    """Variance of q·k before and after scaling; max weight, entropy and gradient norm of softmax rows over
-    ``KEYS`` random keys, unscaled and scaled."""
+    """Variance of q·k, and the max weight, entropy and gradient of softmax rows, unscaled and scaled."""
     q, k = torch.randn(2, pairs, d_k, generator=generator, dtype=torch.float64)
     dots = (q * k).sum(-1)  # (pairs,)
     out = {"d_k": d_k, "var": float(dots.var()), "var_scaled": float((dots / d_k**0.5).var())}

@@ -1,8 +1,5 @@
-"""The paper's Table 1, measured: per-layer cost, sequential operations and maximum path length of
-self-attention, restricted self-attention, a recurrent layer and a convolution.
-
-FLOPs by torch's FlopCounterMode where it counts the operation, by formula for the RNN; time by the median of
-a few runs."""
+"""The paper's Table 1, measured: per-layer cost (FlopCounterMode; a formula for the RNN), time and path
+length of self-attention, restricted self-attention, a recurrent layer and a convolution."""
 
 from __future__ import annotations
 
@@ -111,7 +108,6 @@ def _timings(lengths: list[int], widths: list[int], radius: int) -> dict[tuple[s
 
 def _summary(timings: dict[tuple[str, int, int], float], counted: dict[tuple[str, int, int], float],
              paths: dict[str, int], radius: int, lengths: list[int], widths: list[int], n_path: int) -> Table:
-    """Table 1 itself, the paper's columns beside the measured ones."""
     paper = {"self-attention": ("O(n² · d)", "O(1)", "O(1)"),
              "restricted": (f"O(r · n · d), r = {radius}", "O(1)", "O(n / r)"),
              "recurrent": ("O(n · d²)", "O(n)", "O(n)"),
@@ -198,12 +194,8 @@ the shapes of the curves, not the milliseconds.
 
 def _stays_above(lengths: list[int], ratio: Callable[[int], float]) -> int | None:
     """The smallest n from which ``ratio(n)`` > 1 for every larger n of the grid."""
-    found = None
-    for n in reversed(lengths):
-        if ratio(n) <= 1:
-            break
-        found = n
-    return found
+    above = [n for i, n in enumerate(lengths) if all(ratio(m) > 1 for m in lengths[i:])]
+    return above[0] if above else None
 
 
 def _n(value: int | None) -> str:

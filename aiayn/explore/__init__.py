@@ -1,8 +1,5 @@
-"""``aiayn explore``: a local web application to look inside a model aiayn runs.
-
-``load_explorable`` picks the model at start-up; ``create_app`` builds the FastAPI application whose routes
-compute each view from the model (``probes``, ``decoding``, ``search_tree``, ``positions``, ``training``);
-``server.serve`` runs it. The front end (``static/``) ships inside the package."""
+"""``aiayn explore``: a local web application to look inside a model (``load_explorable`` picks it,
+``create_app`` builds the FastAPI app, ``server.serve`` runs it; the front end is ``static/``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The explorer's ASGI application (FastAPI): the page, its static files, and JSON routes over one model
-chosen at start-up.
-
-Every error is ``{"error": "one short message"}`` with a 4xx status; a body over ``MAX_BODY_BYTES`` gets 413
-before it is read. Routes: ``GET /api/model``, ``POST /api/tokenize``, ``POST /api/attention`` then ``GET
-/api/attention/{key}/{stack}/{layer}`` (one layer's weights, base64 float32), ``POST /api/generate``, ``POST
-/api/beam``, ``GET /api/positions``, ``GET /api/run``."""
+"""The explorer's FastAPI application: the page, its static files, and JSON routes over one model. Every error
+is ``{"error": "one short message"}``; a body over ``MAX_BODY_BYTES`` gets 413 before it is read."""
 
 from __future__ import annotations
 
@@ -66,14 +61,14 @@ def _error(message: str, status: int) -> JSONResponse:
 
 
 class _BodyTooLarge(HTTPException):
-    """Raised by the bounded receive; an HTTPException so FastAPI's body parsing passes it on."""
+    """An HTTPException, so FastAPI's body parsing passes it on."""
 
     def __init__(self) -> None:
         super().__init__(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB; send less text at once")
 
 
 class BodyLimit:
-    """Pure ASGI: a request body over ``MAX_BODY_BYTES`` gets 413, by Content-Length or as it arrives."""
+    """A request body over ``MAX_BODY_BYTES`` gets 413, by Content-Length or as it arrives."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -105,7 +100,6 @@ def _too_large() -> JSONResponse:
 
 
 def create_app(ex: Explorable) -> FastAPI:
-    """The application for one loaded model."""
     app = FastAPI(title="aiayn explore", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit)
     _add_error_handlers(app)
@@ -120,8 +114,6 @@ def create_app(ex: Explorable) -> FastAPI:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every failure as one JSON shape, ``{"error": one line}``."""
-
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -130,7 +122,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def framework_error(request: Request, exc: HTTPException) -> JSONResponse:
-        """The router's own errors (no such route, a wrong method, ...) in the one error shape."""
         path = preview(request.url.path, quote=False)
         message = {404: f"no route {request.method} {path}; the page is at /, its data under /api/",
                    405: f"{request.method} is not allowed on {path}"}.get(exc.status_code, preview(str(exc.detail), quote=False))
@@ -146,7 +137,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_api(app: FastAPI, ex: Explorable) -> None:
-    """The page's data, under /api/."""
     probes = ProbeCache()
     positions: dict[str, Any] = {}  # computed once, on first request
 
@@ -156,8 +146,7 @@ def _add_api(app: FastAPI, ex: Explorable) -> None:
 
     @app.post("/api/tokenize")
     def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        """The text's tokens as the page previews them; a text the model cannot take comes back with ``error``
-        set (status 200)."""
+        """The text's tokens for the page's preview; a text the model cannot take has ``error`` set."""
         what = "the target" if req.side == "target" else "the text"
         if req.side == "target" and not req.text.strip():  # no target: the model's own translation
             return {"ids": [], "labels": [], "count": 0, "limit": ex.limit, "error": None}

@@ -1,9 +1,5 @@
 """Decoding step by step, for the page: each step's token, its top-k probabilities and the KV cache as it
-fills, over ``aiayn.generate``'s decode loops.
-
-The cache figures: ``measured`` (bytes of the filled slots of the real cache), ``formula``
-(``aiayn.nn.kv_memory.kv_cache_bytes``, which must agree), and ``int8`` / ``int4`` (what the quantised caches
-would hold)."""
+fills (bytes measured, by ``kv_cache_bytes``'s formula, and as int8 / int4 caches would hold them)."""
 
 from __future__ import annotations
 
@@ -49,12 +45,9 @@ def _slot_norms(cache: KVCache) -> list[list[float]]:
 @torch.inference_mode()
 def decode_steps(ex: Explorable, text: str, *, steps: int = 16, top_k: int = 5, temperature: float = 0.0,
                  seed: int = 0, chat: bool = False) -> dict[str, Any]:
-    """Decode up to ``steps`` tokens after ``text``, greedy (``temperature`` 0) or sampled with ``seed``;
-    every step's token, top-k and cache figures."""
+    """Decode up to ``steps`` tokens after ``text``, greedy (``temperature`` 0) or sampled with ``seed``."""
     if (why := ex.unavailable("generate")) is not None:
         raise ExploreInputError(why)
-    if not 1 <= steps <= MAX_STEPS or not 1 <= top_k <= MAX_TOP_K:
-        raise ExploreInputError(f"steps must be 1 to {MAX_STEPS} and top-k 1 to {MAX_TOP_K}")
     sampling = SamplingConfig(temperature=temperature, seed=seed) if temperature > 0 else None
     c = ex.config
     if ex.kind == "decoder":
@@ -120,7 +113,7 @@ def _step(ex: Explorable, index: int, token: int, logits: Tensor, top_k: int, se
 
 
 def _cross_figures(cache: KVCache, sizes: dict[str, int]) -> dict[str, int]:
-    """The cross-attention keys and values: computed once from the encoder output at the first step."""
+    """The cross-attention keys and values, computed once at the first step."""
     assert cache.cross is not None
     k = cache.cross[0][0]  # (1, h_kv, s, d_h)
     s = k.shape[2]

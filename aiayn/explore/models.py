@@ -1,9 +1,6 @@
-"""The model an explorer looks inside, chosen once at start-up (never by the browser).
-
-Four kinds: ``translation`` (an encoder-decoder run), ``decoder`` (a language-model run, a GGUF file or a
-Hugging Face directory), ``encoder`` (a BERT-family directory or an ``mlm`` run: attention and positions only)
-and ``task`` (any other run: its attention example). The models run plain on the device given at start-up,
-under ``aiayn.device.autocast``."""
+"""The model an explorer looks inside, chosen at start-up (never by the browser). Kinds: ``translation``,
+``decoder`` (a language-model run, GGUF file or HF directory), ``encoder`` (BERT-family or ``mlm``: attention
+and positions only) and ``task`` (any other run: its attention example)."""
 
 from __future__ import annotations
 
@@ -21,8 +18,7 @@ from torch import nn
 from aiayn.config import ModelConfig
 from aiayn.device import model_device, resolve
 
-# The explorer shows attention over at most this many tokens (a layer of SmolLM2 at 256 tokens
-# is 9 x 256 x 256 weights, 2.4 MB); the model's own context may be smaller.
+# Most tokens the explorer shows attention over (a SmolLM2 layer at 256 tokens: 2.4 MB of weights).
 MAX_TOKENS = 256
 KINDS = ("translation", "decoder", "encoder", "task")
 
@@ -57,33 +53,30 @@ class Explorable:
     task: Any = None  # kind "task": the run's Task (its attention_example)
     default_text: str = ""
     chat: Callable[[str], str] | None = None
-    # A translation run of separate vocabularies: ``encode`` and ``source_piece`` are the source
-    # side's, ``target_encode`` and ``piece`` the target side's. None: one vocabulary for both.
+    # Separate vocabularies: encode, source_piece are the source's; target_encode, piece the target's.
     source_piece: Callable[[int], str] | None = None
     target_encode: Callable[[str], list[int]] | None = None
-    # One model computation at a time: requests may come concurrently; the model is not copied.
+    # One model computation at a time (requests may come concurrently).
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def an_arch(self) -> str:
-        """'an encoder-only', 'a decoder-only': the architecture with its article, for messages."""
+        """'an encoder-only', 'a decoder-only': for messages."""
         return f"{'an' if self.config.arch[0] in 'aeiou' else 'a'} {self.config.arch}"
 
     @property
     def device(self) -> torch.device:
-        """Where the model runs: every tensor the views make for it is made there."""
         return model_device(self.model)
 
     @property
     def limit(self) -> int:
-        """Most tokens a text may have in this explorer."""
         return min(self.context, MAX_TOKENS)
 
     def label(self, token_id: int) -> str:
         return display_token(self.piece(token_id))
 
     def source_label(self, token_id: int) -> str:
-        """A source (or prompt) token's label: the source vocabulary's where it has its own."""
+        """A source (or prompt) token's label, from the source vocabulary where it has its own."""
         return display_token((self.source_piece or self.piece)(token_id))
 
     def tokens(self, text: str, what: str = "the text", *, target: bool = False) -> list[int]:
@@ -167,22 +160,13 @@ def _from_run(run_dir: Path) -> Explorable:
                           **common)
     tokenizer = getattr(task, "tokenizer", None)
     if tokenizer is not None and config.arch in ("decoder-only", "encoder-only"):
-        if isinstance(tokenizer, CharTokenizer):
-            def encode(text: str) -> list[int]:
-                return tokenizer.encode(text).tolist()
-
-            def piece(i: int) -> str:
-                return tokenizer.decode([i])
-        else:  # BPETokenizer
-            def encode(text: str) -> list[int]:
-                return list(tokenizer.encode(text))
-
-            piece = tokenizer.tokenizer.id_to_token
+        char = isinstance(tokenizer, CharTokenizer)  # its encode gives a tensor; a BPETokenizer's a list
         kind = "decoder" if config.arch == "decoder-only" else "encoder"
-        return Explorable(kind=kind, encode=encode, piece=piece, decode=tokenizer.decode,
+        piece = (lambda i: tokenizer.decode([i])) if char else tokenizer.tokenizer.id_to_token
+        return Explorable(kind=kind, encode=(lambda text: tokenizer.encode(text).tolist()) if char else
+                          tokenizer.encode, piece=piece, decode=tokenizer.decode,
                           default_text="ROMEO:\nWhat light through yonder window breaks?", **common)
-    # The task's own test example is the default input (reverse and copy draw it from a seed); when
-    # its data is missing the page needs an input.
+    # The task's test example is the default input; when its data is missing the page needs an input.
     with contextlib.suppress(Exception):
         task.prepare(run.train_config.seed)
     return Explorable(kind="task", encode=lambda text: [], piece=str,

@@ -1,5 +1,4 @@
-"""Positional encodings for the page: the sinusoids and their dot product against the offset, RoPE's
-rotations, and the loaded model's own scheme, from ``aiayn.nn.positional`` and the model."""
+"""Positional encodings for the page: sinusoids and their dot products, RoPE's rotations, the model's own."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ def offset_curves(table: Tensor, *, cosine: bool = False) -> dict[str, Any]:
 
 
 def rope_panel(head_dim: int, base: float, n_positions: int) -> dict[str, Any]:
-    """RoPE's angles (cos of pos x theta_i, (P, d_h / 2)) and q(t)·k(t + k) of one random q, k against k for
-    each start t."""
+    """RoPE's cos(pos x theta_i), (P, d_h / 2), and q(t)·k(t + k) of one random q, k for each start t."""
     rope = positional.RotaryEmbedding(head_dim, max(n_positions, max(STARTS) + MAX_OFFSET + 1), base=base)
     positions = torch.arange(rope.max_len)[None]  # (1, P)
     cos, sin = rope(positions)  # (1, P, d_h) each
@@ -50,7 +48,6 @@ def rope_panel(head_dim: int, base: float, n_positions: int) -> dict[str, Any]:
 
 
 def positions_view(ex: Explorable) -> dict[str, Any]:
-    """Everything the positions view draws: the paper's panels and the loaded model's own."""
     c = ex.config
     d_model = c.d_model if c.d_model % 2 == 0 else c.d_model + 1
     n = min(MAX_POSITIONS, max(c.max_seq_len, 128))
@@ -66,7 +63,6 @@ def positions_view(ex: Explorable) -> dict[str, Any]:
 
 @torch.inference_mode()
 def model_positions(ex: Explorable) -> dict[str, Any]:
-    """The loaded model's own positional scheme, read from its modules."""
     c = ex.config
     name = "encoder" if hasattr(ex.model, "encoder") else "decoder"  # the first stack the model has
     stack = getattr(ex.model, name)

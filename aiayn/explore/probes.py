@@ -1,7 +1,5 @@
-"""Attention as the model computes it: one forward with ``need_weights=True`` per text, its float32 weights
-kept so the page can fetch them one layer at a time (``pack_matrix``).
-
-Shape letters: h heads, t_q queries, t_k keys, s source tokens, t target tokens."""
+"""Attention as the model computes it: one forward with ``need_weights=True`` per text, kept so the page can
+fetch it a layer at a time. Shapes: h heads, t_q queries, t_k keys, s source, t target tokens."""
 
 from __future__ import annotations
 
@@ -82,8 +80,7 @@ def probe_key(*parts: str) -> str:
 
 @torch.inference_mode()
 def compute_attention(ex: Explorable, text: str, target: str | None = None) -> AttentionProbe:
-    """The model's attention on ``text`` (translation: the source; ``target`` default the greedy translation);
-    ExploreInputError for input the model cannot take."""
+    """The model's attention on ``text`` (translation: the source; ``target`` default: its greedy output)."""
     key = probe_key(ex.kind, text, target or "")
     if ex.kind == "task":
         return _task_attention(ex, text, key)

@@ -1,8 +1,7 @@
 """Screenshots of every view, for the docs: ``python -m aiayn.explore.screenshots --out docs/explore
 --translation RUN --char RUN [--minilm DIR] [--smollm2 FILE]``.
 
-Each model is served on 127.0.0.1 and its views opened in Debian's chromium through Playwright; a view a model
-does not have is skipped, and console errors abort the run."""
+Each model's views are opened in chromium through Playwright; console errors abort the run."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from aiayn.explore.models import Explorable, load_explorable
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]
-VIEWS = ("attention", "generate", "beam", "positions", "training")
 
 
 def _attention(page: Any, ex: Explorable) -> None:
@@ -45,16 +43,10 @@ def _beam(page: Any, ex: Explorable) -> None:
     page.wait_for_timeout(1500)
 
 
-def _positions(page: Any, ex: Explorable) -> None:
-    page.wait_for_selector("#pos-model")
-
-
-def _training(page: Any, ex: Explorable) -> None:
-    page.wait_for_selector("#train-charts")
-
-
 ACTIONS: dict[str, Callable[[Any, Explorable], None]] = {
-    "attention": _attention, "generate": _generate, "beam": _beam, "positions": _positions, "training": _training}
+    "attention": _attention, "generate": _generate, "beam": _beam,
+    "positions": lambda page, ex: page.wait_for_selector("#pos-model"),
+    "training": lambda page, ex: page.wait_for_selector("#train-charts")}
 
 
 def _palette(path: Path) -> None:
@@ -86,7 +78,7 @@ def shoot(ex: Explorable, name: str, out: Path, browser: Any) -> list[Path]:
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
         views = ex.summary()["views"]
-        for view in VIEWS:
+        for view in ACTIONS:
             if views[view] is not None:
                 continue
             page.goto(f"http://127.0.0.1:{port}/#{view}")

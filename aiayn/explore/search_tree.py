@@ -1,10 +1,8 @@
-"""The beam-search tree of one source (or prompt): every candidate of every step, where it went, and the final
-n-best, from the search's own trace (``aiayn.generate.beam.BeamStep``); the search is ``aiayn translate``'s
-without ``keep_greedy``."""
+"""The beam-search tree of one source (or prompt): every candidate of every step, where it went, and the
+n-best, from the search's own trace (``BeamStep``)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -28,10 +26,6 @@ def beam_tree(ex: Explorable, text: str, *, beam: int = 4, length_penalty: float
     """Nodes (one per candidate) and the n-best of searching ``text``'s translation or continuation."""
     if (why := ex.unavailable("beam")) is not None:
         raise ExploreInputError(why)
-    if not 1 <= beam <= MAX_BEAM or not 0.0 <= length_penalty <= 3.0 or math.isnan(length_penalty):
-        raise ExploreInputError(f"beam must be 1 to {MAX_BEAM} and the length penalty 0 to 3")
-    if not 1 <= steps <= MAX_STEPS:
-        raise ExploreInputError(f"steps must be 1 to {MAX_STEPS}")
     trace: list[BeamStep] = []
     if ex.kind == "translation":
         assert ex.bos_id is not None and ex.eos_id is not None

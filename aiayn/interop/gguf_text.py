@@ -71,8 +71,8 @@ def _pre_tokenizer(pre: str | None, source: str) -> Any:
 
 
 def gguf_tokenizer(meta: dict[str, Any], source: str) -> Tokenizer:
-    """A byte-level BPE ``tokenizers.Tokenizer`` equal to the one the metadata describes: control and
-    user-defined tokens matched whole, BOS/EOS added as the metadata says."""
+    """The metadata's byte-level BPE tokenizer: control and user-defined tokens matched whole, BOS/EOS added
+    as the metadata says."""
     model_kind = meta.get("tokenizer.ggml.model")
     if model_kind is None:
         raise GGUFError(f"{source}: the metadata holds no tokenizer (tokenizer.ggml.model); pass "
@@ -128,8 +128,7 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
                **kwargs: Any) -> str:
-        """The prompt text for ``messages``, as transformers' ``apply_chat_template(tokenize=False)`` renders
-        it; encode it without adding special tokens."""
+        """The prompt text, as transformers' ``apply_chat_template(tokenize=False)`` renders it."""
         import jinja2
 
         _check_message_sizes(messages)
@@ -144,13 +143,11 @@ class ChatTemplate:
             raise GGUFError(f"the model's chat template exceeds a limit ({exc}); it is refused") from None
 
 
-# A chat template is code from a model file: it renders in Jinja's immutable sandbox within these
-# budgets, so a hostile or broken one fails fast.
+# A chat template is code from a model file: it renders in Jinja's immutable sandbox within these budgets.
 TEMPLATE_SECONDS = 2.0
 TEMPLATE_MAX_CHARS = 1_000_000
 TEMPLATE_MAX_MEMORY = 256 << 20  # bytes the process may grow by while rendering
-# How often the budgets are checked: a line that grows the memory by much (a string doubled) runs
-# longer than this, so each such line is checked; most short lines of an ordinary template are not.
+# How often the budgets are checked: a line that grows the memory by much runs longer than this.
 BUDGET_CHECK_SECONDS = 0.001
 
 
@@ -184,10 +181,8 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _render_bounded(template: Any, context: dict[str, Any]) -> str:
-    """Render chunk by chunk, stopping past ``TEMPLATE_MAX_CHARS``, ``TEMPLATE_SECONDS`` or
-    ``TEMPLATE_MAX_MEMORY``: a trace function on the template's frames checks the memory, then the
-    time, once every ``BUDGET_CHECK_SECONDS`` (reading the memory costs more than most lines do). The
-    memory goes first: a template that fills it is named for that even when it is slow too."""
+    """Render chunk by chunk within the budgets: a trace function on the template's frames checks the memory,
+    then the time (so a template filling memory is named for that), every ``BUDGET_CHECK_SECONDS``."""
     deadline = time.monotonic() + TEMPLATE_SECONDS
     start = _resident_bytes()
     next_check = time.monotonic() + BUDGET_CHECK_SECONDS

@@ -1,10 +1,7 @@
 """Hugging Face checkpoints in and out: ``load_hf``, ``from_hf_model``, ``export_hf``.
 
-Families (``aiayn.interop.hf_families``): ``llama``, ``mistral``, ``qwen2`` and ``gpt2`` -> ``DecoderOnly``;
-``bert`` -> ``EncoderOnly``; ``bart``, ``marian`` -> ``EncoderDecoder``. Weights come from safetensors
-(sharded or not) or ``pytorch_model.bin`` read with ``weights_only=True``; nothing is downloaded. Every source
-tensor must be used once and every parameter written with its shape, else ``InteropError`` names the tensors.
-"""
+Families: llama, mistral, qwen2, gpt2 -> ``DecoderOnly``; bert -> ``EncoderOnly``; bart, marian ->
+``EncoderDecoder``. Weights: safetensors (sharded or not) or ``pytorch_model.bin`` (``weights_only=True``)."""
 
 from __future__ import annotations
 
@@ -48,20 +45,6 @@ def family_for(hf_config: dict[str, Any], *, source: str = "checkpoint") -> Fami
     return family
 
 
-def _read_bin(path: Path) -> dict[str, Tensor]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # UnpicklingError, RuntimeError, ...: all mean "not a plain state dict"
-        raise InteropError(
-            f"{path}: cannot be read as a plain tensor state dict with torch.load(weights_only=True) "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); aiayn never "
-            f"unpickles arbitrary objects — convert the checkpoint to safetensors"
-        ) from exc
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise InteropError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
-    return state
-
-
 def _read_weight_file(path: Path) -> dict[str, Tensor]:
     if path.name.endswith(".index.json"):
         try:
@@ -73,8 +56,7 @@ def _read_weight_file(path: Path) -> dict[str, Tensor]:
         tensors: dict[str, Tensor] = {}
         for shard in sorted(set(weight_map.values())):
             shard_path = path.parent / shard
-            # A shard is a weights file beside the index: no path out of the model directory, and
-            # not an index again (an index naming itself would recurse forever).
+            # A weights file beside the index: no path out of the directory, no index (it could recurse).
             if (Path(shard).name != shard or shard in ("", ".", "..") or shard.endswith(".index.json")
                     or shard_path.resolve().parent != path.parent.resolve()):
                 raise InteropError(f"{path}: shard {shard!r} is not a weights file name in {path.parent} "
@@ -92,12 +74,21 @@ def _read_weight_file(path: Path) -> dict[str, Tensor]:
             return load_file(path)
         except (SafetensorError, OSError) as exc:
             raise InteropError(f"{path}: not a readable safetensors file ({exc})") from exc
-    return _read_bin(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # UnpicklingError, RuntimeError, ...: all mean "not a plain state dict"
+        raise InteropError(
+            f"{path}: cannot be read as a plain tensor state dict with torch.load(weights_only=True) "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); aiayn never "
+            f"unpickles arbitrary objects — convert the checkpoint to safetensors"
+        ) from exc
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise InteropError(f"{path}: expected a dict of tensors, got {type(state).__name__}")
+    return state
 
 
 def read_hf_checkpoint(path_or_dir: str | Path) -> tuple[dict[str, Any], dict[str, Tensor], str]:
-    """(config.json as a dict, name -> tensor, a name for messages) of a model directory or one weights file
-    in it; safetensors preferred."""
+    """(config.json, name -> tensor, a name for messages) of a model directory or a weights file in it."""
     path = Path(path_or_dir)
     weights = path if path.is_file() else None
     directory = path.parent if path.is_file() else path
@@ -120,7 +111,7 @@ def read_hf_checkpoint(path_or_dir: str | Path) -> tuple[dict[str, Any], dict[st
 
 def _canonical_tensors(family: Family, tensors: dict[str, Tensor], hf: HFConfig,
                        config: ModelConfig) -> dict[str, Tensor]:
-    """Normalise names, fold tied copies onto one name (checking they are equal), prepare."""
+    """Normalise names, fold tied copies onto one name (checking they are equal), ``prepare``."""
     out: dict[str, Tensor] = {}
     origin: dict[str, str] = {}
     for name, tensor in tensors.items():
@@ -163,22 +154,17 @@ _FLOAT_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_the
 
 
 def check_config_types(config: Any, where: Path | str) -> None:
-    """Type first, then range, for every key above that ``config`` holds (null means "default")."""
+    """Type, then range, of every key above that ``config`` holds (null means "default")."""
     if not isinstance(config, dict):
         raise InteropError(f"{where}: must hold a JSON object, got {type(config).__name__}")
-    for key in _BOOL_KEYS:
-        value = config.get(key)
-        if value is not None and not isinstance(value, bool):
-            raise InteropError(f"{where}: {key} must be true or false, got {value!r}")
-    for key in _INT_KEYS:
-        value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise InteropError(f"{where}: {key} must be a whole number >= 0, got {value!r}")
-    for key in _FLOAT_KEYS:
-        value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                  or not math.isfinite(value) or value < 0):
-            raise InteropError(f"{where}: {key} must be a finite number >= 0, got {value!r}")
+    checks = ((_BOOL_KEYS, "true or false", lambda v: isinstance(v, bool)),  # JSON: bool, int, float only
+              (_INT_KEYS, "a whole number >= 0", lambda v: type(v) is int and v >= 0),
+              (_FLOAT_KEYS, "a finite number >= 0", lambda v: type(v) in (int, float) and 0 <= v < math.inf))
+    for keys, what, valid in checks:
+        for key in keys:
+            value = config.get(key)
+            if value is not None and not valid(value):
+                raise InteropError(f"{where}: {key} must be {what}, got {value!r}")
 
 
 def from_hf_state(hf_config: dict[str, Any], tensors: dict[str, Tensor], *,
@@ -209,8 +195,7 @@ def from_hf_model(hf_model: nn.Module) -> tuple[nn.Module, ModelConfig]:
 
 
 def export_family(config: ModelConfig, family: str | None = None) -> tuple[Family, dict[str, Any]]:
-    """(the first family that can represent ``config`` (or ``family``), its config.json); ``InteropError``
-    lists what none can hold."""
+    """(the first family that can represent ``config``, or ``family``; its config.json)."""
     candidates = [f for f in FAMILIES if family in (None, f.name)]
     if not candidates:
         raise InteropError(f"unknown family {family!r}; choose one of {', '.join(f.name for f in FAMILIES)}")
@@ -226,7 +211,7 @@ def export_family(config: ModelConfig, family: str | None = None) -> tuple[Famil
 def export_hf(model: nn.Module, config: ModelConfig, out_dir: str | Path, *,
               family: str | None = None) -> Path:
     """Write ``model`` as a Hugging Face directory (config.json + model.safetensors) of the first family that
-    can represent ``config`` (or ``family``); ``InteropError`` lists what none can hold."""
+    can represent ``config`` (or ``family``)."""
     fam, hf_config = export_family(config, family)
     tensors = {fam.export_name(k): v for k, v in export_tensors(model, fam.rules(config)).items()}
     fam.finish_export(tensors, config)

@@ -10,11 +10,8 @@ from aiayn.interop.mapping import InteropError, Rule, copy_rule, norm_rules, sub
 
 
 class LlamaFamily(Family):
-    """LLaMA-style decoders: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
-
-    RMSNorm, half-split RoPE, SwiGLU (``fc_in`` rows [gate; up]), grouped-query attention. Biases: LLaMA's per
-    ``attention_bias``/``mlp_bias``, Qwen2's on q/k/v only. Sliding windows cap ``max_seq_len``; only the
-    default RoPE; ``pad_id`` is None (pass ``valid=`` for padded batches)."""
+    """LLaMA, Mistral, Qwen2: RMSNorm, half-split RoPE, SwiGLU (``fc_in`` rows [gate; up]), grouped-query
+    attention; Qwen2 has q/k/v biases only. Sliding windows cap ``max_seq_len``; ``pad_id`` is None."""
 
     name = "llama"
     tied_head = "model.embed_tokens.weight"
@@ -112,10 +109,7 @@ class LlamaFamily(Family):
 
 
 class GPT2Family(Family):
-    """GPT2LMHeadModel / GPT2Model: learned positions, "gelu_new", biases, output tied to ``wte``.
-
-    Projections are ``Conv1D`` (weight stored (in, out)); ``c_attn`` is already [q; k; v]. Old checkpoints
-    lack the ``transformer.`` prefix and store ignored mask buffers."""
+    """GPT-2: learned positions, "gelu_new", output tied to ``wte``; ``Conv1D`` weights stored (in, out)."""
 
     name = "gpt2"
     tied_head = "transformer.wte.weight"

@@ -31,11 +31,8 @@ from aiayn.nn.positional import sinusoidal_encoding
 
 
 class BertFamily(Family):
-    """BertModel, BertForMaskedLM, BertForPreTraining (with or without the ``bert.`` prefix).
-
-    Post-norm, learned positions and token types, erf GELU. The pooler and MLM head are optional (kept at
-    their initial weights, with a warning); the next-sentence head is dropped with a warning; old
-    ``gamma``/``beta`` names are read. Export writes BertForMaskedLM with the pooler."""
+    """BERT: post-norm, learned positions and token types. The pooler and MLM head are optional; the
+    next-sentence head is dropped with a warning. Export writes BertForMaskedLM."""
 
     name = "bert"
     model_types = ("bert",)
@@ -124,11 +121,8 @@ class BertFamily(Family):
 
 
 class BartFamily(Family):
-    """BartForConditionalGeneration / BartModel.
-
-    Post-norm encoder-decoder with ``layernorm_embedding``, positions offset by 2, ``model.shared`` tied
-    everywhere unless ``tie_word_embeddings=False`` (then separate), ``final_logits_bias`` ->
-    ``lm_head.bias``. Encoder and decoder must share head count and FFN width."""
+    """BART: post-norm with ``layernorm_embedding``, positions offset by 2, ``model.shared`` tied everywhere
+    unless ``tie_word_embeddings=False``, ``final_logits_bias`` -> ``lm_head.bias``."""
 
     name = "bart"
     model_types = ("bart",)
@@ -216,8 +210,7 @@ class BartFamily(Family):
         bias = tensors.get("final_logits_bias")
         if bias is not None and bias.dim() == 2 and bias.shape[0] == 1:
             tensors["final_logits_bias"] = bias[0]
-        # Untied stacks: model.shared is what transformers 4 stored for both (it ties them), and
-        # in transformers 5 a parameter the forward pass never reads.
+        # Untied stacks: model.shared is transformers 4's copy of both, and unread in transformers 5.
         shared = None if config.share_embeddings else tensors.pop("model.shared.weight", None)
         if shared is not None:
             for stack in ("encoder", "decoder"):
@@ -260,8 +253,8 @@ class BartFamily(Family):
 
 
 class MarianFamily(BartFamily):
-    """MarianMTModel / MarianModel (OPUS-MT): BART's layout with split sinusoidal positions (checked, not
-    loaded), no embedding LayerNorm, and optionally a separate target vocabulary."""
+    """Marian (OPUS-MT): BART's layout with split sinusoidal positions (checked, not loaded), no embedding
+    LayerNorm, optionally a separate target vocabulary."""
 
     name = "marian"
     model_types = ("marian",)
@@ -288,7 +281,6 @@ class MarianFamily(BartFamily):
             if table is None:
                 continue
             expected = sinusoidal_encoding(torch.arange(table.shape[0]), table.shape[1], layout="split")
-            # On the CPU, where ``expected`` is: an in-memory model's table may be on a GPU.
             if not torch.allclose(table.detach().float().cpu(), expected, atol=1e-5, rtol=0):
                 raise InteropError(f"{source}: {name} is not Marian's sinusoidal table (sin | cos halves); "
                                    f"this converter only supports the fixed sinusoidal positions")

@@ -1,8 +1,5 @@
-"""Hugging Face model families: config.json <-> ModelConfig, and tensor-name rules.
-
-``Family`` and the config helpers; the families live in ``hf_decoders`` and ``hf_encoders``, one class each,
-and ``hf.py`` runs them. Shape letters: d hidden size, h/h_kv query/key-value heads, d_h head width, f
-intermediate size, v vocabulary."""
+"""Hugging Face model families (config.json <-> ModelConfig, tensor-name rules): ``Family`` and its helpers;
+the families are in ``hf_decoders`` and ``hf_encoders``."""
 
 from __future__ import annotations
 
@@ -13,16 +10,9 @@ from torch import Tensor
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.interop.mapping import InteropError, Rule, copy_rule
 
-# Hugging Face activation names -> aiayn's.
-_HF_ACTIVATION_NAMES = {
-    "gelu": "gelu",  # erf GELU
-    "gelu_new": "gelu_tanh",  # GPT-2's tanh approximation
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_fast": "gelu_tanh",
-    "relu": "relu",
-    "silu": "silu",
-    "swish": "silu",
-}
+# Hugging Face activation names -> aiayn's ("gelu" is erf GELU, "gelu_new" GPT-2's tanh approximation).
+_HF_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                        "gelu_fast": "gelu_tanh", "relu": "relu", "silu": "silu", "swish": "silu"}
 
 
 class HFConfig:
@@ -111,8 +101,7 @@ class Family:
 
 
 def check_export(cfg: ModelConfig, family: str, **expected: Any) -> None:
-    """InteropError naming each field of ``cfg`` that differs from what ``family`` needs (a value, or one of a
-    tuple's), as 'field=value (needs X)'."""
+    """InteropError naming each field of ``cfg`` that is not what ``family`` needs (a value, or a tuple's)."""
     bad = [f"{key}={getattr(cfg, key)!r} (needs {want!r})" for key, want in expected.items()
            if not (getattr(cfg, key) in want if isinstance(want, tuple) else getattr(cfg, key) == want)]
     if bad:

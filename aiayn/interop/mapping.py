@@ -1,8 +1,5 @@
-"""The generic part of checkpoint conversion: name rules, and copying tensors through them.
-
-A family's converter is a list of ``Rule``\\ s, each making one aiayn parameter from source tensors (copied,
-transposed or stacked); the same rules export. ``load_tensors`` checks every source tensor is used once, every
-parameter written once, every shape matches (``InteropError``)."""
+"""Checkpoint conversion by name rules: each ``Rule`` makes one aiayn parameter from source tensors (copied,
+transposed or stacked), and the same rules export."""
 
 from __future__ import annotations
 
@@ -40,10 +37,6 @@ def copy_rule(ours: str, theirs: str, *, transpose: bool = False, group: str | N
     return Rule(ours, (theirs,), transpose=transpose, group=group)
 
 
-def cat_rule(ours: str, theirs: Iterable[str], sizes: Iterable[int], *, group: str | None = None) -> Rule:
-    return Rule(ours, tuple(theirs), split=tuple(sizes), group=group)
-
-
 def linear_rules(ours: str, theirs: str, *, bias: bool, transpose: bool = False,
                  group: str | None = None) -> list[Rule]:
     """``{ours}.weight`` <- ``{theirs}.weight`` [and the biases]."""
@@ -56,15 +49,12 @@ def linear_rules(ours: str, theirs: str, *, bias: bool, transpose: bool = False,
 def fused_linear_rules(ours: str, parts: list[str], sizes: list[int], *, bias: bool,
                        group: str | None = None) -> list[Rule]:
     """``{ours}`` = rows of the ``parts`` projections stacked in order (weights and biases)."""
-    rules = [cat_rule(f"{ours}.weight", [f"{p}.weight" for p in parts], sizes, group=group)]
-    if bias:
-        rules.append(cat_rule(f"{ours}.bias", [f"{p}.bias" for p in parts], sizes, group=group))
-    return rules
+    kinds = ("weight", "bias") if bias else ("weight",)
+    return [Rule(f"{ours}.{kind}", tuple(f"{p}.{kind}" for p in parts), split=tuple(sizes), group=group)
+            for kind in kinds]
 
 
-def norm_rules(ours: str, theirs: str, *, bias: bool, group: str | None = None) -> list[Rule]:
-    """LayerNorm has weight and bias; RMSNorm only a weight."""
-    return linear_rules(ours, theirs, bias=bias, group=group)
+norm_rules = linear_rules  # LayerNorm has weight and bias; RMSNorm only a weight
 
 
 def sublayer_rules(module: str, first: str | list[str], second: str, norm: str, *,
@@ -117,28 +107,20 @@ def _short_list(names: Iterable[str], limit: int = 8) -> str:
 
 
 def load_tensors(model: nn.Module, tensors: dict[str, Tensor], rules: list[Rule], *, source: str,
-                 ignore: Iterable[str] = ()) -> list[str]:
-    """Copy ``tensors`` into ``model`` through ``rules``; return the optional groups left out.
-
-    ``ignore``: regular expressions of source names not loaded; ``source``: the checkpoint's name in messages.
-    Raises ``InteropError`` for a missing tensor, a shape mismatch or a leftover tensor."""
+                 ignore: Iterable[str] = ()) -> None:
+    """Copy ``tensors`` (but names ``ignore`` matches) into ``model`` through ``rules``; ``InteropError`` for
+    a missing tensor, a shape mismatch or a leftover tensor; a warning names the optional groups left out."""
     params = model_parameters(model)
     _check_rules(rules, params)
     patterns = [re.compile(p) for p in ignore]
     available = {name for name in tensors if not any(p.fullmatch(name) for p in patterns)}
 
-    groups: dict[str | None, list[Rule]] = {}
+    needed: dict[str | None, set[str]] = {}
     for rule in rules:
-        groups.setdefault(rule.group, []).append(rule)
-    skipped: list[str] = []
-    missing: list[str] = []
-    for group, group_rules in groups.items():
-        needed = {s for r in group_rules for s in r.theirs}
-        absent = needed - available
-        if group is not None and absent == needed:
-            skipped.append(group)  # the checkpoint has none of this optional block
-        elif absent:
-            missing.extend(absent)
+        needed.setdefault(rule.group, set()).update(rule.theirs)
+    # The optional blocks of which the checkpoint has no tensor at all are left out.
+    skipped = [group for group, names in needed.items() if group is not None and not names & available]
+    missing = [name for group, names in needed.items() if group not in skipped for name in names - available]
     if missing:
         raise InteropError(f"{source}: missing tensor(s) {_short_list(missing)}; the checkpoint does not match "
                            f"its config.json (wrong architecture, or a truncated / partial download?)")
@@ -171,7 +153,6 @@ def load_tensors(model: nn.Module, tensors: dict[str, Tensor], rules: list[Rule]
         warnings.warn(
             f"{source}: no tensors for {', '.join(skipped)}; those aiayn modules keep their "
             f"initial weights", stacklevel=3)
-    return skipped
 
 
 def export_tensors(model: nn.Module, rules: list[Rule]) -> dict[str, Tensor]:
