@@ -252,16 +252,6 @@ def busy(exc: QueueFull, waiting: str) -> APIError:
                     kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)})
 
 
-def start_generation(engine: Engine, prompts: list[list[int]], params: SamplingParams, *, n: int = 1,
-                     constraint: GrammarConstraint | None = None) -> Generation:
-    try:
-        return Generation(engine, prompts, params, n=n, constraint=constraint)
-    except QueueFull as exc:
-        raise busy(exc, f"{engine.max_queue} requests") from None
-    except ShuttingDown:
-        raise shutting_down() from None
-
-
 async def generate(state: ServerState, request: Request, lm: TextModel, engine: Engine, body: Any,
                    prompts: list[list[int]], limit: int | None, logprobs: int | None, meta: Meta,
                    tools: ToolSettings | None = None, wire: ResponsesWire | None = None) -> Any:
@@ -271,7 +261,12 @@ async def generate(state: ServerState, request: Request, lm: TextModel, engine: 
     constraint = await asyncio.to_thread(response_constraint, lm, body, state.bounds)
     if tools is not None:  # (a response_format is then the text answer's, checked just above)
         meta.tools, constraint = await asyncio.to_thread(tool_constraint, lm, tools, body.response_format, state.bounds)
-    generation = start_generation(engine, prompts, params, n=body.n, constraint=constraint)
+    try:
+        generation = Generation(engine, prompts, params, n=body.n, constraint=constraint)
+    except QueueFull as exc:
+        raise busy(exc, f"{engine.max_queue} requests") from None
+    except ShuttingDown:
+        raise shutting_down() from None
     chat = meta.object == "chat.completion"
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -309,7 +304,6 @@ def create_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     add_status_routes(app, state)
     add_generation_routes(app, state)
-    add_embedding_route(app, state)
     return app
 
 
@@ -342,8 +336,8 @@ def add_status_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    """``/v1/chat/completions``, ``/v1/responses`` (a chat request in another wire format) and
-    ``/v1/completions``."""
+    """``/v1/chat/completions``, ``/v1/responses`` (a chat request in another wire format),
+    ``/v1/completions`` and ``/v1/embeddings``."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -372,6 +366,21 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         meta = Meta(state.served.name, "text_completion", logprobs=body.logprobs is not None)
         return await generate(state, request, lm, engine, body, prompts, body.max_tokens, body.logprobs, meta)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        state.check_model(body.model)
+        size = vector_size(state.served)
+        if body.dimensions is not None and body.dimensions != size:
+            raise APIError(400, f"dimensions: this model's vectors have {size} dimensions; leave it out or give {size}",
+                           param="dimensions")
+        state.limits.check_count(len(body.input), "input")
+        try:
+            vectors, tokens = await embed(state, body.input, request.is_disconnected)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        content = await asyncio.to_thread(embeddings_json, vectors, body.encoding_format, state.served.name, tokens)
+        return Response(content, media_type="application/json")
+
 
 async def chat_generation(state: ServerState, request: Request, body: ChatCompletionRequest,
                           wire: ResponsesWire | None = None) -> Any:
@@ -387,25 +396,6 @@ async def chat_generation(state: ServerState, request: Request, body: ChatComple
     top = (body.top_logprobs or 0) if body.logprobs else None
     meta = Meta(state.served.name, "chat.completion", logprobs=body.logprobs)
     return await generate(state, request, lm, engine, body, prompts, body.token_limit, top, meta, tools, wire)
-
-
-def add_embedding_route(app: FastAPI, state: ServerState) -> None:
-    """``/v1/embeddings``."""
-
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
-        state.check_model(body.model)
-        size = vector_size(state.served)
-        if body.dimensions is not None and body.dimensions != size:
-            raise APIError(400, f"dimensions: this model's vectors have {size} dimensions; leave it out or give {size}",
-                           param="dimensions")
-        state.limits.check_count(len(body.input), "input")
-        try:
-            vectors, tokens = await embed(state, body.input, request.is_disconnected)
-        except ClientGone:
-            return Response(status_code=499)  # nobody reads it
-        content = await asyncio.to_thread(embeddings_json, vectors, body.encoding_format, state.served.name, tokens)
-        return Response(content, media_type="application/json")
 
 
 def tool_constraint(lm: TextModel, tools: ToolSettings, response_format: Any,

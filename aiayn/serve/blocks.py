@@ -108,8 +108,8 @@ def block_plan(lm: TextModel, *, max_batch: int, context: int, budget: int, kv_c
 
 class BlockScheduler:
     """The paged cache's bookkeeping per request: what its row must hold, its prompt's digests, prefix
-    hits, the order of admission (preemption takes the newest) and the hit counters. ``tables``
-    (``aiayn.nn.block_tables.BlockTables``) it changes as it plans; the cache's device state follows."""
+    hits, the order of admission (preemption takes the newest) and the hit counters; it changes
+    ``tables`` as it plans, and the cache's device state follows."""
 
     def __init__(self, tables: BlockTables, plan: BlockPlan) -> None:
         self.tables, self.plan = tables, plan
@@ -138,12 +138,11 @@ class BlockScheduler:
 
     def _hits(self, request: Request) -> tuple[list[bytes], list[int]]:
         """The request's digests and the indexed blocks it can hold (never the one with its last token)."""
-        sequence = self.sequence(request)
         if not self.plan.prefix_caching:
             return [], []
-        digests = self._digests.get(request.id)  # kept from admission on (a waiting request may never come)
-        if digests is None:
-            digests = block_digests(sequence, self.block_size)
+        sequence = self.sequence(request)
+        # Kept from admission on; a waiting request's are made anew each time (it may never come).
+        digests = self._digests.get(request.id) or block_digests(sequence, self.block_size)
         return digests, self.tables.pool.lookup(digests)[: (len(sequence) - 1) // self.block_size]
 
     def admission(self, request: Request, rows: Sequence[Request], n_decode: int) -> str:
@@ -207,12 +206,11 @@ class BlockScheduler:
 
     def prune(self, live: set[int]) -> None:
         """Drop what is kept for requests not in ``live`` (ids of those waiting or running)."""
-        if len(self.resumed) + len(self._admitted) <= len(live):
-            return
-        for table in (self._sequence, self._digests, self._decoded, self._admitted):
-            for gone in [key for key in table if key not in live]:
-                del table[gone]
-        self.resumed &= live
+        if len(self.resumed) + len(self._admitted) > len(live):
+            for table in (self._sequence, self._digests, self._decoded, self._admitted):
+                for gone in table.keys() - live:
+                    del table[gone]
+            self.resumed &= live
 
     @property
     def hit_rate(self) -> float:

@@ -1,22 +1,13 @@
 """The serve engine's decode step as compiled graphs, one per batch-size bucket (``aiayn serve --compile``).
 
-The engine's decoding rows are its cache's first rows, [0, n), each at its own length, and n
-changes as requests join and leave. A compiled graph has static shapes, so the step runs on the
-smallest **bucket** of rows that holds n (1, 2, 4, 8, ... and ``max_batch``): rows [n, bucket)
-pad it. A padding row feeds token 0 recorded as *invalid* at its own next slot (its length), so
-it writes nowhere harmful: a prefilling row's next chunk, or a free row's next request, writes
-that slot again before anything reads it as a key, and an invalid slot is masked meanwhile.
-Attention runs over each row's whole buffer under its validity mask (``compiled_row_step``), so
-no shape depends on the rows' lengths: each bucket compiles once, then every step replays it,
-whatever joins, leaves or grows (and on CUDA replays it as a CUDA graph, the cache's buffers
-static). The padding rows can never be the cache's last rows beyond ``max_batch``: the largest
-bucket is the cache's row count.
-
-The bookkeeping outside the graph is the compiled decode step's own (``next_token_slots``: each
-row's position, checked, and the per-row ``KVCache.reserve``'s slots, told each row's real-token count by
-``expect``: nothing read back from the device), then the graph runs the stack. Its results are the eager engine's up to float rounding (attention over
-more masked keys): tests/serve/test_compiled_engine.py.
-"""
+A graph has static shapes, so the n decoding rows (the cache's first rows) run on the smallest
+bucket that holds them (1, 2, 4, ... and ``max_batch``). Padding rows [n, bucket) feed token 0
+recorded as invalid at their own next slot, which a prefill or a new request writes again before
+anything reads it. Attention runs over each row's whole buffer under its validity mask
+(``compiled_row_step``), so each bucket compiles once, then replays (on CUDA as a CUDA graph, the
+cache's buffers static). The host bookkeeping (``next_token_slots``, ``KVCache.expect``) reads
+nothing back from the device. Results equal the eager engine's up to float rounding
+(tests/serve/test_compiled_engine.py)."""
 
 from __future__ import annotations
 
@@ -40,21 +31,14 @@ def compile_refusal(kv_layout: str | None, kv_cache: str | None) -> str | None:
     """Why ``--compile`` cannot serve with these cache options (one line for the user), or None."""
     if kv_layout == "paged":
         return PAGED_COMPILE
-    if kv_cache not in (None, "float"):
-        return COMPILE_NEEDS_FLOAT
-    return None
+    return COMPILE_NEEDS_FLOAT if kv_cache not in (None, "float") else None
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
     """The batch sizes that get a graph: powers of two below ``max_batch``, then ``max_batch``."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    sizes = []
-    size = 1
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, max_batch]
+    return [*(1 << k for k in range((max_batch - 1).bit_length())), max_batch]
 
 
 class CompiledRows:
@@ -66,34 +50,30 @@ class CompiledRows:
             raise ValueError(COMPILE_NEEDS_FLOAT)
         self.model, self.cache = model, cache
         self.buckets = bucket_sizes(cache.batch_size)
-        # Per bucket: a view of the cache's first rows. Made once and kept, so a CUDA graph sees the
-        # same buffers at every replay (the views share the cache's storage: swaps, clears and the
-        # prefill's writes land in them).
+        # Per bucket, a view of the cache's first rows, kept so a CUDA graph sees the same buffers at
+        # every replay (views share the cache's storage).
         self._views: dict[int, KVCache] = {}
         self.compiled_buckets: set[int] = set()
 
     def bucket(self, n: int) -> int:
-        """The smallest bucket that holds n rows."""
-        for size in self.buckets:
-            if size >= n:
-                return size
-        raise ValueError(f"{n} rows exceed the cache's {self.buckets[-1]}")
+        """The smallest bucket that holds n rows (at most the cache's)."""
+        return next(size for size in self.buckets if size >= n)
 
-    def _view(self, size: int) -> tuple[KVCache, KVCache]:
-        """Rows [0, size) of the cache: the view whose masks the graph reads, and the cache its
-        layers write (the same view: its layers store each row's new key in place, ``Slots.row_slot``)."""
+    def _view(self, size: int) -> KVCache:
+        """Rows [0, size) of the cache: the graph reads its masks and its layers store each row's new
+        key in place (``Slots.row_slot``)."""
         if size not in self._views:
             view = self.cache.rows(0, size)
             if view.valid.device.type == "cuda":
                 mark_static(view.valid, view.positions, *[t for layer in view.layers for t in (layer.k, layer.v)])
             self._views[size] = view
-        return self._views[size], self._views[size]
+        return self._views[size]
 
     def step(self, last_tokens: list[int]) -> Tensor:
         """Rows [0, n) feed their last tokens, ``last_tokens`` (n ints) -> their next-token logits (n, v)."""
         n = len(last_tokens)
         size = self.bucket(n)
-        view, _ = self._view(size)
+        view = self._view(size)
         host_tokens = torch.zeros(size, 1, dtype=torch.long)  # (size, 1): padding rows feed token 0
         host_tokens[:n, 0] = torch.tensor(last_tokens, dtype=torch.long)
         tokens, live = to_device((host_tokens, torch.arange(size) < n), view.valid.device)  # (size, 1), (size,)

@@ -122,11 +122,10 @@ class ForwardCost:
 
 
 class EmbeddingQueue:
-    """The engine's embedding jobs and their share of its time.
-
-    ``run`` does forwards, the jobs in turn, while a credit covers them: each step adds ``streams *
-    share / (1 - share)`` seconds, a forward starts when the credit holds its expected time
-    (``ForwardCost``) and takes its real time off. With no stream, one forward a step."""
+    """The engine's embedding jobs and their share of its time: ``run`` does forwards, the jobs in
+    turn, while a credit covers them. Each step adds ``streams * share / (1 - share)`` seconds, a
+    forward starts when the credit holds its expected time (``ForwardCost``) and takes its real time
+    off. With no stream, one forward a step."""
 
     def __init__(self, share: float, clock: Callable[[], float], lock: threading.Condition,
                  read: Callable[[int], None] = lambda tokens: None) -> None:
@@ -144,10 +143,6 @@ class EmbeddingQueue:
     def __len__(self) -> int:
         """Jobs the queue holds: waiting, and the one in its forward."""
         return len(self.jobs) + (self.active is not None)
-
-    def add(self, job: EmbeddingJob) -> None:
-        """Queue ``job`` (the caller holds ``lock``)."""
-        self.jobs.append(job)
 
     def cancel(self, job: EmbeddingJob) -> None:
         """Drop ``job`` (its client is gone): no more forwards for it."""

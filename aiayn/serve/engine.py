@@ -1,16 +1,10 @@
 """The engine behind ``aiayn serve``: continuous batching of decoder-only generation.
 
-One thread owns the model and a KV cache of ``max_batch`` rows (``SlotPlan``: fixed slots;
-``BlockPlan``: a paged pool). Each step: ``Scheduler.schedule`` plans who holds a row and what the
-forward feeds; ``Runner`` applies the cache operations and runs the forward; ``choose`` picks each
-row's token; ``Output.emit`` turns tokens into events; ``Scheduler.update`` moves rows that finished
-their prompt to decoding and drops finished requests. Then queued embeddings run, at most
-``embed_share`` of the engine's time while streams run.
-
-Requests get an ``Event`` per token through their ``sink``, called on the engine thread. The only
-read from the device is the chosen ids, once per forward in ``choose``
-(tests/serve/test_no_device_reads.py).
-"""
+One thread owns the model and a KV cache of ``max_batch`` rows (fixed slots or a paged pool). Each
+step: ``Scheduler.schedule`` plans the rows and the forward, ``Runner`` applies the cache operations
+and runs it, ``choose`` picks each row's token (the step's one read from the device), ``Output.emit``
+sends each request an ``Event`` through its ``sink`` and ``Scheduler.update`` moves the rows on.
+Queued embeddings then take at most ``embed_share`` of the engine's time while streams run."""
 
 from __future__ import annotations
 
@@ -81,7 +75,7 @@ class Engine:
         self.output = Output(lm.decode, lm.eos_id, self.metrics)
         self.embed_chunk = embed_chunk
         self.embeddings = EmbeddingQueue(embed_share, clock, self._cv, self.metrics.embedding_tokens.inc)
-        self._running = 0  # rows in use, counted once the cache has followed the scheduler
+        self.running = 0  # requests holding a row, counted once the cache has followed the scheduler
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.metrics.watch_load(self.max_batch, lambda: len(self.waiting), lambda: self.running)
@@ -114,7 +108,7 @@ class Engine:
                 raise ShuttingDown("the server is shutting down")
             if len(self.embeddings) >= self.max_batch + self.max_queue:
                 raise QueueFull(self.retry_after())
-            self.embeddings.add(job)
+            self.embeddings.jobs.append(job)
             self._cv.notify()
         return job
 
@@ -130,11 +124,6 @@ class Engine:
         """Seconds until a queued request would likely start (1 to 60)."""
         mean = self.metrics.mean_request_seconds() or 1.0
         return max(1, min(60, round(mean * (len(self.waiting) + 1) / self.max_batch)))
-
-    @property
-    def running(self) -> int:
-        """Requests holding a row (its cache row cleared before it stops counting)."""
-        return self._running
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="aiayn-engine", daemon=True)
@@ -175,7 +164,7 @@ class Engine:
                 request.finished = True
                 request.sink(Event("", finish_reason="error", error=message))
         self.cache.reset()
-        self._running = 0
+        self.running = 0
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -204,7 +193,7 @@ class Engine:
 
     def _apply(self, ops: list[CacheOp]) -> None:
         self.runner.apply(ops)
-        self._running = len(self.rows)
+        self.running = len(self.rows)
 
     def _admitted(self, plan: StepPlan) -> None:
         """The newly admitted requests' text and draws (on the model's device)."""

@@ -53,17 +53,15 @@ class Output:
     def _text(self, request: Request, token: int) -> tuple[str, str | None, str | None]:
         """The text ``token`` adds, the finish reason and the error, if any."""
         assert request.text is not None
-        finish, error = None, None
         grammar_done = False  # the structured answer is complete: nothing but end-of-text may follow
         if request.constraint is not None:
             try:
                 request.constraint.advance(token)
                 grammar_done = request.constraint.is_finished()
             except ConstraintError as exc:  # a bug (the logits were masked): this request alone fails
-                finish, error = "error", f"internal error: {exc}"
-        if error is not None:
-            text = ""
-        elif token == self.eos_id:  # (a grammar allows it only once the answer is complete)
+                return "", "error", f"internal error: {exc}"
+        finish = None
+        if token == self.eos_id:  # (a grammar allows it only once the answer is complete)
             text, finish = request.text.finish(), "stop"
         else:
             text, stopped = request.text.add(token)
@@ -73,7 +71,7 @@ class Output:
                 text, finish = text + request.text.finish(), "stop"
             elif request.generated >= request.params.max_tokens:
                 text, finish = text + request.text.finish(), "length"
-        return text, finish, error
+        return text, finish, None
 
     def token_logprob(self, token: int, numbers: Chosen) -> TokenLogprob:
         """The chosen ``token``'s log-probability and its alternatives, as the API reports them."""

@@ -221,15 +221,21 @@ def _chunk(meta: Meta, name: str, choices: list[Any], **rest: Any) -> str:
 
 
 async def _stream(meta: Meta, name: str, generation: Generation, include_usage: bool,
-                  chunks: AsyncIterator[str | int]) -> AsyncIterator[str]:
-    """``chunks``, then the usage chunk and ``[DONE]``; the engine requests are cancelled at the end."""
+                  past_grace: Callable[[], bool], chunks: Callable[[int, Event], list[str]],
+                  first: list[str]) -> AsyncIterator[str]:
+    """``first``, then ``chunks`` of each event (an error event: its error object, and no more), then
+    the usage chunk and ``[DONE]``; the engine requests are cancelled at the end."""
     tokens = 0
     try:
-        async for item in chunks:
-            if isinstance(item, int):
-                tokens += item
-            else:
-                yield item
+        for chunk in first:
+            yield chunk
+        async for index, event in _events(generation, past_grace):
+            if event.error is not None:
+                yield _json(event_error(event.error).body())
+                break
+            tokens += 1
+            for chunk in chunks(index, event):
+                yield chunk
         if include_usage:
             yield _chunk(meta, name, [], usage=usage(generation.prompt_tokens, tokens))
         yield "[DONE]"
@@ -247,27 +253,20 @@ def chat_stream(meta: Meta, generation: Generation, include_usage: bool,
         return _chunk(meta, "chat.completion.chunk",
                       [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra)
 
-    async def chunks() -> AsyncIterator[str | int]:
-        for index in range(len(generation.requests)):
-            yield chunk({"role": "assistant", "content": ""}, index=index)
-        async for index, event in _events(generation, past_grace):
-            if event.error is not None:
-                yield _json(event_error(event.error).body())
-                return
-            yield 1
-            logprobs = chat_logprobs([event.logprob]) if meta.logprobs and event.logprob else None
-            finish = event.finish_reason
-            if calls is not None:  # the text read as content and calls (logprobs with the first delta)
-                deltas = calls[index].add(event.text, final=finish is not None) or ([{}] if logprobs else [])
-                for k, delta in enumerate(deltas):
-                    yield chunk(delta, None if k else logprobs, index=index)
-                finish = calls[index].finish_reason(finish)
-            elif event.text or logprobs:
-                yield chunk({"content": event.text}, logprobs, index=index)
-            if finish is not None:
-                yield chunk({}, None, finish, index=index)
+    def chunks(index: int, event: Event) -> list[str]:
+        out = []
+        logprobs = chat_logprobs([event.logprob]) if meta.logprobs and event.logprob else None
+        finish = event.finish_reason
+        if calls is not None:  # the text read as content and calls (logprobs with the first delta)
+            deltas = calls[index].add(event.text, final=finish is not None) or ([{}] if logprobs else [])
+            out = [chunk(delta, None if k else logprobs, index=index) for k, delta in enumerate(deltas)]
+            finish = calls[index].finish_reason(finish)
+        elif event.text or logprobs:
+            out = [chunk({"content": event.text}, logprobs, index=index)]
+        return out if finish is None else [*out, chunk({}, None, finish, index=index)]
 
-    return _stream(meta, "chat.completion.chunk", generation, include_usage, chunks())
+    roles = [chunk({"role": "assistant", "content": ""}, index=i) for i in range(len(generation.requests))]
+    return _stream(meta, "chat.completion.chunk", generation, include_usage, past_grace, chunks, roles)
 
 
 def completion_stream(meta: Meta, generation: Generation, include_usage: bool,
@@ -276,18 +275,14 @@ def completion_stream(meta: Meta, generation: Generation, include_usage: bool,
     offsets = [0] * len(generation.requests)
     extra = {"usage": None} if include_usage else {}
 
-    async def chunks() -> AsyncIterator[str | int]:
-        async for index, event in _events(generation, past_grace):
-            if event.error is not None:
-                yield _json(event_error(event.error).body())
-                return
-            yield 1
-            logprobs = None
-            if meta.logprobs and event.logprob is not None:
-                logprobs = completion_logprobs([event.logprob], offsets[index])
-                offsets[index] += len(event.logprob.token)
-            if event.text or logprobs or event.finish_reason:
-                yield _chunk(meta, "text_completion", [{"index": index, "text": event.text, "logprobs": logprobs,
-                                                        "finish_reason": event.finish_reason}], **extra)
+    def chunks(index: int, event: Event) -> list[str]:
+        logprobs = None
+        if meta.logprobs and event.logprob is not None:
+            logprobs = completion_logprobs([event.logprob], offsets[index])
+            offsets[index] += len(event.logprob.token)
+        if not (event.text or logprobs or event.finish_reason):
+            return []
+        return [_chunk(meta, "text_completion", [{"index": index, "text": event.text, "logprobs": logprobs,
+                                                  "finish_reason": event.finish_reason}], **extra)]
 
-    return _stream(meta, "text_completion", generation, include_usage, chunks())
+    return _stream(meta, "text_completion", generation, include_usage, past_grace, chunks, [])

@@ -32,9 +32,8 @@ MAX_STORED = 256  # responses kept for previous_response_id, the least recently 
 
 
 class ResponseStore:
-    """Stored responses, the last ``size`` of them: each one's Response object (``GET``) and its
-    conversation (chat messages without the instructions, which OpenAI does not carry over to the
-    next turn)."""
+    """The last ``size`` responses: each one's Response object and its conversation (without the
+    instructions, which OpenAI does not carry over to the next turn)."""
 
     def __init__(self, size: int = MAX_STORED) -> None:
         self.size = size
@@ -104,9 +103,8 @@ def response_format(text: TextOptions | None) -> dict[str, Any] | None:
 
 
 def chat_request(body: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
-    """The chat request that answers ``body``, and the conversation it continues (with the new
-    input, without the instructions); 400 as the chat route's checks say, 404 for an unknown
-    ``previous_response_id``. No tools (``[]`` too) is a text answer."""
+    """The chat request that answers ``body`` and the conversation it continues (the new input in,
+    the instructions out); 404 for an unknown ``previous_response_id``."""
     history = [] if body.previous_response_id is None else store.get(body.previous_response_id)
     conversation = [*history, *input_messages(body.input)]
     system = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
@@ -184,9 +182,8 @@ def _ending(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
 
 
 class ResponsesWire:
-    """One Responses request's answer: the chat answer or its chunks written as a Response object or
-    as Responses' events, and the conversation stored under the response's id (unless ``store``
-    is false)."""
+    """One Responses request's answer: the chat answer (or its chunks) as a Response object (or
+    Responses' events), the conversation stored under its id unless ``store`` is false."""
 
     def __init__(self, body: ResponsesRequest, conversation: list[dict[str, Any]], store: ResponseStore) -> None:
         self.body, self.conversation, self.store = body, conversation, store

@@ -1,14 +1,11 @@
-"""The serve engine's scheduler: which requests hold rows and what each forward feeds, as a plan
-(``StepPlan``) of host numbers that the runner applies and runs.
+"""The serve engine's scheduler: which requests hold rows and what each forward feeds, as a
+``StepPlan`` of host numbers that the runner applies and runs.
 
-Cache row i serves ``rows[i]``: decoding rows first, then prefilling ones, kept so by swapping
-rows, so both parts are contiguous views of the cache. Each step cancelled requests leave,
-waiting ones take free rows in arrival order (paged: by free blocks, ``aiayn.serve.blocks``), the
-paged cache preempts the newest requests until the step has the blocks it needs, and the
-prefilling rows share a budget of ``prefill_chunk`` prompt tokens (``prefill_plan``). The decoding
-rows and the prefill chunk go through one forward; with no row decoding yet, or ``compiled``
-(compiled decode graphs), the chunk runs alone and a decode forward follows (``decode_plan``).
-"""
+Cache row i serves ``rows[i]``: decoding rows first, then prefilling ones (kept so by swaps, so both
+are contiguous views). Each step cancelled requests leave, waiting ones take free rows in arrival
+order (paged: by free blocks, preempting the newest when short), and the prefilling rows share
+``prefill_chunk`` prompt tokens (``prefill_plan``), fed in the decoding rows' forward; with no row
+decoding yet, or ``compiled`` decode graphs, the chunk runs alone and a decode forward follows."""
 
 from __future__ import annotations
 
@@ -21,9 +18,8 @@ from dataclasses import dataclass, field
 from aiayn.serve.blocks import BlockScheduler
 from aiayn.serve.request import Request
 
-# What the runner does to the fixed slots' cache, in order: ("swap", i, j), ("clear", row). A paged
-# cache's row operations (and its ("adopt", row, blocks)) go to its block tables as they are planned;
-# the runner has the device state follow them.
+# ("swap", i, j) or ("clear", row) for the fixed slots' cache, run by the runner in order; a paged
+# cache's (and its ("adopt", row, blocks)) go to its block tables as planned.
 CacheOp = tuple
 
 
@@ -45,22 +41,18 @@ def prefill_plan(remaining: Sequence[int], chunk: int) -> list[tuple[int, int]]:
 
 @dataclass
 class StepPlan:
-    """One forward: ``decode`` rows [0, d) feed their last tokens; ``prefill`` rows [first, first + k)
-    feed (request, tokens, whether its prompt ends here). ``ops``: the fixed slots' cache operations,
-    before the forward (a paged cache's rows move in its block tables as planned); ``register``:
-    (request, digests) its full prompt blocks are indexed under after the forward (paged).
-    ``admitted``: new requests; ``preempted``: back in the queue; ``freed``: cancelled;
-    ``decode_next``: a second, decode-only forward follows in this step."""
+    """One forward: ``decode`` rows [0, d) feed their last tokens, ``prefill`` rows [first, first + k)
+    feed (request, tokens, whether its prompt ends here)."""
 
     decode: list[Request] = field(default_factory=list)
     prefill: list[tuple[Request, list[int], bool]] = field(default_factory=list)
     first: int = 0
-    ops: list[CacheOp] = field(default_factory=list)
-    register: list[tuple[Request, list[bytes]]] = field(default_factory=list)
+    ops: list[CacheOp] = field(default_factory=list)  # the fixed slots' cache operations, before the forward
+    register: list[tuple[Request, list[bytes]]] = field(default_factory=list)  # digests to index after it
     admitted: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    freed: list[Request] = field(default_factory=list)
-    decode_next: bool = False
+    preempted: list[Request] = field(default_factory=list)  # back in the queue
+    freed: list[Request] = field(default_factory=list)  # cancelled
+    decode_next: bool = False  # a second, decode-only forward follows in this step
 
     @property
     def runs(self) -> bool:
@@ -96,11 +88,9 @@ class Scheduler:
         plan.freed = [r for r in self.rows if r.cancelled]
         for request in plan.freed:
             self._remove(request, plan.ops)
+        self._admit(plan)
         if self.blocks is not None:
-            self._admit_by_blocks(self.blocks, plan)
             self._make_room(self.blocks, plan)
-        else:
-            self._admit(plan)
         if len(self.rows) > self.n_decode:
             mixed = bool(self.n_decode) and not self.compiled
             plan.decode = self._decoding() if mixed else []
@@ -166,29 +156,18 @@ class Scheduler:
 
     # ---- admission ------------------------------------------------------------------------------
     def _admit(self, plan: StepPlan) -> None:
-        """Fixed slots: waiting requests take free rows in arrival order."""
-        while len(self.rows) < self.max_batch:
-            with self.lock:
-                if not self.waiting:
-                    return
-                request = self.waiting.popleft()
-            if request.cancelled:
-                continue
-            plan.admitted.append(request)
-            self._do(("clear", len(self.rows)), plan.ops)
-            self.rows.append(request)
-            request.admitted_at = time.monotonic()
-
-    def _admit_by_blocks(self, blocks: BlockScheduler, plan: StepPlan) -> None:
-        """Paged admission in arrival order (``BlockScheduler.admission``); a request waiting for a
-        prefilling row's blocks (the same prompt: n > 1) lets the others pass."""
+        """Waiting requests take free rows in arrival order; paged, while ``BlockScheduler.admission``
+        says so (one waiting for a prefilling row's blocks, the same prompt with n > 1, lets others pass)."""
+        blocks = self.blocks
         with self.lock:
             candidates = list(self.waiting)
-        blocks.prune({r.id for r in [*candidates, *self.rows]})
+        if blocks is not None:
+            blocks.prune({r.id for r in [*candidates, *self.rows]})
         for request in candidates:
             if len(self.rows) >= self.max_batch:
                 return
-            verdict = "skip" if request.cancelled else blocks.admission(request, self.rows, self.n_decode)
+            verdict = "admit" if request.cancelled or blocks is None else blocks.admission(
+                request, self.rows, self.n_decode)
             if verdict == "full":
                 return
             if verdict == "wait":
@@ -198,12 +177,14 @@ class Scheduler:
                     continue
                 self.waiting.remove(request)
             if request.cancelled:
-                blocks.forget(request)
+                if blocks is not None:
+                    blocks.forget(request)
                 continue
-            if request.id not in blocks.resumed:  # (a preempted request keeps its text and draws)
+            if blocks is None or request.id not in blocks.resumed:  # (a preempted one keeps its text, draws)
                 plan.admitted.append(request)
             self._do(("clear", len(self.rows)), plan.ops)
-            self._do(("adopt", len(self.rows), blocks.start(request)), plan.ops)
+            if blocks is not None:
+                self._do(("adopt", len(self.rows), blocks.start(request)), plan.ops)
             self.rows.append(request)
             request.admitted_at = request.admitted_at or time.monotonic()
 

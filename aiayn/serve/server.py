@@ -77,9 +77,8 @@ def build_state(served: ServedModel, *, max_batch: int = 16, context: int | None
                 prefix_caching: bool = True, compile: bool = False,
                 json_bounds: JsonBounds = BOUNDS) -> tuple[ServerState, list[str]]:
     """The server's state and its start-up lines; ValueError for settings that cannot work.
-    ``max_input_tokens``: None for 8,192 or the model's context if smaller. ``kv_layout``: "paged",
-    "slots" or None: paged, but slots for a quantised ``kv_cache`` or with ``compile``.
-    ``json_bounds``: the caps on what a request's JSON schemas leave open."""
+    ``max_input_tokens`` None: 8,192 or the model's context if smaller; ``kv_layout`` None: paged,
+    but slots for a quantised ``kv_cache`` or with ``compile``."""
     metrics = Metrics()
     engine = None
     model_context = served.lm.context if served.lm is not None else served.encoder.max_length  # type: ignore[union-attr]

@@ -38,6 +38,7 @@ RESPONSE = '{"response": '  # the generic layout's text answer: this, a JSON str
 
 _HEAD = re.compile(r'\{"name": "([a-zA-Z0-9_-]{1,64})", "arguments": ')  # a call object up to its arguments
 _decoder = json.JSONDecoder()
+_lark = json.dumps  # a Lark string literal (JSON's escapes)
 
 
 @dataclass
@@ -55,10 +56,6 @@ class Parsed:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
-def _lark(text: str) -> str:
-    return json.dumps(text)  # a Lark string literal (JSON's escapes)
-
-
 def _json(schema: dict[str, Any]) -> str:
     """``%json {...}``: an inline JSON schema."""
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
@@ -66,8 +63,7 @@ def _json(schema: dict[str, Any]) -> str:
 
 class ToolFormat:
     """One request's tool-call format: its ``grammar``, the ``constraint`` a generation follows, and
-    ``parse`` of what the model wrote; ``response_schema``: the schema of a text answer; ``bounds``:
-    the caps on what the schemas leave open (None: none)."""
+    ``parse`` of what the model wrote; ``response_schema``: the schema of a text answer."""
 
     def __init__(self, settings: ToolSettings, *, hermes: bool, response_schema: dict[str, Any] | None = None,
                  bounds: JsonBounds | None = BOUNDS) -> None:

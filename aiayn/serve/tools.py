@@ -74,10 +74,7 @@ class ToolSettings:
     parallel: bool
 
     def parameters(self, name: str) -> dict[str, Any]:
-        for tool in self.tools:
-            if tool["function"]["name"] == name:
-                return tool["function"]["parameters"]
-        raise KeyError(name)
+        return next(t["function"]["parameters"] for t in self.tools if t["function"]["name"] == name)
 
 
 def object_schema(parameters: dict[str, Any] | None, where: str) -> dict[str, Any]:

@@ -107,13 +107,13 @@ def test_the_row_step_is_one_graph(lm: TextModel) -> None:
     """``torch._dynamo.explain`` of the bucket step, on a bucket with padding rows: no graph break."""
     engine = new_engine(lm, compile=True)
     assert engine.compiled is not None
-    view, layers = engine.compiled._view(2)
+    view = engine.compiled._view(2)
     tokens = torch.tensor([[5], [0]])
     live = torch.tensor([True, False])
     positions = view.lengths[:, None].clone()
     slots = view.expect([1, 0]).reserve(live[:, None], positions)
     explained = torch._dynamo.explain(compiled_decode._row_step)(lm.model, tokens, positions, slots, view.valid,
-                                                                 view.positions, layers)
+                                                                 view.positions, view)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
