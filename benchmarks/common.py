@@ -262,24 +262,18 @@ def decode_rate(run: Callable[[int], object], n: int, repeats: int,
     return (n - 1) / (best_of(lambda: run(n), repeats, clock) - t1)
 
 
-def matmul_peak(*, n: int = 2048, repeats: int = 7, backend: str = "torch.mm") -> float:
-    """Measured float32 throughput of an n x n by n x n product, FLOP/s (median): ``torch.mm``
-    (MKL on this build) or, with ``backend="onednn"``, the oneDNN product aiayn's linear layers
-    use (``aiayn.fast.onednn``; 0.0 when this torch build has none)."""
+def matmul_peaks(repeats: int, n: int = 2048) -> dict[str, float]:
+    """Measured float32 n^3 product rates, FLOP/s (median): ``torch.mm`` (MKL on this build) and the
+    oneDNN product aiayn's linear layers use (0.0 when this torch build has none)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    if backend == "onednn":
-        if not onednn.available():
-            return 0.0
-        product = onednn.matmul
-    else:
-        product = torch.mm
-    product(a, b)
-    return 2 * n**3 / median_seconds(lambda: product(a, b), repeats)[0]
-
-
-def matmul_peaks(repeats: int) -> dict[str, float]:
-    """Both float32 2048^3 rates, {"torch.mm": ..., "onednn": ...}, FLOP/s."""
-    return {backend: matmul_peak(repeats=repeats, backend=backend) for backend in ("torch.mm", "onednn")}
+    peaks = {}
+    for backend, product in (("torch.mm", torch.mm), ("onednn", onednn.matmul)):
+        if backend == "onednn" and not onednn.available():
+            peaks[backend] = 0.0
+            continue
+        product(a, b)
+        peaks[backend] = 2 * n**3 / median_seconds(lambda p=product: p(a, b), repeats)[0]
+    return peaks
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:
@@ -410,7 +404,13 @@ def serving(serve_args: Sequence[str], *, port: int, log: Path | None = None, ti
             time.sleep(0.5)
         yield proc
     finally:
-        stop_server(proc, timeout=stop_timeout)
+        if proc.poll() is None:  # SIGTERM to its group (the server drains and exits), SIGKILL if it stays
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=stop_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         if temporary:
             log.unlink(missing_ok=True)
 
@@ -423,17 +423,6 @@ def healthy(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
-
-
-def stop_server(proc: subprocess.Popen, *, timeout: float = 40.0) -> None:
-    """SIGTERM to the server's process group, SIGKILL if it is still there after ``timeout`` s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def smollm2(model: Path | None = None) -> Path:

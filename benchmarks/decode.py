@@ -42,18 +42,16 @@ def aiayn_model(size: LMSize, seed: int, *, plain: bool = False) -> nn.Module:
     return model if plain else optimize_aiayn(model, "inference")
 
 
-def peer_model(name: str, size: LMSize, seed: int) -> nn.Module | None:
-    """Peer ``name``'s model in eval mode (aiayn's optimized); None, its row printed, when its
-    library is not installed."""
-    if name == "aiayn":
-        return aiayn_model(size, seed)
-    torch.manual_seed(seed)
-    return common.load_peer(name, lambda: LM_PEERS[name](size, Dropouts()).eval())
-
-
 def load_models(size: LMSize, args: argparse.Namespace) -> tuple[dict[str, nn.Module], nn.Module | None]:
-    """The peers' models (a missing library's: its row printed) and, with ``--plain``, aiayn's plain one."""
-    models = {name: model for name in args.peers or LM_PEERS if (model := peer_model(name, size, args.seed)) is not None}
+    """The peers' models in eval mode (aiayn's optimized; a missing library's: its row printed) and,
+    with ``--plain``, aiayn's plain one."""
+    models = {}
+    for name in args.peers or LM_PEERS:
+        torch.manual_seed(args.seed)
+        model = (aiayn_model(size, args.seed) if name == "aiayn"
+                 else common.load_peer(name, lambda n=name: LM_PEERS[n](size, Dropouts()).eval()))
+        if model is not None:
+            models[name] = model
     return models, aiayn_model(size, args.seed, plain=True) if args.plain and "aiayn" in models else None
 
 

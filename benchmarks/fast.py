@@ -26,7 +26,7 @@ import math
 import statistics
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,18 +59,7 @@ class Case:
     fast: Callable[[], object]
 
 
-@dataclass
-class Options:
-    quick: bool
-    seed: int
-    compiled_rows: list[int] = field(default_factory=list)
-
-
 # ---------------------------------------------------------------- helpers
-
-
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def _fast_copy(module: nn.Module, cls: type[nn.Module]) -> nn.Module:
@@ -89,17 +78,10 @@ def _clear_grads(*tensors: Tensor | nn.Module) -> None:
             t.grad = None
 
 
-def _inference(fn: Callable[[], object]) -> Callable[[], object]:
-    def run() -> object:
-        with torch.inference_mode():
-            return fn()
-    return run
-
-
 # ---------------------------------------------------------------- FastLinear
 
 
-def linear_onednn_cases(opt: Options) -> Iterator[Case]:
+def linear_onednn_cases(opt: argparse.Namespace) -> Iterator[Case]:
     """FastLinear's oneDNN path, forward + backward, against nn.Linear on the same weights."""
     if opt.quick:
         shapes = [("d256 qkv", 256, 256, 768), ("d256 FFN down", 256, 1024, 256)]
@@ -109,7 +91,7 @@ def linear_onednn_cases(opt: Options) -> Iterator[Case]:
                   ("paper-base qkv", 768, 512, 1536), ("paper-base FFN up", 768, 512, 2048),
                   ("paper-base FFN down", 768, 2048, 512)]
     for label, rows, i, o in shapes:
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         plain = nn.Linear(i, o)
         fast = _fast_copy(plain, FastLinear)
         x = torch.randn(rows, i, generator=gen).requires_grad_()
@@ -124,7 +106,7 @@ def linear_onednn_cases(opt: Options) -> Iterator[Case]:
                    lambda step=step, m=plain: step(m), lambda step=step, m=fast: step(m))
 
 
-def _decode_layers(opt: Options) -> list[tuple[str, list[tuple[int, int]]]]:
+def _decode_layers(opt: argparse.Namespace) -> list[tuple[str, list[tuple[int, int]]]]:
     """(label, [(in, out), ...]): one pass over a model's distinct projections."""
     if opt.quick:
         return [("d256 decoder layer", [(256, 768), (1024, 256)])]
@@ -133,11 +115,11 @@ def _decode_layers(opt: Options) -> list[tuple[str, list[tuple[int, int]]]]:
             ("SmolLM2 layer: qkv, out, gate+up, down", [(576, 960), (576, 576), (576, 3072), (1536, 576)])]
 
 
-def linear_transposed_cases(opt: Options) -> Iterator[Case]:
+def linear_transposed_cases(opt: argparse.Namespace) -> Iterator[Case]:
     """FastLinear on a decode step's (rows, 1, i) inputs, no grad, against nn.Linear."""
     rows_list = [1, 2, 16] if opt.quick else [1, 2, 4, 16, 64]
     for label, shapes in _decode_layers(opt):
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         plain = [nn.Linear(i, o) for i, o in shapes]
         fast = [_fast_copy(m, FastLinear) for m in plain]
         n_weights = sum(i * o for i, o in shapes)
@@ -150,7 +132,8 @@ def linear_transposed_cases(opt: Options) -> Iterator[Case]:
                 return [layer(x) for layer, x in zip(layers, xs, strict=True)]
 
             yield Case(f"{label} ({n_weights / 1e6:.1f}M weights), {rows} row{'s' * (rows > 1)}", path,
-                       _inference(lambda f=one_pass, m=plain: f(m)), _inference(lambda f=one_pass, m=fast: f(m)))
+                       torch.inference_mode()(lambda f=one_pass, m=plain: f(m)),
+                       torch.inference_mode()(lambda f=one_pass, m=fast: f(m)))
 
 
 # ---------------------------------------------------------------- attention
@@ -169,7 +152,7 @@ def _decode_inputs(config: ModelConfig, batch: int, keys: int, seed: int) -> tup
             captured.append((q, k, v, kwargs))
         return scaled_dot_product_attention(q, k, v, **kwargs)
 
-    gen = _generator(seed)
+    gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, config.vocab_size, (batch, keys), generator=gen)
     with torch.inference_mode():
         cache = model.new_cache(batch, config.max_seq_len)
@@ -191,7 +174,7 @@ def _attention_path(q: Tensor, k: Tensor, kwargs: dict) -> str:
     return "GQA fold + written-out" if q.shape[1] != k.shape[1] else "single query, written-out"
 
 
-def attention_decode_cases(opt: Options) -> Iterator[Case]:
+def attention_decode_cases(opt: argparse.Namespace) -> Iterator[Case]:
     mha = aiayn_lm_config(LMSize(n_layers=1), Dropouts())  # the decode benchmark's layout
     gqa = ModelConfig(arch="decoder-only", vocab_size=1000, d_model=576, n_heads=9, n_kv_heads=3, n_layers=1,
                       d_ff=1536, activation="swiglu", norm="rmsnorm", norm_position="pre", positional="rope",
@@ -205,8 +188,8 @@ def attention_decode_cases(opt: Options) -> Iterator[Case]:
     for label, config, batch, keys in settings:
         q, k, v, kwargs = _decode_inputs(config, batch, keys, opt.seed)
         yield Case(f"{label}, batch {batch}, {keys} keys", _attention_path(q, k, kwargs),
-                   _inference(lambda q=q, k=k, v=v, kw=kwargs: scaled_dot_product_attention(q, k, v, **kw)),
-                   _inference(lambda q=q, k=k, v=v, kw=kwargs: fast_attention(q, k, v, **kw)))
+                   torch.inference_mode()(lambda q=q, k=k, v=v, kw=kwargs: scaled_dot_product_attention(q, k, v, **kw)),
+                   torch.inference_mode()(lambda q=q, k=k, v=v, kw=kwargs: fast_attention(q, k, v, **kw)))
 
 
 def _projected_heads(b: int, t: int, h: int, d_h: int, gen: torch.Generator) -> tuple[Tensor, Callable]:
@@ -221,10 +204,10 @@ def _projected_heads(b: int, t: int, h: int, d_h: int, gen: torch.Generator) -> 
     return qkv, heads
 
 
-def _training_attention_cases(opt: Options, shapes: list[tuple[str, int, int, int, int]],
+def _training_attention_cases(opt: argparse.Namespace, shapes: list[tuple[str, int, int, int, int]],
                               dropout_p: float) -> Iterator[Case]:
     for label, b, h, t, d_h in shapes:
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         qkv, heads = _projected_heads(b, t, h, d_h, gen)
         grad = torch.randn(b, h, t, d_h, generator=gen)
         q, k, v = heads()
@@ -242,14 +225,14 @@ def _training_attention_cases(opt: Options, shapes: list[tuple[str, int, int, in
                    lambda s=step: s(scaled_dot_product_attention), lambda s=step: s(fast_attention))
 
 
-def attention_block_causal_cases(opt: Options) -> Iterator[Case]:
+def attention_block_causal_cases(opt: argparse.Namespace) -> Iterator[Case]:
     shapes = ([("small", 4, 4, 128, 64)] if opt.quick else
               [("decoder bench", 16, 4, 256, 64), ("seq2seq small decoder", 32, 4, 32, 64),
                ("paper-base layer", 1, 8, 512, 64)])
     return _training_attention_cases(opt, shapes, 0.0)
 
 
-def attention_dropout_cases(opt: Options) -> Iterator[Case]:
+def attention_dropout_cases(opt: argparse.Namespace) -> Iterator[Case]:
     shapes = ([("small", 4, 4, 64, 64)] if opt.quick else
               [("decoder bench", 16, 4, 256, 64), ("seq2seq small decoder", 32, 4, 32, 64)])
     return _training_attention_cases(opt, shapes, 0.1)
@@ -258,12 +241,12 @@ def attention_dropout_cases(opt: Options) -> Iterator[Case]:
 # ---------------------------------------------------------------- dropout
 
 
-def dropout_cases(opt: Options) -> Iterator[Case]:
+def dropout_cases(opt: argparse.Namespace) -> Iterator[Case]:
     shapes = ([(70, 20, 256)] if opt.quick else [(70, 20, 256), (16, 256, 256), (16, 256, 1024)])
     plain = nn.Dropout(0.1).train()
     fast = FastDropout(0.1).train()
     for shape in shapes:
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         x = torch.randn(shape, generator=gen).requires_grad_()
         g = torch.randn(shape, generator=gen)
 
@@ -278,11 +261,11 @@ def dropout_cases(opt: Options) -> Iterator[Case]:
 # ---------------------------------------------------------------- fused output layer + loss
 
 
-def fused_loss_cases(opt: Options) -> Iterator[Case]:
+def fused_loss_cases(opt: argparse.Namespace) -> Iterator[Case]:
     shapes = ([("small", 8, 64, 64, 1000)] if opt.quick else
               [("decoder bench", 16, 256, 256, 8000), ("paper-base, 768 real target tokens", 32, 24, 512, 37000)])
     for label, b, t, d, vocab in shapes:
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         plain = nn.Linear(d, vocab, bias=False)
         with torch.no_grad():
             plain.weight.normal_(0.0, 0.02, generator=gen)
@@ -312,7 +295,7 @@ def fused_loss_cases(opt: Options) -> Iterator[Case]:
 # ---------------------------------------------------------------- compiled decode step's products
 
 
-def compiled_matvec_cases(opt: Options) -> Iterator[Case]:
+def compiled_matvec_cases(opt: argparse.Namespace) -> Iterator[Case]:
     """Compiled afresh for every call of this function (once per thread count: Inductor's C++
     kernels are generated for the thread count they were compiled under)."""
     from benchmarks.matvec import Projections, compiled
@@ -328,7 +311,7 @@ def compiled_matvec_cases(opt: Options) -> Iterator[Case]:
 
     for rows in opt.compiled_rows:
         torch._dynamo.reset()  # fresh graphs for this thread count and shape
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         xs = [torch.randn(rows, lin.in_features, generator=gen) for lin in model.linears]
         x, w = xs[0], model.linears[0].weight
         path = ("multiply + sum" if use_matvec(x, w) else "(W x^T)^T" if use_transposed(x, w)
@@ -339,7 +322,7 @@ def compiled_matvec_cases(opt: Options) -> Iterator[Case]:
                    lambda f=plain_fn, xs=xs: f(xs), lambda f=fast_fn, xs=xs: f(xs))
 
 
-FACTORIES: dict[str, Callable[[Options], Iterator[Case]]] = {
+FACTORIES: dict[str, Callable[[argparse.Namespace], Iterator[Case]]] = {
     "linear-onednn": linear_onednn_cases,
     "linear-transposed": linear_transposed_cases,
     "attention-decode": attention_decode_cases,
@@ -472,7 +455,6 @@ def main(argv: list[str] | None = None) -> None:
             kernels.remove("compiled-matvec")
     if args.no_compiled and "compiled-matvec" in kernels:
         kernels.remove("compiled-matvec")
-    opt = Options(quick=args.quick, seed=args.seed, compiled_rows=args.compiled_rows)
     before = torch.get_num_threads()
     header("aiayn.fast kernels against the plain modules they replace", args)
     results: list[Result] = []
@@ -480,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
         kernel_results: list[tuple[int, Result]] = []
         for n in args.threads:
             torch.set_num_threads(n)
-            for index, case in enumerate(FACTORIES[kernel](opt)):
+            for index, case in enumerate(FACTORIES[kernel](args)):
                 kernel_results.append((index, measure(kernel, case, n, repeats=args.repeats, warmup=args.warmup,
                                                       round_seconds=round_seconds)))
         kernel_results.sort(key=lambda pair: pair[0])  # stable: each case's thread counts side by side

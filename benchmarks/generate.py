@@ -20,6 +20,7 @@ the best of ``--repeats`` runs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import warnings
 from collections.abc import Callable
@@ -56,14 +57,7 @@ def hf_runner(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[int], torc
 
 def llama_python_runner(llm, ids: list[int]) -> Callable[[int], list[int]]:
     """``llama-cpp-python``'s greedy generation of n tokens after ``ids``."""
-    def run(n: int) -> list[int]:
-        out = []
-        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            out.append(token)
-            if len(out) == n:
-                break
-        return out
-    return run
+    return lambda n: list(itertools.islice(llm.generate(ids, top_k=1, temp=0.0, reset=True), n))
 
 
 def long_prompt(tokenizer, n: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -43,20 +44,14 @@ def compile_backend(backend: str | None) -> Iterator[None]:
     """With ``backend``, every torch.compile of the run (this benchmark's and aiayn's own compiled
     decode step) uses it: --smoke traces the compiled paths on a CPU in seconds instead of building
     kernels for minutes. Restored afterwards."""
-    if backend is None:
-        yield
-        return
     real = torch.compile
 
     def patched(model=None, **kwargs):
         kwargs.update(backend=backend, mode=None)
         return real(**kwargs) if model is None else real(model, **kwargs)
 
-    torch.compile = patched  # type: ignore[assignment]
-    try:
+    with mock.patch.object(torch, "compile", patched) if backend else contextlib.nullcontext():
         yield
-    finally:
-        torch.compile = real  # type: ignore[assignment]
 
 
 class Row:
@@ -82,8 +77,15 @@ class Row:
         self.timed.append(common.Timed(name, fn, iters=iters))
         self.params[name] = params
 
-    def skip(self, name: str, why: str) -> None:
-        self.skipped[name] = why
+    def pair(self, name: str, build: Callable[[bool], tuple[Callable[[], object], int]], iters: int = 1, *,
+             compiled: str | None = None, missing: bool = False) -> None:
+        """``name`` and its compiled twin (``compiled``, default "NAME compiled"): ``build(False)``,
+        ``build(True)``; both skipped with the not-installed row when ``missing``."""
+        for flag, label in ((False, name), (True, compiled or f"{name} compiled")):
+            if missing:
+                self.skipped[label] = MISSING_TRANSFORMERS
+            else:
+                self.add(label, lambda f=flag: build(f), iters=iters)
 
     def run(self) -> dict[str, float]:
         """Interleaved rounds (the device synchronised around each) -> median seconds per call, by peer."""
@@ -146,13 +148,8 @@ def row_a(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device,
         forward = lambda x: run(input_ids=x, use_cache=False).logits  # noqa: E731
         return gpu_models.logits_step(forward, gpu_models.make_adamw(model, device), (inputs, targets), device), common.count_params(model)
 
-    row.add("aiayn", lambda: aiayn(False), iters=args.iters)
-    row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
-    for compiled, name in ((False, "transformers"), (True, "transformers compiled")):
-        if transformers is None:
-            row.skip(name, MISSING_TRANSFORMERS)
-        else:
-            row.add(name, lambda c=compiled: hf(c), iters=args.iters)
+    row.pair("aiayn", aiayn, args.iters)
+    row.pair("transformers", hf, args.iters, missing=transformers is None)
     seconds = row.run()
     peak, peak_note = gpu_models.peak_flops(device, args.peak_tflops)
     flops = gpu_models.gpt2_train_flops(plan, batch * length)
@@ -193,10 +190,8 @@ def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device)
         run = torch.compile(model) if compiled else model
         return gpu_models.logits_step(run, gpu_models.make_adamw(model, device), data, device), common.count_params(model)
 
-    row.add("aiayn", lambda: aiayn(False), iters=args.iters)
-    row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
-    row.add("torch.nn.Transformer", lambda: reference(False), iters=args.iters)
-    row.add("torch.nn.Transformer compiled", lambda: reference(True), iters=args.iters)
+    row.pair("aiayn", aiayn, args.iters)
+    row.pair("torch.nn.Transformer", reference, args.iters)
     row.run()
     tokens = batch * (src_len + tgt_len)
     print(f"## (b) encoder-decoder `{plan.seq2seq}` (d {config.d_model}, {config.n_layers}+{config.n_decoder_layers} "
@@ -236,13 +231,9 @@ def decode_batch(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.
     prompt = prompt.to(device)
     row = Row(device, args.repeats, args.warmup, profile=args.profile)
     params = common.count_params(model)
-    row.add("aiayn", lambda: (gpu_models.aiayn_decode(model, prompt, n, compile=False), params))
-    row.add("aiayn compiled", lambda: (gpu_models.aiayn_decode(model, prompt, n, compile=True), params))
-    for static, name in ((False, "transformers"), (True, "transformers static + compile")):
-        if hf is None:
-            row.skip(name, MISSING_TRANSFORMERS)
-        else:
-            row.add(name, lambda s=static: (gpu_models.hf_decode(transformers, hf, prompt, n, static=s), params))
+    row.pair("aiayn", lambda c: (gpu_models.aiayn_decode(model, prompt, n, compile=c), params))
+    row.pair("transformers", lambda s: (gpu_models.hf_decode(transformers, hf, prompt, n, static=s), params),
+             compiled="transformers static + compile", missing=hf is None)
     row.run()
     print(f"batch {b}:\n")
     rates = row.report("call", b * n)

@@ -10,6 +10,7 @@ log-likelihood of token windows from logits llama.cpp returns for every position
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -70,14 +71,9 @@ def _load_cxa_call_terminate_shim() -> None:
     ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
 
 
-_silent_log_callbacks: list = []  # cffi callbacks must outlive their use
-
-
+@functools.cache  # cffi callbacks must outlive their use
 def _silent_log(ffi):
-    if not _silent_log_callbacks:
-        _silent_log_callbacks.append(ffi.callback("void(enum ggml_log_level, const char *, void *)",
-                                                  lambda level, text, user: None))
-    return _silent_log_callbacks[0]
+    return ffi.callback("void(enum ggml_log_level, const char *, void *)", lambda level, text, user: None)
 
 
 def peak_rss_mib() -> float:

@@ -25,6 +25,7 @@ Known differences at "equal size" (the parameter counts printed by each benchmar
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -188,10 +189,9 @@ def xtransformers_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
     return Seq2SeqPeer(xt, call)
 
 
-def aiayn_padded_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
-    """The same aiayn model computing its padding too, as the other peers do (the training
-    benchmark takes its (b, t, v) logits to the peers' F.cross_entropy)."""
-    return aiayn_seq2seq(s, drop, padding_free=False)
+# The same aiayn model computing its padding too, as the other peers do (the training benchmark
+# takes its (b, t, v) logits to the peers' F.cross_entropy).
+aiayn_padded_seq2seq = functools.partial(aiayn_seq2seq, padding_free=False)
 
 
 SEQ2SEQ_PEERS = {

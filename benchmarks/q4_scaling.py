@@ -96,22 +96,16 @@ def tokenizer_metadata(vocab: int) -> dict[str, object]:
             "tokenizer.ggml.add_bos_token": False}
 
 
+GGUF_WRITERS = ((bool, "add_bool"), (int, "add_uint32"), (float, "add_float32"), (str, "add_string"))
+
+
 def add_metadata(writer: Any, metadata: Mapping[str, Any]) -> None:
     """GGUF key-values written by their Python type: bool, int (as uint32), float (float32), str,
     anything else an array; None is skipped. (Also the GGUF files of tests/parity/test_gguf.py.)"""
     for key, value in metadata.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+        if value is not None:
+            kind = next((m for t, m in GGUF_WRITERS if isinstance(value, t)), "add_array")
+            getattr(writer, kind)(key, value)
 
 
 def write_random_llama(path: Path, shape: LlamaShape, *, kind: str = "Q4_0", seed: int = 0) -> Path:

@@ -15,9 +15,7 @@ each peer on the requests all at once. ``--clock cpu`` steps the engine on a clo
 seconds its steps take (``run_stepped``), so other jobs on the machine do not change the figures.
 ``--ttft-breakdown`` splits each TTFT into queued (arrival to admission), behind (admission to the
 request's first prefill forward) and prefill (that forward to the first token). ``--repeats N``
-interleaves the peers N rounds; ratios are medians with their range. ``--gather-row`` and
-``--plain-chunk-attention`` add the paged engine without ``aiayn.fast``'s paged-attention or
-prefill-attention kernel. Goals: paged >= 1.3x the fixed slots' and >= 1.5x transformers'
+interleaves the peers N rounds; ratios are medians with their range. Goals: paged >= 1.3x the fixed slots' and >= 1.5x transformers'
 throughput, TTFT p99 <= 2 s.
 
     python -m benchmarks.staggered --ttft-breakdown --saturated
@@ -42,8 +40,7 @@ import torch
 from benchmarks import common
 
 HF = "transformers static batch"
-SLOTS, PAGED, GATHER = "fixed slots", "paged", "paged, gather (no paged-attention kernel)"
-PLAIN_CHUNKS = "paged, plain chunk attention (no aiayn.fast.prefill_attention)"
+SLOTS, PAGED = "fixed slots", "paged"
 
 
 @dataclass
@@ -265,11 +262,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, help="transformers' static batch size (default: --slots, equal memory)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
-    parser.add_argument("--gather-row", action="store_true",
-                        help="add the paged engine without the paged-attention kernel (gather + SDPA)")
-    parser.add_argument("--plain-chunk-attention", action="store_true",
-                        help="add the paged engine without aiayn.fast.prefill_attention (each prefill chunk's "
-                             "mask prepared in every layer)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.answer = min(args.requests, 16), [8, 48]
@@ -279,26 +271,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def engine_run(lm, plan, label: str, jobs: list[Job], args: argparse.Namespace) -> dict[str, float]:
+def engine_run(lm, plan, jobs: list[Job], args: argparse.Namespace) -> dict[str, float]:
     """One run of the engine with ``plan`` on ``jobs`` (after a warm-up request), on ``--clock``."""
-    from aiayn.fast import switch
     from aiayn.serve.engine import Engine
 
-    off = {GATHER: ("paged_attention",), PLAIN_CHUNKS: ("prefill_attention",)}.get(label, ())
     engine = Engine(lm, plan, prefill_chunk=args.prefill_chunk, threads=args.threads)
     warm_up = [Job(0.0, [100 + i for i in range(32)], 4)]  # (one-time costs)
-    with switch.without(*off):
-        try:
-            if args.clock == "cpu":
-                run_stepped(engine, warm_up, args.threads)
-                result = run_stepped(engine, jobs, args.threads)
-            else:
-                engine.start()
-                run(engine, warm_up)
-                result = run(engine, jobs)
-        finally:
-            engine.stop()
-            torch.set_num_threads(1)
+    try:
+        if args.clock == "cpu":
+            run_stepped(engine, warm_up, args.threads)
+            result = run_stepped(engine, jobs, args.threads)
+        else:
+            engine.start()
+            run(engine, warm_up)
+            result = run(engine, jobs)
+    finally:
+        engine.stop()
+        torch.set_num_threads(1)
     result["preemptions"] = engine.metrics.preemptions._value.get()
     return result
 
@@ -318,19 +307,12 @@ def main(argv: list[str] | None = None) -> None:
     budget *= args.slots
     plans = {SLOTS: slot_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None),
              PAGED: block_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None)}
-    if args.gather_row:
-        plans[GATHER] = plans[PAGED]
-    if args.plain_chunk_attention:
-        plans[PLAIN_CHUNKS] = plans[PAGED]
     for plan in plans.values():
         print(plan.describe(budget), flush=True)
     if hf is not None:
         static_batches(hf, [Job(0.0, [100 + i for i in range(32)], 4)], 1, lm.eos_id, args.threads)  # warm-up
 
-    def engine_peer(label: str) -> Callable[[list[Job]], dict[str, float]]:
-        return lambda jobs: engine_run(lm, plans[label], label, jobs, args)
-
-    peers = {label: engine_peer(label) for label in plans}
+    peers = {label: lambda jobs, plan=plan: engine_run(lm, plan, jobs, args) for label, plan in plans.items()}
     if hf is not None:
         peers[HF] = lambda jobs: static_batches(hf, jobs, args.hf_batch, lm.eos_id, args.threads, args.clock == "cpu")
     rounds(args, peers)
@@ -397,12 +379,6 @@ def summary(args: argparse.Namespace, results: list[tuple[str, dict[str, float]]
     if HF in rounds[0]:
         print(common.spread_line(f"paged / {HF} of {args.hf_batch} throughput{how}",
                           [r[PAGED]["tokens_per_s"] / r[HF]["tokens_per_s"] for r in rounds], 1.5))
-    if GATHER in rounds[0]:
-        print(common.spread_line("paged with the kernel / paged, gather", [r[PAGED]["tokens_per_s"] / r[GATHER]["tokens_per_s"]
-                                                                   for r in rounds], None))
-    if PLAIN_CHUNKS in rounds[0]:
-        print("* paged TTFT p99 with / without aiayn.fast.prefill_attention: " + ", ".join(
-            f"{r[PAGED]['ttft_p99']:.2f} / {r[PLAIN_CHUNKS]['ttft_p99']:.2f} s" for r in rounds))
     p99 = [r[PAGED]["ttft_p99"] for r in rounds]
     print(f"* paged TTFT p99{how} (up to {args.max_batch} at once): **{statistics.median(p99):.2f} s** "
           f"({', '.join(f'{p:.2f}' for p in p99)}; goal <= 2 s: {'met' if statistics.median(p99) <= 2 else 'MISSED'})")
