@@ -1,17 +1,8 @@
-"""The one harness every benchmark uses: thread setup, peer loading, interleaved timing with medians
-and spread, ratio lines, the header and footer, markdown tables, the measured matmul peak, and an
-``aiayn serve`` subprocess to measure. A benchmark file holds its workload and its peers only.
-
-Methodology (the same for every benchmark):
-
-* ``torch.set_num_threads(threads)`` (default 2), float32, everything in one process;
-* each peer is warmed up, then the peers are timed in turn, A, B, C, A, B, C, ... for
-  ``repeats`` rounds, each round running ``iters`` calls; a peer's figure is the median over its
-  rounds, so slow drift of the machine (other jobs, thermal) hits every peer alike;
-* a peer whose library is not installed is a row naming the extra that installs it
-  (``load_peer``), and the benchmark goes on with the others;
-* the header names the machine, threads, torch version, date and command; the load average is
-  printed before and after, so a contended run shows itself.
+"""The one harness every benchmark uses: thread setup, peer loading, interleaved timing (warm-up,
+then A, B, C, A, B, C, ... rounds; a peer's figure is its median round, so drift hits every peer
+alike), ratio lines, the header (machine, threads, torch, date, command, load average) and footer,
+markdown tables, the measured matmul peak, and an ``aiayn serve`` subprocess to measure. A peer
+whose library is missing is a row naming the extra that installs it (``load_peer``).
 """
 
 from __future__ import annotations
@@ -124,9 +115,8 @@ class Timed:
 def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int,
                     sync: Callable[[], object] | None = None, round_seconds: float | None = None,
                     clock: Callable[[], float] = time.perf_counter) -> None:
-    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds on ``clock``
-    (``sync``: called around each timed round, e.g. a device synchronisation; ``round_seconds``:
-    every peer's calls per round set so that the slowest peer's round takes about that long)."""
+    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds on ``clock``;
+    ``sync`` runs around each round; ``round_seconds`` sizes rounds to the slowest peer."""
     for p in peers:
         for _ in range(warmup):
             p.fn()
@@ -166,8 +156,7 @@ def not_installed(name: str, error: ImportError) -> str:
 
 
 def require(module: str) -> None:
-    """Import ``module``, a library the benchmark itself needs (not a peer it can go on without);
-    SystemExit with its not-installed row when it is absent."""
+    """Import ``module``, which the benchmark itself needs; SystemExit with its not-installed row."""
     try:
         importlib.import_module(module)
     except ImportError as error:
@@ -180,8 +169,7 @@ HEADER_SHOWN = False  # whether a header has been printed: a peer found missing 
 
 def load_peer(name: str, build: Callable[..., object], *args, **kwargs) -> object | None:
     """``build(*args, **kwargs)``, or None when its import fails: then the peer's row, naming the
-    extra that installs it, is kept in ``MISSING`` and printed under each header (at once, the
-    first time, when a header is already out)."""
+    extra that installs it, goes to ``MISSING`` (printed under each header, at once if one is out)."""
     try:
         return build(*args, **kwargs)
     except ImportError as error:
@@ -277,9 +265,8 @@ def matmul_peaks(repeats: int, n: int = 2048) -> dict[str, float]:
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes allocated on the CPU by ``fn()`` beyond what existed before (its result dropped),
-    from the allocator events ``torch.profiler`` records (scratch buffers of fused kernels
-    included), through PyTorch's private memory profiler: if its interface changes, this raises."""
+    """Peak CPU bytes ``fn()`` allocates beyond what existed (its result dropped), from
+    ``torch.profiler``'s allocator events via PyTorch's private memory profiler."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler import _memory_profiler as mp
 
@@ -378,15 +365,10 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serving(serve_args: Sequence[str], *, port: int, log: Path | None = None, timeout: float = 300.0,
             stop_timeout: float = 40.0) -> Iterator[subprocess.Popen]:
-    """``python -m aiayn serve --port PORT SERVE_ARGS`` as a user runs it, yielded once its /health
-    answers 200 on 127.0.0.1, stopped on leaving the block.
-
-    The server's stdout and stderr go to ``log`` (default: a temporary file, removed afterwards):
-    a file, not a pipe, so a chatty server never blocks on a full pipe nobody reads. It runs in a
-    process group of its own, and the stop is SIGTERM to that group (the server drains and exits),
-    SIGKILL after ``stop_timeout`` seconds. A server that exits or is not healthy within ``timeout``
-    seconds is stopped and raises SystemExit with the log's tail.
-    """
+    """``python -m aiayn serve --port PORT SERVE_ARGS`` in its own process group, yielded once its
+    /health answers 200, stopped on leaving the block; SystemExit with the log's tail if it is not
+    healthy within ``timeout`` s. Its output goes to ``log`` (default: a temporary file): a file, not
+    a pipe, so a chatty server never blocks on a full pipe nobody reads."""
     command = [sys.executable, "-m", "aiayn", "serve", "--port", str(port), *serve_args]
     print(f"server: {' '.join(command[2:])}", flush=True)
     temporary = log is None

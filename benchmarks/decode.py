@@ -1,18 +1,10 @@
 """Greedy decoding tokens/s: aiayn against Hugging Face ``generate`` and x-transformers ``generate``.
 
 Benchmark 3. Equal decoder-only models (d 256, 4 layers, 4 heads, d_ff 1024, vocab 8,000, GPT-2
-layout, random weights, eval mode, no dropout), a random prompt of 16 tokens, exactly 256 new
-tokens (no eos), batch 1 and 16, KV cache on and off. Every call runs under
-``torch.inference_mode()``. tokens/s = batch x new tokens / wall time of the whole call (prefill
-included).
-
-aiayn is the model after ``aiayn.fast.optimize(model, "inference")`` (its CPU kernels, as
-``aiayn generate`` runs it; ``--plain`` adds an "aiayn plain torch" row of the same model without
-them), timed through ``aiayn.generate.greedy_decoder_only`` (the library's greedy decoder, cache
-on/off), eager and, with the cache on, with ``compile=True`` (the decode steps after the prompt as
-one ``torch.compile``d static-shape graph; the compile happens in the warm-up call, untimed). The
-peers run eager, as their ``generate`` does by default. Ratios are given for each aiayn row
-against the best peer.
+layout, random weights), a 16-token prompt, exactly 256 new tokens, batch 1 and 16, KV cache on and
+off, under ``torch.inference_mode()``; tokens/s counts the whole call (prefill included). aiayn is
+``aiayn.fast.optimize(model, "inference")`` through ``greedy_decoder_only``, eager and with
+``compile=True`` (compiled in the warm-up); ``--plain`` adds the model without ``optimize``.
 """
 
 from __future__ import annotations

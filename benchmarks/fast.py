@@ -1,21 +1,12 @@
 """aiayn.fast's kernels one by one: each fast module against the plain module it replaces, on the
 same inputs, in the same run, at 1 and at 2 threads: the measurement a kernel of ``aiayn/fast``
-must pass to stay. The kernels (``KERNELS``; each a factory of ``Case``s in ``FACTORIES``):
-``linear-onednn`` (``FastLinear``'s oneDNN path, forward + backward), ``linear-transposed`` (the
-turned-around (W x^T)^T on a decode step's few rows), ``attention-decode`` (single-query and GQA
-fold), ``attention-block-causal`` and ``attention-dropout`` (training attention, forward +
-backward), ``dropout``, ``fused-loss`` (the output layer fused with the loss) and
-``compiled-matvec`` (the compiled decode step's linear layers; skipped by ``--quick`` and
-``--no-compiled``).
+must pass to stay (``KERNELS``; ``compiled-matvec`` skipped by ``--quick`` and ``--no-compiled``).
 
-Each case's plain and fast calls are interleaved (``benchmarks.common``) for ``--repeats`` rounds
-of ~20 ms; "plain / fast" above 1 is the kernel's gain, below 1 the table says **does NOT win**;
-"fast path" is the path the fast module takes on those inputs, "falls back" rows run the plain
-function behind its dispatch.
+Plain and fast calls are interleaved for ``--repeats`` rounds of ~20 ms; "plain / fast" above 1 is
+the kernel's gain, below 1 the table says **does NOT win**; "falls back" rows run the plain function
+behind the fast module's dispatch.
 
-    python -m benchmarks.fast                       # every kernel, 1 and 2 threads
     python -m benchmarks.fast --threads 1,2 --kernels dropout fused-loss
-    python -m benchmarks.fast --quick               # smoke test: small shapes, no compiled step
 """
 
 from __future__ import annotations
@@ -59,9 +50,6 @@ class Case:
     fast: Callable[[], object]
 
 
-# ---------------------------------------------------------------- helpers
-
-
 def _fast_copy(module: nn.Module, cls: type[nn.Module]) -> nn.Module:
     """A copy of ``module`` (the same weights, its own tensors and gradients) as class ``cls``,
     the swap ``aiayn.fast.optimize`` makes."""
@@ -76,9 +64,6 @@ def _clear_grads(*tensors: Tensor | nn.Module) -> None:
             t.zero_grad(set_to_none=True)
         else:
             t.grad = None
-
-
-# ---------------------------------------------------------------- FastLinear
 
 
 def linear_onednn_cases(opt: argparse.Namespace) -> Iterator[Case]:
@@ -136,9 +121,6 @@ def linear_transposed_cases(opt: argparse.Namespace) -> Iterator[Case]:
                        torch.inference_mode()(lambda f=one_pass, m=fast: f(m)))
 
 
-# ---------------------------------------------------------------- attention
-
-
 def _decode_inputs(config: ModelConfig, batch: int, keys: int, seed: int) -> tuple[Tensor, Tensor, Tensor, dict]:
     """The (q, k, v, keyword arguments) a decode step hands its first layer's attention kernel:
     ``keys - 1`` cached tokens, one new one (a model of ``config`` with random weights)."""
@@ -188,7 +170,8 @@ def attention_decode_cases(opt: argparse.Namespace) -> Iterator[Case]:
     for label, config, batch, keys in settings:
         q, k, v, kwargs = _decode_inputs(config, batch, keys, opt.seed)
         yield Case(f"{label}, batch {batch}, {keys} keys", _attention_path(q, k, kwargs),
-                   torch.inference_mode()(lambda q=q, k=k, v=v, kw=kwargs: scaled_dot_product_attention(q, k, v, **kw)),
+                   torch.inference_mode()(lambda q=q, k=k, v=v, kw=kwargs:
+                                          scaled_dot_product_attention(q, k, v, **kw)),
                    torch.inference_mode()(lambda q=q, k=k, v=v, kw=kwargs: fast_attention(q, k, v, **kw)))
 
 
@@ -238,9 +221,6 @@ def attention_dropout_cases(opt: argparse.Namespace) -> Iterator[Case]:
     return _training_attention_cases(opt, shapes, 0.1)
 
 
-# ---------------------------------------------------------------- dropout
-
-
 def dropout_cases(opt: argparse.Namespace) -> Iterator[Case]:
     shapes = ([(70, 20, 256)] if opt.quick else [(70, 20, 256), (16, 256, 256), (16, 256, 1024)])
     plain = nn.Dropout(0.1).train()
@@ -256,9 +236,6 @@ def dropout_cases(opt: argparse.Namespace) -> Iterator[Case]:
 
         yield Case(" x ".join(str(s) for s in shape), "16-bit mask",
                    lambda s=step: s(plain), lambda s=step: s(fast))
-
-
-# ---------------------------------------------------------------- fused output layer + loss
 
 
 def fused_loss_cases(opt: argparse.Namespace) -> Iterator[Case]:
@@ -290,9 +267,6 @@ def fused_loss_cases(opt: argparse.Namespace) -> Iterator[Case]:
         yield Case(f"{label} {size}: cross_entropy vs F.linear + F.cross_entropy", "fused", core_plain, core_fast)
         yield Case(f"{label} {size}: sequence_loss, fused head vs nn.Linear head", "fused",
                    lambda f=trainer, m=plain: f(m), lambda f=trainer, m=fast: f(m))
-
-
-# ---------------------------------------------------------------- compiled decode step's products
 
 
 def compiled_matvec_cases(opt: argparse.Namespace) -> Iterator[Case]:

@@ -3,18 +3,10 @@ transformers (loading the same GGUF file, so both dequantise the same weights) v
 (``llama-cpp-python``, or the prebuilt library of ``llama-cpp-cffi``, on the Q4_1 file itself), in
 one run.
 
-For each dtype: decode tokens/s at batch 1 (``--new-tokens`` after a short chat prompt, the prompt
-excluded: ``common.decode_rate``), the prefill time of a ``--prompt-tokens`` prompt, and whether
-aiayn's and transformers' greedy tokens agree. Then aiayn's int8 weight-only path (``--quantize
-int8``) and its packed 4-bit path (``--quantize auto``, ``benchmarks/generate_q4.py``) against
-llama.cpp: decode and prefill ratios, batch 4 and 16, peak resident memory and perplexity. Each
-aiayn row is repeated with ``compile=True`` (the warm-up call compiles, untimed). aiayn's model is
-``aiayn generate``'s: ``optimize(model, "inference")``, then ``lower_precision``. Each timing is
-the best of ``--repeats`` runs.
-
-    python -m benchmarks.generate                 # float32 and bfloat16, int8, q4, llama.cpp if present
-    python -m benchmarks.generate --dtypes float32 --no-hf --repeats 1
-    python -m benchmarks.generate --threads 1 --clock cpu    # on a machine shared with other jobs
+Per dtype: decode tokens/s at batch 1 (the prompt excluded), the prefill of ``--prompt-tokens``,
+and whether the greedy tokens agree; then aiayn's int8 and packed 4-bit paths
+(``benchmarks/generate_q4.py``) against llama.cpp: ratios, batch 4 and 16, peak memory, perplexity.
+Each aiayn row is also run with ``compile=True``. Each timing is the best of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -49,10 +41,6 @@ def aiayn_model(path, quantize: str) -> torch.nn.Module:
     ``lower_precision`` ("none", "bf16" or "int8")."""
     model = optimize(load_gguf(path, tokenizer=False).model.eval(), mode="inference")
     return lower_precision(model, quantize)
-
-
-def hf_runner(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[int], torch.Tensor]:
-    return lambda n: common.hf_greedy(model, ids, n, min_new_tokens=n)
 
 
 def llama_python_runner(llm, ids: list[int]) -> Callable[[int], list[int]]:
@@ -110,7 +98,8 @@ def float_rows(run: Run, dtype_names: list[str]) -> torch.Tensor | None:
         if not hf_ok:
             continue
         hf = common.hf_causal_lm(run.path, DTYPES[dtype_name])
-        theirs = run.measure(f"transformers {dtype_name}", lambda ids, m=hf: hf_runner(m, ids))
+        theirs = run.measure(f"transformers {dtype_name}",
+                             lambda ids, m=hf: lambda n: common.hf_greedy(m, ids, n, min_new_tokens=n))
         print(f"  greedy tokens identical for the first {common.same_prefix(ours, theirs)} of {run.args.new_tokens}")
         for name in (f"aiayn {dtype_name}", f"aiayn {dtype_name} compiled"):
             if name in run.rates:
@@ -120,8 +109,7 @@ def float_rows(run: Run, dtype_names: list[str]) -> torch.Tensor | None:
 
 
 def quantised_rows(run: Run, reference: torch.Tensor | None) -> torch.Tensor | None:
-    """aiayn int8 and packed q4 (with ``--cpp-wrapper``, q4 compiled again with Inductor's C++
-    wrapper); the q4 tokens."""
+    """aiayn int8 and packed q4 (``--cpp-wrapper``: q4 compiled again with Inductor's C++ wrapper)."""
     args, q4_tokens = run.args, None
     if not args.no_int8:
         print("int8 weight-only (aiayn --quantize int8):")

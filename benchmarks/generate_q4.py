@@ -1,9 +1,6 @@
-"""The 4-bit parts of ``benchmarks/generate.py``: aiayn's packed GGUF model (``load_gguf(path,
-quantize="auto")``: the file's own Q4_1 and Q8_0 blocks) against llama.cpp on the same file.
-``batch_rows``: decode tokens/s of all rows at batch 4 and 16; ``peak_memory``: peak resident
-memory (VmHWM) of a fresh process that loads the model, prefills 512 tokens and decodes 128 (aiayn
-q4, aiayn float32, llama.cpp without torch, and the bare interpreter for scale); ``perplexity``:
-on 512-token windows of Tiny Shakespeare's last 10%, float32, bfloat16, int8, q4 and llama.cpp.
+"""The 4-bit parts of ``benchmarks/generate.py``: aiayn's packed GGUF model (``quantize="auto"``: the
+file's own Q4_1 and Q8_0 blocks) against llama.cpp on the same file: batched decode rates, peak
+resident memory of a fresh process (load, prefill 512, decode 128), and perplexity.
 """
 
 from __future__ import annotations

@@ -8,14 +8,8 @@
     eager and compiled against transformers' generate with its dynamic and its static (compiled) cache.
 (d) ``--recipe-row``: ``aiayn train --recipe recipes/multi30k-en-de.yaml``, wall time and BLEU.
 
-Peers of a row are warmed up, then interleaved ``--repeats`` rounds, the device synchronised around
-each; a figure is the median round. A peer that fails or is not installed prints its row and the
-run goes on.
-
-    python -m benchmarks.gpu                           # (a)-(c) on the first CUDA GPU
-    python -m benchmarks.gpu --rows c --device cuda:1
-    python -m benchmarks.gpu --recipe-row              # (d) too
-    python -m benchmarks.gpu --smoke --device cpu      # tiny sizes, seconds: what the test runs
+A row's peers are warmed up, then timed in interleaved rounds (device synchronised), medians; a
+peer that fails or is not installed is a row and the run goes on.
 """
 
 from __future__ import annotations
@@ -127,7 +121,6 @@ def free(row: Row) -> None:
         torch.cuda.empty_cache()
 
 
-# ---- (a) ----------------------------------------------------------------------------------------
 def row_a(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers) -> None:
     batch, length = plan.train_batch
     vocab = plan.gpt[0]
@@ -168,7 +161,6 @@ def row_a(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device,
     free(row)
 
 
-# ---- (b) ----------------------------------------------------------------------------------------
 def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device) -> None:
     batch, src_len, tgt_len = plan.seq2seq_batch
     config = gpu_models.seq2seq_config(plan, args.dropout)
@@ -203,7 +195,6 @@ def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device)
     free(row)
 
 
-# ---- (c) ----------------------------------------------------------------------------------------
 def row_c(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers) -> None:
     dtype = getattr(torch, args.decode_dtype)
     torch.manual_seed(0)
@@ -253,7 +244,6 @@ def decode_batch(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.
     free(row)
 
 
-# ---- (d) ----------------------------------------------------------------------------------------
 def row_d(args: argparse.Namespace, device: torch.device) -> None:
     print(f"## (d) `aiayn train --recipe {gpu_models.RECIPE} --device {device}`\n")
     with tempfile.TemporaryDirectory(prefix="aiayn-recipe-") as tmp:

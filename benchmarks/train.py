@@ -1,19 +1,14 @@
 """Training throughput: forward + backward + Adam step, tokens/s, aiayn against its peers.
 
-Benchmark 1 (encoder-decoder, ``--suite small`` / ``paper-base``): aiayn, torch.nn.Transformer,
-Hugging Face BART and x-transformers' XTransformer, batch 32 x (32 source + 32 target) tokens with
-random right padding (lengths 16..32). Benchmark 2 (``--suite decoder``): decoder-only, d 256,
-4 layers, batch 16 x 256, against Hugging Face GPT-2 and x-transformers' decoder.
+Benchmark 1 (``--suite small`` / ``paper-base``): aiayn, torch.nn.Transformer, BART and
+x-transformers' XTransformer, batch 32 x (32 + 32) tokens, random right padding. Benchmark 2
+(``--suite decoder``): d 256, 4 layers, batch 16 x 256, against GPT-2 and x-transformers.
 
-aiayn's rows: "aiayn" is ``aiayn.fast.optimize(model, "train")`` with ``padding_free`` on and
-``aiayn train``'s loss (``sequence_loss``, fused with the output layer); "aiayn compiled" the same
-under ``torch.compile``; "aiayn plain torch" without ``optimize`` (``aiayn train --plain``); "aiayn
-padded" / "aiayn logits" the optimized model making (b, t, v) logits for the peers'
-``F.cross_entropy``. Same loss, same Adam (lr 1e-4, betas (0.9, 0.98), eps 1e-9), same dropout
-(``--dropout``, default 0), same batch, same process; the peers run eager. tokens/s counts every
-position fed, padding included. Model FLOPs are counted by ``torch.utils.flop_counter`` on plain
-twins of aiayn's models (attention is not counted for any peer); MFU = FLOPs per step / step time
-/ the measured fp32 2048^3 matmul peak (``torch.mm`` and oneDNN, two columns).
+aiayn's rows: "aiayn" is ``optimize(model, "train")`` with ``padding_free`` and ``sequence_loss``;
+"aiayn compiled" the same under ``torch.compile``; "aiayn plain torch" without ``optimize``; "aiayn
+padded" / "aiayn logits" make (b, t, v) logits for the peers' ``F.cross_entropy``. Same Adam, dropout
+and batch for all; tokens/s counts padding. FLOPs are counted on plain twins of aiayn's models
+(attention not counted); MFU is against the measured 2048^3 ``torch.mm`` and oneDNN rates.
 """
 
 from __future__ import annotations
