@@ -296,28 +296,22 @@ def compiled_matvec_cases(opt: argparse.Namespace) -> Iterator[Case]:
                    lambda f=plain_fn, xs=xs: f(xs), lambda f=fast_fn, xs=xs: f(xs))
 
 
-FACTORIES: dict[str, Callable[[argparse.Namespace], Iterator[Case]]] = {
-    "linear-onednn": linear_onednn_cases,
-    "linear-transposed": linear_transposed_cases,
-    "attention-decode": attention_decode_cases,
-    "attention-block-causal": attention_block_causal_cases,
-    "attention-dropout": attention_dropout_cases,
-    "dropout": dropout_cases,
-    "fused-loss": fused_loss_cases,
-    "compiled-matvec": compiled_matvec_cases,
-}
-
-
-KERNELS = tuple(FACTORIES)  # in the order the benchmark runs them
-TITLES = {
-    "linear-onednn": "FastLinear, oneDNN path: training-size layers, forward + backward (vs nn.Linear)",
-    "linear-transposed": "FastLinear, turned-around product (W x^T)^T: decode rows, no grad (vs nn.Linear)",
-    "attention-decode": "fast_attention, single-query decode paths (vs scaled_dot_product_attention)",
-    "attention-block-causal": "fast_attention, block-causal training path, forward + backward (vs SDPA is_causal)",
-    "attention-dropout": "fast_attention, attention-weight dropout 0.1, forward + backward (vs SDPA's dropout)",
-    "dropout": "FastDropout p 0.1, forward + backward (vs nn.Dropout)",
-    "fused-loss": "FusedLossLinear: output layer + cross-entropy fused, forward + backward (vs logits + loss)",
-    "compiled-matvec": "compiled decode step's linear layers, MatvecLinears (vs compiled F.linear)",
+KERNELS: dict[str, tuple[Callable[[argparse.Namespace], Iterator[Case]], str]] = {  # in the order they run
+    "linear-onednn": (linear_onednn_cases,
+                      "FastLinear, oneDNN path: training-size layers, forward + backward (vs nn.Linear)"),
+    "linear-transposed": (linear_transposed_cases,
+                          "FastLinear, turned-around product (W x^T)^T: decode rows, no grad (vs nn.Linear)"),
+    "attention-decode": (attention_decode_cases,
+                         "fast_attention, single-query decode paths (vs scaled_dot_product_attention)"),
+    "attention-block-causal": (attention_block_causal_cases, "fast_attention, block-causal training path, "
+                               "forward + backward (vs SDPA is_causal)"),
+    "attention-dropout": (attention_dropout_cases, "fast_attention, attention-weight dropout 0.1, "
+                          "forward + backward (vs SDPA's dropout)"),
+    "dropout": (dropout_cases, "FastDropout p 0.1, forward + backward (vs nn.Dropout)"),
+    "fused-loss": (fused_loss_cases, "FusedLossLinear: output layer + cross-entropy fused, "
+                   "forward + backward (vs logits + loss)"),
+    "compiled-matvec": (compiled_matvec_cases,
+                        "compiled decode step's linear layers, MatvecLinears (vs compiled F.linear)"),
 }
 ROUND_SECONDS = 0.02  # each timed round runs enough calls to take about this long (--quick: 5 ms)
 
@@ -360,7 +354,7 @@ def verdict(r: Result) -> str:
 
 
 def report_kernel(kernel: str, results: list[Result]) -> None:
-    print(f"### {kernel}: {TITLES[kernel]}\n")
+    print(f"### {kernel}: {KERNELS[kernel][1]}\n")
     rows = [[r.case, r.path, r.threads, fmt_time(r.plain), fmt_time(r.fast), f"**{r.ratio:.2f}x**",
              f"±{r.spread * 50:.0f}%", verdict(r)] for r in results]
     print(table(["case", "fast path", "threads", "plain / call", "fast / call", "plain / fast", "spread",
@@ -436,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         kernel_results: list[tuple[int, Result]] = []
         for n in args.threads:
             torch.set_num_threads(n)
-            for index, case in enumerate(FACTORIES[kernel](args)):
+            for index, case in enumerate(KERNELS[kernel][0](args)):
                 kernel_results.append((index, measure(kernel, case, n, repeats=args.repeats, warmup=args.warmup,
                                                       round_seconds=round_seconds)))
         kernel_results.sort(key=lambda pair: pair[0])  # stable: each case's thread counts side by side

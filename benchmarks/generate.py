@@ -77,11 +77,11 @@ class Run:
               f"{self.prefills[name] * 1000:7.0f} ms", flush=True)
         return run(self.args.new_tokens)
 
-    def aiayn(self, name: str, model: torch.nn.Module, make=runner) -> object:
+    def aiayn(self, name: str, model: torch.nn.Module) -> object:
         """The eager row, and the compiled one unless ``--no-compiled``; the eager tokens."""
-        tokens = self.measure(name, lambda ids: make(model, ids))
+        tokens = self.measure(name, lambda ids: runner(model, ids))
         if not self.args.no_compiled:
-            compiled = self.measure(f"{name} compiled", lambda ids: make(model, ids, compile=True))
+            compiled = self.measure(f"{name} compiled", lambda ids: runner(model, ids, compile=True))
             print(f"  compiled vs eager greedy tokens: identical for the first {common.same_prefix(compiled, tokens)} "
                   f"of {self.args.new_tokens}")
         return tokens

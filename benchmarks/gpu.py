@@ -35,9 +35,7 @@ GOALS = {"a": 1.3, "a_mfu": 0.45, "b": 1.2, "c_rate": 2000.0, "c": 1.5}  # the i
 
 @contextlib.contextmanager
 def compile_backend(backend: str | None) -> Iterator[None]:
-    """With ``backend``, every torch.compile of the run (this benchmark's and aiayn's own compiled
-    decode step) uses it: --smoke traces the compiled paths on a CPU in seconds instead of building
-    kernels for minutes. Restored afterwards."""
+    """With ``backend``, every torch.compile of the run uses it (--smoke: "eager", seconds on a CPU)."""
     real = torch.compile
 
     def patched(model=None, **kwargs):

@@ -25,9 +25,7 @@ from pathlib import Path
 from aiayn import cpu_share
 from benchmarks.common import ROOT, footer, header, mark_start, median_ratio, spread_text, table
 
-# The OpenMP spin settings a job's environment may carry (libgomp's, the standard one, Intel's and
-# LLVM's libomp's), the thread counts torch reads and aiayn's sharing switch: removed for the
-# ``aiayn`` policy, so that it measures the command as it is.
+# OpenMP spin settings, thread counts and aiayn's sharing switch: removed from every policy's environment.
 USER_SPIN_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                       "AIAYN_SHARE_CPUS")
 

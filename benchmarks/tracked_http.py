@@ -56,8 +56,7 @@ class Attempt:
         return f"{self.kind} {self.id}: {self.error} {where}; {saw[self.server_saw]}"
 
 
-# The request the current asyncio task is sending: the connection layer, which runs in the caller's
-# task (httpcore starts no tasks of its own), fills in its connection and idle time.
+# The request the current asyncio task is sending (httpcore runs in the caller's task and fills it in).
 CURRENT: ContextVar[Attempt | None] = ContextVar("CURRENT", default=None)
 
 
@@ -86,9 +85,6 @@ class TrackedStream(httpcore.AsyncNetworkStream):
     async def aclose(self) -> None:
         await self.stream.aclose()
 
-    async def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
-        raise NotImplementedError("the soak speaks plain HTTP to 127.0.0.1")
-
     def get_extra_info(self, info: str) -> Any:
         return self.stream.get_extra_info(info)
 
@@ -112,9 +108,6 @@ class ConnectionBook(httpcore.AsyncNetworkBackend):
         stream = await self.backend.connect_tcp(host, port, timeout, local_address, socket_options)
         self.opened += 1
         return TrackedStream(stream, self)
-
-    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
-        raise NotImplementedError("the soak speaks TCP")
 
     async def sleep(self, seconds: float) -> None:
         await self.backend.sleep(seconds)
