@@ -339,20 +339,18 @@ def ratio_line(label: str, ours: float, peers: dict[str, float], *, higher_is_be
     return line
 
 
-def top_ops(fn: Callable[[], object], *, steps: int = 3, rows: int = 15, device: torch.device | None = None) -> str:
-    """torch.profiler key_averages of ``steps`` calls after an untimed one, by their self time on
-    ``device`` (default the CPU; on a GPU its kernels too: a CUDA graph replayed is one launch)."""
+def top_ops(fn: Callable[[], object], device: torch.device) -> str:
+    """torch.profiler's top 15 ops of one call after an untimed one, by self time on ``device`` (on a
+    GPU its kernels too: a CUDA graph replayed is one launch)."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = device or torch.device("cpu")
     fn()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        for _ in range(steps):
-            fn()
+        fn()
         synchronize(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+    return prof.key_averages().table(sort_by=key, row_limit=15)
 
 
 def free_port() -> int:

@@ -93,7 +93,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--no-recompute", action="store_true", help="skip the cache-off rows (slow)")
     parser.add_argument("--peers", nargs="*", help="subset of peers (aiayn first)")
-    parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
     parser.add_argument("--no-overhead", action="store_true",
                         help="skip the per-token framework overhead rows (a tiny model, batch 1)")
     parser.add_argument("--no-compiled", action="store_true",
@@ -131,9 +130,6 @@ def main(argv: list[str] | None = None) -> None:
             for ours in (n for n in tps if n.startswith("aiayn")):
                 ratios.append(common.ratio_line(f"batch {batch}, cache {'on' if use_cache else 'off'}, {ours}",
                                          tps[ours], others, target=target))
-            if args.profile and use_cache:
-                print(f"torch.profiler, aiayn, batch {batch}, cache on, top ops by self CPU time:\n")
-                print("```\n" + common.top_ops(peers[0].fn, steps=1) + "\n```\n")
     print(common.table(["batch", "KV cache", "peer", "ms / call (median)", "spread", "new tokens/s",
                  "ms / token step"], rows))
     print()

@@ -5,6 +5,7 @@ resident memory of a fresh process (load, prefill 512, decode 128), and perplexi
 
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
 import sys
@@ -103,11 +104,9 @@ def perplexity(path: Path, tokenizer, windows: int, threads: int) -> dict[str, f
     """exp(mean negative log-likelihood) per peer over the same windows."""
     data = validation_windows(tokenizer, windows)
     print(f"  {len(data)} windows of 512 tokens from the last 10% of tinyshakespeare/input.txt")
+
     def aiayn(build: Callable[[], torch.nn.Module]) -> Callable[[], Callable[[list[int]], tuple[float, int]]]:
-        def make() -> Callable[[list[int]], tuple[float, int]]:
-            model = build()
-            return lambda window: _nll(model, window)
-        return make
+        return lambda: functools.partial(_nll, build())  # the model is built when the peer's turn comes
 
     def floats() -> torch.nn.Module:
         return load_gguf(path, tokenizer=False).model.eval()

@@ -97,7 +97,7 @@ class Row:
         if self.profile:
             for p in self.timed:
                 print(f"### {p.name}: torch.profiler, one call after the timed rounds\n\n```text\n"
-                      f"{common.top_ops(p.fn, steps=1, device=self.device)}\n```\n", flush=True)
+                      f"{common.top_ops(p.fn, self.device)}\n```\n", flush=True)
         return {p.name: tokens / p.median for p in self.timed}
 
 
@@ -194,7 +194,7 @@ def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device)
 
 
 def row_c(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers) -> None:
-    dtype = getattr(torch, args.decode_dtype)
+    dtype = torch.bfloat16
     torch.manual_seed(0)
     if transformers is not None:  # the same weights on both sides: aiayn's model converted from HF's
         from aiayn.interop import from_hf_model
@@ -204,7 +204,7 @@ def row_c(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device,
         hf = hf.to(device, dtype)
     else:
         model, hf = build_model(gpu_models.gpt2_config(plan)).to(device, dtype).eval(), None
-    print(f"## (c) greedy decoding, GPT-2 (d {plan.gpt[1]}, {plan.gpt[3]} layers), {args.decode_dtype}, "
+    print(f"## (c) greedy decoding, GPT-2 (d {plan.gpt[1]}, {plan.gpt[3]} layers), bfloat16, "
           f"{plan.new_tokens} new tokens after a {plan.prompt_len}-token prompt, {gpu_models.device_name(device)}\n")
     if hf is not None and device.type != "cuda":
         print(f"(transformers compiles its static-cache step on CUDA only: on {device.type} that row ran uncompiled)\n")
@@ -247,7 +247,7 @@ def row_d(args: argparse.Namespace, device: torch.device) -> None:
     with tempfile.TemporaryDirectory(prefix="aiayn-recipe-") as tmp:
         run_dir = Path(tmp) / "run"
         command = [sys.executable, "-m", "aiayn", "train", "--recipe", gpu_models.RECIPE, "--device", str(device),
-                   "--run-dir", str(run_dir), *args.recipe_args]
+                   "--run-dir", str(run_dir)]
         result = gpu_models.run_recipe(command, run_dir, args.recipe_timeout)
     print(f"command: {' '.join(command[1:])}\n")
     if result.bleu is None:
@@ -265,11 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", help="auto (the first CUDA GPU, else the CPU), cpu, cuda, cuda:N")
     parser.add_argument("--rows", default="abc", help="which of the rows a, b, c to run (default abc)")
     parser.add_argument("--recipe-row", action="store_true", help="also row (d): the Multi30k recipe (minutes)")
-    parser.add_argument("--recipe-args", nargs="*", default=[], help="extra options for row (d)'s aiayn train")
     parser.add_argument("--recipe-timeout", type=float, default=1800.0, help="seconds row (d) may take")
     parser.add_argument("--peak-tflops", type=float, help="the card's dense bf16 peak, for MFU (default: by name)")
-    parser.add_argument("--decode-dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="weights of both decoders in row (c) (default bfloat16)")
     parser.add_argument("--dropout", type=float, default=0.0, help="every dropout of row (b), both peers (default 0)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per peer first; compiles (default 2)")
@@ -305,7 +302,7 @@ def run_rows(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.devi
     common.header(f"aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}: "
            f"{gpu_models.device_name(device)} ({device}); transformers "
            f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}", args,
-           dtype=f"bf16 autocast, decoding in {args.decode_dtype}")
+           dtype="bf16 autocast, decoding in bfloat16")
     rows = {"a": lambda: row_a(args, plan, device, transformers), "b": lambda: row_b(args, plan, device),
             "c": lambda: row_c(args, plan, device, transformers)}
     with compile_backend("eager" if args.smoke else None):

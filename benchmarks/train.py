@@ -173,9 +173,6 @@ def run_suite(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
     after = common.matmul_peaks(repeats=args.repeats + 2)  # before and after; the better one of each
     peaks = {backend: max(rate, after[backend]) for backend, rate in peaks.items()}
     report(title, peers, params, tokens, flops, peaks, args)
-    if args.profile:
-        print(f"\ntorch.profiler, {peers[0].name}, {args.suite}, top ops by self CPU time (3 steps):\n")
-        print("```\n" + common.top_ops(peers[0].fn) + "\n```")
     return {p.name: tokens / p.median for p in peers}
 
 
@@ -220,7 +217,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peers", nargs="*", help="subset of peers (aiayn first)")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="residual/embedding, attention and activation dropout of every peer (default 0)")
-    parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
     parser.add_argument("--no-plain", action="store_true",
                         help=f"skip the '{PLAIN}' row (the same model without aiayn.fast.optimize: "
                              "MKL matmuls, SDPA attention, logits then the loss; aiayn train --plain)")
