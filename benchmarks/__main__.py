@@ -1,11 +1,5 @@
-"""Run the five peer benchmarks: ``python -m benchmarks [--quick] [--threads N]`` (options go to each).
-
-They are train, decode, attention and kv_cache (train holds benchmarks 1 and 2). The measurements
-behind aiayn's own kernels run on their own: ``python -m benchmarks.fast`` (every ``aiayn.fast``
-kernel against the plain module it replaces, at 1 and 2 threads), ``benchmarks.matvec``,
-``benchmarks.loss``, ``benchmarks.onednn``; SmolLM2 and translation: ``benchmarks/generate.py``,
-``benchmarks/translate.py``.
-"""
+"""Run the peer benchmarks train, decode, attention and kv_cache: ``python -m benchmarks [--quick]
+[--threads N]`` (options go to each)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Attention cost as the sequence grows: aiayn's fused (SDPA), block-causal and reference paths.
 
-Benchmark 4. ``aiayn.nn.attention.scaled_dot_product_attention`` (the plain function, equation
-(1)) on q, k, v of shape (batch 1, 8 heads, n, 64) (one paper-base layer), causal, float32, at
-n = 256 ... 4096: median time of a forward (and of forward + backward with ``--backward``) and the
-peak memory the call allocates (torch.profiler allocator events, ``benchmarks.common.peak_bytes``).
-The reference path (``need_weights=True``: the equation written out) materialises the
-(b, h, n, n) score and weight matrices, so its memory grows as n^2; the fused kernel
-(``F.scaled_dot_product_attention``, the function's path without ``need_weights``) works in
-blocks and keeps O(n) memory. With ``--backward``, "block causal" is the kernel an optimized
-model (``aiayn.fast.optimize``) trains with on the CPU up to ``block_causal.MAX_LENGTH``
-positions (``aiayn.fast.block_causal``: query blocks as large batched products; it keeps the
-visible half of the weights for the backward). All do O(n^2) work.
+Benchmark 4. ``scaled_dot_product_attention`` on q, k, v (1, 8 heads, n, 64), causal, float32, n =
+256 ... 4096: median time of a forward (forward + backward with ``--backward``) and the peak memory
+the call allocates. The reference (``need_weights=True``) materialises (b, h, n, n) matrices;
+the fused kernel keeps O(n) memory; "block causal" (``--backward``) is what an optimized model
+trains with up to ``block_causal.MAX_LENGTH``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The one harness every benchmark uses: thread setup, peer loading, interleaved timing with medians
-and spread, ratio lines, the header and footer, markdown tables, the measured matmul peak, and an
-``aiayn serve`` subprocess to measure. A benchmark file holds its workload and its peers only.
-
-Methodology (the same for every benchmark):
-
-* ``torch.set_num_threads(threads)`` (default 2), float32, everything in one process;
-* each peer is warmed up, then the peers are timed in turn, A, B, C, A, B, C, ... for
-  ``repeats`` rounds, each round running ``iters`` calls; a peer's figure is the median over its
-  rounds, so slow drift of the machine (other jobs, thermal) hits every peer alike;
-* a peer whose library is not installed is a row naming the extra that installs it
-  (``load_peer``), and the benchmark goes on with the others;
-* the header names the machine, threads, torch version, date and command; the load average is
-  printed before and after, so a contended run shows itself.
+"""The one harness every benchmark uses: thread setup, peer loading, interleaved timing (warm-up,
+then A, B, C, A, B, C, ... rounds; a peer's figure is its median round, so drift hits every peer
+alike), ratio lines, the header (machine, threads, torch, date, command, load average) and footer,
+markdown tables, the measured matmul peak, and an ``aiayn serve`` subprocess to measure. A peer
+whose library is missing is a row naming the extra that installs it (``load_peer``).
 """
 
 from __future__ import annotations
@@ -124,9 +115,8 @@ class Timed:
 def run_interleaved(peers: Sequence[Timed], *, repeats: int, warmup: int,
                     sync: Callable[[], object] | None = None, round_seconds: float | None = None,
                     clock: Callable[[], float] = time.perf_counter) -> None:
-    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds on ``clock``
-    (``sync``: called around each timed round, e.g. a device synchronisation; ``round_seconds``:
-    every peer's calls per round set so that the slowest peer's round takes about that long)."""
+    """Warm every peer up, then time them A, B, C, A, B, C, ... ``repeats`` rounds on ``clock``;
+    ``sync`` runs around each round; ``round_seconds`` sizes rounds to the slowest peer."""
     for p in peers:
         for _ in range(warmup):
             p.fn()
@@ -166,8 +156,7 @@ def not_installed(name: str, error: ImportError) -> str:
 
 
 def require(module: str) -> None:
-    """Import ``module``, a library the benchmark itself needs (not a peer it can go on without);
-    SystemExit with its not-installed row when it is absent."""
+    """Import ``module``, which the benchmark itself needs; SystemExit with its not-installed row."""
     try:
         importlib.import_module(module)
     except ImportError as error:
@@ -180,8 +169,7 @@ HEADER_SHOWN = False  # whether a header has been printed: a peer found missing 
 
 def load_peer(name: str, build: Callable[..., object], *args, **kwargs) -> object | None:
     """``build(*args, **kwargs)``, or None when its import fails: then the peer's row, naming the
-    extra that installs it, is kept in ``MISSING`` and printed under each header (at once, the
-    first time, when a header is already out)."""
+    extra that installs it, goes to ``MISSING`` (printed under each header, at once if one is out)."""
     try:
         return build(*args, **kwargs)
     except ImportError as error:
@@ -262,30 +250,23 @@ def decode_rate(run: Callable[[int], object], n: int, repeats: int,
     return (n - 1) / (best_of(lambda: run(n), repeats, clock) - t1)
 
 
-def matmul_peak(*, n: int = 2048, repeats: int = 7, backend: str = "torch.mm") -> float:
-    """Measured float32 throughput of an n x n by n x n product, FLOP/s (median): ``torch.mm``
-    (MKL on this build) or, with ``backend="onednn"``, the oneDNN product aiayn's linear layers
-    use (``aiayn.fast.onednn``; 0.0 when this torch build has none)."""
+def matmul_peaks(repeats: int, n: int = 2048) -> dict[str, float]:
+    """Measured float32 n^3 product rates, FLOP/s (median): ``torch.mm`` (MKL on this build) and the
+    oneDNN product aiayn's linear layers use (0.0 when this torch build has none)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    if backend == "onednn":
-        if not onednn.available():
-            return 0.0
-        product = onednn.matmul
-    else:
-        product = torch.mm
-    product(a, b)
-    return 2 * n**3 / median_seconds(lambda: product(a, b), repeats)[0]
-
-
-def matmul_peaks(repeats: int) -> dict[str, float]:
-    """Both float32 2048^3 rates, {"torch.mm": ..., "onednn": ...}, FLOP/s."""
-    return {backend: matmul_peak(repeats=repeats, backend=backend) for backend in ("torch.mm", "onednn")}
+    peaks = {}
+    for backend, product in (("torch.mm", torch.mm), ("onednn", onednn.matmul)):
+        if backend == "onednn" and not onednn.available():
+            peaks[backend] = 0.0
+            continue
+        product(a, b)
+        peaks[backend] = 2 * n**3 / median_seconds(lambda p=product: p(a, b), repeats)[0]
+    return peaks
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes allocated on the CPU by ``fn()`` beyond what existed before (its result dropped),
-    from the allocator events ``torch.profiler`` records (scratch buffers of fused kernels
-    included), through PyTorch's private memory profiler: if its interface changes, this raises."""
+    """Peak CPU bytes ``fn()`` allocates beyond what existed (its result dropped), from
+    ``torch.profiler``'s allocator events via PyTorch's private memory profiler."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler import _memory_profiler as mp
 
@@ -358,20 +339,18 @@ def ratio_line(label: str, ours: float, peers: dict[str, float], *, higher_is_be
     return line
 
 
-def top_ops(fn: Callable[[], object], *, steps: int = 3, rows: int = 15, device: torch.device | None = None) -> str:
-    """torch.profiler key_averages of ``steps`` calls after an untimed one, by their self time on
-    ``device`` (default the CPU; on a GPU its kernels too: a CUDA graph replayed is one launch)."""
+def top_ops(fn: Callable[[], object], device: torch.device) -> str:
+    """torch.profiler's top 15 ops of one call after an untimed one, by self time on ``device`` (on a
+    GPU its kernels too: a CUDA graph replayed is one launch)."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = device or torch.device("cpu")
     fn()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        for _ in range(steps):
-            fn()
+        fn()
         synchronize(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+    return prof.key_averages().table(sort_by=key, row_limit=15)
 
 
 def free_port() -> int:
@@ -384,15 +363,10 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serving(serve_args: Sequence[str], *, port: int, log: Path | None = None, timeout: float = 300.0,
             stop_timeout: float = 40.0) -> Iterator[subprocess.Popen]:
-    """``python -m aiayn serve --port PORT SERVE_ARGS`` as a user runs it, yielded once its /health
-    answers 200 on 127.0.0.1, stopped on leaving the block.
-
-    The server's stdout and stderr go to ``log`` (default: a temporary file, removed afterwards):
-    a file, not a pipe, so a chatty server never blocks on a full pipe nobody reads. It runs in a
-    process group of its own, and the stop is SIGTERM to that group (the server drains and exits),
-    SIGKILL after ``stop_timeout`` seconds. A server that exits or is not healthy within ``timeout``
-    seconds is stopped and raises SystemExit with the log's tail.
-    """
+    """``python -m aiayn serve --port PORT SERVE_ARGS`` in its own process group, yielded once its
+    /health answers 200, stopped on leaving the block; SystemExit with the log's tail if it is not
+    healthy within ``timeout`` s. Its output goes to ``log`` (default: a temporary file): a file, not
+    a pipe, so a chatty server never blocks on a full pipe nobody reads."""
     command = [sys.executable, "-m", "aiayn", "serve", "--port", str(port), *serve_args]
     print(f"server: {' '.join(command[2:])}", flush=True)
     temporary = log is None
@@ -410,7 +384,13 @@ def serving(serve_args: Sequence[str], *, port: int, log: Path | None = None, ti
             time.sleep(0.5)
         yield proc
     finally:
-        stop_server(proc, timeout=stop_timeout)
+        if proc.poll() is None:  # SIGTERM to its group (the server drains and exits), SIGKILL if it stays
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=stop_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         if temporary:
             log.unlink(missing_ok=True)
 
@@ -423,17 +403,6 @@ def healthy(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
-
-
-def stop_server(proc: subprocess.Popen, *, timeout: float = 40.0) -> None:
-    """SIGTERM to the server's process group, SIGKILL if it is still there after ``timeout`` s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def smollm2(model: Path | None = None) -> Path:

@@ -1,12 +1,9 @@
 """What constrained decoding costs: llguidance, xgrammar and outlines-core on SmolLM2-135M.
 
-SmolLM2-135M-Instruct (q4) at batch 1, greedy, answers a chat prompt under a JSON schema and under
-"any JSON object". Per library, interleaved rounds: per step, the grammar's work (the token
-bitmask, applying it with aiayn's ``apply_bitmask``, advancing) against the model's decode step
-timed in the same loop (their ratio is the < 10% goal's figure); the one-off costs (describing
-the tokenizer, compiling a schema up to its first mask); and whether every answer validates.
-The llguidance row runs ``aiayn.generate.constrain`` itself; the others run through small
-adapters here. A library that is not installed is a row naming how to install it.
+SmolLM2-135M-Instruct (q4), batch 1, greedy, answers under a JSON schema and under "any JSON
+object". Per library, interleaved rounds: the grammar's work per step (bitmask, ``apply_bitmask``,
+advance) against the decode step timed in the same loop (the < 10% goal's figure), the one-off
+costs, and whether every answer validates. llguidance runs ``aiayn.generate.constrain`` itself.
 """
 
 from __future__ import annotations
@@ -42,16 +39,10 @@ CASES = {
 GOAL = 0.10  # the grammar's share of decode time at batch 1
 
 
-class Library:
-    """One engine behind a common face: ``prepare`` (describe the tokenizer), ``compile`` (a schema,
-    None: any object; afresh, up to the first mask) -> a grammar, ``start(grammar)`` -> a ``_State``."""
-
-    name: str
-    module: str  # the import that must succeed (else the library is a not-installed row)
-
-
-class Llguidance(Library):
-    """aiayn's own path: ``aiayn.generate.constrain`` (caches off for compile timings)."""
+class Llguidance:
+    """Each library: ``name``, ``module`` (its import), ``prepare`` (describe the tokenizer), ``compile``
+    (a schema, None: any object; afresh, up to the first mask) and ``start(grammar)`` -> a ``_State``.
+    This one is aiayn's own path, ``aiayn.generate.constrain`` (caches off for compile timings)."""
 
     name, module = "llguidance", "llguidance"
 
@@ -74,7 +65,7 @@ class Llguidance(Library):
         return _State(lambda words: state.bitmask(), state.advance, state.is_finished)
 
 
-class Xgrammar(Library):
+class Xgrammar:
     name, module = "xgrammar", "xgrammar"
 
     def prepare(self, tokenizer: Any, eos_id: int) -> None:
@@ -107,7 +98,7 @@ class Xgrammar(Library):
         return _State(fill, matcher.accept_token, matcher.is_terminated)
 
 
-class OutlinesCore(Library):
+class OutlinesCore:
     name, module = "outlines-core", "outlines_core"
 
     def prepare(self, tokenizer: Any, eos_id: int) -> None:
@@ -146,7 +137,7 @@ class _State:
     finished: Callable[[], bool]
 
 
-LIBRARIES: list[Callable[[], Library]] = [Llguidance, Xgrammar, OutlinesCore]
+LIBRARIES = [Llguidance, Xgrammar, OutlinesCore]
 
 
 @dataclass
@@ -163,7 +154,7 @@ class Run:
 
 
 @torch.inference_mode()
-def constrained_greedy(lm: Any, ids: torch.Tensor, lib: Library, grammar: Any, run: Run, max_new_tokens: int) -> None:
+def constrained_greedy(lm: Any, ids: torch.Tensor, lib, grammar: Any, run: Run, max_new_tokens: int) -> None:
     """One greedy answer under ``grammar``, each part of each step timed into ``run``."""
     clock = time.perf_counter
     state = lib.start(grammar)

@@ -1,18 +1,10 @@
 """Greedy decoding tokens/s: aiayn against Hugging Face ``generate`` and x-transformers ``generate``.
 
 Benchmark 3. Equal decoder-only models (d 256, 4 layers, 4 heads, d_ff 1024, vocab 8,000, GPT-2
-layout, random weights, eval mode, no dropout), a random prompt of 16 tokens, exactly 256 new
-tokens (no eos), batch 1 and 16, KV cache on and off. Every call runs under
-``torch.inference_mode()``. tokens/s = batch x new tokens / wall time of the whole call (prefill
-included).
-
-aiayn is the model after ``aiayn.fast.optimize(model, "inference")`` (its CPU kernels, as
-``aiayn generate`` runs it; ``--plain`` adds an "aiayn plain torch" row of the same model without
-them), timed through ``aiayn.generate.greedy_decoder_only`` (the library's greedy decoder, cache
-on/off), eager and, with the cache on, with ``compile=True`` (the decode steps after the prompt as
-one ``torch.compile``d static-shape graph; the compile happens in the warm-up call, untimed). The
-peers run eager, as their ``generate`` does by default. Ratios are given for each aiayn row
-against the best peer.
+layout, random weights), a 16-token prompt, exactly 256 new tokens, batch 1 and 16, KV cache on and
+off, under ``torch.inference_mode()``; tokens/s counts the whole call (prefill included). aiayn is
+``aiayn.fast.optimize(model, "inference")`` through ``greedy_decoder_only``, eager and with
+``compile=True`` (compiled in the warm-up); ``--plain`` adds the model without ``optimize``.
 """
 
 from __future__ import annotations
@@ -42,18 +34,16 @@ def aiayn_model(size: LMSize, seed: int, *, plain: bool = False) -> nn.Module:
     return model if plain else optimize_aiayn(model, "inference")
 
 
-def peer_model(name: str, size: LMSize, seed: int) -> nn.Module | None:
-    """Peer ``name``'s model in eval mode (aiayn's optimized); None, its row printed, when its
-    library is not installed."""
-    if name == "aiayn":
-        return aiayn_model(size, seed)
-    torch.manual_seed(seed)
-    return common.load_peer(name, lambda: LM_PEERS[name](size, Dropouts()).eval())
-
-
 def load_models(size: LMSize, args: argparse.Namespace) -> tuple[dict[str, nn.Module], nn.Module | None]:
-    """The peers' models (a missing library's: its row printed) and, with ``--plain``, aiayn's plain one."""
-    models = {name: model for name in args.peers or LM_PEERS if (model := peer_model(name, size, args.seed)) is not None}
+    """The peers' models in eval mode (aiayn's optimized; a missing library's: its row printed) and,
+    with ``--plain``, aiayn's plain one."""
+    models = {}
+    for name in args.peers or LM_PEERS:
+        torch.manual_seed(args.seed)
+        model = (aiayn_model(size, args.seed) if name == "aiayn"
+                 else common.load_peer(name, lambda n=name: LM_PEERS[n](size, Dropouts()).eval()))
+        if model is not None:
+            models[name] = model
     return models, aiayn_model(size, args.seed, plain=True) if args.plain and "aiayn" in models else None
 
 
@@ -103,7 +93,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--no-recompute", action="store_true", help="skip the cache-off rows (slow)")
     parser.add_argument("--peers", nargs="*", help="subset of peers (aiayn first)")
-    parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
     parser.add_argument("--no-overhead", action="store_true",
                         help="skip the per-token framework overhead rows (a tiny model, batch 1)")
     parser.add_argument("--no-compiled", action="store_true",
@@ -141,9 +130,6 @@ def main(argv: list[str] | None = None) -> None:
             for ours in (n for n in tps if n.startswith("aiayn")):
                 ratios.append(common.ratio_line(f"batch {batch}, cache {'on' if use_cache else 'off'}, {ours}",
                                          tps[ours], others, target=target))
-            if args.profile and use_cache:
-                print(f"torch.profiler, aiayn, batch {batch}, cache on, top ops by self CPU time:\n")
-                print("```\n" + common.top_ops(peers[0].fn, steps=1) + "\n```\n")
     print(common.table(["batch", "KV cache", "peer", "ms / call (median)", "spread", "new tokens/s",
                  "ms / token step"], rows))
     print()

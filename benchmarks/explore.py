@@ -1,13 +1,8 @@
 """aiayn explore's responsiveness: how long the page waits for what it asks the server.
 
-``python -m benchmarks.explore [--model FILE | --run DIR] [--tokens 255] [--steps 32]``: the model
-loaded as ``aiayn explore`` loads it (default SmolLM2-135M-Instruct), then through the application
-(Starlette's TestClient, in process: the server's own work, without the network): a text of
-``--tokens`` tokens to ``/api/attention`` (one forward with need_weights=True, every layer kept),
-one layer from ``/api/attention/{key}/...`` (what the page fetches as a row scrolls into view, with
-its size), ``--steps`` decode steps from ``/api/generate``, the beam tree of a translation model.
-There is no peer to compare with: the figures say whether the page stays responsive. Median of
-``--repeats``.
+The model loaded as ``aiayn explore`` loads it, then through the application in process (no
+network): ``--tokens`` tokens to ``/api/attention``, one layer of it, ``--steps`` decode steps, and
+a translation model's beam tree. No peer: the figures say whether the page stays responsive.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """aiayn.fast's kernels one by one: each fast module against the plain module it replaces, on the
 same inputs, in the same run, at 1 and at 2 threads: the measurement a kernel of ``aiayn/fast``
-must pass to stay. The kernels (``KERNELS``; each a factory of ``Case``s in ``FACTORIES``):
-``linear-onednn`` (``FastLinear``'s oneDNN path, forward + backward), ``linear-transposed`` (the
-turned-around (W x^T)^T on a decode step's few rows), ``attention-decode`` (single-query and GQA
-fold), ``attention-block-causal`` and ``attention-dropout`` (training attention, forward +
-backward), ``dropout``, ``fused-loss`` (the output layer fused with the loss) and
-``compiled-matvec`` (the compiled decode step's linear layers; skipped by ``--quick`` and
-``--no-compiled``).
+must pass to stay (``KERNELS``; ``compiled-matvec`` skipped by ``--quick`` and ``--no-compiled``).
 
-Each case's plain and fast calls are interleaved (``benchmarks.common``) for ``--repeats`` rounds
-of ~20 ms; "plain / fast" above 1 is the kernel's gain, below 1 the table says **does NOT win**;
-"fast path" is the path the fast module takes on those inputs, "falls back" rows run the plain
-function behind its dispatch.
+Plain and fast calls are interleaved for ``--repeats`` rounds of ~20 ms; "plain / fast" above 1 is
+the kernel's gain, below 1 the table says **does NOT win**; "falls back" rows run the plain function
+behind the fast module's dispatch.
 
-    python -m benchmarks.fast                       # every kernel, 1 and 2 threads
     python -m benchmarks.fast --threads 1,2 --kernels dropout fused-loss
-    python -m benchmarks.fast --quick               # smoke test: small shapes, no compiled step
 """
 
 from __future__ import annotations
@@ -26,7 +17,7 @@ import math
 import statistics
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,20 +50,6 @@ class Case:
     fast: Callable[[], object]
 
 
-@dataclass
-class Options:
-    quick: bool
-    seed: int
-    compiled_rows: list[int] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def _fast_copy(module: nn.Module, cls: type[nn.Module]) -> nn.Module:
     """A copy of ``module`` (the same weights, its own tensors and gradients) as class ``cls``,
     the swap ``aiayn.fast.optimize`` makes."""
@@ -89,17 +66,7 @@ def _clear_grads(*tensors: Tensor | nn.Module) -> None:
             t.grad = None
 
 
-def _inference(fn: Callable[[], object]) -> Callable[[], object]:
-    def run() -> object:
-        with torch.inference_mode():
-            return fn()
-    return run
-
-
-# ---------------------------------------------------------------- FastLinear
-
-
-def linear_onednn_cases(opt: Options) -> Iterator[Case]:
+def linear_onednn_cases(opt: argparse.Namespace) -> Iterator[Case]:
     """FastLinear's oneDNN path, forward + backward, against nn.Linear on the same weights."""
     if opt.quick:
         shapes = [("d256 qkv", 256, 256, 768), ("d256 FFN down", 256, 1024, 256)]
@@ -109,7 +76,7 @@ def linear_onednn_cases(opt: Options) -> Iterator[Case]:
                   ("paper-base qkv", 768, 512, 1536), ("paper-base FFN up", 768, 512, 2048),
                   ("paper-base FFN down", 768, 2048, 512)]
     for label, rows, i, o in shapes:
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         plain = nn.Linear(i, o)
         fast = _fast_copy(plain, FastLinear)
         x = torch.randn(rows, i, generator=gen).requires_grad_()
@@ -124,7 +91,7 @@ def linear_onednn_cases(opt: Options) -> Iterator[Case]:
                    lambda step=step, m=plain: step(m), lambda step=step, m=fast: step(m))
 
 
-def _decode_layers(opt: Options) -> list[tuple[str, list[tuple[int, int]]]]:
+def _decode_layers(opt: argparse.Namespace) -> list[tuple[str, list[tuple[int, int]]]]:
     """(label, [(in, out), ...]): one pass over a model's distinct projections."""
     if opt.quick:
         return [("d256 decoder layer", [(256, 768), (1024, 256)])]
@@ -133,11 +100,11 @@ def _decode_layers(opt: Options) -> list[tuple[str, list[tuple[int, int]]]]:
             ("SmolLM2 layer: qkv, out, gate+up, down", [(576, 960), (576, 576), (576, 3072), (1536, 576)])]
 
 
-def linear_transposed_cases(opt: Options) -> Iterator[Case]:
+def linear_transposed_cases(opt: argparse.Namespace) -> Iterator[Case]:
     """FastLinear on a decode step's (rows, 1, i) inputs, no grad, against nn.Linear."""
     rows_list = [1, 2, 16] if opt.quick else [1, 2, 4, 16, 64]
     for label, shapes in _decode_layers(opt):
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         plain = [nn.Linear(i, o) for i, o in shapes]
         fast = [_fast_copy(m, FastLinear) for m in plain]
         n_weights = sum(i * o for i, o in shapes)
@@ -150,10 +117,8 @@ def linear_transposed_cases(opt: Options) -> Iterator[Case]:
                 return [layer(x) for layer, x in zip(layers, xs, strict=True)]
 
             yield Case(f"{label} ({n_weights / 1e6:.1f}M weights), {rows} row{'s' * (rows > 1)}", path,
-                       _inference(lambda f=one_pass, m=plain: f(m)), _inference(lambda f=one_pass, m=fast: f(m)))
-
-
-# ---------------------------------------------------------------- attention
+                       torch.inference_mode()(lambda f=one_pass, m=plain: f(m)),
+                       torch.inference_mode()(lambda f=one_pass, m=fast: f(m)))
 
 
 def _decode_inputs(config: ModelConfig, batch: int, keys: int, seed: int) -> tuple[Tensor, Tensor, Tensor, dict]:
@@ -169,7 +134,7 @@ def _decode_inputs(config: ModelConfig, batch: int, keys: int, seed: int) -> tup
             captured.append((q, k, v, kwargs))
         return scaled_dot_product_attention(q, k, v, **kwargs)
 
-    gen = _generator(seed)
+    gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, config.vocab_size, (batch, keys), generator=gen)
     with torch.inference_mode():
         cache = model.new_cache(batch, config.max_seq_len)
@@ -191,7 +156,7 @@ def _attention_path(q: Tensor, k: Tensor, kwargs: dict) -> str:
     return "GQA fold + written-out" if q.shape[1] != k.shape[1] else "single query, written-out"
 
 
-def attention_decode_cases(opt: Options) -> Iterator[Case]:
+def attention_decode_cases(opt: argparse.Namespace) -> Iterator[Case]:
     mha = aiayn_lm_config(LMSize(n_layers=1), Dropouts())  # the decode benchmark's layout
     gqa = ModelConfig(arch="decoder-only", vocab_size=1000, d_model=576, n_heads=9, n_kv_heads=3, n_layers=1,
                       d_ff=1536, activation="swiglu", norm="rmsnorm", norm_position="pre", positional="rope",
@@ -205,8 +170,9 @@ def attention_decode_cases(opt: Options) -> Iterator[Case]:
     for label, config, batch, keys in settings:
         q, k, v, kwargs = _decode_inputs(config, batch, keys, opt.seed)
         yield Case(f"{label}, batch {batch}, {keys} keys", _attention_path(q, k, kwargs),
-                   _inference(lambda q=q, k=k, v=v, kw=kwargs: scaled_dot_product_attention(q, k, v, **kw)),
-                   _inference(lambda q=q, k=k, v=v, kw=kwargs: fast_attention(q, k, v, **kw)))
+                   torch.inference_mode()(lambda q=q, k=k, v=v, kw=kwargs:
+                                          scaled_dot_product_attention(q, k, v, **kw)),
+                   torch.inference_mode()(lambda q=q, k=k, v=v, kw=kwargs: fast_attention(q, k, v, **kw)))
 
 
 def _projected_heads(b: int, t: int, h: int, d_h: int, gen: torch.Generator) -> tuple[Tensor, Callable]:
@@ -221,10 +187,10 @@ def _projected_heads(b: int, t: int, h: int, d_h: int, gen: torch.Generator) -> 
     return qkv, heads
 
 
-def _training_attention_cases(opt: Options, shapes: list[tuple[str, int, int, int, int]],
+def _training_attention_cases(opt: argparse.Namespace, shapes: list[tuple[str, int, int, int, int]],
                               dropout_p: float) -> Iterator[Case]:
     for label, b, h, t, d_h in shapes:
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         qkv, heads = _projected_heads(b, t, h, d_h, gen)
         grad = torch.randn(b, h, t, d_h, generator=gen)
         q, k, v = heads()
@@ -242,28 +208,25 @@ def _training_attention_cases(opt: Options, shapes: list[tuple[str, int, int, in
                    lambda s=step: s(scaled_dot_product_attention), lambda s=step: s(fast_attention))
 
 
-def attention_block_causal_cases(opt: Options) -> Iterator[Case]:
+def attention_block_causal_cases(opt: argparse.Namespace) -> Iterator[Case]:
     shapes = ([("small", 4, 4, 128, 64)] if opt.quick else
               [("decoder bench", 16, 4, 256, 64), ("seq2seq small decoder", 32, 4, 32, 64),
                ("paper-base layer", 1, 8, 512, 64)])
     return _training_attention_cases(opt, shapes, 0.0)
 
 
-def attention_dropout_cases(opt: Options) -> Iterator[Case]:
+def attention_dropout_cases(opt: argparse.Namespace) -> Iterator[Case]:
     shapes = ([("small", 4, 4, 64, 64)] if opt.quick else
               [("decoder bench", 16, 4, 256, 64), ("seq2seq small decoder", 32, 4, 32, 64)])
     return _training_attention_cases(opt, shapes, 0.1)
 
 
-# ---------------------------------------------------------------- dropout
-
-
-def dropout_cases(opt: Options) -> Iterator[Case]:
+def dropout_cases(opt: argparse.Namespace) -> Iterator[Case]:
     shapes = ([(70, 20, 256)] if opt.quick else [(70, 20, 256), (16, 256, 256), (16, 256, 1024)])
     plain = nn.Dropout(0.1).train()
     fast = FastDropout(0.1).train()
     for shape in shapes:
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         x = torch.randn(shape, generator=gen).requires_grad_()
         g = torch.randn(shape, generator=gen)
 
@@ -275,14 +238,11 @@ def dropout_cases(opt: Options) -> Iterator[Case]:
                    lambda s=step: s(plain), lambda s=step: s(fast))
 
 
-# ---------------------------------------------------------------- fused output layer + loss
-
-
-def fused_loss_cases(opt: Options) -> Iterator[Case]:
+def fused_loss_cases(opt: argparse.Namespace) -> Iterator[Case]:
     shapes = ([("small", 8, 64, 64, 1000)] if opt.quick else
               [("decoder bench", 16, 256, 256, 8000), ("paper-base, 768 real target tokens", 32, 24, 512, 37000)])
     for label, b, t, d, vocab in shapes:
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         plain = nn.Linear(d, vocab, bias=False)
         with torch.no_grad():
             plain.weight.normal_(0.0, 0.02, generator=gen)
@@ -309,10 +269,7 @@ def fused_loss_cases(opt: Options) -> Iterator[Case]:
                    lambda f=trainer, m=plain: f(m), lambda f=trainer, m=fast: f(m))
 
 
-# ---------------------------------------------------------------- compiled decode step's products
-
-
-def compiled_matvec_cases(opt: Options) -> Iterator[Case]:
+def compiled_matvec_cases(opt: argparse.Namespace) -> Iterator[Case]:
     """Compiled afresh for every call of this function (once per thread count: Inductor's C++
     kernels are generated for the thread count they were compiled under)."""
     from benchmarks.matvec import Projections, compiled
@@ -328,7 +285,7 @@ def compiled_matvec_cases(opt: Options) -> Iterator[Case]:
 
     for rows in opt.compiled_rows:
         torch._dynamo.reset()  # fresh graphs for this thread count and shape
-        gen = _generator(opt.seed)
+        gen = torch.Generator().manual_seed(opt.seed)
         xs = [torch.randn(rows, lin.in_features, generator=gen) for lin in model.linears]
         x, w = xs[0], model.linears[0].weight
         path = ("multiply + sum" if use_matvec(x, w) else "(W x^T)^T" if use_transposed(x, w)
@@ -339,28 +296,22 @@ def compiled_matvec_cases(opt: Options) -> Iterator[Case]:
                    lambda f=plain_fn, xs=xs: f(xs), lambda f=fast_fn, xs=xs: f(xs))
 
 
-FACTORIES: dict[str, Callable[[Options], Iterator[Case]]] = {
-    "linear-onednn": linear_onednn_cases,
-    "linear-transposed": linear_transposed_cases,
-    "attention-decode": attention_decode_cases,
-    "attention-block-causal": attention_block_causal_cases,
-    "attention-dropout": attention_dropout_cases,
-    "dropout": dropout_cases,
-    "fused-loss": fused_loss_cases,
-    "compiled-matvec": compiled_matvec_cases,
-}
-
-
-KERNELS = tuple(FACTORIES)  # in the order the benchmark runs them
-TITLES = {
-    "linear-onednn": "FastLinear, oneDNN path: training-size layers, forward + backward (vs nn.Linear)",
-    "linear-transposed": "FastLinear, turned-around product (W x^T)^T: decode rows, no grad (vs nn.Linear)",
-    "attention-decode": "fast_attention, single-query decode paths (vs scaled_dot_product_attention)",
-    "attention-block-causal": "fast_attention, block-causal training path, forward + backward (vs SDPA is_causal)",
-    "attention-dropout": "fast_attention, attention-weight dropout 0.1, forward + backward (vs SDPA's dropout)",
-    "dropout": "FastDropout p 0.1, forward + backward (vs nn.Dropout)",
-    "fused-loss": "FusedLossLinear: output layer + cross-entropy fused, forward + backward (vs logits + loss)",
-    "compiled-matvec": "compiled decode step's linear layers, MatvecLinears (vs compiled F.linear)",
+KERNELS: dict[str, tuple[Callable[[argparse.Namespace], Iterator[Case]], str]] = {  # in the order they run
+    "linear-onednn": (linear_onednn_cases,
+                      "FastLinear, oneDNN path: training-size layers, forward + backward (vs nn.Linear)"),
+    "linear-transposed": (linear_transposed_cases,
+                          "FastLinear, turned-around product (W x^T)^T: decode rows, no grad (vs nn.Linear)"),
+    "attention-decode": (attention_decode_cases,
+                         "fast_attention, single-query decode paths (vs scaled_dot_product_attention)"),
+    "attention-block-causal": (attention_block_causal_cases, "fast_attention, block-causal training path, "
+                               "forward + backward (vs SDPA is_causal)"),
+    "attention-dropout": (attention_dropout_cases, "fast_attention, attention-weight dropout 0.1, "
+                          "forward + backward (vs SDPA's dropout)"),
+    "dropout": (dropout_cases, "FastDropout p 0.1, forward + backward (vs nn.Dropout)"),
+    "fused-loss": (fused_loss_cases, "FusedLossLinear: output layer + cross-entropy fused, "
+                   "forward + backward (vs logits + loss)"),
+    "compiled-matvec": (compiled_matvec_cases,
+                        "compiled decode step's linear layers, MatvecLinears (vs compiled F.linear)"),
 }
 ROUND_SECONDS = 0.02  # each timed round runs enough calls to take about this long (--quick: 5 ms)
 
@@ -403,7 +354,7 @@ def verdict(r: Result) -> str:
 
 
 def report_kernel(kernel: str, results: list[Result]) -> None:
-    print(f"### {kernel}: {TITLES[kernel]}\n")
+    print(f"### {kernel}: {KERNELS[kernel][1]}\n")
     rows = [[r.case, r.path, r.threads, fmt_time(r.plain), fmt_time(r.fast), f"**{r.ratio:.2f}x**",
              f"±{r.spread * 50:.0f}%", verdict(r)] for r in results]
     print(table(["case", "fast path", "threads", "plain / call", "fast / call", "plain / fast", "spread",
@@ -472,7 +423,6 @@ def main(argv: list[str] | None = None) -> None:
             kernels.remove("compiled-matvec")
     if args.no_compiled and "compiled-matvec" in kernels:
         kernels.remove("compiled-matvec")
-    opt = Options(quick=args.quick, seed=args.seed, compiled_rows=args.compiled_rows)
     before = torch.get_num_threads()
     header("aiayn.fast kernels against the plain modules they replace", args)
     results: list[Result] = []
@@ -480,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         kernel_results: list[tuple[int, Result]] = []
         for n in args.threads:
             torch.set_num_threads(n)
-            for index, case in enumerate(FACTORIES[kernel](opt)):
+            for index, case in enumerate(KERNELS[kernel][0](args)):
                 kernel_results.append((index, measure(kernel, case, n, repeats=args.repeats, warmup=args.warmup,
                                                       round_seconds=round_seconds)))
         kernel_results.sort(key=lambda pair: pair[0])  # stable: each case's thread counts side by side

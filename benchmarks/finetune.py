@@ -1,20 +1,10 @@
 """Fine-tuning SmolLM2-135M-Instruct: aiayn against transformers + PEFT, tokens/s and peak memory.
 
-Rows: LoRA (rank ``--rank``, alpha 2 x rank, no dropout, the same targets on both: q, k, v, o, gate,
-up, down) and full fine-tuning, each library's own way: aiayn as ``aiayn train --init-from`` runs it
-(``aiayn.finetune.source.load_source``, ``apply_lora``, ``aiayn.fast.optimize(model, "train")``,
-``sequence_loss`` on the model's output) and transformers' ``AutoModelForCausalLM`` of the same GGUF
-(its weights dequantised), ``peft.get_peft_model`` for LoRA, ``model(input_ids, labels=...).loss``.
-Same batch (``--batch`` windows of ``--seq-len`` tokens of Tiny Shakespeare, SmolLM2's tokenizer),
-same AdamW settings (lr 1e-4, torch's defaults otherwise) over the trainable parameters, float32, no
-dropout, each library's own implementation of it: aiayn's rows ``aiayn.train.optim.make_optimizer``
-(what ``aiayn train`` steps), transformers' rows ``fused=True``, what transformers' ``Trainer`` uses by
-default (``TrainingArguments.optim`` is ``adamw_torch_fused`` with torch 2.8 or later).
-
-Each row runs in its own process, rows interleaved over ``--repeats`` rounds: a round loads the
-model, takes ``--warmup`` steps, then times ``--steps``. Peak memory is the process's peak resident
-set (``VmHWM``) over the timed steps, reset after the warm-up (``/proc/self/clear_refs``), so it
-holds the weights, gradients, optimiser state and the steps' activations, not the loading."""
+Rows: LoRA (rank ``--rank``, alpha 2 x rank, on q, k, v, o, gate, up, down) and full fine-tuning,
+each library's own way (aiayn as ``aiayn train --init-from`` runs it; transformers'
+``AutoModelForCausalLM`` of the same GGUF, PEFT for LoRA), on the same batch of Tiny Shakespeare
+with the same AdamW settings, float32. Each row runs in its own process, interleaved over
+``--repeats`` rounds; peak memory is the peak resident set over the timed steps."""
 
 from __future__ import annotations
 
@@ -31,6 +21,7 @@ import torch
 from aiayn.config import TrainConfig
 from aiayn.train.optim import make_optimizer
 from benchmarks import common
+from benchmarks.llama_cpp import peak_rss_mib
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -40,9 +31,8 @@ GOALS = {"aiayn LoRA": (1.5, 0.8)}  # (tokens/s at least, peak memory at most) t
 
 
 def batch_of(args: argparse.Namespace, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, next-token targets), ``--batch`` windows of ``--seq-len`` tokens, fixed by the seed; the
-    last target of each window is ignored, as transformers' loss (labels = inputs, shifted) has no
-    target for the last position: both losses average the same predictions."""
+    """(inputs, next-token targets), ``--batch`` fixed windows of ``--seq-len`` tokens; each window's
+    last target is ignored, as transformers' shifted loss has none: both average the same predictions."""
     from aiayn.data import dataset_file
     from aiayn.train.losses import IGNORE
 
@@ -116,9 +106,7 @@ def child(row: str, args: argparse.Namespace) -> dict[str, float]:
     for _ in range(args.steps):
         step()
     seconds = time.perf_counter() - start
-    status = Path("/proc/self/status").read_text()
-    peak_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
-    return {"tokens_per_s": args.steps * args.batch * args.seq_len / seconds, "peak_mib": peak_kib / 1024,
+    return {"tokens_per_s": args.steps * args.batch * args.seq_len / seconds, "peak_mib": peak_rss_mib(),
             "trainable": sum(p.numel() for p in trainable), "first_loss": first[0] if first else float("nan")}
 
 

@@ -3,23 +3,16 @@ transformers (loading the same GGUF file, so both dequantise the same weights) v
 (``llama-cpp-python``, or the prebuilt library of ``llama-cpp-cffi``, on the Q4_1 file itself), in
 one run.
 
-For each dtype: decode tokens/s at batch 1 (``--new-tokens`` after a short chat prompt, the prompt
-excluded: ``common.decode_rate``), the prefill time of a ``--prompt-tokens`` prompt, and whether
-aiayn's and transformers' greedy tokens agree. Then aiayn's int8 weight-only path (``--quantize
-int8``) and its packed 4-bit path (``--quantize auto``, ``benchmarks/generate_q4.py``) against
-llama.cpp: decode and prefill ratios, batch 4 and 16, peak resident memory and perplexity. Each
-aiayn row is repeated with ``compile=True`` (the warm-up call compiles, untimed). aiayn's model is
-``aiayn generate``'s: ``optimize(model, "inference")``, then ``lower_precision``. Each timing is
-the best of ``--repeats`` runs.
-
-    python -m benchmarks.generate                 # float32 and bfloat16, int8, q4, llama.cpp if present
-    python -m benchmarks.generate --dtypes float32 --no-hf --repeats 1
-    python -m benchmarks.generate --threads 1 --clock cpu    # on a machine shared with other jobs
+Per dtype: decode tokens/s at batch 1 (the prompt excluded), the prefill of ``--prompt-tokens``,
+and whether the greedy tokens agree; then aiayn's int8 and packed 4-bit paths
+(``benchmarks/generate_q4.py``) against llama.cpp: ratios, batch 4 and 16, peak memory, perplexity.
+Each aiayn row is also run with ``compile=True``. Each timing is the best of ``--repeats``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import warnings
 from collections.abc import Callable
@@ -50,20 +43,9 @@ def aiayn_model(path, quantize: str) -> torch.nn.Module:
     return lower_precision(model, quantize)
 
 
-def hf_runner(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[int], torch.Tensor]:
-    return lambda n: common.hf_greedy(model, ids, n, min_new_tokens=n)
-
-
 def llama_python_runner(llm, ids: list[int]) -> Callable[[int], list[int]]:
     """``llama-cpp-python``'s greedy generation of n tokens after ``ids``."""
-    def run(n: int) -> list[int]:
-        out = []
-        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-            out.append(token)
-            if len(out) == n:
-                break
-        return out
-    return run
+    return lambda n: list(itertools.islice(llm.generate(ids, top_k=1, temp=0.0, reset=True), n))
 
 
 def long_prompt(tokenizer, n: int) -> torch.Tensor:
@@ -95,11 +77,11 @@ class Run:
               f"{self.prefills[name] * 1000:7.0f} ms", flush=True)
         return run(self.args.new_tokens)
 
-    def aiayn(self, name: str, model: torch.nn.Module, make=runner) -> object:
+    def aiayn(self, name: str, model: torch.nn.Module) -> object:
         """The eager row, and the compiled one unless ``--no-compiled``; the eager tokens."""
-        tokens = self.measure(name, lambda ids: make(model, ids))
+        tokens = self.measure(name, lambda ids: runner(model, ids))
         if not self.args.no_compiled:
-            compiled = self.measure(f"{name} compiled", lambda ids: make(model, ids, compile=True))
+            compiled = self.measure(f"{name} compiled", lambda ids: runner(model, ids, compile=True))
             print(f"  compiled vs eager greedy tokens: identical for the first {common.same_prefix(compiled, tokens)} "
                   f"of {self.args.new_tokens}")
         return tokens
@@ -116,7 +98,8 @@ def float_rows(run: Run, dtype_names: list[str]) -> torch.Tensor | None:
         if not hf_ok:
             continue
         hf = common.hf_causal_lm(run.path, DTYPES[dtype_name])
-        theirs = run.measure(f"transformers {dtype_name}", lambda ids, m=hf: hf_runner(m, ids))
+        theirs = run.measure(f"transformers {dtype_name}",
+                             lambda ids, m=hf: lambda n: common.hf_greedy(m, ids, n, min_new_tokens=n))
         print(f"  greedy tokens identical for the first {common.same_prefix(ours, theirs)} of {run.args.new_tokens}")
         for name in (f"aiayn {dtype_name}", f"aiayn {dtype_name} compiled"):
             if name in run.rates:
@@ -126,8 +109,7 @@ def float_rows(run: Run, dtype_names: list[str]) -> torch.Tensor | None:
 
 
 def quantised_rows(run: Run, reference: torch.Tensor | None) -> torch.Tensor | None:
-    """aiayn int8 and packed q4 (with ``--cpp-wrapper``, q4 compiled again with Inductor's C++
-    wrapper); the q4 tokens."""
+    """aiayn int8 and packed q4 (``--cpp-wrapper``: q4 compiled again with Inductor's C++ wrapper)."""
     args, q4_tokens = run.args, None
     if not args.no_int8:
         print("int8 weight-only (aiayn --quantize int8):")

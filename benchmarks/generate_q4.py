@@ -1,13 +1,11 @@
-"""The 4-bit parts of ``benchmarks/generate.py``: aiayn's packed GGUF model (``load_gguf(path,
-quantize="auto")``: the file's own Q4_1 and Q8_0 blocks) against llama.cpp on the same file.
-``batch_rows``: decode tokens/s of all rows at batch 4 and 16; ``peak_memory``: peak resident
-memory (VmHWM) of a fresh process that loads the model, prefills 512 tokens and decodes 128 (aiayn
-q4, aiayn float32, llama.cpp without torch, and the bare interpreter for scale); ``perplexity``:
-on 512-token windows of Tiny Shakespeare's last 10%, float32, bfloat16, int8, q4 and llama.cpp.
+"""The 4-bit parts of ``benchmarks/generate.py``: aiayn's packed GGUF model (``quantize="auto"``: the
+file's own Q4_1 and Q8_0 blocks) against llama.cpp on the same file: batched decode rates, peak
+resident memory of a fresh process (load, prefill 512, decode 128), and perplexity.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
 import sys
@@ -106,11 +104,9 @@ def perplexity(path: Path, tokenizer, windows: int, threads: int) -> dict[str, f
     """exp(mean negative log-likelihood) per peer over the same windows."""
     data = validation_windows(tokenizer, windows)
     print(f"  {len(data)} windows of 512 tokens from the last 10% of tinyshakespeare/input.txt")
+
     def aiayn(build: Callable[[], torch.nn.Module]) -> Callable[[], Callable[[list[int]], tuple[float, int]]]:
-        def make() -> Callable[[list[int]], tuple[float, int]]:
-            model = build()
-            return lambda window: _nll(model, window)
-        return make
+        return lambda: functools.partial(_nll, build())  # the model is built when the peer's turn comes
 
     def floats() -> torch.nn.Module:
         return load_gguf(path, tokenizer=False).model.eval()

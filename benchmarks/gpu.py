@@ -8,14 +8,8 @@
     eager and compiled against transformers' generate with its dynamic and its static (compiled) cache.
 (d) ``--recipe-row``: ``aiayn train --recipe recipes/multi30k-en-de.yaml``, wall time and BLEU.
 
-Peers of a row are warmed up, then interleaved ``--repeats`` rounds, the device synchronised around
-each; a figure is the median round. A peer that fails or is not installed prints its row and the
-run goes on.
-
-    python -m benchmarks.gpu                           # (a)-(c) on the first CUDA GPU
-    python -m benchmarks.gpu --rows c --device cuda:1
-    python -m benchmarks.gpu --recipe-row              # (d) too
-    python -m benchmarks.gpu --smoke --device cpu      # tiny sizes, seconds: what the test runs
+A row's peers are warmed up, then timed in interleaved rounds (device synchronised), medians; a
+peer that fails or is not installed is a row and the run goes on.
 """
 
 from __future__ import annotations
@@ -27,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -40,23 +35,15 @@ GOALS = {"a": 1.3, "a_mfu": 0.45, "b": 1.2, "c_rate": 2000.0, "c": 1.5}  # the i
 
 @contextlib.contextmanager
 def compile_backend(backend: str | None) -> Iterator[None]:
-    """With ``backend``, every torch.compile of the run (this benchmark's and aiayn's own compiled
-    decode step) uses it: --smoke traces the compiled paths on a CPU in seconds instead of building
-    kernels for minutes. Restored afterwards."""
-    if backend is None:
-        yield
-        return
+    """With ``backend``, every torch.compile of the run uses it (--smoke: "eager", seconds on a CPU)."""
     real = torch.compile
 
     def patched(model=None, **kwargs):
         kwargs.update(backend=backend, mode=None)
         return real(**kwargs) if model is None else real(model, **kwargs)
 
-    torch.compile = patched  # type: ignore[assignment]
-    try:
+    with mock.patch.object(torch, "compile", patched) if backend else contextlib.nullcontext():
         yield
-    finally:
-        torch.compile = real  # type: ignore[assignment]
 
 
 class Row:
@@ -82,8 +69,15 @@ class Row:
         self.timed.append(common.Timed(name, fn, iters=iters))
         self.params[name] = params
 
-    def skip(self, name: str, why: str) -> None:
-        self.skipped[name] = why
+    def pair(self, name: str, build: Callable[[bool], tuple[Callable[[], object], int]], iters: int = 1, *,
+             compiled: str | None = None, missing: bool = False) -> None:
+        """``name`` and its compiled twin (``compiled``, default "NAME compiled"): ``build(False)``,
+        ``build(True)``; both skipped with the not-installed row when ``missing``."""
+        for flag, label in ((False, name), (True, compiled or f"{name} compiled")):
+            if missing:
+                self.skipped[label] = MISSING_TRANSFORMERS
+            else:
+                self.add(label, lambda f=flag: build(f), iters=iters)
 
     def run(self) -> dict[str, float]:
         """Interleaved rounds (the device synchronised around each) -> median seconds per call, by peer."""
@@ -103,7 +97,7 @@ class Row:
         if self.profile:
             for p in self.timed:
                 print(f"### {p.name}: torch.profiler, one call after the timed rounds\n\n```text\n"
-                      f"{common.top_ops(p.fn, steps=1, device=self.device)}\n```\n", flush=True)
+                      f"{common.top_ops(p.fn, self.device)}\n```\n", flush=True)
         return {p.name: tokens / p.median for p in self.timed}
 
 
@@ -125,7 +119,6 @@ def free(row: Row) -> None:
         torch.cuda.empty_cache()
 
 
-# ---- (a) ----------------------------------------------------------------------------------------
 def row_a(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers) -> None:
     batch, length = plan.train_batch
     vocab = plan.gpt[0]
@@ -146,13 +139,8 @@ def row_a(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device,
         forward = lambda x: run(input_ids=x, use_cache=False).logits  # noqa: E731
         return gpu_models.logits_step(forward, gpu_models.make_adamw(model, device), (inputs, targets), device), common.count_params(model)
 
-    row.add("aiayn", lambda: aiayn(False), iters=args.iters)
-    row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
-    for compiled, name in ((False, "transformers"), (True, "transformers compiled")):
-        if transformers is None:
-            row.skip(name, MISSING_TRANSFORMERS)
-        else:
-            row.add(name, lambda c=compiled: hf(c), iters=args.iters)
+    row.pair("aiayn", aiayn, args.iters)
+    row.pair("transformers", hf, args.iters, missing=transformers is None)
     seconds = row.run()
     peak, peak_note = gpu_models.peak_flops(device, args.peak_tflops)
     flops = gpu_models.gpt2_train_flops(plan, batch * length)
@@ -171,7 +159,6 @@ def row_a(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device,
     free(row)
 
 
-# ---- (b) ----------------------------------------------------------------------------------------
 def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device) -> None:
     batch, src_len, tgt_len = plan.seq2seq_batch
     config = gpu_models.seq2seq_config(plan, args.dropout)
@@ -193,10 +180,8 @@ def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device)
         run = torch.compile(model) if compiled else model
         return gpu_models.logits_step(run, gpu_models.make_adamw(model, device), data, device), common.count_params(model)
 
-    row.add("aiayn", lambda: aiayn(False), iters=args.iters)
-    row.add("aiayn compiled", lambda: aiayn(True), iters=args.iters)
-    row.add("torch.nn.Transformer", lambda: reference(False), iters=args.iters)
-    row.add("torch.nn.Transformer compiled", lambda: reference(True), iters=args.iters)
+    row.pair("aiayn", aiayn, args.iters)
+    row.pair("torch.nn.Transformer", reference, args.iters)
     row.run()
     tokens = batch * (src_len + tgt_len)
     print(f"## (b) encoder-decoder `{plan.seq2seq}` (d {config.d_model}, {config.n_layers}+{config.n_decoder_layers} "
@@ -208,9 +193,8 @@ def row_b(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device)
     free(row)
 
 
-# ---- (c) ----------------------------------------------------------------------------------------
 def row_c(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device, transformers) -> None:
-    dtype = getattr(torch, args.decode_dtype)
+    dtype = torch.bfloat16
     torch.manual_seed(0)
     if transformers is not None:  # the same weights on both sides: aiayn's model converted from HF's
         from aiayn.interop import from_hf_model
@@ -220,7 +204,7 @@ def row_c(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.device,
         hf = hf.to(device, dtype)
     else:
         model, hf = build_model(gpu_models.gpt2_config(plan)).to(device, dtype).eval(), None
-    print(f"## (c) greedy decoding, GPT-2 (d {plan.gpt[1]}, {plan.gpt[3]} layers), {args.decode_dtype}, "
+    print(f"## (c) greedy decoding, GPT-2 (d {plan.gpt[1]}, {plan.gpt[3]} layers), bfloat16, "
           f"{plan.new_tokens} new tokens after a {plan.prompt_len}-token prompt, {gpu_models.device_name(device)}\n")
     if hf is not None and device.type != "cuda":
         print(f"(transformers compiles its static-cache step on CUDA only: on {device.type} that row ran uncompiled)\n")
@@ -236,13 +220,9 @@ def decode_batch(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.
     prompt = prompt.to(device)
     row = Row(device, args.repeats, args.warmup, profile=args.profile)
     params = common.count_params(model)
-    row.add("aiayn", lambda: (gpu_models.aiayn_decode(model, prompt, n, compile=False), params))
-    row.add("aiayn compiled", lambda: (gpu_models.aiayn_decode(model, prompt, n, compile=True), params))
-    for static, name in ((False, "transformers"), (True, "transformers static + compile")):
-        if hf is None:
-            row.skip(name, MISSING_TRANSFORMERS)
-        else:
-            row.add(name, lambda s=static: (gpu_models.hf_decode(transformers, hf, prompt, n, static=s), params))
+    row.pair("aiayn", lambda c: (gpu_models.aiayn_decode(model, prompt, n, compile=c), params))
+    row.pair("transformers", lambda s: (gpu_models.hf_decode(transformers, hf, prompt, n, static=s), params),
+             compiled="transformers static + compile", missing=hf is None)
     row.run()
     print(f"batch {b}:\n")
     rates = row.report("call", b * n)
@@ -262,13 +242,12 @@ def decode_batch(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.
     free(row)
 
 
-# ---- (d) ----------------------------------------------------------------------------------------
 def row_d(args: argparse.Namespace, device: torch.device) -> None:
     print(f"## (d) `aiayn train --recipe {gpu_models.RECIPE} --device {device}`\n")
     with tempfile.TemporaryDirectory(prefix="aiayn-recipe-") as tmp:
         run_dir = Path(tmp) / "run"
         command = [sys.executable, "-m", "aiayn", "train", "--recipe", gpu_models.RECIPE, "--device", str(device),
-                   "--run-dir", str(run_dir), *args.recipe_args]
+                   "--run-dir", str(run_dir)]
         result = gpu_models.run_recipe(command, run_dir, args.recipe_timeout)
     print(f"command: {' '.join(command[1:])}\n")
     if result.bleu is None:
@@ -286,11 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", help="auto (the first CUDA GPU, else the CPU), cpu, cuda, cuda:N")
     parser.add_argument("--rows", default="abc", help="which of the rows a, b, c to run (default abc)")
     parser.add_argument("--recipe-row", action="store_true", help="also row (d): the Multi30k recipe (minutes)")
-    parser.add_argument("--recipe-args", nargs="*", default=[], help="extra options for row (d)'s aiayn train")
     parser.add_argument("--recipe-timeout", type=float, default=1800.0, help="seconds row (d) may take")
     parser.add_argument("--peak-tflops", type=float, help="the card's dense bf16 peak, for MFU (default: by name)")
-    parser.add_argument("--decode-dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="weights of both decoders in row (c) (default bfloat16)")
     parser.add_argument("--dropout", type=float, default=0.0, help="every dropout of row (b), both peers (default 0)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed rounds (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per peer first; compiles (default 2)")
@@ -326,7 +302,7 @@ def run_rows(args: argparse.Namespace, plan: gpu_models.Plan, device: torch.devi
     common.header(f"aiayn GPU benchmark{' (--smoke: tiny sizes, figures meaningless)' if args.smoke else ''}: "
            f"{gpu_models.device_name(device)} ({device}); transformers "
            f"{transformers.__version__ if transformers else 'not installed: its peers are skipped'}", args,
-           dtype=f"bf16 autocast, decoding in {args.decode_dtype}")
+           dtype="bf16 autocast, decoding in bfloat16")
     rows = {"a": lambda: row_a(args, plan, device, transformers), "b": lambda: row_b(args, plan, device),
             "c": lambda: row_c(args, plan, device, transformers)}
     with compile_backend("eager" if args.smoke else None):

@@ -1,8 +1,6 @@
-"""What ``python -m benchmarks.gpu`` runs: the sizes of its rows, the models (aiayn's and its
-peers', built on the CPU with a fixed seed and moved to the device), each peer's step or decode
-call, the card's peak FLOPs, and the recipe row's command. aiayn's models are plain
-``build_model`` models trained the library's way (``aiayn.device.autocast``, ``sequence_loss``,
-AdamW fused where the device allows) and decoded by ``aiayn.generate``.
+"""What ``python -m benchmarks.gpu`` runs: its rows' sizes, the models (built on the CPU with a fixed
+seed, then moved), each peer's step or decode call, the card's peak FLOPs and the recipe row. aiayn's
+are trained the library's way (``autocast``, ``sequence_loss``, AdamW fused where the device allows).
 """
 
 from __future__ import annotations
@@ -45,9 +43,7 @@ FULL = Plan(gpt=(50257, 768, 12, 12, 1024), train_batch=(8, 1024), seq2seq="pape
 SMOKE = Plan(gpt=(199, 32, 2, 2, 64), train_batch=(2, 32), seq2seq="tiny", seq2seq_batch=(4, 12, 10),
              decode_batches=(1, 2), prompt_len=4, new_tokens=6)
 
-# Dense bf16 tensor-core peaks (NVIDIA's datasheets, no sparsity), TFLOP/s, by a piece of
-# torch.cuda.get_device_name(); the first match wins (so "H100 PCIe" before "H100", "L40S" before
-# "L4"). Another card gets no MFU unless --peak-tflops gives its peak.
+# Dense bf16 peaks (NVIDIA's datasheets), TFLOP/s, by a piece of the device name; the first match wins.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
                     ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0))
 
@@ -104,10 +100,9 @@ def make_adamw(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
 
 def aiayn_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple[Tensor, ...], targets: Tensor,
                device: torch.device, *, compiled: bool) -> Callable[[], None]:
-    """aiayn's training step as ``aiayn train`` takes it (``aiayn.train.trainer.step_loss``): the
-    model's output to ``sequence_loss`` under the device's autocast, the loss and the metrics the
-    trainer keeps (summed NLL, counted and correct tokens); ``compiled``: that whole function is one
-    ``torch.compile`` graph, model and loss together, as ``aiayn train --compile`` compiles it."""
+    """aiayn's training step as ``aiayn train`` takes it: ``sequence_loss`` of the model's output
+    under autocast, with the trainer's metrics; ``compiled``: model and loss as one ``torch.compile``
+    graph, as ``aiayn train --compile`` does."""
 
     def forward_loss(*batch: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         with autocast(device):

@@ -1,22 +1,13 @@
 """The KV cache three ways (one flag each):
 
-* default (benchmark 5): memory. A LLaMA-style decoder (d 512, 8 query heads of 64, 6 layers)
-  with 8 (MHA), 2 (GQA) and 1 (MQA) key/value heads, and the MHA cache in int8 and int4, batch 16,
-  1,024 tokens: ``KVCache.nbytes`` against ``kv_cache_bytes`` (asserted equal), the bytes
-  allocated building it, and the time of a prefill + 32 decode steps through each cache.
-* ``--quality``: the int8 / int4 caches on SmolLM2-135M (``--model`` another GGUF): their bytes,
-  greedy agreement with the float cache (up to each prompt's first divergence) and the perplexity
-  of a Tiny Shakespeare passage fed through the cache in chunks of ``--chunk``.
-* ``--paged``: what paging costs a SmolLM2-135M decode step: ``PagedKVCache`` read by the plain
-  gather and by ``aiayn.fast.paged_attention``'s kernel against the per-row ``KVCache``'s fixed slots, at
-  ``--batches`` x ``--contexts`` (each row holds ``context`` tokens), interleaved. At batch 1 the
-  blocks are consecutive and both paged columns run the same code.
-
-Models run through ``aiayn.fast.optimize(model, "inference")``, as ``aiayn generate`` runs them.
-
-    python -m benchmarks.kv_cache
-    python -m benchmarks.kv_cache --quality --threads 1
-    python -m benchmarks.kv_cache --paged --quick --contexts 256 1024
+* default (benchmark 5): memory. A LLaMA-style decoder (d 512, 8 query heads of 64, 6 layers) with
+  8, 2 and 1 key/value heads and the MHA cache in int8 and int4, batch 16, 1,024 tokens:
+  ``KVCache.nbytes`` against ``kv_cache_bytes`` (asserted equal), the bytes allocated, and the time
+  of a prefill + 32 decode steps.
+* ``--quality``: the int8 / int4 caches on SmolLM2-135M: bytes, greedy agreement with the float
+  cache and the perplexity of a Tiny Shakespeare passage fed in chunks of ``--chunk``.
+* ``--paged``: a SmolLM2-135M decode step over ``PagedKVCache`` (plain gather, and
+  ``aiayn.fast.paged_attention``'s kernel) against fixed slots, at ``--batches`` x ``--contexts``.
 """
 
 from __future__ import annotations

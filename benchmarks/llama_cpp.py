@@ -1,15 +1,12 @@
 """llama.cpp as a peer, through the prebuilt CPU library of ``llama-cpp-cffi`` (its C API, without
-its Python package, which pins transformers < 5) -- imported without torch, so that a process can
-measure llama.cpp's own memory (``rss_child``: load the file, prefill a prompt, decode greedily,
-print the peak resident memory).
-
-``LlamaCpp`` wraps a loaded model: greedy decoding of one prompt or of several in one batch (each
-prompt its own sequence, one token per sequence per ``llama_decode``), and the negative
-log-likelihood of token windows from logits llama.cpp returns for every position.
+its Python package, which pins transformers < 5), importable without torch so that a process can
+measure llama.cpp's own memory (``rss_child``). ``LlamaCpp``: greedy decoding of one prompt or a
+batch, and the negative log-likelihood of token windows.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -18,9 +15,8 @@ LLAMA_CPP_INSTALL = "pip install cffi && pip install --no-deps llama-cpp-cffi"
 
 
 def llama_cpp_cffi_library():
-    """(lib, ffi) of llama.cpp's C API from the ``llama-cpp-cffi`` wheel (a prebuilt CPU library on
-    PyPI; ``llama-cpp-python`` only ships a source distribution that compiles llama.cpp), loaded
-    directly so that its Python package (which pins transformers < 5) is not imported. None if absent."""
+    """(lib, ffi) of llama.cpp's C API from the ``llama-cpp-cffi`` wheel, loaded directly (its Python
+    package pins transformers < 5); None if absent."""
     import glob
     import importlib.machinery
     import importlib.util
@@ -38,9 +34,7 @@ def llama_cpp_cffi_library():
     except ImportError as exc:
         if "__cxa_call_terminate" not in str(exc):
             raise
-        # The wheel was built with GCC 14, whose code calls __cxa_call_terminate (GCC 14's libstdc++)
-        # when an exception leaves a noexcept function; an older libstdc++ lacks it. Supply it
-        # with its meaning (std::terminate), from a one-line library built with the system g++.
+        # The wheel (GCC 14) calls __cxa_call_terminate, which an older libstdc++ lacks: supply it.
         _load_cxa_call_terminate_shim()
         module = importlib.util.module_from_spec(spec_so)
     loader.exec_module(module)
@@ -48,8 +42,7 @@ def llama_cpp_cffi_library():
 
 
 def require_library():
-    """``llama_cpp_cffi_library()``; ModuleNotFoundError naming its module (``llama``) when it is
-    absent, so that ``benchmarks.common.load_peer`` prints the peer's not-installed row."""
+    """``llama_cpp_cffi_library()``; ModuleNotFoundError naming ``llama`` when absent (for ``load_peer``)."""
     loaded = llama_cpp_cffi_library()
     if loaded is None:
         raise ModuleNotFoundError(f"llama-cpp-cffi is not installed: {LLAMA_CPP_INSTALL}", name="llama")
@@ -70,14 +63,9 @@ def _load_cxa_call_terminate_shim() -> None:
     ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL)
 
 
-_silent_log_callbacks: list = []  # cffi callbacks must outlive their use
-
-
+@functools.cache  # cffi callbacks must outlive their use
 def _silent_log(ffi):
-    if not _silent_log_callbacks:
-        _silent_log_callbacks.append(ffi.callback("void(enum ggml_log_level, const char *, void *)",
-                                                  lambda level, text, user: None))
-    return _silent_log_callbacks[0]
+    return ffi.callback("void(enum ggml_log_level, const char *, void *)", lambda level, text, user: None)
 
 
 def peak_rss_mib() -> float:
@@ -170,7 +158,6 @@ class LlamaCpp:
 
 
 def rss_child(path: str, threads: int) -> None:
-    """The measured process of ``generate_q4.peak_memory``: load, prefill 512 tokens, decode 128
-    greedily, print the peak resident memory."""
+    """The measured process of ``generate_q4.peak_memory`` (load, prefill 512, decode 128, print the peak)."""
     LlamaCpp(path, threads).greedy(list(range(100, 612)))(128)
     print(f"peak_rss_mib {peak_rss_mib():.1f}")

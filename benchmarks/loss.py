@@ -2,10 +2,8 @@
 (``aiayn.fast.fused_loss``, what ``aiayn train`` runs) against ``F.linear`` then
 ``F.cross_entropy`` (what the peers run), time and peak memory.
 
-Two output layers: the decoder-only training benchmark's (d 256 -> 8,000 classes) and
-SmolLM2-135M's (d 576 -> 49,152), each over 4,096 tokens (16 x 256), tied-style weight with
-gradients for both hidden states and weight. Peak memory: the bytes the call allocates beyond its
-inputs (torch.profiler allocator events, ``benchmarks.common.peak_bytes``).
+Output layers d 256 -> 8,000 and SmolLM2's 576 -> 49,152, over 4,096 tokens; peak memory is what
+the call allocates beyond its inputs.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Linear layers on a few rows, the decode step's matrix-vector products: how fast each way reads
-the weights. SmolLM2-135M's projections as aiayn lays them out (30 layers and the output layer:
-134M weights), ``rows`` input rows through every projection, per weight dtype: eager
-``F.linear``; the same compiled (Inductor freezing); compiled multiply + sum (``matvec_linear``);
-compiled and eager (W x^T)^T (``transposed_linear``). GB/s is weight bytes read per second. These
-ratios set ``MATVEC_MAX_ROWS``, ``TRANSPOSED_MAX_ROWS`` and ``EAGER_TRANSPOSED_ROWS`` ("aiayn's
-choice"); ``python -m benchmarks.fast`` has the per-kernel view.
-
-    python -m benchmarks.matvec                 # float32 and bfloat16, rows 1, 2, 4, 8, 16, 64
-    python -m benchmarks.matvec --quick         # rows 1 only, 6 layers
+the weights. SmolLM2-135M's projections (30 layers and the output layer), per weight dtype: eager
+and compiled ``F.linear``, compiled multiply + sum, compiled and eager (W x^T)^T. These ratios set
+``MATVEC_MAX_ROWS``, ``TRANSPOSED_MAX_ROWS`` and ``EAGER_TRANSPOSED_ROWS`` ("aiayn's choice").
 """
 
 from __future__ import annotations

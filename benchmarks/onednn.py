@@ -1,10 +1,7 @@
 """float32 linear layers: aiayn's oneDNN path against ``F.linear`` (MKL), side by side.
 
-Not one of the issue's five benchmarks: the measurement behind ``aiayn.fast.onednn``. For each
-projection shape of the training benchmarks (4,096 rows: the decoder-only batch 16 x 256), the
-forward, the input gradient g W and the weight gradient g^T x, each as ``F.linear``/``torch.mm``
-(what ``nn.Linear``'s autograd runs) and as aiayn's oneDNN products, interleaved in one process;
-plus the 2048^3 square product both ways. ``python -m benchmarks.onednn``.
+The measurement behind ``aiayn.fast.onednn``: for each training-benchmark projection (4,096 rows),
+the forward, input gradient and weight gradient both ways, interleaved; plus the 2048^3 product.
 """
 
 from __future__ import annotations

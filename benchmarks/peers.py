@@ -1,30 +1,18 @@
-"""The models compared, built at equal size with random weights.
+"""The models compared, built at equal size with random weights, plain float32, each with the
+fastest CPU attention it offers. Encoder-decoder peers take ``(src, tgt_in, src_valid, tgt_valid)``,
+decoder-only peers ``tokens`` (b, t); both return logits (b, t, v), aiayn's its ``ModelOutput``.
 
-Encoder-decoder peers take ``(src, tgt_in, src_valid, tgt_valid)`` and return logits (b, t, v);
-decoder-only peers take ``tokens`` (b, t) and return logits (b, t, v) (``lm_logits``). aiayn's
-models return their ``aiayn.models.ModelOutput`` instead (its hidden rows, only the real tokens'
-with ``ModelConfig.padding_free``, and its output layer: ``.logits`` makes (b, t, v) logits,
-``aiayn.train.losses.sequence_loss`` takes it as ``aiayn train`` does). Every builder returns a
-plain PyTorch model; the benchmarks apply ``aiayn.fast.optimize`` to aiayn's (``optimize_aiayn``)
-for the rows that measure aiayn with its CPU kernels. Every peer is plain float32 and uses the
-fastest attention it offers on CPU (SDPA where it has it).
-
-Known differences at "equal size" (the parameter counts printed by each benchmark show them):
-
-* torch.nn.Transformer always adds a final LayerNorm to its encoder and decoder (aiayn's
-  post-norm stacks have none): 2 x 2 x d extra parameters.
-* BART has learned positions ((max_len + 2) x d per stack) and a LayerNorm on the embeddings of
-  each stack; aiayn uses the paper's sinusoids (no parameters).
-* x-transformers is pre-norm with a final norm, learned positions and GELU by default; here it
-  is set to post-norm (``pre_norm=False``) to match the paper, keeps its learned absolute
-  positions and GELU, and its output projection is tied to the shared embedding by hand (its
-  ``XTransformer`` ties only the two embeddings).
-* GPT-2 and x-transformers' decoder use learned positions, as the aiayn GPT config does.
+Differences at "equal size" (the printed parameter counts show them): torch.nn.Transformer adds a
+final LayerNorm per stack; BART has learned positions and a LayerNorm on the embeddings;
+x-transformers is set post-norm (``pre_norm=False``), keeps learned positions and GELU, and its
+output projection is tied by hand; GPT-2 and x-transformers' decoder use learned positions, as
+aiayn's GPT config does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -79,9 +67,6 @@ class Dropouts:
     activation: float = 0.0  # after the feed-forward activation
 
 
-# ---------------------------------------------------------------- encoder-decoder peers
-
-
 class Seq2SeqPeer(nn.Module):
     """An encoder-decoder (``.model``) called the way the benchmarks call every peer:
     ``(src, tgt, src_valid, tgt_valid)``, handed to ``call(model, ...)``."""
@@ -108,9 +93,8 @@ def aiayn_seq2seq(s: Seq2SeqSize, drop: Dropouts, *, padding_free: bool = True) 
 
 
 def optimize_aiayn(model: nn.Module, mode: str) -> nn.Module:
-    """``aiayn.fast.optimize`` of an aiayn peer (the model itself, or inside ``Seq2SeqPeer``):
-    the CPU kernels, and in mode "train" the output layer fused with the loss (``optimize`` finds
-    it as the model's ``lm_head``, so it is given the aiayn model, not the wrapper). In place."""
+    """``aiayn.fast.optimize`` of an aiayn peer, in place (given the aiayn model inside a
+    ``Seq2SeqPeer``, so that it finds the ``lm_head`` to fuse with the loss)."""
     optimize(model.model if isinstance(model, Seq2SeqPeer) else model, mode=mode)
     return model
 
@@ -188,10 +172,9 @@ def xtransformers_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
     return Seq2SeqPeer(xt, call)
 
 
-def aiayn_padded_seq2seq(s: Seq2SeqSize, drop: Dropouts) -> nn.Module:
-    """The same aiayn model computing its padding too, as the other peers do (the training
-    benchmark takes its (b, t, v) logits to the peers' F.cross_entropy)."""
-    return aiayn_seq2seq(s, drop, padding_free=False)
+# The same aiayn model computing its padding too, as the other peers do (the training benchmark
+# takes its (b, t, v) logits to the peers' F.cross_entropy).
+aiayn_padded_seq2seq = functools.partial(aiayn_seq2seq, padding_free=False)
 
 
 SEQ2SEQ_PEERS = {
@@ -201,9 +184,6 @@ SEQ2SEQ_PEERS = {
     "HF BART": bart_seq2seq,
     "x-transformers": xtransformers_seq2seq,
 }
-
-
-# ---------------------------------------------------------------- decoder-only peers
 
 
 def aiayn_lm_config(s: LMSize, drop: Dropouts) -> ModelConfig:

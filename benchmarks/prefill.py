@@ -1,12 +1,8 @@
 """Where a long prompt's prefill time goes: SmolLM2-135M-Instruct float32, one prompt of ``--tokens``
-(900) random tokens. Peers, interleaved: ``aiayn serve``'s engine over the paged KV cache in
-chunks of ``--prefill-chunk`` (256) to its first token; the same without
-``aiayn.fast.prefill_attention``; one plain forward of the optimized model over the whole prompt
-(the lower bound); transformers' ``LlamaForCausalLM`` from the same GGUF, one forward (``--no-hf``
-skips it). Then the engine's time inside its linear layers and its attention kernel, summed in situ.
-
-    python -m benchmarks.prefill --threads 2
-    python -m benchmarks.prefill --threads 1 --quick
+random tokens. Peers, interleaved: ``aiayn serve``'s engine (paged, chunks of ``--prefill-chunk``)
+to its first token, with and without ``aiayn.fast.prefill_attention``; one plain forward (the lower
+bound); transformers' forward from the same GGUF. Then the engine's time in its linear layers and
+attention, summed in situ.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Time to first token of a repeated long prefix: SmolLM2-135M in ``aiayn serve``'s engine (in this
-process, fed ``Request``s directly), a request of a ``--prefix``-token shared prefix and a short
-question, then one with the same prefix and another question. With the prefix cache (the paged
-layout) the second computes only its question; the engine without it recomputes everything.
-Each round takes a fresh prefix; the figure is the median over ``--repeats`` rounds. Goal: repeat
-TTFT <= 0.3x the first's.
-
-    python -m benchmarks.prefix_cache
-    python -m benchmarks.prefix_cache --quick
+process), a ``--prefix``-token prefix and a short question, then the same prefix and another
+question, with the prefix cache (paged layout) on and off. Each round takes a fresh prefix; figures
+are medians over ``--repeats`` rounds. Goal: repeat TTFT <= 0.3x the first's.
 """
 
 from __future__ import annotations

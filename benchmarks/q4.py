@@ -1,17 +1,9 @@
 """aiayn's block-quantised matmul (``aiayn.fast.q4``) against the other ways to multiply by a
-SmolLM2-135M projection on this CPU: ATen's int4 weight-only kernel (``_weight_int4pack_mm_for_cpu``,
-bfloat16 activations: its float32 path is a scalar loop), ATen's int8 weight-only kernel, and
-``F.linear`` in bfloat16 and float32; plus, for many rows, dequantising the blocks and multiplying
-in float32 through oneDNN.
+SmolLM2-135M projection on this CPU: ATen's int4 (bfloat16 activations) and int8 weight-only
+kernels, ``F.linear`` in bfloat16 and float32, and for many rows dequantise + oneDNN float32.
 
-Per number of rows (1, 4, 16: decode batches; 512: a prefill) it prints each way's time for
-SmolLM2's four projection shapes x 30 layers and its 49,152-row output layer, i.e. the linear
-layers of one forward. The weights are reused call after call, so they sit in the caches: the
-figures (interleaved rounds of ~20 ms, medians) are the kernels' compute cost, not the memory-bound cost of a real decode step (which
-``benchmarks/generate.py`` measures).
-
-    python -m benchmarks.q4                     # 2 threads, wall clock
-    python -m benchmarks.q4 --threads 1 --clock cpu   # on a shared machine
+Per number of rows, each way's time for the linear layers of one forward (4 shapes x 30 layers and
+the output layer). The weights stay in cache: the kernels' compute cost, not a decode step's.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""How 4-bit decoding scales with the bytes of weights: random LLaMA-shaped GGUF files of growing
-size, all matrices Q4_0, decoded at batch 1 by aiayn (``load_gguf(path, quantize="auto")``) and by
-llama.cpp on the same file, against the memory-read bandwidth measured in the same run.
-
-A batch-1 decode step reads every weight matrix once, so the memory bounds its speed. Per size:
-the file (``write_random_llama``, real models' shapes, random weights, a minimal byte-level BPE
-tokenizer), the read bandwidth (``read_bandwidth``), then both decoders: tokens/s, effective GB/s
-(bytes read per token x tokens/s) and its share of the bandwidth, aiayn / llama.cpp; over the
-sizes, a least-squares fit of time per token as a cost per layer plus bytes / a rate (``fit_line``).
-Files go to a temporary directory (``--out``), deleted unless ``--keep``.
-
-    python -m benchmarks.q4_scaling                                  # 135M, 360M, 1.1B; 1 thread
-    python -m benchmarks.q4_scaling --sizes 135M --new-tokens 32 --repeats 2
-    python -m benchmarks.q4_scaling --clock cpu                      # on a machine shared with other jobs
+"""How 4-bit decoding scales with the bytes of weights: random LLaMA-shaped Q4_0 GGUF files of
+growing size, decoded at batch 1 by aiayn (``quantize="auto"``) and llama.cpp, against the
+memory-read bandwidth measured in the same run. Per size: tokens/s, effective GB/s (bytes read per
+token x tokens/s) and its share of the bandwidth; over the sizes, a least-squares fit of time per
+token as a cost per layer plus bytes / a rate. Files are deleted unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -82,10 +73,8 @@ CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0-2; bos = eos 
 
 
 def tokenizer_metadata(vocab: int) -> dict[str, object]:
-    """A minimal byte-level BPE of ``vocab`` tokens: 3 control tokens, the 256 byte tokens, one
-    merge ("a b" -> "ab": ``tokenizers`` refuses a merge whose parts or result are missing, and
-    llama.cpp refuses a BPE vocabulary without merges) and numbered fillers ("x0", "x1", ...: plain
-    ASCII, spelt in the byte alphabet) up to the vocabulary size the shape asks for."""
+    """A minimal byte-level BPE of ``vocab`` tokens: 3 control tokens, the 256 byte tokens, one merge
+    (llama.cpp refuses a BPE vocabulary without merges) and fillers "x0", "x1", ... up to ``vocab``."""
     tokens = [*CONTROL, *common.byte_level_alphabet(), "ab"]
     if vocab < len(tokens):
         raise ValueError(f"vocab {vocab} < the {len(tokens)} tokens a byte-level BPE needs")
@@ -96,30 +85,21 @@ def tokenizer_metadata(vocab: int) -> dict[str, object]:
             "tokenizer.ggml.add_bos_token": False}
 
 
+GGUF_WRITERS = ((bool, "add_bool"), (int, "add_uint32"), (float, "add_float32"), (str, "add_string"))
+
+
 def add_metadata(writer: Any, metadata: Mapping[str, Any]) -> None:
-    """GGUF key-values written by their Python type: bool, int (as uint32), float (float32), str,
-    anything else an array; None is skipped. (Also the GGUF files of tests/parity/test_gguf.py.)"""
+    """GGUF key-values written by their Python type (int as uint32, float as float32, else an
+    array); None is skipped. tests/parity/test_gguf.py uses it too."""
     for key, value in metadata.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+        if value is not None:
+            kind = next((m for t, m in GGUF_WRITERS if isinstance(value, t)), "add_array")
+            getattr(writer, kind)(key, value)
 
 
 def write_random_llama(path: Path, shape: LlamaShape, *, kind: str = "Q4_0", seed: int = 0) -> Path:
-    """A random LLaMA GGUF at ``path``: every matrix ``kind`` (quantised from N(0, 1/k) floats by
-    ``gguf.quants.quantize``), norms float32 near 1, the tokenizer of ``tokenizer_metadata``.
-
-    Tensors are written one at a time (``add_tensor_info`` first, then ``write_tensor_data``), so
-    at most one matrix's floats and blocks are in memory, not the whole model's."""
+    """A random LLaMA GGUF at ``path``: every matrix ``kind`` (quantised from N(0, 1/k) floats), norms
+    float32 near 1; tensors written one at a time, so one matrix at most is in memory."""
     import gguf
     from gguf.quants import quantize
 
@@ -152,10 +132,8 @@ def write_random_llama(path: Path, shape: LlamaShape, *, kind: str = "Q4_0", see
 
 
 def bytes_per_token(path: Path) -> tuple[int, int]:
-    """(all tensor bytes of the file, bytes a batch-1 decode step reads): every tensor, less the
-    embedding table when an output matrix of its own exists (a step reads one row of the table;
-    tied, the table is the output matrix and is read whole). The KV cache a step also reads is left
-    out: under 1% of the weights at these short contexts."""
+    """(all tensor bytes, bytes a batch-1 decode step reads: all but an untied embedding table; the
+    KV cache, under 1% here, left out)."""
     from gguf import GGUFReader
 
     tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors}
@@ -164,9 +142,8 @@ def bytes_per_token(path: Path) -> tuple[int, int]:
 
 
 def read_bandwidth(threads: int, *, gib: float = 1.5, repeats: int = 5, clock=time.perf_counter) -> float:
-    """Bytes/s of reading a ``gib`` GiB buffer once (far past the 32 MiB L3), best of ``repeats``,
-    timed by ``clock``, at ``threads`` torch threads: the fastest of a float32 and an int64
-    sum over it (a uint8 sum is not memory-bound: it widens every byte, ~0.2 GB/s here)."""
+    """Bytes/s of reading a ``gib`` GiB buffer once (far past the L3), best of ``repeats``, at
+    ``threads``: the faster of a float32 and an int64 sum (a uint8 sum is not memory-bound)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     buf = torch.full((int(gib * 2**30),), 1, dtype=torch.uint8)  # written, so every page is real memory
@@ -243,9 +220,8 @@ def report(rows: dict[str, dict[str, float]], threads: int) -> None:
 
 
 def fit_line(peer: str, rows: dict[str, dict[str, float]]) -> str:
-    """Least squares of seconds per token = c * layers + bytes / B over the sizes: B is the rate at
-    which a step's time grows with the bytes it reads, c a fixed cost per block (norms, attention
-    over the cache, the step's overhead: what does not grow with the matrices)."""
+    """Least squares of seconds per token = c * layers + bytes / B over the sizes (c: a block's fixed
+    cost, what does not grow with the matrices)."""
     if len(rows) < 2:
         return f"{peer}: fewer than two sizes, no fit"
     a = np.array([[SHAPES[name].layers, r["bytes"]] for name, r in rows.items()], dtype=np.float64)

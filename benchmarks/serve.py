@@ -2,22 +2,14 @@
 concurrent clients, against the same requests served one at a time, and against Hugging Face
 transformers' batched ``generate`` on the same prompts (static batching), in one run.
 
-The server is ``python -m aiayn serve`` in a subprocess, as a user runs it; the clients are the
-official ``openai`` client, each streaming a completion of a ``--prompt-tokens`` prompt (token
-ids: windows of Tiny Shakespeare) for ``--new-tokens`` greedy tokens. Per run: aggregate tokens/s,
-TTFT and inter-token latency p50 / p99, and the server's CPU seconds (tokens per CPU second are
-less sensitive to other jobs). Every run has prompts the server has not seen (the paged layout's
-prefix cache would make a repeated prompt nearly free); one extra run repeats the largest client
-count's prompts, "prompts served before", to show what those hits are worth. transformers loads
-the same weights and generates the batch of the largest count's prompts at once, exactly
-``--new-tokens`` each; its TTFT is its time for one new token. ``--kv-layout paged slots``
-measures each KV-cache layout in turn. Targets: at 16 clients, >= 6x one at a time and >= 1.5x
-the transformers static batch, TTFT p99 <= 2 s.
+The clients are ``openai``'s, each streaming greedy completions of Tiny Shakespeare windows. Per
+run: tokens/s, TTFT and inter-token latency p50 / p99, the server's CPU seconds. Every run has
+prompts the server has not seen (the paged layout's prefix cache would make a repeat nearly free);
+one extra run repeats the largest count's prompts. transformers' TTFT is its time for one token.
+Targets at 16 clients: >= 6x one at a time, >= 1.5x transformers, TTFT p99 <= 2 s.
 
-    python -m benchmarks.serve
-    python -m benchmarks.serve --clients 1 4 --sequential 4 --no-hf        # quicker
-    python -m benchmarks.serve --quantize auto     # the server on the GGUF file's 4-bit blocks (docs/q4.md)
     python -m benchmarks.serve --kv-layout paged slots   # both KV-cache layouts, side by side
+    python -m benchmarks.serve --quantize auto     # the server on the GGUF file's 4-bit blocks
 """
 
 from __future__ import annotations
@@ -79,10 +71,8 @@ def make_prompts(encode, n: int, length: int) -> list[list[int]]:
 
 def prompt_sets(pool: list[list[int]], sequential: int, clients: list[int]
                 ) -> tuple[list[list[int]], list[list[int]], dict[int, list[list[int]]]]:
-    """``pool`` (``sequential + sum(clients) + 1`` different prompts) cut into disjoint sets: an
-    8-token warm-up request, the one-at-a-time run's ``sequential`` prompts, and ``n`` prompts for
-    each client count ``n``: no measured run is served a prompt the server has seen (the module's
-    docstring says why)."""
+    """``pool`` cut into disjoint sets: an 8-token warm-up, the one-at-a-time run's ``sequential``
+    prompts, and ``n`` prompts per client count ``n`` (no run sees a prompt served before)."""
     if len(pool) != sequential + sum(clients) + 1:
         raise ValueError(f"{len(pool)} prompts for {sequential} + {sum(clients)} + 1")
     warm_up, rest = [pool[-1][:8]], pool[:-1]

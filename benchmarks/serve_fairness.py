@@ -1,14 +1,9 @@
 """A stream's inter-token latency beside a maximal embeddings request.
 
-``aiayn serve`` (SmolLM2-135M-Instruct by default) in a subprocess. One client streams a greedy
-completion of ``--new-tokens`` tokens, first with the server idle, then while another client's
-embeddings request as large as the server's limits allow (``--inputs`` inputs totalling
-``--max-request-tokens``) is being read; that request is dropped once the stream is done. Printed:
-the stream's inter-token latency p50, mean and p99, idle and beside, their ratios against the goal
-(mean <= 2x idle) and the embedding tokens the server read meanwhile.
-
-    python -m benchmarks.serve_fairness
-    python -m benchmarks.serve_fairness --new-tokens 32 --repeats 1          # quicker
+``aiayn serve`` (SmolLM2 by default) in a subprocess: one client streams ``--new-tokens`` greedy
+tokens with the server idle, then while an embeddings request as large as the server's limits allow
+is read (dropped once the stream ends). Printed: ITL p50, mean and p99, idle and beside, against the
+goal (mean <= 2x idle), and the embedding tokens read meanwhile.
 """
 
 from __future__ import annotations

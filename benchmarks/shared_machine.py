@@ -1,15 +1,10 @@
 """Two aiayn jobs on one machine: does each keep near its fair share of the cores?
 
-Job A is ``aiayn train`` (the default reverse run, or ``--steps`` optimiser steps); job B a steady
-``aiayn translate`` with beam search (multi30k-en-de, sentences on standard input). Per OpenMP
-policy, interleaved over ``--repeats`` rounds: A alone (wall time and its training loop's
-seconds), B alone (sentences/s over ``--window`` s) and A beside a warmed-up B. Policies: ``old``
-(sharing off, ``GOMP_SPINCOUNT=300000``: libgomp's default spelled out), ``aiayn`` (what the
-command does: aiayn/cpu_share.py), ``passive`` (``OMP_WAIT_POLICY=PASSIVE``) and any
-``--policy NAME:VAR=VALUE[,VAR=VALUE]``. Fair share is half the cores each, so A beside B takes
-about 2x its time alone; the goal is at most 2.5x with nothing lost alone. A run of A beside B is
-stopped after ``--timeout-factor`` times its time alone (reported as ">="). Figures are medians
-of the rounds with their range.
+Job A is ``aiayn train`` (the default reverse run, or ``--steps``); job B a steady ``aiayn
+translate`` with beam search. Per OpenMP policy (``old``: sharing off, libgomp's spin count;
+``aiayn``: the command as it is; ``passive``; any ``--policy``), interleaved rounds of A alone,
+B alone and A beside a warmed-up B. Fair share is about 2x A's time alone; the goal is at most 2.5x
+with nothing lost alone. Figures are medians of the rounds with their range.
 """
 
 from __future__ import annotations
@@ -30,9 +25,7 @@ from pathlib import Path
 from aiayn import cpu_share
 from benchmarks.common import ROOT, footer, header, mark_start, median_ratio, spread_text, table
 
-# The OpenMP spin settings a job's environment may carry (libgomp's, the standard one, Intel's and
-# LLVM's libomp's), the thread counts torch reads and aiayn's sharing switch: removed for the
-# ``aiayn`` policy, so that it measures the command as it is.
+# OpenMP spin settings, thread counts and aiayn's sharing switch: removed from every policy's environment.
 USER_SPIN_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                       "AIAYN_SHARE_CPUS")
 

@@ -1,20 +1,15 @@
-"""A soak of ``aiayn serve``: a real server in a subprocess on 127.0.0.1, for a bounded time, under a
-mix of hostile and ordinary clients (asyncio tasks on one ``httpx.AsyncClient``), then a report
-against the goals. Each client draws its next request at random: **stream** (a streamed
-completion read to the end), **hang-up** (closed after a few chunks), **embeddings**, **bad**
-(malformed JSON, unknown model, absurd ``max_tokens``, wrong types, out-of-vocabulary ids: each
-must be a 4xx with a JSON error) and **burst** (more completions than ``--max-batch`` +
-``--max-queue``: the overflow must be 429 with ``Retry-After``).
+"""A soak of ``aiayn serve``: a real server in a subprocess, for a bounded time, under a mix of
+hostile and ordinary clients (asyncio tasks on one ``httpx.AsyncClient``), then a report against
+the goals. Each client draws its next request: **stream**, **hang-up** (closed after a few chunks),
+**embeddings**, **bad** (each must be a 4xx with a JSON error) and **burst** (more than
+``--max-batch`` + ``--max-queue``: the overflow must be 429 with ``Retry-After``).
 
-Goals (met or MISSED): every well-formed request the server saw answered or 429'd; no 5xx; RSS
-grows < 10% after the warm-up; no request left running or waiting once the clients stop; no
-traceback in the server's log; no request lost before it reached the server. Transport errors are
-attributed through ``benchmarks.tracked_http``; ``--keepalive-probe`` shows the keep-alive race
-alone (``--keepalive-expiry 5`` for httpx's default pool).
+Goals: every well-formed request the server saw answered or 429'd, no 5xx, RSS growth < 10% after
+the warm-up, nothing left running or waiting, no traceback in the log, no request lost before the
+server. Transport errors are attributed by ``benchmarks.tracked_http``; ``--keepalive-probe`` shows
+the keep-alive race alone.
 
     python -m benchmarks.soak                          # 10 minutes, the shipped shakespeare-char model
-    python -m benchmarks.soak --seconds 60 --clients 6
-    python -m benchmarks.soak --model path/to/model.gguf --seconds 600
     python -m benchmarks.soak --keepalive-probe --keepalive-expiry 5 --seconds 30 --clients 100
 """
 
@@ -255,8 +250,7 @@ async def drive(url: str, args: argparse.Namespace, pid: int) -> tuple[Tally, in
         await asyncio.sleep(warm_up)
         rss_warm = rss_bytes(pid)
         await asyncio.gather(*tasks)
-        # Every client has stopped: what the server still holds is leaked (give it a moment to
-        # notice the last hang-ups).
+        # Every client has stopped: what the server still holds is leaked (after a moment for hang-ups).
         running = waiting = -1
         for _ in range(40):
             health = (await client.get(f"{url}/health")).json()
@@ -281,16 +275,14 @@ async def settle(client: httpx.AsyncClient, url: str, before: Counter[str], tall
 
 
 async def probe(url: str, args: argparse.Namespace) -> Tally:
-    """``--clients`` clients, each with a pool of one connection (``--keepalive-expiry``), GET /health
-    again and again after idle gaps drawn around the server's keep-alive timeout (and, when the
-    expiry is shorter, around the expiry too), for ``--seconds``."""
+    """``--clients`` clients, each with a one-connection pool, GET /health after idle gaps drawn
+    around the server's keep-alive timeout (and the client's expiry), for ``--seconds``."""
     tally = Tally()
     server = args.server_keep_alive
     expiry = args.keepalive_expiry or client_keepalive_expiry(server)
     windows = sorted({server, min(expiry, server)})
     sent = Counter[str]()
-    # Every client's pool is made before the clock starts: on a busy machine making 60 of them took a
-    # good part of a 10-second probe, which then sent too few requests to show the race.
+    # The pools are made before the clock starts (making 60 can take seconds on a busy machine).
     pools = [tracked_client(tally.connections, max_connections=1, keepalive_expiry=expiry, timeout=30.0)
              for _ in range(args.clients)]
     deadline = time.monotonic() + args.seconds

@@ -2,27 +2,17 @@
 at equal memory, and against Hugging Face transformers' static batching, in one run. SmolLM2-135M,
 Poisson arrivals of mixed prompt lengths (mostly short, some long) and answer lengths, greedy.
 
-The KV budget is what ``--slots`` fixed slots of ``--context`` tokens take; the paged cache holds
-the same bytes in blocks of 16 tokens and runs up to ``--max-batch`` requests whose lengths fit.
-The engine runs in this process, fed ``Request``s directly (no HTTP). transformers loads the same
-GGUF (the same float32 weights) and batches statically: it waits for ``--hf-batch`` (default
-``--slots``: the same memory) arrivals, left-pads them and runs one ``generate``; its TTFT runs
-from a request's arrival to its batch's first token, and each row's own tokens are counted.
-
-The arrival rate is ``--load`` (0.75) of the fixed slots' capacity, measured first on the same
-requests all at once (``--capacity`` gives it, ``--rate`` sets the rate); ``--saturated`` adds
-each peer on the requests all at once. ``--clock cpu`` steps the engine on a clock of the CPU
-seconds its steps take (``run_stepped``), so other jobs on the machine do not change the figures.
-``--ttft-breakdown`` splits each TTFT into queued (arrival to admission), behind (admission to the
-request's first prefill forward) and prefill (that forward to the first token). ``--repeats N``
-interleaves the peers N rounds; ratios are medians with their range. ``--gather-row`` and
-``--plain-chunk-attention`` add the paged engine without ``aiayn.fast``'s paged-attention or
-prefill-attention kernel. Goals: paged >= 1.3x the fixed slots' and >= 1.5x transformers'
-throughput, TTFT p99 <= 2 s.
+The KV budget is ``--slots`` fixed slots of ``--context`` tokens; the paged cache holds the same
+bytes in blocks of 16 and runs up to ``--max-batch`` requests. The engine runs in this process (no
+HTTP). transformers (the same GGUF weights) waits for ``--hf-batch`` arrivals, left-pads them and
+runs one ``generate``; its TTFT runs from arrival to its batch's first token. The arrival rate is
+``--load`` of the fixed slots' capacity, measured first on the requests all at once. ``--clock cpu``
+steps the engine on a clock of its CPU seconds (``run_stepped``), so other jobs do not change the
+figures. ``--ttft-breakdown`` splits TTFT into queued, behind (admission to first prefill forward)
+and prefill. Goals: paged >= 1.3x fixed slots' and >= 1.5x transformers' throughput, TTFT p99 <= 2 s.
 
     python -m benchmarks.staggered --ttft-breakdown --saturated
     python -m benchmarks.staggered --clock cpu --threads 1 --ttft-breakdown --saturated
-    python -m benchmarks.staggered --quick
 """
 
 from __future__ import annotations
@@ -42,8 +32,7 @@ import torch
 from benchmarks import common
 
 HF = "transformers static batch"
-SLOTS, PAGED, GATHER = "fixed slots", "paged", "paged, gather (no paged-attention kernel)"
-PLAIN_CHUNKS = "paged, plain chunk attention (no aiayn.fast.prefill_attention)"
+SLOTS, PAGED = "fixed slots", "paged"
 
 
 @dataclass
@@ -54,9 +43,8 @@ class Job:
 
 
 def workload(args: argparse.Namespace, rate: float) -> list[Job]:
-    """``--requests`` jobs: exponential gaps of mean 1 / ``rate`` s; a prompt of ``--long`` tokens
-    with probability ``--long-share``, else ``--short``; answers of ``--answer`` tokens (ranges).
-    The same ``--seed`` gives the same prompts and answers at any rate (the gaps scale as 1 / rate)."""
+    """``--requests`` jobs, exponential gaps of mean 1 / ``rate`` s, prompt and answer lengths drawn
+    from their ranges; the same ``--seed`` gives the same jobs at any rate (gaps scale as 1 / rate)."""
     rng = random.Random(args.seed)
     jobs, at = [], 0.0
     for _ in range(args.requests):
@@ -77,10 +65,9 @@ PARTS = ("queued", "behind", "prefill")  # where a request's TTFT goes (see the 
 
 def figures(tokens: int, seconds: float, ttft: list[float], most: int, failed: int = 0,
             parts: list[tuple[float, float, float]] | None = None) -> dict[str, float]:
-    """One run's figures: throughput, TTFT p50 / p99 (``ttft`` in seconds, one per request answered),
-    how many requests failed (an engine error: no token), and with ``parts`` (each answered request's
-    queued, behind and prefill seconds, in ``ttft``'s order) each part's mean over all the requests
-    (``queued``) and over the slowest tenth by TTFT (``queued_tail``)."""
+    """One run's figures: throughput, TTFT p50 / p99 (s, per answered request), failures, and with
+    ``parts`` (queued, behind, prefill s per request) each part's mean over all and over the slowest
+    tenth by TTFT (``queued_tail``)."""
     order = sorted(range(len(ttft)), key=ttft.__getitem__)
     ranked = [ttft[i] for i in order] or [float("nan")]
     out = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
@@ -96,8 +83,7 @@ def figures(tokens: int, seconds: float, ttft: list[float], most: int, failed: i
 
 
 def greedy_request(job: Job, sink: Callable):  # -> aiayn.serve.engine.Request
-    """The engine request of ``job``: greedy, ``job.answer`` tokens at most. (min_tokens is not an
-    engine option: SmolLM2 on random token prompts rarely ends early; the tokens made are counted.)"""
+    """The engine request of ``job``: greedy, ``job.answer`` tokens at most (the tokens made are counted)."""
     from aiayn.generate import SamplingConfig
     from aiayn.serve.engine import Request, SamplingParams
 
@@ -134,13 +120,10 @@ def run(engine, jobs: list[Job]) -> dict[str, float]:
 
 
 def run_stepped(engine, jobs: list[Job], threads: int) -> dict[str, float]:
-    """``--clock cpu``: the engine stepped on this thread (not started), on a clock that advances by
-    the CPU seconds each step takes (``time.process_time``: this process's, every torch thread's)
-    and jumps to the next arrival when the engine has nothing to do. Requests arrive when the clock
-    passes their time; a request is admitted and starts its prefill at the start of the step that
-    does it, and has its first token at that step's end. The figures do not depend on what else the
-    machine runs (its load only stretches the wall time); with ``--threads 1`` they are the seconds
-    of one quiet core."""
+    """``--clock cpu``: the engine stepped on this thread on a clock that advances by each step's
+    CPU seconds (``time.process_time``) and jumps to the next arrival when idle. Admission and
+    prefill are stamped at a step's start, a first token at its end; other jobs on the machine only
+    stretch the wall time."""
     torch.set_num_threads(threads)
     tokens, requests, marks = [0] * len(jobs), [], []  # marks: [admitted, prefill, first token, last token]
     clock, most, arrived = 0.0, 0, 0
@@ -182,11 +165,9 @@ def hf_model():  # -> a transformers LlamaForCausalLM, float32, SmolLM2's GGUF w
 
 def static_batches(model, jobs: list[Job], batch: int, eos_id: int | None, threads: int,
                    cpu_clock: bool = False) -> dict[str, float]:
-    """transformers' static batching on ``jobs``' schedule: wait for ``batch`` arrivals (or the
-    last), ``generate`` them together to the longest answer, then the next ``batch`` waiting.
-    Runs on this thread with ``threads`` torch threads (given back after). ``cpu_clock``: on the
-    clock of ``run_stepped`` (a batch starts when it is full and the last one is done; it lasts the
-    CPU seconds its ``generate`` took), no sleep."""
+    """transformers' static batching on ``jobs``' schedule: wait for ``batch`` arrivals (or the last),
+    ``generate`` them together to the longest answer, then the next batch, on ``threads`` threads.
+    ``cpu_clock``: on ``run_stepped``'s clock (a batch lasts its ``generate``'s CPU seconds), no sleep."""
     from transformers.generation.streamers import BaseStreamer
 
     now = time.process_time if cpu_clock else time.monotonic
@@ -265,11 +246,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, help="transformers' static batch size (default: --slots, equal memory)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
-    parser.add_argument("--gather-row", action="store_true",
-                        help="add the paged engine without the paged-attention kernel (gather + SDPA)")
-    parser.add_argument("--plain-chunk-attention", action="store_true",
-                        help="add the paged engine without aiayn.fast.prefill_attention (each prefill chunk's "
-                             "mask prepared in every layer)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.answer = min(args.requests, 16), [8, 48]
@@ -279,26 +255,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def engine_run(lm, plan, label: str, jobs: list[Job], args: argparse.Namespace) -> dict[str, float]:
+def engine_run(lm, plan, jobs: list[Job], args: argparse.Namespace) -> dict[str, float]:
     """One run of the engine with ``plan`` on ``jobs`` (after a warm-up request), on ``--clock``."""
-    from aiayn.fast import switch
     from aiayn.serve.engine import Engine
 
-    off = {GATHER: ("paged_attention",), PLAIN_CHUNKS: ("prefill_attention",)}.get(label, ())
     engine = Engine(lm, plan, prefill_chunk=args.prefill_chunk, threads=args.threads)
     warm_up = [Job(0.0, [100 + i for i in range(32)], 4)]  # (one-time costs)
-    with switch.without(*off):
-        try:
-            if args.clock == "cpu":
-                run_stepped(engine, warm_up, args.threads)
-                result = run_stepped(engine, jobs, args.threads)
-            else:
-                engine.start()
-                run(engine, warm_up)
-                result = run(engine, jobs)
-        finally:
-            engine.stop()
-            torch.set_num_threads(1)
+    try:
+        if args.clock == "cpu":
+            run_stepped(engine, warm_up, args.threads)
+            result = run_stepped(engine, jobs, args.threads)
+        else:
+            engine.start()
+            run(engine, warm_up)
+            result = run(engine, jobs)
+    finally:
+        engine.stop()
+        torch.set_num_threads(1)
     result["preemptions"] = engine.metrics.preemptions._value.get()
     return result
 
@@ -318,19 +291,12 @@ def main(argv: list[str] | None = None) -> None:
     budget *= args.slots
     plans = {SLOTS: slot_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None),
              PAGED: block_plan(lm, max_batch=args.max_batch, context=args.context, budget=budget, kv_cache=None)}
-    if args.gather_row:
-        plans[GATHER] = plans[PAGED]
-    if args.plain_chunk_attention:
-        plans[PLAIN_CHUNKS] = plans[PAGED]
     for plan in plans.values():
         print(plan.describe(budget), flush=True)
     if hf is not None:
         static_batches(hf, [Job(0.0, [100 + i for i in range(32)], 4)], 1, lm.eos_id, args.threads)  # warm-up
 
-    def engine_peer(label: str) -> Callable[[list[Job]], dict[str, float]]:
-        return lambda jobs: engine_run(lm, plans[label], label, jobs, args)
-
-    peers = {label: engine_peer(label) for label in plans}
+    peers = {label: lambda jobs, plan=plan: engine_run(lm, plan, jobs, args) for label, plan in plans.items()}
     if hf is not None:
         peers[HF] = lambda jobs: static_batches(hf, jobs, args.hf_batch, lm.eos_id, args.threads, args.clock == "cpu")
     rounds(args, peers)
@@ -397,12 +363,6 @@ def summary(args: argparse.Namespace, results: list[tuple[str, dict[str, float]]
     if HF in rounds[0]:
         print(common.spread_line(f"paged / {HF} of {args.hf_batch} throughput{how}",
                           [r[PAGED]["tokens_per_s"] / r[HF]["tokens_per_s"] for r in rounds], 1.5))
-    if GATHER in rounds[0]:
-        print(common.spread_line("paged with the kernel / paged, gather", [r[PAGED]["tokens_per_s"] / r[GATHER]["tokens_per_s"]
-                                                                   for r in rounds], None))
-    if PLAIN_CHUNKS in rounds[0]:
-        print("* paged TTFT p99 with / without aiayn.fast.prefill_attention: " + ", ".join(
-            f"{r[PAGED]['ttft_p99']:.2f} / {r[PLAIN_CHUNKS]['ttft_p99']:.2f} s" for r in rounds))
     p99 = [r[PAGED]["ttft_p99"] for r in rounds]
     print(f"* paged TTFT p99{how} (up to {args.max_batch} at once): **{statistics.median(p99):.2f} s** "
           f"({', '.join(f'{p:.2f}' for p in p99)}; goal <= 2 s: {'met' if statistics.median(p99) <= 2 else 'MISSED'})")

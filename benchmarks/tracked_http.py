@@ -1,13 +1,8 @@
-"""An httpx client that knows, for each request, which pooled connection carried it and how long
-that connection had been idle, and whether the server saw a request that failed in transport
-(from its /metrics); used by benchmarks/soak.py.
-
-Why: uvicorn closes a connection idle for its keep-alive timeout (``aiayn serve --keep-alive``)
-and httpx keeps a pooled connection as long by default, so a request sent on a connection idle
-just under that can reach the server's socket as the server closes it, unread (``ReadError`` or
-``RemoteProtocolError``). A client must give up a pooled connection well before the server would
-(``client_keepalive_expiry``), and every transport error is told apart: the server saw the
-request, or it never reached the server.
+"""An httpx client that knows which pooled connection carried each request and how long it had
+been idle, and whether the server saw a request that failed in transport (from its /metrics); used
+by benchmarks/soak.py. uvicorn closes a connection idle for its keep-alive timeout, so a request
+sent on one idle just under that can reach the socket as the server closes it, unread: a client
+must give up pooled connections well before (``client_keepalive_expiry``).
 """
 
 from __future__ import annotations
@@ -30,11 +25,9 @@ from aiayn.serve.server import KEEP_ALIVE_SECONDS
 
 def client_keepalive_expiry(server_keep_alive: float = KEEP_ALIVE_SECONDS) -> float:
     """Seconds a pooled connection may idle before the client gives it up: half the server's
-    keep-alive timeout (``server_keep_alive``). The server's clock starts when it writes a response's last byte, the
-    client's when it has read it, and a request then waits on both event loops before the server
-    reads it; on a loaded machine that is tens of milliseconds to a second, so equal timeouts
-    (httpx's default 5 s against uvicorn's 5 s) leave a window where the server closes the socket
-    under a request it never reads."""
+    keep-alive timeout. The two clocks start at different moments and a request waits on both event
+    loops (up to a second on a loaded machine), so equal timeouts leave a window where the server
+    closes the socket under a request it never reads."""
     return server_keep_alive / 2
 
 
@@ -63,8 +56,7 @@ class Attempt:
         return f"{self.kind} {self.id}: {self.error} {where}; {saw[self.server_saw]}"
 
 
-# The request the current asyncio task is sending: the connection layer, which runs in the caller's
-# task (httpcore starts no tasks of its own), fills in its connection and idle time.
+# The request the current asyncio task is sending (httpcore runs in the caller's task and fills it in).
 CURRENT: ContextVar[Attempt | None] = ContextVar("CURRENT", default=None)
 
 
@@ -93,9 +85,6 @@ class TrackedStream(httpcore.AsyncNetworkStream):
     async def aclose(self) -> None:
         await self.stream.aclose()
 
-    async def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
-        raise NotImplementedError("the soak speaks plain HTTP to 127.0.0.1")
-
     def get_extra_info(self, info: str) -> Any:
         return self.stream.get_extra_info(info)
 
@@ -120,9 +109,6 @@ class ConnectionBook(httpcore.AsyncNetworkBackend):
         self.opened += 1
         return TrackedStream(stream, self)
 
-    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
-        raise NotImplementedError("the soak speaks TCP")
-
     async def sleep(self, seconds: float) -> None:
         await self.backend.sleep(seconds)
 
@@ -138,9 +124,8 @@ def shared_ssl_context() -> ssl.SSLContext:
 
 def tracked_client(book: ConnectionBook, *, max_connections: int, keepalive_expiry: float,
                    timeout: float = 120.0) -> httpx.AsyncClient:
-    """An ``httpx.AsyncClient`` whose pool connects through ``book``. The clients share one SSL
-    context: httpx makes one per transport otherwise (tens of ms of CPU each, seconds for the
-    keep-alive probe's 60 clients on a busy machine; the loopback URLs never use it)."""
+    """An ``httpx.AsyncClient`` whose pool connects through ``book``; the clients share one SSL
+    context (httpx makes one per transport otherwise, tens of ms of CPU each)."""
     transport = httpx.AsyncHTTPTransport(verify=shared_ssl_context())
     # httpx has no public way to give its pool a network backend; httpcore's pool takes one.
     transport._pool = httpcore.AsyncConnectionPool(max_connections=max_connections,

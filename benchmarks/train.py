@@ -1,19 +1,14 @@
 """Training throughput: forward + backward + Adam step, tokens/s, aiayn against its peers.
 
-Benchmark 1 (encoder-decoder, ``--suite small`` / ``paper-base``): aiayn, torch.nn.Transformer,
-Hugging Face BART and x-transformers' XTransformer, batch 32 x (32 source + 32 target) tokens with
-random right padding (lengths 16..32). Benchmark 2 (``--suite decoder``): decoder-only, d 256,
-4 layers, batch 16 x 256, against Hugging Face GPT-2 and x-transformers' decoder.
+Benchmark 1 (``--suite small`` / ``paper-base``): aiayn, torch.nn.Transformer, BART and
+x-transformers' XTransformer, batch 32 x (32 + 32) tokens, random right padding. Benchmark 2
+(``--suite decoder``): d 256, 4 layers, batch 16 x 256, against GPT-2 and x-transformers.
 
-aiayn's rows: "aiayn" is ``aiayn.fast.optimize(model, "train")`` with ``padding_free`` on and
-``aiayn train``'s loss (``sequence_loss``, fused with the output layer); "aiayn compiled" the same
-under ``torch.compile``; "aiayn plain torch" without ``optimize`` (``aiayn train --plain``); "aiayn
-padded" / "aiayn logits" the optimized model making (b, t, v) logits for the peers'
-``F.cross_entropy``. Same loss, same Adam (lr 1e-4, betas (0.9, 0.98), eps 1e-9), same dropout
-(``--dropout``, default 0), same batch, same process; the peers run eager. tokens/s counts every
-position fed, padding included. Model FLOPs are counted by ``torch.utils.flop_counter`` on plain
-twins of aiayn's models (attention is not counted for any peer); MFU = FLOPs per step / step time
-/ the measured fp32 2048^3 matmul peak (``torch.mm`` and oneDNN, two columns).
+aiayn's rows: "aiayn" is ``optimize(model, "train")`` with ``padding_free`` and ``sequence_loss``;
+"aiayn compiled" the same under ``torch.compile``; "aiayn plain torch" without ``optimize``; "aiayn
+padded" / "aiayn logits" make (b, t, v) logits for the peers' ``F.cross_entropy``. Same Adam, dropout
+and batch for all; tokens/s counts padding. FLOPs are counted on plain twins of aiayn's models
+(attention not counted); MFU is against the measured 2048^3 ``torch.mm`` and oneDNN rates.
 """
 
 from __future__ import annotations
@@ -48,17 +43,13 @@ UNFUSED = "aiayn logits"  # the optimized aiayn decoder making its logits for th
 PLAIN = "aiayn plain torch"  # the aiayn model without aiayn.fast.optimize (aiayn train --plain): MKL, SDPA
 PADDED = "aiayn padded"  # the optimized aiayn model computing its padding and logits (F.cross_entropy)
 
-# Decoder-only training peers: aiayn (output layer fused with its loss), the same model through
-# logits + F.cross_entropy, and the others.
+# Decoder-only training peers: aiayn (output layer fused with its loss), the same through logits, the others.
 LM_TRAIN_PEERS = {"aiayn": LM_PEERS["aiayn"], UNFUSED: LM_PEERS["aiayn"],
                   **{name: build for name, build in LM_PEERS.items() if name != "aiayn"}}
-# Rows of aiayn models, built plain, then optimize(model, "train") for every one but PLAIN; those
-# of SEQUENCE_LOSS_ROWS take aiayn train's loss (sequence_loss on the model's output), the others
-# the peers' F.cross_entropy on the model's logits.
+# aiayn's rows (optimized for training, but PLAIN); SEQUENCE_LOSS_ROWS take aiayn train's loss.
 AIAYN_ROWS = ("aiayn", COMPILED, PLAIN, PADDED, UNFUSED)
 SEQUENCE_LOSS_ROWS = ("aiayn", COMPILED, PLAIN)
 MFU_TARGET = 0.6
-BF16 = False  # aiayn train's autocast setting (TrainConfig.bf16) for the aiayn rows: off, float32 as every peer
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -81,18 +72,15 @@ def logits_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def make_step(model: nn.Module, forward, targets: Tensor, *, sequence: bool):
-    """One training step of ``model`` (``forward(model)`` is its call on the batch): with
-    ``sequence``, ``aiayn train``'s (``sequence_loss`` on the model's output under the trainer's
-    autocast context), otherwise the peers' (logits, ``F.cross_entropy``; an aiayn model's through
-    ``ModelOutput.logits``)."""
+    """One training step of ``model`` on ``forward(model)``: ``aiayn train``'s ``sequence_loss`` with
+    ``sequence``, else the peers' logits and ``F.cross_entropy``."""
     opt = make_optimizer(model)
 
     def step() -> None:
-        if sequence:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=BF16):
-                loss = sequence_loss(forward(model), targets).loss
+        out = forward(model)
+        if sequence:  # float32, as every peer (aiayn train's bf16 autocast off)
+            loss = sequence_loss(out, targets).loss
         else:
-            out = forward(model)
             loss = logits_loss(out.logits if isinstance(out, ModelOutput) else out, targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -102,9 +90,8 @@ def make_step(model: nn.Module, forward, targets: Tensor, *, sequence: bool):
 
 
 def step_flops(step) -> int:
-    """The model FLOPs of one step, counted by ``torch.utils.flop_counter``. Give it a step of the
-    plain (not optimized) model: the counter has no formula for torch's CPU attention kernels, so
-    attention is not counted, for any peer, and aiayn's own kernels must not add theirs."""
+    """The model FLOPs of one step (``torch.utils.flop_counter``), of a plain model's step: the counter
+    has no formula for CPU attention kernels, so attention is counted for no peer."""
     with FlopCounterMode(display=False) as counter:
         step()
     return counter.get_total_flops()
@@ -175,8 +162,7 @@ def run_suite(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
         torch.manual_seed(args.seed)
         return step_flops(make_step(build(size, drop).train(), forward("aiayn"), targets, sequence=sequence))
 
-    # Every peer computes the padded model's FLOPs (logits of every position); padding-free aiayn's
-    # rows skip the padding's share (no padding in the decoder suite: one count for all).
+    # Every peer computes the padded model's FLOPs; padding-free aiayn's rows skip the padding's share.
     decoder = args.suite == "decoder"
     flops = dict.fromkeys(params, twin_flops(aiayn_build if decoder else aiayn_padded_seq2seq, sequence=decoder))
     if not decoder and "aiayn" in flops:
@@ -187,18 +173,13 @@ def run_suite(args: argparse.Namespace, drop: Dropouts) -> dict[str, float]:
     after = common.matmul_peaks(repeats=args.repeats + 2)  # before and after; the better one of each
     peaks = {backend: max(rate, after[backend]) for backend, rate in peaks.items()}
     report(title, peers, params, tokens, flops, peaks, args)
-    if args.profile:
-        print(f"\ntorch.profiler, {peers[0].name}, {args.suite}, top ops by self CPU time (3 steps):\n")
-        print("```\n" + common.top_ops(peers[0].fn) + "\n```")
     return {p.name: tokens / p.median for p in peers}
 
 
 def report(title: str, peers: list[common.Timed], params: dict[str, int], tokens: int, flops: dict[str, int],
            peaks: dict[str, float], args: argparse.Namespace) -> None:
-    """``flops``: the FLOPs each peer computes per step (its own arithmetic: MFU is of that).
-    ``peaks``: the measured 2048^3 rates. MFU is given against both: the ``torch.mm`` rate (the
-    issue's definition, MKL here) and the oneDNN rate (the faster product this torch build has,
-    which aiayn's linear layers run at, so the stricter measure of how much of the machine is used)."""
+    """The table and ratio lines; MFU is each peer's FLOPs per step against both measured 2048^3 rates
+    (``torch.mm``, and oneDNN, the faster product aiayn's linear layers run at: the stricter one)."""
     common.header(title, args)
     rows = []
     for p in peers:
@@ -236,7 +217,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peers", nargs="*", help="subset of peers (aiayn first)")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="residual/embedding, attention and activation dropout of every peer (default 0)")
-    parser.add_argument("--profile", action="store_true", help="also print aiayn's top ops (torch.profiler)")
     parser.add_argument("--no-plain", action="store_true",
                         help=f"skip the '{PLAIN}' row (the same model without aiayn.fast.optimize: "
                              "MKL matmuls, SDPA attention, logits then the loss; aiayn train --plain)")

@@ -1,16 +1,8 @@
 """Translation speed: aiayn's Translator against Hugging Face ``MarianMTModel.generate``.
 
-Both models have the committed Multi30k recipe's size (``--d-model/--heads/--layers/--d-ff`` set
-another) and random weights, and get the same source ids (the first N sentences of test2016,
-BPE-encoded) and the same output limit; random weights almost never pick </s>, so both decode to
-the limit (the printed mean output lengths show it). Sentences/s for greedy and beam 5 at batch 1
-and 64, medians of ``--repeats`` interleaved runs. aiayn's model runs through
-``aiayn.fast.optimize(model, "inference")``; ``--compile`` adds "aiayn compiled"
-(``DecodeOptions(compile=True)``, compiled in the warm-up).
-
-    python -m benchmarks.translate                 # 2 threads, 64 sentences, 3 repeats
-    python -m benchmarks.translate --quick         # a smoke run
-    python -m benchmarks.translate --compile
+Both at the Multi30k recipe's size with random weights, on the same test2016 source ids and output
+limit (random weights rarely pick </s>: both decode to the limit). Sentences/s for greedy and beam 5
+at batch 1 and 64, medians of interleaved runs; ``--compile`` adds "aiayn compiled".
 """
 
 from __future__ import annotations
