@@ -4,13 +4,12 @@ directory)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from aiayn.cli.app import FiniteFloatRange, cli
+from aiayn.cli.app import FiniteFloatRange, cli, options
 
 LORA_TARGETS_HELP = ("Projections to adapt, comma-separated: q, k, v, o (attention), gate, up, down (MLP); "
                      "qkv for GPT-2's fused c_attn.")
@@ -28,25 +27,21 @@ def _targets(ctx: click.Context, param: click.Parameter, value: str | None) -> t
     return targets
 
 
-def lora_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets`` (keywords ``lora_*``) and
-    ``--quantize`` (keyword ``quantize``); turn them into train options with ``lora_train_options``."""
-    options = [
-        click.option("--lora-rank", type=click.IntRange(min=1),
-                     help="Train LoRA adapters of this rank on the frozen model instead of the model itself."),
-        click.option("--lora-alpha", type=FiniteFloatRange(min=0, min_open=True),
-                     help="LoRA scale numerator: updates are scaled by alpha / rank.  [default: 16]"),
-        click.option("--lora-dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
-                     help="Dropout on the adapters' input.  [default: 0]"),
-        click.option("--lora-targets", callback=_targets, help=LORA_TARGETS_HELP + "  [default: q,v]"),
-        click.option("--quantize", type=click.Choice(["q4"]),
-                     help="QLoRA: keep the frozen attention and MLP weights in 4-bit blocks (a GGUF file's "
-                          "own 4-bit blocks as they are), the adapters float32; needs --lora-rank. Off the "
-                          "CPU each layer is dequantised when it runs."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+# --lora-rank, --lora-alpha, --lora-dropout, --lora-targets (keywords ``lora_*``) and --quantize (keyword
+# ``quantize``); turn them into train options with ``lora_train_options``.
+lora_options = options(
+    click.option("--lora-rank", type=click.IntRange(min=1),
+                 help="Train LoRA adapters of this rank on the frozen model instead of the model itself."),
+    click.option("--lora-alpha", type=FiniteFloatRange(min=0, min_open=True),
+                 help="LoRA scale numerator: updates are scaled by alpha / rank.  [default: 16]"),
+    click.option("--lora-dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
+                 help="Dropout on the adapters' input.  [default: 0]"),
+    click.option("--lora-targets", callback=_targets, help=LORA_TARGETS_HELP + "  [default: q,v]"),
+    click.option("--quantize", type=click.Choice(["q4"]),
+                 help="QLoRA: keep the frozen attention and MLP weights in 4-bit blocks (a GGUF file's "
+                      "own 4-bit blocks as they are), the adapters float32; needs --lora-rank. Off the "
+                      "CPU each layer is dequantised when it runs."),
+)
 
 
 def lora_train_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -68,13 +63,11 @@ def lora_train_options(options: dict[str, Any]) -> dict[str, Any]:
     return {"lora": given, **({"quantize": quantize} if quantize is not None else {})}
 
 
-def adapter_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--adapter DIR`` (a keyword ``adapter``)."""
-    return click.option(
-        "--adapter", type=click.Path(exists=True, file_okay=False, path_type=Path),
-        help="A LoRA adapter directory (PEFT's adapter_config.json + adapter_model.safetensors) merged into "
-             "the model; without --model/--run, the model is the adapter's base_model_name_or_path. translate and "
-             "evaluate take it with --prompt.")(func)
+adapter_option = click.option(
+    "--adapter", type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="A LoRA adapter directory (PEFT's adapter_config.json + adapter_model.safetensors) merged into "
+         "the model; without --model/--run, the model is the adapter's base_model_name_or_path. translate and "
+         "evaluate take it with --prompt.")
 
 
 def adapter_base(adapter: Path | None, run_dir: Path | None, model_path: Path | None) -> Path | None:

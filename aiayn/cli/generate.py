@@ -92,12 +92,10 @@ def text_device(name: str, quantize: str = "none") -> Any:
 @adapter_option
 @plain_option
 @device_option
-def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
-                 max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...], json_bounds: Any,
-                 quantize: str = "none", threads: int | None = None, kv_cache: str = "float",
-                 compiled: bool = False, json_schema: Any = None, json_object: bool = False, plain: bool = False,
-                 device: str = "auto", slide: bool = True, adapter: Path | None = None) -> None:
+def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool, max_new_tokens: int,
+                 stops: tuple[str, ...], json_bounds: Any, quantize: str, threads: int | None, kv_cache: str,
+                 compiled: bool, json_schema: Any, json_object: bool, plain: bool, device: str, slide: bool,
+                 adapter: Path | None, **sampling: Any) -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     from aiayn.generate import SamplingConfig
     from aiayn.textgen import stream_text
@@ -123,13 +121,12 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
         ids = lm.prompt_ids(prompt, chat=chat)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--prompt") from None
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
-                              repetition_penalty=repetition_penalty, seed=seed)
+    sampler = SamplingConfig(**sampling)
     constraint = None if schema is None else json_constraint(lm, schema, json_bounds)
     if not chat and constraint is None:  # (with a grammar stdout is the JSON alone)
         click.echo(prompt, nl=False)
     stats = stream_text(lm, ids, on_text=lambda text: click.echo(text, nl=False), max_new_tokens=max_new_tokens,
-                        sampling=sampling, stops=stops, kv_cache=None if kv_cache == "float" else kv_cache,
+                        sampling=sampler, stops=stops, kv_cache=None if kv_cache == "float" else kv_cache,
                         compile=compiled, constraint=constraint, slide=slide)
     click.echo(f"\n[{stats.summary()}]", err=True)
     if constraint is not None and stats.stop in ("length", "context", "stop"):

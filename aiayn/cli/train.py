@@ -216,8 +216,8 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
     run_dir = run_dir or default_run_dir(setup.task_name)
     if is_main_process():
         click.echo(f"task {setup.task_name}: {setup.task.description}")
-        for note in _setup_notes(setup.task, setup.train_config.seed):
-            click.echo(note)
+        for note in getattr(setup.task, "setup_notes", lambda seed: [])(setup.train_config.seed):
+            click.echo(note)  # what the task does that the options did not spell out (a split it makes)
         click.echo(f"run directory: {run_dir}")
     try:
         result = train(setup.task, setup.model_config, setup.train_config, run_dir, resume=resume,
@@ -254,12 +254,6 @@ def _setup_run(ctx: click.Context, task: str, resume_dir: Path | None, recipe: P
         if exc.about not in _SETUP_HINTS:
             raise click.UsageError(str(exc)) from None
         raise click.BadParameter(str(exc), param_hint=_SETUP_HINTS[exc.about]) from None
-
-
-def _setup_notes(task: Any, seed: int) -> list[str]:
-    """What a task says it will do that the options did not spell out (a validation split it makes)."""
-    notes = getattr(task, "setup_notes", None)
-    return notes(seed) if notes is not None else []
 
 
 def _report(result: Any, run_dir: Path) -> None:
