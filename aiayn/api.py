@@ -35,9 +35,8 @@ class LoadedModel:
 
 @dataclass
 class Generation:
-    """What ``generate_text`` produced: the new text, its tokens, why it stopped ("length", "eos",
-    "stop" (the stop string not in ``text``) or "context" with ``slide=False``), and how often the
-    window slid."""
+    """What ``generate_text`` produced; ``stop_reason``: "length", "eos", "stop" (the stop string not in
+    ``text``) or "context" (with ``slide=False``)."""
 
     text: str
     tokens: int
@@ -47,13 +46,10 @@ class Generation:
 
 def load(source: str | Path, *, checkpoint: str | Path | None = None, device: torch.device | str | None = None,
          quantize: str = "none", plain: bool = False) -> Translator | TextModel | SentenceEncoder | LoadedRun | LoadedModel:
-    """The model at ``source``, ready to use (see this module's docstring).
-
-    ``source``: a shipped model's name, a run directory (its latest checkpoint, or ``checkpoint``),
-    a GGUF file, or a Hugging Face / sentence-transformers directory. ``device``: None or "auto" is
-    the first CUDA GPU, else the CPU. ``quantize``: ``aiayn generate``'s ``--quantize``, for text
-    models only (a LoadError for any other model). ``plain``: the plain PyTorch modules instead of
-    ``aiayn.fast``'s CPU kernels."""
+    """The model at ``source`` (a shipped model's name, a run directory, a GGUF file, or a Hugging Face /
+    sentence-transformers directory), ready to use. ``checkpoint``: a run's, instead of its latest;
+    ``quantize``: ``aiayn generate``'s ``--quantize``, for text models only (else a LoadError);
+    ``plain``: the plain PyTorch modules instead of ``aiayn.fast``'s CPU kernels."""
     from aiayn.tasks.runs import load_text_model
     from aiayn.tasks.shipped import resolve_model
 
@@ -133,10 +129,8 @@ def generate_text(lm: TextModel, prompt: str, *, max_new_tokens: int = 64, tempe
                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
                   seed: int | None = None, chat: bool = False, stop: Sequence[str] = (),
                   compile: bool = False, slide: bool = True) -> Generation:
-    """Continue ``prompt`` with ``lm`` as ``aiayn generate`` does: greedy at ``temperature`` 0 (the
-    default here), else sampled (``seed`` makes it repeatable); ``chat`` wraps the prompt in the
-    chat template; the text ends before the first of ``stop``; ``slide=False`` stops at the context.
-    ValueError (one line) for a prompt the model cannot take."""
+    """Continue ``prompt`` with ``lm`` as ``aiayn generate`` does, but greedy by default (``temperature``
+    0); ``chat`` wraps the prompt in the chat template. ValueError for a prompt the model cannot take."""
     from aiayn.generate.sampling import SamplingConfig
     from aiayn.textgen import stream_text
 
@@ -155,9 +149,8 @@ def train_run(task: str | None = None, run_dir: str | Path | None = None, *, rec
               overwrite: bool = False, device: torch.device | str | None = None, progress: bool = True,
               plots: bool = True, plain: bool = False) -> TrainResult:
     """Train as ``aiayn train`` does: ``task`` (None: the recipe's, else the default) into ``run_dir``
-    (None: ``runs/<task>-<date>-<time>``), configured from the task's defaults, then ``recipe``
-    (YAML), then ``model`` / ``train`` fields. ``resume`` continues ``run_dir``; ``overwrite``
-    replaces it; ``plots`` writes the run's plots. Returns the ``TrainResult``."""
+    (None: ``runs/<task>-<date>-<time>``), configured by the task's defaults, then ``recipe`` (YAML),
+    then the ``model`` / ``train`` fields."""
     from aiayn.device import resolve
     from aiayn.tasks.runs import default_run_dir, setup_run
     from aiayn.train.trainer import train as train_task

@@ -1,8 +1,5 @@
-"""Model configuration: one dataclass for the whole family, validated on construction.
-
-No torch here: a config can be read, checked and written without building a model.
-Every validation error says which field is wrong, what it holds and what to change.
-"""
+"""Model and training configuration, validated on construction: each error says which field is wrong,
+what it holds and what to change. No torch here: a config is read and checked without a model."""
 
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ import difflib
 import json
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +24,13 @@ SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 ATTENTION_IMPLS = ("fused", "reference")
 
 
-# ModelConfig fields that may be left None to be derived from the others (see their comments).
-DERIVED_FIELDS = ("tgt_vocab_size", "n_kv_heads", "head_dim", "n_decoder_layers", "final_norm",
-                  "attn_bias", "attn_out_bias", "mlp_bias")
+# ModelConfig fields that may be left None, each derived from the others (in this order: attn_out_bias
+# follows attn_bias once it is filled in).
+DERIVED_FIELDS: dict[str, Callable[[ModelConfig], Any]] = {
+    "tgt_vocab_size": lambda c: c.vocab_size, "n_kv_heads": lambda c: c.n_heads,
+    "head_dim": lambda c: c.d_model // c.n_heads, "n_decoder_layers": lambda c: c.n_layers,
+    "final_norm": lambda c: c.norm_position == "pre", "attn_bias": lambda c: c.bias,
+    "attn_out_bias": lambda c: c.attn_bias, "mlp_bias": lambda c: c.bias}
 # Older names of the same fields: configs and recipes written with them still load, with a warning.
 OLD_FIELD_NAMES = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "decoder_layers": "n_decoder_layers",
                    "target_vocab_size": "tgt_vocab_size", "use_final_norm": "final_norm",
@@ -36,8 +38,7 @@ OLD_FIELD_NAMES = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "decoder_l
 
 
 def _rename_old_fields(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with old field names mapped to today's (a DeprecationWarning names each); unknown
-    fields are refused."""
+    """``data`` with old field names mapped to today's (with a DeprecationWarning); unknown ones refused."""
     data = dict(data)
     for old, new in OLD_FIELD_NAMES.items():
         if old in data:
@@ -96,10 +97,8 @@ def _check_known_fields(cls: type, data: dict[str, Any]) -> None:
     known = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(str(key) for key in set(data) - known)
     if unknown:
-        guesses = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, known, n=1)
-            guesses.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        guesses = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, known, n=1))
+                   else key for key in unknown]
         raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(guesses)}; known fields are "
                           f"{', '.join(sorted(known))}")
 
@@ -236,27 +235,12 @@ class ModelConfig:
         self._resolve_derived()
 
     def _resolve_derived(self) -> None:
-        """Fill in the fields left None (= derived from the others), once, so that every reader
-        sees one name with one concrete value; ``to_dict`` and ``replace`` still treat them as
-        derived (a ``replace(d_model=...)`` re-derives ``head_dim``)."""
-        derived = {name for name in DERIVED_FIELDS if getattr(self, name) is None}
-        self._derived = frozenset(derived)
-        if self.tgt_vocab_size is None:
-            self.tgt_vocab_size = self.vocab_size
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.head_dim is None:
-            self.head_dim = self.d_model // self.n_heads
-        if self.n_decoder_layers is None:
-            self.n_decoder_layers = self.n_layers
-        if self.final_norm is None:
-            self.final_norm = self.norm_position == "pre"
-        if self.attn_bias is None:
-            self.attn_bias = self.bias
-        if self.attn_out_bias is None:
-            self.attn_out_bias = self.attn_bias
-        if self.mlp_bias is None:
-            self.mlp_bias = self.bias
+        """Fill in the fields left None once, so that every reader sees a concrete value; ``to_dict``
+        and ``replace`` still treat them as derived (a ``replace(d_model=...)`` re-derives ``head_dim``)."""
+        self._derived = frozenset(name for name in DERIVED_FIELDS if getattr(self, name) is None)
+        for name, rule in DERIVED_FIELDS.items():
+            if name in self._derived:
+                setattr(self, name, rule(self))
 
     # ---- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

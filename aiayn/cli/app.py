@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,25 @@ plain_option = click.option("--plain", is_flag=True,
 device_option = click.option("--device", default="auto", show_default=False, metavar="DEVICE", help=DEVICE_HELP)
 
 
+@contextlib.contextmanager
+def bad_value(hint: str | None, *errors: type[Exception]) -> Iterator[None]:
+    """Inside, an error of ``errors`` (default ValueError) becomes one line: a bad value of the option
+    ``hint``, or with ``hint`` None a usage error."""
+    caught = errors or (ValueError,)
+    try:
+        yield
+    except caught as exc:
+        if hint is None:
+            raise click.UsageError(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=hint) from None
+
+
 def resolve_device(name: str) -> Any:
     """The prepared ``torch.device`` of ``--device``, or a usage error naming what this machine has."""
     from aiayn import device as devices
 
-    try:
+    with bad_value(None, devices.DeviceError):
         return devices.prepare(devices.resolve(name))
-    except devices.DeviceError as exc:
-        raise click.UsageError(str(exc)) from None
 
 
 def one_model(run_dir: object, model: object, *, required: bool = False) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import FiniteFloatRange, cli, options
+from aiayn.cli.app import FiniteFloatRange, bad_value, cli, options
 
 LORA_TARGETS_HELP = ("Projections to adapt, comma-separated: q, k, v, o (attention), gate, up, down (MLP); "
                      "qkv for GPT-2's fused c_attn.")
@@ -106,12 +106,10 @@ def merge_cmd(adapter: Path, base: Path | None, out_dir: Path, dtype: str) -> No
                                  param_hint="--out")
     base = adapter_base(adapter, None, base)
     assert base is not None
-    try:
+    with bad_value(None, RunInputError, TextModelError):
         lm = load_text_model(model_path=resolve_model(base), plain=True, device="cpu", adapter=adapter)
         lm.model = lm.model.to(getattr(torch, dtype))
         out = export_text_model(lm, out_dir)
-    except (RunInputError, TextModelError) as exc:
-        raise click.UsageError(str(exc)) from None
     click.echo(f"merged {adapter} into {base} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
 
 
@@ -170,9 +168,7 @@ def chat_data_cmd(src_path: Path, tgt_path: Path, prompt: str, out_path: Path, l
 
     check_writable(out_path, "--out")
     sources, targets = read_parallel(src_path, tgt_path)
-    try:
+    with bad_value("--prompt"):
         conversations = translation_conversations(sources[:limit], targets[:limit], prompt)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--prompt") from None
     atomic_write_text(out_path, conversations_jsonl(conversations))
     click.echo(f"{len(conversations)} conversations -> {out_path}")

@@ -14,6 +14,7 @@ from aiayn.cli.app import (
     DEFAULT_MODEL_HELP,
     SEED_RANGE,
     FiniteFloatRange,
+    bad_value,
     check_threads,
     cli,
     device_option,
@@ -42,10 +43,8 @@ def text_device(name: str, quantize: str = "none") -> Any:
     from aiayn.textgen import CPU_QUANTIZE, placement
 
     device = resolve_device("cpu" if quantize in CPU_QUANTIZE and name.strip().lower() == "auto" else name)
-    try:
+    with bad_value("--quantize"):
         placement(device, quantize)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--quantize") from None
     return device
 
 
@@ -117,10 +116,8 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
                                  f"{lm.model.config.head_dim} is odd; use int8", param_hint="--kv-cache")
     if chat and lm.chat is None:
         raise click.UsageError("this model has no chat template; drop --chat")
-    try:
+    with bad_value("--prompt"):
         ids = lm.prompt_ids(prompt, chat=chat)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--prompt") from None
     sampler = SamplingConfig(**sampling)
     constraint = None if schema is None else json_constraint(lm, schema, json_bounds)
     if not chat and constraint is None:  # (with a grammar stdout is the JSON alone)
@@ -171,10 +168,8 @@ def json_constraint(lm: Any, schema: dict[str, Any], bounds: Any) -> Any:
     line when it cannot be made."""
     from aiayn.generate.constrain import GrammarConstraint
 
-    try:
+    with bad_value("--json-schema / --json"):
         return GrammarConstraint.from_schema(lm.tokenizer, schema, eos_id=lm.eos_id, bounds=bounds)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--json-schema / --json") from None
 
 
 def resolve_model(run_dir: Path | None, model_path: Path | str | None) -> Path | None:
@@ -185,10 +180,8 @@ def resolve_model(run_dir: Path | None, model_path: Path | str | None) -> Path |
     from aiayn.tasks.shipped import resolve_model as resolve_shipped
 
     if model_path is not None:
-        try:
+        with bad_value("--model", RunInputError):
             model_path = resolve_shipped(model_path)
-        except RunInputError as exc:
-            raise click.BadParameter(str(exc), param_hint="--model") from None
     if run_dir is None:
         model_path = model_path or smollm2_path()
         if model_path is None:
@@ -208,15 +201,10 @@ def text_model(run_dir: Path | None, model_path: Path | str | None, *, plain: bo
     from aiayn.textgen import TextModelError
 
     model_path = resolve_model(run_dir, adapter_base(adapter, run_dir, model_path))
-    try:
+    run_hint = "--model" if run_error_names_model else None
+    with bad_value("--model", TextModelError), bad_value(run_hint, RunInputError):
         return load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device,
                                adapter=adapter)
-    except RunInputError as exc:
-        if run_error_names_model:
-            raise click.BadParameter(str(exc), param_hint="--model") from None
-        raise click.UsageError(str(exc)) from None
-    except TextModelError as exc:
-        raise click.BadParameter(str(exc), param_hint="--model") from None
 
 
 @cli.command("embed")

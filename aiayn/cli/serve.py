@@ -9,6 +9,7 @@ import click
 
 from aiayn.cli.app import (
     FiniteFloatRange,
+    bad_value,
     check_threads,
     cli,
     device_option,
@@ -103,10 +104,8 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
         raise click.UsageError(why)
     where = text_device(device, quantize)  # the KV budget (--kv-budget) is this device's memory
     one_model(run_dir, model_path)
-    try:
+    with bad_value("--kv-budget"):
         budget = parse_size(kv_budget)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--kv-budget") from None
     wanted = check_threads(threads) if threads is not None else torch.get_num_threads()
     check_port(host, port)
     model_path = resolve_model(run_dir, adapter_base(adapter, run_dir, model_path))
@@ -117,11 +116,9 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
     served = load_served_model(model_path, run_dir, name=name, quantize=quantize, plain=plain, device=where, adapter=adapter)
     if served.lm is None:  # an encoder answers on the server's threads: no engine thread to leave them to
         torch.set_num_threads(wanted)
-    try:
+    with bad_value(None):
         state, lines = build_state(served, kv_budget=budget, kv_cache=None if kv_cache == "float" else kv_cache,
                                    api_key=api_key, threads=wanted, compile=compiled, **settings)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
     lines.append(f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}")
     for line in [*lines, exposure_warning(host, api_key)]:
         if line:
@@ -154,9 +151,7 @@ def export_cmd(target: str, out_dir: Path, model_path: Path | None, run_dir: Pat
                                  param_hint="OUT_DIR")
     lm = text_model(run_dir, model_path, plain=True, device="cpu")  # written from the CPU
     lm.model = lm.model.to(getattr(torch, dtype))
-    try:
+    with bad_value(None, TextModelError):
         out = export_text_model(lm, out_dir)
-    except TextModelError as exc:
-        raise click.UsageError(str(exc)) from None
     click.echo(f"wrote {out} ({target}: {', '.join(sorted(p.name for p in out.iterdir()))})")
     click.echo(f"serve it elsewhere, e.g. `vllm serve {out}` or transformers' from_pretrained('{out}')", err=True)

@@ -13,6 +13,7 @@ import click
 from aiayn.cli.app import (
     SEED_RANGE,
     FiniteFloatRange,
+    bad_value,
     cli,
     device_option,
     is_main_process,
@@ -53,10 +54,8 @@ def kv_cache_cmd(preset: str | None, batch_size: int, dtype: str, group_size: in
     from aiayn.nn.kv_memory import describe_kv_cache
 
     sizes = _kv_sizes(preset, given)
-    try:
+    with bad_value("--group-size"):
         lines = describe_kv_cache(**sizes, batch_size=batch_size, dtype=dtype, group_size=group_size)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--group-size") from None
     for line in lines:
         click.echo(line)
 
@@ -67,10 +66,8 @@ def _kv_sizes(preset: str | None, given: dict[str, int | None]) -> dict[str, int
     from aiayn.nn.kv_memory import cache_sizes
 
     if preset is not None:  # the preset fills in what is not given
-        try:
+        with bad_value("--preset", ConfigError):
             from_preset = cache_sizes(get_preset(preset))
-        except ConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--preset") from None
         if from_preset["src_len"] and given["src_len"] is None:  # encoder-decoder: as long as the target
             from_preset["src_len"] = given["seq_len"] or from_preset["seq_len"]
         given = {k: from_preset[k] if v is None and k in from_preset else v for k, v in given.items()}

@@ -13,6 +13,7 @@ import click
 from aiayn.cli.app import (
     SEED_RANGE,
     FiniteFloatRange,
+    bad_value,
     check_writable,
     cli,
     device_option,
@@ -115,12 +116,10 @@ def _prompt_translator(device: Any, run_dirs: tuple[Path, ...], model_names: tup
                else "give --model" if given == 0 and adapter is None else None)
     if problem is not None:
         raise click.UsageError(f"--prompt translates greedily with one chat model (--model or --run); {problem}")
-    try:
+    with bad_value("--prompt"):
         lm = text_model(run_dirs[0] if run_dirs else None, model_names[0] if model_names else None, plain=plain,
                         device=device, adapter=adapter, run_error_names_model=True)
         return PromptTranslator(lm, prompt)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--prompt") from None
 
 
 @cli.command("translate")
