@@ -1,11 +1,8 @@
-"""Cooperative sharing of the CPU cores between aiayn processes on one machine (jobs of one thread
-per core each oversubscribe the cores: libgomp's threads spin).
-
-At its safe points (``share_cores()``), every ``CHECK_EVERY`` seconds, a busy process renews a file
-``<pid>`` in a per-user registry folder (busy until its modification time), counts the live busy
-processes and sets ``torch.set_num_threads(max(1, cores // busy))``. A thread count someone chose
-(``OMP_NUM_THREADS``, ``--threads``, ``torch.set_num_threads``) is kept; ``AIAYN_SHARE_CPUS=0``
-turns sharing off."""
+"""Cooperative sharing of the CPU cores between aiayn processes on one machine (jobs of one thread per
+core each oversubscribe the cores). At its safe points a busy process renews a file ``<pid>`` in a
+per-user registry folder (busy until its modification time), counts the live busy processes and
+sets ``torch.set_num_threads(max(1, cores // busy))``. A thread count someone chose is kept;
+``AIAYN_SHARE_CPUS=0`` turns sharing off."""
 
 from __future__ import annotations
 

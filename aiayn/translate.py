@@ -1,9 +1,6 @@
 """Translating text with a trained encoder-decoder: tokenise, batch by length, decode, detokenise.
-
-``Translator`` is what ``aiayn translate`` / ``aiayn evaluate`` and the translation task call.
-Sources get ``</s>`` appended; a source longer than the model's ``max_seq_len`` is truncated, with
-a warning naming the sentence. The target may run to ``max_len_a * source_length + max_len_b``
-tokens (fairseq's convention), never past the model's maximum."""
+A source too long for the model is cut, with a warning; the target may run to ``max_len_a *
+source_length + max_len_b`` tokens (fairseq's convention), never past the model's maximum."""
 
 from __future__ import annotations
 
@@ -68,9 +65,7 @@ class Translator:
         # The special ids are the same in every BPETokenizer: the source tokenizer's serve both sides.
         self.tokenizer = tokenizer
         self.target_tokenizer = target_tokenizer or tokenizer
-        # How ``translate`` searches when it is not told: a run's own beam size and length penalty
-        # (``TranslationTask.translator``), else DecodeOptions' defaults.
-        self.options = options or DecodeOptions()
+        self.options = options or DecodeOptions()  # how ``translate`` searches when not told (a run's own)
         self.max_tokens, self.max_sentences = max_tokens, max_sentences
         self.max_len = model.config.max_seq_len
 

@@ -126,9 +126,8 @@ class FiniteFloatRange(click.FloatRange):
 
 
 # The caps that let a JSON answer end (docs/structured-output.md): (JsonBounds field, default, lowest,
-# highest, help). aiayn.generate.constrain owns them (JsonBounds, BOUND_RANGES); they are repeated
-# here because the commands import the library only when they run. tests/serve/test_json_caps.py
-# holds them equal.
+# highest, help). Repeated from aiayn.generate.constrain, which the commands import only when they run
+# (tests/serve/test_json_caps.py holds them equal).
 JSON_CAPS = (
     ("integer_digits", 15, 1, 15, "Digits before the point, at most, of a number or integer that a JSON schema "
                                   "leaves without a minimum or maximum (no exponent)."),
@@ -141,8 +140,7 @@ JSON_CAPS = (
 
 
 def json_caps_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--json-integer-digits``, ``--json-decimals``, ``--json-string-chars``, ``--json-array-items``,
-    given to the command as one keyword ``json_bounds`` (an ``aiayn.generate.constrain.JsonBounds``)."""
+    """The ``--json-*`` caps, given to the command as one keyword ``json_bounds`` (a ``JsonBounds``)."""
 
     @functools.wraps(func)
     def command(*args: Any, **kwargs: Any) -> Any:

@@ -1,6 +1,5 @@
-"""Fine-tuning options and commands: ``--lora-*`` of ``aiayn train``, ``--adapter`` of the commands that
-run a text model, and ``aiayn merge`` (an adapter folded into its base, written as a Hugging Face
-directory)."""
+"""Fine-tuning: ``--lora-*`` of ``aiayn train``, ``--adapter`` of the commands that run a text model,
+and ``aiayn merge``, ``adapter`` and ``chat-data``."""
 
 from __future__ import annotations
 
@@ -10,9 +9,6 @@ from typing import Any
 import click
 
 from aiayn.cli.app import FiniteFloatRange, bad_value, cli, options
-
-LORA_TARGETS_HELP = ("Projections to adapt, comma-separated: q, k, v, o (attention), gate, up, down (MLP); "
-                     "qkv for GPT-2's fused c_attn.")
 
 
 def _targets(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
@@ -36,7 +32,9 @@ lora_options = options(
                  help="LoRA scale numerator: updates are scaled by alpha / rank.  [default: 16]"),
     click.option("--lora-dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
                  help="Dropout on the adapters' input.  [default: 0]"),
-    click.option("--lora-targets", callback=_targets, help=LORA_TARGETS_HELP + "  [default: q,v]"),
+    click.option("--lora-targets", callback=_targets,
+                 help="Projections to adapt, comma-separated: q, k, v, o (attention), gate, up, down (MLP); "
+                      "qkv for GPT-2's fused c_attn.  [default: q,v]"),
     click.option("--quantize", type=click.Choice(["q4"]),
                  help="QLoRA: keep the frozen attention and MLP weights in 4-bit blocks (a GGUF file's "
                       "own 4-bit blocks as they are), the adapters float32; needs --lora-rank. Off the "
@@ -45,9 +43,8 @@ lora_options = options(
 
 
 def lora_train_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``{"lora": {...}}`` (a TrainConfig field; with ``"quantize"`` when given) from the ``lora_*`` options
-    given, or ``{}`` without ``--lora-rank``; the other ``--lora-*`` options and ``--quantize`` alone are a
-    usage error."""
+    """The TrainConfig fields ``lora`` (and ``quantize``) of the options given, or ``{}`` without
+    ``--lora-rank``; the other ``--lora-*`` options and ``--quantize`` alone are a usage error."""
     given = {key.removeprefix("lora_"): value for key, value in options.items()
              if key.startswith("lora_") and value is not None}
     quantize = options.get("quantize")

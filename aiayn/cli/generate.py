@@ -193,10 +193,8 @@ def resolve_model(run_dir: Path | None, model_path: Path | str | None) -> Path |
 
 def text_model(run_dir: Path | None, model_path: Path | str | None, *, plain: bool, quantize: str = "none",
                device: Any = None, adapter: Path | None = None, run_error_names_model: bool = False) -> Any:
-    """``load_text_model`` of --run or --model (a shipped name resolved), with --adapter, on ``device`` (a
-    ``torch.device`` or a name); without either, the adapter's base or the default model. A model that
-    cannot generate is a bad --model value; a run (or release) that cannot is a usage error, or with
-    ``run_error_names_model`` a bad --model value too."""
+    """``load_text_model`` of --run or --model (without either: the adapter's base or the default model),
+    with --adapter; a run that cannot generate is a usage error (or a bad --model value)."""
     from aiayn.tasks.runs import RunInputError, load_text_model
     from aiayn.textgen import TextModelError
 

@@ -181,6 +181,5 @@ def demo_cmd(seed: int, threads: int | None = None) -> None:
     from aiayn.demo import run_demo
 
     use_threads(threads)
-
     if not run_demo(click.echo, seed=seed):
         raise SystemExit(1)

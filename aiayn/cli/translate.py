@@ -139,13 +139,9 @@ def translate_cmd(device: str, threads: int | None, texts: tuple[str, ...], **op
     translator, decoding = _translator(place(device, threads), **options)
     if texts == ("-",):  # "-" is standard input, as for aiayn embed
         texts = ()
-
-    def show(warning: Any, category: Any, *_: Any, **__: Any) -> None:
-        click.echo(f"warning: {warning}", err=True)
-
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # each cut sentence says so, in one line (even with --debug)
         warnings.simplefilter("always", InputTooLongWarning)
-        warnings.showwarning = show
+        warnings.showwarning = lambda warning, *_, **__: click.echo(f"warning: {warning}", err=True)
         if texts:
             for line in translator.translate(list(texts), decoding):
                 click.echo(line)
