@@ -24,8 +24,7 @@ SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 ATTENTION_IMPLS = ("fused", "reference")
 
 
-# ModelConfig fields that may be left None, each derived from the others (in this order: attn_out_bias
-# follows attn_bias once it is filled in).
+# ModelConfig fields that may be left None, and how each is derived (in order: attn_out_bias after attn_bias).
 DERIVED_FIELDS: dict[str, Callable[[ModelConfig], Any]] = {
     "tgt_vocab_size": lambda c: c.vocab_size, "n_kv_heads": lambda c: c.n_heads,
     "head_dim": lambda c: c.d_model // c.n_heads, "n_decoder_layers": lambda c: c.n_layers,
@@ -152,8 +151,7 @@ class ModelConfig:
     activation_dropout: float = 0.0
     # Bias terms on the attention and feed-forward projections.
     bias: bool = True
-    # Finer bias switches, None = follow ``bias`` (attn_out_bias: follow ``attn_bias``); Qwen2 has
-    # q/k/v biases only.
+    # Finer bias switches, None = follow ``bias`` (attn_out_bias: ``attn_bias``); Qwen2 biases q/k/v only.
     attn_bias: bool | None = None
     attn_out_bias: bool | None = None
     mlp_bias: bool | None = None
@@ -171,8 +169,8 @@ class ModelConfig:
     # Encoder-only (BERT): a norm right after the embeddings.
     embedding_norm: bool = False
     attn_impl: str = "fused"
-    # Padding-free forward passes (aiayn.nn.packing): without a cache, the token-wise layers run on
-    # the real tokens only; logits and hidden states are zeros at padding.
+    # Padding-free forward passes (aiayn.nn.packing): without a cache, the token-wise layers skip
+    # padding, where logits and hidden states are zeros.
     padding_free: bool = False
     # Free-form name (the preset it came from), kept in saved configs.
     name: str = field(default="custom")
@@ -304,8 +302,7 @@ class TrainConfig:
     warmup_steps: int = 100
     label_smoothing: float = 0.0
     clip_grad_norm: float | None = 1.0
-    # bfloat16 autocast over float32 weights: None = the device's default (on CUDA, on; on the
-    # CPU, off: aiayn.device.autocast_dtype); True/False force it.
+    # bfloat16 autocast over float32 weights; None = the device's default (aiayn.device.autocast_dtype).
     bf16: bool | None = None
     compile: bool = False
     eval_every: int = 0  # steps between validation runs; 0 = once per epoch
@@ -315,8 +312,7 @@ class TrainConfig:
     # score the test split with the better of them and the last on val. Needs keep_checkpoints >= N.
     average_last: int = 0
     log_every: int = 10
-    # LoRA adapters on the frozen model (aiayn.finetune.lora.LoraConfig's fields: rank, alpha, dropout,
-    # targets); None: every weight trains.
+    # LoRA adapters on the frozen model (aiayn.finetune.lora.LoraConfig's fields); None: every weight trains.
     lora: dict[str, Any] | None = None
     # QLoRA: "q4" keeps a LoRA run's frozen projections in 4-bit blocks (aiayn.finetune.qlora); None: float.
     quantize: str | None = None

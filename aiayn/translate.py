@@ -38,8 +38,7 @@ class DecodeOptions:
     max_len_a: float = 1.2
     max_len_b: int = 10
     sampling: SamplingConfig | None = None
-    # Beam search also keeps the greedy hypothesis, so it never returns a lower score than greedy
-    # (see beam_search_encoder_decoder); costs one greedy pass.
+    # Beam search also keeps the greedy hypothesis (never a lower score than greedy; one greedy pass).
     keep_greedy: bool = True
     # Greedy and beam search run their steps after the first through the compiled decode step.
     compile: bool = False
@@ -116,8 +115,7 @@ class Translator:
         """``translate_ids`` on src (b, s), padded, on the model's device."""
         tok = self.tokenizer
         src_valid = src != tok.pad_id
-        # a * source length + b target tokens (</s> included), within the model's maximum
-        # (one position holds <s>).
+        # a * source length + b target tokens (</s> included), within the model's maximum (less <s>)
         limits = max_target_lengths(src_valid, max_len_a=options.max_len_a, max_len_b=options.max_len_b,
                                     cap=self.max_len - 1)
         if options.sampling is not None:

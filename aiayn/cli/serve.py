@@ -109,9 +109,8 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
     wanted = check_threads(threads) if threads is not None else torch.get_num_threads()
     check_port(host, port)
     model_path = resolve_model(run_dir, adapter_base(adapter, run_dir, model_path))
-    # The main thread loads on one thread, the engine thread computes on the threads asked for: a
-    # second OpenMP pool would outnumber the CPUs and stop workers spinning (docs/serve.md: "the
-    # engine thread's own OpenMP pool").
+    # Loading on one thread, the engine thread computing on those asked for: a second OpenMP pool would
+    # outnumber the CPUs (docs/serve.md: "the engine thread's own OpenMP pool").
     torch.set_num_threads(1)
     served = load_served_model(model_path, run_dir, name=name, quantize=quantize, plain=plain, device=where, adapter=adapter)
     if served.lm is None:  # an encoder answers on the server's threads: no engine thread to leave them to
