@@ -1,8 +1,5 @@
-"""aiayn: Attention Is All You Need, complete.
-
-The Transformer of Vaswani et al. (2017) and its descendants (GPT, BERT, LLaMA) from one attention
-module and one residual block, proved equal to reference implementations.
-"""
+"""aiayn: Attention Is All You Need, complete. The Transformer of Vaswani et al. (2017) and its
+descendants (GPT, BERT, LLaMA) from one attention module and one residual block."""
 
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.models import (

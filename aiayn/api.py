@@ -15,10 +15,22 @@ import torch
 from torch import nn
 
 from aiayn.config import ModelConfig
-from aiayn.embed import SentenceEncoder
-from aiayn.tasks.runs import LoadedRun
+from aiayn.device import resolve
+from aiayn.embed import SentenceEncoder, load_sentence_encoder
+from aiayn.generate.sampling import SamplingConfig
+from aiayn.interop import load_hf
+from aiayn.interop.hf import HFConfig, family_for
+from aiayn.tasks.runs import (
+    LoadedRun,
+    default_run_dir,
+    for_inference,
+    load_text_model,
+    load_translator,
+    setup_run,
+)
 from aiayn.tasks.sources import LoadError, source_kind
-from aiayn.textgen import TextModel
+from aiayn.tasks.translation import TranslationTask
+from aiayn.textgen import TextModel, stream_text
 from aiayn.translate import Translator
 
 if TYPE_CHECKING:
@@ -35,9 +47,8 @@ class LoadedModel:
 
 @dataclass
 class Generation:
-    """What ``generate_text`` produced: the new text, its tokens, why it stopped ("length", "eos",
-    "stop" (the stop string not in ``text``) or "context" with ``slide=False``), and how often the
-    window slid."""
+    """What ``generate_text`` produced; ``stop_reason``: "length", "eos", "stop" (the stop string not in
+    ``text``) or "context" (with ``slide=False``)."""
 
     text: str
     tokens: int
@@ -47,14 +58,10 @@ class Generation:
 
 def load(source: str | Path, *, checkpoint: str | Path | None = None, device: torch.device | str | None = None,
          quantize: str = "none", plain: bool = False) -> Translator | TextModel | SentenceEncoder | LoadedRun | LoadedModel:
-    """The model at ``source``, ready to use (see this module's docstring).
-
-    ``source``: a shipped model's name, a run directory (its latest checkpoint, or ``checkpoint``),
-    a GGUF file, or a Hugging Face / sentence-transformers directory. ``device``: None or "auto" is
-    the first CUDA GPU, else the CPU. ``quantize``: ``aiayn generate``'s ``--quantize``, for text
-    models only (a LoadError for any other model). ``plain``: the plain PyTorch modules instead of
-    ``aiayn.fast``'s CPU kernels."""
-    from aiayn.tasks.runs import load_text_model
+    """The model at ``source`` (a shipped model's name, a run directory, a GGUF file, or a Hugging Face /
+    sentence-transformers directory), ready to use. ``checkpoint``: a run's, instead of its latest;
+    ``quantize``: ``aiayn generate``'s ``--quantize``, for text models only (else a LoadError);
+    ``plain``: the plain PyTorch modules instead of ``aiayn.fast``'s CPU kernels."""
     from aiayn.tasks.shipped import resolve_model
 
     path = resolve_model(source)
@@ -64,8 +71,6 @@ def load(source: str | Path, *, checkpoint: str | Path | None = None, device: to
     if kind == "gguf":
         return load_text_model(model_path=path, quantize=quantize, device=device, plain=plain)
     if kind == "sentence-transformers":
-        from aiayn.embed import load_sentence_encoder
-
         refuse_quantize(quantize, path, "a sentence encoder")
         return load_sentence_encoder(path, device=device)
     if kind == "hf":
@@ -84,12 +89,6 @@ def refuse_quantize(quantize: str, path: Path, what: str) -> None:
 def _load_hf(path: Path, *, quantize: str, device: torch.device | str | None,
              plain: bool) -> TextModel | SentenceEncoder | LoadedModel:
     """A Hugging Face directory by the architecture its config.json converts to."""
-    from aiayn.device import resolve
-    from aiayn.embed import load_sentence_encoder
-    from aiayn.interop import load_hf
-    from aiayn.interop.hf import HFConfig, family_for
-    from aiayn.tasks.runs import for_inference, load_text_model
-
     hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     arch = family_for(hf_config, source=str(path)).to_config(HFConfig(hf_config, str(path))).arch
     if arch == "decoder-only":
@@ -106,10 +105,7 @@ def _load_hf(path: Path, *, quantize: str, device: torch.device | str | None,
 def _load_run(path: Path, checkpoint: Path | None, *, quantize: str, device: torch.device | str | None,
               plain: bool) -> Translator | TextModel | LoadedRun:
     """A run or release by its task: translation, a language model, or any other task's run."""
-    from aiayn.device import resolve
-    from aiayn.tasks.runs import for_inference, load_text_model, load_translator
     from aiayn.tasks.shipped import is_ensemble_release, load_run_or_release
-    from aiayn.tasks.translation import TranslationTask
 
     where = resolve(device)  # before loading: a missing device fails at once
     if is_ensemble_release(path):  # a shipped ensemble (of translation models): one Translator
@@ -133,13 +129,8 @@ def generate_text(lm: TextModel, prompt: str, *, max_new_tokens: int = 64, tempe
                   top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
                   seed: int | None = None, chat: bool = False, stop: Sequence[str] = (),
                   compile: bool = False, slide: bool = True) -> Generation:
-    """Continue ``prompt`` with ``lm`` as ``aiayn generate`` does: greedy at ``temperature`` 0 (the
-    default here), else sampled (``seed`` makes it repeatable); ``chat`` wraps the prompt in the
-    chat template; the text ends before the first of ``stop``; ``slide=False`` stops at the context.
-    ValueError (one line) for a prompt the model cannot take."""
-    from aiayn.generate.sampling import SamplingConfig
-    from aiayn.textgen import stream_text
-
+    """Continue ``prompt`` with ``lm`` as ``aiayn generate`` does, but greedy by default (``temperature``
+    0); ``chat`` wraps the prompt in the chat template. ValueError for a prompt the model cannot take."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -155,11 +146,8 @@ def train_run(task: str | None = None, run_dir: str | Path | None = None, *, rec
               overwrite: bool = False, device: torch.device | str | None = None, progress: bool = True,
               plots: bool = True, plain: bool = False) -> TrainResult:
     """Train as ``aiayn train`` does: ``task`` (None: the recipe's, else the default) into ``run_dir``
-    (None: ``runs/<task>-<date>-<time>``), configured from the task's defaults, then ``recipe``
-    (YAML), then ``model`` / ``train`` fields. ``resume`` continues ``run_dir``; ``overwrite``
-    replaces it; ``plots`` writes the run's plots. Returns the ``TrainResult``."""
-    from aiayn.device import resolve
-    from aiayn.tasks.runs import default_run_dir, setup_run
+    (None: ``runs/<task>-<date>-<time>``), configured by the task's defaults, then ``recipe`` (YAML),
+    then the ``model`` / ``train`` fields."""
     from aiayn.train.trainer import train as train_task
 
     where = resolve(device)  # before anything is built: a missing device fails at once

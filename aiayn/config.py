@@ -1,8 +1,5 @@
-"""Model configuration: one dataclass for the whole family, validated on construction.
-
-No torch here: a config can be read, checked and written without building a model.
-Every validation error says which field is wrong, what it holds and what to change.
-"""
+"""Model and training configuration, validated on construction: each error says which field is wrong,
+what it holds and what to change. No torch here: a config is read and checked without a model."""
 
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ import difflib
 import json
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +24,12 @@ SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 ATTENTION_IMPLS = ("fused", "reference")
 
 
-# ModelConfig fields that may be left None to be derived from the others (see their comments).
-DERIVED_FIELDS = ("tgt_vocab_size", "n_kv_heads", "head_dim", "n_decoder_layers", "final_norm",
-                  "attn_bias", "attn_out_bias", "mlp_bias")
+# ModelConfig fields that may be left None, and how each is derived (in order: attn_out_bias after attn_bias).
+DERIVED_FIELDS: dict[str, Callable[[ModelConfig], Any]] = {
+    "tgt_vocab_size": lambda c: c.vocab_size, "n_kv_heads": lambda c: c.n_heads,
+    "head_dim": lambda c: c.d_model // c.n_heads, "n_decoder_layers": lambda c: c.n_layers,
+    "final_norm": lambda c: c.norm_position == "pre", "attn_bias": lambda c: c.bias,
+    "attn_out_bias": lambda c: c.attn_bias, "mlp_bias": lambda c: c.bias}
 # Older names of the same fields: configs and recipes written with them still load, with a warning.
 OLD_FIELD_NAMES = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "decoder_layers": "n_decoder_layers",
                    "target_vocab_size": "tgt_vocab_size", "use_final_norm": "final_norm",
@@ -36,8 +37,7 @@ OLD_FIELD_NAMES = {"kv_heads": "n_kv_heads", "head_size": "head_dim", "decoder_l
 
 
 def _rename_old_fields(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with old field names mapped to today's (a DeprecationWarning names each); unknown
-    fields are refused."""
+    """``data`` with old field names mapped to today's (with a DeprecationWarning); unknown ones refused."""
     data = dict(data)
     for old, new in OLD_FIELD_NAMES.items():
         if old in data:
@@ -96,10 +96,8 @@ def _check_known_fields(cls: type, data: dict[str, Any]) -> None:
     known = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(str(key) for key in set(data) - known)
     if unknown:
-        guesses = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, known, n=1)
-            guesses.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        guesses = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, known, n=1))
+                   else key for key in unknown]
         raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(guesses)}; known fields are "
                           f"{', '.join(sorted(known))}")
 
@@ -153,8 +151,7 @@ class ModelConfig:
     activation_dropout: float = 0.0
     # Bias terms on the attention and feed-forward projections.
     bias: bool = True
-    # Finer bias switches, None = follow ``bias`` (attn_out_bias: follow ``attn_bias``); Qwen2 has
-    # q/k/v biases only.
+    # Finer bias switches, None = follow ``bias`` (attn_out_bias: ``attn_bias``); Qwen2 biases q/k/v only.
     attn_bias: bool | None = None
     attn_out_bias: bool | None = None
     mlp_bias: bool | None = None
@@ -172,8 +169,8 @@ class ModelConfig:
     # Encoder-only (BERT): a norm right after the embeddings.
     embedding_norm: bool = False
     attn_impl: str = "fused"
-    # Padding-free forward passes (aiayn.nn.packing): without a cache, the token-wise layers run on
-    # the real tokens only; logits and hidden states are zeros at padding.
+    # Padding-free forward passes (aiayn.nn.packing): without a cache, the token-wise layers skip
+    # padding, where logits and hidden states are zeros.
     padding_free: bool = False
     # Free-form name (the preset it came from), kept in saved configs.
     name: str = field(default="custom")
@@ -236,27 +233,12 @@ class ModelConfig:
         self._resolve_derived()
 
     def _resolve_derived(self) -> None:
-        """Fill in the fields left None (= derived from the others), once, so that every reader
-        sees one name with one concrete value; ``to_dict`` and ``replace`` still treat them as
-        derived (a ``replace(d_model=...)`` re-derives ``head_dim``)."""
-        derived = {name for name in DERIVED_FIELDS if getattr(self, name) is None}
-        self._derived = frozenset(derived)
-        if self.tgt_vocab_size is None:
-            self.tgt_vocab_size = self.vocab_size
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.head_dim is None:
-            self.head_dim = self.d_model // self.n_heads
-        if self.n_decoder_layers is None:
-            self.n_decoder_layers = self.n_layers
-        if self.final_norm is None:
-            self.final_norm = self.norm_position == "pre"
-        if self.attn_bias is None:
-            self.attn_bias = self.bias
-        if self.attn_out_bias is None:
-            self.attn_out_bias = self.attn_bias
-        if self.mlp_bias is None:
-            self.mlp_bias = self.bias
+        """Fill in the fields left None once, so that every reader sees a concrete value; ``to_dict``
+        and ``replace`` still treat them as derived (a ``replace(d_model=...)`` re-derives ``head_dim``)."""
+        self._derived = frozenset(name for name in DERIVED_FIELDS if getattr(self, name) is None)
+        for name, rule in DERIVED_FIELDS.items():
+            if name in self._derived:
+                setattr(self, name, rule(self))
 
     # ---- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -320,8 +302,7 @@ class TrainConfig:
     warmup_steps: int = 100
     label_smoothing: float = 0.0
     clip_grad_norm: float | None = 1.0
-    # bfloat16 autocast over float32 weights: None = the device's default (on CUDA, on; on the
-    # CPU, off: aiayn.device.autocast_dtype); True/False force it.
+    # bfloat16 autocast over float32 weights; None = the device's default (aiayn.device.autocast_dtype).
     bf16: bool | None = None
     compile: bool = False
     eval_every: int = 0  # steps between validation runs; 0 = once per epoch
@@ -331,8 +312,7 @@ class TrainConfig:
     # score the test split with the better of them and the last on val. Needs keep_checkpoints >= N.
     average_last: int = 0
     log_every: int = 10
-    # LoRA adapters on the frozen model (aiayn.finetune.lora.LoraConfig's fields: rank, alpha, dropout,
-    # targets); None: every weight trains.
+    # LoRA adapters on the frozen model (aiayn.finetune.lora.LoraConfig's fields); None: every weight trains.
     lora: dict[str, Any] | None = None
     # QLoRA: "q4" keeps a LoRA run's frozen projections in 4-bit blocks (aiayn.finetune.qlora); None: float.
     quantize: str | None = None

@@ -1,12 +1,8 @@
-"""Cooperative sharing of the CPU cores between aiayn processes on one machine.
-
-Jobs running one thread per core each oversubscribe the cores (libgomp's threads spin). So each
-busy aiayn process calls ``share_cores()`` at its safe points and, every ``CHECK_EVERY`` seconds,
-renews a file ``<pid>`` in a per-user registry folder (busy until its modification time), counts
-the live busy processes and sets ``torch.set_num_threads(max(1, cores // busy))``; alone it keeps
-torch's default. A thread count someone chose (``OMP_NUM_THREADS``, ``--threads``,
-``torch.set_num_threads``) is kept; ``AIAYN_SHARE_CPUS=0`` turns sharing off. A training is
-reproducible for a given, kept thread count."""
+"""Cooperative sharing of the CPU cores between aiayn processes on one machine (jobs of one thread per
+core each oversubscribe the cores). At its safe points a busy process renews a file ``<pid>`` in a
+per-user registry folder (busy until its modification time), counts the live busy processes and
+sets ``torch.set_num_threads(max(1, cores // busy))``. A thread count someone chose is kept;
+``AIAYN_SHARE_CPUS=0`` turns sharing off."""
 
 from __future__ import annotations
 
@@ -84,11 +80,9 @@ def alive(pid: int, started: str | None) -> bool:
     """Whether process ``pid`` exists and is the one that started at ``started`` (when known)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
     except PermissionError:  # exists, another user's (not in a per-user folder, but be safe)
         pass
-    except OSError:
+    except OSError:  # ProcessLookupError among them
         return False
     return started is None or start_time(pid) in (None, started)
 
@@ -179,12 +173,6 @@ class CpuShare:
         return count
 
     # ---- the safe point ----------------------------------------------------------------------
-    def _state(self) -> _ThreadState:
-        state = getattr(self._threads, "state", None)
-        if state is None:
-            state = self._threads.state = _ThreadState()
-        return state
-
     def share_cores(self) -> None:
         """The safe point: every ``CHECK_EVERY`` s, renew this process's claim and set this thread's count
         to its fair share (unless the count is kept)."""
@@ -209,7 +197,7 @@ class CpuShare:
     def _adjust(self, busy: int) -> None:
         import torch  # imported by the caller already (it runs a model); this module stays light
 
-        state = self._state()
+        state = self._threads.__dict__.setdefault("state", _ThreadState())
         current = torch.get_num_threads()
         if state.full is None:  # first look from this thread: whose count is it?
             state.full = state.last_set = current

@@ -1,18 +1,12 @@
 """Where a model runs and in what precision: the one place that decides it (no other code names a
-device by hand).
-
-* ``resolve("auto")``: the first CUDA GPU, else the CPU; a named device this machine lacks is a
-  ``DeviceError``.
-* Precision: on CUDA, bfloat16 autocast over float32 weights and TF32 matmuls; on the CPU,
-  float32 unless bfloat16 is asked for.
-* Batches go to an accelerator from pinned memory without waiting (``to_device``).
-* Training: fused AdamW and NCCL on CUDA, gloo elsewhere; the CUDA generators' states join the
-  CPU's in a checkpoint."""
+device by hand). ``auto`` is the first CUDA GPU, else the CPU; on CUDA, bfloat16 autocast over
+float32 weights and TF32 matmuls; on the CPU, float32 unless bfloat16 is asked for."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Any, TypeVar
 
 import torch
@@ -29,8 +23,8 @@ class DeviceError(ValueError):
 
 
 def resolve(spec: str | torch.device | None = "auto") -> torch.device:
-    """The device that ``spec`` names on this machine: ``auto``/None -> the first CUDA GPU, else the
-    CPU; ``cpu``, ``cuda``, ``cuda:N``, ``mps`` -> that device, checked to exist (``DeviceError``)."""
+    """The device that ``spec`` names on this machine (``auto``/None: the first CUDA GPU, else the CPU),
+    checked to exist (``DeviceError``)."""
     if isinstance(spec, torch.device):
         spec = str(spec)
     name = (spec or "auto").strip().lower()
@@ -70,8 +64,8 @@ def local_gpu(local_rank: int) -> torch.device:
 
 
 def prepare(device: torch.device) -> torch.device:
-    """Set the process-wide switches for ``device`` (once, before the first model runs): on CUDA,
-    TF32 for float32 matmuls and convolutions, and ``device`` as the current GPU. Returns it."""
+    """``device``, with its process-wide switches set: on CUDA, TF32 matmuls and convolutions, and
+    ``device`` as the current GPU."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -80,8 +74,8 @@ def prepare(device: torch.device) -> torch.device:
 
 
 def autocast_dtype(device: torch.device, *, bf16: bool | None = None) -> torch.dtype | None:
-    """The autocast dtype on ``device``: bfloat16 on CUDA unless ``bf16`` is False; on the CPU and
-    MPS bfloat16 only when ``bf16`` is True; None for no autocast (float32)."""
+    """The autocast dtype on ``device`` (None: float32): bfloat16 on CUDA unless ``bf16`` is False,
+    elsewhere only when it is True."""
     if device.type == "cuda":
         return None if bf16 is False else torch.bfloat16
     return torch.bfloat16 if bf16 else None
@@ -96,8 +90,8 @@ def autocast(device: torch.device, *, bf16: bool | None = None) -> contextlib.Ab
 
 
 def to_device(value: T, device: torch.device) -> T:
-    """``value`` with its tensors on ``device`` (tensors, and tuples, lists, dicts and dataclasses of
-    them, rebuilt); CPU tensors bound for CUDA are pinned and copied without waiting."""
+    """``value`` (a tensor, or tuples, lists, dicts and dataclasses of them) on ``device``; CPU tensors
+    bound for CUDA are pinned and copied without waiting."""
     if isinstance(value, torch.Tensor):
         if value.device == device:
             return value  # type: ignore[return-value]
@@ -119,11 +113,8 @@ def to_device(value: T, device: torch.device) -> T:
 
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device of ``model``'s first parameter or buffer (the CPU for one that has neither)."""
-    for tensor in model.parameters():
-        return tensor.device
-    for tensor in model.buffers():
-        return tensor.device
-    return torch.device("cpu")
+    tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return torch.device("cpu") if tensor is None else tensor.device
 
 
 def fused_optimizer(device: torch.device) -> bool:
@@ -145,11 +136,8 @@ def rng_states() -> dict[str, torch.Tensor]:
 
 def set_rng_states(tensors: dict[str, torch.Tensor]) -> None:
     """Restore what ``rng_states`` saved, for the GPUs this machine has."""
-    if not torch.cuda.is_available():
-        return
-    for i in range(torch.cuda.device_count()):
-        state = tensors.get(f"rng.cuda.{i}")
-        if state is not None:
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        if (state := tensors.get(f"rng.cuda.{i}")) is not None:
             torch.cuda.set_rng_state(state.to("cpu", torch.uint8), i)
 
 

@@ -1,9 +1,6 @@
-"""Sentence embeddings from a BERT-family model: token vectors pooled into one vector per text.
-
-``load_sentence_encoder(dir)`` reads a Hugging Face BERT directory; a sentence-transformers layout
-says how to pool (``modules.json``, ``1_Pooling/config.json``, ``sentence_bert_config.json``),
-else mean pooling and L2 normalisation. Errors a user can fix raise ``EmbedError`` (one line).
-The vectors come back on the CPU. Shape letters: b batch, t tokens, d d_model."""
+"""Sentence embeddings from a BERT-family model: token vectors pooled into one vector per text, as a
+sentence-transformers layout says (else mean pooling and L2 normalisation). Shape letters: b batch,
+t tokens, d d_model."""
 
 from __future__ import annotations
 

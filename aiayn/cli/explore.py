@@ -8,6 +8,7 @@ import click
 
 from aiayn.cli.app import (
     DEFAULT_MODEL_HELP,
+    bad_value,
     cli,
     device_option,
     model_options,
@@ -41,10 +42,8 @@ def explore_cmd(run_dir: Path | None, model_path: Path | None, host: str, port: 
     where = place(device, threads)
     one_model(run_dir, model_path)
     model_path = resolve_model(run_dir, model_path)  # a shipped name, or SmolLM2 by default
-    try:
+    with bad_value("--port/--host", ServeError):
         if port:
             check_port(host, port)  # before loading the model: fail in a second, not after it
         explorable = load_explorable(run_dir, model_path, device=where)
         serve(explorable, host=host, port=port, open_browser=not no_open, echo=click.echo)
-    except ServeError as exc:
-        raise click.BadParameter(str(exc), param_hint="--port/--host") from None

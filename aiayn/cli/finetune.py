@@ -1,19 +1,14 @@
-"""Fine-tuning options and commands: ``--lora-*`` of ``aiayn train``, ``--adapter`` of the commands that
-run a text model, and ``aiayn merge`` (an adapter folded into its base, written as a Hugging Face
-directory)."""
+"""Fine-tuning: ``--lora-*`` of ``aiayn train``, ``--adapter`` of the commands that run a text model,
+and ``aiayn merge``, ``adapter`` and ``chat-data``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from aiayn.cli.app import FiniteFloatRange, cli
-
-LORA_TARGETS_HELP = ("Projections to adapt, comma-separated: q, k, v, o (attention), gate, up, down (MLP); "
-                     "qkv for GPT-2's fused c_attn.")
+from aiayn.cli.app import FiniteFloatRange, bad_value, cli, options
 
 
 def _targets(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
@@ -28,31 +23,28 @@ def _targets(ctx: click.Context, param: click.Parameter, value: str | None) -> t
     return targets
 
 
-def lora_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--lora-rank``, ``--lora-alpha``, ``--lora-dropout``, ``--lora-targets`` (keywords ``lora_*``) and
-    ``--quantize`` (keyword ``quantize``); turn them into train options with ``lora_train_options``."""
-    options = [
-        click.option("--lora-rank", type=click.IntRange(min=1),
-                     help="Train LoRA adapters of this rank on the frozen model instead of the model itself."),
-        click.option("--lora-alpha", type=FiniteFloatRange(min=0, min_open=True),
-                     help="LoRA scale numerator: updates are scaled by alpha / rank.  [default: 16]"),
-        click.option("--lora-dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
-                     help="Dropout on the adapters' input.  [default: 0]"),
-        click.option("--lora-targets", callback=_targets, help=LORA_TARGETS_HELP + "  [default: q,v]"),
-        click.option("--quantize", type=click.Choice(["q4"]),
-                     help="QLoRA: keep the frozen attention and MLP weights in 4-bit blocks (a GGUF file's "
-                          "own 4-bit blocks as they are), the adapters float32; needs --lora-rank. Off the "
-                          "CPU each layer is dequantised when it runs."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+# --lora-rank, --lora-alpha, --lora-dropout, --lora-targets (keywords ``lora_*``) and --quantize (keyword
+# ``quantize``); turn them into train options with ``lora_train_options``.
+lora_options = options(
+    click.option("--lora-rank", type=click.IntRange(min=1),
+                 help="Train LoRA adapters of this rank on the frozen model instead of the model itself."),
+    click.option("--lora-alpha", type=FiniteFloatRange(min=0, min_open=True),
+                 help="LoRA scale numerator: updates are scaled by alpha / rank.  [default: 16]"),
+    click.option("--lora-dropout", type=FiniteFloatRange(min=0, max=1, max_open=True),
+                 help="Dropout on the adapters' input.  [default: 0]"),
+    click.option("--lora-targets", callback=_targets,
+                 help="Projections to adapt, comma-separated: q, k, v, o (attention), gate, up, down (MLP); "
+                      "qkv for GPT-2's fused c_attn.  [default: q,v]"),
+    click.option("--quantize", type=click.Choice(["q4"]),
+                 help="QLoRA: keep the frozen attention and MLP weights in 4-bit blocks (a GGUF file's "
+                      "own 4-bit blocks as they are), the adapters float32; needs --lora-rank. Off the "
+                      "CPU each layer is dequantised when it runs."),
+)
 
 
 def lora_train_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``{"lora": {...}}`` (a TrainConfig field; with ``"quantize"`` when given) from the ``lora_*`` options
-    given, or ``{}`` without ``--lora-rank``; the other ``--lora-*`` options and ``--quantize`` alone are a
-    usage error."""
+    """The TrainConfig fields ``lora`` (and ``quantize``) of the options given, or ``{}`` without
+    ``--lora-rank``; the other ``--lora-*`` options and ``--quantize`` alone are a usage error."""
     given = {key.removeprefix("lora_"): value for key, value in options.items()
              if key.startswith("lora_") and value is not None}
     quantize = options.get("quantize")
@@ -68,13 +60,11 @@ def lora_train_options(options: dict[str, Any]) -> dict[str, Any]:
     return {"lora": given, **({"quantize": quantize} if quantize is not None else {})}
 
 
-def adapter_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--adapter DIR`` (a keyword ``adapter``)."""
-    return click.option(
-        "--adapter", type=click.Path(exists=True, file_okay=False, path_type=Path),
-        help="A LoRA adapter directory (PEFT's adapter_config.json + adapter_model.safetensors) merged into "
-             "the model; without --model/--run, the model is the adapter's base_model_name_or_path. translate and "
-             "evaluate take it with --prompt.")(func)
+adapter_option = click.option(
+    "--adapter", type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="A LoRA adapter directory (PEFT's adapter_config.json + adapter_model.safetensors) merged into "
+         "the model; without --model/--run, the model is the adapter's base_model_name_or_path. translate and "
+         "evaluate take it with --prompt.")
 
 
 def adapter_base(adapter: Path | None, run_dir: Path | None, model_path: Path | None) -> Path | None:
@@ -113,12 +103,10 @@ def merge_cmd(adapter: Path, base: Path | None, out_dir: Path, dtype: str) -> No
                                  param_hint="--out")
     base = adapter_base(adapter, None, base)
     assert base is not None
-    try:
+    with bad_value(None, RunInputError, TextModelError):
         lm = load_text_model(model_path=resolve_model(base), plain=True, device="cpu", adapter=adapter)
         lm.model = lm.model.to(getattr(torch, dtype))
         out = export_text_model(lm, out_dir)
-    except (RunInputError, TextModelError) as exc:
-        raise click.UsageError(str(exc)) from None
     click.echo(f"merged {adapter} into {base} -> {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
 
 
@@ -177,9 +165,7 @@ def chat_data_cmd(src_path: Path, tgt_path: Path, prompt: str, out_path: Path, l
 
     check_writable(out_path, "--out")
     sources, targets = read_parallel(src_path, tgt_path)
-    try:
+    with bad_value("--prompt"):
         conversations = translation_conversations(sources[:limit], targets[:limit], prompt)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--prompt") from None
     atomic_write_text(out_path, conversations_jsonl(conversations))
     click.echo(f"{len(conversations)} conversations -> {out_path}")

@@ -14,6 +14,7 @@ from aiayn.cli.app import (
     DEFAULT_MODEL_HELP,
     SEED_RANGE,
     FiniteFloatRange,
+    bad_value,
     check_threads,
     cli,
     device_option,
@@ -42,10 +43,8 @@ def text_device(name: str, quantize: str = "none") -> Any:
     from aiayn.textgen import CPU_QUANTIZE, placement
 
     device = resolve_device("cpu" if quantize in CPU_QUANTIZE and name.strip().lower() == "auto" else name)
-    try:
+    with bad_value("--quantize"):
         placement(device, quantize)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--quantize") from None
     return device
 
 
@@ -92,12 +91,10 @@ def text_device(name: str, quantize: str = "none") -> Any:
 @adapter_option
 @plain_option
 @device_option
-def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool,
-                 max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                 repetition_penalty: float, seed: int | None, stops: tuple[str, ...], json_bounds: Any,
-                 quantize: str = "none", threads: int | None = None, kv_cache: str = "float",
-                 compiled: bool = False, json_schema: Any = None, json_object: bool = False, plain: bool = False,
-                 device: str = "auto", slide: bool = True, adapter: Path | None = None) -> None:
+def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, chat: bool, max_new_tokens: int,
+                 stops: tuple[str, ...], json_bounds: Any, quantize: str, threads: int | None, kv_cache: str,
+                 compiled: bool, json_schema: Any, json_object: bool, plain: bool, device: str, slide: bool,
+                 adapter: Path | None, **sampling: Any) -> None:
     """Generate text from a trained run or a pretrained model, streaming tokens as they come."""
     from aiayn.generate import SamplingConfig
     from aiayn.textgen import stream_text
@@ -119,17 +116,14 @@ def generate_cmd(run_dir: Path | None, model_path: Path | None, prompt: str, cha
                                  f"{lm.model.config.head_dim} is odd; use int8", param_hint="--kv-cache")
     if chat and lm.chat is None:
         raise click.UsageError("this model has no chat template; drop --chat")
-    try:
+    with bad_value("--prompt"):
         ids = lm.prompt_ids(prompt, chat=chat)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--prompt") from None
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p,
-                              repetition_penalty=repetition_penalty, seed=seed)
+    sampler = SamplingConfig(**sampling)
     constraint = None if schema is None else json_constraint(lm, schema, json_bounds)
     if not chat and constraint is None:  # (with a grammar stdout is the JSON alone)
         click.echo(prompt, nl=False)
     stats = stream_text(lm, ids, on_text=lambda text: click.echo(text, nl=False), max_new_tokens=max_new_tokens,
-                        sampling=sampling, stops=stops, kv_cache=None if kv_cache == "float" else kv_cache,
+                        sampling=sampler, stops=stops, kv_cache=None if kv_cache == "float" else kv_cache,
                         compile=compiled, constraint=constraint, slide=slide)
     click.echo(f"\n[{stats.summary()}]", err=True)
     if constraint is not None and stats.stop in ("length", "context", "stop"):
@@ -174,10 +168,8 @@ def json_constraint(lm: Any, schema: dict[str, Any], bounds: Any) -> Any:
     line when it cannot be made."""
     from aiayn.generate.constrain import GrammarConstraint
 
-    try:
+    with bad_value("--json-schema / --json"):
         return GrammarConstraint.from_schema(lm.tokenizer, schema, eos_id=lm.eos_id, bounds=bounds)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--json-schema / --json") from None
 
 
 def resolve_model(run_dir: Path | None, model_path: Path | str | None) -> Path | None:
@@ -188,10 +180,8 @@ def resolve_model(run_dir: Path | None, model_path: Path | str | None) -> Path |
     from aiayn.tasks.shipped import resolve_model as resolve_shipped
 
     if model_path is not None:
-        try:
+        with bad_value("--model", RunInputError):
             model_path = resolve_shipped(model_path)
-        except RunInputError as exc:
-            raise click.BadParameter(str(exc), param_hint="--model") from None
     if run_dir is None:
         model_path = model_path or smollm2_path()
         if model_path is None:
@@ -203,23 +193,16 @@ def resolve_model(run_dir: Path | None, model_path: Path | str | None) -> Path |
 
 def text_model(run_dir: Path | None, model_path: Path | str | None, *, plain: bool, quantize: str = "none",
                device: Any = None, adapter: Path | None = None, run_error_names_model: bool = False) -> Any:
-    """``load_text_model`` of --run or --model (a shipped name resolved), with --adapter, on ``device`` (a
-    ``torch.device`` or a name); without either, the adapter's base or the default model. A model that
-    cannot generate is a bad --model value; a run (or release) that cannot is a usage error, or with
-    ``run_error_names_model`` a bad --model value too."""
+    """``load_text_model`` of --run or --model (without either: the adapter's base or the default model),
+    with --adapter; a run that cannot generate is a usage error (or a bad --model value)."""
     from aiayn.tasks.runs import RunInputError, load_text_model
     from aiayn.textgen import TextModelError
 
     model_path = resolve_model(run_dir, adapter_base(adapter, run_dir, model_path))
-    try:
+    run_hint = "--model" if run_error_names_model else None
+    with bad_value("--model", TextModelError), bad_value(run_hint, RunInputError):
         return load_text_model(run_dir, model_path, plain=plain, quantize=quantize, device=device,
                                adapter=adapter)
-    except RunInputError as exc:
-        if run_error_names_model:
-            raise click.BadParameter(str(exc), param_hint="--model") from None
-        raise click.UsageError(str(exc)) from None
-    except TextModelError as exc:
-        raise click.BadParameter(str(exc), param_hint="--model") from None
 
 
 @cli.command("embed")

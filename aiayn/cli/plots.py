@@ -11,6 +11,7 @@ import click
 from aiayn.cli.app import (
     SEED_RANGE,
     FiniteFloatRange,
+    bad_value,
     cli,
     device_option,
     one_model,
@@ -56,24 +57,18 @@ def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str |
 
     one_model(run_dir, model_name, required=True)
     where = place(device, threads)
-    try:
+    with bad_value("--run" if run_dir is not None else "--model", RunInputError):
         path, note = single_model(run_dir if run_dir is not None else resolve_model(model_name or ""))
         if note is not None:  # a map is one model's: an ensemble shows its first member
             click.echo(note, err=True)
         run = load_run_or_release(path, prepare=False)
-    except RunInputError as exc:
-        raise click.BadParameter(str(exc), param_hint="--run" if run_dir is not None else "--model") from None
     run.model.to(where)
     if run.task.attention_needs_splits:
         run.task.prepare(run.train_config.seed)
-    try:
+    with bad_value("--kind"):
         kind = run.task.attention_kind(kind)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--kind") from None
-    try:
+    with bad_value("--input"):
         example = run.task.attention_example(run.model, text, kind)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--input") from None
     assert example is not None  # every task with attention_kinds draws them
     name = f"attention-{kind}.png" if kind != run.task.attention_kinds[0] else "attention.png"
     # A shipped model's folder is part of the installed package: never write into it.
@@ -167,10 +162,8 @@ def plot_loss_cmd(run_dirs: tuple[Path, ...], labels: tuple[str, ...], out: Path
                        None)
         if metrics is None:
             raise click.BadParameter(f"{run_dir} has no metrics.csv; is it a run directory?", param_hint="--run")
-        try:
+        with bad_value("--run", viz.MetricsError):
             runs[name] = viz.read_metrics(metrics)
-        except viz.MetricsError as exc:
-            raise click.BadParameter(str(exc), param_hint="--run") from None
         if not runs[name]:
             raise click.BadParameter(f"{metrics} has no rows yet: a run writes one per logging interval",
                                      param_hint="--run")
@@ -188,6 +181,5 @@ def demo_cmd(seed: int, threads: int | None = None) -> None:
     from aiayn.demo import run_demo
 
     use_threads(threads)
-
     if not run_demo(click.echo, seed=seed):
         raise SystemExit(1)

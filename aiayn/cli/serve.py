@@ -9,6 +9,7 @@ import click
 
 from aiayn.cli.app import (
     FiniteFloatRange,
+    bad_value,
     check_threads,
     cli,
     device_option,
@@ -88,12 +89,9 @@ from aiayn.cli.finetune import adapter_base, adapter_option
 @plain_option
 @device_option
 def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, host: str, port: int,
-              max_batch: int, context: int | None, kv_budget: str, kv_cache: str, quantize: str,
-              prefill_chunk: int, max_queue: int, api_key: str | None, shutdown_grace: float,
-              threads: int | None, max_inputs: int, max_input_tokens: int | None, max_request_tokens: int,
-              embed_chunk: int, embed_share: float, json_bounds: Any, kv_layout: str | None = None,
-              block_size: int = 16, prefix_caching: bool = True, plain: bool = False, device: str = "auto",
-              compiled: bool = False, keep_alive: float = 20.0, adapter: Path | None = None) -> None:
+              kv_budget: str, kv_cache: str, quantize: str, api_key: str | None, threads: int | None,
+              plain: bool, device: str, compiled: bool, keep_alive: float, adapter: Path | None,
+              **settings: Any) -> None:
     """Serve a model over the OpenAI API (chat, completions, embeddings) with continuous batching."""
     import torch
 
@@ -102,34 +100,24 @@ def serve_cmd(model_path: Path | None, run_dir: Path | None, name: str | None, h
     from aiayn.serve.compiled_step import compile_refusal
     from aiayn.serve.server import check_port, exposure_warning
 
-    if compiled and (why := compile_refusal(kv_layout, kv_cache)):
+    if compiled and (why := compile_refusal(settings["kv_layout"], kv_cache)):
         raise click.UsageError(why)
     where = text_device(device, quantize)  # the KV budget (--kv-budget) is this device's memory
     one_model(run_dir, model_path)
-    try:
+    with bad_value("--kv-budget"):
         budget = parse_size(kv_budget)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--kv-budget") from None
     wanted = check_threads(threads) if threads is not None else torch.get_num_threads()
     check_port(host, port)
     model_path = resolve_model(run_dir, adapter_base(adapter, run_dir, model_path))
-    # The main thread loads on one thread, the engine thread computes on the threads asked for: a
-    # second OpenMP pool would outnumber the CPUs and stop workers spinning (docs/serve.md: "the
-    # engine thread's own OpenMP pool").
+    # Loading on one thread, the engine thread computing on those asked for: a second OpenMP pool would
+    # outnumber the CPUs (docs/serve.md: "the engine thread's own OpenMP pool").
     torch.set_num_threads(1)
     served = load_served_model(model_path, run_dir, name=name, quantize=quantize, plain=plain, device=where, adapter=adapter)
     if served.lm is None:  # an encoder answers on the server's threads: no engine thread to leave them to
         torch.set_num_threads(wanted)
-    try:
-        state, lines = build_state(served, max_batch=max_batch, context=context, kv_budget=budget,
-                                   kv_cache=None if kv_cache == "float" else kv_cache, prefill_chunk=prefill_chunk,
-                                   max_queue=max_queue, api_key=api_key, shutdown_grace=shutdown_grace,
-                                   threads=wanted, max_inputs=max_inputs, max_input_tokens=max_input_tokens,
-                                   max_request_tokens=max_request_tokens, embed_chunk=embed_chunk,
-                                   embed_share=embed_share, kv_layout=kv_layout, block_size=block_size,
-                                   prefix_caching=prefix_caching, compile=compiled, json_bounds=json_bounds)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    with bad_value(None):
+        state, lines = build_state(served, kv_budget=budget, kv_cache=None if kv_cache == "float" else kv_cache,
+                                   api_key=api_key, threads=wanted, compile=compiled, **settings)
     lines.append(f"listening on http://{host}:{port}/v1 (OpenAI API){' with an API key' if api_key else ''}")
     for line in [*lines, exposure_warning(host, api_key)]:
         if line:
@@ -162,9 +150,7 @@ def export_cmd(target: str, out_dir: Path, model_path: Path | None, run_dir: Pat
                                  param_hint="OUT_DIR")
     lm = text_model(run_dir, model_path, plain=True, device="cpu")  # written from the CPU
     lm.model = lm.model.to(getattr(torch, dtype))
-    try:
+    with bad_value(None, TextModelError):
         out = export_text_model(lm, out_dir)
-    except TextModelError as exc:
-        raise click.UsageError(str(exc)) from None
     click.echo(f"wrote {out} ({target}: {', '.join(sorted(p.name for p in out.iterdir()))})")
     click.echo(f"serve it elsewhere, e.g. `vllm serve {out}` or transformers' from_pretrained('{out}')", err=True)

@@ -13,9 +13,11 @@ import click
 from aiayn.cli.app import (
     SEED_RANGE,
     FiniteFloatRange,
+    bad_value,
     cli,
     device_option,
     is_main_process,
+    options,
     place,
     plain_option,
     threads_option,
@@ -53,10 +55,8 @@ def kv_cache_cmd(preset: str | None, batch_size: int, dtype: str, group_size: in
     from aiayn.nn.kv_memory import describe_kv_cache
 
     sizes = _kv_sizes(preset, given)
-    try:
+    with bad_value("--group-size"):
         lines = describe_kv_cache(**sizes, batch_size=batch_size, dtype=dtype, group_size=group_size)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--group-size") from None
     for line in lines:
         click.echo(line)
 
@@ -67,10 +67,8 @@ def _kv_sizes(preset: str | None, given: dict[str, int | None]) -> dict[str, int
     from aiayn.nn.kv_memory import cache_sizes
 
     if preset is not None:  # the preset fills in what is not given
-        try:
+        with bad_value("--preset", ConfigError):
             from_preset = cache_sizes(get_preset(preset))
-        except ConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--preset") from None
         if from_preset["src_len"] and given["src_len"] is None:  # encoder-decoder: as long as the target
             from_preset["src_len"] = given["seq_len"] or from_preset["seq_len"]
         given = {k: from_preset[k] if v is None and k in from_preset else v for k, v in given.items()}
@@ -95,8 +93,7 @@ def _kv_sizes(preset: str | None, given: dict[str, int | None]) -> dict[str, int
                 seq_len=given["seq_len"], src_len=given["src_len"] or 0)  # type: ignore[dict-item]
 
 
-# ``--name`` options of TrainConfig and ModelConfig fields, given or left to the task and recipe (None);
-# a bool field is a ``--name/--no-name`` switch.
+# ``--name`` options of TrainConfig and ModelConfig fields, given or left to the task and recipe (None).
 _TRAIN_OPTIONS: dict[str, tuple[Any, str]] = {
     "epochs": (click.IntRange(min=1), "Passes over the training split."),
     "max_steps": (click.IntRange(min=1), "Stop after this many optimiser steps."),
@@ -136,10 +133,10 @@ _MODEL_OPTIONS: dict[str, tuple[Any, str]] = {
 }
 
 
-def _config_options(options: dict[str, tuple[Any, str]]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The click options of ``options``, in their order."""
+def _config_options(fields: dict[str, tuple[Any, str]]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The click options of ``fields``, in their order; a bool field is a ``--name/--no-name`` switch."""
     def apply(func: Callable[..., Any]) -> Callable[..., Any]:
-        for name, (kind, text) in reversed(options.items()):
+        for name, (kind, text) in reversed(fields.items()):
             flag = name.replace("_", "-")
             declared = f"--{flag}/--no-{flag}" if kind is bool else f"--{flag}"
             func = click.option(declared, type=None if kind is bool else kind, default=None, help=text)(func)
@@ -150,24 +147,22 @@ def _config_options(options: dict[str, tuple[Any, str]]) -> Callable[[Callable[.
 _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}  # RunSetupError.about
 # Task options given on the command line: what to start from and the data (files, as lists where repeatable).
 _TASK_OPTIONS = ("init_from", "data", "val_data", "src", "tgt")
-
-
-def _task_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """``--init-from`` and the data files, passed to the task as its options of the same names."""
-    file = click.Path(dir_okay=False)
-    for declared, kind, multiple, text in reversed((
-        ("--init-from", str, False, "Start from this model and continue training it, with its tokenizer: a shipped "
-                                    "model, a run directory, a GGUF file (dequantised) or a Hugging Face directory."),
-        ("--data", file, True, "Training data file (repeat for several); the format is the task's (--task text: "
-                               "plain text)."),
-        ("--val-data", file, True, "Validation data file (repeat for several). Default: a seeded share of --data."),
-        ("--src", file, False, "Source-side file of your own parallel data (translation)."),
-        ("--tgt", file, False, "Target-side file of your own parallel data (translation), line i translating "
-                               "line i of --src."),
-    )):
-        func = click.option(declared, type=kind, multiple=multiple, default=() if multiple else None,
-                            metavar="SOURCE" if kind is str else None, help=text)(func)
-    return func
+_FILE = click.Path(dir_okay=False)
+_task_options = options(
+    click.option("--init-from", type=str, default=None, metavar="SOURCE",
+                 help="Start from this model and continue training it, with its tokenizer: a shipped model, "
+                      "a run directory, a GGUF file (dequantised) or a Hugging Face directory."),
+    click.option("--data", type=_FILE, multiple=True, default=(),
+                 help="Training data file (repeat for several); the format is the task's (--task text: "
+                      "plain text)."),
+    click.option("--val-data", type=_FILE, multiple=True, default=(),
+                 help="Validation data file (repeat for several). Default: a seeded share of --data."),
+    click.option("--src", type=_FILE, default=None,
+                 help="Source-side file of your own parallel data (translation)."),
+    click.option("--tgt", type=_FILE, default=None,
+                 help="Target-side file of your own parallel data (translation), line i translating line i "
+                      "of --src."),
+)
 
 
 @cli.command("train")
@@ -216,8 +211,8 @@ def train_cmd(ctx: click.Context, task: str, run_dir: Path | None, resume: bool,
     run_dir = run_dir or default_run_dir(setup.task_name)
     if is_main_process():
         click.echo(f"task {setup.task_name}: {setup.task.description}")
-        for note in _setup_notes(setup.task, setup.train_config.seed):
-            click.echo(note)
+        for note in getattr(setup.task, "setup_notes", lambda seed: [])(setup.train_config.seed):
+            click.echo(note)  # what the task does that the options did not spell out (a split it makes)
         click.echo(f"run directory: {run_dir}")
     try:
         result = train(setup.task, setup.model_config, setup.train_config, run_dir, resume=resume,
@@ -254,12 +249,6 @@ def _setup_run(ctx: click.Context, task: str, resume_dir: Path | None, recipe: P
         if exc.about not in _SETUP_HINTS:
             raise click.UsageError(str(exc)) from None
         raise click.BadParameter(str(exc), param_hint=_SETUP_HINTS[exc.about]) from None
-
-
-def _setup_notes(task: Any, seed: int) -> list[str]:
-    """What a task says it will do that the options did not spell out (a validation split it makes)."""
-    notes = getattr(task, "setup_notes", None)
-    return notes(seed) if notes is not None else []
 
 
 def _report(result: Any, run_dir: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +13,11 @@ import click
 from aiayn.cli.app import (
     SEED_RANGE,
     FiniteFloatRange,
+    bad_value,
     check_writable,
     cli,
     device_option,
+    options,
     place,
     plain_option,
     threads_option,
@@ -25,49 +26,44 @@ from aiayn.cli.app import (
 from aiayn.cli.finetune import adapter_option
 from aiayn.cli.generate import text_model
 
-
-def _decoding_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    options = [
-        click.option("--run", "run_dirs", type=click.Path(path_type=Path), multiple=True,
-                     help="A run directory of the translation task. Repeat it (or add --model) for an "
-                          "ensemble: one search over the mean of the models' log-probabilities; they "
-                          "must share the vocabulary (source and target tokenizers) and the language pair."),
-        click.option("--model", "model_names", multiple=True,
-                     help="A shipped model (multi30k-en-de, multi30k-de-en; see `aiayn models`) or a "
-                          "release directory; repeat it for an ensemble.  [default without --run: "
-                          "multi30k-en-de]"),
-        click.option("--checkpoint", "checkpoints", type=click.Path(path_type=Path), multiple=True,
-                     help="A checkpoint directory (e.g. RUN/averaged-last5) instead of the run's latest. "
-                          "Repeated with one --run: an ensemble of that run's checkpoints; with several "
-                          "--run: one each, in order."),
-        click.option("--beam", type=click.IntRange(min=1),
-                     help="Beam size; 1 = greedy.  [default: the run's recipe, beam_size (5 if unset)]"),
-        click.option("--length-penalty", type=FiniteFloatRange(min=0),
-                     help="GNMT length penalty alpha: score / ((5 + length) / 6) ** alpha.  "
-                          "[default: the run's recipe, length_penalty (0.6 if unset)]"),
-        click.option("--temperature", type=FiniteFloatRange(min=0),
-                     help="Sample instead of searching, at this temperature."),
-        click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens."),
-        click.option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True),
-                     help="Nucleus sampling threshold."),
-        click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1."),
-        click.option("--compile", "compiled", is_flag=True,
-                     help="Run the decode steps after the first as one torch.compile'd graph (a CUDA graph "
-                          "on a GPU). The same translations; each batch size compiles once (about a minute "
-                          "on the CPU, with a C++ compiler), so it pays for many sentences, not a few "
-                          "(docs/gpu.md)."),
-        click.option("--prompt", help="Translate with a chat model (--model: a GGUF file, a Hugging Face "
-                                      "directory or a language-model run) asked this, where {src} stands for "
-                                      "the sentence, e.g. 'Translate to German: {src}'; greedy, the answer's "
-                                      "first line."),
-        adapter_option,
-        plain_option,
-        device_option,
-        threads_option,
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+_decoding_options = options(
+    click.option("--run", "run_dirs", type=click.Path(path_type=Path), multiple=True,
+                 help="A run directory of the translation task. Repeat it (or add --model) for an "
+                      "ensemble: one search over the mean of the models' log-probabilities; they "
+                      "must share the vocabulary (source and target tokenizers) and the language pair."),
+    click.option("--model", "model_names", multiple=True,
+                 help="A shipped model (multi30k-en-de, multi30k-de-en; see `aiayn models`) or a "
+                      "release directory; repeat it for an ensemble.  [default without --run: "
+                      "multi30k-en-de]"),
+    click.option("--checkpoint", "checkpoints", type=click.Path(path_type=Path), multiple=True,
+                 help="A checkpoint directory (e.g. RUN/averaged-last5) instead of the run's latest. "
+                      "Repeated with one --run: an ensemble of that run's checkpoints; with several "
+                      "--run: one each, in order."),
+    click.option("--beam", type=click.IntRange(min=1),
+                 help="Beam size; 1 = greedy.  [default: the run's recipe, beam_size (5 if unset)]"),
+    click.option("--length-penalty", type=FiniteFloatRange(min=0),
+                 help="GNMT length penalty alpha: score / ((5 + length) / 6) ** alpha.  "
+                      "[default: the run's recipe, length_penalty (0.6 if unset)]"),
+    click.option("--temperature", type=FiniteFloatRange(min=0),
+                 help="Sample instead of searching, at this temperature."),
+    click.option("--top-k", type=click.IntRange(min=1), help="Sample among the k most likely tokens."),
+    click.option("--top-p", type=FiniteFloatRange(min=0, max=1, min_open=True),
+                 help="Nucleus sampling threshold."),
+    click.option("--seed", type=SEED_RANGE, help="Random seed for sampling, 0 to 2**32 - 1."),
+    click.option("--compile", "compiled", is_flag=True,
+                 help="Run the decode steps after the first as one torch.compile'd graph (a CUDA graph "
+                      "on a GPU). The same translations; each batch size compiles once (about a minute "
+                      "on the CPU, with a C++ compiler), so it pays for many sentences, not a few "
+                      "(docs/gpu.md)."),
+    click.option("--prompt", help="Translate with a chat model (--model: a GGUF file, a Hugging Face "
+                                  "directory or a language-model run) asked this, where {src} stands for "
+                                  "the sentence, e.g. 'Translate to German: {src}'; greedy, the answer's "
+                                  "first line."),
+    adapter_option,
+    plain_option,
+    device_option,
+    threads_option,
+)
 
 
 def _translator(device: Any, run_dirs: tuple[Path, ...], model_names: tuple[str, ...],
@@ -120,12 +116,10 @@ def _prompt_translator(device: Any, run_dirs: tuple[Path, ...], model_names: tup
                else "give --model" if given == 0 and adapter is None else None)
     if problem is not None:
         raise click.UsageError(f"--prompt translates greedily with one chat model (--model or --run); {problem}")
-    try:
+    with bad_value("--prompt"):
         lm = text_model(run_dirs[0] if run_dirs else None, model_names[0] if model_names else None, plain=plain,
                         device=device, adapter=adapter, run_error_names_model=True)
         return PromptTranslator(lm, prompt)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--prompt") from None
 
 
 @cli.command("translate")
@@ -145,13 +139,9 @@ def translate_cmd(device: str, threads: int | None, texts: tuple[str, ...], **op
     translator, decoding = _translator(place(device, threads), **options)
     if texts == ("-",):  # "-" is standard input, as for aiayn embed
         texts = ()
-
-    def show(warning: Any, category: Any, *_: Any, **__: Any) -> None:
-        click.echo(f"warning: {warning}", err=True)
-
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # each cut sentence says so, in one line (even with --debug)
         warnings.simplefilter("always", InputTooLongWarning)
-        warnings.showwarning = show
+        warnings.showwarning = lambda warning, *_, **__: click.echo(f"warning: {warning}", err=True)
         if texts:
             for line in translator.translate(list(texts), decoding):
                 click.echo(line)
