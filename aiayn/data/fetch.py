@@ -1,8 +1,6 @@
-"""Datasets one command away: ``aiayn fetch DATASET`` downloads what a task reads, checked.
-
-Files are pinned to the commits in ``../shared/data/<name>/README.md``, written to a temporary name, SHA-256
-checked and only then renamed into place; a present file is skipped when it verifies and never written over.
-``$AIAYN_DATA_URL`` names a mirror."""
+"""``aiayn fetch DATASET``: files pinned to a commit, written to a temporary name, SHA-256 checked, then
+renamed into place; a present file is skipped when it verifies and never written over. ``$AIAYN_DATA_URL``
+names a mirror."""
 
 from __future__ import annotations
 
@@ -94,8 +92,8 @@ def missing_files(dataset: Dataset, folder: Path) -> list[str]:
 
 def fetch_files(folder: Path, files: Mapping[str, tuple[str, str, bool]], *, timeout: float = TIMEOUT_S,
                 echo: Callable[[str], None] | None = None) -> list[str]:
-    """Download ``files`` (local name -> (url, sha256, gzipped)) into ``folder``; the names fetched. A file
-    there that does not verify, or any failure, is a one-line FetchError."""
+    """Download ``files`` (local name -> (url, sha256, gzipped)) into ``folder``; the names fetched. Any
+    failure is a one-line FetchError."""
     folder = Path(folder)
     made = [p for p in (folder, *folder.parents) if not p.exists()]  # what mkdir creates, deepest first
     fetched: list[str] = []

@@ -57,12 +57,10 @@ def split_paths(corpus_dir: str | Path, split: str, src_lang: str, tgt_lang: str
     return corpus_dir / f"{split}.{src_lang}", corpus_dir / f"{split}.{tgt_lang}"
 
 
-
 def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None,
                    sha256: Mapping[str, str] | None = None) -> Path:
-    """Download Multi30k task 1 into ``cache_dir`` itself as ``{split}.{lang}``, checked as
-    ``aiayn.data.fetch`` does; ``base_url`` (the folder of its files) defaults to ``$AIAYN_DATA_URL``, else
-    the public source."""
+    """Download Multi30k task 1 into ``cache_dir`` as ``{split}.{lang}``, from ``base_url`` (default: as
+    ``aiayn.data.fetch``)."""
     from aiayn.data.fetch import DATASETS, dataset_sources, fetch_files
 
     remotes = DATASETS["multi30k"].files

@@ -1,10 +1,7 @@
-"""Fine-tune a chat model on your own conversations (OpenAI's fine-tuning JSONL): each rendered
-through the model's chat template, the loss on the assistant turns only.
-
-With ``pack`` (the default) short conversations share a window of ``block_size`` positions, whole;
-the model has no document mask, so a conversation attends to the ones before it in its window
-(plain causal attention; the loss still counts only each one's own assistant turns). Without it a
-row holds one conversation. A conversation longer than a window is refused, naming its line."""
+"""Fine-tune a chat model on your conversations (OpenAI's fine-tuning JSONL), rendered through its chat
+template, the loss on the assistant turns only. With ``pack`` short conversations share a window of
+``block_size`` positions under plain causal attention (no document mask); a conversation longer than a
+window is refused, naming its line."""
 
 from __future__ import annotations
 
@@ -69,7 +66,6 @@ class ChatTask(Task):
 
     @property
     def tokenizer(self) -> TokenizersText:
-        """The loaded model's tokenizer (kept in the run directory, else the source's)."""
         return TokenizersText(self.source.front(self.run_dir).tokenizer)
 
     @property
@@ -86,8 +82,7 @@ class ChatTask(Task):
                     weight_decay=0.0, schedule="cosine", warmup_steps=10, clip_grad_norm=1.0)
 
     def lora_overrides(self) -> dict[str, Any]:
-        """With LoRA only the small adapters train: the rate LoRA recipes use (litgpt's, PEFT's examples),
-        ten times the full fine-tune's."""
+        """LoRA's rate (litgpt's, PEFT's examples): ten times the full fine-tune's."""
         return {"lr": 2e-4}
 
     def window(self) -> int:

@@ -1,8 +1,6 @@
-"""Language modelling on Tiny Shakespeare: next-character prediction (GPT) and masked-character prediction
-(BERT's 80/10/10 masking).
-
-The corpus is ``$AIAYN_DATA_DIR/tinyshakespeare/input.txt``; the first 90% trains, the last 10% validates in
-non-overlapping windows."""
+"""Language modelling on Tiny Shakespeare (``$AIAYN_DATA_DIR/tinyshakespeare/input.txt``): next-character
+prediction (GPT) and masked-character prediction (BERT's 80/10/10 masking). The first 90% trains, the
+last 10% validates in non-overlapping windows."""
 
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ class TextWindowsTask(Task):
         self.test_split = "val"  # Tiny Shakespeare has no test split; val is reported
 
     def make_tokenizer(self) -> Any:
-        """The tokenizer the run's config records (learned from the corpus the first time), so a trained
-        model can generate without the corpus."""
+        """The vocabulary the run's config records (learned the first time): no corpus is needed later."""
         if self.options.get("vocab") is None:
             self.options["vocab"] = CharTokenizer.from_text(dataset_file(*CORPUS).read_text(encoding="utf-8")).vocab
         return CharTokenizer(self.options["vocab"], specials=self.specials)
@@ -75,8 +72,7 @@ class TextWindowsTask(Task):
         return batch["tokens"].numel()
 
     def validation_start(self) -> Tensor:
-        """The first ``ATTENTION_TOKENS`` tokens of the validation text (the corpus's last 10%, read without
-        encoding the whole corpus)."""
+        """The first ``ATTENTION_TOKENS`` tokens of the validation text, without encoding the whole corpus."""
         corpus = dataset_file(*CORPUS).read_text(encoding="utf-8")
         return self.tokenizer.encode(corpus[int(0.9 * len(corpus)):][: 4 * ATTENTION_TOKENS])[:ATTENTION_TOKENS]
 
@@ -96,8 +92,7 @@ class TextWindowsTask(Task):
 
 
 class CausalTextTask(TextWindowsTask):
-    """Next-token prediction over windows of a text (GPT), with nanoGPT's shakespeare-char recipe as the
-    default model and training: shared by the Tiny Shakespeare tasks and ``text`` on your own files."""
+    """Next-token prediction over windows of a text (GPT), nanoGPT's shakespeare-char recipe by default."""
 
     attention_kinds = ("decoder",)
 

@@ -1,8 +1,6 @@
-"""Find the odd one out in a set of images (UvA Deep Learning tutorial 6, set anomaly detection).
-
-A set holds 9 images of one class and 1 of another, from scikit-learn's bundled 8x8 digits (raw pixels in [0,
-1]) split into disjoint train/val/test pools. The model scores every element with no positional encoding and
-no mask, so it is permutation-equivariant.
+"""Find the odd one out in a set of images (UvA Deep Learning tutorial 6): 9 images of one class and 1 of
+another, from scikit-learn's 8x8 digits split into disjoint train/val/test pools, scored by a
+permutation-equivariant encoder (no positions, no mask).
 
 Shape letters: b sets, n elements per set (10), f pixels per image (64), d d_model, h heads."""
 

@@ -1,10 +1,9 @@
-"""Trained models shipped inside the package, so a new user translates or generates at once.
+"""Writing the trained models shipped inside the package (``scripts/ship_model.py``); reading them is
+``aiayn.tasks.trained``'s, re-exported here.
 
-A release directory, ``aiayn/pretrained/<name>/``, holds ``release.json`` (name, task, source run, dtype,
-parameters, scores), ``config.json``, ``model.safetensors`` (float16 or bfloat16), the run's tokenizer file(s)
-and ``record/`` (recipe, metrics, summary, scores). An ensemble release names its ``members``, each a release
-inside it, and has no weights of its own. ``write_release`` and ``write_ensemble_release`` make them
-(``scripts/ship_model.py``)."""
+A release, ``aiayn/pretrained/<name>/``, holds ``release.json`` (name, task, source run, dtype, parameters,
+scores), ``config.json``, ``model.safetensors`` (float16 or bfloat16), the run's tokenizer file(s) and
+``record/``. An ensemble release names its ``members``, each a release inside it, and has no weights."""
 
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ from aiayn.tasks.trained import (
 )
 from aiayn.train.checkpoint import atomic_write_text
 
-# Reading a release is aiayn.tasks.trained's; its names are re-exported here.
 __all__ = ["DEFAULT_TRANSLATION_MODEL", "LEFTOVER_SUFFIXES", "MAX_RELEASE_BYTES", "RECORD_FILES", "RELEASE_DTYPES", "RELEASE_FILE", "SHIPPED_DIR", "TOKENIZER_FILES", "WEIGHTS_FILE", "LoadedRun", "RunInputError", "is_ensemble_release", "is_release", "load_release", "load_run", "load_run_or_release", "release_members", "resolve_checkpoint", "resolve_model", "shipped_models", "shipped_path", "single_model", "write_ensemble_release", "write_release"]
 
 MAX_RELEASE_BYTES = 10 * 2**20  # a shipped model's weights stay under 10 MB (the repository carries them)
@@ -53,9 +51,8 @@ MAX_RELEASE_BYTES = 10 * 2**20  # a shipped model's weights stay under 10 MB (th
 def write_release(run_dir: Path, out_dir: Path, *, checkpoint: Path | None = None, dtype: str = "float16",
                   name: str | None = None, recipe: Path | None = None,
                   extra: dict[str, Any] | None = None) -> Path:
-    """Write the release of a finished run (weights in ``dtype``, configs, tokenizer, record), built beside
-    ``out_dir`` and renamed into place; a release given as ``run_dir`` is copied as it is. Returns
-    ``out_dir``."""
+    """Write the release of a finished run (or copy a release) to ``out_dir``, built beside it and renamed
+    into place; returns ``out_dir``."""
     if dtype not in RELEASE_DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(RELEASE_DTYPES)}")
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -127,9 +124,8 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
                            dtype: str = "float16", name: str | None = None, recipe: Path | None = None,
                            extra: dict[str, Any] | None = None,
                            member_scores: Sequence[dict[str, Any]] | None = None) -> Path:
-    """Write an ensemble release: each (run, checkpoint or None, member name) as a release in
-    ``out_dir/<member name>``, and a release.json naming them in order with ``member_scores``. The members
-    must form an ensemble (``RunInputError`` otherwise). Returns ``out_dir``."""
+    """Write each (run, checkpoint or None, member name) as a release in ``out_dir/<member name>`` and a
+    release.json naming them in order; the members must form an ensemble. Returns ``out_dir``."""
     out_dir = Path(out_dir)
     names = [member_name for _, _, member_name in members]
     if len(members) < 2:
@@ -167,8 +163,7 @@ def write_ensemble_release(members: Sequence[tuple[Path, Path | None, str]], out
 
 def _copy_release(source: Path, target: Path, *, checkpoint: Path | None, dtype: str, name: str,
                   extra: dict[str, Any] | None) -> None:
-    """Copy the release ``source`` into ``target`` byte for byte, its release.json given ``name`` and
-    ``extra``; ``checkpoint`` must be None and ``dtype`` the one it is stored in."""
+    """Copy the release ``source`` into ``target`` as it is, its release.json given ``name`` and ``extra``."""
     record = json.loads((source / RELEASE_FILE).read_text(encoding="utf-8"))
     record.pop("member_of", None)  # a former member shipped alone is no one's member (extra may say again)
     if checkpoint is not None:

