@@ -73,16 +73,9 @@ DATASETS: dict[str, Dataset] = {
 }
 
 
-def unknown_dataset(name: str) -> str:
-    return f"unknown dataset {name!r}; known: {', '.join(DATASETS)} (`aiayn fetch` lists them)"
-
-
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def missing_files(dataset: Dataset, folder: Path) -> list[str]:
@@ -155,7 +148,6 @@ def fetch_dataset(name: str, data_root: Path | None = None, *,
                   echo: Callable[[str], None] | None = None) -> tuple[Path, list[str]]:
     """Fetch dataset ``name`` into ``data_root/name``; returns (its folder, the files downloaded now)."""
     if name not in DATASETS:
-        raise ValueError(unknown_dataset(name))
-    dataset = DATASETS[name]
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)} (`aiayn fetch` lists them)")
     folder = Path(data_root if data_root is not None else data_dir()) / name
-    return folder, fetch_files(folder, dataset_sources(dataset), echo=echo)
+    return folder, fetch_files(folder, dataset_sources(DATASETS[name]), echo=echo)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 
 class DataError(ValueError):
@@ -87,8 +88,7 @@ def token_batches(src_lengths: Tensor, tgt_lengths: Tensor, spec: BucketSpec, *,
     else:
         generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
         order = torch.randperm(n, generator=generator)
-    # Stable sorts, the last one the primary key: by target length, then by the longer side
-    # (what a batch's padded size depends on).
+    # Stable sorts, the last the primary key: by target length, then by the longer side (the padded size).
     longest_side = torch.maximum(src_lengths, tgt_lengths)
     order = order[torch.sort(tgt_lengths[order], stable=True).indices]
     order = order[torch.sort(longest_side[order], stable=True).indices]
@@ -116,8 +116,5 @@ def token_batches(src_lengths: Tensor, tgt_lengths: Tensor, spec: BucketSpec, *,
 
 def pad_batch(sequences: list[list[int]], pad_id: int) -> Tensor:
     """Right-pad id lists into (b, longest)."""
-    longest = max(len(s) for s in sequences)
-    out = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-    return out
+    return pad_sequence([torch.tensor(s, dtype=torch.long) for s in sequences], batch_first=True,
+                        padding_value=pad_id)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.finetune.chat import (
@@ -129,24 +130,16 @@ class ChatTask(Task):
         """tokens, targets (b, t): each row's conversations one after another, the targets the next tokens
         where the loss counts them (IGNORE elsewhere); valid (b, t): False at the padding."""
         examples = self.examples_of[split]
-        rows = []
+        tokens, targets = [], []
         for row in indices.tolist():
-            tokens: list[int] = []
-            targets: list[int] = []
-            for example in (examples[i] for i in self.rows[split][row]):
-                tokens += example.ids[:-1]
-                targets += [t if keep else IGNORE for t, keep in zip(example.ids[1:], example.trained[1:],
-                                                                     strict=True)]
-            rows.append((tokens, targets))
-        longest = max(len(tokens) for tokens, _ in rows)
-        batch = {"tokens": torch.zeros(len(rows), longest, dtype=torch.long),
-                 "targets": torch.full((len(rows), longest), IGNORE, dtype=torch.long),
-                 "valid": torch.zeros(len(rows), longest, dtype=torch.bool)}
-        for r, (tokens, targets) in enumerate(rows):
-            batch["tokens"][r, : len(tokens)] = torch.tensor(tokens)
-            batch["targets"][r, : len(targets)] = torch.tensor(targets)
-            batch["valid"][r, : len(tokens)] = True
-        return batch
+            chosen = [examples[i] for i in self.rows[split][row]]
+            tokens.append(torch.tensor([t for e in chosen for t in e.ids[:-1]], dtype=torch.long))
+            targets.append(torch.tensor([t if keep else IGNORE for e in chosen for t, keep in
+                                         zip(e.ids[1:], e.trained[1:], strict=True)], dtype=torch.long))
+        lengths = torch.tensor([len(t) for t in tokens])
+        return {"tokens": pad_sequence(tokens, batch_first=True),
+                "targets": pad_sequence(targets, batch_first=True, padding_value=IGNORE),
+                "valid": torch.arange(int(lengths.max())) < lengths[:, None]}
 
     def memory_batches(self, batches: list[Tensor]) -> list[Tensor]:
         """The batch of the most rows and the one of the longest row."""

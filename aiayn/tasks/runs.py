@@ -96,16 +96,15 @@ def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, pla
 
     if not members:
         raise ValueError("an ensemble needs at least one member")
-    expanded: list[tuple[Path, Path | None]] = []
-    for run_dir, checkpoint in members:
+    given, members = members, []
+    for run_dir, checkpoint in given:
         if not is_ensemble_release(run_dir):
-            expanded.append((run_dir, checkpoint))
+            members.append((run_dir, checkpoint))
         elif checkpoint is not None:
             raise RunInputError(f"{run_dir} is a shipped ensemble (one set of weights per member); drop "
                                 f"--checkpoint", about="checkpoint")
         else:
-            expanded.extend((member, None) for member in release_members(run_dir))
-    members = expanded
+            members.extend((member, None) for member in release_members(run_dir))
     loaded = [load_translator(run_dir, checkpoint, plain=plain, device=device) for run_dir, checkpoint in members]
     if len(loaded) == 1:
         return loaded[0]
@@ -215,11 +214,9 @@ def read_recipe(path: Path) -> dict[str, Any]:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise RunSetupError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}", about="recipe") from None
     if not isinstance(data, dict) or not set(data) <= RECIPE_KEYS:
-        if isinstance(data, dict):
-            extra = ", ".join(f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(
-                str(key), RECIPE_KEYS, n=1)) else str(key) for key in sorted(map(str, set(data) - RECIPE_KEYS)))
-        else:
-            extra = "not a mapping"
+        extra = "not a mapping" if not isinstance(data, dict) else ", ".join(
+            f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, RECIPE_KEYS, n=1))
+            else key for key in sorted(map(str, set(data) - RECIPE_KEYS)))
         raise RunSetupError(f"{path}: a recipe is a mapping with keys {', '.join(sorted(RECIPE_KEYS))}; "
                             f"got {extra}", about="recipe")
     for key in ("task_options", "model", "train"):

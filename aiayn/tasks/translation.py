@@ -7,7 +7,6 @@ Validation reports loss and greedy BLEU, the test split beam search BLEU and chr
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -56,9 +55,8 @@ def corpus_score(hypotheses: list[str], references: list[str]) -> dict[str, Any]
     from sacrebleu.metrics import BLEU, CHRF
 
     bleu, bleu_lc, chrf = BLEU(), BLEU(lowercase=True), CHRF()
-    bleu_score = bleu.corpus_score(hypotheses, [references])
-    lc_score = bleu_lc.corpus_score(hypotheses, [references])
-    chrf_score = chrf.corpus_score(hypotheses, [references])
+    bleu_score, lc_score, chrf_score = (metric.corpus_score(hypotheses, [references])
+                                        for metric in (bleu, bleu_lc, chrf))
     return {"bleu": bleu_score.score, "chrf": chrf_score.score, "bleu_lc": lc_score.score,
             "bleu_text": str(bleu_score), "bleu_signature": str(bleu.get_signature()),
             "bleu_lc_signature": str(bleu_lc.get_signature()), "chrf_signature": str(chrf.get_signature())}
@@ -86,10 +84,6 @@ class TranslationTask(Task):
                          train_split=train_split, val_split=val_split, test_split=test_split,
                          val_bleu=val_bleu, beam_size=beam_size, length_penalty=length_penalty,
                          **separate_options, **own, **options)
-        if options:
-            known = sorted(inspect.signature(TranslationTask.__init__).parameters)
-            raise ConfigError(f"unknown translation task option(s) {', '.join(sorted(options))}; known: "
-                              f"{', '.join(k for k in known if k not in ('self', 'options'))}")
         if src_lang == tgt_lang:
             raise DataError(f"source and target language are both {src_lang!r}")
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
@@ -99,8 +93,7 @@ class TranslationTask(Task):
         self.source: Source | None = None  # the starting point, loaded once (``starting_point``)
         self.echo = print  # where the task states how it made the validation set
         self.vocabulary = check_vocabulary(vocabulary, vocab_size, tgt_vocab_size)
-        # vocab_size: the joint BPE's size, or the source BPE's; tgt_vocab_size: the target BPE's
-        # (None for a joint vocabulary; separate without it: as many as the source).
+        # vocab_size: the joint or the source BPE's size; tgt_vocab_size: the target's (None when joint).
         self.tgt_vocab_size = None if vocabulary == "joint" else (tgt_vocab_size or vocab_size)
         self.vocab_size, self.max_tokens, self.max_len = vocab_size, max_tokens, max_len
         self.split_names = {"train": train_split, "val": val_split, "test": test_split}
@@ -232,7 +225,11 @@ class TranslationTask(Task):
             text = {}
             for split, name in self.split_names.items():
                 paths = split_paths(self.root(), name, self.src_lang, self.tgt_lang)
-                self._check_present(paths)
+                for path in paths:
+                    if not path.is_file():  # naming the command that fetches it (default root only)
+                        hint = ("give the task option corpus_dir the folder that holds it" if self.corpus_dir
+                                else fetch_hint(self.options["corpus"]))
+                        raise MissingDataError(f"{path} not found; {hint}")
                 text[split] = read_parallel(*paths)
             return text
         text = own_corpus(self.src, self.tgt, self.data, (self.src_lang, self.tgt_lang), self.split_names,
@@ -249,14 +246,6 @@ class TranslationTask(Task):
             if tokenizer.vocab_size > size:
                 raise DataError(f"the {side} BPE has {tokenizer.vocab_size} tokens (its alphabet and "
                                 f"special tokens) but {option} is {size}; raise {option}")
-
-    def _check_present(self, paths: tuple[Path, Path]) -> None:
-        """A missing corpus file names the command that fetches it (default root only)."""
-        for path in paths:
-            if not path.is_file():
-                hint = ("give the task option corpus_dir the folder that holds it" if self.corpus_dir
-                        else fetch_hint(self.options["corpus"]))
-                raise MissingDataError(f"{path} not found; {hint}")
 
     def split_size(self, split: str) -> int:
         return len(self.ids[split][0])
