@@ -14,9 +14,7 @@ def fetch_hint(dataset: str) -> str:
     from aiayn.data.fetch import DATASETS
 
     where = f"set {ENV_VAR} to the folder that holds {dataset}/; the default is ../shared/data"
-    if dataset in DATASETS:
-        return f"get it with `aiayn fetch {dataset}` (or {where})"
-    return where
+    return f"get it with `aiayn fetch {dataset}` (or {where})" if dataset in DATASETS else where
 
 
 def dataset_file(*parts: str) -> Path:

@@ -1,8 +1,6 @@
-"""Datasets one command away: ``aiayn fetch DATASET`` downloads what a task reads, checked.
-
-Files are pinned to the commits in ``../shared/data/<name>/README.md``, written to a temporary name, SHA-256
-checked and only then renamed into place; a present file is skipped when it verifies and never written over.
-``$AIAYN_DATA_URL`` names a mirror."""
+"""``aiayn fetch DATASET``: files pinned to a commit, written to a temporary name, SHA-256 checked, then
+renamed into place; a present file is skipped when it verifies and never written over. ``$AIAYN_DATA_URL``
+names a mirror."""
 
 from __future__ import annotations
 
@@ -75,16 +73,9 @@ DATASETS: dict[str, Dataset] = {
 }
 
 
-def unknown_dataset(name: str) -> str:
-    return f"unknown dataset {name!r}; known: {', '.join(DATASETS)} (`aiayn fetch` lists them)"
-
-
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def missing_files(dataset: Dataset, folder: Path) -> list[str]:
@@ -94,8 +85,8 @@ def missing_files(dataset: Dataset, folder: Path) -> list[str]:
 
 def fetch_files(folder: Path, files: Mapping[str, tuple[str, str, bool]], *, timeout: float = TIMEOUT_S,
                 echo: Callable[[str], None] | None = None) -> list[str]:
-    """Download ``files`` (local name -> (url, sha256, gzipped)) into ``folder``; the names fetched. A file
-    there that does not verify, or any failure, is a one-line FetchError."""
+    """Download ``files`` (local name -> (url, sha256, gzipped)) into ``folder``; the names fetched. Any
+    failure is a one-line FetchError."""
     folder = Path(folder)
     made = [p for p in (folder, *folder.parents) if not p.exists()]  # what mkdir creates, deepest first
     fetched: list[str] = []
@@ -157,7 +148,6 @@ def fetch_dataset(name: str, data_root: Path | None = None, *,
                   echo: Callable[[str], None] | None = None) -> tuple[Path, list[str]]:
     """Fetch dataset ``name`` into ``data_root/name``; returns (its folder, the files downloaded now)."""
     if name not in DATASETS:
-        raise ValueError(unknown_dataset(name))
-    dataset = DATASETS[name]
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)} (`aiayn fetch` lists them)")
     folder = Path(data_root if data_root is not None else data_dir()) / name
-    return folder, fetch_files(folder, dataset_sources(dataset), echo=echo)
+    return folder, fetch_files(folder, dataset_sources(DATASETS[name]), echo=echo)

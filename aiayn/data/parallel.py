@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 
 class DataError(ValueError):
@@ -57,12 +58,10 @@ def split_paths(corpus_dir: str | Path, split: str, src_lang: str, tgt_lang: str
     return corpus_dir / f"{split}.{src_lang}", corpus_dir / f"{split}.{tgt_lang}"
 
 
-
 def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None,
                    sha256: Mapping[str, str] | None = None) -> Path:
-    """Download Multi30k task 1 into ``cache_dir`` itself as ``{split}.{lang}``, checked as
-    ``aiayn.data.fetch`` does; ``base_url`` (the folder of its files) defaults to ``$AIAYN_DATA_URL``, else
-    the public source."""
+    """Download Multi30k task 1 into ``cache_dir`` as ``{split}.{lang}``, from ``base_url`` (default: as
+    ``aiayn.data.fetch``)."""
     from aiayn.data.fetch import DATASETS, dataset_sources, fetch_files
 
     remotes = DATASETS["multi30k"].files
@@ -89,8 +88,7 @@ def token_batches(src_lengths: Tensor, tgt_lengths: Tensor, spec: BucketSpec, *,
     else:
         generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
         order = torch.randperm(n, generator=generator)
-    # Stable sorts, the last one the primary key: by target length, then by the longer side
-    # (what a batch's padded size depends on).
+    # Stable sorts, the last the primary key: by target length, then by the longer side (the padded size).
     longest_side = torch.maximum(src_lengths, tgt_lengths)
     order = order[torch.sort(tgt_lengths[order], stable=True).indices]
     order = order[torch.sort(longest_side[order], stable=True).indices]
@@ -118,8 +116,5 @@ def token_batches(src_lengths: Tensor, tgt_lengths: Tensor, spec: BucketSpec, *,
 
 def pad_batch(sequences: list[list[int]], pad_id: int) -> Tensor:
     """Right-pad id lists into (b, longest)."""
-    longest = max(len(s) for s in sequences)
-    out = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-    return out
+    return pad_sequence([torch.tensor(s, dtype=torch.long) for s in sequences], batch_first=True,
+                        padding_value=pad_id)

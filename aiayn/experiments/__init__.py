@@ -1,9 +1,5 @@
-"""The paper's experiments, small enough for a CPU: ``aiayn experiment NAME``.
-
-Each experiment trains its variants with aiayn's own trainer, measures them and writes a results table and a
-plot; a new experiment is one module with an ``@register``ed ``Experiment``: ``table3`` (the paper's Table 3
-rows (A)-(E)) and ``length-extrapolation`` (four positional schemes trained on 64 characters, scored at 64 ...
-1024)."""
+"""The paper's experiments, small enough for a CPU: ``aiayn experiment NAME`` trains the variants of an
+``@register``ed ``Experiment``, measures them and writes a results table and a plot."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What every experiment shares: variants trained by aiayn's own trainer into one run directory each,
-resumable, then measured and reported.
+"""What every experiment shares: variants trained into a run directory each, resumable, measured, reported.
 
 An experiment's output folder::
 
@@ -8,8 +7,7 @@ An experiment's output folder::
     OUT/<variant>/          an ordinary run directory (``aiayn train`` layout) + result.json
     OUT/results.md, results.csv, results.json, <plot>.png   written at the end
 
-Resuming skips measured variants, measures trained ones, continues interrupted ones and starts the others; a
-variant folder with another config is refused."""
+A variant folder with another config is refused."""
 
 from __future__ import annotations
 
@@ -49,7 +47,7 @@ class ExperimentError(ConfigError):
 
 @dataclass(frozen=True)
 class Budget:
-    """How much an experiment trains. ``summary`` says it in words, with the measured cost."""
+    """How much an experiment trains; ``summary`` says it in words."""
 
     name: str
     summary: str
@@ -69,7 +67,7 @@ class Variant:
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields
 
     def build(self) -> tuple[Task, ModelConfig, TrainConfig]:
-        """The task and configs this variant trains with, float32 unless a task or variant says otherwise."""
+        """The task and configs this variant trains with (float32 unless it says otherwise)."""
         task = get_task(self.task, **self.task_options)
         model = ModelConfig.from_dict({**task.model_config().to_dict(), **self.model})
         train = TrainConfig.from_dict({**TrainConfig(task=self.task).to_dict(), "bf16": False,
@@ -99,11 +97,10 @@ class Experiment:
         raise NotImplementedError
 
     def report(self, rows: list[dict[str, Any]], out_dir: Path, budget: Budget) -> list[Path]:
-        """Write the results table(s) and plot(s) from every variant's row; return their paths."""
+        """Write the results table(s) and plot(s); return their paths."""
         raise NotImplementedError
 
 
-# The registry: an experiment module ``@register``s its class; the package's __init__ imports them.
 EXPERIMENTS: dict[str, type[Experiment]] = {}
 
 
@@ -312,8 +309,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def write_results(out_dir: Path, *, markdown: str, columns: Sequence[str], rows: list[dict[str, Any]],
                   extra: dict[str, Any] | None = None) -> list[Path]:
-    """results.md (``markdown``, then the cost and the commands that made it), results.csv (``columns``
-    of every row) and results.json (rows + extra)."""
+    """results.md (``markdown``, the cost and the commands), results.csv and results.json (rows + extra)."""
     import csv
     import io
 

@@ -89,9 +89,8 @@ class Table3(Experiment):
         model = {"d_model": s["d_model"], "n_heads": s["n_heads"], "n_layers": s["n_layers"], "n_decoder_layers": None,
                  "d_ff": s["d_ff"], "dropout": 0.1, "attention_dropout": 0.0, "activation_dropout": 0.0,
                  "positional": "sinusoidal", "padding_free": True, "name": f"table3-{name}"}
-        # Every setting is pinned here, not taken from the translation task's defaults (those follow
-        # the en-de recipe and may change): "epochs" never binds (max_steps stops first) but is part
-        # of the run's config, which a resumed variant must match.
+        # Every setting pinned, not the translation task's defaults (they may change); "epochs" never
+        # binds (max_steps stops first) but is in the run's config, which a resumed variant must match.
         train = {"max_steps": s["steps"], "epochs": 30, "schedule": "cosine", "warmup_steps": s["warmup"], "optimizer": "adam",
                  "label_smoothing": 0.1, "clip_grad_norm": 1.0, "seed": 0, "eval_every": s["steps"],
                  "save_every": max(1, s["steps"] // 5), "keep_checkpoints": 1, "average_last": 0,

@@ -23,7 +23,7 @@ def register(cls: type[Task]) -> type[Task]:
 
 
 class UnknownTaskError(ValueError):
-    pass
+    """A task name or task option that does not exist."""
 
 
 def get_task(name: str, **options: Any) -> Task:
@@ -45,8 +45,7 @@ def get_task(name: str, **options: Any) -> Task:
 
 
 def task_options(cls: type[Task]) -> set[str]:
-    """The keyword options a task class takes: its ``__init__`` parameters along the class hierarchy, and
-    ``Task.recorded_options``."""
+    """Its ``__init__`` keyword parameters along the class hierarchy, and ``recorded_options``."""
     names: set[str] = set(cls.recorded_options)
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")

@@ -1,10 +1,7 @@
-"""Fine-tune a chat model on your own conversations (OpenAI's fine-tuning JSONL): each rendered
-through the model's chat template, the loss on the assistant turns only.
-
-With ``pack`` (the default) short conversations share a window of ``block_size`` positions, whole;
-the model has no document mask, so a conversation attends to the ones before it in its window
-(plain causal attention; the loss still counts only each one's own assistant turns). Without it a
-row holds one conversation. A conversation longer than a window is refused, naming its line."""
+"""Fine-tune a chat model on your conversations (OpenAI's fine-tuning JSONL), rendered through its chat
+template, the loss on the assistant turns only. With ``pack`` short conversations share a window of
+``block_size`` positions under plain causal attention (no document mask); a conversation longer than a
+window is refused, naming its line."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.finetune.chat import (
@@ -69,7 +67,6 @@ class ChatTask(Task):
 
     @property
     def tokenizer(self) -> TokenizersText:
-        """The loaded model's tokenizer (kept in the run directory, else the source's)."""
         return TokenizersText(self.source.front(self.run_dir).tokenizer)
 
     @property
@@ -86,8 +83,7 @@ class ChatTask(Task):
                     weight_decay=0.0, schedule="cosine", warmup_steps=10, clip_grad_norm=1.0)
 
     def lora_overrides(self) -> dict[str, Any]:
-        """With LoRA only the small adapters train: the rate LoRA recipes use (litgpt's, PEFT's examples),
-        ten times the full fine-tune's."""
+        """LoRA's rate (litgpt's, PEFT's examples): ten times the full fine-tune's."""
         return {"lr": 2e-4}
 
     def window(self) -> int:
@@ -134,24 +130,16 @@ class ChatTask(Task):
         """tokens, targets (b, t): each row's conversations one after another, the targets the next tokens
         where the loss counts them (IGNORE elsewhere); valid (b, t): False at the padding."""
         examples = self.examples_of[split]
-        rows = []
+        tokens, targets = [], []
         for row in indices.tolist():
-            tokens: list[int] = []
-            targets: list[int] = []
-            for example in (examples[i] for i in self.rows[split][row]):
-                tokens += example.ids[:-1]
-                targets += [t if keep else IGNORE for t, keep in zip(example.ids[1:], example.trained[1:],
-                                                                     strict=True)]
-            rows.append((tokens, targets))
-        longest = max(len(tokens) for tokens, _ in rows)
-        batch = {"tokens": torch.zeros(len(rows), longest, dtype=torch.long),
-                 "targets": torch.full((len(rows), longest), IGNORE, dtype=torch.long),
-                 "valid": torch.zeros(len(rows), longest, dtype=torch.bool)}
-        for r, (tokens, targets) in enumerate(rows):
-            batch["tokens"][r, : len(tokens)] = torch.tensor(tokens)
-            batch["targets"][r, : len(targets)] = torch.tensor(targets)
-            batch["valid"][r, : len(tokens)] = True
-        return batch
+            chosen = [examples[i] for i in self.rows[split][row]]
+            tokens.append(torch.tensor([t for e in chosen for t in e.ids[:-1]], dtype=torch.long))
+            targets.append(torch.tensor([t if keep else IGNORE for e in chosen for t, keep in
+                                         zip(e.ids[1:], e.trained[1:], strict=True)], dtype=torch.long))
+        lengths = torch.tensor([len(t) for t in tokens])
+        return {"tokens": pad_sequence(tokens, batch_first=True),
+                "targets": pad_sequence(targets, batch_first=True, padding_value=IGNORE),
+                "valid": torch.arange(int(lengths.max())) < lengths[:, None]}
 
     def memory_batches(self, batches: list[Tensor]) -> list[Tensor]:
         """The batch of the most rows and the one of the longest row."""

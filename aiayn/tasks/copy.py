@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
@@ -41,10 +42,8 @@ class CopyTask(GeneratedTask):
 
     def forward(self, model: nn.Module, batch: Batch) -> tuple[LossInput, Tensor]:
         src = batch["src"]
-        bos = torch.full((src.shape[0], 1), BOS, dtype=src.dtype, device=src.device)
-        tgt_in = torch.cat([bos, src[:, :-1]], dim=1)  # teacher forcing: shift right
-        targets = src.masked_fill(src == PAD, IGNORE)
-        return model(src, tgt_in), targets  # the loss applies the output layer (aiayn.train.losses)
+        tgt_in = F.pad(src[:, :-1], (1, 0), value=BOS)  # teacher forcing: shift right
+        return model(src, tgt_in), src.masked_fill(src == PAD, IGNORE)  # the loss applies the output layer
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:
@@ -70,7 +69,6 @@ class CopyTask(GeneratedTask):
         src = (self.collate("test", torch.arange(1))["src"] if text is None
                else self.parse_ids(text, low=2, high=self.vocab_size, length=self.seq_len))
         src = self.on_model(model, {"src": src})["src"]
-        tgt_in = torch.cat([torch.full((1, 1), BOS, device=src.device), src[:, :-1]], dim=1)
-        out = model(src, tgt_in, need_weights=True)
+        out = model(src, F.pad(src[:, :-1], (1, 0), value=BOS), need_weights=True)
         return encoder_decoder_example(out, kind, [str(v) for v in src[0].tolist()],
                                        ["<s>", *map(str, src[0, :-1].tolist())], "copy")

@@ -1,8 +1,6 @@
-"""Language modelling on Tiny Shakespeare: next-character prediction (GPT) and masked-character prediction
-(BERT's 80/10/10 masking).
-
-The corpus is ``$AIAYN_DATA_DIR/tinyshakespeare/input.txt``; the first 90% trains, the last 10% validates in
-non-overlapping windows."""
+"""Language modelling on Tiny Shakespeare (``$AIAYN_DATA_DIR/tinyshakespeare/input.txt``): next-character
+prediction (GPT) and masked-character prediction (BERT's 80/10/10 masking). The first 90% trains, the
+last 10% validates in non-overlapping windows."""
 
 from __future__ import annotations
 
@@ -14,6 +12,7 @@ from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
 from aiayn.data import dataset_file
+from aiayn.finetune.source import TokenizersText
 from aiayn.generate import SamplingConfig, generate_decoder_only
 from aiayn.tasks.base import register
 from aiayn.tokenizers import CharTokenizer
@@ -40,16 +39,15 @@ class TextWindowsTask(Task):
         self.test_split = "val"  # Tiny Shakespeare has no test split; val is reported
 
     def make_tokenizer(self) -> Any:
-        """The tokenizer the run's config records (learned from the corpus the first time), so a trained
-        model can generate without the corpus."""
+        """The vocabulary the run's config records (learned the first time): no corpus is needed later."""
         if self.options.get("vocab") is None:
             self.options["vocab"] = CharTokenizer.from_text(dataset_file(*CORPUS).read_text(encoding="utf-8")).vocab
         return CharTokenizer(self.options["vocab"], specials=self.specials)
 
     def prepare(self, seed: int) -> None:
-        ids = self.tokenizer.encode(dataset_file(*CORPUS).read_text(encoding="utf-8"))
-        cut = int(0.9 * len(ids))
-        self.tokens = {"train": ids[:cut], "val": ids[cut:]}
+        text = dataset_file(*CORPUS).read_text(encoding="utf-8")
+        cut = int(0.9 * len(text))  # characters: one token each for the character tokenizer
+        self.tokens = {"train": self.tokenizer.encode(text[:cut]), "val": self.tokenizer.encode(text[cut:])}
 
     def split_size(self, split: str) -> int:
         return (len(self.tokens[split]) - 1) // self.block_size  # windows per pass
@@ -71,12 +69,8 @@ class TextWindowsTask(Task):
         starts = torch.arange(self.split_size(split)) * self.block_size  # non-overlapping windows
         return [self.collate(split, chunk) for chunk in starts.split(batch_size)]
 
-    def count_tokens(self, batch: Batch) -> int:
-        return batch["tokens"].numel()
-
     def validation_start(self) -> Tensor:
-        """The first ``ATTENTION_TOKENS`` tokens of the validation text (the corpus's last 10%, read without
-        encoding the whole corpus)."""
+        """The first ``ATTENTION_TOKENS`` tokens of the validation text, without encoding the whole corpus."""
         corpus = dataset_file(*CORPUS).read_text(encoding="utf-8")
         return self.tokenizer.encode(corpus[int(0.9 * len(corpus)):][: 4 * ATTENTION_TOKENS])[:ATTENTION_TOKENS]
 
@@ -96,8 +90,7 @@ class TextWindowsTask(Task):
 
 
 class CausalTextTask(TextWindowsTask):
-    """Next-token prediction over windows of a text (GPT), with nanoGPT's shakespeare-char recipe as the
-    default model and training: shared by the Tiny Shakespeare tasks and ``text`` on your own files."""
+    """Next-token prediction over windows of a text (GPT), nanoGPT's shakespeare-char recipe by default."""
 
     attention_kinds = ("decoder",)
 
@@ -171,8 +164,7 @@ class MaskedCharTask(TextWindowsTask):
     mask_rate = 0.15
 
     def model_config(self) -> ModelConfig:
-        # RoPE rather than BERT's learned positions: with those, a masked character's model stays stuck
-        # at the unigram loss far longer.
+        # RoPE, not BERT's learned positions: with those the model stays at the unigram loss far longer.
         return ModelConfig(arch="encoder-only", vocab_size=self.tokenizer.vocab_size, d_model=128,
                            n_heads=4, n_layers=4, d_ff=512, activation="gelu", norm_position="post",
                            positional="rope", scale_embeddings=False, embedding_norm=True,
@@ -213,15 +205,14 @@ class MaskedCharTask(TextWindowsTask):
         return lines
 
 
-class BPETokenizer:
+class BPETokenizer(TokenizersText):
     """Byte-level BPE over the ``tokenizers`` library, with the interface of ``CharTokenizer``."""
 
     def __init__(self, tokenizer_json: str) -> None:
         from tokenizers import Tokenizer
 
+        super().__init__(Tokenizer.from_str(tokenizer_json))
         self.json = tokenizer_json
-        self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        self.vocab_size = self.tokenizer.get_vocab_size()
         # characters each id stands for (Tiny Shakespeare is ASCII: one byte, one character)
         self.chars_per_id = torch.tensor([len(self.tokenizer.decode([i])) for i in range(self.vocab_size)])
 
@@ -236,12 +227,6 @@ class BPETokenizer:
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator([text], trainer=trainer)
         return cls(tok.to_str())
-
-    def encode(self, text: str) -> Tensor:
-        return torch.tensor(self.tokenizer.encode(text).ids, dtype=torch.long)
-
-    def decode(self, ids: Tensor | list[int]) -> str:
-        return self.tokenizer.decode(ids.tolist() if isinstance(ids, Tensor) else list(ids))
 
 
 @register
@@ -262,11 +247,6 @@ class ShakespeareBPETask(ShakespeareCharTask):
             text = dataset_file(*CORPUS).read_text(encoding="utf-8")
             self.options["tokenizer"] = BPETokenizer.train(text[: int(0.9 * len(text))], self.options["vocab_size"]).json
         return BPETokenizer(self.options["tokenizer"])
-
-    def prepare(self, seed: int) -> None:
-        text = dataset_file(*CORPUS).read_text(encoding="utf-8")
-        cut = int(0.9 * len(text))  # the same character split as shakespeare-char
-        self.tokens = {"train": self.tokenizer.encode(text[:cut]), "val": self.tokenizer.encode(text[cut:])}
 
     def unigram_nll(self, split: str = "val") -> float:
         """Loss per token of add-one smoothed unigram frequencies on ``split``: the context-free baseline."""

@@ -1,8 +1,6 @@
-"""Run directories as the commands use them: set up a run's configs (``setup_run``), load a trained run, and
-the models the commands run: a translator, a text model.
-
-They need the task registry, so they live above ``aiayn.train``. Models load on ``device`` (None: the first
-CUDA GPU, else the CPU) through ``aiayn.fast``'s CPU kernels unless ``plain=True``."""
+"""Run directories as the commands use them: a run's configs (``setup_run``), and a trained run as a
+translator or a text model, on ``device`` (None: the first CUDA GPU, else the CPU) through ``aiayn.fast``
+unless ``plain=True``. They need the task registry, so they live above ``aiayn.train``."""
 
 from __future__ import annotations
 
@@ -73,7 +71,7 @@ def for_inference(model: nn.Module, *, plain: bool = False,
 def load_translator(run_dir: Path, checkpoint: Path | None = None, *, plain: bool = False,
                     device: torch.device | str | None = None) -> tuple[TranslationTask, Translator]:
     """(the translation task, a ``Translator`` of its trained model) from a run directory; ``checkpoint``: one
-    (or a folder of them) instead of the run's latest."""
+    (or a folder of them) instead of the latest."""
     from aiayn.device import resolve
 
     where = resolve(device)  # before loading: a missing device fails at once
@@ -92,24 +90,21 @@ def load_translator(run_dir: Path, checkpoint: Path | None = None, *, plain: boo
 def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, plain: bool = False,
                              device: torch.device | str | None = None) -> tuple[TranslationTask, Translator]:
     """(the first member's task, a ``Translator`` of an ``aiayn.generate.Ensemble``) from (run or release,
-    checkpoint or None) pairs; one pair is ``load_translator``'s. The first member's recipe sets the search.
-
-    The members must share tokenizers, output width and language pair and direction, else a ``RunInputError``
-    with ``about="members"``; an ensemble release stands for its members."""
+    checkpoint or None) pairs, the first member's recipe setting the search. Members must share tokenizers,
+    output width and language pair, else a ``RunInputError(about="members")``."""
     from aiayn.generate import Ensemble
 
     if not members:
         raise ValueError("an ensemble needs at least one member")
-    expanded: list[tuple[Path, Path | None]] = []
-    for run_dir, checkpoint in members:
+    given, members = members, []
+    for run_dir, checkpoint in given:
         if not is_ensemble_release(run_dir):
-            expanded.append((run_dir, checkpoint))
+            members.append((run_dir, checkpoint))
         elif checkpoint is not None:
             raise RunInputError(f"{run_dir} is a shipped ensemble (one set of weights per member); drop "
                                 f"--checkpoint", about="checkpoint")
         else:
-            expanded.extend((member, None) for member in release_members(run_dir))
-    members = expanded
+            members.extend((member, None) for member in release_members(run_dir))
     loaded = [load_translator(run_dir, checkpoint, plain=plain, device=device) for run_dir, checkpoint in members]
     if len(loaded) == 1:
         return loaded[0]
@@ -163,11 +158,9 @@ def _member_name(run_dir: Path, checkpoint: Path | None) -> str:
 def load_text_model(run_dir: Path | None = None, model_path: Path | None = None, *,
                     plain: bool = False, quantize: str = "none",
                     device: torch.device | str | None = None, adapter: Path | None = None) -> TextModel:
-    """A decoder-only model with its text functions, from a language-model run or a shipped release
-    (``run_dir``), or a GGUF file / Hugging Face directory (``model_path``). ``quantize``:
-    ``aiayn.fast.quantize.lower_precision``'s choices; ``device``: as ``aiayn.textgen.placement``.
-    ``adapter``: a LoRA adapter directory (PEFT's layout) merged into the weights before any
-    quantisation; a LoRA run's own adapters are merged too."""
+    """A decoder-only model with its text functions, from a run or shipped release (``run_dir``), or a GGUF
+    file / Hugging Face directory (``model_path``). ``adapter``: a LoRA adapter directory (PEFT's layout)
+    merged into the weights before any quantisation, as a LoRA run's own adapters are."""
     from aiayn.textgen import placement, read_text_model
 
     if (run_dir is None) == (model_path is None):
@@ -221,11 +214,9 @@ def read_recipe(path: Path) -> dict[str, Any]:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise RunSetupError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}", about="recipe") from None
     if not isinstance(data, dict) or not set(data) <= RECIPE_KEYS:
-        if isinstance(data, dict):
-            extra = ", ".join(f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(
-                str(key), RECIPE_KEYS, n=1)) else str(key) for key in sorted(map(str, set(data) - RECIPE_KEYS)))
-        else:
-            extra = "not a mapping"
+        extra = "not a mapping" if not isinstance(data, dict) else ", ".join(
+            f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(key, RECIPE_KEYS, n=1))
+            else key for key in sorted(map(str, set(data) - RECIPE_KEYS)))
         raise RunSetupError(f"{path}: a recipe is a mapping with keys {', '.join(sorted(RECIPE_KEYS))}; "
                             f"got {extra}", about="recipe")
     for key in ("task_options", "model", "train"):
@@ -248,14 +239,10 @@ def setup_run(task: str | None = None, *, resume_dir: Path | None = None, recipe
               max_tokens: int | None = None, model_options: Mapping[str, Any] | None = None,
               train_options: Mapping[str, Any] | None = None,
               task_options: Mapping[str, Any] | None = None) -> RunSetup:
-    """The task and configs of a run, from (lowest precedence first) the task's defaults (its LoRA ones
-    over them when the recipe or ``train_options`` turn LoRA on), a recipe file, and
-    ``model_options`` / ``train_options`` / ``task_options``.
-
-    ``task``: None takes the recipe's (or the resumed run's), else ``DEFAULT_TASK``. ``resume_dir``: its saved
-    configs replace the defaults and the recipe. ``max_tokens``: token-count batching. ``task_options``: the
-    command line's task options (``init_from``, ``data``, ...): refused, in one line, by a task that does not
-    take them or when resuming; with ``init_from`` the model's shape is the loaded model's (``SHAPE_FREE``)."""
+    """The task and configs of a run, from (lowest precedence first) the task's defaults (its LoRA ones when
+    LoRA is on), a recipe file, and the ``*_options``; a resumed run's saved configs replace the first two.
+    ``task``: None takes the recipe's (or the resumed run's), else ``DEFAULT_TASK``. Command-line
+    ``task_options`` are refused when resuming or by a task that does not take them."""
     saved = None
     if resume_dir is not None and (resume_dir / "config.json").is_file():
         saved = read_run_config(resume_dir, hint="cannot resume it")
@@ -307,8 +294,8 @@ def _command_line_options(name: str, options: Mapping[str, Any], *, resuming: bo
 
 
 def _refuse_shape_changes(source: str, recipe_model: Mapping[str, Any], model_options: Mapping[str, Any]) -> None:
-    """A RunSetupError naming the first model option that would change the shape of the model ``source``
-    names: its weights set the shape; only ``SHAPE_FREE`` options may change."""
+    """A RunSetupError naming the first model option, outside ``SHAPE_FREE``, that would change the shape of
+    the model ``source`` names."""
     free = ", ".join(_flag(option) for option in sorted(SHAPE_FREE))
     for option in model_options:
         if option not in SHAPE_FREE:

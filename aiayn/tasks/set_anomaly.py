@@ -1,8 +1,6 @@
-"""Find the odd one out in a set of images (UvA Deep Learning tutorial 6, set anomaly detection).
-
-A set holds 9 images of one class and 1 of another, from scikit-learn's bundled 8x8 digits (raw pixels in [0,
-1]) split into disjoint train/val/test pools. The model scores every element with no positional encoding and
-no mask, so it is permutation-equivariant.
+"""Find the odd one out in a set of images (UvA Deep Learning tutorial 6): 9 images of one class and 1 of
+another, from scikit-learn's 8x8 digits split into disjoint train/val/test pools, scored by a
+permutation-equivariant encoder (no positions, no mask).
 
 Shape letters: b sets, n elements per set (10), f pixels per image (64), d d_model, h heads."""
 
@@ -34,18 +32,16 @@ class SetAnomalyOutput:
 class SetAnomalyModel(nn.Module):
     """features (b, n, f) -> one score per element (b, n); permutation-equivariant in n."""
 
-    def __init__(self, config: ModelConfig, *, in_features: int = N_FEATURES) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.input_proj = nn.Linear(in_features, config.d_model)
+        self.input_proj = nn.Linear(N_FEATURES, config.d_model)
         self.dropout = nn.Dropout(config.dropout)
         # No positional encoding and no mask: every element is treated alike, whatever its slot.
-        self.blocks = nn.ModuleList(
-            TransformerBlock(config, cross_attention=False) for _ in range(config.n_layers)
-        )
-        self.final_norm = (
-            make_norm(config.norm, config.d_model, config.norm_eps) if config.final_norm else None
-        )
+        self.blocks = nn.ModuleList(TransformerBlock(config, cross_attention=False)
+                                    for _ in range(config.n_layers))
+        self.final_norm = (make_norm(config.norm, config.d_model, config.norm_eps)
+                           if config.final_norm else None)
         self.score = nn.Linear(config.d_model, 1)
         init_weights(self, config)
 
@@ -67,15 +63,11 @@ class SetAnomalyModel(nn.Module):
 
 def load_digit_images() -> tuple[Tensor, Tensor]:
     """scikit-learn's bundled digits: images (1797, 64) float in [0, 1], classes (1797,) long."""
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("the set-anomaly task needs scikit-learn (its bundled digits data set); "
-                          "install it with `pip install scikit-learn`") from exc
+    from sklearn.datasets import load_digits
+
     digits = load_digits()
     images = torch.as_tensor(digits.data, dtype=torch.float32) / 16.0  # pixel values 0..16
-    classes = torch.as_tensor(digits.target, dtype=torch.long)
-    return images, classes
+    return images, torch.as_tensor(digits.target, dtype=torch.long)
 
 
 def split_pools(classes: Tensor, fractions: tuple[float, float], generator: torch.Generator
@@ -138,8 +130,7 @@ class SetAnomalyTask(Task):
                            type_vocab_size=0, tie_output=False, dropout=0.0, name="set-anomaly")
 
     def train_overrides(self) -> dict[str, Any]:
-        # One pass over 25,600 sets with a short warmup: far shorter than UvA's recipe, which this small
-        # problem does not need.
+        # One pass over 25,600 sets, short warmup: this small problem needs far less than UvA's recipe.
         return dict(epochs=1, batch_size=128, lr=2e-3, warmup_steps=30, schedule="cosine",
                     optimizer="adam", clip_grad_norm=5.0, eval_every=50)
 
@@ -186,14 +177,12 @@ class SetAnomalyTask(Task):
 
     def attention_maps(self, model: nn.Module, text: str | None, kind: str) -> AttentionExample:
         """The attention on one test set: the first, or the set numbered ``text`` (0-based)."""
-        n_test = self.split_size("test")
-        if text is None:
-            index = 0
-        else:
-            try:
+        n_test, index = self.split_size("test"), 0
+        try:
+            if text is not None:
                 index = int(self.parse_ids(text, low=0, high=n_test, length=1))
-            except ValueError:
-                raise ValueError(f"input {text!r} must be the number of a test set, 0 to {n_test - 1}") from None
+        except ValueError:
+            raise ValueError(f"input {text!r} must be the number of a test set, 0 to {n_test - 1}") from None
         batch = self.collate("test", torch.tensor([index]))
         out = model(self.on_model(model, batch)["inputs"], need_weights=True)
         labels = self._labels(batch["image_ids"][0], int(batch["labels"][0]))

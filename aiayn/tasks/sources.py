@@ -1,9 +1,6 @@
-"""Loading what a fine-tune starts from: anything ``aiayn.load`` opens (a Hugging Face directory, a
-GGUF file, a shipped model, a run directory) as trainable float32 modules with its text front end.
-
-``load_source`` loads one; ``SourceOption`` is a task's ``init_from`` option, loaded on first use
-and kept; ``save_text_front`` / ``read_text_front`` keep a source's tokenizer, chat template and
-end-of-text id in a run directory, so the run generates without its source."""
+"""What a fine-tune starts from: anything ``aiayn.load`` opens (a Hugging Face directory, a GGUF file, a
+shipped model, a run) as trainable float32 modules with its text front end, which a run keeps
+(``save_text_front``) so that it generates without its source."""
 
 from __future__ import annotations
 
@@ -70,10 +67,8 @@ def source_kind(path: Path) -> str:
 
 
 def load_source(source: str | Path, *, echo: Callable[[str], None] = print) -> Source:
-    """The model ``source`` names (a shipped model's name or a path), ready to train: float32 on the
-    CPU, train mode, every parameter trainable. A GGUF file's quantised weights are dequantised
-    (``echo`` says so once). Errors a user can fix raise ``LoadError`` (or the loader's
-    own one-line error)."""
+    """The model ``source`` names (a shipped model's name or a path), ready to train: float32 on the CPU,
+    every parameter trainable (a GGUF file's quantised weights dequantised, ``echo`` says so)."""
     path = resolve_model(source)
     kind = source_kind(path)
     with torch.device("cpu"):  # whatever default device the caller builds under (a meta-device count)
@@ -119,9 +114,7 @@ def _run_source(name: str, path: Path, kind: str) -> Source:
 
 
 class SourceOption:
-    """A task's ``init_from`` option: the ``Source`` it names, loaded once, on first use.
-
-    ``injected``: a loaded ``Source`` to use instead (tests)."""
+    """A task's ``init_from`` option: the ``Source`` it names, loaded on first use (or ``injected``)."""
 
     def __init__(self, name: str | None, *, echo: Callable[[str], None] = print,
                  injected: Source | None = None) -> None:
@@ -135,7 +128,6 @@ class SourceOption:
         return self.name is not None
 
     def get(self) -> Source:
-        """The loaded source (loading it the first time)."""
         if self.name is None:
             raise ValueError("no init_from was given")
         if self._source is None:
@@ -151,8 +143,8 @@ class SourceOption:
         return source.text
 
     def front(self, run_dir: Path | None) -> TextFront:
-        """The loaded model's tokenizer, chat template and end-of-text id: kept in ``run_dir`` (the run
-        then needs no source), else the source's; read once per run directory."""
+        """The loaded model's tokenizer, chat template and end-of-text id: kept in ``run_dir``, else the
+        source's; read once per run directory."""
         if self._front is None or self._front[0] != run_dir:
             kept = read_text_front(run_dir) if run_dir is not None else None
             if kept is None:
@@ -162,8 +154,7 @@ class SourceOption:
         return self._front[1]
 
     def context(self, run_dir: Path | None) -> int:
-        """The model's context in positions: the run's own model (a run resumes without its source),
-        else the source's."""
+        """The model's context: the run's own (it resumes without its source), else the source's."""
         if run_dir is not None and (run_dir / CONFIG_FILE).is_file():
             saved = read_run_config(run_dir)["model"].get("max_seq_len")
             if isinstance(saved, int):
@@ -176,11 +167,9 @@ class SourceOption:
             save_text_front(self.text(), run_dir)
 
     def build_model(self, config: ModelConfig, run_dir: Path | None) -> nn.Module:
-        """The model a task trains from: the source's weights in a new run (``run_dir`` set, no
-        checkpoint yet) and under a LoRA run's checkpoints (they hold the adapters only); outside a
-        run or under full checkpoints, the architecture alone (a checkpoint or a release fills it in
-        next). ``config`` may differ from the source's only where the shapes do not (dropout): then a
-        model of ``config`` gets the source's weights."""
+        """The source's weights in a new run and under a LoRA run's checkpoints (adapters only); else the
+        architecture alone (a checkpoint or release fills it in). ``config`` may differ from the source's
+        only where shapes do not (dropout)."""
         latest = None if run_dir is None else latest_checkpoint(run_dir / "checkpoints")
         if run_dir is None or (latest is not None and not _adapters_only(latest)):
             return build_model(config)
@@ -208,8 +197,8 @@ def _adapters_only(checkpoint: Path) -> bool:
 
 
 def save_text_front(text: Any, run_dir: Path) -> None:
-    """Write a ``TextModel``'s tokenizer, chat template and end-of-text id into ``run_dir`` as a
-    Hugging Face directory keeps them (tokenizer.json, tokenizer_config.json, generation_config.json)."""
+    """Write a ``TextModel``'s tokenizer, chat template and end-of-text id into ``run_dir`` as a Hugging
+    Face directory keeps them."""
     specials = dict(getattr(text.chat_template, "special_tokens", {}) or {})
     settings = {**specials, **({"chat_template": str(text.chat_template)} if text.chat_template is not None else {})}
     files = {TOKENIZER_CONFIG_FILE: settings, GENERATION_CONFIG_FILE: {"eos_token_id": text.eos_id}}

@@ -1,11 +1,8 @@
 """Language modelling on your own text files: ``aiayn train --task text --data FILE...``.
 
-From scratch the vocabulary is learned from the files and kept in the run's options: characters
-(``tokenizer: char``, the default: nanoGPT's shakespeare-char recipe on any text) or a byte-level BPE
-(``tokenizer: bpe``, ``vocab_size`` tokens). With ``init_from`` (anything ``aiayn.load`` opens) the
-run continues that model with its tokenizer; the tokenizer, chat template and end-of-text id are
-kept in the run directory, so the run generates without its source. Every file is checked (UTF-8,
-no NUL byte) before training; without ``val_data`` a seeded share of the text validates."""
+From scratch the vocabulary (characters, or with ``tokenizer: bpe`` a byte-level BPE) is learned from the
+files and kept in the run's options; with ``init_from`` the run continues that model with its tokenizer.
+Without ``val_data`` a seeded share of the text validates."""
 
 from __future__ import annotations
 
@@ -29,8 +26,8 @@ SPLIT_PIECES = 100  # a text without --val-data is cut into this many runs of wh
 
 
 def read_text_files(paths: list[str]) -> str:
-    """The files' text, one after the other, each checked first: it exists, is UTF-8 and holds no NUL
-    byte; a ``DataError`` names the file and line of the first problem."""
+    """The files' text, one after the other, each checked (UTF-8, no NUL byte): a ``DataError`` names the
+    file and line of a problem."""
     texts = []
     for name in paths:
         path = Path(name)
@@ -59,8 +56,8 @@ def _position(raw: bytes, offset: int) -> tuple[int, int]:
 
 
 def split_text(text: str, share: float, seed: int) -> tuple[str, str]:
-    """(train, validation): the text cut into up to ``SPLIT_PIECES`` runs of whole lines, a ``share``
-    of them (at least one) chosen by ``seed`` to validate, each part kept in the text's order."""
+    """(train, validation): of up to ``SPLIT_PIECES`` runs of whole lines, a ``share`` (at least one)
+    chosen by ``seed`` validates; each part keeps the text's order."""
     lines = text.splitlines(keepends=True)
     if len(lines) < 2:
         raise DataError("the text is a single line, too little to hold some out for validation; give "
@@ -100,7 +97,7 @@ class TextTask(CausalTextTask):
 
     @property
     def tokenizer(self) -> Any:
-        """The run's tokenizer: learned from scratch, or the loaded model's (read back from the run)."""
+        """Learned from scratch, or the loaded model's."""
         if self._tokenizer is None and self.source.given:
             self._tokenizer = TokenizersText(self.source.front(self.run_dir).tokenizer)
         return self._tokenizer
@@ -118,8 +115,7 @@ class TextTask(CausalTextTask):
         return self.source.front(self.run_dir).chat_template if self.source.given else None
 
     def make_tokenizer(self) -> Any:
-        """From scratch: the vocabulary the run's options record, learned from the files the first time.
-        With init_from: None here; the loaded model's comes on first use."""
+        """From scratch: the vocabulary the run's options record, learned the first time; else None."""
         if self.source.given:
             return None
         kind = self.options.get("tokenizer", "char")
@@ -158,7 +154,7 @@ class TextTask(CausalTextTask):
         return self.source.build_model(config, self.run_dir)
 
     def setup_notes(self, seed: int) -> list[str]:
-        """What the run will do that the user did not spell out: the validation split it makes."""
+        """The validation split the run makes, which the user did not spell out."""
         if self.options.get("val_data"):
             return []
         return [f"validation: {self.options['val_share']:.0%} of the text (runs of whole lines chosen with seed "

