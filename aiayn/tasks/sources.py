@@ -170,21 +170,36 @@ class SourceOption:
         """The source's weights in a new run and under a LoRA run's checkpoints (adapters only); else the
         architecture alone (a checkpoint or release fills it in). ``config`` may differ from the source's
         only where shapes do not (dropout)."""
-        latest = None if run_dir is None else latest_checkpoint(run_dir / "checkpoints")
-        if run_dir is None or (latest is not None and not _adapters_only(latest)):
+        if not needs_source(run_dir):
             return build_model(config)
-        try:
-            source = self.get()
-        except LoadError as exc:
-            if latest is None:
-                raise
-            raise LoadError(f"{exc}. This run's checkpoints hold only its LoRA adapters: it resumes on the model "
-                            f"they go on, {self.name}; put it back there") from None
+        source = load_starting_point(self.get, str(self.name), run_dir)
         if config == source.config:
             return source.model
         model = build_model(config)
         model.load_state_dict(source.model.state_dict())
         return model.train()
+
+
+def needs_source(run_dir: Path | None) -> bool:
+    """Whether a model built for the run in ``run_dir`` needs its source's weights: a new run's (no
+    checkpoint yet) or a LoRA run's (its checkpoints hold the adapters only). Outside a run, or under full
+    checkpoints, the architecture is enough: the checkpoint or release fills it in, so the run resumes
+    after its source has moved."""
+    if run_dir is None:
+        return False
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    return latest is None or _adapters_only(latest)
+
+
+def load_starting_point(load: Callable[[], Source], name: str, run_dir: Path) -> Source:
+    """``load()``; a run with checkpoints that cannot load its source says which model it resumes on."""
+    try:
+        return load()
+    except LoadError as exc:
+        if latest_checkpoint(run_dir / "checkpoints") is None:
+            raise
+        raise LoadError(f"{exc}. This run's checkpoints hold only its LoRA adapters: it resumes on the model "
+                        f"they go on, {name}; put it back there") from None
 
 
 def _adapters_only(checkpoint: Path) -> bool:

@@ -28,7 +28,7 @@ from aiayn.data.parallel import (
 from aiayn.finetune.parallel import own_corpus
 from aiayn.finetune.source import Source
 from aiayn.tasks.base import register
-from aiayn.tasks.sources import load_source
+from aiayn.tasks.sources import load_source, load_starting_point, needs_source
 from aiayn.tokenizers import (
     BPE_SPECIALS,
     SOURCE_TOKENIZER_FILE,
@@ -149,9 +149,11 @@ class TranslationTask(Task):
                                   f"{field} option)")
 
     def build_model(self, config: ModelConfig) -> nn.Module:
-        if self.init_from is not None:
-            return self.starting_point().model
-        self.check_model_config(config)
+        """The starting point's model where the run needs its weights (``needs_source``), else ``config``'s."""
+        if self.init_from is not None and needs_source(self.run_dir):
+            return load_starting_point(self.starting_point, self.init_from, self.run_dir).model
+        if self.init_from is None:
+            self.check_model_config(config)
         return super().build_model(config)
 
     def train_overrides(self) -> dict[str, Any]:

@@ -64,3 +64,30 @@ def test_a_starting_model_that_does_not_fit_the_options_is_refused(tmp_path):
         get_task("translation", init_from=SHIPPED, src_lang="de", tgt_lang="en", vocabulary="separate").model_config()
     with pytest.raises(RunInputError, match=r"is an ensemble of 2 models, not one"):
         get_task("translation", init_from="multi30k-en-de").model_config()
+
+
+def test_a_translation_fine_tune_resumes_and_loads_without_its_source(tmp_path, run_aiayn):
+    """Full checkpoints hold every weight: a run started from another run resumes, and evaluates, after
+    that run has moved; a LoRA run's checkpoints hold only adapters, so one line names its base."""
+    common = ("--src", write(tmp_path / "d.de", DE), "--tgt", write(tmp_path / "d.en", EN), "--max-steps", "1",
+              "--warmup-steps", "1", "--batch-size", "8", "--average-last", "0", "--no-progress")
+    recipe = tmp_path / "de-en.yaml"
+    recipe.write_text("task: translation\ntask_options: {src_lang: de, tgt_lang: en}\n", encoding="utf-8")
+    start = tmp_path / "start"
+    code, _, err = run_aiayn("train", "--recipe", str(recipe), "--init-from", SHIPPED, *common, "--run-dir", str(start))
+    assert code == 0, err
+    for name, extra in (("full", ()), ("lora", ("--lora-rank", "2"))):
+        code, _, err = run_aiayn("train", "--recipe", str(recipe), "--init-from", str(start), *common, *extra,
+                                 "--run-dir", str(tmp_path / name))
+        assert code == 0, err
+    start.rename(tmp_path / "moved")
+    code, _, err = run_aiayn("train", "--resume", "--run-dir", str(tmp_path / "full"), "--max-steps", "2",
+                             "--no-progress")
+    assert code == 0, err
+    code, out, err = run_aiayn("evaluate", "--run", str(tmp_path / "full"), "--src", str(tmp_path / "d.de"),
+                               "--ref", str(tmp_path / "d.en"), "--beam", "1")
+    assert code == 0 and "BLEU" in out, err
+    code, _, err = run_aiayn("train", "--resume", "--run-dir", str(tmp_path / "lora"), "--max-steps", "2",
+                             "--no-progress")
+    assert code != 0
+    assert f"hold only its LoRA adapters: it resumes on the model they go on, {start}; put it back there" in err
