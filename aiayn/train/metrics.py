@@ -1,5 +1,4 @@
-"""What the trainer records: metrics.csv (``MetricsLog``), the steps since its last row (``MetricsWindow``)
-and their sums on the device (``DeviceTotals``)."""
+"""metrics.csv (``MetricsLog``), the steps since its last row (``MetricsWindow``), their device sums."""
 
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ class MetricsLog:
 
 @dataclass
 class MetricsWindow:
-    """The training statistics since the last metrics.csv row, saved in a checkpoint for exact resume."""
+    """The statistics since the last metrics.csv row, saved in a checkpoint for exact resume."""
 
     loss: float = 0.0  # sum of the steps' losses (the union's, in a distributed run)
     steps: int = 0
@@ -73,7 +72,7 @@ class MetricsWindow:
 
     @classmethod
     def restored(cls, state: dict[str, Any], ctx: distributed.DistContext) -> MetricsWindow:
-        """The window a checkpoint saved (empty in an older one)."""
+        """The window a checkpoint saved."""
 
         def number(name: str) -> float:  # state.json is a file: anything but a finite number counts 0
             value = state.get(name, 0) if isinstance(state, dict) else 0
@@ -89,8 +88,7 @@ class MetricsWindow:
 
 
 class DeviceTotals:
-    """The statistics since the last read, summed on the device and read by ``fold``; also the first
-    non-finite step, for the divergence guard."""
+    """The statistics since the last ``fold``, summed on the device, and the first non-finite step."""
 
     def __init__(self, device: torch.device) -> None:
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -106,7 +104,7 @@ class DeviceTotals:
         self.correct += n_correct
 
     def add_step(self, step: int, loss: Tensor, grad_norm: Tensor | None) -> None:
-        """One optimiser step's loss (and clipped gradient norm): summed, and watched for NaN/inf."""
+        """One step's loss (and gradient norm): summed, and watched for NaN/inf."""
         loss = loss.double()
         bad = ~torch.isfinite(loss)
         if grad_norm is not None:
@@ -119,8 +117,7 @@ class DeviceTotals:
         self.loss += loss
 
     def fold(self, window: MetricsWindow) -> tuple[int, float, float] | None:
-        """Move the sums into ``window`` (one read) and reset; return the first non-finite step's (step, loss,
-        gradient norm), else None."""
+        """Move the sums into ``window`` (one read); the first non-finite (step, loss, norm) or None."""
         loss, nll, tokens, correct, bad_step, bad_loss, bad_norm = torch.stack([
             self.loss, self.nll, self.tokens.double(), self.correct.double(), self.bad_step.double(),
             self.bad_loss, self.bad_norm]).tolist()

@@ -1,5 +1,5 @@
-"""The small files a run directory is known by, written so a crash never leaves half of one: the marker
-``.aiayn-run``, crash-safe text writes, and the names the rest of ``aiayn.train`` recognises."""
+"""The small files a run directory is known by (its marker ``.aiayn-run``), written so a crash never leaves
+half of one."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import re
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,13 @@ def fsync_dir(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write a small text file so that readers see either the old or the new content."""
+    """Write a small text file so that readers see the old or the new content, never part of it."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as handle:
         handle.write(text)
@@ -50,7 +48,7 @@ def write_marker(directory: Path, kind: str, **extra: Any) -> None:
 
 
 def read_marker(directory: Path) -> dict[str, Any] | None:
-    """The marker of ``directory``, or None if it has none (or one that is not aiayn's JSON)."""
+    """The marker of ``directory``, or None (none, or not aiayn's JSON)."""
     try:
         marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
