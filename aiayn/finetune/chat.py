@@ -187,8 +187,7 @@ def pack_rows(lengths: Sequence[int], block: int) -> list[list[int]]:
 
 
 def translation_conversations(sources: Sequence[str], targets: Sequence[str], prompt: str) -> list[Messages]:
-    """Parallel sentences as conversations: the user asks ``prompt`` with ``{src}`` replaced by the source,
-    the assistant answers with the target (as ``aiayn evaluate --prompt`` asks)."""
+    """Parallel sentences as conversations: ``prompt`` with the source for ``{src}``, the target as answer."""
     if "{src}" not in prompt:
         raise ValueError(f"the prompt {prompt!r} has no {{src}} where the source goes; e.g. "
                          f"'Translate to German: {{src}}'")

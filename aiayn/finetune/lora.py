@@ -147,8 +147,7 @@ def projection_sites(model: nn.Module) -> Iterator[tuple[str, str, tuple[int, in
 
 
 def lora_sites(model: nn.Module, targets: Sequence[str]) -> dict[str, dict[str, tuple[int, int]]]:
-    """{projection path: {target: (first row, rows)}} of ``targets`` in ``model``; ConfigError for a target
-    the model lacks or two on the same rows."""
+    """{projection path: {target: (first row, rows)}} of ``targets`` in ``model``, checked."""
     sites: dict[str, dict[str, tuple[int, int]]] = {}
     known: set[str] = set()
     for path, target, rows in projection_sites(model):

@@ -112,8 +112,7 @@ def read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
 
 
 def load_adapter(model: nn.Module, config: ModelConfig, adapter_dir: str | Path) -> LoraConfig:
-    """Apply the adapter in ``adapter_dir`` to ``model`` in place; return its LoraConfig. InteropError for a
-    tensor that fits no projection of ``model``."""
+    """Apply the adapter in ``adapter_dir`` to ``model`` in place; return its LoraConfig."""
     peft = read_adapter_config(adapter_dir)
     weights = Path(adapter_dir) / WEIGHTS_FILE
     if not weights.is_file():

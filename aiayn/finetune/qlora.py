@@ -102,8 +102,7 @@ def _meta_blocks(weight: Tensor) -> BlockWeight:
 
 
 def gguf_blocks(path: Path) -> dict[str, BlockWeight]:
-    """A GGUF file's weight matrices in 4-bit blocks by module path: its own 4-bit blocks as they are, the
-    others quantised."""
+    """A GGUF file's weight matrices in 4-bit blocks by module path (its own 4-bit blocks as they are)."""
     packed = load_gguf(path, tokenizer=False, quantize="q4").model
     return {name: m.weight_blocks for name, m in packed.named_modules() if isinstance(m, BlockLinear)}
 

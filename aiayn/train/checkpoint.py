@@ -60,24 +60,15 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save_checkpoint(
-    directory: Path,
-    *,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    state: dict[str, Any],
-    keep: int = 3,
-    model_state: dict[str, torch.Tensor] | None = None,
-    optimizer_state: dict[str, Any] | None = None,
-) -> Path:
+def save_checkpoint(directory: Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    state: dict[str, Any], keep: int = 3, model_state: dict[str, torch.Tensor] | None = None,
+                    optimizer_state: dict[str, Any] | None = None) -> Path:
     """Write ``directory/step-XXXXXXXX`` atomically and point ``latest`` at it; ``model_state`` and
     ``optimizer_state``: full state dicts to save instead (sharded training's)."""
     directory.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
     final, tmp = directory / name, directory / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     if model_state is None:
         save_model(model, str(tmp / MODEL_FILE))
@@ -196,10 +187,9 @@ def load_checkpoint(path: Path, model: nn.Module) -> LoadedCheckpoint:
     if state.get("weights") == ADAPTER_WEIGHTS:  # the frozen base is the model's own
         missing = [name for name in missing if is_adapter_key(name)]
     if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, unexpected "
-            f"{sorted(unexpected)[:5]}; was it saved from another model configuration?"
-        )
+        raise CheckpointError(f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, "
+                              f"unexpected {sorted(unexpected)[:5]}; was it saved from another model "
+                              f"configuration?")
     try:
         tensors = load_file(str(path / OPTIM_FILE))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -233,8 +223,7 @@ def restore_rng(loaded: LoadedCheckpoint) -> None:
 
 
 def average_last_checkpoints(checkpoint_dir: Path, last: int, model: nn.Module, out_dir: Path) -> Path:
-    """Average the newest ``last`` checkpoints into ``model`` and save them weights-only in ``out_dir`` (new,
-    empty or an earlier output)."""
+    """Average the newest ``last`` checkpoints into ``model`` and save that weights-only in ``out_dir``."""
     found = list_checkpoints(checkpoint_dir)
     if not found:
         raise CheckpointError(f"{checkpoint_dir} holds no checkpoints to average")

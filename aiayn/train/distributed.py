@@ -234,8 +234,7 @@ def _param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Full model and optimiser state dicts of an FSDP model in one process's format (a collective: on rank 0;
-    empty dicts elsewhere)."""
+    """An FSDP model's full model and optimiser state dicts on rank 0, {} elsewhere (a collective)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,

@@ -52,11 +52,9 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
-        try:
+        with contextlib.suppress(ValueError):  # not the main thread: no handlers, plain behaviour
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
-        except ValueError:  # not the main thread: no handlers, plain behaviour
-            pass
         try:
             yield self
         finally:
@@ -178,8 +176,7 @@ def _forward_backward(run: TrainingRun, batch: Any, n: int, *, last: bool) -> Te
 
 
 def _after_step(run: TrainingRun, stop: StopRequest, lr: float) -> bool:
-    """Log, evaluate and save when due; whether to stop now (all ranks at the first row or save after any was
-    asked)."""
+    """Log, evaluate and save when due; whether to stop now (all ranks together)."""
     cfg, ctx, step = run.cfg, run.ctx, run.step
     at_row = step % cfg.log_every == 0 or step == run.total_steps
     stopping = False

@@ -428,9 +428,8 @@ ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "MPS backend
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """torch's out-of-memory error (CUDA's, or the CPU's or MPS's allocator's), or Python's."""
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in ALLOCATOR_FAILURES)
+    return isinstance(exc, torch.OutOfMemoryError | MemoryError) or (
+        isinstance(exc, RuntimeError) and any(text in str(exc) for text in ALLOCATOR_FAILURES))
 
 
 def out_of_memory(exc: BaseException, location: RunLocation, task: Task, cfg: TrainConfig,

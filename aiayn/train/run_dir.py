@@ -96,15 +96,10 @@ def _what_it_is(real: Path) -> str | None:
     home = None
     with suppress(RuntimeError, KeyError):  # no HOME and no passwd entry
         home = Path.home().resolve()
-    if real == Path(real.anchor):
-        return "the filesystem root"
-    if real == home:
-        return "your home directory"
-    if real == cwd:
-        return "the current directory"
-    if real in cwd.parents:
-        return "a parent of the current directory"
-    return None
+    named = ((Path(real.anchor), "the filesystem root"), (home, "your home directory"),
+             (cwd, "the current directory"))
+    return next((what for path, what in named if real == path),
+                "a parent of the current directory" if real in cwd.parents else None)
 
 
 def check_replaceable(run_dir: Path) -> Path:
@@ -153,8 +148,7 @@ def claim_output_dir(out_dir: Path, *, kind: str = KIND_AVERAGED, **extra: Any) 
 
 @dataclass
 class RunLocation:
-    """Where a run is written (``path``) and ends up (``final``): they differ for a replaced run until
-    ``swap_in``."""
+    """Where a run is written (``path``) and ends up (``final``; a replacement's differ until ``swap_in``)."""
 
     final: Path
     path: Path
@@ -238,13 +232,10 @@ def _check_resumable(run_dir: Path, configs: dict[str, Any]) -> None:
     for key in ignore:
         saved["train"].pop(key, None)
         current.get("train", {}).pop(key, None)
-    diffs = config_diff(saved, current)
-    if diffs:
-        raise RunDirError(
-            f"cannot resume {run_dir}: its config differs from the one given in "
-            f"{len(diffs)} field(s): {'; '.join(diffs)}. Resume with the same options, or start a "
-            f"new run (another --run-dir, or --overwrite)"
-        )
+    if diffs := config_diff(saved, current):
+        raise RunDirError(f"cannot resume {run_dir}: its config differs from the one given in {len(diffs)} "
+                          f"field(s): {'; '.join(diffs)}. Resume with the same options, or start a new run "
+                          f"(another --run-dir, or --overwrite)")
 
 
 def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, overwrite: bool,

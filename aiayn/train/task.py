@@ -147,8 +147,7 @@ class Task:
     @torch.no_grad()
     def attention_example(self, model: nn.Module, text: str | None = None,
                           kind: str | None = None) -> AttentionExample | None:
-        """Attention maps of the model on ``text`` (ValueError if it does not parse) or a test example;
-        None for a task without ``attention_kinds``."""
+        """Attention maps on ``text`` (ValueError if unparsable) or a test example; None without kinds."""
         if not self.attention_kinds:
             return None
         kind = self.attention_kind(kind)

@@ -62,21 +62,11 @@ def _seconds_of(state: dict[str, object]) -> float | None:
     return float(seconds) if ok else None  # type: ignore[arg-type]
 
 
-def train(
-    task: Task,
-    model_config: ModelConfig,
-    train_config: TrainConfig,
-    run_dir: Path,
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-    echo: Callable[[str], None] = print,
-    make_plots: bool = True,
-    parallel: distributed.ParallelOptions | None = None,
-    fast: bool = True,
-    device: torch.device | str | None = None,
-) -> TrainResult:
+def train(task: Task, model_config: ModelConfig, train_config: TrainConfig, run_dir: Path, *,
+          resume: bool = False, overwrite: bool = False, progress: bool = True,
+          echo: Callable[[str], None] = print, make_plots: bool = True,
+          parallel: distributed.ParallelOptions | None = None, fast: bool = True,
+          device: torch.device | str | None = None) -> TrainResult:
     """Train ``task`` into ``run_dir``. ``fast``: through aiayn's CPU kernels (the same function). ``device``:
     ``aiayn.device.resolve``'s; CUDA uses bfloat16 autocast unless ``train_config.bf16`` is False. Under
     torchrun it trains with DDP or FSDP (``aiayn.train.distributed``)."""
