@@ -21,10 +21,8 @@ except ImportError:  # not POSIX: no owner locks; leftovers are named, never rem
 
 from aiayn.train.run_files import CHECKPOINT_NAME, KIND_RUN, fsync_dir, read_marker
 
-# A replacement's sibling holds this file, flocked by the process that writes it.
-OWNER_LOCK = ".aiayn-owner"
-# A free lock younger than this may be one its owner has created and not yet locked.
-LEFTOVER_AGE_S = 60.0
+OWNER_LOCK = ".aiayn-owner"  # in a replacement's sibling, flocked by the process that writes it
+LEFTOVER_AGE_S = 60.0  # a free lock younger than this may be one its owner has not yet locked
 
 _OWNED: dict[Path, int] = {}  # temporary siblings this process writes -> its locked owner file
 

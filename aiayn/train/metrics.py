@@ -34,9 +34,8 @@ class MetricsLog:
 
     def write(self, **row: Any) -> None:
         with open(self.path, "a", newline="", encoding="utf-8") as handle:
-            csv.DictWriter(handle, fieldnames=METRIC_FIELDS).writerow(
-                {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
-            )
+            row = {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
+            csv.DictWriter(handle, fieldnames=METRIC_FIELDS).writerow(row)
 
 
 @dataclass

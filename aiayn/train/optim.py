@@ -48,8 +48,7 @@ def make_schedule(cfg: TrainConfig, *, total_steps: int, d_model: int) -> Callab
     return lambda s: constant_lr(s, peak=cfg.lr, warmup=cfg.warmup_steps)
 
 
-# A Noam schedule whose peak learning rate is below this learns nothing.
-NOAM_TINY_PEAK = 1e-5
+NOAM_TINY_PEAK = 1e-5  # a Noam schedule whose peak learning rate is below this learns nothing
 
 
 def schedule_warning(cfg: TrainConfig, *, d_model: int) -> str | None:

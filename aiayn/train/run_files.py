@@ -15,8 +15,7 @@ MARKER = ".aiayn-run"
 MARKER_VERSION = 1
 KIND_RUN, KIND_AVERAGED = "run", "averaged"
 CONFIG_FILE = "config.json"
-# A checkpoint directory's name: the only entries pruning may delete (see checkpoint._prune).
-CHECKPOINT_NAME = re.compile(r"step-\d{8}")
+CHECKPOINT_NAME = re.compile(r"step-\d{8}")  # a checkpoint's name: the only entries pruning may delete
 
 
 def fsync_dir(path: Path) -> None:

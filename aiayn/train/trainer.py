@@ -232,7 +232,6 @@ def _finish(run: TrainingRun, *, make_plots: bool) -> TrainResult:
         echo(f"interrupted at step {step}; checkpoint saved. Continue with: aiayn train --resume "
              f"--run-dir {run_dir}")
         return result
-    # Checkpoint averaging (section 6.1): test is scored with the better of last and averaged on val.
     last_val = run.last_val
     result.test_checkpoint, averaged = choose_test_checkpoint(
         task, model, location.path, run.cfg.average_last, ctx=ctx, echo=echo,
