@@ -1,2 +1,1 @@
-"""Fine-tuning what aiayn loads: a loaded model as a run's starting point (``source``), your own
-data, and LoRA adapters."""
+"""Fine-tuning what aiayn loads: a loaded starting point (``source``), your own data, LoRA adapters."""

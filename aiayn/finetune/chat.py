@@ -1,10 +1,7 @@
-"""Conversations to fine-tune a chat model on: OpenAI's fine-tuning JSONL, checked line by line,
-rendered through the model's chat template, with a mask of the tokens the loss counts (the
-assistant turns), and packed into windows of whole conversations.
-
-A line is ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}``;
-roles are system, user, assistant and tool. Every problem is a ``DataError`` naming the file and
-line (``FILE:LINE: what is wrong; what to do``), raised before any training step."""
+"""Conversations to fine-tune a chat model on: OpenAI's fine-tuning JSONL (``{"messages": [{"role": "user",
+"content": "..."}, ...]}`` a line) checked line by line, rendered through the model's chat template with a
+mask of the assistant turns the loss counts, and packed into windows of whole conversations. Every problem
+is a ``DataError`` naming ``FILE:LINE``, raised before any training step."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ Messages = list[dict[str, str]]
 
 @dataclass
 class Conversation:
-    """One checked line: its messages and where it came from (``FILE:LINE``)."""
+    """One checked line and its ``FILE:LINE``."""
 
     messages: Messages
     where: str
@@ -31,8 +28,7 @@ class Conversation:
 
 @dataclass
 class ChatExample:
-    """A rendered conversation: its token ids and, per token, whether the loss counts it (the
-    assistant turns: their content and end-of-turn token)."""
+    """A rendered conversation's token ids and, per token, whether the loss counts it."""
 
     ids: list[int]
     trained: list[bool]
@@ -99,11 +95,8 @@ def check_message(message: Any, where: str) -> None:
 
 
 def render_spans(template: Any, messages: Messages) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's text, and the (start, end) characters of each assistant turn in it.
-
-    A turn starts where the template's generation prompt for it ends (the text of the messages
-    before it, ``add_generation_prompt=True``) and ends where the text of the messages up to it
-    ends: each of those texts must be a prefix of the whole."""
+    """The conversation's text and each assistant turn's (start, end) characters: from the end of the
+    generation prompt after the messages before it to the end of the text of the messages up to it."""
     text = template.render(messages, add_generation_prompt=False)
     spans = []
     for i, message in enumerate(messages):
@@ -121,11 +114,9 @@ def render_spans(template: Any, messages: Messages) -> tuple[str, list[tuple[int
 
 def encode_conversation(template: Any, encode: Callable[[str], list[int]], end_id: int | None,
                         messages: Messages) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and the loss mask: True on each assistant turn's tokens
-    up to and including its first ``end_id`` (the end-of-turn token; what the template writes after it
-    the model never generates); the whole turn when it holds no ``end_id``.
-
-    The text is encoded piece by piece at the turns' edges, so every token lies on one side."""
+    """Token ids of the rendered conversation and the loss mask: True on each assistant turn's tokens up to
+    its first ``end_id`` (the end-of-turn token), all of it without one. Turns are encoded apart, so no token
+    straddles an edge."""
     text, spans = render_spans(template, messages)
     ids: list[int] = []
     trained: list[bool] = []
@@ -158,8 +149,7 @@ def encode_conversations(conversations: Sequence[Conversation], template: Any,
 
 
 def check_lengths(examples: Sequence[ChatExample], block: int, context: str) -> None:
-    """Refuse (one line) a conversation longer than a window: ``block`` predictions, ids + 1 tokens.
-    ``context`` says how to raise the limit."""
+    """Refuse a conversation longer than a window of ``block`` predictions; ``context``: how to raise it."""
     for example in examples:
         if len(example.ids) - 1 > block:
             raise DataError(f"{example.where}: the conversation is {len(example.ids)} tokens, more than a "
@@ -167,13 +157,9 @@ def check_lengths(examples: Sequence[ChatExample], block: int, context: str) -> 
 
 
 def pack_rows(lengths: Sequence[int], block: int) -> list[list[int]]:
-    """Rows of whole examples (their indices, in order) of at most ``block`` positions each: an example
-    of length n takes n - 1 positions (it predicts its tokens after the first). First fit in order: each
-    example goes into the lowest-numbered row with room for it, else into a new row.
-
-    The row is found in logarithmic time by a tournament tree over the rows: ``most[size + r]`` is the
-    room left in row r, each inner node ``most[k]`` the largest room of its children ``2k`` and ``2k + 1``;
-    from the root down, the left child is taken whenever it has room enough."""
+    """Rows of whole examples (their indices) of at most ``block`` positions, an example of length n taking
+    n - 1, by first fit in order. A tournament tree finds the row: ``most[size + r]`` is row r's room, inner
+    ``most[k]`` the larger of its children's; from the root down the left child is taken if it has room."""
     size = 1
     while size < len(lengths):
         size *= 2
@@ -201,8 +187,7 @@ def pack_rows(lengths: Sequence[int], block: int) -> list[list[int]]:
 
 
 def translation_conversations(sources: Sequence[str], targets: Sequence[str], prompt: str) -> list[Messages]:
-    """Parallel sentences as chat conversations: the user asks ``prompt`` with ``{src}`` replaced by
-    the source, the assistant answers with the target (``aiayn evaluate --prompt`` asks the same)."""
+    """Parallel sentences as conversations: ``prompt`` with the source for ``{src}``, the target as answer."""
     if "{src}" not in prompt:
         raise ValueError(f"the prompt {prompt!r} has no {{src}} where the source goes; e.g. "
                          f"'Translate to German: {{src}}'")

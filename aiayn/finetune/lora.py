@@ -1,13 +1,9 @@
 """LoRA (Hu et al. 2021) as a converter applied to a built model, as ``aiayn.fast.optimize`` is.
 
-``apply_lora(model, config)`` freezes every parameter and adds to each targeted projection a trainable
-low-rank update: W x + (alpha / r) B A dropout(x), A (r, in) initialised as PEFT does
-(kaiming-uniform, a = sqrt(5)), B (out, r) zeros, so the model starts out unchanged. ``merge_lora``
-folds the updates into the weights and gives back plain ``nn.Linear`` layers.
-
-aiayn stacks some projections into one matrix (self-attention's q, k, v in ``qkv_proj``, a gated
-unit's gate and up in ``fc_in``); a target such as ``q`` adapts its rows of that matrix with its
-own A and B, exactly what a LoRA on a separate q projection does."""
+``apply_lora`` freezes the model and adds to each targeted projection W x + (alpha / r) B A dropout(x),
+A (r, in) kaiming-uniform as in PEFT, B (out, r) zeros; ``merge_lora`` folds them back into ``nn.Linear``.
+A target on a stacked projection (``q`` of ``qkv_proj``, ``gate`` of ``fc_in``) adapts its own rows with
+its own A and B, as a LoRA on a separate projection does."""
 
 from __future__ import annotations
 
@@ -39,8 +35,7 @@ ADAPTER_PARAMETERS = ("lora_A", "lora_B")
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """Rank ``rank``, scale ``alpha / rank``, dropout on the adapters' input, and the projections adapted
-    (names from ``TARGET_NAMES``)."""
+    """Rank, scale ``alpha / rank``, dropout on the adapters' input, targets (from ``TARGET_NAMES``)."""
 
     rank: int = 8
     alpha: float = 16.0
@@ -78,13 +73,9 @@ class LoraConfig:
 
 
 class LoraLinear(nn.Linear):
-    """An ``nn.Linear`` (the same frozen weight and bias, the same state-dict keys) plus one low-rank update
-    per adapted part: rows ``lora_rows[name] = (start, size)`` of the output get
-    ``scaling * lora_B[name] @ lora_A[name] @ dropout(x)``. Made by ``apply_lora`` from an ``nn.Linear``.
-
-    The frozen product runs through ``base_kernel`` (``F.linear``; ``aiayn.fast.optimize`` swaps in its
-    kernel). The parts' updates are two products on the whole input: x by the stacked A's, then by the
-    B's laid out block-diagonally on their rows, added to the frozen product in one ``addmm``."""
+    """An ``nn.Linear`` (same weight, bias and state-dict keys) whose output rows ``lora_rows[name] = (start,
+    size)`` get ``scaling * lora_B[name] @ lora_A[name] @ dropout(x)``. The frozen product runs through
+    ``base_kernel`` (``F.linear``, or ``aiayn.fast``'s kernel)."""
 
     lora_rows: dict[str, tuple[int, int]]
     scaling: float
@@ -94,15 +85,14 @@ class LoraLinear(nn.Linear):
         return add_update(self, self.base_kernel(x, self.weight, self.bias), x)
 
     def delta(self) -> Tensor:
-        """The update folded into a weight the shape of ``weight``: scaling * B @ A on each part's rows."""
+        """scaling * B @ A on each part's rows, the shape of ``weight``."""
         a, b = stacked_adapters(self)
         return (b @ a) * self.scaling
 
 
 def stacked_adapters(layer: nn.Module) -> tuple[Tensor, Tensor]:
-    """(A (parts x r, i): the parts' A's stacked, B (o, parts x r): their B's on their rows, zeros
-    elsewhere), parts in row order: B @ A is the update of the whole weight, before scaling. ``layer``
-    holds adapters as ``LoraLinear`` does (``lora_A``, ``lora_B``, ``lora_rows``, ``out_features``)."""
+    """(A (parts x r, i): the parts' A's stacked, B (o, parts x r): their B's block-diagonal on their rows),
+    so B @ A is the whole weight's update before scaling. ``layer`` holds adapters as ``LoraLinear`` does."""
     parts = sorted(layer.lora_rows.items(), key=lambda item: item[1])
     if len(parts) == 1 and parts[0][1] == (0, layer.out_features):
         return layer.lora_A[parts[0][0]], layer.lora_B[parts[0][0]]
@@ -120,8 +110,7 @@ def stacked_adapters(layer: nn.Module) -> tuple[Tensor, Tensor]:
 
 
 def add_update(layer: nn.Module, out: Tensor, x: Tensor) -> Tensor:
-    """``out`` (..., o), the frozen product of ``x``, plus the adapters' update: two products on the whole
-    input (x by the stacked A's, then by the B's on their rows), added in one ``addmm``."""
+    """``out`` (..., o), the frozen product of ``x``, plus the adapters' update, added in one ``addmm``."""
     a, b = stacked_adapters(layer)
     low = F.linear(layer.lora_dropout(x), a)  # (..., parts x r)
     update = torch.addmm(out.reshape(-1, out.shape[-1]), low.reshape(-1, low.shape[-1]), b.t(),
@@ -158,8 +147,7 @@ def projection_sites(model: nn.Module) -> Iterator[tuple[str, str, tuple[int, in
 
 
 def lora_sites(model: nn.Module, targets: Sequence[str]) -> dict[str, dict[str, tuple[int, int]]]:
-    """{projection path: {target: (first row, rows)}} of every projection ``targets`` name in ``model``.
-    ConfigError for a target this model has nowhere, or two targets on the same rows."""
+    """{projection path: {target: (first row, rows)}} of ``targets`` in ``model``, checked."""
     sites: dict[str, dict[str, tuple[int, int]]] = {}
     known: set[str] = set()
     for path, target, rows in projection_sites(model):
@@ -179,8 +167,7 @@ def lora_sites(model: nn.Module, targets: Sequence[str]) -> dict[str, dict[str, 
 
 def apply_lora(model: nn.Module, config: LoraConfig,
                sites: Mapping[str, Mapping[str, tuple[int, int]]] | None = None) -> nn.Module:
-    """Freeze ``model`` and add ``config``'s adapters in place (``sites``: where, as ``lora_sites`` gives;
-    None: all the projections ``config.targets`` names). Returns ``model``."""
+    """Freeze ``model`` and add ``config``'s adapters in place (at ``sites``, default ``lora_sites``')."""
     if any(isinstance(m, LoraLinear) for m in model.modules()):
         raise ValueError("this model already has LoRA adapters; merge_lora it first")
     sites = lora_sites(model, config.targets) if sites is None else sites
@@ -195,7 +182,7 @@ def apply_lora(model: nn.Module, config: LoraConfig,
 
 
 def _add_adapters(linear: nn.Linear, config: LoraConfig, rows: dict[str, tuple[int, int]]) -> None:
-    """Turn ``linear`` into a ``LoraLinear`` with one (A, B) pair per part (float32 or the weight's dtype)."""
+    """Turn ``linear`` into a ``LoraLinear`` with one (A, B) pair per part."""
     weight = linear.weight
     dtype = weight.dtype if weight.is_floating_point() else torch.float32
     linear.__class__ = LoraLinear
@@ -211,7 +198,7 @@ def _add_adapters(linear: nn.Linear, config: LoraConfig, rows: dict[str, tuple[i
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight and give back plain ``nn.Linear`` layers (in place)."""
+    """Fold every adapter into its weight, leaving plain ``nn.Linear`` layers (in place)."""
     for module in model.modules():
         if isinstance(module, LoraLinear):
             with torch.no_grad():

@@ -1,10 +1,6 @@
-"""Parallel text of your own for translation: a pair of files (``--src``/``--tgt``) or a folder of
-``{split}.{lang}`` files as Multi30k's (train, optional val and test). The translation task reads it,
-starting from a shipped translation model or run (domain adaptation).
-
-Each file is checked line by line before training (``aiayn.data.parallel.read_parallel``: UTF-8, no
-empty line, both sides of a pair as long). Without validation files a seeded share of the training
-pairs is held out (``aiayn.finetune.split``) and the run says so."""
+"""Parallel text of your own for translation (domain adaptation): a pair of files (``--src``/``--tgt``) or a
+folder of ``{split}.{lang}`` files as Multi30k's, checked by ``aiayn.data.parallel.read_parallel``. Without
+validation files a seeded share of the training pairs is held out (``aiayn.finetune.split``)."""
 
 from __future__ import annotations
 
@@ -20,11 +16,8 @@ Pairs = tuple[list[str], list[str]]
 
 def own_corpus(src: str | None, tgt: str | None, folder: str | None, languages: tuple[str, str],
                names: Mapping[str, str], *, seed: int, echo: Callable[[str], None]) -> dict[str, Pairs]:
-    """{split: (sources, targets)} of "train", "val" and, where a folder has one, "test".
-
-    ``src``/``tgt``: the training pair's files (validation split off from them). ``folder``: train,
-    val and test files with the ``languages``' suffixes, each named as ``names`` gives or by the split
-    itself (``test.de``, ``test2016.de``); val and test optional."""
+    """{split: (sources, targets)} of "train", "val" and, where a folder has one, "test". ``folder``'s files
+    carry the ``languages``' suffixes, each named as ``names`` gives or by the split itself."""
     if (src is None) != (tgt is None):
         raise ConfigError("parallel files come in pairs; give both --src FILE and --tgt FILE")
     if src is not None and folder is not None:

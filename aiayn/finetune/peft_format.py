@@ -1,11 +1,7 @@
-"""LoRA adapters in PEFT's layout, so PEFT loads aiayn's adapters and aiayn loads PEFT's:
-``adapter_config.json`` + ``adapter_model.safetensors``, keys
-``base_model.model.<Hugging Face module>.lora_A.weight`` (A: (r, in); B: (out, r)).
-
-The Hugging Face module names come from the same name rules ``aiayn export --to hf`` uses
-(``aiayn.interop``): a target is written under the module that holds its rows there (LLaMA's q rows of
-aiayn's ``qkv_proj`` -> ``q_proj``; GPT-2's whole ``qkv_proj`` -> ``c_attn``, which PEFT adapts as one
-fused Conv1D)."""
+"""LoRA adapters in PEFT's layout (``adapter_config.json`` + ``adapter_model.safetensors``, keys
+``base_model.model.<Hugging Face module>.lora_A.weight``; A: (r, in), B: (out, r)), read and written. Module
+names follow ``aiayn export --to hf``'s rules: LLaMA's q rows of ``qkv_proj`` -> ``q_proj``, GPT-2's whole
+``qkv_proj`` -> ``c_attn``."""
 
 from __future__ import annotations
 
@@ -47,9 +43,8 @@ def _hf_modules(model: nn.Module, family: Family, config: ModelConfig) -> dict[S
 
 
 def save_adapter(model: nn.Module, config: ModelConfig, out_dir: str | Path, *, base: str | None = None) -> Path:
-    """Write ``model``'s adapters into ``out_dir`` in PEFT's layout (each file replaced atomically);
-    ``base``: the base model's name or path (``base_model_name_or_path``). InteropError for an adapter on
-    rows the Hugging Face model keeps inside a fused projection (GPT-2's q alone)."""
+    """Write ``model``'s adapters into ``out_dir`` in PEFT's layout (files replaced atomically); ``base``:
+    ``base_model_name_or_path``. InteropError for an adapter on part of a fused Hugging Face projection."""
     layers = lora_layers(model)
     if not layers:
         raise ValueError("this model has no LoRA adapters to save (apply_lora first)")
@@ -117,8 +112,7 @@ def read_adapter_config(adapter_dir: str | Path) -> dict[str, Any]:
 
 
 def load_adapter(model: nn.Module, config: ModelConfig, adapter_dir: str | Path) -> LoraConfig:
-    """Apply the adapter in ``adapter_dir`` (PEFT's layout) to ``model`` in place; return its LoraConfig.
-    InteropError for a tensor that fits no projection of ``model`` or has the wrong shape."""
+    """Apply the adapter in ``adapter_dir`` to ``model`` in place; return its LoraConfig."""
     peft = read_adapter_config(adapter_dir)
     weights = Path(adapter_dir) / WEIGHTS_FILE
     if not weights.is_file():

@@ -1,13 +1,9 @@
 """QLoRA (Dettmers et al. 2023): LoRA adapters trained over a base kept in 4-bit blocks.
 
-``apply_qlora(model, config)`` does what ``apply_lora`` does (the same adapters, names, rows, scaling and
-initialisation), then keeps every attention and MLP projection's frozen weight as ``aiayn.fast.q4`` blocks:
-a GGUF file's own 4-bit blocks where given, else ``quantize_blocks_q4`` of the float weight. Embeddings,
-norms and the output layer stay float32. The adapters stay float32 and are all that trains or is saved.
-
-The q4 kernel has no backward, so the frozen product runs through ``FrozenBlockProduct``: forward with the
-kernel (``block_matmul``), backward grad_x = grad_y W with W dequantised for that one layer and dropped
-after; the base gets no gradient. Shape letters: m rows, k in, n out."""
+``apply_qlora`` is ``apply_lora`` with every attention and MLP projection's frozen weight in ``aiayn.fast.q4``
+blocks (a GGUF file's own, or quantised); embeddings, norms, the output layer and the adapters stay float32.
+The q4 kernel has no backward: ``FrozenBlockProduct``'s gives grad_x = grad_y W, W dequantised for that one
+layer. Shape letters: m rows, k in, n out."""
 
 from __future__ import annotations
 
@@ -47,8 +43,7 @@ class FrozenBlockProduct(torch.autograd.Function):
 
 
 class FrozenBlockLinear(BlockLinear):
-    """A ``BlockLinear`` whose input gets a gradient (its weight and bias none): a frozen 4-bit layer of a
-    model being fine-tuned."""
+    """A ``BlockLinear`` whose input gets a gradient (its weight and bias none)."""
 
     def forward(self, x: Tensor) -> Tensor:
         y = FrozenBlockProduct.apply(x.reshape(-1, self.in_features).float(), self)
@@ -58,8 +53,7 @@ class FrozenBlockLinear(BlockLinear):
 
 
 class QLoraLinear(FrozenBlockLinear):
-    """A frozen 4-bit layer plus a ``LoraLinear``'s adapters (``lora_A``, ``lora_B``, ``lora_dropout``,
-    ``lora_rows``, ``scaling``): the same update, computed by ``lora.add_update``, on 4-bit base rows."""
+    """A frozen 4-bit layer plus a ``LoraLinear``'s adapters and update (``lora.add_update``)."""
 
     lora_rows: dict[str, tuple[int, int]]
     scaling: float
@@ -69,9 +63,8 @@ class QLoraLinear(FrozenBlockLinear):
 
 
 def apply_qlora(model: nn.Module, config: LoraConfig, blocks: Mapping[str, BlockWeight] | None = None) -> nn.Module:
-    """``apply_lora``, then every projection of the attention and MLP sublayers in 4-bit blocks (see the
-    module docstring): ``blocks[path]`` where given, else the weight quantised. A projection whose input
-    width is not a multiple of 32 stays float. Returns ``model``."""
+    """``apply_lora``, then each projection in 4-bit blocks: ``blocks[path]`` where given, else quantised (one
+    whose input width is not a multiple of 32 stays float)."""
     apply_lora(model, config)
     for path in dict.fromkeys(path for path, _, _ in projection_sites(model)):
         layer = model.get_submodule(path)
@@ -83,8 +76,7 @@ def apply_qlora(model: nn.Module, config: LoraConfig, blocks: Mapping[str, Block
 
 
 def four_bit(layer: nn.Linear, blocks: BlockWeight | None = None) -> FrozenBlockLinear:
-    """``layer`` (an ``nn.Linear`` or a ``LoraLinear``) with its weight in blocks (``blocks``, or quantised),
-    its bias and adapters kept."""
+    """``layer`` (``nn.Linear`` or ``LoraLinear``) with its weight in blocks, its bias and adapters kept."""
     if blocks is None:
         blocks = _meta_blocks(layer.weight) if layer.weight.is_meta else quantize_blocks_q4(layer.weight)
     if (blocks.n, blocks.k) != tuple(layer.weight.shape):
@@ -98,8 +90,7 @@ def four_bit(layer: nn.Linear, blocks: BlockWeight | None = None) -> FrozenBlock
 
 
 def _meta_blocks(weight: Tensor) -> BlockWeight:
-    """Blocks of ``quantize_blocks_q4``'s sizes on the meta device (float32 scales): what a meta build, as
-    the memory check's, counts."""
+    """Blocks of ``quantize_blocks_q4``'s sizes on the meta device, for the memory check's meta build."""
     n, k = weight.shape
     groups = -(-n // GROUP)
 
@@ -111,15 +102,14 @@ def _meta_blocks(weight: Tensor) -> BlockWeight:
 
 
 def gguf_blocks(path: Path) -> dict[str, BlockWeight]:
-    """A GGUF file's weight matrices in 4-bit blocks by module path: its own 4-bit blocks (Q4_0, Q4_1, the
-    K-quants) as they are, the others quantised (``load_gguf(quantize="q4")``)."""
+    """A GGUF file's weight matrices in 4-bit blocks by module path (its own 4-bit blocks as they are)."""
     packed = load_gguf(path, tokenizer=False, quantize="q4").model
     return {name: m.weight_blocks for name, m in packed.named_modules() if isinstance(m, BlockLinear)}
 
 
 def qlora_adapt(config: LoraConfig, source: Path | None) -> Callable[[nn.Module], nn.Module]:
-    """The trainer's step that adapts a built model: ``apply_qlora``, with the blocks of ``source`` (the file
-    the model was loaded from) when it is a GGUF file (read for a real model, not the memory check's meta copy)."""
+    """The trainer's ``apply_qlora`` step, with ``source``'s blocks when it is a GGUF file (not read for the
+    memory check's meta copy)."""
     gguf = _gguf_file(source)
 
     def adapt(model: nn.Module) -> nn.Module:

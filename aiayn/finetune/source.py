@@ -1,6 +1,5 @@
-"""What a fine-tune starts from, as data: a loaded model (``Source``), a language model's text front
-end (``TextFront``) and its tokenizer with a character tokenizer's interface (``TokenizersText``).
-``aiayn.tasks.sources`` loads them."""
+"""What a fine-tune starts from (``aiayn.tasks.sources`` loads them): a loaded model (``Source``), a language
+model's text front end (``TextFront``), its tokenizer as a character tokenizer (``TokenizersText``)."""
 
 from __future__ import annotations
 
@@ -16,13 +15,9 @@ from aiayn.config import ModelConfig
 
 @dataclass
 class Source:
-    """A loaded starting point.
-
-    ``name``: what the user gave (a run records it as its task's ``init_from`` option). ``kind``:
-    "gguf", "hf", "release" or "run". ``model``: plain float32 modules on the CPU, train mode.
-    ``text``: for a decoder-only model, its ``aiayn.textgen.TextModel`` (tokenizer, ``eos_id``,
-    ``chat_template``); None otherwise. ``run``: for a run or a shipped release, its
-    ``aiayn.tasks.trained.LoadedRun`` (the task that made it, with its tokenizers); None otherwise."""
+    """A loaded starting point. ``name``: what the user gave (the task's ``init_from``); ``kind``: "gguf",
+    "hf", "release" or "run"; ``model``: float32 on the CPU, train mode; ``text``: a decoder-only model's
+    ``aiayn.textgen.TextModel``; ``run``: a run's or release's ``aiayn.tasks.trained.LoadedRun``."""
 
     name: str
     path: Path
@@ -34,8 +29,7 @@ class Source:
 
 
 class TextFront(NamedTuple):
-    """A loaded language model's text front end: its ``tokenizers.Tokenizer``, chat template (None:
-    none) and end-of-text id (None: none)."""
+    """A loaded language model's ``tokenizers.Tokenizer``, chat template and end-of-text id (or None)."""
 
     tokenizer: Any
     chat_template: Any
@@ -43,8 +37,7 @@ class TextFront(NamedTuple):
 
 
 class TokenizersText:
-    """A ``tokenizers.Tokenizer`` with ``CharTokenizer``'s interface: ids as tensors, no special tokens
-    added (windows of a running text)."""
+    """A ``tokenizers.Tokenizer`` with ``CharTokenizer``'s interface: ids as tensors, no special tokens."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

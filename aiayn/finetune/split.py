@@ -1,5 +1,4 @@
-"""The validation set of a fine-tuning run given no validation file: a seeded share of its examples,
-held out from training and stated in one line."""
+"""A fine-tune's validation set when given no file: a seeded share of its examples, stated in one line."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ VAL_FRACTION = 0.05  # the share of the examples held out when no validation fil
 
 @dataclass(frozen=True)
 class Split:
-    """Indices into the examples: ``train`` and ``val`` (disjoint, each in ascending order), and
-    ``statement``, the line a run prints to say how validation was made."""
+    """Disjoint ascending indices into the examples, and the line a run prints to say how val was made."""
 
     train: list[int]
     val: list[int]
@@ -24,9 +22,8 @@ class Split:
 
 def split_examples(n: int, *, seed: int, fraction: float = VAL_FRACTION, what: str = "examples",
                    instead: str = "give --val-data") -> Split:
-    """Hold out ``fraction`` of ``n`` examples (at least 1, leaving at least 1 to train on), drawn by
-    ``seed``. ``what`` names the examples and ``instead`` how to give a validation set of one's own,
-    both for the statement and for the refusal (``DataError``) of a set too small to split."""
+    """Hold out ``fraction`` of ``n`` examples (at least 1, leaving 1), drawn by ``seed``; ``what`` names them
+    and ``instead`` how to give one's own validation set."""
     if not 0 < fraction < 1:
         raise ValueError(f"fraction must lie in (0, 1), got {fraction}")
     if n < 2:

@@ -1,8 +1,5 @@
-"""Checkpoint averaging (the paper's section 6.1) at the end of a run and in ``aiayn average``.
-
-``plan_average``: the newest min(N, found) checkpoints into ``averaged-lastK`` (a warning when fewer; one
-checkpoint is not averaged). ``choose_test_checkpoint``: test is scored with the better of the last and
-averaged weights on val, recorded in summary.json's ``test_checkpoint``."""
+"""Checkpoint averaging (the paper's section 6.1) at the end of a run and in ``aiayn average``: the newest
+min(N, found) checkpoints into ``averaged-lastK``; test is scored with the better of last and averaged."""
 
 from __future__ import annotations
 
@@ -33,8 +30,7 @@ class AveragePlan:
     found: list[Path]  # every complete checkpoint, oldest first (at least one)
 
     @property
-    def count(self) -> int:
-        """K: the checkpoints really averaged."""
+    def count(self) -> int:  # K: the checkpoints really averaged
         return min(self.asked, len(self.found))
 
     @property
@@ -50,7 +46,7 @@ class AveragePlan:
         return self.found[-1]
 
     def warning(self) -> str | None:
-        """One line when the plan is not what was asked (fewer checkpoints, or nothing to average)."""
+        """One line when the plan is not what was asked."""
         where = f"{self.checkpoint_dir} keeps {len(self.found)}"
         if not self.averages:
             asked = ("averaging the last 1 checkpoint" if self.asked == 1
@@ -73,9 +69,8 @@ def plan_average(checkpoint_dir: Path, asked: int) -> AveragePlan:
 def choose_test_checkpoint(task: Task, model: nn.Module, run_path: Path, asked: int, *,
                            last_val: dict[str, float] | None, ctx: distributed.DistContext,
                            echo: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Average the run's last checkpoints (``asked``; 0 = off) and leave in ``model`` the better of last and
-    averaged on val -> (the ``test_checkpoint`` record, the ``averaged`` record or {}). ``last_val``: the last
-    weights' val metrics if already scored."""
+    """Average the run's last ``asked`` checkpoints (0: off), leaving in ``model`` the better of last and
+    averaged on val -> (``test_checkpoint`` record, ``averaged`` record or {}); ``last_val``: if scored."""
     ckpt_dir = run_path / "checkpoints"
     last_path = latest_checkpoint(ckpt_dir)
     record: dict[str, Any] = {"used": "last", "checkpoint": str(last_path) if last_path else None}
@@ -96,7 +91,6 @@ def choose_test_checkpoint(task: Task, model: nn.Module, run_path: Path, asked: 
     averaged_val = task.evaluate(model, "val")
     averaged = {"checkpoint": str(saved or out_dir), "checkpoints_averaged": plan.count, "asked": asked,
                 "val": averaged_val}
-    # The val metric that chooses: BLEU (higher is better) where both have it, else the loss.
     key = "bleu" if "bleu" in last_val and "bleu" in averaged_val else "nll"
     a, b = averaged_val[key], last_val[key]
     use_averaged = a > b if key == "bleu" else a < b  # a tie keeps the last checkpoint: it was trained, not made
@@ -111,7 +105,7 @@ def choose_test_checkpoint(task: Task, model: nn.Module, run_path: Path, asked: 
 
 
 def describe_choice(record: dict[str, Any]) -> str | None:
-    """Which weights scored the test split and why, for the end-of-run lines; None when averaging was off."""
+    """Which weights scored the test split and why; None when averaging was off."""
     if "val" not in record:
         return f"the last checkpoint ({record['reason']})" if "reason" in record else None
     val, key = record["val"], record["chosen_by"]

@@ -1,16 +1,8 @@
-"""Checkpoints that resume exactly and survive a kill mid-save.
-
-Layout of ``<run>/checkpoints/``::
-
-    step-00000100/model.safetensors      weights (tied tensors stored once)
-    step-00000100/optimizer.safetensors  optimiser moments + RNG state, as tensors
-    step-00000100/state.json             step, data position, optimiser hyper-parameters, RNG
-                                         (``"weights": "adapters"``: model.safetensors holds only
-                                         LoRA adapters, for a base the run's task loads again)
-    latest                               name of the newest complete checkpoint
-
-Each checkpoint is written into a temporary directory and renamed into place, then ``latest`` is replaced
-atomically. Nothing is unpickled on load."""
+"""Checkpoints that resume exactly and survive a kill mid-save: ``<run>/checkpoints/step-00000100/`` holds
+model.safetensors (weights, tied tensors once; only LoRA adapters where state.json says ``"weights":
+"adapters"``), optimizer.safetensors (moments and RNG states) and state.json (step, data position, optimiser
+hyper-parameters, Python's RNG); ``latest`` names the newest. Each is written into a temporary directory and
+renamed into place; nothing is unpickled on load."""
 
 from __future__ import annotations
 
@@ -68,24 +60,15 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save_checkpoint(
-    directory: Path,
-    *,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    state: dict[str, Any],
-    keep: int = 3,
-    model_state: dict[str, torch.Tensor] | None = None,
-    optimizer_state: dict[str, Any] | None = None,
-) -> Path:
+def save_checkpoint(directory: Path, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    state: dict[str, Any], keep: int = 3, model_state: dict[str, torch.Tensor] | None = None,
+                    optimizer_state: dict[str, Any] | None = None) -> Path:
     """Write ``directory/step-XXXXXXXX`` atomically and point ``latest`` at it; ``model_state`` and
-    ``optimizer_state``: full state dicts to save instead (sharded training gathers them)."""
+    ``optimizer_state``: full state dicts to save instead (sharded training's)."""
     directory.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
     final, tmp = directory / name, directory / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     if model_state is None:
         save_model(model, str(tmp / MODEL_FILE))
@@ -93,7 +76,6 @@ def save_checkpoint(
         save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
     from aiayn.device import rng_states
 
-    # The CPU generator's state, and each CUDA generator's where a GPU has been used.
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state(), **rng_states()}
     meta: dict[str, Any] = {}
     if optimizer_state is None and optimizer is not None:
@@ -133,8 +115,7 @@ def _written_by_us(path: Path) -> bool:
 
 
 def _prune(directory: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints and leftovers of a kill mid-save: only ``step-XXXXXXXX``
-    directories this module wrote."""
+    """Delete all but the newest ``keep`` checkpoints this module wrote, and leftovers of a kill mid-save."""
     for old in list_checkpoints(directory)[:-keep]:
         if _written_by_us(old):
             shutil.rmtree(old, ignore_errors=True)
@@ -206,16 +187,14 @@ def load_checkpoint(path: Path, model: nn.Module) -> LoadedCheckpoint:
     if state.get("weights") == ADAPTER_WEIGHTS:  # the frozen base is the model's own
         missing = [name for name in missing if is_adapter_key(name)]
     if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, unexpected "
-            f"{sorted(unexpected)[:5]}; was it saved from another model configuration?"
-        )
+        raise CheckpointError(f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, "
+                              f"unexpected {sorted(unexpected)[:5]}; was it saved from another model "
+                              f"configuration?")
     try:
         tensors = load_file(str(path / OPTIM_FILE))
     except (SafetensorError, OSError, ValueError) as exc:
         raise _corrupt(path, OPTIM_FILE, exc) from None
-    # Every checkpoint has its step and torch RNG state; a training checkpoint (not an averaged
-    # one) also where to resume: checked here so that resuming never meets a KeyError.
+    # A training checkpoint (not an averaged one) also says where to resume: resuming never meets a KeyError.
     needed = [("step", int), ("python_rng", list)]
     if "averaged" not in state:
         needed += [("epoch", int), ("batch_in_epoch", int)]
@@ -244,8 +223,7 @@ def restore_rng(loaded: LoadedCheckpoint) -> None:
 
 
 def average_last_checkpoints(checkpoint_dir: Path, last: int, model: nn.Module, out_dir: Path) -> Path:
-    """Average the newest ``last`` checkpoints into ``model`` and save a weights-only checkpoint in
-    ``out_dir`` (new, empty or an earlier output; anything else is refused before any work)."""
+    """Average the newest ``last`` checkpoints into ``model`` and save that weights-only in ``out_dir``."""
     found = list_checkpoints(checkpoint_dir)
     if not found:
         raise CheckpointError(f"{checkpoint_dir} holds no checkpoints to average")

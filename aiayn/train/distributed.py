@@ -1,11 +1,7 @@
-"""Data-parallel (DDP) and sharded (FSDP2) training: process group, batch sharding, wrapping, full-state
-checkpoints.
-
-Launch with ``torchrun --nproc_per_node=N -m aiayn train ...``; NCCL on CUDA, gloo on CPUs
-(``AIAYN_DIST_BACKEND`` overrides it). Each window of ``world_size x grad_accum`` batches is dealt out rank by
-rank (a short last window is dropped); ``batch_size`` is per rank. Each rank's loss is weighted by its share
-of the step's target tokens, so the gradient is the token-mean over all ranks. Checkpoints hold full state
-dicts written by rank 0, loadable under any world size."""
+"""Data-parallel (DDP) and sharded (FSDP2) training under ``torchrun --nproc_per_node=N -m aiayn train``
+(NCCL on CUDA, gloo on CPUs, or ``AIAYN_DIST_BACKEND``). Each window of ``world_size x grad_accum`` batches is
+dealt out rank by rank; each rank's loss is weighted by its share of the step's target tokens, so the gradient
+is the token-mean. Rank 0 writes full state dicts, loadable under any world size."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ T = TypeVar("T")
 
 
 class DistributedError(ValueError):
-    """Options that cannot work together, or a world size the data cannot feed. ``reported``: rank 0 has
-    printed it already."""
+    """Options that cannot work together, or a world size the data cannot feed (``reported``: printed)."""
 
     reported: bool = False
 
@@ -61,9 +56,8 @@ def env_world_size() -> int:
 
 
 def setup(options: ParallelOptions | None = None, device: torch.device | None = None) -> DistContext:
-    """The process's place in the job, from torchrun's environment (one process without it); initialises the
-    process group when ``WORLD_SIZE`` > 1. Under torchrun a CUDA ``device`` means this ``LOCAL_RANK``'s GPU.
-    """
+    """The process's place in torchrun's job (one process without it), initialising the process group; a
+    CUDA ``device`` means this ``LOCAL_RANK``'s GPU."""
     from aiayn import device as devices
 
     options = options or ParallelOptions()
@@ -87,7 +81,7 @@ def setup(options: ParallelOptions | None = None, device: torch.device | None = 
 
 def check_options(options: ParallelOptions | None, *, world_size: int, compile: bool,
                   average_last: int = 0) -> None:
-    """Combinations that are not supported, as one-line errors (before anything is built)."""
+    """Refuse unsupported combinations before anything is built."""
     options = options or ParallelOptions()
     if options.fsdp and world_size <= 1:
         raise DistributedError("--fsdp shards over several processes; launch with torchrun "
@@ -109,8 +103,7 @@ def check_world_size(ctx: DistContext, *, batches_per_epoch: int, grad_accum: in
         f"an epoch has only {batches_per_epoch} batches; use fewer processes, a smaller "
         f"--batch-size or --grad-accum")
     if ctx.enabled and dist.is_initialized():
-        # Every rank fails here alike, but torchrun stops the others as soon as one exits: rank 0
-        # says it now, and no rank leaves before it has (else the job can end without the line).
+        # torchrun stops the others as soon as one rank exits: rank 0 says it before any leaves.
         if ctx.is_main:
             print(f"Error: {error}", file=sys.stderr, flush=True)
         dist.barrier()
@@ -119,18 +112,14 @@ def check_world_size(ctx: DistContext, *, batches_per_epoch: int, grad_accum: in
 
 
 def shard(window: Sequence[T], ctx: DistContext) -> list[T]:
-    """This rank's batches of one step's window: window[rank::world_size]."""
+    """This rank's batches of one step's window."""
     return list(window[ctx.rank :: ctx.world_size])
 
 
 def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
-    """Sum a few numbers over all ranks (float64; one collective)."""
-    if not ctx.enabled:
-        return list(values)
-    # On the process's device: NCCL reduces GPU tensors only (float64 there too).
+    """Sum a few numbers over all ranks (one collective, on the device: NCCL reduces GPU tensors only)."""
     tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+    return all_reduce_tensor(tensor, ctx).tolist()
 
 
 def all_reduce_tensor(value: Tensor, ctx: DistContext) -> Tensor:
@@ -142,17 +131,10 @@ def all_reduce_tensor(value: Tensor, ctx: DistContext) -> Tensor:
 
 
 def token_share(n_tokens: Tensor, ctx: DistContext) -> Tensor:
-    """This rank's micro-batch weight, world_size x its counted tokens / all ranks' (0-dim float64 on the
-    device), so the ranks' mean of weighted losses is the token-mean."""
+    """This rank's micro-batch weight, world_size x its counted tokens / all ranks' (0-dim float64), so the
+    ranks' mean of weighted losses is the token-mean."""
     local = n_tokens.to(torch.float64)
     return local * ctx.world_size / all_reduce_tensor(local, ctx).clamp(min=1.0)
-
-
-def any_rank(flag: bool, ctx: DistContext) -> bool:
-    """Whether ``flag`` is set on any rank (a collective that every rank must call; one read)."""
-    if not ctx.enabled:
-        return flag
-    return all_reduce_sum([float(flag)], ctx)[0] > 0
 
 
 def run_on_main(ctx: DistContext, fn: Callable[[], T]) -> T | None:
@@ -199,16 +181,13 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    if ctx.device.type == "cuda":
-        return DistributedDataParallel(model, device_ids=[ctx.device.index])
-    return DistributedDataParallel(model)
+    gpus = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=gpus)
 
 
 def freeze_unused(model: nn.Module, loss_of_one_batch: Callable[[], torch.Tensor]) -> list[str]:
-    """Set ``requires_grad=False`` on parameters the task's loss never reaches; return their names.
-
-    DDP would wait forever for their gradients (e.g. EncoderOnly's pooled vector under token-level tasks). One
-    forward/backward finds them, with the RNG state restored; every rank must pass the same batch."""
+    """Freeze the parameters the loss never reaches (DDP would wait forever for their gradients) and return
+    their names; one forward/backward on the same batch on every rank, the RNG state restored."""
     from aiayn import device as devices
 
     rng, cuda_rng = torch.get_rng_state(), devices.rng_states()
@@ -226,8 +205,7 @@ def freeze_unused(model: nn.Module, loss_of_one_batch: Callable[[], torch.Tensor
 
 @contextlib.contextmanager
 def thawed(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
-    """Parameters frozen by ``freeze_unused`` count as trainable inside the block, so the optimiser has the
-    single-process parameter groups."""
+    """``freeze_unused``'s parameters trainable inside the block: the optimiser gets one process's groups."""
     params = [p for n, p in model.named_parameters() if n in set(names)]
     for p in params:
         p.requires_grad_(True)
@@ -249,15 +227,14 @@ def no_sync(model: nn.Module, last: bool) -> Iterator[None]:
 
 
 def _param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
-    """FQN of each optimiser parameter, in the optimiser's own (param_groups) order."""
+    """Each optimiser parameter's name, in param_groups order."""
     names = {id(p): n for n, p in model.named_parameters()}
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                ctx: DistContext) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Full model and optimiser state dicts of an FSDP model in the single-process format (a collective: rank
-    0 gets them, the others empty dicts)."""
+    """An FSDP model's full model and optimiser state dicts on rank 0, {} elsewhere (a collective)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -285,7 +262,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                               state_dict: dict[str, Any]) -> None:
-    """Load a single-process optimiser state dict into an FSDP model's optimiser (every rank)."""
+    """Load one process's optimiser state dict into an FSDP model's optimiser (every rank)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     names = _param_names(optimizer, model)

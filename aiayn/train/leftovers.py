@@ -1,7 +1,5 @@
-"""What a killed replacement (``aiayn train --overwrite``) leaves behind, and how the next start in that run
-directory deals with it without losing anything.
-
-The sibling ``RUN.tmp-<hex>`` holds an owner lock (a flock the kernel drops when its process dies);
+"""What a killed replacement (``aiayn train --overwrite``) leaves, and how the next start deals with it. The
+sibling ``RUN.tmp-<hex>`` holds an owner lock (a flock the kernel drops when its process dies);
 ``clear_leftovers`` removes a sibling clearly dead and worthless, names the rest with the command that removes
 them, and finishes a swap killed between its renames."""
 
@@ -23,10 +21,8 @@ except ImportError:  # not POSIX: no owner locks; leftovers are named, never rem
 
 from aiayn.train.run_files import CHECKPOINT_NAME, KIND_RUN, fsync_dir, read_marker
 
-# A replacement's sibling holds this file, flocked by the process that writes it.
-OWNER_LOCK = ".aiayn-owner"
-# A free lock younger than this may be one its owner has created and not yet locked.
-LEFTOVER_AGE_S = 60.0
+OWNER_LOCK = ".aiayn-owner"  # in a replacement's sibling, flocked by the process that writes it
+LEFTOVER_AGE_S = 60.0  # a free lock younger than this may be one its owner has not yet locked
 
 _OWNED: dict[Path, int] = {}  # temporary siblings this process writes -> its locked owner file
 
@@ -81,12 +77,9 @@ def _owner_alive(directory: Path) -> bool | None:
 
 
 def clear_leftovers(run_dir: Path, echo: Callable[[str], None] = print) -> None:
-    """Remove, or name with the command that removes it, each ``RUN.tmp-<hex>`` a killed replacement of
-    ``run_dir`` left.
-
-    * removed: an aiayn run without a checkpoint, owner lock free, unchanged for ``LEFTOVER_AGE_S``;
-    * named, with ``rm -r ...``: one that holds a checkpoint or has no owner lock;
-    * left alone: one whose owner lives or that changed recently, and anything else."""
+    """Remove each ``RUN.tmp-<hex>`` a killed replacement of ``run_dir`` left that is an aiayn run without a
+    checkpoint, its owner lock free and unchanged for ``LEFTOVER_AGE_S``; name one that holds a checkpoint or
+    has no lock with ``rm -r``; leave one whose owner lives or that changed recently."""
     real = run_dir.resolve()  # the sibling sits next to the resolved run (check_replaceable)
     pattern = re.compile(re.escape(real.name) + r"\.tmp-[0-9a-f]{8}")
     try:
@@ -120,8 +113,7 @@ def clear_leftovers(run_dir: Path, echo: Callable[[str], None] = print) -> None:
 def _finish_swaps(real: Path, entries: list[Path], tmp_pattern: re.Pattern[str],
                   echo: Callable[[str], None]) -> list[Path]:
     """Handle the ``RUN.old-<hex>`` a killed ``swap_in`` left; return the other ``entries``. Killed between
-    the renames, the new run is renamed in when unambiguous, else both are named; an old run left undeleted is
-    named with ``rm -r``; a swap in progress is left alone."""
+    the renames, the new run is renamed in when unambiguous, else both are named; an old run left is named."""
     def stale(entry: Path) -> bool:
         with suppress(OSError):
             return time.time() - entry.stat().st_mtime >= LEFTOVER_AGE_S

@@ -1,5 +1,5 @@
-"""The training loop's steps: ``loop`` runs a set-up ``TrainingRun`` to its last step or a stop request.
-Nothing reads a tensor between metrics rows and checkpoints, so a GPU never waits."""
+"""``loop`` runs a set-up ``TrainingRun`` to its last step or a stop request. Nothing reads a tensor between
+metrics rows and checkpoints, so a GPU never waits."""
 
 from __future__ import annotations
 
@@ -52,11 +52,9 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
-        try:
+        with contextlib.suppress(ValueError):  # not the main thread: no handlers, plain behaviour
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
-        except ValueError:  # not the main thread: no handlers, plain behaviour
-            pass
         try:
             yield self
         finally:
@@ -74,24 +72,20 @@ class TrainingRun:
     ctx: distributed.DistContext
     echo: Callable[[str], None]
     model: Any
-    # the schedule (_plan)
     total_steps: int = 0
     per_step: int = 1  # batches of the task's list consumed per step
     eval_every: int = 1
     save_every: int = 1
     adapters_only: bool = False  # checkpoints hold only the LoRA adapters (the task rebuilds the base)
     lr_at: Callable[[int], float] = float
-    # the position; batch_in_epoch counts batches of the task's list, whatever the world size
     step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0
+    batch_in_epoch: int = 0  # batches of the task's list, whatever the world size
     saved_step: int | None = None  # the step of the run's latest checkpoint
     loaded: Any = None  # the checkpoint resumed from
-    # the optimiser (_optimizer)
     forward_model: Any = None  # the model as wrapped for DDP/FSDP
     step_forward: Callable[[Any], tuple[Tensor, Tensor, Tensor, Tensor]] | None = None
     optimizer: Any = None
-    # the records (_records)
     metrics: MetricsLog | None = None
     resumed_at: tuple[int | None, float | None] | None = None  # (step, training seconds) resumed from
     start_time: float = 0.0
@@ -120,7 +114,7 @@ def loop(run: TrainingRun, stop: StopRequest) -> None:
 def _train_step(run: TrainingRun, group: list[Any]) -> float:
     """One optimiser step over ``group``: forward and backward per micro-batch, clip, step; returns the lr."""
     ctx, optimizer = run.ctx, run.optimizer
-    share_cores()  # this job's fair share of the cores beside other aiayn jobs (aiayn/cpu_share.py)
+    share_cores()  # this job's fair share of the cores beside other aiayn jobs
     run.model.train()
     if ctx.enabled:  # this rank's share of the step's window: window[rank::world]
         group = distributed.shard(group, ctx)
@@ -140,7 +134,6 @@ def _train_step(run: TrainingRun, group: list[Any]) -> float:
     run.batch_in_epoch += run.per_step
     if ctx.enabled:  # the union's loss, summed on the device (a collective, nothing read)
         loss_of_step = distributed.all_reduce_tensor(loss_of_step, ctx)
-    # The divergence guard reads the loss and gradient norm with the metrics, before any save.
     assert isinstance(loss_of_step, Tensor)
     run.totals.add_step(run.step, loss_of_step, grad_norm)
     run.last_loss = loss_of_step
@@ -183,15 +176,14 @@ def _forward_backward(run: TrainingRun, batch: Any, n: int, *, last: bool) -> Te
 
 
 def _after_step(run: TrainingRun, stop: StopRequest, lr: float) -> bool:
-    """Log, evaluate and save when due; whether to stop now. Several processes stop together at the first
-    metrics row or checkpoint after any was asked."""
+    """Log, evaluate and save when due; whether to stop now (all ranks together)."""
     cfg, ctx, step = run.cfg, run.ctx, run.step
     at_row = step % cfg.log_every == 0 or step == run.total_steps
     stopping = False
     if not ctx.enabled:
         stopping = stop.requested
     elif at_row or step % run.save_every == 0:  # every rank reaches these steps together
-        stopping = distributed.any_rank(stop.requested, ctx)
+        stopping = distributed.all_reduce_sum([stop.requested], ctx)[0] > 0
     if at_row:
         _log(run, lr)
     if step % run.eval_every == 0 or step == run.total_steps:
@@ -235,8 +227,12 @@ def _evaluate(run: TrainingRun) -> None:
 def _diverged(run: TrainingRun, what: str, at: int | None = None) -> TrainingDiverged:
     run.bar.close()
     at = run.step if at is None else at
-    return TrainingDiverged(diverged_message(at, what, run.saved_step, run.location,
-                                              clipping=run.cfg.clip_grad_norm is not None), at)
+    kept = run.location.nothing_saved() if run.saved_step is None else (
+        f"nothing was saved after it: the latest checkpoint is still step-{run.saved_step:08d} in "
+        f"{run.location.path / 'checkpoints'}")
+    fix = ("a lower --lr" if run.cfg.clip_grad_norm is not None
+           else "a lower --lr, or clip gradients with --clip-grad-norm")
+    return TrainingDiverged(f"training diverged at step {at} ({what}); {kept}. Start again with {fix}", at)
 
 
 def _read_totals(run: TrainingRun) -> None:
@@ -281,11 +277,3 @@ def _checkpoint(run: TrainingRun) -> None:
         run.task.run_dir = location.path
         if run.metrics is not None:
             run.metrics.path = location.path / "metrics.csv"
-
-
-def diverged_message(step: int, what: str, saved_step: int | None, location: RunLocation, *, clipping: bool) -> str:
-    kept = location.nothing_saved() if saved_step is None else (
-        f"nothing was saved after it: the latest checkpoint is still step-{saved_step:08d} in "
-        f"{location.path / 'checkpoints'}")
-    fix = "a lower --lr" if clipping else "a lower --lr, or clip gradients with --clip-grad-norm"
-    return f"training diverged at step {step} ({what}); {kept}. Start again with {fix}"

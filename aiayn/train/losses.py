@@ -1,5 +1,5 @@
-"""Cross-entropy with label smoothing, the true NLL beside it, and accuracy; fused with the output layer when
-it offers it (``aiayn.fast``), so the (n, v) logits never exist."""
+"""Cross-entropy with label smoothing, the true NLL and accuracy; fused with an output layer that offers it
+(``aiayn.fast``), so the (n, v) logits never exist."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ class LossOutput:
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
-    """Label-smoothed cross-entropy with per-row weights and the true per-row NLL, from one log-softmax, with
-    a one-pass backward ``(softmax - q) * weight``."""
+    """Label-smoothed cross-entropy with row weights and the true row NLL from one log-softmax; backward
+    ``(softmax - q) * weight`` in one pass."""
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, targets: Tensor, weights: Tensor,
@@ -66,10 +66,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 
 
 def sequence_loss(out: LossInput, targets: Tensor, *, label_smoothing: float = 0.0) -> LossOutput:
-    """logits (b, t, c) or a model's output, against targets (b, t) with ``IGNORE`` at padding.
-
-    Equal to ``F.cross_entropy(label_smoothing=eps, ignore_index=IGNORE)`` in value and gradient; the reported
-    NLL is the plain cross-entropy (perplexity = exp(nll_sum / n_tokens))."""
+    """logits (b, t, c) or a model's output against targets (b, t), ``IGNORE`` at padding: as
+    ``F.cross_entropy(label_smoothing=eps, ignore_index=IGNORE)``, the NLL unsmoothed."""
     if isinstance(out, Tensor):
         if out.shape[:-1] != targets.shape:
             raise ValueError(f"logits {tuple(out.shape)} and targets {tuple(targets.shape)} disagree "

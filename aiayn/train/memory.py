@@ -2,13 +2,10 @@
 runs out of memory anyway ends with.
 
 The peak is weights + Adam's moments + the largest of activations, gradients + the optimizer's temporaries, and
-what a checkpoint save adds: the backward frees activations while it fills the gradients, and a save comes after
-the step freed them (checked against a measured peak by tests/robustness/test_memory.py). Only parameters that
-train (``requires_grad``) have gradients and moments: a LoRA run's frozen base has neither. A run is refused
-unless the estimate with its allowed error (``MARGIN``) and, on the CPU, the process's own (``PROCESS_OVERHEAD``)
-fit in the memory available: the least of MemAvailable and the room the cgroup's memory.max and the process's
-RLIMIT_AS/RLIMIT_DATA leave. Shape letters: b sequences, t positions (s: a source), n = b t, d
-``d_model``, f ``d_ff``, h heads, h_kv key/value heads, d_h head width, v vocabulary."""
+a checkpoint save's copy (the backward frees activations as it fills the gradients; a save follows the step;
+tests/robustness/test_memory.py measures it). Only trainable parameters have gradients and moments. Shape
+letters: b sequences, t positions (s: a source), n = b t, d ``d_model``, f ``d_ff``, h heads, h_kv key/value
+heads, d_h head width, v vocabulary."""
 
 from __future__ import annotations
 
@@ -26,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ConfigError, ModelConfig, TrainConfig
+from aiayn.models import build_model
 from aiayn.models.size import available_memory, check_fits, estimated_values
 from aiayn.nn.kv_memory import format_bytes
 
@@ -39,17 +37,15 @@ except ImportError:  # not POSIX: no process limits to read
     resource = None  # type: ignore[assignment]
 
 F32 = 4  # bytes of a float32: weights, gradients, moments, the loss's logits, norms' statistics
-# How far under the measured peak of tensors the estimate may be (its test's bound): a run may need the
-# estimate / (1 - MARGIN).
+# How far under the measured peak the estimate may be: a run may need estimate / (1 - MARGIN).
 MARGIN = 0.25
-# What a training process holds on the CPU besides its tensors and grows while it trains: thread stacks, the
-# kernels' buffers, the allocator's free lists (tests/robustness/test_memory_cap.py trains at the edge).
+# What a training process holds on the CPU besides its tensors: thread stacks, kernels' buffers, free lists.
 PROCESS_OVERHEAD = 128 * 2**20
 CGROUP_ROOT, PROC_CGROUP = Path("/sys/fs/cgroup"), Path("/proc/self/cgroup")  # cgroup v2's tree; ours in it
 
 
 class TrainingMemoryError(ConfigError):
-    """A run whose training step would not fit in the memory available (refused before it starts)."""
+    """A run whose training step would not fit in the memory available."""
 
 
 class TrainingOutOfMemory(MemoryError):
@@ -58,7 +54,7 @@ class TrainingOutOfMemory(MemoryError):
 
 @dataclass(frozen=True)
 class BatchShape:
-    """The largest batch a step sees: b sequences of t positions (s: an encoder-decoder's source)."""
+    """b sequences of t positions (s: an encoder-decoder's source)."""
 
     sequences: int
     length: int
@@ -67,9 +63,8 @@ class BatchShape:
 
 @dataclass(frozen=True)
 class ModelCounts:
-    """What the estimate needs of a built model: bytes of weights, of trainable ones, of matmul weights (which
-    autocast copies), the largest trainable tensor, whether a fused loss applies, the largest tensor of all,
-    whether some weights are frozen (a checkpoint then holds only the trainable ones)."""
+    """Bytes of a built model's weights, trainable weights, matmul weights (autocast copies them), largest
+    trainable tensor and largest tensor; whether a fused loss applies and some weights are frozen."""
 
     weights: int
     trainable: int
@@ -107,8 +102,7 @@ class TrainingMemory:
                                                    self.checkpoint)
 
     def describe(self) -> str:
-        """'2.10 GiB (weights ... + Adam's moments ... + the larger of activations ... and gradients ...)'; a
-        save's copy is named where it is the largest."""
+        """'2.10 GiB (weights ... + Adam's moments ... + the larger of activations ... and gradients ...)'."""
         activations, gradients = format_bytes(self.activations), format_bytes(self.gradients + self.step_temporary)
         rest = f"the larger of activations {activations} and gradients {gradients}"
         if self.checkpoint > max(self.activations, self.gradients + self.step_temporary):
@@ -119,12 +113,9 @@ class TrainingMemory:
 
 
 def activation_bytes(c: ModelConfig, shape: BatchShape, path: Execution, *, fused_head: bool = False) -> int:
-    """What one forward keeps for its backward, and the loss's logits, in bytes.
-
-    Per layer and token: each sublayer's residual input and norm output; q, k, v and the attention output
-    (rotated q, k with RoPE, the weights where the path writes them out); the feed-forward's hidden
-    activations (1, 2 or 4 f wide for ReLU, GELU/SiLU, gated); dropout masks; an encoder-only model's MLM
-    transform. Matmul outputs are bfloat16 under autocast, the residual stream float32."""
+    """What one forward keeps for its backward, and the loss's logits, in bytes: per layer and token the
+    sublayers' residual inputs and norm outputs, q, k, v, attention outputs (and weights where written out),
+    feed-forward activations, dropout masks. Matmuls give bfloat16 under autocast, the residual float32."""
     a = 2 if path.autocast else F32
     b, t = shape.sequences, shape.length
     s = shape.source_length or t
@@ -149,8 +140,7 @@ def activation_bytes(c: ModelConfig, shape: BatchShape, path: Execution, *, fuse
         if c.positional == "rope" and not block_causal:  # the rotated q, k beside the (n, 3 d) projection
             kept += a * tokens * (h + h_kv) * d_h  # (block-causal copies q, k, v and lets it go)
         scores = _scores_bytes(c, b, length, length, path, block_causal=block_causal)
-        if causal and c.pad_id is not None:
-            # With padding, SDPA keeps the (b, 1, t, t) causal mask as float.
+        if causal and c.pad_id is not None:  # SDPA keeps the (b, 1, t, t) causal mask as float
             scores = max(scores, F32 * b * length * length)
         if c.positional in ("alibi", "t5") and causal:  # the bias with the causal mask filled in,
             scores += F32 * b * h * length * length  # (b, h, t, t), a new tensor per layer
@@ -185,8 +175,7 @@ def activation_bytes(c: ModelConfig, shape: BatchShape, path: Execution, *, fuse
 
 
 def _logits_bytes(n: int, d: int, v: int, path: Execution, *, fused: bool) -> int:
-    """The loss's share: (n, v) float32 log-probabilities and their gradient; aiayn.fast's fused output layer
-    + loss holds chunks of rows instead."""
+    """(n, v) float32 log-probabilities and their gradient; aiayn.fast's fused loss holds chunks of rows."""
     if not fused:
         return (10 if path.autocast else 8) * n * v
     from aiayn.fast.fused_loss import _chunk_rows
@@ -200,11 +189,9 @@ def _logits_bytes(n: int, d: int, v: int, path: Execution, *, fused: bool) -> in
 
 
 def _scores_bytes(c: ModelConfig, b: int, t_q: int, t_k: int, path: Execution, *, block_causal: bool) -> int:
-    """The (b, h, t_q, t_k) attention weights a path keeps for its backward: none for SDPA's fused kernels,
-    the written-out softmax (and dropout) otherwise, part of the square for block-causal."""
-    square = b * c.n_heads * t_q * t_k
+    """The (b, h, t_q, t_k) attention weights kept for the backward: none for SDPA's fused kernels."""
+    square, a = b * c.n_heads * t_q * t_k, 2 if path.autocast else F32
     if c.attn_impl == "reference" or (c.attention_dropout > 0 and path.device_type != "cuda"):
-        a = 2 if path.autocast else F32
         dropout = (1 if path.device_type == "cuda" else a) + a if c.attention_dropout > 0 else 0
         return square * (F32 + dropout)
     if block_causal:
@@ -227,12 +214,11 @@ def _block_causal(c: ModelConfig, b: int, t: int, path: Execution) -> bool:
 
 def model_counts(task: Task | None, config: ModelConfig, *,
                  adapt: Callable[[nn.Module], Any] | None = None) -> ModelCounts:
-    """The bytes of the model ``task`` builds for ``config``, counted on the meta device; from the config
-    alone (which errs high) if that build fails. ``adapt``: what the trainer does to the built model in place
-    before training (LoRA: freeze the base, attach adapters), applied to a meta copy of it."""
+    """The bytes of the model ``task`` builds for ``config``, counted on the meta device (from the config
+    alone, erring high, if that fails). ``adapt``: the trainer's in-place change (LoRA), on a meta copy."""
     try:
         with torch.device("meta"):
-            model = task.build_model(config) if task is not None else _build(config)
+            model = task.build_model(config) if task is not None else build_model(config)
             if adapt is not None:  # a copy: a task's model, loaded once and kept, stays as it is
                 model = _meta_copy(model)
                 adapt(model)
@@ -261,12 +247,6 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _build(config: ModelConfig) -> nn.Module:
-    from aiayn.models import build_model
-
-    return build_model(config)
-
-
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -288,10 +268,8 @@ def estimate_training_memory(config: ModelConfig, shape: BatchShape, path: Execu
 
 
 def checkpoint_bytes(counts: ModelCounts, path: Execution) -> int:
-    """What a save (aiayn.train.checkpoint) adds on the device: the finiteness check's mask of the largest
-    tensor (one byte a value); on the CPU, with a safetensors that copies each file's tensors into bytes to
-    write them (one without ``TensorSpec``, its zero-copy writer), the larger file: weights (only the trainable
-    ones when some are frozen) or Adam's moments. Off the CPU, safetensors copies to the host."""
+    """What a save adds on the device: the finiteness check's mask of the largest tensor; on the CPU, with a
+    safetensors lacking the zero-copy ``TensorSpec`` writer, the larger file's bytes (weights or moments)."""
     mask = counts.largest_weight // F32
     if path.device_type != "cpu" or hasattr(safetensors, "TensorSpec"):
         return mask
@@ -317,9 +295,8 @@ def training_execution(device: torch.device, cfg: TrainConfig, *, fast: bool) ->
 
 
 def available_bytes(device: torch.device, *, local_processes: int = 1) -> tuple[int | None, str]:
-    """Bytes free for training on ``device`` now, and where (None: unknown). On the CPU the smallest of the
-    machine's MemAvailable, the room its cgroup's memory.max leaves (both shared by this machine's training
-    processes) and the room the process's RLIMIT_AS/RLIMIT_DATA leave."""
+    """Bytes free for training on ``device`` now, and where (None: unknown). On the CPU the least of
+    MemAvailable and the cgroup's room (shared by the local processes) and the RLIMIT_AS/RLIMIT_DATA room."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free, f"free on {device}"
@@ -336,8 +313,8 @@ def available_bytes(device: torch.device, *, local_processes: int = 1) -> tuple[
 
 
 def cgroup_room() -> int | None:
-    """The least room cgroup v2's memory.max leaves in this process's group or one above it: the limit less
-    what the group holds, its inactive page cache counted as free (the kernel reclaims it first)."""
+    """The least room cgroup v2's memory.max leaves in this process's group or one above it (inactive page
+    cache counts as free: the kernel reclaims it first)."""
     try:
         lines = PROC_CGROUP.read_text(encoding="ascii").splitlines()
     except OSError:
@@ -361,8 +338,7 @@ def cgroup_room() -> int | None:
 
 
 def rlimit_rooms() -> Iterator[tuple[int, str]]:
-    """The room under each of the process's RLIMIT_AS and RLIMIT_DATA that is set: the limit less the address
-    space (VmSize) or private data (VmData) already mapped."""
+    """The room under each set RLIMIT_AS and RLIMIT_DATA: the limit less VmSize or VmData."""
     if resource is None:
         return
     try:
@@ -381,10 +357,8 @@ def check_training_memory(task: Task, model_config: ModelConfig, cfg: TrainConfi
                           fast: bool, resume: bool = False, world_size: int = 1, fsdp: bool = False,
                           adapt: Callable[[nn.Module], Any] | None = None,
                           echo: Callable[[str], None] | None = None) -> TrainingMemory | None:
-    """Refuse a run whose training step or checkpoint save would not fit with the estimate's margin
-    (``TrainingMemoryError``), warn through ``echo`` about one near that; call it after ``task.prepare``.
-    ``adapt``: as for ``model_counts``. Returns the largest batch's estimate (None when the memory available
-    is unknown)."""
+    """Refuse a run whose step or save would not fit with the estimate's margin (``TrainingMemoryError``),
+    warn through ``echo`` near that; after ``task.prepare``. The largest batch's estimate (None: unknown)."""
     check_fits(model_config)  # an absurd config fails fast, before even a meta build of it
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     available, where = available_bytes(device, local_processes=local)
@@ -418,14 +392,14 @@ def check_training_memory(task: Task, model_config: ModelConfig, cfg: TrainConfi
 
 
 def needed_bytes(estimate: TrainingMemory, device: torch.device) -> int:
-    """The most a run of this estimate may take: the estimate's allowed error, and the process's own on the CPU."""
+    """The most a run may take: the estimate with its allowed error, and the process's own on the CPU."""
     return int(estimate.peak / (1 - MARGIN)) + (PROCESS_OVERHEAD if device.type == "cpu" else 0)
 
 
 def _advice(estimate: TrainingMemory, available: int, cfg: TrainConfig, path: Execution, max_tokens: Any, *,
             resume: bool, lora: bool = False) -> str:
     """What to change: k times smaller batches with k times the accumulation, bfloat16 on a GPU, LoRA for a
-    loaded model trained whole (``lora``), a smaller model. A resumed run keeps its batch and precision."""
+    loaded model trained whole, a smaller model."""
     if resume:
         return ("a resumed run keeps its batch and precision, so free memory (other processes), or "
                 "resume on a machine with more")
@@ -454,22 +428,23 @@ ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "MPS backend
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """torch's out-of-memory error (CUDA's, or the CPU's or MPS's allocator's), or Python's."""
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in ALLOCATOR_FAILURES)
+    return isinstance(exc, torch.OutOfMemoryError | MemoryError) or (
+        isinstance(exc, RuntimeError) and any(text in str(exc) for text in ALLOCATOR_FAILURES))
 
 
 def out_of_memory(exc: BaseException, location: RunLocation, task: Task, cfg: TrainConfig,
                   device: torch.device) -> TrainingOutOfMemory:
-    """The one line an out-of-memory error during training becomes: what was asked and free, what is kept, and
-    the fix. Call it before ``location.abandon()``."""
+    """The one line an out-of-memory error during training becomes; call it before ``location.abandon()``."""
     from aiayn.train.checkpoint import latest_checkpoint
 
     text = str(exc)
     asked = re.search(r"[Tt]ried to allocate ([\d.]+ \w?i?B|\d+ bytes)", text)
     free = re.search(r"of which ([\d.]+ \w?i?B) is free", text)
+    amount = asked.group(1) if asked else ""
+    if amount.endswith(" bytes"):  # the CPU allocator's
+        amount = format_bytes(int(amount.split()[0]))
     what = ", ".join(part for part in (
-        f"tried to allocate {_bytes_text(asked.group(1))}" if asked else "",
+        f"tried to allocate {amount}" if asked else "",
         f"{free.group(1)} free" if free else "") if part)
     latest = latest_checkpoint(location.path / "checkpoints")
     kept = (f"the latest checkpoint, {latest.name} in {latest.parent}, is intact" if latest is not None
@@ -483,10 +458,3 @@ def out_of_memory(exc: BaseException, location: RunLocation, task: Task, cfg: Tr
     again = "free memory and --resume, or start again with --overwrite and " if latest is not None else "start again with "
     return TrainingOutOfMemory(f"out of memory on {device} during training" + (f" ({what})" if what else "")
                                + f"; {kept}. A run keeps its batch when resumed: {again}{fixes}, or a smaller model")
-
-
-def _bytes_text(amount: str) -> str:
-    """'2.00 GiB' as it is; '140737488355328 bytes' (the CPU allocator's) readable."""
-    if amount.endswith(" bytes"):
-        return format_bytes(int(amount.split()[0]))
-    return amount

@@ -1,5 +1,4 @@
-"""What the trainer records: metrics.csv (``MetricsLog``), the steps since its last row (``MetricsWindow``)
-and their sums on the device (``DeviceTotals``)."""
+"""metrics.csv (``MetricsLog``), the steps since its last row (``MetricsWindow``), their device sums."""
 
 from __future__ import annotations
 
@@ -35,14 +34,13 @@ class MetricsLog:
 
     def write(self, **row: Any) -> None:
         with open(self.path, "a", newline="", encoding="utf-8") as handle:
-            csv.DictWriter(handle, fieldnames=METRIC_FIELDS).writerow(
-                {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
-            )
+            row = {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
+            csv.DictWriter(handle, fieldnames=METRIC_FIELDS).writerow(row)
 
 
 @dataclass
 class MetricsWindow:
-    """The training statistics since the last metrics.csv row, saved in a checkpoint for exact resume."""
+    """The statistics since the last metrics.csv row, saved in a checkpoint for exact resume."""
 
     loss: float = 0.0  # sum of the steps' losses (the union's, in a distributed run)
     steps: int = 0
@@ -73,7 +71,7 @@ class MetricsWindow:
 
     @classmethod
     def restored(cls, state: dict[str, Any], ctx: distributed.DistContext) -> MetricsWindow:
-        """The window a checkpoint saved (empty in an older one)."""
+        """The window a checkpoint saved."""
 
         def number(name: str) -> float:  # state.json is a file: anything but a finite number counts 0
             value = state.get(name, 0) if isinstance(state, dict) else 0
@@ -89,46 +87,31 @@ class MetricsWindow:
 
 
 class DeviceTotals:
-    """The statistics since the last read, summed on the device and read by ``fold``; also the first
-    non-finite step, for the divergence guard."""
+    """The statistics since the last ``fold``, summed on the device, and the first non-finite step."""
 
     def __init__(self, device: torch.device) -> None:
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        self.loss, self.nll = zero.clone(), zero.clone()  # sum of step losses; summed true NLL
-        self.tokens = torch.zeros((), dtype=torch.long, device=device)
-        self.correct = torch.zeros((), dtype=torch.long, device=device)
-        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)  # -1: none yet
-        self.bad_loss, self.bad_norm = zero.clone(), zero.clone()
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # losses, true NLL, tokens, correct
+        # The first non-finite step (-1: none yet), its loss and gradient norm.
+        self.bad = torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64, device=device)
 
     def add_batch(self, nll_sum: Tensor, n_tokens: Tensor, n_correct: Tensor) -> None:
-        self.nll += nll_sum.double()
-        self.tokens += n_tokens
-        self.correct += n_correct
+        self.sums[1:] += torch.stack([nll_sum.double(), n_tokens.double(), n_correct.double()])
 
     def add_step(self, step: int, loss: Tensor, grad_norm: Tensor | None) -> None:
-        """One optimiser step's loss (and clipped gradient norm): summed, and watched for NaN/inf."""
+        """One step's loss (and gradient norm): summed, and watched for NaN/inf."""
         loss = loss.double()
-        bad = ~torch.isfinite(loss)
-        if grad_norm is not None:
-            bad = bad | ~torch.isfinite(grad_norm)
-        first = bad & (self.bad_step < 0)
-        self.bad_step = torch.where(first, step, self.bad_step)
-        self.bad_loss = torch.where(first, loss, self.bad_loss)
-        if grad_norm is not None:
-            self.bad_norm = torch.where(first, grad_norm.double(), self.bad_norm)
-        self.loss += loss
+        norm = loss.new_zeros(()) if grad_norm is None else grad_norm.double()
+        first = ~(torch.isfinite(loss) & torch.isfinite(norm)) & (self.bad[0] < 0)
+        self.bad = torch.where(first, torch.stack([torch.full_like(loss, step), loss, norm]), self.bad)
+        self.sums[0] += loss
 
     def fold(self, window: MetricsWindow) -> tuple[int, float, float] | None:
-        """Move the sums into ``window`` (one read) and reset; return the first non-finite step's (step, loss,
-        gradient norm), else None."""
-        loss, nll, tokens, correct, bad_step, bad_loss, bad_norm = torch.stack([
-            self.loss, self.nll, self.tokens.double(), self.correct.double(), self.bad_step.double(),
-            self.bad_loss, self.bad_norm]).tolist()
+        """Move the sums into ``window`` (one read); the first non-finite (step, loss, norm) or None."""
+        loss, nll, tokens, correct, bad_step, bad_loss, bad_norm = torch.cat([self.sums, self.bad]).tolist()
         window.loss += loss
         window.nll += nll
         window.tokens += int(tokens)
         window.correct += int(correct)
-        for total in (self.loss, self.nll, self.tokens, self.correct):
-            total.zero_()
-        self.bad_step.fill_(-1)
+        self.sums.zero_()
+        self.bad[0] = -1
         return (int(bad_step), bad_loss, bad_norm) if bad_step >= 0 else None

@@ -1,5 +1,4 @@
-"""Optimisers and learning-rate schedules: pure functions of the (1-based) step, so a resume needs no
-scheduler state."""
+"""Optimisers and learning-rate schedules, pure functions of the (1-based) step: a resume needs no state."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ def make_schedule(cfg: TrainConfig, *, total_steps: int, d_model: int) -> Callab
     return lambda s: constant_lr(s, peak=cfg.lr, warmup=cfg.warmup_steps)
 
 
-# A Noam schedule whose peak learning rate is below this learns nothing.
-NOAM_TINY_PEAK = 1e-5
+NOAM_TINY_PEAK = 1e-5  # a Noam schedule whose peak learning rate is below this learns nothing
 
 
 def schedule_warning(cfg: TrainConfig, *, d_model: int) -> str | None:
@@ -65,7 +63,7 @@ def schedule_warning(cfg: TrainConfig, *, d_model: int) -> str | None:
 
 
 def warmup_warning(cfg: TrainConfig, *, total_steps: int, d_model: int) -> str | None:
-    """A one-line warning for a run shorter than its warm-up: the learning rate never reaches its peak."""
+    """A warning for a run shorter than its warm-up (the learning rate never reaches its peak)."""
     if total_steps >= cfg.warmup_steps:
         return None
     schedule = make_schedule(cfg, total_steps=total_steps, d_model=d_model)
@@ -97,10 +95,8 @@ def parameter_groups(model: nn.Module, weight_decay: float, *, decay_all: bool =
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, *, fused: bool = False) -> torch.optim.Optimizer:
-    """Adam with the paper's betas/eps, or AdamW, over the trainable parameters (a frozen base's are
-    left out). ``fused``: one kernel for every parameter (CUDA). Beside a frozen base (LoRA: hundreds of
-    small adapters) the multi-tensor step, the same arithmetic without a Python loop over the tensors;
-    a whole model keeps the per-tensor step, whose temporaries are one tensor's, not the model's."""
+    """Adam or AdamW over the trainable parameters; ``fused``: one kernel (CUDA). Beside a frozen base (LoRA's
+    many small adapters) the multi-tensor step; a whole model the per-tensor one (smaller temporaries)."""
     frozen = any(not p.requires_grad for p in model.parameters())
     kind = {"fused": True} if fused else {"foreach": True} if frozen else {}
     if cfg.optimizer == "adam":
@@ -119,8 +115,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
 
 
 def clip_and_measure(parameters: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor | None:
-    """Clip the gradients' total 2-norm to ``max_norm``; return the norm before clipping as a 0-dim tensor on
-    the device, or None when not clipping."""
+    """Clip the gradients' total 2-norm to ``max_norm``; the norm before (0-dim, on the device) or None."""
     if max_norm is None:
         return None
     total = nn.utils.clip_grad_norm_(parameters, max_norm)
@@ -130,5 +125,5 @@ def clip_and_measure(parameters: Iterable[nn.Parameter], max_norm: float | None)
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """True when no floating-point tensor holds NaN or an infinity (one pass, before a save)."""
+    """True when no floating-point tensor holds NaN or an infinity."""
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())

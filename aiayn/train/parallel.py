@@ -1,9 +1,7 @@
-"""Tensor parallelism (Megatron-style) of attention heads and feed-forward, via ``torch.distributed.tensor``.
-
-Each ``TransformerBlock`` is split over a 1-D mesh of ``tp`` ranks: q/k/v and ``fc_in`` column-wise, the
-output projections row-wise; embeddings, norms and the output layer stay replicated. Fused q/k/v rows are
-first reordered so rank r's block holds its heads' q, k and v: parallelise after loading weights, save from an
-unparallelised copy. Heads, kv heads and d_ff must divide by tp; ALiBi, T5 and the KV cache are refused."""
+"""Tensor parallelism (Megatron-style) via ``torch.distributed.tensor``: each ``TransformerBlock`` over a 1-D
+mesh of ``tp`` ranks, q/k/v and ``fc_in`` column-wise, output projections row-wise, the rest replicated. Fused
+rows are first reordered so rank r's block holds its heads' q, k and v: parallelise after loading weights.
+ALiBi, T5 and the KV cache are refused."""
 
 from __future__ import annotations
 
@@ -46,7 +44,7 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
 
 
 def tensor_parallel_plan(block: TransformerBlock, tp: int) -> dict[str, object]:
-    """The ``parallelize_module`` plan of one block (reorders its fused projections for it)."""
+    """One block's ``parallelize_module`` plan (reordering its fused projections)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan: dict[str, object] = {}
@@ -72,8 +70,7 @@ def tensor_parallel_plan(block: TransformerBlock, tp: int) -> dict[str, object]:
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: object) -> nn.Module:
-    """Split every ``TransformerBlock`` of ``model`` over ``mesh`` in place; every rank must hold the same
-    full weights beforehand."""
+    """Split each ``TransformerBlock`` over ``mesh`` in place (every rank holds the same weights)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()  # type: ignore[attr-defined]

@@ -1,10 +1,7 @@
-"""Run directories that know they are one, and the only ways aiayn creates, replaces or writes into a
-directory: nothing it did not create is ever deleted or written over.
-
-A directory aiayn creates holds a marker, ``.aiayn-run`` (its kind, format version, creation time); older runs
-are recognised by their ``config.json``. ``--overwrite`` never deletes first: the new run starts in a
-temporary sibling, ``RUN.tmp-<random>``, swapped in after its first checkpoint; a failure before that leaves
-the old run as it was (``aiayn.train.leftovers`` clears what killed processes leave)."""
+"""Run directories that know they are one (their ``.aiayn-run`` marker, or an older run's config.json), and
+the only ways aiayn creates, replaces or writes into a directory: nothing it did not create is deleted or
+written over. ``--overwrite`` starts the new run in a sibling, ``RUN.tmp-<random>``, swapped in after its
+first checkpoint; a failure before that leaves the old run as it was."""
 
 from __future__ import annotations
 
@@ -45,7 +42,7 @@ class RunDirError(ValueError):
 
 
 def read_run_config(run_dir: Path, *, hint: str = "train one with aiayn train") -> dict[str, Any]:
-    """A run's saved configs (``config.json``), checked for shape; a RunDirError otherwise."""
+    """A run's ``config.json``, checked for shape; a RunDirError otherwise."""
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise RunDirError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); {hint}")
@@ -63,7 +60,7 @@ def read_run_config(run_dir: Path, *, hint: str = "train one with aiayn train") 
 
 
 def is_run_dir(directory: Path) -> bool:
-    """A run aiayn wrote: its marker says so, or (runs older than markers) its config.json does."""
+    """A run aiayn wrote, by its marker or (older runs) its config.json."""
     marker = read_marker(directory)
     if marker is not None:
         return marker["kind"] == KIND_RUN
@@ -75,8 +72,7 @@ def is_run_dir(directory: Path) -> bool:
 
 
 def is_averaged_dir(directory: Path) -> bool:
-    """Averaged checkpoints aiayn wrote: by its marker, or (older) only checkpoints recording what was
-    averaged and their ``latest`` pointer."""
+    """Averaged checkpoints aiayn wrote, by its marker or (older) holding only averaged checkpoints."""
     marker = read_marker(directory)
     if marker is not None:
         return marker["kind"] == KIND_AVERAGED
@@ -100,20 +96,15 @@ def _what_it_is(real: Path) -> str | None:
     home = None
     with suppress(RuntimeError, KeyError):  # no HOME and no passwd entry
         home = Path.home().resolve()
-    if real == Path(real.anchor):
-        return "the filesystem root"
-    if real == home:
-        return "your home directory"
-    if real == cwd:
-        return "the current directory"
-    if real in cwd.parents:
-        return "a parent of the current directory"
-    return None
+    named = ((Path(real.anchor), "the filesystem root"), (home, "your home directory"),
+             (cwd, "the current directory"))
+    return next((what for path, what in named if real == path),
+                "a parent of the current directory" if real in cwd.parents else None)
 
 
 def check_replaceable(run_dir: Path) -> Path:
-    """The real path of a run ``--overwrite`` may replace, or a RunDirError: never the root, home, the current
-    directory or its parents, nor anything that is not an aiayn run."""
+    """The real path of a run ``--overwrite`` may replace (an aiayn run, never the root, home, the current
+    directory or its parents), or a RunDirError."""
     real = run_dir.resolve()
     what = _what_it_is(real)
     if what is not None:
@@ -128,8 +119,8 @@ def check_replaceable(run_dir: Path) -> Path:
 
 
 def claim_output_dir(out_dir: Path, *, kind: str = KIND_AVERAGED, **extra: Any) -> None:
-    """Make ``out_dir`` ready for aiayn to write ``kind`` into, or refuse with a RunDirError: never inside a
-    run, never a run, never a non-empty directory aiayn did not create as ``kind``."""
+    """Make ``out_dir`` ready for aiayn to write ``kind`` into, or refuse with a RunDirError (inside a run, a
+    run, a non-empty directory aiayn did not create as ``kind``)."""
     real = out_dir.resolve()
     for folder in (real, *real.parents):
         if folder.name == "checkpoints" and is_run_dir(folder.parent):
@@ -157,19 +148,16 @@ def claim_output_dir(out_dir: Path, *, kind: str = KIND_AVERAGED, **extra: Any) 
 
 @dataclass
 class RunLocation:
-    """Where a run is being written (``path``) and where it ends up (``final``): differ for a replaced run
-    until ``swap_in``."""
+    """Where a run is written (``path``) and ends up (``final``; a replacement's differ until ``swap_in``)."""
 
     final: Path
     path: Path
-    # A new run found missing or empty is this start's until its first checkpoint; ``made``: the
-    # folders this start created, deepest first.
-    fresh: bool = False
-    made: tuple[Path, ...] = ()
+    fresh: bool = False  # a new run in a missing or empty folder, this start's until its first checkpoint
+    made: tuple[Path, ...] = ()  # the folders this start created, deepest first
 
     @property
     def pending(self) -> bool:
-        """True while the run lives in its temporary sibling (the old run still in place)."""
+        """True while the run lives in its temporary sibling."""
         return self.path != self.final
 
     def nothing_saved(self) -> str:
@@ -181,7 +169,7 @@ class RunLocation:
         return "no checkpoint had been saved"
 
     def swap_in(self) -> None:
-        """Rename the old run away, the new one in, then delete the old; a failure between puts it back."""
+        """Rename the old run away, the new one in, then delete the old (put back on a failure between)."""
         self.fresh = False  # it holds a checkpoint now: a run to resume, never removed
         if not self.pending:
             return
@@ -206,8 +194,7 @@ class RunLocation:
         self.path = self.final
 
     def abandon(self) -> None:
-        """Undo a start that failed before its first checkpoint, so the same command works again: remove a
-        replacement's sibling, or empty a fresh run and remove the folders this start created."""
+        """Undo a start that failed before its first checkpoint, so the same command works again."""
         if self.pending:
             shutil.rmtree(self.path, ignore_errors=True)
             _disown(self.path, now_at=None)
@@ -245,21 +232,16 @@ def _check_resumable(run_dir: Path, configs: dict[str, Any]) -> None:
     for key in ignore:
         saved["train"].pop(key, None)
         current.get("train", {}).pop(key, None)
-    diffs = config_diff(saved, current)
-    if diffs:
-        raise RunDirError(
-            f"cannot resume {run_dir}: its config differs from the one given in "
-            f"{len(diffs)} field(s): {'; '.join(diffs)}. Resume with the same options, or start a "
-            f"new run (another --run-dir, or --overwrite)"
-        )
+    if diffs := config_diff(saved, current):
+        raise RunDirError(f"cannot resume {run_dir}: its config differs from the one given in {len(diffs)} "
+                          f"field(s): {'; '.join(diffs)}. Resume with the same options, or start a new run "
+                          f"(another --run-dir, or --overwrite)")
 
 
 def prepare_run_dir(run_dir: Path, configs: dict[str, Any], *, resume: bool, overwrite: bool,
                     echo: Callable[[str], None] = print) -> RunLocation:
-    """Check ``run_dir`` against what was asked and write the run's marker and config.json.
-
-    Resume: the saved configs must match. New run: a missing or empty folder is used in place; an existing run
-    needs ``overwrite`` and is replaced through a temporary sibling."""
+    """Check ``run_dir`` against what was asked and write its marker and config.json: a resumed run's configs
+    must match; an existing run needs ``overwrite`` and is replaced through a sibling."""
     run_dir = Path(run_dir)
     if str(run_dir).startswith("~"):  # a quoted ~ reaches us unexpanded: it would make a folder "~"
         raise RunDirError(f"run directory {run_dir}: '~' is not expanded here, so it would name a folder "

@@ -1,5 +1,5 @@
-"""The small files a run directory is known by, written so a crash never leaves half of one: the marker
-``.aiayn-run``, crash-safe text writes, and the names the rest of ``aiayn.train`` recognises."""
+"""The small files a run directory is known by (its marker ``.aiayn-run``), written so a crash never leaves
+half of one."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import re
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,7 @@ MARKER = ".aiayn-run"
 MARKER_VERSION = 1
 KIND_RUN, KIND_AVERAGED = "run", "averaged"
 CONFIG_FILE = "config.json"
-# A checkpoint directory's name: the only entries pruning may delete (see checkpoint._prune).
-CHECKPOINT_NAME = re.compile(r"step-\d{8}")
+CHECKPOINT_NAME = re.compile(r"step-\d{8}")  # a checkpoint's name: the only entries pruning may delete
 
 
 def fsync_dir(path: Path) -> None:
@@ -24,16 +24,13 @@ def fsync_dir(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write a small text file so that readers see either the old or the new content."""
+    """Write a small text file so that readers see the old or the new content, never part of it."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as handle:
         handle.write(text)
@@ -50,7 +47,7 @@ def write_marker(directory: Path, kind: str, **extra: Any) -> None:
 
 
 def read_marker(directory: Path) -> dict[str, Any] | None:
-    """The marker of ``directory``, or None if it has none (or one that is not aiayn's JSON)."""
+    """The marker of ``directory``, or None (none, or not aiayn's JSON)."""
     try:
         marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):

@@ -31,8 +31,7 @@ class AttentionExample:
         self.weights = [w.detach().cpu() for w in self.weights]
 
 
-# The attention an ``aiayn plot attention --kind`` can show.
-ATTENTION_KINDS = ("encoder", "decoder", "cross")
+ATTENTION_KINDS = ("encoder", "decoder", "cross")  # what ``aiayn plot attention --kind`` can show
 
 
 def encoder_decoder_example(out: Any, kind: str, src_labels: list[str], tgt_labels: list[str],
@@ -57,20 +56,16 @@ class Task:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
-    # The split reported at the end of training.
-    test_split: ClassVar[str] = "test"
+    test_split: ClassVar[str] = "test"  # the split reported at the end of training
     # Options a task writes into the run's config (a learned vocabulary), accepted when loaded.
     recorded_options: ClassVar[tuple[str, ...]] = ()
-    # The attention maps ``attention_example`` draws, the first by default.
-    attention_kinds: ClassVar[tuple[str, ...]] = ()
-    # Whether ``attention_example`` needs ``prepare``'s splits (False: it reads what it needs itself).
-    attention_needs_splits: ClassVar[bool] = True
+    attention_kinds: ClassVar[tuple[str, ...]] = ()  # ``attention_example``'s maps, the first by default
+    attention_needs_splits: ClassVar[bool] = True  # False: ``attention_example`` reads what it needs itself
 
     def __init__(self, **options: Any) -> None:
         self.options = options
         self.splits: dict[str, Batch] = {}
-        # The run directory, set by the trainer before ``prepare``; None outside a run.
-        self.run_dir: Path | None = None
+        self.run_dir: Path | None = None  # set by the trainer before ``prepare``; None outside a run
 
     def model_config(self) -> ModelConfig:
         raise NotImplementedError
@@ -147,8 +142,7 @@ class Task:
     @torch.no_grad()
     def attention_example(self, model: nn.Module, text: str | None = None,
                           kind: str | None = None) -> AttentionExample | None:
-        """Attention maps of the model on ``text`` (ValueError if it does not parse) or a test example;
-        None for a task without ``attention_kinds``."""
+        """Attention maps on ``text`` (ValueError if unparsable) or a test example; None without kinds."""
         if not self.attention_kinds:
             return None
         kind = self.attention_kind(kind)

@@ -1,9 +1,6 @@
-"""The training loop: run directory, progress bar, metrics, checkpoints, exact resume, Ctrl-C.
-
-A run directory holds its marker, ``config.json``, ``checkpoints/``, ``metrics.csv``, ``summary.json`` and the
-plots. A non-finite loss, gradient norm or weight stops training with ``TrainingDiverged``. ``resume=True``
-continues from the latest checkpoint and ends with the same weights and losses as an uninterrupted run (data
-order, learning rate, RNG, optimiser and metrics window are restored; only timings differ)."""
+"""Training a task into a run directory (marker, ``config.json``, ``checkpoints/``, ``metrics.csv``,
+``summary.json``, plots). A non-finite loss, gradient norm or weight stops it with ``TrainingDiverged``;
+``resume=True`` ends with the same weights and losses as an uninterrupted run (only timings differ)."""
 
 from __future__ import annotations
 
@@ -25,12 +22,7 @@ from aiayn.finetune.lora import LoraConfig, apply_lora
 from aiayn.finetune.qlora import qlora_adapt
 from aiayn.train import distributed, memory
 from aiayn.train.averaging import choose_test_checkpoint
-from aiayn.train.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-    restore_rng,
-)
+from aiayn.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, restore_rng
 from aiayn.train.loop import (  # noqa: F401  (TrainingDiverged: imported from here too)
     StopRequest,
     TrainingDiverged,
@@ -38,7 +30,7 @@ from aiayn.train.loop import (  # noqa: F401  (TrainingDiverged: imported from h
     loop,
     step_loss,
 )
-from aiayn.train.metrics import METRIC_FIELDS, DeviceTotals, MetricsLog, MetricsWindow  # noqa: F401
+from aiayn.train.metrics import DeviceTotals, MetricsLog, MetricsWindow
 from aiayn.train.optim import (
     load_optimizer_state,
     make_optimizer,
@@ -46,13 +38,7 @@ from aiayn.train.optim import (
     schedule_warning,
     warmup_warning,
 )
-from aiayn.train.run_dir import (  # noqa: F401  (RunDirError, config_diff: imported from here too)
-    RunDirError,
-    RunLocation,
-    atomic_write_text,
-    config_diff,
-    prepare_run_dir,
-)
+from aiayn.train.run_dir import RunDirError, RunLocation, atomic_write_text, prepare_run_dir  # noqa: F401
 from aiayn.train.task import Task
 
 
@@ -76,27 +62,14 @@ def _seconds_of(state: dict[str, object]) -> float | None:
     return float(seconds) if ok else None  # type: ignore[arg-type]
 
 
-def train(
-    task: Task,
-    model_config: ModelConfig,
-    train_config: TrainConfig,
-    run_dir: Path,
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-    echo: Callable[[str], None] = print,
-    make_plots: bool = True,
-    parallel: distributed.ParallelOptions | None = None,
-    fast: bool = True,
-    device: torch.device | str | None = None,
-) -> TrainResult:
-    """Train ``task`` into ``run_dir``; see the module docstring.
-
-    ``fast``: through aiayn's CPU kernels (the same function, faster). ``device``: where to train
-    (``aiayn.device.resolve``); on CUDA the forward runs under bfloat16 autocast unless ``train_config.bf16``
-    is False. Checkpoints are device-free. Under torchrun it trains with DDP or FSDP
-    (``aiayn.train.distributed``)."""
+def train(task: Task, model_config: ModelConfig, train_config: TrainConfig, run_dir: Path, *,
+          resume: bool = False, overwrite: bool = False, progress: bool = True,
+          echo: Callable[[str], None] = print, make_plots: bool = True,
+          parallel: distributed.ParallelOptions | None = None, fast: bool = True,
+          device: torch.device | str | None = None) -> TrainResult:
+    """Train ``task`` into ``run_dir``. ``fast``: through aiayn's CPU kernels (the same function). ``device``:
+    ``aiayn.device.resolve``'s; CUDA uses bfloat16 autocast unless ``train_config.bf16`` is False. Under
+    torchrun it trains with DDP or FSDP (``aiayn.train.distributed``)."""
     distributed.check_options(parallel, world_size=distributed.env_world_size(), compile=train_config.compile,
                               average_last=train_config.average_last)
     if train_config.lora is not None:  # a LoRA config that cannot work fails before any run directory
@@ -113,12 +86,23 @@ def train(
             ctx, lambda: prepare_run_dir(Path(run_dir), configs, resume=resume, overwrite=overwrite, echo=echo))
         location = distributed.from_main(ctx, location)
         assert location is not None
+        echo = echo if ctx.is_main else lambda _: None
         try:
-            return _train(task, model_config, train_config, location, ctx, resume=resume,
-                          progress=progress and ctx.is_main, echo=echo if ctx.is_main else lambda _: None,
-                          make_plots=make_plots, fast=fast)
+            model = _setup(task, model_config, train_config, location, ctx, fast=fast, resume=resume,
+                           echo=echo)
+            run = TrainingRun(task, train_config, location, ctx, echo, model)
+            # A LoRA run on a model the task loads again (its init_from) saves only the adapters.
+            run.adapters_only = train_config.lora is not None and bool(task.options.get("init_from"))
+            _plan(run, model_config)
+            if resume:  # weights go in before the model is wrapped or sharded (checkpoints hold full states)
+                _resume(run)
+            _optimizer(run)
+            _records(run, resume=resume, progress=progress and ctx.is_main)
+            with StopRequest().installed() as stop:
+                loop(run, stop)
+            run.bar.close()
+            return _finish(run, make_plots=make_plots)
         except BaseException as exc:
-            # Out of memory: one line naming what is kept and the fix (written before abandon()).
             oom = (memory.out_of_memory(exc, location, task, train_config, ctx.device)
                    if memory.is_out_of_memory(exc) else None)
             if ctx.is_main:  # failed before the first checkpoint: the old run stays, the sibling goes
@@ -131,58 +115,27 @@ def train(
             distributed.shutdown(ctx)
 
 
-def _train(
-    task: Task,
-    model_config: ModelConfig,
-    train_config: TrainConfig,
-    location: RunLocation,
-    ctx: distributed.DistContext,
-    *,
-    resume: bool,
-    progress: bool,
-    echo: Callable[[str], None],
-    make_plots: bool,
-    fast: bool,
-) -> TrainResult:
-    """The phases: setup, schedule, resume, optimiser, records, the loop, the end."""
-    model = _setup(task, model_config, train_config, location, ctx, fast=fast, resume=resume, echo=echo)
-    run = TrainingRun(task, train_config, location, ctx, echo, model)
-    # A LoRA run on a model the task loads again (its init_from) saves only the adapters.
-    run.adapters_only = train_config.lora is not None and bool(task.options.get("init_from"))
-    _plan(run, model_config)
-    if resume:  # weights go in before the model is wrapped or sharded (checkpoints hold full states)
-        _resume(run)
-    _optimizer(run)
-    _records(run, resume=resume, progress=progress)
-    with StopRequest().installed() as stop:
-        loop(run, stop)
-    run.bar.close()
-    return _finish(run, make_plots=make_plots)
-
-
 def _setup(task: Task, model_config: ModelConfig, cfg: TrainConfig, location: RunLocation,
            ctx: distributed.DistContext, *, fast: bool, resume: bool, echo: Callable[[str], None]) -> Any:
     """Seed, prepare the task's data, check the memory, build the model on the CPU, move it."""
-    torch.manual_seed(cfg.seed)  # (seeds the CUDA generators too)
+    torch.manual_seed(cfg.seed)
     task.run_dir = location.path
     # Rank 0 prepares first: the others read what it writes (a learned tokenizer).
     distributed.run_on_main(ctx, lambda: task.prepare(cfg.seed))
     if ctx.enabled and not ctx.is_main:
         task.prepare(cfg.seed)
-    # LoRA: trainable adapters on the frozen model (aiayn.finetune.lora); the memory check counts them too.
     lora = LoraConfig.from_dict(cfg.lora) if cfg.lora is not None else None
     adapt = None if lora is None else (lambda model: apply_lora(model, lora))
     if lora is not None and cfg.quantize == "q4":  # QLoRA: the frozen projections in 4-bit blocks
-        source = getattr(task, "source", None)  # a fine-tune's loaded init_from (aiayn.tasks.sources.SourceOption)
+        source = getattr(task, "source", None)  # a fine-tune's loaded init_from
         adapt = qlora_adapt(lora, source.get().path if source is not None and source.given else None)
-    # Refuse a step or save that cannot fit (weights, gradients, Adam, activations) before allocating any.
     memory.check_training_memory(task, model_config, cfg, ctx.device, fast=fast, resume=resume,
                                  world_size=ctx.world_size, fsdp=ctx.fsdp, echo=echo, adapt=adapt)
     model = task.build_model(model_config)
     if adapt is not None:
         adapt(model)
     model = model.to(ctx.device)
-    if fast:  # the CPU kernels: same parameters and state dict, same function (aiayn.fast)
+    if fast:  # the CPU kernels: same parameters and state dict (aiayn.fast)
         from aiayn.fast import optimize
 
         optimize(model, mode="train")
@@ -223,8 +176,7 @@ def _resume(run: TrainingRun) -> None:
 
 
 def _optimizer(run: TrainingRun) -> None:
-    """Wrap the model for DDP/FSDP, compile the step if asked, make the optimiser, restore a resumed run's
-    state and RNG."""
+    """Wrap the model for DDP/FSDP, compile the step, make the optimiser, restore a resumed run's state."""
     task, cfg, ctx, model = run.task, run.cfg, run.ctx, run.model
     frozen: list[str] = []  # parameters the loss never reaches, frozen for DDP/FSDP
     if ctx.enabled:
@@ -260,8 +212,7 @@ def _records(run: TrainingRun, *, resume: bool, progress: bool) -> None:
     loaded = run.loaded
     run.metrics = distributed.run_on_main(
         run.ctx, lambda: MetricsLog(run.location.path / "metrics.csv", resume_step=run.step if resume else None))
-    # Training time along the saved path: a resumed run goes on from its checkpoint's count (None:
-    # from the resume).
+    # Training time along the saved path: a resumed run goes on from its checkpoint's count.
     run.resumed_at = (run.saved_step, _seconds_of(loaded.state)) if loaded is not None else None
     seconds_before = (run.resumed_at[1] or 0.0) if run.resumed_at is not None else 0.0
     run.start_time = time.perf_counter() - seconds_before
@@ -281,7 +232,6 @@ def _finish(run: TrainingRun, *, make_plots: bool) -> TrainResult:
         echo(f"interrupted at step {step}; checkpoint saved. Continue with: aiayn train --resume "
              f"--run-dir {run_dir}")
         return result
-    # Checkpoint averaging (section 6.1): test is scored with the better of last and averaged on val.
     last_val = run.last_val
     result.test_checkpoint, averaged = choose_test_checkpoint(
         task, model, location.path, run.cfg.average_last, ctx=ctx, echo=echo,
