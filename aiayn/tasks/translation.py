@@ -29,6 +29,7 @@ from aiayn.finetune.parallel import own_corpus
 from aiayn.finetune.source import Source
 from aiayn.tasks.base import register
 from aiayn.tasks.sources import load_source, load_starting_point, needs_source
+from aiayn.tasks.trained import resolve_model
 from aiayn.tokenizers import (
     BPE_SPECIALS,
     SOURCE_TOKENIZER_FILE,
@@ -37,6 +38,7 @@ from aiayn.tokenizers import (
     BPETokenizer,
 )
 from aiayn.train.losses import IGNORE, LossInput
+from aiayn.train.run_dir import RunDirError, read_run_config
 from aiayn.train.task import AttentionExample, Batch, Task, encoder_decoder_example
 from aiayn.translate import DecodeOptions, Translator
 
@@ -68,13 +70,17 @@ class TranslationTask(Task):
     attention_kinds = ("cross", "encoder", "decoder")
     description = "machine translation on parallel text (default Multi30k en->de), BPE, beam search, sacreBLEU"
 
-    def __init__(self, *, src_lang: str = "en", tgt_lang: str = "de", corpus: str = "multi30k",
+    def __init__(self, *, src_lang: str | None = None, tgt_lang: str | None = None, corpus: str = "multi30k",
                  corpus_dir: str | None = None, vocab_size: int = 8000, max_tokens: int = 4096,
                  max_len: int = 128, train_split: str = "train", val_split: str = "val",
                  test_split: str = "test2016", val_bleu: bool = True, beam_size: int = 5,
                  length_penalty: float = 0.6, vocabulary: str = "joint", tgt_vocab_size: int | None = None,
                  src: str | None = None, tgt: str | None = None, data: str | list[str] | None = None,
                  init_from: str | None = None, **options: Any) -> None:
+        # Languages not given: the starting model's, else English -> German (Multi30k's default pair).
+        if init_from is not None and src_lang is None and tgt_lang is None:
+            src_lang, tgt_lang = starting_languages(init_from)
+        src_lang, tgt_lang = src_lang or "en", tgt_lang or "de"
         # A joint run records no vocabulary options, a Multi30k run no options of your own data.
         separate_options = ({} if vocabulary == "joint" and tgt_vocab_size is None
                             else dict(vocabulary=vocabulary, tgt_vocab_size=tgt_vocab_size))
@@ -371,6 +377,16 @@ def check_starting_task(task: TranslationTask, start: TranslationTask) -> None:
                           f"{start.tgt_lang}")
     if start.vocabulary != task.vocabulary:
         raise ConfigError(f"{task.init_from} has a {start.vocabulary} vocabulary; give vocabulary: {start.vocabulary}")
+
+
+def starting_languages(init_from: str) -> tuple[str | None, str | None]:
+    """(source, target) languages of the translation model ``init_from`` names, read from its config.json
+    without loading it; (None, None) where there is none to read (loading it later says why)."""
+    try:
+        options = read_run_config(resolve_model(init_from)).get("task_options", {})
+    except RunDirError:
+        return None, None
+    return options.get("src_lang"), options.get("tgt_lang")
 
 
 def translation_source(init_from: str) -> Source:

@@ -56,10 +56,17 @@ def test_a_bad_line_leaves_no_run_directory(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_languages_default_to_the_starting_models():
+    task = get_task("translation", init_from=SHIPPED)
+    assert (task.src_lang, task.tgt_lang) == ("de", "en") and task.options["src_lang"] == "de"
+    assert task.model_config() == load_release(shipped_path(SHIPPED)).model_config
+    assert (get_task("translation").src_lang, get_task("translation").tgt_lang) == ("en", "de")
+
+
 def test_a_starting_model_that_does_not_fit_the_options_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^multi30k-de-en translates de->en but the task's languages are en->de; "
                                           r"give src_lang: de and tgt_lang: en$"):
-        get_task("translation", init_from=SHIPPED).model_config()
+        get_task("translation", init_from=SHIPPED, src_lang="en", tgt_lang="de").model_config()
     with pytest.raises(ConfigError, match=r"^multi30k-de-en has a joint vocabulary; give vocabulary: joint$"):
         get_task("translation", init_from=SHIPPED, src_lang="de", tgt_lang="en", vocabulary="separate").model_config()
     with pytest.raises(RunInputError, match=r"is an ensemble of 2 models, not one"):
@@ -71,13 +78,12 @@ def test_a_translation_fine_tune_resumes_and_loads_without_its_source(tmp_path, 
     that run has moved; a LoRA run's checkpoints hold only adapters, so one line names its base."""
     common = ("--src", write(tmp_path / "d.de", DE), "--tgt", write(tmp_path / "d.en", EN), "--max-steps", "1",
               "--warmup-steps", "1", "--batch-size", "8", "--average-last", "0", "--no-progress")
-    recipe = tmp_path / "de-en.yaml"
-    recipe.write_text("task: translation\ntask_options: {src_lang: de, tgt_lang: en}\n", encoding="utf-8")
-    start = tmp_path / "start"
-    code, _, err = run_aiayn("train", "--recipe", str(recipe), "--init-from", SHIPPED, *common, "--run-dir", str(start))
+    start = tmp_path / "start"  # de -> en: the languages come from the starting model
+    code, _, err = run_aiayn("train", "--task", "translation", "--init-from", SHIPPED, *common,
+                             "--run-dir", str(start))
     assert code == 0, err
     for name, extra in (("full", ()), ("lora", ("--lora-rank", "2"))):
-        code, _, err = run_aiayn("train", "--recipe", str(recipe), "--init-from", str(start), *common, *extra,
+        code, _, err = run_aiayn("train", "--task", "translation", "--init-from", str(start), *common, *extra,
                                  "--run-dir", str(tmp_path / name))
         assert code == 0, err
     start.rename(tmp_path / "moved")
