@@ -78,7 +78,8 @@ def _q4_q5(kind: str, data: np.ndarray, rows: int, k: int) -> Unpacked:
     if five:
         q = q | (_bits_32(b[..., head:head + 4]) << 4)
     mins = _f16(b[..., 2:4]) if has_min else None
-    return Unpacked(q.reshape(rows, k), _f16(b[..., 0:2]), mins, 0 if has_min else 16 if five else 8, 32)
+    offset = 0 if has_min else 1 << (3 + five)  # _0 kinds centre their codes: 8 (4 bits) or 16 (5 bits)
+    return Unpacked(q.reshape(rows, k), _f16(b[..., 0:2]), mins, offset, 32)
 
 
 def _q8_0(data: np.ndarray, rows: int, k: int) -> Unpacked:

@@ -38,7 +38,8 @@ def bucket_sizes(max_batch: int) -> list[int]:
     """The batch sizes that get a graph: powers of two below ``max_batch``, then ``max_batch``."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    return [*(1 << k for k in range((max_batch - 1).bit_length())), max_batch]
+    powers = [1 << k for k in range((max_batch - 1).bit_length())]  # 1, 2, 4, ... below max_batch
+    return [*powers, max_batch]
 
 
 class CompiledRows:
