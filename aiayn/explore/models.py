@@ -162,9 +162,11 @@ def _from_run(run_dir: Path) -> Explorable:
     if tokenizer is not None and config.arch in ("decoder-only", "encoder-only"):
         char = isinstance(tokenizer, CharTokenizer)  # its encode gives a tensor; a BPETokenizer's a list
         kind = "decoder" if config.arch == "decoder-only" else "encoder"
-        piece = (lambda i: tokenizer.decode([i])) if char else tokenizer.tokenizer.id_to_token
-        return Explorable(kind=kind, encode=(lambda text: tokenizer.encode(text).tolist()) if char else
-                          tokenizer.encode, piece=piece, decode=tokenizer.decode,
+        if char:
+            encode, piece = (lambda text: tokenizer.encode(text).tolist()), (lambda i: tokenizer.decode([i]))
+        else:
+            encode, piece = tokenizer.encode, tokenizer.tokenizer.id_to_token
+        return Explorable(kind=kind, encode=encode, piece=piece, decode=tokenizer.decode,
                           default_text="ROMEO:\nWhat light through yonder window breaks?", **common)
     # The task's test example is the default input; when its data is missing the page needs an input.
     with contextlib.suppress(Exception):
