@@ -57,7 +57,9 @@ class CompiledRows:
         self.compiled_buckets: set[int] = set()
 
     def bucket(self, n: int) -> int:
-        """The smallest bucket that holds n rows (at most the cache's)."""
+        """The smallest bucket that holds n rows."""
+        if n > self.buckets[-1]:
+            raise ValueError(f"{n} rows exceed the cache's {self.buckets[-1]}")
         return next(size for size in self.buckets if size >= n)
 
     def _view(self, size: int) -> KVCache:
