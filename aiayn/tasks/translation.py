@@ -156,10 +156,10 @@ class TranslationTask(Task):
 
     def build_model(self, config: ModelConfig) -> nn.Module:
         """The starting point's model where the run needs its weights (``needs_source``), else ``config``'s."""
-        if self.init_from is not None and needs_source(self.run_dir):
-            return load_starting_point(self.starting_point, self.init_from, self.run_dir).model
         if self.init_from is None:
             self.check_model_config(config)
+        elif needs_source(self.run_dir):
+            return load_starting_point(self.starting_point, self.init_from, self.run_dir).model
         return super().build_model(config)
 
     def train_overrides(self) -> dict[str, Any]:

@@ -90,28 +90,41 @@ class DeviceTotals:
     """The statistics since the last ``fold``, summed on the device, and the first non-finite step."""
 
     def __init__(self, device: torch.device) -> None:
-        self.sums = torch.zeros(4, dtype=torch.float64, device=device)  # losses, true NLL, tokens, correct
-        # The first non-finite step (-1: none yet), its loss and gradient norm.
-        self.bad = torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64, device=device)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.loss, self.nll = zero.clone(), zero.clone()  # sum of step losses; summed true NLL
+        self.tokens = torch.zeros((), dtype=torch.long, device=device)
+        self.correct = torch.zeros((), dtype=torch.long, device=device)
+        self.bad_step = torch.full((), -1, dtype=torch.long, device=device)  # -1: none yet
+        self.bad_loss, self.bad_norm = zero.clone(), zero.clone()
 
     def add_batch(self, nll_sum: Tensor, n_tokens: Tensor, n_correct: Tensor) -> None:
-        self.sums[1:] += torch.stack([nll_sum.double(), n_tokens.double(), n_correct.double()])
+        self.nll += nll_sum.double()
+        self.tokens += n_tokens
+        self.correct += n_correct
 
     def add_step(self, step: int, loss: Tensor, grad_norm: Tensor | None) -> None:
-        """One step's loss (and gradient norm): summed, and watched for NaN/inf."""
+        """One optimiser step's loss (and clipped gradient norm): summed, and watched for NaN/inf."""
         loss = loss.double()
-        norm = loss.new_zeros(()) if grad_norm is None else grad_norm.double()
-        first = ~(torch.isfinite(loss) & torch.isfinite(norm)) & (self.bad[0] < 0)
-        self.bad = torch.where(first, torch.stack([torch.full_like(loss, step), loss, norm]), self.bad)
-        self.sums[0] += loss
+        bad = ~torch.isfinite(loss)
+        if grad_norm is not None:
+            bad = bad | ~torch.isfinite(grad_norm)
+        first = bad & (self.bad_step < 0)
+        self.bad_step = torch.where(first, step, self.bad_step)
+        self.bad_loss = torch.where(first, loss, self.bad_loss)
+        if grad_norm is not None:
+            self.bad_norm = torch.where(first, grad_norm.double(), self.bad_norm)
+        self.loss += loss
 
     def fold(self, window: MetricsWindow) -> tuple[int, float, float] | None:
         """Move the sums into ``window`` (one read); the first non-finite (step, loss, norm) or None."""
-        loss, nll, tokens, correct, bad_step, bad_loss, bad_norm = torch.cat([self.sums, self.bad]).tolist()
+        loss, nll, tokens, correct, bad_step, bad_loss, bad_norm = torch.stack([
+            self.loss, self.nll, self.tokens.double(), self.correct.double(), self.bad_step.double(),
+            self.bad_loss, self.bad_norm]).tolist()
         window.loss += loss
         window.nll += nll
         window.tokens += int(tokens)
         window.correct += int(correct)
-        self.sums.zero_()
-        self.bad[0] = -1
+        for total in (self.loss, self.nll, self.tokens, self.correct):
+            total.zero_()
+        self.bad_step.fill_(-1)
         return (int(bad_step), bad_loss, bad_norm) if bad_step >= 0 else None
