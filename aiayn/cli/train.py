@@ -146,15 +146,15 @@ def _config_options(fields: dict[str, tuple[Any, str]]) -> Callable[[Callable[..
 
 _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}  # RunSetupError.about
 # Task options given on the command line: what to start from and the data (files, as lists where repeatable).
-_TASK_OPTIONS = ("init_from", "data", "val_data", "src", "tgt")
+_TASK_OPTIONS = ("init_from", "data", "val_data", "src", "tgt", "src_lang", "tgt_lang")
 _FILE = click.Path(dir_okay=False)
 _task_options = options(
     click.option("--init-from", type=str, default=None, metavar="SOURCE",
                  help="Start from this model and continue training it, with its tokenizer: a shipped model, "
                       "a run directory, a GGUF file (dequantised) or a Hugging Face directory."),
-    click.option("--data", type=_FILE, multiple=True, default=(),
+    click.option("--data", type=click.Path(), multiple=True, default=(),
                  help="Training data file (repeat for several); the format is the task's (--task text: "
-                      "plain text)."),
+                      "plain text). Translation: one folder of train.SRC and train.TGT files."),
     click.option("--val-data", type=_FILE, multiple=True, default=(),
                  help="Validation data file (repeat for several). Default: a seeded share of --data."),
     click.option("--src", type=_FILE, default=None,
@@ -162,6 +162,11 @@ _task_options = options(
     click.option("--tgt", type=_FILE, default=None,
                  help="Target-side file of your own parallel data (translation), line i translating line i "
                       "of --src."),
+    click.option("--src-lang", default=None, metavar="CODE",
+                 help="Source language (translation), the suffix of a --data folder's files. Default: the "
+                      "--init-from model's, else en."),
+    click.option("--tgt-lang", default=None, metavar="CODE",
+                 help="Target language (translation). Default: the --init-from model's, else de."),
 )
 
 

@@ -39,7 +39,7 @@ def read_conversations(path: str | Path) -> list[Conversation]:
     """Every conversation of a JSONL file, each line checked (blank lines are skipped)."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path} not found; give a JSONL file of conversations")
+        raise DataError(f"{path} {'is a folder' if path.is_dir() else 'not found'}; give a JSONL file of conversations")
     conversations = []
     for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
         where = f"{path}:{number}"

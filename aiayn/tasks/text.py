@@ -32,7 +32,7 @@ def read_text_files(paths: list[str]) -> str:
     for name in paths:
         path = Path(name)
         if not path.is_file():
-            raise DataError(f"{path}: not found; give a text file")
+            raise DataError(f"{path}: {'a folder' if path.is_dir() else 'not found'}; give a text file")
         raw = path.read_bytes()
         try:
             text = raw.decode("utf-8")

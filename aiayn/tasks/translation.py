@@ -8,6 +8,7 @@ Validation reports loss and greedy BLEU, the test split beam search BLEU and chr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,9 @@ class TranslationTask(Task):
                          **separate_options, **own, **options)
         if src_lang == tgt_lang:
             raise DataError(f"source and target language are both {src_lang!r}")
+        for lang in (src_lang, tgt_lang):  # a file suffix and part of names: no paths, no spaces
+            if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,15}", lang):
+                raise ConfigError(f"language {lang!r}: give a code of letters, digits, '-' or '_' (en, pt-BR)")
         self.src_lang, self.tgt_lang = src_lang, tgt_lang
         self.corpus_dir = corpus_dir
         self.src, self.tgt, self.init_from = src, tgt, init_from

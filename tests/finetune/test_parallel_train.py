@@ -3,6 +3,7 @@ trainer; refusals come before any run directory is made."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -97,3 +98,25 @@ def test_a_translation_fine_tune_resumes_and_loads_without_its_source(tmp_path, 
                              "--no-progress")
     assert code != 0
     assert f"hold only its LoRA adapters: it resumes on the model they go on, {start}; put it back there" in err
+
+
+def test_a_from_scratch_run_on_a_folder_of_another_pair_takes_its_languages(tmp_path, run_aiayn):
+    """``--data FOLDER`` with ``--src-lang/--tgt-lang``: the folder's train.de and train.en, the model
+    named for the pair, the languages kept for resuming; a code that is not one is refused in one line."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write(folder / "train.de", DE)
+    write(folder / "train.en", EN)
+    common = ("--task", "translation", "--data", str(folder), "--max-steps", "1", "--warmup-steps", "1",
+              "--batch-size", "8", "--average-last", "0", "--no-progress")
+    code, out, err = run_aiayn("train", *common, "--src-lang", "de", "--tgt-lang", "en",
+                               "--run-dir", str(tmp_path / "run"))
+    assert code == 0, err
+    assert "give a folder with val.de and val.en to choose" in out
+    configs = json.loads((tmp_path / "run" / "config.json").read_text(encoding="utf-8"))
+    assert (configs["task_options"]["src_lang"], configs["task_options"]["tgt_lang"]) == ("de", "en")
+    assert configs["model"]["name"] == "de-en"
+    code, _, err = run_aiayn("train", *common, "--src-lang", "../de", "--run-dir", str(tmp_path / "bad"))
+    assert code == 2 and err.strip().splitlines() == [
+        "Error: language '../de': give a code of letters, digits, '-' or '_' (en, pt-BR)"]
+    assert not (tmp_path / "bad").exists()

@@ -50,6 +50,11 @@ def test_a_bad_line_stops_the_run_before_anything_is_written(init_from, tmp_path
     assert not (tmp_path / "run").exists()
 
 
+def test_a_folder_given_as_data_is_named_as_such(tmp_path):
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path}: a folder; give a text file")):
+        read_text_files([str(tmp_path)])
+
+
 def test_the_split_is_seeded_and_keeps_every_line_once(text_file):
     text = text_file.read_text(encoding="utf-8")
     train_part, val_part = split_text(text, 0.1, seed=0)
