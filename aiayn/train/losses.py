@@ -73,7 +73,7 @@ def sequence_loss(out: LossInput, targets: Tensor, *, label_smoothing: float = 0
             raise ValueError(f"logits {tuple(out.shape)} and targets {tuple(targets.shape)} disagree "
                              f"in their leading (batch, seq) dimensions")
         rows, flat_targets = out.reshape(-1, out.shape[-1]), targets.reshape(-1)  # (n, c), (n,)
-        return _logits_loss(rows, flat_targets, targets, None, label_smoothing)
+        return _loss_output(*_logits_loss(rows, flat_targets, label_smoothing), flat_targets, targets, None)
     packing = out.packing
     hidden = out.hidden_rows.reshape(-1, out.hidden_rows.shape[-1])  # (n, d): every position, or the real ones
     batch_shape = (packing.batch, packing.length) if packing is not None else tuple(out.hidden_rows.shape[:2])
@@ -81,28 +81,52 @@ def sequence_loss(out: LossInput, targets: Tensor, *, label_smoothing: float = 0
         raise ValueError(f"targets must have the (batch, seq) shape of the model's input, {batch_shape}; "
                          f"got {tuple(targets.shape)}")
     flat_targets = packing.pack(targets) if packing is not None else targets.reshape(-1)  # (n,)
-    fused = getattr(out.head, "cross_entropy", None)  # aiayn.fast's output layer + loss in one
-    head = fused(hidden, flat_targets, ignore_index=IGNORE) if fused is not None else None
-    if head is None:
-        return _logits_loss(out.head(hidden), flat_targets, targets, packing, label_smoothing)
+    kept = _counted_rows(hidden, flat_targets)
+    if kept is None:
+        loss, token_nll, predictions = _head_loss(out.head, hidden, flat_targets, label_smoothing)
+    else:  # the output layer runs on the counted rows only; the per-row results go back in place
+        loss, kept_nll, kept_predictions = _head_loss(out.head, hidden.index_select(0, kept),
+                                                      flat_targets.index_select(0, kept), label_smoothing)
+        token_nll = kept_nll.new_zeros(flat_targets.shape).index_copy_(0, kept, kept_nll)
+        predictions = kept_predictions.new_full(flat_targets.shape, -1).index_copy_(0, kept, kept_predictions)
+    return _loss_output(loss, token_nll, predictions, flat_targets, targets, packing)
+
+
+def _counted_rows(hidden: Tensor, flat_targets: Tensor) -> Tensor | None:
+    """The indices of the rows whose targets count, where leaving out the others saves the output layer's
+    work (a chat example's prompt, padding): on the CPU, outside ``torch.compile``, when some rows do not
+    count. None: every row. (On a GPU the row count would make the host wait for the device.)"""
+    if hidden.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    counted = flat_targets != IGNORE
+    kept = int(counted.sum())
+    return None if kept in (0, counted.numel()) else counted.nonzero().squeeze(1)
+
+
+def _head_loss(head: Any, hidden: Tensor, flat_targets: Tensor,
+               label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, per-row NLL, per-row predictions) of the output layer ``head`` on ``hidden`` (n, d)."""
+    fused = getattr(head, "cross_entropy", None)  # aiayn.fast's output layer + loss in one
+    result = fused(hidden, flat_targets, ignore_index=IGNORE) if fused is not None else None
+    if result is None:
+        return _logits_loss(head(hidden), flat_targets, label_smoothing)
     # Both sums are already averaged over the counted rows (aiayn.fast.fused_loss).
-    loss = head.nll_sum if label_smoothing == 0 else (
-        (1 - label_smoothing) * head.nll_sum + label_smoothing * head.uniform_sum)
+    loss = result.nll_sum if label_smoothing == 0 else (
+        (1 - label_smoothing) * result.nll_sum + label_smoothing * result.uniform_sum)
     # NaN with nothing counted, as F.cross_entropy (gradients stay zero); chosen on the device.
     loss = torch.where((flat_targets != IGNORE).any(), loss, loss + float("nan"))
-    return _loss_output(loss, head.token_nll, head.predictions, flat_targets, targets, packing)
+    return loss, result.token_nll, result.predictions
 
 
-def _logits_loss(rows: Tensor, flat_targets: Tensor, targets: Tensor, packing: Packing | None,
-                 label_smoothing: float) -> LossOutput:
-    """The loss of logit rows (n, c) against their targets (n,) (rows of ``targets`` (b, t))."""
+def _logits_loss(rows: Tensor, flat_targets: Tensor, label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, per-row NLL, per-row predictions) of logit rows (n, c) against their targets (n,)."""
     counted_flat = flat_targets != IGNORE
     safe_targets = flat_targets.masked_fill(~counted_flat, 0)
     weights = counted_flat.float() / counted_flat.sum().clamp(min=1)  # all 0 with nothing counted
     loss, token_nll = _SmoothedCrossEntropy.apply(rows, safe_targets, weights, label_smoothing)
     # NaN with nothing counted, as F.cross_entropy, and zero gradients; chosen on the device.
     loss = torch.where(counted_flat.any(), loss, loss + float("nan"))
-    return _loss_output(loss, token_nll, rows.detach().argmax(-1), flat_targets, targets, packing)
+    return loss, token_nll, rows.detach().argmax(-1)
 
 
 def _loss_output(loss: Tensor, token_nll: Tensor, predictions: Tensor, flat_targets: Tensor, targets: Tensor,

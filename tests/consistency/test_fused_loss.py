@@ -57,6 +57,45 @@ def test_equals_linear_then_cross_entropy(eps, bias, chunk_rows):
     assert torch.equal(head.predictions, logits.argmax(-1))
 
 
+class _SeenRows(FusedLossLinear):
+    """A fused output layer that records how many rows each call gets."""
+
+    seen: list[int]
+
+    def cross_entropy(self, hidden, targets, *, ignore_index):
+        self.seen.append(hidden.shape[0])
+        return super().cross_entropy(hidden, targets, ignore_index=ignore_index)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "logits"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_the_output_layer_runs_on_the_counted_rows_only(fused, eps):
+    """``sequence_loss`` gives a model's output layer only the rows whose targets count (a chat
+    example's prompt, padding): the loss, its gradients, the NLL and both accuracies are those of every
+    row's logits through ``F.cross_entropy``."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(4, 9, 16, generator=g).requires_grad_()
+    targets = torch.randint(0, 53, (4, 9), generator=g)
+    targets[:, :4] = IGNORE  # each row's prompt
+    targets[3] = IGNORE  # and a row with nothing to learn
+    layer = _SeenRows(16, 53, bias=False) if fused else torch.nn.Linear(16, 53, bias=False)
+    randomize_(layer, seed=6)
+    seen: list[int] = []
+    if fused:
+        layer.seen = seen
+    else:
+        layer.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[0]))
+    got = sequence_loss(ModelOutput(hidden_rows=hidden, head=layer), targets, label_smoothing=eps)
+    want = sequence_loss(F.linear(hidden, layer.weight), targets, label_smoothing=eps)
+    assert seen == [int((targets != IGNORE).sum())] == [15]
+    assert_close(got.loss, want.loss)
+    for a, b in zip(torch.autograd.grad(got.loss, [hidden, layer.weight]),
+                    torch.autograd.grad(want.loss, [hidden, layer.weight]), strict=True):
+        assert_close(a, b)
+    assert_close(got.nll_sum, want.nll_sum)
+    assert (got.n_tokens, got.n_correct, got.n_seq_correct) == (want.n_tokens, want.n_correct, want.n_seq_correct)
+
+
 def test_tied_weight_gets_both_gradients():
     """The output layer's weight shared with an embedding: the fused gradient adds to the lookup's."""
     g = torch.Generator().manual_seed(3)
