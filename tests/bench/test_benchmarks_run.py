@@ -70,7 +70,8 @@ def test_train_and_decode_benchmarks(capsys):
                  "--repeats", "1", "--warmup", "0", "--threads", "1"])
     out = capsys.readouterr().out
     assert "| aiayn | 7,577,600 |" in out and "| aiayn plain torch | 7,577,600 |" in out
-    assert "35.27 GFLOP (aiayn, aiayn plain torch)" in out  # counted on the plain padding-free model
+    # Counted on the plain padding-free model, whose output layer runs on the positions that count only.
+    assert "34.92 GFLOP (aiayn, aiayn plain torch)" in out
     assert "| 1 | on | aiayn |" in out and "| 1 | on | aiayn compiled |" in out
 
 
