@@ -145,7 +145,8 @@ def _config_options(fields: dict[str, tuple[Any, str]]) -> Callable[[Callable[..
 
 
 _SETUP_HINTS = {"recipe": "--recipe", "task_options": "--recipe (task_options)"}  # RunSetupError.about
-# Task options given on the command line: what to start from and the data (files, as lists where repeatable).
+# Task options given on the command line: what to start from, the data (files, as lists where repeatable)
+# and, for translation, its languages.
 _TASK_OPTIONS = ("init_from", "data", "val_data", "src", "tgt", "src_lang", "tgt_lang")
 _FILE = click.Path(dir_okay=False)
 _task_options = options(
