@@ -105,14 +105,11 @@ class DeviceTotals:
     def add_step(self, step: int, loss: Tensor, grad_norm: Tensor | None) -> None:
         """One optimiser step's loss (and clipped gradient norm): summed, and watched for NaN/inf."""
         loss = loss.double()
-        bad = ~torch.isfinite(loss)
-        if grad_norm is not None:
-            bad = bad | ~torch.isfinite(grad_norm)
-        first = bad & (self.bad_step < 0)
+        norm = torch.zeros_like(loss) if grad_norm is None else grad_norm.double()
+        first = ~(torch.isfinite(loss) & torch.isfinite(norm)) & (self.bad_step < 0)
         self.bad_step = torch.where(first, step, self.bad_step)
         self.bad_loss = torch.where(first, loss, self.bad_loss)
-        if grad_norm is not None:
-            self.bad_norm = torch.where(first, grad_norm.double(), self.bad_norm)
+        self.bad_norm = torch.where(first, norm, self.bad_norm)
         self.loss += loss
 
     def fold(self, window: MetricsWindow) -> tuple[int, float, float] | None:
