@@ -78,9 +78,10 @@ class TranslationTask(Task):
                  length_penalty: float = 0.6, vocabulary: str = "joint", tgt_vocab_size: int | None = None,
                  src: str | None = None, tgt: str | None = None, data: str | list[str] | None = None,
                  init_from: str | None = None, **options: Any) -> None:
-        # Languages not given: the starting model's, else English -> German (Multi30k's default pair).
-        if init_from is not None and src_lang is None and tgt_lang is None:
-            src_lang, tgt_lang = starting_languages(init_from)
+        # A language not given: the starting model's, else English -> German (Multi30k's default pair).
+        if init_from is not None and (src_lang is None or tgt_lang is None):
+            start_src, start_tgt = starting_languages(init_from)
+            src_lang, tgt_lang = src_lang or start_src, tgt_lang or start_tgt
         src_lang, tgt_lang = src_lang or "en", tgt_lang or "de"
         # A joint run records no vocabulary options, a Multi30k run no options of your own data.
         separate_options = ({} if vocabulary == "joint" and tgt_vocab_size is None

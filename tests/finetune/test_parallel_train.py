@@ -62,6 +62,8 @@ def test_the_languages_default_to_the_starting_models():
     assert (task.src_lang, task.tgt_lang) == ("de", "en") and task.options["src_lang"] == "de"
     assert task.model_config() == load_release(shipped_path(SHIPPED)).model_config
     assert (get_task("translation").src_lang, get_task("translation").tgt_lang) == ("en", "de")
+    one_given = get_task("translation", init_from=SHIPPED, src_lang="de")  # the other from the model
+    assert (one_given.src_lang, one_given.tgt_lang) == ("de", "en")
 
 
 def test_a_starting_model_that_does_not_fit_the_options_is_refused(tmp_path):
