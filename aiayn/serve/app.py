@@ -140,16 +140,16 @@ class ServerMiddleware:
             self.state.metrics.requests.labels(route=route, status=str(status["code"])).inc()
 
     def _refusal(self, scope: Scope, path: str) -> APIError | None:
+        headers = dict(scope["headers"])
         protected = path.startswith("/v1/") or path == "/metrics"
         if protected and self.state.api_key is not None:
-            headers = dict(scope["headers"])
             given = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.state.api_key.encode()):
                 what = "no API key was given" if not given else "the API key is not valid"
                 return APIError(401, f"{what}; send the header 'Authorization: Bearer <key>' with the server's "
                                      f"--api-key", code="invalid_api_key")
-        length = dict(scope["headers"]).get(b"content-length", b"0")
+        length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             return _too_large()
         if path.startswith("/v1/") and self.state.draining_since is not None:
@@ -240,11 +240,10 @@ def check_prompt_count(engine: Engine, limits: Limits, n: int, choices: int = 1)
     most = engine.max_queue + engine.max_batch
     if n * choices > most:
         what = f"{n} prompts" if choices == 1 else f"{n} prompt{'s' if n > 1 else ''} x n={choices} answers"
-        param = "prompt" if choices == 1 else "n"
         raise APIError(400, f"{what} in one request, but this server holds at most {most} "
                             f"requests at once ({engine.max_batch} decoding + {engine.max_queue} waiting: "
                             f"--max-batch, --max-queue); send at most {most} {'prompts' if choices == 1 else 'answers'} "
-                            f"per request", param=param, code="too_many_prompts")
+                            f"per request", param="prompt" if choices == 1 else "n", code="too_many_prompts")
 
 
 def busy(exc: QueueFull, waiting: str) -> APIError:

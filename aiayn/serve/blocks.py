@@ -199,7 +199,6 @@ class BlockScheduler:
         self._admitted.pop(request.id, None)
 
     def forget(self, request: Request) -> None:
-        """``request`` has finished: drop what was kept for it."""
         for table in (self._sequence, self._digests, self._decoded, self._admitted):
             table.pop(request.id, None)
         self.resumed.discard(request.id)

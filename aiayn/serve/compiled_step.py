@@ -36,8 +36,6 @@ def compile_refusal(kv_layout: str | None, kv_cache: str | None) -> str | None:
 
 def bucket_sizes(max_batch: int) -> list[int]:
     """The batch sizes that get a graph: powers of two below ``max_batch``, then ``max_batch``."""
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     powers = [1 << k for k in range((max_batch - 1).bit_length())]  # 1, 2, 4, ... below max_batch
     return [*powers, max_batch]
 
@@ -57,7 +55,6 @@ class CompiledRows:
         self.compiled_buckets: set[int] = set()
 
     def bucket(self, n: int) -> int:
-        """The smallest bucket that holds n rows."""
         if n > self.buckets[-1]:
             raise ValueError(f"{n} rows exceed the cache's {self.buckets[-1]}")
         return next(size for size in self.buckets if size >= n)

@@ -31,8 +31,6 @@ class EmbeddingJob:
     (n, d) float32 CPU vectors once the last is read."""
 
     def __init__(self, lm: TextModel, prompts: list[list[int]], chunk: int = DEFAULT_CHUNK) -> None:
-        if chunk < 1 or not prompts or not all(prompts):
-            raise ValueError("an embedding job needs inputs of at least one token, and chunk >= 1")
         self.lm, self.chunk = lm, chunk
         self.device = model_device(lm.model)
         self.inputs = [torch.tensor(ids, dtype=torch.long) for ids in prompts]
@@ -52,9 +50,7 @@ class EmbeddingJob:
 
     @property
     def next_tokens(self) -> int:
-        """The tokens the next ``forward`` reads."""
-        n = len(self.inputs[self.index])
-        return n if n <= self.chunk else min(self.chunk, n - self.fed)
+        return min(self.chunk, len(self.inputs[self.index]) - self.fed)
 
     def forward(self) -> int:
         """Read the next piece (an input of up to ``chunk`` tokens, or the next ``chunk`` of a longer

@@ -21,14 +21,14 @@ from aiayn.serve.blocks import PAGED_COMPILE, BlockPlan, BlockScheduler, SlotPla
 from aiayn.serve.embedding import DEFAULT_CHUNK, EmbeddingJob, EmbeddingQueue
 from aiayn.serve.metrics import Metrics
 from aiayn.serve.output import Output
-from aiayn.serve.request import Event, Request, SamplingParams, TokenLogprob
+from aiayn.serve.request import Event, Request, SamplingParams
 from aiayn.serve.runner import Runner
 from aiayn.serve.sampler import choose
 from aiayn.serve.scheduler import CacheOp, Scheduler, StepPlan
 from aiayn.textgen import TextModel
 
 __all__ = ["PAGED_COMPILE", "BlockPlan", "Engine", "EngineFailed", "Event", "QueueFull", "Request", "SamplingParams",
-           "ShuttingDown", "SlotPlan", "TokenLogprob", "slot_plan"]
+           "ShuttingDown", "SlotPlan", "slot_plan"]
 
 logger = logging.getLogger("aiayn.serve")
 

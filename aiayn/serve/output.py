@@ -20,7 +20,6 @@ class Output:
         self.decode, self.eos_id, self.metrics = decode, eos_id, metrics
 
     def start(self, request: Request) -> None:
-        """``request`` is admitted: its text starts."""
         request.text = IncrementalText(self.decode, request.params.stop)
 
     def emit(self, requests: Sequence[Request], chosen: Sequence[tuple[int, Chosen | None]]) -> list[Request]:
@@ -47,7 +46,8 @@ class Output:
             request.finished = True
             self.metrics.finished(now - request.arrived)
         if not request.cancelled:
-            info = None if numbers is None else self.token_logprob(token, numbers)
+            info = None if numbers is None else TokenLogprob(
+                self.decode([token]), numbers.logprob, [(self.decode([j]), v) for j, v in numbers.top])
             request.sink(Event(text, info, finish, error, token=token))
 
     def _text(self, request: Request, token: int) -> tuple[str, str | None, str | None]:
@@ -72,7 +72,3 @@ class Output:
             elif request.generated >= request.params.max_tokens:
                 text, finish = text + request.text.finish(), "length"
         return text, finish, None
-
-    def token_logprob(self, token: int, numbers: Chosen) -> TokenLogprob:
-        """The chosen ``token``'s log-probability and its alternatives, as the API reports them."""
-        return TokenLogprob(self.decode([token]), numbers.logprob, [(self.decode([j]), v) for j, v in numbers.top])

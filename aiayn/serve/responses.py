@@ -103,12 +103,11 @@ class Generation:
 
 @dataclass
 class Choice:
-    """One prompt's answer as it accumulates."""
+    """One prompt's answer as it accumulates: a text piece per token."""
 
     text: list[str] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)  # engine TokenLogprob per token, when asked
     finish_reason: str | None = None
-    tokens: int = 0
 
 
 async def collect(generation: Generation, is_disconnected: Callable[[], Any],
@@ -120,7 +119,6 @@ async def collect(generation: Generation, is_disconnected: Callable[[], Any],
             if event.error is not None:
                 raise event_error(event.error)
             choice = choices[index]
-            choice.tokens += 1
             choice.text.append(event.text)
             if event.logprob is not None:
                 choice.logprobs.append(event.logprob)
@@ -185,7 +183,7 @@ def completion_answer(meta: Meta, generation: Generation, choices: list[Choice])
 
 def _whole(meta: Meta, name: str, generation: Generation, choices: list[Choice], items: list[Any]) -> dict[str, Any]:
     return {**meta.head(name), "choices": items,
-            "usage": usage(generation.prompt_tokens, sum(c.tokens for c in choices)), "system_fingerprint": None}
+            "usage": usage(generation.prompt_tokens, sum(len(c.text) for c in choices)), "system_fingerprint": None}
 
 
 async def _events(generation: Generation, past_grace: Callable[[], bool],

@@ -174,13 +174,6 @@ def responses_usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
             "total_tokens": usage["total_tokens"]}
 
 
-def _ending(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
-    """(status, incomplete_details) of an answer that ended for ``finish_reason``."""
-    if finish_reason == "length":
-        return "incomplete", {"reason": "max_output_tokens"}
-    return "completed", None
-
-
 class ResponsesWire:
     """One Responses request's answer: the chat answer (or its chunks) as a Response object (or
     Responses' events), the conversation stored under its id unless ``store`` is false."""
@@ -209,15 +202,18 @@ class ResponsesWire:
             "text": {"format": {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)},
             "truncation": "disabled", "metadata": body.metadata or {}, "user": body.user, **rest}
 
-    def keep(self, content: str | None, calls: list[dict[str, Any]], response: dict[str, Any]) -> dict[str, Any]:
-        """``response``, stored with the conversation and this answer (an assistant chat message)."""
-        if not self.body.store:
-            return response
-        message: dict[str, Any] = {"role": "assistant", "content": content if content or calls else ""}
-        if calls:
-            message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
-                "name": c["function"]["name"], "arguments": c["function"]["arguments"]}} for c in calls]
-        self.store.put(self.id, [*self.conversation, message], response)
+    def finished(self, finish_reason: str | None, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+                 content: str | None, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """The Response object of a whole answer ("incomplete" when cut at the token limit), stored with the
+        conversation and this answer (``calls`` in the chat form) unless ``store`` is false."""
+        cut = finish_reason == "length"
+        response = self.response("incomplete" if cut else "completed", output, usage,
+                                 incomplete_details={"reason": "max_output_tokens"} if cut else None)
+        if self.body.store:
+            message: dict[str, Any] = {"role": "assistant", "content": content if content or calls else ""}
+            if calls:
+                message["tool_calls"] = calls
+            self.store.put(self.id, [*self.conversation, message], response)
         return response
 
     def answer(self, chat: dict[str, Any]) -> dict[str, Any]:
@@ -226,9 +222,7 @@ class ResponsesWire:
         content, calls = choice["message"].get("content"), choice["message"].get("tool_calls") or []
         output = [text_item(content or "")] if content or not calls else []
         output += [call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
-        status, details = _ending(choice["finish_reason"])
-        return self.keep(content, calls, self.response(status, output, responses_usage(chat["usage"]),
-                                                       incomplete_details=details))
+        return self.finished(choice["finish_reason"], output, responses_usage(chat["usage"]), content, calls)
 
     async def stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[dict[str, str]]:
         """Responses' server-sent events of a streamed chat answer (its chunks, with usage, then ``[DONE]``)."""
@@ -346,11 +340,9 @@ class EventWriter:
             events += [*self.add_text(""), *self.close()]
         content = "".join(part["text"] for item in self.output if item["type"] == "message"
                           for part in item["content"]) or None
-        status, details = _ending(self.finish_reason)
         self.ended = True
-        response = self.wire.keep(content, self.calls, self.wire.response(status, self.output, self.usage,
-                                                                          incomplete_details=details))
-        return [*events, self.event(f"response.{status}", response=response)]
+        response = self.wire.finished(self.finish_reason, self.output, self.usage, content, self.calls)
+        return [*events, self.event(f"response.{response['status']}", response=response)]
 
     def fail(self, error: dict[str, Any]) -> list[dict[str, str]]:
         """An ``error`` event and ``response.failed``: the generation failed (or the server stopped it)."""

@@ -108,8 +108,7 @@ def choose(logits: Tensor, requests: Sequence[Request]) -> list[tuple[int, Chose
             if request.adjustments is None:
                 request.adjustments = RowAdjustments(request.params, request.prompt, logits.shape[-1], logits.device)
             adjusted.append((i, request.adjustments))
-    if adjusted:
-        apply_adjustments(logits, adjusted)
+    apply_adjustments(logits, adjusted)
     constraints = [r.constraint for r in requests]
     if any(c is not None for c in constraints):
         with one_thread(logits.device):

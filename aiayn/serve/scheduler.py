@@ -51,7 +51,6 @@ class StepPlan:
     register: list[tuple[Request, list[bytes]]] = field(default_factory=list)  # digests to index after it
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # back in the queue
-    freed: list[Request] = field(default_factory=list)  # cancelled
     decode_next: bool = False  # a second, decode-only forward follows in this step
 
     @property
@@ -85,8 +84,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """This step's first forward, with the cache operations that make its rows."""
         plan = StepPlan()
-        plan.freed = [r for r in self.rows if r.cancelled]
-        for request in plan.freed:
+        for request in [r for r in self.rows if r.cancelled]:
             self._remove(request, plan.ops)
         self._admit(plan)
         if self.blocks is not None:
@@ -211,7 +209,6 @@ class Scheduler:
 
     # ---- leaving ---------------------------------------------------------------------------------
     def _remove(self, request: Request, ops: list[CacheOp]) -> None:
-        """``request`` is done: free its row."""
         self._free_row(request, ops)
         if self.blocks is not None:
             self.blocks.forget(request)

@@ -1,7 +1,6 @@
 """The OpenAI request bodies ``aiayn serve`` accepts, as strict pydantic models: no type
 conversion, finite numbers in range, unknown fields and unimplemented OpenAI options refused by
-name. ``validation_message`` turns pydantic's errors into the one line of the 400 answer.
-"""
+name. ``validation_message`` turns pydantic's errors into the one line of the 400 answer."""
 
 from __future__ import annotations
 

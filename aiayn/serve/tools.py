@@ -176,8 +176,7 @@ def generic_calls_text(calls: list[dict[str, Any]], many: bool | None) -> str:
     """Calls in the generic format: ``{"tool_calls": [...]}`` where several may come, else ``{"tool_call": {...}}``."""
     items = [{"name": c["function"]["name"], "arguments": _arguments_object(c["function"]["arguments"])}
              for c in calls]
-    many = len(items) > 1 if many is None else many or len(items) > 1
-    body = {"tool_calls": items} if many else {"tool_call": items[0]}
+    body = {"tool_calls": items} if many or len(items) > 1 else {"tool_call": items[0]}
     return json.dumps(body, ensure_ascii=False)
 
 
