@@ -34,12 +34,11 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None = Non
     key_mask_only = mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))  # (b, 1, 1, t_k)
     if (t_q == 1 and bias is None and dropout_p == 0.0 and key_mask_only
             and (b * h >= MIN_DECODE_QUERIES or torch.compiler.is_compiling())):
-        if h != h_kv:  # GQA: fold each group of query heads into its key/value head, (b, h_kv, g, d_h)
-            _check_heads(q, k)
-            out, _ = attend(q.reshape(b, h_kv, h // h_kv, d_h), k, v, mask=mask, scale=scale, need_weights=True)
-            return out.reshape(b, h, 1, d_h), None
-        # A decode step: the written-out equation's two matrix-vector products (its weights discarded).
-        return attend(q, k, v, mask=mask, scale=scale, need_weights=True)[0], None
+        # A decode step: the written-out equation's two matrix-vector products (its weights discarded),
+        # each group of g query heads folded into its key/value head, (b, h_kv, g, d_h) (g = 1 without GQA).
+        _check_heads(q, k)
+        out, _ = attend(q.reshape(b, h_kv, h // h_kv, d_h), k, v, mask=mask, scale=scale, need_weights=True)
+        return out.reshape(b, h, 1, d_h), None
     if (causal and mask is None and bias is None and t_q == k.shape[2]
             and use_block_causal(q, k, v, dropout_p)):  # training: see aiayn.fast.block_causal
         scale = d_h**-0.5 if scale is None else scale

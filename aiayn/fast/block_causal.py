@@ -8,6 +8,7 @@ s = the keys a block sees."""
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
@@ -44,14 +45,10 @@ def use_block_causal(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
     )
 
 
-_UPPER: dict[int, Tensor] = {}
-
-
+@cache
 def _strictly_upper(r: int) -> Tensor:
     """(r, r) bool, True above the diagonal: the keys a block's queries may not see in its own block."""
-    if r not in _UPPER:
-        _UPPER[r] = torch.ones(r, r, dtype=torch.bool).triu_(1)
-    return _UPPER[r]
+    return torch.ones(r, r, dtype=torch.bool).triu_(1)
 
 
 def _blocks(t: int) -> list[tuple[int, int]]:

@@ -18,7 +18,6 @@ from torch import Tensor
 
 from aiayn.fast import onednn
 from aiayn.fast.linear import FastLinear
-from aiayn.nn.packing import Packing
 
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MB in float32): in the L3 cache, big matmuls
 # ...but never fewer rows than this: on fewer, the matmuls lose more than the cache saves.
@@ -28,16 +27,13 @@ MIN_CHUNK_ROWS = 256
 @dataclass
 class HeadLoss:
     """A fused output layer + cross-entropy over n rows (``aiayn.train.losses.sequence_loss``): the
-    differentiable ``nll_sum``, ``uniform_sum`` (rows weighted 1 / counted rows), and per row (the
-    ``batch_shape`` batch's positions, or its real tokens with ``packing``) the rest."""
+    differentiable ``nll_sum``, ``uniform_sum`` (rows weighted 1 / counted rows), and the rest per row."""
 
     nll_sum: Tensor
     uniform_sum: Tensor
     token_nll: Tensor
     predictions: Tensor
     targets: Tensor
-    packing: Packing | None
-    batch_shape: tuple[int, int]
 
 
 def _compute_dtype(hidden: Tensor) -> torch.dtype:
@@ -48,8 +44,9 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _chunk_rows(n_classes: int, chunk_rows: int | None) -> int:
-    return chunk_rows if chunk_rows is not None else max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // max(n_classes, 1))
+def rows_per_chunk(n_classes: int) -> int:
+    """How many rows of logits one chunk of ``linear_cross_entropy`` holds."""
+    return max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // max(n_classes, 1))
 
 
 ARGMAX_BLOCK = 64
@@ -180,9 +177,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 # Eager inside a compiled model, through torch's lazy disable (torch._dynamo imported at first call).
 @torch._disable_dynamo
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, *,
-                         ignore_index: int = -100, packing: Packing | None = None,
-                         batch_shape: tuple[int, int] | None = None,
-                         chunk_rows: int | None = None) -> HeadLoss:
+                         ignore_index: int = -100, chunk_rows: int | None = None) -> HeadLoss:
     """Cross-entropy of the logits ``hidden @ weight.T + bias`` (n, v), never materialised, against
     ``targets`` (n,), weighted as ``F.cross_entropy``'s mean (nothing counted: 0, not NaN)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -205,7 +200,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
                          f"mark positions that do not count with {ignore_index}")
     weights = counted.float() / counted.sum().clamp(min=1)  # (n,) all 0 when nothing counts
     safe_targets = targets.masked_fill(~counted, 0)
-    chunk = _chunk_rows(weight.shape[0], chunk_rows)
+    chunk = chunk_rows if chunk_rows is not None else rows_per_chunk(weight.shape[0])
     inputs_need_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and inputs_need_grad:
         nll_sum, uniform_sum, nll, predictions = _LinearCrossEntropy.apply(
@@ -215,8 +210,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
                                                         (False, False, False))
         nll_sum, uniform_sum = (weights * nll).sum(), (weights * uniform).sum()
     return HeadLoss(nll_sum=nll_sum, uniform_sum=uniform_sum, token_nll=nll, predictions=predictions,
-                    targets=targets, packing=packing,
-                    batch_shape=batch_shape if batch_shape is not None else (hidden.shape[0], 1))
+                    targets=targets)
 
 
 class FusedLossLinear(FastLinear):

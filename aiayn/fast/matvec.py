@@ -7,6 +7,7 @@ Shape letters: o out_features, i in_features."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -45,15 +46,11 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-_marked = False
-
-
+@cache  # once: wrapping it again would only stack wrappers
 def mark_for_compile() -> None:
     """Let Dynamo trace ``_threads`` as a constant (this imports torch._dynamo: call it when compiling)."""
-    global _threads, _marked
-    if not _marked:  # once: wrapping it again would only stack wrappers
-        _threads = torch.compiler.assume_constant_result(_threads)
-        _marked = True
+    global _threads
+    _threads = torch.compiler.assume_constant_result(_threads)
 
 
 def _rows(x: Tensor) -> int:

@@ -118,8 +118,7 @@ def _layer_backward_flops(grad_shape: torch.Size, x_shape: torch.Size, w_shape: 
 
 
 def use_onednn(x: Tensor, weight: Tensor) -> bool:
-    """Whether ``onednn_linear`` should compute F.linear(x, weight): plain float32 CPU tensors, at least
-    ``MIN_ROWS`` rows and ``MIN_WORK`` multiply-adds, outside autocast."""
+    """Whether ``onednn_linear`` should compute F.linear(x, weight): large enough float32 CPU products."""
     return (
         _LINEAR is not None
         and x.dtype == torch.float32

@@ -12,7 +12,7 @@ from torch import Tensor
 from aiayn.fast import prefill_attention, switch
 from aiayn.fast.paged_attention_build import kernel_ops
 from aiayn.nn.attention import AttentionInputs
-from aiayn.nn.kv_layer import ROWS, LayerKVCache
+from aiayn.nn.kv_layer import LayerKVCache
 
 # Queries per row up to which the kernel (one query at a time, no matrix products) replaces SDPA.
 MAX_QUERIES = 1
@@ -20,17 +20,11 @@ MAX_QUERIES = 1
 
 def applies(q: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None, inputs: AttentionInputs) -> bool:
     """Whether ``paged_cache_attention`` takes this call (the module docstring's conditions)."""
-    if not isinstance(cache, LayerKVCache) or cache.read_blocks is None or cache.read_run is not None:
-        return False
-    mask = inputs.mask
-    return (switch.kernel_enabled("paged_attention") and q.device.type == "cpu" and q.dtype == torch.float32
-            and cache.k.dtype == torch.float32 and q.dim() == 4 and q.shape[2] <= MAX_QUERIES
-            and not q.requires_grad  # (the op has no backward: decoding runs without gradients)
-            and inputs.bias is None and not inputs.causal
-            and inputs.slots is not None and inputs.slots.kind == ROWS
-            and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1
-                                  and mask.shape[0] in (1, q.shape[0]) and mask.shape[2] in (1, q.shape[2])
-                                  and mask.shape[3] == cache.read_end)))
+    return (isinstance(cache, LayerKVCache) and cache.read_run is None
+            and prefill_attention.reads_rows(q, cache, inputs)
+            and switch.kernel_enabled("paged_attention") and q.dtype == torch.float32
+            and cache.k.dtype == torch.float32 and q.shape[2] <= MAX_QUERIES
+            and not q.requires_grad)  # (the op has no backward: decoding runs without gradients)
 
 
 def paged_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from aiayn.fast.q4_build import build_kernel, kernel_name
+from aiayn.fast.q4_build import build_kernel
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-std=c++17"]
@@ -23,15 +23,6 @@ def kernel_ops() -> Any | None:
         return None
     if hasattr(torch.ops.aiayn_paged, "attention"):  # loaded by an earlier call in this process
         return torch.ops.aiayn_paged
-    return _build()
-
-
-def build_name(flags: list[str]) -> str:
-    """The extension's name in torch's cache (``q4_build.kernel_name``)."""
-    return kernel_name(SOURCE, "aiayn_paged_", flags)
-
-
-def _build() -> Any | None:
     return build_kernel(SOURCE, "aiayn_paged_", FLAGS, "paged-attention kernel", _register_fake,
                         lambda: torch.ops.aiayn_paged,
                         fallback="a paged KV cache is read by gathering its blocks instead (slower at large batches)")

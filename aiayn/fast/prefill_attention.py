@@ -48,17 +48,23 @@ def prepared_mask(mask: Tensor, dtype: torch.dtype) -> PreparedMask:
     return entry
 
 
-def applies(q: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None, inputs: AttentionInputs, max_queries: int) -> bool:
-    """Whether ``prefill_cache_attention`` takes this call (the module docstring's conditions)."""
+def reads_rows(q: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None, inputs: AttentionInputs) -> bool:
+    """What both paged-cache paths need: a CPU q (b, h, t_q, d_h) over a paged cache's rows, no bias or
+    causal flag, and the cache's bool mask (b or 1, 1, 1 or t_q, t_k) or none."""
     mask = inputs.mask
     return (isinstance(cache, LayerKVCache) and cache.read_blocks is not None
-            and switch.kernel_enabled("prefill_attention") and q.device.type == "cpu" and q.is_floating_point()
-            and q.dim() == 4 and q.shape[2] > max_queries
+            and q.device.type == "cpu" and q.dim() == 4
             and inputs.bias is None and not inputs.causal
             and inputs.slots is not None and inputs.slots.kind == ROWS
             and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool and mask.shape[1] == 1
-                                  and mask.shape[0] in (1, q.shape[0]) and mask.shape[2] == q.shape[2]
+                                  and mask.shape[0] in (1, q.shape[0]) and mask.shape[2] in (1, q.shape[2])
                                   and mask.shape[3] == cache.read_end)))
+
+
+def applies(q: Tensor, cache: LayerKVCache | tuple[Tensor, Tensor] | None, inputs: AttentionInputs, max_queries: int) -> bool:
+    """Whether ``prefill_cache_attention`` takes this call (the module docstring's conditions)."""
+    return (reads_rows(q, cache, inputs) and switch.kernel_enabled("prefill_attention") and q.is_floating_point()
+            and q.shape[2] > max_queries and (inputs.mask is None or inputs.mask.shape[2] == q.shape[2]))
 
 
 def prefill_cache_attention(q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache, inputs: AttentionInputs,

@@ -128,9 +128,3 @@ def _register_fakes() -> None:
     @torch.library.register_fake("aiayn_q4::dequantize")
     def _dequantize(q, scale, mins, offset, block, nibbles, n, k, rows):  # type: ignore[no-untyped-def]
         return q.new_empty(n if rows is None else rows.numel(), k, dtype=torch.float32)
-
-
-def has_vnni() -> bool:
-    """Whether the built kernel uses AVX-512 VNNI (else its plain C++ loops)."""
-    ops = kernel_ops()
-    return bool(ops is not None and ops.has_vnni())

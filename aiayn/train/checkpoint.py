@@ -20,12 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 
+from aiayn.device import rng_states, set_rng_states
 from aiayn.finetune.lora import is_adapter_key
 from aiayn.train.run_dir import CHECKPOINT_NAME, atomic_write_text, claim_output_dir, fsync_dir
-
-__all__ = ["CheckpointError", "LoadedCheckpoint", "atomic_write_text", "average_checkpoints",
-           "average_last_checkpoints", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
-           "restore_rng", "save_checkpoint"]
 
 FORMAT_VERSION = 1
 MODEL_FILE, OPTIM_FILE, STATE_FILE, LATEST = "model.safetensors", "optimizer.safetensors", "state.json", "latest"
@@ -74,8 +71,6 @@ def save_checkpoint(directory: Path, *, step: int, model: nn.Module, optimizer: 
         save_model(model, str(tmp / MODEL_FILE))
     else:
         save_file({k: v.contiguous() for k, v in model_state.items()}, str(tmp / MODEL_FILE))
-    from aiayn.device import rng_states
-
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state(), **rng_states()}
     meta: dict[str, Any] = {}
     if optimizer_state is None and optimizer is not None:
@@ -126,8 +121,6 @@ def _prune(directory: Path, keep: int) -> None:
 
 def list_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints (``step-XXXXXXXX`` directories with a state.json), oldest first."""
-    if not directory.is_dir():
-        return []
     found = [p for p in directory.glob("step-*")
              if CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: p.name)
@@ -214,8 +207,6 @@ def load_checkpoint(path: Path, model: nn.Module) -> LoadedCheckpoint:
 
 def restore_rng(loaded: LoadedCheckpoint) -> None:
     """The CPU's, Python's and (where saved and present) the CUDA generators' states."""
-    from aiayn.device import set_rng_states
-
     torch.set_rng_state(loaded.rng_state)
     set_rng_states(loaded.cuda_rng_states)
     version, internal, gauss = loaded.state["python_rng"]

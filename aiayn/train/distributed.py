@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from aiayn import device as devices
+
 T = TypeVar("T")
 
 
@@ -37,7 +39,6 @@ class ParallelOptions:
 class DistContext:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
     fsdp: bool = False
     owns_group: bool = False  # setup() created the process group (and the trainer destroys it)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this process trains
@@ -58,13 +59,11 @@ def env_world_size() -> int:
 def setup(options: ParallelOptions | None = None, device: torch.device | None = None) -> DistContext:
     """The process's place in torchrun's job (one process without it), initialising the process group; a
     CUDA ``device`` means this ``LOCAL_RANK``'s GPU."""
-    from aiayn import device as devices
-
     options = options or ParallelOptions()
     device = device or torch.device("cpu")
     world = env_world_size()
     if world <= 1:
-        return DistContext(fsdp=False, device=device)
+        return DistContext(device=device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         try:
@@ -75,8 +74,8 @@ def setup(options: ParallelOptions | None = None, device: torch.device | None = 
     if owns:
         backend = os.environ.get("AIAYN_DIST_BACKEND", devices.distributed_backend(device))
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                       fsdp=options.fsdp, owns_group=owns, device=device)
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), fsdp=options.fsdp,
+                       owns_group=owns, device=device)
 
 
 def check_options(options: ParallelOptions | None, *, world_size: int, compile: bool,
@@ -188,8 +187,6 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
 def freeze_unused(model: nn.Module, loss_of_one_batch: Callable[[], torch.Tensor]) -> list[str]:
     """Freeze the parameters the loss never reaches (DDP would wait forever for their gradients) and return
     their names; one forward/backward on the same batch on every rank, the RNG state restored."""
-    from aiayn import device as devices
-
     rng, cuda_rng = torch.get_rng_state(), devices.rng_states()
     model.zero_grad(set_to_none=True)
     loss_of_one_batch().backward()

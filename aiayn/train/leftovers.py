@@ -76,6 +76,13 @@ def _owner_alive(directory: Path) -> bool | None:
     return False
 
 
+def _stale(entry: Path) -> bool:
+    """Unchanged for ``LEFTOVER_AGE_S`` (False for an entry gone meanwhile)."""
+    with suppress(OSError):
+        return time.time() - entry.stat().st_mtime >= LEFTOVER_AGE_S
+    return False
+
+
 def clear_leftovers(run_dir: Path, echo: Callable[[str], None] = print) -> None:
     """Remove each ``RUN.tmp-<hex>`` a killed replacement of ``run_dir`` left that is an aiayn run without a
     checkpoint, its owner lock free and unchanged for ``LEFTOVER_AGE_S``; name one that holds a checkpoint or
@@ -91,11 +98,7 @@ def clear_leftovers(run_dir: Path, echo: Callable[[str], None] = print) -> None:
         if not pattern.fullmatch(entry.name) or entry.is_symlink() or not entry.is_dir() or entry in _OWNED:
             continue
         alive = _owner_alive(entry)
-        try:
-            recent = time.time() - entry.stat().st_mtime < LEFTOVER_AGE_S
-        except OSError:  # gone meanwhile
-            continue
-        if alive or recent:
+        if alive or not _stale(entry):  # a live owner, a recent change, or gone meanwhile
             continue
         saved = [p.name for p in (entry / "checkpoints").glob("step-*") if CHECKPOINT_NAME.fullmatch(p.name)]
         marker = read_marker(entry)
@@ -114,16 +117,11 @@ def _finish_swaps(real: Path, entries: list[Path], tmp_pattern: re.Pattern[str],
                   echo: Callable[[str], None]) -> list[Path]:
     """Handle the ``RUN.old-<hex>`` a killed ``swap_in`` left; return the other ``entries``. Killed between
     the renames, the new run is renamed in when unambiguous, else both are named; an old run left is named."""
-    def stale(entry: Path) -> bool:
-        with suppress(OSError):
-            return time.time() - entry.stat().st_mtime >= LEFTOVER_AGE_S
-        return False
-
     def siblings(pattern: re.Pattern[str]) -> list[Path]:
         return [e for e in entries if pattern.fullmatch(e.name) and e.is_dir() and not e.is_symlink()
                 and e not in _OWNED]
 
-    olds = [e for e in siblings(re.compile(re.escape(real.name) + r"\.old-[0-9a-f]{8}")) if stale(e)]
+    olds = [e for e in siblings(re.compile(re.escape(real.name) + r"\.old-[0-9a-f]{8}")) if _stale(e)]
     if not olds:
         return entries
     if real.exists() or real.is_symlink():
@@ -134,7 +132,7 @@ def _finish_swaps(real: Path, entries: list[Path], tmp_pattern: re.Pattern[str],
     news = [e for e in siblings(tmp_pattern) if any(CHECKPOINT_NAME.fullmatch(p.name)
                                                     for p in (e / "checkpoints").glob("step-*"))]
     rest = [e for e in entries if e not in olds and e not in news]
-    if any(_owner_alive(e) or not stale(e) for e in news):
+    if any(_owner_alive(e) or not _stale(e) for e in news):
         return rest  # a swap in progress
     if len(olds) == 1 and len(news) == 1 and _owner_alive(news[0]) is False:
         os.rename(news[0], real)

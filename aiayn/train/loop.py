@@ -160,17 +160,16 @@ def _forward_backward(run: TrainingRun, batch: Any, n: int, *, last: bool) -> Te
         loss, nll_sum, n_tokens, n_correct = run.step_forward(batch)
         (loss / n).backward()
         share = loss.detach().double() / n
-        run.totals.add_batch(nll_sum, n_tokens, n_correct)
-        return share
-    with distributed.no_sync(run.forward_model, last=last):
-        loss, nll_sum, n_tokens, n_correct = step_loss(run.task, run.forward_model, batch, device=ctx.device,
-                                                       bf16=cfg.bf16, label_smoothing=cfg.label_smoothing)
-        # Weighted by this rank's share of the tokens: the gradient average is the token-mean's.
-        weight = distributed.token_share(n_tokens, ctx)  # () float64
-        # A rank without counted tokens adds 0 (its loss is NaN, its gradients 0).
-        counted = n_tokens > 0
-        (torch.where(counted, loss * weight.to(loss.dtype), 0.0) / n).backward()
-    share = torch.where(counted, loss.detach().double() * weight, 0.0) / ctx.world_size / n
+    else:
+        with distributed.no_sync(run.forward_model, last=last):
+            loss, nll_sum, n_tokens, n_correct = step_loss(run.task, run.forward_model, batch, device=ctx.device,
+                                                           bf16=cfg.bf16, label_smoothing=cfg.label_smoothing)
+            # Weighted by this rank's share of the tokens: the gradient average is the token-mean's.
+            weight = distributed.token_share(n_tokens, ctx)  # () float64
+            # A rank without counted tokens adds 0 (its loss is NaN, its gradients 0).
+            counted = n_tokens > 0
+            (torch.where(counted, loss * weight.to(loss.dtype), 0.0) / n).backward()
+        share = torch.where(counted, loss.detach().double() * weight, 0.0) / ctx.world_size / n
     run.totals.add_batch(nll_sum, n_tokens, n_correct)
     return share
 

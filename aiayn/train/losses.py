@@ -18,11 +18,6 @@ IGNORE = -100  # target value of positions that do not count (padding)
 LossInput = Tensor | ModelOutput  # what sequence_loss takes: logits (b, t, c), or a model's output
 
 
-def graph_tensor(out: LossInput) -> Tensor:
-    """A tensor of the graph behind ``out`` (to keep a zero loss connected to it, say)."""
-    return out.hidden_rows if isinstance(out, ModelOutput) else out
-
-
 @dataclass
 class LossOutput:
     """The loss and its counts, 0-dim tensors on the loss's device (reading one is a host sync)."""
@@ -113,8 +108,6 @@ def _head_loss(head: Any, hidden: Tensor, flat_targets: Tensor,
     # Both sums are already averaged over the counted rows (aiayn.fast.fused_loss).
     loss = result.nll_sum if label_smoothing == 0 else (
         (1 - label_smoothing) * result.nll_sum + label_smoothing * result.uniform_sum)
-    # NaN with nothing counted, as F.cross_entropy (gradients stay zero); chosen on the device.
-    loss = torch.where((flat_targets != IGNORE).any(), loss, loss + float("nan"))
     return loss, result.token_nll, result.predictions
 
 
@@ -124,8 +117,6 @@ def _logits_loss(rows: Tensor, flat_targets: Tensor, label_smoothing: float) -> 
     safe_targets = flat_targets.masked_fill(~counted_flat, 0)
     weights = counted_flat.float() / counted_flat.sum().clamp(min=1)  # all 0 with nothing counted
     loss, token_nll = _SmoothedCrossEntropy.apply(rows, safe_targets, weights, label_smoothing)
-    # NaN with nothing counted, as F.cross_entropy, and zero gradients; chosen on the device.
-    loss = torch.where(counted_flat.any(), loss, loss + float("nan"))
     return loss, token_nll, rows.detach().argmax(-1)
 
 
@@ -139,6 +130,8 @@ def _loss_output(loss: Tensor, token_nll: Tensor, predictions: Tensor, flat_targ
     if packing is not None and int(n_tokens) != int(counted_flat.sum()):
         raise ValueError("targets count positions the padding-free forward skipped (padded inputs); "
                          f"set those targets to IGNORE ({IGNORE}) or mark the inputs valid")
+    # NaN with nothing counted, as F.cross_entropy, and zero gradients; chosen on the device.
+    loss = torch.where(counted_flat.any(), loss, loss + float("nan"))
     with torch.no_grad():
         nll_sum = (token_nll * counted_flat).sum()
         correct_flat = (predictions == flat_targets) & counted_flat  # (n,)

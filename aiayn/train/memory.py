@@ -16,20 +16,20 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import safetensors
 import torch
 from torch import Tensor, nn
 
+from aiayn import device as devices
 from aiayn.config import ConfigError, ModelConfig, TrainConfig
 from aiayn.models import build_model
 from aiayn.models.size import available_memory, check_fits, estimated_values
 from aiayn.nn.kv_memory import format_bytes
-
-if TYPE_CHECKING:
-    from aiayn.train.run_dir import RunLocation
-    from aiayn.train.task import Task
+from aiayn.train.checkpoint import latest_checkpoint
+from aiayn.train.run_dir import RunLocation
+from aiayn.train.task import Task
 
 try:
     import resource
@@ -171,16 +171,16 @@ def activation_bytes(c: ModelConfig, shape: BatchShape, path: Execution, *, fuse
         vocab = c.vocab_size
         if c.arch == "encoder-only":  # BERT's MLM transform: dense, activation, norm outputs
             kept += 3 * a * n * d
-    return kept + _logits_bytes(n, d, vocab, path, fused=fused_head and path.fast and path.device_type == "cpu")
+    return kept + _logits_bytes(n, d, vocab, path, fused=fused_head and cpu_fast)
 
 
 def _logits_bytes(n: int, d: int, v: int, path: Execution, *, fused: bool) -> int:
     """(n, v) float32 log-probabilities and their gradient; aiayn.fast's fused loss holds chunks of rows."""
     if not fused:
         return (10 if path.autocast else 8) * n * v
-    from aiayn.fast.fused_loss import _chunk_rows
+    from aiayn.fast.fused_loss import rows_per_chunk
 
-    chunk = min(n, _chunk_rows(v, None))
+    chunk = min(n, rows_per_chunk(v))
     chunks = -(-n // chunk)
     cv, vd = chunk * v, v * d
     in_loop = (2 if chunks == 1 else 3) * cv + min(chunks - 1, 2) * vd
@@ -251,12 +251,10 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def estimate_training_memory(config: ModelConfig, shape: BatchShape, path: Execution, *,
-                             counts: ModelCounts | None = None, ddp: bool = False,
-                             shards: int = 1) -> TrainingMemory:
+def estimate_training_memory(config: ModelConfig, shape: BatchShape, path: Execution, *, counts: ModelCounts,
+                             ddp: bool = False, shards: int = 1) -> TrainingMemory:
     """The memory of a training step. ``ddp``: DDP's gradient buckets, a second copy of the gradients;
     ``shards``: FSDP shards weights, gradients and moments over this many processes."""
-    counts = counts or model_counts(None, config)
     activations = activation_bytes(config, shape, path, fused_head=counts.fused_head)
     if path.autocast:  # bfloat16 copies of the matmul weights, kept for the backward
         activations += counts.matmul // 2
@@ -288,8 +286,6 @@ def batch_shape(batch: Any) -> BatchShape:
 
 def training_execution(device: torch.device, cfg: TrainConfig, *, fast: bool) -> Execution:
     """How the trainer runs a step on ``device`` (``fast``: with aiayn.fast's CPU kernels)."""
-    from aiayn import device as devices
-
     return Execution(autocast=devices.autocast_dtype(device, bf16=cfg.bf16) is not None, fast=fast,
                 device_type=device.type, threads=torch.get_num_threads())
 
@@ -435,8 +431,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def out_of_memory(exc: BaseException, location: RunLocation, task: Task, cfg: TrainConfig,
                   device: torch.device) -> TrainingOutOfMemory:
     """The one line an out-of-memory error during training becomes; call it before ``location.abandon()``."""
-    from aiayn.train.checkpoint import latest_checkpoint
-
     text = str(exc)
     asked = re.search(r"[Tt]ried to allocate ([\d.]+ \w?i?B|\d+ bytes)", text)
     free = re.search(r"of which ([\d.]+ \w?i?B) is free", text)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.config import ModelConfig, TrainConfig
-from aiayn.train.leftovers import OWNER_LOCK, _disown, _own, clear_leftovers
+from aiayn.train.leftovers import _disown, _own, clear_leftovers
 from aiayn.train.run_files import (
     CHECKPOINT_NAME,
     CONFIG_FILE,
@@ -28,13 +28,6 @@ from aiayn.train.run_files import (
     read_marker,
     write_marker,
 )
-
-__all__ = [
-    "CHECKPOINT_NAME", "CONFIG_FILE", "KIND_AVERAGED", "KIND_RUN", "MARKER", "OWNER_LOCK", "RunDirError",
-    "RunLocation", "atomic_write_text", "check_replaceable", "claim_output_dir", "clear_leftovers",
-    "config_diff", "fsync_dir", "is_averaged_dir", "is_run_dir", "prepare_run_dir",
-    "read_marker", "read_run_config", "write_marker",
-]
 
 
 class RunDirError(ValueError):

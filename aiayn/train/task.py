@@ -123,8 +123,7 @@ class Task:
         """Teacher-forced loss, perplexity, token and sequence accuracy on a split."""
         model.eval()
         # Summed on the model's device and read once at the end (one sync, not one per batch).
-        nll, tokens, correct, seq_correct = 0.0, 0, 0, 0
-        seqs = 0
+        nll, tokens, correct, seq_correct, seqs = 0.0, 0, 0, 0, 0
         for batch in self.eval_batches(split, batch_size):
             logits, targets = self.forward(model, self.on_model(model, batch))
             out = sequence_loss(logits, targets)

@@ -147,11 +147,10 @@ def _plan(run: TrainingRun, model_config: ModelConfig) -> None:
     task, cfg, ctx = run.task, run.cfg, run.ctx
     # Tasks may batch by token count, so ask for an epoch's batches rather than divide.
     batches_per_epoch = len(task.train_batches(0, cfg.batch_size, cfg.seed))
-    steps_per_epoch = max(1, batches_per_epoch // cfg.grad_accum)
     run.per_step = cfg.grad_accum * ctx.world_size
     if ctx.enabled:
         distributed.check_world_size(ctx, batches_per_epoch=batches_per_epoch, grad_accum=cfg.grad_accum)
-        steps_per_epoch = max(1, batches_per_epoch // run.per_step)
+    steps_per_epoch = max(1, batches_per_epoch // run.per_step)
     run.total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
     run.lr_at = make_schedule(cfg, total_steps=run.total_steps, d_model=model_config.d_model)
     if (warning := schedule_warning(cfg, d_model=model_config.d_model)) is not None:

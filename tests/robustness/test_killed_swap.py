@@ -16,7 +16,8 @@ import pytest
 
 from aiayn.cli import main
 from aiayn.train import checkpoint as ckpt
-from aiayn.train.run_dir import OWNER_LOCK, clear_leftovers, write_marker
+from aiayn.train.leftovers import OWNER_LOCK
+from aiayn.train.run_dir import clear_leftovers, write_marker
 
 RECIPE = "task: reverse\ntask_options: {n_train: 512, n_val: 32, n_test: 32}\n"
 FAST = ["--save-every", "1", "--eval-every", "1000", "--no-progress"]

@@ -21,9 +21,9 @@ from aiayn.cli import main
 from aiayn.tasks.reverse import ReverseTask
 from aiayn.train import checkpoint as ckpt
 from aiayn.train import leftovers as leftovers_module
+from aiayn.train.leftovers import OWNER_LOCK
 from aiayn.train.run_dir import (
     MARKER,
-    OWNER_LOCK,
     RunDirError,
     claim_output_dir,
     clear_leftovers,
