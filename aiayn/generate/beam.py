@@ -176,14 +176,13 @@ def _search(logits: Tensor, cache: KVCache | EnsembleCache, limits: Tensor, step
         if static:  # a stopped source changes nothing more, so the stop may be read a step late
             if t == n_max or check.stopped_before() or check.after(done):  # (at n_max every source is done)
                 break
-        elif bool(done.all()):
-            break
-        if static:
             beams.scores.masked_fill_(done[:, None], NEG_INF)  # a stopped source proposes nothing more
             rows = (torch.arange(n, device=device)[:, None] * k + next_beam).reshape(-1)  # (n * k,) parents
             follow_in_place(cache, rows)
             lprobs = torch.log_softmax(step(next_tok.reshape(-1, 1), rows, False).float(), dim=-1).view(n, k, v)
             continue
+        if bool(done.all()):
+            break
 
         # Follow the kept beams (and drop finished sources) in the cache, then feed the new tokens.
         stay = (~done).nonzero().squeeze(1)  # (n_new,) local ids of sources still searching

@@ -246,10 +246,8 @@ class GrammarConstraint:
                              bounds: JsonBounds | None = BOUNDS) -> GrammarConstraint | None:
         """OpenAI's ``response_format``: "text" or None -> None, "json_object", or "json_schema" (enforced,
         strict or not, within ``bounds``); ValueError for anything else."""
-        if response_format is None:
-            return None
         kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind == "text":
+        if response_format is None or kind == "text":
             return None
         if kind == "json_object":
             return cls.json_object(tokenizer, eos_id=eos_id)
@@ -349,19 +347,18 @@ def mask_rows(logits: Tensor, constraints: Sequence[GrammarConstraint | None]) -
     if len(rows) == 1:
         constraints[rows[0]].mask_logits(logits[rows[0]])  # type: ignore[union-attr]
         return logits
-    first: GrammarConstraint = constraints[rows[0]]  # type: ignore[assignment]
-    words = torch.empty(len(rows), first._words.numel(), dtype=torch.int32)  # (r, w)
+    chosen: list[GrammarConstraint] = [constraints[i] for i in rows]  # type: ignore[misc]
+    words = torch.empty(len(rows), chosen[0]._words.numel(), dtype=torch.int32)  # (r, w)
     with _lock:
         if not _executor:
             _executor.append(_llguidance().LLExecutor())
-    chosen = [constraints[i] for i in rows]
-    _executor[0].unsafe_compute_mask_ptr([(c._matcher, k) for k, c in enumerate(chosen)],  # type: ignore[union-attr]
+    _executor[0].unsafe_compute_mask_ptr([(c._matcher, k) for k, c in enumerate(chosen)],
                                          words.data_ptr(), words.shape[1] * 4, len(rows))
     for k, c in enumerate(chosen):
-        _block_standin_eos(words[k], c.info)  # type: ignore[union-attr]
+        _block_standin_eos(words[k], c.info)
     index = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, index)  # (r, v)
-    apply_bitmask(sub, words, first.info.n_vocab)
+    apply_bitmask(sub, words, chosen[0].info.n_vocab)
     logits.index_copy_(0, index, sub)
     return logits
 

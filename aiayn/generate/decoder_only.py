@@ -90,10 +90,12 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
             eos_id: int | None, fill_id: int | None, kv_cache: str | None, compile: bool,
             use_cache: bool, slide: bool, constraints: list[RowConstraint | None] | None) -> Iterator[DecodeStep]:
     """``stream_decoder_only``'s loop on checked arguments."""
-    b = prompt.shape[0]
+    b, t = prompt.shape
     context = model.config.max_seq_len
-    slides, width, history = _slots(prompt, valid, max_new_tokens, context, slide=slide,
-                                    needs_history=chooser.needs_history, use_cache=use_cache)
+    slides = slide and t + max_new_tokens > context  # past the context a row's window holds at most it
+    width = context if slides else t + max_new_tokens  # the slots its tokens take
+    # The ids fed so far (b, width): the repetition penalty's input and a slide's source.
+    history = penalty_history(prompt, valid, width - t) if chooser.needs_history or (slides and use_cache) else None
     cache = model.new_cache(b, cache_slots(width, compile), quantize=kv_cache) if use_cache else None
     keep = keep_tokens(context)
     # Each row's real tokens at the last (pre)fill and the tokens fed since, on the host.
@@ -115,8 +117,10 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
             logits = decode_step(model, inputs, cache, compile=True)
         else:
             logits = decode_step(model, inputs, cache, valid=inputs_valid)  # (b, v)
-        if steered:
-            logits = _mask_steered(logits, constraints, steered)
+        if steered:  # each steered row's forbidden tokens masked, in a copy
+            logits = logits.clone()
+            for row in steered:
+                constraints[row].mask_logits(logits[row])  # type: ignore[index]
         fed = inputs.shape[1] if cache is None else cache.length  # slots the model has seen
         ids_so_far = history[:, :fed] if history is not None else None  # (b, fed)
         token = fill_finished(chooser.choose(logits, ids_so_far), done, fill_id)  # (b,)
@@ -156,32 +160,12 @@ def _decode(model: DecoderOnly, prompt: Tensor, valid: Tensor, *, max_new_tokens
             inputs, inputs_valid = token[:, None], one_real
 
 
-def _slots(prompt: Tensor, valid: Tensor, max_new_tokens: int, context: int, *, slide: bool,
-           needs_history: bool, use_cache: bool) -> tuple[bool, int, Tensor | None]:
-    """(whether the loop slides, the slots its tokens take, the history of ids fed or None)."""
-    t = prompt.shape[1]
-    # When the tokens overflow the context the loop slides and a row's window holds at most it.
-    slides = slide and t + max_new_tokens > context
-    width = context if slides else t + max_new_tokens
-    # The ids fed so far (b, width): the repetition penalty's input and a slide's source.
-    history = penalty_history(prompt, valid, width - t) if needs_history or (slides and use_cache) else None
-    return slides, width, history
-
-
 def _steered_rows(constraints: list[RowConstraint | None] | None) -> list[int]:
     """The rows a grammar steers, their grammars reset."""
     steered = [i for i, c in enumerate(constraints or []) if c is not None]
     for i in steered:
         constraints[i].reset()  # type: ignore[index, union-attr]
     return steered
-
-
-def _mask_steered(logits: Tensor, constraints: Any, steered: list[int]) -> Tensor:
-    """(b, v) logits with each steered row's forbidden tokens masked, in a copy."""
-    logits = logits.clone()
-    for row in steered:
-        constraints[row].mask_logits(logits[row])
-    return logits
 
 
 def _advance_steered(constraints: Any, steered: list[int], token: Tensor, done: Tensor,
@@ -252,6 +236,5 @@ COMPILED_CACHE_MULTIPLE = 64  # compiled decoding rounds its cache up to this, s
 
 
 def cache_slots(n: int, compile: bool) -> int:
-    """Cache slots for n tokens: n, or (compiled) n rounded up to a multiple of 64, so that requests of
-    similar length share a graph (the buffer size is part of its shapes)."""
+    """Cache slots for n tokens: n, or (compiled) n rounded up (the buffer size is part of a graph's shapes)."""
     return -(-n // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE if compile else n

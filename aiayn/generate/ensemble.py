@@ -61,23 +61,6 @@ class EnsembleCache:
         for cache in self.members:
             cache.repeat_interleave(n)
 
-    def reset(self) -> None:
-        for cache in self.members:
-            cache.reset()
-
-    @property
-    def length(self) -> int:
-        """Slots filled so far (the same in every member)."""
-        return self.members[0].length
-
-    @property
-    def batch_size(self) -> int:
-        return self.members[0].batch_size
-
-    @property
-    def nbytes(self) -> int:
-        return sum(cache.nbytes for cache in self.members)
-
 
 class Ensemble(nn.Module):
     """Encoder-decoders decoded as one model; ValueError when their output vocabularies or pad ids

@@ -147,7 +147,6 @@ class Choice:
     top_scores: Tensor  # sum scores
     top_beam: Tensor  # the parent beam
     top_tok: Tensor  # the token
-    is_eos: Tensor
     eos_ok: Tensor  # (n, k) the eos continuations ranked within the first k: finished now
     keep: Tensor  # (n, k) the candidates that are the next beams
     next_beam: Tensor  # (n, k)
@@ -196,7 +195,7 @@ def choose(t: int, beams: Beams, finished: Finished, lprobs: Tensor, alive: Tens
 
     done = sources_done(finished.norm[alive][:, k - 1], beams.scores[:, 0], limits[alive], t=t,
                          alpha=alpha, early_stopping=early_stopping) | at_limit  # (n,)
-    return beams, Choice(top_scores, top_beam, top_tok, is_eos, eos_ok, keep, next_beam, next_tok, at_limit, done)
+    return beams, Choice(top_scores, top_beam, top_tok, eos_ok, keep, next_beam, next_tok, at_limit, done)
 
 
 def trace_step(trace: Callable[[BeamStep], None], t: int, alive: Tensor, c: Choice, k: int) -> None:
@@ -204,7 +203,7 @@ def trace_step(trace: Callable[[BeamStep], None], t: int, alive: Tensor, c: Choi
     slot = torch.full_like(c.top_tok, -1).scatter_(
         1, c.keep, torch.arange(k, device=alive.device).expand(n, k).contiguous())  # (n, 2k)
     trace(BeamStep(t=t, sources=alive.clone(), parent=c.top_beam, token=c.top_tok, score=c.top_scores,
-                   finished=torch.cat([c.eos_ok, torch.zeros_like(c.is_eos[:, k:])], 1),
+                   finished=torch.cat([c.eos_ok, torch.zeros_like(c.top_tok[:, k:], dtype=torch.bool)], 1),
                    slot=slot, at_limit=c.at_limit, done=c.done))
 
 

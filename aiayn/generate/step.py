@@ -40,12 +40,9 @@ def decode_step(model: nn.Module, tokens: Tensor, cache: KVCache | EnsembleCache
         from aiayn.fast.compiled_decode import compiled_decode_step
 
         return compiled_decode_step(model, tokens, cache, memory_valid=memory_valid)  # type: ignore[arg-type]
-    if isinstance(model, EncoderDecoder):
-        if valid is None:
-            valid = torch.ones_like(tokens, dtype=torch.bool)
-        inputs = model.decoder.prepare(tokens, valid=valid, memory=memory, memory_valid=memory_valid, cache=cache)
-    else:
-        inputs = model.decoder.prepare(tokens, valid=valid, cache=cache)
+    if isinstance(model, EncoderDecoder) and valid is None:
+        valid = torch.ones_like(tokens, dtype=torch.bool)  # generated target tokens are real, even pad_id
+    inputs = model.decoder.prepare(tokens, valid=valid, memory=memory, memory_valid=memory_valid, cache=cache)
     return run_step(model, StepInput(tokens, inputs, at), cache)  # (b, v) or (m, v)
 
 

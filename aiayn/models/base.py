@@ -87,7 +87,7 @@ def make_cache(config: ModelConfig, *, n_layers: int, batch_size: int, max_len: 
     if n_blocks is not None:  # paged: rows over a pool of n_blocks blocks
         return PagedKVCache(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
                             head_dim=config.head_dim, max_len=max_len, n_blocks=n_blocks, block_size=block_size,
-                            dtype=dtype, device=device, cross_attention=cross_attention, quantize=quantize)
+                            dtype=dtype, device=device, quantize=quantize)
     return KVCache(n_layers=n_layers, batch_size=batch_size, n_kv_heads=config.n_kv_heads,
                    head_dim=config.head_dim, max_len=max_len, dtype=dtype, device=device,
                    cross_attention=cross_attention, quantize=quantize, group_size=group_size, per_row=per_row)

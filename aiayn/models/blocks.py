@@ -79,9 +79,7 @@ class TransformerBlock(nn.Module):
 
     def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
         """Several batches' real tokens packed in x (n, d) (``TransformerStack.forward_ragged``): every
-        sublayer but the attention core runs once over all of them."""
-        if self.cross_attn is not None:
-            raise ValueError("a ragged forward is for decoder-only blocks (no cross-attention)")
+        sublayer but the attention core runs once over all of them (decoder-only: no cross-attention)."""
         h = self.self_attn_norm(x) if self.pre_norm else x
         x = self._add(x, self.self_attn.forward_ragged(h, batches), self.self_attn_norm)
         return self._feed_forward(x)

@@ -39,13 +39,13 @@ def available_memory() -> int | None:
         return None
 
 
-def check_fits(config: ModelConfig, *, what: str = "this model") -> None:
+def check_fits(config: ModelConfig) -> None:
     """Refuse a config whose float32 weights alone would not fit in the memory available now."""
     needed = estimated_values(config) * BYTES_PER_VALUE
     available = available_memory()
     if available is not None and needed > available:
         raise ConfigError(
-            f"{what} would need about {needed / 2**30:,.1f} GiB for its float32 weights (d_model="
+            f"this model would need about {needed / 2**30:,.1f} GiB for its float32 weights (d_model="
             f"{config.d_model}, d_ff={config.d_ff}, n_layers={config.n_layers}, vocab_size={config.vocab_size}, "
             f"max_seq_len={config.max_seq_len}), more than the {available / 2**30:,.1f} GiB available here; "
             f"choose smaller sizes"

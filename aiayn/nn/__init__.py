@@ -1,4 +1,4 @@
-"""Leaf building blocks; they depend only on torch (and aiayn.config)."""
+"""Leaf building blocks; they depend only on torch (and aiayn.config, aiayn.device)."""
 
 from aiayn.nn.attention import MultiHeadAttention, scaled_dot_product_attention
 from aiayn.nn.kv_cache import KVCache, LayerKVCache

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from aiayn.nn.attention import MultiHeadAttention, _check_attention_inputs
-from aiayn.nn.masks import causal_mask, combine_masks, scores_shaped
+from aiayn.nn.attention import MultiHeadAttention, _check_attention_inputs, _zero_rows
+from aiayn.nn.masks import attention_masks
 
 
 def additive_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, *, mask: Tensor | None = None,
@@ -21,25 +21,19 @@ def additive_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, *, mask: Tens
     if w.shape != (q.shape[1], q.shape[3]):
         raise ValueError(f"additive attention: w must be (heads, head_dim) = {(q.shape[1], q.shape[3])}, "
                          f"got {tuple(w.shape)}")
-    mask, bias = scores_shaped(mask), scores_shaped(bias)
     if q.shape[1] != k.shape[1]:  # GQA: each key/value head serves h / h_kv query heads
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-    t_q, t_k = q.shape[2], k.shape[2]
-    if causal:
-        mask = combine_masks(mask, causal_mask(t_q, t_k, device=q.device))
+    masks = attention_masks(mask, bias, causal, q.shape[2], k.shape[2], q.dtype, q.device, fused=False)
     hidden = torch.tanh(q.unsqueeze(3) + k.unsqueeze(2))  # (b, h, t_q, t_k, d_h)
     scores = (hidden * w[None, :, None, None, :]).sum(-1)  # (b, h, t_q, t_k)
-    if bias is not None:
-        scores = scores + bias
-    row_valid = None
-    if mask is not None:
-        row_valid = mask.any(dim=-1, keepdim=True)  # (.., t_q, 1): a query that sees no key -> zeros
-        scores = scores.masked_fill(~(mask | ~row_valid), float("-inf"))
+    if masks.bias is not None:  # -inf where masked
+        scores = scores + masks.bias
+    if masks.mask is not None:
+        scores = scores.masked_fill(~masks.mask, float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    if row_valid is not None:
-        weights = weights.masked_fill(~row_valid, 0.0)
     out = F.dropout(weights, dropout_p) @ v  # (b, h, t_q, d_h)
-    return out, weights if need_weights else None
+    # A query that sees no key outputs zeros.
+    return _zero_rows(out, masks.row_valid), (_zero_rows(weights, masks.row_valid) if need_weights else None)
 
 
 class AdditiveAttentionKernel(nn.Module):

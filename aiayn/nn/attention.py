@@ -221,15 +221,9 @@ class MultiHeadAttention(nn.Module):
 
     def forward_ragged(self, x: Tensor, batches: Sequence[tuple[AttentionInputs, LayerKVCache]]) -> Tensor:
         """Self-attention of several batches' real tokens packed in x (n_1 + ... + n_g, d): the projections
-        once over all of them (one read of the weights), the core per batch over its own cache."""
-        if self.cross:
-            raise ValueError("forward_ragged is self-attention (a decoder-only model's serve steps)")
-        if any(inputs.packing is None for inputs, _ in batches):
-            raise ValueError("forward_ragged: every batch's inputs need its packing (its real tokens)")
+        once over all of them (one read of the weights), the core per batch over its own cache. Its caller,
+        ``TransformerStack.forward_ragged``, checked the batches: each has its packing."""
         sizes = [inputs.packing.n_tokens for inputs, _ in batches]  # type: ignore[union-attr]
-        if x.dim() != 2 or x.shape != (sum(sizes), self.d_model):
-            raise ValueError(f"MultiHeadAttention.forward_ragged: x must be (real tokens={sum(sizes)}, "
-                             f"d_model={self.d_model}), got shape {tuple(x.shape)}")
         parts = self.qkv_proj(x).split(sizes)  # (n_i, q + 2 kv) each: one pass over the weights
         outs = [self._merge_heads(self._attend_self(part, inputs, cache, False)[0], inputs.packing)
                 for part, (inputs, cache) in zip(parts, batches, strict=True)]  # (n_i, h * d_h) each

@@ -24,10 +24,6 @@ class BlockTables:
         self.lengths: list[int] = [0] * rows
         self.moves: list[Move] = []
 
-    def table(self, row: int) -> list[int]:
-        """Row ``row``'s block table (a copy)."""
-        return list(self.tables[row])
-
     def blocks_for(self, row: int, n_tokens: int) -> int:
         """New blocks row ``row`` needs to hold ``n_tokens`` more tokens."""
         return max(0, -(-(self.lengths[row] + n_tokens) // self.block_size) - len(self.tables[row]))

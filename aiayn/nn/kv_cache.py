@@ -12,8 +12,7 @@
 A per-row cache reads nothing back from the device: the lengths live on the device (``lengths``)
 and the host (``host_lengths``), and ``reserve`` takes each row's real-token count from the caller
 (``expect``), checked on the device without waiting; only eager on the CPU, or when not told, does
-it read the validity back (tests/serve/test_no_device_reads.py). Quantised caches ("int8", "int4"):
-``aiayn.nn.kv_layer``. Shape letters: b batch, h_kv key/value heads, s_max capacity, d_h head width.
+it read the validity back. Shape letters: b batch, h_kv key/value heads, s_max capacity, d_h head width.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One attention layer's key/value storage, and where a forward writes into it (``Slots``).
 
 Past keys and values never change, so a decoder stores them in buffers allocated once at full size
-and written in place (no ``torch.cat`` growth); ``aiayn.nn.kv_cache`` reserves the slots. Quantised
-storage ("int8", "int4") keeps integers with an absmax scale per token, head and ``group_size``
-channels: quantised on write, dequantised on read.
+and written in place (no ``torch.cat`` growth); ``aiayn.nn.kv_cache`` reserves the slots.
 
 Shape letters: b batch, h_kv key/value heads, s_max capacity, d_h head width.
 """
@@ -98,9 +96,9 @@ class LayerKVCache:
       block table (``read_blocks``, (b, n)) and key extent (``read_end``); ``write`` stores the keys
       at their pool slots and gathers the rows' blocks (``aiayn.nn.paged_kv_cache``).
 
-    Quantised: k, v hold int8 codes (int4: two nibbles a byte, (b, h_kv, s_max, d_h / 2) uint8) and
-    ``k_scale``/``v_scale`` (b, h_kv, s_max, d_h / group_size) float16 scales; what is read back is
-    dequantised to the compute dtype.
+    Quantised ("int8", "int4"): k, v hold int8 codes (int4: two nibbles a byte, (b, h_kv, s_max, d_h / 2)
+    uint8) and ``k_scale``/``v_scale`` (b, h_kv, s_max, d_h / group_size) float16 absmax scales, one per
+    token, head and ``group_size`` channels: quantised on write, dequantised to the compute dtype on read.
     """
 
     k_scale: Tensor  # (quantised)

@@ -69,9 +69,8 @@ def combine_masks(*masks: Tensor | None) -> Tensor | None:
     """Logical AND of the given masks (None entries are skipped); None if all are None."""
     out: Tensor | None = None
     for mask in masks:
-        if mask is None:
-            continue
-        out = mask if out is None else out & mask
+        if mask is not None:
+            out = mask if out is None else out & mask
     return out
 
 

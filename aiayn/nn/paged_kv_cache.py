@@ -38,10 +38,7 @@ class PagedKVCache(KVCache):
 
     def __init__(self, *, n_layers: int, batch_size: int, n_kv_heads: int, head_dim: int, max_len: int,
                  n_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, cross_attention: bool = False,
-                 quantize: str | None = None, group_size: int | None = None) -> None:
-        if cross_attention:
-            raise ValueError("PagedKVCache is for decoder-only self-attention; it holds no cross-attention")
+                 device: torch.device | str | None = None, quantize: str | None = None) -> None:
         if quantize is not None:
             raise ValueError(f"the paged KV cache holds float keys and values; a {quantize} cache needs the "
                              f"fixed slots (a per-row KVCache; aiayn serve --kv-layout slots)")
@@ -60,7 +57,7 @@ class PagedKVCache(KVCache):
 
     def table(self, row: int) -> list[int]:
         """Row ``row``'s block table (a copy)."""
-        return self.tables.table(self._first + row)
+        return list(self.tables.tables[self._first + row])
 
     def blocks_for(self, row: int, n_tokens: int) -> int:
         """New blocks row ``row`` needs to hold ``n_tokens`` more tokens."""

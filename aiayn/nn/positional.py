@@ -9,9 +9,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from aiayn.config import SINUSOIDAL_LAYOUTS
 from aiayn.nn import data_checks
-
-SINUSOIDAL_LAYOUTS = ("interleaved", "split")
 
 
 def sinusoidal_encoding(positions: Tensor, d_model: int, *, layout: str = "interleaved") -> Tensor:
