@@ -35,7 +35,6 @@ class Remote:
 
 @dataclass(frozen=True)
 class Dataset:
-    name: str
     about: str
     base_url: str  # the public source (a commit-pinned raw URL)
     files: Mapping[str, Remote] = field(default_factory=dict)  # local name -> where it comes from
@@ -48,7 +47,6 @@ CHAR_RNN_COMMIT = "6f9487a6fe5b420b7ca9afb0d7c078e37c1d1b4e"
 
 DATASETS: dict[str, Dataset] = {
     "multi30k": Dataset(
-        name="multi30k",
         about="Multi30k task 1, English-German captions: train / val / test2016 (.en, .de)",
         base_url=f"https://raw.githubusercontent.com/multi30k/dataset/{MULTI30K_COMMIT}/data/task1/raw",
         files={
@@ -64,7 +62,6 @@ DATASETS: dict[str, Dataset] = {
         used_by="the translation task (recipes/multi30k-*.yaml)",
     ),
     "tinyshakespeare": Dataset(
-        name="tinyshakespeare",
         about="Tiny Shakespeare, 1.1 MB of plays (Karpathy's char-rnn): input.txt",
         base_url=f"https://raw.githubusercontent.com/karpathy/char-rnn/{CHAR_RNN_COMMIT}/data/tinyshakespeare",
         files={"input.txt": Remote("input.txt", "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed")},
@@ -137,11 +134,12 @@ def _download(url: str, target: Path, sha256: str, *, gzipped: bool, timeout: fl
         tmp.unlink(missing_ok=True)
 
 
-def dataset_sources(dataset: Dataset) -> dict[str, tuple[str, str, bool]]:
-    """Local name -> (url, sha256, gzipped) for ``dataset``, from its source or a mirror."""
+def dataset_sources(name: str) -> dict[str, tuple[str, str, bool]]:
+    """Local name -> (url, sha256, gzipped) for the files of dataset ``name``, from its source or a mirror."""
     base = os.environ.get(URL_ENV_VAR)
-    root = f"{base.rstrip('/')}/{dataset.name}" if base else dataset.base_url
-    return {name: (f"{root}/{remote.name}", remote.sha256, remote.gzipped) for name, remote in dataset.files.items()}
+    root = f"{base.rstrip('/')}/{name}" if base else DATASETS[name].base_url
+    return {local: (f"{root}/{remote.name}", remote.sha256, remote.gzipped)
+            for local, remote in DATASETS[name].files.items()}
 
 
 def fetch_dataset(name: str, data_root: Path | None = None, *,
@@ -150,4 +148,4 @@ def fetch_dataset(name: str, data_root: Path | None = None, *,
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)} (`aiayn fetch` lists them)")
     folder = Path(data_root if data_root is not None else data_dir()) / name
-    return folder, fetch_files(folder, dataset_sources(DATASETS[name]), echo=echo)
+    return folder, fetch_files(folder, dataset_sources(name), echo=echo)

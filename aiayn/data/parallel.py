@@ -4,7 +4,6 @@ batches; every fixable problem raises ``DataError`` naming the file and line."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,21 +66,15 @@ def fetch_multi30k(cache_dir: str | Path, *, base_url: str | None = None,
     remotes = DATASETS["multi30k"].files
     files = {name: (f"{base_url}/{remotes[name].name}" if base_url else url,
                     sha256[name] if sha256 is not None else digest, gzipped)
-             for name, (url, digest, gzipped) in dataset_sources(DATASETS["multi30k"]).items()}
+             for name, (url, digest, gzipped) in dataset_sources("multi30k").items()}
     fetch_files(Path(cache_dir), files)
     return Path(cache_dir)
 
 
-@dataclass(frozen=True)
-class BucketSpec:
-    max_tokens: int  # padded tokens per batch: n_sentences x longest side (fairseq's --max-tokens)
-    max_sentences: int | None = None
-
-
-def token_batches(src_lengths: Tensor, tgt_lengths: Tensor, spec: BucketSpec, *, seed: int | None,
-                  epoch: int = 0) -> list[Tensor]:
-    """Index batches of similar-length pairs, each within ``spec.max_tokens`` padded tokens, in an order
-    shuffled by (seed, epoch); ``seed=None`` keeps sorted order (evaluation)."""
+def token_batches(src_lengths: Tensor, tgt_lengths: Tensor, max_tokens: int, *, seed: int | None, epoch: int = 0,
+                  max_sentences: int | None = None) -> list[Tensor]:
+    """Index batches of similar-length pairs, each within ``max_tokens`` padded tokens (n_sentences x longest
+    side: fairseq's --max-tokens), in an order shuffled by (seed, epoch); ``seed=None`` keeps sorted order."""
     n = src_lengths.shape[0]
     if seed is None:
         order = torch.arange(n)
@@ -96,16 +89,14 @@ def token_batches(src_lengths: Tensor, tgt_lengths: Tensor, spec: BucketSpec, *,
     batches: list[Tensor] = []
     start, batch_max = 0, 0
     for i, length in enumerate(longest):
-        if length > spec.max_tokens:
-            raise DataError(f"a pair of {length} tokens does not fit in max_tokens={spec.max_tokens}; "
+        if length > max_tokens:
+            raise DataError(f"a pair of {length} tokens does not fit in max_tokens={max_tokens}; "
                             f"raise max_tokens or lower the maximum sentence length")
-        new_max = max(batch_max, length)
+        batch_max = max(batch_max, length)
         count = i - start + 1
-        full = new_max * count > spec.max_tokens or (spec.max_sentences is not None and count > spec.max_sentences)
-        if full:
+        if batch_max * count > max_tokens or (max_sentences is not None and count > max_sentences):
             batches.append(order[start:i])
-            start, new_max = i, length
-        batch_max = new_max
+            start, batch_max = i, length
     if start < n:
         batches.append(order[start:])
     if seed is not None:

@@ -9,6 +9,7 @@ from aiayn.tasks import (  # noqa: F401  (registration side effect)
     text,
     translation,
 )
-from aiayn.tasks.base import TASKS, AttentionExample, Task, get_task, register
+from aiayn.tasks.base import TASKS, get_task, register
+from aiayn.train.task import AttentionExample, Task
 
 __all__ = ["TASKS", "AttentionExample", "Task", "get_task", "register"]

@@ -1,5 +1,4 @@
-"""The task registry: ``@register`` a ``Task`` subclass, ``get_task(name, **options)`` builds one. The
-``Task`` protocol itself lives in ``aiayn.train.task`` and is re-exported here."""
+"""The task registry: ``@register`` a ``Task`` subclass (``aiayn.train.task``), ``get_task(name, **options)``."""
 
 from __future__ import annotations
 
@@ -9,10 +8,7 @@ from typing import Any
 
 import torch
 
-from aiayn.train.task import AttentionExample, Batch, Task
-
-__all__ = ["TASKS", "AttentionExample", "Batch", "GeneratedTask", "Task", "UnknownTaskError", "get_task", "register",
-           "task_options"]
+from aiayn.train.task import Batch, Task
 
 TASKS: dict[str, type[Task]] = {}
 

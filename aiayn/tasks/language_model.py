@@ -135,8 +135,7 @@ class ShakespeareCharTask(CausalTextTask):
 
 @register
 class ShakespeareCharLongTask(ShakespeareCharTask):
-    """A longer shakespeare-char recipe for an hour of 2 CPU cores aiming at val loss <= 1.50: nanoGPT's
-    context and dropout on a 4-layer, d_model 256 model, under bfloat16 autocast."""
+    """A longer shakespeare-char recipe: nanoGPT's context and dropout on a 4-layer, d_model 256 model, bf16."""
 
     name = "shakespeare-char-long"
     description = "character-level GPT on Tiny Shakespeare, the ~60-minute recipe (256-character context)"
@@ -247,12 +246,6 @@ class ShakespeareBPETask(ShakespeareCharTask):
             text = dataset_file(*CORPUS).read_text(encoding="utf-8")
             self.options["tokenizer"] = BPETokenizer.train(text[: int(0.9 * len(text))], self.options["vocab_size"]).json
         return BPETokenizer(self.options["tokenizer"])
-
-    def unigram_nll(self, split: str = "val") -> float:
-        """Loss per token of add-one smoothed unigram frequencies on ``split``: the context-free baseline."""
-        counts = torch.bincount(self.tokens["train"], minlength=self.tokenizer.vocab_size).double() + 1
-        logp = (counts / counts.sum()).log()
-        return float(-logp[self.tokens[split]].mean())
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str, batch_size: int = 500) -> dict[str, float]:

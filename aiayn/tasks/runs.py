@@ -5,7 +5,6 @@ unless ``plain=True``. They need the task registry, so they live above ``aiayn.t
 from __future__ import annotations
 
 import difflib
-import inspect
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ from aiayn.tasks.trained import (
     load_run,  # noqa: F401  (re-exported: aiayn.tasks.runs.load_run)
     load_run_or_release,
     release_members,
-    resolve_checkpoint,  # noqa: F401  (re-exported: aiayn.tasks.runs.resolve_checkpoint)
     run_text_model,
     shipped_name,
 )
@@ -47,8 +45,7 @@ SHAPE_FREE = frozenset({"dropout", "attention_dropout", "padding_free"})
 
 
 class RunSetupError(ConfigError):
-    """Options a run cannot be set up with; ``about`` names the input at fault ("recipe", "task_options" or
-    "max_tokens")."""
+    """Options a run cannot be set up with; ``about``: the input at fault (recipe, task_options, option, max_tokens)."""
 
     def __init__(self, message: str, about: str) -> None:
         super().__init__(message)
@@ -130,7 +127,6 @@ def load_ensemble_translator(members: Sequence[tuple[Path, Path | None]], *, pla
 
 
 def _vocabularies(translator: Translator) -> tuple[str, str]:
-    """(source, target) tokenizers of a translator as their whole JSON."""
     return translator.tokenizer.tokenizer.to_str(), translator.target_tokenizer.tokenizer.to_str()
 
 
@@ -189,7 +185,6 @@ def load_text_model(run_dir: Path | None = None, model_path: Path | None = None,
 
 
 def _merge_adapter(model: nn.Module, adapter: Path | None) -> None:
-    """Fold the LoRA adapter in ``adapter`` (if any) into ``model``'s weights."""
     if adapter is not None:
         load_adapter(model, model.config, adapter)
         merge_lora(model)
@@ -251,7 +246,7 @@ def setup_run(task: str | None = None, *, resume_dir: Path | None = None, recipe
     given_options = _command_line_options(name, task_options or {}, resuming=resume_dir is not None)
     task_options = {**(saved or recipe_fields).get("task_options", {}), **given_options}
     if max_tokens is not None:
-        if name in TASKS and "max_tokens" not in inspect.signature(TASKS[name].__init__).parameters:
+        if name in TASKS and "max_tokens" not in task_options_of(TASKS[name]):
             raise RunSetupError(f"task {name!r} batches by examples (--batch-size); --max-tokens is "
                                 f"for token-count batching (translation)", about="max_tokens")
         task_options = {**task_options, "max_tokens": max_tokens}
@@ -297,16 +292,13 @@ def _refuse_shape_changes(source: str, recipe_model: Mapping[str, Any], model_op
     """A RunSetupError naming the first model option, outside ``SHAPE_FREE``, that would change the shape of
     the model ``source`` names."""
     free = ", ".join(_flag(option) for option in sorted(SHAPE_FREE))
-    for option in model_options:
-        if option not in SHAPE_FREE:
-            raise RunSetupError(f"{_flag(option)} would change the shape of the model --init-from {source} "
-                                f"loads (its weights set it); drop it (with --init-from only {free} may "
-                                f"change)", about="option")
-    for option in recipe_model:
-        if option not in SHAPE_FREE:
-            raise RunSetupError(f"the recipe's model.{option} would change the shape of the model --init-from "
-                                f"{source} loads (its weights set it); remove it from the recipe (with "
-                                f"--init-from only {free} may change)", about="recipe")
+    refused = [(_flag(option), "drop it", "option") for option in model_options if option not in SHAPE_FREE]
+    refused += [(f"the recipe's model.{option}", "remove it from the recipe", "recipe")
+                for option in recipe_model if option not in SHAPE_FREE]
+    if refused:
+        what, fix, about = refused[0]
+        raise RunSetupError(f"{what} would change the shape of the model --init-from {source} loads (its weights "
+                            f"set it); {fix} (with --init-from only {free} may change)", about=about)
 
 
 def default_run_dir(task: str) -> Path:

@@ -25,7 +25,6 @@ N_FEATURES = 64  # 8x8 pixels
 @dataclass
 class SetAnomalyOutput:
     scores: Tensor  # (b, n) anomaly score of each element; logits over the n positions
-    hidden: Tensor  # (b, n, d) contextual element vectors
     attentions: list[Tensor] = field(default_factory=list)  # per layer (b, h, n, n), on request
 
 
@@ -52,13 +51,12 @@ class SetAnomalyModel(nn.Module):
         attentions: list[Tensor] = []
         for block in self.blocks:
             x, weights, _ = block(x, need_weights=need_weights)  # (b, n, d), (b, h, n, n) | None
-            if need_weights:
-                assert weights is not None
+            if weights is not None:
                 attentions.append(weights)
         if self.final_norm is not None:
             x = self.final_norm(x)
         scores = self.score(x).squeeze(-1)  # (b, n)
-        return SetAnomalyOutput(scores=scores, hidden=x, attentions=attentions)
+        return SetAnomalyOutput(scores=scores, attentions=attentions)
 
 
 def load_digit_images() -> tuple[Tensor, Tensor]:

@@ -21,15 +21,12 @@ from safetensors.torch import save_file
 from aiayn.tasks.runs import load_ensemble_translator
 from aiayn.tasks.trained import (
     DEFAULT_TRANSLATION_MODEL,
-    LEFTOVER_SUFFIXES,
     RECORD_FILES,
     RELEASE_DTYPES,
     RELEASE_FILE,
     SHIPPED_DIR,
     TOKENIZER_FILES,
     WEIGHTS_FILE,
-    LoadedRun,
-    RunInputError,
     is_ensemble_release,
     is_release,
     load_release,
@@ -44,7 +41,7 @@ from aiayn.tasks.trained import (
 )
 from aiayn.train.checkpoint import atomic_write_text
 
-__all__ = ["DEFAULT_TRANSLATION_MODEL", "LEFTOVER_SUFFIXES", "MAX_RELEASE_BYTES", "RECORD_FILES", "RELEASE_DTYPES", "RELEASE_FILE", "SHIPPED_DIR", "TOKENIZER_FILES", "WEIGHTS_FILE", "LoadedRun", "RunInputError", "is_ensemble_release", "is_release", "load_release", "load_run", "load_run_or_release", "release_members", "resolve_checkpoint", "resolve_model", "shipped_models", "shipped_path", "single_model", "write_ensemble_release", "write_release"]
+__all__ = ["DEFAULT_TRANSLATION_MODEL", "MAX_RELEASE_BYTES", "RECORD_FILES", "RELEASE_DTYPES", "RELEASE_FILE", "SHIPPED_DIR", "TOKENIZER_FILES", "WEIGHTS_FILE", "is_ensemble_release", "is_release", "load_release", "load_run", "load_run_or_release", "release_members", "resolve_checkpoint", "resolve_model", "shipped_models", "shipped_path", "single_model", "write_ensemble_release", "write_release"]
 
 MAX_RELEASE_BYTES = 10 * 2**20  # a shipped model's weights stay under 10 MB (the repository carries them)
 

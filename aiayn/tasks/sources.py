@@ -167,9 +167,8 @@ class SourceOption:
             save_text_front(self.text(), run_dir)
 
     def build_model(self, config: ModelConfig, run_dir: Path | None) -> nn.Module:
-        """The source's weights in a new run and under a LoRA run's checkpoints (adapters only); else the
-        architecture alone (a checkpoint or release fills it in). ``config`` may differ from the source's
-        only where shapes do not (dropout)."""
+        """The source's weights where ``needs_source``, else the architecture alone; ``config`` may differ
+        from the source's only where shapes do not (dropout)."""
         if not needs_source(run_dir):
             return build_model(config)
         source = load_starting_point(self.get, str(self.name), run_dir)
@@ -181,10 +180,9 @@ class SourceOption:
 
 
 def needs_source(run_dir: Path | None) -> bool:
-    """Whether a model built for the run in ``run_dir`` needs its source's weights: a new run's (no
-    checkpoint yet) or a LoRA run's (its checkpoints hold the adapters only). Outside a run, or under full
-    checkpoints, the architecture is enough: the checkpoint or release fills it in, so the run resumes
-    after its source has moved."""
+    """Whether the run in ``run_dir`` needs its source's weights: a new run (no checkpoint yet) or a LoRA run
+    (its checkpoints hold adapters only). Elsewhere a checkpoint or release fills the model in, so a run
+    resumes after its source has moved."""
     if run_dir is None:
         return False
     latest = latest_checkpoint(run_dir / "checkpoints")

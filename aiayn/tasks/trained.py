@@ -114,7 +114,6 @@ def shipped_name(path: Path) -> str | None:
 
 
 def is_release(path: Path) -> bool:
-    """A single model's release: release.json and the weights beside it."""
     return path.is_dir() and (path / RELEASE_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
 
 
@@ -235,13 +234,9 @@ def run_text_model(run: LoadedRun) -> TextModel:
     tokenizer = run.task.tokenizer  # type: ignore[attr-defined]
     template = getattr(run.task, "chat_template", None)
     chat = None if template is None else lambda text: template.render([{"role": "user", "content": text}])
+    # The tokenizer as a ``tokenizers.Tokenizer`` too (what a Hugging Face export writes).
+    hf_tokenizer = (tokenizer.to_tokenizers() if hasattr(tokenizer, "to_tokenizers")
+                    else getattr(tokenizer, "tokenizer", None))
     return TextModel(run.model, lambda text: tokenizer.encode(text).tolist(), tokenizer.decode,
                      run.model_config.max_seq_len, eos_id=getattr(run.task, "eos_id", None), chat=chat,
-                     chat_template=template, tokenizer=tokenizers_object(tokenizer))
-
-
-def tokenizers_object(tokenizer: Any) -> Any:
-    """A run's tokenizer as a ``tokenizers.Tokenizer`` (what a Hugging Face export writes)."""
-    if hasattr(tokenizer, "to_tokenizers"):
-        return tokenizer.to_tokenizers()
-    return getattr(tokenizer, "tokenizer", None)
+                     chat_template=template, tokenizer=hf_tokenizer)

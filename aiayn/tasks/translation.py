@@ -18,7 +18,6 @@ from torch import Tensor, nn
 from aiayn.config import ConfigError, ModelConfig
 from aiayn.data import data_dir, fetch_hint
 from aiayn.data.parallel import (
-    BucketSpec,
     DataError,
     MissingDataError,
     pad_batch,
@@ -47,7 +46,6 @@ VOCABULARIES = ("joint", "separate")
 
 
 def tokenizer_files(vocabulary: str) -> tuple[str, str]:
-    """(source, target) tokenizer file names of this ``vocabulary`` kind."""
     if vocabulary == "joint":
         return TOKENIZER_FILE, TOKENIZER_FILE
     return SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE
@@ -135,13 +133,7 @@ class TranslationTask(Task):
             name=f"{self.src_lang}-{self.tgt_lang}")
 
     @property
-    def target_vocab_size(self) -> int:
-        """Most tokens of the target side's BPE: the separate target BPE's, or the joint one's."""
-        return self.tgt_vocab_size if self.tgt_vocab_size is not None else self.vocab_size
-
-    @property
     def separate(self) -> bool:
-        """Whether source and target have vocabularies of their own (``vocabulary="separate"``)."""
         return self.vocabulary == "separate"
 
     def check_model_config(self, config: ModelConfig) -> None:
@@ -153,7 +145,7 @@ class TranslationTask(Task):
                               "has share_embeddings=True (one embedding for both); set share_embeddings: false, "
                               "or vocabulary: joint")
         for field, side, size in (("vocab_size", "source", self.vocab_size),
-                                  ("tgt_vocab_size", "target", self.target_vocab_size)):
+                                  ("tgt_vocab_size", "target", self.tgt_vocab_size)):
             if getattr(config, field) < size:  # the BPE's ids would index past the embedding
                 raise ConfigError(f"the model's {field} is {getattr(config, field)} but the task's {side} BPE "
                                   f"has up to {size} tokens; leave the model's {field} to the task (its "
@@ -193,25 +185,21 @@ class TranslationTask(Task):
                 raise DataError(f"no {' nor '.join(missing)} in run directory {self.run_dir}; "
                                 f"is it a translation run?")
             assert self.run_dir is not None
-            self.tokenizers = self._read_pair(self.run_dir, names)
+            source = BPETokenizer.load(self.run_dir / names[0])
+            self.tokenizers = source, source if names[1] == names[0] else BPETokenizer.load(self.run_dir / names[1])
         return self.tokenizers
-
-    @staticmethod
-    def _read_pair(run_dir: Path, names: tuple[str, str]) -> tuple[BPETokenizer, BPETokenizer]:
-        source = BPETokenizer.load(run_dir / names[0])
-        return source, source if names[1] == names[0] else BPETokenizer.load(run_dir / names[1])
 
     def _learn_tokenizers(self) -> tuple[BPETokenizer, BPETokenizer]:
         """The run's saved tokenizers, else learned on the training split (and saved in the run)."""
         names = tokenizer_files(self.vocabulary)
         if self.run_dir is not None and all((self.run_dir / name).is_file() for name in names):
-            return self._read_pair(self.run_dir, names)
+            return self.load_tokenizers()
         src, tgt = self.text["train"]
         if self.init_from is not None:  # the starting point's
             pair = self.starting_point().run.task.load_tokenizers()
         elif self.separate:  # each side its own merges, learned on that side of train only
             pair = (BPETokenizer.train(src, vocab_size=self.vocab_size),
-                    BPETokenizer.train(tgt, vocab_size=self.target_vocab_size))
+                    BPETokenizer.train(tgt, vocab_size=self.tgt_vocab_size))
         else:  # one joint vocabulary: shared embeddings need it
             joint = BPETokenizer.train([*src, *tgt], vocab_size=self.vocab_size)
             pair = (joint, joint)
@@ -253,7 +241,7 @@ class TranslationTask(Task):
     def _check_bpe_sizes(self, source: BPETokenizer, target: BPETokenizer) -> None:
         """A ``DataError`` naming the option when a learned BPE has more tokens (its alphabet) than asked."""
         sides = ((("source", source, "vocab_size", self.vocab_size),
-                  ("target", target, "tgt_vocab_size", self.target_vocab_size)) if self.separate
+                  ("target", target, "tgt_vocab_size", self.tgt_vocab_size)) if self.separate
                  else (("joint", source, "vocab_size", self.vocab_size),))
         for side, tokenizer, option, size in sides:
             if tokenizer.vocab_size > size:
@@ -269,7 +257,7 @@ class TranslationTask(Task):
 
     def train_batches(self, epoch: int, batch_size: int, seed: int) -> list[Tensor]:
         """Length-bucketed batches of up to ``max_tokens`` padded tokens (``batch_size`` is unused)."""
-        return token_batches(*self.lengths("train"), BucketSpec(self.max_tokens), seed=seed, epoch=epoch)
+        return token_batches(*self.lengths("train"), self.max_tokens, seed=seed, epoch=epoch)
 
     def memory_batches(self, batches: list[Tensor]) -> list[Tensor]:
         """The batch of the most pairs and the one of the longest pair."""
@@ -280,8 +268,7 @@ class TranslationTask(Task):
         return [max(batches, key=len), longest]
 
     def eval_batches(self, split: str, batch_size: int) -> list[Batch]:
-        spec = BucketSpec(self.max_tokens)
-        return [self.collate(split, b) for b in token_batches(*self.lengths(split), spec, seed=None)]
+        return [self.collate(split, b) for b in token_batches(*self.lengths(split), self.max_tokens, seed=None)]
 
     def collate(self, split: str, indices: Tensor) -> Batch:
         """src (b, s) = x + </s>; tgt_in (b, t) = <s> + y; tgt_out (b, t) = y + </s>; right-padded."""
