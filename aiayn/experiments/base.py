@@ -81,7 +81,6 @@ class Experiment:
     name: ClassVar[str]
     description: ClassVar[str]
     budgets: ClassVar[dict[str, Budget]]
-    default_budget: ClassVar[str] = "full"
 
     def budget(self, name: str) -> Budget:
         if name not in self.budgets:
@@ -183,9 +182,7 @@ def _worker(name: str, variant: Variant, run_dir: str, budget_name: str, threads
 
 @dataclass
 class ExperimentResult:
-    out_dir: Path
     rows: list[dict[str, Any]]
-    files: list[Path]
     interrupted: bool = False
 
 
@@ -224,7 +221,7 @@ def run_experiment(experiment: Experiment, out_dir: Path, *, budget: str | None 
                    device: str | None = None) -> ExperimentResult:
     """Train, measure and report every variant of ``experiment`` under ``out_dir``; ``jobs`` > 1 trains that
     many at once, each in its own process."""
-    chosen = experiment.budget(budget or experiment.default_budget)
+    chosen = experiment.budget(budget or "full")
     variants = experiment.variants(chosen)
     out_dir = Path(out_dir)
     prepare_out_dir(experiment, out_dir, chosen, resume=resume, variants=variants, command=command)
@@ -278,11 +275,11 @@ def run_experiment(experiment: Experiment, out_dir: Path, *, budget: str | None 
             pool.shutdown(wait=True, cancel_futures=True)
     if interrupted:
         echo(f"interrupted: the variants finished so far are kept; continue with --resume --out {out_dir}")
-        return ExperimentResult(out_dir, [rows[v.name] for v in variants if v.name in rows], [], interrupted=True)
+        return ExperimentResult([rows[v.name] for v in variants if v.name in rows], interrupted=True)
     ordered = [rows[v.name] for v in variants]
     files = experiment.report(ordered, out_dir, chosen)
     echo("results: " + ", ".join(str(f) for f in files))
-    return ExperimentResult(out_dir, ordered, files)
+    return ExperimentResult(ordered)
 
 
 def _brief(row: dict[str, Any]) -> str:
@@ -291,12 +288,12 @@ def _brief(row: dict[str, Any]) -> str:
     return ", ".join(shown) + f" ({row.get('cpu_s', 0):.0f} s CPU, {row.get('wall_s', 0):.0f} s wall)"
 
 
-def fmt(value: Any, digits: int = 2) -> str:
+def fmt(value: Any) -> str:
     """A table cell: numbers rounded, None as an en dash."""
     if value is None:
         return "–"
     if isinstance(value, float):
-        return f"{value:.{digits}f}"
+        return f"{value:.2f}"
     return str(value)
 
 

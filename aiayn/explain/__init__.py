@@ -1,5 +1,5 @@
 """``aiayn explain TOPIC``: classic questions about the Transformer answered by small experiments, each
-writing tables, a plot and a markdown page. A module per topic: ``NAME``, ``TITLE``, ``QUESTION``, ``run``."""
+writing tables, a plot and a markdown page. A module per topic: ``TITLE``, ``QUESTION``, ``run``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ TOPICS = {
     "shared-qk": "shared_qk",      # one projection for queries and keys
     "positional": "positional",    # the sinusoidal encoding
     "table1": "table1",            # the paper's Table 1, measured
-    "parameters": "parameters",    # paper-base: 63.1M here, 65M in Table 3
+    "parameters": "parameters",    # what Table 3's parameter counts include
 }
 
 

@@ -13,7 +13,6 @@ from aiayn.nn.attention import scaled_dot_product_attention
 from aiayn.tasks import get_task
 from aiayn.viz import save_figure
 
-NAME = "additive"
 TITLE = "Dot-product or additive attention"
 QUESTION = "how much faster is dot-product attention, and does it learn as well? (reverse, copy)"
 
@@ -102,7 +101,7 @@ One seed, a short budget: read the ranking, not the decimals.
         copy = {r["kind"]: r for r in results if r["task"] == "copy"}
         text += (f"\nOn copy (encoder-decoder, {steps_of['copy']} steps): {copy['dot-product']['seq_acc']:.1%} of test "
                  f"sequences exactly right with dot-product attention, {copy['additive']['seq_acc']:.1%} with additive.\n")
-    return Report(NAME, TITLE, [speed_table, quality_table], claims, [plot], text)
+    return Report(TITLE, [speed_table, quality_table], claims, [plot], text)
 
 
 def _plot(timings: list[dict[str, float]], results: list[dict[str, float]], path: Path) -> None:

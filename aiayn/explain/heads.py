@@ -13,7 +13,6 @@ from aiayn.models import count_parameters
 from aiayn.nn.attention import MultiHeadAttention
 from aiayn.viz import save_figure
 
-NAME = "heads"
 TITLE = "One head or h heads: the same parameters and FLOPs"
 QUESTION = "do h heads cost more than one head of the full width? (measured: no)"
 
@@ -79,7 +78,7 @@ What heads buy is not cheaper compute but h different attention distributions pe
 One head can only average; h heads can look at h places at once.
 In Table 3 row (A), 1 head is 0.9 BLEU worse than 8.
 """
-    return Report(NAME, TITLE, [table], claims, [plot], text)
+    return Report(TITLE, [table], claims, [plot], text)
 
 
 def _plot(results: list[dict[str, float]], path: Path) -> None:

@@ -15,7 +15,6 @@ from aiayn.nn.attention import scaled_dot_product_attention
 from aiayn.nn.masks import causal_mask, combine_masks, key_mask
 from aiayn.viz import save_figure
 
-NAME = "masks"
 TITLE = "What the mask does to the softmax"
 QUESTION = "−∞ scores, exact zeros, and what happens to a query that sees no key"
 
@@ -42,7 +41,7 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
         "causal_future_max": float(weights["causal"].triu(1).abs().max()),
         **all_masked,
     }
-    return Report(NAME, TITLE, tables, claims, [plot], _text(claims))
+    return Report(TITLE, tables, claims, [plot], _text(claims))
 
 
 def _weights_under_masks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

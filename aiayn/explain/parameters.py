@@ -12,7 +12,6 @@ from aiayn.explain.base import Report, Table
 from aiayn.models import build_model, count_parameters, get_preset
 from aiayn.viz import save_figure
 
-NAME = "parameters"
 TITLE = "paper-base: 63.1M parameters here, 65M in Table 3"
 QUESTION = "what Table 3's parameter counts include that aiayn's 63.1M does not"
 
@@ -72,13 +71,12 @@ def built(row: Row) -> int | None:
 
 def run(out_dir: Path, *, quick: bool = False) -> Report:
     del quick  # counting is instant: the full table at any size
-    rows = ROWS
     counted = Table("Table 3's rows with a parameter count: the paper's, and aiayn's count (shared "
                     f"{VOCAB:,}-token embedding tied to the output layer)",
                     ["row", "paper", "aiayn (built)", "formula", "paper − aiayn", "÷ d_model (rows)",
                      "vocabulary that fits"])
     results = []
-    for row in rows:
+    for row in ROWS:
         parts = formula(row)
         total = sum(parts.values())
         real = built(row)
@@ -141,7 +139,7 @@ The base model's 65M alone fits {fit:,}. Section 5.1 says "about 37000". Each co
 So: 63.1M is the paper's base architecture with exactly 37,000 shared tokens. The paper's 65M most
 likely counted its real, somewhat larger vocabulary.
 """
-    return Report(NAME, TITLE, [counted, components, alternatives], claims, [plot], text)
+    return Report(TITLE, [counted, components, alternatives], claims, [plot], text)
 
 
 def _plot(results: list[dict], path: Path) -> None:

@@ -12,7 +12,6 @@ from aiayn.explain.base import Report, Table
 from aiayn.nn.positional import sinusoidal_encoding
 from aiayn.viz import save_figure
 
-NAME = "positional"
 TITLE = "The sinusoidal encoding"
 QUESTION = "its curves and wavelengths; PE(t+k) as a fixed linear map of PE(t); PE(t)·PE(t+k) against k"
 
@@ -117,7 +116,7 @@ t = {', '.join(map(str, starts))} is {claims['dot_spread']:.1g}. It is the same 
 (largest difference {claims['mirror']:.1g}). So it says how far apart two positions are, not which
 comes first. It falls from d/2 = {d_model // 2} at k = 0 and oscillates: nearby positions look alike.
 """
-    return Report(NAME, TITLE, [waves, linear, dot], claims, [plot], text)
+    return Report(TITLE, [waves, linear, dot], claims, [plot], text)
 
 
 def _plot(d_model: int, wavelength: list[float], pe: torch.Tensor, offsets: list[int], starts: list[int],

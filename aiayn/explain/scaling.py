@@ -10,7 +10,6 @@ import torch
 from aiayn.explain.base import Report, Table
 from aiayn.viz import save_figure
 
-NAME = "scaling"
 TITLE = "Why scale by √d_k"
 QUESTION = "what q·k's variance does to the softmax and its gradient, d_k = 4 … 512"
 
@@ -86,7 +85,7 @@ at any head width.
 
 Additive attention (`aiayn explain additive`) has no such problem: tanh bounds each term.
 """
-    return Report(NAME, TITLE, [variance, softmax], claims, [plot], text)
+    return Report(TITLE, [variance, softmax], claims, [plot], text)
 
 
 def _plot(results: list[dict[str, float]], path: Path) -> None:

@@ -14,7 +14,6 @@ from aiayn.nn.attention import MultiHeadAttention
 from aiayn.tasks import get_task
 from aiayn.viz import save_figure
 
-NAME = "shared-qk"
 TITLE = "One projection for queries and keys"
 QUESTION = "what W_Q = W_K does to the attention pattern (symmetric, self-dominated) and to accuracy"
 
@@ -130,7 +129,7 @@ At initialisation the shared model already attends to itself for
 Separate W_Q and W_K let "what I look for" differ from "what I am". That is an asymmetric relation,
 as most dependencies in language are. One seed, a short budget.
 """
-    return Report(NAME, TITLE, [table], claims, [plot], text)
+    return Report(TITLE, [table], claims, [plot], text)
 
 
 def _plot(results: list[dict], path: Path) -> None:

@@ -17,7 +17,6 @@ from aiayn.nn.attention import scaled_dot_product_attention
 from aiayn.nn.local_attention import local_attention
 from aiayn.viz import save_figure
 
-NAME = "table1"
 TITLE = "Table 1, measured: self-attention, restricted attention, recurrent, convolutional layers"
 QUESTION = "per-layer cost, sequential operations and path length, timed across n and d; where n > d"
 
@@ -38,11 +37,11 @@ def make_layer(kind: str, d: int, radius: int) -> Callable[[Tensor], Tensor]:
     return lambda x: conv(x.transpose(1, 2)).transpose(1, 2)
 
 
-def flops(kind: str, n: int, d: int, radius: int, batch: int = 1) -> int:
-    """FLOPs of one layer's forward: counted by FlopCounterMode (the RNN: 2 products of d x d per step)."""
+def flops(kind: str, n: int, d: int, radius: int) -> int:
+    """FLOPs of one layer's forward, batch 1: counted by FlopCounterMode (the RNN: 2 products of d x d per step)."""
     if kind == "recurrent":
-        return batch * n * 2 * (2 * d * d)  # x_t W_ih and h_{t-1} W_hh, each 2 d² per step
-    x = torch.randn(batch, n, d)
+        return n * 2 * (2 * d * d)  # x_t W_ih and h_{t-1} W_hh, each 2 d² per step
+    x = torch.randn(1, n, d)
     layer = (lambda x: scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], need_weights=True)[0]
              ) if kind == "self-attention" else make_layer(kind, d, radius)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -90,7 +89,7 @@ def run(out_dir: Path, *, quick: bool = False) -> Report:
     _plot(timings, counted, lengths, widths, plot)
     claims = {"timings": timings, "flops": counted, "paths": paths, "crossover": crossover, "radius": radius,
               "lengths": lengths, "widths": widths}
-    return Report(NAME, TITLE, [summary, cross_table, grid], claims, [plot], _text(claims, n_path))
+    return Report(TITLE, [summary, cross_table, grid], claims, [plot], _text(claims, n_path))
 
 
 def _timings(lengths: list[int], widths: list[int], radius: int) -> dict[tuple[str, int, int], float]:

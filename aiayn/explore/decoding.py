@@ -52,13 +52,8 @@ def decode_steps(ex: Explorable, text: str, *, steps: int = 16, top_k: int = 5, 
     c = ex.config
     if ex.kind == "decoder":
         prompt_text = ex.chat(text) if chat and ex.chat is not None else text
-        ids = ex.tokens(prompt_text, "the prompt")
-        room = ex.context - len(ids)
-        if room < 1:
-            raise ExploreInputError(f"the prompt is {len(ids)} tokens and fills the model's context of "
-                                    f"{ex.context}; shorten it")
-        n = min(steps, room)
-        loop = stream_decoder_only(ex.model, torch.tensor([ids], device=ex.device), max_new_tokens=n,
+        ids, room = ex.prompt(prompt_text)
+        loop = stream_decoder_only(ex.model, torch.tensor([ids], device=ex.device), max_new_tokens=min(steps, room),
                                    sampling=sampling, eos_id=ex.eos_id)
         layers = c.n_layers
     else:

@@ -20,7 +20,6 @@ from aiayn.device import model_device, resolve
 
 # Most tokens the explorer shows attention over (a SmolLM2 layer at 256 tokens: 2.4 MB of weights).
 MAX_TOKENS = 256
-KINDS = ("translation", "decoder", "encoder", "task")
 
 _DISPLAY = str.maketrans({"Ġ": "␣", "▁": "␣", " ": "␣", "Ċ": "⏎", "\n": "⏎", "\t": "⇥", "ĉ": "⇥"})
 
@@ -60,11 +59,6 @@ class Explorable:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
-    def an_arch(self) -> str:
-        """'an encoder-only', 'a decoder-only': for messages."""
-        return f"{'an' if self.config.arch[0] in 'aeiou' else 'a'} {self.config.arch}"
-
-    @property
     def device(self) -> torch.device:
         return model_device(self.model)
 
@@ -95,11 +89,21 @@ class Explorable:
             raise ExploreInputError(f"{what} is {len(ids)} tokens; {why}. Shorten it.")
         return ids
 
+    def prompt(self, text: str) -> tuple[list[int], int]:
+        """A decoder's prompt ids and the room left for new tokens (at least 1, else refused)."""
+        ids = self.tokens(text, "the prompt")
+        room = self.context - len(ids)
+        if room < 1:
+            raise ExploreInputError(f"the prompt is {len(ids)} tokens and fills the model's context of "
+                                    f"{self.context}; shorten it")
+        return ids, room
+
     def unavailable(self, view: str) -> str | None:
         """Why the page's ``view`` cannot show this model (None: it can)."""
         generates = self.kind in ("translation", "decoder")
-        return {"generate": None if generates else f"{self.an_arch} model does not generate text",
-                "beam": None if generates else f"{self.an_arch} model does not generate text: no beam search",
+        an_arch = f"{'an' if self.config.arch[0] in 'aeiou' else 'a'} {self.config.arch}"  # "an encoder-only"
+        return {"generate": None if generates else f"{an_arch} model does not generate text",
+                "beam": None if generates else f"{an_arch} model does not generate text: no beam search",
                 "training": None if self.run_dir is not None else
                 "this model was loaded from a file, not trained here: it has no run to show"}.get(view)
 

@@ -103,9 +103,7 @@ def _translation_attention(ex: Explorable, src_ids: list[int], target: str | Non
     src = torch.tensor([src_ids], device=ex.device)  # (1, s)
     note = ""
     if target is not None and target.strip():
-        tgt_ids = ex.tokens(target, "the target", target=True)[:-1]  # without the </s> encode appends
-        if len(tgt_ids) + 1 > ex.limit:
-            raise ExploreInputError(f"the target is {len(tgt_ids) + 1} tokens with <s>; the limit is {ex.limit}")
+        tgt_ids = ex.tokens(target, "the target", target=True)[:-1]  # without </s>: with <s>, within ex.limit
     else:  # the model's own greedy translation
         limit = max_target_lengths(torch.ones_like(src, dtype=torch.bool), max_len_a=1.2, max_len_b=10,
                                    cap=ex.limit - 1)
@@ -143,8 +141,7 @@ def _task_attention(ex: Explorable, text: str, key: str) -> AttentionProbe:
 class ProbeCache:
     """Recent probes by key, at most ``CACHE_BYTES`` of weights; safe across threads."""
 
-    def __init__(self, budget: int = CACHE_BYTES) -> None:
-        self.budget = budget
+    def __init__(self) -> None:
         self._probes: OrderedDict[str, AttentionProbe] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -152,7 +149,7 @@ class ProbeCache:
         with self._lock:
             self._probes[probe.key] = probe
             self._probes.move_to_end(probe.key)
-            while len(self._probes) > 1 and sum(p.nbytes for p in self._probes.values()) > self.budget:
+            while len(self._probes) > 1 and sum(p.nbytes for p in self._probes.values()) > CACHE_BYTES:
                 self._probes.popitem(last=False)
 
     def get(self, key: str) -> AttentionProbe | None:

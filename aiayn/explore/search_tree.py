@@ -17,7 +17,6 @@ from aiayn.generate import (
 )
 
 MAX_BEAM = 8
-MAX_STEPS = 64  # new tokens of a decoder-only model's search
 
 
 @torch.inference_mode()
@@ -36,11 +35,7 @@ def beam_tree(ex: Explorable, text: str, *, beam: int = 4, length_penalty: float
                 ex.model, torch.tensor([ids], device=ex.device), bos_id=ex.bos_id, eos_id=ex.eos_id, beam_size=beam,
                 length_penalty=length_penalty, max_len_a=1.2, max_len_b=10, n_best=beam, trace=trace.append)
     else:
-        ids = ex.tokens(text, "the prompt")
-        room = ex.context - len(ids)
-        if room < 1:
-            raise ExploreInputError(f"the prompt is {len(ids)} tokens and fills the model's context of "
-                                    f"{ex.context}; shorten it")
+        ids, room = ex.prompt(text)
         root = ex.label(ids[-1])
         with ex.lock, autocast(ex.device):
             result = beam_search_decoder_only(
