@@ -68,29 +68,14 @@ def load(source: str | Path, *, checkpoint: str | Path | None = None, device: to
     kind = source_kind(path)
     if checkpoint is not None and kind != "run":
         raise LoadError(f"{path} is not a run directory (it is a {kind}); checkpoint= is for runs")
-    if kind == "gguf":
-        return load_text_model(model_path=path, quantize=quantize, device=device, plain=plain)
-    if kind == "sentence-transformers":
-        refuse_quantize(quantize, path, "a sentence encoder")
-        return load_sentence_encoder(path, device=device)
-    if kind == "hf":
-        return _load_hf(path, quantize=quantize, device=device, plain=plain)
-    return _load_run(path, None if checkpoint is None else Path(checkpoint), quantize=quantize, device=device,
-                     plain=plain)
-
-
-def refuse_quantize(quantize: str, path: Path, what: str) -> None:
-    """A LoadError unless ``quantize`` is "none": a model silently loaded at full precision would mislead."""
-    if quantize != "none":
-        raise LoadError(f"quantize={quantize!r} applies to text models only (a language-model run, a GGUF file, "
-                        f"a Hugging Face decoder-only directory); {path} holds {what}: leave quantize='none'")
-
-
-def _load_hf(path: Path, *, quantize: str, device: torch.device | str | None,
-             plain: bool) -> TextModel | SentenceEncoder | LoadedModel:
-    """A Hugging Face directory by the architecture its config.json converts to."""
-    hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    arch = family_for(hf_config, source=str(path)).to_config(HFConfig(hf_config, str(path))).arch
+    if kind in ("run", "release"):
+        return _load_run(path, None if checkpoint is None else Path(checkpoint), quantize=quantize, device=device,
+                         plain=plain)
+    if kind == "hf":  # by the architecture its config.json converts to
+        hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        arch = family_for(hf_config, source=str(path)).to_config(HFConfig(hf_config, str(path))).arch
+    else:
+        arch = "decoder-only" if kind == "gguf" else "encoder-only"  # a sentence-transformers directory
     if arch == "decoder-only":
         return load_text_model(model_path=path, quantize=quantize, device=device, plain=plain)
     if arch == "encoder-only":
@@ -100,6 +85,13 @@ def _load_hf(path: Path, *, quantize: str, device: torch.device | str | None,
     where = resolve(device)
     model, config = load_hf(path)
     return LoadedModel(for_inference(model, plain=plain, device=where), config)
+
+
+def refuse_quantize(quantize: str, path: Path, what: str) -> None:
+    """A LoadError unless ``quantize`` is "none": a model silently loaded at full precision would mislead."""
+    if quantize != "none":
+        raise LoadError(f"quantize={quantize!r} applies to text models only (a language-model run, a GGUF file, "
+                        f"a Hugging Face decoder-only directory); {path} holds {what}: leave quantize='none'")
 
 
 def _load_run(path: Path, checkpoint: Path | None, *, quantize: str, device: torch.device | str | None,

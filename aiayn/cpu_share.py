@@ -99,10 +99,10 @@ class _ThreadState:
 class CpuShare:
     """The registry of busy aiayn processes, seen from this one (``SHARE``); the arguments are for tests."""
 
-    def __init__(self, folder: Path | None = None, *, clock: Callable[[], float] = time.time, pid: int | None = None) -> None:
+    def __init__(self, folder: Path | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self._folder = folder
         self._clock = clock
-        self.pid = os.getpid() if pid is None else pid
+        self.pid = os.getpid()
         self._file: Path | None = None
         self._lock = threading.Lock()
         self._next_check = 0.0

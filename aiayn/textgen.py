@@ -170,12 +170,10 @@ class StreamStats:
     seconds: float
     # With a compiled decode step: seconds from the second token on (the first step compiles).
     seconds_after_compile: float | None = None
-    # The model's context when generation stopped because it was full (slide=False only).
-    context_full: int | None = None
     # Why it stopped: "length", "eos", "stop", "context" (slide=False) or "complete" (the constraint).
     stop: str = "length"
     slides: int = 0  # times the window slid past the model's context (``aiayn.generate.window``)
-    context: int | None = None  # the model's context, for the summary of the slides
+    context: int | None = None  # the model's context, for the summary
 
     def summary(self) -> str:
         """'N tokens in S s, R tokens/s; stopped: WHY' (and the rate after compiling, the slides)."""
@@ -186,7 +184,7 @@ class StreamStats:
             rate += f"; {(self.tokens - 2) / self.seconds_after_compile:.1f} tokens/s after the compiling step"
         why = {"length": "stopped: the token limit (max new tokens)", "eos": "stopped: the model's end-of-text",
                "stop": "stopped: a stop string", "complete": "stopped: the answer is complete (its grammar ends)",
-               "context": f"stopped: the model's context of {self.context_full} tokens is full"}[self.stop]
+               "context": f"stopped: the model's context of {self.context} tokens is full"}[self.stop]
         if self.slides and self.context is not None:
             times = "once" if self.slides == 1 else f"{self.slides} times"
             why += (f"; the window slid past the {self.context}-token context {times} (each time keeping "
@@ -239,10 +237,9 @@ def stream_text(lm: TextModel, ids: Tensor, *, on_text: Callable[[str], None], m
         on_text(rest)
     end = time.perf_counter()
     after = end - second_token_at if compile and second_token_at is not None else None
-    full = lm.context if cut_by_context and len(produced) == max_new_tokens else None
-    if full:
+    if cut_by_context and len(produced) == max_new_tokens:
         stop = "context"
-    return StreamStats(len(produced), end - start, after, full, stop, slides, lm.context)
+    return StreamStats(len(produced), end - start, after, stop, slides, lm.context)
 
 
 def export_text_model(lm: TextModel, out_dir: Path) -> Path:

@@ -58,7 +58,7 @@ class CharTokenizer:
 
 BPE_SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0, 1, 2, 3 in every BPETokenizer
 # The files a translation run keeps its BPE in: one joint vocabulary, or a source and a target one.
-TOKENIZER_FILE = "tokenizer.json"  # a joint vocabulary (every run before separate ones existed)
+TOKENIZER_FILE = "tokenizer.json"  # a joint vocabulary
 SOURCE_TOKENIZER_FILE, TARGET_TOKENIZER_FILE = "tokenizer.src.json", "tokenizer.tgt.json"
 
 
@@ -123,11 +123,3 @@ class BPETokenizer:
 
     def decode_batch(self, batch: list[list[int]]) -> list[str]:
         return self.tokenizer.decode_batch(batch, skip_special_tokens=True)
-
-    def unknown_characters(self, text: str) -> str:
-        """Characters of ``text`` the vocabulary cannot spell (they would become <unk>)."""
-        import unicodedata
-
-        vocab = self.tokenizer.get_vocab()
-        return "".join(sorted({ch for ch in unicodedata.normalize("NFC", text)
-                               if not ch.isspace() and ch not in vocab}))

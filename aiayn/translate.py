@@ -107,31 +107,28 @@ class Translator:
     @torch.inference_mode()
     def translate_ids(self, sources: list[list[int]], options: DecodeOptions) -> list[list[int]]:
         """Source id lists (each ending in </s>) -> target id lists (without <s> and </s>)."""
-        device = model_device(self.model)
-        with autocast(device):  # bfloat16 on CUDA; nothing on the CPU
-            return self._translate_ids(pad_batch(sources, self.tokenizer.pad_id).to(device), options)
-
-    def _translate_ids(self, src: Tensor, options: DecodeOptions) -> list[list[int]]:
-        """``translate_ids`` on src (b, s), padded, on the model's device."""
         tok = self.tokenizer
+        device = model_device(self.model)
+        src = pad_batch(sources, tok.pad_id).to(device)  # (b, s)
         src_valid = src != tok.pad_id
         # a * source length + b target tokens (</s> included), within the model's maximum (less <s>)
         limits = max_target_lengths(src_valid, max_len_a=options.max_len_a, max_len_b=options.max_len_b,
                                     cap=self.max_len - 1)
-        if options.sampling is not None:
-            tokens = sample_encoder_decoder(self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                                            max_new_tokens=limits, sampling=options.sampling,
-                                            src_valid=src_valid, compile=options.compile)
-            return [self._cut(row) for row in tokens.cpu()]  # one copy back, not one per row
-        if options.beam_size == 1:
-            result = greedy_encoder_decoder(self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                                            max_new_tokens=limits, src_valid=src_valid, compile=options.compile)
-            return [self._cut(row) for row in result.tokens.cpu()]
-        beams = beam_search_encoder_decoder(
-            self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=options.beam_size,
-            length_penalty=options.length_penalty, max_len_a=options.max_len_a,
-            max_len_b=options.max_len_b, src_valid=src_valid, keep_greedy=options.keep_greedy,
-            compile=options.compile)
+        with autocast(device):  # bfloat16 on CUDA; nothing on the CPU
+            if options.sampling is not None:
+                tokens = sample_encoder_decoder(self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                                                max_new_tokens=limits, sampling=options.sampling,
+                                                src_valid=src_valid, compile=options.compile)
+                return [self._cut(row) for row in tokens.cpu()]  # one copy back, not one per row
+            if options.beam_size == 1:
+                result = greedy_encoder_decoder(self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                                                max_new_tokens=limits, src_valid=src_valid, compile=options.compile)
+                return [self._cut(row) for row in result.tokens.cpu()]
+            beams = beam_search_encoder_decoder(
+                self.model, src, bos_id=tok.bos_id, eos_id=tok.eos_id, beam_size=options.beam_size,
+                length_penalty=options.length_penalty, max_len_a=options.max_len_a,
+                max_len_b=options.max_len_b, src_valid=src_valid, keep_greedy=options.keep_greedy,
+                compile=options.compile)
         return [self._cut(torch.tensor(ids, dtype=torch.long)) for ids in beams.token_lists(eos_id=tok.eos_id)]
 
     def _cut(self, row: Tensor) -> list[int]:

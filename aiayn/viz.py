@@ -88,14 +88,13 @@ def plot_pe_dot_products(path: Path | str, *, d_model: int = 128, max_offset: in
     return save_figure(fig, path)
 
 
-def plot_lr_schedules(schedules: dict[str, Callable[[int], float]], total_steps: int,
-                      path: Path | str, *, title: str = "learning-rate schedules") -> Path:
+def plot_lr_schedules(schedules: dict[str, Callable[[int], float]], total_steps: int, path: Path | str) -> Path:
     """Each named schedule (step -> lr) over steps 1..total_steps."""
     steps = list(range(1, total_steps + 1))
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, fn in schedules.items():
         ax.plot(steps, [fn(s) for s in steps], label=name)
-    ax.set(xlabel="step", ylabel="learning rate", title=title)
+    ax.set(xlabel="step", ylabel="learning rate", title="learning-rate schedules")
     ax.legend()
     fig.tight_layout()
     return save_figure(fig, path)

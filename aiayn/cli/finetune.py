@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from aiayn.cli.app import FiniteFloatRange, bad_value, cli, options
+from aiayn.cli.app import FiniteFloatRange, bad_value, check_writable, cli, options
 
 
 def _targets(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
@@ -158,7 +158,6 @@ def adapter_cmd(run_dir: Path, out_dir: Path) -> None:
 def chat_data_cmd(src_path: Path, tgt_path: Path, prompt: str, out_path: Path, limit: int | None) -> None:
     """Write parallel text as chat JSONL (OpenAI's fine-tuning format) for `aiayn train --task chat`:
     one conversation per pair, the user asking --prompt, the assistant answering with the translation."""
-    from aiayn.cli.app import check_writable
     from aiayn.data.parallel import read_parallel
     from aiayn.finetune.chat import conversations_jsonl, translation_conversations
     from aiayn.train.checkpoint import atomic_write_text

@@ -227,8 +227,8 @@ def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batc
         texts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
     empty = [i for i, text in enumerate(texts) if not text.strip()]
     if not texts or empty:
-        where = f"text {empty[0] + 1} of {len(texts)} is empty" if empty else "no texts were given"
-        raise click.BadParameter(f"{where}; every text needs some words", param_hint="TEXTS")
+        problem = f"text {empty[0] + 1} of {len(texts)} is empty" if empty else "no texts were given"
+        raise click.BadParameter(f"{problem}; every text needs some words", param_hint="TEXTS")
     encoder = load_sentence_encoder(model_dir, pooling=pooling, normalize=normalize, device=where)
     vectors = encoder.encode(list(texts), batch_size=batch_size)
     for text, vector in zip(texts, vectors.tolist(), strict=True):

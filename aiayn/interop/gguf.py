@@ -251,9 +251,8 @@ def check_llama_tensors(tensors: Sequence[ReaderTensor], hf_config: dict[str, An
                         f"incomplete or its metadata does not describe it")
     for name, shape in present.items():
         if shape != expected[name]:
-            a = "llama"
-            raise GGUFError(f"{source}: tensor {name} has shape {shape}, but the metadata ({a}.embedding_length="
-                            f"{hf_config['hidden_size']}, {a}.feed_forward_length={hf_config['intermediate_size']}, "
+            raise GGUFError(f"{source}: tensor {name} has shape {shape}, but the metadata (llama.embedding_length="
+                            f"{hf_config['hidden_size']}, llama.feed_forward_length={hf_config['intermediate_size']}, "
                             f"heads {hf_config['num_attention_heads']}/{hf_config['num_key_value_heads']} of width "
                             f"{hf_config['head_dim']}, vocab {hf_config['vocab_size']}) implies {expected[name]}")
 

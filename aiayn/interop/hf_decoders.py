@@ -34,7 +34,7 @@ class LlamaFamily(Family):
         return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
     def to_config(self, hf: HFConfig) -> ModelConfig:
-        kind = hf.model_type
+        kind = hf.need("model_type")  # family_for picked this family by it
         d, n_heads = hf.need("hidden_size"), hf.need("num_attention_heads")
         if hf.get("hidden_act", "silu") not in ("silu", "swish"):
             raise InteropError(f"{hf.source}: hidden_act={hf.get('hidden_act')!r} is not supported "

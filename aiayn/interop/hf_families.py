@@ -30,10 +30,6 @@ class HFConfig:
             raise InteropError(f"{self.source}: config.json has no {key!r}, which this model type needs")
         return self.data[key]
 
-    @property
-    def model_type(self) -> str:
-        return str(self.data.get("model_type", ""))
-
 
 def hf_activation(hf: HFConfig, key: str, default: str) -> str:
     name = hf.get(key, default)
