@@ -324,14 +324,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(out)
 
 
-def ratio_line(label: str, ours: float, peers: dict[str, float], *, higher_is_better: bool = True,
-               target: float | None = None) -> str:
-    """'label: aiayn / best peer (name) = 1.23x (target >= 1.2x: met)'."""
+def ratio_line(label: str, ours: float, peers: dict[str, float], *, target: float | None = None) -> str:
+    """'label: aiayn / best peer (name) = 1.23x (target >= 1.2x: met)', of rates (higher is better)."""
     if not peers:
         return f"{label}: no peer measured"
-    best_name = max(peers, key=peers.get) if higher_is_better else min(peers, key=peers.get)
-    best = peers[best_name]
-    r = ours / best if higher_is_better else best / ours
+    best_name = max(peers, key=peers.get)
+    r = ours / peers[best_name]
     line = f"{label}: aiayn / best peer ({best_name}) = **{r:.2f}x**"
     if target is not None:
         verdict = "met" if r >= target else f"MISSED by {target / r:.2f}x ({r:.2f}x < {target:.2f}x)"
@@ -361,8 +359,8 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(serve_args: Sequence[str], *, port: int, log: Path | None = None, timeout: float = 300.0,
-            stop_timeout: float = 40.0) -> Iterator[subprocess.Popen]:
+def serving(serve_args: Sequence[str], *, port: int, log: Path | None = None,
+            timeout: float = 300.0) -> Iterator[subprocess.Popen]:
     """``python -m aiayn serve --port PORT SERVE_ARGS`` in its own process group, yielded once its
     /health answers 200, stopped on leaving the block; SystemExit with the log's tail if it is not
     healthy within ``timeout`` s. Its output goes to ``log`` (default: a temporary file): a file, not
@@ -387,7 +385,7 @@ def serving(serve_args: Sequence[str], *, port: int, log: Path | None = None, ti
         if proc.poll() is None:  # SIGTERM to its group (the server drains and exits), SIGKILL if it stays
             os.killpg(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(timeout=stop_timeout)
+                proc.wait(timeout=40)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()

@@ -13,7 +13,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -102,10 +101,7 @@ def child(row: str, args: argparse.Namespace) -> dict[str, float]:
 
     first = [step() for _ in range(args.warmup)]
     Path("/proc/self/clear_refs").write_text("5")  # the peak resident set starts again from here
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    seconds = time.perf_counter() - start
+    seconds = sum(common.timings(step, args.steps)[0])
     return {"tokens_per_s": args.steps * args.batch * args.seq_len / seconds, "peak_mib": peak_rss_mib(),
             "trainable": sum(p.numel() for p in trainable), "first_loss": first[0] if first else float("nan")}
 

@@ -22,7 +22,6 @@ import torch
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
-from aiayn.fast import optimize  # noqa: E402
 from aiayn.fast.quantize import lower_precision  # noqa: E402
 from aiayn.interop import load_gguf  # noqa: E402
 from benchmarks import common  # noqa: E402
@@ -39,8 +38,7 @@ LLAMA_RATIOS = (C_WRAPPED, "aiayn q4 compiled", "aiayn q4", "aiayn int8 compiled
 def aiayn_model(path, quantize: str) -> torch.nn.Module:
     """SmolLM2 as ``aiayn generate`` runs it: eval mode, ``optimize(model, "inference")``, then
     ``lower_precision`` ("none", "bf16" or "int8")."""
-    model = optimize(load_gguf(path, tokenizer=False).model.eval(), mode="inference")
-    return lower_precision(model, quantize)
+    return lower_precision(packed_model(path, "none"), quantize)
 
 
 def llama_python_runner(llm, ids: list[int]) -> Callable[[int], list[int]]:

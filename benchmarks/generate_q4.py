@@ -26,7 +26,7 @@ GREEDY = SamplingConfig(temperature=0)
 
 
 def packed_model(path: Path, mode: str = "auto") -> torch.nn.Module:
-    """SmolLM2 as ``aiayn generate --quantize auto|q4`` runs it: packed blocks, then ``optimize``."""
+    """SmolLM2 as ``aiayn generate --quantize MODE`` runs it (auto, q4: packed blocks), then ``optimize``."""
     return optimize(load_gguf(path, quantize=mode, tokenizer=False).model.eval(), mode="inference")
 
 
@@ -80,8 +80,7 @@ def rss_child(mode: str, path: str | None, threads: int) -> None:
     """The measured process of ``peak_memory``: load, prefill 512 tokens, decode 128, print the peak."""
     torch.set_num_threads(threads)
     if mode != "none":
-        model = (packed_model(Path(path), "auto") if mode == "auto" else
-                 optimize(load_gguf(path, tokenizer=False).model.eval(), mode="inference"))
+        model = packed_model(Path(path), "auto" if mode == "auto" else "none")
         generate_decoder_only(model, torch.arange(100, 612)[None], max_new_tokens=128, sampling=GREEDY)
     print(f"peak_rss_mib {peak_rss_mib():.1f}")
 

@@ -60,7 +60,7 @@ class LMSize:
 
 @dataclass(frozen=True)
 class Dropouts:
-    """Dropout of each kind; each peer gets the kinds it has (see ``note``)."""
+    """Dropout of each kind; each peer gets the kinds it has."""
 
     residual: float = 0.0  # sublayer outputs and embeddings
     attention: float = 0.0  # attention weights

@@ -73,8 +73,6 @@ def prompt_sets(pool: list[list[int]], sequential: int, clients: list[int]
                 ) -> tuple[list[list[int]], list[list[int]], dict[int, list[list[int]]]]:
     """``pool`` cut into disjoint sets: an 8-token warm-up, the one-at-a-time run's ``sequential``
     prompts, and ``n`` prompts per client count ``n`` (no run sees a prompt served before)."""
-    if len(pool) != sequential + sum(clients) + 1:
-        raise ValueError(f"{len(pool)} prompts for {sequential} + {sum(clients)} + 1")
     warm_up, rest = [pool[-1][:8]], pool[:-1]
     sets, start = {}, sequential
     for n in clients:
@@ -137,8 +135,8 @@ def serve_args(args: argparse.Namespace, model_path: Path, kv_layout: str = "pag
     return options
 
 
-def hf_static(model_path: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> tuple[Run, float]:
-    """transformers' batched generate over all ``prompts`` at once: (run, seconds for one new token)."""
+def hf_static(model_path: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> Run:
+    """transformers' batched generate over all ``prompts`` at once (its TTFT: the time of one new token)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -151,13 +149,12 @@ def hf_static(model_path: Path, prompts: list[list[int]], new_tokens: int, threa
         return time.perf_counter() - start, time.process_time() - cpu
 
     generate(2)  # warm-up
-    first, _ = generate(1)
-    run = Run(f"transformers static batch of {len(prompts)}")
+    run = Run(f"transformers static batch of {len(prompts)}", ttft=[generate(1)[0]])
     load = os.getloadavg()[0]
     run.wall, run.cpu = generate(new_tokens)
     run.load = (load, os.getloadavg()[0])
     run.tokens = len(prompts) * new_tokens
-    return run, first
+    return run
 
 
 def row(run: Run, clients: int | str, requests: int) -> str:
@@ -227,11 +224,9 @@ def main(argv: list[str] | None = None) -> None:
            "tokens, greedy", args, dtype=weights)
     runs: list[tuple[Run, int | str, int]] = []
     layouts = {layout: serve_layout(args, model_path, layout, prompts, runs) for layout in args.kv_layout}
-    hf = None
-    if not args.no_hf and (loaded := common.load_peer("transformers", hf_static, model_path, prompts[2][top],
-                                                args.new_tokens, args.threads)) is not None:
-        hf, hf_first = loaded
-        hf.ttft = [hf_first]
+    hf = None if args.no_hf else common.load_peer("transformers", hf_static, model_path, prompts[2][top],
+                                                  args.new_tokens, args.threads)
+    if hf is not None:
         runs.append((hf, "static", top))
     print("\n| server | clients | requests | tokens | seconds | tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "
           "| CPU s | tokens / CPU s | load average |")

@@ -118,11 +118,10 @@ class Translator:
         """Sentences per second translated between ``start`` and ``end`` (time.monotonic())."""
         return sum(start < t <= end for t in self.times) / (end - start)
 
-    def rate_alone(self, window: float, *, min_sentences: int = 3) -> float:
-        """B's rate over at least ``window`` seconds and ``min_sentences`` sentences (a slow B, at
-        most 10 windows)."""
+    def rate_alone(self, window: float) -> float:
+        """B's rate over at least ``window`` seconds and 3 sentences (a slow B, at most 10 windows)."""
         start = time.monotonic()
-        while (time.monotonic() - start < window or sum(t > start for t in self.times) < min_sentences) \
+        while (time.monotonic() - start < window or sum(t > start for t in self.times) < 3) \
                 and time.monotonic() - start < 10 * window and self.proc.poll() is None:
             time.sleep(0.05)
         return self.rate(start, time.monotonic())

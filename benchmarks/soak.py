@@ -67,6 +67,15 @@ class Tally:
         """Transport errors the server saw (or that cannot be told apart from one it saw)."""
         return [e for e in self.errors if e.server_saw is not False]
 
+    def read(self, attempt: Attempt, response: httpx.Response) -> None:
+        attempt.status = response.status_code
+        self.answered[attempt.route] += 1
+
+    def lost(self, attempt: Attempt, exc: httpx.TransportError) -> None:
+        """A transport error: counted and reported, told apart once the server's count is read."""
+        attempt.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        self.errors.append(attempt)
+
     def fail(self, what: str) -> None:
         if len(self.failures) < 20:
             self.failures.append(what)
@@ -129,15 +138,6 @@ class Clients:
         CURRENT.set(attempt)
         return attempt
 
-    def answered(self, attempt: Attempt, response: httpx.Response) -> None:
-        attempt.status = response.status_code
-        self.tally.answered[attempt.route] += 1
-
-    def lost(self, attempt: Attempt, exc: httpx.TransportError) -> None:
-        """A transport error: counted and reported, told apart once the server's count is read."""
-        attempt.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
-        self.tally.errors.append(attempt)
-
     def check(self, kind: str, response, *, well_formed: bool) -> None:
         """Count the answer; a breach of the goals becomes a failure line."""
         code = response.status_code
@@ -156,7 +156,7 @@ class Clients:
         try:
             await self._stream(attempt, rng, hang_up=hang_up)
         except httpx.TransportError as exc:
-            self.lost(attempt, exc)
+            self.tally.lost(attempt, exc)
 
     async def _stream(self, attempt: Attempt, rng: random.Random, *, hang_up: bool) -> None:
         kind = attempt.kind
@@ -164,7 +164,7 @@ class Clients:
                 "temperature": 0}
         start = time.monotonic()
         async with self.client.stream("POST", f"{self.url}{COMPLETIONS}", json=body, headers=attempt.headers) as response:
-            self.answered(attempt, response)
+            self.tally.read(attempt, response)
             if response.status_code != 200:
                 await response.aread()
                 self.check(kind, response, well_formed=True)
@@ -194,9 +194,9 @@ class Clients:
             response = await self.client.post(f"{self.url}{route}", headers={**(headers or {}), **attempt.headers},
                                               **body)
         except httpx.TransportError as exc:
-            self.lost(attempt, exc)
+            self.tally.lost(attempt, exc)
             return
-        self.answered(attempt, response)
+        self.tally.read(attempt, response)
         self.check(kind, response, well_formed=kind != "bad")
         if kind == "bad" and "error" not in response.text:
             self.tally.fail(f"bad: an error without an error body: {response.text[:80]!r}")
@@ -297,12 +297,10 @@ async def probe(url: str, args: argparse.Namespace) -> Tally:
                 CURRENT.set(attempt)
                 try:
                     response = await client.get(f"{url}/health", headers=attempt.headers)
-                    attempt.status = response.status_code
-                    tally.answered["/health"] += 1
+                    tally.read(attempt, response)
                     tally.status[("probe", response.status_code)] += 1
                 except httpx.TransportError as exc:
-                    attempt.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
-                    tally.errors.append(attempt)
+                    tally.lost(attempt, exc)
                 end = rng.choice(windows)  # idle until just before or around it (the race is there)
                 await asyncio.sleep(rng.uniform(end - 0.15, end + 0.05))
 

@@ -20,10 +20,8 @@ import httpcore
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from aiayn.serve.server import KEEP_ALIVE_SECONDS
 
-
-def client_keepalive_expiry(server_keep_alive: float = KEEP_ALIVE_SECONDS) -> float:
+def client_keepalive_expiry(server_keep_alive: float) -> float:
     """Seconds a pooled connection may idle before the client gives it up: half the server's
     keep-alive timeout. The two clocks start at different moments and a request waits on both event
     loops (up to a second on a loaded machine), so equal timeouts leave a window where the server
