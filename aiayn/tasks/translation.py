@@ -365,8 +365,8 @@ def check_starting_task(task: TranslationTask, start: TranslationTask) -> None:
     """A ``ConfigError`` where the starting model's languages or vocabulary differ from ``task``'s options."""
     if (start.src_lang, start.tgt_lang) != (task.src_lang, task.tgt_lang):
         raise ConfigError(f"{task.init_from} translates {start.src_lang}->{start.tgt_lang} but the task's languages "
-                          f"are {task.src_lang}->{task.tgt_lang}; give src_lang: {start.src_lang} and tgt_lang: "
-                          f"{start.tgt_lang}")
+                          f"are {task.src_lang}->{task.tgt_lang}; leave the languages out (--src-lang, --tgt-lang; "
+                          f"a recipe's src_lang, tgt_lang) to take {start.src_lang}->{start.tgt_lang} from it")
     if start.vocabulary != task.vocabulary:
         raise ConfigError(f"{task.init_from} has a {start.vocabulary} vocabulary; give vocabulary: {start.vocabulary}")
 

@@ -68,7 +68,8 @@ def test_the_languages_default_to_the_starting_models():
 
 def test_a_starting_model_that_does_not_fit_the_options_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^multi30k-de-en translates de->en but the task's languages are en->de; "
-                                          r"give src_lang: de and tgt_lang: en$"):
+                                          r"leave the languages out \(--src-lang, --tgt-lang; a recipe's src_lang, "
+                                          r"tgt_lang\) to take de->en from it$"):
         get_task("translation", init_from=SHIPPED, src_lang="en", tgt_lang="de").model_config()
     with pytest.raises(ConfigError, match=r"^multi30k-de-en has a joint vocabulary; give vocabulary: joint$"):
         get_task("translation", init_from=SHIPPED, src_lang="de", tgt_lang="en", vocabulary="separate").model_config()
