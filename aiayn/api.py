@@ -62,7 +62,7 @@ def load(source: str | Path, *, checkpoint: str | Path | None = None, device: to
     sentence-transformers directory), ready to use. ``checkpoint``: a run's, instead of its latest;
     ``quantize``: ``aiayn generate``'s ``--quantize``, for text models only (else a LoadError);
     ``plain``: the plain PyTorch modules instead of ``aiayn.fast``'s CPU kernels."""
-    from aiayn.tasks.shipped import resolve_model
+    from aiayn.tasks.trained import resolve_model
 
     path = resolve_model(source)
     kind = source_kind(path)
@@ -97,7 +97,7 @@ def refuse_quantize(quantize: str, path: Path, what: str) -> None:
 def _load_run(path: Path, checkpoint: Path | None, *, quantize: str, device: torch.device | str | None,
               plain: bool) -> Translator | TextModel | LoadedRun:
     """A run or release by its task: translation, a language model, or any other task's run."""
-    from aiayn.tasks.shipped import is_ensemble_release, load_run_or_release
+    from aiayn.tasks.trained import is_ensemble_release, load_run_or_release
 
     where = resolve(device)  # before loading: a missing device fails at once
     if is_ensemble_release(path):  # a shipped ensemble (of translation models): one Translator

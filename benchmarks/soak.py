@@ -383,7 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.keepalive_expiry is not None and not args.keepalive_expiry > 0:
         parser.error(f"--keepalive-expiry must be a positive number of seconds, got {args.keepalive_expiry}")
     if args.model is None and args.run is None:
-        from aiayn.tasks.shipped import shipped_path
+        from aiayn.tasks.trained import shipped_path
 
         args.run = shipped_path("shakespeare-char")
     return args

@@ -24,7 +24,7 @@ import torch
 
 from aiayn.data.parallel import read_parallel, split_paths
 from aiayn.tasks.runs import load_ensemble_translator, load_translator
-from aiayn.tasks.shipped import resolve_model
+from aiayn.tasks.trained import resolve_model
 from aiayn.tasks.translation import corpus_score
 from aiayn.translate import decode_options
 

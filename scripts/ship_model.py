@@ -28,7 +28,8 @@ import argparse
 import json
 from pathlib import Path
 
-from aiayn.tasks.shipped import SHIPPED_DIR, resolve_model, write_ensemble_release, write_release
+from aiayn.tasks.shipped import write_ensemble_release, write_release
+from aiayn.tasks.trained import SHIPPED_DIR, resolve_model
 
 
 def main() -> None:

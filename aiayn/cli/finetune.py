@@ -95,7 +95,7 @@ def merge_cmd(adapter: Path, base: Path | None, out_dir: Path, dtype: str) -> No
     import torch
 
     from aiayn.tasks.runs import RunInputError, load_text_model
-    from aiayn.tasks.shipped import resolve_model
+    from aiayn.tasks.trained import resolve_model
     from aiayn.textgen import TextModelError, export_text_model
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):

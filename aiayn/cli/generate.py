@@ -177,7 +177,7 @@ def resolve_model(run_dir: Path | None, model_path: Path | str | None) -> Path |
     installed) without --run and --model."""
     from aiayn.interop.gguf import smollm2_path
     from aiayn.tasks.runs import RunInputError
-    from aiayn.tasks.shipped import resolve_model as resolve_shipped
+    from aiayn.tasks.trained import resolve_model as resolve_shipped
 
     if model_path is not None:
         with bad_value("--model", RunInputError):
@@ -238,7 +238,7 @@ def embed_cmd(model_dir: Path, pooling: str | None, normalize: bool | None, batc
 @cli.command("models")
 def models_cmd() -> None:
     """List the trained models shipped with aiayn (use them with --model NAME)."""
-    from aiayn.tasks.shipped import shipped_models
+    from aiayn.tasks.trained import shipped_models
 
     models = shipped_models()
     if not models:

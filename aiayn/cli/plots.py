@@ -53,7 +53,7 @@ def plot_attention_cmd(run_dir: Path | None, model_name: str | None, text: str |
     colour scale."""
     from aiayn import viz
     from aiayn.tasks.runs import RunInputError
-    from aiayn.tasks.shipped import load_run_or_release, resolve_model, single_model
+    from aiayn.tasks.trained import load_run_or_release, resolve_model, single_model
 
     one_model(run_dir, model_name, required=True)
     where = place(device, threads)

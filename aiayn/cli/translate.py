@@ -73,7 +73,7 @@ def _translator(device: Any, run_dirs: tuple[Path, ...], model_names: tuple[str,
     length penalty default to the first run's recipe; several models make an ensemble. With --prompt:
     (``PromptTranslator``, None)."""
     from aiayn.tasks.runs import RunInputError, load_ensemble_translator
-    from aiayn.tasks.shipped import DEFAULT_TRANSLATION_MODEL, resolve_model
+    from aiayn.tasks.trained import DEFAULT_TRANSLATION_MODEL, resolve_model
     from aiayn.translate import decode_options
 
     if prompt is not None:

@@ -125,7 +125,7 @@ def load_explorable(run_dir: Path | None = None, model_path: Path | None = None,
     """The model of a run directory or of a file/directory (GGUF, Hugging Face); exactly one."""
     if (run_dir is None) == (model_path is None):
         raise ValueError("load_explorable takes one of run_dir and model_path")
-    from aiayn.tasks.shipped import is_ensemble_release, is_release, single_model
+    from aiayn.tasks.trained import is_ensemble_release, is_release, single_model
 
     where = resolve(device)  # before loading: a missing device fails at once
     if run_dir is None and model_path is not None and (is_release(Path(model_path))
@@ -144,7 +144,7 @@ def load_explorable(run_dir: Path | None = None, model_path: Path | None = None,
 
 
 def _from_run(run_dir: Path) -> Explorable:
-    from aiayn.tasks.shipped import load_run_or_release
+    from aiayn.tasks.trained import load_run_or_release
     from aiayn.tasks.translation import TranslationTask
     from aiayn.tokenizers import CharTokenizer
 

@@ -34,7 +34,7 @@ def run_record(run_dir: Path | None) -> dict[str, Any]:
     if run_dir is None:
         return {"available": False,
                 "reason": "this model was loaded from a file, not trained here: it has no run to show"}
-    from aiayn.tasks.shipped import is_release
+    from aiayn.tasks.trained import is_release
 
     # A shipped model keeps its run's record in record/ (config.json stays beside the weights).
     record = run_dir / "record" if is_release(run_dir) else run_dir

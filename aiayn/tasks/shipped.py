@@ -1,5 +1,5 @@
 """Writing the trained models shipped inside the package (``scripts/ship_model.py``); reading them is
-``aiayn.tasks.trained``'s, re-exported here.
+``aiayn.tasks.trained``'s.
 
 A release, ``aiayn/pretrained/<name>/``, holds ``release.json`` (name, task, source run, dtype, parameters,
 scores), ``config.json``, ``model.safetensors`` (float16 or bfloat16), the run's tokenizer file(s) and
@@ -20,28 +20,20 @@ from safetensors.torch import save_file
 
 from aiayn.tasks.runs import load_ensemble_translator
 from aiayn.tasks.trained import (
-    DEFAULT_TRANSLATION_MODEL,
     RECORD_FILES,
     RELEASE_DTYPES,
     RELEASE_FILE,
-    SHIPPED_DIR,
     TOKENIZER_FILES,
     WEIGHTS_FILE,
     is_ensemble_release,
     is_release,
-    load_release,
     load_run,
-    load_run_or_release,
     release_members,
     resolve_checkpoint,
-    resolve_model,
-    shipped_models,
-    shipped_path,
-    single_model,
 )
 from aiayn.train.checkpoint import atomic_write_text
 
-__all__ = ["DEFAULT_TRANSLATION_MODEL", "MAX_RELEASE_BYTES", "RECORD_FILES", "RELEASE_DTYPES", "RELEASE_FILE", "SHIPPED_DIR", "TOKENIZER_FILES", "WEIGHTS_FILE", "is_ensemble_release", "is_release", "load_release", "load_run", "load_run_or_release", "release_members", "resolve_checkpoint", "resolve_model", "shipped_models", "shipped_path", "single_model", "write_ensemble_release", "write_release"]
+__all__ = ["MAX_RELEASE_BYTES", "write_ensemble_release", "write_release"]
 
 MAX_RELEASE_BYTES = 10 * 2**20  # a shipped model's weights stay under 10 MB (the repository carries them)
 

@@ -236,7 +236,7 @@ def test_run_record_is_the_runs_metrics_and_config(char_run, char_ex, minilm_ex)
 def test_a_shipped_models_run_view_reads_its_record():
     """A shipped model keeps its run's metrics and summary in record/: the training view shows them."""
     from aiayn.explore import load_explorable
-    from aiayn.tasks.shipped import shipped_path
+    from aiayn.tasks.trained import shipped_path
 
     release = shipped_path("shakespeare-char")
     record = client(load_explorable(run_dir=release)).get("/api/run").json()

@@ -26,7 +26,7 @@ import torch
 from aiayn.cli import main
 from aiayn.device import model_device, resolve
 from aiayn.generate import SamplingConfig
-from aiayn.tasks.shipped import shipped_path
+from aiayn.tasks.trained import shipped_path
 
 PROMPT = "ROMEO:"
 SENTENCES = ["A man is riding a bike.", "Two dogs play in the snow."]

@@ -98,7 +98,7 @@ def test_stream_text_names_each_stop_reason():
 
     from aiayn.generate import SamplingConfig
     from aiayn.tasks.runs import load_text_model
-    from aiayn.tasks.shipped import resolve_model
+    from aiayn.tasks.trained import resolve_model
     from aiayn.textgen import stream_text
 
     lm = load_text_model(model_path=resolve_model("shakespeare-char"), device="cpu")

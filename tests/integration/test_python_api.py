@@ -15,7 +15,7 @@ from aiayn.api import Generation, LoadedModel, LoadError, source_kind
 from aiayn.embed import SentenceEncoder
 from aiayn.generate.sampling import SamplingConfig
 from aiayn.tasks.runs import LoadedRun, RunInputError, load_text_model, load_translator
-from aiayn.tasks.shipped import shipped_path
+from aiayn.tasks.trained import shipped_path
 from aiayn.textgen import TextModel, export_text_model, stream_text
 from aiayn.translate import DecodeOptions, Translator
 

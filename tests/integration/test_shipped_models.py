@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from aiayn.tasks.shipped import load_release, shipped_models, shipped_path
+from aiayn.tasks.trained import load_release, shipped_models, shipped_path
 
 # name -> (what is measured, the band it must reach)
 EXPECTED = {

@@ -17,7 +17,8 @@ from torch.testing import assert_close
 
 from aiayn.tasks import shipped, trained
 from aiayn.tasks.runs import RunInputError, load_run
-from aiayn.tasks.shipped import load_release, resolve_model, write_release
+from aiayn.tasks.shipped import write_release
+from aiayn.tasks.trained import load_release, resolve_model
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "old_runs"
 INPUTS = {"copy": lambda: (torch.randint(4, 11, (2, 7)), torch.randint(4, 11, (2, 5))),
@@ -35,7 +36,7 @@ def test_release_computes_what_the_rounded_run_computes(runs: Path, tmp_path: Pa
     out = write_release(runs / name, tmp_path / "release", dtype=dtype)
     release = load_release(out)
     run = load_run(runs / name, prepare=False)
-    low = shipped.RELEASE_DTYPES[dtype]
+    low = trained.RELEASE_DTYPES[dtype]
     with torch.no_grad():
         for p in run.model.parameters():
             p.copy_(p.to(low).float())
@@ -92,7 +93,7 @@ def test_an_interrupted_writes_leftovers_are_cleared_and_never_listed(runs: Path
     shutil.copytree(out, tmp_path / "release.tmp")  # a write stopped before its rename: a release.json inside
     shutil.copytree(out, tmp_path / "release.old")  # a replacement stopped before removing the old one
     monkeypatch.setattr(trained, "SHIPPED_DIR", tmp_path)
-    assert list(shipped.shipped_models()) == ["release"]  # the leftovers are not models
+    assert list(trained.shipped_models()) == ["release"]  # the leftovers are not models
     write_release(runs / "shakespeare", tmp_path / "release")
     assert json.loads((out / "release.json").read_text())["task"] == "shakespeare-char"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["release", "runs"]
@@ -150,7 +151,7 @@ def test_explore_opens_a_release(runs: Path, tmp_path: Path) -> None:
 
 def test_ship_model_script_writes_where_out_says_and_leaves_the_package_alone(runs: Path, tmp_path: Path) -> None:
     """scripts/ship_model.py --out: a run kept as a release outside aiayn/pretrained (a later ensemble's member)."""
-    before = sorted(shipped.shipped_models())
+    before = sorted(trained.shipped_models())
     out = tmp_path / "kept" / "reverse-seed0"
     script = Path(__file__).resolve().parents[2] / "scripts" / "ship_model.py"
     proc = subprocess.run([sys.executable, str(script), "--run", str(runs / "reverse"), "--name", "reverse-seed0",
@@ -159,4 +160,4 @@ def test_ship_model_script_writes_where_out_says_and_leaves_the_package_alone(ru
     assert proc.stdout.startswith(f"wrote {out}: ")
     assert json.loads((out / "release.json").read_text())["name"] == "reverse-seed0"
     assert load_release(out).task.name == "reverse"
-    assert sorted(shipped.shipped_models()) == before  # nothing written into the package
+    assert sorted(trained.shipped_models()) == before  # nothing written into the package

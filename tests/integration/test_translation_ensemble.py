@@ -22,7 +22,7 @@ import pytest
 
 from aiayn.cli import main
 from aiayn.data import data_dir
-from aiayn.tasks.shipped import shipped_path, single_model
+from aiayn.tasks.trained import shipped_path, single_model
 
 MULTI30K = data_dir() / "multi30k"
 SENTENCES = ["A man is riding a bike.", "Two dogs are playing in the snow.", "A girl in a red dress."]
@@ -151,7 +151,7 @@ def test_an_ensemble_release_translates_as_its_members_together(ensemble_release
 
     import aiayn
     from aiayn.generate import Ensemble
-    from aiayn.tasks.shipped import is_ensemble_release, is_release, release_members
+    from aiayn.tasks.trained import is_ensemble_release, is_release, release_members
 
     record = json.loads((ensemble_release / "release.json").read_text())
     assert record["members"] == ["early", "late"] and record["task"] == "translation"
@@ -215,7 +215,8 @@ def test_bad_ensemble_releases_are_refused(ensemble_release: Path, tiny_run: Pat
     import shutil
 
     from aiayn.tasks.runs import RunInputError
-    from aiayn.tasks.shipped import load_run_or_release, write_ensemble_release
+    from aiayn.tasks.shipped import write_ensemble_release
+    from aiayn.tasks.trained import load_run_or_release
 
     step = tiny_run / "checkpoints" / "step-00000002"
     assert_refused(run_main(["translate", "--model", str(ensemble_release), "--checkpoint", str(step), "A man."],
@@ -259,7 +260,8 @@ def test_releases_become_a_shipped_model_or_members_byte_for_byte(ensemble_relea
     import re
     import shutil
 
-    from aiayn.tasks.shipped import release_members, write_ensemble_release, write_release
+    from aiayn.tasks.shipped import write_ensemble_release, write_release
+    from aiayn.tasks.trained import release_members
 
     early, late = release_members(ensemble_release)
     single = write_release(late, tmp_path / "kept", name="kept", extra={"scores": {"val_bleu": 0.5}})

@@ -94,7 +94,7 @@ def test_a_shipped_joint_model_loads_its_one_tokenizer_on_both_sides() -> None:
     """The shipped releases' config.json predates separate vocabularies: joint, tokenizer.json (the
     en->de ensemble's first member, the model shipped alone before it)."""
     from aiayn.tasks.runs import load_translator
-    from aiayn.tasks.shipped import shipped_path, single_model
+    from aiayn.tasks.trained import shipped_path, single_model
 
     task, translator = load_translator(single_model(shipped_path("multi30k-en-de"))[0], device="cpu")
     assert task.vocabulary == "joint" and translator.target_tokenizer is translator.tokenizer

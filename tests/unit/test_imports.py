@@ -140,7 +140,7 @@ def test_the_layer_walk_sees_lazy_and_package_imports():
     assert "aiayn.viz" in MODULES["aiayn.train.trainer"]
     assert "aiayn.nn.attention" in MODULES["aiayn.models.blocks"]
     assert {"aiayn.cli", "aiayn.nn.kv_cache", "aiayn.tasks.runs", "aiayn.explore.app"} <= set(MODULES)
-    assert "aiayn.tasks.shipped" in MODULES["aiayn.explore.models"]  # a lazy import, seen
+    assert "aiayn.tasks.trained" in MODULES["aiayn.explore.models"]  # a lazy import, seen
 
 
 def test_the_task_protocol_is_the_trainers():
