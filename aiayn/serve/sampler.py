@@ -108,7 +108,8 @@ def choose(logits: Tensor, requests: Sequence[Request]) -> list[tuple[int, Chose
             if request.adjustments is None:
                 request.adjustments = RowAdjustments(request.params, request.prompt, logits.shape[-1], logits.device)
             adjusted.append((i, request.adjustments))
-    apply_adjustments(logits, adjusted)
+    if adjusted:  # most steps adjust nothing: skip the index building
+        apply_adjustments(logits, adjusted)
     constraints = [r.constraint for r in requests]
     if any(c is not None for c in constraints):
         with one_thread(logits.device):
