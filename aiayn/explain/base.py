@@ -96,11 +96,14 @@ def timed(fn: Callable[[], Any], *, repeat: int = 5, warmup: int = 1) -> float:
     return statistics.median_high(timeit.repeat(fn, number=1, repeat=repeat))
 
 
+SEED, WARMUP = 0, 20  # every topic's short runs: one initialisation and batch order, 20 warmup steps
+
+
 def train_briefly(task: Task, model: nn.Module, *, steps: int, batch_size: int, lr: float) -> dict[str, float]:
-    """A short training run (seed 0, Adam, 20 warmup steps + cosine, clipping at 1) on the prepared ``task``: the
-    test metrics, the last loss and the seconds per step."""
+    """A short training run (``SEED``, Adam, ``WARMUP`` steps + cosine, clipping at 1) on the prepared ``task``:
+    the test metrics, the last loss and the seconds per step."""
     device = model_device(model)
-    torch.manual_seed(0)
+    torch.manual_seed(SEED)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
     model.train()
     batches: list[Tensor] = []
@@ -108,10 +111,10 @@ def train_briefly(task: Task, model: nn.Module, *, steps: int, batch_size: int, 
     start = time.perf_counter()
     for step in range(1, steps + 1):
         if not batches:
-            batches = task.train_batches(epoch, batch_size, 0)
+            batches = task.train_batches(epoch, batch_size, SEED)
             epoch += 1
         for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, peak=lr, warmup=20, total=steps)
+            group["lr"] = cosine_lr(step, peak=lr, warmup=WARMUP, total=steps)
         out, targets = task.forward(model, to_device(task.collate("train", batches.pop(0)), device))
         loss = sequence_loss(out, targets).loss
         optimizer.zero_grad(set_to_none=True)
